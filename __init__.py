@@ -1,0 +1,12 @@
+"""meshkit: device meshes, process groups and data-parallel training for NumPy and CuPy.
+
+The public API is re-exported here; see ``meshkit.comm``, ``meshkit.mesh`` and
+``meshkit.parallel`` for the pieces.
+"""
+
+from .comm import *  # noqa: F401,F403
+from .comm import __all__ as _comm_all
+
+__version__ = "0.1.0"
+
+__all__ = [*_comm_all]

@@ -1,0 +1,97 @@
+"""Argument checks shared by every engine: cheap on success, specific on failure.
+
+Messages follow one form: ``meshkit.comm: rank R: OP: ARG ...: what is wrong; what is valid``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+from .errors import DistTypeError, DistValueError
+
+if TYPE_CHECKING:
+    from .group import ProcessGroup
+
+__all__ = ["where", "check_array", "check_like", "check_list", "check_root", "check_split_sizes"]
+
+# Dtype kinds a buffer collective moves: bool, signed/unsigned integers, floats, complex.
+_KINDS = "biufc"
+
+
+def where(group: ProcessGroup, op: str) -> str:
+    return f"meshkit.comm: rank {group.global_rank}: {op}"
+
+
+def is_array(x: Any) -> bool:
+    return isinstance(x, np.ndarray)
+
+
+def check_array(group: ProcessGroup, op: str, arg: str, x: Any, *, writable: bool = True) -> None:
+    """A C-contiguous NumPy array of a numeric or bool dtype (writable when it is an output)."""
+    if not isinstance(x, np.ndarray):
+        raise DistTypeError(f"{where(group, op)}: {arg} must be a numpy.ndarray, got {type(x).__name__}")
+    if x.dtype.kind not in _KINDS:
+        raise DistTypeError(f"{where(group, op)}: {arg} has dtype {x.dtype}, which cannot be communicated; "
+                            "valid dtypes are bool, integers, floats and complex")
+    if not x.flags.c_contiguous:
+        raise DistValueError(
+            f"{where(group, op)}: {arg} is not C-contiguous (shape {x.shape}, strides {x.strides}); "
+            f"pass np.ascontiguousarray({arg}) or a contiguous buffer")
+    if writable and not x.flags.writeable:
+        raise DistValueError(f"{where(group, op)}: {arg} is read-only but is written by {op}")
+
+
+def check_like(group: ProcessGroup, op: str, arg: str, x: np.ndarray, ref: np.ndarray, ref_arg: str,
+               *, size: int | None = None, shape: tuple[int, ...] | None = None) -> None:
+    """``x`` has ``ref``'s dtype and the expected ``size`` (elements) or ``shape``."""
+    if x.dtype != ref.dtype:
+        raise DistTypeError(f"{where(group, op)}: {arg} has dtype {x.dtype} but {ref_arg} has dtype "
+                            f"{ref.dtype}; they must match")
+    if shape is not None and x.shape != shape:
+        raise DistValueError(f"{where(group, op)}: {arg} has shape {x.shape}, expected {shape}")
+    if size is not None and x.size != size:
+        raise DistValueError(f"{where(group, op)}: {arg} has {x.size} elements (shape {x.shape}), "
+                             f"expected {size}")
+
+
+def check_list(group: ProcessGroup, op: str, arg: str, xs: Any, ref: np.ndarray, ref_arg: str,
+               *, writable: bool, same_shape: bool = True) -> list[np.ndarray]:
+    """A list of ``group.size`` arrays, each like ``ref`` (same dtype; same shape if asked)."""
+    if not isinstance(xs, (list, tuple)):
+        raise DistTypeError(f"{where(group, op)}: {arg} must be a list of {group.size} arrays, "
+                            f"got {type(xs).__name__}")
+    if len(xs) != group.size:
+        raise DistValueError(f"{where(group, op)}: {arg} has {len(xs)} arrays, expected one per rank of "
+                             f"the group ({group.size})")
+    for i, x in enumerate(xs):
+        check_array(group, op, f"{arg}[{i}]", x, writable=writable)
+        check_like(group, op, f"{arg}[{i}]", x, ref, ref_arg, shape=ref.shape if same_shape else None)
+    return list(xs)
+
+
+def check_root(group: ProcessGroup, op: str, arg: str, group_rank: int) -> int:
+    """A group rank in range (the caller translated a global rank already)."""
+    if not isinstance(group_rank, (int, np.integer)) or isinstance(group_rank, bool):
+        raise DistTypeError(f"{where(group, op)}: {arg} must be an int rank, got {group_rank!r}")
+    if not 0 <= group_rank < group.size:
+        raise DistValueError(f"{where(group, op)}: {arg}={group_rank} is out of range for group "
+                             f"{group.name} of size {group.size} (valid: 0..{group.size - 1})")
+    return int(group_rank)
+
+
+def check_split_sizes(group: ProcessGroup, op: str, arg: str, splits: Sequence[int] | None,
+                      rows: int) -> list[int]:
+    """Split sizes along dim 0: one per rank, non-negative, summing to ``rows``."""
+    n = group.size
+    if splits is None:
+        if rows % n:
+            raise DistValueError(f"{where(group, op)}: dim 0 of length {rows} does not divide into "
+                                 f"{n} equal parts; pass {arg}")
+        return [rows // n] * n
+    splits = [int(s) for s in splits]
+    if len(splits) != n or any(s < 0 for s in splits) or sum(splits) != rows:
+        raise DistValueError(f"{where(group, op)}: {arg}={splits} must hold {n} non-negative sizes "
+                             f"summing to dim 0 of the array ({rows})")
+    return splits

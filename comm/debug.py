@@ -1,0 +1,149 @@
+"""Debugging aids: the debug level, call fingerprints and the flight recorder.
+
+``MESHKIT_DEBUG=detail`` makes every collective first check, through a monitored exchange,
+that all ranks of the group called the same operation with the same shapes, dtypes, op and
+root; a mismatch raises :class:`~meshkit.comm.errors.CollectiveMismatchError` on every rank
+instead of hanging or corrupting data, and a rank that never arrives is named.
+
+The flight recorder keeps each rank's last 64 operations (as torch's NCCL flight recorder
+does); it is logged on a timeout or a mismatch and readable with :func:`flight_record`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import os
+import time
+from typing import Any
+
+__all__ = [
+    "DebugLevel",
+    "debug_level_from_env",
+    "Call",
+    "CollectiveRecord",
+    "FlightRecorder",
+    "flight_record",
+    "format_flight_record",
+    "RECORDER_SIZE",
+]
+
+#: Entries the flight recorder keeps per rank (torch's TORCH_NCCL_TRACE_BUFFER_SIZE analogue).
+RECORDER_SIZE = 64
+
+
+class DebugLevel(enum.IntEnum):
+    """``MESHKIT_DEBUG``: OFF (default), INFO (log group creation), DETAIL (check every call)."""
+
+    OFF = 0
+    INFO = 1
+    DETAIL = 2
+
+
+def debug_level_from_env() -> DebugLevel:
+    """Read ``MESHKIT_DEBUG`` (off | info | detail, case-insensitive)."""
+    raw = os.environ.get("MESHKIT_DEBUG", "off").strip().upper() or "OFF"
+    try:
+        return DebugLevel[raw]
+    except KeyError:
+        valid = [level.name.lower() for level in DebugLevel]
+        raise ValueError(f"meshkit: MESHKIT_DEBUG={raw.lower()!r} is not valid; use one of {valid}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """What one rank called: compared across the group in detail mode.
+
+    ``shape`` is the part every rank must agree on (None where shapes may differ);
+    ``counts`` carries per-peer element counts of all_to_all, checked pairwise.
+    """
+
+    op: str
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+    reduce_op: str | None = None
+    root: int | None = None
+    counts: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+
+    def __str__(self) -> str:
+        parts = []
+        if self.shape is not None:
+            parts.append(f"shape={self.shape}")
+        if self.dtype is not None:
+            parts.append(f"dtype={self.dtype}")
+        if self.reduce_op is not None:
+            parts.append(f"op={self.reduce_op}")
+        if self.root is not None:
+            parts.append(f"root={self.root}")
+        if self.counts is not None:
+            parts.append(f"send_counts={list(self.counts[0])}, recv_counts={list(self.counts[1])}")
+        return f"{self.op}({', '.join(parts)})"
+
+    def agrees(self, others: list[Call]) -> bool:
+        """True when every rank's call is compatible with this one (``others`` in rank order)."""
+        strip = dataclasses.replace(self, counts=None)
+        if any(dataclasses.replace(o, counts=None) != strip for o in others):
+            return False
+        if self.counts is None:
+            return True
+        # all_to_all: what rank i sends to j must be what j expects from i.
+        return all(others[i].counts[0][j] == others[j].counts[1][i]
+                   for i in range(len(others)) for j in range(len(others)))
+
+
+@dataclasses.dataclass
+class CollectiveRecord:
+    """One flight-recorder entry. ``state``: scheduled, started, completed, failed, timed_out."""
+
+    seq: int
+    group: str
+    op: str
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: str | None
+    state: str = "scheduled"
+    t_scheduled: float = dataclasses.field(default_factory=time.time)
+    t_start: float | None = None
+    t_end: float | None = None
+    error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class FlightRecorder:
+    """The last :data:`RECORDER_SIZE` operations of one rank, oldest first."""
+
+    def __init__(self, size: int = RECORDER_SIZE) -> None:
+        self._entries: collections.deque[CollectiveRecord] = collections.deque(maxlen=size)
+
+    def record(self, seq: int, group: str, op: str, shapes: tuple[tuple[int, ...], ...],
+               dtype: str | None) -> CollectiveRecord:
+        entry = CollectiveRecord(seq, group, op, shapes, dtype)
+        self._entries.append(entry)
+        return entry
+
+    def entries(self) -> list[dict[str, Any]]:
+        return [e.as_dict() for e in list(self._entries)]
+
+    def format(self, rank: int) -> str:
+        lines = [f"meshkit flight recorder, rank {rank}, last {len(self._entries)} operations:"]
+        for e in list(self._entries):
+            took = "" if e.t_end is None or e.t_start is None else f" {1e3 * (e.t_end - e.t_start):.3f} ms"
+            err = f" error={e.error}" if e.error else ""
+            lines.append(f"  #{e.seq:<6} {e.group:<24} {e.op:<22} {e.state:<10} shapes={list(e.shapes)}"
+                         f" dtype={e.dtype}{took}{err}")
+        return "\n".join(lines)
+
+
+def flight_record() -> list[dict[str, Any]]:
+    """This rank's last operations as dicts (seq, group, op, shapes, dtype, state, times, error)."""
+    from .world import current_world
+    return current_world().recorder.entries()
+
+
+def format_flight_record() -> str:
+    """This rank's flight record as readable text (what is logged on a timeout or mismatch)."""
+    from .world import current_world
+    world = current_world()
+    return world.recorder.format(world.rank)

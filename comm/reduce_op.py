@@ -1,0 +1,110 @@
+"""Reduction operations, which dtypes each accepts, and their NumPy reference.
+
+The dtype rules follow torch.distributed: ``AVG`` needs a floating-point or complex dtype,
+complex numbers only sum or average, booleans reduce with MIN/MAX/BAND/BOR/BXOR (MIN is a
+logical and, MAX a logical or), and the bitwise ops need integers or booleans.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Callable
+
+import numpy as np
+
+from .errors import DistTypeError
+
+__all__ = ["ReduceOp", "check_op_dtype", "reduce_arrays", "combine_into"]
+
+
+class ReduceOp(enum.Enum):
+    """How a reducing collective combines the ranks' arrays."""
+
+    SUM = "sum"
+    AVG = "avg"
+    PRODUCT = "product"
+    MIN = "min"
+    MAX = "max"
+    BAND = "band"
+    BOR = "bor"
+    BXOR = "bxor"
+
+    def __repr__(self) -> str:
+        return f"ReduceOp.{self.name}"
+
+
+_BOOL_OPS = frozenset({ReduceOp.MIN, ReduceOp.MAX, ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
+_INT_OPS = frozenset(ReduceOp) - {ReduceOp.AVG}
+_FLOAT_OPS = frozenset({ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX})
+_COMPLEX_OPS = frozenset({ReduceOp.SUM, ReduceOp.AVG})
+
+
+def _valid_ops(dtype: np.dtype) -> frozenset[ReduceOp]:
+    kind = dtype.kind
+    if kind == "b":
+        return _BOOL_OPS
+    if kind in "iu":
+        return _INT_OPS
+    if kind == "f" or dtype.name == "bfloat16":
+        return _FLOAT_OPS
+    if kind == "c":
+        return _COMPLEX_OPS
+    return frozenset()
+
+
+def check_op_dtype(op: object, dtype: np.dtype, where: Callable[[], str]) -> ReduceOp:
+    """Return ``op`` as a ReduceOp, or raise naming the op, the dtype and what is valid.
+
+    Args:
+        op: a ReduceOp (its name as a string is accepted too, e.g. ``"sum"``).
+        dtype: the dtype the reduction runs on.
+        where: builds the message prefix, e.g. ``"meshkit.comm: rank 0: all_reduce"`` (called
+            only on failure, to keep the success path cheap).
+    """
+    if op.__class__ is not ReduceOp:
+        try:
+            op = ReduceOp[str(op).upper()]
+        except KeyError:
+            valid = [o.name for o in ReduceOp]
+            raise DistTypeError(f"{where()}: op={op!r} is not a ReduceOp; valid ops are {valid}") from None
+    valid_ops = _valid_ops(dtype)
+    if op not in valid_ops:
+        names = sorted(o.name for o in valid_ops)
+        raise DistTypeError(
+            f"{where()}: ReduceOp.{op.name} is not defined for dtype {dtype}; "
+            f"valid ops for this dtype are {names}")
+    return op
+
+
+def reduce_arrays(op: ReduceOp, arrays: list[np.ndarray]) -> np.ndarray:
+    """Combine arrays elementwise with ``op`` in rank order (the reference for every engine).
+
+    AVG sums in rank order and divides once by the count, as the engines do.
+    """
+    out = np.array(arrays[0], copy=True)
+    for a in arrays[1:]:
+        combine_into(op, out, a)
+    if op is ReduceOp.AVG:
+        out /= len(arrays)
+    return out
+
+
+def combine_into(op: ReduceOp, acc: np.ndarray, other: np.ndarray) -> None:
+    """``acc = acc (op) other`` in place; AVG combines as SUM (the caller divides)."""
+    if op in (ReduceOp.SUM, ReduceOp.AVG):
+        if acc.dtype.kind == "b":
+            np.logical_or(acc, other, out=acc)
+        else:
+            np.add(acc, other, out=acc)
+    elif op is ReduceOp.PRODUCT:
+        np.multiply(acc, other, out=acc)
+    elif op is ReduceOp.MIN:
+        np.minimum(acc, other, out=acc)
+    elif op is ReduceOp.MAX:
+        np.maximum(acc, other, out=acc)
+    elif op is ReduceOp.BAND:
+        np.bitwise_and(acc, other, out=acc)
+    elif op is ReduceOp.BOR:
+        np.bitwise_or(acc, other, out=acc)
+    else:
+        np.bitwise_xor(acc, other, out=acc)
