@@ -21,7 +21,7 @@ __all__ = ["broadcast_object_list", "all_gather_object", "gather_object", "scatt
 
 
 def _dump(obj: Any) -> np.ndarray:
-    return np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+    return np.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=np.uint8)
 
 
 def _load(buf: np.ndarray) -> Any:

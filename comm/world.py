@@ -58,7 +58,7 @@ class World:
     rank: int = -1
     size: int = 0
     default_group: ProcessGroup | None = None
-    #: groups this rank belongs to, by rank set: the same ranks never get a second communicator
+    #: groups by rank set (non-member handles too): the same ranks never get a second communicator
     groups: dict[frozenset[int], ProcessGroup] = dataclasses.field(default_factory=dict)
     #: group-creating collective splits so far (tests and benchmarks count construction cost)
     split_count: int = 0
@@ -260,8 +260,11 @@ def new_group(ranks: Sequence[int] | None = None, *, timeout: float | datetime.t
     limit = None if timeout is None else _resolve_timeout(timeout)
     assert world.default_group is not None
     group = create_groups(world.default_group, [members], name=label, timeout=limit)
-    if group is None:
-        return ProcessGroup(world=world, ranks=members, group_rank=-1, name=label, timeout=world.timeout)
+    if group is None:  # a non-member handle, cached like a group so that it is the same object
+        group = world.groups.get(frozenset(members))
+        if group is None:
+            group = ProcessGroup(world=world, ranks=members, group_rank=-1, name=label, timeout=world.timeout)
+            world.groups[frozenset(members)] = group
     return group
 
 

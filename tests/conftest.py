@@ -1,0 +1,29 @@
+"""Shared fixtures: run a script on real processes through meshkit-run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def launch(script: str, n: int, *args: str, timeout: float = 120, env: dict[str, str] | None = None,
+           check: bool = True) -> subprocess.CompletedProcess:
+    """``meshkit-run -n N tests/scripts/SCRIPT ARGS``; output captured; asserts exit 0 if ``check``."""
+    full_env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), **(env or {})}
+    cmd = [sys.executable, "-m", "meshkit.comm.launch", "-n", str(n), "--timeout", str(int(timeout)),
+           str(SCRIPTS / script), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 30, env=full_env)
+    if check and proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture
+def mpirun():
+    return launch
