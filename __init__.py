@@ -6,7 +6,8 @@ The public API is re-exported here; see ``meshkit.comm``, ``meshkit.mesh`` and
 
 from .comm import *  # noqa: F401,F403
 from .comm import __all__ as _comm_all
+from .mesh import DeviceMesh, ParallelDims, init_device_mesh
 
 __version__ = "0.1.0"
 
-__all__ = [*_comm_all]
+__all__ = [*_comm_all, "DeviceMesh", "init_device_mesh", "ParallelDims"]

@@ -11,6 +11,7 @@ implement the ``_e_*`` methods: blocking steps on already-checked arrays that gi
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -370,6 +371,10 @@ class ProcessGroup:
         self.world.split_count += 1
         return self._launch("split", lambda d: self._e_split(color, tuple(ranks), name, d), False, (), None,
                             self._call("split", None))
+
+    def host_name(self) -> str:
+        """The name of the host this rank runs on (MPI's processor name on the mpi engine)."""
+        return socket.gethostname()
 
     # ----------------------------------------------------------------- point to point
     def isend(self, tensor: np.ndarray, dst: int, tag: int = 0) -> Work:

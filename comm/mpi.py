@@ -260,6 +260,9 @@ class MPIGroup(ProcessGroup):
         source = MPI.ANY_SOURCE if src is None else src
         return _MPIHandle(self.comm.Irecv([buf, _datatype(buf.dtype)[0]], source, tag), MPI.Status())
 
+    def host_name(self) -> str:
+        return MPI.Get_processor_name()
+
     def _e_free(self) -> None:
         if self.comm != MPI.COMM_NULL and self._failure is None:
             self.comm.Free()

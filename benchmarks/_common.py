@@ -1,0 +1,315 @@
+"""Helpers shared by meshkit's benchmarks: sizes, timing, progress, output, JSON and plots.
+
+A benchmark script imports this module by name (``from _common import ...``): Python puts the
+script's own folder first on ``sys.path``, so it works under ``python``, ``mpiexec`` and
+``meshkit-run`` from any working directory. Nothing here imports meshkit, so a benchmark can
+time raw mpi4py with the same code; mpi4py is imported lazily by the functions that talk
+to other ranks, and matplotlib only by :func:`require_pyplot`.
+
+Timing rules every benchmark follows (see ``collectives.py`` for the whole protocol):
+
+* a barrier before each timed block, so that no rank starts while another is still busy;
+* the time of one call is the MAX over ranks of each rank's per-call average (a collective
+  is as slow as its slowest rank);
+* repeated rounds, reported as the median, which rejects the bursts of noise of a shared
+  machine (a 2-core CI runner running 4 ranks is oversubscribed by design).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import importlib.metadata
+import io
+import json
+import logging
+import math
+import platform
+import re
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+__all__ = [
+    "LOG",
+    "parse_size",
+    "format_size",
+    "size_sweep",
+    "setup_logging",
+    "parse_args_rank0",
+    "print0",
+    "Progress",
+    "time_calls",
+    "max_over_ranks",
+    "calibrate_iters",
+    "median",
+    "run_metadata",
+    "write_json",
+    "require_pyplot",
+    "log2_size_axis",
+]
+
+#: The benchmarks' logger (a child of meshkit's, so ``logging.getLogger("meshkit")`` sees it).
+LOG = logging.getLogger("meshkit.bench")
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
+
+
+# --------------------------------------------------------------------------- sizes
+def parse_size(text: str) -> int:
+    """Bytes of a size written as ``8``, ``64K``, ``64M``, ``1G`` (binary multiples, as nccl-tests).
+
+    A trailing ``B`` or ``iB`` is accepted (``64KB``, ``64KiB``); case does not matter.
+
+    Raises:
+        argparse.ArgumentTypeError: not a size (so argparse reports it as a usage error).
+    """
+    match = _SIZE_RE.match(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"invalid size {text!r}; write bytes as an integer with an optional K, M, G or T suffix "
+            "(binary multiples), e.g. 8, 64K, 64M")
+    return int(match.group(1)) * _UNITS[match.group(2).upper()]
+
+
+def format_size(nbytes: int) -> str:
+    """The shortest exact form of ``nbytes``: ``8``, ``64K``, ``1M``; ``1536`` stays ``1536``."""
+    for suffix in ("T", "G", "M", "K"):
+        unit = _UNITS[suffix]
+        if nbytes >= unit and nbytes % unit == 0:
+            return f"{nbytes // unit}{suffix}"
+    return str(nbytes)
+
+
+def size_sweep(min_bytes: int, max_bytes: int, factor: float = 2.0, *, multiple: int = 1) -> list[int]:
+    """Sizes from ``min_bytes`` to ``max_bytes`` (both included), each ``factor`` times the last.
+
+    Every size is rounded up to a multiple of ``multiple`` (e.g. ranks x itemsize, so that a
+    buffer splits into one whole-element chunk per rank); sizes that round to the same value
+    appear once.
+
+    Raises:
+        ValueError: ``min_bytes`` > ``max_bytes``, a non-positive size or ``factor`` <= 1.
+    """
+    if min_bytes <= 0 or max_bytes <= 0:
+        raise ValueError(f"sizes must be positive, got min {min_bytes} and max {max_bytes}")
+    if min_bytes > max_bytes:
+        raise ValueError(f"min size {format_size(min_bytes)} is larger than max size {format_size(max_bytes)}")
+    if not factor > 1:
+        raise ValueError(f"step factor must be > 1, got {factor}")
+    raw = []
+    size = float(min_bytes)
+    while size <= max_bytes * (1 + 1e-9):
+        raw.append(round(size))
+        size *= factor
+    if raw[-1] != max_bytes:
+        raw.append(max_bytes)
+    rounded = (-(-s // multiple) * multiple for s in raw)
+    return sorted(set(rounded))
+
+
+# --------------------------------------------------------------------------- output
+def setup_logging(rank: int, verbose: bool = False) -> None:
+    """INFO (DEBUG when ``verbose``) on rank 0, warnings only elsewhere, to stderr with the rank."""
+    level = logging.DEBUG if verbose else logging.INFO
+    logging.basicConfig(level=level if rank == 0 else logging.WARNING,
+                        format=f"[rank {rank}] %(name)s %(levelname)s: %(message)s", stream=sys.stderr)
+
+
+def parse_args_rank0(parser: argparse.ArgumentParser, rank: int,
+                     argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """``parser.parse_args`` on every rank, with ``--help`` and usage errors printed by rank 0 only.
+
+    Every rank parses the same command line, so every rank reaches the same verdict and exits
+    together; only the text is silenced elsewhere.
+    """
+    if rank == 0:
+        return parser.parse_args(argv)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return parser.parse_args(argv)
+
+
+def print0(rank: int, *args: Any, **kwargs: Any) -> None:
+    """``print`` on rank 0 only, flushed (mpiexec forwards output in chunks)."""
+    if rank == 0:
+        print(*args, **kwargs, flush=True)
+
+
+class Progress:
+    """A tqdm bar on rank 0 when tqdm is installed, else one log line per group of steps.
+
+    ``write`` prints a line to stdout without breaking the bar. Other ranks show nothing.
+
+    Example::
+
+        with Progress(total=10, enabled=rank == 0) as progress:
+            progress.start_group("all_reduce")   # logged when tqdm is missing
+            progress.step("64K")                  # advances the bar by one
+    """
+
+    def __init__(self, total: int, *, enabled: bool, unit: str = "step") -> None:
+        self._enabled = enabled
+        self._bar: Any = None
+        self._done = 0
+        self._total = total
+        if not enabled:
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            LOG.info("tqdm is not installed (pip install tqdm, or meshkit[bench]): logging progress instead")
+            return
+        self._bar = tqdm(total=total, unit=unit, dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start_group(self, name: str) -> None:
+        """A new group of steps begins (e.g. one op's size sweep)."""
+        if not self._enabled:
+            return
+        if self._bar is not None:
+            self._bar.set_description(name)
+        else:
+            LOG.info("%s (%d/%d steps done)", name, self._done, self._total)
+
+    def step(self, label: str = "") -> None:
+        """One step finished; ``label`` (e.g. the size) is shown beside the bar."""
+        self._done += 1
+        if self._bar is not None:
+            self._bar.set_postfix_str(label, refresh=False)
+            self._bar.update(1)
+
+    def write(self, line: str) -> None:
+        """Print ``line`` to stdout (rank 0 only), above the bar when there is one."""
+        if not self._enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(line, file=sys.stdout)
+            sys.stdout.flush()
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+# --------------------------------------------------------------------------- timing
+def time_calls(fn: Callable[[], object], iters: int) -> float:
+    """Seconds per call of ``fn``, averaged over ``iters`` back-to-back calls on this rank."""
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - start) / iters
+
+
+def max_over_ranks(comm: MPI.Comm, values: Sequence[float]) -> list[float]:
+    """Elementwise MAX over the ranks of ``comm`` of a list of floats (one Allreduce)."""
+    import numpy as np
+    from mpi4py import MPI
+    buf = np.asarray(values, dtype=np.float64)
+    comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
+    return buf.tolist()
+
+
+def calibrate_iters(fn: Callable[[], object], comm: MPI.Comm, *, budget_s: float, min_iters: int,
+                    max_iters: int = 1 << 20, probe_s: float = 0.01) -> int:
+    """Iterations of ``fn`` that take about ``budget_s`` seconds, the same number on every rank.
+
+    ``fn`` is a collective: it is timed in growing batches (1, 8, 64, ... calls) until a batch
+    lasts ``probe_s`` on the slowest rank. Each decision uses the MAX over ranks, so every rank
+    takes the same branch and calls ``fn`` equally often.
+    """
+    fn()  # first call: page faults, lazy setup
+    batch = 1
+    while True:
+        comm.Barrier()
+        per_call = max_over_ranks(comm, [time_calls(fn, batch)])[0]
+        if per_call * batch >= probe_s or batch >= max_iters:
+            break
+        batch *= 8
+    return max(min_iters, min(max_iters, math.ceil(budget_s / max(per_call, 1e-9))))
+
+
+def median(values: Iterable[float]) -> float:
+    return statistics.median(values)
+
+
+# --------------------------------------------------------------------------- results
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def run_metadata(comm: MPI.Comm, **extra: Any) -> dict[str, Any]:
+    """What a result depends on: world size, MPI library, host, package versions, date, argv."""
+    from mpi4py import MPI
+    library = MPI.Get_library_version().strip().splitlines()
+    return {
+        "world_size": comm.Get_size(),
+        "mpi_library": library[0].strip() if library else "",
+        "mpi_version": "{}.{}".format(*MPI.Get_version()),
+        "hostname": socket.gethostname(),
+        "python": platform.python_version(),
+        "numpy": _version("numpy"),
+        "mpi4py": _version("mpi4py"),
+        "meshkit": _version("meshkit"),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "argv": sys.argv,
+        **extra,
+    }
+
+
+def write_json(path: Path, metadata: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """Write ``{"metadata": ..., "rows": [...]}`` to ``path``, creating its folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        json.dump({"metadata": metadata, "rows": rows}, f, indent=1)
+        f.write("\n")
+
+
+# --------------------------------------------------------------------------- plots
+def require_pyplot() -> ModuleType:
+    """``matplotlib.pyplot`` on the non-interactive Agg backend.
+
+    Raises:
+        SystemExit: matplotlib is not installed (with the command that installs it).
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("meshkit.bench: --plot needs matplotlib, which is not installed; "
+                         "run `pip install matplotlib` (or `pip install meshkit[bench]`)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def log2_size_axis(ax: Any, sizes: Sequence[int], max_ticks: int = 9) -> None:
+    """Make ``ax``'s x axis a log2 axis over ``sizes`` (bytes), labelled 8, 1K, 64K, 1M, ...
+
+    Ticks sit on powers of two, every 1, 2, 3 ... doublings so that at most ``max_ticks`` show.
+    """
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+    ax.set_xscale("log", base=2)
+    lo, hi = math.floor(math.log2(min(sizes))), math.ceil(math.log2(max(sizes)))
+    step = max(1, math.ceil((hi - lo + 1) / max_ticks))
+    ax.xaxis.set_major_locator(FixedLocator([2.0 ** e for e in range(lo, hi + 1, step)]))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: format_size(round(x)) if x >= 1 else ""))

@@ -1,0 +1,619 @@
+"""Collective bandwidth and latency, nccl-tests style: meshkit side by side with raw mpi4py (and gloo).
+
+Run it by hand (it is a measurement, not a test; nothing here asserts on timings)::
+
+    mpiexec -n 4 python benchmarks/collectives.py
+    mpiexec -n 4 python benchmarks/collectives.py --ops all_reduce --max-bytes 1M --plot
+    mpiexec -n 2 python benchmarks/collectives.py --min-bytes 64K --max-bytes 64M --iters 20 --warmup 2
+    meshkit-run -n 4 benchmarks/collectives.py --json /tmp/coll.json --plot /tmp/coll.png
+
+With the pip-installed ``mpich`` wheel, ``mpiexec`` is the one next to the venv's ``python``
+(e.g. ``/tmp/venv/bin/mpiexec -n 4 /tmp/venv/bin/python benchmarks/collectives.py``).
+
+What is measured, for each op and size:
+
+* The size column is the bytes of the largest buffer, as in nccl-tests: all_reduce and
+  broadcast the buffer, all_gather the output, reduce_scatter the input, all_to_all each of
+  its two buffers. Sizes are rounded up so that they split into one whole-element chunk per
+  rank. ``algbw = size / time``; ``busbw = algbw * factor`` with factor ``2(n-1)/n`` for
+  all_reduce, ``(n-1)/n`` for all_gather, reduce_scatter and all_to_all, 1 for broadcast
+  (nccl-tests' PERFORMANCE.md), so busbw is comparable with the link's bandwidth.
+* Every engine works on the same NumPy buffers, checked once for a correct result first.
+* Engines are interleaved in rounds: each round runs, per engine, ``warmup`` untimed calls,
+  a barrier, then ``iters`` timed calls; the engine order rotates from round to round so that
+  none is always first. A call's time is the MAX over ranks of that rank's per-call average;
+  the reported time is the median over the rounds (5 by default). On a shared machine (2 cores
+  running 4 ranks) noise comes in bursts that hit one round, and the median rejects them.
+* Without ``--iters``, the number of iterations adapts to the size: about 0.2 s of timed
+  calls per engine in all (so thousands of calls for 8 bytes), never fewer than 5 per round.
+
+Rank 0 prints one table per op, a summary line per op against the project's target
+(meshkit's all_reduce within 5 % of mpi4py's time at >= 64 KB, at most 10 us slower at
+<= 4 KB), and writes JSON (default ``benchmarks/results/collectives-n{N}.json``) and, with
+``--plot``, a PNG of bus bandwidth and of the meshkit/mpi4py time ratio against size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+from _common import (LOG, Progress, calibrate_iters, format_size, log2_size_axis, max_over_ranks, median,
+                     parse_args_rank0, parse_size, require_pyplot, run_metadata, setup_logging, size_sweep,
+                     time_calls, write_json)
+from mpi4py import MPI
+
+import meshkit
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+#: Timed seconds per engine per (op, size), over all rounds, when --iters is not given.
+TARGET_SECONDS = 0.2
+#: Fewest timed calls per round when --iters is not given.
+MIN_ITERS = 5
+#: The project's targets for meshkit's overhead over raw mpi4py (the summary checks them).
+LARGE_BYTES, MAX_RATIO = 64 << 10, 1.05
+SMALL_BYTES, MAX_EXCESS_US = 4 << 10, 10.0
+
+
+@dataclasses.dataclass(frozen=True)
+class OpSpec:
+    """One collective: buffer layout and nccl-tests' bus-bandwidth factor.
+
+    ``chunk_input``: the input is one rank's chunk of the size (all_gather).
+    ``chunk_output``: the output is one chunk (reduce_scatter).
+    ``in_place``: one buffer is both input and output (all_reduce, broadcast).
+    """
+
+    name: str
+    bus_factor: Callable[[int], float]
+    chunk_input: bool = False
+    chunk_output: bool = False
+    in_place: bool = False
+
+
+OPS = {spec.name: spec for spec in (
+    OpSpec("all_reduce", lambda n: 2 * (n - 1) / n, in_place=True),
+    OpSpec("all_gather", lambda n: (n - 1) / n, chunk_input=True),
+    OpSpec("reduce_scatter", lambda n: (n - 1) / n, chunk_output=True),
+    OpSpec("broadcast", lambda n: 1.0, in_place=True),
+    OpSpec("all_to_all", lambda n: (n - 1) / n),
+)}
+ENGINES = ("meshkit", "mpi4py", "gloo")
+
+
+@dataclasses.dataclass
+class Buffers:
+    """The arrays one (op, size) runs on; ``inp is out`` for in-place ops."""
+
+    inp: np.ndarray
+    out: np.ndarray
+
+
+def make_buffers(spec: OpSpec, count: int, dtype: np.dtype, n: int) -> Buffers:
+    """Zero-filled buffers for ``spec`` where the largest holds ``count`` elements."""
+    inp = np.zeros(count // n if spec.chunk_input else count, dtype)
+    out = inp if spec.in_place else np.zeros(count // n if spec.chunk_output else count, dtype)
+    return Buffers(inp, out)
+
+
+Call = Callable[[], object]
+
+
+@dataclasses.dataclass
+class Engine:
+    """A collective library under test.
+
+    ``bind(op, buffers)`` returns a zero-argument call of ``op`` on ``buffers``. ``optional``:
+    an op that raises on its first call is reported as unsupported (null) instead of aborting.
+    """
+
+    name: str
+    bind: Callable[[str, Buffers], Call]
+    close: Callable[[], None] = lambda: None
+    optional: bool = False
+
+
+# --------------------------------------------------------------------------- engines
+def meshkit_engine() -> Engine:
+    """meshkit's torch.distributed-style API on its default (world) group."""
+    def bind(op: str, b: Buffers) -> Call:
+        match op:
+            case "all_reduce":
+                return functools.partial(meshkit.all_reduce, b.out)
+            case "all_gather":
+                return functools.partial(meshkit.all_gather_into_tensor, b.out, b.inp)
+            case "reduce_scatter":
+                return functools.partial(meshkit.reduce_scatter_tensor, b.out, b.inp)
+            case "broadcast":
+                return functools.partial(meshkit.broadcast, b.out, 0)
+            case "all_to_all":
+                return functools.partial(meshkit.all_to_all_single, b.out, b.inp)
+        raise ValueError(f"meshkit.bench: unknown op {op!r}")
+
+    return Engine("meshkit", bind)
+
+
+def mpi4py_engine() -> Engine:
+    """Raw mpi4py blocking collectives on a duplicate of COMM_WORLD: the floor meshkit sits on."""
+    comm = MPI.COMM_WORLD.Dup()
+
+    def bind(op: str, b: Buffers) -> Call:
+        match op:
+            case "all_reduce":
+                return functools.partial(comm.Allreduce, MPI.IN_PLACE, b.out)
+            case "all_gather":
+                return functools.partial(comm.Allgather, b.inp, b.out)
+            case "reduce_scatter":
+                return functools.partial(comm.Reduce_scatter_block, b.inp, b.out)
+            case "broadcast":
+                return functools.partial(comm.Bcast, b.out, 0)
+            case "all_to_all":
+                return functools.partial(comm.Alltoall, b.inp, b.out)
+        raise ValueError(f"meshkit.bench: unknown op {op!r}")
+
+    return Engine("mpi4py", bind, close=comm.Free)
+
+
+def gloo_engine(comm: MPI.Comm) -> Engine:
+    """torch.distributed with the gloo backend, on ``torch.from_numpy`` views of the same buffers.
+
+    The rendezvous is torch's ``env://``: rank 0 picks a free TCP port (a socket bound to port
+    0), mpi4py broadcasts it, and RANK/WORLD_SIZE come from MPI. MASTER_ADDR is 127.0.0.1 when
+    all ranks share a host, else rank 0's host name. Ops gloo lacks (``reduce_scatter_tensor``
+    in many torch versions) raise on their first call and are reported as null.
+
+    Raises:
+        ImportError: torch is not installed.
+    """
+    import torch  # noqa: F401  (the ImportError is the signal that gloo is unavailable)
+    import torch.distributed as dist
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    hosts = comm.allgather(socket.gethostname())
+    addr = "127.0.0.1" if len(set(hosts)) == 1 else hosts[0]
+    port = 0
+    if rank == 0:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("" if addr != "127.0.0.1" else addr, 0))
+            port = s.getsockname()[1]
+    port = comm.bcast(port, root=0)
+    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(size))
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=size)
+
+    def bind(op: str, b: Buffers) -> Call:
+        inp, out = torch.from_numpy(b.inp), torch.from_numpy(b.out)
+        match op:
+            case "all_reduce":
+                return functools.partial(dist.all_reduce, out)
+            case "all_gather":
+                return functools.partial(dist.all_gather_into_tensor, out, inp)
+            case "reduce_scatter":
+                return functools.partial(dist.reduce_scatter_tensor, out, inp)
+            case "broadcast":
+                return functools.partial(dist.broadcast, out, 0)
+            case "all_to_all":
+                return functools.partial(dist.all_to_all_single, out, inp)
+        raise ValueError(f"meshkit.bench: unknown op {op!r}")
+
+    LOG.info("gloo: torch %s, rendezvous at %s:%d", torch.__version__, addr, port)
+    return Engine("gloo", bind, close=dist.destroy_process_group, optional=True)
+
+
+def torch_importable() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def make_engines(names: list[str], comm: MPI.Comm) -> list[Engine]:
+    makers: dict[str, Callable[[], Engine]] = {
+        "meshkit": meshkit_engine, "mpi4py": mpi4py_engine, "gloo": lambda: gloo_engine(comm)}
+    return [makers[name]() for name in names]
+
+
+# --------------------------------------------------------------------------- correctness check
+def _cast(value: int, dtype: np.dtype) -> Any:
+    """``value`` in ``dtype`` (integers wrap, as MPI's sums of them do)."""
+    return np.asarray(value, dtype=np.int64).astype(dtype)
+
+
+def fill_for_check(op: str, b: Buffers, rank: int, n: int) -> None:
+    """Inputs whose result identifies every rank and chunk; outputs zeroed."""
+    if b.out is not b.inp:
+        b.out.fill(0)
+    match op:
+        case "all_reduce" | "broadcast" | "all_gather":
+            b.inp[...] = _cast(rank + 1, b.inp.dtype)
+        case "reduce_scatter":
+            for j, chunk in enumerate(b.inp.reshape(n, -1)):
+                chunk[...] = _cast((j + 1) * (rank + 1), b.inp.dtype)
+        case "all_to_all":
+            for j, chunk in enumerate(b.inp.reshape(n, -1)):
+                chunk[...] = _cast(rank * n + j + 1, b.inp.dtype)
+
+
+def result_ok(op: str, b: Buffers, rank: int, n: int) -> bool:
+    """Whether ``b.out`` holds what ``op`` must produce from :func:`fill_for_check`'s inputs."""
+    match op:
+        case "all_reduce":
+            return bool(np.all(b.out == _cast(n * (n + 1) // 2, b.out.dtype)))
+        case "broadcast":
+            return bool(np.all(b.out == _cast(1, b.out.dtype)))
+        case "all_gather":
+            return all(np.all(c == _cast(i + 1, c.dtype)) for i, c in enumerate(b.out.reshape(n, -1)))
+        case "reduce_scatter":
+            return bool(np.all(b.out == _cast((rank + 1) * n * (n + 1) // 2, b.out.dtype)))
+        case "all_to_all":
+            chunks = b.out.reshape(n, -1)
+            return all(np.all(c == _cast(i * n + rank + 1, c.dtype)) for i, c in enumerate(chunks))
+    raise ValueError(f"meshkit.bench: unknown op {op!r}")
+
+
+def check_engine(engine: Engine, op: str, fn: Call, b: Buffers, comm: MPI.Comm) -> bool:
+    """Run ``fn`` once on known inputs on every rank; True if every rank got the right result.
+
+    A wrong result, or an exception from a required engine, aborts the benchmark on every rank
+    (a benchmark of a wrong answer is meaningless); an optional engine's exception (gloo
+    lacking an op) returns False everywhere.
+    """
+    rank, n = comm.Get_rank(), comm.Get_size()
+    fill_for_check(op, b, rank, n)
+    error: str | None = None
+    try:
+        fn()
+    except Exception as exc:  # reported below on every rank, not swallowed
+        error = f"{type(exc).__name__}: {exc}"
+    errors = comm.allgather(error)
+    failed = {r: e for r, e in enumerate(errors) if e is not None}
+    if failed and engine.optional:
+        LOG.warning("%s does not run %s; recorded as null (%s)", engine.name, op, next(iter(failed.values())))
+        return False
+    if failed:
+        raise RuntimeError(f"meshkit.bench: {engine.name} {op} failed on ranks {sorted(failed)}: {failed}")
+    wrong = [r for r, ok in enumerate(comm.allgather(result_ok(op, b, rank, n))) if not ok]
+    if wrong:
+        raise RuntimeError(f"meshkit.bench: {engine.name} {op} of {b.out.nbytes} bytes gave a wrong result "
+                           f"on ranks {wrong}")
+    return True
+
+
+# --------------------------------------------------------------------------- measurement
+@dataclasses.dataclass
+class Settings:
+    iters: int | None
+    warmup: int | None
+    rounds: int
+
+
+def run_rounds(calls: dict[str, Call], comm: MPI.Comm, iters: int, warmup: int,
+               rounds: int) -> dict[str, list[float]]:
+    """Per-call seconds of each engine in each round: MAX over ranks of the per-rank average."""
+    names = list(calls)
+    local = np.zeros((rounds, len(names)))
+    for r in range(rounds):
+        for k in range(len(names)):
+            i = (r + k) % len(names)  # rotate: no engine always runs first
+            call = calls[names[i]]
+            for _ in range(warmup):
+                call()
+            comm.Barrier()
+            local[r, i] = time_calls(call, iters)
+    worst = np.array(max_over_ranks(comm, local.ravel())).reshape(rounds, len(names))
+    return {name: worst[:, i].tolist() for i, name in enumerate(names)}
+
+
+def measure(op: str, nbytes: int, engines: list[Engine], unsupported: set[tuple[str, str]],
+            dtype: np.dtype, comm: MPI.Comm, settings: Settings) -> list[dict[str, Any]]:
+    """JSON rows (one per engine) of ``op`` at ``nbytes``; null times where an engine lacks it."""
+    n = comm.Get_size()
+    spec = OPS[op]
+    count = nbytes // dtype.itemsize
+    b = make_buffers(spec, count, dtype, n)
+    calls: dict[str, Call] = {}
+    for engine in engines:
+        if (engine.name, op) in unsupported:
+            continue
+        fn = engine.bind(op, b)
+        if check_engine(engine, op, fn, b, comm):
+            calls[engine.name] = fn
+        else:
+            unsupported.add((engine.name, op))
+    b.inp.fill(0)  # zeros: sums stay finite however many calls run in place
+    b.out.fill(0)
+    iters, warmup = settings.iters, settings.warmup
+    if calls and iters is None:
+        iters = calibrate_iters(next(iter(calls.values())), comm, min_iters=MIN_ITERS,
+                                budget_s=TARGET_SECONDS / settings.rounds)
+    if warmup is None:
+        warmup = max(1, (iters or 0) // 10)
+    per_round = run_rounds(calls, comm, iters or 0, warmup, settings.rounds) if calls else {}
+    return [row(op, nbytes, count, e.name, per_round.get(e.name), iters, n) for e in engines]
+
+
+def row(op: str, nbytes: int, count: int, engine: str, rounds: list[float] | None, iters: int | None,
+        n: int) -> dict[str, Any]:
+    if rounds is None:
+        return {"op": op, "bytes": nbytes, "count": count, "engine": engine, "time_us": None,
+                "algbw_gbs": None, "busbw_gbs": None, "iters": None, "rounds": None}
+    seconds = median(rounds)
+    algbw = nbytes / seconds / 1e9
+    return {"op": op, "bytes": nbytes, "count": count, "engine": engine, "time_us": seconds * 1e6,
+            "algbw_gbs": algbw, "busbw_gbs": algbw * OPS[op].bus_factor(n), "iters": iters,
+            "rounds": [t * 1e6 for t in rounds]}
+
+
+# --------------------------------------------------------------------------- report
+def ratio(rows: list[dict[str, Any]], nbytes: int) -> float | None:
+    """meshkit's time over mpi4py's at ``nbytes`` (rows of one op), None if either is missing."""
+    times = {r["engine"]: r["time_us"] for r in rows if r["bytes"] == nbytes}
+    mk, ref = times.get("meshkit"), times.get("mpi4py")
+    return mk / ref if mk is not None and ref else None
+
+
+def table_header(op: str, engines: list[str], n: int, dtype: np.dtype) -> list[str]:
+    title = f"# {op}: {n} ranks, {dtype}, time = median over rounds of the slowest rank's mean per call"
+    top = f"# {'':>14} {'':>8} {'':>10}" + "".join(f" | {name:^32}" for name in engines)
+    cols = f"# {'op':>14} {'size':>8} {'count':>10}" + " | time(us) algbw(GB/s) busbw(GB/s)" * len(engines)
+    has_ratio = "meshkit" in engines and "mpi4py" in engines
+    return [title, top, cols + (" | meshkit/mpi4py" if has_ratio else "")]
+
+
+def table_line(rows: list[dict[str, Any]]) -> str:
+    """One table row from the rows of one (op, size), one per engine."""
+    first = rows[0]
+    cells = [f"  {first['op']:>14} {format_size(first['bytes']):>8} {first['count']:>10}"]
+    for r in rows:
+        if r["time_us"] is None:
+            cells.append(f" | {'n/a':>8} {'':>11} {'':>11}")
+        else:
+            cells.append(f" | {r['time_us']:8.1f} {r['algbw_gbs']:11.3f} {r['busbw_gbs']:11.3f}")
+    engines = {r["engine"] for r in rows}
+    if {"meshkit", "mpi4py"} <= engines:
+        q = ratio(rows, first["bytes"])
+        cells.append(f" | {q:14.3f}" if q is not None else f" | {'n/a':>14}")
+    return "".join(cells)
+
+
+def summary_line(op: str, rows: list[dict[str, Any]]) -> str | None:
+    """Worst meshkit/mpi4py time ratio at >= 64K and worst excess in us at <= 4K, vs the targets."""
+    times: dict[int, dict[str, float]] = {}
+    for r in rows:
+        if r["time_us"] is not None:
+            times.setdefault(r["bytes"], {})[r["engine"]] = r["time_us"]
+    pairs = {s: (t["meshkit"], t["mpi4py"]) for s, t in times.items() if "meshkit" in t and "mpi4py" in t}
+    if not pairs:
+        return None
+    parts = [f"# {op} summary (meshkit vs mpi4py):"]
+    large = {s: mk / ref for s, (mk, ref) in pairs.items() if s >= LARGE_BYTES}
+    if large:
+        s = max(large, key=large.__getitem__)
+        verdict = "met" if large[s] <= MAX_RATIO else "MISSED"
+        parts.append(f"worst time ratio at >= {format_size(LARGE_BYTES)}: {large[s]:.3f} at {format_size(s)} "
+                     f"(target <= {MAX_RATIO}: {verdict});")
+    small = {s: mk - ref for s, (mk, ref) in pairs.items() if s <= SMALL_BYTES}
+    if small:
+        s = max(small, key=small.__getitem__)
+        verdict = "met" if small[s] <= MAX_EXCESS_US else "MISSED"
+        parts.append(f"worst excess at <= {format_size(SMALL_BYTES)}: {small[s]:+.1f} us at {format_size(s)} "
+                     f"(target <= {MAX_EXCESS_US:g} us: {verdict})")
+    return " ".join(parts)
+
+
+def plot(rows: list[dict[str, Any]], ops: list[str], engines: list[str], path: Path, title: str) -> None:
+    """busbw vs size per op (top row) and meshkit/mpi4py time ratio (bottom row), one PNG."""
+    plt = require_pyplot()
+    with_ratio = "meshkit" in engines and "mpi4py" in engines
+    nrows = 2 if with_ratio else 1
+    fig, axes = plt.subplots(nrows, len(ops), figsize=(4.2 * len(ops), 3.4 * nrows + 0.6), squeeze=False,
+                             sharex="col", gridspec_kw={"height_ratios": [3, 2][:nrows]})
+    for j, op in enumerate(ops):
+        of_op = [r for r in rows if r["op"] == op]
+        sizes = sorted({r["bytes"] for r in of_op})
+        ax = axes[0, j]
+        for name in engines:
+            pts = [(r["bytes"], r["busbw_gbs"]) for r in of_op if r["engine"] == name and r["busbw_gbs"]]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", markersize=3, label=name)
+        ax.set_title(op)
+        ax.set_yscale("log")
+        ax.grid(True, which="major", alpha=0.3)
+        log2_size_axis(ax, sizes)
+        if j == 0:
+            ax.set_ylabel("bus bandwidth (GB/s)")
+            ax.legend(loc="upper left", fontsize="small")
+        if with_ratio:
+            _plot_ratio(axes[1, j], of_op, sizes, first=j == 0)
+        axes[-1, j].set_xlabel("size (bytes)")
+    fig.suptitle(title, fontsize="medium")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_ratio(ax: Any, rows: list[dict[str, Any]], sizes: list[int], *, first: bool) -> None:
+    pts = [(s, q) for s in sizes if (q := ratio(rows, s)) is not None]
+    if pts:
+        ax.plot(*zip(*pts), marker="o", markersize=3, color="black")
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.axhline(MAX_RATIO, color="tab:red", linewidth=0.8, linestyle="--", label=f"target {MAX_RATIO}")
+    ax.axvspan(sizes[0], min(LARGE_BYTES, sizes[-1]), color="gray", alpha=0.08)
+    ax.grid(True, which="major", alpha=0.3)
+    log2_size_axis(ax, sizes)
+    if first:
+        ax.set_ylabel("time meshkit / mpi4py")
+        ax.legend(loc="upper right", fontsize="small")
+
+
+# --------------------------------------------------------------------------- command line
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--ops", default=",".join(OPS), help="comma-separated ops to run, from " + ", ".join(OPS))
+    p.add_argument("--min-bytes", type=parse_size, default=parse_size("8"), help="smallest size (8, 64K, 1M)")
+    p.add_argument("--max-bytes", type=parse_size, default=parse_size("64M"), help="largest size")
+    p.add_argument("--step-factor", type=float, default=2.0, help="each size is this times the last")
+    p.add_argument("--dtype", default="float32", help="NumPy dtype of the buffers")
+    p.add_argument("--iters", type=int, default=None,
+                   help="timed calls per engine per round (default: adaptive, ~0.2 s per engine, >= 5)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed calls per engine before each timed block (default: max(1, iters/10))")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the median is reported")
+    p.add_argument("--engines", default=None,
+                   help="comma-separated engines from meshkit, mpi4py, gloo "
+                        "(default: meshkit,mpi4py, plus gloo when torch is importable)")
+    p.add_argument("--device", default="cpu", help="where buffers live; only cpu is supported for now")
+    p.add_argument("--json", type=Path, default=None,
+                   help="result file (default: benchmarks/results/collectives-n{N}.json)")
+    p.add_argument("--plot", type=Path, nargs="?", const=Path(), default=None,
+                   help="draw a PNG (default path: the JSON path with .png)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar or progress log lines")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    return p
+
+
+def _split(text: str, valid: tuple[str, ...] | list[str], what: str, p: argparse.ArgumentParser) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in names if s not in valid]
+    if bad or not names:
+        p.error(f"invalid {what} {bad or text!r}; valid {what} are {list(valid)}")
+    return list(dict.fromkeys(names))
+
+
+def parse_args(rank: int, argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse and validate the command line (identically on every rank; rank 0 prints errors)."""
+    p = build_parser()
+    args = parse_args_rank0(p, rank, argv)
+    error = _invalid(args)
+    if error:
+        _fail(p, rank, error)
+    args.ops = _split(args.ops, list(OPS), "ops", p)
+    default_engines = "meshkit,mpi4py,gloo" if torch_importable() else "meshkit,mpi4py"
+    args.engines = _split(args.engines or default_engines, ENGINES, "engines", p)
+    if "gloo" in args.engines and not torch_importable():
+        _fail(p, rank, "engine gloo needs torch, which is not installed (pip install torch)")
+    args.dtype = np.dtype(args.dtype)
+    return args
+
+
+def _fail(p: argparse.ArgumentParser, rank: int, message: str) -> None:
+    """Exit with a usage error on every rank; only rank 0 prints it."""
+    if rank == 0:
+        p.error(message)
+    raise SystemExit(2)
+
+
+def _invalid(args: argparse.Namespace) -> str | None:
+    """The first problem with ``args`` that argparse cannot see, or None."""
+    if args.device == "cuda":
+        return ("--device cuda is not supported yet: this benchmark times NumPy (CPU) buffers over MPI; "
+                "use --device cpu")
+    if args.device != "cpu":
+        return f"invalid --device {args.device!r}; valid devices are ['cpu']"
+    try:
+        dtype = np.dtype(args.dtype)
+    except TypeError:
+        return f"invalid --dtype {args.dtype!r}; use a NumPy dtype name such as float32, float64, int32"
+    if dtype.kind not in "iufc":
+        return f"invalid --dtype {args.dtype!r} (kind {dtype.kind!r}); use an integer, float or complex dtype"
+    for name in ("iters", "warmup"):
+        value = getattr(args, name)
+        if value is not None and value < (1 if name == "iters" else 0):
+            return f"invalid --{name} {value}; it must be >= {1 if name == 'iters' else 0}"
+    if args.rounds < 1:
+        return f"invalid --rounds {args.rounds}; it must be >= 1"
+    if not args.step_factor > 1:
+        return f"invalid --step-factor {args.step_factor}; it must be > 1"
+    if args.min_bytes > args.max_bytes or args.min_bytes < 1:
+        return (f"invalid sizes --min-bytes {args.min_bytes} --max-bytes {args.max_bytes}; "
+                "need 1 <= min <= max")
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            return "--plot needs matplotlib, which is not installed; run `pip install matplotlib` (or meshkit[bench])"
+    return None
+
+
+# --------------------------------------------------------------------------- main
+def run(args: argparse.Namespace, comm: MPI.Comm, engines: list[Engine]) -> list[dict[str, Any]]:
+    """Measure every (op, size), printing each table row on rank 0 as it is measured."""
+    rank, n = comm.Get_rank(), comm.Get_size()
+    sizes = size_sweep(args.min_bytes, args.max_bytes, args.step_factor, multiple=n * args.dtype.itemsize)
+    settings = Settings(args.iters, args.warmup, args.rounds)
+    names = [e.name for e in engines]
+    unsupported: set[tuple[str, str]] = set()
+    rows: list[dict[str, Any]] = []
+    with Progress(len(args.ops) * len(sizes), enabled=rank == 0 and not args.no_progress,
+                  unit="size") as progress:
+        out = progress if rank == 0 and not args.no_progress else None
+        for op in args.ops:
+            progress.start_group(op)
+            _emit(rank, out, "\n".join(table_header(op, names, n, args.dtype)))
+            of_op: list[dict[str, Any]] = []
+            for nbytes in sizes:
+                measured = measure(op, nbytes, engines, unsupported, args.dtype, comm, settings)
+                of_op += measured
+                _emit(rank, out, table_line(measured))
+                progress.step(format_size(nbytes))
+            _emit(rank, out, (summary_line(op, of_op) or f"# {op}: no meshkit/mpi4py pair to compare") + "\n")
+            rows += of_op
+    return rows
+
+
+def _emit(rank: int, progress: Progress | None, text: str) -> None:
+    """Print on rank 0, through the progress bar when there is one."""
+    if rank != 0:
+        return
+    if progress is not None:
+        progress.write(text)
+    else:
+        print(text, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    comm = MPI.COMM_WORLD.Dup()  # barriers and time reductions: never in an engine's way
+    rank, n = comm.Get_rank(), comm.Get_size()
+    args = parse_args(rank, argv)
+    setup_logging(rank, args.verbose)
+    meshkit.init_process_group("mpi")
+    engines = make_engines(args.engines, comm)
+    try:
+        rows = run(args, comm, engines)
+    finally:
+        for engine in engines:
+            engine.close()
+        meshkit.destroy_process_group()
+    if rank == 0:
+        _save(args, comm, rows, n)
+    comm.Free()
+    return 0
+
+
+def _save(args: argparse.Namespace, comm: MPI.Comm, rows: list[dict[str, Any]], n: int) -> None:
+    meta = run_metadata(comm, benchmark="collectives", dtype=str(args.dtype), engines=args.engines,
+                        rounds=args.rounds, iters=args.iters, warmup=args.warmup, ops=args.ops,
+                        target_seconds=TARGET_SECONDS if args.iters is None else None)
+    path = args.json or RESULTS / f"collectives-n{n}.json"
+    write_json(path, meta, rows)
+    LOG.info("wrote %s", path)
+    if args.plot is not None:
+        png = path.with_suffix(".png") if args.plot == Path() else args.plot
+        title = (f"meshkit collectives: {n} ranks, {args.dtype}, {meta['hostname']}, "
+                 f"{meta['mpi_library'][:60]}")
+        plot(rows, args.ops, args.engines, png, title)
+        LOG.info("wrote %s", png)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
