@@ -443,19 +443,29 @@ class ProcessGroup:
 
     def _launch(self, op: str, fn: Callable[[float], Any], async_op: bool, shapes: tuple, dtype: Any,
                 call: Call | None, *, timeout: float | None = None) -> Any:
-        seq = self._seq
-        self._seq = seq + 1
-        record = self.world.recorder.record(seq, self.name, op, shapes, None if dtype is None else dtype.name)
+        record = self.world.recorder.record(-1, self.name, op, shapes, None if dtype is None else dtype.name)
 
         def task() -> Any:
-            return self._execute(op, seq, fn, record, call, self.timeout if timeout is None else timeout)
+            return self._execute(op, fn, record, call, self.timeout if timeout is None else timeout)
 
         if async_op:
-            return self._thread.submit(task, Work(f"{op} #{seq} on group {self.name}"))
+            return self._thread.submit(task, Work(f"{op} on group {self.name}"))
         return self._thread.run_in_order(task, op)
 
-    def _execute(self, op: str, seq: int, fn: Callable[[float], Any], record: CollectiveRecord,
-                 call: Call | None, timeout: float) -> Any:
+    def run_async(self, fn: Callable[[], Any], what: str) -> Work:
+        """Run ``fn`` on this group's communication thread, after everything queued before it.
+
+        Collectives ``fn`` calls on this group run inline there, in order. Used by
+        communication hooks that chain several collectives with computation in between.
+        """
+        self._member(what)
+        return self._thread.submit(fn, Work(f"{what} on group {self.name}"))
+
+    def _execute(self, op: str, fn: Callable[[float], Any], record: CollectiveRecord, call: Call | None,
+                 timeout: float) -> Any:
+        # Numbered when it runs: execution is serialized per group, so every rank agrees.
+        seq = record.seq = self._seq
+        self._seq = seq + 1
         if self._failure is not None:
             record.state = "failed"
             raise DistError(f"{where(self, op)}: group {self.name} is unusable after an earlier failure: "

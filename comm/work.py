@@ -116,8 +116,11 @@ class CommThread:
         return work
 
     def run_in_order(self, fn: Callable[[], Any], what: str) -> Any:
-        """Run ``fn`` after everything queued so far, in the caller when the queue is empty."""
-        if self._pending == 0:
+        """Run ``fn`` after everything queued so far, in the caller when the queue is empty.
+
+        Called from the communication thread itself (a task issuing collectives), it runs inline.
+        """
+        if self._pending == 0 or threading.current_thread() is self._thread:
             return fn()
         work = self.submit(fn, Work(what))
         work.wait()

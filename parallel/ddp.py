@@ -1,0 +1,299 @@
+"""DistributedDataParallel: bucketed gradient averaging that overlaps the backward pass.
+
+Arrays have no autograd, so the backward pass tells DDP when each gradient is final::
+
+    ddp = DistributedDataParallel(params, mesh=mesh["dp"])
+    for x, y in batches:
+        ddp.zero_grad()
+        ...                                    # forward with ddp.params
+        for layer in reversed(layers):         # backward, layer by layer
+            ddp.grads["w3"][...] = dw3         # write (or += to accumulate) the gradient
+            ddp.mark_grad_ready("w3")          # its bucket starts averaging once complete
+        ddp.finish_gradient_sync()             # wait: ddp.grads now hold the averages
+        optimizer.step(ddp.params, ddp.grads)
+
+Gradients accumulate like torch's ``.grad``: ``zero_grad()`` zeroes them, a backward pass
+writes or adds. Under ``with ddp.no_sync():`` nothing is communicated, so gradients of several
+micro-batches add up locally; the next synchronized pass averages the sum.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Callable, Iterator
+
+from ..comm import DistValueError, ProcessGroup, Work, all_gather_object, broadcast_object_list
+from ..comm.world import resolve_group
+from ..mesh import DeviceMesh
+from .buckets import MB, Bucket, BucketManager
+from .hooks import GradBucket, allreduce_hook
+from .optim import array_namespace
+
+__all__ = ["DistributedDataParallel", "resolve_data_parallel_group", "check_params", "broadcast_params"]
+
+logger = logging.getLogger("meshkit")
+
+
+def resolve_data_parallel_group(mesh: DeviceMesh | None, group: ProcessGroup | None, who: str) -> ProcessGroup:
+    """The group a data-parallel strategy averages over: a 1-D mesh's, ``group``, or the world."""
+    if mesh is not None and group is not None:
+        raise DistValueError(f"meshkit.parallel: {who}: pass mesh or group, not both")
+    if mesh is not None:
+        if not isinstance(mesh, DeviceMesh):
+            raise DistValueError(f"meshkit.parallel: {who}: mesh must be a DeviceMesh, got {type(mesh).__name__}")
+        if mesh.ndim != 1:
+            raise DistValueError(f"meshkit.parallel: {who}: mesh must be 1-D (a data-parallel dim, e.g. "
+                                 f"mesh['dp']), got a {mesh.ndim}-D mesh with dims {mesh.mesh_dim_names}")
+        return mesh.get_group()
+    return resolve_group(group)
+
+
+def check_params(params: Any, group: ProcessGroup, who: str) -> dict[str, Any]:
+    """Parameters are a dict of float arrays whose names, shapes and dtypes agree on every rank."""
+    if not isinstance(params, dict) or not params:
+        raise DistValueError(f"meshkit.parallel: {who}: params must be a non-empty dict[str, array], "
+                             f"got {type(params).__name__}")
+    for name, p in params.items():
+        if not isinstance(name, str) or not hasattr(p, "dtype") or not hasattr(p, "shape"):
+            raise DistValueError(f"meshkit.parallel: {who}: params[{name!r}] must be an array keyed by a str name")
+        if p.dtype.kind not in "fc":
+            raise DistValueError(f"meshkit.parallel: {who}: params[{name!r}] has dtype {p.dtype}; parameters "
+                                 "must be floating-point or complex")
+        if not p.flags.c_contiguous:
+            raise DistValueError(f"meshkit.parallel: {who}: params[{name!r}] is not C-contiguous")
+    mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in params.items()]
+    everyone: list[Any] = [None] * group.size
+    all_gather_object(everyone, mine, group=group)
+    for i, theirs in enumerate(everyone):
+        if theirs != mine:
+            ours, other = dict((n, s) for n, *s in mine), dict((n, s) for n, *s in theirs)
+            diff = sorted(set(ours) ^ set(other)) or [n for n in ours if ours[n] != other.get(n)]
+            name = diff[0]
+            raise DistValueError(
+                f"meshkit.parallel: rank {group.global_rank}: {who}: parameter {name!r} differs between rank "
+                f"{group.global_rank} ({_describe(ours.get(name))}) and rank {group.ranks[i]} "
+                f"({_describe(other.get(name))}); every rank must pass the same names, shapes and dtypes")
+    return params
+
+
+def _describe(spec: Any) -> str:
+    return "missing" if spec is None else f"shape {spec[0]}, dtype {spec[1]}"
+
+
+def broadcast_params(params: dict[str, Any], group: ProcessGroup, src: int) -> None:
+    """Copy group rank ``src``'s parameters to every rank: one broadcast per dtype, not per array."""
+    by_dtype: dict[Any, list[str]] = {}
+    for name, p in params.items():
+        by_dtype.setdefault(p.dtype, []).append(name)
+    for names in by_dtype.values():
+        xp = array_namespace(params[names[0]])
+        flat = xp.concatenate([params[n].reshape(-1) for n in names])
+        group.broadcast(flat, src)
+        start = 0
+        for n in names:
+            p = params[n]
+            p.reshape(-1)[...] = flat[start:start + p.size]
+            start += p.size
+
+
+class DistributedDataParallel:
+    """Average gradients over a data-parallel group in buckets, overlapping the backward pass.
+
+    Args:
+        params: ordered ``dict[str, array]``; updated in place by your optimizer.
+        mesh: a 1-D mesh (e.g. ``mesh["dp"]``) to average over; or pass ``group``.
+        group: a process group; default (neither given): the world.
+        bucket_cap_mb: cap of every bucket but the first of each dtype (torch's default, 25 MB).
+        first_bucket_cap_mb: cap of each dtype's first bucket, small so that communication
+            starts early in the backward pass (torch's 1 MB).
+        gradient_as_bucket_view: ``grads[name]`` is a view into its bucket (no copies);
+            otherwise gradients are separate arrays copied in and out of the buckets.
+        broadcast_from: group rank whose parameters every rank starts from.
+        comm_hook: ``hook(state, bucket) -> Work`` (see :mod:`meshkit.parallel.hooks`);
+            default :func:`allreduce_hook`.
+        comm_state: the state passed to ``comm_hook`` (default: the group).
+        find_unused_parameters: allow iterations where some gradients are never marked
+            ready; they are reduced as they are (zero since ``zero_grad``).
+
+    Raises:
+        DistValueError: parameters differ across ranks (naming the parameter and the ranks),
+            or are not floating-point.
+    """
+
+    def __init__(self, params: dict[str, Any], *, mesh: DeviceMesh | None = None, group: ProcessGroup | None = None,
+                 bucket_cap_mb: float = 25, first_bucket_cap_mb: float = 1, gradient_as_bucket_view: bool = True,
+                 broadcast_from: int = 0, comm_hook: Callable[[Any, GradBucket], Work] | None = None,
+                 comm_state: Any = None, find_unused_parameters: bool = False) -> None:
+        self.group = resolve_data_parallel_group(mesh, group, "DistributedDataParallel")
+        self.params = check_params(params, self.group, "DistributedDataParallel")
+        if bucket_cap_mb <= 0 or first_bucket_cap_mb <= 0:
+            raise DistValueError(f"meshkit.parallel: DistributedDataParallel: bucket caps must be positive, got "
+                                 f"bucket_cap_mb={bucket_cap_mb}, first_bucket_cap_mb={first_bucket_cap_mb}")
+        if not 0 <= broadcast_from < self.group.size:
+            raise DistValueError(f"meshkit.parallel: DistributedDataParallel: broadcast_from={broadcast_from} is "
+                                 f"not a rank of the group (valid: 0..{self.group.size - 1})")
+        broadcast_params(self.params, self.group, broadcast_from)
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self._hook = comm_hook or allreduce_hook
+        self._state = self.group if comm_state is None else comm_state
+        self._buckets = BucketManager(self.params, list(reversed(self.params)),
+                                      bucket_cap_bytes=int(bucket_cap_mb * MB),
+                                      first_bucket_cap_bytes=int(first_bucket_cap_mb * MB), launch=self._launch)
+        self.grads: dict[str, Any] = {}
+        self._bind_grads()
+        self._sync = True
+        self._ready_order: list[str] = []
+        self._touched: set[str] = set()  # marked ready since the last synchronized finish
+        self._rebuilt = False
+        self.iteration = 0
+
+    # ------------------------------------------------------------------ gradients
+    def _bind_grads(self) -> None:
+        views = self._buckets.views()
+        if self.gradient_as_bucket_view:
+            self.grads.clear()
+            self.grads.update(views)
+        else:
+            old = dict(self.grads)
+            self.grads.clear()
+            for name, view in views.items():
+                self.grads[name] = old[name] if name in old else array_namespace(view).zeros_like(view)
+
+    def register_comm_hook(self, state: Any, hook: Callable[[Any, GradBucket], Work]) -> None:
+        """Use ``hook(state, bucket)`` to average buckets (torch's ``register_comm_hook``)."""
+        self._hook, self._state = hook, state
+
+    def zero_grad(self) -> None:
+        """Set every gradient to zero (they accumulate otherwise, as torch's ``.grad``)."""
+        self._buckets.zero()
+        if not self.gradient_as_bucket_view:
+            for g in self.grads.values():
+                g[...] = 0
+
+    def mark_grad_ready(self, name: str, grad: Any = None) -> None:
+        """Declare ``grads[name]`` final for this backward pass (adding ``grad`` to it first, if given).
+
+        When every gradient of a bucket is ready its reduction starts asynchronously, in bucket
+        order. Raises for an unknown name, a gradient marked twice in one pass, or a gradient of
+        the wrong shape or dtype.
+        """
+        bucket = self._buckets.location.get(name) if isinstance(name, str) else None
+        if bucket is None:
+            raise DistValueError(f"meshkit.parallel: rank {self.group.global_rank}: mark_grad_ready: unknown "
+                                 f"parameter {name!r}; valid names are {list(self.params)}")
+        if name in bucket.ready:
+            raise DistValueError(f"meshkit.parallel: rank {self.group.global_rank}: mark_grad_ready: gradient "
+                                 f"{name!r} was already marked ready in this backward pass")
+        current = self.grads[name]
+        if grad is not None:
+            self._check_grad(name, grad)
+            current += grad
+        view = bucket.view(name)
+        if current is not view:
+            self._check_grad(name, current)
+            view[...] = current
+            if self.gradient_as_bucket_view:
+                self.grads[name] = view  # the user replaced the array: put the bucket view back
+        self._ready_order.append(name)
+        self._touched.add(name)
+        self._buckets.mark_ready(name, launch=self._sync)
+
+    def _check_grad(self, name: str, grad: Any) -> None:
+        p = self.params[name]
+        if getattr(grad, "shape", None) != p.shape or getattr(grad, "dtype", None) != p.dtype:
+            raise DistValueError(
+                f"meshkit.parallel: rank {self.group.global_rank}: gradient {name!r} has shape "
+                f"{getattr(grad, 'shape', None)} and dtype {getattr(grad, 'dtype', None)}; expected the parameter's "
+                f"shape {p.shape} and dtype {p.dtype}")
+
+    def _launch(self, bucket: Bucket) -> Work:
+        last = bucket.index == len(self._buckets.buckets) - 1
+        return self._hook(self._state, GradBucket(bucket, self.group, last))
+
+    def finish_gradient_sync(self) -> None:
+        """Wait for every bucket; ``grads`` then hold the averages over the group.
+
+        Inside ``no_sync()`` it only ends the backward pass (nothing is communicated).
+
+        Raises:
+            DistValueError: some gradients were never marked ready and
+                ``find_unused_parameters`` is False (they are named).
+        """
+        if not self._sync:
+            self._end_pass()
+            return
+        unready = self._buckets.unready()
+        if unready and not self.find_unused_parameters:
+            self._buckets.wait_all()
+            self._end_pass()
+            raise DistValueError(
+                f"meshkit.parallel: rank {self.group.global_rank}: finish_gradient_sync: gradients {unready} "
+                "were not marked ready in this backward pass; mark every gradient (or call sync_gradients()), "
+                "or pass find_unused_parameters=True if some parameters are unused")
+        for name in unready:
+            if name not in self._touched:
+                self._buckets.view(name)[...] = 0  # unused in every micro-batch: its gradient is zero
+            self._buckets.location[name].ready.add(name)
+        self._buckets.launch_ready()
+        self._buckets.wait_all()
+        if not self.gradient_as_bucket_view:
+            for name, g in self.grads.items():
+                g[...] = self._buckets.view(name)
+        order = self._ready_order
+        self._end_pass()
+        self._touched.clear()
+        self.iteration += 1
+        if not self._rebuilt:
+            self._rebuild(order)
+
+    def sync_gradients(self) -> None:
+        """Mark every gradient not yet marked ready, then :meth:`finish_gradient_sync`."""
+        for name in self._buckets.unready():
+            self.mark_grad_ready(name)
+        self.finish_gradient_sync()
+
+    def _end_pass(self) -> None:
+        self._buckets.reset()
+        self._ready_order = []
+
+    def _rebuild(self, ready_order: list[str]) -> None:
+        """Once, after the first synchronized pass: rebuild buckets in the order gradients became
+        ready (rank 0's order, broadcast so every rank agrees), as torch's reducer does."""
+        self._rebuilt = True
+        seen = set(ready_order)
+        order = list(dict.fromkeys(ready_order))
+        order += [n for n in reversed(self.params) if n not in seen]
+        shared = [order]
+        broadcast_object_list(shared, group_src=0, group=self.group)
+        if shared[0] != [b for bucket in self._buckets.buckets for b in bucket.names]:
+            self._buckets.build(shared[0], keep_values=True)
+            self._bind_grads()
+            logger.debug("meshkit: DDP rebuilt %d buckets in gradient-ready order", len(self._buckets.buckets))
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally: no communication until the context exits."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def buckets(self) -> list[list[str]]:
+        """Parameter names per bucket, in launch order."""
+        return [list(b.names) for b in self._buckets.buckets]
+
+    def memory_report(self, optimizer: Any = None) -> dict[str, int]:
+        """Bytes this rank holds: ``params``, ``grads``, ``optimizer_state`` (of ``optimizer``,
+        if given), ``comm_buffers`` (extra buffers for communication: none, the buckets are the
+        gradients when ``gradient_as_bucket_view``) and ``peak_transient``."""
+        params = sum(int(p.nbytes) for p in self.params.values())
+        grads = self._buckets.nbytes
+        comm = 0 if self.gradient_as_bucket_view else sum(int(g.nbytes) for g in self.grads.values())
+        state = optimizer.state_nbytes() if optimizer is not None else 0
+        return {"params": params, "grads": grads, "optimizer_state": state, "comm_buffers": comm,
+                "peak_transient": 0}

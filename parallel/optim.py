@@ -1,0 +1,604 @@
+"""Elementwise optimizers (SGD, AdamW) that update any flat shard the way they update the whole.
+
+Every update rule here is elementwise: element ``i`` of a parameter after a step depends only on
+element ``i`` of the parameter, of its gradient and of its state, and on per-name scalars (the
+step count ``t``). So running the optimizer on the flat shards of a parameter, each under its own
+name, gives bitwise the same result as running it on the whole parameter. Sharded data parallel
+(ZeRO) relies on that: each rank calls ``opt.step({"flat_f32": shard}, {"flat_f32": grad_shard})``
+on the shard it owns.
+
+The rules are torch's, restated from the documented definitions of ``torch.optim.SGD`` and
+``torch.optim.AdamW`` (the single-tensor, non-fused, non-foreach, ``capturable=False`` path),
+including the order of operations where it changes the rounding (AdamW's decoupled decay comes
+first; ``eps`` is added after the bias-corrected square root; the first moment is a ``lerp``).
+
+Arrays may be NumPy or CuPy: the update path uses only array methods, in-place operators and
+ufuncs of the array's own namespace (:func:`array_namespace`), never ``np.*`` on the arrays.
+
+:func:`clip_grad_norm_` is torch's ``clip_grad_norm_`` with a ``group=`` argument: when each rank
+of the group holds a disjoint shard of the gradients, the partial sums are all-reduced so every
+rank gets the norm of the whole, and clips its shard with the same coefficient.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..comm import ReduceOp, all_reduce
+from ..comm.group import ProcessGroup
+
+__all__ = ["SGD", "AdamW", "Optimizer", "clip_grad_norm_", "array_namespace"]
+
+_PREFIX = "meshkit.parallel.optim"
+
+#: Elements per float64 chunk when clip_grad_norm_ accumulates a norm: bounds the float64 copy of
+#: a float32/float16 gradient to 32 MB while keeping kernel launches few on GPU.
+_NORM_CHUNK = 1 << 22
+
+
+def array_namespace(a: Any) -> Any:
+    """The array library of ``a``: the ``cupy`` module for CuPy arrays, else ``numpy``.
+
+    Args:
+        a: an array (or anything; only CuPy types are told apart).
+
+    Returns:
+        ``cupy`` if ``type(a).__module__`` starts with ``"cupy"``, else ``numpy``.
+    """
+    if type(a).__module__.startswith("cupy"):
+        import cupy  # imported only when a CuPy array exists, so CuPy stays optional
+
+        return cupy
+    return np
+
+
+def _is_array(a: Any) -> bool:
+    return hasattr(a, "dtype") and hasattr(a, "shape") and hasattr(a, "reshape")
+
+
+def _convert(arr: Any, like: Any) -> Any:
+    """``arr`` as an array of ``like``'s library and dtype (a new array unless already so)."""
+    src, dst = array_namespace(arr), array_namespace(like)
+    if src is dst:
+        return arr if arr.dtype == like.dtype else arr.astype(like.dtype)
+    if dst is np:  # CuPy -> NumPy
+        return arr.get().astype(like.dtype, copy=False)
+    return dst.asarray(arr, dtype=like.dtype)  # NumPy -> CuPy
+
+
+def _real(owner: str, name: str, value: Any) -> float:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{_PREFIX}.{owner}: {name} must be a real number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def _flag(owner: str, name: str, value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{_PREFIX}.{owner}: {name} must be a bool, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def _at_least_zero(owner: str, name: str, value: Any) -> float:
+    v = _real(owner, name, value)
+    if not v >= 0.0:  # also rejects nan
+        raise ValueError(f"{_PREFIX}.{owner}: {name}={v!r} must be >= 0")
+    return v
+
+
+class Optimizer:
+    """Shared machinery of the elementwise optimizers: validation, lazy state, state dicts.
+
+    State is per name: ``state[name]`` maps state keys (``"momentum_buffer"``, ``"exp_avg"``...)
+    to 1-D arrays of the parameter's size and dtype, created on the first update of that name;
+    ``steps[name]`` counts the updates of that name (AdamW's ``t``). Names are whatever the caller
+    passes: a parameter's name, or a flat shard's name under ZeRO.
+
+    Subclasses define ``_HYPER`` (hyperparameter names, each an attribute), ``_validated``
+    (normalises and checks hyperparameters), ``_state_keys`` and ``_update``.
+    """
+
+    _HYPER: tuple[str, ...] = ()
+
+    def __init__(self, **hyper: Any) -> None:
+        for key, value in self._validated(**hyper).items():
+            setattr(self, key, value)
+        #: per-name state arrays (1-D, the parameter's dtype and array library)
+        self.state: dict[str, dict[str, Any]] = {}
+        #: per-name update counts
+        self.steps: dict[str, int] = {}
+
+    # --- what subclasses define ------------------------------------------------------------
+
+    @classmethod
+    def _validated(cls, **hyper: Any) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @staticmethod
+    def _state_keys(hyper: Mapping[str, Any]) -> tuple[str, ...]:
+        """The state keys each name gets under the hyperparameters ``hyper``."""
+        raise NotImplementedError
+
+    def _update(self, p: Any, g: Any, state: dict[str, Any], t: int) -> None:
+        """Apply one step to the 1-D ``p`` in place; ``state`` may be empty (first step)."""
+        raise NotImplementedError
+
+    # --- public interface ------------------------------------------------------------------
+
+    @property
+    def hyper(self) -> dict[str, Any]:
+        """The hyperparameters, as a new dict (``opt.lr = x`` changes the learning rate)."""
+        return {key: getattr(self, key) for key in self._HYPER}
+
+    def update(self, name: str, param_flat: Any, grad_flat: Any) -> None:
+        """Update one named flat array in place: the primitive that :meth:`step` loops over.
+
+        Args:
+            name: the state key; the same name must always come with the same number of elements.
+            param_flat: 1-D floating-point array, updated in place.
+            grad_flat: its gradient, same shape, dtype and array library; None skips the update
+                (as torch skips a parameter without ``.grad``), and the step count stays.
+
+        Raises:
+            TypeError: an argument is not an array, not floating point, or dtypes/libraries differ.
+            ValueError: not 1-D, shapes differ, or ``name``'s state has another size.
+        """
+        if grad_flat is None:
+            return
+        self._check_pair("update", name, param_flat, grad_flat)
+        if param_flat.ndim != 1:
+            raise ValueError(f"{_PREFIX}.{type(self).__name__}.update: parameter {name!r} must be a 1-D flat "
+                             f"array, got shape {tuple(param_flat.shape)}; use step() for arrays of any shape")
+        self._check_pair_shape("update", name, param_flat, grad_flat)
+        self._check_state_size("update", name, param_flat.size)
+        self._update_flat(name, param_flat, grad_flat)
+
+    def step(self, params: Mapping[str, Any], grads: Mapping[str, Any]) -> None:
+        """One optimizer step: update every parameter in place from its gradient.
+
+        Everything is checked before anything is updated, so a bad gradient leaves all the
+        parameters and the state as they were.
+
+        Args:
+            params: ``{name: array}`` of floating-point NumPy or CuPy arrays of any shape.
+            grads: the same keys; each gradient has its parameter's shape and dtype, or is None
+                (that parameter is skipped, as torch skips parameters without a gradient).
+
+        Raises:
+            TypeError: not mappings, a value is not an array, or a dtype/library differs.
+            ValueError: keys differ, a shape differs, or a name's state has another size.
+
+        Example::
+
+            opt = AdamW(lr=1e-3)
+            opt.step({"w": w, "b": b}, {"w": dw, "b": db})   # w and b updated in place
+        """
+        where = f"{type(self).__name__}.step"
+        if not isinstance(params, Mapping) or not isinstance(grads, Mapping):
+            raise TypeError(f"{_PREFIX}.{where}: params and grads must be dicts of arrays, got "
+                            f"{type(params).__name__} and {type(grads).__name__}")
+        missing = [k for k in params if k not in grads]
+        extra = [k for k in grads if k not in params]
+        if missing or extra:
+            raise ValueError(f"{_PREFIX}.{where}: grads must have the keys of params {list(params)}; "
+                             f"missing {missing}, unexpected {extra}")
+        todo = []
+        for name, p in params.items():
+            g = grads[name]
+            if g is None:
+                continue
+            self._check_pair("step", name, p, g)
+            self._check_pair_shape("step", name, p, g)
+            self._check_state_size("step", name, p.size)
+            todo.append((name, p, g))
+        for name, p, g in todo:
+            if p.flags.c_contiguous:
+                self._update_flat(name, p.reshape(-1), g.reshape(-1))
+            else:  # reshape(-1) copies a non-contiguous array: update the copy, write it back
+                flat = p.reshape(-1)
+                self._update_flat(name, flat, g.reshape(-1))
+                p[...] = flat.reshape(p.shape)
+
+    def state_dict(self) -> dict[str, Any]:
+        """A copy of the optimizer's state.
+
+        Returns:
+            ``{"step": {name: int}, "state": {name: {key: array}}, "hyper": {...}}``; the arrays
+            are copies (same library and dtype), so later steps do not change the result.
+        """
+        return {
+            "step": dict(self.steps),
+            "state": {name: {key: arr.copy() for key, arr in st.items()} for name, st in self.state.items()},
+            "hyper": self.hyper,
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Replace the state and hyperparameters with those of ``state_dict`` (copied).
+
+        The arrays are copied, in the library of the given arrays; where this optimizer already
+        holds state for a name, the copy takes that state's dtype. As in torch, state is moved to
+        the dtype and library of its parameter when the parameter is next updated.
+
+        Args:
+            state_dict: a :meth:`state_dict` of the same optimizer class.
+
+        Raises:
+            TypeError: not a mapping of the expected form.
+            ValueError: hyperparameters of another optimizer or invalid, names of ``step`` and
+                ``state`` differ, state keys or sizes are wrong, or names differ from the state
+                this optimizer already holds.
+        """
+        where = f"{type(self).__name__}.load_state_dict"
+        if not isinstance(state_dict, Mapping) or set(state_dict) != {"step", "state", "hyper"}:
+            got = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__
+            raise TypeError(f"{_PREFIX}.{where}: expected a dict with keys ['hyper', 'state', 'step'], got {got}")
+        hyper, steps, states = state_dict["hyper"], state_dict["step"], state_dict["state"]
+        if not isinstance(hyper, Mapping) or set(hyper) != set(self._HYPER):
+            got = sorted(hyper) if isinstance(hyper, Mapping) else type(hyper).__name__
+            raise ValueError(f"{_PREFIX}.{where}: hyper must have the keys {sorted(self._HYPER)} of "
+                             f"{type(self).__name__}, got {got}")
+        hyper = self._validated(**hyper)
+        if not isinstance(steps, Mapping) or not isinstance(states, Mapping):
+            raise TypeError(f"{_PREFIX}.{where}: step and state must be dicts keyed by name")
+        if set(steps) != set(states):
+            raise ValueError(f"{_PREFIX}.{where}: step has names {sorted(steps)} but state has {sorted(states)}")
+        if self.state and states and set(states) != set(self.state):
+            raise ValueError(f"{_PREFIX}.{where}: state has names {sorted(states)}, this optimizer holds "
+                             f"{sorted(self.state)}")
+        keys = set(self._state_keys(hyper))
+        new_state: dict[str, dict[str, Any]] = {}
+        new_steps: dict[str, int] = {}
+        for name, st in states.items():
+            count = steps[name]
+            if isinstance(count, (bool, np.bool_)) or not isinstance(count, numbers.Integral) or count < 0:
+                raise ValueError(f"{_PREFIX}.{where}: step[{name!r}]={count!r} must be an int >= 0")
+            if not isinstance(st, Mapping) or set(st) != keys:
+                got = sorted(st) if isinstance(st, Mapping) else type(st).__name__
+                raise ValueError(f"{_PREFIX}.{where}: state[{name!r}] must have the keys {sorted(keys)}, got {got}")
+            sizes = set()
+            for key, arr in st.items():
+                if not _is_array(arr) or arr.ndim != 1:
+                    raise ValueError(f"{_PREFIX}.{where}: state[{name!r}][{key!r}] must be a 1-D array, got "
+                                     f"{type(arr).__name__} of shape {getattr(arr, 'shape', None)}")
+                sizes.add(arr.size)
+            held = self.state.get(name)
+            if held:
+                sizes.add(next(iter(held.values())).size)
+            if len(sizes) > 1:
+                raise ValueError(f"{_PREFIX}.{where}: state[{name!r}] arrays have sizes {sorted(sizes)}, "
+                                 f"expected one size" + (" (the size of the state held for it)" if held else ""))
+            dtype = next(iter(held.values())).dtype if held else None
+            new_state[name] = {key: arr.copy() if dtype is None else arr.astype(dtype) for key, arr in st.items()}
+            new_steps[name] = int(count)
+        for key, value in hyper.items():
+            setattr(self, key, value)
+        self.state, self.steps = new_state, new_steps
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{key}={getattr(self, key)!r}" for key in self._HYPER)
+        return f"{type(self).__name__}({args})"
+
+    # --- internals -------------------------------------------------------------------------
+
+    def _check_pair(self, where: str, name: str, p: Any, g: Any) -> None:
+        head = f"{_PREFIX}.{type(self).__name__}.{where}"
+        if not _is_array(p):
+            raise TypeError(f"{head}: parameter {name!r} must be a NumPy or CuPy array, got {type(p).__name__}")
+        if not _is_array(g):
+            raise TypeError(f"{head}: grad of parameter {name!r} must be an array or None, got {type(g).__name__}")
+        if p.dtype.kind != "f":
+            raise TypeError(f"{head}: parameter {name!r} has dtype {p.dtype}; only floating-point "
+                            f"parameters can be optimized")
+        if g.dtype != p.dtype:
+            raise TypeError(f"{head}: grad of parameter {name!r} has dtype {g.dtype}, the parameter has {p.dtype}")
+        if array_namespace(g) is not array_namespace(p):
+            raise TypeError(f"{head}: grad of parameter {name!r} is a {type(g).__module__} array, the parameter "
+                            f"a {type(p).__module__} array")
+
+    def _check_pair_shape(self, where: str, name: str, p: Any, g: Any) -> None:
+        if tuple(g.shape) != tuple(p.shape):
+            raise ValueError(f"{_PREFIX}.{type(self).__name__}.{where}: grad of parameter {name!r} has shape "
+                             f"{tuple(g.shape)}, the parameter has shape {tuple(p.shape)}")
+
+    def _check_state_size(self, where: str, name: str, size: int) -> None:
+        st = self.state.get(name)
+        if st:
+            held = next(iter(st.values())).size
+            if held != size:
+                raise ValueError(f"{_PREFIX}.{type(self).__name__}.{where}: state for {name!r} has {held} "
+                                 f"elements but the parameter has {size}")
+
+    def _update_flat(self, name: str, p: Any, g: Any) -> None:
+        st = self.state.setdefault(name, {})
+        for key, arr in st.items():  # torch's policy: state follows its parameter's dtype and device
+            if arr.dtype != p.dtype or array_namespace(arr) is not array_namespace(p):
+                st[key] = _convert(arr, p)
+        t = self.steps.get(name, 0) + 1
+        self._update(p, g, st, t)
+        self.steps[name] = t
+
+
+class SGD(Optimizer):
+    """Stochastic gradient descent with optional momentum, Nesterov momentum and L2 decay.
+
+    Exactly ``torch.optim.SGD``: with ``g`` the gradient (negated first if ``maximize``)::
+
+        g = g + weight_decay * p                       # if weight_decay
+        b = g (first step) | momentum * b + (1 - dampening) * g   # if momentum
+        g = g + momentum * b (nesterov) | b
+        p = p - lr * g
+
+    Args:
+        lr: learning rate (>= 0).
+        momentum: momentum factor (>= 0); state ``momentum_buffer`` only when it is non-zero.
+        nesterov: Nesterov momentum; needs ``momentum > 0`` and ``dampening == 0``.
+        weight_decay: L2 penalty added to the gradient (>= 0).
+        dampening: dampening of the gradient in the momentum buffer.
+        maximize: maximize the objective instead of minimizing it.
+
+    Raises:
+        TypeError: an argument of the wrong type.
+        ValueError: an argument out of range, e.g. ``lr=-1.0 must be >= 0``.
+    """
+
+    _HYPER = ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize")
+
+    def __init__(self, lr: float, momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0,
+                 dampening: float = 0.0, maximize: bool = False) -> None:
+        super().__init__(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+                         dampening=dampening, maximize=maximize)
+
+    @classmethod
+    def _validated(cls, *, lr: Any, momentum: Any, dampening: Any, weight_decay: Any, nesterov: Any,
+                   maximize: Any) -> dict[str, Any]:
+        out = {"lr": _at_least_zero("SGD", "lr", lr),
+               "momentum": _at_least_zero("SGD", "momentum", momentum),
+               "dampening": _real("SGD", "dampening", dampening),  # torch puts no bound on dampening
+               "weight_decay": _at_least_zero("SGD", "weight_decay", weight_decay),
+               "nesterov": _flag("SGD", "nesterov", nesterov),
+               "maximize": _flag("SGD", "maximize", maximize)}
+        if out["nesterov"] and (out["momentum"] <= 0 or out["dampening"] != 0):
+            raise ValueError(f"{_PREFIX}.SGD: nesterov=True requires momentum > 0 and dampening == 0, got "
+                             f"momentum={out['momentum']!r}, dampening={out['dampening']!r}")
+        return out
+
+    @staticmethod
+    def _state_keys(hyper: Mapping[str, Any]) -> tuple[str, ...]:
+        return ("momentum_buffer",) if hyper["momentum"] != 0 else ()
+
+    def _update(self, p: Any, g: Any, state: dict[str, Any], t: int) -> None:
+        if self.maximize:
+            g = -g
+        if self.weight_decay != 0:
+            g = g + self.weight_decay * p
+        if self.momentum != 0:
+            buf = state.get("momentum_buffer")
+            if buf is None:  # torch: buf = clone(g) on the first step
+                buf = state["momentum_buffer"] = g.copy()
+            else:
+                buf *= self.momentum
+                if self.dampening != 0:
+                    buf += (1 - self.dampening) * g
+                else:  # 1.0 * g == g exactly: skip the temporary
+                    buf += g
+            g = g + self.momentum * buf if self.nesterov else buf
+        p -= self.lr * g
+
+
+class AdamW(Optimizer):
+    """Adam with decoupled weight decay (Loshchilov & Hutter, arXiv:1711.05101), as torch's AdamW.
+
+    Exactly ``torch.optim.AdamW`` (single-tensor path, ``capturable=False``): at step ``t`` of a
+    name, with ``g`` the gradient (negated first if ``maximize``)::
+
+        p = p * (1 - lr * weight_decay)               # decoupled decay, before the moments
+        m = lerp(m, g, 1 - beta1)                     # = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g * g
+        vmax = max(vmax, v)                           # if amsgrad; then vmax replaces v below
+        denom = sqrt(v) / sqrt(1 - beta2 ** t) + eps  # eps after the bias-corrected sqrt
+        p = p - (lr / (1 - beta1 ** t)) * (m / denom)
+
+    The bias corrections are Python (float64) scalars. ``lerp`` is computed as torch computes it
+    (``m + w * (g - m)`` for ``w < 0.5``, else ``g - (g - m) * (1 - w)``). State ``exp_avg``,
+    ``exp_avg_sq`` (and ``max_exp_avg_sq``) is kept in the parameter's dtype.
+
+    Args:
+        lr: learning rate (>= 0).
+        betas: ``(beta1, beta2)``, each in [0, 1).
+        eps: added to the denominator (>= 0).
+        weight_decay: decoupled weight decay coefficient (>= 0).
+        amsgrad: use the maximum of past second moments (Reddi et al., ICLR 2018).
+        maximize: maximize the objective instead of minimizing it.
+
+    Raises:
+        TypeError: an argument of the wrong type.
+        ValueError: an argument out of range, e.g. ``betas[0]=1.0 must be in [0, 1)``.
+    """
+
+    _HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+
+    def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.01, amsgrad: bool = False, maximize: bool = False) -> None:
+        super().__init__(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
+
+    @classmethod
+    def _validated(cls, *, lr: Any, betas: Any, eps: Any, weight_decay: Any, amsgrad: Any,
+                   maximize: Any) -> dict[str, Any]:
+        if not isinstance(betas, Sequence) or isinstance(betas, str) or len(betas) != 2:
+            raise ValueError(f"{_PREFIX}.AdamW: betas={betas!r} must be a pair (beta1, beta2)")
+        pair = tuple(_real("AdamW", f"betas[{i}]", b) for i, b in enumerate(betas))
+        for i, b in enumerate(pair):
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"{_PREFIX}.AdamW: betas[{i}]={b!r} must be in [0, 1)")
+        return {"lr": _at_least_zero("AdamW", "lr", lr),
+                "betas": pair,
+                "eps": _at_least_zero("AdamW", "eps", eps),
+                "weight_decay": _at_least_zero("AdamW", "weight_decay", weight_decay),
+                "amsgrad": _flag("AdamW", "amsgrad", amsgrad),
+                "maximize": _flag("AdamW", "maximize", maximize)}
+
+    @staticmethod
+    def _state_keys(hyper: Mapping[str, Any]) -> tuple[str, ...]:
+        return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if hyper["amsgrad"] else ("exp_avg", "exp_avg_sq")
+
+    def _update(self, p: Any, g: Any, state: dict[str, Any], t: int) -> None:
+        xp = array_namespace(p)
+        beta1, beta2 = self.betas
+        for key in self._state_keys(self.hyper):
+            if key not in state:  # first step (or amsgrad switched on later): zeros, as torch
+                state[key] = xp.zeros_like(p)
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        if self.maximize:
+            g = -g
+        if self.weight_decay != 0:
+            p *= 1 - self.lr * self.weight_decay
+        tmp = g - m
+        w = 1 - beta1  # m.lerp_(g, w), in torch's two-branch form (it keeps the result exact at w = 1)
+        if w < 0.5:
+            tmp *= w
+            m += tmp
+        else:
+            tmp *= 1 - w
+            xp.subtract(g, tmp, out=m)
+        v *= beta2  # torch: v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        xp.multiply(g, 1 - beta2, out=tmp)
+        tmp *= g
+        v += tmp
+        bias_correction1 = 1 - beta1 ** t
+        bias_correction2 = 1 - beta2 ** t
+        step_size = self.lr / bias_correction1
+        if self.amsgrad:
+            vmax = state["max_exp_avg_sq"]
+            xp.maximum(vmax, v, out=vmax)
+            v = vmax
+        denom = xp.sqrt(v, out=tmp)
+        denom /= bias_correction2 ** 0.5
+        denom += self.eps
+        ratio = xp.divide(m, denom, out=tmp)  # torch: p.addcdiv_(m, denom, value=-step_size)
+        ratio *= step_size
+        p -= ratio
+
+
+def _norm_order(norm_type: Any) -> float:
+    if isinstance(norm_type, str) and norm_type.lower() == "inf":
+        return math.inf
+    p = _real("clip_grad_norm_", "norm_type", norm_type)
+    if not (p > 0):
+        raise ValueError(f"{_PREFIX}.clip_grad_norm_: norm_type={p!r} must be > 0 (or inf)")
+    return p
+
+
+def _partial_norm(a: Any, p: float) -> float:
+    """``max |a|`` for p = inf, else ``sum |a|^p``; accumulated in float64, chunk by chunk."""
+    flat = a.reshape(-1)
+    acc = 0.0
+    for start in range(0, flat.size, _NORM_CHUNK):
+        chunk = flat[start:start + _NORM_CHUNK]
+        if chunk.dtype != np.float64:
+            chunk = chunk.astype(np.float64)
+        if p == math.inf:
+            peak = float(abs(chunk).max())
+            if peak != peak:
+                return math.nan
+            acc = max(acc, peak)
+        elif p == 2.0:
+            acc += float(chunk.dot(chunk))
+        elif p == 1.0:
+            acc += float(abs(chunk).sum())
+        else:
+            acc += float((abs(chunk) ** p).sum())
+    return acc
+
+
+def clip_grad_norm_(grads: Mapping[str, Any] | Sequence[Any] | Any, max_norm: float, *, norm_type: float | str = 2.0,
+                    group: ProcessGroup | None = None, error_if_nonfinite: bool = False,
+                    foreach: bool | None = None) -> float:
+    """Scale gradients in place so that their total norm is at most ``max_norm``; as torch.
+
+    The total norm is taken over all gradients as if concatenated: ``(sum |g|^p)^(1/p)``, or
+    ``max |g|`` for ``p = inf``, accumulated in float64. With ``group``, each rank holds a disjoint
+    shard of the gradients (ZeRO, FSDP): the partial sums (maxima for inf) are all-reduced over the
+    group, so every rank gets the norm of the whole and applies the same coefficient.
+
+    Then, as torch: ``clip_coef = max_norm / (total_norm + 1e-6)``, and every gradient is
+    multiplied by ``min(clip_coef, 1)``. Multiplying by exactly 1.0 changes nothing, so the
+    multiplication is skipped when ``clip_coef >= 1``; a nan norm still multiplies (torch's clamp
+    keeps nan, so the gradients become nan, as in torch).
+
+    Args:
+        grads: a dict of arrays, a list of arrays, or one array; None entries are skipped.
+        max_norm: the largest allowed total norm (>= 0).
+        norm_type: the order ``p`` (> 0), or ``inf`` / ``"inf"``.
+        group: a process group whose ranks hold disjoint shards of the gradients; a collective:
+            every rank of the group must call it, also a rank that holds no gradient.
+        error_if_nonfinite: raise when the total norm is nan or inf, before scaling anything.
+        foreach: accepted for torch compatibility and ignored (there is one implementation).
+
+    Returns:
+        The total norm before clipping, as a Python float (the same on every rank of ``group``).
+
+    Raises:
+        TypeError: an entry is not a floating-point array.
+        ValueError: ``max_norm`` or ``norm_type`` is out of range.
+        RuntimeError: the norm is not finite and ``error_if_nonfinite`` is set.
+
+    Example (2 ranks, the gradient ``[3, 4]`` split as ``[3]`` and ``[4]``)::
+
+        norm = clip_grad_norm_([shard], 1.0, group=g)
+        # both ranks: norm == 5.0; rank 0's shard becomes [0.6], rank 1's [0.8]
+    """
+    del foreach
+    max_norm = _real("clip_grad_norm_", "max_norm", max_norm)
+    if not max_norm >= 0:
+        raise ValueError(f"{_PREFIX}.clip_grad_norm_: max_norm={max_norm!r} must be >= 0")
+    p = _norm_order(norm_type)
+    if _is_array(grads):
+        items: list[tuple[str, Any]] = [("grads", grads)]
+    elif isinstance(grads, Mapping):
+        items = [(f"grads[{k!r}]", g) for k, g in grads.items()]
+    elif isinstance(grads, Sequence) and not isinstance(grads, str):
+        items = [(f"grads[{i}]", g) for i, g in enumerate(grads)]
+    else:
+        raise TypeError(f"{_PREFIX}.clip_grad_norm_: grads must be a dict, a list or an array, "
+                        f"got {type(grads).__name__}")
+    arrays = []
+    for label, g in items:
+        if g is None:
+            continue
+        if not _is_array(g) or g.dtype.kind != "f":
+            kind = f"dtype {g.dtype}" if _is_array(g) else type(g).__name__
+            raise TypeError(f"{_PREFIX}.clip_grad_norm_: {label} must be a floating-point array, got {kind}")
+        arrays.append(g)
+
+    partial = 0.0
+    for g in arrays:
+        part = _partial_norm(g, p)
+        if part != part:
+            partial = math.nan
+            break
+        partial = max(partial, part) if p == math.inf else partial + part
+    if group is not None:
+        # [value, nan flag]: MPI's MAX may drop a nan, so nan travels as a flag that MAX/SUM keep.
+        is_nan = partial != partial
+        buf = np.array([0.0 if is_nan else partial, 1.0 if is_nan else 0.0], dtype=np.float64)
+        all_reduce(buf, ReduceOp.MAX if p == math.inf else ReduceOp.SUM, group=group)
+        partial = math.nan if buf[1] > 0 else float(buf[0])
+    if p == math.inf:
+        total = partial
+    elif p == 2.0:
+        total = math.sqrt(partial)
+    else:
+        total = partial ** (1.0 / p)
+    if error_if_nonfinite and not math.isfinite(total):
+        raise RuntimeError(f"{_PREFIX}.clip_grad_norm_: the total norm of order {norm_type} of the gradients is "
+                           f"{total}, not finite, so they cannot be clipped; pass error_if_nonfinite=False to "
+                           f"scale them by the non-finite norm anyway")
+    clip_coef = max_norm / (total + 1e-6)
+    if not clip_coef >= 1.0:  # includes nan, which torch's clamp(max=1) keeps
+        for g in arrays:
+            g *= clip_coef
+    return total
