@@ -165,3 +165,12 @@ def test_example_check_passes_under_meshkit_run(mpirun, tmp_path):
                            "--steps", "40", "--check"], capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "check against single-process training: OK" in proc.stdout
+
+
+def test_readme_tour_runs_on_four_ranks(mpirun):
+    import subprocess
+    script = Path(__file__).parents[1] / "examples" / "tour.py"
+    proc = subprocess.run([sys.executable, "-m", "meshkit.comm.launch", "-n", "4", "--timeout", "120", str(script)],
+                          capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("tour OK") == 4
