@@ -203,6 +203,10 @@ class Optimizer:
                 self._update_flat(name, flat, g.reshape(-1))
                 p[...] = flat.reshape(p.shape)
 
+    def state_nbytes(self) -> int:
+        """Bytes held by the state arrays on this rank (what ZeRO divides by the world size)."""
+        return sum(int(arr.nbytes) for st in self.state.values() for arr in st.values())
+
     def state_dict(self) -> dict[str, Any]:
         """A copy of the optimizer's state.
 

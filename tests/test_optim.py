@@ -126,6 +126,7 @@ def test_state_keys_and_dtype():
     run(adam, params, grads)
     assert all(set(st) == {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"} for st in adam.state.values())
     assert all(a.dtype == np.float32 for st in adam.state.values() for a in st.values())
+    assert adam.state_nbytes() == 3 * 4 * (20 + 7 + 1) and SGD(lr=0.1).state_nbytes() == 0
 
 
 def test_adamw_first_step_by_hand():
