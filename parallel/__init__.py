@@ -1,16 +1,23 @@
 """Data-parallel training strategies built on meshes and process groups.
 
-``DistributedDataParallel`` (bucketed, overlapped gradient averaging), its communication hooks,
-and elementwise optimizers that update whole parameters or any flat shard of them.
+``DistributedDataParallel`` (bucketed, overlapped gradient averaging) and its communication
+hooks; ``ZeroRedundancyOptimizer`` (ZeRO-1/2) on the same buckets; ``FullyShardedDataParallel``
+(ZeRO-3, and hybrid sharding on a 2-D mesh); elementwise optimizers that update whole
+parameters or any flat shard of them.
 """
 
 from .buckets import Bucket, BucketManager, assign_buckets
 from .ddp import DistributedDataParallel
+from .flat import FlatLayout
+from .fsdp import FullyShardedDataParallel
 from .hooks import GradBucket, PowerSGDState, allreduce_hook, fp16_compress_hook, powersgd_hook
 from .optim import SGD, AdamW, Optimizer, array_namespace, clip_grad_norm_
+from .reducer import GradientReducer
+from .zero import ZeroRedundancyOptimizer
 
 __all__ = [
-    "DistributedDataParallel", "Bucket", "BucketManager", "assign_buckets",
+    "DistributedDataParallel", "ZeroRedundancyOptimizer", "FullyShardedDataParallel",
+    "GradientReducer", "Bucket", "BucketManager", "assign_buckets", "FlatLayout",
     "GradBucket", "allreduce_hook", "fp16_compress_hook", "PowerSGDState", "powersgd_hook",
     "SGD", "AdamW", "Optimizer", "clip_grad_norm_", "array_namespace",
 ]

@@ -41,7 +41,7 @@ class Bucket:
     """
 
     index: int
-    buffer: Any
+    buffer: Any  # None while a lazily provisioned bucket (ZeRO-2) holds no gradients
     names: list[str]
     slots: dict[str, tuple[int, int, tuple[int, ...]]]
     ready: set[str] = dataclasses.field(default_factory=set)
@@ -49,12 +49,13 @@ class Bucket:
     launched: bool = False
 
     @property
-    def dtype(self) -> Any:
-        return self.buffer.dtype
+    def size(self) -> int:
+        """Elements the bucket holds (its buffer's length once it has one)."""
+        return self.slots[self.names[-1]][1]
 
     @property
     def nbytes(self) -> int:
-        return int(self.buffer.nbytes)
+        return 0 if self.buffer is None else int(self.buffer.nbytes)
 
     def view(self, name: str) -> Any:
         start, stop, shape = self.slots[name]
@@ -109,13 +110,18 @@ class BucketManager:
         order: parameter names in bucket-filling order.
         bucket_cap_bytes, first_bucket_cap_bytes: see :func:`assign_buckets`.
         launch: called as ``launch(bucket)`` when a bucket may start its reduction; returns its Work.
+        allocate: ``allocate(names, size, like) -> buffer or None`` for a new bucket; default: a
+            zeroed array of its own. ZeRO-1 returns a view of its flat gradient; ZeRO-2 returns
+            None and attaches a pooled buffer when a gradient is first written.
     """
 
     def __init__(self, params: dict[str, Any], order: Sequence[str], *, bucket_cap_bytes: int,
-                 first_bucket_cap_bytes: int, launch: Callable[[Bucket], Work | None]) -> None:
+                 first_bucket_cap_bytes: int, launch: Callable[[Bucket], Work | None],
+                 allocate: Callable[[list[str], int, Any], Any] | None = None) -> None:
         self._params = params
         self._caps = (bucket_cap_bytes, first_bucket_cap_bytes)
         self._launch = launch
+        self._allocate = allocate or (lambda names, size, like: array_namespace(like).zeros(size, dtype=like.dtype))
         self.buckets: list[Bucket] = []
         self.location: dict[str, Bucket] = {}
         self._next = 0
@@ -128,14 +134,12 @@ class BucketManager:
         groups = assign_buckets(specs, bucket_cap_bytes=self._caps[0], first_bucket_cap_bytes=self._caps[1])
         self.buckets, self.location = [], {}
         for index, names in enumerate(groups):
-            first = self._params[names[0]]
-            xp = array_namespace(first)
             slots, start = {}, 0
             for name in names:
                 p = self._params[name]
                 slots[name] = (start, start + int(p.size), tuple(p.shape))
                 start += int(p.size)
-            bucket = Bucket(index, xp.zeros(start, dtype=first.dtype), names, slots)
+            bucket = Bucket(index, self._allocate(names, start, self._params[names[0]]), names, slots)
             self.buckets.append(bucket)
             for name in names:
                 self.location[name] = bucket
@@ -178,7 +182,8 @@ class BucketManager:
 
     def zero(self) -> None:
         for bucket in self.buckets:
-            bucket.buffer[...] = 0
+            if bucket.buffer is not None:
+                bucket.buffer[...] = 0
 
     @property
     def nbytes(self) -> int:

@@ -1,6 +1,7 @@
 """DistributedDataParallel: bucketed gradient averaging that overlaps the backward pass.
 
-Arrays have no autograd, so the backward pass tells DDP when each gradient is final::
+The gradient interface (``grads``, ``mark_grad_ready``, ``no_sync``...) is
+:class:`~meshkit.parallel.reducer.GradientReducer`'s, shared with ZeRO::
 
     ddp = DistributedDataParallel(params, mesh=mesh["dp"])
     for x, y in batches:
@@ -19,9 +20,8 @@ micro-batches add up locally; the next synchronized pass averages the sum.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from ..comm import DistValueError, ProcessGroup, Work, all_gather_object, broadcast_object_list
 from ..comm.world import resolve_group
@@ -29,8 +29,10 @@ from ..mesh import DeviceMesh
 from .buckets import MB, Bucket, BucketManager
 from .hooks import GradBucket, allreduce_hook
 from .optim import array_namespace
+from .reducer import GradientReducer
 
-__all__ = ["DistributedDataParallel", "resolve_data_parallel_group", "check_params", "broadcast_params"]
+__all__ = ["DistributedDataParallel", "resolve_data_parallel_group", "check_params", "check_caps",
+           "broadcast_params"]
 
 logger = logging.getLogger("meshkit")
 
@@ -81,6 +83,12 @@ def _describe(spec: Any) -> str:
     return "missing" if spec is None else f"shape {spec[0]}, dtype {spec[1]}"
 
 
+def check_caps(bucket_cap_mb: float, first_bucket_cap_mb: float, who: str) -> None:
+    if not bucket_cap_mb > 0 or not first_bucket_cap_mb > 0:
+        raise DistValueError(f"meshkit.parallel: {who}: bucket caps must be positive, got "
+                             f"bucket_cap_mb={bucket_cap_mb}, first_bucket_cap_mb={first_bucket_cap_mb}")
+
+
 def broadcast_params(params: dict[str, Any], group: ProcessGroup, src: int) -> None:
     """Copy group rank ``src``'s parameters to every rank: one broadcast per dtype, not per array."""
     by_dtype: dict[Any, list[str]] = {}
@@ -97,7 +105,7 @@ def broadcast_params(params: dict[str, Any], group: ProcessGroup, src: int) -> N
             start += p.size
 
 
-class DistributedDataParallel:
+class DistributedDataParallel(GradientReducer):
     """Average gradients over a data-parallel group in buckets, overlapping the backward pass.
 
     Args:
@@ -121,15 +129,15 @@ class DistributedDataParallel:
             or are not floating-point.
     """
 
+    _strategy = "DistributedDataParallel"
+
     def __init__(self, params: dict[str, Any], *, mesh: DeviceMesh | None = None, group: ProcessGroup | None = None,
                  bucket_cap_mb: float = 25, first_bucket_cap_mb: float = 1, gradient_as_bucket_view: bool = True,
                  broadcast_from: int = 0, comm_hook: Callable[[Any, GradBucket], Work] | None = None,
                  comm_state: Any = None, find_unused_parameters: bool = False) -> None:
-        self.group = resolve_data_parallel_group(mesh, group, "DistributedDataParallel")
-        self.params = check_params(params, self.group, "DistributedDataParallel")
-        if bucket_cap_mb <= 0 or first_bucket_cap_mb <= 0:
-            raise DistValueError(f"meshkit.parallel: DistributedDataParallel: bucket caps must be positive, got "
-                                 f"bucket_cap_mb={bucket_cap_mb}, first_bucket_cap_mb={first_bucket_cap_mb}")
+        self.group = resolve_data_parallel_group(mesh, group, self._strategy)
+        self.params = check_params(params, self.group, self._strategy)
+        check_caps(bucket_cap_mb, first_bucket_cap_mb, self._strategy)
         if not 0 <= broadcast_from < self.group.size:
             raise DistValueError(f"meshkit.parallel: DistributedDataParallel: broadcast_from={broadcast_from} is "
                                  f"not a rank of the group (valid: 0..{self.group.size - 1})")
@@ -143,13 +151,9 @@ class DistributedDataParallel:
                                       first_bucket_cap_bytes=int(first_bucket_cap_mb * MB), launch=self._launch)
         self.grads: dict[str, Any] = {}
         self._bind_grads()
-        self._sync = True
-        self._ready_order: list[str] = []
-        self._touched: set[str] = set()  # marked ready since the last synchronized finish
         self._rebuilt = False
-        self.iteration = 0
+        self._init_reducer()
 
-    # ------------------------------------------------------------------ gradients
     def _bind_grads(self) -> None:
         views = self._buckets.views()
         if self.gradient_as_bucket_view:
@@ -161,131 +165,43 @@ class DistributedDataParallel:
             for name, view in views.items():
                 self.grads[name] = old[name] if name in old else array_namespace(view).zeros_like(view)
 
-    def register_comm_hook(self, state: Any, hook: Callable[[Any, GradBucket], Work]) -> None:
-        """Use ``hook(state, bucket)`` to average buckets (torch's ``register_comm_hook``)."""
-        self._hook, self._state = hook, state
+    def _replaced(self, name: str, view: Any) -> None:
+        if self.gradient_as_bucket_view:
+            self.grads[name] = view  # the user replaced the array: put the bucket view back
 
-    def zero_grad(self) -> None:
-        """Set every gradient to zero (they accumulate otherwise, as torch's ``.grad``)."""
+    def _zero(self) -> None:
         self._buckets.zero()
         if not self.gradient_as_bucket_view:
             for g in self.grads.values():
                 g[...] = 0
 
-    def mark_grad_ready(self, name: str, grad: Any = None) -> None:
-        """Declare ``grads[name]`` final for this backward pass (adding ``grad`` to it first, if given).
-
-        When every gradient of a bucket is ready its reduction starts asynchronously, in bucket
-        order. Raises for an unknown name, a gradient marked twice in one pass, or a gradient of
-        the wrong shape or dtype.
-        """
-        bucket = self._buckets.location.get(name) if isinstance(name, str) else None
-        if bucket is None:
-            raise DistValueError(f"meshkit.parallel: rank {self.group.global_rank}: mark_grad_ready: unknown "
-                                 f"parameter {name!r}; valid names are {list(self.params)}")
-        if name in bucket.ready:
-            raise DistValueError(f"meshkit.parallel: rank {self.group.global_rank}: mark_grad_ready: gradient "
-                                 f"{name!r} was already marked ready in this backward pass")
-        current = self.grads[name]
-        if grad is not None:
-            self._check_grad(name, grad)
-            current += grad
-        view = bucket.view(name)
-        if current is not view:
-            self._check_grad(name, current)
-            view[...] = current
-            if self.gradient_as_bucket_view:
-                self.grads[name] = view  # the user replaced the array: put the bucket view back
-        self._ready_order.append(name)
-        self._touched.add(name)
-        self._buckets.mark_ready(name, launch=self._sync)
-
-    def _check_grad(self, name: str, grad: Any) -> None:
-        p = self.params[name]
-        if getattr(grad, "shape", None) != p.shape or getattr(grad, "dtype", None) != p.dtype:
-            raise DistValueError(
-                f"meshkit.parallel: rank {self.group.global_rank}: gradient {name!r} has shape "
-                f"{getattr(grad, 'shape', None)} and dtype {getattr(grad, 'dtype', None)}; expected the parameter's "
-                f"shape {p.shape} and dtype {p.dtype}")
+    def register_comm_hook(self, state: Any, hook: Callable[[Any, GradBucket], Work]) -> None:
+        """Use ``hook(state, bucket)`` to average buckets (torch's ``register_comm_hook``)."""
+        self._hook, self._state = hook, state
 
     def _launch(self, bucket: Bucket) -> Work:
         last = bucket.index == len(self._buckets.buckets) - 1
         return self._hook(self._state, GradBucket(bucket, self.group, last))
 
-    def finish_gradient_sync(self) -> None:
-        """Wait for every bucket; ``grads`` then hold the averages over the group.
-
-        Inside ``no_sync()`` it only ends the backward pass (nothing is communicated).
-
-        Raises:
-            DistValueError: some gradients were never marked ready and
-                ``find_unused_parameters`` is False (they are named).
-        """
-        if not self._sync:
-            self._end_pass()
-            return
-        unready = self._buckets.unready()
-        if unready and not self.find_unused_parameters:
-            self._buckets.wait_all()
-            self._end_pass()
-            raise DistValueError(
-                f"meshkit.parallel: rank {self.group.global_rank}: finish_gradient_sync: gradients {unready} "
-                "were not marked ready in this backward pass; mark every gradient (or call sync_gradients()), "
-                "or pass find_unused_parameters=True if some parameters are unused")
-        for name in unready:
-            if name not in self._touched:
-                self._buckets.view(name)[...] = 0  # unused in every micro-batch: its gradient is zero
-            self._buckets.location[name].ready.add(name)
-        self._buckets.launch_ready()
-        self._buckets.wait_all()
+    def _after_sync(self, ready_order: list[str]) -> None:
         if not self.gradient_as_bucket_view:
             for name, g in self.grads.items():
                 g[...] = self._buckets.view(name)
-        order = self._ready_order
-        self._end_pass()
-        self._touched.clear()
-        self.iteration += 1
         if not self._rebuilt:
-            self._rebuild(order)
-
-    def sync_gradients(self) -> None:
-        """Mark every gradient not yet marked ready, then :meth:`finish_gradient_sync`."""
-        for name in self._buckets.unready():
-            self.mark_grad_ready(name)
-        self.finish_gradient_sync()
-
-    def _end_pass(self) -> None:
-        self._buckets.reset()
-        self._ready_order = []
+            self._rebuild(ready_order)
 
     def _rebuild(self, ready_order: list[str]) -> None:
         """Once, after the first synchronized pass: rebuild buckets in the order gradients became
         ready (rank 0's order, broadcast so every rank agrees), as torch's reducer does."""
         self._rebuilt = True
-        seen = set(ready_order)
         order = list(dict.fromkeys(ready_order))
-        order += [n for n in reversed(self.params) if n not in seen]
+        order += [n for n in reversed(self.params) if n not in set(order)]
         shared = [order]
         broadcast_object_list(shared, group_src=0, group=self.group)
-        if shared[0] != [b for bucket in self._buckets.buckets for b in bucket.names]:
+        if shared[0] != [n for bucket in self._buckets.buckets for n in bucket.names]:
             self._buckets.build(shared[0], keep_values=True)
             self._bind_grads()
             logger.debug("meshkit: DDP rebuilt %d buckets in gradient-ready order", len(self._buckets.buckets))
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally: no communication until the context exits."""
-        previous, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = previous
-
-    # ------------------------------------------------------------------ introspection
-    @property
-    def buckets(self) -> list[list[str]]:
-        """Parameter names per bucket, in launch order."""
-        return [list(b.names) for b in self._buckets.buckets]
 
     def memory_report(self, optimizer: Any = None) -> dict[str, int]:
         """Bytes this rank holds: ``params``, ``grads``, ``optimizer_state`` (of ``optimizer``,

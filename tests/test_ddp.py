@@ -100,7 +100,7 @@ def test_powersgd_trains_the_example_within_10_percent_of_allreduce():
     args = train_mlp.parse_args(["--steps", "150", "--bucket-cap-mb", "0.01"])
 
     def body(hook, state):
-        return train_mlp.train_ddp(args, hook, state, progress=False)[1][-1]
+        return train_mlp.train(args, hook, state, progress=False)[1][-1]
     plain = local.run(body, 2, None, None, timeout=60)[0]
     compressed = local.run(body, 2, powersgd_hook, PowerSGDState(rank=2, start_iter=10), timeout=60)[0]
     assert plain < 0.6, f"the example should learn: loss {plain}"

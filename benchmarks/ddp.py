@@ -1,0 +1,603 @@
+"""DistributedDataParallel: bucketed gradient sync, overlap with the backward pass, bucket-size sweep.
+
+Run it by hand (it is a measurement, not a test; nothing here asserts on timings)::
+
+    meshkit-run -n 4 benchmarks/ddp.py                 # all three sections, table on rank 0
+    meshkit-run -n 4 benchmarks/ddp.py --plot          # ... and benchmarks/results/ddp-n4.png
+    meshkit-run -n 2 benchmarks/ddp.py --plot
+    meshkit-run -n 4 benchmarks/ddp.py --only sync --rounds 9
+    meshkit-run -n 4 benchmarks/ddp.py --only overlap --caps 1,25 --hidden 2048,2048
+
+With the pip-installed ``mpich`` wheel in a venv, use the venv's launcher, e.g.
+``/tmp/venv/bin/meshkit-run -n 4 benchmarks/ddp.py --plot``. Results go to
+``benchmarks/results/ddp-n{N}.json`` (``--json`` to change) and, with ``--plot``, the PNG
+next to it. Each rank's BLAS runs one thread (``OPENBLAS_NUM_THREADS``, ``OMP_NUM_THREADS``
+and ``MKL_NUM_THREADS`` default to 1 here unless already set), so N ranks use N cores.
+
+**1. Gradient synchronisation** (``--only sync``), for 1000 float32 gradients of 4 KB and
+100 of 256 KB (``--cases``), the time of one synchronisation of all of them by:
+
+* ``ddp``: ``DistributedDataParallel`` with the default caps (25 MB, first bucket 1 MB):
+  ``zero_grad()``, ``mark_grad_ready(name)`` for every gradient in reverse order (gradients
+  preallocated, nothing new written), ``finish_gradient_sync()``;
+* ``per-grad``: one blocking ``meshkit.all_reduce(g, AVG)`` per gradient;
+* ``flat``: one ``meshkit.all_reduce`` (AVG) of a single buffer of the same total size: the floor;
+* ``ddp local`` (diagnostic): the same DDP pass inside ``no_sync()``, i.e. DDP's own Python
+  and memory work (zero_grad, marking, bucket bookkeeping) without any communication.
+
+Targets, printed with PASS/MISS (informative only; nothing fails): DDP within 1.3x of the
+flat all_reduce, and at least 4x faster than the per-gradient all_reduce for the 4 KB case.
+
+**2. Overlap** (``--only overlap``): the MLP of ``examples/train_mlp.py`` made bigger so that
+communication matters (hidden layers ``--hidden``, default 1024,1024,1024: 2.1M parameters,
+8.5 MB in float32), global batch ``--batch`` (256) split over the ranks. Per training step:
+
+* (a) compute alone: ``zero`` the gradient buffers, forward, loss, backward; ``on_grad`` only
+  adds each gradient into a preallocated buffer (the same local work as DDP's
+  ``mark_grad_ready(name, g)``, which adds ``g`` into its bucket), no communication;
+* (b) sync alone: ``ddp.sync_gradients()`` of preset gradients, no compute in between;
+* (c) DDP step: ``zero_grad()``, forward, backward calling ``ddp.mark_grad_ready(name, g)``
+  as each gradient is computed (buckets start averaging while earlier layers are still
+  differentiating), ``finish_gradient_sync()``.
+
+The fraction of communication hidden behind compute is ``(a + b - c) / b``, clamped to
+[0, 1]: 1 when the step costs no more than its compute, 0 when it costs compute plus the
+whole sync. It needs a core for the computing thread and one for the communication thread
+(or an engine progressing on its own): with more ranks than cores (4 ranks on a 2-core
+machine) every rank's compute and every rank's communication contend for the same cores, so
+communication time is CPU time taken from compute and little or nothing can be hidden, and
+(a) itself is slowed by the other ranks. The measure is meaningful with (at least) one core
+per rank, e.g. ``-n 2`` on 2 cores, or 4 ranks on 4+ cores. Note also that at the default caps
+an 8 MB model fills two buckets: a tiny first one (the last layer) and one with everything
+else, launched only when the first layer's gradient is ready, i.e. after the backward pass;
+only smaller caps (section 3) leave communication to overlap.
+
+**3. Bucket-size sweep**: the same (b) and (c) for ``bucket_cap_mb`` in ``--caps`` (0.25,
+0.5, 1, 2, 5, 10, 25, 50), ``first_bucket_cap_mb = min(1, cap)``, with the hidden fraction of
+each against the same (a). Section 2 is the sweep's 25 MB point (the default caps), measured in
+the same rounds.
+
+Timing, as every benchmark here (see ``_common.py``): the methods are interleaved in rounds
+(the order rotating from round to round), with a barrier (whose waiting ranks yield the core)
+before each timed block of ``iters`` back-to-back calls after ``warmup`` untimed ones; a
+call's time is the MAX over ranks of each rank's mean; the reported time is the median over
+``--rounds`` rounds (5). Without ``--iters`` the calls per block adapt to about
+``--block-seconds`` seconds. Every method's result is checked once against the expected
+average before timing.
+
+Rank 0 prints the tables, shows progress (tqdm when installed), writes the JSON (metadata and
+one row per measurement) and, with ``--plot``, a PNG: step (c) and sync (b) time against the
+bucket cap (log axis) with the compute-alone time for reference, and the hidden fraction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")  # before numpy: one BLAS thread per rank
+
+import dataclasses  # noqa: E402
+import math  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Callable  # noqa: E402
+
+import numpy as np  # noqa: E402
+from _common import (LOG, Progress, barrier, calibrate_iters, format_size, max_over_ranks, median,  # noqa: E402
+                     parse_args_rank0, print0, require_pyplot, run_metadata, setup_logging, time_calls,
+                     write_json)
+from mpi4py import MPI  # noqa: E402
+
+import meshkit  # noqa: E402
+from meshkit.examples.train_mlp import backward, forward, init_params, loss_and_grad_logits, make_data  # noqa: E402
+from meshkit.parallel import DistributedDataParallel  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+#: Informative targets of section 1 (printed as PASS/MISS, never asserted).
+MAX_DDP_OVER_FLAT = 1.3
+MIN_PERGRAD_OVER_DDP = 4.0
+PERGRAD_TARGET_BYTES = 4 << 10  # the per-gradient target applies to the small-gradient case
+DEFAULT_CAP_MB, DEFAULT_FIRST_CAP_MB = 25.0, 1.0
+SYNC_METHODS = ("ddp", "per-grad", "flat", "ddp local")
+
+Call = Callable[[], object]
+
+
+# --------------------------------------------------------------------------- rounds
+@dataclasses.dataclass
+class Block:
+    """One timed thing: a collective callable and its calls per timed block."""
+
+    name: str
+    fn: Call
+    iters: int = 0
+
+
+def calibrate(blocks: list[Block], comm: MPI.Comm, args: argparse.Namespace) -> None:
+    """Calls per timed block: ``--iters``, or about ``--block-seconds`` of calls (same on every rank)."""
+    for block in blocks:
+        block.iters = args.iters or calibrate_iters(block.fn, comm, budget_s=args.block_seconds,
+                                                    min_iters=args.min_iters, probe_s=0.005)
+
+
+def run_rounds(blocks: list[Block], comm: MPI.Comm, rounds: int, warmup: int,
+               on_round: Callable[[int], None] = lambda r: None) -> dict[str, list[float]]:
+    """Seconds per call of each block in each round: the MAX over ranks of each rank's mean."""
+    local = np.zeros((rounds, len(blocks)))
+    for r in range(rounds):
+        for k in range(len(blocks)):
+            i = (r + k) % len(blocks)  # rotate: no block always runs first
+            block = blocks[i]
+            for _ in range(warmup):
+                block.fn()
+            barrier(comm)
+            local[r, i] = time_calls(block.fn, block.iters)
+        on_round(r)
+    worst = np.array(max_over_ranks(comm, local.ravel())).reshape(rounds, len(blocks))
+    return {b.name: worst[:, i].tolist() for i, b in enumerate(blocks)}
+
+
+def check_all(comm: MPI.Comm, what: str, ok: bool) -> None:
+    """Raise on every rank if ``ok`` is False on any rank, naming the ranks."""
+    bad = [r for r, good in enumerate(comm.allgather(bool(ok))) if not good]
+    if bad:
+        raise RuntimeError(f"meshkit.bench: {what} gave a wrong result on ranks {bad}")
+
+
+# --------------------------------------------------------------------------- 1. gradient sync
+@dataclasses.dataclass(frozen=True)
+class Case:
+    count: int
+    nbytes: int  # of one gradient
+
+    @property
+    def label(self) -> str:
+        return f"{self.count} x {format_size(self.nbytes)}"
+
+
+def parse_case(text: str) -> Case:
+    """``1000x4K`` -> 1000 gradients of 4 KB."""
+    from _common import parse_size
+    count, sep, size = text.lower().partition("x")
+    if not sep or not count.strip().isdigit() or int(count) < 1:
+        raise argparse.ArgumentTypeError(f"invalid case {text!r}; write COUNTxSIZE, e.g. 1000x4K")
+    nbytes = parse_size(size)
+    if nbytes < 4 or nbytes % 4:
+        raise argparse.ArgumentTypeError(f"invalid case {text!r}: the gradient size must be a multiple of 4 "
+                                         "bytes (float32)")
+    return Case(int(count), nbytes)
+
+
+def sync_blocks(case: Case, comm: MPI.Comm) -> tuple[list[Block], int]:
+    """The section-1 callables of ``case`` (checked once), and DDP's number of buckets."""
+    rank, n = comm.Get_rank(), comm.Get_size()
+    elems = case.nbytes // 4
+    width = len(str(case.count - 1))
+    params = {f"p{i:0{width}d}": np.zeros(elems, np.float32) for i in range(case.count)}
+    ddp = DistributedDataParallel(params, bucket_cap_mb=DEFAULT_CAP_MB, first_bucket_cap_mb=DEFAULT_FIRST_CAP_MB)
+    names = list(reversed(params))
+    grads = [np.zeros(elems, np.float32) for _ in range(case.count)]
+    flat = np.zeros(case.count * elems, np.float32)
+    avg = meshkit.ReduceOp.AVG
+
+    def ddp_sync() -> None:
+        ddp.zero_grad()
+        for name in names:
+            ddp.mark_grad_ready(name)
+        ddp.finish_gradient_sync()
+
+    def ddp_local() -> None:
+        with ddp.no_sync():
+            ddp.zero_grad()
+            for name in names:
+                ddp.mark_grad_ready(name)
+            ddp.finish_gradient_sync()
+
+    def per_grad() -> None:
+        for g in grads:
+            meshkit.all_reduce(g, avg)
+
+    def flat_sync() -> None:
+        meshkit.all_reduce(flat, avg)
+
+    # correctness, once: rank r contributes r + 1 (+ i / count per gradient); the average is known
+    expected = (n + 1) / 2
+    offsets = np.arange(case.count, dtype=np.float32)[:, None] / case.count
+    ddp.zero_grad()
+    for i, name in enumerate(params):
+        ddp.grads[name][...] = rank + 1 + offsets[i]
+    for name in names:
+        ddp.mark_grad_ready(name)
+    ddp.finish_gradient_sync()
+    ok = all(np.allclose(ddp.grads[name], expected + offsets[i]) for i, name in enumerate(params))
+    for i, g in enumerate(grads):
+        g[...] = rank + 1 + offsets[i]
+    per_grad()
+    ok &= all(np.allclose(g, expected + offsets[i]) for i, g in enumerate(grads))
+    flat[...] = rank + 1
+    flat_sync()
+    ok &= bool(np.allclose(flat, expected))
+    check_all(comm, f"gradient sync of {case.label}", ok)
+    for g in grads:
+        g.fill(0)  # zeros: values stay finite however many times they are averaged in place
+    flat.fill(0)
+    blocks = [Block("ddp", ddp_sync), Block("per-grad", per_grad), Block("flat", flat_sync),
+              Block("ddp local", ddp_local)]
+    return blocks, len(ddp.buckets)
+
+
+def sync_rows(case: Case, times: dict[str, list[float]], blocks: list[Block], buckets: int,
+              n: int) -> list[dict[str, Any]]:
+    rows = []
+    for block in blocks:
+        rounds = times[block.name]
+        rows.append({"section": "sync", "case": case.label, "gradients": case.count, "grad_bytes": case.nbytes,
+                     "total_bytes": case.count * case.nbytes, "method": block.name, "world_size": n,
+                     "buckets": buckets if block.name.startswith("ddp") else None,
+                     "time_ms": median(rounds) * 1e3, "iters": block.iters,
+                     "rounds_ms": [t * 1e3 for t in rounds]})
+    return rows
+
+
+def sync_table(rows: list[dict[str, Any]], n: int, rounds: int) -> list[str]:
+    by_case: dict[str, dict[str, dict[str, Any]]] = {}
+    for row in rows:
+        by_case.setdefault(row["case"], {})[row["method"]] = row
+    lines = [f"1. gradient sync: float32, AVG, {n} ranks; ms per sync (max over ranks, median of {rounds} rounds)",
+             f"{'case':>11} {'total':>6} {'buckets':>7} {'ddp':>9} {'per-grad':>9} {'flat':>9} "
+             f"{'ddp local':>9} {'ddp/flat':>9} {'per-grad/ddp':>12}"]
+    verdicts = []
+    for label, m in by_case.items():
+        ddp, per, flat, local = (m[k]["time_ms"] for k in SYNC_METHODS)
+        total = m["ddp"]["total_bytes"]
+        lines.append(f"{label:>11} {format_size(total) if total % 1024 == 0 else total:>6} "
+                     f"{m['ddp']['buckets']:>7} {ddp:9.3f} {per:9.3f} {flat:9.3f} {local:9.3f} "
+                     f"{ddp / flat:8.2f}x {per / ddp:11.2f}x")
+        verdicts.append(f"  {label}: ddp/flat {ddp / flat:.2f}x (target <= {MAX_DDP_OVER_FLAT}x): "
+                        f"{'PASS' if ddp / flat <= MAX_DDP_OVER_FLAT else 'MISS'}")
+        if m["ddp"]["grad_bytes"] == PERGRAD_TARGET_BYTES:
+            target = f"target >= {MIN_PERGRAD_OVER_DDP:g}x" + ("" if n == 4 else ", set for 4 ranks")
+            verdicts.append(f"  {label}: per-grad/ddp {per / ddp:.2f}x ({target}): "
+                            f"{'PASS' if per / ddp >= MIN_PERGRAD_OVER_DDP else 'MISS'}")
+    lines.append("targets (informative):")
+    return lines + verdicts
+
+
+def run_sync(args: argparse.Namespace, comm: MPI.Comm, progress: Progress,
+             emit: Callable[[str], None]) -> list[dict[str, Any]]:
+    rows = []
+    n = comm.Get_size()
+    for case in args.cases:
+        progress.start_group(f"sync {case.label}")
+        blocks, buckets = sync_blocks(case, comm)
+        calibrate(blocks, comm, args)
+        times = run_rounds(blocks, comm, args.rounds, args.warmup, lambda r: progress.step(case.label))
+        rows += sync_rows(case, times, blocks, buckets, n)
+    for line in sync_table(rows, n, args.rounds):
+        emit(line)
+    return rows
+
+
+# --------------------------------------------------------------------------- 2, 3. overlap and sweep
+def caps_of(cap: float) -> tuple[float, float]:
+    return cap, min(DEFAULT_FIRST_CAP_MB, cap)
+
+
+def overlap_blocks(args: argparse.Namespace, comm: MPI.Comm) -> tuple[list[Block], dict[float, int], dict[str, Any]]:
+    """Compute alone, then per cap sync alone and the DDP step (checked once); buckets per cap; model info."""
+    rank, n = comm.Get_rank(), comm.Get_size()
+    dtype = np.dtype(args.dtype)
+    params = init_params(tuple(args.hidden), dtype=dtype)
+    x, y = make_data(max(4096, args.batch))
+    # one fixed global batch (the data does not change the cost); this rank's contiguous share
+    idx = np.array_split(np.arange(args.batch), n)[rank]
+    xb, yb = x[idx], y[idx]
+
+    # (a) compute alone: the step's local work, gradients added into preallocated buffers
+    flat = np.zeros(sum(p.size for p in params.values()), dtype)
+    store, start = {}, 0
+    for name in reversed(params):  # the same layout as DDP's buckets
+        p = params[name]
+        store[name] = flat[start:start + p.size].reshape(p.shape)
+        start += p.size
+
+    def add(name: str, g: np.ndarray) -> None:
+        store[name] += g
+
+    def compute() -> None:
+        flat.fill(0)
+        acts = forward(params, xb)
+        _, dlogits = loss_and_grad_logits(acts[-1], yb)
+        backward(params, acts, dlogits, add)
+
+    blocks = [Block("compute", compute)]
+    buckets: dict[float, int] = {}
+    compute()
+    meshkit.all_reduce(flat, meshkit.ReduceOp.AVG)
+    expected = {name: g.copy() for name, g in store.items()}
+    rtol = 1e-4 if dtype == np.float32 else 1e-10
+    ok = True
+    for cap in args.caps:
+        ddp = DistributedDataParallel(params, bucket_cap_mb=caps_of(cap)[0], first_bucket_cap_mb=caps_of(cap)[1])
+
+        def step(ddp: DistributedDataParallel = ddp) -> None:
+            ddp.zero_grad()
+            acts = forward(ddp.params, xb)
+            _, dlogits = loss_and_grad_logits(acts[-1], yb)
+            backward(ddp.params, acts, dlogits, ddp.mark_grad_ready)
+            ddp.finish_gradient_sync()
+
+        step()  # the first pass also rebuilds buckets in gradient-ready order
+        ok &= all(np.allclose(ddp.grads[k], v, rtol=rtol, atol=rtol * float(np.abs(v).max()))
+                  for k, v in expected.items())
+        blocks += [Block(f"sync {cap:g}", ddp.sync_gradients), Block(f"step {cap:g}", step)]
+        buckets[cap] = len(ddp.buckets)
+    check_all(comm, "the DDP training step (gradients against an all_reduce of the local ones)", ok)
+    sizes = (params["w0"].shape[0], *args.hidden, params[f"w{len(args.hidden)}"].shape[1])
+    model = {"layers": list(sizes), "parameters": int(flat.size), "grad_bytes": int(flat.nbytes),
+             "dtype": str(dtype), "global_batch": args.batch, "batch_per_rank": len(idx)}
+    return blocks, buckets, model
+
+
+def hidden_fraction(a: float, b: float, c: float) -> float:
+    return min(1.0, max(0.0, (a + b - c) / b)) if b > 0 else 0.0
+
+
+def run_overlap(args: argparse.Namespace, comm: MPI.Comm, progress: Progress,
+                emit: Callable[[str], None]) -> list[dict[str, Any]]:
+    n = comm.Get_size()
+    progress.start_group("overlap + sweep")
+    blocks, buckets, model = overlap_blocks(args, comm)
+    calibrate(blocks, comm, args)
+    times = run_rounds(blocks, comm, args.rounds, args.warmup, lambda r: progress.step("overlap"))
+    iters = {b.name: b.iters for b in blocks}
+    a_rounds = times["compute"]
+    a = median(a_rounds)
+    rows: list[dict[str, Any]] = []
+    for cap in args.caps:
+        b_rounds, c_rounds = times[f"sync {cap:g}"], times[f"step {cap:g}"]
+        b, c = median(b_rounds), median(c_rounds)
+        # per round too: the spread of the hidden fraction shows how much to trust it
+        per_round = [hidden_fraction(*t) for t in zip(a_rounds, b_rounds, c_rounds)]
+        rows.append({"section": "sweep", "world_size": n, "bucket_cap_mb": caps_of(cap)[0],
+                     "first_bucket_cap_mb": caps_of(cap)[1], "buckets": buckets[cap], **model,
+                     "compute_ms": a * 1e3, "sync_ms": b * 1e3, "step_ms": c * 1e3,
+                     "hidden_fraction": hidden_fraction(a, b, c),
+                     "hidden_fraction_rounds": per_round,
+                     "iters": {"compute": iters["compute"], "sync": iters[f"sync {cap:g}"],
+                               "step": iters[f"step {cap:g}"]},
+                     "compute_rounds_ms": [t * 1e3 for t in a_rounds],
+                     "sync_rounds_ms": [t * 1e3 for t in b_rounds], "step_rounds_ms": [t * 1e3 for t in c_rounds]})
+    layers = "-".join(map(str, model["layers"]))
+    head = (f"MLP {layers}, {model['parameters'] / 1e6:.2f}M parameters ({format_size(model['grad_bytes'])}B "
+            f"{model['dtype']} gradients), global batch {model['global_batch']} ({model['batch_per_rank']} per rank), "
+            f"{n} ranks; ms per step (max over ranks, median of {args.rounds} rounds)")
+    default = next((r for r in rows if r["bucket_cap_mb"] == DEFAULT_CAP_MB), None)
+    if default is not None:
+        a, b, c = default["compute_ms"], default["sync_ms"], default["step_ms"]
+        spread = default["hidden_fraction_rounds"]
+        emit("")
+        emit(f"2. overlap, default caps ({DEFAULT_CAP_MB:g} MB, first {DEFAULT_FIRST_CAP_MB:g} MB: "
+             f"{default['buckets']} buckets): {head}")
+        emit(f"  (a) compute alone     {a:9.2f} ms")
+        emit(f"  (b) sync alone        {b:9.2f} ms")
+        emit(f"  (c) DDP step          {c:9.2f} ms   (a + b = {a + b:.2f} ms)")
+        emit(f"  hidden = (a + b - c) / b = {default['hidden_fraction']:.2f}  "
+             f"(per round: {min(spread):.2f} .. {max(spread):.2f})")
+        if _oversubscribed(comm):
+            emit(f"  note: {n} ranks share fewer than {n} cores: compute and communication contend, "
+                 "so little can be hidden (see the docstring)")
+    emit("")
+    emit(f"3. bucket-size sweep (first bucket = min(1, cap)): {head}")
+    emit(f"{'cap MB':>7} {'first':>6} {'buckets':>7} {'(b) sync':>9} {'(c) step':>9} {'(a) compute':>11} "
+         f"{'hidden':>7}")
+    for r in rows:
+        emit(f"{r['bucket_cap_mb']:7g} {r['first_bucket_cap_mb']:6g} {r['buckets']:7d} {r['sync_ms']:9.2f} "
+             f"{r['step_ms']:9.2f} {r['compute_ms']:11.2f} {r['hidden_fraction']:7.2f}")
+    best = min(rows, key=lambda r: r["step_ms"])
+    emit(f"  fastest step: cap {best['bucket_cap_mb']:g} MB, {best['step_ms']:.2f} ms "
+         f"(hidden {best['hidden_fraction']:.2f})")
+    return rows
+
+
+def _oversubscribed(comm: MPI.Comm) -> bool:
+    from _common import placement
+    return bool(placement(comm)["oversubscribed"])
+
+
+# --------------------------------------------------------------------------- plot
+def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Left: step (c), sync (b) and compute (a) time vs bucket cap; right: the hidden fraction."""
+    plt = require_pyplot()
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+    sweep = sorted((r for r in rows if r["section"] == "sweep"), key=lambda r: r["bucket_cap_mb"])
+    sync = [r for r in rows if r["section"] == "sync"]
+    panels = 2 + bool(sync)
+    fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.4))
+    if sweep:
+        caps = [r["bucket_cap_mb"] for r in sweep]
+        ax = axes[0]
+        ax.plot(caps, [r["step_ms"] for r in sweep], marker="o", label="(c) DDP step (compute + overlapped sync)")
+        ax.plot(caps, [r["sync_ms"] for r in sweep], marker="s", label="(b) sync alone")
+        ax.plot(caps, [r["compute_ms"] for r in sweep], linestyle="--", color="gray", label="(a) compute alone")
+        ax.plot(caps, [r["compute_ms"] + r["sync_ms"] for r in sweep], linestyle=":", color="tab:red",
+                label="(a) + (b): nothing hidden")
+        for r in sweep:
+            ax.annotate(str(r["buckets"]), (r["bucket_cap_mb"], r["step_ms"]), textcoords="offset points",
+                        xytext=(0, 6), fontsize=8, ha="center", color="tab:blue")
+        ax.set_ylabel("ms per step (max over ranks, median)")
+        ax.set_title("time vs bucket cap (numbers: buckets)", fontsize="medium")
+        ax.set_ylim(bottom=0)
+        axes[1].plot(caps, [r["hidden_fraction"] for r in sweep], marker="o", color="tab:green", label="median")
+        lo = [min(r["hidden_fraction_rounds"]) for r in sweep]
+        hi = [max(r["hidden_fraction_rounds"]) for r in sweep]
+        axes[1].fill_between(caps, lo, hi, color="tab:green", alpha=0.15, label="range over rounds")
+        axes[1].set_ylim(-0.03, 1.03)
+        axes[1].set_ylabel("communication hidden, (a + b - c) / b")
+        axes[1].set_title("fraction of the sync hidden behind backward", fontsize="medium")
+        for ax in axes[:2]:
+            ax.set_xscale("log")
+            ax.xaxis.set_major_locator(FixedLocator(caps))
+            ax.xaxis.set_minor_locator(NullLocator())
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+            ax.set_xlabel("bucket_cap_mb (first bucket: min(1, cap))")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize="small", loc="best")
+    if sync:
+        ax = axes[-1]
+        cases = list(dict.fromkeys(r["case"] for r in sync))
+        width = 0.8 / len(SYNC_METHODS)
+        for k, method in enumerate(SYNC_METHODS):
+            values = [next(r["time_ms"] for r in sync if r["case"] == c and r["method"] == method) for c in cases]
+            ax.bar([i + (k - (len(SYNC_METHODS) - 1) / 2) * width for i in range(len(cases))], values, width,
+                   label=method)
+        ax.set_xticks(range(len(cases)), cases)
+        ax.set_yscale("log")
+        ax.set_ylabel("ms per sync of all gradients")
+        ax.set_title("gradient sync (float32, AVG)", fontsize="medium")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.suptitle(title, fontsize="medium")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- command line
+def _float_list(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid list {text!r}; write comma-separated numbers, e.g. 1,25")
+    if not values or min(values) <= 0 or not all(map(math.isfinite, values)):
+        raise argparse.ArgumentTypeError(f"invalid list {text!r}: give one or more positive numbers")
+    return sorted(set(values))
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid list {text!r}; write comma-separated integers, e.g. 1024,1024")
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"invalid list {text!r}: give one or more positive integers")
+    return values
+
+
+def _case_list(text: str) -> list[Case]:
+    return [parse_case(t) for t in text.split(",") if t.strip()] or [parse_case(text)]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--only", choices=("sync", "overlap"), default=None,
+                   help="run one section: sync (1) or overlap (2 and 3); default both")
+    p.add_argument("--cases", type=_case_list, default=[Case(1000, 4 << 10), Case(100, 256 << 10)],
+                   metavar="NxSIZE,...", help="section 1: gradient counts and sizes (float32), e.g. 1000x4K,100x256K")
+    p.add_argument("--hidden", type=_int_list, default=[1024, 1024, 1024], help="sections 2-3: hidden layer widths")
+    p.add_argument("--batch", type=int, default=256, help="sections 2-3: global batch (divisible by the ranks)")
+    p.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="sections 2-3: model dtype")
+    p.add_argument("--caps", type=_float_list, default=[0.25, 0.5, 1, 2, 5, 10, 25, 50],
+                   help="section 3: bucket_cap_mb values (25 is section 2)")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the median is reported")
+    p.add_argument("--iters", type=int, default=None, help="calls per timed block (default: adapt to --block-seconds)")
+    p.add_argument("--block-seconds", type=float, default=0.1, help="about this long per timed block without --iters")
+    p.add_argument("--min-iters", type=int, default=2, help="fewest calls per timed block without --iters")
+    p.add_argument("--warmup", type=int, default=1, help="untimed calls before each timed block")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds any blocking meshkit call waits at most")
+    p.add_argument("--json", type=Path, default=None, help="result file (default benchmarks/results/ddp-n{N}.json)")
+    p.add_argument("--plot", type=Path, nargs="?", const=Path(), default=None,
+                   help="draw a PNG (default path: the JSON path with .png)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    return p
+
+
+def parse_args(rank: int, n: int, argv: list[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
+    args = parse_args_rank0(p, rank, argv)
+    error = None
+    if args.rounds < 1:
+        error = f"invalid --rounds {args.rounds}; it must be >= 1"
+    elif args.iters is not None and args.iters < 1:
+        error = f"invalid --iters {args.iters}; it must be >= 1"
+    elif args.min_iters < 1 or args.warmup < 0 or not args.block_seconds > 0 or not args.timeout > 0:
+        error = "--min-iters must be >= 1, --warmup >= 0, --block-seconds and --timeout > 0"
+    elif args.only != "sync" and (args.batch < n or args.batch % n):
+        error = f"invalid --batch {args.batch}: it must be a positive multiple of the {n} ranks"
+    elif args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            error = "--plot needs matplotlib, which is not installed; run `pip install matplotlib` (or meshkit[bench])"
+    if error:
+        if rank == 0:
+            p.error(error)
+        raise SystemExit(2)
+    if args.only != "sync" and DEFAULT_CAP_MB not in args.caps:
+        args.caps = sorted({*args.caps, DEFAULT_CAP_MB})  # section 2 is the default caps' point
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    comm = MPI.COMM_WORLD.Dup()  # barriers and time reductions: never in meshkit's way
+    rank, n = comm.Get_rank(), comm.Get_size()
+    args = parse_args(rank, n, argv)
+    setup_logging(rank, args.verbose)
+    meshkit.init_process_group("mpi", timeout=args.timeout)
+    show = rank == 0 and not args.no_progress
+    steps = (len(args.cases) * args.rounds if args.only != "overlap" else 0) + (
+        args.rounds if args.only != "sync" else 0)
+    rows: list[dict[str, Any]] = []
+    try:
+        with Progress(steps, enabled=show, unit="round") as progress:
+            def emit(text: str) -> None:
+                if show:
+                    progress.write(text)
+                else:
+                    print0(rank, text)
+            if args.only != "overlap":
+                rows += run_sync(args, comm, progress, emit)
+            if args.only != "sync":
+                if args.only is None:
+                    emit("")
+                rows += run_overlap(args, comm, progress, emit)
+    finally:
+        meshkit.destroy_process_group()
+    meta = metadata(args, comm)  # collective (placement): every rank
+    if rank == 0:
+        save(args, meta, rows, n)
+    comm.Free()
+    return 0
+
+
+def metadata(args: argparse.Namespace, comm: MPI.Comm) -> dict[str, Any]:
+    return run_metadata(
+        comm, benchmark="ddp", sections=[args.only] if args.only else ["sync", "overlap", "sweep"],
+        rounds=args.rounds, iters=args.iters, block_seconds=args.block_seconds, warmup=args.warmup,
+        cases=[c.label for c in args.cases], hidden=args.hidden, batch=args.batch, dtype=args.dtype,
+        caps_mb=args.caps, default_caps_mb=[DEFAULT_CAP_MB, DEFAULT_FIRST_CAP_MB],
+        blas_threads={v: os.environ.get(v) for v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")},
+        load_average_1m=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        targets={"ddp_over_flat_max": MAX_DDP_OVER_FLAT, "pergrad_over_ddp_min": MIN_PERGRAD_OVER_DDP})
+
+
+def save(args: argparse.Namespace, meta: dict[str, Any], rows: list[dict[str, Any]], n: int) -> None:
+    path = args.json or RESULTS / f"ddp-n{n}.json"
+    write_json(path, meta, rows)
+    LOG.info("wrote %s", path)
+    if args.plot is not None:
+        png = path.with_suffix(".png") if args.plot == Path() else args.plot
+        title = (f"meshkit DDP: {n} ranks, {meta['cores_per_host']} cores/host, {meta['hostname']}, "
+                 f"median of {args.rounds} rounds")
+        plot(rows, png, title)
+        LOG.info("wrote %s", png)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,285 @@
+"""Fully sharded data parallel (ZeRO-3), and hybrid sharding on a 2-D mesh.
+
+At rest each rank holds only its shard of every unit's flat buffers: parameters, gradients and
+optimizer state all cost 1/N. A unit (e.g. one layer) is all-gathered for the moment it is
+used and freed after; its gradients are reduce-scattered straight into the gradient shards::
+
+    fsdp = FullyShardedDataParallel(params, mesh=mesh, optimizer=AdamW(lr=1e-3),
+                                    units=[["w0", "b0"], ["w1", "b1"]])
+    for i in range(2):                         # forward
+        fsdp.prefetch(i + 1) if i + 1 < 2 else None
+        with fsdp.unshard(i) as p:             # full parameters of unit i
+            h = layer(h, p)
+    for i in reversed(range(2)):               # backward: gather again, reduce gradients
+        with fsdp.unshard(i) as p:
+            grads = layer_backward(p, ...)
+        fsdp.reduce_grads(i, grads)            # asynchronous reduce-scatter
+    fsdp.step()                                # wait, then update the shards
+
+On a 2-D mesh ``(replicate, shard)`` (hybrid sharding, HSDP) parameters are sharded over the
+``shard`` dimension and replicated over ``replicate``: gradients are reduce-scattered over the
+shard group, then the shard is all-reduced over the replicate group, so gradients are averaged
+over every data-parallel rank as DDP does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Sequence
+
+from ..comm import DistValueError, ProcessGroup, ReduceOp, Work
+from ..mesh import DeviceMesh
+from .ddp import broadcast_params, check_params
+from .flat import FlatLayout, gather_state_dict, load_state_dict_into, make_layouts
+from .optim import Optimizer, array_namespace, clip_grad_norm_
+
+__all__ = ["FullyShardedDataParallel"]
+
+
+class FullyShardedDataParallel:
+    """Parameters, gradients and optimizer state sharded over a mesh dimension.
+
+    Args:
+        params: ordered ``dict[str, array]`` (every rank passes the same names, shapes and
+            dtypes; every rank starts from the parameters of the mesh's first rank).
+        mesh: 1-D (shard over it) or 2-D ``(replicate, shard)`` for hybrid sharding.
+        optimizer: an elementwise :class:`~meshkit.parallel.optim.Optimizer`; it sees one flat
+            shard per unit and dtype, named ``"unit{i}.{dtype}"``.
+        units: ordered list of lists of parameter names, each name in exactly one unit (e.g.
+            one unit per layer); default: one unit of everything.
+        reshard_after_forward: free a unit's full parameters when ``unshard`` exits (ZeRO-3);
+            False keeps them until ``step()`` (more memory, no second gather in backward).
+        param_dtype: dtype of the unsharded parameters (e.g. float32 compute on float64
+            shards); the shards stay in their own dtype.
+        reduce_dtype: dtype gradients are reduced in.
+    """
+
+    def __init__(self, params: dict[str, Any], *, mesh: DeviceMesh, optimizer: Optimizer,
+                 units: Sequence[Sequence[str]] | None = None, reshard_after_forward: bool = True,
+                 param_dtype: Any = None, reduce_dtype: Any = None) -> None:
+        if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2):
+            dims = getattr(mesh, "mesh_dim_names", None)
+            raise DistValueError("meshkit.parallel: FullyShardedDataParallel: mesh must be a 1-D DeviceMesh (shard) "
+                                 f"or a 2-D one (replicate, shard), got {type(mesh).__name__} with dims {dims}")
+        if not isinstance(optimizer, Optimizer):
+            raise DistValueError("meshkit.parallel: FullyShardedDataParallel: optimizer must be a meshkit "
+                                 f"Optimizer (SGD, AdamW), got {type(optimizer).__name__}")
+        self.mesh = mesh
+        self.shard_group: ProcessGroup = mesh.get_group(mesh.ndim - 1)
+        self.replicate_group: ProcessGroup | None = mesh.get_group(0) if mesh.ndim == 2 else None
+        check_params(params, self.shard_group, "FullyShardedDataParallel")
+        for group in (self.shard_group, self.replicate_group):
+            if group is not None:
+                broadcast_params(params, group, 0)
+        self.optimizer = optimizer
+        self.reshard_after_forward = reshard_after_forward
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self.units = self._check_units(params, units)
+        me, n = self.shard_group.rank, self.shard_group.size
+        self._me = me
+        self.layouts: list[list[FlatLayout]] = [make_layouts(params, names, n, prefix=f"unit{i}.")
+                                                for i, names in enumerate(self.units)]
+        self._shards: dict[str, Any] = {}
+        self._grad_shards: dict[str, Any] = {}
+        for unit in self.layouts:
+            for lay in unit:
+                lo, hi = lay.shard_range(me)
+                like = params[lay.names[0]]
+                self._shards[lay.key] = lay.pack(params, like)[lo:hi].copy()
+                self._grad_shards[lay.key] = array_namespace(like).zeros(lay.shard_size, dtype=lay.dtype)
+        self._full: dict[int, tuple[dict[str, Any], list[Any]]] = {}   # unit -> (views, buffers)
+        self._prefetching: dict[int, tuple[list[Work], list[Any]]] = {}
+        self._active: set[int] = set()
+        self._used: set[int] = set()       # unsharded since the last step
+        self._reduced: set[int] = set()    # reduce_grads called since the last step
+        self._pending: list[Work] = []
+        self._peak = 0
+
+    @staticmethod
+    def _check_units(params: dict[str, Any], units: Sequence[Sequence[str]] | None) -> list[list[str]]:
+        if units is None:
+            return [list(params)]
+        units = [list(u) for u in units]
+        seen = [n for u in units for n in u]
+        unknown = [n for n in seen if n not in params]
+        twice = sorted({n for n in seen if seen.count(n) > 1})
+        missing = [n for n in params if n not in seen]
+        if unknown or twice or missing or any(not u for u in units):
+            raise DistValueError(
+                "meshkit.parallel: FullyShardedDataParallel: units must put every parameter in exactly one "
+                f"non-empty unit; unknown names {unknown}, in several units {twice}, in none {missing}; "
+                f"valid names are {list(params)}")
+        return units
+
+    def _unit(self, unit: int, op: str) -> int:
+        if isinstance(unit, bool) or not isinstance(unit, int) or not 0 <= unit < len(self.units):
+            raise DistValueError(f"meshkit.parallel: rank {self.shard_group.global_rank}: "
+                                 f"FullyShardedDataParallel.{op}: unknown unit {unit!r}; valid units are "
+                                 f"0..{len(self.units) - 1}")
+        return unit
+
+    # ------------------------------------------------------------------ parameters
+    def _start_gather(self, u: int) -> tuple[list[Work], list[Any]]:
+        works, buffers = [], []
+        for lay in self.layouts[u]:
+            shard = self._shards[lay.key]
+            dtype = self.param_dtype or lay.dtype
+            send = shard if shard.dtype == dtype else shard.astype(dtype)
+            full = array_namespace(shard).empty(lay.padded, dtype=dtype)
+            works.append(self.shard_group.all_gather_into_tensor(full, send, async_op=True))
+            buffers.append(full)
+        return works, buffers
+
+    def prefetch(self, unit: int) -> None:
+        """Start all-gathering ``unit`` now, so that the next ``unshard(unit)`` does not wait."""
+        u = self._unit(unit, "prefetch")
+        if u not in self._full and u not in self._prefetching:
+            self._prefetching[u] = self._start_gather(u)
+            self._track_peak()
+
+    @contextlib.contextmanager
+    def unshard(self, unit: int) -> Iterator[dict[str, Any]]:
+        """All-gather ``unit`` and yield ``{name: full parameter}`` (views into the gathered buffer).
+
+        On exit the buffer is freed when ``reshard_after_forward``. Entering a unit that is
+        already unsharded (nested, without exit) is an error.
+        """
+        u = self._unit(unit, "unshard")
+        if u in self._active:
+            raise DistValueError(f"meshkit.parallel: rank {self.shard_group.global_rank}: "
+                                 f"FullyShardedDataParallel.unshard: unit {u} is already unsharded (unshard({u}) "
+                                 "was entered again before its exit)")
+        if u not in self._full:
+            works, buffers = self._prefetching.pop(u, None) or self._start_gather(u)
+            for work in works:
+                work.wait()
+            views = {}
+            for lay, full in zip(self.layouts[u], buffers):
+                views.update(lay.views(full))
+            self._full[u] = ({n: views[n] for n in self.units[u]}, buffers)
+            self._track_peak()
+        self._active.add(u)
+        self._used.add(u)
+        try:
+            yield self._full[u][0]
+        finally:
+            self._active.discard(u)
+            if self.reshard_after_forward:
+                self._full.pop(u, None)
+
+    def _track_peak(self) -> None:
+        self._peak = max(self._peak, self._comm_bytes())
+
+    def _comm_bytes(self) -> int:
+        held = [b for _, buffers in self._full.values() for b in buffers]
+        held += [b for _, buffers in self._prefetching.values() for b in buffers]
+        return sum(int(b.nbytes) for b in held)
+
+    # ------------------------------------------------------------------ gradients and step
+    def reduce_grads(self, unit: int, grads: dict[str, Any]) -> None:
+        """Reduce-scatter ``unit``'s full gradients into the local shards, asynchronously.
+
+        Gradients are averaged over every data-parallel rank (DDP's semantics) and added to the
+        shard, so several micro-batches accumulate until ``zero_grad()``.
+        """
+        u = self._unit(unit, "reduce_grads")
+        names = self.units[u]
+        if not isinstance(grads, dict) or sorted(grads) != sorted(names):
+            got = sorted(grads) if isinstance(grads, dict) else type(grads).__name__
+            raise DistValueError(f"meshkit.parallel: rank {self.shard_group.global_rank}: "
+                                 f"FullyShardedDataParallel.reduce_grads: unit {u} needs gradients for {names}, "
+                                 f"got {got}")
+        for lay in self.layouts[u]:
+            for i, name in enumerate(lay.names):
+                g = grads[name]
+                if tuple(getattr(g, "shape", ())) != lay.shapes[i]:
+                    raise DistValueError(f"meshkit.parallel: rank {self.shard_group.global_rank}: "
+                                         f"FullyShardedDataParallel.reduce_grads: gradient {name!r} has shape "
+                                         f"{getattr(g, 'shape', None)}; expected {lay.shapes[i]}")
+            dtype = self.reduce_dtype or lay.dtype
+            flat = lay.pack(grads, self._shards[lay.key], dtype=dtype)
+            self._pending.append(self.shard_group.run_async(self._reduction(lay, flat), "fsdp_reduce_grads"))
+        self._reduced.add(u)
+
+    def _reduction(self, lay: FlatLayout, flat: Any) -> Any:
+        target = self._grad_shards[lay.key]
+
+        def run() -> None:
+            out = array_namespace(flat).empty(lay.shard_size, dtype=flat.dtype)
+            self.shard_group.reduce_scatter_tensor(out, flat, ReduceOp.AVG)
+            if self.replicate_group is not None:
+                self.replicate_group.all_reduce(out, ReduceOp.AVG)
+            target[...] += out if out.dtype == target.dtype else out.astype(target.dtype)
+
+        return run
+
+    def _wait_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for work in pending:
+            work.wait()
+
+    def zero_grad(self) -> None:
+        """Zero the gradient shards."""
+        self._wait_pending()
+        for g in self._grad_shards.values():
+            g[...] = 0
+
+    def grad_shards(self) -> dict[str, Any]:
+        """This rank's averaged gradient shards, by flat key (waits for pending reductions)."""
+        self._wait_pending()
+        return dict(self._grad_shards)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Clip the gradient shards by the global norm (the single-process value)."""
+        return clip_grad_norm_(self.grad_shards(), max_norm, norm_type=norm_type, group=self.shard_group)
+
+    def step(self) -> None:
+        """Wait for pending reductions, then update every shard.
+
+        Raises:
+            DistValueError: a unit was unsharded since the last step but its gradients were
+                never reduced (``reduce_grads`` was not called for it).
+        """
+        self._wait_pending()
+        forgotten = sorted(self._used - self._reduced)
+        if forgotten:
+            raise DistValueError(f"meshkit.parallel: rank {self.shard_group.global_rank}: "
+                                 f"FullyShardedDataParallel.step: units {forgotten} were unsharded since the last "
+                                 "step but reduce_grads was never called for them; their gradients would be lost")
+        for key, shard in self._shards.items():
+            self.optimizer.update(key, shard, self._grad_shards[key])
+        self._full.clear()  # gathered parameters are stale now
+        self._used.clear()
+        self._reduced.clear()
+
+    # ------------------------------------------------------------------ state dicts
+    def _all_layouts(self) -> list[FlatLayout]:
+        return [lay for unit in self.layouts for lay in unit]
+
+    def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, Any] | None:
+        """Parameters and optimizer state gathered to full size, per parameter name.
+
+        Collective over the shard group. The result does not depend on the world size, so
+        :meth:`load_full_state_dict` accepts it at any other. With ``rank0_only`` the other
+        ranks get None.
+        """
+        self._wait_pending()
+        sd = gather_state_dict(self._all_layouts(), self._shards, self.optimizer, self.shard_group)
+        if rank0_only and self.shard_group.rank != 0:
+            return None
+        return sd
+
+    def load_full_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a full state dict (from ``full_state_dict``, at any world size) into the shards."""
+        load_state_dict_into(self._all_layouts(), state_dict, self._shards, self.optimizer, self._me,
+                             "FullyShardedDataParallel")
+        self._full.clear()
+
+    # ------------------------------------------------------------------ introspection
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds; ``comm_buffers`` are the unsharded units held now and
+        ``peak_transient`` the most ever held at once."""
+        return {"params": sum(int(s.nbytes) for s in self._shards.values()),
+                "grads": sum(int(g.nbytes) for g in self._grad_shards.values()),
+                "optimizer_state": self.optimizer.state_nbytes(),
+                "comm_buffers": self._comm_bytes(), "peak_transient": self._peak}

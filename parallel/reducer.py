@@ -1,0 +1,158 @@
+"""The gradient interface shared by DDP and ZeRO: write gradients, mark them ready, sync.
+
+Arrays have no autograd, so the backward pass tells the strategy when each gradient is final::
+
+    model.zero_grad()
+    for name, grad in backward():              # layer by layer, last layer first
+        model.mark_grad_ready(name, grad)      # adds grad to model.grads[name]; when its bucket is
+                                               # complete, the bucket's reduction starts
+    model.finish_gradient_sync()               # wait for every bucket
+
+Gradients accumulate like torch's ``.grad``: ``zero_grad()`` zeroes them, a pass writes or adds.
+Under ``with model.no_sync():`` nothing is communicated, so micro-batches add up locally and the
+next synchronized pass reduces the sum. Subclasses decide what a bucket's reduction is
+(``_launch``) and what happens after a synchronized pass (``_after_sync``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+from ..comm import DistValueError, ProcessGroup, Work
+from .buckets import Bucket, BucketManager
+
+__all__ = ["GradientReducer"]
+
+
+class GradientReducer:
+    """Base of strategies whose gradients are reduced bucket by bucket during the backward pass.
+
+    Subclasses set ``group``, ``params``, ``grads`` (a mapping ``name -> gradient array``),
+    ``_buckets`` (a :class:`BucketManager` whose ``launch`` is :meth:`_launch`) and
+    ``find_unused_parameters``, then call :meth:`_init_reducer`.
+    """
+
+    group: ProcessGroup
+    params: dict[str, Any]
+    grads: Any
+    _buckets: BucketManager
+    find_unused_parameters: bool
+    _strategy = "GradientReducer"
+
+    def _init_reducer(self) -> None:
+        self._sync = True
+        self._ready_order: list[str] = []
+        self._touched: set[str] = set()  # marked ready since the last synchronized finish
+        self.iteration = 0
+
+    # ------------------------------------------------------------------ subclass hooks
+    def _launch(self, bucket: Bucket) -> Work | None:
+        """Start reducing a complete bucket; return its Work."""
+        raise NotImplementedError
+
+    def _after_sync(self, ready_order: list[str]) -> None:
+        """After a synchronized pass completed (every bucket reduced)."""
+
+    def _zero(self) -> None:
+        self._buckets.zero()
+
+    def _where(self, op: str) -> str:
+        return f"meshkit.parallel: rank {self.group.global_rank}: {self._strategy}.{op}"
+
+    # ------------------------------------------------------------------ the interface
+    def zero_grad(self) -> None:
+        """Set every gradient to zero (they accumulate otherwise, as torch's ``.grad``)."""
+        self._zero()
+
+    def mark_grad_ready(self, name: str, grad: Any = None) -> None:
+        """Declare ``grads[name]`` final for this backward pass (adding ``grad`` to it first, if given).
+
+        When every gradient of a bucket is ready its reduction starts asynchronously, in bucket
+        order. Raises for an unknown name, a gradient marked twice in one pass, or a gradient of
+        the wrong shape or dtype.
+        """
+        bucket = self._buckets.location.get(name) if isinstance(name, str) else None
+        if bucket is None:
+            raise DistValueError(f"{self._where('mark_grad_ready')}: unknown parameter {name!r}; valid names "
+                                 f"are {list(self.params)}")
+        if name in bucket.ready:
+            raise DistValueError(f"{self._where('mark_grad_ready')}: gradient {name!r} was already marked ready "
+                                 "in this backward pass")
+        current = self.grads[name]
+        if grad is not None:
+            self._check_grad(name, grad)
+            current += grad
+        view = self._buckets.view(name)
+        if current is not view:
+            self._check_grad(name, current)
+            view[...] = current
+            self._replaced(name, view)
+        self._ready_order.append(name)
+        self._touched.add(name)
+        self._buckets.mark_ready(name, launch=self._sync)
+
+    def _replaced(self, name: str, view: Any) -> None:
+        """``grads[name]`` was not the bucket's view (copied in); subclasses may restore the view."""
+
+    def _check_grad(self, name: str, grad: Any) -> None:
+        p = self.params[name]
+        if getattr(grad, "shape", None) != p.shape or getattr(grad, "dtype", None) != p.dtype:
+            raise DistValueError(
+                f"{self._where('mark_grad_ready')}: gradient {name!r} has shape {getattr(grad, 'shape', None)} "
+                f"and dtype {getattr(grad, 'dtype', None)}; expected the parameter's shape {p.shape} and dtype "
+                f"{p.dtype}")
+
+    def finish_gradient_sync(self) -> None:
+        """Wait for every bucket's reduction. Inside ``no_sync()`` it only ends the backward pass.
+
+        Raises:
+            DistValueError: some gradients were never marked ready and
+                ``find_unused_parameters`` is False (they are named).
+        """
+        if not self._sync:
+            self._end_pass()
+            return
+        unready = self._buckets.unready()
+        if unready and not self.find_unused_parameters:
+            self._buckets.wait_all()
+            self._end_pass()
+            raise DistValueError(
+                f"{self._where('finish_gradient_sync')}: gradients {unready} were not marked ready in this "
+                "backward pass; mark every gradient (or call sync_gradients()), or pass "
+                "find_unused_parameters=True if some parameters are unused")
+        for name in unready:
+            if name not in self._touched:
+                self.grads[name][...] = 0  # unused in every micro-batch: its gradient is zero
+            self._buckets.location[name].ready.add(name)
+        self._buckets.launch_ready()
+        self._buckets.wait_all()
+        order = self._ready_order
+        self._end_pass()
+        self._touched.clear()
+        self.iteration += 1
+        self._after_sync(order)
+
+    def sync_gradients(self) -> None:
+        """Mark every gradient not yet marked ready, then :meth:`finish_gradient_sync`."""
+        for name in self._buckets.unready():
+            self.mark_grad_ready(name)
+        self.finish_gradient_sync()
+
+    def _end_pass(self) -> None:
+        self._buckets.reset()
+        self._ready_order = []
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally: no communication until the context exits."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    @property
+    def buckets(self) -> list[list[str]]:
+        """Parameter names per bucket, in launch order."""
+        return [list(b.names) for b in self._buckets.buckets]
