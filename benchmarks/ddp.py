@@ -7,6 +7,7 @@ Run it by hand (it is a measurement, not a test; nothing here asserts on timings
     meshkit-run -n 2 benchmarks/ddp.py --plot
     meshkit-run -n 4 benchmarks/ddp.py --only sync --rounds 9
     meshkit-run -n 4 benchmarks/ddp.py --only overlap --caps 1,25 --hidden 2048,2048
+    python benchmarks/ddp.py --plot-from benchmarks/results/ddp-n4.json   # redraw, measure nothing
 
 With the pip-installed ``mpich`` wheel in a venv, use the venv's launcher, e.g.
 ``/tmp/venv/bin/meshkit-run -n 4 benchmarks/ddp.py --plot``. Results go to
@@ -80,14 +81,16 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")  # before numpy: one BLAS thread per rank
 
 import dataclasses  # noqa: E402
+import json  # noqa: E402
 import math  # noqa: E402
+import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
 import numpy as np  # noqa: E402
 from _common import (LOG, Progress, barrier, calibrate_iters, format_size, max_over_ranks, median,  # noqa: E402
-                     parse_args_rank0, print0, require_pyplot, run_metadata, setup_logging, time_calls,
-                     write_json)
+                     parse_args_rank0, parse_size, placement, print0, require_pyplot, run_metadata, setup_logging,
+                     time_calls, write_json)
 from mpi4py import MPI  # noqa: E402
 
 import meshkit  # noqa: E402
@@ -114,6 +117,9 @@ class Block:
     name: str
     fn: Call
     iters: int = 0
+    #: an accumulator ``fn`` adds seconds to (e.g. its wait in finish_gradient_sync): zeroed
+    #: before each timed block and read, per call, after it
+    side: list[float] | None = None
 
 
 def calibrate(blocks: list[Block], comm: MPI.Comm, args: argparse.Namespace) -> None:
@@ -123,21 +129,38 @@ def calibrate(blocks: list[Block], comm: MPI.Comm, args: argparse.Namespace) -> 
                                                     min_iters=args.min_iters, probe_s=0.005)
 
 
+def mib(nbytes: int) -> str:
+    """``4000K`` -> ``3.9M``: sizes in the tables, exact where they are a whole number of units."""
+    if nbytes % 1024 == 0 and (nbytes < 1 << 20 or nbytes % (1 << 20) == 0):
+        return format_size(nbytes)
+    return f"{nbytes / (1 << 20):.1f}M"
+
+
 def run_rounds(blocks: list[Block], comm: MPI.Comm, rounds: int, warmup: int,
                on_round: Callable[[int], None] = lambda r: None) -> dict[str, list[float]]:
-    """Seconds per call of each block in each round: the MAX over ranks of each rank's mean."""
-    local = np.zeros((rounds, len(blocks)))
+    """Seconds per call of each block in each round: the MAX over ranks of each rank's mean.
+
+    A block with a ``side`` accumulator also gets ``"{name}:side"``: its per-call side seconds.
+    """
+    local = np.zeros((rounds, 2 * len(blocks)))
     for r in range(rounds):
         for k in range(len(blocks)):
             i = (r + k) % len(blocks)  # rotate: no block always runs first
             block = blocks[i]
             for _ in range(warmup):
                 block.fn()
+            if block.side is not None:
+                block.side[0] = 0.0
             barrier(comm)
             local[r, i] = time_calls(block.fn, block.iters)
+            if block.side is not None:
+                local[r, len(blocks) + i] = block.side[0] / block.iters
         on_round(r)
-    worst = np.array(max_over_ranks(comm, local.ravel())).reshape(rounds, len(blocks))
-    return {b.name: worst[:, i].tolist() for i, b in enumerate(blocks)}
+    worst = np.array(max_over_ranks(comm, local.ravel())).reshape(rounds, 2 * len(blocks))
+    out = {b.name: worst[:, i].tolist() for i, b in enumerate(blocks)}
+    out.update({f"{b.name}:side": worst[:, len(blocks) + i].tolist() for i, b in enumerate(blocks)
+                if b.side is not None})
+    return out
 
 
 def check_all(comm: MPI.Comm, what: str, ok: bool) -> None:
@@ -160,7 +183,6 @@ class Case:
 
 def parse_case(text: str) -> Case:
     """``1000x4K`` -> 1000 gradients of 4 KB."""
-    from _common import parse_size
     count, sep, size = text.lower().partition("x")
     if not sep or not count.strip().isdigit() or int(count) < 1:
         raise argparse.ArgumentTypeError(f"invalid case {text!r}; write COUNTxSIZE, e.g. 1000x4K")
@@ -253,7 +275,7 @@ def sync_table(rows: list[dict[str, Any]], n: int, rounds: int) -> list[str]:
     for label, m in by_case.items():
         ddp, per, flat, local = (m[k]["time_ms"] for k in SYNC_METHODS)
         total = m["ddp"]["total_bytes"]
-        lines.append(f"{label:>11} {format_size(total) if total % 1024 == 0 else total:>6} "
+        lines.append(f"{label:>11} {mib(total):>6} "
                      f"{m['ddp']['buckets']:>7} {ddp:9.3f} {per:9.3f} {flat:9.3f} {local:9.3f} "
                      f"{ddp / flat:8.2f}x {per / ddp:11.2f}x")
         verdicts.append(f"  {label}: ddp/flat {ddp / flat:.2f}x (target <= {MAX_DDP_OVER_FLAT}x): "
@@ -276,8 +298,7 @@ def run_sync(args: argparse.Namespace, comm: MPI.Comm, progress: Progress,
         calibrate(blocks, comm, args)
         times = run_rounds(blocks, comm, args.rounds, args.warmup, lambda r: progress.step(case.label))
         rows += sync_rows(case, times, blocks, buckets, n)
-    for line in sync_table(rows, n, args.rounds):
-        emit(line)
+    emit("\n".join(sync_table(rows, n, args.rounds)))  # one write: one redraw of the bar
     return rows
 
 
@@ -323,17 +344,21 @@ def overlap_blocks(args: argparse.Namespace, comm: MPI.Comm) -> tuple[list[Block
     for cap in args.caps:
         ddp = DistributedDataParallel(params, bucket_cap_mb=caps_of(cap)[0], first_bucket_cap_mb=caps_of(cap)[1])
 
-        def step(ddp: DistributedDataParallel = ddp) -> None:
+        waited = [0.0]
+
+        def step(ddp: DistributedDataParallel = ddp, waited: list[float] = waited) -> None:
             ddp.zero_grad()
             acts = forward(ddp.params, xb)
             _, dlogits = loss_and_grad_logits(acts[-1], yb)
             backward(ddp.params, acts, dlogits, ddp.mark_grad_ready)
+            start = time.perf_counter()
             ddp.finish_gradient_sync()
+            waited[0] += time.perf_counter() - start
 
         step()  # the first pass also rebuilds buckets in gradient-ready order
         ok &= all(np.allclose(ddp.grads[k], v, rtol=rtol, atol=rtol * float(np.abs(v).max()))
                   for k, v in expected.items())
-        blocks += [Block(f"sync {cap:g}", ddp.sync_gradients), Block(f"step {cap:g}", step)]
+        blocks += [Block(f"sync {cap:g}", ddp.sync_gradients), Block(f"step {cap:g}", step, side=waited)]
         buckets[cap] = len(ddp.buckets)
     check_all(comm, "the DDP training step (gradients against an all_reduce of the local ones)", ok)
     sizes = (params["w0"].shape[0], *args.hidden, params[f"w{len(args.hidden)}"].shape[1])
@@ -360,52 +385,58 @@ def run_overlap(args: argparse.Namespace, comm: MPI.Comm, progress: Progress,
     for cap in args.caps:
         b_rounds, c_rounds = times[f"sync {cap:g}"], times[f"step {cap:g}"]
         b, c = median(b_rounds), median(c_rounds)
+        wait = median(times[f"step {cap:g}:side"])
         # per round too: the spread of the hidden fraction shows how much to trust it
         per_round = [hidden_fraction(*t) for t in zip(a_rounds, b_rounds, c_rounds)]
         rows.append({"section": "sweep", "world_size": n, "bucket_cap_mb": caps_of(cap)[0],
                      "first_bucket_cap_mb": caps_of(cap)[1], "buckets": buckets[cap], **model,
                      "compute_ms": a * 1e3, "sync_ms": b * 1e3, "step_ms": c * 1e3,
                      "hidden_fraction": hidden_fraction(a, b, c),
+                     "finish_wait_ms": wait * 1e3, "wait_hidden_fraction": min(1.0, max(0.0, 1 - wait / b)),
                      "hidden_fraction_rounds": per_round,
                      "iters": {"compute": iters["compute"], "sync": iters[f"sync {cap:g}"],
                                "step": iters[f"step {cap:g}"]},
                      "compute_rounds_ms": [t * 1e3 for t in a_rounds],
                      "sync_rounds_ms": [t * 1e3 for t in b_rounds], "step_rounds_ms": [t * 1e3 for t in c_rounds]})
     layers = "-".join(map(str, model["layers"]))
-    head = (f"MLP {layers}, {model['parameters'] / 1e6:.2f}M parameters ({format_size(model['grad_bytes'])}B "
+    head = (f"MLP {layers}, {model['parameters'] / 1e6:.2f}M parameters ({mib(model['grad_bytes'])}B "
             f"{model['dtype']} gradients), global batch {model['global_batch']} ({model['batch_per_rank']} per rank), "
             f"{n} ranks; ms per step (max over ranks, median of {args.rounds} rounds)")
+    emit("\n".join(overlap_report(rows, head, n, bool(placement(comm)["oversubscribed"]))))
+    return rows
+
+
+def overlap_report(rows: list[dict[str, Any]], head: str, n: int, oversubscribed: bool) -> list[str]:
+    """The lines of sections 2 (the default caps' row) and 3 (every row)."""
+    lines: list[str] = []
     default = next((r for r in rows if r["bucket_cap_mb"] == DEFAULT_CAP_MB), None)
     if default is not None:
         a, b, c = default["compute_ms"], default["sync_ms"], default["step_ms"]
         spread = default["hidden_fraction_rounds"]
-        emit("")
-        emit(f"2. overlap, default caps ({DEFAULT_CAP_MB:g} MB, first {DEFAULT_FIRST_CAP_MB:g} MB: "
-             f"{default['buckets']} buckets): {head}")
-        emit(f"  (a) compute alone     {a:9.2f} ms")
-        emit(f"  (b) sync alone        {b:9.2f} ms")
-        emit(f"  (c) DDP step          {c:9.2f} ms   (a + b = {a + b:.2f} ms)")
-        emit(f"  hidden = (a + b - c) / b = {default['hidden_fraction']:.2f}  "
-             f"(per round: {min(spread):.2f} .. {max(spread):.2f})")
-        if _oversubscribed(comm):
-            emit(f"  note: {n} ranks share fewer than {n} cores: compute and communication contend, "
-                 "so little can be hidden (see the docstring)")
-    emit("")
-    emit(f"3. bucket-size sweep (first bucket = min(1, cap)): {head}")
-    emit(f"{'cap MB':>7} {'first':>6} {'buckets':>7} {'(b) sync':>9} {'(c) step':>9} {'(a) compute':>11} "
-         f"{'hidden':>7}")
+        lines += [
+            "",
+            f"2. overlap, default caps ({DEFAULT_CAP_MB:g} MB, first {DEFAULT_FIRST_CAP_MB:g} MB: "
+            f"{default['buckets']} buckets): {head}",
+            f"  (a) compute alone     {a:9.2f} ms",
+            f"  (b) sync alone        {b:9.2f} ms",
+            f"  (c) DDP step          {c:9.2f} ms   (a + b = {a + b:.2f} ms; of c, "
+            f"{default['finish_wait_ms']:.2f} ms waiting in finish_gradient_sync)",
+            f"  hidden = (a + b - c) / b = {default['hidden_fraction']:.2f} (per round: {min(spread):.2f} .. "
+            f"{max(spread):.2f}); 1 - wait / b = {default['wait_hidden_fraction']:.2f}"]
+        if oversubscribed:
+            lines.append(f"  note: {n} ranks share fewer than {n} cores: compute and communication contend for "
+                         "them, so little can be hidden (see the module docstring)")
+    lines += ["", f"3. bucket-size sweep (first bucket = min(1, cap)): {head}",
+              f"{'cap MB':>7} {'first':>6} {'buckets':>7} {'(b) sync':>9} {'(c) step':>9} {'(a) compute':>11} "
+              f"{'hidden':>7} {'wait':>7} {'1-wait/b':>8}"]
     for r in rows:
-        emit(f"{r['bucket_cap_mb']:7g} {r['first_bucket_cap_mb']:6g} {r['buckets']:7d} {r['sync_ms']:9.2f} "
-             f"{r['step_ms']:9.2f} {r['compute_ms']:11.2f} {r['hidden_fraction']:7.2f}")
+        lines.append(f"{r['bucket_cap_mb']:7g} {r['first_bucket_cap_mb']:6g} {r['buckets']:7d} {r['sync_ms']:9.2f} "
+                     f"{r['step_ms']:9.2f} {r['compute_ms']:11.2f} {r['hidden_fraction']:7.2f} "
+                     f"{r['finish_wait_ms']:7.2f} {r['wait_hidden_fraction']:8.2f}")
     best = min(rows, key=lambda r: r["step_ms"])
-    emit(f"  fastest step: cap {best['bucket_cap_mb']:g} MB, {best['step_ms']:.2f} ms "
-         f"(hidden {best['hidden_fraction']:.2f})")
-    return rows
-
-
-def _oversubscribed(comm: MPI.Comm) -> bool:
-    from _common import placement
-    return bool(placement(comm)["oversubscribed"])
+    lines.append(f"  fastest step: cap {best['bucket_cap_mb']:g} MB, {best['step_ms']:.2f} ms "
+                 f"(hidden {best['hidden_fraction']:.2f}); wait: ms of (c) spent in finish_gradient_sync")
+    return lines
 
 
 # --------------------------------------------------------------------------- plot
@@ -431,12 +462,15 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
         ax.set_ylabel("ms per step (max over ranks, median)")
         ax.set_title("time vs bucket cap (numbers: buckets)", fontsize="medium")
         ax.set_ylim(bottom=0)
-        axes[1].plot(caps, [r["hidden_fraction"] for r in sweep], marker="o", color="tab:green", label="median")
+        axes[1].plot(caps, [r["hidden_fraction"] for r in sweep], marker="o", color="tab:green",
+                     label="(a + b - c) / b, of the medians")
         lo = [min(r["hidden_fraction_rounds"]) for r in sweep]
         hi = [max(r["hidden_fraction_rounds"]) for r in sweep]
-        axes[1].fill_between(caps, lo, hi, color="tab:green", alpha=0.15, label="range over rounds")
+        axes[1].fill_between(caps, lo, hi, color="tab:green", alpha=0.15, label="(a + b - c) / b, range over rounds")
+        axes[1].plot(caps, [r["wait_hidden_fraction"] for r in sweep], marker="^", linestyle="--", color="tab:purple",
+                     label="1 - (wait in finish_gradient_sync) / b")
         axes[1].set_ylim(-0.03, 1.03)
-        axes[1].set_ylabel("communication hidden, (a + b - c) / b")
+        axes[1].set_ylabel("fraction of communication hidden")
         axes[1].set_title("fraction of the sync hidden behind backward", fontsize="medium")
         for ax in axes[:2]:
             ax.set_xscale("log")
@@ -456,8 +490,16 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
                    label=method)
         ax.set_xticks(range(len(cases)), cases)
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+        ax.yaxis.set_minor_formatter(FuncFormatter(lambda y, _: ""))
+        for i, case in enumerate(cases):  # the ratios the targets are about, above each group
+            t = {r["method"]: r["time_ms"] for r in sync if r["case"] == case}
+            ax.annotate(f"ddp/flat {t['ddp'] / t['flat']:.2f}x\nper-grad/ddp {t['per-grad'] / t['ddp']:.1f}x",
+                        (i, max(t.values())), textcoords="offset points", xytext=(0, 4), ha="center",
+                        fontsize=8)
+        ax.margins(y=0.25)
         ax.set_ylabel("ms per sync of all gradients")
-        ax.set_title("gradient sync (float32, AVG)", fontsize="medium")
+        ax.set_title("gradient sync (float32, AVG), default caps", fontsize="medium")
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize="small")
     fig.suptitle(title, fontsize="medium")
@@ -513,6 +555,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, default=None, help="result file (default benchmarks/results/ddp-n{N}.json)")
     p.add_argument("--plot", type=Path, nargs="?", const=Path(), default=None,
                    help="draw a PNG (default path: the JSON path with .png)")
+    p.add_argument("--plot-from", type=Path, default=None, metavar="JSON",
+                   help="measure nothing: draw --plot (default: JSON's path with .png) from an earlier run's JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
@@ -530,7 +574,7 @@ def parse_args(rank: int, n: int, argv: list[str] | None = None) -> argparse.Nam
         error = "--min-iters must be >= 1, --warmup >= 0, --block-seconds and --timeout > 0"
     elif args.only != "sync" and (args.batch < n or args.batch % n):
         error = f"invalid --batch {args.batch}: it must be a positive multiple of the {n} ranks"
-    elif args.plot is not None:
+    elif args.plot is not None or args.plot_from is not None:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
@@ -544,11 +588,34 @@ def parse_args(rank: int, n: int, argv: list[str] | None = None) -> argparse.Nam
     return args
 
 
+def plot_from(args: argparse.Namespace) -> None:
+    try:
+        data = json.loads(args.plot_from.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SystemExit(f"meshkit.bench: --plot-from: cannot read {args.plot_from}: {exc}") from None
+    meta = data.get("metadata", {})
+    if meta.get("benchmark") != "ddp":
+        raise SystemExit(f"meshkit.bench: --plot-from: {args.plot_from} is not a result of benchmarks/ddp.py")
+    png = args.plot_from.with_suffix(".png") if args.plot in (None, Path()) else args.plot
+    plot(data["rows"], png, plot_title(meta))
+    LOG.info("wrote %s", png)
+
+
+def plot_title(meta: dict[str, Any]) -> str:
+    return (f"meshkit DDP: {meta.get('world_size')} ranks, {meta.get('cores_per_host')} cores/host, "
+            f"{meta.get('hostname')}, median of {meta.get('rounds')} rounds")
+
+
 def main(argv: list[str] | None = None) -> int:
     comm = MPI.COMM_WORLD.Dup()  # barriers and time reductions: never in meshkit's way
     rank, n = comm.Get_rank(), comm.Get_size()
     args = parse_args(rank, n, argv)
     setup_logging(rank, args.verbose)
+    if args.plot_from is not None:
+        if rank == 0:
+            plot_from(args)
+        comm.Free()
+        return 0
     meshkit.init_process_group("mpi", timeout=args.timeout)
     show = rank == 0 and not args.no_progress
     steps = (len(args.cases) * args.rounds if args.only != "overlap" else 0) + (
@@ -564,8 +631,6 @@ def main(argv: list[str] | None = None) -> int:
             if args.only != "overlap":
                 rows += run_sync(args, comm, progress, emit)
             if args.only != "sync":
-                if args.only is None:
-                    emit("")
                 rows += run_overlap(args, comm, progress, emit)
     finally:
         meshkit.destroy_process_group()
@@ -593,9 +658,7 @@ def save(args: argparse.Namespace, meta: dict[str, Any], rows: list[dict[str, An
     LOG.info("wrote %s", path)
     if args.plot is not None:
         png = path.with_suffix(".png") if args.plot == Path() else args.plot
-        title = (f"meshkit DDP: {n} ranks, {meta['cores_per_host']} cores/host, {meta['hostname']}, "
-                 f"median of {args.rounds} rounds")
-        plot(rows, png, title)
+        plot(rows, png, plot_title(meta))
         LOG.info("wrote %s", png)
 
 

@@ -230,7 +230,7 @@ def table_line(r: dict[str, Any]) -> str:
             f"{r['cached_cpu_ms']:>7.3f}")
     if r["engine"] == "mpi":
         raw = r["mpi4py_time_ms"]
-        line += f" | {raw:>15.3f}" if raw is not None else f" | {'n/a':>15}"
+        line += f" | {raw:>15.3f}" if raw is not None and r["mpi4py_splits"] else f" | {'- (no split)':>15}"
     return line
 
 
@@ -281,7 +281,7 @@ def run_local(args: argparse.Namespace) -> list[dict[str, Any]]:
             row = make_row("local", spec, wall, cpu, counts, None, None)
             rows.append(row)
             emit(table_line(row))
-            progress.step(str(spec.shape))
+            progress.step(f"{spec.shape}: {row['time_ms']:.2f} ms")
         for line in summary_lines(rows):
             emit(line)
     return rows
@@ -337,9 +337,12 @@ def run_mpi(args: argparse.Namespace, comm: MPI.Intracomm) -> list[dict[str, Any
             counts = {"first": [tuple(map(int, c[:3])) for c in both],
                       "cached": [tuple(map(int, c[3:])) for c in both]}
             row = make_row("mpi", spec, wall, cpu, counts, raw_s, len(colors))
+            if row["splits"] != len(colors):
+                LOG.warning("%s: meshkit made %d splits where the mpi4py baseline makes %d; the baseline "
+                            "mirrors an older rule of meshkit's", spec.shape, row["splits"], len(colors))
             rows.append(row)
             emit(table_line(row))
-            progress.step(str(spec.shape))
+            progress.step(f"{spec.shape}: {row['time_ms']:.2f} ms")
         for line in summary_lines(rows):
             emit(line)
     if meshkit.is_initialized():
@@ -349,40 +352,42 @@ def run_mpi(args: argparse.Namespace, comm: MPI.Intracomm) -> list[dict[str, Any
 
 # --------------------------------------------------------------------------- plot
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
-    """Time vs world size, one line per number of dims; left: first build (and mpi4py), right: cached."""
+    """Time vs world size, one color per number of dims; left: first build (and mpi4py), right: cached.
+
+    Solid: wall time (max over ranks); dash-dot: CPU time; dotted, hollow: raw mpi4py
+    ``Comm.Split`` (only where meshkit splits). Each wall point is labelled with its splits.
+    """
     plt = require_pyplot()
+    from matplotlib.lines import Line2D
     from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
     engines = sorted({r["engine"] for r in rows})
-    has_raw = any(r.get("mpi4py_time_ms") is not None for r in rows)
-    fig, axes = plt.subplots(1, 2, figsize=(10.5, 4.4), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(10.5, 4.8), sharey=True)
     colors = {1: "tab:blue", 2: "tab:orange", 3: "tab:green"}
+    label_dy = {1: 4, 2: -11, 3: 4}  # 2-D and 3-D times are close: labels on opposite sides
     markers = {"local": "o", "mpi": "s"}
     sizes = sorted({r["world_size"] for r in rows})
+    ndims = sorted({r["ndim"] for r in rows})
+    has_raw = False
     for engine in engines:
         for ndim in sorted({r["ndim"] for r in rows if r["engine"] == engine}):
             of = sorted((r for r in rows if r["engine"] == engine and r["ndim"] == ndim),
                         key=lambda r: r["world_size"])
-            label = f"{ndim}-D" + (f" ({engine})" if len(engines) > 1 else "")
             color, marker = colors.get(ndim, "gray"), markers.get(engine, "o")
             xs = [r["world_size"] for r in of]
-            axes[0].plot(xs, [r["time_ms"] for r in of], marker=marker, color=color, label=f"{label} meshkit")
-            axes[0].plot(xs, [r["cpu_ms"] for r in of], linestyle="-.", linewidth=0.9, alpha=0.6, color=color,
-                         label=f"{label} meshkit cpu")
-            for r in of:
-                axes[0].annotate(str(r["splits"]), (r["world_size"], r["time_ms"]), textcoords="offset points",
-                                 xytext=(5, 4), fontsize=8, color=color)
-            raw = [(r["world_size"], r["mpi4py_time_ms"]) for r in of if r.get("mpi4py_time_ms") is not None]
+            for ax, prefix in ((axes[0], ""), (axes[1], "cached_")):
+                ax.plot(xs, [r[prefix + "time_ms"] for r in of], marker=marker, color=color)
+                ax.plot(xs, [r[prefix + "cpu_ms"] for r in of], linestyle="-.", linewidth=0.9, alpha=0.6,
+                        color=color)
+                for r in of:
+                    ax.annotate(str(r[prefix + "splits"]), (r["world_size"], r[prefix + "time_ms"]),
+                                textcoords="offset points", xytext=(5, label_dy.get(ndim, 4)), fontsize=8,
+                                color=color)
+            raw = [(r["world_size"], r["mpi4py_time_ms"]) for r in of
+                   if r.get("mpi4py_time_ms") is not None and r.get("mpi4py_splits")]
             if raw:
-                axes[0].plot(*zip(*raw), marker=marker, markerfacecolor="none", linestyle=":", color=color,
-                             label=f"{label} mpi4py Comm.Split")
-            axes[1].plot(xs, [r["cached_time_ms"] for r in of], marker=marker, linestyle="--", color=color,
-                         label=label)
-            axes[1].plot(xs, [r["cached_cpu_ms"] for r in of], linestyle="-.", linewidth=0.9, alpha=0.6,
-                         color=color, label=f"{label} cpu")
-            for r in of:
-                axes[1].annotate(str(r["cached_splits"]), (r["world_size"], r["cached_time_ms"]),
-                                 textcoords="offset points", xytext=(5, 4), fontsize=8, color=color)
-    axes[0].set_title("first build, fresh world" + (" (dotted: raw mpi4py)" if has_raw else ""), fontsize="medium")
+                has_raw = True
+                axes[0].plot(*zip(*raw), marker=marker, markerfacecolor="none", linestyle=":", color=color)
+    axes[0].set_title("first build, fresh world", fontsize="medium")
     axes[1].set_title("rebuild, groups cached (no new communicator)", fontsize="medium")
     for ax in axes:
         ax.set_xscale("log", base=2)
@@ -394,13 +399,23 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
         ax.set_yscale("log")
         ax.grid(True, which="major", alpha=0.3)
         ax.set_xlabel("world size (ranks)")
-        ax.legend(loc="upper left", fontsize="small")
     axes[0].set_ylabel("init_device_mesh time (ms, max over ranks)")
-    fig.text(0.5, 0.005, "number at each point: collective splits on the world group during that call; "
-             "dash-dot: CPU time of the calling thread (max over ranks)",
+    handles = [Line2D([], [], color=colors.get(d, "gray"), linewidth=6, label=f"{d}-D mesh") for d in ndims]
+    one_marker = markers.get(engines[0], "o") if len(engines) == 1 else "o"
+    handles += [Line2D([], [], color="black", marker=one_marker, label="meshkit wall time"),
+                Line2D([], [], color="black", linestyle="-.", linewidth=0.9, alpha=0.6, label="meshkit CPU time")]
+    if has_raw:
+        handles.append(Line2D([], [], color="black", linestyle=":", marker=one_marker, markerfacecolor="none",
+                              label="raw mpi4py Comm.Split"))
+    if len(engines) > 1:
+        handles += [Line2D([], [], color="gray", marker=markers.get(e, "o"), linestyle="", label=e)
+                    for e in engines]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize="small", frameon=False,
+               bbox_to_anchor=(0.5, 0.045))
+    fig.text(0.5, 0.01, "number at each point: collective splits on the world group during that call",
              ha="center", fontsize="small", color="dimgray")
     fig.suptitle(title, fontsize="medium")
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -437,7 +452,8 @@ def _int_list(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid list {text!r}; write comma-separated integers, e.g. 1,2,4")
+        raise argparse.ArgumentTypeError(
+            f"invalid list {text!r}; write comma-separated integers, e.g. 1,2,4") from None
     if not values:
         raise argparse.ArgumentTypeError(f"invalid list {text!r}: it is empty")
     return values
@@ -561,8 +577,9 @@ def main(argv: list[str] | None = None) -> int:
     rank, n = comm.Get_rank(), comm.Get_size()
     setup_logging(rank, args.verbose)
     rows = run_mpi(args, comm)
+    meta = run_metadata(comm, **extra)  # collective (it gathers every rank's host)
     if rank == 0:
-        _save(args, run_metadata(comm, **extra), rows, RESULTS / f"mesh-mpi-n{n}.json")
+        _save(args, meta, rows, RESULTS / f"mesh-mpi-n{n}.json")
     comm.Free()
     return 0
 
