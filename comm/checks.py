@@ -30,6 +30,15 @@ def is_array(x: Any) -> bool:
 
 def check_array(group: ProcessGroup, op: str, arg: str, x: Any, *, writable: bool = True) -> None:
     """A C-contiguous NumPy array of a numeric or bool dtype (writable when it is an output)."""
+    # The success path reads each property once (this runs on every collective call).
+    if isinstance(x, np.ndarray):
+        flags = x.flags
+        if flags.c_contiguous and x.dtype.kind in _KINDS and (flags.writeable or not writable):
+            return
+    _array_error(group, op, arg, x, writable)
+
+
+def _array_error(group: ProcessGroup, op: str, arg: str, x: Any, writable: bool) -> None:
     if not isinstance(x, np.ndarray):
         raise DistTypeError(f"{where(group, op)}: {arg} must be a numpy.ndarray, got {type(x).__name__}")
     if x.dtype.kind not in _KINDS:
@@ -39,8 +48,7 @@ def check_array(group: ProcessGroup, op: str, arg: str, x: Any, *, writable: boo
         raise DistValueError(
             f"{where(group, op)}: {arg} is not C-contiguous (shape {x.shape}, strides {x.strides}); "
             f"pass np.ascontiguousarray({arg}) or a contiguous buffer")
-    if writable and not x.flags.writeable:
-        raise DistValueError(f"{where(group, op)}: {arg} is read-only but is written by {op}")
+    raise DistValueError(f"{where(group, op)}: {arg} is read-only but is written by {op}")
 
 
 def check_like(group: ProcessGroup, op: str, arg: str, x: np.ndarray, ref: np.ndarray, ref_arg: str,

@@ -92,23 +92,27 @@ class Call:
                    for i in range(len(others)) for j in range(len(others)))
 
 
-@dataclasses.dataclass
 class CollectiveRecord:
-    """One flight-recorder entry. ``state``: scheduled, started, completed, failed, timed_out."""
+    """One flight-recorder entry. ``state``: scheduled, started, completed, failed, timed_out.
 
-    seq: int
-    group: str
-    op: str
-    shapes: tuple[tuple[int, ...], ...]
-    dtype: str | None
-    state: str = "scheduled"
-    t_scheduled: float = dataclasses.field(default_factory=time.time)
-    t_start: float | None = None
-    t_end: float | None = None
-    error: str | None = None
+    A plain class with ``__slots__``: one is made per collective call, so it must be cheap
+    (the dtype is kept as given and named only when the record is read).
+    """
+
+    __slots__ = ("seq", "group", "op", "shapes", "dtype", "state", "t_scheduled", "t_start", "t_end", "error")
+
+    def __init__(self, seq: int, group: str, op: str, shapes: tuple[tuple[int, ...], ...], dtype: Any) -> None:
+        self.seq, self.group, self.op, self.shapes, self.dtype = seq, group, op, shapes, dtype
+        self.state = "scheduled"
+        self.t_scheduled = time.time()
+        self.t_start: float | None = None
+        self.t_end: float | None = None
+        self.error: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = {name: getattr(self, name) for name in self.__slots__}
+        out["dtype"] = None if self.dtype is None else str(self.dtype)
+        return out
 
 
 class FlightRecorder:
@@ -118,7 +122,7 @@ class FlightRecorder:
         self._entries: collections.deque[CollectiveRecord] = collections.deque(maxlen=size)
 
     def record(self, seq: int, group: str, op: str, shapes: tuple[tuple[int, ...], ...],
-               dtype: str | None) -> CollectiveRecord:
+               dtype: Any) -> CollectiveRecord:
         entry = CollectiveRecord(seq, group, op, shapes, dtype)
         self._entries.append(entry)
         return entry
@@ -131,8 +135,9 @@ class FlightRecorder:
         for e in list(self._entries):
             took = "" if e.t_end is None or e.t_start is None else f" {1e3 * (e.t_end - e.t_start):.3f} ms"
             err = f" error={e.error}" if e.error else ""
+            dtype = "" if e.dtype is None else f" dtype={e.dtype}"
             lines.append(f"  #{e.seq:<6} {e.group:<24} {e.op:<22} {e.state:<10} shapes={list(e.shapes)}"
-                         f" dtype={e.dtype}{took}{err}")
+                         f"{dtype}{took}{err}")
         return "\n".join(lines)
 
 

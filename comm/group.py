@@ -383,7 +383,7 @@ class ProcessGroup:
         check_array(self, "isend", "tensor", tensor, writable=False)
         dst = check_root(self, "isend", "dst", dst)
         self._check_tag("isend", tag)
-        record = self.world.recorder.record(-1, self.name, "send", (tensor.shape,), tensor.dtype.name)
+        record = self.world.recorder.record(-1, self.name, "send", (tensor.shape,), tensor.dtype)
         handle = self._e_isend(tensor, dst, tag)
         return _P2PWork(self, f"send to rank {self.ranks[dst]} tag {tag}", handle, record, dst)
 
@@ -397,7 +397,7 @@ class ProcessGroup:
         if src is not None:
             src = check_root(self, "irecv", "src", src)
         self._check_tag("irecv", tag)
-        record = self.world.recorder.record(-1, self.name, "recv", (tensor.shape,), tensor.dtype.name)
+        record = self.world.recorder.record(-1, self.name, "recv", (tensor.shape,), tensor.dtype)
         handle = self._e_irecv(tensor, src, tag)
         peer = "any rank" if src is None else f"rank {self.ranks[src]}"
         return _P2PWork(self, f"recv from {peer} tag {tag}", handle, record, src)
@@ -443,7 +443,7 @@ class ProcessGroup:
 
     def _launch(self, op: str, fn: Callable[[float], Any], async_op: bool, shapes: tuple, dtype: Any,
                 call: Call | None, *, timeout: float | None = None) -> Any:
-        record = self.world.recorder.record(-1, self.name, op, shapes, None if dtype is None else dtype.name)
+        record = self.world.recorder.record(-1, self.name, op, shapes, dtype)
 
         def task() -> Any:
             return self._execute(op, fn, record, call, self.timeout if timeout is None else timeout)
@@ -515,8 +515,13 @@ class ProcessGroup:
             f"{lines}", calls=described)
 
     def _shutdown(self) -> None:
-        """Stop the communication thread and release the engine's resources (destroy)."""
+        """Finish queued async work (within the timeout), stop the thread, release the engine."""
+        drained = self._thread.drain(self.timeout)
         self._thread.close()
+        if not drained:
+            self._failure = self._failure or "destroyed with asynchronous work still running"
+            logger.warning("meshkit: group %s destroyed with asynchronous work still queued after %.0f s",
+                           self.name, self.timeout)
         self._e_free()
 
     # ----------------------------------------------------------------- engine interface

@@ -67,6 +67,8 @@ class _Poller:
 
 
 def _wait(request: MPI.Request, deadline: float) -> None:
+    if request.Test():  # small messages are often done at once: no poller needed
+        return
     poller = _Poller(deadline)
     while not request.Test():
         if not poller.pause():
@@ -78,37 +80,31 @@ _BOOL_OPS = {ReduceOp.MIN: MPI.LAND, ReduceOp.MAX: MPI.LOR, ReduceOp.BAND: MPI.L
              ReduceOp.BXOR: MPI.LXOR}
 _OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.AVG: MPI.SUM, ReduceOp.PRODUCT: MPI.PROD, ReduceOp.MIN: MPI.MIN,
         ReduceOp.MAX: MPI.MAX, ReduceOp.BAND: MPI.BAND, ReduceOp.BOR: MPI.BOR, ReduceOp.BXOR: MPI.BXOR}
-_types: dict[np.dtype, tuple[MPI.Datatype, bool]] = {}
-_user_ops: dict[tuple[ReduceOp, np.dtype], MPI.Op] = {}
+_specs: dict[np.dtype, tuple[MPI.Datatype, dict[ReduceOp, MPI.Op]]] = {}
 
 
-def _datatype(dtype: np.dtype) -> tuple[MPI.Datatype, bool]:
-    """The MPI datatype of ``dtype`` and whether MPI reduces it natively.
+def _spec(dtype: np.dtype) -> tuple[MPI.Datatype, dict[ReduceOp, MPI.Op]]:
+    """The MPI datatype of ``dtype`` and the MPI op of every ReduceOp for it (cached per dtype).
 
     Dtypes MPI does not know (e.g. float16 on an MPI without MPIX_C_FLOAT16) travel as opaque
-    elements of their size, reduced by a NumPy user op.
+    elements of their size, reduced by NumPy user ops; booleans reduce with MPI's logical ops.
     """
-    found = _types.get(dtype)
+    found = _specs.get(dtype)
     if found is None:
         try:
-            found = (MPI.Datatype.fromcode(dtype.char), True)
+            datatype = MPI.Datatype.fromcode(dtype.char)
+            ops = _BOOL_OPS if dtype.kind == "b" else _OPS
         except (ValueError, KeyError):
-            found = (MPI.BYTE.Create_contiguous(dtype.itemsize).Commit(), False)
-        _types[dtype] = found
+            datatype = MPI.BYTE.Create_contiguous(dtype.itemsize).Commit()
+            ops = {op: _user_op(op, dtype) for op in ReduceOp}
+        found = _specs[dtype] = (datatype, ops)
     return found
 
 
-def _mpi_op(op: ReduceOp, dtype: np.dtype, native: bool) -> MPI.Op:
-    if native:
-        return _BOOL_OPS[op] if dtype.kind == "b" else _OPS[op]
-    key = (op, dtype)
-    user = _user_ops.get(key)
-    if user is None:
-        def combine(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
-            acc = np.frombuffer(inoutbuf, dtype)
-            combine_into(op, acc, np.frombuffer(inbuf, dtype))
-        user = _user_ops[key] = MPI.Op.Create(combine, commute=True)
-    return user
+def _user_op(op: ReduceOp, dtype: np.dtype) -> MPI.Op:
+    def combine(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
+        combine_into(op, np.frombuffer(inoutbuf, dtype), np.frombuffer(inbuf, dtype))
+    return MPI.Op.Create(combine, commute=True)
 
 
 def _own_chunk(out: np.ndarray, inp: np.ndarray, rank: int) -> bool:
@@ -153,40 +149,40 @@ class MPIGroup(ProcessGroup):
         self.max_tag = tag_ub - 16  # the top tags carry monitored exchanges
 
     def _e_all_reduce(self, buf: np.ndarray, op: ReduceOp, deadline: float) -> None:
-        t, native = _datatype(buf.dtype)
-        _wait(self.comm.Iallreduce(MPI.IN_PLACE, [buf, t], _mpi_op(op, buf.dtype, native)), deadline)
+        t, ops = _spec(buf.dtype)
+        _wait(self.comm.Iallreduce(MPI.IN_PLACE, [buf, t], ops[op]), deadline)
 
     def _e_reduce(self, buf: np.ndarray, op: ReduceOp, root: int, deadline: float) -> None:
-        t, native = _datatype(buf.dtype)
-        mop = _mpi_op(op, buf.dtype, native)
+        t, ops = _spec(buf.dtype)
+        mop = ops[op]
         if self.rank == root:
             _wait(self.comm.Ireduce(MPI.IN_PLACE, [buf, t], mop, root), deadline)
         else:
             _wait(self.comm.Ireduce([buf, t], None, mop, root), deadline)
 
     def _e_broadcast(self, buf: np.ndarray, root: int, deadline: float) -> None:
-        _wait(self.comm.Ibcast([buf, _datatype(buf.dtype)[0]], root), deadline)
+        _wait(self.comm.Ibcast([buf, _spec(buf.dtype)[0]], root), deadline)
 
     def _e_all_gather(self, out: np.ndarray, inp: np.ndarray, deadline: float) -> None:
-        t = _datatype(out.dtype)[0]
+        t = _spec(out.dtype)[0]
         send = MPI.IN_PLACE if _own_chunk(out, inp, self.rank) else [inp, t]
         _wait(self.comm.Iallgather(send, [out, t]), deadline)
 
     def _e_reduce_scatter(self, out: np.ndarray, inp: np.ndarray, op: ReduceOp, deadline: float) -> None:
-        t, native = _datatype(out.dtype)
-        _wait(self.comm.Ireduce_scatter_block([inp, t], [out, t], _mpi_op(op, out.dtype, native)), deadline)
+        t, ops = _spec(out.dtype)
+        _wait(self.comm.Ireduce_scatter_block([inp, t], [out, t], ops[op]), deadline)
 
     def _e_gather(self, out: np.ndarray | None, inp: np.ndarray, root: int, deadline: float) -> None:
-        t = _datatype(inp.dtype)[0]
+        t = _spec(inp.dtype)[0]
         _wait(self.comm.Igather([inp, t], None if out is None else [out, t], root), deadline)
 
     def _e_scatter(self, out: np.ndarray, inp: np.ndarray | None, root: int, deadline: float) -> None:
-        t = _datatype(out.dtype)[0]
+        t = _spec(out.dtype)[0]
         _wait(self.comm.Iscatter(None if inp is None else [inp, t], [out, t], root), deadline)
 
     def _e_all_to_all(self, out: np.ndarray, recv_counts: list[int], inp: np.ndarray, send_counts: list[int],
                       deadline: float) -> None:
-        t = _datatype(out.dtype)[0]
+        t = _spec(out.dtype)[0]
         sdispl = np.concatenate([[0], np.cumsum(send_counts)[:-1]]).astype(np.int64)
         rdispl = np.concatenate([[0], np.cumsum(recv_counts)[:-1]]).astype(np.int64)
         _wait(self.comm.Ialltoallv([inp, (send_counts, sdispl.tolist()), t],
@@ -254,11 +250,11 @@ class MPIGroup(ProcessGroup):
                         timeout=self.world.timeout)
 
     def _e_isend(self, buf: np.ndarray, dst: int, tag: int) -> P2PHandle:
-        return _MPIHandle(self.comm.Isend([buf, _datatype(buf.dtype)[0]], dst, tag))
+        return _MPIHandle(self.comm.Isend([buf, _spec(buf.dtype)[0]], dst, tag))
 
     def _e_irecv(self, buf: np.ndarray, src: int | None, tag: int) -> P2PHandle:
         source = MPI.ANY_SOURCE if src is None else src
-        return _MPIHandle(self.comm.Irecv([buf, _datatype(buf.dtype)[0]], source, tag), MPI.Status())
+        return _MPIHandle(self.comm.Irecv([buf, _spec(buf.dtype)[0]], source, tag), MPI.Status())
 
     def host_name(self) -> str:
         return MPI.Get_processor_name()
