@@ -40,9 +40,12 @@ def _gathered_sizes(g: ProcessGroup, n: int) -> np.ndarray:
     return sizes
 
 
-def _check_list(g: ProcessGroup, op: str, arg: str, xs: Any) -> None:
+def _check_list(g: ProcessGroup, op: str, arg: str, xs: Any, slots: int | None = None) -> None:
+    """``xs`` is a list (of ``slots`` entries, when given)."""
     if not isinstance(xs, list):
         raise DistTypeError(f"{where(g, op)}: {arg} must be a list, got {type(xs).__name__}")
+    if slots is not None and len(xs) != slots:
+        raise DistValueError(f"{where(g, op)}: {arg} has {len(xs)} slots, expected one per rank ({slots})")
 
 
 def broadcast_object_list(object_list: list[Any], src: int | None = None, group: ProcessGroup | None = None,
@@ -74,10 +77,7 @@ def all_gather_object(object_list: list[Any], obj: Any, group: ProcessGroup | No
     ``[{"rank": 0}, {"rank": 1}]``.
     """
     g = resolve_group(group)
-    _check_list(g, "all_gather_object", "object_list", object_list)
-    if len(object_list) != g.size:
-        raise DistValueError(f"{where(g, 'all_gather_object')}: object_list has {len(object_list)} slots, "
-                             f"expected one per rank ({g.size})")
+    _check_list(g, "all_gather_object", "object_list", object_list, g.size)
     blob = _dump(obj)
     sizes = _gathered_sizes(g, blob.size)
     width = int(sizes.max())
@@ -93,10 +93,7 @@ def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: in
     g = resolve_group(group)
     root = _group_rank(g, "gather_object", "dst", dst, group_dst)
     if g.rank == root:
-        _check_list(g, "gather_object", "object_gather_list", object_gather_list)
-        if len(object_gather_list) != g.size:
-            raise DistValueError(f"{where(g, 'gather_object')}: object_gather_list has "
-                                 f"{len(object_gather_list)} slots, expected {g.size}")
+        _check_list(g, "gather_object", "object_gather_list", object_gather_list, g.size)
     blob = _dump(obj)
     sizes = _gathered_sizes(g, blob.size)
     width = int(sizes.max())
@@ -122,10 +119,7 @@ def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_in
     width = np.zeros(1, np.int64)
     blobs = None
     if g.rank == root:
-        _check_list(g, "scatter_object_list", "scatter_object_input_list", scatter_object_input_list)
-        if len(scatter_object_input_list) != g.size:
-            raise DistValueError(f"{where(g, 'scatter_object_list')}: scatter_object_input_list has "
-                                 f"{len(scatter_object_input_list)} objects, expected {g.size}")
+        _check_list(g, "scatter_object_list", "scatter_object_input_list", scatter_object_input_list, g.size)
         blobs = [_dump(o) for o in scatter_object_input_list]
         width[0] = max(b.size for b in blobs) + 8
     g.broadcast(width, root)

@@ -133,3 +133,15 @@ def test_recv_into_a_buffer_of_the_wrong_size():
             with pytest.raises(ValueError, match="recv buffer has 2 elements but the message from group rank 0 has 3"):
                 meshkit.recv(np.empty(2), src=0)
     local.run(body, 2, timeout=5)
+
+
+def test_object_collectives_bad_input():
+    def body():
+        with pytest.raises(ValueError, match=r"all_gather_object: object_list has 1 slots, expected one per rank \(2\)"):
+            meshkit.all_gather_object([None], 1)
+        with pytest.raises(TypeError, match=r"broadcast_object_list: object_list must be a list, got tuple"):
+            meshkit.broadcast_object_list((1,), src=0)
+        if meshkit.get_rank() == 0:
+            with pytest.raises(ValueError, match=r"scatter_object_input_list has 3 slots, expected one per rank"):
+                meshkit.scatter_object_list([None], [1, 2, 3], src=0)
+    local.run(body, 2, timeout=5)
