@@ -208,6 +208,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.6), sharey=True)
     worlds = sorted({r["world_size"] for r in rows})
     colors = dict(zip(STRATEGIES, ("tab:blue", "tab:orange", "tab:green", "tab:red")))
+    values: list[float] = []
     for ax, extras in zip(axes, (False, True)):
         for s in STRATEGIES:
             mine = sorted((r for r in rows if r["strategy"] == s), key=lambda r: r["world_size"])
@@ -215,20 +216,27 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
                 continue
             ns = [r["world_size"] for r in mine]
             measured = [(r["total_bytes"] + (r["extra_bytes"] if extras else 0)) / MB for r in mine]
-            ax.plot(ns, measured, marker="o", color=colors[s],
+            ax.plot(ns, measured, marker="o", markersize=7, linewidth=4, alpha=0.45, color=colors[s],
                     label=LABELS[s] + (" + extras" if extras else " measured"))
-            ax.plot(ns, [r["formula_bytes"] / MB for r in mine], linestyle="--", color=colors[s], alpha=0.7,
-                    label=f"{LABELS[s]} formula")
+            ax.plot(ns, [r["formula_bytes"] / MB for r in mine], linestyle="--", linewidth=1.5, color=colors[s],
+                    marker="x", zorder=3, label=f"{LABELS[s]} formula")
+            values += measured + [r["formula_bytes"] / MB for r in mine]
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.xaxis.set_major_locator(FixedLocator(worlds))
         ax.xaxis.set_minor_locator(NullLocator())
         ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
         ax.set_xlabel("ranks N")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize="x-small", ncol=2, loc="lower left")
-    axes[0].set_ylabel("MB per rank (MiB)")
+    lo, hi = min(values), max(values)
+    ticks = [t for t in (2.0 ** e for e in range(-10, 40)) if lo / 2 <= t <= hi * 2]
+    for ax in axes:
+        ax.yaxis.set_major_locator(FixedLocator(ticks))
+        ax.yaxis.set_minor_locator(NullLocator())
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+        ax.set_ylim(lo / 1.25, hi * 1.25)
+    axes[0].set_ylabel("MB per rank (MiB; log scale)")
     axes[0].set_title("model states: params + grads + AdamW state", fontsize="medium")
     axes[1].set_title("plus extras: ZeRO-2 bucket pool, FSDP unsharded unit", fontsize="medium")
     fig.suptitle(title, fontsize="medium")

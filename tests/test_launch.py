@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from meshkit.comm import launch
+from meshkit.comm import bootstrap, launch
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 LAUNCHER = [sys.executable, "-m", "meshkit.comm.launch"]
@@ -111,7 +111,7 @@ def test_exception_on_one_rank_ends_the_job(tmp_path: Path, others: str) -> None
     assert "[rank1]: Traceback (most recent call last):" in errors
     assert "[rank1]: ValueError: launch test failure on rank 1" in errors
     # The bootstrap's own frames are not shown, as for `python script.py`.
-    assert "runpy" not in result.stderr and "launch.py" not in result.stderr
+    assert "runpy" not in result.stderr and "bootstrap.py" not in result.stderr and "launch.py" not in result.stderr
 
 
 @needs_mpiexec
@@ -246,7 +246,7 @@ def test_split_argv_stops_at_the_script(
 
 def test_prefixed_stream_writes_whole_lines() -> None:
     out = io.StringIO()
-    stream = launch._PrefixedStream(out, "[rank3]: ")
+    stream = bootstrap._PrefixedStream(out, "[rank3]: ")
 
     stream.write("a")
     stream.write("b\nc")
@@ -293,8 +293,8 @@ def test_find_mpiexec_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     ],
 )
 def test_rank_from_env(monkeypatch: pytest.MonkeyPatch, env: dict[str, str], rank: int) -> None:
-    for name in launch.RANK_ENV_VARS:
+    for name in bootstrap.RANK_ENV_VARS:
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    assert launch._rank_from_env() == rank
+    assert bootstrap._rank_from_env() == rank
