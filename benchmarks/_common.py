@@ -278,7 +278,10 @@ def _version(dist: str) -> str | None:
 
 
 def run_metadata(comm: MPI.Comm, **extra: Any) -> dict[str, Any]:
-    """What a result depends on: ranks and cores per host, MPI library, versions, date, argv."""
+    """What a result depends on: ranks and cores per host, MPI library, versions, date, argv.
+
+    Collective: every rank of ``comm`` must call it (it gathers each rank's host and cores).
+    """
     from mpi4py import MPI
     library = MPI.Get_library_version().strip().splitlines()
     return {
@@ -298,7 +301,10 @@ def run_metadata(comm: MPI.Comm, **extra: Any) -> dict[str, Any]:
 
 
 def placement(comm: MPI.Comm) -> dict[str, Any]:
-    """Hosts, the most ranks on one host, and the fewest cores a rank may run on (collective)."""
+    """Hosts, the most ranks on one host, and the fewest cores a rank may run on.
+
+    Collective: every rank of ``comm`` must call it.
+    """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     hosts = comm.allgather((socket.gethostname(), cores))
     per_host: dict[str, int] = {}

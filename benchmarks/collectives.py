@@ -42,11 +42,11 @@ import os
 import socket
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn, Sequence
 
 import numpy as np
 from _common import (LOG, Progress, barrier, calibrate_iters, format_size, log2_size_axis, max_over_ranks,
-                     median, parse_args_rank0, parse_size, placement, require_pyplot, run_metadata,
+                     median, parse_args_rank0, parse_size, placement, print0, require_pyplot, run_metadata,
                      setup_logging, size_sweep, time_calls, write_json)
 from mpi4py import MPI
 
@@ -276,7 +276,9 @@ def check_engine(engine: Engine, op: str, fn: Call, b: Buffers, comm: MPI.Comm) 
     errors = comm.allgather(error)
     failed = {r: e for r, e in enumerate(errors) if e is not None}
     if failed and engine.optional:
-        LOG.warning("%s does not run %s; recorded as null (%s)", engine.name, op, next(iter(failed.values())))
+        if rank == 0:
+                LOG.warning("%s does not run %s; recorded as null (%s)", engine.name, op,
+                            next(iter(failed.values())))
         return False
     if failed:
         raise RuntimeError(f"meshkit.bench: {engine.name} {op} failed on ranks {sorted(failed)}: {failed}")
@@ -290,6 +292,8 @@ def check_engine(engine: Engine, op: str, fn: Call, b: Buffers, comm: MPI.Comm) 
 # --------------------------------------------------------------------------- measurement
 @dataclasses.dataclass
 class Settings:
+    """Iterations per timed block and warm-up calls (None: adaptive), and the number of rounds."""
+
     iters: int | None
     warmup: int | None
     rounds: int
@@ -331,7 +335,7 @@ def measure(op: str, nbytes: int, engines: list[Engine], unsupported: set[tuple[
     b.inp.fill(0)  # zeros: sums stay finite however many calls run in place
     b.out.fill(0)
     iters, warmup = settings.iters, settings.warmup
-    if calls and iters is None:
+    if calls and iters is None:  # calibrated on the first engine; every engine then runs as many calls
         iters = calibrate_iters(next(iter(calls.values())), comm, min_iters=MIN_ITERS,
                                 budget_s=TARGET_SECONDS / settings.rounds)
     if warmup is None:
@@ -393,20 +397,22 @@ def summary_line(op: str, rows: list[dict[str, Any]]) -> str | None:
     pairs = {s: (t["meshkit"], t["mpi4py"]) for s, t in times.items() if "meshkit" in t and "mpi4py" in t}
     if not pairs:
         return None
-    parts = [f"# {op} summary (meshkit vs mpi4py):"]
+    parts = []
     large = {s: mk / ref for s, (mk, ref) in pairs.items() if s >= LARGE_BYTES}
     if large:
         s = max(large, key=large.__getitem__)
         verdict = "met" if large[s] <= MAX_RATIO else "MISSED"
         parts.append(f"worst time ratio at >= {format_size(LARGE_BYTES)}: {large[s]:.3f} at {format_size(s)} "
-                     f"(target <= {MAX_RATIO}: {verdict});")
+                     f"(target <= {MAX_RATIO}: {verdict})")
     small = {s: mk - ref for s, (mk, ref) in pairs.items() if s <= SMALL_BYTES}
     if small:
         s = max(small, key=small.__getitem__)
         verdict = "met" if small[s] <= MAX_EXCESS_US else "MISSED"
         parts.append(f"worst excess at <= {format_size(SMALL_BYTES)}: {small[s]:+.1f} us at {format_size(s)} "
                      f"(target <= {MAX_EXCESS_US:g} us: {verdict})")
-    return " ".join(parts)
+    if not parts:
+        return None
+    return f"# {op} summary (meshkit vs mpi4py): " + "; ".join(parts)
 
 
 def plot(rows: list[dict[str, Any]], ops: list[str], engines: list[str], path: Path, title: str) -> None:
@@ -458,41 +464,41 @@ def _plot_ratio(ax: Any, rows: list[dict[str, Any]], sizes: list[int], *, first:
     if first:
         ax.set_ylabel("time meshkit / mpi4py")
         if sizes[-1] >= LARGE_BYTES:
-            ax.legend(loc="upper right", fontsize="small")
+            ax.legend(loc="best", fontsize="small")
 
 
 # --------------------------------------------------------------------------- command line
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--ops", default=",".join(OPS), help="comma-separated ops to run, from " + ", ".join(OPS))
-    p.add_argument("--min-bytes", type=parse_size, default=parse_size("8"), help="smallest size (8, 64K, 1M)")
-    p.add_argument("--max-bytes", type=parse_size, default=parse_size("64M"), help="largest size")
-    p.add_argument("--step-factor", type=float, default=2.0, help="each size is this times the last")
-    p.add_argument("--dtype", default="float32", help="NumPy dtype of the buffers")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated ops (default: {','.join(OPS)})")
+    p.add_argument("--min-bytes", type=parse_size, default="8", help="smallest size: 8, 64K, 1M (default: 8)")
+    p.add_argument("--max-bytes", type=parse_size, default="64M", help="largest size (default: 64M)")
+    p.add_argument("--step-factor", type=float, default=2.0, help="each size is this times the last (default: 2)")
+    p.add_argument("--dtype", default="float32", help="NumPy dtype of the buffers (default: float32)")
     p.add_argument("--iters", type=int, default=None,
-                   help="timed calls per engine per round (default: adaptive, ~0.2 s per engine, >= 5)")
+                   help="timed calls per engine per round (default: adaptive, about "
+                        f"{TARGET_SECONDS} s per engine over all rounds, at least {MIN_ITERS} per round)")
     p.add_argument("--warmup", type=int, default=None,
-                   help="untimed calls per engine before each timed block (default: max(1, iters/10))")
-    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the median is reported")
+                   help="untimed calls per engine before each timed block (default: max(1, iters / 10))")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the median is reported (default: 5)")
     p.add_argument("--engines", default=None,
-                   help="comma-separated engines from meshkit, mpi4py, gloo "
+                   help=f"comma-separated, from {', '.join(ENGINES)} "
                         "(default: meshkit,mpi4py, plus gloo when torch is importable)")
     p.add_argument("--device", default="cpu", help="where buffers live; only cpu is supported for now")
     p.add_argument("--json", type=Path, default=None,
                    help="result file (default: benchmarks/results/collectives-n{N}.json)")
     p.add_argument("--plot", type=Path, nargs="?", const=Path(), default=None,
-                   help="draw a PNG (default path: the JSON path with .png)")
+                   help="draw a PNG at PLOT (default: the JSON path with .png); needs matplotlib")
     p.add_argument("--no-progress", action="store_true", help="no progress bar or progress log lines")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
 
 
-def _split(text: str, valid: tuple[str, ...] | list[str], what: str, p: argparse.ArgumentParser) -> list[str]:
+def _split(text: str, valid: Sequence[str], what: str, p: argparse.ArgumentParser, rank: int) -> list[str]:
     names = [s.strip() for s in text.split(",") if s.strip()]
     bad = [s for s in names if s not in valid]
     if bad or not names:
-        p.error(f"invalid {what} {bad or text!r}; valid {what} are {list(valid)}")
+        _fail(p, rank, f"invalid {what} {bad or text!r}; valid {what} are {list(valid)}")
     return list(dict.fromkeys(names))
 
 
@@ -503,16 +509,16 @@ def parse_args(rank: int, argv: list[str] | None = None) -> argparse.Namespace:
     error = _invalid(args)
     if error:
         _fail(p, rank, error)
-    args.ops = _split(args.ops, list(OPS), "ops", p)
+    args.ops = _split(args.ops, list(OPS), "ops", p, rank)
     default_engines = "meshkit,mpi4py,gloo" if torch_importable() else "meshkit,mpi4py"
-    args.engines = _split(args.engines or default_engines, ENGINES, "engines", p)
+    args.engines = _split(args.engines or default_engines, ENGINES, "engines", p, rank)
     if "gloo" in args.engines and not torch_importable():
         _fail(p, rank, "engine gloo needs torch, which is not installed (pip install torch)")
     args.dtype = np.dtype(args.dtype)
     return args
 
 
-def _fail(p: argparse.ArgumentParser, rank: int, message: str) -> None:
+def _fail(p: argparse.ArgumentParser, rank: int, message: str) -> NoReturn:
     """Exit with a usage error on every rank; only rank 0 prints it."""
     if rank == 0:
         p.error(message)
@@ -565,36 +571,26 @@ def run(args: argparse.Namespace, comm: MPI.Comm, engines: list[Engine]) -> list
         LOG.warning("%d ranks on a host with %d cores: oversubscribed, so times include OS scheduling and "
                     "vary from run to run; compare engines within one run", where["ranks_per_host"],
                     where["cores_per_host"])
-    with Progress(len(args.ops) * len(sizes), enabled=rank == 0 and not args.no_progress,
-                  unit="size") as progress:
-        out = progress if rank == 0 and not args.no_progress else None
+    show_bar = rank == 0 and not args.no_progress
+    with Progress(len(args.ops) * len(sizes), enabled=show_bar, unit="size") as progress:
+        say: Callable[[str], None] = progress.write if show_bar else functools.partial(print0, rank)
         for op in args.ops:
             progress.start_group(op)
-            _emit(rank, out, "\n".join(table_header(op, names, n, args.dtype)))
+            say("\n".join(table_header(op, names, n, args.dtype)))
             of_op: list[dict[str, Any]] = []
             for nbytes in sizes:
                 measured = measure(op, nbytes, engines, unsupported, args.dtype, comm, settings)
                 of_op += measured
-                _emit(rank, out, table_line(measured))
+                say(table_line(measured))
                 progress.step(format_size(nbytes))
-            _emit(rank, out, (summary_line(op, of_op) or f"# {op}: no meshkit/mpi4py pair to compare") + "\n")
+            say((summary_line(op, of_op) or f"# {op}: no meshkit/mpi4py pair to compare") + "\n")
             rows += of_op
     return rows
 
 
-def _emit(rank: int, progress: Progress | None, text: str) -> None:
-    """Print on rank 0, through the progress bar when there is one."""
-    if rank != 0:
-        return
-    if progress is not None:
-        progress.write(text)
-    else:
-        print(text, flush=True)
-
-
 def main(argv: list[str] | None = None) -> int:
     comm = MPI.COMM_WORLD.Dup()  # barriers and time reductions: never in an engine's way
-    rank, n = comm.Get_rank(), comm.Get_size()
+    rank = comm.Get_rank()
     args = parse_args(rank, argv)
     setup_logging(rank, args.verbose)
     meshkit.init_process_group("mpi")
@@ -605,23 +601,26 @@ def main(argv: list[str] | None = None) -> int:
         for engine in engines:
             engine.close()
         meshkit.destroy_process_group()
+    meta = run_metadata(comm, benchmark="collectives", dtype=str(args.dtype), engines=args.engines,
+                        ops=args.ops, rounds=args.rounds, iters=args.iters, warmup=args.warmup,
+                        target_seconds=TARGET_SECONDS if args.iters is None else None)
     if rank == 0:
-        _save(args, comm, rows, n)
+        save(args, meta, rows)
     comm.Free()
     return 0
 
 
-def _save(args: argparse.Namespace, comm: MPI.Comm, rows: list[dict[str, Any]], n: int) -> None:
-    meta = run_metadata(comm, benchmark="collectives", dtype=str(args.dtype), engines=args.engines,
-                        rounds=args.rounds, iters=args.iters, warmup=args.warmup, ops=args.ops,
-                        target_seconds=TARGET_SECONDS if args.iters is None else None)
+def save(args: argparse.Namespace, meta: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """Write the JSON and, with --plot, the PNG (rank 0 only; nothing collective here)."""
+    n = meta["world_size"]
     path = args.json or RESULTS / f"collectives-n{n}.json"
     write_json(path, meta, rows)
     LOG.info("wrote %s", path)
     if args.plot is not None:
         png = path.with_suffix(".png") if args.plot == Path() else args.plot
-        title = (f"meshkit collectives: {n} ranks, {args.dtype}, {meta['hostname']}, "
-                 f"{meta['mpi_library'][:60]}")
+        title = f"meshkit collectives: {n} ranks, {args.dtype}, {meta['hostname']}, {meta['mpi_library'][:60]}"
+        if meta["oversubscribed"]:
+            title += f" ({meta['ranks_per_host']} ranks on {meta['cores_per_host']} cores)"
         plot(rows, args.ops, args.engines, png, title)
         LOG.info("wrote %s", png)
 

@@ -60,6 +60,9 @@ class World:
     default_group: ProcessGroup | None = None
     #: groups by rank set (non-member handles too): the same ranks never get a second communicator
     groups: dict[frozenset[int], ProcessGroup] = dataclasses.field(default_factory=dict)
+    #: partitions of ranks already built by world-collective splits; every rank records the same
+    #: ones, so all agree to skip a split whose groups all exist (a mesh built a second time)
+    partitions: set[frozenset[frozenset[int]]] = dataclasses.field(default_factory=set)
     #: group-creating collective splits so far (tests and benchmarks count construction cost)
     split_count: int = 0
     destroyed: bool = False
@@ -201,9 +204,16 @@ def create_groups(parent: ProcessGroup, partition: Sequence[Sequence[int]], *, n
     Collective over ``parent``. Every rank passes the same partition (lists of global ranks);
     a rank gets the group it is in, or None if it is in none. A rank set that already has a
     group is reused: its members take part in the split without joining a new communicator.
+    A partition built before by a split over the world is not split again: every rank of the
+    world saw that split, so all agree to skip it.
     """
     world = parent.world
     me = world.rank
+    key = frozenset(frozenset(int(r) for r in part) for part in partition)
+    collective_over_world = parent is world.default_group
+    if collective_over_world and key in world.partitions:
+        mine_set = next((p for p in key if me in p), None)
+        return None if mine_set is None else world.groups[mine_set]
     mine: tuple[int, ...] | None = None
     color = None
     for index, part in enumerate(partition):
@@ -215,6 +225,8 @@ def create_groups(parent: ProcessGroup, partition: Sequence[Sequence[int]], *, n
     if existing is not None:
         color = None
     created = parent.split(color, ranks=mine or (), name=name)
+    if collective_over_world:
+        world.partitions.add(key)
     if created is not None:
         if timeout is not None:
             created.timeout = float(timeout)

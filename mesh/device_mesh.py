@@ -12,9 +12,11 @@ per subgroup. The root remembers which partitions of its ranks it has built; sli
 flattening into a partition that exists already, create no communicator, and groups are cached
 by rank set across meshes too (``World.groups``).
 
-Construction cost, in collective splits: a mesh over the whole world costs one per dimension;
-a mesh over a subset of the world one more, for the group of all its ranks, over which later
-``flatten``/``unflatten``/``rearrange`` calls run (they are collective over the root mesh only).
+Construction cost, in collective splits: at most one per dimension; none for a dimension whose
+groups already exist from an earlier world-collective construction (the same mesh built again)
+or whose one group is the whole root (the world's own group). A mesh over a subset of the world
+costs one more, for the group of all its ranks, over which later ``flatten``/``unflatten``/
+``rearrange`` calls run (they are collective over the root mesh only).
 """
 
 from __future__ import annotations

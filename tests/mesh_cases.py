@@ -27,6 +27,9 @@ def check_expected_groups(shape) -> int:
     mesh = meshkit.DeviceMesh("cpu", np.arange(size).reshape(shape), mesh_dim_names=names)
     subset = size < meshkit.get_world_size()
     assert world.split_count - splits == len(shape) + subset, "one split per dimension (+1 for a subset mesh)"
+    again = meshkit.DeviceMesh("cpu", np.arange(size).reshape(shape), mesh_dim_names=names)
+    assert world.split_count - splits == len(shape) + subset, "the same mesh again: its groups exist, no split"
+    assert all(a is b for a, b in zip(again._groups, mesh._groups))
     if rank >= size:
         assert mesh.get_coordinate() is None
         return 0

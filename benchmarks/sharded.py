@@ -1,0 +1,468 @@
+"""Step time of every data-parallel strategy of the MLP example, and what FSDP prefetching hides.
+
+Run it by hand (a measurement, not a test; nothing here asserts on timings)::
+
+    meshkit-run -n 4 benchmarks/sharded.py              # table on rank 0
+    meshkit-run -n 4 benchmarks/sharded.py --plot       # ... and benchmarks/results/sharded-n4.png
+    meshkit-run -n 2 benchmarks/sharded.py --plot
+    meshkit-run -n 4 benchmarks/sharded.py --hidden 1024,1024,1024 --rounds 5 --steps 10
+    python benchmarks/sharded.py --plot-from benchmarks/results/sharded-n4.json   # redraw only
+
+With the pip-installed ``mpich`` wheel in a venv, use the venv's launcher, e.g.
+``/tmp/venv/bin/meshkit-run -n 4 benchmarks/sharded.py --plot``. Results go to
+``benchmarks/results/sharded-n{N}.json`` (``--json`` to change) and, with ``--plot``, the PNG
+next to it. Each rank's BLAS runs one thread (``OPENBLAS_NUM_THREADS`` and friends default to 1
+here unless already set), so N ranks use N cores.
+
+The model is ``examples/train_mlp.py``'s tanh MLP made larger (hidden layers ``--hidden``,
+default 512,512,512: 538K parameters, 2.1 MB in float32), float32, AdamW, bucket caps 25 MB
+(first 1 MB), global batch ``--batch`` 256 split over the ranks. Every strategy is built by
+the example's own ``build(args)`` from ``parse_args([...])`` (the hidden widths reach it through
+the example's ``init_params``, swapped for the duration of the call, since the example has no
+``--hidden`` option), and a step is the example's training step without the loss all-reduce:
+``zero_grad()``, ``forward_layers``, ``loss_and_grad_logits``, ``backward_layers`` (gradients
+handed to the strategy layer by layer, last first), ``step()``. Strategies:
+
+* ``compute``: the reference, not a strategy: the example's ``Plain`` model on this rank's share
+  of the batch with the same optimizer, no communication at all (the floor of every step);
+* ``ddp``, ``zero1``, ``zero2``: ``DistributedDataParallel`` / ``ZeroRedundancyOptimizer``;
+* ``fsdp``: ``FullyShardedDataParallel``, one unit per layer, the next unit prefetched while
+  the current one runs (the example's ``Sharded``);
+* ``fsdp-noprefetch``: the same, but every unit is gathered only when it is needed (a subclass
+  of ``Sharded`` that never calls ``prefetch``);
+* ``hsdp``: hybrid sharding on a ``--hsdp-mesh`` (replicate x shard) mesh, by default 2x2 when
+  N = 4 (2 x N/2 for any even N >= 4; skipped otherwise).
+
+Each strategy is first checked: one step from the example's initial parameters on global batch
+0 must give the single-process AdamW result on the whole batch (float32: ``allclose`` with
+rtol 1e-5, atol 1e-7, the example's ``--check``); then ``--warmup`` (2) untimed steps. Timing:
+``--rounds`` rounds (3), in each of which every strategy, in an order rotating from round to
+round, runs ``--steps`` (5) steps, each after a barrier (whose waiting ranks yield the core);
+a step's time is the MAX over ranks; a strategy's time is the median over its
+``rounds x steps`` steps (15 by default; at least 10 are required).
+
+Prefetch: ``hidden = fsdp-noprefetch - fsdp`` (medians), i.e. the gather time that prefetching
+takes off the critical path; negative means prefetching cost more than it saved. With more
+ranks than cores (4 ranks on a 2-core machine) compute and communication of all ranks share
+the cores, so little can be hidden and every step is slowed by the others.
+
+Rank 0 prints the table, shows progress (tqdm when installed), writes the JSON (metadata, one
+row per strategy with every step's time, and a ``prefetch`` row) and, with ``--plot``, a PNG:
+a bar chart of the median step times, with the 25th-75th percentile as error bars.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")  # before numpy: one BLAS thread per rank
+
+import contextlib  # noqa: E402
+import dataclasses  # noqa: E402
+import functools  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Iterator  # noqa: E402
+
+import numpy as np  # noqa: E402
+from _common import (LOG, Progress, barrier, max_over_ranks, median, parse_args_rank0,  # noqa: E402
+                     print0, require_pyplot, run_metadata, setup_logging, write_json)
+from mpi4py import MPI  # noqa: E402
+
+import meshkit  # noqa: E402
+from meshkit.examples import train_mlp  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+#: The check of one step against single-process training (the example's float32 tolerance).
+RTOL, ATOL = 1e-5, 1e-7
+MIN_TIMED_STEPS = 10
+
+
+# --------------------------------------------------------------------------- strategies
+class ShardedNoPrefetch(train_mlp.Sharded):
+    """The example's FSDP strategy with prefetching off: each unit is gathered when it is used."""
+
+    @contextlib.contextmanager
+    def layer(self, i: int, upcoming: int | None = None) -> Iterator[dict[str, Any]]:
+        with self.fsdp.unshard(i) as params:
+            yield params
+
+
+@contextlib.contextmanager
+def example_hidden(hidden: tuple[int, ...]) -> Iterator[None]:
+    """Make the example's ``init_params`` (which ``build`` calls) default to ``hidden`` layers."""
+    original = train_mlp.init_params
+    train_mlp.init_params = functools.partial(original, hidden=hidden)
+    try:
+        yield
+    finally:
+        train_mlp.init_params = original
+
+
+def example_args(args: argparse.Namespace, strategy: str, mesh: str = "2x2") -> argparse.Namespace:
+    """The example's own command line for ``strategy`` with this benchmark's settings."""
+    return train_mlp.parse_args(["--strategy", strategy, "--mesh", mesh, "--batch", str(args.batch),
+                                 "--samples", str(args.samples), "--lr", str(args.lr),
+                                 "--optimizer", args.optimizer, "--dtype", args.dtype,
+                                 "--bucket-cap-mb", str(args.bucket_cap_mb)])
+
+
+def build(args: argparse.Namespace, name: str) -> train_mlp.Strategy:
+    """One strategy over all ranks (collective), or the communication-free ``compute`` reference."""
+    hidden = tuple(args.hidden)
+    if name == "compute":
+        ex = example_args(args, "ddp")
+        params = train_mlp.init_params(hidden=hidden, dtype=np.dtype(args.dtype))
+        return train_mlp.Plain(params, optimizer=train_mlp.make_optimizer(ex.optimizer, ex.lr))
+    strategy = "fsdp" if name == "fsdp-noprefetch" else name
+    with example_hidden(hidden):
+        model, _ = train_mlp.build(example_args(args, strategy, args.hsdp_mesh or "2x2"))
+    if name == "fsdp-noprefetch":
+        assert isinstance(model, train_mlp.Sharded)
+        model = ShardedNoPrefetch(model.fsdp, model.dtype, model.layers)
+    return model
+
+
+def train_step(model: train_mlp.Strategy, x: np.ndarray, y: np.ndarray) -> float:
+    """The example's training step (without the loss all-reduce)."""
+    model.zero_grad()
+    acts = train_mlp.forward_layers(model, x)
+    loss, dlogits = train_mlp.loss_and_grad_logits(acts[-1], y)
+    train_mlp.backward_layers(model, acts, dlogits)
+    model.step()
+    return loss
+
+
+@dataclasses.dataclass
+class Batches:
+    """This rank's share of every global batch (precomputed: no indexing inside timed steps)."""
+
+    x: list[np.ndarray]
+    y: list[np.ndarray]
+    global_x: np.ndarray  # batch 0 whole, for the check
+    global_y: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+
+def make_batches(args: argparse.Namespace, rank: int, n: int, count: int) -> Batches:
+    x, y = train_mlp.make_data(args.samples)
+    xs, ys = [], []
+    for step in range(count):
+        idx = np.array_split(train_mlp.batch_indices(step, args.samples, args.batch), n)[rank]
+        xs.append(np.ascontiguousarray(x[idx]))
+        ys.append(y[idx])
+    first = train_mlp.batch_indices(0, args.samples, args.batch)
+    return Batches(xs, ys, x[first], y[first])
+
+
+def check_one_step(args: argparse.Namespace, name: str, model: train_mlp.Strategy, batches: Batches,
+                   reference: dict[str, np.ndarray], comm: MPI.Comm) -> float:
+    """Train one step on batch 0 and compare with single-process training; raise on every rank if wrong.
+
+    Returns the worst relative difference (the example's measure) over ranks.
+    """
+    if name == "compute":
+        train_step(model, batches.x[0], batches.y[0])
+        return float("nan")
+    train_step(model, batches.x[0], batches.y[0])
+    params = model.full_params()
+    worst = max(float(np.max(np.abs(params[k] - reference[k]) / (np.abs(reference[k]) + ATOL / RTOL)))
+                for k in reference)
+    ok = all(np.allclose(params[k], reference[k], rtol=RTOL, atol=ATOL) for k in reference)
+    bad = [r for r, good in enumerate(comm.allgather(ok)) if not good]
+    worst = max_over_ranks(comm, [worst])[0]
+    if bad:
+        raise RuntimeError(f"meshkit.bench: {name}: one step differs from single-process training on ranks {bad} "
+                           f"(worst relative difference {worst:.2e}, rtol {RTOL:g}, atol {ATOL:g})")
+    return worst
+
+
+def reference_step(args: argparse.Namespace, batches: Batches) -> dict[str, np.ndarray]:
+    """Single-process training of one step on the whole of global batch 0."""
+    model = build(args, "compute")
+    train_step(model, batches.global_x, batches.global_y)
+    return model.full_params()
+
+
+# --------------------------------------------------------------------------- timing
+def time_strategies(args: argparse.Namespace, models: dict[str, train_mlp.Strategy], batches: Batches,
+                    comm: MPI.Comm, progress: Progress) -> dict[str, list[float]]:
+    """Seconds of every timed step of every strategy: the MAX over ranks, in run order."""
+    names = list(models)
+    local: dict[str, list[float]] = {name: [] for name in names}
+    counter = 0
+    for r in range(args.rounds):
+        for k in range(len(names)):
+            name = names[(r + k) % len(names)]  # rotate: no strategy always runs first
+            progress.start_group(f"round {r + 1}/{args.rounds}")
+            model = models[name]
+            for _ in range(args.steps):
+                b = counter % len(batches)
+                counter += 1
+                barrier(comm)
+                start = time.perf_counter()
+                train_step(model, batches.x[b], batches.y[b])
+                local[name].append(time.perf_counter() - start)
+            progress.step(name)
+    flat = max_over_ranks(comm, [t for name in names for t in local[name]])
+    steps = args.rounds * args.steps
+    return {name: flat[i * steps:(i + 1) * steps] for i, name in enumerate(names)}
+
+
+def summarize(name: str, times: list[float], check: float, n: int) -> dict[str, Any]:
+    ms = sorted(t * 1e3 for t in times)
+    q = np.percentile(ms, [25, 75])
+    return {"section": "step", "strategy": name, "world_size": n, "step_ms": median(ms), "p25_ms": float(q[0]),
+            "p75_ms": float(q[1]), "min_ms": ms[0], "max_ms": ms[-1], "steps": len(ms),
+            "check_worst_rel_diff": None if check != check else check, "step_ms_all": [t * 1e3 for t in times]}
+
+
+def prefetch_row(rows: list[dict[str, Any]], times: dict[str, list[float]], args: argparse.Namespace,
+                 n: int) -> dict[str, Any] | None:
+    if "fsdp" not in times or "fsdp-noprefetch" not in times:
+        return None
+    t = {r["strategy"]: r["step_ms"] for r in rows}
+    per_round = []
+    for r in range(args.rounds):
+        part = slice(r * args.steps, (r + 1) * args.steps)
+        per_round.append((median(times["fsdp-noprefetch"][part]) - median(times["fsdp"][part])) * 1e3)
+    hidden = t["fsdp-noprefetch"] - t["fsdp"]
+    return {"section": "prefetch", "world_size": n, "fsdp_ms": t["fsdp"], "fsdp_noprefetch_ms": t["fsdp-noprefetch"],
+            "hidden_ms": hidden, "hidden_fraction_of_step": hidden / t["fsdp-noprefetch"],
+            "hidden_ms_per_round": per_round}
+
+
+def table(rows: list[dict[str, Any]], pre: dict[str, Any] | None, n: int, meta: dict[str, Any]) -> list[str]:
+    base = next((r["step_ms"] for r in rows if r["strategy"] == "compute"), None)
+    head = (f"{'strategy':<17}{'median ms':>10}{'p25':>8}{'p75':>8}{'min':>8}{'max':>8}{'steps':>6}"
+            f"{'x compute':>10}{'check':>10}")
+    lines = [f"step time, {n} ranks ({meta['cores_per_host']} cores/host"
+             f"{', oversubscribed' if meta['oversubscribed'] else ''}), MLP {meta['model']}, "
+             f"{meta['psi']:,} {meta['dtype']} parameters, {meta['optimizer']}, global batch {meta['batch']}; "
+             "MAX over ranks per step, median over steps",
+             head, "-" * len(head)]
+    for r in rows:
+        check = "-" if r["check_worst_rel_diff"] is None else f"{r['check_worst_rel_diff']:.1e}"
+        ratio = f"{r['step_ms'] / base:.2f}" if base else "-"
+        lines.append(f"{r['strategy']:<17}{r['step_ms']:10.2f}{r['p25_ms']:8.2f}{r['p75_ms']:8.2f}"
+                     f"{r['min_ms']:8.2f}{r['max_ms']:8.2f}{r['steps']:6d}{ratio:>10}{check:>10}")
+    if pre is not None:
+        rounds = ", ".join(f"{v:+.2f}" for v in pre["hidden_ms_per_round"])
+        lines.append(f"FSDP prefetch hides {pre['hidden_ms']:+.2f} ms per step "
+                     f"({100 * pre['hidden_fraction_of_step']:+.1f}% of the step without prefetch; "
+                     f"per round: {rounds} ms)")
+    lines.append("check: worst relative difference of one step vs single-process training "
+                 f"(must be within rtol {RTOL:g}, atol {ATOL:g})")
+    return lines
+
+
+# --------------------------------------------------------------------------- plot
+def plot(rows: list[dict[str, Any]], pre: dict[str, Any] | None, path: Path, title: str) -> None:
+    """Bars: median step time per strategy, 25th-75th percentile as error bars."""
+    plt = require_pyplot()
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(rows) + 2), 4.6))
+    names = [r["strategy"] for r in rows]
+    medians = [r["step_ms"] for r in rows]
+    err = [[r["step_ms"] - r["p25_ms"] for r in rows], [r["p75_ms"] - r["step_ms"] for r in rows]]
+    colors = ["tab:gray" if s == "compute" else "tab:red" if s.startswith("fsdp") else
+              "tab:purple" if s == "hsdp" else "tab:blue" for s in names]
+    bars = ax.bar(range(len(rows)), medians, yerr=err, capsize=4, color=colors, alpha=0.85)
+    for bar, value in zip(bars, medians):
+        ax.annotate(f"{value:.2f}", (bar.get_x() + bar.get_width() / 2, value), textcoords="offset points",
+                    xytext=(10, 2), ha="left", fontsize=8)
+    for i, r in enumerate(rows):
+        if r["strategy"] == "fsdp-noprefetch":
+            bars[i].set_hatch("//")
+    ax.set_xticks(range(len(rows)), names)
+    ax.set_ylabel("ms per step (MAX over ranks; median, bars p25-p75)")
+    if pre is not None:
+        ax.set_title(f"FSDP prefetch hides {pre['hidden_ms']:+.2f} ms per step "
+                     f"({100 * pre['hidden_fraction_of_step']:+.1f}%)", fontsize="medium")
+    ax.set_ylim(bottom=0)
+    ax.margins(y=0.15)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(title, fontsize="medium")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_title(meta: dict[str, Any]) -> str:
+    return (f"meshkit data-parallel step time: {meta.get('world_size')} ranks, {meta.get('cores_per_host')} "
+            f"cores/host, MLP {meta.get('model')}, {meta.get('dtype')}, {meta.get('optimizer')}, "
+            f"batch {meta.get('batch')}")
+
+
+# --------------------------------------------------------------------------- command line
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"invalid list {text!r}; write positive integers like 512,512,512")
+    return values
+
+
+STRATEGIES = ("compute", "ddp", "zero1", "zero2", "fsdp", "fsdp-noprefetch", "hsdp")
+
+
+def _strategy_list(text: str) -> list[str]:
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in names if v not in STRATEGIES]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"unknown strategies {bad or text!r}; valid: {','.join(STRATEGIES)}")
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--hidden", type=_int_list, default=[512, 512, 512], help="hidden layer widths")
+    p.add_argument("--batch", type=int, default=256, help="global batch (divisible by the ranks)")
+    p.add_argument("--samples", type=int, default=4096, help="size of the synthetic data set")
+    p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP/ZeRO bucket cap (first: min(1, cap))")
+    p.add_argument("--strategies", type=_strategy_list, default=None,
+                   help=f"subset of {','.join(STRATEGIES)} (default all; hsdp only where a mesh fits)")
+    p.add_argument("--hsdp-mesh", default=None, metavar="RxS",
+                   help="hsdp's replicate x shard mesh (default 2x(N/2) for even N >= 4, else no hsdp)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per strategy per round")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per strategy before timing")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds any blocking meshkit call waits at most")
+    p.add_argument("--json", type=Path, default=None, help="result file (default benchmarks/results/sharded-n{N}.json)")
+    p.add_argument("--plot", type=Path, nargs="?", const=Path(), default=None,
+                   help="draw a PNG (default path: the JSON path with .png)")
+    p.add_argument("--plot-from", type=Path, default=None, metavar="JSON",
+                   help="measure nothing: draw --plot (default: JSON's path with .png) from an earlier run's JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    return p
+
+
+def parse_args(rank: int, n: int, argv: list[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
+    args = parse_args_rank0(p, rank, argv)
+    error = None
+    if args.rounds < 1 or args.steps < 1 or args.warmup < 0 or not args.timeout > 0:
+        error = "--rounds and --steps must be >= 1, --warmup >= 0 and --timeout > 0"
+    elif args.plot_from is None and args.rounds * args.steps < MIN_TIMED_STEPS:
+        error = (f"--rounds {args.rounds} x --steps {args.steps} gives {args.rounds * args.steps} timed steps; "
+                 f"at least {MIN_TIMED_STEPS} are needed")
+    elif args.batch < n or args.batch % n:
+        error = f"invalid --batch {args.batch}: it must be a positive multiple of the {n} ranks"
+    elif not args.bucket_cap_mb > 0:
+        error = f"invalid --bucket-cap-mb {args.bucket_cap_mb}; it must be > 0"
+    elif args.plot is not None or args.plot_from is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            error = "--plot needs matplotlib, which is not installed; run `pip install matplotlib` (or meshkit[bench])"
+    if error is None:
+        error = _resolve_strategies(args, n)
+    if error:
+        if rank == 0:
+            p.error(error)
+        raise SystemExit(2)
+    return args
+
+
+def _resolve_strategies(args: argparse.Namespace, n: int) -> str | None:
+    """Fill in ``args.hsdp_mesh`` and ``args.strategies``; an error message or None."""
+    if args.hsdp_mesh is not None:
+        try:
+            replicate, shard = (int(v) for v in args.hsdp_mesh.lower().split("x"))
+        except ValueError:
+            return f"invalid --hsdp-mesh {args.hsdp_mesh!r}; write REPLICATExSHARD, e.g. 2x2"
+        if replicate < 1 or shard < 1 or replicate * shard != n:
+            return f"invalid --hsdp-mesh {args.hsdp_mesh!r}: its {replicate}x{shard} ranks must be the {n} ranks"
+    elif n >= 4 and n % 2 == 0:
+        args.hsdp_mesh = f"2x{n // 2}"
+    if args.strategies is None:
+        args.strategies = [s for s in STRATEGIES if s != "hsdp" or args.hsdp_mesh is not None]
+    elif "hsdp" in args.strategies and args.hsdp_mesh is None:
+        return f"hsdp needs a 2-D mesh: pass --hsdp-mesh RxS with R x S = {n} (none fits by default)"
+    return None
+
+
+def plot_from(args: argparse.Namespace) -> None:
+    try:
+        data = json.loads(args.plot_from.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SystemExit(f"meshkit.bench: --plot-from: cannot read {args.plot_from}: {exc}") from None
+    meta = data.get("metadata", {})
+    if meta.get("benchmark") != "sharded":
+        raise SystemExit(f"meshkit.bench: --plot-from: {args.plot_from} is not a result of benchmarks/sharded.py")
+    rows = [r for r in data["rows"] if r["section"] == "step"]
+    pre = next((r for r in data["rows"] if r["section"] == "prefetch"), None)
+    png = args.plot_from.with_suffix(".png") if args.plot in (None, Path()) else args.plot
+    plot(rows, pre, png, plot_title(meta))
+    LOG.info("wrote %s", png)
+
+
+def main(argv: list[str] | None = None) -> int:
+    comm = MPI.COMM_WORLD.Dup()  # barriers and time reductions: never in meshkit's way
+    rank, n = comm.Get_rank(), comm.Get_size()
+    args = parse_args(rank, n, argv)
+    setup_logging(rank, args.verbose)
+    if args.plot_from is not None:
+        if rank == 0:
+            plot_from(args)
+        comm.Free()
+        return 0
+    meshkit.init_process_group("mpi", timeout=args.timeout)
+    started = time.perf_counter()
+    try:
+        batches = make_batches(args, rank, n, count=16)
+        reference = reference_step(args, batches)
+        psi = sum(int(p.size) for p in reference.values())
+        models: dict[str, train_mlp.Strategy] = {}
+        checks: dict[str, float] = {}
+        for name in args.strategies:
+            models[name] = build(args, name)
+            checks[name] = check_one_step(args, name, models[name], batches, reference, comm)
+            for step in range(args.warmup):
+                train_step(models[name], batches.x[1 + step % (len(batches) - 1)],
+                           batches.y[1 + step % (len(batches) - 1)])
+            LOG.debug("%s built, checked (worst relative difference %s) and warmed up", name, checks[name])
+        show = rank == 0 and not args.no_progress
+        with Progress(args.rounds * len(models), enabled=show, unit="block") as progress:
+            times = time_strategies(args, models, batches, comm, progress)
+    finally:
+        meshkit.destroy_process_group()
+    rows = [summarize(name, times[name], checks[name], n) for name in args.strategies]
+    pre = prefetch_row(rows, times, args, n)
+    meta = run_metadata(comm, benchmark="sharded", model="x".join(map(str, args.hidden)), hidden=args.hidden,
+                        psi=psi, dtype=args.dtype, optimizer=args.optimizer, lr=args.lr, batch=args.batch,
+                        bucket_caps_mb=[args.bucket_cap_mb, min(1.0, args.bucket_cap_mb)],
+                        hsdp_mesh=args.hsdp_mesh, strategies=args.strategies, rounds=args.rounds,
+                        steps=args.steps, warmup=args.warmup, seconds=time.perf_counter() - started,
+                        blas_threads={v: os.environ.get(v) for v in
+                                      ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")},
+                        load_average_1m=os.getloadavg()[0] if hasattr(os, "getloadavg") else None)
+    if rank == 0:
+        for line in table(rows, pre, n, meta):
+            print0(rank, line)
+        path = args.json or RESULTS / f"sharded-n{n}.json"
+        write_json(path, meta, rows + ([pre] if pre else []))
+        LOG.info("wrote %s", path)
+        if args.plot is not None:
+            png = path.with_suffix(".png") if args.plot == Path() else args.plot
+            plot(rows, pre, png, plot_title(meta))
+            LOG.info("wrote %s", png)
+    comm.Free()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
