@@ -54,6 +54,7 @@ __all__ = [
     "calibrate_iters",
     "median",
     "placement",
+    "limit_blas_threads",
     "run_metadata",
     "host_metadata",
     "write_json",
@@ -290,6 +291,8 @@ def run_metadata(comm: MPI.Comm, **extra: Any) -> dict[str, Any]:
         "mpi_library": " ".join(library[0].split()) if library else "",
         "mpi_version": "{}.{}".format(*MPI.Get_version()),
         "hostname": socket.gethostname(),
+        # 1, 5 and 15 min load averages at the end of the run: other jobs on a shared host show here
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "python": platform.python_version(),
         "numpy": _version("numpy"),
         "mpi4py": _version("mpi4py"),
@@ -373,3 +376,46 @@ def log2_size_axis(ax: Any, sizes: Sequence[int], max_ticks: int = 9) -> None:
     ax.xaxis.set_major_locator(FixedLocator([2.0 ** e for e in range(lo, hi + 1, step)]))
     ax.xaxis.set_minor_locator(NullLocator())
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: format_size(round(x)) if x >= 1 else ""))
+
+
+# --------------------------------------------------------------------------- BLAS threads
+def limit_blas_threads(threads: int = 1) -> dict[str, Any]:
+    """Cap the BLAS threads of this process now, even if NumPy is already imported.
+
+    Setting ``OPENBLAS_NUM_THREADS`` before ``import numpy`` is not enough under ``meshkit-run``:
+    its bootstrap imports NumPy before the script runs, so OpenBLAS has already started one
+    (spin-waiting) thread per core in every rank. This uses ``threadpoolctl`` when installed,
+    else calls the ``*_set_num_threads`` entry point of every OpenBLAS library loaded in the
+    process (found in ``/proc/self/maps``). Returns what it did, for the results' metadata:
+    ``{"method": ..., "libraries": [...], "threads": threads}`` (``method`` None if nothing).
+    """
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = str(threads)
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        pass
+    else:
+        threadpool_limits(limits=threads, user_api="blas")
+        return {"method": "threadpoolctl", "libraries": [], "threads": threads}
+    import ctypes
+    try:
+        with open("/proc/self/maps") as f:
+            paths = sorted({line.split()[-1] for line in f if "openblas" in line.rsplit("/", 1)[-1].lower()})
+    except OSError:
+        paths = []
+    done = []
+    for path in paths:
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for symbol in ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_",
+                       "scipy_openblas_set_num_threads", "openblas_set_num_threads"):
+            fn = getattr(lib, symbol, None)
+            if fn is not None:
+                fn.argtypes = [ctypes.c_int]
+                fn(threads)
+                done.append(os.path.basename(path))
+                break
+    return {"method": "openblas_set_num_threads" if done else None, "libraries": done, "threads": threads}

@@ -12,8 +12,11 @@ Run it by hand (it is a measurement, not a test; nothing here asserts on timings
 With the pip-installed ``mpich`` wheel in a venv, use the venv's launcher, e.g.
 ``/tmp/venv/bin/meshkit-run -n 4 benchmarks/ddp.py --plot``. Results go to
 ``benchmarks/results/ddp-n{N}.json`` (``--json`` to change) and, with ``--plot``, the PNG
-next to it. Each rank's BLAS runs one thread (``OPENBLAS_NUM_THREADS``, ``OMP_NUM_THREADS``
-and ``MKL_NUM_THREADS`` default to 1 here unless already set), so N ranks use N cores.
+next to it. Each rank's BLAS runs one thread (``--blas-threads``), so N ranks use N cores:
+the environment variables (``OPENBLAS_NUM_THREADS``...) come too late under ``meshkit-run``,
+which has imported NumPy before the script starts, so the loaded OpenBLAS is capped at run time
+(``_common.limit_blas_threads``). Without the cap, 4 ranks on 2 cores run 8 spinning BLAS threads
+and the compute of section 2 is several times slower.
 
 **1. Gradient synchronisation** (``--only sync``), for 1000 float32 gradients of 4 KB and
 100 of 256 KB (``--cases``), the time of one synchronisation of all of them by:
@@ -62,7 +65,7 @@ Timing, as every benchmark here (see ``_common.py``): the methods are interleave
 (the order rotating from round to round), with a barrier (whose waiting ranks yield the core)
 before each timed block of ``iters`` back-to-back calls after ``warmup`` untimed ones; a
 call's time is the MAX over ranks of each rank's mean; the reported time is the median over
-``--rounds`` rounds (5). Without ``--iters`` the calls per block adapt to about
+``--rounds`` rounds (7). Without ``--iters`` the calls per block adapt to about
 ``--block-seconds`` seconds. Every method's result is checked once against the expected
 average before timing.
 
@@ -74,28 +77,24 @@ bucket cap (log axis) with the compute-alone time for reference, and the hidden 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import math
 import os
 import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
 
-for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ.setdefault(_var, "1")  # before numpy: one BLAS thread per rank
+import numpy as np
+from _common import (LOG, Progress, barrier, calibrate_iters, format_size, limit_blas_threads, max_over_ranks,
+                     median, parse_args_rank0, parse_size, placement, print0, require_pyplot, run_metadata,
+                     setup_logging, time_calls, write_json)
+from mpi4py import MPI
 
-import dataclasses  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any, Callable  # noqa: E402
-
-import numpy as np  # noqa: E402
-from _common import (LOG, Progress, barrier, calibrate_iters, format_size, max_over_ranks, median,  # noqa: E402
-                     parse_args_rank0, parse_size, placement, print0, require_pyplot, run_metadata, setup_logging,
-                     time_calls, write_json)
-from mpi4py import MPI  # noqa: E402
-
-import meshkit  # noqa: E402
-from meshkit.examples.train_mlp import backward, forward, init_params, loss_and_grad_logits, make_data  # noqa: E402
-from meshkit.parallel import DistributedDataParallel  # noqa: E402
+import meshkit
+from meshkit.examples.train_mlp import backward, forward, init_params, loss_and_grad_logits, make_data
+from meshkit.parallel import DistributedDataParallel
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -140,9 +139,10 @@ def run_rounds(blocks: list[Block], comm: MPI.Comm, rounds: int, warmup: int,
                on_round: Callable[[int], None] = lambda r: None) -> dict[str, list[float]]:
     """Seconds per call of each block in each round: the MAX over ranks of each rank's mean.
 
-    A block with a ``side`` accumulator also gets ``"{name}:side"``: its per-call side seconds.
+    A block with ``side`` accumulators also gets ``"{name}:{j}"``: the per-call seconds of the j-th.
     """
-    local = np.zeros((rounds, 2 * len(blocks)))
+    width = max((len(b.side) for b in blocks if b.side is not None), default=0)
+    local = np.zeros((rounds, len(blocks), 1 + width))
     for r in range(rounds):
         for k in range(len(blocks)):
             i = (r + k) % len(blocks)  # rotate: no block always runs first
@@ -150,16 +150,17 @@ def run_rounds(blocks: list[Block], comm: MPI.Comm, rounds: int, warmup: int,
             for _ in range(warmup):
                 block.fn()
             if block.side is not None:
-                block.side[0] = 0.0
+                block.side[:] = [0.0] * len(block.side)
             barrier(comm)
-            local[r, i] = time_calls(block.fn, block.iters)
+            local[r, i, 0] = time_calls(block.fn, block.iters)
             if block.side is not None:
-                local[r, len(blocks) + i] = block.side[0] / block.iters
+                local[r, i, 1:1 + len(block.side)] = [v / block.iters for v in block.side]
         on_round(r)
-    worst = np.array(max_over_ranks(comm, local.ravel())).reshape(rounds, 2 * len(blocks))
-    out = {b.name: worst[:, i].tolist() for i, b in enumerate(blocks)}
-    out.update({f"{b.name}:side": worst[:, len(blocks) + i].tolist() for i, b in enumerate(blocks)
-                if b.side is not None})
+    worst = np.array(max_over_ranks(comm, local.ravel())).reshape(local.shape)
+    out = {b.name: worst[:, i, 0].tolist() for i, b in enumerate(blocks)}
+    for i, b in enumerate(blocks):
+        for j in range(len(b.side or ())):
+            out[f"{b.name}:{j}"] = worst[:, i, 1 + j].tolist()
     return out
 
 
@@ -344,21 +345,23 @@ def overlap_blocks(args: argparse.Namespace, comm: MPI.Comm) -> tuple[list[Block
     for cap in args.caps:
         ddp = DistributedDataParallel(params, bucket_cap_mb=caps_of(cap)[0], first_bucket_cap_mb=caps_of(cap)[1])
 
-        waited = [0.0]
+        side = [0.0, 0.0]  # seconds waiting in finish_gradient_sync; CPU seconds of other threads
 
-        def step(ddp: DistributedDataParallel = ddp, waited: list[float] = waited) -> None:
+        def step(ddp: DistributedDataParallel = ddp, side: list[float] = side) -> None:
+            cpu, main_cpu = time.process_time(), time.thread_time()
             ddp.zero_grad()
             acts = forward(ddp.params, xb)
             _, dlogits = loss_and_grad_logits(acts[-1], yb)
             backward(ddp.params, acts, dlogits, ddp.mark_grad_ready)
             start = time.perf_counter()
             ddp.finish_gradient_sync()
-            waited[0] += time.perf_counter() - start
+            side[0] += time.perf_counter() - start
+            side[1] += (time.process_time() - cpu) - (time.thread_time() - main_cpu)
 
         step()  # the first pass also rebuilds buckets in gradient-ready order
         ok &= all(np.allclose(ddp.grads[k], v, rtol=rtol, atol=rtol * float(np.abs(v).max()))
                   for k, v in expected.items())
-        blocks += [Block(f"sync {cap:g}", ddp.sync_gradients), Block(f"step {cap:g}", step, side=waited)]
+        blocks += [Block(f"sync {cap:g}", ddp.sync_gradients), Block(f"step {cap:g}", step, side=side)]
         buckets[cap] = len(ddp.buckets)
     check_all(comm, "the DDP training step (gradients against an all_reduce of the local ones)", ok)
     sizes = (params["w0"].shape[0], *args.hidden, params[f"w{len(args.hidden)}"].shape[1])
@@ -385,14 +388,15 @@ def run_overlap(args: argparse.Namespace, comm: MPI.Comm, progress: Progress,
     for cap in args.caps:
         b_rounds, c_rounds = times[f"sync {cap:g}"], times[f"step {cap:g}"]
         b, c = median(b_rounds), median(c_rounds)
-        wait = median(times[f"step {cap:g}:side"])
+        wait = median(times[f"step {cap:g}:0"])
+        comm_cpu = median(times[f"step {cap:g}:1"])
         # per round too: the spread of the hidden fraction shows how much to trust it
         per_round = [hidden_fraction(*t) for t in zip(a_rounds, b_rounds, c_rounds)]
         rows.append({"section": "sweep", "world_size": n, "bucket_cap_mb": caps_of(cap)[0],
                      "first_bucket_cap_mb": caps_of(cap)[1], "buckets": buckets[cap], **model,
                      "compute_ms": a * 1e3, "sync_ms": b * 1e3, "step_ms": c * 1e3,
                      "hidden_fraction": hidden_fraction(a, b, c),
-                     "finish_wait_ms": wait * 1e3, "wait_hidden_fraction": min(1.0, max(0.0, 1 - wait / b)),
+                     "finish_wait_ms": wait * 1e3, "comm_thread_cpu_ms": comm_cpu * 1e3, "wait_hidden_fraction": min(1.0, max(0.0, 1 - wait / b)),
                      "hidden_fraction_rounds": per_round,
                      "iters": {"compute": iters["compute"], "sync": iters[f"sync {cap:g}"],
                                "step": iters[f"step {cap:g}"]},
@@ -428,14 +432,17 @@ def overlap_report(rows: list[dict[str, Any]], head: str, n: int, oversubscribed
                          "them, so little can be hidden (see the module docstring)")
     lines += ["", f"3. bucket-size sweep (first bucket = min(1, cap)): {head}",
               f"{'cap MB':>7} {'first':>6} {'buckets':>7} {'(b) sync':>9} {'(c) step':>9} {'(a) compute':>11} "
-              f"{'hidden':>7} {'wait':>7} {'1-wait/b':>8}"]
+              f"{'hidden':>7} {'wait':>7} {'1-wait/b':>8} {'comm cpu':>8}"]
     for r in rows:
         lines.append(f"{r['bucket_cap_mb']:7g} {r['first_bucket_cap_mb']:6g} {r['buckets']:7d} {r['sync_ms']:9.2f} "
                      f"{r['step_ms']:9.2f} {r['compute_ms']:11.2f} {r['hidden_fraction']:7.2f} "
-                     f"{r['finish_wait_ms']:7.2f} {r['wait_hidden_fraction']:8.2f}")
+                     f"{r['finish_wait_ms']:7.2f} {r['wait_hidden_fraction']:8.2f} {r['comm_thread_cpu_ms']:8.2f}")
     best = min(rows, key=lambda r: r["step_ms"])
     lines.append(f"  fastest step: cap {best['bucket_cap_mb']:g} MB, {best['step_ms']:.2f} ms "
-                 f"(hidden {best['hidden_fraction']:.2f}); wait: ms of (c) spent in finish_gradient_sync")
+                 f"(hidden {best['hidden_fraction']:.2f})")
+    lines.append("  wait: ms of (c) in finish_gradient_sync (communication not hidden, plus waiting for slower ranks); "
+                 "comm cpu: CPU ms per step of the threads other than the main one (the communication thread "
+                 "polling MPI), taken from compute when cores are short")
     return lines
 
 
@@ -538,25 +545,27 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--only", choices=("sync", "overlap"), default=None,
-                   help="run one section: sync (1) or overlap (2 and 3); default both")
-    p.add_argument("--cases", type=_case_list, default=[Case(1000, 4 << 10), Case(100, 256 << 10)],
+                   help="run one section: sync (1) or overlap (2 and 3); without it, all")
+    p.add_argument("--cases", type=_case_list, default="1000x4K,100x256K",
                    metavar="NxSIZE,...", help="section 1: gradient counts and sizes (float32), e.g. 1000x4K,100x256K")
-    p.add_argument("--hidden", type=_int_list, default=[1024, 1024, 1024], help="sections 2-3: hidden layer widths")
+    p.add_argument("--hidden", type=_int_list, default="1024,1024,1024", help="sections 2-3: hidden layer widths")
     p.add_argument("--batch", type=int, default=256, help="sections 2-3: global batch (divisible by the ranks)")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="sections 2-3: model dtype")
-    p.add_argument("--caps", type=_float_list, default=[0.25, 0.5, 1, 2, 5, 10, 25, 50],
+    p.add_argument("--caps", type=_float_list, default="0.25,0.5,1,2,5,10,25,50",
                    help="section 3: bucket_cap_mb values (25 is section 2)")
-    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the median is reported")
-    p.add_argument("--iters", type=int, default=None, help="calls per timed block (default: adapt to --block-seconds)")
+    p.add_argument("--blas-threads", type=int, default=1,
+                   help="BLAS threads per rank (1: N ranks use N cores; more oversubscribes a shared host)")
+    p.add_argument("--rounds", type=int, default=7, help="interleaved rounds; the median is reported")
+    p.add_argument("--iters", type=int, default=None, help="calls per timed block; without it, about --block-seconds of calls")
     p.add_argument("--block-seconds", type=float, default=0.1, help="about this long per timed block without --iters")
     p.add_argument("--min-iters", type=int, default=2, help="fewest calls per timed block without --iters")
     p.add_argument("--warmup", type=int, default=1, help="untimed calls before each timed block")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any blocking meshkit call waits at most")
-    p.add_argument("--json", type=Path, default=None, help="result file (default benchmarks/results/ddp-n{N}.json)")
+    p.add_argument("--json", type=Path, default=None, help="result file (default: benchmarks/results/ddp-n{N}.json)")
     p.add_argument("--plot", type=Path, nargs="?", const=Path(), default=None,
-                   help="draw a PNG (default path: the JSON path with .png)")
+                   help="draw a PNG (without a path: the JSON path with .png)")
     p.add_argument("--plot-from", type=Path, default=None, metavar="JSON",
-                   help="measure nothing: draw --plot (default: JSON's path with .png) from an earlier run's JSON")
+                   help="measure nothing: draw the PNG (--plot's path, else JSON's with .png) from an earlier run")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
@@ -566,7 +575,9 @@ def parse_args(rank: int, n: int, argv: list[str] | None = None) -> argparse.Nam
     p = build_parser()
     args = parse_args_rank0(p, rank, argv)
     error = None
-    if args.rounds < 1:
+    if args.blas_threads < 1:
+        error = f"invalid --blas-threads {args.blas_threads}; it must be >= 1"
+    elif args.rounds < 1:
         error = f"invalid --rounds {args.rounds}; it must be >= 1"
     elif args.iters is not None and args.iters < 1:
         error = f"invalid --iters {args.iters}; it must be >= 1"
@@ -616,6 +627,8 @@ def main(argv: list[str] | None = None) -> int:
             plot_from(args)
         comm.Free()
         return 0
+    args.load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    args.blas_limit = limit_blas_threads(args.blas_threads)  # numpy is loaded already under meshkit-run
     meshkit.init_process_group("mpi", timeout=args.timeout)
     show = rank == 0 and not args.no_progress
     steps = (len(args.cases) * args.rounds if args.only != "overlap" else 0) + (
@@ -647,8 +660,9 @@ def metadata(args: argparse.Namespace, comm: MPI.Comm) -> dict[str, Any]:
         rounds=args.rounds, iters=args.iters, block_seconds=args.block_seconds, warmup=args.warmup,
         cases=[c.label for c in args.cases], hidden=args.hidden, batch=args.batch, dtype=args.dtype,
         caps_mb=args.caps, default_caps_mb=[DEFAULT_CAP_MB, DEFAULT_FIRST_CAP_MB],
-        blas_threads={v: os.environ.get(v) for v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")},
-        load_average_1m=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        blas_threads=args.blas_threads, blas_limit=args.blas_limit,
+        load_average_1m_start=args.load_start,
+        load_average_1m_end=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         targets={"ddp_over_flat_max": MAX_DDP_OVER_FLAT, "pergrad_over_ddp_min": MIN_PERGRAD_OVER_DDP})
 
 

@@ -112,7 +112,8 @@ def _replicated_pass(model: Any, order: list[str]) -> None:
     model.finish_gradient_sync()
 
 
-def rank_step(strategy: str, template: dict[str, np.ndarray], layers: int) -> tuple[dict[str, int], Any]:
+def rank_step(strategy: str, template: dict[str, np.ndarray], layers: int,
+              bucket_cap_mb: float = 25.0) -> tuple[dict[str, int], Any]:
     """Build ``strategy`` on this rank, run one zero-gradient step, return (report, the objects).
 
     The objects are returned so that their memory is still allocated when the caller reads
@@ -124,13 +125,14 @@ def rank_step(strategy: str, template: dict[str, np.ndarray], layers: int) -> tu
     params = {name: p.copy() for name, p in template.items()}
     order = list(reversed(params))
     opt = AdamW(lr=1e-3, weight_decay=0.01)
+    caps = {"bucket_cap_mb": bucket_cap_mb, "first_bucket_cap_mb": min(1.0, bucket_cap_mb)}  # as the example
     if strategy == "ddp":
-        ddp = DistributedDataParallel(params, mesh=mesh)
+        ddp = DistributedDataParallel(params, mesh=mesh, **caps)
         _replicated_pass(ddp, order)
         opt.step(ddp.params, ddp.grads)
         return ddp.memory_report(opt), (ddp, opt)
     if strategy in ("zero1", "zero2"):
-        zero = ZeroRedundancyOptimizer(params, opt, mesh=mesh, stage=int(strategy[-1]))
+        zero = ZeroRedundancyOptimizer(params, opt, mesh=mesh, stage=int(strategy[-1]), **caps)
         del params
         _replicated_pass(zero, order)
         zero.step()
@@ -152,14 +154,15 @@ def rank_step(strategy: str, template: dict[str, np.ndarray], layers: int) -> tu
     return fsdp.memory_report(), fsdp
 
 
-def measure(strategy: str, n: int, template: dict[str, np.ndarray], layers: int, trace: bool) -> dict[str, Any]:
+def measure(strategy: str, n: int, template: dict[str, np.ndarray], layers: int, trace: bool,
+            bucket_cap_mb: float) -> dict[str, Any]:
     """One strategy at world size ``n`` on the local engine: rank 0's report and the traced bytes."""
     gc.collect()
     if trace:
         tracemalloc.reset_peak()
         base = tracemalloc.get_traced_memory()[0]
     start = time.perf_counter()
-    results = local.run(rank_step, n, strategy, template, layers)
+    results = local.run(rank_step, n, strategy, template, layers, bucket_cap_mb)
     seconds = time.perf_counter() - start
     row: dict[str, Any] = {"strategy": strategy, "world_size": n, "seconds": seconds}
     if trace:
@@ -288,6 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target parameter count Ψ (decimal: 10M = 10,000,000); the hidden width is chosen to reach it")
     p.add_argument("--layers", type=int, default=3, help="hidden layers of the MLP")
     p.add_argument("--worlds", type=_int_list, default=[1, 2, 4, 8], help="world sizes N")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0,
+                   help="DDP/ZeRO bucket cap (first bucket: min(1, cap)); sets the size of ZeRO-2's bucket pool")
     p.add_argument("--strategies", type=_strategy_list, default=list(STRATEGIES), help="strategies to measure")
     p.add_argument("--no-trace", action="store_true", help="skip the tracemalloc cross-check (faster)")
     p.add_argument("--json", type=Path, default=RESULTS / "memory.json", help="result file")
@@ -305,6 +310,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.layers < 1:
         p.error(f"invalid --layers {args.layers}; it must be >= 1")
+    if not args.bucket_cap_mb > 0:
+        p.error(f"invalid --bucket-cap-mb {args.bucket_cap_mb}; it must be > 0")
     if args.plot is not None or args.plot_from is not None:
         try:
             import matplotlib  # noqa: F401
@@ -349,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     with Progress(len(jobs), enabled=not args.no_progress, unit="run") as progress:
         for strategy, n in jobs:
             progress.start_group(LABELS[strategy])
-            row = measure(strategy, n, template, args.layers, trace)
+            row = measure(strategy, n, template, args.layers, trace, args.bucket_cap_mb)
             row["psi"] = psi
             row["formula_bytes"] = formula_bytes(strategy, psi, n)
             row["ratio"] = row["total_bytes"] / row["formula_bytes"]
@@ -363,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = host_metadata(benchmark="memory", engine="local (threads)", psi=psi, target_params=args.params,
                          layers=args.layers, width=width, dtype="float32", optimizer="AdamW",
                          worlds=args.worlds, strategies=args.strategies, traced=trace,
-                         fsdp_units="one per layer, no prefetch", bucket_caps_mb=[25, 1],
+                         fsdp_units="one per layer, no prefetch",
+                         bucket_caps_mb=[args.bucket_cap_mb, min(1.0, args.bucket_cap_mb)],
                          seconds=time.perf_counter() - started)
     write_json(args.json, meta, rows)
     LOG.info("wrote %s", args.json)

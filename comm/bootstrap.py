@@ -1,7 +1,8 @@
 """The rank side of ``meshkit-run``: what each rank runs before and around the user's script.
 
-``meshkit-run`` starts every rank as ``python -m meshkit.comm.bootstrap SCRIPT ARGS...``
-(or ``-m MODULE``). The bootstrap
+``meshkit-run`` starts every rank as ``python .../meshkit/comm/bootstrap.py SCRIPT ARGS...``
+(or ``-m MODULE``): by path, and importing only the standard library, so that the user's
+script is the first to import NumPy and can configure it. The bootstrap
 
 * prefixes each line the rank writes to ``sys.stdout``/``sys.stderr`` with ``[rank{r}]: ``
   (as torchrun does), writing whole lines so that ranks never interleave within a line;
@@ -62,7 +63,9 @@ class _PrefixedStream:
             out = []
             start = 0
             for match in _LINE_END.finditer(data):
-                out.append(self._prefix + data[start : match.end()])
+                line = data[start : match.end()]
+                # A bare "\r" (a progress bar about to redraw) gets no prefix of its own.
+                out.append(line if line == "\r" else self._prefix + line)
                 start = match.end()
             self._pending = data[start:]
             if out:
@@ -239,7 +242,7 @@ def _rank_main(target: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m meshkit.comm.bootstrap SCRIPT ARGS...`` (or ``-m MODULE ARGS...``)."""
+    """``python bootstrap.py SCRIPT ARGS...`` (or ``-m MODULE ARGS...``)."""
     return _rank_main(list(sys.argv[1:] if argv is None else argv))
 
 

@@ -314,7 +314,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="float64", choices=["float32", "float64"])
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
     parser.add_argument("--hook", default="allreduce", choices=["allreduce", "fp16", "powersgd"])
-    parser.add_argument("--check", action="store_true", help="compare with single-process training")
+    parser.add_argument("--check", action="store_true",
+                        help="compare with single-process training (float64: to 1e-10; float32: to 1e-5 over "
+                             "short runs)")
     return parser.parse_args(argv)
 
 
@@ -331,13 +333,19 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     if args.check:
         reference, ref_losses = train_reference(args)
+        # Relative to each parameter's scale (an element near zero is not held to 1e-10 of itself).
         rtol = 1e-10 if args.dtype == "float64" else 1e-5
-        worst = max(float(np.max(np.abs(params[n] - reference[n]) / (np.abs(reference[n]) + 1e-12 / rtol)))
-                    for n in reference)
-        ok = all(np.allclose(params[n], reference[n], rtol=rtol, atol=rtol * 1e-2) for n in reference)
+        errors = {n: float(np.max(np.abs(params[n] - reference[n]))) / float(np.max(np.abs(reference[n])) or 1.0)
+                  for n in reference}
+        worst = max(errors, key=errors.get)
+        ok = errors[worst] <= rtol
         if rank == 0:
-            print(f"check against single-process training: {'OK' if ok else 'FAILED'} "
-                  f"(worst relative difference {worst:.2e}, tolerance {rtol:g})")
+            print(f"check against single-process training: {'OK' if ok else 'FAILED'} (worst difference "
+                  f"{errors[worst]:.2e} of the scale of {worst!r}, tolerance {rtol:g})")
+            if not ok and args.dtype == "float32":
+                print("note: in float32, N ranks sum gradients in another order than one process; the "
+                      "rounding differences compound over many steps at a high learning rate. The 1e-5 "
+                      "bar holds for short runs (a few dozen steps); --dtype float64 checks exactly.")
         status = 0 if ok else 1
     meshkit.destroy_process_group()
     return status

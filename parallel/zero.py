@@ -14,8 +14,10 @@ shard and keeps optimizer state for it only. The gradient interface is DDP's
   it to its gradient shard, and the buffer returns to the pool. At most two buckets hold
   buffers at once (one filling while the previous one is reduced: double buffering, so
   communication still overlaps the backward pass); a third waits for the oldest reduction.
-  Full-size gradient memory is two buckets' worth, not the model's (inside ``no_sync()``
-  buckets keep their buffers, since the micro-batches' gradients must add up first).
+  Full-size gradient memory is at most the two largest buckets, not the model (inside
+  ``no_sync()`` buckets keep their buffers, since the micro-batches' gradients must add up
+  first). A parameter larger than the bucket cap gets a bucket of its own, so for a model of
+  few, large tensors this saves little: lower ``bucket_cap_mb`` cannot split a tensor.
 
 With AdamW in float32 and Ψ parameters, ``memory_report()`` gives the paper's accounting:
 stage 1 holds 4Ψ + 4Ψ + 8Ψ/N bytes, stage 2 4Ψ + 4Ψ/N + 8Ψ/N plus the bucket pool.
@@ -42,26 +44,30 @@ _BUFFERED_BUCKETS = 2
 
 
 class _BufferPool:
-    """Reusable flat buffers per dtype for stage 2's buckets (released from the comm thread)."""
+    """Reusable flat buffers per dtype for stage 2's buckets (released from the comm thread).
 
-    def __init__(self, chunk: dict[Any, int]) -> None:
-        self._chunk = chunk    # elements per buffer, per dtype: the dtype's largest bucket
+    A request takes the smallest free buffer that fits it, else a new one of exactly its size,
+    so a small bucket never costs a large buffer.
+    """
+
+    def __init__(self) -> None:
         self._free: dict[Any, list[Any]] = {}
         self._lock = threading.Lock()
         self.nbytes = 0        # everything ever allocated (the pool's footprint)
         self.live = 0          # bytes handed out now
         self.peak_live = 0
 
-    def has_free(self, dtype: Any) -> bool:
-        return bool(self._free.get(dtype))
+    def has_fit(self, size: int, dtype: Any) -> bool:
+        return any(buf.size >= size for buf in self._free.get(dtype, ()))
 
     def take(self, size: int, like: Any) -> Any:
         with self._lock:
             free = self._free.setdefault(like.dtype, [])
-            if free:
-                buf = free.pop()
+            fits = [i for i, buf in enumerate(free) if buf.size >= size]
+            if fits:
+                buf = free.pop(min(fits, key=lambda i: free[i].size))
             else:
-                buf = array_namespace(like).empty(self._chunk[like.dtype], dtype=like.dtype)
+                buf = array_namespace(like).empty(size, dtype=like.dtype)
                 self.nbytes += int(buf.nbytes)
             self.live += int(buf.nbytes)
             self.peak_live = max(self.peak_live, self.live)
@@ -154,11 +160,7 @@ class ZeroRedundancyOptimizer(GradientReducer):
                                       first_bucket_cap_bytes=int(first_bucket_cap_mb * MB), launch=self._launch,
                                       allocate=allocate or (lambda names, size, like: None))
         if stage == 2:
-            chunk: dict[Any, int] = {}
-            for bucket in self._buckets.buckets:
-                dtype = self.params[bucket.names[0]].dtype
-                chunk[dtype] = max(chunk.get(dtype, 0), bucket.size)
-            self._pool = _BufferPool(chunk)
+            self._pool = _BufferPool()
             self._in_flight: collections.deque[Bucket] = collections.deque()
         self.grads: Any = self._buckets.views() if stage == 1 else _Stage2Grads(self)
         self._init_reducer()
@@ -177,7 +179,7 @@ class ZeroRedundancyOptimizer(GradientReducer):
                 raise DistValueError(f"{self._where('grads')}: the gradient of {name!r} was already reduced "
                                      "into its owner's shard in this pass; stage 2 keeps only the local shard")
             like = self.params[name]
-            while not self._pool.has_free(like.dtype) and len(self._in_flight) >= _BUFFERED_BUCKETS:
+            while not self._pool.has_fit(bucket.size, like.dtype) and len(self._in_flight) >= _BUFFERED_BUCKETS:
                 self._in_flight.popleft().wait()  # its buffer returns to the pool
             bucket.buffer = self._pool.take(bucket.size, like)
         return bucket.view(name)

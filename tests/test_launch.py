@@ -298,3 +298,18 @@ def test_rank_from_env(monkeypatch: pytest.MonkeyPatch, env: dict[str, str], ran
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert bootstrap._rank_from_env() == rank
+
+
+@needs_mpiexec
+def test_ranks_start_without_numpy_and_with_thread_limits(tmp_path: Path) -> None:
+    result = run_launcher(["-n", "2", str(SCRIPTS / "launch_env.py")], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("numpy imported before the script: False") == 2
+    expected = max(1, (os.cpu_count() or 1) // 2)
+    assert result.stdout.count(f"OPENBLAS_NUM_THREADS = {expected}") == 2
+
+
+def test_thread_limits_respect_the_users_settings() -> None:
+    assert launch.thread_limits(4, {"OMP_NUM_THREADS": "3"}) == {
+        "OPENBLAS_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // 4)),
+        "MKL_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // 4))}
