@@ -80,7 +80,7 @@ def fp16_compress_hook(state: Any, bucket: GradBucket) -> Work:
 
 @dataclasses.dataclass
 class PowerSGDState:
-    """Settings and memory of :func:`powersgd_hook`.
+    """Settings and memory of :func:`powersgd_hook`: one per rank (it holds that rank's error feedback).
 
     Args:
         rank: rank r of the approximation (torch's ``matrix_approximation_rank``).
