@@ -12,11 +12,11 @@ Run it by hand (it is a measurement, not a test; nothing here asserts on timings
 With the pip-installed ``mpich`` wheel in a venv, use the venv's launcher, e.g.
 ``/tmp/venv/bin/meshkit-run -n 4 benchmarks/ddp.py --plot``. Results go to
 ``benchmarks/results/ddp-n{N}.json`` (``--json`` to change) and, with ``--plot``, the PNG
-next to it. Each rank's BLAS runs one thread (``--blas-threads``), so N ranks use N cores:
-the environment variables (``OPENBLAS_NUM_THREADS``...) come too late under ``meshkit-run``,
-which has imported NumPy before the script starts, so the loaded OpenBLAS is capped at run time
-(``_common.limit_blas_threads``). Without the cap, 4 ranks on 2 cores run 8 spinning BLAS threads
-and the compute of section 2 is several times slower.
+next to it. Each rank's BLAS runs ``--blas-threads`` threads (1), so N ranks use N cores.
+``meshkit-run`` already divides the cores among the ranks through ``OPENBLAS_NUM_THREADS`` and
+friends; the benchmark also caps the loaded library at run time (``_common.limit_blas_threads``)
+so that the setting holds under any launcher: with one OpenBLAS thread per core in every rank,
+4 ranks on 2 cores ran 8 spinning BLAS threads and section 2's compute was about 10x slower.
 
 **1. Gradient synchronisation** (``--only sync``), for 1000 float32 gradients of 4 KB and
 100 of 256 KB (``--cases``), the time of one synchronisation of all of them by:
@@ -46,15 +46,20 @@ communication matters (hidden layers ``--hidden``, default 1024,1024,1024: 2.1M 
 
 The fraction of communication hidden behind compute is ``(a + b - c) / b``, clamped to
 [0, 1]: 1 when the step costs no more than its compute, 0 when it costs compute plus the
-whole sync. It needs a core for the computing thread and one for the communication thread
-(or an engine progressing on its own): with more ranks than cores (4 ranks on a 2-core
-machine) every rank's compute and every rank's communication contend for the same cores, so
-communication time is CPU time taken from compute and little or nothing can be hidden, and
-(a) itself is slowed by the other ranks. The measure is meaningful with (at least) one core
-per rank, e.g. ``-n 2`` on 2 cores, or 4 ranks on 4+ cores. Note also that at the default caps
-an 8 MB model fills two buckets: a tiny first one (the last layer) and one with everything
-else, launched only when the first layer's gradient is ready, i.e. after the backward pass;
-only smaller caps (section 3) leave communication to overlap.
+whole sync. With more ranks than cores (4 ranks on a 2-core machine) the ranks contend for
+the cores: a rank's communication runs on CPU time taken from some rank's compute, every
+collective waits for ranks that are descheduled, and (a) itself is slowed by the other ranks,
+so little or nothing can be hidden and the fraction there is mostly noise. The measure is
+meaningful with one core per rank (``-n 2`` on 2 cores, 4 ranks on 4+ cores, nothing else
+running), and more so with a spare core: meshkit's MPI engine progresses a bucket's reduction
+on a communication thread that polls MPI (spin, then ``sched_yield``, then short naps), which
+costs CPU beside the compute. Two diagnostics come with (c): ``wait``, the time spent in
+``finish_gradient_sync`` (communication not hidden, plus waiting for slower ranks), and
+``comm cpu``, the CPU time per step of the process's other threads (the communication thread).
+Note also that at the default caps this 8 MB model fills two buckets: a tiny first one (the
+last layer, 20 KB) and one with everything else, which can start only once the first layer's
+gradient is ready, i.e. after the backward pass; only smaller caps (section 3) leave
+communication to overlap.
 
 **3. Bucket-size sweep**: the same (b) and (c) for ``bucket_cap_mb`` in ``--caps`` (0.25,
 0.5, 1, 2, 5, 10, 25, 50), ``first_bucket_cap_mb = min(1, cap)``, with the hidden fraction of
@@ -129,9 +134,11 @@ def calibrate(blocks: list[Block], comm: MPI.Comm, args: argparse.Namespace) -> 
 
 
 def mib(nbytes: int) -> str:
-    """``4000K`` -> ``3.9M``: sizes in the tables, exact where they are a whole number of units."""
+    """``4000K`` -> ``3.9M``, 8,208 bytes -> ``8.0K``: exact (``4K``, ``25M``) where whole units."""
     if nbytes % 1024 == 0 and (nbytes < 1 << 20 or nbytes % (1 << 20) == 0):
         return format_size(nbytes)
+    if nbytes < 1 << 20:
+        return f"{nbytes / 1024:.1f}K"
     return f"{nbytes / (1 << 20):.1f}M"
 
 
@@ -392,11 +399,13 @@ def run_overlap(args: argparse.Namespace, comm: MPI.Comm, progress: Progress,
         comm_cpu = median(times[f"step {cap:g}:1"])
         # per round too: the spread of the hidden fraction shows how much to trust it
         per_round = [hidden_fraction(*t) for t in zip(a_rounds, b_rounds, c_rounds)]
-        rows.append({"section": "sweep", "world_size": n, "bucket_cap_mb": caps_of(cap)[0],
-                     "first_bucket_cap_mb": caps_of(cap)[1], "buckets": buckets[cap], **model,
+        rows.append({"section": "sweep", "default_caps": cap == DEFAULT_CAP_MB, "world_size": n,
+                     "bucket_cap_mb": caps_of(cap)[0], "first_bucket_cap_mb": caps_of(cap)[1],
+                     "buckets": buckets[cap], **model,
                      "compute_ms": a * 1e3, "sync_ms": b * 1e3, "step_ms": c * 1e3,
                      "hidden_fraction": hidden_fraction(a, b, c),
-                     "finish_wait_ms": wait * 1e3, "comm_thread_cpu_ms": comm_cpu * 1e3, "wait_hidden_fraction": min(1.0, max(0.0, 1 - wait / b)),
+                     "finish_wait_ms": wait * 1e3, "comm_thread_cpu_ms": comm_cpu * 1e3,
+                     "wait_hidden_fraction": min(1.0, max(0.0, 1 - wait / b)) if b > 0 else 0.0,
                      "hidden_fraction_rounds": per_round,
                      "iters": {"compute": iters["compute"], "sync": iters[f"sync {cap:g}"],
                                "step": iters[f"step {cap:g}"]},
@@ -442,33 +451,38 @@ def overlap_report(rows: list[dict[str, Any]], head: str, n: int, oversubscribed
                  f"(hidden {best['hidden_fraction']:.2f})")
     lines.append("  wait: ms of (c) in finish_gradient_sync (communication not hidden, plus waiting for slower ranks); "
                  "comm cpu: CPU ms per step of the threads other than the main one (the communication thread "
-                 "polling MPI), taken from compute when cores are short")
+                 "polling MPI, during the backward pass and the wait): on a core the compute needs, if none "
+                 "is spare")
     return lines
 
 
 # --------------------------------------------------------------------------- plot
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
-    """Left: step (c), sync (b) and compute (a) time vs bucket cap; right: the hidden fraction."""
+    """Step (c), sync (b) and compute (a) time vs bucket cap; the hidden fraction; section 1's bars."""
     plt = require_pyplot()
     from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
     sweep = sorted((r for r in rows if r["section"] == "sweep"), key=lambda r: r["bucket_cap_mb"])
     sync = [r for r in rows if r["section"] == "sync"]
-    panels = 2 + bool(sync)
-    fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.4))
+    if not sweep and not sync:
+        raise SystemExit("meshkit.bench: nothing to plot: the results have no rows")
+    panels = 2 * bool(sweep) + bool(sync)
+    fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.4), squeeze=False)
+    axes = axes[0]
     if sweep:
         caps = [r["bucket_cap_mb"] for r in sweep]
         ax = axes[0]
-        ax.plot(caps, [r["step_ms"] for r in sweep], marker="o", label="(c) DDP step (compute + overlapped sync)")
+        ax.plot(caps, [r["step_ms"] for r in sweep], marker="o", label="(c) DDP step")
         ax.plot(caps, [r["sync_ms"] for r in sweep], marker="s", label="(b) sync alone")
         ax.plot(caps, [r["compute_ms"] for r in sweep], linestyle="--", color="gray", label="(a) compute alone")
         ax.plot(caps, [r["compute_ms"] + r["sync_ms"] for r in sweep], linestyle=":", color="tab:red",
-                label="(a) + (b): nothing hidden")
+                label="(a) + (b): none hidden")
         for r in sweep:
             ax.annotate(str(r["buckets"]), (r["bucket_cap_mb"], r["step_ms"]), textcoords="offset points",
                         xytext=(0, 6), fontsize=8, ha="center", color="tab:blue")
         ax.set_ylabel("ms per step (max over ranks, median)")
         ax.set_title("time vs bucket cap (numbers: buckets)", fontsize="medium")
-        ax.set_ylim(bottom=0)
+        top = max(max(r["step_ms"], r["compute_ms"] + r["sync_ms"]) for r in sweep)
+        ax.set_ylim(0, top * 1.45)  # room above the data for the legend
         axes[1].plot(caps, [r["hidden_fraction"] for r in sweep], marker="o", color="tab:green",
                      label="(a + b - c) / b, of the medians")
         lo = [min(r["hidden_fraction_rounds"]) for r in sweep]
@@ -486,7 +500,8 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
             ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
             ax.set_xlabel("bucket_cap_mb (first bucket: min(1, cap))")
             ax.grid(True, alpha=0.3)
-            ax.legend(fontsize="small", loc="best")
+        axes[0].legend(fontsize="small", loc="upper center", ncol=2)
+        axes[1].legend(fontsize="small", loc="best")
     if sync:
         ax = axes[-1]
         cases = list(dict.fromkeys(r["case"] for r in sync))
@@ -504,11 +519,12 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
             ax.annotate(f"ddp/flat {t['ddp'] / t['flat']:.2f}x\nper-grad/ddp {t['per-grad'] / t['ddp']:.1f}x",
                         (i, max(t.values())), textcoords="offset points", xytext=(0, 4), ha="center",
                         fontsize=8)
-        ax.margins(y=0.25)
+        low = min(r["time_ms"] for r in sync)
+        ax.set_ylim(low / 2, max(r["time_ms"] for r in sync) * 12)  # room for the notes and the legend
         ax.set_ylabel("ms per sync of all gradients")
         ax.set_title("gradient sync (float32, AVG), default caps", fontsize="medium")
         ax.grid(True, axis="y", alpha=0.3)
-        ax.legend(fontsize="small")
+        ax.legend(fontsize="small", loc="upper center", ncol=4)
     fig.suptitle(title, fontsize="medium")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -556,7 +572,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--blas-threads", type=int, default=1,
                    help="BLAS threads per rank (1: N ranks use N cores; more oversubscribes a shared host)")
     p.add_argument("--rounds", type=int, default=7, help="interleaved rounds; the median is reported")
-    p.add_argument("--iters", type=int, default=None, help="calls per timed block; without it, about --block-seconds of calls")
+    p.add_argument("--iters", type=int, default=None,
+                   help="calls per timed block; without it, about --block-seconds of calls")
     p.add_argument("--block-seconds", type=float, default=0.1, help="about this long per timed block without --iters")
     p.add_argument("--min-iters", type=int, default=2, help="fewest calls per timed block without --iters")
     p.add_argument("--warmup", type=int, default=1, help="untimed calls before each timed block")
@@ -628,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
         comm.Free()
         return 0
     args.load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    args.blas_limit = limit_blas_threads(args.blas_threads)  # numpy is loaded already under meshkit-run
+    args.blas_limit = limit_blas_threads(args.blas_threads)  # NumPy is loaded: the variables alone are late
     meshkit.init_process_group("mpi", timeout=args.timeout)
     show = rank == 0 and not args.no_progress
     steps = (len(args.cases) * args.rounds if args.only != "overlap" else 0) + (
@@ -661,8 +678,7 @@ def metadata(args: argparse.Namespace, comm: MPI.Comm) -> dict[str, Any]:
         cases=[c.label for c in args.cases], hidden=args.hidden, batch=args.batch, dtype=args.dtype,
         caps_mb=args.caps, default_caps_mb=[DEFAULT_CAP_MB, DEFAULT_FIRST_CAP_MB],
         blas_threads=args.blas_threads, blas_limit=args.blas_limit,
-        load_average_1m_start=args.load_start,
-        load_average_1m_end=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        load_average_1m_start=args.load_start,  # run_metadata's load_average is the end's
         targets={"ddp_over_flat_max": MAX_DDP_OVER_FLAT, "pergrad_over_ddp_min": MIN_PERGRAD_OVER_DDP})
 
 

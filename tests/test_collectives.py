@@ -9,7 +9,7 @@ import collective_cases as cases
 from meshkit.comm import local
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 6, 7, 8])
 @pytest.mark.parametrize("dtype", cases.DTYPES, ids=lambda d: np.dtype(d).name)
 def test_every_collective_matches_numpy_local(dtype, world_size):
     checks = local.run(cases.check_all, world_size, dtype, timeout=30)
