@@ -15,7 +15,6 @@ larger than the cap gets a bucket of its own.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any, Callable, Sequence
 
@@ -27,26 +26,37 @@ __all__ = ["Bucket", "BucketManager", "assign_buckets"]
 MB = 1 << 20
 
 
-@dataclasses.dataclass
 class Bucket:
     """A flat buffer holding the gradients of some parameters of one dtype.
 
     Attributes:
         index: position in launch order.
-        buffer: the flat array; ``view(name)`` is a parameter's gradient inside it.
+        buffer: the flat array (None while a lazily provisioned ZeRO-2 bucket holds nothing);
+            ``view(name)`` is a parameter's gradient inside it.
         names: the parameters, in buffer order.
         slots: ``name -> (start, stop, shape)`` in elements.
         ready: names marked ready in this iteration.
         work: the pending reduction, or None.
     """
 
-    index: int
-    buffer: Any  # None while a lazily provisioned bucket (ZeRO-2) holds no gradients
-    names: list[str]
-    slots: dict[str, tuple[int, int, tuple[int, ...]]]
-    ready: set[str] = dataclasses.field(default_factory=set)
-    work: Work | None = None
-    launched: bool = False
+    def __init__(self, index: int, buffer: Any, names: list[str],
+                 slots: dict[str, tuple[int, int, tuple[int, ...]]]) -> None:
+        self.index, self.names, self.slots = index, names, slots
+        self.ready: set[str] = set()
+        self.work: Work | None = None
+        self.launched = False
+        self.buffer = buffer
+
+    @property
+    def buffer(self) -> Any:
+        return self._buffer
+
+    @buffer.setter
+    def buffer(self, value: Any) -> None:
+        self._buffer = value
+        # Views are made once per buffer: the same object every time, so a caller can tell
+        # "the bucket's own view" from an array of its own by identity.
+        self._views: dict[str, Any] = {}
 
     @property
     def size(self) -> int:
@@ -55,11 +65,14 @@ class Bucket:
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.buffer is None else int(self.buffer.nbytes)
+        return 0 if self._buffer is None else int(self._buffer.nbytes)
 
     def view(self, name: str) -> Any:
-        start, stop, shape = self.slots[name]
-        return self.buffer[start:stop].reshape(shape)
+        view = self._views.get(name)
+        if view is None:
+            start, stop, shape = self.slots[name]
+            view = self._views[name] = self._buffer[start:stop].reshape(shape)
+        return view
 
     def is_ready(self) -> bool:
         return len(self.ready) == len(self.names)
