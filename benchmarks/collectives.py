@@ -18,12 +18,14 @@ What is measured, for each op and size:
   rank. ``algbw = size / time``; ``busbw = algbw * factor`` with factor ``2(n-1)/n`` for
   all_reduce, ``(n-1)/n`` for all_gather, reduce_scatter and all_to_all, 1 for broadcast
   (nccl-tests' PERFORMANCE.md), so busbw is comparable with the link's bandwidth.
-* Every engine works on the same NumPy buffers, checked once for a correct result first.
+* Every engine works on the same NumPy buffers, and its result is checked at each size before
+  it is timed (a wrong answer aborts the run; an op gloo lacks is recorded as null).
 * Engines are interleaved in rounds: each round runs, per engine, ``warmup`` untimed calls,
-  a barrier (whose waiting ranks yield their core), then ``iters`` timed calls; the engine order rotates from round to round so that
-  none is always first. A call's time is the MAX over ranks of that rank's per-call average;
-  the reported time is the median over the rounds (5 by default). On a shared machine (2 cores
-  running 4 ranks) noise comes in bursts that hit one round, and the median rejects them.
+  a barrier (whose waiting ranks yield their core), then ``iters`` timed calls; the engine
+  order rotates from round to round so that none is always first. A call's time is the MAX
+  over ranks of that rank's per-call average; the reported time is the median over the rounds
+  (5 by default). On a shared machine (2 cores running 4 ranks) noise comes in bursts that hit
+  one round, and the median rejects them.
 * Without ``--iters``, the number of iterations adapts to the size: about 0.2 s of timed
   calls per engine in all (so thousands of calls for 8 bytes), never fewer than 5 per round.
 

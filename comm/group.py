@@ -11,6 +11,7 @@ implement the ``_e_*`` methods: blocking steps on already-checked arrays that gi
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -303,7 +304,7 @@ class ProcessGroup:
         if input.ndim == 0 or output.ndim == 0 or input.shape[1:] != output.shape[1:]:
             raise DistValueError(f"{where(self, name)}: input {input.shape} and output {output.shape} must be "
                                  "at least 1-D with the same shape after dim 0")
-        row = int(np.prod(input.shape[1:], dtype=np.int64))
+        row = input.size // input.shape[0] if input.shape[0] else math.prod(input.shape[1:])
         send = [s * row for s in check_split_sizes(self, name, "input_split_sizes", input_split_sizes,
                                                    input.shape[0])]
         recv = [s * row for s in check_split_sizes(self, name, "output_split_sizes", output_split_sizes,

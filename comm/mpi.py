@@ -4,7 +4,8 @@ Every collective is MPI's nonblocking form (``Iallreduce``, ``Ibcast``, ...) pol
 ``Test`` until it completes or the deadline passes; that is how a blocking call honours the
 group's timeout. Polling spins briefly, then yields the core (measured on 2 cores with 4 ranks:
 a pure spin loop made an 8-byte all_reduce 200x slower than MPI's blocking call, spin-then-
-``sched_yield`` matches it), then naps once a wait is long, so idle ranks do not burn a core.
+``sched_yield`` matches it), then naps once a wait is over a second, so a rank waiting for a
+busy peer does not keep a core busy.
 
 This module imports ``mpi4py.MPI``, which initializes MPI: it is imported only when the ``mpi``
 backend is chosen. MPI is asked for ``MPI_THREAD_MULTIPLE`` (mpi4py's default), because each
@@ -13,9 +14,9 @@ group's communication thread calls MPI beside the caller.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
-import threading
 import time
 from typing import Any
 
@@ -33,13 +34,13 @@ logger = logging.getLogger("meshkit")
 
 #: Polls before the first ``sched_yield``: a few microseconds, enough for small messages.
 _SPIN_POLLS = 64
-#: Seconds of yielding before napping; beyond it a wait is long (a rank computing elsewhere).
-_YIELD_SECONDS = 0.02
-#: The same on a group's communication thread (async_op=True): the caller is computing and
-#: needs the core, so it yields for 1 ms only (a 20 ms yield phase doubled the CPU the thread
-#: took per DDP step at 4 ranks on 2 cores, measured with benchmarks/ddp.py).
-_BACKGROUND_YIELD_SECONDS = 0.001
-#: Nap length once a wait is long: at most this much latency on waits already over 20 ms.
+#: Seconds of yielding before napping. MPI's nonblocking collectives progress only inside
+#: ``Test``, so a poller that naps throttles any transfer still running: with naps after 20 ms,
+#: a 64 MB all_to_all at 4 ranks took 185 ms instead of 19 ms (benchmarks/collectives.py).
+#: Yielding still gives the core to other processes; only a wait longer than this (a peer
+#: computing elsewhere, or hung) naps, so that it does not keep a core busy for minutes.
+_YIELD_SECONDS = 1.0
+#: Nap length once a wait is long.
 _NAP_SECONDS = 0.0002
 #: Extra seconds non-root ranks of a monitored exchange wait for rank 0's verdict, which rank 0
 #: may send only at its own deadline.
@@ -49,12 +50,10 @@ _VERDICT_GRACE = 5.0
 class _Poller:
     """Spin, then yield, then nap: the waiting policy of every MPI wait."""
 
-    __slots__ = ("polls", "since", "deadline", "yield_for")
+    __slots__ = ("polls", "since", "deadline")
 
     def __init__(self, deadline: float) -> None:
         self.polls, self.since, self.deadline = 0, 0.0, deadline
-        main = threading.current_thread() is threading.main_thread()
-        self.yield_for = _YIELD_SECONDS if main else _BACKGROUND_YIELD_SECONDS
 
     def pause(self) -> bool:
         """Wait a little; False once the deadline has passed."""
@@ -66,7 +65,7 @@ class _Poller:
             return False
         if self.polls == _SPIN_POLLS:
             self.since = now
-        if now - self.since < self.yield_for:
+        if now - self.since < _YIELD_SECONDS:
             os.sched_yield()
         else:
             time.sleep(_NAP_SECONDS)
@@ -190,10 +189,13 @@ class MPIGroup(ProcessGroup):
     def _e_all_to_all(self, out: np.ndarray, recv_counts: list[int], inp: np.ndarray, send_counts: list[int],
                       deadline: float) -> None:
         t = _spec(out.dtype)[0]
-        sdispl = np.concatenate([[0], np.cumsum(send_counts)[:-1]]).astype(np.int64)
-        rdispl = np.concatenate([[0], np.cumsum(recv_counts)[:-1]]).astype(np.int64)
-        _wait(self.comm.Ialltoallv([inp, (send_counts, sdispl.tolist()), t],
-                                   [out, (recv_counts, rdispl.tolist()), t]), deadline)
+        if len(set(send_counts)) == 1 and len(set(recv_counts)) == 1:
+            # Equal parts: MPI_Alltoall, about 2x faster than Alltoallv in MPICH at >= 1 MB.
+            _wait(self.comm.Ialltoall([inp, t], [out, t]), deadline)
+            return
+        sdispl = [0, *itertools.accumulate(send_counts[:-1])]
+        rdispl = [0, *itertools.accumulate(recv_counts[:-1])]
+        _wait(self.comm.Ialltoallv([inp, (send_counts, sdispl), t], [out, (recv_counts, rdispl), t]), deadline)
 
     def _e_barrier(self, deadline: float) -> None:
         _wait(self.comm.Ibarrier(), deadline)
