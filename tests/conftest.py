@@ -8,6 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# Property tests draw the same examples on every run (the suite must be deterministic) and keep
+# no example database between runs.
+settings.register_profile("meshkit", derandomize=True, database=None, deadline=None)
+settings.load_profile("meshkit")
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
