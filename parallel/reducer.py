@@ -134,9 +134,23 @@ class GradientReducer:
         self._after_sync(order)
 
     def sync_gradients(self) -> None:
-        """Mark every gradient not yet marked ready, then :meth:`finish_gradient_sync`."""
-        for name in self._buckets.unready():
-            self.mark_grad_ready(name)
+        """Mark every gradient not yet marked ready, then :meth:`finish_gradient_sync`.
+
+        Gradients still in their bucket's own view are marked in bulk, a bucket at a time (no
+        per-gradient checks are needed: they are the bucket); others go through
+        :meth:`mark_grad_ready`, which checks and copies them in.
+        """
+        for bucket in self._buckets.buckets:
+            pending = [n for n in bucket.names if n not in bucket.ready]
+            if bucket.buffer is not None and all(self.grads[n] is bucket.view(n) for n in pending):
+                bucket.ready.update(pending)
+                self._ready_order.extend(pending)
+                self._touched.update(pending)
+            else:
+                for name in pending:
+                    self.mark_grad_ready(name)
+        if self._sync:
+            self._buckets.launch_ready()
         self.finish_gradient_sync()
 
     def _end_pass(self) -> None:

@@ -179,3 +179,16 @@ def test_readme_tour_runs_on_four_ranks(mpirun):
                           capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("tour OK") == 4
+
+
+def test_sync_gradients_marks_views_in_bulk_and_copies_replaced_arrays():
+    def body():
+        rank = meshkit.get_rank()
+        ddp = DistributedDataParallel({"a": np.zeros(3), "b": np.zeros(2)})
+        ddp.grads["a"][...] = rank + 1                # written into the bucket's view
+        ddp.grads["b"] = np.full(2, 10.0 * (rank + 1))  # replaced by an array of the user's
+        ddp.sync_gradients()
+        return ddp.grads["a"].copy(), ddp.grads["b"].copy()
+    for a, b in local.run(body, 3):
+        np.testing.assert_array_equal(a, np.full(3, 2.0))
+        np.testing.assert_array_equal(b, np.full(2, 20.0))
