@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, NoReturn, Sequence
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -45,7 +45,13 @@ __all__ = [
     "format_size",
     "size_sweep",
     "setup_logging",
+    "add_output_args",
+    "choice_list",
+    "positive_int_list",
     "parse_args_rank0",
+    "usage_error",
+    "parse_checked",
+    "matplotlib_missing",
     "print0",
     "Progress",
     "time_calls",
@@ -58,7 +64,10 @@ __all__ = [
     "run_metadata",
     "host_metadata",
     "write_json",
+    "load_result",
+    "png_path",
     "require_pyplot",
+    "save_figure",
     "log2_size_axis",
 ]
 
@@ -134,6 +143,57 @@ def setup_logging(rank: int, verbose: bool = False) -> None:
     logging.getLogger("meshkit").setLevel(level)
 
 
+def choice_list(valid: Sequence[str], what: str) -> Callable[[str], list[str]]:
+    """An argparse ``type``: comma-separated names, each one of ``valid`` (e.g. ``ddp,fsdp``).
+
+    The names keep their order. ``what`` names them in the error, e.g. ``strategies``:
+    ``unknown strategies ['x']; valid: ddp,fsdp`` (argparse reports it as a usage error).
+    """
+    def parse(text: str) -> list[str]:
+        names = [v.strip() for v in text.split(",") if v.strip()]
+        bad = [v for v in names if v not in valid]
+        if not names or bad:
+            raise argparse.ArgumentTypeError(f"unknown {what} {bad or text!r}; valid: {','.join(valid)}")
+        return names
+
+    return parse
+
+
+def positive_int_list(example: str) -> Callable[[str], list[int]]:
+    """An argparse ``type``: comma-separated integers, each >= 1; ``example`` shows one in the error."""
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            values = []
+        if not values or any(v < 1 for v in values):
+            raise argparse.ArgumentTypeError(f"invalid list {text!r}; write positive integers like {example}")
+        return values
+
+    return parse
+
+
+#: ``--plot-from``'s help for a script that redraws its PNG from one earlier JSON result.
+_PLOT_FROM_HELP = "measure nothing: draw --plot (default: JSON's path with .png) from an earlier run's JSON"
+
+
+def add_output_args(parser: argparse.ArgumentParser, *, json_help: str, json_default: Path | None = None,
+                    plot_from_help: str | None = _PLOT_FROM_HELP, plot_from_nargs: str | None = None) -> None:
+    """Add the options every benchmark shares: --json, --plot, --plot-from, --no-progress, -v.
+
+    ``json_help`` and ``json_default`` describe the result file. ``plot_from_help`` None leaves
+    --plot-from out; ``plot_from_nargs`` (e.g. ``"+"``) lets it take several files.
+    """
+    parser.add_argument("--json", type=Path, default=json_default, help=json_help)
+    parser.add_argument("--plot", type=Path, nargs="?", const=Path(), default=None,
+                        help="draw a PNG (default path: the JSON path with .png)")
+    if plot_from_help is not None:
+        parser.add_argument("--plot-from", type=Path, nargs=plot_from_nargs, default=None, metavar="JSON",
+                            help=plot_from_help)
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar or progress log lines")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
 def parse_args_rank0(parser: argparse.ArgumentParser, rank: int,
                      argv: Sequence[str] | None = None) -> argparse.Namespace:
     """``parser.parse_args`` on every rank, with ``--help`` and usage errors printed by rank 0 only.
@@ -145,6 +205,34 @@ def parse_args_rank0(parser: argparse.ArgumentParser, rank: int,
         return parser.parse_args(argv)
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         return parser.parse_args(argv)
+
+
+def usage_error(parser: argparse.ArgumentParser, rank: int, message: str) -> NoReturn:
+    """Exit with a usage error (status 2) on every rank; only rank 0 prints it."""
+    if rank == 0:
+        parser.error(message)
+    raise SystemExit(2)
+
+
+def parse_checked(parser: argparse.ArgumentParser, rank: int, argv: Sequence[str] | None,
+                  check: Callable[[argparse.Namespace], str | None]) -> argparse.Namespace:
+    """:func:`parse_args_rank0`, then a :func:`usage_error` for the problem ``check`` returns, if any."""
+    args = parse_args_rank0(parser, rank, argv)
+    error = check(args)
+    if error:
+        usage_error(parser, rank, error)
+    return args
+
+
+def matplotlib_missing(args: argparse.Namespace) -> str | None:
+    """The usage error for ``--plot`` or ``--plot-from`` without matplotlib installed, else None."""
+    if args.plot is None and getattr(args, "plot_from", None) is None:
+        return None
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return "--plot needs matplotlib, which is not installed; run `pip install matplotlib` (or meshkit[bench])"
+    return None
 
 
 def print0(rank: int, *args: Any, **kwargs: Any) -> None:
@@ -278,6 +366,23 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def _cores() -> int:
+    """Cores this process may run on (its CPU affinity where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _base_metadata() -> dict[str, Any]:
+    """Package versions, date and argv: the fields :func:`run_metadata` and :func:`host_metadata` share."""
+    return {
+        "python": platform.python_version(),
+        "numpy": _version("numpy"),
+        "mpi4py": _version("mpi4py"),
+        "meshkit": _version("meshkit"),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "argv": sys.argv,
+    }
+
+
 def run_metadata(comm: MPI.Comm, **extra: Any) -> dict[str, Any]:
     """What a result depends on: ranks and cores per host, MPI library, versions, date, argv.
 
@@ -293,12 +398,7 @@ def run_metadata(comm: MPI.Comm, **extra: Any) -> dict[str, Any]:
         "hostname": socket.gethostname(),
         # 1, 5 and 15 min load averages at the end of the run: other jobs on a shared host show here
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "python": platform.python_version(),
-        "numpy": _version("numpy"),
-        "mpi4py": _version("mpi4py"),
-        "meshkit": _version("meshkit"),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "argv": sys.argv,
+        **_base_metadata(),
         **extra,
     }
 
@@ -308,8 +408,7 @@ def placement(comm: MPI.Comm) -> dict[str, Any]:
 
     Collective: every rank of ``comm`` must call it.
     """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    hosts = comm.allgather((socket.gethostname(), cores))
+    hosts = comm.allgather((socket.gethostname(), _cores()))
     per_host: dict[str, int] = {}
     for host, _ in hosts:
         per_host[host] = per_host.get(host, 0) + 1
@@ -325,18 +424,7 @@ def host_metadata(**extra: Any) -> dict[str, Any]:
     Host, cores, package versions, date and argv, plus ``extra``; it does not import mpi4py,
     so it does not initialize MPI.
     """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return {
-        "hostname": socket.gethostname(),
-        "cores_per_host": cores,
-        "python": platform.python_version(),
-        "numpy": _version("numpy"),
-        "mpi4py": _version("mpi4py"),
-        "meshkit": _version("meshkit"),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "argv": sys.argv,
-        **extra,
-    }
+    return {"hostname": socket.gethostname(), "cores_per_host": _cores(), **_base_metadata(), **extra}
 
 
 def write_json(path: Path, metadata: dict[str, Any], rows: list[dict[str, Any]]) -> None:
@@ -345,6 +433,26 @@ def write_json(path: Path, metadata: dict[str, Any], rows: list[dict[str, Any]])
     with path.open("w") as f:
         json.dump({"metadata": metadata, "rows": rows}, f, indent=1)
         f.write("\n")
+
+
+def load_result(path: Path, benchmark: str) -> dict[str, Any]:
+    """The JSON that ``benchmarks/{benchmark}.py`` wrote to ``path``, for ``--plot-from``.
+
+    Raises:
+        SystemExit: ``path`` cannot be read, is not JSON, or is another benchmark's result.
+    """
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SystemExit(f"meshkit.bench: --plot-from: cannot read {path}: {exc}") from None
+    if data.get("metadata", {}).get("benchmark") != benchmark:
+        raise SystemExit(f"meshkit.bench: --plot-from: {path} is not a result of benchmarks/{benchmark}.py")
+    return data
+
+
+def png_path(plot: Path | None, json_path: Path) -> Path:
+    """Where ``--plot`` draws: its path, or ``json_path`` with ``.png`` when given without one."""
+    return json_path.with_suffix(".png") if plot in (None, Path()) else plot
 
 
 # --------------------------------------------------------------------------- plots
@@ -362,6 +470,16 @@ def require_pyplot() -> ModuleType:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
+
+
+def save_figure(fig: Any, path: Path, title: str, *, rect: Sequence[float] | None = None) -> None:
+    """Title ``fig``, lay it out (within ``rect``, if given), write it to ``path`` (110 dpi) and close it."""
+    import matplotlib.pyplot as plt
+    fig.suptitle(title, fontsize="medium")
+    fig.tight_layout(rect=rect)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def log2_size_axis(ax: Any, sizes: Sequence[int], max_ticks: int = 9) -> None:

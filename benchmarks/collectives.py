@@ -44,12 +44,13 @@ import os
 import socket
 import sys
 from pathlib import Path
-from typing import Any, Callable, NoReturn, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
-from _common import (LOG, Progress, barrier, calibrate_iters, format_size, log2_size_axis, max_over_ranks,
-                     median, parse_args_rank0, parse_size, placement, print0, require_pyplot, run_metadata,
-                     setup_logging, size_sweep, time_calls, write_json)
+from _common import (LOG, Progress, add_output_args, barrier, calibrate_iters, format_size, log2_size_axis,
+                     matplotlib_missing, max_over_ranks, median, parse_checked, parse_size, placement, png_path,
+                     print0, require_pyplot, run_metadata, save_figure, setup_logging, size_sweep, time_calls,
+                     usage_error, write_json)
 from mpi4py import MPI
 
 import meshkit
@@ -67,14 +68,17 @@ SMALL_BYTES, MAX_EXCESS_US = 4 << 10, 10.0
 
 @dataclasses.dataclass(frozen=True)
 class OpSpec:
-    """One collective: buffer layout and nccl-tests' bus-bandwidth factor.
+    """One collective: its functions, buffer layout and nccl-tests' bus-bandwidth factor.
 
-    ``chunk_input``: the input is one rank's chunk of the size (all_gather).
+    ``torch_fn``: its name in the torch.distributed-style API (meshkit, torch); ``mpi_fn``: in
+    mpi4py's ``Comm``. ``chunk_input``: the input is one rank's chunk of the size (all_gather).
     ``chunk_output``: the output is one chunk (reduce_scatter).
     ``in_place``: one buffer is both input and output (all_reduce, broadcast).
     """
 
     name: str
+    torch_fn: str
+    mpi_fn: str
     bus_factor: Callable[[int], float]
     chunk_input: bool = False
     chunk_output: bool = False
@@ -82,11 +86,12 @@ class OpSpec:
 
 
 OPS = {spec.name: spec for spec in (
-    OpSpec("all_reduce", lambda n: 2 * (n - 1) / n, in_place=True),
-    OpSpec("all_gather", lambda n: (n - 1) / n, chunk_input=True),
-    OpSpec("reduce_scatter", lambda n: (n - 1) / n, chunk_output=True),
-    OpSpec("broadcast", lambda n: 1.0, in_place=True),
-    OpSpec("all_to_all", lambda n: (n - 1) / n),
+    OpSpec("all_reduce", "all_reduce", "Allreduce", lambda n: 2 * (n - 1) / n, in_place=True),
+    OpSpec("all_gather", "all_gather_into_tensor", "Allgather", lambda n: (n - 1) / n, chunk_input=True),
+    OpSpec("reduce_scatter", "reduce_scatter_tensor", "Reduce_scatter_block", lambda n: (n - 1) / n,
+           chunk_output=True),
+    OpSpec("broadcast", "broadcast", "Bcast", lambda n: 1.0, in_place=True),
+    OpSpec("all_to_all", "all_to_all_single", "Alltoall", lambda n: (n - 1) / n),
 )}
 ENGINES = ("meshkit", "mpi4py", "gloo")
 
@@ -124,23 +129,31 @@ class Engine:
 
 
 # --------------------------------------------------------------------------- engines
+def _spec(op: str) -> OpSpec:
+    """``OPS[op]``; ValueError for an unknown op."""
+    if op not in OPS:
+        raise ValueError(f"meshkit.bench: unknown op {op!r}")
+    return OPS[op]
+
+
+def torch_style_bind(api: Any, convert: Callable[[np.ndarray], Any] = np.asarray) -> Callable[[str, Buffers], Call]:
+    """``Engine.bind`` for a torch.distributed-style ``api`` (meshkit, ``torch.distributed``).
+
+    Its calls are ``fn(out, inp)``, ``all_reduce(out)`` and ``broadcast(out, 0)``, on the
+    buffers passed through ``convert`` (e.g. ``torch.from_numpy``).
+    """
+    def bind(op: str, b: Buffers) -> Call:
+        fn = getattr(api, _spec(op).torch_fn)
+        inp, out = convert(b.inp), convert(b.out)
+        args = {"all_reduce": (out,), "broadcast": (out, 0)}.get(op, (out, inp))
+        return functools.partial(fn, *args)
+
+    return bind
+
+
 def meshkit_engine() -> Engine:
     """meshkit's torch.distributed-style API on its default (world) group."""
-    def bind(op: str, b: Buffers) -> Call:
-        match op:
-            case "all_reduce":
-                return functools.partial(meshkit.all_reduce, b.out)
-            case "all_gather":
-                return functools.partial(meshkit.all_gather_into_tensor, b.out, b.inp)
-            case "reduce_scatter":
-                return functools.partial(meshkit.reduce_scatter_tensor, b.out, b.inp)
-            case "broadcast":
-                return functools.partial(meshkit.broadcast, b.out, 0)
-            case "all_to_all":
-                return functools.partial(meshkit.all_to_all_single, b.out, b.inp)
-        raise ValueError(f"meshkit.bench: unknown op {op!r}")
-
-    return Engine("meshkit", bind)
+    return Engine("meshkit", torch_style_bind(meshkit))
 
 
 def mpi4py_engine() -> Engine:
@@ -148,18 +161,9 @@ def mpi4py_engine() -> Engine:
     comm = MPI.COMM_WORLD.Dup()
 
     def bind(op: str, b: Buffers) -> Call:
-        match op:
-            case "all_reduce":
-                return functools.partial(comm.Allreduce, MPI.IN_PLACE, b.out)
-            case "all_gather":
-                return functools.partial(comm.Allgather, b.inp, b.out)
-            case "reduce_scatter":
-                return functools.partial(comm.Reduce_scatter_block, b.inp, b.out)
-            case "broadcast":
-                return functools.partial(comm.Bcast, b.out, 0)
-            case "all_to_all":
-                return functools.partial(comm.Alltoall, b.inp, b.out)
-        raise ValueError(f"meshkit.bench: unknown op {op!r}")
+        fn = getattr(comm, _spec(op).mpi_fn)
+        args = {"all_reduce": (MPI.IN_PLACE, b.out), "broadcast": (b.out, 0)}.get(op, (b.inp, b.out))
+        return functools.partial(fn, *args)
 
     return Engine("mpi4py", bind, close=comm.Free)
 
@@ -190,23 +194,9 @@ def gloo_engine(comm: MPI.Comm) -> Engine:
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(size))
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=size)
 
-    def bind(op: str, b: Buffers) -> Call:
-        inp, out = torch.from_numpy(b.inp), torch.from_numpy(b.out)
-        match op:
-            case "all_reduce":
-                return functools.partial(dist.all_reduce, out)
-            case "all_gather":
-                return functools.partial(dist.all_gather_into_tensor, out, inp)
-            case "reduce_scatter":
-                return functools.partial(dist.reduce_scatter_tensor, out, inp)
-            case "broadcast":
-                return functools.partial(dist.broadcast, out, 0)
-            case "all_to_all":
-                return functools.partial(dist.all_to_all_single, out, inp)
-        raise ValueError(f"meshkit.bench: unknown op {op!r}")
-
     LOG.info("gloo: torch %s, rendezvous at %s:%d", torch.__version__, addr, port)
-    return Engine("gloo", bind, close=dist.destroy_process_group, optional=True)
+    return Engine("gloo", torch_style_bind(dist, torch.from_numpy), close=dist.destroy_process_group,
+                  optional=True)
 
 
 def torch_importable() -> bool:
@@ -442,11 +432,7 @@ def plot(rows: list[dict[str, Any]], ops: list[str], engines: list[str], path: P
         if with_ratio:
             _plot_ratio(axes[1, j], of_op, sizes, first=j == 0)
         axes[-1, j].set_xlabel("size (bytes)")
-    fig.suptitle(title, fontsize="medium")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, title)
 
 
 def _plot_ratio(ax: Any, rows: list[dict[str, Any]], sizes: list[int], *, first: bool) -> None:
@@ -487,12 +473,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated, from {', '.join(ENGINES)} "
                         "(default: meshkit,mpi4py, plus gloo when torch is importable)")
     p.add_argument("--device", default="cpu", help="where buffers live; only cpu is supported for now")
-    p.add_argument("--json", type=Path, default=None,
-                   help="result file (default: benchmarks/results/collectives-n{N}.json)")
-    p.add_argument("--plot", type=Path, nargs="?", const=Path(), default=None,
-                   help="draw a PNG at PLOT (default: the JSON path with .png); needs matplotlib")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar or progress log lines")
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    add_output_args(p, json_help="result file (default: benchmarks/results/collectives-n{N}.json)",
+                    plot_from_help=None)
     return p
 
 
@@ -500,31 +482,21 @@ def _split(text: str, valid: Sequence[str], what: str, p: argparse.ArgumentParse
     names = [s.strip() for s in text.split(",") if s.strip()]
     bad = [s for s in names if s not in valid]
     if bad or not names:
-        _fail(p, rank, f"invalid {what} {bad or text!r}; valid {what} are {list(valid)}")
+        usage_error(p, rank, f"invalid {what} {bad or text!r}; valid {what} are {list(valid)}")
     return list(dict.fromkeys(names))
 
 
 def parse_args(rank: int, argv: list[str] | None = None) -> argparse.Namespace:
     """Parse and validate the command line (identically on every rank; rank 0 prints errors)."""
     p = build_parser()
-    args = parse_args_rank0(p, rank, argv)
-    error = _invalid(args)
-    if error:
-        _fail(p, rank, error)
+    args = parse_checked(p, rank, argv, _invalid)
     args.ops = _split(args.ops, list(OPS), "ops", p, rank)
     default_engines = "meshkit,mpi4py,gloo" if torch_importable() else "meshkit,mpi4py"
     args.engines = _split(args.engines or default_engines, ENGINES, "engines", p, rank)
     if "gloo" in args.engines and not torch_importable():
-        _fail(p, rank, "engine gloo needs torch, which is not installed (pip install torch)")
+        usage_error(p, rank, "engine gloo needs torch, which is not installed (pip install torch)")
     args.dtype = np.dtype(args.dtype)
     return args
-
-
-def _fail(p: argparse.ArgumentParser, rank: int, message: str) -> NoReturn:
-    """Exit with a usage error on every rank; only rank 0 prints it."""
-    if rank == 0:
-        p.error(message)
-    raise SystemExit(2)
 
 
 def _invalid(args: argparse.Namespace) -> str | None:
@@ -551,12 +523,7 @@ def _invalid(args: argparse.Namespace) -> str | None:
     if args.min_bytes > args.max_bytes or args.min_bytes < 1:
         return (f"invalid sizes --min-bytes {args.min_bytes} --max-bytes {args.max_bytes}; "
                 "need 1 <= min <= max")
-    if args.plot is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            return "--plot needs matplotlib, which is not installed; run `pip install matplotlib` (or meshkit[bench])"
-    return None
+    return matplotlib_missing(args)
 
 
 # --------------------------------------------------------------------------- main
@@ -619,7 +586,7 @@ def save(args: argparse.Namespace, meta: dict[str, Any], rows: list[dict[str, An
     write_json(path, meta, rows)
     LOG.info("wrote %s", path)
     if args.plot is not None:
-        png = path.with_suffix(".png") if args.plot == Path() else args.plot
+        png = png_path(args.plot, path)
         title = f"meshkit collectives: {n} ranks, {args.dtype}, {meta['hostname']}, {meta['mpi_library'][:60]}"
         if meta["oversubscribed"]:
             title += f" ({meta['ranks_per_host']} ranks on {meta['cores_per_host']} cores)"

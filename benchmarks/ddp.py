@@ -83,7 +83,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -92,9 +91,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-from _common import (LOG, Progress, barrier, calibrate_iters, format_size, limit_blas_threads, max_over_ranks,
-                     median, parse_args_rank0, parse_size, placement, print0, require_pyplot, run_metadata,
-                     setup_logging, time_calls, write_json)
+from _common import (LOG, Progress, add_output_args, barrier, calibrate_iters, format_size, limit_blas_threads,
+                     load_result, matplotlib_missing, max_over_ranks, median, parse_checked, parse_size,
+                     placement, png_path, print0, require_pyplot, run_metadata, save_figure, setup_logging,
+                     time_calls, write_json)
 from mpi4py import MPI
 
 import meshkit
@@ -525,11 +525,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
         ax.set_title("gradient sync (float32, AVG), default caps", fontsize="medium")
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize="small", loc="upper center", ncol=4)
-    fig.suptitle(title, fontsize="medium")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, title)
 
 
 # --------------------------------------------------------------------------- command line
@@ -578,53 +574,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-iters", type=int, default=2, help="fewest calls per timed block without --iters")
     p.add_argument("--warmup", type=int, default=1, help="untimed calls before each timed block")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any blocking meshkit call waits at most")
-    p.add_argument("--json", type=Path, default=None, help="result file (default: benchmarks/results/ddp-n{N}.json)")
-    p.add_argument("--plot", type=Path, nargs="?", const=Path(), default=None,
-                   help="draw a PNG (without a path: the JSON path with .png)")
-    p.add_argument("--plot-from", type=Path, default=None, metavar="JSON",
-                   help="measure nothing: draw the PNG (--plot's path, else JSON's with .png) from an earlier run")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    add_output_args(p, json_help="result file (default: benchmarks/results/ddp-n{N}.json)")
     return p
 
 
-def parse_args(rank: int, n: int, argv: list[str] | None = None) -> argparse.Namespace:
-    p = build_parser()
-    args = parse_args_rank0(p, rank, argv)
-    error = None
+def _invalid(args: argparse.Namespace, n: int) -> str | None:
+    """The first problem with ``args`` on ``n`` ranks that argparse cannot see, or None."""
     if args.blas_threads < 1:
-        error = f"invalid --blas-threads {args.blas_threads}; it must be >= 1"
-    elif args.rounds < 1:
-        error = f"invalid --rounds {args.rounds}; it must be >= 1"
-    elif args.iters is not None and args.iters < 1:
-        error = f"invalid --iters {args.iters}; it must be >= 1"
-    elif args.min_iters < 1 or args.warmup < 0 or not args.block_seconds > 0 or not args.timeout > 0:
-        error = "--min-iters must be >= 1, --warmup >= 0, --block-seconds and --timeout > 0"
-    elif args.only != "sync" and (args.batch < n or args.batch % n):
-        error = f"invalid --batch {args.batch}: it must be a positive multiple of the {n} ranks"
-    elif args.plot is not None or args.plot_from is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            error = "--plot needs matplotlib, which is not installed; run `pip install matplotlib` (or meshkit[bench])"
-    if error:
-        if rank == 0:
-            p.error(error)
-        raise SystemExit(2)
+        return f"invalid --blas-threads {args.blas_threads}; it must be >= 1"
+    if args.rounds < 1:
+        return f"invalid --rounds {args.rounds}; it must be >= 1"
+    if args.iters is not None and args.iters < 1:
+        return f"invalid --iters {args.iters}; it must be >= 1"
+    if args.min_iters < 1 or args.warmup < 0 or not args.block_seconds > 0 or not args.timeout > 0:
+        return "--min-iters must be >= 1, --warmup >= 0, --block-seconds and --timeout > 0"
+    if args.only != "sync" and (args.batch < n or args.batch % n):
+        return f"invalid --batch {args.batch}: it must be a positive multiple of the {n} ranks"
+    return matplotlib_missing(args)
+
+
+def parse_args(rank: int, n: int, argv: list[str] | None = None) -> argparse.Namespace:
+    args = parse_checked(build_parser(), rank, argv, lambda a: _invalid(a, n))
     if args.only != "sync" and DEFAULT_CAP_MB not in args.caps:
         args.caps = sorted({*args.caps, DEFAULT_CAP_MB})  # section 2 is the default caps' point
     return args
 
 
 def plot_from(args: argparse.Namespace) -> None:
-    try:
-        data = json.loads(args.plot_from.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise SystemExit(f"meshkit.bench: --plot-from: cannot read {args.plot_from}: {exc}") from None
-    meta = data.get("metadata", {})
-    if meta.get("benchmark") != "ddp":
-        raise SystemExit(f"meshkit.bench: --plot-from: {args.plot_from} is not a result of benchmarks/ddp.py")
-    png = args.plot_from.with_suffix(".png") if args.plot in (None, Path()) else args.plot
+    data = load_result(args.plot_from, "ddp")
+    meta = data["metadata"]
+    png = png_path(args.plot, args.plot_from)
     plot(data["rows"], png, plot_title(meta))
     LOG.info("wrote %s", png)
 
@@ -687,7 +666,7 @@ def save(args: argparse.Namespace, meta: dict[str, Any], rows: list[dict[str, An
     write_json(path, meta, rows)
     LOG.info("wrote %s", path)
     if args.plot is not None:
-        png = path.with_suffix(".png") if args.plot == Path() else args.plot
+        png = png_path(args.plot, path)
         plot(rows, png, plot_title(meta))
         LOG.info("wrote %s", png)
 

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
 import re
@@ -68,7 +67,9 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")  # before numpy: the ranks are threads; keep BLAS out of the way
 
 import numpy as np  # noqa: E402
-from _common import LOG, Progress, host_metadata, require_pyplot, setup_logging, write_json  # noqa: E402
+from _common import (LOG, Progress, add_output_args, choice_list, host_metadata, load_result,  # noqa: E402
+                     matplotlib_missing, png_path, positive_int_list, require_pyplot, save_figure,
+                     setup_logging, write_json)
 
 import meshkit  # noqa: E402
 from meshkit.comm import local  # noqa: E402
@@ -242,11 +243,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     axes[0].set_ylabel("MB per rank (MiB; log scale)")
     axes[0].set_title("model states: params + grads + AdamW state", fontsize="medium")
     axes[1].set_title("plus extras: ZeRO-2 bucket pool, FSDP unsharded unit", fontsize="medium")
-    fig.suptitle(title, fontsize="medium")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, title)
 
 
 def plot_title(meta: dict[str, Any]) -> str:
@@ -266,42 +263,19 @@ def parse_count(text: str) -> int:
     return int(value)
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"invalid list {text!r}; write positive integers like 1,2,4,8")
-    return values
-
-
-def _strategy_list(text: str) -> list[str]:
-    names = [v.strip() for v in text.split(",") if v.strip()]
-    bad = [v for v in names if v not in STRATEGIES]
-    if not names or bad:
-        raise argparse.ArgumentTypeError(f"unknown strategies {bad or text!r}; valid: {','.join(STRATEGIES)}")
-    return names
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--params", type=parse_count, default=10_000_000,
                    help="target parameter count Ψ (decimal: 10M = 10,000,000); the hidden width is chosen to reach it")
     p.add_argument("--layers", type=int, default=3, help="hidden layers of the MLP")
-    p.add_argument("--worlds", type=_int_list, default=[1, 2, 4, 8], help="world sizes N")
+    p.add_argument("--worlds", type=positive_int_list("1,2,4,8"), default=[1, 2, 4, 8], help="world sizes N")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0,
                    help="DDP/ZeRO bucket cap (first bucket: min(1, cap)); sets the size of ZeRO-2's bucket pool")
-    p.add_argument("--strategies", type=_strategy_list, default=list(STRATEGIES), help="strategies to measure")
+    p.add_argument("--strategies", type=choice_list(STRATEGIES, "strategies"), default=list(STRATEGIES),
+                   help="strategies to measure")
     p.add_argument("--no-trace", action="store_true", help="skip the tracemalloc cross-check (faster)")
-    p.add_argument("--json", type=Path, default=RESULTS / "memory.json", help="result file")
-    p.add_argument("--plot", type=Path, nargs="?", const=Path(), default=None,
-                   help="draw a PNG (default path: the JSON path with .png)")
-    p.add_argument("--plot-from", type=Path, default=None, metavar="JSON",
-                   help="measure nothing: draw --plot (default: JSON's path with .png) from an earlier run's JSON")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    add_output_args(p, json_help="result file", json_default=RESULTS / "memory.json")
     return p
 
 
@@ -312,29 +286,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"invalid --layers {args.layers}; it must be >= 1")
     if not args.bucket_cap_mb > 0:
         p.error(f"invalid --bucket-cap-mb {args.bucket_cap_mb}; it must be > 0")
-    if args.plot is not None or args.plot_from is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            p.error("--plot needs matplotlib, which is not installed; run `pip install matplotlib` (or meshkit[bench])")
+    error = matplotlib_missing(args)
+    if error:
+        p.error(error)
     return args
-
-
-def png_path(args: argparse.Namespace, json_path: Path) -> Path:
-    return json_path.with_suffix(".png") if args.plot in (None, Path()) else args.plot
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(0, args.verbose)
     if args.plot_from is not None:
-        try:
-            data = json.loads(args.plot_from.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise SystemExit(f"meshkit.bench: --plot-from: cannot read {args.plot_from}: {exc}") from None
-        if data.get("metadata", {}).get("benchmark") != "memory":
-            raise SystemExit(f"meshkit.bench: --plot-from: {args.plot_from} is not a result of benchmarks/memory.py")
-        png = png_path(args, args.plot_from)
+        data = load_result(args.plot_from, "memory")
+        png = png_path(args.plot, args.plot_from)
         plot(data["rows"], png, plot_title(data["metadata"]))
         LOG.info("wrote %s", png)
         return 0
@@ -376,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json(args.json, meta, rows)
     LOG.info("wrote %s", args.json)
     if args.plot is not None:
-        png = png_path(args, args.json)
+        png = png_path(args.plot, args.json)
         plot(rows, png, plot_title(meta))
         LOG.info("wrote %s", png)
     return 0

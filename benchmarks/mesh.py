@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import math
 import os
 import sys
@@ -60,8 +59,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
-from _common import (LOG, Progress, barrier, host_metadata, max_over_ranks, median, parse_args_rank0, print0,
-                     require_pyplot, run_metadata, setup_logging, write_json)
+from _common import (LOG, Progress, add_output_args, barrier, host_metadata, load_result, matplotlib_missing,
+                     max_over_ranks, median, parse_checked, png_path, print0, require_pyplot, run_metadata,
+                     save_figure, setup_logging, write_json)
 
 import meshkit
 
@@ -414,11 +414,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
                bbox_to_anchor=(0.5, 0.045))
     fig.text(0.5, 0.01, "number at each point: collective splits on the world group during that call",
              ha="center", fontsize="small", color="dimgray")
-    fig.suptitle(title, fontsize="medium")
-    fig.tight_layout(rect=(0, 0.1, 1, 1))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, title, rect=(0, 0.1, 1, 1))
 
 
 def plot_title(meta: dict[str, Any], engines: list[str], world_sizes: list[int]) -> str:
@@ -433,12 +429,7 @@ def plot_from(paths: list[Path], out: Path | None) -> None:
     rows: list[dict[str, Any]] = []
     meta: dict[str, Any] = {}
     for path in paths:
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise SystemExit(f"meshkit.bench: --plot-from: cannot read {path}: {exc}") from None
-        if data.get("metadata", {}).get("benchmark") != "mesh":
-            raise SystemExit(f"meshkit.bench: --plot-from: {path} is not a result of benchmarks/mesh.py")
+        data = load_result(path, "mesh")
         meta = meta or data["metadata"]
         rows += data["rows"]
     engines = sorted({r["engine"] for r in rows})
@@ -472,15 +463,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=11, help="timed repeats per mesh; the median is reported")
     p.add_argument("--warmup", type=int, default=1, help="untimed repeats per mesh first")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds any blocking call waits at most")
-    p.add_argument("--json", type=Path, default=None,
-                   help="result file (default: benchmarks/results/mesh-local.json or mesh-mpi-n{N}.json)")
-    p.add_argument("--plot", type=Path, nargs="?", const=Path(), default=None,
-                   help="draw a PNG (default path: the JSON path with .png)")
-    p.add_argument("--plot-from", type=Path, nargs="+", default=None, metavar="JSON",
-                   help="measure nothing: plot these result files (e.g. mesh-mpi-n1.json mesh-mpi-n2.json) "
-                        "into --plot (default benchmarks/results/mesh-{engine}.png)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar or progress log lines")
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    add_output_args(p, json_help="result file (default: benchmarks/results/mesh-local.json or mesh-mpi-n{N}.json)",
+                    plot_from_nargs="+",
+                    plot_from_help="measure nothing: plot these result files (e.g. mesh-mpi-n1.json "
+                                   "mesh-mpi-n2.json) into --plot (default benchmarks/results/mesh-{engine}.png)")
     return p
 
 
@@ -495,13 +481,9 @@ def _job_size() -> int:
 
 def _invalid(args: argparse.Namespace) -> str | None:
     """The first problem with ``args`` that argparse cannot see, or None."""
-    if args.plot is not None or args.plot_from is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            return "--plot needs matplotlib, which is not installed; run `pip install matplotlib` (or meshkit[bench])"
-    if args.plot_from is not None:
-        return None
+    error = matplotlib_missing(args)
+    if error or args.plot_from is not None:
+        return error
     if args.engine == "mpi" and (args.max_world is not None or args.world_sizes is not None):
         return ("--max-world and --world-sizes apply to --engine local only; with --engine mpi the world size "
                 "is the job's (meshkit-run -n N)")
@@ -528,13 +510,7 @@ def _invalid(args: argparse.Namespace) -> str | None:
 
 def parse_args(rank: int, argv: list[str] | None = None) -> argparse.Namespace:
     """Parse and validate the command line (identically on every rank; rank 0 prints errors)."""
-    p = build_parser()
-    args = parse_args_rank0(p, rank, argv)
-    error = _invalid(args)
-    if error:
-        if rank == 0:
-            p.error(error)
-        raise SystemExit(2)
+    args = parse_checked(build_parser(), rank, argv, _invalid)
     args.ndims = sorted(set(args.ndims))
     if args.engine == "local":
         if args.world_sizes is not None:
@@ -550,7 +526,7 @@ def _save(args: argparse.Namespace, meta: dict[str, Any], rows: list[dict[str, A
     write_json(path, meta, rows)
     LOG.info("wrote %s", path)
     if args.plot is not None:
-        png = path.with_suffix(".png") if args.plot == Path() else args.plot
+        png = png_path(args.plot, path)
         engine = meta["engine"]
         plot(rows, png, plot_title(meta, [engine], sorted({r["world_size"] for r in rows})))
         LOG.info("wrote %s", png)

@@ -67,14 +67,15 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
-import json  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Iterator  # noqa: E402
 
 import numpy as np  # noqa: E402
-from _common import (LOG, Progress, barrier, limit_blas_threads, max_over_ranks, median,  # noqa: E402
-                     parse_args_rank0, print0, require_pyplot, run_metadata, setup_logging, write_json)
+from _common import (LOG, Progress, add_output_args, barrier, choice_list, limit_blas_threads,  # noqa: E402
+                     load_result, matplotlib_missing, max_over_ranks, median, parse_checked, png_path,
+                     positive_int_list, print0, require_pyplot, run_metadata, save_figure, setup_logging,
+                     write_json)
 from mpi4py import MPI  # noqa: E402
 
 import meshkit  # noqa: E402
@@ -300,11 +301,7 @@ def plot(rows: list[dict[str, Any]], pre: dict[str, Any] | None, path: Path, tit
     ax.set_ylim(bottom=0)
     ax.margins(y=0.15)
     ax.grid(True, axis="y", alpha=0.3)
-    fig.suptitle(title, fontsize="medium")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, title)
 
 
 def plot_title(meta: dict[str, Any]) -> str:
@@ -314,38 +311,20 @@ def plot_title(meta: dict[str, Any]) -> str:
 
 
 # --------------------------------------------------------------------------- command line
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"invalid list {text!r}; write positive integers like 512,512,512")
-    return values
-
-
 STRATEGIES = ("compute", "ddp", "zero1", "zero2", "fsdp", "fsdp-noprefetch", "hsdp")
-
-
-def _strategy_list(text: str) -> list[str]:
-    names = [v.strip() for v in text.split(",") if v.strip()]
-    bad = [v for v in names if v not in STRATEGIES]
-    if not names or bad:
-        raise argparse.ArgumentTypeError(f"unknown strategies {bad or text!r}; valid: {','.join(STRATEGIES)}")
-    return names
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--hidden", type=_int_list, default=[512, 512, 512], help="hidden layer widths")
+    p.add_argument("--hidden", type=positive_int_list("512,512,512"), default=[512, 512, 512], help="hidden layer widths")
     p.add_argument("--batch", type=int, default=256, help="global batch (divisible by the ranks)")
     p.add_argument("--samples", type=int, default=4096, help="size of the synthetic data set")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP/ZeRO bucket cap (first: min(1, cap))")
-    p.add_argument("--strategies", type=_strategy_list, default=None,
+    p.add_argument("--strategies", type=choice_list(STRATEGIES, "strategies"), default=None,
                    help=f"subset of {','.join(STRATEGIES)} (default all; hsdp only where a mesh fits)")
     p.add_argument("--hsdp-mesh", default=None, metavar="RxS",
                    help="hsdp's replicate x shard mesh (default 2x(N/2) for even N >= 4, else no hsdp)")
@@ -353,41 +332,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=8, help="timed steps per strategy per round")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per strategy before timing")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any blocking meshkit call waits at most")
-    p.add_argument("--json", type=Path, default=None, help="result file (default benchmarks/results/sharded-n{N}.json)")
-    p.add_argument("--plot", type=Path, nargs="?", const=Path(), default=None,
-                   help="draw a PNG (default path: the JSON path with .png)")
-    p.add_argument("--plot-from", type=Path, default=None, metavar="JSON",
-                   help="measure nothing: draw --plot (default: JSON's path with .png) from an earlier run's JSON")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    add_output_args(p, json_help="result file (default benchmarks/results/sharded-n{N}.json)")
     return p
 
 
-def parse_args(rank: int, n: int, argv: list[str] | None = None) -> argparse.Namespace:
-    p = build_parser()
-    args = parse_args_rank0(p, rank, argv)
-    error = None
+def _invalid(args: argparse.Namespace, n: int) -> str | None:
+    """The first problem with ``args`` on ``n`` ranks that argparse cannot see, or None.
+
+    Without one, it fills in ``args.hsdp_mesh`` and ``args.strategies`` (:func:`_resolve_strategies`).
+    """
     if args.rounds < 1 or args.steps < 1 or args.warmup < 0 or not args.timeout > 0:
-        error = "--rounds and --steps must be >= 1, --warmup >= 0 and --timeout > 0"
-    elif args.plot_from is None and args.rounds * args.steps < MIN_TIMED_STEPS:
-        error = (f"--rounds {args.rounds} x --steps {args.steps} gives {args.rounds * args.steps} timed steps; "
-                 f"at least {MIN_TIMED_STEPS} are needed")
-    elif args.batch < n or args.batch % n:
-        error = f"invalid --batch {args.batch}: it must be a positive multiple of the {n} ranks"
-    elif not args.bucket_cap_mb > 0:
-        error = f"invalid --bucket-cap-mb {args.bucket_cap_mb}; it must be > 0"
-    elif args.plot is not None or args.plot_from is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            error = "--plot needs matplotlib, which is not installed; run `pip install matplotlib` (or meshkit[bench])"
-    if error is None:
-        error = _resolve_strategies(args, n)
-    if error:
-        if rank == 0:
-            p.error(error)
-        raise SystemExit(2)
-    return args
+        return "--rounds and --steps must be >= 1, --warmup >= 0 and --timeout > 0"
+    if args.plot_from is None and args.rounds * args.steps < MIN_TIMED_STEPS:
+        return (f"--rounds {args.rounds} x --steps {args.steps} gives {args.rounds * args.steps} timed steps; "
+                f"at least {MIN_TIMED_STEPS} are needed")
+    if args.batch < n or args.batch % n:
+        return f"invalid --batch {args.batch}: it must be a positive multiple of the {n} ranks"
+    if not args.bucket_cap_mb > 0:
+        return f"invalid --bucket-cap-mb {args.bucket_cap_mb}; it must be > 0"
+    return matplotlib_missing(args) or _resolve_strategies(args, n)
+
+
+def parse_args(rank: int, n: int, argv: list[str] | None = None) -> argparse.Namespace:
+    return parse_checked(build_parser(), rank, argv, lambda a: _invalid(a, n))
 
 
 def _resolve_strategies(args: argparse.Namespace, n: int) -> str | None:
@@ -409,16 +376,11 @@ def _resolve_strategies(args: argparse.Namespace, n: int) -> str | None:
 
 
 def plot_from(args: argparse.Namespace) -> None:
-    try:
-        data = json.loads(args.plot_from.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise SystemExit(f"meshkit.bench: --plot-from: cannot read {args.plot_from}: {exc}") from None
-    meta = data.get("metadata", {})
-    if meta.get("benchmark") != "sharded":
-        raise SystemExit(f"meshkit.bench: --plot-from: {args.plot_from} is not a result of benchmarks/sharded.py")
+    data = load_result(args.plot_from, "sharded")
+    meta = data["metadata"]
     rows = [r for r in data["rows"] if r["section"] == "step"]
     pre = next((r for r in data["rows"] if r["section"] == "prefetch"), None)
-    png = args.plot_from.with_suffix(".png") if args.plot in (None, Path()) else args.plot
+    png = png_path(args.plot, args.plot_from)
     plot(rows, pre, png, plot_title(meta))
     LOG.info("wrote %s", png)
 
@@ -469,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         write_json(path, meta, rows + ([pre] if pre else []))
         LOG.info("wrote %s", path)
         if args.plot is not None:
-            png = path.with_suffix(".png") if args.plot == Path() else args.plot
+            png = png_path(args.plot, path)
             plot(rows, pre, png, plot_title(meta))
             LOG.info("wrote %s", png)
     comm.Free()
