@@ -120,6 +120,8 @@ class ProcessGroup:
         self._failure: str | None = None
         self._thread = CommThread(f"meshkit-comm[{name}]")
         self._group_rank_of = {g: i for i, g in enumerate(self.ranks)}
+        # Decided once: in detail mode every call is fingerprinted, otherwise nothing is built.
+        self._detail = world.debug >= DebugLevel.DETAIL
 
     # ----------------------------------------------------------------- identity
     @property
@@ -435,7 +437,7 @@ class ProcessGroup:
               reduce_op: ReduceOp | None = None, root: int | None = None,
               counts: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> Call | None:
         """The fingerprint compared across ranks in detail mode (None otherwise: no cost)."""
-        if self.world.debug < DebugLevel.DETAIL:
+        if not self._detail:
             return None
         if tensor is not None:
             dtype = tensor.dtype
@@ -445,9 +447,12 @@ class ProcessGroup:
     def _launch(self, op: str, fn: Callable[[float], Any], async_op: bool, shapes: tuple, dtype: Any,
                 call: Call | None, *, timeout: float | None = None) -> Any:
         record = self.world.recorder.record(-1, self.name, op, shapes, dtype)
+        limit = self.timeout if timeout is None else timeout
+        if not async_op and self._thread.idle:
+            return self._execute(op, fn, record, call, limit)  # the common case: no task object
 
         def task() -> Any:
-            return self._execute(op, fn, record, call, self.timeout if timeout is None else timeout)
+            return self._execute(op, fn, record, call, limit)
 
         if async_op:
             return self._thread.submit(task, Work(f"{op} on group {self.name}"))

@@ -52,6 +52,9 @@ def _valid_ops(dtype: np.dtype) -> frozenset[ReduceOp]:
     return frozenset()
 
 
+_checked: set[tuple[ReduceOp, np.dtype]] = set()  # (op, dtype) pairs already found valid
+
+
 def check_op_dtype(op: object, dtype: np.dtype, where: Callable[[], str]) -> ReduceOp:
     """Return ``op`` as a ReduceOp, or raise naming the op, the dtype and what is valid.
 
@@ -61,6 +64,8 @@ def check_op_dtype(op: object, dtype: np.dtype, where: Callable[[], str]) -> Red
         where: builds the message prefix, e.g. ``"meshkit.comm: rank 0: all_reduce"`` (called
             only on failure, to keep the success path cheap).
     """
+    if op.__class__ is ReduceOp and (op, dtype) in _checked:  # checked on every call: remember valid pairs
+        return op  # type: ignore[return-value]
     if op.__class__ is not ReduceOp:
         try:
             op = ReduceOp[str(op).upper()]
@@ -73,6 +78,7 @@ def check_op_dtype(op: object, dtype: np.dtype, where: Callable[[], str]) -> Red
         raise DistTypeError(
             f"{where()}: ReduceOp.{op.name} is not defined for dtype {dtype}; "
             f"valid ops for this dtype are {names}")
+    _checked.add((op, dtype))
     return op
 
 
