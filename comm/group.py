@@ -106,7 +106,10 @@ class ProcessGroup:
         timeout: seconds every blocking call waits at most.
     """
 
-    backend: str = "?"
+    @property
+    def backend(self) -> str:  # engines override with a class attribute ("mpi", "local")
+        """The engine; for a handle of a group this rank is not in, the world's engine."""
+        return self.world.backend
 
     def __init__(self, *, world: World, ranks: Sequence[int], group_rank: int, name: str,
                  timeout: float) -> None:
