@@ -32,8 +32,11 @@ __all__ = ["MPIGroup", "create_world_group"]
 
 logger = logging.getLogger("meshkit")
 
-#: Polls before the first ``sched_yield``: a few microseconds, enough for small messages.
-_SPIN_POLLS = 64
+#: Polls before the first ``sched_yield``. Few: with more ranks than cores, the peer this rank
+#: waits for may need this very core. Measured with benchmarks/collectives.py, 4 ranks on 2
+#: cores, all_reduce of 16 B to 1 KB: 64 polls cost +14 to +19 us over raw mpi4py, 4 polls
+#: +2 to +6 us; at 2 ranks on 2 cores the count made no difference beyond noise.
+_SPIN_POLLS = 4
 #: Seconds of yielding before napping. MPI's nonblocking collectives progress only inside
 #: ``Test``, so a poller that naps throttles any transfer still running: with naps after 20 ms,
 #: a 64 MB all_to_all at 4 ranks took 185 ms instead of 19 ms (benchmarks/collectives.py).
