@@ -61,7 +61,7 @@ import sys
 import time
 import tracemalloc
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")  # before numpy: the ranks are threads; keep BLAS out of the way
