@@ -24,10 +24,6 @@ def where(group: ProcessGroup, op: str) -> str:
     return f"meshkit.comm: rank {group.global_rank}: {op}"
 
 
-def is_array(x: Any) -> bool:
-    return isinstance(x, np.ndarray)
-
-
 def check_array(group: ProcessGroup, op: str, arg: str, x: Any, *, writable: bool = True) -> None:
     """A C-contiguous NumPy array of a numeric or bool dtype (writable when it is an output)."""
     # The success path reads each property once (this runs on every collective call).
