@@ -75,13 +75,19 @@ class _Poller:
         return True
 
 
-def _wait(request: MPI.Request, deadline: float) -> None:
-    if request.Test():  # small messages are often done at once: no poller needed
-        return
+def _completes(request: MPI.Request, deadline: float, status: MPI.Status | None = None) -> bool:
+    """Poll ``request`` until it completes (True) or the deadline passes (False)."""
     poller = _Poller(deadline)
-    while not request.Test():
+    while not request.Test(status):
         if not poller.pause():
-            raise DeadlineExceeded()
+            return False
+    return True
+
+
+def _wait(request: MPI.Request, deadline: float) -> None:
+    # Small messages are often done at the first Test: no poller, no extra call.
+    if not request.Test() and not _completes(request, deadline):
+        raise DeadlineExceeded()
 
 
 # --------------------------------------------------------------------------- datatypes and ops
@@ -137,10 +143,8 @@ class _MPIHandle(P2PHandle):
         return False
 
     def wait(self, deadline: float) -> bool:
-        poller = _Poller(deadline)
-        while not self.request.Test(self.status):
-            if not poller.pause():
-                return False
+        if not _completes(self.request, deadline, self.status):
+            return False
         self._done()
         return True
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from .errors import DistTypeError
 
-__all__ = ["ReduceOp", "check_op_dtype", "reduce_arrays", "combine_into"]
+__all__ = ["ReduceOp", "check_op_dtype", "combine_into"]
 
 
 class ReduceOp(enum.Enum):
@@ -80,19 +80,6 @@ def check_op_dtype(op: object, dtype: np.dtype, where: Callable[[], str]) -> Red
             f"valid ops for this dtype are {names}")
     _checked.add((op, dtype))
     return op
-
-
-def reduce_arrays(op: ReduceOp, arrays: list[np.ndarray]) -> np.ndarray:
-    """Combine arrays elementwise with ``op`` in rank order (the reference for every engine).
-
-    AVG sums in rank order and divides once by the count, as the engines do.
-    """
-    out = np.array(arrays[0], copy=True)
-    for a in arrays[1:]:
-        combine_into(op, out, a)
-    if op is ReduceOp.AVG:
-        out /= len(arrays)
-    return out
 
 
 def combine_into(op: ReduceOp, acc: np.ndarray, other: np.ndarray) -> None:

@@ -77,16 +77,6 @@ class Work:
         return f"<Work {self._what} {state}>"
 
 
-class CompletedWork(Work):
-    """A Work that finished when it was made (operations that complete at once)."""
-
-    __slots__ = ()
-
-    def __init__(self, what: str, result: Any = None) -> None:
-        super().__init__(what)
-        self._finish(result)
-
-
 class CommThread:
     """Runs a group's asynchronous operations one at a time, in submission order."""
 

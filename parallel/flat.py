@@ -11,6 +11,7 @@ at another). Padding is zero and stays zero under every elementwise optimizer.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Iterator, Sequence
 
 from ..comm import ProcessGroup
@@ -46,10 +47,7 @@ class FlatLayout:
         return self.padded // self.shards
 
     def size_of(self, index: int) -> int:
-        size = 1
-        for s in self.shapes[index]:
-            size *= s
-        return size
+        return math.prod(self.shapes[index])
 
     def shard_range(self, shard: int) -> tuple[int, int]:
         return shard * self.shard_size, (shard + 1) * self.shard_size
@@ -67,13 +65,6 @@ class FlatLayout:
             if name in arrays:
                 flat[off:off + self.size_of(i)] = xp.asarray(arrays[name]).reshape(-1)
         return flat
-
-    def pieces(self, start: int, stop: int) -> Iterator[tuple[str, int, int, int]]:
-        """``(name, lo, hi, at)``: elements ``lo:hi`` of parameter ``name`` lie at ``at`` in [start, stop)."""
-        for i, (name, off) in enumerate(zip(self.names, self.offsets)):
-            lo, hi = max(start, off), min(stop, off + self.size_of(i))
-            if lo < hi:
-                yield name, lo - off, hi - off, lo - start
 
     def owners(self, start: int, stop: int) -> Iterator[tuple[int, int, int]]:
         """``(shard, lo, hi)``: flat elements ``lo:hi`` (within [start, stop)) belong to ``shard``."""
