@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 
 from .checks import check_array, check_like, check_list, check_root, check_split_sizes, where
-from .debug import Call, CollectiveRecord, DebugLevel
+from .debug import ERROR, SEQ, STATE, T_END, T_START, Call, CollectiveRecord, DebugLevel
 from .errors import CollectiveMismatchError, CollectiveTimeout, DistError, DistValueError
 from .reduce_op import ReduceOp, check_op_dtype
 from .work import CommThread, Work
@@ -74,7 +74,7 @@ class _P2PWork(Work):
         return self._done.is_set()
 
     def _complete(self) -> None:
-        self._record.state, self._record.t_end = "completed", time.time()
+        self._record[STATE], self._record[T_END] = "completed", time.time()
         source = self._handle.source
         self._finish(self._group.ranks[source] if source >= 0 else None)
 
@@ -82,7 +82,7 @@ class _P2PWork(Work):
         if not self._done.is_set():
             limit = self._group.timeout if timeout is None else timeout
             if not self._handle.wait(time.monotonic() + limit):
-                self._record.state = "timed_out"
+                self._record[STATE] = "timed_out"
                 g = self._group
                 peer = "any rank" if self._peer is None else f"rank {g.ranks[self._peer]}"
                 side = "post a matching send" if self._what.startswith("recv") else "receive it"
@@ -449,10 +449,13 @@ class ProcessGroup:
 
     def _launch(self, op: str, fn: Callable[[float], Any], async_op: bool, shapes: tuple, dtype: Any,
                 call: Call | None, *, timeout: float | None = None) -> Any:
-        record = self.world.recorder.record(-1, self.name, op, shapes, dtype)
         limit = self.timeout if timeout is None else timeout
-        if not async_op and self._thread.idle:
-            return self._execute(op, fn, record, call, limit)  # the common case: no task object
+        if not async_op and self._thread._pending == 0:
+            # The common case, run inline: numbered and recorded as started at once, no task object.
+            seq = self._seq
+            record = self.world.recorder.record(seq, self.name, op, shapes, dtype, "started")
+            return self._execute(op, fn, record, call, limit, seq)
+        record = self.world.recorder.record(-1, self.name, op, shapes, dtype)
 
         def task() -> Any:
             return self._execute(op, fn, record, call, limit)
@@ -471,33 +474,39 @@ class ProcessGroup:
         return self._thread.submit(fn, Work(f"{what} on group {self.name}"))
 
     def _execute(self, op: str, fn: Callable[[float], Any], record: CollectiveRecord, call: Call | None,
-                 timeout: float) -> Any:
-        # Numbered when it runs: execution is serialized per group, so every rank agrees.
-        seq = record.seq = self._seq
+                 timeout: float, seq: int | None = None) -> Any:
+        """Run ``fn(deadline)`` as operation number ``seq`` of this group, keeping ``record`` current.
+
+        ``seq`` is given when the record was made already started (the inline path); otherwise
+        the operation is numbered here, when it runs: execution is serialized per group, so
+        every rank agrees on the numbers.
+        """
+        if seq is None:
+            seq = record[SEQ] = self._seq
+            record[STATE], record[T_START] = "started", time.time()
         self._seq = seq + 1
         if self._failure is not None:
-            record.state = "failed"
+            record[STATE] = "failed"
             raise DistError(f"{where(self, op)}: group {self.name} is unusable after an earlier failure: "
                             f"{self._failure}")
-        record.state, record.t_start = "started", time.time()
         deadline = time.monotonic() + timeout
         try:
             if call is not None:
                 self._verify(call, seq, deadline)
             result = fn(deadline)
         except DeadlineExceeded as exc:
-            record.state, record.t_end = "timed_out", time.time()
+            record[STATE], record[T_END] = "timed_out", time.time()
             self._failure = f"{op} #{seq} timed out"
             error = self._timeout_error(op, seq, timeout, exc)
-            record.error = str(error)
+            record[ERROR] = str(error)
             logger.error("%s\n%s", error, self.world.recorder.format(self.global_rank))
             raise error from None
         except BaseException as exc:
-            record.state, record.t_end, record.error = "failed", time.time(), repr(exc)
+            record[STATE], record[T_END], record[ERROR] = "failed", time.time(), repr(exc)
             if isinstance(exc, CollectiveMismatchError):
                 logger.error("%s\n%s", exc, self.world.recorder.format(self.global_rank))
             raise
-        record.state, record.t_end = "completed", time.time()
+        record[STATE], record[T_END] = "completed", time.time()
         return result
 
     def _timeout_error(self, op: str, seq: int, timeout: float, exc: DeadlineExceeded) -> CollectiveTimeout:

@@ -68,18 +68,27 @@ class World:
     destroyed: bool = False
 
 
-_thread_state = threading.local()
+class _ThreadState(threading.local):
+    """Per-thread rank context of the local engine. Class defaults make the common lookup (no
+    local job: a real process) a plain attribute read; a missing attribute raising inside
+    ``getattr(..., None)`` cost 0.6 us per collective call."""
+
+    local: Any = None
+    world: World | None = None
+
+
+_thread_state = _ThreadState()
 _process_world: World | None = None
 
 
 def _local_context() -> Any:
     """The in-process job this thread is a rank of (set by ``local.run``), or None."""
-    return getattr(_thread_state, "local", None)
+    return _thread_state.local
 
 
 def current_world() -> World:
     """This rank's world; DistError if ``init_process_group`` was not called."""
-    world = getattr(_thread_state, "world", None) if _local_context() is not None else _process_world
+    world = _process_world if _thread_state.local is None else _thread_state.world
     if world is None:
         raise DistError("meshkit.comm: the default process group is not initialized; "
                         "call meshkit.init_process_group() first")
