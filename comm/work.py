@@ -4,6 +4,13 @@ Each process group owns one :class:`CommThread`, the CPU analogue of a CUDA stre
 submitted with ``async_op=True`` run there one after another, in submission order, while the
 caller computes. A synchronous call runs inline when nothing is queued and otherwise joins the
 queue and waits, so on every rank a group's collectives run in program order.
+
+A caller that waits (``Work.wait()`` without a timeout, or a synchronous call behind queued
+work) while no operation is executing runs the queued operations itself, in order, up to the
+one it waits for, instead of sleeping until the thread wakes up: handing an operation to a
+sleeping thread and being woken by it costs two thread wake-ups (about 70 us on the 2-core
+machine this was measured on), while the operation is whatever it is. Exactly one thread
+executes the group's operations at any time, so their order is the same on every rank.
 """
 
 from __future__ import annotations
@@ -25,13 +32,14 @@ class Work:
     never blocks.
     """
 
-    __slots__ = ("_done", "_error", "_result", "_what")
+    __slots__ = ("_done", "_error", "_result", "_what", "_queue")
 
     def __init__(self, what: str) -> None:
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._result: Any = None
         self._what = what
+        self._queue: CommThread | None = None  # set while queued: a waiter may run it itself
 
     def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
         self._result, self._error = result, error
@@ -64,6 +72,8 @@ class Work:
             CollectiveTimeout: ``timeout`` passed first (the operation keeps running).
             DistError: whatever the operation raised.
         """
+        if timeout is None and self._queue is not None and not self._done.is_set():
+            self._queue.run_until(self)
         if not self._done.wait(timeout):
             raise CollectiveTimeout(
                 f"meshkit.comm: {self._what} did not complete within Work.wait(timeout={timeout})",
@@ -78,13 +88,19 @@ class Work:
 
 
 class CommThread:
-    """Runs a group's asynchronous operations one at a time, in submission order."""
+    """Runs a group's asynchronous operations one at a time, in submission order.
+
+    The operations run on a daemon thread, or in a waiter that finds nothing executing (see the
+    module docstring); ``_runner`` is the thread executing one now, so that an operation issuing
+    further synchronous operations of its group runs them inline.
+    """
 
     def __init__(self, name: str) -> None:
         self._name = name
         self._queue: collections.deque[tuple[Callable[[], Any], Work]] = collections.deque()
         self._cond = threading.Condition()
         self._pending = 0
+        self._runner: int | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -98,6 +114,7 @@ class CommThread:
             if self._closed:
                 raise RuntimeError(f"meshkit.comm: the communication thread of {self._name} is closed")
             self._pending += 1
+            work._queue = self
             self._queue.append((fn, work))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
@@ -108,13 +125,37 @@ class CommThread:
     def run_in_order(self, fn: Callable[[], Any], what: str) -> Any:
         """Run ``fn`` after everything queued so far, in the caller when the queue is empty.
 
-        Called from the communication thread itself (a task issuing collectives), it runs inline.
+        Called while executing one of this queue's operations (a task issuing collectives), it
+        runs inline, after running what that operation queued before it.
         """
-        if self._pending == 0 or threading.current_thread() is self._thread:
+        if self._pending == 0:
+            return fn()
+        if self._runner == threading.get_ident():
+            with self._cond:
+                last = self._queue[-1][1] if self._queue else None
+            if last is not None:
+                self.run_until(last)
             return fn()
         work = self.submit(fn, Work(what))
         work.wait()
         return work.result()
+
+    def run_until(self, target: Work) -> None:
+        """Run queued operations in the calling thread, in order, until ``target`` has run.
+
+        Stops (leaving the rest to the thread) as soon as another thread is executing one.
+        """
+        me = threading.get_ident()
+        while True:
+            with self._cond:
+                outer = self._runner  # me: an executing operation waits for a later one (nested)
+                if target._queue is None or outer not in (None, me) or not self._queue:
+                    return
+                fn, work = self._queue.popleft()
+                self._runner = me
+            self._run(fn, work, outer)
+            if work is target:
+                return
 
     def drain(self, timeout: float) -> bool:
         """Wait until the queue is empty; False if ``timeout`` passed first."""
@@ -132,21 +173,35 @@ class CommThread:
             self._closed = True
             self._cond.notify_all()
 
+    def _run(self, fn: Callable[[], Any], work: Work, outer: int | None = None) -> None:
+        """Execute one popped operation (the caller holds ``_runner``) and complete its Work.
+
+        ``outer``: the runner to restore afterwards (an operation that ran this one nested).
+        """
+        work._queue = None
+        try:
+            result, error = fn(), None
+        except BaseException as exc:  # handed to the waiter, never lost
+            result, error = None, exc
+        with self._cond:
+            # Counted down before the Work completes: a caller woken by it finds the queue
+            # idle and runs its next synchronous call inline.
+            self._runner = outer
+            self._pending -= 1
+            self._cond.notify_all()
+        work._finish(result, error)
+
     def _loop(self) -> None:
+        me = threading.get_ident()
         while True:
             with self._cond:
-                while not self._queue and not self._closed:
+                while (not self._queue or self._runner is not None) and not self._closed:
                     self._cond.wait()
                 if not self._queue:
                     return
+                if self._runner is not None:  # closed while a waiter executes: let it finish
+                    self._cond.wait_for(lambda: self._runner is None)
+                    continue
                 fn, work = self._queue.popleft()
-            try:
-                result, error = fn(), None
-            except BaseException as exc:  # handed to the waiter, never lost
-                result, error = None, exc
-            with self._cond:
-                # Counted down before the Work completes: a caller woken by it finds the queue
-                # idle and runs its next synchronous call inline.
-                self._pending -= 1
-                self._cond.notify_all()
-            work._finish(result, error)
+                self._runner = me
+            self._run(fn, work)

@@ -33,7 +33,8 @@ class Bucket:
         index: position in launch order.
         buffer: the flat array (None while a lazily provisioned ZeRO-2 bucket holds nothing);
             ``view(name)`` is a parameter's gradient inside it.
-        names: the parameters, in buffer order.
+        names: the parameters, in buffer order; ``count`` of them.
+        views: ``name -> view`` made so far for the current buffer (see ``view``).
         slots: ``name -> (start, stop, shape)`` in elements.
         ready: names marked ready in this iteration.
         work: the pending reduction, or None.
@@ -42,6 +43,7 @@ class Bucket:
     def __init__(self, index: int, buffer: Any, names: list[str],
                  slots: dict[str, tuple[int, int, tuple[int, ...]]]) -> None:
         self.index, self.names, self.slots = index, names, slots
+        self.count = len(names)
         self.ready: set[str] = set()
         self.work: Work | None = None
         self.launched = False
@@ -56,7 +58,7 @@ class Bucket:
         self._buffer = value
         # Views are made once per buffer: the same object every time, so a caller can tell
         # "the bucket's own view" from an array of its own by identity.
-        self._views: dict[str, Any] = {}
+        self.views: dict[str, Any] = {}
 
     @property
     def size(self) -> int:
@@ -68,14 +70,14 @@ class Bucket:
         return 0 if self._buffer is None else int(self._buffer.nbytes)
 
     def view(self, name: str) -> Any:
-        view = self._views.get(name)
+        view = self.views.get(name)
         if view is None:
             start, stop, shape = self.slots[name]
-            view = self._views[name] = self._buffer[start:stop].reshape(shape)
+            view = self.views[name] = self._buffer[start:stop].reshape(shape)
         return view
 
     def is_ready(self) -> bool:
-        return len(self.ready) == len(self.names)
+        return len(self.ready) == self.count
 
     def wait(self) -> None:
         if self.work is not None:
@@ -182,6 +184,8 @@ class BucketManager:
 
     def unready(self) -> list[str]:
         """Names not yet marked ready in this iteration, in parameter order."""
+        if all(b.is_ready() for b in self.buckets):
+            return []
         return [n for n in self._params if n not in self.location[n].ready]
 
     def wait_all(self) -> None:

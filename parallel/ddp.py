@@ -153,6 +153,7 @@ class DistributedDataParallel(GradientReducer):
         self._bind_grads()
         self._rebuilt = False
         self._init_reducer()
+        self._record_order = True  # the first synchronized pass's order rebuilds the buckets
 
     def _bind_grads(self) -> None:
         views = self._buckets.views()
@@ -193,7 +194,7 @@ class DistributedDataParallel(GradientReducer):
     def _rebuild(self, ready_order: list[str]) -> None:
         """Once, after the first synchronized pass: rebuild buckets in the order gradients became
         ready (rank 0's order, broadcast so every rank agrees), as torch's reducer does."""
-        self._rebuilt = True
+        self._rebuilt, self._record_order = True, False
         order = list(dict.fromkeys(ready_order))
         order += [n for n in reversed(self.params) if n not in set(order)]
         shared = [order]

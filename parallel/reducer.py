@@ -39,11 +39,13 @@ class GradientReducer:
     _buckets: BucketManager
     find_unused_parameters: bool
     _strategy = "GradientReducer"
+    #: whether passes record the order gradients became ready in (given to ``_after_sync``)
+    _record_order = False
 
     def _init_reducer(self) -> None:
         self._sync = True
-        self._ready_order: list[str] = []
-        self._touched: set[str] = set()  # marked ready since the last synchronized finish
+        self._ready_order: list[str] = []  # kept while _record_order (DDP, until it rebuilt its buckets)
+        self._touched: set[str] = set()  # marked ready in no_sync() passes since the last synchronized finish
         self.iteration = 0
 
     # ------------------------------------------------------------------ subclass hooks
@@ -72,25 +74,32 @@ class GradientReducer:
         order. Raises for an unknown name, a gradient marked twice in one pass, or a gradient of
         the wrong shape or dtype.
         """
-        bucket = self._buckets.location.get(name) if isinstance(name, str) else None
-        if bucket is None:
+        # Called once per gradient per step (1000s of times): one dict lookup for the bucket, one
+        # for the gradient, an identity test against the bucket's own view, a set insertion.
+        try:
+            bucket = self._buckets.location[name]
+        except (KeyError, TypeError):
             raise DistValueError(f"{self._where('mark_grad_ready')}: unknown parameter {name!r}; valid names "
-                                 f"are {list(self.params)}")
-        if name in bucket.ready:
+                                 f"are {list(self.params)}") from None
+        ready = bucket.ready
+        if name in ready:
             raise DistValueError(f"{self._where('mark_grad_ready')}: gradient {name!r} was already marked ready "
                                  "in this backward pass")
         current = self.grads[name]
         if grad is not None:
             self._check_grad(name, grad)
             current += grad
-        view = self._buckets.view(name)
-        if current is not view:
-            self._check_grad(name, current)
-            view[...] = current
-            self._replaced(name, view)
-        self._ready_order.append(name)
-        self._touched.add(name)
-        self._buckets.mark_ready(name, launch=self._sync)
+        if current is not bucket.views.get(name):
+            view = bucket.view(name)  # made now, or the user's own array: check and copy it in
+            if current is not view:
+                self._check_grad(name, current)
+                view[...] = current
+                self._replaced(name, view)
+        ready.add(name)
+        if self._record_order:
+            self._ready_order.append(name)
+        if self._sync and len(ready) == bucket.count:
+            self._buckets.launch_ready()
 
     def _replaced(self, name: str, view: Any) -> None:
         """``grads[name]`` was not the bucket's view (copied in); subclasses may restore the view."""
@@ -140,12 +149,14 @@ class GradientReducer:
         per-gradient checks are needed: they are the bucket); others go through
         :meth:`mark_grad_ready`, which checks and copies them in.
         """
+        grads = self.grads
         for bucket in self._buckets.buckets:
             pending = [n for n in bucket.names if n not in bucket.ready]
-            if bucket.buffer is not None and all(self.grads[n] is bucket.view(n) for n in pending):
+            views = bucket.views
+            if bucket.buffer is not None and all(grads[n] is views.get(n) for n in pending):
                 bucket.ready.update(pending)
-                self._ready_order.extend(pending)
-                self._touched.update(pending)
+                if self._record_order:
+                    self._ready_order.extend(pending)
             else:
                 for name in pending:
                     self.mark_grad_ready(name)
@@ -154,6 +165,9 @@ class GradientReducer:
         self.finish_gradient_sync()
 
     def _end_pass(self) -> None:
+        if not self._sync:  # a no_sync() pass: remember what it touched, for find_unused_parameters
+            for bucket in self._buckets.buckets:
+                self._touched.update(bucket.ready)
         self._buckets.reset()
         self._ready_order = []
 

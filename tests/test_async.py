@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 
 import meshkit
 from meshkit.comm import local
+from meshkit.comm.work import CommThread, Work
 
 
 def progress_while_computing():
@@ -102,3 +104,55 @@ def test_async_error_is_raised_by_wait():
             assert work.is_completed() and not work.is_success()
             assert isinstance(work.exception(), meshkit.CollectiveTimeout)
     local.run(body, 2, timeout=0.3)
+
+
+def _queue_without_thread() -> CommThread:
+    """A CommThread whose own thread never runs: only waiters can execute its operations."""
+    queue = CommThread("test")
+    queue._thread = threading.Thread(target=lambda: None)  # never started
+    return queue
+
+
+def test_a_waiter_runs_queued_operations_in_order_up_to_its_own():
+    queue, ran = _queue_without_thread(), []
+    works = [queue.submit(lambda i=i: ran.append(i) or i, Work(f"op{i}")) for i in range(3)]
+    with pytest.raises(meshkit.CollectiveTimeout, match=r"op1 did not complete within Work.wait\(timeout=0.05\)"):
+        works[1].wait(timeout=0.05)  # a bounded wait never executes work itself
+    assert ran == []
+    assert works[1].wait() and works[1].result() == 1
+    assert ran == [0, 1] and works[0].is_completed() and not works[2].is_completed()
+    assert not queue.idle
+    works[2].wait()
+    assert ran == [0, 1, 2] and queue.idle
+
+
+def test_an_operation_waiting_for_a_later_one_runs_it_nested():
+    queue, ran = _queue_without_thread(), []
+
+    def outer():
+        ran.append("outer starts")
+        inner = queue.submit(lambda: ran.append("inner"), Work("inner"))
+        assert queue.run_in_order(lambda: ran.append("sync inner") or 7, "sync") == 7
+        inner.wait()
+        ran.append("outer ends")
+
+    queue.submit(outer, Work("outer")).wait()
+    assert ran == ["outer starts", "inner", "sync inner", "outer ends"] and queue.idle
+
+
+def test_operations_stay_on_the_thread_while_it_executes_one():
+    queue, ran, started = CommThread("test"), [], threading.Event()
+    release = threading.Event()
+
+    def slow():
+        started.set()
+        release.wait(5)
+        ran.append(("slow", threading.get_ident()))
+
+    first = queue.submit(slow, Work("slow"))
+    started.wait(5)
+    second = queue.submit(lambda: ran.append(("next", threading.get_ident())), Work("next"))
+    threading.Timer(0.1, release.set).start()
+    second.wait()  # the thread is busy: the waiter must not overtake it
+    assert first.is_completed() and [name for name, _ in ran] == ["slow", "next"]
+    queue.close()
