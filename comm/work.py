@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from .errors import CollectiveTimeout
+from .errors import CollectiveTimeout, DistError
 
 __all__ = ["Work", "CommThread"]
 
@@ -126,15 +126,9 @@ class CommThread:
         """Run ``fn`` after everything queued so far, in the caller when the queue is empty.
 
         Called while executing one of this queue's operations (a task issuing collectives), it
-        runs inline, after running what that operation queued before it.
+        runs inline: it is part of that operation, which precedes everything still queued.
         """
-        if self._pending == 0:
-            return fn()
-        if self._runner == threading.get_ident():
-            with self._cond:
-                last = self._queue[-1][1] if self._queue else None
-            if last is not None:
-                self.run_until(last)
+        if self._pending == 0 or self._runner == threading.get_ident():
             return fn()
         work = self.submit(fn, Work(what))
         work.wait()
@@ -148,12 +142,16 @@ class CommThread:
         me = threading.get_ident()
         while True:
             with self._cond:
-                outer = self._runner  # me: an executing operation waits for a later one (nested)
-                if target._queue is None or outer not in (None, me) or not self._queue:
+                if target._queue is None or self._runner is not None or not self._queue:
+                    if self._runner == me and target._queue is not None:
+                        raise DistError(
+                            f"meshkit.comm: an operation running on {self._name} waits for {target._what}, "
+                            "queued after it on the same group: it can never run; issue it synchronously "
+                            "(async_op=False) inside the operation instead")
                     return
                 fn, work = self._queue.popleft()
                 self._runner = me
-            self._run(fn, work, outer)
+            self._run(fn, work)
             if work is target:
                 return
 
@@ -173,11 +171,8 @@ class CommThread:
             self._closed = True
             self._cond.notify_all()
 
-    def _run(self, fn: Callable[[], Any], work: Work, outer: int | None = None) -> None:
-        """Execute one popped operation (the caller holds ``_runner``) and complete its Work.
-
-        ``outer``: the runner to restore afterwards (an operation that ran this one nested).
-        """
+    def _run(self, fn: Callable[[], Any], work: Work) -> None:
+        """Execute one popped operation (the caller holds ``_runner``) and complete its Work."""
         work._queue = None
         try:
             result, error = fn(), None
@@ -186,7 +181,7 @@ class CommThread:
         with self._cond:
             # Counted down before the Work completes: a caller woken by it finds the queue
             # idle and runs its next synchronous call inline.
-            self._runner = outer
+            self._runner = None
             self._pending -= 1
             self._cond.notify_all()
         work._finish(result, error)

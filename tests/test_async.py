@@ -126,18 +126,22 @@ def test_a_waiter_runs_queued_operations_in_order_up_to_its_own():
     assert ran == [0, 1, 2] and queue.idle
 
 
-def test_an_operation_waiting_for_a_later_one_runs_it_nested():
+def test_an_operation_runs_its_own_synchronous_calls_inline_and_cannot_wait_for_later_ones():
     queue, ran = _queue_without_thread(), []
 
     def outer():
         ran.append("outer starts")
-        inner = queue.submit(lambda: ran.append("inner"), Work("inner"))
-        assert queue.run_in_order(lambda: ran.append("sync inner") or 7, "sync") == 7
-        inner.wait()
+        later = queue.submit(lambda: ran.append("later"), Work("later op"))
+        # part of this operation: runs now, ahead of what is queued (as a hook's collectives do)
+        assert queue.run_in_order(lambda: ran.append("inline") or 7, "sync") == 7
+        with pytest.raises(meshkit.DistError, match="waits for later op, queued after it on the same group"):
+            later.wait()
         ran.append("outer ends")
 
     queue.submit(outer, Work("outer")).wait()
-    assert ran == ["outer starts", "inner", "sync inner", "outer ends"] and queue.idle
+    assert ran == ["outer starts", "inline", "outer ends"]
+    queue.run_until(queue._queue[-1][1])
+    assert ran[-1] == "later" and queue.idle
 
 
 def test_operations_stay_on_the_thread_while_it_executes_one():
