@@ -11,7 +11,9 @@ that the ``mpich`` wheel installs, else ``PATH``) and runs it as a child in its 
 Every rank runs :mod:`meshkit.comm.bootstrap` (by path, so nothing of meshkit or NumPy is
 imported before the script), which prefixes its output with ``[rank{r}]: `` and turns an
 uncaught exception into the end of the whole job. Unless already set, ``OMP_NUM_THREADS``,
-``OPENBLAS_NUM_THREADS`` and ``MKL_NUM_THREADS`` are set to the cores divided among the ranks.
+``OPENBLAS_NUM_THREADS`` and ``MKL_NUM_THREADS`` are set to the cores divided among the ranks,
+and an MPICH found beside ``mpiexec`` gets its nonblocking all_reduce selection retuned (see
+:mod:`meshkit.comm.mpich_tuning`; ``MESHKIT_MPICH_TUNING=0`` turns that off).
 
 The launcher forwards SIGINT/SIGTERM/SIGHUP to the whole job, and SIGKILLs it if it is still
 running 5 s after the first signal, after the first rank failure, or after ``--timeout``.
@@ -41,6 +43,7 @@ from dataclasses import dataclass, field
 
 from . import bootstrap
 from .bootstrap import STATUS_DIR_ENV
+from .mpich_tuning import tuned_environment
 
 __all__ = ["main"]
 
@@ -329,6 +332,7 @@ def _launch(opts: argparse.Namespace, target: list[str]) -> int:
         **{STATUS_DIR_ENV: status_dir},
     )
     env.update(thread_limits(opts.nproc, env))
+    env.update(tuned_environment(command[0], status_dir, env))
     job = _Job(timeout=opts.timeout, status_dir=status_dir)
     previous = {}
     if threading.current_thread() is threading.main_thread():
