@@ -122,6 +122,7 @@ class ProcessGroup:
         self._seq = 0
         self._failure: str | None = None
         self._thread = CommThread(f"meshkit-comm[{name}]")
+        self._log = world.recorder.append  # flight-recorder entries, appended on every call
         self._group_rank_of = {g: i for i, g in enumerate(self.ranks)}
         # Decided once: in detail mode every call is fingerprinted, otherwise nothing is built.
         self._detail = world.debug >= DebugLevel.DETAIL
@@ -159,7 +160,7 @@ class ProcessGroup:
         self._member("all_reduce")
         check_array(self, "all_reduce", "tensor", tensor)
         op = check_op_dtype(op, tensor.dtype, lambda: where(self, "all_reduce"))
-        call = self._call("all_reduce", tensor, reduce_op=op)
+        call = self._call("all_reduce", tensor, reduce_op=op) if self._detail else None
 
         def run(deadline: float) -> None:
             self._e_all_reduce(tensor, op, deadline)
@@ -451,9 +452,11 @@ class ProcessGroup:
                 call: Call | None, *, timeout: float | None = None) -> Any:
         limit = self.timeout if timeout is None else timeout
         if not async_op and self._thread._pending == 0:
-            # The common case, run inline: numbered and recorded as started at once, no task object.
-            seq = self._seq
-            record = self.world.recorder.record(seq, self.name, op, shapes, dtype, "started")
+            # The common case, run inline: numbered and recorded as started at once, no task object
+            # (the entry is built here: this path is the per-call overhead of every collective).
+            seq, now = self._seq, time.time()
+            record = [seq, self.name, op, shapes, dtype, "started", now, now, None, None]
+            self._log(record)
             return self._execute(op, fn, record, call, limit, seq)
         record = self.world.recorder.record(-1, self.name, op, shapes, dtype)
 

@@ -3,20 +3,22 @@
 meshkit's MPI engine issues every collective in its nonblocking form (``Iallreduce``...) so
 that a blocking call can honour its timeout. MPICH picks a nonblocking algorithm from a
 selection tree built into the library; for ``Iallreduce`` it switches from recursive doubling
-to reduce-scatter + allgather above 2 KB. Measured with the ``mpich`` 5.0.2 wheel on one
-2-core host (``benchmarks/collectives.py``, raw ``Iallreduce`` + ``Test`` against blocking
-``Allreduce``, float32, ``MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM`` forced either way):
+to reduce-scatter + allgather (RSA) above 2 KB. Measured with the ``mpich`` 5.0.2 wheel on one
+2-core host: raw ``Iallreduce`` polled with ``Test``, float32, the algorithm forced with
+``MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM``, time relative to blocking ``Allreduce``:
 
-==========  ===============================  ===============================
-bytes       2 ranks: recursive doubling/RSA  4 ranks: recursive doubling/RSA
-==========  ===============================  ===============================
-4 KB        0.65 / 1.03                      0.69 / 1.26
-16 KB       0.75 / 1.04                      1.12 / 1.22
-64 KB       1.01 / 1.01                      1.50 / 1.15
-==========  ===============================  ===============================
+=======  ============================  ============================
+bytes    2 ranks: recursive doubling   4 ranks: recursive doubling
+         / RSA                         / RSA
+=======  ============================  ============================
+4 KB     0.64 / 0.98                   0.72 / 1.25
+6 KB     0.73 / 0.90                   0.74 / 1.19
+8 KB     1.80 / 0.99                   1.49 / 1.22
+12 KB    1.76 / 0.94                   1.33 / 1.21
+=======  ============================  ============================
 
-(times relative to blocking ``Allreduce``), so up to 16 KB recursive doubling is the faster
-one and MPICH's default made a 4 KB all_reduce at 4 ranks take 1.8x the blocking call.
+So up to 6 KB recursive doubling is the faster one (MPICH's default made a 4 KB all_reduce
+at 4 ranks take 1.8x the blocking call), and from 8 KB it is not.
 
 :func:`tuned_environment` rewrites that one threshold: it reads the selection tree out of the
 MPICH library next to the ``mpiexec`` that ``meshkit-run`` uses (the JSON MPICH itself would
@@ -43,7 +45,7 @@ logger = logging.getLogger("meshkit.launch")
 SELECTION_ENV = "MPIR_CVAR_COLL_SELECTION_TUNING_JSON_FILE"
 OPT_OUT_ENV = "MESHKIT_MPICH_TUNING"
 #: Largest Iallreduce (bytes) that uses recursive doubling (MPICH's default: 2048).
-IALLREDUCE_RECURSIVE_DOUBLING_MAX = 16384
+IALLREDUCE_RECURSIVE_DOUBLING_MAX = 6144
 
 _IALLREDUCE = "collective=iallreduce"
 _INTRA = "comm_type=intra"

@@ -22,7 +22,24 @@ from typing import Any, Callable
 
 from .errors import CollectiveTimeout, DistError
 
-__all__ = ["Work", "CommThread"]
+__all__ = ["Work", "CommThread", "in_background"]
+
+
+class _ThreadRole(threading.local):
+    background = False  # True on every group's communication thread
+
+
+_role = _ThreadRole()
+
+
+def in_background() -> bool:
+    """True on a communication thread, i.e. while nobody is blocked waiting in this very thread.
+
+    Engines use it to choose how to wait: a caller that blocks may spin on the network, as MPI's
+    blocking calls do; a communication thread runs beside the caller's computation, so it gives
+    the core away between polls.
+    """
+    return _role.background
 
 
 class Work:
@@ -187,6 +204,7 @@ class CommThread:
         work._finish(result, error)
 
     def _loop(self) -> None:
+        _role.background = True
         me = threading.get_ident()
         while True:
             with self._cond:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -10,7 +11,8 @@ import pytest
 
 import meshkit
 from meshkit.comm import local
-from meshkit.comm.work import CommThread, Work
+from meshkit.comm.work import CommThread, Work, in_background
+from meshkit.comm.world import current_world
 
 
 def progress_while_computing():
@@ -160,3 +162,36 @@ def test_operations_stay_on_the_thread_while_it_executes_one():
     second.wait()  # the thread is busy: the waiter must not overtake it
     assert first.is_completed() and [name for name, _ in ran] == ["slow", "next"]
     queue.close()
+
+
+def waiting_policy() -> tuple[bool, bool, bool, bool]:
+    """On an MPI rank: (caller spin chosen for this host, spinning poller never yields,
+    yielding poller yields after its few polls, role of the thread that runs the operation)."""
+    from meshkit.comm import mpi as engine  # imports mpi4py: only on MPI ranks
+
+    cores, ranks = len(os.sched_getaffinity(0)), meshkit.get_world_size()  # one host in tests
+    spin_ok = engine._caller_spin == (engine.CALLER_SPIN_SECONDS if ranks <= cores else 0.0)
+    yields: list[int] = []
+    real_yield, os.sched_yield = os.sched_yield, lambda: yields.append(1)
+    try:
+        spinning = engine._Poller(time.monotonic() + 60, spin=30.0)
+        for _ in range(100):
+            spinning.pause()
+        never_yielded = not yields
+        yielding = engine._Poller(time.monotonic() + 60, spin=0.0)
+        for _ in range(100):
+            yielding.pause()
+        yielded_after_polls = len(yields) == 100 - engine._SPIN_POLLS + 1
+    finally:
+        os.sched_yield = real_yield
+    group = current_world().default_group
+    on_thread = group.run_async(in_background, "probe")
+    on_thread.wait(timeout=10)  # a bounded wait never runs the operation itself: the thread does
+    roles = on_thread.result() is True and not in_background()
+    return spin_ok, never_yielded, yielded_after_polls, roles
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_blocked_callers_spin_only_with_a_core_each_and_communication_threads_never(mpirun, n):
+    out = mpirun("mpi_async.py", n, "policy").stdout
+    assert out.count("POLICY (True, True, True, True)") == n, out

@@ -13,7 +13,7 @@ if path:
     with open(path) as f:
         print("iallreduce rules:", list(json.load(f)["collective=iallreduce"]["comm_type=intra"]))
 meshkit.init_process_group("mpi")
-x = np.full(2048, meshkit.get_rank() + 1.0, dtype=np.float32)  # 8 KB: recursive doubling once retuned
+x = np.full(1024, meshkit.get_rank() + 1.0, dtype=np.float32)  # 4 KB: recursive doubling once retuned
 meshkit.all_reduce(x)
 n = meshkit.get_world_size()
 print("all_reduce ok:", bool((x == n * (n + 1) / 2).all()))

@@ -7,7 +7,9 @@ import test_async
 import meshkit
 
 meshkit.init_process_group("mpi", timeout=30)
-if sys.argv[1] == "progress":
+if sys.argv[1] == "policy":
+    print("POLICY", repr(test_async.waiting_policy()), flush=True)
+elif sys.argv[1] == "progress":
     print("RESULT", repr(test_async.progress_while_computing()), flush=True)
 else:
     test_async.interleaved()
