@@ -43,7 +43,8 @@ _SPIN_POLLS = 4
 #: Yielding between polls costs a system call per poll and slows MPI's progress, which only
 #: happens inside ``Test``: at 2 ranks on 2 cores a 64 KB all_reduce took 25.2 us polled with
 #: ``sched_yield`` against 20.7 us spinning (blocking ``Allreduce``: 21.6 us). A communication
-#: thread never spins: it runs beside the caller's computation (see ``work.in_background``).
+#: thread spins only while a caller waits for it; otherwise it runs beside the caller's
+#: computation (see ``work.in_background``).
 CALLER_SPIN_SECONDS = 0.002
 _caller_spin = 0.0
 #: Seconds of yielding before napping. MPI's nonblocking collectives progress only inside
@@ -60,7 +61,11 @@ _VERDICT_GRACE = 5.0
 
 
 class _Poller:
-    """Spin, then yield, then nap: the waiting policy of every MPI wait."""
+    """Spin, then yield, then nap: the waiting policy of every MPI wait.
+
+    ``spin``: seconds to keep spinning after the first few polls, while nobody computes beside
+    this wait (see ``work.in_background``).
+    """
 
     __slots__ = ("polls", "since", "deadline", "spin")
 
@@ -78,7 +83,7 @@ class _Poller:
         if self.polls == _SPIN_POLLS:
             self.since = now
         waited = now - self.since
-        if waited < self.spin:
+        if waited < self.spin and not in_background():
             return True
         if waited < _YIELD_SECONDS:
             os.sched_yield()
@@ -89,7 +94,7 @@ class _Poller:
 
 def _completes(request: MPI.Request, deadline: float, status: MPI.Status | None = None) -> bool:
     """Poll ``request`` until it completes (True) or the deadline passes (False)."""
-    poller = _Poller(deadline, 0.0 if in_background() else _caller_spin)
+    poller = _Poller(deadline, _caller_spin)
     while not request.Test(status):
         if not poller.pause():
             return False

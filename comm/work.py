@@ -26,20 +26,22 @@ __all__ = ["Work", "CommThread", "in_background"]
 
 
 class _ThreadRole(threading.local):
-    background = False  # True on every group's communication thread
+    queue: CommThread | None = None  # set on every group's communication thread
 
 
 _role = _ThreadRole()
 
 
 def in_background() -> bool:
-    """True on a communication thread, i.e. while nobody is blocked waiting in this very thread.
+    """True on a communication thread that nobody is waiting for.
 
     Engines use it to choose how to wait: a caller that blocks may spin on the network, as MPI's
-    blocking calls do; a communication thread runs beside the caller's computation, so it gives
-    the core away between polls.
+    blocking calls do, and so may a communication thread once a caller blocks in ``Work.wait``
+    on its queue; otherwise it runs beside the caller's computation and gives the core away
+    between polls.
     """
-    return _role.background
+    queue = _role.queue
+    return queue is not None and queue.waiters == 0
 
 
 class Work:
@@ -49,7 +51,7 @@ class Work:
     never blocks.
     """
 
-    __slots__ = ("_done", "_error", "_result", "_what", "_queue")
+    __slots__ = ("_done", "_error", "_result", "_what", "_queue", "_owner")
 
     def __init__(self, what: str) -> None:
         self._done = threading.Event()
@@ -57,6 +59,7 @@ class Work:
         self._result: Any = None
         self._what = what
         self._queue: CommThread | None = None  # set while queued: a waiter may run it itself
+        self._owner: CommThread | None = None  # the queue it was submitted to
 
     def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
         self._result, self._error = result, error
@@ -91,7 +94,18 @@ class Work:
         """
         if timeout is None and self._queue is not None and not self._done.is_set():
             self._queue.run_until(self)
-        if not self._done.wait(timeout):
+        owner = self._owner
+        if owner is None or self._done.is_set():
+            done = self._done.wait(timeout)
+        else:
+            with owner._cond:
+                owner.waiters += 1
+            try:
+                done = self._done.wait(timeout)
+            finally:
+                with owner._cond:
+                    owner.waiters -= 1
+        if not done:
             raise CollectiveTimeout(
                 f"meshkit.comm: {self._what} did not complete within Work.wait(timeout={timeout})",
                 op=self._what)
@@ -118,6 +132,7 @@ class CommThread:
         self._cond = threading.Condition()
         self._pending = 0
         self._runner: int | None = None
+        self.waiters = 0  # callers blocked in Work.wait on this queue's operations
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -131,7 +146,7 @@ class CommThread:
             if self._closed:
                 raise RuntimeError(f"meshkit.comm: the communication thread of {self._name} is closed")
             self._pending += 1
-            work._queue = self
+            work._queue = work._owner = self
             self._queue.append((fn, work))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
@@ -204,7 +219,7 @@ class CommThread:
         work._finish(result, error)
 
     def _loop(self) -> None:
-        _role.background = True
+        _role.queue = self
         me = threading.get_ident()
         while True:
             with self._cond:
