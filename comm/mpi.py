@@ -2,10 +2,13 @@
 
 Every collective is MPI's nonblocking form (``Iallreduce``, ``Ibcast``, ...) polled with
 ``Test`` until it completes or the deadline passes; that is how a blocking call honours the
-group's timeout. Polling spins briefly, then yields the core (measured on 2 cores with 4 ranks:
-a pure spin loop made an 8-byte all_reduce 200x slower than MPI's blocking call, spin-then-
-``sched_yield`` matches it), then naps once a wait is over a second, so a rank waiting for a
-busy peer does not keep a core busy.
+group's timeout. Polling spins, then yields the core, then naps once a wait is over a second,
+so a rank waiting for a busy peer does not keep a core busy. How long it spins depends on the
+host: a blocked caller spins up to 2 ms when every rank has a core of its own (as MPI's
+blocking calls do), but only a few polls when ranks outnumber cores (measured on 2 cores with
+4 ranks: a pure spin loop made an 8-byte all_reduce 200x slower than MPI's blocking call,
+spin-then-``sched_yield`` matches it); a communication thread working beside the caller's
+computation never spins.
 
 This module imports ``mpi4py.MPI``, which initializes MPI: it is imported only when the ``mpi``
 backend is chosen. MPI is asked for ``MPI_THREAD_MULTIPLE`` (mpi4py's default), because each
