@@ -181,9 +181,17 @@ class MPIGroup(ProcessGroup):
         self._tag_up, self._tag_down = tag_ub, tag_ub - 1
         self.max_tag = tag_ub - 16  # the top tags carry monitored exchanges
 
-    def _e_all_reduce(self, buf: np.ndarray, op: ReduceOp, deadline: float) -> None:
+    _posts_all_reduce = True
+
+    def _e_post_all_reduce(self, buf: np.ndarray, op: ReduceOp) -> MPI.Request:
         t, ops = _specs.get(buf.dtype) or _spec(buf.dtype)  # the hottest call: no function call when cached
-        _wait(self.comm.Iallreduce(MPI.IN_PLACE, [buf, t], ops[op]), deadline)
+        return self.comm.Iallreduce(MPI.IN_PLACE, [buf, t], ops[op])
+
+    def _e_complete(self, handle: MPI.Request, deadline: float) -> None:
+        _wait(handle, deadline)
+
+    def _e_all_reduce(self, buf: np.ndarray, op: ReduceOp, deadline: float) -> None:
+        _wait(self._e_post_all_reduce(buf, op), deadline)
 
     def _e_reduce(self, buf: np.ndarray, op: ReduceOp, root: int, deadline: float) -> None:
         t, ops = _spec(buf.dtype)
