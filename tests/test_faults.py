@@ -133,11 +133,18 @@ def test_flight_recorder_keeps_the_last_64_operations():
     assert "timed_out" in text and "meshkit flight recorder, rank 0" in text
 
 
-@pytest.mark.parametrize("case", ["skip-barrier", "monitored", "detail-skip", "mismatch"])
+@pytest.mark.parametrize("case", ["skip-barrier", "skip-all-reduce", "monitored", "detail-skip", "mismatch"])
 def test_faults_on_real_processes(mpirun, case):
     env = {"MESHKIT_DEBUG": "detail"} if case in ("detail-skip", "mismatch") else {}
     out = mpirun("mpi_faults.py", 3, case, env=env, timeout=60).stdout
-    if case == "skip-barrier":
+    if case == "skip-all-reduce":
+        for rank in (0, 2):
+            assert (f"[rank{rank}]: CollectiveTimeout: meshkit.comm: rank {rank}: all_reduce #0 on group world "
+                    "(ranks [0, 1, 2]) timed out after 1.5 s") in out, out
+            assert f"[rank{rank}]: RECORD all_reduce 0 timed_out" in out, out
+            assert (f"[rank{rank}]: DistError: meshkit.comm: rank {rank}: all_reduce: group world is unusable after "
+                    "an earlier failure: all_reduce #0 timed out") in out, out
+    elif case == "skip-barrier":
         assert "[rank0]: CollectiveTimeout" in out
         assert "the mpi engine cannot tell which ranks did not arrive; run with MESHKIT_DEBUG=detail" in out
     elif case in ("monitored", "detail-skip"):

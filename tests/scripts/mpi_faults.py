@@ -29,6 +29,12 @@ def report(fn):
 if case == "skip-barrier":
     if rank != 1:
         report(meshkit.barrier)
+elif case == "skip-all-reduce":
+    if rank != 1:
+        report(lambda: meshkit.all_reduce(np.ones(4)))
+        last = meshkit.flight_record()[-1]
+        print("RECORD", last["op"], last["seq"], last["state"], flush=True)
+        report(lambda: meshkit.all_reduce(np.ones(4)))  # the group is unusable after a timeout
 elif case == "monitored":
     if rank != 1:
         report(lambda: meshkit.monitored_barrier(timeout=1.0))
