@@ -23,7 +23,7 @@ from .errors import DistTypeError, DistValueError
 from .group import ProcessGroup
 from .reduce_op import ReduceOp
 from .work import Work
-from .world import resolve_group
+from .world import current_world, resolve_group
 
 __all__ = [
     "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "gather", "scatter",
@@ -58,7 +58,8 @@ def all_reduce(tensor: np.ndarray, op: ReduceOp = ReduceOp.SUM, group: ProcessGr
     Example (3 ranks): rank r holds ``[r, 1]``; after ``all_reduce(x)`` every rank holds
     ``[3, 3]``; with ``op=ReduceOp.MAX``, ``[2, 1]``.
     """
-    return resolve_group(group).all_reduce(tensor, op, async_op=async_op)
+    return (current_world().default_group if group is None else resolve_group(group)).all_reduce(
+        tensor, op, async_op=async_op)
 
 
 def reduce(tensor: np.ndarray, dst: int | None = None, op: ReduceOp = ReduceOp.SUM,

@@ -21,7 +21,7 @@ import numpy as np
 from .checks import check_array, check_like, check_list, check_root, check_split_sizes, where
 from .debug import ERROR, SEQ, STATE, T_END, T_START, Call, CollectiveRecord, DebugLevel
 from .errors import CollectiveMismatchError, CollectiveTimeout, DistError, DistValueError
-from .reduce_op import ReduceOp, check_op_dtype
+from .reduce_op import ReduceOp, check_op_dtype, valid_op_dtypes
 from .work import CommThread, Work
 
 if TYPE_CHECKING:
@@ -157,9 +157,11 @@ class ProcessGroup:
     def all_reduce(self, tensor: np.ndarray, op: ReduceOp = ReduceOp.SUM, *,
                    async_op: bool = False) -> Work | None:
         """Reduce ``tensor`` over the group, in place on every rank."""
-        self._member("all_reduce")
+        if self.rank < 0 or self.world.destroyed:
+            self._member("all_reduce")
         check_array(self, "all_reduce", "tensor", tensor)
-        op = check_op_dtype(op, tensor.dtype, lambda: where(self, "all_reduce"))
+        if op.__class__ is not ReduceOp or (op, tensor.dtype) not in valid_op_dtypes:  # checked once per pair
+            op = check_op_dtype(op, tensor.dtype, lambda: where(self, "all_reduce"))
         if (self._posts_all_reduce and not async_op and self._thread._pending == 0 and not self._detail
                 and self._failure is None):
             return self._all_reduce_now(tensor, op)

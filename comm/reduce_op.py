@@ -56,7 +56,8 @@ def _valid_ops(dtype: np.dtype) -> frozenset[ReduceOp]:
     return frozenset()
 
 
-_checked: set[tuple[ReduceOp, np.dtype]] = set()  # (op, dtype) pairs already found valid
+#: (op, dtype) pairs already found valid (only ReduceOp members: a string op is never in it)
+valid_op_dtypes: set[tuple[ReduceOp, np.dtype]] = set()
 
 
 def check_op_dtype(op: object, dtype: np.dtype, where: Callable[[], str]) -> ReduceOp:
@@ -68,7 +69,7 @@ def check_op_dtype(op: object, dtype: np.dtype, where: Callable[[], str]) -> Red
         where: builds the message prefix, e.g. ``"meshkit.comm: rank 0: all_reduce"`` (called
             only on failure, to keep the success path cheap).
     """
-    if op.__class__ is ReduceOp and (op, dtype) in _checked:  # checked on every call: remember valid pairs
+    if op.__class__ is ReduceOp and (op, dtype) in valid_op_dtypes:  # checked on every call: remember valid pairs
         return op  # type: ignore[return-value]
     if op.__class__ is not ReduceOp:
         try:
@@ -82,7 +83,7 @@ def check_op_dtype(op: object, dtype: np.dtype, where: Callable[[], str]) -> Red
         raise DistTypeError(
             f"{where()}: ReduceOp.{op.name} is not defined for dtype {dtype}; "
             f"valid ops for this dtype are {names}")
-    _checked.add((op, dtype))
+    valid_op_dtypes.add((op, dtype))
     return op
 
 
