@@ -36,11 +36,14 @@ __all__ = ["MPIGroup", "create_world_group"]
 
 logger = logging.getLogger("meshkit")
 
-#: Polls before the first ``sched_yield``. Few: with more ranks than cores, the peer this rank
-#: waits for may need this very core. Measured with benchmarks/collectives.py, 4 ranks on 2
-#: cores, all_reduce of 16 B to 1 KB: 64 polls cost +14 to +19 us over raw mpi4py, 4 polls
-#: +2 to +6 us; at 2 ranks on 2 cores the count made no difference beyond noise.
-_SPIN_POLLS = 4
+#: Polls per ``sched_yield`` (the first after as many). Few: with more ranks than cores, the
+#: peer this rank waits for may need this very core; but not one: every yield is a context
+#: switch, and MPI progresses only inside ``Test``. Measured with raw ``Iallreduce`` polls at 4
+#: ranks on 2 cores, relative to blocking ``Allreduce``: yielding at every poll 0.62-0.67 (4 KB),
+#: 1.13-1.17 (64 KB), 1.05-1.13 (256 KB); every 4th poll 0.44-0.47, 0.89-0.93, 0.97-1.07;
+#: every 64th 0.54, 1.38, 1.19 (and 64 polls before the first yield cost small all_reduces
+#: +14 to +19 us over raw mpi4py).
+_POLLS_PER_YIELD = 4
 #: Seconds a blocked caller keeps polling without yielding when every rank of this host has a
 #: core of its own (set by :func:`create_world_group`; 0 when the host is oversubscribed).
 #: Yielding between polls costs a system call per poll and slows MPI's progress, which only
@@ -78,12 +81,12 @@ class _Poller:
     def pause(self) -> bool:
         """Wait a little; False once the deadline has passed."""
         self.polls += 1
-        if self.polls < _SPIN_POLLS:
+        if self.polls % _POLLS_PER_YIELD:
             return True
         now = time.monotonic()
         if now > self.deadline:
             return False
-        if self.polls == _SPIN_POLLS:
+        if not self.since:
             self.since = now
         waited = now - self.since
         if waited < self.spin and not in_background():

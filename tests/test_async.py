@@ -181,7 +181,7 @@ def waiting_policy() -> tuple[bool, bool, bool, bool]:
         yielding = engine._Poller(time.monotonic() + 60, spin=0.0)
         for _ in range(100):
             yielding.pause()
-        yielded_after_polls = len(yields) == 100 - engine._SPIN_POLLS + 1
+        yielded_after_polls = len(yields) == 100 // engine._POLLS_PER_YIELD
     finally:
         os.sched_yield = real_yield
     group = current_world().default_group
