@@ -99,10 +99,19 @@ def _builtin_selection(library: str) -> dict[str, Any] | None:
         return None
     start, end = data.rfind(b"\0", 0, at) + 1, data.find(b"\0", at)
     try:
-        tree = json.loads(data[start:end].decode())
+        tree = json.loads(data[start:end].decode(), object_pairs_hook=_unique_keys)
     except (UnicodeDecodeError, ValueError):
         return None
     return tree if isinstance(tree, dict) else None
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object as a dict; ValueError on a repeated key, which a dict would silently drop
+    (the rewritten tree must say everything MPICH's own said)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError("repeated key in MPICH's selection tree")
+    return out
 
 
 def tuned_environment(mpiexec: str, directory: str, env: dict[str, str]) -> dict[str, str]:

@@ -82,7 +82,8 @@ def test_the_selection_is_read_from_the_library_beside_mpiexec(tmp_path):
     assert written == expected
 
 
-@pytest.mark.parametrize("case", ["no library", "library without the rule", "user's own file", "opted out"])
+@pytest.mark.parametrize("case", ["no library", "library without the rule", "repeated key", "user's own file",
+                                  "opted out"])
 def test_nothing_is_tuned_when_it_should_not_be(tmp_path, case):
     blob = b"\0" + json.dumps(MPICH_LIKE).encode() + b"\0"
     env: dict[str, str] = {}
@@ -90,6 +91,8 @@ def test_nothing_is_tuned_when_it_should_not_be(tmp_path, case):
         blob = None
     elif case == "library without the rule":
         blob = b"\0" + json.dumps({"collective=bcast": {}}).encode() + b"\0"
+    elif case == "repeated key":  # a dict would keep one of them: the rewrite would lose a rule
+        blob = b"\0" + json.dumps(MPICH_LIKE).encode()[:-1] + b', "collective=bcast": {}}\0'
     elif case == "user's own file":
         env = {SELECTION_ENV: "/users/own.json"}
     else:
