@@ -147,8 +147,9 @@ def _user_op(op: ReduceOp, dtype: np.dtype) -> MPI.Op:
 
 def _own_chunk(out: np.ndarray, inp: np.ndarray, rank: int) -> bool:
     """True when ``inp`` is this rank's chunk of ``out`` (FSDP's layout): gather in place."""
-    return (inp.__array_interface__["data"][0]
-            == out.__array_interface__["data"][0] + rank * inp.nbytes)
+    # Only a view can be; addresses through mpi4py's buffer (0.2 us) rather than
+    # ``__array_interface__`` (1 us each).
+    return inp.base is not None and MPI.buffer(inp).address == MPI.buffer(out).address + rank * inp.nbytes
 
 
 class _MPIHandle(P2PHandle):
