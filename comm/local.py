@@ -17,7 +17,8 @@ from typing import Any, Callable
 import numpy as np
 
 from .errors import DistValueError, RankFailedError
-from .group import DeadlineExceeded, P2PHandle, ProcessGroup
+from .engine import DeadlineExceeded, P2PHandle
+from .group import ProcessGroup
 from .reduce_op import ReduceOp, combine_into
 from .world import World, _thread_state, destroy_process_group, init_process_group, is_initialized
 

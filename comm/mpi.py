@@ -27,7 +27,8 @@ import numpy as np
 from mpi4py import MPI
 
 from .errors import DistBackendError
-from .group import DeadlineExceeded, P2PHandle, ProcessGroup
+from .engine import DeadlineExceeded, P2PHandle
+from .group import ProcessGroup
 from .reduce_op import ReduceOp, combine_into
 from .work import in_background
 from .world import World
