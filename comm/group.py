@@ -68,15 +68,12 @@ class _P2PWork(Work):
             self._complete()
         return super().wait()
 
+
 class ProcessGroup(GroupBase):
     """A group of ranks that communicate together (torch's ``ProcessGroup``).
 
-    Attributes:
-        ranks: the global ranks of the group, ascending.
-        rank: this process's rank within the group, or -1 if it is not a member.
-        size: number of ranks.
-        name: a readable name (``"world"``, ``"dp"``, ``"group[0, 2]"``).
-        timeout: seconds every blocking call waits at most.
+    Its attributes (``ranks``, ``rank``, ``size``, ``name``, ``timeout``) are described on
+    :class:`~meshkit.comm.engine.GroupBase`.
     """
 
     # ----------------------------------------------------------------- collectives
