@@ -189,7 +189,10 @@ class BucketManager:
         return [n for n in self._params if n not in self.location[n].ready]
 
     def wait_all(self) -> None:
-        for bucket in self.buckets:
+        # The last one first: a waiter runs the group's queued operations itself, in order, up
+        # to the one it waits for (comm.work), so buckets no thread has started yet all run here
+        # without handing each to the communication thread and being woken by it.
+        for bucket in reversed(self.buckets):
             bucket.wait()
 
     def reset(self) -> None:
