@@ -8,9 +8,9 @@ queue and waits, so on every rank a group's collectives run in program order.
 A caller that waits (``Work.wait()`` without a timeout, or a synchronous call behind queued
 work) while no operation is executing runs the queued operations itself, in order, up to the
 one it waits for, instead of sleeping until the thread wakes up: handing an operation to a
-sleeping thread and being woken by it costs two thread wake-ups (about 70 us on the 2-core
-machine this was measured on), while the operation is whatever it is. Exactly one thread
-executes the group's operations at any time, so their order is the same on every rank.
+sleeping thread and being woken by it adds two thread wake-ups to the operation (about 70 us
+on the 2-core machine this was measured on). Exactly one thread executes the group's
+operations at any time, so their order is the same on every rank.
 """
 
 from __future__ import annotations
