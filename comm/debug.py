@@ -116,9 +116,6 @@ class FlightRecorder:
 
     def __init__(self, size: int = RECORDER_SIZE) -> None:
         self._entries: collections.deque[CollectiveRecord] = collections.deque(maxlen=size)
-        #: append an entry built by the caller (a list in :data:`RECORD_FIELDS` order): the
-        #: per-call path of process groups, which cannot afford a method call more
-        self.append = self._entries.append
 
     def record(self, seq: int, group: str, op: str, shapes: tuple[tuple[int, ...], ...],
                dtype: Any, state: str = "scheduled") -> CollectiveRecord:

@@ -78,7 +78,7 @@ class GroupBase:
         self._seq = 0
         self._failure: str | None = None
         self._thread = CommThread(f"meshkit-comm[{name}]")
-        self._log = world.recorder.append  # flight-recorder entries, appended on every call
+        self._flight_entry = world.recorder.record  # bound once: called on every operation
         self._group_rank_of = {g: i for i, g in enumerate(self.ranks)}
         # Decided once: in detail mode every call is fingerprinted, otherwise nothing is built.
         self._detail = world.debug >= DebugLevel.DETAIL
@@ -114,13 +114,11 @@ class GroupBase:
                 call: Call | None, *, timeout: float | None = None) -> Any:
         limit = self.timeout if timeout is None else timeout
         if not async_op and self._thread._pending == 0:
-            # The common case, run inline: numbered and recorded as started at once, no task object
-            # (the entry is built here: this path is the per-call overhead of every collective).
-            seq, now = self._seq, time.time()
-            record = [seq, self.name, op, shapes, dtype, "started", now, now, None, None]
-            self._log(record)
+            # The common case, run inline: numbered and recorded as started at once, no task object.
+            seq = self._seq
+            record = self._flight_entry(seq, self.name, op, shapes, dtype, "started")
             return self._execute(op, fn, record, call, limit, seq)
-        record = self.world.recorder.record(-1, self.name, op, shapes, dtype)
+        record = self._flight_entry(-1, self.name, op, shapes, dtype)
 
         def task() -> Any:
             return self._execute(op, fn, record, call, limit)

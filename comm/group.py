@@ -104,9 +104,7 @@ class ProcessGroup(GroupBase):
         seq = self._seq
         self._seq = seq + 1
         request = self._e_post_all_reduce(tensor, op)
-        now = time.time()
-        record = [seq, self.name, "all_reduce", (tensor.shape,), tensor.dtype, "started", now, now, None, None]
-        self._log(record)
+        record = self._flight_entry(seq, self.name, "all_reduce", (tensor.shape,), tensor.dtype, "started")
         try:
             self._e_complete(request, time.monotonic() + self.timeout)
             if op is ReduceOp.AVG:
@@ -336,7 +334,7 @@ class ProcessGroup(GroupBase):
         check_array(self, "isend", "tensor", tensor, writable=False)
         dst = check_root(self, "isend", "dst", dst)
         self._check_tag("isend", tag)
-        record = self.world.recorder.record(-1, self.name, "send", (tensor.shape,), tensor.dtype)
+        record = self._flight_entry(-1, self.name, "send", (tensor.shape,), tensor.dtype)
         handle = self._e_isend(tensor, dst, tag)
         return _P2PWork(self, f"send to rank {self.ranks[dst]} tag {tag}", handle, record, dst)
 
@@ -350,7 +348,7 @@ class ProcessGroup(GroupBase):
         if src is not None:
             src = check_root(self, "irecv", "src", src)
         self._check_tag("irecv", tag)
-        record = self.world.recorder.record(-1, self.name, "recv", (tensor.shape,), tensor.dtype)
+        record = self._flight_entry(-1, self.name, "recv", (tensor.shape,), tensor.dtype)
         handle = self._e_irecv(tensor, src, tag)
         peer = "any rank" if src is None else f"rank {self.ranks[src]}"
         return _P2PWork(self, f"recv from {peer} tag {tag}", handle, record, src)
