@@ -71,8 +71,8 @@ _VERDICT_GRACE = 5.0
 class _Poller:
     """Spin, then yield, then nap: the waiting policy of every MPI wait.
 
-    ``spin``: seconds to keep spinning after the first few polls, while nobody computes beside
-    this wait (see ``work.in_background``).
+    ``spin``: seconds to keep spinning (no yield between batches) after the first batch, while
+    nobody computes beside this wait (see ``work.in_background``).
     """
 
     __slots__ = ("since", "deadline", "spin")
