@@ -151,9 +151,8 @@ class DistributedDataParallel(GradientReducer):
                                       first_bucket_cap_bytes=int(first_bucket_cap_mb * MB), launch=self._launch)
         self.grads: dict[str, Any] = {}
         self._bind_grads()
-        self._rebuilt = False
         self._init_reducer()
-        self._record_order = True  # the first synchronized pass's order rebuilds the buckets
+        self._record_order = True  # until the first synchronized pass's order has rebuilt the buckets
 
     def _bind_grads(self) -> None:
         views = self._buckets.views()
@@ -188,13 +187,13 @@ class DistributedDataParallel(GradientReducer):
         if not self.gradient_as_bucket_view:
             for name, g in self.grads.items():
                 g[...] = self._buckets.view(name)
-        if not self._rebuilt:
+        if self._record_order:
             self._rebuild(ready_order)
 
     def _rebuild(self, ready_order: list[str]) -> None:
         """Once, after the first synchronized pass: rebuild buckets in the order gradients became
         ready (rank 0's order, broadcast so every rank agrees), as torch's reducer does."""
-        self._rebuilt, self._record_order = True, False
+        self._record_order = False
         order = list(dict.fromkeys(ready_order))
         order += [n for n in reversed(self.params) if n not in set(order)]
         shared = [order]
