@@ -12,12 +12,12 @@ from .reduce_op import ReduceOp
 from .work import Work
 from .world import (create_groups, current_world, destroy_process_group, get_backend, get_global_rank,
                     get_group_rank, get_process_group_ranks, get_rank, get_world_size, init_process_group,
-                    is_initialized, new_group)
+                    is_initialized, new_group, resolve_group)
 
 __all__ = [
     "init_process_group", "destroy_process_group", "is_initialized", "get_rank", "get_world_size",
     "get_backend", "new_group", "get_group_rank", "get_global_rank", "get_process_group_ranks",
-    "create_groups", "current_world",
+    "create_groups", "current_world", "resolve_group",
     "ProcessGroup", "ReduceOp", "Work", "P2POp",
     "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "gather", "scatter",
     "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier",

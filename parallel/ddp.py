@@ -23,8 +23,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from ..comm import DistValueError, ProcessGroup, Work, all_gather_object, broadcast_object_list
-from ..comm.world import resolve_group
+from ..comm import (DistValueError, ProcessGroup, Work, all_gather_object, broadcast_object_list,
+                    resolve_group)
 from ..mesh import DeviceMesh
 from .buckets import MB, Bucket, BucketManager
 from .hooks import GradBucket, allreduce_hook

@@ -29,8 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from ..comm import ReduceOp, all_reduce
-from ..comm.group import ProcessGroup
+from ..comm import ProcessGroup, ReduceOp, all_reduce
 
 __all__ = ["SGD", "AdamW", "Optimizer", "clip_grad_norm_", "array_namespace"]
 
