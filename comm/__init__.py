@@ -3,16 +3,17 @@
 from .api import (P2POp, all_gather, all_gather_into_tensor, all_reduce, all_to_all, all_to_all_single,
                   barrier, batch_isend_irecv, broadcast, gather, irecv, isend, monitored_barrier, recv, reduce,
                   reduce_scatter, reduce_scatter_tensor, scatter, send)
-from .debug import DebugLevel, flight_record, format_flight_record
+from .debug import DebugLevel
 from .errors import (CollectiveMismatchError, CollectiveTimeout, DistBackendError, DistError, DistTypeError,
                      DistValueError, RankFailedError)
 from .group import ProcessGroup
 from .objects import all_gather_object, broadcast_object_list, gather_object, scatter_object_list
 from .reduce_op import ReduceOp
 from .work import Work
-from .world import (create_groups, current_world, destroy_process_group, get_backend, get_global_rank,
-                    get_group_rank, get_process_group_ranks, get_rank, get_world_size, init_process_group,
-                    is_initialized, new_group, resolve_group)
+from .lifecycle import destroy_process_group, init_process_group
+from .registry import (create_groups, get_backend, get_global_rank, get_group_rank, get_process_group_ranks,
+                       get_rank, get_world_size, new_group, resolve_group)
+from .world import current_world, flight_record, format_flight_record, is_initialized
 
 __all__ = [
     "init_process_group", "destroy_process_group", "is_initialized", "get_rank", "get_world_size",

@@ -23,7 +23,8 @@ from .errors import DistTypeError, DistValueError
 from .group import ProcessGroup
 from .reduce_op import ReduceOp
 from .work import Work
-from .world import current_world, resolve_group
+from .registry import resolve_group
+from .world import current_world
 
 __all__ = [
     "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "gather", "scatter",
@@ -165,13 +166,30 @@ def irecv(tensor: np.ndarray, src: int | None = None, group: ProcessGroup | None
 
 def send(tensor: np.ndarray, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
          group_dst: int | None = None) -> None:
-    """Send ``tensor`` to ``dst``; returns when ``tensor`` may be reused."""
-    isend(tensor, dst, group, tag, group_dst).wait()
+    """Send ``tensor`` to ``dst``; returns when ``tensor`` may be reused.
+
+    A blocking send to this rank itself could never complete (nothing would post the
+    receive) and is rejected, as torch does; use ``isend`` and ``irecv`` for that.
+    """
+    g = resolve_group(group)
+    peer = _group_rank(g, "send", "dst", dst, group_dst)
+    if peer == g.rank:
+        raise DistValueError(f"{where(g, 'send')}: a blocking send to this rank itself (global rank "
+                             f"{g.global_rank}) can never complete; use isend and irecv to send to yourself")
+    g.isend(tensor, peer, tag).wait()
 
 
 def recv(tensor: np.ndarray, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
          group_src: int | None = None) -> int:
-    """Receive into ``tensor`` from ``src`` (None: any rank); returns the sender's global rank."""
+    """Receive into ``tensor`` from ``src`` (None: any rank); returns the sender's global rank.
+
+    The message must have ``tensor``'s number of elements: anything else raises
+    ``DistValueError`` naming both sizes, and ``tensor`` is not written.
+    """
+    g = resolve_group(group)
+    if (src is not None or group_src is not None) and _group_rank(g, "recv", "src", src, group_src) == g.rank:
+        raise DistValueError(f"{where(g, 'recv')}: a blocking recv from this rank itself (global rank "
+                             f"{g.global_rank}) can never complete; use isend and irecv to send to yourself")
     work = irecv(tensor, src, group, tag, group_src)
     work.wait()
     return work.result()

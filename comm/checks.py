@@ -5,16 +5,21 @@ Messages follow one form: ``meshkit.comm: rank R: OP: ARG ...: what is wrong; wh
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 
 from .errors import DistTypeError, DistValueError
 
-if TYPE_CHECKING:
-    from .group import ProcessGroup
-
 __all__ = ["where", "check_array", "check_like", "check_list", "check_root", "check_split_sizes"]
+
+class ProcessGroup(Protocol):
+    """What the checks read of a group (the real class imports this module, not the reverse)."""
+
+    global_rank: int
+    size: int
+    name: str
+
 
 # Dtype kinds a buffer collective moves: bool, signed/unsigned integers, floats, complex.
 _KINDS = "biufc"

@@ -6,7 +6,7 @@ root; a mismatch raises :class:`~meshkit.comm.errors.CollectiveMismatchError` on
 instead of hanging or corrupting data, and a rank that never arrives is named.
 
 The flight recorder keeps each rank's last 64 operations (as torch's NCCL flight recorder
-does); it is logged on a timeout or a mismatch and readable with :func:`flight_record`.
+does); it is logged on a timeout or a mismatch and readable with :func:`meshkit.comm.flight_record`.
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ __all__ = [
     "RECORD_FIELDS",
     "record_as_dict",
     "FlightRecorder",
-    "flight_record",
-    "format_flight_record",
     "RECORDER_SIZE",
 ]
 
@@ -137,16 +135,3 @@ class FlightRecorder:
             lines.append(f"  #{e['seq']:<6} {e['group']:<24} {e['op']:<22} {e['state']:<10} shapes={list(e['shapes'])}"
                          f"{dtype}{took}{err}")
         return "\n".join(lines)
-
-
-def flight_record() -> list[dict[str, Any]]:
-    """This rank's last operations as dicts (seq, group, op, shapes, dtype, state, times, error)."""
-    from .world import current_world
-    return current_world().recorder.entries()
-
-
-def format_flight_record() -> str:
-    """This rank's flight record as readable text (what is logged on a timeout or mismatch)."""
-    from .world import current_world
-    world = current_world()
-    return world.recorder.format(world.rank)

@@ -1,117 +1,142 @@
-"""The process group's public operations: argument checks, then the engine, in order.
+"""ProcessGroup: a set of ranks that communicate together, over the engine it holds.
 
 A :class:`ProcessGroup` is a set of global ranks (ascending; a rank's *group rank* is its
-position in that tuple) with a timeout and one communication thread. Its public methods take
-group ranks for roots and peers (the module-level functions in :mod:`meshkit.comm.api`
-translate torch-style global ranks), check every argument, and hand a step to the machinery
-of :class:`~meshkit.comm.engine.GroupBase`, which numbers, records, times and orders it. Engines
-(``local``, ``mpi``) subclass ProcessGroup and implement the ``_e_*`` methods declared there.
+position in that tuple), a timeout and an engine (:mod:`meshkit.comm.engine`). Its public
+methods take group ranks for roots and peers (the module-level functions in
+:mod:`meshkit.comm.api` translate torch-style global ranks) and run every operation the same
+way, synchronous or not:
+
+1. check the arguments (:mod:`~meshkit.comm.checks`), on this rank, before anything starts;
+2. number the operation (``seq``, the same on every rank since every rank issues the group's
+   operations in program order) and, with ``MESHKIT_DEBUG=detail``, verify that every rank
+   called the same operation (:mod:`~meshkit.comm.debug`);
+3. start it with one engine call, which returns a request at once;
+4. wait for it under the group's timeout, or return a :class:`~meshkit.comm.work.RequestWork`.
+
+While a task of :meth:`ProcessGroup.run_async` is queued, later calls join the queue behind
+it, so that the group's operations still start in program order.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import socket
+import threading
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
 from .checks import check_array, check_like, check_list, check_root, check_split_sizes, where
-from .debug import STATE, T_END, Call, CollectiveRecord
-from .engine import GroupBase, P2PHandle
-from .errors import CollectiveTimeout, DistError, DistValueError
+from .debug import ERROR, STATE, T_END, Call, CollectiveRecord, DebugLevel
+from .engine import DeadlineExceeded, Engine, Request
+from .errors import CollectiveMismatchError, CollectiveTimeout, DistError, DistValueError
 from .reduce_op import ReduceOp, check_op_dtype, valid_op_dtypes
-from .work import Work
+from .work import CommThread, RequestWork, Work
+
+if TYPE_CHECKING:
+    from .world import World
 
 __all__ = ["ProcessGroup"]
 
+logger = logging.getLogger("meshkit")
 
-def _divide(buf: np.ndarray, n: int) -> None:
-    """AVG is a SUM followed by one division by the group size (as NCCL's avg computes it)."""
-    buf /= n
-
-
-class _P2PWork(Work):
-    """Work of a send or receive: waits on the engine's handle under the group's timeout."""
-
-    __slots__ = ("_group", "_handle", "_record", "_peer")
-
-    def __init__(self, group: ProcessGroup, what: str, handle: P2PHandle, record: CollectiveRecord,
-                 peer: int | None) -> None:
-        super().__init__(what)
-        self._group, self._handle, self._record, self._peer = group, handle, record, peer
-
-    def is_completed(self) -> bool:
-        if not self._done.is_set() and self._handle.test():
-            self._complete()
-        return self._done.is_set()
-
-    def _complete(self) -> None:
-        self._record[STATE], self._record[T_END] = "completed", time.time()
-        source = self._handle.source
-        self._finish(self._group.ranks[source] if source >= 0 else None)
-
-    def wait(self, timeout: float | None = None) -> bool:
-        if not self._done.is_set():
-            limit = self._group.timeout if timeout is None else timeout
-            if not self._handle.wait(time.monotonic() + limit):
-                self._record[STATE] = "timed_out"
-                g = self._group
-                peer = "any rank" if self._peer is None else f"rank {g.ranks[self._peer]}"
-                side = "post a matching send" if self._what.startswith("recv") else "receive it"
-                raise CollectiveTimeout(
-                    f"meshkit.comm: rank {g.global_rank}: {self._what} on group {g.name} did not complete "
-                    f"within {limit:.1f} s: {peer} did not {side}",
-                    op=self._what.split()[0], group=g.name,
-                    missing=None if self._peer is None else [g.ranks[self._peer]])
-            self._complete()
-        return super().wait()
+_get_ident = threading.get_ident
 
 
-class ProcessGroup(GroupBase):
+class ProcessGroup:
     """A group of ranks that communicate together (torch's ``ProcessGroup``).
 
-    Its attributes (``ranks``, ``rank``, ``size``, ``name``, ``timeout``) are described on
-    :class:`~meshkit.comm.engine.GroupBase`.
+    Attributes:
+        ranks: the global ranks of the group, ascending.
+        rank: this process's rank within the group, or -1 if it is not a member.
+        size: number of ranks.
+        name: a readable name (``"world"``, ``"dp"``, ``"group[0, 2]"``).
+        timeout: seconds every blocking call waits at most.
+        engine: the engine that moves the data (None on a handle of a group this rank is not in).
     """
+
+    def __init__(self, engine: Engine | None, *, world: World, ranks: Sequence[int], group_rank: int, name: str,
+                 timeout: float) -> None:
+        self.engine = engine
+        self.world = world
+        self.ranks: tuple[int, ...] = tuple(int(r) for r in ranks)
+        self.rank = group_rank
+        self.size = len(self.ranks)
+        self.name = name
+        self.timeout = float(timeout)
+        self._seq = 0
+        self._failure: str | None = None
+        self._thread = CommThread(f"meshkit-comm[{name}]")
+        self._flight_entry = world.recorder.record  # bound once: called on every operation
+        self._group_rank_of = {g: i for i, g in enumerate(self.ranks)}
+        # Decided once: in detail mode every call is fingerprinted, otherwise nothing is built.
+        self._detail = world.debug >= DebugLevel.DETAIL
+        # Engines without a native average sum, and the group divides once (as NCCL's AVG does).
+        self._divides = engine is not None and not engine.native_avg
+        self._tracks = engine is not None and getattr(engine, "needs_progress", False)
+
+    # ----------------------------------------------------------------- identity
+    @property
+    def backend(self) -> str:
+        """The engine's name; for a handle of a group this rank is not in, the world's."""
+        return self.engine.backend if self.engine is not None else self.world.backend
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the world."""
+        return self.world.rank
+
+    @property
+    def is_member(self) -> bool:
+        return self.rank >= 0
+
+    @property
+    def max_tag(self) -> int:
+        """The largest tag ``send``/``recv`` accept."""
+        return self.engine.max_tag if self.engine is not None else 0
+
+    def group_rank_of(self, global_rank: int) -> int:
+        """The group rank of a global rank; ValueError if it is not in the group."""
+        try:
+            return self._group_rank_of[int(global_rank)]
+        except (KeyError, TypeError, ValueError):
+            raise DistValueError(f"meshkit.comm: rank {self.global_rank}: global rank {global_rank!r} is not "
+                                 f"in group {self.name} (ranks {list(self.ranks)})") from None
+
+    def global_rank_of(self, group_rank: int) -> int:
+        """The global rank of a group rank; ValueError if out of range."""
+        return self.ranks[check_root(self, "get_global_rank", "group_rank", group_rank)]
+
+    def host_name(self) -> str:
+        """The name of the host this rank runs on (MPI's processor name on the mpi engine)."""
+        return self.engine.host_name() if self.engine is not None else socket.gethostname()
+
+    def __repr__(self) -> str:
+        return (f"<ProcessGroup {self.name!r} backend={self.backend} ranks={list(self.ranks)} rank={self.rank} "
+                f"timeout={self.timeout:g}s>")
 
     # ----------------------------------------------------------------- collectives
     def all_reduce(self, tensor: np.ndarray, op: ReduceOp = ReduceOp.SUM, *,
                    async_op: bool = False) -> Work | None:
-        """Reduce ``tensor`` over the group, in place on every rank."""
+        """Reduce ``tensor`` over the group, in place on every rank.
+
+        Example (3 ranks): rank r holds ``[r, 1]``; afterwards every rank holds ``[3, 3]``.
+        """
         if self.rank < 0 or self.world.destroyed:
             self._member("all_reduce")
         check_array(self, "all_reduce", "tensor", tensor)
         if op.__class__ is not ReduceOp or (op, tensor.dtype) not in valid_op_dtypes:  # checked once per pair
             op = check_op_dtype(op, tensor.dtype, lambda: where(self, "all_reduce"))
-        if (self._posts_all_reduce and not async_op and self._thread._pending == 0 and not self._detail
-                and self._failure is None):
-            return self._all_reduce_now(tensor, op)
-        call = self._call("all_reduce", tensor, reduce_op=op) if self._detail else None
-
-        def run(deadline: float) -> None:
-            self._e_all_reduce(tensor, op, deadline)
-            if op is ReduceOp.AVG:
-                _divide(tensor, self.size)
-
-        return self._launch("all_reduce", run, async_op, (tensor.shape,), tensor.dtype, call)
-
-    def _all_reduce_now(self, tensor: np.ndarray, op: ReduceOp) -> None:
-        """A synchronous all_reduce with nothing queued: posted first, then numbered, recorded and
-        given its deadline while the data moves, then waited for. The most common call, and the
-        one whose per-call cost shows: this takes the bookkeeping off its critical path."""
-        seq = self._seq
-        self._seq = seq + 1
-        request = self._e_post_all_reduce(tensor, op)
+        thread = self._thread
+        if thread._pending and thread._runner != _get_ident():
+            return self._behind_tasks("all_reduce", lambda: self.all_reduce(tensor, op), async_op)
+        seq = self._begin("all_reduce", tensor, reduce_op=op) if self._detail else self._number("all_reduce")
+        request = self.engine.all_reduce(tensor, op)
         record = self._flight_entry(seq, self.name, "all_reduce", (tensor.shape,), tensor.dtype, "started")
-        try:
-            self._e_complete(request, time.monotonic() + self.timeout)
-            if op is ReduceOp.AVG:
-                _divide(tensor, self.size)
-        except BaseException as exc:
-            raise self._failed("all_reduce", seq, record, exc, self.timeout) from None
-        record[STATE], record[T_END] = "completed", time.time()
+        settle = self._averaged(tensor) if op is ReduceOp.AVG and self._divides else None
+        return self._complete("all_reduce", seq, record, request, async_op, settle)
 
     def reduce(self, tensor: np.ndarray, root: int, op: ReduceOp = ReduceOp.SUM, *,
                async_op: bool = False) -> Work | None:
@@ -123,23 +148,17 @@ class ProcessGroup(GroupBase):
         check_array(self, "reduce", "tensor", tensor)
         root = check_root(self, "reduce", "dst", root)
         op = check_op_dtype(op, tensor.dtype, lambda: where(self, "reduce"))
-        call = self._call("reduce", tensor, reduce_op=op, root=root)
-
-        def run(deadline: float) -> None:
-            self._e_reduce(tensor, op, root, deadline)
-            if op is ReduceOp.AVG and self.rank == root:
-                _divide(tensor, self.size)
-
-        return self._launch("reduce", run, async_op, (tensor.shape,), tensor.dtype, call)
+        settle = self._averaged(tensor) if op is ReduceOp.AVG and self._divides and self.rank == root else None
+        return self._run("reduce", lambda: self.engine.reduce(tensor, op, root), async_op, (tensor.shape,),
+                         tensor, settle, reduce_op=op, root=root)
 
     def broadcast(self, tensor: np.ndarray, root: int, *, async_op: bool = False) -> Work | None:
         """Copy group rank ``root``'s ``tensor`` into every rank's ``tensor``."""
         self._member("broadcast")
         check_array(self, "broadcast", "tensor", tensor)
         root = check_root(self, "broadcast", "src", root)
-        call = self._call("broadcast", tensor, root=root)
-        return self._launch("broadcast", lambda d: self._e_broadcast(tensor, root, d), async_op,
-                            (tensor.shape,), tensor.dtype, call)
+        return self._run("broadcast", lambda: self.engine.broadcast(tensor, root), async_op, (tensor.shape,),
+                         tensor, None, root=root)
 
     def all_gather_into_tensor(self, output: np.ndarray, input: np.ndarray, *,
                                async_op: bool = False) -> Work | None:
@@ -147,13 +166,13 @@ class ProcessGroup(GroupBase):
 
         ``input`` may be the rank's own chunk of ``output`` (a view), which gathers in place.
         """
-        self._member("all_gather_into_tensor")
-        check_array(self, "all_gather_into_tensor", "input", input, writable=False)
-        check_array(self, "all_gather_into_tensor", "output", output)
-        check_like(self, "all_gather_into_tensor", "output", output, input, "input", size=input.size * self.size)
-        call = self._call("all_gather_into_tensor", input)
-        return self._launch("all_gather_into_tensor", lambda d: self._e_all_gather(output, input, d),
-                            async_op, (input.shape, output.shape), input.dtype, call)
+        name = "all_gather_into_tensor"
+        self._member(name)
+        check_array(self, name, "input", input, writable=False)
+        check_array(self, name, "output", output)
+        check_like(self, name, "output", output, input, "input", size=input.size * self.size)
+        return self._run(name, lambda: self.engine.all_gather(output, input), async_op,
+                         (input.shape, output.shape), input, None)
 
     def all_gather(self, tensor_list: list[np.ndarray], tensor: np.ndarray, *,
                    async_op: bool = False) -> Work | None:
@@ -161,34 +180,22 @@ class ProcessGroup(GroupBase):
         self._member("all_gather")
         check_array(self, "all_gather", "tensor", tensor, writable=False)
         outs = check_list(self, "all_gather", "tensor_list", tensor_list, tensor, "tensor", writable=True)
-        call = self._call("all_gather", tensor)
-
-        def run(deadline: float) -> None:
-            flat = np.empty((self.size,) + tensor.shape, tensor.dtype)
-            self._e_all_gather(flat, tensor, deadline)
-            for out, chunk in zip(outs, flat):
-                out[...] = chunk
-
-        return self._launch("all_gather", run, async_op, (tensor.shape,), tensor.dtype, call)
+        flat = np.empty((self.size,) + tensor.shape, tensor.dtype)
+        return self._run("all_gather", lambda: self.engine.all_gather(flat, tensor), async_op, (tensor.shape,),
+                         tensor, _copy_rows(flat, outs))
 
     def reduce_scatter_tensor(self, output: np.ndarray, input: np.ndarray, op: ReduceOp = ReduceOp.SUM,
                               *, async_op: bool = False) -> Work | None:
         """Reduce ``input`` (``size`` chunks) over the group; rank r receives reduced chunk r."""
-        self._member("reduce_scatter_tensor")
-        check_array(self, "reduce_scatter_tensor", "input", input, writable=False)
-        check_array(self, "reduce_scatter_tensor", "output", output)
-        check_like(self, "reduce_scatter_tensor", "input", input, output, "output",
-                   size=output.size * self.size)
-        op = check_op_dtype(op, input.dtype, lambda: where(self, "reduce_scatter_tensor"))
-        call = self._call("reduce_scatter_tensor", input, reduce_op=op)
-
-        def run(deadline: float) -> None:
-            self._e_reduce_scatter(output, input, op, deadline)
-            if op is ReduceOp.AVG:
-                _divide(output, self.size)
-
-        return self._launch("reduce_scatter_tensor", run, async_op, (input.shape, output.shape),
-                            input.dtype, call)
+        name = "reduce_scatter_tensor"
+        self._member(name)
+        check_array(self, name, "input", input, writable=False)
+        check_array(self, name, "output", output)
+        check_like(self, name, "input", input, output, "output", size=output.size * self.size)
+        op = check_op_dtype(op, input.dtype, lambda: where(self, name))
+        settle = self._averaged(output) if op is ReduceOp.AVG and self._divides else None
+        return self._run(name, lambda: self.engine.reduce_scatter(output, input, op), async_op,
+                         (input.shape, output.shape), input, settle, reduce_op=op)
 
     def reduce_scatter(self, output: np.ndarray, input_list: list[np.ndarray], op: ReduceOp = ReduceOp.SUM,
                        *, async_op: bool = False) -> Work | None:
@@ -197,14 +204,10 @@ class ProcessGroup(GroupBase):
         check_array(self, "reduce_scatter", "output", output)
         ins = check_list(self, "reduce_scatter", "input_list", input_list, output, "output", writable=False)
         op = check_op_dtype(op, output.dtype, lambda: where(self, "reduce_scatter"))
-        call = self._call("reduce_scatter", output, reduce_op=op)
-
-        def run(deadline: float) -> None:
-            self._e_reduce_scatter(output, np.stack(ins), op, deadline)
-            if op is ReduceOp.AVG:
-                _divide(output, self.size)
-
-        return self._launch("reduce_scatter", run, async_op, (output.shape,), output.dtype, call)
+        settle = self._averaged(output) if op is ReduceOp.AVG and self._divides else None
+        stacked = np.stack(ins)
+        return self._run("reduce_scatter", lambda: self.engine.reduce_scatter(output, stacked, op), async_op,
+                         (output.shape,), output, settle, reduce_op=op)
 
     def gather(self, tensor: np.ndarray, gather_list: list[np.ndarray] | None, root: int, *,
                async_op: bool = False) -> Work | None:
@@ -213,16 +216,9 @@ class ProcessGroup(GroupBase):
         check_array(self, "gather", "tensor", tensor, writable=False)
         root = check_root(self, "gather", "dst", root)
         outs = self._root_list("gather", "gather_list", gather_list, tensor, root, writable=True)
-        call = self._call("gather", tensor, root=root)
-
-        def run(deadline: float) -> None:
-            flat = np.empty((self.size,) + tensor.shape, tensor.dtype) if outs is not None else None
-            self._e_gather(flat, tensor, root, deadline)
-            if outs is not None:
-                for out, chunk in zip(outs, flat):
-                    out[...] = chunk
-
-        return self._launch("gather", run, async_op, (tensor.shape,), tensor.dtype, call)
+        flat = np.empty((self.size,) + tensor.shape, tensor.dtype) if outs is not None else None
+        return self._run("gather", lambda: self.engine.gather(flat, tensor, root), async_op, (tensor.shape,),
+                         tensor, None if outs is None else _copy_rows(flat, outs), root=root)
 
     def scatter(self, tensor: np.ndarray, scatter_list: list[np.ndarray] | None, root: int, *,
                 async_op: bool = False) -> Work | None:
@@ -231,12 +227,9 @@ class ProcessGroup(GroupBase):
         check_array(self, "scatter", "tensor", tensor)
         root = check_root(self, "scatter", "src", root)
         ins = self._root_list("scatter", "scatter_list", scatter_list, tensor, root, writable=False)
-        call = self._call("scatter", tensor, root=root)
-
-        def run(deadline: float) -> None:
-            self._e_scatter(tensor, np.stack(ins) if ins is not None else None, root, deadline)
-
-        return self._launch("scatter", run, async_op, (tensor.shape,), tensor.dtype, call)
+        stacked = np.stack(ins) if ins is not None else None
+        return self._run("scatter", lambda: self.engine.scatter(tensor, stacked, root), async_op, (tensor.shape,),
+                         tensor, None, root=root)
 
     def all_to_all_single(self, output: np.ndarray, input: np.ndarray,
                           output_split_sizes: Sequence[int] | None = None,
@@ -259,9 +252,8 @@ class ProcessGroup(GroupBase):
                                                    input.shape[0])]
         recv = [s * row for s in check_split_sizes(self, name, "output_split_sizes", output_split_sizes,
                                                    output.shape[0])]
-        call = self._call(name, None, dtype=input.dtype, counts=(tuple(send), tuple(recv)))
-        return self._launch(name, lambda d: self._e_all_to_all(output, recv, input, send, d), async_op,
-                            (input.shape, output.shape), input.dtype, call)
+        return self._run(name, lambda: self.engine.all_to_all(output, recv, input, send), async_op,
+                         (input.shape, output.shape), None, None, dtype=input.dtype, counts=(tuple(send), tuple(recv)))
 
     def all_to_all(self, output_list: list[np.ndarray], input_list: list[np.ndarray], *,
                    async_op: bool = False) -> Work | None:
@@ -277,22 +269,23 @@ class ProcessGroup(GroupBase):
                           same_shape=False)
         send = [x.size for x in ins]
         recv = [x.size for x in outs]
-        call = self._call("all_to_all", None, dtype=ref.dtype, counts=(tuple(send), tuple(recv)))
+        flat_in = np.concatenate([x.ravel() for x in ins])
+        flat_out = np.empty(sum(recv), ref.dtype)
 
-        def run(deadline: float) -> None:
-            flat_out = np.empty(sum(recv), ref.dtype)
-            self._e_all_to_all(flat_out, recv, np.concatenate([x.ravel() for x in ins]), send, deadline)
+        def settle() -> None:
             start = 0
             for out, n in zip(outs, recv):
                 out.reshape(-1)[...] = flat_out[start:start + n]
                 start += n
 
-        return self._launch("all_to_all", run, async_op, tuple(x.shape for x in ins), ref.dtype, call)
+        return self._run("all_to_all", lambda: self.engine.all_to_all(flat_out, recv, flat_in, send), async_op,
+                         tuple(x.shape for x in ins), None, settle, dtype=ref.dtype,
+                         counts=(tuple(send), tuple(recv)))
 
     def barrier(self, *, async_op: bool = False) -> Work | None:
-        """Wait until every rank of the group has reached the barrier."""
+        """Block until every rank of the group has reached the barrier."""
         self._member("barrier")
-        return self._launch("barrier", self._e_barrier, async_op, (), None, self._call("barrier", None))
+        return self._run("barrier", self.engine.barrier, async_op, (), None, None)
 
     def monitored_barrier(self, timeout: float | None = None) -> None:
         """A barrier that names every rank that did not arrive within ``timeout`` seconds.
@@ -303,8 +296,7 @@ class ProcessGroup(GroupBase):
         """
         self._member("monitored_barrier")
         limit = self.timeout if timeout is None else float(timeout)
-        self._launch("monitored_barrier", lambda d: self._e_exchange(None, self._seq - 1, d), False, (), None,
-                     None, timeout=limit)
+        self._blocking("monitored_barrier", lambda seq, d: self.engine.exchange(None, seq, d), limit)
 
     def split(self, color: int | None, *, ranks: Sequence[int], name: str) -> ProcessGroup | None:
         """Collective over this group: ranks passing the same ``color`` form a new group.
@@ -320,12 +312,22 @@ class ProcessGroup(GroupBase):
         """
         self._member("split")
         self.world.split_count += 1
-        return self._launch("split", lambda d: self._e_split(color, tuple(ranks), name, d), False, (), None,
-                            self._call("split", None))
+        members = tuple(int(r) for r in ranks)
+        engine = self._blocking("split", lambda seq, d: self.engine.split(color, members, d), self.timeout)
+        if engine is None:
+            return None
+        return ProcessGroup(engine, world=self.world, ranks=members, group_rank=engine.rank, name=name,
+                            timeout=self.world.timeout)
 
-    def host_name(self) -> str:
-        """The name of the host this rank runs on (MPI's processor name on the mpi engine)."""
-        return socket.gethostname()
+    def run_async(self, fn: Callable[[], Any], what: str) -> Work:
+        """Run ``fn`` on this group's communication thread, after every task queued before it.
+
+        Collectives ``fn`` calls on this group run inline there, in order; the group's calls
+        from other threads wait behind it. Used by communication hooks that chain several
+        collectives with computation in between.
+        """
+        self._member(what)
+        return self._thread.submit(fn, Work(f"{what} on group {self.name}"))
 
     # ----------------------------------------------------------------- point to point
     def isend(self, tensor: np.ndarray, dst: int, tag: int = 0) -> Work:
@@ -334,30 +336,206 @@ class ProcessGroup(GroupBase):
         check_array(self, "isend", "tensor", tensor, writable=False)
         dst = check_root(self, "isend", "dst", dst)
         self._check_tag("isend", tag)
-        record = self._flight_entry(-1, self.name, "send", (tensor.shape,), tensor.dtype)
-        handle = self._e_isend(tensor, dst, tag)
-        return _P2PWork(self, f"send to rank {self.ranks[dst]} tag {tag}", handle, record, dst)
+        what = f"send to rank {self.ranks[dst]} tag {tag}"
+        record = self._flight_entry(-1, self.name, "send", (tensor.shape,), tensor.dtype, "started")
+        request = self.engine.send(tensor, dst, tag)
+        return self._p2p_work(what, request, record, dst, None)
 
     def irecv(self, tensor: np.ndarray, src: int | None = None, tag: int = 0) -> Work:
         """Start receiving into ``tensor`` from group rank ``src`` (None: any rank).
 
-        ``Work.result()`` is the sender's global rank once the Work completed.
+        ``Work.result()`` is the sender's global rank once the Work completed. A message of
+        another size than ``tensor`` is an error (raised by ``wait``), never a partial fill.
         """
         self._member("irecv")
         check_array(self, "irecv", "tensor", tensor)
         if src is not None:
             src = check_root(self, "irecv", "src", src)
         self._check_tag("irecv", tag)
-        record = self._flight_entry(-1, self.name, "recv", (tensor.shape,), tensor.dtype)
-        handle = self._e_irecv(tensor, src, tag)
         peer = "any rank" if src is None else f"rank {self.ranks[src]}"
-        return _P2PWork(self, f"recv from {peer} tag {tag}", handle, record, src)
+        record = self._flight_entry(-1, self.name, "recv", (tensor.shape,), tensor.dtype, "started")
+        request = self.engine.recv(tensor, src, tag)
+
+        def settle() -> int:
+            count, source = request.count, request.source
+            if count != tensor.size:
+                got = "more elements than fit" if count < 0 else f"{count}"
+                raise DistValueError(f"{where(self, 'recv')}: recv buffer has {tensor.size} elements but the "
+                                     f"message from group rank {source} has {got}; receive into a buffer of the "
+                                     "size that was sent")
+            return self.ranks[source]
+
+        return self._p2p_work(f"recv from {peer} tag {tag}", request, record, src, settle)
+
+    def _p2p_work(self, what: str, request: Request, record: CollectiveRecord, peer: int | None,
+                  settle: Callable[[], Any] | None) -> Work:
+        def settled() -> Any:
+            result = settle() if settle is not None else None
+            record[STATE], record[T_END] = "completed", time.time()
+            return result
+
+        def fail(exc: BaseException) -> BaseException:
+            record[T_END] = time.time()
+            if not isinstance(exc, DeadlineExceeded):
+                record[STATE], record[ERROR] = "failed", repr(exc)
+                return exc
+            record[STATE] = "timed_out"
+            who = "any rank" if peer is None else f"rank {self.ranks[peer]}"
+            side = "post a matching send" if what.startswith("recv") else "receive it"
+            return CollectiveTimeout(
+                f"meshkit.comm: rank {self.global_rank}: {what} on group {self.name} did not complete "
+                f"within {self.timeout:.1f} s: {who} did not {side}", op=what.split()[0], group=self.name,
+                missing=None if peer is None else [self.ranks[peer]])
+
+        work = RequestWork(what, request, self.engine, time.monotonic() + self.timeout, settled, fail)
+        if self._tracks:
+            self.world.progress.track(work)
+        return work
 
     def _check_tag(self, op: str, tag: int) -> None:
         if not isinstance(tag, (int, np.integer)) or not 0 <= tag <= self.max_tag:
             raise DistValueError(f"{where(self, op)}: tag={tag!r} is out of range (valid: 0..{self.max_tag})")
 
-    max_tag: int = 2**20
+    # ----------------------------------------------------------------- execution
+    def _number(self, op: str) -> int:
+        """The next operation number; DistError if the group failed before."""
+        if self._failure is not None:
+            self._unusable(op)
+        seq = self._seq
+        self._seq = seq + 1
+        return seq
+
+    def _begin(self, op: str, tensor: np.ndarray | None, **fingerprint: Any) -> int:
+        """Detail mode: number the operation and verify every rank called the same one."""
+        seq = self._number(op)
+        call = self._call(op, tensor, **fingerprint)
+        try:
+            self._verify(call, seq, time.monotonic() + self.timeout)
+        except BaseException as exc:
+            record = self._flight_entry(seq, self.name, op, (), call.dtype, "started")
+            raise self._failed(op, seq, record, exc, self.timeout) from None
+        return seq
+
+    def _run(self, op: str, start: Callable[[], Request], async_op: bool, shapes: tuple, ref: np.ndarray | None,
+             settle: Callable[[], Any] | None, **fingerprint: Any) -> Work | None:
+        """Start an operation by ``start()`` (one engine call) and complete it (see the module docstring)."""
+        thread = self._thread
+        if thread._pending and thread._runner != _get_ident():
+            return self._behind_tasks(op, lambda: self._run(op, start, False, shapes, ref, settle, **fingerprint),
+                                      async_op)
+        seq = self._begin(op, ref, **fingerprint) if self._detail else self._number(op)
+        dtype = ref.dtype if ref is not None else fingerprint.get("dtype")
+        record = self._flight_entry(seq, self.name, op, shapes, dtype, "started")
+        try:
+            request = start()
+        except BaseException as exc:
+            raise self._failed(op, seq, record, exc, self.timeout) from None
+        return self._complete(op, seq, record, request, async_op, settle)
+
+    def _complete(self, op: str, seq: int, record: CollectiveRecord, request: Request, async_op: bool,
+                  settle: Callable[[], Any] | None) -> Work | None:
+        """Wait for a started operation (synchronous) or hand it to a Work (``async_op``)."""
+        if async_op:
+            return self._request_work(op, seq, record, request, settle)
+        try:
+            if not request.Test():
+                self.engine.wait(request, time.monotonic() + self.timeout)
+            if settle is not None:
+                settle()
+        except BaseException as exc:
+            raise self._failed(op, seq, record, exc, self.timeout) from None
+        record[STATE], record[T_END] = "completed", time.time()
+        return None
+
+    def _request_work(self, op: str, seq: int, record: CollectiveRecord, request: Request,
+                      settle: Callable[[], Any] | None) -> RequestWork:
+        def settled() -> None:
+            if settle is not None:
+                settle()
+            record[STATE], record[T_END] = "completed", time.time()
+
+        work = RequestWork(f"{op} on group {self.name}", request, self.engine, time.monotonic() + self.timeout,
+                           settled, lambda exc: self._failed(op, seq, record, exc, self.timeout))
+        if self._tracks:
+            self.world.progress.track(work)
+        return work
+
+    def _blocking(self, op: str, step: Callable[[int, float], Any], timeout: float) -> Any:
+        """Run a blocking engine step ``step(seq, deadline)`` as operation ``op`` (split, monitored
+        barrier): numbered, recorded and ordered like every other operation."""
+        thread = self._thread
+        if thread._pending and thread._runner != _get_ident():
+            return thread.run_in_order(lambda: self._blocking(op, step, timeout), op)
+        seq = self._begin(op, None) if self._detail and op == "split" else self._number(op)
+        record = self._flight_entry(seq, self.name, op, (), None, "started")
+        try:
+            result = step(seq, time.monotonic() + timeout)
+        except BaseException as exc:
+            raise self._failed(op, seq, record, exc, timeout) from None
+        record[STATE], record[T_END] = "completed", time.time()
+        return result
+
+    def _behind_tasks(self, op: str, call: Callable[[], Any], async_op: bool) -> Work | None:
+        """A call made while ``run_async`` tasks are queued: it runs after them, in order."""
+        if async_op:
+            return self._thread.submit(call, Work(f"{op} on group {self.name}"))
+        self._thread.run_in_order(call, op)
+        return None
+
+    def _averaged(self, buf: np.ndarray) -> Callable[[], None]:
+        """AVG on an engine without it: the engine sums, then one division by the group size."""
+        return lambda: _divide(buf, self.size)
+
+    def _failed(self, op: str, seq: int, record: CollectiveRecord, exc: BaseException,
+                timeout: float) -> BaseException:
+        """Record how operation ``seq`` failed; return the error to raise (a timeout becomes a
+        :class:`CollectiveTimeout` and makes the group unusable; anything else is re-raised)."""
+        record[T_END] = time.time()
+        if isinstance(exc, DeadlineExceeded):
+            record[STATE] = "timed_out"
+            self._failure = f"{op} #{seq} timed out"
+            error = self._timeout_error(op, seq, timeout, exc)
+            record[ERROR] = str(error)
+            logger.error("%s\n%s", error, self.world.recorder.format(self.global_rank))
+            return error
+        record[STATE], record[ERROR] = "failed", repr(exc)
+        if isinstance(exc, CollectiveMismatchError):
+            logger.error("%s\n%s", exc, self.world.recorder.format(self.global_rank))
+        return exc
+
+    def _timeout_error(self, op: str, seq: int, timeout: float, exc: DeadlineExceeded) -> CollectiveTimeout:
+        head = (f"meshkit.comm: rank {self.global_rank}: {op} #{seq} on group {self.name} "
+                f"(ranks {list(self.ranks)}) timed out after {timeout:.1f} s")
+        if exc.missing is not None:
+            who = f"ranks that did not arrive: {sorted(exc.missing)}"
+        else:
+            who = (f"the {self.backend} engine cannot tell which ranks did not arrive; run with "
+                   "MESHKIT_DEBUG=detail to check arrivals before every collective, or use monitored_barrier")
+        detail = f" ({exc.detail})" if exc.detail else ""
+        return CollectiveTimeout(f"{head}; {who}{detail}", op=op, group=self.name, seq=seq, missing=exc.missing)
+
+    def _verify(self, call: Call, seq: int, deadline: float) -> None:
+        """Detail mode: every rank must have called the same collective (see debug.Call)."""
+        entries = self.engine.exchange((seq, call), seq, deadline)
+        calls = [c for _, c in entries]
+        if all(s == seq for s, _ in entries) and call.agrees(calls):
+            return
+        described = {self.ranks[i]: f"{c} #{s}" for i, (s, c) in enumerate(entries)}
+        lines = "; ".join(f"rank {r}: {d}" for r, d in described.items())
+        raise CollectiveMismatchError(
+            f"meshkit.comm: rank {self.global_rank}: collective mismatch on group {self.name} at #{seq}: "
+            f"{lines}", calls=described)
+
+    def shutdown(self) -> None:
+        """Finish queued tasks (within the timeout), stop the thread, release the engine."""
+        drained = self._thread.drain(self.timeout)
+        self._thread.close()
+        if not drained:
+            self._failure = self._failure or "destroyed with asynchronous work still running"
+            logger.warning("meshkit: group %s destroyed with asynchronous work still queued after %.0f s",
+                           self.name, self.timeout)
+        if self.engine is not None and self._failure is None:
+            self.engine.free()
 
     # ----------------------------------------------------------------- argument helpers
     def _member(self, op: str) -> None:
@@ -368,6 +546,10 @@ class ProcessGroup(GroupBase):
         if self.world.destroyed:
             raise DistError(f"{where(self, op)}: the process group was destroyed; call "
                             "init_process_group() again first")
+
+    def _unusable(self, op: str) -> None:
+        raise DistError(f"{where(self, op)}: group {self.name} is unusable after an earlier failure: "
+                        f"{self._failure}")
 
     def _root_list(self, op: str, arg: str, xs: list[np.ndarray] | None, ref: np.ndarray, root: int,
                    *, writable: bool) -> list[np.ndarray] | None:
@@ -383,11 +565,21 @@ class ProcessGroup(GroupBase):
 
     def _call(self, name: str, tensor: np.ndarray | None, *, dtype: np.dtype | None = None,
               reduce_op: ReduceOp | None = None, root: int | None = None,
-              counts: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> Call | None:
-        """The fingerprint compared across ranks in detail mode (None otherwise: no cost)."""
-        if not self._detail:
-            return None
+              counts: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> Call:
+        """The fingerprint compared across ranks in detail mode."""
         if tensor is not None:
             dtype = tensor.dtype
         return Call(name, None if dtype is None else str(dtype), None if tensor is None else tuple(tensor.shape),
                     None if reduce_op is None else reduce_op.name, root, counts)
+
+
+def _divide(buf: np.ndarray, n: int) -> None:
+    buf /= n
+
+
+def _copy_rows(flat: np.ndarray, outs: list[np.ndarray]) -> Callable[[], None]:
+    """Epilogue of list collectives: row i of the staging array into ``outs[i]``."""
+    def copy() -> None:
+        for out, row in zip(outs, flat):
+            out[...] = row
+    return copy

@@ -26,14 +26,12 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from .engine import DeadlineExceeded
 from .errors import DistBackendError
-from .engine import DeadlineExceeded, P2PHandle
-from .group import ProcessGroup
 from .reduce_op import ReduceOp, combine_into
 from .work import in_background
-from .world import World
 
-__all__ = ["MPIGroup", "create_world_group"]
+__all__ = ["MPIEngine", "create_world_engine"]
 
 logger = logging.getLogger("meshkit")
 
@@ -97,19 +95,19 @@ class _Poller:
         return True
 
 
-def _completes(request: MPI.Request, deadline: float, status: MPI.Status | None = None) -> bool:
+def _completes(request: Any, deadline: float) -> bool:
     """Poll ``request`` until it completes (True) or the deadline passes (False)."""
     poller = _Poller(deadline, _caller_spin)
     test = request.Test
     while True:
         for _ in _BATCH:  # a tight batch: MPI progresses only inside Test, so react fast
-            if test(status):
+            if test():
                 return True
         if not poller.pause():
             return False
 
 
-def _wait(request: MPI.Request, deadline: float) -> None:
+def _wait(request: Any, deadline: float) -> None:
     # Small messages are often done at the first Test: no poller, no extra call.
     if not request.Test() and not _completes(request, deadline):
         raise DeadlineExceeded()
@@ -154,97 +152,102 @@ def _own_chunk(out: np.ndarray, inp: np.ndarray, rank: int) -> bool:
     return inp.base is not None and MPI.buffer(inp).address == MPI.buffer(out).address + rank * inp.nbytes
 
 
-class _MPIHandle(P2PHandle):
-    def __init__(self, request: MPI.Request, status: MPI.Status | None = None) -> None:
-        self.request, self.status = request, status
+class _Receive:
+    """A posted receive: completes with ``source`` and ``count`` (elements; -1 if the message
+    was larger than the buffer, which MPI reports as a truncation error)."""
 
-    def _done(self) -> None:
-        if self.status is not None:
-            self.source = self.status.Get_source()
+    __slots__ = ("request", "status", "datatype", "source", "count")
 
-    def test(self) -> bool:
-        if self.request.Test(self.status):
-            self._done()
-            return True
-        return False
+    def __init__(self, request: MPI.Request, datatype: MPI.Datatype) -> None:
+        self.request, self.status, self.datatype = request, MPI.Status(), datatype
+        self.source, self.count = -1, -1
 
-    def wait(self, deadline: float) -> bool:
-        if not _completes(self.request, deadline, self.status):
-            return False
-        self._done()
+    def Test(self) -> bool:  # noqa: N802 (the Request protocol's name)
+        try:
+            if not self.request.Test(self.status):
+                return False
+            self.count = self.status.Get_count(self.datatype)
+        except MPI.Exception as exc:
+            if exc.Get_error_class() != MPI.ERR_TRUNCATE:
+                raise DistBackendError(f"meshkit.comm: recv failed in MPI: {exc}") from None
+            self.count = -1  # the message did not fit: the group reports it with both sizes
+        self.source = self.status.Get_source()
         return True
 
 
-class MPIGroup(ProcessGroup):
-    """A process group over an MPI communicator (group rank == communicator rank)."""
+class MPIEngine:
+    """The engine of a group over an MPI communicator (group rank == communicator rank)."""
 
     backend = "mpi"
+    native_avg = False
+    needs_progress = True  # MPI moves nonblocking data only inside MPI calls
 
-    def __init__(self, comm: MPI.Intracomm, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, comm: MPI.Intracomm) -> None:
         self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
         tag_ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
         self._tag_up, self._tag_down = tag_ub, tag_ub - 1
         self.max_tag = tag_ub - 16  # the top tags carry monitored exchanges
+        self._Iallreduce = comm.Iallreduce
 
-    _posts_all_reduce = True
+    wait = staticmethod(_wait)  # no frame of its own: it is on every synchronous call's path
 
-    def _e_post_all_reduce(self, buf: np.ndarray, op: ReduceOp) -> MPI.Request:
+    def all_reduce(self, buf: np.ndarray, op: ReduceOp) -> MPI.Request:
         t, ops = _specs.get(buf.dtype) or _spec(buf.dtype)  # the hottest call: no function call when cached
-        return self.comm.Iallreduce(MPI.IN_PLACE, [buf, t], ops[op])
+        return self._Iallreduce(MPI.IN_PLACE, [buf, t], ops[op])
 
-    _e_complete = staticmethod(_wait)  # no frame of its own: it is on every all_reduce's path
-
-    def _e_all_reduce(self, buf: np.ndarray, op: ReduceOp, deadline: float) -> None:
-        _wait(self._e_post_all_reduce(buf, op), deadline)
-
-    def _e_reduce(self, buf: np.ndarray, op: ReduceOp, root: int, deadline: float) -> None:
+    def reduce(self, buf: np.ndarray, op: ReduceOp, root: int) -> MPI.Request:
         t, ops = _spec(buf.dtype)
-        mop = ops[op]
         if self.rank == root:
-            _wait(self.comm.Ireduce(MPI.IN_PLACE, [buf, t], mop, root), deadline)
-        else:
-            _wait(self.comm.Ireduce([buf, t], None, mop, root), deadline)
+            return self.comm.Ireduce(MPI.IN_PLACE, [buf, t], ops[op], root)
+        return self.comm.Ireduce([buf, t], None, ops[op], root)
 
-    def _e_broadcast(self, buf: np.ndarray, root: int, deadline: float) -> None:
-        _wait(self.comm.Ibcast([buf, _spec(buf.dtype)[0]], root), deadline)
+    def broadcast(self, buf: np.ndarray, root: int) -> MPI.Request:
+        return self.comm.Ibcast([buf, _spec(buf.dtype)[0]], root)
 
-    def _e_all_gather(self, out: np.ndarray, inp: np.ndarray, deadline: float) -> None:
+    def all_gather(self, out: np.ndarray, inp: np.ndarray) -> MPI.Request:
         t = _spec(out.dtype)[0]
         send = MPI.IN_PLACE if _own_chunk(out, inp, self.rank) else [inp, t]
-        _wait(self.comm.Iallgather(send, [out, t]), deadline)
+        return self.comm.Iallgather(send, [out, t])
 
-    def _e_reduce_scatter(self, out: np.ndarray, inp: np.ndarray, op: ReduceOp, deadline: float) -> None:
+    def reduce_scatter(self, out: np.ndarray, inp: np.ndarray, op: ReduceOp) -> MPI.Request:
         t, ops = _spec(out.dtype)
-        _wait(self.comm.Ireduce_scatter_block([inp, t], [out, t], ops[op]), deadline)
+        return self.comm.Ireduce_scatter_block([inp, t], [out, t], ops[op])
 
-    def _e_gather(self, out: np.ndarray | None, inp: np.ndarray, root: int, deadline: float) -> None:
+    def gather(self, out: np.ndarray | None, inp: np.ndarray, root: int) -> MPI.Request:
         t = _spec(inp.dtype)[0]
-        _wait(self.comm.Igather([inp, t], None if out is None else [out, t], root), deadline)
+        return self.comm.Igather([inp, t], None if out is None else [out, t], root)
 
-    def _e_scatter(self, out: np.ndarray, inp: np.ndarray | None, root: int, deadline: float) -> None:
+    def scatter(self, out: np.ndarray, inp: np.ndarray | None, root: int) -> MPI.Request:
         t = _spec(out.dtype)[0]
-        _wait(self.comm.Iscatter(None if inp is None else [inp, t], [out, t], root), deadline)
+        return self.comm.Iscatter(None if inp is None else [inp, t], [out, t], root)
 
-    def _e_all_to_all(self, out: np.ndarray, recv_counts: list[int], inp: np.ndarray, send_counts: list[int],
-                      deadline: float) -> None:
+    def all_to_all(self, out: np.ndarray, recv_counts: list[int], inp: np.ndarray,
+                   send_counts: list[int]) -> MPI.Request:
         t = _spec(out.dtype)[0]
         if len(set(send_counts)) == 1 and len(set(recv_counts)) == 1:
             # Equal parts: MPI_Alltoall, about 2x faster than Alltoallv in MPICH at >= 1 MB.
-            _wait(self.comm.Ialltoall([inp, t], [out, t]), deadline)
-            return
+            return self.comm.Ialltoall([inp, t], [out, t])
         sdispl = [0, *itertools.accumulate(send_counts[:-1])]
         rdispl = [0, *itertools.accumulate(recv_counts[:-1])]
-        _wait(self.comm.Ialltoallv([inp, (send_counts, sdispl), t], [out, (recv_counts, rdispl), t]), deadline)
+        return self.comm.Ialltoallv([inp, (send_counts, sdispl), t], [out, (recv_counts, rdispl), t])
 
-    def _e_barrier(self, deadline: float) -> None:
-        _wait(self.comm.Ibarrier(), deadline)
+    def barrier(self) -> MPI.Request:
+        return self.comm.Ibarrier()
 
-    def _e_exchange(self, payload: Any, seq: int, deadline: float) -> list[Any]:
+    def send(self, buf: np.ndarray, dst: int, tag: int) -> MPI.Request:
+        return self.comm.Isend([buf, _spec(buf.dtype)[0]], dst, tag)
+
+    def recv(self, buf: np.ndarray, src: int | None, tag: int) -> _Receive:
+        t = _spec(buf.dtype)[0]
+        source = MPI.ANY_SOURCE if src is None else src
+        return _Receive(self.comm.Irecv([buf, t], source, tag), t)
+
+    def exchange(self, payload: Any, seq: int, deadline: float) -> list[Any]:
         """Rank 0 collects every rank's payload by point-to-point and answers each one.
 
         Messages carry ``seq`` so that a late message of an earlier, timed-out exchange is never
-        taken for this one.
+        taken for this one. DeadlineExceeded names global ranks through ``self.world_ranks``.
         """
         n, comm = self.size, self.comm
         if n == 1:
@@ -258,7 +261,7 @@ class MPIGroup(ProcessGroup):
                     if s == seq:
                         break
                 elif not poller.pause():
-                    raise DeadlineExceeded([self.ranks[0]], "group rank 0 never answered the arrival check")
+                    raise DeadlineExceeded([self.world_ranks[0]], "group rank 0 never answered the arrival check")
             sent.Wait()
             if kind == "timeout":
                 raise DeadlineExceeded(value)
@@ -273,7 +276,7 @@ class MPIGroup(ProcessGroup):
                 if s == seq:
                     got[source] = value
             elif not poller.pause():
-                missing = [self.ranks[i] for i in range(n) if i not in got]
+                missing = [self.world_ranks[i] for i in range(n) if i not in got]
                 verdict: tuple[str, Any] = ("timeout", missing)
                 for i in got:
                     if i:
@@ -284,37 +287,39 @@ class MPIGroup(ProcessGroup):
         MPI.Request.Waitall(requests)
         return values
 
-    def _e_split(self, color: int | None, ranks: tuple[int, ...], name: str, deadline: float) -> MPIGroup | None:
+    @property
+    def world_ranks(self) -> list[int]:
+        """The global rank of each rank of this communicator."""
+        ranks = getattr(self, "_world_ranks", None)
+        if ranks is None:
+            ranks = self._world_ranks = self.comm.Get_group().Translate_ranks(list(range(self.size)),
+                                                                               MPI.COMM_WORLD.Get_group())
+        return ranks
+
+    def split(self, color: int | None, ranks: tuple[int, ...], deadline: float) -> MPIEngine | None:
         # Comm.Split has no nonblocking form: a barrier first makes it honour the deadline.
         _wait(self.comm.Ibarrier(), deadline)
-        child = self.comm.Split(MPI.UNDEFINED if color is None else color, self.global_rank)
+        me = MPI.COMM_WORLD.Get_rank()
+        child = self.comm.Split(MPI.UNDEFINED if color is None else color, me)
         if child == MPI.COMM_NULL:
             return None
-        world_group = MPI.COMM_WORLD.Get_group()
-        members = tuple(child.Get_group().Translate_ranks(list(range(child.Get_size())), world_group))
+        engine = MPIEngine(child)
+        members = tuple(engine.world_ranks)
         if members != ranks:
-            raise DistBackendError(f"meshkit.comm: rank {self.global_rank}: split: expected group {list(ranks)}, "
+            raise DistBackendError(f"meshkit.comm: rank {me}: split: expected group {list(ranks)}, "
                                    f"MPI formed {list(members)}")
-        return MPIGroup(child, world=self.world, ranks=members, group_rank=child.Get_rank(), name=name,
-                        timeout=self.world.timeout)
-
-    def _e_isend(self, buf: np.ndarray, dst: int, tag: int) -> P2PHandle:
-        return _MPIHandle(self.comm.Isend([buf, _spec(buf.dtype)[0]], dst, tag))
-
-    def _e_irecv(self, buf: np.ndarray, src: int | None, tag: int) -> P2PHandle:
-        source = MPI.ANY_SOURCE if src is None else src
-        return _MPIHandle(self.comm.Irecv([buf, _spec(buf.dtype)[0]], source, tag), MPI.Status())
+        return engine
 
     def host_name(self) -> str:
         return MPI.Get_processor_name()
 
-    def _e_free(self) -> None:
-        if self.comm != MPI.COMM_NULL and self._failure is None:
+    def free(self) -> None:
+        if self.comm != MPI.COMM_NULL:
             self.comm.Free()
 
 
-def create_world_group(world: World) -> MPIGroup:
-    """The default group: a duplicate of MPI_COMM_WORLD, so meshkit's traffic never meets the user's."""
+def create_world_engine() -> MPIEngine:
+    """The world's engine: a duplicate of MPI_COMM_WORLD, so meshkit's traffic never meets the user's."""
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         logger.warning("meshkit: MPI provides thread level %d, not MPI_THREAD_MULTIPLE; async_op=True "
                        "collectives call MPI from a second thread and may fail", MPI.Query_thread())
@@ -323,6 +328,4 @@ def create_world_group(world: World) -> MPIGroup:
     ranks_here = host.Get_size()
     host.Free()
     _caller_spin = CALLER_SPIN_SECONDS if ranks_here <= len(os.sched_getaffinity(0)) else 0.0
-    comm = MPI.COMM_WORLD.Dup()
-    return MPIGroup(comm, world=world, ranks=range(comm.Get_size()), group_rank=comm.Get_rank(), name="world",
-                    timeout=world.timeout)
+    return MPIEngine(MPI.COMM_WORLD.Dup())

@@ -15,7 +15,7 @@ from .api import _group_rank
 from .checks import where
 from .errors import DistTypeError, DistValueError
 from .group import ProcessGroup
-from .world import resolve_group
+from .registry import resolve_group
 
 __all__ = ["broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list"]
 

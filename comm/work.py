@@ -1,9 +1,15 @@
-"""Handles of asynchronous operations, and the per-group thread that runs them in order.
+"""Handles of asynchronous operations, and the per-group thread that runs chained tasks.
 
-Each process group owns one :class:`CommThread`, the CPU analogue of a CUDA stream: operations
-submitted with ``async_op=True`` run there one after another, in submission order, while the
-caller computes. A synchronous call runs inline when nothing is queued and otherwise joins the
-queue and waits, so on every rank a group's collectives run in program order.
+A collective started with ``async_op=True`` is posted to the engine by the caller at once and
+returned as a :class:`RequestWork`: waiting polls the engine's request (and while nobody waits,
+the world's :class:`~meshkit.comm.progress.ProgressAgent` polls it, so MPI keeps moving the data
+while the caller computes).
+
+Tasks that chain several collectives with computation in between (communication hooks, ZeRO-2's
+reduce-to-owners, FSDP's reduce-scatter then all-reduce) run with ``run_async`` on the group's
+:class:`CommThread`, one after another, in submission order. While a task is queued, the
+group's other calls join the queue behind it, so on every rank a group's collectives are
+issued in program order.
 
 A caller that waits (``Work.wait()`` without a timeout, or a synchronous call behind queued
 work) while no operation is executing runs the queued operations itself, in order, up to the
@@ -18,11 +24,15 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
+from .engine import DeadlineExceeded
 from .errors import CollectiveTimeout, DistError
 
-__all__ = ["Work", "CommThread", "in_background"]
+if TYPE_CHECKING:
+    from .engine import Request
+
+__all__ = ["Work", "RequestWork", "CommThread", "in_background"]
 
 
 class _ThreadRole(threading.local):
@@ -116,6 +126,80 @@ class Work:
     def __repr__(self) -> str:
         state = "completed" if self.is_completed() else "pending"
         return f"<Work {self._what} {state}>"
+
+
+class RequestWork(Work):
+    """Work of an operation the engine is running: ``wait`` polls the engine's request.
+
+    ``settle`` is called exactly once, by whichever thread sees the request complete (the
+    caller in ``wait``/``is_completed``, or the progress agent): it runs the operation's
+    epilogue (AVG's division, copies out of a staging buffer, a receive's size check) and
+    returns the result or raises. ``fail(exc)`` is called instead when the engine raised or
+    the operation's deadline passed (with :class:`~meshkit.comm.engine.DeadlineExceeded`):
+    it records the failure and returns the error to raise.
+    """
+
+    __slots__ = ("_request", "_engine", "_deadline", "_settle", "_fail", "_lock")
+
+    def __init__(self, what: str, request: Request, engine: Any, deadline: float,
+                 settle: Callable[[], Any], fail: Callable[[BaseException], BaseException]) -> None:
+        super().__init__(what)
+        self._request, self._engine, self._deadline = request, engine, deadline
+        self._settle, self._fail = settle, fail
+        self._lock = threading.Lock()  # one thread tests the request at a time (MPI requires it)
+
+    def _settled(self) -> None:
+        try:
+            result = self._settle()
+        except BaseException as exc:  # handed to every waiter
+            self._finish(None, self._fail(exc))
+        else:
+            self._finish(result)
+
+    def poll(self, *, block: bool = True) -> bool:
+        """Test the request once (skipped when another thread is testing it and ``block`` is
+        False); True once the operation finished."""
+        if self._done.is_set():
+            return True
+        if not self._lock.acquire(blocking=block):
+            return False
+        try:
+            if not self._done.is_set():
+                try:
+                    complete = self._request.Test()
+                except BaseException as exc:
+                    self._finish(None, self._fail(exc))
+                else:
+                    if complete:
+                        self._settled()
+                    elif time.monotonic() > self._deadline:
+                        self._finish(None, self._fail(DeadlineExceeded()))
+        finally:
+            self._lock.release()
+        return self._done.is_set()
+
+    def is_completed(self) -> bool:
+        return self.poll()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if not self._done.is_set():
+            limit = self._deadline if timeout is None else min(self._deadline, time.monotonic() + timeout)
+            with self._lock:
+                if not self._done.is_set():
+                    try:
+                        self._engine.wait(self._request, limit)
+                    except DeadlineExceeded as exc:
+                        if limit < self._deadline:  # the caller's own bound: the operation goes on
+                            raise CollectiveTimeout(f"meshkit.comm: {self._what} did not complete within "
+                                                    f"Work.wait(timeout={timeout})", op=self._what) from None
+                        self._finish(None, self._fail(exc))
+                    except BaseException as exc:
+                        self._finish(None, self._fail(exc))
+                    else:
+                        self._settled()
+        if self._error is not None:
+            raise self._error
+        return True
 
 
 class CommThread:
