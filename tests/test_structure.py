@@ -1,0 +1,173 @@
+"""The shape of the house: no import cycles, dependencies one way, packages as boundaries.
+
+Imports are read from the source (``ast``), every one of them: at module level, inside
+functions (lazy imports) and under ``if TYPE_CHECKING:``. A cycle through any of them is a
+cycle a reader has to untangle, whether or not Python happens to resolve it.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+#: Folders of the repository that are not part of the package.
+NOT_PACKAGE = {"tests", "examples", "benchmarks", "build", "dist"}
+#: What each top-level package may import from meshkit (checkpoint -> parallel -> tensor -> mesh -> comm).
+ALLOWED = {
+    "comm": set(),
+    "mesh": {"comm"},
+    "tensor": {"comm", "mesh"},
+    "parallel": {"comm", "mesh", "tensor"},
+    "checkpoint": {"comm", "mesh", "tensor", "parallel"},
+    "launch": set(),
+}
+
+
+def _modules() -> dict[str, Path]:
+    """``meshkit.x.y`` -> path, for every module of the package."""
+    found = {"meshkit": ROOT / "__init__.py"}
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] in NOT_PACKAGE or rel.parts[0].startswith(".") or len(rel.parts) == 1:
+            continue
+        parts = list(rel.with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(["meshkit", *parts])] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> list[tuple[str, list[str], int]]:
+    """``(target module, imported names, line)`` for every meshkit import in a module."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if not target.startswith("meshkit"):
+                continue
+            names = [a.name for a in node.names]
+            submodules = [f"{target}.{n}" for n in names if f"{target}.{n}" in MODULES]
+            out.extend((sub, [], node.lineno) for sub in submodules)
+            rest = [n for n in names if f"{target}.{n}" not in MODULES]
+            if rest or not submodules:
+                out.append((target, rest, node.lineno))
+        elif isinstance(node, ast.Import):
+            out.extend((a.name, [], node.lineno) for a in node.names if a.name.startswith("meshkit"))
+    return out
+
+
+GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def _top(name: str) -> str | None:
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def test_every_module_is_found():
+    for expected in ("meshkit.comm.group", "meshkit.comm.engine", "meshkit.mesh.layout", "meshkit.parallel.ddp"):
+        assert expected in MODULES
+
+
+def test_no_import_cycles():
+    """Tarjan's strongly connected components over module imports: every one must be a single module."""
+    edges = {m: sorted({t for t, _, _ in GRAPH[m] if t in MODULES}) for m in MODULES}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in edges[v]:
+                cycles.append(sorted(component))
+
+    for module in sorted(MODULES):
+        if module not in index:
+            visit(module)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_packages_depend_one_way():
+    wrong = []
+    for module, imports in GRAPH.items():
+        source = _top(module)
+        if source is None:
+            continue
+        for target, _, line in imports:
+            other = _top(target)
+            if other is not None and other != source and other not in ALLOWED.get(source, set()):
+                wrong.append(f"{MODULES[module].relative_to(ROOT)}:{line} imports {target}")
+    assert not wrong, "imports against the layering (checkpoint -> parallel -> tensor -> mesh -> comm):\n" + \
+        "\n".join(wrong)
+
+
+def test_packages_import_each_other_only_through_their_public_names():
+    """``from ..comm import X`` with X in ``meshkit.comm.__all__``; never ``..comm.world`` or a private name."""
+    import importlib
+    wrong = []
+    for module, imports in GRAPH.items():
+        source = _top(module)
+        if source is None:
+            continue
+        for target, names, line in imports:
+            other = _top(target)
+            if other is None or other == source:
+                continue
+            where = f"{MODULES[module].relative_to(ROOT)}:{line}"
+            if target != f"meshkit.{other}":
+                wrong.append(f"{where} imports the inner module {target}")
+                continue
+            public = set(importlib.import_module(target).__all__)
+            wrong += [f"{where} imports {target}.{n}, not in its __all__" for n in names if n not in public]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_package_declares_all():
+    import importlib
+    for name in MODULES:
+        if MODULES[name].name == "__init__.py" and _top(name) != "launch":
+            assert isinstance(getattr(importlib.import_module(name), "__all__", None), list), name
+
+
+def test_import_meshkit_makes_every_package_an_attribute():
+    code = ("import meshkit; meshkit.parallel.DistributedDataParallel; meshkit.mesh.DeviceMesh; "
+            "meshkit.comm.ProcessGroup; print('OK')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "OK", out.stderr
+
+
+def test_import_meshkit_does_not_initialize_mpi():
+    """MPI starts with ``init_process_group("mpi")``, not on import: a local job never starts it."""
+    code = "import sys, meshkit; print('mpi4py.MPI' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
