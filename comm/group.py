@@ -75,7 +75,7 @@ class ProcessGroup:
         self._detail = world.debug >= DebugLevel.DETAIL
         # Engines without a native average sum, and the group divides once (as NCCL's AVG does).
         self._divides = engine is not None and not engine.native_avg
-        self._tracks = engine is not None and getattr(engine, "needs_progress", False)
+        self._tracks = engine is not None and getattr(engine, "needs_progress", False) and not __import__("os").environ.get("NOAGENT")
 
     # ----------------------------------------------------------------- identity
     @property
@@ -132,11 +132,22 @@ class ProcessGroup:
         thread = self._thread
         if thread._pending and thread._runner != _get_ident():
             return self._behind_tasks("all_reduce", lambda: self.all_reduce(tensor, op), async_op)
-        seq = self._begin("all_reduce", tensor, reduce_op=op) if self._detail else self._number("all_reduce")
+        if self._detail:
+            seq = self._begin("all_reduce", tensor, reduce_op=op)
+        else:  # _number, inlined: this is the hottest call of all
+            if self._failure is not None:
+                self._unusable("all_reduce")
+            seq = self._seq
+            self._seq = seq + 1
         request = self.engine.all_reduce(tensor, op)
         record = self._flight_entry(seq, self.name, "all_reduce", (tensor.shape,), tensor.dtype, "started")
         settle = self._averaged(tensor) if op is ReduceOp.AVG and self._divides else None
-        return self._complete("all_reduce", seq, record, request, async_op, settle)
+        if async_op:
+            work = RequestWork(self, "all_reduce", seq, record, request, settle, self.timeout)
+            if self._tracks:
+                self.world.progress.track(work)
+            return work
+        return self._complete("all_reduce", seq, record, request, False, settle)
 
     def reduce(self, tensor: np.ndarray, root: int, op: ReduceOp = ReduceOp.SUM, *,
                async_op: bool = False) -> Work | None:
@@ -369,25 +380,8 @@ class ProcessGroup:
 
     def _p2p_work(self, what: str, request: Request, record: CollectiveRecord, peer: int | None,
                   settle: Callable[[], Any] | None) -> Work:
-        def settled() -> Any:
-            result = settle() if settle is not None else None
-            record[STATE], record[T_END] = "completed", time.time()
-            return result
-
-        def fail(exc: BaseException) -> BaseException:
-            record[T_END] = time.time()
-            if not isinstance(exc, DeadlineExceeded):
-                record[STATE], record[ERROR] = "failed", repr(exc)
-                return exc
-            record[STATE] = "timed_out"
-            who = "any rank" if peer is None else f"rank {self.ranks[peer]}"
-            side = "post a matching send" if what.startswith("recv") else "receive it"
-            return CollectiveTimeout(
-                f"meshkit.comm: rank {self.global_rank}: {what} on group {self.name} did not complete "
-                f"within {self.timeout:.1f} s: {who} did not {side}", op=what.split()[0], group=self.name,
-                missing=None if peer is None else [self.ranks[peer]])
-
-        work = RequestWork(what, request, self.engine, time.monotonic() + self.timeout, settled, fail)
+        work = _P2PWork(self, what, -1, record, request, settle, self.timeout)
+        work.peer = peer
         if self._tracks:
             self.world.progress.track(work)
         return work
@@ -449,16 +443,16 @@ class ProcessGroup:
 
     def _request_work(self, op: str, seq: int, record: CollectiveRecord, request: Request,
                       settle: Callable[[], Any] | None) -> RequestWork:
-        def settled() -> None:
-            if settle is not None:
-                settle()
-            record[STATE], record[T_END] = "completed", time.time()
-
-        work = RequestWork(f"{op} on group {self.name}", request, self.engine, time.monotonic() + self.timeout,
-                           settled, lambda exc: self._failed(op, seq, record, exc, self.timeout))
+        work = RequestWork(self, op, seq, record, request, settle, self.timeout)
         if self._tracks:
             self.world.progress.track(work)
         return work
+
+    def _work_failed(self, work: RequestWork, exc: BaseException) -> BaseException:
+        """A Work of this group failed: record it; the error its waiters raise."""
+        if isinstance(work, _P2PWork):
+            return work.error(exc)
+        return self._failed(work._op, work._seq, work._record, exc, self.timeout)
 
     def _blocking(self, op: str, step: Callable[[int, float], Any], timeout: float) -> Any:
         """Run a blocking engine step ``step(seq, deadline)`` as operation ``op`` (split, monitored
@@ -571,6 +565,30 @@ class ProcessGroup:
             dtype = tensor.dtype
         return Call(name, None if dtype is None else str(dtype), None if tensor is None else tuple(tensor.shape),
                     None if reduce_op is None else reduce_op.name, root, counts)
+
+
+class _P2PWork(RequestWork):
+    """Work of a send or receive; a timeout names the peer that did not take part."""
+
+    __slots__ = ("peer",)
+
+    def error(self, exc: BaseException) -> BaseException:
+        group, record = self._owner_group, self._record
+        record[T_END] = time.time()
+        if not isinstance(exc, DeadlineExceeded):
+            record[STATE], record[ERROR] = "failed", repr(exc)
+            return exc
+        record[STATE] = "timed_out"
+        who = "any rank" if self.peer is None else f"rank {group.ranks[self.peer]}"
+        side = "post a matching send" if self._op.startswith("recv") else "receive it"
+        return CollectiveTimeout(
+            f"meshkit.comm: rank {group.global_rank}: {self._op} on group {group.name} did not complete "
+            f"within {group.timeout:.1f} s: {who} did not {side}", op=self._op.split()[0], group=group.name,
+            missing=None if self.peer is None else [group.ranks[self.peer]])
+
+    @property
+    def _what(self) -> str:
+        return self._op
 
 
 def _divide(buf: np.ndarray, n: int) -> None:

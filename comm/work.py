@@ -26,6 +26,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
+from .debug import STATE, T_END
 from .engine import DeadlineExceeded
 from .errors import CollectiveTimeout, DistError
 
@@ -131,70 +132,93 @@ class Work:
 class RequestWork(Work):
     """Work of an operation the engine is running: ``wait`` polls the engine's request.
 
-    ``settle`` is called exactly once, by whichever thread sees the request complete (the
-    caller in ``wait``/``is_completed``, or the progress agent): it runs the operation's
-    epilogue (AVG's division, copies out of a staging buffer, a receive's size check) and
-    returns the result or raises. ``fail(exc)`` is called instead when the engine raised or
-    the operation's deadline passed (with :class:`~meshkit.comm.engine.DeadlineExceeded`):
-    it records the failure and returns the error to raise.
+    Whichever thread sees the request complete (the caller in ``wait``/``is_completed``, or the
+    progress agent) settles it, exactly once, through its owner (the group): the operation's
+    epilogue runs (AVG's division, copies out of a staging buffer, a receive's size check) and
+    the flight-recorder entry is closed. When the engine raises, or the operation's deadline
+    passes (:class:`~meshkit.comm.engine.DeadlineExceeded`), the owner records the failure and
+    gives the error every waiter raises.
+
+    It holds no ``threading.Event`` (3 us to create, more than a small all-reduce costs) and
+    no closures: completion is a flag set under the work's lock, which every tester holds.
     """
 
-    __slots__ = ("_request", "_engine", "_deadline", "_settle", "_fail", "_lock")
+    __slots__ = ("_request", "_owner_group", "_op", "_seq", "_record", "_settle", "_deadline", "_lock",
+                 "_finished", "posted")
 
-    def __init__(self, what: str, request: Request, engine: Any, deadline: float,
-                 settle: Callable[[], Any], fail: Callable[[BaseException], BaseException]) -> None:
-        super().__init__(what)
-        self._request, self._engine, self._deadline = request, engine, deadline
-        self._settle, self._fail = settle, fail
+    def __init__(self, owner: Any, op: str, seq: int, record: Any, request: Request,
+                 settle: Callable[[], Any] | None, timeout: float) -> None:
+        self._owner_group, self._op, self._seq, self._record = owner, op, seq, record
+        self._request, self._settle = request, settle
+        self._error: BaseException | None = None
+        self._result: Any = None
+        self._queue = self._owner = None
+        self._finished = False
         self._lock = threading.Lock()  # one thread tests the request at a time (MPI requires it)
+        self.posted = now = time.monotonic()
+        self._deadline = now + timeout
+
+    @property
+    def _what(self) -> str:  # only for messages
+        return f"{self._op} on group {self._owner_group.name}"
+
+    def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
+        self._result, self._error = result, error
+        self._finished = True
 
     def _settled(self) -> None:
         try:
-            result = self._settle()
+            result = self._settle() if self._settle is not None else None
         except BaseException as exc:  # handed to every waiter
-            self._finish(None, self._fail(exc))
+            self._finish(None, self._owner_group._work_failed(self, exc))
         else:
+            self._record[STATE], self._record[T_END] = "completed", time.time()
             self._finish(result)
 
     def poll(self, *, block: bool = True) -> bool:
         """Test the request once (skipped when another thread is testing it and ``block`` is
         False); True once the operation finished."""
-        if self._done.is_set():
+        if self._finished:
             return True
         if not self._lock.acquire(blocking=block):
             return False
         try:
-            if not self._done.is_set():
+            if not self._finished:
                 try:
                     complete = self._request.Test()
                 except BaseException as exc:
-                    self._finish(None, self._fail(exc))
+                    self._finish(None, self._owner_group._work_failed(self, exc))
                 else:
                     if complete:
                         self._settled()
                     elif time.monotonic() > self._deadline:
-                        self._finish(None, self._fail(DeadlineExceeded()))
+                        self._finish(None, self._owner_group._work_failed(self, DeadlineExceeded()))
         finally:
             self._lock.release()
-        return self._done.is_set()
+        return self._finished
 
     def is_completed(self) -> bool:
-        return self.poll()
+        return self._finished or self.poll()
+
+    def is_success(self) -> bool:
+        return self._finished and self._error is None
 
     def wait(self, timeout: float | None = None) -> bool:
-        if not self._done.is_set():
+        if not self._finished:
             limit = self._deadline if timeout is None else min(self._deadline, time.monotonic() + timeout)
             with self._lock:
-                if not self._done.is_set():
+                if not self._finished:
+                    request = self._request
                     try:
-                        self._engine.wait(self._request, limit)
+                        if not request.Test():
+                            self._owner_group.engine.wait(request, limit)
                     except DeadlineExceeded as exc:
                         if limit < self._deadline:  # the caller's own bound: the operation goes on
                             raise CollectiveTimeout(f"meshkit.comm: {self._what} did not complete within "
                                                     f"Work.wait(timeout={timeout})", op=self._what) from None
-                        self._finish(None, self._fail(exc))
+                        self._finish(None, self._owner_group._work_failed(self, exc))
                     except BaseException as exc:
-                        self._finish(None, self._fail(exc))
+                        self._finish(None, self._owner_group._work_failed(self, exc))
                     else:
                         self._settled()
         if self._error is not None:
