@@ -31,7 +31,9 @@ import numpy as np
 from .checks import check_array, check_like, check_list, check_root, check_split_sizes, where
 from .debug import ERROR, STATE, T_END, Call, CollectiveRecord, DebugLevel
 from .engine import DeadlineExceeded, Engine, Request
-from .errors import CollectiveMismatchError, CollectiveTimeout, DistError, DistValueError
+from .errors import (CollectiveMismatchError, CollectiveTimeout, DistError, DistTypeError, DistValueError,
+                     RankFailedError)
+from .notices import BROKEN, LEFT, REJECTED, Notice
 from .reduce_op import ReduceOp, check_op_dtype, valid_op_dtypes
 from .work import CommThread, RequestWork, Work
 
@@ -75,7 +77,11 @@ class ProcessGroup:
         self._detail = world.debug >= DebugLevel.DETAIL
         # Engines without a native average sum, and the group divides once (as NCCL's AVG does).
         self._divides = engine is not None and not engine.native_avg
-        self._tracks = engine is not None and getattr(engine, "needs_progress", False) and not __import__("os").environ.get("NOAGENT")
+        self._tracks = engine is not None and getattr(engine, "needs_progress", False)
+        self._rejected: set[int] = set()  # numbers of calls this rank rejected (they did not count)
+        self._waiting = 0  # the call a wait on this group is for (read by _stalled)
+        if engine is not None:
+            engine.watch = self._stalled
 
     # ----------------------------------------------------------------- identity
     @property
@@ -126,9 +132,12 @@ class ProcessGroup:
         """
         if self.rank < 0 or self.world.destroyed:
             self._member("all_reduce")
-        check_array(self, "all_reduce", "tensor", tensor)
-        if op.__class__ is not ReduceOp or (op, tensor.dtype) not in valid_op_dtypes:  # checked once per pair
-            op = check_op_dtype(op, tensor.dtype, lambda: where(self, "all_reduce"))
+        try:
+            check_array(self, "all_reduce", "tensor", tensor)
+            if op.__class__ is not ReduceOp or (op, tensor.dtype) not in valid_op_dtypes:  # checked once per pair
+                op = check_op_dtype(op, tensor.dtype, lambda: where(self, "all_reduce"))
+        except (DistValueError, DistTypeError) as exc:
+            raise self._reject("all_reduce", exc)
         thread = self._thread
         if thread._pending and thread._runner != _get_ident():
             return self._behind_tasks("all_reduce", lambda: self.all_reduce(tensor, op), async_op)
@@ -156,9 +165,12 @@ class ProcessGroup:
         The other ranks' ``tensor`` keeps its contents.
         """
         self._member("reduce")
-        check_array(self, "reduce", "tensor", tensor)
-        root = check_root(self, "reduce", "dst", root)
-        op = check_op_dtype(op, tensor.dtype, lambda: where(self, "reduce"))
+        try:
+            check_array(self, "reduce", "tensor", tensor)
+            root = check_root(self, "reduce", "dst", root)
+            op = check_op_dtype(op, tensor.dtype, lambda: where(self, "reduce"))
+        except (DistValueError, DistTypeError) as exc:
+            raise self._reject("reduce", exc)
         settle = self._averaged(tensor) if op is ReduceOp.AVG and self._divides and self.rank == root else None
         return self._run("reduce", lambda: self.engine.reduce(tensor, op, root), async_op, (tensor.shape,),
                          tensor, settle, reduce_op=op, root=root)
@@ -166,8 +178,11 @@ class ProcessGroup:
     def broadcast(self, tensor: np.ndarray, root: int, *, async_op: bool = False) -> Work | None:
         """Copy group rank ``root``'s ``tensor`` into every rank's ``tensor``."""
         self._member("broadcast")
-        check_array(self, "broadcast", "tensor", tensor)
-        root = check_root(self, "broadcast", "src", root)
+        try:
+            check_array(self, "broadcast", "tensor", tensor)
+            root = check_root(self, "broadcast", "src", root)
+        except (DistValueError, DistTypeError) as exc:
+            raise self._reject("broadcast", exc)
         return self._run("broadcast", lambda: self.engine.broadcast(tensor, root), async_op, (tensor.shape,),
                          tensor, None, root=root)
 
@@ -179,9 +194,12 @@ class ProcessGroup:
         """
         name = "all_gather_into_tensor"
         self._member(name)
-        check_array(self, name, "input", input, writable=False)
-        check_array(self, name, "output", output)
-        check_like(self, name, "output", output, input, "input", size=input.size * self.size)
+        try:
+            check_array(self, name, "input", input, writable=False)
+            check_array(self, name, "output", output)
+            check_like(self, name, "output", output, input, "input", size=input.size * self.size)
+        except (DistValueError, DistTypeError) as exc:
+            raise self._reject(name, exc)
         return self._run(name, lambda: self.engine.all_gather(output, input), async_op,
                          (input.shape, output.shape), input, None)
 
@@ -189,8 +207,11 @@ class ProcessGroup:
                    async_op: bool = False) -> Work | None:
         """Gather every rank's ``tensor`` into ``tensor_list[rank]`` on every rank."""
         self._member("all_gather")
-        check_array(self, "all_gather", "tensor", tensor, writable=False)
-        outs = check_list(self, "all_gather", "tensor_list", tensor_list, tensor, "tensor", writable=True)
+        try:
+            check_array(self, "all_gather", "tensor", tensor, writable=False)
+            outs = check_list(self, "all_gather", "tensor_list", tensor_list, tensor, "tensor", writable=True)
+        except (DistValueError, DistTypeError) as exc:
+            raise self._reject("all_gather", exc)
         flat = np.empty((self.size,) + tensor.shape, tensor.dtype)
         return self._run("all_gather", lambda: self.engine.all_gather(flat, tensor), async_op, (tensor.shape,),
                          tensor, _copy_rows(flat, outs))
@@ -200,10 +221,13 @@ class ProcessGroup:
         """Reduce ``input`` (``size`` chunks) over the group; rank r receives reduced chunk r."""
         name = "reduce_scatter_tensor"
         self._member(name)
-        check_array(self, name, "input", input, writable=False)
-        check_array(self, name, "output", output)
-        check_like(self, name, "input", input, output, "output", size=output.size * self.size)
-        op = check_op_dtype(op, input.dtype, lambda: where(self, name))
+        try:
+            check_array(self, name, "input", input, writable=False)
+            check_array(self, name, "output", output)
+            check_like(self, name, "input", input, output, "output", size=output.size * self.size)
+            op = check_op_dtype(op, input.dtype, lambda: where(self, name))
+        except (DistValueError, DistTypeError) as exc:
+            raise self._reject(name, exc)
         settle = self._averaged(output) if op is ReduceOp.AVG and self._divides else None
         return self._run(name, lambda: self.engine.reduce_scatter(output, input, op), async_op,
                          (input.shape, output.shape), input, settle, reduce_op=op)
@@ -212,9 +236,12 @@ class ProcessGroup:
                        *, async_op: bool = False) -> Work | None:
         """Reduce ``input_list[r]`` over the group into rank r's ``output``."""
         self._member("reduce_scatter")
-        check_array(self, "reduce_scatter", "output", output)
-        ins = check_list(self, "reduce_scatter", "input_list", input_list, output, "output", writable=False)
-        op = check_op_dtype(op, output.dtype, lambda: where(self, "reduce_scatter"))
+        try:
+            check_array(self, "reduce_scatter", "output", output)
+            ins = check_list(self, "reduce_scatter", "input_list", input_list, output, "output", writable=False)
+            op = check_op_dtype(op, output.dtype, lambda: where(self, "reduce_scatter"))
+        except (DistValueError, DistTypeError) as exc:
+            raise self._reject("reduce_scatter", exc)
         settle = self._averaged(output) if op is ReduceOp.AVG and self._divides else None
         stacked = np.stack(ins)
         return self._run("reduce_scatter", lambda: self.engine.reduce_scatter(output, stacked, op), async_op,
@@ -224,9 +251,12 @@ class ProcessGroup:
                async_op: bool = False) -> Work | None:
         """Gather every rank's ``tensor`` into ``gather_list`` on group rank ``root``."""
         self._member("gather")
-        check_array(self, "gather", "tensor", tensor, writable=False)
-        root = check_root(self, "gather", "dst", root)
-        outs = self._root_list("gather", "gather_list", gather_list, tensor, root, writable=True)
+        try:
+            check_array(self, "gather", "tensor", tensor, writable=False)
+            root = check_root(self, "gather", "dst", root)
+            outs = self._root_list("gather", "gather_list", gather_list, tensor, root, writable=True)
+        except (DistValueError, DistTypeError) as exc:
+            raise self._reject("gather", exc)
         flat = np.empty((self.size,) + tensor.shape, tensor.dtype) if outs is not None else None
         return self._run("gather", lambda: self.engine.gather(flat, tensor, root), async_op, (tensor.shape,),
                          tensor, None if outs is None else _copy_rows(flat, outs), root=root)
@@ -235,9 +265,12 @@ class ProcessGroup:
                 async_op: bool = False) -> Work | None:
         """Send ``scatter_list[r]`` from group rank ``root`` into rank r's ``tensor``."""
         self._member("scatter")
-        check_array(self, "scatter", "tensor", tensor)
-        root = check_root(self, "scatter", "src", root)
-        ins = self._root_list("scatter", "scatter_list", scatter_list, tensor, root, writable=False)
+        try:
+            check_array(self, "scatter", "tensor", tensor)
+            root = check_root(self, "scatter", "src", root)
+            ins = self._root_list("scatter", "scatter_list", scatter_list, tensor, root, writable=False)
+        except (DistValueError, DistTypeError) as exc:
+            raise self._reject("scatter", exc)
         stacked = np.stack(ins) if ins is not None else None
         return self._run("scatter", lambda: self.engine.scatter(tensor, stacked, root), async_op, (tensor.shape,),
                          tensor, None, root=root)
@@ -252,17 +285,20 @@ class ProcessGroup:
         """
         name = "all_to_all_single"
         self._member(name)
-        check_array(self, name, "input", input, writable=False)
-        check_array(self, name, "output", output)
-        check_like(self, name, "output", output, input, "input")
-        if input.ndim == 0 or output.ndim == 0 or input.shape[1:] != output.shape[1:]:
-            raise DistValueError(f"{where(self, name)}: input {input.shape} and output {output.shape} must be "
-                                 "at least 1-D with the same shape after dim 0")
-        row = input.size // input.shape[0] if input.shape[0] else math.prod(input.shape[1:])
-        send = [s * row for s in check_split_sizes(self, name, "input_split_sizes", input_split_sizes,
-                                                   input.shape[0])]
-        recv = [s * row for s in check_split_sizes(self, name, "output_split_sizes", output_split_sizes,
-                                                   output.shape[0])]
+        try:
+            check_array(self, name, "input", input, writable=False)
+            check_array(self, name, "output", output)
+            check_like(self, name, "output", output, input, "input")
+            if input.ndim == 0 or output.ndim == 0 or input.shape[1:] != output.shape[1:]:
+                raise DistValueError(f"{where(self, name)}: input {input.shape} and output {output.shape} must be "
+                                     "at least 1-D with the same shape after dim 0")
+            row = input.size // input.shape[0] if input.shape[0] else math.prod(input.shape[1:])
+            send = [s * row for s in check_split_sizes(self, name, "input_split_sizes", input_split_sizes,
+                                                       input.shape[0])]
+            recv = [s * row for s in check_split_sizes(self, name, "output_split_sizes", output_split_sizes,
+                                                       output.shape[0])]
+        except (DistValueError, DistTypeError) as exc:
+            raise self._reject(name, exc)
         return self._run(name, lambda: self.engine.all_to_all(output, recv, input, send), async_op,
                          (input.shape, output.shape), None, None, dtype=input.dtype, counts=(tuple(send), tuple(recv)))
 
@@ -270,14 +306,17 @@ class ProcessGroup:
                    async_op: bool = False) -> Work | None:
         """Send ``input_list[j]`` to rank j; receive rank j's array into ``output_list[j]``."""
         self._member("all_to_all")
-        if not isinstance(input_list, (list, tuple)) or not input_list:
-            raise DistValueError(f"{where(self, 'all_to_all')}: input_list must be a list of {self.size} arrays")
-        check_array(self, "all_to_all", "input_list[0]", input_list[0], writable=False)
-        ref = input_list[0]
-        ins = check_list(self, "all_to_all", "input_list", input_list, ref, "input_list[0]", writable=False,
-                         same_shape=False)
-        outs = check_list(self, "all_to_all", "output_list", output_list, ref, "input_list[0]", writable=True,
-                          same_shape=False)
+        try:
+            if not isinstance(input_list, (list, tuple)) or not input_list:
+                raise DistValueError(f"{where(self, 'all_to_all')}: input_list must be a list of {self.size} arrays")
+            check_array(self, "all_to_all", "input_list[0]", input_list[0], writable=False)
+            ref = input_list[0]
+            ins = check_list(self, "all_to_all", "input_list", input_list, ref, "input_list[0]", writable=False,
+                             same_shape=False)
+            outs = check_list(self, "all_to_all", "output_list", output_list, ref, "input_list[0]", writable=True,
+                              same_shape=False)
+        except (DistValueError, DistTypeError) as exc:
+            raise self._reject("all_to_all", exc)
         send = [x.size for x in ins]
         recv = [x.size for x in outs]
         flat_in = np.concatenate([x.ravel() for x in ins])
@@ -367,6 +406,7 @@ class ProcessGroup:
         record = self._flight_entry(-1, self.name, "recv", (tensor.shape,), tensor.dtype, "started")
         request = self.engine.recv(tensor, src, tag)
 
+
         def settle() -> int:
             count, source = request.count, request.source
             if count != tensor.size:
@@ -433,6 +473,7 @@ class ProcessGroup:
             return self._request_work(op, seq, record, request, settle)
         try:
             if not request.Test():
+                self._waiting = seq
                 self.engine.wait(request, time.monotonic() + self.timeout)
             if settle is not None:
                 settle()
@@ -487,15 +528,56 @@ class ProcessGroup:
         record[T_END] = time.time()
         if isinstance(exc, DeadlineExceeded):
             record[STATE] = "timed_out"
-            self._failure = f"{op} #{seq} timed out"
+            self._broken(f"{op} #{seq} timed out", seq, timed_out=True)
             error = self._timeout_error(op, seq, timeout, exc)
             record[ERROR] = str(error)
             logger.error("%s\n%s", error, self.world.recorder.format(self.global_rank))
             return error
         record[STATE], record[ERROR] = "failed", repr(exc)
+        if isinstance(exc, RankFailedError) and self._failure is None:
+            self._broken(f"{op} #{seq} failed: {exc}", seq)
         if isinstance(exc, CollectiveMismatchError):
             logger.error("%s\n%s", exc, self.world.recorder.format(self.global_rank))
         return exc
+
+    def _broken(self, why: str, seq: int, *, timed_out: bool = False) -> None:
+        """This rank stops using the group at call ``seq``; the other members are told."""
+        self._failure = why
+        self._tell(Notice(BROKEN, self.global_rank, self.ranks, seq, why, timed_out=timed_out))
+
+    def _tell(self, notice: Notice) -> None:
+        others = [r for r in self.ranks if r != self.global_rank]
+        if others and self.engine is not None:
+            try:
+                self.engine.notify(others, notice)
+            except Exception:  # telling is best effort: the caller's own error matters more
+                logger.debug("meshkit: rank %d could not send %s", self.global_rank, notice, exc_info=True)
+
+    def _reject(self, op: str, exc: BaseException) -> BaseException:
+        """``op``'s arguments were rejected on this rank. As in torch the call does not count, but
+        the members that did start it are told, so that they fail instead of waiting for the
+        timeout (unless this rank starts the call, corrected, soon after)."""
+        if self.rank >= 0 and self._failure is None and not self.world.destroyed:
+            seq = self._seq
+            self._rejected.add(seq)
+            record = self._flight_entry(seq, self.name, op, (), None, "rejected")
+            record[ERROR] = str(exc)
+            self._tell(Notice(REJECTED, self.global_rank, self.ranks, seq, f"{type(exc).__name__}: {exc}"))
+        return exc
+
+    def _stalled(self) -> None:
+        """Called while a wait on this group lasts: raise if a notice shows it is in vain."""
+        world = self.world
+        world.notices.extend(self.engine.notices())
+        for notice in world.notices:
+            if notice.blocks(self.ranks, self._waiting, self._rejected):
+                raise RankFailedError(f"meshkit.comm: rank {self.global_rank}: call #{self._waiting} on group "
+                                      f"{self.name} (ranks {list(self.ranks)}) cannot complete: "
+                                      f"{notice.describe(self.name)}")
+
+    def counts(self) -> tuple[tuple[int, ...], int]:
+        """``(ranks, calls issued)``: what a LEFT notice says of this group."""
+        return self.ranks, self._seq
 
     def _timeout_error(self, op: str, seq: int, timeout: float, exc: DeadlineExceeded) -> CollectiveTimeout:
         head = (f"meshkit.comm: rank {self.global_rank}: {op} #{seq} on group {self.name} "

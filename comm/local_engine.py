@@ -18,6 +18,7 @@ import numpy as np
 
 from .engine import DeadlineExceeded
 from .errors import DistValueError, RankFailedError
+from .notices import WATCH_INTERVAL, Notice
 from .reduce_op import ReduceOp, combine_into
 
 __all__ = ["Hub", "RankContext", "LocalEngine", "create_world_engine"]
@@ -57,6 +58,7 @@ class Hub:
         self.mail: dict[tuple, list[tuple[int, np.ndarray]]] = {}
         self.receivers: dict[tuple, list[_Receive]] = {}
         self.failure: tuple[int, BaseException] | None = None
+        self.inbox: dict[int, list[Notice]] = {r: [] for r in range(world_size)}
 
     def fail(self, rank: int, exc: BaseException) -> None:
         with self.cond:
@@ -70,14 +72,20 @@ class Hub:
             raise RankFailedError(f"meshkit.comm.local: rank {failed} failed with {type(exc).__name__}: {exc}; "
                                   f"rank {rank} stops")
 
-    def wait_until(self, ready: Callable[[], bool], deadline: float, rank: int) -> bool:
-        """Wait (holding ``cond``) until ``ready()``; False at the deadline."""
+    def wait_until(self, ready: Callable[[], bool], deadline: float, rank: int,
+                   watch: Callable[[], None] | None = None) -> bool:
+        """Wait (holding ``cond``) until ``ready()``; False at the deadline. ``watch`` is called
+        on every wake-up once the wait has lasted WATCH_INTERVAL (it reads notices)."""
+        since = time.monotonic()
         while not ready():
             self.check(rank)
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            if watch is not None and now - since > WATCH_INTERVAL:
+                watch()
+            left = deadline - now
             if left <= 0:
                 return False
-            self.cond.wait(left)
+            self.cond.wait(min(left, WATCH_INTERVAL))
         return True
 
     def deposit(self, key: tuple, n: int, index: int, value: Any) -> _Slot:
@@ -124,7 +132,7 @@ class _Rendezvous:
             return
         hub, slot, me = self.engine.hub, self.slot, self.engine.global_rank
         with hub.cond:
-            if not hub.wait_until(lambda: slot.arrived == len(slot.values), deadline, me):
+            if not hub.wait_until(lambda: slot.arrived == len(slot.values), deadline, me, self.engine.watch):
                 ranks = self.engine.world_ranks
                 raise DeadlineExceeded([ranks[i] for i, v in enumerate(slot.values) if v is _ABSENT])
             self._complete()
@@ -152,8 +160,8 @@ class _Receive:
     """A posted receive: completes with ``source``, ``count`` and ``dtype`` of the message. The
     buffer is filled only when the message has its size and dtype."""
 
-    def __init__(self, hub: Hub, buf: np.ndarray, src: int | None, rank: int) -> None:
-        self.hub, self.buf, self.src, self.rank = hub, buf, src, rank
+    def __init__(self, engine: LocalEngine, buf: np.ndarray, src: int | None, rank: int) -> None:
+        self.engine, self.hub, self.buf, self.src, self.rank = engine, engine.hub, buf, src, rank
         self.done = False
         self.source, self.count, self.dtype = -1, -1, None
 
@@ -168,7 +176,7 @@ class _Receive:
 
     def wait(self, deadline: float) -> None:
         with self.hub.cond:
-            if not self.hub.wait_until(lambda: self.done, deadline, self.rank):
+            if not self.hub.wait_until(lambda: self.done, deadline, self.rank, self.engine.watch):
                 raise DeadlineExceeded()
 
 
@@ -188,6 +196,21 @@ class LocalEngine:
         self._uid = (generation, ranks)
         self._generation = generation
         self._ops = 0  # rendezvous so far; the same sequence on every member
+        self.watch: Callable[[], None] | None = None  # set by the group: reads notices while stalled
+
+    def notify(self, ranks: list[int], notice: Notice) -> None:
+        """Leave ``notice`` for these global ranks, and wake them."""
+        with self.hub.cond:
+            for r in ranks:
+                self.hub.inbox[r].append(notice)
+            self.hub.cond.notify_all()
+
+    def notices(self) -> list[Notice]:
+        """Notices received since the last call."""
+        with self.hub.cond:
+            mine = self.hub.inbox[self.global_rank]
+            got, mine[:] = list(mine), []
+        return got
 
     def _start(self, value: Any, finish: Callable[[list[Any]], None] | None = None) -> _Rendezvous:
         self._ops += 1
@@ -297,7 +320,7 @@ class LocalEngine:
     def recv(self, buf: np.ndarray, src: int | None, tag: int) -> _Receive:
         key = (self._uid, self.rank, tag)
         hub = self.hub
-        receiver = _Receive(hub, buf, src, self.global_rank)
+        receiver = _Receive(self, buf, src, self.global_rank)
         with hub.cond:
             queued = hub.mail.get(key, [])
             for i, (source, data) in enumerate(queued):

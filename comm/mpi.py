@@ -21,13 +21,14 @@ import itertools
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from mpi4py import MPI
 
 from .engine import DeadlineExceeded
 from .errors import DistBackendError
+from .notices import WATCH_INTERVAL, Notice
 from .reduce_op import ReduceOp, combine_into
 from .work import in_background
 
@@ -70,13 +71,15 @@ class _Poller:
     """Spin, then yield, then nap: the waiting policy of every MPI wait.
 
     ``spin``: seconds to keep spinning (no yield between batches) after the first batch, while
-    nobody computes beside this wait (see ``work.in_background``).
+    nobody computes beside this wait (see ``work.in_background``). ``watch``: called every
+    :data:`~meshkit.comm.notices.WATCH_INTERVAL` once the wait has lasted that long (it reads
+    notices and raises if the wait is in vain).
     """
 
-    __slots__ = ("since", "deadline", "spin")
+    __slots__ = ("since", "deadline", "spin", "watch", "watched")
 
-    def __init__(self, deadline: float, spin: float = 0.0) -> None:
-        self.since, self.deadline, self.spin = 0.0, deadline, spin
+    def __init__(self, deadline: float, spin: float = 0.0, watch: Callable[[], None] | None = None) -> None:
+        self.since, self.deadline, self.spin, self.watch, self.watched = 0.0, deadline, spin, watch, 0.0
 
     def pause(self) -> bool:
         """Between two batches of polls: maybe yield or nap; False once the deadline has passed."""
@@ -84,7 +87,10 @@ class _Poller:
         if now > self.deadline:
             return False
         if not self.since:
-            self.since = now
+            self.since = self.watched = now
+        elif self.watch is not None and now - self.watched > WATCH_INTERVAL:
+            self.watched = now
+            self.watch()
         waited = now - self.since
         if waited < self.spin and not in_background():
             return True
@@ -95,9 +101,9 @@ class _Poller:
         return True
 
 
-def _completes(request: Any, deadline: float) -> bool:
+def _completes(request: Any, deadline: float, watch: Callable[[], None] | None = None) -> bool:
     """Poll ``request`` until it completes (True) or the deadline passes (False)."""
-    poller = _Poller(deadline, _caller_spin)
+    poller = _Poller(deadline, _caller_spin, watch)
     test = request.Test
     while True:
         for _ in _BATCH:  # a tight batch: MPI progresses only inside Test, so react fast
@@ -175,6 +181,35 @@ class _Receive:
         return True
 
 
+class _Mailbox:
+    """The notice channel of a world: its own duplicate of MPI_COMM_WORLD, shared by every
+    engine of the world, so notices never meet collective or user traffic."""
+
+    _TAG = 7
+
+    def __init__(self, comm: MPI.Intracomm) -> None:
+        self.comm = comm
+        self._sent: list[MPI.Request] = []
+
+    def post(self, ranks: list[int], notice: Notice) -> None:
+        self._sent = [r for r in self._sent if not r.Test()]
+        self._sent += [self.comm.isend(notice, dest=r, tag=self._TAG) for r in ranks]
+
+    def drain(self) -> list[Notice]:
+        got = []
+        status = MPI.Status()
+        while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=self._TAG, status=status):
+            got.append(self.comm.recv(source=status.Get_source(), tag=self._TAG))
+        return got
+
+    def flush(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` seconds) until the notices sent have left."""
+        deadline = time.monotonic() + timeout
+        for request in self._sent:
+            _completes(request, deadline)
+        self._sent = []
+
+
 class MPIEngine:
     """The engine of a group over an MPI communicator (group rank == communicator rank)."""
 
@@ -182,15 +217,27 @@ class MPIEngine:
     native_avg = False
     needs_progress = True  # MPI moves nonblocking data only inside MPI calls
 
-    def __init__(self, comm: MPI.Intracomm) -> None:
+    def __init__(self, comm: MPI.Intracomm, mailbox: _Mailbox) -> None:
         self.comm = comm
+        self.mailbox = mailbox
+        self.watch: Callable[[], None] | None = None  # set by the group: reads notices while stalled
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         tag_ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
         self._tag_up, self._tag_down = tag_ub, tag_ub - 1
         self.max_tag = tag_ub - 16  # the top tags carry monitored exchanges
         self._Iallreduce = comm.Iallreduce
 
-    wait = staticmethod(_wait)  # no frame of its own: it is on every synchronous call's path
+    def wait(self, request: Any, deadline: float) -> None:
+        if not _completes(request, deadline, self.watch):
+            raise DeadlineExceeded()
+
+    def notify(self, ranks: list[int], notice: Notice) -> None:
+        """Send ``notice`` to these global ranks (fire and forget)."""
+        self.mailbox.post(ranks, notice)
+
+    def notices(self) -> list[Notice]:
+        """Notices received since the last call."""
+        return self.mailbox.drain()
 
     def all_reduce(self, buf: np.ndarray, op: ReduceOp) -> MPI.Request:
         t, ops = _specs.get(buf.dtype) or _spec(buf.dtype)  # the hottest call: no function call when cached
@@ -303,7 +350,7 @@ class MPIEngine:
         child = self.comm.Split(MPI.UNDEFINED if color is None else color, me)
         if child == MPI.COMM_NULL:
             return None
-        engine = MPIEngine(child)
+        engine = MPIEngine(child, self.mailbox)
         members = tuple(engine.world_ranks)
         if members != ranks:
             raise DistBackendError(f"meshkit.comm: rank {me}: split: expected group {list(ranks)}, "
@@ -328,4 +375,4 @@ def create_world_engine() -> MPIEngine:
     ranks_here = host.Get_size()
     host.Free()
     _caller_spin = CALLER_SPIN_SECONDS if ranks_here <= len(os.sched_getaffinity(0)) else 0.0
-    return MPIEngine(MPI.COMM_WORLD.Dup())
+    return MPIEngine(MPI.COMM_WORLD.Dup(), _Mailbox(MPI.COMM_WORLD.Dup()))

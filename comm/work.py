@@ -211,7 +211,9 @@ class RequestWork(Work):
                     request = self._request
                     try:
                         if not request.Test():
-                            self._owner_group.engine.wait(request, limit)
+                            group = self._owner_group
+                            group._waiting = self._seq
+                            group.engine.wait(request, limit)
                     except DeadlineExceeded as exc:
                         if limit < self._deadline:  # the caller's own bound: the operation goes on
                             raise CollectiveTimeout(f"meshkit.comm: {self._what} did not complete within "

@@ -40,6 +40,8 @@ class World:
     partitions: set[frozenset[frozenset[int]]] = dataclasses.field(default_factory=set)
     #: group-creating collective splits so far (tests and benchmarks count construction cost)
     split_count: int = 0
+    #: notices from other ranks (see :mod:`~meshkit.comm.notices`), read while a wait stalls
+    notices: list[Any] = dataclasses.field(default_factory=list)
     destroyed: bool = False
 
 
