@@ -255,7 +255,12 @@ def test_make_mesh_errors():
     (np.array(3), None, ValueError, "mesh must have at least one dimension, got the 0-d array 3"),
     (np.zeros((0, 2), dtype=int), None, ValueError,
      r"mesh must hold at least one rank, got an empty mesh of shape \(0, 2\)"),
-    ([[0, 1], [2]], None, ValueError, "mesh must be a rectangular array of ranks"),
+    ([[0, 1], [2]], None, ValueError,
+     r"mesh must be a rectangular array of ranks \(rows of equal length\), got \[\[0, 1\], \[2\]\]$"),
+    ([], None, ValueError, r"mesh must hold at least one rank, got an empty mesh of shape \(0,\)$"),
+    ([[]], None, ValueError, r"got an empty mesh of shape \(1, 0\)$"),
+    (None, None, TypeError, r"mesh must be an array-like of integer ranks, got None \(NoneType\)$"),
+    ([0, "a"], None, TypeError, r"mesh must hold integer ranks, got dtype <U21$"),
     ([[0, 1], [1, 2]], None, ValueError, r"mesh of shape \(2, 2\) repeats rank 1; each rank may appear once"),
     ([[0, 1], [1, 0]], None, ValueError, r"repeats ranks \[0, 1\]"),
     ([0, -1], None, ValueError, "mesh holds negative rank -1; ranks must be >= 0"),
@@ -303,6 +308,11 @@ def test_dim_index_errors(dim, names, exc, match):
     ((0, -2), None, ValueError, r"mesh dims \(0, -2\) select dim 0 more than once"),
     ((), ("dp", "tp"), ValueError, r"at least one mesh dim must be selected, got \(\)"),
     (("dp", "pp"), ("dp", "tp"), KeyError, r"Invalid mesh dim 'pp'. Valid dims are \['dp', 'tp'\]"),
+    (None, ("dp", "tp"), TypeError,
+     r"mesh dims must be a dim name, an index, or a tuple of them, got None \(NoneType\)"),
+    (1.5, None, TypeError, r"mesh dims must be a dim name, an index, or a tuple of them, got 1\.5 \(float\)"),
+    ({"dp"}, ("dp", "tp"), TypeError, r"got \{'dp'\} \(set\)"),
+    (("dp", None), ("dp", "tp"), TypeError, r"mesh dim must be an int or a str, got None \(NoneType\)"),
 ])
 def test_dim_indices_errors(dims, names, exc, match):
     with pytest.raises(exc, match=match):
