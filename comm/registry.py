@@ -38,14 +38,17 @@ def create_groups(parent: ProcessGroup, partition: Sequence[Sequence[int]], *, n
     Collective over ``parent``. Every rank passes the same partition (lists of global ranks);
     a rank gets the group it is in, or None if it is in none. A rank set that already has a
     group is reused: its members take part in the split without joining a new communicator.
-    A partition built before by a split over the world is not split again: every rank of the
-    world saw that split, so all agree to skip it.
+    No split happens for a partition of one part, ``parent``'s own ranks (``parent`` is the
+    group), nor for a partition already split over a group holding all of ``parent``'s ranks:
+    every member of ``parent`` took part in that split and recorded it, so all agree to skip it.
     """
     world = parent.world
     me = world.rank
     key = frozenset(frozenset(int(r) for r in part) for part in partition)
-    collective_over_world = parent is world.default_group
-    if collective_over_world and key in world.partitions:
+    over = frozenset(parent.ranks)
+    if key == {over}:
+        return parent
+    if any(over <= ranks and key in known for ranks, known in world.partitions.items()):
         mine_set = next((p for p in key if me in p), None)
         return None if mine_set is None else world.groups[mine_set]
     mine: tuple[int, ...] | None = None
@@ -59,8 +62,7 @@ def create_groups(parent: ProcessGroup, partition: Sequence[Sequence[int]], *, n
     if existing is not None:
         color = None
     created = parent.split(color, ranks=mine or (), name=name)
-    if collective_over_world:
-        world.partitions.add(key)
+    world.partitions.setdefault(over, set()).add(key)
     if created is not None:
         if timeout is not None:
             created.timeout = float(timeout)

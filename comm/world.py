@@ -35,9 +35,9 @@ class World:
     default_group: Any = None
     #: groups by rank set (non-member handles too): the same ranks never get a second communicator
     groups: dict[frozenset[int], Any] = dataclasses.field(default_factory=dict)
-    #: partitions of ranks already built by world-collective splits; every rank records the same
-    #: ones, so all agree to skip a split whose groups all exist (a mesh built a second time)
-    partitions: set[frozenset[frozenset[int]]] = dataclasses.field(default_factory=set)
+    #: partitions already split, by the rank set of the group they were split over: every member
+    #: of that group took part and recorded the same ones, so all agree to skip such a split again
+    partitions: dict[frozenset[int], set[frozenset[frozenset[int]]]] = dataclasses.field(default_factory=dict)
     #: group-creating collective splits so far (tests and benchmarks count construction cost)
     split_count: int = 0
     #: notices from other ranks (see :mod:`~meshkit.comm.notices`), read while a wait stalls

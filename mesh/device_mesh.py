@@ -1,22 +1,23 @@
 """DeviceMesh: an N-dimensional array of ranks with one process group per dimension.
 
-Names and per-rank semantics follow torch's ``DeviceMesh``. The rank arithmetic lives in
-:mod:`meshkit.mesh.layout`; this module turns it into groups, collectively.
+Names and per-rank semantics follow torch's ``DeviceMesh``. All rank arithmetic (groups,
+sub-meshes, flatten, unflatten, rearrange, and the axis order) is :mod:`meshkit.mesh.layout`'s;
+this module turns it into groups, collectively.
 
-How groups are made: every mesh object keeps its *layout*, the arrangement of all of its
-sibling sub-meshes across the root mesh, shape ``(n_siblings, *shape)`` (a root mesh has one
-sibling: itself). The groups of dimension ``d`` are the rows of that layout with axis ``d``
-moved last, so every rank knows every group without communicating. Building a dimension is one
-collective split over the root (``ProcessGroup.split``, MPI's ``Comm_split``), never one call
-per subgroup. The root remembers which partitions of its ranks it has built; slicing, and
-flattening into a partition that exists already, create no communicator, and groups are cached
-by rank set across meshes too (``World.groups``).
+How groups are made: every mesh keeps its *layout* (see `layout`): itself and all of its
+sibling sub-meshes, shape ``(n_siblings, *shape)``, so every rank knows every group of every
+dimension without communicating. Building a dimension is one collective split
+(``create_groups``, MPI's ``Comm_split``) over the root's group, never one call per subgroup.
+``create_groups`` skips a partition already split over a group holding all the ranks it is
+collective over, and returns the parent itself for a partition of one part, the parent's ranks;
+groups are cached by rank set, so the same ranks never get a second communicator.
 
 Construction cost, in collective splits: at most one per dimension; none for a dimension whose
-groups already exist from an earlier world-collective construction (the same mesh built again)
-or whose one group is the whole root (the world's own group). A mesh over a subset of the world
-costs one more, for the group of all its ranks, over which later ``flatten``/``unflatten``/
-``rearrange`` calls run (they are collective over the root mesh only).
+groups exist from an earlier construction over the same ranks (the same mesh built again), or
+whose one group is the whole root; none for slicing. A mesh over a subset of the world costs one
+more, for the group of all its ranks, over which later ``flatten``/``unflatten``/``rearrange``
+calls run (they are collective over the root mesh only). Every construction also exchanges one
+small object (see `agreement`): the ranks must pass the same arguments, and all raise if not.
 """
 
 from __future__ import annotations
@@ -27,15 +28,18 @@ from typing import Any, Sequence, TextIO
 
 import numpy as np
 
-from ..comm import (CollectiveMismatchError, DebugLevel, DistValueError, ProcessGroup, all_gather_object,
-                    create_groups, current_world)
-from . import layout
+from ..comm import DistTypeError, DistValueError, ProcessGroup, all_gather_object, create_groups, current_world
+from . import errors, layout
+from .agreement import agree
 
 __all__ = ["DeviceMesh", "init_device_mesh", "host_names"]
 
 logger = logging.getLogger("meshkit")
 
 DEVICE_TYPES = ("cpu",)
+
+#: the plain errors `layout` and the argument checks raise; `errors.convert` prefixes them
+_ARG_ERRORS = (TypeError, ValueError, KeyError, IndexError)
 
 
 def host_names(group: ProcessGroup) -> list[str]:
@@ -47,22 +51,26 @@ def host_names(group: ProcessGroup) -> list[str]:
 
 def _check_device(device_type: str) -> str:
     if device_type == "cuda":
-        raise DistValueError("meshkit.mesh: device_type 'cuda' needs meshkit's NCCL engine, which is not "
-                             "available in this version; use device_type='cpu'")
+        raise ValueError("device_type 'cuda' needs meshkit's NCCL engine, which is not available in this "
+                         "version; use device_type='cpu'")
     if device_type not in DEVICE_TYPES:
-        raise DistValueError(f"meshkit.mesh: unknown device_type {device_type!r}; valid types are "
-                             f"{list(DEVICE_TYPES)}")
+        raise ValueError(f"unknown device_type {device_type!r}; valid types are {list(DEVICE_TYPES)}")
     return device_type
 
 
-def _partition(full: np.ndarray, dim: int) -> list[list[int]]:
-    """The groups of dimension ``dim`` of a layout ``(n_siblings, *shape)``."""
-    moved = np.moveaxis(full, dim + 1, -1)
-    return moved.reshape(-1, full.shape[dim + 1]).tolist()
+def _context(exc: Exception, context: str) -> Exception:
+    """``exc`` again, its message led by ``context`` (which argument it is about)."""
+    text = str(exc.args[0]) if exc.args else str(exc)
+    return type(exc)(context + text)
 
 
-def _key(parts: list[list[int]]) -> frozenset[frozenset[int]]:
-    return frozenset(frozenset(p) for p in parts)
+def _new_name(name: object, arg: str) -> str:
+    """A new dim name: a str that is an identifier."""
+    if not isinstance(name, str):
+        raise TypeError(f"{arg} must be a str (a new dim name), got {name!r} ({type(name).__name__})")
+    if not name.isidentifier():
+        raise ValueError(f"{arg} {name!r} is not a valid identifier; use names like 'dp' or 'dp_tp'")
+    return name
 
 
 class DeviceMesh:
@@ -95,76 +103,67 @@ class DeviceMesh:
             mesh_dim_names: one unique name per dimension.
 
         Raises:
-            ValueError: a bad mesh or bad names (the message says what is valid).
-            CollectiveMismatchError: with ``MESHKIT_DEBUG=detail``, ranks passed different meshes.
+            DistValueError, DistTypeError: a bad device type, mesh or names, on this rank or on
+                another (every rank raises; the message says what is valid).
+            MeshMismatchError: ranks passed different meshes, names or device types.
         """
         world = current_world()
-        device_type = _check_device(device_type)
-        ranks = layout.validate_mesh(mesh, world.size)
-        names = layout.validate_dim_names(mesh_dim_names, ranks.ndim)
+        args: dict[str, Any] | None = None
+        error: Exception | None = None
+        try:
+            device_type = _check_device(device_type)
+            ranks = layout.validate_mesh(mesh, world.size)
+            names = layout.validate_dim_names(mesh_dim_names, ranks.ndim)
+            args = {"device_type": device_type, "mesh": ranks, "mesh_dim_names": names}
+        except _ARG_ERRORS as exc:
+            error = exc
         parent = world.default_group
-        assert parent is not None
-        if world.debug >= DebugLevel.DETAIL:
-            _check_same_mesh(parent, ranks, names)
+        assert parent is not None, "an initialized world has its default group"
+        agree(parent, "DeviceMesh", args, error)
+        self._build_root(device_type, ranks, names, parent)
+
+    # ------------------------------------------------------------------ construction helpers
+    def _build_root(self, device_type: str, ranks: np.ndarray, names: tuple[str, ...] | None,
+                    parent: ProcessGroup) -> None:
+        """Groups of a root mesh, collectively over ``parent`` (the world)."""
         members = sorted(ranks.ravel().tolist())
-        if len(members) == world.size:
-            root_group: ProcessGroup | None = parent
-        else:
-            root_group = create_groups(parent, [members], name="mesh" + str(list(ranks.shape)))
-        self._setup(device_type, ranks[None], names, anchor=None, groups=None)
+        root_group = create_groups(parent, [members], name="mesh" + str(list(ranks.shape)))
+        self._setup(device_type, layout.root_layout(ranks), names, anchor=None)
         self._root_group = root_group
         self._groups = [self._build_group(d, parent) for d in range(self.ndim)]
 
-    # ------------------------------------------------------------------ construction helpers
-    def _setup(self, device_type: str, full: np.ndarray, names: tuple[str, ...] | None, *,
-               anchor: DeviceMesh | None, groups: list[ProcessGroup | None] | None) -> None:
+    def _setup(self, device_type: str, lay: np.ndarray, names: tuple[str, ...] | None, *,
+               anchor: DeviceMesh | None) -> None:
         world = current_world()
         self.device_type = device_type
         self._world = world
-        self._full = full
+        lay.flags.writeable = False
+        self._layout = lay
         self._anchor = anchor if anchor is not None else self
         if anchor is None:
-            self._known: set[frozenset[frozenset[int]]] = set()
             self._flattened: dict[str, DeviceMesh] = {}
         self.mesh_dim_names = names
-        rows = np.flatnonzero((full == world.rank).reshape(full.shape[0], -1).any(axis=1))
-        self._sibling = int(rows[0]) if rows.size else None
-        mine = full[self._sibling] if self._sibling is not None else full[0]
-        mine.flags.writeable = False
-        self.mesh: np.ndarray = mine
-        self._coordinate = layout.coordinate(mine, world.rank) if self._sibling is not None else None
-        if groups is not None:
-            self._groups = groups
+        found = layout.coordinate(lay, world.rank)  # (sibling, *coordinate in it), None outside the mesh
+        self.mesh: np.ndarray = lay[found[0] if found is not None else 0]
+        self._coordinate = found[1:] if found is not None else None
 
     @classmethod
-    def _derived(cls, source: DeviceMesh, full: np.ndarray, names: tuple[str, ...] | None,
+    def _derived(cls, source: DeviceMesh, lay: np.ndarray, names: tuple[str, ...] | None,
                  groups: list[ProcessGroup | None] | None = None) -> DeviceMesh:
-        """A mesh derived from ``source`` (same root): a slice, flatten, unflatten or rearrange."""
+        """A mesh derived from ``source`` (same root): a slice (``groups`` given), or a flatten,
+        unflatten or rearrange, whose groups are built over the root's group."""
         mesh = cls.__new__(cls)
-        mesh._setup(source.device_type, np.ascontiguousarray(full), names, anchor=source._anchor, groups=groups)
+        mesh._setup(source.device_type, lay, names, anchor=source._anchor)
         if groups is None:
-            root_group = source._anchor._root_group
-            mesh._groups = [mesh._build_group(d, root_group) for d in range(mesh.ndim)]
+            groups = [mesh._build_group(d, source._anchor._root_group) for d in range(mesh.ndim)]
+        mesh._groups = groups
         return mesh
 
     def _build_group(self, dim: int, parent: ProcessGroup | None) -> ProcessGroup | None:
-        """This rank's group of dimension ``dim``; one split over ``parent`` unless already built."""
-        parts = _partition(self._full, dim)
-        key = _key(parts)
-        anchor = self._anchor
-        root = anchor._root_group
-        if key not in anchor._known and root is not None and key == frozenset([frozenset(root.ranks)]):
-            anchor._known.add(key)  # the root's own rank set: its group exists on every member
-        if key in anchor._known:
-            mine = next((p for p in parts if self._world.rank in p), None)
-            return None if mine is None else self._world.groups[frozenset(mine)]
-        if parent is None:
-            raise DistValueError(f"meshkit.mesh: rank {self._world.rank} is not in this mesh, so it cannot take "
-                                 "part in building its groups")
+        """This rank's group of dimension ``dim``: one split over ``parent``, unless already built."""
+        assert parent is not None, "callers check that this rank is in the mesh, hence in its root's group"
         name = self.mesh_dim_names[dim] if self.mesh_dim_names else f"mesh_dim{dim}"
-        group = create_groups(parent, parts, name=name)
-        anchor._known.add(key)
-        return group
+        return create_groups(parent, layout.dim_groups(self._layout, dim).tolist(), name=name)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -179,7 +178,7 @@ class DeviceMesh:
         """Number of ranks in the mesh, or along one dimension."""
         if dim is None:
             return int(self.mesh.size)
-        return self.shape[layout.dim_index(dim, self.mesh_dim_names, self.ndim)]
+        return self.shape[self._dim("DeviceMesh.size", dim)]
 
     def get_rank(self) -> int:
         """This process's global rank."""
@@ -195,36 +194,40 @@ class DeviceMesh:
         It equals the rank within ``get_group(dim)`` whenever the mesh's ranks increase along
         ``dim``, as they do for every mesh built by ``init_device_mesh``, slicing and flatten.
         """
-        d = self._dim("get_local_rank", dim)
-        coordinate = self._member_coordinate("get_local_rank")
-        return coordinate[d]
+        d = self._dim("DeviceMesh.get_local_rank", dim)
+        return self._member_coordinate("DeviceMesh.get_local_rank")[d]
 
     def get_group(self, dim: int | str | None = None) -> ProcessGroup:
         """This rank's process group along ``dim`` (required when the mesh has more than one dim)."""
-        d = self._dim("get_group", dim)
-        self._member_coordinate("get_group")
+        d = self._dim("DeviceMesh.get_group", dim)
+        self._member_coordinate("DeviceMesh.get_group")
         group = self._groups[d]
-        assert group is not None
+        assert group is not None, "a member of the mesh has a group in every dimension"
         return group
 
     def get_all_groups(self) -> list[ProcessGroup]:
         """This rank's group of every dimension, in dimension order."""
-        self._member_coordinate("get_all_groups")
+        self._member_coordinate("DeviceMesh.get_all_groups")
         return [g for g in self._groups if g is not None]
+
+    def _valid_dims(self) -> list[int | str]:
+        return list(self.mesh_dim_names) if self.mesh_dim_names else list(range(self.ndim))
 
     def _dim(self, op: str, dim: int | str | None) -> int:
         if dim is None:
             if self.ndim != 1:
-                valid = list(self.mesh_dim_names) if self.mesh_dim_names else list(range(self.ndim))
-                raise DistValueError(f"meshkit.mesh: rank {self._world.rank}: DeviceMesh.{op}: the mesh has "
-                                     f"{self.ndim} dims, so dim is required; valid dims are {valid}")
+                raise DistValueError(f"{errors.prefix(op)}the mesh has {self.ndim} dims, so dim is required; "
+                                     f"valid dims are {self._valid_dims()}")
             return 0
-        return layout.dim_index(dim, self.mesh_dim_names, self.ndim)
+        try:
+            return layout.dim_index(dim, self.mesh_dim_names, self.ndim)
+        except _ARG_ERRORS as exc:
+            raise errors.convert(op, exc, f"dim {dim!r}: ") from None
 
     def _member_coordinate(self, op: str) -> tuple[int, ...]:
         if self._coordinate is None:
-            raise DistValueError(f"meshkit.mesh: rank {self._world.rank}: DeviceMesh.{op}: this rank is not in "
-                                 f"the mesh {self.mesh.tolist()}")
+            raise DistValueError(f"{errors.prefix(op)}this rank is not in the mesh {self.mesh.tolist()}; "
+                                 "only its ranks may call this")
         return self._coordinate
 
     # ------------------------------------------------------------------ slicing and reshaping
@@ -234,15 +237,26 @@ class DeviceMesh:
         A name flattened on the root mesh (``root["dp"]`` after ``...flatten("dp")``) selects
         that flattened 1-D mesh. Out-of-order names give the transposed sub-mesh.
         """
+        op = "DeviceMesh.__getitem__"
         if isinstance(dims, str) and self._anchor is self and dims in self._flattened and \
                 not (self.mesh_dim_names and dims in self.mesh_dim_names):
             return self._flattened[dims]
-        self._member_coordinate("__getitem__")
-        index = layout.dim_indices(dims, self.mesh_dim_names, self.ndim)
-        moved = np.moveaxis(self._full, [d + 1 for d in index], range(self.ndim + 1 - len(index), self.ndim + 1))
-        full = moved.reshape(-1, *[self.shape[d] for d in index])
+        try:
+            index = layout.dim_indices(dims, self.mesh_dim_names, self.ndim)
+        except _ARG_ERRORS as exc:
+            flattened = f" (or a name flattened on it: {sorted(self._flattened)})" \
+                if self._anchor is self and self._flattened else ""
+            raise errors.convert(op, exc, f"dims {dims!r}{flattened}: ") from None
+        self._member_coordinate(op)
         names = tuple(self.mesh_dim_names[d] for d in index) if self.mesh_dim_names else None
-        return DeviceMesh._derived(self, full, names, [self._groups[d] for d in index])
+        return DeviceMesh._derived(self, layout.submeshes(self._layout, index), names,
+                                   [self._groups[d] for d in index])
+
+    def _agree(self, op: str, args: dict[str, Any] | None, error: Exception | None) -> None:
+        """Every rank of the root mesh passed the same arguments to ``op`` (raises on all if not)."""
+        root = self._anchor._root_group
+        assert root is not None, "callers check that this rank is in the mesh, hence in its root's group"
+        agree(root, op, None if args is None else {"layout": self._layout, **args}, error)
 
     def flatten(self, name: str | None = None) -> DeviceMesh:
         """A 1-D mesh over this mesh's ranks (row-major); collective over the root mesh.
@@ -255,28 +269,32 @@ class DeviceMesh:
             mesh.flatten("dp_tp").mesh      # every rank: [0, 1, 2, 3]
             mesh["dp"].flatten().mesh       # rank 0, 2: [0, 2]  (the dp groups: no new communicator)
         """
-        self._member_coordinate("flatten")
-        if name is None:
-            name = "_".join(self.mesh_dim_names) if self.mesh_dim_names else "flat"
-        if not isinstance(name, str) or not name:
-            raise DistValueError(f"meshkit.mesh: flatten name must be a non-empty str, got {name!r}")
-        full = self._full.reshape(self._full.shape[0], -1)
+        op = "DeviceMesh.flatten"
+        self._member_coordinate(op)
+        args, error = None, None
+        try:
+            default = "_".join(self.mesh_dim_names) if self.mesh_dim_names else "flat"
+            new_name = _new_name(default if name is None else name, "name")
+            args = {"name": new_name}
+        except _ARG_ERRORS as exc:
+            error = exc
+        self._agree(op, args, error)
+        flat = layout.flatten(self._layout)
         anchor = self._anchor
-        existing = anchor._flattened.get(name)
+        existing = anchor._flattened.get(new_name)
         if existing is not None:
-            if _key(_partition(existing._full, 0)) != _key(_partition(full, 0)):
-                raise DistValueError(f"meshkit.mesh: rank {self._world.rank}: flatten name {name!r} is already "
-                                     f"used for a different layout (groups {_partition(existing._full, 0)}); "
+            if not layout.same_layout(existing._layout, flat):
+                raise DistValueError(f"{errors.prefix(op)}the flatten name {new_name!r} is already used for a "
+                                     f"different layout (meshes {existing._layout.tolist()}, not {flat.tolist()}); "
                                      "choose another name")
             return existing
-        if anchor.mesh_dim_names and name in anchor.mesh_dim_names and \
-                _key(_partition(full, 0)) != _key(_partition(anchor._full, anchor.mesh_dim_names.index(name))):
-            raise DistValueError(f"meshkit.mesh: rank {self._world.rank}: flatten name {name!r} is a dim of the "
-                                 f"root mesh with a different layout; valid new names differ from "
-                                 f"{list(anchor.mesh_dim_names)}")
-        flat = DeviceMesh._derived(self, full, (name,))
-        anchor._flattened[name] = flat
-        return flat
+        if anchor.mesh_dim_names and new_name in anchor.mesh_dim_names and not layout.same_layout(
+                flat, layout.submeshes(anchor._layout, (anchor.mesh_dim_names.index(new_name),))):
+            raise DistValueError(f"{errors.prefix(op)}the flatten name {new_name!r} is a dim of the root mesh with "
+                                 f"a different layout; valid new names differ from {list(anchor.mesh_dim_names)}")
+        result = DeviceMesh._derived(self, flat, (new_name,))
+        anchor._flattened[new_name] = result
+        return result
 
     def unflatten(self, dim: int | str, sizes: Sequence[int], names: Sequence[str]) -> DeviceMesh:
         """Split dimension ``dim`` into ``sizes`` (one may be -1) named ``names``; collective over the root.
@@ -287,16 +305,35 @@ class DeviceMesh:
             m.mesh                           # [[0, 1, 2, 3], [4, 5, 6, 7]]
             m.get_group("tp")                # rank 5: group of ranks [4, 5, 6, 7]
         """
-        self._member_coordinate("unflatten")
-        d = layout.dim_index(dim, self.mesh_dim_names, self.ndim)
-        sizes = layout.infer_shape(sizes, self.shape[d], name="sizes")
-        names = tuple(names)
-        if len(names) != len(sizes):
-            raise DistValueError(f"meshkit.mesh: unflatten got {len(sizes)} sizes but {len(names)} names")
-        old = self.mesh_dim_names or tuple(f"mesh_dim{i}" for i in range(self.ndim))
-        new_names = layout.validate_dim_names(old[:d] + names + old[d + 1:], self.ndim - 1 + len(sizes))
-        full = self._full.reshape(self._full.shape[0], *self.shape[:d], *sizes, *self.shape[d + 1:])
-        return DeviceMesh._derived(self, full, new_names)
+        op = "DeviceMesh.unflatten"
+        self._member_coordinate(op)
+        args, error = None, None
+        try:
+            try:
+                d = layout.dim_index(dim, self.mesh_dim_names, self.ndim)
+            except _ARG_ERRORS as exc:
+                raise _context(exc, f"dim {dim!r}: ") from None
+            new = layout.unflatten(self._layout, d, sizes)
+            count = new.ndim - self._layout.ndim + 1
+            resolved = new.shape[1 + d:1 + d + count]
+            if isinstance(names, (tuple, list)) and len(names) != count:
+                raise ValueError(f"names {tuple(names)} has {len(names)} names but sizes {tuple(sizes)} has "
+                                 f"{count}; give one new dim name per size")
+            checked = layout.validate_dim_names(names, count, name="names")
+            if checked is None:
+                raise TypeError("names must be a sequence of new dim names, one per size, got None")
+            new_names: tuple[str, ...] = checked
+            old = self.mesh_dim_names or tuple(f"mesh_dim{i}" for i in range(self.ndim))
+            kept = old[:d] + old[d + 1:]
+            clash = [n for n in new_names if n in kept]
+            if clash:
+                raise ValueError(f"names {new_names} reuse {clash}, the names of dims the mesh keeps; valid "
+                                 f"names differ from {list(kept)}")
+            args = {"dim": d, "sizes": resolved, "names": new_names}
+        except _ARG_ERRORS as exc:
+            error = exc
+        self._agree(op, args, error)
+        return DeviceMesh._derived(self, new, old[:d] + new_names + old[d + 1:])
 
     def rearrange(self, pattern: str, **sizes: int) -> DeviceMesh:
         """Rearrange the rank array with an einops pattern; output axis names become dim names.
@@ -310,23 +347,40 @@ class DeviceMesh:
             m.mesh_dim_names                 # ("gpu", "node")
             m.get_group("node")              # rank 1: group of ranks [1, 5]
         """
-        self._member_coordinate("rearrange")
-        results = [layout.rearrange(sibling, pattern, **sizes) for sibling in self._full]
-        names = results[0][1]
-        return DeviceMesh._derived(self, np.stack([r[0] for r in results]), names)
+        op = "DeviceMesh.rearrange"
+        self._member_coordinate(op)
+        args, error = None, None
+        try:
+            new, names = layout.rearrange(self._layout, pattern, **sizes)
+            args = {"pattern": pattern, "sizes": sorted(sizes.items())}
+        except _ARG_ERRORS as exc:
+            error = exc
+        self._agree(op, args, error)
+        return DeviceMesh._derived(self, new, names)
 
     @classmethod
     def from_group(cls, group: ProcessGroup, device_type: str = "cpu", *,
                    mesh_dim_names: Sequence[str] | None = None) -> DeviceMesh:
-        """A 1-D mesh over an existing group's ranks; creates no communicator. Not collective."""
+        """A 1-D mesh over an existing group's ranks; creates no communicator. Not collective.
+
+        Example (4 ranks, ``group = new_group([1, 2, 3])``)::
+
+            mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("dp",))
+            mesh.mesh                        # every rank: [1, 2, 3]
+            mesh.get_group("dp") is group    # ranks 1, 2, 3: True   (rank 0: get_coordinate() is None)
+        """
+        op = "DeviceMesh.from_group"
         if not isinstance(group, ProcessGroup):
-            raise DistValueError(f"meshkit.mesh: from_group needs a ProcessGroup, got {type(group).__name__}")
+            raise DistTypeError(f"{errors.prefix(op)}group must be a ProcessGroup (e.g. from new_group), got "
+                                f"{group!r} ({type(group).__name__})")
+        try:
+            device_type = _check_device(device_type)
+            names = layout.validate_dim_names(mesh_dim_names, 1)
+        except _ARG_ERRORS as exc:
+            raise errors.convert(op, exc) from None
         mesh = cls.__new__(cls)
-        names = layout.validate_dim_names(mesh_dim_names, 1)
-        full = np.array([group.ranks], dtype=np.int64)
-        mesh._setup(_check_device(device_type), full, names, anchor=None, groups=None)
+        mesh._setup(device_type, layout.root_layout(np.array(group.ranks)), names, anchor=None)
         mesh._root_group = group if group.is_member else None
-        mesh._known.add(_key(_partition(full, 0)))
         mesh._groups = [group if group.is_member else None]
         return mesh
 
@@ -339,10 +393,10 @@ class DeviceMesh:
         if not isinstance(other, DeviceMesh):
             return NotImplemented
         return (self.device_type == other.device_type and self.mesh_dim_names == other.mesh_dim_names
-                and np.array_equal(self._full, other._full))
+                and np.array_equal(self._layout, other._layout))
 
     def __hash__(self) -> int:
-        return hash((self.device_type, self.mesh_dim_names, self._full.tobytes(), self._full.shape))
+        return hash((self.device_type, self.mesh_dim_names, self._layout.tobytes(), self._layout.shape))
 
     def describe(self, file: TextIO | None = None) -> str:
         """Each dimension's groups and every rank's host; collective over the root mesh.
@@ -352,7 +406,7 @@ class DeviceMesh:
         one does not: the inner (later) dimensions usually carry the most traffic and belong
         inside a host, so this is likely a mistake in the order of ``mesh_shape``.
         """
-        self._member_coordinate("describe")
+        self._member_coordinate("DeviceMesh.describe")
         root = self._anchor._root_group
         assert root is not None
         hosts = dict(zip(root.ranks, host_names(root)))
@@ -360,13 +414,13 @@ class DeviceMesh:
         lines = [repr(self)]
         crosses = []
         for d, name in enumerate(names):
-            parts = _partition(self._full, d)
+            parts = layout.dim_groups(self._layout, d).tolist()
             crossing = any(len({hosts[r] for r in p}) > 1 for p in parts)
             crosses.append(crossing)
             lines.append(f"  dim {d} {name!r} (size {self.shape[d]}){' crosses hosts' if crossing else ''}: "
                          f"groups {parts}")
         by_host: dict[str, list[int]] = {}
-        for r in sorted(int(r) for r in self._full.ravel()):
+        for r in sorted(int(r) for r in self._layout.ravel()):
             by_host.setdefault(hosts[r], []).append(r)
         lines += [f"  host {h}: ranks {rs}" for h, rs in by_host.items()]
         for i in range(self.ndim):
@@ -377,22 +431,9 @@ class DeviceMesh:
                     lines.append(f"  {warning}")
                     logger.warning("meshkit.mesh: %s", warning)
         text = "\n".join(lines)
-        if self._world.rank == int(self._full.ravel().min()):
+        if self._world.rank == int(self._layout.ravel().min()):
             print(text, file=file or sys.stdout, flush=True)
         return text
-
-
-def _check_same_mesh(parent: ProcessGroup, ranks: np.ndarray, names: tuple[str, ...] | None) -> None:
-    """Detail mode: every rank must pass the same mesh and names (else the splits would hang)."""
-    mine = (ranks.shape, ranks.ravel().tolist(), names)
-    everyone: list[Any] = [None] * parent.size
-    all_gather_object(everyone, mine, group=parent)
-    if any(e != mine for e in everyone):
-        calls = {parent.ranks[i]: f"mesh {np.array(e[1]).reshape(e[0]).tolist()} names {e[2]}"
-                 for i, e in enumerate(everyone)}
-        listing = "; ".join(f"rank {r}: {c}" for r, c in calls.items())
-        raise CollectiveMismatchError(f"meshkit.mesh: rank {parent.global_rank}: ranks passed different meshes "
-                                      f"to DeviceMesh: {listing}", calls=calls)
 
 
 def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
@@ -406,7 +447,28 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
         mesh = init_device_mesh("cpu", (2, -1), mesh_dim_names=("dp", "tp"))
         mesh.mesh                        # [[0, 1, 2, 3], [4, 5, 6, 7]]
         mesh["dp"].mesh                  # rank 5: [1, 5]
+
+    Raises:
+        DistValueError, DistTypeError: a bad device type, shape or names, on this rank or on
+            another (every rank raises; the message says what is valid).
+        MeshMismatchError: ranks passed different shapes, names or device types.
     """
     world = current_world()
-    shape = layout.infer_shape(mesh_shape, world.size)
-    return DeviceMesh(device_type, layout.make_mesh(shape), mesh_dim_names=mesh_dim_names)
+    args: dict[str, Any] | None = None
+    error: Exception | None = None
+    try:
+        device_type = _check_device(device_type)
+        try:
+            shape = layout.infer_shape(mesh_shape, world.size)
+        except ValueError as exc:
+            raise ValueError(f"{exc} (init_device_mesh lays out the world's {world.size} ranks)") from None
+        names = layout.validate_dim_names(mesh_dim_names, len(shape))
+        args = {"device_type": device_type, "mesh_shape": shape, "mesh_dim_names": names}
+    except _ARG_ERRORS as exc:
+        error = exc
+    parent = world.default_group
+    assert parent is not None, "an initialized world has its default group"
+    agree(parent, "init_device_mesh", args, error)
+    mesh = DeviceMesh.__new__(DeviceMesh)
+    mesh._build_root(device_type, layout.make_mesh(shape), names, parent)
+    return mesh

@@ -1,17 +1,28 @@
 """Pure rank arithmetic for device meshes: no process groups, no communication.
 
-Axis-order convention (the one place it is stated): a mesh is an integer ndarray of
-global ranks laid out row-major (C order), so ``make_mesh((2, 4))`` puts rank ``r`` at
-``(r // 4, r % 4)``. The groups of dimension ``d`` come from moving axis ``d`` last and
-reshaping to ``(-1, shape[d])``, as torch's DeviceMesh and picotron's grid do: each row
-is one group, rows follow the row-major order of the remaining coordinates, and a
-rank's position in its group is its coordinate along ``d``. On ``[[0, 1, 2, 3],
-[4, 5, 6, 7]]`` dim 0 has groups ``[0, 4], [1, 5], [2, 6], [3, 7]`` and dim 1 has
-groups ``[0, 1, 2, 3], [4, 5, 6, 7]``.
+Axis order, stated once for all of meshkit:
 
-Every function is deterministic and gives the same answer on every rank, which is
-what lets a DeviceMesh build its groups collectively without exchanging anything.
-Shaping functions return new C-contiguous arrays; only `validate_mesh` freezes them.
+* A *mesh* is an integer ndarray of global ranks laid out row-major (C order), so
+  ``make_mesh((2, 4))`` puts rank ``r`` at ``(r // 4, r % 4)``.
+* The groups of dimension ``d`` come from moving axis ``d`` last and reshaping to
+  ``(-1, shape[d])``, as torch's DeviceMesh and picotron's grid do: each row is one group, rows
+  follow the row-major order of the remaining coordinates, and a rank's position in its group
+  is its coordinate along ``d``. On ``[[0, 1, 2, 3], [4, 5, 6, 7]]`` dim 0 has groups
+  ``[0, 4], [1, 5], [2, 6], [3, 7]`` and dim 1 has groups ``[0, 1, 2, 3], [4, 5, 6, 7]``.
+* A *layout* stacks a mesh with its *siblings*, shape ``(n_siblings, *shape)``: the sub-meshes
+  that the same slicing gives the other ranks of the root mesh. A root mesh is its own only
+  sibling (`root_layout`). Selecting dims (`submeshes`) is the rule above for several dims at
+  once: the selected axes move last, in the order given, and every other axis, the sibling axis
+  first, is flattened row-major into the new sibling axis. On the 2x4 root above, ``mesh[1]``
+  has the layout ``[[0, 1, 2, 3], [4, 5, 6, 7]]`` and ``mesh[0]`` the layout ``[[0, 4], [1, 5],
+  [2, 6], [3, 7]]``; rank 5's sub-mesh is the row that holds 5. `flatten`, `unflatten` and
+  `rearrange` act on every sibling alike, and `coordinate` on a layout gives
+  ``(sibling, *coordinate)``.
+
+Every rank holds the whole layout, so every rank knows every group of every sibling: what
+building a dimension's groups with one collective split needs. Every function is deterministic
+and gives the same answer on every rank. Functions return new C-contiguous arrays; only
+`validate_mesh` freezes them.
 """
 
 from __future__ import annotations
@@ -28,12 +39,13 @@ __all__ = [
     "dim_groups",
     "dim_index",
     "dim_indices",
-    "dims_groups",
     "flatten",
     "infer_shape",
     "make_mesh",
     "rearrange",
-    "submesh",
+    "root_layout",
+    "same_layout",
+    "submeshes",
     "unflatten",
     "validate_dim_names",
     "validate_mesh",
@@ -50,6 +62,12 @@ def _name_ranks(ranks: Iterable[int], limit: int = 8) -> str:
         return f"rank {vals[0]}"
     more = ", ..." if len(vals) > limit else ""
     return f"ranks [{', '.join(map(str, vals[:limit]))}{more}]"
+
+
+def _short(x: object, limit: int = 120) -> str:
+    """``repr(x)``, cut to ``limit`` characters for error messages."""
+    text = repr(x)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _parse_shape(shape: Sequence[int], name: str) -> tuple[int, ...]:
@@ -146,14 +164,18 @@ def validate_mesh(mesh: np.ndarray | Sequence, world_size: int | None = None) ->
     """
     try:
         arr = np.asarray(mesh)
-    except ValueError as e:
-        raise ValueError(f"mesh must be a rectangular array of ranks, got {mesh!r}: {e}") from e
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise TypeError(f"mesh must hold integer ranks, got dtype {arr.dtype}")
+    except ValueError:
+        raise ValueError(f"mesh must be a rectangular array of ranks (rows of equal length), "
+                         f"got {_short(mesh)}") from None
+    if arr.dtype == object:
+        raise TypeError(f"mesh must be an array-like of integer ranks, got {_short(mesh)} "
+                        f"({type(mesh).__name__})")
     if arr.ndim == 0:
         raise ValueError(f"mesh must have at least one dimension, got the 0-d array {arr.item()}")
     if arr.size == 0:
         raise ValueError(f"mesh must hold at least one rank, got an empty mesh of shape {arr.shape}")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"mesh must hold integer ranks, got dtype {arr.dtype}")
     if world_size is None:
         bad = np.unique(arr[arr < 0])
         if bad.size:
@@ -174,8 +196,11 @@ def validate_mesh(mesh: np.ndarray | Sequence, world_size: int | None = None) ->
     return out
 
 
-def validate_dim_names(names: Sequence[str] | None, ndim: int) -> tuple[str, ...] | None:
+def validate_dim_names(names: Sequence[str] | None, ndim: int, *,
+                       name: str = "mesh_dim_names") -> tuple[str, ...] | None:
     """Check mesh dimension names: unique identifiers, one per dimension; None stays None.
+
+    ``name`` is what to call ``names`` in error messages.
 
     Raises:
         TypeError: ``names`` is a bare string or holds a non-string.
@@ -184,22 +209,22 @@ def validate_dim_names(names: Sequence[str] | None, ndim: int) -> tuple[str, ...
     if names is None:
         return None
     if isinstance(names, str):
-        raise TypeError(f"mesh_dim_names must be a sequence of strings, got the string "
+        raise TypeError(f"{name} must be a sequence of strings, got the string "
                         f"{names!r}; for one dimension write ({names!r},)")
     if not isinstance(names, Iterable):
-        raise TypeError(f"mesh_dim_names must be a sequence of strings, got {names!r}")
+        raise TypeError(f"{name} must be a sequence of strings, got {_short(names)} ({type(names).__name__})")
     names = tuple(names)
     for n in names:
         if not isinstance(n, str):
-            raise TypeError(f"mesh_dim_names must be strings, got {n!r} ({type(n).__name__}) in {names}")
+            raise TypeError(f"{name} must be strings, got {n!r} ({type(n).__name__}) in {names}")
         if not n.isidentifier():
             raise ValueError(f"mesh dim name {n!r} in {names} is not a valid identifier; "
                              "use names like 'dp' or 'tp_inner'")
     for i, n in enumerate(names):
         if n in names[:i]:
-            raise ValueError(f"mesh_dim_names {names} repeat {n!r}; names must be unique")
+            raise ValueError(f"{name} {names} repeat {n!r}; names must be unique")
     if len(names) != ndim:
-        raise ValueError(f"mesh_dim_names {names} has {len(names)} names but the mesh has "
+        raise ValueError(f"{name} {names} has {len(names)} names but the mesh has "
                          f"{ndim} dimensions; give one name per dimension")
     return names
 
@@ -235,14 +260,21 @@ def dim_indices(dims: int | str | Sequence[int | str], names: Sequence[str] | No
                 ndim: int) -> tuple[int, ...]:
     """Resolve a selection of dims (as in ``mesh["dp", "tp"]``), keeping its order.
 
-    A single name or index is a selection of one. Errors are those of `dim_index`,
-    plus ValueError for an empty selection or one that names a dimension twice.
+    A single name or index is a selection of one. Errors are those of `dim_index`, plus
+    TypeError for a selection that is not a name, an index, a tuple or a list, and ValueError
+    for an empty selection or one that names a dimension twice.
 
     Example:
         >>> dim_indices(("tp", "dp"), ("pp", "dp", "tp"), 3)
         (2, 1)
     """
-    sel = (dims,) if isinstance(dims, str) or _is_int(dims) else tuple(dims)
+    if isinstance(dims, str) or _is_int(dims):
+        sel: tuple = (dims,)
+    elif isinstance(dims, (tuple, list)):
+        sel = tuple(dims)
+    else:
+        raise TypeError(f"mesh dims must be a dim name, an index, or a tuple of them, got {_short(dims)} "
+                        f"({type(dims).__name__})")
     if not sel:
         raise ValueError("at least one mesh dim must be selected, got ()")
     idx = tuple(dim_index(d, names, ndim) for d in sel)
@@ -254,118 +286,122 @@ def dim_indices(dims: int | str | Sequence[int | str], names: Sequence[str] | No
     return idx
 
 
-def dims_groups(mesh: np.ndarray, dims: Sequence[int]) -> np.ndarray:
-    """The groups spanned by several dims together, shape ``(n_groups, *kept_shape)``.
-
-    The kept dims are moved last in the given order and the rest flattened row-major.
-
-    Example:
-        >>> m = make_mesh((2, 2, 2))   # [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
-        >>> dims_groups(m, (0, 2)).tolist()
-        [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
-    """
-    mesh = np.asarray(mesh)
-    kept = dim_indices(dims, None, mesh.ndim)
-    rest = [d for d in range(mesh.ndim) if d not in kept]
-    kept_shape = tuple(mesh.shape[d] for d in kept)
-    return mesh.transpose(*rest, *kept).reshape(-1, *kept_shape).copy()
-
-
-def dim_groups(mesh: np.ndarray, dim: int) -> np.ndarray:
-    """The groups of one dimension, shape ``(n_groups, mesh.shape[dim])``: one group a row.
-
-    Example:
-        >>> m = make_mesh((2, 2))      # [[0, 1], [2, 3]]
-        >>> dim_groups(m, 0).tolist(), dim_groups(m, 1).tolist()
-        ([[0, 2], [1, 3]], [[0, 1], [2, 3]])
-    """
-    return dims_groups(mesh, (dim,))
-
-
 def coordinate(mesh: np.ndarray, rank: int) -> tuple[int, ...] | None:
     """The coordinate of global ``rank`` in ``mesh``, or None if the mesh does not hold it.
+
+    On a layout the coordinate is ``(sibling, *coordinate in that sibling)``.
 
     Example:
         >>> coordinate(make_mesh((2, 4)), 6), coordinate(make_mesh((2, 4)), 8)
         ((1, 2), None)
+        >>> coordinate(submeshes(root_layout(make_mesh((2, 4))), (0,)), 6)   # mesh[0]: [2, 6] is sibling 2
+        (2, 1)
     """
     hits = np.argwhere(np.asarray(mesh) == rank)
     return tuple(int(c) for c in hits[0]) if len(hits) else None
 
 
-def submesh(mesh: np.ndarray, dims: Sequence[int], rank: int) -> np.ndarray:
-    """The sub-mesh over ``dims`` (in that order) that holds ``rank``: what ``mesh[dims]`` is there.
+def _layout(layout: np.ndarray) -> np.ndarray:
+    layout = np.asarray(layout)
+    if layout.ndim < 2:
+        raise ValueError(f"a layout has shape (n_siblings, *mesh_shape), got an array of shape {layout.shape}; "
+                         "root_layout(mesh) is the layout of a root mesh")
+    return layout
 
-    Out-of-order dims give the transposed array, as in torch's ``mesh["tp", "dp"]``.
+
+def root_layout(mesh: np.ndarray) -> np.ndarray:
+    """The layout of a root mesh: the mesh as its own only sibling, shape ``(1, *mesh.shape)``.
 
     Example:
-        >>> m = make_mesh((2, 2, 2))   # dims (pp, dp, tp)
-        >>> submesh(m, (1, 2), 5).tolist(), submesh(m, (2, 1), 5).tolist()
-        ([[4, 5], [6, 7]], [[4, 6], [5, 7]])
+        >>> root_layout(make_mesh((2, 2))).tolist()
+        [[[0, 1], [2, 3]]]
+    """
+    return np.array(mesh, dtype=np.int64)[None]
+
+
+def submeshes(layout: np.ndarray, dims: Sequence[int]) -> np.ndarray:
+    """The layout of the sub-meshes over mesh ``dims``, in that order: ``mesh[dims]`` of every rank.
+
+    Out-of-order dims give transposed sub-meshes, as torch's ``mesh["tp", "dp"]`` does.
+
+    Example (a 2x2x2 root with dims ``(pp, dp, tp)``)::
+
+        >>> root = root_layout(make_mesh((2, 2, 2)))   # [[[[0, 1], [2, 3]], [[4, 5], [6, 7]]]]
+        >>> submeshes(root, (1, 2)).tolist()           # mesh["dp", "tp"]: one sibling per pp
+        [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+        >>> submeshes(root, (2, 0)).tolist()           # mesh["tp", "pp"]: one sibling per dp
+        [[[0, 4], [1, 5]], [[2, 6], [3, 7]]]
+        >>> submeshes(submeshes(root, (1, 2)), (1,)).tolist() == submeshes(root, (2,)).tolist()
+        True
 
     Raises:
-        ValueError: ``rank`` is not in the mesh, or as `dim_indices`.
+        ValueError, IndexError, KeyError, TypeError: as `dim_indices` for the mesh's dims.
     """
-    mesh = np.asarray(mesh)
-    kept = dim_indices(dims, None, mesh.ndim)
-    coord = coordinate(mesh, rank)
-    if coord is None:
-        raise ValueError(f"rank {rank} is not in the mesh of shape {mesh.shape}; "
-                         f"the mesh holds {_name_ranks(np.sort(mesh, axis=None), 16)}")
-    sub = mesh[tuple(slice(None) if d in kept else c for d, c in enumerate(coord))]
-    ascending = sorted(kept)
-    return sub.transpose([ascending.index(d) for d in kept]).copy()
+    layout = _layout(layout)
+    kept = [d + 1 for d in dim_indices(dims, None, layout.ndim - 1)]
+    rest = [a for a in range(layout.ndim) if a not in kept]
+    return layout.transpose(*rest, *kept).reshape(-1, *(layout.shape[a] for a in kept)).copy()
 
 
-def flatten(mesh: np.ndarray) -> np.ndarray:
-    """The ranks of ``mesh`` as a row-major 1-D array.
+def dim_groups(layout: np.ndarray, dim: int) -> np.ndarray:
+    """Every group of mesh dimension ``dim`` across all siblings, one a row: ``(n_groups, size)``.
 
     Example:
-        >>> flatten([[0, 2], [1, 3]]).tolist()
-        [0, 2, 1, 3]
+        >>> root = root_layout(make_mesh((2, 2)))      # [[[0, 1], [2, 3]]]
+        >>> dim_groups(root, 0).tolist(), dim_groups(root, 1).tolist()
+        ([[0, 2], [1, 3]], [[0, 1], [2, 3]])
     """
-    return np.asarray(mesh).reshape(-1).copy()
+    return submeshes(layout, (dim,))
 
 
-def unflatten(mesh: np.ndarray, dim: int, sizes: Sequence[int]) -> np.ndarray:
-    """Split dimension ``dim`` into ``sizes`` (row-major; one ``-1`` is inferred).
+def flatten(layout: np.ndarray) -> np.ndarray:
+    """Every sibling as a row-major 1-D mesh: shape ``(n_siblings, size)``.
 
     Example:
-        >>> unflatten(make_mesh((2, 4)), 1, (2, -1)).tolist()
-        [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+        >>> flatten(submeshes(root_layout(make_mesh((2, 2))), (1, 0))).tolist()   # mesh["tp", "dp"]
+        [[0, 2, 1, 3]]
     """
-    mesh = np.asarray(mesh)
-    d = dim_index(dim, None, mesh.ndim)
+    layout = _layout(layout)
+    return layout.reshape(layout.shape[0], -1).copy()
+
+
+def unflatten(layout: np.ndarray, dim: int, sizes: Sequence[int]) -> np.ndarray:
+    """Split mesh dimension ``dim`` of every sibling into ``sizes`` (row-major; one ``-1`` is inferred).
+
+    Example:
+        >>> unflatten(root_layout(make_mesh((2, 4))), 1, (2, -1)).tolist()
+        [[[[0, 1], [2, 3]], [[4, 5], [6, 7]]]]
+    """
+    layout = _layout(layout)
+    shape = layout.shape[1:]
+    d = dim_index(dim, None, len(shape))
     try:
-        new = infer_shape(sizes, mesh.shape[d], name="sizes")
+        new = infer_shape(sizes, shape[d], name="sizes")
     except (TypeError, ValueError) as e:
-        raise type(e)(f"cannot unflatten mesh dim {d} of size {mesh.shape[d]} "
-                      f"(mesh shape {mesh.shape}): {e}") from e
-    return mesh.reshape(mesh.shape[:d] + new + mesh.shape[d + 1:]).copy()
+        raise type(e)(f"cannot unflatten mesh dim {d} of size {shape[d]} (mesh shape {shape}): {e}") from e
+    return layout.reshape(layout.shape[0], *shape[:d], *new, *shape[d + 1:]).copy()
+
+
+def same_layout(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two layouts hold the same sub-meshes (siblings in any order).
+
+    Example:
+        >>> root = root_layout(make_mesh((2, 2)))
+        >>> same_layout(submeshes(root, (0,))[::-1], submeshes(root, (0,))), \\
+        ...     same_layout(submeshes(root, (0,)), submeshes(root, (1,)))
+        (True, False)
+    """
+    a, b = _layout(a), _layout(b)
+    if a.shape != b.shape:
+        return False
+    return sorted(map(tuple, flatten(a).tolist())) == sorted(map(tuple, flatten(b).tolist()))
 
 
 # An output axis of an einops pattern: a parenthesized group, or one bare token.
 _OUTPUT_AXIS = re.compile(r"\(([^()]*)\)|([^\s()]+)")
 
 
-def rearrange(mesh: np.ndarray, pattern: str, **sizes: int) -> tuple[np.ndarray, tuple[str, ...]]:
-    """Apply an einops ``rearrange`` pattern to the rank array and name the output axes.
-
-    An output group ``(a b)`` is named ``a_b``; ``...`` and unnamed axes (``1``, ``()``)
-    are refused in the output, since every mesh dimension needs a name.
-
-    Example:
-        >>> m, names = rearrange(make_mesh((8,)), "(node gpu) -> gpu node", node=2)
-        >>> m.tolist(), names
-        ([[0, 4], [1, 5], [2, 6], [3, 7]], ('gpu', 'node'))
-
-    Raises:
-        ValueError: einops refuses the pattern (its message is quoted), or an output
-            axis has no name.
-    """
-    if not isinstance(pattern, str):
-        raise TypeError(f"pattern must be an einops pattern string, got {pattern!r}")
-    mesh = np.asarray(mesh)
+def _rearrange_one(mesh: np.ndarray, pattern: str, sizes: dict[str, int]) -> tuple[np.ndarray, tuple[str, ...]]:
     try:
         out = einops.rearrange(mesh, pattern, **sizes)
     except einops.EinopsError as e:
@@ -383,4 +419,28 @@ def rearrange(mesh: np.ndarray, pattern: str, **sizes: int) -> tuple[np.ndarray,
             raise ValueError(f"pattern {pattern!r} has an unnamed output axis {m.group(0)!r}; "
                              "name every output axis, since the names become the mesh dim names")
         names.append("_".join(parts))
-    return np.ascontiguousarray(out).copy(), validate_dim_names(names, out.ndim)
+    validate_dim_names(names, out.ndim)
+    return out, tuple(names)
+
+
+def rearrange(layout: np.ndarray, pattern: str, **sizes: int) -> tuple[np.ndarray, tuple[str, ...]]:
+    """Apply an einops ``rearrange`` pattern to every sibling's rank array; name the output axes.
+
+    An output group ``(a b)`` is named ``a_b``; ``...`` and unnamed axes (``1``, ``()``)
+    are refused in the output, since every mesh dimension needs a name.
+
+    Example:
+        >>> out, names = rearrange(root_layout(make_mesh((8,))), "(node gpu) -> gpu node", node=2)
+        >>> out[0].tolist(), names
+        ([[0, 4], [1, 5], [2, 6], [3, 7]], ('gpu', 'node'))
+
+    Raises:
+        TypeError: ``pattern`` is not a string.
+        ValueError: einops refuses the pattern (its message is quoted), or an output
+            axis has no name.
+    """
+    if not isinstance(pattern, str):
+        raise TypeError(f"pattern must be an einops pattern string, got {pattern!r}")
+    layout = _layout(layout)
+    results = [_rearrange_one(sibling, pattern, sizes) for sibling in layout]
+    return np.ascontiguousarray(np.stack([r[0] for r in results])), results[0][1]

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from ..comm import DistTypeError, DistValueError
+from . import errors
 from .device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = ["ParallelDims"]
@@ -36,27 +38,29 @@ class ParallelDims:
     world_size: int = 1
 
     def __post_init__(self) -> None:
+        head = errors.prefix(None)
         for name in (*_DEGREES, "world_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"meshkit.mesh: ParallelDims.{name} must be an int, got {value!r}")
+                raise DistTypeError(f"{head}ParallelDims.{name} must be an int, got {value!r} "
+                                    f"({type(value).__name__})")
         if self.world_size < 1:
-            raise ValueError(f"meshkit.mesh: ParallelDims.world_size must be >= 1, got {self.world_size}")
+            raise DistValueError(f"{head}ParallelDims.world_size must be >= 1, got {self.world_size}")
         degrees = {name: getattr(self, name) for name in _DEGREES}
         bad = {n: v for n, v in degrees.items() if v < 1 and v != -1}
         if bad:
-            raise ValueError(f"meshkit.mesh: ParallelDims degrees must be >= 1 or -1 (infer), got {bad}")
+            raise DistValueError(f"{head}ParallelDims degrees must be >= 1 or -1 (infer), got {bad}")
         inferred = [n for n, v in degrees.items() if v == -1]
         if len(inferred) > 1:
-            raise ValueError(f"meshkit.mesh: ParallelDims can infer one degree, but {inferred} are all -1")
+            raise DistValueError(f"{head}ParallelDims can infer one degree, but {inferred} are all -1")
         known = math.prod(v for v in degrees.values() if v != -1)
         if inferred:
             if self.world_size % known:
-                raise ValueError(f"meshkit.mesh: ParallelDims cannot infer {inferred[0]}: world_size "
+                raise DistValueError(f"{head}ParallelDims cannot infer {inferred[0]}: world_size "
                                  f"{self.world_size} is not divisible by the other degrees' product {known}")
             object.__setattr__(self, inferred[0], self.world_size // known)
         elif known != self.world_size:
-            raise ValueError(f"meshkit.mesh: ParallelDims degrees {degrees} multiply to {known}, but world_size "
+            raise DistValueError(f"{head}ParallelDims degrees {degrees} multiply to {known}, but world_size "
                              f"is {self.world_size}")
 
     @property
