@@ -7,7 +7,8 @@ from .debug import DebugLevel
 from .errors import (CollectiveMismatchError, CollectiveTimeout, DistBackendError, DistError, DistTypeError,
                      DistValueError, RankFailedError)
 from .group import ProcessGroup
-from .objects import all_gather_object, broadcast_object_list, gather_object, scatter_object_list
+from .objects import (ObjectCollectiveError, all_gather_object, broadcast_object_list, gather_object,
+                      scatter_object_list)
 from .reduce_op import ReduceOp
 from .work import Work
 from .lifecycle import destroy_process_group, init_process_group
@@ -26,5 +27,5 @@ __all__ = [
     "broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
     "DebugLevel", "flight_record", "format_flight_record",
     "DistError", "DistValueError", "DistTypeError", "DistBackendError", "CollectiveTimeout",
-    "CollectiveMismatchError", "RankFailedError",
+    "CollectiveMismatchError", "RankFailedError", "ObjectCollectiveError",
 ]

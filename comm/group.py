@@ -395,7 +395,8 @@ class ProcessGroup:
         """Start receiving into ``tensor`` from group rank ``src`` (None: any rank).
 
         ``Work.result()`` is the sender's global rank once the Work completed. A message of
-        another size than ``tensor`` is an error (raised by ``wait``), never a partial fill.
+        another size (or, on the local engine, dtype) than ``tensor`` is an error raised by ``wait``
+        (on MPI a shorter message has been written into the start of ``tensor`` by then).
         """
         self._member("irecv")
         check_array(self, "irecv", "tensor", tensor)
@@ -409,8 +410,14 @@ class ProcessGroup:
 
         def settle() -> int:
             count, source = request.count, request.source
+            dtype = getattr(request, "dtype", None)  # engines that know the sender's dtype check it
+            if dtype is not None and dtype != tensor.dtype:
+                raise DistTypeError(f"{where(self, 'recv')}: recv buffer has dtype {tensor.dtype} but the message "
+                                    f"from group rank {source} has dtype {dtype}; receive into a buffer of the "
+                                    "dtype that was sent")
             if count != tensor.size:
-                got = "more elements than fit" if count < 0 else f"{count}"
+                got = ("more elements than fit" if count < 0 else f"{count}" if isinstance(count, int) else
+                       f"{count:g} (its bytes do not divide into {tensor.dtype} elements)")
                 raise DistValueError(f"{where(self, 'recv')}: recv buffer has {tensor.size} elements but the "
                                      f"message from group rank {source} has {got}; receive into a buffer of the "
                                      "size that was sent")

@@ -7,12 +7,16 @@ nothing of it, and it imports each engine only when that backend is chosen (impo
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
+import sys
+from typing import Any
 
 from .debug import DebugLevel, FlightRecorder, debug_level_from_env
 from .errors import DistBackendError, DistError, DistValueError
 from .group import ProcessGroup
+from .notices import LEFT, Notice
 from .progress import ProgressAgent
 from .timeouts import resolve_timeout
 from .world import World, current_world, is_initialized, local_context, set_world
@@ -75,17 +79,98 @@ def init_process_group(backend: str = "auto", *, timeout: float | datetime.timed
     world.rank, world.size, world.default_group = engine.rank, engine.size, group
     world.groups[frozenset(group.ranks)] = group
     set_world(world)
+    global _exit_hook_registered
+    if not _exit_hook_registered and local_context() is None:
+        atexit.register(_at_exit)  # after mpi4py's own (registered at import): runs before MPI_Finalize
+        _exit_hook_registered = True
+    if name == "mpi" and local_context() is None:
+        _abort_hook.install(world)
     if world.debug >= DebugLevel.INFO:
         logger.info("meshkit: rank %d/%d initialized backend %s, timeout %.0f s, debug %s",
                     world.rank, world.size, world.backend, world.timeout, world.debug.name)
 
 
 def destroy_process_group() -> None:
-    """Tear down every group of this rank and the world; ``init_process_group`` may follow."""
+    """Tear down every group of this rank and the world; ``init_process_group`` may follow.
+
+    The other ranks are told how many calls this rank made on each group (a LEFT notice), so
+    that any of them still waiting for a call this rank will never make fails at once, naming
+    this rank, instead of waiting for the timeout.
+    """
     world = current_world()
+    _leave(world, "it destroyed its process group")
     for group in world.groups.values():
         group.shutdown()
     world.groups.clear()
     world.progress.close()
     world.destroyed = True
     set_world(None)
+    if _abort_hook.installed_for is world:
+        _abort_hook.uninstall()
+
+
+def _leave(world: World, how: str) -> None:
+    group = world.default_group
+    counts = tuple(g.counts() for g in world.groups.values() if g.is_member)
+    group._tell(Notice(LEFT, world.rank, detail=f"{how}, after {dict(counts).get(group.ranks, 0)} calls on "
+                                                 "the world group", counts=counts))
+    flush = getattr(group.engine, "flush", None)
+    if flush is not None:
+        flush(_LEAVE_FLUSH_SECONDS)
+
+
+def _at_exit() -> None:
+    """The script ends with the world still initialized: tell the others this rank left."""
+    if is_initialized():
+        try:
+            _leave(current_world(), "its script ended")
+        except Exception:  # never mask the interpreter's own exit
+            logger.debug("meshkit: could not send the leave notices at exit", exc_info=True)
+
+
+class _AbortHook:
+    """``sys.excepthook`` for MPI jobs: print the traceback, then abort the whole job.
+
+    Under plain ``mpiexec``/``srun`` an uncaught exception ends one rank's interpreter, which
+    then waits in MPI_Finalize while the others wait for it in a collective until the timeout.
+    As ``python -m mpi4py`` does, meshkit aborts the job instead (``MPI_Abort``), so it ends in
+    seconds. ``meshkit-run``'s rank bootstrap catches the exception before this hook runs and
+    ends the job its own way.
+    """
+
+    def __init__(self) -> None:
+        self.installed_for: World | None = None
+        self._previous: Any = None
+
+    def install(self, world: World) -> None:
+        if self.installed_for is None:
+            self._previous = sys.excepthook
+            sys.excepthook = self._hook
+        self.installed_for = world
+
+    def uninstall(self) -> None:
+        if self.installed_for is not None and sys.excepthook == self._hook:
+            sys.excepthook = self._previous
+        self.installed_for = None
+
+    def _hook(self, kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        (self._previous or sys.__excepthook__)(kind, value, tb)
+        world = self.installed_for
+        if world is None or world.size <= 1 or kind is KeyboardInterrupt:
+            return
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # a closed stream must not stop the abort
+                pass
+        abort = getattr(world.default_group.engine, "abort", None)
+        if abort is not None:
+            print(f"meshkit: rank {world.rank}: uncaught {kind.__name__}: aborting the MPI job", file=sys.stderr,
+                  flush=True)
+            abort(1)
+
+
+_abort_hook = _AbortHook()
+_exit_hook_registered = False
+#: Seconds a leaving rank waits for its notices to leave (they are small, sent eagerly).
+_LEAVE_FLUSH_SECONDS = 1.0

@@ -127,12 +127,13 @@ class _Rendezvous:
                 self._complete()
         return True
 
-    def wait(self, deadline: float) -> None:
+    def wait(self, deadline: float, *, watched: bool = True) -> None:
         if self.done:
             return
         hub, slot, me = self.engine.hub, self.slot, self.engine.global_rank
+        watch = self.engine.watch if watched else None
         with hub.cond:
-            if not hub.wait_until(lambda: slot.arrived == len(slot.values), deadline, me, self.engine.watch):
+            if not hub.wait_until(lambda: slot.arrived == len(slot.values), deadline, me, watch):
                 ranks = self.engine.world_ranks
                 raise DeadlineExceeded([ranks[i] for i, v in enumerate(slot.values) if v is _ABSENT])
             self._complete()
@@ -289,7 +290,7 @@ class LocalEngine:
 
     def exchange(self, payload: Any, seq: int, deadline: float) -> list[Any]:
         request = self._start(payload)
-        request.wait(deadline)
+        request.wait(deadline, watched=False)  # it names every missing rank itself, as MPI's does
         return list(request.slot.values)
 
     def split(self, color: int | None, ranks: tuple[int, ...], deadline: float) -> LocalEngine | None:

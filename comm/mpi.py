@@ -159,20 +159,23 @@ def _own_chunk(out: np.ndarray, inp: np.ndarray, rank: int) -> bool:
 
 
 class _Receive:
-    """A posted receive: completes with ``source`` and ``count`` (elements; -1 if the message
-    was larger than the buffer, which MPI reports as a truncation error)."""
+    """A posted receive: completes with ``source`` and ``count``, the message's size in elements
+    of the buffer's dtype (-1 if the message was larger than the buffer, which MPI reports as a
+    truncation; a fraction if its bytes do not divide into such elements)."""
 
-    __slots__ = ("request", "status", "datatype", "source", "count")
+    __slots__ = ("request", "status", "itemsize", "source", "count")
+    dtype = None  # messages carry no dtype: only their size is checked
 
-    def __init__(self, request: MPI.Request, datatype: MPI.Datatype) -> None:
-        self.request, self.status, self.datatype = request, MPI.Status(), datatype
+    def __init__(self, request: MPI.Request, itemsize: int) -> None:
+        self.request, self.status, self.itemsize = request, MPI.Status(), itemsize
         self.source, self.count = -1, -1
 
     def Test(self) -> bool:  # noqa: N802 (the Request protocol's name)
         try:
             if not self.request.Test(self.status):
                 return False
-            self.count = self.status.Get_count(self.datatype)
+            nbytes = self.status.Get_count(MPI.BYTE)
+            self.count = nbytes // self.itemsize if nbytes % self.itemsize == 0 else nbytes / self.itemsize
         except MPI.Exception as exc:
             if exc.Get_error_class() != MPI.ERR_TRUNCATE:
                 raise DistBackendError(f"meshkit.comm: recv failed in MPI: {exc}") from None
@@ -239,6 +242,15 @@ class MPIEngine:
         """Notices received since the last call."""
         return self.mailbox.drain()
 
+    def flush(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` s) until the notices this rank sent have left."""
+        self.mailbox.flush(timeout)
+
+    @staticmethod
+    def abort(code: int) -> None:
+        """End the whole MPI job now (MPI_Abort on the world)."""
+        MPI.COMM_WORLD.Abort(code)
+
     def all_reduce(self, buf: np.ndarray, op: ReduceOp) -> MPI.Request:
         t, ops = _specs.get(buf.dtype) or _spec(buf.dtype)  # the hottest call: no function call when cached
         return self._Iallreduce(MPI.IN_PLACE, [buf, t], ops[op])
@@ -282,13 +294,15 @@ class MPIEngine:
     def barrier(self) -> MPI.Request:
         return self.comm.Ibarrier()
 
+    # Point-to-point messages travel as bytes: a receive of another dtype than was sent must be
+    # an error meshkit reports, and MPICH aborts the process (an internal assertion) when a
+    # typed receive gets a message whose bytes do not divide into its elements.
     def send(self, buf: np.ndarray, dst: int, tag: int) -> MPI.Request:
-        return self.comm.Isend([buf, _spec(buf.dtype)[0]], dst, tag)
+        return self.comm.Isend([buf, MPI.BYTE], dst, tag)
 
     def recv(self, buf: np.ndarray, src: int | None, tag: int) -> _Receive:
-        t = _spec(buf.dtype)[0]
         source = MPI.ANY_SOURCE if src is None else src
-        return _Receive(self.comm.Irecv([buf, t], source, tag), t)
+        return _Receive(self.comm.Irecv([buf, MPI.BYTE], source, tag), buf.itemsize)
 
     def exchange(self, payload: Any, seq: int, deadline: float) -> list[Any]:
         """Rank 0 collects every rank's payload by point-to-point and answers each one.

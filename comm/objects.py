@@ -1,5 +1,11 @@
 """Object collectives: picklable Python objects through the buffer collectives.
 
+Every one sends sizes first, then bytes. A rank that cannot pickle its object sends a negative
+size instead, the length of its error message, and the message in place of the pickle: every
+rank then raises :class:`ObjectCollectiveError` naming the ranks that failed and why, and the
+calls stay paired on every rank (a rank that fails alone would otherwise leave the others
+waiting, and its next call would meet their second step).
+
 Warning: these use :mod:`pickle`. Unpickling data from a peer can execute arbitrary code, so
 use them only in jobs where every rank is trusted (as torch.distributed warns for its own).
 """
@@ -13,15 +19,37 @@ import numpy as np
 
 from .api import _group_rank
 from .checks import where
-from .errors import DistTypeError, DistValueError
+from .errors import DistError, DistTypeError, DistValueError
 from .group import ProcessGroup
 from .registry import resolve_group
 
-__all__ = ["broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list"]
+__all__ = ["broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
+           "ObjectCollectiveError"]
 
 
-def _dump(obj: Any) -> np.ndarray:
-    return np.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=np.uint8)
+class ObjectCollectiveError(DistError, TypeError):
+    """An object collective failed on some rank (its object could not be pickled); raised on all."""
+
+
+def _dump(obj: Any) -> tuple[np.ndarray, int]:
+    """``(bytes, size)``: the pickle and its length, or an error message and minus its length."""
+    try:
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # noqa: BLE001 (any pickling error is reported to every rank)
+        message = f"{type(exc).__name__}: {exc}".encode()
+        return np.frombuffer(bytearray(message), dtype=np.uint8), -len(message)
+    return np.frombuffer(bytearray(data), dtype=np.uint8), len(data)
+
+
+def _failures(g: ProcessGroup, op: str, what: str, sizes: np.ndarray, rows: Any) -> None:
+    """Raise on every rank if any rank could not pickle (negative size), naming them and why."""
+    failed = [i for i, n in enumerate(sizes) if n < 0]
+    if failed:
+        reasons = "; ".join(f"rank {g.ranks[i]}: {bytes(rows[i][:-sizes[i]]).decode(errors='replace')}"
+                            if len(rows[i]) else f"rank {g.ranks[i]}: its error is reported on the destination"
+                            for i in failed)
+        raise ObjectCollectiveError(f"{where(g, op)}: {what} could not be pickled on ranks "
+                                    f"{[g.ranks[i] for i in failed]} ({reasons}); every rank raises")
 
 
 def _load(buf: np.ndarray) -> Any:
@@ -57,11 +85,16 @@ def broadcast_object_list(object_list: list[Any], src: int | None = None, group:
     g = resolve_group(group)
     root = _group_rank(g, "broadcast_object_list", "src", src, group_src)
     _check_list(g, "broadcast_object_list", "object_list", object_list)
-    blob = _dump(object_list) if g.rank == root else np.empty(0, np.uint8)
-    size = np.array([blob.size], np.int64)
+    blob, n = _dump(object_list) if g.rank == root else (np.empty(0, np.uint8), 0)
+    size = np.array([n], np.int64)
     g.broadcast(size, root)
-    buf = blob if g.rank == root else np.empty(int(size[0]), np.uint8)
+    n = int(size[0])
+    buf = blob if g.rank == root else np.empty(abs(n), np.uint8)
     g.broadcast(buf, root)
+    if n < 0:
+        raise ObjectCollectiveError(f"{where(g, 'broadcast_object_list')}: object_list could not be pickled on "
+                                    f"the source, rank {g.ranks[root]} ({bytes(buf).decode(errors='replace')}); "
+                                    "every rank raises")
     if g.rank != root:
         received = _load(buf)
         if len(received) != len(object_list):
@@ -78,12 +111,13 @@ def all_gather_object(object_list: list[Any], obj: Any, group: ProcessGroup | No
     """
     g = resolve_group(group)
     _check_list(g, "all_gather_object", "object_list", object_list, g.size)
-    blob = _dump(obj)
-    sizes = _gathered_sizes(g, blob.size)
-    width = int(sizes.max())
+    blob, n = _dump(obj)
+    sizes = _gathered_sizes(g, n)
+    width = int(abs(sizes).max())
     out = np.empty(width * g.size, np.uint8)
     g.all_gather_into_tensor(out, _padded(blob, width))
     rows = out.reshape(g.size, width)
+    _failures(g, "all_gather_object", "obj", sizes, rows)
     object_list[:] = [_load(rows[i, :sizes[i]]) for i in range(g.size)]
 
 
@@ -94,11 +128,13 @@ def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: in
     root = _group_rank(g, "gather_object", "dst", dst, group_dst)
     if g.rank == root:
         _check_list(g, "gather_object", "object_gather_list", object_gather_list, g.size)
-    blob = _dump(obj)
-    sizes = _gathered_sizes(g, blob.size)
-    width = int(sizes.max())
+    blob, n = _dump(obj)
+    sizes = _gathered_sizes(g, n)
+    width = int(abs(sizes).max())
     rows = [np.empty(width, np.uint8) for _ in range(g.size)] if g.rank == root else None
     g.gather(_padded(blob, width), rows, root)
+    mine = [blob if i == g.rank else np.empty(0, np.uint8) for i in range(g.size)]  # a failing rank's own error
+    _failures(g, "gather_object", "obj", sizes, rows if rows is not None else mine)
     if rows is not None:
         object_gather_list[:] = [_load(rows[i][:sizes[i]]) for i in range(g.size)]
 
@@ -119,11 +155,31 @@ def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_in
     width = np.zeros(1, np.int64)
     blobs = None
     if g.rank == root:
-        _check_list(g, "scatter_object_list", "scatter_object_input_list", scatter_object_input_list, g.size)
-        blobs = [_dump(o) for o in scatter_object_input_list]
-        width[0] = max(b.size for b in blobs) + 8
+        try:
+            _check_list(g, "scatter_object_list", "scatter_object_input_list", scatter_object_input_list, g.size)
+        except (DistTypeError, DistValueError) as exc:
+            error: BaseException | None = exc
+            text = f"{type(exc).__name__}: {exc}".encode()
+            dumped = [(np.frombuffer(bytearray(text), np.uint8), -len(text))]
+        else:
+            error = None
+            dumped = [_dump(o) for o in scatter_object_input_list]
+        bad = next(((b, n) for b, n in dumped if n < 0), None)
+        if bad is not None:
+            blobs, width[0] = [bad[0]], bad[1]  # a negative width: the error message follows
+        else:
+            blobs = [b for b, _ in dumped]
+            width[0] = max(b.size for b in blobs) + 8
     g.broadcast(width, root)
     w = int(width[0])
+    if w < 0:
+        message = blobs[0] if blobs is not None else np.empty(-w, np.uint8)
+        g.broadcast(message, root)
+        if g.rank == root and error is not None:
+            raise error
+        raise ObjectCollectiveError(f"{where(g, 'scatter_object_list')}: the source, rank {g.ranks[root]}, could "
+                                    f"not send scatter_object_input_list ({bytes(message).decode(errors='replace')}); "
+                                    "every rank raises")
     mine = np.empty(w, np.uint8)
     rows = None
     if blobs is not None:

@@ -144,4 +144,8 @@ def test_object_collectives_bad_input():
         if meshkit.get_rank() == 0:
             with pytest.raises(ValueError, match=r"scatter_object_input_list has 3 slots, expected one per rank"):
                 meshkit.scatter_object_list([None], [1, 2, 3], src=0)
+        else:  # the others are told, in the same call: nobody waits for the timeout
+            with pytest.raises(meshkit.ObjectCollectiveError, match=r"rank 1: scatter_object_list: the source, "
+                                                                    r"rank 0, could not send .*has 3 slots"):
+                meshkit.scatter_object_list([None], None, src=0)
     local.run(body, 2, timeout=5)

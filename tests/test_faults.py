@@ -24,6 +24,7 @@ def test_rank_that_skips_a_barrier_is_named_in_the_timeout():
     def body():
         if meshkit.get_rank() != 2:
             return catch(meshkit.barrier)
+        time.sleep(1.0)  # present but never arriving (a rank that left would be named at once)
     errors = local.run(body, 4, timeout=0.5)
     for rank in (0, 1, 3):
         assert isinstance(errors[rank], meshkit.CollectiveTimeout)
@@ -40,6 +41,8 @@ def test_group_is_unusable_after_a_timeout():
             with pytest.raises(meshkit.DistError, match=r"group world is unusable after an earlier failure: "
                                                         r"barrier #0 timed out"):
                 meshkit.all_reduce(np.ones(1))
+        else:
+            time.sleep(0.6)  # present but never arriving
     local.run(body, 2, timeout=0.3)
 
 
@@ -123,6 +126,7 @@ def test_flight_recorder_keeps_the_last_64_operations():
         if meshkit.get_rank() == 0:
             catch(meshkit.barrier)  # rank 1 never comes: timed out
             return records, meshkit.flight_record(), meshkit.format_flight_record()
+        time.sleep(0.6)  # present but never arriving
         return records, None, None
     (records, after, text), _ = local.run(body, 2, timeout=0.3)
     assert len(records) == 64

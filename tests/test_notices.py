@@ -1,0 +1,206 @@
+"""One rank fails or leaves alone: the others fail within seconds, or get the right result.
+
+The cases a new user hit: the source of a scatter or of an object collective failing alone,
+a rank ending its script while the others wait for it, a caught error followed by a retry,
+receives of the wrong size, sends to oneself, an uncaught exception under plain ``mpiexec``.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import meshkit
+from meshkit.comm import local
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def timed(fn):
+    start = time.monotonic()
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001
+        return exc, time.monotonic() - start
+    return None, time.monotonic() - start
+
+
+def test_a_scatter_only_the_root_rejects_fails_on_every_rank_at_once():
+    def body():
+        out = np.empty(2)
+        chunks = [np.ones(2)] * 3 if meshkit.get_rank() == 0 else None  # 3 chunks for 2 ranks
+        return timed(lambda: meshkit.scatter(out, chunks, src=0))
+    (root_error, _), (error, elapsed) = local.run(body, 2, timeout=60)
+    assert isinstance(root_error, ValueError) and "scatter_list has 3 arrays" in str(root_error)
+    assert isinstance(error, meshkit.RankFailedError), error
+    assert elapsed < 5, f"rank 1 waited {elapsed:.1f} s"
+    assert re.search(r"rank 1: call #0 on group world \(ranks \[0, 1\]\) cannot complete: rank 0 did not start "
+                     r"call #0 on group world: DistValueError: .*scatter_list has 3 arrays", str(error)), error
+
+
+def test_a_rejected_call_retried_at_once_completes_with_the_right_result():
+    def body():
+        rank = meshkit.get_rank()
+        x = np.full(3, float(rank + 1))
+        if rank == 0:
+            with pytest.raises(TypeError, match="must be a numpy.ndarray"):
+                meshkit.all_reduce(list(x))
+        meshkit.all_reduce(x)  # rank 0's corrected retry is the same call #0
+        return x
+    assert all((x == 3).all() for x in local.run(body, 2, timeout=30))
+
+
+def test_a_mistake_every_rank_makes_does_not_fail_later_calls():
+    """Every rank rejects call #0, then a slow rank makes the others wait in call #0 (the retry)."""
+    def body():
+        rank = meshkit.get_rank()
+        with pytest.raises(ValueError):
+            meshkit.broadcast(np.ones(2), group_src=5)
+        if rank == 1:
+            time.sleep(0.2)  # the others wait longer than the watch interval, and read the notices
+        x = np.full(2, float(rank))
+        meshkit.broadcast(x, src=1)
+        return x
+    assert all((x == 1).all() for x in local.run(body, 3, timeout=30))
+
+
+def test_a_rank_that_ends_while_the_others_wait_is_named():
+    def body():
+        if meshkit.get_rank() == 2:
+            return None  # returns: its world is destroyed, and the others are told
+        return timed(lambda: meshkit.all_reduce(np.ones(4)))
+    results = local.run(body, 3, timeout=60)
+    for rank in (0, 1):
+        error, elapsed = results[rank]
+        assert isinstance(error, meshkit.RankFailedError) and elapsed < 5, (error, elapsed)
+        assert "rank 2 left the job (it destroyed its process group, after 0 calls on the world group)" in str(error)
+
+
+def test_a_rank_that_ends_after_its_last_call_fails_nobody():
+    def body():
+        x = np.ones(2)
+        if meshkit.get_rank() == 0:
+            meshkit.all_reduce(x)
+            return x  # leaves at once, its LEFT notice says it made call #0
+        work = meshkit.all_reduce(x, async_op=True)
+        time.sleep(0.2)  # rank 0 is gone by now
+        work.wait()
+        return x
+    assert all((x == 2).all() for x in local.run(body, 2, timeout=30))
+
+
+@pytest.mark.parametrize("op", ["broadcast_object_list", "all_gather_object", "gather_object"])
+def test_an_object_that_cannot_be_pickled_fails_the_call_on_every_rank(op):
+    def body():
+        rank = meshkit.get_rank()
+        obj = threading.Lock() if rank == 1 else {"rank": rank}
+        if op == "broadcast_object_list":
+            call = lambda: meshkit.broadcast_object_list([obj], src=1)  # noqa: E731
+        elif op == "all_gather_object":
+            call = lambda: meshkit.all_gather_object([None] * 3, obj)  # noqa: E731
+        else:
+            call = lambda: meshkit.gather_object(obj, [None] * 3 if rank == 0 else None, dst=0)  # noqa: E731
+        error, _ = timed(call)
+        x = np.ones(1)
+        meshkit.barrier()
+        meshkit.all_reduce(x)  # the calls stayed paired: the group is in step
+        return error, x[0]
+    for rank, (error, total) in enumerate(local.run(body, 3, timeout=30)):
+        assert isinstance(error, meshkit.ObjectCollectiveError), error
+        assert re.search(r"could not be pickled on (ranks \[1\]|the source, rank 1)", str(error)) and total == 3
+        if op != "gather_object" or rank != 2:  # gather_object: only the destination receives the reason
+            assert "TypeError: cannot pickle '_thread.lock' object" in str(error), error
+
+
+def test_receives_of_the_wrong_size_or_dtype_fail_and_leave_the_buffer_alone():
+    def body():
+        if meshkit.get_rank() == 0:
+            for data in (np.arange(3.0), np.arange(3.0), np.arange(3, dtype=np.float32)):
+                meshkit.send(data, dst=1)
+            return None
+        small, big, other = np.zeros(2), np.zeros(5), np.zeros(3)
+        with pytest.raises(ValueError, match=r"recv buffer has 2 elements but the message from group rank 0 has 3"):
+            meshkit.recv(small, src=0)
+        with pytest.raises(ValueError, match=r"recv buffer has 5 elements but the message from group rank 0 has 3"):
+            meshkit.recv(big, src=0)
+        with pytest.raises(TypeError, match=r"recv buffer has dtype float64 but the message from group rank 0 has "
+                                            r"dtype float32"):
+            meshkit.recv(other, src=0)
+        return small, big, other
+    _, arrays = local.run(body, 2, timeout=30)
+    assert all((a == 0).all() for a in arrays)
+
+
+def test_blocking_send_or_recv_to_oneself_is_rejected_at_once():
+    def body():
+        with pytest.raises(ValueError, match=r"rank 1: send: a blocking send to this rank itself \(global rank 1\) "
+                                             r"can never complete; use isend and irecv"):
+            meshkit.send(np.ones(1), dst=1)
+        with pytest.raises(ValueError, match="a blocking recv from this rank itself"):
+            meshkit.recv(np.ones(1), src=1)
+        w = meshkit.isend(np.full(1, 7.0), dst=1)  # the nonblocking pair works
+        y = np.zeros(1)
+        meshkit.irecv(y, src=1).wait()
+        w.wait()
+        return y[0]
+    assert local.run(lambda: body() if meshkit.get_rank() == 1 else None, 2, timeout=30)[1] == 7.0
+
+
+def _reports(out: str) -> dict[int, tuple[str, float, str]]:
+    found = {}
+    for m in re.finditer(r"REPORT (\d+) (\w+) ([\d.]+):? ?(.*)", out):
+        found[int(m.group(1))] = (m.group(2), float(m.group(3)), m.group(4))
+    return found
+
+
+def test_real_processes_a_scatter_only_the_root_rejects(mpirun):
+    reports = _reports(mpirun("mpi_notices.py", 3, "bad-scatter", timeout=60).stdout)
+    assert reports[0][0] == "DistValueError"
+    for rank in (1, 2):
+        name, elapsed, message = reports[rank]
+        assert name == "RankFailedError" and elapsed < 5, reports[rank]
+        assert "rank 0 did not start call #0 on group world" in message
+
+
+def test_real_processes_an_object_the_source_cannot_pickle(mpirun):
+    out = mpirun("mpi_notices.py", 2, "pickle", timeout=60).stdout
+    reports = re.findall(r"REPORT (\d) (\w+)", out)
+    assert sorted(reports) == [("0", "ObjectCollectiveError"), ("0", "ok"), ("1", "ObjectCollectiveError"),
+                               ("1", "ok")], out
+    assert "SUM 0 2.0" in out and "SUM 1 2.0" in out
+
+
+def test_real_processes_a_rank_that_exits_cleanly_while_others_wait(mpirun):
+    reports = _reports(mpirun("mpi_notices.py", 3, "early-exit", timeout=60).stdout)
+    for rank in (0, 2):
+        name, elapsed, message = reports[rank]
+        assert name == "RankFailedError" and elapsed < 5, reports[rank]
+        assert "rank 1 left the job (its script ended, after 0 calls on the world group)" in message
+
+
+def test_real_processes_receives_of_the_wrong_size_and_sends_to_oneself(mpirun):
+    out = mpirun("mpi_notices.py", 2, "recv-size", timeout=60).stdout
+    assert "recv buffer has 2 elements but the message from group rank 0 has more elements than fit" in out, out
+    assert "recv buffer has 5 elements but the message from group rank 0 has 3" in out, out
+    assert "recv buffer has 3 elements but the message from group rank 0 has 1.5 (its bytes do not divide into " \
+           "float64 elements)" in out, out
+    assert out.count("a blocking send to this rank itself") == 2, out
+
+
+def test_an_uncaught_exception_under_plain_mpiexec_ends_the_job():
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    start = time.monotonic()
+    proc = subprocess.run([str(mpiexec), "-n", "3", sys.executable, str(SCRIPTS / "mpi_notices.py"), "uncaught"],
+                          capture_output=True, text=True, timeout=60)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    assert "RuntimeError: rank 1 fails, uncaught" in proc.stderr
+    assert "meshkit: rank 1: uncaught RuntimeError: aborting the MPI job" in proc.stderr
+    assert elapsed < 30, f"the job took {elapsed:.0f} s (the barrier's timeout is 60 s)"
