@@ -263,7 +263,7 @@ class Progress:
         try:
             from tqdm import tqdm
         except ImportError:
-            LOG.info("tqdm is not installed (pip install tqdm, or meshkit[bench]): logging progress instead")
+            LOG.info("tqdm is not installed (a dependency of meshkit: pip install tqdm): logging progress instead")
             return
         self._bar = tqdm(total=total, unit=unit, dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
 

@@ -40,7 +40,7 @@ so that the setting holds under any launcher: with one OpenBLAS thread per core 
 Targets, printed with PASS/MISS (informative only; nothing fails): DDP within 1.3x of the
 flat all_reduce, and at least 4x faster than the per-gradient all_reduce for the 4 KB case.
 
-**2. Overlap** (``--only overlap``): the MLP of ``examples/train_mlp.py`` made bigger so that
+**2. Overlap** (``--only overlap``): the MLP of ``examples/mlp.py`` made bigger so that
 communication matters (hidden layers ``--hidden``, default 1024,1024,1024: 2.1M parameters,
 8.5 MB in float32), global batch ``--batch`` (256) split over the ranks. Per training step:
 
@@ -106,8 +106,10 @@ from _common import (LOG, Progress, add_output_args, barrier, calibrate_iters, f
 from mpi4py import MPI
 
 import meshkit
-from meshkit.examples.train_mlp import backward, forward, init_params, loss_and_grad_logits, make_data
 from meshkit.parallel import DistributedDataParallel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from mlp import backward, forward, init_params, loss_and_grad_logits, make_data  # noqa: E402  (examples/mlp.py)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -11,7 +11,7 @@ With the repository's venv: ``/tmp/venv/bin/python benchmarks/memory.py --plot``
 launcher: every world size runs on meshkit's in-process engine (``meshkit.comm.local.run``, one
 thread per rank), since bytes held do not depend on the engine.
 
-The model is a float32 tanh MLP of ``examples/train_mlp.py`` (20 features, 4 classes) with
+The model is a float32 tanh MLP of ``examples/mlp.py`` (20 features, 4 classes) with
 ``--layers`` hidden layers of one width, chosen so that the parameter count Ψ is as close as it
 gets to ``--params`` (default 10M; the exact Ψ is printed and stored), trained with AdamW.
 For every strategy and world size N each rank builds the strategy from the same parameters and
@@ -73,8 +73,10 @@ from _common import (LOG, Progress, add_output_args, choice_list, host_metadata,
 
 import meshkit  # noqa: E402
 from meshkit.comm import local  # noqa: E402
-from meshkit.examples.train_mlp import CLASSES, FEATURES, init_params  # noqa: E402
 from meshkit.parallel import AdamW, DistributedDataParallel, FullyShardedDataParallel, ZeroRedundancyOptimizer  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from mlp import CLASSES, FEATURES, init_params  # noqa: E402  (the example's model: examples/mlp.py)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")

@@ -15,12 +15,12 @@ next to it. Each rank's BLAS runs one thread
 (set with ``_common.limit_blas_threads``, since ``meshkit-run`` imports NumPy before the script
 runs and OpenBLAS reads the variables only at import), so N ranks use N cores.
 
-The model is ``examples/train_mlp.py``'s tanh MLP made larger (hidden layers ``--hidden``,
+The model is ``examples/mlp.py``'s tanh MLP made larger (hidden layers ``--hidden``,
 default 512,512,512: 538K parameters, 2.1 MB in float32), float32, AdamW, bucket caps 25 MB
 (first 1 MB), global batch ``--batch`` 256 split over the ranks. Every strategy is built by
-the example's own ``build(args)`` from ``parse_args([...])`` (the hidden widths reach it through
-the example's ``init_params``, swapped for the duration of the call, since the example has no
-``--hidden`` option), and a step is the example's training step without the loss all-reduce:
+the example's own ``mlp.build(strategy, hidden=...)`` (``examples/mlp.py``, imported by adding
+the ``examples`` folder to ``sys.path``), and a step is the example's training step without the
+loss all-reduce:
 ``zero_grad()``, ``forward_layers``, ``loss_and_grad_logits``, ``backward_layers`` (gradients
 handed to the strategy layer by layer, last first), ``step()``. Strategies:
 
@@ -66,7 +66,6 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
-import functools  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Iterator  # noqa: E402
@@ -79,7 +78,8 @@ from _common import (LOG, Progress, add_output_args, barrier, choice_list, limit
 from mpi4py import MPI  # noqa: E402
 
 import meshkit  # noqa: E402
-from meshkit.examples import train_mlp  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import mlp  # noqa: E402  (the example's model: examples/mlp.py)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: The check of one float64 step against single-process training (the example's ``--check``).
@@ -88,7 +88,7 @@ MIN_TIMED_STEPS = 10
 
 
 # --------------------------------------------------------------------------- strategies
-class ShardedNoPrefetch(train_mlp.Sharded):
+class ShardedNoPrefetch(mlp.Sharded):
     """The example's FSDP strategy with prefetching off: each unit is gathered when it is used."""
 
     @contextlib.contextmanager
@@ -97,47 +97,32 @@ class ShardedNoPrefetch(train_mlp.Sharded):
             yield params
 
 
-@contextlib.contextmanager
-def example_hidden(hidden: tuple[int, ...]) -> Iterator[None]:
-    """Make the example's ``init_params`` (which ``build`` calls) default to ``hidden`` layers."""
-    original = train_mlp.init_params
-    train_mlp.init_params = functools.partial(original, hidden=hidden)
-    try:
-        yield
-    finally:
-        train_mlp.init_params = original
+def hsdp_shape(text: str) -> tuple[int, int]:
+    replicate, shard = (int(v) for v in text.lower().split("x"))
+    return replicate, shard
 
 
-def example_args(args: argparse.Namespace, strategy: str, mesh: str = "2x2") -> argparse.Namespace:
-    """The example's own command line for ``strategy`` with this benchmark's settings."""
-    return train_mlp.parse_args(["--strategy", strategy, "--mesh", mesh, "--batch", str(args.batch),
-                                 "--samples", str(args.samples), "--lr", str(args.lr),
-                                 "--optimizer", args.optimizer, "--dtype", args.dtype,
-                                 "--bucket-cap-mb", str(args.bucket_cap_mb)])
-
-
-def build(args: argparse.Namespace, name: str) -> train_mlp.Strategy:
+def build(args: argparse.Namespace, name: str) -> mlp.Strategy:
     """One strategy over all ranks (collective), or the communication-free ``compute`` reference."""
     hidden = tuple(args.hidden)
     if name == "compute":
-        ex = example_args(args, "ddp")
-        params = train_mlp.init_params(hidden=hidden, dtype=np.dtype(args.dtype))
-        return train_mlp.Plain(params, optimizer=train_mlp.make_optimizer(ex.optimizer, ex.lr))
+        params = mlp.init_params(hidden, dtype=np.dtype(args.dtype))
+        return mlp.Plain(params, optimizer=mlp.make_optimizer(args.optimizer, args.lr))
     strategy = "fsdp" if name == "fsdp-noprefetch" else name
-    with example_hidden(hidden):
-        model, _ = train_mlp.build(example_args(args, strategy, args.hsdp_mesh or "2x2"))
-    if name == "fsdp-noprefetch":
-        assert isinstance(model, train_mlp.Sharded)
+    model = mlp.build(strategy, hidden=hidden, dtype=args.dtype, optimizer=args.optimizer, lr=args.lr,
+                      bucket_cap_mb=args.bucket_cap_mb,
+                      hsdp_mesh=hsdp_shape(args.hsdp_mesh) if strategy == "hsdp" else None)
+    if name == "fsdp-noprefetch" and isinstance(model, mlp.Sharded):
         model = ShardedNoPrefetch(model.fsdp, model.dtype, model.layers)
     return model
 
 
-def train_step(model: train_mlp.Strategy, x: np.ndarray, y: np.ndarray) -> float:
+def train_step(model: mlp.Strategy, x: np.ndarray, y: np.ndarray) -> float:
     """The example's training step (without the loss all-reduce)."""
     model.zero_grad()
-    acts = train_mlp.forward_layers(model, x)
-    loss, dlogits = train_mlp.loss_and_grad_logits(acts[-1], y)
-    train_mlp.backward_layers(model, acts, dlogits)
+    acts = mlp.forward_layers(model, x)
+    loss, dlogits = mlp.loss_and_grad_logits(acts[-1], y)
+    mlp.backward_layers(model, acts, dlogits)
     model.step()
     return loss
 
@@ -156,13 +141,13 @@ class Batches:
 
 
 def make_batches(args: argparse.Namespace, rank: int, n: int, count: int) -> Batches:
-    x, y = train_mlp.make_data(args.samples)
+    x, y = mlp.make_data(args.samples)
     xs, ys = [], []
     for step in range(count):
-        idx = np.array_split(train_mlp.batch_indices(step, args.samples, args.batch), n)[rank]
+        idx = np.array_split(mlp.batch_indices(step, args.samples, args.batch), n)[rank]
         xs.append(np.ascontiguousarray(x[idx]))
         ys.append(y[idx])
-    first = train_mlp.batch_indices(0, args.samples, args.batch)
+    first = mlp.batch_indices(0, args.samples, args.batch)
     return Batches(xs, ys, x[first], y[first])
 
 
@@ -205,7 +190,7 @@ def check_one_step(args: argparse.Namespace, name: str, batches: Batches, refere
 
 
 # --------------------------------------------------------------------------- timing
-def time_strategies(args: argparse.Namespace, models: dict[str, train_mlp.Strategy], batches: Batches,
+def time_strategies(args: argparse.Namespace, models: dict[str, mlp.Strategy], batches: Batches,
                     comm: MPI.Comm, progress: Progress) -> dict[str, list[float]]:
     """Seconds of every timed step of every strategy: the MAX over ranks, in run order."""
     names = list(models)
@@ -402,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         batches = make_batches(args, rank, n, count=16)
         reference = reference_step(args, batches)
         psi = sum(int(p.size) for p in reference.values())
-        models: dict[str, train_mlp.Strategy] = {}
+        models: dict[str, mlp.Strategy] = {}
         checks: dict[str, float | None] = {}
         for name in args.strategies:
             checks[name] = check_one_step(args, name, batches, reference, comm)

@@ -1,13 +1,19 @@
 """The README's tour, runnable: ``meshkit-run -n 4 examples/tour.py`` (needs 4 ranks)."""
 
+import sys
+
 import numpy as np
 
 import meshkit
 
 meshkit.init_process_group()                 # "auto": MPI; plain `python` gives a world of one
 rank, world = meshkit.get_rank(), meshkit.get_world_size()
-if world != 4:
-    raise SystemExit("the tour is written for 4 ranks: meshkit-run -n 4 examples/tour.py")
+problem = f"it takes no arguments, got {sys.argv[1:]}" if sys.argv[1:] else f"it needs 4 ranks, got {world}"
+if world != 4 or sys.argv[1:]:               # a usage error: printed once, status 2 on every rank
+    if rank == 0:
+        print(f"tour.py: error: {problem}; run: meshkit-run -n 4 examples/tour.py", file=sys.stderr)
+    meshkit.destroy_process_group()
+    raise SystemExit(2)
 
 x = np.full(4, float(rank))
 meshkit.all_reduce(x)                        # in place; every rank: [6, 6, 6, 6]

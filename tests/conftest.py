@@ -18,11 +18,18 @@ settings.load_profile("meshkit")
 SCRIPTS = Path(__file__).parent / "scripts"
 
 
-def launch(script: str, n: int, *args: str, timeout: float = 120, env: dict[str, str] | None = None,
+#: The module behind ``meshkit-run``: the one place the tests name it.
+LAUNCHER_MODULE = "meshkit.comm.launch"
+
+
+def launch(script: str | Path, n: int, *args: str, timeout: float = 120, env: dict[str, str] | None = None,
            check: bool = True) -> subprocess.CompletedProcess:
-    """``meshkit-run -n N tests/scripts/SCRIPT ARGS``; output captured; asserts exit 0 if ``check``."""
+    """``meshkit-run -n N SCRIPT ARGS``; output captured; asserts exit 0 if ``check``.
+
+    ``script`` is a file name in tests/scripts, or an absolute path (e.g. an example).
+    """
     full_env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), **(env or {})}
-    cmd = [sys.executable, "-m", "meshkit.comm.launch", "-n", str(n), "--timeout", str(int(timeout)),
+    cmd = [sys.executable, "-m", LAUNCHER_MODULE, "-n", str(n), "--timeout", str(int(timeout)),
            str(SCRIPTS / script), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 30, env=full_env)
     if check and proc.returncode != 0:

@@ -163,24 +163,6 @@ def test_parameters_start_from_broadcast_from():
     assert all(np.array_equal(w, np.ones(3)) for w in local.run(body, 3))
 
 
-def test_example_check_passes_under_meshkit_run(mpirun, tmp_path):
-    script = Path(__file__).parents[1] / "examples" / "train_mlp.py"
-    import subprocess
-    proc = subprocess.run([sys.executable, "-m", "meshkit.comm.launch", "-n", "2", "--timeout", "120", str(script),
-                           "--steps", "40", "--check"], capture_output=True, text=True, timeout=150)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "check against single-process training: OK" in proc.stdout
-
-
-def test_readme_tour_runs_on_four_ranks(mpirun):
-    import subprocess
-    script = Path(__file__).parents[1] / "examples" / "tour.py"
-    proc = subprocess.run([sys.executable, "-m", "meshkit.comm.launch", "-n", "4", "--timeout", "120", str(script)],
-                          capture_output=True, text=True, timeout=150)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("tour OK") == 4
-
-
 def test_sync_gradients_marks_views_in_bulk_and_copies_replaced_arrays():
     def body():
         rank = meshkit.get_rank()

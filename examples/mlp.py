@@ -1,0 +1,270 @@
+"""The example's model: a tanh MLP classifier on synthetic data, and how each strategy runs it.
+
+``examples/train_mlp.py`` (the command-line example), the benchmarks and the tests share this
+module. It is not part of the installed package: a script next to it imports it as ``mlp``
+(Python puts the script's folder first on ``sys.path``); a script elsewhere adds the
+``examples`` folder to ``sys.path`` first::
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import mlp
+
+The model has a softmax cross-entropy loss and a hand-written backward pass that runs layer by
+layer, from the last to the first, handing each layer's gradients over as soon as they are
+computed (so DDP averages the last layers' buckets while earlier layers still differentiate).
+Data is synthetic: a fixed random "teacher" network labels Gaussian inputs.
+
+A :class:`Strategy` is what the training loop needs of a parallel strategy: a layer's full
+parameters while it runs, somewhere to put gradients as they are ready, and an optimizer step.
+:class:`Plain` is one process (the single-process reference), :class:`Replicated` wraps DDP
+and ZeRO-1/2, :class:`Sharded` wraps FSDP and hybrid sharding; :func:`build` makes any of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+import meshkit
+from meshkit.parallel import (SGD, AdamW, DistributedDataParallel, FullyShardedDataParallel, Optimizer,
+                              ZeroRedundancyOptimizer)
+
+__all__ = [
+    "FEATURES", "CLASSES", "STRATEGIES", "make_data", "init_params", "layer_count", "batch_indices",
+    "loss_and_grad_logits", "forward", "backward", "forward_layers", "backward_layers", "make_optimizer",
+    "Strategy", "Plain", "Replicated", "Sharded", "build",
+]
+
+FEATURES, CLASSES = 20, 4
+#: The strategies :func:`build` knows.
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
+
+
+# --------------------------------------------------------------------------- data and parameters
+def make_data(samples: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Gaussian inputs labelled by a fixed random teacher network (a learnable, non-linear task)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((samples, FEATURES))
+    teacher = rng.standard_normal((FEATURES, 32)), rng.standard_normal((32, CLASSES))
+    y = np.argmax(np.tanh(x @ teacher[0]) @ teacher[1], axis=1)
+    return x, y
+
+
+def init_params(hidden: Sequence[int] = (64, 64), dtype: Any = np.float64, seed: int = 1) -> dict[str, np.ndarray]:
+    """``w0, b0, w1, b1, ...`` in forward order (Xavier-scaled weights, zero biases)."""
+    rng = np.random.default_rng(seed)
+    sizes = (FEATURES, *hidden, CLASSES)
+    params: dict[str, np.ndarray] = {}
+    for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+        params[f"w{i}"] = (rng.standard_normal((fan_in, fan_out)) / np.sqrt(fan_in)).astype(dtype)
+        params[f"b{i}"] = np.zeros(fan_out, dtype)
+    return params
+
+
+def layer_count(params: dict[str, Any]) -> int:
+    """Layers of the MLP whose parameters are ``params``."""
+    return sum(1 for name in params if name.startswith("w"))
+
+
+def batch_indices(step: int, samples: int, batch: int) -> np.ndarray:
+    """The global batch of a step: the same on every rank (``batch <= samples``)."""
+    return np.random.default_rng(1000 + step).choice(samples, size=batch, replace=False)
+
+
+def make_optimizer(name: str, lr: float) -> Optimizer:
+    """The example's optimizers: ``sgd`` (momentum 0.9) or ``adamw`` (weight decay 0.01)."""
+    if name == "adamw":
+        return AdamW(lr=lr, weight_decay=0.01)
+    if name == "sgd":
+        return SGD(lr=lr, momentum=0.9)
+    raise ValueError(f"unknown optimizer {name!r}; valid: 'sgd', 'adamw'")
+
+
+# --------------------------------------------------------------------------- forward, loss, backward
+def loss_and_grad_logits(logits: Any, y: Any) -> tuple[float, Any]:
+    """Mean softmax cross-entropy and its gradient with respect to the logits."""
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    probs = np.exp(shifted)
+    probs /= probs.sum(axis=1, keepdims=True)
+    rows = np.arange(len(y))
+    loss = float(-np.log(probs[rows, y]).mean())
+    probs[rows, y] -= 1
+    return loss, probs / len(y)
+
+
+def forward(params: dict[str, Any], x: Any) -> list[Any]:
+    """Activations of every layer (input first; the last entry is the logits)."""
+    return forward_layers(Plain(params), x)
+
+
+def backward(params: dict[str, Any], acts: list[Any], dlogits: Any, on_grad: Callable[[str, Any], None]) -> None:
+    """Back-propagate layer by layer, calling ``on_grad(name, grad)`` as each gradient is final."""
+    backward_layers(Plain(params, on_grad), acts, dlogits)
+
+
+def forward_layers(model: Strategy, x: Any) -> list[Any]:
+    """Forward pass that fetches each layer's parameters from ``model`` only while it runs."""
+    n = model.layers
+    acts = [x.astype(model.dtype)]
+    for i in range(n):
+        with model.layer(i, upcoming=i + 1 if i + 1 < n else None) as p:
+            z = acts[-1] @ p[f"w{i}"] + p[f"b{i}"]
+        acts.append(np.tanh(z) if i < n - 1 else z)
+    return acts
+
+
+def backward_layers(model: Strategy, acts: list[Any], dlogits: Any) -> None:
+    """Backward pass, last layer first; each layer's gradients go to ``model`` as soon as known."""
+    delta = dlogits
+    for i in reversed(range(model.layers)):
+        with model.layer(i, upcoming=i - 1 if i else None) as p:
+            dw, db = acts[i].T @ delta, delta.sum(axis=0)
+            if i:
+                delta = (delta @ p[f"w{i}"].T) * (1 - acts[i] ** 2)
+        model.grads_ready(i, {f"w{i}": dw, f"b{i}": db})
+
+
+# --------------------------------------------------------------------------- strategies
+class Strategy:
+    """What the training loop needs of a parallel strategy: a layer's parameters while it runs,
+    somewhere to put gradients as they are ready, and an optimizer step."""
+
+    layers: int
+    dtype: Any
+
+    def layer(self, i: int, upcoming: int | None = None) -> Any:
+        """Context manager yielding ``{name: full parameter}`` for layer ``i``."""
+        raise NotImplementedError
+
+    def zero_grad(self) -> None:
+        pass
+
+    def grads_ready(self, i: int, grads: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    def full_params(self) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+
+class Plain(Strategy):
+    """One process, or a view of a dict of parameters (the single-process reference)."""
+
+    def __init__(self, params: dict[str, Any], on_grad: Callable[[str, Any], None] | None = None,
+                 optimizer: Optimizer | None = None) -> None:
+        self.params, self.on_grad, self.optimizer = params, on_grad, optimizer
+        self.layers, self.dtype = layer_count(params), params["w0"].dtype
+        self.grads: dict[str, Any] = {}
+
+    def layer(self, i: int, upcoming: int | None = None) -> Any:
+        return contextlib.nullcontext(self.params)
+
+    def grads_ready(self, i: int, grads: dict[str, Any]) -> None:
+        for name, g in grads.items():
+            (self.on_grad or self.grads.__setitem__)(name, g)
+
+    def step(self) -> None:
+        self.optimizer.step(self.params, self.grads)
+
+    def full_params(self) -> dict[str, np.ndarray]:
+        return self.params
+
+
+class Replicated(Strategy):
+    """DDP or ZeRO-1/2: full parameters on every rank, gradients marked ready as they come."""
+
+    def __init__(self, model: Any, optimizer: Optimizer | None) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.layers, self.dtype = layer_count(model.params), model.params["w0"].dtype
+
+    def layer(self, i: int, upcoming: int | None = None) -> Any:
+        return contextlib.nullcontext(self.model.params)
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad()
+
+    def grads_ready(self, i: int, grads: dict[str, Any]) -> None:
+        for name, g in grads.items():
+            self.model.mark_grad_ready(name, g)
+
+    def step(self) -> None:
+        self.model.finish_gradient_sync()
+        if self.optimizer is None:  # ZeRO owns its optimizer
+            self.model.step()
+        else:
+            self.optimizer.step(self.model.params, self.model.grads)
+
+    def full_params(self) -> dict[str, np.ndarray]:
+        return self.model.params
+
+
+class Sharded(Strategy):
+    """FSDP / HSDP: one unit per layer, gathered (with the next one prefetched) while it runs."""
+
+    def __init__(self, fsdp: FullyShardedDataParallel, dtype: Any, n_layers: int) -> None:
+        self.fsdp, self.dtype, self.layers = fsdp, dtype, n_layers
+
+    @contextlib.contextmanager
+    def layer(self, i: int, upcoming: int | None = None) -> Iterator[dict[str, Any]]:
+        with self.fsdp.unshard(i) as params:
+            if upcoming is not None:
+                self.fsdp.prefetch(upcoming)
+            yield params
+
+    def zero_grad(self) -> None:
+        self.fsdp.zero_grad()
+
+    def grads_ready(self, i: int, grads: dict[str, Any]) -> None:
+        self.fsdp.reduce_grads(i, grads)
+
+    def step(self) -> None:
+        self.fsdp.step()
+
+    def full_params(self) -> dict[str, np.ndarray]:
+        return self.fsdp.full_state_dict()["params"]
+
+
+def build(strategy: str, *, hidden: Sequence[int] = (64, 64), dtype: Any = np.float64, optimizer: str = "sgd",
+          lr: float = 0.05, bucket_cap_mb: float = 25.0, hsdp_mesh: tuple[int, int] | None = None,
+          comm_hook: Any = None, comm_state: Any = None) -> Strategy:
+    """``strategy`` over all ranks of the default world (collective: every rank calls it).
+
+    Args:
+        strategy: one of :data:`STRATEGIES`.
+        hidden, dtype: the MLP (:func:`init_params`; every rank starts from the same parameters).
+        optimizer, lr: :func:`make_optimizer`'s.
+        bucket_cap_mb: DDP's and ZeRO's bucket cap; the first bucket is capped at
+            ``min(1, bucket_cap_mb)`` MB, as torch's DDP does.
+        hsdp_mesh: ``(replicate, shard)`` degrees of hsdp's 2-D mesh, their product the world
+            size (hsdp only).
+        comm_hook, comm_state: DDP's communication hook and its state (ddp only).
+
+    Raises:
+        ValueError: an unknown strategy, or an option the strategy does not take.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; valid: {', '.join(STRATEGIES)}")
+    if comm_hook is not None and strategy != "ddp":
+        raise ValueError(f"comm_hook applies to strategy 'ddp' only, got strategy {strategy!r}")
+    if (hsdp_mesh is None) != (strategy != "hsdp"):
+        raise ValueError(f"hsdp_mesh is needed by strategy 'hsdp' and by no other, got {hsdp_mesh!r} "
+                         f"for strategy {strategy!r}")
+    params = init_params(hidden, dtype=np.dtype(dtype))
+    opt = make_optimizer(optimizer, lr)
+    if strategy == "hsdp":
+        mesh = meshkit.init_device_mesh("cpu", tuple(hsdp_mesh), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = meshkit.init_device_mesh("cpu", (meshkit.get_world_size(),), mesh_dim_names=("dp",))
+    caps = {"bucket_cap_mb": bucket_cap_mb, "first_bucket_cap_mb": min(1.0, bucket_cap_mb)}
+    if strategy == "ddp":
+        ddp = DistributedDataParallel(params, mesh=mesh, comm_hook=comm_hook, comm_state=comm_state, **caps)
+        return Replicated(ddp, opt)
+    if strategy in ("zero1", "zero2"):
+        return Replicated(ZeroRedundancyOptimizer(params, opt, mesh=mesh, stage=int(strategy[-1]), **caps), None)
+    n_layers = layer_count(params)
+    units = [[f"w{i}", f"b{i}"] for i in range(n_layers)]  # one unit per layer
+    fsdp = FullyShardedDataParallel(params, mesh=mesh, optimizer=opt, units=units)
+    return Sharded(fsdp, params["w0"].dtype, n_layers)

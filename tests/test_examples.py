@@ -1,0 +1,226 @@
+"""The examples: their command lines, ``--check``'s tolerances, and real runs under meshkit-run.
+
+The examples are not part of the package: ``examples/`` goes on ``sys.path`` and ``mlp`` (the
+model) and ``train_mlp`` (the command-line example) are imported as top-level modules.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import meshkit
+from meshkit.comm import local
+from meshkit.parallel import fp16_compress_hook
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+import mlp  # noqa: E402
+import train_mlp  # noqa: E402
+
+# (command line, world size, what rank 0 must print after "error: ")
+BAD_FLAGS = [
+    (["--steps", "0"], 1, r"argument --steps: expected an integer >= 1, got 0"),
+    (["--steps", "-1"], 1, r"argument --steps: expected an integer >= 1, got -1"),
+    (["--steps", "ten"], 1, r"argument --steps: expected an integer >= 1, got 'ten'"),
+    (["--strategy", "hsdp", "--mesh", "2by2"], 4,
+     r"argument --mesh: expected REPLICATExSHARD with two integers >= 1, e\.g\. 2x2, got '2by2'"),
+    (["--strategy", "hsdp", "--mesh", "0x4"], 4, r"argument --mesh: expected REPLICATExSHARD .* got '0x4'"),
+    (["--strategy", "hsdp", "--mesh", "3x3"], 4,
+     r"argument --mesh: 3x3 is a mesh of 9 ranks; this run has 4: use REPLICATExSHARD with REPLICATE x SHARD = 4"),
+    (["--mesh", "2x2"], 4, r"argument --mesh: 2x2 applies to --strategy hsdp only, got --strategy ddp"),
+    (["--batch", "121"], 4, r"argument --batch: 121 does not divide evenly over 4 ranks; use a multiple of 4"),
+    (["--batch", "0"], 1, r"argument --batch: expected an integer >= 1, got 0"),
+    (["--batch", "200", "--samples", "100"], 1,
+     r"argument --batch: 200 is larger than --samples 100 \(a batch draws distinct samples\); use at most --samples"),
+    (["--samples", "-5"], 1, r"argument --samples: expected an integer >= 1, got -5"),
+    (["--lr", "0"], 1, r"argument --lr: expected a finite number > 0, got '0'"),
+    (["--lr", "nan"], 1, r"argument --lr: expected a finite number > 0, got 'nan'"),
+    (["--lr", "inf"], 1, r"argument --lr: expected a finite number > 0, got 'inf'"),
+    (["--bucket-cap-mb", "0"], 1, r"argument --bucket-cap-mb: expected a finite number > 0, got '0'"),
+    (["--bucket-cap-mb", "-1"], 1, r"argument --bucket-cap-mb: expected a finite number > 0, got '-1'"),
+    (["--strategy", "fsdp", "--bucket-cap-mb", "4"], 1,
+     r"argument --bucket-cap-mb: 4 applies to --strategy ddp, zero1 or zero2 only .* got --strategy fsdp"),
+    (["--strategy", "zero1", "--hook", "fp16"], 2,
+     r"argument --hook: fp16 applies to --strategy ddp only \(ZeRO and FSDP take no communication hook\), "
+     r"got --strategy zero1"),
+    (["--strategy", "zero2", "--hook", "powersgd"], 2, r"argument --hook: powersgd applies to --strategy ddp only"),
+    (["--strategy", "fsdp", "--hook", "fp16"], 2, r"argument --hook: fp16 applies to --strategy ddp only"),
+    (["--strategy", "hsdp", "--hook", "allreduce"], 4, r"argument --hook: allreduce applies to --strategy ddp only"),
+    (["--hook", "fp8"], 1, r"argument --hook: invalid choice: 'fp8' \(choose from .*'fp16'"),
+    (["--strategy", "zero3"], 1, r"argument --strategy: invalid choice: 'zero3'"),
+    (["--optimizer", "adam"], 1, r"argument --optimizer: invalid choice: 'adam'"),
+    (["--dtype", "float16"], 1, r"argument --dtype: invalid choice: 'float16'"),
+    (["--chek"], 1, r"unrecognized arguments: --chek"),
+]
+
+
+@pytest.mark.parametrize("argv, world, message", BAD_FLAGS, ids=[" ".join(a) for a, _, _ in BAD_FLAGS])
+def test_a_bad_flag_is_a_usage_error_printed_by_rank_0_only(argv, world, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        train_mlp.parse_args(argv, rank=0, world_size=world)
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("usage: train_mlp.py"), err
+    assert err.count("error:") == 1, err
+    assert re.search(r"train_mlp\.py: error: " + message, err), err
+    with pytest.raises(SystemExit) as exc:
+        train_mlp.parse_args(argv, rank=world - 1 or 1, world_size=world)
+    assert exc.value.code == 2
+    assert capsys.readouterr() == ("", ""), "only rank 0 prints"
+
+
+def test_help_is_printed_by_rank_0_only(capsys):
+    for rank in (0, 1):
+        with pytest.raises(SystemExit) as exc:
+            train_mlp.parse_args(["--help"], rank=rank, world_size=2)
+        assert exc.value.code == 0
+        out = capsys.readouterr().out
+        assert ("--bucket-cap-mb" in out) == (rank == 0), out
+
+
+def test_defaults_follow_the_optimizer_and_the_world():
+    args = train_mlp.parse_args([], world_size=4)
+    assert (args.strategy, args.lr, args.hook, args.mesh, args.bucket_cap_mb) == ("ddp", 0.05, "allreduce", None, None)
+    assert train_mlp.parse_args(["--optimizer", "adamw"]).lr == 0.01
+    assert train_mlp.parse_args(["--optimizer", "adamw", "--lr", "0.2"]).lr == 0.2
+    assert train_mlp.parse_args(["--strategy", "hsdp"], world_size=4).mesh == (2, 2)
+    assert train_mlp.parse_args(["--strategy", "hsdp"], world_size=6).mesh == (2, 3)
+    assert train_mlp.parse_args(["--strategy", "hsdp"], world_size=3).mesh == (1, 3)
+    assert train_mlp.parse_args(["--strategy", "hsdp", "--mesh", "4X1"], world_size=4).mesh == (4, 1)
+    assert train_mlp.parse_args(["--strategy", "zero2", "--bucket-cap-mb", "0.5"]).bucket_cap_mb == 0.5
+    args = train_mlp.parse_args(["--hook", "powersgd", "--batch", "8", "--samples", "8"], world_size=4)
+    assert (args.hook, args.batch, args.samples) == ("powersgd", 8, 8)
+
+
+# --------------------------------------------------------------------------- --check's tolerances
+def _args(*argv: str, world: int = 2):
+    return train_mlp.parse_args(list(argv), world_size=world)
+
+
+def test_exact_check_compares_parameters_at_1e10_in_float64_and_1e5_in_float32():
+    ref = {"w": np.array([1.0, -2.0]), "b": np.array([0.0, 0.0])}
+    for dtype, tol in (("float64", 1e-10), ("float32", 1e-5)):
+        args = _args("--steps", "3", "--dtype", dtype)
+        for off, ok in ((0.9 * tol, True), (1.1 * tol, False)):  # relative to w's scale, 2
+            params = {"w": ref["w"] + [0.0, off * 2], "b": ref["b"]}
+            (result,) = train_mlp.compare(args, 2, params, [1.0] * 3, ref, [1.0] * 3)
+            assert result.ok is ok and result.tolerance == tol, result
+            assert "'w'" in result.what and f"{tol:.2e}" in result.line()
+
+
+def test_fp16_check_allows_n_plus_1_float16_roundings_of_the_initial_loss():
+    args = _args("--steps", "3", "--hook", "fp16", world=4)
+    ref_losses = [1.5, 1.0, 0.8]
+    tol = 5 * 2.0 ** -11 * 1.5
+    params = {"w": np.zeros(2)}
+    for off, ok in ((0.9 * tol, True), (1.1 * tol, False), (float("nan"), False)):
+        (result,) = train_mlp.compare(args, 4, params, [1.5, 1.0 + off, 0.8], {"w": np.ones(2)}, ref_losses)
+        assert result.ok is ok and result.tolerance == pytest.approx(tol), result
+    assert "(4 + 1) float16 roundings x 2^-11 x initial loss 1.5000" in result.line()
+
+
+def test_powersgd_check_wants_exact_warm_up_and_final_loss_within_a_tenth_of_the_decrease():
+    args = _args("--steps", "20", "--hook", "powersgd")
+    ref_losses = list(np.linspace(2.0, 1.0, 20))  # decrease over the last 2 steps' mean: 2 - 1.0263
+    decrease = 2.0 - np.mean(ref_losses[-2:])
+    params, ref = {"w": np.zeros(2)}, {"w": np.ones(2)}
+    good = ref_losses[:10] + [v + 0.09 * decrease for v in ref_losses[10:]]
+    warm, final = train_mlp.compare(args, 2, params, good, ref, ref_losses)
+    assert warm.ok and final.ok and final.tolerance == pytest.approx(0.1 * decrease)
+    slow = ref_losses[:10] + [v + 0.11 * decrease for v in ref_losses[10:]]
+    assert not train_mlp.compare(args, 2, params, slow, ref, ref_losses)[1].ok
+    early = [ref_losses[0] * (1 + 1e-9)] + ref_losses[1:]
+    assert not train_mlp.compare(args, 2, params, early, ref, ref_losses)[0].ok
+
+
+# --------------------------------------------------------------------------- training on the local engine
+@pytest.mark.parametrize("strategy, world, extra", [
+    ("ddp", 3, ()), ("ddp", 2, ("--bucket-cap-mb", "0.001")), ("zero1", 2, ()), ("zero2", 3, ()),
+    ("fsdp", 2, ()), ("hsdp", 4, ()), ("hsdp", 2, ()), ("ddp", 2, ("--optimizer", "adamw", "--dtype", "float32")),
+])
+def test_every_strategy_passes_the_exact_check_local(strategy, world, extra):
+    args = train_mlp.parse_args(["--strategy", strategy, "--steps", "6", "--batch", "24", *extra], world_size=world)
+    reference, ref_losses = train_mlp.train_reference(args)
+    for params, losses in local.run(lambda: train_mlp.train(args, progress=False), world, timeout=60):
+        results = train_mlp.compare(args, world, params, losses, reference, ref_losses)
+        assert [r.ok for r in results] == [True], [r.line() for r in results]
+
+
+def _summing_fp16_hook(state, bucket):
+    """A broken fp16 hook: sums the gradients instead of averaging them."""
+    buffer, group = bucket.buffer(), bucket.group
+
+    def run():
+        compressed = buffer.astype("float16")
+        group.all_reduce(compressed, meshkit.ReduceOp.SUM)
+        buffer[...] = compressed
+    return group.run_async(run, "summing_fp16_hook")
+
+
+def _zeroing_hook(state, bucket):
+    """A broken hook: drops the gradients (no training at all)."""
+    bucket.buffer()[...] = 0
+    return bucket.group.all_reduce(bucket.buffer(), meshkit.ReduceOp.AVG, async_op=True)
+
+
+@pytest.mark.parametrize("hook", ["fp16", "powersgd"])
+def test_lossy_hooks_pass_their_check_and_a_broken_hook_fails_it_local(hook):
+    args = train_mlp.parse_args(["--hook", hook, "--steps", "30", "--batch", "24"], world_size=2)
+    reference, ref_losses = train_mlp.train_reference(args)
+
+    def body(broken):
+        comm_hook, state = (_summing_fp16_hook, None) if broken and hook == "fp16" else \
+            (_zeroing_hook, None) if broken else train_mlp.make_hook(hook)
+        return train_mlp.train(args, comm_hook, state, progress=False)
+    for params, losses in local.run(body, 2, False, timeout=60):
+        results = train_mlp.compare(args, 2, params, losses, reference, ref_losses)
+        assert all(r.ok for r in results), [r.line() for r in results]
+        assert losses != ref_losses, "the hook is lossy: the losses are not bit-equal"
+    for params, losses in local.run(body, 2, True, timeout=60):
+        results = train_mlp.compare(args, 2, params, losses, reference, ref_losses)
+        assert not all(r.ok for r in results), [r.line() for r in results]
+
+
+def test_build_refuses_options_the_strategy_does_not_take():
+    with pytest.raises(ValueError, match="comm_hook applies to strategy 'ddp' only, got strategy 'zero1'"):
+        mlp.build("zero1", comm_hook=fp16_compress_hook)
+    with pytest.raises(ValueError, match=r"unknown strategy 'zero3'; valid: ddp, zero1, zero2, fsdp, hsdp"):
+        mlp.build("zero3")
+    with pytest.raises(ValueError, match="hsdp_mesh is needed by strategy 'hsdp' and by no other"):
+        mlp.build("hsdp")
+
+
+# --------------------------------------------------------------------------- real processes
+def test_example_check_passes_under_meshkit_run(mpirun):
+    out = mpirun(EXAMPLES / "train_mlp.py", 2, "--steps", "40", "--check").stdout
+    assert "check against single-process training: OK" in out
+
+
+def test_example_fp16_check_is_printed_once_under_meshkit_run(mpirun):
+    out = mpirun(EXAMPLES / "train_mlp.py", 2, "--steps", "12", "--hook", "fp16", "--check").stdout
+    assert out.count("check against single-process training: OK (float64, --hook fp16)") == 1, out
+    assert "every step's loss vs the reference's" in out
+    assert "[rank1]" not in out, "rank 0 alone prints"
+
+
+@pytest.mark.parametrize("script, n, argv, message", [
+    ("train_mlp.py", 2, ["--steps", "0"], "argument --steps: expected an integer >= 1, got 0"),
+    ("train_mlp.py", 2, ["--strategy", "hsdp", "--mesh", "2x2"],
+     "argument --mesh: 2x2 is a mesh of 4 ranks; this run has 2"),
+    ("tour.py", 2, [], "tour.py: error: it needs 4 ranks, got 2"),
+])
+def test_a_bad_flag_under_meshkit_run_exits_2_with_one_message(mpirun, script, n, argv, message):
+    proc = mpirun(EXAMPLES / script, n, *argv, check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count("error:") == 1 and message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_readme_tour_runs_on_four_ranks(mpirun):
+    out = mpirun(EXAMPLES / "tour.py", 4).stdout
+    assert out.count("tour OK") == 4
