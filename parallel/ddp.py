@@ -23,86 +23,17 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from ..comm import (DistValueError, ProcessGroup, Work, all_gather_object, broadcast_object_list,
-                    resolve_group)
+from ..comm import DistValueError, ProcessGroup, Work, broadcast_object_list
 from ..mesh import DeviceMesh
-from .buckets import MB, Bucket, BucketManager
-from .hooks import GradBucket, allreduce_hook
-from .optim import array_namespace
+from .arrays import array_namespace
+from .buckets import MB, BucketManager, CommHook, GradBucket
+from .hooks import allreduce_hook
 from .reducer import GradientReducer
+from .setup import broadcast_params, check_caps, check_params, resolve_data_parallel_group
 
-__all__ = ["DistributedDataParallel", "resolve_data_parallel_group", "check_params", "check_caps",
-           "broadcast_params"]
+__all__ = ["DistributedDataParallel"]
 
 logger = logging.getLogger("meshkit")
-
-
-def resolve_data_parallel_group(mesh: DeviceMesh | None, group: ProcessGroup | None, who: str) -> ProcessGroup:
-    """The group a data-parallel strategy averages over: a 1-D mesh's, ``group``, or the world."""
-    if mesh is not None and group is not None:
-        raise DistValueError(f"meshkit.parallel: {who}: pass mesh or group, not both")
-    if mesh is not None:
-        if not isinstance(mesh, DeviceMesh):
-            raise DistValueError(f"meshkit.parallel: {who}: mesh must be a DeviceMesh, got {type(mesh).__name__}")
-        if mesh.ndim != 1:
-            raise DistValueError(f"meshkit.parallel: {who}: mesh must be 1-D (a data-parallel dim, e.g. "
-                                 f"mesh['dp']), got a {mesh.ndim}-D mesh with dims {mesh.mesh_dim_names}")
-        return mesh.get_group()
-    return resolve_group(group)
-
-
-def check_params(params: Any, group: ProcessGroup, who: str) -> dict[str, Any]:
-    """Parameters are a dict of float arrays whose names, shapes and dtypes agree on every rank."""
-    if not isinstance(params, dict) or not params:
-        raise DistValueError(f"meshkit.parallel: {who}: params must be a non-empty dict[str, array], "
-                             f"got {type(params).__name__}")
-    for name, p in params.items():
-        if not isinstance(name, str) or not hasattr(p, "dtype") or not hasattr(p, "shape"):
-            raise DistValueError(f"meshkit.parallel: {who}: params[{name!r}] must be an array keyed by a str name")
-        if p.dtype.kind not in "fc":
-            raise DistValueError(f"meshkit.parallel: {who}: params[{name!r}] has dtype {p.dtype}; parameters "
-                                 "must be floating-point or complex")
-        if not p.flags.c_contiguous:
-            raise DistValueError(f"meshkit.parallel: {who}: params[{name!r}] is not C-contiguous")
-    mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in params.items()]
-    everyone: list[Any] = [None] * group.size
-    all_gather_object(everyone, mine, group=group)
-    for i, theirs in enumerate(everyone):
-        if theirs != mine:
-            ours, other = dict((n, s) for n, *s in mine), dict((n, s) for n, *s in theirs)
-            diff = sorted(set(ours) ^ set(other)) or [n for n in ours if ours[n] != other.get(n)]
-            name = diff[0]
-            raise DistValueError(
-                f"meshkit.parallel: rank {group.global_rank}: {who}: parameter {name!r} differs between rank "
-                f"{group.global_rank} ({_describe(ours.get(name))}) and rank {group.ranks[i]} "
-                f"({_describe(other.get(name))}); every rank must pass the same names, shapes and dtypes")
-    return params
-
-
-def _describe(spec: Any) -> str:
-    return "missing" if spec is None else f"shape {spec[0]}, dtype {spec[1]}"
-
-
-def check_caps(bucket_cap_mb: float, first_bucket_cap_mb: float, who: str) -> None:
-    if not bucket_cap_mb > 0 or not first_bucket_cap_mb > 0:
-        raise DistValueError(f"meshkit.parallel: {who}: bucket caps must be positive, got "
-                             f"bucket_cap_mb={bucket_cap_mb}, first_bucket_cap_mb={first_bucket_cap_mb}")
-
-
-def broadcast_params(params: dict[str, Any], group: ProcessGroup, src: int) -> None:
-    """Copy group rank ``src``'s parameters to every rank: one broadcast per dtype, not per array."""
-    by_dtype: dict[Any, list[str]] = {}
-    for name, p in params.items():
-        by_dtype.setdefault(p.dtype, []).append(name)
-    for names in by_dtype.values():
-        xp = array_namespace(params[names[0]])
-        flat = xp.concatenate([params[n].reshape(-1) for n in names])
-        group.broadcast(flat, src)
-        start = 0
-        for n in names:
-            p = params[n]
-            p.reshape(-1)[...] = flat[start:start + p.size]
-            start += p.size
 
 
 class DistributedDataParallel(GradientReducer):
@@ -144,11 +75,10 @@ class DistributedDataParallel(GradientReducer):
         broadcast_params(self.params, self.group, broadcast_from)
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
-        self._hook = comm_hook or allreduce_hook
-        self._state = self.group if comm_state is None else comm_state
+        comm = CommHook(self.group, comm_hook or allreduce_hook, self.group if comm_state is None else comm_state)
         self._buckets = BucketManager(self.params, list(reversed(self.params)),
                                       bucket_cap_bytes=int(bucket_cap_mb * MB),
-                                      first_bucket_cap_bytes=int(first_bucket_cap_mb * MB), launch=self._launch)
+                                      first_bucket_cap_bytes=int(first_bucket_cap_mb * MB), comm=comm)
         self.grads: dict[str, Any] = {}
         self._bind_grads()
         self._init_reducer()
@@ -177,11 +107,7 @@ class DistributedDataParallel(GradientReducer):
 
     def register_comm_hook(self, state: Any, hook: Callable[[Any, GradBucket], Work]) -> None:
         """Use ``hook(state, bucket)`` to average buckets (torch's ``register_comm_hook``)."""
-        self._hook, self._state = hook, state
-
-    def _launch(self, bucket: Bucket) -> Work:
-        last = bucket.index == len(self._buckets.buckets) - 1
-        return self._hook(self._state, GradBucket(bucket, self.group, last))
+        self._buckets.comm.hook, self._buckets.comm.state = hook, state
 
     def _after_sync(self, ready_order: list[str]) -> None:
         if not self.gradient_as_bucket_view:

@@ -29,14 +29,16 @@ from typing import Any, Iterator, Sequence
 
 from ..comm import DistValueError, ProcessGroup, ReduceOp, Work
 from ..mesh import DeviceMesh
-from .ddp import broadcast_params, check_params
-from .flat import FlatLayout, gather_state_dict, load_state_dict_into, make_layouts
-from .optim import Optimizer, array_namespace, clip_grad_norm_
+from .arrays import array_namespace
+from .flat import FlatLayout, make_layouts
+from .optim import Optimizer
+from .setup import broadcast_params, check_params
+from .sharded import ShardedStrategy
 
 __all__ = ["FullyShardedDataParallel"]
 
 
-class FullyShardedDataParallel:
+class FullyShardedDataParallel(ShardedStrategy):
     """Parameters, gradients and optimizer state sharded over a mesh dimension.
 
     Args:
@@ -53,6 +55,8 @@ class FullyShardedDataParallel:
             shards); the shards stay in their own dtype.
         reduce_dtype: dtype gradients are reduced in.
     """
+
+    _strategy = "FullyShardedDataParallel"
 
     def __init__(self, params: dict[str, Any], *, mesh: DeviceMesh, optimizer: Optimizer,
                  units: Sequence[Sequence[str]] | None = None, reshard_after_forward: bool = True,
@@ -76,7 +80,6 @@ class FullyShardedDataParallel:
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.units = self._check_units(params, units)
         me, n = self.shard_group.rank, self.shard_group.size
-        self._me = me
         self.layouts: list[list[FlatLayout]] = [make_layouts(params, names, n, prefix=f"unit{i}.")
                                                 for i, names in enumerate(self.units)]
         self._shards: dict[str, Any] = {}
@@ -224,15 +227,6 @@ class FullyShardedDataParallel:
         for g in self._grad_shards.values():
             g[...] = 0
 
-    def grad_shards(self) -> dict[str, Any]:
-        """This rank's averaged gradient shards, by flat key (waits for pending reductions)."""
-        self._wait_pending()
-        return dict(self._grad_shards)
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
-        """Clip the gradient shards by the global norm (the single-process value)."""
-        return clip_grad_norm_(self.grad_shards(), max_norm, norm_type=norm_type, group=self.shard_group)
-
     def step(self) -> None:
         """Wait for pending reductions, then update every shard.
 
@@ -252,34 +246,26 @@ class FullyShardedDataParallel:
         self._used.clear()
         self._reduced.clear()
 
-    # ------------------------------------------------------------------ state dicts
-    def _all_layouts(self) -> list[FlatLayout]:
+    # ------------------------------------------------------------------ ShardedStrategy
+    def _shard_group(self) -> ProcessGroup:
+        return self.shard_group
+
+    def _layouts(self) -> list[FlatLayout]:
         return [lay for unit in self.layouts for lay in unit]
 
-    def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, Any] | None:
-        """Parameters and optimizer state gathered to full size, per parameter name.
+    def _param_shards(self) -> dict[str, Any]:
+        return self._shards
 
-        Collective over the shard group. The result does not depend on the world size, so
-        :meth:`load_full_state_dict` accepts it at any other. With ``rank0_only`` the other
-        ranks get None.
-        """
+    def _local_grad_shards(self) -> dict[str, Any]:
+        return dict(self._grad_shards)
+
+    def _settle(self, op: str) -> None:
         self._wait_pending()
-        sd = gather_state_dict(self._all_layouts(), self._shards, self.optimizer, self.shard_group)
-        if rank0_only and self.shard_group.rank != 0:
-            return None
-        return sd
 
-    def load_full_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a full state dict (from ``full_state_dict``, at any world size) into the shards."""
-        load_state_dict_into(self._all_layouts(), state_dict, self._shards, self.optimizer, self._me,
-                             "FullyShardedDataParallel")
-        self._full.clear()
+    def _loaded(self) -> None:
+        self._full.clear()  # gathered parameters are stale now
 
-    # ------------------------------------------------------------------ introspection
-    def memory_report(self) -> dict[str, int]:
-        """Bytes this rank holds; ``comm_buffers`` are the unsharded units held now and
-        ``peak_transient`` the most ever held at once."""
-        return {"params": sum(int(s.nbytes) for s in self._shards.values()),
-                "grads": sum(int(g.nbytes) for g in self._grad_shards.values()),
-                "optimizer_state": self.optimizer.state_nbytes(),
-                "comm_buffers": self._comm_bytes(), "peak_transient": self._peak}
+    def _footprint(self) -> tuple[int, int, int, int]:
+        """``comm_buffers`` are the unsharded units held now, ``peak_transient`` the most ever held."""
+        return (sum(int(s.nbytes) for s in self._shards.values()), sum(int(g.nbytes) for g in self._grad_shards.values()),
+                self._comm_bytes(), self._peak)

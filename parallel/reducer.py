@@ -10,8 +10,9 @@ Arrays have no autograd, so the backward pass tells the strategy when each gradi
 
 Gradients accumulate like torch's ``.grad``: ``zero_grad()`` zeroes them, a pass writes or adds.
 Under ``with model.no_sync():`` nothing is communicated, so micro-batches add up locally and the
-next synchronized pass reduces the sum. Subclasses decide what a bucket's reduction is
-(``_launch``) and what happens after a synchronized pass (``_after_sync``).
+next synchronized pass reduces the sum. A complete bucket launches its own reduction (see
+:mod:`~meshkit.parallel.buckets`); subclasses decide what happens after a synchronized pass
+(``_after_sync``).
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
-from ..comm import DistValueError, ProcessGroup, Work
-from .buckets import Bucket, BucketManager
+from ..comm import DistValueError, ProcessGroup
+from .buckets import BucketManager
 
 __all__ = ["GradientReducer"]
 
@@ -29,7 +30,7 @@ class GradientReducer:
     """Base of strategies whose gradients are reduced bucket by bucket during the backward pass.
 
     Subclasses set ``group``, ``params``, ``grads`` (a mapping ``name -> gradient array``),
-    ``_buckets`` (a :class:`BucketManager` whose ``launch`` is :meth:`_launch`) and
+    ``_buckets`` (a :class:`BucketManager` whose buckets reduce themselves) and
     ``find_unused_parameters``, then call :meth:`_init_reducer`.
     """
 
@@ -49,10 +50,6 @@ class GradientReducer:
         self.iteration = 0
 
     # ------------------------------------------------------------------ subclass hooks
-    def _launch(self, bucket: Bucket) -> Work | None:
-        """Start reducing a complete bucket; return its Work."""
-        raise NotImplementedError
-
     def _after_sync(self, ready_order: list[str]) -> None:
         """After a synchronized pass completed (every bucket reduced)."""
 
@@ -99,7 +96,7 @@ class GradientReducer:
         if self._record_order:
             self._ready_order.append(name)
         if self._sync and len(ready) == bucket.count:
-            self._buckets.launch_ready()
+            bucket.launch()
 
     def _replaced(self, name: str, view: Any) -> None:
         """``grads[name]`` was not the bucket's view (copied in); subclasses may restore the view."""
