@@ -23,13 +23,15 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from ..comm import DistValueError, ProcessGroup, Work, broadcast_object_list
+import numpy as np
+
+from ..comm import ProcessGroup, Work, broadcast_object_list
 from ..mesh import DeviceMesh
 from .arrays import array_namespace
 from .buckets import MB, BucketManager, CommHook, GradBucket
 from .hooks import allreduce_hook
 from .reducer import GradientReducer
-from .setup import broadcast_params, check_caps, check_params, resolve_data_parallel_group
+from .setup import Params, broadcast_params, caps_problem, check_setup, resolve_data_parallel_group, snapshot
 
 __all__ = ["DistributedDataParallel"]
 
@@ -55,9 +57,15 @@ class DistributedDataParallel(GradientReducer):
         find_unused_parameters: allow iterations where some gradients are never marked
             ready; they are reduced as they are (zero since ``zero_grad``).
 
+    ``ddp.params`` is DDP's own read-only mapping of the same arrays (update them in place), and
+    DDP keeps a snapshot of their names, shapes and dtypes: changing the caller's dict later does
+    not change what is averaged. See :mod:`~meshkit.parallel.reducer` for what reading
+    ``ddp.grads`` during a pass does.
+
     Raises:
-        DistValueError: parameters differ across ranks (naming the parameter and the ranks),
-            or are not floating-point.
+        DistValueError: on every rank, when parameters (names, shapes, dtypes, order) or
+            settings differ across ranks (naming the parameter and the ranks), or any rank
+            passes a bad argument.
     """
 
     _strategy = "DistributedDataParallel"
@@ -67,42 +75,41 @@ class DistributedDataParallel(GradientReducer):
                  broadcast_from: int = 0, comm_hook: Callable[[Any, GradBucket], Work] | None = None,
                  comm_state: Any = None, find_unused_parameters: bool = False) -> None:
         self.group = resolve_data_parallel_group(mesh, group, self._strategy)
-        self.params = check_params(params, self.group, self._strategy)
-        check_caps(bucket_cap_mb, first_bucket_cap_mb, self._strategy)
-        if not 0 <= broadcast_from < self.group.size:
-            raise DistValueError(f"meshkit.parallel: DistributedDataParallel: broadcast_from={broadcast_from} is "
-                                 f"not a rank of the group (valid: 0..{self.group.size - 1})")
-        broadcast_params(self.params, self.group, broadcast_from)
+        problem = caps_problem(bucket_cap_mb, first_bucket_cap_mb)
+        if not isinstance(broadcast_from, (int, np.integer)) or not 0 <= broadcast_from < self.group.size:
+            problem = problem or (f"broadcast_from={broadcast_from!r} is not a rank of the group (valid: "
+                                  f"0..{self.group.size - 1})")
+        hook = comm_hook or allreduce_hook
+        check_setup(params, self.group, self._strategy, problem=problem, config={
+            "bucket_cap_mb": bucket_cap_mb, "first_bucket_cap_mb": first_bucket_cap_mb,
+            "broadcast_from": broadcast_from, "find_unused_parameters": find_unused_parameters,
+            "gradient_as_bucket_view": gradient_as_bucket_view, "comm_hook": getattr(hook, "__qualname__", None)})
+        arrays = dict(params)  # our own dict: later changes to the caller's do not reach the buckets
+        self._specs = snapshot(arrays)
+        broadcast_params(arrays, self.group, broadcast_from)
+        self.params = Params(arrays, self._strategy)
         self.find_unused_parameters = find_unused_parameters
-        self.gradient_as_bucket_view = gradient_as_bucket_view
-        comm = CommHook(self.group, comm_hook or allreduce_hook, self.group if comm_state is None else comm_state)
+        self.gradient_as_bucket_view = self._restore_views = gradient_as_bucket_view
+        comm = CommHook(self.group, hook, self.group if comm_state is None else comm_state)
         self._buckets = BucketManager(self.params, list(reversed(self.params)),
                                       bucket_cap_bytes=int(bucket_cap_mb * MB),
                                       first_bucket_cap_bytes=int(first_bucket_cap_mb * MB), comm=comm)
-        self.grads: dict[str, Any] = {}
+        self._init_reducer({})
         self._bind_grads()
-        self._init_reducer()
         self._record_order = True  # until the first synchronized pass's order has rebuilt the buckets
 
     def _bind_grads(self) -> None:
-        views = self._buckets.views()
-        if self.gradient_as_bucket_view:
-            self.grads.clear()
-            self.grads.update(views)
-        else:
-            old = dict(self.grads)
-            self.grads.clear()
-            for name, view in views.items():
-                self.grads[name] = old[name] if name in old else array_namespace(view).zeros_like(view)
-
-    def _replaced(self, name: str, view: Any) -> None:
-        if self.gradient_as_bucket_view:
-            self.grads[name] = view  # the user replaced the array: put the bucket view back
+        """Point ``grads`` at the buckets' views (or, with copies, make the arrays once)."""
+        for name, view in self._buckets.views().items():
+            if self.gradient_as_bucket_view:
+                self._arrays[name] = view
+            elif name not in self._arrays:
+                self._arrays[name] = array_namespace(view).zeros_like(view)
 
     def _zero(self) -> None:
         self._buckets.zero()
         if not self.gradient_as_bucket_view:
-            for g in self.grads.values():
+            for g in self._arrays.values():
                 g[...] = 0
 
     def register_comm_hook(self, state: Any, hook: Callable[[Any, GradBucket], Work]) -> None:
@@ -111,7 +118,7 @@ class DistributedDataParallel(GradientReducer):
 
     def _after_sync(self, ready_order: list[str]) -> None:
         if not self.gradient_as_bucket_view:
-            for name, g in self.grads.items():
+            for name, g in self._arrays.items():
                 g[...] = self._buckets.view(name)
         if self._record_order:
             self._rebuild(ready_order)
@@ -121,7 +128,7 @@ class DistributedDataParallel(GradientReducer):
         ready (rank 0's order, broadcast so every rank agrees), as torch's reducer does."""
         self._record_order = False
         order = list(dict.fromkeys(ready_order))
-        order += [n for n in reversed(self.params) if n not in set(order)]
+        order += [n for n in reversed(self._specs) if n not in set(order)]
         shared = [order]
         broadcast_object_list(shared, group_src=0, group=self.group)
         if shared[0] != [n for bucket in self._buckets.buckets for n in bucket.names]:
@@ -135,7 +142,7 @@ class DistributedDataParallel(GradientReducer):
         gradients when ``gradient_as_bucket_view``) and ``peak_transient``."""
         params = sum(int(p.nbytes) for p in self.params.values())
         grads = self._buckets.nbytes
-        comm = 0 if self.gradient_as_bucket_view else sum(int(g.nbytes) for g in self.grads.values())
+        comm = 0 if self.gradient_as_bucket_view else sum(int(g.nbytes) for g in self._arrays.values())
         state = optimizer.state_nbytes() if optimizer is not None else 0
         return {"params": params, "grads": grads, "optimizer_state": state, "comm_buffers": comm,
                 "peak_transient": 0}

@@ -15,7 +15,7 @@ import math
 from typing import Any, Iterator, Sequence
 
 from ..comm import ProcessGroup
-from .arrays import array_namespace
+from .arrays import array_namespace, convert
 
 __all__ = ["FlatLayout", "make_layouts"]
 
@@ -81,6 +81,15 @@ class FlatLayout:
         """Copy each parameter out of a full flat buffer into the arrays of ``into``, in place."""
         for name, view in self.views(full).items():
             into[name][...] = view
+
+    def write_shard(self, target: Any, shard: int, arrays: dict[str, Any]) -> None:
+        """Copy the pieces of ``arrays`` (per-parameter, any shape of the right size) that fall in
+        ``shard`` into ``target``, that shard's flat array; parameters not in ``arrays`` keep theirs."""
+        lo, hi = self.shard_range(shard)
+        for i, (name, off) in enumerate(zip(self.names, self.offsets)):
+            a, b = max(lo, off), min(hi, off + self.size_of(i))
+            if name in arrays and a < b:
+                target[a - lo:b - lo] = convert(arrays[name].reshape(-1)[a - off:b - off], target)
 
     def owners(self, start: int, stop: int) -> Iterator[tuple[int, int, int]]:
         """``(shard, lo, hi)``: flat elements ``lo:hi`` (within [start, stop)) belong to ``shard``."""

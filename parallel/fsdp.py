@@ -25,6 +25,7 @@ over every data-parallel rank as DDP does.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from typing import Any, Iterator, Sequence
 
 from ..comm import DistValueError, ProcessGroup, ReduceOp, Work
@@ -32,7 +33,8 @@ from ..mesh import DeviceMesh
 from .arrays import array_namespace
 from .flat import FlatLayout, make_layouts
 from .optim import Optimizer
-from .setup import broadcast_params, check_params
+from .checks import where
+from .setup import broadcast_params, check_setup
 from .sharded import ShardedStrategy
 
 __all__ = ["FullyShardedDataParallel"]
@@ -63,22 +65,25 @@ class FullyShardedDataParallel(ShardedStrategy):
                  param_dtype: Any = None, reduce_dtype: Any = None) -> None:
         if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2):
             dims = getattr(mesh, "mesh_dim_names", None)
-            raise DistValueError("meshkit.parallel: FullyShardedDataParallel: mesh must be a 1-D DeviceMesh (shard) "
-                                 f"or a 2-D one (replicate, shard), got {type(mesh).__name__} with dims {dims}")
-        if not isinstance(optimizer, Optimizer):
-            raise DistValueError("meshkit.parallel: FullyShardedDataParallel: optimizer must be a meshkit "
-                                 f"Optimizer (SGD, AdamW), got {type(optimizer).__name__}")
+            raise DistValueError(f"{where(self._strategy)}: mesh must be a 1-D DeviceMesh (shard) or a 2-D one "
+                                 f"(replicate, shard), got {type(mesh).__name__} with dims {dims}")
         self.mesh = mesh
         self.shard_group: ProcessGroup = mesh.get_group(mesh.ndim - 1)
         self.replicate_group: ProcessGroup | None = mesh.get_group(0) if mesh.ndim == 2 else None
-        check_params(params, self.shard_group, "FullyShardedDataParallel")
-        for group in (self.shard_group, self.replicate_group):
-            if group is not None:
-                broadcast_params(params, group, 0)
+        unit_list, problem = self._check_units(params, units) if isinstance(params, Mapping) else (None, None)
+        if not isinstance(optimizer, Optimizer):
+            problem = f"optimizer must be a meshkit Optimizer (SGD, AdamW), got {type(optimizer).__name__}"
+        config = {"units": unit_list, "reshard_after_forward": reshard_after_forward, "param_dtype": str(param_dtype),
+                  "reduce_dtype": str(reduce_dtype), "optimizer": repr(optimizer)}
+        groups = [g for g in (self.shard_group, self.replicate_group) if g is not None]
+        for group in groups:  # HSDP: every rank of the mesh agrees, through its two groups
+            check_setup(params, group, self._strategy, problem=problem, config=config)
+        for group in groups:
+            broadcast_params(params, group, 0)
         self.optimizer = optimizer
         self.reshard_after_forward = reshard_after_forward
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
-        self.units = self._check_units(params, units)
+        self.units: list[list[str]] = unit_list  # type: ignore[assignment]
         me, n = self.shard_group.rank, self.shard_group.size
         self.layouts: list[list[FlatLayout]] = [make_layouts(params, names, n, prefix=f"unit{i}.")
                                                 for i, names in enumerate(self.units)]
@@ -99,25 +104,30 @@ class FullyShardedDataParallel(ShardedStrategy):
         self._peak = 0
 
     @staticmethod
-    def _check_units(params: dict[str, Any], units: Sequence[Sequence[str]] | None) -> list[list[str]]:
+    def _check_units(params: Mapping[str, Any], units: Sequence[Sequence[str]] | None
+                     ) -> tuple[list[list[str]] | None, str | None]:
+        """The units as lists, and what is wrong with them (or None)."""
         if units is None:
-            return [list(params)]
-        units = [list(u) for u in units]
+            return [list(params)], None
+        try:
+            units = [list(u) for u in units]
+        except TypeError:
+            return None, f"units must be a list of lists of parameter names, got {units!r}"
         seen = [n for u in units for n in u]
         unknown = [n for n in seen if n not in params]
         twice = sorted({n for n in seen if seen.count(n) > 1})
         missing = [n for n in params if n not in seen]
         if unknown or twice or missing or any(not u for u in units):
-            raise DistValueError(
-                "meshkit.parallel: FullyShardedDataParallel: units must put every parameter in exactly one "
-                f"non-empty unit; unknown names {unknown}, in several units {twice}, in none {missing}; "
-                f"valid names are {list(params)}")
-        return units
+            return None, (f"units must put every parameter in exactly one non-empty unit; unknown names {unknown}, "
+                          f"in several units {twice}, in none {missing}; valid names are {list(params)}")
+        return units, None
+
+    def _where(self, op: str) -> str:
+        return where(f"{self._strategy}.{op}", self.shard_group)
 
     def _unit(self, unit: int, op: str) -> int:
         if isinstance(unit, bool) or not isinstance(unit, int) or not 0 <= unit < len(self.units):
-            raise DistValueError(f"meshkit.parallel: rank {self.shard_group.global_rank}: "
-                                 f"FullyShardedDataParallel.{op}: unknown unit {unit!r}; valid units are "
+            raise DistValueError(f"{self._where(op)}: unknown unit {unit!r}; valid units are "
                                  f"0..{len(self.units) - 1}")
         return unit
 
@@ -149,8 +159,7 @@ class FullyShardedDataParallel(ShardedStrategy):
         """
         u = self._unit(unit, "unshard")
         if u in self._active:
-            raise DistValueError(f"meshkit.parallel: rank {self.shard_group.global_rank}: "
-                                 f"FullyShardedDataParallel.unshard: unit {u} is already unsharded (unshard({u}) "
+            raise DistValueError(f"{self._where('unshard')}: unit {u} is already unsharded (unshard({u}) "
                                  "was entered again before its exit)")
         if u not in self._full:
             works, buffers = self._prefetching.pop(u, None) or self._start_gather(u)
@@ -189,16 +198,15 @@ class FullyShardedDataParallel(ShardedStrategy):
         names = self.units[u]
         if not isinstance(grads, dict) or sorted(grads) != sorted(names):
             got = sorted(grads) if isinstance(grads, dict) else type(grads).__name__
-            raise DistValueError(f"meshkit.parallel: rank {self.shard_group.global_rank}: "
-                                 f"FullyShardedDataParallel.reduce_grads: unit {u} needs gradients for {names}, "
+            raise DistValueError(f"{self._where('reduce_grads')}: unit {u} needs gradients for {names}, "
                                  f"got {got}")
-        for lay in self.layouts[u]:
+        for lay in self.layouts[u]:  # check everything before launching anything
             for i, name in enumerate(lay.names):
                 g = grads[name]
                 if tuple(getattr(g, "shape", ())) != lay.shapes[i]:
-                    raise DistValueError(f"meshkit.parallel: rank {self.shard_group.global_rank}: "
-                                         f"FullyShardedDataParallel.reduce_grads: gradient {name!r} has shape "
+                    raise DistValueError(f"{self._where('reduce_grads')}: gradient {name!r} has shape "
                                          f"{getattr(g, 'shape', None)}; expected {lay.shapes[i]}")
+        for lay in self.layouts[u]:
             dtype = self.reduce_dtype or lay.dtype
             flat = lay.pack(grads, self._shards[lay.key], dtype=dtype)
             self._pending.append(self.shard_group.run_async(self._reduction(lay, flat), "fsdp_reduce_grads"))
@@ -237,8 +245,7 @@ class FullyShardedDataParallel(ShardedStrategy):
         self._wait_pending()
         forgotten = sorted(self._used - self._reduced)
         if forgotten:
-            raise DistValueError(f"meshkit.parallel: rank {self.shard_group.global_rank}: "
-                                 f"FullyShardedDataParallel.step: units {forgotten} were unsharded since the last "
+            raise DistValueError(f"{self._where('step')}: units {forgotten} were unsharded since the last "
                                  "step but reduce_grads was never called for them; their gradients would be lost")
         for key, shard in self._shards.items():
             self.optimizer.update(key, shard, self._grad_shards[key])
@@ -259,8 +266,11 @@ class FullyShardedDataParallel(ShardedStrategy):
     def _local_grad_shards(self) -> dict[str, Any]:
         return dict(self._grad_shards)
 
-    def _settle(self, op: str) -> None:
+    def _quiesce(self) -> None:
         self._wait_pending()
+
+    def _agreement_groups(self) -> list[ProcessGroup]:
+        return [self.shard_group] + ([self.replicate_group] if self.replicate_group is not None else [])
 
     def _loaded(self) -> None:
         self._full.clear()  # gathered parameters are stale now

@@ -206,9 +206,10 @@ class Optimizer:
                 raise DistValueError(f"{head}: state[{name!r}] must have the keys {sorted(keys)}, got {got}")
             sizes = set()
             for key, arr in st.items():
-                if not is_array(arr) or arr.ndim != 1:
-                    raise DistValueError(f"{head}: state[{name!r}][{key!r}] must be a 1-D array, got "
-                                         f"{type(arr).__name__} of shape {getattr(arr, 'shape', None)}")
+                if not is_array(arr) or arr.ndim != 1 or arr.dtype.kind != "f":
+                    raise DistValueError(f"{head}: state[{name!r}][{key!r}] must be a 1-D array of floating point, "
+                                         f"got {type(arr).__name__} of shape {getattr(arr, 'shape', None)} and dtype "
+                                         f"{getattr(arr, 'dtype', None)}")
                 sizes.add(arr.size)
             held = self.state.get(name)
             if held:

@@ -2,20 +2,22 @@
 
 Both keep each rank's parameters, gradients and optimizer state as flat shards
 (:class:`~meshkit.parallel.flat.FlatLayout`), so state dicts, gradient clipping and the memory
-report are the same code: :class:`ShardedStrategy`. State dicts are per parameter name and
-independent of the world size, so a state saved at one world size loads at another.
+report are the same code: :class:`ShardedStrategy`. State dicts (:mod:`~meshkit.parallel.state_dict`)
+are per parameter name and independent of the world size, so a state saved at one world size
+loads at another.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 from ..comm import ProcessGroup
 from .clip import clip_grad_norm_
 from .flat import FlatLayout
 from .optim import Optimizer
+from .state_dict import agree_on_load, check_state_dict, gather_state_dict, load_state_dict_into, state_dict_digest
 
-__all__ = ["ShardedStrategy", "gather_state_dict", "load_state_dict_into"]
+__all__ = ["ShardedStrategy"]
 
 
 class ShardedStrategy:
@@ -23,9 +25,11 @@ class ShardedStrategy:
 
     Subclasses set ``optimizer`` and define ``_shard_group`` (the group the shards are split
     over), ``_layouts``, ``_param_shards`` (this rank's parameter shard per layout key; writing
-    them writes the parameters), ``_local_grad_shards`` and ``_footprint``; ``_settle`` (finish
-    what is pending before shards are read) and ``_loaded`` (after a load wrote the parameter
-    shards) are optional.
+    them writes the parameters), ``_local_grad_shards`` and ``_footprint``. Optional:
+    ``_quiesce`` (finish what is pending before shards are read or written), ``_settle`` (before
+    gradient shards are used as averaged; default ``_quiesce``), ``_loaded`` (after a load wrote
+    the parameter shards) and ``_agreement_groups`` (the groups whose ranks must load the same
+    state dict; default the shard group).
     """
 
     optimizer: Optimizer
@@ -47,8 +51,15 @@ class ShardedStrategy:
         """Bytes of (parameters, gradients, communication buffers, peak transient buffers)."""
         raise NotImplementedError
 
+    def _quiesce(self) -> None:
+        """Before shards are read or written: finish what is pending."""
+
     def _settle(self, op: str) -> None:
-        """Before shards are read by ``op``: finish what is pending."""
+        """Before gradient shards are used as averaged by ``op``."""
+        self._quiesce()
+
+    def _agreement_groups(self) -> list[ProcessGroup]:
+        return [self._shard_group()]
 
     def _loaded(self) -> None:
         """After ``load_full_state_dict`` wrote this rank's parameter shards."""
@@ -70,16 +81,33 @@ class ShardedStrategy:
         The result does not depend on the world size, so :meth:`load_full_state_dict` accepts it
         at any other. With ``rank0_only`` the other ranks get None.
         """
-        self._settle("full_state_dict")
+        self._quiesce()
         group = self._shard_group()
         sd = gather_state_dict(self._layouts(), self._param_shards(), self.optimizer, group)
         return None if rank0_only and group.rank != 0 else sd
 
-    def load_full_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a full state dict (from ``full_state_dict``, at any world size) into the shards."""
-        self._settle("load_full_state_dict")
-        load_state_dict_into(self._layouts(), state_dict, self._param_shards(), self.optimizer,
-                             self._shard_group().rank, self._strategy)
+    def load_full_state_dict(self, state_dict: dict[str, Any], *, strict: bool = True) -> None:
+        """Load a full state dict (from ``full_state_dict``, at any world size) into the shards (collective).
+
+        Args:
+            state_dict: ``{"params": ..., "optimizer": ...}`` as :meth:`full_state_dict` returns.
+            strict: every parameter, and (once stepped) every parameter's optimizer state and
+                step count, must be there with the optimizer's keys, and nothing else. False:
+                what is missing keeps its current value, unknown entries are ignored.
+
+        Raises:
+            DistValueError: on every rank, and before anything is loaded, when some rank's state
+                dict is invalid (naming the rank, the key, expected and got) or the ranks' state
+                dicts differ.
+        """
+        self._quiesce()
+        layouts, who = self._layouts(), f"{self._strategy}.load_full_state_dict"
+        problem = check_state_dict(layouts, state_dict, self.optimizer, strict)
+        digest = None if problem else state_dict_digest(state_dict, strict)
+        for group in self._agreement_groups():
+            agree_on_load(group, who, problem, digest)
+        load_state_dict_into(layouts, state_dict, self._param_shards(), self.optimizer, self._shard_group().rank,
+                             strict)
         self._loaded()
 
     def memory_report(self) -> dict[str, int]:
@@ -88,57 +116,3 @@ class ShardedStrategy:
         params, grads, comm, peak = self._footprint()
         return {"params": params, "grads": grads, "optimizer_state": self.optimizer.state_nbytes(),
                 "comm_buffers": comm, "peak_transient": peak}
-
-
-def gather_state_dict(layouts: Sequence[FlatLayout], shards: dict[str, Any], optimizer: Any,
-                      group: ProcessGroup) -> dict[str, Any]:
-    """Full per-parameter state from every rank's flat shards; collective over ``group``.
-
-    Returns ``{"params": {name: array}, "optimizer": {"steps": {name: int}, "state": {name:
-    {key: array}}, "hyper": {...}}}``: nothing in it depends on the world size.
-    """
-    params: dict[str, Any] = {}
-    steps: dict[str, int] = {}
-    state: dict[str, dict[str, Any]] = {}
-    for layout in layouts:
-        params.update(layout.split(layout.gather_full(shards[layout.key], group)))
-        for key, flat in sorted(optimizer.state.get(layout.key, {}).items()):
-            for name, value in layout.split(layout.gather_full(flat, group)).items():
-                state.setdefault(name, {})[key] = value.reshape(-1)
-        if layout.key in optimizer.steps:
-            steps.update({name: optimizer.steps[layout.key] for name in layout.names})
-    return {"params": params, "optimizer": {"steps": steps, "state": state, "hyper": optimizer.hyper}}
-
-
-def load_state_dict_into(layouts: Sequence[FlatLayout], state_dict: dict[str, Any], shards: dict[str, Any],
-                         optimizer: Any, shard: int, who: str) -> None:
-    """Copy this rank's shard of a full state dict (from any world size) into ``shards`` and
-    the optimizer's per-key state."""
-    params = state_dict.get("params", {})
-    expected = [n for layout in layouts for n in layout.names]
-    missing, extra = [n for n in expected if n not in params], sorted(set(params) - set(expected))
-    if missing or extra:
-        raise ValueError(f"meshkit.parallel: {who}.load_full_state_dict: parameters differ from the model's: "
-                         f"missing {missing}, unexpected {extra}")
-    for layout in layouts:
-        for i, name in enumerate(layout.names):
-            if tuple(params[name].shape) != layout.shapes[i]:
-                raise ValueError(f"meshkit.parallel: {who}.load_full_state_dict: parameter {name!r} has shape "
-                                 f"{tuple(params[name].shape)}, the model's is {layout.shapes[i]}")
-    opt = state_dict.get("optimizer", {})
-    for key, value in opt.get("hyper", {}).items():
-        setattr(optimizer, key, value)
-    for layout in layouts:
-        lo, hi = layout.shard_range(shard)
-        target = shards[layout.key]
-        target[...] = layout.pack(params, target)[lo:hi]
-        per_param = {n: opt.get("state", {}).get(n, {}) for n in layout.names}
-        keys = sorted({k for s in per_param.values() for k in s})
-        optimizer.state.pop(layout.key, None)
-        optimizer.steps.pop(layout.key, None)
-        if keys:
-            optimizer.state[layout.key] = {
-                k: layout.pack({n: s[k] for n, s in per_param.items() if k in s}, target)[lo:hi].copy() for k in keys}
-        counts = {opt.get("steps", {}).get(n) for n in layout.names} - {None}
-        if counts:
-            optimizer.steps[layout.key] = max(counts)

@@ -19,13 +19,18 @@ shard and keeps optimizer state for it only. The gradient interface is DDP's
   parameter larger than the bucket cap gets a bucket of its own, so for a model of few, large
   tensors this saves little: lower ``bucket_cap_mb`` cannot split a tensor.
 
+``step()`` uses only averaged gradients: it finishes a pass whose every gradient is marked, and
+raises (on every rank alike) for an incomplete pass, a failed sync, gradients accumulated under
+``no_sync()`` only, or no synchronized pass since ``zero_grad()``. Gradients written into
+``grads`` but never marked ready cannot be seen, and are not detected.
+
 With AdamW in float32 and Ψ parameters, ``memory_report()`` gives the paper's accounting:
 stage 1 holds 4Ψ + 4Ψ + 8Ψ/N bytes, stage 2 4Ψ + 4Ψ/N + 8Ψ/N plus the bucket pool.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 from ..comm import DistValueError, ProcessGroup, ReduceOp, Work
 from ..mesh import DeviceMesh
@@ -36,7 +41,7 @@ from .hooks import allreduce_hook
 from .optim import Optimizer
 from .pool import BufferPool
 from .reducer import GradientReducer
-from .setup import check_caps, check_params, resolve_data_parallel_group
+from .setup import Params, caps_problem, check_setup, resolve_data_parallel_group, snapshot
 from .sharded import ShardedStrategy
 
 __all__ = ["ZeroRedundancyOptimizer", "OwnerShards", "reduce_to_owners"]
@@ -74,28 +79,16 @@ def reduce_to_owners(state: OwnerShards, bucket: GradBucket) -> Work:
     return group.run_async(run, "zero2_reduce")
 
 
-class _Stage2Grads(Mapping):
-    """``grads`` at stage 2: a bucket's views, its buffer taken from the pool when first used."""
+class _Stage2Views(dict):
+    """The gradient arrays at stage 2: never stored; a bucket's view, its buffer taken from the
+    pool when one of its gradients is first used."""
 
-    def __init__(self, owner: ZeroRedundancyOptimizer) -> None:
-        self._owner = owner
+    def __init__(self, location: dict[str, Any]) -> None:
+        super().__init__()
+        self._location = location
 
-    def __getitem__(self, name: str) -> Any:
-        bucket = self._owner._buckets.location[name]
-        if bucket.launched:
-            raise DistValueError(f"{self._owner._where('grads')}: the gradient of {name!r} was already reduced "
-                                 "into its owner's shard in this pass; stage 2 keeps only the local shard")
-        return bucket.view(name)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        self._owner._check_grad(name, value)
-        self[name][...] = value
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._owner.params)
-
-    def __len__(self) -> int:
-        return len(self._owner.params)
+    def __missing__(self, name: str) -> Any:
+        return self._location[name].view(name)
 
 
 class ZeroRedundancyOptimizer(GradientReducer, ShardedStrategy):
@@ -123,24 +116,25 @@ class ZeroRedundancyOptimizer(GradientReducer, ShardedStrategy):
                  group: ProcessGroup | None = None, stage: int = 1, bucket_cap_mb: float = 25,
                  first_bucket_cap_mb: float = 1, find_unused_parameters: bool = False) -> None:
         self._strategy = f"ZeroRedundancyOptimizer(stage={stage})"
-        if stage not in (1, 2):
-            raise DistValueError(f"meshkit.parallel: ZeroRedundancyOptimizer: stage={stage!r} is not valid; "
-                                 "valid stages are 1 and 2 (use FullyShardedDataParallel for stage 3)")
-        if not isinstance(optimizer, Optimizer):
-            raise DistValueError(f"meshkit.parallel: ZeroRedundancyOptimizer: optimizer must be a meshkit "
-                                 f"Optimizer (SGD, AdamW), got {type(optimizer).__name__}")
         self.group = resolve_data_parallel_group(mesh, group, "ZeroRedundancyOptimizer")
-        check_params(params, self.group, "ZeroRedundancyOptimizer")
-        check_caps(bucket_cap_mb, first_bucket_cap_mb, "ZeroRedundancyOptimizer")
+        problem = caps_problem(bucket_cap_mb, first_bucket_cap_mb)
+        if stage not in (1, 2):
+            problem = f"stage={stage!r} is not valid; valid stages are 1 and 2 (use FullyShardedDataParallel for stage 3)"
+        if not isinstance(optimizer, Optimizer):
+            problem = f"optimizer must be a meshkit Optimizer (SGD, AdamW), got {type(optimizer).__name__}"
+        check_setup(params, self.group, "ZeroRedundancyOptimizer", problem=problem, config={
+            "stage": stage, "bucket_cap_mb": bucket_cap_mb, "first_bucket_cap_mb": first_bucket_cap_mb,
+            "find_unused_parameters": find_unused_parameters, "optimizer": repr(optimizer)})
         self.stage, self.optimizer = stage, optimizer
         self.find_unused_parameters = find_unused_parameters
+        self._specs = snapshot(params)
         order = list(reversed(params))  # the order buckets fill in: each bucket is a flat range
         self.layouts: dict[str, FlatLayout] = {lay.key: lay for lay in make_layouts(params, order, self.group.size)}
         self._flat = {key: lay.pack(params, params[lay.names[0]]) for key, lay in self.layouts.items()}
         for flat in self._flat.values():
             self.group.broadcast(flat, 0)
         views = {name: v for key, lay in self.layouts.items() for name, v in lay.views(self._flat[key]).items()}
-        self.params = {name: views[name] for name in params}
+        self.params = Params({name: views[name] for name in params}, self._strategy)
         caps = {"bucket_cap_bytes": int(bucket_cap_mb * MB), "first_bucket_cap_bytes": int(first_bucket_cap_mb * MB)}
         xp = array_namespace(next(iter(self._flat.values())))
         if stage == 1:
@@ -148,17 +142,29 @@ class ZeroRedundancyOptimizer(GradientReducer, ShardedStrategy):
             flat_grads = {self.layouts[key].dtype: g for key, g in self._flat_grads.items()}
             self._buckets = BucketManager(self.params, order, comm=CommHook(self.group, allreduce_hook, self.group),
                                           flat=flat_grads, **caps)
-            self.grads: Any = self._buckets.views()
+            self._init_reducer(self._buckets.views())
         else:
             self._grad_shards = {key: xp.zeros(lay.shard_size, dtype=lay.dtype) for key, lay in self.layouts.items()}
             self._pool = BufferPool(xp, _BUFFERED_BUCKETS)
             owners = OwnerShards(self.group, self.layouts, self._grad_shards)
             self._buckets = BucketManager(self.params, order, comm=CommHook(self.group, reduce_to_owners, owners),
                                           pool=self._pool, **caps)
-            self.grads = _Stage2Grads(self)
-        self._init_reducer()
+            self._restore_views = False  # bucket buffers come and go: views are never kept
+            self._init_reducer(_Stage2Views(self._buckets.location))
+        self._averaged = False  # whether the gradients are the result of a synchronized pass
+
+    def _assign(self, name: str, value: Any) -> None:
+        if self.stage == 1:
+            super()._assign(name, value)
+        else:  # stage 2 keeps no arrays of the caller's: copy into the bucket
+            self._check_grad(name, value)
+            self._arrays[name][...] = value
+
+    def _after_sync(self, ready_order: list[str]) -> None:
+        self._averaged = True
 
     def _zero(self) -> None:
+        self._averaged = False
         if self.stage == 1:
             for g in self._flat_grads.values():
                 g[...] = 0
@@ -173,8 +179,22 @@ class ZeroRedundancyOptimizer(GradientReducer, ShardedStrategy):
         return flat[lo:hi]
 
     def step(self) -> None:
-        """Update this rank's shard of every flat buffer, then all-gather the parameters in place."""
-        shards = self.grad_shards()
+        """Update this rank's shard of every flat buffer, then all-gather the parameters in place.
+
+        If every gradient of the current pass is marked, the pass is finished first (as
+        ``finish_gradient_sync()``).
+
+        Raises:
+            DistValueError: the gradients are not averaged: the pass is incomplete, the last
+                sync failed, gradients were accumulated under ``no_sync()`` only, or no
+                synchronized pass ran since ``zero_grad()`` (or construction).
+        """
+        self._settle("step")
+        if not self._averaged:
+            raise DistValueError(f"{self._where('step')}: no synchronized gradient pass since zero_grad() (or "
+                                 "construction), so the gradients are not averaged; mark the gradients ready and call "
+                                 "finish_gradient_sync() (or sync_gradients()) before step()")
+        shards = self._local_grad_shards()
         works = []
         for key, flat in self._flat.items():
             mine = self._shard(flat, key)
@@ -197,6 +217,17 @@ class ZeroRedundancyOptimizer(GradientReducer, ShardedStrategy):
         if self.stage == 1:
             return {key: self._shard(g, key) for key, g in self._flat_grads.items()}
         return dict(self._grad_shards)
+
+    def _settle(self, op: str) -> None:
+        """Gradients are about to be used as averaged: finish a complete pass, refuse others."""
+        self._before_read(None, op)
+        if self._marked():  # inside no_sync(): _before_read leaves those
+            raise DistValueError(f"{self._where(op)}: gradients marked ready inside no_sync() are local sums, not "
+                                 "averages; run the last micro-batch outside no_sync() and finish_gradient_sync()")
+        if self._touched:
+            raise DistValueError(f"{self._where(op)}: gradients {sorted(self._touched)} were accumulated under "
+                                 "no_sync() but never synchronized; run the last micro-batch outside no_sync() and "
+                                 "finish_gradient_sync()")
 
     def _loaded(self) -> None:
         for key, flat in self._flat.items():
