@@ -6,18 +6,23 @@ hooks; ``ZeroRedundancyOptimizer`` (ZeRO-1/2) on the same buckets; ``FullySharde
 parameters or any flat shard of them.
 """
 
-from .buckets import Bucket, BucketManager, assign_buckets
+from .arrays import array_namespace
+from .buckets import Bucket, BucketManager, CommHook, GradBucket, assign_buckets
+from .clip import clip_grad_norm_
 from .ddp import DistributedDataParallel
 from .flat import FlatLayout
 from .fsdp import FullyShardedDataParallel
-from .hooks import GradBucket, PowerSGDState, allreduce_hook, fp16_compress_hook, powersgd_hook
-from .optim import SGD, AdamW, Optimizer, array_namespace, clip_grad_norm_
+from .hooks import PowerSGDState, allreduce_hook, fp16_compress_hook, powersgd_hook
+from .optim import SGD, AdamW, Optimizer
+from .pool import BufferPool
 from .reducer import GradientReducer
+from .sharded import ShardedStrategy
 from .zero import ZeroRedundancyOptimizer
 
 __all__ = [
     "DistributedDataParallel", "ZeroRedundancyOptimizer", "FullyShardedDataParallel",
-    "GradientReducer", "Bucket", "BucketManager", "assign_buckets", "FlatLayout",
+    "GradientReducer", "ShardedStrategy", "Bucket", "BucketManager", "CommHook", "BufferPool", "assign_buckets",
+    "FlatLayout",
     "GradBucket", "allreduce_hook", "fp16_compress_hook", "PowerSGDState", "powersgd_hook",
     "SGD", "AdamW", "Optimizer", "clip_grad_norm_", "array_namespace",
 ]

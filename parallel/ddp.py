@@ -23,86 +23,19 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from ..comm import (DistValueError, ProcessGroup, Work, all_gather_object, broadcast_object_list,
-                    resolve_group)
-from ..mesh import DeviceMesh
-from .buckets import MB, Bucket, BucketManager
-from .hooks import GradBucket, allreduce_hook
-from .optim import array_namespace
-from .reducer import GradientReducer
+import numpy as np
 
-__all__ = ["DistributedDataParallel", "resolve_data_parallel_group", "check_params", "check_caps",
-           "broadcast_params"]
+from ..comm import ProcessGroup, Work, broadcast_object_list
+from ..mesh import DeviceMesh
+from .arrays import array_namespace
+from .buckets import MB, BucketManager, CommHook, GradBucket
+from .hooks import allreduce_hook
+from .reducer import GradientReducer
+from .setup import Params, broadcast_params, caps_problem, check_setup, resolve_data_parallel_group, snapshot
+
+__all__ = ["DistributedDataParallel"]
 
 logger = logging.getLogger("meshkit")
-
-
-def resolve_data_parallel_group(mesh: DeviceMesh | None, group: ProcessGroup | None, who: str) -> ProcessGroup:
-    """The group a data-parallel strategy averages over: a 1-D mesh's, ``group``, or the world."""
-    if mesh is not None and group is not None:
-        raise DistValueError(f"meshkit.parallel: {who}: pass mesh or group, not both")
-    if mesh is not None:
-        if not isinstance(mesh, DeviceMesh):
-            raise DistValueError(f"meshkit.parallel: {who}: mesh must be a DeviceMesh, got {type(mesh).__name__}")
-        if mesh.ndim != 1:
-            raise DistValueError(f"meshkit.parallel: {who}: mesh must be 1-D (a data-parallel dim, e.g. "
-                                 f"mesh['dp']), got a {mesh.ndim}-D mesh with dims {mesh.mesh_dim_names}")
-        return mesh.get_group()
-    return resolve_group(group)
-
-
-def check_params(params: Any, group: ProcessGroup, who: str) -> dict[str, Any]:
-    """Parameters are a dict of float arrays whose names, shapes and dtypes agree on every rank."""
-    if not isinstance(params, dict) or not params:
-        raise DistValueError(f"meshkit.parallel: {who}: params must be a non-empty dict[str, array], "
-                             f"got {type(params).__name__}")
-    for name, p in params.items():
-        if not isinstance(name, str) or not hasattr(p, "dtype") or not hasattr(p, "shape"):
-            raise DistValueError(f"meshkit.parallel: {who}: params[{name!r}] must be an array keyed by a str name")
-        if p.dtype.kind not in "fc":
-            raise DistValueError(f"meshkit.parallel: {who}: params[{name!r}] has dtype {p.dtype}; parameters "
-                                 "must be floating-point or complex")
-        if not p.flags.c_contiguous:
-            raise DistValueError(f"meshkit.parallel: {who}: params[{name!r}] is not C-contiguous")
-    mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in params.items()]
-    everyone: list[Any] = [None] * group.size
-    all_gather_object(everyone, mine, group=group)
-    for i, theirs in enumerate(everyone):
-        if theirs != mine:
-            ours, other = dict((n, s) for n, *s in mine), dict((n, s) for n, *s in theirs)
-            diff = sorted(set(ours) ^ set(other)) or [n for n in ours if ours[n] != other.get(n)]
-            name = diff[0]
-            raise DistValueError(
-                f"meshkit.parallel: rank {group.global_rank}: {who}: parameter {name!r} differs between rank "
-                f"{group.global_rank} ({_describe(ours.get(name))}) and rank {group.ranks[i]} "
-                f"({_describe(other.get(name))}); every rank must pass the same names, shapes and dtypes")
-    return params
-
-
-def _describe(spec: Any) -> str:
-    return "missing" if spec is None else f"shape {spec[0]}, dtype {spec[1]}"
-
-
-def check_caps(bucket_cap_mb: float, first_bucket_cap_mb: float, who: str) -> None:
-    if not bucket_cap_mb > 0 or not first_bucket_cap_mb > 0:
-        raise DistValueError(f"meshkit.parallel: {who}: bucket caps must be positive, got "
-                             f"bucket_cap_mb={bucket_cap_mb}, first_bucket_cap_mb={first_bucket_cap_mb}")
-
-
-def broadcast_params(params: dict[str, Any], group: ProcessGroup, src: int) -> None:
-    """Copy group rank ``src``'s parameters to every rank: one broadcast per dtype, not per array."""
-    by_dtype: dict[Any, list[str]] = {}
-    for name, p in params.items():
-        by_dtype.setdefault(p.dtype, []).append(name)
-    for names in by_dtype.values():
-        xp = array_namespace(params[names[0]])
-        flat = xp.concatenate([params[n].reshape(-1) for n in names])
-        group.broadcast(flat, src)
-        start = 0
-        for n in names:
-            p = params[n]
-            p.reshape(-1)[...] = flat[start:start + p.size]
-            start += p.size
 
 
 class DistributedDataParallel(GradientReducer):
@@ -124,9 +57,15 @@ class DistributedDataParallel(GradientReducer):
         find_unused_parameters: allow iterations where some gradients are never marked
             ready; they are reduced as they are (zero since ``zero_grad``).
 
+    ``ddp.params`` is DDP's own read-only mapping of the same arrays (update them in place), and
+    DDP keeps a snapshot of their names, shapes and dtypes: changing the caller's dict later does
+    not change what is averaged. See :mod:`~meshkit.parallel.reducer` for what reading
+    ``ddp.grads`` during a pass does.
+
     Raises:
-        DistValueError: parameters differ across ranks (naming the parameter and the ranks),
-            or are not floating-point.
+        DistValueError: on every rank, when parameters (names, shapes, dtypes, order) or
+            settings differ across ranks (naming the parameter and the ranks), or any rank
+            passes a bad argument.
     """
 
     _strategy = "DistributedDataParallel"
@@ -136,56 +75,50 @@ class DistributedDataParallel(GradientReducer):
                  broadcast_from: int = 0, comm_hook: Callable[[Any, GradBucket], Work] | None = None,
                  comm_state: Any = None, find_unused_parameters: bool = False) -> None:
         self.group = resolve_data_parallel_group(mesh, group, self._strategy)
-        self.params = check_params(params, self.group, self._strategy)
-        check_caps(bucket_cap_mb, first_bucket_cap_mb, self._strategy)
-        if not 0 <= broadcast_from < self.group.size:
-            raise DistValueError(f"meshkit.parallel: DistributedDataParallel: broadcast_from={broadcast_from} is "
-                                 f"not a rank of the group (valid: 0..{self.group.size - 1})")
-        broadcast_params(self.params, self.group, broadcast_from)
+        problem = caps_problem(bucket_cap_mb, first_bucket_cap_mb)
+        if not isinstance(broadcast_from, (int, np.integer)) or not 0 <= broadcast_from < self.group.size:
+            problem = problem or (f"broadcast_from={broadcast_from!r} is not a rank of the group (valid: "
+                                  f"0..{self.group.size - 1})")
+        hook = comm_hook or allreduce_hook
+        check_setup(params, self.group, self._strategy, problem=problem, config={
+            "bucket_cap_mb": bucket_cap_mb, "first_bucket_cap_mb": first_bucket_cap_mb,
+            "broadcast_from": broadcast_from, "find_unused_parameters": find_unused_parameters,
+            "gradient_as_bucket_view": gradient_as_bucket_view, "comm_hook": getattr(hook, "__qualname__", None)})
+        arrays = dict(params)  # our own dict: later changes to the caller's do not reach the buckets
+        self._specs = snapshot(arrays)
+        broadcast_params(arrays, self.group, broadcast_from)
+        self.params = Params(arrays, self._strategy)
         self.find_unused_parameters = find_unused_parameters
-        self.gradient_as_bucket_view = gradient_as_bucket_view
-        self._hook = comm_hook or allreduce_hook
-        self._state = self.group if comm_state is None else comm_state
+        self.gradient_as_bucket_view = self._restore_views = gradient_as_bucket_view
+        comm = CommHook(self.group, hook, self.group if comm_state is None else comm_state)
         self._buckets = BucketManager(self.params, list(reversed(self.params)),
                                       bucket_cap_bytes=int(bucket_cap_mb * MB),
-                                      first_bucket_cap_bytes=int(first_bucket_cap_mb * MB), launch=self._launch)
-        self.grads: dict[str, Any] = {}
+                                      first_bucket_cap_bytes=int(first_bucket_cap_mb * MB), comm=comm)
+        self._init_reducer({})
         self._bind_grads()
-        self._init_reducer()
         self._record_order = True  # until the first synchronized pass's order has rebuilt the buckets
 
     def _bind_grads(self) -> None:
-        views = self._buckets.views()
-        if self.gradient_as_bucket_view:
-            self.grads.clear()
-            self.grads.update(views)
-        else:
-            old = dict(self.grads)
-            self.grads.clear()
-            for name, view in views.items():
-                self.grads[name] = old[name] if name in old else array_namespace(view).zeros_like(view)
-
-    def _replaced(self, name: str, view: Any) -> None:
-        if self.gradient_as_bucket_view:
-            self.grads[name] = view  # the user replaced the array: put the bucket view back
+        """Point ``grads`` at the buckets' views (or, with copies, make the arrays once)."""
+        for name, view in self._buckets.views().items():
+            if self.gradient_as_bucket_view:
+                self._arrays[name] = view
+            elif name not in self._arrays:
+                self._arrays[name] = array_namespace(view).zeros_like(view)
 
     def _zero(self) -> None:
         self._buckets.zero()
         if not self.gradient_as_bucket_view:
-            for g in self.grads.values():
+            for g in self._arrays.values():
                 g[...] = 0
 
     def register_comm_hook(self, state: Any, hook: Callable[[Any, GradBucket], Work]) -> None:
         """Use ``hook(state, bucket)`` to average buckets (torch's ``register_comm_hook``)."""
-        self._hook, self._state = hook, state
-
-    def _launch(self, bucket: Bucket) -> Work:
-        last = bucket.index == len(self._buckets.buckets) - 1
-        return self._hook(self._state, GradBucket(bucket, self.group, last))
+        self._buckets.comm.hook, self._buckets.comm.state = hook, state
 
     def _after_sync(self, ready_order: list[str]) -> None:
         if not self.gradient_as_bucket_view:
-            for name, g in self.grads.items():
+            for name, g in self._arrays.items():
                 g[...] = self._buckets.view(name)
         if self._record_order:
             self._rebuild(ready_order)
@@ -195,7 +128,7 @@ class DistributedDataParallel(GradientReducer):
         ready (rank 0's order, broadcast so every rank agrees), as torch's reducer does."""
         self._record_order = False
         order = list(dict.fromkeys(ready_order))
-        order += [n for n in reversed(self.params) if n not in set(order)]
+        order += [n for n in reversed(self._specs) if n not in set(order)]
         shared = [order]
         broadcast_object_list(shared, group_src=0, group=self.group)
         if shared[0] != [n for bucket in self._buckets.buckets for n in bucket.names]:
@@ -209,7 +142,7 @@ class DistributedDataParallel(GradientReducer):
         gradients when ``gradient_as_bucket_view``) and ``peak_transient``."""
         params = sum(int(p.nbytes) for p in self.params.values())
         grads = self._buckets.nbytes
-        comm = 0 if self.gradient_as_bucket_view else sum(int(g.nbytes) for g in self.grads.values())
+        comm = 0 if self.gradient_as_bucket_view else sum(int(g.nbytes) for g in self._arrays.values())
         state = optimizer.state_nbytes() if optimizer is not None else 0
         return {"params": params, "grads": grads, "optimizer_state": state, "comm_buffers": comm,
                 "peak_transient": 0}

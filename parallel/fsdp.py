@@ -25,18 +25,22 @@ over every data-parallel rank as DDP does.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from typing import Any, Iterator, Sequence
 
 from ..comm import DistValueError, ProcessGroup, ReduceOp, Work
 from ..mesh import DeviceMesh
-from .ddp import broadcast_params, check_params
-from .flat import FlatLayout, gather_state_dict, load_state_dict_into, make_layouts
-from .optim import Optimizer, array_namespace, clip_grad_norm_
+from .arrays import array_namespace
+from .flat import FlatLayout, make_layouts
+from .optim import Optimizer
+from .checks import where
+from .setup import broadcast_params, check_setup
+from .sharded import ShardedStrategy
 
 __all__ = ["FullyShardedDataParallel"]
 
 
-class FullyShardedDataParallel:
+class FullyShardedDataParallel(ShardedStrategy):
     """Parameters, gradients and optimizer state sharded over a mesh dimension.
 
     Args:
@@ -54,29 +58,33 @@ class FullyShardedDataParallel:
         reduce_dtype: dtype gradients are reduced in.
     """
 
+    _strategy = "FullyShardedDataParallel"
+
     def __init__(self, params: dict[str, Any], *, mesh: DeviceMesh, optimizer: Optimizer,
                  units: Sequence[Sequence[str]] | None = None, reshard_after_forward: bool = True,
                  param_dtype: Any = None, reduce_dtype: Any = None) -> None:
         if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2):
             dims = getattr(mesh, "mesh_dim_names", None)
-            raise DistValueError("meshkit.parallel: FullyShardedDataParallel: mesh must be a 1-D DeviceMesh (shard) "
-                                 f"or a 2-D one (replicate, shard), got {type(mesh).__name__} with dims {dims}")
-        if not isinstance(optimizer, Optimizer):
-            raise DistValueError("meshkit.parallel: FullyShardedDataParallel: optimizer must be a meshkit "
-                                 f"Optimizer (SGD, AdamW), got {type(optimizer).__name__}")
+            raise DistValueError(f"{where(self._strategy)}: mesh must be a 1-D DeviceMesh (shard) or a 2-D one "
+                                 f"(replicate, shard), got {type(mesh).__name__} with dims {dims}")
         self.mesh = mesh
         self.shard_group: ProcessGroup = mesh.get_group(mesh.ndim - 1)
         self.replicate_group: ProcessGroup | None = mesh.get_group(0) if mesh.ndim == 2 else None
-        check_params(params, self.shard_group, "FullyShardedDataParallel")
-        for group in (self.shard_group, self.replicate_group):
-            if group is not None:
-                broadcast_params(params, group, 0)
+        unit_list, problem = self._check_units(params, units) if isinstance(params, Mapping) else (None, None)
+        if not isinstance(optimizer, Optimizer):
+            problem = f"optimizer must be a meshkit Optimizer (SGD, AdamW), got {type(optimizer).__name__}"
+        config = {"units": unit_list, "reshard_after_forward": reshard_after_forward, "param_dtype": str(param_dtype),
+                  "reduce_dtype": str(reduce_dtype), "optimizer": repr(optimizer)}
+        groups = [g for g in (self.shard_group, self.replicate_group) if g is not None]
+        for group in groups:  # HSDP: every rank of the mesh agrees, through its two groups
+            check_setup(params, group, self._strategy, problem=problem, config=config)
+        for group in groups:
+            broadcast_params(params, group, 0)
         self.optimizer = optimizer
         self.reshard_after_forward = reshard_after_forward
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
-        self.units = self._check_units(params, units)
+        self.units: list[list[str]] = unit_list  # type: ignore[assignment]
         me, n = self.shard_group.rank, self.shard_group.size
-        self._me = me
         self.layouts: list[list[FlatLayout]] = [make_layouts(params, names, n, prefix=f"unit{i}.")
                                                 for i, names in enumerate(self.units)]
         self._shards: dict[str, Any] = {}
@@ -96,25 +104,30 @@ class FullyShardedDataParallel:
         self._peak = 0
 
     @staticmethod
-    def _check_units(params: dict[str, Any], units: Sequence[Sequence[str]] | None) -> list[list[str]]:
+    def _check_units(params: Mapping[str, Any], units: Sequence[Sequence[str]] | None
+                     ) -> tuple[list[list[str]] | None, str | None]:
+        """The units as lists, and what is wrong with them (or None)."""
         if units is None:
-            return [list(params)]
-        units = [list(u) for u in units]
+            return [list(params)], None
+        try:
+            units = [list(u) for u in units]
+        except TypeError:
+            return None, f"units must be a list of lists of parameter names, got {units!r}"
         seen = [n for u in units for n in u]
         unknown = [n for n in seen if n not in params]
         twice = sorted({n for n in seen if seen.count(n) > 1})
         missing = [n for n in params if n not in seen]
         if unknown or twice or missing or any(not u for u in units):
-            raise DistValueError(
-                "meshkit.parallel: FullyShardedDataParallel: units must put every parameter in exactly one "
-                f"non-empty unit; unknown names {unknown}, in several units {twice}, in none {missing}; "
-                f"valid names are {list(params)}")
-        return units
+            return None, (f"units must put every parameter in exactly one non-empty unit; unknown names {unknown}, "
+                          f"in several units {twice}, in none {missing}; valid names are {list(params)}")
+        return units, None
+
+    def _where(self, op: str) -> str:
+        return where(f"{self._strategy}.{op}", self.shard_group)
 
     def _unit(self, unit: int, op: str) -> int:
         if isinstance(unit, bool) or not isinstance(unit, int) or not 0 <= unit < len(self.units):
-            raise DistValueError(f"meshkit.parallel: rank {self.shard_group.global_rank}: "
-                                 f"FullyShardedDataParallel.{op}: unknown unit {unit!r}; valid units are "
+            raise DistValueError(f"{self._where(op)}: unknown unit {unit!r}; valid units are "
                                  f"0..{len(self.units) - 1}")
         return unit
 
@@ -146,8 +159,7 @@ class FullyShardedDataParallel:
         """
         u = self._unit(unit, "unshard")
         if u in self._active:
-            raise DistValueError(f"meshkit.parallel: rank {self.shard_group.global_rank}: "
-                                 f"FullyShardedDataParallel.unshard: unit {u} is already unsharded (unshard({u}) "
+            raise DistValueError(f"{self._where('unshard')}: unit {u} is already unsharded (unshard({u}) "
                                  "was entered again before its exit)")
         if u not in self._full:
             works, buffers = self._prefetching.pop(u, None) or self._start_gather(u)
@@ -186,16 +198,15 @@ class FullyShardedDataParallel:
         names = self.units[u]
         if not isinstance(grads, dict) or sorted(grads) != sorted(names):
             got = sorted(grads) if isinstance(grads, dict) else type(grads).__name__
-            raise DistValueError(f"meshkit.parallel: rank {self.shard_group.global_rank}: "
-                                 f"FullyShardedDataParallel.reduce_grads: unit {u} needs gradients for {names}, "
+            raise DistValueError(f"{self._where('reduce_grads')}: unit {u} needs gradients for {names}, "
                                  f"got {got}")
-        for lay in self.layouts[u]:
+        for lay in self.layouts[u]:  # check everything before launching anything
             for i, name in enumerate(lay.names):
                 g = grads[name]
                 if tuple(getattr(g, "shape", ())) != lay.shapes[i]:
-                    raise DistValueError(f"meshkit.parallel: rank {self.shard_group.global_rank}: "
-                                         f"FullyShardedDataParallel.reduce_grads: gradient {name!r} has shape "
+                    raise DistValueError(f"{self._where('reduce_grads')}: gradient {name!r} has shape "
                                          f"{getattr(g, 'shape', None)}; expected {lay.shapes[i]}")
+        for lay in self.layouts[u]:
             dtype = self.reduce_dtype or lay.dtype
             flat = lay.pack(grads, self._shards[lay.key], dtype=dtype)
             self._pending.append(self.shard_group.run_async(self._reduction(lay, flat), "fsdp_reduce_grads"))
@@ -224,15 +235,6 @@ class FullyShardedDataParallel:
         for g in self._grad_shards.values():
             g[...] = 0
 
-    def grad_shards(self) -> dict[str, Any]:
-        """This rank's averaged gradient shards, by flat key (waits for pending reductions)."""
-        self._wait_pending()
-        return dict(self._grad_shards)
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
-        """Clip the gradient shards by the global norm (the single-process value)."""
-        return clip_grad_norm_(self.grad_shards(), max_norm, norm_type=norm_type, group=self.shard_group)
-
     def step(self) -> None:
         """Wait for pending reductions, then update every shard.
 
@@ -243,8 +245,7 @@ class FullyShardedDataParallel:
         self._wait_pending()
         forgotten = sorted(self._used - self._reduced)
         if forgotten:
-            raise DistValueError(f"meshkit.parallel: rank {self.shard_group.global_rank}: "
-                                 f"FullyShardedDataParallel.step: units {forgotten} were unsharded since the last "
+            raise DistValueError(f"{self._where('step')}: units {forgotten} were unsharded since the last "
                                  "step but reduce_grads was never called for them; their gradients would be lost")
         for key, shard in self._shards.items():
             self.optimizer.update(key, shard, self._grad_shards[key])
@@ -252,34 +253,29 @@ class FullyShardedDataParallel:
         self._used.clear()
         self._reduced.clear()
 
-    # ------------------------------------------------------------------ state dicts
-    def _all_layouts(self) -> list[FlatLayout]:
+    # ------------------------------------------------------------------ ShardedStrategy
+    def _shard_group(self) -> ProcessGroup:
+        return self.shard_group
+
+    def _layouts(self) -> list[FlatLayout]:
         return [lay for unit in self.layouts for lay in unit]
 
-    def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, Any] | None:
-        """Parameters and optimizer state gathered to full size, per parameter name.
+    def _param_shards(self) -> dict[str, Any]:
+        return self._shards
 
-        Collective over the shard group. The result does not depend on the world size, so
-        :meth:`load_full_state_dict` accepts it at any other. With ``rank0_only`` the other
-        ranks get None.
-        """
+    def _local_grad_shards(self) -> dict[str, Any]:
+        return dict(self._grad_shards)
+
+    def _quiesce(self) -> None:
         self._wait_pending()
-        sd = gather_state_dict(self._all_layouts(), self._shards, self.optimizer, self.shard_group)
-        if rank0_only and self.shard_group.rank != 0:
-            return None
-        return sd
 
-    def load_full_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a full state dict (from ``full_state_dict``, at any world size) into the shards."""
-        load_state_dict_into(self._all_layouts(), state_dict, self._shards, self.optimizer, self._me,
-                             "FullyShardedDataParallel")
-        self._full.clear()
+    def _agreement_groups(self) -> list[ProcessGroup]:
+        return [self.shard_group] + ([self.replicate_group] if self.replicate_group is not None else [])
 
-    # ------------------------------------------------------------------ introspection
-    def memory_report(self) -> dict[str, int]:
-        """Bytes this rank holds; ``comm_buffers`` are the unsharded units held now and
-        ``peak_transient`` the most ever held at once."""
-        return {"params": sum(int(s.nbytes) for s in self._shards.values()),
-                "grads": sum(int(g.nbytes) for g in self._grad_shards.values()),
-                "optimizer_state": self.optimizer.state_nbytes(),
-                "comm_buffers": self._comm_bytes(), "peak_transient": self._peak}
+    def _loaded(self) -> None:
+        self._full.clear()  # gathered parameters are stale now
+
+    def _footprint(self) -> tuple[int, int, int, int]:
+        """``comm_buffers`` are the unsharded units held now, ``peak_transient`` the most ever held."""
+        return (sum(int(s.nbytes) for s in self._shards.values()), sum(int(g.nbytes) for g in self._grad_shards.values()),
+                self._comm_bytes(), self._peak)

@@ -18,37 +18,13 @@ import dataclasses
 import zlib
 from typing import Any
 
-from ..comm import ProcessGroup, ReduceOp, Work
-from .buckets import Bucket
-from .optim import array_namespace
+from ..comm import DistValueError, ProcessGroup, ReduceOp, Work
+from .arrays import array_namespace
+from .buckets import GradBucket
+from .checks import where
+from .flat import FlatLayout
 
 __all__ = ["GradBucket", "allreduce_hook", "fp16_compress_hook", "PowerSGDState", "powersgd_hook"]
-
-
-class GradBucket:
-    """What a hook sees of a bucket (torch's ``GradBucket``)."""
-
-    def __init__(self, bucket: Bucket, group: ProcessGroup, is_last: bool) -> None:
-        self._bucket, self.group, self._is_last = bucket, group, is_last
-
-    def buffer(self) -> Any:
-        """The flat gradient buffer; the hook leaves the average here."""
-        return self._bucket.buffer
-
-    def index(self) -> int:
-        return self._bucket.index
-
-    def is_last(self) -> bool:
-        """True for the last bucket of the iteration (hooks count iterations on it)."""
-        return self._is_last
-
-    def parameters(self) -> list[str]:
-        """Names of the parameters whose gradients are in the bucket, in buffer order."""
-        return list(self._bucket.names)
-
-    def gradients(self) -> list[Any]:
-        """Views of the gradients in the buffer, shaped like their parameters."""
-        return [self._bucket.view(n) for n in self._bucket.names]
 
 
 def _group(state: Any, bucket: GradBucket) -> ProcessGroup:
@@ -107,9 +83,9 @@ class PowerSGDState:
 
     def __post_init__(self) -> None:
         if self.rank < 1:
-            raise ValueError(f"meshkit.parallel: PowerSGDState.rank must be >= 1, got {self.rank}")
+            raise DistValueError(f"{where('PowerSGDState')}: rank must be >= 1, got {self.rank}")
         if self.start_iter < 0:
-            raise ValueError(f"meshkit.parallel: PowerSGDState.start_iter must be >= 0, got {self.start_iter}")
+            raise DistValueError(f"{where('PowerSGDState')}: start_iter must be >= 0, got {self.start_iter}")
 
 
 def _orthogonalize(xp: Any, p: Any) -> None:
@@ -120,6 +96,15 @@ def _orthogonalize(xp: Any, p: Any) -> None:
         if i + 1 < p.shape[1]:
             rest = p[:, i + 1:]
             rest -= xp.outer(col, col @ rest)
+
+
+def _all_reduce_packed(group: ProcessGroup, arrays: list[Any], op: ReduceOp) -> None:
+    """All-reduce arrays of one dtype as one flat message, in place."""
+    named = {str(i): a for i, a in enumerate(arrays)}
+    layout = FlatLayout.over(named)
+    flat = layout.pack(named, arrays[0])
+    group.all_reduce(flat, op)
+    layout.unpack(flat, named)
 
 
 def powersgd_hook(state: PowerSGDState, bucket: GradBucket) -> Work:
@@ -157,32 +142,19 @@ def powersgd_hook(state: PowerSGDState, bucket: GradBucket) -> Work:
             else:
                 exact.append(view)
         if exact:
-            flat = xp.concatenate([v.reshape(-1) for v in exact])
-            group.all_reduce(flat, ReduceOp.AVG)
-            start = 0
-            for v in exact:
-                v.reshape(-1)[...] = flat[start:start + v.size]
-                start += v.size
+            _all_reduce_packed(group, exact, ReduceOp.AVG)
         if matrices:
             qs = state.qs.get(key) if state.warm_start else None
             if qs is None:
                 rng = xp.random.default_rng(state.seed + zlib.crc32(repr(key).encode()))
                 qs = [rng.standard_normal((m.shape[1], r)).astype(buffer.dtype) for m, r in matrices]
             ps = [m @ q for (m, _), q in zip(matrices, qs)]
-            flat_p = xp.concatenate([p.reshape(-1) for p in ps])
-            group.all_reduce(flat_p, ReduceOp.SUM)
-            start = 0
+            _all_reduce_packed(group, ps, ReduceOp.SUM)
             for p in ps:
-                p[...] = flat_p[start:start + p.size].reshape(p.shape)
-                start += p.size
                 _orthogonalize(xp, p)
             qs = [m.T @ p for (m, _), p in zip(matrices, ps)]
-            flat_q = xp.concatenate([q.reshape(-1) for q in qs])
-            group.all_reduce(flat_q, ReduceOp.AVG)
-            start = 0
+            _all_reduce_packed(group, qs, ReduceOp.AVG)
             for (m, _), p, q in zip(matrices, ps, qs):
-                q[...] = flat_q[start:start + q.size].reshape(q.shape)
-                start += q.size
                 m[...] = p @ q.T
             state.qs[key] = qs
         if state.use_error_feedback:

@@ -4,8 +4,8 @@ Every update rule here is elementwise: element ``i`` of a parameter after a step
 element ``i`` of the parameter, of its gradient and of its state, and on per-name scalars (the
 step count ``t``). So running the optimizer on the flat shards of a parameter, each under its own
 name, gives bitwise the same result as running it on the whole parameter. Sharded data parallel
-(ZeRO) relies on that: each rank calls ``opt.step({"flat_f32": shard}, {"flat_f32": grad_shard})``
-on the shard it owns.
+(ZeRO) relies on that: each rank calls ``opt.update("float32", shard, grad_shard)`` on the shard
+it owns.
 
 The rules are torch's, restated from the documented definitions of ``torch.optim.SGD`` and
 ``torch.optim.AdamW`` (the single-tensor, non-fused, non-foreach, ``capturable=False`` path),
@@ -13,80 +13,22 @@ including the order of operations where it changes the rounding (AdamW's decoupl
 first; ``eps`` is added after the bias-corrected square root; the first moment is a ``lerp``).
 
 Arrays may be NumPy or CuPy: the update path uses only array methods, in-place operators and
-ufuncs of the array's own namespace (:func:`array_namespace`), never ``np.*`` on the arrays.
-
-:func:`clip_grad_norm_` is torch's ``clip_grad_norm_`` with a ``group=`` argument: when each rank
-of the group holds a disjoint shard of the gradients, the partial sums are all-reduced so every
-rank gets the norm of the whole, and clips its shard with the same coefficient.
+ufuncs of the array's own namespace (:func:`~meshkit.parallel.arrays.array_namespace`).
 """
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from ..comm import ProcessGroup, ReduceOp, all_reduce
+from ..comm import DistTypeError, DistValueError
+from .arrays import array_namespace, convert, is_array
+from .checks import at_least_zero, flag, real, where
 
-__all__ = ["SGD", "AdamW", "Optimizer", "clip_grad_norm_", "array_namespace"]
-
-_PREFIX = "meshkit.parallel.optim"
-
-#: Elements per float64 chunk when clip_grad_norm_ accumulates a norm: bounds the float64 copy of
-#: a float32/float16 gradient to 32 MB while keeping kernel launches few on GPU.
-_NORM_CHUNK = 1 << 22
-
-
-def array_namespace(a: Any) -> Any:
-    """The array library of ``a``: the ``cupy`` module for CuPy arrays, else ``numpy``.
-
-    Args:
-        a: an array (or anything; only CuPy types are told apart).
-
-    Returns:
-        ``cupy`` if ``type(a).__module__`` starts with ``"cupy"``, else ``numpy``.
-    """
-    if type(a).__module__.startswith("cupy"):
-        import cupy  # imported only when a CuPy array exists, so CuPy stays optional
-
-        return cupy
-    return np
-
-
-def _is_array(a: Any) -> bool:
-    return hasattr(a, "dtype") and hasattr(a, "shape") and hasattr(a, "reshape")
-
-
-def _convert(arr: Any, like: Any) -> Any:
-    """``arr`` as an array of ``like``'s library and dtype (a new array unless already so)."""
-    src, dst = array_namespace(arr), array_namespace(like)
-    if src is dst:
-        return arr if arr.dtype == like.dtype else arr.astype(like.dtype)
-    if dst is np:  # CuPy -> NumPy
-        return arr.get().astype(like.dtype, copy=False)
-    return dst.asarray(arr, dtype=like.dtype)  # NumPy -> CuPy
-
-
-def _real(owner: str, name: str, value: Any) -> float:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{_PREFIX}.{owner}: {name} must be a real number, got {type(value).__name__} {value!r}")
-    return float(value)
-
-
-def _flag(owner: str, name: str, value: Any) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{_PREFIX}.{owner}: {name} must be a bool, got {type(value).__name__} {value!r}")
-    return bool(value)
-
-
-def _at_least_zero(owner: str, name: str, value: Any) -> float:
-    v = _real(owner, name, value)
-    if not v >= 0.0:  # also rejects nan
-        raise ValueError(f"{_PREFIX}.{owner}: {name}={v!r} must be >= 0")
-    return v
+__all__ = ["SGD", "AdamW", "Optimizer"]
 
 
 class Optimizer:
@@ -150,8 +92,8 @@ class Optimizer:
             return
         self._check_pair("update", name, param_flat, grad_flat)
         if param_flat.ndim != 1:
-            raise ValueError(f"{_PREFIX}.{type(self).__name__}.update: parameter {name!r} must be a 1-D flat "
-                             f"array, got shape {tuple(param_flat.shape)}; use step() for arrays of any shape")
+            raise DistValueError(f"{self._where('update')}: parameter {name!r} must be a 1-D flat "
+                                 f"array, got shape {tuple(param_flat.shape)}; use step() for arrays of any shape")
         self._check_pair_shape("update", name, param_flat, grad_flat)
         self._check_state_size("update", name, param_flat.size)
         self._update_flat(name, param_flat, grad_flat)
@@ -176,15 +118,15 @@ class Optimizer:
             opt = AdamW(lr=1e-3)
             opt.step({"w": w, "b": b}, {"w": dw, "b": db})   # w and b updated in place
         """
-        where = f"{type(self).__name__}.step"
+        head = self._where("step")
         if not isinstance(params, Mapping) or not isinstance(grads, Mapping):
-            raise TypeError(f"{_PREFIX}.{where}: params and grads must be dicts of arrays, got "
-                            f"{type(params).__name__} and {type(grads).__name__}")
+            raise DistTypeError(f"{head}: params and grads must be dicts of arrays, got "
+                                f"{type(params).__name__} and {type(grads).__name__}")
         missing = [k for k in params if k not in grads]
         extra = [k for k in grads if k not in params]
         if missing or extra:
-            raise ValueError(f"{_PREFIX}.{where}: grads must have the keys of params {list(params)}; "
-                             f"missing {missing}, unexpected {extra}")
+            raise DistValueError(f"{head}: grads must have the keys of params {list(params)}; "
+                                 f"missing {missing}, unexpected {extra}")
         todo = []
         for name, p in params.items():
             g = grads[name]
@@ -235,45 +177,46 @@ class Optimizer:
                 ``state`` differ, state keys or sizes are wrong, or names differ from the state
                 this optimizer already holds.
         """
-        where = f"{type(self).__name__}.load_state_dict"
+        head = self._where("load_state_dict")
         if not isinstance(state_dict, Mapping) or set(state_dict) != {"step", "state", "hyper"}:
             got = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__
-            raise TypeError(f"{_PREFIX}.{where}: expected a dict with keys ['hyper', 'state', 'step'], got {got}")
+            raise DistTypeError(f"{head}: expected a dict with keys ['hyper', 'state', 'step'], got {got}")
         hyper, steps, states = state_dict["hyper"], state_dict["step"], state_dict["state"]
         if not isinstance(hyper, Mapping) or set(hyper) != set(self._HYPER):
             got = sorted(hyper) if isinstance(hyper, Mapping) else type(hyper).__name__
-            raise ValueError(f"{_PREFIX}.{where}: hyper must have the keys {sorted(self._HYPER)} of "
-                             f"{type(self).__name__}, got {got}")
+            raise DistValueError(f"{head}: hyper must have the keys {sorted(self._HYPER)} of "
+                                 f"{type(self).__name__}, got {got}")
         hyper = self._validated(**hyper)
         if not isinstance(steps, Mapping) or not isinstance(states, Mapping):
-            raise TypeError(f"{_PREFIX}.{where}: step and state must be dicts keyed by name")
+            raise DistTypeError(f"{head}: step and state must be dicts keyed by name")
         if set(steps) != set(states):
-            raise ValueError(f"{_PREFIX}.{where}: step has names {sorted(steps)} but state has {sorted(states)}")
+            raise DistValueError(f"{head}: step has names {sorted(steps)} but state has {sorted(states)}")
         if self.state and states and set(states) != set(self.state):
-            raise ValueError(f"{_PREFIX}.{where}: state has names {sorted(states)}, this optimizer holds "
-                             f"{sorted(self.state)}")
+            raise DistValueError(f"{head}: state has names {sorted(states)}, this optimizer holds "
+                                 f"{sorted(self.state)}")
         keys = set(self._state_keys(hyper))
         new_state: dict[str, dict[str, Any]] = {}
         new_steps: dict[str, int] = {}
         for name, st in states.items():
             count = steps[name]
             if isinstance(count, (bool, np.bool_)) or not isinstance(count, numbers.Integral) or count < 0:
-                raise ValueError(f"{_PREFIX}.{where}: step[{name!r}]={count!r} must be an int >= 0")
+                raise DistValueError(f"{head}: step[{name!r}]={count!r} must be an int >= 0")
             if not isinstance(st, Mapping) or set(st) != keys:
                 got = sorted(st) if isinstance(st, Mapping) else type(st).__name__
-                raise ValueError(f"{_PREFIX}.{where}: state[{name!r}] must have the keys {sorted(keys)}, got {got}")
+                raise DistValueError(f"{head}: state[{name!r}] must have the keys {sorted(keys)}, got {got}")
             sizes = set()
             for key, arr in st.items():
-                if not _is_array(arr) or arr.ndim != 1:
-                    raise ValueError(f"{_PREFIX}.{where}: state[{name!r}][{key!r}] must be a 1-D array, got "
-                                     f"{type(arr).__name__} of shape {getattr(arr, 'shape', None)}")
+                if not is_array(arr) or arr.ndim != 1 or arr.dtype.kind != "f":
+                    raise DistValueError(f"{head}: state[{name!r}][{key!r}] must be a 1-D array of floating point, "
+                                         f"got {type(arr).__name__} of shape {getattr(arr, 'shape', None)} and dtype "
+                                         f"{getattr(arr, 'dtype', None)}")
                 sizes.add(arr.size)
             held = self.state.get(name)
             if held:
                 sizes.add(next(iter(held.values())).size)
             if len(sizes) > 1:
-                raise ValueError(f"{_PREFIX}.{where}: state[{name!r}] arrays have sizes {sorted(sizes)}, "
-                                 f"expected one size" + (" (the size of the state held for it)" if held else ""))
+                raise DistValueError(f"{head}: state[{name!r}] arrays have sizes {sorted(sizes)}, "
+                                     f"expected one size" + (" (the size of the state held for it)" if held else ""))
             dtype = next(iter(held.values())).dtype if held else None
             new_state[name] = {key: arr.copy() if dtype is None else arr.astype(dtype) for key, arr in st.items()}
             new_steps[name] = int(count)
@@ -287,39 +230,42 @@ class Optimizer:
 
     # --- internals -------------------------------------------------------------------------
 
-    def _check_pair(self, where: str, name: str, p: Any, g: Any) -> None:
-        head = f"{_PREFIX}.{type(self).__name__}.{where}"
-        if not _is_array(p):
-            raise TypeError(f"{head}: parameter {name!r} must be a NumPy or CuPy array, got {type(p).__name__}")
-        if not _is_array(g):
-            raise TypeError(f"{head}: grad of parameter {name!r} must be an array or None, got {type(g).__name__}")
+    def _where(self, op: str) -> str:
+        return where(f"{type(self).__name__}.{op}")
+
+    def _check_pair(self, op: str, name: str, p: Any, g: Any) -> None:
+        head = self._where(op)
+        if not is_array(p):
+            raise DistTypeError(f"{head}: parameter {name!r} must be a NumPy or CuPy array, got {type(p).__name__}")
+        if not is_array(g):
+            raise DistTypeError(f"{head}: grad of parameter {name!r} must be an array or None, got {type(g).__name__}")
         if p.dtype.kind != "f":
-            raise TypeError(f"{head}: parameter {name!r} has dtype {p.dtype}; only floating-point "
-                            f"parameters can be optimized")
+            raise DistTypeError(f"{head}: parameter {name!r} has dtype {p.dtype}; only floating-point "
+                                f"parameters can be optimized")
         if g.dtype != p.dtype:
-            raise TypeError(f"{head}: grad of parameter {name!r} has dtype {g.dtype}, the parameter has {p.dtype}")
+            raise DistTypeError(f"{head}: grad of parameter {name!r} has dtype {g.dtype}, the parameter has {p.dtype}")
         if array_namespace(g) is not array_namespace(p):
-            raise TypeError(f"{head}: grad of parameter {name!r} is a {type(g).__module__} array, the parameter "
-                            f"a {type(p).__module__} array")
+            raise DistTypeError(f"{head}: grad of parameter {name!r} is a {type(g).__module__} array, the parameter "
+                                f"a {type(p).__module__} array")
 
-    def _check_pair_shape(self, where: str, name: str, p: Any, g: Any) -> None:
+    def _check_pair_shape(self, op: str, name: str, p: Any, g: Any) -> None:
         if tuple(g.shape) != tuple(p.shape):
-            raise ValueError(f"{_PREFIX}.{type(self).__name__}.{where}: grad of parameter {name!r} has shape "
-                             f"{tuple(g.shape)}, the parameter has shape {tuple(p.shape)}")
+            raise DistValueError(f"{self._where(op)}: grad of parameter {name!r} has shape "
+                                 f"{tuple(g.shape)}, the parameter has shape {tuple(p.shape)}")
 
-    def _check_state_size(self, where: str, name: str, size: int) -> None:
+    def _check_state_size(self, op: str, name: str, size: int) -> None:
         st = self.state.get(name)
         if st:
             held = next(iter(st.values())).size
             if held != size:
-                raise ValueError(f"{_PREFIX}.{type(self).__name__}.{where}: state for {name!r} has {held} "
-                                 f"elements but the parameter has {size}")
+                raise DistValueError(f"{self._where(op)}: state for {name!r} has {held} "
+                                     f"elements but the parameter has {size}")
 
     def _update_flat(self, name: str, p: Any, g: Any) -> None:
         st = self.state.setdefault(name, {})
         for key, arr in st.items():  # torch's policy: state follows its parameter's dtype and device
             if arr.dtype != p.dtype or array_namespace(arr) is not array_namespace(p):
-                st[key] = _convert(arr, p)
+                st[key] = convert(arr, p)
         t = self.steps.get(name, 0) + 1
         self._update(p, g, st, t)
         self.steps[name] = t
@@ -358,15 +304,15 @@ class SGD(Optimizer):
     @classmethod
     def _validated(cls, *, lr: Any, momentum: Any, dampening: Any, weight_decay: Any, nesterov: Any,
                    maximize: Any) -> dict[str, Any]:
-        out = {"lr": _at_least_zero("SGD", "lr", lr),
-               "momentum": _at_least_zero("SGD", "momentum", momentum),
-               "dampening": _real("SGD", "dampening", dampening),  # torch puts no bound on dampening
-               "weight_decay": _at_least_zero("SGD", "weight_decay", weight_decay),
-               "nesterov": _flag("SGD", "nesterov", nesterov),
-               "maximize": _flag("SGD", "maximize", maximize)}
+        out = {"lr": at_least_zero("SGD", "lr", lr),
+               "momentum": at_least_zero("SGD", "momentum", momentum),
+               "dampening": real("SGD", "dampening", dampening),  # torch puts no bound on dampening
+               "weight_decay": at_least_zero("SGD", "weight_decay", weight_decay),
+               "nesterov": flag("SGD", "nesterov", nesterov),
+               "maximize": flag("SGD", "maximize", maximize)}
         if out["nesterov"] and (out["momentum"] <= 0 or out["dampening"] != 0):
-            raise ValueError(f"{_PREFIX}.SGD: nesterov=True requires momentum > 0 and dampening == 0, got "
-                             f"momentum={out['momentum']!r}, dampening={out['dampening']!r}")
+            raise DistValueError(f"{where('SGD')}: nesterov=True requires momentum > 0 and dampening == 0, got "
+                                 f"momentum={out['momentum']!r}, dampening={out['dampening']!r}")
         return out
 
     @staticmethod
@@ -432,17 +378,17 @@ class AdamW(Optimizer):
     def _validated(cls, *, lr: Any, betas: Any, eps: Any, weight_decay: Any, amsgrad: Any,
                    maximize: Any) -> dict[str, Any]:
         if not isinstance(betas, Sequence) or isinstance(betas, str) or len(betas) != 2:
-            raise ValueError(f"{_PREFIX}.AdamW: betas={betas!r} must be a pair (beta1, beta2)")
-        pair = tuple(_real("AdamW", f"betas[{i}]", b) for i, b in enumerate(betas))
+            raise DistValueError(f"{where('AdamW')}: betas={betas!r} must be a pair (beta1, beta2)")
+        pair = tuple(real("AdamW", f"betas[{i}]", b) for i, b in enumerate(betas))
         for i, b in enumerate(pair):
             if not 0.0 <= b < 1.0:
-                raise ValueError(f"{_PREFIX}.AdamW: betas[{i}]={b!r} must be in [0, 1)")
-        return {"lr": _at_least_zero("AdamW", "lr", lr),
+                raise DistValueError(f"{where('AdamW')}: betas[{i}]={b!r} must be in [0, 1)")
+        return {"lr": at_least_zero("AdamW", "lr", lr),
                 "betas": pair,
-                "eps": _at_least_zero("AdamW", "eps", eps),
-                "weight_decay": _at_least_zero("AdamW", "weight_decay", weight_decay),
-                "amsgrad": _flag("AdamW", "amsgrad", amsgrad),
-                "maximize": _flag("AdamW", "maximize", maximize)}
+                "eps": at_least_zero("AdamW", "eps", eps),
+                "weight_decay": at_least_zero("AdamW", "weight_decay", weight_decay),
+                "amsgrad": flag("AdamW", "amsgrad", amsgrad),
+                "maximize": flag("AdamW", "maximize", maximize)}
 
     @staticmethod
     def _state_keys(hyper: Mapping[str, Any]) -> tuple[str, ...]:
@@ -484,124 +430,3 @@ class AdamW(Optimizer):
         ratio = xp.divide(m, denom, out=tmp)  # torch: p.addcdiv_(m, denom, value=-step_size)
         ratio *= step_size
         p -= ratio
-
-
-def _norm_order(norm_type: Any) -> float:
-    if isinstance(norm_type, str) and norm_type.lower() == "inf":
-        return math.inf
-    p = _real("clip_grad_norm_", "norm_type", norm_type)
-    if not (p > 0):
-        raise ValueError(f"{_PREFIX}.clip_grad_norm_: norm_type={p!r} must be > 0 (or inf)")
-    return p
-
-
-def _partial_norm(a: Any, p: float) -> float:
-    """``max |a|`` for p = inf, else ``sum |a|^p``; accumulated in float64, chunk by chunk."""
-    flat = a.reshape(-1)
-    acc = 0.0
-    for start in range(0, flat.size, _NORM_CHUNK):
-        chunk = flat[start:start + _NORM_CHUNK]
-        if chunk.dtype != np.float64:
-            chunk = chunk.astype(np.float64)
-        if p == math.inf:
-            peak = float(abs(chunk).max())
-            if peak != peak:
-                return math.nan
-            acc = max(acc, peak)
-        elif p == 2.0:
-            acc += float(chunk.dot(chunk))
-        elif p == 1.0:
-            acc += float(abs(chunk).sum())
-        else:
-            acc += float((abs(chunk) ** p).sum())
-    return acc
-
-
-def clip_grad_norm_(grads: Mapping[str, Any] | Sequence[Any] | Any, max_norm: float, *, norm_type: float | str = 2.0,
-                    group: ProcessGroup | None = None, error_if_nonfinite: bool = False,
-                    foreach: bool | None = None) -> float:
-    """Scale gradients in place so that their total norm is at most ``max_norm``; as torch.
-
-    The total norm is taken over all gradients as if concatenated: ``(sum |g|^p)^(1/p)``, or
-    ``max |g|`` for ``p = inf``, accumulated in float64. With ``group``, each rank holds a disjoint
-    shard of the gradients (ZeRO, FSDP): the partial sums (maxima for inf) are all-reduced over the
-    group, so every rank gets the norm of the whole and applies the same coefficient.
-
-    Then, as torch: ``clip_coef = max_norm / (total_norm + 1e-6)``, and every gradient is
-    multiplied by ``min(clip_coef, 1)``. Multiplying by exactly 1.0 changes nothing, so the
-    multiplication is skipped when ``clip_coef >= 1``; a nan norm still multiplies (torch's clamp
-    keeps nan, so the gradients become nan, as in torch).
-
-    Args:
-        grads: a dict of arrays, a list of arrays, or one array; None entries are skipped.
-        max_norm: the largest allowed total norm (>= 0).
-        norm_type: the order ``p`` (> 0), or ``inf`` / ``"inf"``.
-        group: a process group whose ranks hold disjoint shards of the gradients; a collective:
-            every rank of the group must call it, also a rank that holds no gradient.
-        error_if_nonfinite: raise when the total norm is nan or inf, before scaling anything.
-        foreach: accepted for torch compatibility and ignored (there is one implementation).
-
-    Returns:
-        The total norm before clipping, as a Python float (the same on every rank of ``group``).
-
-    Raises:
-        TypeError: an entry is not a floating-point array.
-        ValueError: ``max_norm`` or ``norm_type`` is out of range.
-        RuntimeError: the norm is not finite and ``error_if_nonfinite`` is set.
-
-    Example (2 ranks, the gradient ``[3, 4]`` split as ``[3]`` and ``[4]``)::
-
-        norm = clip_grad_norm_([shard], 1.0, group=g)
-        # both ranks: norm == 5.0; rank 0's shard becomes [0.6], rank 1's [0.8]
-    """
-    del foreach
-    max_norm = _real("clip_grad_norm_", "max_norm", max_norm)
-    if not max_norm >= 0:
-        raise ValueError(f"{_PREFIX}.clip_grad_norm_: max_norm={max_norm!r} must be >= 0")
-    p = _norm_order(norm_type)
-    if _is_array(grads):
-        items: list[tuple[str, Any]] = [("grads", grads)]
-    elif isinstance(grads, Mapping):
-        items = [(f"grads[{k!r}]", g) for k, g in grads.items()]
-    elif isinstance(grads, Sequence) and not isinstance(grads, str):
-        items = [(f"grads[{i}]", g) for i, g in enumerate(grads)]
-    else:
-        raise TypeError(f"{_PREFIX}.clip_grad_norm_: grads must be a dict, a list or an array, "
-                        f"got {type(grads).__name__}")
-    arrays = []
-    for label, g in items:
-        if g is None:
-            continue
-        if not _is_array(g) or g.dtype.kind != "f":
-            kind = f"dtype {g.dtype}" if _is_array(g) else type(g).__name__
-            raise TypeError(f"{_PREFIX}.clip_grad_norm_: {label} must be a floating-point array, got {kind}")
-        arrays.append(g)
-
-    partial = 0.0
-    for g in arrays:
-        part = _partial_norm(g, p)
-        if part != part:
-            partial = math.nan
-            break
-        partial = max(partial, part) if p == math.inf else partial + part
-    if group is not None:
-        # [value, nan flag]: MPI's MAX may drop a nan, so nan travels as a flag that MAX/SUM keep.
-        is_nan = partial != partial
-        buf = np.array([0.0 if is_nan else partial, 1.0 if is_nan else 0.0], dtype=np.float64)
-        all_reduce(buf, ReduceOp.MAX if p == math.inf else ReduceOp.SUM, group=group)
-        partial = math.nan if buf[1] > 0 else float(buf[0])
-    if p == math.inf:
-        total = partial
-    elif p == 2.0:
-        total = math.sqrt(partial)
-    else:
-        total = partial ** (1.0 / p)
-    if error_if_nonfinite and not math.isfinite(total):
-        raise RuntimeError(f"{_PREFIX}.clip_grad_norm_: the total norm of order {norm_type} of the gradients is "
-                           f"{total}, not finite, so they cannot be clipped; pass error_if_nonfinite=False to "
-                           f"scale them by the non-finite norm anyway")
-    clip_coef = max_norm / (total + 1e-6)
-    if not clip_coef >= 1.0:  # includes nan, which torch's clamp(max=1) keeps
-        for g in arrays:
-            g *= clip_coef
-    return total

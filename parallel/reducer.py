@@ -1,4 +1,4 @@
-"""The gradient interface shared by DDP and ZeRO: write gradients, mark them ready, sync.
+"""The gradient protocol shared by DDP and ZeRO: write gradients, mark them ready, sync.
 
 Arrays have no autograd, so the backward pass tells the strategy when each gradient is final::
 
@@ -10,62 +10,141 @@ Arrays have no autograd, so the backward pass tells the strategy when each gradi
 
 Gradients accumulate like torch's ``.grad``: ``zero_grad()`` zeroes them, a pass writes or adds.
 Under ``with model.no_sync():`` nothing is communicated, so micro-batches add up locally and the
-next synchronized pass reduces the sum. Subclasses decide what a bucket's reduction is
-(``_launch``) and what happens after a synchronized pass (``_after_sync``).
+next synchronized pass reduces the sum.
+
+No gradient passes as averaged when it is not:
+
+- Reading or writing ``grads[name]`` before marking it is how a gradient is filled. Once it is
+  marked in a synchronized pass it is being reduced: reading it then finishes the pass
+  (``finish_gradient_sync()``) if every gradient is marked, and raises otherwise, naming the
+  gradient and the unmarked ones. So ``optimizer.step(ddp.params, ddp.grads)`` right after the
+  last ``mark_grad_ready`` is correct, and one after an incomplete pass raises. ZeRO's
+  ``step()``, ``grad_shards()`` and ``clip_grad_norm_()`` do the same.
+- A sync fails on every rank or on none. A rank whose pass is incomplete still launches every
+  bucket, so the ranks' collectives stay aligned; then one small all-reduce per sync tells
+  every rank whether any rank failed, and all raise, naming the failing ranks and the gradients
+  they did not mark. The gradients of a failed pass are zeroed on every rank, and reading them
+  raises until ``zero_grad()`` or the next synchronized pass.
+- The strategy owns a snapshot of the parameters' names, shapes and dtypes: gradients are
+  checked against it, whatever happens to the caller's dict later.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from typing import Any, Iterator
 
-from ..comm import DistValueError, ProcessGroup, Work
-from .buckets import Bucket, BucketManager
+import numpy as np
 
-__all__ = ["GradientReducer"]
+from ..comm import DistValueError, ProcessGroup, ReduceOp, all_gather_object
+from .arrays import array_namespace
+from .buckets import BucketManager
+from .checks import on_ranks, where
+
+__all__ = ["GradientReducer", "Gradients"]
+
+
+class Gradients(Mapping):
+    """``grads`` of a :class:`GradientReducer`: ``name -> gradient array``, guarded while reduced.
+
+    ``arrays`` holds the arrays handed out (bucket views, or arrays of the caller's own).
+    """
+
+    __slots__ = ("_reducer", "_arrays", "_location")
+
+    def __init__(self, reducer: GradientReducer, arrays: dict[str, Any]) -> None:
+        self._reducer, self._arrays, self._location = reducer, arrays, reducer._buckets.location
+
+    def __getitem__(self, name: str) -> Any:
+        reducer = self._reducer
+        if self._location[name].ready or reducer._failed is not None:  # KeyError for unknown names
+            reducer._before_read(name, "grads")
+        return self._arrays[name]
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        reducer = self._reducer
+        if name in self._location[name].ready and reducer._sync:
+            raise DistValueError(f"{reducer._where('grads')}: gradient {name!r} was already marked ready and is "
+                                 "being reduced; assign it before mark_grad_ready()")
+        reducer._assign(name, value)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._location
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._reducer._specs)
+
+    def __len__(self) -> int:
+        return len(self._reducer._specs)
+
+    def __reversed__(self) -> Iterator[str]:
+        return reversed(self._reducer._specs)
+
+    def __repr__(self) -> str:
+        return f"<{self._reducer._strategy} gradients {list(self._reducer._specs)}>"
 
 
 class GradientReducer:
     """Base of strategies whose gradients are reduced bucket by bucket during the backward pass.
 
-    Subclasses set ``group``, ``params``, ``grads`` (a mapping ``name -> gradient array``),
-    ``_buckets`` (a :class:`BucketManager` whose ``launch`` is :meth:`_launch`) and
-    ``find_unused_parameters``, then call :meth:`_init_reducer`.
+    Subclasses set ``group``, ``params``, ``_specs`` (name -> (shape, dtype), see
+    :func:`~meshkit.parallel.setup.snapshot`), ``_buckets`` (a :class:`BucketManager`) and
+    ``find_unused_parameters``, then call :meth:`_init_reducer` with the gradient arrays.
     """
 
     group: ProcessGroup
     params: dict[str, Any]
-    grads: Any
+    _specs: dict[str, tuple[tuple[int, ...], Any]]
     _buckets: BucketManager
     find_unused_parameters: bool
     _strategy = "GradientReducer"
     #: whether passes record the order gradients became ready in (given to ``_after_sync``)
     _record_order = False
+    #: whether an array of the caller's, copied into the bucket at marking, is replaced by the view
+    _restore_views = True
 
-    def _init_reducer(self) -> None:
+    def _init_reducer(self, arrays: dict[str, Any]) -> None:
         self._sync = True
         self._ready_order: list[str] = []  # kept while _record_order (DDP, until it rebuilt its buckets)
         self._touched: set[str] = set()  # marked ready in no_sync() passes since the last synchronized finish
+        self._failed: str | None = None  # why the last synchronized pass failed, until zero_grad() or the next
+        self._arrays = arrays
+        self._location = self._buckets.location
+        xp = array_namespace(next(iter(self.params.values())))
+        self._flags = xp.zeros(self.group.size, dtype=np.int32)  # the per-sync agreement: which ranks failed
+        self.grads = Gradients(self, arrays)
         self.iteration = 0
 
     # ------------------------------------------------------------------ subclass hooks
-    def _launch(self, bucket: Bucket) -> Work | None:
-        """Start reducing a complete bucket; return its Work."""
-        raise NotImplementedError
-
     def _after_sync(self, ready_order: list[str]) -> None:
         """After a synchronized pass completed (every bucket reduced)."""
 
     def _zero(self) -> None:
         self._buckets.zero()
 
+    def _assign(self, name: str, value: Any) -> None:
+        """``grads[name] = value``: keep the caller's array; it is checked and copied in when marked."""
+        self._arrays[name] = value
+
     def _where(self, op: str) -> str:
-        return f"meshkit.parallel: rank {self.group.global_rank}: {self._strategy}.{op}"
+        return where(f"{self._strategy}.{op}", self.group)
 
     # ------------------------------------------------------------------ the interface
     def zero_grad(self) -> None:
-        """Set every gradient to zero (they accumulate otherwise, as torch's ``.grad``)."""
+        """Set every gradient to zero (they accumulate otherwise, as torch's ``.grad``).
+
+        Raises:
+            DistValueError: inside a synchronized pass (gradients are marked and being
+                reduced): finish it first.
+        """
+        marked = self._marked()
+        if marked and self._sync:
+            raise DistValueError(f"{self._where('zero_grad')}: gradients {marked} were marked ready in a pass that "
+                                 "was not finished and are being reduced; call finish_gradient_sync() first")
         self._zero()
+        self._failed = None
+        self._touched.clear()
 
     def mark_grad_ready(self, name: str, grad: Any = None) -> None:
         """Declare ``grads[name]`` final for this backward pass (adding ``grad`` to it first, if given).
@@ -77,70 +156,122 @@ class GradientReducer:
         # Called once per gradient per step (1000s of times): one dict lookup for the bucket, one
         # for the gradient, an identity test against the bucket's own view, a set insertion.
         try:
-            bucket = self._buckets.location[name]
+            bucket = self._location[name]
         except (KeyError, TypeError):
             raise DistValueError(f"{self._where('mark_grad_ready')}: unknown parameter {name!r}; valid names "
-                                 f"are {list(self.params)}") from None
+                                 f"are {list(self._specs)}") from None
         ready = bucket.ready
         if name in ready:
             raise DistValueError(f"{self._where('mark_grad_ready')}: gradient {name!r} was already marked ready "
                                  "in this backward pass")
-        current = self.grads[name]
+        current = self._arrays[name]
         if grad is not None:
             self._check_grad(name, grad)
             current += grad
         if current is not bucket.views.get(name):
-            view = bucket.view(name)  # made now, or the user's own array: check and copy it in
+            view = bucket.view(name)  # made now, or the caller's own array: check and copy it in
             if current is not view:
                 self._check_grad(name, current)
                 view[...] = current
-                self._replaced(name, view)
+                if self._restore_views:
+                    self._arrays[name] = view
         ready.add(name)
         if self._record_order:
             self._ready_order.append(name)
         if self._sync and len(ready) == bucket.count:
-            self._buckets.launch_ready()
-
-    def _replaced(self, name: str, view: Any) -> None:
-        """``grads[name]`` was not the bucket's view (copied in); subclasses may restore the view."""
+            bucket.launch()
 
     def _check_grad(self, name: str, grad: Any) -> None:
-        p = self.params[name]
-        if getattr(grad, "shape", None) != p.shape or getattr(grad, "dtype", None) != p.dtype:
+        shape, dtype = self._specs[name]
+        if getattr(grad, "shape", None) != shape or getattr(grad, "dtype", None) != dtype:
             raise DistValueError(
                 f"{self._where('mark_grad_ready')}: gradient {name!r} has shape {getattr(grad, 'shape', None)} "
-                f"and dtype {getattr(grad, 'dtype', None)}; expected the parameter's shape {p.shape} and dtype "
-                f"{p.dtype}")
+                f"and dtype {getattr(grad, 'dtype', None)}; expected the parameter's shape {shape} and dtype "
+                f"{dtype}")
 
     def finish_gradient_sync(self) -> None:
         """Wait for every bucket's reduction. Inside ``no_sync()`` it only ends the backward pass.
 
+        Collective: every rank launches every bucket and then learns, in one small all-reduce,
+        whether any rank failed; if one did, every rank raises and this pass's gradients are
+        zeroed on every rank.
+
         Raises:
-            DistValueError: some gradients were never marked ready and
-                ``find_unused_parameters`` is False (they are named).
+            DistValueError: on every rank, when some rank did not mark all its gradients ready
+                and ``find_unused_parameters`` is False (the ranks and gradients are named).
         """
         if not self._sync:
             self._end_pass()
             return
         unready = self._buckets.unready()
+        problem = None
         if unready and not self.find_unused_parameters:
-            self._buckets.wait_all()
-            self._end_pass()
-            raise DistValueError(
-                f"{self._where('finish_gradient_sync')}: gradients {unready} were not marked ready in this "
-                "backward pass; mark every gradient (or call sync_gradients()), or pass "
-                "find_unused_parameters=True if some parameters are unused")
-        for name in unready:
-            if name not in self._touched:
-                self.grads[name][...] = 0  # unused in every micro-batch: its gradient is zero
-            self._buckets.location[name].ready.add(name)
+            problem = (f"gradients {unready} were not marked ready in this backward pass; mark every gradient (or "
+                       "call sync_gradients()), or pass find_unused_parameters=True if some parameters are unused")
+        for name in unready:  # reduced as they are: zero if unused in every micro-batch
+            bucket = self._location[name]
+            if problem or name not in self._touched:
+                view = bucket.view(name)
+                view[...] = 0
+                if self._restore_views:
+                    self._arrays[name] = view
+            bucket.ready.add(name)
         self._buckets.launch_ready()
-        self._buckets.wait_all()
         order = self._ready_order
+        try:
+            self._buckets.wait_all()
+        except BaseException as exc:
+            self._end_pass()
+            self._failed = f"the last gradient sync raised {type(exc).__name__}: {exc}"
+            raise
         self._end_pass()
+        self._agree(problem)
+        self._failed = None
         self._touched.clear()
         self.iteration += 1
         self._after_sync(order)
+
+    def _agree(self, problem: str | None) -> None:
+        """One small all-reduce per sync: did any rank fail? If so, every rank raises, naming them."""
+        flags, group = self._flags, self.group
+        flags[...] = 0
+        if problem is not None:
+            flags[group.rank] = 1
+        group.all_reduce(flags, ReduceOp.MAX)
+        if not bool(flags.any()):
+            return
+        problems: list[Any] = [None] * group.size
+        all_gather_object(problems, problem, group=group)
+        failed = [group.ranks[i] for i, p in enumerate(problems) if p is not None]
+        self._zero()  # a failed pass's gradients are garbage on every rank
+        self._touched.clear()
+        self._failed = (f"the gradient sync failed on rank(s) {failed}: "
+                        + on_ranks([(group.ranks[i], p) for i, p in enumerate(problems)]))
+        raise DistValueError(f"{self._where('finish_gradient_sync')}: {self._failed}. This pass's gradients were "
+                             "discarded (zeroed) on every rank; run the backward pass again")
+
+    def _marked(self) -> list[str]:
+        """Names marked ready in the current pass."""
+        return [n for bucket in self._buckets.buckets for n in bucket.names if n in bucket.ready]
+
+    def _before_read(self, name: str | None, op: str) -> None:
+        """Before gradients are used as averaged (``grads[name]``, ZeRO's step...): finish a pass
+        whose every gradient is marked; raise if the pass is incomplete or the last sync failed."""
+        if self._failed is not None:
+            raise DistValueError(f"{self._where(op)}: {self._failed}; the gradients of that pass were discarded: "
+                                 "call zero_grad() and run the backward pass again")
+        if not self._sync or (name is not None and name not in self._location[name].ready):
+            return
+        if name is None and not self._marked():
+            return
+        unready = self._buckets.unready()
+        if unready:
+            what = f"gradient {name!r} is" if name is not None else "gradients are"
+            raise DistValueError(
+                f"{self._where(op)}: {what} being reduced and the backward pass is not finished: gradients "
+                f"{unready} are not marked ready; mark them and call finish_gradient_sync() before using gradients "
+                "(with find_unused_parameters=True, finish_gradient_sync() reduces unmarked ones as they are)")
+        self.finish_gradient_sync()
 
     def sync_gradients(self) -> None:
         """Mark every gradient not yet marked ready, then :meth:`finish_gradient_sync`.
@@ -149,11 +280,11 @@ class GradientReducer:
         per-gradient checks are needed: they are the bucket); others go through
         :meth:`mark_grad_ready`, which checks and copies them in.
         """
-        grads = self.grads
+        arrays = self._arrays
         for bucket in self._buckets.buckets:
             pending = [n for n in bucket.names if n not in bucket.ready]
             views = bucket.views
-            if bucket.buffer is not None and all(grads[n] is views.get(n) for n in pending):
+            if bucket.buffer is not None and all(arrays.get(n) is views.get(n) for n in pending):
                 bucket.ready.update(pending)
                 if self._record_order:
                     self._ready_order.extend(pending)

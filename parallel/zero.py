@@ -9,15 +9,20 @@ shard and keeps optimizer state for it only. The gradient interface is DDP's
 - stage 1: gradients live in a full flat buffer (bucket views into it) and each bucket is
   averaged as soon as it is ready; ``step()`` updates the local shard and all-gathers the
   parameters in place.
-- stage 2: a bucket gets a buffer from a pool when its first gradient is written; once
-  complete, each piece of it is reduced (averaged) to the rank that owns that piece, which adds
-  it to its gradient shard, and the buffer returns to the pool. At most two buckets hold
-  buffers at once (one filling while the previous one is reduced: double buffering, so
-  communication still overlaps the backward pass); a third waits for the oldest reduction.
-  Full-size gradient memory is at most the two largest buckets, not the model (inside
-  ``no_sync()`` buckets keep their buffers, since the micro-batches' gradients must add up
-  first). A parameter larger than the bucket cap gets a bucket of its own, so for a model of
-  few, large tensors this saves little: lower ``bucket_cap_mb`` cannot split a tensor.
+- stage 2: a bucket takes a buffer from a :class:`~meshkit.parallel.pool.BufferPool` when its
+  first gradient is written; once complete, its reduction (:func:`reduce_to_owners`, the
+  bucket's hook) averages each piece of it on the rank that owns that piece, which adds it to
+  its gradient shard, and the buffer returns to the pool. At most two buckets hold buffers at
+  once (double buffering, so communication still overlaps the backward pass): full-size
+  gradient memory is at most the two largest buckets, not the model (inside ``no_sync()``
+  buckets keep their buffers, since the micro-batches' gradients must add up first). A
+  parameter larger than the bucket cap gets a bucket of its own, so for a model of few, large
+  tensors this saves little: lower ``bucket_cap_mb`` cannot split a tensor.
+
+``step()`` uses only averaged gradients: it finishes a pass whose every gradient is marked, and
+raises (on every rank alike) for an incomplete pass, a failed sync, gradients accumulated under
+``no_sync()`` only, or no synchronized pass since ``zero_grad()``. Gradients written into
+``grads`` but never marked ready cannot be seen, and are not detected.
 
 With AdamW in float32 and Ψ parameters, ``memory_report()`` gives the paper's accounting:
 stage 1 holds 4Ψ + 4Ψ + 8Ψ/N bytes, stage 2 4Ψ + 4Ψ/N + 8Ψ/N plus the bucket pool.
@@ -25,84 +30,68 @@ stage 1 holds 4Ψ + 4Ψ + 8Ψ/N bytes, stage 2 4Ψ + 4Ψ/N + 8Ψ/N plus the buck
 
 from __future__ import annotations
 
-import collections
-import threading
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 from ..comm import DistValueError, ProcessGroup, ReduceOp, Work
 from ..mesh import DeviceMesh
-from .buckets import MB, Bucket, BucketManager
-from .ddp import broadcast_params, check_caps, check_params, resolve_data_parallel_group
-from .flat import FlatLayout, gather_state_dict, load_state_dict_into, make_layouts
-from .optim import Optimizer, array_namespace, clip_grad_norm_
+from .arrays import array_namespace
+from .buckets import MB, BucketManager, CommHook, GradBucket
+from .flat import FlatLayout, make_layouts
+from .hooks import allreduce_hook
+from .optim import Optimizer
+from .pool import BufferPool
 from .reducer import GradientReducer
+from .setup import Params, caps_problem, check_setup, resolve_data_parallel_group, snapshot
+from .sharded import ShardedStrategy
 
-__all__ = ["ZeroRedundancyOptimizer"]
+__all__ = ["ZeroRedundancyOptimizer", "OwnerShards", "reduce_to_owners"]
 
 #: Buckets of stage 2 that may hold a buffer at once: one being filled, one being reduced.
 _BUFFERED_BUCKETS = 2
 
 
-class _BufferPool:
-    """Reusable flat buffers per dtype for stage 2's buckets (released from the comm thread).
+class OwnerShards:
+    """The state of :func:`reduce_to_owners`: where each parameter lies in its flat buffer and
+    this rank's gradient shard of each."""
 
-    A request takes the smallest free buffer that fits it, else a new one of exactly its size,
-    so a small bucket never costs a large buffer.
-    """
-
-    def __init__(self) -> None:
-        self._free: dict[Any, list[Any]] = {}
-        self._lock = threading.Lock()
-        self.nbytes = 0        # everything ever allocated (the pool's footprint)
-        self.live = 0          # bytes handed out now
-        self.peak_live = 0
-
-    def has_fit(self, size: int, dtype: Any) -> bool:
-        return any(buf.size >= size for buf in self._free.get(dtype, ()))
-
-    def take(self, size: int, like: Any) -> Any:
-        with self._lock:
-            free = self._free.setdefault(like.dtype, [])
-            fits = [i for i, buf in enumerate(free) if buf.size >= size]
-            if fits:
-                buf = free.pop(min(fits, key=lambda i: free[i].size))
-            else:
-                buf = array_namespace(like).empty(size, dtype=like.dtype)
-                self.nbytes += int(buf.nbytes)
-            self.live += int(buf.nbytes)
-            self.peak_live = max(self.peak_live, self.live)
-        view = buf[:size]
-        view[...] = 0
-        return view
-
-    def give(self, view: Any) -> None:
-        buf = view.base if view.base is not None else view
-        with self._lock:
-            self.live -= int(buf.nbytes)
-            self._free.setdefault(buf.dtype, []).append(buf)
+    def __init__(self, group: ProcessGroup, layouts: dict[str, FlatLayout], grad_shards: dict[str, Any]) -> None:
+        self.group, self.grad_shards = group, grad_shards
+        self.place = {name: (lay, off) for lay in layouts.values() for name, off in zip(lay.names, lay.offsets)}
 
 
-class _Stage2Grads(Mapping):
-    """``grads`` at stage 2: a bucket's buffer is attached when one of its gradients is first used."""
+def reduce_to_owners(state: OwnerShards, bucket: GradBucket) -> Work:
+    """ZeRO-2's bucket hook: average each piece of the bucket on the rank that owns it, which
+    adds it to its gradient shard (the bucket is a contiguous range of one flat buffer)."""
+    group, me = state.group, state.group.rank
+    layout, start = state.place[bucket.parameters()[0]]
+    buffer = bucket.buffer()
+    shard = state.grad_shards[layout.key]
+    own_start = layout.shard_range(me)[0]
+    pieces = list(layout.owners(start, start + buffer.size))
 
-    def __init__(self, owner: ZeroRedundancyOptimizer) -> None:
-        self._owner = owner
+    def run() -> None:
+        for owner, lo, hi in pieces:
+            piece = buffer[lo - start:hi - start]
+            group.reduce(piece, owner, ReduceOp.AVG)
+            if owner == me:
+                shard[lo - own_start:hi - own_start] += piece
 
-    def __getitem__(self, name: str) -> Any:
-        return self._owner._stage2_view(name)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        self._owner._check_grad(name, value)
-        self._owner._stage2_view(name)[...] = value
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._owner.params)
-
-    def __len__(self) -> int:
-        return len(self._owner.params)
+    return group.run_async(run, "zero2_reduce")
 
 
-class ZeroRedundancyOptimizer(GradientReducer):
+class _Stage2Views(dict):
+    """The gradient arrays at stage 2: never stored; a bucket's view, its buffer taken from the
+    pool when one of its gradients is first used."""
+
+    def __init__(self, location: dict[str, Any]) -> None:
+        super().__init__()
+        self._location = location
+
+    def __missing__(self, name: str) -> Any:
+        return self._location[name].view(name)
+
+
+class ZeroRedundancyOptimizer(GradientReducer, ShardedStrategy):
     """ZeRO stage 1 or 2 data parallelism around an elementwise optimizer.
 
     Args:
@@ -127,90 +116,55 @@ class ZeroRedundancyOptimizer(GradientReducer):
                  group: ProcessGroup | None = None, stage: int = 1, bucket_cap_mb: float = 25,
                  first_bucket_cap_mb: float = 1, find_unused_parameters: bool = False) -> None:
         self._strategy = f"ZeroRedundancyOptimizer(stage={stage})"
-        if stage not in (1, 2):
-            raise DistValueError(f"meshkit.parallel: ZeroRedundancyOptimizer: stage={stage!r} is not valid; "
-                                 "valid stages are 1 and 2 (use FullyShardedDataParallel for stage 3)")
-        if not isinstance(optimizer, Optimizer):
-            raise DistValueError(f"meshkit.parallel: ZeroRedundancyOptimizer: optimizer must be a meshkit "
-                                 f"Optimizer (SGD, AdamW), got {type(optimizer).__name__}")
         self.group = resolve_data_parallel_group(mesh, group, "ZeroRedundancyOptimizer")
-        check_params(params, self.group, "ZeroRedundancyOptimizer")
-        check_caps(bucket_cap_mb, first_bucket_cap_mb, "ZeroRedundancyOptimizer")
+        problem = caps_problem(bucket_cap_mb, first_bucket_cap_mb)
+        if stage not in (1, 2):
+            problem = f"stage={stage!r} is not valid; valid stages are 1 and 2 (use FullyShardedDataParallel for stage 3)"
+        if not isinstance(optimizer, Optimizer):
+            problem = f"optimizer must be a meshkit Optimizer (SGD, AdamW), got {type(optimizer).__name__}"
+        check_setup(params, self.group, "ZeroRedundancyOptimizer", problem=problem, config={
+            "stage": stage, "bucket_cap_mb": bucket_cap_mb, "first_bucket_cap_mb": first_bucket_cap_mb,
+            "find_unused_parameters": find_unused_parameters, "optimizer": repr(optimizer)})
         self.stage, self.optimizer = stage, optimizer
         self.find_unused_parameters = find_unused_parameters
-        n, me = self.group.size, self.group.rank
-        self._me = me
+        self._specs = snapshot(params)
         order = list(reversed(params))  # the order buckets fill in: each bucket is a flat range
-        self.layouts: dict[str, FlatLayout] = {lay.key: lay for lay in make_layouts(params, order, n)}
+        self.layouts: dict[str, FlatLayout] = {lay.key: lay for lay in make_layouts(params, order, self.group.size)}
         self._flat = {key: lay.pack(params, params[lay.names[0]]) for key, lay in self.layouts.items()}
+        for flat in self._flat.values():
+            self.group.broadcast(flat, 0)
         views = {name: v for key, lay in self.layouts.items() for name, v in lay.views(self._flat[key]).items()}
-        self.params = {name: views[name] for name in params}
-        for key, flat in self._flat.items():
-            broadcast_params({key: flat}, self.group, 0)
-        self._layout_of = {name: lay for lay in self.layouts.values() for name in lay.names}
-        self._offset = {name: off for lay in self.layouts.values() for name, off in zip(lay.names, lay.offsets)}
+        self.params = Params({name: views[name] for name in params}, self._strategy)
+        caps = {"bucket_cap_bytes": int(bucket_cap_mb * MB), "first_bucket_cap_bytes": int(first_bucket_cap_mb * MB)}
+        xp = array_namespace(next(iter(self._flat.values())))
         if stage == 1:
-            self._flat_grads = {key: array_namespace(f).zeros_like(f) for key, f in self._flat.items()}
-            allocate = self._stage1_bucket
+            self._flat_grads = {key: xp.zeros_like(f) for key, f in self._flat.items()}
+            flat_grads = {self.layouts[key].dtype: g for key, g in self._flat_grads.items()}
+            self._buckets = BucketManager(self.params, order, comm=CommHook(self.group, allreduce_hook, self.group),
+                                          flat=flat_grads, **caps)
+            self._init_reducer(self._buckets.views())
         else:
-            self._grad_shards = {key: array_namespace(f).zeros(lay.shard_size, dtype=lay.dtype)
-                                 for (key, lay), f in zip(self.layouts.items(), self._flat.values())}
-            allocate = None
-        self._buckets = BucketManager(self.params, order, bucket_cap_bytes=int(bucket_cap_mb * MB),
-                                      first_bucket_cap_bytes=int(first_bucket_cap_mb * MB), launch=self._launch,
-                                      allocate=allocate or (lambda names, size, like: None))
-        if stage == 2:
-            self._pool = _BufferPool()
-            self._in_flight: collections.deque[Bucket] = collections.deque()
-        self.grads: Any = self._buckets.views() if stage == 1 else _Stage2Grads(self)
-        self._init_reducer()
+            self._grad_shards = {key: xp.zeros(lay.shard_size, dtype=lay.dtype) for key, lay in self.layouts.items()}
+            self._pool = BufferPool(xp, _BUFFERED_BUCKETS)
+            owners = OwnerShards(self.group, self.layouts, self._grad_shards)
+            self._buckets = BucketManager(self.params, order, comm=CommHook(self.group, reduce_to_owners, owners),
+                                          pool=self._pool, **caps)
+            self._restore_views = False  # bucket buffers come and go: views are never kept
+            self._init_reducer(_Stage2Views(self._buckets.location))
+        self._averaged = False  # whether the gradients are the result of a synchronized pass
 
-    # ------------------------------------------------------------------ buckets
-    def _stage1_bucket(self, names: list[str], size: int, like: Any) -> Any:
-        start = self._offset[names[0]]
-        return self._flat_grads[self._layout_of[names[0]].key][start:start + size]
-
-    def _stage2_view(self, name: str) -> Any:
-        bucket = self._buckets.location.get(name)
-        if bucket is None:
-            raise KeyError(name)
-        if bucket.buffer is None:
-            if bucket.launched:
-                raise DistValueError(f"{self._where('grads')}: the gradient of {name!r} was already reduced "
-                                     "into its owner's shard in this pass; stage 2 keeps only the local shard")
-            like = self.params[name]
-            while not self._pool.has_fit(bucket.size, like.dtype) and len(self._in_flight) >= _BUFFERED_BUCKETS:
-                self._in_flight.popleft().wait()  # its buffer returns to the pool
-            bucket.buffer = self._pool.take(bucket.size, like)
-        return bucket.view(name)
-
-    def _launch(self, bucket: Bucket) -> Work:
+    def _assign(self, name: str, value: Any) -> None:
         if self.stage == 1:
-            return self.group.all_reduce(bucket.buffer, ReduceOp.AVG, async_op=True)
-        layout = self._layout_of[bucket.names[0]]
-        start = self._offset[bucket.names[0]]
-        buffer, shard = bucket.buffer, self._grad_shards[layout.key]
-        pieces = list(layout.owners(start, start + bucket.size))
-        own_start = layout.shard_range(self._me)[0]
+            super()._assign(name, value)
+        else:  # stage 2 keeps no arrays of the caller's: copy into the bucket
+            self._check_grad(name, value)
+            self._arrays[name][...] = value
 
-        def reduce_to_owners() -> None:
-            for owner, lo, hi in pieces:
-                piece = buffer[lo - start:hi - start]
-                self.group.reduce(piece, owner, ReduceOp.AVG)
-                if owner == self._me:
-                    shard[lo - own_start:hi - own_start] += piece
-            bucket.buffer = None
-            self._pool.give(buffer)
-
-        self._in_flight.append(bucket)
-        return self.group.run_async(reduce_to_owners, "zero2_reduce")
-
-    def _end_pass(self) -> None:
-        super()._end_pass()
-        if self.stage == 2:
-            self._in_flight.clear()
+    def _after_sync(self, ready_order: list[str]) -> None:
+        self._averaged = True
 
     def _zero(self) -> None:
+        self._averaged = False
         if self.stage == 1:
             for g in self._flat_grads.values():
                 g[...] = 0
@@ -221,22 +175,26 @@ class ZeroRedundancyOptimizer(GradientReducer):
 
     # ------------------------------------------------------------------ shards and step
     def _shard(self, flat: Any, key: str) -> Any:
-        lo, hi = self.layouts[key].shard_range(self._me)
+        lo, hi = self.layouts[key].shard_range(self.group.rank)
         return flat[lo:hi]
 
-    def grad_shards(self) -> dict[str, Any]:
-        """This rank's averaged gradient shard per dtype key (after ``finish_gradient_sync``)."""
-        if self.stage == 1:
-            return {key: self._shard(g, key) for key, g in self._flat_grads.items()}
-        return dict(self._grad_shards)
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
-        """Clip the gradients by their global norm (the single-process value), before ``step()``."""
-        return clip_grad_norm_(self.grad_shards(), max_norm, norm_type=norm_type, group=self.group)
-
     def step(self) -> None:
-        """Update this rank's shard of every flat buffer, then all-gather the parameters in place."""
-        shards = self.grad_shards()
+        """Update this rank's shard of every flat buffer, then all-gather the parameters in place.
+
+        If every gradient of the current pass is marked, the pass is finished first (as
+        ``finish_gradient_sync()``).
+
+        Raises:
+            DistValueError: the gradients are not averaged: the pass is incomplete, the last
+                sync failed, gradients were accumulated under ``no_sync()`` only, or no
+                synchronized pass ran since ``zero_grad()`` (or construction).
+        """
+        self._settle("step")
+        if not self._averaged:
+            raise DistValueError(f"{self._where('step')}: no synchronized gradient pass since zero_grad() (or "
+                                 "construction), so the gradients are not averaged; mark the gradients ready and call "
+                                 "finish_gradient_sync() (or sync_gradients()) before step()")
+        shards = self._local_grad_shards()
         works = []
         for key, flat in self._flat.items():
             mine = self._shard(flat, key)
@@ -245,33 +203,40 @@ class ZeroRedundancyOptimizer(GradientReducer):
         for work in works:
             work.wait()
 
-    # ------------------------------------------------------------------ state dicts
-    def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, Any] | None:
-        """Parameters and optimizer state at full size, per parameter name (collective).
+    # ------------------------------------------------------------------ ShardedStrategy
+    def _shard_group(self) -> ProcessGroup:
+        return self.group
 
-        Independent of the world size: :meth:`load_full_state_dict` accepts it at any other.
-        """
-        shards = {key: self._shard(flat, key) for key, flat in self._flat.items()}
-        sd = gather_state_dict(list(self.layouts.values()), shards, self.optimizer, self.group)
-        return None if rank0_only and self._me != 0 else sd
+    def _layouts(self) -> list[FlatLayout]:
+        return list(self.layouts.values())
 
-    def load_full_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a full state dict (from any world size): this rank's shards, then all-gather."""
-        shards = {key: self._shard(flat, key) for key, flat in self._flat.items()}
-        load_state_dict_into(list(self.layouts.values()), state_dict, shards, self.optimizer, self._me,
-                             "ZeroRedundancyOptimizer")
-        for key, flat in self._flat.items():
-            self.group.all_gather_into_tensor(flat, shards[key])
+    def _param_shards(self) -> dict[str, Any]:
+        return {key: self._shard(flat, key) for key, flat in self._flat.items()}
 
-    # ------------------------------------------------------------------ introspection
-    def memory_report(self) -> dict[str, int]:
-        """Bytes this rank holds (see the module docstring for the expected figures)."""
-        params = sum(int(f.nbytes) for f in self._flat.values())
-        state = self.optimizer.state_nbytes()
+    def _local_grad_shards(self) -> dict[str, Any]:
         if self.stage == 1:
-            grads, comm, peak = sum(int(g.nbytes) for g in self._flat_grads.values()), 0, 0
-        else:
-            grads = sum(int(g.nbytes) for g in self._grad_shards.values())
-            comm, peak = self._pool.nbytes, self._pool.peak_live
-        return {"params": params, "grads": grads, "optimizer_state": state, "comm_buffers": comm,
-                "peak_transient": peak}
+            return {key: self._shard(g, key) for key, g in self._flat_grads.items()}
+        return dict(self._grad_shards)
+
+    def _settle(self, op: str) -> None:
+        """Gradients are about to be used as averaged: finish a complete pass, refuse others."""
+        self._before_read(None, op)
+        if self._marked():  # inside no_sync(): _before_read leaves those
+            raise DistValueError(f"{self._where(op)}: gradients marked ready inside no_sync() are local sums, not "
+                                 "averages; run the last micro-batch outside no_sync() and finish_gradient_sync()")
+        if self._touched:
+            raise DistValueError(f"{self._where(op)}: gradients {sorted(self._touched)} were accumulated under "
+                                 "no_sync() but never synchronized; run the last micro-batch outside no_sync() and "
+                                 "finish_gradient_sync()")
+
+    def _loaded(self) -> None:
+        for key, flat in self._flat.items():
+            self.group.all_gather_into_tensor(flat, self._shard(flat, key))
+
+    def _footprint(self) -> tuple[int, int, int, int]:
+        """Stage 1 holds 4Ψ + 4Ψ + 8Ψ/N bytes with AdamW in float32, stage 2 4Ψ + 4Ψ/N + 8Ψ/N
+        plus the bucket pool (see the module docstring)."""
+        params = sum(int(f.nbytes) for f in self._flat.values())
+        if self.stage == 1:
+            return params, sum(int(g.nbytes) for g in self._flat_grads.values()), 0, 0
+        return params, sum(int(g.nbytes) for g in self._grad_shards.values()), self._pool.nbytes, self._pool.peak_live

@@ -9,7 +9,7 @@ import pytest
 
 import meshkit
 from meshkit.comm import local
-from meshkit.parallel.optim import SGD, AdamW, Optimizer, array_namespace, clip_grad_norm_
+from meshkit.parallel import SGD, AdamW, Optimizer, array_namespace, clip_grad_norm_
 
 STEPS = 6
 SHAPES = {"w": (4, 5), "b": (7,), "s": ()}
@@ -335,10 +335,15 @@ def test_clip_sharded_with_empty_rank_and_nan():
 # --- misc API ---------------------------------------------------------------------------------
 
 def test_array_namespace_and_exports():
-    import meshkit.parallel.optim as mod
+    import meshkit.parallel as parallel
+    import meshkit.parallel.arrays as arrays
+    import meshkit.parallel.clip as clip
+    import meshkit.parallel.optim as optim
 
     assert array_namespace(np.zeros(2)) is np and array_namespace(3.0) is np
-    assert mod.__all__ == ["SGD", "AdamW", "Optimizer", "clip_grad_norm_", "array_namespace"]
+    assert optim.__all__ == ["SGD", "AdamW", "Optimizer"]  # optim.py holds the optimizers only
+    assert clip.__all__ == ["clip_grad_norm_"] and "array_namespace" in arrays.__all__
+    assert {"SGD", "AdamW", "Optimizer", "clip_grad_norm_", "array_namespace"} <= set(parallel.__all__)
     assert isinstance(SGD(lr=0.1), Optimizer) and isinstance(AdamW(), Optimizer)
     assert repr(SGD(lr=0.1)) == ("SGD(lr=0.1, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, "
                                  "maximize=False)")

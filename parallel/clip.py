@@ -1,0 +1,145 @@
+"""``clip_grad_norm_``: torch's gradient clipping, correct for gradients sharded over a group.
+
+With ``group=``, each rank of the group holds a disjoint shard of the gradients (ZeRO, FSDP): the
+partial sums are all-reduced so every rank gets the norm of the whole, and clips its shard with
+the same coefficient.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..comm import DistTypeError, DistValueError, ProcessGroup, ReduceOp, all_reduce
+from .arrays import is_array
+from .checks import real, where
+
+__all__ = ["clip_grad_norm_"]
+
+#: Elements per float64 chunk when clip_grad_norm_ accumulates a norm: bounds the float64 copy of
+#: a float32/float16 gradient to 32 MB while keeping kernel launches few on GPU.
+_NORM_CHUNK = 1 << 22
+
+
+def _norm_order(norm_type: Any) -> float:
+    if isinstance(norm_type, str) and norm_type.lower() == "inf":
+        return math.inf
+    p = real("clip_grad_norm_", "norm_type", norm_type)
+    if not (p > 0):
+        raise DistValueError(f"{where('clip_grad_norm_')}: norm_type={p!r} must be > 0 (or inf)")
+    return p
+
+
+def _partial_norm(a: Any, p: float) -> float:
+    """``max |a|`` for p = inf, else ``sum |a|^p``; accumulated in float64, chunk by chunk."""
+    flat = a.reshape(-1)
+    acc = 0.0
+    for start in range(0, flat.size, _NORM_CHUNK):
+        chunk = flat[start:start + _NORM_CHUNK]
+        if chunk.dtype != np.float64:
+            chunk = chunk.astype(np.float64)
+        if p == math.inf:
+            peak = float(abs(chunk).max())
+            if peak != peak:
+                return math.nan
+            acc = max(acc, peak)
+        elif p == 2.0:
+            acc += float(chunk.dot(chunk))
+        elif p == 1.0:
+            acc += float(abs(chunk).sum())
+        else:
+            acc += float((abs(chunk) ** p).sum())
+    return acc
+
+
+def clip_grad_norm_(grads: Mapping[str, Any] | Sequence[Any] | Any, max_norm: float, *, norm_type: float | str = 2.0,
+                    group: ProcessGroup | None = None, error_if_nonfinite: bool = False,
+                    foreach: bool | None = None) -> float:
+    """Scale gradients in place so that their total norm is at most ``max_norm``; as torch.
+
+    The total norm is taken over all gradients as if concatenated: ``(sum |g|^p)^(1/p)``, or
+    ``max |g|`` for ``p = inf``, accumulated in float64. With ``group``, each rank holds a disjoint
+    shard of the gradients (ZeRO, FSDP): the partial sums (maxima for inf) are all-reduced over the
+    group, so every rank gets the norm of the whole and applies the same coefficient.
+
+    Then, as torch: ``clip_coef = max_norm / (total_norm + 1e-6)``, and every gradient is
+    multiplied by ``min(clip_coef, 1)``. Multiplying by exactly 1.0 changes nothing, so the
+    multiplication is skipped when ``clip_coef >= 1``; a nan norm still multiplies (torch's clamp
+    keeps nan, so the gradients become nan, as in torch).
+
+    Args:
+        grads: a dict of arrays, a list of arrays, or one array; None entries are skipped.
+        max_norm: the largest allowed total norm (>= 0).
+        norm_type: the order ``p`` (> 0), or ``inf`` / ``"inf"``.
+        group: a process group whose ranks hold disjoint shards of the gradients; a collective:
+            every rank of the group must call it, also a rank that holds no gradient.
+        error_if_nonfinite: raise when the total norm is nan or inf, before scaling anything.
+        foreach: accepted for torch compatibility and ignored (there is one implementation).
+
+    Returns:
+        The total norm before clipping, as a Python float (the same on every rank of ``group``).
+
+    Raises:
+        TypeError: an entry is not a floating-point array.
+        ValueError: ``max_norm`` or ``norm_type`` is out of range.
+        RuntimeError: the norm is not finite and ``error_if_nonfinite`` is set.
+
+    Example (2 ranks, the gradient ``[3, 4]`` split as ``[3]`` and ``[4]``)::
+
+        norm = clip_grad_norm_([shard], 1.0, group=g)
+        # both ranks: norm == 5.0; rank 0's shard becomes [0.6], rank 1's [0.8]
+    """
+    del foreach
+    max_norm = real("clip_grad_norm_", "max_norm", max_norm)
+    if not max_norm >= 0:
+        raise DistValueError(f"{where('clip_grad_norm_')}: max_norm={max_norm!r} must be >= 0")
+    p = _norm_order(norm_type)
+    if is_array(grads):
+        items: list[tuple[str, Any]] = [("grads", grads)]
+    elif isinstance(grads, Mapping):
+        items = [(f"grads[{k!r}]", g) for k, g in grads.items()]
+    elif isinstance(grads, Sequence) and not isinstance(grads, str):
+        items = [(f"grads[{i}]", g) for i, g in enumerate(grads)]
+    else:
+        raise DistTypeError(f"{where('clip_grad_norm_')}: grads must be a dict, a list or an array, "
+                            f"got {type(grads).__name__}")
+    arrays = []
+    for label, g in items:
+        if g is None:
+            continue
+        if not is_array(g) or g.dtype.kind != "f":
+            kind = f"dtype {g.dtype}" if is_array(g) else type(g).__name__
+            raise DistTypeError(f"{where('clip_grad_norm_')}: {label} must be a floating-point array, got {kind}")
+        arrays.append(g)
+
+    partial = 0.0
+    for g in arrays:
+        part = _partial_norm(g, p)
+        if part != part:
+            partial = math.nan
+            break
+        partial = max(partial, part) if p == math.inf else partial + part
+    if group is not None:
+        # [value, nan flag]: MPI's MAX may drop a nan, so nan travels as a flag that MAX/SUM keep.
+        is_nan = partial != partial
+        buf = np.array([0.0 if is_nan else partial, 1.0 if is_nan else 0.0], dtype=np.float64)
+        all_reduce(buf, ReduceOp.MAX if p == math.inf else ReduceOp.SUM, group=group)
+        partial = math.nan if buf[1] > 0 else float(buf[0])
+    if p == math.inf:
+        total = partial
+    elif p == 2.0:
+        total = math.sqrt(partial)
+    else:
+        total = partial ** (1.0 / p)
+    if error_if_nonfinite and not math.isfinite(total):
+        raise RuntimeError(f"{where('clip_grad_norm_')}: the total norm of order {norm_type} of the gradients is "
+                           f"{total}, not finite, so they cannot be clipped; pass error_if_nonfinite=False to "
+                           f"scale them by the non-finite norm anyway")
+    clip_coef = max_norm / (total + 1e-6)
+    if not clip_coef >= 1.0:  # includes nan, which torch's clamp(max=1) keeps
+        for g in arrays:
+            g *= clip_coef
+    return total

@@ -1,0 +1,161 @@
+"""What every data-parallel strategy does first: resolve its group, check its arguments on every
+rank, and start every rank from the same parameters.
+
+Shared by DDP, ZeRO and FSDP, so that they accept and reject the same inputs with the same words.
+The checks are collective (one ``all_gather_object``): a bad argument on one rank, or parameters
+or settings that differ between ranks, raise on *every* rank, naming the ranks, instead of
+leaving the others waiting in the first collective or training on mismatched buckets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Iterator
+
+from ..comm import DistTypeError, DistValueError, ProcessGroup, all_gather_object, resolve_group
+from ..mesh import DeviceMesh
+from .arrays import is_array
+from .checks import on_ranks, where
+from .flat import make_layouts
+
+__all__ = ["resolve_data_parallel_group", "check_setup", "caps_problem", "snapshot", "Params", "broadcast_params"]
+
+
+def resolve_data_parallel_group(mesh: DeviceMesh | None, group: ProcessGroup | None, who: str) -> ProcessGroup:
+    """The group a data-parallel strategy averages over: a 1-D mesh's, ``group``, or the world."""
+    if mesh is not None and group is not None:
+        raise DistValueError(f"{where(who)}: pass mesh or group, not both")
+    if mesh is not None:
+        if not isinstance(mesh, DeviceMesh):
+            raise DistValueError(f"{where(who)}: mesh must be a DeviceMesh, got {type(mesh).__name__}")
+        if mesh.ndim != 1:
+            raise DistValueError(f"{where(who)}: mesh must be 1-D (a data-parallel dim, e.g. mesh['dp']), got a "
+                                 f"{mesh.ndim}-D mesh with dims {mesh.mesh_dim_names}")
+        return mesh.get_group()
+    return resolve_group(group)
+
+
+def caps_problem(bucket_cap_mb: Any, first_bucket_cap_mb: Any) -> str | None:
+    """What is wrong with the bucket caps, or None."""
+    try:
+        if bucket_cap_mb > 0 and first_bucket_cap_mb > 0:
+            return None
+    except TypeError:
+        pass
+    return (f"bucket caps must be positive numbers, got bucket_cap_mb={bucket_cap_mb!r}, "
+            f"first_bucket_cap_mb={first_bucket_cap_mb!r}")
+
+
+def _params_problem(params: Any) -> str | None:
+    if not isinstance(params, Mapping) or not params:
+        return f"params must be a non-empty dict[str, array], got {type(params).__name__}"
+    for name, p in params.items():
+        if not isinstance(name, str) or not is_array(p):
+            return f"params[{name!r}] must be an array keyed by a str name, got {type(p).__name__}"
+        if p.dtype.kind not in "fc":
+            return f"params[{name!r}] has dtype {p.dtype}; parameters must be floating-point or complex"
+        if not p.flags.c_contiguous:
+            return f"params[{name!r}] is not C-contiguous"
+    return None
+
+
+def check_setup(params: Any, group: ProcessGroup, who: str, *, problem: str | None = None,
+                config: dict[str, Any] | None = None) -> None:
+    """Check ``params`` and the other arguments of a strategy on every rank of ``group`` (collective).
+
+    Args:
+        params: must be a non-empty dict of C-contiguous float arrays whose names, shapes,
+            dtypes and order are the same on every rank.
+        problem: what is wrong with this rank's other arguments, or None.
+        config: settings that must be equal on every rank (bucket caps, stage, units...).
+
+    Raises:
+        DistValueError: on every rank, naming the ranks and what differs, when any rank has a
+            problem or ranks differ.
+    """
+    problem = problem or _params_problem(params)
+    specs = None if problem else [(n, tuple(p.shape), str(p.dtype)) for n, p in params.items()]
+    everyone: list[Any] = [None] * group.size
+    all_gather_object(everyone, (problem, specs, config), group=group)
+    head = where(who, group)
+    if any(p is not None for p, _, _ in everyone):
+        bad = on_ranks([(group.ranks[i], p) for i, (p, _, _) in enumerate(everyone)])
+        raise DistValueError(f"{head}: invalid arguments on {bad}")
+    ref_specs, ref_config = everyone[0][1], everyone[0][2]
+    for i, (_, theirs, their_config) in enumerate(everyone[1:], start=1):
+        if theirs != ref_specs:
+            raise DistValueError(f"{head}: {_spec_difference(ref_specs, theirs, group.ranks[0], group.ranks[i])}; "
+                                 "every rank must pass the same names, shapes and dtypes in the same order")
+        if their_config != ref_config:
+            keys = [k for k in ref_config if ref_config[k] != their_config.get(k)]
+            raise DistValueError(f"{head}: settings differ between rank {group.ranks[0]} "
+                                 f"({ {k: ref_config[k] for k in keys} }) and rank {group.ranks[i]} "
+                                 f"({ {k: their_config.get(k) for k in keys} }); every rank must pass the same")
+
+
+def _spec_difference(ours: list, theirs: list, me: int, other: int) -> str:
+    mine, their = {n: s for n, *s in ours}, {n: s for n, *s in theirs}
+    for name in list(mine) + [n for n in their if n not in mine]:
+        if mine.get(name) != their.get(name):
+            return (f"parameter {name!r} differs between rank {me} ({_describe(mine.get(name))}) and rank {other} "
+                    f"({_describe(their.get(name))})")
+    at = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a[0] != b[0])
+    return (f"parameters are in a different order on rank {me} and rank {other}: position {at} holds "
+            f"{ours[at][0]!r} on rank {me} and {theirs[at][0]!r} on rank {other} (rank {me}: "
+            f"{[s[0] for s in ours]}, rank {other}: {[s[0] for s in theirs]})")
+
+
+def _describe(spec: Any) -> str:
+    return "missing" if spec is None else f"shape {spec[0]}, dtype {spec[1]}"
+
+
+def snapshot(params: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], Any]]:
+    """``name -> (shape, dtype)``, taken at construction: what a strategy owns and checks against."""
+    return {name: (tuple(p.shape), p.dtype) for name, p in params.items()}
+
+
+class Params(Mapping):
+    """A strategy's parameters, ``name -> array``: a read-only mapping over arrays it owns.
+
+    The arrays are updated in place (by an optimizer, ``p[...] = value``); adding, removing or
+    replacing entries raises, since the strategy's buckets and flat buffers were built for these.
+    """
+
+    __slots__ = ("_arrays", "_who")
+
+    def __init__(self, arrays: dict[str, Any], who: str) -> None:
+        self._arrays, self._who = arrays, who
+
+    def __getitem__(self, name: str) -> Any:
+        return self._arrays[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._arrays)
+
+    def __len__(self) -> int:
+        return len(self._arrays)
+
+    def __reversed__(self) -> Iterator[str]:
+        return reversed(self._arrays)
+
+    def _refuse(self, name: Any) -> None:
+        raise DistTypeError(f"{where(self._who)}: params is read-only, so params[{name!r}] cannot be replaced or "
+                            "removed: update the arrays in place (params[name][...] = value), or wrap the changed "
+                            "model in a new strategy")
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        self._refuse(name)
+
+    def __delitem__(self, name: str) -> None:
+        self._refuse(name)
+
+    def __repr__(self) -> str:
+        return f"<{self._who} params {list(self._arrays)}>"
+
+
+def broadcast_params(params: dict[str, Any], group: ProcessGroup, src: int) -> None:
+    """Copy group rank ``src``'s parameters to every rank: one broadcast per dtype, not per array."""
+    for layout in make_layouts(params, list(params), 1):
+        flat = layout.pack(params, params[layout.names[0]])
+        group.broadcast(flat, src)
+        layout.unpack(flat, params)

@@ -1,0 +1,215 @@
+"""Full state dicts of sharded strategies: gathered from flat shards, checked, loaded into them.
+
+A full state dict is per parameter name and independent of the world size::
+
+    {"params": {name: array},
+     "optimizer": {"steps": {name: int}, "state": {name: {key: 1-D array}}, "hyper": {...}}}
+
+Loading is strict by default: every parameter and, once the optimizer has stepped, the state
+and step count of every parameter must be there, with the model's names and sizes and the
+optimizer's hyperparameter and state keys; hyperparameters go through the optimizer's own
+validation. ``strict=False`` is the explicit opt-out: what is missing keeps its current value
+and unknown entries are ignored (sizes and hyperparameter values are still checked). Either way
+a load is all or nothing on every rank: every rank checks its state dict and a digest of it,
+and one ``all_gather_object`` tells every rank whether some rank's is invalid or differs from
+the others' (e.g. two checkpoint files), in which case all raise and nothing is loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import zlib
+from collections.abc import Mapping
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..comm import DistValueError, ProcessGroup, all_gather_object
+from .arrays import array_namespace, is_array
+from .checks import on_ranks, where
+from .flat import FlatLayout
+from .optim import Optimizer
+
+__all__ = ["gather_state_dict", "check_state_dict", "state_dict_digest", "agree_on_load", "load_state_dict_into"]
+
+_TOP, _OPT = {"params", "optimizer"}, {"steps", "state", "hyper"}
+_PREFIX = re.compile(r"^meshkit\.parallel: rank \d+: ")  # of the optimizer's own message, quoted in ours
+
+
+def gather_state_dict(layouts: Sequence[FlatLayout], shards: dict[str, Any], optimizer: Optimizer,
+                      group: ProcessGroup) -> dict[str, Any]:
+    """Full per-parameter state from every rank's flat shards; collective over ``group``."""
+    params: dict[str, Any] = {}
+    steps: dict[str, int] = {}
+    state: dict[str, dict[str, Any]] = {}
+    for layout in layouts:
+        params.update(layout.split(layout.gather_full(shards[layout.key], group)))
+        for key, flat in sorted(optimizer.state.get(layout.key, {}).items()):
+            for name, value in layout.split(layout.gather_full(flat, group)).items():
+                state.setdefault(name, {})[key] = value.reshape(-1)
+        if layout.key in optimizer.steps:
+            steps.update({name: optimizer.steps[layout.key] for name in layout.names})
+    return {"params": params, "optimizer": {"steps": steps, "state": state, "hyper": optimizer.hyper}}
+
+
+def _keys(what: str, got: Any, expected: set[str], strict: bool, differ: str = "") -> str | None:
+    """What is wrong with the keys of mapping ``got``: not a mapping, or (if strict) missing/extra keys."""
+    if not isinstance(got, Mapping):
+        return f"{what} must be a dict, got {type(got).__name__}"
+    missing, extra = sorted(expected - set(got)), sorted(set(got) - expected)
+    if strict and (missing or extra):
+        differ = differ or f"keys differ from {sorted(expected)}"
+        return f"{what}: {differ}: missing {missing}, unexpected {extra} (strict=True)"
+    return None
+
+
+def _hyper(optimizer: Optimizer, given: Mapping[str, Any]) -> dict[str, Any]:
+    """The optimizer's hyperparameters with the known ones of ``given``, validated by the optimizer."""
+    merged = {**optimizer.hyper, **{k: v for k, v in given.items() if k in optimizer._HYPER}}
+    return optimizer._validated(**merged)
+
+
+def check_state_dict(layouts: Sequence[FlatLayout], sd: Any, optimizer: Optimizer, strict: bool) -> str | None:
+    """What is wrong with state dict ``sd`` for these layouts and this optimizer, or None (local)."""
+    names = {n: (lay, i) for lay in layouts for i, n in enumerate(lay.names)}
+    problem = _keys("the state dict", sd, _TOP, strict)
+    if problem:
+        return problem
+    params = sd.get("params", {})
+    problem = _keys("state_dict['params']", params, set(names), strict, "parameters differ from the model's")
+    if problem:
+        return problem
+    for name, value in params.items():
+        if name in names:
+            lay, i = names[name]
+            if not is_array(value) or value.dtype.kind not in "fciu":
+                return f"state_dict['params'][{name!r}] must be a numeric array, got {type(value).__name__}"
+            if tuple(value.shape) != lay.shapes[i]:
+                return (f"state_dict['params'][{name!r}] has shape {tuple(value.shape)}, expected the model's "
+                        f"{lay.shapes[i]}")
+    if "optimizer" not in sd:
+        return None
+    opt = sd["optimizer"]
+    problem = _keys("state_dict['optimizer']", opt, _OPT, strict)
+    if problem:
+        return problem
+    hyper_given = opt.get("hyper", {})
+    problem = _keys("state_dict['optimizer']['hyper']", hyper_given, set(optimizer._HYPER), strict)
+    if problem:
+        return f"{problem}: a state dict of another optimizer than {type(optimizer).__name__}?"
+    try:
+        hyper = _hyper(optimizer, hyper_given)
+    except (TypeError, ValueError) as exc:
+        return f"state_dict['optimizer']['hyper'] is invalid: {_PREFIX.sub('', str(exc))}"
+    steps, state = opt.get("steps", {}), opt.get("state", {})
+    for what, mapping in (("steps", steps), ("state", state)):
+        if not isinstance(mapping, Mapping):
+            return f"state_dict['optimizer'][{what!r}] must be a dict keyed by parameter name, got {type(mapping).__name__}"
+        extra = sorted(set(mapping) - set(names))
+        if strict and extra:
+            return f"state_dict['optimizer'][{what!r}] has unexpected parameters {extra} (strict=True)"
+    for name, count in steps.items():
+        if name in names and (isinstance(count, (bool, np.bool_)) or not isinstance(count, (int, np.integer))
+                              or count < 0):
+            return f"state_dict['optimizer']['steps'][{name!r}]={count!r} must be an int >= 0"
+    keys = set(optimizer._state_keys(hyper))
+    for name, st in state.items():
+        if name not in names:
+            continue
+        problem = _keys(f"state_dict['optimizer']['state'][{name!r}]", st, keys, strict)
+        if problem:
+            return problem
+        lay, i = names[name]
+        for key, arr in st.items():
+            if key in keys and (not is_array(arr) or arr.dtype.kind != "f" or arr.size != lay.size_of(i)):
+                got = f"{arr.dtype} array of {arr.size} elements" if is_array(arr) else type(arr).__name__
+                return (f"state_dict['optimizer']['state'][{name!r}][{key!r}] must be a floating-point array of "
+                        f"{lay.size_of(i)} elements (the parameter's size), got {got}")
+    if strict:
+        with_state = {n for n, st in state.items() if st} if keys else set(steps)
+        for what, have in (("steps", set(steps)), ("state", with_state)):
+            if have and have != set(names):
+                return (f"state_dict['optimizer'][{what!r}] covers {sorted(have)} but not "
+                        f"{sorted(set(names) - have)} (strict=True: all parameters or none)")
+        if set(steps) != with_state:
+            return (f"state_dict['optimizer'] has step counts for {len(steps)} parameters but state for "
+                    f"{len(with_state)} (strict=True: both or neither)")
+    for lay in layouts:
+        counts = sorted({int(steps[n]) for n in lay.names if n in steps})
+        if len(counts) > 1:
+            return (f"state_dict['optimizer']['steps'] has different counts {counts} for parameters of the flat "
+                    f"shard {lay.key!r} ({list(lay.names)}), which share one count")
+    return None
+
+
+def state_dict_digest(sd: Any, strict: bool) -> str:
+    """A short digest of a state dict's structure and values (CRC32 of each array's bytes)."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(repr(strict).encode())
+
+    def feed(obj: Any) -> None:
+        if isinstance(obj, Mapping):
+            for key in sorted(obj, key=repr):
+                h.update(repr(key).encode())
+                feed(obj[key])
+        elif is_array(obj):
+            host = obj if array_namespace(obj) is np else obj.get()
+            h.update(f"{host.dtype.str}{host.shape}".encode())
+            h.update(zlib.crc32(np.ascontiguousarray(host)).to_bytes(4, "little"))
+        else:
+            h.update(repr(obj).encode())
+
+    feed(sd)
+    return h.hexdigest()
+
+
+def agree_on_load(group: ProcessGroup, who: str, problem: str | None, digest: str | None) -> None:
+    """Raise on every rank of ``group`` if some rank's state dict is invalid or differs (collective)."""
+    everyone: list[Any] = [None] * group.size
+    all_gather_object(everyone, (problem, digest), group=group)
+    if any(p is not None for p, _ in everyone):
+        bad = on_ranks([(group.ranks[i], p) for i, (p, _) in enumerate(everyone)])
+        raise DistValueError(f"{where(who, group)}: nothing was loaded; invalid state dict on {bad}. Fix the state "
+                             "dict; strict=False loads a partial one (what is missing keeps its current value)")
+    digests: dict[str, list[int]] = {}
+    for i, (_, d) in enumerate(everyone):
+        digests.setdefault(d, []).append(group.ranks[i])
+    if len(digests) > 1:
+        groups = ", ".join(f"ranks {ranks} passed one with digest {d}" for d, ranks in digests.items())
+        raise DistValueError(f"{where(who, group)}: nothing was loaded; the state dicts differ across ranks: {groups}; "
+                             "every rank must load the same state dict (the same checkpoint)")
+
+
+def load_state_dict_into(layouts: Sequence[FlatLayout], sd: Mapping[str, Any], shards: dict[str, Any],
+                         optimizer: Optimizer, shard: int, strict: bool) -> None:
+    """Write this rank's shard of a checked full state dict into ``shards`` and the optimizer."""
+    params = sd.get("params", {})
+    for layout in layouts:
+        layout.write_shard(shards[layout.key], shard, params)
+    if "optimizer" not in sd:
+        return
+    opt = sd["optimizer"]
+    hyper = _hyper(optimizer, opt.get("hyper", {}))
+    keys = optimizer._state_keys(hyper)
+    steps, state = opt.get("steps", {}), opt.get("state", {})
+    for layout in layouts:
+        given = {n: state[n] for n in layout.names if state.get(n)}
+        if keys and given:
+            held = optimizer.state.get(layout.key, {})
+            like = shards[layout.key]
+            new = {}
+            for key in keys:
+                arr = held[key].copy() if key in held else array_namespace(like).zeros(layout.shard_size, like.dtype)
+                layout.write_shard(arr, shard, {n: st[key] for n, st in given.items() if key in st})
+                new[key] = arr
+            optimizer.state[layout.key] = new
+        elif strict:
+            optimizer.state.pop(layout.key, None)
+        counts = {int(steps[n]) for n in layout.names if n in steps}
+        if counts:
+            optimizer.steps[layout.key] = counts.pop()
+        elif strict:
+            optimizer.steps.pop(layout.key, None)
+    for key, value in hyper.items():
+        setattr(optimizer, key, value)

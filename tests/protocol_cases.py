@@ -1,0 +1,420 @@
+"""Per-rank cases of the manual gradient protocol and of state-dict loading (issue 12).
+
+Each case runs on every rank (local engine or real processes, any world size >= 2) and asserts
+that misuse ends in the right result or in an error raised on *every* rank, naming the rank,
+the object and what to do. ``CROSS_RANK`` are the cases where ranks do different things.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import numpy as np
+import pytest
+
+import meshkit
+from meshkit.parallel import (SGD, AdamW, DistributedDataParallel, FullyShardedDataParallel,
+                              ZeroRedundancyOptimizer)
+
+RANKED = r"meshkit\.parallel: rank \d+: "  # every parallel error starts so
+
+
+def params() -> dict[str, np.ndarray]:
+    """Three float64 parameters; tiny caps below put each in a bucket of its own."""
+    return {"a": np.zeros(2), "b": np.zeros(3), "c": np.zeros(4)}
+
+
+CAPS = {"bucket_cap_mb": 1e-6, "first_bucket_cap_mb": 1e-6}
+
+
+def grad(name: str, rank: int) -> np.ndarray:
+    """Rank r's gradient of ``name``: r + 1 everywhere, so the average over n ranks is (n + 1) / 2."""
+    return np.full(params()[name].shape, rank + 1.0)
+
+
+def make(kind: str, p=None, **kw):
+    p = params() if p is None else p
+    if kind == "ddp":
+        return DistributedDataParallel(p, **CAPS, **kw)
+    if kind == "ddp-copies":
+        return DistributedDataParallel(p, gradient_as_bucket_view=False, **CAPS, **kw)
+    return ZeroRedundancyOptimizer(p, SGD(lr=1.0), stage=int(kind[-1]), **CAPS, **kw)
+
+
+KINDS = ["ddp", "ddp-copies", "zero1", "zero2"]
+
+
+def expected(n: int) -> float:
+    return (n + 1) / 2
+
+
+def grads_of(model) -> dict[str, np.ndarray]:
+    """Averaged gradients: DDP's ``grads``; ZeRO's from a step of SGD(lr=1) on zero parameters."""
+    if isinstance(model, DistributedDataParallel):
+        return {k: v.copy() for k, v in model.grads.items()}
+    before = {k: v.copy() for k, v in model.params.items()}
+    model.step()
+    return {k: before[k] - v for k, v in model.params.items()}
+
+
+def raises_everywhere(match: str, exc=ValueError):
+    """``pytest.raises`` that also checks the message names this rank first."""
+    return pytest.raises(exc, match=f"^{RANKED}(?s:.*){match}")
+
+
+# ---------------------------------------------------------------------------- 1: reading early
+
+def read_before_finish_completes_the_sync(kind: str) -> None:
+    """Every gradient marked, no finish_gradient_sync(): reading them (DDP's grads, ZeRO's step)
+    finishes the sync, so the result is the average, not a half-reduced mix."""
+    rank, n = meshkit.get_rank(), meshkit.get_world_size()
+    model = make(kind)
+    model.zero_grad()
+    for name in reversed(list(params())):
+        model.mark_grad_ready(name, grad(name, rank))
+    got = grads_of(model)
+    for name, g in got.items():
+        np.testing.assert_array_equal(g, np.full(g.shape, expected(n)), err_msg=f"{kind} {name}")
+    assert model.iteration == 1
+
+
+def read_in_incomplete_pass_raises(kind: str) -> None:
+    """Some gradients marked, others not, no finish: using the gradients raises, naming the gradient,
+    the unmarked ones and finish_gradient_sync(); then finishing the pass gives the averages."""
+    rank, n = meshkit.get_rank(), meshkit.get_world_size()
+    model = make(kind)
+    model.zero_grad()
+    model.grads["c"][...] = grad("c", rank)  # writing before marking works
+    model.mark_grad_ready("c")
+    model.mark_grad_ready("b", grad("b", rank))
+    if kind.startswith("ddp"):
+        with raises_everywhere(r"grads: gradient 'c' is being reduced .*gradients \['a'\] are not marked ready; "
+                               r"mark them and call finish_gradient_sync\(\)"):
+            model.grads["c"]
+        with raises_everywhere(r"grads: gradient 'b' was already marked ready and is being reduced; assign it "
+                               r"before mark_grad_ready\(\)"):
+            model.grads["b"] = np.zeros(3)
+    else:
+        with raises_everywhere(r"step: gradients are being reduced .*gradients \['a'\] are not marked ready"):
+            model.step()
+        with raises_everywhere(r"grad_shards: gradients are being reduced"):
+            model.grad_shards()
+    with raises_everywhere(r"zero_grad: gradients \['c', 'b'\] were marked ready in a pass that was not finished"):
+        model.zero_grad()
+    model.grads["a"][...] = grad("a", rank)  # unmarked: still writable
+    model.mark_grad_ready("a")
+    model.finish_gradient_sync()
+    for name, g in grads_of(model).items():
+        np.testing.assert_array_equal(g, np.full(g.shape, expected(n)), err_msg=f"{kind} {name}")
+
+
+def zero_step_refuses_unsynchronized_gradients(stage: int) -> None:
+    """ZeRO's step() uses only averaged gradients: not after no_sync() passes alone, not inside
+    no_sync(), not after zero_grad() without a synchronized pass."""
+    rank = meshkit.get_rank()
+    zero = make(f"zero{stage}")
+    with raises_everywhere(r"step: no synchronized gradient pass since zero_grad\(\) \(or construction\)"):
+        zero.step()
+    with zero.no_sync():
+        for name in params():
+            zero.mark_grad_ready(name, grad(name, rank))
+        with raises_everywhere(r"step: gradients marked ready inside no_sync\(\) are local sums, not averages"):
+            zero.step()
+        zero.finish_gradient_sync()
+    with raises_everywhere(r"step: gradients \['a', 'b', 'c'\] were accumulated under no_sync\(\) but never "
+                           r"synchronized"):
+        zero.step()
+    zero.zero_grad()
+    with raises_everywhere(r"step: no synchronized gradient pass since zero_grad\(\)"):
+        zero.step()
+
+
+def zero2_grads_of_a_launched_bucket_are_guarded() -> None:
+    rank = meshkit.get_rank()
+    zero = make("zero2")
+    zero.mark_grad_ready("c", grad("c", rank))  # its own bucket: launched, reduced to its owner
+    with raises_everywhere(r"grads: gradient 'c' is being reduced"):
+        zero.grads["c"]
+    zero.sync_gradients()
+
+
+# ---------------------------------------------------------------------------- 2: the params dict
+
+def owns_its_parameters(kind: str) -> None:
+    """Deleting or reshaping an entry of the caller's dict after wrapping changes nothing that is
+    reduced; the strategy's own params refuse changes with a clear error."""
+    rank, n = meshkit.get_rank(), meshkit.get_world_size()
+    p = params()
+    model = make(kind, p)
+    del p["a"]
+    p["b"].shape = (3, 1)  # in place: the array is shared with the strategy's
+    with raises_everywhere(r"mark_grad_ready: gradient 'b' has shape \(3, 1\) and dtype float64; expected the "
+                           r"parameter's shape \(3,\)"):
+        model.mark_grad_ready("b", np.ones((3, 1)))
+    p["b"].shape = (3,)
+    for name in ("c", "b", "a"):
+        model.mark_grad_ready(name, grad(name, rank))
+    model.finish_gradient_sync()
+    for name, g in grads_of(model).items():
+        np.testing.assert_array_equal(g, np.full(g.shape, expected(n)), err_msg=f"{kind} {name}")
+    with raises_everywhere(r"params is read-only, so params\['a'\] cannot be replaced or removed: update the "
+                           r"arrays in place", TypeError):
+        model.params["a"] = np.ones(2)
+    with raises_everywhere(r"params\['c'\] cannot be replaced or removed", TypeError):
+        del model.params["c"]
+    assert list(model.params) == ["a", "b", "c"]
+
+
+# ---------------------------------------------------------------------------- 3: one rank fails
+
+def one_rank_fails_the_sync(kind: str) -> None:
+    """The last rank forgets a gradient: finish_gradient_sync() raises on every rank, naming that rank
+    and the gradient, within seconds; the gradients cannot be used; after zero_grad() the next pass is
+    correct (the ranks' collectives stayed aligned)."""
+    rank, n = meshkit.get_rank(), meshkit.get_world_size()
+    last = meshkit.get_world_size() - 1
+    model = make(kind)
+    model.zero_grad()
+    for name in ("c", "b", "a"):
+        if not (rank == last and name == "b"):
+            model.mark_grad_ready(name, grad(name, rank))
+    start = time.perf_counter()
+    with raises_everywhere(rf"finish_gradient_sync: the gradient sync failed on rank\(s\) \[{last}\]: rank {last}: "
+                           r"gradients \['b'\] were not marked ready in this backward pass.*discarded \(zeroed\) on "
+                           r"every rank; run the backward pass again"):
+        model.finish_gradient_sync()
+    assert time.perf_counter() - start < 10
+    if kind.startswith("ddp"):
+        with raises_everywhere(rf"grads: the gradient sync failed on rank\(s\) \[{last}\].*call zero_grad\(\) and "
+                               r"run the backward pass again"):
+            model.grads["a"]
+    else:
+        with raises_everywhere(rf"step: the gradient sync failed on rank\(s\) \[{last}\]"):
+            model.step()
+    model.zero_grad()
+    for name in ("c", "b", "a"):
+        model.mark_grad_ready(name, grad(name, rank))
+    model.finish_gradient_sync()
+    for name, g in grads_of(model).items():
+        np.testing.assert_array_equal(g, np.full(g.shape, expected(n)), err_msg=f"{kind} {name}")
+
+
+def one_rank_catches_and_carries_on(kind: str) -> None:
+    """The reported case: one rank catches the 'not marked ready' error and goes on without
+    zero_grad(). Every rank raised, the failed pass's gradients were zeroed on every rank, so the
+    next pass (again without zero_grad) averages only its own gradients."""
+    rank, n = meshkit.get_rank(), meshkit.get_world_size()
+    model = make(kind)
+    for step in range(2):
+        for name in ("c", "b", "a"):
+            if not (step == 0 and rank == 0 and name == "a"):
+                model.mark_grad_ready(name, grad(name, rank))
+        with pytest.raises(ValueError, match=r"failed on rank\(s\) \[0\]") if step == 0 else contextlib.nullcontext():
+            model.finish_gradient_sync()
+    for name, g in grads_of(model).items():
+        np.testing.assert_array_equal(g, np.full(g.shape, expected(n)), err_msg=f"{kind} {name}")
+
+
+# ---------------------------------------------------------------------------- 4: state dicts
+
+def fsdp(p=None, opt=None):
+    mesh = meshkit.init_device_mesh("cpu", (meshkit.get_world_size(),))
+    return FullyShardedDataParallel(params() if p is None else p, mesh=mesh, optimizer=opt or AdamW(lr=0.1),
+                                    units=[["a", "b"], ["c"]])
+
+
+def sharded(kind: str, opt=None):
+    if kind == "fsdp":
+        return fsdp(opt=opt)
+    return ZeroRedundancyOptimizer(params(), opt or AdamW(lr=0.1), stage=int(kind[-1]), **CAPS)
+
+
+def trained(kind: str):
+    """A sharded strategy after one AdamW step with known gradients."""
+    rank = meshkit.get_rank()
+    model = sharded(kind)
+    if kind == "fsdp":
+        for u, names in enumerate([["a", "b"], ["c"]]):
+            with model.unshard(u):
+                pass
+            model.reduce_grads(u, {name: grad(name, rank) for name in names})
+    else:
+        for name in params():
+            model.mark_grad_ready(name, grad(name, rank))
+        model.finish_gradient_sync()
+    model.step()
+    return model
+
+
+def _copy(sd, *path):
+    """A copy of ``sd`` whose dicts along ``path`` are new (the arrays are shared); the last one."""
+    sd = dict(sd)
+    target = sd
+    for key in path:
+        target[key] = dict(target[key])
+        target = target[key]
+    return sd, target
+
+
+def _without(sd, *path):
+    sd, target = _copy(sd, *path[:-1])
+    del target[path[-1]]
+    return sd
+
+
+def _with(sd, value, *path):
+    sd, target = _copy(sd, *path[:-1])
+    target[path[-1]] = value
+    return sd
+
+
+def state_dict_loading_is_strict(kind: str) -> None:
+    """Missing or extra optimizer state, unknown keys, bad hyperparameters, wrong sizes: an error on
+    every rank naming the key, the rank, expected and got; nothing is loaded."""
+    model = trained(kind)
+    sd = model.full_state_dict()
+    before = model.full_state_dict()
+    who = r"load_full_state_dict: nothing was loaded; invalid state dict on ranks \[[\d, ]+\]: "
+    cases = [
+        (_without(sd, "optimizer"), r"the state dict: keys differ from \['optimizer', 'params'\]: missing "
+                                    r"\['optimizer'\], unexpected \[\] \(strict=True\)"),
+        (_without(sd, "optimizer", "state", "b"), r"state_dict\['optimizer'\]\['state'\] covers \['a', 'c'\] but not "
+                                                  r"\['b'\] \(strict=True: all parameters or none\)"),
+        (_without(sd, "optimizer", "steps", "a"), r"state_dict\['optimizer'\]\['steps'\] covers \['b', 'c'\] but not "
+                                                  r"\['a'\]"),
+        (_with(sd, -5.0, "optimizer", "hyper", "lr"), r"state_dict\['optimizer'\]\['hyper'\] is invalid: AdamW: "
+                                                      r"lr=-5\.0 must be >= 0"),
+        (_with(sd, "fast", "optimizer", "hyper", "lr"), r"hyper'\] is invalid: AdamW: lr must be a real number, got "
+                                                        r"str 'fast'"),
+        (_with(sd, 1, "optimizer", "hyper", "warmup"), r"state_dict\['optimizer'\]\['hyper'\]: keys differ from "
+                                                       r"\['amsgrad', .*unexpected \['warmup'\] \(strict=True\): a state "
+                                                       r"dict of another optimizer than AdamW\?"),
+        (_with(sd, SGD(lr=0.1).hyper, "optimizer", "hyper"), r"hyper'\]: keys differ from .*missing \['amsgrad', "
+                                                             r"'betas', 'eps'\], unexpected \['dampening', 'momentum', "
+                                                             r"'nesterov'\]"),
+        (_with(sd, {}, "unused"), r"the state dict: keys differ .*unexpected \['unused'\]"),
+        (_with(sd, np.zeros(5), "params", "b"), r"state_dict\['params'\]\['b'\] has shape \(5,\), expected the "
+                                                r"model's \(3,\)"),
+        (_with(sd, {"exp_avg": np.zeros(3), "exp_avg_sq": np.zeros(7)}, "optimizer", "state", "b"),
+         r"state_dict\['optimizer'\]\['state'\]\['b'\]\['exp_avg_sq'\] must be a floating-point array of 3 elements "
+         r"\(the parameter's size\), got float64 array of 7 elements"),
+        (_with(sd, {"exp_avg": np.zeros(3)}, "optimizer", "state", "b"),
+         r"state'\]\['b'\]: keys differ from \['exp_avg', 'exp_avg_sq'\]: missing \['exp_avg_sq'\]"),
+        (_with(sd, 2, "optimizer", "steps", "b"), r"steps'\] has different counts \[1, 2\] for parameters of the flat "
+                                                  r"shard"),
+        (_with(sd, -1, "optimizer", "steps", "b"), r"steps'\]\['b'\]=-1 must be an int >= 0"),
+        ([1, 2], r"the state dict must be a dict, got list"),
+    ]
+    if kind == "fsdp":  # "a" and "b" share a unit: the case above needs them apart
+        cases = [c for c in cases if "different counts" not in c[1]]
+    for bad, match in cases:
+        with raises_everywhere(who + r".*" + match):
+            model.load_full_state_dict(bad)
+    after = model.full_state_dict()
+    for name in before["params"]:
+        np.testing.assert_array_equal(after["params"][name], before["params"][name])
+        for key, value in before["optimizer"]["state"][name].items():
+            np.testing.assert_array_equal(after["optimizer"]["state"][name][key], value)
+    assert after["optimizer"]["hyper"] == before["optimizer"]["hyper"]
+    model.load_full_state_dict(sd)  # the complete state dict loads
+
+
+def state_dict_strict_false_keeps_what_is_missing(kind: str) -> None:
+    """strict=False: missing entries keep their current values, unknown ones are ignored."""
+    model = trained(kind)
+    sd = model.full_state_dict()
+    moments = sd["optimizer"]["state"]
+    new_params = {name: np.full(p.shape, 7.0) for name, p in params().items()}
+    model.load_full_state_dict({"params": new_params, "extra": 1}, strict=False)  # params only
+    after = model.full_state_dict()
+    for name in params():
+        np.testing.assert_array_equal(after["params"][name], new_params[name])
+        for key, value in moments[name].items():
+            np.testing.assert_array_equal(after["optimizer"]["state"][name][key], value)  # moments kept
+    assert after["optimizer"]["steps"] == sd["optimizer"]["steps"]
+    partial = {"params": {}, "optimizer": {"state": {"c": {"exp_avg": np.full(4, 3.0), "exp_avg_sq": np.ones(4)}},
+                                           "hyper": {"lr": 0.5}}}
+    model.load_full_state_dict(partial, strict=False)
+    after = model.full_state_dict()
+    np.testing.assert_array_equal(after["optimizer"]["state"]["c"]["exp_avg"], np.full(4, 3.0))
+    np.testing.assert_array_equal(after["optimizer"]["state"]["a"]["exp_avg"], moments["a"]["exp_avg"])
+    assert after["optimizer"]["hyper"]["lr"] == 0.5 and model.optimizer.betas == (0.9, 0.999)
+    with raises_everywhere(r"hyper'\] is invalid: AdamW: lr=-5\.0 must be >= 0"):  # values are still checked
+        model.load_full_state_dict({"optimizer": {"hyper": {"lr": -5.0}}}, strict=False)
+
+
+def state_dicts_differing_across_ranks_are_refused(kind: str) -> None:
+    """Each rank loads a state dict of its own (e.g. two checkpoint files): every rank raises and
+    nothing is loaded, instead of mixing shards of both."""
+    rank = meshkit.get_rank()
+    model = trained(kind)
+    sd = model.full_state_dict()
+    before = model.full_state_dict()
+    mine = _with(sd, sd["params"]["c"] + (1.0 if rank == 1 else 0.0), "params", "c")
+    with raises_everywhere(r"load_full_state_dict: nothing was loaded; the state dicts differ across ranks: ranks "
+                           r"\[0(, [2-9])*\] passed one with digest [0-9a-f]+, ranks \[1\] passed one with digest "
+                           r"[0-9a-f]+; every rank must load the same state dict"):
+        model.load_full_state_dict(mine)
+    after = model.full_state_dict()
+    for name in params():
+        np.testing.assert_array_equal(after["params"][name], before["params"][name])
+
+
+# ---------------------------------------------------------------------------- 5: construction
+
+def different_order_across_ranks_raises(kind: str) -> None:
+    rank = meshkit.get_rank()
+    p = params()
+    if rank == 1:
+        p = {"b": p["b"], "a": p["a"], "c": p["c"]}
+    with raises_everywhere(r"parameters are in a different order on rank 0 and rank 1: position 0 holds 'a' on rank "
+                           r"0 and 'b' on rank 1 \(rank 0: \['a', 'b', 'c'\], rank 1: \['b', 'a', 'c'\]\); every "
+                           r"rank must pass the same names, shapes and dtypes in the same order"):
+        fsdp(p) if kind == "fsdp" else make(kind, p)
+
+
+def bad_argument_on_one_rank_raises_everywhere(kind: str) -> None:
+    """One rank's bad parameter fails every rank at once (no rank waits in a collective)."""
+    rank = meshkit.get_rank()
+    p = params()
+    if rank == 1:
+        p["b"] = np.zeros(3, np.int64)
+    start = time.perf_counter()
+    with raises_everywhere(r"invalid arguments on rank 1: params\['b'\] has dtype int64; parameters must be "
+                           r"floating-point or complex"):
+        fsdp(p) if kind == "fsdp" else make(kind, p)
+    assert time.perf_counter() - start < 10
+
+
+def settings_differing_across_ranks_raise() -> None:
+    rank = meshkit.get_rank()
+    with raises_everywhere(r"DistributedDataParallel: settings differ between rank 0 \(\{'bucket_cap_mb': 1e-06\}\) "
+                           r"and rank 1 \(\{'bucket_cap_mb': 2e-06\}\)"):
+        DistributedDataParallel(params(), bucket_cap_mb=1e-6 * (1 + (rank == 1)), first_bucket_cap_mb=1e-6)
+    with raises_everywhere(r"ZeroRedundancyOptimizer: settings differ between rank 0 \(\{'optimizer': 'SGD\(lr=1\.0"):
+        ZeroRedundancyOptimizer(params(), SGD(lr=1.0 + (rank == 1)), **CAPS)
+    mesh = meshkit.init_device_mesh("cpu", (meshkit.get_world_size(),))
+    units = [["a", "b"], ["c"]] if rank != 1 else [["a"], ["b", "c"]]
+    with raises_everywhere(r"FullyShardedDataParallel: settings differ between rank 0 \(\{'units': \[\['a', 'b'\], "
+                           r"\['c'\]\]\}\) and rank 1 \(\{'units': \[\['a'\], \['b', 'c'\]\]\}\)"):
+        FullyShardedDataParallel(params(), mesh=mesh, optimizer=SGD(lr=1.0), units=units)
+
+
+CROSS_RANK = [
+    *(lambda kind=kind: one_rank_fails_the_sync(kind) for kind in KINDS),
+    *(lambda kind=kind: one_rank_catches_and_carries_on(kind) for kind in KINDS),
+    *(lambda kind=kind: state_dicts_differing_across_ranks_are_refused(kind) for kind in ("zero1", "zero2", "fsdp")),
+    *(lambda kind=kind: different_order_across_ranks_raises(kind) for kind in ("ddp", "zero1", "fsdp")),
+    *(lambda kind=kind: bad_argument_on_one_rank_raises_everywhere(kind) for kind in ("ddp", "zero2", "fsdp")),
+    settings_differing_across_ranks_raise,
+    *(lambda kind=kind: read_before_finish_completes_the_sync(kind) for kind in KINDS),
+]
+
+
+def run_cross_rank_cases() -> int:
+    """Every cross-rank case, in order; returns how many ran."""
+    for case in CROSS_RANK:
+        case()
+    return len(CROSS_RANK)
+
