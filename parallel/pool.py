@@ -10,12 +10,21 @@ the oldest launched holder's reduction first. Buckets that were not launched (in
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .buckets import Bucket
+from typing import Any, Protocol
 
 __all__ = ["BufferPool"]
+
+
+class Bucket(Protocol):
+    """What the pool uses of a bucket (buckets.Bucket; declared here so that the two modules do
+    not import each other)."""
+
+    size: int
+    dtype: Any
+    buffer: Any
+    launched: bool
+
+    def wait(self) -> None: ...
 
 
 class BufferPool:
