@@ -171,3 +171,34 @@ def test_import_meshkit_does_not_initialize_mpi():
     code = "import sys, meshkit; print('mpi4py.MPI' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+def test_one_ddp_all_reduce_reaches_the_engine_in_five_calls():
+    """mark_grad_ready -> Bucket.launch -> allreduce_hook -> ProcessGroup.all_reduce -> engine.all_reduce."""
+    import inspect
+
+    import numpy as np
+
+    import meshkit
+    from meshkit.comm import local
+
+    def body():
+        ddp = meshkit.parallel.DistributedDataParallel({"w": np.ones(4)})
+        engine = meshkit.comm.current_world().default_group.engine
+        seen = []
+        real = engine.all_reduce
+
+        def spy(buf, op):
+            seen.append([f.function for f in inspect.stack()[:8]])
+            return real(buf, op)
+
+        engine.all_reduce = spy
+        ddp.zero_grad()
+        ddp.mark_grad_ready("w", np.ones(4))
+        ddp.finish_gradient_sync()
+        return seen
+
+    stacks = local.run(body, 1)[0]
+    path = next(s for s in stacks if "mark_grad_ready" in s)  # not the per-sync agreement's all_reduce
+    chain = path[:path.index("mark_grad_ready") + 1][::-1]
+    assert chain == ["mark_grad_ready", "launch", "allreduce_hook", "all_reduce", "spy"], chain
