@@ -75,6 +75,9 @@ class ProcessGroup:
         self._group_rank_of = {g: i for i, g in enumerate(self.ranks)}
         # Decided once: in detail mode every call is fingerprinted, otherwise nothing is built.
         self._detail = world.debug >= DebugLevel.DETAIL
+        # Detail mode: point-to-point messages carry a header, where the engine does not already
+        # report the sender's dtype (MPI moves bytes; the local engine hands over the array).
+        self._headers = self._detail and engine is not None and not getattr(engine, "reports_dtype", False)
         # Engines without a native average sum, and the group divides once (as NCCL's AVG does).
         self._divides = engine is not None and not engine.native_avg
         self._tracks = engine is not None and getattr(engine, "needs_progress", False)
@@ -388,6 +391,10 @@ class ProcessGroup:
         self._check_tag("isend", tag)
         what = f"send to rank {self.ranks[dst]} tag {tag}"
         record = self._flight_entry(-1, self.name, "send", (tensor.shape,), tensor.dtype, "started")
+        if self._headers:  # the message carries its dtype and size, checked by the receiver
+            staged = _with_header(tensor)
+            # The Work's epilogue refers to ``staged``: it stays alive until the send completed.
+            return self._p2p_work(what, self.engine.send(staged, dst, tag), record, dst, lambda: staged.dtype and None)
         request = self.engine.send(tensor, dst, tag)
         return self._p2p_work(what, request, record, dst, None)
 
@@ -405,12 +412,16 @@ class ProcessGroup:
         self._check_tag("irecv", tag)
         peer = "any rank" if src is None else f"rank {self.ranks[src]}"
         record = self._flight_entry(-1, self.name, "recv", (tensor.shape,), tensor.dtype, "started")
-        request = self.engine.recv(tensor, src, tag)
-
+        staged = np.empty(_HEADER + tensor.nbytes, np.uint8) if self._headers else None
+        request = self.engine.recv(tensor if staged is None else staged, src, tag)
 
         def settle() -> int:
             count, source = request.count, request.source
             dtype = getattr(request, "dtype", None)  # engines that know the sender's dtype check it
+            if staged is not None:
+                dtype, count = _read_header(staged, count)
+                if dtype == tensor.dtype and count == tensor.size:
+                    tensor.reshape(-1).view(np.uint8)[...] = staged[_HEADER:]
             if dtype is not None and dtype != tensor.dtype:
                 raise DistTypeError(f"{where(self, 'recv')}: recv buffer has dtype {tensor.dtype} but the message "
                                     f"from group rank {source} has dtype {dtype}; receive into a buffer of the "
@@ -678,6 +689,26 @@ class _P2PWork(RequestWork):
     @property
     def _what(self) -> str:
         return self._op
+
+
+#: Bytes before a point-to-point message's data in detail mode: its dtype (numpy's ``dtype.str``,
+#: padded) and its element count, so that the receiver checks both (MPI carries neither).
+_HEADER = 24
+
+
+def _with_header(tensor: np.ndarray) -> np.ndarray:
+    staged = np.empty(_HEADER + tensor.nbytes, np.uint8)
+    staged[:16] = np.frombuffer(tensor.dtype.str.encode().ljust(16), np.uint8)
+    staged[16:24] = np.array([tensor.size], np.int64).view(np.uint8)
+    staged[_HEADER:] = tensor.reshape(-1).view(np.uint8)
+    return staged
+
+
+def _read_header(staged: np.ndarray, count: Any) -> tuple[np.dtype | None, Any]:
+    """``(dtype, elements)`` a detail-mode message announced; its count as received if it did not fit."""
+    if not isinstance(count, int) or count < _HEADER:
+        return None, -1 if count == -1 else count
+    return np.dtype(bytes(staged[:16]).decode().strip()), int(staged[16:24].view(np.int64)[0])
 
 
 def _divide(buf: np.ndarray, n: int) -> None:

@@ -187,6 +187,7 @@ class LocalEngine:
     backend = "local"
     native_avg = False
     needs_progress = False  # a rendezvous completes as the others deposit: nothing to drive
+    reports_dtype = True  # a receive knows the sent array's dtype
     max_tag = 2**20
 
     def __init__(self, hub: Hub, generation: int, ranks: tuple[int, ...], rank: int) -> None:

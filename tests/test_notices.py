@@ -194,6 +194,13 @@ def test_real_processes_receives_of_the_wrong_size_and_sends_to_oneself(mpirun):
     assert out.count("a blocking send to this rank itself") == 2, out
 
 
+def test_real_processes_detail_mode_checks_the_dtype_of_a_message(mpirun):
+    out = mpirun("mpi_notices.py", 2, "recv-dtype", env={"MESHKIT_DEBUG": "detail"}, timeout=60).stdout
+    assert "REPORT 1 DistTypeError" in out and "recv buffer has dtype float64 but the message from group rank 0 " \
+           "has dtype int64" in out, out
+    assert "REPORT 1 ok" in out and "RECEIVED 1 [0.0, 1.0, 2.0]" in out, out
+
+
 def test_an_uncaught_exception_under_plain_mpiexec_ends_the_job():
     mpiexec = Path(sys.executable).parent / "mpiexec"
     start = time.monotonic()

@@ -54,6 +54,15 @@ elif case == "recv-size":
         print(f"UNTOUCHED {rank} {big.tolist()}", flush=True)
         report(lambda: meshkit.recv(np.zeros(3), src=0))   # float32 into float64: 12 bytes, not 24
     report(lambda: meshkit.send(np.ones(1), dst=rank))      # to itself
+elif case == "recv-dtype":  # run with MESHKIT_DEBUG=detail: the same bytes, another dtype
+    if rank == 0:
+        meshkit.send(np.arange(3, dtype=np.int64), dst=1)
+        meshkit.send(np.arange(3, dtype=np.float64), dst=1)
+    elif rank == 1:
+        report(lambda: meshkit.recv(np.zeros(3), src=0))
+        y = np.zeros(3)
+        report(lambda: meshkit.recv(y, src=0))
+        print(f"RECEIVED {rank} {y.tolist()}", flush=True)
 elif case == "uncaught":
     if rank == 1:
         time.sleep(0.3)
