@@ -22,7 +22,7 @@ def launch(script: str, n: int, *args: str, timeout: float = 120, env: dict[str,
            check: bool = True) -> subprocess.CompletedProcess:
     """``meshkit-run -n N tests/scripts/SCRIPT ARGS``; output captured; asserts exit 0 if ``check``."""
     full_env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), **(env or {})}
-    cmd = [sys.executable, "-m", "meshkit.comm.launch", "-n", str(n), "--timeout", str(int(timeout)),
+    cmd = [sys.executable, "-m", "meshkit.launch", "-n", str(n), "--timeout", str(int(timeout)),
            str(SCRIPTS / script), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 30, env=full_env)
     if check and proc.returncode != 0:

@@ -166,7 +166,7 @@ def test_parameters_start_from_broadcast_from():
 def test_example_check_passes_under_meshkit_run(mpirun, tmp_path):
     script = Path(__file__).parents[1] / "examples" / "train_mlp.py"
     import subprocess
-    proc = subprocess.run([sys.executable, "-m", "meshkit.comm.launch", "-n", "2", "--timeout", "120", str(script),
+    proc = subprocess.run([sys.executable, "-m", "meshkit.launch", "-n", "2", "--timeout", "120", str(script),
                            "--steps", "40", "--check"], capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "check against single-process training: OK" in proc.stdout
@@ -175,7 +175,7 @@ def test_example_check_passes_under_meshkit_run(mpirun, tmp_path):
 def test_readme_tour_runs_on_four_ranks(mpirun):
     import subprocess
     script = Path(__file__).parents[1] / "examples" / "tour.py"
-    proc = subprocess.run([sys.executable, "-m", "meshkit.comm.launch", "-n", "4", "--timeout", "120", str(script)],
+    proc = subprocess.run([sys.executable, "-m", "meshkit.launch", "-n", "4", "--timeout", "120", str(script)],
                           capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("tour OK") == 4

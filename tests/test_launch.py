@@ -1,11 +1,12 @@
-"""Tests of ``meshkit-run`` (meshkit.comm.launch): real jobs under mpiexec, plus its parsing.
+"""Tests of ``meshkit-run`` (meshkit.launch): real jobs under mpiexec, plus its parsing.
 
-Each job runs ``python -m meshkit.comm.launch ...`` from a temporary directory with one of the
+Each job runs ``python -m meshkit.launch ...`` from a temporary directory with one of the
 rank scripts in ``tests/scripts/launch_*.py``, which use mpi4py directly.
 """
 
 from __future__ import annotations
 
+import ast
 import io
 import os
 import re
@@ -17,10 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from meshkit.comm import bootstrap, launch
+from meshkit import launch
+from meshkit.launch import bootstrap, cli
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
-LAUNCHER = [sys.executable, "-m", "meshkit.comm.launch"]
+LAUNCHER = [sys.executable, "-m", "meshkit.launch"]
 
 
 def _have_mpiexec() -> bool:
@@ -216,6 +218,16 @@ def test_bad_command_line_exits_non_zero_from_the_command(tmp_path: Path) -> Non
     assert "meshkit-run: error: argument -n/--nproc: expected an integer >= 1" in result.stderr
 
 
+def test_console_script_runs_the_launcher() -> None:
+    script = Path(sys.executable).parent / "meshkit-run"
+    if not script.exists():
+        pytest.skip("meshkit-run is not installed next to this Python")
+    result = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=30)
+
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: meshkit-run -n N")
+
+
 def test_help_hides_the_rank_entry_point() -> None:
     result = subprocess.run([*LAUNCHER, "--help"], capture_output=True, text=True, timeout=30)
 
@@ -238,7 +250,7 @@ def test_help_hides_the_rank_entry_point() -> None:
 def test_split_argv_stops_at_the_script(
     argv: list[str], options: list[str], target: list[str]
 ) -> None:
-    assert launch._split_argv(argv) == (options, target)
+    assert cli._split_argv(argv) == (options, target)
 
 
 # --- pieces ----------------------------------------------------------------------------------
@@ -313,3 +325,49 @@ def test_thread_limits_respect_the_users_settings() -> None:
     assert launch.thread_limits(4, {"OMP_NUM_THREADS": "3"}) == {
         "OPENBLAS_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // 4)),
         "MKL_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // 4))}
+
+
+# --- layering --------------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _imports(path: Path) -> set[str]:
+    """Modules ``path`` imports, relative ones resolved within the meshkit package."""
+    package = ["meshkit", *path.parent.relative_to(ROOT).parts]
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            names.add(module)
+            names.update(f"{module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_launcher_and_comm_do_not_import_each_other() -> None:
+    for path in sorted((ROOT / "launch").glob("*.py")):
+        assert not any(name.startswith("meshkit.comm") or name.startswith("mpi4py") for name in _imports(path)), path
+    for path in sorted((ROOT / "comm").rglob("*.py")):
+        assert not any(name.startswith("meshkit.launch") for name in _imports(path)), path
+
+
+def test_bootstrap_imports_only_the_standard_library() -> None:
+    # It runs by path, before the user's script: nothing of meshkit, NumPy or MPI.
+    tree = ast.parse((ROOT / "launch" / "bootstrap.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            assert node.level == 0, "relative import in the bootstrap"
+            assert node.module.split(".")[0] in sys.stdlib_module_names or node.module == "__future__"
+        elif isinstance(node, ast.Import):
+            assert all(alias.name.split(".")[0] in sys.stdlib_module_names for alias in node.names)
+
+
+def test_importing_the_launcher_does_not_initialize_mpi() -> None:
+    code = ("import sys, meshkit.launch\n"
+            "mpi = sys.modules.get('mpi4py.MPI')\n"
+            "print(mpi is None or not mpi.Is_initialized())")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == "True", result.stderr

@@ -1,6 +1,6 @@
 """The rank side of ``meshkit-run``: what each rank runs before and around the user's script.
 
-``meshkit-run`` starts every rank as ``python .../meshkit/comm/bootstrap.py SCRIPT ARGS...``
+``meshkit-run`` starts every rank as ``python .../meshkit/launch/bootstrap.py SCRIPT ARGS...``
 (or ``-m MODULE``): by path, and importing only the standard library, so that the user's
 script is the first to import NumPy and can configure it. The bootstrap
 

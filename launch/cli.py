@@ -4,16 +4,16 @@ Usage::
 
     meshkit-run -n 4 train.py --lr 0.1          # a script, like `python train.py`
     meshkit-run -n 4 -m mypkg.train --lr 0.1    # a module, like `python -m mypkg.train`
-    python -m meshkit.comm.launch -n 4 train.py  # the same without the console script
+    python -m meshkit.launch -n 4 train.py       # the same without the console script
 
 The launcher finds ``mpiexec`` (``$MESHKIT_MPIEXEC``, else the one next to ``sys.executable``
 that the ``mpich`` wheel installs, else ``PATH``) and runs it as a child in its own session.
-Every rank runs :mod:`meshkit.comm.bootstrap` (by path, so nothing of meshkit or NumPy is
+Every rank runs :mod:`meshkit.launch.bootstrap` (by path, so nothing of meshkit or NumPy is
 imported before the script), which prefixes its output with ``[rank{r}]: `` and turns an
 uncaught exception into the end of the whole job. Unless already set, ``OMP_NUM_THREADS``,
 ``OPENBLAS_NUM_THREADS`` and ``MKL_NUM_THREADS`` are set to the cores divided among the ranks,
 and an MPICH found beside ``mpiexec`` gets its nonblocking all_reduce selection retuned (see
-:mod:`meshkit.comm.mpich_tuning`; ``MESHKIT_MPICH_TUNING=0`` turns that off).
+:mod:`meshkit.launch.mpich_tuning`; ``MESHKIT_MPICH_TUNING=0`` turns that off).
 
 The launcher forwards SIGINT/SIGTERM/SIGHUP to the whole job, and SIGKILLs it if it is still
 running 5 s after the first signal, after the first rank failure, or after ``--timeout``.
@@ -45,7 +45,8 @@ from . import bootstrap
 from .bootstrap import STATUS_DIR_ENV
 from .mpich_tuning import tuned_environment
 
-__all__ = ["main"]
+__all__ = ["main", "find_mpiexec", "thread_limits", "LaunchError", "KILL_GRACE_S", "TIMEOUT_EXIT_CODE",
+           "THREAD_ENV_VARS"]
 
 logger = logging.getLogger("meshkit.launch")
 
@@ -384,6 +385,3 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("%s", exc)
         return 1
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())
