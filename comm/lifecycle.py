@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import logging
+import os
 import sys
 from typing import Any
 
@@ -83,8 +84,8 @@ def init_process_group(backend: str = "auto", *, timeout: float | datetime.timed
     if not _exit_hook_registered and local_context() is None:
         atexit.register(_at_exit)  # after mpi4py's own (registered at import): runs before MPI_Finalize
         _exit_hook_registered = True
-    if name == "mpi" and local_context() is None:
-        _abort_hook.install(world)
+    if name == "mpi" and local_context() is None and os.environ.get("MESHKIT_LAUNCHED") != "1":
+        _abort_hook.install(world)  # meshkit-run's bootstrap ends the job its own way (and prints through the hook)
     if world.debug >= DebugLevel.INFO:
         logger.info("meshkit: rank %d/%d initialized backend %s, timeout %.0f s, debug %s",
                     world.rank, world.size, world.backend, world.timeout, world.debug.name)

@@ -19,7 +19,7 @@ SCRIPTS = Path(__file__).parent / "scripts"
 
 
 #: The module behind ``meshkit-run``: the one place the tests name it.
-LAUNCHER_MODULE = "meshkit.comm.launch"
+LAUNCHER_MODULE = "meshkit.launch"
 
 
 def launch(script: str | Path, n: int, *args: str, timeout: float = 120, env: dict[str, str] | None = None,

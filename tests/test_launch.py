@@ -1,11 +1,12 @@
-"""Tests of ``meshkit-run`` (meshkit.comm.launch): real jobs under mpiexec, plus its parsing.
+"""Tests of ``meshkit-run`` (meshkit.launch): real jobs under mpiexec, plus its parsing.
 
-Each job runs ``python -m meshkit.comm.launch ...`` from a temporary directory with one of the
+Each job runs ``python -m meshkit.launch ...`` from a temporary directory with one of the
 rank scripts in ``tests/scripts/launch_*.py``, which use mpi4py directly.
 """
 
 from __future__ import annotations
 
+import ast
 import io
 import os
 import re
@@ -17,10 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from meshkit.comm import bootstrap, launch
+from meshkit import launch
+from meshkit.launch import bootstrap, cli, job, output
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
-LAUNCHER = [sys.executable, "-m", "meshkit.comm.launch"]
+LAUNCHER = [sys.executable, "-m", "meshkit.launch"]
 
 
 def _have_mpiexec() -> bool:
@@ -50,6 +52,15 @@ def run_launcher(
 def rank_lines(text: str) -> list[str]:
     """Lines written by ranks: all but mpiexec's and MPI's own messages."""
     return [line for line in text.splitlines() if line.startswith("[rank")]
+
+
+def other_lines(text: str) -> list[str]:
+    """Lines not written by ranks through Python: the launcher's own, and any MPICH noise."""
+    return [line for line in text.splitlines() if not line.startswith("[rank")]
+
+
+def lines_of(rank: int, text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith(f"[rank{rank}]: ")]
 
 
 # --- real jobs -------------------------------------------------------------------------------
@@ -103,7 +114,7 @@ def test_exception_on_one_rank_ends_the_job(tmp_path: Path, others: str) -> None
     result = run_launcher(["-n", "2", str(SCRIPTS / "launch_raise.py"), others], tmp_path)
     end = time.time()
 
-    assert result.returncode != 0
+    assert result.returncode == 1, result.stderr
     raised_at = float(re.search(r"\[rank1\]: raising at ([\d.]+)", result.stdout).group(1))
     assert end - raised_at < 5, f"job took {end - raised_at:.1f} s to end after the raise"
     assert end - start < 15
@@ -115,33 +126,37 @@ def test_exception_on_one_rank_ends_the_job(tmp_path: Path, others: str) -> None
 
 
 @needs_mpiexec
-def test_failed_rank_that_leaves_others_waiting_is_killed_after_grace(tmp_path: Path) -> None:
+def test_failed_rank_that_leaves_others_waiting_is_killed_after_the_settle_time(tmp_path: Path) -> None:
     # sys.exit(3) runs MPI_Finalize, which waits for rank 0, itself stuck in a barrier:
-    # the launcher ends the job KILL_GRACE_S after rank 1 reported its failure.
+    # the launcher ends the job FAILURE_SETTLE_S after rank 1 reported its failure.
     start = time.monotonic()
     result = run_launcher(["-n", "2", str(SCRIPTS / "launch_exit_one.py"), "3"], tmp_path)
     elapsed = time.monotonic() - start
 
     assert result.returncode == 3, result.stderr
     assert "rank 1 failed (exit 3); killing the job" in result.stderr
-    assert elapsed < launch.KILL_GRACE_S + 8
+    assert elapsed < launch.FAILURE_SETTLE_S + 8
 
 
 @needs_mpiexec
-def test_sigint_to_the_launcher_ends_the_job(tmp_path: Path) -> None:
+@pytest.mark.parametrize("others", ["sleep", "barrier"])
+def test_sigint_to_the_launcher_ends_the_job_quietly(tmp_path: Path, others: str) -> None:
+    # "barrier": ranks 1 and 2 wait in MPI_Barrier, in C, where SIGINT raises nothing; they are
+    # killed once rank 0 has reported its KeyboardInterrupt.
     with open(tmp_path / "out.txt", "w") as out:
         proc = subprocess.Popen(
-            [*LAUNCHER, "-n", "2", str(SCRIPTS / "launch_sleep.py")],
+            [*LAUNCHER, "-n", "3", str(SCRIPTS / "launch_sleep.py"), others],
             cwd=tmp_path,
             stdout=out,
             stderr=subprocess.STDOUT,
         )
         try:
             deadline = time.monotonic() + 30
-            while not all((tmp_path / f"ready.{r}").exists() for r in range(2)):
+            while not all((tmp_path / f"ready.{r}").exists() for r in range(3)):
                 assert proc.poll() is None, (tmp_path / "out.txt").read_text()
                 assert time.monotonic() < deadline, "ranks did not start"
                 time.sleep(0.05)
+            time.sleep(0.2)  # from ready to sleeping (or in the barrier)
             start = time.monotonic()
             proc.send_signal(signal.SIGINT)
             returncode = proc.wait(timeout=15)
@@ -151,8 +166,18 @@ def test_sigint_to_the_launcher_ends_the_job(tmp_path: Path) -> None:
                 proc.kill()
                 proc.wait()
 
-    assert returncode == 130, (tmp_path / "out.txt").read_text()
+    text = (tmp_path / "out.txt").read_text()
+    assert returncode == 130, text
     assert elapsed < 10
+    # One line per rank at most, naming where it was; nothing from MPICH or the launcher.
+    assert other_lines(text) == [], text
+    interrupted = (0, 1, 2) if others == "sleep" else (0,)
+    for rank in range(3):
+        lines = lines_of(rank, text)
+        if rank in interrupted:
+            assert len(lines) == 1 and re.fullmatch(rf"\[rank{rank}\]: KeyboardInterrupt at \S*launch_sleep\.py:\d+", lines[0]), text
+        else:
+            assert lines == [], text
 
 
 @needs_mpiexec
@@ -164,6 +189,79 @@ def test_timeout_ends_the_job_with_124(tmp_path: Path) -> None:
     assert result.returncode == launch.TIMEOUT_EXIT_CODE
     assert "meshkit-run: job exceeded --timeout 2 s" in result.stderr
     assert elapsed < 2 + launch.KILL_GRACE_S + 5
+    # Every rank says where it was, in a whole traceback (not Ctrl-C's one line).
+    assert other_lines(result.stderr) == ["meshkit-run: job exceeded --timeout 2 s"]
+    for rank in (0, 1):
+        lines = lines_of(rank, result.stderr)
+        assert lines[0] == f"[rank{rank}]: Traceback (most recent call last):", result.stderr
+        assert f"[rank{rank}]:     time.sleep(60)" in lines and lines[-1] == f"[rank{rank}]: KeyboardInterrupt"
+
+
+@needs_mpiexec
+def test_every_failing_rank_prints_its_whole_traceback(tmp_path: Path) -> None:
+    # Ranks 1-3 raise at once, rank 0 waits for them: each traceback is whole (hydra no longer
+    # kills the others when the first exits), MPICH says nothing, the exit code is 1.
+    result = run_launcher(["-n", "4", str(SCRIPTS / "launch_fail_many.py"), "raise-all"], tmp_path)
+
+    assert result.returncode == 1, result.stderr
+    for rank in (1, 2, 3):
+        lines = lines_of(rank, result.stderr)
+        assert lines[0] == f"[rank{rank}]: Traceback (most recent call last):", result.stderr
+        assert f"[rank{rank}]: ValueError: rank {rank} fails:" in lines, result.stderr
+        assert lines[-40:] == [f"[rank{rank}]: detail {i} of rank {rank}" for i in range(40)], result.stderr
+    assert lines_of(0, result.stderr) == []
+    [line] = other_lines(result.stderr)  # the launcher's, not MPICH's
+    assert re.fullmatch(r"meshkit-run: rank [123] failed \(exit 1\); killing the job \(rank 0 still running\)", line)
+    assert other_lines(result.stdout) == []
+
+
+@needs_mpiexec
+@pytest.mark.parametrize(("case", "code"), [("exit-first", 7), ("raise-first", 1)])
+def test_exit_code_is_the_first_failing_ranks(tmp_path: Path, case: str, code: int) -> None:
+    # rank 2 exits 7 before rank 1 raises (exit 1), or after: the first one's status wins, and the
+    # later failure is still shown.
+    result = run_launcher(["-n", "3", str(SCRIPTS / "launch_fail_many.py"), case], tmp_path)
+
+    assert result.returncode == code, result.stderr
+    assert "[rank1]: ValueError: rank 1 fails, last line of its traceback" in lines_of(1, result.stderr)
+    first = 2 if case == "exit-first" else 1
+    assert other_lines(result.stderr) == [
+        "meshkit-run: rank 2 exited with status 7",
+        f"meshkit-run: rank {first} failed (exit {code}); killing the job (rank 0 still running)",
+    ]
+
+
+@needs_mpiexec
+@pytest.mark.parametrize(
+    ("how", "code", "message"),
+    [("exit", 3, "rank 2 exited with status 3"), ("kill", 128 + 9, "rank 2 was killed by signal 9 (SIGKILL)")],
+)
+def test_a_rank_that_dies_without_a_traceback_is_named(tmp_path: Path, how: str, code: int, message: str) -> None:
+    start = time.monotonic()
+    result = run_launcher(["-n", "3", str(SCRIPTS / "launch_die.py"), how], tmp_path)
+    elapsed = time.monotonic() - start
+
+    assert result.returncode == code, result.stderr
+    how_failed = f"exit {code}" if how == "exit" else "signal 9"
+    # Only the rank that died is named, not those the launcher killed after it; no MPICH banner.
+    assert other_lines(result.stderr) == [
+        f"meshkit-run: {message}",
+        f"meshkit-run: rank 2 failed ({how_failed}); killing the job (ranks 0, 1 still running)",
+    ]
+    assert result.stdout == ""
+    assert elapsed < launch.FAILURE_SETTLE_S + 8
+
+
+@needs_mpiexec
+def test_ranks_leaving_without_finalize_all_finish(tmp_path: Path) -> None:
+    # os._exit(0) without MPI_Finalize, rank 1 later than the others: hydra used to kill rank 1 as
+    # soon as the first rank left, losing its output and, when its SIGKILL was reaped first,
+    # failing the job with status 9 (the flaky tests/test_faults.py::test_faults_on_real_processes).
+    result = run_launcher(["-n", "3", str(SCRIPTS / "launch_leave_unfinalized.py")], tmp_path)
+
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["[rank1]: rank 1 leaves last"]
+    assert result.stderr == ""
 
 
 def test_mpiexec_that_cannot_start_is_a_clear_error(tmp_path: Path) -> None:
@@ -216,6 +314,16 @@ def test_bad_command_line_exits_non_zero_from_the_command(tmp_path: Path) -> Non
     assert "meshkit-run: error: argument -n/--nproc: expected an integer >= 1" in result.stderr
 
 
+def test_console_script_runs_the_launcher() -> None:
+    script = Path(sys.executable).parent / "meshkit-run"
+    if not script.exists():
+        pytest.skip("meshkit-run is not installed next to this Python")
+    result = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=30)
+
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: meshkit-run -n N")
+
+
 def test_help_hides_the_rank_entry_point() -> None:
     result = subprocess.run([*LAUNCHER, "--help"], capture_output=True, text=True, timeout=30)
 
@@ -238,7 +346,7 @@ def test_help_hides_the_rank_entry_point() -> None:
 def test_split_argv_stops_at_the_script(
     argv: list[str], options: list[str], target: list[str]
 ) -> None:
-    assert launch._split_argv(argv) == (options, target)
+    assert cli._split_argv(argv) == (options, target)
 
 
 # --- pieces ----------------------------------------------------------------------------------
@@ -313,3 +421,139 @@ def test_thread_limits_respect_the_users_settings() -> None:
     assert launch.thread_limits(4, {"OMP_NUM_THREADS": "3"}) == {
         "OPENBLAS_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // 4)),
         "MKL_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // 4))}
+
+
+# --- the launcher's output and rules ---------------------------------------------------------
+
+HYDRA_BOX = (
+    b"\n"
+    b"===================================================================================\n"
+    b"=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES\n"
+    b"=   PID 5442 RUNNING AT vm\n"
+    b"=   EXIT CODE: 9\n"
+    b"=   CLEANING UP REMAINING PROCESSES\n"
+    b"=   YOU CAN IGNORE THE BELOW CLEANUP MESSAGES\n"
+    b"===================================================================================\n"
+    b"YOUR APPLICATION TERMINATED WITH THE EXIT STRING: Killed (signal 9)\n"
+    b"This typically refers to a problem with your application.\n"
+    b"Please see the FAQ page for debugging suggestions\n"
+)
+CTRL_C = b"[mpiexec@vm] Sending Ctrl-C to processes as requested\n[mpiexec@vm] Press Ctrl-C again to force abort\n"
+TEARDOWN_NOISE = (
+    b"Assertion failed in file src/mpid/ch4/shm/posix/posix_progress.c at line 90: 0\n"
+    b"/venv/lib/libmpi.so.12(+0x4c1a2b) [0x7f3c2d8c1a2b]\n"
+    b"internal ABORT - process 1\n"
+    b"Fatal error in internal_Barrier: Unknown error class, error stack:\n"
+    b"internal_Barrier(84).......: MPI_Barrier(MPI_COMM_WORLD) failed\n"
+)
+
+
+def test_output_filter_drops_hydras_notices_and_keeps_everything_else() -> None:
+    keep = output.OutputFilter(lambda: False)
+    data = b"[rank0]: a\n" + b"\n" + HYDRA_BOX + CTRL_C + b"[rank1]: b\n" + b"from C\n" + b"partial"
+    passed = b"".join(keep.feed(data[i : i + 7]) for i in range(0, len(data), 7))  # in any pieces
+
+    assert passed == b"[rank0]: a\n\n[rank1]: b\nfrom C\n"  # the user's blank line stays, hydra's goes
+    assert keep.idle() == b"partial"  # a partial line goes out when the stream pauses
+    assert keep.feed(b"[rank0]: 10%\r[rank0]: 20%\r") == b"[rank0]: 10%\r"  # "\r" may start "\r\n"
+    assert keep.idle() == b"[rank0]: 20%\r"
+
+
+def test_output_filter_drops_mpichs_complaints_only_while_the_job_is_ended() -> None:
+    ending = False
+    keep = output.OutputFilter(lambda: ending)
+    assert keep.feed(TEARDOWN_NOISE) == TEARDOWN_NOISE  # a real error before anything failed
+    ending = True
+    assert keep.feed(TEARDOWN_NOISE + b"[rank0]: Fatal error in my code\n") == b"[rank0]: Fatal error in my code\n"
+
+
+def _status(folder: Path, **files: str) -> None:
+    for name, text in files.items():
+        (folder / name.replace("_", ".")).write_text(text)
+
+
+def test_exit_code_is_the_earliest_failure_of_any_kind(tmp_path: Path) -> None:
+    run = job.Job([], {}, nproc=3, status_dir=str(tmp_path), timeout=None)
+    me = str(os.getpid())  # a live pid; nothing is killed here
+    _status(tmp_path, start_0=me, start_1=me, start_2=me, failed_1="1 exception 2000", ended_1="1 2100",
+            ended_2="-9 1500")
+    run._refresh()
+
+    assert run._exit_code(9) == 128 + 9  # rank 2's SIGKILL came before rank 1's exception
+    _status(tmp_path, failed_0="7 exit 1000")
+    run._refresh()
+    assert run._exit_code(9) == 7
+
+
+@pytest.mark.parametrize(("nproc", "returncode", "code"), [(2, 9, 0), (3, 9, 9), (3, 0, 0)])
+def test_exit_code_when_no_rank_failed(tmp_path: Path, nproc: int, returncode: int, code: int) -> None:
+    # Every rank ran here and exited 0: what hydra says of the watchers it killed does not count.
+    # With a rank elsewhere (nproc 3, two here), mpiexec's code is all there is.
+    run = job.Job([], {}, nproc=nproc, status_dir=str(tmp_path), timeout=None)
+    me = str(os.getpid())
+    _status(tmp_path, start_0=me, start_1=me, ended_0="0 10", ended_1="0 20")
+    run._refresh()
+
+    assert run._exit_code(returncode) == code
+
+
+def test_ranks_on_another_host_do_not_wait_for_the_launcher(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(bootstrap.STATUS_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(bootstrap.LAUNCHER_ENV, f"{bootstrap.launcher_host()} {os.getpid()}")
+    assert bootstrap._StatusDir.from_env(3) is not None
+    monkeypatch.setenv(bootstrap.LAUNCHER_ENV, f"not-{bootstrap.launcher_host()} {os.getpid()}")
+    assert bootstrap._StatusDir.from_env(3) is None
+
+
+def test_a_watcher_whose_launcher_is_gone_stops_waiting(tmp_path: Path) -> None:
+    gone = subprocess.Popen([sys.executable, "-c", ""])
+    gone.wait()
+    start = time.monotonic()
+    bootstrap._StatusDir(str(tmp_path), gone.pid, 0).wait_for_release()
+    assert time.monotonic() - start < 5
+
+
+# --- layering --------------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _imports(path: Path) -> set[str]:
+    """Modules ``path`` imports, relative ones resolved within the meshkit package."""
+    package = ["meshkit", *path.parent.relative_to(ROOT).parts]
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            names.add(module)
+            names.update(f"{module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_launcher_and_comm_do_not_import_each_other() -> None:
+    for path in sorted((ROOT / "launch").glob("*.py")):
+        assert not any(name.startswith("meshkit.comm") or name.startswith("mpi4py") for name in _imports(path)), path
+    for path in sorted((ROOT / "comm").rglob("*.py")):
+        assert not any(name.startswith("meshkit.launch") for name in _imports(path)), path
+
+
+def test_bootstrap_imports_only_the_standard_library() -> None:
+    # It runs by path, before the user's script: nothing of meshkit, NumPy or MPI.
+    tree = ast.parse((ROOT / "launch" / "bootstrap.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            assert node.level == 0, "relative import in the bootstrap"
+            assert node.module.split(".")[0] in sys.stdlib_module_names or node.module == "__future__"
+        elif isinstance(node, ast.Import):
+            assert all(alias.name.split(".")[0] in sys.stdlib_module_names for alias in node.names)
+
+
+def test_importing_the_launcher_does_not_initialize_mpi() -> None:
+    code = ("import sys, meshkit.launch\n"
+            "mpi = sys.modules.get('mpi4py.MPI')\n"
+            "print(mpi is None or not mpi.Is_initialized())")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == "True", result.stderr

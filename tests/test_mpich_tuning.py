@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from meshkit.comm import launch
-from meshkit.comm.mpich_tuning import (IALLREDUCE_RECURSIVE_DOUBLING_MAX, OPT_OUT_ENV, SELECTION_ENV, retune,
+from meshkit import launch
+from meshkit.launch.mpich_tuning import (IALLREDUCE_RECURSIVE_DOUBLING_MAX, OPT_OUT_ENV, SELECTION_ENV, retune,
                                        tuned_environment)
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -110,7 +110,7 @@ def test_ranks_get_the_retuned_selection_and_mpich_accepts_it(tmp_path):
     # What the launcher will do with this installation: retune, or (another MPI) nothing.
     expected = tuned_environment(mpiexec, str(tmp_path), {k: v for k, v in os.environ.items() if k != SELECTION_ENV})
     env = {k: v for k, v in os.environ.items() if k != SELECTION_ENV}
-    result = subprocess.run([sys.executable, "-m", "meshkit.comm.launch", "-n", "2", "--timeout", "60",
+    result = subprocess.run([sys.executable, "-m", "meshkit.launch", "-n", "2", "--timeout", "60",
                              str(SCRIPTS / "launch_selection.py")], capture_output=True, text=True, env=env,
                             timeout=90)
     assert result.returncode == 0, result.stderr

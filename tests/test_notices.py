@@ -178,7 +178,12 @@ def test_real_processes_an_object_the_source_cannot_pickle(mpirun):
 
 
 def test_real_processes_a_rank_that_exits_cleanly_while_others_wait(mpirun):
-    reports = _reports(mpirun("mpi_notices.py", 3, "early-exit", timeout=60).stdout)
+    start = time.monotonic()
+    proc = mpirun("mpi_notices.py", 3, "early-exit", timeout=60, check=False)
+    assert proc.returncode == 1 and time.monotonic() - start < 30, (proc.returncode, proc.stdout, proc.stderr)
+    assert "group world is unusable after an earlier failure: all_reduce #0 failed: meshkit.comm: rank 0: call #0 " \
+           "on group world (ranks [0, 1, 2]) cannot complete: rank 1 left the job" in proc.stdout + proc.stderr
+    reports = _reports(proc.stdout)
     for rank in (0, 2):
         name, elapsed, message = reports[rank]
         assert name == "RankFailedError" and elapsed < 5, reports[rank]

@@ -1,0 +1,21 @@
+"""``meshkit-run``: start N ranks of a script under ``mpiexec``, with rank-tagged output.
+
+``meshkit-run -n 4 train.py ARGS`` (or ``python -m meshkit.launch -n 4 train.py ARGS``) starts
+4 ranks, prefixes every line they print with ``[rank{r}]: ``, ends the whole job when one rank
+fails (after every rank failing with it has printed its traceback), names a rank that died
+without one, and exits with the status of the first rank to fail.
+
+The launcher is its own package: it imports nothing of :mod:`meshkit.comm` (it must not
+initialize MPI in the launcher process), and nothing in comm imports it. The ranks run
+:mod:`meshkit.launch.bootstrap` by path, importing only the standard library.
+
+Modules: :mod:`~meshkit.launch.cli` (the command line), :mod:`~meshkit.launch.job` (running and
+ending a job), :mod:`~meshkit.launch.output` (mpiexec's output), :mod:`~meshkit.launch.bootstrap`
+(the rank side), :mod:`~meshkit.launch.mpich_tuning` (MPICH's collective selection).
+"""
+
+from .cli import THREAD_ENV_VARS, find_mpiexec, main, thread_limits
+from .job import FAILURE_SETTLE_S, KILL_GRACE_S, TIMEOUT_EXIT_CODE, LaunchError
+
+__all__ = ["main", "find_mpiexec", "thread_limits", "THREAD_ENV_VARS", "LaunchError", "FAILURE_SETTLE_S",
+           "KILL_GRACE_S", "TIMEOUT_EXIT_CODE"]

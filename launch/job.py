@@ -1,0 +1,354 @@
+"""One ``meshkit-run`` job: ``mpiexec`` as a child, what the ranks report, and how the job ends.
+
+The ranks on this host report through the status directory (see :mod:`meshkit.launch.bootstrap`):
+when each started, when one failed (an uncaught exception, a non-zero ``sys.exit``, Ctrl-C) and,
+from each rank's watcher, how its process ended (exit status or signal). Watchers keep their
+place in the job until the launcher writes ``release``, so ``mpiexec`` never ends the job on
+its own while a rank on this host is still printing.
+
+Why: hydra (MPICH's mpiexec) SIGKILLs every rank as soon as one exits with a non-zero status, or
+with 0 but without MPI_Finalize. So ranks failing a moment after the first lost their
+tracebacks, a rank between its last barrier and its own ``os._exit(0)`` was killed (and hydra
+then reported exit 9 or 0 at random), and which rank had died, and how, was not known. The rules:
+
+* **A rank fails** (it reports a failure, or its process ends with a non-zero status or a
+  signal without reporting one): the job ends :data:`FAILURE_SETTLE_S` later, or as soon as every
+  rank has ended. So every rank that fails at about the same time prints its whole traceback.
+  Ending means: kill (SIGKILL) the ranks still running, then release the watchers; ``mpiexec``
+  then ends the ranks on other hosts.
+* **Every rank on this host ended** (cleanly or not): release at once.
+* **A signal** (SIGINT, SIGTERM, SIGHUP) is passed to ``mpiexec``, which passes it to every rank;
+  the job ends once every rank has ended, :data:`FAILURE_SETTLE_S` after the first rank reported
+  it, or :data:`KILL_GRACE_S` after the signal. A second signal ends the job at once.
+* **--timeout**: as SIGINT, with each rank printing where it was.
+* Still running :data:`KILL_GRACE_S` after the release of a job being ended (a process manager
+  that does not end the job when its ranks exit), or at a second signal, ``mpiexec`` is killed.
+
+The launcher's exit code: 124 after ``--timeout``; 128 + N after signal N (130 for Ctrl-C);
+else the status of the first rank to fail, by the time it failed (128 + N for a rank killed by
+signal N); else 0 when every rank of the job ran on this host and exited 0; else ``mpiexec``'s.
+
+A rank that ended without a traceback (``os._exit(3)``, a signal, a non-zero ``sys.exit``) is
+named on stderr: ``meshkit-run: rank 2 exited with status 3``, ``meshkit-run: rank 1 was
+killed by signal 9 (SIGKILL)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+
+from .bootstrap import ENDED, FAILED, RELEASE, START, TIMED_OUT
+from .output import OutputFilter, start_pump
+
+__all__ = ["Job", "LaunchError", "FAILURE_SETTLE_S", "KILL_GRACE_S", "TIMEOUT_EXIT_CODE"]
+
+logger = logging.getLogger("meshkit.launch")
+
+#: How long the job goes on after the first rank failed, so that ranks failing at about the same
+#: time print their errors too, before the ranks still running are killed. 4 ranks raising right
+#: after a barrier reported within 5 ms of each other on a 2-core machine at load 3.5; 1 s leaves
+#: room for ranks that fail a little later on their own, and a rank still running then is taken
+#: to be waiting for the failed ones.
+FAILURE_SETTLE_S = 1.0
+
+#: How long ranks may take to stop after a forwarded signal or ``--timeout`` before they are
+#: killed, and ``mpiexec`` after the release: time for a script that catches KeyboardInterrupt
+#: to save its state.
+KILL_GRACE_S = 5.0
+
+#: Exit status after --timeout, as coreutils' `timeout`.
+TIMEOUT_EXIT_CODE = 124
+
+_POLL_S = 0.05
+_STATUS_FILE = re.compile(rf"({START}|{FAILED}|{ENDED})\.(\d+)")
+
+
+class LaunchError(RuntimeError):
+    """The launcher cannot start the job (no mpiexec, or it failed to start)."""
+
+
+@dataclass
+class _Rank:
+    """What the status directory says about one rank on this host."""
+
+    pid: int | None = None
+    pidfd: int | None = None  # held from the start: the pid cannot be reused under us
+    failed: tuple[int, str, int] | None = None  # (status, how, time_ns) as the rank reported it
+    ended: tuple[int, int] | None = None  # (exit code, negative for a signal; time_ns) from its watcher
+    named: bool = False  # its end was reported to the user
+
+
+@dataclass(frozen=True, order=True)
+class _Failure:
+    time_ns: int
+    rank: int
+    status: int  # the exit status it stands for (128 + N for signal N)
+    how: str = ""  # "exit 3", "signal 9"
+
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+class Job:
+    """Runs ``command`` (mpiexec and its arguments) to the end; :meth:`run` gives the exit code.
+
+    Args:
+        command: the mpiexec command line.
+        env: the environment of the job (with the status directory's variables set).
+        nproc: the number of ranks.
+        status_dir: the status directory (made and removed by the caller).
+        timeout: seconds before the job is ended with :data:`TIMEOUT_EXIT_CODE`, or None.
+    """
+
+    def __init__(self, command: list[str], env: dict[str, str], *, nproc: int, status_dir: str,
+                 timeout: float | None) -> None:
+        self.command = command
+        self.env = env
+        self.nproc = nproc
+        self.status_dir = status_dir
+        self.timeout = timeout
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.ranks: dict[int, _Rank] = {}
+        self.received: int | None = None  # the first SIGINT/SIGTERM/SIGHUP the launcher received
+        self.end_now = False  # a second signal
+        self.timed_out = False
+        self.end_by = float("inf")  # when the ranks still running are killed
+        self.ending = False  # the job is being ended: MPICH's complaints about it are dropped
+        self.killed: set[int] = set()  # ranks the launcher killed: not failures of their own
+        self.released_at: float | None = None
+        self.mpiexec_killed = False
+        self.first_failure: _Failure | None = None
+
+    # --- running --------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Start mpiexec, forward signals to it, supervise the ranks; the launcher's exit code."""
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                previous[sig] = signal.signal(sig, self._on_signal)
+        pumps: list[threading.Thread] = []
+        try:
+            try:
+                self.proc = subprocess.Popen(self.command, env=self.env, start_new_session=True,
+                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            except OSError as exc:
+                raise LaunchError(f"could not start {self.command[0]!r}: {exc}") from exc
+            assert self.proc.stdout is not None and self.proc.stderr is not None
+            for source, target in ((self.proc.stdout, 1), (self.proc.stderr, 2)):
+                pumps.append(start_pump(source.fileno(), target, OutputFilter(lambda: self.ending)))
+            if self.received is not None:  # arrived while the child was being started
+                self._send(self.received)
+            returncode = self._supervise()
+            self._refresh()
+            self._name_ends()
+            return self._exit_code(returncode)
+        finally:
+            if self.proc is not None and self.proc.poll() is None:  # e.g. an error in the launcher
+                self._send(signal.SIGKILL)
+                self.proc.wait()
+            for pump in pumps:  # the last of the output; a rank's orphan holding the pipe: not ours
+                pump.join(timeout=5)
+            if self.proc is not None:
+                for pipe in (self.proc.stdout, self.proc.stderr):
+                    if pipe is not None:
+                        pipe.close()
+            for rank in self.ranks.values():
+                if rank.pidfd is not None:
+                    os.close(rank.pidfd)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _supervise(self) -> int:
+        assert self.proc is not None
+        started = time.monotonic()
+        deadline = started + self.timeout if self.timeout is not None else float("inf")
+        while True:
+            try:
+                return self.proc.wait(timeout=_POLL_S)
+            except subprocess.TimeoutExpired:
+                pass
+            now = time.monotonic()
+            self._refresh()
+            self._name_ends()
+            failure = self._first_failure()
+            if failure is not None and self.first_failure is None:
+                self.first_failure = failure
+                self._begin_ending(now + FAILURE_SETTLE_S)
+            if now >= deadline and not self.timed_out:
+                self.timed_out = True
+                logger.error("job exceeded --timeout %g s", self.timeout)
+                self._touch(TIMED_OUT)  # ranks print a whole traceback, not one line
+                # SIGINT rather than SIGTERM: ranks in Python code print where they were.
+                self._send(signal.SIGINT)
+                self._begin_ending(now + KILL_GRACE_S)
+            if self.released_at is None:
+                if self._all_ended():
+                    self._release(now)
+                elif self.end_now or now >= self.end_by:
+                    self._kill_running()
+                    self._release(now)
+            elif self.ending and not self.mpiexec_killed and (self.end_now or now >= self.released_at + KILL_GRACE_S):
+                # (Without `ending`, the ranks here ended well and those on other hosts go on.)
+                self.mpiexec_killed = True
+                if not self.end_now:
+                    logger.error("mpiexec still running %g s after the job was ended; killing it", KILL_GRACE_S)
+                self._send(signal.SIGKILL)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if self.received is not None:
+            self.end_now = True
+            return
+        self.received = signum
+        self._begin_ending(time.monotonic() + KILL_GRACE_S)
+        logger.debug("received %s; forwarding it to the job", _signal_name(signum))
+        self._send(signum)
+
+    def _begin_ending(self, end_by: float) -> None:
+        self.ending = True
+        self.end_by = min(self.end_by, end_by)
+
+    def _send(self, sig: int) -> None:
+        """Send ``sig`` to mpiexec's process group (hydra passes SIGINT/SIGTERM on to the ranks)."""
+        if self.proc is None or self.proc.returncode is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _touch(self, name: str) -> None:
+        try:
+            with open(os.path.join(self.status_dir, name), "w"):
+                pass
+        except OSError:
+            pass
+
+    def _release(self, now: float) -> None:
+        logger.debug("releasing the ranks' watchers")
+        self.released_at = now
+        self._touch(RELEASE)
+
+    def _kill_running(self) -> None:
+        """SIGKILL the ranks on this host that have not ended (only the user's processes)."""
+        running = sorted(r for r, rank in self.ranks.items() if rank.ended is None and rank.pid is not None)
+        healthy = [r for r in running if self.ranks[r].failed is None]
+        if healthy and self.first_failure is not None and self.received is None and not self.timed_out:
+            failed = self.first_failure
+            who = f"rank {healthy[0]}" if len(healthy) == 1 else f"ranks {', '.join(map(str, healthy))}"
+            logger.error("rank %d failed (%s); killing the job (%s still running)", failed.rank, failed.how, who)
+        for r in running:
+            rank = self.ranks[r]
+            try:
+                if rank.pidfd is not None:
+                    signal.pidfd_send_signal(rank.pidfd, signal.SIGKILL)
+                else:
+                    os.kill(rank.pid, signal.SIGKILL)  # type: ignore[arg-type]
+            except (ProcessLookupError, PermissionError):
+                continue
+            self.killed.add(r)
+
+    # --- what the ranks say ---------------------------------------------------------------
+
+    def _refresh(self) -> None:
+        """Read the status files not read yet."""
+        try:
+            names = os.listdir(self.status_dir)
+        except OSError:
+            return
+        for name in names:
+            match = _STATUS_FILE.fullmatch(name)
+            if match is None:
+                continue
+            kind, r = match.group(1), int(match.group(2))
+            rank = self.ranks.setdefault(r, _Rank())
+            if (kind == START and rank.pid is not None or kind == FAILED and rank.failed is not None
+                    or kind == ENDED and rank.ended is not None):
+                continue
+            try:
+                with open(os.path.join(self.status_dir, name), encoding="ascii") as f:
+                    fields = f.read().split()
+                if kind == START:
+                    rank.pid = int(fields[0])
+                    rank.pidfd = _open_pidfd(rank.pid)
+                elif kind == FAILED:
+                    rank.failed = (int(fields[0]), fields[1], int(fields[2]))
+                else:
+                    rank.ended = (int(fields[0]), int(fields[1]))
+            except (OSError, ValueError, IndexError):
+                continue
+
+    def _all_ended(self) -> bool:
+        """Every rank that started on this host has ended (and one did)."""
+        started = [rank for rank in self.ranks.values() if rank.pid is not None]
+        return bool(started) and all(rank.ended is not None for rank in started)
+
+    def _failures(self) -> list[_Failure]:
+        failures = []
+        for r, rank in self.ranks.items():
+            if rank.failed is not None:
+                status, _, time_ns = rank.failed
+                failures.append(_Failure(time_ns, r, status, f"exit {status}"))
+            elif rank.ended is not None and rank.ended[0] != 0 and r not in self.killed:
+                code, time_ns = rank.ended
+                how = f"exit {code}" if code > 0 else f"signal {-code}"
+                failures.append(_Failure(time_ns, r, code if code > 0 else 128 - code, how))
+        return failures
+
+    def _first_failure(self) -> _Failure | None:
+        return min(self._failures(), default=None)
+
+    def _name_ends(self) -> None:
+        """Say how each rank ended that left no traceback: ``os._exit(3)``, a signal, ``sys.exit``."""
+        for r in sorted(self.ranks):
+            rank = self.ranks[r]
+            if rank.named or r in self.killed:
+                continue
+            if rank.failed is not None:
+                status, how, _ = rank.failed
+                if how == "exit":
+                    logger.error("rank %d exited with status %d", r, status)
+                rank.named = True
+            elif rank.ended is not None:
+                code = rank.ended[0]
+                if code > 0:
+                    logger.error("rank %d exited with status %d", r, code)
+                elif code < 0 and -code != self.received:  # not the Ctrl-C the user pressed
+                    logger.error("rank %d was killed by signal %d (%s)", r, -code, _signal_name(-code))
+                rank.named = True
+
+    def _exit_code(self, returncode: int) -> int:
+        if self.timed_out:
+            return TIMEOUT_EXIT_CODE
+        if self.received is not None:
+            return 128 + self.received  # 130 for Ctrl-C, as a shell reports it
+        failure = self._first_failure()
+        if failure is not None:
+            return failure.status or 1
+        local = [rank for rank in self.ranks.values() if rank.pid is not None]
+        if len(local) == self.nproc and all(rank.ended is not None and rank.ended[0] == 0 for rank in local):
+            # hydra may report a rank it killed after its watcher was released: the ranks know better
+            return 0
+        if returncode < 0:  # mpiexec itself died of a signal
+            return 128 - returncode
+        return returncode
+
+
+def _open_pidfd(pid: int) -> int | None:
+    """A pidfd for ``pid`` (Linux 5.3+), so that a later kill cannot hit a reused pid."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
