@@ -136,39 +136,72 @@ def _spec(op: str) -> OpSpec:
     return OPS[op]
 
 
-def torch_style_bind(api: Any, convert: Callable[[np.ndarray], Any] = np.asarray) -> Callable[[str, Buffers], Call]:
+#: ``--mode``: ``sync`` times one blocking call; ``async`` two nonblocking calls (on two sets of
+#: buffers) started back to back, then both waited for: meshkit's ``async_op=True`` and
+#: ``Work.wait`` against mpi4py's ``I*`` calls and ``Waitall``.
+MODES = ("sync", "async")
+
+
+def _second(b: Buffers) -> Buffers:
+    """Another set of buffers like ``b`` (for the second call of async mode)."""
+    inp = b.inp.copy()
+    return Buffers(inp, inp if b.out is b.inp else b.out.copy())
+
+
+def torch_style_bind(api: Any, convert: Callable[[np.ndarray], Any] = np.asarray,
+                     mode: str = "sync") -> Callable[[str, Buffers], Call]:
     """``Engine.bind`` for a torch.distributed-style ``api`` (meshkit, ``torch.distributed``).
 
     Its calls are ``fn(out, inp)``, ``all_reduce(out)`` and ``broadcast(out, 0)``, on the
     buffers passed through ``convert`` (e.g. ``torch.from_numpy``).
     """
+    def arguments(op: str, b: Buffers) -> tuple:
+        inp, out = convert(b.inp), convert(b.out)
+        return {"all_reduce": (out,), "broadcast": (out, 0)}.get(op, (out, inp))
+
     def bind(op: str, b: Buffers) -> Call:
         fn = getattr(api, _spec(op).torch_fn)
-        inp, out = convert(b.inp), convert(b.out)
-        args = {"all_reduce": (out,), "broadcast": (out, 0)}.get(op, (out, inp))
-        return functools.partial(fn, *args)
+        if mode == "sync":
+            return functools.partial(fn, *arguments(op, b))
+        first, second = arguments(op, b), arguments(op, _second(b))
+
+        def both() -> None:
+            w1 = fn(*first, async_op=True)
+            w2 = fn(*second, async_op=True)
+            w1.wait()
+            w2.wait()
+        return both
 
     return bind
 
 
-def meshkit_engine() -> Engine:
+def meshkit_engine(mode: str = "sync") -> Engine:
     """meshkit's torch.distributed-style API on its default (world) group."""
-    return Engine("meshkit", torch_style_bind(meshkit))
+    return Engine("meshkit", torch_style_bind(meshkit, mode=mode))
 
 
-def mpi4py_engine() -> Engine:
-    """Raw mpi4py blocking collectives on a duplicate of COMM_WORLD: the floor meshkit sits on."""
+def mpi4py_engine(mode: str = "sync") -> Engine:
+    """Raw mpi4py collectives on a duplicate of COMM_WORLD: the floor meshkit sits on (blocking
+    calls in sync mode, ``I*`` calls and ``Waitall`` in async mode)."""
     comm = MPI.COMM_WORLD.Dup()
 
+    def arguments(op: str, b: Buffers) -> tuple:
+        return {"all_reduce": (MPI.IN_PLACE, b.out), "broadcast": (b.out, 0)}.get(op, (b.inp, b.out))
+
     def bind(op: str, b: Buffers) -> Call:
-        fn = getattr(comm, _spec(op).mpi_fn)
-        args = {"all_reduce": (MPI.IN_PLACE, b.out), "broadcast": (b.out, 0)}.get(op, (b.inp, b.out))
-        return functools.partial(fn, *args)
+        if mode == "sync":
+            return functools.partial(getattr(comm, _spec(op).mpi_fn), *arguments(op, b))
+        start = getattr(comm, "I" + _spec(op).mpi_fn.lower())  # Allreduce -> Iallreduce, Bcast -> Ibcast
+        first, second = arguments(op, b), arguments(op, _second(b))
+
+        def both() -> None:
+            MPI.Request.Waitall([start(*first), start(*second)])
+        return both
 
     return Engine("mpi4py", bind, close=comm.Free)
 
 
-def gloo_engine(comm: MPI.Comm) -> Engine:
+def gloo_engine(comm: MPI.Comm, mode: str = "sync") -> Engine:
     """torch.distributed with the gloo backend, on ``torch.from_numpy`` views of the same buffers.
 
     The rendezvous is torch's ``env://``: rank 0 picks a free TCP port (a socket bound to port
@@ -195,7 +228,7 @@ def gloo_engine(comm: MPI.Comm) -> Engine:
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=size)
 
     LOG.info("gloo: torch %s, rendezvous at %s:%d", torch.__version__, addr, port)
-    return Engine("gloo", torch_style_bind(dist, torch.from_numpy), close=dist.destroy_process_group,
+    return Engine("gloo", torch_style_bind(dist, torch.from_numpy, mode), close=dist.destroy_process_group,
                   optional=True)
 
 
@@ -207,9 +240,10 @@ def torch_importable() -> bool:
     return True
 
 
-def make_engines(names: list[str], comm: MPI.Comm) -> list[Engine]:
+def make_engines(names: list[str], comm: MPI.Comm, mode: str = "sync") -> list[Engine]:
     makers: dict[str, Callable[[], Engine]] = {
-        "meshkit": meshkit_engine, "mpi4py": mpi4py_engine, "gloo": lambda: gloo_engine(comm)}
+        "meshkit": lambda: meshkit_engine(mode), "mpi4py": lambda: mpi4py_engine(mode),
+        "gloo": lambda: gloo_engine(comm, mode)}
     return [makers[name]() for name in names]
 
 
@@ -473,6 +507,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated, from {', '.join(ENGINES)} "
                         "(default: meshkit,mpi4py, plus gloo when torch is importable)")
     p.add_argument("--device", default="cpu", help="where buffers live; only cpu is supported for now")
+    p.add_argument("--mode", default="sync", choices=MODES,
+                   help="sync: one blocking call; async: two async_op=True calls, then both waits, against "
+                        "mpi4py's I* calls and Waitall (default: sync)")
     add_output_args(p, json_help="result file (default: benchmarks/results/collectives-n{N}.json)",
                     plot_from_help=None)
     return p
@@ -563,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(rank, argv)
     setup_logging(rank, args.verbose)
     meshkit.init_process_group("mpi")
-    engines = make_engines(args.engines, comm)
+    engines = make_engines(args.engines, comm, args.mode)
     try:
         rows = run(args, comm, engines)
     finally:
@@ -582,12 +619,13 @@ def main(argv: list[str] | None = None) -> int:
 def save(args: argparse.Namespace, meta: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     """Write the JSON and, with --plot, the PNG (rank 0 only; nothing collective here)."""
     n = meta["world_size"]
-    path = args.json or RESULTS / f"collectives-n{n}.json"
+    path = args.json or RESULTS / f"collectives-n{n}{'' if args.mode == 'sync' else '-' + args.mode}.json"
     write_json(path, meta, rows)
     LOG.info("wrote %s", path)
     if args.plot is not None:
         png = png_path(args.plot, path)
-        title = f"meshkit collectives: {n} ranks, {args.dtype}, {meta['hostname']}, {meta['mpi_library'][:60]}"
+        title = (f"meshkit collectives ({args.mode}): {n} ranks, {args.dtype}, {meta['hostname']}, "
+                 f"{meta['mpi_library'][:60]}")
         if meta["oversubscribed"]:
             title += f" ({meta['ranks_per_host']} ranks on {meta['cores_per_host']} cores)"
         plot(rows, args.ops, args.engines, png, title)

@@ -19,6 +19,8 @@ it, so that the group's operations still start in program order.
 
 from __future__ import annotations
 
+import collections
+import functools
 import logging
 import math
 import socket
@@ -81,6 +83,12 @@ class ProcessGroup:
         # Engines without a native average sum, and the group divides once (as NCCL's AVG does).
         self._divides = engine is not None and not engine.native_avg
         self._tracks = engine is not None and getattr(engine, "needs_progress", False)
+        # At most one collective of the group is in the engine at a time; later async calls wait in
+        # this queue, in order, and start as the one before completes (see _advance). MPICH runs two
+        # concurrent Iallreduce of 256 KB-4 MB 1.8-2.6x slower than the same two one after the other
+        # (2 ranks, raw mpi4py; benchmarks/collectives.py --mode async), and DDP's buckets are such.
+        self._inflight: collections.deque[RequestWork] = collections.deque()
+        self._qlock = threading.Lock()
         self._rejected: set[int] = set()  # numbers of calls this rank rejected (they did not count)
         self._waiting = 0  # the call a wait on this group is for (read by _stalled)
         if engine is not None:
@@ -151,14 +159,23 @@ class ProcessGroup:
                 self._unusable("all_reduce")
             seq = self._seq
             self._seq = seq + 1
-        request = self.engine.all_reduce(tensor, op)
-        record = self._flight_entry(seq, self.name, "all_reduce", (tensor.shape,), tensor.dtype, "started")
         settle = self._averaged(tensor) if op is ReduceOp.AVG and self._divides else None
         if async_op:
-            work = RequestWork(self, "all_reduce", seq, record, request, settle, self.timeout)
-            if self._tracks:
-                self.world.progress.track(work)
-            return work
+            with self._qlock:
+                if self._inflight:  # behind an earlier collective: started when it completes
+                    request, start = None, functools.partial(self.engine.all_reduce, tensor, op)
+                else:
+                    request, start = self.engine.all_reduce(tensor, op), None
+                record = self._flight_entry(seq, self.name, "all_reduce", (tensor.shape,), tensor.dtype,
+                                            "scheduled" if request is None else "started")
+                work = RequestWork(self, "all_reduce", seq, record, request, settle, self.timeout, start)
+                work.queued = True
+                self._inflight.append(work)
+            return self._queued(work)
+        if self._inflight:
+            self._drain()
+        request = self.engine.all_reduce(tensor, op)
+        record = self._flight_entry(seq, self.name, "all_reduce", (tensor.shape,), tensor.dtype, "started")
         return self._complete("all_reduce", seq, record, request, False, settle)
 
     def reduce(self, tensor: np.ndarray, root: int, op: ReduceOp = ReduceOp.SUM, *,
@@ -477,22 +494,39 @@ class ProcessGroup:
                                       async_op)
         seq = self._begin(op, ref, **fingerprint) if self._detail else self._number(op)
         dtype = ref.dtype if ref is not None else fingerprint.get("dtype")
+        if async_op:
+            with self._qlock:
+                queued = bool(self._inflight)
+                record = self._flight_entry(seq, self.name, op, shapes, dtype, "scheduled" if queued else "started")
+                try:
+                    request = None if queued else start()
+                except BaseException as exc:
+                    raise self._failed(op, seq, record, exc, self.timeout) from None
+                work = RequestWork(self, op, seq, record, request, settle, self.timeout, start if queued else None)
+                work.queued = True
+                self._inflight.append(work)
+            return self._queued(work)
+        if self._inflight:
+            self._drain()
         record = self._flight_entry(seq, self.name, op, shapes, dtype, "started")
         try:
             request = start()
         except BaseException as exc:
             raise self._failed(op, seq, record, exc, self.timeout) from None
-        return self._complete(op, seq, record, request, async_op, settle)
+        return self._complete(op, seq, record, request, False, settle)
 
     def _complete(self, op: str, seq: int, record: CollectiveRecord, request: Request, async_op: bool,
-                  settle: Callable[[], Any] | None) -> Work | None:
-        """Wait for a started operation (synchronous) or hand it to a Work (``async_op``)."""
-        if async_op:
-            return self._request_work(op, seq, record, request, settle)
+                  settle: Callable[[], Any] | None) -> None:
+        """Wait for a started synchronous operation under the group's timeout."""
         try:
             if not request.Test():
                 self._waiting = seq
-                self.engine.wait(request, time.monotonic() + self.timeout)
+                waiting, me = self.world.progress.waiting, _get_ident()
+                waiting.add(me)  # the progress agent stands back while a caller drives MPI
+                try:
+                    self.engine.wait(request, time.monotonic() + self.timeout)
+                finally:
+                    waiting.discard(me)
             if settle is not None:
                 settle()
         except BaseException as exc:
@@ -500,12 +534,68 @@ class ProcessGroup:
         record[STATE], record[T_END] = "completed", time.time()
         return None
 
-    def _request_work(self, op: str, seq: int, record: CollectiveRecord, request: Request,
-                      settle: Callable[[], Any] | None) -> RequestWork:
-        work = RequestWork(self, op, seq, record, request, settle, self.timeout)
+    def _queued(self, work: RequestWork) -> RequestWork:
+        """An async collective just queued: keep it moving (the agent), and test the one ahead of
+        it once (which starts it if that one has completed)."""
         if self._tracks:
             self.world.progress.track(work)
+        if work._request is None:
+            head = self._inflight[0] if self._inflight else None
+            if head is not None and head is not work:
+                head.poll(block=False)
         return work
+
+    def _advance(self, done: RequestWork) -> None:
+        """``done`` finished: start the next queued collective (failing queued ones the group can
+        no longer run). Called by whichever thread finished it (a waiter or the progress agent)."""
+        with self._qlock:
+            queue = self._inflight
+            if queue and queue[0] is done:
+                queue.popleft()
+            elif done in queue:
+                queue.remove(done)
+            while queue and queue[0]._request is None and not queue[0]._finished:
+                nxt = queue[0]
+                try:
+                    if self._failure is not None:
+                        self._unusable(nxt._op)
+                    nxt.start()
+                    return
+                except BaseException as exc:  # it cannot start: it fails, and the next one is tried
+                    queue.popleft()
+                    nxt._result, nxt._error = None, self._work_failed(nxt, exc)
+                    nxt._finished = True
+
+    def _wait_before(self, work: RequestWork, deadline: float | None) -> None:
+        """Wait for the collectives queued ahead of ``work`` until it has started (or failed)."""
+        while work._request is None and not work._finished:
+            with self._qlock:
+                head = self._inflight[0] if self._inflight else None
+            if head is None or head is work:
+                return
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise CollectiveTimeout(f"meshkit.comm: {work._what} did not start within Work.wait(timeout=...): "
+                                        "the collectives of its group issued before it are still running",
+                                        op=work._op)
+            try:
+                head.wait(left)
+            except CollectiveTimeout as exc:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise CollectiveTimeout(f"meshkit.comm: {work._what} did not start within Work.wait(timeout="
+                                            "...): the collectives of its group issued before it are still "
+                                            "running", op=work._op) from exc
+            except BaseException:  # the earlier one's own error is its waiter's; ours comes from _advance
+                pass
+
+    def _drain(self) -> None:
+        """Before a synchronous collective: every queued one completes first (in program order)."""
+        while self._inflight:
+            last = self._inflight[-1]
+            try:
+                last.wait()
+            except BaseException:  # that Work's error is raised by its own wait()
+                pass
 
     def _work_failed(self, work: RequestWork, exc: BaseException) -> BaseException:
         """A Work of this group failed: record it; the error its waiters raise."""
@@ -520,6 +610,8 @@ class ProcessGroup:
         if thread._pending and thread._runner != _get_ident():
             return thread.run_in_order(lambda: self._blocking(op, step, timeout), op)
         seq = self._begin(op, None) if self._detail and op == "split" else self._number(op)
+        if self._inflight:
+            self._drain()
         record = self._flight_entry(seq, self.name, op, (), None, "started")
         try:
             result = step(seq, time.monotonic() + timeout)

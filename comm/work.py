@@ -26,7 +26,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from .debug import STATE, T_END
+from .debug import STATE, T_END, T_START
 from .engine import DeadlineExceeded
 from .errors import CollectiveTimeout, DistError
 
@@ -144,19 +144,28 @@ class RequestWork(Work):
     """
 
     __slots__ = ("_request", "_owner_group", "_op", "_seq", "_record", "_settle", "_deadline", "_lock",
-                 "_finished", "posted")
+                 "_finished", "posted", "_start", "_timeout", "queued")
 
-    def __init__(self, owner: Any, op: str, seq: int, record: Any, request: Request,
-                 settle: Callable[[], Any] | None, timeout: float) -> None:
+    def __init__(self, owner: Any, op: str, seq: int, record: Any, request: Request | None,
+                 settle: Callable[[], Any] | None, timeout: float,
+                 start: Callable[[], Request] | None = None) -> None:
         self._owner_group, self._op, self._seq, self._record = owner, op, seq, record
-        self._request, self._settle = request, settle
+        self._request, self._settle, self._start, self._timeout = request, settle, start, timeout
         self._error: BaseException | None = None
         self._result: Any = None
         self._queue = self._owner = None
         self._finished = False
+        self.queued = False  # in its group's queue of collectives (see ProcessGroup._advance)
         self._lock = threading.Lock()  # one thread tests the request at a time (MPI requires it)
         self.posted = now = time.monotonic()
         self._deadline = now + timeout
+
+    def start(self) -> None:
+        """Post a queued operation now (its predecessor finished); called once, by its group."""
+        self._request = self._start()  # type: ignore[misc]
+        self._record[STATE], self._record[T_START] = "started", time.time()
+        self.posted = now = time.monotonic()
+        self._deadline = now + self._timeout
 
     @property
     def _what(self) -> str:  # only for messages
@@ -165,6 +174,8 @@ class RequestWork(Work):
     def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
         self._result, self._error = result, error
         self._finished = True
+        if self.queued:
+            self._owner_group._advance(self)
 
     def _settled(self) -> None:
         try:
@@ -180,6 +191,8 @@ class RequestWork(Work):
         False); True once the operation finished."""
         if self._finished:
             return True
+        if self._request is None:  # queued behind an earlier collective of its group
+            return False
         if not self._lock.acquire(blocking=block):
             return False
         try:
@@ -204,6 +217,8 @@ class RequestWork(Work):
         return self._finished and self._error is None
 
     def wait(self, timeout: float | None = None) -> bool:
+        if not self._finished and self._request is None:  # its predecessors must finish first
+            self._owner_group._wait_before(self, None if timeout is None else time.monotonic() + timeout)
         if not self._finished:
             limit = self._deadline if timeout is None else min(self._deadline, time.monotonic() + timeout)
             with self._lock:
@@ -213,7 +228,13 @@ class RequestWork(Work):
                         if not request.Test():
                             group = self._owner_group
                             group._waiting = self._seq
-                            group.engine.wait(request, limit)
+                            waiting = group.world.progress.waiting
+                            me = threading.get_ident()
+                            waiting.add(me)
+                            try:
+                                group.engine.wait(request, limit)
+                            finally:
+                                waiting.discard(me)
                     except DeadlineExceeded as exc:
                         if limit < self._deadline:  # the caller's own bound: the operation goes on
                             raise CollectiveTimeout(f"meshkit.comm: {self._what} did not complete within "

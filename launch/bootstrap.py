@@ -48,6 +48,7 @@ from typing import NoReturn, TextIO
 
 __all__ = [
     "RANK_ENV_VARS", "STATUS_DIR_ENV", "LAUNCHER_ENV", "START", "FAILED", "ENDED", "RELEASE", "TIMED_OUT",
+    "FINISHED",
     "launcher_host", "main",
 ]
 
@@ -62,6 +63,10 @@ STATUS_DIR_ENV = "MESHKIT_LAUNCH_STATUS_DIR"
 LAUNCHER_ENV = "MESHKIT_LAUNCHER"
 #: Names of the status files (``{name}.{rank}`` for the per-rank ones).
 START, FAILED, ENDED, RELEASE, TIMED_OUT = "start", "failed", "ended", "release", "timed-out"
+#: The rank's script is over (returned, or sys.exit(0)); the interpreter is shutting down (atexit
+#: handlers, MPI_Finalize). Written before shutdown, so the launcher can tell a rank that is still
+#: working from one stuck in MPI_Finalize waiting for ranks that left without it.
+FINISHED = "finished"
 # Frames of the rank bootstrap, hidden from the user's tracebacks (runpy is frozen in 3.11+).
 _BOOTSTRAP_FILES = frozenset({__file__, runpy.__file__, "<frozen runpy>"})
 # A line ends at "\n", "\r\n" or a lone "\r" (progress bars redraw a line with "\r").
@@ -423,6 +428,8 @@ def _rank_main(target: list[str]) -> int:
         if code != 0 and status is not None:
             _finish_lines(streams)
             status.report_failure(code, "exit")
+        elif status is not None:
+            status.write(FINISHED, time.time_ns())
         raise  # the interpreter exits with the code unchanged (and prints a str code)
     except KeyboardInterrupt as exc:
         _ignore_interrupts()
@@ -443,6 +450,8 @@ def _rank_main(target: list[str]) -> int:
             _finish_lines(streams)
             status.report_failure(1, "exception")
         _end_rank(1, streams, linger)
+    if status is not None:
+        status.write(FINISHED, time.time_ns())
     return 0
 
 

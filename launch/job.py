@@ -44,7 +44,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .bootstrap import ENDED, FAILED, RELEASE, START, TIMED_OUT
+from .bootstrap import ENDED, FAILED, FINISHED, RELEASE, START, TIMED_OUT
 from .output import OutputFilter, start_pump
 
 __all__ = ["Job", "LaunchError", "FAILURE_SETTLE_S", "KILL_GRACE_S", "TIMEOUT_EXIT_CODE"]
@@ -67,7 +67,12 @@ KILL_GRACE_S = 5.0
 TIMEOUT_EXIT_CODE = 124
 
 _POLL_S = 0.05
-_STATUS_FILE = re.compile(rf"({START}|{FAILED}|{ENDED})\.(\d+)")
+_STATUS_FILE = re.compile(rf"({START}|{FAILED}|{ENDED}|{FINISHED})\.(\d+)")
+
+#: How long ranks whose script is over may stay in interpreter shutdown once every rank's script
+#: is over. MPI_Finalize waits for every rank, so a rank that left without it (``os._exit``,
+#: after a caught error) leaves the others there for good; a clean shutdown takes milliseconds.
+SHUTDOWN_GRACE_S = 3.0
 
 
 class LaunchError(RuntimeError):
@@ -82,6 +87,7 @@ class _Rank:
     pidfd: int | None = None  # held from the start: the pid cannot be reused under us
     failed: tuple[int, str, int] | None = None  # (status, how, time_ns) as the rank reported it
     ended: tuple[int, int] | None = None  # (exit code, negative for a signal; time_ns) from its watcher
+    finished: bool = False  # its script is over; it is shutting down
     named: bool = False  # its end was reported to the user
 
 
@@ -92,6 +98,10 @@ class _Failure:
     status: int  # the exit status it stands for (128 + N for signal N)
     how: str = ""  # "exit 3", "signal 9"
 
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return f"rank {ranks[0]} is" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))} are"
 
 
 def _signal_name(number: int) -> str:
@@ -130,6 +140,7 @@ class Job:
         self.released_at: float | None = None
         self.mpiexec_killed = False
         self.first_failure: _Failure | None = None
+        self.shutdown_since: float | None = None  # when only ranks shutting down were left
 
     # --- running --------------------------------------------------------------------------
 
@@ -195,6 +206,18 @@ class Job:
                 self._send(signal.SIGINT)
                 self._begin_ending(now + KILL_GRACE_S)
             if self.released_at is None:
+                stuck = self._only_shutting_down()
+                if not stuck:
+                    self.shutdown_since = None
+                elif self.shutdown_since is None:
+                    self.shutdown_since = now
+                elif now - self.shutdown_since > SHUTDOWN_GRACE_S:
+                    logger.warning("every rank's script is over, but %s still in MPI_Finalize %g s later, waiting "
+                                   "for ranks that left without it (os._exit); ending %s", _ranks_text(stuck),
+                                   SHUTDOWN_GRACE_S, "it" if len(stuck) == 1 else "them")
+                    self._kill_running()
+                    self._release(now)
+                    continue
                 if self._all_ended():
                     self._release(now)
                 elif self.end_now or now >= self.end_by:
@@ -275,7 +298,10 @@ class Job:
             kind, r = match.group(1), int(match.group(2))
             rank = self.ranks.setdefault(r, _Rank())
             if (kind == START and rank.pid is not None or kind == FAILED and rank.failed is not None
-                    or kind == ENDED and rank.ended is not None):
+                    or kind == ENDED and rank.ended is not None or kind == FINISHED and rank.finished):
+                continue
+            if kind == FINISHED:
+                rank.finished = True
                 continue
             try:
                 with open(os.path.join(self.status_dir, name), encoding="ascii") as f:
@@ -289,6 +315,16 @@ class Job:
                     rank.ended = (int(fields[0]), int(fields[1]))
             except (OSError, ValueError, IndexError):
                 continue
+
+    def _only_shutting_down(self) -> list[int]:
+        """Ranks still alive though their script is over, when every rank's script is over (and no
+        rank failed): stuck in MPI_Finalize for a rank that left without it. Else []."""
+        started = {r: rank for r, rank in self.ranks.items() if rank.pid is not None}
+        if len(started) < self.nproc or self.first_failure is not None:
+            return []
+        if not all(rank.ended is not None or rank.finished for rank in started.values()):
+            return []
+        return sorted(r for r, rank in started.items() if rank.ended is None)
 
     def _all_ended(self) -> bool:
         """Every rank that started on this host has ended (and one did)."""
@@ -337,8 +373,10 @@ class Job:
         failure = self._first_failure()
         if failure is not None:
             return failure.status or 1
-        local = [rank for rank in self.ranks.values() if rank.pid is not None]
-        if len(local) == self.nproc and all(rank.ended is not None and rank.ended[0] == 0 for rank in local):
+        local = {r: rank for r, rank in self.ranks.items() if rank.pid is not None}
+        # A rank ended in MPI_Finalize after its script was over (see SHUTDOWN_GRACE_S) exited well.
+        if len(local) == self.nproc and all(rank.ended is not None and rank.ended[0] == 0
+                                            or r in self.killed and rank.finished for r, rank in local.items()):
             # hydra may report a rank it killed after its watcher was released: the ranks know better
             return 0
         if returncode < 0:  # mpiexec itself died of a signal

@@ -264,6 +264,19 @@ def test_ranks_leaving_without_finalize_all_finish(tmp_path: Path) -> None:
     assert result.stderr == ""
 
 
+def test_a_rank_stuck_in_finalize_for_ranks_that_left_without_it_is_ended(tmp_path: Path) -> None:
+    # Rank 1's MPI_Finalize waits for ranks 0 and 2, which left with os._exit(0): once every
+    # rank's script is over, the launcher ends it after SHUTDOWN_GRACE_S instead of --timeout.
+    start = time.monotonic()
+    result = run_launcher(["-n", "3", "--timeout", "60", str(SCRIPTS / "launch_finalize_stuck.py")], tmp_path)
+    elapsed = time.monotonic() - start
+
+    assert result.returncode == 0, result.stderr
+    assert sorted(result.stdout.splitlines()) == [f"[rank{r}]: done" for r in range(3)]
+    assert "every rank's script is over, but rank 1 is still in MPI_Finalize 3 s later" in result.stderr
+    assert elapsed < 20, elapsed
+
+
 def test_mpiexec_that_cannot_start_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "script.py").write_text("")
     env = dict(os.environ, MESHKIT_MPIEXEC=str(tmp_path / "no-such-mpiexec"))
