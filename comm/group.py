@@ -389,6 +389,19 @@ class ProcessGroup:
         return ProcessGroup(engine, world=self.world, ranks=members, group_rank=engine.rank, name=name,
                             timeout=self.world.timeout)
 
+    def progress(self) -> None:
+        """Let the engine move the group's oldest outstanding collective (one cheap test).
+
+        MPI moves a nonblocking collective's data only inside MPI calls; a caller with much
+        Python work between its collectives (a backward pass marking gradients) calls this now
+        and then, so that an earlier bucket's reduction goes on meanwhile.
+        """
+        inflight = self._inflight
+        if inflight:
+            head = inflight[0]
+            if not head._finished:
+                head.poll(block=False)
+
     def run_async(self, fn: Callable[[], Any], what: str) -> Work:
         """Run ``fn`` on this group's communication thread, after every task queued before it.
 

@@ -175,9 +175,13 @@ class RequestWork(Work):
         self._result, self._error = result, error
         self._finished = True
         if self.queued:
+            self.queued = False
             self._owner_group._advance(self)
 
     def _settled(self) -> None:
+        if self.queued:  # start the next collective before this one's epilogue (AVG's division)
+            self.queued = False
+            self._owner_group._advance(self)
         try:
             result = self._settle() if self._settle is not None else None
         except BaseException as exc:  # handed to every waiter

@@ -178,8 +178,11 @@ class GradientReducer:
         ready.add(name)
         if self._record_order:
             self._ready_order.append(name)
-        if self._sync and len(ready) == bucket.count:
-            bucket.launch()
+        if self._sync:
+            if len(ready) == bucket.count:
+                bucket.launch()
+            elif not len(ready) & 31:  # every 32 marks: let an earlier bucket's reduction move on
+                self.group.progress()
 
     def _check_grad(self, name: str, grad: Any) -> None:
         shape, dtype = self._specs[name]
