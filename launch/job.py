@@ -193,7 +193,6 @@ class Job:
                 pass
             now = time.monotonic()
             self._refresh()
-            self._name_ends()
             failure = self._first_failure()
             if failure is not None and self.first_failure is None:
                 self.first_failure = failure
@@ -266,6 +265,7 @@ class Job:
 
     def _kill_running(self) -> None:
         """SIGKILL the ranks on this host that have not ended (only the user's processes)."""
+        self._name_ends()  # those that ended on their own first, before the ones killed now
         running = sorted(r for r, rank in self.ranks.items() if rank.ended is None and rank.pid is not None)
         healthy = [r for r in running if self.ranks[r].failed is None]
         if healthy and self.first_failure is not None and self.received is None and not self.timed_out:
@@ -347,7 +347,9 @@ class Job:
         return min(self._failures(), default=None)
 
     def _name_ends(self) -> None:
-        """Say how each rank ended that left no traceback: ``os._exit(3)``, a signal, ``sys.exit``."""
+        """Say how the ranks ended that left no traceback (``os._exit(3)``, a signal, ``sys.exit``),
+        one line for all the ranks that ended the same way (a usage error on 64 ranks is one line)."""
+        ends: dict[str, list[int]] = {}
         for r in sorted(self.ranks):
             rank = self.ranks[r]
             if rank.named or r in self.killed:
@@ -355,15 +357,18 @@ class Job:
             if rank.failed is not None:
                 status, how, _ = rank.failed
                 if how == "exit":
-                    logger.error("rank %d exited with status %d", r, status)
+                    ends.setdefault(f"exited with status {status}", []).append(r)
                 rank.named = True
             elif rank.ended is not None:
                 code = rank.ended[0]
                 if code > 0:
-                    logger.error("rank %d exited with status %d", r, code)
+                    ends.setdefault(f"exited with status {code}", []).append(r)
                 elif code < 0 and -code != self.received:  # not the Ctrl-C the user pressed
-                    logger.error("rank %d was killed by signal %d (%s)", r, -code, _signal_name(-code))
+                    ends.setdefault(f"was killed by signal {-code} ({_signal_name(-code)})", []).append(r)
                 rank.named = True
+        for how, ranks in ends.items():
+            who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+            logger.error("%s %s", who, how.replace("was killed", "were killed") if len(ranks) > 1 else how)
 
     def _exit_code(self, returncode: int) -> int:
         if self.timed_out:

@@ -264,6 +264,15 @@ def test_ranks_leaving_without_finalize_all_finish(tmp_path: Path) -> None:
     assert result.stderr == ""
 
 
+@needs_mpiexec
+def test_ranks_that_end_the_same_way_are_named_in_one_line(tmp_path: Path) -> None:
+    result = run_launcher(["-n", "3", str(SCRIPTS / "launch_exit_all.py")], tmp_path)
+
+    assert result.returncode == 2
+    assert other_lines(result.stderr) == ["meshkit-run: ranks 0, 1, 2 exited with status 2"]
+
+
+@needs_mpiexec
 def test_a_rank_stuck_in_finalize_for_ranks_that_left_without_it_is_ended(tmp_path: Path) -> None:
     # Rank 1's MPI_Finalize waits for ranks 0 and 2, which left with os._exit(0): once every
     # rank's script is over, the launcher ends it after SHUTDOWN_GRACE_S instead of --timeout.
