@@ -201,3 +201,102 @@ def waiting_policy() -> tuple[bool, bool, bool, bool]:
 def test_blocked_callers_spin_only_with_a_core_each_and_threads_only_when_waited_for(mpirun, n):
     out = mpirun("mpi_async.py", n, "policy").stdout
     assert out.count("POLICY (True, True, True, True)") == n, out
+
+
+# --------------------------------------------------------------------------- the queue of async collectives
+def queued_chain_progresses():
+    """Three async 8 MB all_reduces, then compute: they start one after the other (one in MPI at
+    a time) and all complete while the caller computes, driven by the progress agent."""
+    rank = meshkit.get_rank()
+    xs = [np.full(1 << 20, float(rank + i)) for i in range(3)]
+    works = [meshkit.all_reduce(x, async_op=True) for x in xs]
+    group = current_world().default_group
+    queued = [w._request is None for w in works]
+    deadline = time.monotonic() + 10
+    while not all(w._finished for w in works) and time.monotonic() < deadline:
+        time.sleep(0.01)  # "compute" without calling meshkit
+    done_before_wait = all(w._finished for w in works)
+    for w in works:
+        w.wait()
+    n = meshkit.get_world_size()
+    right = all(float(x[0]) == sum(r + i for r in range(n)) for i, x in enumerate(xs))
+    return queued[0], all(queued[1:]) or n == 1, done_before_wait, right, len(group._inflight)
+
+
+def test_a_chain_of_async_collectives_completes_in_the_background_on_mpi(mpirun):
+    out = mpirun("mpi_async.py", 2, "chain").stdout
+    assert out.count("CHAIN (False, True, True, True, 0)") == 2, out
+
+
+def test_async_collectives_start_in_order_and_a_blocking_call_waits_for_them():
+    def body():
+        rank = meshkit.get_rank()
+        group = current_world().default_group
+        a, b = np.full(3, float(rank)), np.full(3, 10.0 * rank)
+        engine, seen = group.engine, []
+        real = engine.broadcast
+
+        def spy(*args):  # when the broadcast reaches the engine, the all_reduce must be complete
+            seen.append(wa._request.done)
+            return real(*args)
+
+        engine.broadcast = spy
+        wa = meshkit.all_reduce(a, async_op=True)
+        wb = meshkit.broadcast(b, src=1, async_op=True)
+        c = np.full(2, 1.0)
+        meshkit.all_reduce(c)  # blocking: every earlier collective of the group completes first
+        state = [wa.is_completed(), wb.is_completed(), len(group._inflight)]
+        wb.wait()
+        wa.wait()
+        return seen == [True], state, a.tolist(), b.tolist(), c.tolist()
+    for started, state, a, b, c in local.run(body, 3, timeout=10):
+        assert started, "the second collective started before the first completed"
+        assert state == [True, True, 0]
+        assert a == [3.0] * 3 and b == [10.0] * 3 and c == [3.0, 3.0]
+
+
+def test_waiting_on_a_queued_collective_waits_for_those_before_it():
+    def body():
+        rank = meshkit.get_rank()
+        xs = [np.full(2, float(rank * 10 + i)) for i in range(4)]
+        works = [meshkit.all_reduce(x, meshkit.ReduceOp.MAX, async_op=True) for x in xs]
+        works[-1].wait()  # the last one: the three before it run first, in order
+        states = [w.is_completed() for w in works]
+        for w in works:
+            w.wait()
+        return states, [x[0] for x in xs]
+    for states, values in local.run(body, 2, timeout=10):
+        assert states == [True] * 4 and values == [10.0, 11.0, 12.0, 13.0]
+
+
+def test_a_failed_collective_fails_the_ones_queued_behind_it_on_every_rank():
+    def body():
+        if meshkit.get_rank() == 1:
+            time.sleep(0.8)  # present, never joining: rank 0's first collective times out
+            return None
+        first = meshkit.barrier(async_op=True)
+        second = meshkit.all_reduce(np.ones(2), async_op=True)
+        with pytest.raises(meshkit.CollectiveTimeout, match="barrier #0 on group world"):
+            first.wait()
+        with pytest.raises(meshkit.DistError, match="group world is unusable after an earlier failure"):
+            second.wait()
+        return second.is_completed() and not second.is_success()
+    assert local.run(body, 2, timeout=0.3)[0] is True
+
+
+def test_a_bounded_wait_on_a_queued_collective_times_out_without_failing_it():
+    def body():
+        rank = meshkit.get_rank()
+        if rank == 0:
+            first = meshkit.all_reduce(np.ones(2), async_op=True)
+            second = meshkit.all_reduce(np.ones(2), async_op=True)
+            with pytest.raises(meshkit.CollectiveTimeout, match="did not start within Work.wait"):
+                second.wait(timeout=0.05)  # rank 1 joins only after 0.3 s
+            first.wait()
+            second.wait()
+            return second.is_success()
+        time.sleep(0.3)
+        meshkit.all_reduce(np.ones(2))
+        meshkit.all_reduce(np.ones(2))
+        return True
+    assert local.run(body, 2, timeout=10) == [True, True]

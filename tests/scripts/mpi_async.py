@@ -11,6 +11,8 @@ if sys.argv[1] == "policy":
     print("POLICY", repr(test_async.waiting_policy()), flush=True)
 elif sys.argv[1] == "progress":
     print("RESULT", repr(test_async.progress_while_computing()), flush=True)
+elif sys.argv[1] == "chain":
+    print("CHAIN", repr(test_async.queued_chain_progresses()), flush=True)
 else:
     test_async.interleaved()
     print("ORDER OK", flush=True)
