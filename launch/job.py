@@ -17,6 +17,10 @@ then reported exit 9 or 0 at random), and which rank had died, and how, was not 
   Ending means: kill (SIGKILL) the ranks still running, then release the watchers; ``mpiexec``
   then ends the ranks on other hosts.
 * **Every rank on this host ended** (cleanly or not): release at once.
+* **A rank left without finishing its script** (``os._exit(0)``: no MPI_Finalize, which MPI
+  counts as an abnormal exit) while others still run :data:`SHUTDOWN_GRACE_S` later: a failure
+  (status 1), since the others may be waiting for it. **Ranks stuck in MPI_Finalize** once every
+  rank's script is over (waiting for such a rank) are ended after the same grace, as a success.
 * **A signal** (SIGINT, SIGTERM, SIGHUP) is passed to ``mpiexec``, which passes it to every rank;
   the job ends once every rank has ended, :data:`FAILURE_SETTLE_S` after the first rank reported
   it, or :data:`KILL_GRACE_S` after the signal. A second signal ends the job at once.
@@ -331,8 +335,23 @@ class Job:
         started = [rank for rank in self.ranks.values() if rank.pid is not None]
         return bool(started) and all(rank.ended is not None for rank in started)
 
+    def _abandoned(self) -> list[_Failure]:
+        """Ranks that left (status 0) without finishing their script, so without MPI_Finalize
+        (``os._exit(0)``), while others still run :data:`SHUTDOWN_GRACE_S` later: MPI counts that
+        exit as abnormal (hydra ends the job at once), and the others may be waiting for them."""
+        running = any(rank.pid is not None and rank.ended is None and not rank.finished
+                      for rank in self.ranks.values())
+        if not running:
+            return []
+        grace_ns = int(SHUTDOWN_GRACE_S * 1e9)
+        now_ns = time.time_ns()
+        return [_Failure(rank.ended[1], r, 1, "left without finishing its script (os._exit(0)?)")
+                for r, rank in self.ranks.items()
+                if rank.ended is not None and rank.ended[0] == 0 and not rank.finished and rank.failed is None
+                and r not in self.killed and now_ns - rank.ended[1] > grace_ns]
+
     def _failures(self) -> list[_Failure]:
-        failures = []
+        failures = self._abandoned()
         for r, rank in self.ranks.items():
             if rank.failed is not None:
                 status, _, time_ns = rank.failed
@@ -375,7 +394,7 @@ class Job:
             return TIMEOUT_EXIT_CODE
         if self.received is not None:
             return 128 + self.received  # 130 for Ctrl-C, as a shell reports it
-        failure = self._first_failure()
+        failure = min([*self._failures(), *([self.first_failure] if self.first_failure else [])], default=None)
         if failure is not None:
             return failure.status or 1
         local = {r: rank for r, rank in self.ranks.items() if rank.pid is not None}

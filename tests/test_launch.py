@@ -273,6 +273,19 @@ def test_ranks_that_end_the_same_way_are_named_in_one_line(tmp_path: Path) -> No
 
 
 @needs_mpiexec
+def test_a_rank_that_leaves_without_finalizing_while_others_wait_ends_the_job(tmp_path: Path) -> None:
+    # os._exit(0) skips MPI_Finalize (and meshkit's notices): MPI counts that exit as abnormal, and
+    # the others wait for the rank forever; the job ends SHUTDOWN_GRACE_S later, naming it.
+    start = time.monotonic()
+    result = run_launcher(["-n", "3", "--timeout", "60", str(SCRIPTS / "launch_leave_early.py")], tmp_path)
+
+    assert result.returncode == 1, result.stderr
+    assert "meshkit-run: rank 1 failed (left without finishing its script (os._exit(0)?)); killing the job " \
+           "(ranks 0, 2 still running)" in result.stderr
+    assert time.monotonic() - start < 20
+
+
+@needs_mpiexec
 def test_a_rank_stuck_in_finalize_for_ranks_that_left_without_it_is_ended(tmp_path: Path) -> None:
     # Rank 1's MPI_Finalize waits for ranks 0 and 2, which left with os._exit(0): once every
     # rank's script is over, the launcher ends it after SHUTDOWN_GRACE_S instead of --timeout.
