@@ -232,7 +232,7 @@ class ProcessGroup:
             outs = check_list(self, "all_gather", "tensor_list", tensor_list, tensor, "tensor", writable=True)
         except (DistValueError, DistTypeError) as exc:
             raise self._reject("all_gather", exc)
-        flat = np.empty((self.size,) + tensor.shape, tensor.dtype)
+        flat = np.empty_like(tensor, shape=(self.size,) + tensor.shape)  # on the tensor's device
         return self._run("all_gather", lambda: self.engine.all_gather(flat, tensor), async_op, (tensor.shape,),
                          tensor, _copy_rows(flat, outs))
 
@@ -277,7 +277,7 @@ class ProcessGroup:
             outs = self._root_list("gather", "gather_list", gather_list, tensor, root, writable=True)
         except (DistValueError, DistTypeError) as exc:
             raise self._reject("gather", exc)
-        flat = np.empty((self.size,) + tensor.shape, tensor.dtype) if outs is not None else None
+        flat = np.empty_like(tensor, shape=(self.size,) + tensor.shape) if outs is not None else None
         return self._run("gather", lambda: self.engine.gather(flat, tensor, root), async_op, (tensor.shape,),
                          tensor, None if outs is None else _copy_rows(flat, outs), root=root)
 
@@ -340,7 +340,7 @@ class ProcessGroup:
         send = [x.size for x in ins]
         recv = [x.size for x in outs]
         flat_in = np.concatenate([x.ravel() for x in ins])
-        flat_out = np.empty(sum(recv), ref.dtype)
+        flat_out = np.empty_like(ref, shape=(sum(recv),))
 
         def settle() -> None:
             start = 0
