@@ -421,7 +421,9 @@ class ProcessGroup:
         self._check_tag("isend", tag)
         what = f"send to rank {self.ranks[dst]} tag {tag}"
         record = self._flight_entry(-1, self.name, "send", (tensor.shape,), tensor.dtype, "started")
-        if self._headers:  # the message carries its dtype and size, checked by the receiver
+        if self._headers and not hasattr(tensor, "__cuda_array_interface__"):
+            # A host message carries its dtype and size, checked by the receiver (device messages
+            # go over NCCL, which checks counts itself).
             staged = _with_header(tensor)
             # The Work's epilogue refers to ``staged``: it stays alive until the send completed.
             return self._p2p_work(what, self.engine.send(staged, dst, tag), record, dst, lambda: staged.dtype and None)
@@ -442,7 +444,8 @@ class ProcessGroup:
         self._check_tag("irecv", tag)
         peer = "any rank" if src is None else f"rank {self.ranks[src]}"
         record = self._flight_entry(-1, self.name, "recv", (tensor.shape,), tensor.dtype, "started")
-        staged = np.empty(_HEADER + tensor.nbytes, np.uint8) if self._headers else None
+        staged = (np.empty(_HEADER + tensor.nbytes, np.uint8)
+                  if self._headers and not hasattr(tensor, "__cuda_array_interface__") else None)
         request = self.engine.recv(tensor if staged is None else staged, src, tag)
 
         def settle() -> int:

@@ -427,7 +427,8 @@ class FakeCommunicator:
             raise FakeNcclError(f"double: {kind}: communicator failed earlier: {clique.error}")
         s = _stream(stream)
         if s.device != self._device:
-            raise FakeNcclError(f"double: {kind}: stream of device {s.device} on a communicator of device {self._device}")
+            raise FakeNcclError(f"double: {kind}: stream of device {s.device} on a communicator of device "
+                                f"{self._device}")
         caller = _current()
         if not s.ordered_after(caller):
             raise FakeNcclError(f"double: {kind}: the stream argument is not ordered after the caller's current "
@@ -457,7 +458,8 @@ class FakeCommunicator:
             _progress()
 
     def _collective(self, kind: str, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int | None,
-                    root: int | None, stream: int, recv_count: int | None = None, send_count: int | None = None) -> None:
+                    root: int | None, stream: int, recv_count: int | None = None,
+                    send_count: int | None = None) -> None:
         if op is not None and op not in _OPS:
             raise FakeNcclError(f"double: {kind}: op {op} is not an NCCL reduction (valid: {sorted(_OPS)})")
         if root is not None and not 0 <= root < self._clique.size:
@@ -469,7 +471,8 @@ class FakeCommunicator:
                    datatype=datatype, op=op, root=root)
 
     # ------------------------------------------------------------------ NcclCommunicator's methods
-    def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, stream: int) -> None:  # noqa: N802
+    def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int,  # noqa: N802
+                  stream: int) -> None:
         self._collective("allReduce", sendbuf, recvbuf, count, datatype, op, None, stream)
 
     def reduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, root: int, stream: int) -> None:

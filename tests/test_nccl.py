@@ -239,7 +239,8 @@ def test_unbalanced_groups_fail(fake_gpu, monkeypatch):
         gl = [double.to_device(np.zeros(2)) for _ in range(2)] if meshkit.get_rank() == 0 else None
         meshkit.gather(double.to_device(np.ones(2)), gl, dst=0)
 
-    with pytest.raises(Exception, match=r"gather #0 .* timed out|gather: NCCL reported an asynchronous error|inside groupStart\(\)/groupEnd\(\)"):
+    with pytest.raises(Exception, match=r"gather #0 .* timed out|gather: NCCL reported an asynchronous error|"
+                                        r"inside groupStart\(\)/groupEnd\(\)"):
         on_nccl(body, 2, timeout=2)
 
 
@@ -324,3 +325,18 @@ def test_on_a_real_gpu():
         np.testing.assert_array_equal(body(), np.full(4, 1.0, np.float32))
     finally:
         meshkit.destroy_process_group()
+
+
+def test_detail_mode_checks_every_call_over_the_host_engine(fake_gpu, monkeypatch):
+    monkeypatch.setenv("MESHKIT_DEBUG", "detail")
+    assert on_nccl(dev_cases, 2, np.float32)[1] == 4 * 5 + 7 + 2
+
+    def body():
+        x = double.to_device(np.ones(2))
+        if meshkit.get_rank() == 0:
+            meshkit.all_reduce(x)
+        else:
+            meshkit.broadcast(x, src=0)
+
+    with pytest.raises(meshkit.CollectiveMismatchError, match=r"collective mismatch on group world at #0"):
+        on_nccl(body, 2)
