@@ -340,3 +340,51 @@ def test_detail_mode_checks_every_call_over_the_host_engine(fake_gpu, monkeypatc
 
     with pytest.raises(meshkit.CollectiveMismatchError, match=r"collective mismatch on group world at #0"):
         on_nccl(body, 2)
+
+
+def test_a_mesh_costs_one_comm_split_per_dimension(fake_gpu, monkeypatch):
+    """A 2 x 2 mesh over an nccl world: one commSplit per dimension on every rank, and device
+    all_reduces over each dimension's group match the reference."""
+    calls = {}
+    split = double.FakeCommunicator.commSplit
+
+    def counted(self, color, key, config=None):
+        calls[threading.get_ident()] = calls.get(threading.get_ident(), 0) + 1
+        return split(self, color, key, config)
+
+    monkeypatch.setattr(double.FakeCommunicator, "commSplit", counted)
+
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        rank = meshkit.get_rank()
+        out = {}
+        for dim in ("dp", "tp"):
+            x = double.to_device(np.full(3, float(rank)))
+            meshkit.all_reduce(x, group=mesh.get_group(dim))
+            out[dim] = float(double.to_host(x)[0])
+        return calls[threading.get_ident()], meshkit.current_world().split_count, out
+
+    results = on_nccl(body, 4)
+    # mesh [[0, 1], [2, 3]]: dp groups [0, 2], [1, 3]; tp groups [0, 1], [2, 3]
+    assert [r[2] for r in results] == [{"dp": 2.0, "tp": 1.0}, {"dp": 4.0, "tp": 1.0},
+                                       {"dp": 2.0, "tp": 5.0}, {"dp": 4.0, "tp": 5.0}]
+    assert [r[0] for r in results] == [2] * 4
+    assert [r[1] for r in results] == [2] * 4
+
+
+def test_async_collectives_in_a_row_and_their_epilogues(fake_gpu):
+    """Several async calls in flight, waited in order: each result right, including the list
+    collectives whose rows are copied out after Work.wait (stream-ordered epilogues)."""
+    def body():
+        rank, n = meshkit.get_rank(), meshkit.get_world_size()
+        xs = [double.to_device(np.full(5, rank + i, np.float64)) for i in range(3)]
+        works = [meshkit.all_reduce(x, op=ReduceOp.AVG, async_op=True) for x in xs]
+        outs = [double.to_device(np.zeros(2, np.int32)) for _ in range(n)]
+        works.append(meshkit.all_gather(outs, double.to_device(np.full(2, rank, np.int32)), async_op=True))
+        for w in works:
+            w.wait()
+        return [double.to_host(x)[0] for x in xs], [int(double.to_host(o)[1]) for o in outs]
+
+    for avgs, gathered in on_nccl(body, 3):
+        assert avgs == [1.0, 2.0, 3.0]
+        assert gathered == [0, 1, 2]
