@@ -28,6 +28,11 @@ event and polls ``check_async_error``. Waiting has two forms:
   done event (:meth:`NCCLEngine.defer`) and returns at once, as torch's does; the work counts
   as finished for the host. Its buffers stay referenced by the engine until the event fires.
 
+Each rank drives one GPU: every call makes the engine's device the calling thread's current
+device (CuPy's ``Device.use()``), so that a communication thread issues on the right device.
+Async collectives of a group still start one after another (the group's queue, built for
+MPI): a queued one is launched when the one before it is seen complete or waited for.
+
 Everything GPU-specific goes through the runtime of :mod:`meshkit.comm.cuda_runtime`.
 """
 
@@ -428,7 +433,13 @@ class NCCLEngine:
         """The host engine splits first (it checks the members and honours the deadline), then
         NCCL's commSplit, collective over this communicator, with the same colour."""
         host = self.host.split(color, ranks, deadline)
-        self.rt.use_device(self.device)
+        # NCCL: no operation may be outstanding on a communicator being split (async work that
+        # Work.wait() only ordered may still run on the device): wait for the stream first.
+        rt = self.rt
+        rt.use_device(self.device)
+        drained = rt.new_event()
+        drained.record(self.stream)
+        self.wait(DeviceRequest(self, "split", drained, ()), deadline)
         child = self.comm.commSplit(-1 if color is None else int(color), self.rank)
         if host is None:
             return None

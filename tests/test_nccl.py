@@ -388,3 +388,39 @@ def test_async_collectives_in_a_row_and_their_epilogues(fake_gpu):
     for avgs, gathered in on_nccl(body, 3):
         assert avgs == [1.0, 2.0, 3.0]
         assert gathered == [0, 1, 2]
+
+
+def test_collectives_from_the_group_communication_thread(fake_gpu):
+    """A task of run_async issues on the group's own thread (another thread, device 0 until the
+    engine selects the rank's device): the stream order still holds."""
+    def body():
+        group = meshkit.current_world().default_group
+        x = double.to_device(np.full(2, meshkit.get_rank() + 1.0))
+        group.run_async(lambda: group.all_reduce(x), "hook").wait()
+        return double.to_host(x).tolist()
+
+    assert on_nccl(body, 3) == [[6.0, 6.0]] * 3
+
+
+def test_no_driver_means_no_gpu():
+    class NoDriver(double.FakeRuntime):
+        def device_count(self):
+            raise RuntimeError("cudaErrorInsufficientDriver: CUDA driver version is insufficient")
+
+    previous = cuda_runtime.set_runtime(NoDriver())
+    try:
+        assert cuda_runtime.gpu_available() is False
+        assert lifecycle._resolve_backend("auto") == "mpi"
+    finally:
+        cuda_runtime.set_runtime(previous)
+
+
+def test_nccl_without_cupy_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "cupy", None)  # `import cupy` raises ImportError
+    previous = cuda_runtime.set_runtime(None)
+    try:
+        with pytest.raises(meshkit.DistBackendError, match=r"the 'nccl' backend needs CuPy with NCCL: "
+                                                           r"pip install 'meshkit\[cuda12\]'"):
+            on_nccl(lambda: None, 1)
+    finally:
+        cuda_runtime.set_runtime(previous)
