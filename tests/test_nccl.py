@@ -424,3 +424,19 @@ def test_nccl_without_cupy_says_what_to_install(monkeypatch):
             on_nccl(lambda: None, 1)
     finally:
         cuda_runtime.set_runtime(previous)
+
+
+@pytest.mark.parametrize("case", ["other collective", "other count"])
+def test_ranks_that_disagree_fail_instead_of_corrupting(fake_gpu, case):
+    """Without detail mode meshkit cannot see the disagreement; the double, as NCCL would
+    (by hanging or reading garbage), must not let it pass."""
+    def body():
+        rank = meshkit.get_rank()
+        x = double.to_device(np.ones(3 if case == "other collective" or rank == 0 else 4))
+        if case == "other collective" and rank == 1:
+            meshkit.broadcast(x, src=0)
+        else:
+            meshkit.all_reduce(x)
+
+    with pytest.raises(Exception, match=r"collective #0: rank \d issued \('(allReduce|broadcast)', [34],"):
+        on_nccl(body, 2, timeout=5)
