@@ -11,7 +11,8 @@ So every collective, synchronous or not, takes the same path::
 Optional methods, looked up by the group where an engine has them: ``defer(request) -> bool``
 (``Work.wait()`` of an async call orders the caller's device stream after the request instead
 of blocking the host; NCCL), ``start_coalescing()``/``end_coalescing()`` (``batch_isend_irecv``
-posts its list as one group; NCCL), ``notify``/``notices``/``flush``/``abort`` (notices between
+posts its list as one group; NCCL), ``queues = False`` (async collectives start at once instead
+of waiting behind the group's earlier one; NCCL, whose stream orders them), ``notify``/``notices``/``flush``/``abort`` (notices between
 ranks, job abort).
 
 Engines see only checked, C-contiguous arrays and group ranks. Reduce ops arrive as

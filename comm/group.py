@@ -88,6 +88,8 @@ class ProcessGroup:
         # concurrent Iallreduce of 256 KB-4 MB 1.8-2.6x slower than the same two one after the other
         # (2 ranks, raw mpi4py; benchmarks/collectives.py --mode async), and DDP's buckets are such.
         self._inflight: collections.deque[RequestWork] = collections.deque()
+        # An engine that orders its operations itself (NCCL's stream) starts each one at once.
+        self._queues = engine is None or getattr(engine, "queues", True)
         self._qlock = threading.Lock()
         self._rejected: set[int] = set()  # numbers of calls this rank rejected (they did not count)
         self._waiting = 0  # the call a wait on this group is for (read by _stalled)
@@ -162,7 +164,7 @@ class ProcessGroup:
         settle = self._averaged(tensor) if op is ReduceOp.AVG and self._divides else None
         if async_op:
             with self._qlock:
-                if self._inflight:  # behind an earlier collective: started when it completes
+                if self._inflight and self._queues:  # behind an earlier collective: started when it completes
                     request, start = None, functools.partial(self.engine.all_reduce, tensor, op)
                 else:
                     request, start = self.engine.all_reduce(tensor, op), None
@@ -512,7 +514,7 @@ class ProcessGroup:
         dtype = ref.dtype if ref is not None else fingerprint.get("dtype")
         if async_op:
             with self._qlock:
-                queued = bool(self._inflight)
+                queued = self._queues and bool(self._inflight)
                 record = self._flight_entry(seq, self.name, op, shapes, dtype, "scheduled" if queued else "started")
                 try:
                     request = None if queued else start()

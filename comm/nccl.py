@@ -30,8 +30,8 @@ event and polls ``check_async_error``. Waiting has two forms:
 
 Each rank drives one GPU: every call makes the engine's device the calling thread's current
 device (CuPy's ``Device.use()``), so that a communication thread issues on the right device.
-Async collectives of a group still start one after another (the group's queue, built for
-MPI): a queued one is launched when the one before it is seen complete or waited for.
+Async collectives start at once (``queues = False``: the group does not hold them back behind
+the one before, as it does for MPI), since the communication stream runs them in order.
 
 Everything GPU-specific goes through the runtime of :mod:`meshkit.comm.cuda_runtime`.
 """
@@ -108,6 +108,7 @@ class NCCLEngine:
 
     backend = "nccl"
     native_avg = True
+    queues = False  # the stream orders a group's collectives: start each one when it is called
 
     def __init__(self, host: Any, comm: Any, rt: Any, device: int) -> None:
         self.host, self.comm, self.rt, self.device = host, comm, rt, device

@@ -440,3 +440,17 @@ def test_ranks_that_disagree_fail_instead_of_corrupting(fake_gpu, case):
 
     with pytest.raises(Exception, match=r"collective #0: rank \d issued \('(allReduce|broadcast)', [34],"):
         on_nccl(body, 2, timeout=5)
+
+
+def test_async_collectives_start_at_once(fake_gpu):
+    """The stream orders a group's collectives: none waits in the group's queue (as on MPI)."""
+    def body():
+        xs = [double.to_device(np.ones(2)) for _ in range(3)]
+        works = [meshkit.all_reduce(x, async_op=True) for x in xs]
+        works.append(meshkit.broadcast(double.to_device(np.ones(2)), src=0, async_op=True))
+        states = [e["state"] for e in meshkit.flight_record()]
+        for w in works:
+            w.wait()
+        return states
+
+    assert on_nccl(body, 2) == [["started"] * 4] * 2
