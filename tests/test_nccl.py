@@ -454,3 +454,10 @@ def test_async_collectives_start_at_once(fake_gpu):
         return states
 
     assert on_nccl(body, 2) == [["started"] * 4] * 2
+
+
+def test_nccl_over_mpi_as_host_engine(mpirun):
+    """A real process: MPI carries the unique id, host arrays and objects (a world of one: the
+    double's communicators cannot span processes)."""
+    out = mpirun("mpi_nccl_double.py", 1).stdout
+    assert "OK " in out and "checks on rank 0 of 1" in out, out
