@@ -366,8 +366,8 @@ class NCCLEngine:
         if not self._on_device("all_to_all", ("output", out), ("input", inp)):
             return self.host.all_to_all(out, recv_counts, inp, send_counts)
         t, _ = self._moved(inp)
-        scale = inp.itemsize if t == self._bytes and inp.dtype.name != "uint8" else 1  # counts in bytes then
         size = inp.itemsize
+        scale = 1 if inp.dtype.name in self._types else size  # moved as bytes: counts in bytes
         pi, po = self.rt.pointer(inp), self.rt.pointer(out)
 
         def issue(s: int) -> None:

@@ -535,7 +535,12 @@ class FakeCommunicator:
     def destroy(self) -> None:
         if getattr(_tls, "depth", 0):
             raise FakeNcclError("double: destroy() inside groupStart()/groupEnd()")
-        self._destroyed = True
+        with _cond:
+            self._destroyed = True
+            clique = self._clique
+            if all(m._destroyed for m in clique.members.values()):  # forget it: progress scans every clique
+                for key in [k for k, c in _cliques.items() if c is clique]:
+                    del _cliques[key]
 
     def abort(self) -> None:
         with _cond:
