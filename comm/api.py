@@ -221,4 +221,13 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
     """
     if not isinstance(p2p_op_list, (list, tuple)) or not all(isinstance(p, P2POp) for p in p2p_op_list):
         raise DistTypeError("meshkit.comm: batch_isend_irecv takes a list of P2POp")
-    return [p.op(p.tensor, p.peer, p.group, p.tag, p.group_peer) for p in p2p_op_list]
+    # Engines that match sends and receives in order (NCCL) post the whole list as one group.
+    engines = {id(e): e for e in (resolve_group(p.group).engine for p in p2p_op_list)
+               if hasattr(e, "start_coalescing")}
+    for engine in engines.values():
+        engine.start_coalescing()
+    try:
+        return [p.op(p.tensor, p.peer, p.group, p.tag, p.group_peer) for p in p2p_op_list]
+    finally:
+        for engine in engines.values():
+            engine.end_coalescing()

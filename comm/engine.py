@@ -8,6 +8,13 @@ So every collective, synchronous or not, takes the same path::
 
     ProcessGroup.all_reduce -> engine.all_reduce (e.g. MPI's Iallreduce) -> Request
 
+Optional methods, looked up by the group where an engine has them: ``defer(request) -> bool``
+(``Work.wait()`` of an async call orders the caller's device stream after the request instead
+of blocking the host; NCCL), ``start_coalescing()``/``end_coalescing()`` (``batch_isend_irecv``
+posts its list as one group; NCCL), ``queues = False`` (async collectives start at once instead
+of waiting behind the group's earlier one; NCCL, whose stream orders them), ``notify``/``notices``/``flush``/``abort`` (notices between
+ranks, job abort).
+
 Engines see only checked, C-contiguous arrays and group ranks. Reduce ops arrive as
 :class:`~meshkit.comm.reduce_op.ReduceOp`; an engine without a native average reduces
 ``AVG`` as a sum and sets ``native_avg = False`` (the group divides once, as NCCL's AVG does).

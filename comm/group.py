@@ -88,6 +88,8 @@ class ProcessGroup:
         # concurrent Iallreduce of 256 KB-4 MB 1.8-2.6x slower than the same two one after the other
         # (2 ranks, raw mpi4py; benchmarks/collectives.py --mode async), and DDP's buckets are such.
         self._inflight: collections.deque[RequestWork] = collections.deque()
+        # An engine that orders its operations itself (NCCL's stream) starts each one at once.
+        self._queues = engine is None or getattr(engine, "queues", True)
         self._qlock = threading.Lock()
         self._rejected: set[int] = set()  # numbers of calls this rank rejected (they did not count)
         self._waiting = 0  # the call a wait on this group is for (read by _stalled)
@@ -162,7 +164,7 @@ class ProcessGroup:
         settle = self._averaged(tensor) if op is ReduceOp.AVG and self._divides else None
         if async_op:
             with self._qlock:
-                if self._inflight:  # behind an earlier collective: started when it completes
+                if self._inflight and self._queues:  # behind an earlier collective: started when it completes
                     request, start = None, functools.partial(self.engine.all_reduce, tensor, op)
                 else:
                     request, start = self.engine.all_reduce(tensor, op), None
@@ -232,7 +234,7 @@ class ProcessGroup:
             outs = check_list(self, "all_gather", "tensor_list", tensor_list, tensor, "tensor", writable=True)
         except (DistValueError, DistTypeError) as exc:
             raise self._reject("all_gather", exc)
-        flat = np.empty((self.size,) + tensor.shape, tensor.dtype)
+        flat = np.empty_like(tensor, shape=(self.size,) + tensor.shape)  # on the tensor's device
         return self._run("all_gather", lambda: self.engine.all_gather(flat, tensor), async_op, (tensor.shape,),
                          tensor, _copy_rows(flat, outs))
 
@@ -277,7 +279,7 @@ class ProcessGroup:
             outs = self._root_list("gather", "gather_list", gather_list, tensor, root, writable=True)
         except (DistValueError, DistTypeError) as exc:
             raise self._reject("gather", exc)
-        flat = np.empty((self.size,) + tensor.shape, tensor.dtype) if outs is not None else None
+        flat = np.empty_like(tensor, shape=(self.size,) + tensor.shape) if outs is not None else None
         return self._run("gather", lambda: self.engine.gather(flat, tensor, root), async_op, (tensor.shape,),
                          tensor, None if outs is None else _copy_rows(flat, outs), root=root)
 
@@ -340,7 +342,7 @@ class ProcessGroup:
         send = [x.size for x in ins]
         recv = [x.size for x in outs]
         flat_in = np.concatenate([x.ravel() for x in ins])
-        flat_out = np.empty(sum(recv), ref.dtype)
+        flat_out = np.empty_like(ref, shape=(sum(recv),))
 
         def settle() -> None:
             start = 0
@@ -421,7 +423,9 @@ class ProcessGroup:
         self._check_tag("isend", tag)
         what = f"send to rank {self.ranks[dst]} tag {tag}"
         record = self._flight_entry(-1, self.name, "send", (tensor.shape,), tensor.dtype, "started")
-        if self._headers:  # the message carries its dtype and size, checked by the receiver
+        if self._headers and not hasattr(tensor, "__cuda_array_interface__"):
+            # A host message carries its dtype and size, checked by the receiver (device messages
+            # go over NCCL, which checks counts itself).
             staged = _with_header(tensor)
             # The Work's epilogue refers to ``staged``: it stays alive until the send completed.
             return self._p2p_work(what, self.engine.send(staged, dst, tag), record, dst, lambda: staged.dtype and None)
@@ -442,7 +446,8 @@ class ProcessGroup:
         self._check_tag("irecv", tag)
         peer = "any rank" if src is None else f"rank {self.ranks[src]}"
         record = self._flight_entry(-1, self.name, "recv", (tensor.shape,), tensor.dtype, "started")
-        staged = np.empty(_HEADER + tensor.nbytes, np.uint8) if self._headers else None
+        staged = (np.empty(_HEADER + tensor.nbytes, np.uint8)
+                  if self._headers and not hasattr(tensor, "__cuda_array_interface__") else None)
         request = self.engine.recv(tensor if staged is None else staged, src, tag)
 
         def settle() -> int:
@@ -509,7 +514,7 @@ class ProcessGroup:
         dtype = ref.dtype if ref is not None else fingerprint.get("dtype")
         if async_op:
             with self._qlock:
-                queued = bool(self._inflight)
+                queued = self._queues and bool(self._inflight)
                 record = self._flight_entry(seq, self.name, op, shapes, dtype, "scheduled" if queued else "started")
                 try:
                     request = None if queued else start()

@@ -12,8 +12,10 @@ import datetime
 import logging
 import os
 import sys
+import time
 from typing import Any
 
+from .cuda_runtime import gpu_available, runtime
 from .debug import DebugLevel, FlightRecorder, debug_level_from_env
 from .errors import DistBackendError, DistError, DistValueError
 from .group import ProcessGroup
@@ -34,10 +36,12 @@ def _resolve_backend(backend: str) -> str:
         raise DistValueError(f"meshkit.comm: unknown backend {backend!r}; valid backends are {list(BACKENDS)}")
     if backend != "auto":
         return backend
-    return "local" if local_context() is not None else "mpi"
+    if local_context() is not None:
+        return "local"
+    return "nccl" if gpu_available() else "mpi"
 
 
-def _world_engine(backend: str) -> object:
+def _world_engine(backend: str, timeout: float) -> object:
     if backend == "local":
         context = local_context()
         if context is None:
@@ -48,8 +52,11 @@ def _world_engine(backend: str) -> object:
     if backend == "mpi":
         from .mpi import create_world_engine as create_mpi
         return create_mpi()
-    raise DistBackendError("meshkit.comm: the 'nccl' backend is not available in this build; "
-                           "use 'mpi' or 'auto'")
+    # nccl: over the host engine of the same ranks (MPI; the hub inside local.run, with a double runtime)
+    rt = runtime()  # raises DistBackendError without CuPy
+    host = _world_engine("local" if local_context() is not None else "mpi", timeout)
+    from .nccl import create_world_engine as create_nccl
+    return create_nccl(host, rt, time.monotonic() + timeout)
 
 
 def init_process_group(backend: str = "auto", *, timeout: float | datetime.timedelta | None = None) -> None:
@@ -57,8 +64,10 @@ def init_process_group(backend: str = "auto", *, timeout: float | datetime.timed
 
     Args:
         backend: ``"mpi"`` (mpi4py; under ``meshkit-run``/``mpiexec`` or, with plain ``python``,
-            a world of one), ``"local"`` (inside :func:`meshkit.comm.local.run`), or
-            ``"auto"``: ``local`` inside ``local.run``, else ``mpi``.
+            a world of one), ``"nccl"`` (device arrays over NCCL through CuPy, host arrays and
+            objects over MPI; one GPU per rank, chosen by the rank's index on its host),
+            ``"local"`` (inside :func:`meshkit.comm.local.run`), or ``"auto"``: ``local``
+            inside ``local.run``, else ``nccl`` where CuPy sees a GPU, else ``mpi``.
         timeout: seconds (or a timedelta) every blocking call of every group waits at most;
             default ``MESHKIT_TIMEOUT`` or 300 s.
 
@@ -72,7 +81,7 @@ def init_process_group(backend: str = "auto", *, timeout: float | datetime.timed
                         f"(backend {world.backend!r}); call destroy_process_group() first")
     name = _resolve_backend(backend)
     limit = resolve_timeout(timeout)
-    engine = _world_engine(name)
+    engine = _world_engine(name, limit)
     world = World(backend=name, timeout=limit, debug=debug_level_from_env(), recorder=FlightRecorder(),
                   progress=ProgressAgent("meshkit-progress"))
     group = ProcessGroup(engine, world=world, ranks=range(engine.size), group_rank=engine.rank, name="world",
@@ -84,7 +93,7 @@ def init_process_group(backend: str = "auto", *, timeout: float | datetime.timed
     if not _exit_hook_registered and local_context() is None:
         atexit.register(_at_exit)  # after mpi4py's own (registered at import): runs before MPI_Finalize
         _exit_hook_registered = True
-    if name == "mpi" and local_context() is None and os.environ.get("MESHKIT_LAUNCHED") != "1":
+    if name in ("mpi", "nccl") and local_context() is None and os.environ.get("MESHKIT_LAUNCHED") != "1":
         _abort_hook.install(world)  # meshkit-run's bootstrap ends the job its own way (and prints through the hook)
     if world.debug >= DebugLevel.INFO:
         logger.info("meshkit: rank %d/%d initialized backend %s, timeout %.0f s, debug %s",

@@ -1,7 +1,9 @@
 """Handles of asynchronous operations, and the per-group thread that runs chained tasks.
 
 A collective started with ``async_op=True`` is posted to the engine by the caller at once and
-returned as a :class:`RequestWork`: waiting polls the engine's request (and while nobody waits,
+returned as a :class:`RequestWork`: waiting polls the engine's request, except on an engine with
+``defer`` (NCCL), where waiting for a device collective orders the caller's stream after it
+without blocking the host (and while nobody waits,
 the world's :class:`~meshkit.comm.progress.ProgressAgent` polls it, so MPI keeps moving the data
 while the caller computes).
 
@@ -228,8 +230,11 @@ class RequestWork(Work):
             with self._lock:
                 if not self._finished:
                     request = self._request
+                    defer = getattr(self._owner_group.engine, "defer", None)
                     try:
-                        if not request.Test():
+                        if defer is not None and defer(request):
+                            pass  # a device collective: the caller's stream waits for it, the host does not
+                        elif not request.Test():
                             group = self._owner_group
                             group._waiting = self._seq
                             waiting = group.world.progress.waiting

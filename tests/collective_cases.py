@@ -68,14 +68,23 @@ def reference(op: ReduceOp, stack: np.ndarray) -> np.ndarray:
 def assert_close(actual: np.ndarray, expected: np.ndarray, what: str) -> None:
     assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
     if actual.dtype.kind in "fc":
-        rtol = 1e-3 if actual.dtype == np.float16 else 1e-12 if actual.dtype.itemsize >= 8 else 1e-6
+        part = np.finfo(actual.dtype).dtype  # a complex number's parts: complex64 has float32 precision
+        rtol = 1e-3 if part == np.float16 else 1e-12 if part.itemsize >= 8 else 1e-6
         np.testing.assert_allclose(actual, expected, rtol=rtol, err_msg=what)
     else:
         np.testing.assert_array_equal(actual, expected, err_msg=what)
 
 
-def check_all(dtype, group=None) -> int:
-    """Run every buffer collective on ``group`` with ``dtype``; return the number of checks."""
+def _same(a):
+    return a
+
+
+def check_all(dtype, group=None, *, dev=_same, host=_same, ops=ops_for) -> int:
+    """Run every buffer collective on ``group`` with ``dtype``; return the number of checks.
+
+    ``dev`` turns a host array into the array the collectives get (e.g. a device copy), ``host``
+    the other way for the comparison; ``ops(dtype)`` lists the reduce ops to try.
+    """
     dtype = np.dtype(dtype)
     rank, n = meshkit.get_rank(group), meshkit.get_world_size(group)
     members = meshkit.get_process_group_ranks(group)
@@ -83,77 +92,80 @@ def check_all(dtype, group=None) -> int:
 
     def ok(actual, expected, what):
         nonlocal checks
-        assert_close(actual, expected, f"{what} dtype={dtype} rank={rank}/{n}")
+        assert_close(host(actual), expected, f"{what} dtype={dtype} rank={rank}/{n}")
         checks += 1
 
-    for op in ops_for(dtype):
+    def empty(*shape):
+        return dev(np.empty(shape, dtype))
+
+    for op in ops(dtype):
         prod = op is ReduceOp.PRODUCT
         stack = np.stack([make(r, n, dtype, for_product=prod) for r in range(n)])
-        x = make(rank, n, dtype, for_product=prod)
+        x = dev(make(rank, n, dtype, for_product=prod))
         meshkit.all_reduce(x, op, group=group)
         ok(x, reference(op, stack), f"all_reduce {op}")
 
         root = n - 1
-        y = make(rank, n, dtype, for_product=prod)
+        y = dev(make(rank, n, dtype, for_product=prod))
         meshkit.reduce(y, dst=members[root], op=op, group=group)
         ok(y, reference(op, stack) if rank == root else make(rank, n, dtype, for_product=prod), f"reduce {op}")
 
         big = np.stack([make(r, n, dtype, count=3 * n, for_product=prod) for r in range(n)])
         expected = reference(op, big).reshape(n, 3)[rank]
-        out = np.empty(3, dtype)
-        meshkit.reduce_scatter_tensor(out, big[rank].copy(), op, group=group)
+        out = empty(3)
+        meshkit.reduce_scatter_tensor(out, dev(big[rank].copy()), op, group=group)
         ok(out, expected, f"reduce_scatter_tensor {op}")
-        out = np.empty(3, dtype)
-        meshkit.reduce_scatter(out, [c.copy() for c in big[rank].reshape(n, 3)], op, group=group)
+        out = empty(3)
+        meshkit.reduce_scatter(out, [dev(c.copy()) for c in big[rank].reshape(n, 3)], op, group=group)
         ok(out, expected, f"reduce_scatter {op}")
 
     everyone = np.stack([make(r, n, dtype) for r in range(n)])
     root = n // 2
-    b = make(rank, n, dtype)
+    b = dev(make(rank, n, dtype))
     meshkit.broadcast(b, src=members[root], group=group)
     ok(b, everyone[root], "broadcast")
 
-    outs = [np.empty(6, dtype) for _ in range(n)]
-    meshkit.all_gather(outs, make(rank, n, dtype), group=group)
-    ok(np.stack(outs), everyone, "all_gather")
-    flat = np.empty(6 * n, dtype)
-    meshkit.all_gather_into_tensor(flat, make(rank, n, dtype), group=group)
+    outs = [empty(6) for _ in range(n)]
+    meshkit.all_gather(outs, dev(make(rank, n, dtype)), group=group)
+    ok(np.stack([host(o) for o in outs]), everyone, "all_gather")
+    flat = empty(6 * n)
+    meshkit.all_gather_into_tensor(flat, dev(make(rank, n, dtype)), group=group)
     ok(flat, everyone.reshape(-1), "all_gather_into_tensor")
-    flat = np.zeros((n, 6), dtype)  # in place: the input is this rank's row of the output
+    flat = dev(np.zeros((n, 6), dtype))  # in place: the input is this rank's row of the output
     flat[rank] = make(rank, n, dtype)
     meshkit.all_gather_into_tensor(flat, flat[rank], group=group)
     ok(flat, everyone, "all_gather_into_tensor in place")
 
-    gl = [np.empty(6, dtype) for _ in range(n)] if rank == 0 else None
-    meshkit.gather(make(rank, n, dtype), gl, dst=members[0], group=group)
+    gl = [empty(6) for _ in range(n)] if rank == 0 else None
+    meshkit.gather(dev(make(rank, n, dtype)), gl, dst=members[0], group=group)
     if rank == 0:
-        ok(np.stack(gl), everyone, "gather")
-    s = np.empty(6, dtype)
-    meshkit.scatter(s, [everyone[r].copy() for r in range(n)] if rank == n - 1 else None,
+        ok(np.stack([host(g) for g in gl]), everyone, "gather")
+    s = empty(6)
+    meshkit.scatter(s, [dev(everyone[r].copy()) for r in range(n)] if rank == n - 1 else None,
                     src=members[n - 1], group=group)
     ok(s, everyone[rank], "scatter")
 
     # all_to_all with uneven sizes: rank i sends (i + j) % 3 + 1 elements to rank j.
     def piece(i, j):
         return make(i * n + j, n, dtype, count=(i + j) % 3 + 1)
-    outs = [np.empty((j + rank) % 3 + 1, dtype) for j in range(n)]
-    meshkit.all_to_all(outs, [piece(rank, j) for j in range(n)], group=group)
+    outs = [empty((j + rank) % 3 + 1) for j in range(n)]
+    meshkit.all_to_all(outs, [dev(piece(rank, j)) for j in range(n)], group=group)
     for j in range(n):
         ok(outs[j], piece(j, rank), f"all_to_all from {j}")
     send_rows = [(rank + j) % 3 for j in range(n)]
     recv_rows = [(j + rank) % 3 for j in range(n)]
     inp = np.concatenate([np.broadcast_to(piece(rank, j)[:1], (send_rows[j], 1)) for j in range(n)]
                          + [np.empty((0, 1), dtype)]).astype(dtype).reshape(-1, 1)
-    out = np.empty((sum(recv_rows), 1), dtype)
-    meshkit.all_to_all_single(out, np.ascontiguousarray(inp), recv_rows, send_rows, group=group)
+    out = empty(sum(recv_rows), 1)
+    meshkit.all_to_all_single(out, dev(np.ascontiguousarray(inp)), recv_rows, send_rows, group=group)
     expected = np.concatenate([np.broadcast_to(piece(j, rank)[:1], (recv_rows[j], 1)) for j in range(n)]
                               + [np.empty((0, 1), dtype)]).astype(dtype)
     ok(out, expected.reshape(-1, 1), "all_to_all_single uneven")
 
     # Ring shift with point-to-point: everything posted first, then waited.
     nxt, prv = members[(rank + 1) % n], members[(rank - 1) % n]
-    got = np.empty(6, dtype)
-    works = meshkit.batch_isend_irecv([meshkit.P2POp(meshkit.isend, make(rank, n, dtype), nxt, group),
+    got = empty(6)
+    works = meshkit.batch_isend_irecv([meshkit.P2POp(meshkit.isend, dev(make(rank, n, dtype)), nxt, group),
                                        meshkit.P2POp(meshkit.irecv, got, prv, group)])
     for w in works:
         w.wait()
@@ -187,8 +199,10 @@ def check_objects(group=None) -> int:
     return 4
 
 
-def check_subgroup(dtype) -> int:
-    """Collectives on the group of even ranks; odd ranks only take part in creating it."""
+def check_subgroup(dtype, **options) -> int:
+    """Collectives on the group of even ranks; odd ranks only take part in creating it.
+
+    ``options`` go to :func:`check_all` (``dev``, ``host``, ``ops``)."""
     world = meshkit.get_world_size()
     evens = list(range(0, world, 2))
     group = meshkit.new_group(evens)
@@ -197,4 +211,4 @@ def check_subgroup(dtype) -> int:
         assert meshkit.get_rank(group) == -1
         return 0
     assert meshkit.get_rank(group) == evens.index(meshkit.get_rank())
-    return check_all(dtype, group) + check_objects(group)
+    return check_all(dtype, group, **options) + check_objects(group)

@@ -1,0 +1,115 @@
+"""The one door to the GPU: everything the NCCL engine needs of CUDA, behind one object.
+
+The NCCL engine (:mod:`meshkit.comm.nccl`) never imports CuPy itself. It asks this module for
+the *runtime*, an object with the NCCL module, streams, events, the current stream, device
+selection and array pointers. By default that is :class:`CupyRuntime` (CuPy and its NCCL
+bindings, whichever ``cupy-cudaXXx`` wheel is installed: nothing here names a CUDA major
+version); tests install a double with :func:`set_runtime` and so replace every GPU-specific
+part in one place.
+
+What a runtime provides (duck-typed, CuPy's own names where CuPy has them)::
+
+    nccl                      module with NcclCommunicator, groupStart, groupEnd, get_unique_id,
+                              NcclError and the NCCL_* constants
+    device_count() -> int     GPUs this process sees
+    use_device(index)         make ``index`` the calling thread's current device
+    new_stream() -> Stream    a non-blocking stream (``.ptr``, ``.wait_event(event)``)
+    new_event() -> Event      an event (``.record(stream)``, ``.done``, ``.synchronize()``)
+    current_stream() -> Stream   the calling thread's current stream
+    is_device_array(x) -> bool   True for arrays in device memory (``__cuda_array_interface__``)
+    pointer(x) -> int         the device address of a device array's first element
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from .errors import DistBackendError
+
+__all__ = ["CupyRuntime", "runtime", "set_runtime", "gpu_available", "is_device_array"]
+
+
+def is_device_array(x: Any) -> bool:
+    """True for an array in device memory: it exports ``__cuda_array_interface__`` (CuPy, Numba,
+    torch, JAX on GPU)."""
+    return hasattr(x, "__cuda_array_interface__")
+
+
+class CupyRuntime:
+    """The runtime over CuPy (``cupy.cuda`` and ``cupy.cuda.nccl``).
+
+    Raises:
+        DistBackendError: CuPy or its NCCL bindings cannot be imported.
+    """
+
+    def __init__(self) -> None:
+        try:
+            import cupy
+            from cupy.cuda import nccl
+        except ImportError as exc:
+            raise DistBackendError("meshkit.comm: the 'nccl' backend needs CuPy with NCCL: "
+                                   "pip install 'meshkit[cuda12]' (or [cuda13]); import failed: "
+                                   f"{exc}") from None
+        if not getattr(nccl, "available", True):
+            raise DistBackendError("meshkit.comm: CuPy is installed but its NCCL bindings are not available; "
+                                   "pip install nvidia-nccl-cu12 (or -cu13)")
+        self._cupy = cupy
+        self.nccl = nccl
+
+    def device_count(self) -> int:
+        return int(self._cupy.cuda.runtime.getDeviceCount())
+
+    def use_device(self, index: int) -> None:
+        self._cupy.cuda.Device(index).use()
+
+    def new_stream(self) -> Any:
+        return self._cupy.cuda.Stream(non_blocking=True)
+
+    def new_event(self) -> Any:
+        return self._cupy.cuda.Event(disable_timing=True)
+
+    def current_stream(self) -> Any:
+        return self._cupy.cuda.get_current_stream()
+
+    @staticmethod
+    def is_device_array(x: Any) -> bool:
+        return is_device_array(x)
+
+    @staticmethod
+    def pointer(x: Any) -> int:
+        return int(x.__cuda_array_interface__["data"][0])
+
+
+_lock = threading.Lock()
+_installed: Any = None
+
+
+def runtime() -> Any:
+    """The runtime in use: the one :func:`set_runtime` installed, else a :class:`CupyRuntime`
+    (created once)."""
+    global _installed
+    with _lock:
+        if _installed is None:
+            _installed = CupyRuntime()
+        return _installed
+
+
+def set_runtime(rt: Any) -> Any:
+    """Install ``rt`` as the runtime (None: back to CuPy on next use); return the previous one."""
+    global _installed
+    with _lock:
+        previous, _installed = _installed, rt
+    return previous
+
+
+def gpu_available() -> bool:
+    """True when the runtime can be had and sees at least one GPU (``backend="auto"`` asks).
+
+    Never raises: no CuPy, no driver (CuPy raises ``cudaErrorInsufficientDriver`` on a machine
+    without one) or no device all mean False.
+    """
+    try:
+        return runtime().device_count() > 0
+    except Exception:  # any failure to reach a GPU means: use MPI
+        return False

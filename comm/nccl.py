@@ -1,0 +1,485 @@
+"""The NCCL engine: device arrays over NCCL, host arrays and objects over the host engine.
+
+A group on the ``nccl`` backend holds one :class:`NCCLEngine`, which composes two engines of
+the same ranks: a host engine (MPI in a job, the in-process hub inside ``local.run``) and one
+``NcclCommunicator``. Every call is routed by where its arrays live: device arrays (anything
+with ``__cuda_array_interface__``, e.g. CuPy) go to NCCL, NumPy arrays to the host engine (as
+torch's default ``cpu:gloo,cuda:nccl``), and a call that mixes both is a TypeError naming both.
+Object collectives, ``monitored_barrier``, detail-mode checks (``exchange``) and ``barrier``
+run on the host engine.
+
+Creation: the world's communicator comes from a unique id made on rank 0 and broadcast over
+the host engine (no rendezvous server); the device is the node-local rank (ranks of this host
+counted by host name); sub-groups come from ``commSplit`` beside the host engine's split, so
+a mesh still costs one split per dimension.
+
+Streams, as torch does it. Each engine owns a communication stream. Every collective records
+an event on the caller's current stream and makes the communication stream wait on it (the
+collective sees the caller's writes, with no host synchronization), is issued on the
+communication stream (``groupStart``/``groupEnd`` around the send/recv of gather, scatter and
+all_to_all), and records a *done* event there. The returned request's ``Test()`` queries that
+event and polls ``check_async_error``. Waiting has two forms:
+
+* a synchronous call (``async_op=False``) blocks the host until the done event fires, under
+  the group's timeout, reading notices from other ranks meanwhile (``Engine.wait``); on a
+  timeout, an asynchronous NCCL error or a peer's failure the communicator is aborted and the
+  error names the operation;
+* ``Work.wait()`` of an ``async_op=True`` call makes the caller's current stream wait on the
+  done event (:meth:`NCCLEngine.defer`) and returns at once, as torch's does; the work counts
+  as finished for the host. Its buffers stay referenced by the engine until the event fires.
+
+Each rank drives one GPU: every call makes the engine's device the calling thread's current
+device (CuPy's ``Device.use()``), so that a communication thread issues on the right device.
+Async collectives start at once (``queues = False``: the group does not hold them back behind
+the one before, as it does for MPI), since the communication stream runs them in order.
+
+Everything GPU-specific goes through the runtime of :mod:`meshkit.comm.cuda_runtime`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from .engine import DeadlineExceeded
+from .errors import DistBackendError, DistTypeError, DistValueError
+from .notices import WATCH_INTERVAL, Notice
+from .reduce_op import ReduceOp
+
+__all__ = ["NCCLEngine", "DeviceRequest", "create_world_engine", "NCCL_DTYPES", "NCCL_OPS"]
+
+#: NumPy dtype name -> NCCL datatype constant. Other dtypes move as bytes (NCCL_UINT8) and
+#: cannot be reduced, except bool (as uint8: MIN/BAND, MAX/BOR) and complex (SUM/AVG of the
+#: real and imaginary parts as floats).
+NCCL_DTYPES = {"int8": "NCCL_INT8", "uint8": "NCCL_UINT8", "int32": "NCCL_INT32", "uint32": "NCCL_UINT32",
+               "int64": "NCCL_INT64", "uint64": "NCCL_UINT64", "float16": "NCCL_FLOAT16",
+               "float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64", "bfloat16": "NCCL_BFLOAT16"}
+#: ReduceOp -> NCCL reduction constant (NCCL has no bitwise ops; AVG is NCCL's own).
+NCCL_OPS = {ReduceOp.SUM: "NCCL_SUM", ReduceOp.AVG: "NCCL_AVG", ReduceOp.PRODUCT: "NCCL_PROD",
+            ReduceOp.MIN: "NCCL_MIN", ReduceOp.MAX: "NCCL_MAX"}
+_BOOL_OPS = {ReduceOp.MIN: "NCCL_MIN", ReduceOp.BAND: "NCCL_MIN", ReduceOp.MAX: "NCCL_MAX", ReduceOp.BOR: "NCCL_MAX"}
+_COMPLEX_PARTS = {"complex64": "float32", "complex128": "float64"}
+#: Seconds a blocked caller polls without sleeping before it naps between event queries.
+_SPIN_SECONDS = 0.001
+_NAP_SECONDS = 0.0001
+
+
+class DeviceRequest:
+    """A collective on the communication stream: complete once its done event fired.
+
+    ``keep`` holds the arrays it reads and writes until then. Receives carry ``source`` and
+    ``count`` (NCCL receives exactly the count posted), as the Request protocol asks.
+    """
+
+    __slots__ = ("engine", "op", "event", "keep", "source", "count", "dtype", "done")
+
+    def __init__(self, engine: NCCLEngine, op: str, event: Any, keep: tuple) -> None:
+        self.engine, self.op, self.event, self.keep = engine, op, event, keep
+        self.source, self.count, self.dtype, self.done = -1, -1, None, False
+
+    def Test(self) -> bool:  # noqa: N802 (the Request protocol's name)
+        if not self.done:
+            self.engine.check_error(self.op)
+            if self.event is not None and self.event.done:
+                self.done, self.keep = True, ()
+        return self.done
+
+
+class _HostAverage:
+    """ReduceOp.AVG of host arrays: the host engine sums, then ``buf`` is divided once (the
+    group does not divide on an engine whose AVG is native)."""
+
+    __slots__ = ("inner", "buf", "size", "done", "source", "count", "dtype")
+
+    def __init__(self, inner: Any, buf: Any, size: int) -> None:
+        self.inner, self.buf, self.size, self.done = inner, buf, size, False
+        self.source, self.count, self.dtype = -1, -1, None
+
+    def Test(self) -> bool:  # noqa: N802 (the Request protocol's name)
+        if not self.done and self.inner.Test():
+            if self.buf is not None:
+                self.buf /= self.size
+            self.done = True
+        return self.done
+
+
+class NCCLEngine:
+    """The engine of a group over one NcclCommunicator and a host engine of the same ranks."""
+
+    backend = "nccl"
+    native_avg = True
+    queues = False  # the stream orders a group's collectives: start each one when it is called
+
+    def __init__(self, host: Any, comm: Any, rt: Any, device: int) -> None:
+        self.host, self.comm, self.rt, self.device = host, comm, rt, device
+        self.rank, self.size = host.rank, host.size
+        self.max_tag = host.max_tag
+        self.needs_progress = getattr(host, "needs_progress", False)
+        self.reports_dtype = getattr(host, "reports_dtype", False)
+        nccl = rt.nccl
+        self._types = {name: getattr(nccl, const) for name, const in NCCL_DTYPES.items() if hasattr(nccl, const)}
+        self._ops = {op: getattr(nccl, const) for op, const in NCCL_OPS.items()}
+        self._bool_ops = {op: getattr(nccl, const) for op, const in _BOOL_OPS.items()}
+        self._bytes = nccl.NCCL_UINT8
+        rt.use_device(device)
+        self.stream = rt.new_stream()
+        self._outstanding: list[DeviceRequest] = []
+        self._aborted: str | None = None
+        self._watch: Callable[[], None] | None = None
+        self._coalesced: list[DeviceRequest] | None = None  # requests issued since start_coalescing
+
+    # ----------------------------------------------------------------- shared with the host engine
+    @property
+    def watch(self) -> Callable[[], None] | None:
+        return self._watch
+
+    @watch.setter
+    def watch(self, fn: Callable[[], None] | None) -> None:  # the group's notice reader, for both engines
+        self._watch = fn
+        self.host.watch = fn
+
+    @property
+    def world_ranks(self) -> list[int]:
+        return list(self.host.world_ranks)
+
+    def notify(self, ranks: list[int], notice: Notice) -> None:
+        self.host.notify(ranks, notice)
+
+    def notices(self) -> list[Notice]:
+        return self.host.notices()
+
+    def flush(self, timeout: float) -> None:
+        flush = getattr(self.host, "flush", None)
+        if flush is not None:
+            flush(timeout)
+
+    def abort(self, code: int) -> None:
+        """End the whole job (the host engine's abort, e.g. MPI_Abort)."""
+        self.host.abort(code)
+
+    def exchange(self, payload: Any, seq: int, deadline: float) -> list[Any]:
+        return self.host.exchange(payload, seq, deadline)
+
+    def host_name(self) -> str:
+        return self.host.host_name()
+
+    # ----------------------------------------------------------------- routing and maps
+    def _on_device(self, op: str, *named: tuple[str, Any]) -> bool:
+        """True if every array given is a device array, False if none is; TypeError if mixed."""
+        where = [(name, x, self.rt.is_device_array(x)) for name, x in named if x is not None]
+        if all(d for _, _, d in where):
+            return True
+        if not any(d for _, _, d in where):
+            return False
+        desc = ", ".join(f"{name} is {type(x).__module__}.{type(x).__name__} ({'device' if d else 'host'})"
+                         for name, x, d in where)
+        raise DistTypeError(f"meshkit.comm: rank {self._me}: {op}: mixes host (NumPy) and device arrays: {desc}; "
+                            "pass all of them on the device or all on the host")
+
+    @property
+    def _me(self) -> int:
+        return self.world_ranks[self.rank]
+
+    def _moved(self, x: Any) -> tuple[int, int]:
+        """``(datatype, count)`` to move ``x``: its own NCCL type, or its bytes."""
+        t = self._types.get(x.dtype.name)
+        return (self._bytes, x.nbytes) if t is None else (t, x.size)
+
+    def _reduction(self, op_name: str, x: Any, op: ReduceOp) -> tuple[int, int, int]:
+        """``(datatype, count, nccl op)`` to reduce ``x`` with ``op``; TypeError naming both if NCCL
+        cannot."""
+        dtype = x.dtype
+        count, ops, t = x.size, self._ops, self._types.get(dtype.name)
+        if dtype.kind == "b":
+            t, ops = self._bytes, self._bool_ops
+        elif dtype.name in _COMPLEX_PARTS and op in (ReduceOp.SUM, ReduceOp.AVG):
+            t, count = self._types.get(_COMPLEX_PARTS[dtype.name]), 2 * x.size
+        nop = ops.get(op)
+        if t is None or nop is None:
+            names = [n for n in NCCL_DTYPES if n in self._types]
+            raise DistTypeError(
+                f"meshkit.comm: rank {self._me}: {op_name}: NCCL cannot reduce dtype {dtype} with ReduceOp.{op.name}; "
+                f"NCCL reduces {names} with {[o.name for o in NCCL_OPS]} (also complex with SUM/AVG, bool with "
+                "MIN/MAX/BAND/BOR); cast the array or reduce it on the host (mpi backend)")
+        return t, count, nop
+
+    # ----------------------------------------------------------------- launching
+    def _launch(self, op: str, keep: tuple, issue: Callable[[int], None], *, grouped: bool = False) -> DeviceRequest:
+        """Issue one operation on the communication stream, ordered after the caller's stream."""
+        if self._aborted is not None:
+            raise DistBackendError(f"meshkit.comm: rank {self._me}: {op}: the NCCL communicator was aborted "
+                                   f"earlier ({self._aborted})")
+        rt = self.rt
+        rt.use_device(self.device)
+        ready = rt.new_event()
+        ready.record(rt.current_stream())
+        stream = self.stream
+        stream.wait_event(ready)  # the collective sees the caller's writes; the host does not wait
+        nccl = rt.nccl
+        if grouped:
+            nccl.groupStart()
+        try:
+            issue(stream.ptr)
+        finally:
+            if grouped:
+                nccl.groupEnd()
+        if self._coalesced is not None:  # inside batch_isend_irecv: NCCL enqueues at groupEnd
+            request = DeviceRequest(self, op, None, keep)
+            self._coalesced.append(request)
+            return request
+        done = rt.new_event()
+        done.record(stream)
+        request = DeviceRequest(self, op, done, keep)
+        # Buffers of unfinished collectives stay referenced here, whether or not anyone waits.
+        self._outstanding = [r for r in self._outstanding if r.event is None or not r.event.done]
+        self._outstanding.append(request)
+        return request
+
+    def check_error(self, op: str) -> None:
+        """Raise (after aborting the communicator) if NCCL reported an asynchronous error."""
+        try:
+            self.comm.check_async_error()
+        except Exception as exc:  # NcclError, whatever its module
+            self._abort(f"{op}: {exc}")
+            raise DistBackendError(f"meshkit.comm: rank {self._me}: {op}: NCCL reported an asynchronous error "
+                                   f"({exc}); the communicator was aborted") from None
+
+    def _abort(self, why: str) -> None:
+        if self._aborted is None:
+            self._aborted = why
+            try:
+                self.comm.abort()
+            except Exception:  # aborting is the last resort: its own failure changes nothing
+                pass
+
+    def wait(self, request: Any, deadline: float) -> None:
+        """Block the host until ``request`` completes (a synchronous call), under ``deadline``."""
+        if isinstance(request, _HostAverage):
+            if not request.done:
+                self.host.wait(request.inner, deadline)
+                request.Test()
+            return
+        if not isinstance(request, DeviceRequest):
+            self.host.wait(request, deadline)
+            return
+        since = watched = time.monotonic()
+        try:
+            while not request.Test():
+                now = time.monotonic()
+                if now > deadline:
+                    self._abort(f"{request.op} timed out")
+                    raise DeadlineExceeded(detail=f"NCCL {request.op} did not complete; the communicator was aborted")
+                if self._watch is not None and now - watched > WATCH_INTERVAL:
+                    watched = now
+                    self._watch()
+                time.sleep(0 if now - since < _SPIN_SECONDS else _NAP_SECONDS)
+        except DeadlineExceeded:
+            raise
+        except BaseException as exc:  # a peer failed (notice) or NCCL failed: the communicator is unusable
+            self._abort(f"{request.op}: {exc}")
+            raise
+
+    def defer(self, request: Any) -> bool:
+        """``Work.wait()`` of an async call: make the caller's current stream wait for ``request``
+        and return True (no host synchronization); False for a host request (the caller waits)."""
+        if not isinstance(request, DeviceRequest):
+            return False
+        self.check_error(request.op)
+        if request.event is None:
+            raise DistValueError(f"meshkit.comm: rank {self._me}: {request.op} was issued inside "
+                                 "batch_isend_irecv and is waited on before the batch was posted")
+        self.rt.use_device(self.device)
+        self.rt.current_stream().wait_event(request.event)
+        return True
+
+    def _averaged(self, request: Any, buf: Any) -> _HostAverage:
+        return _HostAverage(request, buf, self.size)
+
+    # ----------------------------------------------------------------- collectives
+    def all_reduce(self, buf: Any, op: ReduceOp) -> Any:
+        if not self._on_device("all_reduce", ("tensor", buf)):
+            request = self.host.all_reduce(buf, op)
+            return self._averaged(request, buf) if op is ReduceOp.AVG else request
+        t, n, o = self._reduction("all_reduce", buf, op)
+        p = self.rt.pointer(buf)
+        return self._launch("all_reduce", (buf,), lambda s: self.comm.allReduce(p, p, n, t, o, s))
+
+    def reduce(self, buf: Any, op: ReduceOp, root: int) -> Any:
+        if not self._on_device("reduce", ("tensor", buf)):
+            request = self.host.reduce(buf, op, root)
+            return self._averaged(request, buf if self.rank == root else None) if op is ReduceOp.AVG else request
+        t, n, o = self._reduction("reduce", buf, op)
+        p = self.rt.pointer(buf)
+        return self._launch("reduce", (buf,), lambda s: self.comm.reduce(p, p, n, t, o, root, s))
+
+    def broadcast(self, buf: Any, root: int) -> Any:
+        if not self._on_device("broadcast", ("tensor", buf)):
+            return self.host.broadcast(buf, root)
+        t, n = self._moved(buf)
+        p = self.rt.pointer(buf)
+        return self._launch("broadcast", (buf,), lambda s: self.comm.broadcast(p, p, n, t, root, s))
+
+    def all_gather(self, out: Any, inp: Any) -> Any:
+        if not self._on_device("all_gather", ("output", out), ("input", inp)):
+            return self.host.all_gather(out, inp)
+        t, n = self._moved(inp)
+        pi, po = self.rt.pointer(inp), self.rt.pointer(out)
+        return self._launch("all_gather", (out, inp), lambda s: self.comm.allGather(pi, po, n, t, s))
+
+    def reduce_scatter(self, out: Any, inp: Any, op: ReduceOp) -> Any:
+        if not self._on_device("reduce_scatter", ("output", out), ("input", inp)):
+            request = self.host.reduce_scatter(out, inp, op)
+            return self._averaged(request, out) if op is ReduceOp.AVG else request
+        t, n, o = self._reduction("reduce_scatter", out, op)
+        pi, po = self.rt.pointer(inp), self.rt.pointer(out)
+        return self._launch("reduce_scatter", (out, inp), lambda s: self.comm.reduceScatter(pi, po, n, t, o, s))
+
+    def gather(self, out: Any | None, inp: Any, root: int) -> Any:
+        if not self._on_device("gather", ("output", out), ("input", inp)):
+            return self.host.gather(out, inp, root)
+        t, n = self._moved(inp)
+        pi, step = self.rt.pointer(inp), inp.nbytes
+        po = self.rt.pointer(out) if out is not None else 0
+
+        def issue(s: int) -> None:
+            if self.rank == root:
+                for peer in range(self.size):
+                    self.comm.recv(po + peer * step, n, t, peer, s)
+            self.comm.send(pi, n, t, root, s)
+        return self._launch("gather", (out, inp), issue, grouped=True)
+
+    def scatter(self, out: Any, inp: Any | None, root: int) -> Any:
+        if not self._on_device("scatter", ("output", out), ("input", inp)):
+            return self.host.scatter(out, inp, root)
+        t, n = self._moved(out)
+        po, step = self.rt.pointer(out), out.nbytes
+        pi = self.rt.pointer(inp) if inp is not None else 0
+
+        def issue(s: int) -> None:
+            if self.rank == root:
+                for peer in range(self.size):
+                    self.comm.send(pi + peer * step, n, t, peer, s)
+            self.comm.recv(po, n, t, root, s)
+        return self._launch("scatter", (out, inp), issue, grouped=True)
+
+    def all_to_all(self, out: Any, recv_counts: list[int], inp: Any, send_counts: list[int]) -> Any:
+        if not self._on_device("all_to_all", ("output", out), ("input", inp)):
+            return self.host.all_to_all(out, recv_counts, inp, send_counts)
+        t, _ = self._moved(inp)
+        size = inp.itemsize
+        scale = 1 if inp.dtype.name in self._types else size  # moved as bytes: counts in bytes
+        pi, po = self.rt.pointer(inp), self.rt.pointer(out)
+
+        def issue(s: int) -> None:
+            sent = got = 0
+            for peer in range(self.size):
+                if send_counts[peer]:  # NCCL moves nothing for 0 elements; the peer posts no receive either
+                    self.comm.send(pi + sent * size, send_counts[peer] * scale, t, peer, s)
+                if recv_counts[peer]:
+                    self.comm.recv(po + got * size, recv_counts[peer] * scale, t, peer, s)
+                sent += send_counts[peer]
+                got += recv_counts[peer]
+        return self._launch("all_to_all", (out, inp), issue, grouped=True)
+
+    def barrier(self) -> Any:
+        """A barrier of the ranks, on the host engine (it does not wait for device work)."""
+        return self.host.barrier()
+
+    def send(self, buf: Any, dst: int, tag: int) -> Any:
+        if not self._on_device("send", ("tensor", buf)):
+            return self.host.send(buf, dst, tag)
+        self._no_tag("send", tag)
+        t, n = self._moved(buf)
+        p = self.rt.pointer(buf)
+        return self._launch("send", (buf,), lambda s: self.comm.send(p, n, t, dst, s))
+
+    def recv(self, buf: Any, src: int | None, tag: int) -> Any:
+        if not self._on_device("recv", ("tensor", buf)):
+            return self.host.recv(buf, src, tag)
+        self._no_tag("recv", tag)
+        if src is None:
+            raise DistValueError(f"meshkit.comm: rank {self._me}: recv: NCCL cannot receive from any rank; pass src")
+        t, n = self._moved(buf)
+        p = self.rt.pointer(buf)
+        request = self._launch("recv", (buf,), lambda s: self.comm.recv(p, n, t, src, s))
+        request.source, request.count = src, buf.size  # NCCL receives exactly what was posted
+        return request
+
+    def start_coalescing(self) -> None:
+        """Open an NCCL group: the sends and receives issued until :meth:`end_coalescing` are
+        matched together (``batch_isend_irecv``), so their order cannot deadlock."""
+        self.rt.use_device(self.device)
+        self.rt.nccl.groupStart()
+        self._coalesced = []
+
+    def end_coalescing(self) -> None:
+        """Close the group; one done event, recorded after ``groupEnd``, completes its requests
+        (an event recorded inside the group would fire before NCCL enqueued anything)."""
+        requests, self._coalesced = self._coalesced or [], None
+        self.rt.nccl.groupEnd()
+        if requests:
+            done = self.rt.new_event()
+            done.record(self.stream)
+            for request in requests:
+                request.event = done
+            self._outstanding = [r for r in self._outstanding if r.event is None or not r.event.done] + requests
+
+    def _no_tag(self, op: str, tag: int) -> None:
+        if tag != 0:
+            raise DistValueError(f"meshkit.comm: rank {self._me}: {op}: tag={tag} on device arrays: NCCL has no tags "
+                                 "(messages between two ranks match in order); use tag=0")
+
+    # ----------------------------------------------------------------- groups
+    def split(self, color: int | None, ranks: tuple[int, ...], deadline: float) -> NCCLEngine | None:
+        """The host engine splits first (it checks the members and honours the deadline), then
+        NCCL's commSplit, collective over this communicator, with the same colour."""
+        host = self.host.split(color, ranks, deadline)
+        # NCCL: no operation may be outstanding on a communicator being split (async work that
+        # Work.wait() only ordered may still run on the device): wait for the stream first.
+        rt = self.rt
+        rt.use_device(self.device)
+        drained = rt.new_event()
+        drained.record(self.stream)
+        self.wait(DeviceRequest(self, "split", drained, ()), deadline)
+        child = self.comm.commSplit(-1 if color is None else int(color), self.rank)
+        if host is None:
+            return None
+        if child.rank_id() != host.rank or child.size() != host.size:
+            raise DistBackendError(f"meshkit.comm: rank {self._me}: split: NCCL formed rank {child.rank_id()} of "
+                                   f"{child.size()}, the host engine rank {host.rank} of {host.size}")
+        return NCCLEngine(host, child, self.rt, self.device)
+
+    def free(self) -> None:
+        if self._aborted is None:
+            try:
+                self.comm.destroy()
+            except Exception as exc:  # freeing at shutdown must not mask the caller's own state
+                raise DistBackendError(f"meshkit.comm: rank {self._me}: destroying the NCCL communicator "
+                                       f"failed: {exc}") from None
+        self.host.free()
+
+
+def create_world_engine(host: Any, rt: Any, deadline: float) -> NCCLEngine:
+    """The world's NCCL engine over the world's host engine (collective over it).
+
+    The device is the rank's index among the ranks of its host (by host name); rank 0 makes
+    the unique id and the host engine carries it to the others.
+
+    Raises:
+        DistBackendError: no GPU, or fewer GPUs on this host than ranks (NCCL allows one rank
+            per device in a communicator).
+    """
+    names = host.exchange(host.host_name(), -2, deadline)
+    mine = names[host.rank]
+    local_rank, here = names[:host.rank].count(mine), names.count(mine)
+    count = rt.device_count()
+    if here > count:
+        raise DistBackendError(f"meshkit.comm: rank {host.rank}: the nccl backend needs one GPU per rank; host "
+                               f"{mine} runs {here} ranks but sees {count} GPUs; start at most {count} ranks "
+                               "per host, or use the mpi backend")
+    rt.use_device(local_rank)
+    uid = rt.nccl.get_unique_id() if host.rank == 0 else None
+    uid = host.exchange(uid, -3, deadline)[0]
+    comm = rt.nccl.NcclCommunicator(host.size, uid, host.rank)
+    return NCCLEngine(host, comm, rt, local_rank)
+

@@ -1,0 +1,650 @@
+"""A strict double of the GPU side of meshkit's NCCL engine: communicators, device memory,
+streams and events, for ranks that are threads of one process (``meshkit.comm.local.run``).
+
+Install it with ``meshkit.comm.cuda_runtime.set_runtime(FakeRuntime())``. It is strict where
+NCCL is strict, and checks every call as NCCL would:
+
+* pointers lie inside live device allocations of the communicator's device, and
+  ``count`` elements of ``datatype`` fit there; ``datatype`` and ``op`` are values of the real
+  ``cupy.cuda.nccl`` module (:data:`CONSTANTS`, checked against it by the tests), and the
+  datatype agrees with the buffer's dtype (its own type, its bytes as UINT8/INT8, or the
+  float parts of a complex);
+* every rank of a communicator issues the same collectives (kind, count, datatype, op, root)
+  in the same order; each send meets a receive of the same count and datatype;
+* ``groupStart``/``groupEnd`` are balanced (a host synchronization inside a group is an error);
+* the stream argument was ordered (``wait_event``) after everything the calling thread had
+  written on its current stream, so a collective can never read stale data.
+
+Streams run in order: an operation becomes ready when the entries before it on its stream
+(operations, waits on events) are done, and it is performed, for real, on NumPy memory, once
+every rank's part is ready. Operations of one NCCL group do not wait for each other. Host
+code touching a :class:`DeviceArray` (``__setitem__``, ufuncs, ``get()``) first synchronizes
+the current stream, as CuPy's host transfers do. Errors found once several ranks posted are
+reported as NCCL does, through ``check_async_error``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import weakref
+from typing import Any
+
+import numpy as np
+
+__all__ = ["CONSTANTS", "DeviceArray", "FakeRuntime", "FakeNcclError", "FakeCommunicator", "fake_nccl",
+           "to_device", "to_host", "DOUBLE_TIMEOUT"]
+
+#: The constants of cupy.cuda.nccl (CuPy 14, NCCL 2.x); tests assert they equal the real module's.
+CONSTANTS = {"NCCL_INT8": 0, "NCCL_CHAR": 0, "NCCL_UINT8": 1, "NCCL_INT32": 2, "NCCL_INT": 2, "NCCL_UINT32": 3,
+             "NCCL_INT64": 4, "NCCL_UINT64": 5, "NCCL_FLOAT16": 6, "NCCL_HALF": 6, "NCCL_FLOAT32": 7,
+             "NCCL_FLOAT": 7, "NCCL_FLOAT64": 8, "NCCL_DOUBLE": 8, "NCCL_BFLOAT16": 9,
+             "NCCL_SUM": 0, "NCCL_PROD": 1, "NCCL_MAX": 2, "NCCL_MIN": 3, "NCCL_AVG": 4}
+_TYPES = {0: np.dtype(np.int8), 1: np.dtype(np.uint8), 2: np.dtype(np.int32), 3: np.dtype(np.uint32),
+          4: np.dtype(np.int64), 5: np.dtype(np.uint64), 6: np.dtype(np.float16), 7: np.dtype(np.float32),
+          8: np.dtype(np.float64)}  # bfloat16 (9) has no NumPy dtype: the double rejects it
+_OPS = {0: "SUM", 1: "PROD", 2: "MAX", 3: "MIN", 4: "AVG"}
+#: Seconds a host synchronization or a split waits in the double before it reports a hang.
+DOUBLE_TIMEOUT = 30.0
+
+_cond = threading.Condition()  # guards every piece of state below
+_allocations: list[weakref.ref] = []
+_ids = itertools.count(0x7F0000001000, 0x1000)
+_tls = threading.local()
+_null_streams: dict[int, FakeStream] = {}
+_cliques: dict[bytes, _Clique] = {}
+
+
+class FakeNcclError(RuntimeError):
+    """What the double raises where NCCL returns an error (cupy.cuda.nccl.NcclError)."""
+
+
+# --------------------------------------------------------------------------- device memory
+class _Pointer:
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+
+class DeviceArray(np.ndarray):
+    """A device array backed by NumPy memory, shaped like a CuPy array: ``.data.ptr``,
+    ``__cuda_array_interface__``, ``get()``. Creating one (``empty_like``, ``copy``,
+    ``np.stack`` of device arrays, :func:`to_device`) is a device allocation on the calling
+    thread's current device; host code touching it synchronizes the current stream first."""
+
+    def __array_finalize__(self, obj: Any) -> None:
+        if self.base is None:  # owns its memory: a new allocation
+            self._device = _device()
+            with _cond:
+                _allocations[:] = [r for r in _allocations if r() is not None]
+                _allocations.append(weakref.ref(self))
+            _touch()
+
+    @property
+    def data(self) -> _Pointer:  # type: ignore[override]
+        return _Pointer(self.__array_interface__["data"][0])
+
+    @property
+    def device_id(self) -> int:
+        return _owner(self.__array_interface__["data"][0])._device
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        strides = None if self.flags.c_contiguous else self.strides
+        return {"shape": self.shape, "typestr": self.dtype.str, "data": (self.data.ptr, False),
+                "strides": strides, "version": 3}
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        _host_sync()
+        super().__setitem__(key, value)
+        _touch()
+
+    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        _host_sync()
+        args = [x.view(np.ndarray) if isinstance(x, DeviceArray) else x for x in inputs]
+        if "out" in kwargs:
+            kwargs["out"] = tuple(x.view(np.ndarray) if isinstance(x, DeviceArray) else x for x in kwargs["out"])
+            _touch()
+            getattr(ufunc, method)(*args, **kwargs)
+            return kwargs["out"][0] if len(kwargs["out"]) == 1 else kwargs["out"]
+        result = getattr(ufunc, method)(*args, **kwargs)
+        return to_device(result) if isinstance(result, np.ndarray) else result
+
+    def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        _host_sync()
+        result = super().__array_function__(func, types, args, kwargs)
+        if isinstance(result, np.ndarray) and not isinstance(result, DeviceArray):
+            result = to_device(result)  # as CuPy's np.stack of CuPy arrays gives a CuPy array
+        return result
+
+    def get(self) -> np.ndarray:
+        """A host copy, after the current stream's work (CuPy's ``get``)."""
+        _host_sync()
+        return np.array(self.view(np.ndarray))
+
+
+def to_device(x: Any) -> DeviceArray:
+    """A new device allocation holding a copy of host array ``x``."""
+    x = np.asarray(x)
+    out = DeviceArray(x.shape, x.dtype)
+    np.copyto(out.view(np.ndarray), x)
+    return out
+
+
+def to_host(x: Any) -> np.ndarray:
+    return x.get() if isinstance(x, DeviceArray) else np.asarray(x)
+
+
+def _owner(ptr: int, nbytes: int = 1) -> DeviceArray | None:
+    """The live allocation holding bytes ``[ptr, ptr + nbytes)``, or None."""
+    with _cond:  # another rank's thread may be pruning the list
+        refs = list(_allocations)
+    for ref in refs:
+        a = ref()
+        if a is not None:
+            start = a.__array_interface__["data"][0]
+            if start <= ptr and ptr + nbytes <= start + a.nbytes:
+                return a
+    return None
+
+
+def _region(ptr: int, count: int, dtype: np.dtype) -> np.ndarray:
+    """A NumPy view of ``count`` elements at device address ``ptr`` (checked at post time)."""
+    a = _owner(ptr, max(count * dtype.itemsize, 1))
+    if a is None:
+        raise FakeNcclError(f"double: device memory at {ptr:#x} was freed before the operation ran")
+    raw = a.view(np.ndarray).reshape(-1).view(np.uint8)
+    offset = ptr - a.__array_interface__["data"][0]
+    return raw[offset:offset + count * dtype.itemsize].view(dtype)
+
+
+# --------------------------------------------------------------------------- devices, streams, events
+def _device() -> int:
+    return getattr(_tls, "device", 0)
+
+
+def _current() -> FakeStream:
+    with _cond:
+        stream = _null_streams.get(_device())
+        if stream is None:
+            stream = _null_streams[_device()] = FakeStream(_device())
+            _streams.add(stream)
+        return stream
+
+
+def _touch() -> None:
+    """The calling thread wrote device memory on its current stream."""
+    stream = _current()
+    with _cond:
+        stream.work += 1
+
+
+def _wait(pred: Any, what: str) -> None:
+    with _cond:
+        if not _cond.wait_for(pred, DOUBLE_TIMEOUT):
+            raise FakeNcclError(f"double: {what} did not happen within {DOUBLE_TIMEOUT} s (a hang on a GPU)")
+
+
+def _host_sync() -> None:
+    """The host waits for the current stream's work (before touching device memory)."""
+    if getattr(_tls, "depth", 0):
+        raise FakeNcclError("double: the host synchronized inside groupStart()/groupEnd() (unbalanced group)")
+    stream = _current()
+    _wait(lambda: all(e.done for e in stream.pending), "the current stream's pending work")
+
+
+class FakeStream:
+    """A stream: entries (operations, waits) in order; ``waited`` records which work of which
+    stream it was ordered after."""
+
+    def __init__(self, device: int) -> None:
+        self.ptr = next(_ids)
+        self.device = device
+        self.pending: list[Any] = []  # entries not known done
+        self.work = 0  # writes the host made on this (current) stream
+        self.waited: dict[FakeStream, int] = {}
+
+    def wait_event(self, event: FakeEvent) -> None:
+        with _cond:
+            self.pending = [e for e in self.pending if not e.done] + [_EventWait(event)]
+            for stream, work in event.ordered.items():
+                self.waited[stream] = max(self.waited.get(stream, -1), work)
+
+    def ordered_after(self, stream: FakeStream) -> bool:
+        return stream is self or self.waited.get(stream, -1) >= stream.work
+
+    def synchronize(self) -> None:
+        _wait(lambda: all(e.done for e in self.pending), "stream synchronize")
+
+    def __hash__(self) -> int:
+        return self.ptr
+
+
+class _EventWait:
+    __slots__ = ("event",)
+
+    def __init__(self, event: FakeEvent) -> None:
+        self.event = event
+
+    @property
+    def done(self) -> bool:
+        return self.event.done
+
+
+class FakeEvent:
+    """An event: done once the entries its stream had when recorded are done."""
+
+    def __init__(self) -> None:
+        self.entries: list[Any] = []
+        self.ordered: dict[FakeStream, int] = {}
+
+    def record(self, stream: FakeStream | None = None) -> None:
+        stream = stream or _current()
+        with _cond:
+            self.entries = [e for e in stream.pending if not e.done]
+            self.ordered = {**stream.waited, stream: stream.work}
+
+    @property
+    def done(self) -> bool:
+        return all(e.done for e in self.entries)
+
+    def synchronize(self) -> None:
+        _wait(lambda: self.done, "event synchronize")
+
+
+# --------------------------------------------------------------------------- the NCCL module
+class _Group:
+    """An open groupStart()/groupEnd() on one thread: its operations wait for its end."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+
+def _group_start() -> None:
+    depth = getattr(_tls, "depth", 0)
+    if depth == 0:
+        _tls.group = _Group()
+    _tls.depth = depth + 1
+
+
+def _group_end() -> None:
+    depth = getattr(_tls, "depth", 0)
+    if depth == 0:
+        raise FakeNcclError("double: groupEnd() without groupStart()")
+    _tls.depth = depth - 1
+    if depth == 1:
+        with _cond:
+            _tls.group.closed = True
+            _tls.group = None
+            _progress()
+
+
+class _Op:
+    """One rank's part of an operation, on its stream."""
+
+    def __init__(self, kind: str, key: tuple, args: dict[str, Any], deps: list[Any], group: _Group | None) -> None:
+        self.kind, self.key, self.args, self.deps, self.group = kind, key, args, deps, group
+        self.done = False
+
+    @property
+    def ready(self) -> bool:
+        return (self.group is None or self.group.closed) and all(d.done for d in self.deps)
+
+
+class _Clique:
+    """The ranks of one communicator: their posted collectives and point-to-point messages."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.members: dict[int, FakeCommunicator] = {}
+        self.collectives: list[list[_Op]] = [[] for _ in range(size)]  # per rank, not yet performed
+        self.posted = [0] * size
+        self.history: list[tuple] = []  # signature of collective k, from the first rank to post it
+        self.sends: dict[tuple[int, int], list[_Op]] = {}
+        self.recvs: dict[tuple[int, int], list[_Op]] = {}
+        self.splits: list[dict[int, tuple[int, int]]] = []
+        self.split_results: list[dict[int, Any]] = []
+        self.error: str | None = None
+
+    def fail(self, why: str) -> None:
+        if self.error is None:
+            self.error = why
+        for ops in self.collectives:
+            for op in ops:
+                op.done = True
+        for ops in itertools.chain(self.sends.values(), self.recvs.values()):
+            for op in ops:
+                op.done = True
+
+    def step(self) -> bool:
+        """Perform every operation whose parts are all ready; True if any was."""
+        moved = False
+        while all(self.collectives) and all(ops[0].ready for ops in self.collectives):
+            parts = [ops.pop(0) for ops in self.collectives]
+            try:
+                _perform(parts)
+            except Exception as exc:  # reported through check_async_error, as NCCL does
+                self.fail(f"{type(exc).__name__}: {exc}")
+            for op in parts:
+                op.done = True
+            moved = True
+        for pair, sends in self.sends.items():
+            recvs = self.recvs.get(pair, [])
+            while sends and recvs and sends[0].ready and recvs[0].ready:
+                s, r = sends.pop(0), recvs.pop(0)
+                if (s.args["count"], s.args["datatype"]) != (r.args["count"], r.args["datatype"]):
+                    self.fail(f"double: rank {pair[0]} sends {s.args['count']} of datatype {s.args['datatype']} "
+                              f"but rank {pair[1]} receives {r.args['count']} of datatype {r.args['datatype']}")
+                else:
+                    dtype = _TYPES[s.args["datatype"]]
+                    _region(r.args["buf"], r.args["count"], dtype)[...] = _region(s.args["buf"], s.args["count"], dtype)
+                s.done = r.done = True
+                moved = True
+        return moved
+
+
+def _progress() -> None:
+    """Perform what can be performed, everywhere (hold ``_cond``)."""
+    while any(c.step() for c in list(_cliques.values()) if c.error is None):
+        pass
+    _cond.notify_all()
+
+
+def _reduce(op: int, parts: list[np.ndarray]) -> np.ndarray:
+    acc = parts[0].copy()
+    for p in parts[1:]:
+        {0: np.add, 1: np.multiply, 2: np.maximum, 3: np.minimum, 4: np.add}[op](acc, p, out=acc)
+    if op == 4:
+        acc = (acc / len(parts)).astype(acc.dtype)
+    return acc
+
+
+def _perform(parts: list[_Op]) -> None:
+    """One collective, all ranks' parts ready: read every send buffer, then write."""
+    a = parts[0].args
+    kind, count, dtype = parts[0].kind, a["count"], _TYPES[a["datatype"]]
+    sends = [_region(p.args["send"], count * (len(parts) if kind == "reduceScatter" else 1), dtype).copy()
+             for p in parts]
+    for rank, p in enumerate(parts):
+        if kind == "allReduce":
+            _region(p.args["recv"], count, dtype)[...] = _reduce(a["op"], sends)
+        elif kind == "reduce" and rank == a["root"]:
+            _region(p.args["recv"], count, dtype)[...] = _reduce(a["op"], sends)
+        elif kind == "broadcast":
+            _region(p.args["recv"], count, dtype)[...] = sends[a["root"]]
+        elif kind == "allGather":
+            _region(p.args["recv"], count * len(parts), dtype)[...] = np.concatenate(sends)
+        elif kind == "reduceScatter":
+            _region(p.args["recv"], count, dtype)[...] = _reduce(a["op"], [s[rank * count:(rank + 1) * count]
+                                                                          for s in sends])
+
+
+def _check_buffer(comm: FakeCommunicator, what: str, ptr: int, count: int, datatype: int) -> None:
+    if datatype not in _TYPES:
+        raise FakeNcclError(f"double: {what}: datatype {datatype} is not an NCCL datatype the double knows "
+                            f"(valid: {sorted(_TYPES)})")
+    nbytes = count * _TYPES[datatype].itemsize
+    owner = _owner(ptr, max(nbytes, 1))
+    if owner is None:
+        raise FakeNcclError(f"double: {what}: {count} elements of datatype {datatype} at {ptr:#x} do not lie "
+                            "inside a live device allocation")
+    if owner._device != comm._device:
+        raise FakeNcclError(f"double: {what}: buffer on device {owner._device}, communicator on {comm._device}")
+    have, want = owner.dtype, _TYPES[datatype]
+    if not (have == want or datatype in (0, 1) or (have.kind == "c" and have.itemsize == 2 * want.itemsize
+                                                     and want.kind == "f")):
+        raise FakeNcclError(f"double: {what}: datatype {datatype} ({want}) does not match the buffer's dtype {have}")
+
+
+class FakeCommunicator:
+    """``cupy.cuda.nccl.NcclCommunicator`` with the same methods and argument names."""
+
+    def __init__(self, ndev: int, commId: bytes, rank: int, config: Any = None) -> None:  # noqa: N803
+        with _cond:
+            clique = _cliques.get(bytes(commId))
+            if clique is None:
+                clique = _cliques[bytes(commId)] = _Clique(ndev)
+            self._join(clique, ndev, rank)
+
+    def _join(self, clique: _Clique, ndev: int, rank: int) -> None:
+        if ndev != clique.size or not 0 <= rank < ndev or rank in clique.members:
+            raise FakeNcclError(f"double: NcclCommunicator(ndev={ndev}, rank={rank}) does not fit a clique of "
+                                f"{clique.size} with ranks {sorted(clique.members)} already")
+        device = _device()
+        if any(m._device == device for m in clique.members.values()):
+            raise FakeNcclError(f"double: duplicate GPU {device} in one communicator")
+        self._clique, self._rank, self._device, self._destroyed = clique, rank, device, False
+        clique.members[rank] = self
+
+    # ------------------------------------------------------------------ checks
+    def _post(self, kind: str, stream: int, collective: bool, key: tuple = (), **args: Any) -> None:
+        if self._destroyed:
+            raise FakeNcclError(f"double: {kind} on a destroyed communicator")
+        clique = self._clique
+        if clique.error is not None:
+            raise FakeNcclError(f"double: {kind}: communicator failed earlier: {clique.error}")
+        s = _stream(stream)
+        if s.device != self._device:
+            raise FakeNcclError(f"double: {kind}: stream of device {s.device} on a communicator of device "
+                                f"{self._device}")
+        caller = _current()
+        if not s.ordered_after(caller):
+            raise FakeNcclError(f"double: {kind}: the stream argument is not ordered after the caller's current "
+                                f"stream (write #{caller.work} on it); record an event there and wait_event it")
+        with _cond:
+            group = getattr(_tls, "group", None)
+            deps = [e for e in s.pending if not e.done and (group is None or getattr(e, "group", None) is not group)]
+            op = _Op(kind, key, args, deps, group)
+            s.pending = [e for e in s.pending if not e.done] + [op]
+            if collective:
+                k = clique.posted[self._rank]
+                clique.posted[self._rank] = k + 1
+                signature = (kind, *key)
+                if k == len(clique.history):
+                    clique.history.append(signature)
+                elif clique.history[k] != signature:
+                    why = (f"double: collective #{k}: rank {self._rank} issued {signature}, another rank "
+                           f"{clique.history[k]}")
+                    clique.fail(why)
+                    _progress()
+                    raise FakeNcclError(why)
+                clique.collectives[self._rank].append(op)
+            elif kind == "send":
+                clique.sends.setdefault((self._rank, args["peer"]), []).append(op)
+            else:
+                clique.recvs.setdefault((args["peer"], self._rank), []).append(op)
+            _progress()
+
+    def _collective(self, kind: str, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int | None,
+                    root: int | None, stream: int, recv_count: int | None = None,
+                    send_count: int | None = None) -> None:
+        if op is not None and op not in _OPS:
+            raise FakeNcclError(f"double: {kind}: op {op} is not an NCCL reduction (valid: {sorted(_OPS)})")
+        if root is not None and not 0 <= root < self._clique.size:
+            raise FakeNcclError(f"double: {kind}: root {root} out of range for {self._clique.size} ranks")
+        _check_buffer(self, f"{kind} sendbuf", sendbuf, count if send_count is None else send_count, datatype)
+        if recvbuf or kind != "reduce" or root == self._rank:
+            _check_buffer(self, f"{kind} recvbuf", recvbuf, count if recv_count is None else recv_count, datatype)
+        self._post(kind, stream, True, (count, datatype, op, root), send=sendbuf, recv=recvbuf, count=count,
+                   datatype=datatype, op=op, root=root)
+
+    # ------------------------------------------------------------------ NcclCommunicator's methods
+    def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int,  # noqa: N802
+                  stream: int) -> None:
+        self._collective("allReduce", sendbuf, recvbuf, count, datatype, op, None, stream)
+
+    def reduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, root: int, stream: int) -> None:
+        self._collective("reduce", sendbuf, recvbuf, count, datatype, op, root, stream)
+
+    def broadcast(self, sendbuff: int, recvbuff: int, count: int, datatype: int, root: int, stream: int) -> None:
+        self._collective("broadcast", sendbuff, recvbuff, count, datatype, None, root, stream)
+
+    def bcast(self, buff: int, count: int, datatype: int, root: int, stream: int) -> None:
+        self._collective("broadcast", buff, buff, count, datatype, None, root, stream)
+
+    def reduceScatter(self, sendbuf: int, recvbuf: int, recvcount: int, datatype: int, op: int,  # noqa: N802
+                      stream: int) -> None:
+        self._collective("reduceScatter", sendbuf, recvbuf, recvcount, datatype, op, None, stream,
+                         send_count=recvcount * self._clique.size)
+
+    def allGather(self, sendbuf: int, recvbuf: int, count: int, datatype: int, stream: int) -> None:  # noqa: N802
+        self._collective("allGather", sendbuf, recvbuf, count, datatype, None, None, stream,
+                         recv_count=count * self._clique.size)
+
+    def send(self, sendbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
+        self._p2p("send", sendbuf, count, datatype, peer, stream)
+
+    def recv(self, recvbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
+        self._p2p("recv", recvbuf, count, datatype, peer, stream)
+
+    def _p2p(self, kind: str, buf: int, count: int, datatype: int, peer: int, stream: int) -> None:
+        if not 0 <= peer < self._clique.size:
+            raise FakeNcclError(f"double: {kind}: peer {peer} out of range for {self._clique.size} ranks")
+        _check_buffer(self, f"{kind} buffer", buf, count, datatype)
+        self._post(kind, stream, False, buf=buf, count=count, datatype=datatype, peer=peer)
+
+    def commSplit(self, color: int, key: int, config: Any = None) -> FakeCommunicator | None:  # noqa: N802
+        clique = self._clique
+        with _cond:
+            k = sum(1 for s in clique.splits if self._rank in s)
+            if k == len(clique.splits):
+                clique.splits.append({})
+                clique.split_results.append({})
+            clique.splits[k][self._rank] = (color, key)
+            if len(clique.splits[k]) == clique.size:  # the last to arrive forms the new communicators
+                colors = {c for c, _ in clique.splits[k].values() if c >= 0}
+                for c in colors:
+                    ranks = sorted((kk, r) for r, (cc, kk) in clique.splits[k].items() if cc == c)
+                    child = _Clique(len(ranks))
+                    _cliques[os.urandom(16)] = child
+                    for new_rank, (_, r) in enumerate(ranks):
+                        clique.split_results[k][r] = (child, new_rank)
+                _cond.notify_all()
+        _wait(lambda: len(clique.splits[k]) == clique.size, f"commSplit #{k} on every rank")
+        found = clique.split_results[k].get(self._rank)
+        if color < 0 or found is None:
+            return None
+        out = FakeCommunicator.__new__(FakeCommunicator)
+        with _cond:
+            out._clique, out._rank, out._device, out._destroyed = found[0], found[1], self._device, False
+            found[0].members[found[1]] = out
+        return out
+
+    def destroy(self) -> None:
+        if getattr(_tls, "depth", 0):
+            raise FakeNcclError("double: destroy() inside groupStart()/groupEnd()")
+        with _cond:
+            self._destroyed = True
+            clique = self._clique
+            if all(m._destroyed for m in clique.members.values()):  # forget it: progress scans every clique
+                for key in [k for k, c in _cliques.items() if c is clique]:
+                    del _cliques[key]
+
+    def abort(self) -> None:
+        with _cond:
+            self._clique.fail(f"rank {self._rank} aborted the communicator")
+            self._destroyed = True
+            _progress()
+
+    def check_async_error(self) -> None:
+        if self._clique.error is not None:
+            raise FakeNcclError(self._clique.error)
+
+    def device_id(self) -> int:
+        return self._device
+
+    def rank_id(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._clique.size
+
+    @property
+    def comm(self) -> int:
+        return id(self)
+
+    @staticmethod
+    def initAll(devices: Any) -> None:  # noqa: N802
+        raise FakeNcclError("double: initAll (one process driving several GPUs) is not modelled")
+
+
+def _stream(ptr: int) -> FakeStream:
+    for stream in _streams:
+        if stream.ptr == ptr:
+            return stream
+    raise FakeNcclError(f"double: stream {ptr:#x} is not a stream of the double")
+
+
+_streams: weakref.WeakSet[FakeStream] = weakref.WeakSet()
+
+
+class _FakeNcclModule:
+    """The parts of ``cupy.cuda.nccl`` the engine uses, with the real constants."""
+
+    NcclCommunicator = FakeCommunicator
+    NcclError = FakeNcclError
+    available = True
+
+    def __init__(self) -> None:
+        for name, value in CONSTANTS.items():
+            setattr(self, name, value)
+
+    @staticmethod
+    def groupStart() -> None:  # noqa: N802
+        _group_start()
+
+    @staticmethod
+    def groupEnd() -> None:  # noqa: N802
+        _group_end()
+
+    @staticmethod
+    def get_unique_id() -> bytes:
+        return os.urandom(128)
+
+    @staticmethod
+    def get_version() -> int:
+        return 23203
+
+
+fake_nccl = _FakeNcclModule()
+
+
+class FakeRuntime:
+    """The runtime of :mod:`meshkit.comm.cuda_runtime`, over the double."""
+
+    nccl = fake_nccl
+
+    def __init__(self, devices: int = 8) -> None:
+        self.devices = devices
+
+    def device_count(self) -> int:
+        return self.devices
+
+    def use_device(self, index: int) -> None:
+        if not 0 <= index < self.devices:
+            raise FakeNcclError(f"double: device {index} does not exist ({self.devices} devices)")
+        _tls.device = index
+
+    def new_stream(self) -> FakeStream:
+        stream = FakeStream(_device())
+        with _cond:
+            _streams.add(stream)
+        return stream
+
+    @staticmethod
+    def new_event() -> FakeEvent:
+        return FakeEvent()
+
+    @staticmethod
+    def current_stream() -> FakeStream:
+        return _current()
+
+    @staticmethod
+    def is_device_array(x: Any) -> bool:
+        return hasattr(x, "__cuda_array_interface__")
+
+    @staticmethod
+    def pointer(x: Any) -> int:
+        return int(x.__cuda_array_interface__["data"][0])

@@ -1,0 +1,456 @@
+"""The NCCL engine over the strict double (tests/nccl_double.py), ranks as threads.
+
+Every collective against the NumPy reference at world sizes 1 to 4, the routing of host and
+device arrays, streams (Work.wait orders the caller's stream, no host sync), timeouts, and
+tests that break the engine on purpose to show the double catches it. The double's methods
+and constants are checked against the real ``cupy.cuda.nccl`` where it can be imported; tests
+that need a GPU skip with the reason.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import collective_cases as cases
+import meshkit
+import nccl_double as double
+from meshkit import ReduceOp
+from meshkit.comm import cuda_runtime, local
+from meshkit.comm import lifecycle
+from meshkit.comm import nccl as nccl_engine
+
+# NCCL's own types, and dtypes it moves as bytes (reductions need one of the first kind).
+NATIVE = [np.int8, np.uint8, np.int32, np.uint32, np.int64, np.uint64, np.float16, np.float32, np.float64]
+MOVED_ONLY = [np.int16, np.uint16, np.longdouble]
+SPECIAL = [np.bool_, np.complex64, np.complex128]  # reduced as uint8 / as float parts
+
+
+def nccl_ops(dtype) -> list[ReduceOp]:
+    """The reduce ops NCCL performs for ``dtype`` (written out, not read from the engine)."""
+    dtype = np.dtype(dtype)
+    if dtype.kind == "b":
+        return [ReduceOp.MIN, ReduceOp.MAX, ReduceOp.BAND, ReduceOp.BOR]
+    if dtype.kind == "c":
+        return [ReduceOp.SUM, ReduceOp.AVG]
+    if dtype in (np.int16, np.uint16, np.longdouble):
+        return []
+    if dtype.kind in "iu":
+        return [ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX]
+    return [ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX]
+
+
+@pytest.fixture
+def fake_gpu():
+    """The double as the runtime, for the test's duration."""
+    previous = cuda_runtime.set_runtime(double.FakeRuntime())
+    yield double
+    cuda_runtime.set_runtime(previous)
+
+
+def on_nccl(fn, n, *args, timeout=30):
+    """Run ``fn`` on ``n`` thread-ranks, each with an ``nccl`` world over the double."""
+    def main():
+        meshkit.init_process_group("nccl", timeout=timeout)
+        return fn(*args)
+    return local.run(main, n, init=False)
+
+
+def dev_cases(dtype, group=None):
+    return cases.check_all(dtype, group, dev=double.to_device, host=double.to_host, ops=nccl_ops)
+
+
+# --------------------------------------------------------------------------- the collective suite
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", NATIVE + SPECIAL + MOVED_ONLY, ids=lambda d: np.dtype(d).name)
+def test_every_collective_matches_numpy_nccl(fake_gpu, dtype, world_size):
+    checks = on_nccl(dev_cases, world_size, dtype)
+    per_rank = 4 * len(nccl_ops(dtype)) + 7 + world_size  # + 1 on rank 0, the gather root
+    assert checks == [per_rank + 1] + [per_rank] * (world_size - 1)
+
+
+@pytest.mark.parametrize("world_size", [1, 3, 4])
+def test_subgroups_split_the_communicator(fake_gpu, world_size):
+    def body():
+        return cases.check_subgroup(np.float32, dev=double.to_device, host=double.to_host, ops=nccl_ops)
+    checks = on_nccl(body, world_size)
+    assert checks[0] > 0 and all(c == 0 for c in checks[1::2])
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_host_arrays_and_objects_go_over_the_host_engine(fake_gpu, world_size):
+    def body():
+        assert meshkit.get_backend() == "nccl"
+        return cases.check_all(np.float64) + cases.check_objects()
+    per_rank = 4 * 5 + 7 + world_size + 4  # as in the suite above, plus the four object collectives
+    assert on_nccl(body, world_size) == [per_rank + 1] + [per_rank] * (world_size - 1)
+
+
+def test_monitored_barrier_and_barrier(fake_gpu):
+    def body():
+        meshkit.monitored_barrier(timeout=5)
+        meshkit.barrier()
+        return True
+    assert on_nccl(body, 3) == [True] * 3
+
+
+# --------------------------------------------------------------------------- streams and waits
+def test_work_wait_orders_the_stream_without_blocking_the_host(fake_gpu):
+    """Rank 1 starts its all_reduce only after rank 0's Work.wait() returned: a host-blocking
+    wait would never return. The result is right once the host reads it (a stream sync)."""
+    waited = threading.Event()
+
+    def body():
+        x = double.to_device(np.full(4, meshkit.get_rank() + 1.0, np.float32))
+        if meshkit.get_rank() == 0:
+            work = meshkit.all_reduce(x, async_op=True)
+            work.wait()
+            waited.set()
+        else:
+            assert waited.wait(10), "Work.wait() blocked the host until the collective completed"
+            meshkit.all_reduce(x)
+        return double.to_host(x)
+
+    for out in on_nccl(body, 2):
+        np.testing.assert_array_equal(out, np.full(4, 3.0, np.float32))
+
+
+def test_buffers_of_an_async_collective_stay_alive(fake_gpu):
+    """Rank 0 drops its Work and its array before rank 1 joins; the double reports any read of
+    freed device memory, so the next collective would fail."""
+    joined = threading.Event()
+
+    def body():
+        if meshkit.get_rank() == 0:
+            meshkit.all_reduce(double.to_device(np.ones(1024)), async_op=True)
+            joined.set()
+        else:
+            joined.wait(10)
+            meshkit.all_reduce(double.to_device(np.ones(1024)))
+        y = double.to_device(np.ones(3))
+        meshkit.all_reduce(y)
+        return double.to_host(y)
+
+    for out in on_nccl(body, 2):
+        np.testing.assert_array_equal(out, [2.0, 2.0, 2.0])
+
+
+def test_a_rank_that_never_arrives_times_out_and_aborts(fake_gpu):
+    def body():
+        if meshkit.get_rank() == 1:
+            time.sleep(2.5)
+            return None
+        with pytest.raises(meshkit.CollectiveTimeout) as info:
+            meshkit.all_reduce(double.to_device(np.ones(2)))
+        return str(info.value)
+
+    message = on_nccl(body, 2, timeout=1)[0]
+    assert re.search(r"rank 0: all_reduce #0 on group world .* timed out .*NCCL all_reduce did not complete; "
+                     r"the communicator was aborted", message), message
+
+
+# --------------------------------------------------------------------------- bad input
+def test_unsupported_op_or_dtype_names_both(fake_gpu):
+    def body():
+        with pytest.raises(TypeError, match=r"rank 0: all_reduce: NCCL cannot reduce dtype int32 with "
+                                            r"ReduceOp.BAND; NCCL reduces \['int8', "):
+            meshkit.all_reduce(double.to_device(np.ones(3, np.int32)), ReduceOp.BAND)
+        with pytest.raises(TypeError, match=r"NCCL cannot reduce dtype int16 with ReduceOp.SUM"):
+            meshkit.all_reduce(double.to_device(np.ones(3, np.int16)))
+        return True
+    assert on_nccl(body, 1) == [True]
+
+
+def test_mixing_host_and_device_arrays_is_a_type_error(fake_gpu):
+    def body():
+        out = double.to_device(np.zeros(4))
+        with pytest.raises(TypeError, match=r"rank \d: all_gather_into_tensor: output is "
+                                            r"nccl_double.DeviceArray \(device\) but input is numpy.ndarray \(host\)"):
+            meshkit.all_gather_into_tensor(out, np.zeros(2))
+        with pytest.raises(TypeError, match=r"all_gather: tensor_list\[1\] is numpy.ndarray \(host\) but tensor is "
+                                            r"nccl_double.DeviceArray \(device\)"):
+            meshkit.all_gather([double.to_device(np.zeros(2)), np.zeros(2)], double.to_device(np.zeros(2)))
+        return True
+    assert on_nccl(body, 2) == [True, True]
+
+
+def test_device_send_needs_tag_zero_and_a_source(fake_gpu):
+    def body():
+        peer = 1 - meshkit.get_rank()
+        with pytest.raises(ValueError, match=r"send: tag=3 on device arrays: NCCL has no tags"):
+            meshkit.isend(double.to_device(np.zeros(2)), dst=peer, tag=3)
+        with pytest.raises(ValueError, match=r"recv: NCCL cannot receive from any rank; pass src"):
+            meshkit.irecv(double.to_device(np.zeros(2)))
+        return True
+    assert on_nccl(body, 2) == [True, True]
+
+
+# --------------------------------------------------------------------------- the engine broken on purpose
+def test_a_wrong_dtype_map_fails(fake_gpu, monkeypatch):
+    monkeypatch.setitem(nccl_engine.NCCL_DTYPES, "float32", "NCCL_FLOAT64")
+    with pytest.raises(Exception, match=r"datatype 8 \(float64\) does not match the buffer's dtype float32|"
+                                        r"do not lie inside a live device allocation"):
+        on_nccl(dev_cases, 2, np.float32)
+
+
+def test_a_wrong_op_map_fails(fake_gpu, monkeypatch):
+    monkeypatch.setitem(nccl_engine.NCCL_OPS, ReduceOp.SUM, "NCCL_MAX")
+    with pytest.raises(AssertionError, match=r"all_reduce ReduceOp.SUM dtype=float64"):
+        on_nccl(dev_cases, 2, np.float64)
+
+
+def test_a_wrong_count_fails(fake_gpu, monkeypatch):
+    moved = nccl_engine.NCCLEngine._moved
+    monkeypatch.setattr(nccl_engine.NCCLEngine, "_moved", lambda self, x: (moved(self, x)[0], moved(self, x)[1] + 1))
+    with pytest.raises(Exception, match=r"do not lie inside a live device allocation"):
+        on_nccl(dev_cases, 2, np.float64)
+
+
+def test_a_missing_stream_dependency_fails(monkeypatch):
+    class DeafStream(double.FakeStream):
+        def wait_event(self, event):  # the engine's "comm stream waits on the caller" goes missing
+            pass
+
+    class Runtime(double.FakeRuntime):
+        def new_stream(self):
+            stream = DeafStream(double._device())
+            double._streams.add(stream)
+            return stream
+
+    previous = cuda_runtime.set_runtime(Runtime())
+    try:
+        with pytest.raises(Exception, match=r"the stream argument is not ordered after the caller's current stream"):
+            on_nccl(dev_cases, 2, np.float64)
+    finally:
+        cuda_runtime.set_runtime(previous)
+
+
+def test_unbalanced_groups_fail(fake_gpu, monkeypatch):
+    """Without groupEnd NCCL never launches the group: the gather hangs, which the group's
+    timeout (or the double, at the next host synchronization) reports."""
+    monkeypatch.setattr(double._FakeNcclModule, "groupEnd", staticmethod(lambda: None))
+
+    def body():
+        gl = [double.to_device(np.zeros(2)) for _ in range(2)] if meshkit.get_rank() == 0 else None
+        meshkit.gather(double.to_device(np.ones(2)), gl, dst=0)
+
+    with pytest.raises(Exception, match=r"gather #0 .* timed out|gather: NCCL reported an asynchronous error|"
+                                        r"inside groupStart\(\)/groupEnd\(\)"):
+        on_nccl(body, 2, timeout=2)
+
+
+# --------------------------------------------------------------------------- backend choice
+def test_auto_picks_nccl_only_where_a_gpu_is_seen():
+    previous = cuda_runtime.set_runtime(double.FakeRuntime(devices=2))
+    try:
+        assert lifecycle._resolve_backend("auto") == "nccl"
+        cuda_runtime.set_runtime(double.FakeRuntime(devices=0))
+        assert lifecycle._resolve_backend("auto") == "mpi"
+    finally:
+        cuda_runtime.set_runtime(previous)
+
+
+def test_more_ranks_than_gpus_is_refused():
+    previous = cuda_runtime.set_runtime(double.FakeRuntime(devices=2))
+    try:
+        with pytest.raises(meshkit.DistBackendError, match=r"needs one GPU per rank; host .* runs 3 ranks but "
+                                                          r"sees 2 GPUs"):
+            on_nccl(lambda: None, 3)
+    finally:
+        cuda_runtime.set_runtime(previous)
+
+
+# --------------------------------------------------------------------------- the real module
+def _real_nccl():
+    try:
+        from cupy.cuda import nccl
+    except Exception as exc:  # CuPy missing, or its NCCL bindings
+        pytest.skip(f"cupy.cuda.nccl cannot be imported here ({type(exc).__name__}: {exc}); "
+                    "pip install 'meshkit[cuda12]'")
+    if not getattr(nccl, "available", True):
+        pytest.skip("cupy.cuda.nccl is importable but NCCL is not available")
+    return nccl
+
+
+def _documented(method) -> list[str]:
+    """Parameter names from a Cython docstring's first line: ``Name(self, intptr_t sendbuf, ...)``."""
+    head = (method.__doc__ or "").splitlines()[0]
+    inside = head[head.index("(") + 1:head.rindex(")")]
+    return [p.split("=")[0].split()[-1] for p in inside.split(",") if p.strip()]
+
+
+def test_double_has_the_signatures_of_the_real_communicator():
+    nccl = _real_nccl()
+    real = nccl.NcclCommunicator
+    names = [n for n in dir(real) if not n.startswith("_")]
+    assert set(names) <= set(dir(double.FakeCommunicator)), set(names) - set(dir(double.FakeCommunicator))
+    for name in names:
+        method = getattr(real, name)
+        if not callable(method):
+            continue
+        fake = list(inspect.signature(getattr(double.FakeCommunicator, name)).parameters)
+        assert fake == _documented(method), name
+    assert _documented(real) == ["ndev", "commId", "rank", "config"]
+    assert list(inspect.signature(double.FakeCommunicator).parameters) == ["ndev", "commId", "rank", "config"]
+
+
+def test_double_has_the_constants_of_the_real_module():
+    nccl = _real_nccl()
+    real = {n: getattr(nccl, n) for n in dir(nccl) if n.startswith("NCCL_")}
+    assert {n: v for n, v in double.CONSTANTS.items() if n in real} == real
+    for const in list(nccl_engine.NCCL_DTYPES.values()) + list(nccl_engine.NCCL_OPS.values()):
+        assert hasattr(nccl, const), const
+    for fn in ("groupStart", "groupEnd", "get_unique_id", "NcclError"):
+        assert hasattr(nccl, fn), fn
+    assert len(nccl.get_unique_id()) == 128
+
+
+def test_on_real_gpus(mpirun):
+    if not cuda_runtime.gpu_available():
+        pytest.skip("no GPU: CuPy sees no CUDA device here (the NCCL engine is tested over the double)")
+    n = min(cuda_runtime.runtime().device_count(), 4)
+    out = mpirun("nccl_gpu.py", n, timeout=600).stdout
+    lines = [line for line in out.splitlines() if " OK " in f" {line.split(': ', 1)[-1]} "]
+    assert len(lines) == n and all(f"of {n}" in line for line in lines), out
+
+
+def test_detail_mode_checks_every_call_over_the_host_engine(fake_gpu, monkeypatch):
+    monkeypatch.setenv("MESHKIT_DEBUG", "detail")
+    assert on_nccl(dev_cases, 2, np.float32)[1] == 4 * 5 + 7 + 2
+
+    def body():
+        x = double.to_device(np.ones(2))
+        if meshkit.get_rank() == 0:
+            meshkit.all_reduce(x)
+        else:
+            meshkit.broadcast(x, src=0)
+
+    with pytest.raises(meshkit.CollectiveMismatchError, match=r"collective mismatch on group world at #0"):
+        on_nccl(body, 2)
+
+
+def test_a_mesh_costs_one_comm_split_per_dimension(fake_gpu, monkeypatch):
+    """A 2 x 2 mesh over an nccl world: one commSplit per dimension on every rank, and device
+    all_reduces over each dimension's group match the reference."""
+    calls = {}
+    split = double.FakeCommunicator.commSplit
+
+    def counted(self, color, key, config=None):
+        calls[threading.get_ident()] = calls.get(threading.get_ident(), 0) + 1
+        return split(self, color, key, config)
+
+    monkeypatch.setattr(double.FakeCommunicator, "commSplit", counted)
+
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        rank = meshkit.get_rank()
+        out = {}
+        for dim in ("dp", "tp"):
+            x = double.to_device(np.full(3, float(rank)))
+            meshkit.all_reduce(x, group=mesh.get_group(dim))
+            out[dim] = float(double.to_host(x)[0])
+        return calls[threading.get_ident()], meshkit.current_world().split_count, out
+
+    results = on_nccl(body, 4)
+    # mesh [[0, 1], [2, 3]]: dp groups [0, 2], [1, 3]; tp groups [0, 1], [2, 3]
+    assert [r[2] for r in results] == [{"dp": 2.0, "tp": 1.0}, {"dp": 4.0, "tp": 1.0},
+                                       {"dp": 2.0, "tp": 5.0}, {"dp": 4.0, "tp": 5.0}]
+    assert [r[0] for r in results] == [2] * 4
+    assert [r[1] for r in results] == [2] * 4
+
+
+def test_async_collectives_in_a_row_and_their_epilogues(fake_gpu):
+    """Several async calls in flight, waited in order: each result right, including the list
+    collectives whose rows are copied out after Work.wait (stream-ordered epilogues)."""
+    def body():
+        rank, n = meshkit.get_rank(), meshkit.get_world_size()
+        xs = [double.to_device(np.full(5, rank + i, np.float64)) for i in range(3)]
+        works = [meshkit.all_reduce(x, op=ReduceOp.AVG, async_op=True) for x in xs]
+        outs = [double.to_device(np.zeros(2, np.int32)) for _ in range(n)]
+        works.append(meshkit.all_gather(outs, double.to_device(np.full(2, rank, np.int32)), async_op=True))
+        for w in works:
+            w.wait()
+        return [double.to_host(x)[0] for x in xs], [int(double.to_host(o)[1]) for o in outs]
+
+    for avgs, gathered in on_nccl(body, 3):
+        assert avgs == [1.0, 2.0, 3.0]
+        assert gathered == [0, 1, 2]
+
+
+def test_collectives_from_the_group_communication_thread(fake_gpu):
+    """A task of run_async issues on the group's own thread (another thread, device 0 until the
+    engine selects the rank's device): the stream order still holds."""
+    def body():
+        group = meshkit.current_world().default_group
+        x = double.to_device(np.full(2, meshkit.get_rank() + 1.0))
+        group.run_async(lambda: group.all_reduce(x), "hook").wait()
+        return double.to_host(x).tolist()
+
+    assert on_nccl(body, 3) == [[6.0, 6.0]] * 3
+
+
+def test_no_driver_means_no_gpu():
+    class NoDriver(double.FakeRuntime):
+        def device_count(self):
+            raise RuntimeError("cudaErrorInsufficientDriver: CUDA driver version is insufficient")
+
+    previous = cuda_runtime.set_runtime(NoDriver())
+    try:
+        assert cuda_runtime.gpu_available() is False
+        assert lifecycle._resolve_backend("auto") == "mpi"
+    finally:
+        cuda_runtime.set_runtime(previous)
+
+
+def test_nccl_without_cupy_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "cupy", None)  # `import cupy` raises ImportError
+    previous = cuda_runtime.set_runtime(None)
+    try:
+        with pytest.raises(meshkit.DistBackendError, match=r"the 'nccl' backend needs CuPy with NCCL: "
+                                                           r"pip install 'meshkit\[cuda12\]'"):
+            on_nccl(lambda: None, 1)
+    finally:
+        cuda_runtime.set_runtime(previous)
+
+
+@pytest.mark.parametrize("case", ["other collective", "other count"])
+def test_ranks_that_disagree_fail_instead_of_corrupting(fake_gpu, case):
+    """Without detail mode meshkit cannot see the disagreement; the double, as NCCL would
+    (by hanging or reading garbage), must not let it pass."""
+    def body():
+        rank = meshkit.get_rank()
+        x = double.to_device(np.ones(3 if case == "other collective" or rank == 0 else 4))
+        if case == "other collective" and rank == 1:
+            meshkit.broadcast(x, src=0)
+        else:
+            meshkit.all_reduce(x)
+
+    with pytest.raises(Exception, match=r"collective #0: rank \d issued \('(allReduce|broadcast)', [34],"):
+        on_nccl(body, 2, timeout=5)
+
+
+def test_async_collectives_start_at_once(fake_gpu):
+    """The stream orders a group's collectives: none waits in the group's queue (as on MPI)."""
+    def body():
+        xs = [double.to_device(np.ones(2)) for _ in range(3)]
+        works = [meshkit.all_reduce(x, async_op=True) for x in xs]
+        works.append(meshkit.broadcast(double.to_device(np.ones(2)), src=0, async_op=True))
+        states = [e["state"] for e in meshkit.flight_record()]
+        for w in works:
+            w.wait()
+        return states
+
+    assert on_nccl(body, 2) == [["started"] * 4] * 2
+
+
+def test_nccl_over_mpi_as_host_engine(mpirun):
+    """A real process: MPI carries the unique id, host arrays and objects (a world of one: the
+    double's communicators cannot span processes)."""
+    out = mpirun("mpi_nccl_double.py", 1).stdout
+    lines = [line for line in out.splitlines() if " OK " in f" {line.split(': ', 1)[-1]} "]
+    assert len(lines) == 1 and "checks on rank 0 of 1" in lines[0], out
