@@ -179,9 +179,10 @@ class GradientReducer:
         if self._record_order:
             self._ready_order.append(name)
         if self._sync:
-            if len(ready) == bucket.count:
+            marked = len(ready)
+            if marked == bucket.count:
                 bucket.launch()
-            elif not len(ready) & 31:  # every 32 marks: let an earlier bucket's reduction move on
+            elif not marked & 31:  # every 32 marks: let an earlier bucket's reduction move on
                 self.group.progress()
 
     def _check_grad(self, name: str, grad: Any) -> None:
