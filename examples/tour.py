@@ -30,7 +30,7 @@ assert y[0] == (1.0 if rank < 2 else 5.0)
 out = np.empty(2 * world)                    # all ranks' [rank, rank] side by side
 meshkit.all_gather_into_tensor(out, np.full(2, float(rank)))
 assert out.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
-work = meshkit.all_reduce(x, async_op=True)  # runs on the group's communication thread...
+work = meshkit.all_reduce(x, async_op=True)  # starts at once; MPI moves the data...
 busy = sum(i * i for i in range(10_000))     # ...while you compute
 work.wait()
 assert (x == 24).all()
