@@ -51,6 +51,10 @@ with pytest.raises(TypeError, match=r"output is .*DeviceArray \(device\) but inp
     meshkit.all_gather_into_tensor(double.to_device(np.zeros(2 * n, np.float32)), np.zeros(2, np.float32))
 with pytest.raises(TypeError, match=r"\(host\) but .* \(device\)"):
     meshkit.all_gather([np.zeros(2, np.float32) for _ in range(n)], double.to_device(np.zeros(2, np.float32)))
+# A "cuda" mesh needs the nccl backend, as in torch: over mpi it is an error naming both.
+with pytest.raises(meshkit.DistValueError, match=r"device_type 'cuda' needs meshkit's NCCL engine \(backend 'nccl'\), "
+                   r"but the backend here is 'mpi'"):
+    meshkit.init_device_mesh("cuda", (n,))
 meshkit.barrier()
 meshkit.monitored_barrier(timeout=10)
 print(f"OK {mode} {total} checks pinned={rt.pinned_allocations} on rank {rank} of {n}")
