@@ -257,7 +257,7 @@ class _Staged:
         if self.outputs:
             rt = cuda_runtime.runtime()
             for host, dev in self.outputs:
-                rt.copy_to_device(host.reshape(dev.shape), dev, self.stream)
+                rt.copy_to_device(host, dev, self.stream)
             self.stream.synchronize()  # the host buffers go back to the pool: the copies must be over
         self.done = True
         self.release()
@@ -358,10 +358,11 @@ class MPIEngine:
                 continue
             h = self._pool.take(rt, a.size, np.dtype(a.dtype))
             taken.append(h)
+            h = h.reshape(a.shape)  # CuPy's copies want the device array's shape
             if read:
                 rt.copy_to_host(a, h, stream)
                 copied = True
-            hosts.append(h.reshape(a.shape))
+            hosts.append(h)
         if copied:
             stream.synchronize()  # MPI reads the host buffers: the copies must be over
         try:

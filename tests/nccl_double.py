@@ -668,9 +668,9 @@ class FakeRuntime:
         if not isinstance(device, DeviceArray) or (device.nbytes and _owner(device.__array_interface__["data"][0],
                                                                             device.nbytes) is None):
             raise FakeNcclError(f"double: {what}: {type(device).__name__} is not live device memory")
-        if host.size != device.size or host.dtype != device.dtype:
-            raise FakeNcclError(f"double: {what}: host buffer of {host.size} {host.dtype} for a device array of "
-                                f"{device.size} {device.dtype}")
+        if host.shape != device.shape or host.dtype != device.dtype:  # CuPy's get(out=)/set() check both
+            raise FakeNcclError(f"double: {what}: host buffer of shape {host.shape} {host.dtype} for a device array "
+                                f"of shape {device.shape} {device.dtype}")
         if not isinstance(stream, FakeStream):
             raise FakeNcclError(f"double: {what}: {stream!r} is not a stream of the double")
         caller = _current()

@@ -39,6 +39,14 @@ def test_failed_operation_leaves_the_device_output_untouched(mpirun):
     assert "[rank0]: recv output [7.0, 7.0] copies back 0" in out, out
 
 
+def test_a_failed_copy_back_fails_the_work_and_leaves_the_output(mpirun):
+    out = mpirun("mpi_device_faults.py", 2, "copy-back-fails", env={"MESHKIT_CUDA_AWARE_MPI": "0"},
+                 timeout=60).stdout
+    assert "[rank0]: copy-back: FakeNcclError: double: copy_to_device failed (injected)" in out, out
+    assert "[rank0]: copy-back completed True success False output [0.0, 1.0, 2.0, 3.0]" in out, out
+    assert "[rank1]: copy-back completed True success True output [0.0, 2.0, 4.0, 6.0]" in out, out
+
+
 def test_cuda_aware_override_must_be_0_or_1(mpirun):
     out = mpirun("mpi_device_faults.py", 2, "bad-env", timeout=60).stdout
     for rank in (0, 1):
@@ -73,7 +81,7 @@ def test_copies_need_pinned_buffers_of_the_same_size(rt):
     dev = double.to_device(np.arange(4.0))
     with pytest.raises(double.FakeNcclError, match="ndarray is not a buffer of pinned_empty"):
         rt.copy_to_host(dev, np.empty(4), rt.current_stream())
-    with pytest.raises(double.FakeNcclError, match="host buffer of 3 float64 for a device array of 4 float64"):
+    with pytest.raises(double.FakeNcclError, match=r"host buffer of shape \(3,\) float64 for a device array of shape \(4,\) float64"):
         rt.copy_to_host(dev, rt.pinned_empty((3,), np.float64), rt.current_stream())
     with pytest.raises(double.FakeNcclError, match="DeviceArray is not a buffer of pinned_empty"):
         rt.copy_to_device(dev, double.to_device(np.zeros(4)), rt.current_stream())
