@@ -29,6 +29,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import threading
 import time
 from typing import Any, Callable
 
@@ -227,14 +228,19 @@ class _Pool:
 
     def __init__(self) -> None:
         self._free: dict[tuple[int, np.dtype], list[np.ndarray]] = {}
+        self._lock = threading.Lock()  # the caller and the progress thread both take and give
 
     def take(self, rt: Any, size: int, dtype: np.dtype) -> np.ndarray:
-        free = self._free.get((size, dtype))
-        return free.pop() if free else rt.pinned_empty((size,), dtype)
+        with self._lock:
+            free = self._free.get((size, dtype))
+            if free:
+                return free.pop()
+        return rt.pinned_empty((size,), dtype)
 
     def give(self, bufs: list[np.ndarray]) -> None:
-        for b in bufs:
-            self._free.setdefault((b.size, b.dtype), []).append(b)
+        with self._lock:
+            for b in bufs:
+                self._free.setdefault((b.size, b.dtype), []).append(b)
 
 
 class _Staged:

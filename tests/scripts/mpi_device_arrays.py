@@ -32,6 +32,19 @@ work = meshkit.all_reduce(x, meshkit.ReduceOp.AVG, async_op=True)
 work.wait()
 assert np.array_equal(x.get(), np.full(5, (n + 1) / 2, np.float32)), x.get()
 
+# Several in flight at once, same size: each has its own staging buffers until it completes.
+xs = [double.to_device(np.full(64, 10.0 * i + rank, np.float64)) for i in range(4)]
+works = [meshkit.all_reduce(v, async_op=True) for v in xs]
+sends = [meshkit.isend(double.to_device(np.full(64, 100.0 * i + rank)), (rank + 1) % n) for i in range(3)]
+recvs = [double.to_device(np.zeros(64)) for _ in range(3)]
+rworks = [meshkit.irecv(r, (rank - 1) % n) for r in recvs]
+for w in works + sends + rworks:
+    w.wait()
+for i, v in enumerate(xs):
+    assert np.array_equal(v.get(), np.full(64, n * 10.0 * i + n * (n - 1) / 2)), (i, v.get()[:2])
+for i, r in enumerate(recvs):
+    assert np.array_equal(r.get(), np.full(64, 100.0 * i + (rank - 1) % n)), (i, r.get()[:2])
+
 # Reuse: the same sizes again allocate nothing new (staged), or nothing at all (aware).
 y = double.to_device(np.ones(1000, np.float64))
 meshkit.all_reduce(y)
