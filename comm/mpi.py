@@ -214,9 +214,12 @@ def cuda_aware_mpi() -> bool:
     return bool(query()) if query is not None else False
 
 
+_NDARRAY = np.ndarray
+
+
 def _on_device(x: Any) -> bool:
     """A device array (not a NumPy array): NumPy's path pays one class check."""
-    return x is not None and x.__class__ is not np.ndarray and cuda_runtime.is_device_array(x)
+    return x is not None and x.__class__ is not _NDARRAY and cuda_runtime.is_device_array(x)
 
 
 class _Pool:
@@ -381,7 +384,7 @@ class MPIEngine:
         return _Staged(request, outputs, stream, lambda: pool.give(taken))
 
     def all_reduce(self, buf: np.ndarray, op: ReduceOp) -> MPI.Request:
-        if buf.__class__ is not np.ndarray and _on_device(buf):
+        if buf.__class__ is not _NDARRAY and _on_device(buf):  # one global, one compare for NumPy
             return self._device(lambda b: self._all_reduce(b, op), (buf,), (True,), (True,))
         t, ops = _specs.get(buf.dtype) or _spec(buf.dtype)  # the hottest call: no function call when cached
         return self._Iallreduce(MPI.IN_PLACE, [buf, t], ops[op])
