@@ -18,6 +18,13 @@ What a runtime provides (duck-typed, CuPy's own names where CuPy has them)::
     current_stream() -> Stream   the calling thread's current stream
     is_device_array(x) -> bool   True for arrays in device memory (``__cuda_array_interface__``)
     pointer(x) -> int         the device address of a device array's first element
+    pinned_empty(shape, dtype) -> numpy.ndarray   page-locked host memory (for staging copies)
+    copy_to_host(src, dst, stream)     enqueue device array -> pinned host array on ``stream``
+    copy_to_device(src, dst, stream)   enqueue pinned host array -> device array on ``stream``
+
+The copies are asynchronous, ordered on ``stream`` like a kernel: the caller synchronizes the
+stream before it reads ``dst`` on the host (or reuses ``src``). The MPI engine stages device
+arrays through them when MPI cannot read device memory.
 """
 
 from __future__ import annotations
@@ -79,6 +86,18 @@ class CupyRuntime:
     @staticmethod
     def pointer(x: Any) -> int:
         return int(x.__cuda_array_interface__["data"][0])
+
+    def pinned_empty(self, shape: Any, dtype: Any) -> Any:
+        import cupyx
+        return cupyx.empty_pinned(shape, dtype)
+
+    @staticmethod
+    def copy_to_host(src: Any, dst: Any, stream: Any) -> None:
+        src.get(stream=stream, out=dst, blocking=False)
+
+    @staticmethod
+    def copy_to_device(src: Any, dst: Any, stream: Any) -> None:
+        dst.set(src, stream=stream)
 
 
 _lock = threading.Lock()

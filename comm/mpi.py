@@ -10,6 +10,15 @@ blocking calls do), but only a few polls when ranks outnumber cores (measured on
 spin-then-``sched_yield`` matches it); a communication thread working beside the caller's
 computation never spins.
 
+Device arrays (``__cuda_array_interface__``: CuPy, ...) go to MPI as they are when MPI is
+CUDA-aware, after the caller's current stream has finished writing them (MPI is not
+stream-aware). Otherwise they are staged: copied into pinned host buffers (reused per size and
+dtype, through :mod:`~meshkit.comm.cuda_runtime`), moved by MPI, and copied back; the request
+completes only once the copy back is done, and an operation that fails or times out never
+copies back, so its output keeps its old contents. Whether MPI is CUDA-aware:
+``MESHKIT_CUDA_AWARE_MPI=1`` or ``0`` decides; without it, mpi4py's ``MPI.Query_cuda_support()``
+where mpi4py has it (MPIX), else staging (always correct, slower).
+
 This module imports ``mpi4py.MPI``, which initializes MPI: it is imported only when the ``mpi``
 backend is chosen. MPI is asked for ``MPI_THREAD_MULTIPLE`` (mpi4py's default), because each
 group's communication thread calls MPI beside the caller.
@@ -20,19 +29,21 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import threading
 import time
 from typing import Any, Callable
 
 import numpy as np
 from mpi4py import MPI
 
+from . import cuda_runtime
 from .engine import DeadlineExceeded
-from .errors import DistBackendError
+from .errors import DistBackendError, DistValueError
 from .notices import WATCH_INTERVAL, Notice
 from .reduce_op import ReduceOp, combine_into
 from .work import in_background
 
-__all__ = ["MPIEngine", "create_world_engine"]
+__all__ = ["MPIEngine", "create_world_engine", "cuda_aware_mpi", "CUDA_AWARE_ENV"]
 
 logger = logging.getLogger("meshkit")
 
@@ -184,6 +195,87 @@ class _Receive:
         return True
 
 
+# --------------------------------------------------------------------------- device arrays
+#: The environment variable that says whether MPI reads device memory (1) or not (0).
+CUDA_AWARE_ENV = "MESHKIT_CUDA_AWARE_MPI"
+
+
+def cuda_aware_mpi() -> bool:
+    """Whether device arrays go to MPI directly: :data:`CUDA_AWARE_ENV` when set, else
+    ``MPI.Query_cuda_support()`` where mpi4py has it, else False (stage through host memory)."""
+    value = os.environ.get(CUDA_AWARE_ENV)
+    if value is not None:
+        if value.strip() not in ("0", "1"):
+            raise DistValueError(f"meshkit.comm: rank {MPI.COMM_WORLD.Get_rank()}: {CUDA_AWARE_ENV}={value!r} "
+                                 "is not valid; valid values are 0 (stage device arrays through host memory) "
+                                 "and 1 (MPI reads device memory)")
+        return value.strip() == "1"
+    query = getattr(MPI, "Query_cuda_support", None)
+    return bool(query()) if query is not None else False
+
+
+_NDARRAY = np.ndarray
+
+
+def _on_device(x: Any) -> bool:
+    """A device array (not a NumPy array): NumPy's path pays one class check."""
+    return x is not None and x.__class__ is not _NDARRAY and cuda_runtime.is_device_array(x)
+
+
+class _Pool:
+    """Pinned host buffers for staging, reused per (element count, dtype).
+
+    A buffer is taken for one operation and given back once that operation completed; a failed
+    or timed-out one keeps its buffers (MPI may still write into them).
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[int, np.dtype], list[np.ndarray]] = {}
+        self._lock = threading.Lock()  # the caller and the progress thread both take and give
+
+    def take(self, rt: Any, size: int, dtype: np.dtype) -> np.ndarray:
+        with self._lock:
+            free = self._free.get((size, dtype))
+            if free:
+                return free.pop()
+        return rt.pinned_empty((size,), dtype)
+
+    def give(self, bufs: list[np.ndarray]) -> None:
+        with self._lock:
+            for b in bufs:
+                self._free.setdefault((b.size, b.dtype), []).append(b)
+
+
+class _Staged:
+    """An MPI request over staged host buffers: completes once MPI has and the outputs have been
+    copied back to the device (and the copy has finished), so a caller never sees a
+    half-copied output as done. Forwards a receive's ``source``/``count``/``dtype``."""
+
+    __slots__ = ("request", "outputs", "stream", "release", "done")
+
+    def __init__(self, request: Any, outputs: list[tuple[np.ndarray, Any]], stream: Any,
+                 release: Callable[[], None]) -> None:
+        self.request, self.outputs, self.stream, self.release = request, outputs, stream, release
+        self.done = False
+
+    def Test(self) -> bool:  # noqa: N802 (the Request protocol's name)
+        if self.done:
+            return True
+        if not self.request.Test():
+            return False
+        if self.outputs:
+            rt = cuda_runtime.runtime()
+            for host, dev in self.outputs:
+                rt.copy_to_device(host, dev, self.stream)
+            self.stream.synchronize()  # the host buffers go back to the pool: the copies must be over
+        self.done = True
+        self.release()
+        return True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.request, name)
+
+
 class _Mailbox:
     """The notice channel of a world: its own duplicate of MPI_COMM_WORLD, shared by every
     engine of the world, so notices never meet collective or user traffic."""
@@ -229,6 +321,8 @@ class MPIEngine:
         self._tag_up, self._tag_down = tag_ub, tag_ub - 1
         self.max_tag = tag_ub - 16  # the top tags carry monitored exchanges
         self._Iallreduce = comm.Iallreduce
+        self._aware: bool | None = None  # CUDA-aware MPI; asked at the first device array
+        self._pool = _Pool()
 
     def wait(self, request: Any, deadline: float) -> None:
         if not _completes(request, deadline, self.watch):
@@ -251,37 +345,120 @@ class MPIEngine:
         """End the whole MPI job now (MPI_Abort on the world)."""
         MPI.COMM_WORLD.Abort(code)
 
+    def _device(self, start: Callable[..., Any], arrays: tuple[Any, ...], reads: tuple[bool, ...],
+                writes: tuple[bool, ...]) -> Any:
+        """Run ``start(*arrays)`` for device arrays: on them (CUDA-aware MPI) or on staged host copies.
+
+        ``reads[i]``/``writes[i]``: MPI reads/writes ``arrays[i]`` on this rank (None: no array).
+        """
+        rt = cuda_runtime.runtime()
+        stream = rt.current_stream()
+        if self._aware is None:
+            self._aware = cuda_aware_mpi()
+        if self._aware:
+            stream.synchronize()  # MPI is not stream-aware: the caller's writes must be done
+            return start(*arrays)
+        hosts: list[Any] = []
+        taken: list[np.ndarray] = []
+        copied = False
+        for a, read in zip(arrays, reads):
+            if a is None:
+                hosts.append(None)
+                continue
+            h = self._pool.take(rt, a.size, np.dtype(a.dtype))
+            taken.append(h)
+            h = h.reshape(a.shape)  # CuPy's copies want the device array's shape
+            if read:
+                rt.copy_to_host(a, h, stream)
+                copied = True
+            hosts.append(h)
+        if copied:
+            stream.synchronize()  # MPI reads the host buffers: the copies must be over
+        try:
+            request = start(*hosts)
+        except BaseException:
+            self._pool.give(taken)  # MPI never saw them
+            raise
+        outputs = [(h, a) for h, a, w in zip(hosts, arrays, writes) if w and a is not None]
+        pool = self._pool
+        return _Staged(request, outputs, stream, lambda: pool.give(taken))
+
     def all_reduce(self, buf: np.ndarray, op: ReduceOp) -> MPI.Request:
+        if buf.__class__ is not _NDARRAY and _on_device(buf):  # one global, one compare for NumPy
+            return self._device(lambda b: self._all_reduce(b, op), (buf,), (True,), (True,))
         t, ops = _specs.get(buf.dtype) or _spec(buf.dtype)  # the hottest call: no function call when cached
         return self._Iallreduce(MPI.IN_PLACE, [buf, t], ops[op])
 
+    def _all_reduce(self, buf: np.ndarray, op: ReduceOp) -> MPI.Request:
+        t, ops = _spec(buf.dtype)
+        return self._Iallreduce(MPI.IN_PLACE, [buf, t], ops[op])
+
     def reduce(self, buf: np.ndarray, op: ReduceOp, root: int) -> MPI.Request:
+        if _on_device(buf):
+            mine = self.rank == root
+            return self._device(lambda b: self._reduce(b, op, root), (buf,), (True,), (mine,))
+        return self._reduce(buf, op, root)
+
+    def _reduce(self, buf: np.ndarray, op: ReduceOp, root: int) -> MPI.Request:
         t, ops = _spec(buf.dtype)
         if self.rank == root:
             return self.comm.Ireduce(MPI.IN_PLACE, [buf, t], ops[op], root)
         return self.comm.Ireduce([buf, t], None, ops[op], root)
 
     def broadcast(self, buf: np.ndarray, root: int) -> MPI.Request:
+        if _on_device(buf):
+            mine = self.rank == root
+            return self._device(lambda b: self._broadcast(b, root), (buf,), (mine,), (not mine,))
+        return self._broadcast(buf, root)
+
+    def _broadcast(self, buf: np.ndarray, root: int) -> MPI.Request:
         return self.comm.Ibcast([buf, _spec(buf.dtype)[0]], root)
 
     def all_gather(self, out: np.ndarray, inp: np.ndarray) -> MPI.Request:
+        if _on_device(out):
+            return self._device(self._all_gather, (out, inp), (False, True), (True, False))
+        return self._all_gather(out, inp)
+
+    def _all_gather(self, out: np.ndarray, inp: np.ndarray) -> MPI.Request:
         t = _spec(out.dtype)[0]
         send = MPI.IN_PLACE if _own_chunk(out, inp, self.rank) else [inp, t]
         return self.comm.Iallgather(send, [out, t])
 
     def reduce_scatter(self, out: np.ndarray, inp: np.ndarray, op: ReduceOp) -> MPI.Request:
+        if _on_device(out):
+            return self._device(lambda o, i: self._reduce_scatter(o, i, op), (out, inp), (False, True), (True, False))
+        return self._reduce_scatter(out, inp, op)
+
+    def _reduce_scatter(self, out: np.ndarray, inp: np.ndarray, op: ReduceOp) -> MPI.Request:
         t, ops = _spec(out.dtype)
         return self.comm.Ireduce_scatter_block([inp, t], [out, t], ops[op])
 
     def gather(self, out: np.ndarray | None, inp: np.ndarray, root: int) -> MPI.Request:
+        if _on_device(inp):
+            return self._device(lambda o, i: self._gather(o, i, root), (out, inp), (False, True), (True, False))
+        return self._gather(out, inp, root)
+
+    def _gather(self, out: np.ndarray | None, inp: np.ndarray, root: int) -> MPI.Request:
         t = _spec(inp.dtype)[0]
         return self.comm.Igather([inp, t], None if out is None else [out, t], root)
 
     def scatter(self, out: np.ndarray, inp: np.ndarray | None, root: int) -> MPI.Request:
+        if _on_device(out):
+            return self._device(lambda o, i: self._scatter(o, i, root), (out, inp), (False, True), (True, False))
+        return self._scatter(out, inp, root)
+
+    def _scatter(self, out: np.ndarray, inp: np.ndarray | None, root: int) -> MPI.Request:
         t = _spec(out.dtype)[0]
         return self.comm.Iscatter(None if inp is None else [inp, t], [out, t], root)
 
     def all_to_all(self, out: np.ndarray, recv_counts: list[int], inp: np.ndarray,
+                   send_counts: list[int]) -> MPI.Request:
+        if _on_device(out):
+            return self._device(lambda o, i: self._all_to_all(o, recv_counts, i, send_counts), (out, inp),
+                                (False, True), (True, False))
+        return self._all_to_all(out, recv_counts, inp, send_counts)
+
+    def _all_to_all(self, out: np.ndarray, recv_counts: list[int], inp: np.ndarray,
                    send_counts: list[int]) -> MPI.Request:
         t = _spec(out.dtype)[0]
         if len(set(send_counts)) == 1 and len(set(recv_counts)) == 1:
@@ -298,9 +475,19 @@ class MPIEngine:
     # an error meshkit reports, and MPICH aborts the process (an internal assertion) when a
     # typed receive gets a message whose bytes do not divide into its elements.
     def send(self, buf: np.ndarray, dst: int, tag: int) -> MPI.Request:
+        if _on_device(buf):
+            return self._device(lambda b: self._send(b, dst, tag), (buf,), (True,), (False,))
+        return self._send(buf, dst, tag)
+
+    def _send(self, buf: np.ndarray, dst: int, tag: int) -> MPI.Request:
         return self.comm.Isend([buf, MPI.BYTE], dst, tag)
 
     def recv(self, buf: np.ndarray, src: int | None, tag: int) -> _Receive:
+        if _on_device(buf):
+            return self._device(lambda b: self._recv(b, src, tag), (buf,), (False,), (True,))
+        return self._recv(buf, src, tag)
+
+    def _recv(self, buf: np.ndarray, src: int | None, tag: int) -> _Receive:
         source = MPI.ANY_SOURCE if src is None else src
         return _Receive(self.comm.Irecv([buf, MPI.BYTE], source, tag), buf.itemsize)
 

@@ -18,6 +18,11 @@ whose one group is the whole root; none for slicing. A mesh over a subset of the
 more, for the group of all its ranks, over which later ``flatten``/``unflatten``/``rearrange``
 calls run (they are collective over the root mesh only). Every construction also exchanges one
 small object (see `agreement`): the ranks must pass the same arguments, and all raise if not.
+
+Device types: "cpu" over any backend; "cuda" only over the ``nccl`` backend, as torch allows
+"cuda" meshes only with a GPU backend (over ``mpi``, device arrays work in collectives, but MPI is
+not a GPU engine). A "cuda" mesh's groups are the NCCL engine's (one ``commSplit`` per
+dimension); ``describe()`` names each rank's GPU, the index its NCCL engine drives.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ from typing import Any, Sequence, TextIO
 
 import numpy as np
 
-from ..comm import DistTypeError, DistValueError, ProcessGroup, all_gather_object, create_groups, current_world
+from ..comm import (DistTypeError, DistValueError, ProcessGroup, all_gather_object, create_groups, current_world,
+                    get_backend)
 from . import errors, layout
 from .agreement import agree
 
@@ -36,7 +42,11 @@ __all__ = ["DeviceMesh", "init_device_mesh", "host_names"]
 
 logger = logging.getLogger("meshkit")
 
-DEVICE_TYPES = ("cpu",)
+DEVICE_TYPES = ("cpu", "cuda")
+#: Backends whose groups move device arrays, so that a "cuda" mesh is valid over them (as in
+#: torch, where "cuda" meshes need a GPU backend): an mpi world moves device arrays too, but
+#: through host memory or a CUDA-aware MPI, not as a GPU engine.
+GPU_BACKENDS = ("nccl",)
 
 #: the plain errors `layout` and the argument checks raise; `errors.convert` prefixes them
 _ARG_ERRORS = (TypeError, ValueError, KeyError, IndexError)
@@ -49,13 +59,37 @@ def host_names(group: ProcessGroup) -> list[str]:
     return names
 
 
-def _check_device(device_type: str) -> str:
-    if device_type == "cuda":
-        raise ValueError("device_type 'cuda' needs meshkit's NCCL engine, which is not available in this "
-                         "version; use device_type='cpu'")
+def _check_device(device_type: str, backend: str) -> str:
+    """``device_type`` if it is valid over a group of ``backend``: "cpu" always, "cuda" on a GPU backend."""
     if device_type not in DEVICE_TYPES:
-        raise ValueError(f"unknown device_type {device_type!r}; valid types are {list(DEVICE_TYPES)}")
+        valid = list(DEVICE_TYPES) if backend in GPU_BACKENDS else ["cpu"]
+        raise ValueError(f"unknown device_type {device_type!r}; valid types are {valid} (backend {backend!r})")
+    if device_type == "cuda" and backend not in GPU_BACKENDS:
+        raise ValueError(f"device_type 'cuda' needs meshkit's NCCL engine (backend 'nccl'), but the backend here "
+                         f"is {backend!r}; call init_process_group('nccl') on GPUs, or use device_type='cpu' "
+                         f"(valid over {backend!r}: ['cpu'])")
     return device_type
+
+
+def _gpu(group: ProcessGroup) -> int | None:
+    """This rank's GPU in ``group``'s engine (the NCCL engine's device index), None without one.
+
+    Read off the group's engine because comm exports no name for it yet (the test of describe()
+    pins the indices, so a move of the attribute fails it rather than printing None).
+    """
+    engine = getattr(group, "engine", None)
+    device = getattr(engine, "device", None)
+    return int(device) if device is not None else None
+
+
+def _placements(group: ProcessGroup, *, gpus: bool = False) -> list[tuple[str, int | None]]:
+    """``(host, GPU index or None)`` of every rank of ``group``; collective over ``group``.
+
+    The GPU is asked only when ``gpus`` (a "cuda" mesh); None where the engine drives none.
+    """
+    out: list[Any] = [None] * group.size
+    all_gather_object(out, (group.host_name(), _gpu(group) if gpus else None), group=group)
+    return [tuple(p) for p in out]
 
 
 def _context(exc: Exception, context: str) -> Exception:
@@ -77,7 +111,7 @@ class DeviceMesh:
     """An N-D arrangement of global ranks with one process group per dimension.
 
     Attributes:
-        device_type: ``"cpu"``.
+        device_type: ``"cpu"`` or ``"cuda"`` (over the ``nccl`` backend).
         mesh: the ndarray of global ranks of this mesh (for a sub-mesh, the one containing
             this rank).
         mesh_dim_names: the dimension names, or None.
@@ -97,7 +131,8 @@ class DeviceMesh:
 
         Args:
             device_type: ``"cpu"``: groups on the current engine (``mpi``, or ``local``
-                inside ``meshkit.comm.local.run``).
+                inside ``meshkit.comm.local.run``); ``"cuda"``: only over the ``nccl`` backend
+                (each rank's GPU is its engine's), as torch allows "cuda" only with a GPU backend.
             mesh: integer array-like of distinct global ranks; may cover part of the world
                 (ranks outside it take part and get ``get_coordinate() is None``).
             mesh_dim_names: one unique name per dimension.
@@ -111,7 +146,7 @@ class DeviceMesh:
         args: dict[str, Any] | None = None
         error: Exception | None = None
         try:
-            device_type = _check_device(device_type)
+            device_type = _check_device(device_type, world.backend)
             ranks = layout.validate_mesh(mesh, world.size)
             names = layout.validate_dim_names(mesh_dim_names, ranks.ndim)
             args = {"device_type": device_type, "mesh": ranks, "mesh_dim_names": names}
@@ -363,6 +398,8 @@ class DeviceMesh:
                    mesh_dim_names: Sequence[str] | None = None) -> DeviceMesh:
         """A 1-D mesh over an existing group's ranks; creates no communicator. Not collective.
 
+        ``device_type="cuda"`` needs a group of the ``nccl`` backend.
+
         Example (4 ranks, ``group = new_group([1, 2, 3])``)::
 
             mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("dp",))
@@ -374,7 +411,7 @@ class DeviceMesh:
             raise DistTypeError(f"{errors.prefix(op)}group must be a ProcessGroup (e.g. from new_group), got "
                                 f"{group!r} ({type(group).__name__})")
         try:
-            device_type = _check_device(device_type)
+            device_type = _check_device(device_type, get_backend(group))
             names = layout.validate_dim_names(mesh_dim_names, 1)
         except _ARG_ERRORS as exc:
             raise errors.convert(op, exc) from None
@@ -399,7 +436,8 @@ class DeviceMesh:
         return hash((self.device_type, self.mesh_dim_names, self._layout.tobytes(), self._layout.shape))
 
     def describe(self, file: TextIO | None = None) -> str:
-        """Each dimension's groups and every rank's host; collective over the root mesh.
+        """Each dimension's groups and every rank's host (and GPU, on a "cuda" mesh); collective
+        over the root mesh.
 
         Prints on the mesh's first rank (to ``file``, default stdout) and returns the text on
         every rank. Warns when a dimension listed after another crosses hosts while the earlier
@@ -409,7 +447,10 @@ class DeviceMesh:
         self._member_coordinate("DeviceMesh.describe")
         root = self._anchor._root_group
         assert root is not None
-        hosts = dict(zip(root.ranks, host_names(root)))
+        cuda = self.device_type == "cuda"
+        where = dict(zip(root.ranks, _placements(root, gpus=True) if cuda else
+                         [(h, None) for h in host_names(root)]))
+        hosts = {r: h for r, (h, _) in where.items()}
         names = self.mesh_dim_names or tuple(f"mesh_dim{i}" for i in range(self.ndim))
         lines = [repr(self)]
         crosses = []
@@ -422,7 +463,8 @@ class DeviceMesh:
         by_host: dict[str, list[int]] = {}
         for r in sorted(int(r) for r in self._layout.ravel()):
             by_host.setdefault(hosts[r], []).append(r)
-        lines += [f"  host {h}: ranks {rs}" for h, rs in by_host.items()]
+        lines += [f"  host {h}: ranks {rs}" + (f" on GPUs {[where[r][1] for r in rs]}" if cuda else "")
+                  for h, rs in by_host.items()]
         for i in range(self.ndim):
             for j in range(i + 1, self.ndim):
                 if crosses[j] and not crosses[i]:
@@ -457,7 +499,7 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
     args: dict[str, Any] | None = None
     error: Exception | None = None
     try:
-        device_type = _check_device(device_type)
+        device_type = _check_device(device_type, world.backend)
         try:
             shape = layout.infer_shape(mesh_shape, world.size)
         except ValueError as exc:

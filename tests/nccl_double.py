@@ -13,7 +13,12 @@ NCCL is strict, and checks every call as NCCL would:
   in the same order; each send meets a receive of the same count and datatype;
 * ``groupStart``/``groupEnd`` are balanced (a host synchronization inside a group is an error);
 * the stream argument was ordered (``wait_event``) after everything the calling thread had
-  written on its current stream, so a collective can never read stale data.
+  written on its current stream, so a collective can never read stale data;
+* host<->device copies (``copy_to_host``/``copy_to_device``, for MPI staging) go between a
+  device allocation and a buffer of ``pinned_empty`` of the same size and dtype, on a stream
+  ordered after the caller's writes; they run in stream order and only when the stream is
+  synchronized (or an event/entry after them is waited for), so a host reading ``dst`` before
+  synchronizing reads stale data and the tests see it.
 
 Streams run in order: an operation becomes ready when the entries before it on its stream
 (operations, waits on events) are done, and it is performed, for real, on NumPy memory, once
@@ -611,13 +616,83 @@ class _FakeNcclModule:
 fake_nccl = _FakeNcclModule()
 
 
+class _Copy:
+    """A host<->device copy on a stream: performed, in order, the first time anyone asks
+    whether it is done once the entries before it are."""
+
+    __slots__ = ("deps", "src", "dst", "_done")
+
+    def __init__(self, deps: list[Any], src: np.ndarray, dst: np.ndarray) -> None:
+        self.deps, self.src, self.dst, self._done = deps, src, dst, False
+
+    @property
+    def done(self) -> bool:
+        if not self._done and all(d.done for d in self.deps):
+            np.copyto(self.dst, self.src)
+            self._done = True
+        return self._done
+
+
 class FakeRuntime:
-    """The runtime of :mod:`meshkit.comm.cuda_runtime`, over the double."""
+    """The runtime of :mod:`meshkit.comm.cuda_runtime`, over the double.
+
+    Counts what MPI staging does: ``pinned_allocations``, ``copies_to_host``, ``copies_to_device``.
+    """
 
     nccl = fake_nccl
 
     def __init__(self, devices: int = 8) -> None:
         self.devices = devices
+        self.pinned_allocations = 0
+        self.copies_to_host = 0
+        self.copies_to_device = 0
+        self._pinned: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
+
+    def pinned_empty(self, shape: Any, dtype: Any) -> np.ndarray:
+        buf = np.empty(shape, dtype)
+        with _cond:
+            self.pinned_allocations += 1
+            self._pinned[id(buf)] = buf
+        return buf
+
+    def _check_pinned(self, what: str, x: Any) -> None:
+        base = x
+        while isinstance(base, np.ndarray) and isinstance(base.base, np.ndarray):
+            base = base.base
+        if isinstance(x, DeviceArray) or not isinstance(x, np.ndarray) or self._pinned.get(id(base)) is not base:
+            raise FakeNcclError(f"double: {what}: {type(x).__name__} is not a buffer of pinned_empty "
+                                "(a pageable copy would be synchronous)")
+
+    def _copy(self, what: str, device: Any, host: Any, stream: Any, to_device: bool) -> None:
+        self._check_pinned(what, host)
+        if not isinstance(device, DeviceArray) or (device.nbytes and _owner(device.__array_interface__["data"][0],
+                                                                            device.nbytes) is None):
+            raise FakeNcclError(f"double: {what}: {type(device).__name__} is not live device memory")
+        if host.shape != device.shape or host.dtype != device.dtype:  # CuPy's get(out=)/set() check both
+            raise FakeNcclError(f"double: {what}: host buffer of shape {host.shape} {host.dtype} for a device array "
+                                f"of shape {device.shape} {device.dtype}")
+        if not isinstance(stream, FakeStream):
+            raise FakeNcclError(f"double: {what}: {stream!r} is not a stream of the double")
+        caller = _current()
+        if not stream.ordered_after(caller):
+            raise FakeNcclError(f"double: {what}: the stream is not ordered after the caller's current stream "
+                                f"(write #{caller.work} on it): the copy could miss the caller's writes")
+        dev = device.view(np.ndarray).reshape(-1)
+        src, dst = (host.reshape(-1), dev) if to_device else (dev, host.reshape(-1))
+        with _cond:
+            pending = [e for e in stream.pending if not e.done]
+            stream.pending = pending + [_Copy(pending, src, dst)]
+            if to_device:
+                stream.work += 1
+                self.copies_to_device += 1
+            else:
+                self.copies_to_host += 1
+
+    def copy_to_host(self, src: Any, dst: Any, stream: Any) -> None:
+        self._copy("copy_to_host", src, dst, stream, False)
+
+    def copy_to_device(self, src: Any, dst: Any, stream: Any) -> None:
+        self._copy("copy_to_device", dst, src, stream, True)
 
     def device_count(self) -> int:
         return self.devices

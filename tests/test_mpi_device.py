@@ -1,0 +1,102 @@
+"""Device arrays over the MPI engine, against the double (tests/nccl_double.py) as the runtime.
+
+On real processes (2 ranks, ``meshkit-run``): every collective and point-to-point on device
+arrays, staged through pinned host buffers (``MESHKIT_CUDA_AWARE_MPI=0``) and handed to MPI as
+they are (``=1``); staging buffers reused across calls; an output a failed operation never
+touched; the mix of host and device arrays. In process: the double's staging copies are strict
+(pinned buffers only, stream order after the caller's writes, nothing read before a sync).
+Nothing here has run on a GPU.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import nccl_double as double
+
+
+@pytest.mark.parametrize("mode", ["staged", "aware"])
+def test_every_collective_on_device_arrays_over_mpi(mpirun, mode):
+    env = {"MESHKIT_CUDA_AWARE_MPI": "1" if mode == "aware" else "0"}
+    out = mpirun("mpi_device_arrays.py", 2, mode, env=env, timeout=240).stdout
+    found = dict(re.findall(rf"\[rank(\d)\]: OK {mode} (\d+) checks", out))
+    assert found == {"0": "307", "1": "141"}, out  # same counts as the host arrays' suite
+    pinned = re.findall(r"pinned=(\d+)", out)
+    if mode == "staged":
+        assert all(int(p) > 0 for p in pinned) and len(pinned) == 2, out
+    else:
+        assert pinned == ["0", "0"], out
+
+
+def test_failed_operation_leaves_the_device_output_untouched(mpirun):
+    out = mpirun("mpi_device_faults.py", 2, "timeout", env={"MESHKIT_CUDA_AWARE_MPI": "0"}, timeout=60).stdout
+    assert "[rank0]: all_reduce: CollectiveTimeout: meshkit.comm: rank 0: all_reduce #0 on group world" in out, out
+    assert "[rank0]: all_reduce output [0.0, 1.0, 2.0, 3.0] copies back 0" in out, out
+    assert "[rank0]: recv: CollectiveTimeout" in out, out
+    assert "[rank0]: recv output [7.0, 7.0] copies back 0" in out, out
+
+
+def test_a_failed_copy_back_fails_the_work_and_leaves_the_output(mpirun):
+    out = mpirun("mpi_device_faults.py", 2, "copy-back-fails", env={"MESHKIT_CUDA_AWARE_MPI": "0"},
+                 timeout=60).stdout
+    assert "[rank0]: copy-back: FakeNcclError: double: copy_to_device failed (injected)" in out, out
+    assert "[rank0]: copy-back completed True success False output [0.0, 1.0, 2.0, 3.0]" in out, out
+    assert "[rank1]: copy-back completed True success True output [0.0, 2.0, 4.0, 6.0]" in out, out
+
+
+def test_cuda_aware_override_must_be_0_or_1(mpirun):
+    out = mpirun("mpi_device_faults.py", 2, "bad-env", timeout=60).stdout
+    for rank in (0, 1):
+        assert (f"[rank{rank}]: bad-env: DistValueError: meshkit.comm: rank {rank}: MESHKIT_CUDA_AWARE_MPI='yes' "
+                "is not valid; valid values are 0 (stage device arrays through host memory) and 1 (MPI reads "
+                "device memory)") in out, out
+
+
+# --------------------------------------------------------------------------- the double's copies
+@pytest.fixture
+def rt():
+    return double.FakeRuntime()
+
+
+def test_copies_run_in_stream_order_and_only_once_synchronized(rt):
+    dev = double.to_device(np.arange(4.0))
+    host = rt.pinned_empty((4,), np.float64)
+    host[...] = -1
+    stream = rt.current_stream()
+    rt.copy_to_host(dev, host, stream)
+    assert host.tolist() == [-1.0] * 4  # not synchronized yet: a host reading now reads stale data
+    stream.synchronize()
+    assert host.tolist() == [0.0, 1.0, 2.0, 3.0]
+    host *= 10
+    rt.copy_to_device(host, dev, stream)
+    stream.synchronize()
+    assert dev.get().tolist() == [0.0, 10.0, 20.0, 30.0]
+    assert (rt.pinned_allocations, rt.copies_to_host, rt.copies_to_device) == (1, 1, 1)
+
+
+def test_copies_need_pinned_buffers_of_the_same_size(rt):
+    dev = double.to_device(np.arange(4.0))
+    with pytest.raises(double.FakeNcclError, match="ndarray is not a buffer of pinned_empty"):
+        rt.copy_to_host(dev, np.empty(4), rt.current_stream())
+    with pytest.raises(double.FakeNcclError, match=r"host buffer of shape \(3,\) float64 for a device array of shape \(4,\) float64"):
+        rt.copy_to_host(dev, rt.pinned_empty((3,), np.float64), rt.current_stream())
+    with pytest.raises(double.FakeNcclError, match="DeviceArray is not a buffer of pinned_empty"):
+        rt.copy_to_device(dev, double.to_device(np.zeros(4)), rt.current_stream())
+
+
+def test_a_copy_on_a_stream_not_ordered_after_the_writes_is_refused(rt):
+    dev = double.to_device(np.arange(4.0))
+    dev[0] = 5  # a write on the current stream
+    other = rt.new_stream()
+    with pytest.raises(double.FakeNcclError, match="copy_to_host: the stream is not ordered after the caller's"):
+        rt.copy_to_host(dev, rt.pinned_empty((4,), np.float64), other)
+    event = rt.new_event()
+    event.record(rt.current_stream())
+    other.wait_event(event)
+    host = rt.pinned_empty((4,), np.float64)
+    rt.copy_to_host(dev, host, other)
+    other.synchronize()
+    assert host.tolist() == [5.0, 1.0, 2.0, 3.0]
