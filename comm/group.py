@@ -128,6 +128,11 @@ class ProcessGroup:
         """The global rank of a group rank; ValueError if out of range."""
         return self.ranks[check_root(self, "get_global_rank", "group_rank", group_rank)]
 
+    @property
+    def device(self) -> int | None:
+        """The index of the GPU this rank's collectives run on (NCCL engine), or None (host engines)."""
+        return getattr(self.engine, "device", None)
+
     def host_name(self) -> str:
         """The name of the host this rank runs on (MPI's processor name on the mpi engine)."""
         return self.engine.host_name() if self.engine is not None else socket.gethostname()

@@ -72,13 +72,8 @@ def _check_device(device_type: str, backend: str) -> str:
 
 
 def _gpu(group: ProcessGroup) -> int | None:
-    """This rank's GPU in ``group``'s engine (the NCCL engine's device index), None without one.
-
-    Read off the group's engine because comm exports no name for it yet (the test of describe()
-    pins the indices, so a move of the attribute fails it rather than printing None).
-    """
-    engine = getattr(group, "engine", None)
-    device = getattr(engine, "device", None)
+    """This rank's GPU in ``group`` (the NCCL engine's device index), None without one."""
+    device = group.device
     return int(device) if device is not None else None
 
 
