@@ -13,7 +13,7 @@ from .errors import DistTypeError, DistValueError
 
 __all__ = ["where", "check_array", "check_like", "check_list", "check_root", "check_split_sizes"]
 
-class ProcessGroup(Protocol):
+class CheckedGroup(Protocol):
     """What the checks read of a group (the real class imports this module, not the reverse)."""
 
     global_rank: int
@@ -25,11 +25,11 @@ class ProcessGroup(Protocol):
 _KINDS = "biufc"
 
 
-def where(group: ProcessGroup, op: str) -> str:
+def where(group: CheckedGroup, op: str) -> str:
     return f"meshkit.comm: rank {group.global_rank}: {op}"
 
 
-def check_array(group: ProcessGroup, op: str, arg: str, x: Any, *, writable: bool = True) -> None:
+def check_array(group: CheckedGroup, op: str, arg: str, x: Any, *, writable: bool = True) -> None:
     """A C-contiguous NumPy array of a numeric or bool dtype (writable when it is an output)."""
     # The success path reads each property once (this runs on every collective call).
     if isinstance(x, np.ndarray):
@@ -51,7 +51,7 @@ def _where_is(x: Any) -> str:
     return f"{type(x).__module__}.{type(x).__name__} ({kind})"
 
 
-def _array_error(group: ProcessGroup, op: str, arg: str, x: Any, writable: bool) -> None:
+def _array_error(group: CheckedGroup, op: str, arg: str, x: Any, writable: bool) -> None:
     if not isinstance(x, np.ndarray) and not _is_device(x):
         raise DistTypeError(f"{where(group, op)}: {arg} must be a numpy.ndarray, got {type(x).__name__} "
                             "(device arrays with __cuda_array_interface__, e.g. cupy.ndarray, are accepted too)")
@@ -65,7 +65,7 @@ def _array_error(group: ProcessGroup, op: str, arg: str, x: Any, writable: bool)
     raise DistValueError(f"{where(group, op)}: {arg} is read-only but is written by {op}")
 
 
-def check_like(group: ProcessGroup, op: str, arg: str, x: np.ndarray, ref: np.ndarray, ref_arg: str,
+def check_like(group: CheckedGroup, op: str, arg: str, x: np.ndarray, ref: np.ndarray, ref_arg: str,
                *, size: int | None = None, shape: tuple[int, ...] | None = None) -> None:
     """``x`` has ``ref``'s dtype, lives where ``ref`` does (host or device) and has the expected
     ``size`` (elements) or ``shape``."""
@@ -82,7 +82,7 @@ def check_like(group: ProcessGroup, op: str, arg: str, x: np.ndarray, ref: np.nd
                              f"expected {size}")
 
 
-def check_list(group: ProcessGroup, op: str, arg: str, xs: Any, ref: np.ndarray, ref_arg: str,
+def check_list(group: CheckedGroup, op: str, arg: str, xs: Any, ref: np.ndarray, ref_arg: str,
                *, writable: bool, same_shape: bool = True) -> list[np.ndarray]:
     """A list of ``group.size`` arrays, each like ``ref`` (same dtype; same shape if asked)."""
     if not isinstance(xs, (list, tuple)):
@@ -97,7 +97,7 @@ def check_list(group: ProcessGroup, op: str, arg: str, xs: Any, ref: np.ndarray,
     return list(xs)
 
 
-def check_root(group: ProcessGroup, op: str, arg: str, group_rank: int) -> int:
+def check_root(group: CheckedGroup, op: str, arg: str, group_rank: int) -> int:
     """A group rank in range (the caller translated a global rank already)."""
     if not isinstance(group_rank, (int, np.integer)) or isinstance(group_rank, bool):
         raise DistTypeError(f"{where(group, op)}: {arg} must be an int rank, got {group_rank!r}")
@@ -107,7 +107,7 @@ def check_root(group: ProcessGroup, op: str, arg: str, group_rank: int) -> int:
     return int(group_rank)
 
 
-def check_split_sizes(group: ProcessGroup, op: str, arg: str, splits: Sequence[int] | None,
+def check_split_sizes(group: CheckedGroup, op: str, arg: str, splits: Sequence[int] | None,
                       rows: int) -> list[int]:
     """Split sizes along dim 0: one per rank, non-negative, summing to ``rows``."""
     n = group.size

@@ -183,7 +183,7 @@ class ProcessGroup:
             self._drain()
         request = self.engine.all_reduce(tensor, op)
         record = self._flight_entry(seq, self.name, "all_reduce", (tensor.shape,), tensor.dtype, "started")
-        return self._complete("all_reduce", seq, record, request, False, settle)
+        return self._complete("all_reduce", seq, record, request, settle)
 
     def reduce(self, tensor: np.ndarray, root: int, op: ReduceOp = ReduceOp.SUM, *,
                async_op: bool = False) -> Work | None:
@@ -432,8 +432,8 @@ class ProcessGroup:
             # A host message carries its dtype and size, checked by the receiver (device messages
             # go over NCCL, which checks counts itself).
             staged = _with_header(tensor)
-            # The Work's epilogue refers to ``staged``: it stays alive until the send completed.
-            return self._p2p_work(what, self.engine.send(staged, dst, tag), record, dst, lambda: staged.dtype and None)
+            keep = functools.partial(_keep_alive, staged)  # the Work holds the staged buffer until sent
+            return self._p2p_work(what, self.engine.send(staged, dst, tag), record, dst, keep)
         request = self.engine.send(tensor, dst, tag)
         return self._p2p_work(what, request, record, dst, None)
 
@@ -536,26 +536,32 @@ class ProcessGroup:
             request = start()
         except BaseException as exc:
             raise self._failed(op, seq, record, exc, self.timeout) from None
-        return self._complete(op, seq, record, request, False, settle)
+        return self._complete(op, seq, record, request, settle)
 
-    def _complete(self, op: str, seq: int, record: CollectiveRecord, request: Request, async_op: bool,
+    def _complete(self, op: str, seq: int, record: CollectiveRecord, request: Request,
                   settle: Callable[[], Any] | None) -> None:
         """Wait for a started synchronous operation under the group's timeout."""
         try:
             if not request.Test():
-                self._waiting = seq
-                waiting, me = self.world.progress.waiting, _get_ident()
-                waiting.add(me)  # the progress agent stands back while a caller drives MPI
-                try:
-                    self.engine.wait(request, time.monotonic() + self.timeout)
-                finally:
-                    waiting.discard(me)
+                self._block(request, time.monotonic() + self.timeout, seq)
             if settle is not None:
                 settle()
         except BaseException as exc:
             raise self._failed(op, seq, record, exc, self.timeout) from None
         record[STATE], record[T_END] = "completed", time.time()
         return None
+
+    def _block(self, request: Request, deadline: float, seq: int) -> None:
+        """Block on ``request`` (call #``seq``) until it completes: the engine's wait, which reads
+        notices for call ``seq`` while it stalls; the progress agent stands back meanwhile (this
+        caller drives MPI)."""
+        self._waiting = seq
+        waiting, me = self.world.progress.waiting, _get_ident()
+        waiting.add(me)
+        try:
+            self.engine.wait(request, deadline)
+        finally:
+            waiting.discard(me)
 
     def _queued(self, work: RequestWork) -> RequestWork:
         """An async collective just queued: keep it moving (the agent), and test the one ahead of
@@ -725,7 +731,8 @@ class ProcessGroup:
 
     def _verify(self, call: Call, seq: int, deadline: float) -> None:
         """Detail mode: every rank must have called the same collective (see debug.Call)."""
-        entries = self.engine.exchange((seq, call), seq, deadline)
+        self._waiting = seq  # a rank that rejected this very call is named at once (notices)
+        entries = self.engine.exchange((seq, call), seq, deadline, watched=True)
         calls = [c for _, c in entries]
         if all(s == seq for s, _ in entries) and call.agrees(calls):
             return
@@ -824,6 +831,10 @@ def _read_header(staged: np.ndarray, count: Any) -> tuple[np.dtype | None, Any]:
     if not isinstance(count, int) or count < _HEADER:
         return None, -1 if count == -1 else count
     return np.dtype(bytes(staged[:16]).decode().strip()), int(staged[16:24].view(np.int64)[0])
+
+
+def _keep_alive(buffer: np.ndarray) -> None:
+    """Epilogue that only refers to ``buffer``, so that it outlives the operation reading it."""
 
 
 def _divide(buf: np.ndarray, n: int) -> None:

@@ -155,7 +155,6 @@ class RequestWork(Work):
         self._request, self._settle, self._start, self._timeout = request, settle, start, timeout
         self._error: BaseException | None = None
         self._result: Any = None
-        self._queue = self._owner = None
         self._finished = False
         self.queued = False  # in its group's queue of collectives (see ProcessGroup._advance)
         self._lock = threading.Lock()  # one thread tests the request at a time (MPI requires it)
@@ -235,15 +234,7 @@ class RequestWork(Work):
                         if defer is not None and defer(request):
                             pass  # a device collective: the caller's stream waits for it, the host does not
                         elif not request.Test():
-                            group = self._owner_group
-                            group._waiting = self._seq
-                            waiting = group.world.progress.waiting
-                            me = threading.get_ident()
-                            waiting.add(me)
-                            try:
-                                group.engine.wait(request, limit)
-                            finally:
-                                waiting.discard(me)
+                            self._owner_group._block(request, limit, self._seq)
                     except DeadlineExceeded as exc:
                         if limit < self._deadline:  # the caller's own bound: the operation goes on
                             raise CollectiveTimeout(f"meshkit.comm: {self._what} did not complete within "
