@@ -78,9 +78,10 @@ class Engine(Protocol):
         did not arrive, where the engine knows) once the deadline passes."""
         ...
 
-    def exchange(self, payload: Any, seq: int, deadline: float) -> list[Any]:
+    def exchange(self, payload: Any, seq: int, deadline: float, *, watched: bool = False) -> list[Any]:
         """Blocking, monitored all-gather of a small object (detail-mode checks, monitored
-        barrier). :class:`DeadlineExceeded` names the ranks that did not arrive."""
+        barrier). :class:`DeadlineExceeded` names the ranks that did not arrive. ``watched``:
+        read notices while waiting (``watch``), as a collective's wait does."""
         ...
 
     def split(self, color: int | None, ranks: tuple[int, ...], deadline: float) -> Engine | None:

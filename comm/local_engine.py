@@ -289,9 +289,9 @@ class LocalEngine:
     def barrier(self) -> _Rendezvous:
         return self._start(True)
 
-    def exchange(self, payload: Any, seq: int, deadline: float) -> list[Any]:
+    def exchange(self, payload: Any, seq: int, deadline: float, *, watched: bool = False) -> list[Any]:
         request = self._start(payload)
-        request.wait(deadline, watched=False)  # it names every missing rank itself, as MPI's does
+        request.wait(deadline, watched=watched)
         return list(request.slot.values)
 
     def split(self, color: int | None, ranks: tuple[int, ...], deadline: float) -> LocalEngine | None:

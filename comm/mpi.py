@@ -491,18 +491,19 @@ class MPIEngine:
         source = MPI.ANY_SOURCE if src is None else src
         return _Receive(self.comm.Irecv([buf, MPI.BYTE], source, tag), buf.itemsize)
 
-    def exchange(self, payload: Any, seq: int, deadline: float) -> list[Any]:
+    def exchange(self, payload: Any, seq: int, deadline: float, *, watched: bool = False) -> list[Any]:
         """Rank 0 collects every rank's payload by point-to-point and answers each one.
 
         Messages carry ``seq`` so that a late message of an earlier, timed-out exchange is never
         taken for this one. DeadlineExceeded names global ranks through ``self.world_ranks``.
         """
+        watch = self.watch if watched else None  # read notices while waiting (detail-mode checks)
         n, comm = self.size, self.comm
         if n == 1:
             return [payload]
         if self.rank != 0:
             sent = comm.isend((seq, payload), dest=0, tag=self._tag_up)
-            poller = _Poller(deadline + _VERDICT_GRACE)
+            poller = _Poller(deadline + _VERDICT_GRACE, watch=watch)
             while True:
                 if comm.iprobe(source=0, tag=self._tag_down):
                     s, (kind, value) = comm.recv(source=0, tag=self._tag_down)
@@ -515,7 +516,7 @@ class MPIEngine:
                 raise DeadlineExceeded(value)
             return value
         got: dict[int, Any] = {0: payload}
-        poller = _Poller(deadline)
+        poller = _Poller(deadline, watch=watch)
         status = MPI.Status()
         while len(got) < n:
             if comm.iprobe(source=MPI.ANY_SOURCE, tag=self._tag_up, status=status):

@@ -157,8 +157,8 @@ class NCCLEngine:
         """End the whole job (the host engine's abort, e.g. MPI_Abort)."""
         self.host.abort(code)
 
-    def exchange(self, payload: Any, seq: int, deadline: float) -> list[Any]:
-        return self.host.exchange(payload, seq, deadline)
+    def exchange(self, payload: Any, seq: int, deadline: float, *, watched: bool = False) -> list[Any]:
+        return self.host.exchange(payload, seq, deadline, watched=watched)
 
     def host_name(self) -> str:
         return self.host.host_name()

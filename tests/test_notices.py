@@ -32,17 +32,27 @@ def timed(fn):
     return None, time.monotonic() - start
 
 
+def _scatter_rejected_by_the_root():
+    out = np.empty(2)
+    chunks = [np.ones(2)] * 3 if meshkit.get_rank() == 0 else None  # 3 chunks for 2 ranks
+    return timed(lambda: meshkit.scatter(out, chunks, src=0))
+
+
 def test_a_scatter_only_the_root_rejects_fails_on_every_rank_at_once():
-    def body():
-        out = np.empty(2)
-        chunks = [np.ones(2)] * 3 if meshkit.get_rank() == 0 else None  # 3 chunks for 2 ranks
-        return timed(lambda: meshkit.scatter(out, chunks, src=0))
-    (root_error, _), (error, elapsed) = local.run(body, 2, timeout=60)
+    (root_error, _), (error, elapsed) = local.run(_scatter_rejected_by_the_root, 2, timeout=60)
     assert isinstance(root_error, ValueError) and "scatter_list has 3 arrays" in str(root_error)
     assert isinstance(error, meshkit.RankFailedError), error
     assert elapsed < 5, f"rank 1 waited {elapsed:.1f} s"
     assert re.search(r"rank 1: call #0 on group world \(ranks \[0, 1\]\) cannot complete: rank 0 did not start "
                      r"call #0 on group world: DistValueError: .*scatter_list has 3 arrays", str(error)), error
+
+
+def test_in_detail_mode_the_check_before_a_call_reads_notices_too(monkeypatch):
+    """MESHKIT_DEBUG=detail: the others wait in the cross-rank check of call #0, not in the call."""
+    monkeypatch.setenv("MESHKIT_DEBUG", "detail")
+    (_, _), (error, elapsed) = local.run(_scatter_rejected_by_the_root, 2, timeout=60)
+    assert isinstance(error, meshkit.RankFailedError) and elapsed < 5, (error, elapsed)
+    assert "rank 0 did not start call #0 on group world" in str(error)
 
 
 def test_a_rejected_call_retried_at_once_completes_with_the_right_result():
