@@ -139,7 +139,7 @@ def to_device(x: Any) -> DeviceArray:
 
 
 def to_host(x: Any) -> np.ndarray:
-    return x.get() if isinstance(x, DeviceArray) else np.asarray(x)
+    return x.get() if hasattr(x, "__cuda_array_interface__") else np.asarray(x)
 
 
 def _owner(ptr: int, nbytes: int = 1) -> DeviceArray | None:
@@ -665,6 +665,7 @@ class FakeRuntime:
 
     def _copy(self, what: str, device: Any, host: Any, stream: Any, to_device: bool) -> None:
         self._check_pinned(what, host)
+        device = getattr(device, "_device_memory", device)  # tests/fake_cupy.py's arrays wrap a DeviceArray
         if not isinstance(device, DeviceArray) or (device.nbytes and _owner(device.__array_interface__["data"][0],
                                                                             device.nbytes) is None):
             raise FakeNcclError(f"double: {what}: {type(device).__name__} is not live device memory")
