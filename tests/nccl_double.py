@@ -647,6 +647,8 @@ class FakeRuntime:
         self.copies_to_host = 0
         self.copies_to_device = 0
         self._pinned: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
+        with _cond:  # fresh GPUs: an earlier test's stream left waiting (a hang it tested) does not leak here
+            _null_streams.clear()
 
     def pinned_empty(self, shape: Any, dtype: Any) -> np.ndarray:
         buf = np.empty(shape, dtype)
