@@ -156,7 +156,7 @@ class ndarray:  # noqa: N801 - CuPy's name
 
     # ---- indexing (results are device arrays, also 0-d ones, as CuPy's)
     def __getitem__(self, key: Any) -> ndarray:
-        key = _dev(key) if isinstance(key, ndarray) else key
+        key = _dev(key) if isinstance(key, (ndarray, tuple)) else key
         out = self._a[key]
         if not isinstance(out, np.ndarray):  # an element: read after the stream's earlier work
             double._host_sync()
@@ -164,7 +164,7 @@ class ndarray:  # noqa: N801 - CuPy's name
         return _wrap(out)
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        key = _dev(key) if isinstance(key, ndarray) else key
+        key = _dev(key) if isinstance(key, (ndarray, tuple)) else key
         self._a[key] = _dev(value)
 
     def __iter__(self) -> Iterator[ndarray]:

@@ -183,7 +183,17 @@ def _touch() -> None:
     """The calling thread wrote device memory on its current stream."""
     stream = _current()
     with _cond:
-        stream.work += 1
+        _wrote(stream)
+
+
+def _wrote(stream: FakeStream) -> None:
+    """The calling thread enqueued a write on ``stream`` (under ``_cond``): it counts, and the
+    thread remembers its own latest write there (what its later collectives must be ordered after)."""
+    stream.work += 1
+    writes = getattr(_tls, "writes", None)
+    if writes is None:
+        writes = _tls.writes = weakref.WeakKeyDictionary()
+    writes[stream] = stream.work
 
 
 def _wait(pred: Any, what: str) -> None:
@@ -218,7 +228,11 @@ class FakeStream:
                 self.waited[stream] = max(self.waited.get(stream, -1), work)
 
     def ordered_after(self, stream: FakeStream) -> bool:
-        return stream is self or self.waited.get(stream, -1) >= stream.work
+        """Ordered after every write the *calling thread* made on ``stream``. Another thread's later
+        writes (a rank's compute thread beside its communication thread, both on the device's
+        null stream) are not the caller's to order: its event was recorded before them."""
+        mine = getattr(_tls, "writes", {}).get(stream, -1)
+        return stream is self or self.waited.get(stream, -1) >= mine
 
     def synchronize(self) -> None:
         _wait(lambda: all(e.done for e in self.pending), "stream synchronize")
@@ -686,7 +700,7 @@ class FakeRuntime:
             pending = [e for e in stream.pending if not e.done]
             stream.pending = pending + [_Copy(pending, src, dst)]
             if to_device:
-                stream.work += 1
+                _wrote(stream)
                 self.copies_to_device += 1
             else:
                 self.copies_to_host += 1

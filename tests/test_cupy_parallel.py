@@ -20,13 +20,7 @@ from meshkit.parallel import (SGD, AdamW, DistributedDataParallel, FlatLayout, F
                               powersgd_hook)
 
 
-@pytest.fixture
-def cupy():
-    """The fake ``cupy`` in sys.modules and the double as the CUDA runtime, for the test."""
-    with fake_cupy.installed() as module:
-        yield module
-
-
+# The ``cupy`` fixture (tests/conftest.py) installs the fake module and the double for a test.
 def on_nccl(fn, n, *args, **kwargs):
     """``fn`` on ``n`` thread-ranks of an ``nccl`` world over the double (one fake GPU each)."""
     def main():
