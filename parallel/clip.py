@@ -77,7 +77,9 @@ def clip_grad_norm_(grads: Mapping[str, Any] | Sequence[Any] | Any, max_norm: fl
         max_norm: the largest allowed total norm (>= 0).
         norm_type: the order ``p`` (> 0), or ``inf`` / ``"inf"``.
         group: a process group whose ranks hold disjoint shards of the gradients; a collective:
-            every rank of the group must call it, also a rank that holds no gradient.
+            every rank of the group must call it, also a rank that holds no gradient (on a device,
+            such a rank passes an empty CuPy array, so that its partial norm is reduced on the
+            device like the others': with no array at all it is reduced on the host).
         error_if_nonfinite: raise when the total norm is nan or inf, before scaling anything.
         foreach: accepted for torch compatibility and ignored (there is one implementation).
 

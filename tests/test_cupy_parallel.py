@@ -9,11 +9,13 @@ import re
 import numpy as np
 import pytest
 
+import collective_cases
 import ddp_cases
 import fake_cupy
 import meshkit
 import nccl_double as double
 import sharded_cases as cases
+from meshkit import ReduceOp
 from meshkit.comm import local
 from meshkit.parallel import (SGD, AdamW, DistributedDataParallel, FlatLayout, FullyShardedDataParallel,
                               PowerSGDState, ZeroRedundancyOptimizer, clip_grad_norm_, fp16_compress_hook,
@@ -43,12 +45,30 @@ def on_device(tree):
     return not hasattr(tree, "dtype") or isinstance(tree, fake_cupy.ndarray)
 
 
+# --------------------------------------------------------------------------- the collectives
+FLOAT_OPS = [ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX]
+INT_OPS = [ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32], ids=lambda d: np.dtype(d).name)
+def test_every_collective_on_fake_cupy_arrays_over_nccl(cupy, dtype, world_size):
+    """comm's NCCL engine takes the strict arrays as device arrays (pointers, stream order)."""
+    ops = FLOAT_OPS if np.dtype(dtype).kind == "f" else INT_OPS
+
+    def body():
+        return collective_cases.check_all(dtype, dev=cupy.asarray, host=double.to_host, ops=lambda _: ops)
+    per_rank = 4 * len(ops) + 7 + world_size  # + 1 on rank 0, the gather root
+    assert on_nccl(body, world_size) == [per_rank + 1] + [per_rank] * (world_size - 1)
+
+
 DDP_REFERENCE = ddp_cases.reference()
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_ddp_on_device_arrays_matches_single_process_numpy(cupy, world_size):
-    for params, _ in on_nccl(ddp_cases.train, world_size, xp=cupy):
+@pytest.mark.parametrize("view", [True, False], ids=["bucket_view", "own_grads"])
+def test_ddp_on_device_arrays_matches_single_process_numpy(cupy, world_size, view):
+    for params, _ in on_nccl(ddp_cases.train, world_size, gradient_as_bucket_view=view, xp=cupy):
         assert on_device(dict(params))
         ddp_cases.assert_matches_reference(host(dict(params)), DDP_REFERENCE)
 
