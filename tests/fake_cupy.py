@@ -322,7 +322,7 @@ module.__dict__.update({
     "ones": lambda shape, dtype=float: _full(shape, 1, dtype), "full": _full,
     "empty_like": _like(_empty), "zeros_like": _like(lambda s, d: _full(s, 0, d)),
     "ones_like": _like(lambda s, d: _full(s, 1, d)), "asarray": _asarray, "array": _array,
-    "ascontiguousarray": _asarray, "asnumpy": _asnumpy, "get_array_module": _get_array_module,
+    "asnumpy": _asnumpy, "get_array_module": _get_array_module,
     "random": types.SimpleNamespace(default_rng=_Generator), "__file__": __file__,
 })
 
