@@ -434,9 +434,9 @@ def nccl_engine(comm: MPI.Comm, rt: Any, dtype: np.dtype, mode: str = "sync") ->
 
 
 def mpi4py_gpu_engine(rt: Any, *, staged: bool, mode: str = "sync") -> Engine:
-    """Raw mpi4py on device arrays: ``staged`` by hand (device -> pinned host buffer, the MPI
-    call on the host buffers, host -> device, each copy finished before the next step), or
-    on the device arrays themselves (CUDA-aware MPI, after a synchronize of the caller's
+    """Raw mpi4py on device arrays: ``staged`` by hand (device -> pinned host buffer, except on a
+    broadcast's receivers; the MPI call on the host buffers; host -> device; each copy finished
+    before the next step), or on the device arrays themselves (CUDA-aware MPI, after a synchronize of the caller's
     stream, since MPI is not stream-aware)."""
     comm = MPI.COMM_WORLD.Dup()
 
@@ -449,10 +449,11 @@ def mpi4py_gpu_engine(rt: Any, *, staged: bool, mode: str = "sync") -> Engine:
         hosts = [pinned(d) for d in devices] if staged else devices
         arguments = [_mpi_arguments(op, h) for h in hosts]
         blocking, start = getattr(comm, _spec(op).mpi_fn), _mpi_start(comm, op)
+        reads = op != "broadcast" or comm.Get_rank() == 0  # a broadcast's receivers send nothing
 
         def call() -> None:
             stream = rt.current_stream()
-            if staged:
+            if staged and reads:
                 for d, h in zip(devices, hosts):
                     rt.copy_to_host(d.inp, h.inp, stream)
             stream.synchronize()
