@@ -6,8 +6,9 @@
 #     OUT=/some/folder bash benchmarks/gpu_check.sh
 #
 # It uses `python3` (the interpreter that has CuPy, NCCL and mpi4py; PYTHON=... picks another) and
-# installs nothing. meshkit
-# is imported from this checkout (a `meshkit` link to it on PYTHONPATH), so no install is needed.
+# installs nothing: meshkit is imported from this checkout (a `meshkit` link to it on PYTHONPATH).
+# mpiexec (2-rank run, MPI tests): $MESHKIT_MPIEXEC, else the mpich wheel's next to python3 or in
+# its scripts folders, else PATH. The single-rank NCCL runs need no mpiexec (MPI singleton).
 # Steps (each goes on after a failure; a status table comes last):
 #   1. nvidia-smi -L; python, NumPy, CuPy, CUDA, NCCL, mpi4py/MPI, torch, pytest versions;
 #   2. the GPU tests, one pytest process per file (tests/test_nccl.py, tests/test_mpi_device.py,
@@ -39,8 +40,7 @@ SHIM=$(mktemp -d /tmp/meshkit-shim.XXXXXX)
 ln -s "$REPO" "$SHIM/meshkit"
 export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
 
-# mpiexec for meshkit-run (python3 -m meshkit.launch): $MESHKIT_MPIEXEC, else the mpich wheel's,
-# next to python3 or in its scripts folders, else PATH.
+# mpiexec for meshkit-run (python3 -m meshkit.launch), as said above.
 if [ -z "${MESHKIT_MPIEXEC:-}" ]; then
     for dir in "$($PY -c 'import sys,os;print(os.path.dirname(sys.executable))')" \
                "$($PY -c 'import sysconfig;print(sysconfig.get_path("scripts"))')" \
