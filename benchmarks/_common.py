@@ -306,11 +306,17 @@ class Progress:
 
 
 # --------------------------------------------------------------------------- timing
-def time_calls(fn: Callable[[], object], iters: int) -> float:
-    """Seconds per call of ``fn``, averaged over ``iters`` back-to-back calls on this rank."""
+def time_calls(fn: Callable[[], object], iters: int, finish: Callable[[], object] | None = None) -> float:
+    """Seconds per call of ``fn``, averaged over ``iters`` back-to-back calls on this rank.
+
+    ``finish`` (e.g. a GPU stream synchronize) runs once after the loop, inside the timed
+    span: calls that only enqueue work on a device are timed until that work is done.
+    """
     start = time.perf_counter()
     for _ in range(iters):
         fn()
+    if finish is not None:
+        finish()
     return (time.perf_counter() - start) / iters
 
 
@@ -336,18 +342,22 @@ def max_over_ranks(comm: MPI.Comm, values: Sequence[float]) -> list[float]:
 
 
 def calibrate_iters(fn: Callable[[], object], comm: MPI.Comm, *, budget_s: float, min_iters: int,
-                    max_iters: int = 1 << 20, probe_s: float = 0.01) -> int:
+                    max_iters: int = 1 << 20, probe_s: float = 0.01,
+                    finish: Callable[[], object] | None = None) -> int:
     """Iterations of ``fn`` that take about ``budget_s`` seconds, the same number on every rank.
 
     ``fn`` is a collective: it is timed in growing batches (1, 8, 64, ... calls) until a batch
     lasts ``probe_s`` on the slowest rank. Each decision uses the MAX over ranks, so every rank
-    takes the same branch and calls ``fn`` equally often.
+    takes the same branch and calls ``fn`` equally often. ``finish`` ends each timed batch, as
+    in :func:`time_calls`.
     """
     fn()  # first call: page faults, lazy setup
+    if finish is not None:
+        finish()
     batch = 1
     while True:
         barrier(comm)
-        per_call = max_over_ranks(comm, [time_calls(fn, batch)])[0]
+        per_call = max_over_ranks(comm, [time_calls(fn, batch, finish)])[0]
         if per_call * batch >= probe_s or batch >= max_iters:
             break
         batch *= 8

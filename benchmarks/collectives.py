@@ -33,6 +33,34 @@ Rank 0 prints one table per op, a summary line per op against the project's targ
 (meshkit's all_reduce within 5 % of mpi4py's time at >= 64 KB, at most 10 us slower at
 <= 4 KB), and writes JSON (default ``benchmarks/results/collectives-n{N}.json``) and, with
 ``--plot``, a PNG of bus bandwidth and of the meshkit/mpi4py time ratio against size.
+
+**GPU** (``--device cuda``; CuPy buffers, one GPU per rank chosen by the node-local rank)::
+
+    python benchmarks/collectives.py --device cuda                    # --backend nccl, world size 1
+    mpiexec -n 2 python benchmarks/collectives.py --device cuda --backend mpi
+
+* ``--backend nccl``: meshkit's NCCL engine (``init_process_group("nccl")``) against ``nccl``,
+  raw ``cupy.cuda.nccl.NcclCommunicator`` calls made here (its own communicator, from a unique
+  id broadcast over mpi4py, on its own stream): ``allReduce``, ``broadcast``, ``allGather``,
+  ``reduceScatter``, and ``send``/``recv`` between ``groupStart``/``groupEnd`` for all_to_all.
+  NCCL holds one rank per GPU: on one GPU this is world size 1.
+* ``--backend mpi``: meshkit's MPI engine on CuPy buffers against raw mpi4py staging by hand
+  (``mpi4py-staged``: device -> pinned host buffer, the MPI call on the host, host -> device)
+  and, when MPI is CUDA-aware (``MESHKIT_CUDA_AWARE_MPI``, else ``MPI.Query_cuda_support``),
+  raw mpi4py on the device buffers (``mpi4py-cuda``). Several ranks may share one GPU.
+
+Every engine works on the same CuPy buffers, checked at each size before timing (inputs
+written from the host, the result read back). GPU timing is host wall clock around ``iters``
+calls issued back to back and then the engine's synchronize (its stream, or the caller's
+stream that meshkit's ``Work.wait`` ordered), so queued device work is inside the time. In
+``sync`` mode a call is a blocking collective on both sides: meshkit's ``async_op=False`` call
+returns once the collective finished, and the raw NCCL call is followed by a synchronize of
+its stream (raw mpi4py is blocking anyway); in ``async`` mode meshkit's two ``async_op=True``
+calls and ``Work.wait`` (which orders the caller's stream, no host wait) against two raw
+calls issued back to back. The summary checks issue 13's target: meshkit within 3 % of the
+raw time at >= 1 MB and at most 15 us per call slower below 1 MB (against ``nccl``, or the raw
+mpi4py engine doing what meshkit's MPI engine does: ``mpi4py-cuda`` when MPI is CUDA-aware,
+else ``mpi4py-staged``). JSON goes to ``benchmarks/results/collectives-cuda-{backend}-n{N}.json``.
 """
 
 from __future__ import annotations
@@ -54,6 +82,9 @@ from _common import (LOG, Progress, add_output_args, barrier, calibrate_iters, f
 from mpi4py import MPI
 
 import meshkit
+from meshkit.comm import cuda_runtime
+from meshkit.comm.mpi import cuda_aware_mpi
+from meshkit.comm.nccl import NCCL_DTYPES
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -64,6 +95,32 @@ MIN_ITERS = 5
 #: The project's targets for meshkit's overhead over raw mpi4py (the summary checks them).
 LARGE_BYTES, MAX_RATIO = 64 << 10, 1.05
 SMALL_BYTES, MAX_EXCESS_US = 4 << 10, 10.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Targets:
+    """meshkit's allowed overhead over the reference engine ``ref``: a time ratio of at most
+    ``max_ratio`` at >= ``large_bytes``, at most ``max_excess_us`` more per call at <=
+    ``small_bytes`` (``below``: at < ``small_bytes``)."""
+
+    ref: str
+    large_bytes: int
+    max_ratio: float
+    small_bytes: int
+    max_excess_us: float
+    below: bool = False
+
+    def small(self, nbytes: int) -> bool:
+        return nbytes < self.small_bytes if self.below else nbytes <= self.small_bytes
+
+    @property
+    def small_label(self) -> str:
+        return f"{'<' if self.below else '<='} {format_size(self.small_bytes)}"
+
+
+CPU_TARGETS = Targets("mpi4py", LARGE_BYTES, MAX_RATIO, SMALL_BYTES, MAX_EXCESS_US)
+#: Issue 13 on a GPU: within 3 % at >= 1 MB, at most 15 us per call slower below 1 MB.
+GPU_TARGETS = Targets("nccl", 1 << 20, 1.03, 1 << 20, 15.0, below=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,10 +161,12 @@ class Buffers:
     out: np.ndarray
 
 
-def make_buffers(spec: OpSpec, count: int, dtype: np.dtype, n: int) -> Buffers:
-    """Zero-filled buffers for ``spec`` where the largest holds ``count`` elements."""
-    inp = np.zeros(count // n if spec.chunk_input else count, dtype)
-    out = inp if spec.in_place else np.zeros(count // n if spec.chunk_output else count, dtype)
+def make_buffers(spec: OpSpec, count: int, dtype: np.dtype, n: int,
+                 zeros: Callable[[int, np.dtype], Any] = np.zeros) -> Buffers:
+    """Zero-filled buffers for ``spec`` where the largest holds ``count`` elements (made by
+    ``zeros(count, dtype)``: NumPy's, or a device allocator)."""
+    inp = zeros(count // n if spec.chunk_input else count, dtype)
+    out = inp if spec.in_place else zeros(count // n if spec.chunk_output else count, dtype)
     return Buffers(inp, out)
 
 
@@ -120,12 +179,17 @@ class Engine:
 
     ``bind(op, buffers)`` returns a zero-argument call of ``op`` on ``buffers``. ``optional``:
     an op that raises on its first call is reported as unsupported (null) instead of aborting.
+    On a GPU, ``finish`` waits for the device work the calls enqueued (it ends every timed
+    block, inside the time) and ``inputs_written`` orders the engine's own stream after what
+    the harness wrote into the buffers; both do nothing on the CPU.
     """
 
     name: str
     bind: Callable[[str, Buffers], Call]
     close: Callable[[], None] = lambda: None
     optional: bool = False
+    finish: Callable[[], None] = lambda: None
+    inputs_written: Callable[[], None] = lambda: None
 
 
 # --------------------------------------------------------------------------- engines
@@ -180,18 +244,26 @@ def meshkit_engine(mode: str = "sync") -> Engine:
     return Engine("meshkit", torch_style_bind(meshkit, mode=mode))
 
 
+def _mpi_arguments(op: str, b: Buffers) -> tuple:
+    """mpi4py's buffer arguments of ``op`` on ``b`` (in place where meshkit's call is)."""
+    return {"all_reduce": (MPI.IN_PLACE, b.out), "broadcast": (b.out, 0)}.get(op, (b.inp, b.out))
+
+
+def _mpi_start(comm: MPI.Comm, op: str) -> Callable[..., MPI.Request]:
+    """The nonblocking mpi4py call of ``op``: Allreduce -> Iallreduce, Bcast -> Ibcast."""
+    return getattr(comm, "I" + _spec(op).mpi_fn.lower())
+
+
 def mpi4py_engine(mode: str = "sync") -> Engine:
     """Raw mpi4py collectives on a duplicate of COMM_WORLD: the floor meshkit sits on (blocking
     calls in sync mode, ``I*`` calls and ``Waitall`` in async mode)."""
     comm = MPI.COMM_WORLD.Dup()
-
-    def arguments(op: str, b: Buffers) -> tuple:
-        return {"all_reduce": (MPI.IN_PLACE, b.out), "broadcast": (b.out, 0)}.get(op, (b.inp, b.out))
+    arguments = _mpi_arguments  # shared with mpi4py_gpu_engine
 
     def bind(op: str, b: Buffers) -> Call:
         if mode == "sync":
             return functools.partial(getattr(comm, _spec(op).mpi_fn), *arguments(op, b))
-        start = getattr(comm, "I" + _spec(op).mpi_fn.lower())  # Allreduce -> Iallreduce, Bcast -> Ibcast
+        start = _mpi_start(comm, op)
         first, second = arguments(op, b), arguments(op, _second(b))
 
         def both() -> None:
@@ -247,6 +319,198 @@ def make_engines(names: list[str], comm: MPI.Comm, mode: str = "sync") -> list[E
     return [makers[name]() for name in names]
 
 
+# --------------------------------------------------------------------------- GPU engines
+#: GPU engines of each backend (``--device cuda --backend ...``); the first is meshkit.
+GPU_ENGINES = {"nccl": ("meshkit", "nccl"), "mpi": ("meshkit", "mpi4py-staged", "mpi4py-cuda")}
+
+
+def device_zeros(count: int, dtype: np.dtype) -> Any:
+    """A zero-filled device array of ``count`` elements (CuPy). Tests replace this function,
+    together with the runtime (``cuda_runtime.set_runtime``), to run the GPU path against the
+    double of tests/nccl_double.py."""
+    import cupy
+    return cupy.zeros(count, dtype)
+
+
+@dataclasses.dataclass
+class DeviceSpace:
+    """Device buffers, reached from the host through the runtime of ``meshkit.comm.cuda_runtime``
+    (CuPy's calls: ``cupyx.empty_pinned``, ``ndarray.get(out=)``, ``ndarray.set``): the checks
+    write inputs and read results through pinned host buffers, on the current stream."""
+
+    rt: Any
+
+    def zeros(self, count: int, dtype: np.dtype) -> Any:
+        return device_zeros(count, dtype)
+
+    def upload(self, dst: Any, src: np.ndarray) -> None:
+        """Device array ``dst`` <- host array ``src``, finished when this returns."""
+        stream = self.rt.current_stream()
+        pinned = self.rt.pinned_empty(dst.shape, dst.dtype)
+        pinned[...] = src
+        self.rt.copy_to_device(pinned, dst, stream)
+        stream.synchronize()
+
+    def download(self, src: Any) -> np.ndarray:
+        """A host copy of device array ``src`` (after the current stream's work)."""
+        stream = self.rt.current_stream()
+        pinned = self.rt.pinned_empty(src.shape, src.dtype)
+        self.rt.copy_to_host(src, pinned, stream)
+        stream.synchronize()
+        return pinned
+
+
+def _ordered_after_caller(rt: Any, stream: Any) -> None:
+    """Make ``stream`` wait for what the caller's current stream has enqueued so far."""
+    event = rt.new_event()
+    event.record(rt.current_stream())
+    stream.wait_event(event)
+
+
+def meshkit_gpu_engine(rt: Any, mode: str = "sync") -> Engine:
+    """meshkit's API on device arrays (its NCCL or MPI engine, as initialized). ``finish``
+    synchronizes the caller's stream, which ``Work.wait`` ordered after meshkit's collectives."""
+    return Engine("meshkit", torch_style_bind(meshkit, lambda x: x, mode),
+                  finish=lambda: rt.current_stream().synchronize())
+
+
+def nccl_engine(comm: MPI.Comm, rt: Any, dtype: np.dtype, mode: str = "sync") -> Engine:
+    """Raw ``NcclCommunicator`` calls on a communicator and a stream of their own.
+
+    The unique id is made on rank 0 and broadcast over ``comm``; the communicator takes the
+    calling thread's current device (meshkit's NCCL engine chose it: the node-local rank). In
+    sync mode each call is followed by a synchronize of the stream (a blocking collective).
+    """
+    nccl = rt.nccl
+    uid = comm.bcast(nccl.get_unique_id() if comm.Get_rank() == 0 else None, root=0)
+    nc = nccl.NcclCommunicator(comm.Get_size(), uid, comm.Get_rank())
+    stream = rt.new_stream()
+    n = comm.Get_size()
+    datatype, sum_op = getattr(nccl, NCCL_DTYPES[dtype.name]), nccl.NCCL_SUM
+
+    def issue(op: str, b: Buffers) -> Callable[[], None]:
+        pi, po, s = rt.pointer(b.inp), rt.pointer(b.out), stream.ptr
+        match op:
+            case "all_reduce":
+                return lambda: nc.allReduce(pi, po, b.out.size, datatype, sum_op, s)
+            case "broadcast":
+                return lambda: nc.broadcast(pi, po, b.out.size, datatype, 0, s)
+            case "all_gather":
+                return lambda: nc.allGather(pi, po, b.inp.size, datatype, s)
+            case "reduce_scatter":
+                return lambda: nc.reduceScatter(pi, po, b.out.size, datatype, sum_op, s)
+            case "all_to_all":
+                chunk = b.inp.size // n
+                step = chunk * b.inp.itemsize
+
+                def all_to_all() -> None:
+                    nccl.groupStart()
+                    try:
+                        for peer in range(n):
+                            nc.send(pi + peer * step, chunk, datatype, peer, s)
+                            nc.recv(po + peer * step, chunk, datatype, peer, s)
+                    finally:
+                        nccl.groupEnd()
+                return all_to_all
+        raise ValueError(f"meshkit.bench: unknown op {op!r}")
+
+    def bind(op: str, b: Buffers) -> Call:
+        first = issue(op, b)
+        if mode == "sync":
+            def blocking() -> None:
+                first()
+                stream.synchronize()
+            return blocking
+        extra = _second(b)
+        second = issue(op, extra)
+
+        def both(_keep: tuple = (b, extra)) -> None:  # NCCL gets pointers: the arrays must stay alive
+            first()
+            second()
+        return both
+
+    return Engine("nccl", bind, close=nc.destroy, finish=stream.synchronize,
+                  inputs_written=lambda: _ordered_after_caller(rt, stream))
+
+
+def mpi4py_gpu_engine(rt: Any, *, staged: bool, mode: str = "sync") -> Engine:
+    """Raw mpi4py on device arrays: ``staged`` by hand (device -> pinned host buffer, except on a
+    broadcast's receivers; the MPI call on the host buffers; host -> device; each copy finished
+    before the next step), or on the device arrays themselves (CUDA-aware MPI, after a synchronize of the caller's
+    stream, since MPI is not stream-aware)."""
+    comm = MPI.COMM_WORLD.Dup()
+
+    def pinned(b: Buffers) -> Buffers:
+        inp = rt.pinned_empty(b.inp.shape, b.inp.dtype)
+        return Buffers(inp, inp if b.out is b.inp else rt.pinned_empty(b.out.shape, b.out.dtype))
+
+    def bind(op: str, b: Buffers) -> Call:
+        devices = [b] if mode == "sync" else [b, _second(b)]
+        hosts = [pinned(d) for d in devices] if staged else devices
+        arguments = [_mpi_arguments(op, h) for h in hosts]
+        blocking, start = getattr(comm, _spec(op).mpi_fn), _mpi_start(comm, op)
+        reads = op != "broadcast" or comm.Get_rank() == 0  # a broadcast's receivers send nothing
+
+        def call() -> None:
+            stream = rt.current_stream()
+            if staged and reads:
+                for d, h in zip(devices, hosts):
+                    rt.copy_to_host(d.inp, h.inp, stream)
+            stream.synchronize()
+            if mode == "sync":
+                blocking(*arguments[0])
+            else:
+                MPI.Request.Waitall([start(*a) for a in arguments])
+            if staged:
+                for d, h in zip(devices, hosts):
+                    rt.copy_to_device(h.out, d.out, stream)
+                stream.synchronize()
+        return call
+
+    return Engine("mpi4py-staged" if staged else "mpi4py-cuda", bind, close=comm.Free)
+
+
+def make_gpu_engines(names: list[str], backend: str, comm: MPI.Comm, rt: Any, dtype: np.dtype,
+                     mode: str = "sync") -> list[Engine]:
+    makers: dict[str, Callable[[], Engine]] = {
+        "meshkit": lambda: meshkit_gpu_engine(rt, mode), "nccl": lambda: nccl_engine(comm, rt, dtype, mode),
+        "mpi4py-staged": lambda: mpi4py_gpu_engine(rt, staged=True, mode=mode),
+        "mpi4py-cuda": lambda: mpi4py_gpu_engine(rt, staged=False, mode=mode)}
+    return [makers[name]() for name in names]
+
+
+def gpu_targets(backend: str, engines: list[str]) -> Targets:
+    """Issue 13's GPU targets against the raw engine that does what meshkit's engine does."""
+    if backend == "nccl":
+        ref = "nccl"
+    else:
+        ref = "mpi4py-cuda" if "mpi4py-cuda" in engines and cuda_aware_mpi() else "mpi4py-staged"
+    return dataclasses.replace(GPU_TARGETS, ref=ref)
+
+
+def gpu_problem() -> str | None:
+    """Why no GPU can be used here (CuPy or NCCL missing, no driver, no device), or None."""
+    try:
+        count = cuda_runtime.runtime().device_count()
+    except Exception as exc:  # no CuPy, no driver: reported as the reason
+        return f"{type(exc).__name__}: {exc}"
+    return None if count > 0 else "CuPy sees 0 GPUs"
+
+
+def gpu_metadata(rt: Any) -> dict[str, Any]:
+    """The GPU, CuPy and NCCL versions of this run (None where they cannot be read)."""
+    meta: dict[str, Any] = {"gpu": None, "cupy": None, "nccl": None, "cuda_aware_mpi": cuda_aware_mpi()}
+    try:
+        meta["nccl"] = rt.nccl.get_version()
+        import cupy
+        meta["cupy"] = cupy.__version__
+        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+        meta["gpu"] = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    except Exception:  # metadata only: a double or a missing field leaves None
+        pass
+    return meta
+
+
 # --------------------------------------------------------------------------- correctness check
 def _cast(value: int, dtype: np.dtype) -> Any:
     """``value`` in ``dtype`` (integers wrap, as MPI's sums of them do)."""
@@ -285,18 +549,27 @@ def result_ok(op: str, b: Buffers, rank: int, n: int) -> bool:
     raise ValueError(f"meshkit.bench: unknown op {op!r}")
 
 
-def check_engine(engine: Engine, op: str, fn: Call, b: Buffers, comm: MPI.Comm) -> bool:
+def check_engine(engine: Engine, op: str, fn: Call, b: Buffers, comm: MPI.Comm,
+                 space: DeviceSpace | None = None) -> bool:
     """Run ``fn`` once on known inputs on every rank; True if every rank got the right result.
 
     A wrong result, or an exception from a required engine, aborts the benchmark on every rank
     (a benchmark of a wrong answer is meaningless); an optional engine's exception (gloo
-    lacking an op) returns False everywhere.
+    lacking an op) returns False everywhere. With a device ``space``, the inputs are written
+    through host buffers and the result read back (after the engine's ``finish``).
     """
     rank, n = comm.Get_rank(), comm.Get_size()
-    fill_for_check(op, b, rank, n)
+    host = b if space is None else host_mirror(b)
+    fill_for_check(op, host, rank, n)
     error: str | None = None
     try:
+        if space is not None:
+            write_buffers(space, b, host)
+            engine.inputs_written()
         fn()
+        engine.finish()
+        if space is not None:
+            host.out[...] = space.download(b.out)
     except Exception as exc:  # reported below on every rank, not swallowed
         error = f"{type(exc).__name__}: {exc}"
     errors = comm.allgather(error)
@@ -308,11 +581,24 @@ def check_engine(engine: Engine, op: str, fn: Call, b: Buffers, comm: MPI.Comm) 
         return False
     if failed:
         raise RuntimeError(f"meshkit.bench: {engine.name} {op} failed on ranks {sorted(failed)}: {failed}")
-    wrong = [r for r, ok in enumerate(comm.allgather(result_ok(op, b, rank, n))) if not ok]
+    wrong = [r for r, ok in enumerate(comm.allgather(result_ok(op, host, rank, n))) if not ok]
     if wrong:
         raise RuntimeError(f"meshkit.bench: {engine.name} {op} of {b.out.nbytes} bytes gave a wrong result "
                            f"on ranks {wrong}")
     return True
+
+
+def host_mirror(b: Buffers) -> Buffers:
+    """Zeroed NumPy buffers shaped like ``b`` (one array if ``b``'s op is in place)."""
+    inp = np.zeros(b.inp.shape, b.inp.dtype)
+    return Buffers(inp, inp if b.out is b.inp else np.zeros(b.out.shape, b.out.dtype))
+
+
+def write_buffers(space: DeviceSpace, b: Buffers, host: Buffers) -> None:
+    """Copy the host buffers ``host`` into the device buffers ``b`` (input, and output if separate)."""
+    space.upload(b.inp, host.inp)
+    if b.out is not b.inp:
+        space.upload(b.out, host.out)
 
 
 # --------------------------------------------------------------------------- measurement
@@ -326,47 +612,64 @@ class Settings:
 
 
 def run_rounds(calls: dict[str, Call], comm: MPI.Comm, iters: int, warmup: int,
-               rounds: int) -> dict[str, list[float]]:
-    """Per-call seconds of each engine in each round: MAX over ranks of the per-rank average."""
+               rounds: int, finish: dict[str, Callable[[], None]] | None = None) -> dict[str, list[float]]:
+    """Per-call seconds of each engine in each round: MAX over ranks of the per-rank average.
+
+    ``finish[name]`` (GPU engines) ends the warm-up and each timed block, inside the time.
+    """
     names = list(calls)
+    finish = finish or {}
     local = np.zeros((rounds, len(names)))
     for r in range(rounds):
         for k in range(len(names)):
             i = (r + k) % len(names)  # rotate: no engine always runs first
-            call = calls[names[i]]
+            call, done = calls[names[i]], finish.get(names[i])
             for _ in range(warmup):
                 call()
+            if done is not None:
+                done()
             barrier(comm)
-            local[r, i] = time_calls(call, iters)
+            local[r, i] = time_calls(call, iters, done)
     worst = np.array(max_over_ranks(comm, local.ravel())).reshape(rounds, len(names))
     return {name: worst[:, i].tolist() for i, name in enumerate(names)}
 
 
 def measure(op: str, nbytes: int, engines: list[Engine], unsupported: set[tuple[str, str]],
-            dtype: np.dtype, comm: MPI.Comm, settings: Settings) -> list[dict[str, Any]]:
-    """JSON rows (one per engine) of ``op`` at ``nbytes``; null times where an engine lacks it."""
+            dtype: np.dtype, comm: MPI.Comm, settings: Settings,
+            space: DeviceSpace | None = None) -> list[dict[str, Any]]:
+    """JSON rows (one per engine) of ``op`` at ``nbytes``; null times where an engine lacks it.
+
+    ``space``: the buffers are device arrays made and reached through it (None: NumPy).
+    """
     n = comm.Get_size()
     spec = OPS[op]
     count = nbytes // dtype.itemsize
-    b = make_buffers(spec, count, dtype, n)
+    b = make_buffers(spec, count, dtype, n, np.zeros if space is None else space.zeros)
     calls: dict[str, Call] = {}
     for engine in engines:
         if (engine.name, op) in unsupported:
             continue
         fn = engine.bind(op, b)
-        if check_engine(engine, op, fn, b, comm):
+        if check_engine(engine, op, fn, b, comm, space):
             calls[engine.name] = fn
         else:
             unsupported.add((engine.name, op))
-    b.inp.fill(0)  # zeros: sums stay finite however many calls run in place
-    b.out.fill(0)
+    if space is None:
+        b.inp.fill(0)  # zeros: sums stay finite however many calls run in place
+        b.out.fill(0)
+    else:
+        write_buffers(space, b, host_mirror(b))
+        for engine in engines:
+            engine.inputs_written()
+    finish = {e.name: e.finish for e in engines} if space is not None else None
     iters, warmup = settings.iters, settings.warmup
     if calls and iters is None:  # calibrated on the first engine; every engine then runs as many calls
-        iters = calibrate_iters(next(iter(calls.values())), comm, min_iters=MIN_ITERS,
-                                budget_s=TARGET_SECONDS / settings.rounds)
+        first = next(iter(calls))
+        iters = calibrate_iters(calls[first], comm, min_iters=MIN_ITERS, budget_s=TARGET_SECONDS / settings.rounds,
+                                finish=finish[first] if finish else None)
     if warmup is None:
         warmup = max(1, (iters or 0) // 10)
-    per_round = run_rounds(calls, comm, iters or 0, warmup, settings.rounds) if calls else {}
+    per_round = run_rounds(calls, comm, iters or 0, warmup, settings.rounds, finish) if calls else {}
     return [row(op, nbytes, count, e.name, per_round.get(e.name), iters, n) for e in engines]
 
 
@@ -383,22 +686,24 @@ def row(op: str, nbytes: int, count: int, engine: str, rounds: list[float] | Non
 
 
 # --------------------------------------------------------------------------- report
-def ratio(rows: list[dict[str, Any]], nbytes: int) -> float | None:
-    """meshkit's time over mpi4py's at ``nbytes`` (rows of one op), None if either is missing."""
+def ratio(rows: list[dict[str, Any]], nbytes: int, ref: str = "mpi4py") -> float | None:
+    """meshkit's time over ``ref``'s at ``nbytes`` (rows of one op), None if either is missing."""
     times = {r["engine"]: r["time_us"] for r in rows if r["bytes"] == nbytes}
-    mk, ref = times.get("meshkit"), times.get("mpi4py")
-    return mk / ref if mk is not None and ref else None
+    mk, base = times.get("meshkit"), times.get(ref)
+    return mk / base if mk is not None and base else None
 
 
-def table_header(op: str, engines: list[str], n: int, dtype: np.dtype) -> list[str]:
-    title = f"# {op}: {n} ranks, {dtype}, time = median over rounds of the slowest rank's mean per call"
+def table_header(op: str, engines: list[str], n: int, dtype: np.dtype, ref: str = "mpi4py",
+                 where: str = "") -> list[str]:
+    """The title and column lines of one op's table; ``where`` (e.g. ``on cuda, nccl``) follows the dtype."""
+    title = f"# {op}: {n} ranks, {dtype}{where}, time = median over rounds of the slowest rank's mean per call"
     top = f"# {'':>14} {'':>8} {'':>10}" + "".join(f" | {name:^32}" for name in engines)
     cols = f"# {'op':>14} {'size':>8} {'count':>10}" + " | time(us) algbw(GB/s) busbw(GB/s)" * len(engines)
-    has_ratio = "meshkit" in engines and "mpi4py" in engines
-    return [title, top, cols + (" | meshkit/mpi4py" if has_ratio else "")]
+    has_ratio = "meshkit" in engines and ref in engines
+    return [title, top, cols + (f" | meshkit/{ref}" if has_ratio else "")]
 
 
-def table_line(rows: list[dict[str, Any]]) -> str:
+def table_line(rows: list[dict[str, Any]], ref: str = "mpi4py") -> str:
     """One table row from the rows of one (op, size), one per engine."""
     first = rows[0]
     cells = [f"  {first['op']:>14} {format_size(first['bytes']):>8} {first['count']:>10}"]
@@ -408,43 +713,46 @@ def table_line(rows: list[dict[str, Any]]) -> str:
         else:
             cells.append(f" | {r['time_us']:8.1f} {r['algbw_gbs']:11.3f} {r['busbw_gbs']:11.3f}")
     engines = {r["engine"] for r in rows}
-    if {"meshkit", "mpi4py"} <= engines:
-        q = ratio(rows, first["bytes"])
-        cells.append(f" | {q:14.3f}" if q is not None else f" | {'n/a':>14}")
+    if {"meshkit", ref} <= engines:
+        q = ratio(rows, first["bytes"], ref)
+        cells.append(f" | {q:{max(14, len(ref) + 8)}.3f}" if q is not None else f" | {'n/a':>{max(14, len(ref) + 8)}}")
     return "".join(cells)
 
 
-def summary_line(op: str, rows: list[dict[str, Any]]) -> str | None:
-    """Worst meshkit/mpi4py time ratio at >= 64K and worst excess in us at <= 4K, vs the targets."""
+def summary_line(op: str, rows: list[dict[str, Any]], targets: Targets = CPU_TARGETS) -> str | None:
+    """Worst meshkit/ref time ratio at large sizes and worst excess in us at small ones, vs ``targets``
+    (on the CPU: >= 64K and <= 4K against mpi4py)."""
+    ref = targets.ref
     times: dict[int, dict[str, float]] = {}
     for r in rows:
         if r["time_us"] is not None:
             times.setdefault(r["bytes"], {})[r["engine"]] = r["time_us"]
-    pairs = {s: (t["meshkit"], t["mpi4py"]) for s, t in times.items() if "meshkit" in t and "mpi4py" in t}
+    pairs = {s: (t["meshkit"], t[ref]) for s, t in times.items() if "meshkit" in t and ref in t}
     if not pairs:
         return None
     parts = []
-    large = {s: mk / ref for s, (mk, ref) in pairs.items() if s >= LARGE_BYTES}
+    large = {s: mk / base for s, (mk, base) in pairs.items() if s >= targets.large_bytes}
     if large:
         s = max(large, key=large.__getitem__)
-        verdict = "met" if large[s] <= MAX_RATIO else "MISSED"
-        parts.append(f"worst time ratio at >= {format_size(LARGE_BYTES)}: {large[s]:.3f} at {format_size(s)} "
-                     f"(target <= {MAX_RATIO}: {verdict})")
-    small = {s: mk - ref for s, (mk, ref) in pairs.items() if s <= SMALL_BYTES}
+        verdict = "met" if large[s] <= targets.max_ratio else "MISSED"
+        parts.append(f"worst time ratio at >= {format_size(targets.large_bytes)}: {large[s]:.3f} at "
+                     f"{format_size(s)} (target <= {targets.max_ratio}: {verdict})")
+    small = {s: mk - base for s, (mk, base) in pairs.items() if targets.small(s)}
     if small:
         s = max(small, key=small.__getitem__)
-        verdict = "met" if small[s] <= MAX_EXCESS_US else "MISSED"
-        parts.append(f"worst excess at <= {format_size(SMALL_BYTES)}: {small[s]:+.1f} us at {format_size(s)} "
-                     f"(target <= {MAX_EXCESS_US:g} us: {verdict})")
+        verdict = "met" if small[s] <= targets.max_excess_us else "MISSED"
+        parts.append(f"worst excess at {targets.small_label}: {small[s]:+.1f} us at {format_size(s)} "
+                     f"(target <= {targets.max_excess_us:g} us: {verdict})")
     if not parts:
         return None
-    return f"# {op} summary (meshkit vs mpi4py): " + "; ".join(parts)
+    return f"# {op} summary (meshkit vs {ref}): " + "; ".join(parts)
 
 
-def plot(rows: list[dict[str, Any]], ops: list[str], engines: list[str], path: Path, title: str) -> None:
-    """busbw vs size per op (top row) and meshkit/mpi4py time ratio (bottom row), one PNG."""
+def plot(rows: list[dict[str, Any]], ops: list[str], engines: list[str], path: Path, title: str,
+         targets: Targets = CPU_TARGETS) -> None:
+    """busbw vs size per op (top row) and meshkit/ref time ratio (bottom row), one PNG."""
     plt = require_pyplot()
-    with_ratio = "meshkit" in engines and "mpi4py" in engines
+    with_ratio = "meshkit" in engines and targets.ref in engines
     nrows = 2 if with_ratio else 1
     fig, axes = plt.subplots(nrows, len(ops), figsize=(4.2 * len(ops), 3.4 * nrows + 0.6), squeeze=False,
                              sharex="col", gridspec_kw={"height_ratios": [3, 2][:nrows]})
@@ -464,28 +772,29 @@ def plot(rows: list[dict[str, Any]], ops: list[str], engines: list[str], path: P
             ax.set_ylabel("bus bandwidth (GB/s)")
             ax.legend(loc="upper left", fontsize="small")
         if with_ratio:
-            _plot_ratio(axes[1, j], of_op, sizes, first=j == 0)
+            _plot_ratio(axes[1, j], of_op, sizes, targets, first=j == 0)
         axes[-1, j].set_xlabel("size (bytes)")
     save_figure(fig, path, title)
 
 
-def _plot_ratio(ax: Any, rows: list[dict[str, Any]], sizes: list[int], *, first: bool) -> None:
-    """meshkit/mpi4py time on a log2 y axis; the 1.05 target drawn where it applies (>= 64K)."""
+def _plot_ratio(ax: Any, rows: list[dict[str, Any]], sizes: list[int], targets: Targets, *, first: bool) -> None:
+    """meshkit/ref time on a log2 y axis; the ratio target drawn where it applies (e.g. 1.05 at >= 64K)."""
     from matplotlib.ticker import FuncFormatter
-    pts = [(s, q) for s in sizes if (q := ratio(rows, s)) is not None]
+    large, most = targets.large_bytes, targets.max_ratio
+    pts = [(s, q) for s in sizes if (q := ratio(rows, s, targets.ref)) is not None]
     if pts:
         ax.plot(*zip(*pts), marker="o", markersize=3, color="black")
     ax.axhline(1.0, color="gray", linewidth=0.8)
-    if sizes[-1] >= LARGE_BYTES:
-        ax.hlines(MAX_RATIO, max(LARGE_BYTES, sizes[0]), sizes[-1], color="tab:red", linewidth=1,
-                  linestyle="--", label=f"target <= {MAX_RATIO} (>= {format_size(LARGE_BYTES)})")
+    if sizes[-1] >= large:
+        ax.hlines(most, max(large, sizes[0]), sizes[-1], color="tab:red", linewidth=1,
+                  linestyle="--", label=f"target <= {most} (>= {format_size(large)})")
     ax.set_yscale("log", base=2)
     ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
     ax.grid(True, which="major", alpha=0.3)
     log2_size_axis(ax, sizes, max_ticks=7)
     if first:
-        ax.set_ylabel("time meshkit / mpi4py")
-        if sizes[-1] >= LARGE_BYTES:
+        ax.set_ylabel(f"time meshkit / {targets.ref}")
+        if sizes[-1] >= large:
             ax.legend(loc="best", fontsize="small")
 
 
@@ -505,8 +814,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the median is reported (default: 5)")
     p.add_argument("--engines", default=None,
                    help=f"comma-separated, from {', '.join(ENGINES)} "
-                        "(default: meshkit,mpi4py, plus gloo when torch is importable)")
-    p.add_argument("--device", default="cpu", help="where buffers live; only cpu is supported for now")
+                        "(default: meshkit,mpi4py, plus gloo when torch is importable); with --device cuda, "
+                        "from meshkit,nccl (--backend nccl) or meshkit,mpi4py-staged,mpi4py-cuda (--backend mpi; "
+                        "default: mpi4py-cuda only when MPI is CUDA-aware)")
+    p.add_argument("--device", default="cpu",
+                   help="where buffers live: cpu (NumPy) or cuda (CuPy, one GPU per rank; default: cpu)")
+    p.add_argument("--backend", default=None,
+                   help="meshkit's engine: mpi (--device cpu), nccl or mpi (--device cuda; default: nccl)")
     p.add_argument("--mode", default="sync", choices=MODES,
                    help="sync: one blocking call; async: two async_op=True calls, then both waits, against "
                         "mpi4py's I* calls and Waitall (default: sync)")
@@ -528,27 +842,46 @@ def parse_args(rank: int, argv: list[str] | None = None) -> argparse.Namespace:
     p = build_parser()
     args = parse_checked(p, rank, argv, _invalid)
     args.ops = _split(args.ops, list(OPS), "ops", p, rank)
+    args.dtype = np.dtype(args.dtype)
+    if args.device == "cuda":
+        args.engines = _split(args.engines or ",".join(_default_gpu_engines(args.backend)),
+                              GPU_ENGINES[args.backend], "engines", p, rank)
+        if "mpi4py-cuda" in args.engines and not cuda_aware_mpi():
+            usage_error(p, rank, "engine mpi4py-cuda needs a CUDA-aware MPI, and this one is not (or "
+                                 "MESHKIT_CUDA_AWARE_MPI=0); use mpi4py-staged")
+        return args
+    args.backend = "mpi"
     default_engines = "meshkit,mpi4py,gloo" if torch_importable() else "meshkit,mpi4py"
     args.engines = _split(args.engines or default_engines, ENGINES, "engines", p, rank)
     if "gloo" in args.engines and not torch_importable():
         usage_error(p, rank, "engine gloo needs torch, which is not installed (pip install torch)")
-    args.dtype = np.dtype(args.dtype)
     return args
+
+
+def _default_gpu_engines(backend: str) -> list[str]:
+    names = list(GPU_ENGINES[backend])
+    if backend == "mpi" and not cuda_aware_mpi():
+        names.remove("mpi4py-cuda")
+    return names
 
 
 def _invalid(args: argparse.Namespace) -> str | None:
     """The first problem with ``args`` that argparse cannot see, or None."""
-    if args.device == "cuda":
-        return ("--device cuda is not supported yet: this benchmark times NumPy (CPU) buffers over MPI; "
-                "use --device cpu")
-    if args.device != "cpu":
-        return f"invalid --device {args.device!r}; valid devices are ['cpu']"
+    if args.device not in ("cpu", "cuda"):
+        return f"invalid --device {args.device!r}; valid devices are ['cpu', 'cuda']"
+    backends = ["mpi"] if args.device == "cpu" else list(GPU_ENGINES)
+    if args.backend is None:
+        args.backend = backends[0]
+    if args.backend not in backends:
+        return f"invalid --backend {args.backend!r} with --device {args.device}; valid backends are {backends}"
     try:
         dtype = np.dtype(args.dtype)
     except TypeError:
         return f"invalid --dtype {args.dtype!r}; use a NumPy dtype name such as float32, float64, int32"
     if dtype.kind not in "iufc":
         return f"invalid --dtype {args.dtype!r} (kind {dtype.kind!r}); use an integer, float or complex dtype"
+    if args.backend == "nccl" and dtype.name not in NCCL_DTYPES:
+        return f"invalid --dtype {args.dtype!r} with --backend nccl; NCCL reduces {list(NCCL_DTYPES)}"
     for name in ("iters", "warmup"):
         value = getattr(args, name)
         if value is not None and value < (1 if name == "iters" else 0):
@@ -560,12 +893,19 @@ def _invalid(args: argparse.Namespace) -> str | None:
     if args.min_bytes > args.max_bytes or args.min_bytes < 1:
         return (f"invalid sizes --min-bytes {args.min_bytes} --max-bytes {args.max_bytes}; "
                 "need 1 <= min <= max")
+    if args.device == "cuda" and (problem := gpu_problem()) is not None:
+        return (f"--device cuda needs a GPU that CuPy can use, and there is none here ({problem}); "
+                "run it on a GPU machine, or use --device cpu")
     return matplotlib_missing(args)
 
 
 # --------------------------------------------------------------------------- main
-def run(args: argparse.Namespace, comm: MPI.Comm, engines: list[Engine]) -> list[dict[str, Any]]:
-    """Measure every (op, size), printing each table row on rank 0 as it is measured."""
+def run(args: argparse.Namespace, comm: MPI.Comm, engines: list[Engine], space: DeviceSpace | None = None,
+        targets: Targets = CPU_TARGETS) -> list[dict[str, Any]]:
+    """Measure every (op, size), printing each table row on rank 0 as it is measured.
+
+    ``space``: device buffers (``--device cuda``); ``targets``: what the summary lines check.
+    """
     rank, n = comm.Get_rank(), comm.Get_size()
     sizes = size_sweep(args.min_bytes, args.max_bytes, args.step_factor, multiple=n * args.dtype.itemsize)
     settings = Settings(args.iters, args.warmup, args.rounds)
@@ -582,14 +922,15 @@ def run(args: argparse.Namespace, comm: MPI.Comm, engines: list[Engine]) -> list
         say: Callable[[str], None] = progress.write if show_bar else functools.partial(print0, rank)
         for op in args.ops:
             progress.start_group(op)
-            say("\n".join(table_header(op, names, n, args.dtype)))
+            where_run = "" if space is None else f" on cuda ({args.backend}, {args.mode})"
+            say("\n".join(table_header(op, names, n, args.dtype, targets.ref, where_run)))
             of_op: list[dict[str, Any]] = []
             for nbytes in sizes:
-                measured = measure(op, nbytes, engines, unsupported, args.dtype, comm, settings)
+                measured = measure(op, nbytes, engines, unsupported, args.dtype, comm, settings, space)
                 of_op += measured
-                say(table_line(measured))
+                say(table_line(measured, targets.ref))
                 progress.step(format_size(nbytes))
-            say((summary_line(op, of_op) or f"# {op}: no meshkit/mpi4py pair to compare") + "\n")
+            say((summary_line(op, of_op, targets) or f"# {op}: no meshkit/{targets.ref} pair to compare") + "\n")
             rows += of_op
     return rows
 
@@ -599,36 +940,54 @@ def main(argv: list[str] | None = None) -> int:
     rank = comm.Get_rank()
     args = parse_args(rank, argv)
     setup_logging(rank, args.verbose)
-    meshkit.init_process_group("mpi")
-    engines = make_engines(args.engines, comm, args.mode)
+    space: DeviceSpace | None = None
+    targets, extra = CPU_TARGETS, {}
+    if args.device == "cuda":
+        rt = cuda_runtime.runtime()
+        if args.backend == "mpi":  # NCCL's engine picks its GPU itself; several MPI ranks may share one
+            local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+            rt.use_device(local.Get_rank() % rt.device_count())
+            local.Free()
+        meshkit.init_process_group(args.backend)
+        space, targets = DeviceSpace(rt), gpu_targets(args.backend, args.engines)
+        engines = make_gpu_engines(args.engines, args.backend, comm, rt, args.dtype, args.mode)
+        extra = {"device": "cuda", "backend": args.backend, "mode": args.mode, "reference": targets.ref,
+                 **gpu_metadata(rt)}
+    else:
+        meshkit.init_process_group("mpi")
+        engines = make_engines(args.engines, comm, args.mode)
     try:
-        rows = run(args, comm, engines)
+        rows = run(args, comm, engines, space, targets)
     finally:
         for engine in engines:
             engine.close()
         meshkit.destroy_process_group()
     meta = run_metadata(comm, benchmark="collectives", dtype=str(args.dtype), engines=args.engines,
                         ops=args.ops, rounds=args.rounds, iters=args.iters, warmup=args.warmup,
-                        target_seconds=TARGET_SECONDS if args.iters is None else None)
+                        target_seconds=TARGET_SECONDS if args.iters is None else None, **extra)
     if rank == 0:
-        save(args, meta, rows)
+        save(args, meta, rows, targets)
     comm.Free()
     return 0
 
 
-def save(args: argparse.Namespace, meta: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+def save(args: argparse.Namespace, meta: dict[str, Any], rows: list[dict[str, Any]],
+         targets: Targets = CPU_TARGETS) -> None:
     """Write the JSON and, with --plot, the PNG (rank 0 only; nothing collective here)."""
     n = meta["world_size"]
-    path = args.json or RESULTS / f"collectives-n{n}{'' if args.mode == 'sync' else '-' + args.mode}.json"
+    device = "" if args.device == "cpu" else f"cuda-{args.backend}-"
+    path = args.json or RESULTS / f"collectives-{device}n{n}{'' if args.mode == 'sync' else '-' + args.mode}.json"
     write_json(path, meta, rows)
     LOG.info("wrote %s", path)
     if args.plot is not None:
         png = png_path(args.plot, path)
         title = (f"meshkit collectives ({args.mode}): {n} ranks, {args.dtype}, {meta['hostname']}, "
                  f"{meta['mpi_library'][:60]}")
+        if args.device == "cuda":
+            title += f", cuda {args.backend} on {meta.get('gpu')}"
         if meta["oversubscribed"]:
             title += f" ({meta['ranks_per_host']} ranks on {meta['cores_per_host']} cores)"
-        plot(rows, args.ops, args.engines, png, title)
+        plot(rows, args.ops, args.engines, png, title, targets)
         LOG.info("wrote %s", png)
 
 

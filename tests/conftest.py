@@ -28,7 +28,8 @@ def launch(script: str | Path, n: int, *args: str, timeout: float = 120, env: di
 
     ``script`` is a file name in tests/scripts, or an absolute path (e.g. an example).
     """
-    full_env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), **(env or {})}
+    path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
+    full_env = {**os.environ, "PYTHONPATH": path, **(env or {})}
     cmd = [sys.executable, "-m", LAUNCHER_MODULE, "-n", str(n), "--timeout", str(int(timeout)),
            str(SCRIPTS / script), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 30, env=full_env)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -197,9 +198,18 @@ def _wrote(stream: FakeStream) -> None:
 
 
 def _wait(pred: Any, what: str) -> None:
+    """Block the host until ``pred()``; the "GPU" keeps running meanwhile (an operation whose
+    inputs became ready after it was posted, e.g. behind a copy, is performed here)."""
+    deadline = time.monotonic() + DOUBLE_TIMEOUT
     with _cond:
-        if not _cond.wait_for(pred, DOUBLE_TIMEOUT):
-            raise FakeNcclError(f"double: {what} did not happen within {DOUBLE_TIMEOUT} s (a hang on a GPU)")
+        while True:
+            _progress()
+            if pred():
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise FakeNcclError(f"double: {what} did not happen within {DOUBLE_TIMEOUT} s (a hang on a GPU)")
+            _cond.wait(min(left, 0.01))
 
 
 def _host_sync() -> None:
@@ -554,9 +564,16 @@ class FakeCommunicator:
     def destroy(self) -> None:
         if getattr(_tls, "depth", 0):
             raise FakeNcclError("double: destroy() inside groupStart()/groupEnd()")
+        clique = self._clique
+        with _cond:
+            mine = [*clique.collectives[self._rank],
+                    *(op for (a, b), ops in [*clique.sends.items(), *clique.recvs.items()] if self._rank in (a, b)
+                      for op in ops)]
+        # ncclCommDestroy finalizes first: the operations this rank issued complete (their peers
+        # still have to issue theirs); an aborted or failed communicator has nothing to finish.
+        _wait(lambda: clique.error is not None or all(op.done for op in mine), "ncclCommDestroy's finalize")
         with _cond:
             self._destroyed = True
-            clique = self._clique
             if all(m._destroyed for m in clique.members.values()):  # forget it: progress scans every clique
                 for key in [k for k, c in _cliques.items() if c is clique]:
                     del _cliques[key]

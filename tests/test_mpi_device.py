@@ -17,6 +17,8 @@ import pytest
 
 import nccl_double as double
 
+from meshkit.comm import cuda_runtime
+
 
 @pytest.mark.parametrize("mode", ["staged", "aware"])
 def test_every_collective_on_device_arrays_over_mpi(mpirun, mode):
@@ -100,3 +102,14 @@ def test_a_copy_on_a_stream_not_ordered_after_the_writes_is_refused(rt):
     rt.copy_to_host(dev, host, other)
     other.synchronize()
     assert host.tolist() == [5.0, 1.0, 2.0, 3.0]
+
+
+@pytest.mark.parametrize("aware", ["0", None], ids=["staged", "detected"])
+def test_real_cupy_arrays_over_mpi_on_a_real_gpu(mpirun, aware):
+    """Two ranks sharing the GPU (one GPU holds one NCCL rank, but any number of MPI ranks)."""
+    if not cuda_runtime.gpu_available():
+        pytest.skip("no GPU: CuPy sees no CUDA device here (device arrays over MPI are tested over the double)")
+    env = {} if aware is None else {"MESHKIT_CUDA_AWARE_MPI": aware}
+    out = mpirun("mpi_cupy_gpu.py", 2, env=env, timeout=300).stdout
+    lines = [line for line in out.splitlines() if " OK " in f" {line.split(': ', 1)[-1]} "]
+    assert len(lines) == 2 and all("of 2" in line for line in lines), out

@@ -1,0 +1,130 @@
+"""benchmarks/collectives.py: the CPU path's output, the command line, and the GPU path end to
+end against the NCCL double (tests/nccl_double.py; ``--device cuda`` on a real GPU is run by
+benchmarks/gpu_check.sh). Only that each path runs and checks its results is tested here,
+never a timing."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "collectives.py"
+#: A short sweep: 8 B, 512 B, 32 KB, 64 KB, few calls, one round.
+QUICK = ["--min-bytes", "8", "--max-bytes", "64K", "--step-factor", "64", "--iters", "2", "--warmup", "1",
+         "--rounds", "1", "--no-progress"]
+SIZES = ["8", "512", "32K", "64K"]
+OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"]
+
+
+def table_rows(out: str, op: str) -> dict[str, list[str]]:
+    """Size -> the cells of ``op``'s table row (time, algbw, busbw per engine, then the ratio)."""
+    rows = {}
+    for line in out.splitlines():
+        line = re.sub(r"^\[rank0\]: ", "", line)
+        cells = line.split()
+        if len(cells) > 3 and cells[0] == op and cells[1] in SIZES:
+            rows[cells[1]] = [c for c in cells[3:] if c != "|"]
+    return rows
+
+
+def run_bench(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """The benchmark as one process (MPI singleton), for the command line's checks."""
+    return subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})})
+
+
+def test_cpu_path_keeps_its_tables_summaries_and_json(mpirun, tmp_path):
+    out_json = tmp_path / "cpu.json"
+    out = mpirun(BENCH, 2, *QUICK, "--ops", "all_reduce,all_to_all", "--engines", "meshkit,mpi4py",
+                 "--json", str(out_json)).stdout
+    assert ("# all_reduce: 2 ranks, float32, time = median over rounds of the slowest rank's mean per call"
+            in out), out
+    assert ("#             op     size      count | time(us) algbw(GB/s) busbw(GB/s) | time(us) algbw(GB/s) "
+            "busbw(GB/s) | meshkit/mpi4py") in out, out
+    for op in ("all_reduce", "all_to_all"):
+        rows = table_rows(out, op)
+        assert sorted(rows) == sorted(SIZES), out
+        assert all(len(cells) == 7 for cells in rows.values()), rows  # 2 x (time, algbw, busbw) + ratio
+        assert re.search(rf"# {op} summary \(meshkit vs mpi4py\): worst time ratio at >= 64K: [\d.]+ at 64K "
+                         r"\(target <= 1.05: (met|MISSED)\); worst excess at <= 4K: [+-][\d.]+ us at \d+ "
+                         r"\(target <= 10 us: (met|MISSED)\)", out), out
+    data = json.loads(out_json.read_text())
+    assert "device" not in data["metadata"] and data["metadata"]["engines"] == ["meshkit", "mpi4py"]
+    assert len(data["rows"]) == 2 * len(SIZES) * 2
+    assert all(r["time_us"] > 0 for r in data["rows"])
+
+
+def test_device_cuda_without_a_gpu_is_a_usage_error():
+    proc = run_bench("--device", "cuda", *QUICK, env={"CUDA_VISIBLE_DEVICES": ""})  # no GPU, even on a GPU host
+    assert proc.returncode == 2, proc
+    assert "error: --device cuda needs a GPU that CuPy can use, and there is none here (" in proc.stderr, proc.stderr
+    assert "use --device cpu" in proc.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--device", "tpu"], "invalid --device 'tpu'; valid devices are ['cpu', 'cuda']"),
+    (["--backend", "nccl"], "invalid --backend 'nccl' with --device cpu; valid backends are ['mpi']"),
+    (["--device", "cuda", "--backend", "gloo"],
+     "invalid --backend 'gloo' with --device cuda; valid backends are ['nccl', 'mpi']"),
+    (["--device", "cuda", "--dtype", "int16"],
+     "invalid --dtype 'int16' with --backend nccl; NCCL reduces ['int8'"),
+])
+def test_invalid_device_backend_and_dtype_are_usage_errors(args, message):
+    proc = run_bench(*args, *QUICK)
+    assert proc.returncode == 2, proc
+    assert message in proc.stderr, proc.stderr
+
+
+def double_run(mpirun, n: int, tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> tuple[str, dict]:
+    out_json = tmp_path / "gpu.json"
+    out = mpirun("bench_cuda_double.py", n, "--device", "cuda", *QUICK, *args, "--json", str(out_json), env=env,
+                 timeout=240).stdout
+    return out, json.loads(out_json.read_text())
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_cuda_nccl_path_runs_and_checks_every_op_on_the_double(mpirun, tmp_path, mode):
+    out, data = double_run(mpirun, 1, tmp_path, "--mode", mode)
+    meta = data["metadata"]
+    assert (meta["device"], meta["backend"], meta["mode"], meta["reference"]) == ("cuda", "nccl", mode, "nccl")
+    assert meta["engines"] == ["meshkit", "nccl"] and meta["world_size"] == 1
+    for op in OPS:
+        assert f"# {op}: 1 ranks, float32 on cuda (nccl, {mode}), time = " in out, out
+        rows = table_rows(out, op)
+        assert sorted(rows) == sorted(SIZES) and all(len(c) == 7 for c in rows.values()), out
+        assert re.search(rf"# {op} summary \(meshkit vs nccl\): worst excess at < 1M: [+-][\d.]+ us at \d+K? "
+                         r"\(target <= 15 us: (met|MISSED)\)", out), out
+    assert {(r["op"], r["engine"]) for r in data["rows"]} == {(op, e) for op in OPS for e in ("meshkit", "nccl")}
+    assert all(r["time_us"] > 0 for r in data["rows"])
+
+
+@pytest.mark.parametrize("aware", ["0", "1"])
+def test_cuda_mpi_path_runs_and_checks_every_op_on_the_double(mpirun, tmp_path, aware):
+    out, data = double_run(mpirun, 2, tmp_path, "--backend", "mpi", env={"MESHKIT_CUDA_AWARE_MPI": aware})
+    engines = ["meshkit", "mpi4py-staged"] + (["mpi4py-cuda"] if aware == "1" else [])
+    ref = engines[-1]
+    meta = data["metadata"]
+    assert (meta["backend"], meta["reference"], meta["engines"], meta["cuda_aware_mpi"]) == (
+        "mpi", ref, engines, aware == "1")
+    for op in OPS:
+        rows = table_rows(out, op)
+        assert sorted(rows) == sorted(SIZES) and all(len(c) == 3 * len(engines) + 1 for c in rows.values()), out
+        assert f"# {op} summary (meshkit vs {ref}): worst excess at < 1M: " in out, out
+    assert all(r["time_us"] > 0 for r in data["rows"]) and len(data["rows"]) == len(OPS) * len(SIZES) * len(engines)
+    staging = re.findall(r"staging: pinned=(\d+) to_host=(\d+) to_device=(\d+)", out)
+    assert len(staging) == 2 and all(int(h) > 0 for _, h, _ in staging), out  # the checks and mpi4py-staged
+
+
+def test_a_wrong_result_stops_the_cuda_benchmark(mpirun, tmp_path):
+    proc = mpirun("bench_cuda_double.py", 1, "--device", "cuda", *QUICK, "--ops", "all_gather", "--json",
+                  str(tmp_path / "x.json"), env={"BENCH_BREAK": "all_gather"}, check=False, timeout=120)
+    assert proc.returncode != 0
+    assert "RuntimeError: meshkit.bench: meshkit all_gather of 8 bytes gave a wrong result on ranks [0]" in (
+        proc.stdout + proc.stderr), proc.stdout + proc.stderr
+    assert not (tmp_path / "x.json").exists()
