@@ -12,7 +12,9 @@ Optional methods, looked up by the group where an engine has them: ``defer(reque
 (``Work.wait()`` of an async call orders the caller's device stream after the request instead
 of blocking the host; NCCL), ``start_coalescing()``/``end_coalescing()`` (``batch_isend_irecv``
 posts its list as one group; NCCL), ``queues = False`` (async collectives start at once instead
-of waiting behind the group's earlier one; NCCL, whose stream orders them), ``notify``/``notices``/``flush``/``abort`` (notices between
+of waiting behind the group's earlier one; NCCL, whose stream orders them), ``use_device()``
+(make the group's GPU current on the calling thread, before a ``run_async`` task allocates device
+memory on the communication thread; NCCL), ``notify``/``notices``/``flush``/``abort`` (notices between
 ranks, job abort).
 
 Engines see only checked, C-contiguous arrays and group ranks. Reduce ops arrive as

@@ -417,6 +417,9 @@ class ProcessGroup:
         collectives with computation in between.
         """
         self._member(what)
+        use_device = getattr(self.engine, "use_device", None)
+        if use_device is not None:  # the task may allocate device memory: on this rank's GPU, not device 0
+            fn = functools.partial(_on_device, use_device, fn)
         return self._thread.submit(fn, Work(f"{what} on group {self.name}"))
 
     # ----------------------------------------------------------------- point to point
@@ -831,6 +834,12 @@ def _read_header(staged: np.ndarray, count: Any) -> tuple[np.dtype | None, Any]:
     if not isinstance(count, int) or count < _HEADER:
         return None, -1 if count == -1 else count
     return np.dtype(bytes(staged[:16]).decode().strip()), int(staged[16:24].view(np.int64)[0])
+
+
+def _on_device(use_device: Callable[[], None], fn: Callable[[], Any]) -> Any:
+    """``fn()`` with the group's GPU current (a task of ``run_async`` may run on the communication thread)."""
+    use_device()
+    return fn()
 
 
 def _keep_alive(buffer: np.ndarray) -> None:

@@ -203,6 +203,10 @@ class NCCLEngine:
                 "MIN/MAX/BAND/BOR); cast the array or reduce it on the host (mpi backend)")
         return t, count, nop
 
+    def use_device(self) -> None:
+        """Make this group's GPU the calling thread's current device (CUDA's is per thread)."""
+        self.rt.use_device(self.device)
+
     # ----------------------------------------------------------------- launching
     def _launch(self, op: str, keep: tuple, issue: Callable[[int], None], *, grouped: bool = False) -> DeviceRequest:
         """Issue one operation on the communication stream, ordered after the caller's stream."""

@@ -13,6 +13,9 @@ layer, from the last to the first, handing each layer's gradients over as soon a
 computed (so DDP averages the last layers' buckets while earlier layers still differentiate).
 Data is synthetic: a fixed random "teacher" network labels Gaussian inputs.
 
+The model math takes its array library from its arrays (``array_namespace``): the same code
+trains NumPy arrays on the host and CuPy arrays on a GPU (``build(..., device="cuda")``).
+
 A :class:`Strategy` is what the training loop needs of a parallel strategy: a layer's full
 parameters while it runs, somewhere to put gradients as they are ready, and an optimizer step.
 :class:`Plain` is one process (the single-process reference), :class:`Replicated` wraps DDP
@@ -28,7 +31,7 @@ import numpy as np
 
 import meshkit
 from meshkit.parallel import (SGD, AdamW, DistributedDataParallel, FullyShardedDataParallel, Optimizer,
-                              ZeroRedundancyOptimizer)
+                              ZeroRedundancyOptimizer, array_namespace)
 
 __all__ = [
     "FEATURES", "CLASSES", "STRATEGIES", "make_data", "init_params", "layer_count", "batch_indices",
@@ -84,11 +87,12 @@ def make_optimizer(name: str, lr: float) -> Optimizer:
 # --------------------------------------------------------------------------- forward, loss, backward
 def loss_and_grad_logits(logits: Any, y: Any) -> tuple[float, Any]:
     """Mean softmax cross-entropy and its gradient with respect to the logits."""
+    xp = array_namespace(logits)
     shifted = logits - logits.max(axis=1, keepdims=True)
-    probs = np.exp(shifted)
+    probs = xp.exp(shifted)
     probs /= probs.sum(axis=1, keepdims=True)
-    rows = np.arange(len(y))
-    loss = float(-np.log(probs[rows, y]).mean())
+    rows = xp.arange(len(y))
+    loss = float(-xp.log(probs[rows, y]).mean())  # on a GPU: the step's one scalar copied to the host
     probs[rows, y] -= 1
     return loss, probs / len(y)
 
@@ -110,7 +114,7 @@ def forward_layers(model: Strategy, x: Any) -> list[Any]:
     for i in range(n):
         with model.layer(i, upcoming=i + 1 if i + 1 < n else None) as p:
             z = acts[-1] @ p[f"w{i}"] + p[f"b{i}"]
-        acts.append(np.tanh(z) if i < n - 1 else z)
+        acts.append(array_namespace(z).tanh(z) if i < n - 1 else z)
     return acts
 
 
@@ -229,7 +233,7 @@ class Sharded(Strategy):
 
 def build(strategy: str, *, hidden: Sequence[int] = (64, 64), dtype: Any = np.float64, optimizer: str = "sgd",
           lr: float = 0.05, bucket_cap_mb: float = 25.0, hsdp_mesh: tuple[int, int] | None = None,
-          comm_hook: Any = None, comm_state: Any = None) -> Strategy:
+          comm_hook: Any = None, comm_state: Any = None, device: str = "cpu") -> Strategy:
     """``strategy`` over all ranks of the default world (collective: every rank calls it).
 
     Args:
@@ -241,6 +245,8 @@ def build(strategy: str, *, hidden: Sequence[int] = (64, 64), dtype: Any = np.fl
         hsdp_mesh: ``(replicate, shard)`` degrees of hsdp's 2-D mesh, their product the world
             size (hsdp only).
         comm_hook, comm_state: DDP's communication hook and its state (ddp only).
+        device: ``"cpu"`` (NumPy parameters) or ``"cuda"`` (CuPy parameters on each rank's GPU,
+            copied there once; the mesh is a cuda mesh).
 
     Raises:
         ValueError: an unknown strategy, or an option the strategy does not take.
@@ -252,12 +258,18 @@ def build(strategy: str, *, hidden: Sequence[int] = (64, 64), dtype: Any = np.fl
     if (hsdp_mesh is None) != (strategy != "hsdp"):
         raise ValueError(f"hsdp_mesh is needed by strategy 'hsdp' and by no other, got {hsdp_mesh!r} "
                          f"for strategy {strategy!r}")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"unknown device {device!r}; valid: cpu, cuda")
     params = init_params(hidden, dtype=np.dtype(dtype))
+    if device == "cuda":
+        import cupy  # only for a GPU run: CuPy stays optional
+
+        params = {name: cupy.asarray(p) for name, p in params.items()}
     opt = make_optimizer(optimizer, lr)
     if strategy == "hsdp":
-        mesh = meshkit.init_device_mesh("cpu", tuple(hsdp_mesh), mesh_dim_names=("replicate", "shard"))
+        mesh = meshkit.init_device_mesh(device, tuple(hsdp_mesh), mesh_dim_names=("replicate", "shard"))
     else:
-        mesh = meshkit.init_device_mesh("cpu", (meshkit.get_world_size(),), mesh_dim_names=("dp",))
+        mesh = meshkit.init_device_mesh(device, (meshkit.get_world_size(),), mesh_dim_names=("dp",))
     caps = {"bucket_cap_mb": bucket_cap_mb, "first_bucket_cap_mb": min(1.0, bucket_cap_mb)}
     if strategy == "ddp":
         ddp = DistributedDataParallel(params, mesh=mesh, comm_hook=comm_hook, comm_state=comm_state, **caps)

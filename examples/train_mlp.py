@@ -7,6 +7,7 @@
     meshkit-run -n 4 examples/train_mlp.py --strategy hsdp --mesh 2x2 --check
     meshkit-run -n 4 examples/train_mlp.py --hook fp16 --check          # DDP, float16 communication
     python examples/train_mlp.py --steps 50                # a world of one
+    meshkit-run -n 2 examples/train_mlp.py --device cuda --check       # CuPy arrays, NCCL, one GPU per rank
 
 The model (``mlp.py`` beside this file) is a tanh MLP with a softmax cross-entropy loss and a
 hand-written backward pass that hands each layer's gradients to the strategy as soon as they
@@ -19,6 +20,10 @@ promises (see :func:`compare`): exact averaging, the final parameters to 1e-10 (
 1e-5 (float32); ``--hook fp16``, every step's loss to what float16 rounding allows;
 ``--hook powersgd`` (an approximation), the warm-up steps exactly and the final loss to 10% of
 the loss decrease. Rank 0 shows a progress bar (tqdm) and prints the results.
+
+``--device cuda`` trains CuPy arrays on one GPU per rank (the NCCL engine, which ``auto`` picks
+where CuPy sees a GPU): the data is copied to the device once, and each step brings one scalar
+(its loss) back to the host. Without a GPU it is a usage error (exit 2).
 """
 
 from __future__ import annotations
@@ -36,7 +41,9 @@ from tqdm import tqdm
 
 import meshkit
 import mlp  # the model, beside this file
+from meshkit.comm.cuda_runtime import gpu_available
 from meshkit.parallel import PowerSGDState, fp16_compress_hook, powersgd_hook
+from meshkit.parallel.arrays import to_host
 
 #: Default learning rate per optimizer. AdamW moves every element by about lr whatever its
 #: gradient; at 0.05 this model's training amplifies rounding (4 ranks, 200 steps: float32 sums
@@ -75,24 +82,31 @@ def build(args: argparse.Namespace, comm_hook: Any = None, comm_state: Any = Non
     return mlp.build(args.strategy, dtype=args.dtype, optimizer=args.optimizer, lr=args.lr,
                      bucket_cap_mb=args.bucket_cap_mb or DEFAULT_BUCKET_CAP_MB,
                      hsdp_mesh=args.mesh if args.strategy == "hsdp" else None,
-                     comm_hook=comm_hook, comm_state=comm_state)
+                     comm_hook=comm_hook, comm_state=comm_state, device=args.device)
 
 
 def train(args: argparse.Namespace, comm_hook: Any = None, comm_state: Any = None,
           progress: bool = True) -> tuple[dict[str, np.ndarray], list[float]]:
     """Train with ``--strategy``: each rank takes its share of every global batch.
 
-    Returns the full final parameters and every step's loss over the global batch.
+    Returns the full final parameters (NumPy arrays: a GPU run's are copied to the host once, at
+    the end) and every step's loss over the global batch.
     """
     rank, world = meshkit.get_rank(), meshkit.get_world_size()
     if args.batch % world:
         raise ValueError(f"train_mlp: rank {rank}: --batch {args.batch} does not divide over {world} ranks")
     x, y = mlp.make_data(args.samples)
     model = build(args, comm_hook, comm_state)
+    if args.device == "cuda":  # the data set goes to the GPU once; batches are gathered there
+        import cupy
+
+        x, y = cupy.asarray(x), cupy.asarray(y)
     losses = []
     with _progress_bar(args.steps, enabled=progress and rank == 0) as show:
         for step in range(args.steps):
             idx = np.array_split(mlp.batch_indices(step, args.samples, args.batch), world)[rank]
+            if args.device == "cuda":
+                idx = cupy.asarray(idx)
             model.zero_grad()
             acts = mlp.forward_layers(model, x[idx])
             loss, dlogits = mlp.loss_and_grad_logits(acts[-1], y[idx])
@@ -102,7 +116,7 @@ def train(args: argparse.Namespace, comm_hook: Any = None, comm_state: Any = Non
             meshkit.all_reduce(global_loss, meshkit.ReduceOp.AVG)
             losses.append(float(global_loss[0]))
             show(losses[-1])
-    return model.full_params(), losses
+    return {name: to_host(p) for name, p in model.full_params().items()}, losses
 
 
 @contextlib.contextmanager
@@ -252,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
                              f"(default: {DEFAULT_BUCKET_CAP_MB:g})")
     parser.add_argument("--hook", default=None, choices=HOOKS,
                         help="ddp's communication hook (ddp only; default: allreduce)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="cpu: NumPy arrays; cuda: CuPy arrays, one GPU per rank (default: %(default)s)")
     parser.add_argument("--check", action="store_true",
                         help="train in one process on the global batch too and compare: exact averaging, the "
                              "final parameters to 1e-10 in float64 or 1e-5 in float32; fp16 and powersgd, the "
@@ -277,6 +293,9 @@ def _problem(args: argparse.Namespace, world_size: int) -> str | None:
     if args.batch % world_size:
         return (f"argument --batch: {args.batch} does not divide evenly over {world_size} ranks; use a multiple "
                 f"of {world_size}")
+    if args.device == "cuda" and not gpu_available():
+        return ("argument --device: cuda needs CuPy with a visible GPU; CuPy (or its driver) sees none here: "
+                "use --device cpu, or pip install 'meshkit[cuda12]' on a machine with a GPU")
     if args.batch > args.samples:
         return (f"argument --batch: {args.batch} is larger than --samples {args.samples} (a batch draws distinct "
                 "samples); use at most --samples")

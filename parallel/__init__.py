@@ -4,6 +4,11 @@
 hooks; ``ZeroRedundancyOptimizer`` (ZeRO-1/2) on the same buckets; ``FullyShardedDataParallel``
 (ZeRO-3, and hybrid sharding on a 2-D mesh); elementwise optimizers that update whole
 parameters or any flat shard of them.
+
+Every strategy runs on NumPy (host) or CuPy (device) parameters: the array library is taken from
+the parameters' type (:func:`array_namespace`), and buckets, flat buffers, shards and optimizer
+state are made with it, so a CuPy model's stay on its GPU. Mixing the two libraries in one call is
+a ``TypeError`` naming both types.
 """
 
 from .arrays import array_namespace

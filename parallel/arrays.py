@@ -1,7 +1,15 @@
 """Which array library an array belongs to (NumPy or CuPy), and conversions between them.
 
 Parallel code never calls ``np.*`` on user arrays: it asks :func:`array_namespace` for the
-array's own module, so the same code runs on NumPy and CuPy, and CuPy stays optional.
+array's own module, so the same code runs on NumPy and CuPy, and CuPy stays optional. Flat
+buffers, bucket buffers, shards and optimizer state are made with the parameters' library, so
+a CuPy model keeps all of them on its GPU.
+
+Device-to-host transfers are explicit: :func:`to_host` is the one door (``.get()`` on CuPy), used
+only for scalars the host must branch on (a norm for clipping, the per-sync agreement flag) and
+off the hot path (state dict digests). Arrays of the two libraries never meet silently:
+:func:`check_same_library` raises ``TypeError`` naming both types; conversions happen only where
+documented (:func:`convert`: loading state dicts, optimizer state following its parameter).
 """
 
 from __future__ import annotations
@@ -10,7 +18,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["array_namespace", "is_array", "convert"]
+from ..comm import DistTypeError
+
+__all__ = ["array_namespace", "is_array", "convert", "to_host", "type_name", "check_same_library"]
 
 
 def array_namespace(a: Any) -> Any:
@@ -42,3 +52,27 @@ def convert(arr: Any, like: Any) -> Any:
     if dst is np:  # CuPy -> NumPy
         return arr.get().astype(like.dtype, copy=False)
     return dst.asarray(arr, dtype=like.dtype)  # NumPy -> CuPy
+
+
+def to_host(a: Any) -> np.ndarray:
+    """``a`` as a NumPy array: itself if it is one, else the explicit device-to-host copy
+    (``.get()``, which waits for the current stream). The one place device data reaches the host."""
+    return a if array_namespace(a) is np else a.get()
+
+
+def type_name(a: Any) -> str:
+    """``"numpy.ndarray"``, ``"cupy.ndarray"``...: the full name of ``a``'s type, for messages."""
+    return f"{type(a).__module__}.{type(a).__qualname__}"
+
+
+def check_same_library(head: str, arg: str, a: Any, ref: Any, ref_arg: str) -> None:
+    """TypeError unless ``a`` belongs to ``ref``'s array library (NumPy vs CuPy), naming both.
+
+    Args:
+        head: the message prefix (``"meshkit.parallel: rank R: OP"``).
+        arg, ref_arg: how the message names ``a`` and ``ref``.
+    """
+    if array_namespace(a) is not array_namespace(ref):
+        raise DistTypeError(f"{head}: {arg} is a {type_name(a)} but {ref_arg} is a {type_name(ref)}; arrays of one "
+                            "call must all be NumPy (host) or all CuPy (device): convert explicitly "
+                            "(cupy.asarray(x) to the device, x.get() to the host)")

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..comm import DistTypeError, DistValueError, ProcessGroup, ReduceOp, all_reduce
-from .arrays import is_array
+from .arrays import array_namespace, check_same_library, is_array, to_host
 from .checks import real, where
 
 __all__ = ["clip_grad_norm_"]
@@ -33,26 +33,24 @@ def _norm_order(norm_type: Any) -> float:
     return p
 
 
-def _partial_norm(a: Any, p: float) -> float:
-    """``max |a|`` for p = inf, else ``sum |a|^p``; accumulated in float64, chunk by chunk."""
+def _partial_norm(a: Any, p: float) -> list[Any]:
+    """``max |a|`` (p = inf) or ``sum |a|^p`` of each chunk of ``a``, as 0-d float64 arrays of
+    ``a``'s library: on a device they stay there (no transfer per chunk)."""
     flat = a.reshape(-1)
-    acc = 0.0
+    parts = []
     for start in range(0, flat.size, _NORM_CHUNK):
         chunk = flat[start:start + _NORM_CHUNK]
         if chunk.dtype != np.float64:
             chunk = chunk.astype(np.float64)
         if p == math.inf:
-            peak = float(abs(chunk).max())
-            if peak != peak:
-                return math.nan
-            acc = max(acc, peak)
+            parts.append(abs(chunk).max())  # max propagates nan, as the total must
         elif p == 2.0:
-            acc += float(chunk.dot(chunk))
+            parts.append(chunk.dot(chunk))
         elif p == 1.0:
-            acc += float(abs(chunk).sum())
+            parts.append(abs(chunk).sum())
         else:
-            acc += float((abs(chunk) ** p).sum())
-    return acc
+            parts.append((abs(chunk) ** p).sum())
+    return parts
 
 
 def clip_grad_norm_(grads: Mapping[str, Any] | Sequence[Any] | Any, max_norm: float, *, norm_type: float | str = 2.0,
@@ -65,6 +63,10 @@ def clip_grad_norm_(grads: Mapping[str, Any] | Sequence[Any] | Any, max_norm: fl
     shard of the gradients (ZeRO, FSDP): the partial sums (maxima for inf) are all-reduced over the
     group, so every rank gets the norm of the whole and applies the same coefficient.
 
+    Gradients may be NumPy or CuPy arrays (all of one library: TypeError otherwise). On a device
+    the norm is computed and all-reduced there; one explicit transfer brings it to the host, which
+    needs it to choose the coefficient (and returns it).
+
     Then, as torch: ``clip_coef = max_norm / (total_norm + 1e-6)``, and every gradient is
     multiplied by ``min(clip_coef, 1)``. Multiplying by exactly 1.0 changes nothing, so the
     multiplication is skipped when ``clip_coef >= 1``; a nan norm still multiplies (torch's clamp
@@ -75,7 +77,9 @@ def clip_grad_norm_(grads: Mapping[str, Any] | Sequence[Any] | Any, max_norm: fl
         max_norm: the largest allowed total norm (>= 0).
         norm_type: the order ``p`` (> 0), or ``inf`` / ``"inf"``.
         group: a process group whose ranks hold disjoint shards of the gradients; a collective:
-            every rank of the group must call it, also a rank that holds no gradient.
+            every rank of the group must call it, also a rank that holds no gradient (on a device,
+            such a rank passes an empty CuPy array, so that its partial norm is reduced on the
+            device like the others': with no array at all it is reduced on the host).
         error_if_nonfinite: raise when the total norm is nan or inf, before scaling anything.
         foreach: accepted for torch compatibility and ignored (there is one implementation).
 
@@ -106,28 +110,36 @@ def clip_grad_norm_(grads: Mapping[str, Any] | Sequence[Any] | Any, max_norm: fl
     else:
         raise DistTypeError(f"{where('clip_grad_norm_')}: grads must be a dict, a list or an array, "
                             f"got {type(grads).__name__}")
-    arrays = []
+    arrays: list[Any] = []
+    first = ""
     for label, g in items:
         if g is None:
             continue
         if not is_array(g) or g.dtype.kind != "f":
             kind = f"dtype {g.dtype}" if is_array(g) else type(g).__name__
             raise DistTypeError(f"{where('clip_grad_norm_')}: {label} must be a floating-point array, got {kind}")
+        if arrays:
+            check_same_library(where("clip_grad_norm_"), label, g, arrays[0], first)
+        else:
+            first = label
         arrays.append(g)
 
-    partial = 0.0
-    for g in arrays:
-        part = _partial_norm(g, p)
-        if part != part:
-            partial = math.nan
-            break
-        partial = max(partial, part) if p == math.inf else partial + part
+    # The partial norm is reduced where the gradients live; the host gets it through one explicit
+    # transfer (to_host), as [value, nan flag]: MPI's MAX may drop a nan, so nan travels as a flag
+    # that MAX/SUM keep.
+    xp = array_namespace(arrays[0]) if arrays else np
+    parts = [part for g in arrays for part in _partial_norm(g, p)]
+    buf = xp.zeros(2, dtype=np.float64)
+    if parts:
+        stacked = xp.stack(parts)
+        partial = stacked.max() if p == math.inf else stacked.sum()
+        is_nan = xp.isnan(partial)
+        buf[0] = xp.where(is_nan, 0.0, partial)
+        buf[1] = is_nan
     if group is not None:
-        # [value, nan flag]: MPI's MAX may drop a nan, so nan travels as a flag that MAX/SUM keep.
-        is_nan = partial != partial
-        buf = np.array([0.0 if is_nan else partial, 1.0 if is_nan else 0.0], dtype=np.float64)
         all_reduce(buf, ReduceOp.MAX if p == math.inf else ReduceOp.SUM, group=group)
-        partial = math.nan if buf[1] > 0 else float(buf[0])
+    value, nan_flag = (float(v) for v in to_host(buf))
+    partial = math.nan if nan_flag > 0 else value
     if p == math.inf:
         total = partial
     elif p == 2.0:

@@ -69,12 +69,12 @@ class FlatLayout:
                    tuple(offsets), first.dtype, total, shards)
 
     def pack(self, arrays: dict[str, Any], like: Any, dtype: Any = None) -> Any:
-        """A new padded flat buffer holding ``arrays`` (missing names and padding are zero)."""
-        xp = array_namespace(like)
-        flat = xp.zeros(self.padded, dtype=dtype or self.dtype)
+        """A new padded flat buffer of ``like``'s array library holding ``arrays`` (missing names and
+        padding are zero); ``arrays`` must be of that library (no implicit host<->device copy)."""
+        flat = array_namespace(like).zeros(self.padded, dtype=dtype or self.dtype)
         for i, (name, off) in enumerate(zip(self.names, self.offsets)):
             if name in arrays:
-                flat[off:off + self.size_of(i)] = xp.asarray(arrays[name]).reshape(-1)
+                flat[off:off + self.size_of(i)] = arrays[name].reshape(-1)
         return flat
 
     def unpack(self, full: Any, into: dict[str, Any]) -> None:

@@ -30,7 +30,7 @@ from typing import Any, Iterator, Sequence
 
 from ..comm import DistValueError, ProcessGroup, ReduceOp, Work
 from ..mesh import DeviceMesh
-from .arrays import array_namespace
+from .arrays import array_namespace, check_same_library
 from .flat import FlatLayout, make_layouts
 from .optim import Optimizer
 from .checks import where
@@ -203,6 +203,9 @@ class FullyShardedDataParallel(ShardedStrategy):
         for lay in self.layouts[u]:  # check everything before launching anything
             for i, name in enumerate(lay.names):
                 g = grads[name]
+                if hasattr(g, "shape"):
+                    check_same_library(self._where("reduce_grads"), f"gradient {name!r}", g, self._shards[lay.key],
+                                       "the parameter shards")
                 if tuple(getattr(g, "shape", ())) != lay.shapes[i]:
                     raise DistValueError(f"{self._where('reduce_grads')}: gradient {name!r} has shape "
                                          f"{getattr(g, 'shape', None)}; expected {lay.shapes[i]}")

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..comm import DistTypeError, DistValueError
-from .arrays import array_namespace, convert, is_array
+from .arrays import array_namespace, check_same_library, convert, is_array
 from .checks import at_least_zero, flag, real, where
 
 __all__ = ["SGD", "AdamW", "Optimizer"]
@@ -244,9 +244,7 @@ class Optimizer:
                                 f"parameters can be optimized")
         if g.dtype != p.dtype:
             raise DistTypeError(f"{head}: grad of parameter {name!r} has dtype {g.dtype}, the parameter has {p.dtype}")
-        if array_namespace(g) is not array_namespace(p):
-            raise DistTypeError(f"{head}: grad of parameter {name!r} is a {type(g).__module__} array, the parameter "
-                                f"a {type(p).__module__} array")
+        check_same_library(head, f"grad of parameter {name!r}", g, p, "the parameter")
 
     def _check_pair_shape(self, op: str, name: str, p: Any, g: Any) -> None:
         if tuple(g.shape) != tuple(p.shape):

@@ -38,7 +38,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from ..comm import DistValueError, ProcessGroup, ReduceOp, all_gather_object
-from .arrays import array_namespace
+from .arrays import array_namespace, check_same_library, to_host
 from .buckets import BucketManager
 from .checks import on_ranks, where
 
@@ -111,7 +111,8 @@ class GradientReducer:
         self._failed: str | None = None  # why the last synchronized pass failed, until zero_grad() or the next
         self._arrays = arrays
         self._location = self._buckets.location
-        xp = array_namespace(next(iter(self.params.values())))
+        self._param = next(iter(self.params.values()))  # what every gradient's array library must be
+        xp = array_namespace(self._param)
         self._flags = xp.zeros(self.group.size, dtype=np.int32)  # the per-sync agreement: which ranks failed
         self.grads = Gradients(self, arrays)
         self.iteration = 0
@@ -186,6 +187,7 @@ class GradientReducer:
                 self.group.progress()
 
     def _check_grad(self, name: str, grad: Any) -> None:
+        check_same_library(self._where("mark_grad_ready"), f"gradient {name!r}", grad, self._param, "the parameters")
         shape, dtype = self._specs[name]
         if getattr(grad, "shape", None) != shape or getattr(grad, "dtype", None) != dtype:
             raise DistValueError(
@@ -242,7 +244,7 @@ class GradientReducer:
         if problem is not None:
             flags[group.rank] = 1
         group.all_reduce(flags, ReduceOp.MAX)
-        if not bool(flags.any()):
+        if not to_host(flags).any():  # the one device-to-host transfer of a sync (the host must branch)
             return
         problems: list[Any] = [None] * group.size
         all_gather_object(problems, problem, group=group)

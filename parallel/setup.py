@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 from ..comm import DistTypeError, DistValueError, ProcessGroup, all_gather_object, resolve_group
 from ..mesh import DeviceMesh
-from .arrays import is_array
+from .arrays import array_namespace, is_array, type_name
 from .checks import on_ranks, where
 from .flat import make_layouts
 
@@ -49,6 +49,28 @@ def caps_problem(bucket_cap_mb: Any, first_bucket_cap_mb: Any) -> str | None:
 def _params_problem(params: Any) -> str | None:
     if not isinstance(params, Mapping) or not params:
         return f"params must be a non-empty dict[str, array], got {type(params).__name__}"
+    return _mixed_problem(params) or _array_problem(params)
+
+
+#: Problems of this form are type errors (raised as DistTypeError on every rank).
+_MIXED = "params mixes array libraries"
+
+
+def _mixed_problem(params: Mapping[str, Any]) -> str | None:
+    """Parameters of both NumPy and CuPy: name the first of each."""
+    first: tuple[str, Any] | None = None
+    for name, p in params.items():
+        if not is_array(p):
+            continue
+        if first is None:
+            first = (name, p)
+        elif array_namespace(p) is not array_namespace(first[1]):
+            return (f"{_MIXED}: params[{first[0]!r}] is a {type_name(first[1])} but params[{name!r}] is a "
+                    f"{type_name(p)}; a model's parameters must all be NumPy (host) or all CuPy (device)")
+    return None
+
+
+def _array_problem(params: Mapping[str, Any]) -> str | None:
     for name, p in params.items():
         if not isinstance(name, str) or not is_array(p):
             return f"params[{name!r}] must be an array keyed by a str name, got {type(p).__name__}"
@@ -80,7 +102,8 @@ def check_setup(params: Any, group: ProcessGroup, who: str, *, problem: str | No
     head = where(who, group)
     if any(p is not None for p, _, _ in everyone):
         bad = on_ranks([(group.ranks[i], p) for i, (p, _, _) in enumerate(everyone)])
-        raise DistValueError(f"{head}: invalid arguments on {bad}")
+        mixed = any(p is not None and p.startswith(_MIXED) for p, _, _ in everyone)
+        raise (DistTypeError if mixed else DistValueError)(f"{head}: invalid arguments on {bad}")
     ref_specs, ref_config = everyone[0][1], everyone[0][2]
     for i, (_, theirs, their_config) in enumerate(everyone[1:], start=1):
         if theirs != ref_specs:

@@ -79,7 +79,8 @@ class ShardedStrategy:
         """Parameters and optimizer state gathered to full size, per parameter name (collective).
 
         The result does not depend on the world size, so :meth:`load_full_state_dict` accepts it
-        at any other. With ``rank0_only`` the other ranks get None.
+        at any other. With ``rank0_only`` the other ranks get None. Its arrays are of the
+        parameters' library: a CuPy model's state dict is on its GPU (``.get()`` each to save it).
         """
         self._quiesce()
         group = self._shard_group()
@@ -91,6 +92,9 @@ class ShardedStrategy:
 
         Args:
             state_dict: ``{"params": ..., "optimizer": ...}`` as :meth:`full_state_dict` returns.
+                Its arrays may be NumPy or CuPy whatever the model's library: this is the one
+                documented conversion (a checkpoint read on the host loads into a device model);
+                each rank copies only its shard's pieces.
             strict: every parameter, and (once stepped) every parameter's optimizer state and
                 step count, must be there with the optimizer's keys, and nothing else. False:
                 what is missing keeps its current value, unknown entries are ignored.

@@ -132,7 +132,7 @@ def check_all(dtype, group=None, *, dev=_same, host=_same, ops=ops_for) -> int:
     meshkit.all_gather_into_tensor(flat, dev(make(rank, n, dtype)), group=group)
     ok(flat, everyone.reshape(-1), "all_gather_into_tensor")
     flat = dev(np.zeros((n, 6), dtype))  # in place: the input is this rank's row of the output
-    flat[rank] = make(rank, n, dtype)
+    flat[rank] = dev(make(rank, n, dtype))  # a device copy first: the strict fake refuses host values
     meshkit.all_gather_into_tensor(flat, flat[rank], group=group)
     ok(flat, everyone, "all_gather_into_tensor in place")
 

@@ -41,3 +41,13 @@ def launch(script: str | Path, n: int, *args: str, timeout: float = 120, env: di
 @pytest.fixture
 def mpirun():
     return launch
+
+
+@pytest.fixture
+def cupy():
+    """tests/fake_cupy.py as ``cupy`` in sys.modules and the NCCL double as the CUDA runtime, for
+    the test: strict device arrays (not np.ndarray) for the parallel layer, no GPU needed."""
+    import fake_cupy
+
+    with fake_cupy.installed() as module:
+        yield module

@@ -140,7 +140,7 @@ def to_device(x: Any) -> DeviceArray:
 
 
 def to_host(x: Any) -> np.ndarray:
-    return x.get() if isinstance(x, DeviceArray) else np.asarray(x)
+    return x.get() if hasattr(x, "__cuda_array_interface__") else np.asarray(x)
 
 
 def _owner(ptr: int, nbytes: int = 1) -> DeviceArray | None:
@@ -184,7 +184,17 @@ def _touch() -> None:
     """The calling thread wrote device memory on its current stream."""
     stream = _current()
     with _cond:
-        stream.work += 1
+        _wrote(stream)
+
+
+def _wrote(stream: FakeStream) -> None:
+    """The calling thread enqueued a write on ``stream`` (under ``_cond``): it counts, and the
+    thread remembers its own latest write there (what its later collectives must be ordered after)."""
+    stream.work += 1
+    writes = getattr(_tls, "writes", None)
+    if writes is None:
+        writes = _tls.writes = weakref.WeakKeyDictionary()
+    writes[stream] = stream.work
 
 
 def _wait(pred: Any, what: str) -> None:
@@ -228,7 +238,11 @@ class FakeStream:
                 self.waited[stream] = max(self.waited.get(stream, -1), work)
 
     def ordered_after(self, stream: FakeStream) -> bool:
-        return stream is self or self.waited.get(stream, -1) >= stream.work
+        """Ordered after every write the *calling thread* made on ``stream``. Another thread's later
+        writes (a rank's compute thread beside its communication thread, both on the device's
+        null stream) are not the caller's to order: its event was recorded before them."""
+        mine = getattr(_tls, "writes", {}).get(stream, -1)
+        return stream is self or self.waited.get(stream, -1) >= mine
 
     def synchronize(self) -> None:
         _wait(lambda: all(e.done for e in self.pending), "stream synchronize")
@@ -664,6 +678,8 @@ class FakeRuntime:
         self.copies_to_host = 0
         self.copies_to_device = 0
         self._pinned: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
+        with _cond:  # fresh GPUs: an earlier test's stream left waiting (a hang it tested) does not leak here
+            _null_streams.clear()
 
     def pinned_empty(self, shape: Any, dtype: Any) -> np.ndarray:
         buf = np.empty(shape, dtype)
@@ -682,6 +698,7 @@ class FakeRuntime:
 
     def _copy(self, what: str, device: Any, host: Any, stream: Any, to_device: bool) -> None:
         self._check_pinned(what, host)
+        device = getattr(device, "_device_memory", device)  # tests/fake_cupy.py's arrays wrap a DeviceArray
         if not isinstance(device, DeviceArray) or (device.nbytes and _owner(device.__array_interface__["data"][0],
                                                                             device.nbytes) is None):
             raise FakeNcclError(f"double: {what}: {type(device).__name__} is not live device memory")
@@ -700,7 +717,7 @@ class FakeRuntime:
             pending = [e for e in stream.pending if not e.done]
             stream.pending = pending + [_Copy(pending, src, dst)]
             if to_device:
-                stream.work += 1
+                _wrote(stream)
                 self.copies_to_device += 1
             else:
                 self.copies_to_host += 1

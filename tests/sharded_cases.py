@@ -17,7 +17,7 @@ import numpy as np
 import ddp_cases
 import meshkit
 from meshkit.parallel import (SGD, AdamW, FullyShardedDataParallel, ZeroRedundancyOptimizer,
-                              clip_grad_norm_)
+                              array_namespace, clip_grad_norm_)
 
 MICRO = 2
 MAX_NORM = 1.0
@@ -29,15 +29,16 @@ def make_opt(kind: str):
     return AdamW(lr=0.01, weight_decay=0.01) if kind == "adamw" else SGD(lr=0.1, momentum=0.9)
 
 
-def micro_batch(step: int, m: int, rank: int = 0, n: int = 1):
-    return [np.array_split(np.array_split(a, MICRO)[m], n)[rank] for a in ddp_cases.data(step)]
+def micro_batch(step: int, m: int, rank: int = 0, n: int = 1, xp=np):
+    return [xp.asarray(np.array_split(np.array_split(a, MICRO)[m], n)[rank]) for a in ddp_cases.data(step)]
 
 
 def local_grads(params, step: int, m: int, rank: int = 0, n: int = 1) -> dict[str, np.ndarray]:
     """This rank's share of micro-batch m's gradients, scaled by 1/MICRO, unused ones zero."""
+    xp = array_namespace(params["unused"])
     grads = {name: (g / MICRO).astype(g.dtype)
-             for name, g in ddp_cases.grads_in_backward_order(params, *micro_batch(step, m, rank, n))}
-    grads["unused"] = np.zeros_like(params["unused"])
+             for name, g in ddp_cases.grads_in_backward_order(params, *micro_batch(step, m, rank, n, xp))}
+    grads["unused"] = xp.zeros_like(params["unused"])
     return grads
 
 
@@ -54,9 +55,9 @@ def reference(kind: str, config: str = "mixed", steps: int = ddp_cases.STEPS) ->
     return params
 
 
-def train_zero(stage: int, kind: str, config: str = "mixed", steps=range(ddp_cases.STEPS), state=None):
+def train_zero(stage: int, kind: str, config: str = "mixed", steps=range(ddp_cases.STEPS), state=None, xp=np):
     rank, n = meshkit.get_rank(), meshkit.get_world_size()
-    zero = ZeroRedundancyOptimizer(ddp_cases.init_params(CONFIGS[config]["mixed"]), make_opt(kind), stage=stage, bucket_cap_mb=1 / 1024,
+    zero = ZeroRedundancyOptimizer(ddp_cases.init_params(CONFIGS[config]["mixed"], xp), make_opt(kind), stage=stage, bucket_cap_mb=1 / 1024,
                                    first_bucket_cap_mb=0.25 / 1024, find_unused_parameters=True)
     if state is not None:
         zero.load_full_state_dict(state)
@@ -75,11 +76,12 @@ def train_zero(stage: int, kind: str, config: str = "mixed", steps=range(ddp_cas
     return zero.full_state_dict(), norms
 
 
-def train_fsdp(kind: str, config: str = "mixed", mesh_shape=None, steps=range(ddp_cases.STEPS), state=None):
+def train_fsdp(kind: str, config: str = "mixed", mesh_shape=None, steps=range(ddp_cases.STEPS), state=None, xp=np):
     rank, n = meshkit.get_rank(), meshkit.get_world_size()
     shape = mesh_shape or (n,)
-    mesh = meshkit.init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
-    fsdp = FullyShardedDataParallel(ddp_cases.init_params(CONFIGS[config]["mixed"]), mesh=mesh, optimizer=make_opt(kind), units=UNITS)
+    device = "cpu" if xp is np else "cuda"
+    mesh = meshkit.init_device_mesh(device, shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
+    fsdp = FullyShardedDataParallel(ddp_cases.init_params(CONFIGS[config]["mixed"], xp), mesh=mesh, optimizer=make_opt(kind), units=UNITS)
     if state is not None:
         fsdp.load_full_state_dict(state)
     norms = []

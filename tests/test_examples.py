@@ -15,6 +15,7 @@ import pytest
 
 import meshkit
 from meshkit.comm import local
+from meshkit.comm.cuda_runtime import gpu_available
 from meshkit.parallel import fp16_compress_hook
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -213,6 +214,8 @@ def test_example_fp16_check_is_printed_once_under_meshkit_run(mpirun):
     ("train_mlp.py", 2, ["--strategy", "hsdp", "--mesh", "2x2"],
      "argument --mesh: 2x2 is a mesh of 4 ranks; this run has 2"),
     ("tour.py", 2, [], "tour.py: error: it needs 4 ranks, got 2"),
+    pytest.param("train_mlp.py", 2, ["--device", "cuda"], "argument --device: cuda needs CuPy with a visible GPU",
+                 marks=pytest.mark.skipif(gpu_available(), reason="a GPU is visible here: --device cuda is valid")),
 ])
 def test_a_bad_flag_under_meshkit_run_exits_2_with_one_message(mpirun, script, n, argv, message):
     proc = mpirun(EXAMPLES / script, n, *argv, check=False)
@@ -224,3 +227,32 @@ def test_a_bad_flag_under_meshkit_run_exits_2_with_one_message(mpirun, script, n
 def test_readme_tour_runs_on_four_ranks(mpirun):
     out = mpirun(EXAMPLES / "tour.py", 4).stdout
     assert out.count("tour OK") == 4
+
+
+# --------------------------------------------------------------------------- --device cuda
+@pytest.mark.parametrize("strategy, world", [("ddp", 2), ("zero2", 3), ("fsdp", 2), ("hsdp", 4)])
+def test_device_cuda_trains_cupy_arrays_and_passes_the_exact_check(cupy, strategy, world):
+    """The example's --device cuda path on the NCCL engine over the double, with tests/fake_cupy.py's
+    strict arrays (a host copy the model math made by accident would raise)."""
+    args = train_mlp.parse_args(["--strategy", strategy, "--steps", "4", "--batch", "24", "--device", "cuda"],
+                                world_size=world)
+    reference, ref_losses = train_mlp.train_reference(args)
+
+    def body():
+        meshkit.init_process_group("nccl", timeout=60)
+        model = mlp.build(strategy, hidden=(4,), device="cuda", hsdp_mesh=(2, world // 2) if strategy == "hsdp"
+                          else None)
+        assert all(type(p) is cupy.ndarray for p in model.full_params().values()), "the model is on the device"
+        return train_mlp.train(args, progress=False)
+    for params, losses in local.run(body, world, init=False, timeout=60):
+        results = train_mlp.compare(args, world, params, losses, reference, ref_losses)
+        assert [r.ok for r in results] == [True], [r.line() for r in results]
+
+
+def test_device_cuda_without_a_gpu_is_a_usage_error(capsys, monkeypatch):
+    monkeypatch.setattr(train_mlp, "gpu_available", lambda: False)
+    with pytest.raises(SystemExit) as exc:
+        train_mlp.parse_args(["--device", "cuda"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "argument --device: cuda needs CuPy with a visible GPU" in err, err

@@ -1,0 +1,250 @@
+"""Every parallel strategy on device arrays: the NCCL engine over the double, with tests/fake_cupy.py's
+strict CuPy arrays (not np.ndarray; np.asarray on them raises as on CuPy), against single-process
+NumPy on the global batch (float64 to 1e-10, float32 to 1e-5)."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import collective_cases
+import ddp_cases
+import fake_cupy
+import meshkit
+import nccl_double as double
+import sharded_cases as cases
+from meshkit import ReduceOp
+from meshkit.comm import local
+from meshkit.parallel import (SGD, AdamW, DistributedDataParallel, FlatLayout, FullyShardedDataParallel,
+                              PowerSGDState, ZeroRedundancyOptimizer, clip_grad_norm_, fp16_compress_hook,
+                              powersgd_hook)
+
+
+# The ``cupy`` fixture (tests/conftest.py) installs the fake module and the double for a test.
+def on_nccl(fn, n, *args, **kwargs):
+    """``fn`` on ``n`` thread-ranks of an ``nccl`` world over the double (one fake GPU each)."""
+    def main():
+        meshkit.init_process_group("nccl", timeout=60)
+        return fn(*args, **kwargs)
+    return local.run(main, n, init=False, timeout=120)
+
+
+def host(tree):
+    """Device arrays of a (nested) dict as NumPy arrays, through the explicit ``.get()``."""
+    if isinstance(tree, dict):
+        return {k: host(v) for k, v in tree.items()}
+    return tree.get() if isinstance(tree, fake_cupy.ndarray) else tree
+
+
+def on_device(tree):
+    """Every array of a nested dict is a (fake) CuPy array."""
+    if isinstance(tree, dict):
+        return all(on_device(v) for v in tree.values())
+    return not hasattr(tree, "dtype") or isinstance(tree, fake_cupy.ndarray)
+
+
+# --------------------------------------------------------------------------- the collectives
+FLOAT_OPS = [ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX]
+INT_OPS = [ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32], ids=lambda d: np.dtype(d).name)
+def test_every_collective_on_fake_cupy_arrays_over_nccl(cupy, dtype, world_size):
+    """comm's NCCL engine takes the strict arrays as device arrays (pointers, stream order)."""
+    ops = FLOAT_OPS if np.dtype(dtype).kind == "f" else INT_OPS
+
+    def body():
+        return collective_cases.check_all(dtype, dev=cupy.asarray, host=double.to_host, ops=lambda _: ops)
+    per_rank = 4 * len(ops) + 7 + world_size  # + 1 on rank 0, the gather root
+    assert on_nccl(body, world_size) == [per_rank + 1] + [per_rank] * (world_size - 1)
+
+
+DDP_REFERENCE = ddp_cases.reference()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("view", [True, False], ids=["bucket_view", "own_grads"])
+def test_ddp_on_device_arrays_matches_single_process_numpy(cupy, world_size, view):
+    for params, _ in on_nccl(ddp_cases.train, world_size, gradient_as_bucket_view=view, xp=cupy):
+        assert on_device(dict(params))
+        ddp_cases.assert_matches_reference(host(dict(params)), DDP_REFERENCE)
+
+
+SHARDED_REFERENCE = {(kind, config): cases.reference(kind, config) for kind in ("adamw", "sgd") for config in cases.CONFIGS}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("config", list(cases.CONFIGS))
+@pytest.mark.parametrize("strategy", list(cases.STRATEGIES))
+def test_sharded_strategies_on_device_arrays_match_single_process_numpy(cupy, strategy, config, world_size):
+    kind = "adamw" if world_size % 2 else "sgd"  # both optimizers, without doubling the run time
+    results = on_nccl(cases.STRATEGIES[strategy], world_size, kind, config, steps=range(2), xp=cupy)
+    ref = cases.reference(kind, config, steps=2)
+    for sd, norms in results:
+        assert on_device(sd), "the full state dict of a device model is on the device"
+        cases.assert_matches(host(sd["params"]), ref, f"{strategy}/{kind}/{config}/{world_size}")
+        assert norms == results[0][1] and all(isinstance(v, float) for v in norms)
+
+
+@pytest.mark.parametrize("config", list(cases.CONFIGS))
+def test_hybrid_sharding_on_device_arrays_on_a_2x2_mesh(cupy, config):
+    ref = cases.reference("adamw", config, steps=2)
+    for sd, _ in on_nccl(cases.train_fsdp, 4, "adamw", config, (2, 2), steps=range(2), xp=cupy):
+        cases.assert_matches(host(sd["params"]), ref, f"hsdp/{config}")
+
+
+# --------------------------------------------------------------------------- communication hooks
+@pytest.mark.parametrize("hook", ["fp16", "powersgd"])
+def test_comm_hooks_on_device_arrays_match_the_host_run(cupy, hook):
+    """The same hook on host and device arrays gives the same parameters (the fake computes with
+    NumPy, and its random generator is NumPy's: a real GPU draws PowerSGD's Q differently)."""
+    def run(xp):
+        hook_fn = fp16_compress_hook if hook == "fp16" else powersgd_hook
+        state = None if hook == "fp16" else PowerSGDState(rank=1, start_iter=1, min_compression_rate=1.0)
+        params, _ = ddp_cases.train(hook=hook_fn, state=state, xp=xp)
+        held = [] if state is None else list(state.errors.values()) + [q for qs in state.qs.values() for q in qs]
+        return dict(params), held
+    host_params = local.run(run, 2, np)[0][0]
+    for params, held in on_nccl(run, 2, cupy):
+        assert on_device(dict(params))
+        if hook == "powersgd":
+            assert held and all(isinstance(h, fake_cupy.ndarray) for h in held), "PowerSGD's state is on the device"
+        for name, expected in host_params.items():
+            np.testing.assert_allclose(params[name].get(), expected, rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+# --------------------------------------------------------------------------- optimizers and clipping
+@pytest.mark.parametrize("make", [lambda: SGD(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+                                  lambda: AdamW(lr=0.01, amsgrad=True)], ids=["sgd", "adamw"])
+def test_optimizers_on_device_arrays_match_numpy(cupy, make):
+    rng = np.random.default_rng(3)
+    params = {"w": rng.standard_normal((4, 3)), "b": rng.standard_normal(3).astype(np.float32)}
+    grads = [{k: rng.standard_normal(v.shape).astype(v.dtype) for k, v in params.items()} for _ in range(3)]
+    host_params, host_opt = {k: v.copy() for k, v in params.items()}, make()
+    dev_params, dev_opt = {k: cupy.asarray(v) for k, v in params.items()}, make()
+    for g in grads:
+        host_opt.step(host_params, g)
+        dev_opt.step(dev_params, {k: cupy.asarray(v) for k, v in g.items()})
+    for name, expected in host_params.items():
+        np.testing.assert_array_equal(dev_params[name].get(), expected)
+    assert all(isinstance(a, fake_cupy.ndarray) for st in dev_opt.state.values() for a in st.values())
+    assert dev_opt.state_nbytes() == host_opt.state_nbytes()
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0, "inf"])
+def test_clip_grad_norm_on_device_arrays(cupy, norm_type):
+    rng = np.random.default_rng(5)
+    grads = [rng.standard_normal(7) * 3, rng.standard_normal((2, 5)).astype(np.float32) * 3]
+    expected = clip_grad_norm_([g.copy() for g in grads], 1.0, norm_type=norm_type)
+    host = [g.copy() for g in grads]
+    clip_grad_norm_(host, 1.0, norm_type=norm_type)
+    dev = [cupy.asarray(g) for g in grads]
+    norm = clip_grad_norm_(dev, 1.0, norm_type=norm_type)
+    assert isinstance(norm, float) and norm == pytest.approx(expected, rel=1e-12)
+    for d, h in zip(dev, host):
+        np.testing.assert_allclose(d.get(), h, rtol=1e-6)
+
+    def sharded():  # each rank holds a disjoint piece: the norm is all-reduced on the device (NCCL)
+        rank, n = meshkit.get_rank(), meshkit.get_world_size()
+        mine = [cupy.asarray(np.array_split(g.reshape(-1), n)[rank]) for g in grads]
+        return clip_grad_norm_(mine, 1.0, norm_type=norm_type, group=meshkit.new_group())
+    assert on_nccl(sharded, 3) == [pytest.approx(expected, rel=1e-12)] * 3
+
+
+def test_clip_grad_norm_nan_on_device(cupy):
+    g = cupy.asarray(np.array([1.0, np.nan]))
+    assert np.isnan(clip_grad_norm_([g, cupy.asarray(np.ones(2))], 1.0))
+    assert np.isnan(g.get()).all(), "a nan norm makes the gradients nan, as torch"
+
+
+# --------------------------------------------------------------------------- state dicts and memory
+def test_state_dicts_on_device_and_the_documented_host_conversion(cupy):
+    """A device ZeRO-2 run saved at 4 ranks resumes at 2 from the device state dict and from its
+    host copy (the one documented conversion: a checkpoint read on the host loads into a device model)."""
+    steps = ddp_cases.STEPS
+    ref = cases.reference("adamw", "mixed")
+    saved = on_nccl(cases.train_zero, 4, 2, "adamw", steps=range(2), xp=cupy)[0][0]
+    assert on_device(saved) and saved["optimizer"]["state"]["w1"]["exp_avg"].shape == (30,)
+    for state in (saved, host(saved)):
+        for sd, _ in on_nccl(cases.train_zero, 2, 2, "adamw", steps=range(2, steps), state=state, xp=cupy):
+            assert on_device(sd)
+            cases.assert_matches(host(sd["params"]), ref, "resumed")
+
+
+def _memory(xp):
+    rng = np.random.default_rng(0)
+    params = {"a": xp.asarray(rng.standard_normal(300)), "b": xp.asarray(rng.standard_normal(101))}
+    zero = ZeroRedundancyOptimizer(params, AdamW(), stage=2, bucket_cap_mb=1e-3, first_bucket_cap_mb=1e-3)
+    zero.sync_gradients()
+    zero.step()
+    return zero.memory_report()
+
+
+def test_memory_report_of_a_device_model_equals_the_host_one(cupy):
+    assert on_nccl(_memory, 3, cupy) == local.run(_memory, 3, np)
+
+
+# --------------------------------------------------------------------------- mixing libraries
+def test_mixing_numpy_and_cupy_arrays_is_a_type_error_naming_both(cupy):
+    host_p, dev_p = np.ones(3), cupy.asarray(np.ones(3))
+    both = r"numpy\.ndarray.*cupy\.ndarray|cupy\.ndarray.*numpy\.ndarray"
+    with pytest.raises(TypeError, match=r"SGD\.step: grad of parameter 'w' is a numpy\.ndarray but the parameter "
+                                        r"is a cupy\.ndarray"):
+        SGD(lr=0.1).step({"w": dev_p}, {"w": host_p})
+    with pytest.raises(TypeError, match=r"clip_grad_norm_: grads\[1\] is a numpy\.ndarray but grads\[0\] is a "
+                                        r"cupy\.ndarray"):
+        clip_grad_norm_([dev_p, host_p], 1.0)
+
+    def body():
+        with pytest.raises(TypeError, match=r"params\['a'\] is a cupy\.ndarray but params\['b'\] is a "
+                                            r"numpy\.ndarray"):
+            DistributedDataParallel({"a": cupy.ones(3), "b": np.ones(3)})
+        ddp = DistributedDataParallel({"a": cupy.ones(3)})
+        with pytest.raises(TypeError, match=r"mark_grad_ready: gradient 'a' is a numpy\.ndarray but the "
+                                            r"parameters is a cupy\.ndarray"):
+            ddp.mark_grad_ready("a", np.ones(3))
+        zero = ZeroRedundancyOptimizer({"a": cupy.ones(3)}, SGD(lr=0.1), stage=2)
+        with pytest.raises(TypeError, match=both):
+            zero.grads["a"] = np.ones(3)
+        mesh = meshkit.init_device_mesh("cuda", (meshkit.get_world_size(),))
+        fsdp = FullyShardedDataParallel({"a": cupy.ones(3)}, mesh=mesh, optimizer=SGD(lr=0.1))
+        with pytest.raises(TypeError, match=r"reduce_grads: gradient 'a' is a numpy\.ndarray but the parameter "
+                                            r"shards is a cupy\.ndarray"):
+            fsdp.reduce_grads(0, {"a": np.ones(3)})
+        return True
+    assert on_nccl(body, 2) == [True, True]
+
+
+# --------------------------------------------------------------------------- the fake is strict
+def _implicit_copy_split(self, full):
+    """FlatLayout.split as a careless port would write it: through np.asarray (a device-to-host copy)."""
+    return {name: np.asarray(view).copy() for name, view in self.views(full).items()}
+
+
+def test_a_silent_device_to_host_copy_fails_under_the_fake(cupy, monkeypatch):
+    monkeypatch.setattr(FlatLayout, "split", _implicit_copy_split)
+    with pytest.raises(TypeError, match=r"Implicit conversion to a NumPy array is not allowed"):
+        on_nccl(cases.train_zero, 2, 1, "sgd", steps=range(1), xp=cupy)
+    # the older double's DeviceArray is an np.ndarray: the same careless path passes silently there
+    def old_double():
+        params = {k: double.to_device(v) for k, v in ddp_cases.init_params().items()}
+        return ZeroRedundancyOptimizer(params, SGD(lr=0.1), stage=1).full_state_dict()["params"]["w1"]
+    assert all(type(w) is np.ndarray for w in on_nccl(old_double, 2)), "silently copied to the host"
+
+
+def test_the_fake_refuses_host_arrays_as_cupy_does(cupy):
+    x = cupy.asarray(np.arange(4.0))
+    assert not isinstance(x, np.ndarray) and type(x).__module__ == "cupy" and x.data.ptr
+    assert x.__cuda_array_interface__["data"][0] == x.data.ptr
+    with pytest.raises(TypeError, match=re.escape(fake_cupy.IMPLICIT)):
+        np.asarray(x)
+    for bad in (lambda: x + np.ones(4), lambda: cupy.add(x, np.ones(4)), lambda: cupy.concatenate([x, np.ones(4)]),
+                lambda: x.__setitem__(slice(None), np.ones(4)), lambda: np.add(x, np.ones(4))):
+        with pytest.raises(TypeError, match=r"Unsupported type <class 'numpy\.ndarray'>"):
+            bad()
+    y = cupy.empty(4)
+    assert cupy.sqrt(x, out=y) is y and isinstance(x.sum(), fake_cupy.ndarray) and float(x.sum()) == 6.0
+    np.testing.assert_array_equal(y.get(), np.sqrt(np.arange(4.0)))
