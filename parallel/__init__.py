@@ -22,6 +22,7 @@ from .optim import SGD, AdamW, Optimizer
 from .pool import BufferPool
 from .reducer import GradientReducer
 from .sharded import ShardedStrategy
+from .sharded_state import ShardedArray, flat_range_boxes, optimizer_state_views
 from .zero import ZeroRedundancyOptimizer
 
 __all__ = [
@@ -29,5 +30,5 @@ __all__ = [
     "GradientReducer", "ShardedStrategy", "Bucket", "BucketManager", "CommHook", "BufferPool", "assign_buckets",
     "FlatLayout",
     "GradBucket", "allreduce_hook", "fp16_compress_hook", "PowerSGDState", "powersgd_hook",
-    "SGD", "AdamW", "Optimizer", "clip_grad_norm_", "array_namespace",
+    "SGD", "AdamW", "Optimizer", "clip_grad_norm_", "array_namespace", "ShardedArray", "flat_range_boxes", "optimizer_state_views",
 ]

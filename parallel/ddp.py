@@ -25,12 +25,14 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..comm import ProcessGroup, Work, broadcast_object_list
+from ..comm import DistValueError, ProcessGroup, Work, broadcast_object_list
 from ..mesh import DeviceMesh
 from .arrays import array_namespace
 from .buckets import MB, BucketManager, CommHook, GradBucket
 from .hooks import allreduce_hook
+from .optim import Optimizer
 from .reducer import GradientReducer
+from .sharded_state import load_pieces, optimizer_state_views
 from .setup import Params, broadcast_params, caps_problem, check_setup, resolve_data_parallel_group, snapshot
 
 __all__ = ["DistributedDataParallel"]
@@ -135,6 +137,34 @@ class DistributedDataParallel(GradientReducer):
             self._buckets.build(shared[0], keep_values=True)
             self._bind_grads()
             logger.debug("meshkit: DDP rebuilt %d buckets in gradient-ready order", len(self._buckets.buckets))
+
+    def sharded_state_dict(self, optimizer: Optimizer | None = None) -> dict[str, Any]:
+        """The parameters and ``optimizer``'s state as views (replicated: every rank holds all).
+
+        Returns:
+            ``{"model": {name: array}, "optim": {"state": {name: {key: array}}, "step": {name: int}}}``
+            with the keys of the sharded strategies (:mod:`~meshkit.parallel.sharded_state`); the
+            optimizer's state is materialized (zeros at step 0) if it has not stepped yet.
+        """
+        optim = optimizer_state_views(optimizer, dict(self.params)) if optimizer is not None else {"state": {},
+                                                                                                    "step": {}}
+        return {"model": dict(self.params), "optim": optim}
+
+    def load_sharded_state_dict(self, model_state_dict: dict[str, Any], optim_state_dict: dict[str, Any] | None = None,
+                                optimizer: Optimizer | None = None) -> None:
+        """Take in a state dict of :meth:`sharded_state_dict`'s form (views already written in place
+        are not copied again) and ``optimizer``'s step counts."""
+        where_ = f"{self._strategy}.load_sharded_state_dict"
+        mine = self.sharded_state_dict(optimizer)
+        load_pieces(where_, "model", mine["model"], model_state_dict)
+        if optimizer is not None:
+            optim_state_dict = optim_state_dict or {}
+            load_pieces(where_, "optim.state", mine["optim"]["state"], optim_state_dict.get("state"))
+            steps = optim_state_dict.get("step")
+            if not isinstance(steps, dict) or set(steps) != set(self.params):
+                raise DistValueError(f"meshkit.parallel: rank {self.group.rank}: {where_}: optim step must map every "
+                                     f"parameter {list(self.params)} to its count")
+            optimizer.steps.update({name: int(count) for name, count in steps.items()})
 
     def memory_report(self, optimizer: Any = None) -> dict[str, int]:
         """Bytes this rank holds: ``params``, ``grads``, ``optimizer_state`` (of ``optimizer``,

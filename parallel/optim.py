@@ -144,6 +144,27 @@ class Optimizer:
                 self._update_flat(name, flat, g.reshape(-1))
                 p[...] = flat.reshape(p.shape)
 
+    def materialize(self, name: str, param_flat: Any) -> dict[str, Any]:
+        """The state arrays of ``name``, created (zeros, step 0) if it has none yet; returned, not copied.
+
+        A fresh optimizer's state then already exists (as torch materialises it for checkpoints),
+        so a checkpoint can be loaded into it in place before the first step; zero state at
+        step 0 behaves exactly as no state (SGD's first step still sets its buffer to the
+        gradient).
+
+        Args:
+            name: the state key (a parameter's name, or a flat shard's).
+            param_flat: the 1-D parameter (or shard) the state belongs to: size, dtype and library.
+        """
+        self._check_state_size("materialize", name, param_flat.size)
+        st = self.state.setdefault(name, {})
+        xp = array_namespace(param_flat)
+        for key in self._state_keys(self.hyper):
+            if key not in st:
+                st[key] = xp.zeros(param_flat.shape, dtype=param_flat.dtype)
+        self.steps.setdefault(name, 0)
+        return st
+
     def state_nbytes(self) -> int:
         """Bytes held by the state arrays on this rank (what ZeRO divides by the world size)."""
         return sum(int(arr.nbytes) for st in self.state.values() for arr in st.values())
@@ -326,6 +347,8 @@ class SGD(Optimizer):
             buf = state.get("momentum_buffer")
             if buf is None:  # torch: buf = clone(g) on the first step
                 buf = state["momentum_buffer"] = g.copy()
+            elif t == 1:  # first step into materialized (zero) state: the same, in place
+                buf[...] = g
             else:
                 buf *= self.momentum
                 if self.dampening != 0:

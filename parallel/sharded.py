@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..comm import ProcessGroup
+from ..comm import DistValueError, ProcessGroup
 from .clip import clip_grad_norm_
 from .flat import FlatLayout
 from .optim import Optimizer
+from .sharded_state import ShardedArray, flat_shard_pieces, load_pieces
 from .state_dict import agree_on_load, check_state_dict, gather_state_dict, load_state_dict_into, state_dict_digest
 
 __all__ = ["ShardedStrategy"]
@@ -112,6 +113,54 @@ class ShardedStrategy:
             agree_on_load(group, who, problem, digest)
         load_state_dict_into(layouts, state_dict, self._param_shards(), self.optimizer, self._shard_group().rank,
                              strict)
+        self._loaded()
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's pieces of the parameters and optimizer state, as views: nothing is gathered.
+
+        Returns:
+            ``{"model": {name: [ShardedArray]}, "optim": {"state": {name: {key: [ShardedArray]}},
+            "step": {name: int}}}`` (see :mod:`~meshkit.parallel.sharded_state`): the same keys at
+            any world size and for any strategy. The optimizer state is materialized (zeros at step
+            0) if the optimizer has not stepped yet, so a checkpoint can be loaded in place into a
+            fresh strategy; write the views, then call :meth:`load_sharded_state_dict`.
+        """
+        self._quiesce()
+        rank, shards = self._shard_group().rank, self._param_shards()
+        model: dict[str, list[ShardedArray]] = {}
+        state: dict[str, dict[str, list[ShardedArray]]] = {}
+        step: dict[str, int] = {}
+        for lay in self._layouts():
+            model.update(flat_shard_pieces(lay, shards[lay.key], rank))
+            for key, flat in self.optimizer.materialize(lay.key, shards[lay.key]).items():
+                for name, pieces in flat_shard_pieces(lay, flat, rank).items():
+                    state.setdefault(name, {})[key] = pieces
+            step.update(dict.fromkeys(lay.names, self.optimizer.steps[lay.key]))
+        return {"model": model, "optim": {"state": state, "step": step}}
+
+    def load_sharded_state_dict(self, model_state_dict: dict[str, Any], optim_state_dict: dict[str, Any]) -> None:
+        """Take in a sharded state dict of this strategy's form (collective).
+
+        Pieces that are this strategy's own views (a checkpoint loaded in place into
+        :meth:`sharded_state_dict`) need no copy; others are copied in box by box. Then the
+        optimizer's step counts are set and the strategy refreshes what derives from its shards
+        (ZeRO all-gathers the parameters, FSDP drops gathered units).
+
+        Raises:
+            DistValueError: a key, box or step does not match this strategy (naming it).
+        """
+        mine = self.sharded_state_dict()
+        where_ = f"{self._strategy}.load_sharded_state_dict"
+        load_pieces(where_, "model", mine["model"], model_state_dict)
+        load_pieces(where_, "optim.state", mine["optim"]["state"], optim_state_dict.get("state"))
+        steps = optim_state_dict.get("step")
+        for lay in self._layouts():
+            counts = {int(steps[n]) for n in lay.names if isinstance(steps, dict) and n in steps}
+            if len(counts) != 1:
+                raise DistValueError(f"meshkit.parallel: rank {self._shard_group().rank}: {where_}: the step counts of "
+                                     f"parameters {list(lay.names)} (one flat shard, one count) must be given and "
+                                     f"equal, got {sorted(counts)}")
+            self.optimizer.steps[lay.key] = counts.pop()
         self._loaded()
 
     def memory_report(self) -> dict[str, int]:

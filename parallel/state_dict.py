@@ -3,7 +3,7 @@
 A full state dict is per parameter name and independent of the world size::
 
     {"params": {name: array},
-     "optimizer": {"steps": {name: int}, "state": {name: {key: 1-D array}}, "hyper": {...}}}
+     "optimizer": {"step": {name: int}, "state": {name: {key: 1-D array}}, "hyper": {...}}}
 
 Loading is strict by default: every parameter and, once the optimizer has stepped, the state
 and step count of every parameter must be there, with the model's names and sizes and the
@@ -33,7 +33,7 @@ from .optim import Optimizer
 
 __all__ = ["gather_state_dict", "check_state_dict", "state_dict_digest", "agree_on_load", "load_state_dict_into"]
 
-_TOP, _OPT = {"params", "optimizer"}, {"steps", "state", "hyper"}
+_TOP, _OPT = {"params", "optimizer"}, {"step", "state", "hyper"}
 _PREFIX = re.compile(r"^meshkit\.parallel: rank \d+: ")  # of the optimizer's own message, quoted in ours
 
 
@@ -50,7 +50,7 @@ def gather_state_dict(layouts: Sequence[FlatLayout], shards: dict[str, Any], opt
                 state.setdefault(name, {})[key] = value.reshape(-1)
         if layout.key in optimizer.steps:
             steps.update({name: optimizer.steps[layout.key] for name in layout.names})
-    return {"params": params, "optimizer": {"steps": steps, "state": state, "hyper": optimizer.hyper}}
+    return {"params": params, "optimizer": {"step": steps, "state": state, "hyper": optimizer.hyper}}
 
 
 def _keys(what: str, got: Any, expected: set[str], strict: bool, differ: str = "") -> str | None:
@@ -102,8 +102,8 @@ def check_state_dict(layouts: Sequence[FlatLayout], sd: Any, optimizer: Optimize
         hyper = _hyper(optimizer, hyper_given)
     except (TypeError, ValueError) as exc:
         return f"state_dict['optimizer']['hyper'] is invalid: {_PREFIX.sub('', str(exc))}"
-    steps, state = opt.get("steps", {}), opt.get("state", {})
-    for what, mapping in (("steps", steps), ("state", state)):
+    steps, state = opt.get("step", {}), opt.get("state", {})
+    for what, mapping in (("step", steps), ("state", state)):
         if not isinstance(mapping, Mapping):
             return f"state_dict['optimizer'][{what!r}] must be a dict keyed by parameter name, got {type(mapping).__name__}"
         extra = sorted(set(mapping) - set(names))
@@ -112,7 +112,7 @@ def check_state_dict(layouts: Sequence[FlatLayout], sd: Any, optimizer: Optimize
     for name, count in steps.items():
         if name in names and (isinstance(count, (bool, np.bool_)) or not isinstance(count, (int, np.integer))
                               or count < 0):
-            return f"state_dict['optimizer']['steps'][{name!r}]={count!r} must be an int >= 0"
+            return f"state_dict['optimizer']['step'][{name!r}]={count!r} must be an int >= 0"
     keys = set(optimizer._state_keys(hyper))
     for name, st in state.items():
         if name not in names:
@@ -128,7 +128,7 @@ def check_state_dict(layouts: Sequence[FlatLayout], sd: Any, optimizer: Optimize
                         f"{lay.size_of(i)} elements (the parameter's size), got {got}")
     if strict:
         with_state = {n for n, st in state.items() if st} if keys else set(steps)
-        for what, have in (("steps", set(steps)), ("state", with_state)):
+        for what, have in (("step", set(steps)), ("state", with_state)):
             if have and have != set(names):
                 return (f"state_dict['optimizer'][{what!r}] covers {sorted(have)} but not "
                         f"{sorted(set(names) - have)} (strict=True: all parameters or none)")
@@ -138,7 +138,7 @@ def check_state_dict(layouts: Sequence[FlatLayout], sd: Any, optimizer: Optimize
     for lay in layouts:
         counts = sorted({int(steps[n]) for n in lay.names if n in steps})
         if len(counts) > 1:
-            return (f"state_dict['optimizer']['steps'] has different counts {counts} for parameters of the flat "
+            return (f"state_dict['optimizer']['step'] has different counts {counts} for parameters of the flat "
                     f"shard {lay.key!r} ({list(lay.names)}), which share one count")
     return None
 
@@ -192,7 +192,7 @@ def load_state_dict_into(layouts: Sequence[FlatLayout], sd: Mapping[str, Any], s
     opt = sd["optimizer"]
     hyper = _hyper(optimizer, opt.get("hyper", {}))
     keys = optimizer._state_keys(hyper)
-    steps, state = opt.get("steps", {}), opt.get("state", {})
+    steps, state = opt.get("step", {}), opt.get("state", {})
     for layout in layouts:
         given = {n: state[n] for n in layout.names if state.get(n)}
         if keys and given:

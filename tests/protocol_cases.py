@@ -281,7 +281,7 @@ def state_dict_loading_is_strict(kind: str) -> None:
                                     r"\['optimizer'\], unexpected \[\] \(strict=True\)"),
         (_without(sd, "optimizer", "state", "b"), r"state_dict\['optimizer'\]\['state'\] covers \['a', 'c'\] but not "
                                                   r"\['b'\] \(strict=True: all parameters or none\)"),
-        (_without(sd, "optimizer", "steps", "a"), r"state_dict\['optimizer'\]\['steps'\] covers \['b', 'c'\] but not "
+        (_without(sd, "optimizer", "step", "a"), r"state_dict\['optimizer'\]\['step'\] covers \['b', 'c'\] but not "
                                                   r"\['a'\]"),
         (_with(sd, -5.0, "optimizer", "hyper", "lr"), r"state_dict\['optimizer'\]\['hyper'\] is invalid: AdamW: "
                                                       r"lr=-5\.0 must be >= 0"),
@@ -301,9 +301,9 @@ def state_dict_loading_is_strict(kind: str) -> None:
          r"\(the parameter's size\), got float64 array of 7 elements"),
         (_with(sd, {"exp_avg": np.zeros(3)}, "optimizer", "state", "b"),
          r"state'\]\['b'\]: keys differ from \['exp_avg', 'exp_avg_sq'\]: missing \['exp_avg_sq'\]"),
-        (_with(sd, 2, "optimizer", "steps", "b"), r"steps'\] has different counts \[1, 2\] for parameters of the flat "
+        (_with(sd, 2, "optimizer", "step", "b"), r"step'\] has different counts \[1, 2\] for parameters of the flat "
                                                   r"shard"),
-        (_with(sd, -1, "optimizer", "steps", "b"), r"steps'\]\['b'\]=-1 must be an int >= 0"),
+        (_with(sd, -1, "optimizer", "step", "b"), r"step'\]\['b'\]=-1 must be an int >= 0"),
         ([1, 2], r"the state dict must be a dict, got list"),
     ]
     if kind == "fsdp":  # "a" and "b" share a unit: the case above needs them apart
@@ -332,7 +332,7 @@ def state_dict_strict_false_keeps_what_is_missing(kind: str) -> None:
         np.testing.assert_array_equal(after["params"][name], new_params[name])
         for key, value in moments[name].items():
             np.testing.assert_array_equal(after["optimizer"]["state"][name][key], value)  # moments kept
-    assert after["optimizer"]["steps"] == sd["optimizer"]["steps"]
+    assert after["optimizer"]["step"] == sd["optimizer"]["step"]
     partial = {"params": {}, "optimizer": {"state": {"c": {"exp_avg": np.full(4, 3.0), "exp_avg_sq": np.ones(4)}},
                                            "hyper": {"lr": 0.5}}}
     model.load_full_state_dict(partial, strict=False)

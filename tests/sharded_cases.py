@@ -55,12 +55,15 @@ def reference(kind: str, config: str = "mixed", steps: int = ddp_cases.STEPS) ->
     return params
 
 
-def train_zero(stage: int, kind: str, config: str = "mixed", steps=range(ddp_cases.STEPS), state=None, xp=np):
+def train_zero(stage: int, kind: str, config: str = "mixed", steps=range(ddp_cases.STEPS), state=None, xp=np,
+               setup=None):
     rank, n = meshkit.get_rank(), meshkit.get_world_size()
     zero = ZeroRedundancyOptimizer(ddp_cases.init_params(CONFIGS[config]["mixed"], xp), make_opt(kind), stage=stage, bucket_cap_mb=1 / 1024,
                                    first_bucket_cap_mb=0.25 / 1024, find_unused_parameters=True)
     if state is not None:
         zero.load_full_state_dict(state)
+    if setup is not None:  # e.g. load a sharded checkpoint into it
+        setup(zero)
     norms = []
     for step in steps:
         zero.zero_grad()
@@ -76,7 +79,8 @@ def train_zero(stage: int, kind: str, config: str = "mixed", steps=range(ddp_cas
     return zero.full_state_dict(), norms
 
 
-def train_fsdp(kind: str, config: str = "mixed", mesh_shape=None, steps=range(ddp_cases.STEPS), state=None, xp=np):
+def train_fsdp(kind: str, config: str = "mixed", mesh_shape=None, steps=range(ddp_cases.STEPS), state=None, xp=np,
+               setup=None):
     rank, n = meshkit.get_rank(), meshkit.get_world_size()
     shape = mesh_shape or (n,)
     device = "cpu" if xp is np else "cuda"
@@ -84,6 +88,8 @@ def train_fsdp(kind: str, config: str = "mixed", mesh_shape=None, steps=range(dd
     fsdp = FullyShardedDataParallel(ddp_cases.init_params(CONFIGS[config]["mixed"], xp), mesh=mesh, optimizer=make_opt(kind), units=UNITS)
     if state is not None:
         fsdp.load_full_state_dict(state)
+    if setup is not None:
+        setup(fsdp)
     norms = []
     for step in steps:
         fsdp.zero_grad()

@@ -46,7 +46,7 @@ def test_state_dict_round_trip_from_4_to_2_ranks(strategy):
     first = local.run(cases.STRATEGIES[strategy], 4, "adamw", "mixed", steps=range(2), timeout=60)
     saved = first[0][0]
     assert set(saved["optimizer"]["state"]["w1"]) == {"exp_avg", "exp_avg_sq"}
-    assert saved["optimizer"]["steps"]["w1"] == 2
+    assert saved["optimizer"]["step"]["w1"] == 2
     resumed = local.run(cases.STRATEGIES[strategy], 2, "adamw", "mixed", steps=range(2, steps), state=saved,
                         timeout=60)
     for sd, _ in resumed:

@@ -1,0 +1,180 @@
+"""Sharded state dicts: each rank's pieces of the global arrays, as views into its own memory.
+
+A checkpoint must not gather a model to one rank. Instead every strategy describes what it
+holds: for each parameter (and each optimizer state array) the N-D *boxes* of the global array
+that live on this rank, each as a view into the strategy's own buffers, so that reading a box
+reads the model and writing it (a checkpoint load) writes the model, with no copy in between.
+
+Flat shards (ZeRO, FSDP) cut a parameter at arbitrary element offsets: a row-major flat range
+``[start, stop)`` of an array is a box only when it spans whole rows. :func:`flat_range_boxes`
+cuts such a range into at most ``2 * ndim - 1`` boxes (a partial row, whole blocks, a partial
+row, recursively); each is contiguous in memory, so each box's data is a reshaped slice of the
+flat shard, i.e. still a view. A reader wanting any other box (a DTensor's ``Shard(1)``, a
+smaller world's flat range) intersects boxes; nothing here depends on who wrote what.
+
+The keys do not depend on the strategy or the world size::
+
+    {"model": {name: value},
+     "optim": {"state": {name: {key: value}}, "step": {name: int}}}
+
+where a value is a full array (replicated: every rank holds all of it) or a list of
+:class:`ShardedArray` (this rank's boxes; possibly empty). Optimizer state arrays have their
+parameter's shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+from ..comm import DistValueError
+from .flat import FlatLayout
+
+__all__ = ["ShardedArray", "flat_range_boxes", "flat_shard_pieces", "box_view", "load_pieces", "optimizer_state_views"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedArray:
+    """One box of a global array held by this rank.
+
+    Attributes:
+        local: the box's data, of shape ``lengths`` (a view into the owner's memory: writing it
+            writes the model).
+        global_shape: the shape of the whole array.
+        offsets: the global index of ``local[0, ..., 0]``.
+    """
+
+    local: Any
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        shape, offsets, lengths = tuple(self.global_shape), tuple(self.offsets), tuple(self.local.shape)
+        if not (len(shape) == len(offsets) == len(lengths)) or any(
+                o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, lengths, shape)):
+            raise ValueError(f"ShardedArray: a box at offsets {offsets} of lengths {lengths} does not fit in "
+                             f"an array of shape {shape}")
+        object.__setattr__(self, "global_shape", shape)
+        object.__setattr__(self, "offsets", offsets)
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        return tuple(self.local.shape)
+
+    @property
+    def dtype(self) -> Any:
+        return self.local.dtype
+
+
+def flat_range_boxes(shape: Sequence[int], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The row-major flat range ``[start, stop)`` of an array of ``shape`` as boxes, in order.
+
+    Each box is ``(offsets, lengths)`` and contiguous in row-major order, and their flat ranges
+    tile ``[start, stop)`` exactly; at most ``2 * ndim - 1`` boxes.
+
+    Example::
+
+        flat_range_boxes((3, 4), 2, 11) == [((0, 2), (1, 2)), ((1, 0), (1, 4)), ((2, 0), (1, 3))]
+    """
+    shape = tuple(int(s) for s in shape)
+    size = math.prod(shape)
+    if not 0 <= start <= stop <= size:
+        raise ValueError(f"flat_range_boxes: range [{start}, {stop}) is outside an array of {size} elements "
+                         f"(shape {shape})")
+    if start == stop:
+        return []
+    if not shape:
+        return [((), ())]
+    return _boxes(shape, start, stop)
+
+
+def _boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """:func:`flat_range_boxes` for a non-empty range of a non-scalar shape."""
+    inner = math.prod(shape[1:])
+    if len(shape) == 1:
+        return [((start,), (stop - start,))]
+    first, last = start // inner, (stop - 1) // inner  # rows (along axis 0) the range touches
+    if first == last:  # inside one row: recurse into it
+        return [((first, *off), (1, *n)) for off, n in _boxes(shape[1:], start - first * inner, stop - first * inner)]
+    out = []
+    if start % inner:  # a partial first row
+        out += [((first, *off), (1, *n)) for off, n in _boxes(shape[1:], start - first * inner, inner)]
+        first += 1
+    whole_end = stop // inner  # rows [first, whole_end) are whole
+    if whole_end > first:
+        out.append(((first, *(0,) * (len(shape) - 1)), (whole_end - first, *shape[1:])))
+    if stop % inner:  # a partial last row
+        out += [((whole_end, *off), (1, *n)) for off, n in _boxes(shape[1:], 0, stop - whole_end * inner)]
+    return out
+
+
+def box_view(flat: Any, shape: Sequence[int], start: int, offsets: Sequence[int], lengths: Sequence[int]) -> Any:
+    """The data of box ``(offsets, lengths)`` of an array of ``shape`` whose flat elements from
+    ``start`` on are ``flat[0:]``: a reshaped slice, hence a view (the box must come from
+    :func:`flat_range_boxes`, so that it is contiguous)."""
+    strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+    begin = sum(o * s for o, s in zip(offsets, strides)) - start
+    return flat[begin:begin + math.prod(lengths)].reshape(tuple(lengths))
+
+
+def flat_shard_pieces(layout: FlatLayout, shard: Any, index: int) -> dict[str, list[ShardedArray]]:
+    """Each parameter's boxes inside shard ``index`` of ``layout``, as views into ``shard``.
+
+    Args:
+        layout: the flat layout (parameters concatenated in order, padded to equal shards).
+        shard: this rank's 1-D shard of the flat buffer (``layout.shard_size`` elements).
+        index: which shard it is.
+
+    Returns:
+        ``{name: [ShardedArray, ...]}`` for every parameter of the layout (an empty list where
+        the shard holds none of it).
+    """
+    lo, hi = layout.shard_range(index)
+    out: dict[str, list[ShardedArray]] = {}
+    for i, (name, shape, off) in enumerate(zip(layout.names, layout.shapes, layout.offsets)):
+        a, b = max(lo, off), min(hi, off + layout.size_of(i))
+        pieces = []
+        if a < b:
+            local = shard[a - lo:b - lo]
+            for offsets, lengths in flat_range_boxes(shape, a - off, b - off):
+                pieces.append(ShardedArray(box_view(local, shape, a - off, offsets, lengths), shape, offsets))
+        out[name] = pieces
+    return out
+
+
+def load_pieces(where: str, what: str, mine: dict[str, Any], given: Any) -> None:
+    """Copy ``given`` into ``mine`` (same nested keys; leaves are arrays or lists of
+    :class:`ShardedArray` with the same boxes), skipping leaves that are already the same memory."""
+    if not isinstance(given, dict) or set(given) != set(mine):
+        got = sorted(given) if isinstance(given, dict) else type(given).__name__
+        raise DistValueError(f"meshkit.parallel: {where}: {what} must have the keys {sorted(mine)}, got {got}")
+    for key, ours in mine.items():
+        theirs = given[key]
+        if isinstance(ours, dict):
+            load_pieces(where, f"{what}[{key!r}]", ours, theirs)
+            continue
+        ours_list = ours if isinstance(ours, list) else [ours]
+        theirs_list = theirs if isinstance(theirs, list) else [theirs]
+        if len(ours_list) != len(theirs_list):
+            raise DistValueError(f"meshkit.parallel: {where}: {what}[{key!r}] has {len(theirs_list)} pieces on this "
+                                 f"rank, expected {len(ours_list)}")
+        for a, b in zip(ours_list, theirs_list):
+            a_box = (a.offsets, a.lengths) if isinstance(a, ShardedArray) else None
+            b_box = (b.offsets, b.lengths) if isinstance(b, ShardedArray) else None
+            dst, src = (a.local, b.local) if a_box else (a, b)
+            if a_box != b_box or tuple(getattr(src, "shape", ())) != tuple(dst.shape) or src.dtype != dst.dtype:
+                raise DistValueError(f"meshkit.parallel: {where}: {what}[{key!r}]: got a piece of box {b_box}, shape "
+                                     f"{getattr(src, 'shape', None)} and dtype {getattr(src, 'dtype', None)}; expected "
+                                     f"box {a_box}, shape {tuple(dst.shape)} and dtype {dst.dtype}")
+            if src is not dst:
+                dst[...] = src
+
+
+def optimizer_state_views(optimizer: Any, params: dict[str, Any]) -> dict[str, Any]:
+    """``{"state": {name: {key: view}}, "step": {name: int}}`` of an optimizer over whole
+    (replicated) parameters, e.g. the one a DDP user steps: the state arrays materialized and
+    reshaped to their parameter's shape (views)."""
+    state = {name: {key: arr.reshape(p.shape) for key, arr in optimizer.materialize(name, p.reshape(-1)).items()}
+             for name, p in params.items()}
+    return {"state": state, "step": {name: optimizer.steps[name] for name in params}}
