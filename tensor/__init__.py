@@ -1,0 +1,15 @@
+"""Distributed arrays (DTensor) over a DeviceMesh, with torch's names.
+
+``placements`` (Shard, Replicate, Partial), ``chunks`` (the torch.chunk shard arithmetic, pure,
+shared with checkpoints), ``dtensor`` (the DTensor type), ``redistribute`` (one collective per
+changing mesh dim), ``api`` (distribute_tensor), ``dispatch`` (the NumPy protocol tables the op
+modules fill), ``checks`` (collective construction checks), ``xp`` (NumPy or CuPy).
+Depends on ``comm`` and ``mesh`` only.
+"""
+
+from . import chunks
+from .api import distribute_tensor
+from .dtensor import DTensor
+from .placements import Partial, Placement, Replicate, Shard
+
+__all__ = ["DTensor", "distribute_tensor", "Placement", "Shard", "Replicate", "Partial", "chunks"]
