@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-__all__ = ["FUNCTIONS", "UFUNC_METHODS", "implements", "implements_ufunc"]
+__all__ = ["FUNCTIONS", "UFUNCS", "UFUNC_METHODS", "implements", "implements_ufunc"]
 
 #: NumPy function (``np.sum``, ``np.transpose``...) -> rule taking the call's ``*args, **kwargs``
 FUNCTIONS: dict[Callable[..., Any], Callable[..., Any]] = {}
+#: ufunc (``np.matmul``) -> rule of its own for ``__call__``, taking ``(*inputs, **kwargs)``
+UFUNCS: dict[Any, Callable[..., Any]] = {}
 #: ufunc method name (``"__call__"``, ``"reduce"``) -> rule taking ``(ufunc, *inputs, **kwargs)``
 UFUNC_METHODS: dict[str, Callable[..., Any]] = {}
 
@@ -26,9 +28,12 @@ def implements(*funcs: Callable[..., Any]) -> Callable[[Callable[..., Any]], Cal
     return register
 
 
-def implements_ufunc(method: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorator: register the rule for every ufunc called through ``method``."""
+def implements_ufunc(method: str, ufunc: Any = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator: register the rule for every ufunc called through ``method`` (or for one ``ufunc``)."""
     def register(rule: Callable[..., Any]) -> Callable[..., Any]:
-        UFUNC_METHODS[method] = rule
+        if ufunc is not None:
+            UFUNCS[ufunc] = rule
+        else:
+            UFUNC_METHODS[method] = rule
         return rule
     return register

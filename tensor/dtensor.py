@@ -207,6 +207,8 @@ class DTensor(NDArrayOperatorsMixin):
     # ---- NumPy protocols ---------------------------------------------------------------------
 
     def __array_ufunc__(self, ufunc: np.ufunc, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        if method == "__call__" and ufunc in dispatch.UFUNCS:
+            return dispatch.UFUNCS[ufunc](*inputs, **kwargs)
         rule = dispatch.UFUNC_METHODS.get(method)
         if rule is None:
             raise NotImplementedError(errors.prefix(f"np.{ufunc.__name__}.{method}")
