@@ -82,3 +82,76 @@ def check_all_pairs(mesh_shape, shape, dtype="float64", placements=None) -> int:
                 assert same_bits(back.to_local(), d.to_local()), (src, dst, "back, local")
             count += 1
     return count
+
+
+# ---- the Megatron MLP: plain NumPy, run on arrays and on DTensors ----------------------------
+
+
+def forward(x, t, w1, w2):
+    """Plain NumPy: no DTensor in sight."""
+    pre = x @ w1
+    h = np.tanh(pre)
+    y = h @ w2
+    err = y - t
+    loss = 0.5 * np.sum(err ** 2) / x.shape[0]
+    return pre, h, y, err, loss
+
+
+def backward(x, h, err, w1, w2):
+    """Plain NumPy, hand-written: gradients of the loss above."""
+    dy = err / x.shape[0]
+    dw2 = h.T @ dy
+    dh = dy @ w2.T
+    dpre = dh * (1 - h ** 2)
+    dw1 = x.T @ dpre
+    dx = dpre @ w1.T
+    return dw1, dw2, dx
+
+
+def data(batch=5, d_in=3, hidden=6, d_out=2):
+    rng = np.random.default_rng(7)
+    return (rng.standard_normal((batch, d_in)), rng.standard_normal((batch, d_out)),
+            rng.standard_normal((d_in, hidden)) / 2, rng.standard_normal((hidden, d_out)) / 2)
+
+
+def reference():
+    x, t, w1, w2 = data()
+    pre, h, y, err, loss = forward(x, t, w1, w2)
+    return (loss, *backward(x, h, err, w1, w2))
+
+
+def ops_of(records):
+    return [(r["group"], r["op"]) for r in records]
+
+
+def check_megatron(world: int) -> None:
+    """The MLP on a 1-D mesh of ``world`` ranks: NumPy's values, Megatron's collectives (asserted)."""
+    tp, fwd, bwd_local, bwd, placements, got = megatron(world)
+    assert fwd == [(tp, "all_reduce")], fwd
+    assert bwd_local == [], "the backward is local until the input gradient is needed"
+    assert bwd == [(tp, "all_reduce")], bwd
+    assert placements == dict(pre=(Shard(1),), h=(Shard(1),), y=(Partial(),), err=(Replicate(),),
+                              loss=(Replicate(),), dw1=(Shard(1),), dw2=(Shard(0),), dx=(Partial(),))
+    for g, w in zip(got, reference()):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-10)
+
+
+def megatron(world: int):
+    mesh = meshkit.init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    x, t, w1, w2 = data()
+    X, T = distribute_tensor(x, mesh, [Replicate()]), distribute_tensor(t, mesh, [Replicate()])
+    W1, W2 = distribute_tensor(w1, mesh, [Shard(1)]), distribute_tensor(w2, mesh, [Shard(0)])
+    start = meshkit.flight_record()
+    pre, h, y, err, loss = forward(X, T, W1, W2)
+    fwd = new_records(start)
+    mark = meshkit.flight_record()
+    dw1, dw2, dx = backward(X, h, err, W1, W2)
+    bwd_local = new_records(mark)
+    mark = meshkit.flight_record()
+    dx_full = dx.full_tensor()
+    bwd = new_records(mark)
+    placements = {name: v.placements for name, v in
+                  dict(pre=pre, h=h, y=y, err=err, loss=loss, dw1=dw1, dw2=dw2, dx=dx).items()}
+    tp = mesh.get_group("tp").name  # a 1-D mesh over the whole world uses the world's group
+    return (tp, ops_of(fwd), ops_of(bwd_local), ops_of(bwd), placements,
+            [float(loss.full_tensor()), dw1.full_tensor(), dw2.full_tensor(), dx_full])
