@@ -43,8 +43,8 @@ from typing import Any, Callable
 import numpy as np
 from _common import (LOG, Progress, add_output_args, barrier, calibrate_iters, choice_list, format_size,
                      load_result, log2_size_axis, matplotlib_missing, max_over_ranks, median, parse_checked,
-                     parse_size, png_path, print0, require_pyplot, run_metadata, save_figure, setup_logging,
-                     size_sweep, time_calls, write_json)
+                     parse_size, png_path, print0, require_pyplot, run_metadata, save_figure, save_results,
+                     setup_logging, size_sweep, time_calls)
 from mpi4py import MPI
 
 import meshkit
@@ -272,13 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         for line in table(rows):
             print0(rank, line)
-        path = args.json or RESULTS / f"dtensor-n{n}.json"
-        write_json(path, meta, rows)
-        LOG.info("wrote %s", path)
-        if args.plot is not None:
-            png = png_path(args.plot, path)
-            plot(rows, png, plot_title(meta))
-            LOG.info("wrote %s", png)
+        save_results(args, RESULTS / f"dtensor-n{n}.json", meta, rows, lambda png: plot(rows, png, plot_title(meta)))
     comm.Free()
     return 0
 
