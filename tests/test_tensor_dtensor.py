@@ -117,3 +117,17 @@ def test_detail_mode_checks_from_local_across_ranks(monkeypatch):
     # raises the same error, none waits
     assert len({msg.split(": ", 2)[2] for msg, _ in results}) == 1
     assert "rank 2 passed shape (6, 4)" in results[1][0]
+
+
+def test_ranks_outside_the_mesh_and_src_data_rank_are_named():
+    def body():
+        mesh = meshkit.DeviceMesh("cpu", [0, 1])
+        if meshkit.get_rank() == 2:
+            with pytest.raises(ValueError, match=r"rank 2: distribute_tensor: this rank is not in the mesh \[0, 1\]"):
+                distribute_tensor(np.ones(4), mesh, [Shard(0)])
+            return None
+        with pytest.raises(ValueError, match="src_data_rank=0 is not supported"):
+            distribute_tensor(np.ones(4), mesh, [Shard(0)], src_data_rank=0)
+        return distribute_tensor(np.arange(4.0), mesh, [Shard(0)]).to_local().tolist()
+
+    assert local.run(body, 3) == [[0.0, 1.0], [2.0, 3.0], None]
