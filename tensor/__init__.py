@@ -1,0 +1,18 @@
+"""Distributed arrays (DTensor) over a DeviceMesh, with torch's names.
+
+``placements`` (Shard, Replicate, Partial), ``chunks`` (the torch.chunk shard arithmetic, pure,
+shared with checkpoints), ``dtensor`` (the DTensor type), ``redistribute`` (one collective per
+changing mesh dim), ``api`` (distribute_tensor), ``dispatch`` (the NumPy protocol tables the op
+modules fill), ``propagation`` (what the op rules share), the op rules ``ufuncs``, ``matmul``,
+``reductions`` and ``shape_ops``, ``checks`` (collective construction checks), ``xp`` (NumPy or
+CuPy).
+Depends on ``comm`` and ``mesh`` only.
+"""
+
+from . import chunks
+from . import matmul, reductions, shape_ops, ufuncs  # noqa: F401  (they register the NumPy op rules)
+from .api import distribute_tensor
+from .dtensor import DTensor
+from .placements import Partial, Placement, Replicate, Shard
+
+__all__ = ["DTensor", "distribute_tensor", "Placement", "Shard", "Replicate", "Partial", "chunks"]

@@ -1,0 +1,254 @@
+"""DTensor: a global array laid out over a DeviceMesh, one placement per mesh dimension.
+
+Each rank holds its block (``to_local()``); ``shape``/``ndim``/``dtype`` describe the global
+array. NumPy calls reach the op rules through :mod:`.dispatch`. See :mod:`.placements` for a
+worked example of which block each rank holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+from numpy.lib.mixins import NDArrayOperatorsMixin
+
+from ..mesh import DeviceMesh
+from . import dispatch, errors
+from .chunks import local_shape_and_offset, normalize_dim
+from .placements import Placement, Replicate, Shard
+from .redistribute import redistribute_local
+
+__all__ = ["DTensor", "normalize_placements"]
+
+
+def normalize_placements(op: str, mesh: DeviceMesh, placements: Sequence[Placement] | None, ndim: int
+                         ) -> tuple[Placement, ...]:
+    """``placements`` checked against the mesh and array, Shard dims made non-negative.
+
+    None means all Replicate. Raises (naming ``op`` and the rank) if the length is not the
+    mesh's ndim, an entry is not a Placement, or a Shard dim is out of range.
+    """
+    if not isinstance(mesh, DeviceMesh):
+        raise errors.type_error(op, f"device_mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    if placements is None:
+        return (Replicate(),) * mesh.ndim
+    if isinstance(placements, Placement) or not isinstance(placements, Sequence):
+        raise errors.type_error(op, f"placements must be a sequence of Placement (one per mesh dimension), "
+                                    f"got {placements!r}")
+    if len(placements) != mesh.ndim:
+        raise errors.value_error(op, f"placements has {len(placements)} entries {tuple(placements)!r} but the "
+                                     f"mesh has {mesh.ndim} dimensions {mesh.shape}; give one per mesh dimension")
+    out = []
+    for i, p in enumerate(placements):
+        if not isinstance(p, Placement):
+            raise errors.type_error(op, f"placements[{i}] must be Shard, Replicate or Partial, got {p!r}")
+        if isinstance(p, Shard):
+            try:
+                p = Shard(normalize_dim(p.dim, ndim, what=f"placements[{i}] Shard(dim={p.dim})"))
+            except IndexError as exc:
+                raise errors.ShardDimError(errors.prefix(op) + str(exc)) from None
+        out.append(p)
+    return tuple(out)
+
+
+def coordinate_of(op: str, mesh: DeviceMesh) -> tuple[int, ...]:
+    """This rank's mesh coordinate; an error naming ``op`` if the rank is not in the mesh."""
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise errors.value_error(op, f"this rank is not in the mesh {mesh.mesh.tolist()}")
+    return coordinate
+
+
+class DTensor(NDArrayOperatorsMixin):
+    """A distributed array: this rank's block, the mesh, the placements and the global shape.
+
+    Build one with :func:`~meshkit.tensor.distribute_tensor` (every rank passes the same global
+    array) or :meth:`DTensor.from_local` (every rank passes its block). Operators (``+``, ``*``,
+    ``@``...) and NumPy functions (``np.tanh``, ``np.sum``, ``np.transpose``...) return DTensors
+    with the placements torch's sharding propagation gives them.
+
+    Example (2 ranks, mesh ``[0, 1]``): ``distribute_tensor(np.arange(6.).reshape(3, 2), mesh,
+    [Shard(0)])``: rank 0's ``to_local()`` is ``[[0, 1], [2, 3]]``, rank 1's ``[[4, 5]]``;
+    ``shape`` is ``(3, 2)`` on both.
+    """
+
+    __slots__ = ("_local", "_mesh", "_placements", "_shape")
+    # NumPy binary operators with an ndarray on the left defer to DTensor's __array_ufunc__.
+    __array_priority__ = 100
+
+    def __init__(self, local: Any, device_mesh: DeviceMesh, placements: Sequence[Placement], *,
+                 shape: Sequence[int]) -> None:
+        """Wrap ``local`` as this rank's block; no check and no communication (use from_local)."""
+        self._local = local
+        self._mesh = device_mesh
+        self._placements = tuple(placements)
+        self._shape = tuple(int(s) for s in shape)
+
+    # ---- construction -------------------------------------------------------------------------
+
+    @staticmethod
+    def from_local(local: Any, device_mesh: DeviceMesh, placements: Sequence[Placement] | None = None, *,
+                   shape: Sequence[int] | None = None, stride: Sequence[int] | None = None,
+                   run_check: bool = False) -> DTensor:
+        """A DTensor from every rank's block; no communication unless checking.
+
+        Args:
+            local: this rank's block (NumPy or CuPy array).
+            device_mesh: the mesh; every rank of it calls ``from_local``.
+            placements: one per mesh dimension (None: all Replicate).
+            shape: the global shape. Needed when shards are uneven; without it every Shard dim
+                is taken as even (local size times the mesh dim's size), as in torch.
+            stride: accepted for torch compatibility and ignored (NumPy blocks carry their own).
+            run_check: check collectively that every rank's block fits ``shape`` and that all
+                ranks passed the same shape and placements (also on under ``MESHKIT_DEBUG=detail``).
+
+        Raises:
+            DistValueError: wrong placements, or (on this rank) a block whose shape is not the
+                one ``shape`` gives this rank; with the check, on every rank, naming the ranks.
+        """
+        from ..comm import DebugLevel, current_world
+
+        op = "DTensor.from_local"
+        if isinstance(local, DTensor):
+            raise errors.type_error(op, "local is already a DTensor; pass its to_local()")
+        if not hasattr(local, "shape") or not hasattr(local, "dtype"):
+            local = np.asarray(local)
+        placements = normalize_placements(op, device_mesh, placements, local.ndim)
+        coordinate = coordinate_of(op, device_mesh)
+        if shape is None:
+            full = list(local.shape)
+            for n, p in reversed(list(zip(device_mesh.shape, placements))):
+                if isinstance(p, Shard):
+                    full[p.dim] *= n
+            shape = tuple(full)
+        else:
+            shape = tuple(int(s) for s in shape)
+        check = run_check or current_world().debug >= DebugLevel.DETAIL
+        if check:
+            from .checks import check_from_local
+
+            check_from_local(op, local, device_mesh, placements, shape)
+        elif len(shape) != local.ndim or \
+                local_shape_and_offset(shape, device_mesh.shape, coordinate, placements)[0] != tuple(local.shape):
+            expected = "?" if len(shape) != local.ndim else \
+                local_shape_and_offset(shape, device_mesh.shape, coordinate, placements)[0]
+            raise errors.value_error(op, f"local has shape {tuple(local.shape)} but global shape {shape} with "
+                                         f"placements {placements!r} gives mesh coordinate {coordinate} a block "
+                                         f"of shape {expected}")
+        return DTensor(local, device_mesh, placements, shape=shape)
+
+    # ---- the array's description --------------------------------------------------------------
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The mesh the array is laid out over."""
+        return self._mesh
+
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        """One placement per mesh dimension."""
+        return self._placements
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The global array's shape."""
+        return self._shape
+
+    @property
+    def ndim(self) -> int:
+        """The global array's number of dimensions."""
+        return len(self._shape)
+
+    @property
+    def dtype(self) -> Any:
+        """The dtype (the same on every rank)."""
+        return self._local.dtype
+
+    @property
+    def size(self) -> int:
+        """Number of elements of the global array (NumPy's ``size``)."""
+        return int(np.prod(self._shape, dtype=np.int64))
+
+    def __len__(self) -> int:
+        return self._shape[0]
+
+    def to_local(self) -> Any:
+        """This rank's block (no copy): for Partial placements, this rank's term."""
+        return self._local
+
+    def full_tensor(self) -> Any:
+        """The whole global array on every rank (all-gather / all-reduce as needed)."""
+        return self.redistribute(placements=(Replicate(),) * self._mesh.ndim).to_local()
+
+    def redistribute(self, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None,
+                     *, async_op: bool = False) -> DTensor:
+        """The same global array with new placements, by one collective per changing mesh dim.
+
+        Args:
+            device_mesh: must be this array's mesh (or None); other meshes are not supported.
+            placements: the new placements (None: keep them).
+            async_op: accepted for torch compatibility; the result is returned complete.
+
+        Returns:
+            A new DTensor; the collectives are listed in :mod:`.redistribute`.
+        """
+        op = "DTensor.redistribute"
+        if device_mesh is not None and device_mesh != self._mesh:
+            raise errors.value_error(op, f"device_mesh {device_mesh!r} is not this DTensor's mesh "
+                                         f"{self._mesh!r}; redistribution across meshes is not supported")
+        if placements is None:
+            return self
+        target = normalize_placements(op, self._mesh, placements, self.ndim)
+        if target == self._placements:
+            return self
+        local = redistribute_local(self._local, self._mesh, self._shape, self._placements, target)
+        return DTensor(local, self._mesh, target, shape=self._shape)
+
+    # ---- NumPy protocols ---------------------------------------------------------------------
+
+    def __array_ufunc__(self, ufunc: np.ufunc, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        if method == "__call__" and ufunc in dispatch.UFUNCS:
+            return dispatch.UFUNCS[ufunc](*inputs, **kwargs)
+        rule = dispatch.UFUNC_METHODS.get(method)
+        if rule is None:
+            raise NotImplementedError(errors.prefix(f"np.{ufunc.__name__}.{method}")
+                                      + f"is not supported on DTensors (placements {self._placements!r})")
+        return rule(ufunc, *inputs, **kwargs)
+
+    def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        rule = dispatch.FUNCTIONS.get(func)
+        if rule is None:
+            raise NotImplementedError(errors.prefix(f"np.{func.__name__}")
+                                      + f"has no DTensor rule (placements {self._placements!r}); "
+                                        f"call full_tensor() or to_local() first")
+        return rule(*args, **kwargs)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
+        raise TypeError(errors.prefix("np.asarray") + "a DTensor is not converted to one array implicitly; "
+                        "call full_tensor() (the global array) or to_local() (this rank's block)")
+
+    # NumPy-style methods, routed through the same rules as the functions.
+    @property
+    def T(self) -> DTensor:
+        """The transpose (placements follow the axes)."""
+        return np.transpose(self)
+
+    def transpose(self, *axes: Any) -> DTensor:
+        """As ``ndarray.transpose``."""
+        return np.transpose(self, axes[0] if len(axes) == 1 else (axes or None))
+
+    def reshape(self, *shape: Any) -> DTensor:
+        """As ``ndarray.reshape`` (where the sharded axes survive)."""
+        return np.reshape(self, shape[0] if len(shape) == 1 else shape)
+
+    def sum(self, axis: Any = None, **kwargs: Any) -> DTensor:
+        """As ``ndarray.sum`` (a sharded axis summed away gives Partial(sum))."""
+        return np.sum(self, axis=axis, **kwargs)
+
+    def mean(self, axis: Any = None, **kwargs: Any) -> DTensor:
+        """As ``ndarray.mean``."""
+        return np.mean(self, axis=axis, **kwargs)
+
+    def __repr__(self) -> str:
+        return (f"DTensor(local_tensor={self._local!r}, device_mesh={self._mesh!r}, "
+                f"placements={self._placements!r}, shape={self._shape})")

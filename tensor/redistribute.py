@@ -1,0 +1,179 @@
+"""Redistribution: one collective per changing mesh dimension, never a full copy on one rank.
+
+On mesh dimension ``i`` (its group ``mesh.get_group(i)``), with ``n`` ranks:
+
+=====================  =============================================================
+Shard(d) -> Replicate  ``all_gather_into_tensor`` (blocks padded to the chunk size, stripped)
+Partial  -> Replicate  ``all_reduce`` with the Partial's op
+Partial  -> Shard(d)   ``reduce_scatter_tensor`` (padded to ``n`` chunks, stripped)
+Shard(d) -> Shard(e)   ``all_to_all_single`` (padded pieces, stripped)
+Replicate -> Shard(d)  local slice, no communication
+Replicate -> Partial   local: for sum, coordinate 0 keeps the value and the others hold -0.0
+                       (the additive identity, so the sum is bit-exact); avg/max/min keep it
+Shard -> Partial       all-gather, then as Replicate -> Partial
+=====================  =============================================================
+
+Nested shards (several mesh dims sharding one array dim) are undone innermost (rightmost mesh
+dim) first and built outermost first, so every collective works on whole chunks of its parent
+block, as torch does. Works on NumPy and CuPy blocks alike (``xp`` is the block's library).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Sequence
+
+from ..mesh import DeviceMesh
+from .chunks import chunk_range, chunk_size, local_shape_and_offset
+from .placements import Partial, Placement, Replicate, Shard
+from .xp import namespace_of
+
+__all__ = ["redistribute_local", "plan", "partition_value"]
+
+logger = logging.getLogger("meshkit.tensor")
+
+
+def _parent_size(shape: Sequence[int], mesh: DeviceMesh, coordinate: Sequence[int],
+                 placements: Sequence[Placement], i: int, dim: int) -> int:
+    """Size along ``dim`` of the block mesh dims ``< i`` leave this rank (what dim ``i`` cuts)."""
+    outer = list(placements[:i]) + [Replicate()] * (len(placements) - i)
+    return local_shape_and_offset(shape, mesh.shape, coordinate, outer)[0][dim]
+
+
+def plan(src: Sequence[Placement], dst: Sequence[Placement]) -> list[tuple[int, Placement, Placement]]:
+    """The steps ``(mesh dim, from, to)`` that take ``src`` to ``dst``, in order (see :func:`_plan`)."""
+    return list(_plan(tuple(src), tuple(dst)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(src: tuple[Placement, ...], dst: tuple[Placement, ...]) -> tuple[tuple[int, Placement, Placement], ...]:
+    """The steps ``(mesh dim, from, to)`` that take ``src`` to ``dst``, in order.
+
+    Pure (cached; the tests read it). First (right to left) every Shard that changes, or that
+    sits inside (to the right of) such a Shard or a new Shard of the same array dim, is undone:
+    all-to-all straight to its target Shard where no other mesh dim shards either array dim
+    (before or after), else all-gather to Replicate. Then (left to right) every remaining
+    difference is applied.
+    """
+    cur = list(src)
+    n = len(cur)
+    undo = {i for i in range(n) if cur[i].is_shard() and cur[i] != dst[i]}
+    for i in range(n):
+        if cur[i] != dst[i]:
+            dims = {p.dim for p in (cur[i], dst[i]) if isinstance(p, Shard)}
+            undo |= {j for j in range(i + 1, n) if isinstance(cur[j], Shard) and cur[j].dim in dims}
+    steps = []
+    for i in sorted(undo, reverse=True):
+        p, q = cur[i], dst[i]
+        others = {x.dim for k in range(n) if k != i for x in (cur[k], dst[k]) if isinstance(x, Shard)}
+        if isinstance(q, Shard) and q.dim != p.dim and p.dim not in others and q.dim not in others:
+            steps.append((i, p, q))
+            cur[i] = q
+        else:
+            steps.append((i, p, Replicate()))
+            cur[i] = Replicate()
+    for i in range(n):
+        if cur[i] != dst[i]:
+            steps.append((i, cur[i], dst[i]))
+            cur[i] = dst[i]
+    return tuple(steps)
+
+
+def redistribute_local(local: Any, mesh: DeviceMesh, shape: Sequence[int], src: Sequence[Placement],
+                       dst: Sequence[Placement]) -> Any:
+    """This rank's block of the global array of ``shape`` under ``dst``, given its block under ``src``.
+
+    Collective over the groups of the mesh dims that change. Never writes into ``local``.
+    """
+    coordinate = mesh.get_coordinate()
+    cur = list(src)
+    for i, p, q in _plan(tuple(src), tuple(dst)):
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("redistribute on mesh dim %d: %r -> %r (global shape %s)", i, p, q, tuple(shape))
+        group = mesh.get_group(i)
+        n, r = mesh.shape[i], coordinate[i]
+        if isinstance(p, Shard) and isinstance(q, Shard):
+            parent_p = _parent_size(shape, mesh, coordinate, cur, i, p.dim)
+            parent_q = _parent_size(shape, mesh, coordinate, cur, i, q.dim)
+            local = _all_to_all(group, local, p.dim, q.dim, parent_p, parent_q, n, r)
+        elif isinstance(p, Shard):
+            local = _all_gather(group, local, p.dim, _parent_size(shape, mesh, coordinate, cur, i, p.dim), n)
+            if isinstance(q, Partial):
+                local = partition_value(local, q, r)
+        elif isinstance(p, Replicate):
+            if isinstance(q, Shard):
+                start, stop = chunk_range(local.shape[q.dim], n, r)
+                index = [slice(None)] * local.ndim
+                index[q.dim] = slice(start, stop)
+                local = local[tuple(index)]
+            else:
+                local = partition_value(local, q, r)
+        else:  # Partial -> Replicate, Shard or another Partial
+            if isinstance(q, Shard):
+                local = _reduce_scatter(group, local, q.dim, p, n, r)
+            else:
+                xp = namespace_of(local)
+                local = xp.array(local, copy=True, order="C")
+                group.all_reduce(local, p.op)
+                if isinstance(q, Partial):
+                    local = partition_value(local, q, r)
+        cur[i] = q
+    return local
+
+
+def partition_value(local: Any, q: Partial, r: int) -> Any:
+    """Replicate -> Partial on one mesh dim: the terms whose reduction is ``local``."""
+    if q.reduce_op != "sum" or r == 0:
+        return local
+    xp = namespace_of(local)
+    if local.dtype.kind in "fc":
+        return xp.full_like(local, -0.0)  # x + (-0.0) == x for every x, +0.0 included
+    return xp.zeros_like(local)
+
+
+def _padded(xp: Any, block: Any, sizes: Sequence[int]) -> Any:
+    """``block`` (axes already in order) zero-padded at the end to ``sizes``, C-contiguous."""
+    if tuple(block.shape[:len(sizes)]) == tuple(sizes):
+        return xp.ascontiguousarray(block)
+    out = xp.zeros(tuple(sizes) + tuple(block.shape[len(sizes):]), dtype=block.dtype)
+    out[tuple(slice(0, s) for s in block.shape[:len(sizes)])] = block
+    return out
+
+
+def _all_gather(group: Any, local: Any, dim: int, parent: int, n: int) -> Any:
+    """Shard(dim) -> Replicate: gather the padded chunks, keep the first ``parent`` rows."""
+    xp = namespace_of(local)
+    c = chunk_size(parent, n)
+    send = _padded(xp, xp.moveaxis(local, dim, 0), (c,))
+    out = xp.empty((n * c,) + send.shape[1:], dtype=local.dtype)
+    group.all_gather_into_tensor(out, send)
+    return xp.moveaxis(out[:parent], 0, dim)
+
+
+def _reduce_scatter(group: Any, local: Any, dim: int, p: Partial, n: int, r: int) -> Any:
+    """Partial -> Shard(dim): reduce the padded array, keep this rank's chunk."""
+    xp = namespace_of(local)
+    parent = local.shape[dim]
+    c = chunk_size(parent, n)
+    send = _padded(xp, xp.moveaxis(local, dim, 0), (n * c,))
+    out = xp.empty((c,) + send.shape[1:], dtype=local.dtype)
+    group.reduce_scatter_tensor(out, send, p.op)
+    start, stop = chunk_range(parent, n, r)
+    return xp.moveaxis(out[:stop - start], 0, dim)
+
+
+def _all_to_all(group: Any, local: Any, d: int, e: int, parent_d: int, parent_e: int, n: int, r: int) -> Any:
+    """Shard(d) -> Shard(e): send each rank its e-chunk of my d-chunk; join the d-chunks received."""
+    xp = namespace_of(local)
+    cd, ce = chunk_size(parent_d, n), chunk_size(parent_e, n)
+    moved = xp.moveaxis(xp.moveaxis(local, e, 0), d if d > e else d + 1, 1)  # (e, d, rest...)
+    send = _padded(xp, moved, (n * ce, cd))
+    recv = xp.empty_like(send)
+    group.all_to_all_single(recv, send)
+    rest = send.shape[2:]
+    joined = recv.reshape((n, ce, cd) + rest).swapaxes(0, 1).reshape((ce, n * cd) + rest)
+    start, stop = chunk_range(parent_e, n, r)
+    block = joined[:stop - start, :parent_d]
+    back = xp.moveaxis(block, 1, d if d > e else d + 1)
+    return xp.moveaxis(back, 0, e)

@@ -1,0 +1,106 @@
+"""``np.sum``, ``np.mean``, ``np.max``, ``np.min`` on DTensors.
+
+Per mesh dimension: a Shard on a reduced axis becomes Partial (sum for sum and mean, max for
+max, min for min): each rank reduces its block, the ranks' results still to be combined; a
+Shard on a kept axis stays a Shard (its index shifted past the removed axes); Replicate stays
+Replicate; a Partial the reduction is linear in (sum/avg under sum or mean, max under max, min
+under min) stays, any other Partial is all-reduced first (logged at DEBUG). ``mean`` divides each
+block's sum by the global count, so the Partial terms add up to the mean, uneven shards included.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .dispatch import implements
+from .dtensor import DTensor
+from .placements import Partial, Placement, Replicate, Shard
+from .propagation import moved, no_out, unsupported, wrap
+from .xp import namespace_of
+
+__all__ = ["total", "mean", "maximum", "minimum"]
+
+#: reduction -> (the Partial it leaves, the Partial ops it passes through)
+_KINDS = {"sum": ("sum", {"sum", "avg"}), "mean": ("sum", {"sum", "avg"}),
+          "max": ("max", {"max"}), "min": ("min", {"min"})}
+
+
+def _axes(op: str, a: DTensor, axis: Any) -> tuple[int, ...]:
+    if axis is None:
+        return tuple(range(a.ndim))
+    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
+    out = []
+    for ax in axes:
+        if not -a.ndim <= ax < a.ndim:
+            raise np.exceptions.AxisError(int(ax), a.ndim, f"{op}: axis") if hasattr(np, "exceptions") \
+                else IndexError(f"{op}: axis {ax} out of range for {a.ndim} dims")
+        out.append(int(ax) % a.ndim)
+    return tuple(sorted(set(out)))
+
+
+def _reduce(kind: str, a: Any, axis: Any, keepdims: bool, kwargs: dict[str, Any]) -> DTensor:
+    op = f"np.{kind}"
+    if not isinstance(a, DTensor):
+        raise unsupported(op)
+    no_out(op, kwargs, "initial")
+    axes = _axes(op, a, axis)
+    leaves, passes = _KINDS[kind]
+    need: list[Placement] = []
+    out: list[Placement] = []
+    for p in a.placements:
+        if isinstance(p, Shard):
+            need.append(p)
+            out.append(Partial(leaves) if p.dim in axes else
+                       Shard(p.dim if keepdims else p.dim - sum(ax < p.dim for ax in axes)))
+        elif isinstance(p, Partial) and p.reduce_op in passes:
+            need.append(p)
+            out.append(p)
+        else:
+            need.append(Replicate())
+            out.append(Replicate())
+    local = moved(op, "argument 0", a, need).to_local()
+    shape = tuple(1 if d in axes else s for d, s in enumerate(a.shape) if keepdims or d not in axes)
+    dtype = kwargs.get("dtype")
+    if kind in ("sum", "mean"):
+        result = np.sum(local, axis=axes, dtype=dtype, keepdims=keepdims)
+        if kind == "mean":
+            count = int(np.prod([a.shape[ax] for ax in axes], dtype=np.int64))
+            result = result / count if dtype is None else (result / count).astype(dtype)
+    elif any(local.shape[ax] == 0 for ax in axes):  # an empty block (trailing rank): the identity
+        xp = namespace_of(local)
+        local_shape = tuple(1 if d in axes else s for d, s in enumerate(local.shape) if keepdims or d not in axes)
+        info = np.finfo(local.dtype) if local.dtype.kind == "f" else np.iinfo(local.dtype)
+        fill = (-np.inf if kind == "max" else np.inf) if local.dtype.kind == "f" else \
+            (info.min if kind == "max" else info.max)
+        result = xp.full(local_shape, fill, dtype=local.dtype)
+    else:
+        result = (np.max if kind == "max" else np.min)(local, axis=axes, keepdims=keepdims)
+    return wrap(result, a.device_mesh, out, shape)
+
+
+@implements(np.sum)
+def total(a: Any, axis: Any = None, dtype: Any = None, out: Any = None, keepdims: bool = False,
+          **kwargs: Any) -> DTensor:
+    """``np.sum``: a sharded axis summed away leaves Partial(sum)."""
+    return _reduce("sum", a, axis, keepdims, {"dtype": dtype, "out": out, **kwargs})
+
+
+@implements(np.mean)
+def mean(a: Any, axis: Any = None, dtype: Any = None, out: Any = None, keepdims: bool = False,
+         **kwargs: Any) -> DTensor:
+    """``np.mean``: each block's sum over the global count, so the Partial(sum) terms add up to the mean."""
+    return _reduce("mean", a, axis, keepdims, {"dtype": dtype, "out": out, **kwargs})
+
+
+@implements(np.max, np.amax)
+def maximum(a: Any, axis: Any = None, out: Any = None, keepdims: bool = False, **kwargs: Any) -> DTensor:
+    """``np.max``: a sharded axis reduced away leaves Partial(max)."""
+    return _reduce("max", a, axis, keepdims, {"out": out, **kwargs})
+
+
+@implements(np.min, np.amin)
+def minimum(a: Any, axis: Any = None, out: Any = None, keepdims: bool = False, **kwargs: Any) -> DTensor:
+    """``np.min``: a sharded axis reduced away leaves Partial(min)."""
+    return _reduce("min", a, axis, keepdims, {"out": out, **kwargs})
