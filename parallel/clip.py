@@ -2,7 +2,9 @@
 
 With ``group=``, each rank of the group holds a disjoint shard of the gradients (ZeRO, FSDP): the
 partial sums are all-reduced so every rank gets the norm of the whole, and clips its shard with
-the same coefficient.
+the same coefficient. DTensor gradients (tensor parallelism) carry their own layout: their
+partial sums are all-reduced over each mesh dim they are sharded on, and counted once over each
+mesh dim they are replicated on.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..comm import DistTypeError, DistValueError, ProcessGroup, ReduceOp, all_reduce
+from ..tensor import DTensor
 from .arrays import is_array
 from .checks import real, where
 
@@ -72,6 +75,10 @@ def clip_grad_norm_(grads: Mapping[str, Any] | Sequence[Any] | Any, max_norm: fl
 
     Args:
         grads: a dict of arrays, a list of arrays, or one array; None entries are skipped.
+            Entries may be DTensors: each is reduced over its own mesh (sums over the groups of
+            the mesh dims it is ``Shard`` on; a ``Replicate`` dim counts its copy once); a
+            ``Partial`` gradient is refused (reduce it first). ``group`` applies to the plain
+            arrays only. Every rank of a DTensor's mesh must call, with the same DTensors.
         max_norm: the largest allowed total norm (>= 0).
         norm_type: the order ``p`` (> 0), or ``inf`` / ``"inf"``.
         group: a process group whose ranks hold disjoint shards of the gradients; a collective:
@@ -84,7 +91,7 @@ def clip_grad_norm_(grads: Mapping[str, Any] | Sequence[Any] | Any, max_norm: fl
 
     Raises:
         TypeError: an entry is not a floating-point array.
-        ValueError: ``max_norm`` or ``norm_type`` is out of range.
+        ValueError: ``max_norm`` or ``norm_type`` is out of range, or a DTensor is ``Partial``.
         RuntimeError: the norm is not finite and ``error_if_nonfinite`` is set.
 
     Example (2 ranks, the gradient ``[3, 4]`` split as ``[3]`` and ``[4]``)::
@@ -107,27 +114,30 @@ def clip_grad_norm_(grads: Mapping[str, Any] | Sequence[Any] | Any, max_norm: fl
         raise DistTypeError(f"{where('clip_grad_norm_')}: grads must be a dict, a list or an array, "
                             f"got {type(grads).__name__}")
     arrays = []
+    dtensors: dict[tuple[Any, tuple[int, ...]], list[Any]] = {}  # (mesh, its Shard dims) -> blocks
     for label, g in items:
         if g is None:
+            continue
+        if isinstance(g, DTensor):
+            if g.dtype.kind != "f":
+                raise DistTypeError(f"{where('clip_grad_norm_')}: {label} must be a floating-point DTensor, "
+                                    f"got dtype {g.dtype}")
+            if any(q.is_partial() for q in g.placements):
+                raise DistValueError(f"{where('clip_grad_norm_')}: {label} has placements {g.placements!r}; a "
+                                     "Partial gradient holds terms, not values: redistribute it to its "
+                                     "parameter's placements first")
+            sharded = tuple(i for i, q in enumerate(g.placements) if q.is_shard())
+            dtensors.setdefault((g.device_mesh, sharded), []).append(g.to_local())
             continue
         if not is_array(g) or g.dtype.kind != "f":
             kind = f"dtype {g.dtype}" if is_array(g) else type(g).__name__
             raise DistTypeError(f"{where('clip_grad_norm_')}: {label} must be a floating-point array, got {kind}")
         arrays.append(g)
 
-    partial = 0.0
-    for g in arrays:
-        part = _partial_norm(g, p)
-        if part != part:
-            partial = math.nan
-            break
-        partial = max(partial, part) if p == math.inf else partial + part
-    if group is not None:
-        # [value, nan flag]: MPI's MAX may drop a nan, so nan travels as a flag that MAX/SUM keep.
-        is_nan = partial != partial
-        buf = np.array([0.0 if is_nan else partial, 1.0 if is_nan else 0.0], dtype=np.float64)
-        all_reduce(buf, ReduceOp.MAX if p == math.inf else ReduceOp.SUM, group=group)
-        partial = math.nan if buf[1] > 0 else float(buf[0])
+    partial = _reduced(_local_norm(arrays, p), p, [group] if group is not None else [])
+    for (mesh, sharded), blocks in dtensors.items():
+        part = _reduced(_local_norm(blocks, p), p, [mesh.get_group(i) for i in sharded])
+        partial = math.nan if part != part else max(partial, part) if p == math.inf else partial + part
     if p == math.inf:
         total = partial
     elif p == 2.0:
@@ -140,6 +150,29 @@ def clip_grad_norm_(grads: Mapping[str, Any] | Sequence[Any] | Any, max_norm: fl
                            f"scale them by the non-finite norm anyway")
     clip_coef = max_norm / (total + 1e-6)
     if not clip_coef >= 1.0:  # includes nan, which torch's clamp(max=1) keeps
-        for g in arrays:
+        for g in arrays + [b for blocks in dtensors.values() for b in blocks]:
             g *= clip_coef
     return total
+
+
+def _local_norm(arrays: list[Any], p: float) -> float:
+    """This rank's ``sum |g|^p`` (``max |g|`` for inf) over ``arrays``; nan if any is nan."""
+    partial = 0.0
+    for g in arrays:
+        part = _partial_norm(g, p)
+        if part != part:
+            return math.nan
+        partial = max(partial, part) if p == math.inf else partial + part
+    return partial
+
+
+def _reduced(partial: float, p: float, groups: list[ProcessGroup]) -> float:
+    """``partial`` summed (max for inf) over each of ``groups`` in turn: over their product."""
+    if not groups:
+        return partial
+    # [value, nan flag]: MPI's MAX may drop a nan, so nan travels as a flag that MAX/SUM keep.
+    is_nan = partial != partial
+    buf = np.array([0.0 if is_nan else partial, 1.0 if is_nan else 0.0], dtype=np.float64)
+    for group in groups:
+        all_reduce(buf, ReduceOp.MAX if p == math.inf else ReduceOp.SUM, group=group)
+    return math.nan if buf[1] > 0 else float(buf[0])
