@@ -122,7 +122,7 @@ class ParallelStyle:
             return weight
         if len(shape) == 1:
             return bias
-        raise errors.value_error(f"{type(self).__name__}", f"parameter {name!r} has shape {tuple(shape)}; this style "
+        raise errors.value_error(f"{type(self).__name__}.param_placement", f"parameter {name!r} has shape {tuple(shape)}; this style "
                                  f"lays out a 2-D weight (in, out) as {weight!r} and a 1-D bias (out,) as {bias!r}, "
                                  "nothing else")
 
