@@ -64,6 +64,7 @@ __all__ = [
     "run_metadata",
     "host_metadata",
     "write_json",
+    "save_results",
     "load_result",
     "png_path",
     "require_pyplot",
@@ -433,6 +434,18 @@ def write_json(path: Path, metadata: dict[str, Any], rows: list[dict[str, Any]])
     with path.open("w") as f:
         json.dump({"metadata": metadata, "rows": rows}, f, indent=1)
         f.write("\n")
+
+
+def save_results(args: argparse.Namespace, default: Path, metadata: dict[str, Any], rows: list[dict[str, Any]],
+                 draw: Callable[[Path], None]) -> None:
+    """Write the JSON (``args.json`` or ``default``) and, with ``--plot``, call ``draw(png path)``."""
+    path = args.json or default
+    write_json(path, metadata, rows)
+    LOG.info("wrote %s", path)
+    if args.plot is not None:
+        png = png_path(args.plot, path)
+        draw(png)
+        LOG.info("wrote %s", png)
 
 
 def load_result(path: Path, benchmark: str) -> dict[str, Any]:

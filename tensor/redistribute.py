@@ -20,6 +20,7 @@ block, as torch does. Works on NumPy and CuPy blocks alike (``xp`` is the block'
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Sequence
 
@@ -41,12 +42,19 @@ def _parent_size(shape: Sequence[int], mesh: DeviceMesh, coordinate: Sequence[in
 
 
 def plan(src: Sequence[Placement], dst: Sequence[Placement]) -> list[tuple[int, Placement, Placement]]:
+    """The steps ``(mesh dim, from, to)`` that take ``src`` to ``dst``, in order (see :func:`_plan`)."""
+    return list(_plan(tuple(src), tuple(dst)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(src: tuple[Placement, ...], dst: tuple[Placement, ...]) -> tuple[tuple[int, Placement, Placement], ...]:
     """The steps ``(mesh dim, from, to)`` that take ``src`` to ``dst``, in order.
 
-    Pure: the tests and the benchmark read it. First (right to left) every Shard that changes,
-    or that sits inside (to the right of) such a Shard or a new Shard of the same array dim, is
-    undone: all-to-all straight to its target Shard where no other mesh dim shards either array
-    dim (before or after), else all-gather to Replicate. Then (left to right) every remaining difference is applied.
+    Pure (cached; the tests read it). First (right to left) every Shard that changes, or that
+    sits inside (to the right of) such a Shard or a new Shard of the same array dim, is undone:
+    all-to-all straight to its target Shard where no other mesh dim shards either array dim
+    (before or after), else all-gather to Replicate. Then (left to right) every remaining
+    difference is applied.
     """
     cur = list(src)
     n = len(cur)
@@ -69,7 +77,7 @@ def plan(src: Sequence[Placement], dst: Sequence[Placement]) -> list[tuple[int, 
         if cur[i] != dst[i]:
             steps.append((i, cur[i], dst[i]))
             cur[i] = dst[i]
-    return steps
+    return tuple(steps)
 
 
 def redistribute_local(local: Any, mesh: DeviceMesh, shape: Sequence[int], src: Sequence[Placement],
@@ -80,7 +88,7 @@ def redistribute_local(local: Any, mesh: DeviceMesh, shape: Sequence[int], src: 
     """
     coordinate = mesh.get_coordinate()
     cur = list(src)
-    for i, p, q in plan(src, dst):
+    for i, p, q in _plan(tuple(src), tuple(dst)):
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("redistribute on mesh dim %d: %r -> %r (global shape %s)", i, p, q, tuple(shape))
         group = mesh.get_group(i)

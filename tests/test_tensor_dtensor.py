@@ -93,3 +93,41 @@ def test_dtensor_is_never_silently_an_ndarray_and_meshes_do_not_mix():
     (l0, f0), (l1, f1) = local.run(body, 2)
     assert l0 == [0, 1, 2, 3] and f0 == f1 == [0, 1, 2, 3]
     assert all(x == 0 and np.signbit(x) for x in l1), "sum Partial: -0.0 (the identity) on the other ranks"
+
+
+def test_detail_mode_checks_from_local_across_ranks(monkeypatch):
+    monkeypatch.setenv("MESHKIT_DEBUG", "detail")
+
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2, 2))
+        rank = meshkit.get_rank()
+        # 5 rows over mesh dim 0 (3, 2); rank 2 claims the global shape is (6, 4)
+        rows = 3 if mesh.get_coordinate()[0] == 0 else 2
+        shape = (6, 4) if rank == 2 else (5, 4)
+        with pytest.raises(ValueError) as info:
+            DTensor.from_local(np.zeros((rows, 2)), mesh, [Shard(0), Shard(1)], shape=shape)
+        good = DTensor.from_local(np.zeros((rows, 2)), mesh, [Shard(0), Shard(1)], shape=(5, 4))
+        return str(info.value), good.shape
+
+    results = local.run(body, 4)
+    for rank, (msg, shape) in enumerate(results):
+        assert msg.startswith(f"meshkit.tensor: rank {rank}: DTensor.from_local:"), msg
+        assert shape == (5, 4)
+    # rank 1 shares no mesh dim with rank 2 (mesh [[0, 1], [2, 3]]) but hears of it too: every rank
+    # raises the same error, none waits
+    assert len({msg.split(": ", 2)[2] for msg, _ in results}) == 1
+    assert "rank 2 passed shape (6, 4)" in results[1][0]
+
+
+def test_ranks_outside_the_mesh_and_src_data_rank_are_named():
+    def body():
+        mesh = meshkit.DeviceMesh("cpu", [0, 1])
+        if meshkit.get_rank() == 2:
+            with pytest.raises(ValueError, match=r"rank 2: distribute_tensor: this rank is not in the mesh \[0, 1\]"):
+                distribute_tensor(np.ones(4), mesh, [Shard(0)])
+            return None
+        with pytest.raises(ValueError, match="src_data_rank=0 is not supported"):
+            distribute_tensor(np.ones(4), mesh, [Shard(0)], src_data_rank=0)
+        return distribute_tensor(np.arange(4.0), mesh, [Shard(0)]).to_local().tolist()
+
+    assert local.run(body, 3) == [[0.0, 1.0], [2.0, 3.0], None]

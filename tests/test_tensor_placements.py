@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
+
+import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from meshkit.tensor import Partial, Replicate, Shard
 from meshkit.tensor.chunks import chunk_range, local_shape_and_offset, local_slices
@@ -45,3 +50,18 @@ def test_nested_shards_cut_left_to_right():
     assert got == {(0, 0): ((2,), (0,)), (0, 1): ((1,), (2,)), (1, 0): ((2,), (3,)), (1, 1): ((1,), (5,))}
     assert local_slices((6, 4), (2, 2), (1, 1), [Shard(0), Shard(1)]) == (slice(3, 6), slice(2, 4))
     assert local_slices((5, 4), (2, 2), (0, 1), [Replicate(), Partial()]) == (slice(0, 5), slice(0, 4))
+
+
+@given(shape=st.lists(st.integers(0, 7), min_size=1, max_size=3),
+       mesh_shape=st.lists(st.integers(1, 4), min_size=1, max_size=3), data=st.data())
+def test_blocks_tile_the_global_array_exactly_once(shape, mesh_shape, data):
+    """Every element of the global array is in exactly one block per Partial-free layout, up to
+    replication: ranks that differ only on Replicate mesh dims hold the same block."""
+    options = [Replicate()] + [Shard(d) for d in range(len(shape))]
+    placements = data.draw(st.lists(st.sampled_from(options), min_size=len(mesh_shape), max_size=len(mesh_shape)))
+    owners = np.zeros(shape, dtype=int)
+    for coordinate in itertools.product(*(range(n) for n in mesh_shape)):
+        if any(c and p.is_replicate() for c, p in zip(coordinate, placements)):
+            continue  # a replica of the block at coordinate 0 of that mesh dim
+        owners[local_slices(shape, mesh_shape, coordinate, placements)] += 1
+    assert (owners == 1).all()

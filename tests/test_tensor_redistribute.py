@@ -82,3 +82,9 @@ def test_a_redistribution_logs_its_steps_at_debug(caplog):
 def test_every_pair_on_real_processes(mpirun):
     out = mpirun("mpi_tensor.py", 4).stdout
     assert out.count("TENSOR OK") == 4, out
+
+
+def test_every_shard_and_replicate_pair_on_a_2x2x2_mesh():
+    # three mesh dims over two array dims: Shards nest two and three deep on one array dim
+    counts = local.run(tensor_cases.check_all_pairs, 8, (2, 2, 2), (5, 3), "float64", [S0, S1, R], timeout=120)
+    assert counts == [27 * 27] * 8

@@ -1,0 +1,281 @@
+"""DTensor's cost: each redistribution beside the bare collective it uses, and the per-op overhead.
+
+Run it by hand (a measurement, not a test; nothing here asserts on timings)::
+
+    meshkit-run -n 4 benchmarks/dtensor.py                 # tables on rank 0
+    meshkit-run -n 4 benchmarks/dtensor.py --plot          # ... and benchmarks/results/dtensor-n4.png
+    meshkit-run -n 2 benchmarks/dtensor.py --max-bytes 1M --rounds 3
+    python benchmarks/dtensor.py --plot-from benchmarks/results/dtensor-n4.json   # redraw only
+
+With the pip-installed ``mpich`` wheel in a venv, use the venv's launcher (``.venv/bin/meshkit-run``).
+
+What is measured, on a 1-D mesh over all N ranks, float64:
+
+* ``redistribute``: for each transition (``S0->R`` all-gather, ``P->R`` all-reduce, ``P->S0``
+  reduce-scatter, ``S0->S1`` all-to-all, ``R->S0`` a local slice) and each global array size
+  (``rows x 64`` float64, rows a multiple of N so no padding is needed): the time of
+  ``DTensor.redistribute`` next to the time of the meshkit collective it issues, called on
+  preallocated buffers of the same sizes (``ProcessGroup.all_gather_into_tensor`` ...). The
+  ratio is DTensor's layer: the plan, the copies into contiguous send buffers, the wrapping.
+  Both results are compared before timing (a wrong answer aborts the run).
+* ``overhead``: for small arrays (``--op-shape``, default 8x8 per rank), the time of a DTensor
+  op (``a + b``, ``np.tanh``, ``a @ w``, ``np.sum(axis=1)``, ``.T``, ``reshape``) minus the time
+  of the same NumPy call on the local blocks, in microseconds: the cost of dispatch, placement
+  rules and wrapping when no communication is needed (the project's target: under 20 us).
+
+Timing follows ``collectives.py``: interleaved rounds (``--rounds``, default 5), in each a
+barrier then ``iters`` timed calls per candidate (adapted to about 0.05 s unless ``--iters``);
+a call's time is the MAX over ranks of the per-call average, reported as the median over
+rounds. Rank 0 prints both tables and writes JSON (``benchmarks/results/dtensor-n{N}.json``)
+and, with ``--plot``, a PNG: the redistribute/collective time ratio against size, and the
+per-op overhead bars.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+from _common import (LOG, Progress, add_output_args, barrier, calibrate_iters, choice_list, format_size,
+                     load_result, log2_size_axis, matplotlib_missing, max_over_ranks, median, parse_checked,
+                     parse_size, png_path, print0, require_pyplot, run_metadata, save_figure, save_results,
+                     setup_logging, size_sweep, time_calls)
+from mpi4py import MPI
+
+import meshkit
+from meshkit.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+RESULTS = Path(__file__).resolve().parent / "results"
+COLUMNS = 64  # float64 columns of the redistributed arrays
+TRANSITIONS = ("S0->R", "P->R", "P->S0", "S0->S1", "R->S0")
+OPS = ("add", "tanh", "matmul", "sum", "transpose", "reshape")
+_PLACEMENT = {"S0": Shard(0), "S1": Shard(1), "R": Replicate(), "P": Partial()}
+
+
+# --------------------------------------------------------------------------- candidates
+def redistribution(name: str, rows: int, mesh: meshkit.DeviceMesh) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """``(redistribute, bare collective)`` callables for one transition, checked to agree."""
+    src, dst = (_PLACEMENT[p] for p in name.split("->"))
+    group, n, r = mesh.get_group(0), mesh.size(), mesh.get_local_rank(0)
+    if src.is_replicate():  # every rank holds the same array
+        d = distribute_tensor(np.random.default_rng(0).standard_normal((rows, COLUMNS)), mesh, [src])
+    else:  # this rank's term (Partial) or block (Shard)
+        a = np.random.default_rng(r).standard_normal((rows if src.is_partial() else rows // n, COLUMNS))
+        d = DTensor.from_local(a, mesh, [src], shape=(rows, COLUMNS))
+    local = d.to_local()
+    if name == "S0->R":
+        out = np.empty((rows, COLUMNS))
+        bare = lambda: group.all_gather_into_tensor(out, local)  # noqa: E731
+    elif name == "P->R":
+        out = local.copy()
+        bare = lambda: group.all_reduce(out)  # noqa: E731 (in place: a fresh copy per call is DTensor's cost)
+    elif name == "P->S0":
+        out = np.empty((rows // n, COLUMNS))
+        bare = lambda: group.reduce_scatter_tensor(out, local)  # noqa: E731
+    elif name == "S0->S1":
+        send = np.ascontiguousarray(local.reshape(rows // n, n, COLUMNS // n).swapaxes(0, 1))
+        out = np.empty_like(send)
+        bare = lambda: group.all_to_all_single(out, send)  # noqa: E731
+    else:  # R->S0: no collective; the bare step is the slice
+        out = None
+        bare = lambda: local[r * (rows // n):(r + 1) * (rows // n)]  # noqa: E731
+    redistribute = lambda: d.redistribute(placements=[dst])  # noqa: E731
+    got = redistribute().to_local()
+    bare()
+    if name == "P->R":
+        out = local.copy()
+        group.all_reduce(out)
+        want = out
+    elif name == "S0->S1":
+        want = out.reshape(n * (rows // n), COLUMNS // n)
+    elif name == "R->S0":
+        want = bare()
+    else:
+        want = out
+    if not np.array_equal(got, want):
+        raise SystemExit(f"meshkit.bench: rank {meshkit.get_rank()}: {name}: redistribute and the bare "
+                         "collective disagree")
+    return redistribute, bare
+
+
+def op_pairs(shape: tuple[int, int], mesh: meshkit.DeviceMesh) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]]]:
+    """``{op: (DTensor call, the same NumPy call on the local blocks)}``, none communicating."""
+    n = mesh.size()
+    rng = np.random.default_rng(1)
+    g = rng.standard_normal((shape[0] * n, shape[1]))
+    w = rng.standard_normal((shape[1], shape[1] * n))
+    a, b = distribute_tensor(g, mesh, [Shard(0)]), distribute_tensor(g * 2, mesh, [Shard(0)])
+    x = distribute_tensor(g[: shape[0]], mesh, [Replicate()])
+    wd = distribute_tensor(w, mesh, [Shard(1)])
+    la, lb, lx, lw = a.to_local(), b.to_local(), x.to_local(), wd.to_local()
+    return {
+        "add": (lambda: a + b, lambda: la + lb),
+        "tanh": (lambda: np.tanh(a), lambda: np.tanh(la)),
+        "matmul": (lambda: x @ wd, lambda: lx @ lw),
+        "sum": (lambda: np.sum(a, axis=1), lambda: np.sum(la, axis=1)),
+        "transpose": (lambda: a.T, lambda: la.T),
+        "reshape": (lambda: a.reshape(shape[0] * n, shape[1] // 2, 2),
+                    lambda: la.reshape(shape[0], shape[1] // 2, 2)),
+    }
+
+
+# --------------------------------------------------------------------------- timing
+def time_pair(pair: tuple[Callable[[], Any], Callable[[], Any]], args: argparse.Namespace,
+              comm: MPI.Comm) -> tuple[float, float]:
+    """Median over rounds of the MAX-over-ranks per-call seconds of both callables, interleaved."""
+    iters = [args.iters or calibrate_iters(fn, comm, budget_s=0.05 / args.rounds, min_iters=5) for fn in pair]
+    iters = [max(max_over_ranks(comm, [i])[0], 1) for i in iters]
+    samples: list[list[float]] = [[], []]
+    for rnd in range(args.rounds):
+        order = (0, 1) if rnd % 2 == 0 else (1, 0)  # neither always first
+        for k in order:
+            for _ in range(args.warmup):
+                pair[k]()
+            barrier(comm)
+            samples[k].append(time_calls(pair[k], int(iters[k])))
+    flat = max_over_ranks(comm, samples[0] + samples[1])
+    return median(flat[:args.rounds]), median(flat[args.rounds:])
+
+
+def run(args: argparse.Namespace, comm: MPI.Comm, rank: int, n: int) -> list[dict[str, Any]]:
+    mesh = meshkit.init_device_mesh("cpu", (n,))
+    rows_list = sorted({max(n, (size // (8 * COLUMNS)) // n * n) for size in size_sweep(args.min_bytes, args.max_bytes)})
+    pairs = op_pairs((args.op_shape[0], args.op_shape[1]), mesh)
+    out: list[dict[str, Any]] = []
+    total = len(args.transitions) * len(rows_list) + len(args.ops)
+    with Progress(total, enabled=rank == 0 and not args.no_progress, unit="case") as progress:
+        for name in args.transitions:
+            progress.start_group(name)
+            for rows in rows_list:
+                t_dt, t_bare = time_pair(redistribution(name, rows, mesh), args, comm)
+                local_step = name == "R->S0"  # no collective: the "bare" time is a NumPy slice
+                out.append({"section": "redistribute", "transition": name, "bytes": rows * COLUMNS * 8,
+                            "redistribute_us": 1e6 * t_dt, "collective_us": 1e6 * t_bare,
+                            "ratio": None if local_step or t_bare <= 0 else t_dt / t_bare})
+                progress.step(format_size(rows * COLUMNS * 8))
+        progress.start_group("ops")
+        for op in args.ops:
+            t_dt, t_np = time_pair(pairs[op], args, comm)
+            out.append({"section": "overhead", "op": op, "dtensor_us": 1e6 * t_dt, "numpy_us": 1e6 * t_np,
+                        "overhead_us": 1e6 * (t_dt - t_np)})
+            progress.step(op)
+    return out
+
+
+# --------------------------------------------------------------------------- output
+def table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [f"{'transition':<10} {'size':>8} {'redistribute us':>16} {'collective us':>14} {'ratio':>7}"]
+    for r in rows:
+        if r["section"] == "redistribute":
+            ratio = "local" if r["ratio"] is None else f"{r['ratio']:.3f}"
+            lines.append(f"{r['transition']:<10} {format_size(r['bytes']):>8} {r['redistribute_us']:>16.2f} "
+                         f"{r['collective_us']:>14.2f} {ratio:>7}")
+    lines.append("")
+    lines.append(f"{'op':<10} {'DTensor us':>11} {'NumPy us':>9} {'overhead us':>12}   (target: overhead < 20 us)")
+    for r in rows:
+        if r["section"] == "overhead":
+            lines.append(f"{r['op']:<10} {r['dtensor_us']:>11.2f} {r['numpy_us']:>9.2f} {r['overhead_us']:>12.2f}")
+    return lines
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    plt = require_pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.4))
+    redis = [r for r in rows if r["section"] == "redistribute" and r["ratio"] is not None]
+    for name in dict.fromkeys(r["transition"] for r in redis):
+        mine = [r for r in redis if r["transition"] == name]
+        left.plot([r["bytes"] for r in mine], [r["ratio"] for r in mine], marker="o", label=name)
+    if redis:
+        log2_size_axis(left, [r["bytes"] for r in redis])
+    left.axhline(1.10, color="tab:red", ls="--", lw=1, label="target 1.10")
+    left.axhline(1.0, color="gray", lw=0.8)
+    left.set_xlabel("global array bytes")
+    left.set_ylabel("redistribute time / bare collective time")
+    left.legend(fontsize="small")
+    left.grid(True, alpha=0.3)
+    ops = [r for r in rows if r["section"] == "overhead"]
+    right.bar(range(len(ops)), [r["overhead_us"] for r in ops], color="tab:blue", alpha=0.85)
+    right.set_xticks(range(len(ops)), [r["op"] for r in ops])
+    right.axhline(20, color="tab:red", ls="--", lw=1, label="target 20 us")
+    right.set_ylabel("DTensor overhead per op (us)")
+    right.legend(fontsize="small")
+    right.grid(True, axis="y", alpha=0.3)
+    save_figure(fig, path, title)
+
+
+def plot_title(meta: dict[str, Any]) -> str:
+    return (f"meshkit DTensor: {meta.get('world_size')} ranks, {meta.get('cores_per_host')} cores/host, "
+            f"float64, 1-D mesh")
+
+
+# --------------------------------------------------------------------------- command line
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--min-bytes", type=parse_size, default=parse_size("4K"), help="smallest global array")
+    p.add_argument("--max-bytes", type=parse_size, default=parse_size("16M"), help="largest global array")
+    p.add_argument("--transitions", type=choice_list(TRANSITIONS, "transitions"), default=list(TRANSITIONS))
+    p.add_argument("--ops", type=choice_list(OPS, "ops"), default=list(OPS))
+    p.add_argument("--op-shape", default="8x8", help="per-rank block of the overhead ops, ROWSxCOLS (COLS even)")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
+    p.add_argument("--iters", type=int, default=None, help="timed calls per round (default: adapted)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls before each timed block")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds any blocking meshkit call waits at most")
+    add_output_args(p, json_help="result file (default benchmarks/results/dtensor-n{N}.json)")
+    return p
+
+
+def _invalid(args: argparse.Namespace, n: int) -> str | None:
+    if args.rounds < 1 or args.warmup < 0 or (args.iters is not None and args.iters < 1):
+        return "--rounds and --iters must be >= 1 and --warmup >= 0"
+    if args.min_bytes < 1 or args.max_bytes < args.min_bytes:
+        return f"invalid sizes: --min-bytes {args.min_bytes} must be >= 1 and <= --max-bytes {args.max_bytes}"
+    try:
+        args.op_shape = tuple(int(v) for v in args.op_shape.lower().split("x"))
+    except ValueError:
+        args.op_shape = ()
+    if len(args.op_shape) != 2 or min(args.op_shape) < 1 or args.op_shape[1] % 2:
+        return "invalid --op-shape: write ROWSxCOLS with positive sizes and COLS even, e.g. 8x8"
+    if "S0->S1" in args.transitions and COLUMNS % n:
+        return f"S0->S1 needs {COLUMNS} columns to divide over the {n} ranks"
+    return matplotlib_missing(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    comm = MPI.COMM_WORLD.Dup()  # barriers and time reductions: never in meshkit's way
+    rank, n = comm.Get_rank(), comm.Get_size()
+    args = parse_checked(build_parser(), rank, argv, lambda a: _invalid(a, n))
+    setup_logging(rank, args.verbose)
+    if args.plot_from is not None:
+        if rank == 0:
+            data = load_result(args.plot_from, "dtensor")
+            png = png_path(args.plot, args.plot_from)
+            plot(data["rows"], png, plot_title(data["metadata"]))
+            LOG.info("wrote %s", png)
+        comm.Free()
+        return 0
+    meshkit.init_process_group("mpi", timeout=args.timeout)
+    started = time.perf_counter()
+    try:
+        rows = run(args, comm, rank, n)
+    finally:
+        meshkit.destroy_process_group()
+    meta = run_metadata(comm, benchmark="dtensor", columns=COLUMNS, transitions=args.transitions, ops=args.ops,
+                        op_shape=list(args.op_shape), rounds=args.rounds, iters=args.iters, warmup=args.warmup,
+                        seconds=time.perf_counter() - started,
+                        load_average_1m=os.getloadavg()[0] if hasattr(os, "getloadavg") else None)
+    if rank == 0:
+        for line in table(rows):
+            print0(rank, line)
+        save_results(args, RESULTS / f"dtensor-n{n}.json", meta, rows, lambda png: plot(rows, png, plot_title(meta)))
+    comm.Free()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
