@@ -3,6 +3,7 @@
     meshkit-run -n 4 examples/train_tp.py --mesh 2x2 --check     # 2 replicas of a 2-way split model
     meshkit-run -n 4 examples/train_tp.py --mesh 1x4 --check     # tensor parallel only
     meshkit-run -n 2 examples/train_tp.py --mesh 2x1 --check     # data parallel only
+    meshkit-run -n 4 examples/train_tp.py --mesh 2x2 --dp fsdp --check   # ZeRO-3 over dp of the TP blocks
 
 The model is ``mlp.py``'s (beside this file: its data, its initial parameters, its optimizers):
 ``logits = tanh(tanh(x @ w0 + b0) @ w1 + b1) @ w2 + b2``. The parameters become DTensors on the
@@ -12,8 +13,9 @@ The model is ``mlp.py``'s (beside this file: its data, its initial parameters, i
 backward pass are plain NumPy on those DTensors: the ops propagate the placements, so the first
 hidden layer runs on each rank's columns without communication, the second layer's output is
 all-reduced once (the style's ``prepare_output``), and every gradient comes out with its
-parameter's placements. DDP averages each rank's blocks over ``dp``; the optimizer (``SGD`` or
-``AdamW``) updates the DTensors in place.
+parameter's placements. DDP averages each rank's blocks over ``dp`` and the optimizer (``SGD`` or
+``AdamW``) updates the DTensors in place; ``--dp zero1|zero2|fsdp`` shards the blocks' optimizer
+state, gradients and (fsdp) parameters over ``dp`` instead (``dp_shard x tp``).
 
 ``--check`` trains the same model in one process on the global batch (``train_mlp.py``'s
 reference) and compares the final parameters to 1e-10 in float64 (1e-5 in float32).
@@ -24,20 +26,22 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
 import meshkit
 import mlp  # the model, beside this file
 import train_mlp  # its reference training, --check's comparison and flag types
-from meshkit.parallel import DistributedDataParallel
+from meshkit.parallel import DistributedDataParallel, FullyShardedDataParallel, Optimizer, ZeroRedundancyOptimizer
 from meshkit.tensor import ColwiseParallel, DTensor, Replicate, RowwiseParallel, distribute_tensor, parallelize
 
 #: The Megatron block: layer 0 colwise, layer 1 rowwise; DTensors in and out (no local outputs).
 COLWISE = ColwiseParallel(use_local_output=False)
 ROWWISE = RowwiseParallel(use_local_output=False)
 PLAN = {"[wb]0": COLWISE, "[wb]1": ROWWISE}
+#: How the TP blocks are data-parallel over dp (see TensorParallelModel).
+DP_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
 #: The model's hidden widths (mlp.py's default): three layers, the plan's two and a replicated head.
 HIDDEN = (64, 64)
 
@@ -81,6 +85,85 @@ def build_mesh(shape: tuple[int, int]) -> meshkit.DeviceMesh:
     return meshkit.init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
 
 
+class TensorParallelModel:
+    """The model's parameters as DTensors over ``tp``, their blocks trained data-parallel over ``dp``.
+
+    ``dp`` is how the blocks are data-parallel (collective over the mesh):
+
+    * ``ddp``: DDP averages each rank's blocks (the DTensors' own memory); the optimizer steps
+      the DTensors with DTensor gradients.
+    * ``zero1``/``zero2``: ZeRO shards each block's optimizer state (and, at stage 2, its
+      gradient) over ``dp``; the DTensors are views of ZeRO's parameter buffers.
+    * ``fsdp``: ZeRO-3 over ``dp`` of the TP blocks (``dp_shard x tp``): one unit per layer,
+      every unit gathered for the step and wrapped as DTensors, gradients reduce-scattered.
+    """
+
+    def __init__(self, dp_strategy: str, full: dict[str, np.ndarray], mesh: meshkit.DeviceMesh,
+                 optimizer: Optimizer) -> None:
+        self.kind, self.tp = dp_strategy, mesh["tp"]
+        self.layout = parallelize(full, self.tp, PLAN)
+        blocks = {name: p.to_local() for name, p in self.layout.items()}
+        self.units = [[f"w{i}", f"b{i}"] for i in range(mlp.layer_count(full))]
+        self.optimizer = optimizer
+        if dp_strategy == "ddp":
+            self.inner: Any = DistributedDataParallel(blocks, mesh=mesh["dp"])
+        elif dp_strategy in ("zero1", "zero2"):
+            self.inner = ZeroRedundancyOptimizer(blocks, optimizer, mesh=mesh["dp"], stage=int(dp_strategy[-1]))
+            self.layout = self._wrap(self.inner.params)
+        else:
+            self.inner = FullyShardedDataParallel(blocks, mesh=mesh["dp"], optimizer=optimizer, units=self.units)
+        self._pending: dict[str, Any] = {}
+
+    def _wrap(self, blocks: Any) -> dict[str, DTensor]:
+        """``{name: DTensor}`` over ``blocks`` (this rank's arrays), laid out as the plan says."""
+        return {name: DTensor.from_local(blocks[name], self.tp, p.placements, shape=p.shape)
+                for name, p in self.layout.items()}
+
+    @contextlib.contextmanager
+    def params(self) -> Iterator[dict[str, DTensor]]:
+        """The parameters as DTensors for one forward and backward pass."""
+        if self.kind != "fsdp":
+            yield self.layout
+            return
+        with contextlib.ExitStack() as stack:
+            blocks: dict[str, Any] = {}
+            for unit in range(len(self.units)):
+                blocks.update(stack.enter_context(self.inner.unshard(unit)))
+            yield self._wrap(blocks)
+
+    def zero_grad(self) -> None:
+        self.inner.zero_grad()
+
+    def grad_ready(self, name: str, grad: DTensor) -> None:
+        """Hand over one gradient, which must have its parameter's placements."""
+        if grad.placements != self.layout[name].placements:
+            raise RuntimeError(f"train_tp: gradient {name!r} came out {grad.placements!r}, its parameter is "
+                               f"{self.layout[name].placements!r}")
+        if self.kind != "fsdp":
+            self.inner.mark_grad_ready(name, grad.to_local())
+            return
+        self._pending[name] = grad.to_local()
+        unit = int(name[1:])
+        if all(n in self._pending for n in self.units[unit]):
+            self.inner.reduce_grads(unit, {n: self._pending.pop(n) for n in self.units[unit]})
+
+    def step(self) -> None:
+        if self.kind == "ddp":
+            self.inner.finish_gradient_sync()
+            self.optimizer.step(self.layout, self._wrap(self.inner.grads))
+        elif self.kind == "fsdp":
+            self.inner.step()
+        else:
+            self.inner.finish_gradient_sync()
+            self.inner.step()
+
+    def full_params(self) -> dict[str, np.ndarray]:
+        """Every parameter gathered whole (collective)."""
+        if self.kind == "fsdp":
+            return {n: p.full_tensor() for n, p in self._wrap(self.inner.full_state_dict()["params"]).items()}
+        return {n: p.full_tensor() for n, p in self.layout.items()}
+
+
 def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np.ndarray], list[float]]:
     """Train on the ``--mesh``: each dp rank takes its share of every global batch.
 
@@ -89,35 +172,24 @@ def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np
     mesh = build_mesh(args.mesh)
     dp, tp = mesh["dp"], mesh["tp"]
     x, y = mlp.make_data(args.samples)
-    params = parallelize(mlp.init_params(HIDDEN, dtype=np.dtype(args.dtype)), tp, PLAN)
-    # DDP averages this rank's blocks over dp: the DTensors' own memory, so updates reach both.
-    ddp = DistributedDataParallel({name: p.to_local() for name, p in params.items()}, mesh=dp)
-    opt = mlp.make_optimizer(args.optimizer, args.lr)
-
-    def grad_ready(name: str, grad: DTensor) -> None:
-        if grad.placements != params[name].placements:
-            raise RuntimeError(f"train_tp: gradient {name!r} came out {grad.placements!r}, its parameter is "
-                               f"{params[name].placements!r}")
-        ddp.mark_grad_ready(name, grad.to_local())
-
+    model = TensorParallelModel(args.dp, mlp.init_params(HIDDEN, dtype=np.dtype(args.dtype)), mesh,
+                                mlp.make_optimizer(args.optimizer, args.lr))
     losses = []
     with train_mlp.progress_bar(args.steps, enabled=progress and meshkit.get_rank() == 0) as show:
         for step in range(args.steps):
             idx = np.array_split(mlp.batch_indices(step, args.samples, args.batch), dp.size())[dp.get_local_rank()]
             onehot = distribute_tensor(np.eye(mlp.CLASSES, dtype=args.dtype)[y[idx]], tp, [Replicate()])
-            ddp.zero_grad()
-            acts = forward(params, x[idx].astype(args.dtype), tp)
-            loss, dlogits = loss_and_grad_logits(acts[-1], onehot)
-            backward(params, acts, dlogits, grad_ready)
-            ddp.finish_gradient_sync()
-            grads = {name: DTensor.from_local(ddp.grads[name], tp, p.placements, shape=p.shape)
-                     for name, p in params.items()}
-            opt.step(params, grads)
+            model.zero_grad()
+            with model.params() as params:
+                acts = forward(params, x[idx].astype(args.dtype), tp)
+                loss, dlogits = loss_and_grad_logits(acts[-1], onehot)
+                backward(params, acts, dlogits, model.grad_ready)
+            model.step()
             global_loss = np.array([float(loss.to_local())])
             meshkit.all_reduce(global_loss, meshkit.ReduceOp.AVG, group=dp.get_group())
             losses.append(float(global_loss[0]))
             show(losses[-1])
-    return {name: p.full_tensor() for name, p in params.items()}, losses
+    return model.full_params(), losses
 
 
 # --------------------------------------------------------------------------- command line
@@ -126,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mesh", type=train_mlp.mesh_shape("DPxTP"), default=None, metavar="DPxTP",
                         help="data-parallel x tensor-parallel degrees, their product the number of ranks N "
                              "(default: 2x(N/2) for an even N, else 1xN)")
+    parser.add_argument("--dp", default="ddp", choices=DP_STRATEGIES,
+                        help="how the TP blocks are data-parallel over DP: ddp, zero1, zero2 or fsdp (ZeRO-3, "
+                             "dp_shard x tp) (default: %(default)s)")
     parser.add_argument("--steps", type=train_mlp.int_at_least(1), default=100, help="default: %(default)s")
     parser.add_argument("--batch", type=train_mlp.int_at_least(1), default=120,
                         help="global batch, a multiple of DP and at most --samples (default: %(default)s)")
@@ -185,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         raise
     params, losses = train(args)
     if rank == 0:
-        print(f"dp x tp = {args.mesh[0]} x {args.mesh[1]}: loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+        print(f"dp x tp = {args.mesh[0]} x {args.mesh[1]} ({args.dp} over dp): loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
     status = 0
     if args.check:
         reference, _ = train_mlp.train_reference(args)

@@ -208,6 +208,7 @@ TP_BAD_FLAGS = [
     (["--lr", "-1"], 1, r"argument --lr: expected a finite number > 0, got '-1'"),
     (["--optimizer", "adam"], 1, r"argument --optimizer: invalid choice: 'adam'"),
     (["--strategy", "ddp"], 1, r"unrecognized arguments: --strategy ddp"),
+    (["--dp", "hsdp"], 1, r"argument --dp: invalid choice: 'hsdp'"),
 ]
 
 
@@ -229,12 +230,14 @@ def test_train_tp_defaults_follow_the_world():
     assert train_tp.parse_args([], world_size=4).mesh == (2, 2)
     assert train_tp.parse_args([], world_size=3).mesh == (1, 3)
     args = train_tp.parse_args(["--mesh", "1X4", "--optimizer", "adamw"], world_size=4)
-    assert (args.mesh, args.lr, args.steps, args.dtype) == ((1, 4), 0.01, 100, "float64")
+    assert (args.mesh, args.lr, args.steps, args.dtype, args.dp) == ((1, 4), 0.01, 100, "float64", "ddp")
 
 
 @pytest.mark.parametrize("mesh, extra", [
     ((2, 2), ()), ((1, 2), ()), ((2, 1), ()), ((1, 4), ()), ((1, 3), ()),   # 1x3: 64 hidden over 3 = 22, 22, 20
     ((2, 2), ("--optimizer", "adamw")), ((1, 2), ("--dtype", "float32")),
+    ((2, 2), ("--dp", "zero1")), ((2, 1), ("--dp", "zero2", "--optimizer", "adamw")), ((2, 2), ("--dp", "fsdp")),
+    ((3, 1), ("--dp", "fsdp", "--optimizer", "adamw")), ((2, 3), ("--dp", "zero2")),
 ])
 def test_train_tp_passes_its_check_local(mesh, extra):
     world = mesh[0] * mesh[1]
@@ -304,11 +307,11 @@ def test_example_fp16_check_is_printed_once_under_meshkit_run(mpirun):
     assert "[rank1]" not in out, "rank 0 alone prints"
 
 
-@pytest.mark.parametrize("n, mesh", [(4, "2x2"), (4, "1x4"), (2, "2x1")])
-def test_train_tp_check_passes_under_meshkit_run(mpirun, n, mesh):
-    out = mpirun(EXAMPLES / "train_tp.py", n, "--mesh", mesh, "--steps", "20", "--check").stdout
+@pytest.mark.parametrize("n, mesh, dp", [(4, "2x2", "ddp"), (4, "1x4", "ddp"), (2, "2x1", "ddp"), (4, "2x2", "fsdp")])
+def test_train_tp_check_passes_under_meshkit_run(mpirun, n, mesh, dp):
+    out = mpirun(EXAMPLES / "train_tp.py", n, "--mesh", mesh, "--dp", dp, "--steps", "20", "--check").stdout
     assert out.count("check against single-process training: OK (float64)") == 1, out
-    assert f"dp x tp = {mesh.replace('x', ' x ')}" in out
+    assert f"dp x tp = {mesh.replace('x', ' x ')} ({dp} over dp)" in out
 
 
 @pytest.mark.parametrize("script, n, argv, message", [
