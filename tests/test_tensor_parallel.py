@@ -45,7 +45,9 @@ def test_styles_have_torchs_default_layouts_and_compare_by_value():
     assert not SequenceParallel().use_local_output and SequenceParallel().input_layouts == Shard(1)
     assert SequenceParallel(sequence_dim=0).output_layouts == Shard(0)
     assert RowwiseParallel(output_layouts=(Shard(0),)) == RowwiseParallel(output_layouts=Shard(0))
-    assert ColwiseParallel() != ColwiseParallel(use_local_output=False)
+    assert ColwiseParallel() != ColwiseParallel(use_local_output=False) and ColwiseParallel() != RowwiseParallel()
+    with pytest.raises(TypeError):
+        ColwiseParallel(Shard(0))  # keyword-only, as torch's
     assert repr(RowwiseParallel(output_layouts=Shard(0))) == \
         "RowwiseParallel(input_layouts=Shard(dim=-1), output_layouts=Shard(dim=0), use_local_output=True)"
 

@@ -24,23 +24,25 @@ def _check(params: Any, mesh: Any, plan: Any) -> None:
     if mesh.ndim != 1:
         raise errors.value_error(_OP, f"mesh must be the 1-D tp mesh (e.g. mesh['tp']), got a {mesh.ndim}-D mesh "
                                       f"with dims {mesh.mesh_dim_names}")
-    if not isinstance(params, Mapping):
-        raise errors.type_error(_OP, f"params must be a dict of arrays, got {type(params).__name__}")
-    for name, p in params.items():
-        if not isinstance(name, str):
-            raise errors.type_error(_OP, f"params keys must be str names, got {name!r}")
-        if isinstance(p, DTensor) or not (hasattr(p, "shape") and hasattr(p, "dtype")):
-            raise errors.type_error(_OP, f"params[{name!r}] must be a plain NumPy or CuPy array (the full "
-                                         f"parameter), got {type(p).__name__}")
-    if not isinstance(plan, Mapping):
-        raise errors.type_error(_OP, f"plan must be a dict {{name or glob: ParallelStyle}}, got {type(plan).__name__}")
-    for key, style in plan.items():
-        if not isinstance(key, str):
-            raise errors.type_error(_OP, f"plan keys must be parameter names or fnmatch globs, got {key!r}")
-        if not isinstance(style, ParallelStyle):
-            raise errors.type_error(_OP, f"plan[{key!r}] must be a ParallelStyle (ColwiseParallel(), "
-                                         f"RowwiseParallel() or SequenceParallel()), got {type(style).__name__} "
-                                         f"{style!r}")
+    styles = "a ParallelStyle (ColwiseParallel(), RowwiseParallel() or SequenceParallel())"
+    for what, given, key_kind, valid, wanted in (
+            ("params", params, "str names", _is_plain_array, "a plain NumPy or CuPy array (the full parameter)"),
+            ("plan", plan, "parameter names or fnmatch globs", _is_style, styles)):
+        if not isinstance(given, Mapping):
+            raise errors.type_error(_OP, f"{what} must be a dict, got {type(given).__name__}")
+        for key, value in given.items():
+            if not isinstance(key, str):
+                raise errors.type_error(_OP, f"{what} keys must be {key_kind}, got {key!r}")
+            if not valid(value):
+                raise errors.type_error(_OP, f"{what}[{key!r}] must be {wanted}, got {type(value).__name__} {value!r}")
+
+
+def _is_plain_array(p: Any) -> bool:
+    return not isinstance(p, DTensor) and hasattr(p, "shape") and hasattr(p, "dtype")
+
+
+def _is_style(s: Any) -> bool:
+    return isinstance(s, ParallelStyle)
 
 
 def _style_of(name: str, plan: Mapping[str, ParallelStyle]) -> ParallelStyle | None:

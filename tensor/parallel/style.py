@@ -31,7 +31,7 @@ when ``use_local_output``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 from ...mesh import DeviceMesh
 from .. import errors
@@ -127,8 +127,39 @@ class ParallelStyle:
                                  "nothing else")
 
 
-@dataclass(frozen=True)
-class ColwiseParallel(ParallelStyle):
+def _check_flag(style: str, use_local_output: Any) -> None:
+    if not isinstance(use_local_output, bool):
+        raise errors.type_error(style, f"use_local_output must be a bool, got {use_local_output!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class _LinearStyle(ParallelStyle):
+    """What colwise and rowwise share: torch's three keyword arguments, checked and defaulted."""
+
+    input_layouts: Any = None
+    output_layouts: Any = None
+    use_local_output: bool = True
+
+    #: (default input_layouts, default output_layouts, 2-D weight, 1-D bias, what the layer computes on)
+    _LAYOUT: ClassVar[tuple[Placement, Placement, Placement, Placement, Placement]]
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        default_in, default_out = self._LAYOUT[:2]
+        object.__setattr__(self, "input_layouts", _one_placement(name, "input_layouts", self.input_layouts,
+                                                                 default_in))
+        object.__setattr__(self, "output_layouts", _one_placement(name, "output_layouts", self.output_layouts,
+                                                                  default_out))
+        _check_flag(name, self.use_local_output)
+
+    def param_placement(self, name: str, shape: Sequence[int]) -> Placement:
+        return self._weight_or_bias(name, shape, self._LAYOUT[2], self._LAYOUT[3])
+
+    def _desired_input(self) -> Placement:
+        return self._LAYOUT[4]
+
+
+class ColwiseParallel(_LinearStyle):
     """Cut a linear layer's output features: weight ``(in, out)`` ``Shard(1)``, bias ``Shard(0)``.
 
     The layer computes on a ``Replicate()`` input and gives a ``Shard(-1)`` output with no
@@ -140,28 +171,10 @@ class ColwiseParallel(ParallelStyle):
       torch); pass False to keep computing on DTensors.
     """
 
-    input_layouts: Any = None
-    output_layouts: Any = None
-    use_local_output: bool = True
-
-    def __post_init__(self) -> None:
-        name = type(self).__name__
-        object.__setattr__(self, "input_layouts", _one_placement(name, "input_layouts", self.input_layouts,
-                                                                 Replicate()))
-        object.__setattr__(self, "output_layouts", _one_placement(name, "output_layouts", self.output_layouts,
-                                                                  Shard(-1)))
-        if not isinstance(self.use_local_output, bool):
-            raise errors.type_error(name, f"use_local_output must be a bool, got {self.use_local_output!r}")
-
-    def param_placement(self, name: str, shape: Sequence[int]) -> Placement:
-        return self._weight_or_bias(name, shape, Shard(1), Shard(0))
-
-    def _desired_input(self) -> Placement:
-        return Replicate()
+    _LAYOUT = (Replicate(), Shard(-1), Shard(1), Shard(0), Replicate())
 
 
-@dataclass(frozen=True)
-class RowwiseParallel(ParallelStyle):
+class RowwiseParallel(_LinearStyle):
     """Cut a linear layer's input features: weight ``(in, out)`` ``Shard(0)``, bias ``Replicate()``.
 
     The layer computes on a ``Shard(-1)`` input; ``x @ W`` is ``Partial(sum)``, which
@@ -171,27 +184,10 @@ class RowwiseParallel(ParallelStyle):
     True).
     """
 
-    input_layouts: Any = None
-    output_layouts: Any = None
-    use_local_output: bool = True
-
-    def __post_init__(self) -> None:
-        name = type(self).__name__
-        object.__setattr__(self, "input_layouts", _one_placement(name, "input_layouts", self.input_layouts,
-                                                                 Shard(-1)))
-        object.__setattr__(self, "output_layouts", _one_placement(name, "output_layouts", self.output_layouts,
-                                                                  Replicate()))
-        if not isinstance(self.use_local_output, bool):
-            raise errors.type_error(name, f"use_local_output must be a bool, got {self.use_local_output!r}")
-
-    def param_placement(self, name: str, shape: Sequence[int]) -> Placement:
-        return self._weight_or_bias(name, shape, Shard(0), Replicate())
-
-    def _desired_input(self) -> Placement:
-        return Shard(-1)
+    _LAYOUT = (Shard(-1), Replicate(), Shard(0), Replicate(), Shard(-1))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SequenceParallel(ParallelStyle):
     """Replicated parameters, activations cut along the sequence dim (norms, dropout; torch's).
 
@@ -208,8 +204,7 @@ class SequenceParallel(ParallelStyle):
         name = type(self).__name__
         if isinstance(self.sequence_dim, bool) or not isinstance(self.sequence_dim, int):
             raise errors.type_error(name, f"sequence_dim must be an int, got {self.sequence_dim!r}")
-        if not isinstance(self.use_local_output, bool):
-            raise errors.type_error(name, f"use_local_output must be a bool, got {self.use_local_output!r}")
+        _check_flag(name, self.use_local_output)
 
     @property
     def input_layouts(self) -> Placement:  # type: ignore[override]
