@@ -91,6 +91,9 @@ class Optimizer:
         """
         if grad_flat is None:
             return
+        if isinstance(param_flat, DTensor) or isinstance(grad_flat, DTensor):
+            raise DistTypeError(f"{self._where('update')}: parameter {name!r}: update() takes this rank's flat "
+                                "arrays, not DTensors; use step() for DTensors, or pass to_local().reshape(-1)")
         self._check_pair("update", name, param_flat, grad_flat)
         if param_flat.ndim != 1:
             raise DistValueError(f"{self._where('update')}: parameter {name!r} must be a 1-D flat "

@@ -13,7 +13,7 @@ import pytest
 
 import meshkit
 from meshkit.comm import local
-from meshkit.parallel import SGD, AdamW, clip_grad_norm_
+from meshkit.parallel import SGD, AdamW, DistributedDataParallel, ZeroRedundancyOptimizer, clip_grad_norm_
 from meshkit.tensor import (ColwiseParallel, DTensor, Partial, Replicate, RowwiseParallel, SequenceParallel, Shard,
                             distribute_tensor, parallelize)
 from meshkit.tensor.parallel import plan_placements
@@ -284,3 +284,20 @@ def test_clip_grad_norm_counts_replicas_once_and_refuses_partial():
 
     for norm, nan_norm in local.run(body, 2):
         assert norm == 5.0 and math.isnan(nan_norm)  # the rank without the nan learns it too
+
+
+def test_data_parallel_strategies_and_update_ask_for_blocks_not_dtensors():
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+        params = parallelize({"w": np.zeros((2, 4))}, mesh["tp"], {"w": ColwiseParallel()})
+        for make in (lambda: DistributedDataParallel(params, mesh=mesh["dp"]),
+                     lambda: ZeroRedundancyOptimizer(params, SGD(lr=0.1), mesh=mesh["dp"])):
+            with pytest.raises(ValueError, match=r"params\['w'\] is a DTensor; pass this rank's block "
+                                                 r"\(p\.to_local\(\), the same memory\)"):
+                make()
+        ddp = DistributedDataParallel({"w": params["w"].to_local()}, mesh=mesh["dp"])  # the documented way
+        assert np.shares_memory(ddp.params["w"], params["w"].to_local())
+        with pytest.raises(TypeError, match=r"SGD\.update: parameter 'w': update\(\) takes this rank's flat arrays"):
+            SGD(lr=0.1).update("w", params["w"], params["w"])
+
+    local.run(body, 2)
