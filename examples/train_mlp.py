@@ -102,7 +102,7 @@ def train(args: argparse.Namespace, comm_hook: Any = None, comm_state: Any = Non
 
         x, y = cupy.asarray(x), cupy.asarray(y)
     losses = []
-    with _progress_bar(args.steps, enabled=progress and rank == 0) as show:
+    with progress_bar(args.steps, enabled=progress and rank == 0) as show:
         for step in range(args.steps):
             idx = np.array_split(mlp.batch_indices(step, args.samples, args.batch), world)[rank]
             if args.device == "cuda":
@@ -120,7 +120,7 @@ def train(args: argparse.Namespace, comm_hook: Any = None, comm_state: Any = Non
 
 
 @contextlib.contextmanager
-def _progress_bar(total: int, *, enabled: bool) -> Any:
+def progress_bar(total: int, *, enabled: bool) -> Any:
     """Yield ``show(loss)``, which advances a tqdm bar (on stderr) showing the loss; a no-op when disabled."""
     if not enabled:
         yield lambda loss: None
@@ -208,16 +208,35 @@ def compare(args: argparse.Namespace, world: int, params: dict[str, np.ndarray],
                         "steps), difference", abs(final - ref_final), POWERSGD_LOSS_TOL * decrease,
                         f"{POWERSGD_LOSS_TOL:g} x the reference's loss decrease {decrease:.4f}"),
         ]
-    # Relative to each parameter's scale (an element near zero is not held to 1e-10 of itself).
+    return [compare_params(args.dtype, params, reference)]
+
+
+def compare_params(dtype: str, params: dict[str, np.ndarray], reference: dict[str, np.ndarray]) -> CheckResult:
+    """The final parameters against the reference's, to :func:`exact_tolerance` of each one's scale
+    (an element near zero is not held to 1e-10 of itself)."""
     errors = {n: float(np.max(np.abs(params[n] - reference[n]))) / (float(np.max(np.abs(reference[n]))) or 1.0)
               for n in reference}
     worst = max(errors, key=errors.__getitem__)
-    return [CheckResult(f"final parameters vs the reference's, largest difference relative to the parameter's "
-                        f"scale (in {worst!r})", errors[worst], exact, f"exact averaging in {args.dtype}")]
+    return CheckResult(f"final parameters vs the reference's, largest difference relative to the parameter's "
+                       f"scale (in {worst!r})", errors[worst], exact_tolerance(dtype), f"exact averaging in {dtype}")
+
+
+def agreed(results: Sequence[CheckResult], title: str) -> bool:
+    """Whether every rank's results are OK (one all-reduce: rank 0 speaks for every rank); rank 0
+    prints ``title``, the verdict and each result."""
+    agree = np.array([float(all(r.ok for r in results))])
+    meshkit.all_reduce(agree, meshkit.ReduceOp.MIN)
+    ok = bool(agree[0])
+    if meshkit.get_rank() == 0:
+        print(f"check against single-process training: {'OK' if ok else 'FAILED'} ({title})")
+        for r in results:
+            print(r.line())
+        sys.stdout.flush()
+    return ok
 
 
 # --------------------------------------------------------------------------- command line
-def _int_at_least(low: int) -> Callable[[str], int]:
+def int_at_least(low: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -229,7 +248,7 @@ def _int_at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
-def _positive_float(text: str) -> float:
+def positive_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
@@ -239,29 +258,32 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _mesh_shape(text: str) -> tuple[int, int]:
-    parts = text.lower().split("x")
-    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
-        raise argparse.ArgumentTypeError(f"expected REPLICATExSHARD with two integers >= 1, e.g. 2x2, got {text!r}")
-    return int(parts[0]), int(parts[1])
+def mesh_shape(form: str) -> Callable[[str], tuple[int, int]]:
+    """The argparse type of a 2-D mesh flag written ``form`` (``REPLICATExSHARD``, ``DPxTP``)."""
+    def parse(text: str) -> tuple[int, int]:
+        parts = text.lower().split("x")
+        if len(parts) != 2 or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+            raise argparse.ArgumentTypeError(f"expected {form} with two integers >= 1, e.g. 2x2, got {text!r}")
+        return int(parts[0]), int(parts[1])
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="train_mlp.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--strategy", default="ddp", choices=mlp.STRATEGIES, help="default: %(default)s")
-    parser.add_argument("--mesh", type=_mesh_shape, default=None, metavar="RxS",
+    parser.add_argument("--mesh", type=mesh_shape("REPLICATExSHARD"), default=None, metavar="RxS",
                         help="replicate x shard degrees of hsdp's 2-D mesh, their product the number of ranks N "
                              "(hsdp only; default: 2x(N/2) for an even N, else 1xN)")
-    parser.add_argument("--steps", type=_int_at_least(1), default=200, help="default: %(default)s")
-    parser.add_argument("--batch", type=_int_at_least(1), default=120,
+    parser.add_argument("--steps", type=int_at_least(1), default=200, help="default: %(default)s")
+    parser.add_argument("--batch", type=int_at_least(1), default=120,
                         help="global batch, a multiple of N and at most --samples (default: %(default)s)")
-    parser.add_argument("--samples", type=_int_at_least(1), default=4096,
+    parser.add_argument("--samples", type=int_at_least(1), default=4096,
                         help="size of the synthetic data set (default: %(default)s)")
     lr_defaults = ", ".join(f"{lr:g} for {name}" for name, lr in DEFAULT_LR.items())
-    parser.add_argument("--lr", type=_positive_float, default=None, help=f"learning rate (default: {lr_defaults})")
+    parser.add_argument("--lr", type=positive_float, default=None, help=f"learning rate (default: {lr_defaults})")
     parser.add_argument("--optimizer", default="sgd", choices=tuple(DEFAULT_LR), help="default: %(default)s")
     parser.add_argument("--dtype", default="float64", choices=["float32", "float64"], help="default: %(default)s")
-    parser.add_argument("--bucket-cap-mb", type=_positive_float, default=None, metavar="MB",
+    parser.add_argument("--bucket-cap-mb", type=positive_float, default=None, metavar="MB",
                         help="bucket cap of ddp, zero1 and zero2 (only), the first bucket capped at min(1, MB) "
                              f"(default: {DEFAULT_BUCKET_CAP_MB:g})")
     parser.add_argument("--hook", default=None, choices=HOOKS,
@@ -310,7 +332,7 @@ def parse_args(argv: Sequence[str] | None = None, *, rank: int = 0, world_size: 
     ``--help``).
     """
     parser = build_parser()
-    quiet = contextlib.nullcontext() if rank == 0 else _silenced()
+    quiet = contextlib.nullcontext() if rank == 0 else silenced()
     with quiet:
         args = parser.parse_args(argv)
         problem = _problem(args, world_size)
@@ -326,7 +348,7 @@ def parse_args(argv: Sequence[str] | None = None, *, rank: int = 0, world_size: 
 
 
 @contextlib.contextmanager
-def _silenced() -> Any:
+def silenced() -> Any:
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         yield
 
@@ -346,14 +368,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.strategy} on {ranks}: loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
     if args.check:
         results = compare(args, world, params, losses, *train_reference(args))
-        agree = np.array([float(all(r.ok for r in results))])
-        meshkit.all_reduce(agree, meshkit.ReduceOp.MIN)  # one verdict: rank 0 speaks for every rank
-        ok = bool(agree[0])
+        hook = f", --hook {args.hook}" if args.strategy == "ddp" else ""
+        ok = agreed(results, f"{args.dtype}{hook}")
         if rank == 0:
-            hook = f", --hook {args.hook}" if args.strategy == "ddp" else ""
-            print(f"check against single-process training: {'OK' if ok else 'FAILED'} ({args.dtype}{hook})")
-            for r in results:
-                print(r.line())
             if not ok and args.dtype == "float32" and args.hook == "allreduce":
                 print("note: in float32, N ranks sum gradients in another order than one process; the "
                       "rounding differences compound over many steps at a high learning rate. The 1e-5 "

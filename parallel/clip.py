@@ -2,7 +2,9 @@
 
 With ``group=``, each rank of the group holds a disjoint shard of the gradients (ZeRO, FSDP): the
 partial sums are all-reduced so every rank gets the norm of the whole, and clips its shard with
-the same coefficient.
+the same coefficient. DTensor gradients (tensor parallelism) carry their own layout: their
+partial sums are all-reduced over each mesh dim they are sharded on, and counted once over each
+mesh dim they are replicated on.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..comm import DistTypeError, DistValueError, ProcessGroup, ReduceOp, all_reduce
+from ..tensor import DTensor
 from .arrays import array_namespace, check_same_library, is_array, to_host
 from .checks import real, where
 
@@ -63,10 +66,6 @@ def clip_grad_norm_(grads: Mapping[str, Any] | Sequence[Any] | Any, max_norm: fl
     shard of the gradients (ZeRO, FSDP): the partial sums (maxima for inf) are all-reduced over the
     group, so every rank gets the norm of the whole and applies the same coefficient.
 
-    Gradients may be NumPy or CuPy arrays (all of one library: TypeError otherwise). On a device
-    the norm is computed and all-reduced there; one explicit transfer brings it to the host, which
-    needs it to choose the coefficient (and returns it).
-
     Then, as torch: ``clip_coef = max_norm / (total_norm + 1e-6)``, and every gradient is
     multiplied by ``min(clip_coef, 1)``. Multiplying by exactly 1.0 changes nothing, so the
     multiplication is skipped when ``clip_coef >= 1``; a nan norm still multiplies (torch's clamp
@@ -74,12 +73,14 @@ def clip_grad_norm_(grads: Mapping[str, Any] | Sequence[Any] | Any, max_norm: fl
 
     Args:
         grads: a dict of arrays, a list of arrays, or one array; None entries are skipped.
+            Entries may be DTensors: each is reduced over its own mesh (sums over the groups of
+            the mesh dims it is ``Shard`` on; a ``Replicate`` dim counts its copy once); a
+            ``Partial`` gradient is refused (reduce it first). ``group`` applies to the plain
+            arrays only. Every rank of a DTensor's mesh must call, with the same DTensors.
         max_norm: the largest allowed total norm (>= 0).
         norm_type: the order ``p`` (> 0), or ``inf`` / ``"inf"``.
         group: a process group whose ranks hold disjoint shards of the gradients; a collective:
-            every rank of the group must call it, also a rank that holds no gradient (on a device,
-            such a rank passes an empty CuPy array, so that its partial norm is reduced on the
-            device like the others': with no array at all it is reduced on the host).
+            every rank of the group must call it, also a rank that holds no gradient.
         error_if_nonfinite: raise when the total norm is nan or inf, before scaling anything.
         foreach: accepted for torch compatibility and ignored (there is one implementation).
 
@@ -88,7 +89,7 @@ def clip_grad_norm_(grads: Mapping[str, Any] | Sequence[Any] | Any, max_norm: fl
 
     Raises:
         TypeError: an entry is not a floating-point array.
-        ValueError: ``max_norm`` or ``norm_type`` is out of range.
+        ValueError: ``max_norm`` or ``norm_type`` is out of range, or a DTensor is ``Partial``.
         RuntimeError: the norm is not finite and ``error_if_nonfinite`` is set.
 
     Example (2 ranks, the gradient ``[3, 4]`` split as ``[3]`` and ``[4]``)::
@@ -112,8 +113,20 @@ def clip_grad_norm_(grads: Mapping[str, Any] | Sequence[Any] | Any, max_norm: fl
                             f"got {type(grads).__name__}")
     arrays: list[Any] = []
     first = ""
+    dtensors: dict[tuple[Any, tuple[int, ...]], list[Any]] = {}  # (mesh, its Shard dims) -> blocks
     for label, g in items:
         if g is None:
+            continue
+        if isinstance(g, DTensor):
+            if g.dtype.kind != "f":
+                raise DistTypeError(f"{where('clip_grad_norm_')}: {label} must be a floating-point DTensor, "
+                                    f"got dtype {g.dtype}")
+            if any(q.is_partial() for q in g.placements):
+                raise DistValueError(f"{where('clip_grad_norm_')}: {label} has placements {g.placements!r}; a "
+                                     "Partial gradient holds terms, not values: redistribute it to its "
+                                     "parameter's placements first")
+            sharded = tuple(i for i, q in enumerate(g.placements) if q.is_shard())
+            dtensors.setdefault((g.device_mesh, sharded), []).append(g.to_local())
             continue
         if not is_array(g) or g.dtype.kind != "f":
             kind = f"dtype {g.dtype}" if is_array(g) else type(g).__name__
@@ -124,22 +137,10 @@ def clip_grad_norm_(grads: Mapping[str, Any] | Sequence[Any] | Any, max_norm: fl
             first = label
         arrays.append(g)
 
-    # The partial norm is reduced where the gradients live; the host gets it through one explicit
-    # transfer (to_host), as [value, nan flag]: MPI's MAX may drop a nan, so nan travels as a flag
-    # that MAX/SUM keep.
-    xp = array_namespace(arrays[0]) if arrays else np
-    parts = [part for g in arrays for part in _partial_norm(g, p)]
-    buf = xp.zeros(2, dtype=np.float64)
-    if parts:
-        stacked = xp.stack(parts)
-        partial = stacked.max() if p == math.inf else stacked.sum()
-        is_nan = xp.isnan(partial)
-        buf[0] = xp.where(is_nan, 0.0, partial)
-        buf[1] = is_nan
-    if group is not None:
-        all_reduce(buf, ReduceOp.MAX if p == math.inf else ReduceOp.SUM, group=group)
-    value, nan_flag = (float(v) for v in to_host(buf))
-    partial = math.nan if nan_flag > 0 else value
+    partial = _reduced(arrays, p, [group] if group is not None else [])
+    for (mesh, sharded), blocks in dtensors.items():
+        part = _reduced(blocks, p, [mesh.get_group(i) for i in sharded])
+        partial = math.nan if part != part else max(partial, part) if p == math.inf else partial + part
     if p == math.inf:
         total = partial
     elif p == 2.0:
@@ -152,6 +153,28 @@ def clip_grad_norm_(grads: Mapping[str, Any] | Sequence[Any] | Any, max_norm: fl
                            f"scale them by the non-finite norm anyway")
     clip_coef = max_norm / (total + 1e-6)
     if not clip_coef >= 1.0:  # includes nan, which torch's clamp(max=1) keeps
-        for g in arrays:
+        for g in arrays + [b for blocks in dtensors.values() for b in blocks]:
             g *= clip_coef
     return total
+
+
+def _reduced(arrays: list[Any], p: float, groups: list[ProcessGroup]) -> float:
+    """``sum |g|^p`` (``max |g|`` for inf) over ``arrays``, then over each of ``groups`` in turn.
+
+    The partial norm is reduced where the gradients live and reaches the host through one
+    explicit transfer (``to_host``), as ``[value, nan flag]``: MPI's MAX may drop a nan, so nan
+    travels as a flag that MAX and SUM keep. A rank without arrays reduces a host buffer.
+    """
+    xp = array_namespace(arrays[0]) if arrays else np
+    parts = [part for g in arrays for part in _partial_norm(g, p)]
+    buf = xp.zeros(2, dtype=np.float64)
+    if parts:
+        stacked = xp.stack(parts)
+        partial = stacked.max() if p == math.inf else stacked.sum()
+        is_nan = xp.isnan(partial)
+        buf[0] = xp.where(is_nan, 0.0, partial)
+        buf[1] = is_nan
+    for group in groups:
+        all_reduce(buf, ReduceOp.MAX if p == math.inf else ReduceOp.SUM, group=group)
+    value, nan_flag = (float(v) for v in to_host(buf))
+    return math.nan if nan_flag > 0 else value

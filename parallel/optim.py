@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..comm import DistTypeError, DistValueError
+from ..tensor import DTensor
 from .arrays import array_namespace, check_same_library, convert, is_array
 from .checks import at_least_zero, flag, real, where
 
@@ -90,6 +91,9 @@ class Optimizer:
         """
         if grad_flat is None:
             return
+        if isinstance(param_flat, DTensor) or isinstance(grad_flat, DTensor):
+            raise DistTypeError(f"{self._where('update')}: parameter {name!r}: update() takes this rank's flat "
+                                "arrays, not DTensors; use step() for DTensors, or pass to_local().reshape(-1)")
         self._check_pair("update", name, param_flat, grad_flat)
         if param_flat.ndim != 1:
             raise DistValueError(f"{self._where('update')}: parameter {name!r} must be a 1-D flat "
@@ -105,13 +109,18 @@ class Optimizer:
         parameters and the state as they were.
 
         Args:
-            params: ``{name: array}`` of floating-point NumPy or CuPy arrays of any shape.
+            params: ``{name: array}`` of floating-point NumPy or CuPy arrays of any shape, or
+                DTensors (tensor parallelism): each rank updates its block in place, which for
+                an elementwise rule is the block of the whole update.
             grads: the same keys; each gradient has its parameter's shape and dtype, or is None
-                (that parameter is skipped, as torch skips parameters without a gradient).
+                (that parameter is skipped, as torch skips parameters without a gradient). A
+                DTensor parameter's gradient is a DTensor on the same mesh with the same
+                placements (a ``Partial`` gradient must be reduced first).
 
         Raises:
             TypeError: not mappings, a value is not an array, or a dtype/library differs.
-            ValueError: keys differ, a shape differs, or a name's state has another size.
+            ValueError: keys differ, a shape differs, a name's state has another size, or a
+                DTensor gradient's mesh or placements differ from its parameter's.
 
         Example::
 
@@ -132,6 +141,8 @@ class Optimizer:
             g = grads[name]
             if g is None:
                 continue
+            if isinstance(p, DTensor) or isinstance(g, DTensor):
+                p, g = self._blocks("step", name, p, g)
             self._check_pair("step", name, p, g)
             self._check_pair_shape("step", name, p, g)
             self._check_state_size("step", name, p.size)
@@ -266,6 +277,21 @@ class Optimizer:
         if g.dtype != p.dtype:
             raise DistTypeError(f"{head}: grad of parameter {name!r} has dtype {g.dtype}, the parameter has {p.dtype}")
         check_same_library(head, f"grad of parameter {name!r}", g, p, "the parameter")
+
+    def _blocks(self, op: str, name: str, p: Any, g: Any) -> tuple[Any, Any]:
+        """This rank's blocks of a DTensor parameter and its gradient, once they are laid out alike."""
+        head = self._where(op)
+        if not isinstance(p, DTensor) or not isinstance(g, DTensor):
+            raise DistTypeError(f"{head}: parameter {name!r} is a {type(p).__name__} but its grad a "
+                                f"{type(g).__name__}; a DTensor parameter needs a DTensor gradient and vice versa")
+        if g.device_mesh != p.device_mesh:
+            raise DistValueError(f"{head}: grad of parameter {name!r} is on mesh {g.device_mesh!r}, the parameter on "
+                                 f"{p.device_mesh!r}")
+        if g.placements != p.placements or g.shape != p.shape:
+            raise DistValueError(f"{head}: grad of parameter {name!r} has placements {g.placements!r} and shape "
+                                 f"{g.shape}, the parameter {p.placements!r} and {p.shape}; redistribute the "
+                                 "gradient to the parameter's placements first")
+        return p.to_local(), g.to_local()
 
     def _check_pair_shape(self, op: str, name: str, p: Any, g: Any) -> None:
         if tuple(g.shape) != tuple(p.shape):

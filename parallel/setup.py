@@ -14,6 +14,7 @@ from typing import Any, Iterator
 
 from ..comm import DistTypeError, DistValueError, ProcessGroup, all_gather_object, resolve_group
 from ..mesh import DeviceMesh
+from ..tensor import DTensor
 from .arrays import array_namespace, is_array, type_name
 from .checks import on_ranks, where
 from .flat import make_layouts
@@ -72,6 +73,9 @@ def _mixed_problem(params: Mapping[str, Any]) -> str | None:
 
 def _array_problem(params: Mapping[str, Any]) -> str | None:
     for name, p in params.items():
+        if isinstance(p, DTensor):
+            return (f"params[{name!r}] is a DTensor; pass this rank's block (p.to_local(), the same memory): the "
+                    "strategy averages or shards each rank's blocks over its group")
         if not isinstance(name, str) or not is_array(p):
             return f"params[{name!r}] must be an array keyed by a str name, got {type(p).__name__}"
         if p.dtype.kind not in "fc":

@@ -5,7 +5,8 @@ shared with checkpoints), ``dtensor`` (the DTensor type), ``redistribute`` (one 
 changing mesh dim), ``api`` (distribute_tensor), ``dispatch`` (the NumPy protocol tables the op
 modules fill), ``propagation`` (what the op rules share), the op rules ``ufuncs``, ``matmul``,
 ``reductions`` and ``shape_ops``, ``checks`` (collective construction checks), ``xp`` (NumPy or
-CuPy).
+CuPy);
+``parallel`` (tensor-parallel styles and ``parallelize``).
 Depends on ``comm`` and ``mesh`` only.
 """
 
@@ -13,6 +14,8 @@ from . import chunks
 from . import matmul, reductions, shape_ops, ufuncs  # noqa: F401  (they register the NumPy op rules)
 from .api import distribute_tensor
 from .dtensor import DTensor
+from .parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel, parallelize
 from .placements import Partial, Placement, Replicate, Shard
 
-__all__ = ["DTensor", "distribute_tensor", "Placement", "Shard", "Replicate", "Partial", "chunks"]
+__all__ = ["DTensor", "distribute_tensor", "Placement", "Shard", "Replicate", "Partial", "chunks",
+           "parallelize", "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel"]

@@ -1,7 +1,7 @@
 """The examples: their command lines, ``--check``'s tolerances, and real runs under meshkit-run.
 
 The examples are not part of the package: ``examples/`` goes on ``sys.path`` and ``mlp`` (the
-model) and ``train_mlp`` (the command-line example) are imported as top-level modules.
+model), ``train_mlp`` and ``train_tp`` (the command-line examples) are imported as top-level modules.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 import mlp  # noqa: E402
 import train_mlp  # noqa: E402
+import train_tp  # noqa: E402
 
 # (command line, world size, what rank 0 must print after "error: ")
 BAD_FLAGS = [
@@ -196,6 +197,104 @@ def test_build_refuses_options_the_strategy_does_not_take():
         mlp.build("hsdp")
 
 
+# --------------------------------------------------------------------------- train_tp.py (dp x tp)
+TP_BAD_FLAGS = [
+    (["--mesh", "2by2"], 4, r"argument --mesh: expected DPxTP with two integers >= 1, e\.g\. 2x2, got '2by2'"),
+    (["--mesh", "2x0"], 4, r"argument --mesh: expected DPxTP .* got '2x0'"),
+    (["--mesh", "2x2"], 2, r"argument --mesh: 2x2 is a mesh of 4 ranks; this run has 2: use DPxTP with DP x TP = 2"),
+    (["--mesh", "2x2", "--batch", "121"], 4,
+     r"argument --batch: 121 does not divide evenly over DP=2 replicas; use a multiple of 2"),
+    (["--batch", "200", "--samples", "100"], 1, r"argument --batch: 200 is larger than --samples 100"),
+    (["--steps", "0"], 1, r"argument --steps: expected an integer >= 1, got 0"),
+    (["--lr", "-1"], 1, r"argument --lr: expected a finite number > 0, got '-1'"),
+    (["--optimizer", "adam"], 1, r"argument --optimizer: invalid choice: 'adam'"),
+    (["--strategy", "ddp"], 1, r"unrecognized arguments: --strategy ddp"),
+    (["--dp", "hsdp"], 1, r"argument --dp: invalid choice: 'hsdp'"),
+]
+
+
+@pytest.mark.parametrize("argv, world, message", TP_BAD_FLAGS, ids=[" ".join(a) for a, _, _ in TP_BAD_FLAGS])
+def test_train_tp_bad_flag_is_one_usage_error_from_rank_0(argv, world, message, capsys):
+    for rank in (0, world - 1 or 1):
+        with pytest.raises(SystemExit) as exc:
+            train_tp.parse_args(argv, rank=rank, world_size=world)
+        assert exc.value.code == 2
+        out, err = capsys.readouterr()
+        if rank == 0:
+            assert out == "" and err.startswith("usage: train_tp.py") and err.count("error:") == 1, err
+            assert re.search(r"train_tp\.py: error: " + message, err), err
+        else:
+            assert (out, err) == ("", ""), "only rank 0 prints"
+
+
+def test_train_tp_defaults_follow_the_world():
+    assert train_tp.parse_args([], world_size=4).mesh == (2, 2)
+    assert train_tp.parse_args([], world_size=3).mesh == (1, 3)
+    args = train_tp.parse_args(["--mesh", "1X4", "--optimizer", "adamw"], world_size=4)
+    assert (args.mesh, args.lr, args.steps, args.dtype, args.dp) == ((1, 4), 0.01, 100, "float64", "ddp")
+
+
+@pytest.mark.parametrize("mesh, extra", [
+    ((2, 2), ()), ((1, 2), ()), ((2, 1), ()), ((1, 4), ()), ((1, 3), ()),   # 1x3: 64 hidden over 3 = 22, 22, 20
+    ((2, 2), ("--optimizer", "adamw")), ((1, 2), ("--dtype", "float32")),
+    ((2, 2), ("--dp", "zero1")), ((2, 1), ("--dp", "zero2", "--optimizer", "adamw")), ((2, 2), ("--dp", "fsdp")),
+    ((3, 1), ("--dp", "fsdp", "--optimizer", "adamw")), ((2, 3), ("--dp", "zero2")),
+])
+def test_train_tp_passes_its_check_local(mesh, extra):
+    world = mesh[0] * mesh[1]
+    args = train_tp.parse_args(["--mesh", f"{mesh[0]}x{mesh[1]}", "--steps", "6", "--batch", "24", *extra],
+                               world_size=world)
+    reference, ref_losses = train_mlp.train_reference(args)
+    for params, losses in local.run(lambda: train_tp.train(args, progress=False), world, timeout=60):
+        result = train_mlp.compare_params(args.dtype, params, reference)
+        assert result.ok, result.line()
+        np.testing.assert_allclose(losses, ref_losses, rtol=train_mlp.exact_tolerance(args.dtype))
+
+
+def test_train_tp_runs_megatrons_collectives_on_dtensors():
+    """One forward all-reduce over tp; the gradients come out with their parameters' placements
+    and the backward needs no tp collective (the first layer's input gradient is not computed)."""
+    def body():
+        mesh = train_tp.build_mesh((1, 2))
+        tp = mesh["tp"]
+        x, y = mlp.make_data(8)
+        params = train_tp.parallelize(mlp.init_params(train_tp.HIDDEN), tp, train_tp.PLAN)
+        onehot = train_tp.distribute_tensor(np.eye(mlp.CLASSES)[y], tp, [train_tp.Replicate()])
+        start = len(meshkit.flight_record())
+        acts = train_tp.forward(params, x, tp)
+        loss, dlogits = train_tp.loss_and_grad_logits(acts[-1], onehot)
+        grads = {}
+        train_tp.backward(params, acts, dlogits, grads.__setitem__)
+        ops = [r["op"] for r in meshkit.flight_record()[start:]]
+        assert {n: g.placements for n, g in grads.items()} == {n: p.placements for n, p in params.items()}
+        return ops, float(loss.to_local()), {n: g.full_tensor() for n, g in grads.items()}
+
+    x, y = mlp.make_data(8)
+    params = mlp.init_params(train_tp.HIDDEN)
+    acts = mlp.forward(params, x)
+    want_loss, dlogits = mlp.loss_and_grad_logits(acts[-1], y)
+    want = {}
+    mlp.backward(params, acts, dlogits, want.__setitem__)
+    for ops, loss, grads in local.run(body, 2):
+        assert ops == ["all_reduce"], ops
+        assert loss == pytest.approx(want_loss, abs=1e-14)
+        for n in want:
+            np.testing.assert_allclose(grads[n], want[n], rtol=0, atol=1e-14, err_msg=n)
+
+
+def test_train_tp_check_fails_when_the_rowwise_reduction_is_dropped(monkeypatch):
+    """Taking each rank's Partial term as the value (no all-reduce) trains another model: --check sees it."""
+    class NoReduction(train_tp.RowwiseParallel):
+        def prepare_output(self, y):
+            return train_tp.DTensor.from_local(y.to_local(), y.device_mesh, [train_tp.Replicate()])
+
+    monkeypatch.setattr(train_tp, "ROWWISE", NoReduction(use_local_output=False))
+    args = train_tp.parse_args(["--mesh", "1x2", "--steps", "3", "--batch", "24"], world_size=2)
+    reference, _ = train_mlp.train_reference(args)
+    for params, _ in local.run(lambda: train_tp.train(args, progress=False), 2, timeout=60):
+        assert not train_mlp.compare_params(args.dtype, params, reference).ok
+
+
 # --------------------------------------------------------------------------- real processes
 def test_example_check_passes_under_meshkit_run(mpirun):
     out = mpirun(EXAMPLES / "train_mlp.py", 2, "--steps", "40", "--check").stdout
@@ -209,7 +308,15 @@ def test_example_fp16_check_is_printed_once_under_meshkit_run(mpirun):
     assert "[rank1]" not in out, "rank 0 alone prints"
 
 
+@pytest.mark.parametrize("n, mesh, dp", [(4, "2x2", "ddp"), (4, "1x4", "ddp"), (2, "2x1", "ddp"), (4, "2x2", "fsdp")])
+def test_train_tp_check_passes_under_meshkit_run(mpirun, n, mesh, dp):
+    out = mpirun(EXAMPLES / "train_tp.py", n, "--mesh", mesh, "--dp", dp, "--steps", "20", "--check").stdout
+    assert out.count("check against single-process training: OK (float64)") == 1, out
+    assert f"dp x tp = {mesh.replace('x', ' x ')} ({dp} over dp)" in out
+
+
 @pytest.mark.parametrize("script, n, argv, message", [
+    ("train_tp.py", 2, ["--mesh", "2x2"], "argument --mesh: 2x2 is a mesh of 4 ranks; this run has 2"),
     ("train_mlp.py", 2, ["--steps", "0"], "argument --steps: expected an integer >= 1, got 0"),
     ("train_mlp.py", 2, ["--strategy", "hsdp", "--mesh", "2x2"],
      "argument --mesh: 2x2 is a mesh of 4 ranks; this run has 2"),

@@ -1,0 +1,274 @@
+"""Train the example MLP with tensor parallelism over ``tp`` and data parallelism over ``dp``.
+
+    meshkit-run -n 4 examples/train_tp.py --mesh 2x2 --check     # 2 replicas of a 2-way split model
+    meshkit-run -n 4 examples/train_tp.py --mesh 1x4 --check     # tensor parallel only
+    meshkit-run -n 2 examples/train_tp.py --mesh 2x1 --check     # data parallel only
+    meshkit-run -n 4 examples/train_tp.py --mesh 2x2 --dp fsdp --check   # ZeRO-3 over dp of the TP blocks
+
+The model is ``mlp.py``'s (beside this file: its data, its initial parameters, its optimizers):
+``logits = tanh(tanh(x @ w0 + b0) @ w1 + b1) @ w2 + b2``. The parameters become DTensors on the
+``tp`` dim of a ``dp x tp`` mesh by a plan, Megatron-LM's: the first layer colwise (``w0``
+``Shard(1)``, ``b0`` ``Shard(0)``), the second rowwise (``w1`` ``Shard(0)``, ``b1`` replicated);
+``w2`` and ``b2``, in no rule, are replicated. The forward pass, the loss and the hand-written
+backward pass are plain NumPy on those DTensors: the ops propagate the placements, so the first
+hidden layer runs on each rank's columns without communication, the second layer's output is
+all-reduced once (the style's ``prepare_output``), and every gradient comes out with its
+parameter's placements. DDP averages each rank's blocks over ``dp`` and the optimizer (``SGD`` or
+``AdamW``) updates the DTensors in place; ``--dp zero1|zero2|fsdp`` shards the blocks' optimizer
+state, gradients and (fsdp) parameters over ``dp`` instead (``dp_shard x tp``).
+
+``--check`` trains the same model in one process on the global batch (``train_mlp.py``'s
+reference) and compares the final parameters to 1e-10 in float64 (1e-5 in float32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+import meshkit
+import mlp  # the model, beside this file
+import train_mlp  # its reference training, --check's comparison and flag types
+from meshkit.parallel import DistributedDataParallel, FullyShardedDataParallel, Optimizer, ZeroRedundancyOptimizer
+from meshkit.tensor import ColwiseParallel, DTensor, Replicate, RowwiseParallel, distribute_tensor, parallelize
+
+#: The Megatron block: layer 0 colwise, layer 1 rowwise; DTensors in and out (no local outputs).
+COLWISE = ColwiseParallel(use_local_output=False)
+ROWWISE = RowwiseParallel(use_local_output=False)
+PLAN = {"[wb]0": COLWISE, "[wb]1": ROWWISE}
+#: How the TP blocks are data-parallel over dp (see TensorParallelModel).
+DP_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
+#: The model's hidden widths (mlp.py's default): three layers, the plan's two and a replicated head.
+HIDDEN = (64, 64)
+
+
+# --------------------------------------------------------------------------- the model on DTensors
+def forward(params: dict[str, DTensor], x: Any, tp: meshkit.DeviceMesh) -> list[DTensor]:
+    """Activations (input first, logits last): plain NumPy on DTensors, Megatron's collectives."""
+    x = COLWISE.prepare_input(x, tp)                            # Replicate over tp
+    h0 = np.tanh(x @ params["w0"] + params["b0"])               # Shard(1): each rank's columns, no communication
+    h0 = ROWWISE.prepare_input(h0)                              # already Shard(-1): nothing moves
+    z1 = ROWWISE.prepare_output(h0 @ params["w1"]) + params["b1"]   # Partial -> Replicate: the one all-reduce
+    h1 = np.tanh(z1)
+    return [x, h0, h1, h1 @ params["w2"] + params["b2"]]        # the head is replicated
+
+
+def loss_and_grad_logits(logits: DTensor, onehot: DTensor) -> tuple[DTensor, DTensor]:
+    """Mean softmax cross-entropy and its gradient; the log-sum-exp form (no log of a tiny probability)."""
+    shifted = logits - np.max(logits, axis=1, keepdims=True)
+    exp = np.exp(shifted)
+    total = np.sum(exp, axis=1, keepdims=True)
+    n = logits.shape[0]
+    loss = np.mean(np.log(total) - np.sum(onehot * shifted, axis=1, keepdims=True))
+    return loss, (exp / total - onehot) / n
+
+
+def backward(params: dict[str, DTensor], acts: list[DTensor], dlogits: DTensor,
+             on_grad: Callable[[str, DTensor], None]) -> None:
+    """Back-propagate, last layer first, calling ``on_grad(name, grad)`` as each gradient is final
+    (the same loop as ``mlp.backward``); each gradient has its parameter's placements."""
+    delta = dlogits
+    for i in reversed(range(len(acts) - 1)):
+        on_grad(f"w{i}", acts[i].T @ delta)
+        on_grad(f"b{i}", delta.sum(axis=0))
+        if i:
+            delta = (delta @ params[f"w{i}"].T) * (1 - acts[i] ** 2)
+
+
+# --------------------------------------------------------------------------- training
+def build_mesh(shape: tuple[int, int]) -> meshkit.DeviceMesh:
+    """The ``dp x tp`` mesh over every rank (collective)."""
+    return meshkit.init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+
+
+class TensorParallelModel:
+    """The model's parameters as DTensors over ``tp``, their blocks trained data-parallel over ``dp``.
+
+    ``dp`` is how the blocks are data-parallel (collective over the mesh):
+
+    * ``ddp``: DDP averages each rank's blocks (the DTensors' own memory); the optimizer steps
+      the DTensors with DTensor gradients.
+    * ``zero1``/``zero2``: ZeRO shards each block's optimizer state (and, at stage 2, its
+      gradient) over ``dp``; the DTensors are views of ZeRO's parameter buffers.
+    * ``fsdp``: ZeRO-3 over ``dp`` of the TP blocks (``dp_shard x tp``): one unit per layer,
+      every unit gathered for the step and wrapped as DTensors, gradients reduce-scattered.
+    """
+
+    def __init__(self, dp_strategy: str, full: dict[str, np.ndarray], mesh: meshkit.DeviceMesh,
+                 optimizer: Optimizer) -> None:
+        self.kind, self.tp = dp_strategy, mesh["tp"]
+        self.layout = parallelize(full, self.tp, PLAN)
+        blocks = {name: p.to_local() for name, p in self.layout.items()}
+        self.units = [[f"w{i}", f"b{i}"] for i in range(mlp.layer_count(full))]
+        self.optimizer = optimizer
+        if dp_strategy == "ddp":
+            self.inner: Any = DistributedDataParallel(blocks, mesh=mesh["dp"])
+        elif dp_strategy in ("zero1", "zero2"):
+            self.inner = ZeroRedundancyOptimizer(blocks, optimizer, mesh=mesh["dp"], stage=int(dp_strategy[-1]))
+            self.layout = self._wrap(self.inner.params)
+        else:
+            self.inner = FullyShardedDataParallel(blocks, mesh=mesh["dp"], optimizer=optimizer, units=self.units)
+        self._pending: dict[str, Any] = {}
+
+    def _wrap(self, blocks: Any) -> dict[str, DTensor]:
+        """``{name: DTensor}`` over ``blocks`` (this rank's arrays), laid out as the plan says."""
+        return {name: DTensor.from_local(blocks[name], self.tp, p.placements, shape=p.shape)
+                for name, p in self.layout.items()}
+
+    @contextlib.contextmanager
+    def params(self) -> Iterator[dict[str, DTensor]]:
+        """The parameters as DTensors for one forward and backward pass."""
+        if self.kind != "fsdp":
+            yield self.layout
+            return
+        with contextlib.ExitStack() as stack:
+            blocks: dict[str, Any] = {}
+            for unit in range(len(self.units)):
+                blocks.update(stack.enter_context(self.inner.unshard(unit)))
+            yield self._wrap(blocks)
+
+    def zero_grad(self) -> None:
+        self.inner.zero_grad()
+
+    def grad_ready(self, name: str, grad: DTensor) -> None:
+        """Hand over one gradient, which must have its parameter's placements."""
+        if grad.placements != self.layout[name].placements:
+            raise RuntimeError(f"train_tp: gradient {name!r} came out {grad.placements!r}, its parameter is "
+                               f"{self.layout[name].placements!r}")
+        if self.kind != "fsdp":
+            self.inner.mark_grad_ready(name, grad.to_local())
+            return
+        self._pending[name] = grad.to_local()
+        unit = int(name[1:])
+        if all(n in self._pending for n in self.units[unit]):
+            self.inner.reduce_grads(unit, {n: self._pending.pop(n) for n in self.units[unit]})
+
+    def step(self) -> None:
+        if self.kind == "ddp":
+            self.inner.finish_gradient_sync()
+            self.optimizer.step(self.layout, self._wrap(self.inner.grads))
+        elif self.kind == "fsdp":
+            self.inner.step()
+        else:
+            self.inner.finish_gradient_sync()
+            self.inner.step()
+
+    def full_params(self) -> dict[str, np.ndarray]:
+        """Every parameter gathered whole (collective)."""
+        if self.kind == "fsdp":
+            return {n: p.full_tensor() for n, p in self._wrap(self.inner.full_state_dict()["params"]).items()}
+        return {n: p.full_tensor() for n, p in self.layout.items()}
+
+
+def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np.ndarray], list[float]]:
+    """Train on the ``--mesh``: each dp rank takes its share of every global batch.
+
+    Returns the full final parameters (gathered over tp) and every step's loss over the global batch.
+    """
+    mesh = build_mesh(args.mesh)
+    dp, tp = mesh["dp"], mesh["tp"]
+    x, y = mlp.make_data(args.samples)
+    model = TensorParallelModel(args.dp, mlp.init_params(HIDDEN, dtype=np.dtype(args.dtype)), mesh,
+                                mlp.make_optimizer(args.optimizer, args.lr))
+    losses = []
+    with train_mlp.progress_bar(args.steps, enabled=progress and meshkit.get_rank() == 0) as show:
+        for step in range(args.steps):
+            idx = np.array_split(mlp.batch_indices(step, args.samples, args.batch), dp.size())[dp.get_local_rank()]
+            onehot = distribute_tensor(np.eye(mlp.CLASSES, dtype=args.dtype)[y[idx]], tp, [Replicate()])
+            model.zero_grad()
+            with model.params() as params:
+                acts = forward(params, x[idx].astype(args.dtype), tp)
+                loss, dlogits = loss_and_grad_logits(acts[-1], onehot)
+                backward(params, acts, dlogits, model.grad_ready)
+            model.step()
+            global_loss = np.array([float(loss.to_local())])
+            meshkit.all_reduce(global_loss, meshkit.ReduceOp.AVG, group=dp.get_group())
+            losses.append(float(global_loss[0]))
+            show(losses[-1])
+    return model.full_params(), losses
+
+
+# --------------------------------------------------------------------------- command line
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="train_tp.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mesh", type=train_mlp.mesh_shape("DPxTP"), default=None, metavar="DPxTP",
+                        help="data-parallel x tensor-parallel degrees, their product the number of ranks N "
+                             "(default: 2x(N/2) for an even N, else 1xN)")
+    parser.add_argument("--dp", default="ddp", choices=DP_STRATEGIES,
+                        help="how the TP blocks are data-parallel over DP: ddp, zero1, zero2 or fsdp (ZeRO-3, "
+                             "dp_shard x tp) (default: %(default)s)")
+    parser.add_argument("--steps", type=train_mlp.int_at_least(1), default=100, help="default: %(default)s")
+    parser.add_argument("--batch", type=train_mlp.int_at_least(1), default=120,
+                        help="global batch, a multiple of DP and at most --samples (default: %(default)s)")
+    parser.add_argument("--samples", type=train_mlp.int_at_least(1), default=4096,
+                        help="size of the synthetic data set (default: %(default)s)")
+    lr_defaults = ", ".join(f"{lr:g} for {name}" for name, lr in train_mlp.DEFAULT_LR.items())
+    parser.add_argument("--lr", type=train_mlp.positive_float, default=None,
+                        help=f"learning rate (default: {lr_defaults})")
+    parser.add_argument("--optimizer", default="sgd", choices=tuple(train_mlp.DEFAULT_LR), help="default: %(default)s")
+    parser.add_argument("--dtype", default="float64", choices=["float32", "float64"], help="default: %(default)s")
+    parser.add_argument("--check", action="store_true",
+                        help="train in one process on the global batch too and compare the final parameters: "
+                             "to 1e-10 in float64, 1e-5 in float32")
+    return parser
+
+
+def _problem(args: argparse.Namespace, world_size: int) -> str | None:
+    """The first problem of ``args`` on ``world_size`` ranks that argparse cannot see, or None."""
+    dp, tp = args.mesh
+    if dp * tp != world_size:
+        return (f"argument --mesh: {dp}x{tp} is a mesh of {dp * tp} ranks; this run has {world_size}: use DPxTP "
+                f"with DP x TP = {world_size}")
+    if args.batch % dp:
+        return f"argument --batch: {args.batch} does not divide evenly over DP={dp} replicas; use a multiple of {dp}"
+    if args.batch > args.samples:
+        return (f"argument --batch: {args.batch} is larger than --samples {args.samples} (a batch draws distinct "
+                "samples); use at most --samples")
+    return None
+
+
+def parse_args(argv: Sequence[str] | None = None, *, rank: int = 0, world_size: int = 1) -> argparse.Namespace:
+    """Parse and check the command line for ``world_size`` ranks; fill in the defaults.
+
+    On a bad flag every rank exits with status 2 (``SystemExit``); only rank 0 prints the usage
+    error (and ``--help``).
+    """
+    parser = build_parser()
+    with contextlib.nullcontext() if rank == 0 else train_mlp.silenced():
+        args = parser.parse_args(argv)
+        if args.mesh is None:
+            args.mesh = (2, world_size // 2) if world_size % 2 == 0 else (1, world_size)
+        problem = _problem(args, world_size)
+        if problem:
+            parser.error(problem)
+    if args.lr is None:
+        args.lr = train_mlp.DEFAULT_LR[args.optimizer]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    meshkit.init_process_group("auto")
+    rank = meshkit.get_rank()
+    try:
+        args = parse_args(argv, rank=rank, world_size=meshkit.get_world_size())
+    except SystemExit:  # a usage error or --help: the same on every rank
+        meshkit.destroy_process_group()
+        raise
+    params, losses = train(args)
+    if rank == 0:
+        print(f"dp x tp = {args.mesh[0]} x {args.mesh[1]} ({args.dp} over dp): loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+    status = 0
+    if args.check:
+        reference, _ = train_mlp.train_reference(args)
+        ok = train_mlp.agreed([train_mlp.compare_params(args.dtype, params, reference)], args.dtype)
+        status = 0 if ok else 1
+    meshkit.destroy_process_group()
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

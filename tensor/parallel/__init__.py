@@ -1,0 +1,29 @@
+"""Tensor parallelism for NumPy models without autograd (torch's ``torch.distributed.tensor.parallel``).
+
+``style`` (``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``: a parameter's
+placement and the activation conversions at a layer's boundaries) and ``api`` (``parallelize``:
+a dict of parameters to DTensors by a ``{name or glob: style}`` plan).
+
+A Megatron MLP block on a ``dp x tp`` mesh, plain NumPy on DTensors::
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    params = parallelize(params, mesh["tp"], {"[wb]0": ColwiseParallel(use_local_output=False),
+                                              "[wb]1": RowwiseParallel(use_local_output=False)})
+    x = plan0.prepare_input(x_local, mesh["tp"])          # Replicate over tp
+    h = np.tanh(x @ params["w0"] + params["b0"])         # Shard(1): no communication
+    y = plan1.prepare_output(h @ params["w1"] + params["b1"])   # one all-reduce
+
+The hand-written backward gives every gradient its parameter's placements (``h.T @ dy`` is
+``Shard(0)`` like ``w1``), so :class:`~meshkit.parallel.SGD`, :class:`~meshkit.parallel.AdamW` and
+:func:`~meshkit.parallel.clip_grad_norm_` take the DTensor dicts directly. Data parallelism over
+``dp`` works on the blocks: give :class:`~meshkit.parallel.DistributedDataParallel` the blocks
+(``{n: p.to_local() for n, p in params.items()}``, the same memory), mark each gradient's
+``to_local()`` ready, and wrap the averaged blocks back with ``DTensor.from_local(ddp.grads[n],
+mesh["tp"], params[n].placements, shape=params[n].shape)`` (see ``examples/train_tp.py``).
+"""
+
+from .api import parallelize, plan_placements
+from .style import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+
+__all__ = ["parallelize", "plan_placements", "ParallelStyle", "ColwiseParallel", "RowwiseParallel",
+           "SequenceParallel"]

@@ -1,0 +1,303 @@
+"""Tensor-parallel styles, ``parallelize``, and the optimizers and clipping on DTensors, on the local engine.
+
+Expected blocks are written out (``w[:, 0:3]``), not recomputed with the shard arithmetic under test;
+every strategy is compared with single-process NumPy.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import meshkit
+from meshkit.comm import local
+from meshkit.parallel import SGD, AdamW, DistributedDataParallel, ZeroRedundancyOptimizer, clip_grad_norm_
+from meshkit.tensor import (ColwiseParallel, DTensor, Partial, Replicate, RowwiseParallel, SequenceParallel, Shard,
+                            distribute_tensor, parallelize)
+from meshkit.tensor.parallel import plan_placements
+
+
+def _params():
+    rng = np.random.default_rng(3)
+    return {"w0": rng.standard_normal((4, 6)), "b0": rng.standard_normal(6),
+            "w1": rng.standard_normal((6, 5)), "b1": rng.standard_normal(5),
+            "norm": rng.standard_normal(5)}
+
+
+# --------------------------------------------------------------------------- styles (pure)
+def test_each_style_lays_out_weight_and_bias_in_the_x_at_w_layout():
+    shapes = {"w": (4, 6), "b": (6,), "table": (10, 3, 2)}
+    assert [ColwiseParallel().param_placement(n, shapes[n]) for n in "wb"] == [Shard(1), Shard(0)]
+    assert [RowwiseParallel().param_placement(n, shapes[n]) for n in "wb"] == [Shard(0), Replicate()]
+    assert [SequenceParallel().param_placement(n, s) for n, s in shapes.items()] == [Replicate()] * 3
+    for style in (ColwiseParallel(), RowwiseParallel()):
+        with pytest.raises(ValueError, match=r"param_placement: parameter 'table' has shape \(10, 3, 2\); this style lays out a 2-D "
+                                             r"weight \(in, out\)"):
+            style.param_placement("table", shapes["table"])
+
+
+def test_styles_have_torchs_default_layouts_and_compare_by_value():
+    assert (ColwiseParallel().input_layouts, ColwiseParallel().output_layouts) == (Replicate(), Shard(-1))
+    assert (RowwiseParallel().input_layouts, RowwiseParallel().output_layouts) == (Shard(-1), Replicate())
+    assert ColwiseParallel().use_local_output and RowwiseParallel().use_local_output
+    assert not SequenceParallel().use_local_output and SequenceParallel().input_layouts == Shard(1)
+    assert SequenceParallel(sequence_dim=0).output_layouts == Shard(0)
+    assert RowwiseParallel(output_layouts=(Shard(0),)) == RowwiseParallel(output_layouts=Shard(0))
+    assert ColwiseParallel() != ColwiseParallel(use_local_output=False) and ColwiseParallel() != RowwiseParallel()
+    with pytest.raises(TypeError):
+        ColwiseParallel(Shard(0))  # keyword-only, as torch's
+    assert repr(RowwiseParallel(output_layouts=Shard(0))) == \
+        "RowwiseParallel(input_layouts=Shard(dim=-1), output_layouts=Shard(dim=0), use_local_output=True)"
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: ColwiseParallel(input_layouts="replicate"), r"ColwiseParallel: input_layouts must be a Placement"),
+    (lambda: RowwiseParallel(output_layouts=[Shard(0), Shard(1)]), r"RowwiseParallel: output_layouts must be a Pl"),
+    (lambda: RowwiseParallel(use_local_output=1), r"use_local_output must be a bool, got 1"),
+    (lambda: SequenceParallel(sequence_dim=1.0), r"SequenceParallel: sequence_dim must be an int, got 1\.0"),
+])
+def test_bad_style_arguments_are_named(make, message):
+    with pytest.raises(TypeError, match=message):
+        make()
+
+
+# --------------------------------------------------------------------------- parallelize
+def test_parallelize_by_names_and_globs_gives_each_rank_its_own_block():
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        full = _params()
+        out = parallelize(full, mesh, {"[wb]0": ColwiseParallel(), "w1": RowwiseParallel(), "b1": RowwiseParallel()})
+        assert list(out) == list(full)
+        for name, d in out.items():
+            assert isinstance(d, DTensor) and d.shape == full[name].shape and d.device_mesh is mesh
+            local_ = d.to_local()
+            assert local_.flags.c_contiguous and not np.shares_memory(local_, full[name]), name
+        return {name: (d.placements, d.to_local()) for name, d in out.items()}
+
+    full = _params()
+    blocks = local.run(body, 2)
+    for rank, (cols, rows) in enumerate([(slice(0, 3), slice(0, 3)), (slice(3, 6), slice(3, 6))]):
+        want = {"w0": ((Shard(1),), full["w0"][:, cols]), "b0": ((Shard(0),), full["b0"][cols]),
+                "w1": ((Shard(0),), full["w1"][rows]), "b1": ((Replicate(),), full["b1"]),
+                "norm": ((Replicate(),), full["norm"])}  # in no rule: Replicate
+        for name, (placements, block) in want.items():
+            assert blocks[rank][name][0] == placements, name
+            np.testing.assert_array_equal(blocks[rank][name][1], block, err_msg=name)
+
+
+def test_parallelize_on_the_tp_dim_of_a_2d_mesh_with_uneven_shards():
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2, 3), mesh_dim_names=("dp", "tp"))
+        out = parallelize({"w": np.arange(8.0).reshape(2, 4)}, mesh["tp"], {"w": ColwiseParallel()})
+        return out["w"].to_local().tolist(), out["w"].full_tensor().tolist()
+
+    cut = [[[0, 1], [4, 5]], [[2, 3], [6, 7]], [[], []]]  # 4 columns over 3 ranks: 2, 2, 0 (torch.chunk)
+    for rank, (block, full) in enumerate(local.run(body, 6)):
+        assert block == cut[rank % 3] and full == np.arange(8.0).reshape(2, 4).tolist()
+
+
+def test_an_exact_name_wins_over_globs_and_agreeing_globs_may_overlap():
+    shapes = {"w0": np.zeros((4, 6)), "b0": np.zeros(6)}
+    plan = {"*": RowwiseParallel(), "w0": ColwiseParallel(), "?0": RowwiseParallel()}
+    assert plan_placements(shapes, plan) == {"w0": Shard(1), "b0": Replicate()}
+
+
+@pytest.mark.parametrize("params, mesh_shape, plan, kind, message", [
+    (None, (2,), {"w9": ColwiseParallel()}, ValueError,
+     r"parallelize: plan rule 'w9' matches no parameter; parameters are \['w0', 'b0', 'w1', 'b1', 'norm'\]"),
+    (None, (2,), {"*0": ColwiseParallel(), "layer.*": RowwiseParallel(), "x?": RowwiseParallel()}, ValueError,
+     r"plan rules 'layer\.\*', 'x\?' match no parameter"),
+    (None, (2,), {"w0": "colwise"}, TypeError,
+     r"parallelize: plan\['w0'\] must be a ParallelStyle \(ColwiseParallel\(\), RowwiseParallel\(\) or "
+     r"SequenceParallel\(\)\), got str 'colwise'"),
+    (None, (2,), {"w*": ColwiseParallel(), "*0": RowwiseParallel()}, ValueError,
+     r"parameter 'w0' matches plan rules \['w\*', '\*0'\] with different styles"),
+    (None, (2, 1), {"w0": ColwiseParallel()}, ValueError,
+     r"mesh must be the 1-D tp mesh \(e\.g\. mesh\['tp'\]\), got a 2-D mesh"),
+    ({"cube": np.zeros((2, 2, 2))}, (2,), {"cube": ColwiseParallel()}, ValueError,
+     r"parameter 'cube' has shape \(2, 2, 2\)"),
+    ({"w": [[1.0]]}, (2,), {}, TypeError, r"params\['w'\] must be a plain NumPy or CuPy array"),
+    ("dtensor", (2,), {}, TypeError, r"params\['w'\] must be a plain NumPy or CuPy array .*got DTensor"),
+])
+def test_bad_plans_are_refused_naming_the_rule_and_rank(params, mesh_shape, plan, kind, message):
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", mesh_shape)
+        given = _params() if params is None else \
+            {"w": distribute_tensor(np.zeros(2), mesh)} if params == "dtensor" else params
+        with pytest.raises(kind, match=message) as info:
+            parallelize(given, mesh, plan)
+        return str(info.value)
+
+    messages = local.run(body, 2)
+    assert [m.startswith(f"meshkit.tensor: rank {r}: ") for r, m in enumerate(messages)] == [True] * 2
+
+
+# --------------------------------------------------------------------------- prepare_input / prepare_output
+def test_prepare_input_and_output_convert_at_the_layer_boundaries():
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        rank = meshkit.get_rank()
+        full = np.arange(12.0).reshape(4, 3)
+        # A batch block per rank, declared Shard(0): gathered to the Replicate colwise computes on.
+        x = ColwiseParallel(input_layouts=Shard(0)).prepare_input(full[2 * rank:2 * rank + 2], mesh)
+        assert x.placements == (Replicate(),)
+        np.testing.assert_array_equal(x.to_local(), full)
+        # Rowwise wants Shard(-1): a Replicate DTensor is cut locally.
+        cut = RowwiseParallel().prepare_input(x)
+        assert cut.placements == (Shard(1),) and cut.to_local().shape == (4, 2 if rank == 0 else 1)
+        # A Partial output: all-reduced (default), reduce-scattered (Shard(0)), local or not.
+        partial = DTensor.from_local(full * (rank + 1), mesh, [Partial()])
+        y = RowwiseParallel().prepare_output(partial)
+        assert type(y) is np.ndarray
+        np.testing.assert_array_equal(y, 3 * full)
+        rows = RowwiseParallel(output_layouts=Shard(0), use_local_output=False).prepare_output(partial)
+        assert rows.placements == (Shard(0),)
+        np.testing.assert_array_equal(rows.to_local(), 3 * full[2 * rank:2 * rank + 2])
+        colwise_out = ColwiseParallel().prepare_output(distribute_tensor(full, mesh, [Shard(1)]))
+        np.testing.assert_array_equal(colwise_out, full[:, 0:2] if rank == 0 else full[:, 2:3])
+        # Sequence parallel: a plain block is taken as cut along the sequence dim; a DTensor is moved to it.
+        seq = np.arange(24.0).reshape(2, 4, 3)
+        mine = SequenceParallel().prepare_input(seq[:, 2 * rank:2 * rank + 2], mesh)
+        assert mine.placements == (Shard(1),) and mine.shape == (2, 4, 3)
+        np.testing.assert_array_equal(mine.full_tensor(), seq)
+        moved = SequenceParallel().prepare_input(distribute_tensor(seq, mesh))
+        np.testing.assert_array_equal(moved.to_local(), seq[:, 2 * rank:2 * rank + 2])
+        assert SequenceParallel().prepare_output(moved) is moved
+        with pytest.raises(ValueError, match=r"ColwiseParallel\.prepare_input: x is a plain ndarray: pass the tp "
+                                             r"device_mesh to lay it out as input_layouts=Replicate\(\)"):
+            ColwiseParallel().prepare_input(full)
+        with pytest.raises(TypeError, match=r"RowwiseParallel\.prepare_output: y must be the layer's DTensor output"):
+            RowwiseParallel().prepare_output(full)
+
+    local.run(body, 2)
+
+
+def test_prepare_input_of_an_uneven_plain_block_takes_the_global_shape():
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2,))
+        rank = meshkit.get_rank()
+        block = np.ones((3, [2, 1][rank]))  # 3 columns over 2 ranks: 2, 1
+        x = RowwiseParallel().prepare_input(block, mesh, shape=(3, 3))
+        return x.shape, x.full_tensor().sum()
+
+    assert local.run(body, 2) == [((3, 3), 9.0)] * 2
+
+
+# --------------------------------------------------------------------------- optimizers and clipping on DTensors
+MESH_PLACEMENTS = [
+    ((3,), {"w": [Shard(1)], "b": [Shard(0)], "v": [Replicate()]}),           # uneven: 5 over 3 = 2, 2, 1
+    ((2, 2), {"w": [Replicate(), Shard(1)], "b": [Shard(0), Shard(0)], "v": [Shard(0), Replicate()]}),
+]
+
+
+def _model(dtype=np.float64):
+    rng = np.random.default_rng(11)
+    params = {"w": rng.standard_normal((4, 5)), "b": rng.standard_normal(5), "v": rng.standard_normal(4)}
+    grads = {k: rng.standard_normal(p.shape) for k, p in params.items()}
+    return {k: p.astype(dtype) for k, p in params.items()}, {k: g.astype(dtype) for k, g in grads.items()}
+
+
+@pytest.mark.parametrize("make_opt", [lambda: SGD(lr=0.1, momentum=0.9, weight_decay=0.01),
+                                      lambda: AdamW(lr=0.01, amsgrad=True)], ids=["sgd", "adamw"])
+@pytest.mark.parametrize("mesh_shape, placements", MESH_PLACEMENTS, ids=["1d-uneven", "2x2"])
+def test_optimizers_on_dtensors_equal_single_process(make_opt, mesh_shape, placements):
+    params, grads = _model()
+    want = {k: p.copy() for k, p in params.items()}
+    opt = make_opt()
+    for _ in range(3):
+        opt.step(want, grads)
+
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", mesh_shape)
+        ps = {k: distribute_tensor(p.copy(), mesh, placements[k]) for k, p in params.items()}
+        gs = {k: distribute_tensor(g, mesh, placements[k]) for k, g in grads.items()}
+        mine = make_opt()
+        for _ in range(3):
+            mine.step(ps, gs)
+        return {k: p.full_tensor() for k, p in ps.items()}
+
+    for got in local.run(body, int(np.prod(mesh_shape))):
+        for k in params:
+            np.testing.assert_array_equal(got[k], want[k], err_msg=k)  # elementwise rules: bit for bit
+
+
+def test_optimizer_refuses_a_gradient_laid_out_unlike_its_parameter():
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2,))
+        p = distribute_tensor(np.zeros((2, 4)), mesh, [Shard(1)])
+        errors = []
+        for g, kind in [(distribute_tensor(np.ones((2, 4)), mesh, [Shard(0)]), ValueError),
+                        (distribute_tensor(np.ones((2, 4)), mesh, [Partial()]), ValueError),
+                        (np.ones((2, 2)), TypeError)]:
+            with pytest.raises(kind) as info:
+                SGD(lr=0.1).step({"w": p}, {"w": g})
+            errors.append(str(info.value))
+        assert not p.to_local().any(), "nothing was updated"
+        return errors
+
+    shard0, partial, plain = local.run(body, 2)[1]
+    assert shard0 == ("meshkit.parallel: rank 1: SGD.step: grad of parameter 'w' has placements (Shard(dim=0),) "
+                      "and shape (2, 4), the parameter (Shard(dim=1),) and (2, 4); redistribute the gradient to "
+                      "the parameter's placements first")
+    assert "has placements (Partial(sum),)" in partial
+    assert "parameter 'w' is a DTensor but its grad a ndarray" in plain
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0, math.inf])
+@pytest.mark.parametrize("mesh_shape, placements", MESH_PLACEMENTS, ids=["1d-uneven", "2x2"])
+def test_clip_grad_norm_of_dtensors_equals_single_process(mesh_shape, placements, norm_type):
+    _, grads = _model()
+    extra = np.array([0.5, -2.0])  # a plain array beside the DTensors: its norm counted by every rank
+    want = {k: g.copy() for k, g in grads.items()}
+    want_extra = extra.copy()
+    want_norm = clip_grad_norm_([*want.values(), want_extra], 0.5, norm_type=norm_type)
+    flat = np.concatenate([g.ravel() for g in grads.values()] + [extra])
+    assert want_norm == pytest.approx(np.linalg.norm(flat, ord=norm_type), rel=1e-12)
+
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", mesh_shape)
+        gs = {k: distribute_tensor(g.copy(), mesh, placements[k]) for k, g in grads.items()}
+        mine = extra.copy()
+        norm = clip_grad_norm_({**gs, "extra": mine}, 0.5, norm_type=norm_type)
+        return norm, {k: g.full_tensor() for k, g in gs.items()}, mine
+
+    for norm, got, got_extra in local.run(body, int(np.prod(mesh_shape))):
+        assert norm == pytest.approx(want_norm, rel=1e-13)
+        for k in grads:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-13, atol=0, err_msg=k)
+        np.testing.assert_allclose(got_extra, want_extra, rtol=1e-13)
+
+
+def test_clip_grad_norm_counts_replicas_once_and_refuses_partial():
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2,))
+        replicated = distribute_tensor(np.array([3.0, 4.0]), mesh, [Replicate()])
+        norm = clip_grad_norm_([replicated], 100.0)
+        nan = distribute_tensor(np.array([1.0, np.nan, 2.0]), mesh, [Shard(0)])
+        nan_norm = clip_grad_norm_([nan], 1.0, norm_type="inf")
+        with pytest.raises(ValueError, match=r"grads\[0\] has placements \(Partial\(sum\),\); a Partial gradient "
+                                             r"holds terms, not values: redistribute it"):
+            clip_grad_norm_([DTensor.from_local(np.ones(2), mesh, [Partial()])], 1.0)
+        return norm, nan_norm
+
+    for norm, nan_norm in local.run(body, 2):
+        assert norm == 5.0 and math.isnan(nan_norm)  # the rank without the nan learns it too
+
+
+def test_data_parallel_strategies_and_update_ask_for_blocks_not_dtensors():
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+        params = parallelize({"w": np.zeros((2, 4))}, mesh["tp"], {"w": ColwiseParallel()})
+        for make in (lambda: DistributedDataParallel(params, mesh=mesh["dp"]),
+                     lambda: ZeroRedundancyOptimizer(params, SGD(lr=0.1), mesh=mesh["dp"])):
+            with pytest.raises(ValueError, match=r"params\['w'\] is a DTensor; pass this rank's block "
+                                                 r"\(p\.to_local\(\), the same memory\)"):
+                make()
+        ddp = DistributedDataParallel({"w": params["w"].to_local()}, mesh=mesh["dp"])  # the documented way
+        assert np.shares_memory(ddp.params["w"], params["w"].to_local())
+        with pytest.raises(TypeError, match=r"SGD\.update: parameter 'w': update\(\) takes this rank's flat arrays"):
+            SGD(lr=0.1).update("w", params["w"], params["w"])
+
+    local.run(body, 2)
