@@ -164,16 +164,28 @@ def _reduce_scatter(group: Any, local: Any, dim: int, p: Partial, n: int, r: int
 
 
 def _all_to_all(group: Any, local: Any, d: int, e: int, parent_d: int, parent_e: int, n: int, r: int) -> Any:
-    """Shard(d) -> Shard(e): send each rank its e-chunk of my d-chunk; join the d-chunks received."""
+    """Shard(d) -> Shard(e): send each rank its e-chunk of my d-chunk; join the d-chunks received.
+
+    One copy at most on each side: the send buffer is ``local`` with axis ``e`` split into
+    ``(n, ce)`` and the ``n`` axis brought first (no copy when ``e`` is the first axis and no
+    padding is needed); the received pieces join along ``d`` by a reshape (a view when ``d`` is
+    the first axis). Pieces are zero-padded to the chunk sizes and the result stripped.
+    """
     xp = namespace_of(local)
     cd, ce = chunk_size(parent_d, n), chunk_size(parent_e, n)
-    moved = xp.moveaxis(xp.moveaxis(local, e, 0), d if d > e else d + 1, 1)  # (e, d, rest...)
-    send = _padded(xp, moved, (n * ce, cd))
+    padded = list(local.shape)
+    padded[d], padded[e] = cd, n * ce
+    src = local
+    if tuple(local.shape) != tuple(padded):
+        src = xp.zeros(tuple(padded), dtype=local.dtype)
+        src[tuple(slice(0, k) for k in local.shape)] = local
+    send = xp.moveaxis(src.reshape(src.shape[:e] + (n, ce) + src.shape[e + 1:]), e, 0)
+    send = xp.ascontiguousarray(send)  # the pack (free when e == 0)
     recv = xp.empty_like(send)
     group.all_to_all_single(recv, send)
-    rest = send.shape[2:]
-    joined = recv.reshape((n, ce, cd) + rest).swapaxes(0, 1).reshape((ce, n * cd) + rest)
+    piece = list(send.shape[1:])  # recv[i]: rank i's d-chunk of my e-chunk
+    joined = xp.moveaxis(recv, 0, d).reshape(tuple(piece[:d]) + (n * cd,) + tuple(piece[d + 1:]))
     start, stop = chunk_range(parent_e, n, r)
-    block = joined[:stop - start, :parent_d]
-    back = xp.moveaxis(block, 1, d if d > e else d + 1)
-    return xp.moveaxis(back, 0, e)
+    index = [slice(None)] * len(piece)
+    index[d], index[e] = slice(0, parent_d), slice(0, stop - start)
+    return joined[tuple(index)]
