@@ -141,14 +141,24 @@ def _padded(xp: Any, block: Any, sizes: Sequence[int]) -> Any:
     return out
 
 
+def _front(xp: Any, a: Any, dim: int) -> Any:
+    """``a`` with axis ``dim`` first (itself when it is already: moveaxis costs microseconds)."""
+    return a if dim == 0 else xp.moveaxis(a, dim, 0)
+
+
+def _back(xp: Any, a: Any, dim: int) -> Any:
+    """Undo :func:`_front`."""
+    return a if dim == 0 else xp.moveaxis(a, 0, dim)
+
+
 def _all_gather(group: Any, local: Any, dim: int, parent: int, n: int) -> Any:
     """Shard(dim) -> Replicate: gather the padded chunks, keep the first ``parent`` rows."""
     xp = namespace_of(local)
     c = chunk_size(parent, n)
-    send = _padded(xp, xp.moveaxis(local, dim, 0), (c,))
+    send = _padded(xp, _front(xp, local, dim), (c,))
     out = xp.empty((n * c,) + send.shape[1:], dtype=local.dtype)
     group.all_gather_into_tensor(out, send)
-    return xp.moveaxis(out[:parent], 0, dim)
+    return _back(xp, out if n * c == parent else out[:parent], dim)
 
 
 def _reduce_scatter(group: Any, local: Any, dim: int, p: Partial, n: int, r: int) -> Any:
@@ -156,11 +166,11 @@ def _reduce_scatter(group: Any, local: Any, dim: int, p: Partial, n: int, r: int
     xp = namespace_of(local)
     parent = local.shape[dim]
     c = chunk_size(parent, n)
-    send = _padded(xp, xp.moveaxis(local, dim, 0), (n * c,))
+    send = _padded(xp, _front(xp, local, dim), (n * c,))
     out = xp.empty((c,) + send.shape[1:], dtype=local.dtype)
     group.reduce_scatter_tensor(out, send, p.op)
     start, stop = chunk_range(parent, n, r)
-    return xp.moveaxis(out[:stop - start], 0, dim)
+    return _back(xp, out if stop - start == c else out[:stop - start], dim)
 
 
 def _all_to_all(group: Any, local: Any, d: int, e: int, parent_d: int, parent_e: int, n: int, r: int) -> Any:
@@ -179,12 +189,12 @@ def _all_to_all(group: Any, local: Any, d: int, e: int, parent_d: int, parent_e:
     if tuple(local.shape) != tuple(padded):
         src = xp.zeros(tuple(padded), dtype=local.dtype)
         src[tuple(slice(0, k) for k in local.shape)] = local
-    send = xp.moveaxis(src.reshape(src.shape[:e] + (n, ce) + src.shape[e + 1:]), e, 0)
+    send = _front(xp, src.reshape(src.shape[:e] + (n, ce) + src.shape[e + 1:]), e)
     send = xp.ascontiguousarray(send)  # the pack (free when e == 0)
     recv = xp.empty_like(send)
     group.all_to_all_single(recv, send)
     piece = list(send.shape[1:])  # recv[i]: rank i's d-chunk of my e-chunk
-    joined = xp.moveaxis(recv, 0, d).reshape(tuple(piece[:d]) + (n * cd,) + tuple(piece[d + 1:]))
+    joined = _back(xp, recv, d).reshape(tuple(piece[:d]) + (n * cd,) + tuple(piece[d + 1:]))
     start, stop = chunk_range(parent_e, n, r)
     index = [slice(None)] * len(piece)
     index[d], index[e] = slice(0, parent_d), slice(0, stop - start)
