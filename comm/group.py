@@ -420,7 +420,19 @@ class ProcessGroup:
         use_device = getattr(self.engine, "use_device", None)
         if use_device is not None:  # the task may allocate device memory: on this rank's GPU, not device 0
             fn = functools.partial(_on_device, use_device, fn)
-        return self._thread.submit(fn, Work(f"{what} on group {self.name}"))
+        return self._thread.submit(functools.partial(self._task, what, fn), Work(f"{what} on group {self.name}"))
+
+    def _task(self, what: str, fn: Callable[[], Any]) -> Any:
+        """Run a ``run_async`` task. One that raises may have issued only some of its collectives,
+        so this rank's calls on the group no longer pair with the other ranks': the group is
+        broken here (later calls raise) and the other members are told (their waits fail at once
+        instead of pairing with the wrong call, or hanging)."""
+        try:
+            return fn()
+        except BaseException as exc:
+            if self._failure is None:
+                self._broken(f"{what} raised {type(exc).__name__}: {exc}", self._seq)
+            raise
 
     # ----------------------------------------------------------------- point to point
     def isend(self, tensor: np.ndarray, dst: int, tag: int = 0) -> Work:

@@ -300,3 +300,36 @@ def test_a_bounded_wait_on_a_queued_collective_times_out_without_failing_it():
         meshkit.all_reduce(np.ones(2))
         return True
     assert local.run(body, 2, timeout=10) == [True, True]
+
+
+def test_a_task_that_raises_midway_breaks_the_group_on_every_rank():
+    """Rank 0's task issues one of its two collectives and raises: rank 1's second all_reduce must
+    fail at once (not pair with rank 0's next call, nor wait the whole timeout), and rank 0's
+    later calls on the group must raise."""
+    def body():
+        group = meshkit.comm.world.current_world().default_group
+        x = np.ones(3)
+
+        rank = meshkit.get_rank()
+
+        def task():  # runs on the group's communication thread: it uses the group itself
+            group.all_reduce(x)
+            if rank == 0:
+                raise ValueError("hook bug")
+            group.all_reduce(x)
+
+        started = time.monotonic()
+        with pytest.raises(Exception) as info:
+            group.run_async(task, "hook").wait()
+        took = time.monotonic() - started
+        if rank == 0:
+            assert isinstance(info.value, ValueError)
+            with pytest.raises(meshkit.DistError, match=r"unusable after an earlier failure: hook raised ValueError"):
+                meshkit.all_reduce(x)
+        else:
+            assert isinstance(info.value, meshkit.RankFailedError), info.value
+            assert "rank 0" in str(info.value) and "hook raised ValueError: hook bug" in str(info.value)
+        return took
+
+    took = local.run(body, 2, timeout=30)
+    assert max(took) < 5, took
