@@ -11,7 +11,7 @@ state are made with it, so a CuPy model's stay on its GPU. Mixing the two librar
 a ``TypeError`` naming both types.
 """
 
-from .arrays import array_namespace
+from .arrays import array_namespace, is_array, to_host
 from .buckets import Bucket, BucketManager, CommHook, GradBucket, assign_buckets
 from .clip import clip_grad_norm_
 from .ddp import DistributedDataParallel
@@ -22,7 +22,7 @@ from .optim import SGD, AdamW, Optimizer
 from .pool import BufferPool
 from .reducer import GradientReducer
 from .sharded import ShardedStrategy
-from .sharded_state import ShardedArray, flat_range_boxes, optimizer_state_views
+from .sharded_state import ShardedArray, flat_range_boxes, load_pieces, optimizer_state_views
 from .zero import ZeroRedundancyOptimizer
 
 __all__ = [
@@ -30,5 +30,6 @@ __all__ = [
     "GradientReducer", "ShardedStrategy", "Bucket", "BucketManager", "CommHook", "BufferPool", "assign_buckets",
     "FlatLayout",
     "GradBucket", "allreduce_hook", "fp16_compress_hook", "PowerSGDState", "powersgd_hook",
-    "SGD", "AdamW", "Optimizer", "clip_grad_norm_", "array_namespace", "ShardedArray", "flat_range_boxes", "optimizer_state_views",
+    "SGD", "AdamW", "Optimizer", "clip_grad_norm_", "array_namespace", "is_array", "to_host",
+    "ShardedArray", "flat_range_boxes", "load_pieces", "optimizer_state_views",
 ]

@@ -11,11 +11,12 @@ Depends on ``comm`` and ``mesh`` only.
 """
 
 from . import chunks
+from .chunks import local_shape_and_offset
 from . import matmul, reductions, shape_ops, ufuncs  # noqa: F401  (they register the NumPy op rules)
 from .api import distribute_tensor
 from .dtensor import DTensor
 from .parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel, parallelize
 from .placements import Partial, Placement, Replicate, Shard
 
-__all__ = ["DTensor", "distribute_tensor", "Placement", "Shard", "Replicate", "Partial", "chunks",
+__all__ = ["DTensor", "distribute_tensor", "Placement", "Shard", "Replicate", "Partial", "chunks", "local_shape_and_offset",
            "parallelize", "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel"]

@@ -1,0 +1,118 @@
+"""CheckpointManager: numbered checkpoints in one directory, the newest ``max_to_keep`` kept.
+
+Each step's checkpoint is the directory ``<directory>/step_<step>``, which only exists once
+complete (:mod:`.save` commits by one atomic rename), so :meth:`latest_step` never returns an
+incomplete one. Old checkpoints are removed by renaming them aside first, so a crash while
+deleting cannot leave a half-deleted one under a step's name.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import uuid
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from ..comm import ProcessGroup, resolve_group
+from .errors import CheckpointError
+from .format import METADATA
+from .reader import load
+from .writer import async_save, save
+
+__all__ = ["CheckpointManager"]
+
+_STEP = re.compile(r"step_(\d+)")
+
+
+class CheckpointManager:
+    """Save and find checkpoints by training step (orbax's ``CheckpointManager``).
+
+    Args:
+        directory: where the ``step_<n>`` checkpoints live (created if missing).
+        max_to_keep: keep only this many newest checkpoints (None: keep all).
+        group: the ranks that save and load together (default: the world).
+
+    Example::
+
+        manager = CheckpointManager("ckpt", max_to_keep=3)
+        if manager.latest_step() is not None:
+            manager.load(manager.latest_step(), state_dict)
+        ...
+        manager.save(step, state_dict)
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = None,
+                 group: ProcessGroup | None = None) -> None:
+        if max_to_keep is not None and (not isinstance(max_to_keep, int) or isinstance(max_to_keep, bool)
+                                        or max_to_keep < 1):
+            raise CheckpointError(f"meshkit.checkpoint: CheckpointManager: max_to_keep must be a positive int or "
+                                  f"None, got {max_to_keep!r}")
+        self.directory = Path(directory)
+        self.max_to_keep = max_to_keep
+        self.group = resolve_group(group)
+        if self.group.rank == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+
+    def path(self, step: int) -> Path:
+        """The directory of ``step``'s checkpoint."""
+        return self.directory / f"step_{int(step)}"
+
+    def all_steps(self) -> list[int]:
+        """The steps with a complete checkpoint, in increasing order (reads the directory)."""
+        if not self.directory.is_dir():
+            return []
+        steps = []
+        for p in self.directory.iterdir():
+            m = _STEP.fullmatch(p.name)
+            if m and (p / METADATA).is_file():
+                steps.append(int(m.group(1)))
+        return sorted(steps)
+
+    def latest_step(self) -> int | None:
+        """The newest complete checkpoint's step, or None."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def save(self, step: int, state_dict: dict[str, Any]) -> None:
+        """Save ``state_dict`` as ``step`` (collective), then drop checkpoints beyond ``max_to_keep``."""
+        save(state_dict, checkpoint_id=self._new(step), group=self.group)
+        self._prune()
+
+    def async_save(self, step: int, state_dict: dict[str, Any]) -> "Future[None]":
+        """:func:`~meshkit.checkpoint.async_save` as ``step``; old ones are dropped once it commits."""
+        future = async_save(state_dict, checkpoint_id=self._new(step), group=self.group)
+        if self.group.rank == 0:
+            future.add_done_callback(lambda f: f.exception() is None and self._prune())
+        return future
+
+    def load(self, step: int | None, state_dict: dict[str, Any]) -> int:
+        """Load ``step``'s checkpoint (None: the latest) into ``state_dict`` in place; returns the step.
+
+        Raises:
+            CheckpointError: no checkpoint (for that step), or a bad one (see :func:`load`).
+        """
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise CheckpointError(f"meshkit.checkpoint: rank {self.group.rank}: no complete checkpoint in "
+                                      f"{str(self.directory)!r}")
+        load(state_dict, checkpoint_id=self.path(step), group=self.group)
+        return step
+
+    def _new(self, step: int) -> Path:
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise CheckpointError(f"meshkit.checkpoint: rank {self.group.rank}: step must be a non-negative int, "
+                                  f"got {step!r}")
+        return self.path(step)
+
+    def _prune(self) -> None:
+        """Rank 0: remove the oldest complete checkpoints beyond ``max_to_keep``."""
+        if self.group.rank != 0 or self.max_to_keep is None:
+            return
+        for step in self.all_steps()[:-self.max_to_keep]:
+            doomed = self.directory / f".deleting-{uuid.uuid4().hex[:8]}-step_{step}"
+            os.rename(self.path(step), doomed)  # atomic: the step is gone before any file is
+            shutil.rmtree(doomed, ignore_errors=True)

@@ -1,0 +1,114 @@
+"""The global save plan: who writes which box, each replicated box once (DCP's dedup planner).
+
+Every rank describes what it holds; rank 0 alone checks the descriptions against each other and
+decides, so planning is one gather and one scatter whatever the world size. A box held by
+several ranks (DDP's parameters, a DTensor's Replicate copies, HSDP's replica shards) is written
+by the holder that has been given the fewest bytes so far, spreading the writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+from .errors import CheckpointError
+from .leaves import ArrayLeaf
+
+__all__ = ["Description", "describe", "make_plan", "Plan"]
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+@dataclasses.dataclass
+class Description:
+    """What one rank holds: per array key ``(shape, dtype str, [box])`` (shape None: no piece
+    here), and the JSON values."""
+
+    arrays: dict[str, tuple[tuple[int, ...] | None, str | None, list[Box]]]
+    values: dict[str, Any]
+
+
+def describe(arrays: dict[str, ArrayLeaf], values: dict[str, Any]) -> Description:
+    return Description({k: (a.shape, None if a.dtype is None else np.dtype(a.dtype).str, [p.box for p in a.pieces])
+                        for k, a in arrays.items()}, dict(values))
+
+
+@dataclasses.dataclass
+class Plan:
+    """The outcome: each rank's boxes to write, and what metadata.json says besides chunks."""
+
+    writes: list[list[tuple[str, Box]]]
+    arrays: dict[str, dict[str, Any]]  # key -> {"shape", "dtype"}
+    values: dict[str, Any]
+
+
+def make_plan(descriptions: list[Description]) -> Plan:
+    """Check the ranks' descriptions against each other and assign every distinct box a writer.
+
+    Raises:
+        CheckpointError: the ranks hold different keys, disagree on a shape, dtype or value, or
+            their boxes of an array overlap without being equal, or leave elements unheld.
+    """
+    n = len(descriptions)
+    keys: dict[str, None] = {}
+    for d in descriptions:
+        keys.update(dict.fromkeys(d.arrays))
+        keys.update(dict.fromkeys(d.values))
+    for r, d in enumerate(descriptions):
+        missing = [k for k in keys if k not in d.arrays and k not in d.values]
+        if missing:
+            raise CheckpointError(f"the ranks' state dicts have different keys: rank {r} lacks {missing[:5]}"
+                                  f"{' ...' if len(missing) > 5 else ''}")
+    writes: list[list[tuple[str, Box]]] = [[] for _ in range(n)]
+    load = [0] * n
+    arrays: dict[str, dict[str, Any]] = {}
+    values: dict[str, Any] = {}
+    for key in keys:
+        held = [(r, d.arrays[key]) for r, d in enumerate(descriptions) if key in d.arrays and d.arrays[key][0] is not None]
+        as_value = [(r, d.values[key]) for r, d in enumerate(descriptions) if key in d.values]
+        if not held:  # a value on every rank (an empty list reads as an empty piece list: a value here)
+            vals = [v for _, v in as_value] or [[]]
+            if any(v != vals[0] for v in vals):
+                r0, v0 = as_value[0]
+                r1, v1 = next((r, v) for r, v in as_value if v != v0)
+                raise CheckpointError(f"{key!r} differs between ranks: {v0!r} on rank {r0}, {v1!r} on rank {r1}; a "
+                                      "value is saved once and must be the same everywhere")
+            values[key] = vals[0]
+            continue
+        if as_value:
+            raise CheckpointError(f"{key!r} is an array on rank {held[0][0]} but a value ({as_value[0][1]!r}) on rank "
+                                  f"{as_value[0][0]}")
+        shape, dtype = held[0][1][0], held[0][1][1]
+        for r, (s, t, _) in held:
+            if tuple(s) != tuple(shape) or t != dtype:
+                raise CheckpointError(f"{key!r} has global shape {tuple(shape)} and dtype {dtype} on rank {held[0][0]} "
+                                      f"but {tuple(s)} and {t} on rank {r}")
+        arrays[key] = {"shape": list(shape), "dtype": dtype}
+        holders: dict[Box, list[int]] = {}
+        for r, (_, _, boxes) in held:
+            for box in boxes:
+                holders.setdefault((tuple(box[0]), tuple(box[1])), []).append(r)
+        _check_tiling(key, tuple(shape), list(holders))
+        itemsize = np.dtype(dtype).itemsize
+        for box, ranks in holders.items():
+            writer = min(ranks, key=lambda r: (load[r], r))
+            load[writer] += math.prod(box[1]) * itemsize
+            writes[writer].append((key, box))
+    return Plan(writes, arrays, values)
+
+
+def _check_tiling(key: str, shape: tuple[int, ...], boxes: list[Box]) -> None:
+    """The distinct boxes must cover the array exactly: equal volumes, and no two overlapping."""
+    total = sum(math.prod(lengths) for _, lengths in boxes)
+    if total != math.prod(shape):
+        raise CheckpointError(f"{key!r}: the ranks' pieces hold {total} elements of an array of shape {shape} "
+                              f"({math.prod(shape)} elements): they {'overlap' if total > math.prod(shape) else 'leave gaps'}")
+    if len(boxes) <= 256:  # pairwise overlap test; beyond that the volume check stands alone
+        for i, (oa, la) in enumerate(boxes):
+            for ob, lb in boxes[i + 1:]:
+                if all(max(a, b) < min(a + m, b + k) for a, m, b, k in zip(oa, la, ob, lb)):
+                    raise CheckpointError(f"{key!r}: pieces at offsets {oa} (lengths {la}) and {ob} (lengths {lb}) "
+                                          "overlap without being the same box")

@@ -1,0 +1,145 @@
+"""load: fill a state dict in place from a checkpoint saved by any strategy at any world size.
+
+Each rank reads only the chunks that intersect its own boxes, through a memory map of the data
+files (so the bytes of other ranks' data are never touched and no staging copy is made). It
+first verifies everything (keys, shapes, dtypes, file sizes, every needed chunk's CRC-32), then
+the ranks agree (one all-gather of their outcomes) and only then copy into the state dict: a
+bad checkpoint raises :class:`CheckpointError` on every rank with nothing written in place.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..comm import ProcessGroup, all_gather_object, resolve_group
+from ..parallel import array_namespace
+from .errors import CheckpointError
+from .format import crc32, read_metadata
+from .leaves import Piece, array_leaf, flatten
+
+__all__ = ["load"]
+
+
+def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike, group: ProcessGroup | None = None) -> None:
+    """Load the checkpoint at ``checkpoint_id`` into ``state_dict`` in place (collective over ``group``).
+
+    Arrays, DTensors and ShardedArray pieces are written in place, whatever boxes the
+    checkpoint was saved in (resharding); JSON values (a step) are replaced in their dict.
+    Keys of the checkpoint that ``state_dict`` lacks are ignored, as in DCP.
+
+    Raises:
+        CheckpointError: on every rank, with nothing written, naming the key or file and what
+            was expected: no checkpoint at the path, a missing file or key, another shape or
+            dtype, a truncated file, a checksum mismatch.
+    """
+    g = resolve_group(group)
+    rank = g.rank
+    try:
+        copies, values = _prepare(state_dict, Path(checkpoint_id), rank)
+        outcome = None
+    except CheckpointError as exc:
+        outcome = str(exc) if str(exc).startswith("meshkit.checkpoint") else \
+            f"meshkit.checkpoint: rank {rank}: load: {exc}"
+    outcomes: list[Any] = [None] * g.size
+    all_gather_object(outcomes, outcome, group=g)
+    failed = [(r, text) for r, text in enumerate(outcomes) if text is not None]
+    if failed:
+        more = f" (and on ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
+        raise CheckpointError(f"{failed[0][1]}{more}; nothing was loaded")
+    for dst, src in copies:
+        if array_namespace(dst) is np:
+            dst[...] = src
+        else:
+            dst[...] = array_namespace(dst).asarray(src)
+    for parent, key, value in values:
+        parent[key] = value
+
+
+def _prepare(state_dict: Any, path: Path, rank: int) -> tuple[list[tuple[Any, np.ndarray]], list[tuple[dict, str, Any]]]:
+    """Everything checked and mapped: ``(destination view, verified source view)`` pairs and
+    the values to set."""
+    meta = read_metadata(path)
+    maps: dict[str, np.ndarray] = {}
+    verified: set[tuple[str, int]] = set()
+    copies: list[tuple[Any, np.ndarray]] = []
+    values: list[tuple[dict, str, Any]] = []
+    for key, value, parent, pkey in flatten(state_dict, "load", rank):
+        leaf = array_leaf(key, value, "load", rank)
+        if leaf is None or (leaf.shape is None and key in meta["values"]):
+            if key not in meta["values"]:
+                kind = "an array" if key in meta["arrays"] else "absent"
+                raise CheckpointError(f"key {key!r} (a value here) is {kind} in the checkpoint at {str(path)!r}")
+            values.append((parent, pkey, meta["values"][key]))
+            continue
+        entry = meta["arrays"].get(key)
+        if entry is None:
+            kind = "a value" if key in meta["values"] else "missing"
+            raise CheckpointError(f"key {key!r} is {kind} in the checkpoint at {str(path)!r} "
+                                  f"({len(meta['arrays'])} arrays there)")
+        shape, dtype = tuple(entry["shape"]), np.dtype(entry["dtype"])
+        if leaf.shape is not None and (tuple(leaf.shape) != shape or np.dtype(leaf.dtype) != dtype):
+            raise CheckpointError(f"{key!r}: the checkpoint has shape {shape} and dtype {dtype}, this state dict "
+                                  f"expects shape {tuple(leaf.shape)} and dtype {np.dtype(leaf.dtype)}")
+        for piece in leaf.pieces:
+            copies += _piece_copies(key, piece, entry, dtype, path, maps, verified)
+    return copies, values
+
+
+def _piece_copies(key: str, piece: Piece, entry: dict[str, Any], dtype: np.dtype, path: Path,
+                  maps: dict[str, np.ndarray], verified: set[tuple[str, int]]) -> list[tuple[Any, np.ndarray]]:
+    """The copies that fill ``piece`` from the chunks it intersects, each chunk verified once."""
+    out, covered = [], 0
+    for c in entry["chunks"]:
+        lo = [max(a, b) for a, b in zip(piece.offsets, c["offsets"])]
+        hi = [min(a + m, b + k) for a, m, b, k in zip(piece.offsets, piece.lengths, c["offsets"], c["lengths"])]
+        if any(a >= b for a, b in zip(lo, hi)):
+            continue
+        data = _chunk(key, c, dtype, path, maps, verified)
+        src = _box(data, lo, hi, c["offsets"])
+        dst = _box(piece.data, lo, hi, piece.offsets)
+        out.append((dst, src))
+        covered += math.prod(b - a for a, b in zip(lo, hi))
+    if covered != math.prod(piece.lengths):
+        raise CheckpointError(f"{key!r}: the checkpoint's chunks cover {covered} of the {math.prod(piece.lengths)} "
+                              f"elements of the box at offsets {piece.offsets} with lengths {piece.lengths}")
+    return out
+
+
+def _box(a: Any, lo: list[int], hi: list[int], offsets: Any) -> Any:
+    """The view of ``a`` (whose first element is at global ``offsets``) on global ``[lo, hi)``;
+    ``a`` itself for a 0-d array (indexing one by ``()`` would give a scalar, not a view)."""
+    return a[tuple(slice(x - o, y - o) for x, y, o in zip(lo, hi, offsets))] if a.ndim else a
+
+
+def _chunk(key: str, c: dict[str, Any], dtype: np.dtype, path: Path, maps: dict[str, np.ndarray],
+           verified: set[tuple[str, int]]) -> np.ndarray:
+    """Chunk ``c`` as a read-only view of its memory-mapped file, its checksum verified."""
+    name = c["file"]
+    if name not in maps:
+        file = path / name
+        if os.sep in name or name.startswith("."):
+            raise CheckpointError(f"{key!r}: chunk file name {name!r} in the metadata is not a plain file name")
+        try:
+            maps[name] = np.memmap(file, dtype=np.uint8, mode="r") if file.stat().st_size else np.empty(0, np.uint8)
+        except FileNotFoundError:
+            raise CheckpointError(f"data file {str(file)!r} is missing (it holds {key!r})") from None
+        except OSError as exc:
+            raise CheckpointError(f"data file {str(file)!r} cannot be read: {exc}") from None
+    m = maps[name]
+    start, nbytes = int(c["offset"]), int(c["nbytes"])
+    if start + nbytes > m.size:
+        raise CheckpointError(f"data file {str(path / name)!r} is truncated: {m.size} bytes, but {key!r} has a chunk "
+                              f"at bytes {start}..{start + nbytes}")
+    raw = m[start:start + nbytes]
+    if (name, start) not in verified:
+        if crc32(raw) != c["crc32"]:
+            raise CheckpointError(f"data file {str(path / name)!r}: checksum mismatch in the chunk of {key!r} at "
+                                  f"offsets {tuple(c['offsets'])} (bytes {start}..{start + nbytes}): the file is "
+                                  "corrupt")
+        verified.add((name, start))
+    return raw.view(dtype).reshape(c["lengths"])

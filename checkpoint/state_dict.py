@@ -1,0 +1,116 @@
+"""get_state_dict / set_state_dict: one state dict form for every strategy, as views.
+
+The keys never depend on the strategy or the world size::
+
+    model_state_dict = {name: value}
+    optim_state_dict = {"state": {name: {"exp_avg": value, ...}}, "step": {name: int}}
+
+where a value is an array (replicated: DDP, one process), a list of
+:class:`~meshkit.parallel.ShardedArray` (ZeRO's and FSDP's flat shards, cut into boxes) or a
+:class:`~meshkit.tensor.DTensor` (tensor-parallel parameters), always a view of the strategy's
+own memory: nothing is gathered, and loading a checkpoint into these dicts writes the model.
+The optimizer's state is materialized (zeros at step 0) if it has not stepped yet, so a
+checkpoint loads into a freshly built strategy before its first step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from ..parallel import DistributedDataParallel, Optimizer, ShardedStrategy, load_pieces, optimizer_state_views
+from ..tensor import DTensor
+from .errors import CheckpointError
+
+__all__ = ["get_state_dict", "set_state_dict"]
+
+Strategy = Any  # DistributedDataParallel | ZeroRedundancyOptimizer | FullyShardedDataParallel | dict of params
+
+
+def get_state_dict(strategy: Strategy, optimizers: Optimizer | Sequence[Optimizer] | None = None
+                   ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(model_state_dict, optim_state_dict)`` of ``strategy`` as views (torch's name).
+
+    Args:
+        strategy: a ``DistributedDataParallel``, ``ZeroRedundancyOptimizer`` or
+            ``FullyShardedDataParallel`` (HSDP included), or a ``dict`` of parameters (arrays
+            or DTensors: one process, or tensor parallelism).
+        optimizers: the optimizer a DDP or dict user steps; None for ZeRO and FSDP, whose
+            optimizer is inside.
+    """
+    optimizer = _one_optimizer(strategy, optimizers, "get_state_dict")
+    if isinstance(strategy, ShardedStrategy):
+        sd = strategy.sharded_state_dict()
+        return sd["model"], sd["optim"]
+    if isinstance(strategy, DistributedDataParallel):
+        sd = strategy.sharded_state_dict(optimizer)
+        return sd["model"], sd["optim"]
+    params = dict(strategy)
+    return params, _params_optim_views(optimizer, params) if optimizer is not None else {"state": {}, "step": {}}
+
+
+def set_state_dict(strategy: Strategy, optimizers: Optimizer | Sequence[Optimizer] | None = None, *,
+                   model_state_dict: dict[str, Any], optim_state_dict: dict[str, Any]) -> None:
+    """Take ``model_state_dict`` and ``optim_state_dict`` into ``strategy`` (torch's name).
+
+    Pieces that are already ``strategy``'s own views (a checkpoint loaded in place into
+    :func:`get_state_dict`'s dicts) are not copied again; the step counts are set and the
+    strategy refreshes what derives from its shards. Collective for ZeRO and FSDP.
+
+    Raises:
+        DistValueError: a key, box or step that does not match ``strategy``.
+    """
+    optimizer = _one_optimizer(strategy, optimizers, "set_state_dict")
+    if isinstance(strategy, ShardedStrategy):
+        strategy.load_sharded_state_dict(model_state_dict, optim_state_dict)
+    elif isinstance(strategy, DistributedDataParallel):
+        strategy.load_sharded_state_dict(model_state_dict, optim_state_dict, optimizer)
+    else:
+        params = dict(strategy)
+        load_pieces("set_state_dict", "model", {k: _local(v) for k, v in params.items()},
+                    {k: _local(v) for k, v in model_state_dict.items()})
+        if optimizer is not None:
+            mine = _params_optim_views(optimizer, params)
+            load_pieces("set_state_dict", "optim.state", _locals(mine["state"]), _locals(optim_state_dict["state"]))
+            optimizer.steps.update({k: int(v) for k, v in optim_state_dict["step"].items()})
+
+
+def _one_optimizer(strategy: Strategy, optimizers: Any, op: str) -> Optimizer | None:
+    if isinstance(optimizers, (list, tuple)):
+        if len(optimizers) != 1:
+            raise CheckpointError(f"meshkit.checkpoint: {op}: optimizers must be one Optimizer (or a one-element "
+                                  f"list), got {len(optimizers)}")
+        optimizers = optimizers[0]
+    if isinstance(strategy, ShardedStrategy):
+        if optimizers is not None:
+            raise CheckpointError(f"meshkit.checkpoint: {op}: a {type(strategy).__name__} holds its optimizer; pass "
+                                  "optimizers=None")
+    elif not isinstance(strategy, (DistributedDataParallel, dict)):
+        raise CheckpointError(f"meshkit.checkpoint: {op}: strategy must be a DistributedDataParallel, "
+                              f"ZeroRedundancyOptimizer, FullyShardedDataParallel or a dict of parameters, got "
+                              f"{type(strategy).__name__}")
+    if optimizers is not None and not isinstance(optimizers, Optimizer):
+        raise CheckpointError(f"meshkit.checkpoint: {op}: optimizers must be a meshkit Optimizer, got "
+                              f"{type(optimizers).__name__}")
+    return optimizers
+
+
+def _params_optim_views(optimizer: Optimizer, params: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer state of a dict of parameters: arrays shaped like them, DTensors for DTensors."""
+    plain = {k: v for k, v in params.items() if not isinstance(v, DTensor)}
+    out = optimizer_state_views(optimizer, plain)
+    for name, p in params.items():
+        if isinstance(p, DTensor):
+            local = p.to_local()
+            st = optimizer.materialize(name, local.reshape(-1))
+            out["state"][name] = {key: DTensor.from_local(arr.reshape(local.shape), p.device_mesh, p.placements,
+                                                          shape=p.shape) for key, arr in st.items()}
+            out["step"][name] = optimizer.steps[name]
+    return {"state": {k: out["state"][k] for k in params}, "step": {k: out["step"][k] for k in params}}
+
+
+def _local(v: Any) -> Any:
+    return v.to_local() if isinstance(v, DTensor) else v
+
+
+def _locals(state: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {k: {key: _local(v) for key, v in st.items()} for k, st in state.items()}

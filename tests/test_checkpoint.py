@@ -1,0 +1,384 @@
+"""meshkit.checkpoint: sharded saves, resharding loads, crash safety and integrity.
+
+The chain that matters: a checkpoint saved by FSDP at 4 ranks resumes ZeRO-2 at 3, whose
+checkpoint resumes DDP at 2, then one process, then HSDP on a 2x2 mesh; the result equals
+uninterrupted single-process training. Every error test corrupts a real checkpoint and checks
+that every rank raises and that nothing was written in place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ddp_cases
+import meshkit
+import sharded_cases as cases
+from meshkit import checkpoint as dcp
+from meshkit.checkpoint import CheckpointError, CheckpointManager
+from meshkit.checkpoint.plan import Description, make_plan
+from meshkit.comm import local
+from meshkit.parallel import SGD, AdamW, DistributedDataParallel
+from meshkit.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+
+# --------------------------------------------------------------------------- the resharding chain
+def _roundtrip(strategy, optimizer, ckpt_in, ckpt_out):
+    """Load ``ckpt_in`` (if any) into ``strategy`` in place; return a function saving to ``ckpt_out``."""
+    model, optim = dcp.get_state_dict(strategy, optimizer)
+    sd = {"model": model, "optim": optim}
+    if ckpt_in is not None:
+        dcp.load(sd, checkpoint_id=ckpt_in)
+        dcp.set_state_dict(strategy, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+
+def _save(strategy, optimizer, ckpt_out):
+    model, optim = dcp.get_state_dict(strategy, optimizer)
+    dcp.save({"model": model, "optim": optim}, checkpoint_id=ckpt_out)
+
+
+def _sharded_stage(train, ckpt_in, ckpt_out, steps, **kw):
+    held = []
+
+    def setup(strategy):
+        held.append(strategy)
+        _roundtrip(strategy, None, ckpt_in, ckpt_out)
+
+    train(steps=steps, setup=setup, **kw)
+    _save(held[0], None, ckpt_out)
+
+
+def _ddp_stage(kind, ckpt_in, ckpt_out, steps):
+    rank, n = meshkit.get_rank(), meshkit.get_world_size()
+    ddp = DistributedDataParallel(ddp_cases.init_params(True), find_unused_parameters=True)
+    opt = cases.make_opt(kind)
+    _roundtrip(ddp, opt, ckpt_in, ckpt_out)
+    for step in steps:
+        ddp.zero_grad()
+        for m in range(cases.MICRO):
+            with ddp.no_sync() if m < cases.MICRO - 1 else contextlib.nullcontext():
+                for name, g in cases.local_grads(ddp.params, step, m, rank, n).items():
+                    ddp.mark_grad_ready(name, g)
+                ddp.finish_gradient_sync()
+        opt.step(ddp.params, ddp.grads)
+    _save(ddp, opt, ckpt_out)
+
+
+def _alone_stage(kind, ckpt_in, ckpt_out, steps):
+    params, opt = ddp_cases.init_params(True), cases.make_opt(kind)
+    _roundtrip(params, opt, ckpt_in, ckpt_out)
+    for step in steps:
+        grads = {name: np.zeros_like(p) for name, p in params.items()}
+        for m in range(cases.MICRO):
+            for name, g in cases.local_grads(params, step, m).items():
+                grads[name] += g
+        opt.step(params, grads)
+    _save(params, opt, ckpt_out)
+    return params
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_resuming_across_strategies_and_world_sizes_equals_uninterrupted_training(kind, tmp_path):
+    c = [tmp_path / f"c{i}" for i in range(5)]
+    local.run(lambda: _sharded_stage(lambda **kw: cases.train_fsdp(kind, **kw), None, c[0], range(0, 1)), 4)
+    local.run(lambda: _sharded_stage(lambda **kw: cases.train_zero(2, kind, **kw), c[0], c[1], range(1, 2)), 3)
+    local.run(lambda: _ddp_stage(kind, c[1], c[2], range(2, 3)), 2)
+    local.run(lambda: _alone_stage(kind, c[2], c[3], range(3, 4)), 1)
+    local.run(lambda: _sharded_stage(lambda **kw: cases.train_fsdp(kind, mesh_shape=(2, 2), **kw), c[3], c[4],
+                                     range(4, 5)), 4)
+    final = {}
+    dcp_params = ddp_cases.init_params(True)
+    opt = cases.make_opt(kind)
+    local.run(lambda: _roundtrip(dcp_params, opt, c[4], None), 1)
+    final.update(dcp_params)
+    cases.assert_matches(final, cases.reference(kind, steps=5), "chain")
+    assert set(opt.steps.values()) == {5}
+    meta = json.loads((c[4] / "metadata.json").read_text())
+    assert meta["world_size"] == 4 and meta["values"]["optim.step.w1"] == 5
+
+
+def test_a_replicated_array_is_written_once_and_the_writes_are_spread(tmp_path):
+    def body():
+        params = {f"p{i}": np.full((8, 8), float(i)) for i in range(8)}
+        ddp = DistributedDataParallel(params)
+        model, optim = dcp.get_state_dict(ddp, SGD(lr=0.1))
+        dcp.save({"model": model, "optim": optim}, checkpoint_id=tmp_path / "ck")
+
+    local.run(body, 4)
+    meta = json.loads((tmp_path / "ck" / "metadata.json").read_text())
+    files = [c["file"] for a in meta["arrays"].values() for c in a["chunks"]]
+    assert all(len(a["chunks"]) == 1 for a in meta["arrays"].values())  # written once
+    assert sorted(set(files)) == [f"data-0000{r}.bin" for r in range(4)]  # by every rank
+    assert len(files) == 8 and all(files.count(f) == 2 for f in set(files))  # 8 arrays (SGD: no state), 2 each
+
+
+# --------------------------------------------------------------------------- DTensors
+PLACEMENTS_2D = [(Replicate(), Replicate()), (Shard(0), Replicate()), (Replicate(), Shard(1)), (Shard(0), Shard(1)),
+                 (Shard(1), Shard(0)), (Shard(0), Shard(0))]
+
+
+@pytest.mark.parametrize("src", PLACEMENTS_2D, ids=str)
+def test_dtensors_reshard_across_placements_and_meshes_bit_for_bit(src, tmp_path):
+    full = (np.arange(7 * 5) * (1 + 1j)).reshape(7, 5).astype(np.complex128)  # uneven on purpose
+
+    def save():
+        mesh = meshkit.init_device_mesh("cpu", (2, 2))
+        dcp.save({"x": distribute_tensor(full, mesh, src), "step": 7}, checkpoint_id=tmp_path / "ck")
+
+    local.run(save, 4)
+
+    def load(shape, placements):
+        mesh = meshkit.init_device_mesh("cpu", shape)
+        x = distribute_tensor(np.zeros_like(full), mesh, placements)
+        sd = {"x": x, "step": 0}
+        dcp.load(sd, checkpoint_id=tmp_path / "ck")
+        return sd["step"], x.full_tensor()
+
+    for shape, dst in [((2, 2), (Shard(1), Shard(0))), ((3,), (Shard(0),)), ((3,), (Replicate(),)), ((1,), (Shard(1),))]:
+        for step, got in local.run(lambda: load(shape, dst), int(np.prod(shape))):
+            assert step == 7 and np.array_equal(got, full), (shape, dst)
+
+
+def test_tensor_parallel_params_and_their_optimizer_state_roundtrip(tmp_path):
+    rng = np.random.default_rng(0)
+    w, g = rng.standard_normal((6, 4)), rng.standard_normal((6, 4))
+
+    def body(save):
+        mesh = meshkit.init_device_mesh("cpu", (2,))
+        params = {"w": distribute_tensor(w if save else np.zeros_like(w), mesh, [Shard(0)])}
+        opt = AdamW(lr=0.1)
+        if save:
+            opt.step(params, {"w": distribute_tensor(g, mesh, [Shard(0)])})
+        model, optim = dcp.get_state_dict(params, opt)
+        sd = {"model": model, "optim": optim}
+        if save:
+            dcp.save(sd, checkpoint_id=tmp_path / "tp")
+        else:
+            dcp.load(sd, checkpoint_id=tmp_path / "tp")
+            dcp.set_state_dict(params, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        return params["w"].full_tensor(), opt.steps["w"], optim["state"]["w"]["exp_avg"].full_tensor()
+
+    saved = local.run(lambda: body(True), 2)[0]
+    loaded = local.run(lambda: body(False), 2)[0]
+    assert np.array_equal(saved[0], loaded[0]) and loaded[1] == 1 and np.array_equal(saved[2], loaded[2])
+    assert np.abs(loaded[2]).sum() > 0
+
+
+# --------------------------------------------------------------------------- the format
+def test_a_checkpoint_reads_with_numpy_alone(tmp_path):
+    full = np.arange(10 * 3, dtype=np.float32).reshape(10, 3)
+
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (3,))
+        dcp.save({"a": distribute_tensor(full, mesh, [Shard(0)])}, checkpoint_id=tmp_path / "ck")
+
+    local.run(body, 3)
+    meta = json.loads((tmp_path / "ck" / "metadata.json").read_text())
+    a = meta["arrays"]["a"]
+    out = np.zeros(a["shape"], dtype=a["dtype"])
+    for c in a["chunks"]:  # the README's recipe
+        block = np.fromfile(tmp_path / "ck" / c["file"], dtype=a["dtype"], count=int(np.prod(c["lengths"])),
+                            offset=c["offset"]).reshape(c["lengths"])
+        out[tuple(slice(o, o + n) for o, n in zip(c["offsets"], c["lengths"]))] = block
+    assert np.array_equal(out, full) and len(a["chunks"]) == 3
+    assert all(c["offset"] % 64 == 0 for c in a["chunks"])
+
+
+def test_the_plan_checks_the_ranks_against_each_other():
+    box = ((0,), (4,))
+    plan = make_plan([Description({"a": ((4,), "<f8", [box])}, {"s": 1}),
+                      Description({"a": ((4,), "<f8", [box])}, {"s": 1})])
+    assert plan.writes == [[("a", box)], []] and plan.values == {"s": 1}
+    with pytest.raises(CheckpointError, match=r"'s' differs between ranks: 1 on rank 0, 2 on rank 1"):
+        make_plan([Description({}, {"s": 1}), Description({}, {"s": 2})])
+    with pytest.raises(CheckpointError, match=r"rank 1 lacks \['a'\]"):
+        make_plan([Description({"a": ((4,), "<f8", [box])}, {}), Description({}, {})])
+    with pytest.raises(CheckpointError, match=r"'a' has global shape \(4,\) and dtype <f8 on rank 0 but \(4,\) and <f4"):
+        make_plan([Description({"a": ((4,), "<f8", [box])}, {}), Description({"a": ((4,), "<f4", [box])}, {})])
+    with pytest.raises(CheckpointError, match=r"hold 3 elements of an array of shape \(4,\).*leave gaps"):
+        make_plan([Description({"a": ((4,), "<f8", [((0,), (3,))])}, {})])
+    with pytest.raises(CheckpointError, match=r"pieces at offsets \(0,\) \(lengths \(3,\)\) and \(1,\)"):
+        make_plan([Description({"a": ((4,), "<f8", [((0,), (3,)), ((1,), (1,))])}, {})])
+
+
+# --------------------------------------------------------------------------- integrity
+def _model(n=2):
+    rng = np.random.default_rng(3)
+    return {"w": rng.standard_normal((16, 8)), "b": rng.standard_normal(8).astype(np.float32)}
+
+
+def _save_fsdp_like(path, n=2):
+    """A checkpoint where each rank holds half of each array (DTensor Shard(0))."""
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (n,))
+        sd = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in _model().items()}
+        dcp.save({"model": sd, "step": 3}, checkpoint_id=path)
+
+    local.run(body, n)
+
+
+def _try_load(path, n=2, shapes=None, dtypes=None):
+    """Every rank's error text (or None) and whether its arrays stayed untouched."""
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (n,))
+        sd = {k: distribute_tensor(np.full((shapes or {}).get(k, v.shape), -1.0, dtype=(dtypes or {}).get(k, v.dtype)),
+                                   mesh, [Shard(0)]) for k, v in _model().items()}
+        box = {"model": sd, "step": 0}
+        try:
+            dcp.load(box, checkpoint_id=path)
+        except CheckpointError as exc:
+            untouched = all((v.to_local() == -1).all() for v in sd.values()) and box["step"] == 0
+            return str(exc), untouched
+        return None, True
+
+    return local.run(body, n)
+
+
+def _corrupt_flip(path):
+    f = path / "data-00001.bin"
+    raw = bytearray(f.read_bytes())
+    raw[5] ^= 0x10
+    f.write_bytes(bytes(raw))
+
+
+def _corrupt_truncate(path):
+    f = path / "data-00000.bin"
+    f.write_bytes(f.read_bytes()[:-10])
+
+
+def _corrupt_missing_file(path):
+    (path / "data-00001.bin").unlink()
+
+
+def _corrupt_missing_key(path):
+    meta = json.loads((path / "metadata.json").read_text())
+    del meta["arrays"]["model.b"]
+    (path / "metadata.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (_corrupt_flip, r"data-00001.bin': checksum mismatch in the chunk of 'model.w' at offsets \(8, 0\)"),
+    (_corrupt_truncate, r"data-00000.bin' is truncated: \d+ bytes, but 'model.b' has a chunk at bytes"),
+    (_corrupt_missing_file, r"data file '.*data-00001.bin' is missing \(it holds 'model.w'\)"),
+    (_corrupt_missing_key, r"key 'model.b' is missing in the checkpoint at"),
+], ids=["flipped-byte", "truncated", "missing-file", "missing-key"])
+def test_a_corrupt_checkpoint_raises_on_every_rank_and_writes_nothing(corrupt, message, tmp_path):
+    _save_fsdp_like(tmp_path / "ck")
+    corrupt(tmp_path / "ck")
+    results = _try_load(tmp_path / "ck")
+    for text, untouched in results:
+        assert text is not None and untouched, results
+        assert "nothing was loaded" in text
+    import re
+    assert any(re.search(message, text) for text, _ in results), results
+
+
+def test_another_shape_dtype_or_path_is_refused_on_every_rank(tmp_path):
+    _save_fsdp_like(tmp_path / "ck")
+    for text, untouched in _try_load(tmp_path / "ck", shapes={"w": (16, 9)}):
+        assert untouched and "'model.w': the checkpoint has shape (16, 8) and dtype float64, this state dict " \
+                             "expects shape (16, 9) and dtype float64" in text
+    for text, untouched in _try_load(tmp_path / "ck", dtypes={"b": np.float64}):
+        assert untouched and "dtype float32, this state dict expects shape (8,) and dtype float64" in text
+    for text, untouched in _try_load(tmp_path / "nowhere"):
+        assert untouched and "no checkpoint at" in text and "the directory does not exist" in text
+
+
+def test_saving_over_an_existing_checkpoint_or_mismatched_ranks_fails_on_every_rank(tmp_path):
+    _save_fsdp_like(tmp_path / "ck")
+
+    def body(path, step_of_rank):
+        try:
+            dcp.save({"x": np.zeros(3), "step": step_of_rank(meshkit.get_rank())}, checkpoint_id=path)
+        except CheckpointError as exc:
+            return str(exc)
+
+    for text in local.run(lambda: body(tmp_path / "ck", lambda r: 1), 2):
+        assert "already exists; a checkpoint is never overwritten" in text
+    for text in local.run(lambda: body(tmp_path / "new", lambda r: r), 2):
+        assert "'step' differs between ranks: 0 on rank 0, 1 on rank 1" in text
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_rank_whose_write_fails_fails_the_save_everywhere_and_commits_nothing(tmp_path, monkeypatch):
+    from meshkit.checkpoint import format as fmt
+    real = fmt.write_chunks
+
+    def flaky(directory, rank, chunks):
+        if rank == 1:
+            raise OSError(28, "No space left on device")
+        return real(directory, rank, chunks)
+
+    monkeypatch.setattr("meshkit.checkpoint.writer.write_chunks", flaky)
+
+    def body():
+        try:
+            dcp.save({"x": np.zeros(4), "y": np.ones(4)}, checkpoint_id=tmp_path / "ck", timeout=20)
+        except CheckpointError as exc:
+            return str(exc)
+
+    for text in local.run(body, 2):
+        assert text is not None and "rank 1: writing" in text and "No space left on device" in text
+    assert not (tmp_path / "ck").exists()
+
+
+# --------------------------------------------------------------------------- async_save and the manager
+def test_async_save_copies_at_once_and_commits_in_the_background(tmp_path):
+    def body():
+        x = np.arange(1000.0) + meshkit.get_rank()
+        mesh = meshkit.init_device_mesh("cpu", (2,))
+        d = DTensor.from_local(x, mesh, [Shard(0)])
+        future = dcp.async_save({"d": d}, checkpoint_id=tmp_path / "ck")
+        x[:] = -5.0  # training goes on at once
+        future.result(timeout=30)
+        y = DTensor.from_local(np.zeros(1000), mesh, [Shard(0)])
+        dcp.load({"d": y}, checkpoint_id=tmp_path / "ck")
+        return y.to_local()
+
+    for r, got in enumerate(local.run(body, 2)):
+        assert np.array_equal(got, np.arange(1000.0) + r)
+
+
+def test_the_manager_keeps_the_newest_and_never_sees_an_incomplete_one(tmp_path):
+    def body():
+        manager = CheckpointManager(tmp_path, max_to_keep=2)
+        x = np.zeros(5)
+        for step in (1, 2, 3):
+            x[:] = step
+            manager.save(step, {"x": x, "step": step})
+        manager.async_save(4, {"x": x + 1, "step": 4}).result(timeout=30)
+        sd = {"x": np.zeros(5), "step": None}
+        got = manager.load(None, sd)
+        return manager.all_steps(), got, sd
+
+    (tmp_path / ".step_9.tmp-dead").mkdir(parents=True)  # what a crash mid-save leaves
+    (tmp_path / "step_8").mkdir()  # not a committed checkpoint: no metadata.json
+    for steps, got, sd in local.run(body, 2):
+        assert steps == [3, 4] and got == 4 and sd["step"] == 4 and np.array_equal(sd["x"], np.full(5, 4.0))
+    with pytest.raises(CheckpointError, match="max_to_keep must be a positive int or None, got 0"):
+        local.run(lambda: CheckpointManager(tmp_path, max_to_keep=0), 1)
+
+
+def test_a_state_dict_leaf_of_another_type_is_named(tmp_path):
+    def body():
+        dcp.save({"model": {"w": object()}}, checkpoint_id=tmp_path / "ck")
+
+    with pytest.raises(CheckpointError, match=r"'model.w' is a object; a state dict leaf must be an array"):
+        local.run(body, 1)
+
+
+# --------------------------------------------------------------------------- killed mid-save (real processes)
+@pytest.mark.parametrize("phase", ["before-write", "after-write", "before-commit", "after-commit"])
+def test_a_rank_killed_mid_save_leaves_the_checkpoint_complete_or_absent(phase, tmp_path):
+    from conftest import launch
+    proc = launch("mpi_checkpoint_kill.py", 2, str(tmp_path), phase, timeout=60, check=False)
+    assert proc.returncode != 0 and f"dies at {phase}" in proc.stdout, proc.stdout + proc.stderr  # no hang
+    manager_steps = sorted(int(p.name[5:]) for p in tmp_path.iterdir() if p.name.startswith("step_"))
+    assert manager_steps == ([1, 2] if phase == "after-commit" else [1]), (phase, manager_steps, proc.stderr[-2000:])
+    proc = launch("mpi_checkpoint_kill.py", 2, str(tmp_path), "resume", timeout=60)
+    assert f"resumed from step {2 if phase == 'after-commit' else 1}" in proc.stdout, proc.stdout
