@@ -153,6 +153,10 @@ class Strategy:
     def full_params(self) -> dict[str, np.ndarray]:
         raise NotImplementedError
 
+    def checkpoint_target(self) -> tuple[Any, Optimizer | None]:
+        """``(strategy, optimizers)`` as :func:`meshkit.checkpoint.get_state_dict` takes them."""
+        raise NotImplementedError
+
 
 class Plain(Strategy):
     """One process, or a view of a dict of parameters (the single-process reference)."""
@@ -175,6 +179,9 @@ class Plain(Strategy):
 
     def full_params(self) -> dict[str, np.ndarray]:
         return self.params
+
+    def checkpoint_target(self) -> tuple[Any, Optimizer | None]:
+        return self.params, self.optimizer
 
 
 class Replicated(Strategy):
@@ -204,6 +211,9 @@ class Replicated(Strategy):
     def full_params(self) -> dict[str, np.ndarray]:
         return self.model.params
 
+    def checkpoint_target(self) -> tuple[Any, Optimizer | None]:
+        return self.model, self.optimizer  # ZeRO holds its optimizer: None
+
 
 class Sharded(Strategy):
     """FSDP / HSDP: one unit per layer, gathered (with the next one prefetched) while it runs."""
@@ -229,6 +239,9 @@ class Sharded(Strategy):
 
     def full_params(self) -> dict[str, np.ndarray]:
         return self.fsdp.full_state_dict()["params"]
+
+    def checkpoint_target(self) -> tuple[Any, Optimizer | None]:
+        return self.fsdp, None
 
 
 def build(strategy: str, *, hidden: Sequence[int] = (64, 64), dtype: Any = np.float64, optimizer: str = "sgd",

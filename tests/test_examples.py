@@ -58,6 +58,11 @@ BAD_FLAGS = [
     (["--optimizer", "adam"], 1, r"argument --optimizer: invalid choice: 'adam'"),
     (["--dtype", "float16"], 1, r"argument --dtype: invalid choice: 'float16'"),
     (["--chek"], 1, r"unrecognized arguments: --chek"),
+    (["--save-every", "5"], 1, r"argument --save-every: needs --checkpoint-dir DIR"),
+    (["--resume"], 2, r"argument --resume: needs --checkpoint-dir DIR"),
+    (["--save-every", "0", "--checkpoint-dir", "d"], 1, r"argument --save-every: expected an integer >= 1, got 0"),
+    (["--resume", "--checkpoint-dir", "d", "--hook", "powersgd"], 2,
+     r"argument --resume: --hook powersgd is checked step by step from step 0"),
 ]
 
 
@@ -151,6 +156,21 @@ def test_every_strategy_passes_the_exact_check_local(strategy, world, extra):
     for params, losses in local.run(lambda: train_mlp.train(args, progress=False), world, timeout=60):
         results = train_mlp.compare(args, world, params, losses, reference, ref_losses)
         assert [r.ok for r in results] == [True], [r.line() for r in results]
+
+
+@pytest.mark.parametrize("first, then", [(("fsdp", 2), ("zero2", 3)), (("zero1", 3), ("hsdp", 4)),
+                                         (("hsdp", 4), ("ddp", 1))])
+def test_resuming_with_another_strategy_and_world_size_passes_the_exact_check_local(first, then, tmp_path):
+    common = ["--steps", "6", "--batch", "24", "--optimizer", "adamw", "--checkpoint-dir", str(tmp_path)]
+    args = train_mlp.parse_args(["--strategy", first[0], *common, "--save-every", "2"], world_size=first[1])
+    args.steps = 5  # stopped after step 5: the newest checkpoint is step 4's
+    local.run(lambda: train_mlp.train(args, progress=False), first[1], timeout=60)
+    args = train_mlp.parse_args(["--strategy", then[0], *common, "--resume"], world_size=then[1])
+    reference, _ = train_mlp.train_reference(args)
+    for params, losses in local.run(lambda: train_mlp.train(args, progress=False), then[1], timeout=60):
+        assert len(losses) == 2  # steps 5 and 6 again
+        result = train_mlp.compare_params(args.dtype, params, reference)
+        assert result.ok, result.line()
 
 
 def _summing_fp16_hook(state, bucket):
@@ -331,6 +351,17 @@ def test_a_bad_flag_under_meshkit_run_exits_2_with_one_message(mpirun, script, n
     assert "Traceback" not in proc.stderr
 
 
+def test_a_run_killed_mid_training_resumes_at_another_world_size_and_passes_its_check(mpirun, tmp_path):
+    """Rank 1 dies (os._exit) in step 6 of a run saving every 2 steps; a zero2 run on 3 ranks resumes
+    from step 4 and --check compares with uninterrupted single-process training."""
+    proc = mpirun("train_mlp_killed.py", 2, "6", "--strategy", "fsdp", "--steps", "10", "--batch", "24",
+                  "--checkpoint-dir", str(tmp_path), "--save-every", "2", check=False)
+    assert proc.returncode != 0 and "rank 1 dies in step 6" in proc.stdout, proc.stdout + proc.stderr
+    out = mpirun(EXAMPLES / "train_mlp.py", 3, "--strategy", "zero2", "--steps", "10", "--batch", "24",
+                 "--checkpoint-dir", str(tmp_path), "--resume", "--check").stdout
+    assert "resumed from step 4" in out and "check against single-process training: OK" in out, out
+
+
 def test_readme_tour_runs_on_four_ranks(mpirun):
     out = mpirun(EXAMPLES / "tour.py", 4).stdout
     assert out.count("tour OK") == 4
@@ -354,6 +385,26 @@ def test_device_cuda_trains_cupy_arrays_and_passes_the_exact_check(cupy, strateg
     for params, losses in local.run(body, world, init=False, timeout=60):
         results = train_mlp.compare(args, world, params, losses, reference, ref_losses)
         assert [r.ok for r in results] == [True], [r.line() for r in results]
+
+
+def test_a_checkpoint_of_a_device_run_resumes_on_the_host(cupy, tmp_path):
+    """fsdp on (fake) GPUs saves; ddp on the host resumes and matches uninterrupted training."""
+    first = train_mlp.parse_args(["--strategy", "fsdp", "--steps", "4", "--batch", "24", "--device", "cuda",
+                                  "--checkpoint-dir", str(tmp_path), "--save-every", "2"], world_size=2)
+
+    def body():
+        meshkit.init_process_group("nccl", timeout=60)
+        return train_mlp.train(first, progress=False)
+
+    local.run(body, 2, init=False, timeout=60)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2", "step_4"]
+    then = train_mlp.parse_args(["--strategy", "ddp", "--steps", "6", "--batch", "24", "--checkpoint-dir",
+                                 str(tmp_path), "--resume"], world_size=3)
+    reference, ref_losses = train_mlp.train_reference(then)
+    for params, losses in local.run(lambda: train_mlp.train(then, progress=False), 3, timeout=60):
+        assert len(losses) == 2  # steps 5 and 6
+        result = train_mlp.compare_params(then.dtype, params, reference)
+        assert result.ok, result.line()
 
 
 def test_device_cuda_without_a_gpu_is_a_usage_error(capsys, monkeypatch):
