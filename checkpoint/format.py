@@ -13,7 +13,7 @@ A checkpoint is a directory::
      "arrays": {"model.w0": {"shape": [20, 64], "dtype": "<f8",
                              "chunks": [{"offsets": [0, 0], "lengths": [5, 64],
                                          "file": "data-00000.bin", "offset": 0,
-                                         "nbytes": 2560, "crc32": 1234567}, ...]}},
+                                         "nbytes": 2560, "xxh3_64": "9f3c0e2a1b4d5c6e"}, ...]}},
      "values": {"optim.step.w0": 10}}
 
 A chunk is a C-order box of the global array (``A[o0:o0+l0, o1:o1+l1, ...]``) stored raw at
@@ -26,8 +26,10 @@ any NumPy dtype round-trip). Reading one needs NumPy alone::
 Why not safetensors: it has no complex dtypes (meshkit arrays may be complex128), and its
 one-header-per-file layout would still need a second index of chunks to reshard; a raw file per
 rank plus one JSON index is what DCP does, readable with NumPy alone and needing no dependency.
-The checksum is zlib's CRC-32 of the chunk's bytes (2.2 GB/s here, ~8% of a write at disk
-speed).
+The checksum is the chunk's 64-bit XXH3 (``xxhash.xxh3_64_hexdigest`` of its bytes): 12 GB/s
+here against 2.2-4 GB/s for zlib's CRC-32, which cost a load 2.6-3x ``np.load`` of the same
+bytes from the page cache (checksum pass, then copy) with two ranks on two cores; with XXH3
+the checksum is a small part of a load.
 """
 
 from __future__ import annotations
@@ -35,16 +37,16 @@ from __future__ import annotations
 import json
 import math
 import os
-import zlib
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from .errors import CheckpointError
 
 __all__ = ["FORMAT", "VERSION", "METADATA", "ALIGN", "data_file", "write_chunks", "read_metadata", "write_metadata",
-           "fsync_dir", "crc32"]
+           "fsync_dir", "checksum", "CHECKSUM"]
 
 FORMAT, VERSION = "meshkit.checkpoint", 1
 METADATA = "metadata.json"
@@ -56,9 +58,13 @@ def data_file(rank: int) -> str:
     return f"data-{rank:05d}.bin"
 
 
-def crc32(buf: Any) -> int:
-    """CRC-32 of a contiguous array's bytes (zlib releases the GIL while it runs)."""
-    return zlib.crc32(memoryview(buf).cast("B")) & 0xFFFFFFFF
+#: the chunk records' checksum field
+CHECKSUM = "xxh3_64"
+
+
+def checksum(buf: Any) -> str:
+    """XXH3-64 of a contiguous array's bytes, as 16 hex digits."""
+    return xxhash.xxh3_64_hexdigest(memoryview(buf).cast("B"))
 
 
 def write_chunks(directory: Path, rank: int, chunks: list[tuple[str, tuple[int, ...], np.ndarray]]
@@ -83,7 +89,7 @@ def write_chunks(directory: Path, rank: int, chunks: list[tuple[str, tuple[int, 
                 pos += pad
             f.write(memoryview(data).cast("B") if data.nbytes else b"")
             out.append((key, {"offsets": list(offsets), "lengths": list(data.shape), "file": name, "offset": pos,
-                              "nbytes": int(data.nbytes), "crc32": crc32(data) if data.nbytes else 0}))
+                              "nbytes": int(data.nbytes), CHECKSUM: checksum(data)}))
             pos += data.nbytes
         f.flush()
         os.fsync(f.fileno())
@@ -139,7 +145,8 @@ def read_metadata(directory: Path) -> dict[str, Any]:
             shape = tuple(int(s) for s in a["shape"])
             for c in a["chunks"]:
                 if len(c["offsets"]) != len(shape) or len(c["lengths"]) != len(shape) or \
-                        int(c["nbytes"]) != math.prod(c["lengths"]) * np.dtype(a["dtype"]).itemsize:
+                        int(c["nbytes"]) != math.prod(c["lengths"]) * np.dtype(a["dtype"]).itemsize or \
+                        not isinstance(c[CHECKSUM], str):
                     raise ValueError(f"chunk {c} does not fit shape {shape}")
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{str(path)!r}: the entry of {key!r} is malformed: {exc}") from None

@@ -128,3 +128,20 @@ def test_a_wrong_result_stops_the_cuda_benchmark(mpirun, tmp_path):
     assert "RuntimeError: meshkit.bench: meshkit all_gather of 8 bytes gave a wrong result on ranks [0]" in (
         proc.stdout + proc.stderr), proc.stdout + proc.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+# --------------------------------------------------------------------------- checkpoint.py
+CHECKPOINT_BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "checkpoint.py"
+
+
+def test_checkpoint_benchmark_times_every_candidate_and_writes_json(mpirun, tmp_path):
+    out_json = tmp_path / "ck.json"
+    out = mpirun(CHECKPOINT_BENCH, 2, "--mb", "1", "--arrays", "3", "--rounds", "2", "--no-progress",
+                 "--dir", str(tmp_path / "ck"), "--json", str(out_json)).stdout
+    rows = json.loads(out_json.read_text())["rows"]
+    assert [r["candidate"] for r in rows] == ["np.save", "np.save+fsync", "meshkit save", "async_save (blocking)",
+                                              "np.load", "meshkit load"]
+    assert all(r["seconds"] > 0 and len(r["all"]) == 2 for r in rows)
+    assert {r["candidate"]: r["baseline"] for r in rows if r["ratio"] is not None} == {
+        "meshkit save": "np.save", "async_save (blocking)": "np.save", "meshkit load": "np.load"}
+    assert re.search(r"meshkit load\s+[\d.]+\s+[\d.]+\s+[\d.]+x\s+np.load", out), out
