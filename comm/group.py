@@ -434,10 +434,24 @@ class ProcessGroup:
                 self._broken(f"{what} raised {type(exc).__name__}: {exc}", self._seq)
             raise
 
+    def abort(self, reason: str) -> None:
+        """Stop using this group on this rank because of ``reason``, and tell the other members.
+
+        For code that drives a protocol of several calls (a pipeline schedule) and fails halfway
+        on one rank: the others' pending and later calls on the group fail at once with an error
+        naming this rank and ``reason``, instead of waiting for the timeout for calls that will
+        never come. Later calls on this rank raise too. Idempotent.
+        """
+        self._member("abort")
+        if self._failure is None:
+            self._broken(str(reason), self._seq)
+
     # ----------------------------------------------------------------- point to point
     def isend(self, tensor: np.ndarray, dst: int, tag: int = 0) -> Work:
         """Start sending ``tensor`` to group rank ``dst``; the Work completes when it may be reused."""
         self._member("isend")
+        if self._failure is not None:  # a broken group's traffic fails on every member
+            self._unusable("isend")
         check_array(self, "isend", "tensor", tensor, writable=False)
         dst = check_root(self, "isend", "dst", dst)
         self._check_tag("isend", tag)
@@ -460,6 +474,8 @@ class ProcessGroup:
         (on MPI a shorter message has been written into the start of ``tensor`` by then).
         """
         self._member("irecv")
+        if self._failure is not None:  # a broken group's traffic fails on every member
+            self._unusable("irecv")
         check_array(self, "irecv", "tensor", tensor)
         if src is not None:
             src = check_root(self, "irecv", "src", src)
@@ -725,7 +741,8 @@ class ProcessGroup:
         world.notices.extend(self.engine.notices())
         for notice in world.notices:
             if notice.blocks(self.ranks, self._waiting, self._rejected):
-                raise RankFailedError(f"meshkit.comm: rank {self.global_rank}: call #{self._waiting} on group "
+                what = f"call #{self._waiting}" if self._waiting >= 0 else "a send or receive"
+                raise RankFailedError(f"meshkit.comm: rank {self.global_rank}: {what} on group "
                                       f"{self.name} (ranks {list(self.ranks)}) cannot complete: "
                                       f"{notice.describe(self.name)}")
 

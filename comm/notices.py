@@ -62,6 +62,8 @@ class Notice:
         if self.group != ranks:
             return False
         if self.kind == BROKEN:
+            if waiting < 0:  # a send or receive (numbered -1): the group is broken, so is its traffic
+                return True
             # A rank that timed out in this very call reports what every waiter will see at its
             # own timeout (and they name the missing ranks): only an earlier call counts then.
             return self.seq < waiting or (self.seq == waiting and not self.timed_out)

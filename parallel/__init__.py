@@ -19,6 +19,9 @@ from .flat import FlatLayout
 from .fsdp import FullyShardedDataParallel
 from .hooks import PowerSGDState, allreduce_hook, fp16_compress_hook, powersgd_hook
 from .optim import SGD, AdamW, Optimizer
+from .pipeline import (PipelineError, PipelineSchedule, PipelineStage, Schedule1F1B, ScheduleGPipe,
+                       ScheduleInterleaved1F1B)
+from .schedules import bubble_fraction
 from .pool import BufferPool
 from .reducer import GradientReducer
 from .sharded import ShardedStrategy
@@ -30,6 +33,8 @@ __all__ = [
     "GradientReducer", "ShardedStrategy", "Bucket", "BucketManager", "CommHook", "BufferPool", "assign_buckets",
     "FlatLayout",
     "GradBucket", "allreduce_hook", "fp16_compress_hook", "PowerSGDState", "powersgd_hook",
+    "PipelineStage", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
+    "PipelineError", "bubble_fraction",
     "SGD", "AdamW", "Optimizer", "clip_grad_norm_", "array_namespace", "is_array", "to_host",
     "ShardedArray", "flat_range_boxes", "load_pieces", "optimizer_state_views",
 ]

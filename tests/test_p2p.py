@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -71,3 +73,21 @@ def test_rank_translation_between_world_and_group():
         assert meshkit.get_world_size(group) == 2 and meshkit.get_backend(group) == "local"
         return meshkit.get_rank(group)
     assert local.run(body, 4) == [-1, 0, -1, 1]
+
+
+def test_abort_fails_the_peers_pending_receive_at_once_and_later_calls_here():
+    def body():
+        g = meshkit.comm.resolve_group(None)
+        if g.rank == 0:
+            g.abort("gave up halfway through a protocol")
+            with pytest.raises(meshkit.DistError, match="unusable after an earlier failure: gave up halfway"):
+                g.isend(np.zeros(2), 1)
+            return None
+        start = time.monotonic()
+        with pytest.raises(meshkit.RankFailedError) as exc:
+            g.irecv(np.zeros(2), 0).wait()
+        return str(exc.value), time.monotonic() - start
+
+    text, took = local.run(body, 2, timeout=30)[1]
+    assert ("a send or receive on group world (ranks [0, 1]) cannot complete: rank 0 stopped using group world at "
+            "call #0: gave up halfway through a protocol") in text and took < 5

@@ -1,0 +1,383 @@
+"""Pipeline parallelism: stages that exchange activations point to point, driven by a schedule.
+
+A :class:`PipelineStage` wraps the user's ``forward(x) -> (y, ctx)`` and ``backward(ctx, dy) ->
+dx`` of one contiguous slice of a model. Stage ``i`` of ``num_stages`` lives on group rank
+``i % group.size()`` (one stage per rank, or several: Megatron's virtual stages). The schedules
+(:class:`ScheduleGPipe`, :class:`Schedule1F1B`, :class:`ScheduleInterleaved1F1B`) split a batch
+into microbatches along axis 0 and run the per-rank action lists of :mod:`.schedules`.
+
+Transfers: activations go forward and gradients backward with ``isend``/``irecv`` on the stage
+group, tagged by (kind, receiving stage), so that messages between the same two ranks never
+match the wrong receive, and in microbatch order per tag. The first activation a stage sends
+is preceded by a small header (shape and dtype), from which the receiver learns its input and
+allocates its buffers; every later transfer goes into a buffer from a pool that is refilled as
+microbatches finish. Sends never block, and each rank posts a receive only when its next
+action needs it, so the orders of :mod:`.schedules` (checked by a simulation in the tests)
+cannot deadlock.
+
+Failures: a stage whose forward, backward or loss raises, or whose output changes shape, raises
+:class:`PipelineError` naming the stage and microbatch, and aborts the stage group
+(:meth:`~meshkit.comm.ProcessGroup.abort`), so that the other ranks' waits fail at once
+instead of hanging until the timeout.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ..comm import DistError, DistValueError, ProcessGroup, Work, resolve_group
+from .arrays import array_namespace
+from .schedules import Action, gpipe_order, interleaved_order, one_f_one_b_order
+
+__all__ = ["PipelineStage", "PipelineError", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B",
+           "ScheduleInterleaved1F1B"]
+
+ACTIVATION, GRADIENT, HEADER = 0, 1, 2
+_HEADER_SLOTS = 19  # dtype (16 bytes as 2 int64), ndim, on a device (CuPy), up to 15 dims
+
+
+class PipelineError(DistError):
+    """A pipeline stage failed: names the stage, the microbatch and the pass."""
+
+
+def _tag(kind: int, stage: int) -> int:
+    return 3 * stage + kind
+
+
+class PipelineStage:
+    """One stage of a pipeline: the user's forward and backward, and its place in the group.
+
+    Args:
+        forward: ``forward(x) -> (y, ctx)``; ``ctx`` is kept until the microbatch's backward.
+        backward: ``backward(ctx, dy) -> dx``; it accumulates its own parameter gradients
+            (the schedule scales ``dy`` so that the sum over microbatches is the gradient of
+            the mean loss over the whole batch). The first stage's ``dx`` is ignored.
+        stage_index: this stage's position, ``0 <= stage_index < num_stages``.
+        num_stages: stages in the pipeline (a multiple of the group's size).
+        group: the ranks of the pipeline (default: the world; on a mesh, ``mesh.get_group("pp")``).
+            Stage ``i`` lives on group rank ``i % group.size()``.
+
+    Raises:
+        DistValueError: a stage index out of range, or a stage that does not live on this rank.
+    """
+
+    def __init__(self, forward: Callable[[Any], tuple[Any, Any]], backward: Callable[[Any, Any], Any],
+                 stage_index: int, num_stages: int, *, group: ProcessGroup | None = None) -> None:
+        self.group = resolve_group(group)
+        p, rank = self.group.size, self.group.rank
+        head = f"meshkit.parallel: rank {rank}: PipelineStage"
+        for name, value in (("stage_index", stage_index), ("num_stages", num_stages)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise DistValueError(f"{head}: {name} must be an int, got {value!r}")
+        if num_stages < 1 or num_stages % p:
+            raise DistValueError(f"{head}: num_stages must be a positive multiple of the group's {p} ranks, "
+                                 f"got {num_stages}")
+        if not 0 <= stage_index < num_stages:
+            raise DistValueError(f"{head}: stage_index {stage_index} is out of range for {num_stages} stages "
+                                 f"(valid: 0..{num_stages - 1})")
+        if stage_index % p != rank:
+            raise DistValueError(f"{head}: stage {stage_index} of {num_stages} lives on group rank "
+                                 f"{stage_index % p} (stage i on rank i % {p}), not on this rank {rank}")
+        if not callable(forward) or not callable(backward):
+            raise DistValueError(f"{head}: forward and backward must be callables")
+        self.forward_fn, self.backward_fn = forward, backward
+        self.stage_index, self.num_stages = stage_index, num_stages
+        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
+        self.prev_rank = (stage_index - 1) % p  # group ranks of the neighbouring stages
+        self.next_rank = (stage_index + 1) % p
+        self.input_spec: tuple[tuple[int, ...], np.dtype] | None = None   # learned from the first activation
+        self.output_spec: tuple[tuple[int, ...], np.dtype] | None = None
+        self._xp: Any = None
+        self._ctx: dict[int, Any] = {}
+        self._inputs: dict[int, Any] = {}  # received input buffers, back to the pool after the backward
+        self._pool_in: list[Any] = []
+        self._pool_grad: list[Any] = []
+        #: microbatches whose activations (forward context) are alive now, and the most so far
+        self.live_activations = 0
+        self.peak_live_activations = 0
+
+    def __repr__(self) -> str:
+        return f"PipelineStage({self.stage_index} of {self.num_stages}, group rank {self.group.rank})"
+
+    # ----------------------------------------------------------------- passes
+    def run_forward(self, mb: int, x: Any) -> Any:
+        """Forward of microbatch ``mb``; keeps its context; returns the output."""
+        y, ctx = self._call("forward", mb, self.forward_fn, x)
+        if mb in self._ctx:
+            self.fail(f"stage {self.stage_index}: forward of microbatch {mb} ran twice without its backward")
+        self._ctx[mb] = ctx
+        self.live_activations = len(self._ctx)
+        self.peak_live_activations = max(self.peak_live_activations, self.live_activations)
+        return y
+
+    def run_backward(self, mb: int, dy: Any) -> Any:
+        """Backward of microbatch ``mb``; frees its context and input buffer; returns ``dx``."""
+        ctx = self._ctx.pop(mb)
+        dx = self._call("backward", mb, self.backward_fn, ctx, dy)
+        self.live_activations = len(self._ctx)
+        buf = self._inputs.pop(mb, None)
+        if buf is not None:
+            self._pool_in.append(buf)
+        return dx
+
+    def _call(self, what: str, mb: int, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except Exception as exc:
+            self.fail(f"stage {self.stage_index}: {what} of microbatch {mb} raised {type(exc).__name__}: {exc}",
+                      exc)
+
+    def fail(self, why: str, cause: BaseException | None = None) -> None:
+        """Abort the stage group (the other stages stop waiting) and raise :class:`PipelineError`."""
+        text = f"meshkit.parallel: rank {self.group.rank}: pipeline {why}"
+        self.group.abort(text)
+        raise PipelineError(text) from cause
+
+    # ----------------------------------------------------------------- transfers
+    def send_activation(self, mb: int, y: Any) -> list[Work]:
+        """Start sending ``y`` (microbatch ``mb``'s output) to the next stage."""
+        works = []
+        spec = (tuple(y.shape), np.dtype(y.dtype))
+        if self.output_spec is None:
+            self.output_spec = spec
+            self._xp = array_namespace(y)
+            header = _header(spec, on_device=self._xp is not np)
+            works.append(self.group.isend(header, self.next_rank, _tag(HEADER, self.stage_index + 1)))
+        elif spec != self.output_spec:
+            self.fail(f"stage {self.stage_index}: the output of microbatch {mb} has shape {spec[0]} and dtype "
+                      f"{spec[1]}; the first microbatch's had {self.output_spec[0]} and {self.output_spec[1]} "
+                      "(activations crossing a stage boundary must keep their shape)")
+        y = y if y.flags.c_contiguous else self._xp.ascontiguousarray(y)
+        works.append(self.group.isend(y, self.next_rank, _tag(ACTIVATION, self.stage_index + 1)))
+        return works
+
+    def recv_activation(self, mb: int) -> Any:
+        """Receive microbatch ``mb``'s input from the previous stage (blocking; group timeout)."""
+        if self.input_spec is None:
+            header = np.empty(_HEADER_SLOTS, np.int64)
+            self.group.irecv(header, self.prev_rank, _tag(HEADER, self.stage_index)).wait()
+            self.input_spec, on_device = _read_header(header)
+            if on_device:
+                import cupy  # the previous stage runs on a GPU: so does this one
+
+                self._xp = cupy
+            else:
+                self._xp = np
+        buf = self._pool_in.pop() if self._pool_in else self._xp.empty(*self.input_spec)
+        self.group.irecv(buf, self.prev_rank, _tag(ACTIVATION, self.stage_index)).wait()
+        self._inputs[mb] = buf
+        return buf
+
+    def send_gradient(self, mb: int, dx: Any) -> list[Work]:
+        """Start sending ``dx`` (the gradient of microbatch ``mb``'s input) to the previous stage."""
+        if dx is None or tuple(dx.shape) != self.input_spec[0] or np.dtype(dx.dtype) != self.input_spec[1]:
+            got = "None" if dx is None else f"shape {tuple(dx.shape)} and dtype {dx.dtype}"
+            self.fail(f"stage {self.stage_index}: backward of microbatch {mb} returned dx with {got}; the input "
+                      f"had shape {self.input_spec[0]} and dtype {self.input_spec[1]}")
+        dx = dx if dx.flags.c_contiguous else self._xp.ascontiguousarray(dx)
+        return [self.group.isend(dx, self.prev_rank, _tag(GRADIENT, self.stage_index - 1))]
+
+    def recv_gradient(self, mb: int) -> Any:
+        """Receive the gradient of microbatch ``mb``'s output from the next stage (blocking)."""
+        buf = self._pool_grad.pop() if self._pool_grad else self._xp.empty(*self.output_spec)
+        self.group.irecv(buf, self.next_rank, _tag(GRADIENT, self.stage_index)).wait()
+        return buf
+
+    def release_gradient(self, buf: Any) -> None:
+        self._pool_grad.append(buf)
+
+
+def _header(spec: tuple[tuple[int, ...], np.dtype], *, on_device: bool) -> np.ndarray:
+    shape, dtype = spec
+    if len(shape) > _HEADER_SLOTS - 4:
+        raise DistValueError(f"meshkit.parallel: pipeline activations have at most {_HEADER_SLOTS - 4} dims, got "
+                             f"shape {shape}")
+    h = np.zeros(_HEADER_SLOTS, np.int64)
+    h[:2] = np.frombuffer(dtype.str.encode().ljust(16), np.int64)
+    h[2], h[3] = len(shape), int(on_device)
+    h[4:4 + len(shape)] = shape
+    return h
+
+
+def _read_header(h: np.ndarray) -> tuple[tuple[tuple[int, ...], np.dtype], bool]:
+    dtype = np.dtype(h[:2].tobytes().decode().strip())
+    return (tuple(int(s) for s in h[4:4 + int(h[2])]), dtype), bool(h[3])
+
+
+# --------------------------------------------------------------------------- schedules
+class PipelineSchedule:
+    """Runs one batch through this rank's stages in the order of a schedule (see subclasses).
+
+    Args:
+        stages: this rank's stages (one, or ``v`` for the interleaved schedule).
+        n_microbatches: microbatches a batch is split into, along axis 0.
+        loss_fn: ``loss_fn(output, target) -> (loss, d_output)`` of one microbatch, the loss a
+            mean over it; run on the last stage.
+    """
+
+    def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int,
+                 loss_fn: Callable[[Any, Any], tuple[Any, Any]]) -> None:
+        self.stages = list(stages)
+        group = self.stages[0].group
+        head = f"meshkit.parallel: rank {group.rank}: {type(self).__name__}"
+        if not isinstance(n_microbatches, int) or isinstance(n_microbatches, bool) or n_microbatches < 1:
+            raise DistValueError(f"{head}: n_microbatches must be an int >= 1, got {n_microbatches!r}")
+        if not callable(loss_fn):
+            raise DistValueError(f"{head}: loss_fn must be a callable (output, target) -> (loss, d_output)")
+        if any(s.group is not group or s.num_stages != self.stages[0].num_stages for s in self.stages):
+            raise DistValueError(f"{head}: all stages of a rank must share one group and num_stages")
+        self.group, self.head = group, head
+        self.n_microbatches, self.loss_fn = n_microbatches, loss_fn
+        self.num_stages = self.stages[0].num_stages
+        self._by_index = {s.stage_index: s for s in self.stages}
+        self._mail: dict[tuple[int, int, int], Any] = {}  # transfers between two stages of this rank
+        self.actions = self._order()
+
+    def _order(self) -> list[Action]:
+        raise NotImplementedError
+
+    def step(self, x: Any = None, *, target: Any = None) -> list[Any] | None:
+        """Run one batch: ``x`` on the rank of the first stage, ``target`` on the last's.
+
+        Returns:
+            The per-microbatch losses on the rank of the last stage, None elsewhere.
+
+        Raises:
+            PipelineError: a stage failed here (on the other ranks, their next wait fails at once).
+            DistValueError: a batch that does not split into ``n_microbatches``.
+        """
+        try:
+            return self._run(x, target)
+        except PipelineError:
+            raise  # the stage aborted the group already
+        except BaseException as exc:  # bad input, or a transfer failed: the other ranks must not wait
+            self.group.abort(f"{self.head}.step failed: {type(exc).__name__}: {exc}")
+            raise
+
+    def _run(self, x: Any, target: Any) -> list[Any] | None:
+        first, last = self._by_index.get(0), self._by_index.get(self.num_stages - 1)
+        xs = self._split("x", x) if first is not None else None
+        ts = self._split("target", target) if last is not None else None
+        losses: list[Any] = [None] * self.n_microbatches
+        pending: dict[int, Any] = {}  # last stage: microbatch -> scaled d_output
+        sends: list[Work] = []
+        scale = 1.0 / self.n_microbatches
+        for action in self.actions:
+            stage = self._by_index[action.stage]
+            mb = action.microbatch
+            if action.kind == "F":
+                inp = xs[mb] if stage.is_first else self._receive_input(stage, mb)
+                y = stage.run_forward(mb, inp)
+                if stage.is_last:
+                    loss, dy = stage._call("loss_fn", mb, self.loss_fn, y, ts[mb])
+                    losses[mb] = loss
+                    pending[mb] = dy * scale
+                else:
+                    sends += self._forward_output(stage, mb, y)
+            else:
+                dy = pending.pop(mb) if stage.is_last else self._receive_grad(stage, mb)
+                dx = stage.run_backward(mb, dy)
+                if not stage.is_last:
+                    stage.release_gradient(dy)
+                if not stage.is_first:
+                    sends += self._backward_output(stage, mb, dx)
+            sends = [w for w in sends if not w.is_completed()]
+        for w in sends:
+            w.wait()
+        return losses if last is not None else None
+
+    def _split(self, what: str, a: Any) -> list[Any]:
+        m = self.n_microbatches
+        if a is None or not hasattr(a, "shape") or not a.shape:
+            raise DistValueError(f"{self.head}.step: {what} must be an array with a batch axis on this rank (it "
+                                 f"holds stage {0 if what == 'x' else self.num_stages - 1}), got {type(a).__name__}")
+        if a.shape[0] % m:
+            raise DistValueError(f"{self.head}.step: {what} has {a.shape[0]} samples along axis 0, which do not "
+                                 f"split into {m} equal microbatches; use a batch that is a multiple of {m}")
+        size = a.shape[0] // m
+        return [a[i * size:(i + 1) * size] for i in range(m)]
+
+    # Transfers between two stages of this rank go through memory, not the group.
+    def _local_next(self, stage: PipelineStage) -> PipelineStage | None:
+        return self._by_index.get(stage.stage_index + 1) if stage.next_rank == self.group.rank else None
+
+    def _forward_output(self, stage: PipelineStage, mb: int, y: Any) -> list[Work]:
+        nxt = self._local_next(stage)
+        if nxt is None:
+            return stage.send_activation(mb, y)
+        self._mail[(ACTIVATION, nxt.stage_index, mb)] = y
+        return []
+
+    def _backward_output(self, stage: PipelineStage, mb: int, dx: Any) -> list[Work]:
+        prev = self._by_index.get(stage.stage_index - 1) if stage.prev_rank == self.group.rank else None
+        if prev is None:
+            return stage.send_gradient(mb, dx)
+        self._mail[(GRADIENT, prev.stage_index, mb)] = dx
+        return []
+
+    def _receive_input(self, stage: PipelineStage, mb: int) -> Any:
+        key = (ACTIVATION, stage.stage_index, mb)
+        return self._mail.pop(key) if key in self._mail else stage.recv_activation(mb)
+
+    def _receive_grad(self, stage: PipelineStage, mb: int) -> Any:
+        key = (GRADIENT, stage.stage_index, mb)
+        if key in self._mail:
+            return self._mail.pop(key)
+        return stage.recv_gradient(mb)
+
+
+class _OneStagePerRank(PipelineSchedule):
+    def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn: Callable[[Any, Any], tuple[Any, Any]]
+                 ) -> None:
+        if not isinstance(stage, PipelineStage):
+            raise DistValueError(f"meshkit.parallel: {type(self).__name__} takes one PipelineStage, got "
+                                 f"{type(stage).__name__} (ScheduleInterleaved1F1B takes several)")
+        if stage.num_stages != stage.group.size:
+            raise DistValueError(f"meshkit.parallel: rank {stage.group.rank}: {type(self).__name__} runs one stage per "
+                                 f"rank: num_stages {stage.num_stages} != the group's {stage.group.size} ranks")
+        super().__init__([stage], n_microbatches, loss_fn)
+
+
+class ScheduleGPipe(_OneStagePerRank):
+    """GPipe: every microbatch's forward, then every backward (one stage per rank)."""
+
+    def _order(self) -> list[Action]:
+        return gpipe_order(self.stages[0].stage_index, self.num_stages, self.n_microbatches)
+
+
+class Schedule1F1B(_OneStagePerRank):
+    """1F1B: warm-up forwards, then one forward one backward; at most ``num_stages -
+    stage_index`` microbatches' activations alive on a stage (one stage per rank)."""
+
+    def _order(self) -> list[Action]:
+        return one_f_one_b_order(self.stages[0].stage_index, self.num_stages, self.n_microbatches)
+
+
+class ScheduleInterleaved1F1B(PipelineSchedule):
+    """Megatron-LM's interleaved 1F1B: this rank's stages ``r, r + p, ...`` (``v`` per rank).
+
+    Needs ``n_microbatches`` a multiple of the group's size ``p`` (microbatches go through a
+    rank's stages in rounds of ``p``, as in Megatron-LM).
+    """
+
+    def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int,
+                 loss_fn: Callable[[Any, Any], tuple[Any, Any]]) -> None:
+        stages = sorted(stages, key=lambda s: s.stage_index) if isinstance(stages, (list, tuple)) else stages
+        if not isinstance(stages, list) or not stages or not all(isinstance(s, PipelineStage) for s in stages):
+            raise DistValueError("meshkit.parallel: ScheduleInterleaved1F1B takes a non-empty list of PipelineStage")
+        g = stages[0].group
+        p, v = g.size, stages[0].num_stages // g.size
+        want = [g.rank + i * p for i in range(v)]
+        if [s.stage_index for s in stages] != want:
+            raise DistValueError(f"meshkit.parallel: rank {g.rank}: ScheduleInterleaved1F1B needs this rank's stages "
+                                 f"{want} of {stages[0].num_stages}, got {[s.stage_index for s in stages]}")
+        if isinstance(n_microbatches, int) and n_microbatches % p:
+            raise DistValueError(f"meshkit.parallel: rank {g.rank}: ScheduleInterleaved1F1B needs n_microbatches a "
+                                 f"multiple of the {p} pipeline ranks, got {n_microbatches}")
+        self.virtual = v
+        super().__init__(stages, n_microbatches, loss_fn)
+
+    def _order(self) -> list[Action]:
+        return interleaved_order(self.group.rank, self.group.size, self.virtual, self.n_microbatches)

@@ -1,0 +1,57 @@
+"""A tanh MLP cut into pipeline stages (one layer each), and its single-process reference.
+
+Layer s: ``y = tanh(x @ W_s + b_s)``; loss: half the mean over samples of the squared error
+of the last layer's output. ``forward``/``backward`` are the stage functions a user writes:
+the backward accumulates into ``grads`` and returns ``dx``."""
+
+from __future__ import annotations
+
+import numpy as np
+
+WIDTH = 5
+
+
+def params(num_stages: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return [{"w": rng.standard_normal((WIDTH, WIDTH)) / np.sqrt(WIDTH), "b": rng.standard_normal(WIDTH) * 0.1}
+            for _ in range(num_stages)]
+
+
+def data(batch: int, seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((batch, WIDTH)), rng.standard_normal((batch, WIDTH))
+
+
+def stage_fns(p: dict[str, np.ndarray], grads: dict[str, np.ndarray]):
+    def forward(x):
+        y = np.tanh(x @ p["w"] + p["b"])
+        return y, (x, y)
+
+    def backward(ctx, dy):
+        x, y = ctx
+        dz = dy * (1 - y * y)
+        grads["w"] += x.T @ dz
+        grads["b"] += dz.sum(axis=0)
+        return dz @ p["w"].T
+
+    return forward, backward
+
+
+def loss_fn(y, t):
+    """Mean over the microbatch of half the squared error, and its gradient."""
+    d = y - t
+    return 0.5 * float(np.mean(np.sum(d * d, axis=1))), d / y.shape[0]
+
+
+def reference(ps: list[dict[str, np.ndarray]], x: np.ndarray, t: np.ndarray):
+    """The loss on the whole batch and every stage's gradients, in one process."""
+    grads = [{k: np.zeros_like(v) for k, v in p.items()} for p in ps]
+    fns = [stage_fns(p, g) for p, g in zip(ps, grads)]
+    ctxs = []
+    for fwd, _ in fns:
+        x, ctx = fwd(x)
+        ctxs.append(ctx)
+    loss, dy = loss_fn(x, t)
+    for (_, bwd), ctx in zip(reversed(fns), reversed(ctxs)):
+        dy = bwd(ctx, dy)
+    return loss, grads

@@ -1,0 +1,272 @@
+"""Pipeline parallelism: schedule orders (pure), equivalence with single-process training on the
+local engine for GPipe, 1F1B and interleaved 1F1B, activation counts, and failures that end
+every stage instead of hanging."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import meshkit
+import pipeline_cases as cases
+from meshkit.comm import DistError, DistValueError, local
+from meshkit.parallel import (PipelineError, PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                              bubble_fraction)
+from meshkit.parallel.schedules import Action, gpipe_order, interleaved_order, one_f_one_b_order
+
+
+# --------------------------------------------------------------------------- orders (no communication)
+def test_one_f_one_b_order_written_out():
+    F, B = (lambda m: Action("F", m, 1)), (lambda m: Action("B", m, 1))
+    # stage 1 of 4, 5 microbatches: 2 warm-up forwards, then F/B pairs, then 2 cool-down backwards
+    assert one_f_one_b_order(1, 4, 5) == [F(0), F(1), F(2), B(0), F(3), B(1), F(4), B(2), B(3), B(4)]
+    assert one_f_one_b_order(3, 4, 2) == [Action("F", 0, 3), Action("B", 0, 3), Action("F", 1, 3), Action("B", 1, 3)]
+    assert gpipe_order(0, 2, 2) == [Action("F", 0, 0), Action("F", 1, 0), Action("B", 0, 0), Action("B", 1, 0)]
+
+
+def test_interleaved_order_written_out():
+    # rank 0 of 2 holding stages 0 and 2, 4 microbatches (Megatron-LM's order)
+    got = [(a.kind, a.microbatch, a.stage) for a in interleaved_order(0, 2, 2, 4)]
+    assert got == [("F", 0, 0), ("F", 1, 0), ("F", 0, 2), ("F", 1, 2), ("F", 2, 0), ("B", 0, 2), ("F", 3, 0),
+                   ("B", 1, 2), ("F", 2, 2), ("B", 0, 0), ("F", 3, 2), ("B", 1, 0), ("B", 2, 2), ("B", 3, 2),
+                   ("B", 2, 0), ("B", 3, 0)]
+
+
+def _orders(kind: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
+    if kind == "gpipe":
+        return [gpipe_order(r, p, m) for r in range(p)]
+    if kind == "1f1b":
+        return [one_f_one_b_order(r, p, m) for r in range(p)]
+    return [interleaved_order(r, p, v, m) for r in range(p)]
+
+
+def _simulate(orders: list[list[Action]], num_stages: int) -> None:
+    """Run every rank's order with non-blocking sends and blocking receives; fail on a deadlock."""
+    done: set[tuple[str, int, int]] = set()
+    pos = [0] * len(orders)
+    while any(pos[r] < len(o) for r, o in enumerate(orders)):
+        moved = False
+        for r, order in enumerate(orders):
+            while pos[r] < len(order):
+                a = order[pos[r]]
+                need = (("F", a.microbatch, a.stage - 1) if a.kind == "F" and a.stage > 0 else
+                        ("B", a.microbatch, a.stage + 1) if a.kind == "B" and a.stage < num_stages - 1 else None)
+                if a.kind == "B":
+                    assert ("F", a.microbatch, a.stage) in done, f"backward before forward: {a}"
+                if need is not None and need not in done:
+                    break
+                done.add(tuple(a))
+                pos[r] += 1
+                moved = True
+        assert moved, f"deadlock: ranks wait at {[o[i] if i < len(o) else None for o, i in zip(orders, pos)]}"
+    assert len(done) == 2 * len({(a.microbatch, a.stage) for o in orders for a in o})
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 9])
+def test_every_order_runs_to_the_end_and_covers_every_pass_once(kind, p, m):
+    orders = _orders(kind, p, m)
+    for o in orders:
+        assert len(o) == len(set(o)) == 2 * m
+    _simulate(orders, p)
+
+
+@pytest.mark.parametrize("p, v, m", [(2, 2, 2), (2, 2, 4), (2, 3, 6), (3, 2, 3), (3, 2, 9), (4, 2, 8), (4, 3, 4),
+                                     (1, 3, 2)])
+def test_interleaved_orders_run_to_the_end(p, v, m):
+    orders = _orders("interleaved", p, m, v)
+    assert all(len(o) == len(set(o)) == 2 * m * v for o in orders)
+    _simulate(orders, p * v)
+
+
+def _peak(order: list[Action]) -> int:
+    live = peak = 0
+    for a in order:
+        live += 1 if a.kind == "F" else -1
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("p, m", [(2, 1), (3, 3), (4, 9), (4, 2)])
+def test_1f1b_keeps_at_most_num_stages_minus_index_activations(p, m):
+    for s in range(p):
+        assert _peak(one_f_one_b_order(s, p, m)) == min(p - s, m)
+        assert _peak(gpipe_order(s, p, m)) == m
+
+
+def test_bubble_fractions():
+    assert bubble_fraction("gpipe", 4, 8) == pytest.approx(3 / 11)
+    assert bubble_fraction("1f1b", 4, 8) == pytest.approx(3 / 11)
+    assert bubble_fraction("interleaved", 4, 8, 2) == pytest.approx(3 / 19)
+
+
+# --------------------------------------------------------------------------- equivalence (local engine)
+def _train(schedule_kind: str, p: int, m: int, v: int = 1, batch_per_mb: int = 2):
+    """One step on ``p`` ranks; each rank returns (losses or None, {stage: grads}, {stage: peak})."""
+    num_stages = p * v
+    ps = cases.params(num_stages)
+    x, t = cases.data(m * batch_per_mb)
+
+    def body():
+        r = meshkit.get_rank()
+        mine = [r + i * p for i in range(v)]
+        grads = {s: {k: np.zeros_like(a) for k, a in ps[s].items()} for s in mine}
+        stages = [PipelineStage(*cases.stage_fns(ps[s], grads[s]), s, num_stages) for s in mine]
+        if schedule_kind == "interleaved":
+            schedule = ScheduleInterleaved1F1B(stages, m, cases.loss_fn)
+        else:
+            schedule = (ScheduleGPipe if schedule_kind == "gpipe" else Schedule1F1B)(stages[0], m, cases.loss_fn)
+        losses = schedule.step(x if r == 0 else None, target=t if (num_stages - 1) % p == r else None)
+        return losses, grads, {s.stage_index: s.peak_live_activations for s in stages}
+
+    return local.run(body, p), cases.reference(ps, x, t)
+
+
+CASES = [(kind, p, m) for kind in ("gpipe", "1f1b") for p in (2, 3, 4) for m in sorted({max(1, p - 1), p, 2 * p + 1})]
+
+
+@pytest.mark.parametrize("kind, p, m", CASES)
+def test_gradients_and_losses_equal_single_process_training(kind, p, m):
+    results, (ref_loss, ref_grads) = _train(kind, p, m)
+    losses = results[p - 1][0]
+    assert len(losses) == m and abs(np.mean(losses) - ref_loss) <= 1e-12 * abs(ref_loss)
+    for r, (ls, grads, peaks) in enumerate(results):
+        assert (ls is None) == (r != p - 1)
+        for s, g in grads.items():
+            for k in g:
+                np.testing.assert_allclose(g[k], ref_grads[s][k], rtol=1e-12, atol=1e-14, err_msg=f"stage {s} {k}")
+        for s, peak in peaks.items():
+            assert peak == (m if kind == "gpipe" else min(p - s, m)), (s, peak)
+
+
+@pytest.mark.parametrize("p, v, m", [(2, 2, 2), (2, 2, 6), (3, 2, 3), (2, 3, 4), (1, 2, 3)])
+def test_interleaved_equals_single_process_training(p, v, m):
+    results, (ref_loss, ref_grads) = _train("interleaved", p, m, v)
+    losses = results[(p * v - 1) % p][0]
+    assert abs(np.mean(losses) - ref_loss) <= 1e-12 * abs(ref_loss)
+    for _, grads, _ in results:
+        for s, g in grads.items():
+            for k in g:
+                np.testing.assert_allclose(g[k], ref_grads[s][k], rtol=1e-12, atol=1e-14, err_msg=f"stage {s} {k}")
+
+
+def test_a_second_step_reuses_the_learned_shapes_and_accumulates():
+    ps = cases.params(2)
+    x, t = cases.data(4)
+
+    def body():
+        r = meshkit.get_rank()
+        grads = {k: np.zeros_like(a) for k, a in ps[r].items()}
+        stage = PipelineStage(*cases.stage_fns(ps[r], grads), r, 2)
+        schedule = Schedule1F1B(stage, 2, cases.loss_fn)
+        for _ in range(2):
+            schedule.step(x if r == 0 else None, target=t if r == 1 else None)
+        return grads, stage.input_spec
+
+    results = local.run(body, 2)
+    _, ref = cases.reference(ps, x, t)
+    for r, (grads, spec) in enumerate(results):
+        np.testing.assert_allclose(grads["w"], 2 * ref[r]["w"], rtol=1e-12)
+    assert results[1][1] == ((2, cases.WIDTH), np.dtype(np.float64)) and results[0][1] is None
+
+
+# --------------------------------------------------------------------------- bad input and failures
+def _failing_run(p: int, make_fns, m: int = 2, batch: int = 4):
+    """Every rank's exception (type name, text) and how long the run took."""
+    ps = cases.params(p)
+    x, t = cases.data(batch)
+
+    def body():
+        r = meshkit.get_rank()
+        grads = {k: np.zeros_like(a) for k, a in ps[r].items()}
+        stage = PipelineStage(*make_fns(r, ps[r], grads), r, p)
+        try:
+            Schedule1F1B(stage, m, cases.loss_fn).step(x if r == 0 else None, target=t if r == p - 1 else None)
+        except DistError as exc:
+            return type(exc).__name__, str(exc)
+        return None
+
+    start = time.monotonic()
+    results = local.run(body, p, timeout=30)
+    return results, time.monotonic() - start
+
+
+def test_a_stage_raising_in_its_forward_names_stage_and_microbatch_and_the_others_end():
+    def make(r, p, g):
+        fwd, bwd = cases.stage_fns(p, g)
+        calls = []
+
+        def forward(x):
+            calls.append(1)
+            if r == 1 and len(calls) == 2:
+                raise FloatingPointError("overflow in layer")
+            return fwd(x)
+        return forward, bwd
+
+    results, took = _failing_run(3, make, m=3, batch=6)
+    assert results[1] == ("PipelineError", "meshkit.parallel: rank 1: pipeline stage 1: forward of microbatch 1 "
+                                           "raised FloatingPointError: overflow in layer")
+    for r in (0, 2):
+        assert results[r] is not None and "forward of microbatch 1 raised FloatingPointError" in results[r][1], results
+    assert took < 10
+
+
+def test_an_activation_that_changes_shape_is_named():
+    def make(r, p, g):
+        fwd, bwd = cases.stage_fns(p, g)
+        calls = []
+
+        def forward(x):
+            calls.append(1)
+            y, ctx = fwd(x)
+            return (y[:, :3] if r == 0 and len(calls) == 2 else y), ctx
+        return forward, bwd
+
+    results, took = _failing_run(2, make)
+    assert results[0][0] == "PipelineError" and ("stage 0: the output of microbatch 1 has shape (2, 3) and dtype "
+                                                 "float64; the first microbatch's had (2, 5)") in results[0][1]
+    assert results[1] is not None and took < 10
+
+
+def test_a_batch_that_does_not_split_is_refused_and_the_others_end():
+    results, took = _failing_run(2, lambda r, p, g: cases.stage_fns(p, g), m=2, batch=5)
+    assert results[0] == ("DistValueError", "meshkit.parallel: rank 0: Schedule1F1B.step: x has 5 samples along "
+                                            "axis 0, which do not split into 2 equal microbatches; use a batch "
+                                            "that is a multiple of 2")
+    assert results[1] is not None and took < 10
+
+
+def test_construction_errors_name_the_problem():
+    def body():
+        if meshkit.get_rank() != 0:  # construction is local: rank 0 tries every mistake
+            return None
+        fwd, bwd = cases.stage_fns(cases.params(1)[0], {})
+        out = []
+        for args, kw in [((fwd, bwd, 2, 2), {}), ((fwd, bwd, 1, 2), {}), ((fwd, bwd, 0, 3), {})]:
+            with pytest.raises(DistValueError) as exc:
+                PipelineStage(*args, **kw)
+            out.append(str(exc.value))
+        stage = PipelineStage(fwd, bwd, 0, 4)
+        with pytest.raises(DistValueError, match="runs one stage per rank: num_stages 4 != the group's 2 ranks"):
+            Schedule1F1B(stage, 2, cases.loss_fn)
+        with pytest.raises(DistValueError, match="needs n_microbatches a multiple of the 2 pipeline ranks, got 3"):
+            ScheduleInterleaved1F1B([stage, PipelineStage(fwd, bwd, 2, 4)], 3, cases.loss_fn)
+        with pytest.raises(DistValueError, match=r"needs this rank's stages \[0, 2\] of 4, got \[0\]"):
+            ScheduleInterleaved1F1B([stage], 2, cases.loss_fn)
+        return out
+
+    out = local.run(body, 2)[0]
+    assert out[0] == ("meshkit.parallel: rank 0: PipelineStage: stage_index 2 is out of range for 2 stages "
+                      "(valid: 0..1)")
+    assert out[1] == ("meshkit.parallel: rank 0: PipelineStage: stage 1 of 2 lives on group rank 1 (stage i on "
+                      "rank i % 2), not on this rank 0")
+    assert "num_stages must be a positive multiple of the group's 2 ranks, got 3" in out[2]
+
+
+# --------------------------------------------------------------------------- real processes
+def test_pipelines_under_meshkit_run(mpirun):
+    out = mpirun("mpi_pipeline.py", 2).stdout
+    assert out.count("pipeline OK") == 2 and out.count("failure ended the other stage") == 2, out
