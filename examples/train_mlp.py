@@ -68,10 +68,11 @@ FLOAT16_UNIT = 2.0 ** -11
 
 
 # --------------------------------------------------------------------------- training
-def train_reference(args: argparse.Namespace) -> tuple[dict[str, np.ndarray], list[float]]:
+def train_reference(args: argparse.Namespace, hidden: Sequence[int] = (64, 64)
+                    ) -> tuple[dict[str, np.ndarray], list[float]]:
     """Single-process training on the global batch: what every strategy must reproduce."""
     x, y = mlp.make_data(args.samples)
-    params = mlp.init_params(dtype=np.dtype(args.dtype))
+    params = mlp.init_params(hidden, dtype=np.dtype(args.dtype))
     model = mlp.Plain(params, optimizer=mlp.make_optimizer(args.optimizer, args.lr))
     losses = []
     for step in range(args.steps):

@@ -22,6 +22,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 import mlp  # noqa: E402
 import train_mlp  # noqa: E402
+import train_3d  # noqa: E402
 import train_tp  # noqa: E402
 
 # (command line, world size, what rank 0 must print after "error: ")
@@ -349,6 +350,41 @@ def test_a_bad_flag_under_meshkit_run_exits_2_with_one_message(mpirun, script, n
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.count("error:") == 1 and message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("mesh, extra", [("2x2x1", ()), ("2x1x2", ("--optimizer", "adamw")), ("1x2x2", ()),
+                                         ("2x1x1", ("--schedule", "interleaved")),
+                                         ("4x1x1", ("--schedule", "gpipe", "--microbatches", "3", "--batch", "24"))])
+def test_train_3d_passes_its_check_local(mesh, extra):
+    world = int(np.prod([int(d) for d in mesh.split("x")]))
+    args = train_3d.parse_args(["--mesh", mesh, "--steps", "4", *extra], world_size=world)
+    reference, _ = train_mlp.train_reference(args, args.hidden)
+    for params, losses in local.run(lambda: train_3d.train(args, progress=False), world, timeout=60):
+        assert len(losses) == 4 and losses[-1] < losses[0]
+        result = train_mlp.compare_params(args.dtype, params, reference)
+        assert result.ok, result.line()
+
+
+@pytest.mark.parametrize("argv, world, message", [
+    (["--mesh", "2x2x2"], 4, r"argument --mesh: 2x2x2 is a mesh of 8 ranks; this run has 4"),
+    (["--mesh", "2x2"], 4, r"argument --mesh: expected PPxDPxTP with three integers >= 1, e\.g\. 2x2x1, got '2x2'"),
+    (["--mesh", "4x1x1", "--hidden", "8,8"], 4, r"4 pipeline stages for a model of 3 layers; use at most 3 stages"),
+    (["--mesh", "2x1x1", "--schedule", "interleaved", "--microbatches", "3", "--batch", "6"], 2,
+     r"argument --microbatches: 3 is not a multiple of the 2 pipeline ranks"),
+    (["--mesh", "1x2x1", "--microbatches", "4", "--batch", "12"], 2,
+     r"argument --batch: 12 does not split into 2 data-parallel shares of 4 equal microbatches; use a multiple of 8"),
+    (["--hidden", "8,x"], 1, r"argument --hidden: expected comma-separated widths >= 1"),
+])
+def test_train_3d_bad_flags_are_usage_errors(argv, world, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        train_3d.parse_args(argv, world_size=world)
+    assert exc.value.code == 2 and re.search(message, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("mesh, schedule", [("2x2x1", "1f1b"), ("2x1x2", "gpipe")])
+def test_train_3d_check_passes_under_meshkit_run(mpirun, mesh, schedule):
+    out = mpirun(EXAMPLES / "train_3d.py", 4, "--mesh", mesh, "--schedule", schedule, "--steps", "8", "--check").stdout
+    assert "check against single-process training: OK" in out, out
 
 
 def test_a_run_killed_mid_training_resumes_at_another_world_size_and_passes_its_check(mpirun, tmp_path):

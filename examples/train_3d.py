@@ -1,0 +1,264 @@
+"""Train the example MLP on a 3-D ``pp x dp x tp`` mesh: pipeline, data and tensor parallel at once.
+
+    meshkit-run -n 4 examples/train_3d.py --mesh 2x2x1 --check     # 2 pipeline stages x 2 replicas
+    meshkit-run -n 4 examples/train_3d.py --mesh 2x1x2 --check     # 2 stages, each split over 2 tp ranks
+    meshkit-run -n 8 examples/train_3d.py --mesh 2x2x2 --check     # all three
+    meshkit-run -n 2 examples/train_3d.py --mesh 2x1x1 --schedule interleaved --check
+    python examples/train_3d.py --mesh 1x1x1 --check               # a world of one
+
+The model is ``mlp.py``'s tanh MLP with ``--hidden`` layers (default 64,64,64: four layers). Its
+layers are cut into ``pp`` contiguous stages (``np.array_split``; ``pp x --virtual`` stages with
+``--schedule interleaved``), each a :class:`~meshkit.parallel.PipelineStage` on the ``pp``
+group; a batch runs as ``--microbatches`` microbatches under ``--schedule gpipe|1f1b|interleaved``.
+Inside a stage, consecutive layers are Megatron-LM blocks over ``tp``: a colwise layer (``w``
+``Shard(1)``) then a rowwise one (``w`` ``Shard(0)``, its output all-reduced); a layer left
+without a partner is replicated, so every stage boundary carries a replicated activation. The
+forward and backward passes are plain NumPy on DTensors (one all-reduce forward and one backward
+per block). Each ``dp`` replica trains on its share of every global batch; DDP averages each
+rank's blocks over ``dp`` after the pipeline step, and the optimizer updates the DTensors.
+
+``--check`` trains the same model in one process on the global batch and compares the final
+parameters to 1e-10 in float64 (1e-5 in float32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+import meshkit
+import mlp  # the model, beside this file
+import train_mlp  # its reference training, --check's comparison and flag types
+from meshkit.parallel import (DistributedDataParallel, PipelineStage, Schedule1F1B, ScheduleGPipe,
+                              ScheduleInterleaved1F1B)
+from meshkit.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+REPLICATED, COLWISE, ROWWISE = "replicated", "colwise", "rowwise"
+
+
+# --------------------------------------------------------------------------- one stage's layers on DTensors
+def layer_kinds(n: int, tp: int) -> list[str]:
+    """How each of a stage's ``n`` layers is cut over ``tp``: colwise/rowwise pairs, a lone one replicated."""
+    if tp == 1:
+        return [REPLICATED] * n
+    return [COLWISE, ROWWISE] * (n // 2) + [REPLICATED] * (n % 2)
+
+
+def placements_of(kind: str) -> dict[str, list[Any]]:
+    return {COLWISE: {"w": [Shard(1)], "b": [Shard(0)]}, ROWWISE: {"w": [Shard(0)], "b": [Replicate()]},
+            REPLICATED: {"w": [Replicate()], "b": [Replicate()]}}[kind]
+
+
+class Stage:
+    """Layers ``layers`` of the MLP as DTensors over ``tp``; forward and backward for a PipelineStage."""
+
+    def __init__(self, full: dict[str, np.ndarray], layers: Sequence[int], n_layers: int, tp: meshkit.DeviceMesh):
+        self.layers, self.n_layers, self.tp = list(layers), n_layers, tp
+        self.kinds = dict(zip(self.layers, layer_kinds(len(self.layers), tp.size())))
+        self.params = {f"{k}{i}": _contiguous(distribute_tensor(full[f"{k}{i}"], tp, placements_of(self.kinds[i])[k]))
+                       for i in self.layers for k in "wb"}
+        self.grads = {name: np.zeros_like(p.to_local()) for name, p in self.params.items()}
+
+    def forward(self, x: Any) -> tuple[Any, Any]:
+        h = DTensor.from_local(x, self.tp, [Replicate()])  # every tp rank received the same activation
+        ins, outs = [], []
+        for i in self.layers:
+            ins.append(h)
+            z = h @ self.params[f"w{i}"]
+            if z.placements[0].is_partial():  # rowwise: Megatron's one all-reduce forward
+                z = z.redistribute(placements=[Replicate()])
+            z = z + self.params[f"b{i}"]
+            h = np.tanh(z) if i < self.n_layers - 1 else z
+            outs.append(h)
+        return h.to_local(), (ins, outs)
+
+    def backward(self, ctx: Any, dy: Any) -> Any:
+        ins, outs = ctx
+        delta = DTensor.from_local(dy, self.tp, [Replicate()])
+        for i, h_in, h_out in zip(reversed(self.layers), reversed(ins), reversed(outs)):
+            if i < self.n_layers - 1:
+                delta = delta * (1 - h_out ** 2)  # through tanh
+            self.grads[f"w{i}"] += (h_in.T @ delta).to_local()
+            self.grads[f"b{i}"] += delta.sum(axis=0).to_local()
+            delta = delta @ self.params[f"w{i}"].T
+            if delta.placements[0].is_partial():  # colwise: Megatron's one all-reduce backward
+                delta = delta.redistribute(placements=[Replicate()])
+        return delta.to_local()
+
+
+def _contiguous(t: DTensor) -> DTensor:
+    """``t`` over a C-contiguous copy of its block (a Shard(1) block is a strided view; DDP and the
+    optimizer want each rank's block as one flat buffer)."""
+    return DTensor.from_local(np.ascontiguousarray(t.to_local()), t.device_mesh, t.placements, shape=t.shape)
+
+
+# --------------------------------------------------------------------------- training
+def build_mesh(shape: tuple[int, int, int]) -> meshkit.DeviceMesh:
+    return meshkit.init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp", "tp"))
+
+
+def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np.ndarray], list[float]]:
+    """Train on the ``--mesh``; returns every parameter gathered whole and each step's global loss."""
+    mesh = build_mesh(args.mesh)
+    pp, dp, tp = mesh["pp"], mesh["dp"], mesh["tp"]
+    p, v = pp.size(), args.virtual if args.schedule == "interleaved" else 1
+    full = mlp.init_params(args.hidden, dtype=np.dtype(args.dtype))
+    n_layers = mlp.layer_count(full)
+    cuts = np.array_split(np.arange(n_layers), p * v)
+    mine = [pp.get_local_rank() + k * p for k in range(v)]
+    stages = [Stage(full, cuts[s], n_layers, tp) for s in mine]
+    pipes = [PipelineStage(st.forward, st.backward, s, p * v, group=pp.get_group()) for s, st in zip(mine, stages)]
+    if args.schedule == "interleaved":
+        schedule: Any = ScheduleInterleaved1F1B(pipes, args.microbatches, loss_fn)
+    else:
+        schedule = (ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B)(pipes[0], args.microbatches, loss_fn)
+    params = {name: t for st in stages for name, t in st.params.items()}
+    grads = {name: g for st in stages for name, g in st.grads.items()}
+    ddp = DistributedDataParallel({name: t.to_local() for name, t in params.items()}, mesh=dp)
+    optimizer = mlp.make_optimizer(args.optimizer, args.lr)
+    first, last = 0 in mine, p * v - 1 in mine
+    x, y = mlp.make_data(args.samples)
+    losses = []
+    with train_mlp.progress_bar(args.steps, enabled=progress and meshkit.get_rank() == 0) as show:
+        for step in range(args.steps):
+            idx = np.array_split(mlp.batch_indices(step, args.samples, args.batch), dp.size())[dp.get_local_rank()]
+            for g in grads.values():
+                g[...] = 0
+            ddp.zero_grad()
+            mb_losses = schedule.step(x[idx].astype(args.dtype) if first else None, target=y[idx] if last else None)
+            for name, g in grads.items():
+                ddp.mark_grad_ready(name, g)
+            ddp.finish_gradient_sync()
+            optimizer.step(params, {name: DTensor.from_local(ddp.grads[name], tp, params[name].placements,
+                                                             shape=params[name].shape) for name in params})
+            losses.append(global_loss(mb_losses, mesh))
+            show(losses[-1])
+    return gather_params(stages, mesh), losses
+
+
+def loss_fn(logits: Any, y: Any) -> tuple[float, Any]:
+    """The last stage's loss: mlp.py's mean softmax cross-entropy of one microbatch."""
+    return mlp.loss_and_grad_logits(logits, y)
+
+
+def global_loss(mb_losses: list[float] | None, mesh: meshkit.DeviceMesh) -> float:
+    """The step's loss over the global batch, on every rank (two small all-reduces)."""
+    mine = np.array([float(np.mean(mb_losses)) if mb_losses is not None else 0.0])
+    meshkit.all_reduce(mine, meshkit.ReduceOp.MAX, group=mesh["pp"].get_group())  # losses >= 0: from the last stage
+    meshkit.all_reduce(mine, meshkit.ReduceOp.AVG, group=mesh["dp"].get_group())
+    return float(mine[0])
+
+
+def gather_params(stages: list[Stage], mesh: meshkit.DeviceMesh) -> dict[str, np.ndarray]:
+    """Every parameter whole on every rank: full_tensor over tp, then an object all-gather over pp."""
+    mine = {name: t.full_tensor() for st in stages for name, t in st.params.items()}
+    every: list[Any] = [None] * mesh["pp"].size()
+    meshkit.all_gather_object(every, mine, group=mesh["pp"].get_group())
+    return {name: a for part in every for name, a in part.items()}
+
+
+# --------------------------------------------------------------------------- command line
+def mesh3(text: str) -> tuple[int, int, int]:
+    parts = text.lower().split("x")
+    if len(parts) != 3 or not all(q.strip().isdigit() and int(q) >= 1 for q in parts):
+        raise argparse.ArgumentTypeError(f"expected PPxDPxTP with three integers >= 1, e.g. 2x2x1, got {text!r}")
+    return int(parts[0]), int(parts[1]), int(parts[2])
+
+
+def widths(text: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(w) for w in text.split(","))
+    except ValueError:
+        out = ()
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated widths >= 1, e.g. 64,64,64, got {text!r}")
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="train_3d.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mesh", type=mesh3, default=None, metavar="PPxDPxTP",
+                        help="pipeline x data x tensor degrees, their product the number of ranks N (default: Nx1x1)")
+    parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="default: %(default)s")
+    parser.add_argument("--microbatches", type=train_mlp.int_at_least(1), default=4, help="default: %(default)s")
+    parser.add_argument("--virtual", type=train_mlp.int_at_least(1), default=2,
+                        help="stages per pipeline rank with --schedule interleaved (default: %(default)s)")
+    parser.add_argument("--hidden", type=widths, default=(64, 64, 64), help="hidden widths (default: 64,64,64)")
+    parser.add_argument("--steps", type=train_mlp.int_at_least(1), default=50, help="default: %(default)s")
+    parser.add_argument("--batch", type=train_mlp.int_at_least(1), default=96, help="global batch (default: %(default)s)")
+    parser.add_argument("--samples", type=train_mlp.int_at_least(1), default=4096, help="default: %(default)s")
+    parser.add_argument("--lr", type=train_mlp.positive_float, default=None,
+                        help="learning rate (default: 0.05 for sgd, 0.01 for adamw)")
+    parser.add_argument("--optimizer", default="sgd", choices=tuple(train_mlp.DEFAULT_LR), help="default: %(default)s")
+    parser.add_argument("--dtype", default="float64", choices=["float32", "float64"], help="default: %(default)s")
+    parser.add_argument("--check", action="store_true",
+                        help="train in one process on the global batch too and compare the final parameters "
+                             "(1e-10 in float64, 1e-5 in float32)")
+    return parser
+
+
+def _problem(args: argparse.Namespace, world_size: int) -> str | None:
+    pp, dp, tp = args.mesh
+    if pp * dp * tp != world_size:
+        return (f"argument --mesh: {pp}x{dp}x{tp} is a mesh of {pp * dp * tp} ranks; this run has {world_size}: "
+                f"use PPxDPxTP with PP x DP x TP = {world_size}")
+    stages = pp * (args.virtual if args.schedule == "interleaved" else 1)
+    layers = len(args.hidden) + 1
+    if stages > layers:
+        return (f"argument --mesh: {stages} pipeline stages for a model of {layers} layers; use at most {layers} "
+                "stages, or more --hidden layers")
+    if args.schedule == "interleaved" and args.microbatches % pp:
+        return (f"argument --microbatches: {args.microbatches} is not a multiple of the {pp} pipeline ranks, which "
+                "--schedule interleaved needs")
+    if args.batch % dp or (args.batch // dp) % args.microbatches:
+        return (f"argument --batch: {args.batch} does not split into {dp} data-parallel shares of "
+                f"{args.microbatches} equal microbatches; use a multiple of {dp * args.microbatches}")
+    if args.batch > args.samples:
+        return f"argument --batch: {args.batch} is larger than --samples {args.samples}"
+    return None
+
+
+def parse_args(argv: Sequence[str] | None = None, *, rank: int = 0, world_size: int = 1) -> argparse.Namespace:
+    """Parse and check the command line on ``world_size`` ranks (usage errors from rank 0 only, exit 2 everywhere)."""
+    parser = build_parser()
+    with contextlib.nullcontext() if rank == 0 else train_mlp.silenced():
+        args = parser.parse_args(argv)
+        if args.mesh is None:
+            args.mesh = (world_size, 1, 1)
+        problem = _problem(args, world_size)
+        if problem:
+            parser.error(problem)
+    if args.lr is None:
+        args.lr = train_mlp.DEFAULT_LR[args.optimizer]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    meshkit.init_process_group("mpi")
+    rank, world = meshkit.get_rank(), meshkit.get_world_size()
+    try:
+        args = parse_args(argv, rank=rank, world_size=world)
+    except SystemExit:
+        meshkit.destroy_process_group()
+        raise
+    params, losses = train(args)
+    pp, dp, tp = args.mesh
+    if rank == 0:
+        print(f"{args.schedule} pipeline on a {pp}x{dp}x{tp} pp x dp x tp mesh: loss {losses[0]:.4f} -> "
+              f"{losses[-1]:.4f}", flush=True)
+    status = 0
+    if args.check:
+        reference, _ = train_mlp.train_reference(args, args.hidden)
+        ok = train_mlp.agreed([train_mlp.compare_params(args.dtype, params, reference)], args.dtype)
+        status = 0 if ok else 1
+    meshkit.destroy_process_group()
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
