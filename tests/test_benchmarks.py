@@ -145,3 +145,23 @@ def test_checkpoint_benchmark_times_every_candidate_and_writes_json(mpirun, tmp_
     assert {r["candidate"]: r["baseline"] for r in rows if r["ratio"] is not None} == {
         "meshkit save": "np.save", "async_save (blocking)": "np.save", "meshkit load": "np.load"}
     assert re.search(r"meshkit load\s+[\d.]+\s+[\d.]+\s+[\d.]+x\s+np.load", out), out
+
+
+# --------------------------------------------------------------------------- pipeline.py
+PIPELINE_BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "pipeline.py"
+
+
+def test_pipeline_benchmark_reports_bubbles_and_peak_activations(mpirun, tmp_path):
+    out_json = tmp_path / "pp.json"
+    out = mpirun(PIPELINE_BENCH, 2, "--microbatches", "2,4", "--forward-ms", "0.5", "--rounds", "2", "--no-progress",
+                 "--json", str(out_json)).stdout
+    rows = json.loads(out_json.read_text())["rows"]
+    assert [(r["schedule"], r["microbatches"]) for r in rows] == [("gpipe", 2), ("gpipe", 4), ("1f1b", 2), ("1f1b", 4),
+                                                                  ("interleaved", 2), ("interleaved", 4)]
+    by = {(r["schedule"], r["microbatches"]): r for r in rows}
+    assert by[("1f1b", 4)]["peak_activations"] == {"0": 2, "1": 1}  # min(p - s, m)
+    assert by[("gpipe", 4)]["peak_activations"] == {"0": 4, "1": 4}
+    assert by[("gpipe", 4)]["bubble_formula"] == pytest.approx(1 / 5)
+    assert by[("interleaved", 4)]["bubble_formula"] == pytest.approx(1 / 9)
+    assert all(r["step_s"] >= r["ideal_s"] for r in rows)  # sleeping stages: never faster than their compute
+    assert "peak activations per stage" in out

@@ -33,12 +33,14 @@ def report(what, fn):
 
 if case == "timeout":
     if rank == 0:
-        x = double.to_device(np.arange(4, dtype=np.float32))
-        report("all_reduce", lambda: meshkit.all_reduce(x, async_op=True).wait())
-        print("all_reduce output", x.get().tolist(), "copies back", rt.copies_to_device, flush=True)
+        # the receive first: a timed-out collective breaks the group, whose sends and receives then
+        # fail before they start
         r = double.to_device(np.full(2, 7.0))
         report("recv", lambda: meshkit.irecv(r, src=1).wait(timeout=1.0))
         print("recv output", r.get().tolist(), "copies back", rt.copies_to_device, flush=True)
+        x = double.to_device(np.arange(4, dtype=np.float32))
+        report("all_reduce", lambda: meshkit.all_reduce(x, async_op=True).wait())
+        print("all_reduce output", x.get().tolist(), "copies back", rt.copies_to_device, flush=True)
 elif case == "copy-back-fails":
     # Rank 0's copy back fails: its Work must fail, not complete, and its output keep its contents.
     def broken(src, dst, stream):

@@ -1,0 +1,185 @@
+"""Pipeline schedules: step time against the ideal, the bubble against its formula, peak activations.
+
+Run it by hand (a measurement, not a test; nothing here asserts on timings)::
+
+    meshkit-run -n 4 benchmarks/pipeline.py                     # table on rank 0
+    meshkit-run -n 4 benchmarks/pipeline.py --plot              # ... and benchmarks/results/pipeline-n4.png
+    meshkit-run -n 2 benchmarks/pipeline.py --microbatches 1,2,4,8,16 --forward-ms 4
+    python benchmarks/pipeline.py --plot-from benchmarks/results/pipeline-n4.json   # redraw only
+
+Each of the N ranks is one pipeline stage (``v`` = ``--virtual`` stages with the interleaved
+schedule). A stage's forward of one microbatch *sleeps* ``--forward-ms`` and its backward twice
+that (sleeping, the stages do not compete for the cores, so the bubble is the schedule's, not
+the machine's); the interleaved schedule's stages sleep ``1/v`` of that each, the same work per
+rank. Activations are 1 KB, so transfers cost little beside the compute.
+
+For each schedule and microbatch count m: the step time (median over ``--rounds`` steps, max
+over ranks, after a barrier), the ideal ``m (f + b)`` (no idle time), the measured bubble
+``1 - ideal / step`` and the formula's: ``(p - 1) / (m + p - 1)`` for GPipe and 1F1B,
+``(p - 1) / (v m + p - 1)`` interleaved; and the peak number of microbatches whose activations
+a stage held (1F1B: ``min(p - s, m)`` on stage s; GPipe: ``m``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from _common import (LOG, add_output_args, barrier, load_result, matplotlib_missing, max_over_ranks, median,
+                     parse_checked, png_path, positive_int_list, print0, require_pyplot, run_metadata, save_figure,
+                     save_results, setup_logging)
+from mpi4py import MPI
+
+import meshkit
+from meshkit.parallel import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                              bubble_fraction)
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+WIDTH = 128  # float64 columns of an activation: 1 KB per sample row
+
+
+def make_stage(index: int, stages: int, f: float, b: float) -> PipelineStage:
+    def forward(x: Any) -> tuple[Any, Any]:
+        time.sleep(f)
+        return x, None
+
+    def backward(ctx: Any, dy: Any) -> Any:
+        time.sleep(b)
+        return dy
+
+    return PipelineStage(forward, backward, index, stages)
+
+
+def loss_fn(y: Any, t: Any) -> tuple[float, Any]:
+    return 0.0, np.zeros_like(y)
+
+
+def measure(kind: str, m: int, args: argparse.Namespace, comm: MPI.Comm) -> dict[str, Any]:
+    rank, p = comm.Get_rank(), comm.Get_size()
+    v = args.virtual if kind == "interleaved" else 1
+    f, b = args.forward_ms / 1000 / v, 2 * args.forward_ms / 1000 / v
+    stages = [make_stage(rank + k * p, p * v, f, b) for k in range(v)]
+    if kind == "interleaved":
+        schedule: Any = ScheduleInterleaved1F1B(stages, m, loss_fn)
+    else:
+        schedule = (ScheduleGPipe if kind == "gpipe" else Schedule1F1B)(stages[0], m, loss_fn)
+    x = np.ones((m, WIDTH)) if rank == 0 else None
+    t = np.ones((m, WIDTH)) if (p * v - 1) % p == rank else None
+    times = []
+    for r in range(args.rounds + 1):
+        barrier(comm)
+        start = time.perf_counter()
+        schedule.step(x, target=t)
+        elapsed = max_over_ranks(comm, [time.perf_counter() - start])[0]
+        if r:  # the first step learns the boundary shapes
+            times.append(elapsed)
+    step = median(times)
+    ideal = m * 3 * args.forward_ms / 1000
+    peaks = comm.allgather({s.stage_index: s.peak_live_activations for s in stages})
+    return {"schedule": kind, "ranks": p, "virtual": v, "microbatches": m, "step_s": step, "ideal_s": ideal,
+            "bubble": 1 - ideal / step, "bubble_formula": bubble_fraction(kind, p, m, v),
+            "peak_activations": {str(k): n for d in peaks for k, n in sorted(d.items())}, "all_s": times}
+
+
+def run(args: argparse.Namespace, comm: MPI.Comm) -> list[dict[str, Any]]:
+    rows = []
+    p = comm.Get_size()
+    for kind in args.schedules:
+        for m in args.microbatches:
+            if kind == "interleaved" and m % p:
+                LOG.info("interleaved skips m=%d (not a multiple of %d ranks)", m, p)
+                continue
+            rows.append(measure(kind, m, args, comm))
+            LOG.info("%s m=%d done", kind, m)
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> list[str]:
+    out = [f"{'schedule':<12} {'m':>3} {'step ms':>9} {'ideal ms':>9} {'bubble':>7} {'formula':>8}  peak activations "
+           "per stage"]
+    for r in rows:
+        peaks = " ".join(f"{n}" for _, n in sorted(r["peak_activations"].items(), key=lambda kv: int(kv[0])))
+        out.append(f"{r['schedule']:<12} {r['microbatches']:>3} {1e3 * r['step_s']:>9.1f} {1e3 * r['ideal_s']:>9.1f} "
+                   f"{r['bubble']:>7.3f} {r['bubble_formula']:>8.3f}  {peaks}")
+    return out
+
+
+def plot(rows: list[dict[str, Any]], png: Path, title: str) -> None:
+    plt = require_pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for i, kind in enumerate(SCHEDULES):
+        mine = [r for r in rows if r["schedule"] == kind]
+        if not mine:
+            continue
+        ms = [r["microbatches"] for r in mine]
+        color = f"C{i}"
+        ax.plot(ms, [r["bubble"] for r in mine], "o-", color=color, label=f"{kind} measured")
+        ax.plot(ms, [r["bubble_formula"] for r in mine], "--", color=color, label=f"{kind} formula")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("microbatches m")
+    ax.set_ylabel("bubble fraction (idle time of a step)")
+    ax.legend(fontsize="small")
+    save_figure(fig, png, title)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--schedules", type=lambda s: s.split(","), default=list(SCHEDULES),
+                   help=f"comma-separated, of {', '.join(SCHEDULES)}")
+    p.add_argument("--microbatches", type=positive_int_list("1,2,4,8"), default=[1, 2, 4, 8, 16],
+                   help="comma-separated microbatch counts")
+    p.add_argument("--forward-ms", type=float, default=2.0, help="a stage's forward per microbatch (backward: 2x)")
+    p.add_argument("--virtual", type=int, default=2, help="stages per rank of the interleaved schedule")
+    p.add_argument("--rounds", type=int, default=5, help="timed steps per (schedule, m)")
+    add_output_args(p, json_help="result file (default benchmarks/results/pipeline-n{N}.json)")
+    return p
+
+
+def _invalid(args: argparse.Namespace) -> str | None:
+    bad = [s for s in args.schedules if s not in SCHEDULES]
+    if bad:
+        return f"--schedules: unknown {bad}; valid: {', '.join(SCHEDULES)}"
+    if not args.forward_ms > 0 or args.virtual < 1 or args.rounds < 1:
+        return (f"--forward-ms must be > 0 and --virtual, --rounds >= 1, got {args.forward_ms}, {args.virtual}, "
+                f"{args.rounds}")
+    return matplotlib_missing(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    comm = MPI.COMM_WORLD.Dup()
+    rank, n = comm.Get_rank(), comm.Get_size()
+    args = parse_checked(build_parser(), rank, argv, _invalid)
+    setup_logging(rank, args.verbose)
+    if args.plot_from is not None:
+        if rank == 0:
+            data = load_result(args.plot_from, "pipeline")
+            png = png_path(args.plot, args.plot_from)
+            plot(data["rows"], png, f"pipeline bubbles, {data['metadata'].get('ranks', '?')} ranks")
+            LOG.info("wrote %s", png)
+        comm.Free()
+        return 0
+    meshkit.init_process_group("mpi", timeout=120)
+    started = time.perf_counter()
+    try:
+        rows = run(args, comm)
+    finally:
+        meshkit.destroy_process_group()
+    meta = run_metadata(comm, benchmark="pipeline", forward_ms=args.forward_ms, virtual=args.virtual,
+                        rounds=args.rounds, seconds=time.perf_counter() - started)
+    if rank == 0:
+        for line in table(rows):
+            print0(rank, line)
+        save_results(args, RESULTS / f"pipeline-n{n}.json", meta, rows,
+                     lambda png: plot(rows, png, f"pipeline bubbles, {n} ranks, f = {args.forward_ms:g} ms, b = 2f"))
+    comm.Free()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
