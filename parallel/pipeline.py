@@ -58,13 +58,16 @@ class PipelineStage:
         num_stages: stages in the pipeline (a multiple of the group's size).
         group: the ranks of the pipeline (default: the world; on a mesh, ``mesh.get_group("pp")``).
             Stage ``i`` lives on group rank ``i % group.size()``.
+        input_spec: ``(shape, dtype)`` of one microbatch's input, if known: checked against
+            what the previous stage sends first (a mismatch names both), instead of learned.
 
     Raises:
         DistValueError: a stage index out of range, or a stage that does not live on this rank.
     """
 
     def __init__(self, forward: Callable[[Any], tuple[Any, Any]], backward: Callable[[Any, Any], Any],
-                 stage_index: int, num_stages: int, *, group: ProcessGroup | None = None) -> None:
+                 stage_index: int, num_stages: int, *, group: ProcessGroup | None = None,
+                 input_spec: tuple[Sequence[int], Any] | None = None) -> None:
         self.group = resolve_group(group)
         p, rank = self.group.size, self.group.rank
         head = f"meshkit.parallel: rank {rank}: PipelineStage"
@@ -87,6 +90,8 @@ class PipelineStage:
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
         self.prev_rank = (stage_index - 1) % p  # group ranks of the neighbouring stages
         self.next_rank = (stage_index + 1) % p
+        self.expected_input = None if input_spec is None else (tuple(int(d) for d in input_spec[0]),
+                                                               np.dtype(input_spec[1]))
         self.input_spec: tuple[tuple[int, ...], np.dtype] | None = None   # learned from the first activation
         self.output_spec: tuple[tuple[int, ...], np.dtype] | None = None
         self._xp: Any = None
@@ -159,6 +164,10 @@ class PipelineStage:
             header = np.empty(_HEADER_SLOTS, np.int64)
             self.group.irecv(header, self.prev_rank, _tag(HEADER, self.stage_index)).wait()
             self.input_spec, on_device = _read_header(header)
+            if self.expected_input is not None and self.input_spec != self.expected_input:
+                self.fail(f"stage {self.stage_index}: the previous stage sends inputs of shape {self.input_spec[0]} "
+                          f"and dtype {self.input_spec[1]}; input_spec says shape {self.expected_input[0]} and dtype "
+                          f"{self.expected_input[1]}")
             if on_device:
                 import cupy  # the previous stage runs on a GPU: so does this one
 

@@ -423,8 +423,9 @@ def test_device_cuda_trains_cupy_arrays_and_passes_the_exact_check(cupy, strateg
         assert [r.ok for r in results] == [True], [r.line() for r in results]
 
 
-def test_a_checkpoint_of_a_device_run_resumes_on_the_host(cupy, tmp_path):
-    """fsdp on (fake) GPUs saves; ddp on the host resumes and matches uninterrupted training."""
+def test_a_checkpoint_of_a_device_run_resumes_on_the_host_and_on_devices(cupy, tmp_path):
+    """fsdp on (fake) GPUs saves; ddp on the host resumes and matches uninterrupted training, and so
+    does zero2 on (fake) GPUs resuming from the same checkpoint."""
     first = train_mlp.parse_args(["--strategy", "fsdp", "--steps", "4", "--batch", "24", "--device", "cuda",
                                   "--checkpoint-dir", str(tmp_path), "--save-every", "2"], world_size=2)
 
@@ -440,6 +441,17 @@ def test_a_checkpoint_of_a_device_run_resumes_on_the_host(cupy, tmp_path):
     for params, losses in local.run(lambda: train_mlp.train(then, progress=False), 3, timeout=60):
         assert len(losses) == 2  # steps 5 and 6
         result = train_mlp.compare_params(then.dtype, params, reference)
+        assert result.ok, result.line()
+    back = train_mlp.parse_args(["--strategy", "zero2", "--steps", "6", "--batch", "24", "--device", "cuda",
+                                 "--checkpoint-dir", str(tmp_path), "--resume"], world_size=2)  # and onto devices
+
+    def on_device():
+        meshkit.init_process_group("nccl", timeout=60)
+        return train_mlp.train(back, progress=False)
+
+    for params, losses in local.run(on_device, 2, init=False, timeout=60):
+        assert len(losses) == 2
+        result = train_mlp.compare_params(back.dtype, params, reference)
         assert result.ok, result.line()
 
 

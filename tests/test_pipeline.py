@@ -231,6 +231,26 @@ def test_an_activation_that_changes_shape_is_named():
     assert results[1] is not None and took < 10
 
 
+def test_a_given_input_spec_is_checked_against_what_arrives():
+    ps = cases.params(2)
+    x, t = cases.data(4)
+
+    def body(spec):
+        r = meshkit.get_rank()
+        grads = {k: np.zeros_like(a) for k, a in ps[r].items()}
+        stage = PipelineStage(*cases.stage_fns(ps[r], grads), r, 2, input_spec=spec if r == 1 else None)
+        try:
+            Schedule1F1B(stage, 2, cases.loss_fn).step(x if r == 0 else None, target=t if r == 1 else None)
+        except DistError as exc:
+            return str(exc)
+        return None
+
+    assert local.run(lambda: body(((2, cases.WIDTH), "float64")), 2) == [None, None]
+    texts = local.run(lambda: body(((2, 4), "float32")), 2, timeout=30)
+    assert ("stage 1: the previous stage sends inputs of shape (2, 5) and dtype float64; input_spec says shape "
+            "(2, 4) and dtype float32") in texts[1] and texts[0] is not None
+
+
 def test_a_batch_that_does_not_split_is_refused_and_the_others_end():
     results, took = _failing_run(2, lambda r, p, g: cases.stage_fns(p, g), m=2, batch=5)
     assert results[0] == ("DistValueError", "meshkit.parallel: rank 0: Schedule1F1B.step: x has 5 samples along "
