@@ -67,6 +67,7 @@ __all__ = [
     "save_results",
     "load_result",
     "png_path",
+    "redraw",
     "require_pyplot",
     "save_figure",
     "log2_size_axis",
@@ -476,6 +477,15 @@ def load_result(path: Path, benchmark: str) -> dict[str, Any]:
 def png_path(plot: Path | None, json_path: Path) -> Path:
     """Where ``--plot`` draws: its path, or ``json_path`` with ``.png`` when given without one."""
     return json_path.with_suffix(".png") if plot in (None, Path()) else plot
+
+
+def redraw(args: argparse.Namespace, benchmark: str, draw: Callable[[list[dict[str, Any]], Path, str], None],
+           title: Callable[[dict[str, Any]], str]) -> None:
+    """``--plot-from``: draw ``benchmark``'s earlier JSON with ``draw(rows, png, title(metadata))``."""
+    data = load_result(args.plot_from, benchmark)
+    png = png_path(args.plot, args.plot_from)
+    draw(data["rows"], png, title(data["metadata"]))
+    LOG.info("wrote %s", png)
 
 
 # --------------------------------------------------------------------------- plots

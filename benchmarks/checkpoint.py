@@ -40,9 +40,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-from _common import (LOG, add_output_args, barrier, load_result, matplotlib_missing, max_over_ranks, median,
-                     parse_checked, png_path, print0, require_pyplot, run_metadata, save_figure, save_results,
-                     setup_logging)
+from _common import (LOG, add_output_args, barrier, matplotlib_missing, max_over_ranks, median, parse_checked,
+                     print0, redraw, require_pyplot, run_metadata, save_figure, save_results, setup_logging)
 from mpi4py import MPI
 
 import meshkit
@@ -184,10 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(rank, args.verbose)
     if args.plot_from is not None:
         if rank == 0:
-            data = load_result(args.plot_from, "checkpoint")
-            png = png_path(args.plot, args.plot_from)
-            plot(data["rows"], png, f"checkpoint, {data['metadata'].get('ranks', '?')} ranks")
-            LOG.info("wrote %s", png)
+            redraw(args, "checkpoint", plot, lambda meta: f"checkpoint, {meta.get('ranks', '?')} ranks")
         comm.Free()
         return 0
     meshkit.init_process_group("mpi", timeout=args.timeout)

@@ -41,10 +41,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-from _common import (LOG, Progress, add_output_args, barrier, calibrate_iters, choice_list, format_size,
-                     load_result, log2_size_axis, matplotlib_missing, max_over_ranks, median, parse_checked,
-                     parse_size, png_path, print0, require_pyplot, run_metadata, save_figure, save_results,
-                     setup_logging, size_sweep, time_calls)
+from _common import (Progress, add_output_args, barrier, calibrate_iters, choice_list, format_size,
+                     log2_size_axis, matplotlib_missing, max_over_ranks, median, parse_checked, parse_size,
+                     print0, redraw, require_pyplot, run_metadata, save_figure, save_results, setup_logging,
+                     size_sweep, time_calls)
 from mpi4py import MPI
 
 import meshkit
@@ -253,10 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(rank, args.verbose)
     if args.plot_from is not None:
         if rank == 0:
-            data = load_result(args.plot_from, "dtensor")
-            png = png_path(args.plot, args.plot_from)
-            plot(data["rows"], png, plot_title(data["metadata"]))
-            LOG.info("wrote %s", png)
+            redraw(args, "dtensor", plot, plot_title)
         comm.Free()
         return 0
     meshkit.init_process_group("mpi", timeout=args.timeout)

@@ -24,9 +24,8 @@ parameters to 1e-10 in float64 (1e-5 in float32).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -225,17 +224,8 @@ def _problem(args: argparse.Namespace, world_size: int) -> str | None:
 
 def parse_args(argv: Sequence[str] | None = None, *, rank: int = 0, world_size: int = 1) -> argparse.Namespace:
     """Parse and check the command line on ``world_size`` ranks (usage errors from rank 0 only, exit 2 everywhere)."""
-    parser = build_parser()
-    with contextlib.nullcontext() if rank == 0 else train_mlp.silenced():
-        args = parser.parse_args(argv)
-        if args.mesh is None:
-            args.mesh = (world_size, 1, 1)
-        problem = _problem(args, world_size)
-        if problem:
-            parser.error(problem)
-    if args.lr is None:
-        args.lr = train_mlp.DEFAULT_LR[args.optimizer]
-    return args
+    return train_mlp.parse_for_world(build_parser(), argv, rank=rank, world_size=world_size, problem=_problem,
+                                     default_mesh=lambda n: (n, 1, 1))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -394,6 +394,24 @@ def parse_args(argv: Sequence[str] | None = None, *, rank: int = 0, world_size: 
     return args
 
 
+def parse_for_world(parser: argparse.ArgumentParser, argv: Sequence[str] | None, *, rank: int, world_size: int,
+                    default_mesh: Callable[[int], Any], problem: Callable[[argparse.Namespace, int], str | None]
+                    ) -> argparse.Namespace:
+    """The other examples' parse: ``--mesh`` defaulted by ``default_mesh(world_size)``, then
+    ``problem(args, world_size)`` as a usage error (printed by rank 0 only, exit 2 everywhere),
+    then the optimizer's default learning rate."""
+    with contextlib.nullcontext() if rank == 0 else silenced():
+        args = parser.parse_args(argv)
+        if args.mesh is None:
+            args.mesh = default_mesh(world_size)
+        error = problem(args, world_size)
+        if error:
+            parser.error(error)
+    if args.lr is None:
+        args.lr = DEFAULT_LR[args.optimizer]
+    return args
+
+
 @contextlib.contextmanager
 def silenced() -> Any:
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):

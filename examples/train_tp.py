@@ -237,17 +237,8 @@ def parse_args(argv: Sequence[str] | None = None, *, rank: int = 0, world_size: 
     On a bad flag every rank exits with status 2 (``SystemExit``); only rank 0 prints the usage
     error (and ``--help``).
     """
-    parser = build_parser()
-    with contextlib.nullcontext() if rank == 0 else train_mlp.silenced():
-        args = parser.parse_args(argv)
-        if args.mesh is None:
-            args.mesh = (2, world_size // 2) if world_size % 2 == 0 else (1, world_size)
-        problem = _problem(args, world_size)
-        if problem:
-            parser.error(problem)
-    if args.lr is None:
-        args.lr = train_mlp.DEFAULT_LR[args.optimizer]
-    return args
+    return train_mlp.parse_for_world(build_parser(), argv, rank=rank, world_size=world_size, problem=_problem,
+                                     default_mesh=lambda n: (2, n // 2) if n % 2 == 0 else (1, n))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,6 +55,19 @@ def reference(kind: str, config: str = "mixed", steps: int = ddp_cases.STEPS) ->
     return params
 
 
+def ddp_steps(ddp, opt, steps) -> None:
+    """Train DDP (built over ddp_cases.init_params) for ``steps``, MICRO accumulated micro-batches each."""
+    rank, n = meshkit.get_rank(), meshkit.get_world_size()
+    for step in steps:
+        ddp.zero_grad()
+        for m in range(MICRO):
+            with ddp.no_sync() if m < MICRO - 1 else contextlib.nullcontext():
+                for name, g in local_grads(ddp.params, step, m, rank, n).items():
+                    ddp.mark_grad_ready(name, g)
+                ddp.finish_gradient_sync()
+        opt.step(ddp.params, ddp.grads)
+
+
 def train_zero(stage: int, kind: str, config: str = "mixed", steps=range(ddp_cases.STEPS), state=None, xp=np,
                setup=None):
     rank, n = meshkit.get_rank(), meshkit.get_world_size()

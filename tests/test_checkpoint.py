@@ -8,10 +8,7 @@ that every rank raises and that nothing was written in place.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -54,18 +51,10 @@ def _sharded_stage(train, ckpt_in, ckpt_out, steps, **kw):
 
 
 def _ddp_stage(kind, ckpt_in, ckpt_out, steps):
-    rank, n = meshkit.get_rank(), meshkit.get_world_size()
     ddp = DistributedDataParallel(ddp_cases.init_params(True), find_unused_parameters=True)
     opt = cases.make_opt(kind)
     _roundtrip(ddp, opt, ckpt_in, ckpt_out)
-    for step in steps:
-        ddp.zero_grad()
-        for m in range(cases.MICRO):
-            with ddp.no_sync() if m < cases.MICRO - 1 else contextlib.nullcontext():
-                for name, g in cases.local_grads(ddp.params, step, m, rank, n).items():
-                    ddp.mark_grad_ready(name, g)
-                ddp.finish_gradient_sync()
-        opt.step(ddp.params, ddp.grads)
+    cases.ddp_steps(ddp, opt, steps)
     _save(ddp, opt, ckpt_out)
 
 

@@ -6,7 +6,6 @@ from every rank's pieces, so that these tests check the strategies' side alone."
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import numpy as np
@@ -126,18 +125,10 @@ def _initial_store(kind: str) -> dict:
 
 
 def _train_ddp(kind, store, steps):
-    rank, n = meshkit.get_rank(), meshkit.get_world_size()
     ddp = DistributedDataParallel(ddp_cases.init_params(True), find_unused_parameters=True)
     opt = cases.make_opt(kind)
     _resume(ddp, store, opt)
-    for step in steps:
-        ddp.zero_grad()
-        for m in range(cases.MICRO):
-            with ddp.no_sync() if m < cases.MICRO - 1 else contextlib.nullcontext():
-                for name, g in cases.local_grads(ddp.params, step, m, rank, n).items():
-                    ddp.mark_grad_ready(name, g)
-                ddp.finish_gradient_sync()
-        opt.step(ddp.params, ddp.grads)
+    cases.ddp_steps(ddp, opt, steps)
     sd = ddp.sharded_state_dict(opt)
     return _export(sd), sd["optim"]["step"]
 
