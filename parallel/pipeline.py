@@ -154,6 +154,7 @@ class PipelineStage:
             self.fail(f"stage {self.stage_index}: the output of microbatch {mb} has shape {spec[0]} and dtype "
                       f"{spec[1]}; the first microbatch's had {self.output_spec[0]} and {self.output_spec[1]} "
                       "(activations crossing a stage boundary must keep their shape)")
+        self._check_engine(y)
         y = y if y.flags.c_contiguous else self._xp.ascontiguousarray(y)
         works.append(self.group.isend(y, self.next_rank, _tag(ACTIVATION, self.stage_index + 1)))
         return works
@@ -185,8 +186,18 @@ class PipelineStage:
             got = "None" if dx is None else f"shape {tuple(dx.shape)} and dtype {dx.dtype}"
             self.fail(f"stage {self.stage_index}: backward of microbatch {mb} returned dx with {got}; the input "
                       f"had shape {self.input_spec[0]} and dtype {self.input_spec[1]}")
+        self._check_engine(dx)
         dx = dx if dx.flags.c_contiguous else self._xp.ascontiguousarray(dx)
         return [self.group.isend(dx, self.prev_rank, _tag(GRADIENT, self.stage_index - 1))]
+
+    def _check_engine(self, a: Any) -> None:
+        """Device arrays cannot cross stages over NCCL yet: its sends and receives match by order
+        on one stream per group, so 1F1B's crossing send and receive would wait on each other (a
+        deadlock) unless fused with ``batch_isend_irecv``, which this executor does not do yet."""
+        if self.group.backend == "nccl" and hasattr(a, "__cuda_array_interface__"):
+            self.fail(f"stage {self.stage_index}: device arrays cannot cross pipeline stages over the NCCL engine yet "
+                      "(its sends and receives match by order on one stream: 1F1B would deadlock); run the job with "
+                      "init_process_group('mpi'), whose engine takes CuPy arrays (CUDA-aware or staged)")
 
     def recv_gradient(self, mb: int) -> Any:
         """Receive the gradient of microbatch ``mb``'s output from the next stage (blocking)."""

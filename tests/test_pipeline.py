@@ -290,3 +290,44 @@ def test_construction_errors_name_the_problem():
 def test_pipelines_under_meshkit_run(mpirun):
     out = mpirun("mpi_pipeline.py", 2).stdout
     assert out.count("pipeline OK") == 2 and out.count("failure ended the other stage") == 2, out
+
+
+# --------------------------------------------------------------------------- device arrays (tests/fake_cupy.py)
+def _device_run(cupy, backend: str, kind: str):
+    ps = cases.params(2)
+    x, t = cases.data(4)
+
+    def body():
+        meshkit.init_process_group(backend, timeout=30)
+        r = meshkit.get_rank()
+        dp = {k: cupy.asarray(a) for k, a in ps[r].items()}
+        grads = {k: cupy.zeros_like(a) for k, a in dp.items()}
+        stage = PipelineStage(*cases.stage_fns(dp, grads), r, 2)
+
+        def loss_fn(y, target):
+            d = y - target
+            return 0.0, d / y.shape[0]
+
+        schedule = (ScheduleGPipe if kind == "gpipe" else Schedule1F1B)(stage, 2, loss_fn)
+        try:
+            schedule.step(cupy.asarray(x) if r == 0 else None, target=cupy.asarray(t) if r == 1 else None)
+        except DistError as exc:
+            return str(exc)
+        return {k: g.get() for k, g in grads.items()}
+
+    return local.run(body, 2, init=False, timeout=60), cases.reference(ps, x, t)[1]
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+def test_device_arrays_through_the_host_engine_match_one_process(cupy, kind):
+    results, ref = _device_run(cupy, "local", kind)
+    for r, grads in enumerate(results):
+        assert isinstance(grads, dict), grads
+        for k in grads:
+            np.testing.assert_allclose(grads[k], ref[r][k], rtol=1e-12, atol=1e-14)
+
+
+def test_device_arrays_over_nccl_are_refused_on_every_stage(cupy):
+    results, _ = _device_run(cupy, "nccl", "1f1b")
+    assert all(isinstance(t, str) for t in results), results
+    assert "device arrays cannot cross pipeline stages over the NCCL engine yet" in results[0], results
