@@ -20,11 +20,13 @@ import dataclasses
 import math
 from typing import Any, Iterator
 
+import numpy as np
+
 from ..parallel import ShardedArray, is_array
 from ..tensor import DTensor, Partial, local_shape_and_offset
 from .errors import CheckpointError
 
-__all__ = ["Piece", "ArrayLeaf", "flatten", "array_leaf", "is_value"]
+__all__ = ["Piece", "ArrayLeaf", "flatten", "array_leaf", "is_value", "json_value"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,11 +55,19 @@ class ArrayLeaf:
 
 
 def is_value(x: Any) -> bool:
-    """Whether ``x`` is stored as a JSON value (not as array data)."""
-    if x is None or isinstance(x, (bool, int, float, str)):
+    """Whether ``x`` is stored as a JSON value (not as array data); NumPy scalars count (as their
+    Python value)."""
+    if x is None or isinstance(x, (bool, int, float, str, np.bool_, np.integer, np.floating)):
         return True
     return isinstance(x, (list, tuple)) and not any(isinstance(v, ShardedArray) for v in x) and all(
         is_value(v) for v in x)
+
+
+def json_value(x: Any) -> Any:
+    """``x`` (a value, see :func:`is_value`) as plain JSON types: lists for tuples, Python scalars."""
+    if isinstance(x, (list, tuple)):
+        return [json_value(v) for v in x]
+    return x.item() if isinstance(x, np.generic) else x
 
 
 def flatten(state_dict: Any, where: str, rank: int) -> Iterator[tuple[str, Any, Any, Any]]:
@@ -104,6 +114,8 @@ def array_leaf(key: str, value: Any, where: str, rank: int) -> ArrayLeaf | None:
                                   f"{tuple(local.shape)}, its placements give {shape}")
         pieces = (Piece(offsets, local),) if math.prod(shape) else ()
         return ArrayLeaf(tuple(value.shape), local.dtype, pieces)
+    if isinstance(value, np.generic):  # a NumPy scalar: a value, like the Python number it holds
+        return None
     if is_array(value):
         return ArrayLeaf(tuple(value.shape), value.dtype, (Piece((0,) * value.ndim, value),))
     if isinstance(value, list) and all(isinstance(p, ShardedArray) for p in value) and value:

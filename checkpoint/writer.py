@@ -19,6 +19,7 @@ step 1 and a copy of the boxes this rank writes, while training goes on and uses
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -33,10 +34,12 @@ from ..comm import ProcessGroup, gather_object, resolve_group, scatter_object_li
 from ..parallel import to_host
 from .errors import CheckpointError
 from .format import FORMAT, METADATA, VERSION, fsync_dir, write_chunks, write_metadata
-from .leaves import ArrayLeaf, array_leaf, flatten
+from .leaves import ArrayLeaf, array_leaf, flatten, json_value
 from .plan import describe, make_plan
 
 __all__ = ["save", "async_save"]
+
+logger = logging.getLogger("meshkit.checkpoint")
 
 FAILED = "FAILED"
 #: the largest chunk a box is written as (cut along axis 0), so that large arrays verify in parallel
@@ -80,7 +83,8 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike, 
     def run() -> None:
         try:
             finish()
-        except BaseException as exc:  # handed to whoever waits on the future
+        except BaseException as exc:  # handed to whoever waits on the future, and logged for who does not
+            logger.error("meshkit.checkpoint: async_save to %s failed: %s", checkpoint_id, exc)
             future.set_exception(exc)
         else:
             future.set_result(None)
@@ -102,7 +106,7 @@ def _start(state_dict: Any, checkpoint_id: Any, group: ProcessGroup | None, op: 
         for key, value, _, _ in flatten(state_dict, op, rank):
             leaf = array_leaf(key, value, op, rank)
             if leaf is None:
-                values[key] = value if not isinstance(value, tuple) else list(value)
+                values[key] = json_value(value)
             else:
                 leaves[key] = leaf
         description = describe(leaves, values)

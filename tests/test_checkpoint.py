@@ -404,3 +404,31 @@ def test_a_load_reads_in_place_without_staging_copies(tmp_path):
     results = local.run(load, 2)
     assert np.array_equal(results[0][1], full)
     assert results[0][0] < 256 * 1024, results[0][0]  # both ranks' loads: far below one shard (4 MB)
+
+
+def test_numpy_scalars_and_tuples_are_values(tmp_path):
+    def body():
+        sd = {"step": np.int64(7), "lr": np.float32(0.5), "betas": (0.9, 0.999), "flag": np.bool_(True)}
+        dcp.save(sd, checkpoint_id=tmp_path / "ck")
+        out = {"step": 0, "lr": 0.0, "betas": None, "flag": False}
+        dcp.load(out, checkpoint_id=tmp_path / "ck")
+        return out
+
+    assert local.run(body, 2)[0] == {"step": 7, "lr": 0.5, "betas": [0.9, 0.999], "flag": True}
+
+
+def test_a_failed_async_save_is_logged_and_raised_by_its_future(tmp_path, monkeypatch, caplog):
+    def broken(directory, rank, chunks):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr("meshkit.checkpoint.writer.write_chunks", broken)
+
+    def body():
+        future = dcp.async_save({"x": np.zeros(3)}, checkpoint_id=tmp_path / "ck", timeout=20)
+        with pytest.raises(CheckpointError, match="Input/output error"):
+            future.result(timeout=30)
+
+    with caplog.at_level("ERROR", logger="meshkit.checkpoint"):
+        local.run(body, 2)
+    assert "async_save to" in caplog.text and "Input/output error" in caplog.text
+    assert not (tmp_path / "ck").exists()
