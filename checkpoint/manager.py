@@ -16,7 +16,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from ..comm import ProcessGroup, resolve_group
+from ..comm import ProcessGroup, broadcast_object_list, resolve_group
 from .errors import CheckpointError
 from .format import METADATA
 from .reader import load
@@ -38,8 +38,7 @@ class CheckpointManager:
     Example::
 
         manager = CheckpointManager("ckpt", max_to_keep=3)
-        if manager.latest_step() is not None:
-            manager.load(manager.latest_step(), state_dict)
+        start = manager.restore(state_dict) or 0     # the newest complete one, if any
         ...
         manager.save(step, state_dict)
     """
@@ -88,14 +87,29 @@ class CheckpointManager:
             future.add_done_callback(lambda f: f.exception() is None and self._prune())
         return future
 
+    def restore(self, state_dict: dict[str, Any]) -> int | None:
+        """Load the newest complete checkpoint, if there is one, into ``state_dict`` (collective).
+
+        Returns its step, or None (nothing loaded) when there is none: the usual start of a job
+        that may be resuming. Rank 0's view of the directory decides for every rank.
+        """
+        latest = [self.latest_step()]
+        broadcast_object_list(latest, group=self.group, group_src=0)
+        if latest[0] is None:
+            return None
+        return self.load(latest[0], state_dict)
+
     def load(self, step: int | None, state_dict: dict[str, Any]) -> int:
-        """Load ``step``'s checkpoint (None: the latest) into ``state_dict`` in place; returns the step.
+        """Load ``step``'s checkpoint (None: the latest, as rank 0 sees the directory) into
+        ``state_dict`` in place (collective); returns the step.
 
         Raises:
             CheckpointError: no checkpoint (for that step), or a bad one (see :func:`load`).
         """
-        if step is None:
-            step = self.latest_step()
+        if step is None:  # rank 0's view of the directory decides, so no two ranks load different steps
+            latest = [self.latest_step()]
+            broadcast_object_list(latest, group=self.group, group_src=0)
+            step = latest[0]
             if step is None:
                 raise CheckpointError(f"meshkit.checkpoint: rank {self.group.rank}: no complete checkpoint in "
                                       f"{str(self.directory)!r}")

@@ -140,13 +140,11 @@ def state_dict(model: mlp.Strategy, step: int) -> dict[str, Any]:
 def resume(manager: CheckpointManager, model: mlp.Strategy) -> int:
     """Load the newest complete checkpoint into ``model`` (resharded to this run); the step it
     was saved after, or 0 (and a note) if there is none."""
-    step = manager.latest_step()
-    if step is None:
+    sd = state_dict(model, 0)
+    if manager.restore(sd) is None:
         if meshkit.get_rank() == 0:
             print(f"--resume: no checkpoint in {manager.directory}; starting at step 0", flush=True)
         return 0
-    sd = state_dict(model, 0)
-    manager.load(step, sd)
     strategy, optimizer = model.checkpoint_target()
     set_state_dict(strategy, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     if meshkit.get_rank() == 0:

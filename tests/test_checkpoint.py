@@ -432,3 +432,15 @@ def test_a_failed_async_save_is_logged_and_raised_by_its_future(tmp_path, monkey
         local.run(body, 2)
     assert "async_save to" in caplog.text and "Input/output error" in caplog.text
     assert not (tmp_path / "ck").exists()
+
+
+def test_restore_loads_the_newest_or_nothing(tmp_path):
+    def body():
+        manager = CheckpointManager(tmp_path / "m")
+        sd = {"x": np.zeros(2), "step": -1}
+        first = manager.restore(sd)
+        manager.save(3, {"x": np.full(2, 3.0), "step": 3})
+        manager.save(5, {"x": np.full(2, 5.0), "step": 5})
+        return first, manager.restore(sd), sd["step"], sd["x"].tolist()
+
+    assert local.run(body, 2) == [(None, 5, 5, [5.0, 5.0])] * 2
