@@ -111,7 +111,7 @@ def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np
     cuts = np.array_split(np.arange(n_layers), p * v)
     mine = [pp.get_local_rank() + k * p for k in range(v)]
     stages = [Stage(full, cuts[s], n_layers, tp) for s in mine]
-    pipes = [PipelineStage(st.forward, st.backward, s, p * v, group=pp.get_group()) for s, st in zip(mine, stages)]
+    pipes = [PipelineStage(st.forward, st.backward, s, p * v, group=pp) for s, st in zip(mine, stages)]
     if args.schedule == "interleaved":
         schedule: Any = ScheduleInterleaved1F1B(pipes, args.microbatches, loss_fn)
     else:

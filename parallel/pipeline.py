@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..comm import DistError, DistValueError, ProcessGroup, Work, resolve_group
+from ..mesh import DeviceMesh
 from .arrays import array_namespace
 from .schedules import Action, gpipe_order, interleaved_order, one_f_one_b_order
 
@@ -56,7 +57,8 @@ class PipelineStage:
             the mean loss over the whole batch). The first stage's ``dx`` is ignored.
         stage_index: this stage's position, ``0 <= stage_index < num_stages``.
         num_stages: stages in the pipeline (a multiple of the group's size).
-        group: the ranks of the pipeline (default: the world; on a mesh, ``mesh.get_group("pp")``).
+        group: the ranks of the pipeline: a ProcessGroup or a 1-D mesh (``mesh["pp"]``); default:
+            the world.
             Stage ``i`` lives on group rank ``i % group.size()``.
         input_spec: ``(shape, dtype)`` of one microbatch's input, if known: checked against
             what the previous stage sends first (a mismatch names both), instead of learned.
@@ -66,8 +68,13 @@ class PipelineStage:
     """
 
     def __init__(self, forward: Callable[[Any], tuple[Any, Any]], backward: Callable[[Any, Any], Any],
-                 stage_index: int, num_stages: int, *, group: ProcessGroup | None = None,
+                 stage_index: int, num_stages: int, *, group: ProcessGroup | DeviceMesh | None = None,
                  input_spec: tuple[Sequence[int], Any] | None = None) -> None:
+        if isinstance(group, DeviceMesh):
+            if group.ndim != 1:
+                raise DistValueError(f"meshkit.parallel: PipelineStage: group must be a ProcessGroup or a 1-D mesh "
+                                     f"(e.g. mesh['pp']), got a {group.ndim}-D mesh {group.mesh_dim_names}")
+            group = group.get_group()
         self.group = resolve_group(group)
         p, rank = self.group.size, self.group.rank
         head = f"meshkit.parallel: rank {rank}: PipelineStage"

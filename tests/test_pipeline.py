@@ -261,6 +261,7 @@ def test_a_batch_that_does_not_split_is_refused_and_the_others_end():
 
 def test_construction_errors_name_the_problem():
     def body():
+        mesh2d = meshkit.init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "dp"))  # collective
         if meshkit.get_rank() != 0:  # construction is local: rank 0 tries every mistake
             return None
         fwd, bwd = cases.stage_fns(cases.params(1)[0], {})
@@ -269,6 +270,9 @@ def test_construction_errors_name_the_problem():
             with pytest.raises(DistValueError) as exc:
                 PipelineStage(*args, **kw)
             out.append(str(exc.value))
+        with pytest.raises(DistValueError, match=r"group must be a ProcessGroup or a 1-D mesh \(e.g. mesh\['pp'\]\), "
+                                                 r"got a 2-D mesh \('pp', 'dp'\)"):
+            PipelineStage(fwd, bwd, 0, 1, group=mesh2d)
         stage = PipelineStage(fwd, bwd, 0, 4)
         with pytest.raises(DistValueError, match="runs one stage per rank: num_stages 4 != the group's 2 ranks"):
             Schedule1F1B(stage, 2, cases.loss_fn)
