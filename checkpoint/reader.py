@@ -59,13 +59,19 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike, group:
     except CheckpointError as exc:
         outcome = str(exc) if str(exc).startswith("meshkit.checkpoint") else \
             f"meshkit.checkpoint: rank {rank}: load: {exc}"
+    except Exception as exc:  # anything else fails the load everywhere too, never one rank alone
+        outcome = f"meshkit.checkpoint: rank {rank}: load: {type(exc).__name__}: {exc}"
     outcomes: list[Any] = [None] * g.size
     all_gather_object(outcomes, outcome, group=g)
     failed = [(r, text) for r, text in enumerate(outcomes) if text is not None]
     if failed:
         more = f" (and on ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
         raise CheckpointError(f"{failed[0][1]}{more}; nothing was loaded")
-    in_parallel(_copy, copies)
+    host = [(d, src) for d, src in copies if array_namespace(d) is np]
+    in_parallel(_copy, host)
+    for dst, src in copies:  # device arrays from this thread: its current device is this rank's GPU
+        if array_namespace(dst) is not np:
+            _copy(dst, src)
     for parent, key, value in values:
         parent[key] = value
 

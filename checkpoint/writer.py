@@ -112,6 +112,8 @@ def _start(state_dict: Any, checkpoint_id: Any, group: ProcessGroup | None, op: 
         description = describe(leaves, values)
     except CheckpointError as exc:
         description = str(exc)
+    except Exception as exc:  # fails the save on every rank (rank 0 tells them), never one rank alone
+        description = f"meshkit.checkpoint: rank {rank}: {op}: {type(exc).__name__}: {exc}"
     gathered: list[Any] | None = [None] * size if rank == 0 else None
     gather_object(description, gathered, group=g, group_dst=0)
     assignments: list[Any] | None = None
@@ -124,12 +126,19 @@ def _start(state_dict: Any, checkpoint_id: Any, group: ProcessGroup | None, op: 
         raise CheckpointError(got)
     tmp, boxes = Path(got[0]), got[1]
     chunks = []
-    for key, (offsets, lengths) in boxes:
-        piece = next(p for p in leaves[key].pieces if p.box == (tuple(offsets), tuple(lengths)))
-        data = to_host(piece.data)
-        if staged and data is piece.data:  # to_host copied device data already
-            data = np.array(data, copy=True)
-        chunks += [(key, o, slab) for o, slab in slabs(tuple(offsets), data)]
+    try:
+        for key, (offsets, lengths) in boxes:
+            piece = next(p for p in leaves[key].pieces if p.box == (tuple(offsets), tuple(lengths)))
+            data = to_host(piece.data)
+            if staged and data is piece.data:  # to_host copied device data already
+                data = np.array(data, copy=True)
+            chunks += [(key, o, slab) for o, slab in slabs(tuple(offsets), data)]
+    except Exception as exc:  # (a failed device copy, memory): the others must not wait for this rank
+        text = f"meshkit.checkpoint: rank {rank}: {op}: staging {str(tmp)!r} failed: {type(exc).__name__}: {exc}"
+        _drop(tmp / f"rank-{rank}.error", text)
+        if rank == 0:
+            _drop(tmp / FAILED, text)
+        raise CheckpointError(text) from exc
     limit = g.timeout if timeout is None else float(timeout)
     return lambda: _finish(tmp, final, rank, size, chunks, got[2], limit)
 
