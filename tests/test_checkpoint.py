@@ -444,3 +444,31 @@ def test_restore_loads_the_newest_or_nothing(tmp_path):
         return first, manager.restore(sd), sd["step"], sd["x"].tolist()
 
     assert local.run(body, 2) == [(None, 5, 5, [5.0, 5.0])] * 2
+
+
+def test_a_rank_whose_staging_fails_fails_the_save_everywhere_quickly(tmp_path, monkeypatch):
+    import time
+
+    from meshkit.checkpoint import writer
+    real = writer.to_host
+
+    def flaky(a):
+        if meshkit.get_rank() == 1:
+            raise MemoryError("cannot stage")
+        return real(a)
+
+    monkeypatch.setattr(writer, "to_host", flaky)
+
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2,))
+        start = time.monotonic()
+        try:
+            dcp.async_save({"x": distribute_tensor(np.arange(8.0), mesh, [Shard(0)])},
+                           checkpoint_id=tmp_path / "ck").result(timeout=30)
+        except CheckpointError as exc:
+            return str(exc), time.monotonic() - start
+        return None
+
+    for text, took in local.run(body, 2):
+        assert "rank 1: async_save: staging" in text and "MemoryError: cannot stage" in text and took < 10
+    assert not (tmp_path / "ck").exists()
