@@ -116,7 +116,11 @@ class PipelineStage:
     # ----------------------------------------------------------------- passes
     def run_forward(self, mb: int, x: Any) -> Any:
         """Forward of microbatch ``mb``; keeps its context; returns the output."""
-        y, ctx = self._call("forward", mb, self.forward_fn, x)
+        out = self._call("forward", mb, self.forward_fn, x)
+        if not isinstance(out, tuple) or len(out) != 2:
+            self.fail(f"stage {self.stage_index}: forward of microbatch {mb} returned a {type(out).__name__}; it "
+                      "must return (y, ctx), ctx being what its backward needs")
+        y, ctx = out
         if mb in self._ctx:
             self.fail(f"stage {self.stage_index}: forward of microbatch {mb} ran twice without its backward")
         self._ctx[mb] = ctx

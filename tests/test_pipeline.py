@@ -231,6 +231,18 @@ def test_an_activation_that_changes_shape_is_named():
     assert results[1] is not None and took < 10
 
 
+def test_a_forward_that_does_not_return_y_and_ctx_is_named():
+    def make(r, p, g):
+        fwd, bwd = cases.stage_fns(p, g)
+        return (lambda x: fwd(x)[0]) if r == 0 else fwd, bwd
+
+    results, took = _failing_run(2, make)
+    assert results[0] == ("PipelineError", "meshkit.parallel: rank 0: pipeline stage 0: forward of microbatch 0 "
+                                           "returned a ndarray; it must return (y, ctx), ctx being what its backward "
+                                           "needs")
+    assert results[1] is not None and took < 10
+
+
 def test_a_given_input_spec_is_checked_against_what_arrives():
     ps = cases.params(2)
     x, t = cases.data(4)
