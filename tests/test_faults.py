@@ -137,6 +137,41 @@ def test_flight_recorder_keeps_the_last_64_operations():
     assert "timed_out" in text and "meshkit flight recorder, rank 0" in text
 
 
+@pytest.mark.parametrize("op", ["all_reduce", "all_reduce_async", "broadcast", "broadcast_async"])
+def test_an_engine_that_fails_to_start_a_call_leaves_a_failed_record(op):
+    """all_reduce has a fast path of its own (it posts before writing the record): an engine
+    failing at the start must be handled there as on every other operation's path, and a
+    RankFailedError at the start must make the group unusable."""
+    name, async_op = op.removesuffix("_async"), op.endswith("_async")
+    call = {"all_reduce": lambda g: g.all_reduce(np.ones(2), async_op=async_op),
+            "broadcast": lambda g: g.broadcast(np.ones(2), 0, async_op=async_op)}[name]
+
+    def body():
+        group = meshkit.comm.current_world().default_group
+        real = getattr(group.engine, name)
+
+        def fail(error):
+            def start(*args, **kwargs):
+                raise error
+            return start
+
+        setattr(group.engine, name, fail(RuntimeError("engine could not start")))
+        with pytest.raises(RuntimeError, match="engine could not start"):
+            call(group)
+        plain = meshkit.flight_record()[-1]
+        setattr(group.engine, name, fail(meshkit.RankFailedError("rank 1 is gone")))
+        with pytest.raises(meshkit.RankFailedError, match="rank 1 is gone"):
+            call(group)
+        setattr(group.engine, name, real)
+        with pytest.raises(meshkit.DistError, match="failed"):
+            call(group)  # the group broke at the RankFailedError
+        return plain
+
+    plain = local.run(body, 1)[0]
+    assert plain["op"] == name and plain["state"] == "failed" and plain["seq"] == 0
+    assert "engine could not start" in plain["error"]
+
+
 @pytest.mark.parametrize("case", ["skip-barrier", "skip-all-reduce", "monitored", "detail-skip", "mismatch"])
 def test_faults_on_real_processes(mpirun, case):
     env = {"MESHKIT_DEBUG": "detail"} if case in ("detail-skip", "mismatch") else {}
