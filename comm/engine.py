@@ -14,8 +14,7 @@ of blocking the host; NCCL), ``start_coalescing()``/``end_coalescing()`` (``batc
 posts its list as one group; NCCL), ``queues = False`` (async collectives start at once instead
 of waiting behind the group's earlier one; NCCL, whose stream orders them), ``use_device()``
 (make the group's GPU current on the calling thread, before a ``run_async`` task allocates device
-memory on the communication thread; NCCL), ``notify``/``notices``/``flush``/``abort`` (notices between
-ranks, job abort).
+memory on the communication thread; NCCL), ``flush``/``abort`` (send pending notices, job abort).
 
 Engines see only checked, C-contiguous arrays and group ranks. Reduce ops arrive as
 :class:`~meshkit.comm.reduce_op.ReduceOp`; an engine without a native average reduces
@@ -24,7 +23,7 @@ Engines see only checked, C-contiguous arrays and group ranks. Reduce ops arrive
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 __all__ = ["Engine", "Request", "DeadlineExceeded"]
 
@@ -62,6 +61,7 @@ class Engine(Protocol):
     size: int
     max_tag: int          # the largest tag send/recv accept
     native_avg: bool      # True if ReduceOp.AVG is averaged by the engine itself
+    watch: Callable[[], None] | None  # set by the group: called while a wait stalls, to read notices
 
     def all_reduce(self, buf: Any, op: Any) -> Request: ...
     def reduce(self, buf: Any, op: Any, root: int) -> Request: ...
@@ -89,6 +89,15 @@ class Engine(Protocol):
     def split(self, color: int | None, ranks: tuple[int, ...], deadline: float) -> Engine | None:
         """Collective: ranks passing the same ``color`` get a new engine over ``ranks``
         (global ranks, ascending); None where ``color`` is None."""
+        ...
+
+    def notify(self, ranks: list[int], notice: Any) -> None:
+        """Send a :class:`~meshkit.comm.notices.Notice` to ``ranks`` (global ranks) without
+        blocking: how a rank that rejects a call, breaks a group or leaves tells the others."""
+        ...
+
+    def notices(self) -> list[Any]:
+        """The notices received since the last call (empty if none)."""
         ...
 
     def host_name(self) -> str: ...

@@ -172,7 +172,10 @@ class ProcessGroup:
                 if self._inflight and self._queues:  # behind an earlier collective: started when it completes
                     request, start = None, functools.partial(self.engine.all_reduce, tensor, op)
                 else:
-                    request, start = self._start_all_reduce(seq, tensor, op), None
+                    try:
+                        request, start = self.engine.all_reduce(tensor, op), None
+                    except BaseException as exc:
+                        raise self._start_failed(seq, tensor, exc) from None
                 record = self._flight_entry(seq, self.name, "all_reduce", (tensor.shape,), tensor.dtype,
                                             "scheduled" if request is None else "started")
                 work = RequestWork(self, "all_reduce", seq, record, request, settle, self.timeout, start)
@@ -181,19 +184,18 @@ class ProcessGroup:
             return self._queued(work)
         if self._inflight:
             self._drain()
-        request = self._start_all_reduce(seq, tensor, op)
+        try:  # posted before the flight record is written: the data moves meanwhile
+            request = self.engine.all_reduce(tensor, op)
+        except BaseException as exc:
+            raise self._start_failed(seq, tensor, exc) from None
         record = self._flight_entry(seq, self.name, "all_reduce", (tensor.shape,), tensor.dtype, "started")
         return self._complete("all_reduce", seq, record, request, settle)
 
-    def _start_all_reduce(self, seq: int, tensor: np.ndarray, op: ReduceOp) -> Request:
-        """The engine's all_reduce, posted before the flight record is written (the data moves
-        meanwhile); an engine that fails to start it is handled as :meth:`_run` handles any other
-        operation: a 'failed' record, and a RankFailedError breaks the group."""
-        try:
-            return self.engine.all_reduce(tensor, op)
-        except BaseException as exc:
-            record = self._flight_entry(seq, self.name, "all_reduce", (tensor.shape,), tensor.dtype, "started")
-            raise self._failed("all_reduce", seq, record, exc, self.timeout) from None
+    def _start_failed(self, seq: int, tensor: np.ndarray, exc: BaseException) -> BaseException:
+        """all_reduce's engine call raised before its record existed: record it and fail as
+        :meth:`_run` does for every other operation (a RankFailedError breaks the group)."""
+        record = self._flight_entry(seq, self.name, "all_reduce", (tensor.shape,), tensor.dtype, "started")
+        return self._failed("all_reduce", seq, record, exc, self.timeout)
 
     def reduce(self, tensor: np.ndarray, root: int, op: ReduceOp = ReduceOp.SUM, *,
                async_op: bool = False) -> Work | None:
