@@ -11,9 +11,12 @@ group, tagged by (kind, receiving stage), so that messages between the same two 
 match the wrong receive, and in microbatch order per tag. The first activation a stage sends
 is preceded by a small header (shape and dtype), from which the receiver learns its input and
 allocates its buffers; every later transfer goes into a buffer from a pool that is refilled as
-microbatches finish. Sends never block, and each rank posts a receive only when its next
-action needs it, so the orders of :mod:`.schedules` (checked by a simulation in the tests)
-cannot deadlock.
+microbatches finish. A buffer goes back to its pool only once every send reading it completed:
+a stage may return the arrays it was given (an identity layer's ``y = x`` or ``dx = dy``, a
+backward writing ``dx`` into its saved input), and MPI reads a large message when the receiver
+takes it, not at the ``isend`` (the local engine copies at once, which would hide a reuse).
+Sends never block, and each rank posts a receive only when its next action needs it, so the
+orders of :mod:`.schedules` (checked by a simulation in the tests) cannot deadlock.
 
 Failures: a stage whose forward, backward or loss raises, or whose output changes shape, raises
 :class:`PipelineError` naming the stage and microbatch, and aborts the stage group
@@ -103,9 +106,12 @@ class PipelineStage:
         self.output_spec: tuple[tuple[int, ...], np.dtype] | None = None
         self._xp: Any = None
         self._ctx: dict[int, Any] = {}
-        self._inputs: dict[int, Any] = {}  # received input buffers, back to the pool after the backward
+        self._inputs: dict[int, Any] = {}  # received buffers, back to their pools after the backward
+        self._grads: dict[int, Any] = {}
         self._pool_in: list[Any] = []
         self._pool_grad: list[Any] = []
+        self._sending: list[tuple[Work, Any]] = []  # sends in flight and the arrays they read
+        self._parked: list[tuple[Any, list[Any]]] = []  # (buffer, its pool): read by a send in flight
         #: microbatches whose activations (forward context) are alive now, and the most so far
         self.live_activations = 0
         self.peak_live_activations = 0
@@ -129,14 +135,41 @@ class PipelineStage:
         return y
 
     def run_backward(self, mb: int, dy: Any) -> Any:
-        """Backward of microbatch ``mb``; frees its context and input buffer; returns ``dx``."""
+        """Backward of microbatch ``mb``; frees its context; returns ``dx``. Its buffers go back
+        to their pools with :meth:`release`, once ``dx`` (which may be one of them) is sent."""
         ctx = self._ctx.pop(mb)
         dx = self._call("backward", mb, self.backward_fn, ctx, dy)
         self.live_activations = len(self._ctx)
-        buf = self._inputs.pop(mb, None)
-        if buf is not None:
-            self._pool_in.append(buf)
         return dx
+
+    def release(self, mb: int) -> None:
+        """Microbatch ``mb``'s received buffers go back to their pools, each once no send reads it."""
+        for bufs, pool in ((self._inputs, self._pool_in), (self._grads, self._pool_grad)):
+            buf = bufs.pop(mb, None)
+            if buf is not None:
+                self._parked.append((buf, pool))
+        self._recycle()
+
+    def _recycle(self) -> None:
+        self._sending = [(w, a) for w, a in self._sending if not w.is_completed()]
+        parked = []
+        for buf, pool in self._parked:
+            if any(_overlap(buf, a) for _, a in self._sending):
+                parked.append((buf, pool))
+            else:
+                pool.append(buf)
+        self._parked = parked
+
+    def _take(self, pool: list[Any], spec: tuple[tuple[int, ...], np.dtype]) -> Any:
+        """A buffer from ``pool`` that no send reads, or a new one (never waits for a send)."""
+        if self._parked:
+            self._recycle()
+        return pool.pop() if pool else self._xp.empty(*spec)
+
+    def _send(self, a: Any, dst: int, tag: int) -> Work:
+        work = self.group.isend(a, dst, tag)
+        self._sending.append((work, a))
+        return work
 
     def _call(self, what: str, mb: int, fn: Callable[..., Any], *args: Any) -> Any:
         try:
@@ -167,7 +200,7 @@ class PipelineStage:
                       "(activations crossing a stage boundary must keep their shape)")
         self._check_engine(y)
         y = y if y.flags.c_contiguous else self._xp.ascontiguousarray(y)
-        works.append(self.group.isend(y, self.next_rank, _tag(ACTIVATION, self.stage_index + 1)))
+        works.append(self._send(y, self.next_rank, _tag(ACTIVATION, self.stage_index + 1)))
         return works
 
     def recv_activation(self, mb: int) -> Any:
@@ -186,7 +219,7 @@ class PipelineStage:
                 self._xp = cupy
             else:
                 self._xp = np
-        buf = self._pool_in.pop() if self._pool_in else self._xp.empty(*self.input_spec)
+        buf = self._take(self._pool_in, self.input_spec)
         self.group.irecv(buf, self.prev_rank, _tag(ACTIVATION, self.stage_index)).wait()
         self._inputs[mb] = buf
         return buf
@@ -199,7 +232,7 @@ class PipelineStage:
                       f"had shape {self.input_spec[0]} and dtype {self.input_spec[1]}")
         self._check_engine(dx)
         dx = dx if dx.flags.c_contiguous else self._xp.ascontiguousarray(dx)
-        return [self.group.isend(dx, self.prev_rank, _tag(GRADIENT, self.stage_index - 1))]
+        return [self._send(dx, self.prev_rank, _tag(GRADIENT, self.stage_index - 1))]
 
     def _check_engine(self, a: Any) -> None:
         """Device arrays cannot cross stages over NCCL yet: its sends and receives match by order
@@ -212,12 +245,20 @@ class PipelineStage:
 
     def recv_gradient(self, mb: int) -> Any:
         """Receive the gradient of microbatch ``mb``'s output from the next stage (blocking)."""
-        buf = self._pool_grad.pop() if self._pool_grad else self._xp.empty(*self.output_spec)
+        buf = self._take(self._pool_grad, self.output_spec)
         self.group.irecv(buf, self.next_rank, _tag(GRADIENT, self.stage_index)).wait()
+        self._grads[mb] = buf
         return buf
 
-    def release_gradient(self, buf: Any) -> None:
-        self._pool_grad.append(buf)
+
+def _overlap(a: Any, b: Any) -> bool:
+    """Whether two C-contiguous arrays (NumPy or CuPy) share memory."""
+    def span(x: Any) -> tuple[int, int]:
+        start = (x.__cuda_array_interface__ if hasattr(x, "__cuda_array_interface__") else
+                 x.__array_interface__)["data"][0]
+        return start, start + x.nbytes
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 def _header(spec: tuple[tuple[int, ...], np.dtype], *, on_device: bool) -> np.ndarray:
@@ -310,13 +351,14 @@ class PipelineSchedule:
             else:
                 dy = pending.pop(mb) if stage.is_last else self._receive_grad(stage, mb)
                 dx = stage.run_backward(mb, dy)
-                if not stage.is_last:
-                    stage.release_gradient(dy)
                 if not stage.is_first:
                     sends += self._backward_output(stage, mb, dx)
+                stage.release(mb)  # after the send of dx, which may be one of the buffers
             sends = [w for w in sends if not w.is_completed()]
         for w in sends:
             w.wait()
+        for stage in self.stages:
+            stage._recycle()  # every send completed: every buffer back in its pool
         return losses if last is not None else None
 
     def _split(self, what: str, a: Any) -> list[Any]:

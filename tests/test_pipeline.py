@@ -4,7 +4,10 @@ every stage instead of hanging."""
 
 from __future__ import annotations
 
+import collections
+import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -173,6 +176,71 @@ def test_a_second_step_reuses_the_learned_shapes_and_accumulates():
     assert results[1][1] == ((2, cases.WIDTH), np.dtype(np.float64)) and results[0][1] is None
 
 
+# --------------------------------------------------------------------------- buffers still being sent
+class _Rendezvous:
+    """Point-to-point traffic that reads a send's array only when its receiver takes it, as MPI's
+    rendezvous protocol does for large messages (the local engine copies at the send, which would
+    hide a buffer reused while its send is in flight). Receives on ``slow`` take ``delay`` s."""
+
+    def __init__(self, slow: int, delay: float) -> None:
+        self.cond, self.queues = threading.Condition(), collections.defaultdict(collections.deque)
+        self.slow, self.delay = slow, delay
+
+    def group(self, group):
+        hub = self
+
+        class Group:  # the stage's group, its sends and receives through the hub
+            def __getattr__(self, name):
+                return getattr(group, name)
+
+            def isend(self, tensor, dst, tag=0):
+                sent = threading.Event()
+                with hub.cond:
+                    hub.queues[(group.rank, dst, tag)].append((tensor, sent))
+                    hub.cond.notify_all()
+                return types.SimpleNamespace(is_completed=sent.is_set, wait=lambda timeout=None: sent.wait(30))
+
+            def irecv(self, tensor, src=None, tag=0):
+                def wait(timeout=None):
+                    if group.rank == hub.slow:
+                        time.sleep(hub.delay)
+                    with hub.cond:
+                        queue = hub.queues[(src, group.rank, tag)]
+                        assert hub.cond.wait_for(lambda: queue, 30), f"nothing sent from {src} tag {tag}"
+                        data, sent = queue.popleft()
+                        tensor[...] = data  # the send's array, read now
+                    sent.set()
+                return types.SimpleNamespace(wait=wait)
+
+        return Group()
+
+
+@pytest.mark.parametrize("kinds", [("scale", "pass", "scale"), ("scale", "inplace", "scale")])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_buffer_goes_back_to_its_pool_only_once_its_send_completed(kinds, schedule):
+    """A backward that returns ``dy`` itself, or its input buffer, sends a pooled buffer; the next
+    receive must not reuse it while the (slow) previous stage has not taken it yet."""
+    ws, m = [1.5, 0.5 if kinds[1] == "inplace" else 1.0, 0.5], 4
+    rng = np.random.default_rng(0)
+    x, t = rng.standard_normal((4 * m, 64)), rng.standard_normal((4 * m, 64))
+    hub = _Rendezvous(slow=0, delay=0.05)
+
+    def body():
+        r = meshkit.get_rank()
+        grad = np.zeros(1)
+        stage = PipelineStage(*cases.scale_stage(kinds[r], ws[r], grad), r, 3)
+        stage.group = hub.group(stage.group)
+        sched = (ScheduleGPipe if schedule == "gpipe" else Schedule1F1B)(stage, m, cases.loss_fn)
+        sched.step(x if r == 0 else None, target=t if r == 2 else None)
+        return grad[0]
+
+    got = local.run(body, 3, timeout=60)
+    ref = cases.scale_reference(ws, x, t)
+    for r in range(3):
+        if kinds[r] != "pass":
+            assert got[r] == pytest.approx(ref[r], rel=1e-12), (r, got, ref)
+
+
 # --------------------------------------------------------------------------- bad input and failures
 def _failing_run(p: int, make_fns, m: int = 2, batch: int = 4):
     """Every rank's exception (type name, text) and how long the run took."""
@@ -306,6 +374,12 @@ def test_construction_errors_name_the_problem():
 def test_pipelines_under_meshkit_run(mpirun):
     out = mpirun("mpi_pipeline.py", 2).stdout
     assert out.count("pipeline OK") == 2 and out.count("failure ended the other stage") == 2, out
+
+
+def test_stages_that_return_their_buffers_under_meshkit_run(mpirun):
+    # three ranks: a pass-through stage between two others (and in-place ones), every schedule
+    out = mpirun("mpi_pipeline_aliasing.py", 3).stdout
+    assert out.count(" OK") == 12 and "WRONG" not in out, out
 
 
 # --------------------------------------------------------------------------- device arrays (tests/fake_cupy.py)
