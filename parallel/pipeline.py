@@ -50,6 +50,14 @@ def _tag(kind: int, stage: int) -> int:
     return 3 * stage + kind
 
 
+def _rank(group: ProcessGroup) -> str:
+    """``rank 3 (pp rank 1)``: this process's global rank, and its rank in the pipeline group
+    unless that group is the world (where the two are the same)."""
+    if group.rank == group.global_rank and group.size == group.world.size:
+        return f"rank {group.rank}"
+    return f"rank {group.global_rank} ({group.name} rank {group.rank})"
+
+
 class PipelineStage:
     """One stage of a pipeline: the user's forward and backward, and its place in the group.
 
@@ -80,7 +88,7 @@ class PipelineStage:
             group = group.get_group()
         self.group = resolve_group(group)
         p, rank = self.group.size, self.group.rank
-        head = f"meshkit.parallel: rank {rank}: PipelineStage"
+        head = f"meshkit.parallel: {_rank(self.group)}: PipelineStage"
         for name, value in (("stage_index", stage_index), ("num_stages", num_stages)):
             if not isinstance(value, int) or isinstance(value, bool):
                 raise DistValueError(f"{head}: {name} must be an int, got {value!r}")
@@ -92,7 +100,7 @@ class PipelineStage:
                                  f"(valid: 0..{num_stages - 1})")
         if stage_index % p != rank:
             raise DistValueError(f"{head}: stage {stage_index} of {num_stages} lives on group rank "
-                                 f"{stage_index % p} (stage i on rank i % {p}), not on this rank {rank}")
+                                 f"{stage_index % p} (stage i on rank i % {p}), not on this rank (group rank {rank})")
         if not callable(forward) or not callable(backward):
             raise DistValueError(f"{head}: forward and backward must be callables")
         self.forward_fn, self.backward_fn = forward, backward
@@ -180,7 +188,7 @@ class PipelineStage:
 
     def fail(self, why: str, cause: BaseException | None = None) -> None:
         """Abort the stage group (the other stages stop waiting) and raise :class:`PipelineError`."""
-        text = f"meshkit.parallel: rank {self.group.rank}: pipeline {why}"
+        text = f"meshkit.parallel: {_rank(self.group)}: pipeline {why}"
         self.group.abort(text)
         raise PipelineError(text) from cause
 
@@ -293,7 +301,7 @@ class PipelineSchedule:
                  loss_fn: Callable[[Any, Any], tuple[Any, Any]]) -> None:
         self.stages = list(stages)
         group = self.stages[0].group
-        head = f"meshkit.parallel: rank {group.rank}: {type(self).__name__}"
+        head = f"meshkit.parallel: {_rank(group)}: {type(self).__name__}"
         if not isinstance(n_microbatches, int) or isinstance(n_microbatches, bool) or n_microbatches < 1:
             raise DistValueError(f"{head}: n_microbatches must be an int >= 1, got {n_microbatches!r}")
         if not callable(loss_fn):
@@ -408,7 +416,7 @@ class _OneStagePerRank(PipelineSchedule):
             raise DistValueError(f"meshkit.parallel: {type(self).__name__} takes one PipelineStage, got "
                                  f"{type(stage).__name__} (ScheduleInterleaved1F1B takes several)")
         if stage.num_stages != stage.group.size:
-            raise DistValueError(f"meshkit.parallel: rank {stage.group.rank}: {type(self).__name__} runs one stage per "
+            raise DistValueError(f"meshkit.parallel: {_rank(stage.group)}: {type(self).__name__} runs one stage per "
                                  f"rank: num_stages {stage.num_stages} != the group's {stage.group.size} ranks")
         super().__init__([stage], n_microbatches, loss_fn)
 
@@ -444,10 +452,10 @@ class ScheduleInterleaved1F1B(PipelineSchedule):
         p, v = g.size, stages[0].num_stages // g.size
         want = [g.rank + i * p for i in range(v)]
         if [s.stage_index for s in stages] != want:
-            raise DistValueError(f"meshkit.parallel: rank {g.rank}: ScheduleInterleaved1F1B needs this rank's stages "
+            raise DistValueError(f"meshkit.parallel: {_rank(g)}: ScheduleInterleaved1F1B needs this rank's stages "
                                  f"{want} of {stages[0].num_stages}, got {[s.stage_index for s in stages]}")
         if isinstance(n_microbatches, int) and n_microbatches % p:
-            raise DistValueError(f"meshkit.parallel: rank {g.rank}: ScheduleInterleaved1F1B needs n_microbatches a "
+            raise DistValueError(f"meshkit.parallel: {_rank(g)}: ScheduleInterleaved1F1B needs n_microbatches a "
                                  f"multiple of the {p} pipeline ranks, got {n_microbatches}")
         self.virtual = v
         super().__init__(stages, n_microbatches, loss_fn)

@@ -282,6 +282,33 @@ def test_a_stage_raising_in_its_forward_names_stage_and_microbatch_and_the_other
     assert took < 10
 
 
+def test_errors_name_the_global_rank_and_the_rank_in_the_pipeline_group():
+    ps = cases.params(2)
+    x, t = cases.data(4)
+
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))  # pp groups [0, 2], [1, 3]
+        r = mesh.get_local_rank("pp")
+        grads = {k: np.zeros_like(a) for k, a in ps[r].items()}
+        fwd, bwd = cases.stage_fns(ps[r], grads)
+
+        def forward(a):
+            if meshkit.get_rank() == 3:
+                raise FloatingPointError("nan in layer")
+            return fwd(a)
+        try:
+            Schedule1F1B(PipelineStage(forward, bwd, r, 2, group=mesh["pp"]), 2, cases.loss_fn).step(
+                x if r == 0 else None, target=t if r == 1 else None)
+        except DistError as exc:
+            return str(exc)
+        return None
+
+    texts = local.run(body, 4, timeout=30)
+    assert texts[3] == ("meshkit.parallel: rank 3 (pp rank 1): pipeline stage 1: forward of microbatch 0 raised "
+                        "FloatingPointError: nan in layer")
+    assert texts[2] is None and "rank 3 (pp rank 1): pipeline stage 1: forward" in texts[1], texts
+
+
 def test_an_activation_that_changes_shape_is_named():
     def make(r, p, g):
         fwd, bwd = cases.stage_fns(p, g)
@@ -366,7 +393,7 @@ def test_construction_errors_name_the_problem():
     assert out[0] == ("meshkit.parallel: rank 0: PipelineStage: stage_index 2 is out of range for 2 stages "
                       "(valid: 0..1)")
     assert out[1] == ("meshkit.parallel: rank 0: PipelineStage: stage 1 of 2 lives on group rank 1 (stage i on "
-                      "rank i % 2), not on this rank 0")
+                      "rank i % 2), not on this rank (group rank 0)")
     assert "num_stages must be a positive multiple of the group's 2 ranks, got 3" in out[2]
 
 
