@@ -21,7 +21,9 @@ orders of :mod:`.schedules` (checked by a simulation in the tests) cannot deadlo
 Failures: a stage whose forward, backward or loss raises, or whose output changes shape, raises
 :class:`PipelineError` naming the stage and microbatch, and aborts the stage group
 (:meth:`~meshkit.comm.ProcessGroup.abort`), so that the other ranks' waits fail at once
-instead of hanging until the timeout.
+instead of hanging until the timeout. The first step checks, in one collective over the group,
+that every rank built the same schedule with the same ``num_stages`` and ``n_microbatches``
+(ranks that differ would scale gradients wrongly or wait for transfers that never come).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..comm import DistError, DistValueError, ProcessGroup, Work, resolve_group
+from ..comm import DistError, DistValueError, ProcessGroup, Work, all_gather_object, resolve_group
 from ..mesh import DeviceMesh
 from .arrays import array_namespace
 from .schedules import Action, gpipe_order, interleaved_order, one_f_one_b_order
@@ -314,6 +316,7 @@ class PipelineSchedule:
         self._by_index = {s.stage_index: s for s in self.stages}
         self._mail: dict[tuple[int, int, int], Any] = {}  # transfers between two stages of this rank
         self.actions = self._order()
+        self._agreed = False
 
     def _order(self) -> list[Action]:
         raise NotImplementedError
@@ -326,8 +329,11 @@ class PipelineSchedule:
 
         Raises:
             PipelineError: a stage failed here (on the other ranks, their next wait fails at once).
-            DistValueError: a batch that does not split into ``n_microbatches``.
+            DistValueError: a batch that does not split into ``n_microbatches``; at the first
+                step on every rank, ranks whose schedule, ``num_stages`` or ``n_microbatches`` differ.
         """
+        if not self._agreed:
+            self._agree()
         try:
             return self._run(x, target)
         except PipelineError:
@@ -335,6 +341,22 @@ class PipelineSchedule:
         except BaseException as exc:  # bad input, or a transfer failed: the other ranks must not wait
             self.group.abort(f"{self.head}.step failed: {type(exc).__name__}: {exc}")
             raise
+
+    def _agree(self) -> None:
+        """At the first step, every rank checks that all build the same pipeline (one collective):
+        ranks with other microbatch counts would scale gradients wrongly or wait forever."""
+        mine = {"schedule": type(self).__name__, "num_stages": self.num_stages, "n_microbatches": self.n_microbatches}
+        everyone: list[Any] = [None] * self.group.size
+        all_gather_object(everyone, mine, group=self.group)
+        for i, theirs in enumerate(everyone[1:], start=1):
+            if theirs != everyone[0]:
+                keys = [k for k in mine if theirs[k] != everyone[0][k]]
+                ranks = self.group.ranks
+                raise DistValueError(f"{self.head}.step: the ranks of the pipeline disagree: rank {ranks[0]} has "
+                                     f"{', '.join(f'{k}={everyone[0][k]!r}' for k in keys)} and rank {ranks[i]} "
+                                     f"{', '.join(f'{k}={theirs[k]!r}' for k in keys)}; every rank must build the "
+                                     "same schedule with the same num_stages and n_microbatches")
+        self._agreed = True
 
     def _run(self, x: Any, target: Any) -> list[Any] | None:
         first, last = self._by_index.get(0), self._by_index.get(self.num_stages - 1)

@@ -229,8 +229,8 @@ def test_a_buffer_goes_back_to_its_pool_only_once_its_send_completed(kinds, sche
         r = meshkit.get_rank()
         grad = np.zeros(1)
         stage = PipelineStage(*cases.scale_stage(kinds[r], ws[r], grad), r, 3)
-        stage.group = hub.group(stage.group)
         sched = (ScheduleGPipe if schedule == "gpipe" else Schedule1F1B)(stage, m, cases.loss_fn)
+        stage.group = hub.group(stage.group)  # the stage's transfers (the schedule's first-step check: the group's)
         sched.step(x if r == 0 else None, target=t if r == 2 else None)
         return grad[0]
 
@@ -307,6 +307,40 @@ def test_errors_name_the_global_rank_and_the_rank_in_the_pipeline_group():
     assert texts[3] == ("meshkit.parallel: rank 3 (pp rank 1): pipeline stage 1: forward of microbatch 0 raised "
                         "FloatingPointError: nan in layer")
     assert texts[2] is None and "rank 3 (pp rank 1): pipeline stage 1: forward" in texts[1], texts
+
+
+@pytest.mark.parametrize("differ, expected", [
+    ("m", "rank 0 has n_microbatches=4 and rank 1 n_microbatches=2"),
+    ("kind", "rank 0 has schedule='ScheduleGPipe' and rank 1 schedule='Schedule1F1B'"),
+    ("stages", "rank 0 has num_stages=4 and rank 1 num_stages=6"),
+])
+def test_ranks_that_build_different_pipelines_fail_on_every_rank_at_the_first_step(differ, expected):
+    x, t = cases.data(8)
+
+    def body():
+        r = meshkit.get_rank()
+        v = 3 if differ == "stages" and r == 1 else 2
+        ps = cases.params(2 * v)
+        grads = {s: {k: np.zeros_like(a) for k, a in ps[s].items()} for s in range(2 * v)}
+        stages = [PipelineStage(*cases.stage_fns(ps[s], grads[s]), s, 2 * v) for s in (r, r + 2, r + 4)[:v]]
+        if differ == "stages":
+            schedule = ScheduleInterleaved1F1B(stages, 2, cases.loss_fn)
+            target_rank = (2 * v - 1) % 2
+        else:
+            stages = [PipelineStage(*cases.stage_fns(ps[r], grads[r]), r, 2)]
+            kind = ScheduleGPipe if differ == "kind" and r == 0 else Schedule1F1B
+            schedule, target_rank = kind(stages[0], 4 if differ == "m" and r == 0 else 2, cases.loss_fn), 1
+        with pytest.raises(DistValueError) as exc:
+            schedule.step(x if r == 0 else None, target=t if r == target_rank else None)
+        return str(exc.value)
+
+    start = time.monotonic()
+    texts = local.run(body, 2, timeout=30)
+    assert time.monotonic() - start < 10
+    for r, text in enumerate(texts):
+        assert text.startswith(f"meshkit.parallel: rank {r}: "), text
+        assert (f".step: the ranks of the pipeline disagree: {expected}; every rank must build the same schedule "
+                "with the same num_stages and n_microbatches") in text
 
 
 def test_an_activation_that_changes_shape_is_named():
