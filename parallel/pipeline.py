@@ -28,13 +28,14 @@ that every rank built the same schedule with the same ``num_stages`` and ``n_mic
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from ..comm import DistError, DistValueError, ProcessGroup, Work, all_gather_object, resolve_group
 from ..mesh import DeviceMesh
-from .arrays import array_namespace
+from .arrays import array_namespace, is_array
 from .schedules import Action, gpipe_order, interleaved_order, one_f_one_b_order
 
 __all__ = ["PipelineStage", "PipelineError", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B",
@@ -50,6 +51,16 @@ class PipelineError(DistError):
 
 def _tag(kind: int, stage: int) -> int:
     return 3 * stage + kind
+
+
+def _integer(value: Any) -> int | None:
+    """``value`` as an int if it is an integer (NumPy's too, through ``__index__``), else None."""
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def _rank(group: ProcessGroup) -> str:
@@ -92,8 +103,9 @@ class PipelineStage:
         p, rank = self.group.size, self.group.rank
         head = f"meshkit.parallel: {_rank(self.group)}: PipelineStage"
         for name, value in (("stage_index", stage_index), ("num_stages", num_stages)):
-            if not isinstance(value, int) or isinstance(value, bool):
+            if _integer(value) is None:
                 raise DistValueError(f"{head}: {name} must be an int, got {value!r}")
+        stage_index, num_stages = _integer(stage_index), _integer(num_stages)
         if num_stages < 1 or num_stages % p:
             raise DistValueError(f"{head}: num_stages must be a positive multiple of the group's {p} ranks, "
                                  f"got {num_stages}")
@@ -137,6 +149,9 @@ class PipelineStage:
             self.fail(f"stage {self.stage_index}: forward of microbatch {mb} returned a {type(out).__name__}; it "
                       "must return (y, ctx), ctx being what its backward needs")
         y, ctx = out
+        if not is_array(y):
+            self.fail(f"stage {self.stage_index}: forward of microbatch {mb} returned y of type {type(y).__name__}; "
+                      "y must be a NumPy or CuPy array")
         if mb in self._ctx:
             self.fail(f"stage {self.stage_index}: forward of microbatch {mb} ran twice without its backward")
         self._ctx[mb] = ctx
@@ -304,8 +319,9 @@ class PipelineSchedule:
         self.stages = list(stages)
         group = self.stages[0].group
         head = f"meshkit.parallel: {_rank(group)}: {type(self).__name__}"
-        if not isinstance(n_microbatches, int) or isinstance(n_microbatches, bool) or n_microbatches < 1:
+        if _integer(n_microbatches) is None or n_microbatches < 1:
             raise DistValueError(f"{head}: n_microbatches must be an int >= 1, got {n_microbatches!r}")
+        n_microbatches = _integer(n_microbatches)
         if not callable(loss_fn):
             raise DistValueError(f"{head}: loss_fn must be a callable (output, target) -> (loss, d_output)")
         if any(s.group is not group or s.num_stages != self.stages[0].num_stages for s in self.stages):
@@ -373,7 +389,7 @@ class PipelineSchedule:
                 inp = xs[mb] if stage.is_first else self._receive_input(stage, mb)
                 y = stage.run_forward(mb, inp)
                 if stage.is_last:
-                    loss, dy = stage._call("loss_fn", mb, self.loss_fn, y, ts[mb])
+                    loss, dy = self._loss(stage, mb, y, ts[mb])
                     losses[mb] = loss
                     pending[mb] = dy * scale
                 else:
@@ -390,6 +406,21 @@ class PipelineSchedule:
         for stage in self.stages:
             stage._recycle()  # every send completed: every buffer back in its pool
         return losses if last is not None else None
+
+    def _loss(self, stage: PipelineStage, mb: int, y: Any, t: Any) -> tuple[Any, Any]:
+        """``loss_fn`` on the last stage; its ``d_output`` must match the output (never broadcast)."""
+        out = stage._call("loss_fn", mb, self.loss_fn, y, t)
+        head = f"stage {stage.stage_index}: loss_fn of microbatch {mb} returned"
+        if not isinstance(out, tuple) or len(out) != 2:
+            stage.fail(f"{head} a {type(out).__name__}; it must return (loss, d_output)")
+        dy = out[1]
+        if not is_array(dy):
+            stage.fail(f"{head} d_output of type {type(dy).__name__}; it must be an array like the output")
+        if tuple(dy.shape) != tuple(y.shape) or dy.dtype != y.dtype:
+            stage.fail(f"{head} d_output of shape {tuple(dy.shape)} and dtype {dy.dtype}; the output has shape "
+                       f"{tuple(y.shape)} and dtype {y.dtype}, and d_output (the loss's gradient with respect to it) "
+                       "must have the same")
+        return out
 
     def _split(self, what: str, a: Any) -> list[Any]:
         m = self.n_microbatches
@@ -476,7 +507,7 @@ class ScheduleInterleaved1F1B(PipelineSchedule):
         if [s.stage_index for s in stages] != want:
             raise DistValueError(f"meshkit.parallel: {_rank(g)}: ScheduleInterleaved1F1B needs this rank's stages "
                                  f"{want} of {stages[0].num_stages}, got {[s.stage_index for s in stages]}")
-        if isinstance(n_microbatches, int) and n_microbatches % p:
+        if _integer(n_microbatches) is not None and n_microbatches % p:
             raise DistValueError(f"meshkit.parallel: {_rank(g)}: ScheduleInterleaved1F1B needs n_microbatches a "
                                  f"multiple of the {p} pipeline ranks, got {n_microbatches}")
         self.virtual = v

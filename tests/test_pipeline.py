@@ -242,7 +242,7 @@ def test_a_buffer_goes_back_to_its_pool_only_once_its_send_completed(kinds, sche
 
 
 # --------------------------------------------------------------------------- bad input and failures
-def _failing_run(p: int, make_fns, m: int = 2, batch: int = 4):
+def _failing_run(p: int, make_fns, m: int = 2, batch: int = 4, loss_fn=cases.loss_fn):
     """Every rank's exception (type name, text) and how long the run took."""
     ps = cases.params(p)
     x, t = cases.data(batch)
@@ -252,7 +252,7 @@ def _failing_run(p: int, make_fns, m: int = 2, batch: int = 4):
         grads = {k: np.zeros_like(a) for k, a in ps[r].items()}
         stage = PipelineStage(*make_fns(r, ps[r], grads), r, p)
         try:
-            Schedule1F1B(stage, m, cases.loss_fn).step(x if r == 0 else None, target=t if r == p - 1 else None)
+            Schedule1F1B(stage, m, loss_fn).step(x if r == 0 else None, target=t if r == p - 1 else None)
         except DistError as exc:
             return type(exc).__name__, str(exc)
         return None
@@ -370,6 +370,53 @@ def test_a_forward_that_does_not_return_y_and_ctx_is_named():
                                            "returned a ndarray; it must return (y, ctx), ctx being what its backward "
                                            "needs")
     assert results[1] is not None and took < 10
+
+
+def test_a_forward_whose_output_is_not_an_array_is_named():
+    def make(r, p, g):
+        fwd, bwd = cases.stage_fns(p, g)
+        return (lambda x: (fwd(x)[0].tolist(), None)) if r == 0 else fwd, bwd
+
+    results, took = _failing_run(2, make)
+    assert results[0] == ("PipelineError", "meshkit.parallel: rank 0: pipeline stage 0: forward of microbatch 0 "
+                                           "returned y of type list; y must be a NumPy or CuPy array")
+    assert results[1] is not None and took < 10
+
+
+@pytest.mark.parametrize("bad, got", [
+    (lambda d: d.sum(axis=0, keepdims=True), "d_output of shape (1, 5) and dtype float64"),  # would broadcast
+    (lambda d: d.astype(np.float32), "d_output of shape (2, 5) and dtype float32"),
+    (lambda d: d.tolist(), "d_output of type list; it must be an array like the output"),
+], ids=["would-broadcast", "dtype", "list"])
+def test_a_d_output_unlike_the_output_is_named(bad, got):
+    def loss_fn(y, t):
+        loss, d = cases.loss_fn(y, t)
+        return loss, bad(d)
+
+    results, took = _failing_run(2, lambda r, p, g: cases.stage_fns(p, g), loss_fn=loss_fn)
+    assert results[1][0] == "PipelineError" and results[1][1].startswith(
+        f"meshkit.parallel: rank 1: pipeline stage 1: loss_fn of microbatch 0 returned {got}"), results
+    if "shape" in got:
+        assert results[1][1].endswith("; the output has shape (2, 5) and dtype float64, and d_output (the loss's "
+                                      "gradient with respect to it) must have the same")
+    assert results[0] is not None and took < 10
+
+
+def test_numpy_integers_are_accepted_for_the_stage_index_and_counts():
+    ps = cases.params(2)
+    x, t = cases.data(6)
+    _, ref = cases.reference(ps, x, t)
+
+    def body():
+        r = meshkit.get_rank()
+        grads = {k: np.zeros_like(a) for k, a in ps[r].items()}
+        stage = PipelineStage(*cases.stage_fns(ps[r], grads), np.int64(r), np.int64(2))
+        Schedule1F1B(stage, np.int64(3), cases.loss_fn).step(x if r == 0 else None, target=t if r == 1 else None)
+        return grads, type(stage.stage_index), type(stage.num_stages)
+
+    for r, (grads, *types_) in enumerate(local.run(body, 2)):
+        assert types_ == [int, int]
+        np.testing.assert_allclose(grads["w"], ref[r]["w"], rtol=1e-12)
 
 
 def test_a_given_input_spec_is_checked_against_what_arrives():
