@@ -18,7 +18,13 @@ over ranks, after a barrier), the ideal ``m (f + b)`` (no idle time), the time a
 spent in its stages' passes (``busy``: a 2 ms sleep lasts ~2.14 ms here), the measured bubble
 ``1 - busy / step`` (the idle fraction of the step, transfers included) and the formula's: ``(p - 1) / (m + p - 1)`` for GPipe and 1F1B,
 ``(p - 1) / (v m + p - 1)`` interleaved; and the peak number of microbatches whose activations
-a stage held (1F1B: ``min(p - s, m)`` on stage s; GPipe: ``m``).
+a stage held (1F1B: ``min(p - s, m)`` on stage s; GPipe: ``m``). With as many microbatches as
+ranks (``m == p``), the interleaved schedule runs every forward first (Megatron-LM's rule): its
+ideal bubble is still ``(p - 1) / (v m + p - 1)`` (each rank's forwards follow each other without
+a gap, as do its backwards), but every stage holds all ``m`` microbatches, as in GPipe; such
+rows say so in their ``note``. The plot has three panels: the bubble against its formula, the
+step time against the ideal (and against the ideal over ``1 - formula``), and the peak
+activations per stage at the largest m.
 """
 
 from __future__ import annotations
@@ -52,13 +58,15 @@ def make_stage(index: int, stages: int, f: float, b: float, busy: list[float]) -
         time.sleep(seconds)
         busy[0] += time.perf_counter() - start
 
+    # A layer makes new arrays: y is not the received x, nor dx the received dy (the pipeline
+    # copes with a stage that returns them, but that is not what this measures). 1 KB a sample.
     def forward(x: Any) -> tuple[Any, Any]:
         work(f)
-        return x, None
+        return x.copy(), None
 
     def backward(ctx: Any, dy: Any) -> Any:
         work(b)
-        return dy
+        return dy.copy()
 
     return PipelineStage(forward, backward, index, stages)
 
@@ -92,9 +100,12 @@ def measure(kind: str, m: int, args: argparse.Namespace, comm: MPI.Comm) -> dict
     step, worked = median(times), median(busies)
     ideal = m * 3 * args.forward_ms / 1000
     peaks = comm.allgather({s.stage_index: s.peak_live_activations for s in stages})
+    note = ("m == p: every forward first (Megatron-LM); bubble formula unchanged, each stage holds all m"
+            if kind == "interleaved" and m == p else "")
     return {"schedule": kind, "ranks": p, "virtual": v, "microbatches": m, "step_s": step, "ideal_s": ideal,
             "busy_s": worked, "bubble": 1 - worked / step, "bubble_formula": bubble_fraction(kind, p, m, v),
-            "peak_activations": {str(k): n for d in peaks for k, n in sorted(d.items())}, "all_s": times}
+            "peak_activations": {str(k): n for d in peaks for k, n in sorted(d.items())}, "all_s": times,
+            "note": note}
 
 
 def run(args: argparse.Namespace, comm: MPI.Comm) -> list[dict[str, Any]]:
@@ -116,25 +127,42 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     for r in rows:
         peaks = " ".join(f"{n}" for _, n in sorted(r["peak_activations"].items(), key=lambda kv: int(kv[0])))
         out.append(f"{r['schedule']:<12} {r['microbatches']:>3} {1e3 * r['step_s']:>9.1f} {1e3 * r['ideal_s']:>9.1f} "
-                   f"{1e3 * r['busy_s']:>8.1f} {r['bubble']:>7.3f} {r['bubble_formula']:>8.3f}  {peaks}")
+                   f"{1e3 * r['busy_s']:>8.1f} {r['bubble']:>7.3f} {r['bubble_formula']:>8.3f}  {peaks}"
+                   + (f"  ({r['note']})" if r.get("note") else ""))
     return out
 
 
 def plot(rows: list[dict[str, Any]], png: Path, title: str) -> None:
     plt = require_pyplot()
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    fig, (bubble, step, peak) = plt.subplots(1, 3, figsize=(15, 4))
     for i, kind in enumerate(SCHEDULES):
         mine = [r for r in rows if r["schedule"] == kind]
         if not mine:
             continue
         ms = [r["microbatches"] for r in mine]
         color = f"C{i}"
-        ax.plot(ms, [r["bubble"] for r in mine], "o-", color=color, label=f"{kind} measured")
-        ax.plot(ms, [r["bubble_formula"] for r in mine], "--", color=color, label=f"{kind} formula")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("microbatches m")
-    ax.set_ylabel("bubble fraction (idle time of a step)")
-    ax.legend(fontsize="small")
+        bubble.plot(ms, [r["bubble"] for r in mine], "o-", color=color, label=f"{kind} measured")
+        bubble.plot(ms, [r["bubble_formula"] for r in mine], "--", color=color, label=f"{kind} formula")
+        step.plot(ms, [1e3 * r["step_s"] for r in mine], "o-", color=color, label=f"{kind} measured")
+        step.plot(ms, [1e3 * r["ideal_s"] / (1 - r["bubble_formula"]) for r in mine], "--", color=color,
+                  label=f"{kind} ideal / (1 - formula)")
+        last = mine[-1]
+        stages = sorted(last["peak_activations"].items(), key=lambda kv: int(kv[0]))
+        peak.plot([int(k) for k, _ in stages], [n for _, n in stages], "o-", color=color,
+                  label=f"{kind}, m = {last['microbatches']}")
+    ideal = sorted({(r["microbatches"], r["ideal_s"]) for r in rows})
+    step.plot([m for m, _ in ideal], [1e3 * t for _, t in ideal], "k:", label="ideal m (f + b)")
+    for ax in (bubble, step):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("microbatches m")
+        ax.legend(fontsize="small")
+    bubble.set_ylabel("bubble fraction (idle time of a step)")
+    step.set_ylabel("step time (ms)")
+    peak.xaxis.get_major_locator().set_params(integer=True)
+    peak.yaxis.get_major_locator().set_params(integer=True)
+    peak.set_xlabel("stage")
+    peak.set_ylabel("peak microbatches with live activations")
+    peak.legend(fontsize="small")
     save_figure(fig, png, title)
 
 
@@ -169,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(rank, args.verbose)
     if args.plot_from is not None:
         if rank == 0:
-            redraw(args, "pipeline", plot, lambda meta: f"pipeline bubbles, {meta.get('ranks', '?')} ranks")
+            redraw(args, "pipeline", plot, lambda meta: f"pipeline bubbles, {meta.get('world_size', '?')} ranks")
         comm.Free()
         return 0
     meshkit.init_process_group("mpi", timeout=120)

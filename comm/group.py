@@ -764,7 +764,7 @@ class ProcessGroup:
                 what = f"call #{self._waiting}" if self._waiting >= 0 else "a send or receive"
                 raise RankFailedError(f"meshkit.comm: rank {self.global_rank}: {what} on group "
                                       f"{self.name} (ranks {list(self.ranks)}) cannot complete: "
-                                      f"{notice.describe(self.name)}")
+                                      f"{notice.describe(self.name, p2p=self._waiting < 0)}")
 
     def counts(self) -> tuple[tuple[int, ...], int]:
         """``(ranks, calls issued)``: what a LEFT notice says of this group."""

@@ -71,9 +71,12 @@ class Notice:
         # rejected as well was a mistake of every rank, not a rank left behind.
         return self.seq == waiting and waiting not in own_rejections
 
-    def describe(self, group_name: str) -> str:
+    def describe(self, group_name: str, *, p2p: bool = False) -> str:
+        """The notice in words; ``p2p``: for a waiting send or receive, which has no call number."""
         if self.kind == LEFT:
             return f"rank {self.sender} left the job ({self.detail})"
         if self.kind == REJECTED:
             return f"rank {self.sender} did not start call #{self.seq} on group {group_name}: {self.detail}"
+        if p2p:
+            return f"rank {self.sender} stopped using group {group_name}, sends and receives included: {self.detail}"
         return f"rank {self.sender} stopped using group {group_name} at call #{self.seq}: {self.detail}"

@@ -11,25 +11,31 @@ group, tagged by (kind, receiving stage), so that messages between the same two 
 match the wrong receive, and in microbatch order per tag. The first activation a stage sends
 is preceded by a small header (shape and dtype), from which the receiver learns its input and
 allocates its buffers; every later transfer goes into a buffer from a pool that is refilled as
-microbatches finish. Sends never block, and each rank posts a receive only when its next
-action needs it, so the orders of :mod:`.schedules` (checked by a simulation in the tests)
-cannot deadlock.
+microbatches finish. A buffer goes back to its pool only once every send reading it completed:
+a stage may return the arrays it was given (an identity layer's ``y = x`` or ``dx = dy``, a
+backward writing ``dx`` into its saved input), and MPI reads a large message when the receiver
+takes it, not at the ``isend`` (the local engine copies at once, which would hide a reuse).
+Sends never block, and each rank posts a receive only when its next action needs it, so the
+orders of :mod:`.schedules` (checked by a simulation in the tests) cannot deadlock.
 
 Failures: a stage whose forward, backward or loss raises, or whose output changes shape, raises
 :class:`PipelineError` naming the stage and microbatch, and aborts the stage group
 (:meth:`~meshkit.comm.ProcessGroup.abort`), so that the other ranks' waits fail at once
-instead of hanging until the timeout.
+instead of hanging until the timeout. The first step checks, in one collective over the group,
+that every rank built the same schedule with the same ``num_stages`` and ``n_microbatches``
+(ranks that differ would scale gradients wrongly or wait for transfers that never come).
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..comm import DistError, DistValueError, ProcessGroup, Work, resolve_group
+from ..comm import DistError, DistValueError, ProcessGroup, Work, all_gather_object, resolve_group
 from ..mesh import DeviceMesh
-from .arrays import array_namespace
+from .arrays import array_namespace, is_array
 from .schedules import Action, gpipe_order, interleaved_order, one_f_one_b_order
 
 __all__ = ["PipelineStage", "PipelineError", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B",
@@ -45,6 +51,24 @@ class PipelineError(DistError):
 
 def _tag(kind: int, stage: int) -> int:
     return 3 * stage + kind
+
+
+def _integer(value: Any) -> int | None:
+    """``value`` as an int if it is an integer (NumPy's too, through ``__index__``), else None."""
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _rank(group: ProcessGroup) -> str:
+    """``rank 3 (pp rank 1)``: this process's global rank, and its rank in the pipeline group
+    unless that group is the world (where the two are the same)."""
+    if group.rank == group.global_rank and group.size == group.world.size:
+        return f"rank {group.rank}"
+    return f"rank {group.global_rank} ({group.name} rank {group.rank})"
 
 
 class PipelineStage:
@@ -77,10 +101,11 @@ class PipelineStage:
             group = group.get_group()
         self.group = resolve_group(group)
         p, rank = self.group.size, self.group.rank
-        head = f"meshkit.parallel: rank {rank}: PipelineStage"
+        head = f"meshkit.parallel: {_rank(self.group)}: PipelineStage"
         for name, value in (("stage_index", stage_index), ("num_stages", num_stages)):
-            if not isinstance(value, int) or isinstance(value, bool):
+            if _integer(value) is None:
                 raise DistValueError(f"{head}: {name} must be an int, got {value!r}")
+        stage_index, num_stages = _integer(stage_index), _integer(num_stages)
         if num_stages < 1 or num_stages % p:
             raise DistValueError(f"{head}: num_stages must be a positive multiple of the group's {p} ranks, "
                                  f"got {num_stages}")
@@ -89,7 +114,7 @@ class PipelineStage:
                                  f"(valid: 0..{num_stages - 1})")
         if stage_index % p != rank:
             raise DistValueError(f"{head}: stage {stage_index} of {num_stages} lives on group rank "
-                                 f"{stage_index % p} (stage i on rank i % {p}), not on this rank {rank}")
+                                 f"{stage_index % p} (stage i on rank i % {p}), not on this rank (group rank {rank})")
         if not callable(forward) or not callable(backward):
             raise DistValueError(f"{head}: forward and backward must be callables")
         self.forward_fn, self.backward_fn = forward, backward
@@ -103,9 +128,12 @@ class PipelineStage:
         self.output_spec: tuple[tuple[int, ...], np.dtype] | None = None
         self._xp: Any = None
         self._ctx: dict[int, Any] = {}
-        self._inputs: dict[int, Any] = {}  # received input buffers, back to the pool after the backward
+        self._inputs: dict[int, Any] = {}  # received buffers, back to their pools after the backward
+        self._grads: dict[int, Any] = {}
         self._pool_in: list[Any] = []
         self._pool_grad: list[Any] = []
+        self._sending: list[tuple[Work, Any]] = []  # sends in flight and the arrays they read
+        self._parked: list[tuple[Any, list[Any]]] = []  # (buffer, its pool): read by a send in flight
         #: microbatches whose activations (forward context) are alive now, and the most so far
         self.live_activations = 0
         self.peak_live_activations = 0
@@ -121,6 +149,9 @@ class PipelineStage:
             self.fail(f"stage {self.stage_index}: forward of microbatch {mb} returned a {type(out).__name__}; it "
                       "must return (y, ctx), ctx being what its backward needs")
         y, ctx = out
+        if not is_array(y):
+            self.fail(f"stage {self.stage_index}: forward of microbatch {mb} returned y of type {type(y).__name__}; "
+                      "y must be a NumPy or CuPy array")
         if mb in self._ctx:
             self.fail(f"stage {self.stage_index}: forward of microbatch {mb} ran twice without its backward")
         self._ctx[mb] = ctx
@@ -129,14 +160,41 @@ class PipelineStage:
         return y
 
     def run_backward(self, mb: int, dy: Any) -> Any:
-        """Backward of microbatch ``mb``; frees its context and input buffer; returns ``dx``."""
+        """Backward of microbatch ``mb``; frees its context; returns ``dx``. Its buffers go back
+        to their pools with :meth:`release`, once ``dx`` (which may be one of them) is sent."""
         ctx = self._ctx.pop(mb)
         dx = self._call("backward", mb, self.backward_fn, ctx, dy)
         self.live_activations = len(self._ctx)
-        buf = self._inputs.pop(mb, None)
-        if buf is not None:
-            self._pool_in.append(buf)
         return dx
+
+    def release(self, mb: int) -> None:
+        """Microbatch ``mb``'s received buffers go back to their pools, each once no send reads it."""
+        for bufs, pool in ((self._inputs, self._pool_in), (self._grads, self._pool_grad)):
+            buf = bufs.pop(mb, None)
+            if buf is not None:
+                self._parked.append((buf, pool))
+        self._recycle()
+
+    def _recycle(self) -> None:
+        self._sending = [(w, a) for w, a in self._sending if not w.is_completed()]
+        parked = []
+        for buf, pool in self._parked:
+            if any(_overlap(buf, a) for _, a in self._sending):
+                parked.append((buf, pool))
+            else:
+                pool.append(buf)
+        self._parked = parked
+
+    def _take(self, pool: list[Any], spec: tuple[tuple[int, ...], np.dtype]) -> Any:
+        """A buffer from ``pool`` that no send reads, or a new one (never waits for a send)."""
+        if self._parked:
+            self._recycle()
+        return pool.pop() if pool else self._xp.empty(*spec)
+
+    def _send(self, a: Any, dst: int, tag: int) -> Work:
+        work = self.group.isend(a, dst, tag)
+        self._sending.append((work, a))
+        return work
 
     def _call(self, what: str, mb: int, fn: Callable[..., Any], *args: Any) -> Any:
         try:
@@ -147,7 +205,7 @@ class PipelineStage:
 
     def fail(self, why: str, cause: BaseException | None = None) -> None:
         """Abort the stage group (the other stages stop waiting) and raise :class:`PipelineError`."""
-        text = f"meshkit.parallel: rank {self.group.rank}: pipeline {why}"
+        text = f"meshkit.parallel: {_rank(self.group)}: pipeline {why}"
         self.group.abort(text)
         raise PipelineError(text) from cause
 
@@ -167,7 +225,7 @@ class PipelineStage:
                       "(activations crossing a stage boundary must keep their shape)")
         self._check_engine(y)
         y = y if y.flags.c_contiguous else self._xp.ascontiguousarray(y)
-        works.append(self.group.isend(y, self.next_rank, _tag(ACTIVATION, self.stage_index + 1)))
+        works.append(self._send(y, self.next_rank, _tag(ACTIVATION, self.stage_index + 1)))
         return works
 
     def recv_activation(self, mb: int) -> Any:
@@ -186,7 +244,7 @@ class PipelineStage:
                 self._xp = cupy
             else:
                 self._xp = np
-        buf = self._pool_in.pop() if self._pool_in else self._xp.empty(*self.input_spec)
+        buf = self._take(self._pool_in, self.input_spec)
         self.group.irecv(buf, self.prev_rank, _tag(ACTIVATION, self.stage_index)).wait()
         self._inputs[mb] = buf
         return buf
@@ -199,7 +257,7 @@ class PipelineStage:
                       f"had shape {self.input_spec[0]} and dtype {self.input_spec[1]}")
         self._check_engine(dx)
         dx = dx if dx.flags.c_contiguous else self._xp.ascontiguousarray(dx)
-        return [self.group.isend(dx, self.prev_rank, _tag(GRADIENT, self.stage_index - 1))]
+        return [self._send(dx, self.prev_rank, _tag(GRADIENT, self.stage_index - 1))]
 
     def _check_engine(self, a: Any) -> None:
         """Device arrays cannot cross stages over NCCL yet: its sends and receives match by order
@@ -212,12 +270,20 @@ class PipelineStage:
 
     def recv_gradient(self, mb: int) -> Any:
         """Receive the gradient of microbatch ``mb``'s output from the next stage (blocking)."""
-        buf = self._pool_grad.pop() if self._pool_grad else self._xp.empty(*self.output_spec)
+        buf = self._take(self._pool_grad, self.output_spec)
         self.group.irecv(buf, self.next_rank, _tag(GRADIENT, self.stage_index)).wait()
+        self._grads[mb] = buf
         return buf
 
-    def release_gradient(self, buf: Any) -> None:
-        self._pool_grad.append(buf)
+
+def _overlap(a: Any, b: Any) -> bool:
+    """Whether two C-contiguous arrays (NumPy or CuPy) share memory."""
+    def span(x: Any) -> tuple[int, int]:
+        start = (x.__cuda_array_interface__ if hasattr(x, "__cuda_array_interface__") else
+                 x.__array_interface__)["data"][0]
+        return start, start + x.nbytes
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 def _header(spec: tuple[tuple[int, ...], np.dtype], *, on_device: bool) -> np.ndarray:
@@ -252,9 +318,10 @@ class PipelineSchedule:
                  loss_fn: Callable[[Any, Any], tuple[Any, Any]]) -> None:
         self.stages = list(stages)
         group = self.stages[0].group
-        head = f"meshkit.parallel: rank {group.rank}: {type(self).__name__}"
-        if not isinstance(n_microbatches, int) or isinstance(n_microbatches, bool) or n_microbatches < 1:
+        head = f"meshkit.parallel: {_rank(group)}: {type(self).__name__}"
+        if _integer(n_microbatches) is None or n_microbatches < 1:
             raise DistValueError(f"{head}: n_microbatches must be an int >= 1, got {n_microbatches!r}")
+        n_microbatches = _integer(n_microbatches)
         if not callable(loss_fn):
             raise DistValueError(f"{head}: loss_fn must be a callable (output, target) -> (loss, d_output)")
         if any(s.group is not group or s.num_stages != self.stages[0].num_stages for s in self.stages):
@@ -265,6 +332,7 @@ class PipelineSchedule:
         self._by_index = {s.stage_index: s for s in self.stages}
         self._mail: dict[tuple[int, int, int], Any] = {}  # transfers between two stages of this rank
         self.actions = self._order()
+        self._agreed = False
 
     def _order(self) -> list[Action]:
         raise NotImplementedError
@@ -277,8 +345,11 @@ class PipelineSchedule:
 
         Raises:
             PipelineError: a stage failed here (on the other ranks, their next wait fails at once).
-            DistValueError: a batch that does not split into ``n_microbatches``.
+            DistValueError: a batch that does not split into ``n_microbatches``; at the first
+                step on every rank, ranks whose schedule, ``num_stages`` or ``n_microbatches`` differ.
         """
+        if not self._agreed:
+            self._agree()
         try:
             return self._run(x, target)
         except PipelineError:
@@ -286,6 +357,22 @@ class PipelineSchedule:
         except BaseException as exc:  # bad input, or a transfer failed: the other ranks must not wait
             self.group.abort(f"{self.head}.step failed: {type(exc).__name__}: {exc}")
             raise
+
+    def _agree(self) -> None:
+        """At the first step, every rank checks that all build the same pipeline (one collective):
+        ranks with other microbatch counts would scale gradients wrongly or wait forever."""
+        mine = {"schedule": type(self).__name__, "num_stages": self.num_stages, "n_microbatches": self.n_microbatches}
+        everyone: list[Any] = [None] * self.group.size
+        all_gather_object(everyone, mine, group=self.group)
+        for i, theirs in enumerate(everyone[1:], start=1):
+            if theirs != everyone[0]:
+                keys = [k for k in mine if theirs[k] != everyone[0][k]]
+                ranks = self.group.ranks
+                raise DistValueError(f"{self.head}.step: the ranks of the pipeline disagree: rank {ranks[0]} has "
+                                     f"{', '.join(f'{k}={everyone[0][k]!r}' for k in keys)} and rank {ranks[i]} "
+                                     f"{', '.join(f'{k}={theirs[k]!r}' for k in keys)}; every rank must build the "
+                                     "same schedule with the same num_stages and n_microbatches")
+        self._agreed = True
 
     def _run(self, x: Any, target: Any) -> list[Any] | None:
         first, last = self._by_index.get(0), self._by_index.get(self.num_stages - 1)
@@ -302,7 +389,7 @@ class PipelineSchedule:
                 inp = xs[mb] if stage.is_first else self._receive_input(stage, mb)
                 y = stage.run_forward(mb, inp)
                 if stage.is_last:
-                    loss, dy = stage._call("loss_fn", mb, self.loss_fn, y, ts[mb])
+                    loss, dy = self._loss(stage, mb, y, ts[mb])
                     losses[mb] = loss
                     pending[mb] = dy * scale
                 else:
@@ -310,14 +397,30 @@ class PipelineSchedule:
             else:
                 dy = pending.pop(mb) if stage.is_last else self._receive_grad(stage, mb)
                 dx = stage.run_backward(mb, dy)
-                if not stage.is_last:
-                    stage.release_gradient(dy)
                 if not stage.is_first:
                     sends += self._backward_output(stage, mb, dx)
+                stage.release(mb)  # after the send of dx, which may be one of the buffers
             sends = [w for w in sends if not w.is_completed()]
         for w in sends:
             w.wait()
+        for stage in self.stages:
+            stage._recycle()  # every send completed: every buffer back in its pool
         return losses if last is not None else None
+
+    def _loss(self, stage: PipelineStage, mb: int, y: Any, t: Any) -> tuple[Any, Any]:
+        """``loss_fn`` on the last stage; its ``d_output`` must match the output (never broadcast)."""
+        out = stage._call("loss_fn", mb, self.loss_fn, y, t)
+        head = f"stage {stage.stage_index}: loss_fn of microbatch {mb} returned"
+        if not isinstance(out, tuple) or len(out) != 2:
+            stage.fail(f"{head} a {type(out).__name__}; it must return (loss, d_output)")
+        dy = out[1]
+        if not is_array(dy):
+            stage.fail(f"{head} d_output of type {type(dy).__name__}; it must be an array like the output")
+        if tuple(dy.shape) != tuple(y.shape) or dy.dtype != y.dtype:
+            stage.fail(f"{head} d_output of shape {tuple(dy.shape)} and dtype {dy.dtype}; the output has shape "
+                       f"{tuple(y.shape)} and dtype {y.dtype}, and d_output (the loss's gradient with respect to it) "
+                       "must have the same")
+        return out
 
     def _split(self, what: str, a: Any) -> list[Any]:
         m = self.n_microbatches
@@ -366,7 +469,7 @@ class _OneStagePerRank(PipelineSchedule):
             raise DistValueError(f"meshkit.parallel: {type(self).__name__} takes one PipelineStage, got "
                                  f"{type(stage).__name__} (ScheduleInterleaved1F1B takes several)")
         if stage.num_stages != stage.group.size:
-            raise DistValueError(f"meshkit.parallel: rank {stage.group.rank}: {type(self).__name__} runs one stage per "
+            raise DistValueError(f"meshkit.parallel: {_rank(stage.group)}: {type(self).__name__} runs one stage per "
                                  f"rank: num_stages {stage.num_stages} != the group's {stage.group.size} ranks")
         super().__init__([stage], n_microbatches, loss_fn)
 
@@ -402,10 +505,10 @@ class ScheduleInterleaved1F1B(PipelineSchedule):
         p, v = g.size, stages[0].num_stages // g.size
         want = [g.rank + i * p for i in range(v)]
         if [s.stage_index for s in stages] != want:
-            raise DistValueError(f"meshkit.parallel: rank {g.rank}: ScheduleInterleaved1F1B needs this rank's stages "
+            raise DistValueError(f"meshkit.parallel: {_rank(g)}: ScheduleInterleaved1F1B needs this rank's stages "
                                  f"{want} of {stages[0].num_stages}, got {[s.stage_index for s in stages]}")
-        if isinstance(n_microbatches, int) and n_microbatches % p:
-            raise DistValueError(f"meshkit.parallel: rank {g.rank}: ScheduleInterleaved1F1B needs n_microbatches a "
+        if _integer(n_microbatches) is not None and n_microbatches % p:
+            raise DistValueError(f"meshkit.parallel: {_rank(g)}: ScheduleInterleaved1F1B needs n_microbatches a "
                                  f"multiple of the {p} pipeline ranks, got {n_microbatches}")
         self.virtual = v
         super().__init__(stages, n_microbatches, loss_fn)

@@ -55,3 +55,32 @@ def reference(ps: list[dict[str, np.ndarray]], x: np.ndarray, t: np.ndarray):
     for (_, bwd), ctx in zip(reversed(fns), reversed(ctxs)):
         dy = bwd(ctx, dy)
     return loss, grads
+
+
+# --------------------------------------------------------------------------- stages that alias their buffers
+def scale_stage(kind: str, w: float, grad: np.ndarray):
+    """A stage ``y = w x`` whose arrays alias the buffers the pipeline gave it, as in-place code does.
+
+    ``kind``: "scale" (new arrays); "pass" (an identity layer: ``y`` is its input ``x``, ``dx`` is
+    ``dy``); "inplace" (``dx`` written into its saved input ``x`` and returned). ``grad[0]``
+    accumulates ``d loss / d w``."""
+    def forward(x):
+        return (x, None) if kind == "pass" else (w * x, x)
+
+    def backward(x, dy):
+        if kind == "pass":
+            return dy
+        grad[0] += float((x * dy).sum())
+        if kind == "inplace":
+            np.multiply(dy, w, out=x)
+            return x
+        return w * dy
+
+    return forward, backward
+
+
+def scale_reference(ws: list[float], x: np.ndarray, t: np.ndarray) -> list[float]:
+    """``d loss / d w_s`` of ``loss_fn(prod(ws) x, t)`` on the whole batch (a "pass" stage: w = 1)."""
+    d = (np.prod(ws) * x - t) / x.shape[0]
+    total = float((x * d).sum())  # d loss / d w_s = (prod of the others) sum(x d) = prod / w_s * sum(x d)
+    return [np.prod(ws) / w * total for w in ws]

@@ -165,3 +165,12 @@ def test_pipeline_benchmark_reports_bubbles_and_peak_activations(mpirun, tmp_pat
     assert by[("interleaved", 4)]["bubble_formula"] == pytest.approx(1 / 9)
     assert all(r["step_s"] >= r["ideal_s"] for r in rows)  # sleeping stages: never faster than their compute
     assert "peak activations per stage" in out
+    # m == p: interleaved runs every forward first, and the row says what that means
+    assert by[("interleaved", 2)]["note"].startswith("m == p: every forward first")
+    assert not by[("interleaved", 4)]["note"]
+    assert "(m == p: every forward first (Megatron-LM); bubble formula unchanged, each stage holds all m)" in out
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "pp.png"
+    subprocess.run([sys.executable, str(PIPELINE_BENCH), "--plot-from", str(out_json), "--plot", str(png)], check=True,
+                   capture_output=True, timeout=120)
+    assert png.stat().st_size > 0  # three panels: bubble, step time vs ideal, peak activations per stage

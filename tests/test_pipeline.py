@@ -4,7 +4,10 @@ every stage instead of hanging."""
 
 from __future__ import annotations
 
+import collections
+import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -173,8 +176,73 @@ def test_a_second_step_reuses_the_learned_shapes_and_accumulates():
     assert results[1][1] == ((2, cases.WIDTH), np.dtype(np.float64)) and results[0][1] is None
 
 
+# --------------------------------------------------------------------------- buffers still being sent
+class _Rendezvous:
+    """Point-to-point traffic that reads a send's array only when its receiver takes it, as MPI's
+    rendezvous protocol does for large messages (the local engine copies at the send, which would
+    hide a buffer reused while its send is in flight). Receives on ``slow`` take ``delay`` s."""
+
+    def __init__(self, slow: int, delay: float) -> None:
+        self.cond, self.queues = threading.Condition(), collections.defaultdict(collections.deque)
+        self.slow, self.delay = slow, delay
+
+    def group(self, group):
+        hub = self
+
+        class Group:  # the stage's group, its sends and receives through the hub
+            def __getattr__(self, name):
+                return getattr(group, name)
+
+            def isend(self, tensor, dst, tag=0):
+                sent = threading.Event()
+                with hub.cond:
+                    hub.queues[(group.rank, dst, tag)].append((tensor, sent))
+                    hub.cond.notify_all()
+                return types.SimpleNamespace(is_completed=sent.is_set, wait=lambda timeout=None: sent.wait(30))
+
+            def irecv(self, tensor, src=None, tag=0):
+                def wait(timeout=None):
+                    if group.rank == hub.slow:
+                        time.sleep(hub.delay)
+                    with hub.cond:
+                        queue = hub.queues[(src, group.rank, tag)]
+                        assert hub.cond.wait_for(lambda: queue, 30), f"nothing sent from {src} tag {tag}"
+                        data, sent = queue.popleft()
+                        tensor[...] = data  # the send's array, read now
+                    sent.set()
+                return types.SimpleNamespace(wait=wait)
+
+        return Group()
+
+
+@pytest.mark.parametrize("kinds", [("scale", "pass", "scale"), ("scale", "inplace", "scale")])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_buffer_goes_back_to_its_pool_only_once_its_send_completed(kinds, schedule):
+    """A backward that returns ``dy`` itself, or its input buffer, sends a pooled buffer; the next
+    receive must not reuse it while the (slow) previous stage has not taken it yet."""
+    ws, m = [1.5, 0.5 if kinds[1] == "inplace" else 1.0, 0.5], 4
+    rng = np.random.default_rng(0)
+    x, t = rng.standard_normal((4 * m, 64)), rng.standard_normal((4 * m, 64))
+    hub = _Rendezvous(slow=0, delay=0.05)
+
+    def body():
+        r = meshkit.get_rank()
+        grad = np.zeros(1)
+        stage = PipelineStage(*cases.scale_stage(kinds[r], ws[r], grad), r, 3)
+        sched = (ScheduleGPipe if schedule == "gpipe" else Schedule1F1B)(stage, m, cases.loss_fn)
+        stage.group = hub.group(stage.group)  # the stage's transfers (the schedule's first-step check: the group's)
+        sched.step(x if r == 0 else None, target=t if r == 2 else None)
+        return grad[0]
+
+    got = local.run(body, 3, timeout=60)
+    ref = cases.scale_reference(ws, x, t)
+    for r in range(3):
+        if kinds[r] != "pass":
+            assert got[r] == pytest.approx(ref[r], rel=1e-12), (r, got, ref)
+
+
 # --------------------------------------------------------------------------- bad input and failures
-def _failing_run(p: int, make_fns, m: int = 2, batch: int = 4):
+def _failing_run(p: int, make_fns, m: int = 2, batch: int = 4, loss_fn=cases.loss_fn):
     """Every rank's exception (type name, text) and how long the run took."""
     ps = cases.params(p)
     x, t = cases.data(batch)
@@ -184,7 +252,7 @@ def _failing_run(p: int, make_fns, m: int = 2, batch: int = 4):
         grads = {k: np.zeros_like(a) for k, a in ps[r].items()}
         stage = PipelineStage(*make_fns(r, ps[r], grads), r, p)
         try:
-            Schedule1F1B(stage, m, cases.loss_fn).step(x if r == 0 else None, target=t if r == p - 1 else None)
+            Schedule1F1B(stage, m, loss_fn).step(x if r == 0 else None, target=t if r == p - 1 else None)
         except DistError as exc:
             return type(exc).__name__, str(exc)
         return None
@@ -210,8 +278,71 @@ def test_a_stage_raising_in_its_forward_names_stage_and_microbatch_and_the_other
     assert results[1] == ("PipelineError", "meshkit.parallel: rank 1: pipeline stage 1: forward of microbatch 1 "
                                            "raised FloatingPointError: overflow in layer")
     for r in (0, 2):
-        assert results[r] is not None and "forward of microbatch 1 raised FloatingPointError" in results[r][1], results
+        assert results[r] is not None and results[r][1].endswith(
+            "rank 1 stopped using group world, sends and receives included: meshkit.parallel: rank 1: pipeline "
+            "stage 1: forward of microbatch 1 raised FloatingPointError: overflow in layer"), results  # no "at call #0"
     assert took < 10
+
+
+def test_errors_name_the_global_rank_and_the_rank_in_the_pipeline_group():
+    ps = cases.params(2)
+    x, t = cases.data(4)
+
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))  # pp groups [0, 2], [1, 3]
+        r = mesh.get_local_rank("pp")
+        grads = {k: np.zeros_like(a) for k, a in ps[r].items()}
+        fwd, bwd = cases.stage_fns(ps[r], grads)
+
+        def forward(a):
+            if meshkit.get_rank() == 3:
+                raise FloatingPointError("nan in layer")
+            return fwd(a)
+        try:
+            Schedule1F1B(PipelineStage(forward, bwd, r, 2, group=mesh["pp"]), 2, cases.loss_fn).step(
+                x if r == 0 else None, target=t if r == 1 else None)
+        except DistError as exc:
+            return str(exc)
+        return None
+
+    texts = local.run(body, 4, timeout=30)
+    assert texts[3] == ("meshkit.parallel: rank 3 (pp rank 1): pipeline stage 1: forward of microbatch 0 raised "
+                        "FloatingPointError: nan in layer")
+    assert texts[2] is None and "rank 3 (pp rank 1): pipeline stage 1: forward" in texts[1], texts
+
+
+@pytest.mark.parametrize("differ, expected", [
+    ("m", "rank 0 has n_microbatches=4 and rank 1 n_microbatches=2"),
+    ("kind", "rank 0 has schedule='ScheduleGPipe' and rank 1 schedule='Schedule1F1B'"),
+    ("stages", "rank 0 has num_stages=4 and rank 1 num_stages=6"),
+])
+def test_ranks_that_build_different_pipelines_fail_on_every_rank_at_the_first_step(differ, expected):
+    x, t = cases.data(8)
+
+    def body():
+        r = meshkit.get_rank()
+        v = 3 if differ == "stages" and r == 1 else 2
+        ps = cases.params(2 * v)
+        grads = {s: {k: np.zeros_like(a) for k, a in ps[s].items()} for s in range(2 * v)}
+        stages = [PipelineStage(*cases.stage_fns(ps[s], grads[s]), s, 2 * v) for s in (r, r + 2, r + 4)[:v]]
+        if differ == "stages":
+            schedule = ScheduleInterleaved1F1B(stages, 2, cases.loss_fn)
+            target_rank = (2 * v - 1) % 2
+        else:
+            stages = [PipelineStage(*cases.stage_fns(ps[r], grads[r]), r, 2)]
+            kind = ScheduleGPipe if differ == "kind" and r == 0 else Schedule1F1B
+            schedule, target_rank = kind(stages[0], 4 if differ == "m" and r == 0 else 2, cases.loss_fn), 1
+        with pytest.raises(DistValueError) as exc:
+            schedule.step(x if r == 0 else None, target=t if r == target_rank else None)
+        return str(exc.value)
+
+    start = time.monotonic()
+    texts = local.run(body, 2, timeout=30)
+    assert time.monotonic() - start < 10
+    for r, text in enumerate(texts):
+        assert text.startswith(f"meshkit.parallel: rank {r}: "), text
+        assert (f".step: the ranks of the pipeline disagree: {expected}; every rank must build the same schedule "
+                "with the same num_stages and n_microbatches") in text
 
 
 def test_an_activation_that_changes_shape_is_named():
@@ -241,6 +372,53 @@ def test_a_forward_that_does_not_return_y_and_ctx_is_named():
                                            "returned a ndarray; it must return (y, ctx), ctx being what its backward "
                                            "needs")
     assert results[1] is not None and took < 10
+
+
+def test_a_forward_whose_output_is_not_an_array_is_named():
+    def make(r, p, g):
+        fwd, bwd = cases.stage_fns(p, g)
+        return (lambda x: (fwd(x)[0].tolist(), None)) if r == 0 else fwd, bwd
+
+    results, took = _failing_run(2, make)
+    assert results[0] == ("PipelineError", "meshkit.parallel: rank 0: pipeline stage 0: forward of microbatch 0 "
+                                           "returned y of type list; y must be a NumPy or CuPy array")
+    assert results[1] is not None and took < 10
+
+
+@pytest.mark.parametrize("bad, got", [
+    (lambda d: d.sum(axis=0, keepdims=True), "d_output of shape (1, 5) and dtype float64"),  # would broadcast
+    (lambda d: d.astype(np.float32), "d_output of shape (2, 5) and dtype float32"),
+    (lambda d: d.tolist(), "d_output of type list; it must be an array like the output"),
+], ids=["would-broadcast", "dtype", "list"])
+def test_a_d_output_unlike_the_output_is_named(bad, got):
+    def loss_fn(y, t):
+        loss, d = cases.loss_fn(y, t)
+        return loss, bad(d)
+
+    results, took = _failing_run(2, lambda r, p, g: cases.stage_fns(p, g), loss_fn=loss_fn)
+    assert results[1][0] == "PipelineError" and results[1][1].startswith(
+        f"meshkit.parallel: rank 1: pipeline stage 1: loss_fn of microbatch 0 returned {got}"), results
+    if "shape" in got:
+        assert results[1][1].endswith("; the output has shape (2, 5) and dtype float64, and d_output (the loss's "
+                                      "gradient with respect to it) must have the same")
+    assert results[0] is not None and took < 10
+
+
+def test_numpy_integers_are_accepted_for_the_stage_index_and_counts():
+    ps = cases.params(2)
+    x, t = cases.data(6)
+    _, ref = cases.reference(ps, x, t)
+
+    def body():
+        r = meshkit.get_rank()
+        grads = {k: np.zeros_like(a) for k, a in ps[r].items()}
+        stage = PipelineStage(*cases.stage_fns(ps[r], grads), np.int64(r), np.int64(2))
+        Schedule1F1B(stage, np.int64(3), cases.loss_fn).step(x if r == 0 else None, target=t if r == 1 else None)
+        return grads, type(stage.stage_index), type(stage.num_stages)
+
+    for r, (grads, *types_) in enumerate(local.run(body, 2)):
+        assert types_ == [int, int]
+        np.testing.assert_allclose(grads["w"], ref[r]["w"], rtol=1e-12)
 
 
 def test_a_given_input_spec_is_checked_against_what_arrives():
@@ -298,7 +476,7 @@ def test_construction_errors_name_the_problem():
     assert out[0] == ("meshkit.parallel: rank 0: PipelineStage: stage_index 2 is out of range for 2 stages "
                       "(valid: 0..1)")
     assert out[1] == ("meshkit.parallel: rank 0: PipelineStage: stage 1 of 2 lives on group rank 1 (stage i on "
-                      "rank i % 2), not on this rank 0")
+                      "rank i % 2), not on this rank (group rank 0)")
     assert "num_stages must be a positive multiple of the group's 2 ranks, got 3" in out[2]
 
 
@@ -306,6 +484,12 @@ def test_construction_errors_name_the_problem():
 def test_pipelines_under_meshkit_run(mpirun):
     out = mpirun("mpi_pipeline.py", 2).stdout
     assert out.count("pipeline OK") == 2 and out.count("failure ended the other stage") == 2, out
+
+
+def test_stages_that_return_their_buffers_under_meshkit_run(mpirun):
+    # three ranks: a pass-through stage between two others (and in-place ones), every schedule
+    out = mpirun("mpi_pipeline_aliasing.py", 3).stdout
+    assert out.count(" OK") == 12 and "WRONG" not in out, out
 
 
 # --------------------------------------------------------------------------- device arrays (tests/fake_cupy.py)
