@@ -361,6 +361,22 @@ def test_a_state_dict_leaf_of_another_type_is_named(tmp_path):
         local.run(body, 1)
 
 
+@pytest.mark.parametrize("array, message", [
+    (np.array([1, "a"], dtype=object), r"'x' has dtype object: an object array holds pointers"),
+    (np.zeros(3, dtype=[("a", "<f8"), ("b", "<i4")]),
+     r"'x' has the structured dtype \[\('a', '<f8'\), \('b', '<i4'\)\]: .*save each field as its own array"),
+], ids=["object", "structured"])
+def test_object_and_structured_arrays_are_refused_at_save_on_every_rank(array, message, tmp_path):
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2,))
+        sd = {"x": array} if meshkit.get_rank() == 0 else {"x": distribute_tensor(array, mesh, [Replicate()])}
+        with pytest.raises(CheckpointError, match=message):
+            dcp.save(sd, checkpoint_id=tmp_path / "ck")
+
+    local.run(body, 2)
+    assert not (tmp_path / "ck").exists()
+
+
 # --------------------------------------------------------------------------- killed mid-save (real processes)
 @pytest.mark.parametrize("phase", ["before-write", "after-write", "before-commit", "after-commit"])
 def test_a_rank_killed_mid_save_leaves_the_checkpoint_complete_or_absent(phase, tmp_path):
