@@ -353,6 +353,62 @@ def test_the_manager_keeps_the_newest_and_never_sees_an_incomplete_one(tmp_path)
         local.run(lambda: CheckpointManager(tmp_path, max_to_keep=0), 1)
 
 
+def test_an_async_save_pruned_before_a_rank_looks_is_still_committed_on_that_rank(tmp_path, monkeypatch):
+    """max_to_keep=1: step 1 is committed, then pruned by step 2's save before rank 1's
+    background thread looks for it; rank 1's future must not report a failed commit."""
+    import time
+
+    from meshkit.checkpoint import writer
+    real = writer._await_commit
+
+    def late(*args):  # rank 1 looks for the commit a second after its marker
+        time.sleep(1.0)
+        return real(*args)
+
+    monkeypatch.setattr(writer, "_await_commit", late)
+
+    def body():
+        manager = CheckpointManager(tmp_path, max_to_keep=1)
+        future = manager.async_save(1, {"x": np.full(4, 1.0), "step": 1})
+        if meshkit.get_rank() == 0:
+            future.result(timeout=30)  # committed: the save of step 2 prunes it
+        manager.save(2, {"x": np.full(4, 2.0), "step": 2})
+        future.result(timeout=30)
+        return manager.all_steps()
+
+    assert local.run(body, 2, timeout=5) == [[2], [2]]
+
+
+def test_concurrent_prunes_of_async_save_and_save_raise_nothing(tmp_path, monkeypatch):
+    """async_save(s) and save(s + 1) at once: rank 0 prunes from the writer thread and from the
+    caller together (renames slowed down to widen the race); neither may fail."""
+    import os
+    import time
+
+    from meshkit.checkpoint import manager as manager_module
+    real = os.rename
+
+    def slow_rename(src, dst):
+        if ".deleting-" in str(dst):
+            time.sleep(0.01)
+        return real(src, dst)
+
+    monkeypatch.setattr(manager_module.os, "rename", slow_rename)
+
+    def body():
+        manager = CheckpointManager(tmp_path, max_to_keep=1)
+        futures = []
+        for step in range(1, 30, 2):
+            futures.append(manager.async_save(step, {"x": np.full(4, float(step))}))
+            manager.save(step + 1, {"x": np.full(4, step + 1.0)})
+        for f in futures:
+            f.result(timeout=30)
+        meshkit.barrier()  # rank 0's futures complete after its prunes
+        return manager.all_steps()
+
+    assert local.run(body, 2, timeout=20) == [[30], [30]]
+
+
 def test_a_state_dict_leaf_of_another_type_is_named(tmp_path):
     def body():
         dcp.save({"model": {"w": object()}}, checkpoint_id=tmp_path / "ck")
