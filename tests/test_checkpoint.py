@@ -193,6 +193,14 @@ def test_the_plan_checks_the_ranks_against_each_other():
         make_plan([Description({"a": ((4,), "<f8", [((0,), (3,))])}, {})])
     with pytest.raises(CheckpointError, match=r"pieces at offsets \(0,\) \(lengths \(3,\)\) and \(1,\)"):
         make_plan([Description({"a": ((4,), "<f8", [((0,), (3,)), ((1,), (1,))])}, {})])
+    with pytest.raises(CheckpointError, match=r"'a': the ranks' piece at offsets \(2,\) \(lengths \(3,\)\) is not "
+                                              r"inside the shape \(4,\)"):
+        make_plan([Description({"a": ((4,), "<f8", [((0,), (1,)), ((2,), (3,))])}, {})])
+    many = [((i,), (1,)) for i in range(300) if i != 8]  # beyond any pairwise limit: 6 twice, 8 never
+    many[7] = ((6,), (2,))
+    with pytest.raises(CheckpointError, match=r"pieces at offsets \(6,\) \(lengths \(1,\)\) and \(6,\) \(lengths "
+                                              r"\(2,\)\) overlap"):
+        make_plan([Description({"a": ((300,), "<f8", many[:150])}, {}), Description({"a": ((300,), "<f8", many[150:])}, {})])
 
 
 # --------------------------------------------------------------------------- integrity
@@ -244,10 +252,51 @@ def _corrupt_missing_file(path):
     (path / "data-00001.bin").unlink()
 
 
-def _corrupt_missing_key(path):
+def _rewrite_metadata(path, edit):
+    """Edit metadata.json as a writer would have written it (its checksum made to match)."""
+    from meshkit.checkpoint.format import write_metadata
     meta = json.loads((path / "metadata.json").read_text())
-    del meta["arrays"]["model.b"]
-    (path / "metadata.json").write_text(json.dumps(meta))
+    edit(meta)
+    write_metadata(path, meta)
+
+
+def _corrupt_missing_key(path):
+    _rewrite_metadata(path, lambda meta: meta["arrays"].pop("model.b"))
+
+
+def _flip_metadata(path, text, new):
+    """Flip one bit of metadata.json: the first character of ``text``'s last character becomes ``new``."""
+    f = path / "metadata.json"
+    raw = bytearray(f.read_bytes())
+    i = raw.index(text.encode()) + len(text) - 1
+    assert bin(raw[i] ^ ord(new)).count("1") == 1  # one bit
+    raw[i] = ord(new)
+    f.write_bytes(bytes(raw))
+
+
+def _corrupt_metadata_offset(path):  # 'model.w''s second chunk claims to be its first: a silent wrong load
+    _flip_metadata(path, '"offsets":[8', "0")
+
+
+def _corrupt_metadata_value(path):  # step 3 becomes 2
+    _flip_metadata(path, '"step":3', "2")
+
+
+def _corrupt_metadata_checksum_missing(path):
+    (path / "metadata.json.xxh3_64").unlink()
+
+
+def _corrupt_overlapping_chunks(path):  # consistent metadata whose chunks overlap: never written by meshkit
+    def edit(meta):
+        meta["arrays"]["model.w"]["chunks"][1]["offsets"] = [7, 0]
+    _rewrite_metadata(path, edit)
+
+
+def _corrupt_chunk_out_of_bounds(path):
+    def edit(meta):
+        chunk = meta["arrays"]["model.b"]["chunks"][1]
+        chunk["offsets"], meta["arrays"]["model.b"]["chunks"] = [6], [chunk]
+    _rewrite_metadata(path, edit)
 
 
 @pytest.mark.parametrize("corrupt, message", [
@@ -255,7 +304,16 @@ def _corrupt_missing_key(path):
     (_corrupt_truncate, r"data-00000.bin' is truncated: \d+ bytes, but 'model.b' has a chunk at bytes"),
     (_corrupt_missing_file, r"data file '.*data-00001.bin' is missing \(it holds 'model.w'\)"),
     (_corrupt_missing_key, r"key 'model.b' is missing in the checkpoint at"),
-], ids=["flipped-byte", "truncated", "missing-file", "missing-key"])
+    (_corrupt_metadata_offset, r"metadata.json' does not match its checksum in metadata.json.xxh3_64 \(XXH3-64 "
+                               r"[0-9a-f]{16}, recorded [0-9a-f]{16}\): the metadata is corrupt"),
+    (_corrupt_metadata_value, r"metadata.json' does not match its checksum in metadata.json.xxh3_64"),
+    (_corrupt_metadata_checksum_missing, r"metadata.json.xxh3_64' is missing: metadata.json cannot be verified"),
+    (_corrupt_overlapping_chunks, r"metadata.json': the entry of 'model.w' is malformed: its chunks at offsets "
+                                  r"\(0, 0\) \(lengths \(8, 8\)\) and \(7, 0\) \(lengths \(8, 8\)\) overlap"),
+    (_corrupt_chunk_out_of_bounds, r"metadata.json': the entry of 'model.b' is malformed: its chunk at offsets "
+                                   r"\(6,\) \(lengths \(4,\)\) is not inside the shape \(8,\)"),
+], ids=["flipped-byte", "truncated", "missing-file", "missing-key", "metadata-offset-bit", "metadata-value-bit",
+        "metadata-checksum-missing", "overlapping-chunks", "chunk-out-of-bounds"])
 def test_a_corrupt_checkpoint_raises_on_every_rank_and_writes_nothing(corrupt, message, tmp_path):
     _save_fsdp_like(tmp_path / "ck")
     corrupt(tmp_path / "ck")
@@ -265,6 +323,34 @@ def test_a_corrupt_checkpoint_raises_on_every_rank_and_writes_nothing(corrupt, m
         assert "nothing was loaded" in text
     import re
     assert any(re.search(message, text) for text, _ in results), results
+
+
+@pytest.mark.parametrize("offsets, message", [
+    ([0], r"its chunks at offsets \(0,\) \(lengths \(4,\)\) and \(0,\) \(lengths \(4,\)\) overlap"),
+    ([5], r"its chunk at offsets \(5,\) \(lengths \(4,\)\) is not inside the shape \(8,\)"),
+], ids=["duplicate", "out-of-bounds"])
+def test_metadata_whose_chunks_do_not_tile_the_array_is_refused(offsets, message, tmp_path):
+    """The auditor's case: x = arange(8) saved in two chunks, the second claiming the first's
+    offsets, loaded whole by one rank: every element covered twice, so a coverage count passes
+    and [4, 5, 6, 7, -1, ...] was loaded. Consistent metadata (its checksum rewritten) is checked
+    too."""
+    def save():
+        mesh = meshkit.init_device_mesh("cpu", (2,))
+        dcp.save({"x": distribute_tensor(np.arange(8.0), mesh, [Shard(0)])}, checkpoint_id=tmp_path / "ck")
+
+    local.run(save, 2)
+
+    def edit(meta):
+        meta["arrays"]["x"]["chunks"][1]["offsets"] = offsets
+    _rewrite_metadata(tmp_path / "ck", edit)
+
+    def load():
+        x = np.full(8, -1.0)
+        with pytest.raises(CheckpointError, match=r"metadata.json': the entry of 'x' is malformed: " + message):
+            dcp.load({"x": x}, checkpoint_id=tmp_path / "ck")
+        return x
+
+    assert (local.run(load, 1)[0] == -1).all()
 
 
 def test_another_shape_dtype_or_path_is_refused_on_every_rank(tmp_path):
