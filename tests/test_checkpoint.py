@@ -564,6 +564,82 @@ def test_a_load_reads_in_place_without_staging_copies(tmp_path):
     assert results[0][0] < 256 * 1024, results[0][0]  # both ranks' loads: far below one shard (4 MB)
 
 
+def test_a_reshard_hashes_little_more_than_the_ranks_own_shard(tmp_path, monkeypatch):
+    """Saved Shard(1) (column blocks), loaded Shard(0) (row blocks) at 4 ranks: each rank needs a
+    quarter of the rows of every chunk, and verifies only the checksum blocks those rows lie in,
+    not every chunk it touches in full (which hashed the whole array on every rank)."""
+    from meshkit.checkpoint import reader
+
+    full = np.arange(512 * 512, dtype=np.float64).reshape(512, 512)  # 2 MB; chunks of 512 KB
+
+    def save():
+        mesh = meshkit.init_device_mesh("cpu", (4,))
+        dcp.save({"a": distribute_tensor(full, mesh, [Shard(1)])}, checkpoint_id=tmp_path / "ck")
+
+    local.run(save, 4)
+    hashed = {}
+    real = reader.checksum
+
+    def counting(buf):
+        rank = meshkit.get_rank()
+        hashed[rank] = hashed.get(rank, 0) + memoryview(buf).nbytes
+        return real(buf)
+
+    monkeypatch.setattr(reader, "checksum", counting)
+    monkeypatch.setattr(reader, "WORKERS", 1)  # hash on the rank's own thread, where get_rank() answers
+
+    def load():
+        mesh = meshkit.init_device_mesh("cpu", (4,))
+        a = distribute_tensor(np.zeros_like(full), mesh, [Shard(0)])
+        dcp.load({"a": a}, checkpoint_id=tmp_path / "ck")
+        return a.to_local().nbytes, a.full_tensor()
+
+    results = local.run(load, 4)
+    own = results[0][0]  # 512 KB
+    assert np.array_equal(results[0][1], full)
+    assert all(0 < hashed[r] <= own for r in range(4)), (hashed, own)  # was 4x own (2 MB) on every rank
+
+
+def test_checksum_blocks_touched_by_a_sub_box():
+    """A chunk of 512 rows of 128 float64 (1 KB a row) has 64 KB blocks of 64 rows each."""
+    from meshkit.checkpoint.blocks import block_bytes, touched_blocks
+    assert [block_bytes(n) for n in (8, 64 << 10, 512 << 10, 4 << 20, 16 << 20, 1 << 30)] == \
+        [64 << 10, 64 << 10, 64 << 10, 256 << 10, 1 << 20, 1 << 20]
+    rows = touched_blocks((512, 128), (128, 0), (256, 128), 8, 64 << 10, 8)
+    assert np.flatnonzero(rows).tolist() == [2, 3]
+    part = touched_blocks((512, 128), (100, 5), (130, 6), 8, 64 << 10, 8)  # rows 100..129, one column
+    assert np.flatnonzero(part).tolist() == [1, 2]
+    column = touched_blocks((512, 128), (0, 0), (512, 1), 8, 64 << 10, 8)  # every row: every block
+    assert column.all()
+
+
+def test_a_version_1_checkpoint_still_loads(tmp_path):
+    """Version 1: no metadata checksum file, one checksum string per chunk."""
+    _save_fsdp_like(tmp_path / "ck")
+
+    meta = json.loads((tmp_path / "ck" / "metadata.json").read_text())
+    meta["version"] = 1
+    for a in meta["arrays"].values():
+        for c in a["chunks"]:
+            assert len(c["xxh3_64"]) == 1  # small chunks: one block, the whole chunk's checksum
+            c["xxh3_64"] = c["xxh3_64"][0]
+            del c["block_bytes"]
+    (tmp_path / "ck" / "metadata.json").write_text(json.dumps(meta))
+    (tmp_path / "ck" / "metadata.json.xxh3_64").unlink()
+
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2,))
+        sd = {k: distribute_tensor(np.zeros_like(v), mesh, [Shard(0)]) for k, v in _model().items()}
+        box = {"model": sd, "step": 0}
+        dcp.load(box, checkpoint_id=tmp_path / "ck")
+        return box["step"], {k: v.full_tensor() for k, v in sd.items()}
+
+    for step, arrays in local.run(body, 2):
+        assert step == 3 and all(np.array_equal(arrays[k], v) for k, v in _model().items())
+    _corrupt_flip(tmp_path / "ck")
+    assert all("checksum mismatch" in text for text, _ in _try_load(tmp_path / "ck"))
+
+
 def test_numpy_scalars_and_tuples_are_values(tmp_path):
     def body():
         sd = {"step": np.int64(7), "lr": np.float32(0.5), "betas": (0.9, 0.999), "flag": np.bool_(True)}
