@@ -3,7 +3,8 @@
 Each step's checkpoint is the directory ``<directory>/step_<step>``, which only exists once
 complete (:mod:`.save` commits by one atomic rename), so :meth:`latest_step` never returns an
 incomplete one. Old checkpoints are removed by renaming them aside first, so a crash while
-deleting cannot leave a half-deleted one under a step's name.
+deleting cannot leave a half-deleted one under a step's name. Rank 0 also removes what crashes
+left (:mod:`.cleanup`) when the manager is made and after each save.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..comm import ProcessGroup, broadcast_object_list, resolve_group
+from .cleanup import remove_stale
 from .errors import CheckpointError
 from .format import METADATA
 from .reader import load
@@ -60,6 +62,7 @@ class CheckpointManager:
         self._prune_lock = threading.Lock()
         if self.group.rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
+            self._prune()  # (the leftovers of crashes only: no new checkpoint yet)
 
     def path(self, step: int) -> Path:
         """The directory of ``step``'s checkpoint."""
@@ -145,22 +148,25 @@ class CheckpointManager:
         return self.path(step)
 
     def _prune(self) -> None:
-        """Rank 0: remove the oldest complete checkpoints beyond ``max_to_keep``.
+        """Rank 0: remove the oldest complete checkpoints beyond ``max_to_keep``, and what
+        crashed saves and prunes left (:func:`~.cleanup.remove_stale`: ``.tmp-`` directories
+        idle for twice the group's timeout, ``.deleting-`` ones).
 
         Never raises: the save before it is complete on every rank, and an error here on rank 0
         alone would tell the ranks different stories; a failure is logged as a warning.
         """
-        if self.group.rank != 0 or self.max_to_keep is None:
+        if self.group.rank != 0:
             return
         with self._prune_lock:
             try:
-                for step in self.all_steps()[:-self.max_to_keep]:
+                for step in self.all_steps()[:-self.max_to_keep] if self.max_to_keep else ():
                     doomed = self.directory / f".deleting-{uuid.uuid4().hex[:8]}-step_{step}"
                     try:
                         os.rename(self.path(step), doomed)  # atomic: the step is gone before any file is
                     except FileNotFoundError:  # removed meanwhile (another manager on this directory)
                         continue
                     shutil.rmtree(doomed, ignore_errors=True)
+                remove_stale(self.directory, idle_after=2 * self.group.timeout)
             except OSError as exc:
                 logger.warning("meshkit.checkpoint: rank 0: CheckpointManager could not remove old checkpoints in "
-                               "%s (max_to_keep=%d): %s", self.directory, self.max_to_keep, exc)
+                               "%s (max_to_keep=%s): %s", self.directory, self.max_to_keep, exc)

@@ -495,6 +495,37 @@ def test_concurrent_prunes_of_async_save_and_save_raise_nothing(tmp_path, monkey
     assert local.run(body, 2, timeout=20) == [[30], [30]]
 
 
+def test_the_manager_removes_stale_leftovers_of_crashes_but_not_a_save_in_flight(tmp_path):
+    """Idle for more than twice the group's timeout (here 2 x 100 s): a crashed save's .tmp-
+    directory (failed or not) goes; .deleting- directories always go; a .tmp- directory written
+    to recently, or whose old directory holds a freshly written file, is a save in flight."""
+    import os
+    import time
+
+    old = time.time() - 1000
+    made = {}
+    for name, stale in [(".step_7.tmp-0123456789ab", True), (".step_8.tmp-aaaaaaaaaaaa", True),
+                        (".deleting-1a2b3c4d-step_3", True), (".step_9.tmp-bbbbbbbbbbbb", False),
+                        (".step_10.tmp-cccccccccccc", False), (".other.tmp-dddddddddddd", False)]:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "data-00000.bin").write_bytes(b"x")
+        made[name] = (d, stale)
+    (tmp_path / ".step_8.tmp-aaaaaaaaaaaa" / "FAILED").write_text("rank 0: disk full")
+    for name in (".step_7.tmp-0123456789ab", ".step_8.tmp-aaaaaaaaaaaa", ".deleting-1a2b3c4d-step_3",
+                 ".step_10.tmp-cccccccccccc", ".other.tmp-dddddddddddd"):
+        for p in [*made[name][0].iterdir(), made[name][0]]:
+            os.utime(p, (old, old))
+    os.utime(tmp_path / ".step_10.tmp-cccccccccccc" / "data-00000.bin")  # a rank still writing
+
+    def body():
+        CheckpointManager(tmp_path, max_to_keep=2)
+
+    local.run(body, 2, timeout=100)
+    for name, (d, stale) in made.items():
+        assert d.exists() != stale, name
+
+
 def test_a_state_dict_leaf_of_another_type_is_named(tmp_path):
     def body():
         dcp.save({"model": {"w": object()}}, checkpoint_id=tmp_path / "ck")
