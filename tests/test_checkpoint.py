@@ -203,6 +203,35 @@ def test_the_plan_checks_the_ranks_against_each_other():
         make_plan([Description({"a": ((300,), "<f8", many[:150])}, {}), Description({"a": ((300,), "<f8", many[150:])}, {})])
 
 
+def test_planning_a_save_or_a_load_costs_the_same_few_collectives_at_any_world_size(tmp_path):
+    """The collectives a save, an async_save and a load issue (read from the flight recorder),
+    at 2 and 8 ranks and with 3 or 12 arrays: the same few, never one per rank or per array
+    (DCP's plan gathering is what hangs at thousands of ranks: torchtitan #3065)."""
+    from tensor_cases import new_records
+
+    def body(n, arrays):
+        mesh = meshkit.init_device_mesh("cpu", (n,))
+        sd = {f"p{i}": distribute_tensor(np.arange(16.0 * n).reshape(2 * n, 8), mesh, [Shard(0)])
+              for i in range(arrays)}
+        sd["replicated"], sd["step"] = np.ones(3), 3
+        issued = []
+        for call in (lambda: dcp.save(sd, checkpoint_id=tmp_path / f"s{n}-{arrays}"),
+                     lambda: dcp.async_save(sd, checkpoint_id=tmp_path / f"a{n}-{arrays}").result(timeout=30),
+                     lambda: dcp.load(sd, checkpoint_id=tmp_path / f"s{n}-{arrays}")):
+            before = meshkit.flight_record()
+            call()
+            issued.append([r["op"] for r in new_records(before)])
+        return issued
+
+    counts = {(n, arrays): local.run(lambda: body(n, arrays), n) for n in (2, 8) for arrays in (3, 12)}
+    for (n, arrays), per_rank in counts.items():
+        assert all(issued == per_rank[0] for issued in per_rank), (n, arrays)  # every rank alike
+    first = counts[2, 3][0]
+    assert all(per_rank[0] == first for per_rank in counts.values()), counts
+    save, async_save, load = (len(ops) for ops in first)
+    assert save <= 4 and async_save <= 4 and load <= 2, first  # a gather and a scatter of objects; one all-gather
+
+
 # --------------------------------------------------------------------------- integrity
 def _model(n=2):
     rng = np.random.default_rng(3)
