@@ -61,8 +61,8 @@ from .blocks import block_bytes, block_checksums
 from .errors import CheckpointError
 from .plan import tiling_problem
 
-__all__ = ["FORMAT", "VERSION", "METADATA", "METADATA_CHECKSUM", "ALIGN", "data_file", "write_chunks", "read_metadata", "write_metadata",
-           "fsync_dir", "checksum", "CHECKSUM"]
+__all__ = ["FORMAT", "VERSION", "METADATA", "METADATA_CHECKSUM", "ALIGN", "data_file", "write_chunks", "read_metadata",
+           "write_metadata", "fsync_dir", "checksum", "CHECKSUM"]
 
 FORMAT, VERSION = "meshkit.checkpoint", 2
 METADATA = "metadata.json"

@@ -135,7 +135,8 @@ def _piece_copies(key: str, piece: Piece, entry: dict[str, Any], dtype: np.dtype
             continue
         data, needed = _chunk(key, c, dtype, path, maps, verified)
         needed |= touched_blocks(c["lengths"], [a - o for a, o in zip(lo, c["offsets"])],
-                                 [b - o for b, o in zip(hi, c["offsets"])], dtype.itemsize, c["block_bytes"], needed.size)
+                                 [b - o for b, o in zip(hi, c["offsets"])], dtype.itemsize, c["block_bytes"],
+                                 needed.size)
         src = _box(data, lo, hi, c["offsets"])
         dst = _box(piece.data, lo, hi, piece.offsets)
         out.append((dst, src))

@@ -200,7 +200,8 @@ def test_the_plan_checks_the_ranks_against_each_other():
     many[7] = ((6,), (2,))
     with pytest.raises(CheckpointError, match=r"pieces at offsets \(6,\) \(lengths \(1,\)\) and \(6,\) \(lengths "
                                               r"\(2,\)\) overlap"):
-        make_plan([Description({"a": ((300,), "<f8", many[:150])}, {}), Description({"a": ((300,), "<f8", many[150:])}, {})])
+        make_plan([Description({"a": ((300,), "<f8", many[:150])}, {}),
+                   Description({"a": ((300,), "<f8", many[150:])}, {})])
 
 
 def test_planning_a_save_or_a_load_costs_the_same_few_collectives_at_any_world_size(tmp_path):
