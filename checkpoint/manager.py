@@ -62,7 +62,7 @@ class CheckpointManager:
         self._prune_lock = threading.Lock()
         if self.group.rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
-            self._prune()  # (the leftovers of crashes only: no new checkpoint yet)
+            self._prune(steps=False)  # only the leftovers of crashes: no step is dropped before a save
 
     def path(self, step: int) -> Path:
         """The directory of ``step``'s checkpoint."""
@@ -147,10 +147,10 @@ class CheckpointManager:
                                   f"got {step!r}")
         return self.path(step)
 
-    def _prune(self) -> None:
-        """Rank 0: remove the oldest complete checkpoints beyond ``max_to_keep``, and what
-        crashed saves and prunes left (:func:`~.cleanup.remove_stale`: ``.tmp-`` directories
-        idle for twice the group's timeout, ``.deleting-`` ones).
+    def _prune(self, *, steps: bool = True) -> None:
+        """Rank 0: remove the oldest complete checkpoints beyond ``max_to_keep`` (if ``steps``),
+        and what crashed saves and prunes left (:func:`~.cleanup.remove_stale`: ``.tmp-``
+        directories idle for twice the group's timeout, ``.deleting-`` ones).
 
         Never raises: the save before it is complete on every rank, and an error here on rank 0
         alone would tell the ranks different stories; a failure is logged as a warning.
@@ -159,7 +159,7 @@ class CheckpointManager:
             return
         with self._prune_lock:
             try:
-                for step in self.all_steps()[:-self.max_to_keep] if self.max_to_keep else ():
+                for step in self.all_steps()[:-self.max_to_keep] if steps and self.max_to_keep else ():
                     doomed = self.directory / f".deleting-{uuid.uuid4().hex[:8]}-step_{step}"
                     try:
                         os.rename(self.path(step), doomed)  # atomic: the step is gone before any file is

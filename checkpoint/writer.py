@@ -237,11 +237,15 @@ def _commit(tmp: Path, final: Path, size: int, skeleton: dict[str, Any], limit: 
         for p in tmp.glob("rank-*.json"):
             p.unlink()
         os.rename(tmp, final)  # the commit: atomic, and refused if final appeared meanwhile
-        fsync_dir(final.parent)
     except OSError as exc:
         text = f"meshkit.checkpoint: rank 0: committing {str(final)!r} failed: {exc}"
         _drop(tmp / FAILED, text)
         raise CheckpointError(text) from None
+    try:
+        fsync_dir(final.parent)
+    except OSError as exc:  # committed, and the other ranks (seeing tmp gone) say so: no error on rank 0 alone
+        logger.warning("meshkit.checkpoint: rank 0: %s is committed, but syncing its parent directory failed (the "
+                       "rename may not survive a power loss): %s", final, exc)
 
 
 def _await_commit(tmp: Path, final: Path, rank: int, limit: float) -> None:

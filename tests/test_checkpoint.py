@@ -551,9 +551,16 @@ def test_the_manager_removes_stale_leftovers_of_crashes_but_not_a_save_in_flight
     def body():
         CheckpointManager(tmp_path, max_to_keep=2)
 
+    (tmp_path / "step_1").mkdir()
+    (tmp_path / "step_1" / "metadata.json").write_text("{}")
+    (tmp_path / "step_2").mkdir()
+    (tmp_path / "step_2" / "metadata.json").write_text("{}")
+    (tmp_path / "step_3").mkdir()
+    (tmp_path / "step_3" / "metadata.json").write_text("{}")
     local.run(body, 2, timeout=100)
     for name, (d, stale) in made.items():
         assert d.exists() != stale, name
+    assert local.run(lambda: CheckpointManager(tmp_path, max_to_keep=2).all_steps(), 1) == [[1, 2, 3]]  # no save yet
 
 
 def test_a_state_dict_leaf_of_another_type_is_named(tmp_path):
