@@ -237,6 +237,33 @@ def matplotlib_missing(args: argparse.Namespace) -> str | None:
     return None
 
 
+def init_gloo(comm: Any) -> str:
+    """``torch.distributed.init_process_group("gloo")`` over the ranks of the mpi4py ``comm``;
+    returns the rendezvous address.
+
+    The rendezvous is torch's ``env://``: rank 0 picks a free TCP port (a socket bound to port
+    0), mpi4py broadcasts it, and RANK/WORLD_SIZE come from MPI. MASTER_ADDR is 127.0.0.1 when
+    all ranks share a host, else rank 0's host name.
+
+    Raises:
+        ImportError: torch is not installed.
+    """
+    import torch.distributed as dist
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    hosts = comm.allgather(socket.gethostname())
+    addr = "127.0.0.1" if len(set(hosts)) == 1 else hosts[0]
+    port = 0
+    if rank == 0:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("" if addr != "127.0.0.1" else addr, 0))
+            port = s.getsockname()[1]
+    port = comm.bcast(port, root=0)
+    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(size))
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=size)
+    return f"{addr}:{port}"
+
+
 def print0(rank: int, *args: Any, **kwargs: Any) -> None:
     """``print`` on rank 0 only, flushed (mpiexec forwards output in chunks)."""
     if rank == 0:

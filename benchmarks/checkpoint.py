@@ -19,8 +19,11 @@ round, in an order rotating from round to round:
   :func:`meshkit.checkpoint.load` (memory maps, checksum verification, agreement, copies);
 * ``async_save (blocking)``: how long :func:`meshkit.checkpoint.async_save` holds training up
   (planning and the staging copy), then its future is waited for untimed;
-
-(torch DCP is not compared yet: no torch where this was written; it is the next column to add.)
+* ``torch DCP save`` / ``torch DCP load``, where torch (2.2 or later) is importable on every
+  rank: ``torch.distributed.checkpoint.save`` / ``load`` over a gloo group of the same ranks,
+  of ``torch.from_numpy`` views of the same local blocks, each under a key of its own rank (so
+  DCP, like meshkit, writes every byte once; its default writer fsyncs too). Without torch
+  these rows are left out and rank 0 prints a note saying so.
 
 A time is the MAX over ranks (a checkpoint is as slow as its slowest rank) after a barrier; the
 table shows medians over ``--rounds`` and the ratios to the raw NumPy calls. Loads read what was
@@ -40,8 +43,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-from _common import (LOG, add_output_args, barrier, matplotlib_missing, max_over_ranks, median, parse_checked,
-                     print0, redraw, require_pyplot, run_metadata, save_figure, save_results, setup_logging)
+from _common import (LOG, add_output_args, barrier, init_gloo, matplotlib_missing, max_over_ranks, median,
+                     parse_checked, print0, redraw, require_pyplot, run_metadata, save_figure, save_results,
+                     setup_logging)
 from mpi4py import MPI
 
 import meshkit
@@ -49,10 +53,15 @@ from meshkit import checkpoint as dcp
 from meshkit.tensor import DTensor, Shard
 
 RESULTS = Path(__file__).resolve().parent / "results"
-CANDIDATES = ("np.save", "np.save+fsync", "meshkit save", "async_save (blocking)", "np.load", "meshkit load")
-#: each meshkit candidate's raw baseline, for the ratio column
+CANDIDATES = ("np.save", "np.save+fsync", "meshkit save", "async_save (blocking)", "np.load", "meshkit load",
+              "torch DCP save", "torch DCP load")
+#: each checkpointing candidate's raw baseline, for the ratio column
 BASELINE = {"meshkit save": "np.save", "async_save (blocking)": "np.save", "meshkit load": "np.load",
-            }
+            "torch DCP save": "np.save", "torch DCP load": "np.load"}
+#: a load reads what its save wrote in the same round, so it comes right after it
+LOADS = {"meshkit load": "meshkit save", "torch DCP load": "torch DCP save"}
+#: each saving candidate's directories under the root: ``<prefix><n>``
+PREFIXES = ("ck", "torch-ck")
 
 
 def make_state(args: argparse.Namespace, mesh: meshkit.DeviceMesh) -> dict[str, DTensor]:
@@ -97,18 +106,56 @@ def candidates(state: dict[str, DTensor], root: Path, rank: int, counter: list[i
     return out
 
 
+def torch_dcp(comm: MPI.Comm, rank: int) -> Any | None:
+    """``torch.distributed.checkpoint`` with a gloo group over ``comm``'s ranks, or None (rank 0
+    prints why) where torch is not importable on every rank."""
+    try:
+        import torch.distributed.checkpoint as tdcp
+        problem = None if hasattr(tdcp, "save") else "torch.distributed.checkpoint has no save (torch < 2.2)"
+    except ImportError as exc:
+        tdcp, problem = None, f"torch is not importable ({exc})"
+    problems = comm.allgather(problem)
+    if any(problems):
+        print0(rank, f"note: torch DCP is not compared: {next(p for p in problems if p)}; pip install torch for its "
+                     "rows")
+        return None
+    LOG.info("torch DCP: gloo rendezvous at %s", init_gloo(comm))
+    return tdcp
+
+
+def torch_candidates(tdcp: Any, state: dict[str, DTensor], root: Path, rank: int) -> dict[str, Callable[[], Any]]:
+    """torch DCP's save and load of the same local blocks (views), one key per array and rank."""
+    import torch
+
+    tensors = {f"{k}.rank{rank}": torch.from_numpy(v.to_local()) for k, v in state.items()}
+    counter = [0]
+
+    def save() -> None:
+        counter[0] += 1
+        tdcp.save(tensors, checkpoint_id=root / f"torch-ck{counter[0]}")
+
+    def load() -> None:  # in place, into the views: the values it reads are the ones they hold
+        tdcp.load(tensors, checkpoint_id=root / f"torch-ck{counter[0]}")
+
+    return {"torch DCP save": save, "torch DCP load": load}
+
+
 def run(args: argparse.Namespace, comm: MPI.Comm, rank: int, n: int, root: Path) -> list[dict[str, Any]]:
     mesh = meshkit.init_device_mesh("cpu", (n,))
     state = make_state(args, mesh)
     counter = [0]
     calls = candidates(state, root, rank, counter)
+    tdcp = torch_dcp(comm, rank)
+    if tdcp is not None:
+        calls.update(torch_candidates(tdcp, state, root, rank))
     times: dict[str, list[float]] = {name: [] for name in calls}
     for r in range(args.rounds):
         order = list(calls)
         order = order[r % len(order):] + order[:r % len(order)]
-        if "meshkit load" in order and order.index("meshkit load") < order.index("meshkit save"):
-            order.remove("meshkit load")
-            order.insert(order.index("meshkit save") + 1, "meshkit load")  # load what this round saved
+        for load, save in LOADS.items():
+            if load in order and order.index(load) < order.index(save):
+                order.remove(load)
+                order.insert(order.index(save) + 1, load)  # load what this round saved
         for name in order:
             barrier(comm)
             t0 = time.perf_counter()
@@ -118,12 +165,16 @@ def run(args: argparse.Namespace, comm: MPI.Comm, rank: int, n: int, root: Path)
                 result.result()  # committed before the next candidate
             times[name].append(max_over_ranks(comm, [elapsed])[0])
         barrier(comm)
-        if rank == 0:  # keep the disk use bounded: the newest checkpoint stays for the next load
-            for p in root.glob("ck*"):
-                if p.name != f"ck{counter[0]}" and not p.name.startswith(".") and p.is_dir():
+        if rank == 0:  # keep the disk use bounded: each candidate's newest checkpoint stays for the next load
+            for prefix in PREFIXES:
+                made = [p for p in root.glob(f"{prefix}*") if p.is_dir() and p.name[len(prefix):].isdigit()]
+                for p in sorted(made, key=lambda p: int(p.name[len(prefix):]))[:-1]:
                     shutil.rmtree(p, ignore_errors=True)
         barrier(comm)
         LOG.info("round %d/%d done", r + 1, args.rounds)
+    if tdcp is not None:
+        import torch.distributed as tdist
+        tdist.destroy_process_group()
     nbytes = sum(v.to_local().nbytes for v in state.values())
     rows = []
     for name, ts in times.items():

@@ -68,17 +68,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import os
-import socket
 import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
-from _common import (LOG, Progress, add_output_args, barrier, calibrate_iters, format_size, log2_size_axis,
-                     matplotlib_missing, max_over_ranks, median, parse_checked, parse_size, placement, png_path,
-                     print0, require_pyplot, run_metadata, save_figure, setup_logging, size_sweep, time_calls,
-                     usage_error, write_json)
+from _common import (LOG, Progress, add_output_args, barrier, calibrate_iters, format_size, init_gloo,
+                     log2_size_axis, matplotlib_missing, max_over_ranks, median, parse_checked, parse_size, placement,
+                     png_path, print0, require_pyplot, run_metadata, save_figure, setup_logging, size_sweep,
+                     time_calls, usage_error, write_json)
 from mpi4py import MPI
 
 import meshkit
@@ -287,19 +285,8 @@ def gloo_engine(comm: MPI.Comm, mode: str = "sync") -> Engine:
     import torch  # noqa: F401  (the ImportError is the signal that gloo is unavailable)
     import torch.distributed as dist
 
-    rank, size = comm.Get_rank(), comm.Get_size()
-    hosts = comm.allgather(socket.gethostname())
-    addr = "127.0.0.1" if len(set(hosts)) == 1 else hosts[0]
-    port = 0
-    if rank == 0:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("" if addr != "127.0.0.1" else addr, 0))
-            port = s.getsockname()[1]
-    port = comm.bcast(port, root=0)
-    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(size))
-    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=size)
-
-    LOG.info("gloo: torch %s, rendezvous at %s:%d", torch.__version__, addr, port)
+    address = init_gloo(comm)
+    LOG.info("gloo: torch %s, rendezvous at %s", torch.__version__, address)
     return Engine("gloo", torch_style_bind(dist, torch.from_numpy, mode), close=dist.destroy_process_group,
                   optional=True)
 

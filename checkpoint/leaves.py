@@ -26,7 +26,7 @@ from ..parallel import ShardedArray, is_array
 from ..tensor import DTensor, Partial, local_shape_and_offset
 from .errors import CheckpointError
 
-__all__ = ["Piece", "ArrayLeaf", "flatten", "array_leaf", "is_value", "json_value"]
+__all__ = ["Piece", "ArrayLeaf", "flatten", "array_leaf", "check_dtype", "is_value", "json_value"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,8 +99,35 @@ def array_leaf(key: str, value: Any, where: str, rank: int) -> ArrayLeaf | None:
     """``value`` as an :class:`ArrayLeaf`, or None if it is a JSON value.
 
     Raises:
-        CheckpointError: a leaf of another type, or a DTensor with a ``Partial`` placement.
+        CheckpointError: a leaf of another type, a DTensor with a ``Partial`` placement, or an
+            array whose dtype cannot be stored (:func:`check_dtype`).
     """
+    leaf = _array_leaf(key, value, where, rank)
+    if leaf is not None and leaf.dtype is not None:
+        check_dtype(key, leaf.dtype, where, rank)
+    return leaf
+
+
+def check_dtype(key: str, dtype: Any, where: str, rank: int) -> None:
+    """Refuse dtypes whose bytes are not their values: object arrays (their bytes are pointers
+    into this process) and structured dtypes (``dtype.str``, what metadata.json records, is
+    ``|V<n>`` and loses the fields, so the checkpoint could not be loaded back).
+
+    Raises:
+        CheckpointError: naming ``key`` and the dtype.
+    """
+    dt = np.dtype(dtype)
+    if dt.hasobject and dt.fields is None:
+        raise CheckpointError(f"meshkit.checkpoint: rank {rank}: {where}: {key!r} has dtype object: an object array "
+                              "holds pointers to Python objects, not their values, and cannot be checkpointed; "
+                              "convert it to a numeric or fixed-width string dtype, or keep it as a JSON value")
+    if dt.fields is not None or dt.subdtype is not None:
+        raise CheckpointError(f"meshkit.checkpoint: rank {rank}: {where}: {key!r} has the structured dtype {dt}: "
+                              f"a checkpoint records a dtype as its dtype.str ({dt.str!r}), which loses the fields; "
+                              "save each field as its own array")
+
+
+def _array_leaf(key: str, value: Any, where: str, rank: int) -> ArrayLeaf | None:
     if isinstance(value, DTensor):
         if any(isinstance(p, Partial) for p in value.placements):
             raise CheckpointError(f"meshkit.checkpoint: rank {rank}: {where}: {key!r} is a DTensor with placements "

@@ -3,26 +3,32 @@
 Each step's checkpoint is the directory ``<directory>/step_<step>``, which only exists once
 complete (:mod:`.save` commits by one atomic rename), so :meth:`latest_step` never returns an
 incomplete one. Old checkpoints are removed by renaming them aside first, so a crash while
-deleting cannot leave a half-deleted one under a step's name.
+deleting cannot leave a half-deleted one under a step's name. Rank 0 also removes what crashes
+left (:mod:`.cleanup`) when the manager is made and after each save.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
+import threading
 import uuid
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 from ..comm import ProcessGroup, broadcast_object_list, resolve_group
+from .cleanup import remove_stale
 from .errors import CheckpointError
 from .format import METADATA
 from .reader import load
 from .writer import async_save, save
 
 __all__ = ["CheckpointManager"]
+
+logger = logging.getLogger("meshkit.checkpoint")
 
 _STEP = re.compile(r"step_(\d+)")
 
@@ -52,8 +58,11 @@ class CheckpointManager:
         self.directory = Path(directory)
         self.max_to_keep = max_to_keep
         self.group = resolve_group(group)
+        #: serializes pruning: an async_save's writer thread and the caller's next save prune at once
+        self._prune_lock = threading.Lock()
         if self.group.rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
+            self._prune(steps=False)  # only the leftovers of crashes: no step is dropped before a save
 
     def path(self, step: int) -> Path:
         """The directory of ``step``'s checkpoint."""
@@ -81,10 +90,26 @@ class CheckpointManager:
         self._prune()
 
     def async_save(self, step: int, state_dict: dict[str, Any]) -> "Future[None]":
-        """:func:`~meshkit.checkpoint.async_save` as ``step``; old ones are dropped once it commits."""
-        future = async_save(state_dict, checkpoint_id=self._new(step), group=self.group)
-        if self.group.rank == 0:
-            future.add_done_callback(lambda f: f.exception() is None and self._prune())
+        """:func:`~meshkit.checkpoint.async_save` as ``step``; old ones are dropped once it commits.
+
+        The future completes when the checkpoint is committed and, on rank 0, the checkpoints
+        beyond ``max_to_keep`` are removed.
+        """
+        inner = async_save(state_dict, checkpoint_id=self._new(step), group=self.group)
+        future: Future[None] = Future()
+        future.set_running_or_notify_cancel()
+
+        def done(f: "Future[None]") -> None:  # on the writer thread
+            exc = f.exception()
+            if exc is not None:
+                future.set_exception(exc)
+                return
+            try:
+                self._prune()
+            finally:
+                future.set_result(None)
+
+        inner.add_done_callback(done)
         return future
 
     def restore(self, state_dict: dict[str, Any]) -> int | None:
@@ -122,11 +147,26 @@ class CheckpointManager:
                                   f"got {step!r}")
         return self.path(step)
 
-    def _prune(self) -> None:
-        """Rank 0: remove the oldest complete checkpoints beyond ``max_to_keep``."""
-        if self.group.rank != 0 or self.max_to_keep is None:
+    def _prune(self, *, steps: bool = True) -> None:
+        """Rank 0: remove the oldest complete checkpoints beyond ``max_to_keep`` (if ``steps``),
+        and what crashed saves and prunes left (:func:`~.cleanup.remove_stale`: ``.tmp-``
+        directories idle for twice the group's timeout, ``.deleting-`` ones).
+
+        Never raises: the save before it is complete on every rank, and an error here on rank 0
+        alone would tell the ranks different stories; a failure is logged as a warning.
+        """
+        if self.group.rank != 0:
             return
-        for step in self.all_steps()[:-self.max_to_keep]:
-            doomed = self.directory / f".deleting-{uuid.uuid4().hex[:8]}-step_{step}"
-            os.rename(self.path(step), doomed)  # atomic: the step is gone before any file is
-            shutil.rmtree(doomed, ignore_errors=True)
+        with self._prune_lock:
+            try:
+                for step in self.all_steps()[:-self.max_to_keep] if steps and self.max_to_keep else ():
+                    doomed = self.directory / f".deleting-{uuid.uuid4().hex[:8]}-step_{step}"
+                    try:
+                        os.rename(self.path(step), doomed)  # atomic: the step is gone before any file is
+                    except FileNotFoundError:  # removed meanwhile (another manager on this directory)
+                        continue
+                    shutil.rmtree(doomed, ignore_errors=True)
+                remove_stale(self.directory, idle_after=2 * self.group.timeout)
+            except OSError as exc:
+                logger.warning("meshkit.checkpoint: rank 0: CheckpointManager could not remove old checkpoints in "
+                               "%s (max_to_keep=%s): %s", self.directory, self.max_to_keep, exc)

@@ -2,7 +2,8 @@
 
 Each rank reads only the chunks that intersect its own boxes, through a memory map of the data
 files (so the bytes of other ranks' data are never touched and no staging copy is made). It
-first verifies everything (keys, shapes, dtypes, file sizes, every needed chunk's checksum), then
+first verifies everything (keys, shapes, dtypes, file sizes, the checksum of every block of a
+chunk that it reads: :mod:`.blocks`), then
 the ranks agree (one all-gather of their outcomes) and only then copy into the state dict: a
 bad checkpoint raises :class:`CheckpointError` on every rank with nothing written in place.
 """
@@ -19,6 +20,7 @@ import numpy as np
 
 from ..comm import ProcessGroup, all_gather_object, resolve_group
 from ..parallel import array_namespace
+from .blocks import touched_blocks
 from .errors import CheckpointError
 from .format import CHECKSUM, checksum, read_metadata
 from .leaves import Piece, array_leaf, flatten
@@ -93,7 +95,7 @@ def _prepare(state_dict: Any, path: Path, rank: int) -> tuple[list[tuple[Any, np
     the values to set."""
     meta = read_metadata(path)
     maps: dict[str, np.ndarray] = {}
-    verified: dict[tuple[str, int], tuple[str, dict[str, Any], np.ndarray]] = {}
+    verified: dict[tuple[str, int], tuple[str, dict[str, Any], np.ndarray, np.ndarray]] = {}
     copies: list[tuple[Any, np.ndarray]] = []
     values: list[tuple[dict, str, Any]] = []
     for key, value, parent, pkey in flatten(state_dict, "load", rank):
@@ -131,7 +133,10 @@ def _piece_copies(key: str, piece: Piece, entry: dict[str, Any], dtype: np.dtype
         hi = [min(a + m, b + k) for a, m, b, k in zip(piece.offsets, piece.lengths, c["offsets"], c["lengths"])]
         if any(a >= b for a, b in zip(lo, hi)):
             continue
-        data = _chunk(key, c, dtype, path, maps, verified)
+        data, needed = _chunk(key, c, dtype, path, maps, verified)
+        needed |= touched_blocks(c["lengths"], [a - o for a, o in zip(lo, c["offsets"])],
+                                 [b - o for b, o in zip(hi, c["offsets"])], dtype.itemsize, c["block_bytes"],
+                                 needed.size)
         src = _box(data, lo, hi, c["offsets"])
         dst = _box(piece.data, lo, hi, piece.offsets)
         out.append((dst, src))
@@ -149,8 +154,9 @@ def _box(a: Any, lo: list[int], hi: list[int], offsets: Any) -> Any:
 
 
 def _chunk(key: str, c: dict[str, Any], dtype: np.dtype, path: Path, maps: dict[str, np.ndarray],
-           verified: dict) -> np.ndarray:
-    """Chunk ``c`` as a read-only view of its memory-mapped file (noted for verification)."""
+           verified: dict) -> tuple[np.ndarray, np.ndarray]:
+    """Chunk ``c`` as a read-only view of its memory-mapped file, and the mask of its checksum
+    blocks to verify (noted in ``verified``; the caller marks the blocks it reads)."""
     name = c["file"]
     if name not in maps:
         file = path / name
@@ -168,14 +174,18 @@ def _chunk(key: str, c: dict[str, Any], dtype: np.dtype, path: Path, maps: dict[
         raise CheckpointError(f"data file {str(path / name)!r} is truncated: {m.size} bytes, but {key!r} has a chunk "
                               f"at bytes {start}..{start + nbytes}")
     raw = m[start:start + nbytes]
-    verified.setdefault((name, start), (key, c, raw))
-    return raw.view(dtype).reshape(c["lengths"])
+    needed = verified.setdefault((name, start), (key, c, raw, np.zeros(len(c[CHECKSUM]), bool)))[3]
+    return raw.view(dtype).reshape(c["lengths"]), needed
 
 
-def _verify(path: Path, key: str, c: dict[str, Any], raw: np.ndarray) -> str | None:
-    """None if chunk ``c``'s bytes have their recorded checksum, else what is wrong."""
-    if checksum(raw) == c[CHECKSUM]:
-        return None
-    start = int(c["offset"])
-    return (f"data file {str(path / c['file'])!r}: checksum mismatch in the chunk of {key!r} at offsets "
-            f"{tuple(c['offsets'])} (bytes {start}..{start + int(c['nbytes'])}): the file is corrupt")
+def _verify(path: Path, key: str, c: dict[str, Any], raw: np.ndarray, needed: np.ndarray) -> str | None:
+    """None if the ``needed`` checksum blocks of chunk ``c`` have their recorded checksums, else
+    what is wrong."""
+    block = c["block_bytes"]
+    for i in np.flatnonzero(needed).tolist():
+        if checksum(raw[i * block:(i + 1) * block]) != c[CHECKSUM][i]:
+            start = int(c["offset"]) + i * block
+            stop = min(start + block, int(c["offset"]) + int(c["nbytes"]))
+            return (f"data file {str(path / c['file'])!r}: checksum mismatch in the chunk of {key!r} at offsets "
+                    f"{tuple(c['offsets'])} (bytes {start}..{stop}): the file is corrupt")
+    return None

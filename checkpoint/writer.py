@@ -185,21 +185,26 @@ def _finish(tmp: Path, final: Path, rank: int, size: int, chunks: list, skeleton
         if rank == 0:
             _drop(tmp / FAILED, text)
         raise CheckpointError(text) from None
-    _drop(tmp / f"rank-{rank}.json", json.dumps(records))
+    if not _drop(tmp / f"rank-{rank}.json", json.dumps(records)):  # rank 0 cannot have committed without it
+        raise CheckpointError(f"meshkit.checkpoint: rank {rank}: the temporary directory {str(tmp)!r} of "
+                              f"{str(final)!r} vanished before this rank finished writing (removed by hand?); "
+                              "nothing was committed")
     if rank == 0:
         _commit(tmp, final, size, skeleton, limit)
     else:
         _await_commit(tmp, final, rank, limit)
 
 
-def _drop(path: Path, text: str) -> None:
-    """Write a marker file whole (written aside, then renamed: a reader never sees half of it)."""
+def _drop(path: Path, text: str) -> bool:
+    """Write a marker file whole (written aside, then renamed: a reader never sees half of it);
+    False if it could not be written (the directory is gone: renamed or removed)."""
     part = path.with_name(path.name + ".part")
     try:
         part.write_text(text)
         os.replace(part, path)
-    except OSError:  # the directory is gone (renamed or removed): nobody is left to read the marker
-        pass
+    except OSError:
+        return False
+    return True
 
 
 def _commit(tmp: Path, final: Path, size: int, skeleton: dict[str, Any], limit: float) -> None:
@@ -232,20 +237,45 @@ def _commit(tmp: Path, final: Path, size: int, skeleton: dict[str, Any], limit: 
         for p in tmp.glob("rank-*.json"):
             p.unlink()
         os.rename(tmp, final)  # the commit: atomic, and refused if final appeared meanwhile
-        fsync_dir(final.parent)
     except OSError as exc:
         text = f"meshkit.checkpoint: rank 0: committing {str(final)!r} failed: {exc}"
         _drop(tmp / FAILED, text)
         raise CheckpointError(text) from None
+    try:
+        fsync_dir(final.parent)
+    except OSError as exc:  # committed, and the other ranks (seeing tmp gone) say so: no error on rank 0 alone
+        logger.warning("meshkit.checkpoint: rank 0: %s is committed, but syncing its parent directory failed (the "
+                       "rename may not survive a power loss): %s", final, exc)
 
 
 def _await_commit(tmp: Path, final: Path, rank: int, limit: float) -> None:
+    """A rank other than 0, its marker in ``tmp``: wait until rank 0 commits or fails.
+
+    ``tmp`` vanishing with no ``FAILED`` in it means committed, even where ``final`` is gone
+    again too (a ``max_to_keep`` prune after a later save can remove it before this rank looks:
+    it polls at most every 20 ms). That is sound because ``tmp`` leaves only by the commit rename:
+
+    * rank 0 renames it only after every rank's marker, and this rank's is in it (``_finish``
+      raises if it could not be written);
+    * every failure of rank 0 leaves ``tmp`` in place with ``FAILED`` written first;
+    * nothing else in meshkit removes a temporary directory that a rank may still await:
+      :class:`~meshkit.checkpoint.CheckpointManager` removes only ones idle for longer than
+      twice the timeout (:mod:`.cleanup`), when every rank's wait has ended.
+
+    A ``.tmp-`` directory removed by hand while its save runs voids this (the README says so).
+    """
     deadline = time.monotonic() + limit
     pause = 0.0005
     while not (final / METADATA).exists():
         failed = tmp / FAILED
         if failed.exists():
-            raise CheckpointError(failed.read_text())
+            try:
+                text = failed.read_text()
+            except OSError as exc:
+                text = f"meshkit.checkpoint: rank {rank}: saving {str(final)!r} failed (its FAILED marker: {exc})"
+            raise CheckpointError(text)
+        if not tmp.exists():
+            return  # renamed to final: committed (and perhaps already pruned)
         if time.monotonic() > deadline:
             raise CheckpointError(f"meshkit.checkpoint: rank {rank}: rank 0 did not commit {str(final)!r} within "
                                   f"{limit:g} s (its temporary directory {str(tmp)!r} stays)")

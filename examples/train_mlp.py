@@ -28,9 +28,10 @@ where CuPy sees a GPU): the data is copied to the device once, and each step bri
 (its loss) back to the host. Without a GPU it is a usage error (exit 2).
 
 ``--checkpoint-dir DIR --save-every K`` saves a sharded checkpoint (:mod:`meshkit.checkpoint`)
-every K steps, each rank writing its own shard; ``--resume`` continues from the newest complete
-one, with any strategy on any number of ranks (the checkpoint is resharded on load), and
-``--check`` still compares with uninterrupted single-process training.
+every K steps, each rank writing its own shard (``--max-to-keep K`` keeps only the K newest);
+``--resume`` continues from the newest complete one, with any strategy on any number of ranks
+(the checkpoint is resharded on load), and ``--check`` still compares with uninterrupted
+single-process training.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def train(args: argparse.Namespace, comm_hook: Any = None, comm_state: Any = Non
         import cupy
 
         x, y = cupy.asarray(x), cupy.asarray(y)
-    manager = CheckpointManager(args.checkpoint_dir) if args.checkpoint_dir else None
+    manager = CheckpointManager(args.checkpoint_dir, max_to_keep=args.max_to_keep) if args.checkpoint_dir else None
     start = resume(manager, model) if args.resume else 0
     losses = []
     with progress_bar(args.steps - start, enabled=progress and rank == 0) as show:
@@ -327,6 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="where --save-every saves and --resume looks (step_<n> checkpoints)")
     parser.add_argument("--save-every", type=int_at_least(1), default=None, metavar="K",
                         help="save a sharded checkpoint every K steps (needs --checkpoint-dir)")
+    parser.add_argument("--max-to-keep", type=int_at_least(1), default=None, metavar="K",
+                        help="keep only the K newest checkpoints in --checkpoint-dir (default: all)")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest complete checkpoint in --checkpoint-dir, saved by any "
                              "strategy on any number of ranks")
@@ -358,8 +361,9 @@ def _problem(args: argparse.Namespace, world_size: int) -> str | None:
     if args.device == "cuda" and not gpu_available():
         return ("argument --device: cuda needs CuPy with a visible GPU; CuPy (or its driver) sees none here: "
                 "use --device cpu, or pip install 'meshkit[cuda12]' on a machine with a GPU")
-    if (args.save_every or args.resume) and not args.checkpoint_dir:
-        return f"argument {'--save-every' if args.save_every else '--resume'}: needs --checkpoint-dir DIR"
+    if (args.save_every or args.resume or args.max_to_keep) and not args.checkpoint_dir:
+        flag = "--save-every" if args.save_every else "--resume" if args.resume else "--max-to-keep"
+        return f"argument {flag}: needs --checkpoint-dir DIR"
     if args.resume and args.hook in ("fp16", "powersgd"):
         return (f"argument --resume: --hook {args.hook} is checked step by step from step 0 (and PowerSGD's error "
                 "feedback is not in the checkpoint); resume with the default allreduce hook")

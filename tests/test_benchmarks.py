@@ -139,12 +139,23 @@ def test_checkpoint_benchmark_times_every_candidate_and_writes_json(mpirun, tmp_
     out = mpirun(CHECKPOINT_BENCH, 2, "--mb", "1", "--arrays", "3", "--rounds", "2", "--no-progress",
                  "--dir", str(tmp_path / "ck"), "--json", str(out_json)).stdout
     rows = json.loads(out_json.read_text())["rows"]
+    torch_rows = ["torch DCP save", "torch DCP load"] if _torch_dcp_importable() else []
     assert [r["candidate"] for r in rows] == ["np.save", "np.save+fsync", "meshkit save", "async_save (blocking)",
-                                              "np.load", "meshkit load"]
+                                              "np.load", "meshkit load", *torch_rows]
     assert all(r["seconds"] > 0 and len(r["all"]) == 2 for r in rows)
     assert {r["candidate"]: r["baseline"] for r in rows if r["ratio"] is not None} == {
-        "meshkit save": "np.save", "async_save (blocking)": "np.save", "meshkit load": "np.load"}
+        "meshkit save": "np.save", "async_save (blocking)": "np.save", "meshkit load": "np.load",
+        **{name: "np.save" if name.endswith("save") else "np.load" for name in torch_rows}}
     assert re.search(r"meshkit load\s+[\d.]+\s+[\d.]+\s+[\d.]+x\s+np.load", out), out
+    assert ("note: torch DCP is not compared: torch is not importable" in out) == (not torch_rows), out
+
+
+def _torch_dcp_importable() -> bool:
+    try:
+        import torch.distributed.checkpoint as tdcp
+    except ImportError:
+        return False
+    return hasattr(tdcp, "save")
 
 
 # --------------------------------------------------------------------------- pipeline.py

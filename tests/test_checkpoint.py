@@ -193,6 +193,44 @@ def test_the_plan_checks_the_ranks_against_each_other():
         make_plan([Description({"a": ((4,), "<f8", [((0,), (3,))])}, {})])
     with pytest.raises(CheckpointError, match=r"pieces at offsets \(0,\) \(lengths \(3,\)\) and \(1,\)"):
         make_plan([Description({"a": ((4,), "<f8", [((0,), (3,)), ((1,), (1,))])}, {})])
+    with pytest.raises(CheckpointError, match=r"'a': the ranks' piece at offsets \(2,\) \(lengths \(3,\)\) is not "
+                                              r"inside the shape \(4,\)"):
+        make_plan([Description({"a": ((4,), "<f8", [((0,), (1,)), ((2,), (3,))])}, {})])
+    many = [((i,), (1,)) for i in range(300) if i != 8]  # beyond any pairwise limit: 6 twice, 8 never
+    many[7] = ((6,), (2,))
+    with pytest.raises(CheckpointError, match=r"pieces at offsets \(6,\) \(lengths \(1,\)\) and \(6,\) \(lengths "
+                                              r"\(2,\)\) overlap"):
+        make_plan([Description({"a": ((300,), "<f8", many[:150])}, {}),
+                   Description({"a": ((300,), "<f8", many[150:])}, {})])
+
+
+def test_planning_a_save_or_a_load_costs_the_same_few_collectives_at_any_world_size(tmp_path):
+    """The collectives a save, an async_save and a load issue (read from the flight recorder),
+    at 2 and 8 ranks and with 3 or 12 arrays: the same few, never one per rank or per array
+    (DCP's plan gathering is what hangs at thousands of ranks: torchtitan #3065)."""
+    from tensor_cases import new_records
+
+    def body(n, arrays):
+        mesh = meshkit.init_device_mesh("cpu", (n,))
+        sd = {f"p{i}": distribute_tensor(np.arange(16.0 * n).reshape(2 * n, 8), mesh, [Shard(0)])
+              for i in range(arrays)}
+        sd["replicated"], sd["step"] = np.ones(3), 3
+        issued = []
+        for call in (lambda: dcp.save(sd, checkpoint_id=tmp_path / f"s{n}-{arrays}"),
+                     lambda: dcp.async_save(sd, checkpoint_id=tmp_path / f"a{n}-{arrays}").result(timeout=30),
+                     lambda: dcp.load(sd, checkpoint_id=tmp_path / f"s{n}-{arrays}")):
+            before = meshkit.flight_record()
+            call()
+            issued.append([r["op"] for r in new_records(before)])
+        return issued
+
+    counts = {(n, arrays): local.run(lambda: body(n, arrays), n) for n in (2, 8) for arrays in (3, 12)}
+    for (n, arrays), per_rank in counts.items():
+        assert all(issued == per_rank[0] for issued in per_rank), (n, arrays)  # every rank alike
+    first = counts[2, 3][0]
+    assert all(per_rank[0] == first for per_rank in counts.values()), counts
+    save, async_save, load = (len(ops) for ops in first)
+    assert save <= 4 and async_save <= 4 and load <= 2, first  # a gather and a scatter of objects; one all-gather
 
 
 # --------------------------------------------------------------------------- integrity
@@ -244,10 +282,51 @@ def _corrupt_missing_file(path):
     (path / "data-00001.bin").unlink()
 
 
-def _corrupt_missing_key(path):
+def _rewrite_metadata(path, edit):
+    """Edit metadata.json as a writer would have written it (its checksum made to match)."""
+    from meshkit.checkpoint.format import write_metadata
     meta = json.loads((path / "metadata.json").read_text())
-    del meta["arrays"]["model.b"]
-    (path / "metadata.json").write_text(json.dumps(meta))
+    edit(meta)
+    write_metadata(path, meta)
+
+
+def _corrupt_missing_key(path):
+    _rewrite_metadata(path, lambda meta: meta["arrays"].pop("model.b"))
+
+
+def _flip_metadata(path, text, new):
+    """Flip one bit of metadata.json: the first character of ``text``'s last character becomes ``new``."""
+    f = path / "metadata.json"
+    raw = bytearray(f.read_bytes())
+    i = raw.index(text.encode()) + len(text) - 1
+    assert bin(raw[i] ^ ord(new)).count("1") == 1  # one bit
+    raw[i] = ord(new)
+    f.write_bytes(bytes(raw))
+
+
+def _corrupt_metadata_offset(path):  # 'model.w''s second chunk claims to be its first: a silent wrong load
+    _flip_metadata(path, '"offsets":[8', "0")
+
+
+def _corrupt_metadata_value(path):  # step 3 becomes 2
+    _flip_metadata(path, '"step":3', "2")
+
+
+def _corrupt_metadata_checksum_missing(path):
+    (path / "metadata.json.xxh3_64").unlink()
+
+
+def _corrupt_overlapping_chunks(path):  # consistent metadata whose chunks overlap: never written by meshkit
+    def edit(meta):
+        meta["arrays"]["model.w"]["chunks"][1]["offsets"] = [7, 0]
+    _rewrite_metadata(path, edit)
+
+
+def _corrupt_chunk_out_of_bounds(path):
+    def edit(meta):
+        chunk = meta["arrays"]["model.b"]["chunks"][1]
+        chunk["offsets"], meta["arrays"]["model.b"]["chunks"] = [6], [chunk]
+    _rewrite_metadata(path, edit)
 
 
 @pytest.mark.parametrize("corrupt, message", [
@@ -255,7 +334,16 @@ def _corrupt_missing_key(path):
     (_corrupt_truncate, r"data-00000.bin' is truncated: \d+ bytes, but 'model.b' has a chunk at bytes"),
     (_corrupt_missing_file, r"data file '.*data-00001.bin' is missing \(it holds 'model.w'\)"),
     (_corrupt_missing_key, r"key 'model.b' is missing in the checkpoint at"),
-], ids=["flipped-byte", "truncated", "missing-file", "missing-key"])
+    (_corrupt_metadata_offset, r"metadata.json' does not match its checksum in metadata.json.xxh3_64 \(XXH3-64 "
+                               r"[0-9a-f]{16}, recorded [0-9a-f]{16}\): the metadata is corrupt"),
+    (_corrupt_metadata_value, r"metadata.json' does not match its checksum in metadata.json.xxh3_64"),
+    (_corrupt_metadata_checksum_missing, r"metadata.json.xxh3_64' is missing: metadata.json cannot be verified"),
+    (_corrupt_overlapping_chunks, r"metadata.json': the entry of 'model.w' is malformed: its chunks at offsets "
+                                  r"\(0, 0\) \(lengths \(8, 8\)\) and \(7, 0\) \(lengths \(8, 8\)\) overlap"),
+    (_corrupt_chunk_out_of_bounds, r"metadata.json': the entry of 'model.b' is malformed: its chunk at offsets "
+                                   r"\(6,\) \(lengths \(4,\)\) is not inside the shape \(8,\)"),
+], ids=["flipped-byte", "truncated", "missing-file", "missing-key", "metadata-offset-bit", "metadata-value-bit",
+        "metadata-checksum-missing", "overlapping-chunks", "chunk-out-of-bounds"])
 def test_a_corrupt_checkpoint_raises_on_every_rank_and_writes_nothing(corrupt, message, tmp_path):
     _save_fsdp_like(tmp_path / "ck")
     corrupt(tmp_path / "ck")
@@ -265,6 +353,34 @@ def test_a_corrupt_checkpoint_raises_on_every_rank_and_writes_nothing(corrupt, m
         assert "nothing was loaded" in text
     import re
     assert any(re.search(message, text) for text, _ in results), results
+
+
+@pytest.mark.parametrize("offsets, message", [
+    ([0], r"its chunks at offsets \(0,\) \(lengths \(4,\)\) and \(0,\) \(lengths \(4,\)\) overlap"),
+    ([5], r"its chunk at offsets \(5,\) \(lengths \(4,\)\) is not inside the shape \(8,\)"),
+], ids=["duplicate", "out-of-bounds"])
+def test_metadata_whose_chunks_do_not_tile_the_array_is_refused(offsets, message, tmp_path):
+    """The auditor's case: x = arange(8) saved in two chunks, the second claiming the first's
+    offsets, loaded whole by one rank: every element covered twice, so a coverage count passes
+    and [4, 5, 6, 7, -1, ...] was loaded. Consistent metadata (its checksum rewritten) is checked
+    too."""
+    def save():
+        mesh = meshkit.init_device_mesh("cpu", (2,))
+        dcp.save({"x": distribute_tensor(np.arange(8.0), mesh, [Shard(0)])}, checkpoint_id=tmp_path / "ck")
+
+    local.run(save, 2)
+
+    def edit(meta):
+        meta["arrays"]["x"]["chunks"][1]["offsets"] = offsets
+    _rewrite_metadata(tmp_path / "ck", edit)
+
+    def load():
+        x = np.full(8, -1.0)
+        with pytest.raises(CheckpointError, match=r"metadata.json': the entry of 'x' is malformed: " + message):
+            dcp.load({"x": x}, checkpoint_id=tmp_path / "ck")
+        return x
+
+    assert (local.run(load, 1)[0] == -1).all()
 
 
 def test_another_shape_dtype_or_path_is_refused_on_every_rank(tmp_path):
@@ -353,12 +469,122 @@ def test_the_manager_keeps_the_newest_and_never_sees_an_incomplete_one(tmp_path)
         local.run(lambda: CheckpointManager(tmp_path, max_to_keep=0), 1)
 
 
+def test_an_async_save_pruned_before_a_rank_looks_is_still_committed_on_that_rank(tmp_path, monkeypatch):
+    """max_to_keep=1: step 1 is committed, then pruned by step 2's save before rank 1's
+    background thread looks for it; rank 1's future must not report a failed commit."""
+    import time
+
+    from meshkit.checkpoint import writer
+    real = writer._await_commit
+
+    def late(*args):  # rank 1 looks for the commit a second after its marker
+        time.sleep(1.0)
+        return real(*args)
+
+    monkeypatch.setattr(writer, "_await_commit", late)
+
+    def body():
+        manager = CheckpointManager(tmp_path, max_to_keep=1)
+        future = manager.async_save(1, {"x": np.full(4, 1.0), "step": 1})
+        if meshkit.get_rank() == 0:
+            future.result(timeout=30)  # committed: the save of step 2 prunes it
+        manager.save(2, {"x": np.full(4, 2.0), "step": 2})
+        future.result(timeout=30)
+        return manager.all_steps()
+
+    assert local.run(body, 2, timeout=5) == [[2], [2]]
+
+
+def test_concurrent_prunes_of_async_save_and_save_raise_nothing(tmp_path, monkeypatch):
+    """async_save(s) and save(s + 1) at once: rank 0 prunes from the writer thread and from the
+    caller together (renames slowed down to widen the race); neither may fail."""
+    import os
+    import time
+
+    from meshkit.checkpoint import manager as manager_module
+    real = os.rename
+
+    def slow_rename(src, dst):
+        if ".deleting-" in str(dst):
+            time.sleep(0.01)
+        return real(src, dst)
+
+    monkeypatch.setattr(manager_module.os, "rename", slow_rename)
+
+    def body():
+        manager = CheckpointManager(tmp_path, max_to_keep=1)
+        futures = []
+        for step in range(1, 30, 2):
+            futures.append(manager.async_save(step, {"x": np.full(4, float(step))}))
+            manager.save(step + 1, {"x": np.full(4, step + 1.0)})
+        for f in futures:
+            f.result(timeout=30)
+        meshkit.barrier()  # rank 0's futures complete after its prunes
+        return manager.all_steps()
+
+    assert local.run(body, 2, timeout=20) == [[30], [30]]
+
+
+def test_the_manager_removes_stale_leftovers_of_crashes_but_not_a_save_in_flight(tmp_path):
+    """Idle for more than twice the group's timeout (here 2 x 100 s): a crashed save's .tmp-
+    directory (failed or not) goes; .deleting- directories always go; a .tmp- directory written
+    to recently, or whose old directory holds a freshly written file, is a save in flight."""
+    import os
+    import time
+
+    old = time.time() - 1000
+    made = {}
+    for name, stale in [(".step_7.tmp-0123456789ab", True), (".step_8.tmp-aaaaaaaaaaaa", True),
+                        (".deleting-1a2b3c4d-step_3", True), (".step_9.tmp-bbbbbbbbbbbb", False),
+                        (".step_10.tmp-cccccccccccc", False), (".other.tmp-dddddddddddd", False)]:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "data-00000.bin").write_bytes(b"x")
+        made[name] = (d, stale)
+    (tmp_path / ".step_8.tmp-aaaaaaaaaaaa" / "FAILED").write_text("rank 0: disk full")
+    for name in (".step_7.tmp-0123456789ab", ".step_8.tmp-aaaaaaaaaaaa", ".deleting-1a2b3c4d-step_3",
+                 ".step_10.tmp-cccccccccccc", ".other.tmp-dddddddddddd"):
+        for p in [*made[name][0].iterdir(), made[name][0]]:
+            os.utime(p, (old, old))
+    os.utime(tmp_path / ".step_10.tmp-cccccccccccc" / "data-00000.bin")  # a rank still writing
+
+    def body():
+        CheckpointManager(tmp_path, max_to_keep=2)
+
+    (tmp_path / "step_1").mkdir()
+    (tmp_path / "step_1" / "metadata.json").write_text("{}")
+    (tmp_path / "step_2").mkdir()
+    (tmp_path / "step_2" / "metadata.json").write_text("{}")
+    (tmp_path / "step_3").mkdir()
+    (tmp_path / "step_3" / "metadata.json").write_text("{}")
+    local.run(body, 2, timeout=100)
+    for name, (d, stale) in made.items():
+        assert d.exists() != stale, name
+    assert local.run(lambda: CheckpointManager(tmp_path, max_to_keep=2).all_steps(), 1) == [[1, 2, 3]]  # no save yet
+
+
 def test_a_state_dict_leaf_of_another_type_is_named(tmp_path):
     def body():
         dcp.save({"model": {"w": object()}}, checkpoint_id=tmp_path / "ck")
 
     with pytest.raises(CheckpointError, match=r"'model.w' is a object; a state dict leaf must be an array"):
         local.run(body, 1)
+
+
+@pytest.mark.parametrize("array, message", [
+    (np.array([1, "a"], dtype=object), r"'x' has dtype object: an object array holds pointers"),
+    (np.zeros(3, dtype=[("a", "<f8"), ("b", "<i4")]),
+     r"'x' has the structured dtype \[\('a', '<f8'\), \('b', '<i4'\)\]: .*save each field as its own array"),
+], ids=["object", "structured"])
+def test_object_and_structured_arrays_are_refused_at_save_on_every_rank(array, message, tmp_path):
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2,))
+        sd = {"x": array} if meshkit.get_rank() == 0 else {"x": distribute_tensor(array, mesh, [Replicate()])}
+        with pytest.raises(CheckpointError, match=message):
+            dcp.save(sd, checkpoint_id=tmp_path / "ck")
+
+    local.run(body, 2)
+    assert not (tmp_path / "ck").exists()
 
 
 # --------------------------------------------------------------------------- killed mid-save (real processes)
@@ -404,6 +630,82 @@ def test_a_load_reads_in_place_without_staging_copies(tmp_path):
     results = local.run(load, 2)
     assert np.array_equal(results[0][1], full)
     assert results[0][0] < 256 * 1024, results[0][0]  # both ranks' loads: far below one shard (4 MB)
+
+
+def test_a_reshard_hashes_little_more_than_the_ranks_own_shard(tmp_path, monkeypatch):
+    """Saved Shard(1) (column blocks), loaded Shard(0) (row blocks) at 4 ranks: each rank needs a
+    quarter of the rows of every chunk, and verifies only the checksum blocks those rows lie in,
+    not every chunk it touches in full (which hashed the whole array on every rank)."""
+    from meshkit.checkpoint import reader
+
+    full = np.arange(512 * 512, dtype=np.float64).reshape(512, 512)  # 2 MB; chunks of 512 KB
+
+    def save():
+        mesh = meshkit.init_device_mesh("cpu", (4,))
+        dcp.save({"a": distribute_tensor(full, mesh, [Shard(1)])}, checkpoint_id=tmp_path / "ck")
+
+    local.run(save, 4)
+    hashed = {}
+    real = reader.checksum
+
+    def counting(buf):
+        rank = meshkit.get_rank()
+        hashed[rank] = hashed.get(rank, 0) + memoryview(buf).nbytes
+        return real(buf)
+
+    monkeypatch.setattr(reader, "checksum", counting)
+    monkeypatch.setattr(reader, "WORKERS", 1)  # hash on the rank's own thread, where get_rank() answers
+
+    def load():
+        mesh = meshkit.init_device_mesh("cpu", (4,))
+        a = distribute_tensor(np.zeros_like(full), mesh, [Shard(0)])
+        dcp.load({"a": a}, checkpoint_id=tmp_path / "ck")
+        return a.to_local().nbytes, a.full_tensor()
+
+    results = local.run(load, 4)
+    own = results[0][0]  # 512 KB
+    assert np.array_equal(results[0][1], full)
+    assert all(0 < hashed[r] <= own for r in range(4)), (hashed, own)  # was 4x own (2 MB) on every rank
+
+
+def test_checksum_blocks_touched_by_a_sub_box():
+    """A chunk of 512 rows of 128 float64 (1 KB a row) has 64 KB blocks of 64 rows each."""
+    from meshkit.checkpoint.blocks import block_bytes, touched_blocks
+    assert [block_bytes(n) for n in (8, 64 << 10, 512 << 10, 4 << 20, 16 << 20, 1 << 30)] == \
+        [64 << 10, 64 << 10, 64 << 10, 256 << 10, 1 << 20, 1 << 20]
+    rows = touched_blocks((512, 128), (128, 0), (256, 128), 8, 64 << 10, 8)
+    assert np.flatnonzero(rows).tolist() == [2, 3]
+    part = touched_blocks((512, 128), (100, 5), (130, 6), 8, 64 << 10, 8)  # rows 100..129, one column
+    assert np.flatnonzero(part).tolist() == [1, 2]
+    column = touched_blocks((512, 128), (0, 0), (512, 1), 8, 64 << 10, 8)  # every row: every block
+    assert column.all()
+
+
+def test_a_version_1_checkpoint_still_loads(tmp_path):
+    """Version 1: no metadata checksum file, one checksum string per chunk."""
+    _save_fsdp_like(tmp_path / "ck")
+
+    meta = json.loads((tmp_path / "ck" / "metadata.json").read_text())
+    meta["version"] = 1
+    for a in meta["arrays"].values():
+        for c in a["chunks"]:
+            assert len(c["xxh3_64"]) == 1  # small chunks: one block, the whole chunk's checksum
+            c["xxh3_64"] = c["xxh3_64"][0]
+            del c["block_bytes"]
+    (tmp_path / "ck" / "metadata.json").write_text(json.dumps(meta))
+    (tmp_path / "ck" / "metadata.json.xxh3_64").unlink()
+
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2,))
+        sd = {k: distribute_tensor(np.zeros_like(v), mesh, [Shard(0)]) for k, v in _model().items()}
+        box = {"model": sd, "step": 0}
+        dcp.load(box, checkpoint_id=tmp_path / "ck")
+        return box["step"], {k: v.full_tensor() for k, v in sd.items()}
+
+    for step, arrays in local.run(body, 2):
+        assert step == 3 and all(np.array_equal(arrays[k], v) for k, v in _model().items())
+    _corrupt_flip(tmp_path / "ck")
+    assert all("checksum mismatch" in text for text, _ in _try_load(tmp_path / "ck"))
 
 
 def test_numpy_scalars_and_tuples_are_values(tmp_path):

@@ -64,6 +64,8 @@ BAD_FLAGS = [
     (["--save-every", "0", "--checkpoint-dir", "d"], 1, r"argument --save-every: expected an integer >= 1, got 0"),
     (["--resume", "--checkpoint-dir", "d", "--hook", "powersgd"], 2,
      r"argument --resume: --hook powersgd is checked step by step from step 0"),
+    (["--max-to-keep", "2"], 1, r"argument --max-to-keep: needs --checkpoint-dir DIR"),
+    (["--max-to-keep", "0", "--checkpoint-dir", "d"], 1, r"argument --max-to-keep: expected an integer >= 1, got 0"),
 ]
 
 
@@ -170,6 +172,21 @@ def test_resuming_with_another_strategy_and_world_size_passes_the_exact_check_lo
     reference, _ = train_mlp.train_reference(args)
     for params, losses in local.run(lambda: train_mlp.train(args, progress=False), then[1], timeout=60):
         assert len(losses) == 2  # steps 5 and 6 again
+        result = train_mlp.compare_params(args.dtype, params, reference)
+        assert result.ok, result.line()
+
+
+def test_max_to_keep_keeps_the_newest_checkpoints_and_resuming_passes_the_exact_check_local(tmp_path):
+    common = ["--steps", "6", "--batch", "24", "--optimizer", "adamw", "--checkpoint-dir", str(tmp_path)]
+    args = train_mlp.parse_args(["--strategy", "fsdp", *common, "--save-every", "1", "--max-to-keep", "2"],
+                                world_size=2)
+    args.steps = 5
+    local.run(lambda: train_mlp.train(args, progress=False), 2, timeout=60)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_4", "step_5"]
+    args = train_mlp.parse_args(["--strategy", "zero2", *common, "--resume", "--max-to-keep", "2"], world_size=3)
+    reference, _ = train_mlp.train_reference(args)
+    for params, losses in local.run(lambda: train_mlp.train(args, progress=False), 3, timeout=60):
+        assert len(losses) == 1  # step 6 again
         result = train_mlp.compare_params(args.dtype, params, reference)
         assert result.ok, result.line()
 
