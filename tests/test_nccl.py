@@ -140,18 +140,70 @@ def test_buffers_of_an_async_collective_stay_alive(fake_gpu):
         np.testing.assert_array_equal(out, [2.0, 2.0, 2.0])
 
 
-def test_a_rank_that_never_arrives_times_out_and_aborts(fake_gpu):
+def _engine():
+    return meshkit.current_world().default_group.engine
+
+
+def test_a_rank_that_never_arrives_is_named_and_the_communicator_aborted(fake_gpu):
+    """Rank 2 never calls; rank 0 times out first and names it (ranks 0 and 1 had arrived), both
+    abort their communicators (ncclCommAbort: the double's abort is per rank, as NCCL's), rank 1
+    fails at once on rank 0's notice instead of at its own timeout, and the group stays failed."""
     def body():
-        if meshkit.get_rank() == 1:
+        rank, x = meshkit.get_rank(), double.to_device(np.ones(2))
+        if rank == 2:
             time.sleep(2.5)
             return None
-        with pytest.raises(meshkit.CollectiveTimeout) as info:
-            meshkit.all_reduce(double.to_device(np.ones(2)))
-        return str(info.value)
+        if rank == 1:
+            time.sleep(0.5)  # arrives after rank 0, so that rank 0 times out first
+        start = time.monotonic()
+        with pytest.raises(meshkit.DistError) as info:
+            meshkit.all_reduce(x)
+        elapsed = time.monotonic() - start
+        with pytest.raises(meshkit.DistError, match=r"group world is unusable after an earlier failure: "
+                                                    r"all_reduce #0 (timed out|failed)"):
+            meshkit.all_reduce(x)
+        return info.value, elapsed, _engine().comm._aborted, meshkit.flight_record()[0]["state"]
 
-    message = on_nccl(body, 2, timeout=1)[0]
-    assert re.search(r"rank 0: all_reduce #0 on group world .* timed out .*NCCL all_reduce did not complete; "
-                     r"the communicator was aborted", message), message
+    (error0, _, aborted0, state0), (error1, elapsed1, aborted1, _), _ = on_nccl(body, 3, timeout=1)
+    assert isinstance(error0, meshkit.CollectiveTimeout) and error0.missing == [2], error0
+    assert re.search(r"rank 0: all_reduce #0 on group world \(ranks \[0, 1, 2\]\) timed out after 1.0 s; ranks that "
+                     r"did not arrive: \[2\] \(NCCL all_reduce did not complete; the communicator was aborted\)",
+                     str(error0)), error0
+    assert isinstance(error1, meshkit.RankFailedError), error1
+    assert re.search(r"rank 1: call #0 on group world .* cannot complete: rank 0 stopped using group world at call "
+                     r"#0: all_reduce #0 timed out", str(error1)), error1
+    assert elapsed1 < 0.9, f"rank 1 waited {elapsed1:.2f} s: its own timeout, not rank 0's notice"
+    assert aborted0 and aborted1 and state0 == "timed_out"
+
+
+def test_an_asynchronous_nccl_error_during_a_wait_aborts_and_tells_the_others(fake_gpu):
+    """check_async_error reports an error while rank 0 waits (injected into its communicator,
+    as NCCL reports a network failure): the error names the operation, the communicator is
+    aborted, and rank 1, whose call can no longer complete, fails at once naming rank 0."""
+    told = threading.Event()
+
+    def body():
+        x = double.to_device(np.ones(2))
+        if meshkit.get_rank() == 0:
+            comm = _engine().comm
+            threading.Timer(0.2, comm.inject_async_error, ("double: injected: NET/IB: connection closed",)).start()
+            with pytest.raises(meshkit.DistBackendError) as info:
+                meshkit.all_reduce(x)
+            told.set()
+            return str(info.value), comm._aborted
+        assert told.wait(10)
+        start = time.monotonic()
+        with pytest.raises(meshkit.RankFailedError) as info:
+            meshkit.all_reduce(x)
+        return str(info.value), time.monotonic() - start
+
+    (error0, aborted), (error1, elapsed) = on_nccl(body, 2, timeout=20)
+    assert re.search(r"rank 0: all_reduce: NCCL reported an asynchronous error \(double: injected: NET/IB: connection "
+                     r"closed\); the communicator was aborted", error0), error0
+    assert aborted
+    assert re.search(r"rank 1: call #0 on group world .* cannot complete: rank 0 stopped using group world at call "
+                     r"#0: all_reduce #0 failed: .*NCCL reported an asynchronous error", error1), error1
+    assert elapsed < 5, f"rank 1 waited {elapsed:.1f} s for a call rank 0 had abandoned"
 
 
 # --------------------------------------------------------------------------- bad input
