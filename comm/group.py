@@ -536,6 +536,8 @@ class ProcessGroup:
         work.peer = peer
         if self._tracks:
             self.world.progress.track(work)
+        if getattr(request, "watchdog", False):
+            self.world.progress.watchdog(work)
         return work
 
     def _check_tag(self, op: str, tag: int) -> None:
@@ -622,6 +624,8 @@ class ProcessGroup:
         it once (which starts it if that one has completed)."""
         if self._tracks:
             self.world.progress.track(work)
+        if getattr(work._request, "watchdog", False):  # device work: watched until done (see RequestWork.watchdog)
+            self.world.progress.watchdog(work)
         if work._request is None:
             head = self._inflight[0] if self._inflight else None
             if head is not None and head is not work:
@@ -685,6 +689,19 @@ class ProcessGroup:
         if isinstance(work, _P2PWork):
             return work.error(exc)
         return self._failed(work._op, work._seq, work._record, exc, self.timeout)
+
+    def _watchdog_failed(self, work: RequestWork, exc: BaseException) -> BaseException:
+        """The watchdog found ``work``'s device operation failed or past its deadline, possibly
+        after its ``Work.wait()`` returned (which only ordered the caller's stream): it fails as
+        a waiter's would, the group breaks (the communicator is aborted, the others are told; the
+        next call raises), and the error is logged with the flight record, since no caller may
+        be there to raise it."""
+        error = self._work_failed(work, exc)
+        if self._failure is None:
+            self._broken(f"{work._op} #{work._seq} failed: {error}", work._seq)
+        if not (isinstance(exc, DeadlineExceeded) and work._seq >= 0):  # _failed logged a collective's timeout
+            logger.error("%s\n%s", error, self.world.recorder.format(self.global_rank))
+        return error
 
     def _blocking(self, op: str, step: Callable[[int, float], Any], timeout: float) -> Any:
         """Run a blocking engine step ``step(seq, deadline)`` as operation ``op`` (split, monitored
@@ -838,13 +855,27 @@ class ProcessGroup:
             f"{lines}", calls=described)
 
     def shutdown(self) -> None:
-        """Finish queued tasks (within the timeout), stop the thread, release the engine."""
+        """Finish queued tasks and device work (within the timeout), stop the thread, release the
+        engine (not one that failed: destroying an NCCL communicator waits for its kernels, which
+        may wait for a missing rank forever; the group aborted it instead)."""
         drained = self._thread.drain(self.timeout)
         self._thread.close()
         if not drained:
             self._failure = self._failure or "destroyed with asynchronous work still running"
             logger.warning("meshkit: group %s destroyed with asynchronous work still queued after %.0f s",
                            self.name, self.timeout)
+        drain = getattr(self.engine, "drain", None)
+        if drain is not None and self._failure is None:
+            self._waiting = self._seq - 1  # notices about any call issued so far end the wait
+            try:
+                drain("destroy_process_group", time.monotonic() + self.timeout)
+            except BaseException as exc:  # the group's device work cannot complete: abort, do not hang
+                what = (f"its device work did not complete within {self.timeout:.1f} s" if isinstance(
+                        exc, DeadlineExceeded) else f"its device work failed: {exc}")
+                self._broken(f"destroy_process_group: {what}", self._seq)
+                logger.error("meshkit: rank %d: destroying group %s (ranks %s): %s; the communicator was aborted\n%s",
+                             self.global_rank, self.name, list(self.ranks), what,
+                             self.world.recorder.format(self.global_rank))
         if self.engine is not None and self._failure is None:
             self.engine.free()
 

@@ -74,6 +74,7 @@ class DeviceRequest:
     """
 
     __slots__ = ("engine", "op", "event", "keep", "source", "count", "dtype", "done")
+    watchdog = True  # the progress agent watches it until done, even after Work.wait() returned
 
     def __init__(self, engine: NCCLEngine, op: str, event: Any, keep: tuple) -> None:
         self.engine, self.op, self.event, self.keep = engine, op, event, keep

@@ -206,6 +206,95 @@ def test_an_asynchronous_nccl_error_during_a_wait_aborts_and_tells_the_others(fa
     assert elapsed < 5, f"rank 1 waited {elapsed:.1f} s for a call rank 0 had abandoned"
 
 
+def test_the_watchdog_aborts_deferred_work_past_its_deadline(fake_gpu, monkeypatch, caplog):
+    """Work.wait() of an async call only orders the stream; rank 1 never arrives in time. The
+    watchdog fails the work at the group's timeout: the communicator is aborted (so the host's
+    copy returns instead of hanging), the error is logged with the flight record and kept on
+    the Work, the next call on the group raises, and rank 1, arriving late, fails at once."""
+    monkeypatch.setattr(double, "DOUBLE_TIMEOUT", 6.0)  # a hang in the double, reported sooner
+
+    def body():
+        x = double.to_device(np.ones(2))
+        if meshkit.get_rank() == 1:
+            time.sleep(2.0)
+            start = time.monotonic()
+            with pytest.raises(meshkit.RankFailedError, match=r"rank 0 stopped using group world at call #0: "
+                                                              r"all_reduce #0 timed out"):
+                meshkit.all_reduce(x)
+            return time.monotonic() - start
+        work = meshkit.all_reduce(x, async_op=True)
+        work.wait()  # returns at once: the stream waits, the host does not
+        start = time.monotonic()
+        x.get()  # a host copy: the stream waits for the all_reduce, until the watchdog aborts it
+        got = time.monotonic() - start
+        with pytest.raises(meshkit.DistError, match=r"group world is unusable after an earlier failure: "
+                                                    r"all_reduce #0 timed out"):
+            meshkit.all_reduce(x)
+        for _ in range(200):  # the copy returns once the communicator is aborted, before the
+            if work.exception() is not None:  # watchdog has heard which ranks had arrived
+                break
+            time.sleep(0.01)
+        return got, work.exception(), work.is_success(), _engine().comm._aborted
+
+    with caplog.at_level("ERROR", logger="meshkit"):
+        (got, error, success, aborted), late = on_nccl(body, 2, timeout=1)
+    assert got < 3, f"x.get() waited {got:.1f} s"
+    assert isinstance(error, meshkit.CollectiveTimeout) and error.missing == [1], error
+    assert re.search(r"rank 0: all_reduce #0 on group world .* timed out after 1.0 s; ranks that did not arrive: "
+                     r"\[1\] \(found by the watchdog; Work.wait\(\) had returned", str(error)), error
+    assert not success and aborted
+    assert late < 0.9, f"rank 1 waited {late:.1f} s for a call rank 0 had abandoned"
+    logged = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert any("all_reduce #0 on group world" in m and "meshkit flight recorder, rank 0" in m for m in logged), logged
+
+
+def test_work_wait_with_a_timeout_blocks_the_host_on_device_work(fake_gpu):
+    """As torch's: Work.wait(timeout=...) waits on the host; running out raises and leaves the
+    operation (and the communicator) alone, and a later wait sees it complete."""
+    arrive = threading.Event()
+
+    def body():
+        x = double.to_device(np.full(2, meshkit.get_rank() + 1.0))
+        if meshkit.get_rank() == 1:
+            assert arrive.wait(10)
+            meshkit.all_reduce(x)
+            return double.to_host(x).tolist()
+        work = meshkit.all_reduce(x, async_op=True)
+        start = time.monotonic()
+        with pytest.raises(meshkit.CollectiveTimeout, match=r"all_reduce on group world did not complete within "
+                                                            r"Work.wait\(timeout=0.2\)"):
+            work.wait(timeout=0.2)
+        waited = time.monotonic() - start
+        aborted = _engine().comm._aborted
+        arrive.set()
+        assert work.wait(timeout=10)
+        return waited, aborted, double.to_host(x).tolist()
+
+    (waited, aborted, out0), out1 = on_nccl(body, 2, timeout=30)
+    assert waited >= 0.2 and not aborted
+    assert out0 == out1 == [3.0, 3.0]
+
+
+def test_destroy_does_not_hang_on_device_work_that_never_completes(fake_gpu, monkeypatch):
+    """destroy_process_group right after a deferred call whose peer never comes: destroying the
+    communicator (ncclCommDestroy) would wait for it forever; the group waits at most its timeout
+    for the device work, then aborts the communicator instead."""
+    monkeypatch.setattr(double, "DOUBLE_TIMEOUT", 6.0)
+
+    def body():
+        if meshkit.get_rank() == 1:
+            time.sleep(2.5)
+            return None
+        meshkit.all_reduce(double.to_device(np.ones(2)), async_op=True).wait()
+        engine = _engine()
+        start = time.monotonic()
+        meshkit.destroy_process_group()
+        return time.monotonic() - start, engine.comm._aborted
+
+    (took, aborted), _ = on_nccl(body, 2, timeout=1)
+    assert took < 3 and aborted, (took, aborted)
+
+
 # --------------------------------------------------------------------------- bad input
 def test_unsupported_op_or_dtype_names_both(fake_gpu):
     def body():
