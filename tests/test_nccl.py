@@ -295,6 +295,38 @@ def test_destroy_does_not_hang_on_device_work_that_never_completes(fake_gpu, mon
     assert took < 3 and aborted, (took, aborted)
 
 
+@pytest.mark.parametrize("wait", ["sync", "deferred"])
+def test_a_peer_that_leaves_during_a_device_wait_is_named_at_once(fake_gpu, wait):
+    """Rank 1 destroys its process group (it leaves) while rank 0's all_reduce waits for it on
+    the device, in a synchronous call or after Work.wait() returned (then the watchdog reads
+    the notice): rank 0 fails within a second, not at its 20 s timeout, naming rank 1, and
+    aborts its communicator."""
+    def body():
+        if meshkit.get_rank() == 1:
+            meshkit.destroy_process_group()
+            return None
+        x = double.to_device(np.ones(2))
+        start = time.monotonic()
+        if wait == "sync":
+            with pytest.raises(meshkit.RankFailedError) as info:
+                meshkit.all_reduce(x)
+            error = info.value
+        else:
+            work = meshkit.all_reduce(x, async_op=True)
+            work.wait()
+            while work.exception() is None and time.monotonic() - start < 10:
+                time.sleep(0.01)
+            error = work.exception()
+        return error, time.monotonic() - start, _engine().comm._aborted
+
+    (error, elapsed, aborted), _ = on_nccl(body, 2, timeout=20)
+    assert isinstance(error, meshkit.RankFailedError), error
+    assert re.search(r"rank 0: call #0 on group world \(ranks \[0, 1\]\) cannot complete: rank 1 left the job \(it "
+                     r"destroyed its process group, after 0 calls on the world group\)", str(error)), error
+    assert elapsed < 1, f"rank 0 waited {elapsed:.1f} s"
+    assert aborted
+
+
 # --------------------------------------------------------------------------- bad input
 def test_unsupported_op_or_dtype_names_both(fake_gpu):
     def body():
