@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import inspect
 import re
+import sys
 import threading
 import time
+import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -589,6 +592,34 @@ def test_nccl_without_cupy_says_what_to_install(monkeypatch):
             on_nccl(lambda: None, 1)
     finally:
         cuda_runtime.set_runtime(previous)
+
+
+def test_a_cupy_without_comm_split_is_refused_naming_its_version(monkeypatch):
+    """commSplit arrived in CuPy 14: an older CuPy is refused when the runtime is made, with
+    its version, not at the first sub-group."""
+    class OldCommunicator:  # CuPy 13's NcclCommunicator: no commSplit
+        def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):  # noqa: N802
+            pass
+
+    cupy = types.ModuleType("cupy")
+    cupy.__version__ = "13.6.0"
+    cuda = types.ModuleType("cupy.cuda")
+    nccl = types.ModuleType("cupy.cuda.nccl")
+    nccl.NcclCommunicator, nccl.available = OldCommunicator, True
+    cupy.cuda, cuda.nccl = cuda, nccl
+    for name, module in [("cupy", cupy), ("cupy.cuda", cuda), ("cupy.cuda.nccl", nccl)]:
+        monkeypatch.setitem(sys.modules, name, module)
+    with pytest.raises(meshkit.DistBackendError, match=r"the 'nccl' backend needs CuPy >= 14 \(NcclCommunicator."
+                                                       r"commSplit builds its sub-groups\); CuPy 13.6.0 is installed"):
+        cuda_runtime.CupyRuntime()
+
+
+def test_both_cuda_extras_require_a_cupy_with_comm_split():
+    tomllib = pytest.importorskip("tomllib")
+    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    for extra, wheel in (("cuda12", "cupy-cuda12x"), ("cuda13", "cupy-cuda13x")):
+        assert f"{wheel}>=14" in extras[extra], (extra, extras[extra])
 
 
 @pytest.mark.parametrize("case", ["other collective", "other count"])
