@@ -486,6 +486,123 @@ def test_double_has_the_constants_of_the_real_module():
     assert len(nccl.get_unique_id()) == 128
 
 
+def _real_signature(f) -> inspect.Signature:
+    """``f``'s signature: inspect's, or, for Cython functions without one, parsed from the first
+    line of the docstring (``_ndarray_base.get(self, stream=None, out=None, blocking=True)``,
+    ``get_current_stream(int device_id=-1)``; C types dropped, every default read as None)."""
+    try:
+        return inspect.signature(f)
+    except (TypeError, ValueError):
+        pass
+    head = (f.__doc__ or "").strip().splitlines()[0].split("->")[0]
+    inside = head[head.index("(") + 1:head.rindex(")")]
+    params, kind = [], inspect.Parameter.POSITIONAL_OR_KEYWORD
+    for part in (p.strip() for p in inside.split(",") if p.strip()):
+        if part == "*":
+            kind = inspect.Parameter.KEYWORD_ONLY
+        elif part.startswith("**"):
+            params.append(inspect.Parameter(part[2:], inspect.Parameter.VAR_KEYWORD))
+        elif part.startswith("*"):
+            params.append(inspect.Parameter(part[1:], inspect.Parameter.VAR_POSITIONAL))
+            kind = inspect.Parameter.KEYWORD_ONLY
+        elif part != "/":
+            name, _, default = part.partition("=")
+            params.append(inspect.Parameter(name.split()[-1], kind,
+                                            default=None if default else inspect.Parameter.empty))
+    return inspect.Signature(params)
+
+
+class _Recorder:
+    """Stands in for CuPy (or one of its objects) and records every call made on it, by path:
+    ``cupy.cuda.Device().use`` is ``use`` called on what ``cupy.cuda.Device(...)`` returned."""
+
+    def __init__(self, path: str, calls: list) -> None:
+        self._path, self._calls = path, calls
+
+    def __getattr__(self, name: str) -> "_Recorder":
+        return _Recorder(f"{self._path}.{name}", self._calls)
+
+    def __call__(self, *args, **kwargs) -> "_Recorder":
+        self._calls.append((self._path, args, kwargs))
+        return _Recorder(f"{self._path}()", self._calls)
+
+    def __int__(self) -> int:
+        return 1
+
+
+def _resolve(path: str, modules: dict):
+    """The real callable a recorded path names, and whether it is called on an instance."""
+    first, *rest = path.split(".")
+    obj, bound = modules[first], False
+    for part in rest:
+        if obj is None or bound and part.endswith("()"):
+            raise AssertionError(f"{path}: cannot follow the result of a call on an instance")
+        if part.endswith("()"):  # an instance of the class called here
+            obj = getattr(obj, part[:-2], None)
+            assert isinstance(obj, type), f"{path}: {part[:-2]} is not a class of the real CuPy"
+            bound = True
+        else:
+            obj = getattr(obj, part, None)
+            assert obj is not None, f"{path}: the real CuPy has no {part}"
+    return obj, bound
+
+
+def test_every_cupy_call_of_the_runtime_exists_in_the_real_cupy(monkeypatch):
+    """Run every method of CupyRuntime against a recorder of CuPy, then bind each recorded call
+    to the real CuPy's function, class or method: a renamed function or keyword (say
+    ``ndarray.get(out=, blocking=)``, which older CuPy lacks) fails here, without a GPU."""
+    _real_nccl()
+    import cupy
+    import cupyx
+
+    calls: list = []
+    rt = cuda_runtime.CupyRuntime()
+    rt._cupy = _Recorder("cupy", calls)
+    monkeypatch.setitem(sys.modules, "cupyx", _Recorder("cupyx", calls))
+    array = _Recorder("cupy.ndarray()", calls)  # what the MPI engine hands over: CuPy arrays
+    exercised = {
+        "device_count": lambda: rt.device_count(),
+        "use_device": lambda: rt.use_device(0),
+        "new_stream": lambda: rt.new_stream(),
+        "new_event": lambda: rt.new_event(),
+        "current_stream": lambda: rt.current_stream(),
+        "pinned_empty": lambda: rt.pinned_empty((4,), np.float32),
+        "copy_to_host": lambda: rt.copy_to_host(array, np.empty(4, np.float32), rt.new_stream()),
+        "copy_to_device": lambda: rt.copy_to_device(np.empty(4, np.float32), array, rt.new_stream()),
+    }
+    no_cupy = {"is_device_array", "pointer"}  # they read __cuda_array_interface__ only
+    public = {n for n in dir(cuda_runtime.CupyRuntime) if not n.startswith("_") and n != "nccl"}
+    assert public == set(exercised) | no_cupy, "a new CupyRuntime method: add it to this test"
+    for name, run in exercised.items():
+        run()
+    paths = sorted({path for path, _, _ in calls})
+    assert paths == ["cupy.cuda.Device", "cupy.cuda.Device().use", "cupy.cuda.Event", "cupy.cuda.Stream",
+                     "cupy.cuda.get_current_stream", "cupy.cuda.runtime.getDeviceCount", "cupy.ndarray().get",
+                     "cupy.ndarray().set", "cupyx.empty_pinned"], paths
+    modules = {"cupy": cupy, "cupyx": cupyx}
+    for path, args, kwargs in calls:
+        real, bound = _resolve(path, modules)
+        signature = _real_signature(real)
+        try:
+            signature.bind(*(("self",) if bound else ()), *args, **kwargs)
+        except TypeError as exc:
+            raise AssertionError(f"{path}{signature} does not accept args={args} kwargs={kwargs}: {exc}") from None
+
+    # What the engines do with the streams and events the runtime returns (the runtime's contract).
+    stream, event = cupy.cuda.Stream, cupy.cuda.Event
+    for method, args in [(stream.wait_event, ("event",)), (stream.synchronize, ()), (event.record, ("stream",)),
+                         (event.synchronize, ())]:
+        _real_signature(method).bind("self", *args)
+    assert isinstance(inspect.getattr_static(event, "done"), property), "Event.done is read, not called"
+    assert isinstance(stream.null.ptr, int)
+    # and the double has the same names
+    for fake, real in [(double.FakeStream.wait_event, stream.wait_event), (double.FakeStream.synchronize,
+                       stream.synchronize), (double.FakeEvent.record, event.record),
+                       (double.FakeEvent.synchronize, event.synchronize)]:
+        assert list(inspect.signature(fake).parameters) == list(_real_signature(real).parameters), fake
+    assert isinstance(inspect.getattr_static(double.FakeEvent, "done"), property)
+
+
 def test_on_real_gpus(mpirun):
     if not cuda_runtime.gpu_available():
         pytest.skip("no GPU: CuPy sees no CUDA device here (the NCCL engine is tested over the double)")
