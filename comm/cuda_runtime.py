@@ -47,7 +47,8 @@ class CupyRuntime:
     """The runtime over CuPy (``cupy.cuda`` and ``cupy.cuda.nccl``).
 
     Raises:
-        DistBackendError: CuPy or its NCCL bindings cannot be imported.
+        DistBackendError: CuPy or its NCCL bindings cannot be imported, or the CuPy is older
+            than 14 (its NcclCommunicator has no ``commSplit``, which builds every sub-group).
     """
 
     def __init__(self) -> None:
@@ -61,6 +62,10 @@ class CupyRuntime:
         if not getattr(nccl, "available", True):
             raise DistBackendError("meshkit.comm: CuPy is installed but its NCCL bindings are not available; "
                                    "pip install nvidia-nccl-cu12 (or -cu13)")
+        if not hasattr(nccl.NcclCommunicator, "commSplit"):  # added in CuPy 14; found at init, not at the first split
+            raise DistBackendError(f"meshkit.comm: the 'nccl' backend needs CuPy >= 14 (NcclCommunicator.commSplit "
+                                   f"builds its sub-groups); CuPy {getattr(cupy, '__version__', '?')} is installed: "
+                                   "pip install 'cupy-cuda12x>=14' (or cupy-cuda13x)")
         self._cupy = cupy
         self.nccl = nccl
 

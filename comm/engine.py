@@ -14,7 +14,11 @@ of blocking the host; NCCL), ``start_coalescing()``/``end_coalescing()`` (``batc
 posts its list as one group; NCCL), ``queues = False`` (async collectives start at once instead
 of waiting behind the group's earlier one; NCCL, whose stream orders them), ``use_device()``
 (make the group's GPU current on the calling thread, before a ``run_async`` task allocates device
-memory on the communication thread; NCCL), ``flush``/``abort`` (send pending notices, job abort).
+memory on the communication thread; NCCL), ``flush``/``abort`` (send pending notices, job abort),
+``abandon(why)`` (the group broke: stop everything the engine started, so that nothing waits for
+a missing rank forever; NCCL's ``ncclCommAbort``), ``drain(op, deadline)`` (wait for all device
+work, before ``destroy_process_group`` frees the engine; NCCL). A request with ``watchdog = True``
+(NCCL's) is watched by the progress agent until it completes, even after ``Work.wait()`` returned.
 
 Engines see only checked, C-contiguous arrays and group ranks. Reduce ops arrive as
 :class:`~meshkit.comm.reduce_op.ReduceOp`; an engine without a native average reduces

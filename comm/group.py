@@ -33,9 +33,9 @@ import numpy as np
 from .checks import check_array, check_like, check_list, check_root, check_split_sizes, where
 from .debug import ERROR, STATE, T_END, Call, CollectiveRecord, DebugLevel
 from .engine import DeadlineExceeded, Engine, Request
-from .errors import (CollectiveMismatchError, CollectiveTimeout, DistError, DistTypeError, DistValueError,
-                     RankFailedError)
-from .notices import BROKEN, LEFT, REJECTED, Notice
+from .errors import (CollectiveMismatchError, CollectiveTimeout, DistBackendError, DistError, DistTypeError,
+                     DistValueError, RankFailedError)
+from .notices import BROKEN, LEFT, REJECTED, WATCH_INTERVAL, Notice
 from .reduce_op import ReduceOp, check_op_dtype, valid_op_dtypes
 from .work import CommThread, RequestWork, Work
 
@@ -47,6 +47,14 @@ __all__ = ["ProcessGroup"]
 logger = logging.getLogger("meshkit")
 
 _get_ident = threading.get_ident
+#: Notices are read by the waiting caller and by the progress agent's watchdog: one at a time
+#: (MPI's mailbox is an iprobe then a receive, which two threads must not interleave).
+_notice_lock = threading.Lock()
+#: Seconds a rank whose call timed out on an engine that aborts (NCCL) listens for the members
+#: that had reached the call: they were waiting in it (or their watchdog was), read its BROKEN
+#: notice within WATCH_INTERVAL (10 ms) and answer with theirs; 50x that leaves room for a
+#: loaded machine. It is waited in full only when some member never reached the call.
+_ARRIVAL_GRACE = 0.5
 
 
 class ProcessGroup:
@@ -83,6 +91,9 @@ class ProcessGroup:
         # Engines without a native average sum, and the group divides once (as NCCL's AVG does).
         self._divides = engine is not None and not engine.native_avg
         self._tracks = engine is not None and getattr(engine, "needs_progress", False)
+        # An engine with ``abandon`` (NCCL) aborts its communicator when the group breaks: nothing
+        # it started can complete afterwards, on this rank or for the other members.
+        self._abandons = engine is not None and hasattr(engine, "abandon")
         # At most one collective of the group is in the engine at a time; later async calls wait in
         # this queue, in order, and start as the one before completes (see _advance). MPICH runs two
         # concurrent Iallreduce of 256 KB-4 MB 1.8-2.6x slower than the same two one after the other
@@ -525,6 +536,8 @@ class ProcessGroup:
         work.peer = peer
         if self._tracks:
             self.world.progress.track(work)
+        if getattr(request, "watchdog", False):
+            self.world.progress.watchdog(work)
         return work
 
     def _check_tag(self, op: str, tag: int) -> None:
@@ -611,6 +624,8 @@ class ProcessGroup:
         it once (which starts it if that one has completed)."""
         if self._tracks:
             self.world.progress.track(work)
+        if getattr(work._request, "watchdog", False):  # device work: watched until done (see RequestWork.watchdog)
+            self.world.progress.watchdog(work)
         if work._request is None:
             head = self._inflight[0] if self._inflight else None
             if head is not None and head is not work:
@@ -675,6 +690,19 @@ class ProcessGroup:
             return work.error(exc)
         return self._failed(work._op, work._seq, work._record, exc, self.timeout)
 
+    def _watchdog_failed(self, work: RequestWork, exc: BaseException) -> BaseException:
+        """The watchdog found ``work``'s device operation failed or past its deadline, possibly
+        after its ``Work.wait()`` returned (which only ordered the caller's stream): it fails as
+        a waiter's would, the group breaks (the communicator is aborted, the others are told; the
+        next call raises), and the error is logged with the flight record, since no caller may
+        be there to raise it."""
+        error = self._work_failed(work, exc)
+        if self._failure is None:
+            self._broken(f"{work._op} #{work._seq} failed: {error}", work._seq)
+        if not (isinstance(exc, DeadlineExceeded) and work._seq >= 0):  # _failed logged a collective's timeout
+            logger.error("%s\n%s", error, self.world.recorder.format(self.global_rank))
+        return error
+
     def _blocking(self, op: str, step: Callable[[int, float], Any], timeout: float) -> Any:
         """Run a blocking engine step ``step(seq, deadline)`` as operation ``op`` (split, monitored
         barrier): numbered, recorded and ordered like every other operation."""
@@ -719,20 +747,32 @@ class ProcessGroup:
         if isinstance(exc, DeadlineExceeded):
             record[STATE] = "timed_out"
             self._broken(f"{op} #{seq} timed out", seq, timed_out=True)
+            if self._abandons:
+                exc.detail = f"{exc.detail}; the communicator was aborted" if exc.detail else \
+                    "the communicator was aborted"
+                if exc.missing is None and seq >= 0:
+                    exc.missing = self._not_arrived(seq)
             error = self._timeout_error(op, seq, timeout, exc)
             record[ERROR] = str(error)
             logger.error("%s\n%s", error, self.world.recorder.format(self.global_rank))
             return error
         record[STATE], record[ERROR] = "failed", repr(exc)
-        if isinstance(exc, RankFailedError) and self._failure is None:
+        # A peer's failure breaks the group; on an engine that aborts (NCCL), so does its own
+        # failure (an asynchronous NCCL error aborted the communicator): the others are told.
+        if self._failure is None and (isinstance(exc, RankFailedError)
+                                      or (self._abandons and isinstance(exc, DistBackendError))):
             self._broken(f"{op} #{seq} failed: {exc}", seq)
         if isinstance(exc, CollectiveMismatchError):
             logger.error("%s\n%s", exc, self.world.recorder.format(self.global_rank))
         return exc
 
     def _broken(self, why: str, seq: int, *, timed_out: bool = False) -> None:
-        """This rank stops using the group at call ``seq``; the other members are told."""
+        """This rank stops using the group at call ``seq``; the other members are told (after the
+        engine, if it can, aborted what it had started: an NCCL kernel would otherwise wait for
+        the missing ranks forever)."""
         self._failure = why
+        if self._abandons:
+            self.engine.abandon(why)
         self._tell(Notice(BROKEN, self.global_rank, self.ranks, seq, why, timed_out=timed_out))
 
     def _tell(self, notice: Notice) -> None:
@@ -757,14 +797,39 @@ class ProcessGroup:
 
     def _stalled(self) -> None:
         """Called while a wait on this group lasts: raise if a notice shows it is in vain."""
+        self._check_notices(self._waiting)
+
+    def _read_notices(self) -> list[Notice]:
+        """Every notice this rank received so far (new ones read from the engine)."""
         world = self.world
-        world.notices.extend(self.engine.notices())
-        for notice in world.notices:
-            if notice.blocks(self.ranks, self._waiting, self._rejected):
-                what = f"call #{self._waiting}" if self._waiting >= 0 else "a send or receive"
+        with _notice_lock:
+            world.notices.extend(self.engine.notices())
+        return world.notices
+
+    def _check_notices(self, seq: int) -> None:
+        """RankFailedError if a notice shows that call #``seq`` (-1: a send or receive) cannot complete."""
+        for notice in self._read_notices():
+            if notice.blocks(self.ranks, seq, self._rejected, aborts=self._abandons):
+                what = f"call #{seq}" if seq >= 0 else "a send or receive"
                 raise RankFailedError(f"meshkit.comm: rank {self.global_rank}: {what} on group "
                                       f"{self.name} (ranks {list(self.ranks)}) cannot complete: "
                                       f"{notice.describe(self.name, p2p=self._waiting < 0)}")
+
+    def _not_arrived(self, seq: int) -> list[int]:
+        """The members that never reached call #``seq``, which timed out here (engines that abort).
+
+        This rank has told the others (a BROKEN notice) and aborted its communicator, so every
+        member waiting in call ``seq`` or a later one fails at once and tells the others in turn
+        (see :meth:`Notice.blocks`); a member that never issued the call is not waiting in it and
+        stays silent. So the members not heard from within ``_ARRIVAL_GRACE`` did not arrive.
+        """
+        others = set(self.ranks) - {self.global_rank}
+        deadline = time.monotonic() + _ARRIVAL_GRACE
+        while True:
+            missing = others - {n.sender for n in self._read_notices() if n.reached(self.ranks, seq)}
+            if not missing or time.monotonic() >= deadline:
+                return sorted(missing)
+            time.sleep(WATCH_INTERVAL)
 
     def counts(self) -> tuple[tuple[int, ...], int]:
         """``(ranks, calls issued)``: what a LEFT notice says of this group."""
@@ -773,8 +838,11 @@ class ProcessGroup:
     def _timeout_error(self, op: str, seq: int, timeout: float, exc: DeadlineExceeded) -> CollectiveTimeout:
         head = (f"meshkit.comm: rank {self.global_rank}: {op} #{seq} on group {self.name} "
                 f"(ranks {list(self.ranks)}) timed out after {timeout:.1f} s")
-        if exc.missing is not None:
+        if exc.missing:
             who = f"ranks that did not arrive: {sorted(exc.missing)}"
+        elif exc.missing is not None:
+            who = ("every rank reached the call; they may have called different collectives or "
+                   "counts (run with MESHKIT_DEBUG=detail to check every call)")
         else:
             who = (f"the {self.backend} engine cannot tell which ranks did not arrive; run with "
                    "MESHKIT_DEBUG=detail to check arrivals before every collective, or use monitored_barrier")
@@ -795,13 +863,27 @@ class ProcessGroup:
             f"{lines}", calls=described)
 
     def shutdown(self) -> None:
-        """Finish queued tasks (within the timeout), stop the thread, release the engine."""
+        """Finish queued tasks and device work (within the timeout), stop the thread, release the
+        engine (not one that failed: destroying an NCCL communicator waits for its kernels, which
+        may wait for a missing rank forever; the group aborted it instead)."""
         drained = self._thread.drain(self.timeout)
         self._thread.close()
         if not drained:
             self._failure = self._failure or "destroyed with asynchronous work still running"
             logger.warning("meshkit: group %s destroyed with asynchronous work still queued after %.0f s",
                            self.name, self.timeout)
+        drain = getattr(self.engine, "drain", None)
+        if drain is not None and self._failure is None:
+            self._waiting = self._seq - 1  # notices about any call issued so far end the wait
+            try:
+                drain("destroy_process_group", time.monotonic() + self.timeout)
+            except BaseException as exc:  # the group's device work cannot complete: abort, do not hang
+                what = (f"its device work did not complete within {self.timeout:.1f} s" if isinstance(
+                        exc, DeadlineExceeded) else f"its device work failed: {exc}")
+                self._broken(f"destroy_process_group: {what}", self._seq)
+                logger.error("meshkit: rank %d: destroying group %s (ranks %s): %s; the communicator was aborted\n%s",
+                             self.global_rank, self.name, list(self.ranks), what,
+                             self.world.recorder.format(self.global_rank))
         if self.engine is not None and self._failure is None:
             self.engine.free()
 

@@ -22,8 +22,10 @@ event and polls ``check_async_error``. Waiting has two forms:
 
 * a synchronous call (``async_op=False``) blocks the host until the done event fires, under
   the group's timeout, reading notices from other ranks meanwhile (``Engine.wait``); on a
-  timeout, an asynchronous NCCL error or a peer's failure the communicator is aborted and the
-  error names the operation;
+  timeout, an asynchronous NCCL error or a peer's failure the group breaks, which aborts the
+  communicator (:meth:`NCCLEngine.abandon`) and tells the other members; the error names the
+  operation, and a timeout the ranks that did not arrive (the members that had arrived fail
+  at once on the notice and say so: see ``ProcessGroup._not_arrived``);
 * ``Work.wait()`` of an ``async_op=True`` call makes the caller's current stream wait on the
   done event (:meth:`NCCLEngine.defer`) and returns at once, as torch's does; the work counts
   as finished for the host. Its buffers stay referenced by the engine until the event fires.
@@ -72,6 +74,7 @@ class DeviceRequest:
     """
 
     __slots__ = ("engine", "op", "event", "keep", "source", "count", "dtype", "done")
+    watchdog = True  # the progress agent watches it until done, even after Work.wait() returned
 
     def __init__(self, engine: NCCLEngine, op: str, event: Any, keep: tuple) -> None:
         self.engine, self.op, self.event, self.keep = engine, op, event, keep
@@ -240,13 +243,23 @@ class NCCLEngine:
         return request
 
     def check_error(self, op: str) -> None:
-        """Raise (after aborting the communicator) if NCCL reported an asynchronous error."""
+        """Raise (after aborting the communicator) if NCCL reported an asynchronous error, or if the
+        communicator was aborted (an aborted communicator must not be called again)."""
+        if self._aborted is not None:
+            raise DistBackendError(f"meshkit.comm: rank {self._me}: {op}: the NCCL communicator was aborted "
+                                   f"({self._aborted})")
         try:
             self.comm.check_async_error()
         except Exception as exc:  # NcclError, whatever its module
             self._abort(f"{op}: {exc}")
             raise DistBackendError(f"meshkit.comm: rank {self._me}: {op}: NCCL reported an asynchronous error "
                                    f"({exc}); the communicator was aborted") from None
+
+    def abandon(self, why: str) -> None:
+        """The group broke (a timeout, a peer's failure, ``ProcessGroup.abort``): abort the
+        communicator (``ncclCommAbort``), so that its kernels stop waiting for the other ranks
+        and the streams ordered after them go on. Idempotent."""
+        self._abort(why)
 
     def _abort(self, why: str) -> None:
         if self._aborted is None:
@@ -257,7 +270,12 @@ class NCCLEngine:
                 pass
 
     def wait(self, request: Any, deadline: float) -> None:
-        """Block the host until ``request`` completes (a synchronous call), under ``deadline``."""
+        """Block the host until ``request`` completes, under ``deadline``.
+
+        Past the deadline it raises DeadlineExceeded and leaves the communicator alone: the group
+        aborts it (:meth:`abandon`) when the operation itself timed out, not when a caller's own
+        ``Work.wait(timeout=...)`` ran out (the operation goes on, as in torch).
+        """
         if isinstance(request, _HostAverage):
             if not request.done:
                 self.host.wait(request.inner, deadline)
@@ -271,8 +289,7 @@ class NCCLEngine:
             while not request.Test():
                 now = time.monotonic()
                 if now > deadline:
-                    self._abort(f"{request.op} timed out")
-                    raise DeadlineExceeded(detail=f"NCCL {request.op} did not complete; the communicator was aborted")
+                    raise DeadlineExceeded(detail=f"NCCL {request.op} did not complete")
                 if self._watch is not None and now - watched > WATCH_INTERVAL:
                     watched = now
                     self._watch()
@@ -440,11 +457,7 @@ class NCCLEngine:
         host = self.host.split(color, ranks, deadline)
         # NCCL: no operation may be outstanding on a communicator being split (async work that
         # Work.wait() only ordered may still run on the device): wait for the stream first.
-        rt = self.rt
-        rt.use_device(self.device)
-        drained = rt.new_event()
-        drained.record(self.stream)
-        self.wait(DeviceRequest(self, "split", drained, ()), deadline)
+        self.drain("split", deadline)
         child = self.comm.commSplit(-1 if color is None else int(color), self.rank)
         if host is None:
             return None
@@ -452,6 +465,15 @@ class NCCLEngine:
             raise DistBackendError(f"meshkit.comm: rank {self._me}: split: NCCL formed rank {child.rank_id()} of "
                                    f"{child.size()}, the host engine rank {host.rank} of {host.size}")
         return NCCLEngine(host, child, self.rt, self.device)
+
+    def drain(self, op: str, deadline: float) -> None:
+        """Block the host until everything issued on the communication stream so far completed
+        (before ``op``: a split, or destroying the communicator), under ``deadline``."""
+        rt = self.rt
+        rt.use_device(self.device)
+        drained = rt.new_event()
+        drained.record(self.stream)
+        self.wait(DeviceRequest(self, op, drained, ()), deadline)
 
     def free(self) -> None:
         if self._aborted is None:

@@ -53,8 +53,13 @@ class Notice:
     counts: tuple[tuple[tuple[int, ...], int], ...] = ()
     timed_out: bool = False
 
-    def blocks(self, ranks: tuple[int, ...], waiting: int, own_rejections: set[int]) -> bool:
-        """True if a member of ``ranks`` stalled in call #``waiting`` waits in vain."""
+    def blocks(self, ranks: tuple[int, ...], waiting: int, own_rejections: set[int], *,
+               aborts: bool = False) -> bool:
+        """True if a member of ``ranks`` stalled in call #``waiting`` waits in vain.
+
+        ``aborts``: the group's engine aborts its communicator when the group breaks (NCCL), so a
+        member that timed out in this very call has left it for good.
+        """
         if self.sender not in ranks:
             return False
         if self.kind == LEFT:
@@ -65,11 +70,25 @@ class Notice:
             if waiting < 0:  # a send or receive (numbered -1): the group is broken, so is its traffic
                 return True
             # A rank that timed out in this very call reports what every waiter will see at its
-            # own timeout (and they name the missing ranks): only an earlier call counts then.
-            return self.seq < waiting or (self.seq == waiting and not self.timed_out)
+            # own timeout (and they name the missing ranks): only an earlier call counts then,
+            # unless the timed-out rank aborted its communicator (NCCL): then the call can never
+            # complete, and the waiters fail at once, which tells it they had arrived.
+            return self.seq < waiting or (self.seq == waiting and (aborts or not self.timed_out))
         # REJECTED: only the call itself (a quick retry may still complete it); a call this rank
         # rejected as well was a mistake of every rank, not a rank left behind.
         return self.seq == waiting and waiting not in own_rejections
+
+    def reached(self, ranks: tuple[int, ...], seq: int) -> bool:
+        """True if this notice shows that its sender had issued call #``seq`` on group ``ranks``:
+        it broke in that call or a later one (a rank that was waiting in it when the group broke
+        says so), rejected a later call, or left after issuing it."""
+        if self.sender not in ranks:
+            return False
+        if self.kind == LEFT:
+            return dict(self.counts).get(ranks, 0) > seq
+        if self.group != ranks:
+            return False
+        return self.seq >= seq if self.kind == BROKEN else self.seq > seq
 
     def describe(self, group_name: str, *, p2p: bool = False) -> str:
         """The notice in words; ``p2p``: for a waiting send or receive, which has no call number."""

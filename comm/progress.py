@@ -1,4 +1,5 @@
-"""The progress agent: keeps engines' outstanding requests moving while nobody waits on them.
+"""The progress agent: keeps engines' outstanding requests moving while nobody waits on them,
+and watches device work until it completes.
 
 MPI moves the data of a nonblocking collective only inside MPI calls (MPICH has no progress
 thread by default). A caller that posts an ``async_op=True`` all-reduce and then computes
@@ -7,17 +8,25 @@ outstanding requests of engines that need it, and settles those that completed. 
 tests a request a caller is waiting on (that caller polls it itself), and between rounds it
 sleeps rather than yields: on a machine with a core per rank, a yielding poller would take
 half of the core from the rank's own computation.
+
+It is also the watchdog of device work (NCCL), as torch's ProcessGroupNCCL watchdog thread:
+``Work.wait()`` of a device collective returns once the caller's stream is ordered after it,
+so nothing else would see it fail or never complete. Every :data:`WATCHDOG_INTERVAL` the agent
+runs :meth:`RequestWork.watchdog` on each such work until its done event fired.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 
 from .work import RequestWork
 
-__all__ = ["ProgressAgent"]
+__all__ = ["ProgressAgent", "WATCHDOG_INTERVAL"]
+
+logger = logging.getLogger("meshkit")
 
 #: Seconds a request must have been outstanding before the agent tests it. Most async
 #: requests are waited for within microseconds (two all_reduces then two waits): the caller
@@ -33,6 +42,11 @@ _ROUND_NAP = 0.0002
 #: post cost the poster ~0.1 ms (the agent takes the interpreter lock as MPI's call releases it),
 #: and it acts only on requests older than _GRACE anyway.
 _IDLE_NAP = 0.005
+#: Seconds between watchdog rounds over device work: torch's NCCL watchdog looks every 100 ms;
+#: a rank whose device work waits in a call another member abandoned must answer that member's
+#: notice well within its listening time (group._ARRIVAL_GRACE, 0.5 s), so 10x more often. A
+#: round costs an event query, an NCCL error check and a look for notices per work.
+WATCHDOG_INTERVAL = 0.01
 
 
 class ProgressAgent:
@@ -46,6 +60,8 @@ class ProgressAgent:
     def __init__(self, name: str) -> None:
         self._name = name
         self._works: collections.deque[RequestWork] = collections.deque()  # append/popleft need no lock
+        self._watched: collections.deque[RequestWork] = collections.deque()  # device work (watchdog)
+        self._next_watch = 0.0
         self._cond = threading.Condition(threading.Lock())
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -57,6 +73,14 @@ class ProgressAgent:
     def track(self, work: RequestWork) -> None:
         """Keep ``work`` moving until it completes (or the agent closes); the agent is not woken."""
         self._works.append(work)
+        self._start()
+
+    def watchdog(self, work: RequestWork) -> None:
+        """Watch device ``work`` until it completes or fails (see :meth:`RequestWork.watchdog`)."""
+        self._watched.append(work)
+        self._start()
+
+    def _start(self) -> None:
         if self._thread is None:
             with self._cond:
                 if self._thread is None:
@@ -72,6 +96,8 @@ class ProgressAgent:
         works = self._works
         nap, last = _GRACE, None
         while not self._closed:
+            if self._watched and time.monotonic() >= self._next_watch:
+                self._watch()
             while works and works[0]._finished:
                 works.popleft()
             if not works:
@@ -95,3 +121,17 @@ class ProgressAgent:
             if not self.waiting:
                 oldest.poll(block=False)
             time.sleep(_ROUND_NAP)
+
+    def _watch(self) -> None:
+        """One watchdog round: every watched work is looked at once; those done are dropped."""
+        watched = self._watched
+        for _ in range(len(watched)):  # others may append meanwhile: they wait for the next round
+            work = watched.popleft()
+            try:
+                finished = work.watchdog()
+            except Exception:  # the watchdog must outlive anything one work does
+                logger.exception("meshkit: the watchdog failed on %r", work)
+                finished = True
+            if not finished:
+                watched.append(work)
+        self._next_watch = time.monotonic() + WATCHDOG_INTERVAL

@@ -2,10 +2,11 @@
 
 A collective started with ``async_op=True`` is posted to the engine by the caller at once and
 returned as a :class:`RequestWork`: waiting polls the engine's request, except on an engine with
-``defer`` (NCCL), where waiting for a device collective orders the caller's stream after it
-without blocking the host (and while nobody waits,
-the world's :class:`~meshkit.comm.progress.ProgressAgent` polls it, so MPI keeps moving the data
-while the caller computes).
+``defer`` (NCCL), where waiting (without a timeout) for a device collective orders the caller's
+stream after it without blocking the host, and the progress agent's watchdog enforces its
+deadline (:meth:`RequestWork.watchdog`). While nobody waits, the world's
+:class:`~meshkit.comm.progress.ProgressAgent` polls it, so MPI keeps moving the data while the
+caller computes.
 
 Tasks that chain several collectives with computation in between (communication hooks, ZeRO-2's
 reduce-to-owners, FSDP's reduce-scatter then all-reduce) run with ``run_async`` on the group's
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from .debug import STATE, T_END, T_START
 from .engine import DeadlineExceeded
 from .errors import CollectiveTimeout, DistError
+from .notices import WATCH_INTERVAL
 
 if TYPE_CHECKING:
     from .engine import Request
@@ -218,6 +220,44 @@ class RequestWork(Work):
     def is_completed(self) -> bool:
         return self._finished or self.poll()
 
+    def watchdog(self) -> bool:
+        """One round of the watchdog over a device operation (the progress agent's; torch's NCCL
+        watchdog): True once nothing is left to watch.
+
+        ``Work.wait()`` of a device collective only orders the caller's stream after it, and
+        nothing else would notice if it never completed: the host would hang later, in a copy or
+        at shutdown. So the agent tests it (the done event, NCCL's asynchronous errors), reads
+        notices (a member that broke or left) and, past its deadline, fails it; the group then
+        breaks (:meth:`ProcessGroup._watchdog_failed`). A caller waiting on it now is left alone.
+        """
+        if self._error is not None or self._request is None:
+            return self._error is not None
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if self._error is not None:
+                return True
+            group = self._owner_group
+            try:
+                if self._request.Test():
+                    return True
+                now = time.monotonic()
+                if now - self.posted > WATCH_INTERVAL:  # as a waiter does: a quick retry of a rejected call counts
+                    group._check_notices(self._seq)
+                if now <= self._deadline:
+                    return False
+                raise DeadlineExceeded(detail="found by the watchdog" + (
+                    "; Work.wait() had returned, having ordered only the device stream" if self._finished else ""))
+            except BaseException as exc:
+                error = group._watchdog_failed(self, exc)
+                if self._finished:
+                    self._error = error  # its wait() returned: exception() and is_success() tell
+                else:
+                    self._finish(None, error)
+                return True
+        finally:
+            self._lock.release()
+
     def is_success(self) -> bool:
         return self._finished and self._error is None
 
@@ -231,8 +271,10 @@ class RequestWork(Work):
                     request = self._request
                     defer = getattr(self._owner_group.engine, "defer", None)
                     try:
-                        if defer is not None and defer(request):
-                            pass  # a device collective: the caller's stream waits for it, the host does not
+                        # A device collective: the caller's stream waits for it, the host does not
+                        # (the watchdog enforces the deadline); with a timeout the host waits, as torch's.
+                        if timeout is None and defer is not None and defer(request):
+                            pass
                         elif not request.Test():
                             self._owner_group._block(request, limit, self._seq)
                     except DeadlineExceeded as exc:

@@ -445,6 +445,7 @@ class FakeCommunicator:
         if any(m._device == device for m in clique.members.values()):
             raise FakeNcclError(f"double: duplicate GPU {device} in one communicator")
         self._clique, self._rank, self._device, self._destroyed = clique, rank, device, False
+        self._aborted, self._injected = False, None
         clique.members[rank] = self
 
     # ------------------------------------------------------------------ checks
@@ -558,6 +559,7 @@ class FakeCommunicator:
         out = FakeCommunicator.__new__(FakeCommunicator)
         with _cond:
             out._clique, out._rank, out._device, out._destroyed = found[0], found[1], self._device, False
+            out._aborted, out._injected = False, None
             found[0].members[found[1]] = out
         return out
 
@@ -579,12 +581,35 @@ class FakeCommunicator:
                     del _cliques[key]
 
     def abort(self) -> None:
+        """ncclCommAbort on this rank only: its own operations stop (its streams go on, past
+        them); the other ranks are told nothing, and their parts of operations that needed this
+        rank never complete (on a GPU their kernels spin), until they abort too."""
+        clique = self._clique
         with _cond:
-            self._clique.fail(f"rank {self._rank} aborted the communicator")
-            self._destroyed = True
+            self._destroyed = self._aborted = True
+            ops = clique.collectives[self._rank]
+            for op in ops:
+                op.done = True
+            ops.clear()  # and never refilled (it cannot post): no collective of the clique runs again
+            # sends[(a, b)] are rank a's, recvs[(a, b)] rank b's: this rank's own parts stop
+            mine = [q for (a, _), q in clique.sends.items() if a == self._rank]
+            mine += [q for (_, b), q in clique.recvs.items() if b == self._rank]
+            for queue in mine:
+                for op in queue:
+                    op.done = True
+                queue.clear()
             _progress()
 
+    def inject_async_error(self, why: str) -> None:
+        """Make this rank's ``check_async_error`` report ``why`` from now on, as NCCL reports a
+        failure it met while running (a network error, a peer's process dying): for tests."""
+        self._injected = why
+
     def check_async_error(self) -> None:
+        if self._injected is not None:
+            raise FakeNcclError(self._injected)
+        if self._aborted:  # CuPy clears an aborted communicator's handle
+            raise FakeNcclError("double: check_async_error on an aborted communicator")
         if self._clique.error is not None:
             raise FakeNcclError(self._clique.error)
 

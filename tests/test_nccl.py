@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import inspect
 import re
+import sys
 import threading
 import time
+import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -140,18 +143,191 @@ def test_buffers_of_an_async_collective_stay_alive(fake_gpu):
         np.testing.assert_array_equal(out, [2.0, 2.0, 2.0])
 
 
-def test_a_rank_that_never_arrives_times_out_and_aborts(fake_gpu):
+def _engine():
+    return meshkit.current_world().default_group.engine
+
+
+def test_a_rank_that_never_arrives_is_named_and_the_communicator_aborted(fake_gpu):
+    """Rank 2 never calls; rank 0 times out first and names it (ranks 0 and 1 had arrived), both
+    abort their communicators (ncclCommAbort: the double's abort is per rank, as NCCL's), rank 1
+    fails at once on rank 0's notice instead of at its own timeout, and the group stays failed."""
+    def body():
+        rank, x = meshkit.get_rank(), double.to_device(np.ones(2))
+        if rank == 2:
+            time.sleep(2.5)
+            return None
+        if rank == 1:
+            time.sleep(0.5)  # arrives after rank 0, so that rank 0 times out first
+        start = time.monotonic()
+        with pytest.raises(meshkit.DistError) as info:
+            meshkit.all_reduce(x)
+        elapsed = time.monotonic() - start
+        with pytest.raises(meshkit.DistError, match=r"group world is unusable after an earlier failure: "
+                                                    r"all_reduce #0 (timed out|failed)"):
+            meshkit.all_reduce(x)
+        return info.value, elapsed, _engine().comm._aborted, meshkit.flight_record()[0]["state"]
+
+    (error0, _, aborted0, state0), (error1, elapsed1, aborted1, _), _ = on_nccl(body, 3, timeout=1)
+    assert isinstance(error0, meshkit.CollectiveTimeout) and error0.missing == [2], error0
+    assert re.search(r"rank 0: all_reduce #0 on group world \(ranks \[0, 1, 2\]\) timed out after 1.0 s; ranks that "
+                     r"did not arrive: \[2\] \(NCCL all_reduce did not complete; the communicator was aborted\)",
+                     str(error0)), error0
+    assert isinstance(error1, meshkit.RankFailedError), error1
+    assert re.search(r"rank 1: call #0 on group world .* cannot complete: rank 0 stopped using group world at call "
+                     r"#0: all_reduce #0 timed out", str(error1)), error1
+    assert elapsed1 < 0.9, f"rank 1 waited {elapsed1:.2f} s: its own timeout, not rank 0's notice"
+    assert aborted0 and aborted1 and state0 == "timed_out"
+
+
+def test_an_asynchronous_nccl_error_during_a_wait_aborts_and_tells_the_others(fake_gpu):
+    """check_async_error reports an error while rank 0 waits (injected into its communicator,
+    as NCCL reports a network failure): the error names the operation, the communicator is
+    aborted, and rank 1, whose call can no longer complete, fails at once naming rank 0."""
+    told = threading.Event()
+
+    def body():
+        x = double.to_device(np.ones(2))
+        if meshkit.get_rank() == 0:
+            comm = _engine().comm
+            threading.Timer(0.2, comm.inject_async_error, ("double: injected: NET/IB: connection closed",)).start()
+            with pytest.raises(meshkit.DistBackendError) as info:
+                meshkit.all_reduce(x)
+            told.set()
+            return str(info.value), comm._aborted
+        assert told.wait(10)
+        start = time.monotonic()
+        with pytest.raises(meshkit.RankFailedError) as info:
+            meshkit.all_reduce(x)
+        return str(info.value), time.monotonic() - start
+
+    (error0, aborted), (error1, elapsed) = on_nccl(body, 2, timeout=20)
+    assert re.search(r"rank 0: all_reduce: NCCL reported an asynchronous error \(double: injected: NET/IB: connection "
+                     r"closed\); the communicator was aborted", error0), error0
+    assert aborted
+    assert re.search(r"rank 1: call #0 on group world .* cannot complete: rank 0 stopped using group world at call "
+                     r"#0: all_reduce #0 failed: .*NCCL reported an asynchronous error", error1), error1
+    assert elapsed < 5, f"rank 1 waited {elapsed:.1f} s for a call rank 0 had abandoned"
+
+
+def test_the_watchdog_aborts_deferred_work_past_its_deadline(fake_gpu, monkeypatch, caplog):
+    """Work.wait() of an async call only orders the stream; rank 1 never arrives in time. The
+    watchdog fails the work at the group's timeout: the communicator is aborted (so the host's
+    copy returns instead of hanging), the error is logged with the flight record and kept on
+    the Work, the next call on the group raises, and rank 1, arriving late, fails at once."""
+    monkeypatch.setattr(double, "DOUBLE_TIMEOUT", 6.0)  # a hang in the double, reported sooner
+
+    def body():
+        x = double.to_device(np.ones(2))
+        if meshkit.get_rank() == 1:
+            time.sleep(2.0)
+            start = time.monotonic()
+            with pytest.raises(meshkit.RankFailedError, match=r"rank 0 stopped using group world at call #0: "
+                                                              r"all_reduce #0 timed out"):
+                meshkit.all_reduce(x)
+            return time.monotonic() - start
+        work = meshkit.all_reduce(x, async_op=True)
+        work.wait()  # returns at once: the stream waits, the host does not
+        start = time.monotonic()
+        x.get()  # a host copy: the stream waits for the all_reduce, until the watchdog aborts it
+        got = time.monotonic() - start
+        with pytest.raises(meshkit.DistError, match=r"group world is unusable after an earlier failure: "
+                                                    r"all_reduce #0 timed out"):
+            meshkit.all_reduce(x)
+        for _ in range(200):  # the copy returns once the communicator is aborted, before the
+            if work.exception() is not None:  # watchdog has heard which ranks had arrived
+                break
+            time.sleep(0.01)
+        return got, work.exception(), work.is_success(), _engine().comm._aborted
+
+    with caplog.at_level("ERROR", logger="meshkit"):
+        (got, error, success, aborted), late = on_nccl(body, 2, timeout=1)
+    assert got < 3, f"x.get() waited {got:.1f} s"
+    assert isinstance(error, meshkit.CollectiveTimeout) and error.missing == [1], error
+    assert re.search(r"rank 0: all_reduce #0 on group world .* timed out after 1.0 s; ranks that did not arrive: "
+                     r"\[1\] \(found by the watchdog; Work.wait\(\) had returned", str(error)), error
+    assert not success and aborted
+    assert late < 0.9, f"rank 1 waited {late:.1f} s for a call rank 0 had abandoned"
+    logged = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert any("all_reduce #0 on group world" in m and "meshkit flight recorder, rank 0" in m for m in logged), logged
+
+
+def test_work_wait_with_a_timeout_blocks_the_host_on_device_work(fake_gpu):
+    """As torch's: Work.wait(timeout=...) waits on the host; running out raises and leaves the
+    operation (and the communicator) alone, and a later wait sees it complete."""
+    arrive = threading.Event()
+
+    def body():
+        x = double.to_device(np.full(2, meshkit.get_rank() + 1.0))
+        if meshkit.get_rank() == 1:
+            assert arrive.wait(10)
+            meshkit.all_reduce(x)
+            return double.to_host(x).tolist()
+        work = meshkit.all_reduce(x, async_op=True)
+        start = time.monotonic()
+        with pytest.raises(meshkit.CollectiveTimeout, match=r"all_reduce on group world did not complete within "
+                                                            r"Work.wait\(timeout=0.2\)"):
+            work.wait(timeout=0.2)
+        waited = time.monotonic() - start
+        aborted = _engine().comm._aborted
+        arrive.set()
+        assert work.wait(timeout=10)
+        return waited, aborted, double.to_host(x).tolist()
+
+    (waited, aborted, out0), out1 = on_nccl(body, 2, timeout=30)
+    assert waited >= 0.2 and not aborted
+    assert out0 == out1 == [3.0, 3.0]
+
+
+def test_destroy_does_not_hang_on_device_work_that_never_completes(fake_gpu, monkeypatch):
+    """destroy_process_group right after a deferred call whose peer never comes: destroying the
+    communicator (ncclCommDestroy) would wait for it forever; the group waits at most its timeout
+    for the device work, then aborts the communicator instead."""
+    monkeypatch.setattr(double, "DOUBLE_TIMEOUT", 6.0)
+
     def body():
         if meshkit.get_rank() == 1:
             time.sleep(2.5)
             return None
-        with pytest.raises(meshkit.CollectiveTimeout) as info:
-            meshkit.all_reduce(double.to_device(np.ones(2)))
-        return str(info.value)
+        meshkit.all_reduce(double.to_device(np.ones(2)), async_op=True).wait()
+        engine = _engine()
+        start = time.monotonic()
+        meshkit.destroy_process_group()
+        return time.monotonic() - start, engine.comm._aborted
 
-    message = on_nccl(body, 2, timeout=1)[0]
-    assert re.search(r"rank 0: all_reduce #0 on group world .* timed out .*NCCL all_reduce did not complete; "
-                     r"the communicator was aborted", message), message
+    (took, aborted), _ = on_nccl(body, 2, timeout=1)
+    assert took < 3 and aborted, (took, aborted)
+
+
+@pytest.mark.parametrize("wait", ["sync", "deferred"])
+def test_a_peer_that_leaves_during_a_device_wait_is_named_at_once(fake_gpu, wait):
+    """Rank 1 destroys its process group (it leaves) while rank 0's all_reduce waits for it on
+    the device, in a synchronous call or after Work.wait() returned (then the watchdog reads
+    the notice): rank 0 fails within a second, not at its 20 s timeout, naming rank 1, and
+    aborts its communicator."""
+    def body():
+        if meshkit.get_rank() == 1:
+            meshkit.destroy_process_group()
+            return None
+        x = double.to_device(np.ones(2))
+        start = time.monotonic()
+        if wait == "sync":
+            with pytest.raises(meshkit.RankFailedError) as info:
+                meshkit.all_reduce(x)
+            error = info.value
+        else:
+            work = meshkit.all_reduce(x, async_op=True)
+            work.wait()
+            while work.exception() is None and time.monotonic() - start < 10:
+                time.sleep(0.01)
+            error = work.exception()
+        return error, time.monotonic() - start, _engine().comm._aborted
+
+    (error, elapsed, aborted), _ = on_nccl(body, 2, timeout=20)
+    assert isinstance(error, meshkit.RankFailedError), error
+    assert re.search(r"rank 0: call #0 on group world \(ranks \[0, 1\]\) cannot complete: rank 1 left the job \(it "
+                     r"destroyed its process group, after 0 calls on the world group\)", str(error)), error
+    assert elapsed < 1, f"rank 0 waited {elapsed:.1f} s"
+    assert aborted
 
 
 # --------------------------------------------------------------------------- bad input
@@ -310,6 +486,123 @@ def test_double_has_the_constants_of_the_real_module():
     assert len(nccl.get_unique_id()) == 128
 
 
+def _real_signature(f) -> inspect.Signature:
+    """``f``'s signature: inspect's, or, for Cython functions without one, parsed from the first
+    line of the docstring (``_ndarray_base.get(self, stream=None, out=None, blocking=True)``,
+    ``get_current_stream(int device_id=-1)``; C types dropped, every default read as None)."""
+    try:
+        return inspect.signature(f)
+    except (TypeError, ValueError):
+        pass
+    head = (f.__doc__ or "").strip().splitlines()[0].split("->")[0]
+    inside = head[head.index("(") + 1:head.rindex(")")]
+    params, kind = [], inspect.Parameter.POSITIONAL_OR_KEYWORD
+    for part in (p.strip() for p in inside.split(",") if p.strip()):
+        if part == "*":
+            kind = inspect.Parameter.KEYWORD_ONLY
+        elif part.startswith("**"):
+            params.append(inspect.Parameter(part[2:], inspect.Parameter.VAR_KEYWORD))
+        elif part.startswith("*"):
+            params.append(inspect.Parameter(part[1:], inspect.Parameter.VAR_POSITIONAL))
+            kind = inspect.Parameter.KEYWORD_ONLY
+        elif part != "/":
+            name, _, default = part.partition("=")
+            params.append(inspect.Parameter(name.split()[-1], kind,
+                                            default=None if default else inspect.Parameter.empty))
+    return inspect.Signature(params)
+
+
+class _Recorder:
+    """Stands in for CuPy (or one of its objects) and records every call made on it, by path:
+    ``cupy.cuda.Device().use`` is ``use`` called on what ``cupy.cuda.Device(...)`` returned."""
+
+    def __init__(self, path: str, calls: list) -> None:
+        self._path, self._calls = path, calls
+
+    def __getattr__(self, name: str) -> "_Recorder":
+        return _Recorder(f"{self._path}.{name}", self._calls)
+
+    def __call__(self, *args, **kwargs) -> "_Recorder":
+        self._calls.append((self._path, args, kwargs))
+        return _Recorder(f"{self._path}()", self._calls)
+
+    def __int__(self) -> int:
+        return 1
+
+
+def _resolve(path: str, modules: dict):
+    """The real callable a recorded path names, and whether it is called on an instance."""
+    first, *rest = path.split(".")
+    obj, bound = modules[first], False
+    for part in rest:
+        if obj is None or bound and part.endswith("()"):
+            raise AssertionError(f"{path}: cannot follow the result of a call on an instance")
+        if part.endswith("()"):  # an instance of the class called here
+            obj = getattr(obj, part[:-2], None)
+            assert isinstance(obj, type), f"{path}: {part[:-2]} is not a class of the real CuPy"
+            bound = True
+        else:
+            obj = getattr(obj, part, None)
+            assert obj is not None, f"{path}: the real CuPy has no {part}"
+    return obj, bound
+
+
+def test_every_cupy_call_of_the_runtime_exists_in_the_real_cupy(monkeypatch):
+    """Run every method of CupyRuntime against a recorder of CuPy, then bind each recorded call
+    to the real CuPy's function, class or method: a renamed function or keyword (say
+    ``ndarray.get(out=, blocking=)``, which older CuPy lacks) fails here, without a GPU."""
+    _real_nccl()
+    import cupy
+    import cupyx
+
+    calls: list = []
+    rt = cuda_runtime.CupyRuntime()
+    rt._cupy = _Recorder("cupy", calls)
+    monkeypatch.setitem(sys.modules, "cupyx", _Recorder("cupyx", calls))
+    array = _Recorder("cupy.ndarray()", calls)  # what the MPI engine hands over: CuPy arrays
+    exercised = {
+        "device_count": lambda: rt.device_count(),
+        "use_device": lambda: rt.use_device(0),
+        "new_stream": lambda: rt.new_stream(),
+        "new_event": lambda: rt.new_event(),
+        "current_stream": lambda: rt.current_stream(),
+        "pinned_empty": lambda: rt.pinned_empty((4,), np.float32),
+        "copy_to_host": lambda: rt.copy_to_host(array, np.empty(4, np.float32), rt.new_stream()),
+        "copy_to_device": lambda: rt.copy_to_device(np.empty(4, np.float32), array, rt.new_stream()),
+    }
+    no_cupy = {"is_device_array", "pointer"}  # they read __cuda_array_interface__ only
+    public = {n for n in dir(cuda_runtime.CupyRuntime) if not n.startswith("_") and n != "nccl"}
+    assert public == set(exercised) | no_cupy, "a new CupyRuntime method: add it to this test"
+    for name, run in exercised.items():
+        run()
+    paths = sorted({path for path, _, _ in calls})
+    assert paths == ["cupy.cuda.Device", "cupy.cuda.Device().use", "cupy.cuda.Event", "cupy.cuda.Stream",
+                     "cupy.cuda.get_current_stream", "cupy.cuda.runtime.getDeviceCount", "cupy.ndarray().get",
+                     "cupy.ndarray().set", "cupyx.empty_pinned"], paths
+    modules = {"cupy": cupy, "cupyx": cupyx}
+    for path, args, kwargs in calls:
+        real, bound = _resolve(path, modules)
+        signature = _real_signature(real)
+        try:
+            signature.bind(*(("self",) if bound else ()), *args, **kwargs)
+        except TypeError as exc:
+            raise AssertionError(f"{path}{signature} does not accept args={args} kwargs={kwargs}: {exc}") from None
+
+    # What the engines do with the streams and events the runtime returns (the runtime's contract).
+    stream, event = cupy.cuda.Stream, cupy.cuda.Event
+    for method, args in [(stream.wait_event, ("event",)), (stream.synchronize, ()), (event.record, ("stream",)),
+                         (event.synchronize, ())]:
+        _real_signature(method).bind("self", *args)
+    assert isinstance(inspect.getattr_static(event, "done"), property), "Event.done is read, not called"
+    assert isinstance(stream.null.ptr, int)
+    # and the double has the same names
+    for fake, real in [(double.FakeStream.wait_event, stream.wait_event), (double.FakeStream.synchronize,
+                       stream.synchronize), (double.FakeEvent.record, event.record),
+                       (double.FakeEvent.synchronize, event.synchronize)]:
+        assert list(inspect.signature(fake).parameters) == list(_real_signature(real).parameters), fake
+    assert isinstance(inspect.getattr_static(double.FakeEvent, "done"), property)
+
+
 def test_on_real_gpus(mpirun):
     if not cuda_runtime.gpu_available():
         pytest.skip("no GPU: CuPy sees no CUDA device here (the NCCL engine is tested over the double)")
@@ -416,6 +709,34 @@ def test_nccl_without_cupy_says_what_to_install(monkeypatch):
             on_nccl(lambda: None, 1)
     finally:
         cuda_runtime.set_runtime(previous)
+
+
+def test_a_cupy_without_comm_split_is_refused_naming_its_version(monkeypatch):
+    """commSplit arrived in CuPy 14: an older CuPy is refused when the runtime is made, with
+    its version, not at the first sub-group."""
+    class OldCommunicator:  # CuPy 13's NcclCommunicator: no commSplit
+        def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):  # noqa: N802
+            pass
+
+    cupy = types.ModuleType("cupy")
+    cupy.__version__ = "13.6.0"
+    cuda = types.ModuleType("cupy.cuda")
+    nccl = types.ModuleType("cupy.cuda.nccl")
+    nccl.NcclCommunicator, nccl.available = OldCommunicator, True
+    cupy.cuda, cuda.nccl = cuda, nccl
+    for name, module in [("cupy", cupy), ("cupy.cuda", cuda), ("cupy.cuda.nccl", nccl)]:
+        monkeypatch.setitem(sys.modules, name, module)
+    with pytest.raises(meshkit.DistBackendError, match=r"the 'nccl' backend needs CuPy >= 14 \(NcclCommunicator."
+                                                       r"commSplit builds its sub-groups\); CuPy 13.6.0 is installed"):
+        cuda_runtime.CupyRuntime()
+
+
+def test_both_cuda_extras_require_a_cupy_with_comm_split():
+    tomllib = pytest.importorskip("tomllib")
+    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    for extra, wheel in (("cuda12", "cupy-cuda12x"), ("cuda13", "cupy-cuda13x")):
+        assert f"{wheel}>=14" in extras[extra], (extra, extras[extra])
 
 
 @pytest.mark.parametrize("case", ["other collective", "other count"])
