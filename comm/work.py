@@ -25,6 +25,9 @@ operations at any time, so their order is the same on every rank.
 from __future__ import annotations
 
 import collections
+import logging
+import os
+import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
@@ -37,7 +40,32 @@ from .notices import WATCH_INTERVAL
 if TYPE_CHECKING:
     from .engine import Request
 
-__all__ = ["Work", "RequestWork", "CommThread", "in_background"]
+__all__ = ["Work", "RequestWork", "CommThread", "in_background", "tear_down"]
+
+logger = logging.getLogger("meshkit")
+
+#: What the watchdog does when device work fails after its ``Work.wait()`` returned (the caller
+#: may already have used the unreduced buffer): ``abort`` (default) ends the whole job, as torch
+#: does by default (``TORCH_NCCL_ASYNC_ERROR_HANDLING``: a silently wrong result is worse than a
+#: crash); ``log`` only logs it, keeps it on ``Work.exception()`` and breaks the group.
+ASYNC_ERROR_HANDLING_ENV = "MESHKIT_ASYNC_ERROR_HANDLING"
+
+
+def tear_down(world: Any, reason: str) -> None:
+    """End the whole job now: the default engine's abort (MPI_Abort), else this process."""
+    logger.critical("meshkit: rank %s: %s; ending the job (set %s=log to only log this)", world.rank, reason,
+                    ASYNC_ERROR_HANDLING_ENV)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed stream must not stop the abort
+            pass
+    try:
+        abort = getattr(world.default_group.engine, "abort", None)
+        if abort is not None:
+            abort(1)
+    finally:
+        os._exit(1)
 
 
 class _ThreadRole(threading.local):
@@ -252,6 +280,10 @@ class RequestWork(Work):
                 error = group._watchdog_failed(self, exc)
                 if self._finished:
                     self._error = error  # its wait() returned: exception() and is_success() tell
+                    handling = os.environ.get(ASYNC_ERROR_HANDLING_ENV, "abort").strip().lower()
+                    if handling != "log":  # the caller may have read the buffer: not a silent wrong result
+                        tear_down(group.world, f"{error} (after its Work.wait() had returned: the caller may "
+                                               "have used the unreduced buffer)")
                 else:
                     self._finish(None, error)
                 return True

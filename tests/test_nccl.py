@@ -215,6 +215,7 @@ def test_the_watchdog_aborts_deferred_work_past_its_deadline(fake_gpu, monkeypat
     copy returns instead of hanging), the error is logged with the flight record and kept on
     the Work, the next call on the group raises, and rank 1, arriving late, fails at once."""
     monkeypatch.setattr(double, "DOUBLE_TIMEOUT", 6.0)  # a hang in the double, reported sooner
+    monkeypatch.setenv("MESHKIT_ASYNC_ERROR_HANDLING", "log")  # the default ends the job: see the next test
 
     def body():
         x = double.to_device(np.ones(2))
@@ -249,6 +250,36 @@ def test_the_watchdog_aborts_deferred_work_past_its_deadline(fake_gpu, monkeypat
     assert late < 0.9, f"rank 1 waited {late:.1f} s for a call rank 0 had abandoned"
     logged = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert any("all_reduce #0 on group world" in m and "meshkit flight recorder, rank 0" in m for m in logged), logged
+
+
+def test_by_default_the_watchdog_ends_the_job_when_deferred_work_fails(fake_gpu, monkeypatch):
+    """After Work.wait() returned, the caller may already have read the unreduced buffer: as
+    torch's default, the watchdog ends the job rather than leave a silently wrong result (only
+    the watchdog's failure of work whose wait() had returned does; a waiter gets the error)."""
+    monkeypatch.setattr(double, "DOUBLE_TIMEOUT", 6.0)
+    monkeypatch.delenv("MESHKIT_ASYNC_ERROR_HANDLING", raising=False)
+    ended = []
+    monkeypatch.setattr(meshkit.comm.work, "tear_down", lambda world, reason: ended.append((world.rank, reason)))
+
+    def body():
+        x = double.to_device(np.ones(2))
+        if meshkit.get_rank() == 1:
+            time.sleep(2.0)
+            with pytest.raises(meshkit.RankFailedError):
+                meshkit.all_reduce(x)
+            return None
+        work = meshkit.all_reduce(x, async_op=True)
+        work.wait()
+        for _ in range(300):
+            if work.exception() is not None:
+                break
+            time.sleep(0.01)
+        return work.exception()
+
+    error, _ = on_nccl(body, 2, timeout=1)
+    assert isinstance(error, meshkit.CollectiveTimeout)
+    assert len(ended) == 1 and ended[0][0] == 0, ended
+    assert "all_reduce #0" in ended[0][1] and "may have used the unreduced buffer" in ended[0][1]
 
 
 def test_work_wait_with_a_timeout_blocks_the_host_on_device_work(fake_gpu):
