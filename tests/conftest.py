@@ -51,3 +51,16 @@ def cupy():
 
     with fake_cupy.installed() as module:
         yield module
+
+
+@pytest.fixture(autouse=True)
+def job_teardowns(monkeypatch):
+    """The NCCL watchdog ends the whole job (os._exit) when deferred device work fails: inside
+    pytest that would end the run with no report. Here it is recorded instead, and a test that
+    caused one without expecting it fails, naming the reason; tests of it patch ``tear_down``."""
+    import meshkit.comm.work
+
+    ended: list[str] = []
+    monkeypatch.setattr(meshkit.comm.work, "tear_down", lambda world, reason: ended.append(reason))
+    yield ended
+    assert not ended, f"the job would have ended: {ended}"
