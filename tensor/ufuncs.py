@@ -35,16 +35,19 @@ def _target(ufunc: Any, inputs: tuple, i: int, out_shape: tuple[int, ...]) -> Pl
             d = p.dim + nd - x.ndim
             if x.shape[p.dim] == out_shape[d]:
                 return Shard(d)
-    partial = [x for x in inputs if isinstance(x, DTensor) and x.placements[i].is_partial()]
+    # by position, not identity: in ``y / y`` the one object is both operands (two Partial terms)
+    partial = [k for k, x in enumerate(inputs) if isinstance(x, DTensor) and x.placements[i].is_partial()]
     if partial:
-        p = partial[0].placements[i]
-        others = [x for x in inputs if x is not partial[0]]
-        plain = all(not isinstance(x, DTensor) or x.placements[i].is_replicate() for x in others)
+        k = partial[0]
+        p = inputs[k].placements[i]
+        others = [x for j, x in enumerate(inputs) if j != k]
+        plain = len(partial) == 1 and all(not isinstance(x, DTensor) or x.placements[i].is_replicate()
+                                          for x in others)
         if p.reduce_op in _LINEAR_OPS and (
                 (ufunc in _ADDITIVE and all(isinstance(x, DTensor) and x.placements[i] == p for x in inputs))
                 or (ufunc in _UNARY_LINEAR and len(inputs) == 1)
-                or (ufunc is np.multiply and len(partial) == 1 and plain)
-                or (ufunc in _DIVIDE and inputs[0] is partial[0] and plain)):
+                or (ufunc is np.multiply and plain)
+                or (ufunc in _DIVIDE and k == 0 and plain)):
             return p
     return Replicate()
 

@@ -200,3 +200,28 @@ def test_item_free_scalars_and_numpy_scalars():
 
     for full in local.run(body, 2):
         np.testing.assert_allclose(full, 2 * A ** 2 - 1)
+
+
+ALL_PLACEMENTS = [S0, S1, R, P, Partial("avg"), Partial("max"), Partial("min")]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_an_operand_used_twice_is_two_operands(world):
+    # y / y with y Partial(sum) once kept Partial (the terms' ratios summed: 2 or NaN, not 1)
+    x = A + 3.0  # no zeros: x / x is 1
+
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (world,))
+        out = []
+        for p in ALL_PLACEMENTS:
+            d = distribute_tensor(x, mesh, [p])
+            for name, f in [("x*x", lambda v: v * v), ("x/x", lambda v: v / v), ("x-x", lambda v: v - v),
+                            ("x+x", lambda v: v + v), ("true_divide", lambda v: np.true_divide(v, v))]:
+                out.append((p, name, f(d).full_tensor(), f(x)))
+        y = distribute_tensor(A, mesh, [S1]) @ distribute_tensor(B, mesh, [S0])  # Partial(sum), real terms
+        out.append((y.placements, "y/y", (y / y).full_tensor(), np.ones((5, 3))))
+        return out
+
+    for rank in local.run(body, world):
+        for p, name, got, want in rank:
+            np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=f"{name} on {p}")
