@@ -18,8 +18,9 @@ from ..mesh import DeviceMesh
 from . import errors
 from .dtensor import DTensor
 from .placements import Placement
+from .xp import namespace_of
 
-__all__ = ["logger", "is_scalar", "common_mesh", "moved", "unsupported", "no_out", "wrap"]
+__all__ = ["logger", "is_scalar", "common_mesh", "moved", "unsupported", "no_out", "wrap", "uniform_finite"]
 
 logger = logging.getLogger("meshkit.tensor")
 
@@ -27,6 +28,29 @@ logger = logging.getLogger("meshkit.tensor")
 def is_scalar(x: Any) -> bool:
     """Python numbers, NumPy scalars and 0-d arrays: combine with any DTensor locally."""
     return isinstance(x, (numbers.Number, np.generic)) or (getattr(x, "ndim", None) == 0 and not isinstance(x, DTensor))
+
+
+def uniform_finite(x: Any, *, nonzero: bool = False) -> bool:
+    """True if ``x`` is the same on every rank and finite (and nonzero with ``nonzero``).
+
+    What a factor (divisor) must be for Partial(sum/avg) terms times it to be the terms of the
+    product: ``inf`` times a term 0 (an idle rank's -0.0) is NaN where the sum is +-inf, and
+    ``t / 0`` sums +-inf terms of both signs to NaN. Scalars are the same on every rank; a DTensor
+    only when it is Replicate on every mesh dim (its block is then the global array), so every rank
+    takes the same decision without communicating.
+    """
+    if isinstance(x, DTensor):
+        if not all(p.is_replicate() for p in x.placements):
+            return False
+        x = x.to_local()
+    xp = namespace_of(x)
+    try:
+        ok = xp.all(xp.isfinite(x))
+        if nonzero:
+            ok = ok & xp.all(x != 0)
+    except TypeError:  # object or other non-numeric dtypes: no claim
+        return False
+    return bool(ok)
 
 
 def common_mesh(op: str, args: Sequence[Any]) -> DeviceMesh:

@@ -3,7 +3,9 @@
 On each mesh dim the output takes the first input Shard whose array dim is not broadcast
 (an input broadcast along that dim, or without it, needs Replicate there); else Partial where
 the ufunc is linear in the Partial terms (``a + b`` and ``a - b`` with every operand Partial,
-``-a``, ``a * r`` and ``a / r`` with ``r`` a scalar or Replicate); else Replicate. Inputs that
+``-a``, ``a * r`` and ``a / r`` with ``a`` the one Partial operand and ``r`` a scalar or an
+all-Replicate DTensor that is finite, and nonzero for a divisor: ``inf`` times a term 0 would
+be NaN where the sum is +-inf); else Replicate. Inputs that
 differ are redistributed first (logged at DEBUG): a Partial feeding a non-linear ufunc
 (``tanh(p)``, ``p - t``) is all-reduced, which is where Megatron's forward all-reduce comes from.
 """
@@ -17,7 +19,7 @@ import numpy as np
 from .dispatch import implements_ufunc
 from .dtensor import DTensor
 from .placements import Partial, Placement, Replicate, Shard
-from .propagation import common_mesh, moved, no_out, unsupported, wrap
+from .propagation import common_mesh, moved, no_out, uniform_finite, unsupported, wrap
 
 __all__ = ["elementwise"]
 
@@ -46,8 +48,8 @@ def _target(ufunc: Any, inputs: tuple, i: int, out_shape: tuple[int, ...]) -> Pl
         if p.reduce_op in _LINEAR_OPS and (
                 (ufunc in _ADDITIVE and all(isinstance(x, DTensor) and x.placements[i] == p for x in inputs))
                 or (ufunc in _UNARY_LINEAR and len(inputs) == 1)
-                or (ufunc is np.multiply and plain)
-                or (ufunc in _DIVIDE and k == 0 and plain)):
+                or (ufunc is np.multiply and plain and uniform_finite(others[0]))
+                or (ufunc in _DIVIDE and k == 0 and plain and uniform_finite(others[0], nonzero=True))):
             return p
     return Replicate()
 

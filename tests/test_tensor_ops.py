@@ -225,3 +225,34 @@ def test_an_operand_used_twice_is_two_operands(world):
     for rank in local.run(body, world):
         for p, name, got, want in rank:
             np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=f"{name} on {p}")
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy's own inf * 0 and x / 0
+@pytest.mark.parametrize("mesh_shape", [(2,), (3,), (2, 2)])
+def test_partial_times_a_non_finite_factor_is_reduced_first(mesh_shape):
+    # Partial(sum) terms times inf (or over 0) are +-inf and NaN where a term is 0 (the idle ranks'
+    # -0.0): the sum was NaN where NumPy gives +-inf. Every rank decides alike (same placements).
+    v, m = np.array([1.0, -2.0, 0.5]), np.array([[np.inf, 1.0], [2.0, 3.0], [1.0, -np.inf]])
+    cases = [("p*inf", lambda p, r, z, w: p * np.inf, v * np.inf),
+             ("inf*p", lambda p, r, z, w: np.float64(-np.inf) * p, -np.inf * v),
+             ("p/0.0", lambda p, r, z, w: p / 0.0, v / 0.0),
+             ("p/R(zeros)", lambda p, r, z, w: p / z, v / np.zeros(3)),
+             ("p*R(inf)", lambda p, r, z, w: p * r, v * np.array([np.inf, 1.0, -np.inf])),
+             ("p*nan", lambda p, r, z, w: p * np.nan, v * np.nan),
+             ("p@R(inf)", lambda p, r, z, w: p.reshape(1, 3) @ w, v.reshape(1, 3) @ m),
+             ("p*2 stays", lambda p, r, z, w: p * 2.0, v * 2.0)]
+
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", mesh_shape)
+        reps = [R] * len(mesh_shape)
+        p = distribute_tensor(v, mesh, [P] + reps[1:])
+        r = distribute_tensor(np.array([np.inf, 1.0, -np.inf]), mesh, reps)
+        z, w = distribute_tensor(np.zeros(3), mesh, reps), distribute_tensor(m, mesh, reps)
+        return [(name, f(p, r, z, w).placements, f(p, r, z, w).full_tensor()) for name, f, _ in cases]
+
+    results = local.run(body, int(np.prod(mesh_shape)))
+    for rank in results:
+        for (name, placements, got), (_, _, want) in zip(rank, cases):
+            np.testing.assert_array_equal(got, want, err_msg=name)
+            assert placements == results[0][[c[0] for c in cases].index(name)][1], "every rank decides alike"
+    assert results[0][-1][1][0] == P, "a finite factor keeps the Partial (no collective)"
