@@ -170,7 +170,18 @@ class DTensor(NDArrayOperatorsMixin):
         return int(np.prod(self._shape, dtype=np.int64))
 
     def __len__(self) -> int:
+        """The global first dimension (TypeError for a 0-d DTensor, as NumPy's ``len()``)."""
+        if not self._shape:
+            raise TypeError(errors.prefix("len()") + "len() of a 0-d DTensor (unsized); use .shape")
         return self._shape[0]
+
+    def __bool__(self) -> bool:
+        # An `if d:` would need the global value, a collective hidden in a branch that ranks may
+        # not all reach (a hang), and an object's default truth is silently True: refuse, as
+        # __array__ does, and name the explicit call.
+        raise TypeError(errors.prefix("bool()") + f"the truth value of a DTensor (placements "
+                        f"{self._placements!r}) is not taken implicitly; use bool(d.full_tensor()) (a "
+                        "collective every rank must call) or test d.to_local() (this rank's block)")
 
     def to_local(self) -> Any:
         """This rank's block (no copy): for Partial placements, this rank's term."""

@@ -131,3 +131,22 @@ def test_ranks_outside_the_mesh_and_src_data_rank_are_named():
         return distribute_tensor(np.arange(4.0), mesh, [Shard(0)]).to_local().tolist()
 
     assert local.run(body, 3) == [[0.0, 1.0], [2.0, 3.0], None]
+
+
+def test_truth_value_and_len_are_never_silently_wrong():
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2,))
+        zero = distribute_tensor(np.zeros(1), mesh, [Replicate()])
+        with pytest.raises(TypeError, match=r"bool\(\): the truth value of a DTensor.*full_tensor\(\)"):
+            bool(zero)  # was True: an object's default truth
+        loss = np.sum(distribute_tensor(np.arange(4.0), mesh, [Shard(0)]))  # 0-d, Partial
+        with pytest.raises(TypeError, match=r"bool\(\).*\(Partial\(sum\),\)"):
+            bool(loss)
+        with pytest.raises(TypeError, match=r"bool\(\).*\(Replicate\(\),\)"):
+            if loss > 100:  # the comparison all-reduces; the branch still needs an explicit value
+                pass
+        with pytest.raises(TypeError, match=r"len\(\) of a 0-d DTensor"):
+            len(loss)  # was IndexError
+        return len(distribute_tensor(np.zeros((5, 2)), mesh, [Shard(0)])), bool(zero.full_tensor())
+
+    assert local.run(body, 2) == [(5, False)] * 2
