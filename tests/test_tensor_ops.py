@@ -256,3 +256,35 @@ def test_partial_times_a_non_finite_factor_is_reduced_first(mesh_shape):
             np.testing.assert_array_equal(got, want, err_msg=name)
             assert placements == results[0][[c[0] for c in cases].index(name)][1], "every rank decides alike"
     assert results[0][-1][1][0] == P, "a finite factor keeps the Partial (no collective)"
+
+
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
+def test_max_min_of_every_dtype_with_an_empty_block(mesh_shape):
+    # 3 rows over 4 ranks (2, 1, 0, 0): the empty blocks hold the identity, whatever the dtype
+    # (bool once failed on the empty ranks only, leaving the others waiting in the collective)
+    arrays = {"bool": np.array([[True, False], [False, False], [True, False]]),
+              "int8": np.array([[-3, 5], [7, -128], [0, 127]], dtype=np.int8),
+              "uint8": np.array([[3, 0], [255, 1], [9, 8]], dtype=np.uint8),
+              "float16": np.array([[1.5, -2.0], [np.inf, 0.0], [-1.0, 3.0]], dtype=np.float16),
+              "complex128": np.array([[1 + 2j, 2 - 1j], [2 + 0j, -1j], [1 + 3j, 0j]])}
+
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", mesh_shape)
+        out = []
+        for name, x in arrays.items():
+            d = distribute_tensor(x, mesh, [S0] * len(mesh_shape))
+            for f in (np.max, np.min):
+                for axis in (None, 0, 1):
+                    r = f(d, axis=axis)
+                    out.append((name, f.__name__, axis, r.full_tensor(), f(x, axis=axis)))
+        dates = distribute_tensor(np.array(["2020-01-01", "2021-01-01", "2019-01-01"], dtype="datetime64[D]"),
+                                  mesh, [S0] * len(mesh_shape))
+        with pytest.raises(TypeError, match=r"np.max: dtype datetime64\[D\] over an axis sharded by "
+                                            r"\(Shard\(dim=0\),"):
+            np.max(dates)
+        return out
+
+    for rank in local.run(body, 4):
+        for name, f, axis, got, want in rank:
+            assert got.dtype == want.dtype, (name, f, axis)
+            np.testing.assert_array_equal(got, want, err_msg=f"{f} {name} axis={axis}")
