@@ -10,6 +10,8 @@ Shard(d) -> Shard(e)   ``all_to_all_single`` (padded pieces, stripped)
 Replicate -> Shard(d)  local slice, no communication
 Replicate -> Partial   local: for sum, coordinate 0 keeps the value and the others hold -0.0
                        (the additive identity, so the sum is bit-exact); avg/max/min keep it
+                       (avg, as torch: completing it computes (x + ... + x) / n, which may
+                       round, one ulp off at n = 3; every other pair is bit-exact)
 Shard -> Partial       all-gather, then as Replicate -> Partial
 =====================  =============================================================
 
