@@ -7,6 +7,7 @@ worked example of which block each rank holds.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Sequence
 
 import numpy as np
@@ -15,6 +16,7 @@ from numpy.lib.mixins import NDArrayOperatorsMixin
 from ..mesh import DeviceMesh
 from . import dispatch, errors
 from .chunks import local_shape_and_offset, normalize_dim
+from .indexing import index_plan
 from .placements import Placement, Replicate, Shard
 from .redistribute import redistribute_local
 
@@ -259,6 +261,39 @@ class DTensor(NDArrayOperatorsMixin):
     def mean(self, axis: Any = None, **kwargs: Any) -> DTensor:
         """As ``ndarray.mean``."""
         return np.mean(self, axis=axis, **kwargs)
+
+    def max(self, axis: Any = None, **kwargs: Any) -> DTensor:
+        """As ``ndarray.max`` (a sharded axis reduced away gives Partial(max))."""
+        return np.max(self, axis=axis, **kwargs)
+
+    def min(self, axis: Any = None, **kwargs: Any) -> DTensor:
+        """As ``ndarray.min`` (a sharded axis reduced away gives Partial(min))."""
+        return np.min(self, axis=axis, **kwargs)
+
+    def clip(self, min: Any = None, max: Any = None, **kwargs: Any) -> DTensor:
+        """As ``ndarray.clip`` (a Partial is reduced first)."""
+        return np.clip(self, min, max, **kwargs)
+
+    def copy(self) -> DTensor:
+        """A copy of this rank's block, the same placements (``np.copy``)."""
+        return np.copy(self)
+
+    def astype(self, dtype: Any, *, copy: bool = True) -> DTensor:
+        """As ``ndarray.astype``; a Partial is reduced first unless the cast keeps it (see :mod:`.local_ops`)."""
+        return np.astype(self, dtype, copy=copy)
+
+    def __getitem__(self, key: Any) -> DTensor:
+        """Integers, slices, ``...`` and None, locally along unsharded dims (see :mod:`.indexing`)."""
+        local_key, shape, placements = index_plan(key, self._shape, self._placements)
+        return DTensor(self._local[local_key], self._mesh, placements, shape=shape)
+
+    def __copy__(self) -> DTensor:
+        return DTensor(self._local, self._mesh, self._placements, shape=self._shape)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> DTensor:
+        # The block is copied; the mesh is shared: it holds process groups (communicators, locks)
+        # that must not be copied, as torch's DTensor shares its DeviceMesh.
+        return DTensor(copy.deepcopy(self._local, memo), self._mesh, self._placements, shape=self._shape)
 
     def __repr__(self) -> str:
         return (f"DTensor(local_tensor={self._local!r}, device_mesh={self._mesh!r}, "

@@ -177,8 +177,9 @@ def test_bad_mixes_are_named_and_redistribution_is_logged(caplog):
             a + distribute_tensor(A, other, [S0])
         with pytest.raises(NotImplementedError, match="np.multiply: argument 1 is a ndarray"):
             a * A
-        with pytest.raises(NotImplementedError, match="out= is not supported"):
-            np.add(a, a, out=a)
+        with pytest.raises(ValueError, match=r"np.add: in place \(x op= y, or out=x\) the result would have "
+                                             r"placements \(Shard\(dim=0\),\) .* but out has placements \(Replicate"):
+            np.add(distribute_tensor(A, mesh, [R]), a, out=distribute_tensor(A, mesh, [R]))
         with pytest.raises(NotImplementedError, match="np.cumsum: has no DTensor rule"):
             np.cumsum(a)
         p = distribute_tensor(A, mesh, [P])
