@@ -203,7 +203,9 @@ class DTensor(NDArrayOperatorsMixin):
             async_op: accepted for torch compatibility; the result is returned complete.
 
         Returns:
-            A new DTensor; the collectives are listed in :mod:`.redistribute`.
+            A new DTensor whose block has its own memory (a Replicate -> Shard slice is copied, so
+            writing into it leaves this DTensor alone), or this DTensor itself when the
+            placements do not change, as torch's; the collectives are listed in :mod:`.redistribute`.
         """
         op = "DTensor.redistribute"
         if device_mesh is not None and device_mesh != self._mesh:

@@ -18,6 +18,7 @@ from ..mesh import DeviceMesh
 from . import errors
 from .dtensor import DTensor
 from .placements import Placement
+from .redistribute import redistribute_local
 from .xp import namespace_of
 
 __all__ = ["logger", "is_scalar", "common_mesh", "moved", "unsupported", "no_out", "wrap", "uniform_finite"]
@@ -77,7 +78,9 @@ def moved(op: str, arg: str, x: DTensor, placements: Sequence[Placement]) -> DTe
     if x.placements == placements:
         return x
     logger.debug("%s: redistributing %s from %r to %r", op, arg, x.placements, placements)
-    return x.redistribute(placements=placements)
+    # no copy: the rule only reads the block (a Replicate -> Shard move may stay a view of x's)
+    local = redistribute_local(x.to_local(), x.device_mesh, x.shape, x.placements, placements, copy=False)
+    return DTensor(local, x.device_mesh, placements, shape=x.shape)
 
 
 def unsupported(op: str, *placements: Sequence[Placement]) -> NotImplementedError:
