@@ -9,6 +9,7 @@ answer it raises :func:`unsupported`, a NotImplementedError naming the op and th
 from __future__ import annotations
 
 import logging
+import math
 import numbers
 from typing import Any, Sequence
 
@@ -40,6 +41,8 @@ def uniform_finite(x: Any, *, nonzero: bool = False) -> bool:
     only when it is Replicate on every mesh dim (its block is then the global array), so every rank
     takes the same decision without communicating.
     """
+    if isinstance(x, (int, float)):  # the common case (p * 0.5), without NumPy's dispatch
+        return math.isfinite(x) and not (nonzero and x == 0)
     if isinstance(x, DTensor):
         if not all(p.is_replicate() for p in x.placements):
             return False
