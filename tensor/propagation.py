@@ -97,7 +97,9 @@ def no_out(op: str, kwargs: dict[str, Any], *names: str) -> None:
     """Reject keyword arguments the DTensor rules do not support (``out=``, ``where=``...)."""
     for name in ("out", "where", *names):
         if kwargs.get(name) is not None and not (name == "where" and kwargs[name] is True):
-            raise NotImplementedError(errors.prefix(op) + f"{name}= is not supported on DTensors")
+            hint = (" (an in-place operator such as x @= y passes it): write x = x @ y, or compute on "
+                    "to_local()") if name == "out" else ""
+            raise NotImplementedError(errors.prefix(op) + f"{name}= is not supported on DTensors{hint}")
 
 
 def wrap(local: Any, mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int]) -> DTensor:

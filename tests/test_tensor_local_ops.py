@@ -132,6 +132,10 @@ def test_in_place_operators_that_would_change_placements_raise_on_every_rank():
                 x += y
             assert new_records(start) == [], "refused before any communication"
             messages.append(str(info.value).split(": ", 2)[2])
+        w = distribute_tensor(np.eye(7), mesh, [R])
+        with pytest.raises(NotImplementedError, match=r"np.matmul: out= is not supported on DTensors \(an in-place "
+                                                      r"operator such as x @= y passes it\): write x = x @ y"):
+            w @= w
         with pytest.raises(TypeError, match="out= must be a DTensor"):
             np.add(distribute_tensor(A, mesh, [R]), 1.0, out=np.empty((5, 7)))
         return messages
