@@ -98,7 +98,7 @@ def no_out(op: str, kwargs: dict[str, Any], *names: str) -> None:
     for name in ("out", "where", *names):
         if kwargs.get(name) is not None and not (name == "where" and kwargs[name] is True):
             hint = (" (an in-place operator such as x @= y passes it): write x = x @ y, or compute on "
-                    "to_local()") if name == "out" else ""
+                    "to_local()") if name == "out" and op == "np.matmul" else ""
             raise NotImplementedError(errors.prefix(op) + f"{name}= is not supported on DTensors{hint}")
 
 
