@@ -12,7 +12,7 @@ With the pip-installed ``mpich`` wheel in a venv, use the venv's launcher (``.ve
 What is measured, on a 1-D mesh over all N ranks, float64:
 
 * ``redistribute``: for each transition (``S0->R`` all-gather, ``P->R`` all-reduce, ``P->S0``
-  reduce-scatter, ``S0->S1`` all-to-all, ``R->S0`` a local slice) and each global array size
+  reduce-scatter, ``S0->S1`` all-to-all, ``R->S0`` a local slice, copied) and each global array size
   (``rows x 64`` float64, rows a multiple of N so no padding is needed): the time of
   ``DTensor.redistribute`` next to the time of the meshkit collective it issues, called on
   preallocated buffers of the same sizes (``ProcessGroup.all_gather_into_tensor`` ...). The
@@ -81,9 +81,9 @@ def redistribution(name: str, rows: int, mesh: meshkit.DeviceMesh) -> tuple[Call
         send = np.ascontiguousarray(local.reshape(rows // n, n, COLUMNS // n).swapaxes(0, 1))
         out = np.empty_like(send)
         bare = lambda: group.all_to_all_single(out, send)  # noqa: E731
-    else:  # R->S0: no collective; the bare step is the slice
+    else:  # R->S0: no collective; the bare step is the slice, copied (redistribute returns its own memory)
         out = None
-        bare = lambda: local[r * (rows // n):(r + 1) * (rows // n)]  # noqa: E731
+        bare = lambda: local[r * (rows // n):(r + 1) * (rows // n)].copy()  # noqa: E731
     redistribute = lambda: d.redistribute(placements=[dst])  # noqa: E731
     got = redistribute().to_local()
     bare()

@@ -4,15 +4,14 @@
 shared with checkpoints), ``dtensor`` (the DTensor type), ``redistribute`` (one collective per
 changing mesh dim), ``api`` (distribute_tensor), ``dispatch`` (the NumPy protocol tables the op
 modules fill), ``propagation`` (what the op rules share), the op rules ``ufuncs``, ``matmul``,
-``reductions`` and ``shape_ops``, ``checks`` (collective construction checks), ``xp`` (NumPy or
-CuPy);
-``parallel`` (tensor-parallel styles and ``parallelize``).
+``reductions``, ``shape_ops`` and ``local_ops`` (copies, casts), ``indexing`` (basic indexing), ``checks``
+(collective construction checks), ``xp`` (NumPy or CuPy); ``parallel`` (tensor-parallel styles and ``parallelize``).
 Depends on ``comm`` and ``mesh`` only.
 """
 
 from . import chunks
 from .chunks import local_shape_and_offset
-from . import matmul, reductions, shape_ops, ufuncs  # noqa: F401  (they register the NumPy op rules)
+from . import local_ops, matmul, reductions, shape_ops, ufuncs  # noqa: F401  (they register the NumPy op rules)
 from .api import distribute_tensor
 from .dtensor import DTensor
 from .parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel, parallelize

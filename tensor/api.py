@@ -1,4 +1,4 @@
-"""``distribute_tensor``: a DTensor from a global array every rank holds, with no communication."""
+"""``distribute_tensor``: a DTensor from a global array: cut locally, or sent from one rank."""
 
 from __future__ import annotations
 
@@ -8,44 +8,114 @@ import numpy as np
 
 from ..mesh import DeviceMesh
 from . import errors
-from .chunks import local_slices
+from .chunks import chunk_range, chunk_size, local_slices
 from .dtensor import DTensor, coordinate_of, normalize_placements
-from .placements import Partial, Placement
+from .placements import Partial, Placement, Replicate, Shard
 from .redistribute import partition_value
+from .xp import namespace_of
 
 __all__ = ["distribute_tensor"]
 
 
 def distribute_tensor(tensor: Any, device_mesh: DeviceMesh, placements: Sequence[Placement] | None = None, *,
                       src_data_rank: int | None = None) -> DTensor:
-    """Lay out ``tensor`` (the same global array on every rank) over ``device_mesh``.
+    """Lay out ``tensor`` (a global array) over ``device_mesh``.
 
-    Each rank keeps its block (a view, no copy) by the ``torch.chunk`` rule; Partial keeps the
-    value on coordinate 0 of that mesh dim and the identity elsewhere (sum), or the value on
-    every rank (avg, max, min).
+    Each rank keeps a copy of its block (its own memory, never a view of ``tensor``: an in-place
+    step on the DTensor leaves the caller's array alone) by the ``torch.chunk`` rule; Partial
+    keeps the value on coordinate 0 of that mesh dim and the identity elsewhere (sum), or the
+    value on every rank (avg, max, min).
 
     Args:
-        tensor: the global NumPy or CuPy array; every rank passes the same.
-        device_mesh: the mesh.
+        tensor: the global NumPy or CuPy array, of the same shape and dtype on every rank.
+        device_mesh: the mesh; every rank of it calls ``distribute_tensor``.
         placements: one per mesh dimension (None: all Replicate).
-        src_data_rank: torch scatters from this rank; meshkit only supports None (every rank
-            already holds the array, so no communication is needed).
+        src_data_rank: None (meshkit's default): every rank passes the same values and cuts its
+            block locally, with no communication. An int ``s`` (torch's default is 0): only the
+            values of the rank at coordinate ``s`` on every mesh dimension count (the others'
+            arrays give the shape and dtype): each mesh dim in turn scatters the chunks (Shard) or
+            broadcasts the array (Replicate, Partial) from its group rank ``s``, as torch does.
+            Pass 0 where ranks may hold different values (say, separately seeded inits).
+
+    Returns:
+        The DTensor.
+
+    Raises:
+        DistValueError: bad placements, this rank outside the mesh, ``src_data_rank`` not a rank
+            of every mesh dim.
 
     Example (4 ranks, mesh ``(2, 2)``, ``A = np.arange(8)``, ``[Shard(0), Shard(0)]``): rank 0
-    holds ``A[0:2]``, rank 1 ``A[2:4]``, rank 2 ``A[4:6]``, rank 3 ``A[6:8]``.
+    holds ``A[0:2]``, rank 1 ``A[2:4]``, rank 2 ``A[4:6]``, rank 3 ``A[6:8]``. With
+    ``src_data_rank=0`` the blocks are cut from rank 0's ``A`` whatever the others passed.
     """
     op = "distribute_tensor"
     if isinstance(tensor, DTensor):
         raise errors.type_error(op, "tensor is already a DTensor; use its redistribute()")
-    if src_data_rank is not None:
-        raise errors.value_error(op, f"src_data_rank={src_data_rank!r} is not supported; every rank passes the "
-                                     "same array (src_data_rank=None)")
+    if src_data_rank is not None and (isinstance(src_data_rank, bool) or not isinstance(src_data_rank, int)):
+        raise errors.type_error(op, f"src_data_rank must be an int or None, got {src_data_rank!r}")
     if not hasattr(tensor, "shape") or not hasattr(tensor, "dtype"):
         tensor = np.asarray(tensor)
     placements = normalize_placements(op, device_mesh, placements, tensor.ndim)
     coordinate = coordinate_of(op, device_mesh)
-    local = tensor[local_slices(tensor.shape, device_mesh.shape, coordinate, placements)]
-    for i, p in enumerate(placements):
-        if isinstance(p, Partial):
-            local = partition_value(local, p, coordinate[i])
+    if src_data_rank is None:
+        local = tensor[local_slices(tensor.shape, device_mesh.shape, coordinate, placements)].copy()
+        for i, p in enumerate(placements):
+            if isinstance(p, Partial):
+                local = partition_value(local, p, coordinate[i])
+    else:
+        if not all(0 <= src_data_rank < n for n in device_mesh.shape):
+            raise errors.value_error(op, f"src_data_rank={src_data_rank} is not a rank of every mesh dimension: "
+                                         f"the mesh has shape {device_mesh.shape}; valid are 0 to "
+                                         f"{min(device_mesh.shape) - 1}, or None")
+        local = _from_source(tensor, device_mesh, coordinate, placements, src_data_rank)
     return DTensor(local, device_mesh, placements, shape=tensor.shape)
+
+
+def _from_source(tensor: Any, mesh: DeviceMesh, coordinate: Sequence[int], placements: Sequence[Placement],
+                 src: int) -> Any:
+    """This rank's block, scattered or broadcast from group rank ``src`` of each mesh dim in turn.
+
+    After mesh dim ``i`` every rank holds what the rank at coordinate ``src`` along dims ``0..i``
+    (and its own coordinates on the others) held, so after the last only the values of the rank
+    at ``(src, ..., src)`` count. Mesh dims go left to right, so nested Shards cut the outer
+    chunk first; uneven chunks travel zero-padded and are stripped.
+    """
+    xp = namespace_of(tensor)
+    local = tensor
+    for i, p in enumerate(placements):
+        group, n, r = mesh.get_group(i), mesh.shape[i], coordinate[i]
+        if isinstance(p, Shard):
+            d, parent = p.dim, local.shape[p.dim]
+            c = chunk_size(parent, n)
+            chunks = None
+            if r == src:
+                chunks = []
+                for k in range(n):
+                    start, stop = chunk_range(parent, n, k)
+                    index = [slice(None)] * local.ndim
+                    index[d] = slice(start, stop)
+                    chunks.append(_padded_along(xp, local[tuple(index)], d, c))
+            shape = list(local.shape)
+            shape[d] = c
+            out = xp.empty(tuple(shape), dtype=local.dtype)
+            group.scatter(out, chunks, src)
+            start, stop = chunk_range(parent, n, r)
+            index = [slice(None)] * local.ndim
+            index[d] = slice(0, stop - start)
+            local = out[tuple(index)] if stop - start < c else out
+        else:
+            buf = xp.array(local, copy=True, order="C")  # received into: never the caller's array
+            group.broadcast(buf, src)
+            local = buf if isinstance(p, Replicate) else partition_value(buf, p, r)
+    return local
+
+
+def _padded_along(xp: Any, piece: Any, d: int, c: int) -> Any:
+    """``piece`` as a C-contiguous array of length ``c`` along ``d`` (zeros after it)."""
+    if piece.shape[d] == c:
+        return xp.ascontiguousarray(piece)
+    shape = list(piece.shape)
+    shape[d] = c
+    out = xp.zeros(tuple(shape), dtype=piece.dtype)
+    out[tuple(slice(0, k) for k in piece.shape)] = piece
+    return out

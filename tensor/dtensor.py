@@ -7,6 +7,7 @@ worked example of which block each rank holds.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Sequence
 
 import numpy as np
@@ -15,6 +16,7 @@ from numpy.lib.mixins import NDArrayOperatorsMixin
 from ..mesh import DeviceMesh
 from . import dispatch, errors
 from .chunks import local_shape_and_offset, normalize_dim
+from .indexing import index_plan
 from .placements import Placement, Replicate, Shard
 from .redistribute import redistribute_local
 
@@ -170,7 +172,18 @@ class DTensor(NDArrayOperatorsMixin):
         return int(np.prod(self._shape, dtype=np.int64))
 
     def __len__(self) -> int:
+        """The global first dimension (TypeError for a 0-d DTensor, as NumPy's ``len()``)."""
+        if not self._shape:
+            raise TypeError(errors.prefix("len()") + "len() of a 0-d DTensor (unsized); use .shape")
         return self._shape[0]
+
+    def __bool__(self) -> bool:
+        # An `if d:` would need the global value, a collective hidden in a branch that ranks may
+        # not all reach (a hang), and an object's default truth is silently True: refuse, as
+        # __array__ does, and name the explicit call.
+        raise TypeError(errors.prefix("bool()") + f"the truth value of a DTensor (placements "
+                        f"{self._placements!r}) is not taken implicitly; use bool(d.full_tensor()) (a "
+                        "collective every rank must call) or test d.to_local() (this rank's block)")
 
     def to_local(self) -> Any:
         """This rank's block (no copy): for Partial placements, this rank's term."""
@@ -190,7 +203,9 @@ class DTensor(NDArrayOperatorsMixin):
             async_op: accepted for torch compatibility; the result is returned complete.
 
         Returns:
-            A new DTensor; the collectives are listed in :mod:`.redistribute`.
+            A new DTensor whose block has its own memory (a Replicate -> Shard slice is copied, so
+            writing into it leaves this DTensor alone), or this DTensor itself when the
+            placements do not change, as torch's; the collectives are listed in :mod:`.redistribute`.
         """
         op = "DTensor.redistribute"
         if device_mesh is not None and device_mesh != self._mesh:
@@ -248,6 +263,39 @@ class DTensor(NDArrayOperatorsMixin):
     def mean(self, axis: Any = None, **kwargs: Any) -> DTensor:
         """As ``ndarray.mean``."""
         return np.mean(self, axis=axis, **kwargs)
+
+    def max(self, axis: Any = None, **kwargs: Any) -> DTensor:
+        """As ``ndarray.max`` (a sharded axis reduced away gives Partial(max))."""
+        return np.max(self, axis=axis, **kwargs)
+
+    def min(self, axis: Any = None, **kwargs: Any) -> DTensor:
+        """As ``ndarray.min`` (a sharded axis reduced away gives Partial(min))."""
+        return np.min(self, axis=axis, **kwargs)
+
+    def clip(self, min: Any = None, max: Any = None, **kwargs: Any) -> DTensor:
+        """As ``ndarray.clip`` (a Partial is reduced first)."""
+        return np.clip(self, min, max, **kwargs)
+
+    def copy(self) -> DTensor:
+        """A copy of this rank's block, the same placements (``np.copy``)."""
+        return np.copy(self)
+
+    def astype(self, dtype: Any, *, copy: bool = True) -> DTensor:
+        """As ``ndarray.astype``; a Partial is reduced first unless the cast keeps it (see :mod:`.local_ops`)."""
+        return np.astype(self, dtype, copy=copy)
+
+    def __getitem__(self, key: Any) -> DTensor:
+        """Integers, slices, ``...`` and None, locally along unsharded dims (see :mod:`.indexing`)."""
+        local_key, shape, placements = index_plan(key, self._shape, self._placements)
+        return DTensor(self._local[local_key], self._mesh, placements, shape=shape)
+
+    def __copy__(self) -> DTensor:
+        return DTensor(self._local, self._mesh, self._placements, shape=self._shape)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> DTensor:
+        # The block is copied; the mesh is shared: it holds process groups (communicators, locks)
+        # that must not be copied, as torch's DTensor shares its DeviceMesh.
+        return DTensor(copy.deepcopy(self._local, memo), self._mesh, self._placements, shape=self._shape)
 
     def __repr__(self) -> str:
         return (f"DTensor(local_tensor={self._local!r}, device_mesh={self._mesh!r}, "

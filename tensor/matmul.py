@@ -9,7 +9,9 @@ Replicate                 Replicate     Replicate
 Shard(m)                  Replicate     Shard(m)          (rows of A)
 Replicate                 Shard(n)      Shard(n)          (columns of B)
 Shard(k)                  Shard(k)      Partial(sum)      (the contraction is split)
-Partial(sum|avg)          Replicate     the same Partial  (and the mirror image)
+Partial(sum|avg)          Replicate     the same Partial  (and the mirror image; the
+                                        Replicate operand finite and Replicate on
+                                        every mesh dim, else the Partial is reduced)
 Shard(batch)              Shard(batch)  Shard(batch)      (or Replicate where broadcast)
 ========================  ============  =========================================
 
@@ -27,7 +29,7 @@ import numpy as np
 from .dispatch import implements, implements_ufunc
 from .dtensor import DTensor
 from .placements import Partial, Placement, Replicate, Shard
-from .propagation import common_mesh, moved, no_out, unsupported, wrap
+from .propagation import common_mesh, moved, no_out, uniform_finite, unsupported, wrap
 
 __all__ = ["matmul", "dot"]
 
@@ -64,15 +66,18 @@ class _Shapes:
         return d if 0 <= d < len(shape) - 2 and shape[d] == self.out[o] else None
 
 
-def _result(s: _Shapes, pa: Placement, pb: Placement) -> Placement | None:
-    """The output placement for ``(pa, pb)`` on one mesh dim, or None if no local rule exists."""
+def _result(s: _Shapes, pa: Placement, pb: Placement, factor_ok: dict[str, bool]) -> Placement | None:
+    """The output placement for ``(pa, pb)`` on one mesh dim, or None if no local rule exists.
+
+    ``factor_ok[side]``: that operand may multiply the other's Partial terms (see :func:`matmul`).
+    """
     ka, kb = len(s.a) - 1, len(s.b) - 2
     if pa.is_replicate() and pb.is_replicate():
         return Replicate()
     if isinstance(pa, Shard) and isinstance(pb, Shard) and pa.dim == ka and pb.dim == kb:
         return Partial("sum")
     for p, q, side, other in ((pa, pb, "a", "b"), (pb, pa, "b", "a")):
-        if isinstance(p, Partial) and p.reduce_op in ("sum", "avg") and q.is_replicate():
+        if isinstance(p, Partial) and p.reduce_op in ("sum", "avg") and q.is_replicate() and factor_ok[other]:
             return p
         if isinstance(p, Shard) and s.full(side, p.dim) and (o := s.out_dim(side, p.dim)) is not None:
             if o >= s.nd - 2:  # rows of A or columns of B: the other operand whole
@@ -101,14 +106,15 @@ def _cost(src: Placement, dst: Placement) -> int:
     return 0 if src == dst else 1 if src.is_replicate() else 2
 
 
-def _plan(s: _Shapes, pa: Placement, pb: Placement) -> tuple[Placement, Placement, Placement]:
+def _plan(s: _Shapes, pa: Placement, pb: Placement, factor_ok: dict[str, bool]
+          ) -> tuple[Placement, Placement, Placement]:
     """``(A's, B's, output)`` placement on one mesh dim: as given if a rule exists, else the cheapest fix."""
-    out = _result(s, pa, pb)
+    out = _result(s, pa, pb, factor_ok)
     if out is not None:
         return pa, pb, out
     options = []
     for qa, qb in ((pa, _partner(s, pa, "a")), (_partner(s, pb, "b"), pb), (Replicate(), Replicate())):
-        r = _result(s, qa, qb)
+        r = _result(s, qa, qb, factor_ok)
         if r is not None:
             options.append((_cost(pa, qa) + _cost(pb, qb), qa, qb, r))
     cost, qa, qb, r = min(options, key=lambda t: t[0])
@@ -124,7 +130,13 @@ def matmul(a: Any, b: Any, **kwargs: Any) -> DTensor:
     if not (isinstance(a, DTensor) and isinstance(b, DTensor)) or a.ndim < 2 or b.ndim < 2:
         raise unsupported(op, *(x.placements for x in (a, b) if isinstance(x, DTensor)))
     s = _Shapes(a, b)
-    plans = [_plan(s, pa, pb) for pa, pb in zip(a.placements, b.placements)]
+    # Partial terms @ a Replicate operand are the product's terms only where that operand is
+    # finite (inf times a term 0 is NaN where the sum is +-inf) and every rank sees that alike: a
+    # scan of the operand, only when some mesh dim pairs a Partial with it.
+    linear = [isinstance(p, Partial) and p.reduce_op in ("sum", "avg") for p in (*a.placements, *b.placements)]
+    factor_ok = {"a": any(linear[a.device_mesh.ndim:]) and uniform_finite(a),
+                 "b": any(linear[:a.device_mesh.ndim]) and uniform_finite(b)}
+    plans = [_plan(s, pa, pb, factor_ok) for pa, pb in zip(a.placements, b.placements)]
     la = moved(op, "argument 0", a, [p[0] for p in plans]).to_local()
     lb = moved(op, "argument 1", b, [p[1] for p in plans]).to_local()
     return wrap(np.matmul(la, lb, **kwargs), mesh, [p[2] for p in plans], s.out)

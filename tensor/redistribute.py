@@ -10,6 +10,8 @@ Shard(d) -> Shard(e)   ``all_to_all_single`` (padded pieces, stripped)
 Replicate -> Shard(d)  local slice, no communication
 Replicate -> Partial   local: for sum, coordinate 0 keeps the value and the others hold -0.0
                        (the additive identity, so the sum is bit-exact); avg/max/min keep it
+                       (avg, as torch: completing it computes (x + ... + x) / n, which may
+                       round, one ulp off at n = 3; every other pair is bit-exact)
 Shard -> Partial       all-gather, then as Replicate -> Partial
 =====================  =============================================================
 
@@ -81,13 +83,17 @@ def _plan(src: tuple[Placement, ...], dst: tuple[Placement, ...]) -> tuple[tuple
 
 
 def redistribute_local(local: Any, mesh: DeviceMesh, shape: Sequence[int], src: Sequence[Placement],
-                       dst: Sequence[Placement]) -> Any:
+                       dst: Sequence[Placement], *, copy: bool = True) -> Any:
     """This rank's block of the global array of ``shape`` under ``dst``, given its block under ``src``.
 
-    Collective over the groups of the mesh dims that change. Never writes into ``local``.
+    Collective over the groups of the mesh dims that change. Never writes into ``local``. The
+    result has its own memory (``copy``, what ``DTensor.redistribute`` returns: writing into it
+    leaves the source DTensor's block alone) or, without ``copy`` (the op rules, which only read
+    it), may be a view of ``local`` where no collective ran (Replicate -> Shard slices it).
     """
     coordinate = mesh.get_coordinate()
     cur = list(src)
+    fresh = False  # True once a collective has put the block into a buffer of its own
     for i, p, q in _plan(tuple(src), tuple(dst)):
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("redistribute on mesh dim %d: %r -> %r (global shape %s)", i, p, q, tuple(shape))
@@ -97,8 +103,10 @@ def redistribute_local(local: Any, mesh: DeviceMesh, shape: Sequence[int], src: 
             parent_p = _parent_size(shape, mesh, coordinate, cur, i, p.dim)
             parent_q = _parent_size(shape, mesh, coordinate, cur, i, q.dim)
             local = _all_to_all(group, local, p.dim, q.dim, parent_p, parent_q, n, r)
+            fresh = True
         elif isinstance(p, Shard):
             local = _all_gather(group, local, p.dim, _parent_size(shape, mesh, coordinate, cur, i, p.dim), n)
+            fresh = True
             if isinstance(q, Partial):
                 local = partition_value(local, q, r)
         elif isinstance(p, Replicate):
@@ -110,6 +118,7 @@ def redistribute_local(local: Any, mesh: DeviceMesh, shape: Sequence[int], src: 
             else:
                 local = partition_value(local, q, r)
         else:  # Partial -> Replicate, Shard or another Partial
+            fresh = True
             if isinstance(q, Shard):
                 local = _reduce_scatter(group, local, q.dim, p, n, r)
             else:
@@ -119,7 +128,7 @@ def redistribute_local(local: Any, mesh: DeviceMesh, shape: Sequence[int], src: 
                 if isinstance(q, Partial):
                     local = partition_value(local, q, r)
         cur[i] = q
-    return local
+    return local if fresh or not copy else local.copy()
 
 
 def partition_value(local: Any, q: Partial, r: int) -> Any:

@@ -6,6 +6,10 @@ Shard on a kept axis stays a Shard (its index shifted past the removed axes); Re
 Replicate; a Partial the reduction is linear in (sum/avg under sum or mean, max under max, min
 under min) stays, any other Partial is all-reduced first (logged at DEBUG). ``mean`` divides each
 block's sum by the global count, so the Partial terms add up to the mean, uneven shards included.
+An empty block (a trailing rank of an uneven cut) contributes the identity of max or min (the
+dtype's least or greatest value: False/True for bool, -inf/inf for floats). Complex arrays, which
+no MAX/MIN collective orders, are gathered over the reduced sharded axes and reduced whole; other
+dtypes no collective carries (datetime, objects) raise TypeError on every rank.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from . import errors
 from .dispatch import implements
 from .dtensor import DTensor
 from .placements import Partial, Placement, Replicate, Shard
@@ -25,6 +30,16 @@ __all__ = ["total", "mean", "maximum", "minimum"]
 #: reduction -> (the Partial it leaves, the Partial ops it passes through)
 _KINDS = {"sum": ("sum", {"sum", "avg"}), "mean": ("sum", {"sum", "avg"}),
           "max": ("max", {"max"}), "min": ("min", {"min"})}
+
+
+def _identity(kind: str, dtype: Any) -> Any:
+    """The value an empty block contributes to a max (min): the dtype's least (greatest)."""
+    if dtype.kind == "b":
+        return kind == "min"
+    if dtype.kind == "f":
+        return -np.inf if kind == "max" else np.inf
+    info = np.iinfo(dtype)  # integers: _reduce let through only kinds "biuf" (complex is gathered)
+    return info.min if kind == "max" else info.max
 
 
 def _axes(op: str, a: DTensor, axis: Any) -> tuple[int, ...]:
@@ -47,10 +62,25 @@ def _reduce(kind: str, a: Any, axis: Any, keepdims: bool, kwargs: dict[str, Any]
     no_out(op, kwargs, "initial")
     axes = _axes(op, a, axis)
     leaves, passes = _KINDS[kind]
+    if kind in ("max", "min"):
+        if any(a.shape[ax] == 0 for ax in axes):  # NumPy's error, on every rank alike
+            raise ValueError(f"{op}: zero-size array to reduction operation {kind} which has no identity "
+                             f"(global shape {a.shape}, axis {axis})")
+        sharded_away = any(isinstance(p, Shard) and p.dim in axes for p in a.placements)
+        if sharded_away and a.dtype.kind not in "biufc":
+            raise errors.type_error(op, f"dtype {a.dtype} over an axis sharded by {a.placements!r} needs a "
+                                        f"collective {kind.upper()}, and {a.dtype} cannot be communicated; reduce "
+                                        "the to_local() blocks yourself")
+    # complex has no order a MAX/MIN collective could use (NumPy's is lexicographic): its blocks
+    # are gathered first and reduced whole (decided by the dtype, so alike on every rank)
+    gather = kind in ("max", "min") and a.dtype.kind == "c"
     need: list[Placement] = []
     out: list[Placement] = []
     for p in a.placements:
-        if isinstance(p, Shard):
+        if isinstance(p, Shard) and gather and p.dim in axes:
+            need.append(Replicate())
+            out.append(Replicate())
+        elif isinstance(p, Shard):
             need.append(p)
             out.append(Partial(leaves) if p.dim in axes else
                        Shard(p.dim if keepdims else p.dim - sum(ax < p.dim for ax in axes)))
@@ -71,10 +101,7 @@ def _reduce(kind: str, a: Any, axis: Any, keepdims: bool, kwargs: dict[str, Any]
     elif any(local.shape[ax] == 0 for ax in axes):  # an empty block (trailing rank): the identity
         xp = namespace_of(local)
         local_shape = tuple(1 if d in axes else s for d, s in enumerate(local.shape) if keepdims or d not in axes)
-        info = np.finfo(local.dtype) if local.dtype.kind == "f" else np.iinfo(local.dtype)
-        fill = (-np.inf if kind == "max" else np.inf) if local.dtype.kind == "f" else \
-            (info.min if kind == "max" else info.max)
-        result = xp.full(local_shape, fill, dtype=local.dtype)
+        result = xp.full(local_shape, _identity(kind, local.dtype), dtype=local.dtype)
     else:
         result = (np.max if kind == "max" else np.min)(local, axis=axes, keepdims=keepdims)
     return wrap(result, a.device_mesh, out, shape)

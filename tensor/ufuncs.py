@@ -1,11 +1,15 @@
-"""Elementwise ufuncs on DTensors (``+``, ``*``, ``np.tanh``...): placements per mesh dimension.
+"""Elementwise ufuncs on DTensors (``+``, ``*``, ``np.tanh``...), ``np.where``, ``np.clip``.
 
-On each mesh dim the output takes the first input Shard whose array dim is not broadcast
-(an input broadcast along that dim, or without it, needs Replicate there); else Partial where
-the ufunc is linear in the Partial terms (``a + b`` and ``a - b`` with every operand Partial,
-``-a``, ``a * r`` and ``a / r`` with ``r`` a scalar or Replicate); else Replicate. Inputs that
-differ are redistributed first (logged at DEBUG): a Partial feeding a non-linear ufunc
-(``tanh(p)``, ``p - t``) is all-reduced, which is where Megatron's forward all-reduce comes from.
+Placements per mesh dimension: the output takes the first input Shard whose array dim is not
+broadcast (an input broadcast along that dim, or without it, needs Replicate there); else
+Partial where the ufunc is linear in the Partial terms (``a + b`` and ``a - b`` with every
+operand Partial, ``-a``, ``a * r`` and ``a / r`` with ``a`` the one Partial operand and ``r`` a
+scalar or an all-Replicate DTensor that is finite, and nonzero for a divisor: ``inf`` times a
+term 0 would be NaN where the sum is +-inf); else Replicate. Inputs that differ are
+redistributed first (logged at DEBUG): a Partial feeding a non-linear ufunc (``tanh(p)``,
+``p - t``, ``np.where``, ``np.clip``) is all-reduced, which is where Megatron's forward
+all-reduce comes from. In-place operators (``x += y``, ``np.add(x, y, out=x)``) write ``x``'s
+block where the result keeps ``x``'s placements, and raise ValueError naming both otherwise.
 """
 
 from __future__ import annotations
@@ -14,12 +18,13 @@ from typing import Any
 
 import numpy as np
 
-from .dispatch import implements_ufunc
+from . import errors
+from .dispatch import implements, implements_ufunc
 from .dtensor import DTensor
 from .placements import Partial, Placement, Replicate, Shard
-from .propagation import common_mesh, moved, no_out, unsupported, wrap
+from .propagation import common_mesh, moved, no_out, uniform_finite, unsupported, wrap
 
-__all__ = ["elementwise"]
+__all__ = ["elementwise", "where", "clip"]
 
 _ADDITIVE = {np.add, np.subtract}
 _UNARY_LINEAR = {np.negative, np.positive}
@@ -35,16 +40,19 @@ def _target(ufunc: Any, inputs: tuple, i: int, out_shape: tuple[int, ...]) -> Pl
             d = p.dim + nd - x.ndim
             if x.shape[p.dim] == out_shape[d]:
                 return Shard(d)
-    partial = [x for x in inputs if isinstance(x, DTensor) and x.placements[i].is_partial()]
+    # by position, not identity: in ``y / y`` the one object is both operands (two Partial terms)
+    partial = [k for k, x in enumerate(inputs) if isinstance(x, DTensor) and x.placements[i].is_partial()]
     if partial:
-        p = partial[0].placements[i]
-        others = [x for x in inputs if x is not partial[0]]
-        plain = all(not isinstance(x, DTensor) or x.placements[i].is_replicate() for x in others)
+        k = partial[0]
+        p = inputs[k].placements[i]
+        others = [x for j, x in enumerate(inputs) if j != k]
+        plain = len(partial) == 1 and all(not isinstance(x, DTensor) or x.placements[i].is_replicate()
+                                          for x in others)
         if p.reduce_op in _LINEAR_OPS and (
                 (ufunc in _ADDITIVE and all(isinstance(x, DTensor) and x.placements[i] == p for x in inputs))
                 or (ufunc in _UNARY_LINEAR and len(inputs) == 1)
-                or (ufunc is np.multiply and len(partial) == 1 and plain)
-                or (ufunc in _DIVIDE and inputs[0] is partial[0] and plain)):
+                or (ufunc is np.multiply and plain and uniform_finite(others[0]))
+                or (ufunc in _DIVIDE and k == 0 and plain and uniform_finite(others[0], nonzero=True))):
             return p
     return Replicate()
 
@@ -59,20 +67,96 @@ def _required(x: DTensor, target: Placement, out_shape: tuple[int, ...], i: int)
     return target
 
 
-@implements_ufunc("__call__")
-def elementwise(ufunc: Any, *inputs: Any, **kwargs: Any) -> DTensor:
-    """Apply ``ufunc`` blockwise after bringing the inputs to compatible placements."""
-    op = f"np.{ufunc.__name__}"
-    no_out(op, kwargs)
-    if ufunc.nout != 1 or ufunc.signature is not None:
-        raise unsupported(op, *(x.placements for x in inputs if isinstance(x, DTensor)))
+def _blockwise(op: str, fn: Any, ufunc: Any, inputs: tuple, out: Any = None) -> DTensor:
+    """``fn(*blocks)`` after bringing ``inputs`` to compatible placements (``ufunc`` picks the
+    Partial rules; None: no input Partial is kept); into ``out``'s block when given.
+
+    The placements are decided, and ``out`` checked against them, before any communication, so a
+    refused in-place op raises on every rank alike.
+    """
     mesh = common_mesh(op, inputs)
     out_shape = tuple(np.broadcast_shapes(*(x.shape for x in inputs if isinstance(x, DTensor))))
-    targets = [_target(ufunc, inputs, i, out_shape) for i in range(mesh.ndim)]
+    targets = tuple(_target(ufunc, inputs, i, out_shape) for i in range(mesh.ndim))
+    if out is not None:
+        _check_out(op, out, mesh, targets, out_shape)
     locals_ = []
     for k, x in enumerate(inputs):
         if isinstance(x, DTensor):
             need = [_required(x, t, out_shape, i) for i, t in enumerate(targets)]
             x = moved(op, f"argument {k}", x, need).to_local()
         locals_.append(x)
-    return wrap(ufunc(*locals_, **kwargs), mesh, targets, out_shape)
+    if out is not None:
+        fn(*locals_, out=out.to_local())
+        return out
+    return wrap(fn(*locals_), mesh, targets, out_shape)
+
+
+def _check_out(op: str, out: Any, mesh: Any, targets: tuple[Placement, ...], out_shape: tuple[int, ...]) -> None:
+    """Refuse an ``out`` (``x += y`` passes ``out=x``) whose block is not the result's block."""
+    if not isinstance(out, DTensor):
+        raise errors.type_error(op, f"out= must be a DTensor (its block is written in place), got "
+                                    f"{type(out).__name__}")
+    if out.device_mesh != mesh:
+        raise errors.value_error(op, f"out is on mesh {out.device_mesh!r}, the arguments on {mesh!r}")
+    if out.placements != targets or out.shape != out_shape:
+        raise errors.value_error(op, f"in place (x op= y, or out=x) the result would have placements {targets!r} "
+                                     f"and shape {out_shape}, but out has placements {out.placements!r} and shape "
+                                     f"{out.shape}; an in-place op writes each rank's block and cannot change "
+                                     f"them: write x = x op y, or redistribute first")
+
+
+@implements_ufunc("__call__")
+def elementwise(ufunc: Any, *inputs: Any, **kwargs: Any) -> DTensor:
+    """Apply ``ufunc`` blockwise after bringing the inputs to compatible placements.
+
+    ``out=x`` (what ``x += y`` passes) writes into ``x``'s block, where the result's placements and
+    shape are ``x``'s; otherwise it raises ValueError naming both, on every rank.
+    """
+    op = f"np.{ufunc.__name__}"
+    out = kwargs.pop("out", None)
+    no_out(op, kwargs)
+    if ufunc.nout != 1 or ufunc.signature is not None:
+        raise unsupported(op, *(x.placements for x in inputs if isinstance(x, DTensor)))
+    if isinstance(out, tuple):
+        if len(out) != 1:
+            raise errors.value_error(op, f"out= has {len(out)} arrays; {op} has one output")
+        out = out[0]
+
+    def fn(*blocks: Any, out: Any = None) -> Any:
+        return ufunc(*blocks, **kwargs) if out is None else ufunc(*blocks, out=out, **kwargs)
+
+    return _blockwise(op, fn, ufunc, inputs, out)
+
+
+@implements(np.where)
+def where(condition: Any, x: Any = None, y: Any = None, /) -> DTensor:
+    """``np.where(condition, x, y)`` blockwise (a Partial is reduced first: selecting is not linear
+    in the terms). The one-argument form (``nonzero``) is not supported."""
+    op = "np.where"
+    if x is None or y is None:
+        raise NotImplementedError(errors.prefix(op) + "the one-argument form (np.nonzero) has no DTensor rule; "
+                                  "give condition, x and y")
+    return _blockwise(op, np.where, None, (condition, x, y))
+
+
+_NO_VALUE = object()
+
+
+@implements(np.clip)
+def clip(a: Any, a_min: Any = _NO_VALUE, a_max: Any = _NO_VALUE, out: Any = None, *, min: Any = _NO_VALUE,
+         max: Any = _NO_VALUE, **kwargs: Any) -> DTensor:
+    """``np.clip`` blockwise; the bounds are scalars, None or DTensors (a Partial is reduced first)."""
+    op = "np.clip"
+    no_out(op, {"out": out, **kwargs})
+    lo = min if a_min is _NO_VALUE else a_min
+    hi = max if a_max is _NO_VALUE else a_max
+    lo, hi = (None if v is _NO_VALUE else v for v in (lo, hi))
+    if lo is None and hi is None:
+        raise ValueError(f"{errors.prefix(op)}one of a_min and a_max must be given")
+    bounds = [v for v in (lo, hi) if v is not None]
+
+    def fn(block: Any, *given: Any) -> Any:
+        it = iter(given)
+        return np.clip(block, next(it) if lo is not None else None, next(it) if hi is not None else None)
+
+    return _blockwise(op, fn, None, (a, *bounds))

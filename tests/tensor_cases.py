@@ -1,9 +1,12 @@
 """Redistribution cases checked by every rank (local engine tests and the MPI script).
 
 Every pair of placements, uneven shapes included: the block each rank holds after
-``redistribute`` is the one the torch.chunk rule gives it, the global array survives bit for
-bit (there and back), and the collectives issued (read from the flight recorder) are exactly
-the ones the plan names, on the group of the mesh dim that changes.
+``redistribute`` is the one the torch.chunk rule gives it, the global array survives (there and
+back), and the collectives issued (read from the flight recorder) are exactly the ones the plan
+names, on the group of the mesh dim that changes. The array survives bit for bit wherever no
+Partial("avg") is involved; through Partial("avg") to within a few ulp: its terms are the value
+on every rank (torch's rule too) and the AVG all-reduce computes (x + x + x) / 3, which rounds
+(3 ranks: one ulp off for some values).
 """
 
 from __future__ import annotations
@@ -44,6 +47,14 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
         np.ascontiguousarray(b).tobytes()
 
 
+def same_or_close(a: np.ndarray, b: np.ndarray, exact: bool) -> bool:
+    """``same_bits``, or (``exact`` False: Partial("avg") was involved) equal to a few ulp, NaN where NaN."""
+    if exact or a.dtype.kind not in "fc":
+        return same_bits(a, b)
+    eps = np.finfo(a.dtype).eps
+    return a.shape == b.shape and a.dtype == b.dtype and bool(np.allclose(a, b, rtol=4 * eps, atol=0, equal_nan=True))
+
+
 def new_records(before: list[dict]) -> list[dict]:
     """The flight-recorder entries added since ``before`` (the recorder keeps only the last 64)."""
     after = meshkit.flight_record()
@@ -72,14 +83,15 @@ def check_all_pairs(mesh_shape, shape, dtype="float64", placements=None) -> int:
                         if COLLECTIVE[_kind(p), _kind(q)]]
             assert issued == expected, (src, dst, issued, expected)
             assert e.placements == tuple(dst) and e.shape == a.shape
+            exact = Partial("avg") not in (*src, *dst)
             if not any(p.is_partial() for p in dst):
                 block = a[local_slices(a.shape, mesh.shape, coordinate, dst)]
-                assert same_bits(e.to_local(), block), (src, dst, e.to_local(), block)
-            assert same_bits(e.full_tensor(), a), (src, dst)
+                assert same_or_close(e.to_local(), block, exact), (src, dst, e.to_local(), block)
+            assert same_or_close(e.full_tensor(), a, exact), (src, dst)
             back = e.redistribute(placements=src)
-            assert same_bits(back.full_tensor(), a), (src, dst, "back")
+            assert same_or_close(back.full_tensor(), a, exact), (src, dst, "back")
             if not any(p.is_partial() for p in src):
-                assert same_bits(back.to_local(), d.to_local()), (src, dst, "back, local")
+                assert same_or_close(back.to_local(), d.to_local(), exact), (src, dst, "back, local")
             count += 1
     return count
 

@@ -185,3 +185,23 @@ def test_pipeline_benchmark_reports_bubbles_and_peak_activations(mpirun, tmp_pat
     subprocess.run([sys.executable, str(PIPELINE_BENCH), "--plot-from", str(out_json), "--plot", str(png)], check=True,
                    capture_output=True, timeout=120)
     assert png.stat().st_size > 0  # three panels: bubble, step time vs ideal, peak activations per stage
+
+
+# --------------------------------------------------------------------------- dtensor.py
+DTENSOR_BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "dtensor.py"
+
+
+def test_dtensor_benchmark_times_every_transition_and_op_and_writes_json(mpirun, tmp_path):
+    out_json = tmp_path / "dt.json"
+    out = mpirun(DTENSOR_BENCH, 2, "--min-bytes", "4K", "--max-bytes", "8K", "--rounds", "1", "--iters", "2",
+                 "--warmup", "1", "--no-progress", "--json", str(out_json)).stdout
+    rows = json.loads(out_json.read_text())["rows"]
+    redistribute = [(r["transition"], r["bytes"]) for r in rows if r["section"] == "redistribute"]
+    assert redistribute == [(t, b) for t in ("S0->R", "P->R", "P->S0", "S0->S1", "R->S0") for b in (4096, 8192)]
+    assert all(r["redistribute_us"] > 0 and r["collective_us"] > 0 for r in rows if r["section"] == "redistribute")
+    assert [r["ratio"] is None for r in rows if r["section"] == "redistribute"] == [False] * 8 + [True] * 2
+    assert [r["op"] for r in rows if r["section"] == "overhead"] == ["add", "tanh", "matmul", "sum", "transpose",
+                                                                      "reshape"]
+    assert all(r["dtensor_us"] > 0 and r["numpy_us"] > 0 for r in rows if r["section"] == "overhead")
+    assert re.search(r"R->S0\s+4K\s+[\d.]+\s+[\d.]+\s+local", out), out
+    assert "(target: overhead < 20 us)" in out

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
+from tensor_cases import new_records
 
 import meshkit
 from meshkit.comm import local
@@ -119,15 +122,89 @@ def test_detail_mode_checks_from_local_across_ranks(monkeypatch):
     assert "rank 2 passed shape (6, 4)" in results[1][0]
 
 
-def test_ranks_outside_the_mesh_and_src_data_rank_are_named():
+def test_ranks_outside_the_mesh_and_a_bad_src_data_rank_are_named():
     def body():
         mesh = meshkit.DeviceMesh("cpu", [0, 1])
         if meshkit.get_rank() == 2:
             with pytest.raises(ValueError, match=r"rank 2: distribute_tensor: this rank is not in the mesh \[0, 1\]"):
                 distribute_tensor(np.ones(4), mesh, [Shard(0)])
             return None
-        with pytest.raises(ValueError, match="src_data_rank=0 is not supported"):
-            distribute_tensor(np.ones(4), mesh, [Shard(0)], src_data_rank=0)
+        with pytest.raises(ValueError, match=r"distribute_tensor: src_data_rank=2 is not a rank of every mesh "
+                                             r"dimension: the mesh has shape \(2,\)"):
+            distribute_tensor(np.ones(4), mesh, [Shard(0)], src_data_rank=2)
+        with pytest.raises(TypeError, match=r"src_data_rank must be an int or None, got '0'"):
+            distribute_tensor(np.ones(4), mesh, [Shard(0)], src_data_rank="0")
         return distribute_tensor(np.arange(4.0), mesh, [Shard(0)]).to_local().tolist()
 
     assert local.run(body, 3) == [[0.0, 1.0], [2.0, 3.0], None]
+
+
+@pytest.mark.parametrize("mesh_shape,src", [((3,), 0), ((3,), 2), ((2, 2), 0), ((2, 2), 1)])
+def test_src_data_rank_scatters_and_broadcasts_from_that_rank(mesh_shape, src):
+    # torch's default: ranks need not agree; only the source's values count (here each rank's
+    # array differs). The source is group rank src on every mesh dim (global rank mesh[src, src]).
+    a = np.arange(35.0).reshape(5, 7) - 11.5
+    options = [Shard(0), Shard(1), Replicate(), Partial()]
+
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", mesh_shape)
+        mine = a + 100 * meshkit.get_rank()
+        source = int(mesh.mesh[(src,) * len(mesh_shape)])
+        groups = [mesh.get_group(i).name for i in range(len(mesh_shape))]
+        out = []
+        for pl in itertools.product(options, repeat=len(mesh_shape)):
+            start = meshkit.flight_record()
+            d = distribute_tensor(mine, mesh, pl, src_data_rank=src)
+            issued = [(r["group"], r["op"]) for r in new_records(start)]
+            assert issued == [(g, "scatter" if p.is_shard() else "broadcast") for g, p in zip(groups, pl)], issued
+            assert d.to_local().shape == distribute_tensor(mine, mesh, pl).to_local().shape
+            out.append((pl, d.full_tensor(), source))
+        return out
+
+    for rank in local.run(body, int(np.prod(mesh_shape))):
+        for pl, full, source in rank:
+            np.testing.assert_array_equal(full, a + 100 * source, err_msg=str(pl))
+
+
+def test_distributed_blocks_never_alias_the_callers_array_or_the_source_dtensor():
+    # an in-place step on a parameter must not write into the array it came from
+    a = np.arange(35.0).reshape(5, 7)
+
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2, 2))
+        mine = a.copy()
+        options = [Shard(0), Shard(1), Replicate(), Partial(), Partial("max")]
+        for pl in itertools.product(options, repeat=2):
+            for src in (None, 0):
+                d = distribute_tensor(mine, mesh, pl, src_data_rank=src)
+                assert not np.shares_memory(d.to_local(), mine), (pl, src)
+                d.to_local()[...] = -1.0  # what an optimizer's in-place step does to a block
+            r = distribute_tensor(mine, mesh, [Replicate(), Replicate()])
+            if pl != r.placements:  # (an unchanged placement returns r itself, as torch)
+                moved = r.redistribute(placements=pl)
+                assert not np.shares_memory(moved.to_local(), r.to_local()), pl
+                moved.to_local()[...] = -1.0
+                np.testing.assert_array_equal(r.to_local(), a)
+        return mine
+
+    for mine in local.run(body, 4):
+        np.testing.assert_array_equal(mine, a)
+
+
+def test_truth_value_and_len_are_never_silently_wrong():
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2,))
+        zero = distribute_tensor(np.zeros(1), mesh, [Replicate()])
+        with pytest.raises(TypeError, match=r"bool\(\): the truth value of a DTensor.*full_tensor\(\)"):
+            bool(zero)  # was True: an object's default truth
+        loss = np.sum(distribute_tensor(np.arange(4.0), mesh, [Shard(0)]))  # 0-d, Partial
+        with pytest.raises(TypeError, match=r"bool\(\).*\(Partial\(sum\),\)"):
+            bool(loss)
+        with pytest.raises(TypeError, match=r"bool\(\).*\(Replicate\(\),\)"):
+            if loss > 100:  # the comparison all-reduces; the branch still needs an explicit value
+                pass
+        with pytest.raises(TypeError, match=r"len\(\) of a 0-d DTensor"):
+            len(loss)  # was IndexError
+        return len(distribute_tensor(np.zeros((5, 2)), mesh, [Shard(0)])), bool(zero.full_tensor())
+
+    assert local.run(body, 2) == [(5, False)] * 2

@@ -1,4 +1,5 @@
-"""Redistribution: every pair of placements, 1-D and 2-D meshes, uneven sizes, bit for bit."""
+"""Redistribution: every pair of placements, 1-D and 2-D meshes, uneven sizes, bit for bit (to a
+few ulp through Partial("avg"), see tensor_cases)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,22 @@ def test_other_dtypes_and_a_3d_array(dtype):
     options = [Shard(0), Shard(2), Replicate(), Partial()]
     counts = local.run(tensor_cases.check_all_pairs, 4, (2, 2), (3, 2, 5), dtype, options, timeout=120)
     assert counts == [256] * 4
+
+
+ALL = [S0, S1, R, P, Partial("avg"), Partial("max"), Partial("min")]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_every_pair_with_avg_max_min_on_a_1d_mesh(world):
+    # bit for bit except through Partial("avg"): at 3 ranks (x + x + x) / 3 is one ulp off x
+    counts = local.run(tensor_cases.check_all_pairs, world, (world,), (5, 3), "float64", ALL, timeout=60)
+    assert counts == [49] * world
+
+
+def test_avg_max_min_pairs_on_a_2x2_mesh():
+    options = [S0, R, P, Partial("avg"), Partial("max"), Partial("min")]
+    counts = local.run(tensor_cases.check_all_pairs, 4, (2, 2), (3, 5), "float64", options, timeout=120)
+    assert counts == [36 * 36] * 4
 
 
 def test_plan_uses_the_direct_collective_where_nothing_nests():

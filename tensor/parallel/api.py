@@ -108,6 +108,5 @@ def parallelize(params: Mapping[str, Any], mesh: DeviceMesh, plan: Mapping[str, 
     _check(params, mesh, plan)
     out = {}
     for name, placement in plan_placements(params, plan).items():
-        d = distribute_tensor(params[name], mesh, [placement])
-        out[name] = DTensor.from_local(d.to_local().copy(), mesh, d.placements, shape=d.shape)
+        out[name] = distribute_tensor(params[name], mesh, [placement])  # a copy of its block
     return out

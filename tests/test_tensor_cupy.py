@@ -1,0 +1,103 @@
+"""DTensor on device arrays: tests/fake_cupy.py's strict CuPy arrays (not np.ndarray; an implicit
+host copy raises) over the NCCL engine on the double. Every redistribution pair and the op rules
+keep the blocks on the device and match NumPy."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import numpy as np
+import pytest
+from tensor_cases import global_array, same_bits
+
+import fake_cupy
+import meshkit
+from meshkit.comm import local
+from meshkit.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+S0, S1, R, P = Shard(0), Shard(1), Replicate(), Partial()
+
+
+# The ``cupy`` fixture (tests/conftest.py) installs the fake module and the double for a test.
+def on_nccl(fn, mesh_shape):
+    """``fn(mesh, cupy)`` on thread-ranks of an ``nccl`` world over the double (one fake GPU each)."""
+    def main():
+        import cupy
+
+        meshkit.init_process_group("nccl", timeout=60)
+        return fn(meshkit.init_device_mesh("cuda", mesh_shape), cupy)
+    return local.run(main, int(np.prod(mesh_shape)), init=False, timeout=120)
+
+
+def host(x):
+    """A device block as a NumPy array, through the explicit ``.get()`` (and asserting it is one)."""
+    assert isinstance(x, fake_cupy.ndarray), type(x)
+    return x.get()
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (3,), (2, 2)])
+def test_every_redistribution_pair_on_device_arrays(cupy, mesh_shape):
+    a = global_array((5, 3), "float64")  # uneven over 2, 3 and 2x2; a NaN and a -0.0
+    options = [S0, S1, R, P, Partial("max")]
+
+    def body(mesh, cp):
+        dev = cp.asarray(a)
+        count = 0
+        for src in itertools.product(options, repeat=len(mesh_shape)):
+            d = distribute_tensor(dev, mesh, src)
+            assert isinstance(d.to_local(), fake_cupy.ndarray)
+            for dst in itertools.product(options, repeat=len(mesh_shape)):
+                e = d.redistribute(placements=dst)
+                assert same_bits(host(e.full_tensor()), a), (src, dst)
+                assert same_bits(host(e.redistribute(placements=src).full_tensor()), a), (src, dst, "back")
+                count += 1
+            s = distribute_tensor(dev if meshkit.get_rank() == 0 else dev * 0, mesh, src, src_data_rank=0)
+            assert same_bits(host(s.full_tensor()), a), (src, "src_data_rank=0")
+        return count
+
+    assert on_nccl(body, mesh_shape) == [len(options) ** (2 * len(mesh_shape))] * int(np.prod(mesh_shape))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("mesh_shape", [(3,), (2, 2)])
+def test_op_rules_on_device_arrays(cupy, mesh_shape):
+    rng = np.random.default_rng(4)
+    x, w, t = rng.standard_normal((5, 7)), rng.standard_normal((7, 3)), rng.standard_normal((5, 7))
+    k = len(mesh_shape)
+    cases = {
+        "mlp": (lambda X, W, T, m: np.tanh(X(R) @ W(S1)) @ W(S1).T, np.tanh(x @ w) @ w.T),
+        "matmul P": (lambda X, W, T, m: X(S1) @ W(S0), x @ w),
+        "sum S0": (lambda X, W, T, m: np.sum(X(S0), axis=0), x.sum(0)),
+        "mean": (lambda X, W, T, m: X(S1).mean(), x.mean()),
+        "max empty block": (lambda X, W, T, m: np.max(X(S0), axis=0), x.max(0)),
+        "bool max": (lambda X, W, T, m: (X(S0) > 0).max(axis=0), (x > 0).max(0)),
+        "P + 1": (lambda X, W, T, m: X(P) + 1.0, x + 1),
+        "P * inf": (lambda X, W, T, m: X(P) * np.inf, x * np.inf),
+        "P / R": (lambda X, W, T, m: X(P) / T(R), x / t),
+        "y / y": (lambda X, W, T, m: (lambda y: y / y)(X(S1) @ W(S0)), (x @ w) / (x @ w)),
+        "where": (lambda X, W, T, m: np.where(X(S0) > 0, X(S0), T(S0)), np.where(x > 0, x, t)),
+        "clip": (lambda X, W, T, m: np.clip(X(P), -0.5, 0.5), np.clip(x, -0.5, 0.5)),
+        "astype": (lambda X, W, T, m: X(P).astype(np.float32), x.astype(np.float32)),
+        "copy": (lambda X, W, T, m: copy.deepcopy(X(S1)).copy(), x),
+        "index": (lambda X, W, T, m: X(S1)[1:4, None], x[1:4, None]),
+        "reshape T": (lambda X, W, T, m: X(S1).reshape(5, 7, 1).T, x.reshape(5, 7, 1).T),
+        "in place": (lambda X, W, T, m: (lambda d: (d.__iadd__(T(S0)), d)[1])(X(S0)), x + t),
+    }
+
+    def body(mesh, cp):
+        def lay(a):
+            return lambda p: distribute_tensor(cp.asarray(a), mesh, [p] * k)
+        out = {}
+        for name, (f, _) in cases.items():
+            r = f(lay(x), lay(w), lay(t), mesh)
+            assert isinstance(r, DTensor) and isinstance(r.to_local(), fake_cupy.ndarray), name
+            out[name] = host(r.full_tensor())
+        return out
+
+    for rank in on_nccl(body, mesh_shape):
+        for name, (_, want) in cases.items():
+            got = rank[name]
+            assert got.dtype == want.dtype, name
+            np.testing.assert_allclose(got, want, rtol=1e-6 if got.dtype == np.float32 else 1e-12,
+                                       atol=1e-12, err_msg=name)
