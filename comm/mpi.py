@@ -17,7 +17,8 @@ dtype, through :mod:`~meshkit.comm.cuda_runtime`), moved by MPI, and copied back
 completes only once the copy back is done, and an operation that fails or times out never
 copies back, so its output keeps its old contents. Whether MPI is CUDA-aware:
 ``MESHKIT_CUDA_AWARE_MPI=1`` or ``0`` decides; without it, mpi4py's ``MPI.Query_cuda_support()``
-where mpi4py has it (MPIX), else staging (always correct, slower).
+where mpi4py has it, else the MPI library's ``MPIX_Query_cuda_support()`` /
+``MPIX_GPU_query_support()`` (through ctypes), else staging (always correct, slower).
 
 This module imports ``mpi4py.MPI``, which initializes MPI: it is imported only when the ``mpi``
 backend is chosen. MPI is asked for ``MPI_THREAD_MULTIPLE`` (mpi4py's default), because each
@@ -200,9 +201,21 @@ class _Receive:
 CUDA_AWARE_ENV = "MESHKIT_CUDA_AWARE_MPI"
 
 
+#: ``MPIX_GPU_SUPPORT_CUDA`` in MPICH's mpi.h: the ``gpu_type`` of ``MPIX_GPU_query_support``.
+_MPIX_GPU_SUPPORT_CUDA = 0
+
+
 def cuda_aware_mpi() -> bool:
-    """Whether device arrays go to MPI directly: :data:`CUDA_AWARE_ENV` when set, else
-    ``MPI.Query_cuda_support()`` where mpi4py has it, else False (stage through host memory)."""
+    """Whether device arrays go to MPI directly.
+
+    In order: :data:`CUDA_AWARE_ENV` when set; mpi4py's ``MPI.Query_cuda_support()`` where
+    mpi4py has it; else the MPI library's own extension, asked through ctypes
+    (``MPIX_Query_cuda_support()``: MPICH and Open MPI; ``MPIX_GPU_query_support``: MPICH);
+    else False (stage through host memory: always correct, slower).
+
+    Raises:
+        DistValueError: :data:`CUDA_AWARE_ENV` is set to something other than 0 or 1.
+    """
     value = os.environ.get(CUDA_AWARE_ENV)
     if value is not None:
         if value.strip() not in ("0", "1"):
@@ -210,8 +223,60 @@ def cuda_aware_mpi() -> bool:
                                  "is not valid; valid values are 0 (stage device arrays through host memory) "
                                  "and 1 (MPI reads device memory)")
         return value.strip() == "1"
-    query = getattr(MPI, "Query_cuda_support", None)
-    return bool(query()) if query is not None else False
+    query = getattr(MPI, "Query_cuda_support", None)  # mpi4py 4.1 has none (MPIX is not its API)
+    if query is not None:
+        return bool(query())
+    lib = _libmpi()
+    return lib is not None and _mpix_cuda_support(lib)
+
+
+def _libmpi() -> Any | None:
+    """The MPI library mpi4py loaded, for the MPIX queries mpi4py does not wrap; None if not found.
+
+    mpi4py dlopens libmpi with ``RTLD_LOCAL`` (the ``mpich`` wheel's ``lib/libmpi.so.12``), so its
+    symbols are not global: the library is found by path among this process's mappings and
+    opened again with ``RTLD_NOLOAD`` (the same handle, never a second MPI). A libmpi linked into
+    the executable or loaded ``RTLD_GLOBAL`` is found first, through the global namespace.
+    """
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL(None)
+        lib.MPI_Get_version  # noqa: B018 (a lookup: AttributeError where the symbols are not global)
+        return lib
+    except (OSError, AttributeError):
+        pass
+    try:
+        with open("/proc/self/maps") as maps:  # Linux; elsewhere MESHKIT_CUDA_AWARE_MPI decides
+            fields = [line.split(None, 5) for line in maps if "libmpi" in line]
+    except OSError:
+        return None
+    paths = sorted({f[5].strip() for f in fields if len(f) == 6})  # address perms offset dev inode path
+    for path in paths:
+        try:
+            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+            lib.MPI_Get_version  # noqa: B018
+            return lib
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
+def _mpix_cuda_support(lib: Any) -> bool:
+    """What ``lib`` says of CUDA support: ``MPIX_Query_cuda_support()`` (Open MPI, MPICH), else
+    ``MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA, &flag)`` (MPICH); False if it has neither."""
+    import ctypes
+
+    query = getattr(lib, "MPIX_Query_cuda_support", None)
+    if query is not None:
+        query.restype, query.argtypes = ctypes.c_int, []
+        return bool(query())
+    query = getattr(lib, "MPIX_GPU_query_support", None)
+    if query is not None:
+        query.restype, query.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+        flag = ctypes.c_int(0)
+        return query(_MPIX_GPU_SUPPORT_CUDA, ctypes.pointer(flag)) == 0 and bool(flag.value)  # 0: MPI_SUCCESS
+    return False
 
 
 _NDARRAY = np.ndarray

@@ -10,7 +10,11 @@ Nothing here has run on a GPU.
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +22,8 @@ import pytest
 import nccl_double as double
 
 from meshkit.comm import cuda_runtime
+
+SCRIPTS = Path(__file__).parent / "scripts"
 
 
 @pytest.mark.parametrize("mode", ["staged", "aware"])
@@ -55,6 +61,23 @@ def test_cuda_aware_override_must_be_0_or_1(mpirun):
         assert (f"[rank{rank}]: bad-env: DistValueError: meshkit.comm: rank {rank}: MESHKIT_CUDA_AWARE_MPI='yes' "
                 "is not valid; valid values are 0 (stage device arrays through host memory) and 1 (MPI reads "
                 "device memory)") in out, out
+
+
+def test_cuda_aware_detection_asks_the_mpi_library_mpi4py_does_not_wrap():
+    """mpi4py 4.1 has no Query_cuda_support: the answer comes from the loaded libmpi's MPIX
+    functions (found through ctypes), after MESHKIT_CUDA_AWARE_MPI and mpi4py's own query."""
+    env = {k: v for k, v in os.environ.items() if k != "MESHKIT_CUDA_AWARE_MPI"}
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "mpi_cuda_aware.py")], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert re.fullmatch(r"real library libmpi\S* -> False", lines[0]), lines  # no GPU here: MPICH says 0
+    assert lines[1:] == [
+        "MPIX_Query_cuda_support 1 -> True", "MPIX_Query_cuda_support 0 -> False",
+        "MPIX_GPU_query_support 1 -> True", "MPIX_GPU_query_support 0 -> False",
+        "MPIX_GPU_query_support failing -> False", "neither -> False", "no library -> False",
+        "mpi4py Query_cuda_support 1, library 0 -> True",
+        "MESHKIT_CUDA_AWARE_MPI=0, library 1 -> False", "MESHKIT_CUDA_AWARE_MPI=1, library 1 -> True"], lines
 
 
 # --------------------------------------------------------------------------- the double's copies
