@@ -13,7 +13,9 @@ computation never spins.
 Device arrays (``__cuda_array_interface__``: CuPy, ...) go to MPI as they are when MPI is
 CUDA-aware, after the caller's current stream has finished writing them (MPI is not
 stream-aware). Otherwise they are staged: copied into pinned host buffers (reused per size and
-dtype, through :mod:`~meshkit.comm.cuda_runtime`), moved by MPI, and copied back; the request
+dtype, through :mod:`~meshkit.comm.cuda_runtime`) on the engine's staging stream, which waits
+for the caller's stream through an event (so only for the caller's writes so far), moved by MPI,
+and copied back on the same stream; the request
 completes only once the copy back is done, and an operation that fails or times out never
 copies back, so its output keeps its old contents. Whether MPI is CUDA-aware:
 ``MESHKIT_CUDA_AWARE_MPI=1`` or ``0`` decides; without it, mpi4py's ``MPI.Query_cuda_support()``
@@ -311,10 +313,18 @@ class _Pool:
                 self._free.setdefault((b.size, b.dtype), []).append(b)
 
 
+def _drain(rt: Any, stream: Any) -> None:
+    """Block until the work queued on ``stream`` so far is done (not work queued later, by
+    another operation's thread)."""
+    event = rt.new_event()
+    event.record(stream)
+    event.synchronize()
+
+
 class _Staged:
     """An MPI request over staged host buffers: completes once MPI has and the outputs have been
-    copied back to the device (and the copy has finished), so a caller never sees a
-    half-copied output as done. Forwards a receive's ``source``/``count``/``dtype``."""
+    copied back to the device (on the engine's staging stream, and the copy has finished), so a
+    caller never sees a half-copied output as done. Forwards a receive's ``source``/``count``/``dtype``."""
 
     __slots__ = ("request", "outputs", "stream", "release", "done")
 
@@ -332,7 +342,7 @@ class _Staged:
             rt = cuda_runtime.runtime()
             for host, dev in self.outputs:
                 rt.copy_to_device(host, dev, self.stream)
-            self.stream.synchronize()  # the host buffers go back to the pool: the copies must be over
+            _drain(rt, self.stream)  # the host buffers go back to the pool: the copies must be over
         self.done = True
         self.release()
         return True
@@ -388,6 +398,7 @@ class MPIEngine:
         self._Iallreduce = comm.Iallreduce
         self._aware: bool | None = None  # CUDA-aware MPI; asked at the first device array
         self._pool = _Pool()
+        self._staging: Any = None  # the stream of staging copies; made at the first staged array
 
     def wait(self, request: Any, deadline: float) -> None:
         if not _completes(request, deadline, self.watch):
@@ -415,14 +426,25 @@ class MPIEngine:
         """Run ``start(*arrays)`` for device arrays: on them (CUDA-aware MPI) or on staged host copies.
 
         ``reads[i]``/``writes[i]``: MPI reads/writes ``arrays[i]`` on this rank (None: no array).
+        Staging copies run on the engine's own stream, ordered after the caller's current stream
+        through an event recorded now: they follow the caller's writes so far, but neither wait
+        for nor hold up work the caller queues later (the copy back may run on the progress
+        thread while the caller computes). One staging stream per engine: a rank stages on the
+        device that was current at its first staged operation (one GPU per rank).
         """
         rt = cuda_runtime.runtime()
-        stream = rt.current_stream()
+        caller = rt.current_stream()
         if self._aware is None:
             self._aware = cuda_aware_mpi()
         if self._aware:
-            stream.synchronize()  # MPI is not stream-aware: the caller's writes must be done
+            caller.synchronize()  # MPI is not stream-aware: the caller's writes must be done
             return start(*arrays)
+        stream = self._staging
+        if stream is None:
+            stream = self._staging = rt.new_stream()
+        ready = rt.new_event()
+        ready.record(caller)
+        stream.wait_event(ready)  # also for outputs only: the copy back follows the caller's earlier writes
         hosts: list[Any] = []
         taken: list[np.ndarray] = []
         copied = False
@@ -438,7 +460,7 @@ class MPIEngine:
                 copied = True
             hosts.append(h)
         if copied:
-            stream.synchronize()  # MPI reads the host buffers: the copies must be over
+            _drain(rt, stream)  # MPI reads the host buffers: the copies must be over
         try:
             request = start(*hosts)
         except BaseException:

@@ -55,6 +55,25 @@ def test_a_failed_copy_back_fails_the_work_and_leaves_the_output(mpirun):
     assert "[rank1]: copy-back completed True success True output [0.0, 2.0, 4.0, 6.0]" in out, out
 
 
+def test_staging_copies_wait_for_the_callers_writes_not_its_later_work(mpirun):
+    """The copies run on the engine's staging stream, after an event on the caller's stream: a
+    Work completes while the caller's stream is busy with work queued after the collective."""
+    out = mpirun("mpi_device_streams.py", 2, "overlap", env={"MESHKIT_CUDA_AWARE_MPI": "0"}, timeout=60).stdout
+    for rank in (0, 1):
+        assert f"[rank{rank}]: wait with the caller's stream busy: True" in out, out
+        assert f"[rank{rank}]: result [30.0, 3.0, 3.0, 3.0]" in out, out  # x[0] written before: copied
+    assert "[rank1]: broadcast [0.0, 1.0, 2.0]" in out, out
+
+
+def test_a_staging_stream_that_skips_the_event_wait_fails_on_the_double(mpirun):
+    """An engine whose staging stream ignores wait_event: the double refuses both copies."""
+    out = mpirun("mpi_device_streams.py", 2, "no-event-wait", env={"MESHKIT_CUDA_AWARE_MPI": "0"}, timeout=60).stdout
+    assert ("[rank1]: recv: FakeNcclError: double: copy_to_device: the stream is not ordered after write #1 to the "
+            "device array on another stream") in out, out
+    assert ("[rank1]: send: FakeNcclError: double: copy_to_host: the stream is not ordered after the caller's "
+            "current stream") in out, out
+
+
 def test_cuda_aware_override_must_be_0_or_1(mpirun):
     out = mpirun("mpi_device_faults.py", 2, "bad-env", timeout=60).stdout
     for rank in (0, 1):
@@ -125,6 +144,22 @@ def test_a_copy_on_a_stream_not_ordered_after_the_writes_is_refused(rt):
     rt.copy_to_host(dev, host, other)
     other.synchronize()
     assert host.tolist() == [5.0, 1.0, 2.0, 3.0]
+
+
+def test_a_copy_into_device_memory_follows_the_last_write_to_it_not_later_unrelated_ones(rt):
+    dev = double.to_device(np.zeros(4))  # allocated (a write) on the current stream
+    staging, host = rt.new_stream(), rt.pinned_empty((4,), np.float64)
+    host[...] = 1
+    with pytest.raises(double.FakeNcclError, match=r"copy_to_device: the stream is not ordered after write #\d+ "
+                                                   "to the device array on another stream"):
+        rt.copy_to_device(host, dev, staging)
+    event = rt.new_event()
+    event.record(rt.current_stream())
+    staging.wait_event(event)
+    double.to_device(np.ones(8))  # the caller writes elsewhere since: no hazard for the copy
+    rt.copy_to_device(host, dev, staging)
+    staging.synchronize()
+    assert dev.get().tolist() == [1.0] * 4
 
 
 @pytest.mark.parametrize("aware", ["0", None], ids=["staged", "detected"])
