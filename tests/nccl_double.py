@@ -190,17 +190,18 @@ def _touch(of: DeviceArray | None = None) -> None:
         _wrote(stream, of)
 
 
-def _wrote(stream: FakeStream, of: DeviceArray | None = None) -> None:
+def _wrote(stream: FakeStream, of: DeviceArray | None = None, entry: Any = None) -> None:
     """The calling thread enqueued a write on ``stream`` (under ``_cond``): it counts, and the
     thread remembers its own latest write there (what its later collectives must be ordered after);
-    the allocation written (``of``) remembers it too (what a later copy into it must be ordered after)."""
+    the allocation written (``of``) remembers it too (what a later copy into it must be ordered
+    after, unless that write is an ``entry`` of the stream already seen done)."""
     stream.work += 1
     writes = getattr(_tls, "writes", None)
     if writes is None:
         writes = _tls.writes = weakref.WeakKeyDictionary()
     writes[stream] = stream.work
     if of is not None:
-        _allocation(of)._written = (stream, stream.work)
+        _allocation(of)._written = (stream, stream.work, entry)
 
 
 def _allocation(a: DeviceArray) -> DeviceArray:
@@ -739,8 +740,9 @@ class FakeRuntime:
             # A copy into device memory must come after the writes queued to it before (or it is
             # overwritten by them); writes the caller queued since, elsewhere, are no hazard, so it
             # may run on a stream that waited only for what the caller had queued when it began.
-            last, work = getattr(_allocation(device), "_written", (None, -1))
-            if last is not None and last is not stream and stream.waited.get(last, -1) < work:
+            last, work, entry = getattr(_allocation(device), "_written", (None, -1, None))
+            finished = entry is not None and entry._done  # a copy the host has seen complete
+            if last is not None and last is not stream and not finished and stream.waited.get(last, -1) < work:
                 raise FakeNcclError(f"double: {what}: the stream is not ordered after write #{work} to the device "
                                     "array on another stream: that write could overwrite the copy")
         else:
@@ -752,9 +754,10 @@ class FakeRuntime:
         src, dst = (host.reshape(-1), dev) if to_device else (dev, host.reshape(-1))
         with _cond:
             pending = [e for e in stream.pending if not e.done]
-            stream.pending = pending + [_Copy(pending, src, dst)]
+            copy = _Copy(pending, src, dst)
+            stream.pending = pending + [copy]
             if to_device:
-                _wrote(stream, device)
+                _wrote(stream, device, copy)
                 self.copies_to_device += 1
             else:
                 self.copies_to_host += 1
