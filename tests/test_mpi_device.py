@@ -3,7 +3,8 @@
 On real processes (2 ranks, ``meshkit-run``): every collective and point-to-point on device
 arrays, staged through pinned host buffers (``MESHKIT_CUDA_AWARE_MPI=0``) and handed to MPI as
 they are (``=1``); staging buffers reused across calls; an output a failed operation never
-touched; the mix of host and device arrays. In process: the double's staging copies are strict
+touched; the mix of host and device arrays; staging on the engine's own stream (ordered by an
+event, not waiting for the caller's later work) and in chunks; CUDA-aware detection. In process: the double's staging copies are strict
 (pinned buffers only, stream order after the caller's writes, nothing read before a sync).
 Nothing here has run on a GPU.
 """
@@ -47,6 +48,12 @@ def test_failed_operation_leaves_the_device_output_untouched(mpirun):
     assert "[rank0]: recv output [7.0, 7.0] copies back 0" in out, out
 
 
+def test_a_chunked_operation_that_times_out_copies_no_chunk_back(mpirun):
+    out = mpirun("mpi_device_faults.py", 2, "chunked-timeout", env={"MESHKIT_CUDA_AWARE_MPI": "0"}, timeout=60).stdout
+    assert "[rank0]: chunked all_reduce: CollectiveTimeout: meshkit.comm: rank 0: all_reduce #0" in out, out
+    assert "[rank0]: chunked all_reduce output [0.0, 1.0, 2.0, 3.0] copies to host 4 back 0" in out, out
+
+
 def test_a_failed_copy_back_fails_the_work_and_leaves_the_output(mpirun):
     out = mpirun("mpi_device_faults.py", 2, "copy-back-fails", env={"MESHKIT_CUDA_AWARE_MPI": "0"},
                  timeout=60).stdout
@@ -72,6 +79,18 @@ def test_a_staging_stream_that_skips_the_event_wait_fails_on_the_double(mpirun):
             "device array on another stream") in out, out
     assert ("[rank1]: send: FakeNcclError: double: copy_to_host: the stream is not ordered after the caller's "
             "current stream") in out, out
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_large_staged_buffers_go_to_mpi_in_chunks(mpirun, n):
+    """all_reduce, reduce and broadcast above CHUNK_BYTES (16 bytes here) are posted chunk by
+    chunk as their copies arrive; every collective still matches NumPy; one copy back."""
+    out = mpirun("mpi_device_streams.py", n, "chunks", env={"MESHKIT_CUDA_AWARE_MPI": "0"}, timeout=200).stdout
+    for rank in range(n):
+        assert re.search(rf"\[rank{rank}\]: checks \d+", out), out
+        assert f"[rank{rank}]: all_reduce 1001 float64: 501 copies to host, 1 back" in out, out  # 2 per chunk
+    assert "[rank1]: broadcast 5 float64: 3 copies to host, 0 back" in out, out  # the root reads in 3 chunks
+    assert "[rank0]: broadcast 5 float64: 0 copies to host, 1 back" in out, out
 
 
 def test_cuda_aware_override_must_be_0_or_1(mpirun):

@@ -3,11 +3,14 @@
 argv[1]: "overlap": an async all_reduce completes while the caller's stream is still busy
 with work queued after it (a gate that opens only once the Work is done), and the copies
 follow writes queued before it; "no-event-wait": the staging stream ignores ``wait_event`` (an
-engine that forgot it), and the double refuses its copies. Prints one line per check.
+engine that forgot it), and the double refuses its copies; "chunks": with 16-byte chunks, every
+collective (all_reduce, reduce and broadcast chunked) against NumPy, and the copies counted.
+Prints one line per check.
 """
 
 import sys
 
+import collective_cases as cases
 import nccl_double as double
 import numpy as np
 
@@ -56,5 +59,24 @@ elif case == "no-event-wait":  # rank 1's engine forgot the wait; rank 0's is so
     else:
         meshkit.send(double.to_device(np.arange(3.0)), dst=1)
         print("sent", flush=True)
-if case == "overlap":
+elif case == "chunks":
+    from meshkit.comm import mpi
+
+    mpi.CHUNK_BYTES = 16
+    total = sum(cases.check_all(dtype, dev=double.to_device, host=double.to_host)
+                for dtype in (np.float64, np.float32, np.int64, np.complex128, np.bool_, np.float16))
+    print(f"checks {total}", flush=True)
+    x = double.to_device(np.arange(1001.0) + rank)
+    before = (rt.copies_to_host, rt.copies_to_device)
+    meshkit.all_reduce(x)
+    assert np.array_equal(x.get(), n * np.arange(1001.0) + n * (n - 1) / 2), x.get()[:4]
+    print(f"all_reduce 1001 float64: {rt.copies_to_host - before[0]} copies to host, "
+          f"{rt.copies_to_device - before[1]} back", flush=True)
+    before = (rt.copies_to_host, rt.copies_to_device)
+    y = double.to_device(np.full(5, float(rank)))
+    meshkit.broadcast(y, src=1)
+    assert y.get().tolist() == [1.0] * 5, y.get()
+    print(f"broadcast 5 float64: {rt.copies_to_host - before[0]} copies to host, "
+          f"{rt.copies_to_device - before[1]} back", flush=True)
+if case in ("overlap", "chunks"):
     meshkit.barrier()
