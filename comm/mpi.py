@@ -41,6 +41,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import cuda_runtime
+from .arrays import is_device_array
 from .engine import DeadlineExceeded
 from .errors import DistBackendError, DistValueError
 from .notices import WATCH_INTERVAL, Notice
@@ -283,11 +284,7 @@ def _mpix_cuda_support(lib: Any) -> bool:
 
 
 _NDARRAY = np.ndarray
-
-
-def _on_device(x: Any) -> bool:
-    """A device array (not a NumPy array): NumPy's path pays one class check."""
-    return x is not None and x.__class__ is not _NDARRAY and cuda_runtime.is_device_array(x)
+_on_device = is_device_array  # NumPy's path pays one class check (all_reduce's, not even a call)
 
 
 class _Pool:

@@ -228,11 +228,33 @@ def test_a_silent_device_to_host_copy_fails_under_the_fake(cupy, monkeypatch):
     monkeypatch.setattr(FlatLayout, "split", _implicit_copy_split)
     with pytest.raises(TypeError, match=r"Implicit conversion to a NumPy array is not allowed"):
         on_nccl(cases.train_zero, 2, 1, "sgd", steps=range(1), xp=cupy)
-    # the older double's DeviceArray is an np.ndarray: the same careless path passes silently there
-    def old_double():
-        params = {k: double.to_device(v) for k, v in ddp_cases.init_params().items()}
-        return ZeroRedundancyOptimizer(params, SGD(lr=0.1), stage=1).full_state_dict()["params"]["w1"]
-    assert all(type(w) is np.ndarray for w in on_nccl(old_double, 2)), "silently copied to the host"
+
+
+class _CpuTensor:
+    """Like torch's CPU tensors: the class has ``__cuda_array_interface__``, reading it raises."""
+
+    @property
+    def __cuda_array_interface__(self):
+        raise AttributeError("Can't get __cuda_array_interface__ on non-CUDA tensor")
+
+
+def test_one_rule_decides_device_and_library_in_every_layer(cupy):
+    """comm's engines and checks, the CUDA runtime, parallel and tensor ask one rule
+    (``__cuda_array_interface__`` on the array): the double's DeviceArray, an np.ndarray subclass,
+    is a device array, hence CuPy's, to all of them; torch-like CPU tensors are host arrays."""
+    from meshkit.comm import array_namespace, checks, cuda_runtime, is_device_array
+    from meshkit.parallel import array_namespace as parallel_namespace
+    from meshkit.tensor import reductions
+
+    assert parallel_namespace is array_namespace and reductions.array_namespace is array_namespace
+    assert cuda_runtime.is_device_array is is_device_array
+    cases = {"numpy": (np.ones(2), False), "fake cupy": (cupy.ones(2), True),
+             "double": (double.to_device(np.ones(2)), True), "cpu tensor": (_CpuTensor(), False), "None": (None, False)}
+    for name, (x, device) in cases.items():
+        assert is_device_array(x) is device, name
+        assert array_namespace(x) is (cupy if device else np), name
+        assert cuda_runtime.runtime().is_device_array(x) is device, name
+    assert checks._where_is(double.to_device(np.ones(2))) == "nccl_double.DeviceArray (device)"
 
 
 def test_the_fake_refuses_host_arrays_as_cupy_does(cupy):
