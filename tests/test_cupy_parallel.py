@@ -1,6 +1,7 @@
 """Every parallel strategy on device arrays: the NCCL engine over the double, with tests/fake_cupy.py's
 strict CuPy arrays (not np.ndarray; np.asarray on them raises as on CuPy), against single-process
-NumPy on the global batch (float64 to 1e-10, float32 to 1e-5)."""
+NumPy on the global batch (float64 to 1e-10, float32 to 1e-5). The collective suite runs on the
+strict arrays over every engine: NCCL, local, and MPI (staged, chunked, CUDA-aware)."""
 
 from __future__ import annotations
 
@@ -52,14 +53,29 @@ INT_OPS = [ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX]
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32], ids=lambda d: np.dtype(d).name)
-def test_every_collective_on_fake_cupy_arrays_over_nccl(cupy, dtype, world_size):
-    """comm's NCCL engine takes the strict arrays as device arrays (pointers, stream order)."""
-    ops = FLOAT_OPS if np.dtype(dtype).kind == "f" else INT_OPS
+@pytest.mark.parametrize("engine", ["nccl", "local"])
+def test_every_collective_on_fake_cupy_arrays(cupy, engine, dtype, world_size):
+    """comm's NCCL engine takes the strict arrays as device arrays (pointers, stream order); the
+    local engine computes on them with their own library (a hidden np.asarray raises)."""
+    if engine == "nccl":
+        ops = FLOAT_OPS if np.dtype(dtype).kind == "f" else INT_OPS
+    else:
+        ops = collective_cases.ops_for(dtype)
 
     def body():
         return collective_cases.check_all(dtype, dev=cupy.asarray, host=double.to_host, ops=lambda _: ops)
     per_rank = 4 * len(ops) + 7 + world_size  # + 1 on rank 0, the gather root
-    assert on_nccl(body, world_size) == [per_rank + 1] + [per_rank] * (world_size - 1)
+    run = on_nccl if engine == "nccl" else local.run
+    assert run(body, world_size) == [per_rank + 1] + [per_rank] * (world_size - 1)
+
+
+@pytest.mark.parametrize("mode", ["staged", "chunked", "aware"])
+def test_every_collective_on_fake_cupy_arrays_over_mpi(mpirun, mode):
+    """The MPI engine on the strict arrays: staged through pinned buffers (whole, or in 16-byte
+    chunks), and handed to MPI as they are (CUDA-aware)."""
+    env = {"MESHKIT_CUDA_AWARE_MPI": "1" if mode == "aware" else "0"}
+    out = mpirun("mpi_fake_cupy.py", 2, mode, env=env, timeout=240).stdout
+    assert dict(re.findall(rf"\[rank(\d)\]: OK {mode} (\d+) checks", out)) == {"0": "370", "1": "170"}, out
 
 
 DDP_REFERENCE = ddp_cases.reference()
