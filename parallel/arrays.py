@@ -52,14 +52,16 @@ def type_name(a: Any) -> str:
     return f"{type(a).__module__}.{type(a).__qualname__}"
 
 
-def check_same_library(head: str, arg: str, a: Any, ref: Any, ref_arg: str) -> None:
+def check_same_library(head: str, arg: str, a: Any, ref: Any, ref_arg: str, *, ref_plural: bool = False) -> None:
     """TypeError unless ``a`` belongs to ``ref``'s array library (NumPy vs CuPy), naming both.
 
     Args:
         head: the message prefix (``"meshkit.parallel: rank R: OP"``).
         arg, ref_arg: how the message names ``a`` and ``ref``.
+        ref_plural: ``ref_arg`` names several arrays (``"the parameters"``), of which ``ref`` is one.
     """
     if array_namespace(a) is not array_namespace(ref):
-        raise DistTypeError(f"{head}: {arg} is a {type_name(a)} but {ref_arg} is a {type_name(ref)}; arrays of one "
+        are = "are" if ref_plural else "is a"
+        raise DistTypeError(f"{head}: {arg} is a {type_name(a)} but {ref_arg} {are} {type_name(ref)}; arrays of one "
                             "call must all be NumPy (host) or all CuPy (device): convert explicitly "
                             "(cupy.asarray(x) to the device, x.get() to the host)")

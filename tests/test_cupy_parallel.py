@@ -220,7 +220,7 @@ def test_mixing_numpy_and_cupy_arrays_is_a_type_error_naming_both(cupy):
             DistributedDataParallel({"a": cupy.ones(3), "b": np.ones(3)})
         ddp = DistributedDataParallel({"a": cupy.ones(3)})
         with pytest.raises(TypeError, match=r"mark_grad_ready: gradient 'a' is a numpy\.ndarray but the "
-                                            r"parameters is a cupy\.ndarray"):
+                                            r"parameters are cupy\.ndarray;"):
             ddp.mark_grad_ready("a", np.ones(3))
         zero = ZeroRedundancyOptimizer({"a": cupy.ones(3)}, SGD(lr=0.1), stage=2)
         with pytest.raises(TypeError, match=both):
@@ -228,7 +228,7 @@ def test_mixing_numpy_and_cupy_arrays_is_a_type_error_naming_both(cupy):
         mesh = meshkit.init_device_mesh("cuda", (meshkit.get_world_size(),))
         fsdp = FullyShardedDataParallel({"a": cupy.ones(3)}, mesh=mesh, optimizer=SGD(lr=0.1))
         with pytest.raises(TypeError, match=r"reduce_grads: gradient 'a' is a numpy\.ndarray but the parameter "
-                                            r"shards is a cupy\.ndarray"):
+                                            r"shards are cupy\.ndarray;"):
             fsdp.reduce_grads(0, {"a": np.ones(3)})
         return True
     assert on_nccl(body, 2) == [True, True]
