@@ -46,8 +46,8 @@ Rank 0 prints one table per op, a summary line per op against the project's targ
   NCCL holds one rank per GPU: on one GPU this is world size 1.
 * ``--backend mpi``: meshkit's MPI engine on CuPy buffers against raw mpi4py staging by hand
   (``mpi4py-staged``: device -> pinned host buffer, the MPI call on the host, host -> device)
-  and, when MPI is CUDA-aware (``MESHKIT_CUDA_AWARE_MPI``, else ``MPI.Query_cuda_support``),
-  raw mpi4py on the device buffers (``mpi4py-cuda``). Several ranks may share one GPU.
+  and, when MPI is CUDA-aware (``meshkit.comm.mpi.cuda_aware_mpi``: ``MESHKIT_CUDA_AWARE_MPI``,
+  else the MPI library's MPIX query), raw mpi4py on the device buffers (``mpi4py-cuda``). Several ranks may share one GPU.
 
 Every engine works on the same CuPy buffers, checked at each size before timing (inputs
 written from the host, the result read back). GPU timing is host wall clock around ``iters``

@@ -80,9 +80,9 @@ show("nccl", nccl)
 def mpi():
     from mpi4py import MPI
     import mpi4py
-    query = getattr(MPI, "Query_cuda_support", None)
+    from meshkit.comm.mpi import cuda_aware_mpi
     return (f"mpi4py {mpi4py.__version__}, {MPI.Get_library_version().splitlines()[0].strip()}, "
-            f"CUDA-aware: {query() if query else 'unknown (no Query_cuda_support)'}")
+            f"CUDA-aware: {cuda_aware_mpi()}")
 show("mpi", mpi)
 show("torch", lambda: importlib.import_module("torch").__version__)
 show("pytest", lambda: importlib.import_module("pytest").__version__)

@@ -1,5 +1,6 @@
 """Process groups and collective engines (MPI, NCCL, in-process); knows nothing of meshes."""
 
+from .arrays import array_namespace, is_device_array
 from .api import (P2POp, all_gather, all_gather_into_tensor, all_reduce, all_to_all, all_to_all_single,
                   barrier, batch_isend_irecv, broadcast, gather, irecv, isend, monitored_barrier, recv, reduce,
                   reduce_scatter, reduce_scatter_tensor, scatter, send)
@@ -25,7 +26,7 @@ __all__ = [
     "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier",
     "monitored_barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv",
     "broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
-    "DebugLevel", "flight_record", "format_flight_record",
+    "DebugLevel", "flight_record", "format_flight_record", "is_device_array", "array_namespace",
     "DistError", "DistValueError", "DistTypeError", "DistBackendError", "CollectiveTimeout",
     "CollectiveMismatchError", "RankFailedError", "ObjectCollectiveError",
 ]

@@ -9,6 +9,7 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
+from .arrays import is_device_array
 from .errors import DistTypeError, DistValueError
 
 __all__ = ["where", "check_array", "check_like", "check_list", "check_root", "check_split_sizes"]
@@ -36,23 +37,18 @@ def check_array(group: CheckedGroup, op: str, arg: str, x: Any, *, writable: boo
         flags = x.flags
         if flags.c_contiguous and x.dtype.kind in _KINDS and (flags.writeable or not writable):
             return
-    elif _is_device(x) and x.flags.c_contiguous and x.dtype.kind in _KINDS:  # CuPy: always writable
+    elif is_device_array(x) and x.flags.c_contiguous and x.dtype.kind in _KINDS:  # CuPy: always writable
         return
     _array_error(group, op, arg, x, writable)
 
 
-def _is_device(x: Any) -> bool:
-    """A device array (CuPy and others): it exports ``__cuda_array_interface__``."""
-    return hasattr(x, "__cuda_array_interface__")
-
-
 def _where_is(x: Any) -> str:
-    kind = "device" if _is_device(x) else "host"
+    kind = "device" if is_device_array(x) else "host"
     return f"{type(x).__module__}.{type(x).__name__} ({kind})"
 
 
 def _array_error(group: CheckedGroup, op: str, arg: str, x: Any, writable: bool) -> None:
-    if not isinstance(x, np.ndarray) and not _is_device(x):
+    if not isinstance(x, np.ndarray) and not is_device_array(x):
         raise DistTypeError(f"{where(group, op)}: {arg} must be a numpy.ndarray, got {type(x).__name__} "
                             "(device arrays with __cuda_array_interface__, e.g. cupy.ndarray, are accepted too)")
     if x.dtype.kind not in _KINDS:
@@ -69,7 +65,7 @@ def check_like(group: CheckedGroup, op: str, arg: str, x: np.ndarray, ref: np.nd
                *, size: int | None = None, shape: tuple[int, ...] | None = None) -> None:
     """``x`` has ``ref``'s dtype, lives where ``ref`` does (host or device) and has the expected
     ``size`` (elements) or ``shape``."""
-    if type(x) is not type(ref) and _is_device(x) != _is_device(ref):
+    if type(x) is not type(ref) and is_device_array(x) != is_device_array(ref):
         raise DistTypeError(f"{where(group, op)}: {arg} is {_where_is(x)} but {ref_arg} is {_where_is(ref)}; "
                             "pass both on the host (NumPy) or both on the device")
     if x.dtype != ref.dtype:

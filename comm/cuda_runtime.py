@@ -16,7 +16,7 @@ What a runtime provides (duck-typed, CuPy's own names where CuPy has them)::
     new_stream() -> Stream    a non-blocking stream (``.ptr``, ``.wait_event(event)``)
     new_event() -> Event      an event (``.record(stream)``, ``.done``, ``.synchronize()``)
     current_stream() -> Stream   the calling thread's current stream
-    is_device_array(x) -> bool   True for arrays in device memory (``__cuda_array_interface__``)
+    is_device_array(x) -> bool   :func:`meshkit.comm.arrays.is_device_array` (the one rule)
     pointer(x) -> int         the device address of a device array's first element
     pinned_empty(shape, dtype) -> numpy.ndarray   page-locked host memory (for staging copies)
     copy_to_host(src, dst, stream)     enqueue device array -> pinned host array on ``stream``
@@ -32,15 +32,10 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from .arrays import is_device_array
 from .errors import DistBackendError
 
 __all__ = ["CupyRuntime", "runtime", "set_runtime", "gpu_available", "is_device_array"]
-
-
-def is_device_array(x: Any) -> bool:
-    """True for an array in device memory: it exports ``__cuda_array_interface__`` (CuPy, Numba,
-    torch, JAX on GPU)."""
-    return hasattr(x, "__cuda_array_interface__")
 
 
 class CupyRuntime:

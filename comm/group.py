@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
+from .arrays import is_device_array
 from .checks import check_array, check_like, check_list, check_root, check_split_sizes, where
 from .debug import ERROR, STATE, T_END, Call, CollectiveRecord, DebugLevel
 from .engine import DeadlineExceeded, Engine, Request
@@ -480,7 +481,7 @@ class ProcessGroup:
         self._check_tag("isend", tag)
         what = f"send to rank {self.ranks[dst]} tag {tag}"
         record = self._flight_entry(-1, self.name, "send", (tensor.shape,), tensor.dtype, "started")
-        if self._headers and not hasattr(tensor, "__cuda_array_interface__"):
+        if self._headers and not is_device_array(tensor):
             # A host message carries its dtype and size, checked by the receiver (device messages
             # go over NCCL, which checks counts itself).
             staged = _with_header(tensor)
@@ -506,7 +507,7 @@ class ProcessGroup:
         peer = "any rank" if src is None else f"rank {self.ranks[src]}"
         record = self._flight_entry(-1, self.name, "recv", (tensor.shape,), tensor.dtype, "started")
         staged = (np.empty(_HEADER + tensor.nbytes, np.uint8)
-                  if self._headers and not hasattr(tensor, "__cuda_array_interface__") else None)
+                  if self._headers and not is_device_array(tensor) else None)
         request = self.engine.recv(tensor if staged is None else staged, src, tag)
 
         def settle() -> int:

@@ -65,6 +65,18 @@ def init_params(hidden: Sequence[int] = (64, 64), dtype: Any = np.float64, seed:
     return params
 
 
+def to_device(arrays: Any, device: str) -> Any:
+    """``arrays`` (a dict or tuple of NumPy arrays) on ``device``: themselves for ``"cpu"``, CuPy
+    copies for ``"cuda"`` (the one host-to-device copy of a GPU run)."""
+    if device != "cuda":
+        return arrays
+    import cupy  # only for a GPU run: CuPy stays optional
+
+    if isinstance(arrays, dict):
+        return {name: cupy.asarray(a) for name, a in arrays.items()}
+    return tuple(cupy.asarray(a) for a in arrays)
+
+
 def layer_count(params: dict[str, Any]) -> int:
     """Layers of the MLP whose parameters are ``params``."""
     return sum(1 for name in params if name.startswith("w"))
@@ -273,11 +285,7 @@ def build(strategy: str, *, hidden: Sequence[int] = (64, 64), dtype: Any = np.fl
                          f"for strategy {strategy!r}")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"unknown device {device!r}; valid: cpu, cuda")
-    params = init_params(hidden, dtype=np.dtype(dtype))
-    if device == "cuda":
-        import cupy  # only for a GPU run: CuPy stays optional
-
-        params = {name: cupy.asarray(p) for name, p in params.items()}
+    params = to_device(init_params(hidden, dtype=np.dtype(dtype)), device)
     opt = make_optimizer(optimizer, lr)
     if strategy == "hsdp":
         mesh = meshkit.init_device_mesh(device, tuple(hsdp_mesh), mesh_dim_names=("replicate", "shard"))

@@ -5,6 +5,7 @@
     meshkit-run -n 8 examples/train_3d.py --mesh 2x2x2 --check     # all three
     meshkit-run -n 2 examples/train_3d.py --mesh 2x1x1 --schedule interleaved --check
     python examples/train_3d.py --mesh 1x1x1 --check               # a world of one
+    meshkit-run -n 4 examples/train_3d.py --mesh 2x2x1 --device cuda --check   # CuPy arrays over MPI
 
 The model is ``mlp.py``'s tanh MLP with ``--hidden`` layers (default 64,64,64: four layers). Its
 layers are cut into ``pp`` contiguous stages (``np.array_split``; ``pp x --virtual`` stages with
@@ -16,6 +17,11 @@ without a partner is replicated, so every stage boundary carries a replicated ac
 forward and backward passes are plain NumPy on DTensors (one all-reduce forward and one backward
 per block). Each ``dp`` replica trains on its share of every global batch; DDP averages each
 rank's blocks over ``dp`` after the pipeline step, and the optimizer updates the DTensors.
+
+``--device cuda`` puts the blocks, the data, every activation and gradient on a GPU: over the
+MPI engine (device arrays as they are where MPI is CUDA-aware, else staged through pinned host
+buffers), since NCCL cannot carry 1F1B's crossing sends and receives yet; rank r uses GPU
+r mod the GPUs it sees (ranks may share one). Without a GPU it is a usage error (exit 2).
 
 ``--check`` trains the same model in one process on the global batch and compares the final
 parameters to 1e-10 in float64 (1e-5 in float32).
@@ -32,8 +38,9 @@ import numpy as np
 import meshkit
 import mlp  # the model, beside this file
 import train_mlp  # its reference training, --check's comparison and flag types
+from meshkit.comm.cuda_runtime import runtime
 from meshkit.parallel import (DistributedDataParallel, PipelineStage, Schedule1F1B, ScheduleGPipe,
-                              ScheduleInterleaved1F1B)
+                              ScheduleInterleaved1F1B, array_namespace, to_host)
 from meshkit.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -61,7 +68,7 @@ class Stage:
         self.kinds = dict(zip(self.layers, layer_kinds(len(self.layers), tp.size())))
         self.params = {f"{k}{i}": _contiguous(distribute_tensor(full[f"{k}{i}"], tp, placements_of(self.kinds[i])[k]))
                        for i in self.layers for k in "wb"}
-        self.grads = {name: np.zeros_like(p.to_local()) for name, p in self.params.items()}
+        self.grads = {name: array_namespace(p.to_local()).zeros_like(p.to_local()) for name, p in self.params.items()}
 
     def forward(self, x: Any) -> tuple[Any, Any]:
         h = DTensor.from_local(x, self.tp, [Replicate()])  # every tp rank received the same activation
@@ -93,7 +100,9 @@ class Stage:
 def _contiguous(t: DTensor) -> DTensor:
     """``t`` over a C-contiguous copy of its block (a Shard(1) block is a strided view; DDP and the
     optimizer want each rank's block as one flat buffer)."""
-    return DTensor.from_local(np.ascontiguousarray(t.to_local()), t.device_mesh, t.placements, shape=t.shape)
+    block = t.to_local()
+    return DTensor.from_local(array_namespace(block).ascontiguousarray(block), t.device_mesh, t.placements,
+                              shape=t.shape)
 
 
 # --------------------------------------------------------------------------- training
@@ -106,7 +115,7 @@ def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np
     mesh = build_mesh(args.mesh)
     pp, dp, tp = mesh["pp"], mesh["dp"], mesh["tp"]
     p, v = pp.size(), args.virtual if args.schedule == "interleaved" else 1
-    full = mlp.init_params(args.hidden, dtype=np.dtype(args.dtype))
+    full = mlp.to_device(mlp.init_params(args.hidden, dtype=np.dtype(args.dtype)), args.device)
     n_layers = mlp.layer_count(full)
     cuts = np.array_split(np.arange(n_layers), p * v)
     mine = [pp.get_local_rank() + k * p for k in range(v)]
@@ -121,11 +130,13 @@ def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np
     ddp = DistributedDataParallel({name: t.to_local() for name, t in params.items()}, mesh=dp)
     optimizer = mlp.make_optimizer(args.optimizer, args.lr)
     first, last = 0 in mine, p * v - 1 in mine
-    x, y = mlp.make_data(args.samples)
+    x, y = mlp.to_device(mlp.make_data(args.samples), args.device)  # once; batches are gathered there
+    xp = array_namespace(x)
     losses = []
     with train_mlp.progress_bar(args.steps, enabled=progress and meshkit.get_rank() == 0) as show:
         for step in range(args.steps):
             idx = np.array_split(mlp.batch_indices(step, args.samples, args.batch), dp.size())[dp.get_local_rank()]
+            idx = xp.asarray(idx)  # on a GPU: the indices go to the device (a small copy per step)
             for g in grads.values():
                 g[...] = 0
             ddp.zero_grad()
@@ -154,8 +165,9 @@ def global_loss(mb_losses: list[float] | None, mesh: meshkit.DeviceMesh) -> floa
 
 
 def gather_params(stages: list[Stage], mesh: meshkit.DeviceMesh) -> dict[str, np.ndarray]:
-    """Every parameter whole on every rank: full_tensor over tp, then an object all-gather over pp."""
-    mine = {name: t.full_tensor() for st in stages for name, t in st.params.items()}
+    """Every parameter whole on every rank, as NumPy arrays: full_tensor over tp, then an object
+    all-gather over pp (of host copies: a GPU run's parameters reach the host once, here)."""
+    mine = {name: to_host(t.full_tensor()) for st in stages for name, t in st.params.items()}
     every: list[Any] = [None] * mesh["pp"].size()
     meshkit.all_gather_object(every, mine, group=mesh["pp"].get_group())
     return {name: a for part in every for name, a in part.items()}
@@ -195,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="learning rate (default: 0.05 for sgd, 0.01 for adamw)")
     parser.add_argument("--optimizer", default="sgd", choices=tuple(train_mlp.DEFAULT_LR), help="default: %(default)s")
     parser.add_argument("--dtype", default="float64", choices=["float32", "float64"], help="default: %(default)s")
+    train_mlp.add_device_flag(parser, "cuda: CuPy arrays, a GPU per rank, over the MPI engine")
     parser.add_argument("--check", action="store_true",
                         help="train in one process on the global batch too and compare the final parameters "
                              "(1e-10 in float64, 1e-5 in float32)")
@@ -219,7 +232,7 @@ def _problem(args: argparse.Namespace, world_size: int) -> str | None:
                 f"{args.microbatches} equal microbatches; use a multiple of {dp * args.microbatches}")
     if args.batch > args.samples:
         return f"argument --batch: {args.batch} is larger than --samples {args.samples}"
-    return None
+    return train_mlp.device_problem(args)
 
 
 def parse_args(argv: Sequence[str] | None = None, *, rank: int = 0, world_size: int = 1) -> argparse.Namespace:
@@ -236,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit:
         meshkit.destroy_process_group()
         raise
+    if args.device == "cuda":
+        runtime().use_device(rank % runtime().device_count())  # before any device array exists
     params, losses = train(args)
     pp, dp, tp = args.mesh
     if rank == 0:

@@ -51,7 +51,7 @@ import meshkit
 import mlp  # the model, beside this file
 from meshkit.comm.cuda_runtime import gpu_available
 from meshkit.checkpoint import CheckpointManager, get_state_dict, set_state_dict
-from meshkit.parallel import PowerSGDState, fp16_compress_hook, powersgd_hook, to_host
+from meshkit.parallel import PowerSGDState, array_namespace, fp16_compress_hook, powersgd_hook, to_host
 
 #: Default learning rate per optimizer. AdamW moves every element by about lr whatever its
 #: gradient; at 0.05 this model's training amplifies rounding (4 ranks, 200 steps: float32 sums
@@ -104,20 +104,16 @@ def train(args: argparse.Namespace, comm_hook: Any = None, comm_state: Any = Non
     rank, world = meshkit.get_rank(), meshkit.get_world_size()
     if args.batch % world:
         raise ValueError(f"train_mlp: rank {rank}: --batch {args.batch} does not divide over {world} ranks")
-    x, y = mlp.make_data(args.samples)
+    x, y = mlp.to_device(mlp.make_data(args.samples), args.device)  # once; batches are gathered there
+    xp = array_namespace(x)
     model = build(args, comm_hook, comm_state)
-    if args.device == "cuda":  # the data set goes to the GPU once; batches are gathered there
-        import cupy
-
-        x, y = cupy.asarray(x), cupy.asarray(y)
     manager = CheckpointManager(args.checkpoint_dir, max_to_keep=args.max_to_keep) if args.checkpoint_dir else None
     start = resume(manager, model) if args.resume else 0
     losses = []
     with progress_bar(args.steps - start, enabled=progress and rank == 0) as show:
         for step in range(start, args.steps):
             idx = np.array_split(mlp.batch_indices(step, args.samples, args.batch), world)[rank]
-            if args.device == "cuda":
-                idx = cupy.asarray(idx)
+            idx = xp.asarray(idx)  # on a GPU: the indices go to the device (a small copy per step)
             model.zero_grad()
             acts = mlp.forward_layers(model, x[idx])
             loss, dlogits = mlp.loss_and_grad_logits(acts[-1], y[idx])
@@ -322,8 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
                              f"(default: {DEFAULT_BUCKET_CAP_MB:g})")
     parser.add_argument("--hook", default=None, choices=HOOKS,
                         help="ddp's communication hook (ddp only; default: allreduce)")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                        help="cpu: NumPy arrays; cuda: CuPy arrays, one GPU per rank (default: %(default)s)")
+    add_device_flag(parser, "cuda: CuPy arrays, one GPU per rank (the NCCL engine)")
     parser.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                         help="where --save-every saves and --resume looks (step_<n> checkpoints)")
     parser.add_argument("--save-every", type=int_at_least(1), default=None, metavar="K",
@@ -358,9 +353,9 @@ def _problem(args: argparse.Namespace, world_size: int) -> str | None:
     if args.batch % world_size:
         return (f"argument --batch: {args.batch} does not divide evenly over {world_size} ranks; use a multiple "
                 f"of {world_size}")
-    if args.device == "cuda" and not gpu_available():
-        return ("argument --device: cuda needs CuPy with a visible GPU; CuPy (or its driver) sees none here: "
-                "use --device cpu, or pip install 'meshkit[cuda12]' on a machine with a GPU")
+    device = device_problem(args)
+    if device:
+        return device
     if (args.save_every or args.resume or args.max_to_keep) and not args.checkpoint_dir:
         flag = "--save-every" if args.save_every else "--resume" if args.resume else "--max-to-keep"
         return f"argument {flag}: needs --checkpoint-dir DIR"
@@ -370,6 +365,20 @@ def _problem(args: argparse.Namespace, world_size: int) -> str | None:
     if args.batch > args.samples:
         return (f"argument --batch: {args.batch} is larger than --samples {args.samples} (a batch draws distinct "
                 "samples); use at most --samples")
+    return None
+
+
+def add_device_flag(parser: argparse.ArgumentParser, cuda: str) -> None:
+    """``--device cpu|cuda`` (every example's): ``cuda`` says what runs on the GPUs."""
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help=f"cpu: NumPy arrays; {cuda} (default: %(default)s)")
+
+
+def device_problem(args: argparse.Namespace) -> str | None:
+    """``--device cuda`` without a GPU, as a usage error (every example's check), or None."""
+    if args.device == "cuda" and not gpu_available():
+        return ("argument --device: cuda needs CuPy with a visible GPU; CuPy (or its driver) sees none here: "
+                "use --device cpu, or pip install 'meshkit[cuda12]' on a machine with a GPU")
     return None
 
 

@@ -4,6 +4,7 @@
     meshkit-run -n 4 examples/train_tp.py --mesh 1x4 --check     # tensor parallel only
     meshkit-run -n 2 examples/train_tp.py --mesh 2x1 --check     # data parallel only
     meshkit-run -n 4 examples/train_tp.py --mesh 2x2 --dp fsdp --check   # ZeRO-3 over dp of the TP blocks
+    meshkit-run -n 4 examples/train_tp.py --mesh 2x2 --device cuda --check   # CuPy blocks, NCCL, one GPU per rank
 
 The model is ``mlp.py``'s (beside this file: its data, its initial parameters, its optimizers):
 ``logits = tanh(tanh(x @ w0 + b0) @ w1 + b1) @ w2 + b2``. The parameters become DTensors on the
@@ -16,6 +17,10 @@ all-reduced once (the style's ``prepare_output``), and every gradient comes out 
 parameter's placements. DDP averages each rank's blocks over ``dp`` and the optimizer (``SGD`` or
 ``AdamW``) updates the DTensors in place; ``--dp zero1|zero2|fsdp`` shards the blocks' optimizer
 state, gradients and (fsdp) parameters over ``dp`` instead (``dp_shard x tp``).
+
+``--device cuda`` puts the parameters' blocks, the data and every activation on one GPU per rank
+(a ``cuda`` mesh: the NCCL engine, which ``auto`` picks where CuPy sees a GPU); each step brings
+one scalar (its loss) back to the host. Without a GPU it is a usage error (exit 2).
 
 ``--check`` trains the same model in one process on the global batch (``train_mlp.py``'s
 reference) and compares the final parameters to 1e-10 in float64 (1e-5 in float32).
@@ -33,7 +38,8 @@ import numpy as np
 import meshkit
 import mlp  # the model, beside this file
 import train_mlp  # its reference training, --check's comparison and flag types
-from meshkit.parallel import DistributedDataParallel, FullyShardedDataParallel, Optimizer, ZeroRedundancyOptimizer
+from meshkit.parallel import (DistributedDataParallel, FullyShardedDataParallel, Optimizer, ZeroRedundancyOptimizer,
+                              array_namespace, to_host)
 from meshkit.tensor import ColwiseParallel, DTensor, Replicate, RowwiseParallel, distribute_tensor, parallelize
 
 #: The Megatron block: layer 0 colwise, layer 1 rowwise; DTensors in and out (no local outputs).
@@ -80,9 +86,9 @@ def backward(params: dict[str, DTensor], acts: list[DTensor], dlogits: DTensor,
 
 
 # --------------------------------------------------------------------------- training
-def build_mesh(shape: tuple[int, int]) -> meshkit.DeviceMesh:
+def build_mesh(shape: tuple[int, int], device: str = "cpu") -> meshkit.DeviceMesh:
     """The ``dp x tp`` mesh over every rank (collective)."""
-    return meshkit.init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+    return meshkit.init_device_mesh(device, shape, mesh_dim_names=("dp", "tp"))
 
 
 class TensorParallelModel:
@@ -158,10 +164,12 @@ class TensorParallelModel:
             self.inner.step()
 
     def full_params(self) -> dict[str, np.ndarray]:
-        """Every parameter gathered whole (collective)."""
+        """Every parameter gathered whole (collective), as NumPy arrays (a GPU run's copied to the host)."""
         if self.kind == "fsdp":
-            return {n: p.full_tensor() for n, p in self._wrap(self.inner.full_state_dict()["params"]).items()}
-        return {n: p.full_tensor() for n, p in self.layout.items()}
+            layout = self._wrap(self.inner.full_state_dict()["params"])
+        else:
+            layout = self.layout
+        return {n: to_host(p.full_tensor()) for n, p in layout.items()}
 
 
 def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np.ndarray], list[float]]:
@@ -169,16 +177,18 @@ def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np
 
     Returns the full final parameters (gathered over tp) and every step's loss over the global batch.
     """
-    mesh = build_mesh(args.mesh)
+    mesh = build_mesh(args.mesh, args.device)
     dp, tp = mesh["dp"], mesh["tp"]
-    x, y = mlp.make_data(args.samples)
-    model = TensorParallelModel(args.dp, mlp.init_params(HIDDEN, dtype=np.dtype(args.dtype)), mesh,
-                                mlp.make_optimizer(args.optimizer, args.lr))
+    x, y = mlp.to_device(mlp.make_data(args.samples), args.device)  # once; batches are gathered there
+    xp = array_namespace(x)
+    full = mlp.to_device(mlp.init_params(HIDDEN, dtype=np.dtype(args.dtype)), args.device)
+    model = TensorParallelModel(args.dp, full, mesh, mlp.make_optimizer(args.optimizer, args.lr))
     losses = []
     with train_mlp.progress_bar(args.steps, enabled=progress and meshkit.get_rank() == 0) as show:
         for step in range(args.steps):
             idx = np.array_split(mlp.batch_indices(step, args.samples, args.batch), dp.size())[dp.get_local_rank()]
-            onehot = distribute_tensor(np.eye(mlp.CLASSES, dtype=args.dtype)[y[idx]], tp, [Replicate()])
+            idx = xp.asarray(idx)  # on a GPU: the indices go to the device (a small copy per step)
+            onehot = distribute_tensor(xp.eye(mlp.CLASSES, dtype=args.dtype)[y[idx]], tp, [Replicate()])
             model.zero_grad()
             with model.params() as params:
                 acts = forward(params, x[idx].astype(args.dtype), tp)
@@ -211,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"learning rate (default: {lr_defaults})")
     parser.add_argument("--optimizer", default="sgd", choices=tuple(train_mlp.DEFAULT_LR), help="default: %(default)s")
     parser.add_argument("--dtype", default="float64", choices=["float32", "float64"], help="default: %(default)s")
+    train_mlp.add_device_flag(parser, "cuda: CuPy blocks, one GPU per rank (a cuda mesh: the NCCL engine)")
     parser.add_argument("--check", action="store_true",
                         help="train in one process on the global batch too and compare the final parameters: "
                              "to 1e-10 in float64, 1e-5 in float32")
@@ -228,7 +239,7 @@ def _problem(args: argparse.Namespace, world_size: int) -> str | None:
     if args.batch > args.samples:
         return (f"argument --batch: {args.batch} is larger than --samples {args.samples} (a batch draws distinct "
                 "samples); use at most --samples")
-    return None
+    return train_mlp.device_problem(args)
 
 
 def parse_args(argv: Sequence[str] | None = None, *, rank: int = 0, world_size: int = 1) -> argparse.Namespace:

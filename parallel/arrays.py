@@ -1,7 +1,10 @@
 """Which array library an array belongs to (NumPy or CuPy), and conversions between them.
 
 Parallel code never calls ``np.*`` on user arrays: it asks :func:`array_namespace` for the
-array's own module, so the same code runs on NumPy and CuPy, and CuPy stays optional. Flat
+array's own module, so the same code runs on NumPy and CuPy, and CuPy stays optional. The rule
+(a device array, one with ``__cuda_array_interface__``, is CuPy's) is comm's
+(:mod:`meshkit.comm.arrays`), re-exported here: the engines and this layer never disagree on
+where an array lives. Flat
 buffers, bucket buffers, shards and optimizer state are made with the parameters' library, so
 a CuPy model keeps all of them on its GPU.
 
@@ -18,25 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from ..comm import DistTypeError
+from ..comm import DistTypeError, array_namespace
 
 __all__ = ["array_namespace", "is_array", "convert", "to_host", "type_name", "check_same_library"]
-
-
-def array_namespace(a: Any) -> Any:
-    """The array library of ``a``: the ``cupy`` module for CuPy arrays, else ``numpy``.
-
-    Args:
-        a: an array (or anything; only CuPy types are told apart).
-
-    Returns:
-        ``cupy`` if ``type(a).__module__`` starts with ``"cupy"``, else ``numpy``.
-    """
-    if type(a).__module__.startswith("cupy"):
-        import cupy  # imported only when a CuPy array exists, so CuPy stays optional
-
-        return cupy
-    return np
 
 
 def is_array(a: Any) -> bool:
@@ -65,14 +52,16 @@ def type_name(a: Any) -> str:
     return f"{type(a).__module__}.{type(a).__qualname__}"
 
 
-def check_same_library(head: str, arg: str, a: Any, ref: Any, ref_arg: str) -> None:
+def check_same_library(head: str, arg: str, a: Any, ref: Any, ref_arg: str, *, ref_plural: bool = False) -> None:
     """TypeError unless ``a`` belongs to ``ref``'s array library (NumPy vs CuPy), naming both.
 
     Args:
         head: the message prefix (``"meshkit.parallel: rank R: OP"``).
         arg, ref_arg: how the message names ``a`` and ``ref``.
+        ref_plural: ``ref_arg`` names several arrays (``"the parameters"``), of which ``ref`` is one.
     """
     if array_namespace(a) is not array_namespace(ref):
-        raise DistTypeError(f"{head}: {arg} is a {type_name(a)} but {ref_arg} is a {type_name(ref)}; arrays of one "
+        are = "are" if ref_plural else "is a"
+        raise DistTypeError(f"{head}: {arg} is a {type_name(a)} but {ref_arg} {are} {type_name(ref)}; arrays of one "
                             "call must all be NumPy (host) or all CuPy (device): convert explicitly "
                             "(cupy.asarray(x) to the device, x.get() to the host)")

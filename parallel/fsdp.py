@@ -205,7 +205,7 @@ class FullyShardedDataParallel(ShardedStrategy):
                 g = grads[name]
                 if hasattr(g, "shape"):
                     check_same_library(self._where("reduce_grads"), f"gradient {name!r}", g, self._shards[lay.key],
-                                       "the parameter shards")
+                                       "the parameter shards", ref_plural=True)
                 if tuple(getattr(g, "shape", ())) != lay.shapes[i]:
                     raise DistValueError(f"{self._where('reduce_grads')}: gradient {name!r} has shape "
                                          f"{getattr(g, 'shape', None)}; expected {lay.shapes[i]}")

@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..comm import DistError, DistValueError, ProcessGroup, Work, all_gather_object, resolve_group
+from ..comm import DistError, DistValueError, ProcessGroup, Work, all_gather_object, is_device_array, resolve_group
 from ..mesh import DeviceMesh
 from .arrays import array_namespace, is_array
 from .schedules import Action, gpipe_order, interleaved_order, one_f_one_b_order
@@ -263,7 +263,7 @@ class PipelineStage:
         """Device arrays cannot cross stages over NCCL yet: its sends and receives match by order
         on one stream per group, so 1F1B's crossing send and receive would wait on each other (a
         deadlock) unless fused with ``batch_isend_irecv``, which this executor does not do yet."""
-        if self.group.backend == "nccl" and hasattr(a, "__cuda_array_interface__"):
+        if self.group.backend == "nccl" and is_device_array(a):
             self.fail(f"stage {self.stage_index}: device arrays cannot cross pipeline stages over the NCCL engine yet "
                       "(its sends and receives match by order on one stream: 1F1B would deadlock); run the job with "
                       "init_process_group('mpi'), whose engine takes CuPy arrays (CUDA-aware or staged)")

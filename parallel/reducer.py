@@ -187,7 +187,8 @@ class GradientReducer:
                 self.group.progress()
 
     def _check_grad(self, name: str, grad: Any) -> None:
-        check_same_library(self._where("mark_grad_ready"), f"gradient {name!r}", grad, self._param, "the parameters")
+        check_same_library(self._where("mark_grad_ready"), f"gradient {name!r}", grad, self._param, "the parameters",
+                           ref_plural=True)
         shape, dtype = self._specs[name]
         if getattr(grad, "shape", None) != shape or getattr(grad, "dtype", None) != dtype:
             raise DistValueError(

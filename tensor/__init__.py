@@ -5,7 +5,7 @@ shared with checkpoints), ``dtensor`` (the DTensor type), ``redistribute`` (one 
 changing mesh dim), ``api`` (distribute_tensor), ``dispatch`` (the NumPy protocol tables the op
 modules fill), ``propagation`` (what the op rules share), the op rules ``ufuncs``, ``matmul``,
 ``reductions``, ``shape_ops`` and ``local_ops`` (copies, casts), ``indexing`` (basic indexing), ``checks``
-(collective construction checks), ``xp`` (NumPy or CuPy); ``parallel`` (tensor-parallel styles and ``parallelize``).
+(collective construction checks); ``parallel`` (tensor-parallel styles and ``parallelize``).
 Depends on ``comm`` and ``mesh`` only.
 """
 

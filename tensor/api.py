@@ -12,7 +12,7 @@ from .chunks import chunk_range, chunk_size, local_slices
 from .dtensor import DTensor, coordinate_of, normalize_placements
 from .placements import Partial, Placement, Replicate, Shard
 from .redistribute import partition_value
-from .xp import namespace_of
+from ..comm import array_namespace
 
 __all__ = ["distribute_tensor"]
 
@@ -80,7 +80,7 @@ def _from_source(tensor: Any, mesh: DeviceMesh, coordinate: Sequence[int], place
     at ``(src, ..., src)`` count. Mesh dims go left to right, so nested Shards cut the outer
     chunk first; uneven chunks travel zero-padded and are stripped.
     """
-    xp = namespace_of(tensor)
+    xp = array_namespace(tensor)
     local = tensor
     for i, p in enumerate(placements):
         group, n, r = mesh.get_group(i), mesh.shape[i], coordinate[i]

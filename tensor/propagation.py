@@ -20,7 +20,7 @@ from . import errors
 from .dtensor import DTensor
 from .placements import Placement
 from .redistribute import redistribute_local
-from .xp import namespace_of
+from ..comm import array_namespace
 
 __all__ = ["logger", "is_scalar", "common_mesh", "moved", "unsupported", "no_out", "wrap", "uniform_finite"]
 
@@ -47,7 +47,7 @@ def uniform_finite(x: Any, *, nonzero: bool = False) -> bool:
         if not all(p.is_replicate() for p in x.placements):
             return False
         x = x.to_local()
-    xp = namespace_of(x)
+    xp = array_namespace(x)
     try:
         ok = xp.all(xp.isfinite(x))
         if nonzero:

@@ -26,10 +26,10 @@ import functools
 import logging
 from typing import Any, Sequence
 
+from ..comm import array_namespace
 from ..mesh import DeviceMesh
 from .chunks import chunk_range, chunk_size, local_shape_and_offset
 from .placements import Partial, Placement, Replicate, Shard
-from .xp import namespace_of
 
 __all__ = ["redistribute_local", "plan", "partition_value"]
 
@@ -122,7 +122,7 @@ def redistribute_local(local: Any, mesh: DeviceMesh, shape: Sequence[int], src: 
             if isinstance(q, Shard):
                 local = _reduce_scatter(group, local, q.dim, p, n, r)
             else:
-                xp = namespace_of(local)
+                xp = array_namespace(local)
                 local = xp.array(local, copy=True, order="C")
                 group.all_reduce(local, p.op)
                 if isinstance(q, Partial):
@@ -135,7 +135,7 @@ def partition_value(local: Any, q: Partial, r: int) -> Any:
     """Replicate -> Partial on one mesh dim: the terms whose reduction is ``local``."""
     if q.reduce_op != "sum" or r == 0:
         return local
-    xp = namespace_of(local)
+    xp = array_namespace(local)
     if local.dtype.kind in "fc":
         return xp.full_like(local, -0.0)  # x + (-0.0) == x for every x, +0.0 included
     return xp.zeros_like(local)
@@ -162,7 +162,7 @@ def _back(xp: Any, a: Any, dim: int) -> Any:
 
 def _all_gather(group: Any, local: Any, dim: int, parent: int, n: int) -> Any:
     """Shard(dim) -> Replicate: gather the padded chunks, keep the first ``parent`` rows."""
-    xp = namespace_of(local)
+    xp = array_namespace(local)
     c = chunk_size(parent, n)
     send = _padded(xp, _front(xp, local, dim), (c,))
     out = xp.empty((n * c,) + send.shape[1:], dtype=local.dtype)
@@ -172,7 +172,7 @@ def _all_gather(group: Any, local: Any, dim: int, parent: int, n: int) -> Any:
 
 def _reduce_scatter(group: Any, local: Any, dim: int, p: Partial, n: int, r: int) -> Any:
     """Partial -> Shard(dim): reduce the padded array, keep this rank's chunk."""
-    xp = namespace_of(local)
+    xp = array_namespace(local)
     parent = local.shape[dim]
     c = chunk_size(parent, n)
     send = _padded(xp, _front(xp, local, dim), (n * c,))
@@ -190,7 +190,7 @@ def _all_to_all(group: Any, local: Any, d: int, e: int, parent_d: int, parent_e:
     padding is needed); the received pieces join along ``d`` by a reshape (a view when ``d`` is
     the first axis). Pieces are zero-padded to the chunk sizes and the result stripped.
     """
-    xp = namespace_of(local)
+    xp = array_namespace(local)
     cd, ce = chunk_size(parent_d, n), chunk_size(parent_e, n)
     padded = list(local.shape)
     padded[d], padded[e] = cd, n * ce

@@ -18,12 +18,12 @@ from typing import Any
 
 import numpy as np
 
+from ..comm import array_namespace
 from . import errors
 from .dispatch import implements
 from .dtensor import DTensor
 from .placements import Partial, Placement, Replicate, Shard
 from .propagation import moved, no_out, unsupported, wrap
-from .xp import namespace_of
 
 __all__ = ["total", "mean", "maximum", "minimum"]
 
@@ -99,7 +99,7 @@ def _reduce(kind: str, a: Any, axis: Any, keepdims: bool, kwargs: dict[str, Any]
             count = int(np.prod([a.shape[ax] for ax in axes], dtype=np.int64))
             result = result / count if dtype is None else (result / count).astype(dtype)
     elif any(local.shape[ax] == 0 for ax in axes):  # an empty block (trailing rank): the identity
-        xp = namespace_of(local)
+        xp = array_namespace(local)
         local_shape = tuple(1 if d in axes else s for d, s in enumerate(local.shape) if keepdims or d not in axes)
         result = xp.full(local_shape, _identity(kind, local.dtype), dtype=local.dtype)
     else:

@@ -16,7 +16,8 @@ NCCL is strict, and checks every call as NCCL would:
   written on its current stream, so a collective can never read stale data;
 * host<->device copies (``copy_to_host``/``copy_to_device``, for MPI staging) go between a
   device allocation and a buffer of ``pinned_empty`` of the same size and dtype, on a stream
-  ordered after the caller's writes; they run in stream order and only when the stream is
+  ordered after the caller's writes (``copy_to_host``) or after the last write queued to the
+  device array (``copy_to_device``); they run in stream order and only when the stream is
   synchronized (or an event/entry after them is waited for), so a host reading ``dst`` before
   synchronizing reads stale data and the tests see it.
 
@@ -39,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CONSTANTS", "DeviceArray", "FakeRuntime", "FakeNcclError", "FakeCommunicator", "fake_nccl",
+__all__ = ["CONSTANTS", "DeviceArray", "FakeRuntime", "FakeNcclError", "FakeCommunicator", "Gate", "fake_nccl",
            "to_device", "to_host", "DOUBLE_TIMEOUT"]
 
 #: The constants of cupy.cuda.nccl (CuPy 14, NCCL 2.x); tests assert they equal the real module's.
@@ -86,7 +87,7 @@ class DeviceArray(np.ndarray):
             with _cond:
                 _allocations[:] = [r for r in _allocations if r() is not None]
                 _allocations.append(weakref.ref(self))
-            _touch()
+            _touch(self)
 
     @property
     def data(self) -> _Pointer:  # type: ignore[override]
@@ -105,14 +106,16 @@ class DeviceArray(np.ndarray):
     def __setitem__(self, key: Any, value: Any) -> None:
         _host_sync()
         super().__setitem__(key, value)
-        _touch()
+        _touch(self)
 
     def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
         _host_sync()
         args = [x.view(np.ndarray) if isinstance(x, DeviceArray) else x for x in inputs]
         if "out" in kwargs:
+            written = [x for x in kwargs["out"] if isinstance(x, DeviceArray)]
             kwargs["out"] = tuple(x.view(np.ndarray) if isinstance(x, DeviceArray) else x for x in kwargs["out"])
-            _touch()
+            for x in written:
+                _touch(x)
             getattr(ufunc, method)(*args, **kwargs)
             return kwargs["out"][0] if len(kwargs["out"]) == 1 else kwargs["out"]
         result = getattr(ufunc, method)(*args, **kwargs)
@@ -180,21 +183,32 @@ def _current() -> FakeStream:
         return stream
 
 
-def _touch() -> None:
-    """The calling thread wrote device memory on its current stream."""
+def _touch(of: DeviceArray | None = None) -> None:
+    """The calling thread wrote device memory (``of``, where known) on its current stream."""
     stream = _current()
     with _cond:
-        _wrote(stream)
+        _wrote(stream, of)
 
 
-def _wrote(stream: FakeStream) -> None:
+def _wrote(stream: FakeStream, of: DeviceArray | None = None, entry: Any = None) -> None:
     """The calling thread enqueued a write on ``stream`` (under ``_cond``): it counts, and the
-    thread remembers its own latest write there (what its later collectives must be ordered after)."""
+    thread remembers its own latest write there (what its later collectives must be ordered after);
+    the allocation written (``of``) remembers it too (what a later copy into it must be ordered
+    after, unless that write is an ``entry`` of the stream already seen done)."""
     stream.work += 1
     writes = getattr(_tls, "writes", None)
     if writes is None:
         writes = _tls.writes = weakref.WeakKeyDictionary()
     writes[stream] = stream.work
+    if of is not None:
+        _allocation(of)._written = (stream, stream.work, entry)
+
+
+def _allocation(a: DeviceArray) -> DeviceArray:
+    """The allocation a device array (or view) lies in."""
+    while isinstance(a.base, DeviceArray):
+        a = a.base
+    return a
 
 
 def _wait(pred: Any, what: str) -> None:
@@ -249,6 +263,21 @@ class FakeStream:
 
     def __hash__(self) -> int:
         return self.ptr
+
+
+class Gate:
+    """Work queued on a stream that runs until :meth:`open` (a long kernel): everything queued
+    after it on that stream waits, what does not depend on it goes on (tests of what waits for what)."""
+
+    def __init__(self, stream: FakeStream) -> None:
+        self.done = False
+        with _cond:
+            stream.pending = [e for e in stream.pending if not e.done] + [self]
+
+    def open(self) -> None:
+        with _cond:
+            self.done = True
+            _cond.notify_all()
 
 
 class _EventWait:
@@ -732,17 +761,28 @@ class FakeRuntime:
                                 f"of shape {device.shape} {device.dtype}")
         if not isinstance(stream, FakeStream):
             raise FakeNcclError(f"double: {what}: {stream!r} is not a stream of the double")
-        caller = _current()
-        if not stream.ordered_after(caller):
-            raise FakeNcclError(f"double: {what}: the stream is not ordered after the caller's current stream "
-                                f"(write #{caller.work} on it): the copy could miss the caller's writes")
+        if to_device:
+            # A copy into device memory must come after the writes queued to it before (or it is
+            # overwritten by them); writes the caller queued since, elsewhere, are no hazard, so it
+            # may run on a stream that waited only for what the caller had queued when it began.
+            last, work, entry = getattr(_allocation(device), "_written", (None, -1, None))
+            finished = entry is not None and entry._done  # a copy the host has seen complete
+            if last is not None and last is not stream and not finished and stream.waited.get(last, -1) < work:
+                raise FakeNcclError(f"double: {what}: the stream is not ordered after write #{work} to the device "
+                                    "array on another stream: that write could overwrite the copy")
+        else:
+            caller = _current()
+            if not stream.ordered_after(caller):
+                raise FakeNcclError(f"double: {what}: the stream is not ordered after the caller's current stream "
+                                    f"(write #{caller.work} on it): the copy could miss the caller's writes")
         dev = device.view(np.ndarray).reshape(-1)
         src, dst = (host.reshape(-1), dev) if to_device else (dev, host.reshape(-1))
         with _cond:
             pending = [e for e in stream.pending if not e.done]
-            stream.pending = pending + [_Copy(pending, src, dst)]
+            copy = _Copy(pending, src, dst)
+            stream.pending = pending + [copy]
             if to_device:
-                _wrote(stream)
+                _wrote(stream, device, copy)
                 self.copies_to_device += 1
             else:
                 self.copies_to_host += 1
@@ -777,7 +817,9 @@ class FakeRuntime:
 
     @staticmethod
     def is_device_array(x: Any) -> bool:
-        return hasattr(x, "__cuda_array_interface__")
+        from meshkit.comm import is_device_array  # meshkit's one rule, as CupyRuntime's
+
+        return is_device_array(x)
 
     @staticmethod
     def pointer(x: Any) -> int:

@@ -1,6 +1,7 @@
 """Every parallel strategy on device arrays: the NCCL engine over the double, with tests/fake_cupy.py's
 strict CuPy arrays (not np.ndarray; np.asarray on them raises as on CuPy), against single-process
-NumPy on the global batch (float64 to 1e-10, float32 to 1e-5)."""
+NumPy on the global batch (float64 to 1e-10, float32 to 1e-5). The collective suite runs on the
+strict arrays over every engine: NCCL, local, and MPI (staged, chunked, CUDA-aware)."""
 
 from __future__ import annotations
 
@@ -52,14 +53,29 @@ INT_OPS = [ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX]
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32], ids=lambda d: np.dtype(d).name)
-def test_every_collective_on_fake_cupy_arrays_over_nccl(cupy, dtype, world_size):
-    """comm's NCCL engine takes the strict arrays as device arrays (pointers, stream order)."""
-    ops = FLOAT_OPS if np.dtype(dtype).kind == "f" else INT_OPS
+@pytest.mark.parametrize("engine", ["nccl", "local"])
+def test_every_collective_on_fake_cupy_arrays(cupy, engine, dtype, world_size):
+    """comm's NCCL engine takes the strict arrays as device arrays (pointers, stream order); the
+    local engine computes on them with their own library (a hidden np.asarray raises)."""
+    if engine == "nccl":
+        ops = FLOAT_OPS if np.dtype(dtype).kind == "f" else INT_OPS
+    else:
+        ops = collective_cases.ops_for(dtype)
 
     def body():
         return collective_cases.check_all(dtype, dev=cupy.asarray, host=double.to_host, ops=lambda _: ops)
     per_rank = 4 * len(ops) + 7 + world_size  # + 1 on rank 0, the gather root
-    assert on_nccl(body, world_size) == [per_rank + 1] + [per_rank] * (world_size - 1)
+    run = on_nccl if engine == "nccl" else local.run
+    assert run(body, world_size) == [per_rank + 1] + [per_rank] * (world_size - 1)
+
+
+@pytest.mark.parametrize("mode", ["staged", "chunked", "aware"])
+def test_every_collective_on_fake_cupy_arrays_over_mpi(mpirun, mode):
+    """The MPI engine on the strict arrays: staged through pinned buffers (whole, or in 16-byte
+    chunks), and handed to MPI as they are (CUDA-aware)."""
+    env = {"MESHKIT_CUDA_AWARE_MPI": "1" if mode == "aware" else "0"}
+    out = mpirun("mpi_fake_cupy.py", 2, mode, env=env, timeout=240).stdout
+    assert dict(re.findall(rf"\[rank(\d)\]: OK {mode} (\d+) checks", out)) == {"0": "370", "1": "170"}, out
 
 
 DDP_REFERENCE = ddp_cases.reference()
@@ -204,7 +220,7 @@ def test_mixing_numpy_and_cupy_arrays_is_a_type_error_naming_both(cupy):
             DistributedDataParallel({"a": cupy.ones(3), "b": np.ones(3)})
         ddp = DistributedDataParallel({"a": cupy.ones(3)})
         with pytest.raises(TypeError, match=r"mark_grad_ready: gradient 'a' is a numpy\.ndarray but the "
-                                            r"parameters is a cupy\.ndarray"):
+                                            r"parameters are cupy\.ndarray;"):
             ddp.mark_grad_ready("a", np.ones(3))
         zero = ZeroRedundancyOptimizer({"a": cupy.ones(3)}, SGD(lr=0.1), stage=2)
         with pytest.raises(TypeError, match=both):
@@ -212,7 +228,7 @@ def test_mixing_numpy_and_cupy_arrays_is_a_type_error_naming_both(cupy):
         mesh = meshkit.init_device_mesh("cuda", (meshkit.get_world_size(),))
         fsdp = FullyShardedDataParallel({"a": cupy.ones(3)}, mesh=mesh, optimizer=SGD(lr=0.1))
         with pytest.raises(TypeError, match=r"reduce_grads: gradient 'a' is a numpy\.ndarray but the parameter "
-                                            r"shards is a cupy\.ndarray"):
+                                            r"shards are cupy\.ndarray;"):
             fsdp.reduce_grads(0, {"a": np.ones(3)})
         return True
     assert on_nccl(body, 2) == [True, True]
@@ -228,11 +244,33 @@ def test_a_silent_device_to_host_copy_fails_under_the_fake(cupy, monkeypatch):
     monkeypatch.setattr(FlatLayout, "split", _implicit_copy_split)
     with pytest.raises(TypeError, match=r"Implicit conversion to a NumPy array is not allowed"):
         on_nccl(cases.train_zero, 2, 1, "sgd", steps=range(1), xp=cupy)
-    # the older double's DeviceArray is an np.ndarray: the same careless path passes silently there
-    def old_double():
-        params = {k: double.to_device(v) for k, v in ddp_cases.init_params().items()}
-        return ZeroRedundancyOptimizer(params, SGD(lr=0.1), stage=1).full_state_dict()["params"]["w1"]
-    assert all(type(w) is np.ndarray for w in on_nccl(old_double, 2)), "silently copied to the host"
+
+
+class _CpuTensor:
+    """Like torch's CPU tensors: the class has ``__cuda_array_interface__``, reading it raises."""
+
+    @property
+    def __cuda_array_interface__(self):
+        raise AttributeError("Can't get __cuda_array_interface__ on non-CUDA tensor")
+
+
+def test_one_rule_decides_device_and_library_in_every_layer(cupy):
+    """comm's engines and checks, the CUDA runtime, parallel and tensor ask one rule
+    (``__cuda_array_interface__`` on the array): the double's DeviceArray, an np.ndarray subclass,
+    is a device array, hence CuPy's, to all of them; torch-like CPU tensors are host arrays."""
+    from meshkit.comm import array_namespace, checks, cuda_runtime, is_device_array
+    from meshkit.parallel import array_namespace as parallel_namespace
+    from meshkit.tensor import reductions
+
+    assert parallel_namespace is array_namespace and reductions.array_namespace is array_namespace
+    assert cuda_runtime.is_device_array is is_device_array
+    cases = {"numpy": (np.ones(2), False), "fake cupy": (cupy.ones(2), True),
+             "double": (double.to_device(np.ones(2)), True), "cpu tensor": (_CpuTensor(), False), "None": (None, False)}
+    for name, (x, device) in cases.items():
+        assert is_device_array(x) is device, name
+        assert array_namespace(x) is (cupy if device else np), name
+        assert cuda_runtime.runtime().is_device_array(x) is device, name
+    assert checks._where_is(double.to_device(np.ones(2))) == "nccl_double.DeviceArray (device)"
 
 
 def test_the_fake_refuses_host_arrays_as_cupy_does(cupy):

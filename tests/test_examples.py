@@ -359,8 +359,9 @@ def test_train_tp_check_passes_under_meshkit_run(mpirun, n, mesh, dp):
     ("train_mlp.py", 2, ["--strategy", "hsdp", "--mesh", "2x2"],
      "argument --mesh: 2x2 is a mesh of 4 ranks; this run has 2"),
     ("tour.py", 2, [], "tour.py: error: it needs 4 ranks, got 2"),
-    pytest.param("train_mlp.py", 2, ["--device", "cuda"], "argument --device: cuda needs CuPy with a visible GPU",
-                 marks=pytest.mark.skipif(gpu_available(), reason="a GPU is visible here: --device cuda is valid")),
+    *[pytest.param(script, 2, ["--device", "cuda"], "argument --device: cuda needs CuPy with a visible GPU",
+                   marks=pytest.mark.skipif(gpu_available(), reason="a GPU is visible here: --device cuda is valid"))
+      for script in ("train_mlp.py", "train_tp.py", "train_3d.py")],
 ])
 def test_a_bad_flag_under_meshkit_run_exits_2_with_one_message(mpirun, script, n, argv, message):
     proc = mpirun(EXAMPLES / script, n, *argv, check=False)
@@ -472,10 +473,67 @@ def test_a_checkpoint_of_a_device_run_resumes_on_the_host_and_on_devices(cupy, t
         assert result.ok, result.line()
 
 
-def test_device_cuda_without_a_gpu_is_a_usage_error(capsys, monkeypatch):
+@pytest.mark.parametrize("example", [train_mlp, train_tp, train_3d], ids=lambda m: m.__name__)
+def test_device_cuda_without_a_gpu_is_a_usage_error(capsys, monkeypatch, example):
     monkeypatch.setattr(train_mlp, "gpu_available", lambda: False)
     with pytest.raises(SystemExit) as exc:
-        train_mlp.parse_args(["--device", "cuda"])
+        example.parse_args(["--device", "cuda"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.count("error:") == 1 and "argument --device: cuda needs CuPy with a visible GPU" in err, err
+
+
+def _logits_on_the_device(monkeypatch, module, name, cupy, local_block=lambda a: a):
+    """Wrap ``module.name`` (the example's loss) to check that its logits are device arrays."""
+    real, seen = getattr(module, name), []
+
+    def loss(logits, *rest):
+        seen.append(type(local_block(logits)) is cupy.ndarray)
+        return real(logits, *rest)
+    monkeypatch.setattr(module, name, loss)
+    return seen
+
+
+@pytest.mark.parametrize("dp, mesh, world", [("ddp", "2x2", 4), ("zero2", "1x2", 2), ("fsdp", "2x1", 2)])
+def test_train_tp_device_cuda_trains_cupy_blocks_and_passes_the_exact_check(cupy, monkeypatch, dp, mesh, world):
+    """train_tp.py --device cuda: DTensor blocks of tests/fake_cupy.py's strict arrays on a cuda mesh,
+    the NCCL engine over the double; the final parameters match single-process NumPy."""
+    args = train_tp.parse_args(["--mesh", mesh, "--dp", dp, "--steps", "3", "--batch", "24", "--device", "cuda"],
+                               world_size=world)
+    reference, _ = train_mlp.train_reference(args)
+    seen = _logits_on_the_device(monkeypatch, train_tp, "loss_and_grad_logits", cupy, lambda t: t.to_local())
+
+    def body():
+        meshkit.init_process_group("nccl", timeout=60)
+        return train_tp.train(args, progress=False)
+    for params, losses in local.run(body, world, init=False, timeout=60):
+        assert len(losses) == 3 and losses[-1] < losses[0]
+        result = train_mlp.compare_params(args.dtype, params, reference)
+        assert result.ok, result.line()
+    assert seen and all(seen), "the logits were not on the device"
+
+
+@pytest.mark.parametrize("mesh, extra", [("2x2x1", ()), ("2x1x2", ("--optimizer", "adamw")),
+                                         ("2x1x1", ("--schedule", "interleaved"))])
+def test_train_3d_device_cuda_trains_cupy_arrays_and_passes_the_exact_check(cupy, monkeypatch, mesh, extra):
+    """train_3d.py --device cuda on the local engine: pipeline, DDP and TP on the strict arrays."""
+    world = int(np.prod([int(d) for d in mesh.split("x")]))
+    args = train_3d.parse_args(["--mesh", mesh, "--steps", "3", "--device", "cuda", *extra], world_size=world)
+    reference, _ = train_mlp.train_reference(args, args.hidden)
+    seen = _logits_on_the_device(monkeypatch, train_3d, "loss_fn", cupy)
+    for params, losses in local.run(lambda: train_3d.train(args, progress=False), world, timeout=60):
+        assert len(losses) == 3 and losses[-1] < losses[0]
+        result = train_mlp.compare_params(args.dtype, params, reference)
+        assert result.ok, result.line()
+    assert seen and all(seen), "the logits were not on the device"
+
+
+@pytest.mark.parametrize("aware", ["0", "1"], ids=["staged", "aware"])
+def test_train_3d_device_cuda_main_under_meshkit_run(mpirun, aware):
+    """Its main() over the MPI engine on the strict arrays: a GPU per rank, the check passes."""
+    out = mpirun("train_3d_fake_gpu.py", 4, "--mesh", "2x2x1", "--steps", "3", "--device", "cuda", "--check",
+                 env={"MESHKIT_CUDA_AWARE_MPI": aware}, timeout=120).stdout
+    assert "[rank0]: check against single-process training: OK (float64)" in out, out
+    assert sorted(re.findall(r"rank (\d) on device (\d)", out)) == [(str(r), str(r)) for r in range(4)], out
+    staged = [int(c) for c in re.findall(r"staging copies to host: (\d+)", out)]
+    assert len(staged) == 4 and (all(staged) if aware == "0" else not any(staged)), out

@@ -3,14 +3,19 @@
 On real processes (2 ranks, ``meshkit-run``): every collective and point-to-point on device
 arrays, staged through pinned host buffers (``MESHKIT_CUDA_AWARE_MPI=0``) and handed to MPI as
 they are (``=1``); staging buffers reused across calls; an output a failed operation never
-touched; the mix of host and device arrays. In process: the double's staging copies are strict
+touched; the mix of host and device arrays; staging on the engine's own stream (ordered by an
+event, not waiting for the caller's later work) and in chunks; CUDA-aware detection. In process: the double's staging copies are strict
 (pinned buffers only, stream order after the caller's writes, nothing read before a sync).
 Nothing here has run on a GPU.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +23,8 @@ import pytest
 import nccl_double as double
 
 from meshkit.comm import cuda_runtime
+
+SCRIPTS = Path(__file__).parent / "scripts"
 
 
 @pytest.mark.parametrize("mode", ["staged", "aware"])
@@ -41,6 +48,12 @@ def test_failed_operation_leaves_the_device_output_untouched(mpirun):
     assert "[rank0]: recv output [7.0, 7.0] copies back 0" in out, out
 
 
+def test_a_chunked_operation_that_times_out_copies_no_chunk_back(mpirun):
+    out = mpirun("mpi_device_faults.py", 2, "chunked-timeout", env={"MESHKIT_CUDA_AWARE_MPI": "0"}, timeout=60).stdout
+    assert "[rank0]: chunked all_reduce: CollectiveTimeout: meshkit.comm: rank 0: all_reduce #0" in out, out
+    assert "[rank0]: chunked all_reduce output [0.0, 1.0, 2.0, 3.0] copies to host 4 back 0" in out, out
+
+
 def test_a_failed_copy_back_fails_the_work_and_leaves_the_output(mpirun):
     out = mpirun("mpi_device_faults.py", 2, "copy-back-fails", env={"MESHKIT_CUDA_AWARE_MPI": "0"},
                  timeout=60).stdout
@@ -49,12 +62,60 @@ def test_a_failed_copy_back_fails_the_work_and_leaves_the_output(mpirun):
     assert "[rank1]: copy-back completed True success True output [0.0, 2.0, 4.0, 6.0]" in out, out
 
 
+def test_staging_copies_wait_for_the_callers_writes_not_its_later_work(mpirun):
+    """The copies run on the engine's staging stream, after an event on the caller's stream: a
+    Work completes while the caller's stream is busy with work queued after the collective."""
+    out = mpirun("mpi_device_streams.py", 2, "overlap", env={"MESHKIT_CUDA_AWARE_MPI": "0"}, timeout=60).stdout
+    for rank in (0, 1):
+        assert f"[rank{rank}]: wait with the caller's stream busy: True" in out, out
+        assert f"[rank{rank}]: result [30.0, 3.0, 3.0, 3.0]" in out, out  # x[0] written before: copied
+    assert "[rank1]: broadcast [0.0, 1.0, 2.0]" in out, out
+
+
+def test_a_staging_stream_that_skips_the_event_wait_fails_on_the_double(mpirun):
+    """An engine whose staging stream ignores wait_event: the double refuses both copies."""
+    out = mpirun("mpi_device_streams.py", 2, "no-event-wait", env={"MESHKIT_CUDA_AWARE_MPI": "0"}, timeout=60).stdout
+    assert ("[rank1]: recv: FakeNcclError: double: copy_to_device: the stream is not ordered after write #1 to the "
+            "device array on another stream") in out, out
+    assert ("[rank1]: send: FakeNcclError: double: copy_to_host: the stream is not ordered after the caller's "
+            "current stream") in out, out
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_large_staged_buffers_go_to_mpi_in_chunks(mpirun, n):
+    """all_reduce, reduce and broadcast above CHUNK_BYTES (16 bytes here) are posted chunk by
+    chunk as their copies arrive; every collective still matches NumPy; one copy back."""
+    out = mpirun("mpi_device_streams.py", n, "chunks", env={"MESHKIT_CUDA_AWARE_MPI": "0"}, timeout=200).stdout
+    for rank in range(n):
+        assert re.search(rf"\[rank{rank}\]: checks \d+", out), out
+        assert f"[rank{rank}]: all_reduce 1001 float64: 501 copies to host, 1 back" in out, out  # 2 per chunk
+    assert "[rank1]: broadcast 5 float64: 3 copies to host, 0 back" in out, out  # the root reads in 3 chunks
+    assert "[rank0]: broadcast 5 float64: 0 copies to host, 1 back" in out, out
+
+
 def test_cuda_aware_override_must_be_0_or_1(mpirun):
     out = mpirun("mpi_device_faults.py", 2, "bad-env", timeout=60).stdout
     for rank in (0, 1):
         assert (f"[rank{rank}]: bad-env: DistValueError: meshkit.comm: rank {rank}: MESHKIT_CUDA_AWARE_MPI='yes' "
                 "is not valid; valid values are 0 (stage device arrays through host memory) and 1 (MPI reads "
                 "device memory)") in out, out
+
+
+def test_cuda_aware_detection_asks_the_mpi_library_mpi4py_does_not_wrap():
+    """mpi4py 4.1 has no Query_cuda_support: the answer comes from the loaded libmpi's MPIX
+    functions (found through ctypes), after MESHKIT_CUDA_AWARE_MPI and mpi4py's own query."""
+    env = {k: v for k, v in os.environ.items() if k != "MESHKIT_CUDA_AWARE_MPI"}
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "mpi_cuda_aware.py")], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert re.fullmatch(r"real library libmpi\S* -> False", lines[0]), lines  # no GPU here: MPICH says 0
+    assert lines[1:] == [
+        "MPIX_Query_cuda_support 1 -> True", "MPIX_Query_cuda_support 0 -> False",
+        "MPIX_GPU_query_support 1 -> True", "MPIX_GPU_query_support 0 -> False",
+        "MPIX_GPU_query_support failing -> False", "neither -> False", "no library -> False",
+        "mpi4py Query_cuda_support 1, library 0 -> True",
+        "MESHKIT_CUDA_AWARE_MPI=0, library 1 -> False", "MESHKIT_CUDA_AWARE_MPI=1, library 1 -> True"], lines
 
 
 # --------------------------------------------------------------------------- the double's copies
@@ -102,6 +163,22 @@ def test_a_copy_on_a_stream_not_ordered_after_the_writes_is_refused(rt):
     rt.copy_to_host(dev, host, other)
     other.synchronize()
     assert host.tolist() == [5.0, 1.0, 2.0, 3.0]
+
+
+def test_a_copy_into_device_memory_follows_the_last_write_to_it_not_later_unrelated_ones(rt):
+    dev = double.to_device(np.zeros(4))  # allocated (a write) on the current stream
+    staging, host = rt.new_stream(), rt.pinned_empty((4,), np.float64)
+    host[...] = 1
+    with pytest.raises(double.FakeNcclError, match=r"copy_to_device: the stream is not ordered after write #\d+ "
+                                                   "to the device array on another stream"):
+        rt.copy_to_device(host, dev, staging)
+    event = rt.new_event()
+    event.record(rt.current_stream())
+    staging.wait_event(event)
+    double.to_device(np.ones(8))  # the caller writes elsewhere since: no hazard for the copy
+    rt.copy_to_device(host, dev, staging)
+    staging.synchronize()
+    assert dev.get().tolist() == [1.0] * 4
 
 
 @pytest.mark.parametrize("aware", ["0", None], ids=["staged", "detected"])

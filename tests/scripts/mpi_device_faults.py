@@ -1,8 +1,9 @@
 """Device arrays over the MPI engine when an operation fails (the double as the runtime, staged).
 
 argv[1]: "timeout": rank 1 skips an async all_reduce and a send; rank 0's device outputs
-must keep their contents and nothing is copied back. "bad-env": MESHKIT_CUDA_AWARE_MPI=yes is
-an error naming the variable and the valid values. "copy-back-fails": rank 0's copy back to the
+must keep their contents and nothing is copied back ("chunked-timeout": the same for an
+all_reduce in 4 chunks). "bad-env": MESHKIT_CUDA_AWARE_MPI=yes is an error naming the variable
+and the valid values. "copy-back-fails": rank 0's copy back to the
 device raises; its Work fails and its output keeps its contents. Prints one line per check.
 """
 
@@ -41,6 +42,16 @@ if case == "timeout":
         x = double.to_device(np.arange(4, dtype=np.float32))
         report("all_reduce", lambda: meshkit.all_reduce(x, async_op=True).wait())
         print("all_reduce output", x.get().tolist(), "copies back", rt.copies_to_device, flush=True)
+elif case == "chunked-timeout":
+    # As above, chunked (4 chunks): chunks that completed are not copied back either.
+    from meshkit.comm import mpi
+
+    mpi.CHUNK_BYTES = 4
+    if rank == 0:
+        x = double.to_device(np.arange(4, dtype=np.float32))
+        report("chunked all_reduce", lambda: meshkit.all_reduce(x, async_op=True).wait())
+        print("chunked all_reduce output", x.get().tolist(), "copies to host", rt.copies_to_host, "back",
+              rt.copies_to_device, flush=True)
 elif case == "copy-back-fails":
     # Rank 0's copy back fails: its Work must fail, not complete, and its output keep its contents.
     def broken(src, dst, stream):
