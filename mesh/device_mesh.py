@@ -422,6 +422,8 @@ class DeviceMesh:
         return f"DeviceMesh({self.device_type!r}, {self.mesh.tolist()}{names})"
 
     def __eq__(self, other: object) -> bool:
+        if other is self:  # the common case (DTensor ops compare their operands' meshes): no array compare
+            return True
         if not isinstance(other, DeviceMesh):
             return NotImplemented
         return (self.device_type == other.device_type and self.mesh_dim_names == other.mesh_dim_names

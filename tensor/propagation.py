@@ -64,7 +64,7 @@ def common_mesh(op: str, args: Sequence[Any]) -> DeviceMesh:
         if isinstance(x, DTensor):
             if mesh is None:
                 mesh = x.device_mesh
-            elif x.device_mesh != mesh:
+            elif x.device_mesh is not mesh and x.device_mesh != mesh:
                 raise errors.value_error(op, f"argument {i} is on mesh {x.device_mesh!r} but argument 0's mesh is "
                                              f"{mesh!r}; DTensors on different meshes do not mix")
         elif not is_scalar(x):
