@@ -213,7 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mb", type=float, default=64.0, help="MB of float64 state per rank")
     p.add_argument("--arrays", type=int, default=8, help="arrays the state is split into")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
-    p.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary directory)")
+    p.add_argument("--dir", type=Path, default=None, help="where to write: a fresh directory is made inside it and removed at the end (default: the "
+                   "system's temporary directory)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any blocking meshkit call waits at most")
     add_output_args(p, json_help="result file (default benchmarks/results/checkpoint-n{N}.json)")
     return p
@@ -238,13 +239,16 @@ def main(argv: list[str] | None = None) -> int:
         comm.Free()
         return 0
     meshkit.init_process_group("mpi", timeout=args.timeout)
-    root = args.dir or Path(comm.bcast(tempfile.mkdtemp(prefix="meshkit-ckpt-bench-") if rank == 0 else None))
+    if rank == 0 and args.dir is not None:
+        args.dir.mkdir(parents=True, exist_ok=True)
+    # a directory of this run's own, inside --dir when given: a second run never meets the first's checkpoints
+    root = Path(comm.bcast(tempfile.mkdtemp(prefix="meshkit-ckpt-bench-", dir=args.dir) if rank == 0 else None))
     started = time.perf_counter()
     try:
         rows = run(args, comm, rank, n, root)
     finally:
         barrier(comm)
-        if rank == 0 and args.dir is None:
+        if rank == 0:
             shutil.rmtree(root, ignore_errors=True)
         meshkit.destroy_process_group()
     meta = run_metadata(comm, benchmark="checkpoint", mb_per_rank=args.mb, arrays=args.arrays, rounds=args.rounds,
