@@ -17,8 +17,8 @@ from ..mesh import DeviceMesh
 from . import dispatch, errors
 from .chunks import local_shape_and_offset, normalize_dim
 from .indexing import index_plan
-from .placements import Placement, Replicate, Shard
-from .redistribute import redistribute_local
+from .placements import Partial, Placement, Replicate, Shard
+from .redistribute import program, run
 
 __all__ = ["DTensor", "normalize_placements"]
 
@@ -34,6 +34,17 @@ def normalize_placements(op: str, mesh: DeviceMesh, placements: Sequence[Placeme
         raise errors.type_error(op, f"device_mesh must be a DeviceMesh, got {type(mesh).__name__}")
     if placements is None:
         return (Replicate(),) * mesh.ndim
+    if placements.__class__ is tuple or placements.__class__ is list:  # the common case, already valid
+        if len(placements) == mesh.ndim:
+            for p in placements:
+                kind = p.__class__
+                if kind is Shard:
+                    if not 0 <= p.dim < ndim:
+                        break
+                elif kind is not Replicate and kind is not Partial:
+                    break
+            else:
+                return tuple(placements)
     if isinstance(placements, Placement) or not isinstance(placements, Sequence):
         raise errors.type_error(op, f"placements must be a sequence of Placement (one per mesh dimension), "
                                     f"got {placements!r}")
@@ -207,17 +218,17 @@ class DTensor(NDArrayOperatorsMixin):
             writing into it leaves this DTensor alone), or this DTensor itself when the
             placements do not change, as torch's; the collectives are listed in :mod:`.redistribute`.
         """
-        op = "DTensor.redistribute"
-        if device_mesh is not None and device_mesh != self._mesh:
-            raise errors.value_error(op, f"device_mesh {device_mesh!r} is not this DTensor's mesh "
-                                         f"{self._mesh!r}; redistribution across meshes is not supported")
+        mesh = self._mesh
+        if device_mesh is not None and device_mesh != mesh:
+            raise errors.value_error("DTensor.redistribute", f"device_mesh {device_mesh!r} is not this DTensor's "
+                                     f"mesh {mesh!r}; redistribution across meshes is not supported")
         if placements is None:
             return self
-        target = normalize_placements(op, self._mesh, placements, self.ndim)
+        target = normalize_placements("DTensor.redistribute", mesh, placements, len(self._shape))
         if target == self._placements:
             return self
-        local = redistribute_local(self._local, self._mesh, self._shape, self._placements, target)
-        return DTensor(local, self._mesh, target, shape=self._shape)
+        local = run(program(mesh, self._shape, self._placements, target), self._local)
+        return _wrap(local, mesh, target, self._shape)
 
     # ---- NumPy protocols ---------------------------------------------------------------------
 
@@ -300,3 +311,13 @@ class DTensor(NDArrayOperatorsMixin):
     def __repr__(self) -> str:
         return (f"DTensor(local_tensor={self._local!r}, device_mesh={self._mesh!r}, "
                 f"placements={self._placements!r}, shape={self._shape})")
+
+
+def _wrap(local: Any, mesh: DeviceMesh, placements: tuple[Placement, ...], shape: tuple[int, ...]) -> DTensor:
+    """A DTensor from parts that are already normalized tuples (no conversion, no check)."""
+    out = DTensor.__new__(DTensor)
+    out._local = local
+    out._mesh = mesh
+    out._placements = placements
+    out._shape = shape
+    return out

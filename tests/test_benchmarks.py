@@ -198,10 +198,13 @@ def test_dtensor_benchmark_times_every_transition_and_op_and_writes_json(mpirun,
     rows = json.loads(out_json.read_text())["rows"]
     redistribute = [(r["transition"], r["bytes"]) for r in rows if r["section"] == "redistribute"]
     assert redistribute == [(t, b) for t in ("S0->R", "P->R", "P->S0", "S0->S1", "R->S0") for b in (4096, 8192)]
-    assert all(r["redistribute_us"] > 0 and r["collective_us"] > 0 for r in rows if r["section"] == "redistribute")
+    assert all(r["redistribute_us"] > 0 and r["collective_us"] > 0 and r["floor_us"] > 0
+               for r in rows if r["section"] == "redistribute")
     assert [r["ratio"] is None for r in rows if r["section"] == "redistribute"] == [False] * 8 + [True] * 2
+    assert all(r["ratio_floor"] > 0 for r in rows if r["section"] == "redistribute")
     assert [r["op"] for r in rows if r["section"] == "overhead"] == ["add", "tanh", "matmul", "sum", "transpose",
                                                                       "reshape"]
     assert all(r["dtensor_us"] > 0 and r["numpy_us"] > 0 for r in rows if r["section"] == "overhead")
-    assert re.search(r"R->S0\s+4K\s+[\d.]+\s+[\d.]+\s+local", out), out
+    assert re.search(r"R->S0\s+4K\s+[\d.]+\s+[\d.]+\s+local\s+[\d.]+\s+[\d.]+", out), out
+    assert "coll+caller us" in out
     assert "(target: overhead < 20 us)" in out

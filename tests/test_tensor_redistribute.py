@@ -105,3 +105,34 @@ def test_every_shard_and_replicate_pair_on_a_2x2x2_mesh():
     # three mesh dims over two array dims: Shards nest two and three deep on one array dim
     counts = local.run(tensor_cases.check_all_pairs, 8, (2, 2, 2), (5, 3), "float64", [S0, S1, R], timeout=120)
     assert counts == [27 * 27] * 8
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_compiled_programs_are_per_mesh_and_the_table_is_bounded(monkeypatch, world):
+    from meshkit.tensor import redistribute as rd
+
+    monkeypatch.setattr(rd, "PROGRAMS_MAX", 4)
+    monkeypatch.setattr(rd, "_programs", {})
+
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (world,))
+        a = np.arange(60.0).reshape(6, 10)
+        d = distribute_tensor(a, mesh, [S0])
+        first = rd.program(mesh, d.shape, d.placements, (S1,))
+        if world == 1:  # (ranks of the local engine are threads sharing the table: one may evict)
+            assert rd.program(mesh, d.shape, d.placements, (S1,)) is first  # compiled once
+        for rows in range(1, 9):  # more layouts than the table keeps: the oldest make way
+            b = distribute_tensor(np.arange(rows * 3.0).reshape(rows, 3), mesh, [S0])
+            assert np.array_equal(b.redistribute(placements=[S1]).full_tensor(), b.full_tensor())
+        assert len(rd._programs) <= 4
+        # an entry under this mesh's key made for another mesh (a dead mesh whose id was reused)
+        # is not run: the program is compiled again for this one
+        other = meshkit.init_device_mesh("cpu", (world,))
+        key = (id(mesh), d.shape, d.placements, (S1,))
+        rd._programs[key] = rd._compile(other, d.shape, d.placements, (S1,))
+        again = rd.program(mesh, d.shape, d.placements, (S1,))
+        assert again.mesh() is mesh
+        return d.redistribute(placements=[S1]).to_local().tolist()
+
+    a = np.arange(60.0).reshape(6, 10)
+    assert local.run(body, world) == [block.tolist() for block in np.split(a, world, axis=1)]
