@@ -36,6 +36,7 @@ from ..comm import DistValueError, ProcessGroup, ReduceOp, Work
 from ..mesh import DeviceMesh
 from .arrays import array_namespace
 from .buckets import MB, BucketManager, CommHook, GradBucket
+from .dtensors import split, wrap_all
 from .flat import FlatLayout, make_layouts
 from .hooks import allreduce_hook
 from .optim import Optimizer
@@ -127,27 +128,29 @@ class ZeroRedundancyOptimizer(GradientReducer, ShardedStrategy):
             "find_unused_parameters": find_unused_parameters, "optimizer": repr(optimizer)})
         self.stage, self.optimizer = stage, optimizer
         self.find_unused_parameters = find_unused_parameters
-        self._specs = snapshot(params)
-        order = list(reversed(params))  # the order buckets fill in: each bucket is a flat range
-        self.layouts: dict[str, FlatLayout] = {lay.key: lay for lay in make_layouts(params, order, self.group.size)}
-        self._flat = {key: lay.pack(params, params[lay.names[0]]) for key, lay in self.layouts.items()}
+        blocks, self._block_layouts = split(params)  # this rank's blocks of DTensor parameters
+        self._specs = snapshot(blocks)
+        order = list(reversed(blocks))  # the order buckets fill in: each bucket is a flat range
+        self.layouts: dict[str, FlatLayout] = {lay.key: lay for lay in make_layouts(blocks, order, self.group.size)}
+        self._flat = {key: lay.pack(blocks, blocks[lay.names[0]]) for key, lay in self.layouts.items()}
         for flat in self._flat.values():
             self.group.broadcast(flat, 0)
         views = {name: v for key, lay in self.layouts.items() for name, v in lay.views(self._flat[key]).items()}
-        self.params = Params({name: views[name] for name in params}, self._strategy)
+        self._blocks = {name: views[name] for name in blocks}
+        self.params = Params(wrap_all(self._blocks, self._block_layouts), self._strategy)
         caps = {"bucket_cap_bytes": int(bucket_cap_mb * MB), "first_bucket_cap_bytes": int(first_bucket_cap_mb * MB)}
         xp = array_namespace(next(iter(self._flat.values())))
         if stage == 1:
             self._flat_grads = {key: xp.zeros_like(f) for key, f in self._flat.items()}
             flat_grads = {self.layouts[key].dtype: g for key, g in self._flat_grads.items()}
-            self._buckets = BucketManager(self.params, order, comm=CommHook(self.group, allreduce_hook, self.group),
+            self._buckets = BucketManager(self._blocks, order, comm=CommHook(self.group, allreduce_hook, self.group),
                                           flat=flat_grads, **caps)
             self._init_reducer(self._buckets.views())
         else:
             self._grad_shards = {key: xp.zeros(lay.shard_size, dtype=lay.dtype) for key, lay in self.layouts.items()}
             self._pool = BufferPool(xp, _BUFFERED_BUCKETS)
             owners = OwnerShards(self.group, self.layouts, self._grad_shards)
-            self._buckets = BucketManager(self.params, order, comm=CommHook(self.group, reduce_to_owners, owners),
+            self._buckets = BucketManager(self._blocks, order, comm=CommHook(self.group, reduce_to_owners, owners),
                                           pool=self._pool, **caps)
             self._restore_views = False  # bucket buffers come and go: views are never kept
             self._init_reducer(_Stage2Views(self._buckets.location))
