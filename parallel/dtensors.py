@@ -24,7 +24,8 @@ from typing import Any
 
 from ..comm import DistTypeError, DistValueError, ProcessGroup
 from ..mesh import DeviceMesh
-from ..tensor import DTensor
+from ..tensor import DTensor, local_shape_and_offset
+from .sharded_state import ShardedArray
 
 __all__ = ["BlockLayout", "split", "layout_problem", "layout_spec", "describe_spec", "block_of", "wrap_all"]
 
@@ -36,10 +37,22 @@ class BlockLayout:
     mesh: DeviceMesh
     placements: tuple[Any, ...]
     shape: tuple[int, ...]
+    #: the global index of this rank's block's first element
+    offset: tuple[int, ...]
 
     def wrap(self, block: Any) -> DTensor:
         """``block`` (this rank's array, not copied) as a DTensor laid out as the parameter."""
         return DTensor(block, self.mesh, self.placements, shape=self.shape)
+
+    def place(self, pieces: list[ShardedArray]) -> list[ShardedArray]:
+        """Boxes of this rank's block (a flat shard's pieces of it) as boxes of the global array."""
+        return [ShardedArray(p.local, self.shape, tuple(o + b for o, b in zip(p.offsets, self.offset)))
+                for p in pieces]
+
+    @property
+    def sharded_dims(self) -> tuple[int, ...]:
+        """The mesh dims the parameter is ``Shard`` on: a norm's partial sums are added over them."""
+        return tuple(i for i, q in enumerate(self.placements) if q.is_shard())
 
 
 def split(params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, BlockLayout]]:
@@ -48,7 +61,9 @@ def split(params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, BlockLayout
     blocks, layouts = {}, {}
     for name, p in params.items():
         if isinstance(p, DTensor):
-            layouts[name] = BlockLayout(p.device_mesh, p.placements, p.shape)
+            mesh = p.device_mesh
+            offset = local_shape_and_offset(p.shape, mesh.shape, mesh.get_coordinate(), p.placements)[1]
+            layouts[name] = BlockLayout(mesh, p.placements, p.shape, tuple(offset))
             p = p.to_local()
         blocks[name] = p
     return blocks, layouts

@@ -64,7 +64,7 @@ def _refusal(name: str, who: str) -> str:
     return (f"params[{name!r}] is a DTensor; {who} takes this rank's blocks, not DTensors: pass "
             "{name: p.to_local()} (the same memory) and wrap the arrays it hands back with "
             "DTensor.from_local(block, p.device_mesh, p.placements, shape=p.shape), as examples/train_tp.py does "
-            "(DistributedDataParallel takes DTensor parameters)")
+            "(DistributedDataParallel and ZeroRedundancyOptimizer take DTensor parameters)")
 
 
 #: Problems of this form are type errors (raised as DistTypeError on every rank).

@@ -159,13 +159,13 @@ def test_tensor_parallel_params_and_their_optimizer_state_roundtrip(tmp_path):
     assert np.abs(loaded[2]).sum() > 0
 
 
-@pytest.mark.parametrize("strategy", ["ddp"])
-def test_data_parallel_dtensor_params_resume_on_other_meshes_as_if_uninterrupted(strategy, tmp_path):
-    """Saved by DDP over dp of a 2x2 dp x tp mesh (the DTensor views of get_state_dict), resumed
-    on 4x1 (whole blocks) and then 1x4 (uneven: 5 columns over 4)."""
+@pytest.mark.parametrize("strategies", [("ddp", "ddp", "ddp"), ("zero2", "ddp", "zero1")], ids=str)
+def test_data_parallel_dtensor_params_resume_on_other_meshes_as_if_uninterrupted(strategies, tmp_path):
+    """Saved over dp of a 2x2 dp x tp mesh (get_state_dict's DTensor views, or ZeRO's boxes of the
+    global arrays), resumed on 4x1 (whole blocks) and then 1x4 (uneven: 5 columns over 4)."""
     ref = dp_tp_cases.reference()
     chain = [((2, 2), None, 0, 2), ((4, 1), 0, 2, 3), ((1, 4), 1, 3, dp_tp_cases.STEPS)]
-    for i, (shape, src, first, last) in enumerate(chain):
+    for i, ((shape, src, first, last), strategy) in enumerate(zip(chain, strategies)):
         ckpt_in = None if src is None else tmp_path / f"ck{src}"
         results = local.run(dp_tp_cases.resume, 4, shape, strategy, ckpt_in, tmp_path / f"ck{i}", first, last,
                             timeout=30)

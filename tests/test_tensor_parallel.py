@@ -298,9 +298,34 @@ def test_ddp_of_dtensor_params_over_dp_equals_single_process(mesh_shape):
         assert seen == [want] * dp_tp_cases.STEPS
 
 
-def test_ddp_of_dtensor_params_over_dp_equals_single_process_mpi(mpirun):
-    out = mpirun("mpi_dp_tp.py", 4, "ddp").stdout
-    assert out.count("DP TP ddp OK") == 4, out
+def test_ddp_and_zero_of_dtensor_params_over_dp_equal_single_process_mpi(mpirun):
+    out = mpirun("mpi_dp_tp.py", 4, "ddp", "zero1", "zero2").stdout
+    assert [out.count(f"DP TP {s} OK") for s in ("ddp", "zero1", "zero2")] == [4, 4, 4], out
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (3, 2), (1, 2)], ids=str)
+def test_zero_of_dtensor_params_over_dp_equals_single_process(mesh_shape, stage):
+    """ZeRO shards each block over dp (its flat shards cut the blocks anywhere); its clipping adds
+    the norm over dp and tp, and every gradient is a DTensor laid out as its parameter."""
+    ref = dp_tp_cases.reference()
+    for params, seen in local.run(dp_tp_cases.train, int(np.prod(mesh_shape)), mesh_shape, f"zero{stage}",
+                                  timeout=30):
+        dp_tp_cases.assert_matches_reference(params, ref)
+        want = {n: ("DTensor", placements, True) for n, placements in dp_tp_cases.PLACEMENTS.items()}
+        assert seen == [want] * dp_tp_cases.STEPS
+
+
+def test_zero_of_dtensor_params_refuses_full_state_dicts():
+    def body():
+        _, zero = dp_tp_cases.build((2, 2), "zero1")
+        for call in (zero.full_state_dict, lambda: zero.load_full_state_dict({})):
+            with pytest.raises(ValueError, match=r"ZeroRedundancyOptimizer\(stage=1\)\.(load_)?full_state_dict: "
+                                                 r"parameters \['w1', 'b1', 'w2', 'b2'\] are DTensors, whose full "
+                                                 r"state dict .* is not supported; use sharded_state_dict\(\)"):
+                call()
+
+    local.run(body, 4, timeout=30)
 
 
 @pytest.mark.parametrize("view", [True, False], ids=["bucket-view", "copies"])
@@ -341,7 +366,7 @@ def _tp_params(mesh, placements=None):
     ("plain", r"parameter 'w' differs between rank \d \(a DTensor .*\) and rank \d \(shape \(4, 6\), dtype "
               r"float64\)"),
 ], ids=["partial", "dp-mesh", "placements", "coordinate", "plain"])
-@pytest.mark.parametrize("strategy", ["ddp"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero"])
 def test_dtensor_params_that_cannot_be_data_parallel_over_dp_are_refused_on_every_rank(case, message, strategy):
     def body():
         mesh = meshkit.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
