@@ -259,9 +259,12 @@ class ZeroRedundancyOptimizer(GradientReducer, ShardedStrategy):
                 a, b = max(lo, off), min(hi, off + lay.size_of(i))
                 if a < b:
                     pieces.append(shards[lay.key][a - lo:b - lo])
-        # every rank has every part (its parameters' layouts agree), empty or not: the collectives match
-        return clip_grad_norm_parts([(pieces, [self.group] + ([] if key is None else
-                                                              [key[0].get_group(d) for d in key[1]]))
+        # Every rank has every part (its parameters' layouts agree), empty or not, so the collectives
+        # match; an empty part reduces an empty slice of a shard, so that its buffer is of the
+        # shards' library (a host buffer on one rank and a device one on another would meet two engines).
+        empty = next(iter(shards.values()))[:0]
+        return clip_grad_norm_parts([(pieces or [empty], [self.group] + ([] if key is None else
+                                                                          [key[0].get_group(d) for d in key[1]]))
                                      for key, pieces in parts.items()], max_norm, norm_type=norm_type)
 
     def sharded_state_dict(self) -> dict[str, Any]:

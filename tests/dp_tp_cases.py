@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 import meshkit
-from meshkit.parallel import SGD, DistributedDataParallel, ZeroRedundancyOptimizer, clip_grad_norm_
+from meshkit.parallel import SGD, DistributedDataParallel, ZeroRedundancyOptimizer, clip_grad_norm_, to_host
 from meshkit.tensor import ColwiseParallel, DTensor, Replicate, RowwiseParallel, Shard, distribute_tensor, parallelize
 
 GLOBAL_BATCH = 12  # divisible by every dp degree used (1, 2, 3, 4)
@@ -56,10 +56,20 @@ def reference(steps: int = STEPS) -> dict[str, np.ndarray]:
     return params
 
 
-def build(mesh_shape: tuple[int, int], strategy: str = "ddp", **kw):
+def _xp(device: str):
+    """NumPy for a ``cpu`` mesh, CuPy (tests/fake_cupy.py's, where installed) for a ``cuda`` one."""
+    if device == "cpu":
+        return np
+    import cupy
+
+    return cupy
+
+
+def build(mesh_shape: tuple[int, int], strategy: str = "ddp", device: str = "cpu", **kw):
     """The mesh, the DTensor parameters over its ``tp`` dim and the strategy over ``dp``."""
-    mesh = meshkit.init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp"))
-    params = parallelize(init_params(), mesh["tp"], PLAN)
+    mesh = meshkit.init_device_mesh(device, mesh_shape, mesh_dim_names=("dp", "tp"))
+    xp = _xp(device)
+    params = parallelize({n: xp.asarray(p) for n, p in init_params().items()}, mesh["tp"], PLAN)
     if strategy == "ddp":
         return mesh, DistributedDataParallel(params, mesh=mesh["dp"], bucket_cap_mb=1e-4, first_bucket_cap_mb=5e-5,
                                              **kw)
@@ -73,9 +83,10 @@ def steps(mesh, model, opt, first: int, last: int, *, blocks: bool = False) -> l
     ``blocks``: hand DDP each gradient's block (``to_local()``) instead of the DTensor.
     """
     dp, tp = mesh["dp"], mesh["tp"]
+    xp = _xp(mesh.device_type)
     seen = []
     for step in range(first, last):
-        x, t = (np.array_split(a, dp.size())[dp.get_local_rank()] for a in data(step))
+        x, t = (xp.asarray(np.array_split(a, dp.size())[dp.get_local_rank()]) for a in data(step))
         x, t = distribute_tensor(x, tp, [Replicate()]), distribute_tensor(t, tp, [Replicate()])
         model.zero_grad()
         for name, g in grads_in_backward_order(model.params, x, t):
@@ -92,15 +103,15 @@ def steps(mesh, model, opt, first: int, last: int, *, blocks: bool = False) -> l
     return seen
 
 
-def train(mesh_shape: tuple[int, int], strategy: str = "ddp", *, blocks: bool = False, **kw):
-    """Train ``STEPS`` steps; returns the full final parameters and the gradients' layouts."""
-    mesh, model = build(mesh_shape, strategy, **kw)
+def train(mesh_shape: tuple[int, int], strategy: str = "ddp", *, blocks: bool = False, device: str = "cpu", **kw):
+    """Train ``STEPS`` steps; returns the full final parameters (NumPy) and the gradients' layouts."""
+    mesh, model = build(mesh_shape, strategy, device, **kw)
     opt = SGD(lr=0.2, momentum=0.9) if strategy == "ddp" else None
     params, tp = model.params, mesh["tp"]
     assert {n: (type(p).__name__, p.placements, p.device_mesh == tp) for n, p in params.items()} == \
         {n: ("DTensor", pl, True) for n, pl in PLACEMENTS.items()}
     seen = steps(mesh, model, opt, 0, STEPS, blocks=blocks)
-    return {n: p.full_tensor() for n, p in model.params.items()}, seen
+    return {n: to_host(p.full_tensor()) for n, p in model.params.items()}, seen
 
 
 def resume(mesh_shape: tuple[int, int], strategy: str, ckpt_in, ckpt_out, first: int, last: int) -> dict:

@@ -316,6 +316,24 @@ def test_zero_of_dtensor_params_over_dp_equals_single_process(mesh_shape, stage)
         assert seen == [want] * dp_tp_cases.STEPS
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+def test_data_parallel_dtensor_params_on_device_arrays(cupy, strategy):
+    """CuPy blocks (tests/fake_cupy.py's strict arrays) over the NCCL engine on the double: the
+    strategy's DTensors wrap device arrays, and training equals single-process NumPy."""
+    import fake_cupy
+
+    ref = dp_tp_cases.reference()
+
+    def main():
+        meshkit.init_process_group("nccl", timeout=60)
+        _, model = dp_tp_cases.build((2, 2), strategy, "cuda")
+        assert all(isinstance(p.to_local(), fake_cupy.ndarray) for p in model.params.values())
+        return dp_tp_cases.train((2, 2), strategy, device="cuda")[0]
+
+    for params in local.run(main, 4, init=False, timeout=120):
+        dp_tp_cases.assert_matches_reference(params, ref)
+
+
 def test_zero_of_dtensor_params_refuses_full_state_dicts():
     def body():
         _, zero = dp_tp_cases.build((2, 2), "zero1")
