@@ -14,9 +14,11 @@ The model is ``mlp.py``'s (beside this file: its data, its initial parameters, i
 backward pass are plain NumPy on those DTensors: the ops propagate the placements, so the first
 hidden layer runs on each rank's columns without communication, the second layer's output is
 all-reduced once (the style's ``prepare_output``), and every gradient comes out with its
-parameter's placements. DDP averages each rank's blocks over ``dp`` and the optimizer (``SGD`` or
-``AdamW``) updates the DTensors in place; ``--dp zero1|zero2|fsdp`` shards the blocks' optimizer
-state, gradients and (fsdp) parameters over ``dp`` instead (``dp_shard x tp``).
+parameter's placements. DDP takes the DTensors as they are and averages each rank's blocks over
+``dp`` (its ``params`` and ``grads`` are DTensors laid out alike), and the optimizer (``SGD`` or
+``AdamW``) updates them in place; ``--dp zero1|zero2`` shards the blocks' optimizer state (and
+gradients) over ``dp`` instead, taking the DTensors too, and ``--dp fsdp`` the parameters as well
+(``dp_shard x tp``; FSDP takes this rank's blocks, wrapped back into DTensors here).
 
 ``--device cuda`` puts the parameters' blocks, the data and every activation on one GPU per rank
 (a ``cuda`` mesh: the NCCL engine, which ``auto`` picks where CuPy sees a GPU); each step brings
@@ -96,32 +98,34 @@ class TensorParallelModel:
 
     ``dp`` is how the blocks are data-parallel (collective over the mesh):
 
-    * ``ddp``: DDP averages each rank's blocks (the DTensors' own memory); the optimizer steps
-      the DTensors with DTensor gradients.
-    * ``zero1``/``zero2``: ZeRO shards each block's optimizer state (and, at stage 2, its
-      gradient) over ``dp``; the DTensors are views of ZeRO's parameter buffers.
-    * ``fsdp``: ZeRO-3 over ``dp`` of the TP blocks (``dp_shard x tp``): one unit per layer,
-      every unit gathered for the step and wrapped as DTensors, gradients reduce-scattered.
+    * ``ddp``: DDP takes the DTensors and averages each rank's blocks over ``dp``; the optimizer
+      steps ``ddp.params`` with ``ddp.grads``, DTensors laid out as the plan says.
+    * ``zero1``/``zero2``: ZeRO takes the DTensors and shards each block's optimizer state (and,
+      at stage 2, its gradient) over ``dp``; ``zero.params`` are DTensors over its buffers.
+    * ``fsdp``: ZeRO-3 over ``dp`` of the TP blocks (``dp_shard x tp``): FSDP takes this rank's
+      blocks (``to_local()``); one unit per layer, every unit gathered for the step and wrapped
+      as DTensors, gradients' blocks reduce-scattered.
     """
 
     def __init__(self, dp_strategy: str, full: dict[str, np.ndarray], mesh: meshkit.DeviceMesh,
                  optimizer: Optimizer) -> None:
         self.kind, self.tp = dp_strategy, mesh["tp"]
         self.layout = parallelize(full, self.tp, PLAN)
-        blocks = {name: p.to_local() for name, p in self.layout.items()}
         self.units = [[f"w{i}", f"b{i}"] for i in range(mlp.layer_count(full))]
         self.optimizer = optimizer
         if dp_strategy == "ddp":
-            self.inner: Any = DistributedDataParallel(blocks, mesh=mesh["dp"])
+            self.inner: Any = DistributedDataParallel(self.layout, mesh=mesh["dp"])
+            self.layout = self.inner.params  # DTensors over DDP's blocks
         elif dp_strategy in ("zero1", "zero2"):
-            self.inner = ZeroRedundancyOptimizer(blocks, optimizer, mesh=mesh["dp"], stage=int(dp_strategy[-1]))
-            self.layout = self._wrap(self.inner.params)
+            self.inner = ZeroRedundancyOptimizer(self.layout, optimizer, mesh=mesh["dp"], stage=int(dp_strategy[-1]))
+            self.layout = self.inner.params  # DTensors over views of ZeRO's parameter buffers
         else:
+            blocks = {name: p.to_local() for name, p in self.layout.items()}
             self.inner = FullyShardedDataParallel(blocks, mesh=mesh["dp"], optimizer=optimizer, units=self.units)
         self._pending: dict[str, Any] = {}
 
     def _wrap(self, blocks: Any) -> dict[str, DTensor]:
-        """``{name: DTensor}`` over ``blocks`` (this rank's arrays), laid out as the plan says."""
+        """``{name: DTensor}`` over ``blocks`` (this rank's arrays from FSDP), laid out as the plan says."""
         return {name: DTensor.from_local(blocks[name], self.tp, p.placements, shape=p.shape)
                 for name, p in self.layout.items()}
 
@@ -146,7 +150,7 @@ class TensorParallelModel:
             raise RuntimeError(f"train_tp: gradient {name!r} came out {grad.placements!r}, its parameter is "
                                f"{self.layout[name].placements!r}")
         if self.kind != "fsdp":
-            self.inner.mark_grad_ready(name, grad.to_local())
+            self.inner.mark_grad_ready(name, grad)  # DDP and ZeRO take the DTensor
             return
         self._pending[name] = grad.to_local()
         unit = int(name[1:])
@@ -156,7 +160,7 @@ class TensorParallelModel:
     def step(self) -> None:
         if self.kind == "ddp":
             self.inner.finish_gradient_sync()
-            self.optimizer.step(self.layout, self._wrap(self.inner.grads))
+            self.optimizer.step(self.inner.params, self.inner.grads)  # DTensors, laid out alike
         elif self.kind == "fsdp":
             self.inner.step()
         else:

@@ -20,7 +20,7 @@ from ..tensor import DTensor
 from .arrays import array_namespace, check_same_library, is_array, to_host
 from .checks import real, where
 
-__all__ = ["clip_grad_norm_"]
+__all__ = ["clip_grad_norm_", "clip_grad_norm_parts"]
 
 #: Elements per float64 chunk when clip_grad_norm_ accumulates a norm: bounds the float64 copy of
 #: a float32/float16 gradient to 32 MB while keeping kernel launches few on GPU.
@@ -98,10 +98,7 @@ def clip_grad_norm_(grads: Mapping[str, Any] | Sequence[Any] | Any, max_norm: fl
         # both ranks: norm == 5.0; rank 0's shard becomes [0.6], rank 1's [0.8]
     """
     del foreach
-    max_norm = real("clip_grad_norm_", "max_norm", max_norm)
-    if not max_norm >= 0:
-        raise DistValueError(f"{where('clip_grad_norm_')}: max_norm={max_norm!r} must be >= 0")
-    p = _norm_order(norm_type)
+    max_norm, p = _norm_args(max_norm, norm_type)
     if is_array(grads):
         items: list[tuple[str, Any]] = [("grads", grads)]
     elif isinstance(grads, Mapping):
@@ -137,10 +134,39 @@ def clip_grad_norm_(grads: Mapping[str, Any] | Sequence[Any] | Any, max_norm: fl
             first = label
         arrays.append(g)
 
-    partial = _reduced(arrays, p, [group] if group is not None else [])
-    for (mesh, sharded), blocks in dtensors.items():
-        part = _reduced(blocks, p, [mesh.get_group(i) for i in sharded])
-        partial = math.nan if part != part else max(partial, part) if p == math.inf else partial + part
+    parts = [(arrays, [group] if group is not None else [])]
+    parts += [(blocks, [mesh.get_group(i) for i in sharded]) for (mesh, sharded), blocks in dtensors.items()]
+    return _clip(parts, max_norm, p, norm_type, error_if_nonfinite)
+
+
+def clip_grad_norm_parts(parts: Sequence[tuple[list[Any], list[ProcessGroup]]], max_norm: float, *,
+                         norm_type: float | str = 2.0, error_if_nonfinite: bool = False) -> float:
+    """:func:`clip_grad_norm_` of gradients given as ``(arrays, groups)`` parts, for strategies
+    whose gradients are cut several ways (ZeRO's flat shards of tensor-parallel blocks).
+
+    The partial norm of each part's ``arrays`` (disjoint pieces of the gradients) is all-reduced
+    over each of its ``groups`` in turn; the parts' totals are combined and every array is scaled
+    by the one coefficient. Collective: every rank of every group passes the same parts, in the
+    same order, whether or not it holds arrays of them.
+    """
+    max_norm, p = _norm_args(max_norm, norm_type)
+    return _clip(parts, max_norm, p, norm_type, error_if_nonfinite)
+
+
+def _norm_args(max_norm: Any, norm_type: Any) -> tuple[float, float]:
+    max_norm = real("clip_grad_norm_", "max_norm", max_norm)
+    if not max_norm >= 0:
+        raise DistValueError(f"{where('clip_grad_norm_')}: max_norm={max_norm!r} must be >= 0")
+    return max_norm, _norm_order(norm_type)
+
+
+def _clip(parts: Sequence[tuple[list[Any], list[ProcessGroup]]], max_norm: float, p: float, norm_type: Any,
+          error_if_nonfinite: bool) -> float:
+    partial = 0.0
+    for i, (arrays, groups) in enumerate(parts):
+        part = _reduced(arrays, p, groups)
+        partial = part if i == 0 else math.nan if part != part else max(partial, part) if p == math.inf else \
+            partial + part
     if p == math.inf:
         total = partial
     elif p == 2.0:
@@ -153,8 +179,9 @@ def clip_grad_norm_(grads: Mapping[str, Any] | Sequence[Any] | Any, max_norm: fl
                            f"scale them by the non-finite norm anyway")
     clip_coef = max_norm / (total + 1e-6)
     if not clip_coef >= 1.0:  # includes nan, which torch's clamp(max=1) keeps
-        for g in arrays + [b for blocks in dtensors.values() for b in blocks]:
-            g *= clip_coef
+        for arrays, _ in parts:
+            for g in arrays:
+                g *= clip_coef
     return total
 
 

@@ -27,8 +27,10 @@ import numpy as np
 
 from ..comm import DistValueError, ProcessGroup, Work, broadcast_object_list
 from ..mesh import DeviceMesh
+from ..tensor import DTensor
 from .arrays import array_namespace
 from .buckets import MB, BucketManager, CommHook, GradBucket
+from .dtensors import block_of, split, wrap_all
 from .hooks import allreduce_hook
 from .optim import Optimizer
 from .reducer import GradientReducer
@@ -44,7 +46,10 @@ class DistributedDataParallel(GradientReducer):
     """Average gradients over a data-parallel group in buckets, overlapping the backward pass.
 
     Args:
-        params: ordered ``dict[str, array]``; updated in place by your optimizer.
+        params: ordered ``dict[str, array]``; updated in place by your optimizer. Values may be
+            DTensors laid out over another mesh dimension than ``mesh`` (tensor parallelism:
+            ``mesh["tp"]`` beside ``mesh["dp"]``), none ``Partial``: each rank's block is averaged
+            over the group (see :mod:`~meshkit.parallel.dtensors`).
         mesh: a 1-D mesh (e.g. ``mesh["dp"]``) to average over; or pass ``group``.
         group: a process group; default (neither given): the world.
         bucket_cap_mb: cap of every bucket but the first of each dtype (torch's default, 25 MB).
@@ -64,10 +69,22 @@ class DistributedDataParallel(GradientReducer):
     not change what is averaged. See :mod:`~meshkit.parallel.reducer` for what reading
     ``ddp.grads`` during a pass does.
 
+    With DTensor parameters, ``ddp.params[name]`` is a DTensor (the same mesh and placements)
+    over the same block, ``ddp.grads[name]`` a DTensor laid out alike over the averaged block
+    gradient, and ``mark_grad_ready(name, grad)`` takes a DTensor laid out as the parameter (or
+    this rank's block), so that ``SGD``/``AdamW.step(ddp.params, ddp.grads)`` and
+    ``clip_grad_norm_(ddp.grads, ...)`` work on them as on any DTensors. Example (4 ranks, mesh
+    ``[[0, 1], [2, 3]]`` named ``("dp", "tp")``)::
+
+        params = parallelize(full, mesh["tp"], {"w0": ColwiseParallel(), "w1": RowwiseParallel()})
+        ddp = DistributedDataParallel(params, mesh=mesh["dp"])
+        # rank 0 averages its block w0[:, :n/2] with rank 2's; rank 1 w0[:, n/2:] with rank 3's
+
     Raises:
-        DistValueError: on every rank, when parameters (names, shapes, dtypes, order) or
-            settings differ across ranks (naming the parameter and the ranks), or any rank
-            passes a bad argument.
+        DistValueError: on every rank, when parameters (names, shapes, dtypes, order; a
+            DTensor's placements, global shape and mesh coordinate) or settings differ across
+            ranks (naming the parameter and the ranks), or any rank passes a bad argument (a
+            ``Partial`` DTensor, one whose mesh holds other ranks of the group).
     """
 
     _strategy = "DistributedDataParallel"
@@ -85,15 +102,18 @@ class DistributedDataParallel(GradientReducer):
         check_setup(params, self.group, self._strategy, problem=problem, config={
             "bucket_cap_mb": bucket_cap_mb, "first_bucket_cap_mb": first_bucket_cap_mb,
             "broadcast_from": broadcast_from, "find_unused_parameters": find_unused_parameters,
-            "gradient_as_bucket_view": gradient_as_bucket_view, "comm_hook": getattr(hook, "__qualname__", None)})
-        arrays = dict(params)  # our own dict: later changes to the caller's do not reach the buckets
+            "gradient_as_bucket_view": gradient_as_bucket_view, "comm_hook": getattr(hook, "__qualname__", None)},
+            dtensors=True)
+        # our own dict of this rank's blocks: later changes to the caller's do not reach the buckets
+        arrays, self._block_layouts = split(params)
         self._specs = snapshot(arrays)
         broadcast_params(arrays, self.group, broadcast_from)
-        self.params = Params(arrays, self._strategy)
+        self._blocks = arrays
+        self.params = Params(wrap_all(arrays, self._block_layouts), self._strategy)
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = self._restore_views = gradient_as_bucket_view
         comm = CommHook(self.group, hook, self.group if comm_state is None else comm_state)
-        self._buckets = BucketManager(self.params, list(reversed(self.params)),
+        self._buckets = BucketManager(arrays, list(reversed(arrays)),
                                       bucket_cap_bytes=int(bucket_cap_mb * MB),
                                       first_bucket_cap_bytes=int(first_bucket_cap_mb * MB), comm=comm)
         self._init_reducer({})
@@ -144,22 +164,43 @@ class DistributedDataParallel(GradientReducer):
         Returns:
             ``{"model": {name: array}, "optim": {"state": {name: {key: array}}, "step": {name: int}}}``
             with the keys of the sharded strategies (:mod:`~meshkit.parallel.sharded_state`); the
-            optimizer's state is materialized (zeros at step 0) if it has not stepped yet.
+            optimizer's state is materialized (zeros at step 0) if it has not stepped yet. A
+            DTensor parameter's entries are DTensors laid out as it (over its block and the
+            block's state), which a checkpoint saves and loads as any DTensor.
         """
-        optim = optimizer_state_views(optimizer, dict(self.params)) if optimizer is not None else {"state": {},
-                                                                                                    "step": {}}
+        if optimizer is None:
+            return {"model": dict(self.params), "optim": {"state": {}, "step": {}}}
+        optim = optimizer_state_views(optimizer, self._blocks)
+        for name, layout in self._block_layouts.items():
+            optim["state"][name] = {key: layout.wrap(arr) for key, arr in optim["state"][name].items()}
         return {"model": dict(self.params), "optim": optim}
+
+    def _own_blocks(self, what: str, state: Any) -> Any:
+        """A state dict's entries with DTensors laid out as their parameters replaced by their blocks."""
+        if not isinstance(state, dict) or not self._block_layouts:
+            return state
+        head = self._where("load_sharded_state_dict")
+        out = {}
+        for name, value in state.items():
+            if isinstance(value, dict):
+                value = {k: block_of(head, f"{what}[{name!r}][{k!r}]", name, v, self._block_layouts.get(name))
+                         if isinstance(v, DTensor) else v for k, v in value.items()}
+            elif isinstance(value, DTensor):
+                value = block_of(head, f"{what}[{name!r}]", name, value, self._block_layouts.get(name))
+            out[name] = value
+        return out
 
     def load_sharded_state_dict(self, model_state_dict: dict[str, Any], optim_state_dict: dict[str, Any] | None = None,
                                 optimizer: Optimizer | None = None) -> None:
         """Take in a state dict of :meth:`sharded_state_dict`'s form (views already written in place
         are not copied again) and ``optimizer``'s step counts."""
         where_ = f"{self._strategy}.load_sharded_state_dict"
-        mine = self.sharded_state_dict(optimizer)
-        load_pieces(where_, "model", mine["model"], model_state_dict)
+        load_pieces(where_, "model", self._blocks, self._own_blocks("model", model_state_dict))
         if optimizer is not None:
             optim_state_dict = optim_state_dict or {}
-            load_pieces(where_, "optim.state", mine["optim"]["state"], optim_state_dict.get("state"))
+            mine = optimizer_state_views(optimizer, self._blocks)
+            load_pieces(where_, "optim.state", mine["state"], self._own_blocks("optim.state",
+                                                                              optim_state_dict.get("state")))
             steps = optim_state_dict.get("step")
             if not isinstance(steps, dict) or set(steps) != set(self.params):
                 raise DistValueError(f"meshkit.parallel: rank {self.group.rank}: {where_}: optim step must map every "
@@ -170,9 +211,10 @@ class DistributedDataParallel(GradientReducer):
         """Bytes this rank holds: ``params``, ``grads``, ``optimizer_state`` (of ``optimizer``,
         if given), ``comm_buffers`` (extra buffers for communication: none, the buckets are the
         gradients when ``gradient_as_bucket_view``) and ``peak_transient``."""
-        params = sum(int(p.nbytes) for p in self.params.values())
+        params = sum(int(p.nbytes) for p in self._blocks.values())
         grads = self._buckets.nbytes
         comm = 0 if self.gradient_as_bucket_view else sum(int(g.nbytes) for g in self._arrays.values())
         state = optimizer.state_nbytes() if optimizer is not None else 0
         return {"params": params, "grads": grads, "optimizer_state": state, "comm_buffers": comm,
                 "peak_transient": 0}
+

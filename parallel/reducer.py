@@ -38,11 +38,13 @@ from typing import Any, Iterator
 import numpy as np
 
 from ..comm import DistValueError, ProcessGroup, ReduceOp, all_gather_object
+from ..tensor import DTensor
 from .arrays import array_namespace, check_same_library, to_host
 from .buckets import BucketManager
 from .checks import on_ranks, where
+from .dtensors import BlockLayout, block_of
 
-__all__ = ["GradientReducer", "Gradients"]
+__all__ = ["GradientReducer", "Gradients", "DTensorGradients"]
 
 
 class Gradients(Mapping):
@@ -85,17 +87,47 @@ class Gradients(Mapping):
         return f"<{self._reducer._strategy} gradients {list(self._reducer._specs)}>"
 
 
+class DTensorGradients(Gradients):
+    """``grads`` of a reducer with DTensor parameters: the gradient of a DTensor parameter is a
+    DTensor laid out as it, wrapping the reducer's own array (made at each access: the arrays
+    behind it change, bucket views being rebuilt or, at ZeRO-2, taken from a pool)."""
+
+    __slots__ = ("_block_layouts",)
+
+    def __init__(self, reducer: GradientReducer, arrays: dict[str, Any]) -> None:
+        super().__init__(reducer, arrays)
+        self._block_layouts = reducer._block_layouts
+
+    def __getitem__(self, name: str) -> Any:
+        grad = super().__getitem__(name)
+        layout = self._block_layouts.get(name)
+        return grad if layout is None else layout.wrap(grad)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        if isinstance(value, DTensor):
+            value = block_of(self._reducer._where("grads"), f"gradient {name!r}", name, value,
+                               self._block_layouts.get(name))
+        super().__setitem__(name, value)
+
+
 class GradientReducer:
     """Base of strategies whose gradients are reduced bucket by bucket during the backward pass.
 
-    Subclasses set ``group``, ``params``, ``_specs`` (name -> (shape, dtype), see
-    :func:`~meshkit.parallel.setup.snapshot`), ``_buckets`` (a :class:`BucketManager`) and
+    Subclasses set ``group``, ``params``, ``_specs`` (name -> (shape, dtype) of this rank's
+    arrays, see :func:`~meshkit.parallel.setup.snapshot`), ``_block_layouts`` (name ->
+    :class:`~meshkit.parallel.dtensors.BlockLayout` of each DTensor parameter, whose ``params``
+    entry is a DTensor over the strategy's block), ``_buckets`` (a :class:`BucketManager`) and
     ``find_unused_parameters``, then call :meth:`_init_reducer` with the gradient arrays.
+
+    With DTensor parameters, ``grads`` gives DTensors laid out as their parameters
+    (:class:`DTensorGradients`), and ``mark_grad_ready`` takes a DTensor gradient laid out as its
+    parameter, or this rank's block: buckets only ever see blocks.
     """
 
     group: ProcessGroup
     params: dict[str, Any]
     _specs: dict[str, tuple[tuple[int, ...], Any]]
+    _block_layouts: dict[str, BlockLayout]
     _buckets: BucketManager
     find_unused_parameters: bool
     _strategy = "GradientReducer"
@@ -111,10 +143,11 @@ class GradientReducer:
         self._failed: str | None = None  # why the last synchronized pass failed, until zero_grad() or the next
         self._arrays = arrays
         self._location = self._buckets.location
-        self._param = next(iter(self.params.values()))  # what every gradient's array library must be
+        first = next(iter(self.params.values()))
+        self._param = first.to_local() if isinstance(first, DTensor) else first  # every gradient's array library
         xp = array_namespace(self._param)
         self._flags = xp.zeros(self.group.size, dtype=np.int32)  # the per-sync agreement: which ranks failed
-        self.grads = Gradients(self, arrays)
+        self.grads = (DTensorGradients if self._block_layouts else Gradients)(self, arrays)
         self.iteration = 0
 
     # ------------------------------------------------------------------ subclass hooks
@@ -167,6 +200,9 @@ class GradientReducer:
                                  "in this backward pass")
         current = self._arrays[name]
         if grad is not None:
+            if isinstance(grad, DTensor):  # unwrapped here, so that buckets only ever see blocks
+                grad = block_of(self._where("mark_grad_ready"), f"gradient {name!r}", name, grad,
+                                  self._block_layouts.get(name))
             self._check_grad(name, grad)
             current += grad
         if current is not bucket.views.get(name):
@@ -191,10 +227,11 @@ class GradientReducer:
                            ref_plural=True)
         shape, dtype = self._specs[name]
         if getattr(grad, "shape", None) != shape or getattr(grad, "dtype", None) != dtype:
+            whose = "this rank's block of the DTensor parameter: shape" if name in self._block_layouts else \
+                "the parameter's shape"
             raise DistValueError(
                 f"{self._where('mark_grad_ready')}: gradient {name!r} has shape {getattr(grad, 'shape', None)} "
-                f"and dtype {getattr(grad, 'dtype', None)}; expected the parameter's shape {shape} and dtype "
-                f"{dtype}")
+                f"and dtype {getattr(grad, 'dtype', None)}; expected {whose} {shape} and dtype {dtype}")
 
     def finish_gradient_sync(self) -> None:
         """Wait for every bucket's reduction. Inside ``no_sync()`` it only ends the backward pass.

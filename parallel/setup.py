@@ -17,6 +17,7 @@ from ..mesh import DeviceMesh
 from ..tensor import DTensor
 from .arrays import array_namespace, is_array, type_name
 from .checks import on_ranks, where
+from .dtensors import describe_spec, layout_problem, layout_spec
 from .flat import make_layouts
 
 __all__ = ["resolve_data_parallel_group", "check_setup", "caps_problem", "snapshot", "Params", "broadcast_params"]
@@ -47,10 +48,23 @@ def caps_problem(bucket_cap_mb: Any, first_bucket_cap_mb: Any) -> str | None:
             f"first_bucket_cap_mb={first_bucket_cap_mb!r}")
 
 
-def _params_problem(params: Any) -> str | None:
+def _params_problem(params: Any, group: ProcessGroup, who: str, dtensors: bool) -> str | None:
     if not isinstance(params, Mapping) or not params:
         return f"params must be a non-empty dict[str, array], got {type(params).__name__}"
-    return _mixed_problem(params) or _array_problem(params)
+    for name, p in params.items():
+        if isinstance(p, DTensor):
+            problem = layout_problem(name, p, group) if dtensors else _refusal(name, who)
+            if problem:
+                return problem
+    blocks = {name: p.to_local() if isinstance(p, DTensor) else p for name, p in params.items()}
+    return _mixed_problem(blocks) or _array_problem(blocks)
+
+
+def _refusal(name: str, who: str) -> str:
+    return (f"params[{name!r}] is a DTensor; {who} takes this rank's blocks, not DTensors: pass "
+            "{name: p.to_local()} (the same memory) and wrap the arrays it hands back with "
+            "DTensor.from_local(block, p.device_mesh, p.placements, shape=p.shape), as examples/train_tp.py does "
+            "(DistributedDataParallel and ZeroRedundancyOptimizer take DTensor parameters)")
 
 
 #: Problems of this form are type errors (raised as DistTypeError on every rank).
@@ -73,9 +87,6 @@ def _mixed_problem(params: Mapping[str, Any]) -> str | None:
 
 def _array_problem(params: Mapping[str, Any]) -> str | None:
     for name, p in params.items():
-        if isinstance(p, DTensor):
-            return (f"params[{name!r}] is a DTensor; pass this rank's block (p.to_local(), the same memory): the "
-                    "strategy averages or shards each rank's blocks over its group")
         if not isinstance(name, str) or not is_array(p):
             return f"params[{name!r}] must be an array keyed by a str name, got {type(p).__name__}"
         if p.dtype.kind not in "fc":
@@ -86,7 +97,7 @@ def _array_problem(params: Mapping[str, Any]) -> str | None:
 
 
 def check_setup(params: Any, group: ProcessGroup, who: str, *, problem: str | None = None,
-                config: dict[str, Any] | None = None) -> None:
+                config: dict[str, Any] | None = None, dtensors: bool = False) -> None:
     """Check ``params`` and the other arguments of a strategy on every rank of ``group`` (collective).
 
     Args:
@@ -94,13 +105,17 @@ def check_setup(params: Any, group: ProcessGroup, who: str, *, problem: str | No
             dtypes and order are the same on every rank.
         problem: what is wrong with this rank's other arguments, or None.
         config: settings that must be equal on every rank (bucket caps, stage, units...).
+        dtensors: whether ``params`` may hold DTensors (see :mod:`.dtensors`): none ``Partial``,
+            each on a mesh that holds no other rank of ``group``, and with the same placements,
+            global shape and mesh coordinate on every rank of ``group`` (their blocks are then
+            checked as the arrays are). False: a DTensor is refused, naming ``who``.
 
     Raises:
         DistValueError: on every rank, naming the ranks and what differs, when any rank has a
             problem or ranks differ.
     """
-    problem = problem or _params_problem(params)
-    specs = None if problem else [(n, tuple(p.shape), str(p.dtype)) for n, p in params.items()]
+    problem = problem or _params_problem(params, group, who, dtensors)
+    specs = None if problem else [(n, *_spec(p)) for n, p in params.items()]
     everyone: list[Any] = [None] * group.size
     all_gather_object(everyone, (problem, specs, config), group=group)
     head = where(who, group)
@@ -111,13 +126,21 @@ def check_setup(params: Any, group: ProcessGroup, who: str, *, problem: str | No
     ref_specs, ref_config = everyone[0][1], everyone[0][2]
     for i, (_, theirs, their_config) in enumerate(everyone[1:], start=1):
         if theirs != ref_specs:
+            what = "shapes, dtypes and DTensor layouts" if any(s[3] for s in ref_specs + theirs) else \
+                "shapes and dtypes"
             raise DistValueError(f"{head}: {_spec_difference(ref_specs, theirs, group.ranks[0], group.ranks[i])}; "
-                                 "every rank must pass the same names, shapes and dtypes in the same order")
+                                 f"every rank must pass the same names, {what} in the same order")
         if their_config != ref_config:
             keys = [k for k in ref_config if ref_config[k] != their_config.get(k)]
             raise DistValueError(f"{head}: settings differ between rank {group.ranks[0]} "
                                  f"({ {k: ref_config[k] for k in keys} }) and rank {group.ranks[i]} "
                                  f"({ {k: their_config.get(k) for k in keys} }); every rank must pass the same")
+
+
+def _spec(p: Any) -> tuple[Any, ...]:
+    """``(shape, dtype, layout)`` of a parameter: its block's shape and, for a DTensor, its layout."""
+    block = p.to_local() if isinstance(p, DTensor) else p
+    return tuple(block.shape), str(block.dtype), layout_spec(p)
 
 
 def _spec_difference(ours: list, theirs: list, me: int, other: int) -> str:
@@ -133,7 +156,11 @@ def _spec_difference(ours: list, theirs: list, me: int, other: int) -> str:
 
 
 def _describe(spec: Any) -> str:
-    return "missing" if spec is None else f"shape {spec[0]}, dtype {spec[1]}"
+    if spec is None:
+        return "missing"
+    if spec[2] is None:
+        return f"shape {spec[0]}, dtype {spec[1]}"
+    return f"{describe_spec(spec[2])}, block shape {spec[0]}, dtype {spec[1]}"
 
 
 def snapshot(params: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], Any]]:

@@ -36,6 +36,8 @@ from ..comm import DistValueError, ProcessGroup, ReduceOp, Work
 from ..mesh import DeviceMesh
 from .arrays import array_namespace
 from .buckets import MB, BucketManager, CommHook, GradBucket
+from .clip import clip_grad_norm_parts
+from .dtensors import split, wrap_all
 from .flat import FlatLayout, make_layouts
 from .hooks import allreduce_hook
 from .optim import Optimizer
@@ -96,7 +98,11 @@ class ZeroRedundancyOptimizer(GradientReducer, ShardedStrategy):
 
     Args:
         params: ordered ``dict[str, array]``; copied into flat buffers: train with
-            ``zero.params`` (views into them, updated in place by ``step()``).
+            ``zero.params`` (views into them, updated in place by ``step()``). Values may be
+            DTensors laid out over another mesh dimension (tensor parallelism), as DDP's: each
+            rank's block is sharded over the group, ``zero.params`` and ``zero.grads`` are
+            DTensors over ZeRO's own arrays, ``clip_grad_norm_`` adds norms over the
+            parameters' meshes too; ``full_state_dict`` is refused (use ``sharded_state_dict``).
         optimizer: an :class:`~meshkit.parallel.optim.Optimizer` (``SGD``, ``AdamW``); it sees
             one flat shard per dtype, named by the dtype.
         mesh: a 1-D mesh to shard over, or pass ``group``; default the world.
@@ -124,30 +130,32 @@ class ZeroRedundancyOptimizer(GradientReducer, ShardedStrategy):
             problem = f"optimizer must be a meshkit Optimizer (SGD, AdamW), got {type(optimizer).__name__}"
         check_setup(params, self.group, "ZeroRedundancyOptimizer", problem=problem, config={
             "stage": stage, "bucket_cap_mb": bucket_cap_mb, "first_bucket_cap_mb": first_bucket_cap_mb,
-            "find_unused_parameters": find_unused_parameters, "optimizer": repr(optimizer)})
+            "find_unused_parameters": find_unused_parameters, "optimizer": repr(optimizer)}, dtensors=True)
         self.stage, self.optimizer = stage, optimizer
         self.find_unused_parameters = find_unused_parameters
-        self._specs = snapshot(params)
-        order = list(reversed(params))  # the order buckets fill in: each bucket is a flat range
-        self.layouts: dict[str, FlatLayout] = {lay.key: lay for lay in make_layouts(params, order, self.group.size)}
-        self._flat = {key: lay.pack(params, params[lay.names[0]]) for key, lay in self.layouts.items()}
+        blocks, self._block_layouts = split(params)  # this rank's blocks of DTensor parameters
+        self._specs = snapshot(blocks)
+        order = list(reversed(blocks))  # the order buckets fill in: each bucket is a flat range
+        self.layouts: dict[str, FlatLayout] = {lay.key: lay for lay in make_layouts(blocks, order, self.group.size)}
+        self._flat = {key: lay.pack(blocks, blocks[lay.names[0]]) for key, lay in self.layouts.items()}
         for flat in self._flat.values():
             self.group.broadcast(flat, 0)
         views = {name: v for key, lay in self.layouts.items() for name, v in lay.views(self._flat[key]).items()}
-        self.params = Params({name: views[name] for name in params}, self._strategy)
+        self._blocks = {name: views[name] for name in blocks}
+        self.params = Params(wrap_all(self._blocks, self._block_layouts), self._strategy)
         caps = {"bucket_cap_bytes": int(bucket_cap_mb * MB), "first_bucket_cap_bytes": int(first_bucket_cap_mb * MB)}
         xp = array_namespace(next(iter(self._flat.values())))
         if stage == 1:
             self._flat_grads = {key: xp.zeros_like(f) for key, f in self._flat.items()}
             flat_grads = {self.layouts[key].dtype: g for key, g in self._flat_grads.items()}
-            self._buckets = BucketManager(self.params, order, comm=CommHook(self.group, allreduce_hook, self.group),
+            self._buckets = BucketManager(self._blocks, order, comm=CommHook(self.group, allreduce_hook, self.group),
                                           flat=flat_grads, **caps)
             self._init_reducer(self._buckets.views())
         else:
             self._grad_shards = {key: xp.zeros(lay.shard_size, dtype=lay.dtype) for key, lay in self.layouts.items()}
             self._pool = BufferPool(xp, _BUFFERED_BUCKETS)
             owners = OwnerShards(self.group, self.layouts, self._grad_shards)
-            self._buckets = BucketManager(self.params, order, comm=CommHook(self.group, reduce_to_owners, owners),
+            self._buckets = BucketManager(self._blocks, order, comm=CommHook(self.group, reduce_to_owners, owners),
                                           pool=self._pool, **caps)
             self._restore_views = False  # bucket buffers come and go: views are never kept
             self._init_reducer(_Stage2Views(self._buckets.location))
@@ -228,6 +236,63 @@ class ZeroRedundancyOptimizer(GradientReducer, ShardedStrategy):
             raise DistValueError(f"{self._where(op)}: gradients {sorted(self._touched)} were accumulated under "
                                  "no_sync() but never synchronized; run the last micro-batch outside no_sync() and "
                                  "finish_gradient_sync()")
+
+    # ------------------------------------------------------------------ DTensor parameters
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Clip the gradients by their global norm (the single-process value), before ``step()``.
+
+        With DTensor parameters the flat shards hold pieces of tensor-parallel blocks: each
+        piece's partial sum is added over the group and over the mesh dims its parameter is
+        ``Shard`` on (a ``Replicate`` dim counts its copy once), as :func:`clip_grad_norm_` does
+        for DTensors. Collective over the group and the parameters' meshes.
+        """
+        if not self._block_layouts:
+            return super().clip_grad_norm_(max_norm, norm_type)
+        self._settle("clip_grad_norm_")
+        shards, me = self._local_grad_shards(), self.group.rank
+        parts: dict[Any, list[Any]] = {}  # (mesh, sharded dims) or None (plain) -> pieces in this rank's shards
+        for lay in self.layouts.values():
+            lo, hi = lay.shard_range(me)
+            for i, (name, off) in enumerate(zip(lay.names, lay.offsets)):
+                block = self._block_layouts.get(name)
+                pieces = parts.setdefault(None if block is None else (block.mesh, block.sharded_dims), [])
+                a, b = max(lo, off), min(hi, off + lay.size_of(i))
+                if a < b:
+                    pieces.append(shards[lay.key][a - lo:b - lo])
+        # Every rank has every part (its parameters' layouts agree), empty or not, so the collectives
+        # match; an empty part reduces an empty slice of a shard, so that its buffer is of the
+        # shards' library (a host buffer on one rank and a device one on another would meet two engines).
+        empty = next(iter(shards.values()))[:0]
+        return clip_grad_norm_parts([(pieces or [empty], [self.group] + ([] if key is None else
+                                                                          [key[0].get_group(d) for d in key[1]]))
+                                     for key, pieces in parts.items()], max_norm, norm_type=norm_type)
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """As :meth:`ShardedStrategy.sharded_state_dict`; a DTensor parameter's boxes (and its
+        optimizer state's) are boxes of its global array: its flat shard's pieces of this rank's
+        block, placed at the block's offset."""
+        sd = super().sharded_state_dict()
+        for name, block in self._block_layouts.items():
+            sd["model"][name] = block.place(sd["model"][name])
+            sd["optim"]["state"][name] = {k: block.place(v) for k, v in sd["optim"]["state"][name].items()}
+        return sd
+
+    def _refuse_full(self, op: str) -> None:
+        if self._block_layouts:
+            raise DistValueError(f"{self._where(op)}: parameters {list(self._block_layouts)} are DTensors, whose full "
+                                 "state dict (per-rank blocks gathered over the group) is not supported; use "
+                                 "sharded_state_dict() / meshkit.checkpoint.get_state_dict(), whose boxes are of the "
+                                 "global arrays")
+
+    def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, Any] | None:
+        """As :meth:`ShardedStrategy.full_state_dict`; DistValueError with DTensor parameters."""
+        self._refuse_full("full_state_dict")
+        return super().full_state_dict(rank0_only=rank0_only)
+
+    def load_full_state_dict(self, state_dict: dict[str, Any], *, strict: bool = True) -> None:
+        """As :meth:`ShardedStrategy.load_full_state_dict`; DistValueError with DTensor parameters."""
+        self._refuse_full("load_full_state_dict")
+        super().load_full_state_dict(state_dict, strict=strict)
 
     def _loaded(self) -> None:
         for key, flat in self._flat.items():

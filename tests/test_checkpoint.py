@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import ddp_cases
+import dp_tp_cases
 import meshkit
 import sharded_cases as cases
 from meshkit import checkpoint as dcp
@@ -156,6 +157,20 @@ def test_tensor_parallel_params_and_their_optimizer_state_roundtrip(tmp_path):
     loaded = local.run(lambda: body(False), 2)[0]
     assert np.array_equal(saved[0], loaded[0]) and loaded[1] == 1 and np.array_equal(saved[2], loaded[2])
     assert np.abs(loaded[2]).sum() > 0
+
+
+@pytest.mark.parametrize("strategies", [("ddp", "ddp", "ddp"), ("zero2", "ddp", "zero1")], ids=str)
+def test_data_parallel_dtensor_params_resume_on_other_meshes_as_if_uninterrupted(strategies, tmp_path):
+    """Saved over dp of a 2x2 dp x tp mesh (get_state_dict's DTensor views, or ZeRO's boxes of the
+    global arrays), resumed on 4x1 (whole blocks) and then 1x4 (uneven: 5 columns over 4)."""
+    ref = dp_tp_cases.reference()
+    chain = [((2, 2), None, 0, 2), ((4, 1), 0, 2, 3), ((1, 4), 1, 3, dp_tp_cases.STEPS)]
+    for i, ((shape, src, first, last), strategy) in enumerate(zip(chain, strategies)):
+        ckpt_in = None if src is None else tmp_path / f"ck{src}"
+        results = local.run(dp_tp_cases.resume, 4, shape, strategy, ckpt_in, tmp_path / f"ck{i}", first, last,
+                            timeout=30)
+    for params in results:
+        dp_tp_cases.assert_matches_reference(params, ref)
 
 
 # --------------------------------------------------------------------------- the format

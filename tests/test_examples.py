@@ -17,6 +17,7 @@ import meshkit
 from meshkit.comm import local
 from meshkit.comm.cuda_runtime import gpu_available
 from meshkit.parallel import fp16_compress_hook
+from meshkit.tensor import Replicate, Shard
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
@@ -287,6 +288,24 @@ def test_train_tp_passes_its_check_local(mesh, extra):
         result = train_mlp.compare_params(args.dtype, params, reference)
         assert result.ok, result.line()
         np.testing.assert_allclose(losses, ref_losses, rtol=train_mlp.exact_tolerance(args.dtype))
+
+
+@pytest.mark.parametrize("dp", ["ddp", "zero1", "zero2"])
+def test_train_tp_hands_the_dtensors_to_ddp_and_zero_and_steps_theirs(dp):
+    """No to_local/from_local in the example: the strategy takes the plan's DTensors, and its own
+    params and grads are the DTensors the optimizer steps."""
+    def body():
+        mesh = train_tp.build_mesh((2, 2))
+        model = train_tp.TensorParallelModel(dp, mlp.init_params(train_tp.HIDDEN), mesh, mlp.make_optimizer("sgd", 0.1))
+        with model.params() as params:
+            assert params is model.inner.params
+        return {n: (type(p).__name__, p.placements) for n, p in model.inner.params.items()}, \
+            {n: (type(g).__name__, g.placements) for n, g in model.inner.grads.items()}
+
+    want = {"w0": (Shard(1),), "b0": (Shard(0),), "w1": (Shard(0),), "b1": (Replicate(),), "w2": (Replicate(),),
+            "b2": (Replicate(),)}
+    for params, grads in local.run(body, 4, timeout=30):
+        assert params == grads == {n: ("DTensor", pl) for n, pl in want.items()}
 
 
 def test_train_tp_runs_megatrons_collectives_on_dtensors():

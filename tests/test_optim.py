@@ -342,7 +342,7 @@ def test_array_namespace_and_exports():
 
     assert array_namespace(np.zeros(2)) is np and array_namespace(3.0) is np
     assert optim.__all__ == ["SGD", "AdamW", "Optimizer"]  # optim.py holds the optimizers only
-    assert clip.__all__ == ["clip_grad_norm_"] and "array_namespace" in arrays.__all__
+    assert clip.__all__ == ["clip_grad_norm_", "clip_grad_norm_parts"] and "array_namespace" in arrays.__all__
     assert {"SGD", "AdamW", "Optimizer", "clip_grad_norm_", "array_namespace"} <= set(parallel.__all__)
     assert isinstance(SGD(lr=0.1), Optimizer) and isinstance(AdamW(), Optimizer)
     assert repr(SGD(lr=0.1)) == ("SGD(lr=0.1, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, "

@@ -11,9 +11,11 @@ import math
 import numpy as np
 import pytest
 
+import dp_tp_cases
 import meshkit
 from meshkit.comm import local
-from meshkit.parallel import SGD, AdamW, DistributedDataParallel, ZeroRedundancyOptimizer, clip_grad_norm_
+from meshkit.parallel import (SGD, AdamW, DistributedDataParallel, FullyShardedDataParallel, ZeroRedundancyOptimizer,
+                              clip_grad_norm_)
 from meshkit.tensor import (ColwiseParallel, DTensor, Partial, Replicate, RowwiseParallel, SequenceParallel, Shard,
                             distribute_tensor, parallelize)
 from meshkit.tensor.parallel import plan_placements
@@ -286,17 +288,162 @@ def test_clip_grad_norm_counts_replicas_once_and_refuses_partial():
         assert norm == 5.0 and math.isnan(nan_norm)  # the rank without the nan learns it too
 
 
-def test_data_parallel_strategies_and_update_ask_for_blocks_not_dtensors():
+# --------------------------------------------------------------------------- data parallel over dp of DTensors
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (3, 2), (2, 1), (1, 2)], ids=str)
+def test_ddp_of_dtensor_params_over_dp_equals_single_process(mesh_shape):
+    ref = dp_tp_cases.reference()
+    for params, seen in local.run(dp_tp_cases.train, int(np.prod(mesh_shape)), mesh_shape, timeout=30):
+        dp_tp_cases.assert_matches_reference(params, ref)
+        want = {n: ("DTensor", placements, True) for n, placements in dp_tp_cases.PLACEMENTS.items()}
+        assert seen == [want] * dp_tp_cases.STEPS
+
+
+def test_ddp_and_zero_of_dtensor_params_over_dp_equal_single_process_mpi(mpirun):
+    out = mpirun("mpi_dp_tp.py", 4, "ddp", "zero1", "zero2").stdout
+    assert [out.count(f"DP TP {s} OK") for s in ("ddp", "zero1", "zero2")] == [4, 4, 4], out
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (3, 2), (1, 2)], ids=str)
+def test_zero_of_dtensor_params_over_dp_equals_single_process(mesh_shape, stage):
+    """ZeRO shards each block over dp (its flat shards cut the blocks anywhere); its clipping adds
+    the norm over dp and tp, and every gradient is a DTensor laid out as its parameter."""
+    ref = dp_tp_cases.reference()
+    for params, seen in local.run(dp_tp_cases.train, int(np.prod(mesh_shape)), mesh_shape, f"zero{stage}",
+                                  timeout=30):
+        dp_tp_cases.assert_matches_reference(params, ref)
+        want = {n: ("DTensor", placements, True) for n, placements in dp_tp_cases.PLACEMENTS.items()}
+        assert seen == [want] * dp_tp_cases.STEPS
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+def test_data_parallel_dtensor_params_on_device_arrays(cupy, strategy):
+    """CuPy blocks (tests/fake_cupy.py's strict arrays) over the NCCL engine on the double: the
+    strategy's DTensors wrap device arrays, and training equals single-process NumPy."""
+    import fake_cupy
+
+    ref = dp_tp_cases.reference()
+
+    def main():
+        meshkit.init_process_group("nccl", timeout=60)
+        _, model = dp_tp_cases.build((2, 2), strategy, "cuda")
+        assert all(isinstance(p.to_local(), fake_cupy.ndarray) for p in model.params.values())
+        return dp_tp_cases.train((2, 2), strategy, device="cuda")[0]
+
+    for params in local.run(main, 4, init=False, timeout=120):
+        dp_tp_cases.assert_matches_reference(params, ref)
+
+
+def test_zero_of_dtensor_params_refuses_full_state_dicts():
+    def body():
+        _, zero = dp_tp_cases.build((2, 2), "zero1")
+        for call in (zero.full_state_dict, lambda: zero.load_full_state_dict({})):
+            with pytest.raises(ValueError, match=r"ZeroRedundancyOptimizer\(stage=1\)\.(load_)?full_state_dict: "
+                                                 r"parameters \['w1', 'b1', 'w2', 'b2'\] are DTensors, whose full "
+                                                 r"state dict .* is not supported; use sharded_state_dict\(\)"):
+                call()
+
+    local.run(body, 4, timeout=30)
+
+
+@pytest.mark.parametrize("view", [True, False], ids=["bucket-view", "copies"])
+def test_ddp_of_dtensors_takes_blocks_too_and_hands_out_dtensors_over_its_own_arrays(view):
+    ref = dp_tp_cases.reference()
+
+    def body():
+        params, _ = dp_tp_cases.train((2, 2), blocks=True, gradient_as_bucket_view=view)
+        mesh, ddp = dp_tp_cases.build((2, 2), gradient_as_bucket_view=view)
+        w1 = ddp.params["w1"]
+        assert ddp.params["w1"] is w1 and w1.to_local() is ddp._blocks["w1"], "one DTensor over DDP's own block"
+        ddp.grads["w1"] = w1 * 0 + 1.0  # a DTensor laid out as the parameter: its block is taken
+        assert (ddp.grads["w1"].to_local() == 1.0).all() and ddp.grads["w1"].placements == (Shard(1),)
+        return params
+
+    for params in local.run(body, 4, timeout=30):
+        dp_tp_cases.assert_matches_reference(params, ref)
+
+
+def _tp_params(mesh, placements=None):
+    placements = placements or {"w": [Shard(1)]}
+    return {n: distribute_tensor(np.ones((4, 6)), mesh["tp"], pl) for n, pl in placements.items()}
+
+
+@pytest.mark.parametrize("case, message", [
+    ("partial", r"params\['w'\] is a DTensor with placements \(Partial\(sum\),\); a Partial parameter holds "
+                r"terms of a sum, not values: redistribute it to Shard or Replicate placements first"),
+    ("dp-mesh", r"params\['w'\] is a DTensor on mesh \[\[0, 1\], \[2, 3\]\] \(dims \('dp', 'tp'\)\), which holds "
+                r"ranks \[\d\] of the data-parallel group \[\d, \d\] besides this rank: it is laid out over the "
+                r"data-parallel dimension already"),
+    ("placements", r"parameter 'w' differs between rank \d \(a DTensor \(Shard\(dim=1\),\) of global shape \(4, 6\) "
+                   r"at coordinate \(\d,\) of a \(2,\) mesh, block shape \(4, 3\), dtype float64\) and rank \d "
+                   r"\(a DTensor \(Shard\(dim=0\),\) of global shape \(4, 6\) .*block shape \(2, 6\).*\); every "
+                   r"rank must pass the same names, shapes, dtypes and DTensor layouts in the same order"),
+    ("coordinate", r"parameter 'w' differs between rank \d \(a DTensor \(Shard\(dim=1\),\) of global shape "
+                   r"\(4, 6\) at coordinate \((\d),\) .*\) and rank \d \(a DTensor \(Shard\(dim=1\),\) of global "
+                   r"shape \(4, 6\) at coordinate \((?!\1)\d,\)"),
+    ("plain", r"parameter 'w' differs between rank \d \(a DTensor .*\) and rank \d \(shape \(4, 6\), dtype "
+              r"float64\)"),
+], ids=["partial", "dp-mesh", "placements", "coordinate", "plain"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero"])
+def test_dtensor_params_that_cannot_be_data_parallel_over_dp_are_refused_on_every_rank(case, message, strategy):
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        dp = mesh["dp"]
+        rank = meshkit.get_rank()
+        if case == "partial":
+            params = {"w": DTensor.from_local(np.ones((4, 6)), mesh["tp"], [Partial()])}
+        elif case == "dp-mesh":
+            params = {"w": distribute_tensor(np.ones((4, 6)), mesh, [Replicate(), Shard(1)])}
+        elif case == "placements":  # the second dp row lays w out by rows
+            params = _tp_params(mesh, {"w": [Shard(1) if rank < 2 else Shard(0)]})
+        elif case == "coordinate":  # dp groups [0, 3] and [1, 2]: rank 0 holds columns 0:3, rank 3 columns 3:6
+            dp = meshkit.DeviceMesh("cpu", [[0, 1], [3, 2]], mesh_dim_names=("dp", "tp"))["dp"]
+            params = _tp_params(mesh)
+        else:  # one dp row passes the whole array
+            params = _tp_params(mesh) if rank < 2 else {"w": np.ones((4, 6))}
+        with pytest.raises(ValueError, match=message) as info:
+            if strategy == "ddp":
+                DistributedDataParallel(params, mesh=dp)
+            else:
+                ZeroRedundancyOptimizer(params, SGD(lr=0.1), mesh=dp)
+        return str(info.value)
+
+    for rank, text in enumerate(local.run(body, 4, timeout=30)):
+        assert text.startswith(f"meshkit.parallel: rank {rank}: "), text
+
+
+def test_a_gradient_laid_out_unlike_its_parameter_is_refused_naming_both():
+    def body():
+        mesh, ddp = dp_tp_cases.build((2, 2))
+        tp = mesh["tp"]
+        ddp.zero_grad()
+        errors = []
+        for name, grad, kind in [
+                ("w1", distribute_tensor(np.ones((4, 5)), tp, [Shard(0)]), ValueError),
+                ("w1", distribute_tensor(np.ones((4, 5)), mesh, [Replicate(), Shard(1)]), ValueError),
+                ("w1", np.ones((4, 5)), ValueError)]:
+            with pytest.raises(kind) as info:
+                ddp.mark_grad_ready(name, grad)
+            errors.append(str(info.value))
+        return errors
+
+    rows, other_mesh, whole = local.run(body, 4, timeout=30)[1]
+    assert rows == ("meshkit.parallel: rank 1: DistributedDataParallel.mark_grad_ready: gradient 'w1' is a DTensor "
+                    "(Shard(dim=0),) of shape (4, 5) on mesh [0, 1]; parameter 'w1' is (Shard(dim=1),) of shape (4, 5) "
+                    "on mesh [0, 1]: redistribute it to the parameter's placements first")
+    assert "on mesh [[0, 1], [2, 3]]; parameter 'w1' is (Shard(dim=1),)" in other_mesh
+    assert whole.endswith("gradient 'w1' has shape (4, 5) and dtype float64; expected this rank's block of the DTensor "
+                          "parameter: shape (4, 2) and dtype float64")
+
+
+def test_fsdp_and_update_ask_for_blocks_not_dtensors():
     def body():
         mesh = meshkit.init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
         params = parallelize({"w": np.zeros((2, 4))}, mesh["tp"], {"w": ColwiseParallel()})
-        for make in (lambda: DistributedDataParallel(params, mesh=mesh["dp"]),
-                     lambda: ZeroRedundancyOptimizer(params, SGD(lr=0.1), mesh=mesh["dp"])):
-            with pytest.raises(ValueError, match=r"params\['w'\] is a DTensor; pass this rank's block "
-                                                 r"\(p\.to_local\(\), the same memory\)"):
-                make()
-        ddp = DistributedDataParallel({"w": params["w"].to_local()}, mesh=mesh["dp"])  # the documented way
-        assert np.shares_memory(ddp.params["w"], params["w"].to_local())
+        with pytest.raises(ValueError, match=r"params\['w'\] is a DTensor; FullyShardedDataParallel takes this rank's "
+                                             r"blocks, not DTensors: pass \{name: p\.to_local\(\)\} \(the same "
+                                             r"memory\) and wrap the arrays it hands back with DTensor\.from_local"):
+            FullyShardedDataParallel(params, mesh=mesh["dp"], optimizer=SGD(lr=0.1))
         with pytest.raises(TypeError, match=r"SGD\.update: parameter 'w': update\(\) takes this rank's flat arrays"):
             SGD(lr=0.1).update("w", params["w"], params["w"])
 

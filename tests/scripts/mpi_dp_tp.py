@@ -1,0 +1,15 @@
+"""DDP (and ZeRO) over dp of DTensor parameters on a 2x2 dp x tp mesh, on real processes: equal
+to single-process training, every gradient a DTensor laid out as its parameter."""
+
+import sys
+
+import dp_tp_cases
+
+import meshkit
+
+meshkit.init_process_group("mpi", timeout=60)
+assert meshkit.get_world_size() == 4, meshkit.get_world_size()
+for strategy in sys.argv[1:] or ["ddp"]:
+    dp_tp_cases.check((2, 2), strategy)
+    print(f"DP TP {strategy} OK", flush=True)
+meshkit.destroy_process_group()
