@@ -18,7 +18,7 @@ from . import dispatch, errors
 from .chunks import local_shape_and_offset, normalize_dim
 from .indexing import index_plan
 from .placements import Partial, Placement, Replicate, Shard
-from .redistribute import program, run
+from .redistribute import cached, program, remember
 
 __all__ = ["DTensor", "normalize_placements"]
 
@@ -219,16 +219,19 @@ class DTensor(NDArrayOperatorsMixin):
             placements do not change, as torch's; the collectives are listed in :mod:`.redistribute`.
         """
         mesh = self._mesh
-        if device_mesh is not None and device_mesh != mesh:
+        if device_mesh is not None and device_mesh is not mesh and device_mesh != mesh:
             raise errors.value_error("DTensor.redistribute", f"device_mesh {device_mesh!r} is not this DTensor's "
                                      f"mesh {mesh!r}; redistribution across meshes is not supported")
         if placements is None:
             return self
-        target = normalize_placements("DTensor.redistribute", mesh, placements, len(self._shape))
-        if target == self._placements:
+        prog = cached(mesh, self._shape, self._placements, placements)  # a known request: checked before
+        if prog is None:
+            target = normalize_placements("DTensor.redistribute", mesh, placements, len(self._shape))
+            prog = program(mesh, self._shape, self._placements, target)
+            remember(prog, mesh, self._shape, self._placements, placements)
+        if prog.same:
             return self
-        local = run(program(mesh, self._shape, self._placements, target), self._local)
-        return _wrap(local, mesh, target, self._shape)
+        return _wrap(prog(self._local), mesh, prog.target, self._shape)
 
     # ---- NumPy protocols ---------------------------------------------------------------------
 

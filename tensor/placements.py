@@ -18,7 +18,8 @@ one per *array* dimension instead). Worked example, a global array ``A`` of shap
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from typing import Any
 
 from ..comm import ReduceOp
 
@@ -30,7 +31,13 @@ PARTIAL_OPS: dict[str, ReduceOp] = {"sum": ReduceOp.SUM, "avg": ReduceOp.AVG,
 
 
 class Placement:
-    """Base of the placements; ``is_shard``/``is_replicate``/``is_partial`` as in torch."""
+    """Base of the placements; ``is_shard``/``is_replicate``/``is_partial`` as in torch.
+
+    Placements are immutable values, interned: ``Shard(0) is Shard(0)``. Equality and hashing
+    are therefore identity's, done in C: the redistribution table and the op rules look
+    placements up on every call, and a Python-level ``__eq__``/``__hash__`` per placement was a
+    measurable part of a small redistribution. Pickling and copying keep the interning.
+    """
 
     __slots__ = ()
 
@@ -46,8 +53,22 @@ class Placement:
         """True for Partial."""
         return False
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"{type(self).__name__} is immutable: cannot set {name!r}")
 
-@dataclass(frozen=True, slots=True)
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"{type(self).__name__} is immutable: cannot delete {name!r}")
+
+    def __copy__(self) -> Placement:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Placement:
+        return self
+
+
+_interning = threading.Lock()  # ranks of the local engine are threads: one instance per value
+
+
 class Shard(Placement):
     """The array is cut along array dimension ``dim`` over the ranks of this mesh dimension.
 
@@ -56,11 +77,28 @@ class Shard(Placement):
     ``dim`` may be negative until it is normalised against the array's ndim.
     """
 
+    __slots__ = ("dim",)
+    __match_args__ = ("dim",)
+    _known: dict[int, Shard] = {}
     dim: int
 
-    def __post_init__(self) -> None:
-        if isinstance(self.dim, bool) or not isinstance(self.dim, int):
-            raise TypeError(f"Shard(dim): dim must be an int, got {self.dim!r}")
+    def __new__(cls, dim: int) -> Shard:
+        found = cls._known.get(dim) if dim.__class__ is int else None
+        if found is not None:
+            return found
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise TypeError(f"Shard(dim): dim must be an int, got {dim!r}")
+        dim = int(dim)
+        with _interning:
+            found = cls._known.get(dim)
+            if found is None:
+                found = object.__new__(cls)
+                object.__setattr__(found, "dim", dim)
+                cls._known[dim] = found
+        return found
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Shard, (self.dim,))
 
     def is_shard(self, dim: int | None = None) -> bool:
         return dim is None or dim == self.dim
@@ -72,9 +110,23 @@ class Shard(Placement):
         return f"S({self.dim})"
 
 
-@dataclass(frozen=True, slots=True)
 class Replicate(Placement):
     """Every rank of this mesh dimension holds the same full (along this dim) array."""
+
+    __slots__ = ()
+    _the: Replicate | None = None
+
+    def __new__(cls) -> Replicate:
+        the = Replicate._the
+        if the is None:
+            with _interning:
+                if Replicate._the is None:
+                    type.__setattr__(Replicate, "_the", object.__new__(cls))
+                the = Replicate._the
+        return the
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Replicate, ())
 
     def is_replicate(self) -> bool:
         return True
@@ -86,18 +138,33 @@ class Replicate(Placement):
         return "R"
 
 
-@dataclass(frozen=True, slots=True)
 class Partial(Placement):
     """Each rank of this mesh dimension holds a full-shape term; the array is their reduction.
 
     ``reduce_op`` is one of ``"sum"`` (default), ``"avg"``, ``"max"``, ``"min"``.
     """
 
-    reduce_op: str = "sum"
+    __slots__ = ("reduce_op",)
+    __match_args__ = ("reduce_op",)
+    _known: dict[str, Partial] = {}
+    reduce_op: str
 
-    def __post_init__(self) -> None:
-        if self.reduce_op not in PARTIAL_OPS:
-            raise ValueError(f"Partial(reduce_op): must be one of {sorted(PARTIAL_OPS)}, got {self.reduce_op!r}")
+    def __new__(cls, reduce_op: str = "sum") -> Partial:
+        found = cls._known.get(reduce_op) if reduce_op.__class__ is str else None
+        if found is not None:
+            return found
+        if reduce_op not in PARTIAL_OPS:
+            raise ValueError(f"Partial(reduce_op): must be one of {sorted(PARTIAL_OPS)}, got {reduce_op!r}")
+        with _interning:
+            found = cls._known.get(reduce_op)
+            if found is None:
+                found = object.__new__(cls)
+                object.__setattr__(found, "reduce_op", reduce_op)
+                cls._known[reduce_op] = found
+        return found
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Partial, (self.reduce_op,))
 
     def is_partial(self) -> bool:
         return True

@@ -35,12 +35,14 @@ import threading
 import weakref
 from typing import Any, Callable, Sequence
 
-from ..comm import array_namespace
+import numpy as np
+
+from ..comm import PreparedCollective, array_namespace, prepare_collective
 from ..mesh import DeviceMesh
 from .chunks import chunk_range, chunk_size, local_shape_and_offset
 from .placements import Partial, Placement, Replicate, Shard
 
-__all__ = ["redistribute_local", "plan", "program", "run", "partition_value", "PROGRAMS_MAX"]
+__all__ = ["redistribute_local", "plan", "program", "cached", "remember", "run", "partition_value", "PROGRAMS_MAX"]
 
 logger = logging.getLogger("meshkit.tensor")
 
@@ -94,8 +96,10 @@ def _plan(src: tuple[Placement, ...], dst: tuple[Placement, ...]) -> tuple[tuple
 # ---- compiled programs: the plan with every size, group and index worked out once ---------------
 #
 # Planning on every call cost 4-11 us beside a 3-12 us collective (world of one, 8x64 float64;
-# S0->S1 23 us: moveaxis alone is microseconds); from the table the whole DTensor layer is 2-3 us
-# (/tmp timings, benchmarks/dtensor.py shows the current ones).
+# S0->S1 23 us: moveaxis alone is microseconds). A program is the plan compiled into closures
+# (each step's sizes, indexes and prepared collective bound in), looked up by the placements the
+# caller passed, so that a call on a known layout is: one dict lookup, the steps, the wrapping
+# (benchmarks/dtensor.py shows the current cost beside the collective).
 
 #: Programs kept; the oldest is dropped beyond this (a model has a few dozen distinct layouts).
 PROGRAMS_MAX = 1024
@@ -103,33 +107,69 @@ PROGRAMS_MAX = 1024
 _programs: dict[tuple[Any, ...], _Program] = {}
 _programs_lock = threading.Lock()
 
+Step = Callable[[Any], Any]  # block -> block
+
 
 class _Program:
-    """The steps of one redistribution on one mesh: ``(function, args)`` run in order on the block."""
+    """The steps of one redistribution on one mesh, run in order on the block (``program(block)``)."""
 
-    __slots__ = ("mesh", "steps", "fresh", "moves")
+    __slots__ = ("mesh", "steps", "fresh", "moves", "target", "same", "_only")
 
-    def __init__(self, mesh: DeviceMesh, steps: list[tuple[Callable[..., Any], tuple[Any, ...]]], fresh: bool,
-                 moves: tuple[tuple[int, Placement, Placement], ...]) -> None:
+    def __init__(self, mesh: DeviceMesh, steps: list[Step], fresh: bool,
+                 moves: tuple[tuple[int, Placement, Placement], ...], target: tuple[Placement, ...],
+                 same: bool) -> None:
         self.mesh = weakref.ref(mesh)  # keyed by id(mesh): the entry is this mesh's only while it lives
         self.steps = tuple(steps)
         self.fresh = fresh  # the last step leaves the block in memory of its own (a collective's output)
         self.moves = moves
+        self.target = target  # the placements after it, normalized
+        self.same = same  # nothing changes: the source is the result
+        self._only = steps[0] if len(steps) == 1 and fresh else None  # the one-collective case, inlined
+
+    def __call__(self, local: Any, copy: bool = True) -> Any:
+        """This rank's block under the target placements, given its block under the source ones."""
+        if _logs(DEBUG):
+            for i, p, q in self.moves:
+                logger.debug("redistribute on mesh dim %d: %r -> %r (block %s)", i, p, q, tuple(local.shape))
+        only = self._only
+        if only is not None:
+            return only(local)
+        for step in self.steps:
+            local = step(local)
+        return local if self.fresh or not copy else local.copy()
+
+
+_logs, DEBUG = logger.isEnabledFor, logging.DEBUG
 
 
 def program(mesh: DeviceMesh, shape: tuple[int, ...], src: tuple[Placement, ...],
             dst: tuple[Placement, ...]) -> _Program:
-    """The compiled redistribution of a ``shape`` array on ``mesh`` from ``src`` to ``dst`` (cached)."""
-    key = (id(mesh), shape, src, dst)
-    found = _programs.get(key)
-    if found is not None and found.mesh() is mesh:
+    """The compiled redistribution of a ``shape`` array on ``mesh`` from ``src`` to normalized ``dst`` (cached)."""
+    found = cached(mesh, shape, src, dst)
+    if found is not None:
         return found
     made = _compile(mesh, shape, src, dst)
+    remember(made, mesh, shape, src, dst)
+    return made
+
+
+def cached(mesh: DeviceMesh, shape: tuple[int, ...], src: tuple[Placement, ...], dst: Sequence[Any]
+           ) -> _Program | None:
+    """The program made earlier for these arguments, ``dst`` as the caller gave it (None if none)."""
+    try:
+        found = _programs.get((id(mesh), shape, src, dst if dst.__class__ is tuple else tuple(dst)))
+    except TypeError:  # unhashable entries: not placements; the caller's checks will say so
+        return None
+    return found if found is not None and found.mesh() is mesh else None
+
+
+def remember(prog: _Program, mesh: DeviceMesh, shape: tuple[int, ...], src: tuple[Placement, ...],
+             dst: Sequence[Placement]) -> None:
+    """Keep ``prog`` for these arguments (``dst`` as the caller gave it, once it checked valid)."""
     with _programs_lock:  # ranks of the local engine are threads: one writer at a time
         if len(_programs) >= PROGRAMS_MAX:
             _programs.pop(next(iter(_programs)), None)
-        _programs[key] = made
-    return made
+        _programs[(id(mesh), shape, src, tuple(dst))] = prog
 
 
 def redistribute_local(local: Any, mesh: DeviceMesh, shape: Sequence[int], src: Sequence[Placement],
@@ -141,18 +181,12 @@ def redistribute_local(local: Any, mesh: DeviceMesh, shape: Sequence[int], src: 
     leaves the source DTensor's block alone) or, without ``copy`` (the op rules, which only read
     it), may be a view of ``local`` where no collective ran (Replicate -> Shard slices it).
     """
-    return run(program(mesh, tuple(shape), tuple(src), tuple(dst)), local, copy=copy)
+    return program(mesh, tuple(shape), tuple(src), tuple(dst))(local, copy)
 
 
 def run(prog: _Program, local: Any, *, copy: bool = True) -> Any:
     """Run a compiled redistribution on this rank's block (see :func:`redistribute_local`)."""
-    if logger.isEnabledFor(logging.DEBUG):
-        for i, p, q in prog.moves:
-            logger.debug("redistribute on mesh dim %d: %r -> %r (block %s)", i, p, q, tuple(local.shape))
-    xp = array_namespace(local)
-    for fn, args in prog.steps:
-        local = fn(xp, local, *args)
-    return local if prog.fresh or not copy else local.copy()
+    return prog(local, copy)
 
 
 def _compile(mesh: DeviceMesh, shape: tuple[int, ...], src: tuple[Placement, ...],
@@ -160,7 +194,7 @@ def _compile(mesh: DeviceMesh, shape: tuple[int, ...], src: tuple[Placement, ...
     coordinate = mesh.get_coordinate()
     moves = _plan(src, dst)
     cur = list(src)
-    steps: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
+    steps: list[Step] = []
     fresh = False  # True once a step has put the block into memory of its own
     for i, p, q in moves:
         group = mesh.get_group(i)
@@ -169,40 +203,40 @@ def _compile(mesh: DeviceMesh, shape: tuple[int, ...], src: tuple[Placement, ...
         if isinstance(p, Shard) and isinstance(q, Shard):
             parent_p = _parent_size(shape, mesh, coordinate, cur, i, p.dim)
             parent_q = _parent_size(shape, mesh, coordinate, cur, i, q.dim)
-            steps.append((_all_to_all, _all_to_all_args(group, block, p.dim, q.dim, parent_p, parent_q, n, r)))
+            steps.append(_all_to_all_step(group, block, p.dim, q.dim, parent_p, parent_q, n, r))
             fresh = True
         elif isinstance(p, Shard):
-            steps.append((_all_gather, _all_gather_args(group, block, p.dim,
-                                                        _parent_size(shape, mesh, coordinate, cur, i, p.dim), n)))
+            steps.append(_all_gather_step(group, block, p.dim, _parent_size(shape, mesh, coordinate, cur, i, p.dim),
+                                          n))
             fresh = True
             if isinstance(q, Partial) and _partitions(q, r):
-                steps.append((_partition, (q, r)))
+                steps.append(functools.partial(_partition, q=q, r=r))
         elif isinstance(p, Replicate):
             if isinstance(q, Shard):
                 start, stop = chunk_range(block[q.dim], n, r)
                 index = [slice(None)] * len(block)
                 index[q.dim] = slice(start, stop)
-                steps.append((_take, (tuple(index),)))
+                steps.append(functools.partial(_take, index=tuple(index)))
             elif _partitions(q, r):
-                steps.append((_partition, (q, r)))
+                steps.append(functools.partial(_partition, q=q, r=r))
                 fresh = True
         else:  # Partial -> Replicate, Shard or another Partial
             fresh = True
             if isinstance(q, Shard):
-                steps.append((_reduce_scatter, _reduce_scatter_args(group, block, q.dim, p.op, n, r)))
+                steps.append(_reduce_scatter_step(group, block, q.dim, p.op, n, r))
             else:
-                steps.append((_all_reduce, (group, p.op)))
+                steps.append(_all_reduce_step(group, p.op))
                 if isinstance(q, Partial) and _partitions(q, r):
-                    steps.append((_partition, (q, r)))
+                    steps.append(functools.partial(_partition, q=q, r=r))
         cur[i] = q
-    return _Program(mesh, steps, fresh, moves)
+    return _Program(mesh, steps, fresh, moves, dst, src == dst)
 
 
 def partition_value(local: Any, q: Partial, r: int) -> Any:
     """Replicate -> Partial on one mesh dim: the terms whose reduction is ``local``."""
     if not _partitions(q, r):
         return local
-    return _partition(array_namespace(local), local, q, r)
+    return _partition(local, q=q, r=r)
 
 
 def _partitions(q: Partial, r: int) -> bool:
@@ -210,13 +244,14 @@ def _partitions(q: Partial, r: int) -> bool:
     return q.reduce_op == "sum" and r != 0
 
 
-def _partition(xp: Any, local: Any, q: Partial, r: int) -> Any:
+def _partition(local: Any, *, q: Partial, r: int) -> Any:
+    xp = array_namespace(local)
     if local.dtype.kind in "fc":
         return xp.full_like(local, -0.0)  # x + (-0.0) == x for every x, +0.0 included
     return xp.zeros_like(local)
 
 
-def _take(xp: Any, local: Any, index: tuple[slice, ...]) -> Any:
+def _take(local: Any, *, index: tuple[slice, ...]) -> Any:
     return local[index]
 
 
@@ -236,52 +271,64 @@ def _pad0(xp: Any, block: Any, size: int) -> Any:
     return out
 
 
-def _all_gather_args(group: Any, block: tuple[int, ...], dim: int, parent: int, n: int) -> tuple[Any, ...]:
+def _all_gather_step(group: Any, block: tuple[int, ...], dim: int, parent: int, n: int) -> Step:
+    """Shard(dim) -> Replicate: gather the padded chunks straight into the result, keep ``parent`` rows."""
     c = chunk_size(parent, n)
-    return (group, *_front(len(block), dim), n, c, block[dim] != c, parent)
+    front, back = _front(len(block), dim)
+    pad = block[dim] != c
+    send_shape = (c, *block[:dim], *block[dim + 1:])
+    gather = prepare_collective(group, "all_gather_into_tensor", send_shape)
+    if front is None and not pad and parent == n * c:  # the common case: the gathered buffer is the result
+        return gather
+
+    def step(local: Any) -> Any:
+        send = local if front is None else local.transpose(front)
+        out = gather(_pad0(array_namespace(local), send, c) if pad else send)
+        if parent != n * c:
+            out = out[:parent]
+        return out if back is None else out.transpose(back)
+    return step
 
 
-def _all_gather(xp: Any, local: Any, group: Any, front: tuple[int, ...] | None, back: tuple[int, ...] | None,
-                n: int, c: int, pad: bool, keep: int) -> Any:
-    """Shard(dim) -> Replicate: gather the padded chunks straight into the result, keep ``keep`` rows."""
-    send = local if front is None else local.transpose(front)
-    send = _pad0(xp, send, c) if pad else xp.ascontiguousarray(send)
-    out = xp.empty((n * c,) + send.shape[1:], dtype=local.dtype)
-    group.all_gather_into_tensor(out, send)
-    if keep != n * c:
-        out = out[:keep]
-    return out if back is None else out.transpose(back)
-
-
-def _reduce_scatter_args(group: Any, block: tuple[int, ...], dim: int, op: Any, n: int, r: int) -> tuple[Any, ...]:
+def _reduce_scatter_step(group: Any, block: tuple[int, ...], dim: int, op: Any, n: int, r: int) -> Step:
+    """Partial -> Shard(dim): reduce the padded array, keep this rank's chunk."""
     parent = block[dim]
     c = chunk_size(parent, n)
     start, stop = chunk_range(parent, n, r)
-    return (group, op, *_front(len(block), dim), n, c, parent != n * c, stop - start)
+    keep = stop - start
+    front, back = _front(len(block), dim)
+    pad = parent != n * c
+    scatter = prepare_collective(group, "reduce_scatter_tensor", (n * c, *block[:dim], *block[dim + 1:]),
+                                 reduce_op=op)
+    if front is None and not pad:  # the common case: the scattered chunk is the result
+        return scatter
+
+    def step(local: Any) -> Any:
+        send = local if front is None else local.transpose(front)
+        out = scatter(_pad0(array_namespace(local), send, n * c) if pad else send)
+        if keep != c:
+            out = out[:keep]
+        return out if back is None else out.transpose(back)
+    return step
 
 
-def _reduce_scatter(xp: Any, local: Any, group: Any, op: Any, front: tuple[int, ...] | None,
-                    back: tuple[int, ...] | None, n: int, c: int, pad: bool, keep: int) -> Any:
-    """Partial -> Shard(dim): reduce the padded array, keep this rank's chunk."""
-    send = local if front is None else local.transpose(front)
-    send = _pad0(xp, send, n * c) if pad else xp.ascontiguousarray(send)
-    out = xp.empty((c,) + send.shape[1:], dtype=local.dtype)
-    group.reduce_scatter_tensor(out, send, op)
-    if keep != c:
-        out = out[:keep]
-    return out if back is None else out.transpose(back)
-
-
-def _all_reduce(xp: Any, local: Any, group: Any, op: Any) -> Any:
+def _all_reduce_step(group: Any, op: Any) -> Step:
     """Partial -> Replicate: all-reduce a copy (the source block stays this rank's term)."""
-    out = xp.array(local, copy=True, order="C")  # an ndarray even from a 0-d NumPy scalar
-    group.all_reduce(out, op)
-    return out
+    all_reduce, ndarray = group.all_reduce, np.ndarray
+
+    def step(local: Any) -> Any:
+        if local.__class__ is ndarray:
+            out = local.copy()  # C order
+        else:  # a device array, or a 0-d NumPy scalar (an ndarray from it)
+            out = array_namespace(local).array(local, copy=True, order="C")
+        all_reduce(out, op)
+        return out
+    return step
 
 
-def _all_to_all_args(group: Any, block: tuple[int, ...], d: int, e: int, parent_d: int, parent_e: int, n: int,
-                     r: int) -> tuple[Any, ...]:
-    """Everything :func:`_all_to_all` needs for a block of shape ``block`` (``block[e] == parent_e``)."""
+def _all_to_all_step(group: Any, block: tuple[int, ...], d: int, e: int, parent_d: int, parent_e: int, n: int,
+                     r: int) -> Step:
+    """:func:`_all_to_all` with everything it needs for a block of shape ``block`` (``block[e] == parent_e``)."""
     ndim = len(block)
     cd, ce = chunk_size(parent_d, n), chunk_size(parent_e, n)
     piece = list(block)  # what goes to (and comes from) each rank, padded: d-chunk of mine x e-chunk of its
@@ -324,10 +371,11 @@ def _all_to_all_args(group: Any, block: tuple[int, ...], d: int, e: int, parent_
         index = [slice(None)] * ndim
         index[d], index[e] = slice(0, parent_d), slice(0, mine_e)
         unpack = ("join", ((*piece[:d], n * cd, *piece[d + 1:]), order), tuple(index))
-    return group, piece_shape, pack, unpack
+    exchange = prepare_collective(group, "all_to_all_single", piece_shape)
+    return functools.partial(_all_to_all, exchange=exchange, piece_shape=piece_shape, pack=pack, unpack=unpack)
 
 
-def _all_to_all(xp: Any, local: Any, group: Any, piece_shape: tuple[int, ...], pack: tuple[Any, ...],
+def _all_to_all(local: Any, *, exchange: PreparedCollective, piece_shape: tuple[int, ...], pack: tuple[Any, ...],
                 unpack: tuple[Any, ...]) -> Any:
     """Shard(d) -> Shard(e): send each rank its e-chunk of my d-chunk; join the d-chunks received.
 
@@ -338,6 +386,7 @@ def _all_to_all(xp: Any, local: Any, group: Any, piece_shape: tuple[int, ...], p
     a view of it without the padding); else one ``copyto`` into the result viewed as
     ``(..., n, cd, ...)``.
     """
+    xp = array_namespace(local)
     split, order, pieces = pack
     if pieces is not None:
         send = xp.zeros(piece_shape, dtype=local.dtype)
@@ -348,8 +397,7 @@ def _all_to_all(xp: Any, local: Any, group: Any, piece_shape: tuple[int, ...], p
     else:
         send = xp.empty(piece_shape, dtype=local.dtype)
         xp.copyto(send, local.reshape(split).transpose(order))
-    recv = xp.empty(piece_shape, dtype=local.dtype)
-    group.all_to_all_single(recv, send)
+    recv = exchange(send)
     how, shapes, index = unpack
     if how == "view":
         out = recv.reshape(shapes)

@@ -64,7 +64,7 @@ def test_every_collective_on_fake_cupy_arrays(cupy, engine, dtype, world_size):
 
     def body():
         return collective_cases.check_all(dtype, dev=cupy.asarray, host=double.to_host, ops=lambda _: ops)
-    per_rank = 4 * len(ops) + 7 + world_size  # + 1 on rank 0, the gather root
+    per_rank = 8 * len(ops) + 9 + world_size  # + 1 on rank 0, the gather root
     run = on_nccl if engine == "nccl" else local.run
     assert run(body, world_size) == [per_rank + 1] + [per_rank] * (world_size - 1)
 
@@ -75,7 +75,7 @@ def test_every_collective_on_fake_cupy_arrays_over_mpi(mpirun, mode):
     chunks), and handed to MPI as they are (CUDA-aware)."""
     env = {"MESHKIT_CUDA_AWARE_MPI": "1" if mode == "aware" else "0"}
     out = mpirun("mpi_fake_cupy.py", 2, mode, env=env, timeout=240).stdout
-    assert dict(re.findall(rf"\[rank(\d)\]: OK {mode} (\d+) checks", out)) == {"0": "370", "1": "170"}, out
+    assert dict(re.findall(rf"\[rank(\d)\]: OK {mode} (\d+) checks", out)) == {"0": "626", "1": "298"}, out
 
 
 DDP_REFERENCE = ddp_cases.reference()

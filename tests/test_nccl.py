@@ -73,7 +73,7 @@ def dev_cases(dtype, group=None):
 @pytest.mark.parametrize("dtype", NATIVE + SPECIAL + MOVED_ONLY, ids=lambda d: np.dtype(d).name)
 def test_every_collective_matches_numpy_nccl(fake_gpu, dtype, world_size):
     checks = on_nccl(dev_cases, world_size, dtype)
-    per_rank = 4 * len(nccl_ops(dtype)) + 7 + world_size  # + 1 on rank 0, the gather root
+    per_rank = 8 * len(nccl_ops(dtype)) + 9 + world_size  # + 1 on rank 0, the gather root
     assert checks == [per_rank + 1] + [per_rank] * (world_size - 1)
 
 
@@ -90,7 +90,7 @@ def test_host_arrays_and_objects_go_over_the_host_engine(fake_gpu, world_size):
     def body():
         assert meshkit.get_backend() == "nccl"
         return cases.check_all(np.float64) + cases.check_objects()
-    per_rank = 4 * 5 + 7 + world_size + 4  # as in the suite above, plus the four object collectives
+    per_rank = 8 * 5 + 10 + world_size + 4  # as in the suite above, plus the four object collectives
     assert on_nccl(body, world_size) == [per_rank + 1] + [per_rank] * (world_size - 1)
 
 
@@ -649,7 +649,7 @@ def test_on_real_gpus(mpirun):
 
 def test_detail_mode_checks_every_call_over_the_host_engine(fake_gpu, monkeypatch):
     monkeypatch.setenv("MESHKIT_DEBUG", "detail")
-    assert on_nccl(dev_cases, 2, np.float32)[1] == 4 * 5 + 7 + 2
+    assert on_nccl(dev_cases, 2, np.float32)[1] == 8 * 5 + 9 + 2
 
     def body():
         x = double.to_device(np.ones(2))
