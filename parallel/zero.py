@@ -129,7 +129,7 @@ class ZeroRedundancyOptimizer(GradientReducer, ShardedStrategy):
             problem = f"optimizer must be a meshkit Optimizer (SGD, AdamW), got {type(optimizer).__name__}"
         check_setup(params, self.group, "ZeroRedundancyOptimizer", problem=problem, config={
             "stage": stage, "bucket_cap_mb": bucket_cap_mb, "first_bucket_cap_mb": first_bucket_cap_mb,
-            "find_unused_parameters": find_unused_parameters, "optimizer": repr(optimizer)}, dtensors=True)
+            "find_unused_parameters": find_unused_parameters, "optimizer": repr(optimizer)})
         self.stage, self.optimizer = stage, optimizer
         self.find_unused_parameters = find_unused_parameters
         blocks, self._block_layouts = split(params)  # this rank's blocks of DTensor parameters
