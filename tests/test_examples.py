@@ -435,6 +435,25 @@ def test_train_3d_passes_its_check_local(mesh, extra):
         assert result.ok, result.line()
 
 
+def test_train_3d_hands_ddp_the_stages_dtensors(monkeypatch):
+    """DDP takes every stage's DTensors (no to_local), and the optimizer steps DDP's own DTensors."""
+    taken, stepped = [], []
+
+    class Spy(train_3d.DistributedDataParallel):
+        def __init__(self, params, **kwargs):
+            taken.append({type(p).__name__ for p in params.values()})
+            super().__init__(params, **kwargs)
+
+    monkeypatch.setattr(train_3d, "DistributedDataParallel", Spy)
+    optimizer = type(mlp.make_optimizer("adamw", 0.01))
+    step = optimizer.step
+    monkeypatch.setattr(optimizer, "step", lambda self, params, grads: stepped.append(
+        {type(v).__name__ for v in (*params.values(), *grads.values())}) or step(self, params, grads))
+    args = train_3d.parse_args(["--mesh", "2x1x2", "--steps", "2", "--optimizer", "adamw"], world_size=4)
+    local.run(lambda: train_3d.train(args, progress=False), 4, timeout=60)
+    assert taken == [{"DTensor"}] * 4 and stepped == [{"DTensor"}] * 8, (taken, stepped)
+
+
 @pytest.mark.parametrize("argv, world, message", [
     (["--mesh", "2x2x2"], 4, r"argument --mesh: 2x2x2 is a mesh of 8 ranks; this run has 4"),
     (["--mesh", "2x2"], 4, r"argument --mesh: expected PPxDPxTP with three integers >= 1, e\.g\. 2x2x1, got '2x2'"),
