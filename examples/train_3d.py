@@ -15,8 +15,10 @@ Inside a stage, consecutive layers are Megatron-LM blocks over ``tp``: a colwise
 ``Shard(1)``) then a rowwise one (``w`` ``Shard(0)``, its output all-reduced); a layer left
 without a partner is replicated, so every stage boundary carries a replicated activation. The
 forward and backward passes are plain NumPy on DTensors (one all-reduce forward and one backward
-per block). Each ``dp`` replica trains on its share of every global batch; DDP averages each
-rank's blocks over ``dp`` after the pipeline step, and the optimizer updates the DTensors.
+per block). Each ``dp`` replica trains on its share of every global batch; DDP takes the stages'
+DTensors and averages each rank's blocks over ``dp`` after the pipeline step, and the optimizer
+steps DDP's ``params`` and ``grads`` (DTensors laid out as the stages' parameters, over the same
+blocks).
 
 ``--device cuda`` puts the blocks, the data, every activation and gradient on a GPU: over the
 MPI engine (device arrays as they are where MPI is CUDA-aware, else staged through pinned host
@@ -127,7 +129,7 @@ def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np
         schedule = (ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B)(pipes[0], args.microbatches, loss_fn)
     params = {name: t for st in stages for name, t in st.params.items()}
     grads = {name: g for st in stages for name, g in st.grads.items()}
-    ddp = DistributedDataParallel({name: t.to_local() for name, t in params.items()}, mesh=dp)
+    ddp = DistributedDataParallel(params, mesh=dp)  # the stages' DTensors: ddp.params are over the same blocks
     optimizer = mlp.make_optimizer(args.optimizer, args.lr)
     first, last = 0 in mine, p * v - 1 in mine
     x, y = mlp.to_device(mlp.make_data(args.samples), args.device)  # once; batches are gathered there
@@ -142,10 +144,9 @@ def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np
             ddp.zero_grad()
             mb_losses = schedule.step(x[idx].astype(args.dtype) if first else None, target=y[idx] if last else None)
             for name, g in grads.items():
-                ddp.mark_grad_ready(name, g)
+                ddp.mark_grad_ready(name, g)  # the block the stage accumulated over the microbatches
             ddp.finish_gradient_sync()
-            optimizer.step(params, {name: DTensor.from_local(ddp.grads[name], tp, params[name].placements,
-                                                             shape=params[name].shape) for name in params})
+            optimizer.step(ddp.params, ddp.grads)  # DTensors: updates the stages' blocks in place
             losses.append(global_loss(mb_losses, mesh))
             show(losses[-1])
     return gather_params(stages, mesh), losses

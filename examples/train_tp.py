@@ -18,7 +18,8 @@ parameter's placements. DDP takes the DTensors as they are and averages each ran
 ``dp`` (its ``params`` and ``grads`` are DTensors laid out alike), and the optimizer (``SGD`` or
 ``AdamW``) updates them in place; ``--dp zero1|zero2`` shards the blocks' optimizer state (and
 gradients) over ``dp`` instead, taking the DTensors too, and ``--dp fsdp`` the parameters as well
-(``dp_shard x tp``; FSDP takes this rank's blocks, wrapped back into DTensors here).
+(``dp_shard x tp``; FSDP takes the DTensors, gathers each layer's blocks as DTensors laid out as
+the plan says, and takes their gradients as they come out).
 
 ``--device cuda`` puts the parameters' blocks, the data and every activation on one GPU per rank
 (a ``cuda`` mesh: the NCCL engine, which ``auto`` picks where CuPy sees a GPU); each step brings
@@ -102,9 +103,10 @@ class TensorParallelModel:
       steps ``ddp.params`` with ``ddp.grads``, DTensors laid out as the plan says.
     * ``zero1``/``zero2``: ZeRO takes the DTensors and shards each block's optimizer state (and,
       at stage 2, its gradient) over ``dp``; ``zero.params`` are DTensors over its buffers.
-    * ``fsdp``: ZeRO-3 over ``dp`` of the TP blocks (``dp_shard x tp``): FSDP takes this rank's
-      blocks (``to_local()``); one unit per layer, every unit gathered for the step and wrapped
-      as DTensors, gradients' blocks reduce-scattered.
+    * ``fsdp``: ZeRO-3 over ``dp`` of the TP blocks (``dp_shard x tp``): FSDP takes the DTensors
+      and flat-shards each rank's blocks over ``dp``; one unit per layer, every unit gathered for
+      the step (``unshard`` yields DTensors laid out as the plan says), each unit's DTensor
+      gradients reduce-scattered once the backward pass has them all.
     """
 
     def __init__(self, dp_strategy: str, full: dict[str, np.ndarray], mesh: meshkit.DeviceMesh,
@@ -120,14 +122,9 @@ class TensorParallelModel:
             self.inner = ZeroRedundancyOptimizer(self.layout, optimizer, mesh=mesh["dp"], stage=int(dp_strategy[-1]))
             self.layout = self.inner.params  # DTensors over views of ZeRO's parameter buffers
         else:
-            blocks = {name: p.to_local() for name, p in self.layout.items()}
-            self.inner = FullyShardedDataParallel(blocks, mesh=mesh["dp"], optimizer=optimizer, units=self.units)
-        self._pending: dict[str, Any] = {}
-
-    def _wrap(self, blocks: Any) -> dict[str, DTensor]:
-        """``{name: DTensor}`` over ``blocks`` (this rank's arrays from FSDP), laid out as the plan says."""
-        return {name: DTensor.from_local(blocks[name], self.tp, p.placements, shape=p.shape)
-                for name, p in self.layout.items()}
+            # FSDP copies the blocks into its shards: self.layout keeps only the names and placements
+            self.inner = FullyShardedDataParallel(self.layout, mesh=mesh["dp"], optimizer=optimizer, units=self.units)
+        self._pending: dict[str, DTensor] = {}
 
     @contextlib.contextmanager
     def params(self) -> Iterator[dict[str, DTensor]]:
@@ -136,10 +133,10 @@ class TensorParallelModel:
             yield self.layout
             return
         with contextlib.ExitStack() as stack:
-            blocks: dict[str, Any] = {}
+            params: dict[str, DTensor] = {}
             for unit in range(len(self.units)):
-                blocks.update(stack.enter_context(self.inner.unshard(unit)))
-            yield self._wrap(blocks)
+                params.update(stack.enter_context(self.inner.unshard(unit)))  # DTensors over the gathered blocks
+            yield params
 
     def zero_grad(self) -> None:
         self.inner.zero_grad()
@@ -152,7 +149,7 @@ class TensorParallelModel:
         if self.kind != "fsdp":
             self.inner.mark_grad_ready(name, grad)  # DDP and ZeRO take the DTensor
             return
-        self._pending[name] = grad.to_local()
+        self._pending[name] = grad
         unit = int(name[1:])
         if all(n in self._pending for n in self.units[unit]):
             self.inner.reduce_grads(unit, {n: self._pending.pop(n) for n in self.units[unit]})
@@ -169,11 +166,13 @@ class TensorParallelModel:
 
     def full_params(self) -> dict[str, np.ndarray]:
         """Every parameter gathered whole (collective), as NumPy arrays (a GPU run's copied to the host)."""
-        if self.kind == "fsdp":
-            layout = self._wrap(self.inner.full_state_dict()["params"])
-        else:
-            layout = self.layout
-        return {n: to_host(p.full_tensor()) for n, p in layout.items()}
+        if self.kind != "fsdp":
+            return {n: to_host(p.full_tensor()) for n, p in self.layout.items()}
+        full: dict[str, np.ndarray] = {}
+        for unit in range(len(self.units)):  # one unit gathered at a time
+            with self.inner.unshard(unit) as params:
+                full.update({n: to_host(p.full_tensor()) for n, p in params.items()})
+        return {n: full[n] for n in self.layout}
 
 
 def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np.ndarray], list[float]]:

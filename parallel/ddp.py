@@ -102,8 +102,7 @@ class DistributedDataParallel(GradientReducer):
         check_setup(params, self.group, self._strategy, problem=problem, config={
             "bucket_cap_mb": bucket_cap_mb, "first_bucket_cap_mb": first_bucket_cap_mb,
             "broadcast_from": broadcast_from, "find_unused_parameters": find_unused_parameters,
-            "gradient_as_bucket_view": gradient_as_bucket_view, "comm_hook": getattr(hook, "__qualname__", None)},
-            dtensors=True)
+            "gradient_as_bucket_view": gradient_as_bucket_view, "comm_hook": getattr(hook, "__qualname__", None)})
         # our own dict of this rank's blocks: later changes to the caller's do not reach the buckets
         arrays, self._block_layouts = split(params)
         self._specs = snapshot(arrays)

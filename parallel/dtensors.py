@@ -20,7 +20,7 @@ and wraps its own arrays again where the user reads them (``params``, ``grads``)
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 from ..comm import DistTypeError, DistValueError, ProcessGroup
 from ..mesh import DeviceMesh
@@ -74,18 +74,23 @@ def wrap_all(blocks: dict[str, Any], layouts: dict[str, BlockLayout]) -> dict[st
     return {name: layouts[name].wrap(b) if name in layouts else b for name, b in blocks.items()}
 
 
-def layout_problem(name: str, p: DTensor, group: ProcessGroup) -> str | None:
-    """What keeps DTensor parameter ``p`` from being data-parallel over ``group``, or None."""
+def layout_problem(name: str, p: DTensor, group: ProcessGroup, ranks: Sequence[int] | None = None) -> str | None:
+    """What keeps DTensor parameter ``p`` from being data-parallel over ``group``, or None.
+
+    ``ranks``: every rank the parameters are data-parallel over, when that is more than
+    ``group`` (HSDP's 2-D mesh, ``group`` being one of its dims); ``p``'s mesh may hold none of them.
+    """
     if any(q.is_partial() for q in p.placements):
         return (f"params[{name!r}] is a DTensor with placements {p.placements!r}; a Partial parameter holds "
                 "terms of a sum, not values: redistribute it to Shard or Replicate placements first")
     mesh = p.device_mesh
     if mesh.get_coordinate() is None:
         return f"params[{name!r}] is a DTensor on mesh {mesh.mesh.tolist()}, which does not hold this rank"
-    others = sorted(set(int(r) for r in mesh.mesh.reshape(-1)) & set(group.ranks) - {group.global_rank})
+    dp, what = (list(group.ranks), "group") if ranks is None else ([int(r) for r in ranks], "mesh")
+    others = sorted(set(int(r) for r in mesh.mesh.reshape(-1)) & set(dp) - {group.global_rank})
     if others:
         return (f"params[{name!r}] is a DTensor on mesh {mesh.mesh.tolist()} (dims {mesh.mesh_dim_names}), which "
-                f"holds ranks {others} of the data-parallel group {list(group.ranks)} besides this rank: it is laid "
+                f"holds ranks {others} of the data-parallel {what} {dp} besides this rank: it is laid "
                 "out over the data-parallel dimension already; lay parameters out over another mesh dimension "
                 "(e.g. mesh['tp'] of a dp x tp mesh) and pass mesh['dp'] to the strategy")
     return None

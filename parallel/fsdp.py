@@ -20,6 +20,12 @@ On a 2-D mesh ``(replicate, shard)`` (hybrid sharding, HSDP) parameters are shar
 ``shard`` dimension and replicated over ``replicate``: gradients are reduce-scattered over the
 shard group, then the shard is all-reduced over the replicate group, so gradients are averaged
 over every data-parallel rank as DDP does.
+
+Parameters may be DTensors laid out over another mesh dimension (tensor parallelism, e.g.
+``mesh["tp"]`` beside ``mesh["dp"]``, or a ``(replicate, shard, tp)`` mesh for HSDP), as DDP's
+and ZeRO's (:mod:`~meshkit.parallel.dtensors`): each rank's block is flat-sharded over the
+data-parallel mesh as any array would be, ``unshard`` yields DTensors laid out as the parameters
+over the gathered blocks, and ``reduce_grads`` takes DTensor gradients laid out alike.
 """
 
 from __future__ import annotations
@@ -30,7 +36,9 @@ from typing import Any, Iterator, Sequence
 
 from ..comm import DistValueError, ProcessGroup, ReduceOp, Work
 from ..mesh import DeviceMesh
+from ..tensor import DTensor
 from .arrays import array_namespace, check_same_library
+from .dtensors import block_of, split, wrap_all
 from .flat import FlatLayout, make_layouts
 from .optim import Optimizer
 from .checks import where
@@ -45,7 +53,11 @@ class FullyShardedDataParallel(ShardedStrategy):
 
     Args:
         params: ordered ``dict[str, array]`` (every rank passes the same names, shapes and
-            dtypes; every rank starts from the parameters of the mesh's first rank).
+            dtypes; every rank starts from the parameters of the mesh's first rank). Values may
+            be DTensors laid out over another mesh dimension than ``mesh``'s (tensor
+            parallelism), none ``Partial``: each rank's block is sharded over ``mesh``, and
+            every rank of ``mesh`` must pass the same placements, global shape and coordinate
+            in the DTensor's mesh, which may hold no other rank of ``mesh`` (checked collectively).
         mesh: 1-D (shard over it) or 2-D ``(replicate, shard)`` for hybrid sharding.
         optimizer: an elementwise :class:`~meshkit.parallel.optim.Optimizer`; it sees one flat
             shard per unit and dtype, named ``"unit{i}.{dtype}"``.
@@ -56,6 +68,25 @@ class FullyShardedDataParallel(ShardedStrategy):
         param_dtype: dtype of the unsharded parameters (e.g. float32 compute on float64
             shards); the shards stay in their own dtype.
         reduce_dtype: dtype gradients are reduced in.
+
+    With DTensor parameters, ``unshard(i)`` yields DTensors (the parameters' mesh, placements and
+    global shape) over the gathered blocks, ``reduce_grads`` takes DTensor gradients laid out as
+    their parameters (or the blocks), ``clip_grad_norm_`` adds norms over the parameters' meshes
+    too, and ``sharded_state_dict`` gives boxes of the global arrays, so checkpoints reshard across
+    ``dp x tp`` meshes and strategies; ``full_state_dict`` is refused. Example (4 ranks, mesh
+    ``[[0, 1], [2, 3]]`` named ``("dp", "tp")``)::
+
+        params = parallelize(full, mesh["tp"], {"w0": ColwiseParallel(), "w1": RowwiseParallel()})
+        fsdp = FullyShardedDataParallel(params, mesh=mesh["dp"], optimizer=SGD(lr=0.1))
+        # rank 0 holds half of its block w0[:, :n/2] (the other half on rank 2), rank 1 half of w0[:, n/2:]
+        with fsdp.unshard(0) as p:           # p["w0"]: a DTensor Shard(1) over mesh["tp"], block w0[:, :n/2] on rank 0
+            ...
+
+    Raises:
+        DistValueError: on every rank of ``mesh``, when parameters (names, shapes, dtypes, order;
+            a DTensor's placements, global shape and mesh coordinate) or settings differ across
+            ranks, or any rank passes a bad argument (a ``Partial`` DTensor, one whose mesh holds
+            other ranks of ``mesh``, bad units).
     """
 
     _strategy = "FullyShardedDataParallel"
@@ -75,25 +106,27 @@ class FullyShardedDataParallel(ShardedStrategy):
             problem = f"optimizer must be a meshkit Optimizer (SGD, AdamW), got {type(optimizer).__name__}"
         config = {"units": unit_list, "reshard_after_forward": reshard_after_forward, "param_dtype": str(param_dtype),
                   "reduce_dtype": str(reduce_dtype), "optimizer": repr(optimizer)}
-        groups = [g for g in (self.shard_group, self.replicate_group) if g is not None]
-        for group in groups:  # HSDP: every rank of the mesh agrees, through its two groups
-            check_setup(params, group, self._strategy, problem=problem, config=config)
-        for group in groups:
-            broadcast_params(params, group, 0)
+        # HSDP: every rank of the mesh agrees, through its two groups
+        check_setup(params, self.shard_group, self._strategy, problem=problem, config=config, then=self.replicate_group,
+                    data_parallel_ranks=None if mesh.ndim == 1 else [int(r) for r in mesh.mesh.reshape(-1)])
+        blocks, self._block_layouts = split(params)  # this rank's blocks of DTensor parameters (the same memory)
+        for group in (self.shard_group, self.replicate_group):
+            if group is not None:
+                broadcast_params(blocks, group, 0)
         self.optimizer = optimizer
         self.reshard_after_forward = reshard_after_forward
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.units: list[list[str]] = unit_list  # type: ignore[assignment]
         me, n = self.shard_group.rank, self.shard_group.size
-        self.layouts: list[list[FlatLayout]] = [make_layouts(params, names, n, prefix=f"unit{i}.")
+        self.layouts: list[list[FlatLayout]] = [make_layouts(blocks, names, n, prefix=f"unit{i}.")
                                                 for i, names in enumerate(self.units)]
         self._shards: dict[str, Any] = {}
         self._grad_shards: dict[str, Any] = {}
         for unit in self.layouts:
             for lay in unit:
                 lo, hi = lay.shard_range(me)
-                like = params[lay.names[0]]
-                self._shards[lay.key] = lay.pack(params, like)[lo:hi].copy()
+                like = blocks[lay.names[0]]
+                self._shards[lay.key] = lay.pack(blocks, like)[lo:hi].copy()
                 self._grad_shards[lay.key] = array_namespace(like).zeros(lay.shard_size, dtype=lay.dtype)
         self._full: dict[int, tuple[dict[str, Any], list[Any]]] = {}   # unit -> (views, buffers)
         self._prefetching: dict[int, tuple[list[Work], list[Any]]] = {}
@@ -152,7 +185,8 @@ class FullyShardedDataParallel(ShardedStrategy):
 
     @contextlib.contextmanager
     def unshard(self, unit: int) -> Iterator[dict[str, Any]]:
-        """All-gather ``unit`` and yield ``{name: full parameter}`` (views into the gathered buffer).
+        """All-gather ``unit`` and yield ``{name: full parameter}`` (views into the gathered buffer;
+        for a DTensor parameter, a DTensor laid out as it over this rank's gathered block).
 
         On exit the buffer is freed when ``reshard_after_forward``. Entering a unit that is
         already unsharded (nested, without exit) is an error.
@@ -168,7 +202,7 @@ class FullyShardedDataParallel(ShardedStrategy):
             views = {}
             for lay, full in zip(self.layouts[u], buffers):
                 views.update(lay.views(full))
-            self._full[u] = ({n: views[n] for n in self.units[u]}, buffers)
+            self._full[u] = (wrap_all({n: views[n] for n in self.units[u]}, self._block_layouts), buffers)
             self._track_peak()
         self._active.add(u)
         self._used.add(u)
@@ -192,23 +226,27 @@ class FullyShardedDataParallel(ShardedStrategy):
         """Reduce-scatter ``unit``'s full gradients into the local shards, asynchronously.
 
         Gradients are averaged over every data-parallel rank (DDP's semantics) and added to the
-        shard, so several micro-batches accumulate until ``zero_grad()``.
+        shard, so several micro-batches accumulate until ``zero_grad()``. The gradient of a
+        DTensor parameter is a DTensor laid out as it, or this rank's block.
         """
         u = self._unit(unit, "reduce_grads")
         names = self.units[u]
+        head = self._where("reduce_grads")
         if not isinstance(grads, dict) or sorted(grads) != sorted(names):
             got = sorted(grads) if isinstance(grads, dict) else type(grads).__name__
-            raise DistValueError(f"{self._where('reduce_grads')}: unit {u} needs gradients for {names}, "
-                                 f"got {got}")
+            raise DistValueError(f"{head}: unit {u} needs gradients for {names}, got {got}")
+        grads = {n: block_of(head, f"gradient {n!r}", n, g, self._block_layouts.get(n)) if isinstance(g, DTensor) else g
+                 for n, g in grads.items()}
         for lay in self.layouts[u]:  # check everything before launching anything
             for i, name in enumerate(lay.names):
                 g = grads[name]
                 if hasattr(g, "shape"):
-                    check_same_library(self._where("reduce_grads"), f"gradient {name!r}", g, self._shards[lay.key],
-                                       "the parameter shards", ref_plural=True)
+                    check_same_library(head, f"gradient {name!r}", g, self._shards[lay.key], "the parameter shards",
+                                       ref_plural=True)
                 if tuple(getattr(g, "shape", ())) != lay.shapes[i]:
-                    raise DistValueError(f"{self._where('reduce_grads')}: gradient {name!r} has shape "
-                                         f"{getattr(g, 'shape', None)}; expected {lay.shapes[i]}")
+                    whose = "this rank's block of the DTensor parameter: " if name in self._block_layouts else ""
+                    raise DistValueError(f"{head}: gradient {name!r} has shape {getattr(g, 'shape', None)}; expected "
+                                         f"{whose}{lay.shapes[i]}")
         for lay in self.layouts[u]:
             dtype = self.reduce_dtype or lay.dtype
             flat = lay.pack(grads, self._shards[lay.key], dtype=dtype)

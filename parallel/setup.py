@@ -10,7 +10,7 @@ leaving the others waiting in the first collective or training on mismatched buc
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from ..comm import DistTypeError, DistValueError, ProcessGroup, all_gather_object, resolve_group
 from ..mesh import DeviceMesh
@@ -48,23 +48,16 @@ def caps_problem(bucket_cap_mb: Any, first_bucket_cap_mb: Any) -> str | None:
             f"first_bucket_cap_mb={first_bucket_cap_mb!r}")
 
 
-def _params_problem(params: Any, group: ProcessGroup, who: str, dtensors: bool) -> str | None:
+def _params_problem(params: Any, group: ProcessGroup, ranks: Sequence[int] | None) -> str | None:
     if not isinstance(params, Mapping) or not params:
         return f"params must be a non-empty dict[str, array], got {type(params).__name__}"
     for name, p in params.items():
         if isinstance(p, DTensor):
-            problem = layout_problem(name, p, group) if dtensors else _refusal(name, who)
+            problem = layout_problem(name, p, group, ranks)
             if problem:
                 return problem
     blocks = {name: p.to_local() if isinstance(p, DTensor) else p for name, p in params.items()}
     return _mixed_problem(blocks) or _array_problem(blocks)
-
-
-def _refusal(name: str, who: str) -> str:
-    return (f"params[{name!r}] is a DTensor; {who} takes this rank's blocks, not DTensors: pass "
-            "{name: p.to_local()} (the same memory) and wrap the arrays it hands back with "
-            "DTensor.from_local(block, p.device_mesh, p.placements, shape=p.shape), as examples/train_tp.py does "
-            "(DistributedDataParallel and ZeroRedundancyOptimizer take DTensor parameters)")
 
 
 #: Problems of this form are type errors (raised as DistTypeError on every rank).
@@ -97,44 +90,64 @@ def _array_problem(params: Mapping[str, Any]) -> str | None:
 
 
 def check_setup(params: Any, group: ProcessGroup, who: str, *, problem: str | None = None,
-                config: dict[str, Any] | None = None, dtensors: bool = False) -> None:
+                config: dict[str, Any] | None = None, then: ProcessGroup | None = None,
+                data_parallel_ranks: Sequence[int] | None = None) -> None:
     """Check ``params`` and the other arguments of a strategy on every rank of ``group`` (collective).
 
     Args:
         params: must be a non-empty dict of C-contiguous float arrays whose names, shapes,
-            dtypes and order are the same on every rank.
+            dtypes and order are the same on every rank. Values may be DTensors (see
+            :mod:`.dtensors`): none ``Partial``, each on a mesh that holds no other
+            data-parallel rank, and with the same placements, global shape and mesh coordinate
+            on every rank (their blocks are then checked as the arrays are).
         problem: what is wrong with this rank's other arguments, or None.
         config: settings that must be equal on every rank (bucket caps, stage, units...).
-        dtensors: whether ``params`` may hold DTensors (see :mod:`.dtensors`): none ``Partial``,
-            each on a mesh that holds no other rank of ``group``, and with the same placements,
-            global shape and mesh coordinate on every rank of ``group`` (their blocks are then
-            checked as the arrays are). False: a DTensor is refused, naming ``who``.
+        then: the other dim of a 2-D data-parallel mesh (HSDP's replicate group, ``group`` being
+            its shard group): the ranks compare over ``group``, then over ``then``, each carrying
+            its first verdict, so every rank of the mesh learns of any problem from two
+            all-gathers and all raise together (checking each group in turn, raising after the
+            first, would leave the ranks whose first group agreed waiting in the second).
+        data_parallel_ranks: every rank the parameters are data-parallel over, with ``then``
+            (default: ``group``'s ranks); a DTensor's mesh may hold none of them but this rank.
 
     Raises:
         DistValueError: on every rank, naming the ranks and what differs, when any rank has a
-            problem or ranks differ.
+            problem or ranks differ (DistTypeError when parameters mix NumPy and CuPy).
     """
-    problem = problem or _params_problem(params, group, who, dtensors)
-    specs = None if problem else [(n, *_spec(p)) for n, p in params.items()]
+    problem = problem or _params_problem(params, group, data_parallel_ranks)
+    mine = (problem, None if problem else [(n, *_spec(p)) for n, p in params.items()], config)
     everyone: list[Any] = [None] * group.size
-    all_gather_object(everyone, (problem, specs, config), group=group)
-    head = where(who, group)
+    all_gather_object(everyone, mine, group=group)
+    verdict = _verdict(group, everyone)
+    if then is not None:
+        theirs: list[Any] = [None] * then.size
+        all_gather_object(theirs, (verdict, mine), group=then)
+        verdict = next((v for v, _ in theirs if v is not None), None) or _verdict(then, [m for _, m in theirs])
+    if verdict is not None:
+        type_error, message = verdict
+        raise (DistTypeError if type_error else DistValueError)(f"{where(who, group)}: {message}")
+
+
+def _verdict(group: ProcessGroup, everyone: list[Any]) -> tuple[bool, str] | None:
+    """``(is a type error, message)`` of what is wrong with the ranks' ``(problem, specs, config)``
+    (``group``'s, in its order), or None: the same on every rank that has them."""
     if any(p is not None for p, _, _ in everyone):
         bad = on_ranks([(group.ranks[i], p) for i, (p, _, _) in enumerate(everyone)])
         mixed = any(p is not None and p.startswith(_MIXED) for p, _, _ in everyone)
-        raise (DistTypeError if mixed else DistValueError)(f"{head}: invalid arguments on {bad}")
+        return mixed, f"invalid arguments on {bad}"
     ref_specs, ref_config = everyone[0][1], everyone[0][2]
     for i, (_, theirs, their_config) in enumerate(everyone[1:], start=1):
         if theirs != ref_specs:
             what = "shapes, dtypes and DTensor layouts" if any(s[3] for s in ref_specs + theirs) else \
                 "shapes and dtypes"
-            raise DistValueError(f"{head}: {_spec_difference(ref_specs, theirs, group.ranks[0], group.ranks[i])}; "
-                                 f"every rank must pass the same names, {what} in the same order")
+            return False, (f"{_spec_difference(ref_specs, theirs, group.ranks[0], group.ranks[i])}; every rank must "
+                           f"pass the same names, {what} in the same order")
         if their_config != ref_config:
             keys = [k for k in ref_config if ref_config[k] != their_config.get(k)]
-            raise DistValueError(f"{head}: settings differ between rank {group.ranks[0]} "
-                                 f"({ {k: ref_config[k] for k in keys} }) and rank {group.ranks[i]} "
-                                 f"({ {k: their_config.get(k) for k in keys} }); every rank must pass the same")
+            return False, (f"settings differ between rank {group.ranks[0]} ({ {k: ref_config[k] for k in keys} }) "
+                           f"and rank {group.ranks[i]} ({ {k: their_config.get(k) for k in keys} }); every rank must "
+                           "pass the same")
+    return None
 
 
 def _spec(p: Any) -> tuple[Any, ...]:

@@ -12,7 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 from ..comm import DistValueError, ProcessGroup
-from .clip import clip_grad_norm_
+from .checks import where
+from .clip import clip_grad_norm_, clip_grad_norm_parts
+from .dtensors import BlockLayout
 from .flat import FlatLayout
 from .optim import Optimizer
 from .sharded_state import ShardedArray, flat_shard_pieces, load_pieces
@@ -35,6 +37,9 @@ class ShardedStrategy:
 
     optimizer: Optimizer
     _strategy = "ShardedStrategy"
+    #: name -> layout of each DTensor parameter (tensor parallelism): the flat shards hold pieces
+    #: of this rank's blocks of them (see :mod:`~meshkit.parallel.dtensors`); set by subclasses
+    _block_layouts: dict[str, BlockLayout] = {}
 
     def _shard_group(self) -> ProcessGroup:
         raise NotImplementedError
@@ -72,9 +77,41 @@ class ShardedStrategy:
         return self._local_grad_shards()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
-        """Clip the gradients by their global norm (the single-process value), before ``step()``."""
+        """Clip the gradients by their global norm (the single-process value), before ``step()``.
+
+        The shards' partial sums are added over the shard group. With DTensor parameters the
+        flat shards hold pieces of tensor-parallel blocks: each piece's partial sum is added over
+        the shard group and over the mesh dims its parameter is ``Shard`` on (a ``Replicate``
+        dim counts its copy once), as :func:`clip_grad_norm_` does for DTensors. Collective over
+        the shard group and the parameters' meshes.
+        """
         self._settle("clip_grad_norm_")
-        return clip_grad_norm_(self._local_grad_shards(), max_norm, norm_type=norm_type, group=self._shard_group())
+        shards, group = self._local_grad_shards(), self._shard_group()
+        if not self._block_layouts:
+            return clip_grad_norm_(shards, max_norm, norm_type=norm_type, group=group)
+        parts: dict[Any, list[Any]] = {}  # (mesh, sharded dims) or None (plain) -> pieces in this rank's shards
+        for lay in self._layouts():
+            lo, hi = lay.shard_range(group.rank)
+            for i, (name, off) in enumerate(zip(lay.names, lay.offsets)):
+                block = self._block_layouts.get(name)
+                pieces = parts.setdefault(None if block is None else (block.mesh, block.sharded_dims), [])
+                a, b = max(lo, off), min(hi, off + lay.size_of(i))
+                if a < b:
+                    pieces.append(shards[lay.key][a - lo:b - lo])
+        # Every rank has every part (its parameters' layouts agree), empty or not, so the collectives
+        # match; an empty part reduces an empty slice of a shard, so that its buffer is of the
+        # shards' library (a host buffer on one rank and a device one on another would meet two engines).
+        empty = next(iter(shards.values()))[:0]
+        return clip_grad_norm_parts([(pieces or [empty], [group] + ([] if key is None else
+                                                                    [key[0].get_group(d) for d in key[1]]))
+                                     for key, pieces in parts.items()], max_norm, norm_type=norm_type)
+
+    def _refuse_full(self, op: str) -> None:
+        if self._block_layouts:
+            raise DistValueError(f"{where(f'{self._strategy}.{op}', self._shard_group())}: parameters "
+                                 f"{list(self._block_layouts)} are DTensors, whose full state dict (per-rank blocks "
+                                 "gathered over the group) is not supported; use sharded_state_dict() / "
+                                 "meshkit.checkpoint.get_state_dict(), whose boxes are of the global arrays")
 
     def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, Any] | None:
         """Parameters and optimizer state gathered to full size, per parameter name (collective).
@@ -82,7 +119,11 @@ class ShardedStrategy:
         The result does not depend on the world size, so :meth:`load_full_state_dict` accepts it
         at any other. With ``rank0_only`` the other ranks get None. Its arrays are of the
         parameters' library: a CuPy model's state dict is on its GPU (``.get()`` each to save it).
+
+        Raises:
+            DistValueError: with DTensor parameters (use :meth:`sharded_state_dict`).
         """
+        self._refuse_full("full_state_dict")
         self._quiesce()
         group = self._shard_group()
         sd = gather_state_dict(self._layouts(), self._param_shards(), self.optimizer, group)
@@ -103,8 +144,9 @@ class ShardedStrategy:
         Raises:
             DistValueError: on every rank, and before anything is loaded, when some rank's state
                 dict is invalid (naming the rank, the key, expected and got) or the ranks' state
-                dicts differ.
+                dicts differ; with DTensor parameters (use :meth:`load_sharded_state_dict`).
         """
+        self._refuse_full("load_full_state_dict")
         self._quiesce()
         layouts, who = self._layouts(), f"{self._strategy}.load_full_state_dict"
         problem = check_state_dict(layouts, state_dict, self.optimizer, strict)
@@ -123,7 +165,10 @@ class ShardedStrategy:
             "step": {name: int}}}`` (see :mod:`~meshkit.parallel.sharded_state`): the same keys at
             any world size and for any strategy. The optimizer state is materialized (zeros at step
             0) if the optimizer has not stepped yet, so a checkpoint can be loaded in place into a
-            fresh strategy; write the views, then call :meth:`load_sharded_state_dict`.
+            fresh strategy; write the views, then call :meth:`load_sharded_state_dict`. A DTensor
+            parameter's boxes (and its optimizer state's) are boxes of its global array: its flat
+            shard's pieces of this rank's block, placed at the block's offset, so that a checkpoint
+            reshards across tensor-parallel meshes and strategies.
         """
         self._quiesce()
         rank, shards = self._shard_group().rank, self._param_shards()
@@ -136,6 +181,10 @@ class ShardedStrategy:
                 for name, pieces in flat_shard_pieces(lay, flat, rank).items():
                     state.setdefault(name, {})[key] = pieces
             step.update(dict.fromkeys(lay.names, self.optimizer.steps[lay.key]))
+        for name, block in self._block_layouts.items():
+            model[name] = block.place(model[name])
+            if name in state:  # an optimizer without state (SGD without momentum) has none
+                state[name] = {k: block.place(v) for k, v in state[name].items()}
         return {"model": model, "optim": {"state": state, "step": step}}
 
     def load_sharded_state_dict(self, model_state_dict: dict[str, Any], optim_state_dict: dict[str, Any]) -> None:

@@ -36,7 +36,6 @@ from ..comm import DistValueError, ProcessGroup, ReduceOp, Work
 from ..mesh import DeviceMesh
 from .arrays import array_namespace
 from .buckets import MB, BucketManager, CommHook, GradBucket
-from .clip import clip_grad_norm_parts
 from .dtensors import split, wrap_all
 from .flat import FlatLayout, make_layouts
 from .hooks import allreduce_hook
@@ -130,7 +129,7 @@ class ZeroRedundancyOptimizer(GradientReducer, ShardedStrategy):
             problem = f"optimizer must be a meshkit Optimizer (SGD, AdamW), got {type(optimizer).__name__}"
         check_setup(params, self.group, "ZeroRedundancyOptimizer", problem=problem, config={
             "stage": stage, "bucket_cap_mb": bucket_cap_mb, "first_bucket_cap_mb": first_bucket_cap_mb,
-            "find_unused_parameters": find_unused_parameters, "optimizer": repr(optimizer)}, dtensors=True)
+            "find_unused_parameters": find_unused_parameters, "optimizer": repr(optimizer)})
         self.stage, self.optimizer = stage, optimizer
         self.find_unused_parameters = find_unused_parameters
         blocks, self._block_layouts = split(params)  # this rank's blocks of DTensor parameters
@@ -236,63 +235,6 @@ class ZeroRedundancyOptimizer(GradientReducer, ShardedStrategy):
             raise DistValueError(f"{self._where(op)}: gradients {sorted(self._touched)} were accumulated under "
                                  "no_sync() but never synchronized; run the last micro-batch outside no_sync() and "
                                  "finish_gradient_sync()")
-
-    # ------------------------------------------------------------------ DTensor parameters
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
-        """Clip the gradients by their global norm (the single-process value), before ``step()``.
-
-        With DTensor parameters the flat shards hold pieces of tensor-parallel blocks: each
-        piece's partial sum is added over the group and over the mesh dims its parameter is
-        ``Shard`` on (a ``Replicate`` dim counts its copy once), as :func:`clip_grad_norm_` does
-        for DTensors. Collective over the group and the parameters' meshes.
-        """
-        if not self._block_layouts:
-            return super().clip_grad_norm_(max_norm, norm_type)
-        self._settle("clip_grad_norm_")
-        shards, me = self._local_grad_shards(), self.group.rank
-        parts: dict[Any, list[Any]] = {}  # (mesh, sharded dims) or None (plain) -> pieces in this rank's shards
-        for lay in self.layouts.values():
-            lo, hi = lay.shard_range(me)
-            for i, (name, off) in enumerate(zip(lay.names, lay.offsets)):
-                block = self._block_layouts.get(name)
-                pieces = parts.setdefault(None if block is None else (block.mesh, block.sharded_dims), [])
-                a, b = max(lo, off), min(hi, off + lay.size_of(i))
-                if a < b:
-                    pieces.append(shards[lay.key][a - lo:b - lo])
-        # Every rank has every part (its parameters' layouts agree), empty or not, so the collectives
-        # match; an empty part reduces an empty slice of a shard, so that its buffer is of the
-        # shards' library (a host buffer on one rank and a device one on another would meet two engines).
-        empty = next(iter(shards.values()))[:0]
-        return clip_grad_norm_parts([(pieces or [empty], [self.group] + ([] if key is None else
-                                                                          [key[0].get_group(d) for d in key[1]]))
-                                     for key, pieces in parts.items()], max_norm, norm_type=norm_type)
-
-    def sharded_state_dict(self) -> dict[str, Any]:
-        """As :meth:`ShardedStrategy.sharded_state_dict`; a DTensor parameter's boxes (and its
-        optimizer state's) are boxes of its global array: its flat shard's pieces of this rank's
-        block, placed at the block's offset."""
-        sd = super().sharded_state_dict()
-        for name, block in self._block_layouts.items():
-            sd["model"][name] = block.place(sd["model"][name])
-            sd["optim"]["state"][name] = {k: block.place(v) for k, v in sd["optim"]["state"][name].items()}
-        return sd
-
-    def _refuse_full(self, op: str) -> None:
-        if self._block_layouts:
-            raise DistValueError(f"{self._where(op)}: parameters {list(self._block_layouts)} are DTensors, whose full "
-                                 "state dict (per-rank blocks gathered over the group) is not supported; use "
-                                 "sharded_state_dict() / meshkit.checkpoint.get_state_dict(), whose boxes are of the "
-                                 "global arrays")
-
-    def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, Any] | None:
-        """As :meth:`ShardedStrategy.full_state_dict`; DistValueError with DTensor parameters."""
-        self._refuse_full("full_state_dict")
-        return super().full_state_dict(rank0_only=rank0_only)
-
-    def load_full_state_dict(self, state_dict: dict[str, Any], *, strict: bool = True) -> None:
-        """As :meth:`ShardedStrategy.load_full_state_dict`; DistValueError with DTensor parameters."""
-        self._refuse_full("load_full_state_dict")
-        super().load_full_state_dict(state_dict, strict=strict)
 
     def _loaded(self) -> None:
         for key, flat in self._flat.items():

@@ -5,6 +5,10 @@ replicated), its hidden width 5 cut unevenly over ``tp`` = 2 (3 + 2 columns, ``t
 rule), trained with a data-parallel strategy that takes the DTensors themselves; and the same
 training in one process on the global batch (the reference). The model code is plain NumPy:
 the same functions run on arrays and on DTensors.
+
+Strategies: ``ddp``, ``zero1``, ``zero2`` on a ``(dp, tp)`` mesh; ``fsdp`` (two units, one per
+layer) on a ``(dp, tp)`` mesh and ``hsdp`` on a ``(replicate, shard, tp)`` one, each data-parallel
+rank taking its share of the global batch in mesh order.
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ from __future__ import annotations
 import numpy as np
 
 import meshkit
-from meshkit.parallel import SGD, DistributedDataParallel, ZeroRedundancyOptimizer, clip_grad_norm_, to_host
+from meshkit.parallel import (SGD, DistributedDataParallel, FullyShardedDataParallel, ZeroRedundancyOptimizer,
+                              clip_grad_norm_, to_host)
 from meshkit.tensor import ColwiseParallel, DTensor, Replicate, RowwiseParallel, Shard, distribute_tensor, parallelize
 
 GLOBAL_BATCH = 12  # divisible by every dp degree used (1, 2, 3, 4)
@@ -22,6 +27,8 @@ ROWWISE = RowwiseParallel(use_local_output=False)
 PLAN = {"[wb]1": ColwiseParallel(use_local_output=False), "w2": ROWWISE}
 #: what the plan gives each parameter, and so each gradient
 PLACEMENTS = {"w1": (Shard(1),), "b1": (Shard(0),), "w2": (Shard(0),), "b2": (Replicate(),)}
+#: FSDP's units: one per layer
+UNITS = [["w1", "b1"], ["w2", "b2"]]
 
 
 def init_params() -> dict[str, np.ndarray]:
@@ -65,35 +72,75 @@ def _xp(device: str):
     return cupy
 
 
-def build(mesh_shape: tuple[int, int], strategy: str = "ddp", device: str = "cpu", **kw):
-    """The mesh, the DTensor parameters over its ``tp`` dim and the strategy over ``dp``."""
-    mesh = meshkit.init_device_mesh(device, mesh_shape, mesh_dim_names=("dp", "tp"))
+def build_mesh(mesh_shape: tuple[int, ...], strategy: str = "ddp", device: str = "cpu") -> meshkit.DeviceMesh:
+    """``(dp, tp)``, or ``(replicate, shard, tp)`` for hsdp."""
+    names = ("replicate", "shard", "tp") if strategy == "hsdp" else ("dp", "tp")
+    return meshkit.init_device_mesh(device, mesh_shape, mesh_dim_names=names)
+
+
+def dp_mesh(mesh: meshkit.DeviceMesh) -> meshkit.DeviceMesh:
+    """The data-parallel part of the mesh: 1-D ``dp``, or HSDP's 2-D ``(replicate, shard)``."""
+    return mesh["replicate", "shard"] if mesh.ndim == 3 else mesh["dp"]
+
+
+def build(mesh_shape: tuple[int, ...], strategy: str = "ddp", device: str = "cpu", **kw):
+    """The mesh, the DTensor parameters over its ``tp`` dim and the strategy over the rest."""
+    mesh = build_mesh(mesh_shape, strategy, device)
     xp = _xp(device)
     params = parallelize({n: xp.asarray(p) for n, p in init_params().items()}, mesh["tp"], PLAN)
     if strategy == "ddp":
         return mesh, DistributedDataParallel(params, mesh=mesh["dp"], bucket_cap_mb=1e-4, first_bucket_cap_mb=5e-5,
                                              **kw)
+    if strategy in ("fsdp", "hsdp"):
+        return mesh, FullyShardedDataParallel(params, mesh=dp_mesh(mesh), optimizer=SGD(lr=0.2, momentum=0.9),
+                                              units=UNITS, **kw)
     return mesh, ZeroRedundancyOptimizer(params, SGD(lr=0.2, momentum=0.9), mesh=mesh["dp"],
                                          stage=int(strategy[-1]), bucket_cap_mb=1e-4, first_bucket_cap_mb=5e-5)
 
 
-def steps(mesh, model, opt, first: int, last: int, *, blocks: bool = False) -> list[dict]:
-    """Train steps ``first..last-1``; return each step's gradients' (type, placements).
+def _layouts(tensors: dict, tp) -> dict:
+    return {n: (type(g).__name__, g.placements, g.device_mesh == tp) for n, g in tensors.items()}
 
-    ``blocks``: hand DDP each gradient's block (``to_local()``) instead of the DTensor.
+
+def _fsdp_pass(model: FullyShardedDataParallel, x, t, blocks: bool) -> dict:
+    """FSDP's forward and backward: both units gathered, each unit's gradients reduced as soon as
+    the backward pass has them all; returns the gathered parameters' layouts."""
+    pending = {}
+    with model.unshard(0) as first, model.unshard(1) as second:
+        params = {**first, **second}
+        for name, g in grads_in_backward_order(params, x, t):
+            assert g.placements == PLACEMENTS[name], (name, g.placements)
+            pending[name] = g.to_local() if blocks else g
+            for u, names in enumerate(UNITS):
+                if name in names and all(n in pending for n in names):
+                    model.reduce_grads(u, {n: pending.pop(n) for n in names})
+    return params
+
+
+def steps(mesh, model, opt, first: int, last: int, *, blocks: bool = False) -> list[dict]:
+    """Train steps ``first..last-1``; return each step's gradients' (type, placements) (FSDP's:
+    its gathered parameters', FSDP handing out no gradients).
+
+    ``blocks``: hand the strategy each gradient's block (``to_local()``) instead of the DTensor.
     """
-    dp, tp = mesh["dp"], mesh["tp"]
+    dp, tp = dp_mesh(mesh), mesh["tp"]
+    share = int(np.ravel_multi_index(dp.get_coordinate(), dp.shape))  # this rank's part of the global batch
     xp = _xp(mesh.device_type)
     seen = []
     for step in range(first, last):
-        x, t = (xp.asarray(np.array_split(a, dp.size())[dp.get_local_rank()]) for a in data(step))
+        x, t = (xp.asarray(np.array_split(a, dp.size())[share]) for a in data(step))
         x, t = distribute_tensor(x, tp, [Replicate()]), distribute_tensor(t, tp, [Replicate()])
         model.zero_grad()
+        if isinstance(model, FullyShardedDataParallel):
+            seen.append(_layouts(_fsdp_pass(model, x, t, blocks), tp))
+            model.clip_grad_norm_(MAX_NORM)
+            model.step()
+            continue
         for name, g in grads_in_backward_order(model.params, x, t):
             assert g.placements == PLACEMENTS[name], (name, g.placements)
             model.mark_grad_ready(name, g.to_local() if blocks else g)
         model.finish_gradient_sync()
-        seen.append({n: (type(g).__name__, g.placements, g.device_mesh == tp) for n, g in model.grads.items()})
+        seen.append(_layouts(model.grads, tp))
         if opt is None:  # ZeRO: its own optimizer and clipping
             model.clip_grad_norm_(MAX_NORM)
             model.step()
@@ -103,18 +150,28 @@ def steps(mesh, model, opt, first: int, last: int, *, blocks: bool = False) -> l
     return seen
 
 
-def train(mesh_shape: tuple[int, int], strategy: str = "ddp", *, blocks: bool = False, device: str = "cpu", **kw):
+def full_params(model) -> dict:
+    """Every parameter gathered whole (collective over the mesh), in the model's order."""
+    if not isinstance(model, FullyShardedDataParallel):
+        return {n: p.full_tensor() for n, p in model.params.items()}
+    out = {}
+    for unit in range(len(model.units)):
+        with model.unshard(unit) as params:
+            out.update({n: p.full_tensor() for n, p in params.items()})
+    return {n: out[n] for n in PLACEMENTS}
+
+
+def train(mesh_shape: tuple[int, ...], strategy: str = "ddp", *, blocks: bool = False, device: str = "cpu", **kw):
     """Train ``STEPS`` steps; returns the full final parameters (NumPy) and the gradients' layouts."""
     mesh, model = build(mesh_shape, strategy, device, **kw)
     opt = SGD(lr=0.2, momentum=0.9) if strategy == "ddp" else None
-    params, tp = model.params, mesh["tp"]
-    assert {n: (type(p).__name__, p.placements, p.device_mesh == tp) for n, p in params.items()} == \
-        {n: ("DTensor", pl, True) for n, pl in PLACEMENTS.items()}
+    if not isinstance(model, FullyShardedDataParallel):
+        assert _layouts(model.params, mesh["tp"]) == {n: ("DTensor", pl, True) for n, pl in PLACEMENTS.items()}
     seen = steps(mesh, model, opt, 0, STEPS, blocks=blocks)
-    return {n: to_host(p.full_tensor()) for n, p in model.params.items()}, seen
+    return {n: to_host(p) for n, p in full_params(model).items()}, seen
 
 
-def resume(mesh_shape: tuple[int, int], strategy: str, ckpt_in, ckpt_out, first: int, last: int) -> dict:
+def resume(mesh_shape: tuple[int, ...], strategy: str, ckpt_in, ckpt_out, first: int, last: int) -> dict:
     """Load ``ckpt_in`` (if any) in place through ``get_state_dict``, train steps ``first..last-1``,
     save to ``ckpt_out``; returns the full parameters."""
     from meshkit import checkpoint as dcp
@@ -129,7 +186,7 @@ def resume(mesh_shape: tuple[int, int], strategy: str, ckpt_in, ckpt_out, first:
     steps(mesh, model, opt, first, last)
     model_sd, optim_sd = dcp.get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt_out)
-    return {n: p.full_tensor() for n, p in model.params.items()}
+    return full_params(model)
 
 
 def assert_matches_reference(params: dict, ref: dict) -> None:
@@ -138,7 +195,7 @@ def assert_matches_reference(params: dict, ref: dict) -> None:
         np.testing.assert_allclose(params[name], want, rtol=0, atol=1e-10, err_msg=name)
 
 
-def check(mesh_shape: tuple[int, int], strategy: str = "ddp") -> None:
+def check(mesh_shape: tuple[int, ...], strategy: str = "ddp") -> None:
     """``train`` equals the reference; every gradient a DTensor laid out as its parameter."""
     ref = reference()
     params, seen = train(mesh_shape, strategy)

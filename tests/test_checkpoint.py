@@ -159,13 +159,23 @@ def test_tensor_parallel_params_and_their_optimizer_state_roundtrip(tmp_path):
     assert np.abs(loaded[2]).sum() > 0
 
 
-@pytest.mark.parametrize("strategies", [("ddp", "ddp", "ddp"), ("zero2", "ddp", "zero1")], ids=str)
-def test_data_parallel_dtensor_params_resume_on_other_meshes_as_if_uninterrupted(strategies, tmp_path):
-    """Saved over dp of a 2x2 dp x tp mesh (get_state_dict's DTensor views, or ZeRO's boxes of the
-    global arrays), resumed on 4x1 (whole blocks) and then 1x4 (uneven: 5 columns over 4)."""
+DP_TP_CHAINS = [
+    (("ddp", (2, 2)), ("ddp", (4, 1)), ("ddp", (1, 4))),
+    (("zero2", (2, 2)), ("ddp", (4, 1)), ("zero1", (1, 4))),
+    (("fsdp", (2, 2)), ("zero2", (4, 1)), ("ddp", (1, 4))),
+    (("ddp", (2, 2)), ("hsdp", (2, 2, 1)), ("fsdp", (1, 4))),
+    (("hsdp", (1, 2, 2)), ("fsdp", (4, 1)), ("zero2", (2, 2))),
+]
+
+
+@pytest.mark.parametrize("chain", DP_TP_CHAINS, ids=lambda c: "-".join(f"{s}{'x'.join(map(str, m))}" for s, m in c))
+def test_data_parallel_dtensor_params_resume_on_other_meshes_as_if_uninterrupted(chain, tmp_path):
+    """Saved over dp of a dp x tp mesh (get_state_dict's DTensor views, or ZeRO's and FSDP's boxes
+    of the global arrays), resumed on other meshes and strategies: 4x1 (whole blocks), 1x4 (uneven:
+    5 columns over 4), HSDP's (replicate, shard, tp) meshes; each equal to uninterrupted training."""
     ref = dp_tp_cases.reference()
-    chain = [((2, 2), None, 0, 2), ((4, 1), 0, 2, 3), ((1, 4), 1, 3, dp_tp_cases.STEPS)]
-    for i, ((shape, src, first, last), strategy) in enumerate(zip(chain, strategies)):
+    spans = [(None, 0, 2), (0, 2, 3), (1, 3, dp_tp_cases.STEPS)]
+    for i, ((strategy, shape), (src, first, last)) in enumerate(zip(chain, spans)):
         ckpt_in = None if src is None else tmp_path / f"ck{src}"
         results = local.run(dp_tp_cases.resume, 4, shape, strategy, ckpt_in, tmp_path / f"ck{i}", first, last,
                             timeout=30)

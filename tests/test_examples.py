@@ -6,6 +6,7 @@ model), ``train_mlp`` and ``train_tp`` (the command-line examples) are imported 
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 from pathlib import Path
@@ -278,6 +279,7 @@ def test_train_tp_defaults_follow_the_world():
     ((2, 2), ("--optimizer", "adamw")), ((1, 2), ("--dtype", "float32")),
     ((2, 2), ("--dp", "zero1")), ((2, 1), ("--dp", "zero2", "--optimizer", "adamw")), ((2, 2), ("--dp", "fsdp")),
     ((3, 1), ("--dp", "fsdp", "--optimizer", "adamw")), ((2, 3), ("--dp", "zero2")),
+    ((1, 3), ("--dp", "fsdp")), ((2, 2), ("--dp", "fsdp", "--dtype", "float32")),
 ])
 def test_train_tp_passes_its_check_local(mesh, extra):
     world = mesh[0] * mesh[1]
@@ -290,22 +292,52 @@ def test_train_tp_passes_its_check_local(mesh, extra):
         np.testing.assert_allclose(losses, ref_losses, rtol=train_mlp.exact_tolerance(args.dtype))
 
 
-@pytest.mark.parametrize("dp", ["ddp", "zero1", "zero2"])
-def test_train_tp_hands_the_dtensors_to_ddp_and_zero_and_steps_theirs(dp):
+@pytest.mark.parametrize("dp", ["ddp", "zero1", "zero2", "fsdp"])
+def test_train_tp_hands_the_dtensors_to_every_strategy_and_steps_theirs(dp, monkeypatch):
     """No to_local/from_local in the example: the strategy takes the plan's DTensors, and its own
-    params and grads are the DTensors the optimizer steps."""
+    params and grads are the DTensors the optimizer steps (FSDP's: the very DTensors its unshard
+    yields are the forward's parameters, and it is handed the DTensor gradients)."""
+    yielded, reduced = [], []
+    if dp == "fsdp":
+        fsdp = train_tp.FullyShardedDataParallel
+        unshard, reduce_grads = fsdp.unshard, fsdp.reduce_grads
+
+        @contextlib.contextmanager
+        def spy_unshard(self, unit):
+            with unshard(self, unit) as params:
+                yielded.append((meshkit.get_rank(), params))  # the rank's thread: its world
+                yield params
+
+        monkeypatch.setattr(fsdp, "unshard", spy_unshard)
+        monkeypatch.setattr(fsdp, "reduce_grads", lambda self, unit, grads: reduced.append(grads) or
+                            reduce_grads(self, unit, grads))
+
     def body():
         mesh = train_tp.build_mesh((2, 2))
         model = train_tp.TensorParallelModel(dp, mlp.init_params(train_tp.HIDDEN), mesh, mlp.make_optimizer("sgd", 0.1))
+        if dp != "fsdp":
+            with model.params() as params:
+                assert params is model.inner.params
+            return {n: (type(p).__name__, p.placements) for n, p in model.inner.params.items()}, \
+                {n: (type(g).__name__, g.placements) for n, g in model.inner.grads.items()}
+        rank = meshkit.get_rank()
         with model.params() as params:
-            assert params is model.inner.params
-        return {n: (type(p).__name__, p.placements) for n, p in model.inner.params.items()}, \
-            {n: (type(g).__name__, g.placements) for n, g in model.inner.grads.items()}
+            mine = [unit for r, unit in yielded if r == rank]
+            assert len(mine) == 3 and all(params[n] is p for unit in mine for n, p in unit.items())
+            acts = train_tp.forward(params, np.ones((2, mlp.FEATURES)), mesh["tp"])
+            onehot = train_tp.distribute_tensor(np.eye(mlp.CLASSES)[[0, 1]], mesh["tp"], [Replicate()])
+            train_tp.backward(params, acts, train_tp.loss_and_grad_logits(acts[-1], onehot)[1], model.grad_ready)
+        model.step()
+        return {n: (type(p).__name__, p.placements) for n, p in params.items()}, {}
 
     want = {"w0": (Shard(1),), "b0": (Shard(0),), "w1": (Shard(0),), "b1": (Replicate(),), "w2": (Replicate(),),
             "b2": (Replicate(),)}
     for params, grads in local.run(body, 4, timeout=30):
-        assert params == grads == {n: ("DTensor", pl) for n, pl in want.items()}
+        assert params == {n: ("DTensor", pl) for n, pl in want.items()}
+        assert dp == "fsdp" or grads == params
+    if dp == "fsdp":  # 3 units on each of 4 ranks, every gradient a DTensor laid out as its parameter
+        assert len(reduced) == 12
+        assert all((type(g).__name__, g.placements) == ("DTensor", want[n]) for u in reduced for n, g in u.items())
 
 
 def test_train_tp_runs_megatrons_collectives_on_dtensors():
@@ -365,7 +397,8 @@ def test_example_fp16_check_is_printed_once_under_meshkit_run(mpirun):
     assert "[rank1]" not in out, "rank 0 alone prints"
 
 
-@pytest.mark.parametrize("n, mesh, dp", [(4, "2x2", "ddp"), (4, "1x4", "ddp"), (2, "2x1", "ddp"), (4, "2x2", "fsdp")])
+@pytest.mark.parametrize("n, mesh, dp", [(4, "2x2", "ddp"), (4, "1x4", "ddp"), (2, "2x1", "ddp"), (4, "2x2", "fsdp"),
+                                         (3, "1x3", "fsdp")])
 def test_train_tp_check_passes_under_meshkit_run(mpirun, n, mesh, dp):
     out = mpirun(EXAMPLES / "train_tp.py", n, "--mesh", mesh, "--dp", dp, "--steps", "20", "--check").stdout
     assert out.count("check against single-process training: OK (float64)") == 1, out
@@ -400,6 +433,25 @@ def test_train_3d_passes_its_check_local(mesh, extra):
         assert len(losses) == 4 and losses[-1] < losses[0]
         result = train_mlp.compare_params(args.dtype, params, reference)
         assert result.ok, result.line()
+
+
+def test_train_3d_hands_ddp_the_stages_dtensors(monkeypatch):
+    """DDP takes every stage's DTensors (no to_local), and the optimizer steps DDP's own DTensors."""
+    taken, stepped = [], []
+
+    class Spy(train_3d.DistributedDataParallel):
+        def __init__(self, params, **kwargs):
+            taken.append({type(p).__name__ for p in params.values()})
+            super().__init__(params, **kwargs)
+
+    monkeypatch.setattr(train_3d, "DistributedDataParallel", Spy)
+    optimizer = type(mlp.make_optimizer("adamw", 0.01))
+    step = optimizer.step
+    monkeypatch.setattr(optimizer, "step", lambda self, params, grads: stepped.append(
+        {type(v).__name__ for v in (*params.values(), *grads.values())}) or step(self, params, grads))
+    args = train_3d.parse_args(["--mesh", "2x1x2", "--steps", "2", "--optimizer", "adamw"], world_size=4)
+    local.run(lambda: train_3d.train(args, progress=False), 4, timeout=60)
+    assert taken == [{"DTensor"}] * 4 and stepped == [{"DTensor"}] * 8, (taken, stepped)
 
 
 @pytest.mark.parametrize("argv, world, message", [

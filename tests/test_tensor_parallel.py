@@ -7,6 +7,7 @@ every strategy is compared with single-process NumPy.
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -298,9 +299,10 @@ def test_ddp_of_dtensor_params_over_dp_equals_single_process(mesh_shape):
         assert seen == [want] * dp_tp_cases.STEPS
 
 
-def test_ddp_and_zero_of_dtensor_params_over_dp_equal_single_process_mpi(mpirun):
-    out = mpirun("mpi_dp_tp.py", 4, "ddp", "zero1", "zero2").stdout
-    assert [out.count(f"DP TP {s} OK") for s in ("ddp", "zero1", "zero2")] == [4, 4, 4], out
+def test_data_parallel_strategies_of_dtensor_params_equal_single_process_mpi(mpirun):
+    strategies = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
+    out = mpirun("mpi_dp_tp.py", 4, *strategies).stdout
+    assert [out.count(f"DP TP {s} OK") for s in strategies] == [4] * len(strategies), out
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -316,8 +318,48 @@ def test_zero_of_dtensor_params_over_dp_equals_single_process(mesh_shape, stage)
         assert seen == [want] * dp_tp_cases.STEPS
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
-def test_data_parallel_dtensor_params_on_device_arrays(cupy, strategy):
+FSDP_MESHES = [("fsdp", (2, 2)), ("fsdp", (3, 2)), ("fsdp", (1, 2)), ("fsdp", (2, 1)), ("fsdp", (1, 4)),
+               ("hsdp", (2, 2, 2)), ("hsdp", (1, 2, 2)), ("hsdp", (2, 1, 2))]
+
+
+@pytest.mark.parametrize("strategy, mesh_shape", FSDP_MESHES, ids=[f"{s}-{m}" for s, m in FSDP_MESHES])
+def test_fsdp_and_hsdp_of_dtensor_params_equal_single_process(strategy, mesh_shape):
+    """FSDP flat-shards each rank's block over dp (HSDP over the (replicate, shard) part of a
+    (replicate, shard, tp) mesh); unshard yields DTensors laid out as the parameters, reduce_grads
+    takes DTensor gradients, clipping adds the norm over dp and tp. 1x4 cuts 5 columns 2, 2, 1, 0."""
+    ref = dp_tp_cases.reference()
+    for params, seen in local.run(dp_tp_cases.train, int(np.prod(mesh_shape)), mesh_shape, strategy, timeout=60):
+        dp_tp_cases.assert_matches_reference(params, ref)
+        want = {n: ("DTensor", placements, True) for n, placements in dp_tp_cases.PLACEMENTS.items()}
+        assert seen == [want] * dp_tp_cases.STEPS
+
+
+@pytest.mark.parametrize("kw", [{"blocks": True}, {"reshard_after_forward": False}], ids=["blocks", "keep-unsharded"])
+def test_fsdp_of_dtensor_params_takes_blocks_and_keeps_unsharded_dtensors(kw):
+    ref = dp_tp_cases.reference()
+
+    def body():
+        params, _ = dp_tp_cases.train((2, 2), "fsdp", **kw)
+        mesh, fsdp = dp_tp_cases.build((2, 2), "fsdp", reshard_after_forward=kw.get("reshard_after_forward", True))
+        with fsdp.unshard(0) as first:
+            w1 = first["w1"]
+            assert w1.device_mesh == mesh["tp"] and w1.shape == (4, 5) and w1.to_local().shape == ((4, 3), (4, 2))[
+                mesh["tp"].get_local_rank()]
+        with fsdp.unshard(0) as again:  # gathered again, or (reshard_after_forward=False) the same DTensor
+            assert (again["w1"] is w1) == (not kw.get("reshard_after_forward", True))
+        fsdp.reduce_grads(0, {n: p * 0 for n, p in again.items()})
+        fsdp.step()
+        return params
+
+    for params in local.run(body, 4, timeout=30):
+        dp_tp_cases.assert_matches_reference(params, ref)
+
+
+DEVICE_CASES = [("ddp", (2, 2)), ("zero2", (2, 2)), ("fsdp", (2, 2)), ("hsdp", (2, 1, 2))]
+
+
+@pytest.mark.parametrize("strategy, mesh_shape", DEVICE_CASES, ids=[s for s, _ in DEVICE_CASES])
+def test_data_parallel_dtensor_params_on_device_arrays(cupy, strategy, mesh_shape):
     """CuPy blocks (tests/fake_cupy.py's strict arrays) over the NCCL engine on the double: the
     strategy's DTensors wrap device arrays, and training equals single-process NumPy."""
     import fake_cupy
@@ -326,21 +368,27 @@ def test_data_parallel_dtensor_params_on_device_arrays(cupy, strategy):
 
     def main():
         meshkit.init_process_group("nccl", timeout=60)
-        _, model = dp_tp_cases.build((2, 2), strategy, "cuda")
-        assert all(isinstance(p.to_local(), fake_cupy.ndarray) for p in model.params.values())
-        return dp_tp_cases.train((2, 2), strategy, device="cuda")[0]
+        _, model = dp_tp_cases.build(mesh_shape, strategy, "cuda")
+        if isinstance(model, FullyShardedDataParallel):
+            with model.unshard(0) as params:
+                assert all(isinstance(p.to_local(), fake_cupy.ndarray) for p in params.values())
+        else:
+            assert all(isinstance(p.to_local(), fake_cupy.ndarray) for p in model.params.values())
+        return dp_tp_cases.train(mesh_shape, strategy, device="cuda")[0]
 
-    for params in local.run(main, 4, init=False, timeout=120):
+    for params in local.run(main, int(np.prod(mesh_shape)), init=False, timeout=120):
         dp_tp_cases.assert_matches_reference(params, ref)
 
 
-def test_zero_of_dtensor_params_refuses_full_state_dicts():
+@pytest.mark.parametrize("strategy, who", [("zero1", r"ZeroRedundancyOptimizer\(stage=1\)"),
+                                           ("fsdp", "FullyShardedDataParallel")], ids=["zero1", "fsdp"])
+def test_sharded_strategies_of_dtensor_params_refuse_full_state_dicts(strategy, who):
     def body():
-        _, zero = dp_tp_cases.build((2, 2), "zero1")
-        for call in (zero.full_state_dict, lambda: zero.load_full_state_dict({})):
-            with pytest.raises(ValueError, match=r"ZeroRedundancyOptimizer\(stage=1\)\.(load_)?full_state_dict: "
-                                                 r"parameters \['w1', 'b1', 'w2', 'b2'\] are DTensors, whose full "
-                                                 r"state dict .* is not supported; use sharded_state_dict\(\)"):
+        _, model = dp_tp_cases.build((2, 2), strategy)
+        for call in (model.full_state_dict, lambda: model.load_full_state_dict({})):
+            with pytest.raises(ValueError, match=rf"rank \d: {who}\.(load_)?full_state_dict: parameters \['w1', 'b1', "
+                                                 r"'w2', 'b2'\] are DTensors, whose full state dict .* is not "
+                                                 r"supported; use sharded_state_dict\(\)"):
                 call()
 
     local.run(body, 4, timeout=30)
@@ -384,7 +432,7 @@ def _tp_params(mesh, placements=None):
     ("plain", r"parameter 'w' differs between rank \d \(a DTensor .*\) and rank \d \(shape \(4, 6\), dtype "
               r"float64\)"),
 ], ids=["partial", "dp-mesh", "placements", "coordinate", "plain"])
-@pytest.mark.parametrize("strategy", ["ddp", "zero"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero", "fsdp"])
 def test_dtensor_params_that_cannot_be_data_parallel_over_dp_are_refused_on_every_rank(case, message, strategy):
     def body():
         mesh = meshkit.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -404,8 +452,10 @@ def test_dtensor_params_that_cannot_be_data_parallel_over_dp_are_refused_on_ever
         with pytest.raises(ValueError, match=message) as info:
             if strategy == "ddp":
                 DistributedDataParallel(params, mesh=dp)
-            else:
+            elif strategy == "zero":
                 ZeroRedundancyOptimizer(params, SGD(lr=0.1), mesh=dp)
+            else:
+                FullyShardedDataParallel(params, mesh=dp, optimizer=SGD(lr=0.1))
         return str(info.value)
 
     for rank, text in enumerate(local.run(body, 4, timeout=30)):
@@ -436,14 +486,93 @@ def test_a_gradient_laid_out_unlike_its_parameter_is_refused_naming_both():
                           "parameter: shape (4, 2) and dtype float64")
 
 
-def test_fsdp_and_update_ask_for_blocks_not_dtensors():
+@pytest.mark.parametrize("strategy", ["zero1", "fsdp"])
+def test_sharded_state_dicts_of_dtensor_params_without_optimizer_state(strategy):
+    """SGD without momentum keeps no state: the state dict has none for any parameter (placing the
+    DTensor parameters' boxes once looked their state up and raised KeyError)."""
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        params = parallelize(dp_tp_cases.init_params(), mesh["tp"], dp_tp_cases.PLAN)
+        if strategy == "fsdp":
+            model = FullyShardedDataParallel(params, mesh=mesh["dp"], optimizer=SGD(lr=0.1))
+        else:
+            model = ZeroRedundancyOptimizer(params, SGD(lr=0.1), mesh=mesh["dp"])
+        sd = model.sharded_state_dict()
+        return sd["optim"]["state"], {n: [(p.global_shape, p.offsets) for p in v] for n, v in sd["model"].items()}
+
+    for rank, (state, boxes) in enumerate(local.run(body, 4, timeout=30)):
+        assert state == {}
+        assert {shape for pieces in boxes.values() for shape, _ in pieces} <= {(4, 5), (5,), (5, 3), (3,)}
+        cols = (0, 3)[rank % 2]  # w1's block starts at column 0 or 3 (5 columns over tp = 2: 3 + 2)
+        assert all(offsets[1] >= cols for _, offsets in boxes["w1"]), boxes["w1"]
+
+
+@pytest.mark.parametrize("case, message", [
+    ("replicate-mesh", r"invalid arguments on (rank \d|ranks \[\d(, \d)*\]): params\['w'\] is a DTensor on mesh "
+                       r"\[\[\d, \d\], \[\d, \d\]\] \(dims \('replicate', 'tp'\)\), which holds ranks \[\d\] of the "
+                       r"data-parallel mesh \[\d, \d, \d, \d\] besides this rank"),
+    ("one-rank", r"invalid arguments on rank 5: params\['w'\] is a DTensor with placements \(Partial\(sum\),\)"),
+    ("replicate-coordinate", r"parameter 'w' differs between rank \d \(a DTensor \(Shard\(dim=1\),\) of global shape "
+                             r"\(4, 6\) at coordinate \((\d),\) .*\) and rank \d \(a DTensor \(Shard\(dim=1\),\) of "
+                             r"global shape \(4, 6\) at coordinate \((?!\1)\d,\)"),
+    ("one-rank-units", r"invalid arguments on rank 6: units must put every parameter in exactly one non-empty unit"),
+], ids=["replicate-mesh", "one-rank", "replicate-coordinate", "one-rank-units"])
+def test_hsdp_refuses_dtensor_params_on_every_rank_of_its_mesh(case, message):
+    """HSDP's check runs over the shard group, then the replicate group carrying the first verdict:
+    a problem on one rank, or between replicas only, raises on every rank of the (replicate, shard)
+    mesh, here 2x2 beside tp = 2 (as DDP's and ZeRO's, the check spans data parallelism, not tp:
+    a rank of the other dp mesh constructs, and would meet the failure in its first tp collective)."""
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
+        dp, rank = mesh["replicate", "shard"], meshkit.get_rank()
+        params, units = _tp_params(mesh), None
+        if case == "replicate-mesh":  # laid out over replicate x tp: its mesh holds a replica
+            params = {"w": distribute_tensor(np.ones((4, 6)), mesh["replicate", "tp"], [Replicate(), Shard(1)])}
+        elif case == "one-rank":
+            params = {"w": DTensor.from_local(np.ones((4, 6)), mesh["tp"], [Partial()])} if rank == 5 else params
+        elif case == "replicate-coordinate":  # the second replica pairs tp ranks the other way round
+            dp = meshkit.DeviceMesh("cpu", [[[0, 1], [2, 3]], [[5, 4], [7, 6]]],
+                                    mesh_dim_names=("replicate", "shard", "tp"))["replicate", "shard"]
+        else:
+            units = [["w"], ["w"]] if rank == 6 else None
+        try:
+            FullyShardedDataParallel(params, mesh=dp, optimizer=SGD(lr=0.1), units=units)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    raising = {"one-rank": [1, 3, 5, 7], "one-rank-units": [0, 2, 4, 6]}.get(case, list(range(8)))
+    texts = local.run(body, 8, timeout=30)
+    assert [r for r, text in enumerate(texts) if text is not None] == raising, texts
+    for rank in raising:
+        assert texts[rank].startswith(f"meshkit.parallel: rank {rank}: FullyShardedDataParallel: "), texts[rank]
+        assert re.search(message, texts[rank]), texts[rank]
+
+
+def test_fsdp_refuses_a_gradient_laid_out_unlike_its_parameter():
+    def body():
+        mesh, fsdp = dp_tp_cases.build((2, 2), "fsdp")
+        tp, rank = mesh["tp"], meshkit.get_rank()
+        errors = []
+        for grad, kind in [(distribute_tensor(np.ones((4, 5)), tp, [Shard(0)]), ValueError),
+                           (np.ones((4, 5)), ValueError)]:
+            with pytest.raises(kind) as info:
+                fsdp.reduce_grads(0, {"w1": grad, "b1": distribute_tensor(np.ones(5), tp, [Shard(0)])})
+            errors.append(str(info.value))
+        return errors
+
+    rows, whole = local.run(body, 4, timeout=30)[1]
+    assert rows == ("meshkit.parallel: rank 1: FullyShardedDataParallel.reduce_grads: gradient 'w1' is a DTensor "
+                    "(Shard(dim=0),) of shape (4, 5) on mesh [0, 1]; parameter 'w1' is (Shard(dim=1),) of shape (4, 5) "
+                    "on mesh [0, 1]: redistribute it to the parameter's placements first")
+    assert whole == ("meshkit.parallel: rank 1: FullyShardedDataParallel.reduce_grads: gradient 'w1' has shape (4, 5); "
+                     "expected this rank's block of the DTensor parameter: (4, 2)")
+
+
+def test_update_asks_for_flat_arrays_not_dtensors():
     def body():
         mesh = meshkit.init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
         params = parallelize({"w": np.zeros((2, 4))}, mesh["tp"], {"w": ColwiseParallel()})
-        with pytest.raises(ValueError, match=r"params\['w'\] is a DTensor; FullyShardedDataParallel takes this rank's "
-                                             r"blocks, not DTensors: pass \{name: p\.to_local\(\)\} \(the same "
-                                             r"memory\) and wrap the arrays it hands back with DTensor\.from_local"):
-            FullyShardedDataParallel(params, mesh=mesh["dp"], optimizer=SGD(lr=0.1))
         with pytest.raises(TypeError, match=r"SGD\.update: parameter 'w': update\(\) takes this rank's flat arrays"):
             SGD(lr=0.1).update("w", params["w"], params["w"])
 
