@@ -64,3 +64,25 @@ def job_teardowns(monkeypatch):
     monkeypatch.setattr(meshkit.comm.work, "tear_down", lambda world, reason: ended.append(reason))
     yield ended
     assert not ended, f"the job would have ended: {ended}"
+
+
+class _RepositoryRootIsNotATestPackage:
+    """Collect the repository root as a plain directory, not as a package.
+
+    The root is the package ``meshkit`` (pyproject maps it), and it has an ``__init__.py``, so
+    pytest (8+) makes it a ``Package`` node and imports that file under the *folder's* name to
+    look for ``setup_module``: as a second copy of meshkit when the folder's name is an
+    identifier (``main``), and as a failing relative import when it is not (a clone in
+    ``mesh-kit/``: every test errored at setup). Registered from ``pytest_configure`` so that it
+    applies above this conftest's own directory.
+    """
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collect_directory(self, path: Path, parent: pytest.Collector) -> pytest.Collector | None:
+        if path == Path(__file__).resolve().parent.parent:
+            return pytest.Dir.from_parent(parent, path=path)
+        return None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(_RepositoryRootIsNotATestPackage(), "meshkit-repository-root")
