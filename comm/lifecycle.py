@@ -22,6 +22,7 @@ from .group import ProcessGroup
 from .notices import LEFT, Notice
 from .progress import ProgressAgent
 from .timeouts import resolve_timeout
+from .work import abort_job
 from .world import World, current_world, is_initialized, local_context, set_world
 
 __all__ = ["init_process_group", "destroy_process_group", "BACKENDS"]
@@ -168,16 +169,7 @@ class _AbortHook:
         world = self.installed_for
         if world is None or world.size <= 1 or kind is KeyboardInterrupt:
             return
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # a closed stream must not stop the abort
-                pass
-        abort = getattr(world.default_group.engine, "abort", None)
-        if abort is not None:
-            print(f"meshkit: rank {world.rank}: uncaught {kind.__name__}: aborting the MPI job", file=sys.stderr,
-                  flush=True)
-            abort(1)
+        abort_job(world, f"meshkit: rank {world.rank}: uncaught {kind.__name__}: aborting the MPI job")
 
 
 _abort_hook = _AbortHook()

@@ -44,7 +44,7 @@ _ROUND_NAP = 0.0002
 _IDLE_NAP = 0.005
 #: Seconds between watchdog rounds over device work: torch's NCCL watchdog looks every 100 ms;
 #: a rank whose device work waits in a call another member abandoned must answer that member's
-#: notice well within its listening time (group._ARRIVAL_GRACE, 0.5 s), so 10x more often. A
+#: notice well within its listening time (failures._ARRIVAL_GRACE, 0.5 s), so 10x more often. A
 #: round costs an event query, an NCCL error check and a look for notices per work.
 WATCHDOG_INTERVAL = 0.01
 

@@ -40,7 +40,7 @@ from .notices import WATCH_INTERVAL
 if TYPE_CHECKING:
     from .engine import Request
 
-__all__ = ["Work", "RequestWork", "CommThread", "in_background", "tear_down"]
+__all__ = ["Work", "RequestWork", "CommThread", "in_background", "abort_job", "tear_down"]
 
 logger = logging.getLogger("meshkit")
 
@@ -51,19 +51,31 @@ logger = logging.getLogger("meshkit")
 ASYNC_ERROR_HANDLING_ENV = "MESHKIT_ASYNC_ERROR_HANDLING"
 
 
-def tear_down(world: Any, reason: str) -> None:
-    """End the whole job now: the default engine's abort (MPI_Abort), else this process."""
-    logger.critical("meshkit: rank %s: %s; ending the job (set %s=log to only log this)", world.rank, reason,
-                    ASYNC_ERROR_HANDLING_ENV)
+def abort_job(world: Any, announce: str | None = None) -> None:
+    """Flush this rank's output, then end the whole job through the default engine's ``abort``
+    (MPI_Abort), printing ``announce`` to stderr first if given; return if the engine has none.
+
+    Both ways this package ends a job go through it: :func:`tear_down` (device work failed after
+    its ``Work.wait()`` returned) and the MPI excepthook of :mod:`~meshkit.comm.lifecycle`.
+    """
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except Exception:  # a closed stream must not stop the abort
             pass
+    abort = getattr(world.default_group.engine, "abort", None)
+    if abort is not None:
+        if announce is not None:
+            print(announce, file=sys.stderr, flush=True)
+        abort(1)
+
+
+def tear_down(world: Any, reason: str) -> None:
+    """End the whole job now: the default engine's abort (MPI_Abort), else this process."""
+    logger.critical("meshkit: rank %s: %s; ending the job (set %s=log to only log this)", world.rank, reason,
+                    ASYNC_ERROR_HANDLING_ENV)
     try:
-        abort = getattr(world.default_group.engine, "abort", None)
-        if abort is not None:
-            abort(1)
+        abort_job(world)
     finally:
         os._exit(1)
 

@@ -173,8 +173,15 @@ def test_import_meshkit_does_not_initialize_mpi():
     assert out.stdout.strip() == "False", out.stdout + out.stderr
 
 
+def _in_repo(filename: str) -> str:
+    """A frame's file as the README's map names it (relative to the repository root)."""
+    path = Path(filename).resolve()
+    return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
+
+
 def test_one_ddp_all_reduce_reaches_the_engine_in_five_calls():
-    """mark_grad_ready -> Bucket.launch -> allreduce_hook -> ProcessGroup.all_reduce -> engine.all_reduce."""
+    """mark_grad_ready -> Bucket.launch -> allreduce_hook -> ProcessGroup.all_reduce -> engine.all_reduce,
+    each in the file the README's map names."""
     import inspect
 
     import numpy as np
@@ -189,7 +196,8 @@ def test_one_ddp_all_reduce_reaches_the_engine_in_five_calls():
         real = engine.all_reduce
 
         def spy(buf, op):
-            seen.append([f.function for f in inspect.stack()[:8]])
+            frames = inspect.stack()[:8]
+            seen.append(([f.function for f in frames], [_in_repo(f.filename) for f in frames]))
             return real(buf, op)
 
         engine.all_reduce = spy
@@ -199,15 +207,17 @@ def test_one_ddp_all_reduce_reaches_the_engine_in_five_calls():
         return seen
 
     stacks = local.run(body, 1)[0]
-    path = next(s for s in stacks if "mark_grad_ready" in s)  # not the per-sync agreement's all_reduce
+    path, files = next(s for s in stacks if "mark_grad_ready" in s[0])  # not the per-sync agreement's all_reduce
     chain = path[:path.index("mark_grad_ready") + 1][::-1]
     assert chain == ["mark_grad_ready", "launch", "allreduce_hook", "all_reduce", "spy"], chain
+    where = files[:path.index("mark_grad_ready") + 1][::-1][:4]  # the files the README shows
+    assert where == ["parallel/reducer.py", "parallel/buckets.py", "parallel/hooks.py", "comm/group.py"], where
 
 
 def test_a_queued_bucket_reaches_the_engine_from_the_group_queue():
     """A bucket completed while an earlier one reduces is queued and started by
-    ProcessGroup._advance -> RequestWork.start -> engine.all_reduce (as the README says); every
-    bucket's reduction takes one of the two documented paths."""
+    ProcessGroup._advance (comm/execution.py) -> RequestWork.start (comm/work.py) -> engine.all_reduce
+    (as the README says); every bucket's reduction takes one of the two documented paths."""
     import inspect
 
     import numpy as np
@@ -220,12 +230,14 @@ def test_a_queued_bucket_reaches_the_engine_from_the_group_queue():
         params = {f"w{i}": np.ones(1 << 17) for i in range(3)}
         ddp = meshkit.parallel.DistributedDataParallel(params, bucket_cap_mb=1, first_bucket_cap_mb=1)
         engine = meshkit.comm.current_world().default_group.engine
-        seen = []
+        seen, files = [], []
         real = engine.all_reduce
 
         def spy(buf, op):
             if buf.size == 1 << 17:  # a bucket, not the per-sync agreement
-                seen.append([f.function for f in inspect.stack()[1:4]])
+                frames = inspect.stack()[1:4]
+                seen.append([f.function for f in frames])
+                files.append([_in_repo(f.filename) for f in frames])
             return real(buf, op)
 
         engine.all_reduce = spy
@@ -234,12 +246,15 @@ def test_a_queued_bucket_reaches_the_engine_from_the_group_queue():
             for name in reversed(params):
                 ddp.mark_grad_ready(name, np.ones(1 << 17))
             ddp.finish_gradient_sync()
-        return seen, [float(ddp.grads[n][0]) for n in params]
+        return seen, files, [float(ddp.grads[n][0]) for n in params]
 
-    for stacks, grads in local.run(body, 2):
+    for stacks, files, grads in local.run(body, 2):
         assert grads == [1.0, 1.0, 1.0]
         assert len(stacks) == 15
         direct = ["all_reduce", "allreduce_hook", "launch"]
         queued = ["start", "_advance"]
         assert all(s == direct or s[:2] == queued for s in stacks), stacks
         assert any(s[:2] == queued for s in stacks), "no bucket was ever queued: the test proves nothing"
+        # the files the README shows for each path
+        assert all(f == ["comm/group.py", "parallel/hooks.py", "parallel/buckets.py"] if s == direct else
+                   f[:2] == ["comm/work.py", "comm/execution.py"] for s, f in zip(stacks, files)), files
