@@ -49,19 +49,17 @@ def make_plan(descriptions: list[Description]) -> Plan:
     """Check the ranks' descriptions against each other and assign every distinct box a writer.
 
     Raises:
-        CheckpointError: the ranks hold different keys, disagree on a shape, dtype or value, or
+        CheckpointError: the ranks that hold a key disagree on its shape, dtype or value, or
             their boxes of an array overlap without being equal, or leave elements unheld.
     """
     n = len(descriptions)
+    # The union of the ranks' keys: a rank may hold keys others lack (a pipeline stage's layers,
+    # as in DCP); an array's holders must still cover it whole (the tiling check below), so a
+    # shard nobody saved is an error, never a hole in the checkpoint.
     keys: dict[str, None] = {}
     for d in descriptions:
         keys.update(dict.fromkeys(d.arrays))
         keys.update(dict.fromkeys(d.values))
-    for r, d in enumerate(descriptions):
-        missing = [k for k in keys if k not in d.arrays and k not in d.values]
-        if missing:
-            raise CheckpointError(f"the ranks' state dicts have different keys: rank {r} lacks {missing[:5]}"
-                                  f"{' ...' if len(missing) > 5 else ''}")
     writes: list[list[tuple[str, Box]]] = [[] for _ in range(n)]
     load = [0] * n
     arrays: dict[str, dict[str, Any]] = {}

@@ -210,8 +210,11 @@ def test_the_plan_checks_the_ranks_against_each_other():
     assert plan.writes == [[("a", box)], []] and plan.values == {"s": 1}
     with pytest.raises(CheckpointError, match=r"'s' differs between ranks: 1 on rank 0, 2 on rank 1"):
         make_plan([Description({}, {"s": 1}), Description({}, {"s": 2})])
-    with pytest.raises(CheckpointError, match=r"rank 1 lacks \['a'\]"):
-        make_plan([Description({"a": ((4,), "<f8", [box])}, {}), Description({}, {})])
+    # keys only some ranks hold (a pipeline stage's): written by a holder; a value kept once
+    plan = make_plan([Description({"a": ((4,), "<f8", [box])}, {}), Description({"b": ((4,), "<f8", [box])}, {"s": 2})])
+    assert plan.writes == [[("a", box)], [("b", box)]] and plan.values == {"s": 2}
+    with pytest.raises(CheckpointError, match=r"hold 2 elements of an array of shape \(4,\).*leave gaps"):
+        make_plan([Description({"a": ((4,), "<f8", [((0,), (2,))])}, {}), Description({}, {})])  # a shard unsaved
     with pytest.raises(CheckpointError, match=r"'a' has global shape \(4,\) and dtype <f8 on rank 0 but \(4,\) and <f4"):
         make_plan([Description({"a": ((4,), "<f8", [box])}, {}), Description({"a": ((4,), "<f4", [box])}, {})])
     with pytest.raises(CheckpointError, match=r"hold 3 elements of an array of shape \(4,\).*leave gaps"):
@@ -798,4 +801,52 @@ def test_a_rank_whose_staging_fails_fails_the_save_everywhere_quickly(tmp_path, 
 
     for text, took in local.run(body, 2):
         assert "rank 1: async_save: staging" in text and "MemoryError: cannot stage" in text and took < 10
+    assert not (tmp_path / "ck").exists()
+
+
+def test_ranks_that_hold_different_keys_save_and_load_across_another_split(tmp_path):
+    """A pipeline's stages hold different layers: each rank saves its own keys (DCP does too),
+    and a run with another stage split loads whichever keys it holds now."""
+    layers = {f"w{i}": np.arange(6.0).reshape(2, 3) * (i + 1) for i in range(4)}
+    adam = {f"w{i}": np.full((2, 3), 0.5 * i) for i in range(4)}
+
+    def save(split):
+        mine = split[meshkit.get_rank()]
+        dcp.save({"model": {k: layers[k] for k in mine}, "optim": {"exp_avg": {k: adam[k] for k in mine}},
+                  "step": 7}, checkpoint_id=tmp_path / "ck")
+
+    def load(split):
+        mine = split[meshkit.get_rank()]
+        sd = {"model": {k: np.zeros((2, 3)) for k in mine}, "optim": {"exp_avg": {k: np.zeros((2, 3)) for k in mine}},
+              "step": 0}
+        dcp.load(sd, checkpoint_id=tmp_path / "ck")
+        return sd
+
+    local.run(lambda: save([["w0", "w1"], ["w2", "w3"]]), 2)  # 2 stages of 2 layers
+    for split in ([["w0", "w1", "w2", "w3"]], [["w0"], ["w1", "w2"], ["w3"]]):  # 1 stage, then 3
+        for mine, sd in zip(split, local.run(lambda s=split: load(s), len(split))):
+            assert sd["step"] == 7 and sorted(sd["model"]) == mine
+            for k in mine:
+                assert np.array_equal(sd["model"][k], layers[k]) and np.array_equal(sd["optim"]["exp_avg"][k], adam[k])
+    meta = json.loads((tmp_path / "ck" / "metadata.json").read_text())
+    assert sorted(meta["arrays"]) == sorted([f"model.w{i}" for i in range(4)] + [f"optim.exp_avg.w{i}" for i in range(4)])
+
+    def load_missing():  # rank 1 asks for a layer nobody saved: every rank raises, nothing loaded
+        sd = {"model": {"w0": np.zeros((2, 3))} if meshkit.get_rank() == 0 else {"w9": np.zeros((2, 3))}}
+        dcp.load(sd, checkpoint_id=tmp_path / "ck")
+
+    with pytest.raises(CheckpointError, match=r"key 'model.w9' is missing in the checkpoint"):
+        local.run(load_missing, 2)
+
+
+def test_a_sharded_array_that_some_ranks_did_not_save_is_refused(tmp_path):
+    full = np.arange(8.0).reshape(4, 2)
+
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2,))
+        d = distribute_tensor(full, mesh, [Shard(0)])
+        dcp.save({"a": d} if meshkit.get_rank() == 0 else {}, checkpoint_id=tmp_path / "ck")  # rank 1's half dropped
+
+    with pytest.raises(CheckpointError, match=r"'a'.*hold 4 elements of an array of shape \(4, 2\)"):
+        local.run(body, 2)
     assert not (tmp_path / "ck").exists()
