@@ -49,7 +49,7 @@ import numpy as np
 
 import meshkit
 import mlp  # the model, beside this file
-import train_mlp  # its reference training, --check's comparison and flag types
+import train_mlp  # its reference training, --check's comparison, flag types and checkpoint helpers
 from meshkit.checkpoint import CheckpointManager
 from meshkit.comm.cuda_runtime import runtime
 from meshkit.parallel import (DistributedDataParallel, PipelineStage, Schedule1F1B, ScheduleGPipe,
