@@ -669,6 +669,20 @@ def test_train_3d_device_cuda_trains_cupy_arrays_and_passes_the_exact_check(cupy
     assert seen and all(seen), "the logits were not on the device"
 
 
+def test_train_3d_checkpoint_of_a_device_run_resumes_on_the_host_and_back(cupy, tmp_path):
+    """2x2x1 on (fake) GPUs saves at step 4; 1x2x2 on the host resumes and saves at step 6; 2x1x2
+    interleaved on GPUs resumes from that; each equals uninterrupted single-process training."""
+    common = [*SMALL_3D, "--checkpoint-dir", str(tmp_path), "--save-every", "2"]
+    for steps, argv in ((4, ["--mesh", "2x2x1", "--device", "cuda"]), (6, ["--mesh", "1x2x2", "--resume"]),
+                        (8, ["--mesh", "2x1x2", "--schedule", "interleaved", "--device", "cuda", "--resume"])):
+        args = train_3d.parse_args([*argv, *common, "--steps", str(steps)], world_size=4)
+        reference, _ = train_mlp.train_reference(args, args.hidden)
+        for params, losses in local.run(lambda: train_3d.train(args, progress=False), 4, timeout=60):
+            assert len(losses) == (4 if steps == 4 else 2)
+            result = train_mlp.compare_params(args.dtype, params, reference)
+            assert result.ok, result.line()
+
+
 @pytest.mark.parametrize("aware", ["0", "1"], ids=["staged", "aware"])
 def test_train_3d_device_cuda_main_under_meshkit_run(mpirun, aware):
     """Its main() over the MPI engine on the strict arrays: a GPU per rank, the check passes."""
