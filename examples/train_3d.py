@@ -6,6 +6,8 @@
     meshkit-run -n 2 examples/train_3d.py --mesh 2x1x1 --schedule interleaved --check
     python examples/train_3d.py --mesh 1x1x1 --check               # a world of one
     meshkit-run -n 4 examples/train_3d.py --mesh 2x2x1 --device cuda --check   # CuPy arrays over MPI
+    meshkit-run -n 4 examples/train_3d.py --mesh 2x2x1 --steps 30 --checkpoint-dir ckpt --save-every 10
+    meshkit-run -n 4 examples/train_3d.py --mesh 1x2x2 --steps 50 --checkpoint-dir ckpt --resume --check
 
 The model is ``mlp.py``'s tanh MLP with ``--hidden`` layers (default 64,64,64: four layers). Its
 layers are cut into ``pp`` contiguous stages (``np.array_split``; ``pp x --virtual`` stages with
@@ -25,8 +27,16 @@ MPI engine (device arrays as they are where MPI is CUDA-aware, else staged throu
 buffers), since NCCL cannot carry 1F1B's crossing sends and receives yet; rank r uses GPU
 r mod the GPUs it sees (ranks may share one). Without a GPU it is a usage error (exit 2).
 
+``--checkpoint-dir DIR --save-every K`` saves a sharded checkpoint every K steps (``--max-to-keep
+K`` keeps the K newest), as train_mlp.py does: each rank saves its stages' layers under their
+global names (``model.w3``, the optimizer's state under the same names) and the step, so the
+keys do not depend on the split. ``--resume`` continues from the newest complete one on any
+``--mesh``, ``--schedule`` or ``--virtual``: each rank loads the layers it holds now, resharded
+to its tp placements.
+
 ``--check`` trains the same model in one process on the global batch and compares the final
-parameters to 1e-10 in float64 (1e-5 in float32).
+parameters to 1e-10 in float64 (1e-5 in float32); after ``--resume``, with uninterrupted
+training of all ``--steps``.
 """
 
 from __future__ import annotations
@@ -39,7 +49,8 @@ import numpy as np
 
 import meshkit
 import mlp  # the model, beside this file
-import train_mlp  # its reference training, --check's comparison and flag types
+import train_mlp  # its reference training, --check's comparison, flag types and checkpoint helpers
+from meshkit.checkpoint import CheckpointManager
 from meshkit.comm.cuda_runtime import runtime
 from meshkit.parallel import (DistributedDataParallel, PipelineStage, Schedule1F1B, ScheduleGPipe,
                               ScheduleInterleaved1F1B, array_namespace, to_host)
@@ -134,9 +145,12 @@ def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np
     first, last = 0 in mine, p * v - 1 in mine
     x, y = mlp.to_device(mlp.make_data(args.samples), args.device)  # once; batches are gathered there
     xp = array_namespace(x)
+    # each rank saves and loads the layers it holds (ddp.params, by their global names) and their optimizer state
+    manager = CheckpointManager(args.checkpoint_dir, max_to_keep=args.max_to_keep) if args.checkpoint_dir else None
+    start = train_mlp.resume(manager, (ddp, optimizer)) if args.resume else 0
     losses = []
-    with train_mlp.progress_bar(args.steps, enabled=progress and meshkit.get_rank() == 0) as show:
-        for step in range(args.steps):
+    with train_mlp.progress_bar(args.steps - start, enabled=progress and meshkit.get_rank() == 0) as show:
+        for step in range(start, args.steps):
             idx = np.array_split(mlp.batch_indices(step, args.samples, args.batch), dp.size())[dp.get_local_rank()]
             idx = xp.asarray(idx)  # on a GPU: the indices go to the device (a small copy per step)
             for g in grads.values():
@@ -149,6 +163,8 @@ def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np
             optimizer.step(ddp.params, ddp.grads)  # DTensors: updates the stages' blocks in place
             losses.append(global_loss(mb_losses, mesh))
             show(losses[-1])
+            if args.save_every and (step + 1) % args.save_every == 0:
+                manager.save(step + 1, train_mlp.state_dict((ddp, optimizer), step + 1))
     return gather_params(stages, mesh), losses
 
 
@@ -209,9 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--optimizer", default="sgd", choices=tuple(train_mlp.DEFAULT_LR), help="default: %(default)s")
     parser.add_argument("--dtype", default="float64", choices=["float32", "float64"], help="default: %(default)s")
     train_mlp.add_device_flag(parser, "cuda: CuPy arrays, a GPU per rank, over the MPI engine")
+    train_mlp.add_checkpoint_flags(parser, saved_by="a run on any --mesh, --schedule or --virtual")
     parser.add_argument("--check", action="store_true",
-                        help="train in one process on the global batch too and compare the final parameters "
-                             "(1e-10 in float64, 1e-5 in float32)")
+                        help="train in one process on the global batch too (all --steps, also after --resume) "
+                             "and compare the final parameters (1e-10 in float64, 1e-5 in float32)")
     return parser
 
 
@@ -233,7 +250,7 @@ def _problem(args: argparse.Namespace, world_size: int) -> str | None:
                 f"{args.microbatches} equal microbatches; use a multiple of {dp * args.microbatches}")
     if args.batch > args.samples:
         return f"argument --batch: {args.batch} is larger than --samples {args.samples}"
-    return train_mlp.device_problem(args)
+    return train_mlp.device_problem(args) or train_mlp.checkpoint_problem(args)
 
 
 def parse_args(argv: Sequence[str] | None = None, *, rank: int = 0, world_size: int = 1) -> argparse.Namespace:
@@ -255,8 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     params, losses = train(args)
     pp, dp, tp = args.mesh
     if rank == 0:
-        print(f"{args.schedule} pipeline on a {pp}x{dp}x{tp} pp x dp x tp mesh: loss {losses[0]:.4f} -> "
-              f"{losses[-1]:.4f}", flush=True)
+        span = f"loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "no steps left to train"
+        print(f"{args.schedule} pipeline on a {pp}x{dp}x{tp} pp x dp x tp mesh: {span}", flush=True)
     status = 0
     if args.check:
         reference, _ = train_mlp.train_reference(args, args.hidden)

@@ -108,7 +108,7 @@ def train(args: argparse.Namespace, comm_hook: Any = None, comm_state: Any = Non
     xp = array_namespace(x)
     model = build(args, comm_hook, comm_state)
     manager = CheckpointManager(args.checkpoint_dir, max_to_keep=args.max_to_keep) if args.checkpoint_dir else None
-    start = resume(manager, model) if args.resume else 0
+    start = resume(manager, model.checkpoint_target()) if args.resume else 0
     losses = []
     with progress_bar(args.steps - start, enabled=progress and rank == 0) as show:
         for step in range(start, args.steps):
@@ -124,26 +124,26 @@ def train(args: argparse.Namespace, comm_hook: Any = None, comm_state: Any = Non
             losses.append(float(global_loss[0]))
             show(losses[-1])
             if args.save_every and (step + 1) % args.save_every == 0:
-                manager.save(step + 1, state_dict(model, step + 1))
+                manager.save(step + 1, state_dict(model.checkpoint_target(), step + 1))
     return {name: to_host(p) for name, p in model.full_params().items()}, losses
 
 
-def state_dict(model: mlp.Strategy, step: int) -> dict[str, Any]:
-    """The checkpoint's contents: the strategy's model and optimizer state (views) and the step."""
-    model_sd, optim_sd = get_state_dict(*model.checkpoint_target())
+def state_dict(target: tuple[Any, Any], step: int) -> dict[str, Any]:
+    """The checkpoint's contents: the model and optimizer state (views) of ``target``, a
+    ``(strategy, optimizer)`` pair as :func:`~meshkit.checkpoint.get_state_dict` takes it, and the step."""
+    model_sd, optim_sd = get_state_dict(*target)
     return {"model": model_sd, "optim": optim_sd, "step": step}
 
 
-def resume(manager: CheckpointManager, model: mlp.Strategy) -> int:
-    """Load the newest complete checkpoint into ``model`` (resharded to this run); the step it
+def resume(manager: CheckpointManager, target: tuple[Any, Any]) -> int:
+    """Load the newest complete checkpoint into ``target`` (resharded to this run); the step it
     was saved after, or 0 (and a note) if there is none."""
-    sd = state_dict(model, 0)
+    sd = state_dict(target, 0)
     if manager.restore(sd) is None:
         if meshkit.get_rank() == 0:
             print(f"--resume: no checkpoint in {manager.directory}; starting at step 0", flush=True)
         return 0
-    strategy, optimizer = model.checkpoint_target()
-    set_state_dict(strategy, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    set_state_dict(*target, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     if meshkit.get_rank() == 0:
         print(f"resumed from step {sd['step']} of {manager.directory}", flush=True)
     return int(sd["step"])
@@ -319,15 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--hook", default=None, choices=HOOKS,
                         help="ddp's communication hook (ddp only; default: allreduce)")
     add_device_flag(parser, "cuda: CuPy arrays, one GPU per rank (the NCCL engine)")
-    parser.add_argument("--checkpoint-dir", default=None, metavar="DIR",
-                        help="where --save-every saves and --resume looks (step_<n> checkpoints)")
-    parser.add_argument("--save-every", type=int_at_least(1), default=None, metavar="K",
-                        help="save a sharded checkpoint every K steps (needs --checkpoint-dir)")
-    parser.add_argument("--max-to-keep", type=int_at_least(1), default=None, metavar="K",
-                        help="keep only the K newest checkpoints in --checkpoint-dir (default: all)")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue from the newest complete checkpoint in --checkpoint-dir, saved by any "
-                             "strategy on any number of ranks")
+    add_checkpoint_flags(parser, saved_by="any strategy on any number of ranks")
     parser.add_argument("--check", action="store_true",
                         help="train in one process on the global batch too and compare: exact averaging, the "
                              "final parameters to 1e-10 in float64 or 1e-5 in float32; fp16 and powersgd, the "
@@ -356,9 +348,9 @@ def _problem(args: argparse.Namespace, world_size: int) -> str | None:
     device = device_problem(args)
     if device:
         return device
-    if (args.save_every or args.resume or args.max_to_keep) and not args.checkpoint_dir:
-        flag = "--save-every" if args.save_every else "--resume" if args.resume else "--max-to-keep"
-        return f"argument {flag}: needs --checkpoint-dir DIR"
+    checkpoint = checkpoint_problem(args)
+    if checkpoint:
+        return checkpoint
     if args.resume and args.hook in ("fp16", "powersgd"):
         return (f"argument --resume: --hook {args.hook} is checked step by step from step 0 (and PowerSGD's error "
                 "feedback is not in the checkpoint); resume with the default allreduce hook")
@@ -379,6 +371,27 @@ def device_problem(args: argparse.Namespace) -> str | None:
     if args.device == "cuda" and not gpu_available():
         return ("argument --device: cuda needs CuPy with a visible GPU; CuPy (or its driver) sees none here: "
                 "use --device cpu, or pip install 'meshkit[cuda12]' on a machine with a GPU")
+    return None
+
+
+def add_checkpoint_flags(parser: argparse.ArgumentParser, *, saved_by: str) -> None:
+    """``--checkpoint-dir``, ``--save-every``, ``--max-to-keep`` and ``--resume`` (train_mlp's and
+    train_3d's); ``saved_by`` says which runs' checkpoints ``--resume`` takes."""
+    parser.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                        help="where --save-every saves and --resume looks (step_<n> checkpoints)")
+    parser.add_argument("--save-every", type=int_at_least(1), default=None, metavar="K",
+                        help="save a sharded checkpoint every K steps (needs --checkpoint-dir)")
+    parser.add_argument("--max-to-keep", type=int_at_least(1), default=None, metavar="K",
+                        help="keep only the K newest checkpoints in --checkpoint-dir (default: all)")
+    parser.add_argument("--resume", action="store_true",
+                        help=f"continue from the newest complete checkpoint in --checkpoint-dir, saved by {saved_by}")
+
+
+def checkpoint_problem(args: argparse.Namespace) -> str | None:
+    """A checkpoint flag without ``--checkpoint-dir``, as a usage error (train_mlp's and train_3d's), or None."""
+    if (args.save_every or args.resume or args.max_to_keep) and not args.checkpoint_dir:
+        flag = "--save-every" if args.save_every else "--resume" if args.resume else "--max-to-keep"
+        return f"argument {flag}: needs --checkpoint-dir DIR"
     return None
 
 

@@ -7,7 +7,9 @@ model), ``train_mlp`` and ``train_tp`` (the command-line examples) are imported 
 from __future__ import annotations
 
 import contextlib
+import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -414,6 +416,7 @@ def test_train_tp_check_passes_under_meshkit_run(mpirun, n, mesh, dp):
     *[pytest.param(script, 2, ["--device", "cuda"], "argument --device: cuda needs CuPy with a visible GPU",
                    marks=pytest.mark.skipif(gpu_available(), reason="a GPU is visible here: --device cuda is valid"))
       for script in ("train_mlp.py", "train_tp.py", "train_3d.py")],
+    ("train_3d.py", 2, ["--resume"], "argument --resume: needs --checkpoint-dir DIR"),
 ])
 def test_a_bad_flag_under_meshkit_run_exits_2_with_one_message(mpirun, script, n, argv, message):
     proc = mpirun(EXAMPLES / script, n, *argv, check=False)
@@ -463,6 +466,10 @@ def test_train_3d_hands_ddp_the_stages_dtensors(monkeypatch):
     (["--mesh", "1x2x1", "--microbatches", "4", "--batch", "12"], 2,
      r"argument --batch: 12 does not split into 2 data-parallel shares of 4 equal microbatches; use a multiple of 8"),
     (["--hidden", "8,x"], 1, r"argument --hidden: expected comma-separated widths >= 1"),
+    (["--resume"], 2, r"argument --resume: needs --checkpoint-dir DIR"),
+    (["--save-every", "5"], 1, r"argument --save-every: needs --checkpoint-dir DIR"),
+    (["--max-to-keep", "2"], 1, r"argument --max-to-keep: needs --checkpoint-dir DIR"),
+    (["--save-every", "0", "--checkpoint-dir", "d"], 1, r"argument --save-every: expected an integer >= 1, got 0"),
 ])
 def test_train_3d_bad_flags_are_usage_errors(argv, world, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -474,6 +481,69 @@ def test_train_3d_bad_flags_are_usage_errors(argv, world, message, capsys):
 def test_train_3d_check_passes_under_meshkit_run(mpirun, mesh, schedule):
     out = mpirun(EXAMPLES / "train_3d.py", 4, "--mesh", mesh, "--schedule", schedule, "--steps", "8", "--check").stdout
     assert "check against single-process training: OK" in out, out
+
+
+#: train_3d's checkpoint tests: a small model, 2 microbatches, AdamW (whose moments a resume must keep)
+SMALL_3D = ["--batch", "24", "--microbatches", "2", "--hidden", "8,8,8", "--optimizer", "adamw"]
+
+
+def _ranks(mesh: str) -> int:
+    return int(np.prod([int(d) for d in mesh.split("x")]))
+
+
+@pytest.mark.parametrize("first, then", [
+    (("2x2x1",), ("1x2x2",)),
+    (("4x1x1", "--schedule", "1f1b"), ("2x1x2", "--schedule", "interleaved")),
+    (("2x1x1",), ("1x1x1",)),
+], ids=lambda run: " ".join(run))
+def test_train_3d_resumes_on_another_mesh_and_passes_the_exact_check_local(first, then, tmp_path):
+    """Each rank saves its stages' layers; a run on another pp x dp x tp mesh (or schedule) loads
+    the layers it holds and ends equal to uninterrupted single-process training."""
+    common = [*SMALL_3D, "--steps", "6", "--checkpoint-dir", str(tmp_path)]
+    world = _ranks(first[0])
+    args = train_3d.parse_args(["--mesh", *first, *common, "--save-every", "2"], world_size=world)
+    args.steps = 5  # stopped after step 5: the newest checkpoint is step 4's
+    local.run(lambda: train_3d.train(args, progress=False), world, timeout=60)
+    world = _ranks(then[0])
+    args = train_3d.parse_args(["--mesh", *then, *common, "--resume"], world_size=world)
+    reference, _ = train_mlp.train_reference(args, args.hidden)
+    for params, losses in local.run(lambda: train_3d.train(args, progress=False), world, timeout=60):
+        assert len(losses) == 2  # steps 5 and 6 again
+        result = train_mlp.compare_params(args.dtype, params, reference)
+        assert result.ok, result.line()
+
+
+def test_train_3d_checkpoint_holds_every_layer_once(tmp_path):
+    """A 2x2x2 run saves each layer, and its optimizer state, under its global name, every element
+    written once (by one dp replica), whichever stage held it; the step is saved with them."""
+    args = train_3d.parse_args(["--mesh", "2x2x2", *SMALL_3D, "--steps", "2", "--save-every", "2",
+                                "--checkpoint-dir", str(tmp_path)], world_size=8)
+    local.run(lambda: train_3d.train(args, progress=False), 8, timeout=60)
+    meta = json.loads((tmp_path / "step_2" / "metadata.json").read_text())
+    names = [f"{k}{i}" for i in range(4) for k in "wb"]
+    assert sorted(meta["arrays"]) == sorted([f"model.{n}" for n in names] + [
+        f"optim.state.{n}.{m}" for n in names for m in ("exp_avg", "exp_avg_sq")])
+    for key, a in meta["arrays"].items():
+        boxes = [(tuple(c["offsets"]), tuple(c["lengths"])) for c in a["chunks"]]
+        assert len(set(boxes)) == len(boxes) and sum(np.prod(n) for _, n in boxes) == np.prod(a["shape"]), key
+    assert meta["values"] == {"step": 2, **{f"optim.step.{n}": 2 for n in names}}
+
+
+@pytest.mark.parametrize("first, then", [((4, "2x2x1"), (4, "1x2x2")), ((2, "2x1x1"), (1, "1x1x1"))],
+                         ids=lambda run: f"{run[1]} on {run[0]}")
+def test_train_3d_resumes_on_another_mesh_under_meshkit_run(mpirun, first, then, tmp_path):
+    """Saved by N processes, resumed by others (one: plain python, a world of one) with --check."""
+    common = [*SMALL_3D, "--checkpoint-dir", str(tmp_path)]
+    mpirun(EXAMPLES / "train_3d.py", first[0], "--mesh", first[1], "--steps", "4", "--save-every", "2", *common)
+    argv = ["--mesh", then[1], "--steps", "6", "--resume", "--check", *common]
+    if then[0] == 1:
+        proc = subprocess.run([sys.executable, str(EXAMPLES / "train_3d.py"), *argv], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        out = proc.stdout
+    else:
+        out = mpirun(EXAMPLES / "train_3d.py", then[0], *argv).stdout
+    assert "resumed from step 4" in out and "check against single-process training: OK" in out, out
 
 
 def test_a_run_killed_mid_training_resumes_at_another_world_size_and_passes_its_check(mpirun, tmp_path):
@@ -597,6 +667,20 @@ def test_train_3d_device_cuda_trains_cupy_arrays_and_passes_the_exact_check(cupy
         result = train_mlp.compare_params(args.dtype, params, reference)
         assert result.ok, result.line()
     assert seen and all(seen), "the logits were not on the device"
+
+
+def test_train_3d_checkpoint_of_a_device_run_resumes_on_the_host_and_back(cupy, tmp_path):
+    """2x2x1 on (fake) GPUs saves at step 4; 1x2x2 on the host resumes and saves at step 6; 2x1x2
+    interleaved on GPUs resumes from that; each equals uninterrupted single-process training."""
+    common = [*SMALL_3D, "--checkpoint-dir", str(tmp_path), "--save-every", "2"]
+    for steps, argv in ((4, ["--mesh", "2x2x1", "--device", "cuda"]), (6, ["--mesh", "1x2x2", "--resume"]),
+                        (8, ["--mesh", "2x1x2", "--schedule", "interleaved", "--device", "cuda", "--resume"])):
+        args = train_3d.parse_args([*argv, *common, "--steps", str(steps)], world_size=4)
+        reference, _ = train_mlp.train_reference(args, args.hidden)
+        for params, losses in local.run(lambda: train_3d.train(args, progress=False), 4, timeout=60):
+            assert len(losses) == (4 if steps == 4 else 2)
+            result = train_mlp.compare_params(args.dtype, params, reference)
+            assert result.ok, result.line()
 
 
 @pytest.mark.parametrize("aware", ["0", "1"], ids=["staged", "aware"])
