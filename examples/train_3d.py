@@ -147,7 +147,7 @@ def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np
     xp = array_namespace(x)
     # each rank saves and loads the layers it holds (ddp.params, by their global names) and their optimizer state
     manager = CheckpointManager(args.checkpoint_dir, max_to_keep=args.max_to_keep) if args.checkpoint_dir else None
-    start = train_mlp.resume(manager, (ddp, optimizer)) if args.resume else 0
+    start = train_mlp.resume(manager, (ddp, optimizer), args) if args.resume else 0
     losses = []
     with train_mlp.progress_bar(args.steps - start, enabled=progress and meshkit.get_rank() == 0) as show:
         for step in range(start, args.steps):
@@ -164,7 +164,7 @@ def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np
             losses.append(global_loss(mb_losses, mesh))
             show(losses[-1])
             if args.save_every and (step + 1) % args.save_every == 0:
-                manager.save(step + 1, train_mlp.state_dict((ddp, optimizer), step + 1))
+                manager.save(step + 1, train_mlp.state_dict((ddp, optimizer), step + 1, args))
     return gather_params(stages, mesh), losses
 
 

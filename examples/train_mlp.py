@@ -50,7 +50,7 @@ from tqdm import tqdm
 import meshkit
 import mlp  # the model, beside this file
 from meshkit.comm.cuda_runtime import gpu_available
-from meshkit.checkpoint import CheckpointManager, get_state_dict, set_state_dict
+from meshkit.checkpoint import CheckpointError, CheckpointManager, get_state_dict, set_state_dict
 from meshkit.parallel import PowerSGDState, array_namespace, fp16_compress_hook, powersgd_hook, to_host
 
 #: Default learning rate per optimizer. AdamW moves every element by about lr whatever its
@@ -108,7 +108,7 @@ def train(args: argparse.Namespace, comm_hook: Any = None, comm_state: Any = Non
     xp = array_namespace(x)
     model = build(args, comm_hook, comm_state)
     manager = CheckpointManager(args.checkpoint_dir, max_to_keep=args.max_to_keep) if args.checkpoint_dir else None
-    start = resume(manager, model.checkpoint_target()) if args.resume else 0
+    start = resume(manager, model.checkpoint_target(), args) if args.resume else 0
     losses = []
     with progress_bar(args.steps - start, enabled=progress and rank == 0) as show:
         for step in range(start, args.steps):
@@ -124,27 +124,61 @@ def train(args: argparse.Namespace, comm_hook: Any = None, comm_state: Any = Non
             losses.append(float(global_loss[0]))
             show(losses[-1])
             if args.save_every and (step + 1) % args.save_every == 0:
-                manager.save(step + 1, state_dict(model.checkpoint_target(), step + 1))
+                manager.save(step + 1, state_dict(model.checkpoint_target(), step + 1, args))
     return {name: to_host(p) for name, p in model.full_params().items()}, losses
 
 
-def state_dict(target: tuple[Any, Any], step: int) -> dict[str, Any]:
+#: The flags that decide a run's trajectory besides the model: a checkpoint records them, and
+#: ``--resume --check`` refuses a run that differs (its reference trains every step with this
+#: run's flags, so it would not be the run that was interrupted).
+RUN_FLAGS = ("samples", "batch", "lr", "optimizer", "dtype")
+
+
+def state_dict(target: tuple[Any, Any], step: int, args: argparse.Namespace) -> dict[str, Any]:
     """The checkpoint's contents: the model and optimizer state (views) of ``target``, a
-    ``(strategy, optimizer)`` pair as :func:`~meshkit.checkpoint.get_state_dict` takes it, and the step."""
+    ``(strategy, optimizer)`` pair as :func:`~meshkit.checkpoint.get_state_dict` takes it, the
+    step, and the run's :data:`RUN_FLAGS`."""
     model_sd, optim_sd = get_state_dict(*target)
-    return {"model": model_sd, "optim": optim_sd, "step": step}
+    return {"model": model_sd, "optim": optim_sd, "step": step, "run": _run_flags(args)}
 
 
-def resume(manager: CheckpointManager, target: tuple[Any, Any]) -> int:
+def _run_flags(args: argparse.Namespace) -> dict[str, Any]:
+    return {name: getattr(args, name) for name in RUN_FLAGS}
+
+
+def resume(manager: CheckpointManager, target: tuple[Any, Any], args: argparse.Namespace) -> int:
     """Load the newest complete checkpoint into ``target`` (resharded to this run); the step it
-    was saved after, or 0 (and a note) if there is none."""
-    sd = state_dict(target, 0)
-    if manager.restore(sd) is None:
-        if meshkit.get_rank() == 0:
+    was saved after, or 0 (and a note) if there is none.
+
+    With ``--check``, a checkpoint saved with other :data:`RUN_FLAGS` is a usage error (status 2
+    on every rank, printed by rank 0), naming each flag with its saved and current value.
+    """
+    rank = meshkit.get_rank()
+    sd = state_dict(target, 0, args)
+    del sd["run"]  # read apart: checkpoints written before the record existed still load
+    step = manager.restore(sd)
+    if step is None:
+        if rank == 0:
             print(f"--resume: no checkpoint in {manager.directory}; starting at step 0", flush=True)
         return 0
+    if args.check:
+        saved = {"run": {name: None for name in RUN_FLAGS}}
+        try:
+            manager.load(step, saved)  # collective: every rank gets the same answer
+        except CheckpointError:
+            saved = None  # an older checkpoint, without the record
+        now = _run_flags(args)
+        differ = [] if saved is None else [
+            f"--{name.replace('_', '-')} {saved['run'][name]} (this run: {now[name]})"
+            for name in RUN_FLAGS if saved["run"][name] != now[name]]
+        if differ:
+            if rank == 0:
+                print(f"{sys.argv[0]}: error: argument --check: the checkpoint of step {step} in {manager.directory} "
+                      f"was saved with {', '.join(differ)}; --check trains every step with this run's flags, so "
+                      "give the saved ones (or leave out --check)", file=sys.stderr, flush=True)
+            raise SystemExit(2)
     set_state_dict(*target, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-    if meshkit.get_rank() == 0:
+    if rank == 0:
         print(f"resumed from step {sd['step']} of {manager.directory}", flush=True)
     return int(sd["step"])
 

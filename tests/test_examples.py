@@ -195,6 +195,46 @@ def test_max_to_keep_keeps_the_newest_checkpoints_and_resuming_passes_the_exact_
         assert result.ok, result.line()
 
 
+def test_resume_with_check_refuses_a_run_whose_flags_differ_from_the_saved_ones(tmp_path, capsys):
+    """--check trains every step with this run's flags: a checkpoint saved with another --batch
+    or --lr is a usage error (status 2, naming each flag) instead of a failed comparison."""
+    common = ["--strategy", "ddp", "--steps", "4", "--checkpoint-dir", str(tmp_path)]
+    args = train_mlp.parse_args([*common, "--batch", "24", "--save-every", "2"], world_size=2)
+    local.run(lambda: train_mlp.train(args, progress=False), 2, timeout=60)
+    capsys.readouterr()
+    args = train_mlp.parse_args([*common, "--batch", "12", "--lr", "0.1", "--steps", "6", "--resume", "--check"],
+                                world_size=2)
+    with pytest.raises(SystemExit) as exit_:
+        local.run(lambda: train_mlp.train(args, progress=False), 2, timeout=60)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("error:") == 1, err
+    assert "saved with --batch 24 (this run: 12), --lr 0.05 (this run: 0.1)" in err, err
+    args.check = False  # without --check the run may change its flags: it resumes
+    for _, losses in local.run(lambda: train_mlp.train(args, progress=False), 2, timeout=60):
+        assert len(losses) == 2
+
+
+def test_resume_with_check_takes_a_checkpoint_saved_without_the_flags_record(tmp_path, monkeypatch):
+    """Checkpoints written before the run's flags were recorded still resume (and are checked)."""
+    common = ["--strategy", "zero1", "--steps", "4", "--batch", "24", "--checkpoint-dir", str(tmp_path)]
+    args = train_mlp.parse_args([*common, "--save-every", "2"], world_size=2)
+    full = train_mlp.state_dict
+
+    def without_record(target, step, args):
+        sd = full(target, step, args)
+        del sd["run"]
+        return sd
+    monkeypatch.setattr(train_mlp, "state_dict", without_record)
+    local.run(lambda: train_mlp.train(args, progress=False), 2, timeout=60)
+    monkeypatch.setattr(train_mlp, "state_dict", full)
+    assert "run.batch" not in json.loads((tmp_path / "step_4" / "metadata.json").read_text())["values"]
+    args = train_mlp.parse_args([*common, "--steps", "6", "--resume", "--check"], world_size=2)
+    reference, _ = train_mlp.train_reference(args)
+    for params, losses in local.run(lambda: train_mlp.train(args, progress=False), 2, timeout=60):
+        assert len(losses) == 2
+        assert train_mlp.compare_params(args.dtype, params, reference).ok
+
+
 def _summing_fp16_hook(state, bucket):
     """A broken fp16 hook: sums the gradients instead of averaging them."""
     buffer, group = bucket.buffer(), bucket.group
@@ -526,7 +566,8 @@ def test_train_3d_checkpoint_holds_every_layer_once(tmp_path):
     for key, a in meta["arrays"].items():
         boxes = [(tuple(c["offsets"]), tuple(c["lengths"])) for c in a["chunks"]]
         assert len(set(boxes)) == len(boxes) and sum(np.prod(n) for _, n in boxes) == np.prod(a["shape"]), key
-    assert meta["values"] == {"step": 2, **{f"optim.step.{n}": 2 for n in names}}
+    assert meta["values"] == {"step": 2, **{f"optim.step.{n}": 2 for n in names},
+                              **{f"run.{k}": getattr(args, k) for k in train_mlp.RUN_FLAGS}}
 
 
 @pytest.mark.parametrize("first, then", [((4, "2x2x1"), (4, "1x2x2")), ((2, "2x1x1"), (1, "1x1x1"))],
