@@ -4,6 +4,7 @@
     meshkit-run -n 4 examples/train_3d.py --mesh 2x1x2 --check     # 2 stages, each split over 2 tp ranks
     meshkit-run -n 8 examples/train_3d.py --mesh 2x2x2 --check     # all three
     meshkit-run -n 2 examples/train_3d.py --mesh 2x1x1 --schedule interleaved --check
+    meshkit-run -n 4 examples/train_3d.py --mesh 2x2x1 --dp zero2 --check   # ZeRO-2 over dp instead of DDP
     python examples/train_3d.py --mesh 1x1x1 --check               # a world of one
     meshkit-run -n 4 examples/train_3d.py --mesh 2x2x1 --device cuda --check   # CuPy arrays over MPI
     meshkit-run -n 4 examples/train_3d.py --mesh 2x2x1 --steps 30 --checkpoint-dir ckpt --save-every 10
@@ -17,10 +18,17 @@ Inside a stage, consecutive layers are Megatron-LM blocks over ``tp``: a colwise
 ``Shard(1)``) then a rowwise one (``w`` ``Shard(0)``, its output all-reduced); a layer left
 without a partner is replicated, so every stage boundary carries a replicated activation. The
 forward and backward passes are plain NumPy on DTensors (one all-reduce forward and one backward
-per block). Each ``dp`` replica trains on its share of every global batch; DDP takes the stages'
-DTensors and averages each rank's blocks over ``dp`` after the pipeline step, and the optimizer
-steps DDP's ``params`` and ``grads`` (DTensors laid out as the stages' parameters, over the same
-blocks).
+per block). Each ``dp`` replica trains on its share of every global batch, a stage adding up its
+gradients over the microbatches.
+
+``--dp`` says how the stages' blocks are data-parallel over ``dp`` (:func:`data_parallel`): ``ddp``
+(the default) takes the stages' DTensors and averages each rank's blocks after the pipeline step,
+and the optimizer steps DDP's ``params`` and ``grads`` (DTensors laid out as the stages'
+parameters, over the same blocks); ``zero1``/``zero2`` take the DTensors too, shard each block's
+optimizer state (and, at stage 2, its gradient) over ``dp`` and step themselves, the stages
+running on ZeRO's ``params`` (DTensors over its own buffers). No ``fsdp``: a stage runs each layer
+once per microbatch, so FSDP would gather every layer 2 x ``--microbatches`` times a step, or keep
+the stage gathered through the schedule and be ``zero2`` with parameters sharded only between steps.
 
 ``--device cuda`` puts the blocks, the data, every activation and gradient on a GPU: over the
 MPI engine (device arrays as they are where MPI is CUDA-aware, else staged through pinned host
@@ -31,8 +39,8 @@ r mod the GPUs it sees (ranks may share one). Without a GPU it is a usage error 
 K`` keeps the K newest), as train_mlp.py does: each rank saves its stages' layers under their
 global names (``model.w3``, the optimizer's state under the same names) and the step, so the
 keys do not depend on the split. ``--resume`` continues from the newest complete one on any
-``--mesh``, ``--schedule`` or ``--virtual``: each rank loads the layers it holds now, resharded
-to its tp placements.
+``--mesh``, ``--schedule``, ``--virtual`` or ``--dp``: each rank loads the layers it holds now,
+resharded to its tp placements (and, with ZeRO, to its shard over ``dp``).
 
 ``--check`` trains the same model in one process on the global batch and compares the final
 parameters to 1e-10 in float64 (1e-5 in float32); after ``--resume``, with uninterrupted
@@ -52,11 +60,13 @@ import mlp  # the model, beside this file
 import train_mlp  # its reference training, --check's comparison, flag types and checkpoint helpers
 from meshkit.checkpoint import CheckpointManager
 from meshkit.comm.cuda_runtime import runtime
-from meshkit.parallel import (DistributedDataParallel, PipelineStage, Schedule1F1B, ScheduleGPipe,
-                              ScheduleInterleaved1F1B, array_namespace, to_host)
+from meshkit.parallel import (DistributedDataParallel, Optimizer, PipelineStage, Schedule1F1B, ScheduleGPipe,
+                              ScheduleInterleaved1F1B, ZeroRedundancyOptimizer, array_namespace, to_host)
 from meshkit.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+#: How the stages' blocks are data-parallel over dp (see data_parallel; why no fsdp: the module docstring).
+DP_STRATEGIES = ("ddp", "zero1", "zero2")
 REPLICATED, COLWISE, ROWWISE = "replicated", "colwise", "rowwise"
 
 
@@ -123,6 +133,16 @@ def build_mesh(shape: tuple[int, int, int]) -> meshkit.DeviceMesh:
     return meshkit.init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp", "tp"))
 
 
+def data_parallel(kind: str, params: dict[str, DTensor], dp: meshkit.DeviceMesh,
+                  optimizer: Optimizer) -> tuple[Any, Optimizer | None]:
+    """``--dp``'s strategy over ``dp`` for ``params`` (collective), and the optimizer the loop steps
+    with the strategy's ``params`` and ``grads``: DDP's is ``optimizer``; ZeRO holds it and steps
+    itself (None). The pair is also what a checkpoint saves (``get_state_dict``'s arguments)."""
+    if kind == "ddp":
+        return DistributedDataParallel(params, mesh=dp), optimizer  # over the same blocks
+    return ZeroRedundancyOptimizer(params, optimizer, mesh=dp, stage=int(kind[-1])), None  # over its own copies
+
+
 def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np.ndarray], list[float]]:
     """Train on the ``--mesh``; returns every parameter gathered whole and each step's global loss."""
     mesh = build_mesh(args.mesh)
@@ -140,14 +160,15 @@ def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np
         schedule = (ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B)(pipes[0], args.microbatches, loss_fn)
     params = {name: t for st in stages for name, t in st.params.items()}
     grads = {name: g for st in stages for name, g in st.grads.items()}
-    ddp = DistributedDataParallel(params, mesh=dp)  # the stages' DTensors: ddp.params are over the same blocks
-    optimizer = mlp.make_optimizer(args.optimizer, args.lr)
+    strategy, optimizer = data_parallel(args.dp, params, dp, mlp.make_optimizer(args.optimizer, args.lr))
+    for st in stages:  # the stages run on the strategy's DTensors (ZeRO's are copies, updated by its step)
+        st.params = {name: strategy.params[name] for name in st.params}
     first, last = 0 in mine, p * v - 1 in mine
     x, y = mlp.to_device(mlp.make_data(args.samples), args.device)  # once; batches are gathered there
     xp = array_namespace(x)
-    # each rank saves and loads the layers it holds (ddp.params, by their global names) and their optimizer state
+    # each rank saves and loads the layers it holds (strategy.params, by their global names) and their optimizer state
     manager = CheckpointManager(args.checkpoint_dir, max_to_keep=args.max_to_keep) if args.checkpoint_dir else None
-    start = train_mlp.resume(manager, (ddp, optimizer), args) if args.resume else 0
+    start = train_mlp.resume(manager, (strategy, optimizer), args) if args.resume else 0
     losses = []
     with train_mlp.progress_bar(args.steps - start, enabled=progress and meshkit.get_rank() == 0) as show:
         for step in range(start, args.steps):
@@ -155,16 +176,19 @@ def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np
             idx = xp.asarray(idx)  # on a GPU: the indices go to the device (a small copy per step)
             for g in grads.values():
                 g[...] = 0
-            ddp.zero_grad()
+            strategy.zero_grad()
             mb_losses = schedule.step(x[idx].astype(args.dtype) if first else None, target=y[idx] if last else None)
             for name, g in grads.items():
-                ddp.mark_grad_ready(name, g)  # the block the stage accumulated over the microbatches
-            ddp.finish_gradient_sync()
-            optimizer.step(ddp.params, ddp.grads)  # DTensors: updates the stages' blocks in place
+                strategy.mark_grad_ready(name, g)  # the block the stage accumulated over the microbatches
+            strategy.finish_gradient_sync()
+            if optimizer is None:
+                strategy.step()  # ZeRO: each rank updates its shard, then all-gathers the blocks
+            else:
+                optimizer.step(strategy.params, strategy.grads)  # DTensors: updates the stages' blocks in place
             losses.append(global_loss(mb_losses, mesh))
             show(losses[-1])
             if args.save_every and (step + 1) % args.save_every == 0:
-                manager.save(step + 1, train_mlp.state_dict((ddp, optimizer), step + 1, args))
+                manager.save(step + 1, train_mlp.state_dict((strategy, optimizer), step + 1, args))
     return gather_params(stages, mesh), losses
 
 
@@ -213,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mesh", type=mesh3, default=None, metavar="PPxDPxTP",
                         help="pipeline x data x tensor degrees, their product the number of ranks N (default: Nx1x1)")
     parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="default: %(default)s")
+    parser.add_argument("--dp", default="ddp", choices=DP_STRATEGIES,
+                        help="how each stage's blocks are data-parallel over DP: ddp, zero1 (optimizer state sharded "
+                             "over DP) or zero2 (optimizer state and gradients sharded) (default: %(default)s)")
     parser.add_argument("--microbatches", type=train_mlp.int_at_least(1), default=4, help="default: %(default)s")
     parser.add_argument("--virtual", type=train_mlp.int_at_least(1), default=2,
                         help="stages per pipeline rank with --schedule interleaved (default: %(default)s)")
@@ -225,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--optimizer", default="sgd", choices=tuple(train_mlp.DEFAULT_LR), help="default: %(default)s")
     parser.add_argument("--dtype", default="float64", choices=["float32", "float64"], help="default: %(default)s")
     train_mlp.add_device_flag(parser, "cuda: CuPy arrays, a GPU per rank, over the MPI engine")
-    train_mlp.add_checkpoint_flags(parser, saved_by="a run on any --mesh, --schedule or --virtual")
+    train_mlp.add_checkpoint_flags(parser, saved_by="a run on any --mesh, --schedule, --virtual or --dp")
     parser.add_argument("--check", action="store_true",
                         help="train in one process on the global batch too (all --steps, also after --resume) "
                              "and compare the final parameters (1e-10 in float64, 1e-5 in float32)")
@@ -273,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     pp, dp, tp = args.mesh
     if rank == 0:
         span = f"loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "no steps left to train"
-        print(f"{args.schedule} pipeline on a {pp}x{dp}x{tp} pp x dp x tp mesh: {span}", flush=True)
+        print(f"{args.schedule} pipeline on a {pp}x{dp}x{tp} pp x dp x tp mesh ({args.dp} over dp): {span}",
+              flush=True)
     status = 0
     if args.check:
         reference, _ = train_mlp.train_reference(args, args.hidden)

@@ -457,6 +457,7 @@ def test_train_tp_check_passes_under_meshkit_run(mpirun, n, mesh, dp):
                    marks=pytest.mark.skipif(gpu_available(), reason="a GPU is visible here: --device cuda is valid"))
       for script in ("train_mlp.py", "train_tp.py", "train_3d.py")],
     ("train_3d.py", 2, ["--resume"], "argument --resume: needs --checkpoint-dir DIR"),
+    ("train_3d.py", 2, ["--dp", "fsdp"], "argument --dp: invalid choice: 'fsdp'"),
 ])
 def test_a_bad_flag_under_meshkit_run_exits_2_with_one_message(mpirun, script, n, argv, message):
     proc = mpirun(EXAMPLES / script, n, *argv, check=False)
@@ -510,6 +511,8 @@ def test_train_3d_hands_ddp_the_stages_dtensors(monkeypatch):
     (["--save-every", "5"], 1, r"argument --save-every: needs --checkpoint-dir DIR"),
     (["--max-to-keep", "2"], 1, r"argument --max-to-keep: needs --checkpoint-dir DIR"),
     (["--save-every", "0", "--checkpoint-dir", "d"], 1, r"argument --save-every: expected an integer >= 1, got 0"),
+    (["--dp", "fsdp"], 1, r"argument --dp: invalid choice: 'fsdp' \(choose from '?ddp'?, '?zero1'?, '?zero2'?\)"),
+    (["--dp", "zero3"], 2, r"argument --dp: invalid choice: 'zero3'"),
 ])
 def test_train_3d_bad_flags_are_usage_errors(argv, world, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -523,12 +526,67 @@ def test_train_3d_check_passes_under_meshkit_run(mpirun, mesh, schedule):
     assert "check against single-process training: OK" in out, out
 
 
+def test_train_3d_dp_zero2_check_passes_under_meshkit_run(mpirun):
+    out = mpirun(EXAMPLES / "train_3d.py", 4, "--mesh", "2x2x1", "--dp", "zero2", "--steps", "8", "--check").stdout
+    assert out.count("check against single-process training: OK (float64)") == 1, out
+    assert "pipeline on a 2x2x1 pp x dp x tp mesh (zero2 over dp)" in out, out
+
+
 #: train_3d's checkpoint tests: a small model, 2 microbatches, AdamW (whose moments a resume must keep)
 SMALL_3D = ["--batch", "24", "--microbatches", "2", "--hidden", "8,8,8", "--optimizer", "adamw"]
 
 
 def _ranks(mesh: str) -> int:
     return int(np.prod([int(d) for d in mesh.split("x")]))
+
+
+@pytest.mark.parametrize("dp", train_3d.DP_STRATEGIES)
+@pytest.mark.parametrize("mesh", [("2x2x1",), ("1x2x2",), ("2x2x2", "--schedule", "interleaved")],
+                         ids=lambda run: " ".join(run))
+def test_train_3d_every_dp_passes_its_check_local(mesh, dp):
+    """DDP, ZeRO-1 and ZeRO-2 over dp, with pipeline stages and tp blocks: equal to single-process training."""
+    world = _ranks(mesh[0])
+    args = train_3d.parse_args(["--mesh", *mesh, "--dp", dp, *SMALL_3D, "--steps", "4"], world_size=world)
+    reference, _ = train_mlp.train_reference(args, args.hidden)
+    for params, losses in local.run(lambda: train_3d.train(args, progress=False), world, timeout=60):
+        assert len(losses) == 4 and losses[-1] < losses[0]
+        result = train_mlp.compare_params(args.dtype, params, reference)
+        assert result.ok, result.line()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_train_3d_dp_zero_takes_the_stages_dtensors_and_steps_itself(stage, monkeypatch):
+    """--dp zero1|zero2 builds ZeRO at that stage over dp from the stages' DTensors (no DDP), the
+    stages run on ZeRO's own params, and ZeRO steps (the loop never steps the optimizer itself)."""
+    built, steps, stepped_by_loop = [], [], []
+
+    class Spy(train_3d.ZeroRedundancyOptimizer):
+        def __init__(self, params, optimizer, **kwargs):
+            super().__init__(params, optimizer, **kwargs)
+            built.append((kwargs["stage"], kwargs["mesh"].mesh_dim_names, {type(p).__name__ for p in params.values()},
+                          self))
+
+        def step(self):
+            steps.append(meshkit.get_rank())
+            super().step()
+
+    def no_ddp(*args, **kwargs):
+        raise AssertionError("--dp zero built DDP")
+
+    monkeypatch.setattr(train_3d, "ZeroRedundancyOptimizer", Spy)
+    monkeypatch.setattr(train_3d, "DistributedDataParallel", no_ddp)
+    optimizer = type(mlp.make_optimizer("adamw", 0.01))
+    monkeypatch.setattr(optimizer, "step", lambda self, params, grads: stepped_by_loop.append(1))
+    stage_params = []
+    forward = train_3d.Stage.forward
+    monkeypatch.setattr(train_3d.Stage, "forward", lambda self, x: stage_params.append(self.params) or forward(self, x))
+    args = train_3d.parse_args(["--mesh", "2x2x1", "--dp", f"zero{stage}", *SMALL_3D, "--steps", "2"], world_size=4)
+    local.run(lambda: train_3d.train(args, progress=False), 4, timeout=60)
+    assert [b[:3] for b in built] == [(stage, ("dp",), {"DTensor"})] * 4, built
+    assert sorted(steps) == [0, 0, 1, 1, 2, 2, 3, 3] and not stepped_by_loop
+    zeros = [b[3] for b in built]
+    assert stage_params and all(any(all(z.params.get(n) is p for n, p in params.items()) for z in zeros)
+                                for params in stage_params)
 
 
 @pytest.mark.parametrize("first, then", [
@@ -553,10 +611,34 @@ def test_train_3d_resumes_on_another_mesh_and_passes_the_exact_check_local(first
         assert result.ok, result.line()
 
 
-def test_train_3d_checkpoint_holds_every_layer_once(tmp_path):
+@pytest.mark.parametrize("first, then", [
+    (("2x2x1", "--dp", "zero2"), ("1x2x2", "--dp", "ddp")),
+    (("1x2x2", "--dp", "ddp"), ("2x2x1", "--dp", "zero1")),
+    (("2x2x2", "--dp", "zero1", "--schedule", "interleaved"), ("2x2x1", "--dp", "zero2")),
+], ids=lambda run: " ".join(run))
+def test_train_3d_resumes_with_another_dp_on_another_mesh_and_passes_the_exact_check_local(first, then, tmp_path):
+    """A checkpoint saved with one --dp resumes with another on another mesh (ZeRO's shards over
+    dp resharded to DDP's blocks and back), equal to uninterrupted single-process training."""
+    common = [*SMALL_3D, "--steps", "6", "--checkpoint-dir", str(tmp_path)]
+    world = _ranks(first[0])
+    args = train_3d.parse_args(["--mesh", *first, *common, "--save-every", "2"], world_size=world)
+    args.steps = 5  # stopped after step 5: the newest checkpoint is step 4's
+    local.run(lambda: train_3d.train(args, progress=False), world, timeout=60)
+    world = _ranks(then[0])
+    args = train_3d.parse_args(["--mesh", *then, *common, "--resume"], world_size=world)
+    reference, _ = train_mlp.train_reference(args, args.hidden)
+    for params, losses in local.run(lambda: train_3d.train(args, progress=False), world, timeout=60):
+        assert len(losses) == 2  # steps 5 and 6 again
+        result = train_mlp.compare_params(args.dtype, params, reference)
+        assert result.ok, result.line()
+
+
+@pytest.mark.parametrize("dp", train_3d.DP_STRATEGIES)
+def test_train_3d_checkpoint_holds_every_layer_once(dp, tmp_path):
     """A 2x2x2 run saves each layer, and its optimizer state, under its global name, every element
-    written once (by one dp replica), whichever stage held it; the step is saved with them."""
-    args = train_3d.parse_args(["--mesh", "2x2x2", *SMALL_3D, "--steps", "2", "--save-every", "2",
+    written once (by one dp replica; with ZeRO, by the dp rank whose shard holds it), whichever
+    stage held it; the step is saved with them."""
+    args = train_3d.parse_args(["--mesh", "2x2x2", "--dp", dp, *SMALL_3D, "--steps", "2", "--save-every", "2",
                                 "--checkpoint-dir", str(tmp_path)], world_size=8)
     local.run(lambda: train_3d.train(args, progress=False), 8, timeout=60)
     meta = json.loads((tmp_path / "step_2" / "metadata.json").read_text())
@@ -696,7 +778,8 @@ def test_train_tp_device_cuda_trains_cupy_blocks_and_passes_the_exact_check(cupy
 
 
 @pytest.mark.parametrize("mesh, extra", [("2x2x1", ()), ("2x1x2", ("--optimizer", "adamw")),
-                                         ("2x1x1", ("--schedule", "interleaved"))])
+                                         ("2x1x1", ("--schedule", "interleaved")),
+                                         ("1x2x2", ("--dp", "zero2", "--optimizer", "adamw"))])
 def test_train_3d_device_cuda_trains_cupy_arrays_and_passes_the_exact_check(cupy, monkeypatch, mesh, extra):
     """train_3d.py --device cuda on the local engine: pipeline, DDP and TP on the strict arrays."""
     world = int(np.prod([int(d) for d in mesh.split("x")]))
