@@ -245,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="stages per pipeline rank with --schedule interleaved (default: %(default)s)")
     parser.add_argument("--hidden", type=widths, default=(64, 64, 64), help="hidden widths (default: 64,64,64)")
     parser.add_argument("--steps", type=train_mlp.int_at_least(1), default=50, help="default: %(default)s")
-    parser.add_argument("--batch", type=train_mlp.int_at_least(1), default=96, help="global batch (default: %(default)s)")
+    parser.add_argument("--batch", type=train_mlp.int_at_least(1), default=96,
+                        help="global batch (default: %(default)s)")
     parser.add_argument("--samples", type=train_mlp.int_at_least(1), default=4096, help="default: %(default)s")
     parser.add_argument("--lr", type=train_mlp.positive_float, default=None,
                         help="learning rate (default: 0.05 for sgd, 0.01 for adamw)")

@@ -265,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         raise
     params, losses = train(args)
     if rank == 0:
-        print(f"dp x tp = {args.mesh[0]} x {args.mesh[1]} ({args.dp} over dp): loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+        print(f"dp x tp = {args.mesh[0]} x {args.mesh[1]} ({args.dp} over dp): "
+              f"loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
     status = 0
     if args.check:
         reference, _ = train_mlp.train_reference(args)
