@@ -850,3 +850,28 @@ def test_a_sharded_array_that_some_ranks_did_not_save_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match=r"'a'.*hold 4 elements of an array of shape \(4, 2\)"):
         local.run(body, 2)
     assert not (tmp_path / "ck").exists()
+
+
+def test_each_rank_saves_its_own_random_state_under_a_key_of_its_own(tmp_path):
+    """Rank-local state (a random generator, a data loader's position) is saved the way torchtitan
+    saves its data loaders: a key per rank; each rank resumes its own stream exactly."""
+
+    def save():
+        rank = meshkit.get_rank()
+        rng = np.random.default_rng(100 + rank)
+        rng.random(7)
+        dcp.save({"rng": {f"rank{rank}": rng.bit_generator.state}, "step": 3}, checkpoint_id=tmp_path / "ck")
+        return rng.random(3)
+
+    def load():
+        rank = meshkit.get_rank()
+        rng = np.random.default_rng(0)
+        sd = {"rng": {f"rank{rank}": rng.bit_generator.state}, "step": 0}
+        dcp.load(sd, checkpoint_id=tmp_path / "ck")
+        rng.bit_generator.state = sd["rng"][f"rank{rank}"]
+        return rng.random(3), sd["step"]
+
+    expected = local.run(save, 3)
+    for (got, step), want in zip(local.run(load, 3), expected):
+        assert step == 3 and np.array_equal(got, want)
+    assert not np.array_equal(expected[0], expected[1])  # the ranks' streams differ: each got its own back
