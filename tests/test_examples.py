@@ -457,7 +457,7 @@ def test_train_tp_check_passes_under_meshkit_run(mpirun, n, mesh, dp):
                    marks=pytest.mark.skipif(gpu_available(), reason="a GPU is visible here: --device cuda is valid"))
       for script in ("train_mlp.py", "train_tp.py", "train_3d.py")],
     ("train_3d.py", 2, ["--resume"], "argument --resume: needs --checkpoint-dir DIR"),
-    ("train_3d.py", 2, ["--dp", "fsdp"], "argument --dp: invalid choice: 'fsdp'"),
+    ("train_3d.py", 2, ["--dp", "hsdp"], "argument --dp: invalid choice: 'hsdp'"),
 ])
 def test_a_bad_flag_under_meshkit_run_exits_2_with_one_message(mpirun, script, n, argv, message):
     proc = mpirun(EXAMPLES / script, n, *argv, check=False)
@@ -511,7 +511,8 @@ def test_train_3d_hands_ddp_the_stages_dtensors(monkeypatch):
     (["--save-every", "5"], 1, r"argument --save-every: needs --checkpoint-dir DIR"),
     (["--max-to-keep", "2"], 1, r"argument --max-to-keep: needs --checkpoint-dir DIR"),
     (["--save-every", "0", "--checkpoint-dir", "d"], 1, r"argument --save-every: expected an integer >= 1, got 0"),
-    (["--dp", "fsdp"], 1, r"argument --dp: invalid choice: 'fsdp' \(choose from '?ddp'?, '?zero1'?, '?zero2'?\)"),
+    (["--dp", "hsdp"], 1,
+     r"argument --dp: invalid choice: 'hsdp' \(choose from '?ddp'?, '?zero1'?, '?zero2'?, '?fsdp'?\)"),
     (["--dp", "zero3"], 2, r"argument --dp: invalid choice: 'zero3'"),
 ])
 def test_train_3d_bad_flags_are_usage_errors(argv, world, message, capsys):
@@ -544,7 +545,7 @@ def _ranks(mesh: str) -> int:
 @pytest.mark.parametrize("mesh", [("2x2x1",), ("1x2x2",), ("2x2x2", "--schedule", "interleaved")],
                          ids=lambda run: " ".join(run))
 def test_train_3d_every_dp_passes_its_check_local(mesh, dp):
-    """DDP, ZeRO-1 and ZeRO-2 over dp, with pipeline stages and tp blocks: equal to single-process training."""
+    """DDP, ZeRO-1, ZeRO-2 and FSDP over dp, with pipeline stages and tp blocks: equal to single-process training."""
     world = _ranks(mesh[0])
     args = train_3d.parse_args(["--mesh", *mesh, "--dp", dp, *SMALL_3D, "--steps", "4"], world_size=world)
     reference, _ = train_mlp.train_reference(args, args.hidden)
@@ -618,7 +619,7 @@ def test_train_3d_resumes_on_another_mesh_and_passes_the_exact_check_local(first
 @pytest.mark.parametrize("dp", train_3d.DP_STRATEGIES)
 def test_train_3d_checkpoint_holds_every_layer_once(dp, tmp_path):
     """A 2x2x2 run saves each layer, and its optimizer state, under its global name, every element
-    written once (by one dp replica; with ZeRO, by the dp rank whose shard holds it), whichever
+    written once (by one dp replica; with ZeRO or FSDP, by the dp rank whose shard holds it), whichever
     stage held it; the step is saved with them."""
     args = train_3d.parse_args(["--mesh", "2x2x2", "--dp", dp, *SMALL_3D, "--steps", "2", "--save-every", "2",
                                 "--checkpoint-dir", str(tmp_path)], world_size=8)
