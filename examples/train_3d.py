@@ -5,6 +5,7 @@
     meshkit-run -n 8 examples/train_3d.py --mesh 2x2x2 --check     # all three
     meshkit-run -n 2 examples/train_3d.py --mesh 2x1x1 --schedule interleaved --check
     meshkit-run -n 4 examples/train_3d.py --mesh 2x2x1 --dp zero2 --check   # ZeRO-2 over dp instead of DDP
+    meshkit-run -n 4 examples/train_3d.py --mesh 1x2x2 --dp fsdp --check    # FSDP (ZeRO-3) over dp
     python examples/train_3d.py --mesh 1x1x1 --check               # a world of one
     meshkit-run -n 4 examples/train_3d.py --mesh 2x2x1 --device cuda --check   # CuPy arrays over MPI
     meshkit-run -n 4 examples/train_3d.py --mesh 2x2x1 --steps 30 --checkpoint-dir ckpt --save-every 10
@@ -26,9 +27,15 @@ gradients over the microbatches.
 and the optimizer steps DDP's ``params`` and ``grads`` (DTensors laid out as the stages'
 parameters, over the same blocks); ``zero1``/``zero2`` take the DTensors too, shard each block's
 optimizer state (and, at stage 2, its gradient) over ``dp`` and step themselves, the stages
-running on ZeRO's ``params`` (DTensors over its own buffers). No ``fsdp``: a stage runs each layer
-once per microbatch, so FSDP would gather every layer 2 x ``--microbatches`` times a step, or keep
-the stage gathered through the schedule and be ``zero2`` with parameters sharded only between steps.
+running on ZeRO's ``params`` (DTensors over its own buffers); ``fsdp`` takes the DTensors with one
+unit per layer and flat-shards the blocks over ``dp``, as torchtitan combines FSDP with pipelining:
+every unit of a rank's stages is all-gathered once per step, before the schedule runs, and stays
+gathered through every microbatch's forward and backward (the stages run on the DTensors
+``unshard`` yields); the stages' gradients, added up over the microbatches, are reduce-scattered
+once per unit, the gathered parameters and the gradients are freed, and FSDP steps its shards.
+Between steps a rank holds only its shards of the parameters, gradients and optimizer state
+(ZeRO-3's memory); during a step, its stages' layers whole (gathering each layer per microbatch
+instead would cost 2 x ``--microbatches`` all-gathers of it a step).
 
 ``--device cuda`` puts the blocks, the data, every activation and gradient on a GPU: over the
 MPI engine (device arrays as they are where MPI is CUDA-aware, else staged through pinned host
@@ -40,7 +47,7 @@ K`` keeps the K newest), as train_mlp.py does: each rank saves its stages' layer
 global names (``model.w3``, the optimizer's state under the same names) and the step, so the
 keys do not depend on the split. ``--resume`` continues from the newest complete one on any
 ``--mesh``, ``--schedule``, ``--virtual`` or ``--dp``: each rank loads the layers it holds now,
-resharded to its tp placements (and, with ZeRO, to its shard over ``dp``).
+resharded to its tp placements (and, with ZeRO or FSDP, to its shard over ``dp``).
 
 ``--check`` trains the same model in one process on the global batch and compares the final
 parameters to 1e-10 in float64 (1e-5 in float32); after ``--resume``, with uninterrupted
@@ -50,8 +57,9 @@ training of all ``--steps``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -60,13 +68,14 @@ import mlp  # the model, beside this file
 import train_mlp  # its reference training, --check's comparison, flag types and checkpoint helpers
 from meshkit.checkpoint import CheckpointManager
 from meshkit.comm.cuda_runtime import runtime
-from meshkit.parallel import (DistributedDataParallel, Optimizer, PipelineStage, Schedule1F1B, ScheduleGPipe,
-                              ScheduleInterleaved1F1B, ZeroRedundancyOptimizer, array_namespace, to_host)
+from meshkit.parallel import (DistributedDataParallel, FullyShardedDataParallel, Optimizer, PipelineStage,
+                              Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ZeroRedundancyOptimizer,
+                              array_namespace, to_host)
 from meshkit.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
-#: How the stages' blocks are data-parallel over dp (see data_parallel; why no fsdp: the module docstring).
-DP_STRATEGIES = ("ddp", "zero1", "zero2")
+#: How the stages' blocks are data-parallel over dp (see data_parallel, and the module docstring for fsdp).
+DP_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
 REPLICATED, COLWISE, ROWWISE = "replicated", "colwise", "rowwise"
 
 
@@ -91,7 +100,17 @@ class Stage:
         self.kinds = dict(zip(self.layers, layer_kinds(len(self.layers), tp.size())))
         self.params = {f"{k}{i}": _contiguous(distribute_tensor(full[f"{k}{i}"], tp, placements_of(self.kinds[i])[k]))
                        for i in self.layers for k in "wb"}
-        self.grads = {name: array_namespace(p.to_local()).zeros_like(p.to_local()) for name, p in self.params.items()}
+        self.names = list(self.params)  # the stage's parameters, also while it holds none (--dp fsdp between steps)
+        self.grads: dict[str, Any] = {}  # this rank's block of each gradient, added up over the microbatches
+        self.zero_grad()
+
+    def zero_grad(self) -> None:
+        """Zero the gradient blocks, or allocate them like the parameters' blocks where they were dropped."""
+        if self.grads.keys() != self.params.keys():
+            self.grads = {n: array_namespace(p.to_local()).zeros_like(p.to_local()) for n, p in self.params.items()}
+            return
+        for g in self.grads.values():
+            g[...] = 0
 
     def forward(self, x: Any) -> tuple[Any, Any]:
         h = DTensor.from_local(x, self.tp, [Replicate()])  # every tp rank received the same activation
@@ -136,11 +155,58 @@ def build_mesh(shape: tuple[int, int, int]) -> meshkit.DeviceMesh:
 def data_parallel(kind: str, params: dict[str, DTensor], dp: meshkit.DeviceMesh,
                   optimizer: Optimizer) -> tuple[Any, Optimizer | None]:
     """``--dp``'s strategy over ``dp`` for ``params`` (collective), and the optimizer the loop steps
-    with the strategy's ``params`` and ``grads``: DDP's is ``optimizer``; ZeRO holds it and steps
-    itself (None). The pair is also what a checkpoint saves (``get_state_dict``'s arguments)."""
+    with the strategy's ``params`` and ``grads``: DDP's is ``optimizer``; ZeRO and FSDP hold it and
+    step themselves (None). The pair is also what a checkpoint saves (``get_state_dict``'s arguments).
+    FSDP gets one unit per layer (``[w{i}, b{i}]``, in the order of ``params``)."""
     if kind == "ddp":
         return DistributedDataParallel(params, mesh=dp), optimizer  # over the same blocks
+    if kind == "fsdp":
+        layers = dict.fromkeys(name[1:] for name in params)  # this rank's layers, in order
+        units = [[f"w{i}", f"b{i}"] for i in layers]
+        return FullyShardedDataParallel(params, mesh=dp, optimizer=optimizer, units=units), None  # copies into shards
     return ZeroRedundancyOptimizer(params, optimizer, mesh=dp, stage=int(kind[-1])), None  # over its own copies
+
+
+@contextlib.contextmanager
+def stage_params(strategy: Any, stages: list[Stage]) -> Iterator[None]:
+    """The stages' parameters for one training step (collective over ``dp`` with FSDP).
+
+    DDP's and ZeRO's DTensors are the stages' all along: nothing happens. With FSDP every unit of
+    this rank's stages is all-gathered here, once (all gathers in flight together), and the stages
+    run on the DTensors ``unshard`` yields through every microbatch; on exit the stages drop them
+    and their gradient blocks, and each unit is resharded, which frees its gathered blocks.
+    """
+    if not isinstance(strategy, FullyShardedDataParallel):
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        for unit in range(len(strategy.units)):
+            strategy.prefetch(unit)
+        gathered: dict[str, DTensor] = {}
+        for unit in range(len(strategy.units)):
+            gathered.update(stack.enter_context(strategy.unshard(unit)))  # DTensors over the gathered blocks
+        for st in stages:
+            st.params = {name: gathered[name] for name in st.names}
+        try:
+            yield
+        finally:
+            for st in stages:
+                st.params, st.grads = {}, {}
+
+
+def sync_grads(strategy: Any, stages: list[Stage]) -> None:
+    """Hand the stages' gradient blocks (added up over the microbatches) to the strategy: DDP and
+    ZeRO average them over ``dp`` (``mark_grad_ready``, ``finish_gradient_sync``); FSDP
+    reduce-scatters each unit's into its gradient shards (``reduce_grads``, asynchronous: its
+    ``step`` waits), having copied them, so the stages may drop theirs."""
+    grads = {name: g for st in stages for name, g in st.grads.items()}
+    if isinstance(strategy, FullyShardedDataParallel):
+        for unit, names in enumerate(strategy.units):
+            strategy.reduce_grads(unit, {name: grads[name] for name in names})
+        return
+    for name, g in grads.items():
+        strategy.mark_grad_ready(name, g)  # the block the stage accumulated over the microbatches
+    strategy.finish_gradient_sync()
 
 
 def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np.ndarray], list[float]]:
@@ -153,16 +219,19 @@ def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np
     cuts = np.array_split(np.arange(n_layers), p * v)
     mine = [pp.get_local_rank() + k * p for k in range(v)]
     stages = [Stage(full, cuts[s], n_layers, tp) for s in mine]
+    del full  # the stages hold their blocks; no rank keeps the whole model
     pipes = [PipelineStage(st.forward, st.backward, s, p * v, group=pp) for s, st in zip(mine, stages)]
     if args.schedule == "interleaved":
         schedule: Any = ScheduleInterleaved1F1B(pipes, args.microbatches, loss_fn)
     else:
         schedule = (ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B)(pipes[0], args.microbatches, loss_fn)
-    params = {name: t for st in stages for name, t in st.params.items()}
-    grads = {name: g for st in stages for name, g in st.grads.items()}
-    strategy, optimizer = data_parallel(args.dp, params, dp, mlp.make_optimizer(args.optimizer, args.lr))
-    for st in stages:  # the stages run on the strategy's DTensors (ZeRO's are copies, updated by its step)
-        st.params = {name: strategy.params[name] for name in st.params}
+    strategy, optimizer = data_parallel(args.dp, {name: t for st in stages for name, t in st.params.items()}, dp,
+                                        mlp.make_optimizer(args.optimizer, args.lr))
+    for st in stages:
+        if args.dp == "fsdp":  # FSDP copied the blocks into its shards; stage_params gathers them for each step
+            st.params, st.grads = {}, {}
+        else:  # the stages run on the strategy's DTensors (ZeRO's are copies, updated by its step)
+            st.params = {name: strategy.params[name] for name in st.names}
     first, last = 0 in mine, p * v - 1 in mine
     x, y = mlp.to_device(mlp.make_data(args.samples), args.device)  # once; batches are gathered there
     xp = array_namespace(x)
@@ -174,22 +243,22 @@ def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np
         for step in range(start, args.steps):
             idx = np.array_split(mlp.batch_indices(step, args.samples, args.batch), dp.size())[dp.get_local_rank()]
             idx = xp.asarray(idx)  # on a GPU: the indices go to the device (a small copy per step)
-            for g in grads.values():
-                g[...] = 0
             strategy.zero_grad()
-            mb_losses = schedule.step(x[idx].astype(args.dtype) if first else None, target=y[idx] if last else None)
-            for name, g in grads.items():
-                strategy.mark_grad_ready(name, g)  # the block the stage accumulated over the microbatches
-            strategy.finish_gradient_sync()
+            with stage_params(strategy, stages):  # FSDP: gathered once for every microbatch, freed after
+                for st in stages:
+                    st.zero_grad()
+                mb_losses = schedule.step(x[idx].astype(args.dtype) if first else None,
+                                          target=y[idx] if last else None)
+                sync_grads(strategy, stages)
             if optimizer is None:
-                strategy.step()  # ZeRO: each rank updates its shard, then all-gathers the blocks
+                strategy.step()  # ZeRO: each rank updates its shard, then all-gathers the blocks; FSDP: its shards
             else:
                 optimizer.step(strategy.params, strategy.grads)  # DTensors: updates the stages' blocks in place
             losses.append(global_loss(mb_losses, mesh))
             show(losses[-1])
             if args.save_every and (step + 1) % args.save_every == 0:
                 manager.save(step + 1, train_mlp.state_dict((strategy, optimizer), step + 1, args))
-    return gather_params(stages, mesh), losses
+    return gather_params(strategy, stages, mesh), losses
 
 
 def loss_fn(logits: Any, y: Any) -> tuple[float, Any]:
@@ -205,10 +274,12 @@ def global_loss(mb_losses: list[float] | None, mesh: meshkit.DeviceMesh) -> floa
     return float(mine[0])
 
 
-def gather_params(stages: list[Stage], mesh: meshkit.DeviceMesh) -> dict[str, np.ndarray]:
-    """Every parameter whole on every rank, as NumPy arrays: full_tensor over tp, then an object
-    all-gather over pp (of host copies: a GPU run's parameters reach the host once, here)."""
-    mine = {name: to_host(t.full_tensor()) for st in stages for name, t in st.params.items()}
+def gather_params(strategy: Any, stages: list[Stage], mesh: meshkit.DeviceMesh) -> dict[str, np.ndarray]:
+    """Every parameter whole on every rank, as NumPy arrays: (FSDP's gathered over dp,) full_tensor
+    over tp, then an object all-gather over pp (of host copies: a GPU run's parameters reach the
+    host once, here)."""
+    with stage_params(strategy, stages):
+        mine = {name: to_host(t.full_tensor()) for st in stages for name, t in st.params.items()}
     every: list[Any] = [None] * mesh["pp"].size()
     meshkit.all_gather_object(every, mine, group=mesh["pp"].get_group())
     return {name: a for part in every for name, a in part.items()}
@@ -239,7 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="default: %(default)s")
     parser.add_argument("--dp", default="ddp", choices=DP_STRATEGIES,
                         help="how each stage's blocks are data-parallel over DP: ddp, zero1 (optimizer state sharded "
-                             "over DP) or zero2 (optimizer state and gradients sharded) (default: %(default)s)")
+                             "over DP), zero2 (optimizer state and gradients sharded) or fsdp (parameters too, "
+                             "gathered once a step for every microbatch) (default: %(default)s)")
     parser.add_argument("--microbatches", type=train_mlp.int_at_least(1), default=4, help="default: %(default)s")
     parser.add_argument("--virtual", type=train_mlp.int_at_least(1), default=2,
                         help="stages per pipeline rank with --schedule interleaved (default: %(default)s)")

@@ -11,6 +11,7 @@ import json
 import re
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -457,7 +458,7 @@ def test_train_tp_check_passes_under_meshkit_run(mpirun, n, mesh, dp):
                    marks=pytest.mark.skipif(gpu_available(), reason="a GPU is visible here: --device cuda is valid"))
       for script in ("train_mlp.py", "train_tp.py", "train_3d.py")],
     ("train_3d.py", 2, ["--resume"], "argument --resume: needs --checkpoint-dir DIR"),
-    ("train_3d.py", 2, ["--dp", "fsdp"], "argument --dp: invalid choice: 'fsdp'"),
+    ("train_3d.py", 2, ["--dp", "hsdp"], "argument --dp: invalid choice: 'hsdp'"),
 ])
 def test_a_bad_flag_under_meshkit_run_exits_2_with_one_message(mpirun, script, n, argv, message):
     proc = mpirun(EXAMPLES / script, n, *argv, check=False)
@@ -511,7 +512,8 @@ def test_train_3d_hands_ddp_the_stages_dtensors(monkeypatch):
     (["--save-every", "5"], 1, r"argument --save-every: needs --checkpoint-dir DIR"),
     (["--max-to-keep", "2"], 1, r"argument --max-to-keep: needs --checkpoint-dir DIR"),
     (["--save-every", "0", "--checkpoint-dir", "d"], 1, r"argument --save-every: expected an integer >= 1, got 0"),
-    (["--dp", "fsdp"], 1, r"argument --dp: invalid choice: 'fsdp' \(choose from '?ddp'?, '?zero1'?, '?zero2'?\)"),
+    (["--dp", "hsdp"], 1,
+     r"argument --dp: invalid choice: 'hsdp' \(choose from '?ddp'?, '?zero1'?, '?zero2'?, '?fsdp'?\)"),
     (["--dp", "zero3"], 2, r"argument --dp: invalid choice: 'zero3'"),
 ])
 def test_train_3d_bad_flags_are_usage_errors(argv, world, message, capsys):
@@ -526,10 +528,12 @@ def test_train_3d_check_passes_under_meshkit_run(mpirun, mesh, schedule):
     assert "check against single-process training: OK" in out, out
 
 
-def test_train_3d_dp_zero2_check_passes_under_meshkit_run(mpirun):
-    out = mpirun(EXAMPLES / "train_3d.py", 4, "--mesh", "2x2x1", "--dp", "zero2", "--steps", "8", "--check").stdout
+@pytest.mark.parametrize("dp, mesh, schedule", [("zero2", "2x2x1", "1f1b"), ("fsdp", "1x2x2", "gpipe")])
+def test_train_3d_dp_zero2_and_fsdp_check_passes_under_meshkit_run(mpirun, dp, mesh, schedule):
+    out = mpirun(EXAMPLES / "train_3d.py", 4, "--mesh", mesh, "--dp", dp, "--schedule", schedule, "--steps", "8",
+                 "--check").stdout
     assert out.count("check against single-process training: OK (float64)") == 1, out
-    assert "pipeline on a 2x2x1 pp x dp x tp mesh (zero2 over dp)" in out, out
+    assert f"{schedule} pipeline on a {mesh} pp x dp x tp mesh ({dp} over dp)" in out, out
 
 
 #: train_3d's checkpoint tests: a small model, 2 microbatches, AdamW (whose moments a resume must keep)
@@ -544,7 +548,7 @@ def _ranks(mesh: str) -> int:
 @pytest.mark.parametrize("mesh", [("2x2x1",), ("1x2x2",), ("2x2x2", "--schedule", "interleaved")],
                          ids=lambda run: " ".join(run))
 def test_train_3d_every_dp_passes_its_check_local(mesh, dp):
-    """DDP, ZeRO-1 and ZeRO-2 over dp, with pipeline stages and tp blocks: equal to single-process training."""
+    """DDP, ZeRO-1, ZeRO-2 and FSDP over dp, with pipeline stages and tp blocks: equal to single-process training."""
     world = _ranks(mesh[0])
     args = train_3d.parse_args(["--mesh", *mesh, "--dp", dp, *SMALL_3D, "--steps", "4"], world_size=world)
     reference, _ = train_mlp.train_reference(args, args.hidden)
@@ -589,6 +593,70 @@ def test_train_3d_dp_zero_takes_the_stages_dtensors_and_steps_itself(stage, monk
                                 for params in stage_params)
 
 
+def test_train_3d_dp_fsdp_gathers_each_unit_once_a_step_and_frees_it_after(monkeypatch):
+    """--dp fsdp builds FSDP over dp from the stages' DTensors, one unit per layer; each step unshards
+    every unit once, before the schedule's first microbatch, the stages run every microbatch's forward
+    and backward on the DTensors unshard yields, each unit's gradients are reduced once after the
+    schedule, then every unit is resharded and FSDP steps: between steps no gathered block is alive
+    and the stages hold neither parameters nor gradients (ZeRO-3's memory)."""
+    built, events, current, gathered, stages = [], {}, {}, {}, {}
+
+    class Spy(train_3d.FullyShardedDataParallel):
+        def __init__(self, params, **kwargs):
+            super().__init__(params, **kwargs)
+            kinds = {type(p).__name__ for p in params.values()}
+            built.append((meshkit.get_rank(), kwargs["mesh"].mesh_dim_names, kinds, self.units))
+
+        @contextlib.contextmanager
+        def unshard(self, unit):
+            rank = meshkit.get_rank()
+            with super().unshard(unit) as params:
+                events.setdefault(rank, []).append(("unshard", unit))
+                current.setdefault(rank, {}).update(params)
+                gathered.setdefault(rank, []).extend(weakref.ref(p.to_local().base) for p in params.values())
+                yield params
+            events[rank].append(("reshard", unit))
+            for name in params:
+                del current[rank][name]  # the spy's own references
+
+        def reduce_grads(self, unit, grads):
+            events[meshkit.get_rank()].append(("reduce", unit))
+            super().reduce_grads(unit, grads)
+
+        def step(self):
+            super().step()
+            rank = meshkit.get_rank()
+            alive = sum(ref() is not None for ref in gathered[rank])
+            held = [name for st in stages[rank] for name in (*st.params, *st.grads)]
+            events[rank].append(("step", self.memory_report()["comm_buffers"], alive, held))
+
+    def ran_on_gathered(real):
+        def run(self, *args):
+            rank = meshkit.get_rank()
+            stages.setdefault(rank, set()).add(self)
+            events[rank].append(("run", all(p is current[rank][n] for n, p in self.params.items())))
+            return real(self, *args)
+        return run
+
+    for name in ("DistributedDataParallel", "ZeroRedundancyOptimizer"):
+        monkeypatch.setattr(train_3d, name, None)  # --dp fsdp builds neither
+    monkeypatch.setattr(train_3d, "FullyShardedDataParallel", Spy)
+    monkeypatch.setattr(train_3d.Stage, "forward", ran_on_gathered(train_3d.Stage.forward))
+    monkeypatch.setattr(train_3d.Stage, "backward", ran_on_gathered(train_3d.Stage.backward))
+    args = train_3d.parse_args(["--mesh", "2x2x1", "--dp", "fsdp", "--schedule", "interleaved", *SMALL_3D,
+                                "--steps", "2"], world_size=4)
+    local.run(lambda: train_3d.train(args, progress=False), 4, timeout=60)
+    # pp rank 0 (ranks 0, 1) holds stages 0 and 2 of 4, one layer each; pp rank 1 (ranks 2, 3) stages 1 and 3
+    first, second = [["w0", "b0"], ["w2", "b2"]], [["w1", "b1"], ["w3", "b3"]]
+    assert sorted(built, key=lambda b: b[0]) == [(0, ("dp",), {"DTensor"}, first), (1, ("dp",), {"DTensor"}, first),
+                                                 (2, ("dp",), {"DTensor"}, second), (3, ("dp",), {"DTensor"}, second)]
+    gather = [("unshard", 0), ("unshard", 1)]
+    free = [("reshard", 1), ("reshard", 0)]
+    runs = [("run", True)] * (2 * 2 * 2)  # forward and backward of 2 microbatches on 2 stages
+    one_step = [*gather, *runs, ("reduce", 0), ("reduce", 1), *free, ("step", 0, 0, [])]
+    assert events == {rank: [*one_step, *one_step, *gather, *free] for rank in range(4)}  # then gather_params
+
+
 @pytest.mark.parametrize("first, then", [
     (("2x2x1",), ("1x2x2",)),
     (("4x1x1", "--schedule", "1f1b"), ("2x1x2", "--schedule", "interleaved")),
@@ -596,11 +664,14 @@ def test_train_3d_dp_zero_takes_the_stages_dtensors_and_steps_itself(stage, monk
     (("2x2x1", "--dp", "zero2"), ("1x2x2", "--dp", "ddp")),
     (("1x2x2", "--dp", "ddp"), ("2x2x1", "--dp", "zero1")),
     (("2x2x2", "--dp", "zero1", "--schedule", "interleaved"), ("2x2x1", "--dp", "zero2")),
+    (("2x2x1", "--dp", "fsdp"), ("1x2x2", "--dp", "zero2")),
+    (("1x2x2", "--dp", "zero2"), ("2x2x1", "--dp", "fsdp")),
+    (("2x1x2", "--dp", "ddp", "--schedule", "interleaved"), ("1x2x2", "--dp", "fsdp", "--schedule", "gpipe")),
 ], ids=lambda run: " ".join(run))
 def test_train_3d_resumes_on_another_mesh_and_passes_the_exact_check_local(first, then, tmp_path):
     """Each rank saves its stages' layers; a run on another pp x dp x tp mesh (or schedule, or
-    --dp: ZeRO's shards over dp resharded to DDP's blocks and back) loads the layers it holds and
-    ends equal to uninterrupted single-process training."""
+    --dp: ZeRO's and FSDP's shards over dp resharded to DDP's blocks, to each other's, and back)
+    loads the layers it holds and ends equal to uninterrupted single-process training."""
     common = [*SMALL_3D, "--steps", "6", "--checkpoint-dir", str(tmp_path)]
     world = _ranks(first[0])
     args = train_3d.parse_args(["--mesh", *first, *common, "--save-every", "2"], world_size=world)
@@ -618,7 +689,7 @@ def test_train_3d_resumes_on_another_mesh_and_passes_the_exact_check_local(first
 @pytest.mark.parametrize("dp", train_3d.DP_STRATEGIES)
 def test_train_3d_checkpoint_holds_every_layer_once(dp, tmp_path):
     """A 2x2x2 run saves each layer, and its optimizer state, under its global name, every element
-    written once (by one dp replica; with ZeRO, by the dp rank whose shard holds it), whichever
+    written once (by one dp replica; with ZeRO or FSDP, by the dp rank whose shard holds it), whichever
     stage held it; the step is saved with them."""
     args = train_3d.parse_args(["--mesh", "2x2x2", "--dp", dp, *SMALL_3D, "--steps", "2", "--save-every", "2",
                                 "--checkpoint-dir", str(tmp_path)], world_size=8)
@@ -761,9 +832,10 @@ def test_train_tp_device_cuda_trains_cupy_blocks_and_passes_the_exact_check(cupy
 
 @pytest.mark.parametrize("mesh, extra", [("2x2x1", ()), ("2x1x2", ("--optimizer", "adamw")),
                                          ("2x1x1", ("--schedule", "interleaved")),
-                                         ("1x2x2", ("--dp", "zero2", "--optimizer", "adamw"))])
+                                         ("1x2x2", ("--dp", "zero2", "--optimizer", "adamw")),
+                                         ("2x2x2", ("--dp", "fsdp", "--schedule", "interleaved", *SMALL_3D))])
 def test_train_3d_device_cuda_trains_cupy_arrays_and_passes_the_exact_check(cupy, monkeypatch, mesh, extra):
-    """train_3d.py --device cuda on the local engine: pipeline, DDP and TP on the strict arrays."""
+    """train_3d.py --device cuda on the local engine: pipeline, DDP (ZeRO, FSDP) and TP on the strict arrays."""
     world = int(np.prod([int(d) for d in mesh.split("x")]))
     args = train_3d.parse_args(["--mesh", mesh, "--steps", "3", "--device", "cuda", *extra], world_size=world)
     reference, _ = train_mlp.train_reference(args, args.hidden)
