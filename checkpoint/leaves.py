@@ -31,10 +31,12 @@ __all__ = ["Piece", "ArrayLeaf", "flatten", "array_leaf", "check_dtype", "is_val
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
-    """One box of a global array on this rank: ``data`` (a view into the owner) at ``offsets``."""
+    """One box of a global array on this rank: ``data`` (a view into the owner) at ``offsets``;
+    a ``replica`` box is saved by another rank (see :class:`~meshkit.parallel.ShardedArray`)."""
 
     offsets: tuple[int, ...]
     data: Any
+    replica: bool = False
 
     @property
     def lengths(self) -> tuple[int, ...]:
@@ -151,7 +153,7 @@ def _array_leaf(key: str, value: Any, where: str, rank: int) -> ArrayLeaf | None
         if len(shapes) > 1 or len(dtypes) > 1:
             raise CheckpointError(f"meshkit.checkpoint: rank {rank}: {where}: {key!r}: pieces disagree on the global "
                                   f"shape {sorted(shapes)} or dtype {sorted(dtypes)}")
-        pieces = tuple(Piece(p.offsets, p.local) for p in value if math.prod(p.lengths))
+        pieces = tuple(Piece(p.offsets, p.local, p.replica) for p in value if math.prod(p.lengths))
         return ArrayLeaf(value[0].global_shape, value[0].dtype, pieces)
     if isinstance(value, list) and not value:
         return ArrayLeaf(None, None, ())  # no pieces here; ambiguous with an empty JSON list, see the planner

@@ -32,8 +32,10 @@ class Description:
 
 
 def describe(arrays: dict[str, ArrayLeaf], values: dict[str, Any]) -> Description:
-    return Description({k: (a.shape, None if a.dtype is None else np.dtype(a.dtype).str, [p.box for p in a.pieces])
-                        for k, a in arrays.items()}, dict(values))
+    """This rank's description for the plan: the boxes it could write (replica boxes are another
+    rank's to write) and its values."""
+    return Description({k: (a.shape, None if a.dtype is None else np.dtype(a.dtype).str,
+                            [p.box for p in a.pieces if not p.replica]) for k, a in arrays.items()}, dict(values))
 
 
 @dataclasses.dataclass

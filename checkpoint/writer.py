@@ -128,7 +128,7 @@ def _start(state_dict: Any, checkpoint_id: Any, group: ProcessGroup | None, op: 
     chunks = []
     try:
         for key, (offsets, lengths) in boxes:
-            piece = next(p for p in leaves[key].pieces if p.box == (tuple(offsets), tuple(lengths)))
+            piece = next(p for p in leaves[key].pieces if not p.replica and p.box == (tuple(offsets), tuple(lengths)))
             data = to_host(piece.data)
             if staged and data is piece.data:  # to_host copied device data already
                 data = np.array(data, copy=True)

@@ -45,8 +45,17 @@ class BlockLayout:
         return DTensor(block, self.mesh, self.placements, shape=self.shape)
 
     def place(self, pieces: list[ShardedArray]) -> list[ShardedArray]:
-        """Boxes of this rank's block (a flat shard's pieces of it) as boxes of the global array."""
-        return [ShardedArray(p.local, self.shape, tuple(o + b for o, b in zip(p.offsets, self.offset)))
+        """Boxes of this rank's block (a flat shard's pieces of it) as boxes of the global array.
+
+        Off coordinate 0 of a ``Replicate`` mesh dim they are marked ``replica``: the block is a
+        copy of coordinate 0's, but its flat shard may cut it elsewhere (a flat buffer packs
+        blocks of other sizes before it when other parameters' blocks are uneven over tp), so
+        its pieces can overlap coordinate 0's without being equal; a checkpoint writes
+        coordinate 0's only.
+        """
+        coordinate = self.mesh.get_coordinate() or ()
+        replica = any(q.is_replicate() and c for q, c in zip(self.placements, coordinate))
+        return [ShardedArray(p.local, self.shape, tuple(o + b for o, b in zip(p.offsets, self.offset)), replica)
                 for p in pieces]
 
     @property

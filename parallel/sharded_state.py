@@ -43,11 +43,15 @@ class ShardedArray:
             writes the model).
         global_shape: the shape of the whole array.
         offsets: the global index of ``local[0, ..., 0]``.
+        replica: another rank holds these elements too, with the same values, and saves them (a
+            copy over a ``Replicate`` mesh dim, at a coordinate other than 0): a checkpoint does
+            not write this box, and loads into it as into any other.
     """
 
     local: Any
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
+    replica: bool = False
 
     def __post_init__(self) -> None:
         shape, offsets, lengths = tuple(self.global_shape), tuple(self.offsets), tuple(self.local.shape)

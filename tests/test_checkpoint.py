@@ -8,7 +8,9 @@ that every rank raises and that nothing was written in place.
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 
 import numpy as np
 import pytest
@@ -21,7 +23,8 @@ from meshkit import checkpoint as dcp
 from meshkit.checkpoint import CheckpointError, CheckpointManager
 from meshkit.checkpoint.plan import Description, make_plan
 from meshkit.comm import local
-from meshkit.parallel import SGD, AdamW, DistributedDataParallel
+from meshkit.parallel import (SGD, AdamW, DistributedDataParallel, FullyShardedDataParallel,
+                              ZeroRedundancyOptimizer)
 from meshkit.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 
@@ -165,6 +168,8 @@ DP_TP_CHAINS = [
     (("fsdp", (2, 2)), ("zero2", (4, 1)), ("ddp", (1, 4))),
     (("ddp", (2, 2)), ("hsdp", (2, 2, 1)), ("fsdp", (1, 4))),
     (("hsdp", (1, 2, 2)), ("fsdp", (4, 1)), ("zero2", (2, 2))),
+    (("zero2", (3, 2)), ("fsdp", (3, 2)), ("zero1", (2, 3))),  # 3 dp ranks, blocks uneven over tp
+    (("fsdp", (3, 2)), ("ddp", (2, 2)), ("zero2", (3, 2))),
 ]
 
 
@@ -177,10 +182,37 @@ def test_data_parallel_dtensor_params_resume_on_other_meshes_as_if_uninterrupted
     spans = [(None, 0, 2), (0, 2, 3), (1, 3, dp_tp_cases.STEPS)]
     for i, ((strategy, shape), (src, first, last)) in enumerate(zip(chain, spans)):
         ckpt_in = None if src is None else tmp_path / f"ck{src}"
-        results = local.run(dp_tp_cases.resume, 4, shape, strategy, ckpt_in, tmp_path / f"ck{i}", first, last,
-                            timeout=30)
+        results = local.run(dp_tp_cases.resume, math.prod(shape), shape, strategy, ckpt_in, tmp_path / f"ck{i}",
+                            first, last, timeout=30)
     for params in results:
         dp_tp_cases.assert_matches_reference(params, ref)
+
+
+@pytest.mark.parametrize("kind", ["zero2", "fsdp"])
+@pytest.mark.parametrize("order", list(itertools.permutations(["w", "b", "v"])), ids="".join)
+def test_replicated_parameters_behind_uneven_blocks_in_a_flat_shard_save_once(kind, order, tmp_path):
+    """On a 3 x 2 dp x tp mesh, w's 5 columns are blocks of 3 and 2 over tp, so the flat buffer
+    each tp rank shards over dp puts a replicated parameter (b, v) behind blocks of other sizes:
+    its flat pieces fall at other offsets on each tp rank and overlap without being equal. The
+    save writes tp coordinate 0's (the others are marked replicas) and the checkpoint holds every
+    array whole (before: 'the ranks' pieces hold 10 elements of an array of shape (5,)')."""
+    full = {"w": np.arange(20.0).reshape(4, 5), "b": np.arange(5.0) + 100, "v": np.arange(6.0).reshape(3, 2) + 200}
+    placements = {"w": [Shard(1)], "b": [Replicate()], "v": [Replicate()]}
+
+    def save():
+        mesh = meshkit.init_device_mesh("cpu", (3, 2), mesh_dim_names=("dp", "tp"))
+        params = {k: distribute_tensor(full[k], mesh["tp"], placements[k]) for k in order}
+        if kind == "zero2":
+            model = ZeroRedundancyOptimizer(params, SGD(lr=0.1), mesh=mesh["dp"], stage=2)
+        else:
+            model = FullyShardedDataParallel(params, mesh=mesh["dp"], optimizer=SGD(lr=0.1), units=[list(order)])
+        dcp.save({"model": dcp.get_state_dict(model)[0]}, checkpoint_id=tmp_path / "ck")
+
+    local.run(save, 6)
+    out = {"model": {k: np.zeros_like(v) for k, v in full.items()}}
+    local.run(lambda: dcp.load(out, checkpoint_id=tmp_path / "ck"), 1)
+    for k, v in full.items():
+        assert np.array_equal(out["model"][k], v), k
 
 
 # --------------------------------------------------------------------------- the format
