@@ -552,7 +552,7 @@ def test_hsdp_refuses_dtensor_params_on_every_rank_of_its_mesh(case, message):
 def test_fsdp_refuses_a_gradient_laid_out_unlike_its_parameter():
     def body():
         mesh, fsdp = dp_tp_cases.build((2, 2), "fsdp")
-        tp, rank = mesh["tp"], meshkit.get_rank()
+        tp = mesh["tp"]
         errors = []
         for grad, kind in [(distribute_tensor(np.ones((4, 5)), tp, [Shard(0)]), ValueError),
                            (np.ones((4, 5)), ValueError)]:
