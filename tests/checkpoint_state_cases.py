@@ -11,6 +11,7 @@ must record the step counts of the steps it took (the dict it loaded into stays 
 from __future__ import annotations
 
 import contextlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -128,21 +129,42 @@ def load(state: dict[str, Any], how: str, directory: Path, step: int) -> None:
         dcp.load(state, checkpoint_id=directory / f"step_{step}")
 
 
-def resume(kind: str, opt: str, pattern: str, how: str, directory: Path, steps: int = 3) -> dict[str, np.ndarray]:
-    """``steps`` steps, save, a fresh run resumes and takes ``steps`` more, saving again; returns its
-    parameters (checked against ``2 * steps`` uninterrupted steps by the caller)."""
-    first = Run(kind, opt)
-    state = first.state() if pattern == "once" else None
+def train_and_save(kind: str, opt: str, pattern: str, how: str, directory: Path, steps: int = 3) -> None:
+    """``steps`` steps of a new run, then a save as step ``steps``."""
+    run = Run(kind, opt)
+    state = run.state() if pattern == "once" else None
     for step in range(steps):
-        first.step(step)
-    save(state if pattern == "once" else first.state(), how, directory, steps)
-    del first
+        run.step(step)
+    save(state if pattern == "once" else run.state(), how, directory, steps)
 
-    second = Run(kind, opt)
-    state = second.state()  # fresh: zeros and step 0 until the checkpoint is loaded into it
+
+def resume_and_train(kind: str, opt: str, pattern: str, how: str, directory: Path, steps: int = 3
+                     ) -> dict[str, np.ndarray]:
+    """A fresh run loads step ``steps``, takes ``steps`` more and saves again; returns its
+    parameters (the caller checks them against ``2 * steps`` uninterrupted steps)."""
+    run = Run(kind, opt)
+    state = run.state()  # fresh: zeros and step 0 until the checkpoint is loaded into it
     load(state, how, directory, steps)
-    second.take(state)
+    run.take(state)
     for step in range(steps, 2 * steps):
-        second.step(step)
-    save(state if pattern == "once" else second.state(), how, directory, 2 * steps)
-    return second.params()
+        run.step(step)
+    save(state if pattern == "once" else run.state(), how, directory, 2 * steps)
+    return run.params()
+
+
+def resume(kind: str, opt: str, pattern: str, how: str, directory: Path, steps: int = 3) -> dict[str, np.ndarray]:
+    """:func:`train_and_save`, then :func:`resume_and_train` in new objects."""
+    train_and_save(kind, opt, pattern, how, directory, steps)
+    return resume_and_train(kind, opt, pattern, how, directory, steps)
+
+
+def check(got: dict[str, np.ndarray], opt: str, directory: Path, what: str, steps: int = 3) -> None:
+    """``got`` equals ``2 * steps`` uninterrupted steps to 1e-10, and the checkpoints of steps
+    ``steps`` and ``2 * steps`` under ``directory`` record those step counts."""
+    for name, expected in reference(opt, 2 * steps).items():
+        np.testing.assert_allclose(got[name], expected, rtol=1e-10, atol=1e-10 * float(np.abs(expected).max()),
+                                   err_msg=f"{what} {name}")
+    for step in (steps, 2 * steps):
+        values = json.loads((directory / f"step_{step}" / "metadata.json").read_text())["values"]
+        counts = {k: v for k, v in values.items() if k.startswith("optim.step.")}
+        assert counts and set(counts.values()) == {step}, (what, step, counts)
