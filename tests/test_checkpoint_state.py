@@ -14,6 +14,7 @@ from meshkit import checkpoint as dcp
 from meshkit.checkpoint import CheckpointError
 from meshkit.comm import local
 from meshkit.parallel import AdamW, StepCount, ZeroRedundancyOptimizer
+from meshkit.tensor import DTensor, Replicate, Shard
 
 
 @pytest.mark.parametrize("how", cases.SAVES)
@@ -161,3 +162,23 @@ def test_loading_into_a_read_only_array_names_the_key_on_every_rank(tmp_path):
         assert not v.any() and not w.any()
 
     local.run(body, 2)
+
+
+# --------------------------------------------------------------------------- 23.8: replicated copies agree
+@pytest.mark.parametrize("how", ["array", "dtensor"])
+def test_replicated_copies_that_differ_fail_the_save_on_every_rank(how, tmp_path):
+    """Differing ints are refused (a value is saved once); so are differing copies of an array."""
+    def body():
+        rank = meshkit.get_rank()
+        x = np.arange(6.0).reshape(2, 3) + (rank == 2)  # rank 2's copy differs
+        if how == "dtensor":
+            mesh = meshkit.init_device_mesh("cpu", (2, 2))
+            x = DTensor.from_local(x[:, :2] if mesh.get_coordinate()[1] == 0 else x[:, 2:], mesh,
+                                   [Replicate(), Shard(1)], shape=(2, 3))
+        with pytest.raises(CheckpointError, match=r"'model.x' is replicated, but ranks \[0(, 1)?\] vs \[2\] hold "
+                                                  r"different copies.*broadcast it from one rank"):
+            dcp.save({"model": {"x": x, "same": np.ones(2)}}, checkpoint_id=tmp_path / "ck")
+        dcp.save({"model": {"same": np.ones(2)}}, checkpoint_id=tmp_path / "ok")  # equal copies save
+
+    local.run(body, 3 if how == "array" else 4)
+    assert not (tmp_path / "ck").exists() and (tmp_path / "ok").exists()
