@@ -80,7 +80,7 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike, group:
     for parent, key, value in values:
         if isinstance(parent[key], StepCount):
             parent[key].set(value)  # the leaf stays: the dict keeps reading the optimizer's count
-        elif parent[key] is not value and not isinstance(parent, tuple):  # (a tuple's are checked equal)
+        elif not isinstance(parent, tuple):  # (a tuple's values were checked equal)
             parent[key] = value
 
 
