@@ -10,13 +10,17 @@ A checkpoint is a directory::
 
 ``metadata.json``::
 
-    {"format": "meshkit.checkpoint", "version": 2, "world_size": 4,
+    {"format": "meshkit.checkpoint", "version": 3, "world_size": 4,
      "arrays": {"model.w0": {"shape": [20, 64], "dtype": "<f8",
                              "chunks": [{"offsets": [0, 0], "lengths": [5, 64],
                                          "file": "data-00000.bin", "offset": 0, "nbytes": 2560,
                                          "block_bytes": 65536, "xxh3_64": ["9f3c0e2a1b4d5c6e"]},
                                         ...]}},
      "values": {"optim.step.w0": 10}}
+
+A key is the leaf's path in the state dict, joined with ``.``; a ``.`` or ``\\`` inside one
+dict key is escaped with ``\\`` (``{"layer.0": {"w": x}}`` is ``layer\\.0.w``), list items are
+nested by index (:mod:`.leaves`).
 
 A chunk is a C-order box of the global array (``A[o0:o0+l0, o1:o1+l1, ...]``) stored raw at
 ``offset`` in ``file``; ``dtype`` is NumPy's ``dtype.str`` (byte order included, so complex and
@@ -43,7 +47,9 @@ Both are written and fsynced before the commit rename. A reader also checks that
 chunks tile it exactly (inside it, no overlap, every element once).
 
 Version 1 (no ``metadata.json.xxh3_64``; ``xxh3_64`` one string, the whole chunk's checksum)
-is still read, as version 2 with one block per chunk.
+is still read, as version 2 with one block per chunk. Versions 1 and 2 joined keys without
+escaping (a ``.`` inside a key was ambiguous); they are read with such keys, and version 3
+differs from version 2 in that alone.
 """
 
 from __future__ import annotations
@@ -61,10 +67,13 @@ from .blocks import block_bytes, block_checksums
 from .errors import CheckpointError
 from .plan import tiling_problem
 
-__all__ = ["FORMAT", "VERSION", "METADATA", "METADATA_CHECKSUM", "ALIGN", "data_file", "write_chunks", "read_metadata",
-           "write_metadata", "fsync_dir", "checksum", "CHECKSUM"]
+__all__ = ["FORMAT", "VERSION", "LEGACY_BEFORE", "METADATA", "METADATA_CHECKSUM", "ALIGN", "data_file", "write_chunks",
+           "read_metadata", "write_metadata", "fsync_dir", "checksum", "CHECKSUM"]
 
-FORMAT, VERSION = "meshkit.checkpoint", 2
+FORMAT, VERSION = "meshkit.checkpoint", 3
+#: versions below this joined nested keys with "." without escaping a "." inside a key
+#: (:func:`~meshkit.checkpoint.leaves.flat_key`)
+LEGACY_BEFORE = 3
 METADATA = "metadata.json"
 #: the XXH3-64 of metadata.json's bytes (16 hex digits), written before the commit like it
 METADATA_CHECKSUM = "metadata.json.xxh3_64"
@@ -176,9 +185,9 @@ def read_metadata(directory: Path) -> dict[str, Any]:
                               "and 'values')")
     if meta.get("version") == 1 and recorded is None:
         _from_version_1(meta)
-    elif meta.get("version") != VERSION:
+    elif meta.get("version") not in (2, VERSION):
         raise CheckpointError(f"{str(path)!r} has format version {meta.get('version')!r}; this meshkit reads "
-                              f"versions 1 and {VERSION}")
+                              f"versions 1 to {VERSION}")
     elif recorded is None:
         raise CheckpointError(f"{str(side)!r} is missing: {METADATA} cannot be verified (a checkpoint is committed "
                               "with both)")

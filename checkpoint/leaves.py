@@ -9,9 +9,17 @@ A state dict is a nested ``dict`` whose leaves are
 * a :class:`~meshkit.tensor.DTensor`: its local block (``Shard`` placements cut it; ``Replicate``
   copies hold the same box, written once);
 * a JSON value (``int``, ``float``, ``str``, ``bool``, ``None``, lists of them): kept in the
-  metadata file and replaced in the dict on load (like DCP's non-tensor values).
+  metadata file and replaced in the dict on load (like DCP's non-tensor values);
+* a :class:`~meshkit.parallel.StepCount`: a JSON value read from its optimizer when saved and
+  written back into it when loaded (the dict keeps the same leaf, so it stays current).
 
-Nested keys are joined with ``.``: ``{"optim": {"step": {"w0": 3}}}`` is ``optim.step.w0``.
+Containers are dicts (string keys) and, as in torch's state dicts (``param_groups``), lists and
+tuples of anything but JSON values (``[w0, w1]``, ``[{"lr": 0.1}, ...]``), nested by index.
+Keys are joined with ``.`` into one flat key per leaf, a ``.`` or ``\\`` inside a key escaped
+with ``\\`` so that no two leaves share one: ``{"optim": {"step": {"w0": 3}}}`` is
+``optim.step.w0``, ``{"layer.0": {"w": x}}`` is ``layer\\.0.w`` and ``{"layer": [{"w": x}]}``
+is ``layer.0.w``. Checkpoints of format version 1 and 2 joined keys without escaping; they are
+read with their own keys (:func:`flatten`'s ``legacy``).
 """
 
 from __future__ import annotations
@@ -22,11 +30,11 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ..parallel import ShardedArray, is_array
-from ..tensor import DTensor, Partial, local_shape_and_offset
+from ..parallel import ShardedArray, StepCount, is_array
+from ..tensor import DTensor, Partial, Replicate, local_shape_and_offset
 from .errors import CheckpointError
 
-__all__ = ["Piece", "ArrayLeaf", "flatten", "array_leaf", "check_dtype", "is_value", "json_value"]
+__all__ = ["Piece", "ArrayLeaf", "flatten", "flat_key", "array_leaf", "check_dtype", "is_value", "json_value"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,52 +57,91 @@ class Piece:
 
 @dataclasses.dataclass(frozen=True)
 class ArrayLeaf:
-    """An array leaf: its global shape and dtype (None where this rank holds no piece) and pieces."""
+    """An array leaf: its global shape and dtype (None where this rank holds no piece) and pieces;
+    ``replicated``: other ranks hold the same boxes by the leaf's kind (a plain array, a DTensor
+    over a ``Replicate`` mesh dim), so the plan checks that their copies agree."""
 
     shape: tuple[int, ...] | None
     dtype: Any
     pieces: tuple[Piece, ...]
+    replicated: bool = False
+
+
+def _plain(x: Any) -> bool:
+    """A JSON value of plain types (lists of them included)."""
+    if x is None or isinstance(x, (bool, int, float, str, np.bool_, np.integer, np.floating)):
+        return True
+    return isinstance(x, (list, tuple)) and all(_plain(v) for v in x)
 
 
 def is_value(x: Any) -> bool:
-    """Whether ``x`` is stored as a JSON value (not as array data); NumPy scalars count (as their
-    Python value)."""
-    if x is None or isinstance(x, (bool, int, float, str, np.bool_, np.integer, np.floating)):
-        return True
-    return isinstance(x, (list, tuple)) and not any(isinstance(v, ShardedArray) for v in x) and all(
-        is_value(v) for v in x)
+    """Whether ``x`` is stored as a JSON value (not as array data): a plain value (NumPy scalars
+    count, as their Python value), or a :class:`~meshkit.parallel.StepCount`."""
+    return isinstance(x, StepCount) or _plain(x)
 
 
 def json_value(x: Any) -> Any:
-    """``x`` (a value, see :func:`is_value`) as plain JSON types: lists for tuples, Python scalars."""
+    """``x`` (a value, see :func:`is_value`) as plain JSON types now: lists for tuples, Python
+    scalars, a step count's current count."""
+    if isinstance(x, StepCount):
+        return x.value
     if isinstance(x, (list, tuple)):
         return [json_value(v) for v in x]
     return x.item() if isinstance(x, np.generic) else x
 
 
-def flatten(state_dict: Any, where: str, rank: int) -> Iterator[tuple[str, Any, Any, Any]]:
-    """``(key, leaf, parent dict, parent key)`` for every leaf of ``state_dict``, in order."""
+def flat_key(path: tuple[str, ...], legacy: bool = False) -> str:
+    """The flat key of a leaf at ``path``: its components joined by ``.``, each ``\\`` and ``.``
+    in them escaped by a ``\\`` (``legacy``: joined as they are, as format versions 1 and 2 did)."""
+    if legacy:
+        return ".".join(path)
+    return ".".join(c.replace("\\", "\\\\").replace(".", "\\.") for c in path)
+
+
+def _is_container(v: Any) -> bool:
+    """A dict, or a list/tuple that is not a leaf (a JSON value, or a non-empty list of
+    ShardedArray pieces; an empty list is a leaf: no pieces here, or an empty JSON list)."""
+    if isinstance(v, dict):
+        return True
+    if not isinstance(v, (list, tuple)) or not v or _plain(v):
+        return False
+    return not (isinstance(v, list) and all(isinstance(p, ShardedArray) for p in v))
+
+
+def flatten(state_dict: Any, where: str, rank: int, *, legacy: bool = False) -> Iterator[tuple[str, Any, Any, Any]]:
+    """``(key, leaf, parent container, key in the parent)`` for every leaf of ``state_dict``, in order.
+
+    Args:
+        legacy: keys as format versions 1 and 2 joined them (no escaping); two leaves that join
+            to one such key are refused, naming both (the reader of an old checkpoint asks).
+    """
     if not isinstance(state_dict, dict):
         raise CheckpointError(f"meshkit.checkpoint: rank {rank}: {where}: state_dict must be a dict, "
                               f"got {type(state_dict).__name__}")
-    seen: set[str] = set()
-    yield from _walk(state_dict, "", where, rank, seen)
+    seen: dict[str, tuple[Any, ...]] = {}
+    for path, v, parent, k in _walk(state_dict, (), where, rank):
+        key = flat_key(path, legacy)
+        if key in seen:  # only legacy keys can collide: escaping makes the join one-to-one
+            raise CheckpointError(f"meshkit.checkpoint: rank {rank}: {where}: the entries at {list(seen[key])} and "
+                                  f"{list(path)} both read the key {key!r} of this checkpoint (its format version "
+                                  "joined keys with '.' without escaping); load it into a dict without keys "
+                                  "containing '.', then save it again")
+        seen[key] = path
+        yield key, v, parent, k
 
 
-def _walk(d: dict, prefix: str, where: str, rank: int, seen: set[str]) -> Iterator[tuple[str, Any, Any, Any]]:
-    for k, v in d.items():
-        if not isinstance(k, str):
-            raise CheckpointError(f"meshkit.checkpoint: rank {rank}: {where}: key {k!r} under {prefix or 'the top'!r}"
-                                  f" is a {type(k).__name__}; state dict keys must be strings")
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            yield from _walk(v, key + ".", where, rank, seen)
-            continue
-        if key in seen:
-            raise CheckpointError(f"meshkit.checkpoint: rank {rank}: {where}: two entries flatten to the key "
-                                  f"{key!r} (a key containing '.' collides with a nested one)")
-        seen.add(key)
-        yield key, v, d, k
+def _walk(d: Any, prefix: tuple[str, ...], where: str, rank: int) -> Iterator[tuple[tuple[str, ...], Any, Any, Any]]:
+    items = d.items() if isinstance(d, dict) else enumerate(d)
+    for k, v in items:
+        if isinstance(d, dict) and not isinstance(k, str):
+            raise CheckpointError(f"meshkit.checkpoint: rank {rank}: {where}: key {k!r} under "
+                                  f"{flat_key(prefix) or 'the top'!r} is a {type(k).__name__}; state dict keys must "
+                                  "be strings")
+        path = (*prefix, str(k))
+        if _is_container(v):
+            yield from _walk(v, path, where, rank)
+        else:
+            yield path, v, d, k
 
 
 def array_leaf(key: str, value: Any, where: str, rank: int) -> ArrayLeaf | None:
@@ -142,11 +189,12 @@ def _array_leaf(key: str, value: Any, where: str, rank: int) -> ArrayLeaf | None
             raise CheckpointError(f"meshkit.checkpoint: rank {rank}: {where}: {key!r}: DTensor local block has shape "
                                   f"{tuple(local.shape)}, its placements give {shape}")
         pieces = (Piece(offsets, local),) if math.prod(shape) else ()
-        return ArrayLeaf(tuple(value.shape), local.dtype, pieces)
+        replicated = any(isinstance(p, Replicate) and n > 1 for p, n in zip(value.placements, mesh.shape))
+        return ArrayLeaf(tuple(value.shape), local.dtype, pieces, replicated)
     if isinstance(value, np.generic):  # a NumPy scalar: a value, like the Python number it holds
         return None
     if is_array(value):
-        return ArrayLeaf(tuple(value.shape), value.dtype, (Piece((0,) * value.ndim, value),))
+        return ArrayLeaf(tuple(value.shape), value.dtype, (Piece((0,) * value.ndim, value),), True)
     if isinstance(value, list) and all(isinstance(p, ShardedArray) for p in value) and value:
         shapes = {p.global_shape for p in value}
         dtypes = {str(p.dtype) for p in value}
@@ -160,5 +208,6 @@ def _array_leaf(key: str, value: Any, where: str, rank: int) -> ArrayLeaf | None
     if is_value(value):
         return None
     raise CheckpointError(f"meshkit.checkpoint: rank {rank}: {where}: {key!r} is a {type(value).__name__}; a state "
-                          "dict leaf must be an array, a list of ShardedArray, a DTensor or a JSON value "
-                          "(int, float, str, bool, None, or a list of them)")
+                          "dict leaf must be an array, a list of ShardedArray, a DTensor, a StepCount or a JSON "
+                          "value (int, float, str, bool, None, or a list of them); dicts, lists and tuples of "
+                          "leaves nest")

@@ -19,11 +19,11 @@ from typing import Any
 import numpy as np
 
 from ..comm import ProcessGroup, all_gather_object, resolve_group
-from ..parallel import array_namespace
+from ..parallel import StepCount, array_namespace
 from .blocks import touched_blocks
 from .errors import CheckpointError
-from .format import CHECKSUM, checksum, read_metadata
-from .leaves import Piece, array_leaf, flatten
+from .format import CHECKSUM, LEGACY_BEFORE, checksum, read_metadata
+from .leaves import Piece, array_leaf, flatten, json_value
 
 __all__ = ["load"]
 
@@ -45,13 +45,16 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike, group:
     """Load the checkpoint at ``checkpoint_id`` into ``state_dict`` in place (collective over ``group``).
 
     Arrays, DTensors and ShardedArray pieces are written in place, whatever boxes the
-    checkpoint was saved in (resharding); JSON values (a step) are replaced in their dict.
+    checkpoint was saved in (resharding); JSON values are replaced in their dict (or list); a
+    :class:`~meshkit.parallel.StepCount` is set in its optimizer and stays in the dict.
     Keys of the checkpoint that ``state_dict`` lacks are ignored, as in DCP.
 
     Raises:
         CheckpointError: on every rank, with nothing written, naming the key or file and what
             was expected: no checkpoint at the path, a missing file or key, another shape or
-            dtype, a truncated file, a checksum mismatch.
+            dtype, a truncated file, a checksum mismatch, a read-only destination array, a step
+            count that is not one, two counts the optimizer keeps as one (a flat shard's)
+            given different values, a value to change inside a tuple.
     """
     g = resolve_group(group)
     rank = g.rank
@@ -75,7 +78,10 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike, group:
         if array_namespace(dst) is not np:
             _copy(dst, src)
     for parent, key, value in values:
-        parent[key] = value
+        if isinstance(parent[key], StepCount):
+            parent[key].set(value)  # the leaf stays: the dict keeps reading the optimizer's count
+        elif not isinstance(parent, tuple):  # (a tuple's values were checked equal)
+            parent[key] = value
 
 
 def _copy(dst: Any, src: np.ndarray) -> None:
@@ -97,14 +103,21 @@ def _prepare(state_dict: Any, path: Path, rank: int) -> tuple[list[tuple[Any, np
     maps: dict[str, np.ndarray] = {}
     verified: dict[tuple[str, int], tuple[str, dict[str, Any], np.ndarray, np.ndarray]] = {}
     copies: list[tuple[Any, np.ndarray]] = []
-    values: list[tuple[dict, str, Any]] = []
-    for key, value, parent, pkey in flatten(state_dict, "load", rank):
+    values: list[tuple[Any, Any, Any]] = []
+    counts: dict[Any, tuple[str, int]] = {}  # a StepCount's target -> (first key, its count)
+    for key, value, parent, pkey in flatten(state_dict, "load", rank, legacy=meta["version"] < LEGACY_BEFORE):
         leaf = array_leaf(key, value, "load", rank)
         if leaf is None or (leaf.shape is None and key in meta["values"]):
             if key not in meta["values"]:
                 kind = "an array" if key in meta["arrays"] else "absent"
                 raise CheckpointError(f"key {key!r} (a value here) is {kind} in the checkpoint at {str(path)!r}")
-            values.append((parent, pkey, meta["values"][key]))
+            new = meta["values"][key]
+            if isinstance(value, StepCount):
+                new = _step_count(key, value, new, counts, path)
+            elif isinstance(parent, tuple) and new != json_value(value):
+                raise CheckpointError(f"key {key!r} is in a tuple, whose items cannot be replaced, and the checkpoint "
+                                      f"at {str(path)!r} has {new!r} for it, not {value!r}; use a list")
+            values.append((parent, pkey, new))
             continue
         entry = meta["arrays"].get(key)
         if entry is None:
@@ -116,11 +129,33 @@ def _prepare(state_dict: Any, path: Path, rank: int) -> tuple[list[tuple[Any, np
             raise CheckpointError(f"{key!r}: the checkpoint has shape {shape} and dtype {dtype}, this state dict "
                                   f"expects shape {tuple(leaf.shape)} and dtype {np.dtype(leaf.dtype)}")
         for piece in leaf.pieces:
+            if not _writeable(piece.data):
+                raise CheckpointError(f"{key!r}: the array to load into is read-only (flags.writeable is False); load "
+                                      "writes in place: pass a writeable array (e.g. a copy)")
             copies += _piece_copies(key, piece, entry, dtype, path, maps, verified)
     failures = [f for f in in_parallel(_verify, [(path, *v) for v in verified.values()]) if f]
     if failures:
         raise CheckpointError(failures[0])
     return copies, values
+
+
+def _writeable(a: Any) -> bool:
+    flags = getattr(a, "flags", None)
+    return bool(getattr(flags, "writeable", True))
+
+
+def _step_count(key: str, leaf: StepCount, new: Any, counts: dict[Any, tuple[str, int]], path: Path) -> int:
+    """The checkpoint's count ``new`` for ``leaf`` once checked: a count, and the same as any
+    other key's that is the same count of the optimizer (a flat shard's parameters share one)."""
+    try:
+        new = StepCount.check(new)
+    except ValueError as exc:
+        raise CheckpointError(f"key {key!r}: the checkpoint at {str(path)!r} has {new!r}, {exc}") from None
+    first, count = counts.setdefault(leaf.target, (key, new))
+    if count != new:
+        raise CheckpointError(f"keys {first!r} and {key!r} are one step count of this optimizer (their parameters "
+                              f"share a flat shard), but the checkpoint at {str(path)!r} has {count} and {new}")
+    return new
 
 
 def _piece_copies(key: str, piece: Piece, entry: dict[str, Any], dtype: np.dtype, path: Path,

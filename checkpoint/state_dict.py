@@ -3,12 +3,14 @@
 The keys never depend on the strategy or the world size::
 
     model_state_dict = {name: value}
-    optim_state_dict = {"state": {name: {"exp_avg": value, ...}}, "step": {name: int}}
+    optim_state_dict = {"state": {name: {"exp_avg": value, ...}}, "step": {name: StepCount}}
 
 where a value is an array (replicated: DDP, one process), a list of
 :class:`~meshkit.parallel.ShardedArray` (ZeRO's and FSDP's flat shards, cut into boxes) or a
 :class:`~meshkit.tensor.DTensor` (tensor-parallel parameters), always a view of the strategy's
-own memory: nothing is gathered, and loading a checkpoint into these dicts writes the model.
+own memory: nothing is gathered, and loading a checkpoint into these dicts writes the model. A
+step count is a :class:`~meshkit.parallel.StepCount`, the optimizer's count read through, so a
+dict built once is current whenever it is saved, and loading into it sets the optimizer's count.
 The optimizer's state is materialized (zeros at step 0) if it has not stepped yet, so a
 checkpoint loads into a freshly built strategy before its first step.
 """
@@ -17,7 +19,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from ..parallel import DistributedDataParallel, Optimizer, ShardedStrategy, load_pieces, optimizer_state_views
+from ..parallel import (DistributedDataParallel, Optimizer, ShardedStrategy, StepCount, load_pieces,
+                        optimizer_state_views)
 from ..tensor import DTensor
 from .errors import CheckpointError
 
@@ -104,7 +107,7 @@ def _params_optim_views(optimizer: Optimizer, params: dict[str, Any]) -> dict[st
             st = optimizer.materialize(name, local.reshape(-1))
             out["state"][name] = {key: DTensor.from_local(arr.reshape(local.shape), p.device_mesh, p.placements,
                                                           shape=p.shape) for key, arr in st.items()}
-            out["step"][name] = optimizer.steps[name]
+            out["step"][name] = StepCount(optimizer, name)
     return {"state": {k: out["state"][k] for k in params}, "step": {k: out["step"][k] for k in params}}
 
 

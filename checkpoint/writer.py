@@ -109,7 +109,7 @@ def _start(state_dict: Any, checkpoint_id: Any, group: ProcessGroup | None, op: 
                 values[key] = json_value(value)
             else:
                 leaves[key] = leaf
-        description = describe(leaves, values)
+        description = describe(leaves, values, digest_replicas=size > 1)
     except CheckpointError as exc:
         description = str(exc)
     except Exception as exc:  # fails the save on every rank (rank 0 tells them), never one rank alone

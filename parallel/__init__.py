@@ -25,7 +25,7 @@ from .schedules import bubble_fraction
 from .pool import BufferPool
 from .reducer import GradientReducer
 from .sharded import ShardedStrategy
-from .sharded_state import ShardedArray, flat_range_boxes, load_pieces, optimizer_state_views
+from .sharded_state import ShardedArray, StepCount, flat_range_boxes, load_pieces, optimizer_state_views
 from .zero import ZeroRedundancyOptimizer
 
 __all__ = [
@@ -36,5 +36,5 @@ __all__ = [
     "PipelineStage", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
     "PipelineError", "bubble_fraction",
     "SGD", "AdamW", "Optimizer", "clip_grad_norm_", "array_namespace", "is_array", "to_host",
-    "ShardedArray", "flat_range_boxes", "load_pieces", "optimizer_state_views",
+    "ShardedArray", "StepCount", "flat_range_boxes", "load_pieces", "optimizer_state_views",
 ]

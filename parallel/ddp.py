@@ -161,7 +161,7 @@ class DistributedDataParallel(GradientReducer):
         """The parameters and ``optimizer``'s state as views (replicated: every rank holds all).
 
         Returns:
-            ``{"model": {name: array}, "optim": {"state": {name: {key: array}}, "step": {name: int}}}``
+            ``{"model": {name: array}, "optim": {"state": {name: {key: array}}, "step": {name: StepCount}}}``
             with the keys of the sharded strategies (:mod:`~meshkit.parallel.sharded_state`); the
             optimizer's state is materialized (zeros at step 0) if it has not stepped yet. A
             DTensor parameter's entries are DTensors laid out as it (over its block and the

@@ -19,6 +19,7 @@ ufuncs of the array's own namespace (:func:`~meshkit.parallel.arrays.array_names
 from __future__ import annotations
 
 import numbers
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -30,6 +31,34 @@ from .arrays import array_namespace, check_same_library, convert, is_array
 from .checks import at_least_zero, flag, real, where
 
 __all__ = ["SGD", "AdamW", "Optimizer"]
+
+
+class _Counts(dict):
+    """``Optimizer.steps``: a dict that keeps plain ints, whatever int-like is put in it.
+
+    A state dict's step count is a read-through :class:`~meshkit.parallel.StepCount`; code that
+    copies counts back with ``opt.steps.update(optim_sd["step"])`` (as with ints) stores their
+    values now, never the read-through objects (one reading its own entry would recurse).
+    """
+
+    def __setitem__(self, name: str, count: Any) -> None:
+        try:
+            value = -1 if isinstance(count, (bool, np.bool_)) else operator.index(count)
+        except TypeError:
+            value = -1
+        if value < 0:
+            raise DistValueError(f"{where('Optimizer.steps')}: the step count of {name!r} must be an int >= 0, "
+                                 f"got {count!r}")
+        super().__setitem__(name, value)
+
+    def update(self, *args: Any, **kw: Any) -> None:
+        for name, count in dict(*args, **kw).items():
+            self[name] = count
+
+    def setdefault(self, name: str, default: Any = 0) -> int:
+        if name not in self:
+            self[name] = default
+        return self[name]
 
 
 class Optimizer:
@@ -51,8 +80,8 @@ class Optimizer:
             setattr(self, key, value)
         #: per-name state arrays (1-D, the parameter's dtype and array library)
         self.state: dict[str, dict[str, Any]] = {}
-        #: per-name update counts
-        self.steps: dict[str, int] = {}
+        #: per-name update counts (ints: what is put in is converted, see :class:`_Counts`)
+        self.steps: dict[str, int] = _Counts()
 
     # --- what subclasses define ------------------------------------------------------------
 
@@ -197,7 +226,8 @@ class Optimizer:
         """Replace the state and hyperparameters with those of ``state_dict`` (copied).
 
         The arrays are copied, in the library of the given arrays; where this optimizer already
-        holds state for a name, the copy takes that state's dtype. As in torch, state is moved to
+        holds state for a name, the copy takes that state's dtype, and is made into the held
+        array where it has the same library (so a state dict's views of it see the new state). As in torch, state is moved to
         the dtype and library of its parameter when the parameter is next updated.
 
         Args:
@@ -254,7 +284,16 @@ class Optimizer:
             new_steps[name] = int(count)
         for key, value in hyper.items():
             setattr(self, key, value)
-        self.state, self.steps = new_state, new_steps
+        for name, st in new_state.items():  # into the arrays held already: views of them (a state dict) see it
+            held = self.state.get(name, {})
+            for key, arr in st.items():
+                mine = held.get(key)
+                if mine is not None and mine.shape == arr.shape and array_namespace(mine) is array_namespace(arr):
+                    mine[...] = arr
+                    st[key] = mine
+        self.state = new_state
+        self.steps.clear()  # the same dict: it converts what is put in it
+        self.steps.update(new_steps)
 
     def __repr__(self) -> str:
         args = ", ".join(f"{key}={getattr(self, key)!r}" for key in self._HYPER)

@@ -17,7 +17,7 @@ from .clip import clip_grad_norm_, clip_grad_norm_parts
 from .dtensors import BlockLayout
 from .flat import FlatLayout
 from .optim import Optimizer
-from .sharded_state import ShardedArray, flat_shard_pieces, load_pieces
+from .sharded_state import ShardedArray, StepCount, flat_shard_pieces, load_pieces
 from .state_dict import agree_on_load, check_state_dict, gather_state_dict, load_state_dict_into, state_dict_digest
 
 __all__ = ["ShardedStrategy"]
@@ -162,7 +162,7 @@ class ShardedStrategy:
 
         Returns:
             ``{"model": {name: [ShardedArray]}, "optim": {"state": {name: {key: [ShardedArray]}},
-            "step": {name: int}}}`` (see :mod:`~meshkit.parallel.sharded_state`): the same keys at
+            "step": {name: StepCount}}}`` (see :mod:`~meshkit.parallel.sharded_state`): the same keys at
             any world size and for any strategy. The optimizer state is materialized (zeros at step
             0) if the optimizer has not stepped yet, so a checkpoint can be loaded in place into a
             fresh strategy; write the views, then call :meth:`load_sharded_state_dict`. A DTensor
@@ -174,13 +174,13 @@ class ShardedStrategy:
         rank, shards = self._shard_group().rank, self._param_shards()
         model: dict[str, list[ShardedArray]] = {}
         state: dict[str, dict[str, list[ShardedArray]]] = {}
-        step: dict[str, int] = {}
+        step: dict[str, StepCount] = {}
         for lay in self._layouts():
             model.update(flat_shard_pieces(lay, shards[lay.key], rank))
             for key, flat in self.optimizer.materialize(lay.key, shards[lay.key]).items():
                 for name, pieces in flat_shard_pieces(lay, flat, rank).items():
                     state.setdefault(name, {})[key] = pieces
-            step.update(dict.fromkeys(lay.names, self.optimizer.steps[lay.key]))
+            step.update({name: StepCount(self.optimizer, lay.key) for name in lay.names})
         for name, block in self._block_layouts.items():
             model[name] = block.place(model[name])
             if name in state:  # an optimizer without state (SGD without momentum) has none

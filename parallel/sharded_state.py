@@ -15,23 +15,26 @@ smaller world's flat range) intersects boxes; nothing here depends on who wrote 
 The keys do not depend on the strategy or the world size::
 
     {"model": {name: value},
-     "optim": {"state": {name: {key: value}}, "step": {name: int}}}
+     "optim": {"state": {name: {key: value}}, "step": {name: StepCount}}}
 
 where a value is a full array (replicated: every rank holds all of it) or a list of
 :class:`ShardedArray` (this rank's boxes; possibly empty). Optimizer state arrays have their
-parameter's shape.
+parameter's shape. A step count is a :class:`StepCount`: read from the optimizer whenever it
+is used, so a state dict built once is as current as the arrays it views.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any, Sequence
 
 from ..comm import DistValueError
 from .flat import FlatLayout
 
-__all__ = ["ShardedArray", "flat_range_boxes", "flat_shard_pieces", "box_view", "load_pieces", "optimizer_state_views"]
+__all__ = ["ShardedArray", "StepCount", "flat_range_boxes", "flat_shard_pieces", "box_view", "load_pieces",
+           "optimizer_state_views"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +72,74 @@ class ShardedArray:
     @property
     def dtype(self) -> Any:
         return self.local.dtype
+
+
+class StepCount:
+    """An optimizer's step count in a state dict: read from the optimizer whenever it is used.
+
+    The arrays of a state dict are views, so a dict built once before training is current when
+    it is saved 100 steps later; a step count copied as an ``int`` would not be (every
+    checkpoint would record step 0, and a resumed AdamW would restart its bias correction).
+    A ``StepCount`` is that int read through: ``int(c)`` (and ``==``, ``repr``) give the count
+    now, :meth:`set` writes it into the optimizer. A checkpoint saves the count at the moment of
+    the save and loads by :meth:`set` (torch keeps the count in a tensor for the same reason).
+
+    Several parameters may share one count (a flat shard's, under ZeRO and FSDP): ``key`` names
+    the optimizer's entry, ``target`` identifies it.
+
+    Example::
+
+        _, optim = get_state_dict(ddp, opt)
+        c = optim["step"]["w"]     # StepCount(3) after 3 steps
+        opt.step(...)              # now int(c) == 4
+    """
+
+    __slots__ = ("optimizer", "key")
+
+    def __init__(self, optimizer: Any, key: str) -> None:
+        self.optimizer, self.key = optimizer, key
+
+    @property
+    def value(self) -> int:
+        """The count now (0 before the first step)."""
+        return int(self.optimizer.steps.get(self.key, 0))
+
+    @property
+    def target(self) -> tuple[int, str]:
+        """What :meth:`set` writes: equal for two counts that are one optimizer entry."""
+        return id(self.optimizer), self.key
+
+    @staticmethod
+    def check(count: Any) -> int:
+        """``count`` as an int if it is a valid step count (an int >= 0, not a bool).
+
+        Raises:
+            ValueError: naming the value.
+        """
+        if isinstance(count, StepCount):
+            return count.value
+        if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 0:
+            raise ValueError(f"a step count must be an int >= 0, got {count!r}")
+        return int(count)
+
+    def set(self, count: Any) -> None:
+        """Make ``count`` the optimizer's count (checked by :meth:`check`)."""
+        self.optimizer.steps[self.key] = self.check(count)
+
+    def __int__(self) -> int:
+        return self.value
+
+    __index__ = __int__
+
+    def __eq__(self, other: Any) -> bool:
+        if isinstance(other, (StepCount, numbers.Integral)):
+            return self.value == int(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # its value changes
+
+    def __repr__(self) -> str:
+        return f"StepCount({self.value})"
 
 
 def flat_range_boxes(shape: Sequence[int], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -176,9 +247,9 @@ def load_pieces(where: str, what: str, mine: dict[str, Any], given: Any) -> None
 
 
 def optimizer_state_views(optimizer: Any, params: dict[str, Any]) -> dict[str, Any]:
-    """``{"state": {name: {key: view}}, "step": {name: int}}`` of an optimizer over whole
+    """``{"state": {name: {key: view}}, "step": {name: StepCount}}`` of an optimizer over whole
     (replicated) parameters, e.g. the one a DDP user steps: the state arrays materialized and
     reshaped to their parameter's shape (views)."""
     state = {name: {key: arr.reshape(p.shape) for key, arr in optimizer.materialize(name, p.reshape(-1)).items()}
              for name, p in params.items()}
-    return {"state": state, "step": {name: optimizer.steps[name] for name in params}}
+    return {"state": state, "step": {name: StepCount(optimizer, name) for name in params}}

@@ -199,13 +199,14 @@ def load_state_dict_into(layouts: Sequence[FlatLayout], sd: Mapping[str, Any], s
             held = optimizer.state.get(layout.key, {})
             like = shards[layout.key]
             new = {}
-            for key in keys:
-                arr = held[key].copy() if key in held else array_namespace(like).zeros(layout.shard_size, like.dtype)
+            for key in keys:  # in place where held: a state dict's views of the arrays see the load
+                arr = held[key] if key in held else array_namespace(like).zeros(layout.shard_size, like.dtype)
                 layout.write_shard(arr, shard, {n: st[key] for n, st in given.items() if key in st})
                 new[key] = arr
             optimizer.state[layout.key] = new
         elif strict:
-            optimizer.state.pop(layout.key, None)
+            for arr in optimizer.state.get(layout.key, {}).values():
+                arr[...] = 0  # no state given: zero state at step 0 (below) steps as none, and views stay valid
         counts = {int(steps[n]) for n in layout.names if n in steps}
         if counts:
             optimizer.steps[layout.key] = counts.pop()
