@@ -46,7 +46,7 @@ import numpy as np
 from ..comm import CollectiveTimeout, DistError, ProcessGroup, gather_object, resolve_group, scatter_object_list
 from ..parallel import to_host
 from .errors import CheckpointError
-from .format import FORMAT, METADATA, VERSION, fsync_dir, write_chunks, write_metadata
+from .format import FORMAT, VERSION, fsync_dir, write_chunks, write_metadata
 from .leaves import ArrayLeaf, array_leaf, flatten, json_value
 from .plan import describe, make_plan
 
@@ -91,15 +91,15 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike, 
     verdict travels over ``group``: wait for the future before destroying the process group.
     """
     queue, finish = _start(state_dict, checkpoint_id, group, "async_save", staged=True, timeout=timeout)
-    future = queue.submit(finish)
 
-    def log(f: "Future[None]") -> None:  # for who does not wait on the future
-        exc = f.exception()
-        if exc is not None:
+    def run() -> None:
+        try:
+            finish()
+        except BaseException as exc:  # logged for who does not wait on the future, before it completes
             logger.error("meshkit.checkpoint: async_save to %s failed: %s", checkpoint_id, exc)
+            raise
 
-    future.add_done_callback(log)
-    return future
+    return queue.submit(run)
 
 
 def _start(state_dict: Any, checkpoint_id: Any, group: ProcessGroup | None, op: str, *, staged: bool,
