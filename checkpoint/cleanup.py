@@ -13,8 +13,10 @@ disk space. The rule for removing them:
   there (rank 0 for the markers, the others for the commit; a rank writing its data file
   updates its mtime as it goes), so after ``timeout`` of silence no rank is waiting for it any
   more; twice that leaves a margin for the clocks of hosts sharing the file system. Removing
-  one earlier would break the rule ranks rely on: a rank that finds its save's temporary
-  directory gone takes the save as committed (``writer._await_commit``).
+  one earlier would fail a save in flight (on every rank: rank 0's verdict, ``writer._decide``).
+
+A save that fails removes its own temporary directory (rank 0, once every rank is done with it),
+so what is left here is a crash's: a killed rank 0, or a directory that could not be removed.
 """
 
 from __future__ import annotations

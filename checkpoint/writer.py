@@ -6,42 +6,53 @@ The protocol (every rank of ``group``):
    temporary directory ``.<id>.tmp-<random>`` beside ``<id>`` and scatters each rank its boxes
    (two object collectives, whatever the world size);
 2. each rank writes its boxes to its own data file and fsyncs it, then drops a marker file
-   (``rank-<r>.json``: its chunk records, or ``rank-<r>.error``);
-3. rank 0 waits for every marker, writes ``metadata.json``, fsyncs, and renames the temporary
-   directory to ``<id>`` (one atomic rename, then an fsync of the parent). The other ranks wait
-   for ``<id>`` to appear, or for a ``FAILED`` file with rank 0's reason.
+   (``rank-<r>.json``: its chunk records);
+3. each rank sends rank 0 its outcome (written, or why not: disk full, a failed copy, ...);
+4. rank 0, every rank written, writes ``metadata.json``, fsyncs, and renames the temporary
+   directory to ``<id>`` (one atomic rename, then an fsync of the parent); on any failure (a
+   rank's, a timeout, the rename refused because another save committed ``<id>`` first) it
+   removes the temporary directory (its own: the name is this save's). Then it sends every rank
+   the verdict, committed or the first failure's message, which every rank returns or raises as
+   :class:`CheckpointError`: one outcome for all, never inferred from the file system (a rank
+   that looked for ``<id>`` took another job's checkpoint for its own, and a full disk left no
+   room for a failure marker).
 
 A crash at any moment leaves ``<id>`` complete or absent (at worst a stray ``.tmp-`` directory).
-Steps 2-3 need no collective, so :func:`async_save` runs them on a background thread after
-step 1 and a copy of the boxes this rank writes, while training goes on and uses the group.
+Steps 3-4 are point-to-point messages (on the group's largest tag, each carrying the save's
+number), not collectives, so :func:`async_save` runs steps 2-4 on a background thread after
+step 1 and a copy of the boxes this rank writes, while training goes on and uses the group. A
+group's saves finish one at a time, in the order they started, on one worker thread, so that
+their messages pair up on every rank.
 """
 
 from __future__ import annotations
 
+import collections
+import errno
 import json
 import logging
 import os
+import shutil
 import threading
 import time
 import uuid
+import weakref
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
-from ..comm import ProcessGroup, gather_object, resolve_group, scatter_object_list
+from ..comm import CollectiveTimeout, DistError, ProcessGroup, gather_object, resolve_group, scatter_object_list
 from ..parallel import to_host
 from .errors import CheckpointError
-from .format import FORMAT, METADATA, VERSION, fsync_dir, write_chunks, write_metadata
+from .format import FORMAT, VERSION, fsync_dir, write_chunks, write_metadata
 from .leaves import ArrayLeaf, array_leaf, flatten, json_value
 from .plan import describe, make_plan
 
 __all__ = ["save", "async_save"]
 
 logger = logging.getLogger("meshkit.checkpoint")
-
-FAILED = "FAILED"
 #: the largest chunk a box is written as (cut along axis 0), so that large arrays verify in parallel
 CHUNK_BYTES = 16 << 20
 
@@ -52,7 +63,8 @@ def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike, group:
 
     Each rank writes only the boxes it holds, replicated ones once over the group; nothing is
     gathered. ``checkpoint_id`` must not exist yet; it appears, complete, when every rank has
-    written and fsynced (see the module docstring).
+    written and fsynced (see the module docstring). A failed save removes what it wrote. The
+    group's pending :func:`async_save` calls finish first.
 
     Args:
         state_dict: a nested dict of arrays, lists of ShardedArray, DTensors and JSON values
@@ -63,9 +75,10 @@ def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike, group:
         timeout: seconds to wait for the other ranks' writes (default: the group's timeout).
 
     Raises:
-        CheckpointError: on every rank, naming the key, file or rank at fault.
+        CheckpointError: on every rank, the same message, naming the key, file or rank at fault.
     """
-    _start(state_dict, checkpoint_id, group, "save", staged=False, timeout=timeout)()
+    queue, finish = _start(state_dict, checkpoint_id, group, "save", staged=False, timeout=timeout)
+    queue.submit(finish).result()  # after the group's pending async saves, whose messages come first
 
 
 def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike, group: ProcessGroup | None = None,
@@ -73,29 +86,25 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike, 
     """Like :func:`save`, but return once this rank's boxes are copied; write in the background.
 
     The arrays may change as soon as this returns. The returned future completes when the
-    checkpoint is committed (or raises :class:`CheckpointError`); the process waits for pending
-    saves before it exits.
+    checkpoint is committed, or raises :class:`CheckpointError` with the same message on every
+    rank (a failure is logged too); the process waits for pending saves before it exits. The
+    verdict travels over ``group``: wait for the future before destroying the process group.
     """
-    finish = _start(state_dict, checkpoint_id, group, "async_save", staged=True, timeout=timeout)
-    future: Future[None] = Future()
-    future.set_running_or_notify_cancel()
+    queue, finish = _start(state_dict, checkpoint_id, group, "async_save", staged=True, timeout=timeout)
 
     def run() -> None:
         try:
             finish()
-        except BaseException as exc:  # handed to whoever waits on the future, and logged for who does not
+        except BaseException as exc:  # logged for who does not wait on the future, before it completes
             logger.error("meshkit.checkpoint: async_save to %s failed: %s", checkpoint_id, exc)
-            future.set_exception(exc)
-        else:
-            future.set_result(None)
+            raise
 
-    threading.Thread(target=run, name=f"meshkit-async-save {checkpoint_id}", daemon=False).start()
-    return future
+    return queue.submit(run)
 
 
 def _start(state_dict: Any, checkpoint_id: Any, group: ProcessGroup | None, op: str, *, staged: bool,
-           timeout: float | None = None) -> Callable[[], None]:
-    """Steps 1 (collective) and the copy; returns steps 2-3 as a function."""
+           timeout: float | None = None) -> tuple[_Queue, Callable[[], None]]:
+    """Steps 1 (collective) and the copy; returns the group's queue of saves and steps 2-4 as a function."""
     g = resolve_group(group)
     rank, size = g.rank, g.size
     final = Path(checkpoint_id)
@@ -121,11 +130,14 @@ def _start(state_dict: Any, checkpoint_id: Any, group: ProcessGroup | None, op: 
         assignments = _plan(gathered, final, op, size)
     received: list[Any] = [None]
     scatter_object_list(received, assignments, group=g, group_src=0)
+    queue = _queue_of(g)
+    seq = queue.number()  # the same on every rank: this point is reached in program order
     got = received[0]
     if isinstance(got, str):
         raise CheckpointError(got)
     tmp, boxes = Path(got[0]), got[1]
     chunks = []
+    failure: str | None = None
     try:
         for key, (offsets, lengths) in boxes:
             piece = next(p for p in leaves[key].pieces if not p.replica and p.box == (tuple(offsets), tuple(lengths)))
@@ -133,14 +145,11 @@ def _start(state_dict: Any, checkpoint_id: Any, group: ProcessGroup | None, op: 
             if staged and data is piece.data:  # to_host copied device data already
                 data = np.array(data, copy=True)
             chunks += [(key, o, slab) for o, slab in slabs(tuple(offsets), data)]
-    except Exception as exc:  # (a failed device copy, memory): the others must not wait for this rank
-        text = f"meshkit.checkpoint: rank {rank}: {op}: staging {str(tmp)!r} failed: {type(exc).__name__}: {exc}"
-        _drop(tmp / f"rank-{rank}.error", text)
-        if rank == 0:
-            _drop(tmp / FAILED, text)
-        raise CheckpointError(text) from exc
+    except Exception as exc:  # (a failed device copy, memory): reported in the verdict, on every rank
+        failure = f"meshkit.checkpoint: rank {rank}: {op}: staging {str(tmp)!r} failed: {type(exc).__name__}: {exc}"
+        chunks = []
     limit = g.timeout if timeout is None else float(timeout)
-    return lambda: _finish(tmp, final, rank, size, chunks, got[2], limit)
+    return queue, lambda: _finish(g, seq, tmp, final, chunks, got[2], limit, failure)
 
 
 def slabs(offsets: tuple[int, ...], data: np.ndarray) -> list[tuple[tuple[int, ...], np.ndarray]]:
@@ -175,58 +184,84 @@ def _plan(gathered: list[Any], final: Path, op: str, size: int) -> list[Any]:
     return [(str(tmp), plan.writes[r], skeleton if r == 0 else None) for r in range(size)]
 
 
-def _finish(tmp: Path, final: Path, rank: int, size: int, chunks: list, skeleton: Any, limit: float) -> None:
-    """Steps 2-3: write, mark, and (rank 0) commit; or wait for the commit."""
+def _finish(g: ProcessGroup, seq: int, tmp: Path, final: Path, chunks: list, skeleton: Any, limit: float,
+            failure: str | None) -> None:
+    """Steps 2-3: write and mark; then one verdict for every rank (rank 0 commits, or removes ``tmp``)."""
+    rank = g.rank
+    if failure is None:
+        failure = _write(tmp, rank, chunks)
+    if rank == 0:
+        verdict = _decide(g, seq, tmp, final, skeleton, failure, limit)
+    else:
+        verdict = _report(g, seq, final, failure, limit)
+    if verdict is not None:
+        raise CheckpointError(verdict)
+
+
+def _write(tmp: Path, rank: int, chunks: list) -> str | None:
+    """Write this rank's data file and its marker; None, or why it failed (any exception)."""
     try:
         records = write_chunks(tmp, rank, chunks)
-    except OSError as exc:
-        text = f"meshkit.checkpoint: rank {rank}: writing {str(tmp)!r} failed: {exc}"
-        _drop(tmp / f"rank-{rank}.error", text)
-        if rank == 0:
-            _drop(tmp / FAILED, text)
-        raise CheckpointError(text) from None
-    if not _drop(tmp / f"rank-{rank}.json", json.dumps(records)):  # rank 0 cannot have committed without it
-        raise CheckpointError(f"meshkit.checkpoint: rank {rank}: the temporary directory {str(tmp)!r} of "
-                              f"{str(final)!r} vanished before this rank finished writing (removed by hand?); "
-                              "nothing was committed")
-    if rank == 0:
-        _commit(tmp, final, size, skeleton, limit)
-    else:
-        _await_commit(tmp, final, rank, limit)
+        _drop(tmp / f"rank-{rank}.json", json.dumps(records))
+    except Exception as exc:  # disk full, a directory removed by hand, ...: the verdict of every rank
+        cause = str(exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
+        return f"meshkit.checkpoint: rank {rank}: writing {str(tmp)!r} failed: {cause}"
+    return None
 
 
-def _drop(path: Path, text: str) -> bool:
-    """Write a marker file whole (written aside, then renamed: a reader never sees half of it);
-    False if it could not be written (the directory is gone: renamed or removed)."""
+def _drop(path: Path, text: str) -> None:
+    """Write a marker file whole (written aside, then renamed: a reader never sees half of it)."""
     part = path.with_name(path.name + ".part")
-    try:
-        part.write_text(text)
-        os.replace(part, path)
-    except OSError:
-        return False
-    return True
+    part.write_text(text)
+    os.replace(part, path)
 
 
-def _commit(tmp: Path, final: Path, size: int, skeleton: dict[str, Any], limit: float) -> None:
+def _decide(g: ProcessGroup, seq: int, tmp: Path, final: Path, skeleton: dict[str, Any], failure: str | None,
+            limit: float) -> str | None:
+    """Rank 0: collect every rank's outcome, commit if all wrote, else remove ``tmp``; send the
+    verdict (None: committed, or the first failure's message) to every rank and return it."""
+    size = g.size
+    works = {r: _post(g, r) for r in range(1, size)}
     deadline = time.monotonic() + limit
-    pause = 0.0005
-    while True:
-        errors = sorted(tmp.glob("rank-*.error"))
-        done = {int(p.name[5:-5]) for p in tmp.glob("rank-*.json")}
-        if errors or len(done) == size:
-            break
-        if time.monotonic() > deadline:
-            missing = [r for r in range(size) if r not in done]
-            text = (f"meshkit.checkpoint: rank 0: ranks {missing} did not finish writing {str(final)!r} within "
-                    f"{limit:g} s; nothing was committed")
-            _drop(tmp / FAILED, text)
-            raise CheckpointError(text)
-        time.sleep(pause)
-        pause = min(pause * 2, 0.02)
-    if errors:
-        text = errors[0].read_text()
-        _drop(tmp / FAILED, text)
-        raise CheckpointError(text)
+    failures = [] if failure is None else [failure]
+    missing = []
+    for r, (work, buf) in works.items():
+        try:
+            failed, text = _receive(g, seq, r, work, buf, deadline)
+        except DistError as exc:  # a timeout (the rank is still writing, or gone), a broken group
+            if isinstance(exc, CollectiveTimeout):
+                missing.append(g.ranks[r])
+            else:
+                failures.append(f"meshkit.checkpoint: rank 0: no word from rank {g.ranks[r]} on writing "
+                                f"{str(final)!r}: {exc}")
+            continue
+        if failed:
+            failures.append(text)
+    if missing:
+        failures.append(f"meshkit.checkpoint: rank 0: ranks {missing} did not finish writing {str(final)!r} within "
+                        f"{limit:g} s; nothing was committed")
+    verdict: str | None = None
+    if failures:
+        more = len(failures) - 1
+        verdict = failures[0] + (f" (and {more} more {'ranks' if more > 1 else 'rank'} failed)" if more else "")
+    else:
+        verdict = _commit(tmp, final, size, skeleton)
+    if verdict is not None:  # every rank is done with tmp (or past its time): what this save wrote goes
+        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp.exists():
+            logger.warning("meshkit.checkpoint: rank 0: could not remove %s after a failed save; "
+                           "CheckpointManager removes it later", tmp)
+    sends = [g.isend(_message(seq, verdict), r, _tag(g)) for r in range(1, size)]
+    for work in sends:  # small messages leave at once; a rank that is gone must not hold rank 0 up
+        try:
+            work.wait(timeout=limit)
+        except DistError:
+            pass
+    return verdict
+
+
+def _commit(tmp: Path, final: Path, size: int, skeleton: dict[str, Any]) -> str | None:
+    """Rank 0, every rank's marker in ``tmp``: write the metadata and rename; None, or why not."""
     try:
         for r in range(size):
             for key, record in json.loads((tmp / f"rank-{r}.json").read_text()):
@@ -238,46 +273,121 @@ def _commit(tmp: Path, final: Path, size: int, skeleton: dict[str, Any], limit: 
             p.unlink()
         os.rename(tmp, final)  # the commit: atomic, and refused if final appeared meanwhile
     except OSError as exc:
-        text = f"meshkit.checkpoint: rank 0: committing {str(final)!r} failed: {exc}"
-        _drop(tmp / FAILED, text)
-        raise CheckpointError(text) from None
+        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST) and exc.filename == str(tmp):
+            return (f"meshkit.checkpoint: rank 0: committing {str(final)!r} failed: another save committed it "
+                    f"first (a checkpoint is never overwritten; that one is kept, this save's files are removed)")
+        return f"meshkit.checkpoint: rank 0: committing {str(final)!r} failed: {exc}"
+    except Exception as exc:  # a marker that does not parse, ...: fails the save on every rank, never rank 0 alone
+        return f"meshkit.checkpoint: rank 0: committing {str(final)!r} failed: {type(exc).__name__}: {exc}"
     try:
         fsync_dir(final.parent)
-    except OSError as exc:  # committed, and the other ranks (seeing tmp gone) say so: no error on rank 0 alone
+    except OSError as exc:  # committed: the verdict says so on every rank, with a warning here
         logger.warning("meshkit.checkpoint: rank 0: %s is committed, but syncing its parent directory failed (the "
                        "rename may not survive a power loss): %s", final, exc)
+    return None
 
 
-def _await_commit(tmp: Path, final: Path, rank: int, limit: float) -> None:
-    """A rank other than 0, its marker in ``tmp``: wait until rank 0 commits or fails.
+def _report(g: ProcessGroup, seq: int, final: Path, failure: str | None, limit: float) -> str | None:
+    """A rank other than 0: send rank 0 this rank's outcome, then return rank 0's verdict."""
+    work, buf = _post(g, 0)  # posted first: the verdict may come before this rank's word (a failure)
+    g.isend(_message(seq, failure), 0, _tag(g))
+    try:
+        return _receive(g, seq, 0, work, buf, time.monotonic() + limit)[1]
+    except DistError as exc:
+        return (f"meshkit.checkpoint: rank {g.rank}: no verdict from rank 0 on {str(final)!r} within {limit:g} s "
+                f"({exc}); whether it was committed is unknown")
 
-    ``tmp`` vanishing with no ``FAILED`` in it means committed, even where ``final`` is gone
-    again too (a ``max_to_keep`` prune after a later save can remove it before this rank looks:
-    it polls at most every 20 ms). That is sound because ``tmp`` leaves only by the commit rename:
 
-    * rank 0 renames it only after every rank's marker, and this rank's is in it (``_finish``
-      raises if it could not be written);
-    * every failure of rank 0 leaves ``tmp`` in place with ``FAILED`` written first;
-    * nothing else in meshkit removes a temporary directory that a rank may still await:
-      :class:`~meshkit.checkpoint.CheckpointManager` removes only ones idle for longer than
-      twice the timeout (:mod:`.cleanup`), when every rank's wait has ended.
+# --------------------------------------------------------------------------- the verdict's messages
+#: the size of an outcome or verdict message: a header and a UTF-8 message, cut to fit (messages
+#: are a few hundred bytes); small enough that MPI sends it eagerly, without waiting for the receiver
+MESSAGE_BYTES = 4096
+_HEAD = 3  # int64s: save number, failed (0/1), message length
 
-    A ``.tmp-`` directory removed by hand while its save runs voids this (the README says so).
+
+def _tag(g: ProcessGroup) -> int:
+    """The tag of a save's messages: the group's largest (the README says it is taken)."""
+    return g.max_tag
+
+
+def _message(seq: int, failure: str | None) -> np.ndarray:
+    text = (failure or "").encode()[:MESSAGE_BYTES - 8 * _HEAD]
+    buf = np.zeros(MESSAGE_BYTES, np.uint8)
+    buf[:8 * _HEAD] = np.array([seq, failure is not None, len(text)], np.int64).view(np.uint8)
+    buf[8 * _HEAD:8 * _HEAD + len(text)] = np.frombuffer(text, np.uint8)
+    return buf
+
+
+def _post(g: ProcessGroup, src: int) -> tuple[Any, np.ndarray]:
+    buf = np.empty(MESSAGE_BYTES, np.uint8)
+    return g.irecv(buf, src, _tag(g)), buf
+
+
+def _receive(g: ProcessGroup, seq: int, src: int, work: Any, buf: np.ndarray, deadline: float
+             ) -> tuple[bool, str | None]:
+    """``(failed, message)`` of save ``seq`` from group rank ``src``; a message of an earlier save
+    (one whose waiter timed out) is skipped."""
+    while True:
+        work.wait(timeout=max(0.0, deadline - time.monotonic()))
+        number, failed, length = (int(v) for v in buf[:8 * _HEAD].view(np.int64))
+        if number == seq:
+            text = bytes(buf[8 * _HEAD:8 * _HEAD + length]).decode(errors="replace")
+            return bool(failed), text if failed else None
+        work, buf = _post(g, src)
+
+
+# --------------------------------------------------------------------------- one save at a time per group
+class _Queue:
+    """The finishing steps of one group's saves, run one at a time on a worker thread, in the
+    order the saves started (the same on every rank), so that their messages pair up.
+
+    The worker is not a daemon (the process waits for pending saves before it exits) and ends
+    when the queue is empty.
     """
-    deadline = time.monotonic() + limit
-    pause = 0.0005
-    while not (final / METADATA).exists():
-        failed = tmp / FAILED
-        if failed.exists():
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._lock = threading.Lock()
+        self._tasks: collections.deque[tuple[Callable[[], None], Future[None]]] = collections.deque()
+        self._running = False
+        self._count = 0
+
+    def number(self) -> int:
+        self._count += 1
+        return self._count
+
+    def submit(self, fn: Callable[[], None]) -> "Future[None]":
+        future: Future[None] = Future()
+        future.set_running_or_notify_cancel()
+        with self._lock:
+            self._tasks.append((fn, future))
+            if not self._running:
+                self._running = True
+                threading.Thread(target=self._drain, name=f"meshkit-save[{self._name}]", daemon=False).start()
+        return future
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                if not self._tasks:
+                    self._running = False
+                    return
+                fn, future = self._tasks.popleft()
             try:
-                text = failed.read_text()
-            except OSError as exc:
-                text = f"meshkit.checkpoint: rank {rank}: saving {str(final)!r} failed (its FAILED marker: {exc})"
-            raise CheckpointError(text)
-        if not tmp.exists():
-            return  # renamed to final: committed (and perhaps already pruned)
-        if time.monotonic() > deadline:
-            raise CheckpointError(f"meshkit.checkpoint: rank {rank}: rank 0 did not commit {str(final)!r} within "
-                                  f"{limit:g} s (its temporary directory {str(tmp)!r} stays)")
-        time.sleep(pause)
-        pause = min(pause * 2, 0.02)
+                fn()
+            except BaseException as exc:  # the caller's (save) or the future's (async_save)
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
+
+
+_queues: "weakref.WeakKeyDictionary[ProcessGroup, _Queue]" = weakref.WeakKeyDictionary()
+_queues_lock = threading.Lock()
+
+
+def _queue_of(g: ProcessGroup) -> _Queue:
+    with _queues_lock:
+        queue = _queues.get(g)
+        if queue is None:
+            queue = _queues[g] = _Queue(g.name)
+        return queue

@@ -42,7 +42,7 @@ import io
 import math
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 import numpy as np
 from tqdm import tqdm
@@ -150,8 +150,10 @@ def resume(manager: CheckpointManager, target: tuple[Any, Any], args: argparse.N
     """Load the newest complete checkpoint into ``target`` (resharded to this run); the step it
     was saved after, or 0 (and a note) if there is none.
 
-    With ``--check``, a checkpoint saved with other :data:`RUN_FLAGS` is a usage error (status 2
-    on every rank, printed by rank 0), naming each flag with its saved and current value.
+    A checkpoint past ``--steps`` is a usage error (status 2 on every rank, printed by rank 0):
+    the run cannot end at step ``--steps``, and ``--check`` would compare it with that many steps
+    of training. With ``--check``, so is a checkpoint saved with other :data:`RUN_FLAGS`, naming
+    each flag with its saved and current value.
     """
     rank = meshkit.get_rank()
     sd = state_dict(target, 0, args)
@@ -161,6 +163,11 @@ def resume(manager: CheckpointManager, target: tuple[Any, Any], args: argparse.N
         if rank == 0:
             print(f"--resume: no checkpoint in {manager.directory}; starting at step 0", flush=True)
         return 0
+    if step > args.steps:  # every rank restored the same step (rank 0's view of the directory decides)
+        compared = f", and --check would compare it with {args.steps} steps of training" if args.check else ""
+        usage_error(f"argument --steps: {args.steps} is below the step of the checkpoint in {manager.directory} "
+                    f"(step {step}): no steps are left to train{compared}; give --steps {step} or more (or "
+                    "another --checkpoint-dir)")
     if args.check:
         saved = {"run": {name: None for name in RUN_FLAGS}}
         try:
@@ -172,15 +179,20 @@ def resume(manager: CheckpointManager, target: tuple[Any, Any], args: argparse.N
             f"--{name.replace('_', '-')} {saved['run'][name]} (this run: {now[name]})"
             for name in RUN_FLAGS if saved["run"][name] != now[name]]
         if differ:
-            if rank == 0:
-                print(f"{sys.argv[0]}: error: argument --check: the checkpoint of step {step} in {manager.directory} "
-                      f"was saved with {', '.join(differ)}; --check trains every step with this run's flags, so "
-                      "give the saved ones (or leave out --check)", file=sys.stderr, flush=True)
-            raise SystemExit(2)
+            usage_error(f"argument --check: the checkpoint of step {step} in {manager.directory} was saved with "
+                        f"{', '.join(differ)}; --check trains every step with this run's flags, so give the saved "
+                        "ones (or leave out --check)")
     set_state_dict(*target, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     if rank == 0:
         print(f"resumed from step {sd['step']} of {manager.directory}", flush=True)
     return int(sd["step"])
+
+
+def usage_error(text: str) -> NoReturn:
+    """A usage error found after parsing (every rank found it): printed by rank 0, exit 2 everywhere."""
+    if meshkit.get_rank() == 0:
+        print(f"{sys.argv[0]}: error: {text}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 @contextlib.contextmanager

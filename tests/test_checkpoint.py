@@ -267,7 +267,8 @@ def test_the_plan_checks_the_ranks_against_each_other():
 def test_planning_a_save_or_a_load_costs_the_same_few_collectives_at_any_world_size(tmp_path):
     """The collectives a save, an async_save and a load issue (read from the flight recorder),
     at 2 and 8 ranks and with 3 or 12 arrays: the same few, never one per rank or per array
-    (DCP's plan gathering is what hangs at thousands of ranks: torchtitan #3065)."""
+    (DCP's plan gathering is what hangs at thousands of ranks: torchtitan #3065); the commit's
+    verdict is one message to rank 0 and one back per rank, whatever the number of arrays."""
     from tensor_cases import new_records
 
     def body(n, arrays):
@@ -284,7 +285,19 @@ def test_planning_a_save_or_a_load_costs_the_same_few_collectives_at_any_world_s
             issued.append([r["op"] for r in new_records(before)])
         return issued
 
-    counts = {(n, arrays): local.run(lambda: body(n, arrays), n) for n in (2, 8) for arrays in (3, 12)}
+    def split(issued):  # (collectives, sorted point-to-point ops) of each call
+        return [([op for op in ops if op not in ("send", "recv")], sorted(op for op in ops if op in ("send", "recv")))
+                for ops in issued]
+
+    counts = {}
+    for n in (2, 8):
+        for arrays in (3, 12):
+            per_rank = [split(issued) for issued in local.run(lambda: body(n, arrays), n)]
+            # the verdict: each rank sends rank 0 its outcome and receives the verdict back
+            for r, calls in enumerate(per_rank):
+                p2p = ["recv"] * (n - 1) + ["send"] * (n - 1) if r == 0 else ["recv", "send"]
+                assert [ops for _, ops in calls] == [p2p, p2p, []], (n, arrays, r, calls)
+            counts[n, arrays] = [[ops for ops, _ in calls] for calls in per_rank]
     for (n, arrays), per_rank in counts.items():
         assert all(issued == per_rank[0] for issued in per_rank), (n, arrays)  # every rank alike
     first = counts[2, 3][0]
@@ -531,23 +544,27 @@ def test_the_manager_keeps_the_newest_and_never_sees_an_incomplete_one(tmp_path)
 
 def test_an_async_save_pruned_before_a_rank_looks_is_still_committed_on_that_rank(tmp_path, monkeypatch):
     """max_to_keep=1: step 1 is committed, then pruned by step 2's save before rank 1's
-    background thread looks for it; rank 1's future must not report a failed commit."""
+    background thread hears of it; rank 1's future must not report a failed commit (the verdict
+    is rank 0's word, not what rank 1 finds on disk)."""
+    import os
     import time
 
     from meshkit.checkpoint import writer
-    real = writer._await_commit
+    real = writer._receive
 
-    def late(*args):  # rank 1 looks for the commit a second after its marker
-        time.sleep(1.0)
-        return real(*args)
+    def late(g, *args):  # rank 1 takes its verdict a second late
+        if g.rank == 1:
+            time.sleep(1.0)
+        return real(g, *args)
 
-    monkeypatch.setattr(writer, "_await_commit", late)
+    monkeypatch.setattr(writer, "_receive", late)
 
     def body():
         manager = CheckpointManager(tmp_path, max_to_keep=1)
         future = manager.async_save(1, {"x": np.full(4, 1.0), "step": 1})
         if meshkit.get_rank() == 0:
-            future.result(timeout=30)  # committed: the save of step 2 prunes it
+            future.result(timeout=30)  # committed, then removed (as a prune does) before rank 1 hears of it
+            os.rename(manager.path(1), tmp_path / ".deleting-00000000-step_1")
         manager.save(2, {"x": np.full(4, 2.0), "step": 2})
         future.result(timeout=30)
         return manager.all_steps()

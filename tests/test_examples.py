@@ -215,6 +215,26 @@ def test_resume_with_check_refuses_a_run_whose_flags_differ_from_the_saved_ones(
         assert len(losses) == 2
 
 
+@pytest.mark.parametrize("check", [True, False])
+def test_resuming_a_checkpoint_past_steps_is_a_usage_error(check, tmp_path, capsys):
+    """--steps 2 --resume from a checkpoint of step 4: no steps are left, and --check would compare
+    with 2 steps of training; a usage error (status 2, printed once) naming --steps and the step."""
+    common = ["--strategy", "ddp", "--checkpoint-dir", str(tmp_path)]
+    args = train_mlp.parse_args([*common, "--steps", "4", "--save-every", "2"], world_size=2)
+    local.run(lambda: train_mlp.train(args, progress=False), 2, timeout=60)
+    capsys.readouterr()
+    args = train_mlp.parse_args([*common, "--steps", "2", "--resume", *(["--check"] if check else [])], world_size=2)
+    with pytest.raises(SystemExit) as exit_:
+        local.run(lambda: train_mlp.train(args, progress=False), 2, timeout=60)
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and err.count("error:") == 1, err
+    assert (f"error: argument --steps: 2 is below the step of the checkpoint in {tmp_path} (step 4): no steps are "
+            "left to train") in err and "give --steps 4 or more" in err, err
+    assert ("--check would compare it with 2 steps of training" in err) == check and "resumed from" not in out
+    args.steps = 4  # the checkpoint's own step: nothing left, and nothing wrong
+    assert local.run(lambda: train_mlp.train(args, progress=False)[1], 2, timeout=60) == [[], []]
+
+
 def test_resume_with_check_takes_a_checkpoint_saved_without_the_flags_record(tmp_path, monkeypatch):
     """Checkpoints written before the run's flags were recorded still resume (and are checked)."""
     common = ["--strategy", "zero1", "--steps", "4", "--batch", "24", "--checkpoint-dir", str(tmp_path)]
@@ -722,6 +742,18 @@ def test_train_3d_resumes_on_another_mesh_under_meshkit_run(mpirun, first, then,
     assert "resumed from step 4" in out and "check against single-process training: OK" in out, out
 
 
+@pytest.mark.parametrize("script, argv", [("train_mlp.py", ["--batch", "24"]), ("train_3d.py", ["--mesh", "2x1x1", *SMALL_3D])])
+def test_resuming_past_steps_under_meshkit_run_exits_2_with_one_message(mpirun, script, argv, tmp_path):
+    common = [*argv, "--checkpoint-dir", str(tmp_path)]
+    mpirun(EXAMPLES / script, 2, *common, "--steps", "4", "--save-every", "2")
+    proc = mpirun(EXAMPLES / script, 2, *common, "--steps", "2", "--resume", "--check", check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count("error:") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert (f"error: argument --steps: 2 is below the step of the checkpoint in {tmp_path} (step 4)" in proc.stderr
+            and "give --steps 4 or more" in proc.stderr), proc.stderr
+    assert "no steps left" not in proc.stdout and "check against" not in proc.stdout, proc.stdout
+
+
 def test_a_run_killed_mid_training_resumes_at_another_world_size_and_passes_its_check(mpirun, tmp_path):
     """Rank 1 dies (os._exit) in step 6 of a run saving every 2 steps; a zero2 run on 3 ranks resumes
     from step 4 and --check compares with uninterrupted single-process training."""
@@ -731,6 +763,20 @@ def test_a_run_killed_mid_training_resumes_at_another_world_size_and_passes_its_
     out = mpirun(EXAMPLES / "train_mlp.py", 3, "--strategy", "zero2", "--steps", "10", "--batch", "24",
                  "--checkpoint-dir", str(tmp_path), "--resume", "--check").stdout
     assert "resumed from step 4" in out and "check against single-process training: OK" in out, out
+
+
+def test_the_checkpoint_directories_the_readme_commands_make_are_ignored_by_git():
+    """The README's commands write ``--checkpoint-dir`` directories at the repository root
+    (ckpt/, ckpt3d/): git ignores them there, and only there (anchored)."""
+    root = EXAMPLES.parent
+    if subprocess.run(["git", "rev-parse", "--is-inside-work-tree"], cwd=root, capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    dirs = sorted(set(re.findall(r"(?m)^meshkit-run .*--checkpoint-dir (\S+)", (root / "README.md").read_text())))
+    assert dirs == ["ckpt", "ckpt3d"], dirs
+    paths = [f"{d}/step_20/metadata.json" for d in dirs] + [f"examples/{d}/step_20/metadata.json" for d in dirs]
+    ignored = subprocess.run(["git", "check-ignore", "--no-index", *paths], cwd=root, capture_output=True,
+                             text=True).stdout.split()
+    assert ignored == paths[:len(dirs)], ignored
 
 
 def test_readme_tour_runs_on_four_ranks(mpirun):
