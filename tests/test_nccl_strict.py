@@ -26,7 +26,7 @@ import pytest
 import meshkit
 import nccl_double as double
 from meshkit import ReduceOp
-from meshkit.comm import cuda_runtime, local
+from meshkit.comm import cuda_runtime, local, progress
 
 TESTS = Path(__file__).parent
 
@@ -161,31 +161,37 @@ def test_double_refuses_a_query_while_the_communicator_is_destroyed():
 
 
 def test_a_finished_work_is_not_failed_by_the_watchdog_at_destroy(fake_gpu, monkeypatch, caplog):
-    """2x2 mesh, an async all_reduce on each dimension, waited (the stream ordered) and read
-    (the done events fired), then destroy_process_group at once: the watchdog has not looked
-    at the works yet, and looks during or after the destroys. Before the fix it queried the
-    communicators being destroyed (CuPy: NULL handle, NCCL_ERROR_INVALID_ARGUMENT) and failed
-    the successful works (by default ending the job)."""
+    """2x2 mesh, an async all_reduce on the world and on each dimension, waited (the stream
+    ordered) and read (the done events fired), then destroy_process_group at once. The ranks of
+    dp coordinate 1 call 50 ms late, so the watchdog's first look finds the works pending; its
+    next look falls inside the destroys. Before the fix it then queried the communicator being
+    destroyed (CuPy: NULL handle, NCCL_ERROR_INVALID_ARGUMENT) and failed the successful works
+    (by default ending the job)."""
     monkeypatch.setenv("MESHKIT_ASYNC_ERROR_HANDLING", "log")  # the default would end this process
+    # A watchdog round every 0.2 s, and destroys longer than that: the round after the works
+    # completed falls inside a destroy (with 10 ms rounds it may come before, by luck).
+    monkeypatch.setattr(progress, "WATCHDOG_INTERVAL", 0.2)
+    monkeypatch.setattr(double, "DESTROY_SECONDS", 0.25)
 
     def body():
         mesh = meshkit.init_device_mesh("cuda", (2, 2), mesh_dim_names=("dp", "tp"))
+        if mesh.get_coordinate()[0] == 1:
+            time.sleep(0.05)
         works = []
-        for dim in ("dp", "tp"):
+        for group in (None, mesh.get_group("dp"), mesh.get_group("tp")):
             x = double.to_device(np.full(4, meshkit.get_rank() + 1.0, np.float32))
-            works.append((meshkit.all_reduce(x, group=mesh.get_group(dim), async_op=True), x))
+            works.append((meshkit.all_reduce(x, group=group, async_op=True), x))
         for work, _ in works:
             work.wait()
         sums = [float(x.get()[0]) for _, x in works]
         meshkit.destroy_process_group()
-        time.sleep(0.05)  # a few watchdog rounds
+        time.sleep(0.05)  # the watchdog's last round
         return sums, [(work.is_success(), work.exception()) for work, _ in works]
 
     with caplog.at_level("ERROR", logger="meshkit"):
-        for _ in range(3):
-            out = on_nccl(body, 4)
-            assert [sums for sums, _ in out] == [[4.0, 3.0], [6.0, 3.0], [4.0, 7.0], [6.0, 7.0]]
-            assert all(state == [(True, None), (True, None)] for _, state in out), out
+        out = on_nccl(body, 4)
+    assert [sums for sums, _ in out] == [[10.0, 4.0, 3.0], [10.0, 6.0, 3.0], [10.0, 4.0, 7.0], [10.0, 6.0, 7.0]]
+    assert all(state == [(True, None)] * 3 for _, state in out), out
     assert not [r.getMessage() for r in caplog.records], "the watchdog failed successful work"
 
 
