@@ -25,6 +25,7 @@ import pytest
 
 import meshkit
 import nccl_double as double
+from collective_cases import avg_rtol
 from meshkit import ReduceOp
 from meshkit.comm import cuda_runtime, local, progress
 
@@ -424,13 +425,6 @@ def test_double_avg_premultiplies_floats_and_divides_integers_after_the_sum():
     assert np.array_equal(got["f2"], _premul_avg(data["f2"]))
     assert got["i4"].tolist() == [-3, 3, 0]  # truncated toward zero, not floored (-7 / 2 -> -3)
     assert got["u1"].tolist() == [22, 3]
-
-
-def avg_rtol(dtype, n: int) -> float:
-    """Relative error bound of NCCL's AVG of ``n`` positive inputs against the sum divided by n:
-    fl(1/n), the n products and n-1 additions each round by at most half an ulp (NCCL
-    FuncPreMulSum, modelled by the double), and so do the reference's sum and division."""
-    return 2 * (n + 1) * float(np.finfo(dtype).eps) / 2
 
 
 def test_fp16_avg_at_7_ranks_is_premultiplied_and_within_the_tolerance(fake_gpu):
