@@ -18,7 +18,10 @@ an event on the caller's current stream and makes the communication stream wait 
 collective sees the caller's writes, with no host synchronization), is issued on the
 communication stream (``groupStart``/``groupEnd`` around the send/recv of gather, scatter and
 all_to_all), and records a *done* event there. The returned request's ``Test()`` queries that
-event and polls ``check_async_error``. Waiting has two forms:
+event's status (a fired event is success; a CUDA fault is raised, named) and, while it has not
+fired, polls ``check_async_error`` (never on a communicator destroyed or being destroyed). A
+process exiting without ``destroy_process_group`` aborts its communicators at exit. Waiting has
+two forms:
 
 * a synchronous call (``async_op=False``) blocks the host until the done event fires, under
   the group's timeout, reading notices from other ranks meanwhile (``Engine.wait``); on a
@@ -159,6 +162,7 @@ class NCCLEngine:
         # after it was released (CuPy's handle is then NULL: NCCL_ERROR_INVALID_ARGUMENT).
         self._handle_lock = threading.Lock()
         self._released = False
+        self._exited = False  # set by _abort_at_exit
         nccl_version = _runtime_version(nccl)
         self.nccl_version = nccl_version
         if nccl_version < _AVG_VERSION:  # no ncclAvg: NCCL sums, the group divides (as on MPI)
@@ -283,6 +287,8 @@ class NCCLEngine:
         """Raise (after aborting the communicator) if NCCL reported an asynchronous error, or if the
         communicator was aborted (an aborted communicator must not be called again). A communicator
         this rank destroyed (or is destroying) is not queried: there is nothing left to report."""
+        if self._exited:  # aborted at interpreter exit: the watchdog must not end a job that finished
+            return
         if self._aborted is not None:
             raise DistBackendError(f"meshkit.comm: rank {self._me}: {op}: the NCCL communicator was aborted "
                                    f"({self._aborted})")
@@ -583,7 +589,8 @@ _live_engines: set[NCCLEngine] = set()
 
 def _abort_at_exit() -> None:
     """The interpreter exits with communicators never destroyed (no ``destroy_process_group``):
-    abort them, as torch's ProcessGroupNCCL does when it is destroyed without shutdown.
+    abort them (torch's ProcessGroupNCCL likewise warns when it is destructed without
+    destroy_process_group).
 
     Otherwise CuPy's ``NcclCommunicator.__dealloc__`` calls ``ncclCommDestroy`` during interpreter
     teardown: a collective, blocking call that waits for the other ranks to destroy the same
@@ -596,6 +603,7 @@ def _abort_at_exit() -> None:
                        "communicator(s) instead of destroying them (a destroy is collective and could hang)",
                        len(engines))
     for engine in engines:
+        engine._exited = True
         engine._abort("the process exited without destroy_process_group()")
 
 

@@ -89,8 +89,7 @@ class FakeNcclError(RuntimeError):
 
 #: NCCL status -> CuPy's NcclError text (CuPy 14.2 cupy_backends/cuda/libs/nccl.pyx ERROR2 and
 #: ncclGetErrorString; the test checks them against the real module's NcclError(status)).
-_NCCL_STATUS = {4: "NCCL_ERROR_INVALID_ARGUMENT: invalid argument (run with NCCL_DEBUG=WARN for details)",
-                5: "NCCL_ERROR_INVALID_USAGE: invalid usage (run with NCCL_DEBUG=WARN for details)"}
+_NCCL_STATUS = {4: "NCCL_ERROR_INVALID_ARGUMENT: invalid argument (run with NCCL_DEBUG=WARN for details)"}
 
 
 def _nccl_status_error(status: int) -> FakeNcclError:
