@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 import meshkit
+import fake_cupy
 import nccl_double as double
 from collective_cases import avg_rtol
 from meshkit import ReduceOp
@@ -447,7 +448,8 @@ def test_double_count_zero_is_a_no_op_with_null_pointers():
     def body(rank, comm):
         stream = double.FakeRuntime.current_stream()
         empty = double.to_device(np.zeros(0, np.float32))
-        assert empty.data.ptr == 0  # as CuPy's pointer of an empty array
+        assert empty.data.ptr == 0 == empty.__cuda_array_interface__["data"][0]  # as CuPy's empty arrays
+        assert fake_cupy.module.empty((0, 3)).data.ptr == 0 and empty.device_id == rank
         comm.allReduce(0, 0, 0, 7, 0, stream.ptr)
         comm.allGather(0, 0, 0, 7, stream.ptr)
         comm.broadcast(0, 0, 0, 7, 0, stream.ptr)
