@@ -22,7 +22,8 @@ class CheckedGroup(Protocol):
     name: str
 
 
-# Dtype kinds a buffer collective moves: bool, signed/unsigned integers, floats, complex.
+# Dtype kinds a buffer collective moves: bool, signed/unsigned integers, floats, complex; and
+# ml_dtypes' bfloat16 (kind 'V'), CuPy 14's bfloat16 and NCCL's NCCL_BFLOAT16.
 _KINDS = "biufc"
 
 
@@ -35,10 +36,11 @@ def check_array(group: CheckedGroup, op: str, arg: str, x: Any, *, writable: boo
     # The success path reads each property once (this runs on every collective call).
     if isinstance(x, np.ndarray):
         flags = x.flags
-        if flags.c_contiguous and x.dtype.kind in _KINDS and (flags.writeable or not writable):
+        if flags.c_contiguous and (x.dtype.kind in _KINDS or x.dtype.name == "bfloat16") and (
+                flags.writeable or not writable):
             return
-    elif is_device_array(x) and x.flags.c_contiguous and x.dtype.kind in _KINDS:  # CuPy: always writable
-        return
+    elif is_device_array(x) and x.flags.c_contiguous and (x.dtype.kind in _KINDS or x.dtype.name == "bfloat16"):
+        return  # CuPy: always writable
     _array_error(group, op, arg, x, writable)
 
 
@@ -51,9 +53,9 @@ def _array_error(group: CheckedGroup, op: str, arg: str, x: Any, writable: bool)
     if not isinstance(x, np.ndarray) and not is_device_array(x):
         raise DistTypeError(f"{where(group, op)}: {arg} must be a numpy.ndarray, got {type(x).__name__} "
                             "(device arrays with __cuda_array_interface__, e.g. cupy.ndarray, are accepted too)")
-    if x.dtype.kind not in _KINDS:
+    if x.dtype.kind not in _KINDS and x.dtype.name != "bfloat16":
         raise DistTypeError(f"{where(group, op)}: {arg} has dtype {x.dtype}, which cannot be communicated; "
-                            "valid dtypes are bool, integers, floats and complex")
+                            "valid dtypes are bool, integers, floats, complex and bfloat16 (ml_dtypes)")
     if not x.flags.c_contiguous:
         raise DistValueError(
             f"{where(group, op)}: {arg} is not C-contiguous (shape {x.shape}, strides {x.strides}); "

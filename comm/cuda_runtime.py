@@ -15,6 +15,7 @@ What a runtime provides (duck-typed, CuPy's own names where CuPy has them)::
     use_device(index)         make ``index`` the calling thread's current device
     new_stream() -> Stream    a non-blocking stream (``.ptr``, ``.wait_event(event)``)
     new_event() -> Event      an event (``.record(stream)``, ``.done``, ``.synchronize()``)
+    event_done(event) -> bool   fired (True) or pending (False); raises the CUDA error of a fault
     current_stream() -> Stream   the calling thread's current stream
     is_device_array(x) -> bool   :func:`meshkit.comm.arrays.is_device_array` (the one rule)
     pointer(x) -> int         the device address of a device array's first element
@@ -36,6 +37,10 @@ from .arrays import is_device_array
 from .errors import DistBackendError
 
 __all__ = ["CupyRuntime", "runtime", "set_runtime", "gpu_available", "is_device_array"]
+
+
+#: cudaErrorNotReady: what cudaEventQuery returns for an event that has not fired yet.
+_CUDA_ERROR_NOT_READY = 600
 
 
 class CupyRuntime:
@@ -75,6 +80,19 @@ class CupyRuntime:
 
     def new_event(self) -> Any:
         return self._cupy.cuda.Event(disable_timing=True)
+
+    def event_done(self, event: Any) -> bool:
+        """True once ``event`` fired, False while pending; raises CUDARuntimeError (naming the
+        error) when a kernel before it failed. CuPy's ``Event.done`` is ``eventQuery(ptr) == 0``,
+        False forever after a fault (stream.pyx), so the status itself is read (runtime.pyx's
+        ``eventQuery`` returns cudaEventQuery's status without raising)."""
+        runtime = self._cupy.cuda.runtime
+        status = runtime.eventQuery(event.ptr)
+        if status == 0:  # cudaSuccess
+            return True
+        if status == _CUDA_ERROR_NOT_READY:
+            return False
+        raise runtime.CUDARuntimeError(status)
 
     def current_stream(self) -> Any:
         return self._cupy.cuda.get_current_stream()

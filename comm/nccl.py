@@ -18,7 +18,10 @@ an event on the caller's current stream and makes the communication stream wait 
 collective sees the caller's writes, with no host synchronization), is issued on the
 communication stream (``groupStart``/``groupEnd`` around the send/recv of gather, scatter and
 all_to_all), and records a *done* event there. The returned request's ``Test()`` queries that
-event and polls ``check_async_error``. Waiting has two forms:
+event's status (a fired event is success; a CUDA fault is raised, named) and, while it has not
+fired, polls ``check_async_error`` (never on a communicator destroyed or being destroyed). A
+process exiting without ``destroy_process_group`` aborts its communicators at exit. Waiting has
+two forms:
 
 * a synchronous call (``async_op=False``) blocks the host until the done event fires, under
   the group's timeout, reading notices from other ranks meanwhile (``Engine.wait``); on a
@@ -40,6 +43,9 @@ Everything GPU-specific goes through the runtime of :mod:`meshkit.comm.cuda_runt
 
 from __future__ import annotations
 
+import atexit
+import logging
+import threading
 import time
 from typing import Any, Callable
 
@@ -61,9 +67,29 @@ NCCL_OPS = {ReduceOp.SUM: "NCCL_SUM", ReduceOp.AVG: "NCCL_AVG", ReduceOp.PRODUCT
             ReduceOp.MIN: "NCCL_MIN", ReduceOp.MAX: "NCCL_MAX"}
 _BOOL_OPS = {ReduceOp.MIN: "NCCL_MIN", ReduceOp.BAND: "NCCL_MIN", ReduceOp.MAX: "NCCL_MAX", ReduceOp.BOR: "NCCL_MAX"}
 _COMPLEX_PARTS = {"complex64": "float32", "complex128": "float64"}
+#: NCCL runtime versions (``nccl.get_version()``, major*10000 + minor*100 + patch) that brought what
+#: the engine uses: ncclCommSplit in 2.18, ncclAvg in 2.10 (NCCL release notes / user guide). CuPy
+#: checks only the NCCL it was built against; the library loaded at run time may be older.
+_SPLIT_VERSION, _AVG_VERSION = 21800, 21000
 #: Seconds a blocked caller polls without sleeping before it naps between event queries.
 _SPIN_SECONDS = 0.001
 _NAP_SECONDS = 0.0001
+
+
+logger = logging.getLogger("meshkit")
+
+
+def _runtime_version(nccl: Any) -> int:
+    """The NCCL library's own version, as loaded at run time."""
+    try:
+        return int(nccl.get_version())
+    except Exception as exc:  # no ncclGetVersion: older than anything CuPy 14 supports
+        raise DistBackendError(f"meshkit.comm: cannot read the NCCL runtime version ({exc}); the nccl backend "
+                               "needs NCCL >= 2.18: pip install -U nvidia-nccl-cu12 (or -cu13)") from None
+
+
+def _version_text(code: int) -> str:
+    return f"{code // 10000}.{code // 100 % 100}.{code % 100}"
 
 
 class DeviceRequest:
@@ -82,9 +108,12 @@ class DeviceRequest:
 
     def Test(self) -> bool:  # noqa: N802 (the Request protocol's name)
         if not self.done:
-            self.engine.check_error(self.op)
-            if self.event is not None and self.event.done:
+            # A fired done event is success, whatever happens to the communicator afterwards (a
+            # watchdog looking after destroy_process_group must not read the destroyed handle).
+            if self.event is not None and self.engine.event_done(self.event, self.op):
                 self.done, self.keep = True, ()
+            else:
+                self.engine.check_error(self.op)
         return self.done
 
 
@@ -128,6 +157,18 @@ class NCCLEngine:
         self.stream = rt.new_stream()
         self._outstanding: list[DeviceRequest] = []
         self._aborted: str | None = None
+        # The communicator's handle is queried (check_async_error) by waiters and the watchdog, and
+        # destroyed or aborted by the group: never at once (NCCL would read freed memory), and not
+        # after it was released (CuPy's handle is then NULL: NCCL_ERROR_INVALID_ARGUMENT).
+        self._handle_lock = threading.Lock()
+        self._released = False
+        self._exited = False  # set by _abort_at_exit
+        nccl_version = _runtime_version(nccl)
+        self.nccl_version = nccl_version
+        if nccl_version < _AVG_VERSION:  # no ncclAvg: NCCL sums, the group divides (as on MPI)
+            self.native_avg = False
+            self._ops = {**self._ops, ReduceOp.AVG: self._ops[ReduceOp.SUM]}
+        _live_engines.add(self)
         self._watch: Callable[[], None] | None = None
         self._coalesced: list[DeviceRequest] | None = None  # requests issued since start_coalescing
 
@@ -244,16 +285,38 @@ class NCCLEngine:
 
     def check_error(self, op: str) -> None:
         """Raise (after aborting the communicator) if NCCL reported an asynchronous error, or if the
-        communicator was aborted (an aborted communicator must not be called again)."""
+        communicator was aborted (an aborted communicator must not be called again). A communicator
+        this rank destroyed (or is destroying) is not queried: there is nothing left to report."""
+        if self._exited:  # aborted at interpreter exit: the watchdog must not end a job that finished
+            return
         if self._aborted is not None:
             raise DistBackendError(f"meshkit.comm: rank {self._me}: {op}: the NCCL communicator was aborted "
                                    f"({self._aborted})")
+        with self._handle_lock:
+            if self._released:
+                return
+            try:
+                self.comm.check_async_error()
+            except Exception as exc:  # NcclError, whatever its module
+                error = exc
+            else:
+                return
+        self._abort(f"{op}: {error}")
+        raise DistBackendError(f"meshkit.comm: rank {self._me}: {op}: NCCL reported an asynchronous error "
+                               f"({error}); the communicator was aborted") from None
+
+    def event_done(self, event: Any, op: str) -> bool:
+        """Whether ``event`` fired; a CUDA error (a kernel before it faulted) is raised, named.
+
+        CuPy's ``Event.done`` reads a faulted event as "not done" forever, which would turn a
+        CUDA error into a timeout naming ranks that did arrive: the runtime queries the status.
+        """
         try:
-            self.comm.check_async_error()
-        except Exception as exc:  # NcclError, whatever its module
-            self._abort(f"{op}: {exc}")
-            raise DistBackendError(f"meshkit.comm: rank {self._me}: {op}: NCCL reported an asynchronous error "
-                                   f"({exc}); the communicator was aborted") from None
+            return self.rt.event_done(event)
+        except Exception as exc:  # CUDARuntimeError, whatever its module
+            raise DistBackendError(f"meshkit.comm: rank {self._me}: {op}: CUDA error on device {self.device}: {exc} "
+                                   "(a kernel ordered before this operation, or the operation itself, failed; "
+                                   "the CUDA context of this process is unusable)") from None
 
     def abandon(self, why: str) -> None:
         """The group broke (a timeout, a peer's failure, ``ProcessGroup.abort``): abort the
@@ -262,8 +325,12 @@ class NCCLEngine:
         self._abort(why)
 
     def _abort(self, why: str) -> None:
-        if self._aborted is None:
+        with self._handle_lock:
+            if self._aborted is not None or self._released:
+                return
             self._aborted = why
+            self._released = True
+            _live_engines.discard(self)
             try:
                 self.comm.abort()
             except Exception:  # aborting is the last resort: its own failure changes nothing
@@ -320,7 +387,7 @@ class NCCLEngine:
     def all_reduce(self, buf: Any, op: ReduceOp) -> Any:
         if not self._on_device("all_reduce", ("tensor", buf)):
             request = self.host.all_reduce(buf, op)
-            return self._averaged(request, buf) if op is ReduceOp.AVG else request
+            return self._averaged(request, buf) if op is ReduceOp.AVG and self.native_avg else request
         t, n, o = self._reduction("all_reduce", buf, op)
         p = self.rt.pointer(buf)
         return self._launch("all_reduce", (buf,), lambda s: self.comm.allReduce(p, p, n, t, o, s))
@@ -328,7 +395,9 @@ class NCCLEngine:
     def reduce(self, buf: Any, op: ReduceOp, root: int) -> Any:
         if not self._on_device("reduce", ("tensor", buf)):
             request = self.host.reduce(buf, op, root)
-            return self._averaged(request, buf if self.rank == root else None) if op is ReduceOp.AVG else request
+            if op is not ReduceOp.AVG or not self.native_avg:
+                return request
+            return self._averaged(request, buf if self.rank == root else None)
         t, n, o = self._reduction("reduce", buf, op)
         p = self.rt.pointer(buf)
         return self._launch("reduce", (buf,), lambda s: self.comm.reduce(p, p, n, t, o, root, s))
@@ -350,7 +419,7 @@ class NCCLEngine:
     def reduce_scatter(self, out: Any, inp: Any, op: ReduceOp) -> Any:
         if not self._on_device("reduce_scatter", ("output", out), ("input", inp)):
             request = self.host.reduce_scatter(out, inp, op)
-            return self._averaged(request, out) if op is ReduceOp.AVG else request
+            return self._averaged(request, out) if op is ReduceOp.AVG and self.native_avg else request
         t, n, o = self._reduction("reduce_scatter", out, op)
         pi, po = self.rt.pointer(inp), self.rt.pointer(out)
         return self._launch("reduce_scatter", (out, inp), lambda s: self.comm.reduceScatter(pi, po, n, t, o, s))
@@ -428,22 +497,37 @@ class NCCLEngine:
 
     def start_coalescing(self) -> None:
         """Open an NCCL group: the sends and receives issued until :meth:`end_coalescing` are
-        matched together (``batch_isend_irecv``), so their order cannot deadlock."""
+        matched together (``batch_isend_irecv``), so their order cannot deadlock. A batch over
+        several groups opens one per engine, nested: NCCL merges them into the outermost one."""
         self.rt.use_device(self.device)
         self.rt.nccl.groupStart()
         self._coalesced = []
+        _batch.depth = getattr(_batch, "depth", 0) + 1
 
     def end_coalescing(self) -> None:
-        """Close the group; one done event, recorded after ``groupEnd``, completes its requests
-        (an event recorded inside the group would fire before NCCL enqueued anything)."""
+        """Close the group. NCCL enqueues a group's operations only at the outermost ``groupEnd``
+        (its group depth is per thread), so the done events, one per engine, are recorded there,
+        for every engine of the batch: an event recorded at an inner end would cover nothing."""
         requests, self._coalesced = self._coalesced or [], None
+        ended = _batch.__dict__.setdefault("ended", [])
+        ended.append((self, requests))
+        _batch.depth -= 1
         self.rt.nccl.groupEnd()
-        if requests:
-            done = self.rt.new_event()
-            done.record(self.stream)
-            for request in requests:
-                request.event = done
-            self._outstanding = [r for r in self._outstanding if r.event is None or not r.event.done] + requests
+        if _batch.depth:
+            return
+        _batch.ended = []
+        for engine, issued in ended:
+            if issued:
+                engine._complete_batch(issued)
+
+    def _complete_batch(self, requests: list[DeviceRequest]) -> None:
+        """One done event, recorded on the communication stream after the batch was enqueued."""
+        self.rt.use_device(self.device)
+        done = self.rt.new_event()
+        done.record(self.stream)
+        for request in requests:
+            request.event = done
+        self._outstanding = [r for r in self._outstanding if r.event is None or not r.event.done] + requests
 
     def _no_tag(self, op: str, tag: int) -> None:
         if tag != 0:
@@ -454,6 +538,11 @@ class NCCLEngine:
     def split(self, color: int | None, ranks: tuple[int, ...], deadline: float) -> NCCLEngine | None:
         """The host engine splits first (it checks the members and honours the deadline), then
         NCCL's commSplit, collective over this communicator, with the same colour."""
+        if self.nccl_version < _SPLIT_VERSION:  # every rank loads the same NCCL: all raise, none splits
+            raise DistBackendError(
+                f"meshkit.comm: rank {self._me}: new_group/split: NCCL {_version_text(self.nccl_version)} is loaded, "
+                f"and sub-groups (mesh dimensions) need ncclCommSplit, new in NCCL 2.18; pip install -U "
+                "nvidia-nccl-cu12 (or -cu13), or point LD_LIBRARY_PATH at NCCL >= 2.18")
         host = self.host.split(color, ranks, deadline)
         # NCCL: no operation may be outstanding on a communicator being split (async work that
         # Work.wait() only ordered may still run on the device): wait for the stream first.
@@ -476,13 +565,49 @@ class NCCLEngine:
         self.wait(DeviceRequest(self, op, drained, ()), deadline)
 
     def free(self) -> None:
-        if self._aborted is None:
+        """Destroy the communicator (``ncclCommDestroy``: collective over its ranks, it blocks until
+        they all destroy it). From here on nothing queries it (see :meth:`check_error`)."""
+        with self._handle_lock:  # a query in flight on another thread finishes first
+            destroy = self._aborted is None and not self._released
+            self._released = True
+            _live_engines.discard(self)
+        if destroy:
             try:
                 self.comm.destroy()
             except Exception as exc:  # freeing at shutdown must not mask the caller's own state
                 raise DistBackendError(f"meshkit.comm: rank {self._me}: destroying the NCCL communicator "
                                        f"failed: {exc}") from None
         self.host.free()
+
+
+#: This thread's open ``batch_isend_irecv`` groups: their depth, and the engines whose done events
+#: wait for the outermost end (NCCL's group depth is per thread: src/group.cc).
+_batch = threading.local()
+#: Engines whose communicator is neither destroyed nor aborted (see :func:`_abort_at_exit`).
+_live_engines: set[NCCLEngine] = set()
+
+
+def _abort_at_exit() -> None:
+    """The interpreter exits with communicators never destroyed (no ``destroy_process_group``):
+    abort them (torch's ProcessGroupNCCL likewise warns when it is destructed without
+    destroy_process_group).
+
+    Otherwise CuPy's ``NcclCommunicator.__dealloc__`` calls ``ncclCommDestroy`` during interpreter
+    teardown: a collective, blocking call that waits for the other ranks to destroy the same
+    communicator, which they may never do (exited, crashed, or freeing theirs in another order):
+    the process hangs at exit. ``ncclCommAbort`` is local, and leaves CuPy a NULL handle.
+    """
+    engines = list(_live_engines)
+    if engines:
+        logger.warning("meshkit: the process exits without destroy_process_group(): aborting %d NCCL "
+                       "communicator(s) instead of destroying them (a destroy is collective and could hang)",
+                       len(engines))
+    for engine in engines:
+        engine._exited = True
+        engine._abort("the process exited without destroy_process_group()")
+
+
+atexit.register(_abort_at_exit)
 
 
 def create_world_engine(host: Any, rt: Any, deadline: float) -> NCCLEngine:

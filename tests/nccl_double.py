@@ -50,10 +50,25 @@ CONSTANTS = {"NCCL_INT8": 0, "NCCL_CHAR": 0, "NCCL_UINT8": 1, "NCCL_INT32": 2, "
              "NCCL_SUM": 0, "NCCL_PROD": 1, "NCCL_MAX": 2, "NCCL_MIN": 3, "NCCL_AVG": 4}
 _TYPES = {0: np.dtype(np.int8), 1: np.dtype(np.uint8), 2: np.dtype(np.int32), 3: np.dtype(np.uint32),
           4: np.dtype(np.int64), 5: np.dtype(np.uint64), 6: np.dtype(np.float16), 7: np.dtype(np.float32),
-          8: np.dtype(np.float64)}  # bfloat16 (9) has no NumPy dtype: the double rejects it
+          8: np.dtype(np.float64)}
+try:  # bfloat16 (9): CuPy 14 maps ml_dtypes.bfloat16 (dtype kind 'V') to NCCL_BFLOAT16
+    import ml_dtypes
+
+    _TYPES[9] = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # without ml_dtypes there is no bfloat16 array to pass
+    pass
 _OPS = {0: "SUM", 1: "PROD", 2: "MAX", 3: "MIN", 4: "AVG"}
 #: Seconds a host synchronization or a split waits in the double before it reports a hang.
 DOUBLE_TIMEOUT = 30.0
+#: Seconds ncclCommDestroy takes once every member entered it: milliseconds on a GPU (issue 24);
+#: above the watchdog's 10 ms round (comm/progress.py WATCHDOG_INTERVAL), so that a watchdog
+#: querying a communicator being destroyed is caught every time, not by luck.
+DESTROY_SECONDS = 0.015
+#: Whether a communicator still holding its handle when it is garbage-collected destroys it, as
+#: CuPy's ``NcclCommunicator.__dealloc__`` does (nccl.pyx: ``self.destroy()``). On with
+#: ``FakeRuntime(dealloc=True)`` (a subprocess checking interpreter teardown): the test process
+#: itself keeps communicators of jobs broken on purpose, whose peers will never destroy them.
+_dealloc_destroys = False
 
 _cond = threading.Condition()  # guards every piece of state below
 _allocations: list[weakref.ref] = []
@@ -64,7 +79,21 @@ _cliques: dict[bytes, _Clique] = {}
 
 
 class FakeNcclError(RuntimeError):
-    """What the double raises where NCCL returns an error (cupy.cuda.nccl.NcclError)."""
+    """What the double raises where NCCL returns an error (cupy.cuda.nccl.NcclError). Errors of
+    NCCL's own status codes carry ``status`` and CuPy's text (:func:`_nccl_status_error`)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+#: NCCL status -> CuPy's NcclError text (CuPy 14.2 cupy_backends/cuda/libs/nccl.pyx ERROR2 and
+#: ncclGetErrorString; the test checks them against the real module's NcclError(status)).
+_NCCL_STATUS = {4: "NCCL_ERROR_INVALID_ARGUMENT: invalid argument (run with NCCL_DEBUG=WARN for details)"}
+
+
+def _nccl_status_error(status: int) -> FakeNcclError:
+    return FakeNcclError(_NCCL_STATUS[status], status)
 
 
 # --------------------------------------------------------------------------- device memory
@@ -91,11 +120,13 @@ class DeviceArray(np.ndarray):
 
     @property
     def data(self) -> _Pointer:  # type: ignore[override]
-        return _Pointer(self.__array_interface__["data"][0])
+        # CuPy 14.2 cupy/cuda/memory.pyx: an allocation of 0 bytes is MemoryPointer(Memory(0), 0),
+        # whose ptr is 0; so is every empty array's pointer (arithmetic: count 0 is a no-op)
+        return _Pointer(self.__array_interface__["data"][0] if self.size else 0)
 
     @property
     def device_id(self) -> int:
-        return _owner(self.__array_interface__["data"][0])._device
+        return _allocation(self)._device
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
@@ -231,7 +262,7 @@ def _host_sync() -> None:
     if getattr(_tls, "depth", 0):
         raise FakeNcclError("double: the host synchronized inside groupStart()/groupEnd() (unbalanced group)")
     stream = _current()
-    _wait(lambda: all(e.done for e in stream.pending), "the current stream's pending work")
+    _sync(lambda: stream.pending, "the current stream's pending work")
 
 
 class FakeStream:
@@ -259,7 +290,7 @@ class FakeStream:
         return stream is self or self.waited.get(stream, -1) >= mine
 
     def synchronize(self) -> None:
-        _wait(lambda: all(e.done for e in self.pending), "stream synchronize")
+        _sync(lambda: self.pending, "stream synchronize")
 
     def __hash__(self) -> int:
         return self.ptr
@@ -308,16 +339,111 @@ class FakeEvent:
     def done(self) -> bool:
         return all(e.done for e in self.entries)
 
+    @property
+    def status(self) -> int:
+        """What ``cudaEventQuery`` returns (see "event status" below)."""
+        return _status(self.entries)
+
     def synchronize(self) -> None:
-        _wait(lambda: self.done, "event synchronize")
+        _sync(lambda: self.entries, "event synchronize")
 
 
-# --------------------------------------------------------------------------- the NCCL module
+# --------------------------------------------------------------------------- event status
+# CuPy 14.2 cupy/cuda/stream.pyx: ``Event.done`` is ``runtime.eventQuery(self.ptr) == 0`` and
+# runtime.pyx's ``eventQuery`` returns cudaEventQuery's status without raising. After a kernel
+# faulted (cudaErrorIllegalAddress, say), cudaEventQuery of an event recorded after it returns that
+# error, never cudaSuccess (CUDA runtime API, cudaEventQuery: "may also return error codes from
+# previous, asynchronous launches"), so ``done`` stays False forever; cudaStreamSynchronize and
+# cudaEventSynchronize return the error. :func:`inject_fault` puts such a kernel on a stream; an
+# event's :attr:`FakeEvent.status` is cudaEventQuery's answer, through the runtime's ``event_done``.
+CUDA_SUCCESS, CUDA_NOT_READY = 0, 600
+#: CUDA error -> CuPy's CUDARuntimeError text (checked against the real class by the tests).
+CUDA_ERRORS = {600: "cudaErrorNotReady: device not ready",
+               700: "cudaErrorIllegalAddress: an illegal memory access was encountered"}
+
+
+class FakeCudaError(RuntimeError):
+    """cupy_backends.cuda.api.runtime.CUDARuntimeError: ``status`` and CuPy's text."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(CUDA_ERRORS[status])
+        self.status = status
+
+
+class _Fault:
+    """A kernel that faulted: never done, and what every later query of its stream reports."""
+
+    __slots__ = ("code",)
+    done = False
+
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+
+def inject_fault(stream: FakeStream | None = None, code: int = 700) -> None:
+    """A kernel faults on ``stream`` (default: the calling thread's current stream)."""
+    stream = stream or _current()
+    with _cond:
+        stream.pending = [e for e in stream.pending if not e.done] + [_Fault(code)]
+        _cond.notify_all()
+
+
+def _fault(entries: list[Any]) -> int | None:
+    """The code of a faulted kernel that ``entries`` (not done) wait for, directly or through
+    events, operations and copies; None if none does."""
+    seen: set[int] = set()
+    todo = [e for e in entries if not e.done]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen or e.done:
+            continue
+        seen.add(id(e))
+        if isinstance(e, _Fault):
+            return e.code
+        if isinstance(e, _EventWait):
+            todo.extend(e.event.entries)
+        todo.extend(getattr(e, "deps", ()))
+    return None
+
+
+def _status(entries: list[Any]) -> int:
+    """cudaEventQuery's answer for an event holding ``entries``."""
+    with _cond:
+        if all(e.done for e in entries):
+            return CUDA_SUCCESS
+        code = _fault(entries)
+    return CUDA_NOT_READY if code is None else code
+
+
+def _sync(entries: Any, what: str) -> None:
+    """A host synchronization on ``entries()``: returns once they are done, raises a fault's error."""
+    code: list[int] = []
+
+    def over() -> bool:
+        found = _fault(entries())
+        if found is not None:
+            code.append(found)
+            return True
+        return all(e.done for e in entries())
+
+    _wait(over, what)
+    if code:
+        raise FakeCudaError(code[0])
+
+
+# --------------------------------------------------------------------------- groups
+# NCCL enqueues nothing on a stream until the outermost ncclGroupEnd: inside a group the calls
+# only record their arguments, and the group depth is per thread (NCCL src/group.cc,
+# ncclGroupStart/ncclGroupEnd keep ncclGroupDepth thread_local; src/enqueue.cc ncclEnqueueCheck
+# appends a task to the planner while ncclGroupDepth > 0, launched by groupEnd; user guide
+# "Group Calls"). So an event recorded on the stream before the outermost groupEnd, at any depth,
+# covers none of the group's operations: the double puts them on their streams only there.
 class _Group:
-    """An open groupStart()/groupEnd() on one thread: its operations wait for its end."""
+    """An open groupStart()/groupEnd() on one thread: its operations, held until its outermost end."""
 
     def __init__(self) -> None:
         self.closed = False
+        self.queued: list[tuple[FakeStream, _Op]] = []  # (stream, operation), in call order
 
 
 def _group_start() -> None:
@@ -334,9 +460,16 @@ def _group_end() -> None:
     _tls.depth = depth - 1
     if depth == 1:
         with _cond:
-            _tls.group.closed = True
-            _tls.group = None
+            group, _tls.group = _tls.group, None
+            for stream, op in group.queued:  # enqueued now, each after what its stream holds (not its group)
+                pending = [e for e in stream.pending if not e.done]
+                op.deps = [e for e in pending if getattr(e, "group", None) is not group]
+                stream.pending = pending + [op]
+            group.closed = True
             _progress()
+
+
+# --------------------------------------------------------------------------- the NCCL module
 
 
 class _Op:
@@ -365,6 +498,7 @@ class _Clique:
         self.splits: list[dict[int, tuple[int, int]]] = []
         self.split_results: list[dict[int, Any]] = []
         self.error: str | None = None
+        self.destroying: set[int] = set()  # ranks that entered ncclCommDestroy
 
     def fail(self, why: str) -> None:
         if self.error is None:
@@ -397,7 +531,9 @@ class _Clique:
                               f"but rank {pair[1]} receives {r.args['count']} of datatype {r.args['datatype']}")
                 else:
                     dtype = _TYPES[s.args["datatype"]]
-                    _region(r.args["buf"], r.args["count"], dtype)[...] = _region(s.args["buf"], s.args["count"], dtype)
+                    if r.args["count"]:  # a 0-element message moves nothing (its pointers may be 0)
+                        _region(r.args["buf"], r.args["count"], dtype)[...] = _region(s.args["buf"], s.args["count"],
+                                                                                      dtype)
                 s.done = r.done = True
                 moved = True
         return moved
@@ -410,12 +546,38 @@ def _progress() -> None:
     _cond.notify_all()
 
 
+# --------------------------------------------------------------------------- arithmetic
+# NCCL's reductions, as the device code computes them (NCCL src/enqueue.cc hostToDevRedOp,
+# src/device/reduce_kernel.h):
+# * ncclAvg on floating types is FuncPreMulSum: every input is first multiplied by the scalar
+#   1/nRanks *in its own type* (fp16 and bf16 too: float(1.0/nRanks) rounded to half), then
+#   summed, each addition rounded in that type. fp16 AVG at 7 ranks of 512 inputs in [0.5, 2] so
+#   differs by up to 1.5e-3 from the exact mean and 1.7e-3 from fp16 sum/n (issue 24: 1.4e-3;
+#   tests/test_nccl_strict.py::test_fp16_avg_at_7_ranks_is_premultiplied_and_within_the_tolerance).
+# * ncclAvg on integer types is FuncSumPostDiv: the wrapping sum, then divided by nRanks with the
+#   quotient truncated toward zero (|x| / n, negated back for a negative signed sum).
+# * SUM/PROD/MIN/MAX accumulate in the type. The double adds in rank order (NCCL's ring order
+#   differs per chunk: tolerances must not depend on the order).
 def _reduce(op: int, parts: list[np.ndarray]) -> np.ndarray:
+    n = len(parts)
+    dtype = parts[0].dtype
+    if op == 4 and dtype.kind not in "iu":  # PreMulSum, in the type itself
+        scale = dtype.type(1.0 / n)
+        acc = parts[0] * scale
+        for p in parts[1:]:
+            acc = (acc + p * scale).astype(dtype)
+        return acc.astype(dtype)
     acc = parts[0].copy()
-    for p in parts[1:]:
-        {0: np.add, 1: np.multiply, 2: np.maximum, 3: np.minimum, 4: np.add}[op](acc, p, out=acc)
-    if op == 4:
-        acc = (acc / len(parts)).astype(acc.dtype)
+    with np.errstate(over="ignore"):  # integer sums wrap, as on the device
+        for p in parts[1:]:
+            {0: np.add, 1: np.multiply, 2: np.maximum, 3: np.minimum, 4: np.add}[op](acc, p, out=acc)
+    if op == 4:  # SumPostDiv: truncated toward zero, on the magnitude's unsigned bits
+        unsigned = np.dtype(f"u{dtype.itemsize}")
+        bits = acc.view(unsigned)
+        negative = acc < 0 if dtype.kind == "i" else np.zeros(acc.shape, bool)
+        magnitude = np.where(negative, (~bits + unsigned.type(1)).astype(unsigned), bits)
+        quotient = (magnitude // unsigned.type(n)).astype(unsigned)
+        acc = np.where(negative, (~quotient + unsigned.type(1)).astype(unsigned), quotient).view(dtype)
     return acc
 
 
@@ -443,6 +605,8 @@ def _check_buffer(comm: FakeCommunicator, what: str, ptr: int, count: int, datat
     if datatype not in _TYPES:
         raise FakeNcclError(f"double: {what}: datatype {datatype} is not an NCCL datatype the double knows "
                             f"(valid: {sorted(_TYPES)})")
+    if count == 0:  # NCCL reads no pointer for 0 elements (CuPy's pointer of an empty array is 0)
+        return
     nbytes = count * _TYPES[datatype].itemsize
     owner = _owner(ptr, max(nbytes, 1))
     if owner is None:
@@ -473,8 +637,13 @@ class FakeCommunicator:
         device = _device()
         if any(m._device == device for m in clique.members.values()):
             raise FakeNcclError(f"double: duplicate GPU {device} in one communicator")
+        self._member_of(clique, rank, device)
+
+    def _member_of(self, clique: _Clique, rank: int, device: int) -> None:
+        """This handle becomes rank ``rank`` of ``clique`` (under ``_cond``)."""
         self._clique, self._rank, self._device, self._destroyed = clique, rank, device, False
-        self._aborted, self._injected = False, None
+        self._aborted, self._injected, self._destroying = False, None, False
+        self._handle = next(_ids)  # CuPy's ncclComm_t: 0 once destroyed or aborted
         clique.members[rank] = self
 
     # ------------------------------------------------------------------ checks
@@ -494,9 +663,12 @@ class FakeCommunicator:
                                 f"stream (write #{caller.work} on it); record an event there and wait_event it")
         with _cond:
             group = getattr(_tls, "group", None)
-            deps = [e for e in s.pending if not e.done and (group is None or getattr(e, "group", None) is not group)]
-            op = _Op(kind, key, args, deps, group)
-            s.pending = [e for e in s.pending if not e.done] + [op]
+            if group is None:
+                op = _Op(kind, key, args, [e for e in s.pending if not e.done], None)
+                s.pending = [e for e in s.pending if not e.done] + [op]
+            else:  # on its stream at the outermost groupEnd (see "groups" above)
+                op = _Op(kind, key, args, [], group)
+                group.queued.append((s, op))
             if collective:
                 k = clique.posted[self._rank]
                 clique.posted[self._rank] = k + 1
@@ -519,13 +691,19 @@ class FakeCommunicator:
     def _collective(self, kind: str, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int | None,
                     root: int | None, stream: int, recv_count: int | None = None,
                     send_count: int | None = None) -> None:
+        if not self._handle:  # CuPy passes its NULL handle on: NCCL's CommCheck refuses it
+            raise _nccl_status_error(4)
         if op is not None and op not in _OPS:
             raise FakeNcclError(f"double: {kind}: op {op} is not an NCCL reduction (valid: {sorted(_OPS)})")
+        if op == 4 and fake_nccl.version < 21000:  # ncclAvg is new in 2.10: before, op 4 >= ncclNumOps (argcheck.cc)
+            raise _nccl_status_error(4)
         if root is not None and not 0 <= root < self._clique.size:
             raise FakeNcclError(f"double: {kind}: root {root} out of range for {self._clique.size} ranks")
         _check_buffer(self, f"{kind} sendbuf", sendbuf, count if send_count is None else send_count, datatype)
         if recvbuf or kind != "reduce" or root == self._rank:
             _check_buffer(self, f"{kind} recvbuf", recvbuf, count if recv_count is None else recv_count, datatype)
+        if count == 0:  # NCCL src/enqueue.cc taskAppend: "Empty collectives can be discarded." (after ArgsCheck)
+            return
         self._post(kind, stream, True, (count, datatype, op, root), send=sendbuf, recv=recvbuf, count=count,
                    datatype=datatype, op=op, root=root)
 
@@ -561,10 +739,16 @@ class FakeCommunicator:
     def _p2p(self, kind: str, buf: int, count: int, datatype: int, peer: int, stream: int) -> None:
         if not 0 <= peer < self._clique.size:
             raise FakeNcclError(f"double: {kind}: peer {peer} out of range for {self._clique.size} ranks")
+        if not self._handle:
+            raise _nccl_status_error(4)
         _check_buffer(self, f"{kind} buffer", buf, count, datatype)
         self._post(kind, stream, False, buf=buf, count=count, datatype=datatype, peer=peer)
 
     def commSplit(self, color: int, key: int, config: Any = None) -> FakeCommunicator | None:  # noqa: N802
+        if fake_nccl.version < 21800:  # ncclCommSplit is new in NCCL 2.18 (user guide, ncclCommSplit)
+            raise FakeNcclError(f"double: ncclCommSplit does not exist in NCCL {fake_nccl.version} (added in 2.18)")
+        if not self._handle:
+            raise _nccl_status_error(4)
         clique = self._clique
         with _cond:
             k = sum(1 for s in clique.splits if self._rank in s)
@@ -587,12 +771,22 @@ class FakeCommunicator:
             return None
         out = FakeCommunicator.__new__(FakeCommunicator)
         with _cond:
-            out._clique, out._rank, out._device, out._destroyed = found[0], found[1], self._device, False
-            out._aborted, out._injected = False, None
-            found[0].members[found[1]] = out
+            out._member_of(found[0], found[1], self._device)
         return out
 
+    # ------------------------------------------------------------------ communicator lifecycle
+    # CuPy 14.2 cupy_backends/cuda/libs/nccl.pyx: destroy() and abort() call ncclCommDestroy /
+    # ncclCommAbort only ``if self._comm`` and then set the handle to 0; every other method passes
+    # the handle on, and NCCL refuses a NULL communicator with ncclInvalidArgument (src/argcheck.cc
+    # CommCheck), so check_async_error() after destroy() raises NCCL_ERROR_INVALID_ARGUMENT.
+    # ncclCommDestroy blocks the host: it finalizes the rank's outstanding operations and is an
+    # intra-node collective (src/init.cc ncclCommDestroy -> commReclaim waits for the other local
+    # ranks of the communicator; the issue's "takes milliseconds"): the double waits until every
+    # member entered it (or aborted) and then takes DESTROY_SECONDS. Querying a communicator while
+    # another thread destroys it reads freed memory in NCCL: the double refuses it.
     def destroy(self) -> None:
+        if not self._handle:  # CuPy: a destroyed or aborted communicator's destroy() does nothing
+            return
         if getattr(_tls, "depth", 0):
             raise FakeNcclError("double: destroy() inside groupStart()/groupEnd()")
         clique = self._clique
@@ -600,22 +794,36 @@ class FakeCommunicator:
             mine = [*clique.collectives[self._rank],
                     *(op for (a, b), ops in [*clique.sends.items(), *clique.recvs.items()] if self._rank in (a, b)
                       for op in ops)]
-        # ncclCommDestroy finalizes first: the operations this rank issued complete (their peers
-        # still have to issue theirs); an aborted or failed communicator has nothing to finish.
-        _wait(lambda: clique.error is not None or all(op.done for op in mine), "ncclCommDestroy's finalize")
-        with _cond:
-            self._destroyed = True
-            if all(m._destroyed for m in clique.members.values()):  # forget it: progress scans every clique
-                for key in [k for k, c in _cliques.items() if c is clique]:
-                    del _cliques[key]
+            self._destroying = True
+        try:
+            # ncclCommDestroy finalizes first: the operations this rank issued complete (their peers
+            # still have to issue theirs); an aborted or failed communicator has nothing to finish.
+            _wait(lambda: clique.error is not None or all(op.done for op in mine), "ncclCommDestroy's finalize")
+            with _cond:
+                clique.destroying.add(self._rank)
+                _cond.notify_all()
+            _wait(lambda: clique.error is not None or all(r in clique.destroying or m._aborted
+                                                          for r, m in clique.members.items()),
+                  f"ncclCommDestroy: every rank of the communicator destroying it (rank {self._rank} waits for "
+                  f"ranks {sorted(set(clique.members) - clique.destroying)})")
+            time.sleep(DESTROY_SECONDS)
+        finally:
+            with _cond:
+                self._destroying, self._destroyed, self._handle = False, True, 0
+                if all(m._destroyed for m in clique.members.values()):  # forget it: progress scans every clique
+                    for key in [k for k, c in _cliques.items() if c is clique]:
+                        del _cliques[key]
 
     def abort(self) -> None:
         """ncclCommAbort on this rank only: its own operations stop (its streams go on, past
         them); the other ranks are told nothing, and their parts of operations that needed this
         rank never complete (on a GPU their kernels spin), until they abort too."""
+        if not self._handle:  # CuPy: nothing to abort once the handle is 0
+            return
         clique = self._clique
         with _cond:
             self._destroyed = self._aborted = True
+            self._handle = 0
             ops = clique.collectives[self._rank]
             for op in ops:
                 op.done = True
@@ -629,31 +837,44 @@ class FakeCommunicator:
                 queue.clear()
             _progress()
 
+    def _check_handle(self, what: str) -> None:
+        if self._destroying:
+            raise FakeNcclError(f"double: {what} while another thread is inside ncclCommDestroy of this "
+                                "communicator (NCCL reads freed memory)")
+        if not self._handle:
+            raise _nccl_status_error(4)
+
     def inject_async_error(self, why: str) -> None:
         """Make this rank's ``check_async_error`` report ``why`` from now on, as NCCL reports a
         failure it met while running (a network error, a peer's process dying): for tests."""
         self._injected = why
 
     def check_async_error(self) -> None:
+        self._check_handle("check_async_error")
         if self._injected is not None:
             raise FakeNcclError(self._injected)
-        if self._aborted:  # CuPy clears an aborted communicator's handle
-            raise FakeNcclError("double: check_async_error on an aborted communicator")
         if self._clique.error is not None:
             raise FakeNcclError(self._clique.error)
 
     def device_id(self) -> int:
+        self._check_handle("device_id")
         return self._device
 
     def rank_id(self) -> int:
+        self._check_handle("rank_id")
         return self._rank
 
     def size(self) -> int:
+        self._check_handle("size")
         return self._clique.size
 
     @property
     def comm(self) -> int:
-        return id(self)
+        return self._handle
+
+    def __del__(self) -> None:
+        if _dealloc_destroys and getattr(self, "_handle", 0):
+            self.destroy()  # may wait, collectively, for peers that never come: a hang at exit
 
     @staticmethod
     def initAll(devices: Any) -> None:  # noqa: N802
@@ -661,7 +882,9 @@ class FakeCommunicator:
 
 
 def _stream(ptr: int) -> FakeStream:
-    for stream in _streams:
+    with _cond:  # another rank's thread may be adding a stream
+        streams = list(_streams)
+    for stream in streams:
         if stream.ptr == ptr:
             return stream
     raise FakeNcclError(f"double: stream {ptr:#x} is not a stream of the double")
@@ -680,6 +903,7 @@ class _FakeNcclModule:
     def __init__(self) -> None:
         for name, value in CONSTANTS.items():
             setattr(self, name, value)
+        self.version = 23203  # what nvidia-nccl-cu12 2.32.3 reports
 
     @staticmethod
     def groupStart() -> None:  # noqa: N802
@@ -695,7 +919,8 @@ class _FakeNcclModule:
 
     @staticmethod
     def get_version() -> int:
-        return 23203
+        """The runtime NCCL's version (CuPy: ncclGetVersion), FakeRuntime(nccl_version=) sets it."""
+        return fake_nccl.version
 
 
 fake_nccl = _FakeNcclModule()
@@ -726,8 +951,11 @@ class FakeRuntime:
 
     nccl = fake_nccl
 
-    def __init__(self, devices: int = 8) -> None:
+    def __init__(self, devices: int = 8, *, nccl_version: int = 23203, dealloc: bool = False) -> None:
+        global _dealloc_destroys
         self.devices = devices
+        fake_nccl.version = nccl_version  # what nccl.get_version() reports (NCCL's runtime, not CuPy's build)
+        _dealloc_destroys = dealloc
         self.pinned_allocations = 0
         self.copies_to_host = 0
         self.copies_to_device = 0
@@ -810,6 +1038,17 @@ class FakeRuntime:
     @staticmethod
     def new_event() -> FakeEvent:
         return FakeEvent()
+
+    @staticmethod
+    def event_done(event: FakeEvent) -> bool:
+        """CupyRuntime.event_done: True once fired, False while pending, the CUDA error of a fault
+        (see "event status")."""
+        status = event.status
+        if status == CUDA_SUCCESS:
+            return True
+        if status == CUDA_NOT_READY:
+            return False
+        raise FakeCudaError(status)
 
     @staticmethod
     def current_stream() -> FakeStream:

@@ -582,6 +582,12 @@ def _resolve(path: str, modules: dict):
     return obj, bound
 
 
+def _raises_recorder(fn) -> None:
+    """``fn()`` ends raising what the recorder returned (event_done's CUDA error): not an exception."""
+    with pytest.raises(TypeError, match="exceptions must derive from BaseException"):
+        fn()
+
+
 def test_every_cupy_call_of_the_runtime_exists_in_the_real_cupy(monkeypatch):
     """Run every method of CupyRuntime against a recorder of CuPy, then bind each recorded call
     to the real CuPy's function, class or method: a renamed function or keyword (say
@@ -600,6 +606,7 @@ def test_every_cupy_call_of_the_runtime_exists_in_the_real_cupy(monkeypatch):
         "use_device": lambda: rt.use_device(0),
         "new_stream": lambda: rt.new_stream(),
         "new_event": lambda: rt.new_event(),
+        "event_done": lambda: _raises_recorder(lambda: rt.event_done(rt.new_event())),
         "current_stream": lambda: rt.current_stream(),
         "pinned_empty": lambda: rt.pinned_empty((4,), np.float32),
         "copy_to_host": lambda: rt.copy_to_host(array, np.empty(4, np.float32), rt.new_stream()),
@@ -612,7 +619,8 @@ def test_every_cupy_call_of_the_runtime_exists_in_the_real_cupy(monkeypatch):
         run()
     paths = sorted({path for path, _, _ in calls})
     assert paths == ["cupy.cuda.Device", "cupy.cuda.Device().use", "cupy.cuda.Event", "cupy.cuda.Stream",
-                     "cupy.cuda.get_current_stream", "cupy.cuda.runtime.getDeviceCount", "cupy.ndarray().get",
+                     "cupy.cuda.get_current_stream", "cupy.cuda.runtime.CUDARuntimeError",
+                     "cupy.cuda.runtime.eventQuery", "cupy.cuda.runtime.getDeviceCount", "cupy.ndarray().get",
                      "cupy.ndarray().set", "cupyx.empty_pinned"], paths
     modules = {"cupy": cupy, "cupyx": cupyx}
     for path, args, kwargs in calls:
