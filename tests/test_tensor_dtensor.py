@@ -391,3 +391,9 @@ def test_separately_seeded_inits_make_one_array_by_default_as_in_torch():
         np.testing.assert_array_equal(full, rank0)  # was rank r's block of rank r's array: four arrays mixed
         row, col = divmod(rank, 2)
         np.testing.assert_array_equal(cut, mine[[slice(0, 3), slice(3, 5)][row], [slice(0, 4), slice(4, 7)][col]])
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_layout_agreement_on_real_processes(mpirun, n):
+    out = mpirun("mpi_tensor_agreement.py", n).stdout
+    assert out.count("AGREEMENT OK") == n, out
