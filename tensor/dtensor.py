@@ -110,8 +110,11 @@ class DTensor(NDArrayOperatorsMixin):
             device_mesh: the mesh; every rank of it calls ``from_local``.
             placements: one per mesh dimension (None: all Replicate).
             shape: the global shape, the same on every rank. Given, it is trusted as torch trusts
-                it: no communication, only this rank's block is checked against it (ranks that
-                pass different shapes are caught by ``run_check``). Without it and with a Shard
+                it: no communication, only this rank's block is checked against it, so ranks that
+                pass different shapes are caught only by ``run_check`` (or by the collectives'
+                own size checks). Never compute it from the block (local size times the mesh
+                size, torch's even rule): uneven blocks then give each rank another shape that
+                fits its own block. Leave it out instead. Without it and with a Shard
                 placement, the blocks' sizes are gathered (one all-gather of 67 int64 per mesh
                 dim, every rank of the mesh taking part) and summed, so uneven blocks give the
                 right shape on every rank; torch instead assumes even blocks (local size times
