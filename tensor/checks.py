@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import threading
-import weakref
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -86,18 +85,24 @@ def _problems(mesh: DeviceMesh, rank: int, mine: tuple, everyone: list[Any]) -> 
 _MAX_NDIM = 64
 _OK, _FOUND, _BAD_ARGS = 0, 1, 2  # the flag in slot 0: fine / a problem found / a rank's own arguments failed
 
-_prepared: weakref.WeakKeyDictionary[Any, dict[int, PreparedCollective]] = weakref.WeakKeyDictionary()
+#: Prepared all-gathers kept, by ``(id(group), width)``; the oldest is dropped beyond this. An
+#: entry holds its group (so an id is never another group's), as the redistribution programs do.
+PREPARED_MAX = 256
+
+_prepared: dict[tuple[int, int], PreparedCollective] = {}
 _prepared_lock = threading.Lock()  # ranks of the local engine are threads
 
 
 def _gather(group: Any, vec: list[int]) -> list[list[int]]:
     """Every group member's ``vec`` (all of one length), in group-rank order."""
-    mine = _prepared.get(group)
-    gather = None if mine is None else mine.get(len(vec))
-    if gather is None:
+    key = (id(group), len(vec))
+    gather = _prepared.get(key)
+    if gather is None or gather.group is not group:
         gather = prepare_collective(group, "all_gather_into_tensor", (len(vec),), np.int64)
         with _prepared_lock:
-            _prepared.setdefault(group, {})[len(vec)] = gather
+            if len(_prepared) >= PREPARED_MAX:
+                _prepared.pop(next(iter(_prepared)), None)
+            _prepared[key] = gather
     return gather(np.array(vec, np.int64)).reshape(group.size, len(vec)).tolist()
 
 
