@@ -116,6 +116,8 @@ def _from_source(tensor: Any, mesh: DeviceMesh, coordinate: Sequence[int], place
                     chunks.append(_padded_along(xp, local[tuple(index)], d, c))
             shape = list(local.shape)
             shape[d] = c
+            # every byte is written: the chunks are c long on the source too (distribute_tensor checked that
+            # every rank passed the same shape before any data moved)
             out = xp.empty(tuple(shape), dtype=local.dtype)
             group.scatter(out, chunks, src)
             start, stop = chunk_range(parent, n, r)
