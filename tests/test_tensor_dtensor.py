@@ -238,9 +238,9 @@ def test_from_local_without_shape_gathers_the_sizes_of_uneven_blocks(world):
 
 @pytest.mark.parametrize("placements,blocks", [
     # (placements on mesh [[0, 1], [2, 3]], each rank's block of np.arange(35).reshape(5, 7))
-    ((S0 := Shard(0), S0), [(0, 2), (2, 3), (3, 4), (4, 5)]),          # nested: 5 = (3: 2 + 1) + (2: 1 + 1)
-    ((S0, Shard(1)), [((0, 3), (0, 4)), ((0, 3), (4, 7)), ((3, 5), (0, 4)), ((3, 5), (4, 7))]),
-    ((Replicate(), S0), [(0, 3), (3, 5), (0, 3), (3, 5)]),
+    ((Shard(0), Shard(0)), [(0, 2), (2, 3), (3, 4), (4, 5)]),          # nested: 5 = (3: 2 + 1) + (2: 1 + 1)
+    ((Shard(0), Shard(1)), [((0, 3), (0, 4)), ((0, 3), (4, 7)), ((3, 5), (0, 4)), ((3, 5), (4, 7))]),
+    ((Replicate(), Shard(0)), [(0, 3), (3, 5), (0, 3), (3, 5)]),
     ((Partial(), Shard(1)), [(None, (0, 4)), (None, (4, 7)), (None, (0, 4)), (None, (4, 7))]),
 ])
 def test_from_local_without_shape_on_a_2d_mesh(placements, blocks):
