@@ -39,6 +39,12 @@ What is measured, on a 1-D mesh over all N ranks, float64:
   see the loop without it. Both ratios are printed; the second is DTensor's layer: the program
   lookup, its copies, the wrapping. All three results are compared before timing (a wrong answer
   aborts the run).
+* ``checks``: what the construction checks of issue 23.2 add per call, for a block of each
+  ``--check-shapes`` per rank (global ``N`` times as many rows, ``[Shard(0)]``): ``distribute_tensor``
+  (the all-gather of a fingerprint per mesh dim) beside the same construction without it, with
+  ``src_data_rank=None`` (beside the local cut and copy alone) and with 0 (beside the scatter
+  alone); ``from_local`` without ``shape=`` (the all-gather of the block sizes) beside it with
+  ``shape=`` (no communication). ``added_us`` is the difference, ``ratio`` checked / unchecked.
 * ``overhead``: for small arrays (``--op-shape``, default 8x8 per rank), the time of a DTensor
   op (``a + b``, ``np.tanh``, ``a @ w``, ``np.sum(axis=1)``, ``.T``, ``reshape``) minus the time
   of the same NumPy call on the local blocks, in microseconds: the cost of dispatch, placement
@@ -70,6 +76,8 @@ from mpi4py import MPI
 
 import meshkit
 from meshkit.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from meshkit.tensor.api import _from_source
+from meshkit.tensor.chunks import local_slices
 
 RESULTS = Path(__file__).resolve().parent / "results"
 COLUMNS = 64  # float64 columns of the redistributed arrays
@@ -85,7 +93,7 @@ def redistribution(name: str, rows: int, mesh: meshkit.DeviceMesh) -> tuple[Call
     src, dst = (_PLACEMENT[p] for p in name.split("->"))
     group, n, r = mesh.get_group(0), mesh.size(), mesh.get_local_rank(0)
     if src.is_replicate():  # every rank holds the same array
-        d = distribute_tensor(np.random.default_rng(0).standard_normal((rows, COLUMNS)), mesh, [src])
+        d = distribute_tensor(np.random.default_rng(0).standard_normal((rows, COLUMNS)), mesh, [src], src_data_rank=None)
     else:  # this rank's term (Partial) or block (Shard)
         a = np.random.default_rng(r).standard_normal((rows if src.is_partial() else rows // n, COLUMNS))
         d = DTensor.from_local(a, mesh, [src], shape=(rows, COLUMNS))
@@ -158,9 +166,9 @@ def op_pairs(shape: tuple[int, int], mesh: meshkit.DeviceMesh
     rng = np.random.default_rng(1)
     g = rng.standard_normal((shape[0] * n, shape[1]))
     w = rng.standard_normal((shape[1], shape[1] * n))
-    a, b = distribute_tensor(g, mesh, [Shard(0)]), distribute_tensor(g * 2, mesh, [Shard(0)])
-    x = distribute_tensor(g[: shape[0]], mesh, [Replicate()])
-    wd = distribute_tensor(w, mesh, [Shard(1)])
+    a, b = (distribute_tensor(v, mesh, [Shard(0)], src_data_rank=None) for v in (g, g * 2))  # the same g everywhere
+    x = distribute_tensor(g[: shape[0]], mesh, [Replicate()], src_data_rank=None)
+    wd = distribute_tensor(w, mesh, [Shard(1)], src_data_rank=None)
     la, lb, lx, lw = a.to_local(), b.to_local(), x.to_local(), wd.to_local()
     return {
         "add": (lambda: a + b, lambda: la + lb),
@@ -170,6 +178,25 @@ def op_pairs(shape: tuple[int, int], mesh: meshkit.DeviceMesh
         "transpose": (lambda: a.T, lambda: la.T),
         "reshape": (lambda: a.reshape(shape[0] * n, shape[1] // 2, 2),
                     lambda: la.reshape(shape[0], shape[1] // 2, 2)),
+    }
+
+
+def check_pairs(block: tuple[int, int], mesh: meshkit.DeviceMesh
+                ) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]]]:
+    """``{case: (checked construction, the same without the check)}`` for a ``block`` per rank."""
+    n, coordinate, pl = mesh.size(), mesh.get_coordinate(), (Shard(0),)
+    g = np.random.default_rng(2).standard_normal((block[0] * n, block[1]))
+    mine = np.ascontiguousarray(g[local_slices(g.shape, mesh.shape, coordinate, pl)])
+    return {
+        "distribute_tensor(src_data_rank=None)": (
+            lambda: distribute_tensor(g, mesh, pl, src_data_rank=None),
+            lambda: DTensor(g[local_slices(g.shape, mesh.shape, coordinate, pl)].copy(), mesh, pl, shape=g.shape)),
+        "distribute_tensor(src_data_rank=0)": (
+            lambda: distribute_tensor(g, mesh, pl),
+            lambda: DTensor(_from_source(g, mesh, coordinate, pl, 0), mesh, pl, shape=g.shape)),
+        "from_local(no shape=)": (
+            lambda: DTensor.from_local(mine, mesh, pl),
+            lambda: DTensor.from_local(mine, mesh, pl, shape=g.shape)),
     }
 
 
@@ -195,7 +222,8 @@ def run(args: argparse.Namespace, comm: MPI.Comm, rank: int, n: int) -> list[dic
     rows_list = sorted({max(n, (size // (8 * COLUMNS)) // n * n) for size in sizes})
     pairs = op_pairs((args.op_shape[0], args.op_shape[1]), mesh)
     out: list[dict[str, Any]] = []
-    total = len(args.transitions) * len(rows_list) + len(args.ops)
+    checks = [(shape, check_pairs(shape, mesh)) for shape in args.check_shapes]
+    total = len(args.transitions) * len(rows_list) + len(args.ops) + sum(len(c) for _, c in checks)
     with Progress(total, enabled=rank == 0 and not args.no_progress, unit="case") as progress:
         for name in args.transitions:
             progress.start_group(name)
@@ -214,6 +242,14 @@ def run(args: argparse.Namespace, comm: MPI.Comm, rank: int, n: int) -> list[dic
             out.append({"section": "overhead", "op": op, "dtensor_us": 1e6 * t_dt, "numpy_us": 1e6 * t_np,
                         "overhead_us": 1e6 * (t_dt - t_np)})
             progress.step(op)
+        progress.start_group("checks")
+        for shape, cases in checks:
+            for case, pair in cases.items():
+                t_checked, t_bare = time_each(pair, args, comm)
+                out.append({"section": "checks", "case": case, "block": list(shape), "checked_us": 1e6 * t_checked,
+                            "unchecked_us": 1e6 * t_bare, "added_us": 1e6 * (t_checked - t_bare),
+                            "ratio": t_checked / t_bare if t_bare > 0 else None})
+                progress.step(case)
     return out
 
 
@@ -235,6 +271,15 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     for r in rows:
         if r["section"] == "overhead":
             lines.append(f"{r['op']:<10} {r['dtensor_us']:>11.2f} {r['numpy_us']:>9.2f} {r['overhead_us']:>12.2f}")
+    checks = [r for r in rows if r["section"] == "checks"]
+    if checks:
+        lines.append("")
+        lines.append("construction checks (issue 23.2): checked beside the same construction without the check")
+        lines.append(f"{'case':<38} {'block':>9} {'checked us':>11} {'unchecked us':>13} {'added us':>9} {'ratio':>7}")
+        for r in checks:
+            ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
+            lines.append(f"{r['case']:<38} {'x'.join(map(str, r['block'])):>9} {r['checked_us']:>11.2f} "
+                         f"{r['unchecked_us']:>13.2f} {r['added_us']:>9.2f} {ratio:>7}")
     return lines
 
 
@@ -283,6 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transitions", type=choice_list(TRANSITIONS, "transitions"), default=list(TRANSITIONS))
     p.add_argument("--ops", type=choice_list(OPS, "ops"), default=list(OPS))
     p.add_argument("--op-shape", default="8x8", help="per-rank block of the overhead ops, ROWSxCOLS (COLS even)")
+    p.add_argument("--check-shapes", default="8x8,1024x128",
+                   help="per-rank blocks of the construction checks' timing, ROWSxCOLS,... ('' for none)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     p.add_argument("--iters", type=int, default=None, help="timed calls per round (default: adapted)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls before each timed block")
@@ -302,6 +349,13 @@ def _invalid(args: argparse.Namespace, n: int) -> str | None:
         args.op_shape = ()
     if len(args.op_shape) != 2 or min(args.op_shape) < 1 or args.op_shape[1] % 2:
         return "invalid --op-shape: write ROWSxCOLS with positive sizes and COLS even, e.g. 8x8"
+    try:
+        args.check_shapes = [tuple(int(v) for v in item.lower().split("x")) for item in args.check_shapes.split(",")
+                             if item.strip()]
+    except ValueError:
+        args.check_shapes = [()]
+    if any(len(shape) != 2 or min(shape) < 1 for shape in args.check_shapes):
+        return "invalid --check-shapes: write ROWSxCOLS[,ROWSxCOLS...] with positive sizes, e.g. 8x8,1024x128"
     if "S0->S1" in args.transitions and COLUMNS % n:
         return f"S0->S1 needs {COLUMNS} columns to divide over the {n} ranks"
     return matplotlib_missing(args)
@@ -324,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         meshkit.destroy_process_group()
     meta = run_metadata(comm, benchmark="dtensor", columns=COLUMNS, transitions=args.transitions, ops=args.ops,
-                        op_shape=list(args.op_shape), rounds=args.rounds, iters=args.iters, warmup=args.warmup,
+                        op_shape=list(args.op_shape), check_shapes=[list(s) for s in args.check_shapes], rounds=args.rounds, iters=args.iters, warmup=args.warmup,
                         seconds=time.perf_counter() - started,
                         load_average_1m=os.getloadavg()[0] if hasattr(os, "getloadavg") else None)
     if rank == 0:

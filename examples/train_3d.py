@@ -98,7 +98,9 @@ class Stage:
     def __init__(self, full: dict[str, np.ndarray], layers: Sequence[int], n_layers: int, tp: meshkit.DeviceMesh):
         self.layers, self.n_layers, self.tp = list(layers), n_layers, tp
         self.kinds = dict(zip(self.layers, layer_kinds(len(self.layers), tp.size())))
-        self.params = {f"{k}{i}": _contiguous(distribute_tensor(full[f"{k}{i}"], tp, placements_of(self.kinds[i])[k]))
+        # every rank built the same `full` (one seed): each cuts its own block, no data sent
+        self.params = {f"{k}{i}": _contiguous(distribute_tensor(full[f"{k}{i}"], tp, placements_of(self.kinds[i])[k],
+                                                                src_data_rank=None))
                        for i in self.layers for k in "wb"}
         self.names = list(self.params)  # the stage's parameters, also while it holds none (--dp fsdp between steps)
         self.grads: dict[str, Any] = {}  # this rank's block of each gradient, added up over the microbatches

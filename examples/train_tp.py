@@ -191,7 +191,9 @@ def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np
         for step in range(args.steps):
             idx = np.array_split(mlp.batch_indices(step, args.samples, args.batch), dp.size())[dp.get_local_rank()]
             idx = xp.asarray(idx)  # on a GPU: the indices go to the device (a small copy per step)
-            onehot = distribute_tensor(xp.eye(mlp.CLASSES, dtype=args.dtype)[y[idx]], tp, [Replicate()])
+            # every tp rank drew the same batch: each keeps its own copy, no data sent (src_data_rank=None)
+            onehot = distribute_tensor(xp.eye(mlp.CLASSES, dtype=args.dtype)[y[idx]], tp, [Replicate()],
+                                       src_data_rank=None)
             model.zero_grad()
             with model.params() as params:
                 acts = forward(params, x[idx].astype(args.dtype), tp)

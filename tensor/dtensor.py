@@ -109,15 +109,30 @@ class DTensor(NDArrayOperatorsMixin):
             local: this rank's block (NumPy or CuPy array).
             device_mesh: the mesh; every rank of it calls ``from_local``.
             placements: one per mesh dimension (None: all Replicate).
-            shape: the global shape. Needed when shards are uneven; without it every Shard dim
-                is taken as even (local size times the mesh dim's size), as in torch.
+            shape: the global shape, the same on every rank. Given, it is trusted as torch trusts
+                it: no communication, only this rank's block is checked against it, so ranks that
+                pass different shapes are caught only by ``run_check`` (or by the collectives'
+                own size checks). Never compute it from the block (local size times the mesh
+                size, torch's even rule): uneven blocks then give each rank another shape that
+                fits its own block. Leave it out instead. Without it and with a Shard
+                placement, the blocks' sizes are gathered (one all-gather of 67 int64 per mesh
+                dim, every rank of the mesh taking part) and summed, so uneven blocks give the
+                right shape on every rank; torch instead assumes even blocks (local size times
+                the mesh dim's size), which gave each rank of uneven blocks another shape.
             stride: accepted for torch compatibility and ignored (NumPy blocks carry their own).
             run_check: check collectively that every rank's block fits ``shape`` and that all
-                ranks passed the same shape and placements (also on under ``MESHKIT_DEBUG=detail``).
+                ranks passed the same shape, placements and dtype (also on under
+                ``MESHKIT_DEBUG=detail``).
 
         Raises:
             DistValueError: wrong placements, or (on this rank) a block whose shape is not the
-                one ``shape`` gives this rank; with the check, on every rank, naming the ranks.
+                one ``shape`` gives this rank; on every rank, naming the ranks: without
+                ``shape=``, blocks that are not the ``torch.chunk`` cutting of their sum along a
+                Shard dim (2, 3 rows: 5 rows are cut 3, 2), differ elsewhere, or come with other
+                placements or dtypes; with the check, any disagreement.
+
+        Example (4 ranks, mesh ``(4,)``): blocks of 2, 2, 1 and 0 rows with ``[Shard(0)]`` give
+        ``shape`` ``(5, ...)`` on every rank, with or without ``shape=(5, ...)``.
         """
         from ..comm import DebugLevel, current_world
 
@@ -129,11 +144,12 @@ class DTensor(NDArrayOperatorsMixin):
         placements = normalize_placements(op, device_mesh, placements, local.ndim)
         coordinate = coordinate_of(op, device_mesh)
         if shape is None:
-            full = list(local.shape)
-            for n, p in reversed(list(zip(device_mesh.shape, placements))):
-                if isinstance(p, Shard):
-                    full[p.dim] *= n
-            shape = tuple(full)
+            if any(p.__class__ is Shard for p in placements):
+                from .checks import infer_global_shape
+
+                shape = infer_global_shape(op, local, device_mesh, placements)
+            else:  # Replicate and Partial blocks have the global shape: nothing to learn
+                shape = tuple(local.shape)
         else:
             shape = tuple(int(s) for s in shape)
         check = run_check or current_world().debug >= DebugLevel.DETAIL

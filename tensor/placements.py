@@ -22,6 +22,7 @@ import threading
 from typing import Any
 
 from ..comm import ReduceOp
+from . import errors
 
 __all__ = ["Placement", "Shard", "Replicate", "Partial", "PARTIAL_OPS"]
 
@@ -87,7 +88,7 @@ class Shard(Placement):
         if found is not None:
             return found
         if isinstance(dim, bool) or not isinstance(dim, int):
-            raise TypeError(f"Shard(dim): dim must be an int, got {dim!r}")
+            raise errors.type_error("Shard(dim)", f"dim must be an int, got {dim!r}")
         dim = int(dim)
         with _interning:
             found = cls._known.get(dim)
@@ -116,7 +117,9 @@ class Replicate(Placement):
     __slots__ = ()
     _the: Replicate | None = None
 
-    def __new__(cls) -> Replicate:
+    def __new__(cls, *args: Any, **kwargs: Any) -> Replicate:
+        if args or kwargs:
+            raise errors.type_error("Replicate()", f"takes no arguments, got {args or ''}{kwargs or ''}")
         the = Replicate._the
         if the is None:
             with _interning:
@@ -153,8 +156,11 @@ class Partial(Placement):
         found = cls._known.get(reduce_op) if reduce_op.__class__ is str else None
         if found is not None:
             return found
+        if not isinstance(reduce_op, str):
+            raise errors.type_error("Partial(reduce_op)", f"reduce_op must be a str, one of {sorted(PARTIAL_OPS)}, "
+                                                          f"got {reduce_op!r}")
         if reduce_op not in PARTIAL_OPS:
-            raise ValueError(f"Partial(reduce_op): must be one of {sorted(PARTIAL_OPS)}, got {reduce_op!r}")
+            raise errors.value_error("Partial(reduce_op)", f"must be one of {sorted(PARTIAL_OPS)}, got {reduce_op!r}")
         with _interning:
             found = cls._known.get(reduce_op)
             if found is None:

@@ -656,7 +656,9 @@ def test_a_state_dict_leaf_of_another_type_is_named(tmp_path):
 def test_object_and_structured_arrays_are_refused_at_save_on_every_rank(array, message, tmp_path):
     def body():
         mesh = meshkit.init_device_mesh("cpu", (2,))
-        sd = {"x": array} if meshkit.get_rank() == 0 else {"x": distribute_tensor(array, mesh, [Replicate()])}
+        # rank 1 alone builds its DTensor: from_local, as distribute_tensor is collective (it checks that every
+        # rank passed the same arguments)
+        sd = {"x": array} if meshkit.get_rank() == 0 else {"x": DTensor.from_local(array, mesh, [Replicate()])}
         with pytest.raises(CheckpointError, match=message):
             dcp.save(sd, checkpoint_id=tmp_path / "ck")
 

@@ -156,7 +156,9 @@ def test_src_data_rank_scatters_and_broadcasts_from_that_rank(mesh_shape, src):
             start = meshkit.flight_record()
             d = distribute_tensor(mine, mesh, pl, src_data_rank=src)
             issued = [(r["group"], r["op"]) for r in new_records(start)]
-            assert issued == [(g, "scatter" if p.is_shard() else "broadcast") for g, p in zip(groups, pl)], issued
+            # the argument check (one all-gather of a fingerprint per mesh dim, right to left), then the data
+            assert issued == [(g, "all_gather_into_tensor") for g in reversed(groups)] + \
+                [(g, "scatter" if p.is_shard() else "broadcast") for g, p in zip(groups, pl)], issued
             assert d.to_local().shape == distribute_tensor(mine, mesh, pl).to_local().shape
             out.append((pl, d.full_tensor(), source))
         return out
@@ -208,3 +210,190 @@ def test_truth_value_and_len_are_never_silently_wrong():
         return len(distribute_tensor(np.zeros((5, 2)), mesh, [Shard(0)])), bool(zero.full_tensor())
 
     assert local.run(body, 2) == [(5, False)] * 2
+
+
+# ---- issue 23.2: ranks that disagree on the global shape never read what nobody wrote -----------
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_from_local_without_shape_gathers_the_sizes_of_uneven_blocks(world):
+    # 5 rows cut as torch.chunk cuts them (3, 2 / 2, 2, 1 / 2, 2, 1, 0): every rank infers (5, 3); the
+    # old rule (local rows times the mesh size) gave each rank another shape, and full_tensor
+    # returned uninitialised memory under MPI (2.28e+243 with exit status 0)
+    a = np.arange(15.0).reshape(5, 3)
+
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (world,))
+        rank = meshkit.get_rank()
+        block = np.array_split(a, [min(k * -(-5 // world), 5) for k in range(1, world)])[rank]
+        d = DTensor.from_local(block, mesh, [Shard(0)])
+        cols = DTensor.from_local(np.ascontiguousarray(block.T), mesh, [Shard(1)])
+        return d.shape, d.full_tensor(), cols.shape, cols.full_tensor()
+
+    for shape, full, cols_shape, cols in local.run(body, world):
+        assert shape == (5, 3) and cols_shape == (3, 5)
+        np.testing.assert_array_equal(full, a)
+        np.testing.assert_array_equal(cols, a.T)
+
+
+@pytest.mark.parametrize("placements,blocks", [
+    # (placements on mesh [[0, 1], [2, 3]], each rank's block of np.arange(35).reshape(5, 7))
+    ((Shard(0), Shard(0)), [(0, 2), (2, 3), (3, 4), (4, 5)]),          # nested: 5 = (3: 2 + 1) + (2: 1 + 1)
+    ((Shard(0), Shard(1)), [((0, 3), (0, 4)), ((0, 3), (4, 7)), ((3, 5), (0, 4)), ((3, 5), (4, 7))]),
+    ((Replicate(), Shard(0)), [(0, 3), (3, 5), (0, 3), (3, 5)]),
+    ((Partial(), Shard(1)), [(None, (0, 4)), (None, (4, 7)), (None, (0, 4)), (None, (4, 7))]),
+])
+def test_from_local_without_shape_on_a_2d_mesh(placements, blocks):
+    a = np.arange(35.0).reshape(5, 7)
+
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2, 2))
+        spec = blocks[meshkit.get_rank()]
+        if isinstance(spec[0], int):
+            spec = (spec,)
+        index = tuple(slice(*s) if s is not None else slice(None) for s in spec)
+        block = a[index] / 2 if placements[0] == Partial() else a[index]
+        d = DTensor.from_local(np.ascontiguousarray(block), mesh, list(placements))
+        return d.shape, d.full_tensor()
+
+    for shape, full in local.run(body, 4):
+        assert shape == (5, 7)
+        np.testing.assert_array_equal(full, a)
+
+
+def test_from_local_blocks_that_are_not_a_torch_chunk_cutting_raise_on_every_rank():
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2,))
+        rows = [2, 3][meshkit.get_rank()]  # 5 rows are cut 3, 2
+        with pytest.raises(ValueError) as info:
+            DTensor.from_local(np.zeros((rows, 4)), mesh, [Shard(0)])
+        return str(info.value)
+
+    for rank, msg in enumerate(local.run(body, 2)):
+        assert msg == (f"meshkit.tensor: rank {rank}: DTensor.from_local: the blocks of ranks [0, 1] (mesh dim 0, "
+                       "Shard(dim=0)) have [2, 3] along array dim 0, which is not how 5 are cut over 2 ranks: "
+                       "blocks follow torch.chunk ([3, 2]: ceil(5/2) each, the rest last); cut the blocks that way")
+
+
+def test_a_bad_block_in_one_group_raises_on_every_rank_of_the_mesh():
+    # mesh [[0, 1], [2, 3]], [Replicate(), Shard(0)]: only the tp group [2, 3] is wrong (2, 3 rows);
+    # ranks 0 and 1 share no group with the bad pair on the sharded dim but hear of it
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2, 2))
+        rows = [3, 2, 2, 3][meshkit.get_rank()]
+        with pytest.raises(ValueError) as info:
+            DTensor.from_local(np.zeros((rows, 2)), mesh, [Replicate(), Shard(0)])
+        return str(info.value).split(": ", 2)[2]
+
+    messages = local.run(body, 4)
+    assert len(set(messages)) == 1, messages
+    assert "the blocks of ranks [2, 3] (mesh dim 1, Shard(dim=0)) have [2, 3] along array dim 0" in messages[0]
+
+
+@pytest.mark.parametrize("case", ["placements", "dtype", "other dims", "replicas"])
+def test_from_local_blocks_that_do_not_make_one_dtensor_raise_on_every_rank(case):
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2,) if case != "replicas" else (2, 2))
+        rank = meshkit.get_rank()
+        block, placements = np.zeros((2, 3)), [Shard(0)]
+        if case == "placements":
+            placements = [Shard(rank)]
+        elif case == "dtype":
+            block = block.astype(np.float32) if rank == 1 else block
+        elif case == "other dims":
+            block = np.zeros((2, 3 + rank))
+        else:
+            placements = [Shard(0), Replicate()]
+            block = np.zeros((2, 3 + (rank == 3)))  # rank 3's replica of rank 2's block differs
+        with pytest.raises(ValueError) as info:
+            DTensor.from_local(block, mesh, placements)
+        return str(info.value).split(": ", 2)[2]
+
+    messages = local.run(body, 2 if case != "replicas" else 4)
+    assert len(set(messages)) == 1, messages
+    expected = {
+        "placements": "the ranks passed blocks that do not make one DTensor: rank 0 passed placements "
+                      "(Shard(dim=0),) with a 2-d float64 block; rank 1 passed placements (Shard(dim=1),) with a 2-d "
+                      "float64 block",
+        "dtype": "rank 1 passed placements (Shard(dim=0),) with a 2-d float32 block",
+        "other dims": "the blocks of ranks [0, 1] (mesh dim 0, Shard(dim=0)) have shapes [(2, 3), (2, 4)], which "
+                      "differ outside array dim 0",
+        "replicas": "the blocks of ranks [2, 3] (mesh dim 1, Replicate()) have shapes [(2, 3), (2, 4)]; along a "
+                    "Replicate mesh dim every rank holds a block of the same shape"}[case]
+    assert expected in messages[0], messages[0]
+
+
+@pytest.mark.parametrize("src_data_rank", [None, 0])
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_distribute_tensor_refuses_arguments_that_differ_on_every_rank(world, src_data_rank):
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (world,))
+        rank = meshkit.get_rank()
+        last = rank == world - 1
+        messages = []
+        for tensor, placements in [(np.zeros(4 + 2 * last), [Shard(0)]),                    # shape
+                                   (np.zeros(6), [Replicate() if last else Shard(0)]),      # placements
+                                   (np.zeros(6, np.float32 if last else np.float64), [Shard(0)])]:  # dtype
+            with pytest.raises(ValueError) as info:
+                distribute_tensor(tensor, mesh, placements, src_data_rank=src_data_rank)
+            messages.append(str(info.value))
+        # a rank whose own arguments are bad raises its own error, the others one that names it
+        with pytest.raises(IndexError if last else ValueError) as info:
+            distribute_tensor(np.zeros((2, 2)), mesh, [Shard(2) if last else Shard(0)], src_data_rank=src_data_rank)
+        messages.append(str(info.value))
+        return messages
+
+    others = "ranks [0, 1, 2]" if world == 4 else "ranks [0, 1]" if world == 3 else "rank 0"
+    for rank, messages in enumerate(local.run(body, world)):
+        head = f"meshkit.tensor: rank {rank}: distribute_tensor: "
+        same = f"{head}every rank must pass the same shape, dtype, placements and src_data_rank, but "
+        assert messages[0] == (f"{same}{others} passed shape (4,), dtype float64, placements (Shard(dim=0),), "
+                               f"src_data_rank {src_data_rank}; rank {world - 1} passed shape (6,), dtype float64, "
+                               f"placements (Shard(dim=0),), src_data_rank {src_data_rank}")
+        assert f"rank {world - 1} passed shape (6,), dtype float64, placements (Replicate(),)" in messages[1]
+        assert f"rank {world - 1} passed shape (6,), dtype float32" in messages[2]
+        if rank == world - 1:
+            assert messages[3] == f"{head}placements[0] Shard(dim=2): dim 2 is out of range for an array of 2 dimensions"
+        else:
+            assert messages[3].startswith(same) and (
+                f"rank {world - 1} passed arguments that failed: meshkit.tensor: rank {world - 1}: distribute_tensor: "
+                "placements[0] Shard(dim=2): dim 2 is out of range") in messages[3]
+
+
+def test_distribute_tensor_checks_every_rank_of_a_2d_mesh():
+    # rank 3 alone differs (mesh [[0, 1], [2, 3]]): rank 0, which shares no group with it, raises too
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2, 2))
+        with pytest.raises(ValueError) as info:
+            distribute_tensor(np.zeros(5 if meshkit.get_rank() == 3 else 4), mesh, [Shard(0), Shard(0)])
+        return str(info.value).split(": ", 2)[2]
+
+    messages = local.run(body, 4)
+    assert len(set(messages)) == 1
+    assert "ranks [0, 1, 2] passed shape (4,)" in messages[0] and "rank 3 passed shape (5,)" in messages[0]
+
+
+# ---- issue 23.9: distribute_tensor's default src_data_rank is torch's (0) -------------------------
+
+
+def test_separately_seeded_inits_make_one_array_by_default_as_in_torch():
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2, 2))
+        rank = meshkit.get_rank()
+        mine = np.random.default_rng(rank).standard_normal((5, 7))  # a per-rank seed, ported from torch code
+        d = distribute_tensor(mine, mesh, [Shard(0), Shard(1)])
+        cut = distribute_tensor(mine, mesh, [Shard(0), Shard(1)], src_data_rank=None)  # each its own array
+        return d.full_tensor(), cut.to_local(), mine
+
+    results = local.run(body, 4)
+    rank0 = np.random.default_rng(0).standard_normal((5, 7))
+    for rank, (full, cut, mine) in enumerate(results):
+        np.testing.assert_array_equal(full, rank0)  # was rank r's block of rank r's array: four arrays mixed
+        row, col = divmod(rank, 2)
+        np.testing.assert_array_equal(cut, mine[[slice(0, 3), slice(3, 5)][row], [slice(0, 4), slice(4, 7)][col]])
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_layout_agreement_on_real_processes(mpirun, n):
+    out = mpirun("mpi_tensor_agreement.py", n).stdout
+    assert out.count("AGREEMENT OK") == n, out

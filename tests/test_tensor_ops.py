@@ -6,11 +6,11 @@ import logging
 
 import numpy as np
 import pytest
-from tensor_cases import new_records
+from tensor_cases import distribute_tensor, new_records
 
 import meshkit
 from meshkit.comm import local
-from meshkit.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from meshkit.tensor import DTensor, Partial, Replicate, Shard
 
 S0, S1, S2, R, P = Shard(0), Shard(1), Shard(2), Replicate(), Partial()
 RNG = np.random.default_rng(3)

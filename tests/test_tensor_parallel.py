@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from meshkit.parallel import (SGD, AdamW, DistributedDataParallel, FullyShardedD
                               clip_grad_norm_)
 from meshkit.tensor import (ColwiseParallel, DTensor, Partial, Replicate, RowwiseParallel, SequenceParallel, Shard,
                             distribute_tensor, parallelize)
+from meshkit.tensor.chunks import local_slices
 from meshkit.tensor.parallel import plan_placements
 
 
@@ -88,6 +90,53 @@ def test_parallelize_by_names_and_globs_gives_each_rank_its_own_block():
         for name, (placements, block) in want.items():
             assert blocks[rank][name][0] == placements, name
             np.testing.assert_array_equal(blocks[rank][name][1], block, err_msg=name)
+
+
+@pytest.mark.parametrize("src_data_rank", [0, None])
+def test_parallelize_scatters_tp_rank_0s_values_as_torchs_styles_do(src_data_rank):
+    # issue 23.9: parameters initialised with a seed per rank (a torch script ported as it is) make
+    # one model, tp rank 0's; src_data_rank=None keeps every rank's own array, no data sent
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        rank = meshkit.get_rank()
+        mine = {k: v + 100 * rank for k, v in _params().items()}
+        plan = {"[wb]0": ColwiseParallel(), "[wb]1": RowwiseParallel()}
+        out = parallelize(mine, mesh, plan, src_data_rank=src_data_rank)
+        source = 0 if src_data_rank == 0 else rank
+        for name, d in out.items():
+            want = (_params()[name] + 100 * source)[local_slices(d.shape, mesh.shape, (rank,), d.placements)]
+            np.testing.assert_array_equal(d.to_local(), want, err_msg=name)
+        return {name: d.full_tensor() for name, d in out.items()}
+
+    for rank, full in enumerate(local.run(body, 2)):
+        mixed = [name for name, value in _params().items() if not np.array_equal(full[name], value)]
+        # None: each rank's blocks come from its own array, so the sharded ones mix the two inits
+        assert mixed == ([] if src_data_rank == 0 else ["w0", "b0", "w1", "b1", "norm"][:3 + 2 * rank]), mixed
+
+
+def test_a_torch_linear_weight_ports_by_its_transpose_under_the_same_style():
+    # issue 23.9: torch's ColwiseParallel is Shard(0) of an (out, in) weight; here Shard(1) of (in, out)
+    import meshkit.tensor.parallel.style as style
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for text in (style.__doc__, style.ColwiseParallel.__doc__, style.RowwiseParallel.__doc__, readme):
+        assert "torch's ``ColwiseParallel``" in text or "torch's `ColwiseParallel`" in text or \
+            "torch's ``RowwiseParallel``" in text, text[:200]
+    assert "``Shard(0)``" in style.ColwiseParallel.__doc__ and ".T" in style.ColwiseParallel.__doc__
+    assert "``Shard(1)``" in style.RowwiseParallel.__doc__ and ".T" in style.RowwiseParallel.__doc__
+    rng = np.random.default_rng(5)
+    torch_w0, torch_w1, x = rng.standard_normal((6, 4)), rng.standard_normal((3, 6)), rng.standard_normal((5, 4))
+
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        params = parallelize({"w0": torch_w0.T.copy(), "w1": torch_w1.T.copy()}, mesh,
+                             {"w0": ColwiseParallel(), "w1": RowwiseParallel()})
+        h = distribute_tensor(x, mesh, [Replicate()]) @ params["w0"]
+        return params["w0"].placements, (h @ params["w1"]).full_tensor()
+
+    for placements, y in local.run(body, 2):
+        assert placements == (Shard(1),)
+        np.testing.assert_allclose(y, x @ torch_w0.T @ torch_w1.T, rtol=1e-12)  # torch: F.linear twice
 
 
 def test_parallelize_on_the_tp_dim_of_a_2d_mesh_with_uneven_shards():

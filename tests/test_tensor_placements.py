@@ -9,6 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import meshkit
+from meshkit.comm import local
 from meshkit.tensor import Partial, Replicate, Shard
 from meshkit.tensor.chunks import chunk_range, local_shape_and_offset, local_slices
 
@@ -32,6 +34,26 @@ def test_bad_placement_values_are_named():
         Partial("prod")
     with pytest.raises(TypeError, match="dim must be an int"):
         Shard("0")
+
+
+def test_bad_placement_values_name_the_rank_as_every_dtensor_error_does():
+    # issue 23.8: Partial("bogus") said "Partial(reduce_op): ..." without "meshkit.tensor: rank R: "
+    def body():
+        rank = meshkit.get_rank()
+        head = rf"^meshkit\.tensor: rank {rank}: "
+        with pytest.raises(ValueError, match=head + r"Partial\(reduce_op\): must be one of \['avg', 'max', 'min', "
+                                                  r"'sum'\], got 'bogus'$"):
+            Partial("bogus")
+        with pytest.raises(TypeError, match=head + r"Partial\(reduce_op\): reduce_op must be a str, one of .*, "
+                                                 r"got \['sum'\]$"):
+            Partial(["sum"])  # was a bare "unhashable type: 'list'"
+        with pytest.raises(TypeError, match=head + r"Shard\(dim\): dim must be an int, got '0'$"):
+            Shard("0")
+        with pytest.raises(TypeError, match=head + r"Replicate\(\): takes no arguments, got \(0,\)$"):
+            Replicate(0)
+        return rank
+
+    assert local.run(body, 2) == [0, 1]
 
 
 @pytest.mark.parametrize("size,n,sizes", [(6, 4, [2, 2, 2, 0]), (5, 4, [2, 2, 1, 0]), (8, 4, [2, 2, 2, 2]),

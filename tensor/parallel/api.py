@@ -75,13 +75,15 @@ def plan_placements(params: Mapping[str, Any], plan: Mapping[str, ParallelStyle]
     return out
 
 
-def parallelize(params: Mapping[str, Any], mesh: DeviceMesh, plan: Mapping[str, ParallelStyle]
-                ) -> dict[str, DTensor]:
+def parallelize(params: Mapping[str, Any], mesh: DeviceMesh, plan: Mapping[str, ParallelStyle], *,
+                src_data_rank: int | None = 0) -> dict[str, DTensor]:
     """Lay out a model's parameters over a 1-D tensor-parallel mesh (torch's ``parallelize_module``).
 
-    Every rank passes the same full parameters (as to :func:`~meshkit.tensor.distribute_tensor`);
-    no communication. Each rank keeps a copy of its block (C-contiguous, its own memory: the
-    optimizers update it in place, DDP can bucket it).
+    Every rank passes full parameters of the same shapes and dtypes; as torch's styles do
+    (``src_data_rank=0``), the values of tp rank 0 are scattered (Shard) or broadcast (Replicate),
+    so that parameters initialised with a different seed on each rank still make one model
+    (:func:`~meshkit.tensor.distribute_tensor`). Each rank keeps a copy of its block
+    (C-contiguous, its own memory: the optimizers update it in place, DDP can bucket it).
 
     Args:
         params: ``{name: full array}`` (NumPy or CuPy).
@@ -91,6 +93,8 @@ def parallelize(params: Mapping[str, Any], mesh: DeviceMesh, plan: Mapping[str, 
             RowwiseParallel()}``). An exact name wins over globs; globs matching one name must
             agree. A parameter no rule matches becomes ``Replicate()`` (a DTensor too, so that the
             model computes on DTensors only: the NumPy rules do not mix DTensors with plain arrays).
+        src_data_rank: the tp rank whose values count (torch's default 0), or None: every rank
+            passes the same values and cuts its block locally, sending no data.
 
     Returns:
         ``{name: DTensor}`` in the order of ``params``.
@@ -108,5 +112,5 @@ def parallelize(params: Mapping[str, Any], mesh: DeviceMesh, plan: Mapping[str, 
     _check(params, mesh, plan)
     out = {}
     for name, placement in plan_placements(params, plan).items():
-        out[name] = distribute_tensor(params[name], mesh, [placement])  # a copy of its block
+        out[name] = distribute_tensor(params[name], mesh, [placement], src_data_rank=src_data_rank)  # its own copy
     return out

@@ -16,6 +16,15 @@ style                  2-D weight (in, out)  1-D bias (out,)   input (default)  
 An embedding table ``(vocab, dim)`` has the weight's layout: colwise cuts the embedding dim,
 rowwise the vocabulary, as torch does for ``nn.Embedding``.
 
+Porting from torch (a trap: the style names match, the weight placements do not). torch's
+``ColwiseParallel`` puts ``nn.Linear.weight`` ``(out, in)`` on ``Shard(0)`` and its
+``RowwiseParallel`` on ``Shard(1)``; here the weight is ``(in, out)``, so colwise is ``Shard(1)``
+and rowwise ``Shard(0)`` (biases agree: ``Shard(0)`` and ``Replicate()``). Keep torch's plan (the
+same style for the same layer) and transpose the weights once: ``w = linear.weight.detach().numpy().T``
+(and ``.T`` again to load a meshkit weight into torch); a weight placed by hand with torch's
+``Shard(0)`` for colwise would cut the input features instead, which computes without an error
+and gives the wrong layer. Activations agree: ``Shard(-1)`` is the feature dim in both.
+
 Worked example, 2 ranks on mesh ``[0, 1]``, ``W`` of shape ``(4, 6)``, ``b`` of shape ``(6,)``:
 ``ColwiseParallel`` gives rank 0 ``W[:, 0:3]`` and ``b[0:3]``, rank 1 ``W[:, 3:6]`` and
 ``b[3:6]``; ``RowwiseParallel`` gives rank 0 ``W[0:2]``, rank 1 ``W[2:4]``, both the whole ``b``.
@@ -79,7 +88,9 @@ class ParallelStyle:
             x: a DTensor (used as it is laid out), or this rank's plain array, taken as laid out
                 by ``input_layouts`` (``DTensor.from_local``).
             device_mesh: the tp mesh; needed for a plain ``x``, else it must be ``x``'s mesh.
-            shape: the global shape of a plain ``x`` when its shards are uneven.
+            shape: the global shape of a plain ``x`` (the same on every rank). Without it, a
+                Shard input's block sizes are gathered (``DTensor.from_local``: one all-gather
+                of 67 int64), so uneven blocks are right; pass it to skip that collective.
 
         Returns:
             ``x`` redistributed to the layer's input placement (logged at DEBUG when it moves):
@@ -162,6 +173,9 @@ class _LinearStyle(ParallelStyle):
 class ColwiseParallel(_LinearStyle):
     """Cut a linear layer's output features: weight ``(in, out)`` ``Shard(1)``, bias ``Shard(0)``.
 
+    torch's ``ColwiseParallel`` puts its ``(out, in)`` weight on ``Shard(0)``: a port transposes
+    the weight (``W = torch_weight.T``) and keeps the plan (the module docstring has the details).
+
     The layer computes on a ``Replicate()`` input and gives a ``Shard(-1)`` output with no
     communication (Megatron's first GEMM). Args (keyword-only, torch's):
 
@@ -176,6 +190,9 @@ class ColwiseParallel(_LinearStyle):
 
 class RowwiseParallel(_LinearStyle):
     """Cut a linear layer's input features: weight ``(in, out)`` ``Shard(0)``, bias ``Replicate()``.
+
+    torch's ``RowwiseParallel`` puts its ``(out, in)`` weight on ``Shard(1)``: a port transposes
+    the weight (``W = torch_weight.T``) and keeps the plan.
 
     The layer computes on a ``Shard(-1)`` input; ``x @ W`` is ``Partial(sum)``, which
     :meth:`prepare_output` all-reduces to ``Replicate()`` (Megatron's one forward all-reduce) or
