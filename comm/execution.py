@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .debug import STATE, T_END, Call, CollectiveRecord
+from .debug import STATE, T_END, Call, CollectiveRecord, mismatch_error
 from .engine import Request
 from .errors import CollectiveMismatchError, CollectiveTimeout
 from .reduce_op import ReduceOp
@@ -70,15 +70,22 @@ class ExecutionMixin:
     def _verify(self, call: Call, seq: int, deadline: float) -> None:
         """Detail mode: every rank must have called the same collective (see debug.Call)."""
         self._waiting = seq  # a rank that rejected this very call is named at once (notices)
-        entries = self.engine.exchange((seq, call), seq, deadline, watched=True)
+        exchange = functools.partial(self.engine.exchange, (seq, call), seq, deadline, watched=True)
+        # An engine that compares calls itself (local) gets the fingerprint too: a rank in another
+        # kind of exchange (a monitored barrier) is then named as on that engine without detail mode.
+        entries = self.engine.fingerprinted((seq, call), exchange) if self._fingerprints else exchange()
         calls = [c for _, c in entries]
         if all(s == seq for s, _ in entries) and call.agrees(calls):
             return
-        described = {self.ranks[i]: f"{c} #{s}" for i, (s, c) in enumerate(entries)}
-        lines = "; ".join(f"rank {r}: {d}" for r, d in described.items())
-        raise CollectiveMismatchError(
-            f"meshkit.comm: rank {self.global_rank}: collective mismatch on group {self.name} at #{seq}: "
-            f"{lines}", calls=described)
+        raise self._mismatch(seq, entries)
+
+    def _mismatch(self, seq: int, entries: list[tuple[int, Call | None]]) -> CollectiveMismatchError:
+        return mismatch_error(self.global_rank, self.name, self.ranks, seq, entries)
+
+    def _fingerprinted(self, seq: int, start: Callable[[], Request], op: str, ref: np.ndarray | None,
+                       fingerprint: dict[str, Any]) -> Callable[[], Request]:
+        """``start`` sending this call's fingerprint along (an engine that compares them: local)."""
+        return functools.partial(self.engine.fingerprinted, (seq, self._call(op, ref, **fingerprint)), start)
 
     # ----------------------------------------------------------------- starting and waiting
     def _run(self, op: str, start: Callable[[], Request], async_op: bool, shapes: tuple, ref: np.ndarray | None,
@@ -89,6 +96,8 @@ class ExecutionMixin:
             return self._behind_tasks(op, lambda: self._run(op, start, False, shapes, ref, settle, **fingerprint),
                                       async_op)
         seq = self._begin(op, ref, **fingerprint) if self._detail else self._number(op)
+        if self._fingerprints:
+            start = self._fingerprinted(seq, start, op, ref, fingerprint)
         dtype = ref.dtype if ref is not None else fingerprint.get("dtype")
         if async_op:
             with self._qlock:
@@ -143,6 +152,8 @@ class ExecutionMixin:
         if thread._pending and thread._runner != _get_ident():
             return thread.run_in_order(lambda: self._blocking(op, step, timeout), op)
         seq = self._begin(op, None) if self._detail and op == "split" else self._number(op)
+        if self._fingerprints:
+            step = functools.partial(_tagged, self.engine, (seq, Call(op)), step)
         if self._inflight:
             self._drain()
         record = self._flight_entry(seq, self.name, op, (), None, "started")
@@ -238,6 +249,10 @@ class ExecutionMixin:
         if size & (size - 1) == 0 and buf.dtype.kind == "f":
             return functools.partial(_scale, buf, 1.0 / size)
         return functools.partial(_divide, buf, size)
+
+
+def _tagged(engine: Any, tag: tuple[int, Call], step: Callable[[int, float], Any], seq: int, deadline: float) -> Any:
+    return engine.fingerprinted(tag, functools.partial(step, seq, deadline))
 
 
 def _divide(buf: np.ndarray, n: int) -> None:
