@@ -251,3 +251,15 @@ def test_an_all_to_all_mismatch_names_the_pairs_that_disagree_a_few_of_them(monk
         assert message.endswith(f" and {n + 2 - 4} more pairs"), message  # rank 3 expects nothing from its n peers
         sizes[n] = len(message)
     assert sizes[12] - sizes[6] < 40, sizes  # the rank list grows; nothing else does
+
+
+def test_real_processes_report_a_bad_setting_on_every_rank_and_the_launcher_its_own(mpirun):
+    proc = mpirun("mpi_faults.py", 2, "skip-barrier", env={"MESHKIT_ASYNC_ERROR_HANDLING": "bogus"}, check=False,
+                  timeout=60)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "DistValueError: meshkit.comm: MESHKIT_ASYNC_ERROR_HANDLING='bogus' is not valid; valid values are " \
+           "'abort'" in out, out
+    proc = mpirun("mpi_faults.py", 2, "skip-barrier", env={"MESHKIT_MPICH_TUNING": "no"}, check=False, timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "meshkit.launch: MESHKIT_MPICH_TUNING='no' is not valid; valid values are 1" in proc.stderr, proc.stderr
