@@ -19,9 +19,10 @@ memory on the communication thread; NCCL), ``flush``/``abort`` (send pending not
 a missing rank forever; NCCL's ``ncclCommAbort``), ``drain(op, deadline)`` (wait for all device
 work, before ``destroy_process_group`` frees the engine; NCCL). A request with ``watchdog = True``
 (NCCL's) is watched by the progress agent until it completes, even after ``Work.wait()`` returned.
-``fingerprinted(tag, start)`` (the local engine): ``start()`` with ``tag``, ``(seq, Call)``, sent
-along with the operation's data; every member compares the tags before it computes anything,
-and raises :class:`CallsDiffer` on all of them if they differ (detail mode's check, for free).
+``announce(tag)`` (the local engine, ``checks_calls = True``): the group's next engine call, made
+right after, is ``tag``, ``(seq, Call)``, which travels with the operation's data; every member
+compares the tags before it computes anything, and all raise :class:`CallsDiffer` if they
+differ (detail mode's check, for free).
 
 Engines see only checked, C-contiguous arrays and group ranks. Reduce ops arrive as
 :class:`~meshkit.comm.reduce_op.ReduceOp`; an engine without a native average reduces

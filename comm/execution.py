@@ -70,10 +70,9 @@ class ExecutionMixin:
     def _verify(self, call: Call, seq: int, deadline: float) -> None:
         """Detail mode: every rank must have called the same collective (see debug.Call)."""
         self._waiting = seq  # a rank that rejected this very call is named at once (notices)
-        exchange = functools.partial(self.engine.exchange, (seq, call), seq, deadline, watched=True)
-        # An engine that compares calls itself (local) gets the fingerprint too: a rank in another
-        # kind of exchange (a monitored barrier) is then named as on that engine without detail mode.
-        entries = self.engine.fingerprinted((seq, call), exchange) if self._fingerprints else exchange()
+        if self._fingerprints:  # a rank in another kind of exchange (a monitored barrier) is named too
+            self.engine.announce((seq, call))
+        entries = self.engine.exchange((seq, call), seq, deadline, watched=True)
         calls = [c for _, c in entries]
         if all(s == seq for s, _ in entries) and call.agrees(calls):
             return
@@ -82,10 +81,13 @@ class ExecutionMixin:
     def _mismatch(self, seq: int, entries: list[tuple[int, Call | None]]) -> CollectiveMismatchError:
         return mismatch_error(self.global_rank, self.name, self.ranks, seq, entries)
 
-    def _fingerprinted(self, seq: int, start: Callable[[], Request], op: str, ref: np.ndarray | None,
-                       fingerprint: dict[str, Any]) -> Callable[[], Request]:
-        """``start`` sending this call's fingerprint along (an engine that compares them: local)."""
-        return functools.partial(self.engine.fingerprinted, (seq, self._call(op, ref, **fingerprint)), start)
+    def _announce(self, tag: tuple[int, Call] | None, work: RequestWork | None = None) -> None:
+        """An engine that compares the members' calls (local) is told what the engine call made
+        right after is; a queued call's tag waits for its start (:meth:`_advance`)."""
+        if work is not None:
+            self._tags[work] = tag
+        elif tag is not None:
+            self.engine.announce(tag)
 
     # ----------------------------------------------------------------- starting and waiting
     def _run(self, op: str, start: Callable[[], Request], async_op: bool, shapes: tuple, ref: np.ndarray | None,
@@ -96,18 +98,21 @@ class ExecutionMixin:
             return self._behind_tasks(op, lambda: self._run(op, start, False, shapes, ref, settle, **fingerprint),
                                       async_op)
         seq = self._begin(op, ref, **fingerprint) if self._detail else self._number(op)
-        if self._fingerprints:
-            start = self._fingerprinted(seq, start, op, ref, fingerprint)
+        tag = (seq, self._call(op, ref, **fingerprint)) if self._fingerprints else None
         dtype = ref.dtype if ref is not None else fingerprint.get("dtype")
         if async_op:
             with self._qlock:
                 queued = self._queues and bool(self._inflight)
                 record = self._flight_entry(seq, self.name, op, shapes, dtype, "scheduled" if queued else "started")
                 try:
+                    if not queued:
+                        self._announce(tag)
                     request = None if queued else start()
                 except BaseException as exc:
                     raise self._failed(op, seq, record, exc, self.timeout) from None
                 work = RequestWork(self, op, seq, record, request, settle, self.timeout, start if queued else None)
+                if queued and tag is not None:
+                    self._announce(tag, work)
                 work.queued = True
                 self._inflight.append(work)
             return self._queued(work)
@@ -115,6 +120,7 @@ class ExecutionMixin:
             self._drain()
         record = self._flight_entry(seq, self.name, op, shapes, dtype, "started")
         try:
+            self._announce(tag)
             request = start()
         except BaseException as exc:
             raise self._failed(op, seq, record, exc, self.timeout) from None
@@ -152,12 +158,12 @@ class ExecutionMixin:
         if thread._pending and thread._runner != _get_ident():
             return thread.run_in_order(lambda: self._blocking(op, step, timeout), op)
         seq = self._begin(op, None) if self._detail and op == "split" else self._number(op)
-        if self._fingerprints:
-            step = functools.partial(_tagged, self.engine, (seq, Call(op)), step)
         if self._inflight:
             self._drain()
         record = self._flight_entry(seq, self.name, op, (), None, "started")
         try:
+            if self._fingerprints:
+                self._announce((seq, Call(op)))
             result = step(seq, time.monotonic() + timeout)
         except BaseException as exc:
             raise self._failed(op, seq, record, exc, timeout) from None
@@ -199,9 +205,12 @@ class ExecutionMixin:
                 try:
                     if self._failure is not None:
                         self._unusable(nxt._op)
+                    if self._tags:
+                        self._announce(self._tags.pop(nxt, None))
                     nxt.start()
                     return
                 except BaseException as exc:  # it cannot start: it fails, and the next one is tried
+                    self._tags.pop(nxt, None)
                     queue.popleft()
                     nxt._result, nxt._error = None, self._work_failed(nxt, exc)
                     nxt._finished = True
@@ -249,10 +258,6 @@ class ExecutionMixin:
         if size & (size - 1) == 0 and buf.dtype.kind == "f":
             return functools.partial(_scale, buf, 1.0 / size)
         return functools.partial(_divide, buf, size)
-
-
-def _tagged(engine: Any, tag: tuple[int, Call], step: Callable[[int, float], Any], seq: int, deadline: float) -> Any:
-    return engine.fingerprinted(tag, functools.partial(step, seq, deadline))
 
 
 def _divide(buf: np.ndarray, n: int) -> None:

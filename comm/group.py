@@ -88,6 +88,7 @@ class ProcessGroup(PointToPointMixin, ExecutionMixin, FailureMixin):
         # An engine that compares the members' calls as it moves their data (local: always, at no
         # extra exchange) is handed each call's fingerprint; detail mode's error, in every mode.
         self._fingerprints = engine is not None and getattr(engine, "checks_calls", False)
+        self._tags: dict[RequestWork, tuple] = {}  # fingerprints of queued calls, announced as each starts
         # Detail mode: point-to-point messages carry a header, where the engine does not already
         # report the sender's dtype (MPI moves bytes; the local engine hands over the array).
         self._headers = self._detail and engine is not None and not getattr(engine, "reports_dtype", False)
@@ -170,35 +171,42 @@ class ProcessGroup(PointToPointMixin, ExecutionMixin, FailureMixin):
                 op = check_op_dtype(op, tensor.dtype, lambda: where(self, "all_reduce"))
         except (DistValueError, DistTypeError) as exc:
             raise self._reject("all_reduce", exc)
-        settle = self._averaged(tensor) if op is ReduceOp.AVG and self._divides else None
-        if self._detail or self._fingerprints:  # checked across ranks: the general path
-            return self._run("all_reduce", functools.partial(self.engine.all_reduce, tensor, op), async_op,
-                             (tensor.shape,), tensor, settle, reduce_op=op)
         thread = self._thread
         if thread._pending and thread._runner != _get_ident():
             return self._behind_tasks("all_reduce", lambda: self.all_reduce(tensor, op), async_op)
-        if self._failure is not None:  # _number, inlined: this is the hottest call of all
-            self._unusable("all_reduce")
-        seq = self._seq
-        self._seq = seq + 1
+        if self._detail:
+            seq = self._begin("all_reduce", tensor, reduce_op=op)
+        else:  # _number, inlined: this is the hottest call of all
+            if self._failure is not None:
+                self._unusable("all_reduce")
+            seq = self._seq
+            self._seq = seq + 1
+        tag = (seq, self._call("all_reduce", tensor, reduce_op=op)) if self._fingerprints else None
+        settle = self._averaged(tensor) if op is ReduceOp.AVG and self._divides else None
         if async_op:
             with self._qlock:
                 if self._inflight and self._queues:  # behind an earlier collective: started when it completes
                     request, start = None, functools.partial(self.engine.all_reduce, tensor, op)
                 else:
                     try:
+                        if tag is not None:
+                            self._announce(tag)
                         request, start = self.engine.all_reduce(tensor, op), None
                     except BaseException as exc:
                         raise self._start_failed(seq, tensor, exc) from None
                 record = self._flight_entry(seq, self.name, "all_reduce", (tensor.shape,), tensor.dtype,
                                             "scheduled" if request is None else "started")
                 work = RequestWork(self, "all_reduce", seq, record, request, settle, self.timeout, start)
+                if start is not None and tag is not None:
+                    self._announce(tag, work)
                 work.queued = True
                 self._inflight.append(work)
             return self._queued(work)
         if self._inflight:
             self._drain()
         try:  # posted before the flight record is written: the data moves meanwhile
+            if tag is not None:
+                self._announce(tag)
             request = self.engine.all_reduce(tensor, op)
         except BaseException as exc:
             raise self._start_failed(seq, tensor, exc) from None

@@ -110,7 +110,7 @@ class Hub:
 
 class _Rendezvous:
     """A started collective: complete once every member deposited; its members' tags are then
-    compared (:meth:`LocalEngine.fingerprinted`) and ``finish(values)`` computes this rank's
+    compared (:meth:`LocalEngine.announce`) and ``finish(values)`` computes this rank's
     output, exactly once. ``values``: the members' data, in group rank order."""
 
     __slots__ = ("engine", "key", "slot", "finish", "done", "values", "error")
@@ -204,7 +204,7 @@ class LocalEngine:
 
     backend = "local"
     native_avg = False
-    checks_calls = True  # fingerprinted(): every rendezvous compares what its members called
+    checks_calls = True  # announce(): every rendezvous compares what its members called
     needs_progress = False  # a rendezvous completes as the others deposit: nothing to drive
     reports_dtype = True  # a receive knows the sent array's dtype
     max_tag = 2**20
@@ -234,21 +234,19 @@ class LocalEngine:
             got, mine[:] = list(mine), []
         return got
 
-    def fingerprinted(self, tag: tuple[int, Any], start: Callable[[], Any]) -> Any:
-        """``start()``, its rendezvous carrying ``tag`` (the group's ``(seq, Call)``): the members
-        compare their tags before computing anything, and all raise :class:`CallsDiffer` if they
-        differ. Under MPI only ``MESHKIT_DEBUG=detail`` checks this (with an extra exchange); here
-        the data is all in one place, so the check costs no communication: it is always on."""
+    def announce(self, tag: tuple[int, Any]) -> None:
+        """The next operation this rank starts (the group's next engine call, made right after) is
+        ``tag``, the group's ``(seq, Call)``: its rendezvous carries it, the members compare their
+        tags before computing anything, and all raise :class:`CallsDiffer` if they differ. Under
+        MPI only ``MESHKIT_DEBUG=detail`` checks this (with an extra exchange); here every rank's
+        call is in one place, so the check costs no communication: it is always on."""
         self._tag = tag
-        try:
-            return start()
-        finally:
-            self._tag = None
 
     def _start(self, value: Any, finish: Callable[[list[Any]], None] | None = None) -> _Rendezvous:
         self._ops += 1
         key = (self._uid, self._ops)
-        slot = self.hub.deposit(key, self.size, self.rank, (self._tag, value))
+        tag, self._tag = self._tag, None
+        slot = self.hub.deposit(key, self.size, self.rank, (tag, value))
         return _Rendezvous(self, key, slot, finish)
 
     @staticmethod
