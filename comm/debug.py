@@ -82,7 +82,7 @@ class Call:
         if self.counts is None:  # the common case: plain equality (this runs on every local collective)
             return all(o == self for o in others)
         strip = dataclasses.replace(self, counts=None)
-        if any(o.counts is None or dataclasses.replace(o, counts=None) != strip for o in others):
+        if any(o is None or o.counts is None or dataclasses.replace(o, counts=None) != strip for o in others):
             return False
         return not _count_disagreements(others)
 
@@ -102,8 +102,8 @@ def mismatch_error(rank: int, group: str, ranks: tuple[int, ...], seq: int,
                    entries: list[tuple[int, Call | None]]) -> CollectiveMismatchError:
     """The error every rank raises when the members' calls differ.
 
-    ``entries``: each group rank's ``(operation number, call)``, in group rank order (None: a
-    rank in an internal exchange). Ranks that called the same are listed together, so the
+    ``entries``: each group rank's ``(operation number, call)``, in group rank order (``(-1,
+    None)``: a rank in an exchange without a fingerprint, such as MPI's monitored barrier). Ranks that called the same are listed together, so the
     message grows with the number of different calls, not with the group (6 ranks, one odd::
 
         ranks [0, 1, 3, 4, 5]: all_reduce(shape=(4,), dtype=float32, op=SUM) #0; rank 2:
@@ -111,11 +111,11 @@ def mismatch_error(rank: int, group: str, ranks: tuple[int, ...], seq: int,
 
     ); for all_to_all, the pairs whose counts disagree are named, a few of them.
     """
-    described = {ranks[i]: f"{c} #{s}" for i, (s, c) in enumerate(entries)}
+    described = {ranks[i]: "another exchange" if c is None else f"{c} #{s}" for i, (s, c) in enumerate(entries)}
     groups: dict[str, list[int]] = {}
     for i, (s, c) in enumerate(entries):
-        shown = "an internal exchange" if c is None else c.describe(counts=False)
-        groups.setdefault(f"{shown} #{s}", []).append(ranks[i])
+        shown = "another exchange (a monitored barrier?)" if c is None else f"{c.describe(counts=False)} #{s}"
+        groups.setdefault(shown, []).append(ranks[i])
     listing = "; ".join(f"{_name(members)}: {text}" for text, members in groups.items())
     calls = [c for _, c in entries]
     if len(groups) == 1 and all(c is not None and c.counts is not None for c in calls):

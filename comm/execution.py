@@ -72,7 +72,8 @@ class ExecutionMixin:
         self._waiting = seq  # a rank that rejected this very call is named at once (notices)
         if self._fingerprints:  # a rank in another kind of exchange (a monitored barrier) is named too
             self.engine.announce((seq, call))
-        entries = self.engine.exchange((seq, call), seq, deadline, watched=True)
+        entries = [e if isinstance(e, tuple) else (-1, None)  # a rank in a monitored barrier sends None
+                   for e in self.engine.exchange((seq, call), seq, deadline, watched=True)]
         calls = [c for _, c in entries]
         if all(s == seq for s, _ in entries) and call.agrees(calls):
             return
