@@ -862,6 +862,8 @@ def parse_args(rank: int, argv: list[str] | None = None) -> argparse.Namespace:
     args.engines = _split(args.engines or default_engines, ENGINES, "engines", p, rank)
     if "gloo" in args.engines and not torch_importable():
         usage_error(p, rank, "engine gloo needs torch, which is not installed (pip install torch)")
+    if "mpi4py-guarded" in args.engines and args.mode != "sync":
+        usage_error(p, rank, "engine mpi4py-guarded times one blocking call: use it with --mode sync")
     return args
 
 

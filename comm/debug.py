@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import functools
 import time
 from typing import Any
 
@@ -22,6 +23,7 @@ from .errors import CollectiveMismatchError
 __all__ = [
     "DebugLevel",
     "Call",
+    "fingerprint",
     "mismatch_error",
     "CollectiveRecord",
     "RECORD_FIELDS",
@@ -79,12 +81,23 @@ class Call:
 
     def agrees(self, others: list[Call]) -> bool:
         """True when every rank's call is compatible with this one (``others`` in rank order)."""
-        if self.counts is None:  # the common case: plain equality (this runs on every local collective)
-            return all(o == self for o in others)
+        if self.counts is None:  # the common case (every local collective): one object, see fingerprint()
+            return all(o is self or o == self for o in others)
         strip = dataclasses.replace(self, counts=None)
         if any(o is None or o.counts is None or dataclasses.replace(o, counts=None) != strip for o in others):
             return False
         return not _count_disagreements(others)
+
+
+@functools.lru_cache(maxsize=4096)
+def fingerprint(op: str, dtype: Any, shape: tuple[int, ...] | None, reduce_op: Any, root: int | None,
+                counts: tuple[tuple[int, ...], tuple[int, ...]] | None) -> Call:
+    """The :class:`Call` of these arguments; one object per distinct call. The local engine makes
+    one per collective and compares every rank's: a new frozen dataclass with ``str(dtype)`` cost
+    3-30 us a call on this project's VM (timeit), a cache hit well under 1 us, and the ranks'
+    calls, being one object, compare by identity."""
+    return Call(op, None if dtype is None else str(dtype), shape, None if reduce_op is None else reduce_op.name,
+                root, counts)
 
 
 def _count_disagreements(calls: list[Call]) -> list[tuple[int, int]]:

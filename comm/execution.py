@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .debug import STATE, T_END, Call, CollectiveRecord, mismatch_error
+from .debug import STATE, T_END, Call, CollectiveRecord, fingerprint, mismatch_error
 from .engine import Request
 from .errors import CollectiveMismatchError, CollectiveTimeout
 from .reduce_op import ReduceOp
@@ -61,11 +61,10 @@ class ExecutionMixin:
     def _call(self, name: str, tensor: np.ndarray | None, *, dtype: np.dtype | None = None,
               reduce_op: ReduceOp | None = None, root: int | None = None,
               counts: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> Call:
-        """The fingerprint compared across ranks in detail mode."""
+        """The fingerprint compared across ranks (detail mode; the local engine, always)."""
         if tensor is not None:
-            dtype = tensor.dtype
-        return Call(name, None if dtype is None else str(dtype), None if tensor is None else tuple(tensor.shape),
-                    None if reduce_op is None else reduce_op.name, root, counts)
+            return fingerprint(name, tensor.dtype, tensor.shape, reduce_op, root, counts)
+        return fingerprint(name, dtype, None, reduce_op, root, counts)
 
     def _verify(self, call: Call, seq: int, deadline: float) -> None:
         """Detail mode: every rank must have called the same collective (see debug.Call)."""
