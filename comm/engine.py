@@ -19,6 +19,10 @@ memory on the communication thread; NCCL), ``flush``/``abort`` (send pending not
 a missing rank forever; NCCL's ``ncclCommAbort``), ``drain(op, deadline)`` (wait for all device
 work, before ``destroy_process_group`` frees the engine; NCCL). A request with ``watchdog = True``
 (NCCL's) is watched by the progress agent until it completes, even after ``Work.wait()`` returned.
+``announce(tag)`` (the local engine, ``checks_calls = True``): the group's next engine call, made
+right after, is ``tag``, ``(seq, Call)``, which travels with the operation's data; every member
+compares the tags before it computes anything, and all raise :class:`CallsDiffer` if they
+differ (detail mode's check, for free).
 
 Engines see only checked, C-contiguous arrays and group ranks. Reduce ops arrive as
 :class:`~meshkit.comm.reduce_op.ReduceOp`; an engine without a native average reduces
@@ -29,7 +33,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Protocol
 
-__all__ = ["Engine", "Request", "DeadlineExceeded"]
+__all__ = ["Engine", "Request", "DeadlineExceeded", "CallsDiffer"]
 
 
 class DeadlineExceeded(Exception):
@@ -39,6 +43,16 @@ class DeadlineExceeded(Exception):
         super().__init__(detail)
         self.missing = missing
         self.detail = detail
+
+
+class CallsDiffer(Exception):
+    """The members of an operation called different ones (an engine that compares them, the
+    local one, found it). ``entries``: each group rank's ``(operation number, Call)``; the group
+    turns it into a :class:`~meshkit.comm.errors.CollectiveMismatchError`."""
+
+    def __init__(self, entries: list[Any]) -> None:
+        super().__init__("the members called different operations")
+        self.entries = entries
 
 
 class Request(Protocol):

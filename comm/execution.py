@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .debug import STATE, T_END, Call, CollectiveRecord
+from .debug import STATE, T_END, Call, CollectiveRecord, fingerprint, mismatch_error
 from .engine import Request
 from .errors import CollectiveMismatchError, CollectiveTimeout
 from .reduce_op import ReduceOp
@@ -61,24 +61,33 @@ class ExecutionMixin:
     def _call(self, name: str, tensor: np.ndarray | None, *, dtype: np.dtype | None = None,
               reduce_op: ReduceOp | None = None, root: int | None = None,
               counts: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> Call:
-        """The fingerprint compared across ranks in detail mode."""
+        """The fingerprint compared across ranks (detail mode; the local engine, always)."""
         if tensor is not None:
-            dtype = tensor.dtype
-        return Call(name, None if dtype is None else str(dtype), None if tensor is None else tuple(tensor.shape),
-                    None if reduce_op is None else reduce_op.name, root, counts)
+            return fingerprint(name, tensor.dtype, tensor.shape, reduce_op, root, counts)
+        return fingerprint(name, dtype, None, reduce_op, root, counts)
 
     def _verify(self, call: Call, seq: int, deadline: float) -> None:
         """Detail mode: every rank must have called the same collective (see debug.Call)."""
         self._waiting = seq  # a rank that rejected this very call is named at once (notices)
-        entries = self.engine.exchange((seq, call), seq, deadline, watched=True)
+        if self._fingerprints:  # a rank in another kind of exchange (a monitored barrier) is named too
+            self.engine.announce((seq, call))
+        entries = [e if isinstance(e, tuple) else (-1, None)  # a rank in a monitored barrier sends None
+                   for e in self.engine.exchange((seq, call), seq, deadline, watched=True)]
         calls = [c for _, c in entries]
         if all(s == seq for s, _ in entries) and call.agrees(calls):
             return
-        described = {self.ranks[i]: f"{c} #{s}" for i, (s, c) in enumerate(entries)}
-        lines = "; ".join(f"rank {r}: {d}" for r, d in described.items())
-        raise CollectiveMismatchError(
-            f"meshkit.comm: rank {self.global_rank}: collective mismatch on group {self.name} at #{seq}: "
-            f"{lines}", calls=described)
+        raise self._mismatch(seq, entries)
+
+    def _mismatch(self, seq: int, entries: list[tuple[int, Call | None]]) -> CollectiveMismatchError:
+        return mismatch_error(self.global_rank, self.name, self.ranks, seq, entries)
+
+    def _announce(self, tag: tuple[int, Call] | None, work: RequestWork | None = None) -> None:
+        """An engine that compares the members' calls (local) is told what the engine call made
+        right after is; a queued call's tag waits for its start (:meth:`_advance`)."""
+        if work is not None:
+            self._tags[work] = tag
+        elif tag is not None:
+            self.engine.announce(tag)
 
     # ----------------------------------------------------------------- starting and waiting
     def _run(self, op: str, start: Callable[[], Request], async_op: bool, shapes: tuple, ref: np.ndarray | None,
@@ -89,16 +98,21 @@ class ExecutionMixin:
             return self._behind_tasks(op, lambda: self._run(op, start, False, shapes, ref, settle, **fingerprint),
                                       async_op)
         seq = self._begin(op, ref, **fingerprint) if self._detail else self._number(op)
+        tag = (seq, self._call(op, ref, **fingerprint)) if self._fingerprints else None
         dtype = ref.dtype if ref is not None else fingerprint.get("dtype")
         if async_op:
             with self._qlock:
                 queued = self._queues and bool(self._inflight)
                 record = self._flight_entry(seq, self.name, op, shapes, dtype, "scheduled" if queued else "started")
                 try:
+                    if not queued:
+                        self._announce(tag)
                     request = None if queued else start()
                 except BaseException as exc:
                     raise self._failed(op, seq, record, exc, self.timeout) from None
                 work = RequestWork(self, op, seq, record, request, settle, self.timeout, start if queued else None)
+                if queued and tag is not None:
+                    self._announce(tag, work)
                 work.queued = True
                 self._inflight.append(work)
             return self._queued(work)
@@ -106,6 +120,7 @@ class ExecutionMixin:
             self._drain()
         record = self._flight_entry(seq, self.name, op, shapes, dtype, "started")
         try:
+            self._announce(tag)
             request = start()
         except BaseException as exc:
             raise self._failed(op, seq, record, exc, self.timeout) from None
@@ -147,6 +162,8 @@ class ExecutionMixin:
             self._drain()
         record = self._flight_entry(seq, self.name, op, (), None, "started")
         try:
+            if self._fingerprints:
+                self._announce((seq, Call(op)))
             result = step(seq, time.monotonic() + timeout)
         except BaseException as exc:
             raise self._failed(op, seq, record, exc, timeout) from None
@@ -188,9 +205,12 @@ class ExecutionMixin:
                 try:
                     if self._failure is not None:
                         self._unusable(nxt._op)
+                    if self._tags:
+                        self._announce(self._tags.pop(nxt, None))
                     nxt.start()
                     return
                 except BaseException as exc:  # it cannot start: it fails, and the next one is tried
+                    self._tags.pop(nxt, None)
                     queue.popleft()
                     nxt._result, nxt._error = None, self._work_failed(nxt, exc)
                     nxt._finished = True

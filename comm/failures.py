@@ -20,7 +20,7 @@ import time
 
 from .checks import where
 from .debug import ERROR, STATE, T_END, CollectiveRecord
-from .engine import DeadlineExceeded
+from .engine import CallsDiffer, DeadlineExceeded
 from .errors import CollectiveMismatchError, CollectiveTimeout, DistBackendError, DistError, RankFailedError
 from .notices import BROKEN, REJECTED, WATCH_INTERVAL, Notice
 from .p2p import P2PWork
@@ -49,6 +49,8 @@ class FailureMixin:
         """Record how operation ``seq`` failed; return the error to raise (a timeout becomes a
         :class:`CollectiveTimeout` and makes the group unusable; anything else is re-raised)."""
         record[T_END] = time.time()
+        if isinstance(exc, CallsDiffer):  # the engine compared the members' calls (local)
+            exc = self._mismatch(seq, exc.entries)
         if isinstance(exc, DeadlineExceeded):
             record[STATE] = "timed_out"
             self._broken(f"{op} #{seq} timed out", seq, timed_out=True)

@@ -85,6 +85,10 @@ class ProcessGroup(PointToPointMixin, ExecutionMixin, FailureMixin):
         self._group_rank_of = {g: i for i, g in enumerate(self.ranks)}
         # Decided once: in detail mode every call is fingerprinted, otherwise nothing is built.
         self._detail = world.debug >= DebugLevel.DETAIL
+        # An engine that compares the members' calls as it moves their data (local: always, at no
+        # extra exchange) is handed each call's fingerprint; detail mode's error, in every mode.
+        self._fingerprints = engine is not None and getattr(engine, "checks_calls", False)
+        self._tags: dict[RequestWork, tuple] = {}  # fingerprints of queued calls, announced as each starts
         # Detail mode: point-to-point messages carry a header, where the engine does not already
         # report the sender's dtype (MPI moves bytes; the local engine hands over the array).
         self._headers = self._detail and engine is not None and not getattr(engine, "reports_dtype", False)
@@ -177,6 +181,7 @@ class ProcessGroup(PointToPointMixin, ExecutionMixin, FailureMixin):
                 self._unusable("all_reduce")
             seq = self._seq
             self._seq = seq + 1
+        tag = (seq, self._call("all_reduce", tensor, reduce_op=op)) if self._fingerprints else None
         settle = self._averaged(tensor) if op is ReduceOp.AVG and self._divides else None
         if async_op:
             with self._qlock:
@@ -184,18 +189,24 @@ class ProcessGroup(PointToPointMixin, ExecutionMixin, FailureMixin):
                     request, start = None, functools.partial(self.engine.all_reduce, tensor, op)
                 else:
                     try:
+                        if tag is not None:
+                            self._announce(tag)
                         request, start = self.engine.all_reduce(tensor, op), None
                     except BaseException as exc:
                         raise self._start_failed(seq, tensor, exc) from None
                 record = self._flight_entry(seq, self.name, "all_reduce", (tensor.shape,), tensor.dtype,
                                             "scheduled" if request is None else "started")
                 work = RequestWork(self, "all_reduce", seq, record, request, settle, self.timeout, start)
+                if start is not None and tag is not None:
+                    self._announce(tag, work)
                 work.queued = True
                 self._inflight.append(work)
             return self._queued(work)
         if self._inflight:
             self._drain()
         try:  # posted before the flight record is written: the data moves meanwhile
+            if tag is not None:
+                self._announce(tag)
             request = self.engine.all_reduce(tensor, op)
         except BaseException as exc:
             raise self._start_failed(seq, tensor, exc) from None

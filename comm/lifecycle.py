@@ -10,13 +10,13 @@ from __future__ import annotations
 import atexit
 import datetime
 import logging
-import os
 import sys
 import time
 from typing import Any
 
+from . import env
 from .cuda_runtime import gpu_available, runtime
-from .debug import DebugLevel, FlightRecorder, debug_level_from_env
+from .debug import DebugLevel, FlightRecorder
 from .errors import DistBackendError, DistError, DistValueError
 from .group import ProcessGroup
 from .notices import LEFT, Notice
@@ -80,10 +80,11 @@ def init_process_group(backend: str = "auto", *, timeout: float | datetime.timed
         world = current_world()
         raise DistError(f"meshkit.comm: rank {world.rank}: init_process_group was already called "
                         f"(backend {world.backend!r}); call destroy_process_group() first")
+    env.check_all()  # every MESHKIT_* setting, so that a typo is an error now, not ignored until used
     name = _resolve_backend(backend)
     limit = resolve_timeout(timeout)
     engine = _world_engine(name, limit)
-    world = World(backend=name, timeout=limit, debug=debug_level_from_env(), recorder=FlightRecorder(),
+    world = World(backend=name, timeout=limit, debug=env.debug_level(), recorder=FlightRecorder(),
                   progress=ProgressAgent("meshkit-progress"))
     group = ProcessGroup(engine, world=world, ranks=range(engine.size), group_rank=engine.rank, name="world",
                          timeout=limit)
@@ -94,7 +95,7 @@ def init_process_group(backend: str = "auto", *, timeout: float | datetime.timed
     if not _exit_hook_registered and local_context() is None:
         atexit.register(_at_exit)  # after mpi4py's own (registered at import): runs before MPI_Finalize
         _exit_hook_registered = True
-    if name in ("mpi", "nccl") and local_context() is None and os.environ.get("MESHKIT_LAUNCHED") != "1":
+    if name in ("mpi", "nccl") and local_context() is None and not env.launched():
         _abort_hook.install(world)  # meshkit-run's bootstrap ends the job its own way (and prints through the hook)
     if world.debug >= DebugLevel.INFO:
         logger.info("meshkit: rank %d/%d initialized backend %s, timeout %.0f s, debug %s",

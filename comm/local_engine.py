@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .engine import DeadlineExceeded
+from .engine import CallsDiffer, DeadlineExceeded
 from .errors import DistValueError, RankFailedError
 from .notices import WATCH_INTERVAL, Notice
 from .reduce_op import ReduceOp, combine_into
@@ -109,15 +109,20 @@ class Hub:
 
 
 class _Rendezvous:
-    """A started collective: complete once every member deposited; ``finish(values)`` then
-    computes this rank's output, exactly once."""
+    """A started collective: complete once every member deposited; its members' tags are then
+    compared (:meth:`LocalEngine.announce`) and ``finish(values)`` computes this rank's
+    output, exactly once. ``values``: the members' data, in group rank order."""
 
-    __slots__ = ("engine", "key", "slot", "finish", "done")
+    __slots__ = ("engine", "key", "slot", "finish", "done", "values", "error")
 
     def __init__(self, engine: LocalEngine, key: tuple, slot: _Slot, finish: Callable[[list[Any]], None] | None):
         self.engine, self.key, self.slot, self.finish, self.done = engine, key, slot, finish, False
+        self.values: list[Any] = []
+        self.error: BaseException | None = None
 
     def Test(self) -> bool:  # noqa: N802 (the Request protocol's name)
+        if self.error is not None:
+            raise self.error
         if not self.done:
             hub = self.engine.hub
             with hub.cond:
@@ -128,6 +133,8 @@ class _Rendezvous:
         return True
 
     def wait(self, deadline: float, *, watched: bool = True) -> None:
+        if self.error is not None:
+            raise self.error
         if self.done:
             return
         hub, slot, me = self.engine.hub, self.slot, self.engine.global_rank
@@ -139,10 +146,21 @@ class _Rendezvous:
             self._complete()
 
     def _complete(self) -> None:
-        values = self.engine.hub.read(self.key, self.slot)
+        deposits = self.engine.hub.read(self.key, self.slot)
         self.done = True
+        tags = [tag for tag, _ in deposits]
+        mine = tags[self.engine.rank]
+        # Every member compares the same list, so all raise or none does (before writing anything).
+        if mine is None:
+            differ = any(t is not None for t in tags)
+        else:
+            differ = any(t is None or t[0] != mine[0] for t in tags) or not mine[1].agrees([t[1] for t in tags])
+        if differ:
+            self.error = CallsDiffer([(-1, None) if t is None else t for t in tags])
+            raise self.error
+        self.values = [value for _, value in deposits]
         if self.finish is not None:
-            self.finish(values)
+            self.finish(self.values)
 
 
 class _Sent:
@@ -186,6 +204,7 @@ class LocalEngine:
 
     backend = "local"
     native_avg = False
+    checks_calls = True  # announce(): every rendezvous compares what its members called
     needs_progress = False  # a rendezvous completes as the others deposit: nothing to drive
     reports_dtype = True  # a receive knows the sent array's dtype
     max_tag = 2**20
@@ -198,6 +217,7 @@ class LocalEngine:
         self._uid = (generation, ranks)
         self._generation = generation
         self._ops = 0  # rendezvous so far; the same sequence on every member
+        self._tag: tuple[int, Any] | None = None  # the fingerprint of the operation being started
         self.watch: Callable[[], None] | None = None  # set by the group: reads notices while stalled
 
     def notify(self, ranks: list[int], notice: Notice) -> None:
@@ -214,10 +234,19 @@ class LocalEngine:
             got, mine[:] = list(mine), []
         return got
 
+    def announce(self, tag: tuple[int, Any]) -> None:
+        """The next operation this rank starts (the group's next engine call, made right after) is
+        ``tag``, the group's ``(seq, Call)``: its rendezvous carries it, the members compare their
+        tags before computing anything, and all raise :class:`CallsDiffer` if they differ. Under
+        MPI only ``MESHKIT_DEBUG=detail`` checks this (with an extra exchange); here every rank's
+        call is in one place, so the check costs no communication: it is always on."""
+        self._tag = tag
+
     def _start(self, value: Any, finish: Callable[[list[Any]], None] | None = None) -> _Rendezvous:
         self._ops += 1
         key = (self._uid, self._ops)
-        slot = self.hub.deposit(key, self.size, self.rank, value)
+        tag, self._tag = self._tag, None
+        slot = self.hub.deposit(key, self.size, self.rank, (tag, value))
         return _Rendezvous(self, key, slot, finish)
 
     @staticmethod
@@ -292,7 +321,7 @@ class LocalEngine:
     def exchange(self, payload: Any, seq: int, deadline: float, *, watched: bool = False) -> list[Any]:
         request = self._start(payload)
         request.wait(deadline, watched=watched)
-        return list(request.slot.values)
+        return list(request.values)
 
     def split(self, color: int | None, ranks: tuple[int, ...], deadline: float) -> LocalEngine | None:
         parts = self.exchange((color, self.global_rank), -1, deadline)

@@ -40,10 +40,10 @@ from typing import Any, Callable
 import numpy as np
 from mpi4py import MPI
 
-from . import cuda_runtime
+from . import cuda_runtime, env
 from .arrays import is_device_array
 from .engine import DeadlineExceeded
-from .errors import DistBackendError, DistValueError
+from .errors import DistBackendError
 from .notices import WATCH_INTERVAL, Notice
 from .reduce_op import ReduceOp, combine_into
 from .work import in_background
@@ -202,7 +202,7 @@ class _Receive:
 
 # --------------------------------------------------------------------------- device arrays
 #: The environment variable that says whether MPI reads device memory (1) or not (0).
-CUDA_AWARE_ENV = "MESHKIT_CUDA_AWARE_MPI"
+CUDA_AWARE_ENV = env.CUDA_AWARE_MPI
 
 
 #: ``MPIX_GPU_SUPPORT_CUDA`` in MPICH's mpi.h: the ``gpu_type`` of ``MPIX_GPU_query_support``.
@@ -220,13 +220,9 @@ def cuda_aware_mpi() -> bool:
     Raises:
         DistValueError: :data:`CUDA_AWARE_ENV` is set to something other than 0 or 1.
     """
-    value = os.environ.get(CUDA_AWARE_ENV)
-    if value is not None:
-        if value.strip() not in ("0", "1"):
-            raise DistValueError(f"meshkit.comm: rank {MPI.COMM_WORLD.Get_rank()}: {CUDA_AWARE_ENV}={value!r} "
-                                 "is not valid; valid values are 0 (stage device arrays through host memory) "
-                                 "and 1 (MPI reads device memory)")
-        return value.strip() == "1"
+    forced = env.cuda_aware_mpi(MPI.COMM_WORLD.Get_rank())
+    if forced is not None:
+        return forced
     query = getattr(MPI, "Query_cuda_support", None)  # mpi4py 4.1 has none (MPIX is not its API)
     if query is not None:
         return bool(query())

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import datetime
-import os
 
+from . import env
 from .errors import DistTypeError, DistValueError
 
 __all__ = ["DEFAULT_TIMEOUT", "resolve_timeout"]
@@ -17,13 +17,8 @@ DEFAULT_TIMEOUT = 300.0
 def resolve_timeout(timeout: float | datetime.timedelta | None) -> float:
     """Seconds from ``timeout`` (a number or timedelta), else ``MESHKIT_TIMEOUT``, else the default."""
     if timeout is None:
-        raw = os.environ.get("MESHKIT_TIMEOUT")
-        if raw is None:
-            return DEFAULT_TIMEOUT
-        try:
-            timeout = float(raw)
-        except ValueError:
-            raise DistValueError(f"meshkit.comm: MESHKIT_TIMEOUT={raw!r} is not a number of seconds") from None
+        from_env = env.timeout()
+        return DEFAULT_TIMEOUT if from_env is None else from_env
     if isinstance(timeout, datetime.timedelta):
         timeout = timeout.total_seconds()
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):

@@ -32,6 +32,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
+from . import env
 from .debug import STATE, T_END, T_START
 from .engine import DeadlineExceeded
 from .errors import CollectiveTimeout, DistError
@@ -48,7 +49,7 @@ logger = logging.getLogger("meshkit")
 #: may already have used the unreduced buffer): ``abort`` (default) ends the whole job, as torch
 #: does by default (``TORCH_NCCL_ASYNC_ERROR_HANDLING``: a silently wrong result is worse than a
 #: crash); ``log`` only logs it, keeps it on ``Work.exception()`` and breaks the group.
-ASYNC_ERROR_HANDLING_ENV = "MESHKIT_ASYNC_ERROR_HANDLING"
+ASYNC_ERROR_HANDLING_ENV = env.ASYNC_ERROR_HANDLING
 
 
 def abort_job(world: Any, announce: str | None = None) -> None:
@@ -292,7 +293,7 @@ class RequestWork(Work):
                 error = group._watchdog_failed(self, exc)
                 if self._finished:
                     self._error = error  # its wait() returned: exception() and is_success() tell
-                    handling = os.environ.get(ASYNC_ERROR_HANDLING_ENV, "abort").strip().lower()
+                    handling = env.async_error_handling()  # validated at init_process_group
                     if handling != "log":  # the caller may have read the buffer: not a silent wrong result
                         tear_down(group.world, f"{error} (after its Work.wait() had returned: the caller may "
                                                "have used the unreduced buffer)")

@@ -38,6 +38,8 @@ import os
 import shutil
 from typing import Any
 
+from .job import LaunchError
+
 __all__ = ["tuned_environment", "retune", "IALLREDUCE_RECURSIVE_DOUBLING_MAX", "SELECTION_ENV", "OPT_OUT_ENV"]
 
 logger = logging.getLogger("meshkit.launch")
@@ -121,8 +123,15 @@ def tuned_environment(mpiexec: str, directory: str, env: dict[str, str]) -> dict
         mpiexec: the launcher's ``mpiexec``; the MPICH library is looked up beside it.
         directory: where the rewritten selection file is written (the job's own directory).
         env: the environment the job would get (user settings win).
+
+    Raises:
+        LaunchError: ``MESHKIT_MPICH_TUNING`` is set to something other than 0 or 1.
     """
-    if SELECTION_ENV in env or env.get(OPT_OUT_ENV, "1").strip() == "0":
+    choice = env.get(OPT_OUT_ENV, "1")
+    if choice.strip() not in ("0", "1"):  # the message has meshkit.comm.env's form (launch imports no comm)
+        raise LaunchError(f"meshkit.launch: {OPT_OUT_ENV}={choice!r} is not valid; valid values are 1 (the "
+                          "default: retune MPICH's Iallreduce selection) and 0 (leave MPICH's selection alone)")
+    if SELECTION_ENV in env or choice.strip() == "0":
         return {}
     found = shutil.which(mpiexec)
     try:

@@ -109,14 +109,73 @@ def test_init_arguments_are_checked(monkeypatch):
     with pytest.raises(ValueError, match="timeout must be positive, got -1"):
         meshkit.init_process_group("mpi", timeout=-1)
     monkeypatch.setenv("MESHKIT_TIMEOUT", "soon")
-    with pytest.raises(ValueError, match=r"MESHKIT_TIMEOUT='soon' is not a number of seconds"):
+    with pytest.raises(ValueError, match=r"MESHKIT_TIMEOUT='soon' is not valid; valid values are a positive number "
+                                         r"of seconds \(e.g. 300\)"):
         meshkit.init_process_group("mpi")
     monkeypatch.delenv("MESHKIT_TIMEOUT")
     with pytest.raises(meshkit.DistBackendError, match="backend 'local' runs inside meshkit.comm.local.run"):
         meshkit.init_process_group("local")
     monkeypatch.setenv("MESHKIT_DEBUG", "verbose")
-    with pytest.raises(ValueError, match=r"MESHKIT_DEBUG='verbose' is not valid; use one of \['off', 'info', 'detail'\]"):
+    with pytest.raises(ValueError, match=r"MESHKIT_DEBUG='verbose' is not valid; valid values are \['off', 'info', "
+                                         r"'detail'\]"):
         local.run(lambda: None, 1)
+
+
+#: Every MESHKIT_* variable the library reads (issue 23.8): a bad value, and the message naming it,
+#: its value and the valid values. Before, the middle three were ignored and -5 gave "timeout
+#: must be positive" without the variable's name.
+BAD_SETTINGS = [
+    ("MESHKIT_TIMEOUT", "-5", r"MESHKIT_TIMEOUT='-5' is not valid; valid values are a positive number of seconds"),
+    ("MESHKIT_TIMEOUT", "0", r"MESHKIT_TIMEOUT='0' is not valid"),
+    ("MESHKIT_ASYNC_ERROR_HANDLING", "ignore", r"MESHKIT_ASYNC_ERROR_HANDLING='ignore' is not valid; valid values are "
+                                               r"'abort' \(end the job .*\) and 'log'"),
+    ("MESHKIT_CUDA_AWARE_MPI", "yes", r"MESHKIT_CUDA_AWARE_MPI='yes' is not valid; valid values are 0 \(stage device "
+                                      r"arrays through host memory\) and 1 \(MPI reads device memory\)"),
+    ("MESHKIT_LAUNCHED", "true", r"MESHKIT_LAUNCHED='true' is not valid; valid values are 1 \(set by meshkit-run"),
+    ("MESHKIT_DEBUG", "detailed", r"MESHKIT_DEBUG='detailed' is not valid; valid values are \['off', 'info', "
+                                  r"'detail'\]"),
+]
+
+
+@pytest.mark.parametrize("name, value, message", BAD_SETTINGS, ids=[f"{n}={v}" for n, v, _ in BAD_SETTINGS])
+def test_every_meshkit_setting_is_validated_at_init(monkeypatch, name, value, message):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(meshkit.DistValueError, match=r"^meshkit.comm: " + message):
+        local.run(lambda: None, 2, timeout=5)
+
+
+@pytest.mark.parametrize("name, good", [("MESHKIT_TIMEOUT", " 7.5 "), ("MESHKIT_ASYNC_ERROR_HANDLING", "LOG"),
+                                        ("MESHKIT_CUDA_AWARE_MPI", "0"), ("MESHKIT_LAUNCHED", "0"),
+                                        ("MESHKIT_DEBUG", "Info")])
+def test_valid_settings_are_accepted(monkeypatch, name, good):
+    monkeypatch.setenv(name, good)
+    from meshkit.comm.world import current_world
+
+    timeouts = local.run(lambda: current_world().timeout, 2)
+    if name == "MESHKIT_TIMEOUT":
+        assert timeouts == [7.5, 7.5]
+
+
+def test_the_launchers_mpich_tuning_setting_is_validated(tmp_path):
+    from meshkit.launch import LaunchError
+    from meshkit.launch.mpich_tuning import tuned_environment
+
+    with pytest.raises(LaunchError, match=r"^meshkit.launch: MESHKIT_MPICH_TUNING='off' is not valid; valid values "
+                                          r"are 1 \(the default: .*\) and 0 \(leave MPICH's selection alone\)"):
+        tuned_environment("mpiexec", str(tmp_path), {"MESHKIT_MPICH_TUNING": "off"})
+    assert tuned_environment("mpiexec", str(tmp_path), {"MESHKIT_MPICH_TUNING": "0"}) == {}
+
+
+def test_the_async_error_handling_setting_is_read_through_the_validating_reader(monkeypatch):
+    from meshkit.comm import env
+
+    monkeypatch.setenv("MESHKIT_ASYNC_ERROR_HANDLING", " Log ")
+    assert env.async_error_handling() == "log"
+    monkeypatch.delenv("MESHKIT_ASYNC_ERROR_HANDLING")
+    assert env.async_error_handling() == "abort"
+    monkeypatch.setenv("MESHKIT_ASYNC_ERROR_HANDLING", "1")
+    with pytest.raises(ValueError, match="MESHKIT_ASYNC_ERROR_HANDLING='1' is not valid"):
+        env.async_error_handling()
 
 
 def test_timedelta_timeout_and_world_size_checks():
@@ -149,3 +208,58 @@ def test_object_collectives_bad_input():
                                                                     r"rank 0, could not send .*has 3 slots"):
                 meshkit.scatter_object_list([None], None, src=0)
     local.run(body, 2, timeout=5)
+
+
+# ---------------------------------------------------------------- mismatch messages grow with the calls, not the ranks
+
+def _mismatch_messages(world_size, call):
+    def body():
+        try:
+            call(meshkit.get_rank())
+        except meshkit.CollectiveMismatchError as exc:
+            return str(exc), exc.calls
+    return local.run(body, world_size, timeout=20)
+
+
+@pytest.mark.parametrize("debug", ["off", "detail"])
+def test_a_mismatch_message_groups_the_ranks_by_what_they_called(monkeypatch, debug):
+    monkeypatch.setenv("MESHKIT_DEBUG", debug)
+    results = _mismatch_messages(6, lambda r: meshkit.all_reduce(np.ones(4, np.float64 if r == 2 else np.float32)))
+    for rank, (message, calls) in enumerate(results):
+        assert message == (f"meshkit.comm: rank {rank}: collective mismatch on group world at #0: ranks [0, 1, 3, 4, 5]: "
+                           "all_reduce(shape=(4,), dtype=float32, op=SUM) #0; rank 2: all_reduce(shape=(4,), "
+                           "dtype=float64, op=SUM) #0")
+        assert calls[2] == "all_reduce(shape=(4,), dtype=float64, op=SUM) #0" and len(calls) == 6
+
+
+def test_an_all_to_all_mismatch_names_the_pairs_that_disagree_a_few_of_them(monkeypatch):
+    """Each rank's counts are a list per peer: listing them all was quadratic (4.4 KB at 6 ranks)."""
+    def call(rank, n):
+        splits = [1] * n if rank != 2 else [2, 0] + [1] * (n - 2)
+        recv = [1] * n if rank != 3 else [0] * n
+        meshkit.all_to_all_single(np.empty(sum(recv)), np.ones(n), recv, splits)
+
+    sizes = {}
+    for n in (6, 12):
+        results = _mismatch_messages(n, lambda r: call(r, n))
+        message = results[0][0]
+        assert message.startswith(f"meshkit.comm: rank 0: collective mismatch on group world at #0: ranks "
+                                  f"{list(range(n))}: all_to_all_single(dtype=float64) #0; counts disagree: rank 0 "
+                                  "sends 1 element to rank 3, which expects 0 from it; rank 1 sends 1 element to "
+                                  "rank 3, which expects 0 from it; rank 2 sends 2 elements to rank 0, which expects "
+                                  "1 from it; rank 2 sends 0 elements to rank 1, which expects 1 from it and "), message
+        assert message.endswith(f" and {n + 2 - 4} more pairs"), message  # rank 3 expects nothing from its n peers
+        sizes[n] = len(message)
+    assert sizes[12] - sizes[6] < 40, sizes  # the rank list grows; nothing else does
+
+
+def test_real_processes_report_a_bad_setting_on_every_rank_and_the_launcher_its_own(mpirun):
+    proc = mpirun("mpi_faults.py", 2, "skip-barrier", env={"MESHKIT_ASYNC_ERROR_HANDLING": "bogus"}, check=False,
+                  timeout=60)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "DistValueError: meshkit.comm: MESHKIT_ASYNC_ERROR_HANDLING='bogus' is not valid; valid values are " \
+           "'abort'" in out, out
+    proc = mpirun("mpi_faults.py", 2, "skip-barrier", env={"MESHKIT_MPICH_TUNING": "no"}, check=False, timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "meshkit.launch: MESHKIT_MPICH_TUNING='no' is not valid; valid values are 1" in proc.stderr, proc.stderr

@@ -102,7 +102,9 @@ def test_mismatched_shapes_and_all_to_all_counts_are_detected(monkeypatch):
         return catch(lambda: meshkit.all_to_all_single(np.empty(2), np.ones(2), splits_out, splits_in))
     errors = local.run(a2a, 2, timeout=5)
     assert all(isinstance(e, meshkit.CollectiveMismatchError) for e in errors)
-    assert "send_counts=[1, 1], recv_counts=[2, 0]" in str(errors[0])
+    assert ("ranks [0, 1]: all_to_all_single(dtype=float64) #0; counts disagree: rank 0 sends 1 element to rank 1, "
+            "which expects 2 from it; rank 1 sends 1 element to rank 1, which expects 0 from it") in str(errors[0])
+    assert errors[0].calls[1] == "all_to_all_single(dtype=float64, send_counts=[1, 1], recv_counts=[2, 0]) #0"
 
 
 def test_detail_mode_agrees_when_calls_match(monkeypatch):

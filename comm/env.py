@@ -1,0 +1,103 @@
+"""The ``MESHKIT_*`` environment variables the library reads: each one read and validated here.
+
+A value that is not valid raises :class:`~meshkit.comm.errors.DistValueError` naming the
+variable, its value and the valid values, where it is read and, for every variable, at
+``init_process_group`` (:func:`check_all`): a typo in a setting that only matters on a failure
+(``MESHKIT_ASYNC_ERROR_HANDLING``) is reported when the job starts, not ignored then.
+
+The launcher's own variable ``MESHKIT_MPICH_TUNING`` is read by :mod:`meshkit.launch.mpich_tuning`
+(the launcher imports nothing of ``comm``), with the same message.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .debug import DebugLevel
+from .errors import DistValueError
+
+__all__ = ["DEBUG", "TIMEOUT", "ASYNC_ERROR_HANDLING", "CUDA_AWARE_MPI", "LAUNCHED", "debug_level", "timeout",
+           "async_error_handling", "cuda_aware_mpi", "launched", "check_all", "invalid"]
+
+DEBUG = "MESHKIT_DEBUG"
+TIMEOUT = "MESHKIT_TIMEOUT"
+ASYNC_ERROR_HANDLING = "MESHKIT_ASYNC_ERROR_HANDLING"
+CUDA_AWARE_MPI = "MESHKIT_CUDA_AWARE_MPI"
+#: Set to 1 by ``meshkit-run`` for its ranks.
+LAUNCHED = "MESHKIT_LAUNCHED"
+
+_ASYNC_CHOICES = ("abort", "log")
+
+
+def invalid(name: str, raw: str, valid: str, rank: int | None = None) -> DistValueError:
+    """The error for ``name=raw``: ``meshkit.comm: [rank R: ]NAME='raw' is not valid; valid values are ...``."""
+    where = "" if rank is None else f"rank {rank}: "
+    return DistValueError(f"meshkit.comm: {where}{name}={raw!r} is not valid; valid values are {valid}")
+
+
+def _get(name: str) -> str | None:
+    return os.environ.get(name)
+
+
+def debug_level() -> DebugLevel:
+    """``MESHKIT_DEBUG``: off (default), info or detail, case-insensitive."""
+    raw = _get(DEBUG)
+    key = (raw or "off").strip().upper() or "OFF"
+    try:
+        return DebugLevel[key]
+    except KeyError:
+        raise invalid(DEBUG, raw, str([level.name.lower() for level in DebugLevel])) from None
+
+
+def timeout() -> float | None:
+    """``MESHKIT_TIMEOUT``: seconds, a positive number; None where it is not set."""
+    raw = _get(TIMEOUT)
+    if raw is None:
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0:  # NaN too; inf is a valid "no timeout"
+        raise invalid(TIMEOUT, raw, "a positive number of seconds (e.g. 300)")
+    return seconds
+
+
+def async_error_handling() -> str:
+    """``MESHKIT_ASYNC_ERROR_HANDLING``: ``abort`` (default: end the job) or ``log``."""
+    raw = _get(ASYNC_ERROR_HANDLING)
+    value = (raw or "abort").strip().lower()
+    if value not in _ASYNC_CHOICES:
+        raise invalid(ASYNC_ERROR_HANDLING, raw, "'abort' (end the job when asynchronous device work fails after "
+                      "its Work.wait() returned) and 'log' (keep the error on the Work and log it)")
+    return value
+
+
+def cuda_aware_mpi(rank: int | None = None) -> bool | None:
+    """``MESHKIT_CUDA_AWARE_MPI``: 1 (MPI reads device memory) or 0 (stage); None where not set."""
+    raw = _get(CUDA_AWARE_MPI)
+    if raw is None:
+        return None
+    if raw.strip() not in ("0", "1"):
+        raise invalid(CUDA_AWARE_MPI, raw, "0 (stage device arrays through host memory) and 1 (MPI reads "
+                      "device memory)", rank)
+    return raw.strip() == "1"
+
+
+def launched() -> bool:
+    """``MESHKIT_LAUNCHED``: 1 in a rank started by ``meshkit-run`` (which sets it), else unset or 0."""
+    raw = _get(LAUNCHED)
+    if raw is None or raw.strip() in ("", "0"):
+        return False
+    if raw.strip() != "1":
+        raise invalid(LAUNCHED, raw, "1 (set by meshkit-run for its ranks) or 0")
+    return True
+
+
+def check_all() -> None:
+    """Read every variable above, so that each one's error comes at ``init_process_group``."""
+    debug_level()
+    timeout()
+    async_error_handling()
+    cuda_aware_mpi()
+    launched()
