@@ -282,9 +282,11 @@ class Job:
             # MPI_Finalize, waiting for the others), not working (issue 23.5).
             working = [r for r in healthy if not self.ranks[r].finished]
             exiting = [r for r in healthy if self.ranks[r].finished]
-            states = ([f"{_who(working)} still running"] if working else []) + (
-                [f"{_who(exiting)} finished {'its script' if len(exiting) == 1 else 'their scripts'} but "
-                 f"{'has' if len(exiting) == 1 else 'have'} not exited: stuck in MPI_Finalize or an atexit handler"] if exiting else [])
+            states = [f"{_who(working)} still running"] if working else []
+            if exiting:
+                one = len(exiting) == 1
+                states.append(f"{_who(exiting)} finished {'its script' if one else 'their scripts'} but "
+                              f"{'has' if one else 'have'} not exited: stuck in MPI_Finalize or an atexit handler")
             logger.error("rank %d failed (%s); killing the job (%s)", failed.rank, failed.how, "; ".join(states))
         for r in running:
             rank = self.ranks[r]

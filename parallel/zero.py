@@ -190,8 +190,9 @@ class ZeroRedundancyOptimizer(GradientReducer, ShardedStrategy):
 
         Raises:
             DistValueError: the gradients are not averaged: gradients were marked ready and
-                ``finish_gradient_sync()`` was not called since, the last sync failed, gradients were accumulated under ``no_sync()`` only, or no
-                synchronized pass ran since ``zero_grad()`` (or construction).
+                ``finish_gradient_sync()`` was not called since, the last sync failed, gradients
+                were accumulated under ``no_sync()`` only, or no synchronized pass ran since
+                ``zero_grad()`` (or construction).
         """
         self._settle("step")
         if not self._averaged:
