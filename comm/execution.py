@@ -161,6 +161,7 @@ class ExecutionMixin:
         if self._inflight:
             self._drain()
         record = self._flight_entry(seq, self.name, op, (), None, "started")
+        self._waiting = seq  # a wait in the step that reads notices reads them for this call
         try:
             if self._fingerprints:
                 self._announce((seq, Call(op)))

@@ -482,8 +482,28 @@ class ProcessGroup(PointToPointMixin, ExecutionMixin, FailureMixin):
 
     # ----------------------------------------------------------------- lifecycle
     def counts(self) -> tuple[tuple[int, ...], int]:
-        """``(ranks, calls issued)``: what a LEFT notice says of this group."""
-        return self.ranks, self._seq
+        """``(ranks, calls)``: what a LEFT notice says of this group: the calls issued, less those
+        from the first asynchronous one not completed on (started or queued): a rank that leaves
+        never completes them, so the members waiting in them must not wait for it (issue 23.5)."""
+        with self._qlock:
+            pending = [work._seq for work in self._inflight if not work._finished]
+        return self.ranks, min(pending, default=self._seq)
+
+    def settle(self, deadline: float) -> int:
+        """Before this rank leaves: let its asynchronous collectives complete until ``deadline``
+        (members already in them complete them within milliseconds). Returns how many are left."""
+        while self._failure is None:
+            with self._qlock:
+                last = self._inflight[-1] if self._inflight else None
+            left = deadline - time.monotonic()
+            if last is None or left <= 0:
+                break
+            try:
+                last.wait(left)
+            except BaseException:  # its own error is its waiter's; this rank leaves anyway
+                break
+        with self._qlock:
+            return sum(not work._finished for work in self._inflight)
 
     def shutdown(self) -> None:
         """Finish queued tasks and device work (within the timeout), stop the thread, release the

@@ -123,9 +123,17 @@ def destroy_process_group() -> None:
 
 def _leave(world: World, how: str) -> None:
     group = world.default_group
-    counts = tuple(g.counts() for g in world.groups.values() if g.is_member)
-    group._tell(Notice(LEFT, world.rank, detail=f"{how}, after {dict(counts).get(group.ranks, 0)} calls on "
-                                                 "the world group", counts=counts))
+    # Asynchronous collectives still in flight (DDP's buckets at a sys.exit) complete first if the
+    # others are in them; those that do not are not counted: the others waiting in them are
+    # told at once that they wait in vain, instead of waiting for the timeout (issue 23.5).
+    deadline = time.monotonic() + _LEAVE_SETTLE_SECONDS
+    members = [g for g in world.groups.values() if g.is_member]
+    unfinished = sum(g.settle(deadline) for g in members)
+    counts = tuple(g.counts() for g in members)
+    detail = f"{how}, after {dict(counts).get(group.ranks, 0)} calls on the world group"
+    if unfinished:
+        detail += f", leaving {unfinished} asynchronous collective(s) unfinished"
+    group._tell(Notice(LEFT, world.rank, detail=detail, counts=counts))
     flush = getattr(group.engine, "flush", None)
     if flush is not None:
         flush(_LEAVE_FLUSH_SECONDS)
@@ -177,3 +185,6 @@ _abort_hook = _AbortHook()
 _exit_hook_registered = False
 #: Seconds a leaving rank waits for its notices to leave (they are small, sent eagerly).
 _LEAVE_FLUSH_SECONDS = 1.0
+#: Seconds a leaving rank gives its asynchronous collectives to complete: members already in them
+#: complete them within milliseconds; a member not there yet learns from the notice instead.
+_LEAVE_SETTLE_SECONDS = 1.0

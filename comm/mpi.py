@@ -686,8 +686,11 @@ class MPIEngine:
         return ranks
 
     def split(self, color: int | None, ranks: tuple[int, ...], deadline: float) -> MPIEngine | None:
-        # Comm.Split has no nonblocking form: a barrier first makes it honour the deadline.
-        _wait(self.comm.Ibarrier(), deadline)
+        # Comm.Split has no nonblocking form: a barrier first makes it honour the deadline, and
+        # reads notices while it stalls, so a member that left (or broke) is named at once
+        # instead of at the timeout (issue 23.5).
+        if not _completes(self.comm.Ibarrier(), deadline, self.watch):
+            raise DeadlineExceeded()
         me = MPI.COMM_WORLD.Get_rank()
         child = self.comm.Split(MPI.UNDEFINED if color is None else color, me)
         if child == MPI.COMM_NULL:

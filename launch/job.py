@@ -104,8 +104,12 @@ class _Failure:
 
 
 
+def _who(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
 def _ranks_text(ranks: list[int]) -> str:
-    return f"rank {ranks[0]} is" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))} are"
+    return f"{_who(ranks)} {'is' if len(ranks) == 1 else 'are'}"
 
 
 def _signal_name(number: int) -> str:
@@ -274,8 +278,16 @@ class Job:
         healthy = [r for r in running if self.ranks[r].failed is None]
         if healthy and self.first_failure is not None and self.received is None and not self.timed_out:
             failed = self.first_failure
-            who = f"rank {healthy[0]}" if len(healthy) == 1 else f"ranks {', '.join(map(str, healthy))}"
-            logger.error("rank %d failed (%s); killing the job (%s still running)", failed.rank, failed.how, who)
+            # A rank whose script is over but whose process lives on is stuck in its exit (in
+            # MPI_Finalize, waiting for the others), not working (issue 23.5).
+            working = [r for r in healthy if not self.ranks[r].finished]
+            exiting = [r for r in healthy if self.ranks[r].finished]
+            states = [f"{_who(working)} still running"] if working else []
+            if exiting:
+                one = len(exiting) == 1
+                states.append(f"{_who(exiting)} finished {'its script' if one else 'their scripts'} but "
+                              f"{'has' if one else 'have'} not exited: stuck in MPI_Finalize or an atexit handler")
+            logger.error("rank %d failed (%s); killing the job (%s)", failed.rank, failed.how, "; ".join(states))
         for r in running:
             rank = self.ranks[r]
             try:
@@ -386,7 +398,7 @@ class Job:
                     ends.setdefault(f"was killed by signal {-code} ({_signal_name(-code)})", []).append(r)
                 rank.named = True
         for how, ranks in ends.items():
-            who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+            who = _who(ranks)
             logger.error("%s %s", who, how.replace("was killed", "were killed") if len(ranks) > 1 else how)
 
     def _exit_code(self, returncode: int) -> int:

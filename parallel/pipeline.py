@@ -18,12 +18,15 @@ takes it, not at the ``isend`` (the local engine copies at once, which would hid
 Sends never block, and each rank posts a receive only when its next action needs it, so the
 orders of :mod:`.schedules` (checked by a simulation in the tests) cannot deadlock.
 
-Failures: a stage whose forward, backward or loss raises, or whose output changes shape, raises
+Failures: a stage whose forward, backward or loss raises, or whose output changes shape or
+dtype (checked where it leaves the stage, also towards a stage of the same rank), raises
 :class:`PipelineError` naming the stage and microbatch, and aborts the stage group
 (:meth:`~meshkit.comm.ProcessGroup.abort`), so that the other ranks' waits fail at once
 instead of hanging until the timeout. The first step checks, in one collective over the group,
 that every rank built the same schedule with the same ``num_stages`` and ``n_microbatches``
-(ranks that differ would scale gradients wrongly or wait for transfers that never come).
+(ranks that differ would scale gradients wrongly or wait for transfers that never come), and
+that the last stage's ``target`` has as many samples as the first stage's ``x`` (on every
+rank: the collective carries both); later steps check ``target`` against that batch.
 """
 
 from __future__ import annotations
@@ -61,6 +64,12 @@ def _integer(value: Any) -> int | None:
         return operator.index(value)
     except TypeError:
         return None
+
+
+def _batch(a: Any) -> int | None:
+    """The size of ``a``'s batch axis (axis 0), or None for what has none (refused later)."""
+    shape = getattr(a, "shape", None)
+    return int(shape[0]) if shape else None
 
 
 def _rank(group: ProcessGroup) -> str:
@@ -210,19 +219,34 @@ class PipelineStage:
         raise PipelineError(text) from cause
 
     # ----------------------------------------------------------------- transfers
-    def send_activation(self, mb: int, y: Any) -> list[Work]:
-        """Start sending ``y`` (microbatch ``mb``'s output) to the next stage."""
-        works = []
+    def check_output(self, mb: int, y: Any) -> bool:
+        """Learn the output's shape and dtype from the first microbatch (True then), or fail,
+        naming this stage, if ``y`` has others: checked here, where the activation leaves the
+        stage, whether it crosses to another rank or to a stage of this rank."""
         spec = (tuple(y.shape), np.dtype(y.dtype))
         if self.output_spec is None:
             self.output_spec = spec
             self._xp = array_namespace(y)
-            header = _header(spec, on_device=self._xp is not np)
-            works.append(self.group.isend(header, self.next_rank, _tag(HEADER, self.stage_index + 1)))
-        elif spec != self.output_spec:
+            return True
+        if spec != self.output_spec:
             self.fail(f"stage {self.stage_index}: the output of microbatch {mb} has shape {spec[0]} and dtype "
                       f"{spec[1]}; the first microbatch's had {self.output_spec[0]} and {self.output_spec[1]} "
                       "(activations crossing a stage boundary must keep their shape)")
+        return False
+
+    def check_input_gradient(self, mb: int, dx: Any) -> None:
+        """``dx`` must be shaped as the input it is the gradient of (fails naming this stage)."""
+        if dx is None or tuple(dx.shape) != self.input_spec[0] or np.dtype(dx.dtype) != self.input_spec[1]:
+            got = "None" if dx is None else f"shape {tuple(dx.shape)} and dtype {dx.dtype}"
+            self.fail(f"stage {self.stage_index}: backward of microbatch {mb} returned dx with {got}; the input "
+                      f"had shape {self.input_spec[0]} and dtype {self.input_spec[1]}")
+
+    def send_activation(self, mb: int, y: Any) -> list[Work]:
+        """Start sending ``y`` (microbatch ``mb``'s output) to the next stage."""
+        works = []
+        if self.check_output(mb, y):
+            header = _header(self.output_spec, on_device=self._xp is not np)
+            works.append(self.group.isend(header, self.next_rank, _tag(HEADER, self.stage_index + 1)))
         self._check_engine(y)
         y = y if y.flags.c_contiguous else self._xp.ascontiguousarray(y)
         works.append(self._send(y, self.next_rank, _tag(ACTIVATION, self.stage_index + 1)))
@@ -251,10 +275,7 @@ class PipelineStage:
 
     def send_gradient(self, mb: int, dx: Any) -> list[Work]:
         """Start sending ``dx`` (the gradient of microbatch ``mb``'s input) to the previous stage."""
-        if dx is None or tuple(dx.shape) != self.input_spec[0] or np.dtype(dx.dtype) != self.input_spec[1]:
-            got = "None" if dx is None else f"shape {tuple(dx.shape)} and dtype {dx.dtype}"
-            self.fail(f"stage {self.stage_index}: backward of microbatch {mb} returned dx with {got}; the input "
-                      f"had shape {self.input_spec[0]} and dtype {self.input_spec[1]}")
+        self.check_input_gradient(mb, dx)
         self._check_engine(dx)
         dx = dx if dx.flags.c_contiguous else self._xp.ascontiguousarray(dx)
         return [self._send(dx, self.prev_rank, _tag(GRADIENT, self.stage_index - 1))]
@@ -333,6 +354,7 @@ class PipelineSchedule:
         self._mail: dict[tuple[int, int, int], Any] = {}  # transfers between two stages of this rank
         self.actions = self._order()
         self._agreed = False
+        self._batch: int | None = None  # x's batch size at the first step (see _agree)
 
     def _order(self) -> list[Action]:
         raise NotImplementedError
@@ -349,7 +371,7 @@ class PipelineSchedule:
                 step on every rank, ranks whose schedule, ``num_stages`` or ``n_microbatches`` differ.
         """
         if not self._agreed:
-            self._agree()
+            self._agree(x, target)
         try:
             return self._run(x, target)
         except PipelineError:
@@ -358,12 +380,18 @@ class PipelineSchedule:
             self.group.abort(f"{self.head}.step failed: {type(exc).__name__}: {exc}")
             raise
 
-    def _agree(self) -> None:
+    def _agree(self, x: Any, target: Any) -> None:
         """At the first step, every rank checks that all build the same pipeline (one collective):
-        ranks with other microbatch counts would scale gradients wrongly or wait forever."""
+        ranks with other microbatch counts would scale gradients wrongly or wait forever. The same
+        collective brings x's batch size (from the first stage's rank) to every rank, so that a
+        target of another batch size fails on every rank: ``loss_fn`` would otherwise pair each
+        microbatch with a slice of another size, and NumPy broadcasting can hide that."""
         mine = {"schedule": type(self).__name__, "num_stages": self.num_stages, "n_microbatches": self.n_microbatches}
-        everyone: list[Any] = [None] * self.group.size
-        all_gather_object(everyone, mine, group=self.group)
+        held = (_batch(x) if 0 in self._by_index else None,
+                _batch(target) if self.num_stages - 1 in self._by_index else None)
+        gathered: list[Any] = [None] * self.group.size
+        all_gather_object(gathered, (mine, held), group=self.group)
+        everyone = [config for config, _ in gathered]
         for i, theirs in enumerate(everyone[1:], start=1):
             if theirs != everyone[0]:
                 keys = [k for k in mine if theirs[k] != everyone[0][k]]
@@ -372,12 +400,29 @@ class PipelineSchedule:
                                      f"{', '.join(f'{k}={everyone[0][k]!r}' for k in keys)} and rank {ranks[i]} "
                                      f"{', '.join(f'{k}={theirs[k]!r}' for k in keys)}; every rank must build the "
                                      "same schedule with the same num_stages and n_microbatches")
+        ranks = self.group.ranks
+        x_at = next(((ranks[i], h[0]) for i, (_, h) in enumerate(gathered) if h[0] is not None), None)
+        t_at = next(((ranks[i], h[1]) for i, (_, h) in enumerate(gathered) if h[1] is not None), None)
+        if x_at is not None and t_at is not None and x_at[1] != t_at[1]:
+            raise DistValueError(self._batch_mismatch(t_at, x_at))
+        self._batch = None if x_at is None else x_at[1]
         self._agreed = True
+
+    def _batch_mismatch(self, t_at: tuple[int, int], x_at: tuple[int, int], *, earlier: bool = False) -> str:
+        x_was = f"had {x_at[1]} at the first step" if earlier else f"has {x_at[1]}"
+        return (f"{self.head}.step: target has {t_at[1]} samples along axis 0 (on rank {t_at[0]}, the last stage's) "
+                f"but x {x_was} (on rank {x_at[0]}, the first stage's); each microbatch's target must be that "
+                f"microbatch's: pass a target of {x_at[1]} samples")
 
     def _run(self, x: Any, target: Any) -> list[Any] | None:
         first, last = self._by_index.get(0), self._by_index.get(self.num_stages - 1)
         xs = self._split("x", x) if first is not None else None
         ts = self._split("target", target) if last is not None else None
+        if last is not None:  # after the first step: against x here, or x's batch at the first step
+            x_at = (self.group.global_rank, x.shape[0]) if first is not None else (self.group.ranks[0], self._batch)
+            if self._batch is not None and target.shape[0] != x_at[1]:
+                raise DistValueError(self._batch_mismatch((self.group.global_rank, target.shape[0]), x_at,
+                                                          earlier=first is None))
         losses: list[Any] = [None] * self.n_microbatches
         pending: dict[int, Any] = {}  # last stage: microbatch -> scaled d_output
         sends: list[Work] = []
@@ -441,6 +486,8 @@ class PipelineSchedule:
         nxt = self._local_next(stage)
         if nxt is None:
             return stage.send_activation(mb, y)
+        if stage.check_output(mb, y):  # as a send would: a changed output names this stage, not the next
+            nxt.input_spec = stage.output_spec
         self._mail[(ACTIVATION, nxt.stage_index, mb)] = y
         return []
 
@@ -448,6 +495,7 @@ class PipelineSchedule:
         prev = self._by_index.get(stage.stage_index - 1) if stage.prev_rank == self.group.rank else None
         if prev is None:
             return stage.send_gradient(mb, dx)
+        stage.check_input_gradient(mb, dx)
         self._mail[(GRADIENT, prev.stage_index, mb)] = dx
         return []
 

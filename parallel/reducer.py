@@ -15,11 +15,13 @@ next synchronized pass reduces the sum.
 No gradient passes as averaged when it is not:
 
 - Reading or writing ``grads[name]`` before marking it is how a gradient is filled. Once it is
-  marked in a synchronized pass it is being reduced: reading it then finishes the pass
-  (``finish_gradient_sync()``) if every gradient is marked, and raises otherwise, naming the
-  gradient and the unmarked ones. So ``optimizer.step(ddp.params, ddp.grads)`` right after the
-  last ``mark_grad_ready`` is correct, and one after an incomplete pass raises. ZeRO's
-  ``step()``, ``grad_shards()`` and ``clip_grad_norm_()`` do the same.
+  marked in a synchronized pass it is being reduced, and only ``finish_gradient_sync()`` (or
+  ``sync_gradients()``) ends the pass: reading it before that raises, naming the gradient (and
+  the unmarked ones, if any) and ``finish_gradient_sync()``, and changes nothing. Reading never
+  communicates, so a rank that reads (to log a norm, say) cannot run a collective the others do
+  not, and the explicit finish that follows is always the one that ends the pass (issue 23.4:
+  a read that finished the pass left the next finish to refuse and zero the averages). ZeRO's
+  ``step()``, ``grad_shards()`` and ``clip_grad_norm_()`` refuse alike.
 - A sync fails on every rank or on none. A rank whose pass is incomplete still launches every
   bucket, so the ranks' collectives stay aligned; then one small all-reduce per sync tells
   every rank whether any rank failed, and all raise, naming the failing ranks and the gradients
@@ -300,8 +302,8 @@ class GradientReducer:
         return [n for bucket in self._buckets.buckets for n in bucket.names if n in bucket.ready]
 
     def _before_read(self, name: str | None, op: str) -> None:
-        """Before gradients are used as averaged (``grads[name]``, ZeRO's step...): finish a pass
-        whose every gradient is marked; raise if the pass is incomplete or the last sync failed."""
+        """Before gradients are used as averaged (``grads[name]``, ZeRO's step...): raise if a
+        synchronized pass is not finished or the last sync failed. Changes nothing (no collective)."""
         if self._failed is not None:
             raise DistValueError(f"{self._where(op)}: {self._failed}; the gradients of that pass were discarded: "
                                  "call zero_grad() and run the backward pass again")
@@ -310,13 +312,15 @@ class GradientReducer:
         if name is None and not self._marked():
             return
         unready = self._buckets.unready()
+        what = f"gradient {name!r} is" if name is not None else "gradients are"
         if unready:
-            what = f"gradient {name!r} is" if name is not None else "gradients are"
             raise DistValueError(
                 f"{self._where(op)}: {what} being reduced and the backward pass is not finished: gradients "
                 f"{unready} are not marked ready; mark them and call finish_gradient_sync() before using gradients "
                 "(with find_unused_parameters=True, finish_gradient_sync() reduces unmarked ones as they are)")
-        self.finish_gradient_sync()
+        raise DistValueError(
+            f"{self._where(op)}: {what} being reduced: every gradient is marked ready but the sync is not "
+            "finished; call finish_gradient_sync() before using gradients (reading them does not finish it)")
 
     def sync_gradients(self) -> None:
         """Mark every gradient not yet marked ready, then :meth:`finish_gradient_sync`.

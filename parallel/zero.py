@@ -19,8 +19,8 @@ shard and keeps optimizer state for it only. The gradient interface is DDP's
   parameter larger than the bucket cap gets a bucket of its own, so for a model of few, large
   tensors this saves little: lower ``bucket_cap_mb`` cannot split a tensor.
 
-``step()`` uses only averaged gradients: it finishes a pass whose every gradient is marked, and
-raises (on every rank alike) for an incomplete pass, a failed sync, gradients accumulated under
+``step()`` uses only averaged gradients: it raises (on every rank alike) for a synchronized pass
+not ended by ``finish_gradient_sync()``, a failed sync, gradients accumulated under
 ``no_sync()`` only, or no synchronized pass since ``zero_grad()``. Gradients written into
 ``grads`` but never marked ready cannot be seen, and are not detected.
 
@@ -188,13 +188,11 @@ class ZeroRedundancyOptimizer(GradientReducer, ShardedStrategy):
     def step(self) -> None:
         """Update this rank's shard of every flat buffer, then all-gather the parameters in place.
 
-        If every gradient of the current pass is marked, the pass is finished first (as
-        ``finish_gradient_sync()``).
-
         Raises:
-            DistValueError: the gradients are not averaged: the pass is incomplete, the last
-                sync failed, gradients were accumulated under ``no_sync()`` only, or no
-                synchronized pass ran since ``zero_grad()`` (or construction).
+            DistValueError: the gradients are not averaged: gradients were marked ready and
+                ``finish_gradient_sync()`` was not called since, the last sync failed, gradients
+                were accumulated under ``no_sync()`` only, or no synchronized pass ran since
+                ``zero_grad()`` (or construction).
         """
         self._settle("step")
         if not self._averaged:
@@ -226,7 +224,7 @@ class ZeroRedundancyOptimizer(GradientReducer, ShardedStrategy):
         return dict(self._grad_shards)
 
     def _settle(self, op: str) -> None:
-        """Gradients are about to be used as averaged: finish a complete pass, refuse others."""
+        """Gradients are about to be used as averaged: refuse unless a synchronized pass finished."""
         self._before_read(None, op)
         if self._marked():  # inside no_sync(): _before_read leaves those
             raise DistValueError(f"{self._where(op)}: gradients marked ready inside no_sync() are local sums, not "

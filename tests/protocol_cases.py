@@ -65,18 +65,28 @@ def raises_everywhere(match: str, exc=ValueError):
 
 # ---------------------------------------------------------------------------- 1: reading early
 
-def read_before_finish_completes_the_sync(kind: str) -> None:
-    """Every gradient marked, no finish_gradient_sync(): reading them (DDP's grads, ZeRO's step)
-    finishes the sync, so the result is the average, not a half-reduced mix."""
+def read_before_finish_changes_nothing(kind: str, steps: int = 3) -> None:
+    """Issue 23.4: every gradient marked, no finish_gradient_sync(): using the gradients (DDP's
+    grads, ZeRO's step(), grad_shards() and clip_grad_norm_()) raises, naming finish_gradient_sync(),
+    and changes nothing, so the explicit finish that follows averages them. Objects kept across
+    steps, as in a training loop; the last rank alone also reads (a read never communicates)."""
     rank, n = meshkit.get_rank(), meshkit.get_world_size()
     model = make(kind)
-    model.zero_grad()
-    for name in reversed(list(params())):
-        model.mark_grad_ready(name, grad(name, rank))
-    got = grads_of(model)
-    for name, g in got.items():
-        np.testing.assert_array_equal(g, np.full(g.shape, expected(n)), err_msg=f"{kind} {name}")
-    assert model.iteration == 1
+    unfinished = r"being reduced: every gradient is marked ready but the sync is not finished; call " \
+                 r"finish_gradient_sync\(\) before using gradients"
+    for step in range(steps):
+        model.zero_grad()
+        for name in reversed(list(params())):
+            model.mark_grad_ready(name, grad(name, rank))
+        reads = [lambda: model.grads["c"], lambda: dict(model.grads)] if kind.startswith("ddp") else \
+            [model.step, model.grad_shards, lambda: model.clip_grad_norm_(1e9)]
+        for read in reads if step != 1 else reads[:1] if rank == n - 1 else []:
+            with raises_everywhere(unfinished):
+                read()
+        model.finish_gradient_sync()
+        assert model.iteration == step + 1
+        for name, g in grads_of(model).items():
+            np.testing.assert_array_equal(g, np.full(g.shape, expected(n)), err_msg=f"{kind} {name} step {step}")
 
 
 def read_in_incomplete_pass_raises(kind: str) -> None:
@@ -408,7 +418,7 @@ CROSS_RANK = [
     *(lambda kind=kind: different_order_across_ranks_raises(kind) for kind in ("ddp", "zero1", "fsdp")),
     *(lambda kind=kind: bad_argument_on_one_rank_raises_everywhere(kind) for kind in ("ddp", "zero2", "fsdp")),
     settings_differing_across_ranks_raise,
-    *(lambda kind=kind: read_before_finish_completes_the_sync(kind) for kind in KINDS),
+    *(lambda kind=kind: read_before_finish_changes_nothing(kind) for kind in KINDS),
 ]
 
 

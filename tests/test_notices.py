@@ -106,6 +106,53 @@ def test_a_rank_that_ends_after_its_last_call_fails_nobody():
     assert all((x == 2).all() for x in local.run(body, 2, timeout=30))
 
 
+def _ddp_rank_leaves_with_buckets_in_flight(late: bool):
+    """Rank 2 launches two of four DDP buckets and returns; the others finish the sync (issue 23.5)."""
+    from meshkit.parallel import DistributedDataParallel
+    params = {f"p{i}": np.zeros(1000) for i in range(4)}
+    ddp = DistributedDataParallel(params, bucket_cap_mb=0.004, first_bucket_cap_mb=0.004)  # a bucket each
+    names = list(reversed(list(params)))
+    ddp.zero_grad()
+    if meshkit.get_rank() == 2:
+        for name in names[:2]:
+            ddp.mark_grad_ready(name, np.ones(1000))  # two buckets launched
+        return None
+    if late:
+        time.sleep(1.5)  # a longer forward pass: rank 2 gave up waiting for its buckets and left
+
+    def backward():
+        for name in names:
+            ddp.mark_grad_ready(name, np.ones(1000))
+        ddp.finish_gradient_sync()
+    return timed(backward)
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["others-in-the-calls", "others-late"])
+def test_a_rank_that_ends_with_async_collectives_in_flight_is_named(late):
+    """Its LEFT notice counts only the calls it completed: the others fail at once, not at the timeout."""
+    results = local.run(_ddp_rank_leaves_with_buckets_in_flight, 3, late, timeout=60)
+    calls = 3 if late else 5  # 3 at construction, then the buckets that completed before it left
+    unfinished = ", leaving 2 asynchronous collective(s) unfinished" if late else ""
+    for rank in (0, 1):
+        error, elapsed = results[rank]
+        assert isinstance(error, meshkit.DistError) and elapsed < 5, (error, elapsed)
+        assert f"cannot complete: rank 2 left the job (it destroyed its process group, after {calls} calls on the " \
+               f"world group{unfinished})" in str(error), error
+
+
+def test_a_rank_that_skips_new_group_is_named():
+    def body():
+        if meshkit.get_rank() == 2:
+            return None  # never calls new_group
+        return timed(lambda: meshkit.new_group([0, 1]))
+    results = local.run(body, 3, timeout=60)
+    for rank in (0, 1):
+        error, elapsed = results[rank]
+        assert isinstance(error, meshkit.RankFailedError) and elapsed < 5, (error, elapsed)
+        assert f"rank {rank}: call #0 on group world (ranks [0, 1, 2]) cannot complete: rank 2 left the job" in \
+            str(error), error
+
+
 @pytest.mark.parametrize("op", ["broadcast_object_list", "all_gather_object", "gather_object"])
 def test_an_object_that_cannot_be_pickled_fails_the_call_on_every_rank(op):
     def body():
@@ -198,6 +245,38 @@ def test_real_processes_a_rank_that_exits_cleanly_while_others_wait(mpirun):
         name, elapsed, message = reports[rank]
         assert name == "RankFailedError" and elapsed < 5, reports[rank]
         assert "rank 1 left the job (its script ended, after 0 calls on the world group)" in message
+
+
+@pytest.mark.parametrize("case", ["ddp-exit", "ddp-exit-late"])
+def test_real_processes_a_rank_that_exits_with_ddp_buckets_in_flight(mpirun, case):
+    """Issue 23.5: sys.exit(0) with buckets in flight; the others named it within seconds (timeout
+    60 s), and the launcher says the rank is stuck exiting, not running."""
+    start = time.monotonic()
+    proc = mpirun("mpi_notices.py", 3, case, timeout=60, check=False)
+    assert proc.returncode == 1 and time.monotonic() - start < 30, (proc.returncode, proc.stdout, proc.stderr)
+    reports = _reports(proc.stdout)
+    calls = 3 if case == "ddp-exit-late" else 5  # 3 at construction, then the buckets completed before it left
+    for rank in (0, 2):
+        name, elapsed, message = reports[rank]
+        assert name in ("RankFailedError", "DistError") and elapsed < 5, reports[rank]
+        unfinished = ", leaving 2 asynchronous collective(s) unfinished" if case == "ddp-exit-late" else ""
+        assert f"cannot complete: rank 1 left the job (its script ended, after {calls} calls on the world group" \
+               f"{unfinished})" in message, message
+    assert "killing the job (rank 1 finished its script but has not exited: stuck in MPI_Finalize or an atexit " \
+           "handler)" in proc.stderr, proc.stderr
+
+
+def test_real_processes_a_rank_that_skips_new_group(mpirun):
+    start = time.monotonic()
+    proc = mpirun("mpi_notices.py", 3, "split-skip", timeout=60, check=False)
+    assert proc.returncode == 1 and time.monotonic() - start < 30, (proc.returncode, proc.stdout, proc.stderr)
+    reports = _reports(proc.stdout)
+    for rank in (0, 2):
+        name, elapsed, message = reports[rank]
+        assert name == "RankFailedError" and elapsed < 5, reports[rank]
+        assert f"rank {rank}: call #0 on group world (ranks [0, 1, 2]) cannot complete: rank 1 left the job (its " \
+               "script ended, after 0 calls on the world group)" in message, message
+    assert "killing the job (rank 1 finished its script but has not exited" in proc.stderr, proc.stderr
 
 
 def test_real_processes_receives_of_the_wrong_size_and_sends_to_oneself(mpirun):

@@ -242,24 +242,38 @@ def test_a_buffer_goes_back_to_its_pool_only_once_its_send_completed(kinds, sche
 
 
 # --------------------------------------------------------------------------- bad input and failures
-def _failing_run(p: int, make_fns, m: int = 2, batch: int = 4, loss_fn=cases.loss_fn):
-    """Every rank's exception (type name, text) and how long the run took."""
-    ps = cases.params(p)
-    x, t = cases.data(batch)
+def _steps(p: int, v: int, m: int, x, targets, make_fns=None, loss_fn=cases.loss_fn):
+    """Steps of one pipeline (objects kept across steps) with ``targets[i]`` at step i on ``p`` ranks,
+    ``v`` stages each; every rank's losses per step, or its exception (type name, text) and the
+    seconds the run took."""
+    num_stages = p * v
+    ps = cases.params(num_stages)
 
     def body():
         r = meshkit.get_rank()
-        grads = {k: np.zeros_like(a) for k, a in ps[r].items()}
-        stage = PipelineStage(*make_fns(r, ps[r], grads), r, p)
+        mine = [r + i * p for i in range(v)]
+        grads = {s: {k: np.zeros_like(a) for k, a in ps[s].items()} for s in mine}
+        stages = [PipelineStage(*(make_fns or (lambda s, q, g: cases.stage_fns(q, g)))(s, ps[s], grads[s]), s,
+                                num_stages) for s in mine]
+        schedule = ScheduleInterleaved1F1B(stages, m, loss_fn) if v > 1 else Schedule1F1B(stages[0], m, loss_fn)
+        out = []
         try:
-            Schedule1F1B(stage, m, loss_fn).step(x if r == 0 else None, target=t if r == p - 1 else None)
+            for t in targets:
+                out.append(schedule.step(x if r == 0 else None, target=t if (num_stages - 1) % p == r else None))
         except DistError as exc:
             return type(exc).__name__, str(exc)
-        return None
+        return out
 
     start = time.monotonic()
     results = local.run(body, p, timeout=30)
     return results, time.monotonic() - start
+
+
+def _failing_run(p: int, make_fns, m: int = 2, batch: int = 4, loss_fn=cases.loss_fn):
+    """Every rank's exception (type name, text; None if it had none) and how long the run took."""
+    x, t = cases.data(batch)
+    results, took = _steps(p, 1, m, x, [t], make_fns, loss_fn)
+    return [r if isinstance(r, tuple) else None for r in results], took
 
 
 def test_a_stage_raising_in_its_forward_names_stage_and_microbatch_and_the_others_end():
@@ -345,21 +359,71 @@ def test_ranks_that_build_different_pipelines_fail_on_every_rank_at_the_first_st
                 "with the same num_stages and n_microbatches") in text
 
 
-def test_an_activation_that_changes_shape_is_named():
-    def make(r, p, g):
-        fwd, bwd = cases.stage_fns(p, g)
+@pytest.mark.parametrize("p, v", [(2, 1), (3, 1), (1, 2), (2, 2)])
+def test_a_target_of_another_batch_than_x_fails_on_every_rank(p, v):
+    """Issue 23.7: x of 8 samples, target of 4, 4 microbatches: the loss's broadcasting (a (2, 5)
+    output minus a (1, 5) target) would hide it; every rank raises at the first step."""
+    x, t = cases.data(8)
+    results, took = _steps(p, v, 4, x, [t[:4]])
+    last = (p * v - 1) % p
+    for r, result in enumerate(results):
+        assert result == ("DistValueError", f"meshkit.parallel: rank {r}: "
+                          f"{'ScheduleInterleaved1F1B' if v > 1 else 'Schedule1F1B'}.step: target has 4 samples along "
+                          f"axis 0 (on rank {last}, the last stage's) but x has 8 (on rank 0, the first stage's); "
+                          "each microbatch's target must be that microbatch's: pass a target of 8 samples"), result
+    assert took < 10
+
+
+def test_a_target_of_another_batch_at_a_later_step_fails_on_every_rank():
+    x, t = cases.data(8)
+    results, took = _steps(2, 1, 4, x, [t, t, t[:4]])
+    assert results[1] == ("DistValueError", "meshkit.parallel: rank 1: Schedule1F1B.step: target has 4 samples along "
+                          "axis 0 (on rank 1, the last stage's) but x had 8 at the first step (on rank 0, the first "
+                          "stage's); each microbatch's target must be that microbatch's: pass a target of 8 samples")
+    assert results[0][0] == "RankFailedError" and "rank 1: Schedule1F1B.step failed: DistValueError: " \
+        "meshkit.parallel: rank 1: Schedule1F1B.step: target has 4 samples" in results[0][1], results[0]
+    assert took < 10
+    (first, last), _ = _steps(2, 1, 4, x, [t, t])  # the same target each step is fine
+    assert first == [None, None] and [len(losses) for losses in last] == [4, 4], (first, last)
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype"])
+@pytest.mark.parametrize("p, v", [(1, 2), (2, 1), (2, 2)])
+def test_a_stage_that_changes_its_output_is_named_not_the_next_one(p, v, change):
+    """Stage 0 changes its output at microbatch 1: with two stages on one rank (p=1) the activation
+    goes through memory, and the next stage's matmul failed (shape) or took float32 (dtype)."""
+    def make(s, q, g):
+        fwd, bwd = cases.stage_fns(q, g)
         calls = []
 
-        def forward(x):
+        def forward(a):
             calls.append(1)
-            y, ctx = fwd(x)
-            return (y[:, :3] if r == 0 and len(calls) == 2 else y), ctx
+            y, ctx = fwd(a)
+            if s == 0 and len(calls) == 2:
+                y = y[:, :3] if change == "shape" else y.astype(np.float32)
+            return y, ctx
         return forward, bwd
 
-    results, took = _failing_run(2, make)
-    assert results[0][0] == "PipelineError" and ("stage 0: the output of microbatch 1 has shape (2, 3) and dtype "
-                                                 "float64; the first microbatch's had (2, 5)") in results[0][1]
-    assert results[1] is not None and took < 10
+    x, t = cases.data(4)
+    results, took = _steps(p, v, 2, x, [t], make)
+    got = "(2, 3) and dtype float64" if change == "shape" else "(2, 5) and dtype float32"
+    assert results[0] == ("PipelineError", f"meshkit.parallel: rank 0: pipeline stage 0: the output of microbatch 1 "
+                          f"has shape {got}; the first microbatch's had (2, 5) and float64 (activations crossing a "
+                          "stage boundary must keep their shape)"), results
+    assert all(r is not None and "stage 0: the output of microbatch 1" in r[1] for r in results[1:]), results
+    assert took < 10
+
+
+def test_a_backward_whose_dx_is_unlike_the_input_is_named_on_one_rank_too():
+    """Two stages on one rank: stage 1's dx goes to stage 0 through memory and is checked as a send is."""
+    def make(s, q, g):
+        fwd, bwd = cases.stage_fns(q, g)
+        return fwd, (lambda ctx, dy: bwd(ctx, dy)[:, :2]) if s == 1 else bwd
+
+    x, t = cases.data(4)
+    (result,), _ = _steps(1, 2, 2, x, [t], make)
+    assert result[0] == "PipelineError" and "pipeline stage 1: backward of microbatch 0 returned dx with shape " \
+        "(2, 2) and dtype float64; the input had shape (2, 5) and dtype float64" in result[1], result
 
 
 def test_a_forward_that_does_not_return_y_and_ctx_is_named():
@@ -484,6 +548,7 @@ def test_construction_errors_name_the_problem():
 def test_pipelines_under_meshkit_run(mpirun):
     out = mpirun("mpi_pipeline.py", 2).stdout
     assert out.count("pipeline OK") == 2 and out.count("failure ended the other stage") == 2, out
+    assert out.count("target of another batch refused") == 2, out
 
 
 def test_stages_that_return_their_buffers_under_meshkit_run(mpirun):

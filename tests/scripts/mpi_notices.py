@@ -63,6 +63,31 @@ elif case == "recv-dtype":  # run with MESHKIT_DEBUG=detail: the same bytes, ano
         y = np.zeros(3)
         report(lambda: meshkit.recv(y, src=0))
         print(f"RECEIVED {rank} {y.tolist()}", flush=True)
+elif case in ("ddp-exit", "ddp-exit-late"):
+    # Issue 23.5: rank 1 leaves with DDP buckets in flight; the others finish the sync.
+    from meshkit.parallel import DistributedDataParallel
+    params = {f"p{i}": np.zeros(1000) for i in range(4)}
+    ddp = DistributedDataParallel(params, bucket_cap_mb=0.004, first_bucket_cap_mb=0.004)  # a bucket each
+    names = list(reversed(list(params)))
+    ddp.zero_grad()
+    if rank == 1:
+        for name in names[:2]:
+            ddp.mark_grad_ready(name, np.ones(1000))  # two buckets launched
+        sys.exit(0)
+    if case == "ddp-exit-late":
+        time.sleep(2)  # a longer forward pass: rank 1 gave up waiting for its buckets and left
+
+    def backward():
+        for name in names:
+            ddp.mark_grad_ready(name, np.ones(1000))
+        ddp.finish_gradient_sync()
+    report(backward)
+    ddp.finish_gradient_sync()  # uncaught, as in a script: the job ends with the error
+elif case == "split-skip":
+    if rank == 1:
+        sys.exit(0)  # skips new_group
+    report(lambda: meshkit.new_group([0, 2]))
+    meshkit.new_group([0, 2])
 elif case == "uncaught":
     if rank == 1:
         time.sleep(0.3)

@@ -33,6 +33,19 @@ for kind, v, m in [("1f1b", 1, 5), ("gpipe", 1, 3), ("interleaved", 2, 4)]:
         assert abs(np.mean(losses) - ref_loss) <= 1e-12 * abs(ref_loss)
 print("pipeline OK", flush=True)
 
+# a target of another batch than x (issue 23.7): refused on every rank at the first step, at once
+x, t = cases.data(8)
+ps = cases.params(p)
+grads = {k: np.zeros_like(a) for k, a in ps[r].items()}
+start = time.monotonic()
+try:
+    Schedule1F1B(PipelineStage(*cases.stage_fns(ps[r], grads), r, p), 4, cases.loss_fn).step(
+        x if r == 0 else None, target=t[:4] if r == p - 1 else None)
+except DistError as exc:
+    assert "target has 4 samples along axis 0" in str(exc) and "but x has 8" in str(exc), exc
+    assert time.monotonic() - start < 10
+    print("target of another batch refused", flush=True)
+
 # a stage that fails: every rank ends with an error, quickly
 ps = cases.params(p)
 grads = {k: np.zeros_like(a) for k, a in ps[r].items()}
@@ -54,4 +67,5 @@ except DistError as exc:
     assert "raised RuntimeError: boom" in str(exc), exc
     assert time.monotonic() - start < 10
     print("failure ended the other stage", flush=True)
+
 meshkit.destroy_process_group()
