@@ -12,7 +12,7 @@
 #     OUT=/some/folder bash benchmarks/gpu_check.sh
 #     bash benchmarks/gpu_check.sh --report-only DIR    # only the verdict of DIR (see below)
 #
-# Setup: a venv `python3 -m venv --system-site-packages` ($MESHKIT_GPU_VENV, default $OUT/venv; the
+# Setup: a venv `python3 -m venv --system-site-packages` ($MESHKIT_GPU_VENV, default /tmp/meshkit-gpu-venv; the
 # system's CuPy and NCCL stay visible) with mpich, mpi4py, pytest, pytest-timeout, hypothesis and
 # ml_dtypes installed by pip (not `pip --target`, which drops the mpich wheel's libmpi.so.12); with
 # MESHKIT_WHEELS=DIR pip installs from the wheels in DIR only (a machine without network).
@@ -31,9 +31,13 @@
 #      if it takes --device (it does not yet: SKIP with the reason);
 #   5. the verdict: one line per point of issue 24 (`POINT n: PASS|FAIL|SKIP (reason)`; steps 0, 3
 #      and 4 are point 9), then `VERDICT: PASS|FAIL|NOT VERIFIED (...)`.
+# GPU_CHECK_STEPS="2" (or "3 4", ...) runs only those steps, appending to the results already in
+# $OUT, for machines that limit one command's time (the whole run takes about 15 minutes); the
+# verdict always comes last.
 # Results: $OUT (else a temp folder): results.jsonl (one record per check and step), a log per
-# pytest file and benchmark, the benchmarks' JSON, and this whole log. Exit status: 0 when every
-# point passed, 1 when one failed, 2 when nothing failed but some point was not verified.
+# pytest file and benchmark, the benchmarks' JSON, this whole log, and all of them again in
+# gpu-check.tar.gz (one file to bring back). Exit status: 0 when every point passed, 1 when one
+# failed, 2 when nothing failed but some point was not verified.
 # --report-only DIR: record every DIR/pytest-*.log (exit status in the .rc beside it) as step 3
 # does, then print step 5 for DIR/results.jsonl; runs nothing else (how the tests check it).
 
@@ -63,7 +67,7 @@ if [ "${1:-}" = "--report-only" ]; then
     for log in "$DIR"/pytest-*.log; do
         [ -e "$log" ] || continue
         name=$(basename "$log" .log)
-        record_pytest "${name#pytest-}" "$log" "$(cat "${log%.log}.rc")"
+        record_pytest "pytest ${name#pytest-}" "$log" "$(cat "${log%.log}.rc")"
     done
     verdict
     exit $?
@@ -72,22 +76,25 @@ fi
 OUTDIR=${OUT:-$(mktemp -d /tmp/meshkit-gpu-check.XXXXXX)}
 mkdir -p "$OUTDIR"
 RESULTS=$OUTDIR/results.jsonl
-: >"$RESULTS"
+STEPS=" ${GPU_CHECK_STEPS:-0 1 2 3 4} "
+if [ -z "${GPU_CHECK_STEPS:-}" ]; then : >"$RESULTS"; fi
+step() { [[ $STEPS == *" $1 "* ]]; }  # step N: was it asked for
 exec > >(tee -a "$OUTDIR/gpu_check.log") 2>&1
 
 section "0. setup"
 if [ -n "${PYTHON:-}" ]; then
     PY=$PYTHON
     echo "PYTHON=$PY: no venv, nothing installed"
-    record "setup" 9 PASS "PYTHON=$PY as it is"
+    if step 0; then record "setup" 9 PASS "PYTHON=$PY as it is"; fi
 else
-    VENV=${MESHKIT_GPU_VENV:-$OUTDIR/venv}
+    VENV=${MESHKIT_GPU_VENV:-/tmp/meshkit-gpu-venv}
     PIP_FROM=()
     if [ -n "${MESHKIT_WHEELS:-}" ]; then PIP_FROM=(--no-index --find-links "$MESHKIT_WHEELS"); fi
     if [ ! -x "$VENV/bin/python" ]; then python3 -m venv --system-site-packages "$VENV"; fi
     PY=$VENV/bin/python
     "$PY" -m pip install -q "${PIP_FROM[@]}" mpich mpi4py pytest pytest-timeout hypothesis ml_dtypes
-    record_status "setup (venv $VENV: mpich mpi4py pytest hypothesis ml_dtypes)" 9 $?
+    rc=$?
+    if step 0; then record_status "setup (venv $VENV: mpich mpi4py pytest hypothesis ml_dtypes)" 9 $rc; fi
 fi
 
 # meshkit from this checkout: the repository root IS the package, so a link named meshkit to it.
@@ -107,6 +114,7 @@ if [ -z "${MESHKIT_MPIEXEC:-}" ] && command -v mpiexec >/dev/null; then
     export MESHKIT_MPIEXEC
 fi
 
+if step 1; then
 section "1. machine and versions"
 echo "repo: $REPO ($(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo 'no git')), results: $OUTDIR"
 echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
@@ -147,11 +155,15 @@ for name in ("ml_dtypes", "torch", "pytest", "hypothesis"):
 show("meshkit", lambda: importlib.import_module("meshkit").__file__)
 EOF
 record_status "versions" 9 $?
+fi
 
+if step 2; then
 section "2. issue 24, points 1-8 (benchmarks/gpu_acceptance.py)"
 timeout 3000 "$PY" "$ACCEPT" --point all --results "$RESULTS"
 echo "(gpu_acceptance.py exit $?)"
+fi
 
+if step 3; then
 section "3. GPU tests (one pytest process per file)"
 for f in tests/test_nccl.py tests/test_mpi_device.py tests/test_device_mesh_cuda.py; do
     log="$OUTDIR/pytest-$(basename "$f" .py).log"
@@ -161,7 +173,9 @@ for f in tests/test_nccl.py tests/test_mpi_device.py tests/test_device_mesh_cuda
     echo "$rc" >"${log%.log}.rc"
     record_pytest "pytest $f" "$log" "$rc"
 done
+fi
 
+if step 4; then
 section "4. benchmarks --device cuda"
 COMMON=(--min-bytes 8 --max-bytes 256M --no-progress)
 run_bench() {  # run_bench NAME TIMEOUT COMMAND...   (its output also in $OUTDIR/<name>.txt)
@@ -188,8 +202,10 @@ if "$PY" benchmarks/ddp.py --help 2>/dev/null | grep -q -- "--device"; then
 else
     record "ddp benchmark" 9 SKIP "benchmarks/ddp.py takes no --device: the DDP benchmark runs on CPU only"
 fi
+fi
 
 verdict
 status=$?
-echo "results and this log: $OUTDIR"
+tar czf "$OUTDIR/gpu-check.tar.gz" -C "$OUTDIR" --exclude=gpu-check.tar.gz . 2>/dev/null
+echo "results and this log: $OUTDIR (all of it in $OUTDIR/gpu-check.tar.gz)"
 exit $status

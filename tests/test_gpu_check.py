@@ -78,29 +78,29 @@ def test_the_report_says_skipped_for_a_file_whose_every_test_skipped(pytest_runs
     lines = proc.stdout.splitlines()
 
     def line(name: str) -> str:
-        found = [x for x in lines if x.startswith(name + " ")]
+        found = [x for x in lines if x.startswith(f"pytest {name} ")]
         assert len(found) == 1, proc.stdout + proc.stderr
         return found[0]
 
-    assert re.fullmatch(r"all_passed +PASS \(2 passed in [\d.]+s\)", line("all_passed")), line("all_passed")
-    assert re.fullmatch(r"some_failed +FAIL \(exit 1: 1 failed, 1 passed in [\d.]+s\)", line("some_failed"))
-    assert line("all_skipped").split()[1] == "SKIP", line("all_skipped")
+    assert re.fullmatch(r"pytest all_passed +PASS \(2 passed in [\d.]+s\)", line("all_passed")), line("all_passed")
+    assert re.fullmatch(r"pytest some_failed +FAIL \(exit 1: 1 failed, 1 passed in [\d.]+s\)", line("some_failed"))
+    assert line("all_skipped").split()[2] == "SKIP", line("all_skipped")
     assert "all 2 tests skipped: no GPU: CuPy sees no CUDA device here" in line("all_skipped")
-    assert re.fullmatch(r"some_skipped +PASS \(1 passed, 1 skipped in [\d.]+s, 1 skipped: needs two GPUs\)",
+    assert re.fullmatch(r"pytest some_skipped +PASS \(1 passed, 1 skipped in [\d.]+s, 1 skipped: needs two GPUs\)",
                         line("some_skipped")), line("some_skipped")
-    assert re.fullmatch(r"none_collected +SKIP \(no tests collected \(no tests ran in [\d.]+s\)\)",
+    assert re.fullmatch(r"pytest none_collected +SKIP \(no tests collected \(no tests ran in [\d.]+s\)\)",
                         line("none_collected")), line("none_collected")
-    assert line("killed") == "killed                                       FAIL (exit 124: no summary line)"
+    assert re.fullmatch(r"pytest killed +FAIL \(exit 124: no summary line\)", line("killed")), line("killed")
     # point 9 (the GPU tests) is neither ok nor passed: a failure and unverified files; 1-8 never ran
-    assert any(x.startswith("POINT 9: FAIL (killed: exit 124: no summary line; some_failed: exit 1: 1 failed, "
-                            "1 passed in ") for x in lines), proc.stdout
+    assert any(x.startswith("POINT 9: FAIL (pytest killed: exit 124: no summary line; pytest some_failed: exit 1: "
+                            "1 failed, 1 passed in ") for x in lines), proc.stdout
     assert "POINT 1: SKIP (no check ran)" in lines
     assert lines[-1] == ("VERDICT: FAIL (points [9] failed; [1, 2, 3, 4, 5, 6, 7, 8] not verified)"), lines[-1]
     assert proc.returncode == 1
     records = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
     assert {r["check"]: r["status"] for r in records} == {
-        "all_passed": "PASS", "some_failed": "FAIL", "all_skipped": "SKIP", "some_skipped": "PASS",
-        "none_collected": "SKIP", "killed": "FAIL"}
+        "pytest all_passed": "PASS", "pytest some_failed": "FAIL", "pytest all_skipped": "SKIP",
+        "pytest some_skipped": "PASS", "pytest none_collected": "SKIP", "pytest killed": "FAIL"}
 
 
 def test_only_skips_make_the_run_not_verified_and_only_passes_make_it_pass(pytest_runs, tmp_path):
@@ -108,17 +108,20 @@ def test_only_skips_make_the_run_not_verified_and_only_passes_make_it_pass(pytes
     for name in ("some_failed", "killed", "none_collected"):
         (out / f"pytest-{name}.log").unlink()
     proc = report_only(out)
-    assert proc.stdout.splitlines()[-2].startswith("POINT 9: SKIP (all_skipped: all 2 tests skipped: no GPU"), \
-        proc.stdout
-    assert proc.stdout.splitlines()[-1].startswith("VERDICT: NOT VERIFIED (points [1, 2, 3, 4, 5, 6, 7, 8, 9]")
+    assert proc.stdout.splitlines()[-2] == (
+        "POINT 9: SKIP (pytest all_skipped: all 2 tests skipped: no GPU: CuPy sees no CUDA device here; collectives: "
+        "benchmarks/collectives.py --device cuda did not run (gpu_check.sh step 4))"), proc.stdout
+    assert proc.stdout.splitlines()[-1] == ("VERDICT: NOT VERIFIED (points [1, 2, 3, 4, 5, 6, 7, 8, 9] not verified; "
+                                            "none passed)")
     assert proc.returncode == 2
 
     records = [{"check": f"c{p}", "point": p, "status": "PASS", "detail": ""} for p in range(1, 9)]
+    records.append({"check": "collectives nccl n=1 sync", "point": 9, "status": "PASS", "detail": ""})
     (out / "pytest-all_skipped.log").unlink()
     (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     proc = report_only(out)
     assert proc.stdout.splitlines()[-1] == "VERDICT: PASS (points [1, 2, 3, 4, 5, 6, 7, 8, 9] verified on this machine)"
-    assert "POINT 9: PASS (2 checks)" in proc.stdout and proc.returncode == 0
+    assert "POINT 9: PASS (3 checks)" in proc.stdout and proc.returncode == 0
 
 
 def test_the_point_verdicts_merge_checks_as_documented():
@@ -207,3 +210,19 @@ def test_a_check_fails_when_its_negative_control_cannot_bite(monkeypatch):
         cuda_runtime.set_runtime(previous)
     assert result["status"] == "FAIL" and result["detail"].startswith(
         "negative control: without Work.wait() the result was already there"), result
+
+
+def test_without_a_gpu_every_point_is_not_verified_never_passed(tmp_path):
+    """The script's real path (steps 0 and 2, PYTHON as it is) where no GPU is visible: each
+    check is SKIP naming why, and the run is NOT VERIFIED (exit 2), with its results bundled."""
+    out = tmp_path / "gc"
+    env = {**__import__("os").environ, "PYTHON": sys.executable, "GPU_CHECK_STEPS": "0 2", "OUT": str(out),
+           "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=300, env=env)
+    lines = proc.stdout.splitlines()
+    for p in range(1, 9):
+        assert any(x.startswith(f"POINT {p}: SKIP (") and "no GPU visible" in x for x in lines), proc.stdout
+    assert "POINT 9: SKIP (pytest: no GPU test file ran (gpu_check.sh step 3); collectives: " in proc.stdout
+    assert lines[-2] == "VERDICT: NOT VERIFIED (points [1, 2, 3, 4, 5, 6, 7, 8, 9] not verified; none passed)"
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert (out / "gpu-check.tar.gz").stat().st_size > 0 and (out / "results.jsonl").exists()
