@@ -175,8 +175,9 @@ def test_ordering_checks_pass_over_the_double_and_their_negative_controls_bite()
     and each negative control ran (the stream wait removed: refused by the double; the read
     without Work.wait(): the old contents; the read after it waited for the long kernel)."""
     proc = dry_run("--point", "8")
-    assert re.search(r"ordering_in +PASS \(\(unordered stream refused: double: allGather: the stream argument is "
-                     "not ordered", check_line(proc.stdout, "ordering_in")), proc.stdout
+    assert re.search(r"ordering_in +PASS \(the collective saw the writes of a kernel still running when it was "
+                     r"called; \(unordered stream refused: double: allGather: the stream argument is not ordered",
+                     check_line(proc.stdout, "ordering_in")), proc.stdout
     assert re.search(r"ordering_out +PASS \(Work.wait\(\) took [\d.]+ ms, the read then waited 1\.[4-9]\d s",
                      check_line(proc.stdout, "ordering_out")), proc.stdout
     assert re.search(r"host_nonblocking +PASS \(nccl: issue [\d.]+ ms, wait [\d.]+ ms, read [3-9]\.\d+ s\)",
@@ -226,3 +227,22 @@ def test_without_a_gpu_every_point_is_not_verified_never_passed(tmp_path):
     assert lines[-2] == "VERDICT: NOT VERIFIED (points [1, 2, 3, 4, 5, 6, 7, 8, 9] not verified; none passed)"
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert (out / "gpu-check.tar.gz").stat().st_size > 0 and (out / "results.jsonl").exists()
+
+
+def test_the_ordering_check_fails_an_engine_whose_work_wait_orders_nothing(monkeypatch):
+    """ordering_out over the double with an engine whose Work.wait() returns without ordering the
+    caller's stream (the defect it exists to catch): the read after Work.wait() sees the old
+    contents and the check fails, naming it."""
+    m = accept_module()
+    sys.path.insert(0, str(ROOT / "tests"))
+    from meshkit.comm import cuda_runtime, local
+    from meshkit.comm import nccl as nccl_engine
+    monkeypatch.setattr(nccl_engine.NCCLEngine, "defer", lambda self, request: True)  # "ordered", it says
+    gpu = m.DoubleGpu()
+    previous = cuda_runtime.set_runtime(gpu.runtime())
+    try:
+        result, = local.run(lambda: m.check_ordering_out(gpu, m.Context("ordering_out", 0)), 1, init=False)
+    finally:
+        cuda_runtime.set_runtime(previous)
+    assert result["status"] == "FAIL" and re.match(
+        r"rank 0: after Work.wait\(\) the caller's stream read \[-7\.\]", result["detail"]), result
