@@ -1223,7 +1223,7 @@ def pytest_outcome(output: str, rc: int) -> dict[str, str]:
         return SKIP(f"no tests collected ({summary or 'no summary line'})")
     if failed or rc not in (0, 5):
         return FAIL(f"exit {rc}: {summary or 'no summary line'}")
-    if counts.get("passed", 0) == 0 and counts.get("xpassed", 0) == 0:
+    if counts.get("passed", 0) == 0 and counts.get("xpassed", 0) == 0 and counts.get("skipped", 0):
         return SKIP(f"all {counts.get('skipped', 0)} tests skipped: " + ("; ".join(reasons) or "no reason printed"))
     skipped = f", {counts['skipped']} skipped: " + "; ".join(reasons) if counts.get("skipped") else ""
     return PASS(f"{summary}{skipped}")
