@@ -1,62 +1,128 @@
 #!/usr/bin/env bash
-# meshkit on a real GPU: versions, the GPU tests, and the collectives benchmark (issue 13, point 6).
+# meshkit's GPU acceptance run (issue 24, point 9): the one command that answers each point of
+# issue 24 on real hardware, then runs every GPU test and the GPU benchmark.
+#
+# WHAT HAS RUN ON HARDWARE: NOTHING. This script and benchmarks/gpu_acceptance.py were written for
+# the first machine with a GPU. On CPU only their logic has run: the acceptance checks over the
+# strict double (`python benchmarks/gpu_acceptance.py --point all --dry-run-double`) and this
+# script's reporting on made-up pytest outputs (tests/test_gpu_check.py, through --report-only).
 #
 # Run from the repository root on the GPU machine:
 #
 #     OUT=/some/folder bash benchmarks/gpu_check.sh
+#     bash benchmarks/gpu_check.sh --report-only DIR    # only the verdict of DIR (see below)
 #
-# It uses `python3` (the interpreter that has CuPy, NCCL and mpi4py; PYTHON=... picks another) and
-# installs nothing: meshkit is imported from this checkout (a `meshkit` link to it on PYTHONPATH).
-# mpiexec (2-rank run, MPI tests): $MESHKIT_MPIEXEC, else the mpich wheel's next to python3 or in
-# its scripts folders, else PATH. The single-rank NCCL runs need no mpiexec (MPI singleton).
-# Steps (each goes on after a failure; a status table comes last):
-#   1. nvidia-smi -L; python, NumPy, CuPy, CUDA, NCCL, mpi4py/MPI, torch, pytest versions;
-#   2. the GPU tests, one pytest process per file (tests/test_nccl.py, tests/test_mpi_device.py,
-#      tests/test_device_mesh_cuda.py; the tests that need a real GPU run there, the rest on the double);
-#   3. benchmarks/collectives.py --device cuda: --backend nccl at world size 1 (sync, then async)
-#      and --backend mpi at 2 ranks sharing the GPU (MPI engine on CuPy buffers, staged), 8 B to
-#      256 MB, about 3-4 minutes in all.
-# Results (JSON and output per benchmark, and this whole log) go to $OUT when it is set, else a
-# temp folder. Exit status 1 if any step failed.
+# Setup: a venv `python3 -m venv --system-site-packages` ($MESHKIT_GPU_VENV, default /tmp/meshkit-gpu-venv; the
+# system's CuPy and NCCL stay visible) with mpich, mpi4py, pytest, pytest-timeout, hypothesis and
+# ml_dtypes installed by pip (not `pip --target`, which drops the mpich wheel's libmpi.so.12); with
+# MESHKIT_WHEELS=DIR pip installs from the wheels in DIR only (a machine without network).
+# PYTHON=... skips the venv and uses that interpreter as it is. meshkit is imported from this
+# checkout (a `meshkit` link to it on PYTHONPATH); mpiexec is the venv's (the mpich wheel's), else
+# $MESHKIT_MPIEXEC, else PATH.
+# Steps (each goes on after a failure):
+#   0. the venv; 1. nvidia-smi -L and the versions of python, NumPy, CuPy, CUDA, NCCL, MPI;
+#   2. benchmarks/gpu_acceptance.py --point all: points 1-8 of issue 24, each check in its own
+#      worker with its negative control; one-GPU checks, then multi-GPU checks where >= 2 GPUs
+#      are visible (else SKIP with the reason);
+#   3. the GPU tests, one pytest process per file; a file whose every test skipped is SKIP (the
+#      reasons pytest gave), not ok: it verified nothing;
+#   4. benchmarks/collectives.py --device cuda (meshkit's NCCL engine vs raw NcclCommunicator at
+#      1 rank, sync and async; the MPI engine on CuPy buffers at 2 ranks); benchmarks/ddp.py only
+#      if it takes --device (it does not yet: SKIP with the reason);
+#   5. the verdict: one line per point of issue 24 (`POINT n: PASS|FAIL|SKIP (reason)`; steps 0, 3
+#      and 4 are point 9), then `VERDICT: PASS|FAIL|NOT VERIFIED (...)`.
+# GPU_CHECK_STEPS="2" (or "3 4", ...) runs only those steps, appending to the results already in
+# $OUT, for machines that limit one command's time (the whole run takes about 15 minutes); the
+# verdict always comes last.
+# Results: $OUT (else a temp folder): results.jsonl (one record per check and step), a log per
+# pytest file and benchmark, the benchmarks' JSON, this whole log, and all of them again in
+# gpu-check.tar.gz (one file to bring back). Exit status: 0 when every point passed, 1 when one
+# failed, 2 when nothing failed but some point was not verified.
+# --report-only DIR: record every DIR/pytest-*.log (exit status in the .rc beside it) as step 3
+# does, then print step 5 for DIR/results.jsonl; runs nothing else (how the tests check it).
 
 set -u
 cd "$(dirname "$0")/.." || exit 1
 REPO=$PWD
-PY=${PYTHON:-python3}
+ACCEPT=benchmarks/gpu_acceptance.py
+
+section() { printf '\n========== %s  (%s UTC)\n' "$1" "$(date -u +%H:%M:%S)"; }
+# record NAME POINT STATUS DETAIL: one step's outcome into results.jsonl (and a line here)
+record() { "$PY" "$ACCEPT" --results "$RESULTS" --record "$1" "$2" "$3" "$4"; }
+# record_status NAME POINT EXIT: ok when EXIT is 0
+record_status() {
+    if [ "$3" -eq 0 ]; then record "$1" "$2" PASS ""; else record "$1" "$2" FAIL "exit $3"; fi
+}
+# record_pytest NAME LOG RC: PASS / FAIL / SKIP (reasons) from pytest's own output
+record_pytest() { "$PY" "$ACCEPT" --results "$RESULTS" --pytest-outcome "$1" "$2" "$3" 9; }
+verdict() {
+    section "verdict (issue 24)"
+    "$PY" "$ACCEPT" --verdict "$RESULTS"
+}
+
+if [ "${1:-}" = "--report-only" ]; then
+    DIR=${2:?usage: gpu_check.sh --report-only DIR}
+    PY=${PYTHON:-python3}
+    RESULTS=$DIR/results.jsonl
+    for log in "$DIR"/pytest-*.log; do
+        [ -e "$log" ] || continue
+        name=$(basename "$log" .log)
+        record_pytest "pytest ${name#pytest-}" "$log" "$(cat "${log%.log}.rc")"
+    done
+    verdict
+    exit $?
+fi
+
 OUTDIR=${OUT:-$(mktemp -d /tmp/meshkit-gpu-check.XXXXXX)}
 mkdir -p "$OUTDIR"
+RESULTS=$OUTDIR/results.jsonl
+STEPS=" ${GPU_CHECK_STEPS:-0 1 2 3 4} "
+if [ -z "${GPU_CHECK_STEPS:-}" ]; then : >"$RESULTS"; fi
+step() { [[ $STEPS == *" $1 "* ]]; }  # step N: was it asked for
 exec > >(tee -a "$OUTDIR/gpu_check.log") 2>&1
 
-STATUS=()
-FAILED=0
-section() { printf '\n========== %s  (%s UTC)\n' "$1" "$(date -u +%H:%M:%S)"; }
-record() {  # record NAME RC
-    STATUS+=("$(printf '%-44s %s' "$1" "$([ "$2" -eq 0 ] && echo ok || echo "FAILED (exit $2)")")")
-    [ "$2" -eq 0 ] || FAILED=$((FAILED + 1))
-}
+section "0. setup"
+if [ -n "${PYTHON:-}" ]; then
+    PY=$PYTHON
+    echo "PYTHON=$PY: no venv, nothing installed"
+    if step 0; then record "setup" 9 PASS "PYTHON=$PY as it is"; fi
+else
+    VENV=${MESHKIT_GPU_VENV:-/tmp/meshkit-gpu-venv}
+    PIP_FROM=()
+    if [ -n "${MESHKIT_WHEELS:-}" ]; then PIP_FROM=(--no-index --find-links "$MESHKIT_WHEELS"); fi
+    if [ ! -x "$VENV/bin/python" ]; then python3 -m venv --system-site-packages "$VENV"; fi
+    PY=$VENV/bin/python
+    "$PY" -m pip install -q "${PIP_FROM[@]}" mpich mpi4py pytest pytest-timeout hypothesis ml_dtypes
+    rc=$?
+    if step 0; then record_status "setup (venv $VENV: mpich mpi4py pytest hypothesis ml_dtypes)" 9 $rc; fi
+fi
 
 # meshkit from this checkout: the repository root IS the package, so a link named meshkit to it.
 SHIM=$(mktemp -d /tmp/meshkit-shim.XXXXXX)
 ln -s "$REPO" "$SHIM/meshkit"
 export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
+trap 'rm -rf "$SHIM"' EXIT
 
-# mpiexec for meshkit-run (python3 -m meshkit.launch), as said above.
+# mpiexec for meshkit-run (python -m meshkit.launch): the one next to the interpreter (the mpich wheel's).
 if [ -z "${MESHKIT_MPIEXEC:-}" ]; then
-    for dir in "$($PY -c 'import sys,os;print(os.path.dirname(sys.executable))')" \
-               "$($PY -c 'import sysconfig;print(sysconfig.get_path("scripts"))')" \
-               "$($PY -c 'import sysconfig,os;print(sysconfig.get_path("scripts",os.name+"_user"))' 2>/dev/null)"; do
-        if [ -n "$dir" ] && [ -x "$dir/mpiexec" ]; then export MESHKIT_MPIEXEC="$dir/mpiexec"; break; fi
+    for dir in "$(dirname "$PY")" "$("$PY" -c 'import sysconfig;print(sysconfig.get_path("scripts"))')"; do
+        if [ -x "$dir/mpiexec" ]; then export MESHKIT_MPIEXEC="$dir/mpiexec"; break; fi
     done
 fi
-if [ -z "${MESHKIT_MPIEXEC:-}" ] && command -v mpiexec >/dev/null; then export MESHKIT_MPIEXEC=$(command -v mpiexec); fi
+if [ -z "${MESHKIT_MPIEXEC:-}" ] && command -v mpiexec >/dev/null; then
+    MESHKIT_MPIEXEC=$(command -v mpiexec)
+    export MESHKIT_MPIEXEC
+fi
 
+if step 1; then
 section "1. machine and versions"
 echo "repo: $REPO ($(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo 'no git')), results: $OUTDIR"
 echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-nvidia-smi -L; record "nvidia-smi -L" $?
+nvidia-smi -L
+record_status "nvidia-smi -L" 9 $?
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
 echo "mpiexec: ${MESHKIT_MPIEXEC:-NOT FOUND (set MESHKIT_MPIEXEC)}"
-$PY - <<'EOF'
+"$PY" - <<'EOF'
 import importlib, platform, sys
 print(f"python {platform.python_version()} at {sys.executable}")
 def show(name, fn):
@@ -84,52 +150,62 @@ def mpi():
     return (f"mpi4py {mpi4py.__version__}, {MPI.Get_library_version().splitlines()[0].strip()}, "
             f"CUDA-aware: {cuda_aware_mpi()}")
 show("mpi", mpi)
-show("torch", lambda: importlib.import_module("torch").__version__)
-show("pytest", lambda: importlib.import_module("pytest").__version__)
-show("hypothesis", lambda: importlib.import_module("hypothesis").__version__)
+for name in ("ml_dtypes", "torch", "pytest", "hypothesis"):
+    show(name, lambda name=name: importlib.import_module(name).__version__)
 show("meshkit", lambda: importlib.import_module("meshkit").__file__)
-def gpu():
-    from meshkit.comm import cuda_runtime
-    return f"meshkit sees a GPU: {cuda_runtime.gpu_available()}"
-show("meshkit gpu", gpu)
 EOF
-record "versions (python3)" $?
+record_status "versions" 9 $?
+fi
 
-section "2. GPU tests (one pytest process per file)"
+if step 2; then
+section "2. issue 24, points 1-8 (benchmarks/gpu_acceptance.py)"
+timeout 3000 "$PY" "$ACCEPT" --point all --results "$RESULTS"
+echo "(gpu_acceptance.py exit $?)"
+fi
+
+if step 3; then
+section "3. GPU tests (one pytest process per file)"
 for f in tests/test_nccl.py tests/test_mpi_device.py tests/test_device_mesh_cuda.py; do
+    log="$OUTDIR/pytest-$(basename "$f" .py).log"
     echo "--- $PY -m pytest -q -rs $f"
-    timeout 600 $PY -m pytest -q -rs -p no:cacheprovider "$f"
-    record "pytest $f" $?
+    timeout 600 "$PY" -m pytest -q -rs -p no:cacheprovider "$f" 2>&1 | tee "$log"
+    rc=${PIPESTATUS[0]}
+    echo "$rc" >"${log%.log}.rc"
+    record_pytest "pytest $f" "$log" "$rc"
 done
+fi
 
-section "3. benchmarks/collectives.py --device cuda"
+if step 4; then
+section "4. benchmarks --device cuda"
 COMMON=(--min-bytes 8 --max-bytes 256M --no-progress)
-BENCH_LOGS=()
 run_bench() {  # run_bench NAME TIMEOUT COMMAND...   (its output also in $OUTDIR/<name>.txt)
-    local name=$1 limit=$2; shift 2
-    local log="$OUTDIR/$(echo "$name" | tr -c 'A-Za-z0-9=\n' '_').txt"
+    local name=$1 limit=$2 log
+    shift 2
+    log="$OUTDIR/$(echo "$name" | tr -c 'A-Za-z0-9=\n' '_').txt"
     echo "--- $*"
     timeout "$limit" "$@" 2>&1 | tee "$log"
-    record "$name" "${PIPESTATUS[0]}"
-    BENCH_LOGS+=("$log")
+    record_status "$name" 9 "${PIPESTATUS[0]}"
+    grep -h -e "summary (meshkit vs" "$log" | sed 's/^\[rank0\]: //'
 }
 run_bench "collectives nccl n=1 sync" 240 \
-    $PY benchmarks/collectives.py --device cuda --backend nccl "${COMMON[@]}" \
+    "$PY" benchmarks/collectives.py --device cuda --backend nccl "${COMMON[@]}" \
     --json "$OUTDIR/collectives-cuda-nccl-n1.json"
 run_bench "collectives nccl n=1 async" 180 \
-    $PY benchmarks/collectives.py --device cuda --backend nccl --mode async --step-factor 4 --rounds 3 \
+    "$PY" benchmarks/collectives.py --device cuda --backend nccl --mode async --step-factor 4 --rounds 3 \
     "${COMMON[@]}" --json "$OUTDIR/collectives-cuda-nccl-n1-async.json"
 run_bench "collectives mpi n=2 (CuPy buffers)" 300 \
-    $PY -m meshkit.launch -n 2 --timeout 280 benchmarks/collectives.py --device cuda --backend mpi \
+    "$PY" -m meshkit.launch -n 2 --timeout 280 benchmarks/collectives.py --device cuda --backend mpi \
     --step-factor 4 --rounds 3 "${COMMON[@]}" --json "$OUTDIR/collectives-cuda-mpi-n2.json"
+if "$PY" benchmarks/ddp.py --help 2>/dev/null | grep -q -- "--device"; then
+    run_bench "ddp --device cuda n=1" 300 "$PY" benchmarks/ddp.py --device cuda --no-progress \
+        --json "$OUTDIR/ddp-cuda-n1.json"
+else
+    record "ddp benchmark" 9 SKIP "benchmarks/ddp.py takes no --device: the DDP benchmark runs on CPU only"
+fi
+fi
 
-section "summary"
-for log in "${BENCH_LOGS[@]}"; do
-    echo "$(basename "$log" .txt):"
-    grep -h -e "summary (meshkit vs" -e "Error" "$log" | sed 's/^\[rank0\]: //'
-done
-echo
-printf '%s\n' "${STATUS[@]}"
-echo "results and this log: $OUTDIR"
-rm -rf "$SHIM"
-exit $((FAILED > 0))
+verdict
+status=$?
+tar czf "$OUTDIR/gpu-check.tar.gz" -C "$OUTDIR" --exclude=gpu-check.tar.gz . 2>/dev/null
+echo "results and this log: $OUTDIR (all of it in $OUTDIR/gpu-check.tar.gz)"
+exit $status
