@@ -40,8 +40,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CONSTANTS", "DeviceArray", "FakeRuntime", "FakeNcclError", "FakeCommunicator", "Gate", "fake_nccl",
-           "to_device", "to_host", "DOUBLE_TIMEOUT"]
+__all__ = ["CONSTANTS", "DeviceArray", "FakeRuntime", "FakeNcclError", "FakeCommunicator", "Gate", "TimedKernel",
+           "fake_nccl", "to_device", "to_host", "DOUBLE_TIMEOUT"]
 
 #: The constants of cupy.cuda.nccl (CuPy 14, NCCL 2.x); tests assert they equal the real module's.
 CONSTANTS = {"NCCL_INT8": 0, "NCCL_CHAR": 0, "NCCL_UINT8": 1, "NCCL_INT32": 2, "NCCL_INT": 2, "NCCL_UINT32": 3,
@@ -95,7 +95,8 @@ class DeviceArray(np.ndarray):
 
     @property
     def device_id(self) -> int:
-        return _owner(self.__array_interface__["data"][0])._device
+        device = getattr(_allocation(self), "_device", None)
+        return device if device is not None else _owner(self.__array_interface__["data"][0])._device
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
@@ -104,11 +105,13 @@ class DeviceArray(np.ndarray):
                 "strides": strides, "version": 3}
 
     def __setitem__(self, key: Any, value: Any) -> None:
+        _on_current_device("__setitem__", self, value)
         _host_sync()
         super().__setitem__(key, value)
         _touch(self)
 
     def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        _on_current_device(ufunc.__name__, *inputs, *kwargs.get("out", ()))
         _host_sync()
         args = [x.view(np.ndarray) if isinstance(x, DeviceArray) else x for x in inputs]
         if "out" in kwargs:
@@ -122,6 +125,8 @@ class DeviceArray(np.ndarray):
         return to_device(result) if isinstance(result, np.ndarray) else result
 
     def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        _on_current_device(func.__name__, *args, *(a for v in args if isinstance(v, (list, tuple)) for a in v),
+                           *kwargs.values())
         _host_sync()
         result = super().__array_function__(func, types, args, kwargs)
         if isinstance(result, np.ndarray) and not isinstance(result, DeviceArray):
@@ -129,8 +134,10 @@ class DeviceArray(np.ndarray):
         return result
 
     def get(self) -> np.ndarray:
-        """A host copy, after the current stream's work (CuPy's ``get``)."""
-        _host_sync()
+        """A host copy, after the work of the current stream of the array's device: CuPy's ``get``
+        runs ``with self.device:`` (cupy/_core/core.pyx, ``_ndarray_base.get``), so it works from
+        any current device."""
+        _host_sync(self.device_id)
         return np.array(self.view(np.ndarray))
 
 
@@ -170,15 +177,43 @@ def _region(ptr: int, count: int, dtype: np.dtype) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- devices, streams, events
+# Devices (issue 24, point 3). CUDA's current device is per host thread and 0 until the thread
+# sets another (CUDA C++ Programming Guide, "Device Selection": "a host thread can set the device
+# it operates on at any time by calling cudaSetDevice()"; a new thread starts on device 0). What
+# the double refuses, as the hardware does:
+# * an event recorded on a stream of another device ("Stream and Event Behavior":
+#   "cudaEventRecord() will fail if the input event and input stream are associated to
+#   different devices"); events are made on the current device (cudaEventCreate);
+# * a kernel on an array of another device than the current one: CuPy checks every array
+#   argument of a kernel (cupy/_core/_kernel.pyx, ``_check_peer_access``: "The device where the
+#   array resides (1) is different from the current device (0). Peer access is unavailable
+#   between these devices."). With peer access CuPy only warns and runs the kernel on the
+#   current device's stream, outside the array's stream order: the double refuses both.
+# What CUDA allows, the double allows: cudaStreamWaitEvent, cudaEventQuery/Synchronize and
+# memory copies across devices ("will succeed even if ..."), and ``get()`` (CuPy makes the
+# array's device current for the copy).
 def _device() -> int:
     return getattr(_tls, "device", 0)
 
 
-def _current() -> FakeStream:
+def _on_current_device(what: str, *arrays: Any) -> None:
+    """Refuse a kernel (``what``) touching a device array of another device than the current one."""
+    here = _device()
+    for a in arrays:
+        a = getattr(a, "_device_memory", a)  # tests/fake_cupy.py's arrays wrap a DeviceArray
+        if isinstance(a, DeviceArray) and a.device_id != here:
+            raise ValueError(f"The device where the array resides ({a.device_id}) is different from the current "
+                             f"device ({here}). Peer access is unavailable between these devices. "
+                             f"(double: {what} on thread {threading.current_thread().name})")
+
+
+def _current(device: int | None = None) -> FakeStream:
+    """The calling thread's current stream (of ``device``, default the current device)."""
+    device = _device() if device is None else device
     with _cond:
-        stream = _null_streams.get(_device())
+        stream = _null_streams.get(device)
         if stream is None:
-            stream = _null_streams[_device()] = FakeStream(_device())
+            stream = _null_streams[device] = FakeStream(device)
             _streams.add(stream)
         return stream
 
@@ -226,11 +261,12 @@ def _wait(pred: Any, what: str) -> None:
             _cond.wait(min(left, 0.01))
 
 
-def _host_sync() -> None:
-    """The host waits for the current stream's work (before touching device memory)."""
+def _host_sync(device: int | None = None) -> None:
+    """The host waits for the current stream's work (before touching device memory); that of
+    ``device`` when given (a call that makes the array's device current first, as CuPy's ``get``)."""
     if getattr(_tls, "depth", 0):
         raise FakeNcclError("double: the host synchronized inside groupStart()/groupEnd() (unbalanced group)")
-    stream = _current()
+    stream = _current(device)
     _wait(lambda: all(e.done for e in stream.pending), "the current stream's pending work")
 
 
@@ -280,6 +316,45 @@ class Gate:
             _cond.notify_all()
 
 
+# --------------------------------------------------------------------------- timed kernels
+# Timed kernels (issue 24, point 8): a kernel occupies its stream for a given time, as a real
+# one does, so that a test can measure whether a call waits for the device: everything queued
+# after it on its stream waits; the host returns from launching it at once (kernel launches are
+# asynchronous, CUDA C++ Programming Guide, "Asynchronous Concurrent Execution").
+class TimedKernel:
+    """A kernel on ``stream`` (default: the current stream) that runs for ``seconds`` once the
+    work queued before it is done, writing ``writes`` (device arrays): ``effect()`` runs on the
+    host as it finishes (what the kernel computed), so a reader ordered before it sees old data."""
+
+    def __init__(self, seconds: float, stream: FakeStream | None = None, *, writes: tuple = (),
+                 effect: Any = None) -> None:
+        stream = stream or _current()
+        for a in writes:
+            _on_current_device("TimedKernel", a)
+        self.seconds, self.effect, self._done = seconds, effect, False
+        with _cond:
+            self.deps = [e for e in stream.pending if not e.done]
+            stream.pending = self.deps + [self]
+            self.began = time.monotonic() if all(d.done for d in self.deps) else None
+            for a in writes or (None,):
+                _wrote(stream, getattr(a, "_device_memory", a))
+
+    @property
+    def done(self) -> bool:
+        if self._done:
+            return True
+        if self.began is None:
+            if not all(d.done for d in self.deps):
+                return False
+            self.began = time.monotonic()
+        if time.monotonic() - self.began < self.seconds:
+            return False
+        self._done = True
+        if self.effect is not None:
+            self.effect()
+        return True
+
+
 class _EventWait:
     __slots__ = ("event",)
 
@@ -292,14 +367,20 @@ class _EventWait:
 
 
 class FakeEvent:
-    """An event: done once the entries its stream had when recorded are done."""
+    """An event of the device current when it was made: done once the entries its stream had
+    when recorded are done."""
 
     def __init__(self) -> None:
         self.entries: list[Any] = []
         self.ordered: dict[FakeStream, int] = {}
+        self.device = _device()
 
     def record(self, stream: FakeStream | None = None) -> None:
         stream = stream or _current()
+        if stream.device != self.device:  # cudaEventRecord fails (see "Devices" above)
+            raise FakeNcclError(f"double: cudaErrorInvalidResourceHandle: an event of device {self.device} "
+                                f"recorded on a stream of device {stream.device} (thread "
+                                f"{threading.current_thread().name}, current device {_device()})")
         with _cond:
             self.entries = [e for e in stream.pending if not e.done]
             self.ordered = {**stream.waited, stream: stream.work}
@@ -800,6 +881,26 @@ class FakeRuntime:
         if not 0 <= index < self.devices:
             raise FakeNcclError(f"double: device {index} does not exist ({self.devices} devices)")
         _tls.device = index
+
+    @staticmethod
+    def current_device() -> int:
+        return _device()
+
+    @staticmethod
+    def device_of(x: Any) -> int:
+        a = getattr(x, "_device_memory", x)  # tests/fake_cupy.py's arrays wrap a DeviceArray
+        if isinstance(a, DeviceArray):  # also an empty one (CuPy's ``x.device``)
+            return a.device_id
+        owner = _owner(int(x.__cuda_array_interface__["data"][0]))
+        if owner is None:
+            raise FakeNcclError("double: cudaErrorInvalidValue: pointerGetAttributes of memory that is not a live "
+                                "device allocation")
+        return owner._device
+
+    def device_uuid(self, index: int) -> str:
+        if not 0 <= index < self.devices:
+            raise FakeNcclError(f"double: device {index} does not exist ({self.devices} devices)")
+        return f"GPU-{index:08x}"
 
     def new_stream(self) -> FakeStream:
         stream = FakeStream(_device())
