@@ -78,9 +78,9 @@ class CupyRuntime:
         return int(self._cupy.cuda.runtime.getDevice())
 
     def device_of(self, x: Any) -> int:
-        device = getattr(x, "device", None)  # CuPy's ndarray.device: also for an empty array (pointer 0)
-        if isinstance(device, self._cupy.cuda.Device):
-            return int(device.id)
+        device = getattr(getattr(x, "device", None), "id", None)  # CuPy's ndarray.device: also for an empty array
+        if isinstance(device, int):
+            return device
         # Any other __cuda_array_interface__ array (Numba, torch): the pointer's own device.
         return int(self._cupy.cuda.runtime.pointerGetAttributes(self.pointer(x)).device)
 

@@ -116,11 +116,12 @@ class DeviceArray(np.ndarray):
         args = [x.view(np.ndarray) if isinstance(x, DeviceArray) else x for x in inputs]
         if "out" in kwargs:
             written = [x for x in kwargs["out"] if isinstance(x, DeviceArray)]
-            kwargs["out"] = tuple(x.view(np.ndarray) if isinstance(x, DeviceArray) else x for x in kwargs["out"])
             for x in written:
                 _touch(x)
+            given = kwargs["out"]
+            kwargs["out"] = tuple(x.view(np.ndarray) if isinstance(x, DeviceArray) else x for x in given)
             getattr(ufunc, method)(*args, **kwargs)
-            return kwargs["out"][0] if len(kwargs["out"]) == 1 else kwargs["out"]
+            return given[0] if len(given) == 1 else given  # the arrays themselves (x += 1 keeps x a DeviceArray)
         result = getattr(ufunc, method)(*args, **kwargs)
         return to_device(result) if isinstance(result, np.ndarray) else result
 

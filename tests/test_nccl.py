@@ -564,6 +564,12 @@ class _Recorder:
     def __int__(self) -> int:
         return 1
 
+    def __getitem__(self, key) -> "_Recorder":  # getDeviceProperties(i)["uuid"]
+        return _Recorder(f"{self._path}[]", self._calls)
+
+    def __bytes__(self) -> bytes:
+        return b"\x01"
+
 
 def _resolve(path: str, modules: dict):
     """The real callable a recorded path names, and whether it is called on an instance."""
@@ -598,6 +604,9 @@ def test_every_cupy_call_of_the_runtime_exists_in_the_real_cupy(monkeypatch):
     exercised = {
         "device_count": lambda: rt.device_count(),
         "use_device": lambda: rt.use_device(0),
+        "current_device": lambda: rt.current_device(),
+        "device_of": lambda: rt.device_of(types.SimpleNamespace(__cuda_array_interface__={"data": (1, False)})),
+        "device_uuid": lambda: rt.device_uuid(0),
         "new_stream": lambda: rt.new_stream(),
         "new_event": lambda: rt.new_event(),
         "current_stream": lambda: rt.current_stream(),
@@ -612,8 +621,9 @@ def test_every_cupy_call_of_the_runtime_exists_in_the_real_cupy(monkeypatch):
         run()
     paths = sorted({path for path, _, _ in calls})
     assert paths == ["cupy.cuda.Device", "cupy.cuda.Device().use", "cupy.cuda.Event", "cupy.cuda.Stream",
-                     "cupy.cuda.get_current_stream", "cupy.cuda.runtime.getDeviceCount", "cupy.ndarray().get",
-                     "cupy.ndarray().set", "cupyx.empty_pinned"], paths
+                     "cupy.cuda.get_current_stream", "cupy.cuda.runtime.getDevice", "cupy.cuda.runtime.getDeviceCount",
+                     "cupy.cuda.runtime.getDeviceProperties", "cupy.cuda.runtime.pointerGetAttributes",
+                     "cupy.ndarray().get", "cupy.ndarray().set", "cupyx.empty_pinned"], paths
     modules = {"cupy": cupy, "cupyx": cupyx}
     for path, args, kwargs in calls:
         real, bound = _resolve(path, modules)
