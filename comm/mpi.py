@@ -204,6 +204,9 @@ class _Receive:
 
 
 # --------------------------------------------------------------------------- device arrays
+#: Launchers' node-local rank, in the order asked: torchrun, MPICH's Hydra, Open MPI, Slurm.
+LOCAL_RANK_ENVS = ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
+
 #: The environment variable that says whether MPI reads device memory (1) or not (0).
 CUDA_AWARE_ENV = "MESHKIT_CUDA_AWARE_MPI"
 
@@ -782,6 +785,28 @@ class MPIEngine:
 
     def host_name(self) -> str:
         return MPI.Get_processor_name()
+
+    def local_rank(self) -> int:
+        """This rank's index among the ranks of its node (the world's engine): the launcher's
+        own (the first of :data:`LOCAL_RANK_ENVS` set), else the rank in MPI's shared-memory
+        split of the world (``MPI_COMM_TYPE_SHARED``); host names are not used (containers may
+        share one).
+
+        Raises:
+            DistValueError: a launcher variable that is not a non-negative integer.
+        """
+        for name in LOCAL_RANK_ENVS:
+            value = os.environ.get(name, "").strip()
+            if value:
+                if not value.isdigit():
+                    raise DistValueError(f"meshkit.comm: rank {MPI.COMM_WORLD.Get_rank()}: {name}={value!r} is not "
+                                         "a node-local rank (a non-negative integer)")
+                return int(value)
+        node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+        try:
+            return node.Get_rank()
+        finally:
+            node.Free()
 
     def free(self) -> None:
         if self.comm != MPI.COMM_NULL:

@@ -9,8 +9,9 @@ Object collectives, ``monitored_barrier``, detail-mode checks (``exchange``) and
 run on the host engine.
 
 Creation: the world's communicator comes from a unique id made on rank 0 and broadcast over
-the host engine (no rendezvous server); the device is the node-local rank (ranks of this host
-counted by host name); sub-groups come from ``commSplit`` beside the host engine's split, so
+the host engine (no rendezvous server); the device is ``init_process_group(device_id=...)``,
+else ``MESHKIT_DEVICE_ID``, else the node-local rank modulo the GPUs the process sees
+(:func:`select_device`); sub-groups come from ``commSplit`` beside the host engine's split, so
 a mesh still costs one split per dimension.
 
 Streams, as torch does it. Each engine owns a communication stream. Every collective records
@@ -40,6 +41,7 @@ Everything GPU-specific goes through the runtime of :mod:`meshkit.comm.cuda_runt
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Callable
 
@@ -48,7 +50,8 @@ from .errors import DistBackendError, DistTypeError, DistValueError
 from .notices import WATCH_INTERVAL, Notice
 from .reduce_op import ReduceOp
 
-__all__ = ["NCCLEngine", "DeviceRequest", "create_world_engine", "NCCL_DTYPES", "NCCL_OPS"]
+__all__ = ["NCCLEngine", "DeviceRequest", "create_world_engine", "select_device", "NCCL_DTYPES", "NCCL_OPS",
+           "DEVICE_ENV", "SHARE_ENV"]
 
 #: NumPy dtype name -> NCCL datatype constant. Other dtypes move as bytes (NCCL_UINT8) and
 #: cannot be reduced, except bool (as uint8: MIN/BAND, MAX/BOR) and complex (SUM/AVG of the
@@ -485,27 +488,77 @@ class NCCLEngine:
         self.host.free()
 
 
-def create_world_engine(host: Any, rt: Any, deadline: float) -> NCCLEngine:
-    """The world's NCCL engine over the world's host engine (collective over it).
+#: The environment variable that names this rank's GPU (an index among the GPUs the process
+#: sees), when ``init_process_group(device_id=...)`` does not.
+DEVICE_ENV = "MESHKIT_DEVICE_ID"
+#: NCCL lets ranks of one communicator share a GPU from 2.30 on, with this variable set to 1
+#: (before, init.cc refuses: "Duplicate GPU detected"). ``get_version()`` codes 2.30.0 as 23000.
+SHARE_ENV = "NCCL_MULTI_RANK_GPU_ENABLE"
+_SHARE_VERSION = 23000
 
-    The device is the rank's index among the ranks of its host (by host name); rank 0 makes
-    the unique id and the host engine carries it to the others.
+
+def _version(code: int) -> str:
+    return f"{code // 10000}.{code // 100 % 100}.{code % 100}"
+
+
+def select_device(host: Any, rt: Any, deadline: float, device_id: int | None = None) -> int:
+    """This rank's GPU: collective over ``host`` (the world's host engine).
+
+    In order: ``device_id`` (``init_process_group(device_id=...)``), else :data:`DEVICE_ENV`,
+    else the node-local rank (the host engine's ``local_rank()``: the launcher's local rank, or
+    MPI's shared-memory split) modulo the GPUs this process sees, so that one visible GPU per
+    rank (``CUDA_VISIBLE_DEVICES`` per task, Slurm's ``--gpus-per-task=1``) gives every rank its
+    device 0. Ranks then compare GPU UUIDs: two ranks on one physical GPU need NCCL >= 2.30 with
+    ``NCCL_MULTI_RANK_GPU_ENABLE=1`` (:data:`SHARE_ENV`); otherwise every rank raises, naming them.
 
     Raises:
-        DistBackendError: no GPU, or fewer GPUs on this host than ranks (NCCL allows one rank
-            per device in a communicator).
+        DistValueError: ``device_id`` or :data:`DEVICE_ENV` is not a device this process sees.
+        DistBackendError: no GPU, or ranks would share a GPU that the NCCL in use cannot share.
     """
-    names = host.exchange(host.host_name(), -2, deadline)
-    mine = names[host.rank]
-    local_rank, here = names[:host.rank].count(mine), names.count(mine)
-    count = rt.device_count()
-    if here > count:
-        raise DistBackendError(f"meshkit.comm: rank {host.rank}: the nccl backend needs one GPU per rank; host "
-                               f"{mine} runs {here} ranks but sees {count} GPUs; start at most {count} ranks "
-                               "per host, or use the mpi backend")
-    rt.use_device(local_rank)
+    me, count = host.rank, rt.device_count()
+    if count < 1:
+        raise DistBackendError(f"meshkit.comm: rank {me}: the nccl backend needs a GPU, and CuPy sees none here; "
+                               "use the mpi backend")
+    source = "device_id"
+    if device_id is None and os.environ.get(DEVICE_ENV, "").strip():
+        source, device_id = DEVICE_ENV, os.environ[DEVICE_ENV].strip()
+    if device_id is None:
+        device = host.local_rank() % count
+    else:
+        try:
+            device = int(device_id)
+            valid = 0 <= device < count and not isinstance(device_id, (bool, float))
+        except (TypeError, ValueError):
+            valid = False
+        if not valid:
+            raise DistValueError(f"meshkit.comm: rank {me}: {source}={device_id!r} is not a GPU of this process; "
+                                 f"valid devices are 0..{count - 1} ({count} visible)")
+    uuids = host.exchange(rt.device_uuid(device), -4, deadline)
+    shared = {u: [r for r, v in enumerate(uuids) if v == u] for u in uuids}
+    crowded = {u: ranks for u, ranks in shared.items() if len(ranks) > 1}
+    if crowded:
+        version = rt.nccl.get_version()
+        if version < _SHARE_VERSION or os.environ.get(SHARE_ENV) != "1":
+            ranks = crowded.get(uuids[me]) or next(iter(crowded.values()))
+            need = (f"set {SHARE_ENV}=1 (NCCL {_version(version)} can share)" if version >= _SHARE_VERSION
+                    else f"NCCL >= 2.30 with {SHARE_ENV}=1 (this is NCCL {_version(version)})")
+            raise DistBackendError(
+                f"meshkit.comm: rank {me}: ranks {ranks} would share one GPU ({uuids[ranks[0]]}); NCCL refuses "
+                f"that (\"Duplicate GPU detected\"). Give each rank its own GPU (CUDA_VISIBLE_DEVICES per rank, "
+                f"init_process_group(device_id=...) or {DEVICE_ENV}), start fewer ranks per node, use the mpi "
+                f"backend, or {need}")
+    return device
+
+
+def create_world_engine(host: Any, rt: Any, deadline: float, device_id: int | None = None) -> NCCLEngine:
+    """The world's NCCL engine over the world's host engine (collective over it).
+
+    The device comes from :func:`select_device`; rank 0 makes the unique id and the host engine
+    carries it to the others.
+    """
+    device = select_device(host, rt, deadline, device_id)
+    rt.use_device(device)
     uid = rt.nccl.get_unique_id() if host.rank == 0 else None
     uid = host.exchange(uid, -3, deadline)[0]
     comm = rt.nccl.NcclCommunicator(host.size, uid, host.rank)
-    return NCCLEngine(host, comm, rt, local_rank)
-
+    return NCCLEngine(host, comm, rt, device)

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["CONSTANTS", "DeviceArray", "FakeRuntime", "FakeNcclError", "FakeCommunicator", "Gate", "TimedKernel",
-           "fake_nccl", "to_device", "to_host", "DOUBLE_TIMEOUT"]
+           "fake_nccl", "to_device", "to_host", "visible_devices", "DOUBLE_TIMEOUT"]
 
 #: The constants of cupy.cuda.nccl (CuPy 14, NCCL 2.x); tests assert they equal the real module's.
 CONSTANTS = {"NCCL_INT8": 0, "NCCL_CHAR": 0, "NCCL_UINT8": 1, "NCCL_INT32": 2, "NCCL_INT": 2, "NCCL_UINT32": 3,
@@ -197,6 +197,24 @@ def _device() -> int:
     return getattr(_tls, "device", 0)
 
 
+# Visible devices (issue 24, point 4). CUDA numbers the GPUs a process sees 0..n-1 in the order
+# of CUDA_VISIBLE_DEVICES (CUDA C++ Programming Guide, "CUDA Environment Variables"), so under
+# ``--gpus-per-task=1`` every rank sees one GPU, device 0, and each a different physical one.
+# A thread-rank of the double sets what its "process" sees with :func:`visible_devices`; a GPU's
+# identity (its UUID; NCCL compares host hash and PCI bus id) is the physical index.
+def visible_devices(physical: list[int] | None) -> None:
+    """This thread-rank sees GPUs ``physical`` (as CUDA_VISIBLE_DEVICES=...), None: all of them.
+
+    Only the calling thread: threads it starts (meshkit's helper threads) still see every GPU,
+    so tests of this keep their device work on the rank's own thread."""
+    _tls.visible = None if physical is None else list(physical)
+
+
+def _physical(index: int) -> int:
+    visible = getattr(_tls, "visible", None)
+    return index if visible is None else visible[index]
+
+
 def _on_current_device(what: str, *arrays: Any) -> None:
     """Refuse a kernel (``what``) touching a device array of another device than the current one."""
     here = _device()
@@ -211,10 +229,11 @@ def _on_current_device(what: str, *arrays: Any) -> None:
 def _current(device: int | None = None) -> FakeStream:
     """The calling thread's current stream (of ``device``, default the current device)."""
     device = _device() if device is None else device
+    key = _physical(device)  # one null stream per GPU (thread-ranks seeing one GPU each all call it device 0)
     with _cond:
-        stream = _null_streams.get(device)
+        stream = _null_streams.get(key)
         if stream is None:
-            stream = _null_streams[device] = FakeStream(device)
+            stream = _null_streams[key] = FakeStream(device)
             _streams.add(stream)
         return stream
 
@@ -553,9 +572,17 @@ class FakeCommunicator:
             raise FakeNcclError(f"double: NcclCommunicator(ndev={ndev}, rank={rank}) does not fit a clique of "
                                 f"{clique.size} with ranks {sorted(clique.members)} already")
         device = _device()
-        if any(m._device == device for m in clique.members.values()):
-            raise FakeNcclError(f"double: duplicate GPU {device} in one communicator")
+        gpu = _physical(device)
+        # init.cc (initTransportsRank): two ranks with the same host hash and PCI bus id are
+        # "Duplicate GPU detected : rank %d and rank %d both on CUDA device %lx" (ncclInvalidUsage);
+        # NCCL 2.30 lets them share with NCCL_MULTI_RANK_GPU_ENABLE=1 (gpu-reality.md).
+        shares = fake_nccl.get_version() >= 23000 and os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1"
+        for other, m in clique.members.items():
+            if m._gpu == gpu and not shares:
+                raise FakeNcclError(f"double: ncclInvalidUsage: Duplicate GPU detected : rank {rank} and rank {other} "
+                                    f"both on CUDA device {gpu}")
         self._clique, self._rank, self._device, self._destroyed = clique, rank, device, False
+        self._gpu = gpu
         self._aborted, self._injected = False, None
         clique.members[rank] = self
 
@@ -670,6 +697,7 @@ class FakeCommunicator:
         out = FakeCommunicator.__new__(FakeCommunicator)
         with _cond:
             out._clique, out._rank, out._device, out._destroyed = found[0], found[1], self._device, False
+            out._gpu = self._gpu
             out._aborted, out._injected = False, None
             found[0].members[found[1]] = out
         return out
@@ -876,11 +904,13 @@ class FakeRuntime:
         self._copy("copy_to_device", dst, src, stream, True)
 
     def device_count(self) -> int:
-        return self.devices
+        visible = getattr(_tls, "visible", None)
+        return self.devices if visible is None else len(visible)
 
     def use_device(self, index: int) -> None:
-        if not 0 <= index < self.devices:
-            raise FakeNcclError(f"double: device {index} does not exist ({self.devices} devices)")
+        if not 0 <= index < self.device_count():
+            raise FakeNcclError(f"double: cudaErrorInvalidDevice: device {index} does not exist "
+                                f"({self.device_count()} devices)")
         _tls.device = index
 
     @staticmethod
@@ -899,9 +929,10 @@ class FakeRuntime:
         return owner._device
 
     def device_uuid(self, index: int) -> str:
-        if not 0 <= index < self.devices:
-            raise FakeNcclError(f"double: device {index} does not exist ({self.devices} devices)")
-        return f"GPU-{index:08x}"
+        if not 0 <= index < self.device_count():
+            raise FakeNcclError(f"double: cudaErrorInvalidDevice: device {index} does not exist "
+                                f"({self.device_count()} devices)")
+        return f"GPU-{_physical(index):08x}"
 
     def new_stream(self) -> FakeStream:
         stream = FakeStream(_device())

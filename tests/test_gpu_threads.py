@@ -20,6 +20,7 @@ import pytest
 import meshkit
 import nccl_double as double
 from meshkit.comm import cuda_runtime, local, local_engine
+from meshkit.comm.world import local_context
 
 
 @pytest.fixture
@@ -170,3 +171,108 @@ def test_an_async_nccl_call_returns_while_a_kernel_runs_on_the_callers_stream(rt
 
     for issued, result in local.run(body, 2, init=False):
         assert issued < ISSUE_LIMIT and result == [30.0, 30.0]
+
+
+# --------------------------------------------------------------------------- device selection
+def _world(body, n, *, visible=None, device_id=None):
+    """``body()`` on ``n`` thread-ranks with an nccl world; ``visible(rank)``: the GPUs that
+    rank's "process" sees (CUDA_VISIBLE_DEVICES); ``device_id(rank)``: its explicit device."""
+    def rank_main(rank):
+        if visible is not None:
+            double.visible_devices(visible(rank))
+        try:
+            meshkit.init_process_group("nccl", timeout=20,
+                                       device_id=None if device_id is None else device_id(rank))
+            x = double.to_device(np.full(2, rank + 1.0))
+            meshkit.all_reduce(x)
+            return meshkit.current_world().default_group.device, double.to_host(x).tolist(), body()
+        finally:
+            double.visible_devices(None)
+
+    return local.run(lambda: rank_main(local_context().rank), n, init=False)
+
+
+def test_one_visible_gpu_per_rank_gives_every_rank_its_device_0(rt):
+    """Slurm's --gpus-per-task=1: each rank sees one GPU, another one. It was refused as "host
+    runs 3 ranks but sees 1 GPUs"."""
+    got = _world(lambda: None, 3, visible=lambda rank: [rank + 2])
+    assert got == [(0, [6.0, 6.0], None)] * 3
+
+
+def test_an_explicit_device_id_is_the_ranks_gpu(rt):
+    got = _world(lambda: None, 2, device_id=lambda rank: 3 - rank)
+    assert [g[:2] for g in got] == [(3, [3.0, 3.0]), (2, [3.0, 3.0])]
+
+
+@pytest.mark.parametrize("value, shown", [("5", None), ("x", "'x'"), ("8", "'8'"), ("-1", "'-1'")])
+def test_the_device_env_var_names_the_gpu_or_a_clear_error(rt, monkeypatch, value, shown):
+    monkeypatch.setenv("MESHKIT_DEVICE_ID", value)
+    if shown is None:
+        assert _world(lambda: None, 1)[0][0] == 5
+        return
+    with pytest.raises(meshkit.DistValueError, match=rf"rank 0: MESHKIT_DEVICE_ID={shown} is not a GPU of this "
+                                                     r"process; valid devices are 0\.\.7 \(8 visible\)"):
+        _world(lambda: None, 1)
+
+
+def test_a_bad_device_id_argument_is_a_clear_error(rt):
+    with pytest.raises(meshkit.DistValueError, match=r"rank 1: device_id=9 is not a GPU of this process; valid "
+                                                     r"devices are 0\.\.7"):
+        _world(lambda: None, 2, device_id=lambda rank: 9 * rank)
+
+
+def test_ranks_on_one_gpu_need_an_nccl_that_shares_it(rt, monkeypatch):
+    monkeypatch.delenv("NCCL_MULTI_RANK_GPU_ENABLE", raising=False)
+    one_gpu = dict(visible=lambda rank: [4])
+    with pytest.raises(meshkit.DistBackendError, match=r"rank \d: ranks \[0, 1\] would share one GPU \(GPU-00000004\); "
+                                                       r"NCCL refuses that .*or set NCCL_MULTI_RANK_GPU_ENABLE=1 "
+                                                       r"\(NCCL 2\.32\.3 can share\)"):
+        _world(lambda: None, 2, **one_gpu)
+    monkeypatch.setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1")
+    assert _world(lambda: None, 2, **one_gpu) == [(0, [3.0, 3.0], None)] * 2
+    monkeypatch.setattr(double.fake_nccl, "get_version", lambda: 22703)
+    with pytest.raises(meshkit.DistBackendError, match=r"or NCCL >= 2\.30 with NCCL_MULTI_RANK_GPU_ENABLE=1 \(this "
+                                                       r"is NCCL 2\.27\.3\)"):
+        _world(lambda: None, 2, **one_gpu)
+
+
+def test_double_refuses_two_ranks_on_one_physical_gpu_as_nccl_does(rt, monkeypatch):
+    monkeypatch.delenv("NCCL_MULTI_RANK_GPU_ENABLE", raising=False)
+    uid = double.fake_nccl.get_unique_id()
+    errors = []
+
+    def rank_main(rank):
+        double.visible_devices([6])
+        try:
+            double.FakeCommunicator(2, uid, rank)
+        except double.FakeNcclError as exc:
+            errors.append(str(exc))
+        finally:
+            double.visible_devices(None)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert any(re.match(r"double: ncclInvalidUsage: Duplicate GPU detected : rank \d and rank \d both on CUDA "
+                        r"device 6", e) for e in errors), errors
+
+
+def test_the_mpi_engine_reports_the_node_local_rank(mpirun):
+    out = mpirun("mpi_device_select.py", 2, "local-rank", timeout=60).stdout
+    assert "[rank0]: local rank 0" in out and "[rank1]: local rank 1" in out, out
+    out = mpirun("mpi_device_select.py", 2, "split", timeout=60).stdout
+    assert "[rank0]: split local rank 0" in out and "[rank1]: split local rank 1" in out, out
+    out = mpirun("mpi_device_select.py", 2, "local-rank", env={"LOCAL_RANK": "5"}, timeout=60).stdout
+    assert "[rank0]: local rank 5" in out and "[rank1]: local rank 5" in out, out  # the launcher's word first
+    out = mpirun("mpi_device_select.py", 2, "local-rank", env={"LOCAL_RANK": "two"}, timeout=60).stdout
+    assert "[rank1]: DistValueError: meshkit.comm: rank 1: LOCAL_RANK='two' is not a node-local rank" in out, out
+
+
+def test_over_mpi_one_visible_gpu_per_rank_is_device_0_and_one_shared_gpu_is_refused(mpirun):
+    out = mpirun("mpi_device_select.py", 2, "per-task", env={"NCCL_MULTI_RANK_GPU_ENABLE": "0"}, timeout=60).stdout
+    assert "[rank0]: device 0 (GPU-00000000)" in out and "[rank1]: device 0 (GPU-00000001)" in out, out
+    out = mpirun("mpi_device_select.py", 2, "one-gpu", env={"NCCL_MULTI_RANK_GPU_ENABLE": "0"}, timeout=60).stdout
+    for rank in (0, 1):
+        assert f"[rank{rank}]: DistBackendError: meshkit.comm: rank {rank}: ranks [0, 1] would share one GPU" in out, out

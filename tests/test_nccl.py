@@ -466,11 +466,12 @@ def test_auto_picks_nccl_only_where_a_gpu_is_seen():
         cuda_runtime.set_runtime(previous)
 
 
-def test_more_ranks_than_gpus_is_refused():
+def test_more_ranks_than_gpus_is_refused(monkeypatch):
+    monkeypatch.delenv("NCCL_MULTI_RANK_GPU_ENABLE", raising=False)
     previous = cuda_runtime.set_runtime(double.FakeRuntime(devices=2))
     try:
-        with pytest.raises(meshkit.DistBackendError, match=r"needs one GPU per rank; host .* runs 3 ranks but "
-                                                          r"sees 2 GPUs"):
+        with pytest.raises(meshkit.DistBackendError, match=r"rank \d: ranks \[0, 2\] would share one GPU "
+                                                          r"\(GPU-00000000\); NCCL refuses that"):
             on_nccl(lambda: None, 3)
     finally:
         cuda_runtime.set_runtime(previous)
