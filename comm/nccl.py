@@ -41,9 +41,11 @@ Everything GPU-specific goes through the runtime of :mod:`meshkit.comm.cuda_runt
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from .engine import DeadlineExceeded
 from .errors import DistBackendError, DistTypeError, DistValueError
@@ -133,6 +135,10 @@ class NCCLEngine:
         self._aborted: str | None = None
         self._watch: Callable[[], None] | None = None
         self._coalesced: list[DeviceRequest] | None = None  # requests issued since start_coalescing
+        # Threads inside an NCCL call on this communicator, and an abort that waits for them to leave.
+        self._inside: dict[int, int] = {}
+        self._inside_lock = threading.Lock()
+        self._abort_pending = False
 
     # ----------------------------------------------------------------- shared with the host engine
     @property
@@ -226,13 +232,14 @@ class NCCLEngine:
         stream = self.stream
         stream.wait_event(ready)  # the collective sees the caller's writes; the host does not wait
         nccl = rt.nccl
-        if grouped:
-            nccl.groupStart()
-        try:
-            issue(stream.ptr)
-        finally:
+        with self._calling():
             if grouped:
-                nccl.groupEnd()
+                nccl.groupStart()
+            try:
+                issue(stream.ptr)
+            finally:
+                if grouped:
+                    nccl.groupEnd()
         if self._coalesced is not None:  # inside batch_isend_irecv: NCCL enqueues at groupEnd
             request = DeviceRequest(self, op, None, keep)
             self._coalesced.append(request)
@@ -267,10 +274,43 @@ class NCCLEngine:
     def _abort(self, why: str) -> None:
         if self._aborted is None:
             self._aborted = why
-            try:
-                self.comm.abort()
-            except Exception:  # aborting is the last resort: its own failure changes nothing
-                pass
+            me = threading.get_ident()
+            with self._inside_lock:
+                if any(t != me for t in self._inside):
+                    # Another thread is inside an NCCL call on this communicator (blocked in a
+                    # runtime connection, a split, a destroy): ncclCommAbort must not run beside
+                    # it on a blocking communicator (CuPy 14.2 makes no other kind). That thread
+                    # aborts as it leaves the call (see _calling); until then nothing can unblock it.
+                    self._abort_pending = True
+                    return
+            self._abort_now()
+
+    def _abort_now(self) -> None:
+        try:
+            self.comm.abort()
+        except Exception:  # aborting is the last resort: its own failure changes nothing
+            pass
+
+    @contextlib.contextmanager
+    def _calling(self) -> Iterator[None]:
+        """The calling thread is inside an NCCL call on this communicator for the block (calls
+        that may block the host: enqueues that connect at first use, groupEnd, commSplit,
+        destroy); an abort asked meanwhile by another thread runs as the last thread leaves."""
+        me = threading.get_ident()
+        with self._inside_lock:
+            self._inside[me] = self._inside.get(me, 0) + 1
+        try:
+            yield
+        finally:
+            with self._inside_lock:
+                self._inside[me] -= 1
+                if not self._inside[me]:
+                    del self._inside[me]
+                pending = self._abort_pending and not self._inside
+                if pending:
+                    self._abort_pending = False
+            if pending:
+                self._abort_now()
 
     def wait(self, request: Any, deadline: float) -> None:
         """Block the host until ``request`` completes, under ``deadline``.
@@ -433,14 +473,16 @@ class NCCLEngine:
         """Open an NCCL group: the sends and receives issued until :meth:`end_coalescing` are
         matched together (``batch_isend_irecv``), so their order cannot deadlock."""
         self.rt.use_device(self.device)
-        self.rt.nccl.groupStart()
+        with self._calling():
+            self.rt.nccl.groupStart()
         self._coalesced = []
 
     def end_coalescing(self) -> None:
         """Close the group; one done event, recorded after ``groupEnd``, completes its requests
         (an event recorded inside the group would fire before NCCL enqueued anything)."""
         requests, self._coalesced = self._coalesced or [], None
-        self.rt.nccl.groupEnd()
+        with self._calling():  # the group's connections are made (and may block) here
+            self.rt.nccl.groupEnd()
         if requests:
             done = self.rt.new_event()
             done.record(self.stream)
@@ -461,7 +503,8 @@ class NCCLEngine:
         # NCCL: no operation may be outstanding on a communicator being split (async work that
         # Work.wait() only ordered may still run on the device): wait for the stream first.
         self.drain("split", deadline)
-        child = self.comm.commSplit(-1 if color is None else int(color), self.rank)
+        with self._calling():  # blocks until every rank of this communicator calls it
+            child = self.comm.commSplit(-1 if color is None else int(color), self.rank)
         if host is None:
             return None
         if child.rank_id() != host.rank or child.size() != host.size:
@@ -481,7 +524,8 @@ class NCCLEngine:
     def free(self) -> None:
         if self._aborted is None:
             try:
-                self.comm.destroy()
+                with self._calling():  # ncclCommDestroy is collective within the node: it may block
+                    self.comm.destroy()
             except Exception as exc:  # freeing at shutdown must not mask the caller's own state
                 raise DistBackendError(f"meshkit.comm: rank {self._me}: destroying the NCCL communicator "
                                        f"failed: {exc}") from None

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["CONSTANTS", "DeviceArray", "FakeRuntime", "FakeNcclError", "FakeCommunicator", "Gate", "TimedKernel",
-           "fake_nccl", "to_device", "to_host", "visible_devices", "DOUBLE_TIMEOUT"]
+           "fake_nccl", "to_device", "to_host", "visible_devices", "misuse", "DOUBLE_TIMEOUT"]
 
 #: The constants of cupy.cuda.nccl (CuPy 14, NCCL 2.x); tests assert they equal the real module's.
 CONSTANTS = {"NCCL_INT8": 0, "NCCL_CHAR": 0, "NCCL_UINT8": 1, "NCCL_INT32": 2, "NCCL_INT": 2, "NCCL_UINT32": 3,
@@ -438,6 +438,71 @@ def _group_end() -> None:
             _tls.group.closed = True
             _tls.group = None
             _progress()
+        _connect_group()  # blocking calls: runtime connections happen here for a group
+
+
+# --------------------------------------------------------------------------- blocking calls
+# Blocking calls (issue 24, point 5). These block the calling host thread inside NCCL until the
+# peers arrive, with no timeout of their own (gpu-reality.md; NCCL init.cc, enqueue.cc):
+# * ncclCommInitRank (``NcclCommunicator(...)``): until every rank of the communicator joined;
+# * commSplit: until every rank of the parent called it (see ``FakeCommunicator.commSplit``);
+# * the first collective of an algorithm and the first send/recv between two ranks: NCCL >= 2.22
+#   connects at run time (``NCCL_RUNTIME_CONNECT``, default 1; 0 connects everything in init),
+#   inside the enqueue call, or at the outermost ncclGroupEnd of a group. The double takes "an
+#   algorithm" to be a collective kind (allReduce, broadcast, ...), a p2p connection a pair of ranks.
+# The double blocks the same way, for at most DOUBLE_TIMEOUT (its own safety net; a GPU has none).
+# ncclCommAbort must not run while another thread is inside a call on the same blocking
+# communicator (gpu-reality.md: safe only for nonblocking communicators with no concurrent call;
+# CuPy 14.2's NcclConfig cannot make a nonblocking one): the double raises, and records it in
+# ``misuse``, since an engine may swallow abort's errors.
+misuse: list[str] = []
+
+
+class _Inside:
+    """The calling thread is inside an NCCL call on ``comm`` for the block."""
+
+    __slots__ = ("comm", "me")
+
+    def __init__(self, comm: FakeCommunicator) -> None:
+        self.comm, self.me = comm, threading.get_ident()
+
+    def __enter__(self) -> None:
+        with _cond:
+            inside = self.comm._inside
+            inside[self.me] = inside.get(self.me, 0) + 1
+
+    def __exit__(self, *exc: Any) -> None:
+        with _cond:
+            inside = self.comm._inside
+            inside[self.me] -= 1
+            if not inside[self.me]:
+                del inside[self.me]
+
+
+def _connect(comm: FakeCommunicator, key: tuple, what: str) -> None:
+    """NCCL's runtime connection for ``key`` (("collective", kind) or ("p2p", (a, b))): block the
+    calling thread until every rank it joins has asked for it too."""
+    clique = comm._clique
+    needed = set(range(clique.size)) if key[0] == "collective" else set(key[1])
+    with _cond:
+        if key in clique.connected:
+            return
+        clique.arrivals.setdefault(key, set()).add(comm._rank)
+        _cond.notify_all()
+    with _Inside(comm):
+        _wait(lambda: key in clique.connected or clique.arrivals[key] >= needed or clique.error is not None,
+              f"{what}: NCCL's runtime connection (first use, NCCL_RUNTIME_CONNECT=1) waiting for ranks "
+              f"{sorted(needed - clique.arrivals[key])}")
+    with _cond:
+        if clique.arrivals[key] >= needed:
+            clique.connected.add(key)
+
+
+def _connect_group() -> None:
+    """At the outermost groupEnd: the connections the group's operations need (each blocks)."""
+    pending, _tls.connects = getattr(_tls, "connects", []), []
+    for comm, key, what in pending:
+        _connect(comm, key, what)
 
 
 class _Op:
@@ -466,6 +531,8 @@ class _Clique:
         self.splits: list[dict[int, tuple[int, int]]] = []
         self.split_results: list[dict[int, Any]] = []
         self.error: str | None = None
+        self.arrivals: dict[tuple, set[int]] = {}  # blocking calls: who asked for each runtime connection
+        self.connected: set[tuple] = set()
 
     def fail(self, why: str) -> None:
         if self.error is None:
@@ -566,6 +633,11 @@ class FakeCommunicator:
             if clique is None:
                 clique = _cliques[bytes(commId)] = _Clique(ndev)
             self._join(clique, ndev, rank)
+            _cond.notify_all()
+        # Blocking calls: ncclCommInitRank returns once every rank joined.
+        with _Inside(self):
+            _wait(lambda: len(clique.members) == clique.size, f"NcclCommunicator(ndev={ndev}, rank={rank}): "
+                  f"ncclCommInitRank waiting for ranks {sorted(set(range(ndev)) - set(clique.members))}")
 
     def _join(self, clique: _Clique, ndev: int, rank: int) -> None:
         if ndev != clique.size or not 0 <= rank < ndev or rank in clique.members:
@@ -584,6 +656,8 @@ class FakeCommunicator:
         self._clique, self._rank, self._device, self._destroyed = clique, rank, device, False
         self._gpu = gpu
         self._aborted, self._injected = False, None
+        self._inside: dict[int, int] = {}  # blocking calls: threads inside a call on this communicator
+        self._runtime_connect = os.environ.get("NCCL_RUNTIME_CONNECT", "1").strip() != "0"  # read at init
         clique.members[rank] = self
 
     # ------------------------------------------------------------------ checks
@@ -624,6 +698,14 @@ class FakeCommunicator:
             else:
                 clique.recvs.setdefault((args["peer"], self._rank), []).append(op)
             _progress()
+        if self._runtime_connect:  # blocking calls: the first use of a connection waits for the peers
+            key = ("collective", kind) if collective else ("p2p", tuple(sorted((self._rank, args["peer"]))))
+            if key not in clique.connected:
+                what = f"rank {self._rank}: {kind}"
+                if group is not None:
+                    _tls.connects = [*getattr(_tls, "connects", []), (self, key, what)]
+                else:
+                    _connect(self, key, what)
 
     def _collective(self, kind: str, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int | None,
                     root: int | None, stream: int, recv_count: int | None = None,
@@ -690,14 +772,15 @@ class FakeCommunicator:
                     for new_rank, (_, r) in enumerate(ranks):
                         clique.split_results[k][r] = (child, new_rank)
                 _cond.notify_all()
-        _wait(lambda: len(clique.splits[k]) == clique.size, f"commSplit #{k} on every rank")
+        with _Inside(self):  # blocking calls: commSplit returns once every rank of the parent called it
+            _wait(lambda: len(clique.splits[k]) == clique.size, f"commSplit #{k} on every rank")
         found = clique.split_results[k].get(self._rank)
         if color < 0 or found is None:
             return None
         out = FakeCommunicator.__new__(FakeCommunicator)
         with _cond:
             out._clique, out._rank, out._device, out._destroyed = found[0], found[1], self._device, False
-            out._gpu = self._gpu
+            out._gpu, out._inside, out._runtime_connect = self._gpu, {}, self._runtime_connect
             out._aborted, out._injected = False, None
             found[0].members[found[1]] = out
         return out
@@ -712,7 +795,8 @@ class FakeCommunicator:
                       for op in ops)]
         # ncclCommDestroy finalizes first: the operations this rank issued complete (their peers
         # still have to issue theirs); an aborted or failed communicator has nothing to finish.
-        _wait(lambda: clique.error is not None or all(op.done for op in mine), "ncclCommDestroy's finalize")
+        with _Inside(self):
+            _wait(lambda: clique.error is not None or all(op.done for op in mine), "ncclCommDestroy's finalize")
         with _cond:
             self._destroyed = True
             if all(m._destroyed for m in clique.members.values()):  # forget it: progress scans every clique
@@ -725,6 +809,13 @@ class FakeCommunicator:
         rank never complete (on a GPU their kernels spin), until they abort too."""
         clique = self._clique
         with _cond:
+            others = sorted(t for t in self._inside if t != threading.get_ident())
+            if others:  # blocking calls: see the section above
+                names = [t.name for t in threading.enumerate() if t.ident in others]
+                why = (f"double: ncclCommAbort of rank {self._rank} on thread {threading.current_thread().name} while "
+                       f"thread(s) {names} are inside an NCCL call on this blocking communicator")
+                misuse.append(why)
+                raise FakeNcclError(why)
             self._destroyed = self._aborted = True
             ops = clique.collectives[self._rank]
             for op in ops:

@@ -276,3 +276,129 @@ def test_over_mpi_one_visible_gpu_per_rank_is_device_0_and_one_shared_gpu_is_ref
     out = mpirun("mpi_device_select.py", 2, "one-gpu", env={"NCCL_MULTI_RANK_GPU_ENABLE": "0"}, timeout=60).stdout
     for rank in (0, 1):
         assert f"[rank{rank}]: DistBackendError: meshkit.comm: rank {rank}: ranks [0, 1] would share one GPU" in out, out
+
+
+# --------------------------------------------------------------------------- blocking calls
+def _threads(*fns):
+    """Run each ``fn`` on a thread of its own (a thread-rank of the double); their results."""
+    out = [None] * len(fns)
+
+    def run(i, fn):
+        try:
+            out[i] = fn()
+        except Exception as exc:  # noqa: BLE001 (returned for the test to look at)
+            out[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i, fn)) for i, fn in enumerate(fns)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def test_double_blocks_creation_and_first_use_until_the_peers_arrive(rt, monkeypatch):
+    monkeypatch.delenv("NCCL_RUNTIME_CONNECT", raising=False)
+    uid = double.fake_nccl.get_unique_id()
+    comms = [None, None]
+
+    def rank(r, late):
+        def main():
+            rt.use_device(r)
+            time.sleep(late)
+            began = time.monotonic()
+            comms[r] = comm = double.FakeCommunicator(2, uid, r)
+            created = time.monotonic() - began
+            x = double.to_device(np.ones(4))
+            stream = rt.current_stream()
+            time.sleep(late)
+            began = time.monotonic()
+            comm.allReduce(x.data.ptr, x.data.ptr, 4, double.CONSTANTS["NCCL_FLOAT64"], 0, stream.ptr)
+            first = time.monotonic() - began
+            began = time.monotonic()
+            comm.allReduce(x.data.ptr, x.data.ptr, 4, double.CONSTANTS["NCCL_FLOAT64"], 0, stream.ptr)
+            return created, first, time.monotonic() - began, x.get().tolist()
+        return main
+
+    (created, first, second, out), late = _threads(rank(0, 0.0), rank(1, 0.4))
+    assert created >= 0.35 and first >= 0.35 and second < 0.1, (created, first, second)
+    assert out == late[3] == [4.0] * 4
+
+    monkeypatch.setenv("NCCL_RUNTIME_CONNECT", "0")  # NCCL connects in init: the first use does not wait
+    uid = double.fake_nccl.get_unique_id()
+    (created, first, second, out), _ = _threads(rank(0, 0.0), rank(1, 0.4))
+    assert created >= 0.35 and first < 0.1, (created, first)
+
+
+def test_double_refuses_an_abort_while_another_thread_is_inside_a_call(rt, monkeypatch):
+    monkeypatch.setattr(double, "misuse", [])
+    monkeypatch.setattr(double, "DOUBLE_TIMEOUT", 1.0)
+    monkeypatch.delenv("NCCL_RUNTIME_CONNECT", raising=False)
+    uid = double.fake_nccl.get_unique_id()
+    comms = []
+
+    def rank(r):
+        rt.use_device(r)
+        comms.append(double.FakeCommunicator(2, uid, r))
+        return comms[-1]
+
+    c0, c1 = _threads(lambda: rank(0), lambda: rank(1))
+    rt.use_device(c0.device_id())
+    x = double.to_device(np.ones(2))
+    sender = threading.Thread(target=_threads, args=(lambda: c0.send(x.data.ptr, 2, 8, 1, rt.current_stream().ptr),))
+    sender.start()  # blocks: rank 1 never receives (the first send between them connects)
+    time.sleep(0.3)
+    with pytest.raises(double.FakeNcclError, match=r"ncclCommAbort of rank 0 on thread .* while thread\(s\) "
+                                                   r"\[.*\] are inside an NCCL call on this blocking communicator"):
+        c0.abort()
+    sender.join()
+    assert len(double.misuse) == 1
+    c0.abort()  # nobody inside any more
+
+
+def test_a_late_peer_at_the_first_collective_blocks_inside_nccl_past_the_timeout(rt, monkeypatch):
+    """What the README says is not guaranteed: by default (NCCL_RUNTIME_CONNECT=1) the first
+    collective connects the ranks inside NCCL; rank 0 waits there for rank 1, arriving after the
+    group's 1 s timeout, and no timeout fires (a warm-up or NCCL_RUNTIME_CONNECT=0 moves the wait)."""
+    monkeypatch.delenv("NCCL_RUNTIME_CONNECT", raising=False)
+
+    def body():
+        meshkit.init_process_group("nccl", timeout=1)
+        x = double.to_device(np.ones(2))
+        if meshkit.get_rank() == 1:
+            time.sleep(1.8)
+        began = time.monotonic()
+        meshkit.all_reduce(x)
+        return time.monotonic() - began, double.to_host(x).tolist()
+
+    (took, out), _ = local.run(body, 2, init=False)
+    assert took > 1.5 and out == [2.0, 2.0]
+
+
+def test_the_engine_never_aborts_a_communicator_another_thread_is_inside(rt, monkeypatch):
+    """Rank 0's watchdog fails an async all_reduce (rank 1 never joins) while rank 0's own thread
+    is blocked inside NCCL, in the first send to rank 1 (a runtime connection rank 1 never
+    makes). ncclCommAbort beside that call is unsafe on a blocking communicator: the engine
+    leaves it to the thread inside, which aborts as it leaves (here when the double gives up)."""
+    monkeypatch.setattr(double, "misuse", [])
+    monkeypatch.setattr(double, "DOUBLE_TIMEOUT", 3.0)
+    monkeypatch.delenv("NCCL_RUNTIME_CONNECT", raising=False)
+    monkeypatch.setenv("MESHKIT_ASYNC_ERROR_HANDLING", "log")
+
+    def body():
+        meshkit.init_process_group("nccl", timeout=1)
+        meshkit.all_reduce(double.to_device(np.ones(1)))  # warm-up: all_reduce is connected
+        if meshkit.get_rank() == 1:
+            time.sleep(5)
+            return None
+        engine = meshkit.current_world().default_group.engine
+        work = meshkit.all_reduce(double.to_device(np.ones(2)), async_op=True)
+        work.wait()  # orders the stream; the watchdog watches it
+        with pytest.raises(Exception, match=r"runtime connection .* did not happen"):
+            meshkit.send(double.to_device(np.ones(2)), dst=1)  # blocks inside NCCL for 3 s
+        return list(double.misuse), engine.comm._aborted, work.exception()
+
+    (misuse, aborted, error), _ = local.run(body, 2, init=False)
+    assert misuse == [], misuse
+    assert aborted, "the thread inside did not abort the communicator as it left"
+    assert isinstance(error, meshkit.CollectiveTimeout), error
