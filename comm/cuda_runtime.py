@@ -33,6 +33,7 @@ arrays through them when MPI cannot read device memory.
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 from typing import Any, Callable
 
@@ -143,10 +144,10 @@ def keep_current_device() -> Callable[[], None] | None:
     """A function that makes the calling thread's current device current on the thread that
     calls it (a task handed to a helper thread starts on device 0, as every new CUDA thread);
     None when no runtime is in use (a host-only job never loads CuPy for this)."""
-    rt = _installed
-    if rt is None:
-        return None
     try:
+        rt = _installed if _installed is not None or "cupy" not in sys.modules else runtime()
+        if rt is None:
+            return None
         return functools.partial(rt.use_device, rt.current_device())
     except Exception:  # no device here after all: nothing to follow
         return None

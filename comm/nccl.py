@@ -268,7 +268,10 @@ class NCCLEngine:
     def abandon(self, why: str) -> None:
         """The group broke (a timeout, a peer's failure, ``ProcessGroup.abort``): abort the
         communicator (``ncclCommAbort``), so that its kernels stop waiting for the other ranks
-        and the streams ordered after them go on. Idempotent."""
+        and the streams ordered after them go on. Idempotent. If another thread is inside an
+        NCCL call on it (blocked in a runtime connection, a split, a destroy), the abort is left
+        to that thread as it leaves the call: aborting beside it is unsafe on a blocking
+        communicator."""
         self._abort(why)
 
     def _abort(self, why: str) -> None:
