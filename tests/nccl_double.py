@@ -82,7 +82,7 @@ class DeviceArray(np.ndarray):
     thread's current device; host code touching it synchronizes the current stream first."""
 
     def __array_finalize__(self, obj: Any) -> None:
-        if self.base is None:  # owns its memory: a new allocation
+        if not isinstance(self.base, DeviceArray):  # owns its memory (or NumPy's, e.g. x[idx]): a new allocation
             self._device = _device()
             with _cond:
                 _allocations[:] = [r for r in _allocations if r() is not None]
