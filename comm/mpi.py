@@ -352,8 +352,12 @@ class _Posts:
             queue = self.queue
             while queue:
                 head = queue[0]
-                if not head.post_ready():
-                    return
+                try:
+                    if not head.post_ready():
+                        return
+                except BaseException:  # its operation fails (its waiter raises this); the others go on
+                    queue.popleft()
+                    raise
                 queue.popleft()
 
 
