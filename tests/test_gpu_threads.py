@@ -402,3 +402,33 @@ def test_the_engine_never_aborts_a_communicator_another_thread_is_inside(rt, mon
     assert misuse == [], misuse
     assert aborted, "the thread inside did not abort the communicator as it left"
     assert isinstance(error, meshkit.CollectiveTimeout), error
+
+
+def test_double_connects_a_groups_operations_at_its_outermost_group_end(rt, monkeypatch):
+    """Inside groupStart/groupEnd the calls return at once; the first send/recv between two ranks
+    connects (and blocks) at the outermost groupEnd, as NCCL's group launch does."""
+    monkeypatch.delenv("NCCL_RUNTIME_CONNECT", raising=False)
+    uid = double.fake_nccl.get_unique_id()
+    comms = [None, None]
+
+    def rank(r, late):
+        def main():
+            rt.use_device(r)
+            comms[r] = comm = double.FakeCommunicator(2, uid, r)
+            x = double.to_device(np.full(3, r + 5.0))
+            stream = rt.current_stream()
+            time.sleep(late)
+            double.fake_nccl.groupStart()
+            began = time.monotonic()
+            if r == 0:
+                comm.send(x.data.ptr, 3, double.CONSTANTS["NCCL_FLOAT64"], 1, stream.ptr)
+            else:
+                comm.recv(x.data.ptr, 3, double.CONSTANTS["NCCL_FLOAT64"], 0, stream.ptr)
+            issued = time.monotonic() - began
+            double.fake_nccl.groupEnd()
+            return issued, time.monotonic() - began, x.get().tolist()
+        return main
+
+    (issued, ended, _), (_, _, got) = _threads(rank(0, 0.0), rank(1, 0.4))
+    assert issued < 0.1 and ended >= 0.35, (issued, ended)
+    assert got == [5.0, 5.0, 5.0]
