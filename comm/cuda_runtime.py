@@ -13,6 +13,9 @@ What a runtime provides (duck-typed, CuPy's own names where CuPy has them)::
                               NcclError and the NCCL_* constants
     device_count() -> int     GPUs this process sees
     use_device(index)         make ``index`` the calling thread's current device
+    current_device() -> int   the calling thread's current device (CUDA's is per thread, 0 at start)
+    device_of(x) -> int       the device a device array's memory lies on
+    device_uuid(index) -> str the GPU's UUID (one physical GPU, whatever CUDA_VISIBLE_DEVICES numbers it)
     new_stream() -> Stream    a non-blocking stream (``.ptr``, ``.wait_event(event)``)
     new_event() -> Event      an event (``.record(stream)``, ``.done``, ``.synchronize()``)
     event_done(event) -> bool   fired (True) or pending (False); raises the CUDA error of a fault
@@ -30,13 +33,15 @@ arrays through them when MPI cannot read device memory.
 
 from __future__ import annotations
 
+import functools
+import sys
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from .arrays import is_device_array
 from .errors import DistBackendError
 
-__all__ = ["CupyRuntime", "runtime", "set_runtime", "gpu_available", "is_device_array"]
+__all__ = ["CupyRuntime", "runtime", "set_runtime", "gpu_available", "is_device_array", "keep_current_device"]
 
 
 #: cudaErrorNotReady: what cudaEventQuery returns for an event that has not fired yet.
@@ -74,6 +79,19 @@ class CupyRuntime:
 
     def use_device(self, index: int) -> None:
         self._cupy.cuda.Device(index).use()
+
+    def current_device(self) -> int:
+        return int(self._cupy.cuda.runtime.getDevice())
+
+    def device_of(self, x: Any) -> int:
+        device = getattr(getattr(x, "device", None), "id", None)  # CuPy's ndarray.device: also for an empty array
+        if isinstance(device, int):
+            return device
+        # Any other __cuda_array_interface__ array (Numba, torch): the pointer's own device.
+        return int(self._cupy.cuda.runtime.pointerGetAttributes(self.pointer(x)).device)
+
+    def device_uuid(self, index: int) -> str:
+        return bytes(self._cupy.cuda.runtime.getDeviceProperties(index)["uuid"]).hex()
 
     def new_stream(self) -> Any:
         return self._cupy.cuda.Stream(non_blocking=True)
@@ -138,6 +156,19 @@ def set_runtime(rt: Any) -> Any:
     with _lock:
         previous, _installed = _installed, rt
     return previous
+
+
+def keep_current_device() -> Callable[[], None] | None:
+    """A function that makes the calling thread's current device current on the thread that
+    calls it (a task handed to a helper thread starts on device 0, as every new CUDA thread);
+    None when no runtime is in use (a host-only job never loads CuPy for this)."""
+    try:
+        rt = _installed if _installed is not None or "cupy" not in sys.modules else runtime()
+        if rt is None:
+            return None
+        return functools.partial(rt.use_device, rt.current_device())
+    except Exception:  # no device here after all: nothing to follow
+        return None
 
 
 def gpu_available() -> bool:

@@ -13,8 +13,9 @@ Optional methods, looked up by the group where an engine has them: ``defer(reque
 of blocking the host; NCCL), ``start_coalescing()``/``end_coalescing()`` (``batch_isend_irecv``
 posts its list as one group; NCCL), ``queues = False`` (async collectives start at once instead
 of waiting behind the group's earlier one; NCCL, whose stream orders them), ``use_device()``
-(make the group's GPU current on the calling thread, before a ``run_async`` task allocates device
-memory on the communication thread; NCCL), ``flush``/``abort`` (send pending notices, job abort),
+(make the group's GPU current on the calling thread: a ``run_async`` task on the communication
+thread, the progress agent before it touches a work; NCCL), ``local_rank()`` (the rank's index
+on its node, which the NCCL engine asks of its host engine to pick a GPU), ``flush``/``abort`` (send pending notices, job abort),
 ``abandon(why)`` (the group broke: stop everything the engine started, so that nothing waits for
 a missing rank forever; NCCL's ``ncclCommAbort``), ``drain(op, deadline)`` (wait for all device
 work, before ``destroy_process_group`` frees the engine; NCCL). A request with ``watchdog = True``

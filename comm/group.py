@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 
 from .checks import check_array, check_like, check_list, check_root, check_split_sizes, where
+from .cuda_runtime import keep_current_device
 from .debug import DebugLevel
 from .engine import DeadlineExceeded, Engine
 from .errors import DistError, DistTypeError, DistValueError
@@ -451,8 +452,10 @@ class ProcessGroup(PointToPointMixin, ExecutionMixin, FailureMixin):
         collectives with computation in between.
         """
         self._member(what)
-        use_device = getattr(self.engine, "use_device", None)
-        if use_device is not None:  # the task may allocate device memory: on this rank's GPU, not device 0
+        # The task may allocate device memory: on this rank's GPU (the engine's, else the caller's
+        # current one), not on device 0, where CUDA starts the communication thread.
+        use_device = getattr(self.engine, "use_device", None) or keep_current_device()
+        if use_device is not None:
             fn = functools.partial(_on_device, use_device, fn)
         return self._thread.submit(functools.partial(self._task, what, fn), Work(f"{what} on group {self.name}"))
 

@@ -42,7 +42,7 @@ def _resolve_backend(backend: str) -> str:
     return "nccl" if gpu_available() else "mpi"
 
 
-def _world_engine(backend: str, timeout: float) -> object:
+def _world_engine(backend: str, timeout: float, device_id: int | None = None) -> object:
     if backend == "local":
         context = local_context()
         if context is None:
@@ -57,20 +57,24 @@ def _world_engine(backend: str, timeout: float) -> object:
     rt = runtime()  # raises DistBackendError without CuPy
     host = _world_engine("local" if local_context() is not None else "mpi", timeout)
     from .nccl import create_world_engine as create_nccl
-    return create_nccl(host, rt, time.monotonic() + timeout)
+    return create_nccl(host, rt, time.monotonic() + timeout, device_id)
 
 
-def init_process_group(backend: str = "auto", *, timeout: float | datetime.timedelta | None = None) -> None:
+def init_process_group(backend: str = "auto", *, timeout: float | datetime.timedelta | None = None,
+                       device_id: int | None = None) -> None:
     """Create the default process group (the world) on this rank.
 
     Args:
         backend: ``"mpi"`` (mpi4py; under ``meshkit-run``/``mpiexec`` or, with plain ``python``,
             a world of one), ``"nccl"`` (device arrays over NCCL through CuPy, host arrays and
-            objects over MPI; one GPU per rank, chosen by the rank's index on its host),
+            objects over MPI; one GPU per rank, see ``device_id``),
             ``"local"`` (inside :func:`meshkit.comm.local.run`), or ``"auto"``: ``local``
             inside ``local.run``, else ``nccl`` where CuPy sees a GPU, else ``mpi``.
         timeout: seconds (or a timedelta) every blocking call of every group waits at most;
             default ``MESHKIT_TIMEOUT`` or 300 s.
+        device_id: the index of this rank's GPU among those the process sees (``nccl`` only; as
+            torch's ``device_id``); default ``MESHKIT_DEVICE_ID``, else the node-local rank
+            modulo the visible GPUs (see :func:`meshkit.comm.nccl.select_device`).
 
     Raises:
         DistError: already initialized on this rank.
@@ -83,7 +87,7 @@ def init_process_group(backend: str = "auto", *, timeout: float | datetime.timed
     env.check_all()  # every MESHKIT_* setting, so that a typo is an error now, not ignored until used
     name = _resolve_backend(backend)
     limit = resolve_timeout(timeout)
-    engine = _world_engine(name, limit)
+    engine = _world_engine(name, limit, device_id)
     world = World(backend=name, timeout=limit, debug=env.debug_level(), recorder=FlightRecorder(),
                   progress=ProgressAgent("meshkit-progress"))
     group = ProcessGroup(engine, world=world, ranks=range(engine.size), group_rank=engine.rank, name="world",

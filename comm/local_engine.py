@@ -366,6 +366,10 @@ class LocalEngine:
     def host_name(self) -> str:
         return socket.gethostname()
 
+    def local_rank(self) -> int:
+        """This rank's index among the ranks of its node: all are threads of this process."""
+        return self.rank
+
     def free(self) -> None:
         pass
 

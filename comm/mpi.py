@@ -11,8 +11,9 @@ spin-then-``sched_yield`` matches it); a communication thread working beside the
 computation never spins.
 
 Device arrays (``__cuda_array_interface__``: CuPy, ...) go to MPI as they are when MPI is
-CUDA-aware, after the caller's current stream has finished writing them (MPI is not
-stream-aware). Otherwise they are staged: copied into pinned host buffers (reused per size and
+CUDA-aware, once the caller's current stream has finished writing them (MPI is not
+stream-aware: an event recorded at issue, tested later, so that the issuing call does not wait
+for the caller's kernels). Otherwise they are staged: copied into pinned host buffers (reused per size and
 dtype, through :mod:`~meshkit.comm.cuda_runtime`) on the engine's staging stream, which waits
 for the caller's stream through an event (so only for the caller's writes so far), moved by MPI,
 and copied back on the same stream (all_reduce, reduce and broadcast above :data:`CHUNK_BYTES`
@@ -30,6 +31,8 @@ group's communication thread calls MPI beside the caller.
 
 from __future__ import annotations
 
+import collections
+import functools
 import itertools
 import logging
 import os
@@ -43,7 +46,7 @@ from mpi4py import MPI
 from . import cuda_runtime, env
 from .arrays import is_device_array
 from .engine import DeadlineExceeded
-from .errors import DistBackendError
+from .errors import DistBackendError, DistValueError
 from .notices import WATCH_INTERVAL, Notice
 from .reduce_op import ReduceOp, combine_into
 from .work import in_background
@@ -201,6 +204,9 @@ class _Receive:
 
 
 # --------------------------------------------------------------------------- device arrays
+#: Launchers' node-local rank, in the order asked: torchrun, MPICH's Hydra, Open MPI, Slurm.
+LOCAL_RANK_ENVS = ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
+
 #: The environment variable that says whether MPI reads device memory (1) or not (0).
 CUDA_AWARE_ENV = env.CUDA_AWARE_MPI
 
@@ -318,21 +324,82 @@ class _Pool:
 CHUNK_BYTES = 4 << 20
 
 
-class _Chunks:
-    """The MPI requests of one chunked collective, as one request."""
+class _Posts:
+    """Device operations of one engine waiting for the device before MPI may see their buffers,
+    posted to MPI in issue order (so messages between two ranks keep their order, and every rank
+    posts its chunks of a collective in the same order), by whichever thread tests one of them.
 
-    __slots__ = ("requests",)
+    MPI is not stream-aware: it may read a buffer only once the device work that writes it is
+    over. Waiting for that at issue blocks the caller behind every kernel it queued before (a
+    DDP bucket's all-reduce behind the rest of the backward pass: no overlap left), so an
+    operation is posted when an event recorded at issue has fired, found by the tests that the
+    caller's wait and the progress agent make anyway (issue 24, point 8).
+    """
 
-    def __init__(self, requests: list[MPI.Request]) -> None:
-        self.requests = requests
+    __slots__ = ("queue", "lock")
+
+    def __init__(self) -> None:
+        self.queue: collections.deque[_Deferred] = collections.deque()
+        self.lock = threading.Lock()
+
+    def advance(self) -> None:
+        """Post every step whose event has fired, in issue order, up to the first that has not."""
+        with self.lock:
+            queue = self.queue
+            while queue:
+                head = queue[0]
+                try:
+                    if not head.post_ready():
+                        return
+                except BaseException:  # its operation fails (its waiter raises this); the others go on
+                    queue.popleft()
+                    raise
+                queue.popleft()
+
+
+class _Deferred:
+    """An MPI operation in steps ``(event, start)``: each ``start()`` is posted once its event
+    (None: at once) has fired and the steps before it were posted; complete once every posted
+    request is (a chunked collective has one step per chunk). Forwards a receive's
+    ``source``/``count``/``dtype`` from its (one) request."""
+
+    __slots__ = ("steps", "requests", "posts")
+
+    def __init__(self, steps: list[tuple[Any, Callable[[], Any]]], posts: _Posts) -> None:
+        self.steps, self.requests, self.posts = collections.deque(steps), [], posts
+        with posts.lock:
+            if posts.queue or not self.post_ready():
+                posts.queue.append(self)
+
+    def post_ready(self) -> bool:
+        """Post the steps whose events have fired (hold ``posts.lock``); True once all are posted."""
+        steps = self.steps
+        while steps:
+            event, start = steps[0]
+            if event is not None and not event.done:
+                return False
+            self.requests.append(start())
+            steps.popleft()
+        return True
 
     def Test(self) -> bool:  # noqa: N802 (the Request protocol's name)
-        return MPI.Request.Testall(self.requests)
+        if self.steps:
+            self.posts.advance()
+            if self.steps:
+                return False
+        requests = self.requests
+        return requests[0].Test() if len(requests) == 1 else MPI.Request.Testall(requests)
+
+    def __getattr__(self, name: str) -> Any:
+        if not self.requests:
+            raise AttributeError(name)
+        return getattr(self.requests[0], name)
 
 
 def _drain(rt: Any, stream: Any) -> None:
     """Block until the work queued on ``stream`` so far is done (not work queued later, by
-    another operation's thread)."""
+    another operation's thread). The event is made on the stream's device, which the caller made
+    current (CUDA refuses to record an event on a stream of another device)."""
     event = rt.new_event()
     event.record(stream)
     event.synchronize()
@@ -341,14 +408,17 @@ def _drain(rt: Any, stream: Any) -> None:
 class _Staged:
     """An MPI request over staged host buffers: completes once MPI has and the outputs have been
     copied back to the device (on the engine's staging stream, and the copy has finished), so a
-    caller never sees a half-copied output as done. Forwards a receive's ``source``/``count``/``dtype``."""
+    caller never sees a half-copied output as done. Forwards a receive's ``source``/``count``/``dtype``.
 
-    __slots__ = ("request", "outputs", "stream", "release", "done")
+    Whichever thread completes it (the caller, the group's communication thread, the progress
+    agent) makes ``device`` current first: the copy back and its event belong to that GPU."""
+
+    __slots__ = ("request", "outputs", "stream", "release", "done", "device")
 
     def __init__(self, request: Any, outputs: list[tuple[np.ndarray, Any]], stream: Any,
-                 release: Callable[[], None]) -> None:
+                 release: Callable[[], None], device: int) -> None:
         self.request, self.outputs, self.stream, self.release = request, outputs, stream, release
-        self.done = False
+        self.done, self.device = False, device
 
     def Test(self) -> bool:  # noqa: N802 (the Request protocol's name)
         if self.done:
@@ -357,6 +427,7 @@ class _Staged:
             return False
         if self.outputs:
             rt = cuda_runtime.runtime()
+            _use(rt, self.device)
             for host, dev in self.outputs:
                 rt.copy_to_device(host, dev, self.stream)
             _drain(rt, self.stream)  # the host buffers go back to the pool: the copies must be over
@@ -366,6 +437,12 @@ class _Staged:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.request, name)
+
+
+def _use(rt: Any, device: int) -> None:
+    """Make ``device`` current on the calling thread (where it is not already)."""
+    if rt.current_device() != device:
+        rt.use_device(device)
 
 
 class _Mailbox:
@@ -415,7 +492,8 @@ class MPIEngine:
         self._Iallreduce = comm.Iallreduce
         self._aware: bool | None = None  # CUDA-aware MPI; asked at the first device array
         self._pool = _Pool()
-        self._staging: Any = None  # the stream of staging copies; made at the first staged array
+        self._staging: dict[int, Any] = {}  # device -> its stream of staging copies, made at its first staged array
+        self._posts = _Posts()  # device operations waiting for the device before MPI sees them
 
     def wait(self, request: Any, deadline: float) -> None:
         if not _completes(request, deadline, self.watch):
@@ -448,27 +526,36 @@ class MPIEngine:
         Staging copies run on the engine's own stream, ordered after the caller's current stream
         through an event recorded now: they follow the caller's writes so far, but neither wait
         for nor hold up work the caller queues later (the copy back may run on the progress
-        thread while the caller computes). One staging stream per engine: a rank stages on the
-        device that was current at its first staged operation (one GPU per rank).
+        thread while the caller computes). One staging stream per device. Nothing here waits for the
+        device: MPI gets the buffers once an event says the device is done with them (see
+        :class:`_Posts`), so an async call returns while the caller's kernels still run.
         """
         rt = cuda_runtime.runtime()
+        # The arrays' GPU is current from here on: the caller's stream, the events and the copies
+        # below are that GPU's (this may be the group's communication thread, which CUDA starts
+        # on device 0).
+        device = next((rt.device_of(a) for a in arrays if a is not None and a.nbytes), None)
+        if device is None:  # nothing but empty arrays: no memory, no device to follow
+            device = rt.current_device()
+        _use(rt, device)
         caller = rt.current_stream()
         if self._aware is None:
             self._aware = cuda_aware_mpi()
-        if self._aware:
-            caller.synchronize()  # MPI is not stream-aware: the caller's writes must be done
-            return start(*arrays)
-        stream = self._staging
-        if stream is None:
-            stream = self._staging = rt.new_stream()
         ready = rt.new_event()
         ready.record(caller)
+        if self._aware:
+            # MPI is not stream-aware: it reads the arrays once the caller's writes so far are
+            # done, posted when this event fires (not by synchronizing the caller's stream here).
+            return _Deferred([(ready, lambda: start(*arrays))], self._posts)
+        stream = self._staging.get(device)
+        if stream is None:
+            stream = self._staging[device] = rt.new_stream()
         stream.wait_event(ready)  # also for outputs only: the copy back follows the caller's earlier writes
         if chunked and arrays[0].nbytes > CHUNK_BYTES:
-            return self._chunked(rt, stream, start, arrays[0], reads[0], writes[0])
+            return self._chunked(rt, stream, start, arrays[0], reads[0], writes[0], device)
         hosts: list[Any] = []
         taken: list[np.ndarray] = []
-        copied = False
+        copied = None
         for a, read in zip(arrays, reads):
             if a is None:
                 hosts.append(None)
@@ -478,50 +565,43 @@ class MPIEngine:
             h = h.reshape(a.shape)  # CuPy's copies want the device array's shape
             if read:
                 rt.copy_to_host(a, h, stream)
-                copied = True
+                copied = rt.new_event()
             hosts.append(h)
-        if copied:
-            _drain(rt, stream)  # MPI reads the host buffers: the copies must be over
+        if copied is not None:
+            copied.record(stream)  # MPI reads the host buffers once the copies are over
         try:
-            request = start(*hosts)
+            request = _Deferred([(copied, lambda: start(*hosts))], self._posts)
         except BaseException:
             self._pool.give(taken)  # MPI never saw them
             raise
         outputs = [(h, a) for h, a, w in zip(hosts, arrays, writes) if w and a is not None]
         pool = self._pool
-        return _Staged(request, outputs, stream, lambda: pool.give(taken))
+        return _Staged(request, outputs, stream, lambda: pool.give(taken), device)
 
     def _chunked(self, rt: Any, stream: Any, start: Callable[[Any], Any], a: Any, read: bool,
-                 write: bool) -> _Staged:
+                 write: bool, device: int) -> _Staged:
         """``start`` on chunks of ``a``'s staged copy, each posted once its copy to the host is
-        over (testing the chunks already posted meanwhile: MPI moves them only inside its calls).
-        The copy back is one copy, once every chunk completed: a failed operation copies nothing."""
+        over (found by the tests of the request: nobody waits for a copy at issue). The copy back
+        is one copy, once every chunk completed: a failed operation copies nothing."""
         taken = self._pool.take(rt, a.size, np.dtype(a.dtype))
         host, dev = taken, a.reshape(-1)
         step = max(CHUNK_BYTES // a.itemsize, 1)
-        bounds = [(lo, min(lo + step, a.size)) for lo in range(0, a.size, step)]
-        copied = []
-        if read:
-            for lo, hi in bounds:
-                rt.copy_to_host(dev[lo:hi], host[lo:hi], stream)
+        steps = []
+        for lo in range(0, a.size, step):
+            chunk, event = host[lo:min(lo + step, a.size)], None
+            if read:
+                rt.copy_to_host(dev[lo:lo + chunk.size], chunk, stream)
                 event = rt.new_event()
                 event.record(stream)
-                copied.append(event)
-        requests: list[MPI.Request] = []
+            steps.append((event, functools.partial(start, chunk)))
         try:
-            for i, (lo, hi) in enumerate(bounds):
-                if copied:
-                    while not copied[i].done:
-                        if requests:
-                            MPI.Request.Testall(requests)
-                requests.append(start(host[lo:hi]))
+            request = _Deferred(steps, self._posts)
         except BaseException:
-            if not requests:
-                self._pool.give([taken])  # MPI never saw them
+            self._pool.give([taken])  # MPI never saw them (or some of them: a failed op keeps nothing)
             raise
         pool = self._pool
         outputs = [(host.reshape(a.shape), a)] if write else []
-        return _Staged(_Chunks(requests), outputs, stream, lambda: pool.give([taken]))
+        return _Staged(request, outputs, stream, lambda: pool.give([taken]), device)
 
     def all_reduce(self, buf: np.ndarray, op: ReduceOp) -> MPI.Request:
         if buf.__class__ is not _NDARRAY and _on_device(buf):  # one global, one compare for NumPy
@@ -617,6 +697,8 @@ class MPIEngine:
     def send(self, buf: np.ndarray, dst: int, tag: int) -> MPI.Request:
         if _on_device(buf):
             return self._device(lambda b: self._send(b, dst, tag), (buf,), (True,), (False,))
+        if self._posts.queue:  # behind a device message not yet posted: keep the order of messages
+            return _Deferred([(None, lambda: self._send(buf, dst, tag))], self._posts)
         return self._send(buf, dst, tag)
 
     def _send(self, buf: np.ndarray, dst: int, tag: int) -> MPI.Request:
@@ -625,6 +707,8 @@ class MPIEngine:
     def recv(self, buf: np.ndarray, src: int | None, tag: int) -> _Receive:
         if _on_device(buf):
             return self._device(lambda b: self._recv(b, src, tag), (buf,), (False,), (True,))
+        if self._posts.queue:  # behind a device message not yet posted: keep the order of messages
+            return _Deferred([(None, lambda: self._recv(buf, src, tag))], self._posts)
         return self._recv(buf, src, tag)
 
     def _recv(self, buf: np.ndarray, src: int | None, tag: int) -> _Receive:
@@ -704,6 +788,28 @@ class MPIEngine:
 
     def host_name(self) -> str:
         return MPI.Get_processor_name()
+
+    def local_rank(self) -> int:
+        """This rank's index among the ranks of its node (the world's engine): the launcher's
+        own (the first of :data:`LOCAL_RANK_ENVS` set), else the rank in MPI's shared-memory
+        split of the world (``MPI_COMM_TYPE_SHARED``); host names are not used (containers may
+        share one).
+
+        Raises:
+            DistValueError: a launcher variable that is not a non-negative integer.
+        """
+        for name in LOCAL_RANK_ENVS:
+            value = os.environ.get(name, "").strip()
+            if value:
+                if not value.isdigit():
+                    raise DistValueError(f"meshkit.comm: rank {MPI.COMM_WORLD.Get_rank()}: {name}={value!r} is not "
+                                         "a node-local rank (a non-negative integer)")
+                return int(value)
+        node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+        try:
+            return node.Get_rank()
+        finally:
+            node.Free()
 
     def free(self) -> None:
         if self.comm != MPI.COMM_NULL:

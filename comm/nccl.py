@@ -9,8 +9,9 @@ Object collectives, ``monitored_barrier``, detail-mode checks (``exchange``) and
 run on the host engine.
 
 Creation: the world's communicator comes from a unique id made on rank 0 and broadcast over
-the host engine (no rendezvous server); the device is the node-local rank (ranks of this host
-counted by host name); sub-groups come from ``commSplit`` beside the host engine's split, so
+the host engine (no rendezvous server); the device is ``init_process_group(device_id=...)``,
+else ``MESHKIT_DEVICE_ID``, else the node-local rank modulo the GPUs the process sees
+(:func:`select_device`); sub-groups come from ``commSplit`` beside the host engine's split, so
 a mesh still costs one split per dimension.
 
 Streams, as torch does it. Each engine owns a communication stream. Every collective records
@@ -44,17 +45,20 @@ Everything GPU-specific goes through the runtime of :mod:`meshkit.comm.cuda_runt
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
+import os
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from .engine import DeadlineExceeded
 from .errors import DistBackendError, DistTypeError, DistValueError
 from .notices import WATCH_INTERVAL, Notice
 from .reduce_op import ReduceOp
 
-__all__ = ["NCCLEngine", "DeviceRequest", "create_world_engine", "NCCL_DTYPES", "NCCL_OPS"]
+__all__ = ["NCCLEngine", "DeviceRequest", "create_world_engine", "select_device", "NCCL_DTYPES", "NCCL_OPS",
+           "DEVICE_ENV", "SHARE_ENV"]
 
 #: NumPy dtype name -> NCCL datatype constant. Other dtypes move as bytes (NCCL_UINT8) and
 #: cannot be reduced, except bool (as uint8: MIN/BAND, MAX/BOR) and complex (SUM/AVG of the
@@ -171,6 +175,10 @@ class NCCLEngine:
         _live_engines.add(self)
         self._watch: Callable[[], None] | None = None
         self._coalesced: list[DeviceRequest] | None = None  # requests issued since start_coalescing
+        # Threads inside an NCCL call on this communicator, and an abort that waits for them to leave.
+        self._inside: dict[int, int] = {}
+        self._inside_lock = threading.Lock()
+        self._abort_pending = False
 
     # ----------------------------------------------------------------- shared with the host engine
     @property
@@ -264,13 +272,14 @@ class NCCLEngine:
         stream = self.stream
         stream.wait_event(ready)  # the collective sees the caller's writes; the host does not wait
         nccl = rt.nccl
-        if grouped:
-            nccl.groupStart()
-        try:
-            issue(stream.ptr)
-        finally:
+        with self._calling():
             if grouped:
-                nccl.groupEnd()
+                nccl.groupStart()
+            try:
+                issue(stream.ptr)
+            finally:
+                if grouped:
+                    nccl.groupEnd()
         if self._coalesced is not None:  # inside batch_isend_irecv: NCCL enqueues at groupEnd
             request = DeviceRequest(self, op, None, keep)
             self._coalesced.append(request)
@@ -321,7 +330,10 @@ class NCCLEngine:
     def abandon(self, why: str) -> None:
         """The group broke (a timeout, a peer's failure, ``ProcessGroup.abort``): abort the
         communicator (``ncclCommAbort``), so that its kernels stop waiting for the other ranks
-        and the streams ordered after them go on. Idempotent."""
+        and the streams ordered after them go on. Idempotent. If another thread is inside an
+        NCCL call on it (blocked in a runtime connection, a split, a destroy), the abort is left
+        to that thread as it leaves the call: aborting beside it is unsafe on a blocking
+        communicator."""
         self._abort(why)
 
     def _abort(self, why: str) -> None:
@@ -329,12 +341,48 @@ class NCCLEngine:
             if self._aborted is not None or self._released:
                 return
             self._aborted = why
-            self._released = True
-            _live_engines.discard(self)
-            try:
-                self.comm.abort()
-            except Exception:  # aborting is the last resort: its own failure changes nothing
-                pass
+            me = threading.get_ident()
+            with self._inside_lock:
+                if any(t != me for t in self._inside):
+                    # Another thread is inside an NCCL call on this communicator (blocked in a
+                    # runtime connection, a split, a destroy): ncclCommAbort must not run beside
+                    # it on a blocking communicator (CuPy 14.2 makes no other kind). That thread
+                    # aborts as it leaves the call (see _calling); until then nothing can unblock it.
+                    self._abort_pending = True
+                    return
+            self._abort_now()
+
+    def _abort_now(self) -> None:
+        """``ncclCommAbort``, once; the caller holds ``_handle_lock`` (nothing queries it after)."""
+        self._released = True
+        _live_engines.discard(self)
+        try:
+            self.comm.abort()
+        except Exception:  # aborting is the last resort: its own failure changes nothing
+            pass
+
+    @contextlib.contextmanager
+    def _calling(self) -> Iterator[None]:
+        """The calling thread is inside an NCCL call on this communicator for the block (calls
+        that may block the host: enqueues that connect at first use, groupEnd, commSplit,
+        destroy); an abort asked meanwhile by another thread runs as the last thread leaves."""
+        me = threading.get_ident()
+        with self._inside_lock:
+            self._inside[me] = self._inside.get(me, 0) + 1
+        try:
+            yield
+        finally:
+            with self._inside_lock:
+                self._inside[me] -= 1
+                if not self._inside[me]:
+                    del self._inside[me]
+                pending = self._abort_pending and not self._inside
+                if pending:
+                    self._abort_pending = False
+            if pending:
+                with self._handle_lock:
+                    if not self._released:
+                        self._abort_now()
 
     def wait(self, request: Any, deadline: float) -> None:
         """Block the host until ``request`` completes, under ``deadline``.
@@ -500,7 +548,8 @@ class NCCLEngine:
         matched together (``batch_isend_irecv``), so their order cannot deadlock. A batch over
         several groups opens one per engine, nested: NCCL merges them into the outermost one."""
         self.rt.use_device(self.device)
-        self.rt.nccl.groupStart()
+        with self._calling():
+            self.rt.nccl.groupStart()
         self._coalesced = []
         _batch.depth = getattr(_batch, "depth", 0) + 1
 
@@ -512,7 +561,8 @@ class NCCLEngine:
         ended = _batch.__dict__.setdefault("ended", [])
         ended.append((self, requests))
         _batch.depth -= 1
-        self.rt.nccl.groupEnd()
+        with self._calling():  # the outermost end makes the group's connections (and may block)
+            self.rt.nccl.groupEnd()
         if _batch.depth:
             return
         _batch.ended = []
@@ -547,7 +597,8 @@ class NCCLEngine:
         # NCCL: no operation may be outstanding on a communicator being split (async work that
         # Work.wait() only ordered may still run on the device): wait for the stream first.
         self.drain("split", deadline)
-        child = self.comm.commSplit(-1 if color is None else int(color), self.rank)
+        with self._calling():  # blocks until every rank of this communicator calls it
+            child = self.comm.commSplit(-1 if color is None else int(color), self.rank)
         if host is None:
             return None
         if child.rank_id() != host.rank or child.size() != host.size:
@@ -569,11 +620,18 @@ class NCCLEngine:
         they all destroy it). From here on nothing queries it (see :meth:`check_error`)."""
         with self._handle_lock:  # a query in flight on another thread finishes first
             destroy = self._aborted is None and not self._released
-            self._released = True
-            _live_engines.discard(self)
+            if self._aborted is not None and not self._released:  # an abort left to a thread inside NCCL
+                with self._inside_lock:
+                    busy = bool(self._inside)
+                if not busy:  # that thread has left: abort now rather than leave the communicator live
+                    self._abort_now()
+            else:
+                self._released = True
+                _live_engines.discard(self)
         if destroy:
             try:
-                self.comm.destroy()
+                with self._calling():  # ncclCommDestroy is collective within the node: it may block
+                    self.comm.destroy()
             except Exception as exc:  # freeing at shutdown must not mask the caller's own state
                 raise DistBackendError(f"meshkit.comm: rank {self._me}: destroying the NCCL communicator "
                                        f"failed: {exc}") from None
@@ -610,27 +668,73 @@ def _abort_at_exit() -> None:
 atexit.register(_abort_at_exit)
 
 
-def create_world_engine(host: Any, rt: Any, deadline: float) -> NCCLEngine:
-    """The world's NCCL engine over the world's host engine (collective over it).
+#: The environment variable that names this rank's GPU (an index among the GPUs the process
+#: sees), when ``init_process_group(device_id=...)`` does not.
+DEVICE_ENV = "MESHKIT_DEVICE_ID"
+#: NCCL lets ranks of one communicator share a GPU from 2.30 on, with this variable set to 1
+#: (before, init.cc refuses: "Duplicate GPU detected"). ``get_version()`` codes 2.30.0 as 23000.
+SHARE_ENV = "NCCL_MULTI_RANK_GPU_ENABLE"
+_SHARE_VERSION = 23000
 
-    The device is the rank's index among the ranks of its host (by host name); rank 0 makes
-    the unique id and the host engine carries it to the others.
+
+def select_device(host: Any, rt: Any, deadline: float, device_id: int | None = None) -> int:
+    """This rank's GPU: collective over ``host`` (the world's host engine).
+
+    In order: ``device_id`` (``init_process_group(device_id=...)``), else :data:`DEVICE_ENV`,
+    else the node-local rank (the host engine's ``local_rank()``: the launcher's local rank, or
+    MPI's shared-memory split) modulo the GPUs this process sees, so that one visible GPU per
+    rank (``CUDA_VISIBLE_DEVICES`` per task, Slurm's ``--gpus-per-task=1``) gives every rank its
+    device 0. Ranks then compare GPU UUIDs: two ranks on one physical GPU need NCCL >= 2.30 with
+    ``NCCL_MULTI_RANK_GPU_ENABLE=1`` (:data:`SHARE_ENV`); otherwise every rank raises, naming them.
 
     Raises:
-        DistBackendError: no GPU, or fewer GPUs on this host than ranks (NCCL allows one rank
-            per device in a communicator).
+        DistValueError: ``device_id`` or :data:`DEVICE_ENV` is not a device this process sees.
+        DistBackendError: no GPU, or ranks would share a GPU that the NCCL in use cannot share.
     """
-    names = host.exchange(host.host_name(), -2, deadline)
-    mine = names[host.rank]
-    local_rank, here = names[:host.rank].count(mine), names.count(mine)
-    count = rt.device_count()
-    if here > count:
-        raise DistBackendError(f"meshkit.comm: rank {host.rank}: the nccl backend needs one GPU per rank; host "
-                               f"{mine} runs {here} ranks but sees {count} GPUs; start at most {count} ranks "
-                               "per host, or use the mpi backend")
-    rt.use_device(local_rank)
+    me, count = host.rank, rt.device_count()
+    if count < 1:
+        raise DistBackendError(f"meshkit.comm: rank {me}: the nccl backend needs a GPU, and CuPy sees none here; "
+                               "use the mpi backend")
+    source = "device_id"
+    if device_id is None and os.environ.get(DEVICE_ENV, "").strip():
+        source, device_id = DEVICE_ENV, os.environ[DEVICE_ENV].strip()
+    if device_id is None:
+        device = host.local_rank() % count
+    else:
+        try:
+            device = int(device_id)
+            valid = 0 <= device < count and not isinstance(device_id, (bool, float))
+        except (TypeError, ValueError):
+            valid = False
+        if not valid:
+            raise DistValueError(f"meshkit.comm: rank {me}: {source}={device_id!r} is not a GPU of this process; "
+                                 f"valid devices are 0..{count - 1} ({count} visible)")
+    uuids = host.exchange(rt.device_uuid(device), -4, deadline)
+    shared = {u: [r for r, v in enumerate(uuids) if v == u] for u in uuids}
+    crowded = {u: ranks for u, ranks in shared.items() if len(ranks) > 1}
+    if crowded:
+        version = rt.nccl.get_version()
+        if version < _SHARE_VERSION or os.environ.get(SHARE_ENV) != "1":
+            ranks = crowded.get(uuids[me]) or next(iter(crowded.values()))
+            need = (f"set {SHARE_ENV}=1 (NCCL {_version_text(version)} can share)" if version >= _SHARE_VERSION
+                    else f"NCCL >= 2.30 with {SHARE_ENV}=1 (this is NCCL {_version_text(version)})")
+            raise DistBackendError(
+                f"meshkit.comm: rank {me}: ranks {ranks} would share one GPU ({uuids[ranks[0]]}); NCCL refuses "
+                f"that (\"Duplicate GPU detected\"). Give each rank its own GPU (CUDA_VISIBLE_DEVICES per rank, "
+                f"init_process_group(device_id=...) or {DEVICE_ENV}), start fewer ranks per node, use the mpi "
+                f"backend, or {need}")
+    return device
+
+
+def create_world_engine(host: Any, rt: Any, deadline: float, device_id: int | None = None) -> NCCLEngine:
+    """The world's NCCL engine over the world's host engine (collective over it).
+
+    The device comes from :func:`select_device`; rank 0 makes the unique id and the host engine
+    carries it to the others.
+    """
+    device = select_device(host, rt, deadline, device_id)
+    rt.use_device(device)
     uid = rt.nccl.get_unique_id() if host.rank == 0 else None
     uid = host.exchange(uid, -3, deadline)[0]
     comm = rt.nccl.NcclCommunicator(host.size, uid, host.rank)
-    return NCCLEngine(host, comm, rt, local_rank)
-
+    return NCCLEngine(host, comm, rt, device)

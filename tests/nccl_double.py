@@ -40,8 +40,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CONSTANTS", "DeviceArray", "FakeRuntime", "FakeNcclError", "FakeCommunicator", "Gate", "fake_nccl",
-           "to_device", "to_host", "DOUBLE_TIMEOUT"]
+__all__ = ["CONSTANTS", "DeviceArray", "FakeRuntime", "FakeNcclError", "FakeCommunicator", "Gate", "TimedKernel",
+           "fake_nccl", "to_device", "to_host", "visible_devices", "misuse", "DOUBLE_TIMEOUT"]
 
 #: The constants of cupy.cuda.nccl (CuPy 14, NCCL 2.x); tests assert they equal the real module's.
 CONSTANTS = {"NCCL_INT8": 0, "NCCL_CHAR": 0, "NCCL_UINT8": 1, "NCCL_INT32": 2, "NCCL_INT": 2, "NCCL_UINT32": 3,
@@ -111,7 +111,7 @@ class DeviceArray(np.ndarray):
     thread's current device; host code touching it synchronizes the current stream first."""
 
     def __array_finalize__(self, obj: Any) -> None:
-        if self.base is None:  # owns its memory: a new allocation
+        if not isinstance(self.base, DeviceArray):  # owns its memory (or NumPy's, e.g. x[idx]): a new allocation
             self._device = _device()
             with _cond:
                 _allocations[:] = [r for r in _allocations if r() is not None]
@@ -126,7 +126,8 @@ class DeviceArray(np.ndarray):
 
     @property
     def device_id(self) -> int:
-        return _allocation(self)._device
+        device = getattr(_allocation(self), "_device", None)
+        return device if device is not None else _owner(self.__array_interface__["data"][0])._device
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
@@ -135,24 +136,29 @@ class DeviceArray(np.ndarray):
                 "strides": strides, "version": 3}
 
     def __setitem__(self, key: Any, value: Any) -> None:
+        _on_current_device("__setitem__", self, value)
         _host_sync()
         super().__setitem__(key, value)
         _touch(self)
 
     def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        _on_current_device(ufunc.__name__, *inputs, *kwargs.get("out", ()))
         _host_sync()
         args = [x.view(np.ndarray) if isinstance(x, DeviceArray) else x for x in inputs]
         if "out" in kwargs:
             written = [x for x in kwargs["out"] if isinstance(x, DeviceArray)]
-            kwargs["out"] = tuple(x.view(np.ndarray) if isinstance(x, DeviceArray) else x for x in kwargs["out"])
             for x in written:
                 _touch(x)
+            given = kwargs["out"]
+            kwargs["out"] = tuple(x.view(np.ndarray) if isinstance(x, DeviceArray) else x for x in given)
             getattr(ufunc, method)(*args, **kwargs)
-            return kwargs["out"][0] if len(kwargs["out"]) == 1 else kwargs["out"]
+            return given[0] if len(given) == 1 else given  # the arrays themselves (x += 1 keeps x a DeviceArray)
         result = getattr(ufunc, method)(*args, **kwargs)
         return to_device(result) if isinstance(result, np.ndarray) else result
 
     def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        _on_current_device(func.__name__, *args, *(a for v in args if isinstance(v, (list, tuple)) for a in v),
+                           *kwargs.values())
         _host_sync()
         result = super().__array_function__(func, types, args, kwargs)
         if isinstance(result, np.ndarray) and not isinstance(result, DeviceArray):
@@ -160,8 +166,10 @@ class DeviceArray(np.ndarray):
         return result
 
     def get(self) -> np.ndarray:
-        """A host copy, after the current stream's work (CuPy's ``get``)."""
-        _host_sync()
+        """A host copy, after the work of the current stream of the array's device: CuPy's ``get``
+        runs ``with self.device:`` (cupy/_core/core.pyx, ``_ndarray_base.get``), so it works from
+        any current device."""
+        _host_sync(self.device_id)
         return np.array(self.view(np.ndarray))
 
 
@@ -201,15 +209,62 @@ def _region(ptr: int, count: int, dtype: np.dtype) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- devices, streams, events
+# Devices (issue 24, point 3). CUDA's current device is per host thread and 0 until the thread
+# sets another (CUDA C++ Programming Guide, "Device Selection": "a host thread can set the device
+# it operates on at any time by calling cudaSetDevice()"; a new thread starts on device 0). What
+# the double refuses, as the hardware does:
+# * an event recorded on a stream of another device ("Stream and Event Behavior":
+#   "cudaEventRecord() will fail if the input event and input stream are associated to
+#   different devices"); events are made on the current device (cudaEventCreate);
+# * a kernel on an array of another device than the current one: CuPy checks every array
+#   argument of a kernel (cupy/_core/_kernel.pyx, ``_check_peer_access``: "The device where the
+#   array resides (1) is different from the current device (0). Peer access is unavailable
+#   between these devices."). With peer access CuPy only warns and runs the kernel on the
+#   current device's stream, outside the array's stream order: the double refuses both.
+# What CUDA allows, the double allows: cudaStreamWaitEvent, cudaEventQuery/Synchronize and
+# memory copies across devices ("will succeed even if ..."), and ``get()`` (CuPy makes the
+# array's device current for the copy).
 def _device() -> int:
     return getattr(_tls, "device", 0)
 
 
-def _current() -> FakeStream:
+# Visible devices (issue 24, point 4). CUDA numbers the GPUs a process sees 0..n-1 in the order
+# of CUDA_VISIBLE_DEVICES (CUDA C++ Programming Guide, "CUDA Environment Variables"), so under
+# ``--gpus-per-task=1`` every rank sees one GPU, device 0, and each a different physical one.
+# A thread-rank of the double sets what its "process" sees with :func:`visible_devices`; a GPU's
+# identity (its UUID; NCCL compares host hash and PCI bus id) is the physical index.
+def visible_devices(physical: list[int] | None) -> None:
+    """This thread-rank sees GPUs ``physical`` (as CUDA_VISIBLE_DEVICES=...), None: all of them.
+
+    Only the calling thread: threads it starts (meshkit's helper threads) still see every GPU,
+    so tests of this keep their device work on the rank's own thread."""
+    _tls.visible = None if physical is None else list(physical)
+
+
+def _physical(index: int) -> int:
+    visible = getattr(_tls, "visible", None)
+    return index if visible is None else visible[index]
+
+
+def _on_current_device(what: str, *arrays: Any) -> None:
+    """Refuse a kernel (``what``) touching a device array of another device than the current one."""
+    here = _device()
+    for a in arrays:
+        a = getattr(a, "_device_memory", a)  # tests/fake_cupy.py's arrays wrap a DeviceArray
+        if isinstance(a, DeviceArray) and a.device_id != here:
+            raise ValueError(f"The device where the array resides ({a.device_id}) is different from the current "
+                             f"device ({here}). Peer access is unavailable between these devices. "
+                             f"(double: {what} on thread {threading.current_thread().name})")
+
+
+def _current(device: int | None = None) -> FakeStream:
+    """The calling thread's current stream (of ``device``, default the current device)."""
+    device = _device() if device is None else device
+    key = _physical(device)  # one null stream per GPU (thread-ranks seeing one GPU each all call it device 0)
     with _cond:
-        stream = _null_streams.get(_device())
+        stream = _null_streams.get(key)
         if stream is None:
-            stream = _null_streams[_device()] = FakeStream(_device())
+            stream = _null_streams[key] = FakeStream(device)
             _streams.add(stream)
         return stream
 
@@ -257,11 +312,12 @@ def _wait(pred: Any, what: str) -> None:
             _cond.wait(min(left, 0.01))
 
 
-def _host_sync() -> None:
-    """The host waits for the current stream's work (before touching device memory)."""
+def _host_sync(device: int | None = None) -> None:
+    """The host waits for the current stream's work (before touching device memory); that of
+    ``device`` when given (a call that makes the array's device current first, as CuPy's ``get``)."""
     if getattr(_tls, "depth", 0):
         raise FakeNcclError("double: the host synchronized inside groupStart()/groupEnd() (unbalanced group)")
-    stream = _current()
+    stream = _current(device)
     _sync(lambda: stream.pending, "the current stream's pending work")
 
 
@@ -311,6 +367,45 @@ class Gate:
             _cond.notify_all()
 
 
+# --------------------------------------------------------------------------- timed kernels
+# Timed kernels (issue 24, point 8): a kernel occupies its stream for a given time, as a real
+# one does, so that a test can measure whether a call waits for the device: everything queued
+# after it on its stream waits; the host returns from launching it at once (kernel launches are
+# asynchronous, CUDA C++ Programming Guide, "Asynchronous Concurrent Execution").
+class TimedKernel:
+    """A kernel on ``stream`` (default: the current stream) that runs for ``seconds`` once the
+    work queued before it is done, writing ``writes`` (device arrays): ``effect()`` runs on the
+    host as it finishes (what the kernel computed), so a reader ordered before it sees old data."""
+
+    def __init__(self, seconds: float, stream: FakeStream | None = None, *, writes: tuple = (),
+                 effect: Any = None) -> None:
+        stream = stream or _current()
+        for a in writes:
+            _on_current_device("TimedKernel", a)
+        self.seconds, self.effect, self._done = seconds, effect, False
+        with _cond:
+            self.deps = [e for e in stream.pending if not e.done]
+            stream.pending = self.deps + [self]
+            self.began = time.monotonic() if all(d.done for d in self.deps) else None
+            for a in writes or (None,):
+                _wrote(stream, getattr(a, "_device_memory", a))
+
+    @property
+    def done(self) -> bool:
+        if self._done:
+            return True
+        if self.began is None:
+            if not all(d.done for d in self.deps):
+                return False
+            self.began = time.monotonic()
+        if time.monotonic() - self.began < self.seconds:
+            return False
+        self._done = True
+        if self.effect is not None:
+            self.effect()
+        return True
+
+
 class _EventWait:
     __slots__ = ("event",)
 
@@ -323,14 +418,20 @@ class _EventWait:
 
 
 class FakeEvent:
-    """An event: done once the entries its stream had when recorded are done."""
+    """An event of the device current when it was made: done once the entries its stream had
+    when recorded are done."""
 
     def __init__(self) -> None:
         self.entries: list[Any] = []
         self.ordered: dict[FakeStream, int] = {}
+        self.device = _device()
 
     def record(self, stream: FakeStream | None = None) -> None:
         stream = stream or _current()
+        if stream.device != self.device:  # cudaEventRecord fails (see "Devices" above)
+            raise FakeNcclError(f"double: cudaErrorInvalidResourceHandle: an event of device {self.device} "
+                                f"recorded on a stream of device {stream.device} (thread "
+                                f"{threading.current_thread().name}, current device {_device()})")
         with _cond:
             self.entries = [e for e in stream.pending if not e.done]
             self.ordered = {**stream.waited, stream: stream.work}
@@ -467,6 +568,71 @@ def _group_end() -> None:
                 stream.pending = pending + [op]
             group.closed = True
             _progress()
+        _connect_group()  # blocking calls: runtime connections happen here for a group
+
+
+# --------------------------------------------------------------------------- blocking calls
+# Blocking calls (issue 24, point 5). These block the calling host thread inside NCCL until the
+# peers arrive, with no timeout of their own (gpu-reality.md; NCCL init.cc, enqueue.cc):
+# * ncclCommInitRank (``NcclCommunicator(...)``): until every rank of the communicator joined;
+# * commSplit: until every rank of the parent called it (see ``FakeCommunicator.commSplit``);
+# * the first collective of an algorithm and the first send/recv between two ranks: NCCL >= 2.22
+#   connects at run time (``NCCL_RUNTIME_CONNECT``, default 1; 0 connects everything in init),
+#   inside the enqueue call, or at the outermost ncclGroupEnd of a group. The double takes "an
+#   algorithm" to be a collective kind (allReduce, broadcast, ...), a p2p connection a pair of ranks.
+# The double blocks the same way, for at most DOUBLE_TIMEOUT (its own safety net; a GPU has none).
+# ncclCommAbort must not run while another thread is inside a call on the same blocking
+# communicator (gpu-reality.md: safe only for nonblocking communicators with no concurrent call;
+# CuPy 14.2's NcclConfig cannot make a nonblocking one): the double raises, and records it in
+# ``misuse``, since an engine may swallow abort's errors.
+misuse: list[str] = []
+
+
+class _Inside:
+    """The calling thread is inside an NCCL call on ``comm`` for the block."""
+
+    __slots__ = ("comm", "me")
+
+    def __init__(self, comm: FakeCommunicator) -> None:
+        self.comm, self.me = comm, threading.get_ident()
+
+    def __enter__(self) -> None:
+        with _cond:
+            inside = self.comm._inside
+            inside[self.me] = inside.get(self.me, 0) + 1
+
+    def __exit__(self, *exc: Any) -> None:
+        with _cond:
+            inside = self.comm._inside
+            inside[self.me] -= 1
+            if not inside[self.me]:
+                del inside[self.me]
+
+
+def _connect(comm: FakeCommunicator, key: tuple, what: str) -> None:
+    """NCCL's runtime connection for ``key`` (("collective", kind) or ("p2p", (a, b))): block the
+    calling thread until every rank it joins has asked for it too."""
+    clique = comm._clique
+    needed = set(range(clique.size)) if key[0] == "collective" else set(key[1])
+    with _cond:
+        if key in clique.connected:
+            return
+        clique.arrivals.setdefault(key, set()).add(comm._rank)
+        _cond.notify_all()
+    with _Inside(comm):
+        _wait(lambda: key in clique.connected or clique.arrivals[key] >= needed or clique.error is not None,
+              f"{what}: NCCL's runtime connection (first use, NCCL_RUNTIME_CONNECT=1) waiting for ranks "
+              f"{sorted(needed - clique.arrivals[key])}")
+    with _cond:
+        if clique.arrivals[key] >= needed:
+            clique.connected.add(key)
+
+
+def _connect_group() -> None:
+    """At the outermost groupEnd: the connections the group's operations need (each blocks)."""
+    pending, _tls.connects = getattr(_tls, "connects", []), []
+    for comm, key, what in pending:
+        _connect(comm, key, what)
 
 
 # --------------------------------------------------------------------------- the NCCL module
@@ -499,6 +665,8 @@ class _Clique:
         self.split_results: list[dict[int, Any]] = []
         self.error: str | None = None
         self.destroying: set[int] = set()  # ranks that entered ncclCommDestroy
+        self.arrivals: dict[tuple, set[int]] = {}  # blocking calls: who asked for each runtime connection
+        self.connected: set[tuple] = set()
 
     def fail(self, why: str) -> None:
         if self.error is None:
@@ -629,20 +797,35 @@ class FakeCommunicator:
             if clique is None:
                 clique = _cliques[bytes(commId)] = _Clique(ndev)
             self._join(clique, ndev, rank)
+            _cond.notify_all()
+        # Blocking calls: ncclCommInitRank returns once every rank joined.
+        with _Inside(self):
+            _wait(lambda: len(clique.members) == clique.size, f"NcclCommunicator(ndev={ndev}, rank={rank}): "
+                  f"ncclCommInitRank waiting for ranks {sorted(set(range(ndev)) - set(clique.members))}")
 
     def _join(self, clique: _Clique, ndev: int, rank: int) -> None:
         if ndev != clique.size or not 0 <= rank < ndev or rank in clique.members:
             raise FakeNcclError(f"double: NcclCommunicator(ndev={ndev}, rank={rank}) does not fit a clique of "
                                 f"{clique.size} with ranks {sorted(clique.members)} already")
         device = _device()
-        if any(m._device == device for m in clique.members.values()):
-            raise FakeNcclError(f"double: duplicate GPU {device} in one communicator")
-        self._member_of(clique, rank, device)
+        gpu = _physical(device)
+        # init.cc (initTransportsRank): two ranks with the same host hash and PCI bus id are
+        # "Duplicate GPU detected : rank %d and rank %d both on CUDA device %lx" (ncclInvalidUsage);
+        # NCCL 2.30 lets them share with NCCL_MULTI_RANK_GPU_ENABLE=1 (gpu-reality.md).
+        shares = fake_nccl.get_version() >= 23000 and os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1"
+        for other, m in clique.members.items():
+            if m._gpu == gpu and not shares:
+                raise FakeNcclError(f"double: ncclInvalidUsage: Duplicate GPU detected : rank {rank} and rank {other} "
+                                    f"both on CUDA device {gpu}")
+        runtime_connect = os.environ.get("NCCL_RUNTIME_CONNECT", "1").strip() != "0"  # read at init
+        self._member_of(clique, rank, device, gpu, runtime_connect)
 
-    def _member_of(self, clique: _Clique, rank: int, device: int) -> None:
+    def _member_of(self, clique: _Clique, rank: int, device: int, gpu: Any, runtime_connect: bool) -> None:
         """This handle becomes rank ``rank`` of ``clique`` (under ``_cond``)."""
         self._clique, self._rank, self._device, self._destroyed = clique, rank, device, False
+        self._gpu, self._runtime_connect = gpu, runtime_connect
         self._aborted, self._injected, self._destroying = False, None, False
+        self._inside: dict[int, int] = {}  # blocking calls: threads inside a call on this communicator
         self._handle = next(_ids)  # CuPy's ncclComm_t: 0 once destroyed or aborted
         clique.members[rank] = self
 
@@ -687,6 +870,14 @@ class FakeCommunicator:
             else:
                 clique.recvs.setdefault((args["peer"], self._rank), []).append(op)
             _progress()
+        if self._runtime_connect:  # blocking calls: the first use of a connection waits for the peers
+            key = ("collective", kind) if collective else ("p2p", tuple(sorted((self._rank, args["peer"]))))
+            if key not in clique.connected:
+                what = f"rank {self._rank}: {kind}"
+                if group is not None:
+                    _tls.connects = [*getattr(_tls, "connects", []), (self, key, what)]
+                else:
+                    _connect(self, key, what)
 
     def _collective(self, kind: str, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int | None,
                     root: int | None, stream: int, recv_count: int | None = None,
@@ -765,13 +956,14 @@ class FakeCommunicator:
                     for new_rank, (_, r) in enumerate(ranks):
                         clique.split_results[k][r] = (child, new_rank)
                 _cond.notify_all()
-        _wait(lambda: len(clique.splits[k]) == clique.size, f"commSplit #{k} on every rank")
+        with _Inside(self):  # blocking calls: commSplit returns once every rank of the parent called it
+            _wait(lambda: len(clique.splits[k]) == clique.size, f"commSplit #{k} on every rank")
         found = clique.split_results[k].get(self._rank)
         if color < 0 or found is None:
             return None
         out = FakeCommunicator.__new__(FakeCommunicator)
         with _cond:
-            out._member_of(found[0], found[1], self._device)
+            out._member_of(found[0], found[1], self._device, self._gpu, self._runtime_connect)
         return out
 
     # ------------------------------------------------------------------ communicator lifecycle
@@ -796,17 +988,18 @@ class FakeCommunicator:
                       for op in ops)]
             self._destroying = True
         try:
-            # ncclCommDestroy finalizes first: the operations this rank issued complete (their peers
-            # still have to issue theirs); an aborted or failed communicator has nothing to finish.
-            _wait(lambda: clique.error is not None or all(op.done for op in mine), "ncclCommDestroy's finalize")
-            with _cond:
-                clique.destroying.add(self._rank)
-                _cond.notify_all()
-            _wait(lambda: clique.error is not None or all(r in clique.destroying or m._aborted
-                                                          for r, m in clique.members.items()),
-                  f"ncclCommDestroy: every rank of the communicator destroying it (rank {self._rank} waits for "
-                  f"ranks {sorted(set(clique.members) - clique.destroying)})")
-            time.sleep(DESTROY_SECONDS)
+            with _Inside(self):  # blocking calls: an abort beside a destroy is misuse
+                # ncclCommDestroy finalizes first: the operations this rank issued complete (their peers
+                # still have to issue theirs); an aborted or failed communicator has nothing to finish.
+                _wait(lambda: clique.error is not None or all(op.done for op in mine), "ncclCommDestroy's finalize")
+                with _cond:
+                    clique.destroying.add(self._rank)
+                    _cond.notify_all()
+                _wait(lambda: clique.error is not None or all(r in clique.destroying or m._aborted
+                                                              for r, m in clique.members.items()),
+                      f"ncclCommDestroy: every rank of the communicator destroying it (rank {self._rank} waits for "
+                      f"ranks {sorted(set(clique.members) - clique.destroying)})")
+                time.sleep(DESTROY_SECONDS)
         finally:
             with _cond:
                 self._destroying, self._destroyed, self._handle = False, True, 0
@@ -822,6 +1015,13 @@ class FakeCommunicator:
             return
         clique = self._clique
         with _cond:
+            others = sorted(t for t in self._inside if t != threading.get_ident())
+            if others:  # blocking calls: see the section above
+                names = [t.name for t in threading.enumerate() if t.ident in others]
+                why = (f"double: ncclCommAbort of rank {self._rank} on thread {threading.current_thread().name} while "
+                       f"thread(s) {names} are inside an NCCL call on this blocking communicator")
+                misuse.append(why)
+                raise FakeNcclError(why)
             self._destroyed = self._aborted = True
             self._handle = 0
             ops = clique.collectives[self._rank]
@@ -1022,12 +1222,35 @@ class FakeRuntime:
         self._copy("copy_to_device", dst, src, stream, True)
 
     def device_count(self) -> int:
-        return self.devices
+        visible = getattr(_tls, "visible", None)
+        return self.devices if visible is None else len(visible)
 
     def use_device(self, index: int) -> None:
-        if not 0 <= index < self.devices:
-            raise FakeNcclError(f"double: device {index} does not exist ({self.devices} devices)")
+        if not 0 <= index < self.device_count():
+            raise FakeNcclError(f"double: cudaErrorInvalidDevice: device {index} does not exist "
+                                f"({self.device_count()} devices)")
         _tls.device = index
+
+    @staticmethod
+    def current_device() -> int:
+        return _device()
+
+    @staticmethod
+    def device_of(x: Any) -> int:
+        a = getattr(x, "_device_memory", x)  # tests/fake_cupy.py's arrays wrap a DeviceArray
+        if isinstance(a, DeviceArray):  # also an empty one (CuPy's ``x.device``)
+            return a.device_id
+        owner = _owner(int(x.__cuda_array_interface__["data"][0]))
+        if owner is None:
+            raise FakeNcclError("double: cudaErrorInvalidValue: pointerGetAttributes of memory that is not a live "
+                                "device allocation")
+        return owner._device
+
+    def device_uuid(self, index: int) -> str:
+        if not 0 <= index < self.device_count():
+            raise FakeNcclError(f"double: cudaErrorInvalidDevice: device {index} does not exist "
+                                f"({self.device_count()} devices)")
+        return f"GPU-{_physical(index):08x}"
 
     def new_stream(self) -> FakeStream:
         stream = FakeStream(_device())

@@ -56,6 +56,14 @@ def fake_gpu():
     cuda_runtime.set_runtime(previous)
 
 
+@pytest.fixture
+def connect_at_init(monkeypatch):
+    """NCCL_RUNTIME_CONNECT=0: NCCL connects the ranks in init, so a peer late at a communicator's
+    first collective meets the group's timeout (by default NCCL connects at that first call and
+    blocks the host inside it, where no timeout reaches: see the README's GPU section)."""
+    monkeypatch.setenv("NCCL_RUNTIME_CONNECT", "0")
+
+
 def on_nccl(fn, n, *args, timeout=30):
     """Run ``fn`` on ``n`` thread-ranks, each with an ``nccl`` world over the double."""
     def main():
@@ -105,10 +113,12 @@ def test_monitored_barrier_and_barrier(fake_gpu):
 # --------------------------------------------------------------------------- streams and waits
 def test_work_wait_orders_the_stream_without_blocking_the_host(fake_gpu):
     """Rank 1 starts its all_reduce only after rank 0's Work.wait() returned: a host-blocking
-    wait would never return. The result is right once the host reads it (a stream sync)."""
+    wait would never return. The result is right once the host reads it (a stream sync). A
+    warm-up all_reduce connects the ranks first (NCCL's runtime connection blocks the first)."""
     waited = threading.Event()
 
     def body():
+        meshkit.all_reduce(double.to_device(np.ones(1, np.float32)))  # warm-up
         x = double.to_device(np.full(4, meshkit.get_rank() + 1.0, np.float32))
         if meshkit.get_rank() == 0:
             work = meshkit.all_reduce(x, async_op=True)
@@ -147,7 +157,7 @@ def _engine():
     return meshkit.current_world().default_group.engine
 
 
-def test_a_rank_that_never_arrives_is_named_and_the_communicator_aborted(fake_gpu):
+def test_a_rank_that_never_arrives_is_named_and_the_communicator_aborted(fake_gpu, connect_at_init):
     """Rank 2 never calls; rank 0 times out first and names it (ranks 0 and 1 had arrived), both
     abort their communicators (ncclCommAbort: the double's abort is per rank, as NCCL's), rank 1
     fails at once on rank 0's notice instead of at its own timeout, and the group stays failed."""
@@ -179,7 +189,7 @@ def test_a_rank_that_never_arrives_is_named_and_the_communicator_aborted(fake_gp
     assert aborted0 and aborted1 and state0 == "timed_out"
 
 
-def test_an_asynchronous_nccl_error_during_a_wait_aborts_and_tells_the_others(fake_gpu):
+def test_an_asynchronous_nccl_error_during_a_wait_aborts_and_tells_the_others(fake_gpu, connect_at_init):
     """check_async_error reports an error while rank 0 waits (injected into its communicator,
     as NCCL reports a network failure): the error names the operation, the communicator is
     aborted, and rank 1, whose call can no longer complete, fails at once naming rank 0."""
@@ -209,7 +219,7 @@ def test_an_asynchronous_nccl_error_during_a_wait_aborts_and_tells_the_others(fa
     assert elapsed < 5, f"rank 1 waited {elapsed:.1f} s for a call rank 0 had abandoned"
 
 
-def test_the_watchdog_aborts_deferred_work_past_its_deadline(fake_gpu, monkeypatch, caplog):
+def test_the_watchdog_aborts_deferred_work_past_its_deadline(fake_gpu, connect_at_init, monkeypatch, caplog):
     """Work.wait() of an async call only orders the stream; rank 1 never arrives in time. The
     watchdog fails the work at the group's timeout: the communicator is aborted (so the host's
     copy returns instead of hanging), the error is logged with the flight record and kept on
@@ -252,7 +262,7 @@ def test_the_watchdog_aborts_deferred_work_past_its_deadline(fake_gpu, monkeypat
     assert any("all_reduce #0 on group world" in m and "meshkit flight recorder, rank 0" in m for m in logged), logged
 
 
-def test_by_default_the_watchdog_ends_the_job_when_deferred_work_fails(fake_gpu, monkeypatch):
+def test_by_default_the_watchdog_ends_the_job_when_deferred_work_fails(fake_gpu, connect_at_init, monkeypatch):
     """After Work.wait() returned, the caller may already have read the unreduced buffer: as
     torch's default, the watchdog ends the job rather than leave a silently wrong result (only
     the watchdog's failure of work whose wait() had returned does; a waiter gets the error)."""
@@ -282,7 +292,7 @@ def test_by_default_the_watchdog_ends_the_job_when_deferred_work_fails(fake_gpu,
     assert "all_reduce #0" in ended[0][1] and "may have used the unreduced buffer" in ended[0][1]
 
 
-def test_work_wait_with_a_timeout_blocks_the_host_on_device_work(fake_gpu):
+def test_work_wait_with_a_timeout_blocks_the_host_on_device_work(fake_gpu, connect_at_init):
     """As torch's: Work.wait(timeout=...) waits on the host; running out raises and leaves the
     operation (and the communicator) alone, and a later wait sees it complete."""
     arrive = threading.Event()
@@ -309,7 +319,7 @@ def test_work_wait_with_a_timeout_blocks_the_host_on_device_work(fake_gpu):
     assert out0 == out1 == [3.0, 3.0]
 
 
-def test_destroy_does_not_hang_on_device_work_that_never_completes(fake_gpu, monkeypatch):
+def test_destroy_does_not_hang_on_device_work_that_never_completes(fake_gpu, connect_at_init, monkeypatch):
     """destroy_process_group right after a deferred call whose peer never comes: destroying the
     communicator (ncclCommDestroy) would wait for it forever; the group waits at most its timeout
     for the device work, then aborts the communicator instead. (In log mode: whether the
@@ -333,7 +343,7 @@ def test_destroy_does_not_hang_on_device_work_that_never_completes(fake_gpu, mon
 
 
 @pytest.mark.parametrize("wait", ["sync", "deferred"])
-def test_a_peer_that_leaves_during_a_device_wait_is_named_at_once(fake_gpu, wait, monkeypatch):
+def test_a_peer_that_leaves_during_a_device_wait_is_named_at_once(fake_gpu, connect_at_init, wait, monkeypatch):
     """Rank 1 destroys its process group (it leaves) while rank 0's all_reduce waits for it on
     the device, in a synchronous call or after Work.wait() returned (then the watchdog reads
     the notice): rank 0 fails within a second, not at its 20 s timeout, naming rank 1, and
@@ -466,11 +476,12 @@ def test_auto_picks_nccl_only_where_a_gpu_is_seen():
         cuda_runtime.set_runtime(previous)
 
 
-def test_more_ranks_than_gpus_is_refused():
+def test_more_ranks_than_gpus_is_refused(monkeypatch):
+    monkeypatch.delenv("NCCL_MULTI_RANK_GPU_ENABLE", raising=False)
     previous = cuda_runtime.set_runtime(double.FakeRuntime(devices=2))
     try:
-        with pytest.raises(meshkit.DistBackendError, match=r"needs one GPU per rank; host .* runs 3 ranks but "
-                                                          r"sees 2 GPUs"):
+        with pytest.raises(meshkit.DistBackendError, match=r"rank \d: ranks \[0, 2\] would share one GPU "
+                                                          r"\(GPU-00000000\); NCCL refuses that"):
             on_nccl(lambda: None, 3)
     finally:
         cuda_runtime.set_runtime(previous)
@@ -564,6 +575,12 @@ class _Recorder:
     def __int__(self) -> int:
         return 1
 
+    def __getitem__(self, key) -> "_Recorder":  # getDeviceProperties(i)["uuid"]
+        return _Recorder(f"{self._path}[]", self._calls)
+
+    def __bytes__(self) -> bytes:
+        return b"\x01"
+
 
 def _resolve(path: str, modules: dict):
     """The real callable a recorded path names, and whether it is called on an instance."""
@@ -604,6 +621,9 @@ def test_every_cupy_call_of_the_runtime_exists_in_the_real_cupy(monkeypatch):
     exercised = {
         "device_count": lambda: rt.device_count(),
         "use_device": lambda: rt.use_device(0),
+        "current_device": lambda: rt.current_device(),
+        "device_of": lambda: rt.device_of(types.SimpleNamespace(__cuda_array_interface__={"data": (1, False)})),
+        "device_uuid": lambda: rt.device_uuid(0),
         "new_stream": lambda: rt.new_stream(),
         "new_event": lambda: rt.new_event(),
         "event_done": lambda: _raises_recorder(lambda: rt.event_done(rt.new_event())),
@@ -620,8 +640,9 @@ def test_every_cupy_call_of_the_runtime_exists_in_the_real_cupy(monkeypatch):
     paths = sorted({path for path, _, _ in calls})
     assert paths == ["cupy.cuda.Device", "cupy.cuda.Device().use", "cupy.cuda.Event", "cupy.cuda.Stream",
                      "cupy.cuda.get_current_stream", "cupy.cuda.runtime.CUDARuntimeError",
-                     "cupy.cuda.runtime.eventQuery", "cupy.cuda.runtime.getDeviceCount", "cupy.ndarray().get",
-                     "cupy.ndarray().set", "cupyx.empty_pinned"], paths
+                     "cupy.cuda.runtime.eventQuery", "cupy.cuda.runtime.getDevice", "cupy.cuda.runtime.getDeviceCount",
+                     "cupy.cuda.runtime.getDeviceProperties", "cupy.cuda.runtime.pointerGetAttributes",
+                     "cupy.ndarray().get", "cupy.ndarray().set", "cupyx.empty_pinned"], paths
     modules = {"cupy": cupy, "cupyx": cupyx}
     for path, args, kwargs in calls:
         real, bound = _resolve(path, modules)

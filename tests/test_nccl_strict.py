@@ -198,9 +198,13 @@ def test_a_finished_work_is_not_failed_by_the_watchdog_at_destroy(fake_gpu, monk
 
 
 # --------------------------------------------------------------------------- 2. groups
-def test_double_an_event_recorded_inside_a_group_covers_none_of_it():
+def test_double_an_event_recorded_inside_a_group_covers_none_of_it(monkeypatch):
     """Operations of a group reach their stream at the outermost groupEnd (nested: depth per
-    thread): an event recorded before it, even after an inner end, fires at once."""
+    thread): an event recorded before it, even after an inner end, fires at once. The ranks
+    connect at init (NCCL_RUNTIME_CONNECT=0), else the outermost groupEnd would block until rank 1's
+    late recv arrives (the double's runtime connection) and the transfer could be done by then."""
+    monkeypatch.setenv("NCCL_RUNTIME_CONNECT", "0")
+
     def body(rank, comm):
         rt = double.FakeRuntime
         stream = rt.current_stream()
