@@ -16,8 +16,8 @@ import os
 from .debug import DebugLevel
 from .errors import DistValueError
 
-__all__ = ["DEBUG", "TIMEOUT", "ASYNC_ERROR_HANDLING", "CUDA_AWARE_MPI", "LAUNCHED", "debug_level", "timeout",
-           "async_error_handling", "cuda_aware_mpi", "launched", "check_all", "invalid"]
+__all__ = ["DEBUG", "TIMEOUT", "ASYNC_ERROR_HANDLING", "CUDA_AWARE_MPI", "LAUNCHED", "DEVICE_ID", "debug_level", "timeout",
+           "async_error_handling", "cuda_aware_mpi", "launched", "device_id", "check_all", "invalid"]
 
 DEBUG = "MESHKIT_DEBUG"
 TIMEOUT = "MESHKIT_TIMEOUT"
@@ -25,6 +25,8 @@ ASYNC_ERROR_HANDLING = "MESHKIT_ASYNC_ERROR_HANDLING"
 CUDA_AWARE_MPI = "MESHKIT_CUDA_AWARE_MPI"
 #: Set to 1 by ``meshkit-run`` for its ranks.
 LAUNCHED = "MESHKIT_LAUNCHED"
+#: This rank's GPU (nccl backend), when ``init_process_group(device_id=...)`` does not name it.
+DEVICE_ID = "MESHKIT_DEVICE_ID"
 
 _ASYNC_CHOICES = ("abort", "log")
 
@@ -94,6 +96,17 @@ def launched() -> bool:
     return True
 
 
+def device_id() -> int | None:
+    """``MESHKIT_DEVICE_ID``: an index of a GPU this process sees (0, 1, ...); None where not set.
+    Whether the device exists is checked where the GPU is chosen (``comm/nccl.py``)."""
+    raw = _get(DEVICE_ID)
+    if raw is None or not raw.strip():
+        return None
+    if not raw.strip().isdigit():
+        raise invalid(DEVICE_ID, raw, "a GPU index of this process (0, 1, ...), as init_process_group(device_id=...)")
+    return int(raw.strip())
+
+
 def check_all() -> None:
     """Read every variable above, so that each one's error comes at ``init_process_group``."""
     debug_level()
@@ -101,3 +114,4 @@ def check_all() -> None:
     async_error_handling()
     cuda_aware_mpi()
     launched()
+    device_id()

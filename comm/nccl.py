@@ -52,6 +52,7 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
+from . import env
 from .engine import DeadlineExceeded
 from .errors import DistBackendError, DistTypeError, DistValueError
 from .notices import WATCH_INTERVAL, Notice
@@ -670,7 +671,7 @@ atexit.register(_abort_at_exit)
 
 #: The environment variable that names this rank's GPU (an index among the GPUs the process
 #: sees), when ``init_process_group(device_id=...)`` does not.
-DEVICE_ENV = "MESHKIT_DEVICE_ID"
+DEVICE_ENV = env.DEVICE_ID
 #: NCCL lets ranks of one communicator share a GPU from 2.30 on, with this variable set to 1
 #: (before, init.cc refuses: "Duplicate GPU detected"). ``get_version()`` codes 2.30.0 as 23000.
 SHARE_ENV = "NCCL_MULTI_RANK_GPU_ENABLE"
@@ -696,8 +697,8 @@ def select_device(host: Any, rt: Any, deadline: float, device_id: int | None = N
         raise DistBackendError(f"meshkit.comm: rank {me}: the nccl backend needs a GPU, and CuPy sees none here; "
                                "use the mpi backend")
     source = "device_id"
-    if device_id is None and os.environ.get(DEVICE_ENV, "").strip():
-        source, device_id = DEVICE_ENV, os.environ[DEVICE_ENV].strip()
+    if device_id is None and env.device_id() is not None:
+        source, device_id = DEVICE_ENV, env.device_id()
     if device_id is None:
         device = host.local_rank() % count
     else:

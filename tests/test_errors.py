@@ -134,6 +134,8 @@ BAD_SETTINGS = [
     ("MESHKIT_LAUNCHED", "true", r"MESHKIT_LAUNCHED='true' is not valid; valid values are 1 \(set by meshkit-run"),
     ("MESHKIT_DEBUG", "detailed", r"MESHKIT_DEBUG='detailed' is not valid; valid values are \['off', 'info', "
                                   r"'detail'\]"),
+    ("MESHKIT_DEVICE_ID", "gpu1", r"MESHKIT_DEVICE_ID='gpu1' is not valid; valid values are a GPU index of this "
+                                  r"process \(0, 1, \.\.\.\)"),
 ]
 
 
@@ -146,7 +148,7 @@ def test_every_meshkit_setting_is_validated_at_init(monkeypatch, name, value, me
 
 @pytest.mark.parametrize("name, good", [("MESHKIT_TIMEOUT", " 7.5 "), ("MESHKIT_ASYNC_ERROR_HANDLING", "LOG"),
                                         ("MESHKIT_CUDA_AWARE_MPI", "0"), ("MESHKIT_LAUNCHED", "0"),
-                                        ("MESHKIT_DEBUG", "Info")])
+                                        ("MESHKIT_DEBUG", "Info"), ("MESHKIT_DEVICE_ID", "1")])
 def test_valid_settings_are_accepted(monkeypatch, name, good):
     monkeypatch.setenv(name, good)
     from meshkit.comm.world import current_world
