@@ -9,13 +9,15 @@ modules fill), ``propagation`` (what the op rules share), the op rules ``ufuncs`
 Depends on ``comm`` and ``mesh`` only.
 """
 
-from . import chunks
-from .chunks import local_shape_and_offset
+from ..comm._seams import moved_names
 from . import local_ops, matmul, reductions, shape_ops, ufuncs  # noqa: F401  (they register the NumPy op rules)
 from .api import distribute_tensor
 from .dtensor import DTensor
 from .parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel, parallelize
 from .placements import Partial, Placement, Replicate, Shard
 
-__all__ = ["DTensor", "distribute_tensor", "Placement", "Shard", "Replicate", "Partial", "chunks", "local_shape_and_offset",
+__all__ = ["DTensor", "distribute_tensor", "Placement", "Shard", "Replicate", "Partial",
            "parallelize", "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel"]
+
+#: Was in ``__all__`` in 0.1: a seam (``parallel`` and ``checkpoint`` use it), importable here one more release.
+__getattr__ = moved_names(__name__, {"local_shape_and_offset": "meshkit.tensor._seams"})
