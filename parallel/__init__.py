@@ -8,7 +8,11 @@ parameters or any flat shard of them.
 Every strategy runs on NumPy (host) or CuPy (device) parameters: the array library is taken from
 the parameters' type (:func:`array_namespace`), and buckets, flat buffers, shards and optimizer
 state are made with it, so a CuPy model's stay on its GPU. Mixing the two libraries in one call is
-a ``TypeError`` naming both types.
+a ``TypeError`` naming both types. ``array_namespace`` and ``to_host`` are exported for model code
+that runs on both (the examples' models use them).
+
+``__all__`` is the user API; what ``checkpoint`` needs of the strategies beyond it is in
+:mod:`meshkit.parallel._seams`, the rest of the machinery in its modules (``buckets``, ``flat``...).
 """
 
 from ..comm._seams import moved_names

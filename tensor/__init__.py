@@ -6,7 +6,8 @@ changing mesh dim), ``api`` (distribute_tensor), ``dispatch`` (the NumPy protoco
 modules fill), ``propagation`` (what the op rules share), the op rules ``ufuncs``, ``matmul``,
 ``reductions``, ``shape_ops`` and ``local_ops`` (copies, casts), ``indexing`` (basic indexing), ``checks``
 (collective construction checks); ``parallel`` (tensor-parallel styles and ``parallelize``).
-Depends on ``comm`` and ``mesh`` only.
+Depends on ``comm`` and ``mesh`` only. ``__all__`` is the user API; what ``parallel`` and
+``checkpoint`` need beyond it is in :mod:`meshkit.tensor._seams`.
 """
 
 from ..comm._seams import moved_names
