@@ -220,21 +220,27 @@ def test_moved_names_still_import_from_their_old_place_with_a_warning_naming_the
         importlib.import_module("meshkit.parallel").nothing
 
 
-def _meshkit_uses(path: Path) -> list[tuple[str, str, int]]:
-    """``(module, name, line)`` for every ``from meshkit.X import name`` and ``meshkit.X.name`` in a file."""
-    tree = ast.parse(path.read_text(), str(path))
+def _meshkit_uses(source: str | Path) -> list[tuple[str, str, int]]:
+    """``(module, name, line)`` for every ``from meshkit.X import name`` and every ``meshkit.X.name``
+    in a file or a code block, following aliases (``from meshkit import checkpoint as dcp``: ``dcp.save``)."""
+    tree = ast.parse(source.read_text() if isinstance(source, Path) else source)
+    aliases = {"meshkit": "meshkit"}
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("meshkit"):
             out.extend((node.module, a.name, node.lineno) for a in node.names)
-        elif isinstance(node, ast.Attribute):
+            aliases.update({a.asname or a.name: f"{node.module}.{a.name}" for a in node.names})
+        elif isinstance(node, ast.Import):
+            aliases.update({a.asname: a.name for a in node.names if a.asname and a.name.startswith("meshkit")})
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
             chain, inner = [node.attr], node.value
             while isinstance(inner, ast.Attribute):
                 chain.append(inner.attr)
                 inner = inner.value
-            if isinstance(inner, ast.Name) and inner.id == "meshkit":  # meshkit.a.b also gives meshkit.a: both used
+            if isinstance(inner, ast.Name) and inner.id in aliases:  # meshkit.a.b also gives meshkit.a: both used
                 chain.reverse()
-                out.append((".".join(["meshkit", *chain[:-1]]), chain[-1], node.lineno))
+                out.append((".".join([aliases[inner.id], *chain[:-1]]), chain[-1], node.lineno))
     return out
 
 
@@ -268,14 +274,20 @@ def _resolve(dotted: str):
 
 def test_what_the_readme_and_the_examples_use_is_user_api():
     """Every ``meshkit.x.y`` the README names and every name the examples import from meshkit
-    resolves with no warning, and is in its package's ``__all__`` (or is a public submodule)."""
+    resolves with no warning, is in its module's ``__all__`` (a package's, or a public module's as
+    ``meshkit.comm.cuda_runtime.gpu_available``), and is no seam, whichever module it is taken from."""
     import importlib
     import re
     import types
-    uses = [("README.md", 0, m) for m in re.findall(r"\bmeshkit(?:\.[A-Za-z_]\w*)+", (ROOT / "README.md").read_text())]
+    readme = (ROOT / "README.md").read_text()
+    uses = [("README.md", 0, m) for m in re.findall(r"\bmeshkit(?:\.[A-Za-z_]\w*)+", readme)]
+    uses += [("README.md", 0, f"{module}.{name}") for block in re.findall(r"```python\n(.*?)```", readme, re.S)
+             for module, name, _ in _meshkit_uses(block)]
     uses += [(path.relative_to(ROOT).as_posix(), line, f"{module}.{name}")
              for path in sorted((ROOT / "examples").glob("*.py")) for module, name, line in _meshkit_uses(path)]
-    assert any(u[2] == "meshkit.parallel.DistributedDataParallel" for u in uses), "the scan found nothing"
+    assert {"meshkit.parallel.DistributedDataParallel", "meshkit.checkpoint.save"} <= {u[2] for u in uses}, \
+        "the scan missed what the README shows"
+    seams = set().union(*SEAMS.values()) - set().union(*USER_HELPERS.values())
     wrong = []
     for where, line, dotted in uses:
         parts = dotted.split(".")
@@ -286,6 +298,8 @@ def test_what_the_readme_and_the_examples_use_is_user_api():
             wrong.append(f"{where}:{line} {dotted} is private")
         elif first is not None and parts[first] not in objects[first - 1].__all__:
             wrong.append(f"{where}:{line} {dotted} is not in {'.'.join(parts[:first])}.__all__")
+        elif first is not None and parts[first] in seams:
+            wrong.append(f"{where}:{line} {dotted} is a seam, not user API")
     assert not wrong, "\n".join(wrong)
     assert _resolve("meshkit.tensor.DTensor") is importlib.import_module("meshkit.tensor.dtensor").DTensor
 
