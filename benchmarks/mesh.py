@@ -64,6 +64,7 @@ from _common import (LOG, Progress, add_output_args, barrier, host_metadata, loa
                      save_figure, setup_logging, write_json)
 
 import meshkit
+from meshkit.comm._seams import current_world
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -133,7 +134,7 @@ COUNT_KEYS = ("splits", "collectives", "new_groups")
 
 def timed_build(spec: MeshSpec, sync: Callable[[], object]) -> tuple[float, float, tuple[int, int, int]]:
     """Wall and CPU seconds of one ``init_device_mesh`` on this rank, and its (splits, collectives, new groups)."""
-    world = meshkit.current_world()
+    world = current_world()
     sync()
     group = world.default_group
     assert group is not None

@@ -30,8 +30,10 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ..parallel import ShardedArray, StepCount, is_array
-from ..tensor import DTensor, Partial, Replicate, local_shape_and_offset
+from ..parallel import ShardedArray, StepCount
+from ..parallel._seams import is_array
+from ..tensor import DTensor, Partial, Replicate
+from ..tensor._seams import local_shape_and_offset
 from .errors import CheckpointError
 
 __all__ = ["Piece", "ArrayLeaf", "flatten", "flat_key", "array_leaf", "check_dtype", "is_value", "json_value"]

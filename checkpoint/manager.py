@@ -19,7 +19,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from ..comm import ProcessGroup, broadcast_object_list, resolve_group
+from ..comm import ProcessGroup, broadcast_object_list
+from ..comm._seams import resolve_group
 from .cleanup import remove_stale
 from .errors import CheckpointError
 from .format import METADATA

@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from ..comm import ProcessGroup, all_gather_object, resolve_group
+from ..comm import ProcessGroup, all_gather_object
+from ..comm._seams import resolve_group
 from ..parallel import StepCount, array_namespace
 from .blocks import touched_blocks
 from .errors import CheckpointError

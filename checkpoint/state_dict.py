@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from ..parallel import (DistributedDataParallel, Optimizer, ShardedStrategy, StepCount, load_pieces,
-                        optimizer_state_views)
+from ..parallel import DistributedDataParallel, Optimizer, StepCount
+from ..parallel._seams import ShardedStrategy, load_pieces, optimizer_state_views
 from ..tensor import DTensor
 from .errors import CheckpointError
 

@@ -43,7 +43,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..comm import CollectiveTimeout, DistError, ProcessGroup, gather_object, resolve_group, scatter_object_list
+from ..comm import CollectiveTimeout, DistError, ProcessGroup, gather_object, scatter_object_list
+from ..comm._seams import resolve_group
 from ..parallel import to_host
 from .errors import CheckpointError
 from .format import FORMAT, VERSION, fsync_dir, write_chunks, write_metadata

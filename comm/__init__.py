@@ -1,6 +1,11 @@
-"""Process groups and collective engines (MPI, NCCL, in-process); knows nothing of meshes."""
+"""Process groups and collective engines (MPI, NCCL, in-process); knows nothing of meshes.
 
-from .arrays import array_namespace, is_device_array
+``__all__`` is the user API (torch.distributed's names). What the other meshkit packages need of
+comm beyond it (the world, group resolution, prepared collectives, the NumPy/CuPy rule) is in
+:mod:`meshkit.comm._seams`.
+"""
+
+from ._seams import moved_names
 from .api import (P2POp, all_gather, all_gather_into_tensor, all_reduce, all_to_all, all_to_all_single,
                   barrier, batch_isend_irecv, broadcast, gather, irecv, isend, monitored_barrier, recv, reduce,
                   reduce_scatter, reduce_scatter_tensor, scatter, send)
@@ -12,22 +17,26 @@ from .objects import (ObjectCollectiveError, all_gather_object, broadcast_object
                       scatter_object_list)
 from .reduce_op import ReduceOp
 from .work import Work
-from .prepared import PREPARED_OPS, PreparedCollective, prepare_collective
 from .lifecycle import destroy_process_group, init_process_group
-from .registry import (create_groups, get_backend, get_global_rank, get_group_rank, get_process_group_ranks,
-                       get_rank, get_world_size, new_group, resolve_group)
-from .world import current_world, flight_record, format_flight_record, is_initialized
+from .registry import (get_backend, get_global_rank, get_group_rank, get_process_group_ranks, get_rank,
+                       get_world_size, new_group)
+from .world import flight_record, format_flight_record, is_initialized
 
 __all__ = [
     "init_process_group", "destroy_process_group", "is_initialized", "get_rank", "get_world_size",
     "get_backend", "new_group", "get_group_rank", "get_global_rank", "get_process_group_ranks",
-    "create_groups", "current_world", "resolve_group",
-    "ProcessGroup", "ReduceOp", "Work", "P2POp", "PreparedCollective", "prepare_collective", "PREPARED_OPS",
+    "ProcessGroup", "ReduceOp", "Work", "P2POp",
     "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "gather", "scatter",
     "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier",
     "monitored_barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv",
     "broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
-    "DebugLevel", "flight_record", "format_flight_record", "is_device_array", "array_namespace",
+    "DebugLevel", "flight_record", "format_flight_record",
     "DistError", "DistValueError", "DistTypeError", "DistBackendError", "CollectiveTimeout",
     "CollectiveMismatchError", "RankFailedError", "ObjectCollectiveError",
 ]
+
+#: Seams that were in ``__all__`` in 0.1: importable from here for one more release, with a warning.
+_MOVED = {name: "meshkit.comm._seams" for name in (
+    "PreparedCollective", "prepare_collective", "PREPARED_OPS", "create_groups", "resolve_group", "current_world",
+    "array_namespace", "is_device_array")}
+__getattr__ = moved_names(__name__, _MOVED)

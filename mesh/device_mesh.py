@@ -33,8 +33,8 @@ from typing import Any, Sequence, TextIO
 
 import numpy as np
 
-from ..comm import (DistTypeError, DistValueError, ProcessGroup, all_gather_object, create_groups, current_world,
-                    get_backend)
+from ..comm import DistTypeError, DistValueError, ProcessGroup, all_gather_object, get_backend
+from ..comm._seams import create_groups, current_world
 from . import errors, layout
 from .agreement import agree
 

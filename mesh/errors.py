@@ -9,7 +9,8 @@ torch's DeviceMesh raises too.
 
 from __future__ import annotations
 
-from ..comm import CollectiveMismatchError, DistError, DistTypeError, DistValueError, current_world, is_initialized
+from ..comm import CollectiveMismatchError, DistError, DistTypeError, DistValueError, is_initialized
+from ..comm._seams import current_world
 
 __all__ = ["MeshKeyError", "MeshIndexError", "MeshMismatchError", "prefix", "convert"]
 

@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from ..comm import DistTypeError, array_namespace
+from ..comm import DistTypeError
+from ..comm._seams import array_namespace
 
 __all__ = ["array_namespace", "is_array", "convert", "to_host", "type_name", "check_same_library"]
 

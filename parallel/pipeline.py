@@ -36,7 +36,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..comm import DistError, DistValueError, ProcessGroup, Work, all_gather_object, is_device_array, resolve_group
+from ..comm import DistError, DistValueError, ProcessGroup, Work, all_gather_object
+from ..comm._seams import is_device_array, resolve_group
 from ..mesh import DeviceMesh
 from .arrays import array_namespace, is_array
 from .schedules import Action, gpipe_order, interleaved_order, one_f_one_b_order

@@ -6,7 +6,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..comm import DistTypeError, DistValueError, array_namespace
+from ..comm import DistTypeError, DistValueError
+from ..comm._seams import array_namespace
 from ..mesh import DeviceMesh
 from . import errors
 from .checks import check_same_arguments

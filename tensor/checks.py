@@ -21,7 +21,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..comm import PreparedCollective, all_gather_object, prepare_collective
+from ..comm import all_gather_object
+from ..comm._seams import PreparedCollective, prepare_collective
 from ..mesh import DeviceMesh
 from . import errors
 from .chunks import chunk_range, local_shape_and_offset

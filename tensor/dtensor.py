@@ -134,7 +134,8 @@ class DTensor(NDArrayOperatorsMixin):
         Example (4 ranks, mesh ``(4,)``): blocks of 2, 2, 1 and 0 rows with ``[Shard(0)]`` give
         ``shape`` ``(5, ...)`` on every rank, with or without ``shape=(5, ...)``.
         """
-        from ..comm import DebugLevel, current_world
+        from ..comm import DebugLevel
+        from ..comm._seams import current_world
 
         op = "DTensor.from_local"
         if isinstance(local, DTensor):

@@ -7,7 +7,8 @@ The classes are comm's: a bad value is a ``DistValueError`` (a ``ValueError``), 
 
 from __future__ import annotations
 
-from ..comm import DistTypeError, DistValueError, current_world, is_initialized
+from ..comm import DistTypeError, DistValueError, is_initialized
+from ..comm._seams import current_world
 
 __all__ = ["ShardDimError", "prefix", "value_error", "type_error"]
 

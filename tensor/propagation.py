@@ -20,7 +20,7 @@ from . import errors
 from .dtensor import DTensor
 from .placements import Placement
 from .redistribute import redistribute_local
-from ..comm import array_namespace
+from ..comm._seams import array_namespace
 
 __all__ = ["logger", "is_scalar", "common_mesh", "moved", "unsupported", "no_out", "wrap", "uniform_finite"]
 

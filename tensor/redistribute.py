@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..comm import PreparedCollective, array_namespace, prepare_collective
+from ..comm._seams import PreparedCollective, array_namespace, prepare_collective
 from ..mesh import DeviceMesh
 from .chunks import chunk_range, chunk_size, local_shape_and_offset
 from .placements import Partial, Placement, Replicate, Shard

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ..comm import array_namespace
+from ..comm._seams import array_namespace
 from . import errors
 from .dispatch import implements
 from .dtensor import DTensor

@@ -11,6 +11,7 @@ import numpy as np
 
 import meshkit
 from meshkit import ReduceOp
+from meshkit.comm._seams import prepare_collective, resolve_group
 
 DTYPES = [np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64,
           np.float16, np.float32, np.float64, np.longdouble, np.complex64, np.complex128]
@@ -132,12 +133,12 @@ def check_all(dtype, group=None, *, dev=_same, host=_same, ops=ops_for) -> int:
         ok(out, expected, f"reduce_scatter {op}")
 
         # prepared (one shape, validated once): the same results, and the input left alone
-        pg = meshkit.comm.resolve_group(group)
-        scatter = meshkit.prepare_collective(pg, "reduce_scatter_tensor", (3 * n,), dtype, reduce_op=op)
+        pg = resolve_group(group)
+        scatter = prepare_collective(pg, "reduce_scatter_tensor", (3 * n,), dtype, reduce_op=op)
         mine = dev(big[rank].copy())
         ok(scatter(mine), expected, f"prepared reduce_scatter_tensor {op}")
         ok(mine, big[rank], f"prepared reduce_scatter_tensor {op} input")
-        reduce_all = meshkit.prepare_collective(pg, "all_reduce", (6,), reduce_op=op)  # any dtype
+        reduce_all = prepare_collective(pg, "all_reduce", (6,), reduce_op=op)  # any dtype
         x = dev(make(rank, n, dtype, for_product=prod))
         ok(reduce_all(x), reference(op, stack), f"prepared all_reduce {op}")
         ok(x, make(rank, n, dtype, for_product=prod), f"prepared all_reduce {op} input")
@@ -159,15 +160,15 @@ def check_all(dtype, group=None, *, dev=_same, host=_same, ops=ops_for) -> int:
     meshkit.all_gather_into_tensor(flat, flat[rank], group=group)
     ok(flat, everyone, "all_gather_into_tensor in place")
 
-    pg = meshkit.comm.resolve_group(group)
-    gather_all = meshkit.prepare_collective(pg, "all_gather_into_tensor", (2, 3), dtype)
+    pg = resolve_group(group)
+    gather_all = prepare_collective(pg, "all_gather_into_tensor", (2, 3), dtype)
     mine = make(rank, n, dtype).reshape(3, 2)
     ok(gather_all(dev(mine.T.copy())), np.stack([m.reshape(3, 2).T for m in everyone]).reshape(2 * n, 3),
        "prepared all_gather_into_tensor")
     if host is _same:  # a strided (transposed) NumPy input is made contiguous first (inputs are only read)
         ok(gather_all(mine.T), np.stack([m.reshape(3, 2).T for m in everyone]).reshape(2 * n, 3),
            "prepared all_gather_into_tensor, strided input")
-    exchange = meshkit.prepare_collective(pg, "all_to_all_single", (2 * n,), dtype)
+    exchange = prepare_collective(pg, "all_to_all_single", (2 * n,), dtype)
     rows = np.stack([make(r * n, n, dtype, count=2 * n) for r in range(n)])  # rank r sends rows[r]
     ok(exchange(dev(rows[rank].copy())), rows.reshape(n, n, 2)[:, rank].reshape(-1), "prepared all_to_all_single")
 

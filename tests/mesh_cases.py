@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 import meshkit
+from meshkit.comm._seams import current_world
 
 # shape -> names, and for each dim the groups (every rank's group along that dim).
 EXPECTED = {
@@ -22,7 +23,7 @@ def check_expected_groups(shape) -> int:
     names, groups = EXPECTED[shape]
     rank = meshkit.get_rank()
     size = int(np.prod(shape))
-    world = meshkit.current_world()
+    world = current_world()
     splits = world.split_count
     mesh = meshkit.DeviceMesh("cpu", np.arange(size).reshape(shape), mesh_dim_names=names)
     subset = size < meshkit.get_world_size()

@@ -1279,7 +1279,7 @@ class FakeRuntime:
 
     @staticmethod
     def is_device_array(x: Any) -> bool:
-        from meshkit.comm import is_device_array  # meshkit's one rule, as CupyRuntime's
+        from meshkit.comm._seams import is_device_array  # meshkit's one rule, as CupyRuntime's
 
         return is_device_array(x)
 

@@ -18,9 +18,9 @@ import nccl_double as double
 import sharded_cases as cases
 from meshkit import ReduceOp
 from meshkit.comm import local
-from meshkit.parallel import (SGD, AdamW, DistributedDataParallel, FlatLayout, FullyShardedDataParallel,
-                              PowerSGDState, ZeroRedundancyOptimizer, clip_grad_norm_, fp16_compress_hook,
-                              powersgd_hook)
+from meshkit.parallel import (SGD, AdamW, DistributedDataParallel, FullyShardedDataParallel, PowerSGDState,
+                              ZeroRedundancyOptimizer, clip_grad_norm_, fp16_compress_hook, powersgd_hook)
+from meshkit.parallel.flat import FlatLayout
 
 
 # The ``cupy`` fixture (tests/conftest.py) installs the fake module and the double for a test.
@@ -267,7 +267,8 @@ def test_one_rule_decides_device_and_library_in_every_layer(cupy):
     """comm's engines and checks, the CUDA runtime, parallel and tensor ask one rule
     (``__cuda_array_interface__`` on the array): the double's DeviceArray, an np.ndarray subclass,
     is a device array, hence CuPy's, to all of them; torch-like CPU tensors are host arrays."""
-    from meshkit.comm import array_namespace, checks, cuda_runtime, is_device_array
+    from meshkit.comm import checks, cuda_runtime
+    from meshkit.comm._seams import array_namespace, is_device_array
     from meshkit.parallel import array_namespace as parallel_namespace
     from meshkit.tensor import reductions
 

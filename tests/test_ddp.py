@@ -11,8 +11,8 @@ import pytest
 import ddp_cases
 import meshkit
 from meshkit.comm import local
-from meshkit.parallel import (DistributedDataParallel, PowerSGDState, assign_buckets, fp16_compress_hook,
-                              powersgd_hook)
+from meshkit.parallel import DistributedDataParallel, PowerSGDState, fp16_compress_hook, powersgd_hook
+from meshkit.parallel.buckets import assign_buckets
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 import train_mlp  # noqa: E402

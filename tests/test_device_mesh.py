@@ -11,6 +11,7 @@ import meshkit
 import mesh_cases
 from meshkit import DeviceMesh, ParallelDims, init_device_mesh
 from meshkit.comm import local
+from meshkit.comm._seams import current_world
 from meshkit.mesh import device_mesh
 
 
@@ -48,7 +49,7 @@ def test_out_of_order_slice_is_transposed_and_remembers_its_root():
 
 def test_flatten_unflatten_rearrange_and_their_split_counts():
     def body():
-        world = meshkit.current_world()
+        world = current_world()
         mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("a", "b", "c"))
         n = world.split_count
         ab = mesh["a", "b"].flatten("ab")
@@ -76,7 +77,7 @@ def test_flatten_unflatten_rearrange_and_their_split_counts():
 
 def test_unflatten_of_a_sub_mesh_builds_new_groups_collectively():
     def body():
-        world = meshkit.current_world()
+        world = current_world()
         mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("world",))
         n = world.split_count
         m = mesh.unflatten("world", (2, 2, 2), ("pp", "dp", "tp"))
@@ -105,7 +106,7 @@ def test_mesh_over_a_subset_of_the_world():
 
 def test_from_group_creates_no_communicator():
     def body():
-        world = meshkit.current_world()
+        world = current_world()
         group = meshkit.new_group([1, 2, 3])
         n = world.split_count
         mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("dp",))
@@ -135,7 +136,7 @@ def test_parallel_dims_infers_validates_and_builds():
         ParallelDims(world_size=2).tp = 3  # frozen
 
     def body():
-        world = meshkit.current_world()
+        world = current_world()
         n = world.split_count
         mesh = ParallelDims(dp_replicate=2, dp_shard=-1, tp=2, world_size=8).build_mesh("cpu")
         assert world.split_count == n + 4
@@ -471,7 +472,7 @@ def test_after_a_mismatch_the_right_mesh_still_builds():
 
 def test_partitions_split_over_a_larger_group_are_not_split_again():
     def body():
-        world = meshkit.current_world()
+        world = current_world()
         n = world.split_count
         mesh = DeviceMesh("cpu", [[0, 2], [4, 6]], mesh_dim_names=("dp", "tp"))
         assert world.split_count == n + 3, "the group of the mesh's ranks, then one split per dimension"
@@ -492,7 +493,7 @@ def test_partitions_split_over_a_larger_group_are_not_split_again():
 
 def test_a_partition_of_the_parent_itself_is_the_parent():
     def body():
-        world = meshkit.current_world()
+        world = current_world()
         n = world.split_count
         assert meshkit.new_group(list(range(4))) is world.default_group
         mesh = DeviceMesh("cpu", [3, 1, 2, 0])

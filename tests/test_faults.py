@@ -9,6 +9,7 @@ import pytest
 
 import meshkit
 from meshkit.comm import local
+from meshkit.comm._seams import current_world
 
 
 def catch(fn):
@@ -149,7 +150,7 @@ def test_an_engine_that_fails_to_start_a_call_leaves_a_failed_record(op):
             "broadcast": lambda g: g.broadcast(np.ones(2), 0, async_op=async_op)}[name]
 
     def body():
-        group = meshkit.comm.current_world().default_group
+        group = current_world().default_group
         real = getattr(group.engine, name)
 
         def fail(error):

@@ -27,6 +27,7 @@ from meshkit import ReduceOp
 from meshkit.comm import cuda_runtime, local
 from meshkit.comm import lifecycle
 from meshkit.comm import nccl as nccl_engine
+from meshkit.comm._seams import current_world
 
 # NCCL's own types, and dtypes it moves as bytes (reductions need one of the first kind).
 NATIVE = [np.int8, np.uint8, np.int32, np.uint32, np.int64, np.uint64, np.float16, np.float32, np.float64]
@@ -154,7 +155,7 @@ def test_buffers_of_an_async_collective_stay_alive(fake_gpu):
 
 
 def _engine():
-    return meshkit.current_world().default_group.engine
+    return current_world().default_group.engine
 
 
 def test_a_rank_that_never_arrives_is_named_and_the_communicator_aborted(fake_gpu, connect_at_init):
@@ -711,7 +712,7 @@ def test_a_mesh_costs_one_comm_split_per_dimension(fake_gpu, monkeypatch):
             x = double.to_device(np.full(3, float(rank)))
             meshkit.all_reduce(x, group=mesh.get_group(dim))
             out[dim] = float(double.to_host(x)[0])
-        return calls[threading.get_ident()], meshkit.current_world().split_count, out
+        return calls[threading.get_ident()], current_world().split_count, out
 
     results = on_nccl(body, 4)
     # mesh [[0, 1], [2, 3]]: dp groups [0, 2], [1, 3]; tp groups [0, 1], [2, 3]
@@ -743,7 +744,7 @@ def test_collectives_from_the_group_communication_thread(fake_gpu):
     """A task of run_async issues on the group's own thread (another thread, device 0 until the
     engine selects the rank's device): the stream order still holds."""
     def body():
-        group = meshkit.current_world().default_group
+        group = current_world().default_group
         x = double.to_device(np.full(2, meshkit.get_rank() + 1.0))
         group.run_async(lambda: group.all_reduce(x), "hook").wait()
         return double.to_host(x).tolist()

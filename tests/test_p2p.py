@@ -9,6 +9,7 @@ import pytest
 
 import meshkit
 from meshkit.comm import local
+from meshkit.comm._seams import resolve_group
 
 
 def p2p_cases() -> bool:
@@ -77,7 +78,7 @@ def test_rank_translation_between_world_and_group():
 
 def test_abort_fails_the_peers_pending_receive_at_once_and_later_calls_here():
     def body():
-        g = meshkit.comm.resolve_group(None)
+        g = resolve_group(None)
         if g.rank == 0:
             g.abort("gave up halfway through a protocol")
             with pytest.raises(meshkit.DistError, match="unusable after an earlier failure: gave up halfway"):

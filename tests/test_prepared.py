@@ -12,29 +12,30 @@ import pytest
 
 import meshkit
 from meshkit.comm import local
+from meshkit.comm._seams import prepare_collective, resolve_group
 
 
 def _world():
-    return meshkit.comm.resolve_group(None)
+    return resolve_group(None)
 
 
 def test_preparing_checks_the_op_shape_dtype_and_reduction_once():
     def body():
         g = _world()
         with pytest.raises(meshkit.DistValueError, match=r"rank \d: prepare_collective\('broadcast'\): op must be"):
-            meshkit.prepare_collective(g, "broadcast", (4,), np.float32)
+            prepare_collective(g, "broadcast", (4,), np.float32)
         with pytest.raises(meshkit.DistValueError, match=r"shape\[0\] = 3 must be a multiple of the group size 2"):
-            meshkit.prepare_collective(g, "reduce_scatter_tensor", (3,), np.float32)
+            prepare_collective(g, "reduce_scatter_tensor", (3,), np.float32)
         with pytest.raises(meshkit.DistValueError, match="shape must be a non-empty tuple"):
-            meshkit.prepare_collective(g, "all_gather_into_tensor", (), np.float32)
+            prepare_collective(g, "all_gather_into_tensor", (), np.float32)
         with pytest.raises(meshkit.DistTypeError, match="dtype object cannot be communicated"):
-            meshkit.prepare_collective(g, "all_gather_into_tensor", (2,), object)
+            prepare_collective(g, "all_gather_into_tensor", (2,), object)
         with pytest.raises(meshkit.DistTypeError, match="AVG is not defined for dtype int32"):
-            meshkit.prepare_collective(g, "all_reduce", (2,), np.int32, reduce_op=meshkit.ReduceOp.AVG)
+            prepare_collective(g, "all_reduce", (2,), np.int32, reduce_op=meshkit.ReduceOp.AVG)
         with pytest.raises(meshkit.DistTypeError, match="reduce_op='mean' is not a ReduceOp"):
-            meshkit.prepare_collective(g, "all_reduce", (2,), reduce_op="mean")
+            prepare_collective(g, "all_reduce", (2,), reduce_op="mean")
         with pytest.raises(meshkit.DistTypeError, match="group must be a ProcessGroup"):
-            meshkit.prepare_collective(None, "all_reduce", (2,))
+            prepare_collective(None, "all_reduce", (2,))
         return True
 
     assert local.run(body, 2, timeout=30) == [True, True]
@@ -45,12 +46,12 @@ def test_an_input_unlike_the_prepared_one_is_refused_on_every_rank():
     matching call fails too (instead of running with mismatched sizes or waiting)."""
     def body():
         g, rank = _world(), meshkit.get_rank()
-        gather = meshkit.prepare_collective(g, "all_gather_into_tensor", (2, 3), np.float32)
+        gather = prepare_collective(g, "all_gather_into_tensor", (2, 3), np.float32)
         assert np.array_equal(gather(np.full((2, 3), rank, np.float32)),
                               np.repeat(np.arange(2, dtype=np.float32), 2)[:, None] * np.ones(3))
         with pytest.raises(meshkit.DistTypeError, match="input must be an array, got list"):
             gather([1.0])
-        scatter = meshkit.prepare_collective(g, "reduce_scatter_tensor", (4,))  # any dtype
+        scatter = prepare_collective(g, "reduce_scatter_tensor", (4,))  # any dtype
         assert np.array_equal(scatter(np.ones(4, np.int16)), np.full(2, 2, np.int16))
         if rank == 0:
             with pytest.raises(meshkit.DistTypeError, match=r"rank 0: all_gather_into_tensor: input has dtype "
@@ -76,7 +77,7 @@ def test_a_prepared_call_is_numbered_recorded_and_checked_in_detail_mode(monkeyp
 
     def body():
         g, rank = _world(), meshkit.get_rank()
-        gather = meshkit.prepare_collective(g, "all_gather_into_tensor", (2,), np.int64)
+        gather = prepare_collective(g, "all_gather_into_tensor", (2,), np.int64)
         gather(np.arange(2) + rank)
         last = meshkit.flight_record()[-1]
         assert (last["op"], last["state"], last["shapes"]) == ("all_gather_into_tensor", "completed", ((2,), (4,))), last
@@ -96,9 +97,9 @@ def test_an_uninvolved_rank_or_a_destroyed_group_is_refused():
         sub = meshkit.new_group([0])
         if rank == 1:
             with pytest.raises(meshkit.DistValueError, match="not a member of group"):
-                meshkit.prepare_collective(sub, "all_reduce", (2,))
+                prepare_collective(sub, "all_reduce", (2,))
         g = _world()
-        reduce_all = meshkit.prepare_collective(g, "all_reduce", (2,), np.float64)
+        reduce_all = prepare_collective(g, "all_reduce", (2,), np.float64)
         assert np.array_equal(reduce_all(np.ones(2)), np.full(2, 2.0))
         meshkit.barrier()
         return reduce_all

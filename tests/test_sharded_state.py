@@ -17,8 +17,10 @@ import ddp_cases
 import meshkit
 import sharded_cases as cases
 from meshkit.comm import local
-from meshkit.parallel import (DistributedDataParallel, FlatLayout, ShardedArray, flat_range_boxes,
-                              optimizer_state_views)
+from meshkit.parallel import DistributedDataParallel, ShardedArray
+from meshkit.parallel._seams import optimizer_state_views
+from meshkit.parallel.flat import FlatLayout
+from meshkit.parallel.sharded_state import flat_range_boxes
 from meshkit.parallel.sharded_state import flat_shard_pieces
 
 

@@ -131,8 +131,10 @@ def test_packages_depend_one_way():
         "\n".join(wrong)
 
 
-def test_packages_import_each_other_only_through_their_public_names():
-    """``from ..comm import X`` with X in ``meshkit.comm.__all__``; never ``..comm.world`` or a private name."""
+def test_packages_import_each_other_only_through_their_public_names_or_seams():
+    """``from ..comm import X`` with X in ``meshkit.comm.__all__``, or ``from ..comm._seams import X``
+    with X in the seams' ``__all__`` (the convention of meshkit's docstring); never ``..comm.world``,
+    another private module, or a name of neither list."""
     import importlib
     wrong = []
     for module, imports in GRAPH.items():
@@ -144,12 +146,170 @@ def test_packages_import_each_other_only_through_their_public_names():
             if other is None or other == source:
                 continue
             where = f"{MODULES[module].relative_to(ROOT)}:{line}"
-            if target != f"meshkit.{other}":
+            if target not in (f"meshkit.{other}", f"meshkit.{other}._seams"):
                 wrong.append(f"{where} imports the inner module {target}")
                 continue
             public = set(importlib.import_module(target).__all__)
             wrong += [f"{where} imports {target}.{n}, not in its __all__" for n in names if n not in public]
     assert not wrong, "\n".join(wrong)
+
+
+#: Names that are not user API: what packages use of each other (their ``_seams``) and inner
+#: machinery that was in an ``__all__`` in 0.1. No package's ``__all__`` may hold them.
+SEAMS = {
+    "comm": {"PreparedCollective", "prepare_collective", "PREPARED_OPS", "create_groups", "resolve_group",
+             "current_world", "array_namespace", "is_device_array"},
+    "mesh": {"host_names"},
+    "tensor": {"local_shape_and_offset", "chunks"},
+    "parallel": {"GradientReducer", "ShardedStrategy", "Bucket", "BucketManager", "BufferPool", "assign_buckets",
+                 "FlatLayout", "is_array", "flat_range_boxes", "load_pieces", "optimizer_state_views"},
+}
+#: A seam of one package that another offers its users on purpose: ``meshkit.parallel.array_namespace``
+#: is how model code runs on NumPy and CuPy alike (the examples' models use it); comm's is the engines' rule.
+USER_HELPERS = {"parallel": {"array_namespace"}}
+#: Each name taken out of an ``__all__``: (old package, its new module).
+MOVED = {
+    **{("meshkit.comm", n): "meshkit.comm._seams" for n in SEAMS["comm"]},
+    **{("meshkit", n): "meshkit.comm._seams" for n in SEAMS["comm"]},
+    ("meshkit.mesh", "host_names"): "meshkit.mesh.device_mesh",
+    ("meshkit.tensor", "local_shape_and_offset"): "meshkit.tensor._seams",
+    **{("meshkit.parallel", n): "meshkit.parallel._seams"
+       for n in ("ShardedStrategy", "load_pieces", "optimizer_state_views", "is_array")},
+    **{("meshkit.parallel", n): "meshkit.parallel.buckets" for n in ("Bucket", "BucketManager", "assign_buckets")},
+    ("meshkit.parallel", "GradientReducer"): "meshkit.parallel.reducer",
+    ("meshkit.parallel", "BufferPool"): "meshkit.parallel.pool",
+    ("meshkit.parallel", "FlatLayout"): "meshkit.parallel.flat",
+    ("meshkit.parallel", "flat_range_boxes"): "meshkit.parallel.sharded_state",
+}
+
+
+def test_no_seam_in_any_public_api():
+    import importlib
+    every = set().union(*SEAMS.values())
+    packages = sorted(m for m in MODULES if MODULES[m].name == "__init__.py" and _top(m) != "launch")
+    leaked = {}
+    for name in packages:
+        exported = set(importlib.import_module(name).__all__)
+        for n in exported:
+            _resolve(f"{name}.{n}")  # every name of an __all__ is there, and no deprecated one
+        allowed = USER_HELPERS.get(_top(name) or "", set()) - SEAMS.get(_top(name) or "", set())
+        if exported & (every - allowed):
+            leaked[name] = sorted(exported & (every - allowed))
+    assert not leaked, f"seams in a public __all__: {leaked}"
+    for package in ("comm", "tensor", "parallel"):  # what a _seams module offers is a seam, never user API
+        seams = set(importlib.import_module(f"meshkit.{package}._seams").__all__)
+        assert not seams & set(importlib.import_module(f"meshkit.{package}").__all__), package
+
+
+def test_moved_names_still_import_from_their_old_place_with_a_warning_naming_the_new():
+    """Documented as public in 0.1: one more release of the old spelling, as attribute and as from-import."""
+    import importlib
+    import warnings
+
+    import pytest
+    for (old, name), new in sorted(MOVED.items()):
+        expected = getattr(importlib.import_module(new), name)
+        with pytest.warns(DeprecationWarning, match=rf"^{old}\.{name} is not public API .* import it from {new} "):
+            assert getattr(importlib.import_module(old), name) is expected
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            namespace: dict = {}
+            exec(f"from {old} import {name} as got", namespace)
+        assert namespace["got"] is expected
+        assert [str(w.message).split(" is")[0] for w in caught] == [f"{old}.{name}"], (old, name)  # once
+        assert caught[0].filename == "<string>", caught[0].filename  # at the importing line, not importlib's
+    with pytest.raises(AttributeError, match="'meshkit.parallel' has no attribute 'nothing'"):
+        importlib.import_module("meshkit.parallel").nothing
+
+
+def _meshkit_uses(source: str | Path) -> list[tuple[str, str, int]]:
+    """``(module, name, line)`` for every ``from meshkit.X import name`` and every ``meshkit.X.name``
+    in a file or a code block, following aliases (``from meshkit import checkpoint as dcp``: ``dcp.save``)."""
+    tree = ast.parse(source.read_text() if isinstance(source, Path) else source)
+    aliases = {"meshkit": "meshkit"}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("meshkit"):
+            out.extend((node.module, a.name, node.lineno) for a in node.names)
+            aliases.update({a.asname or a.name: f"{node.module}.{a.name}" for a in node.names})
+        elif isinstance(node, ast.Import):
+            aliases.update({a.asname: a.name for a in node.names if a.asname and a.name.startswith("meshkit")})
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            chain, inner = [node.attr], node.value
+            while isinstance(inner, ast.Attribute):
+                chain.append(inner.attr)
+                inner = inner.value
+            if isinstance(inner, ast.Name) and inner.id in aliases:  # meshkit.a.b also gives meshkit.a: both used
+                chain.reverse()
+                out.append((".".join([aliases[inner.id], *chain[:-1]]), chain[-1], node.lineno))
+    return out
+
+
+def _outside_the_package() -> list[Path]:
+    return sorted(p for folder in ("tests", "examples", "benchmarks") for p in (ROOT / folder).rglob("*.py"))
+
+
+def test_the_repository_uses_no_moved_name():
+    """The tests, examples and benchmarks import each moved name from its new place (no warning in the suite)."""
+    wrong = [f"{path.relative_to(ROOT)}:{line} uses {module}.{name} (now {MOVED[module, name]})"
+             for path in [*_outside_the_package(), *MODULES.values()] for module, name, line in _meshkit_uses(path)
+             if (module, name) in MOVED]
+    assert not wrong, "\n".join(wrong)
+
+
+def _resolve(dotted: str):
+    """``meshkit.a.b.c`` as an attribute chain, importing submodules on the way; warnings are errors."""
+    import importlib
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        parts = dotted.split(".")
+        obj = importlib.import_module(parts[0])
+        for i, part in enumerate(parts[1:], 2):
+            try:
+                obj = getattr(obj, part)
+            except AttributeError:
+                obj = importlib.import_module(".".join(parts[:i]))
+        return obj
+
+
+def test_what_the_readme_and_the_examples_use_is_user_api():
+    """Every ``meshkit.x.y`` the README names and every name the examples import from meshkit
+    resolves with no warning, is in its module's ``__all__`` (a package's, or a public module's as
+    ``meshkit.comm.cuda_runtime.gpu_available``), and is no seam, whichever module it is taken from."""
+    import importlib
+    import re
+    import types
+    readme = (ROOT / "README.md").read_text()
+    uses = [("README.md", 0, m) for m in re.findall(r"\bmeshkit(?:\.[A-Za-z_]\w*)+", readme)]
+    uses += [("README.md", 0, f"{module}.{name}") for block in re.findall(r"```python\n(.*?)```", readme, re.S)
+             for module, name, _ in _meshkit_uses(block)]
+    uses += [(path.relative_to(ROOT).as_posix(), line, f"{module}.{name}")
+             for path in sorted((ROOT / "examples").glob("*.py")) for module, name, line in _meshkit_uses(path)]
+    assert {"meshkit.parallel.DistributedDataParallel", "meshkit.checkpoint.save"} <= {u[2] for u in uses}, \
+        "the scan missed what the README shows"
+    seams = set().union(*SEAMS.values()) - set().union(*USER_HELPERS.values())
+    wrong = []
+    for where, line, dotted in uses:
+        parts = dotted.split(".")
+        objects = [_resolve(".".join(parts[:i])) for i in range(1, len(parts) + 1)]
+        # the first name that is not a module (meshkit.ReduceOp in meshkit.ReduceOp.SUM) is what its module exports
+        first = next((i for i, o in enumerate(objects) if not isinstance(o, types.ModuleType)), None)
+        if any(p.startswith("_") for p in parts[:len(parts) if first is None else first + 1]):
+            wrong.append(f"{where}:{line} {dotted} is private")
+        elif first is not None and parts[first] not in objects[first - 1].__all__:
+            wrong.append(f"{where}:{line} {dotted} is not in {'.'.join(parts[:first])}.__all__")
+        elif first is not None and parts[first] in seams:
+            wrong.append(f"{where}:{line} {dotted} is a seam, not user API")
+    assert not wrong, "\n".join(wrong)
+    assert _resolve("meshkit.tensor.DTensor") is importlib.import_module("meshkit.tensor.dtensor").DTensor
+
+
+def test_what_the_benchmarks_import_resolves_without_a_warning():
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        for module, name, _ in _meshkit_uses(path):
+            _resolve(f"{module}.{name}")
 
 
 def test_every_package_declares_all():
@@ -188,10 +348,11 @@ def test_one_ddp_all_reduce_reaches_the_engine_in_five_calls():
 
     import meshkit
     from meshkit.comm import local
+    from meshkit.comm._seams import current_world
 
     def body():
         ddp = meshkit.parallel.DistributedDataParallel({"w": np.ones(4)})
-        engine = meshkit.comm.current_world().default_group.engine
+        engine = current_world().default_group.engine
         seen = []
         real = engine.all_reduce
 
@@ -224,12 +385,13 @@ def test_a_queued_bucket_reaches_the_engine_from_the_group_queue():
 
     import meshkit
     from meshkit.comm import local
+    from meshkit.comm._seams import current_world
 
     def body():
         # 3 buckets of one 1 MB gradient each (caps of 1 MB)
         params = {f"w{i}": np.ones(1 << 17) for i in range(3)}
         ddp = meshkit.parallel.DistributedDataParallel(params, bucket_cap_mb=1, first_bucket_cap_mb=1)
-        engine = meshkit.comm.current_world().default_group.engine
+        engine = current_world().default_group.engine
         seen, files = [], []
         real = engine.all_reduce
 

@@ -1,0 +1,12 @@
+"""parallel's seams: what ``checkpoint`` needs of the strategies that is not user API.
+
+The strategies' sharded state (:class:`ShardedStrategy`, :func:`load_pieces`,
+:func:`optimizer_state_views`) and the array test :func:`is_array` are how ``get_state_dict`` and
+``set_state_dict`` read and write a strategy's own memory; users reach them through those two.
+"""
+
+from .arrays import is_array
+from .sharded import ShardedStrategy
+from .sharded_state import load_pieces, optimizer_state_views
+
+__all__ = ["ShardedStrategy", "load_pieces", "optimizer_state_views", "is_array"]
