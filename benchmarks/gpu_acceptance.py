@@ -459,7 +459,7 @@ def check_agent_thread_devices(gpu: Any, ctx: Context) -> dict[str, str]:
         got = [gpu.read(o)[0] for o in outs]
         devices = {gpu.device_of(o) for o in outs}
         made: list[Any] = []
-        group = meshkit.current_world().default_group
+        group = meshkit.comm._seams.current_world().default_group
 
         def task() -> None:
             z = gpu.to_device(np.full(4, 1.0, np.float32))

@@ -119,7 +119,7 @@ def test_the_progress_agent_settles_list_collectives_on_the_ranks_gpu(rt, monkey
         for w in works:
             w.wait()
         return ([double.to_host(o)[0] for o in outs], gathered and [double.to_host(o)[0] for o in gathered],
-                [double.to_host(o)[0] for o in swapped], meshkit.current_world().default_group.device)
+                [double.to_host(o)[0] for o in swapped], meshkit.comm._seams.current_world().default_group.device)
 
     results = local.run(body, 2, init=False)
     assert results[0] == ([0.0, 1.0], [0.0, 1.0], [0.0, 10.0], 0)
@@ -185,7 +185,7 @@ def _world(body, n, *, visible=None, device_id=None):
                                        device_id=None if device_id is None else device_id(rank))
             x = double.to_device(np.full(2, rank + 1.0))
             meshkit.all_reduce(x)
-            return meshkit.current_world().default_group.device, double.to_host(x).tolist(), body()
+            return meshkit.comm._seams.current_world().default_group.device, double.to_host(x).tolist(), body()
         finally:
             double.visible_devices(None)
 
@@ -395,7 +395,7 @@ def test_the_engine_never_aborts_a_communicator_another_thread_is_inside(rt, mon
         if meshkit.get_rank() == 1:
             time.sleep(5)
             return None
-        engine = meshkit.current_world().default_group.engine
+        engine = meshkit.comm._seams.current_world().default_group.engine
         work = meshkit.all_reduce(double.to_device(np.ones(2)), async_op=True)
         work.wait()  # orders the stream; the watchdog watches it
         with pytest.raises(Exception, match=r"runtime connection .* did not happen"):

@@ -21,7 +21,7 @@ rt = double.FakeRuntime(devices=1)
 cuda_runtime.set_runtime(rt)
 meshkit.init_process_group("mpi", timeout=20)
 rank = meshkit.get_rank()
-host = meshkit.current_world().default_group.engine
+host = meshkit.comm._seams.current_world().default_group.engine
 try:
     if case == "local-rank":
         print(f"local rank {host.local_rank()}", flush=True)

@@ -42,7 +42,7 @@ if case == "devices":
         work.wait()
         return x.get().tolist()
     report("agent-settled all_reduce", settled)
-    group = meshkit.current_world().default_group
+    group = meshkit.comm._seams.current_world().default_group
 
     def task():
         y = double.to_device(np.full(3, float(rank)))  # allocated on the communication thread
