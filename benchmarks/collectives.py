@@ -272,7 +272,7 @@ def mpi4py_engine(mode: str = "sync") -> Engine:
 
 
 def guarded_engine() -> Engine:
-    """Raw mpi4py with the cheapest cross-rank size/dtype guard (README, "Nothing hangs"): each
+    """Raw mpi4py with the cheapest cross-rank size/dtype guard (docs/hangs.md): each
     call starts, beside the op, an ``Iallreduce(MAX)`` of a 2-integer signature (the element
     count and its negation: max and min at once; a dtype code would ride the same way), and waits
     for both. What a default check would cost

@@ -307,7 +307,7 @@ _HEAD = 3  # int64s: save number, failed (0/1), message length
 
 
 def _tag(g: ProcessGroup) -> int:
-    """The tag of a save's messages: the group's largest (the README says it is taken)."""
+    """The tag of a save's messages: the group's largest (docs/checkpoints.md says it is taken)."""
     return g.max_tag
 
 

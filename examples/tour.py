@@ -1,4 +1,4 @@
-"""The README's tour, runnable: ``meshkit-run -n 4 examples/tour.py`` (needs 4 ranks)."""
+"""The tour of docs/collectives.md, runnable: ``meshkit-run -n 4 examples/tour.py`` (needs 4 ranks)."""
 
 import sys
 

@@ -29,7 +29,7 @@ def distribute_tensor(tensor: Any, device_mesh: DeviceMesh, placements: Sequence
     value on every rank (avg, max, min).
 
     Every rank first checks that all passed the same shape, dtype, placements and
-    ``src_data_rank`` (one all-gather of two int64 per mesh dim; the README's DTensor section
+    ``src_data_rank`` (one all-gather of two int64 per mesh dim; docs/benchmarks.md
     gives its cost), so ranks that disagree raise, all of them, naming who passed what, instead
     of cutting or scattering blocks of different sizes.
 

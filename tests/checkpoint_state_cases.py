@@ -2,7 +2,7 @@
 
 A run trains ``ddp_cases``' model (all float64) with two accumulated micro-batches a step;
 ``Run`` keeps the strategy and its optimizer across steps as a user's loop does. The state dict
-is built once before training (the README's pattern) or again at each save, and saved with
+is built once before training (the pattern of docs/checkpoints.md) or again at each save, and saved with
 ``save``, ``async_save`` or ``CheckpointManager.save``; a fresh run loads it and trains on. The
 result must equal uninterrupted training to 1e-10, and the resumed run's own next checkpoint
 must record the step counts of the steps it took (the dict it loaded into stays live).

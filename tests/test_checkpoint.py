@@ -227,7 +227,7 @@ def test_a_checkpoint_reads_with_numpy_alone(tmp_path):
     meta = json.loads((tmp_path / "ck" / "metadata.json").read_text())
     a = meta["arrays"]["a"]
     out = np.zeros(a["shape"], dtype=a["dtype"])
-    for c in a["chunks"]:  # the README's recipe
+    for c in a["chunks"]:  # the recipe of docs/checkpoints.md
         block = np.fromfile(tmp_path / "ck" / c["file"], dtype=a["dtype"], count=int(np.prod(c["lengths"])),
                             offset=c["offset"]).reshape(c["lengths"])
         out[tuple(slice(o, o + n) for o, n in zip(c["offsets"], c["lengths"]))] = block

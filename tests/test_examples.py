@@ -766,12 +766,12 @@ def test_a_run_killed_mid_training_resumes_at_another_world_size_and_passes_its_
 
 
 def test_the_checkpoint_directories_the_readme_commands_make_are_ignored_by_git():
-    """The README's commands write ``--checkpoint-dir`` directories at the repository root
-    (ckpt/, ckpt3d/): git ignores them there, and only there (anchored)."""
+    """The commands of the README's example page (docs/examples.md) write ``--checkpoint-dir``
+    directories at the repository root (ckpt/, ckpt3d/): git ignores them there, and only there (anchored)."""
     root = EXAMPLES.parent
     if subprocess.run(["git", "rev-parse", "--is-inside-work-tree"], cwd=root, capture_output=True).returncode:
         pytest.skip("not a git checkout")
-    dirs = sorted(set(re.findall(r"(?m)^meshkit-run .*--checkpoint-dir (\S+)", (root / "README.md").read_text())))
+    dirs = sorted(set(re.findall(r"(?m)^meshkit-run .*--checkpoint-dir (\S+)", (root / "docs" / "examples.md").read_text())))
     assert dirs == ["ckpt", "ckpt3d"], dirs
     paths = [f"{d}/step_20/metadata.json" for d in dirs] + [f"examples/{d}/step_20/metadata.json" for d in dirs]
     ignored = subprocess.run(["git", "check-ignore", "--no-index", *paths], cwd=root, capture_output=True,

@@ -361,7 +361,7 @@ def test_double_refuses_an_abort_while_another_thread_is_inside_a_call(rt, monke
 
 
 def test_a_late_peer_at_the_first_collective_blocks_inside_nccl_past_the_timeout(rt, monkeypatch):
-    """What the README says is not guaranteed: by default (NCCL_RUNTIME_CONNECT=1) the first
+    """What docs/gpus.md says is not guaranteed: by default (NCCL_RUNTIME_CONNECT=1) the first
     collective connects the ranks inside NCCL; rank 0 waits there for rank 1, arriving after the
     group's 1 s timeout, and no timeout fires (a warm-up or NCCL_RUNTIME_CONNECT=0 moves the wait)."""
     monkeypatch.delenv("NCCL_RUNTIME_CONNECT", raising=False)

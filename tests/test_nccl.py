@@ -61,7 +61,7 @@ def fake_gpu():
 def connect_at_init(monkeypatch):
     """NCCL_RUNTIME_CONNECT=0: NCCL connects the ranks in init, so a peer late at a communicator's
     first collective meets the group's timeout (by default NCCL connects at that first call and
-    blocks the host inside it, where no timeout reaches: see the README's GPU section)."""
+    blocks the host inside it, where no timeout reaches: see docs/gpus.md)."""
     monkeypatch.setenv("NCCL_RUNTIME_CONNECT", "0")
 
 

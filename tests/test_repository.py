@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -23,3 +24,58 @@ def test_a_clone_in_a_folder_whose_name_is_not_an_identifier_runs_its_tests(tmp_
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "1 passed" in proc.stdout
+
+
+# --------------------------------------------------------------------------- the documentation (issue 25.5)
+DOCS = ROOT / "docs"
+_LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)\s]*)?\)")  # a Markdown link's target, without its #anchor
+
+
+def _pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+
+
+def test_every_relative_link_of_the_readme_and_docs_resolves():
+    broken = [f"{page.relative_to(ROOT)}: {target}" for page in _pages() for target in _LINK.findall(page.read_text())
+              if "://" not in target and not (page.parent / target).exists()]
+    assert not broken, broken
+    assert any(t.startswith("docs/") for t in _LINK.findall((ROOT / "README.md").read_text())), "the scan found no link"
+
+
+def test_every_docs_page_is_linked_from_the_readme_and_links_back():
+    linked = {(ROOT / t).resolve() for t in _LINK.findall((ROOT / "README.md").read_text())}
+    pages = sorted(DOCS.glob("*.md"))
+    assert len(pages) >= 11, pages
+    assert [p.name for p in pages if p.resolve() not in linked] == []
+    for page in pages:
+        title, blank, covers = page.read_text().split("\n")[:3]
+        # a page opens with its title and one line saying what it covers, linking back to the README
+        assert title.startswith("# ") and blank == "" and "](../README.md)" in covers, (page.name, covers)
+
+
+def test_the_readme_is_a_front_page_with_the_map_near_the_top():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme) < 16_000, len(readme)  # was 57 KB with the map 87% of the way down
+    heads = re.findall(r"(?m)^## (.*)$", readme)
+    assert heads[:2] == ["Set up and test (two commands)", "Run the example"], heads
+    assert "How the code is organised" in heads, heads
+    assert '```bash\npip install -e ".[test]"\npytest\n```' in readme  # .ci/run runs this command
+    assert "```bash\nmeshkit-run -n 4 examples/train_mlp.py --check\n```" in readme
+
+
+def test_the_readme_map_names_every_module():
+    """Every ``.py`` of the package, the examples and the benchmarks is named in its folder's entry of
+    the map ("How the code is organised"), by its path inside that folder (``prepared.py``,
+    ``parallel/style.py`` under ``tensor/``)."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## How the code is organised", 1)[1].split("\n## ", 1)[0]
+    entries = dict(re.findall(r"(?ms)^- `(\w+)/`:(.*?)(?=^- `|^\S|\Z)", section))
+    missing = []
+    for top in sorted(p for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))
+                      and p.name not in {"tests", "docs"} and not p.name.endswith(".egg-info")):
+        for path in sorted(top.rglob("*.py")):
+            inner = path.relative_to(top).as_posix()
+            if path.name != "__init__.py" and f"`{inner}`" not in entries.get(top.name, ""):
+                missing.append(path.relative_to(ROOT).as_posix())
+    assert {"comm", "parallel", "tensor", "examples", "benchmarks"} <= set(entries), sorted(entries)
+    assert not missing, f"not named in the README's map: {missing}"

@@ -275,16 +275,18 @@ def _resolve(dotted: str):
 
 
 def test_what_the_readme_and_the_examples_use_is_user_api():
-    """Every ``meshkit.x.y`` the README names and every name the examples import from meshkit
+    """Every ``meshkit.x.y`` the README and docs/ name and every name the examples import from meshkit
     resolves with no warning, is in its module's ``__all__`` (a package's, or a public module's as
     ``meshkit.comm.cuda_runtime.gpu_available``), and is no seam, whichever module it is taken from."""
     import importlib
     import re
     import types
-    readme = (ROOT / "README.md").read_text()
-    uses = [("README.md", 0, m) for m in re.findall(r"\bmeshkit(?:\.[A-Za-z_]\w*)+", readme)]
-    uses += [("README.md", 0, f"{module}.{name}") for block in re.findall(r"```python\n(.*?)```", readme, re.S)
-             for module, name, _ in _meshkit_uses(block)]
+    uses = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:  # the front page and its topics
+        where, text = page.relative_to(ROOT).as_posix(), page.read_text()
+        uses += [(where, 0, m) for m in re.findall(r"\bmeshkit(?:\.[A-Za-z_]\w*)+", text)]
+        uses += [(where, 0, f"{module}.{name}") for block in re.findall(r"```python\n(.*?)```", text, re.S)
+                 for module, name, _ in _meshkit_uses(block)]
     uses += [(path.relative_to(ROOT).as_posix(), line, f"{module}.{name}")
              for path in sorted((ROOT / "examples").glob("*.py")) for module, name, line in _meshkit_uses(path)]
     assert {"meshkit.parallel.DistributedDataParallel", "meshkit.checkpoint.save"} <= {u[2] for u in uses}, \
@@ -358,7 +360,8 @@ def test_one_ddp_all_reduce_reaches_the_engine_in_five_calls():
 
         def spy(buf, op):
             frames = inspect.stack()[:8]
-            seen.append(([f.function for f in frames], [_in_repo(f.filename) for f in frames]))
+            seen.append(([f.function for f in frames], [_in_repo(f.filename) for f in frames],
+                         [_defined_as(f.frame) for f in frames]))
             return real(buf, op)
 
         engine.all_reduce = spy
@@ -368,11 +371,26 @@ def test_one_ddp_all_reduce_reaches_the_engine_in_five_calls():
         return seen
 
     stacks = local.run(body, 1)[0]
-    path, files = next(s for s in stacks if "mark_grad_ready" in s[0])  # not the per-sync agreement's all_reduce
+    path, files, names = next(s for s in stacks if "mark_grad_ready" in s[0])  # not the per-sync agreement's
     chain = path[:path.index("mark_grad_ready") + 1][::-1]
     assert chain == ["mark_grad_ready", "launch", "allreduce_hook", "all_reduce", "spy"], chain
     where = files[:path.index("mark_grad_ready") + 1][::-1][:4]  # the files the README shows
     assert where == ["parallel/reducer.py", "parallel/buckets.py", "parallel/hooks.py", "comm/group.py"], where
+    # the README's chain names each frame by the class that defines it (GradientReducer's, which DDP inherits)
+    block = (ROOT / "README.md").read_text().split("One all-reduce, from DDP to MPI, is five calls", 1)[1]
+    rows = [line.strip().removeprefix("-> ").split() for line in block.split("```")[1].strip().splitlines()]
+    assert [r[0] for r in rows[:4]] == names[:path.index("mark_grad_ready") + 1][::-1][:4], (rows, names)
+    assert [r[1] for r in rows[:4]] == where, rows
+
+
+def _defined_as(frame) -> str:
+    """``Class.method`` of the class whose own method runs in ``frame`` (not the instance's class), else the
+    function's name: what the README's chain shows (``co_qualname`` needs Python 3.11)."""
+    name, owner = frame.f_code.co_name, frame.f_locals.get("self")
+    for cls in type(owner).__mro__ if owner is not None else ():
+        if getattr(cls.__dict__.get(name), "__code__", None) is frame.f_code:
+            return f"{cls.__name__}.{name}"
+    return name
 
 
 def test_a_queued_bucket_reaches_the_engine_from_the_group_queue():

@@ -118,7 +118,7 @@ def test_a_torch_linear_weight_ports_by_its_transpose_under_the_same_style():
     # issue 23.9: torch's ColwiseParallel is Shard(0) of an (out, in) weight; here Shard(1) of (in, out)
     import meshkit.tensor.parallel.style as style
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "dtensor.md").read_text()  # the README's DTensor page
     for text in (style.__doc__, style.ColwiseParallel.__doc__, style.RowwiseParallel.__doc__, readme):
         assert "torch's ``ColwiseParallel``" in text or "torch's `ColwiseParallel`" in text or \
             "torch's ``RowwiseParallel``" in text, text[:200]
@@ -458,6 +458,32 @@ def test_ddp_of_dtensors_takes_blocks_too_and_hands_out_dtensors_over_its_own_ar
 
     for params in local.run(body, 4, timeout=30):
         dp_tp_cases.assert_matches_reference(params, ref)
+
+
+
+def test_the_tensor_parallel_docstring_gives_ddp_the_dtensors_as_they_are():
+    """issue 25.5: the package's docstring told users to unwrap DTensors for DDP (``to_local()``) and wrap
+    the averages back; DDP takes the DTensor dict itself. Its call is run as written."""
+    import meshkit.tensor.parallel as tp
+
+    assert "to_local()" not in tp.__doc__, "the docstring still unwraps the DTensors for DDP"
+    call = re.search(r"``(DistributedDataParallel\(params, mesh=mesh\[\"dp\"\]\))``", tp.__doc__).group(1)
+    full = {n: a for n, a in _params().items() if n in ("w0", "b0")}
+
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        params = parallelize(full, mesh["tp"], {"[wb]0": ColwiseParallel()})
+        ddp = eval(call, {"DistributedDataParallel": DistributedDataParallel, "params": params, "mesh": mesh})
+        ddp.zero_grad()
+        for name in reversed(list(params)):
+            ddp.mark_grad_ready(name, params[name] * float(mesh["dp"].get_local_rank() + 1))
+        ddp.finish_gradient_sync()
+        return {n: (type(g), g.placements, g.full_tensor()) for n, g in ddp.grads.items()}
+
+    for grads in local.run(body, 4, timeout=30):
+        for name, (kind, placements, value) in grads.items():
+            assert kind is DTensor and placements == (Shard(1 if name == "w0" else 0),), (name, placements)
+            np.testing.assert_allclose(value, 1.5 * full[name], rtol=1e-15)  # (1 + 2) / 2 over dp
 
 
 def _tp_params(mesh, placements=None):

@@ -15,11 +15,12 @@ A Megatron MLP block on a ``dp x tp`` mesh, plain NumPy on DTensors::
 
 The hand-written backward gives every gradient its parameter's placements (``h.T @ dy`` is
 ``Shard(0)`` like ``w1``), so :class:`~meshkit.parallel.SGD`, :class:`~meshkit.parallel.AdamW` and
-:func:`~meshkit.parallel.clip_grad_norm_` take the DTensor dicts directly. Data parallelism over
-``dp`` works on the blocks: give :class:`~meshkit.parallel.DistributedDataParallel` the blocks
-(``{n: p.to_local() for n, p in params.items()}``, the same memory), mark each gradient's
-``to_local()`` ready, and wrap the averaged blocks back with ``DTensor.from_local(ddp.grads[n],
-mesh["tp"], params[n].placements, shape=params[n].shape)`` (see ``examples/train_tp.py``).
+:func:`~meshkit.parallel.clip_grad_norm_` take the DTensor dicts directly, and so do the
+data-parallel strategies over ``dp``: give :class:`~meshkit.parallel.DistributedDataParallel`
+(or :class:`~meshkit.parallel.ZeroRedundancyOptimizer`, :class:`~meshkit.parallel.FullyShardedDataParallel`)
+the DTensor dict as it is, ``DistributedDataParallel(params, mesh=mesh["dp"])``, and hand it each
+gradient as a DTensor laid out as its parameter; ``ddp.params`` and ``ddp.grads`` are DTensors with the parameters' placements
+(see ``examples/train_tp.py``).
 """
 
 from .api import parallelize, plan_placements
