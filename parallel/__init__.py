@@ -2,7 +2,8 @@
 
 ``DistributedDataParallel`` (bucketed, overlapped gradient averaging) and its communication
 hooks; ``ZeroRedundancyOptimizer`` (ZeRO-1/2) on the same buckets; ``FullyShardedDataParallel``
-(ZeRO-3, and hybrid sharding on a 2-D mesh); elementwise optimizers that update whole
+(ZeRO-3, and hybrid sharding on a 2-D mesh), all trained by one loop (:mod:`.protocol`) and built
+by :func:`data_parallel`; elementwise optimizers that update whole
 parameters or any flat shard of them.
 
 Every strategy runs on NumPy (host) or CuPy (device) parameters: the array library is taken from
@@ -23,13 +24,14 @@ from .pipeline import (PipelineError, PipelineSchedule, PipelineStage, Schedule1
                        ScheduleInterleaved1F1B)
 from .schedules import bubble_fraction
 from .pool import BufferPool
+from .factory import STRATEGIES, data_parallel
 from .reducer import GradientReducer
 from .sharded import ShardedStrategy
 from .sharded_state import ShardedArray, StepCount, flat_range_boxes, load_pieces, optimizer_state_views
 from .zero import ZeroRedundancyOptimizer
 
 __all__ = [
-    "DistributedDataParallel", "ZeroRedundancyOptimizer", "FullyShardedDataParallel",
+    "DistributedDataParallel", "ZeroRedundancyOptimizer", "FullyShardedDataParallel", "data_parallel", "STRATEGIES",
     "GradientReducer", "ShardedStrategy", "Bucket", "BucketManager", "CommHook", "BufferPool", "assign_buckets",
     "FlatLayout",
     "GradBucket", "allreduce_hook", "fp16_compress_hook", "PowerSGDState", "powersgd_hook",
