@@ -28,9 +28,9 @@ handed to the strategy layer by layer, last first), ``step()``. Strategies:
   of the batch with the same optimizer, no communication at all (the floor of every step);
 * ``ddp``, ``zero1``, ``zero2``: ``DistributedDataParallel`` / ``ZeroRedundancyOptimizer``;
 * ``fsdp``: ``FullyShardedDataParallel``, one unit per layer, the next unit prefetched while
-  the current one runs (the example's ``Sharded``);
-* ``fsdp-noprefetch``: the same, but every unit is gathered only when it is needed (a subclass
-  of ``Sharded`` that never calls ``prefetch``);
+  the current one runs (the example's ``Distributed``);
+* ``fsdp-noprefetch``: the same, but every unit is gathered only when it is needed (the
+  example's ``Distributed`` with ``prefetch=False``);
 * ``hsdp``: hybrid sharding on a ``--hsdp-mesh`` (replicate x shard) mesh, by default 2x2 when
   N = 4 (2 x N/2 for any even N >= 4; skipped otherwise).
 
@@ -64,11 +64,10 @@ import sys
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")  # before numpy: one BLAS thread per rank
 
-import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any, Iterator  # noqa: E402
+from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
 from _common import (LOG, Progress, add_output_args, barrier, choice_list, limit_blas_threads,  # noqa: E402
@@ -88,15 +87,6 @@ MIN_TIMED_STEPS = 10
 
 
 # --------------------------------------------------------------------------- strategies
-class ShardedNoPrefetch(mlp.Sharded):
-    """The example's FSDP strategy with prefetching off: each unit is gathered when it is used."""
-
-    @contextlib.contextmanager
-    def layer(self, i: int, upcoming: int | None = None) -> Iterator[dict[str, Any]]:
-        with self.fsdp.unshard(i) as params:
-            yield params
-
-
 def hsdp_shape(text: str) -> tuple[int, int]:
     replicate, shard = (int(v) for v in text.lower().split("x"))
     return replicate, shard
@@ -112,8 +102,8 @@ def build(args: argparse.Namespace, name: str) -> mlp.Strategy:
     model = mlp.build(strategy, hidden=hidden, dtype=args.dtype, optimizer=args.optimizer, lr=args.lr,
                       bucket_cap_mb=args.bucket_cap_mb,
                       hsdp_mesh=hsdp_shape(args.hsdp_mesh) if strategy == "hsdp" else None)
-    if name == "fsdp-noprefetch" and isinstance(model, mlp.Sharded):
-        model = ShardedNoPrefetch(model.fsdp, model.dtype, model.layers)
+    if name == "fsdp-noprefetch":  # each unit gathered when it is used
+        model.prefetch = False
     return model
 
 

@@ -18,8 +18,9 @@ trains NumPy arrays on the host and CuPy arrays on a GPU (``build(..., device="c
 
 A :class:`Strategy` is what the training loop needs of a parallel strategy: a layer's full
 parameters while it runs, somewhere to put gradients as they are ready, and an optimizer step.
-:class:`Plain` is one process (the single-process reference), :class:`Replicated` wraps DDP
-and ZeRO-1/2, :class:`Sharded` wraps FSDP and hybrid sharding; :func:`build` makes any of them.
+:class:`Plain` is one process (the single-process reference), :class:`Distributed` any
+data-parallel strategy through the protocol they all implement (DDP, ZeRO-1/2, FSDP and hybrid
+sharding: :func:`meshkit.parallel.data_parallel`); :func:`build` makes any of them.
 """
 
 from __future__ import annotations
@@ -30,13 +31,12 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 import meshkit
-from meshkit.parallel import (SGD, AdamW, DistributedDataParallel, FullyShardedDataParallel, Optimizer,
-                              ZeroRedundancyOptimizer, array_namespace)
+from meshkit.parallel import SGD, AdamW, Optimizer, array_namespace, data_parallel
 
 __all__ = [
     "FEATURES", "CLASSES", "STRATEGIES", "make_data", "init_params", "layer_count", "batch_indices",
     "loss_and_grad_logits", "forward", "backward", "forward_layers", "backward_layers", "make_optimizer",
-    "Strategy", "Plain", "Replicated", "Sharded", "build",
+    "Strategy", "Plain", "Distributed", "build",
 ]
 
 FEATURES, CLASSES = 20, 4
@@ -196,15 +196,21 @@ class Plain(Strategy):
         return self.params, self.optimizer
 
 
-class Replicated(Strategy):
-    """DDP or ZeRO-1/2: full parameters on every rank, gradients marked ready as they come."""
+class Distributed(Strategy):
+    """Any data-parallel strategy (DDP, ZeRO-1/2, FSDP, HSDP) through the protocol they share
+    (:mod:`meshkit.parallel.protocol`): a layer's unit unsharded while it runs (the next one
+    prefetched, unless ``prefetch`` is False), gradients marked ready as they come, ``step()``."""
 
-    def __init__(self, model: Any, optimizer: Optimizer | None) -> None:
-        self.model, self.optimizer = model, optimizer
-        self.layers, self.dtype = layer_count(model.params), model.params["w0"].dtype
+    def __init__(self, model: Any, dtype: Any, n_layers: int, prefetch: bool = True) -> None:
+        self.model, self.dtype, self.layers, self.prefetch = model, dtype, n_layers, prefetch
+        self._unit = {name: u for u, names in enumerate(model.units) for name in names}
 
-    def layer(self, i: int, upcoming: int | None = None) -> Any:
-        return contextlib.nullcontext(self.model.params)
+    @contextlib.contextmanager
+    def layer(self, i: int, upcoming: int | None = None) -> Iterator[dict[str, Any]]:
+        with self.model.unshard(self._unit[f"w{i}"]) as params:
+            if upcoming is not None and self.prefetch:
+                self.model.prefetch(self._unit[f"w{upcoming}"])
+            yield params
 
     def zero_grad(self) -> None:
         self.model.zero_grad()
@@ -214,46 +220,13 @@ class Replicated(Strategy):
             self.model.mark_grad_ready(name, g)
 
     def step(self) -> None:
-        self.model.finish_gradient_sync()
-        if self.optimizer is None:  # ZeRO owns its optimizer
-            self.model.step()
-        else:
-            self.optimizer.step(self.model.params, self.model.grads)
+        self.model.step()
 
     def full_params(self) -> dict[str, np.ndarray]:
-        return self.model.params
+        return self.model.full_state_dict()["params"]
 
     def checkpoint_target(self) -> tuple[Any, Optimizer | None]:
-        return self.model, self.optimizer  # ZeRO holds its optimizer: None
-
-
-class Sharded(Strategy):
-    """FSDP / HSDP: one unit per layer, gathered (with the next one prefetched) while it runs."""
-
-    def __init__(self, fsdp: FullyShardedDataParallel, dtype: Any, n_layers: int) -> None:
-        self.fsdp, self.dtype, self.layers = fsdp, dtype, n_layers
-
-    @contextlib.contextmanager
-    def layer(self, i: int, upcoming: int | None = None) -> Iterator[dict[str, Any]]:
-        with self.fsdp.unshard(i) as params:
-            if upcoming is not None:
-                self.fsdp.prefetch(upcoming)
-            yield params
-
-    def zero_grad(self) -> None:
-        self.fsdp.zero_grad()
-
-    def grads_ready(self, i: int, grads: dict[str, Any]) -> None:
-        self.fsdp.reduce_grads(i, grads)
-
-    def step(self) -> None:
-        self.fsdp.step()
-
-    def full_params(self) -> dict[str, np.ndarray]:
-        return self.fsdp.full_state_dict()["params"]
-
-    def checkpoint_target(self) -> tuple[Any, Optimizer | None]:
-        return self.fsdp, None
+        return self.model, None  # the strategy holds its optimizer
 
 
 def build(strategy: str, *, hidden: Sequence[int] = (64, 64), dtype: Any = np.float64, optimizer: str = "sgd",
@@ -291,13 +264,12 @@ def build(strategy: str, *, hidden: Sequence[int] = (64, 64), dtype: Any = np.fl
         mesh = meshkit.init_device_mesh(device, tuple(hsdp_mesh), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = meshkit.init_device_mesh(device, (meshkit.get_world_size(),), mesh_dim_names=("dp",))
-    caps = {"bucket_cap_mb": bucket_cap_mb, "first_bucket_cap_mb": min(1.0, bucket_cap_mb)}
+    options: dict[str, Any] = {}
+    if strategy in ("ddp", "zero1", "zero2"):
+        options = {"bucket_cap_mb": bucket_cap_mb, "first_bucket_cap_mb": min(1.0, bucket_cap_mb)}
     if strategy == "ddp":
-        ddp = DistributedDataParallel(params, mesh=mesh, comm_hook=comm_hook, comm_state=comm_state, **caps)
-        return Replicated(ddp, opt)
-    if strategy in ("zero1", "zero2"):
-        return Replicated(ZeroRedundancyOptimizer(params, opt, mesh=mesh, stage=int(strategy[-1]), **caps), None)
+        options.update(comm_hook=comm_hook, comm_state=comm_state)
     n_layers = layer_count(params)
-    units = [[f"w{i}", f"b{i}"] for i in range(n_layers)]  # one unit per layer
-    fsdp = FullyShardedDataParallel(params, mesh=mesh, optimizer=opt, units=units)
-    return Sharded(fsdp, params["w0"].dtype, n_layers)
+    units = [[f"w{i}", f"b{i}"] for i in range(n_layers)]  # one unit per layer (gathered alone by FSDP)
+    model = data_parallel(params, mesh, strategy, optimizer=opt, units=units, **options)
+    return Distributed(model, params["w0"].dtype, n_layers)
