@@ -22,7 +22,8 @@ forward and backward passes are plain NumPy on DTensors (one all-reduce forward 
 per block). Each ``dp`` replica trains on its share of every global batch, a stage adding up its
 gradients over the microbatches.
 
-``--dp`` says how the stages' blocks are data-parallel over ``dp`` (:func:`data_parallel`): ``ddp``
+``--dp`` says how the stages' blocks are data-parallel over ``dp`` (``meshkit.parallel.data_parallel``;
+the loop is the same for every strategy): ``ddp``
 (the default) takes the stages' DTensors and averages each rank's blocks after the pipeline step,
 and its ``step()`` runs the optimizer on DDP's ``params`` and ``grads`` (DTensors laid out as the
 stages' parameters, over the same blocks); ``zero1``/``zero2`` take the DTensors too, shard each block's
@@ -68,9 +69,8 @@ import mlp  # the model, beside this file
 import train_mlp  # its reference training, --check's comparison, flag types and checkpoint helpers
 from meshkit.checkpoint import CheckpointManager
 from meshkit.comm.cuda_runtime import runtime
-from meshkit.parallel import (DistributedDataParallel, FullyShardedDataParallel, Optimizer, PipelineStage,
-                              Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ZeroRedundancyOptimizer,
-                              array_namespace, to_host)
+from meshkit.parallel import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, array_namespace,
+                              data_parallel, to_host)
 from meshkit.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -154,19 +154,6 @@ def build_mesh(shape: tuple[int, int, int]) -> meshkit.DeviceMesh:
     return meshkit.init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp", "tp"))
 
 
-def data_parallel(kind: str, params: dict[str, DTensor], dp: meshkit.DeviceMesh, optimizer: Optimizer) -> Any:
-    """``--dp``'s strategy over ``dp`` for ``params`` (collective), holding ``optimizer``; one unit
-    per layer (``[w{i}, b{i}]``, in the order of ``params``). The loop below is the same for every
-    strategy (the protocol of :mod:`meshkit.parallel.protocol`), and so is a checkpoint's target."""
-    layers = dict.fromkeys(name[1:] for name in params)  # this rank's layers, in order
-    units = [[f"w{i}", f"b{i}"] for i in layers]
-    if kind == "ddp":
-        return DistributedDataParallel(params, mesh=dp, optimizer=optimizer, units=units)  # over the same blocks
-    if kind == "fsdp":
-        return FullyShardedDataParallel(params, mesh=dp, optimizer=optimizer, units=units)  # copies into shards
-    return ZeroRedundancyOptimizer(params, mesh=dp, optimizer=optimizer, stage=int(kind[-1]), units=units)  # copies
-
-
 @contextlib.contextmanager
 def stage_params(strategy: Any, stages: list[Stage]) -> Iterator[None]:
     """The stages' parameters for one training step: every unit unsharded here, once (all
@@ -215,8 +202,10 @@ def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np
         schedule: Any = ScheduleInterleaved1F1B(pipes, args.microbatches, loss_fn)
     else:
         schedule = (ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B)(pipes[0], args.microbatches, loss_fn)
-    strategy = data_parallel(args.dp, {name: t for st in stages for name, t in st.params.items()}, dp,
-                             mlp.make_optimizer(args.optimizer, args.lr))
+    blocks = {name: t for st in stages for name, t in st.params.items()}
+    units = [[f"w{i}", f"b{i}"] for i in dict.fromkeys(name[1:] for name in blocks)]  # one per layer, in order
+    # DDP averages the same blocks, ZeRO and FSDP copy them into their buffers and shards
+    strategy = data_parallel(blocks, dp, args.dp, optimizer=mlp.make_optimizer(args.optimizer, args.lr), units=units)
     for st in stages:  # the stages run on what the strategy's unshard yields (stage_params), step by step
         st.params, st.grads = {}, {}
     first, last = 0 in mine, p * v - 1 in mine

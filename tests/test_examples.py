@@ -19,7 +19,7 @@ import pytest
 
 import meshkit
 from meshkit.comm import local
-from meshkit.parallel import FullyShardedDataParallel
+from meshkit.parallel import FullyShardedDataParallel, factory
 from meshkit.comm.cuda_runtime import gpu_available
 from meshkit.parallel import fp16_compress_hook
 from meshkit.tensor import Replicate, Shard
@@ -505,12 +505,12 @@ def test_train_3d_hands_ddp_the_stages_dtensors(monkeypatch):
     """DDP takes every stage's DTensors (no to_local), and the optimizer steps DDP's own DTensors."""
     taken, stepped = [], []
 
-    class Spy(train_3d.DistributedDataParallel):
+    class Spy(factory.DistributedDataParallel):
         def __init__(self, params, **kwargs):
             taken.append({type(p).__name__ for p in params.values()})
             super().__init__(params, **kwargs)
 
-    monkeypatch.setattr(train_3d, "DistributedDataParallel", Spy)
+    monkeypatch.setattr(factory, "DistributedDataParallel", Spy)  # what data_parallel builds
     optimizer = type(mlp.make_optimizer("adamw", 0.01))
     step = optimizer.step
     monkeypatch.setattr(optimizer, "step", lambda self, params, grads: stepped.append(
@@ -585,7 +585,7 @@ def test_train_3d_dp_zero_takes_the_stages_dtensors_and_steps_itself(stage, monk
     stages run on ZeRO's own params, and ZeRO steps (the loop never steps the optimizer itself)."""
     built, steps, stepped_by_loop = [], [], []
 
-    class Spy(train_3d.ZeroRedundancyOptimizer):
+    class Spy(factory.ZeroRedundancyOptimizer):
         def __init__(self, params, **kwargs):
             super().__init__(params, **kwargs)
             built.append((kwargs["stage"], kwargs["mesh"].mesh_dim_names, {type(p).__name__ for p in params.values()},
@@ -598,8 +598,8 @@ def test_train_3d_dp_zero_takes_the_stages_dtensors_and_steps_itself(stage, monk
     def no_ddp(*args, **kwargs):
         raise AssertionError("--dp zero built DDP")
 
-    monkeypatch.setattr(train_3d, "ZeroRedundancyOptimizer", Spy)
-    monkeypatch.setattr(train_3d, "DistributedDataParallel", no_ddp)
+    monkeypatch.setattr(factory, "ZeroRedundancyOptimizer", Spy)
+    monkeypatch.setattr(factory, "DistributedDataParallel", no_ddp)
     optimizer = type(mlp.make_optimizer("adamw", 0.01))
     monkeypatch.setattr(optimizer, "step", lambda self, params, grads: stepped_by_loop.append(1))
     stage_params = []
@@ -622,7 +622,7 @@ def test_train_3d_dp_fsdp_gathers_each_unit_once_a_step_and_frees_it_after(monke
     and the stages hold neither parameters nor gradients (ZeRO-3's memory)."""
     built, events, current, gathered, stages = [], {}, {}, {}, {}
 
-    class Spy(train_3d.FullyShardedDataParallel):
+    class Spy(factory.FullyShardedDataParallel):
         def __init__(self, params, **kwargs):
             super().__init__(params, **kwargs)
             kinds = {type(p).__name__ for p in params.values()}
@@ -660,8 +660,8 @@ def test_train_3d_dp_fsdp_gathers_each_unit_once_a_step_and_frees_it_after(monke
         return run
 
     for name in ("DistributedDataParallel", "ZeroRedundancyOptimizer"):
-        monkeypatch.setattr(train_3d, name, None)  # --dp fsdp builds neither
-    monkeypatch.setattr(train_3d, "FullyShardedDataParallel", Spy)
+        monkeypatch.setattr(factory, name, None)  # --dp fsdp builds neither
+    monkeypatch.setattr(factory, "FullyShardedDataParallel", Spy)
     monkeypatch.setattr(train_3d.Stage, "forward", ran_on_gathered(train_3d.Stage.forward))
     monkeypatch.setattr(train_3d.Stage, "backward", ran_on_gathered(train_3d.Stage.backward))
     args = train_3d.parse_args(["--mesh", "2x2x1", "--dp", "fsdp", "--schedule", "interleaved", *SMALL_3D,
