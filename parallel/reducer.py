@@ -337,7 +337,12 @@ class GradientReducer:
 
     def _ready_for_step(self, op: str) -> None:
         """Before ``step()``: finish a synchronized pass in progress (every gradient marked, or
-        ``find_unused_parameters``), then check that the gradients are averaged."""
+        ``find_unused_parameters``), then check that the gradients are averaged.
+
+        A pass this rank left incomplete is refused here, locally, and stays open (mark the rest,
+        then ``step()`` again), as ZeRO's ``step()`` always did; if other ranks completed theirs,
+        they wait in the sync until this one completes it (or the group's timeout).
+        """
         if self._sync and self._failed is None and self._marked() and (
                 self.find_unused_parameters or not self._buckets.unready()):
             self._finish_sync()
