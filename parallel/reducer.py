@@ -1,12 +1,15 @@
 """The gradient protocol shared by DDP and ZeRO: write gradients, mark them ready, sync.
 
-Arrays have no autograd, so the backward pass tells the strategy when each gradient is final::
+Arrays have no autograd, so the backward pass tells the strategy when each gradient is final
+(the protocol of :mod:`~meshkit.parallel.protocol`, which FSDP implements too)::
 
     model.zero_grad()
     for name, grad in backward():              # layer by layer, last layer first
         model.mark_grad_ready(name, grad)      # adds grad to model.grads[name]; when its bucket is
                                                # complete, the bucket's reduction starts
-    model.finish_gradient_sync()               # wait for every bucket
+    model.step()                               # wait for every bucket, run the optimizer
+
+``finish_gradient_sync()`` (deprecated: ``step()`` calls it) waits for every bucket alone.
 
 Gradients accumulate like torch's ``.grad``: ``zero_grad()`` zeroes them, a pass writes or adds.
 Under ``with model.no_sync():`` nothing is communicated, so micro-batches add up locally and the
@@ -349,19 +352,19 @@ class GradientReducer:
         self._settle(op)
         if not self._averaged:
             raise DistValueError(f"{self._where(op)}: no synchronized gradient pass since zero_grad() (or "
-                                 "construction), so the gradients are not averaged; mark the gradients ready and call "
-                                 "finish_gradient_sync() (or sync_gradients()) before step()")
+                                 "construction), so the gradients are not averaged; mark the gradients ready "
+                                 "(mark_grad_ready(name, grad), outside no_sync()) before step()")
 
     def _settle(self, op: str) -> None:
         """Gradients are about to be used as averaged: finish a complete pass, refuse others."""
         self._before_read(None, op)
         if self._marked():  # inside no_sync(): _before_read leaves those
             raise DistValueError(f"{self._where(op)}: gradients marked ready inside no_sync() are local sums, not "
-                                 "averages; run the last micro-batch outside no_sync() and finish_gradient_sync()")
+                                 "averages; run the last micro-batch outside no_sync(): step() then finishes the sync")
         if self._touched:
             raise DistValueError(f"{self._where(op)}: gradients {sorted(self._touched)} were accumulated under "
-                                 "no_sync() but never synchronized; run the last micro-batch outside no_sync() and "
-                                 "finish_gradient_sync()")
+                                 "no_sync() but never synchronized; run the last micro-batch outside no_sync(): "
+                                 "step() then finishes the sync")
 
     def sync_gradients(self) -> None:
         """Mark every gradient not yet marked ready, then :meth:`finish_gradient_sync`.
