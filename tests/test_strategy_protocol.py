@@ -181,6 +181,19 @@ def test_unshard_yields_the_parameters_themselves_where_nothing_is_gathered():
     local.run(run, 2)
 
 
+def test_fsdp_params_are_this_ranks_pieces_of_each_parameter():
+    def run() -> dict[str, np.ndarray]:
+        mesh = meshkit.init_device_mesh("cpu", (3,), mesh_dim_names=("dp",))
+        fsdp = data_parallel(init_params(), mesh, "fsdp", optimizer=SGD(lr=0.1), units=UNITS)
+        every: list[Any] = [None] * 3
+        meshkit.all_gather_object(every, {n: p.copy() for n, p in fsdp.params.items()})
+        return {n: np.concatenate([pieces[n] for pieces in every]) for n in init_params()}
+
+    for joined in local.run(run, 3):
+        for name, p in init_params().items():
+            np.testing.assert_array_equal(joined[name], p.reshape(-1), err_msg=name)
+
+
 def test_data_parallel_names_a_bad_strategy_or_option():
     def run() -> None:
         mesh = meshkit.init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
