@@ -28,9 +28,9 @@ handed to the strategy layer by layer, last first), ``step()``. Strategies:
   of the batch with the same optimizer, no communication at all (the floor of every step);
 * ``ddp``, ``zero1``, ``zero2``: ``DistributedDataParallel`` / ``ZeroRedundancyOptimizer``;
 * ``fsdp``: ``FullyShardedDataParallel``, one unit per layer, the next unit prefetched while
-  the current one runs (the example's ``Sharded``);
-* ``fsdp-noprefetch``: the same, but every unit is gathered only when it is needed (a subclass
-  of ``Sharded`` that never calls ``prefetch``);
+  the current one runs (the example's loop, ``mlp.forward_layers``/``backward_layers``);
+* ``fsdp-noprefetch``: the same, but every unit is gathered only when it is needed (the
+  example's loop with ``prefetch=False``);
 * ``hsdp``: hybrid sharding on a ``--hsdp-mesh`` (replicate x shard) mesh, by default 2x2 when
   N = 4 (2 x N/2 for any even N >= 4; skipped otherwise).
 
@@ -64,11 +64,10 @@ import sys
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")  # before numpy: one BLAS thread per rank
 
-import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any, Iterator  # noqa: E402
+from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
 from _common import (LOG, Progress, add_output_args, barrier, choice_list, limit_blas_threads,  # noqa: E402
@@ -88,21 +87,12 @@ MIN_TIMED_STEPS = 10
 
 
 # --------------------------------------------------------------------------- strategies
-class ShardedNoPrefetch(mlp.Sharded):
-    """The example's FSDP strategy with prefetching off: each unit is gathered when it is used."""
-
-    @contextlib.contextmanager
-    def layer(self, i: int, upcoming: int | None = None) -> Iterator[dict[str, Any]]:
-        with self.fsdp.unshard(i) as params:
-            yield params
-
-
 def hsdp_shape(text: str) -> tuple[int, int]:
     replicate, shard = (int(v) for v in text.lower().split("x"))
     return replicate, shard
 
 
-def build(args: argparse.Namespace, name: str) -> mlp.Strategy:
+def build(args: argparse.Namespace, name: str) -> Any:
     """One strategy over all ranks (collective), or the communication-free ``compute`` reference."""
     hidden = tuple(args.hidden)
     if name == "compute":
@@ -112,17 +102,16 @@ def build(args: argparse.Namespace, name: str) -> mlp.Strategy:
     model = mlp.build(strategy, hidden=hidden, dtype=args.dtype, optimizer=args.optimizer, lr=args.lr,
                       bucket_cap_mb=args.bucket_cap_mb,
                       hsdp_mesh=hsdp_shape(args.hsdp_mesh) if strategy == "hsdp" else None)
-    if name == "fsdp-noprefetch" and isinstance(model, mlp.Sharded):
-        model = ShardedNoPrefetch(model.fsdp, model.dtype, model.layers)
     return model
 
 
-def train_step(model: mlp.Strategy, x: np.ndarray, y: np.ndarray) -> float:
-    """The example's training step (without the loss all-reduce)."""
+def train_step(model: Any, x: np.ndarray, y: np.ndarray, prefetch: bool = True) -> float:
+    """The example's training step (without the loss all-reduce); ``fsdp-noprefetch`` runs it with
+    ``prefetch=False`` (each unit gathered when it is used)."""
     model.zero_grad()
-    acts = mlp.forward_layers(model, x)
+    acts = mlp.forward_layers(model, x, prefetch=prefetch)
     loss, dlogits = mlp.loss_and_grad_logits(acts[-1], y)
-    mlp.backward_layers(model, acts, dlogits)
+    mlp.backward_layers(model, acts, dlogits, prefetch=prefetch)
     model.step()
     return loss
 
@@ -159,7 +148,7 @@ def reference_step(args: argparse.Namespace, batches: Batches) -> dict[str, np.n
     """Single-process training (float64) of one step on the whole of global batch 0."""
     model = build(float64(args), "compute")
     train_step(model, batches.global_x, batches.global_y)
-    return model.full_params()
+    return model.full_state_dict()["params"]
 
 
 def check_one_step(args: argparse.Namespace, name: str, batches: Batches, reference: dict[str, np.ndarray],
@@ -175,8 +164,8 @@ def check_one_step(args: argparse.Namespace, name: str, batches: Batches, refere
     if name == "compute":
         return None
     model = build(float64(args), name)
-    train_step(model, batches.x[0], batches.y[0])
-    params = model.full_params()
+    train_step(model, batches.x[0], batches.y[0], prefetch=name != "fsdp-noprefetch")
+    params = model.full_state_dict()["params"]
     atol = RTOL * 1e-2
     worst = max(float(np.max(np.abs(params[k] - reference[k]) / (np.abs(reference[k]) + atol / RTOL)))
                 for k in reference)
@@ -190,7 +179,7 @@ def check_one_step(args: argparse.Namespace, name: str, batches: Batches, refere
 
 
 # --------------------------------------------------------------------------- timing
-def time_strategies(args: argparse.Namespace, models: dict[str, mlp.Strategy], batches: Batches,
+def time_strategies(args: argparse.Namespace, models: dict[str, Any], batches: Batches,
                     comm: MPI.Comm, progress: Progress) -> dict[str, list[float]]:
     """Seconds of every timed step of every strategy: the MAX over ranks, in run order."""
     names = list(models)
@@ -206,7 +195,7 @@ def time_strategies(args: argparse.Namespace, models: dict[str, mlp.Strategy], b
                 counter += 1
                 barrier(comm)
                 start = time.perf_counter()
-                train_step(model, batches.x[b], batches.y[b])
+                train_step(model, batches.x[b], batches.y[b], prefetch=name != "fsdp-noprefetch")
                 local[name].append(time.perf_counter() - start)
             progress.step(name)
     flat = max_over_ranks(comm, [t for name in names for t in local[name]])
@@ -387,13 +376,14 @@ def main(argv: list[str] | None = None) -> int:
         batches = make_batches(args, rank, n, count=16)
         reference = reference_step(args, batches)
         psi = sum(int(p.size) for p in reference.values())
-        models: dict[str, mlp.Strategy] = {}
+        models: dict[str, Any] = {}
         checks: dict[str, float | None] = {}
         for name in args.strategies:
             checks[name] = check_one_step(args, name, batches, reference, comm)
             models[name] = build(args, name)
             for step in range(args.warmup):
-                train_step(models[name], batches.x[step % len(batches)], batches.y[step % len(batches)])
+                train_step(models[name], batches.x[step % len(batches)], batches.y[step % len(batches)],
+                           prefetch=name != "fsdp-noprefetch")
             LOG.debug("%s built, checked (worst relative difference %s) and warmed up", name, checks[name])
         show = rank == 0 and not args.no_progress
         with Progress(args.rounds * len(models), enabled=show, unit="block") as progress:

@@ -17,16 +17,20 @@ checkpoint loads into a freshly built strategy before its first step.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Sequence
 
-from ..parallel import DistributedDataParallel, Optimizer, StepCount
-from ..parallel._seams import ShardedStrategy, load_pieces, optimizer_state_views
+from ..parallel import Optimizer, StepCount
+from ..parallel._seams import load_pieces, optimizer_state_views
 from ..tensor import DTensor
 from .errors import CheckpointError
 
 __all__ = ["get_state_dict", "set_state_dict"]
 
-Strategy = Any  # DistributedDataParallel | ZeroRedundancyOptimizer | FullyShardedDataParallel | dict of params
+#: Any strategy of the protocol (DistributedDataParallel, ZeroRedundancyOptimizer,
+#: FullyShardedDataParallel: they hold their optimizer and give their state dicts themselves,
+#: ``sharded_state_dict()`` / ``load_sharded_state_dict(model, optim)``), or a dict of parameters.
+Strategy = Any
 
 
 def get_state_dict(strategy: Strategy, optimizers: Optimizer | Sequence[Optimizer] | None = None
@@ -35,20 +39,17 @@ def get_state_dict(strategy: Strategy, optimizers: Optimizer | Sequence[Optimize
 
     Args:
         strategy: a ``DistributedDataParallel``, ``ZeroRedundancyOptimizer`` or
-            ``FullyShardedDataParallel`` (HSDP included), or a ``dict`` of parameters (arrays
-            or DTensors: one process, or tensor parallelism).
-        optimizers: the optimizer a DDP or dict user steps; None for ZeRO and FSDP, whose
-            optimizer is inside.
+            ``FullyShardedDataParallel`` (HSDP included), whose optimizer is its own; or a
+            ``dict`` of parameters (arrays or DTensors: one process, or tensor parallelism).
+        optimizers: the optimizer a dict of parameters is stepped with. For a strategy,
+            deprecated (the strategy's optimizer is used; a DDP built without one takes it here).
     """
     optimizer = _one_optimizer(strategy, optimizers, "get_state_dict")
-    if isinstance(strategy, ShardedStrategy):
-        sd = strategy.sharded_state_dict()
-        return sd["model"], sd["optim"]
-    if isinstance(strategy, DistributedDataParallel):
-        sd = strategy.sharded_state_dict(optimizer)
-        return sd["model"], sd["optim"]
-    params = dict(strategy)
-    return params, _params_optim_views(optimizer, params) if optimizer is not None else {"state": {}, "step": {}}
+    if isinstance(strategy, dict):
+        params = dict(strategy)
+        return params, _params_optim_views(optimizer, params) if optimizer is not None else {"state": {}, "step": {}}
+    sd = strategy.sharded_state_dict() if optimizer is None else strategy.sharded_state_dict(optimizer)
+    return sd["model"], sd["optim"]
 
 
 def set_state_dict(strategy: Strategy, optimizers: Optimizer | Sequence[Optimizer] | None = None, *,
@@ -58,43 +59,60 @@ def set_state_dict(strategy: Strategy, optimizers: Optimizer | Sequence[Optimize
     Pieces that are already ``strategy``'s own views (a checkpoint loaded in place into
     :func:`get_state_dict`'s dicts) are not copied again; the step counts are set and the
     strategy refreshes what derives from its shards. Collective for ZeRO and FSDP.
+    ``optimizers`` as :func:`get_state_dict`'s.
 
     Raises:
         DistValueError: a key, box or step that does not match ``strategy``.
     """
     optimizer = _one_optimizer(strategy, optimizers, "set_state_dict")
-    if isinstance(strategy, ShardedStrategy):
-        strategy.load_sharded_state_dict(model_state_dict, optim_state_dict)
-    elif isinstance(strategy, DistributedDataParallel):
-        strategy.load_sharded_state_dict(model_state_dict, optim_state_dict, optimizer)
-    else:
-        params = dict(strategy)
-        load_pieces("set_state_dict", "model", {k: _local(v) for k, v in params.items()},
-                    {k: _local(v) for k, v in model_state_dict.items()})
-        if optimizer is not None:
-            mine = _params_optim_views(optimizer, params)
-            load_pieces("set_state_dict", "optim.state", _locals(mine["state"]), _locals(optim_state_dict["state"]))
-            optimizer.steps.update({k: int(v) for k, v in optim_state_dict["step"].items()})
+    if not isinstance(strategy, dict):
+        if optimizer is None:
+            strategy.load_sharded_state_dict(model_state_dict, optim_state_dict)
+        else:
+            strategy.load_sharded_state_dict(model_state_dict, optim_state_dict, optimizer)
+        return
+    params = dict(strategy)
+    load_pieces("set_state_dict", "model", {k: _local(v) for k, v in params.items()},
+                {k: _local(v) for k, v in model_state_dict.items()})
+    if optimizer is not None:
+        mine = _params_optim_views(optimizer, params)
+        load_pieces("set_state_dict", "optim.state", _locals(mine["state"]), _locals(optim_state_dict["state"]))
+        optimizer.steps.update({k: int(v) for k, v in optim_state_dict["step"].items()})
 
 
 def _one_optimizer(strategy: Strategy, optimizers: Any, op: str) -> Optimizer | None:
+    """The optimizer to pass the strategy explicitly: None (its own) but for a dict of parameters
+    and the deprecated ``get_state_dict(ddp, optimizer)`` of a DDP built without one."""
     if isinstance(optimizers, (list, tuple)):
         if len(optimizers) != 1:
             raise CheckpointError(f"meshkit.checkpoint: {op}: optimizers must be one Optimizer (or a one-element "
                                   f"list), got {len(optimizers)}")
         optimizers = optimizers[0]
-    if isinstance(strategy, ShardedStrategy):
-        if optimizers is not None:
-            raise CheckpointError(f"meshkit.checkpoint: {op}: a {type(strategy).__name__} holds its optimizer; pass "
-                                  "optimizers=None")
-    elif not isinstance(strategy, (DistributedDataParallel, dict)):
+    if not isinstance(strategy, dict) and not (callable(getattr(strategy, "sharded_state_dict", None))
+                                               and callable(getattr(strategy, "load_sharded_state_dict", None))):
         raise CheckpointError(f"meshkit.checkpoint: {op}: strategy must be a DistributedDataParallel, "
                               f"ZeroRedundancyOptimizer, FullyShardedDataParallel or a dict of parameters, got "
                               f"{type(strategy).__name__}")
     if optimizers is not None and not isinstance(optimizers, Optimizer):
         raise CheckpointError(f"meshkit.checkpoint: {op}: optimizers must be a meshkit Optimizer, got "
                               f"{type(optimizers).__name__}")
-    return optimizers
+    if isinstance(strategy, dict) or optimizers is None:
+        return optimizers
+    own = getattr(strategy, "optimizer", None)
+    if own is None:  # a DDP built without optimizer=: today's spelling
+        _deprecated(op, "build the strategy with optimizer= and call {op}(strategy)")
+        return optimizers
+    if own is not optimizers:
+        raise CheckpointError(f"meshkit.checkpoint: {op}: a {type(strategy).__name__} holds its optimizer; pass "
+                              "optimizers=None")
+    _deprecated(op, "call {op}(strategy): the optimizer is the strategy's")
+    return None
+
+
+def _deprecated(op: str, new: str) -> None:
+    """The old spelling ``op(strategy, optimizers)``: warn at the caller of ``op``."""
+    warnings.warn(f"meshkit.checkpoint.{op}(strategy, optimizers) is deprecated; {new.format(op=op)}",
+                  DeprecationWarning, stacklevel=4)
 
 
 def _params_optim_views(optimizer: Optimizer, params: dict[str, Any]) -> dict[str, Any]:

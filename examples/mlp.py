@@ -16,27 +16,27 @@ Data is synthetic: a fixed random "teacher" network labels Gaussian inputs.
 The model math takes its array library from its arrays (``array_namespace``): the same code
 trains NumPy arrays on the host and CuPy arrays on a GPU (``build(..., device="cuda")``).
 
-A :class:`Strategy` is what the training loop needs of a parallel strategy: a layer's full
-parameters while it runs, somewhere to put gradients as they are ready, and an optimizer step.
-:class:`Plain` is one process (the single-process reference), :class:`Replicated` wraps DDP
-and ZeRO-1/2, :class:`Sharded` wraps FSDP and hybrid sharding; :func:`build` makes any of them.
+The training loop speaks the protocol every data-parallel strategy implements
+(:mod:`meshkit.parallel.protocol`: ``unshard``/``prefetch`` a layer's unit while it runs,
+``mark_grad_ready`` as gradients are known, ``step``): :func:`build` makes any strategy with
+:func:`meshkit.parallel.data_parallel` (DDP, ZeRO-1/2, FSDP and hybrid sharding, one unit per
+layer), and :class:`Plain` is the same protocol in one process, the single-process reference.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 import meshkit
-from meshkit.parallel import (SGD, AdamW, DistributedDataParallel, FullyShardedDataParallel, Optimizer,
-                              ZeroRedundancyOptimizer, array_namespace)
+from meshkit.parallel import SGD, AdamW, Optimizer, array_namespace, data_parallel
 
 __all__ = [
     "FEATURES", "CLASSES", "STRATEGIES", "make_data", "init_params", "layer_count", "batch_indices",
     "loss_and_grad_logits", "forward", "backward", "forward_layers", "backward_layers", "make_optimizer",
-    "Strategy", "Plain", "Replicated", "Sharded", "build",
+    "Plain", "build",
 ]
 
 FEATURES, CLASSES = 20, 4
@@ -116,149 +116,85 @@ def forward(params: dict[str, Any], x: Any) -> list[Any]:
 
 def backward(params: dict[str, Any], acts: list[Any], dlogits: Any, on_grad: Callable[[str, Any], None]) -> None:
     """Back-propagate layer by layer, calling ``on_grad(name, grad)`` as each gradient is final."""
-    backward_layers(Plain(params, on_grad), acts, dlogits)
+    backward_layers(Plain(params), acts, dlogits, on_grad)
 
 
-def forward_layers(model: Strategy, x: Any) -> list[Any]:
-    """Forward pass that fetches each layer's parameters from ``model`` only while it runs."""
-    n = model.layers
-    acts = [x.astype(model.dtype)]
+def _layer_units(model: Any) -> list[int]:
+    """The unit of each layer of ``model`` (a strategy of the protocol), by its weight's name."""
+    unit = {name: u for u, names in enumerate(model.units) for name in names}
+    return [unit[f"w{i}"] for i in range(sum(1 for name in unit if name.startswith("w")))]
+
+
+def forward_layers(model: Any, x: Any, prefetch: bool = True) -> list[Any]:
+    """Forward pass through ``model``, any strategy of the protocol (:mod:`meshkit.parallel.protocol`)
+    or :class:`Plain`: each layer's unit unsharded only while it runs, the next one prefetched
+    (unless ``prefetch`` is False)."""
+    units = _layer_units(model)
+    n = len(units)
+    acts = [x]
     for i in range(n):
-        with model.layer(i, upcoming=i + 1 if i + 1 < n else None) as p:
-            z = acts[-1] @ p[f"w{i}"] + p[f"b{i}"]
+        with model.unshard(units[i]) as p:
+            if prefetch and i + 1 < n:
+                model.prefetch(units[i + 1])
+            w = p[f"w{i}"]
+            if not i:
+                acts[0] = x.astype(w.dtype)
+            z = acts[-1] @ w + p[f"b{i}"]
         acts.append(array_namespace(z).tanh(z) if i < n - 1 else z)
     return acts
 
 
-def backward_layers(model: Strategy, acts: list[Any], dlogits: Any) -> None:
-    """Backward pass, last layer first; each layer's gradients go to ``model`` as soon as known."""
+def backward_layers(model: Any, acts: list[Any], dlogits: Any, on_grad: Callable[[str, Any], None] | None = None,
+                    prefetch: bool = True) -> None:
+    """Backward pass, last layer first; each gradient goes to ``on_grad`` (default
+    ``model.mark_grad_ready``) as soon as it is known."""
+    units = _layer_units(model)
+    mark = on_grad or model.mark_grad_ready
     delta = dlogits
-    for i in reversed(range(model.layers)):
-        with model.layer(i, upcoming=i - 1 if i else None) as p:
+    for i in reversed(range(len(units))):
+        with model.unshard(units[i]) as p:
+            if prefetch and i:
+                model.prefetch(units[i - 1])
             dw, db = acts[i].T @ delta, delta.sum(axis=0)
             if i:
                 delta = (delta @ p[f"w{i}"].T) * (1 - acts[i] ** 2)
-        model.grads_ready(i, {f"w{i}": dw, f"b{i}": db})
+        mark(f"w{i}", dw)
+        mark(f"b{i}", db)
 
 
-# --------------------------------------------------------------------------- strategies
-class Strategy:
-    """What the training loop needs of a parallel strategy: a layer's parameters while it runs,
-    somewhere to put gradients as they are ready, and an optimizer step."""
+# --------------------------------------------------------------------------- one process
+class Plain:
+    """One process, no communication: the training-loop protocol of the strategies
+    (:mod:`meshkit.parallel.protocol`) over a dict of parameters, the single-process reference."""
 
-    layers: int
-    dtype: Any
-
-    def layer(self, i: int, upcoming: int | None = None) -> Any:
-        """Context manager yielding ``{name: full parameter}`` for layer ``i``."""
-        raise NotImplementedError
-
-    def zero_grad(self) -> None:
-        pass
-
-    def grads_ready(self, i: int, grads: dict[str, Any]) -> None:
-        raise NotImplementedError
-
-    def step(self) -> None:
-        raise NotImplementedError
-
-    def full_params(self) -> dict[str, np.ndarray]:
-        raise NotImplementedError
-
-    def checkpoint_target(self) -> tuple[Any, Optimizer | None]:
-        """``(strategy, optimizers)`` as :func:`meshkit.checkpoint.get_state_dict` takes them."""
-        raise NotImplementedError
-
-
-class Plain(Strategy):
-    """One process, or a view of a dict of parameters (the single-process reference)."""
-
-    def __init__(self, params: dict[str, Any], on_grad: Callable[[str, Any], None] | None = None,
-                 optimizer: Optimizer | None = None) -> None:
-        self.params, self.on_grad, self.optimizer = params, on_grad, optimizer
-        self.layers, self.dtype = layer_count(params), params["w0"].dtype
+    def __init__(self, params: dict[str, Any], optimizer: Optimizer | None = None) -> None:
+        self.params, self.optimizer = params, optimizer
+        self.units = [list(params)]
         self.grads: dict[str, Any] = {}
 
-    def layer(self, i: int, upcoming: int | None = None) -> Any:
+    def unshard(self, unit: int) -> Any:
         return contextlib.nullcontext(self.params)
 
-    def grads_ready(self, i: int, grads: dict[str, Any]) -> None:
-        for name, g in grads.items():
-            (self.on_grad or self.grads.__setitem__)(name, g)
+    def prefetch(self, unit: int) -> None:
+        """Nothing to gather."""
+
+    def zero_grad(self) -> None:
+        self.grads.clear()
+
+    def mark_grad_ready(self, name: str, grad: Any) -> None:
+        self.grads[name] = grad + self.grads[name] if name in self.grads else grad
 
     def step(self) -> None:
         self.optimizer.step(self.params, self.grads)
 
-    def full_params(self) -> dict[str, np.ndarray]:
-        return self.params
-
-    def checkpoint_target(self) -> tuple[Any, Optimizer | None]:
-        return self.params, self.optimizer
-
-
-class Replicated(Strategy):
-    """DDP or ZeRO-1/2: full parameters on every rank, gradients marked ready as they come."""
-
-    def __init__(self, model: Any, optimizer: Optimizer | None) -> None:
-        self.model, self.optimizer = model, optimizer
-        self.layers, self.dtype = layer_count(model.params), model.params["w0"].dtype
-
-    def layer(self, i: int, upcoming: int | None = None) -> Any:
-        return contextlib.nullcontext(self.model.params)
-
-    def zero_grad(self) -> None:
-        self.model.zero_grad()
-
-    def grads_ready(self, i: int, grads: dict[str, Any]) -> None:
-        for name, g in grads.items():
-            self.model.mark_grad_ready(name, g)
-
-    def step(self) -> None:
-        self.model.finish_gradient_sync()
-        if self.optimizer is None:  # ZeRO owns its optimizer
-            self.model.step()
-        else:
-            self.optimizer.step(self.model.params, self.model.grads)
-
-    def full_params(self) -> dict[str, np.ndarray]:
-        return self.model.params
-
-    def checkpoint_target(self) -> tuple[Any, Optimizer | None]:
-        return self.model, self.optimizer  # ZeRO holds its optimizer: None
-
-
-class Sharded(Strategy):
-    """FSDP / HSDP: one unit per layer, gathered (with the next one prefetched) while it runs."""
-
-    def __init__(self, fsdp: FullyShardedDataParallel, dtype: Any, n_layers: int) -> None:
-        self.fsdp, self.dtype, self.layers = fsdp, dtype, n_layers
-
-    @contextlib.contextmanager
-    def layer(self, i: int, upcoming: int | None = None) -> Iterator[dict[str, Any]]:
-        with self.fsdp.unshard(i) as params:
-            if upcoming is not None:
-                self.fsdp.prefetch(upcoming)
-            yield params
-
-    def zero_grad(self) -> None:
-        self.fsdp.zero_grad()
-
-    def grads_ready(self, i: int, grads: dict[str, Any]) -> None:
-        self.fsdp.reduce_grads(i, grads)
-
-    def step(self) -> None:
-        self.fsdp.step()
-
-    def full_params(self) -> dict[str, np.ndarray]:
-        return self.fsdp.full_state_dict()["params"]
-
-    def checkpoint_target(self) -> tuple[Any, Optimizer | None]:
-        return self.fsdp, None
+    def full_state_dict(self) -> dict[str, Any]:
+        """The parameters themselves (and the optimizer's state), as the strategies' form."""
+        return {"params": self.params, "optimizer": self.optimizer.state_dict() if self.optimizer else {}}
 
 
 def build(strategy: str, *, hidden: Sequence[int] = (64, 64), dtype: Any = np.float64, optimizer: str = "sgd",
           lr: float = 0.05, bucket_cap_mb: float = 25.0, hsdp_mesh: tuple[int, int] | None = None,
-          comm_hook: Any = None, comm_state: Any = None, device: str = "cpu") -> Strategy:
+          comm_hook: Any = None, comm_state: Any = None, device: str = "cpu") -> Any:
     """``strategy`` over all ranks of the default world (collective: every rank calls it).
 
     Args:
@@ -291,13 +227,11 @@ def build(strategy: str, *, hidden: Sequence[int] = (64, 64), dtype: Any = np.fl
         mesh = meshkit.init_device_mesh(device, tuple(hsdp_mesh), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = meshkit.init_device_mesh(device, (meshkit.get_world_size(),), mesh_dim_names=("dp",))
-    caps = {"bucket_cap_mb": bucket_cap_mb, "first_bucket_cap_mb": min(1.0, bucket_cap_mb)}
+    options: dict[str, Any] = {}
+    if strategy in ("ddp", "zero1", "zero2"):
+        options = {"bucket_cap_mb": bucket_cap_mb, "first_bucket_cap_mb": min(1.0, bucket_cap_mb)}
     if strategy == "ddp":
-        ddp = DistributedDataParallel(params, mesh=mesh, comm_hook=comm_hook, comm_state=comm_state, **caps)
-        return Replicated(ddp, opt)
-    if strategy in ("zero1", "zero2"):
-        return Replicated(ZeroRedundancyOptimizer(params, opt, mesh=mesh, stage=int(strategy[-1]), **caps), None)
+        options.update(comm_hook=comm_hook, comm_state=comm_state)
     n_layers = layer_count(params)
-    units = [[f"w{i}", f"b{i}"] for i in range(n_layers)]  # one unit per layer
-    fsdp = FullyShardedDataParallel(params, mesh=mesh, optimizer=opt, units=units)
-    return Sharded(fsdp, params["w0"].dtype, n_layers)
+    units = [[f"w{i}", f"b{i}"] for i in range(n_layers)]  # one unit per layer (gathered alone by FSDP)
+    return data_parallel(params, mesh, strategy, optimizer=opt, units=units, **options)

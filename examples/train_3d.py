@@ -22,10 +22,11 @@ forward and backward passes are plain NumPy on DTensors (one all-reduce forward 
 per block). Each ``dp`` replica trains on its share of every global batch, a stage adding up its
 gradients over the microbatches.
 
-``--dp`` says how the stages' blocks are data-parallel over ``dp`` (:func:`data_parallel`): ``ddp``
+``--dp`` says how the stages' blocks are data-parallel over ``dp`` (``meshkit.parallel.data_parallel``;
+the loop is the same for every strategy): ``ddp``
 (the default) takes the stages' DTensors and averages each rank's blocks after the pipeline step,
-and the optimizer steps DDP's ``params`` and ``grads`` (DTensors laid out as the stages'
-parameters, over the same blocks); ``zero1``/``zero2`` take the DTensors too, shard each block's
+and its ``step()`` runs the optimizer on DDP's ``params`` and ``grads`` (DTensors laid out as the
+stages' parameters, over the same blocks); ``zero1``/``zero2`` take the DTensors too, shard each block's
 optimizer state (and, at stage 2, its gradient) over ``dp`` and step themselves, the stages
 running on ZeRO's ``params`` (DTensors over its own buffers); ``fsdp`` takes the DTensors with one
 unit per layer and flat-shards the blocks over ``dp``, as torchtitan combines FSDP with pipelining:
@@ -68,9 +69,8 @@ import mlp  # the model, beside this file
 import train_mlp  # its reference training, --check's comparison, flag types and checkpoint helpers
 from meshkit.checkpoint import CheckpointManager
 from meshkit.comm.cuda_runtime import runtime
-from meshkit.parallel import (DistributedDataParallel, FullyShardedDataParallel, Optimizer, PipelineStage,
-                              Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ZeroRedundancyOptimizer,
-                              array_namespace, to_host)
+from meshkit.parallel import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, array_namespace,
+                              data_parallel, to_host)
 from meshkit.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -154,39 +154,20 @@ def build_mesh(shape: tuple[int, int, int]) -> meshkit.DeviceMesh:
     return meshkit.init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp", "tp"))
 
 
-def data_parallel(kind: str, params: dict[str, DTensor], dp: meshkit.DeviceMesh,
-                  optimizer: Optimizer) -> tuple[Any, Optimizer | None]:
-    """``--dp``'s strategy over ``dp`` for ``params`` (collective), and the optimizer the loop steps
-    with the strategy's ``params`` and ``grads``: DDP's is ``optimizer``; ZeRO and FSDP hold it and
-    step themselves (None). The pair is also what a checkpoint saves (``get_state_dict``'s arguments).
-    FSDP gets one unit per layer (``[w{i}, b{i}]``, in the order of ``params``)."""
-    if kind == "ddp":
-        return DistributedDataParallel(params, mesh=dp), optimizer  # over the same blocks
-    if kind == "fsdp":
-        layers = dict.fromkeys(name[1:] for name in params)  # this rank's layers, in order
-        units = [[f"w{i}", f"b{i}"] for i in layers]
-        return FullyShardedDataParallel(params, mesh=dp, optimizer=optimizer, units=units), None  # copies into shards
-    return ZeroRedundancyOptimizer(params, optimizer, mesh=dp, stage=int(kind[-1])), None  # over its own copies
-
-
 @contextlib.contextmanager
 def stage_params(strategy: Any, stages: list[Stage]) -> Iterator[None]:
-    """The stages' parameters for one training step (collective over ``dp`` with FSDP).
-
-    DDP's and ZeRO's DTensors are the stages' all along: nothing happens. With FSDP every unit of
-    this rank's stages is all-gathered here, once (all gathers in flight together), and the stages
-    run on the DTensors ``unshard`` yields through every microbatch; on exit the stages drop them
-    and their gradient blocks, and each unit is resharded, which frees its gathered blocks.
+    """The stages' parameters for one training step: every unit unsharded here, once (all
+    prefetched together), and the stages run on what ``unshard`` yields through every
+    microbatch; on exit the stages drop them and their gradient blocks, and each unit is
+    resharded. DDP's and ZeRO's ``unshard`` yields their own DTensors (nothing is gathered);
+    FSDP's all-gathers the unit (collective over ``dp``) and frees its gathered blocks on exit.
     """
-    if not isinstance(strategy, FullyShardedDataParallel):
-        yield
-        return
     with contextlib.ExitStack() as stack:
         for unit in range(len(strategy.units)):
             strategy.prefetch(unit)
         gathered: dict[str, DTensor] = {}
         for unit in range(len(strategy.units)):
-            gathered.update(stack.enter_context(strategy.unshard(unit)))  # DTensors over the gathered blocks
+            gathered.update(stack.enter_context(strategy.unshard(unit)))
         for st in stages:
             st.params = {name: gathered[name] for name in st.names}
         try:
@@ -197,18 +178,12 @@ def stage_params(strategy: Any, stages: list[Stage]) -> Iterator[None]:
 
 
 def sync_grads(strategy: Any, stages: list[Stage]) -> None:
-    """Hand the stages' gradient blocks (added up over the microbatches) to the strategy: DDP and
-    ZeRO average them over ``dp`` (``mark_grad_ready``, ``finish_gradient_sync``); FSDP
-    reduce-scatters each unit's into its gradient shards (``reduce_grads``, asynchronous: its
-    ``step`` waits), having copied them, so the stages may drop theirs."""
-    grads = {name: g for st in stages for name, g in st.grads.items()}
-    if isinstance(strategy, FullyShardedDataParallel):
-        for unit, names in enumerate(strategy.units):
-            strategy.reduce_grads(unit, {name: grads[name] for name in names})
-        return
-    for name, g in grads.items():
-        strategy.mark_grad_ready(name, g)  # the block the stage accumulated over the microbatches
-    strategy.finish_gradient_sync()
+    """Hand the stages' gradient blocks (added up over the microbatches) to the strategy, which
+    copies them: DDP and ZeRO average each bucket over ``dp`` once complete, FSDP reduce-scatters
+    each unit once complete (asynchronous: ``step`` waits), so the stages may drop theirs."""
+    for st in stages:
+        for name, g in st.grads.items():
+            strategy.mark_grad_ready(name, g)
 
 
 def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np.ndarray], list[float]]:
@@ -227,19 +202,18 @@ def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np
         schedule: Any = ScheduleInterleaved1F1B(pipes, args.microbatches, loss_fn)
     else:
         schedule = (ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B)(pipes[0], args.microbatches, loss_fn)
-    strategy, optimizer = data_parallel(args.dp, {name: t for st in stages for name, t in st.params.items()}, dp,
-                                        mlp.make_optimizer(args.optimizer, args.lr))
-    for st in stages:
-        if args.dp == "fsdp":  # FSDP copied the blocks into its shards; stage_params gathers them for each step
-            st.params, st.grads = {}, {}
-        else:  # the stages run on the strategy's DTensors (ZeRO's are copies, updated by its step)
-            st.params = {name: strategy.params[name] for name in st.names}
+    blocks = {name: t for st in stages for name, t in st.params.items()}
+    units = [[f"w{i}", f"b{i}"] for i in dict.fromkeys(name[1:] for name in blocks)]  # one per layer, in order
+    # DDP averages the same blocks, ZeRO and FSDP copy them into their buffers and shards
+    strategy = data_parallel(blocks, dp, args.dp, optimizer=mlp.make_optimizer(args.optimizer, args.lr), units=units)
+    for st in stages:  # the stages run on what the strategy's unshard yields (stage_params), step by step
+        st.params, st.grads = {}, {}
     first, last = 0 in mine, p * v - 1 in mine
     x, y = mlp.to_device(mlp.make_data(args.samples), args.device)  # once; batches are gathered there
     xp = array_namespace(x)
     # each rank saves and loads the layers it holds (strategy.params, by their global names) and their optimizer state
     manager = CheckpointManager(args.checkpoint_dir, max_to_keep=args.max_to_keep) if args.checkpoint_dir else None
-    start = train_mlp.resume(manager, (strategy, optimizer), args) if args.resume else 0
+    start = train_mlp.resume(manager, (strategy, None), args) if args.resume else 0
     losses = []
     with train_mlp.progress_bar(args.steps - start, enabled=progress and meshkit.get_rank() == 0) as show:
         for step in range(start, args.steps):
@@ -252,14 +226,11 @@ def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np
                 mb_losses = schedule.step(x[idx].astype(args.dtype) if first else None,
                                           target=y[idx] if last else None)
                 sync_grads(strategy, stages)
-            if optimizer is None:
-                strategy.step()  # ZeRO: each rank updates its shard, then all-gathers the blocks; FSDP: its shards
-            else:
-                optimizer.step(strategy.params, strategy.grads)  # DTensors: updates the stages' blocks in place
+            strategy.step()  # DDP: the optimizer on its DTensors; ZeRO: its shard, then all-gathers; FSDP: its shards
             losses.append(global_loss(mb_losses, mesh))
             show(losses[-1])
             if args.save_every and (step + 1) % args.save_every == 0:
-                manager.save(step + 1, train_mlp.state_dict((strategy, optimizer), step + 1, args))
+                manager.save(step + 1, train_mlp.state_dict((strategy, None), step + 1, args))
     return gather_params(strategy, stages, mesh), losses
 
 

@@ -78,6 +78,7 @@ def train_reference(args: argparse.Namespace, hidden: Sequence[int] = (64, 64)
     losses = []
     for step in range(args.steps):
         idx = mlp.batch_indices(step, args.samples, args.batch)
+        model.zero_grad()
         acts = mlp.forward_layers(model, x[idx])
         loss, dlogits = mlp.loss_and_grad_logits(acts[-1], y[idx])
         mlp.backward_layers(model, acts, dlogits)
@@ -86,7 +87,7 @@ def train_reference(args: argparse.Namespace, hidden: Sequence[int] = (64, 64)
     return model.params, losses
 
 
-def build(args: argparse.Namespace, comm_hook: Any = None, comm_state: Any = None) -> mlp.Strategy:
+def build(args: argparse.Namespace, comm_hook: Any = None, comm_state: Any = None) -> Any:
     """The strategy of ``args`` over all ranks (collective)."""
     return mlp.build(args.strategy, dtype=args.dtype, optimizer=args.optimizer, lr=args.lr,
                      bucket_cap_mb=args.bucket_cap_mb or DEFAULT_BUCKET_CAP_MB,
@@ -108,7 +109,7 @@ def train(args: argparse.Namespace, comm_hook: Any = None, comm_state: Any = Non
     xp = array_namespace(x)
     model = build(args, comm_hook, comm_state)
     manager = CheckpointManager(args.checkpoint_dir, max_to_keep=args.max_to_keep) if args.checkpoint_dir else None
-    start = resume(manager, model.checkpoint_target(), args) if args.resume else 0
+    start = resume(manager, (model, None), args) if args.resume else 0  # the strategy holds its optimizer
     losses = []
     with progress_bar(args.steps - start, enabled=progress and rank == 0) as show:
         for step in range(start, args.steps):
@@ -124,8 +125,8 @@ def train(args: argparse.Namespace, comm_hook: Any = None, comm_state: Any = Non
             losses.append(float(global_loss[0]))
             show(losses[-1])
             if args.save_every and (step + 1) % args.save_every == 0:
-                manager.save(step + 1, state_dict(model.checkpoint_target(), step + 1, args))
-    return {name: to_host(p) for name, p in model.full_params().items()}, losses
+                manager.save(step + 1, state_dict((model, None), step + 1, args))
+    return {name: to_host(p) for name, p in model.full_state_dict()["params"].items()}, losses
 
 
 #: The flags that decide a run's trajectory besides the model: a checkpoint records them, and

@@ -41,8 +41,7 @@ import numpy as np
 import meshkit
 import mlp  # the model, beside this file
 import train_mlp  # its reference training, --check's comparison and flag types
-from meshkit.parallel import (DistributedDataParallel, FullyShardedDataParallel, Optimizer, ZeroRedundancyOptimizer,
-                              array_namespace, to_host)
+from meshkit.parallel import Optimizer, array_namespace, data_parallel, to_host
 from meshkit.tensor import ColwiseParallel, DTensor, Replicate, RowwiseParallel, distribute_tensor, parallelize
 
 #: The Megatron block: layer 0 colwise, layer 1 rowwise; DTensors in and out (no local outputs).
@@ -99,7 +98,7 @@ class TensorParallelModel:
 
     ``dp`` is how the blocks are data-parallel (collective over the mesh):
 
-    * ``ddp``: DDP takes the DTensors and averages each rank's blocks over ``dp``; the optimizer
+    * ``ddp``: DDP takes the DTensors and averages each rank's blocks over ``dp``; its optimizer
       steps ``ddp.params`` with ``ddp.grads``, DTensors laid out as the plan says.
     * ``zero1``/``zero2``: ZeRO takes the DTensors and shards each block's optimizer state (and,
       at stage 2, its gradient) over ``dp``; ``zero.params`` are DTensors over its buffers.
@@ -114,60 +113,36 @@ class TensorParallelModel:
         self.kind, self.tp = dp_strategy, mesh["tp"]
         self.layout = parallelize(full, self.tp, PLAN)
         self.units = [[f"w{i}", f"b{i}"] for i in range(mlp.layer_count(full))]
-        self.optimizer = optimizer
-        if dp_strategy == "ddp":
-            self.inner: Any = DistributedDataParallel(self.layout, mesh=mesh["dp"])
-            self.layout = self.inner.params  # DTensors over DDP's blocks
-        elif dp_strategy in ("zero1", "zero2"):
-            self.inner = ZeroRedundancyOptimizer(self.layout, optimizer, mesh=mesh["dp"], stage=int(dp_strategy[-1]))
-            self.layout = self.inner.params  # DTensors over views of ZeRO's parameter buffers
-        else:
-            # FSDP copies the blocks into its shards: self.layout keeps only the names and placements
-            self.inner = FullyShardedDataParallel(self.layout, mesh=mesh["dp"], optimizer=optimizer, units=self.units)
-        self._pending: dict[str, DTensor] = {}
+        # one loop for every strategy (meshkit.parallel.protocol); self.layout keeps the names and
+        # placements (FSDP copies the blocks into its shards, DDP and ZeRO hand out their own DTensors)
+        self.inner = data_parallel(self.layout, mesh["dp"], dp_strategy, optimizer=optimizer, units=self.units)
 
     @contextlib.contextmanager
     def params(self) -> Iterator[dict[str, DTensor]]:
-        """The parameters as DTensors for one forward and backward pass."""
-        if self.kind != "fsdp":
-            yield self.layout
-            return
+        """The parameters as DTensors for one forward and backward pass (every unit unsharded:
+        DDP's and ZeRO's own, FSDP's gathered)."""
         with contextlib.ExitStack() as stack:
             params: dict[str, DTensor] = {}
             for unit in range(len(self.units)):
-                params.update(stack.enter_context(self.inner.unshard(unit)))  # DTensors over the gathered blocks
+                params.update(stack.enter_context(self.inner.unshard(unit)))
             yield params
 
     def zero_grad(self) -> None:
         self.inner.zero_grad()
 
     def grad_ready(self, name: str, grad: DTensor) -> None:
-        """Hand over one gradient, which must have its parameter's placements."""
+        """Hand over one gradient, which must have its parameter's placements (DDP and ZeRO reduce
+        its bucket once complete, FSDP its unit)."""
         if grad.placements != self.layout[name].placements:
             raise RuntimeError(f"train_tp: gradient {name!r} came out {grad.placements!r}, its parameter is "
                                f"{self.layout[name].placements!r}")
-        if self.kind != "fsdp":
-            self.inner.mark_grad_ready(name, grad)  # DDP and ZeRO take the DTensor
-            return
-        self._pending[name] = grad
-        unit = int(name[1:])
-        if all(n in self._pending for n in self.units[unit]):
-            self.inner.reduce_grads(unit, {n: self._pending.pop(n) for n in self.units[unit]})
+        self.inner.mark_grad_ready(name, grad)
 
     def step(self) -> None:
-        if self.kind == "ddp":
-            self.inner.finish_gradient_sync()
-            self.optimizer.step(self.inner.params, self.inner.grads)  # DTensors, laid out alike
-        elif self.kind == "fsdp":
-            self.inner.step()
-        else:
-            self.inner.finish_gradient_sync()
-            self.inner.step()
+        self.inner.step()
 
     def full_params(self) -> dict[str, np.ndarray]:
         """Every parameter gathered whole (collective), as NumPy arrays (a GPU run's copied to the host)."""
-        if self.kind != "fsdp":
-            return {n: to_host(p.full_tensor()) for n, p in self.layout.items()}
         full: dict[str, np.ndarray] = {}
         for unit in range(len(self.units)):  # one unit gathered at a time
             with self.inner.unshard(unit) as params:

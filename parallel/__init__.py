@@ -2,7 +2,8 @@
 
 ``DistributedDataParallel`` (bucketed, overlapped gradient averaging) and its communication
 hooks; ``ZeroRedundancyOptimizer`` (ZeRO-1/2) on the same buckets; ``FullyShardedDataParallel``
-(ZeRO-3, and hybrid sharding on a 2-D mesh); elementwise optimizers that update whole
+(ZeRO-3, and hybrid sharding on a 2-D mesh), all trained by one loop (:mod:`.protocol`) and built
+by :func:`data_parallel`; elementwise optimizers that update whole
 parameters or any flat shard of them.
 
 Every strategy runs on NumPy (host) or CuPy (device) parameters: the array library is taken from
@@ -26,11 +27,12 @@ from .optim import SGD, AdamW, Optimizer
 from .pipeline import (PipelineError, PipelineSchedule, PipelineStage, Schedule1F1B, ScheduleGPipe,
                        ScheduleInterleaved1F1B)
 from .schedules import bubble_fraction
+from .factory import STRATEGIES, data_parallel
 from .sharded_state import ShardedArray, StepCount
 from .zero import ZeroRedundancyOptimizer
 
 __all__ = [
-    "DistributedDataParallel", "ZeroRedundancyOptimizer", "FullyShardedDataParallel",
+    "DistributedDataParallel", "ZeroRedundancyOptimizer", "FullyShardedDataParallel", "data_parallel", "STRATEGIES",
     "CommHook", "GradBucket", "allreduce_hook", "fp16_compress_hook", "PowerSGDState", "powersgd_hook",
     "PipelineStage", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
     "PipelineError", "bubble_fraction",

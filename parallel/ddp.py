@@ -1,17 +1,16 @@
 """DistributedDataParallel: bucketed gradient averaging that overlaps the backward pass.
 
-The gradient interface (``grads``, ``mark_grad_ready``, ``no_sync``...) is
+It implements the training-loop protocol of :mod:`~meshkit.parallel.protocol` (one loop for
+every strategy); the gradient interface (``grads``, ``mark_grad_ready``, ``no_sync``...) is
 :class:`~meshkit.parallel.reducer.GradientReducer`'s, shared with ZeRO::
 
-    ddp = DistributedDataParallel(params, mesh=mesh["dp"])
+    ddp = DistributedDataParallel(params, mesh=mesh["dp"], optimizer=SGD(lr=0.1, momentum=0.9))
     for x, y in batches:
         ddp.zero_grad()
-        ...                                    # forward with ddp.params
+        ...                                    # forward with ddp.params (or ddp.unshard(i))
         for layer in reversed(layers):         # backward, layer by layer
-            ddp.grads["w3"][...] = dw3         # write (or += to accumulate) the gradient
-            ddp.mark_grad_ready("w3")          # its bucket starts averaging once complete
-        ddp.finish_gradient_sync()             # wait: ddp.grads now hold the averages
-        optimizer.step(ddp.params, ddp.grads)
+            ddp.mark_grad_ready("w3", dw3)     # its bucket starts averaging once complete
+        ddp.step()                             # wait for the averages, run the optimizer
 
 Gradients accumulate like torch's ``.grad``: ``zero_grad()`` zeroes them, a backward pass
 writes or adds. Under ``with ddp.no_sync():`` nothing is communicated, so gradients of several
@@ -21,7 +20,8 @@ micro-batches add up locally; the next synchronized pass averages the sum.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Mapping
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -30,9 +30,11 @@ from ..mesh import DeviceMesh
 from ..tensor import DTensor
 from .arrays import array_namespace
 from .buckets import MB, BucketManager, CommHook, GradBucket
+from .clip import clip_grad_norm_
 from .dtensors import block_of, split, wrap_all
 from .hooks import allreduce_hook
 from .optim import Optimizer
+from .protocol import ReplicatedUnits, check_units, deprecated
 from .reducer import GradientReducer
 from .sharded_state import load_pieces, optimizer_state_views
 from .setup import Params, broadcast_params, caps_problem, check_setup, resolve_data_parallel_group, snapshot
@@ -42,7 +44,7 @@ __all__ = ["DistributedDataParallel"]
 logger = logging.getLogger("meshkit")
 
 
-class DistributedDataParallel(GradientReducer):
+class DistributedDataParallel(ReplicatedUnits, GradientReducer):
     """Average gradients over a data-parallel group in buckets, overlapping the backward pass.
 
     Args:
@@ -51,7 +53,11 @@ class DistributedDataParallel(GradientReducer):
             ``mesh["tp"]`` beside ``mesh["dp"]``), none ``Partial``: each rank's block is averaged
             over the group (see :mod:`~meshkit.parallel.dtensors`).
         mesh: a 1-D mesh (e.g. ``mesh["dp"]``) to average over; or pass ``group``.
-        group: a process group; default (neither given): the world.
+        optimizer: the :class:`~meshkit.parallel.optim.Optimizer` :meth:`step` runs on
+            ``params`` (leaving it out and stepping an optimizer of your own on ``ddp.grads``
+            is deprecated).
+        units: lists of parameter names for :meth:`unshard`; default one unit of everything.
+        group: a process group; neither ``mesh`` nor ``group`` (the world) is deprecated.
         bucket_cap_mb: cap of every bucket but the first of each dtype (torch's default, 25 MB).
         first_bucket_cap_mb: cap of each dtype's first bucket, small so that communication
             starts early in the backward pass (torch's 1 MB).
@@ -89,12 +95,22 @@ class DistributedDataParallel(GradientReducer):
 
     _strategy = "DistributedDataParallel"
 
-    def __init__(self, params: dict[str, Any], *, mesh: DeviceMesh | None = None, group: ProcessGroup | None = None,
+    def __init__(self, params: dict[str, Any], *, mesh: DeviceMesh | None = None, optimizer: Optimizer | None = None,
+                 units: Sequence[Sequence[str]] | None = None, group: ProcessGroup | None = None,
                  bucket_cap_mb: float = 25, first_bucket_cap_mb: float = 1, gradient_as_bucket_view: bool = True,
                  broadcast_from: int = 0, comm_hook: Callable[[Any, GradBucket], Work] | None = None,
                  comm_state: Any = None, find_unused_parameters: bool = False) -> None:
+        if mesh is None and group is None:
+            deprecated("DistributedDataParallel without mesh= (meaning the world)", "pass mesh= (a 1-D DeviceMesh)")
+        if optimizer is None:
+            deprecated("DistributedDataParallel without optimizer= (stepping your own on ddp.grads)",
+                       "pass optimizer= and call ddp.step()")
         self.group = resolve_data_parallel_group(mesh, group, self._strategy)
         problem = caps_problem(bucket_cap_mb, first_bucket_cap_mb)
+        unit_list, units_problem = check_units(params, units) if isinstance(params, Mapping) else (None, None)
+        problem = problem or units_problem
+        if optimizer is not None and not isinstance(optimizer, Optimizer):
+            problem = f"optimizer must be a meshkit Optimizer (SGD, AdamW), got {type(optimizer).__name__}"
         if not isinstance(broadcast_from, (int, np.integer)) or not 0 <= broadcast_from < self.group.size:
             problem = problem or (f"broadcast_from={broadcast_from!r} is not a rank of the group (valid: "
                                   f"0..{self.group.size - 1})")
@@ -102,7 +118,10 @@ class DistributedDataParallel(GradientReducer):
         check_setup(params, self.group, self._strategy, problem=problem, config={
             "bucket_cap_mb": bucket_cap_mb, "first_bucket_cap_mb": first_bucket_cap_mb,
             "broadcast_from": broadcast_from, "find_unused_parameters": find_unused_parameters,
-            "gradient_as_bucket_view": gradient_as_bucket_view, "comm_hook": getattr(hook, "__qualname__", None)})
+            "gradient_as_bucket_view": gradient_as_bucket_view, "comm_hook": getattr(hook, "__qualname__", None),
+            "units": unit_list, "optimizer": repr(optimizer)})
+        self.optimizer = optimizer
+        self.units: list[list[str]] = unit_list  # type: ignore[assignment]
         # our own dict of this rank's blocks: later changes to the caller's do not reach the buckets
         arrays, self._block_layouts = split(params)
         self._specs = snapshot(arrays)
@@ -157,8 +176,69 @@ class DistributedDataParallel(GradientReducer):
             self._bind_grads()
             logger.debug("meshkit: DDP rebuilt %d buckets in gradient-ready order", len(self._buckets.buckets))
 
+    def step(self) -> None:
+        """Finish the gradient sync (a pass whose every gradient is marked) and run the optimizer.
+
+        Raises:
+            DistValueError: no ``optimizer`` was given; or the gradients are not averaged (the
+                pass is incomplete, the last sync failed, gradients were accumulated under
+                ``no_sync()`` only, or no synchronized pass ran since ``zero_grad()``).
+        """
+        if self.optimizer is None:
+            raise DistValueError(f"{self._where('step')}: no optimizer; pass optimizer= to DistributedDataParallel")
+        self._ready_for_step("step")
+        self.optimizer.step(self.params, self.grads)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Finish the gradient sync (a pass whose every gradient is marked), then clip the
+        averaged gradients by their global norm, before :meth:`step` (torch's
+        ``clip_grad_norm_(model.parameters(), ...)`` between backward and step).
+
+        Collective: every rank of the group calls it. The averages are the same on every rank,
+        so the norm needs no communication over the group; DTensor gradients add their norms
+        over the mesh dims they are sharded on (:func:`~meshkit.parallel.clip_grad_norm_`).
+
+        Returns:
+            The total norm before clipping.
+
+        Raises:
+            DistValueError: as :meth:`step` when the gradients are not averaged.
+        """
+        self._finish_complete_pass()
+        self._settle("clip_grad_norm_")
+        if not self._averaged:
+            raise DistValueError(f"{self._where('clip_grad_norm_')}: no synchronized gradient pass since zero_grad() "
+                                 "(or construction), so the gradients are not averaged; mark the gradients ready "
+                                 "(mark_grad_ready(name, grad), outside no_sync()) first")
+        return clip_grad_norm_(dict(self.grads), max_norm, norm_type=norm_type)
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """Parameters and optimizer state, full size, on every rank (no communication: replicated).
+
+        The form of :meth:`ShardedStrategy.full_state_dict
+        <meshkit.parallel.sharded.ShardedStrategy.full_state_dict>`: ``{"params": {name: array},
+        "optimizer": {"step": {name: int}, "state": {name: {key: flat array}}, "hyper": ...}}``, copies
+        in the parameters' library.
+
+        Raises:
+            DistValueError: with DTensor parameters (use :meth:`sharded_state_dict`).
+        """
+        if self._block_layouts:
+            raise DistValueError(f"{self._where('full_state_dict')}: parameters {list(self._block_layouts)} are "
+                                 "DTensors, whose full state dict is not supported; use sharded_state_dict() / "
+                                 "meshkit.checkpoint.get_state_dict(), whose boxes are of the global arrays")
+        params = {name: p.copy() for name, p in self._blocks.items()}
+        opt = self.optimizer
+        if opt is None:
+            return {"params": params, "optimizer": {"step": {}, "state": {}, "hyper": {}}}
+        state = {name: {key: arr.reshape(-1).copy() for key, arr in sorted(opt.state[name].items())}
+                 for name in self._blocks if name in opt.state}
+        steps = {name: opt.steps[name] for name in self._blocks if name in opt.steps}
+        return {"params": params, "optimizer": {"step": steps, "state": state, "hyper": opt.hyper}}
+
     def sharded_state_dict(self, optimizer: Optimizer | None = None) -> dict[str, Any]:
-        """The parameters and ``optimizer``'s state as views (replicated: every rank holds all).
+        """The parameters and the optimizer's state as views (replicated: every rank holds all);
+        ``optimizer`` (deprecated: pass it to the constructor) defaults to the strategy's.
 
         Returns:
             ``{"model": {name: array}, "optim": {"state": {name: {key: array}}, "step": {name: StepCount}}}``
@@ -167,6 +247,7 @@ class DistributedDataParallel(GradientReducer):
             DTensor parameter's entries are DTensors laid out as it (over its block and the
             block's state), which a checkpoint saves and loads as any DTensor.
         """
+        optimizer = optimizer or self.optimizer
         if optimizer is None:
             return {"model": dict(self.params), "optim": {"state": {}, "step": {}}}
         optim = optimizer_state_views(optimizer, self._blocks)
@@ -194,6 +275,7 @@ class DistributedDataParallel(GradientReducer):
         """Take in a state dict of :meth:`sharded_state_dict`'s form (views already written in place
         are not copied again) and ``optimizer``'s step counts."""
         where_ = f"{self._strategy}.load_sharded_state_dict"
+        optimizer = optimizer or self.optimizer
         load_pieces(where_, "model", self._blocks, self._own_blocks("model", model_state_dict))
         if optimizer is not None:
             optim_state_dict = optim_state_dict or {}
@@ -208,11 +290,12 @@ class DistributedDataParallel(GradientReducer):
 
     def memory_report(self, optimizer: Any = None) -> dict[str, int]:
         """Bytes this rank holds: ``params``, ``grads``, ``optimizer_state`` (of ``optimizer``,
-        if given), ``comm_buffers`` (extra buffers for communication: none, the buckets are the
+        default the strategy's), ``comm_buffers`` (extra buffers for communication: none, the buckets are the
         gradients when ``gradient_as_bucket_view``) and ``peak_transient``."""
         params = sum(int(p.nbytes) for p in self._blocks.values())
         grads = self._buckets.nbytes
         comm = 0 if self.gradient_as_bucket_view else sum(int(g.nbytes) for g in self._arrays.values())
+        optimizer = optimizer or self.optimizer
         state = optimizer.state_nbytes() if optimizer is not None else 0
         return {"params": params, "grads": grads, "optimizer_state": state, "comm_buffers": comm,
                 "peak_transient": 0}

@@ -2,7 +2,8 @@
 
 At rest each rank holds only its shard of every unit's flat buffers: parameters, gradients and
 optimizer state all cost 1/N. A unit (e.g. one layer) is all-gathered for the moment it is
-used and freed after; its gradients are reduce-scattered straight into the gradient shards::
+used and freed after; its gradients are reduce-scattered straight into the gradient shards. It
+implements the training-loop protocol of :mod:`~meshkit.parallel.protocol`, as DDP and ZeRO do::
 
     fsdp = FullyShardedDataParallel(params, mesh=mesh, optimizer=AdamW(lr=1e-3),
                                     units=[["w0", "b0"], ["w1", "b1"]])
@@ -12,9 +13,14 @@ used and freed after; its gradients are reduce-scattered straight into the gradi
             h = layer(h, p)
     for i in reversed(range(2)):               # backward: gather again, reduce gradients
         with fsdp.unshard(i) as p:
-            grads = layer_backward(p, ...)
-        fsdp.reduce_grads(i, grads)            # asynchronous reduce-scatter
+            dw, db = layer_backward(p, ...)
+        fsdp.mark_grad_ready(f"w{i}", dw)      # once all of unit i's are marked: asynchronous
+        fsdp.mark_grad_ready(f"b{i}", db)      # reduce-scatter of the unit
     fsdp.step()                                # wait, then update the shards
+
+Under ``with fsdp.no_sync():`` marked gradients add up locally at full size (as torch's FSDP
+keeps unsharded gradients under ``no_sync``); the next synchronized pass adds them to its own
+and reduces the sum.
 
 On a 2-D mesh ``(replicate, shard)`` (hybrid sharding, HSDP) parameters are sharded over the
 ``shard`` dimension and replicated over ``replicate``: gradients are reduce-scattered over the
@@ -25,7 +31,7 @@ Parameters may be DTensors laid out over another mesh dimension (tensor parallel
 ``mesh["tp"]`` beside ``mesh["dp"]``, or a ``(replicate, shard, tp)`` mesh for HSDP), as DDP's
 and ZeRO's (:mod:`~meshkit.parallel.dtensors`): each rank's block is flat-sharded over the
 data-parallel mesh as any array would be, ``unshard`` yields DTensors laid out as the parameters
-over the gathered blocks, and ``reduce_grads`` takes DTensor gradients laid out alike.
+over the gathered blocks, and ``mark_grad_ready`` takes DTensor gradients laid out alike.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import contextlib
 from collections.abc import Mapping
 from typing import Any, Iterator, Sequence
 
-from ..comm import DistValueError, ProcessGroup, ReduceOp, Work
+from ..comm import DistTypeError, DistValueError, ProcessGroup, ReduceOp, Work
 from ..mesh import DeviceMesh
 from ..tensor import DTensor
 from .arrays import array_namespace, check_same_library
@@ -42,7 +48,8 @@ from .dtensors import block_of, split, wrap_all
 from .flat import FlatLayout, make_layouts
 from .optim import Optimizer
 from .checks import where
-from .setup import broadcast_params, check_setup
+from .protocol import check_units, deprecated
+from .setup import Params, broadcast_params, check_setup
 from .sharded import ShardedStrategy
 
 __all__ = ["FullyShardedDataParallel"]
@@ -68,6 +75,10 @@ class FullyShardedDataParallel(ShardedStrategy):
         param_dtype: dtype of the unsharded parameters (e.g. float32 compute on float64
             shards); the shards stay in their own dtype.
         reduce_dtype: dtype gradients are reduced in.
+
+    ``fsdp.params`` maps each name to this rank's piece of the parameter: a 1-D view of its flat
+    shard (empty where the rank holds none of it; writing it writes the shard). ``unshard(i)``
+    gives the full parameters.
 
     With DTensor parameters, ``unshard(i)`` yields DTensors (the parameters' mesh, placements and
     global shape) over the gathered blocks, ``reduce_grads`` takes DTensor gradients laid out as
@@ -101,7 +112,7 @@ class FullyShardedDataParallel(ShardedStrategy):
         self.mesh = mesh
         self.shard_group: ProcessGroup = mesh.get_group(mesh.ndim - 1)
         self.replicate_group: ProcessGroup | None = mesh.get_group(0) if mesh.ndim == 2 else None
-        unit_list, problem = self._check_units(params, units) if isinstance(params, Mapping) else (None, None)
+        unit_list, problem = check_units(params, units) if isinstance(params, Mapping) else (None, None)
         if not isinstance(optimizer, Optimizer):
             problem = f"optimizer must be a meshkit Optimizer (SGD, AdamW), got {type(optimizer).__name__}"
         config = {"units": unit_list, "reshard_after_forward": reshard_after_forward, "param_dtype": str(param_dtype),
@@ -135,25 +146,26 @@ class FullyShardedDataParallel(ShardedStrategy):
         self._reduced: set[int] = set()    # reduce_grads called since the last step
         self._pending: list[Work] = []
         self._peak = 0
+        # the protocol's gradient side: name -> (unit, shape); marks of the current pass per unit;
+        # full-size sums of gradients marked under no_sync()
+        self._grad_of = {name: (u, lay.shapes[i]) for u, unit in enumerate(self.layouts) for lay in unit
+                         for i, name in enumerate(lay.names)}
+        self._marks: dict[int, dict[str, Any]] = {}
+        self._accumulated: dict[str, Any] = {}
+        self._sync = True
+        self.params = Params(self._local_pieces(), self._strategy)
 
-    @staticmethod
-    def _check_units(params: Mapping[str, Any], units: Sequence[Sequence[str]] | None
-                     ) -> tuple[list[list[str]] | None, str | None]:
-        """The units as lists, and what is wrong with them (or None)."""
-        if units is None:
-            return [list(params)], None
-        try:
-            units = [list(u) for u in units]
-        except TypeError:
-            return None, f"units must be a list of lists of parameter names, got {units!r}"
-        seen = [n for u in units for n in u]
-        unknown = [n for n in seen if n not in params]
-        twice = sorted({n for n in seen if seen.count(n) > 1})
-        missing = [n for n in params if n not in seen]
-        if unknown or twice or missing or any(not u for u in units):
-            return None, (f"units must put every parameter in exactly one non-empty unit; unknown names {unknown}, "
-                          f"in several units {twice}, in none {missing}; valid names are {list(params)}")
-        return units, None
+    def _local_pieces(self) -> dict[str, Any]:
+        """name -> this rank's piece of the parameter: a 1-D view of its flat shard (maybe empty)."""
+        me, pieces = self.shard_group.rank, {}
+        for unit in self.layouts:
+            for lay in unit:
+                lo, hi = lay.shard_range(me)
+                shard = self._shards[lay.key]
+                for i, (name, off) in enumerate(zip(lay.names, lay.offsets)):
+                    a, b = min(max(lo, off), hi), min(max(lo, off + lay.size_of(i)), hi)
+                    pieces[name] = shard[a - lo:b - lo]
+        return {name: pieces[name] for unit in self.units for name in unit}
 
     def _where(self, op: str) -> str:
         return where(f"{self._strategy}.{op}", self.shard_group)
@@ -222,7 +234,74 @@ class FullyShardedDataParallel(ShardedStrategy):
         return sum(int(b.nbytes) for b in held)
 
     # ------------------------------------------------------------------ gradients and step
+    def mark_grad_ready(self, name: str, grad: Any) -> None:
+        """Declare parameter ``name``'s full gradient ``grad`` final for this backward pass.
+
+        Once every gradient of its unit is marked, the unit's gradients are reduce-scattered
+        into the gradient shards, asynchronously (averaged over every data-parallel rank and
+        added, so micro-batches accumulate until ``zero_grad()``). Under ``no_sync()`` the
+        gradient is added to a local full-size sum instead, reduced with the next synchronized
+        pass. A DTensor parameter's gradient is a DTensor laid out as it, or this rank's block.
+
+        Raises:
+            DistValueError: an unknown name, a gradient marked twice in one pass, a wrong shape.
+            DistTypeError: no gradient (FSDP keeps no gradient arrays to write into).
+        """
+        head = self._where("mark_grad_ready")
+        try:
+            u, shape = self._grad_of[name]
+        except (KeyError, TypeError):
+            raise DistValueError(f"{head}: unknown parameter {name!r}; valid names are "
+                                 f"{[n for unit in self.units for n in unit]}") from None
+        if grad is None:
+            raise DistTypeError(f"{head}: gradient {name!r} is None; FullyShardedDataParallel keeps no gradient "
+                                "arrays to write into: pass it, mark_grad_ready(name, grad)")
+        if isinstance(grad, DTensor):
+            grad = block_of(head, f"gradient {name!r}", name, grad, self._block_layouts.get(name))
+        self._check_grad(head, name, grad, shape)
+        marks = self._marks.setdefault(u, {})
+        if name in marks:
+            raise DistValueError(f"{head}: gradient {name!r} was already marked ready in this backward pass")
+        held = self._accumulated.pop(name, None)
+        if held is not None:
+            held += grad
+        if not self._sync:
+            self._accumulated[name] = held if held is not None else grad.copy()
+            if not marks:
+                del self._marks[u]
+            return
+        # held until the unit is complete: a copy, so that the caller may reuse its array
+        marks[name] = held if held is not None else grad.copy()
+        if len(marks) == len(self.units[u]):
+            del self._marks[u]
+            self._reduce_unit(u, marks)
+
+    def _check_grad(self, head: str, name: str, g: Any, shape: tuple[int, ...]) -> None:
+        if hasattr(g, "shape"):
+            lay = next(lay for lay in self.layouts[self._grad_of[name][0]] if name in lay.names)
+            check_same_library(head, f"gradient {name!r}", g, self._shards[lay.key], "the parameter shards",
+                               ref_plural=True)
+        if tuple(getattr(g, "shape", ())) != shape:
+            whose = "this rank's block of the DTensor parameter: " if name in self._block_layouts else ""
+            raise DistValueError(f"{head}: gradient {name!r} has shape {getattr(g, 'shape', None)}; expected "
+                                 f"{whose}{shape}")
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate marked gradients locally, at full size: nothing is reduced until the context exits."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
     def reduce_grads(self, unit: int, grads: dict[str, Any]) -> None:
+        """Deprecated: :meth:`mark_grad_ready` each gradient (the unit is reduced once all are marked)."""
+        deprecated("FullyShardedDataParallel.reduce_grads(unit, grads)",
+                   "call mark_grad_ready(name, grad) for each gradient; the unit is reduced once all are marked")
+        self._reduce_unit(unit, grads)
+
+    def _reduce_unit(self, unit: int, grads: dict[str, Any]) -> None:
         """Reduce-scatter ``unit``'s full gradients into the local shards, asynchronously.
 
         Gradients are averaged over every data-parallel rank (DDP's semantics) and added to the
@@ -239,14 +318,7 @@ class FullyShardedDataParallel(ShardedStrategy):
                  for n, g in grads.items()}
         for lay in self.layouts[u]:  # check everything before launching anything
             for i, name in enumerate(lay.names):
-                g = grads[name]
-                if hasattr(g, "shape"):
-                    check_same_library(head, f"gradient {name!r}", g, self._shards[lay.key], "the parameter shards",
-                                       ref_plural=True)
-                if tuple(getattr(g, "shape", ())) != lay.shapes[i]:
-                    whose = "this rank's block of the DTensor parameter: " if name in self._block_layouts else ""
-                    raise DistValueError(f"{head}: gradient {name!r} has shape {getattr(g, 'shape', None)}; expected "
-                                         f"{whose}{lay.shapes[i]}")
+                self._check_grad(head, name, grads[name], lay.shapes[i])
         for lay in self.layouts[u]:
             dtype = self.reduce_dtype or lay.dtype
             flat = lay.pack(grads, self._shards[lay.key], dtype=dtype)
@@ -271,23 +343,44 @@ class FullyShardedDataParallel(ShardedStrategy):
             work.wait()
 
     def zero_grad(self) -> None:
-        """Zero the gradient shards."""
+        """Zero the gradient shards and what ``no_sync()`` passes accumulated.
+
+        Raises:
+            DistValueError: inside a pass whose units are partly marked (finish it with ``step()``).
+        """
+        if self._marks:
+            raise DistValueError(f"{self._where('zero_grad')}: gradients {self._partly_marked()} were marked ready "
+                                 "in a pass that was not finished; mark the rest of their units first")
         self._wait_pending()
+        self._accumulated.clear()
         for g in self._grad_shards.values():
             g[...] = 0
+
+    def _partly_marked(self) -> dict[int, list[str]]:
+        return {u: [n for n in self.units[u] if n in marks] for u, marks in sorted(self._marks.items())}
 
     def step(self) -> None:
         """Wait for pending reductions, then update every shard.
 
         Raises:
             DistValueError: a unit was unsharded since the last step but its gradients were
-                never reduced (``reduce_grads`` was not called for it).
+                never reduced, a unit's gradients were only partly marked, or gradients
+                accumulated under ``no_sync()`` were never synchronized.
         """
         self._wait_pending()
+        if self._marks:
+            missing = {u: [n for n in self.units[u] if n not in marks] for u, marks in sorted(self._marks.items())}
+            raise DistValueError(f"{self._where('step')}: units {sorted(missing)} are partly marked: gradients "
+                                 f"{missing} (unit: names) were not marked ready in this backward pass, so the "
+                                 "units were never reduced")
+        if self._accumulated:
+            raise DistValueError(f"{self._where('step')}: gradients {sorted(self._accumulated)} were accumulated "
+                                 "under no_sync() but never synchronized; run the last micro-batch outside no_sync()")
         forgotten = sorted(self._used - self._reduced)
         if forgotten:
             raise DistValueError(f"{self._where('step')}: units {forgotten} were unsharded since the last "
-                                 "step but reduce_grads was never called for them; their gradients would be lost")
+                                 "step but reduce_grads was never called for them (nor were all their gradients "
+                                 "marked ready with mark_grad_ready); their gradients would be lost")
         for key, shard in self._shards.items():
             self.optimizer.update(key, shard, self._grad_shards[key])
         self._full.clear()  # gathered parameters are stale now

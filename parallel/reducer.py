@@ -1,12 +1,15 @@
 """The gradient protocol shared by DDP and ZeRO: write gradients, mark them ready, sync.
 
-Arrays have no autograd, so the backward pass tells the strategy when each gradient is final::
+Arrays have no autograd, so the backward pass tells the strategy when each gradient is final
+(the protocol of :mod:`~meshkit.parallel.protocol`, which FSDP implements too)::
 
     model.zero_grad()
     for name, grad in backward():              # layer by layer, last layer first
         model.mark_grad_ready(name, grad)      # adds grad to model.grads[name]; when its bucket is
                                                # complete, the bucket's reduction starts
-    model.finish_gradient_sync()               # wait for every bucket
+    model.step()                               # wait for every bucket, run the optimizer
+
+``finish_gradient_sync()`` (deprecated: ``step()`` calls it) waits for every bucket alone.
 
 Gradients accumulate like torch's ``.grad``: ``zero_grad()`` zeroes them, a pass writes or adds.
 Under ``with model.no_sync():`` nothing is communicated, so micro-batches add up locally and the
@@ -46,6 +49,7 @@ from .arrays import array_namespace, check_same_library, to_host
 from .buckets import BucketManager
 from .checks import on_ranks, where
 from .dtensors import BlockLayout, block_of
+from .protocol import deprecated
 
 __all__ = ["GradientReducer", "Gradients", "DTensorGradients"]
 
@@ -152,6 +156,9 @@ class GradientReducer:
         self._flags = xp.zeros(self.group.size, dtype=np.int32)  # the per-sync agreement: which ranks failed
         self.grads = (DTensorGradients if self._block_layouts else Gradients)(self, arrays)
         self.iteration = 0
+        self._averaged = False  # whether the gradients are the result of a synchronized pass
+        self._bulk = False  # sync_gradients() marking the caller's arrays (no deprecation warning)
+        self._warned_mark = False  # whether mark_grad_ready(name) without a gradient has warned
 
     # ------------------------------------------------------------------ subclass hooks
     def _after_sync(self, ready_order: list[str]) -> None:
@@ -180,6 +187,7 @@ class GradientReducer:
             raise DistValueError(f"{self._where('zero_grad')}: gradients {marked} were marked ready in a pass that "
                                  "was not finished and are being reduced; call finish_gradient_sync() first")
         self._zero()
+        self._averaged = False
         self._failed = None
         self._touched.clear()
 
@@ -198,11 +206,16 @@ class GradientReducer:
             raise DistValueError(f"{self._where('mark_grad_ready')}: unknown parameter {name!r}; valid names "
                                  f"are {list(self._specs)}") from None
         ready = bucket.ready
-        if name in ready:
+        if name in ready and self._sync:  # under no_sync() a second mark is the next micro-batch's
             raise DistValueError(f"{self._where('mark_grad_ready')}: gradient {name!r} was already marked ready "
                                  "in this backward pass")
         current = self._arrays[name]
-        if grad is not None:
+        if grad is None:
+            if not self._bulk and not self._warned_mark:  # once per strategy: warnings.warn costs us per call
+                self._warned_mark = True
+                deprecated("mark_grad_ready(name) after writing into grads[name]",
+                           "pass the gradient: mark_grad_ready(name, grad)")
+        else:
             if isinstance(grad, DTensor):  # unwrapped here, so that buckets only ever see blocks
                 grad = block_of(self._where("mark_grad_ready"), f"gradient {name!r}", name, grad,
                                   self._block_layouts.get(name))
@@ -237,6 +250,11 @@ class GradientReducer:
                 f"and dtype {getattr(grad, 'dtype', None)}; expected {whose} {shape} and dtype {dtype}")
 
     def finish_gradient_sync(self) -> None:
+        """Deprecated: :meth:`step` finishes the sync and runs the optimizer (see :meth:`_finish_sync`)."""
+        deprecated("finish_gradient_sync()", "step() finishes the gradient sync and runs the optimizer")
+        self._finish_sync()
+
+    def _finish_sync(self) -> None:
         """Wait for every bucket's reduction. Inside ``no_sync()`` it only ends the backward pass.
 
         Collective: every rank launches every bucket and then learns, in one small all-reduce,
@@ -273,6 +291,7 @@ class GradientReducer:
             raise
         self._end_pass()
         self._agree(problem)
+        self._averaged = True
         self._failed = None
         self._touched.clear()
         self.iteration += 1
@@ -291,6 +310,7 @@ class GradientReducer:
         all_gather_object(problems, problem, group=group)
         failed = [group.ranks[i] for i, p in enumerate(problems) if p is not None]
         self._zero()  # a failed pass's gradients are garbage on every rank
+        self._averaged = False
         self._touched.clear()
         self._failed = (f"the gradient sync failed on rank(s) {failed}: "
                         + on_ranks([(group.ranks[i], p) for i, p in enumerate(problems)]))
@@ -320,7 +340,42 @@ class GradientReducer:
                 "(with find_unused_parameters=True, finish_gradient_sync() reduces unmarked ones as they are)")
         raise DistValueError(
             f"{self._where(op)}: {what} being reduced: every gradient is marked ready but the sync is not "
-            "finished; call finish_gradient_sync() before using gradients (reading them does not finish it)")
+            "finished; step() or clip_grad_norm_() finish it (or the deprecated finish_gradient_sync()) before "
+            "gradients are used; reading them does not finish it")
+
+    def _ready_for_step(self, op: str) -> None:
+        """Before ``step()``: finish a synchronized pass in progress (every gradient marked, or
+        ``find_unused_parameters``), then check that the gradients are averaged.
+
+        A pass this rank left incomplete is refused here, locally, and stays open (mark the rest,
+        then ``step()`` again), as ZeRO's ``step()`` always did; if other ranks completed theirs,
+        they wait in the sync until this one completes it (or the group's timeout).
+        """
+        self._finish_complete_pass()
+        self._settle(op)
+        if not self._averaged:
+            raise DistValueError(f"{self._where(op)}: no synchronized gradient pass since zero_grad() (or "
+                                 "construction), so the gradients are not averaged; mark the gradients ready "
+                                 "(mark_grad_ready(name, grad), outside no_sync()) before step()")
+
+    def _finish_complete_pass(self) -> None:
+        """Finish a synchronized pass in progress whose every gradient is marked (or any pass in
+        progress, with ``find_unused_parameters``): what the collective calls that end a backward
+        pass (``step()``, ``clip_grad_norm_()``) do first. A read never does (issue 23.4)."""
+        if self._sync and self._failed is None and self._marked() and (
+                self.find_unused_parameters or not self._buckets.unready()):
+            self._finish_sync()
+
+    def _settle(self, op: str) -> None:
+        """Gradients are about to be used as averaged: refuse unless a synchronized pass finished."""
+        self._before_read(None, op)
+        if self._marked():  # inside no_sync(): _before_read leaves those
+            raise DistValueError(f"{self._where(op)}: gradients marked ready inside no_sync() are local sums, not "
+                                 "averages; run the last micro-batch outside no_sync(), then step() (or finish_gradient_sync())")
+        if self._touched:
+            raise DistValueError(f"{self._where(op)}: gradients {sorted(self._touched)} were accumulated under "
+                                 "no_sync() but never synchronized; run the last micro-batch outside no_sync(), "
+                                 "then step() (or finish_gradient_sync())")
 
     def sync_gradients(self) -> None:
         """Mark every gradient not yet marked ready, then :meth:`finish_gradient_sync`.
@@ -341,11 +396,15 @@ class GradientReducer:
                 if self._record_order:
                     self._ready_order.extend(pending)
             else:
-                for name in pending:
-                    self.mark_grad_ready(name)
+                self._bulk = True  # the caller's arrays, checked and copied in: not the deprecated spelling
+                try:
+                    for name in pending:
+                        self.mark_grad_ready(name)
+                finally:
+                    self._bulk = False
         if self._sync:
             self._buckets.launch_ready()
-        self.finish_gradient_sync()
+        self._finish_sync()
 
     def _end_pass(self) -> None:
         if not self._sync:  # a no_sync() pass: remember what it touched, for find_unused_parameters
@@ -356,11 +415,18 @@ class GradientReducer:
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally: no communication until the context exits."""
+        """Accumulate gradients locally: no communication until the context exits.
+
+        Leaving the context ends its backward pass(es) (as ``finish_gradient_sync()`` inside it
+        did): the gradients marked in it are local sums, to which the next synchronized pass adds.
+        Inside it, marking a gradient again is the next micro-batch's.
+        """
         previous, self._sync = self._sync, False
         try:
             yield
         finally:
+            if previous and self._marked():
+                self._end_pass()
             self._sync = previous
 
     @property

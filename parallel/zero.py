@@ -30,9 +30,10 @@ stage 1 holds 4Ψ + 4Ψ + 8Ψ/N bytes, stage 2 4Ψ + 4Ψ/N + 8Ψ/N plus the buck
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Sequence
 
-from ..comm import DistValueError, ProcessGroup, ReduceOp, Work
+from ..comm import DistTypeError, ProcessGroup, ReduceOp, Work
 from ..mesh import DeviceMesh
 from .arrays import array_namespace
 from .buckets import MB, BucketManager, CommHook, GradBucket
@@ -40,7 +41,9 @@ from .dtensors import split, wrap_all
 from .flat import FlatLayout, make_layouts
 from .hooks import allreduce_hook
 from .optim import Optimizer
+from .checks import where
 from .pool import BufferPool
+from .protocol import ReplicatedUnits, check_units, deprecated
 from .reducer import GradientReducer
 from .setup import Params, caps_problem, check_setup, resolve_data_parallel_group, snapshot
 from .sharded import ShardedStrategy
@@ -92,7 +95,7 @@ class _Stage2Views(dict):
         return self._location[name].view(name)
 
 
-class ZeroRedundancyOptimizer(GradientReducer, ShardedStrategy):
+class ZeroRedundancyOptimizer(ReplicatedUnits, GradientReducer, ShardedStrategy):
     """ZeRO stage 1 or 2 data parallelism around an elementwise optimizer.
 
     Args:
@@ -104,33 +107,49 @@ class ZeroRedundancyOptimizer(GradientReducer, ShardedStrategy):
             parameters' meshes too; ``full_state_dict`` is refused (use ``sharded_state_dict``).
         optimizer: an :class:`~meshkit.parallel.optim.Optimizer` (``SGD``, ``AdamW``); it sees
             one flat shard per dtype, named by the dtype.
-        mesh: a 1-D mesh to shard over, or pass ``group``; default the world.
+            Keyword (passing it second, positionally, is deprecated).
+        mesh: a 1-D mesh to shard over, or pass ``group`` (neither, meaning the world, is deprecated).
+        units: lists of parameter names for :meth:`unshard` (the protocol of
+            :mod:`~meshkit.parallel.protocol`); default one unit of everything.
         stage: 1 (shard optimizer state) or 2 (also shard gradients).
         bucket_cap_mb, first_bucket_cap_mb: bucket caps, as DDP's.
         find_unused_parameters: as DDP's.
 
     Example (2 ranks, float32 parameters of 10 elements in all)::
 
-        zero = ZeroRedundancyOptimizer(params, AdamW(lr=1e-3), stage=2)
+        zero = ZeroRedundancyOptimizer(params, mesh=mesh, optimizer=AdamW(lr=1e-3), stage=2)
         # flat buffer padded to 10 elements: rank 0 owns [0, 5), rank 1 owns [5, 10)
-        zero.zero_grad(); ...; zero.mark_grad_ready(name, grad); ...; zero.finish_gradient_sync()
-        zero.step()          # each rank updates its shard; parameters are all-gathered
+        zero.zero_grad(); ...; zero.mark_grad_ready(name, grad); ...
+        zero.step()          # finish the sync; each rank updates its shard; parameters are all-gathered
     """
 
-    def __init__(self, params: dict[str, Any], optimizer: Optimizer, *, mesh: DeviceMesh | None = None,
+    def __init__(self, params: dict[str, Any], *args: Optimizer, mesh: DeviceMesh | None = None,
+                 optimizer: Optimizer | None = None, units: Sequence[Sequence[str]] | None = None,
                  group: ProcessGroup | None = None, stage: int = 1, bucket_cap_mb: float = 25,
                  first_bucket_cap_mb: float = 1, find_unused_parameters: bool = False) -> None:
         self._strategy = f"ZeroRedundancyOptimizer(stage={stage})"
+        if args:  # today's spelling: ZeroRedundancyOptimizer(params, optimizer, ...)
+            if len(args) > 1 or optimizer is not None:
+                raise DistTypeError(f"{where(self._strategy)}: takes params and, deprecated, the optimizer "
+                                    f"positionally; got {1 + len(args)} positional arguments"
+                                    + (" and optimizer=" if optimizer is not None else ""))
+            deprecated("ZeroRedundancyOptimizer(params, optimizer)", "pass optimizer= by keyword")
+            optimizer = args[0]
+        if mesh is None and group is None:
+            deprecated("ZeroRedundancyOptimizer without mesh= (meaning the world)", "pass mesh= (a 1-D DeviceMesh)")
         self.group = resolve_data_parallel_group(mesh, group, "ZeroRedundancyOptimizer")
         problem = caps_problem(bucket_cap_mb, first_bucket_cap_mb)
+        unit_list, units_problem = check_units(params, units) if isinstance(params, Mapping) else (None, None)
+        problem = problem or units_problem
         if stage not in (1, 2):
             problem = f"stage={stage!r} is not valid; valid stages are 1 and 2 (use FullyShardedDataParallel for stage 3)"
         if not isinstance(optimizer, Optimizer):
             problem = f"optimizer must be a meshkit Optimizer (SGD, AdamW), got {type(optimizer).__name__}"
         check_setup(params, self.group, "ZeroRedundancyOptimizer", problem=problem, config={
             "stage": stage, "bucket_cap_mb": bucket_cap_mb, "first_bucket_cap_mb": first_bucket_cap_mb,
-            "find_unused_parameters": find_unused_parameters, "optimizer": repr(optimizer)})
+            "find_unused_parameters": find_unused_parameters, "optimizer": repr(optimizer), "units": unit_list})
         self.stage, self.optimizer = stage, optimizer
+        self.units: list[list[str]] = unit_list  # type: ignore[assignment]
         self.find_unused_parameters = find_unused_parameters
         blocks, self._block_layouts = split(params)  # this rank's blocks of DTensor parameters
         self._specs = snapshot(blocks)
@@ -158,7 +177,6 @@ class ZeroRedundancyOptimizer(GradientReducer, ShardedStrategy):
                                           pool=self._pool, **caps)
             self._restore_views = False  # bucket buffers come and go: views are never kept
             self._init_reducer(_Stage2Views(self._buckets.location))
-        self._averaged = False  # whether the gradients are the result of a synchronized pass
 
     def _assign(self, name: str, value: Any) -> None:
         if self.stage == 1:
@@ -167,11 +185,7 @@ class ZeroRedundancyOptimizer(GradientReducer, ShardedStrategy):
             self._check_grad(name, value)
             self._arrays[name][...] = value
 
-    def _after_sync(self, ready_order: list[str]) -> None:
-        self._averaged = True
-
     def _zero(self) -> None:
-        self._averaged = False
         if self.stage == 1:
             for g in self._flat_grads.values():
                 g[...] = 0
@@ -185,8 +199,19 @@ class ZeroRedundancyOptimizer(GradientReducer, ShardedStrategy):
         lo, hi = self.layouts[key].shard_range(self.group.rank)
         return flat[lo:hi]
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Finish the gradient sync (a pass whose every gradient is marked), then clip this rank's
+        gradient shards by the global norm (see :meth:`ShardedStrategy.clip_grad_norm_
+        <meshkit.parallel.sharded.ShardedStrategy.clip_grad_norm_>`); collective, before :meth:`step`."""
+        self._finish_complete_pass()
+        return super().clip_grad_norm_(max_norm, norm_type)
+
     def step(self) -> None:
         """Update this rank's shard of every flat buffer, then all-gather the parameters in place.
+
+        A synchronized pass whose every gradient is marked (or, with ``find_unused_parameters``,
+        any pass in progress) is finished first: ``step()`` is the protocol's one call after the
+        backward pass.
 
         Raises:
             DistValueError: the gradients are not averaged: gradients were marked ready and
@@ -194,11 +219,7 @@ class ZeroRedundancyOptimizer(GradientReducer, ShardedStrategy):
                 were accumulated under ``no_sync()`` only, or no synchronized pass ran since
                 ``zero_grad()`` (or construction).
         """
-        self._settle("step")
-        if not self._averaged:
-            raise DistValueError(f"{self._where('step')}: no synchronized gradient pass since zero_grad() (or "
-                                 "construction), so the gradients are not averaged; mark the gradients ready and call "
-                                 "finish_gradient_sync() (or sync_gradients()) before step()")
+        self._ready_for_step("step")
         shards = self._local_grad_shards()
         works = []
         for key, flat in self._flat.items():
@@ -222,17 +243,6 @@ class ZeroRedundancyOptimizer(GradientReducer, ShardedStrategy):
         if self.stage == 1:
             return {key: self._shard(g, key) for key, g in self._flat_grads.items()}
         return dict(self._grad_shards)
-
-    def _settle(self, op: str) -> None:
-        """Gradients are about to be used as averaged: refuse unless a synchronized pass finished."""
-        self._before_read(None, op)
-        if self._marked():  # inside no_sync(): _before_read leaves those
-            raise DistValueError(f"{self._where(op)}: gradients marked ready inside no_sync() are local sums, not "
-                                 "averages; run the last micro-batch outside no_sync() and finish_gradient_sync()")
-        if self._touched:
-            raise DistValueError(f"{self._where(op)}: gradients {sorted(self._touched)} were accumulated under "
-                                 "no_sync() but never synchronized; run the last micro-batch outside no_sync() and "
-                                 "finish_gradient_sync()")
 
     def _loaded(self) -> None:
         for key, flat in self._flat.items():

@@ -66,20 +66,21 @@ def raises_everywhere(match: str, exc=ValueError):
 # ---------------------------------------------------------------------------- 1: reading early
 
 def read_before_finish_changes_nothing(kind: str, steps: int = 3) -> None:
-    """Issue 23.4: every gradient marked, no finish_gradient_sync(): using the gradients (DDP's
-    grads, ZeRO's step(), grad_shards() and clip_grad_norm_()) raises, naming finish_gradient_sync(),
-    and changes nothing, so the explicit finish that follows averages them. Objects kept across
+    """Issue 23.4: every gradient marked, no finish: reading the gradients (DDP's grads, ZeRO's
+    grad_shards()) raises, naming the calls that finish the sync, and changes nothing, so the
+    explicit finish that follows averages them. (step() and clip_grad_norm_() are collective
+    and finish a complete pass themselves: the protocol of issue 25.1.) Objects kept across
     steps, as in a training loop; the last rank alone also reads (a read never communicates)."""
     rank, n = meshkit.get_rank(), meshkit.get_world_size()
     model = make(kind)
-    unfinished = r"being reduced: every gradient is marked ready but the sync is not finished; call " \
-                 r"finish_gradient_sync\(\) before using gradients"
+    unfinished = r"being reduced: every gradient is marked ready but the sync is not finished; step\(\) or " \
+                 r"clip_grad_norm_\(\) finish it .*reading them does not finish it"
     for step in range(steps):
         model.zero_grad()
         for name in reversed(list(params())):
             model.mark_grad_ready(name, grad(name, rank))
         reads = [lambda: model.grads["c"], lambda: dict(model.grads)] if kind.startswith("ddp") else \
-            [model.step, model.grad_shards, lambda: model.clip_grad_norm_(1e9)]
+            [model.grad_shards, lambda: dict(model.grads)]
         for read in reads if step != 1 else reads[:1] if rank == n - 1 else []:
             with raises_everywhere(unfinished):
                 read()

@@ -19,6 +19,7 @@ import pytest
 
 import meshkit
 from meshkit.comm import local
+from meshkit.parallel import FullyShardedDataParallel, factory
 from meshkit.comm.cuda_runtime import gpu_available
 from meshkit.parallel import fp16_compress_hook
 from meshkit.tensor import Replicate, Shard
@@ -362,8 +363,8 @@ def test_train_tp_hands_the_dtensors_to_every_strategy_and_steps_theirs(dp, monk
     yields are the forward's parameters, and it is handed the DTensor gradients)."""
     yielded, reduced = [], []
     if dp == "fsdp":
-        fsdp = train_tp.FullyShardedDataParallel
-        unshard, reduce_grads = fsdp.unshard, fsdp.reduce_grads
+        fsdp = FullyShardedDataParallel
+        unshard, mark_grad_ready = fsdp.unshard, fsdp.mark_grad_ready
 
         @contextlib.contextmanager
         def spy_unshard(self, unit):
@@ -372,15 +373,15 @@ def test_train_tp_hands_the_dtensors_to_every_strategy_and_steps_theirs(dp, monk
                 yield params
 
         monkeypatch.setattr(fsdp, "unshard", spy_unshard)
-        monkeypatch.setattr(fsdp, "reduce_grads", lambda self, unit, grads: reduced.append(grads) or
-                            reduce_grads(self, unit, grads))
+        monkeypatch.setattr(fsdp, "mark_grad_ready", lambda self, name, grad: reduced.append({name: grad}) or
+                            mark_grad_ready(self, name, grad))
 
     def body():
         mesh = train_tp.build_mesh((2, 2))
         model = train_tp.TensorParallelModel(dp, mlp.init_params(train_tp.HIDDEN), mesh, mlp.make_optimizer("sgd", 0.1))
         if dp != "fsdp":
-            with model.params() as params:
-                assert params is model.inner.params
+            with model.params() as params:  # the strategy's own DTensors (unshard gathers nothing)
+                assert list(params) == list(model.inner.params) and all(params[n] is model.inner.params[n] for n in params)
             return {n: (type(p).__name__, p.placements) for n, p in model.inner.params.items()}, \
                 {n: (type(g).__name__, g.placements) for n, g in model.inner.grads.items()}
         rank = meshkit.get_rank()
@@ -398,8 +399,8 @@ def test_train_tp_hands_the_dtensors_to_every_strategy_and_steps_theirs(dp, monk
     for params, grads in local.run(body, 4, timeout=30):
         assert params == {n: ("DTensor", pl) for n, pl in want.items()}
         assert dp == "fsdp" or grads == params
-    if dp == "fsdp":  # 3 units on each of 4 ranks, every gradient a DTensor laid out as its parameter
-        assert len(reduced) == 12
+    if dp == "fsdp":  # 3 units of 2 gradients on each of 4 ranks, every gradient a DTensor laid out as its parameter
+        assert len(reduced) == 24
         assert all((type(g).__name__, g.placements) == ("DTensor", want[n]) for u in reduced for n, g in u.items())
 
 
@@ -504,12 +505,12 @@ def test_train_3d_hands_ddp_the_stages_dtensors(monkeypatch):
     """DDP takes every stage's DTensors (no to_local), and the optimizer steps DDP's own DTensors."""
     taken, stepped = [], []
 
-    class Spy(train_3d.DistributedDataParallel):
+    class Spy(factory.DistributedDataParallel):
         def __init__(self, params, **kwargs):
             taken.append({type(p).__name__ for p in params.values()})
             super().__init__(params, **kwargs)
 
-    monkeypatch.setattr(train_3d, "DistributedDataParallel", Spy)
+    monkeypatch.setattr(factory, "DistributedDataParallel", Spy)  # what data_parallel builds
     optimizer = type(mlp.make_optimizer("adamw", 0.01))
     step = optimizer.step
     monkeypatch.setattr(optimizer, "step", lambda self, params, grads: stepped.append(
@@ -584,9 +585,9 @@ def test_train_3d_dp_zero_takes_the_stages_dtensors_and_steps_itself(stage, monk
     stages run on ZeRO's own params, and ZeRO steps (the loop never steps the optimizer itself)."""
     built, steps, stepped_by_loop = [], [], []
 
-    class Spy(train_3d.ZeroRedundancyOptimizer):
-        def __init__(self, params, optimizer, **kwargs):
-            super().__init__(params, optimizer, **kwargs)
+    class Spy(factory.ZeroRedundancyOptimizer):
+        def __init__(self, params, **kwargs):
+            super().__init__(params, **kwargs)
             built.append((kwargs["stage"], kwargs["mesh"].mesh_dim_names, {type(p).__name__ for p in params.values()},
                           self))
 
@@ -597,8 +598,8 @@ def test_train_3d_dp_zero_takes_the_stages_dtensors_and_steps_itself(stage, monk
     def no_ddp(*args, **kwargs):
         raise AssertionError("--dp zero built DDP")
 
-    monkeypatch.setattr(train_3d, "ZeroRedundancyOptimizer", Spy)
-    monkeypatch.setattr(train_3d, "DistributedDataParallel", no_ddp)
+    monkeypatch.setattr(factory, "ZeroRedundancyOptimizer", Spy)
+    monkeypatch.setattr(factory, "DistributedDataParallel", no_ddp)
     optimizer = type(mlp.make_optimizer("adamw", 0.01))
     monkeypatch.setattr(optimizer, "step", lambda self, params, grads: stepped_by_loop.append(1))
     stage_params = []
@@ -621,7 +622,7 @@ def test_train_3d_dp_fsdp_gathers_each_unit_once_a_step_and_frees_it_after(monke
     and the stages hold neither parameters nor gradients (ZeRO-3's memory)."""
     built, events, current, gathered, stages = [], {}, {}, {}, {}
 
-    class Spy(train_3d.FullyShardedDataParallel):
+    class Spy(factory.FullyShardedDataParallel):
         def __init__(self, params, **kwargs):
             super().__init__(params, **kwargs)
             kinds = {type(p).__name__ for p in params.values()}
@@ -639,9 +640,9 @@ def test_train_3d_dp_fsdp_gathers_each_unit_once_a_step_and_frees_it_after(monke
             for name in params:
                 del current[rank][name]  # the spy's own references
 
-        def reduce_grads(self, unit, grads):
+        def _reduce_unit(self, unit, grads):  # a unit's reduction, once all its gradients are marked ready
             events[meshkit.get_rank()].append(("reduce", unit))
-            super().reduce_grads(unit, grads)
+            super()._reduce_unit(unit, grads)
 
         def step(self):
             super().step()
@@ -659,8 +660,8 @@ def test_train_3d_dp_fsdp_gathers_each_unit_once_a_step_and_frees_it_after(monke
         return run
 
     for name in ("DistributedDataParallel", "ZeroRedundancyOptimizer"):
-        monkeypatch.setattr(train_3d, name, None)  # --dp fsdp builds neither
-    monkeypatch.setattr(train_3d, "FullyShardedDataParallel", Spy)
+        monkeypatch.setattr(factory, name, None)  # --dp fsdp builds neither
+    monkeypatch.setattr(factory, "FullyShardedDataParallel", Spy)
     monkeypatch.setattr(train_3d.Stage, "forward", ran_on_gathered(train_3d.Stage.forward))
     monkeypatch.setattr(train_3d.Stage, "backward", ran_on_gathered(train_3d.Stage.backward))
     args = train_3d.parse_args(["--mesh", "2x2x1", "--dp", "fsdp", "--schedule", "interleaved", *SMALL_3D,
@@ -797,7 +798,7 @@ def test_device_cuda_trains_cupy_arrays_and_passes_the_exact_check(cupy, strateg
         meshkit.init_process_group("nccl", timeout=60)
         model = mlp.build(strategy, hidden=(4,), device="cuda", hsdp_mesh=(2, world // 2) if strategy == "hsdp"
                           else None)
-        assert all(type(p) is cupy.ndarray for p in model.full_params().values()), "the model is on the device"
+        assert all(type(p) is cupy.ndarray for p in model.full_state_dict()["params"].values()), "the model is on the device"
         return train_mlp.train(args, progress=False)
     for params, losses in local.run(body, world, init=False, timeout=60):
         results = train_mlp.compare(args, world, params, losses, reference, ref_losses)

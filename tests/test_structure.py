@@ -289,7 +289,7 @@ def test_what_the_readme_and_the_examples_use_is_user_api():
                  for module, name, _ in _meshkit_uses(block)]
     uses += [(path.relative_to(ROOT).as_posix(), line, f"{module}.{name}")
              for path in sorted((ROOT / "examples").glob("*.py")) for module, name, line in _meshkit_uses(path)]
-    assert {"meshkit.parallel.DistributedDataParallel", "meshkit.checkpoint.save"} <= {u[2] for u in uses}, \
+    assert {"meshkit.parallel.data_parallel", "meshkit.checkpoint.save"} <= {u[2] for u in uses}, \
         "the scan missed what the README shows"
     seams = set().union(*SEAMS.values()) - set().union(*USER_HELPERS.values())
     wrong = []

@@ -1,0 +1,404 @@
+"""One training loop, written once against the strategy protocol, trains every strategy (issue 25.1).
+
+:func:`train` uses only the protocol (``unshard``, ``prefetch``, ``mark_grad_ready``, ``no_sync``,
+``zero_grad``, ``step``, ``units``, ``full_state_dict``) and must give the single-process result
+(float64, 1e-10) for DDP, ZeRO-1/2 and FSDP at every world size and HSDP on a 2x2 mesh, with SGD
+momentum and AdamW, gradient accumulation under ``no_sync()`` and several units. The old spellings
+still work, warn, and give the same numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+import warnings
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+
+import meshkit
+from meshkit.checkpoint import get_state_dict, set_state_dict
+from meshkit.comm import local
+from meshkit.parallel import (SGD, AdamW, DistributedDataParallel, FullyShardedDataParallel, Optimizer,
+                              ZeroRedundancyOptimizer, data_parallel)
+
+FEATURES, HIDDEN, OUT = 5, 7, 3
+LAYERS = 3
+BATCH, MICRO, STEPS = 24, 2, 3  # the global batch splits into MICRO micro-batches over 1..4 ranks
+UNITS = [[f"w{i}", f"b{i}"] for i in range(LAYERS)]  # one unit per layer
+
+
+def init_params() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    sizes = (FEATURES, HIDDEN, HIDDEN, OUT)
+    params = {}
+    for i in range(LAYERS):
+        params[f"w{i}"] = rng.standard_normal((sizes[i], sizes[i + 1])) / np.sqrt(sizes[i])
+        params[f"b{i}"] = rng.standard_normal(sizes[i + 1]) * 0.1
+    return params
+
+
+def make_optimizer(name: str) -> Optimizer:
+    return SGD(lr=0.1, momentum=0.9) if name == "sgd" else AdamW(lr=0.01, weight_decay=0.01)
+
+
+def batch(step: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(100 + step)
+    return rng.standard_normal((BATCH, FEATURES)), rng.standard_normal((BATCH, OUT))
+
+
+def local_batch(step: int, micro: int, rank: int, world: int) -> tuple[np.ndarray, np.ndarray]:
+    """This rank's share of micro-batch ``micro`` of the global batch of ``step``."""
+    x, y = batch(step)
+    size = BATCH // (MICRO * world)
+    lo = micro * (BATCH // MICRO) + rank * size
+    return x[lo:lo + size], y[lo:lo + size]
+
+
+def train(make: Callable[[dict[str, np.ndarray]], Any], steps: int = STEPS, clip: float | None = None
+          ) -> dict[str, Any]:
+    """The loop, written once: only protocol methods. Loss 0.5 * mean squared error. With
+    ``clip``, ``clip_grad_norm_(clip)`` between the backward pass and ``step()``, as torch's loops."""
+    rank, world = meshkit.get_rank(), meshkit.get_world_size()
+    model = make(init_params())
+    unit_of = {name: u for u, names in enumerate(model.units) for name in names}
+    for step in range(steps):
+        model.zero_grad()
+        for micro in range(MICRO):
+            with model.no_sync() if micro < MICRO - 1 else contextlib.nullcontext():
+                x, y = local_batch(step, micro, rank, world)
+                acts = [x]
+                for i in range(LAYERS):
+                    if i + 1 < LAYERS:
+                        model.prefetch(unit_of[f"w{i + 1}"])
+                    with model.unshard(unit_of[f"w{i}"]) as p:
+                        z = acts[-1] @ p[f"w{i}"] + p[f"b{i}"]
+                    acts.append(np.tanh(z) if i < LAYERS - 1 else z)
+                delta = (acts[-1] - y) / (len(y) * MICRO)  # each micro-batch's mean, a 1/MICRO share
+                for i in reversed(range(LAYERS)):
+                    with model.unshard(unit_of[f"w{i}"]) as p:
+                        dw, db = acts[i].T @ delta, delta.sum(axis=0)
+                        if i:
+                            delta = (delta @ p[f"w{i}"].T) * (1 - acts[i] ** 2)
+                    model.mark_grad_ready(f"w{i}", dw)
+                    model.mark_grad_ready(f"b{i}", db)
+        if clip is not None:
+            model.clip_grad_norm_(clip)
+        model.step()
+    return model.full_state_dict()
+
+
+def reference(opt_name: str, clip: float | None = None) -> tuple[dict[str, np.ndarray], Optimizer]:
+    """One process, the whole global batch per step, no strategy (clipped by the global norm)."""
+    params, opt = init_params(), make_optimizer(opt_name)
+    for step in range(STEPS):
+        x, y = batch(step)
+        acts = [x]
+        for i in range(LAYERS):
+            z = acts[-1] @ params[f"w{i}"] + params[f"b{i}"]
+            acts.append(np.tanh(z) if i < LAYERS - 1 else z)
+        delta, grads = (acts[-1] - y) / BATCH, {}
+        for i in reversed(range(LAYERS)):
+            grads[f"w{i}"], grads[f"b{i}"] = acts[i].T @ delta, delta.sum(axis=0)
+            delta = (delta @ params[f"w{i}"].T) * (1 - acts[i] ** 2)
+        if clip is not None:
+            norm = np.sqrt(sum(float(np.sum(g * g)) for g in grads.values()))
+            scale = min(clip / (norm + 1e-6), 1.0)
+            grads = {name: g * scale for name, g in grads.items()}
+        opt.step(params, grads)
+    return params, opt
+
+
+def assert_matches(sd: dict[str, Any], ref: tuple[dict[str, np.ndarray], Optimizer]) -> None:
+    params, opt = ref
+    assert sorted(sd["params"]) == sorted(params)
+    for name, expected in params.items():
+        np.testing.assert_allclose(sd["params"][name], expected, rtol=1e-10, atol=1e-10, err_msg=name)
+    state = sd["optimizer"]["state"]
+    for name, st in opt.state.items():
+        assert sorted(state[name]) == sorted(st), name
+        for key, expected in st.items():
+            np.testing.assert_allclose(state[name][key], expected.reshape(-1), rtol=1e-10, atol=1e-10,
+                                       err_msg=f"{name}.{key}")
+        assert sd["optimizer"]["step"][name] == STEPS
+
+
+def factory(strategy: str, opt_name: str, units: Any = UNITS, **options: Any) -> Callable[[dict], Any]:
+    def make(params: dict[str, np.ndarray]) -> Any:
+        world = meshkit.get_world_size()
+        if strategy == "hsdp":
+            mesh = meshkit.init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = meshkit.init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+        return data_parallel(params, mesh, strategy, optimizer=make_optimizer(opt_name), units=units, **options)
+    return make
+
+
+REFERENCES = {name: reference(name) for name in ("sgd", "adamw")}
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp"])
+def test_one_loop_trains_every_strategy_to_the_single_process_result(strategy, world, opt_name):
+    # tiny bucket caps: several buckets, so reductions start during the backward pass
+    options = {} if strategy == "fsdp" else {"bucket_cap_mb": 1e-4, "first_bucket_cap_mb": 1e-4}
+    for sd in local.run(train, world, factory(strategy, opt_name, **options)):
+        assert_matches(sd, REFERENCES[opt_name])
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+def test_one_loop_trains_hsdp_on_a_2x2_mesh(opt_name):
+    for sd in local.run(train, 4, factory("hsdp", opt_name)):
+        assert_matches(sd, REFERENCES[opt_name])
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp"])
+def test_default_units_are_one_unit_of_everything(strategy):
+    def run() -> dict[str, Any]:
+        make = factory(strategy, "adamw", units=None)
+        assert make(init_params()).units == [list(init_params())]
+        return train(make)
+
+    for sd in local.run(run, 2):
+        assert_matches(sd, REFERENCES["adamw"])
+
+
+def test_one_loop_under_meshkit_run(mpirun):
+    out = mpirun("mpi_strategy_protocol.py", 3).stdout
+    assert out.count("protocol OK") == 3, out
+
+
+def test_unshard_yields_the_parameters_themselves_where_nothing_is_gathered():
+    def run() -> None:
+        mesh = meshkit.init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        for strategy in ("ddp", "zero1", "zero2"):
+            model = data_parallel(init_params(), mesh, strategy, optimizer=SGD(lr=0.1), units=UNITS)
+            model.prefetch(2)
+            with model.unshard(1) as p:
+                assert list(p) == ["w1", "b1"]
+                assert all(p[n] is model.params[n] for n in p)
+            with pytest.raises(ValueError, match=r"unshard: unknown unit 3; valid units are 0..2"):
+                with model.unshard(3):
+                    pass
+            report = model.memory_report()
+            assert report["optimizer_state"] == 0 and report["params"] > 0
+
+    local.run(run, 2)
+
+
+def test_fsdp_params_are_this_ranks_pieces_of_each_parameter():
+    def run() -> dict[str, np.ndarray]:
+        mesh = meshkit.init_device_mesh("cpu", (3,), mesh_dim_names=("dp",))
+        fsdp = data_parallel(init_params(), mesh, "fsdp", optimizer=SGD(lr=0.1), units=UNITS)
+        every: list[Any] = [None] * 3
+        meshkit.all_gather_object(every, {n: p.copy() for n, p in fsdp.params.items()})
+        return {n: np.concatenate([pieces[n] for pieces in every]) for n in init_params()}
+
+    for joined in local.run(run, 3):
+        for name, p in init_params().items():
+            np.testing.assert_array_equal(joined[name], p.reshape(-1), err_msg=name)
+
+
+def test_data_parallel_names_a_bad_strategy_or_option():
+    def run() -> None:
+        mesh = meshkit.init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        with pytest.raises(ValueError, match=r"data_parallel: unknown strategy 'zero3'; valid strategies are "
+                                             r"ddp, zero1, zero2, fsdp, hsdp"):
+            data_parallel(init_params(), mesh, "zero3", optimizer=SGD(lr=0.1))
+        with pytest.raises(TypeError, match=r"data_parallel: strategy 'fsdp' takes no option\(s\) \['bucket_cap_mb'\]; "
+                                            r"its options are reshard_after_forward, param_dtype, reduce_dtype"):
+            data_parallel(init_params(), mesh, "fsdp", optimizer=SGD(lr=0.1), bucket_cap_mb=1)
+        with pytest.raises(TypeError, match=r"strategy 'zero1' takes no option\(s\) \['comm_hook'\]; its options are "
+                                            r"bucket_cap_mb, first_bucket_cap_mb, find_unused_parameters"):
+            data_parallel(init_params(), mesh, "zero1", optimizer=SGD(lr=0.1), comm_hook=None)
+        with pytest.raises(ValueError, match=r"strategy 'hsdp' needs a 2-D DeviceMesh \(replicate, shard\), got a 1-D "
+                                             r"mesh with dims \('dp',\)"):
+            data_parallel(init_params(), mesh, "hsdp", optimizer=SGD(lr=0.1))
+        with pytest.raises(ValueError, match=r"units must put every parameter in exactly one non-empty unit; "
+                                             r"unknown names \['nope'\]"):
+            data_parallel(init_params(), mesh, "ddp", optimizer=SGD(lr=0.1), units=UNITS + [["nope"]])
+
+    local.run(run, 2)
+
+
+def test_protocol_misuse_raises_naming_what_to_do():
+    def run() -> None:
+        mesh = meshkit.init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+        fsdp = data_parallel(init_params(), mesh, "fsdp", optimizer=SGD(lr=0.1), units=UNITS)
+        g = {name: np.ones_like(p) for name, p in init_params().items()}
+        fsdp.mark_grad_ready("w0", g["w0"])
+        with pytest.raises(ValueError, match=r"mark_grad_ready: gradient 'w0' was already marked ready"):
+            fsdp.mark_grad_ready("w0", g["w0"])
+        with pytest.raises(ValueError, match=r"mark_grad_ready: unknown parameter 'x'; valid names are"):
+            fsdp.mark_grad_ready("x", g["w0"])
+        with pytest.raises(ValueError, match=r"gradient 'b0' has shape \(3,\); expected \(7,\)"):
+            fsdp.mark_grad_ready("b0", np.ones(3))
+        with pytest.raises(TypeError, match=r"gradient 'b0' is None; FullyShardedDataParallel keeps no gradient"):
+            fsdp.mark_grad_ready("b0", None)
+        with pytest.raises(ValueError, match=r"step: units \[0\] are partly marked: gradients \{0: \['b0'\]\}"):
+            fsdp.step()
+        fsdp.mark_grad_ready("b0", g["b0"])
+        with fsdp.no_sync():
+            fsdp.mark_grad_ready("w1", g["w1"])
+        with pytest.raises(ValueError, match=r"step: gradients \['w1'\] were accumulated under no_sync\(\) but never "
+                                             r"synchronized"):
+            fsdp.step()
+        fsdp.zero_grad()
+        fsdp.step()
+
+        with pytest.warns(DeprecationWarning, match="optimizer="):
+            ddp = DistributedDataParallel(init_params(), mesh=mesh)
+        ddp.mark_grad_ready("w0", g["w0"])
+        with pytest.raises(ValueError, match=r"DistributedDataParallel.step: no optimizer; pass optimizer="):
+            ddp.step()
+        ddp = data_parallel(init_params(), mesh, "ddp", optimizer=SGD(lr=0.1))
+        with pytest.raises(ValueError, match=r"step: no synchronized gradient pass since zero_grad\(\)"):
+            ddp.step()
+        with ddp.no_sync():
+            ddp.mark_grad_ready("w0", g["w0"])
+        with pytest.raises(ValueError, match=r"step: gradients \['w0'\] were accumulated under no_sync\(\) but never "
+                                             r"synchronized"):
+            ddp.step()
+
+    local.run(run, 1)  # one thread: pytest.warns' filters are the process's
+
+
+def test_checkpoint_takes_the_strategy_alone():
+    """get_state_dict / set_state_dict of any strategy: the optimizer is the strategy's."""
+    def run() -> None:
+        for strategy in ("ddp", "zero2", "fsdp"):
+            make = factory(strategy, "adamw")
+            model = make(init_params())
+            g = {name: np.full_like(p, 0.1) for name, p in init_params().items()}
+            for name in reversed(list(g)):
+                model.mark_grad_ready(name, g[name])
+            model.step()
+            msd, osd = get_state_dict(model)
+            assert sorted(osd["state"]) == sorted(g) and all(int(s) == 1 for s in osd["step"].values())
+            saved = model.full_state_dict()
+            copies = ({k: _copy(v) for k, v in msd.items()},
+                      {"state": {k: {kk: _copy(vv) for kk, vv in st.items()} for k, st in osd["state"].items()},
+                       "step": {k: int(v) for k, v in osd["step"].items()}})
+            for name in reversed(list(g)):
+                model.mark_grad_ready(name, g[name])
+            model.step()
+            set_state_dict(model, model_state_dict=copies[0], optim_state_dict=copies[1])
+            back = model.full_state_dict()
+            for name in g:
+                np.testing.assert_array_equal(back["params"][name], saved["params"][name])
+                for key, arr in saved["optimizer"]["state"][name].items():
+                    np.testing.assert_array_equal(back["optimizer"]["state"][name][key], arr)
+                assert back["optimizer"]["step"][name] == 1
+
+    local.run(run, 2)
+
+
+def _copy(value: Any) -> Any:
+    """A checkpoint's copy of a state-dict entry (an array, or a list of ShardedArray boxes)."""
+    if isinstance(value, list):
+        return [dataclasses.replace(box, local=box.local.copy()) for box in value]
+    return value.copy()
+
+
+# --------------------------------------------------------------------------- today's spellings
+def train_old(strategy: str, opt_name: str) -> dict[str, np.ndarray]:
+    """The same training written against the API as it was before the protocol."""
+    rank, world = meshkit.get_rank(), meshkit.get_world_size()
+    opt = make_optimizer(opt_name)
+    if strategy == "ddp":
+        model = DistributedDataParallel(init_params())                      # mesh=None: the world; no optimizer
+    elif strategy == "fsdp":
+        mesh = meshkit.init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+        model = FullyShardedDataParallel(init_params(), mesh=mesh, optimizer=opt, units=UNITS)
+    else:
+        model = ZeroRedundancyOptimizer(init_params(), opt, stage=int(strategy[-1]))  # positional optimizer
+    for step in range(STEPS):
+        model.zero_grad()
+        for micro in range(MICRO):
+            last = micro == MICRO - 1
+            with contextlib.nullcontext() if last or strategy == "fsdp" else model.no_sync():
+                x, y = local_batch(step, micro, rank, world)
+                if strategy == "fsdp":
+                    params = {}
+                    for i in range(LAYERS):
+                        with model.unshard(i) as p:
+                            params.update({k: v.copy() for k, v in p.items()})
+                else:
+                    params = model.params
+                acts = [x]
+                for i in range(LAYERS):
+                    z = acts[-1] @ params[f"w{i}"] + params[f"b{i}"]
+                    acts.append(np.tanh(z) if i < LAYERS - 1 else z)
+                delta = (acts[-1] - y) / (len(y) * MICRO)
+                for i in reversed(range(LAYERS)):
+                    dw, db = acts[i].T @ delta, delta.sum(axis=0)
+                    delta = (delta @ params[f"w{i}"].T) * (1 - acts[i] ** 2)
+                    if strategy == "fsdp":
+                        model.reduce_grads(i, {f"w{i}": dw, f"b{i}": db})  # reduced per micro-batch, added up
+                    else:
+                        model.grads[f"w{i}"][...] += dw                        # write into the view, then mark
+                        model.mark_grad_ready(f"w{i}")
+                        model.mark_grad_ready(f"b{i}", db)
+            if last and strategy != "fsdp":
+                model.finish_gradient_sync()
+        if strategy == "ddp":
+            opt.step(model.params, model.grads)
+        else:
+            model.step()
+    if strategy == "ddp":
+        get_state_dict(model, opt)                                           # the optimizer passed alongside
+        return {name: p.copy() for name, p in model.params.items()}
+    return model.full_state_dict()["params"]
+
+
+OLD_SPELLINGS = {
+    "ddp": ["DistributedDataParallel without mesh=", "DistributedDataParallel without optimizer=",
+            r"mark_grad_ready\(name\) after writing into grads\[name\]", r"finish_gradient_sync\(\)",
+            r"meshkit.checkpoint.get_state_dict\(strategy, optimizers\)"],
+    "zero1": [r"ZeroRedundancyOptimizer\(params, optimizer\) is deprecated; pass optimizer= by keyword",
+              "ZeroRedundancyOptimizer without mesh=", r"mark_grad_ready\(name\) after writing",
+              r"finish_gradient_sync\(\) is deprecated; step\(\) finishes the gradient sync"],
+    "zero2": [r"ZeroRedundancyOptimizer\(params, optimizer\)", r"finish_gradient_sync\(\)"],
+    "fsdp": [r"FullyShardedDataParallel.reduce_grads\(unit, grads\) is deprecated; call mark_grad_ready\(name, grad\)"],
+}
+
+
+@pytest.mark.parametrize("strategy", list(OLD_SPELLINGS))
+def test_old_spellings_warn_and_give_the_same_numbers(strategy):
+    with warnings.catch_warnings(record=True) as seen:  # the ranks' threads warn into the process's filters
+        warnings.simplefilter("always")
+        results = local.run(train_old, 2, strategy, "sgd")
+    messages = [str(w.message) for w in seen if issubclass(w.category, DeprecationWarning)]
+    for pattern in OLD_SPELLINGS[strategy]:
+        assert any(re.search(pattern, m) for m in messages), (pattern, sorted(set(messages)))
+    params, _ = REFERENCES["sgd"]
+    for got in results:
+        for name, expected in params.items():
+            np.testing.assert_allclose(got[name], expected, rtol=1e-10, atol=1e-10, err_msg=name)
+
+
+def test_get_state_dict_of_a_strategy_with_its_own_optimizer_passed_again_warns():
+    def run() -> None:
+        mesh = meshkit.init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+        zero = data_parallel(init_params(), mesh, "zero1", optimizer=SGD(lr=0.1, momentum=0.9))
+        with pytest.warns(DeprecationWarning, match=r"call get_state_dict\(strategy\): the optimizer is the strategy's"):
+            _, osd = get_state_dict(zero, zero.optimizer)
+        assert sorted(osd["state"]) == sorted(init_params())
+
+    local.run(run, 1)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp"])
+def test_clipping_between_the_backward_pass_and_step_finishes_the_sync(strategy, world):
+    """clip_grad_norm_() is, with step(), a collective call that ends the backward pass: it finishes
+    the sync (reading the gradients does not, issue 23.4) and clips by the single-process norm. The
+    bound is below the gradients' norm, so every step clips."""
+    options = {} if strategy == "fsdp" else {"bucket_cap_mb": 1e-4, "first_bucket_cap_mb": 1e-4}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)  # the protocol alone: no old spelling
+        for sd in local.run(train, world, factory(strategy, "adamw", **options), STEPS, 0.05):
+            assert_matches(sd, reference("adamw", clip=0.05))
