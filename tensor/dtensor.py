@@ -15,12 +15,18 @@ from numpy.lib.mixins import NDArrayOperatorsMixin
 
 from ..mesh import DeviceMesh
 from . import dispatch, errors
+from .checks import Claim, verify_claims
 from .chunks import local_shape_and_offset, normalize_dim
 from .indexing import index_plan
 from .placements import Partial, Placement, Replicate, Shard
 from .redistribute import cached, program, remember
 
 __all__ = ["DTensor", "normalize_placements"]
+
+#: True once this process made a DTensor from a trusted ``shape=`` (a :class:`~.checks.Claim`):
+#: only then do the NumPy protocols pass claims on to their results (one global read per op
+#: otherwise, so a program that never passes ``shape=`` pays nothing for them).
+_claimed = False
 
 
 def normalize_placements(op: str, mesh: DeviceMesh, placements: Sequence[Placement] | None, ndim: int
@@ -85,7 +91,10 @@ class DTensor(NDArrayOperatorsMixin):
     ``shape`` is ``(3, 2)`` on both.
     """
 
-    __slots__ = ("_local", "_mesh", "_placements", "_shape")
+    # _claims: None (every rank's layout is known to agree), or the unchecked Claims this array
+    # was built on (from_local's shape=, inherited by the results of ops), checked at its first
+    # redistribution (see _check_claims)
+    __slots__ = ("_local", "_mesh", "_placements", "_shape", "_claims")
     # NumPy binary operators with an ndarray on the left defer to DTensor's __array_ufunc__.
     __array_priority__ = 100
 
@@ -96,6 +105,7 @@ class DTensor(NDArrayOperatorsMixin):
         self._mesh = device_mesh
         self._placements = tuple(placements)
         self._shape = tuple(int(s) for s in shape)
+        self._claims: tuple[Claim, ...] | None = None
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -143,7 +153,8 @@ class DTensor(NDArrayOperatorsMixin):
             local = np.asarray(local)
         placements = normalize_placements(op, device_mesh, placements, local.ndim)
         coordinate = coordinate_of(op, device_mesh)
-        if shape is None:
+        given = shape is not None
+        if not given:
             if any(p.__class__ is Shard for p in placements):
                 from .checks import infer_global_shape
 
@@ -164,7 +175,12 @@ class DTensor(NDArrayOperatorsMixin):
             raise errors.value_error(op, f"local has shape {tuple(local.shape)} but global shape {shape} with "
                                          f"placements {placements!r} gives mesh coordinate {coordinate} a block "
                                          f"of shape {expected}")
-        return DTensor(local, device_mesh, placements, shape=shape)
+        out = DTensor(local, device_mesh, placements, shape=shape)
+        if given and not check:  # trusted: checked where the data first crosses ranks
+            global _claimed
+            _claimed = True
+            out._claims = (Claim(shape, placements, local.dtype, tuple(local.shape)),)
+        return out
 
     # ---- the array's description --------------------------------------------------------------
 
@@ -218,6 +234,8 @@ class DTensor(NDArrayOperatorsMixin):
 
     def full_tensor(self) -> Any:
         """The whole global array on every rank (all-gather / all-reduce as needed)."""
+        if self._claims is not None and any(p.__class__ is not Replicate for p in self._placements):
+            self._check_claims("DTensor.full_tensor")  # data will cross ranks: named as the caller's call
         return self.redistribute(placements=(Replicate(),) * self._mesh.ndim).to_local()
 
     def redistribute(self, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None,
@@ -247,18 +265,37 @@ class DTensor(NDArrayOperatorsMixin):
             remember(prog, mesh, self._shape, self._placements, placements)
         if prog.same:
             return self
+        if self._claims is not None:
+            self._check_claims("DTensor.redistribute")
         return _wrap(prog(self._local), mesh, prog.target, self._shape)
+
+    def _check_claims(self, op: str) -> None:
+        """Before this array's data first crosses ranks (``op``): check the shapes it was built on.
+
+        Every rank compares the claims still unchecked (one all-gather of two int64 per mesh dim,
+        :func:`~.checks.verify_claims`) and raises if they differ, naming the ranks; after that the
+        claims, and every DTensor sharing them, are known to agree. A collective: every rank of
+        the mesh reaches it, as it reaches the redistribution that follows.
+        """
+        pending = tuple(c for c in self._claims or () if not c.verified)
+        if pending:
+            verify_claims(op, self._mesh, pending)
+        self._claims = None
 
     # ---- NumPy protocols ---------------------------------------------------------------------
 
     def __array_ufunc__(self, ufunc: np.ufunc, method: str, *inputs: Any, **kwargs: Any) -> Any:
         if method == "__call__" and ufunc in dispatch.UFUNCS:
-            return dispatch.UFUNCS[ufunc](*inputs, **kwargs)
-        rule = dispatch.UFUNC_METHODS.get(method)
-        if rule is None:
-            raise NotImplementedError(errors.prefix(f"np.{ufunc.__name__}.{method}")
-                                      + f"is not supported on DTensors (placements {self._placements!r})")
-        return rule(ufunc, *inputs, **kwargs)
+            out = dispatch.UFUNCS[ufunc](*inputs, **kwargs)
+        else:
+            rule = dispatch.UFUNC_METHODS.get(method)
+            if rule is None:
+                raise NotImplementedError(errors.prefix(f"np.{ufunc.__name__}.{method}")
+                                          + f"is not supported on DTensors (placements {self._placements!r})")
+            out = rule(ufunc, *inputs, **kwargs)
+        if _claimed:
+            _inherit(out, inputs, kwargs)
+        return out
 
     def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
         rule = dispatch.FUNCTIONS.get(func)
@@ -266,7 +303,10 @@ class DTensor(NDArrayOperatorsMixin):
             raise NotImplementedError(errors.prefix(f"np.{func.__name__}")
                                       + f"has no DTensor rule (placements {self._placements!r}); "
                                         f"call full_tensor() or to_local() first")
-        return rule(*args, **kwargs)
+        out = rule(*args, **kwargs)
+        if _claimed:
+            _inherit(out, args, kwargs)
+        return out
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
         raise TypeError(errors.prefix("np.asarray") + "a DTensor is not converted to one array implicitly; "
@@ -317,15 +357,22 @@ class DTensor(NDArrayOperatorsMixin):
     def __getitem__(self, key: Any) -> DTensor:
         """Integers, slices, ``...`` and None, locally along unsharded dims (see :mod:`.indexing`)."""
         local_key, shape, placements = index_plan(key, self._shape, self._placements)
-        return DTensor(self._local[local_key], self._mesh, placements, shape=shape)
+        out = DTensor(self._local[local_key], self._mesh, placements, shape=shape)
+        out._claims = self._claims
+        return out
 
     def __copy__(self) -> DTensor:
-        return DTensor(self._local, self._mesh, self._placements, shape=self._shape)
+        out = DTensor(self._local, self._mesh, self._placements, shape=self._shape)
+        out._claims = self._claims
+        return out
 
     def __deepcopy__(self, memo: dict[int, Any]) -> DTensor:
         # The block is copied; the mesh is shared: it holds process groups (communicators, locks)
-        # that must not be copied, as torch's DTensor shares its DeviceMesh.
-        return DTensor(copy.deepcopy(self._local, memo), self._mesh, self._placements, shape=self._shape)
+        # that must not be copied, as torch's DTensor shares its DeviceMesh. Claims are shared too:
+        # the copy's shape is the same unchecked one.
+        out = DTensor(copy.deepcopy(self._local, memo), self._mesh, self._placements, shape=self._shape)
+        out._claims = self._claims
+        return out
 
     def __repr__(self) -> str:
         return (f"DTensor(local_tensor={self._local!r}, device_mesh={self._mesh!r}, "
@@ -339,4 +386,21 @@ def _wrap(local: Any, mesh: DeviceMesh, placements: tuple[Placement, ...], shape
     out._mesh = mesh
     out._placements = placements
     out._shape = shape
+    out._claims = None
     return out
+
+
+def _inherit(out: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+    """Give ``out`` (an op's result: a DTensor or a tuple of them) the unchecked claims of the
+    DTensors among ``args`` and ``kwargs`` (one level of lists and tuples: ``np.concatenate``'s,
+    ``out=``), so that ``y = x @ w; y.full_tensor()`` checks the shape ``x`` was built on."""
+    pending: list[Claim] = []
+    for a in (*args, *kwargs.values()):
+        for x in (a if isinstance(a, (list, tuple)) else (a,)):
+            if x.__class__ is DTensor and x._claims is not None:
+                pending.extend(c for c in x._claims if not c.verified and c not in pending)
+    if not pending:
+        return
+    for o in (out if isinstance(out, tuple) else (out,)):
+        if isinstance(o, DTensor):
+            o._claims = tuple(dict.fromkeys((*(o._claims or ()), *pending)))
