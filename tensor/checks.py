@@ -266,11 +266,9 @@ class Claim:
 
     __slots__ = ("key", "description", "verified")
 
-    def __init__(self, shape: tuple[int, ...], placements: tuple[Placement, ...], dtype: Any,
-                 local_shape: tuple[int, ...]) -> None:
+    def __init__(self, shape: tuple[int, ...], placements: tuple[Placement, ...], dtype: Any) -> None:
         self.key = (shape, placements, np.dtype(dtype).str)
-        self.description = (f"shape={shape} with placements {placements!r} and dtype {dtype} "
-                            f"(its block {local_shape})")
+        self.description = f"shape={shape} with placements {placements!r} and dtype {dtype}"
         self.verified = False
 
 

@@ -179,7 +179,7 @@ class DTensor(NDArrayOperatorsMixin):
         if given and not check:  # trusted: checked where the data first crosses ranks
             global _claimed
             _claimed = True
-            out._claims = (Claim(shape, placements, local.dtype, tuple(local.shape)),)
+            out._claims = (Claim(shape, placements, local.dtype),)
         return out
 
     # ---- the array's description --------------------------------------------------------------
