@@ -27,7 +27,7 @@ from . import errors
 from .chunks import chunk_range, local_shape_and_offset
 from .placements import Placement, Shard
 
-__all__ = ["check_from_local", "infer_global_shape", "check_same_arguments", "Claim", "verify_claims"]
+__all__ = ["check_from_local", "infer_global_shape", "check_same_arguments", "verify_claims"]
 
 
 def check_from_local(op: str, local: Any, mesh: DeviceMesh, placements: Sequence[Placement],
@@ -254,32 +254,14 @@ def _listed(names: list[str]) -> str:
 # ---- claims: from_local's trusted shape=, checked where the data first crosses ranks -----------
 
 
-class Claim:
-    """A global layout one rank asserted without communication: ``from_local``'s ``shape=``.
-
-    Trusted at construction (as torch trusts it); :func:`verify_claims` compares it with every
-    rank's the first time a DTensor built on it (it or a result computed from it) is
-    redistributed. ``verified`` then turns True on every rank at once, so the DTensors sharing the
-    claim pay nothing more. Every rank makes its claims in the same program order and checks them
-    in the same collective calls, so the state is the same on every rank.
-    """
-
-    __slots__ = ("key", "description", "verified")
-
-    def __init__(self, shape: tuple[int, ...], placements: tuple[Placement, ...], dtype: Any) -> None:
-        self.key = (shape, placements, np.dtype(dtype).str)
-        self.description = f"shape={shape} with placements {placements!r} and dtype {dtype}"
-        self.verified = False
-
-
-def verify_claims(op: str, mesh: DeviceMesh, claims: Sequence[Claim]) -> None:
+def verify_claims(op: str, mesh: DeviceMesh, claims: Sequence[Any]) -> None:
     """Raise on every rank of ``mesh`` unless all ranks made the same ``claims``; collective.
 
     One all-gather of two int64 per mesh dimension (a fingerprint of the claims, as
     :func:`check_same_arguments`), right to left; on success the claims are marked verified.
     ``op`` is where the data was about to cross ranks.
     """
-    vec = [_OK, digest(*(c.key for c in claims))]
+    vec = [_OK, digest(*(c.key for c in claims))]  # claims: dtensor.Claim
 
     def combine(i: int, rows: list[list[int]]) -> tuple[list[int], str | None]:
         if any(row[1] != rows[0][1] for row in rows):
@@ -297,4 +279,4 @@ def verify_claims(op: str, mesh: DeviceMesh, claims: Sequence[Claim]) -> None:
                            "size: uneven blocks make that differ), or leave shape= out to have the block sizes "
                            "gathered")
     for c in claims:
-        c.verified = True
+        c.settle()

@@ -8,6 +8,7 @@ worked example of which block each rank holds.
 from __future__ import annotations
 
 import copy
+import threading
 from typing import Any, Sequence
 
 import numpy as np
@@ -15,7 +16,7 @@ from numpy.lib.mixins import NDArrayOperatorsMixin
 
 from ..mesh import DeviceMesh
 from . import dispatch, errors
-from .checks import Claim, verify_claims
+from .checks import verify_claims
 from .chunks import local_shape_and_offset, normalize_dim
 from .indexing import index_plan
 from .placements import Partial, Placement, Replicate, Shard
@@ -23,10 +24,50 @@ from .redistribute import cached, program, remember
 
 __all__ = ["DTensor", "normalize_placements"]
 
-#: True once this process made a DTensor from a trusted ``shape=`` (a :class:`~.checks.Claim`):
-#: only then do the NumPy protocols pass claims on to their results (one global read per op
-#: otherwise, so a program that never passes ``shape=`` pays nothing for them).
-_claimed = False
+#: Claims alive and not yet checked, in this process (all ranks of the local engine). Only while
+#: there are some do the NumPy protocols look for claims to pass on to their results: otherwise an
+#: op pays one global read for them, whether or not shape= was ever passed.
+_pending = 0
+_pending_lock = threading.Lock()  # ranks of the local engine are threads
+
+
+def _count_pending(step: int) -> None:
+    global _pending
+    with _pending_lock:
+        _pending += step
+
+
+class Claim:
+    """A global layout asserted without communication: ``from_local``'s ``shape=`` (trusted, as
+    torch trusts it).
+
+    :func:`~.checks.verify_claims` compares it with every rank's the first time a DTensor built
+    on it (it, or a result computed from it) is redistributed; :meth:`settle` then marks it
+    checked, on every rank at once, so the DTensors sharing it pay nothing more. Every rank
+    makes its claims in the same program order and checks them in the same collective calls,
+    so the state is the same on every rank.
+    """
+
+    __slots__ = ("key", "description", "verified")
+
+    def __init__(self, shape: tuple[int, ...], placements: tuple[Placement, ...], dtype: Any) -> None:
+        self.key = (shape, placements, np.dtype(dtype).str)
+        self.description = f"shape={shape} with placements {placements!r} and dtype {dtype}"
+        self.verified = False
+        _count_pending(1)
+
+    def settle(self) -> None:
+        """Mark the claim checked (every rank agreed)."""
+        if not self.verified:
+            self.verified = True
+            _count_pending(-1)
+
+    def __del__(self) -> None:
+        if not self.verified:  # dropped before its data ever moved: no longer pending
+            try:
+                _count_pending(-1)
+            except Exception:  # interpreter shutdown: the module may be half torn down
+                pass
 
 
 def normalize_placements(op: str, mesh: DeviceMesh, placements: Sequence[Placement] | None, ndim: int
@@ -177,8 +218,6 @@ class DTensor(NDArrayOperatorsMixin):
                                          f"of shape {expected}")
         out = DTensor(local, device_mesh, placements, shape=shape)
         if given and not check:  # trusted: checked where the data first crosses ranks
-            global _claimed
-            _claimed = True
             out._claims = (Claim(shape, placements, local.dtype),)
         return out
 
@@ -293,7 +332,7 @@ class DTensor(NDArrayOperatorsMixin):
                 raise NotImplementedError(errors.prefix(f"np.{ufunc.__name__}.{method}")
                                           + f"is not supported on DTensors (placements {self._placements!r})")
             out = rule(ufunc, *inputs, **kwargs)
-        if _claimed:
+        if _pending:
             _inherit(out, inputs, kwargs)
         return out
 
@@ -304,7 +343,7 @@ class DTensor(NDArrayOperatorsMixin):
                                       + f"has no DTensor rule (placements {self._placements!r}); "
                                         f"call full_tensor() or to_local() first")
         out = rule(*args, **kwargs)
-        if _claimed:
+        if _pending:
             _inherit(out, args, kwargs)
         return out
 
