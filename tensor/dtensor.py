@@ -48,13 +48,18 @@ class Claim:
     so the state is the same on every rank.
     """
 
-    __slots__ = ("key", "description", "verified")
+    __slots__ = ("key", "verified")
 
     def __init__(self, shape: tuple[int, ...], placements: tuple[Placement, ...], dtype: Any) -> None:
         self.key = (shape, placements, np.dtype(dtype).str)
-        self.description = f"shape={shape} with placements {placements!r} and dtype {dtype}"
         self.verified = False
         _count_pending(1)
+
+    @property
+    def description(self) -> str:
+        """What this rank passed, for the error (built only there)."""
+        shape, placements, dtype = self.key
+        return f"shape={shape} with placements {placements!r} and dtype {np.dtype(dtype)}"
 
     def settle(self) -> None:
         """Mark the claim checked (every rank agreed)."""
