@@ -8,7 +8,6 @@ worked example of which block each rank holds.
 from __future__ import annotations
 
 import copy
-import threading
 from typing import Any, Sequence
 
 import numpy as np
@@ -24,17 +23,12 @@ from .redistribute import cached, program, remember
 
 __all__ = ["DTensor", "normalize_placements"]
 
-#: Claims alive and not yet checked, in this process (all ranks of the local engine). Only while
-#: there are some do the NumPy protocols look for claims to pass on to their results: otherwise an
-#: op pays one global read for them, whether or not shape= was ever passed.
-_pending = 0
-_pending_lock = threading.Lock()  # ranks of the local engine are threads
-
-
-def _count_pending(step: int) -> None:
-    global _pending
-    with _pending_lock:
-        _pending += step
+#: One entry per claim alive and not yet checked, in this process (all ranks of the local engine).
+#: Only while there are some do the NumPy protocols look for claims to pass on to their results:
+#: otherwise an op pays one global read for them, whether or not shape= was ever passed. A list
+#: because append and pop are atomic (the ranks of the local engine are threads) and take no lock
+#: that a Claim's __del__, run wherever a reference drops, could find already held.
+_pending: list[None] = []
 
 
 class Claim:
@@ -53,7 +47,7 @@ class Claim:
     def __init__(self, shape: tuple[int, ...], placements: tuple[Placement, ...], dtype: Any) -> None:
         self.key = (shape, placements, np.dtype(dtype).str)
         self.verified = False
-        _count_pending(1)
+        _pending.append(None)
 
     @property
     def description(self) -> str:
@@ -65,12 +59,12 @@ class Claim:
         """Mark the claim checked (every rank agreed)."""
         if not self.verified:
             self.verified = True
-            _count_pending(-1)
+            _pending.pop()
 
     def __del__(self) -> None:
         if not self.verified:  # dropped before its data ever moved: no longer pending
             try:
-                _count_pending(-1)
+                _pending.pop()
             except Exception:  # interpreter shutdown: the module may be half torn down
                 pass
 

@@ -561,3 +561,27 @@ def test_tp_prepare_input_with_a_shape_is_checked():
 
     for full in local.run(body, 2):
         np.testing.assert_array_equal(full, ROWS5)
+
+
+def test_checked_and_dropped_claims_stop_ops_looking_for_claims():
+    # ops pass claims on only while some are pending: checked or dropped, none are, and ops on
+    # checked DTensors pay one global read again
+    from meshkit.tensor import dtensor
+
+    before = len(dtensor._pending)
+
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2,))
+        block = _torch_chunk_block(ROWS5, 2, meshkit.get_rank())
+        x = DTensor.from_local(block, mesh, [Shard(0)], shape=(5, 3))
+        y = x * 2
+        assert y._claims == x._claims and len(dtensor._pending) >= before + 1
+        full = y.full_tensor()
+        assert x._claims[0].verified and y._claims is None
+        dropped = DTensor.from_local(block, mesh, [Shard(0)], shape=(5, 3))
+        del dropped
+        return full
+
+    for full in local.run(body, 2):
+        np.testing.assert_array_equal(full, 2 * ROWS5)
+    assert len(dtensor._pending) == before
