@@ -160,11 +160,18 @@ class DTensor(NDArrayOperatorsMixin):
             device_mesh: the mesh; every rank of it calls ``from_local``.
             placements: one per mesh dimension (None: all Replicate).
             shape: the global shape, the same on every rank. Given, it is trusted as torch trusts
-                it: no communication, only this rank's block is checked against it, so ranks that
-                pass different shapes are caught only by ``run_check`` (or by the collectives'
-                own size checks). Never compute it from the block (local size times the mesh
-                size, torch's even rule): uneven blocks then give each rank another shape that
-                fits its own block. Leave it out instead. Without it and with a Shard
+                it: no communication here, only this rank's block is checked against it. It is
+                checked across ranks where the data first crosses ranks instead: the first
+                redistribution (``redistribute``, ``full_tensor``, or an op's implicit move) of
+                this DTensor or of any result computed from it (``x * 2``, ``x @ w``, ``x[...]``)
+                first all-gathers a fingerprint of the shapes, placements and dtypes passed (two
+                int64 per mesh dim, once per ``from_local`` call), and ranks that passed different
+                ones raise there, every one, naming who passed what, instead of reading past
+                what the others sent. DTensors known to agree (``distribute_tensor``, this
+                without ``shape=`` or with ``run_check``, results of a checked one) pay nothing.
+                Never compute it from the block (local size times the mesh size, torch's even
+                rule): uneven blocks then give each rank another shape that fits its own block.
+                Leave it out instead. Without it and with a Shard
                 placement, the blocks' sizes are gathered (one all-gather of 67 int64 per mesh
                 dim, every rank of the mesh taking part) and summed, so uneven blocks give the
                 right shape on every rank; torch instead assumes even blocks (local size times
@@ -179,7 +186,9 @@ class DTensor(NDArrayOperatorsMixin):
                 one ``shape`` gives this rank; on every rank, naming the ranks: without
                 ``shape=``, blocks that are not the ``torch.chunk`` cutting of their sum along a
                 Shard dim (2, 3 rows: 5 rows are cut 3, 2), differ elsewhere, or come with other
-                placements or dtypes; with the check, any disagreement.
+                placements or dtypes; with the check, any disagreement. With ``shape=`` and no
+                check, later, on every rank, at the first redistribution of this DTensor or of a
+                result computed from it: ranks that passed different shapes, placements or dtypes.
 
         Example (4 ranks, mesh ``(4,)``): blocks of 2, 2, 1 and 0 rows with ``[Shard(0)]`` give
         ``shape`` ``(5, ...)`` on every rank, with or without ``shape=(5, ...)``.
