@@ -4,6 +4,9 @@ Always on (cheap, see the sweeps below): ``from_local`` without ``shape=`` infer
 shape from every rank's block (:func:`infer_global_shape`); ``distribute_tensor`` checks that
 every rank passed the same arguments (:func:`check_same_arguments`).
 
+Deferred (:func:`verify_claims`): ``from_local``'s trusted ``shape=`` is compared across ranks
+at the first redistribution of a DTensor built on it (see ``dtensor.Claim``).
+
 With ``run_check=True`` or ``MESHKIT_DEBUG=detail`` (:func:`check_from_local`): two small
 object all-gathers per mesh dimension: in the first sweep every rank checks what its
 peers along each mesh dim passed; in the second what anyone found reaches every rank of the

@@ -167,8 +167,10 @@ class DTensor(NDArrayOperatorsMixin):
                 first all-gathers a fingerprint of the shapes, placements and dtypes passed (two
                 int64 per mesh dim, once per ``from_local`` call), and ranks that passed different
                 ones raise there, every one, naming who passed what, instead of reading past
-                what the others sent. DTensors known to agree (``distribute_tensor``, this
-                without ``shape=`` or with ``run_check``, results of a checked one) pay nothing.
+                what the others sent (in a world of one that first redistribution of 8x8 blocks
+                took 46 us beside 31 us under MPI, 65 beside 34 us on the local engine; README,
+                DTensor costs). DTensors known to agree (``distribute_tensor``, this without
+                ``shape=`` or with ``run_check``, results of a checked one) pay nothing per op.
                 Never compute it from the block (local size times the mesh size, torch's even
                 rule): uneven blocks then give each rank another shape that fits its own block.
                 Leave it out instead. Without it and with a Shard
