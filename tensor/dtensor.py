@@ -61,6 +61,15 @@ class Claim:
             self.verified = True
             _pending.pop()
 
+    def __getstate__(self) -> tuple[Any, bool]:
+        return self.key, self.verified
+
+    def __setstate__(self, state: tuple[Any, bool]) -> None:
+        # an unpickled (or copied) claim is made without __init__: counted here, as __del__ uncounts it
+        self.key, self.verified = state
+        if not self.verified:
+            _pending.append(None)
+
     def __del__(self) -> None:
         if not self.verified:  # dropped before its data ever moved: no longer pending
             try:

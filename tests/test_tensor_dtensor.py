@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import pickle
 
 import numpy as np
 import pytest
@@ -579,7 +580,9 @@ def test_checked_and_dropped_claims_stop_ops_looking_for_claims():
         full = y.full_tensor()
         assert x._claims[0].verified and y._claims is None
         dropped = DTensor.from_local(block, mesh, [Shard(0)], shape=(5, 3))
-        del dropped
+        copied = pickle.loads(pickle.dumps(dropped._claims[0]))  # made without __init__: counted too
+        assert not copied.verified and copied.key == dropped._claims[0].key
+        del dropped, copied
         return full
 
     for full in local.run(body, 2):
