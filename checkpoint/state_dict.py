@@ -23,6 +23,7 @@ from typing import Any, Sequence
 from ..parallel import Optimizer, StepCount
 from ..parallel._seams import load_pieces, optimizer_state_views
 from ..tensor import DTensor
+from ..tensor._seams import block_like
 from .errors import CheckpointError
 
 __all__ = ["get_state_dict", "set_state_dict"]
@@ -123,8 +124,7 @@ def _params_optim_views(optimizer: Optimizer, params: dict[str, Any]) -> dict[st
         if isinstance(p, DTensor):
             local = p.to_local()
             st = optimizer.materialize(name, local.reshape(-1))
-            out["state"][name] = {key: DTensor.from_local(arr.reshape(local.shape), p.device_mesh, p.placements,
-                                                          shape=p.shape) for key, arr in st.items()}
+            out["state"][name] = {key: block_like(arr.reshape(local.shape), p) for key, arr in st.items()}
             out["step"][name] = StepCount(optimizer, name)
     return {"state": {k: out["state"][k] for k in params}, "step": {k: out["step"][k] for k in params}}
 

@@ -4,6 +4,9 @@ Always on (cheap, see the sweeps below): ``from_local`` without ``shape=`` infer
 shape from every rank's block (:func:`infer_global_shape`); ``distribute_tensor`` checks that
 every rank passed the same arguments (:func:`check_same_arguments`).
 
+Deferred (:func:`verify_claims`): ``from_local``'s trusted ``shape=`` is compared across ranks
+at the first redistribution of a DTensor built on it (see ``dtensor.Claim``).
+
 With ``run_check=True`` or ``MESHKIT_DEBUG=detail`` (:func:`check_from_local`): two small
 object all-gathers per mesh dimension: in the first sweep every rank checks what its
 peers along each mesh dim passed; in the second what anyone found reaches every rank of the
@@ -28,7 +31,7 @@ from . import errors
 from .chunks import chunk_range, local_shape_and_offset
 from .placements import Placement, Shard
 
-__all__ = ["check_from_local", "infer_global_shape", "check_same_arguments"]
+__all__ = ["check_from_local", "infer_global_shape", "check_same_arguments", "verify_claims"]
 
 
 def check_from_local(op: str, local: Any, mesh: DeviceMesh, placements: Sequence[Placement],
@@ -250,3 +253,34 @@ def check_same_arguments(op: str, mesh: DeviceMesh, arguments: dict[str, Any] | 
 def _listed(names: list[str]) -> str:
     """``"a, b and c"``."""
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+# ---- claims: from_local's trusted shape=, checked where the data first crosses ranks -----------
+
+
+def verify_claims(op: str, mesh: DeviceMesh, claims: Sequence[Any]) -> None:
+    """Raise on every rank of ``mesh`` unless all ranks made the same ``claims``; collective.
+
+    One all-gather of two int64 per mesh dimension (a fingerprint of the claims, as
+    :func:`check_same_arguments`), right to left; on success the claims are marked verified.
+    ``op`` is where the data was about to cross ranks.
+    """
+    vec = [_OK, digest(*(c.key for c in claims))]  # claims: dtensor.Claim
+
+    def combine(i: int, rows: list[list[int]]) -> tuple[list[int], str | None]:
+        if any(row[1] != rows[0][1] for row in rows):
+            return [_FOUND, rows[0][1]], None
+        return rows[0], None
+
+    vec, found = _sweep(mesh, vec, combine)
+    if vec[0] != _OK:
+        _raise_everywhere(
+            op, mesh, found, " and ".join(f"DTensor.from_local({c.description})" for c in claims), None,
+            lambda passed: "the ranks built this DTensor (or the DTensors it was computed from) on global layouts "
+                           "that differ, so its blocks do not make one array: " + by_ranks(passed) + "; from_local "
+                           "trusts shape= without communication (checked here, where the data first crosses "
+                           "ranks): pass the same global shape on every rank (not the local size times the mesh "
+                           "size: uneven blocks make that differ), or leave shape= out to have the block sizes "
+                           "gathered")
+    for c in claims:
+        c.settle()

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from . import errors
 from .dispatch import implements, implements_ufunc
 from .dtensor import DTensor
 from .placements import Partial, Placement, Replicate, Shard
@@ -39,7 +40,16 @@ class _Shapes:
 
     def __init__(self, a: DTensor, b: DTensor) -> None:
         self.a, self.b = a.shape, b.shape
-        batch = tuple(np.broadcast_shapes(self.a[:-2], self.b[:-2]))
+        # Checked on the global shapes, the same on every rank, so every rank raises: each rank's
+        # blocks may still fit (a (5, 4) @ (3, 4) with Shard(1) gave rank 0 a product of the wrong
+        # rows and rank 1 NumPy's own error, alone)
+        try:
+            if self.a[-1] != self.b[-2]:
+                raise ValueError(f"the contraction dims differ: {self.a[-1]} and {self.b[-2]}")
+            batch = tuple(np.broadcast_shapes(self.a[:-2], self.b[:-2]))
+        except ValueError as exc:
+            raise errors.value_error("np.matmul", f"shapes {self.a} and {self.b} do not multiply ({exc}); a @ b "
+                                     "needs a.shape[-1] == b.shape[-2] and batch dims that broadcast") from None
         self.out = batch + (self.a[-2], self.b[-1])
         self.nd = len(self.out)
 

@@ -81,6 +81,8 @@ def moved(op: str, arg: str, x: DTensor, placements: Sequence[Placement]) -> DTe
     if x.placements == placements:
         return x
     logger.debug("%s: redistributing %s from %r to %r", op, arg, x.placements, placements)
+    if x._claims is not None:  # built on a trusted shape=: checked before its data crosses ranks
+        x._check_claims(op)
     # no copy: the rule only reads the block (a Replicate -> Shard move may stay a view of x's)
     local = redistribute_local(x.to_local(), x.device_mesh, x.shape, x.placements, placements, copy=False)
     return DTensor(local, x.device_mesh, placements, shape=x.shape)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import pickle
 
 import numpy as np
 import pytest
@@ -397,3 +398,197 @@ def test_separately_seeded_inits_make_one_array_by_default_as_in_torch():
 def test_layout_agreement_on_real_processes(mpirun, n):
     out = mpirun("mpi_tensor_agreement.py", n).stdout
     assert out.count("AGREEMENT OK") == n, out
+
+
+# ---- issue 23.2: from_local's trusted shape= is checked where the data first crosses ranks ------
+
+ROWS5 = np.arange(15.0).reshape(5, 3)
+
+
+def _torch_chunk_block(a, world, rank):
+    """``rank``'s block of ``a``'s rows cut as torch.chunk cuts them (5 rows: 3, 2 / 2, 2, 1 / 2, 2, 1, 0)."""
+    c = -(-a.shape[0] // world)
+    return a[min(rank * c, a.shape[0]):min((rank + 1) * c, a.shape[0])]
+
+
+def _ported(mesh):
+    """The porting mistake: torch's even rule, ``shape=(local rows * n, ...)``, on uneven blocks:
+    each rank's claim fits its own block (3 rows claim 6, 2 rows claim 4), so from_local accepts it."""
+    block = _torch_chunk_block(ROWS5, mesh.size(), meshkit.get_rank())
+    return DTensor.from_local(block, mesh, [Shard(0)], shape=(block.shape[0] * mesh.size(), 3))
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("use", ["full_tensor", "redistribute", "x * 2", "x @ w", "x[:, 1:] @ w[1:]", "np.sum(x)"])
+def test_explicit_shapes_that_differ_raise_on_every_rank_where_the_data_crosses(world, use):
+    # under MPI these read past what was sent (values nobody wrote, exit status 0): here, the local engine
+    # raised a size mismatch from the collective, now the named layout error
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (world,))
+        x = _ported(mesh)
+        w = distribute_tensor(np.ones((3, 2)), mesh, [Replicate()])
+        with pytest.raises(ValueError) as info:
+            if use == "full_tensor":
+                x.full_tensor()
+            elif use == "redistribute":
+                x.redistribute(placements=[Replicate()])
+            elif use == "x * 2":
+                y = x * 2  # local: the result inherits x's unchecked shape
+                y.full_tensor()
+            elif use == "x @ w":
+                y = x @ w
+                y.full_tensor()
+            elif use == "x[:, 1:] @ w[1:]":  # indexing keeps the claim
+                y = x[:, 1:] @ w[1:]
+                y.redistribute(placements=[Replicate()])
+            else:
+                y = np.sum(x, axis=1)
+                y.full_tensor()
+        return str(info.value)
+
+    op = "DTensor.redistribute" if use in ("redistribute", "x[:, 1:] @ w[1:]") else "DTensor.full_tensor"
+    messages = local.run(body, world)
+    assert len({m.split(": ", 2)[2] for m in messages}) == 1, messages
+    claims = [_torch_chunk_block(ROWS5, world, r).shape[0] for r in range(world)]
+    groups = {rows * world: [r for r in range(world) if claims[r] == rows] for rows in claims}
+    passed = "; ".join(f"{'rank' if len(rs) == 1 else 'ranks'} {rs[0] if len(rs) == 1 else rs} passed "
+                       f"DTensor.from_local(shape=({rows}, 3) with placements (Shard(dim=0),) and dtype float64)"
+                       for rows, rs in groups.items())
+    for rank, msg in enumerate(messages):
+        assert msg == (f"meshkit.tensor: rank {rank}: {op}: the ranks built this DTensor (or the DTensors it was "
+                       f"computed from) on global layouts that differ, so its blocks do not make one array: {passed}; "
+                       "from_local trusts shape= without communication (checked here, where the data first crosses "
+                       "ranks): pass the same global shape on every rank (not the local size times the mesh size: "
+                       "uneven blocks make that differ), or leave shape= out to have the block sizes gathered"), msg
+
+
+def test_explicit_shapes_that_differ_raise_where_an_op_moves_the_data():
+    # a Partial's terms with rank-dependent shapes (each shape= fits its own block): x + 1 reduces the
+    # terms first (an all-reduce of 9 floats against 6: past what rank 1 sent, under MPI)
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2,))
+        block = np.ones((3 - meshkit.get_rank(), 3))
+        x = DTensor.from_local(block, mesh, [Partial()], shape=block.shape)
+        with pytest.raises(ValueError) as info:
+            x + 1
+        return str(info.value)
+
+    for rank, msg in enumerate(local.run(body, 2)):
+        assert msg.startswith(f"meshkit.tensor: rank {rank}: np.add: the ranks built this DTensor"), msg
+        assert "rank 0 passed DTensor.from_local(shape=(3, 3) with placements (Partial(sum),)" in msg, msg
+        assert "rank 1 passed DTensor.from_local(shape=(2, 3)" in msg, msg
+
+
+def _checks(records):
+    """The layout checks among flight-recorder records: all-gathers of int64 fingerprints."""
+    return [r for r in records if r["dtype"] == "int64"]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_a_consistent_explicit_shape_is_checked_once(world):
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (world,))
+        block = _torch_chunk_block(ROWS5, world, meshkit.get_rank())
+        start = meshkit.flight_record()
+        x = DTensor.from_local(block, mesh, [Shard(0)], shape=(5, 3))  # trusted: no communication
+        assert new_records(start) == []
+        w = distribute_tensor(np.eye(3), mesh, [Replicate()])
+        y = x * 2  # made before the check: shares x's claim
+        z = x @ w
+        start = meshkit.flight_record()
+        fulls = [y.full_tensor(), x.full_tensor(), z.full_tensor(), x.redistribute(placements=[Replicate()]).to_local(),
+                 (x @ w + 1).full_tensor()]
+        issued = new_records(start)
+        return fulls, len(_checks(issued)), [r["op"] for r in issued]
+
+    for fulls, checks, ops in local.run(body, world):
+        assert checks == 1, ops  # one all-gather of a fingerprint (the mesh is 1-D), the first time only
+        assert ops == ["all_gather_into_tensor"] * 6, ops
+        for full, want in zip(fulls, [2 * ROWS5, ROWS5, ROWS5, ROWS5, ROWS5 + 1]):
+            np.testing.assert_array_equal(full, want)
+
+
+def test_checked_dtensors_pay_no_layout_check():
+    # distribute_tensor, from_local without shape= or with run_check=True: their ops issue the data
+    # collectives only, as before
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2, 2))
+        block = _torch_chunk_block(ROWS5, 2, mesh.get_coordinate()[0])
+        w = distribute_tensor(np.eye(3), mesh, [Replicate(), Replicate()])
+        made = [distribute_tensor(ROWS5, mesh, [Shard(0), Replicate()]),
+                DTensor.from_local(block, mesh, [Shard(0), Replicate()]),
+                DTensor.from_local(block, mesh, [Shard(0), Replicate()], shape=(5, 3), run_check=True)]
+        out = []
+        for x in made:
+            start = meshkit.flight_record()
+            out.append(((x * 2) @ w).full_tensor())
+            issued = new_records(start)
+            assert [(r["op"], r["dtype"]) for r in issued] == [("all_gather_into_tensor", "float64")], issued
+        return out
+
+    for fulls in local.run(body, 4):
+        for full in fulls:
+            np.testing.assert_array_equal(full, 2 * ROWS5)
+
+
+def test_explicit_shape_on_a_2d_mesh_is_checked_on_every_rank_of_it():
+    # mesh [[0, 1], [2, 3]], [Shard(0), Replicate()]: only rank 3 claims another shape; rank 0, which
+    # shares no group with it, raises too
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2, 2))
+        block = _torch_chunk_block(ROWS5, 2, mesh.get_coordinate()[0])
+        x = DTensor.from_local(block, mesh, [Shard(0), Replicate()],
+                               shape=(4, 3) if meshkit.get_rank() == 3 else (5, 3))
+        with pytest.raises(ValueError) as info:
+            x.full_tensor()
+        return str(info.value).split(": ", 2)[2]
+
+    messages = local.run(body, 4)
+    assert len(set(messages)) == 1, messages
+    assert "ranks [0, 1, 2] passed DTensor.from_local(shape=(5, 3)" in messages[0]
+    assert "rank 3 passed DTensor.from_local(shape=(4, 3)" in messages[0]
+
+
+def test_tp_prepare_input_with_a_shape_is_checked():
+    from meshkit.tensor.parallel import ColwiseParallel
+
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2,))
+        block = _torch_chunk_block(ROWS5, 2, meshkit.get_rank())
+        with pytest.raises(ValueError, match=r"ColwiseParallel.prepare_input|DTensor.redistribute: the ranks built"):
+            ColwiseParallel(input_layouts=Shard(0)).prepare_input(block, mesh, shape=(2 * block.shape[0], 3))
+        good = ColwiseParallel(input_layouts=Shard(0)).prepare_input(block, mesh, shape=(5, 3))
+        return good.to_local()
+
+    for full in local.run(body, 2):
+        np.testing.assert_array_equal(full, ROWS5)
+
+
+def test_checked_and_dropped_claims_stop_ops_looking_for_claims():
+    # ops pass claims on only while some are pending: checked or dropped, none are, and ops on
+    # checked DTensors pay one global read again
+    import gc
+
+    from meshkit.tensor import dtensor
+
+    gc.collect()  # claims that earlier tests dropped in cycles: else collected mid-test, and counted here
+    before = len(dtensor._pending)
+
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2,))
+        block = _torch_chunk_block(ROWS5, 2, meshkit.get_rank())
+        x = DTensor.from_local(block, mesh, [Shard(0)], shape=(5, 3))
+        y = x * 2
+        assert y._claims == x._claims and len(dtensor._pending) >= before + 1
+        full = y.full_tensor()
+        assert x._claims[0].verified and y._claims is None
+        dropped = DTensor.from_local(block, mesh, [Shard(0)], shape=(5, 3))
+        copied = pickle.loads(pickle.dumps(dropped._claims[0]))  # made without __init__: counted too
+        assert not copied.verified and copied.key == dropped._claims[0].key
+        del dropped, copied
+        return full
+
+    for full in local.run(body, 2):
+        np.testing.assert_array_equal(full, 2 * ROWS5)
+    gc.collect()
+    assert len(dtensor._pending) == before

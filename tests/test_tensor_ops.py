@@ -289,3 +289,23 @@ def test_max_min_of_every_dtype_with_an_empty_block(mesh_shape):
         for name, f, axis, got, want in rank:
             assert got.dtype == want.dtype, (name, f, axis)
             np.testing.assert_array_equal(got, want, err_msg=f"{f} {name} axis={axis}")
+
+
+def test_matmul_of_global_shapes_that_do_not_multiply_raises_on_every_rank():
+    # each rank's blocks multiplied: (5, 4) @ (3, 4) with Shard(1) gave rank 0 a product of w's first
+    # two rows (its blocks (5, 2) and (2, 4) fit) while rank 1 raised NumPy's own error, alone
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2,))
+        x = distribute_tensor(np.ones((5, 4)), mesh, [Shard(1)])
+        w = distribute_tensor(np.ones((3, 4)), mesh, [Shard(1)])
+        with pytest.raises(ValueError) as info:
+            x @ w
+        with pytest.raises(ValueError, match=r"shapes \(2, 5, 4\) and \(3, 4, 2\) do not multiply"):
+            distribute_tensor(np.ones((2, 5, 4)), mesh, [Replicate()]) @ \
+                distribute_tensor(np.ones((3, 4, 2)), mesh, [Replicate()])
+        return str(info.value)
+
+    for rank, msg in enumerate(local.run(body, 2)):
+        assert msg == (f"meshkit.tensor: rank {rank}: np.matmul: shapes (5, 4) and (3, 4) do not multiply (the "
+                       "contraction dims differ: 4 and 3); a @ b needs a.shape[-1] == b.shape[-2] and batch dims "
+                       "that broadcast"), msg
