@@ -2,7 +2,7 @@
 
 The process-group and mesh API is re-exported here (``meshkit.all_reduce``,
 ``meshkit.init_device_mesh``...); every package is an attribute: ``meshkit.comm``,
-``meshkit.mesh``, ``meshkit.tensor``, ``meshkit.parallel``, ``meshkit.checkpoint``
+``meshkit.mesh``, ``meshkit.tensor``, ``meshkit.state``, ``meshkit.parallel``, ``meshkit.checkpoint``
 (``meshkit.tensor.DTensor``, ``meshkit.parallel.DistributedDataParallel``,
 ``from meshkit import checkpoint as dcp``).
 
@@ -13,8 +13,8 @@ Public and private, as torch draws the line:
 - A seam is what one meshkit package needs of another that is not user API (the world, group
   resolution, prepared collectives, DTensor block arithmetic, a strategy's sharded state). The
   package that offers seams lists them in its ``_seams`` module (:mod:`meshkit.comm._seams`,
-  :mod:`meshkit.tensor._seams`, :mod:`meshkit.parallel._seams`); a name there may change without
-  a deprecation.
+  :mod:`meshkit.tensor._seams`, :mod:`meshkit.state._seams`, :mod:`meshkit.parallel._seams`); a name
+  there may change without a deprecation.
 - A package imports another only as ``from ..comm import NAME`` (``NAME`` in its ``__all__``) or
   ``from ..comm._seams import NAME``; never another package's inner modules
   (``tests/test_structure.py`` checks it). Tests reach into inner modules only to test them.
@@ -22,7 +22,7 @@ Public and private, as torch draws the line:
   ``DeprecationWarning`` naming the new one (:func:`meshkit.comm._seams.moved_names`).
 """
 
-from . import checkpoint, comm, mesh, parallel, tensor
+from . import checkpoint, comm, mesh, parallel, state, tensor
 from .comm import *  # noqa: F401,F403
 from .comm import __all__ as _comm_all
 from .comm._seams import moved_names
@@ -30,7 +30,8 @@ from .mesh import DeviceMesh, ParallelDims, init_device_mesh
 
 __version__ = "0.1.0"
 
-__all__ = [*_comm_all, "DeviceMesh", "init_device_mesh", "ParallelDims", "comm", "mesh", "tensor", "parallel", "checkpoint"]
+__all__ = [*_comm_all, "DeviceMesh", "init_device_mesh", "ParallelDims", "comm", "mesh", "tensor", "state", "parallel",
+           "checkpoint"]
 
 #: comm's seams were re-exported here in 0.1: one more release, with a warning.
 __getattr__ = moved_names(__name__, comm._MOVED)

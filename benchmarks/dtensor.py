@@ -79,7 +79,7 @@ from mpi4py import MPI
 
 import meshkit
 from meshkit.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from meshkit.tensor.api import _from_source
+from meshkit.tensor.distribute import _from_source
 from meshkit.tensor.chunks import local_slices
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -30,8 +30,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ..parallel import ShardedArray, StepCount
-from ..parallel._seams import is_array
+from ..comm._seams import is_array
+from ..state import ShardedArray, StepCount
 from ..tensor import DTensor, Partial, Replicate
 from ..tensor._seams import local_shape_and_offset
 from .errors import CheckpointError

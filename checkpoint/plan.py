@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from ..parallel import to_host
+from ..comm._seams import to_host
 from .errors import CheckpointError
 from .leaves import ArrayLeaf
 

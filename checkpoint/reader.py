@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from ..comm import ProcessGroup, all_gather_object
-from ..comm._seams import resolve_group
-from ..parallel import StepCount, array_namespace
+from ..comm._seams import array_namespace, resolve_group
+from ..state import StepCount
 from .blocks import touched_blocks
 from .errors import CheckpointError
 from .format import CHECKSUM, LEGACY_BEFORE, checksum, read_metadata

@@ -44,8 +44,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..comm import CollectiveTimeout, DistError, ProcessGroup, gather_object, scatter_object_list
-from ..comm._seams import resolve_group
-from ..parallel import to_host
+from ..comm._seams import resolve_group, to_host
 from .errors import CheckpointError
 from .format import FORMAT, VERSION, fsync_dir, write_chunks, write_metadata
 from .leaves import ArrayLeaf, array_leaf, flatten, json_value

@@ -6,7 +6,7 @@ comm beyond it (the world, group resolution, prepared collectives, the NumPy/CuP
 """
 
 from ._seams import moved_names
-from .api import (P2POp, all_gather, all_gather_into_tensor, all_reduce, all_to_all, all_to_all_single,
+from .collectives import (P2POp, all_gather, all_gather_into_tensor, all_reduce, all_to_all, all_to_all_single,
                   barrier, batch_isend_irecv, broadcast, gather, irecv, isend, monitored_barrier, recv, reduce,
                   reduce_scatter, reduce_scatter_tensor, scatter, send)
 from .debug import DebugLevel

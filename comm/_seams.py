@@ -4,7 +4,8 @@ A user calls the names of :data:`meshkit.comm.__all__`; ``mesh``, ``tensor``, ``
 ``checkpoint`` also need the world (:func:`current_world`), a group argument's default
 (:func:`resolve_group`), one split making many groups (:func:`create_groups`), prepared
 collectives (:class:`PreparedCollective`) and the NumPy/CuPy rule (:func:`array_namespace`,
-:func:`is_device_array`). They import those from here, a module named as private as torch's
+:func:`is_device_array`, :func:`is_array`, :func:`to_host`). They import those from here, a module
+named as private as torch's
 ``torch.distributed._*`` are: the names may change between releases without a deprecation.
 
 :func:`moved_names` is the one way a package keeps a name it took out of its ``__all__`` importable
@@ -18,12 +19,13 @@ import warnings
 from importlib import import_module
 from typing import Any, Callable, Mapping
 
-from .arrays import array_namespace, is_device_array
+from .arrays import array_namespace, is_array, is_device_array, to_host
 from .prepared import PREPARED_OPS, PreparedCollective, prepare_collective
 from .registry import create_groups, resolve_group
 from .world import current_world
 
-__all__ = ["array_namespace", "is_device_array", "PREPARED_OPS", "PreparedCollective", "prepare_collective",
+__all__ = ["array_namespace", "is_device_array", "is_array", "to_host", "PREPARED_OPS", "PreparedCollective",
+           "prepare_collective",
            "create_groups", "resolve_group", "current_world", "moved_names"]
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["is_device_array", "array_namespace"]
+__all__ = ["is_device_array", "array_namespace", "is_array", "to_host"]
 
 _NDARRAY = np.ndarray
 
@@ -55,3 +55,15 @@ def array_namespace(x: Any) -> Any:
     import cupy  # only once a device array exists: CuPy stays optional
 
     return cupy
+
+
+def is_array(a: Any) -> bool:
+    """True for anything shaped like an array (NumPy, CuPy)."""
+    return hasattr(a, "dtype") and hasattr(a, "shape") and hasattr(a, "reshape")
+
+
+def to_host(a: Any) -> np.ndarray:
+    """``a`` as a NumPy array: itself if it is one, else the explicit device-to-host copy
+    (``.get()``, which waits for the current stream). The one place device data reaches the host
+    (here, below every package, so that checkpoint's file I/O and the strategies share it)."""
+    return a if array_namespace(a) is np else a.get()

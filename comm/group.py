@@ -3,7 +3,7 @@
 A :class:`ProcessGroup` is a set of global ranks (ascending; a rank's *group rank* is its
 position in that tuple), a timeout and an engine (:mod:`meshkit.comm.engine`). Its public
 methods take group ranks for roots and peers (the module-level functions in
-:mod:`meshkit.comm.api` translate torch-style global ranks) and run every operation the same
+:mod:`meshkit.comm.collectives` translate torch-style global ranks) and run every operation the same
 way, synchronous or not:
 
 1. check the arguments (:mod:`~meshkit.comm.checks`), on this rank, before anything starts;

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .api import _group_rank
+from .collectives import _group_rank
 from .checks import where
 from .errors import DistError, DistTypeError, DistValueError
 from .group import ProcessGroup

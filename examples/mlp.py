@@ -17,7 +17,7 @@ The model math takes its array library from its arrays (``array_namespace``): th
 trains NumPy arrays on the host and CuPy arrays on a GPU (``build(..., device="cuda")``).
 
 The training loop speaks the protocol every data-parallel strategy implements
-(:mod:`meshkit.parallel.protocol`: ``unshard``/``prefetch`` a layer's unit while it runs,
+(:mod:`meshkit.parallel.data_parallelism.protocol`: ``unshard``/``prefetch`` a layer's unit while it runs,
 ``mark_grad_ready`` as gradients are known, ``step``): :func:`build` makes any strategy with
 :func:`meshkit.parallel.data_parallel` (DDP, ZeRO-1/2, FSDP and hybrid sharding, one unit per
 layer), and :class:`Plain` is the same protocol in one process, the single-process reference.
@@ -126,7 +126,7 @@ def _layer_units(model: Any) -> list[int]:
 
 
 def forward_layers(model: Any, x: Any, prefetch: bool = True) -> list[Any]:
-    """Forward pass through ``model``, any strategy of the protocol (:mod:`meshkit.parallel.protocol`)
+    """Forward pass through ``model``, any strategy of the protocol (:mod:`meshkit.parallel.data_parallelism.protocol`)
     or :class:`Plain`: each layer's unit unsharded only while it runs, the next one prefetched
     (unless ``prefetch`` is False)."""
     units = _layer_units(model)
@@ -165,7 +165,7 @@ def backward_layers(model: Any, acts: list[Any], dlogits: Any, on_grad: Callable
 # --------------------------------------------------------------------------- one process
 class Plain:
     """One process, no communication: the training-loop protocol of the strategies
-    (:mod:`meshkit.parallel.protocol`) over a dict of parameters, the single-process reference."""
+    (:mod:`meshkit.parallel.data_parallelism.protocol`) over a dict of parameters, the single-process reference."""
 
     def __init__(self, params: dict[str, Any], optimizer: Optimizer | None = None) -> None:
         self.params, self.optimizer = params, optimizer

@@ -113,7 +113,7 @@ class TensorParallelModel:
         self.kind, self.tp = dp_strategy, mesh["tp"]
         self.layout = parallelize(full, self.tp, PLAN)
         self.units = [[f"w{i}", f"b{i}"] for i in range(mlp.layer_count(full))]
-        # one loop for every strategy (meshkit.parallel.protocol); self.layout keeps the names and
+        # one loop for every strategy (meshkit.parallel.data_parallelism.protocol); self.layout keeps the names and
         # placements (FSDP copies the blocks into its shards, DDP and ZeRO hand out their own DTensors)
         self.inner = data_parallel(self.layout, mesh["dp"], dp_strategy, optimizer=optimizer, units=self.units)
 

@@ -12,24 +12,25 @@ state are made with it, so a CuPy model's stay on its GPU. Mixing the two librar
 a ``TypeError`` naming both types. ``array_namespace`` and ``to_host`` are exported for model code
 that runs on both (the examples' models use them).
 
-``__all__`` is the user API; what ``checkpoint`` needs of the strategies beyond it is in
-:mod:`meshkit.parallel._seams`, the rest of the machinery in its modules (``buckets``, ``flat``...).
+The package is arranged by family: :mod:`.data_parallelism` (the strategies and their machinery),
+:mod:`.pipelining` (pipeline stages and schedules), :mod:`.optim` (optimizers, clipping); what
+they share is here (:mod:`.arrays`, :mod:`.checks`). ``ShardedArray``/``StepCount``, what a
+strategy's state dict holds, are :mod:`meshkit.state`'s, re-exported.
+
+``__all__`` is the user API (every name importable from here, re-exported from its family); what
+``checkpoint`` needs of the strategies beyond it is in :mod:`meshkit.parallel._seams`, the rest of
+the machinery in the families' modules (``data_parallelism.buckets``, ``data_parallelism.flat``...).
 """
 
 from ..comm._seams import moved_names
+from ..state import ShardedArray, StepCount
 from .arrays import array_namespace, to_host
-from .buckets import CommHook, GradBucket
-from .clip import clip_grad_norm_
-from .ddp import DistributedDataParallel
-from .fsdp import FullyShardedDataParallel
-from .hooks import PowerSGDState, allreduce_hook, fp16_compress_hook, powersgd_hook
-from .optim import SGD, AdamW, Optimizer
-from .pipeline import (PipelineError, PipelineSchedule, PipelineStage, Schedule1F1B, ScheduleGPipe,
-                       ScheduleInterleaved1F1B)
-from .schedules import bubble_fraction
-from .factory import STRATEGIES, data_parallel
-from .sharded_state import ShardedArray, StepCount
-from .zero import ZeroRedundancyOptimizer
+from .data_parallelism import (STRATEGIES, CommHook, DistributedDataParallel, FullyShardedDataParallel, GradBucket,
+                            PowerSGDState, ZeroRedundancyOptimizer, allreduce_hook, data_parallel, fp16_compress_hook,
+                            powersgd_hook)
+from .optim import SGD, AdamW, Optimizer, clip_grad_norm_
+from .pipelining import (PipelineError, PipelineSchedule, PipelineStage, Schedule1F1B, ScheduleGPipe,
+                         ScheduleInterleaved1F1B, bubble_fraction)
 
 __all__ = [
     "DistributedDataParallel", "ZeroRedundancyOptimizer", "FullyShardedDataParallel", "data_parallel", "STRATEGIES",
@@ -43,9 +44,11 @@ __all__ = [
 #: In ``__all__`` in 0.1, not user API: importable here one more release, with a warning naming the new place
 #: (``_seams`` for what ``checkpoint`` uses, else the defining module).
 __getattr__ = moved_names(__name__, {
-    "GradientReducer": "meshkit.parallel.reducer", "Bucket": "meshkit.parallel.buckets",
-    "BucketManager": "meshkit.parallel.buckets", "assign_buckets": "meshkit.parallel.buckets",
-    "BufferPool": "meshkit.parallel.pool", "FlatLayout": "meshkit.parallel.flat",
-    "flat_range_boxes": "meshkit.parallel.sharded_state", "ShardedStrategy": "meshkit.parallel._seams",
+    "GradientReducer": "meshkit.parallel.data_parallelism.reducer",
+    "Bucket": "meshkit.parallel.data_parallelism.buckets", "BucketManager": "meshkit.parallel.data_parallelism.buckets",
+    "assign_buckets": "meshkit.parallel.data_parallelism.buckets",
+    "BufferPool": "meshkit.parallel.data_parallelism.pool",
+    "FlatLayout": "meshkit.parallel.data_parallelism.flat",
+    "flat_range_boxes": "meshkit.state._seams", "ShardedStrategy": "meshkit.parallel._seams",
     "load_pieces": "meshkit.parallel._seams", "optimizer_state_views": "meshkit.parallel._seams",
     "is_array": "meshkit.parallel._seams"})

@@ -3,10 +3,12 @@
 The strategies' sharded state (:class:`ShardedStrategy`, :func:`load_pieces`,
 :func:`optimizer_state_views`) and the array test :func:`is_array` are how ``get_state_dict`` and
 ``set_state_dict`` read and write a strategy's own memory; users reach them through those two.
+(``load_pieces``, ``optimizer_state_views`` and ``is_array`` live below ``parallel`` now, in
+``meshkit.state`` and ``meshkit.comm``; they stay importable from here.)
 """
 
-from .arrays import is_array
-from .sharded import ShardedStrategy
-from .sharded_state import load_pieces, optimizer_state_views
+from ..comm._seams import is_array
+from ..state._seams import load_pieces, optimizer_state_views
+from .data_parallelism.sharded import ShardedStrategy
 
 __all__ = ["ShardedStrategy", "load_pieces", "optimizer_state_views", "is_array"]

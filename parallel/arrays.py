@@ -8,7 +8,8 @@ where an array lives. Flat
 buffers, bucket buffers, shards and optimizer state are made with the parameters' library, so
 a CuPy model keeps all of them on its GPU.
 
-Device-to-host transfers are explicit: :func:`to_host` is the one door (``.get()`` on CuPy), used
+Device-to-host transfers are explicit: :func:`to_host` (comm's, like the rule) is the one door
+(``.get()`` on CuPy), used
 only for scalars the host must branch on (a norm for clipping, the per-sync agreement flag) and
 off the hot path (state dict digests). Arrays of the two libraries never meet silently:
 :func:`check_same_library` raises ``TypeError`` naming both types; conversions happen only where
@@ -22,14 +23,9 @@ from typing import Any
 import numpy as np
 
 from ..comm import DistTypeError
-from ..comm._seams import array_namespace
+from ..comm._seams import array_namespace, is_array, to_host
 
 __all__ = ["array_namespace", "is_array", "convert", "to_host", "type_name", "check_same_library"]
-
-
-def is_array(a: Any) -> bool:
-    """True for anything shaped like an array (NumPy, CuPy)."""
-    return hasattr(a, "dtype") and hasattr(a, "shape") and hasattr(a, "reshape")
 
 
 def convert(arr: Any, like: Any) -> Any:
@@ -40,12 +36,6 @@ def convert(arr: Any, like: Any) -> Any:
     if dst is np:  # CuPy -> NumPy
         return arr.get().astype(like.dtype, copy=False)
     return dst.asarray(arr, dtype=like.dtype)  # NumPy -> CuPy
-
-
-def to_host(a: Any) -> np.ndarray:
-    """``a`` as a NumPy array: itself if it is one, else the explicit device-to-host copy
-    (``.get()``, which waits for the current stream). The one place device data reaches the host."""
-    return a if array_namespace(a) is np else a.get()
 
 
 def type_name(a: Any) -> str:

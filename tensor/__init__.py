@@ -2,9 +2,9 @@
 
 ``placements`` (Shard, Replicate, Partial), ``chunks`` (the torch.chunk shard arithmetic, pure,
 shared with checkpoints), ``dtensor`` (the DTensor type), ``redistribute`` (one collective per
-changing mesh dim), ``api`` (distribute_tensor), ``dispatch`` (the NumPy protocol tables the op
+changing mesh dim), ``distribute`` (distribute_tensor), ``dispatch`` (the NumPy protocol tables the op
 modules fill), ``propagation`` (what the op rules share), the op rules ``ufuncs``, ``matmul``,
-``reductions``, ``shape_ops`` and ``local_ops`` (copies, casts), ``indexing`` (basic indexing), ``checks``
+``reductions``, ``shape_ops`` and ``local_ops`` (copies, casts), ``indexing`` (basic indexing), ``verify``
 (collective construction checks); ``parallel`` (tensor-parallel styles and ``parallelize``).
 Depends on ``comm`` and ``mesh`` only. ``__all__`` is the user API; what ``parallel`` and
 ``checkpoint`` need beyond it is in :mod:`meshkit.tensor._seams`.
@@ -12,7 +12,7 @@ Depends on ``comm`` and ``mesh`` only. ``__all__`` is the user API; what ``paral
 
 from ..comm._seams import moved_names
 from . import local_ops, matmul, reductions, shape_ops, ufuncs  # noqa: F401  (they register the NumPy op rules)
-from .api import distribute_tensor
+from .distribute import distribute_tensor
 from .dtensor import DTensor
 from .parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel, parallelize
 from .placements import Partial, Placement, Replicate, Shard

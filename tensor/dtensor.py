@@ -15,7 +15,7 @@ from numpy.lib.mixins import NDArrayOperatorsMixin
 
 from ..mesh import DeviceMesh
 from . import dispatch, errors
-from .checks import verify_claims
+from .verify import verify_claims
 from .chunks import local_shape_and_offset, normalize_dim
 from .indexing import index_plan
 from .placements import Partial, Placement, Replicate, Shard
@@ -35,7 +35,7 @@ class Claim:
     """A global layout asserted without communication: ``from_local``'s ``shape=`` (trusted, as
     torch trusts it).
 
-    :func:`~.checks.verify_claims` compares it with every rank's the first time a DTensor built
+    :func:`~.verify.verify_claims` compares it with every rank's the first time a DTensor built
     on it (it, or a result computed from it) is redistributed; :meth:`settle` then marks it
     checked, on every rank at once, so the DTensors sharing it pay nothing more. Every rank
     makes its claims in the same program order and checks them in the same collective calls,
@@ -217,7 +217,7 @@ class DTensor(NDArrayOperatorsMixin):
         given = shape is not None
         if not given:
             if any(p.__class__ is Shard for p in placements):
-                from .checks import infer_global_shape
+                from .verify import infer_global_shape
 
                 shape = infer_global_shape(op, local, device_mesh, placements)
             else:  # Replicate and Partial blocks have the global shape: nothing to learn
@@ -226,7 +226,7 @@ class DTensor(NDArrayOperatorsMixin):
             shape = tuple(int(s) for s in shape)
         check = run_check or current_world().debug >= DebugLevel.DETAIL
         if check:
-            from .checks import check_from_local
+            from .verify import check_from_local
 
             check_from_local(op, local, device_mesh, placements, shape)
         elif len(shape) != local.ndim or \
@@ -332,7 +332,7 @@ class DTensor(NDArrayOperatorsMixin):
         """Before this array's data first crosses ranks (``op``): check the shapes it was built on.
 
         Every rank compares the claims still unchecked (one all-gather of two int64 per mesh dim,
-        :func:`~.checks.verify_claims`) and raises if they differ, naming the ranks; after that the
+        :func:`~.verify.verify_claims`) and raises if they differ, naming the ranks; after that the
         claims, and every DTensor sharing them, are known to agree. A collective: every rank of
         the mesh reaches it, as it reaches the redistribution that follows.
         """

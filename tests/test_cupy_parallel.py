@@ -20,7 +20,7 @@ from meshkit import ReduceOp
 from meshkit.comm import local
 from meshkit.parallel import (SGD, AdamW, DistributedDataParallel, FullyShardedDataParallel, PowerSGDState,
                               ZeroRedundancyOptimizer, clip_grad_norm_, fp16_compress_hook, powersgd_hook)
-from meshkit.parallel.flat import FlatLayout
+from meshkit.parallel.data_parallelism.flat import FlatLayout
 
 
 # The ``cupy`` fixture (tests/conftest.py) installs the fake module and the double for a test.

@@ -12,7 +12,7 @@ import ddp_cases
 import meshkit
 from meshkit.comm import local
 from meshkit.parallel import DistributedDataParallel, PowerSGDState, fp16_compress_hook, powersgd_hook
-from meshkit.parallel.buckets import assign_buckets
+from meshkit.parallel.data_parallelism.buckets import assign_buckets
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 import train_mlp  # noqa: E402

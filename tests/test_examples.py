@@ -19,7 +19,8 @@ import pytest
 
 import meshkit
 from meshkit.comm import local
-from meshkit.parallel import FullyShardedDataParallel, factory
+from meshkit.parallel import FullyShardedDataParallel
+from meshkit.parallel.data_parallelism import factory
 from meshkit.comm.cuda_runtime import gpu_available
 from meshkit.parallel import fp16_compress_hook
 from meshkit.tensor import Replicate, Shard

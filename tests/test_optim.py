@@ -337,11 +337,11 @@ def test_clip_sharded_with_empty_rank_and_nan():
 def test_array_namespace_and_exports():
     import meshkit.parallel as parallel
     import meshkit.parallel.arrays as arrays
-    import meshkit.parallel.clip as clip
-    import meshkit.parallel.optim as optim
+    import meshkit.parallel.optim.clip as clip
+    import meshkit.parallel.optim.optimizers as optim
 
     assert array_namespace(np.zeros(2)) is np and array_namespace(3.0) is np
-    assert optim.__all__ == ["SGD", "AdamW", "Optimizer"]  # optim.py holds the optimizers only
+    assert optim.__all__ == ["SGD", "AdamW", "Optimizer"]  # optim/optimizers.py holds the optimizers only
     assert clip.__all__ == ["clip_grad_norm_", "clip_grad_norm_parts"] and "array_namespace" in arrays.__all__
     assert {"SGD", "AdamW", "Optimizer", "clip_grad_norm_", "array_namespace"} <= set(parallel.__all__)
     assert isinstance(SGD(lr=0.1), Optimizer) and isinstance(AdamW(), Optimizer)

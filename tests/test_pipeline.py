@@ -17,7 +17,7 @@ import pipeline_cases as cases
 from meshkit.comm import DistError, DistValueError, local
 from meshkit.parallel import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                               bubble_fraction)
-from meshkit.parallel.schedules import Action, gpipe_order, interleaved_order, one_f_one_b_order
+from meshkit.parallel.pipelining.schedules import Action, gpipe_order, interleaved_order, one_f_one_b_order
 
 
 # --------------------------------------------------------------------------- orders (no communication)

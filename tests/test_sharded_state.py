@@ -1,4 +1,4 @@
-"""Sharded state dicts (parallel/sharded_state.py): boxes of flat ranges, views into the strategies,
+"""Sharded state dicts (state/boxes.py): boxes of flat ranges, views into the strategies,
 and the chain a resharding checkpoint makes possible: FSDP at 4 ranks -> ZeRO-2 at 3 -> DDP at 2 ->
 one process -> HSDP on 2x2, each resuming from the last one's pieces, equals uninterrupted
 single-process training. The "checkpoint" here is an in-memory dict of global arrays assembled
@@ -19,9 +19,8 @@ import sharded_cases as cases
 from meshkit.comm import local
 from meshkit.parallel import DistributedDataParallel, ShardedArray
 from meshkit.parallel._seams import optimizer_state_views
-from meshkit.parallel.flat import FlatLayout
-from meshkit.parallel.sharded_state import flat_range_boxes
-from meshkit.parallel.sharded_state import flat_shard_pieces
+from meshkit.parallel.data_parallelism.flat import FlatLayout, flat_shard_pieces
+from meshkit.state._seams import flat_range_boxes
 
 
 # --------------------------------------------------------------------------- boxes of flat ranges

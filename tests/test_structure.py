@@ -15,13 +15,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 #: Folders of the repository that are not part of the package.
 NOT_PACKAGE = {"tests", "examples", "benchmarks", "build", "dist"}
-#: What each top-level package may import from meshkit (checkpoint -> parallel -> tensor -> mesh -> comm).
+#: What each top-level package may import from meshkit (checkpoint -> parallel -> tensor -> mesh -> comm;
+#: ``state``, the boxes checkpoints read and write, on comm alone, below parallel and checkpoint).
 ALLOWED = {
     "comm": set(),
     "mesh": {"comm"},
     "tensor": {"comm", "mesh"},
-    "parallel": {"comm", "mesh", "tensor"},
-    "checkpoint": {"comm", "mesh", "tensor", "parallel"},
+    "state": {"comm"},
+    "parallel": {"comm", "mesh", "tensor", "state"},
+    "checkpoint": {"comm", "mesh", "tensor", "state", "parallel"},
     "launch": set(),
 }
 
@@ -77,7 +79,8 @@ def _top(name: str) -> str | None:
 
 
 def test_every_module_is_found():
-    for expected in ("meshkit.comm.group", "meshkit.comm.engine", "meshkit.mesh.layout", "meshkit.parallel.ddp"):
+    for expected in ("meshkit.comm.group", "meshkit.comm.engine", "meshkit.mesh.layout",
+                     "meshkit.parallel.data_parallelism.ddp", "meshkit.state.boxes"):
         assert expected in MODULES
 
 
@@ -154,6 +157,64 @@ def test_packages_import_each_other_only_through_their_public_names_or_seams():
     assert not wrong, "\n".join(wrong)
 
 
+#: Base names that several modules of the package share, each with why the folder says which one is
+#: meant. Any other shared name is two rooms with one name: rename one (``parallel/state_dict.py`` is
+#: ``parallel/data_parallelism/full_state.py`` beside ``checkpoint/state_dict.py``).
+SHARED_NAMES = {
+    "__init__.py": "a package",
+    "_seams.py": "what the package of its folder offers the others that is not user API",
+    "errors.py": "the error types and message prefix of the package of its folder",
+    "checks.py": "the argument checks (cheap, specific messages) of the package of its folder",
+    "arrays.py": "NumPy or CuPy: comm's rule (host or device) and, in parallel, the conversions strategies make",
+}
+#: checkpoint's modules that may reach the strategies: the bridge asking a strategy for its state, and
+#: the package's front that re-exports it. The file I/O (writer, reader, plan, format, blocks, leaves...)
+#: deals in meshkit.state's boxes and must not.
+CHECKPOINT_BRIDGES = {"meshkit.checkpoint", "meshkit.checkpoint.state_dict"}
+
+
+def _package_files() -> list[Path]:
+    return [path for path in MODULES.values() if path.parent != ROOT or path.name != "__init__.py"]
+
+
+def test_no_two_modules_share_a_name_unless_listed_with_a_reason():
+    by_name: dict[str, list[str]] = {}
+    for path in [*_package_files(), ROOT / "__init__.py"]:
+        by_name.setdefault(path.name, []).append(path.relative_to(ROOT).as_posix())
+    shared = {name: sorted(paths) for name, paths in by_name.items() if len(paths) > 1 and name not in SHARED_NAMES}
+    assert not shared, f"one name, one room: rename one of each, or list the name with a reason: {shared}"
+    assert by_name.get("errors.py") and by_name.get("_seams.py"), "the scan found nothing"
+
+
+def test_no_module_is_named_setup_py():
+    """``setup.py`` is setuptools' script; a module of that name (``parallel/setup.py`` was one) reads
+    as the build to anyone opening the folder."""
+    found = [p.relative_to(ROOT).as_posix() for p in _package_files() if p.name == "setup.py"]
+    assert not found, found
+
+
+def test_checkpoint_file_io_imports_nothing_of_the_strategies():
+    """Followed through every import (lazy ones too): only the bridge reaches ``meshkit.parallel``."""
+    io_modules = sorted(m for m in MODULES if _top(m) == "checkpoint" and m not in CHECKPOINT_BRIDGES)
+    assert {"meshkit.checkpoint.writer", "meshkit.checkpoint.reader", "meshkit.checkpoint.leaves",
+            "meshkit.checkpoint.plan", "meshkit.checkpoint.format", "meshkit.checkpoint.blocks"} <= set(io_modules)
+    wrong = {}
+    for start in io_modules:
+        seen, todo, path_to = {start}, [start], {start: [start]}
+        while todo:
+            m = todo.pop()
+            for target, _, _ in GRAPH[m]:
+                if target in MODULES and target not in seen:
+                    seen.add(target)
+                    path_to[target] = [*path_to[m], target]
+                    todo.append(target)
+        reached = sorted(t for t in seen if _top(t) == "parallel")
+        if reached:
+            wrong[start] = " -> ".join(path_to[reached[0]])
+    assert not wrong, f"checkpoint's file I/O reaches the strategies: {wrong}"
+    assert any(_top(t) == "parallel" for t, _, _ in GRAPH["meshkit.checkpoint.state_dict"]), "the bridge moved"
+
+
 #: Names that are not user API: what packages use of each other (their ``_seams``) and inner
 #: machinery that was in an ``__all__`` in 0.1. No package's ``__all__`` may hold them.
 SEAMS = {
@@ -161,6 +222,7 @@ SEAMS = {
              "current_world", "array_namespace", "is_device_array"},
     "mesh": {"host_names"},
     "tensor": {"local_shape_and_offset", "chunks"},
+    "state": {"flat_range_boxes", "box_view", "load_pieces", "optimizer_state_views"},
     "parallel": {"GradientReducer", "ShardedStrategy", "Bucket", "BucketManager", "BufferPool", "assign_buckets",
                  "FlatLayout", "is_array", "flat_range_boxes", "load_pieces", "optimizer_state_views"},
 }
@@ -175,11 +237,12 @@ MOVED = {
     ("meshkit.tensor", "local_shape_and_offset"): "meshkit.tensor._seams",
     **{("meshkit.parallel", n): "meshkit.parallel._seams"
        for n in ("ShardedStrategy", "load_pieces", "optimizer_state_views", "is_array")},
-    **{("meshkit.parallel", n): "meshkit.parallel.buckets" for n in ("Bucket", "BucketManager", "assign_buckets")},
-    ("meshkit.parallel", "GradientReducer"): "meshkit.parallel.reducer",
-    ("meshkit.parallel", "BufferPool"): "meshkit.parallel.pool",
-    ("meshkit.parallel", "FlatLayout"): "meshkit.parallel.flat",
-    ("meshkit.parallel", "flat_range_boxes"): "meshkit.parallel.sharded_state",
+    **{("meshkit.parallel", n): "meshkit.parallel.data_parallelism.buckets"
+       for n in ("Bucket", "BucketManager", "assign_buckets")},
+    ("meshkit.parallel", "GradientReducer"): "meshkit.parallel.data_parallelism.reducer",
+    ("meshkit.parallel", "BufferPool"): "meshkit.parallel.data_parallelism.pool",
+    ("meshkit.parallel", "FlatLayout"): "meshkit.parallel.data_parallelism.flat",
+    ("meshkit.parallel", "flat_range_boxes"): "meshkit.state._seams",
 }
 
 
@@ -196,7 +259,7 @@ def test_no_seam_in_any_public_api():
         if exported & (every - allowed):
             leaked[name] = sorted(exported & (every - allowed))
     assert not leaked, f"seams in a public __all__: {leaked}"
-    for package in ("comm", "tensor", "parallel"):  # what a _seams module offers is a seam, never user API
+    for package in ("comm", "tensor", "state", "parallel"):  # what a _seams module offers is a seam, never user API
         seams = set(importlib.import_module(f"meshkit.{package}._seams").__all__)
         assert not seams & set(importlib.import_module(f"meshkit.{package}").__all__), package
 
@@ -375,7 +438,8 @@ def test_one_ddp_all_reduce_reaches_the_engine_in_five_calls():
     chain = path[:path.index("mark_grad_ready") + 1][::-1]
     assert chain == ["mark_grad_ready", "launch", "allreduce_hook", "all_reduce", "spy"], chain
     where = files[:path.index("mark_grad_ready") + 1][::-1][:4]  # the files the README shows
-    assert where == ["parallel/reducer.py", "parallel/buckets.py", "parallel/hooks.py", "comm/group.py"], where
+    assert where == ["parallel/data_parallelism/reducer.py", "parallel/data_parallelism/buckets.py",
+                     "parallel/data_parallelism/hooks.py", "comm/group.py"], where
     # the README's chain names each frame by the class that defines it (GradientReducer's, which DDP inherits)
     block = (ROOT / "README.md").read_text().split("One all-reduce, from DDP to MPI, is five calls", 1)[1]
     rows = [line.strip().removeprefix("-> ").split() for line in block.split("```")[1].strip().splitlines()]
@@ -436,5 +500,6 @@ def test_a_queued_bucket_reaches_the_engine_from_the_group_queue():
         assert all(s == direct or s[:2] == queued for s in stacks), stacks
         assert any(s[:2] == queued for s in stacks), "no bucket was ever queued: the test proves nothing"
         # the files the README shows for each path
-        assert all(f == ["comm/group.py", "parallel/hooks.py", "parallel/buckets.py"] if s == direct else
+        assert all(f == ["comm/group.py", "parallel/data_parallelism/hooks.py", "parallel/data_parallelism/buckets.py"]
+                   if s == direct else
                    f[:2] == ["comm/work.py", "comm/execution.py"] for s, f in zip(stacks, files)), files

@@ -1,7 +1,7 @@
 """Tensor parallelism for NumPy models without autograd (torch's ``torch.distributed.tensor.parallel``).
 
 ``style`` (``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``: a parameter's
-placement and the activation conversions at a layer's boundaries) and ``api`` (``parallelize``:
+placement and the activation conversions at a layer's boundaries) and ``apply_plan`` (``parallelize``:
 a dict of parameters to DTensors by a ``{name or glob: style}`` plan).
 
 A Megatron MLP block on a ``dp x tp`` mesh, plain NumPy on DTensors::
@@ -23,7 +23,7 @@ gradient as a DTensor laid out as its parameter; ``ddp.params`` and ``ddp.grads`
 (see ``examples/train_tp.py``).
 """
 
-from .api import parallelize, plan_placements
+from .apply_plan import parallelize, plan_placements
 from .style import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 __all__ = ["parallelize", "plan_placements", "ParallelStyle", "ColwiseParallel", "RowwiseParallel",

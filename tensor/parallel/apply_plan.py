@@ -8,7 +8,7 @@ from typing import Any
 
 from ...mesh import DeviceMesh
 from .. import errors
-from ..api import distribute_tensor
+from ..distribute import distribute_tensor
 from ..dtensor import DTensor
 from ..placements import Placement, Replicate
 from .style import ParallelStyle

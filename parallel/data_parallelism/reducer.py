@@ -1,7 +1,7 @@
 """The gradient protocol shared by DDP and ZeRO: write gradients, mark them ready, sync.
 
 Arrays have no autograd, so the backward pass tells the strategy when each gradient is final
-(the protocol of :mod:`~meshkit.parallel.protocol`, which FSDP implements too)::
+(the protocol of :mod:`~meshkit.parallel.data_parallelism.protocol`, which FSDP implements too)::
 
     model.zero_grad()
     for name, grad in backward():              # layer by layer, last layer first
@@ -43,11 +43,11 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ..comm import DistValueError, ProcessGroup, ReduceOp, all_gather_object
-from ..tensor import DTensor
-from .arrays import array_namespace, check_same_library, to_host
+from ...comm import DistValueError, ProcessGroup, ReduceOp, all_gather_object
+from ...tensor import DTensor
+from ..arrays import array_namespace, check_same_library, to_host
 from .buckets import BucketManager
-from .checks import on_ranks, where
+from ..checks import on_ranks, where
 from .dtensors import BlockLayout, block_of
 from .protocol import deprecated
 
@@ -121,8 +121,8 @@ class GradientReducer:
     """Base of strategies whose gradients are reduced bucket by bucket during the backward pass.
 
     Subclasses set ``group``, ``params``, ``_specs`` (name -> (shape, dtype) of this rank's
-    arrays, see :func:`~meshkit.parallel.setup.snapshot`), ``_block_layouts`` (name ->
-    :class:`~meshkit.parallel.dtensors.BlockLayout` of each DTensor parameter, whose ``params``
+    arrays, see :func:`~meshkit.parallel.data_parallelism.construction.snapshot`), ``_block_layouts`` (name ->
+    :class:`~meshkit.parallel.data_parallelism.dtensors.BlockLayout` of each DTensor parameter, whose ``params``
     entry is a DTensor over the strategy's block), ``_buckets`` (a :class:`BucketManager`) and
     ``find_unused_parameters``, then call :meth:`_init_reducer` with the gradient arrays.
 

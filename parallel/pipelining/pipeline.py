@@ -36,10 +36,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..comm import DistError, DistValueError, ProcessGroup, Work, all_gather_object
-from ..comm._seams import is_device_array, resolve_group
-from ..mesh import DeviceMesh
-from .arrays import array_namespace, is_array
+from ...comm import DistError, DistValueError, ProcessGroup, Work, all_gather_object
+from ...comm._seams import is_device_array, resolve_group
+from ...mesh import DeviceMesh
+from ..arrays import array_namespace, is_array
 from .schedules import Action, gpipe_order, interleaved_order, one_f_one_b_order
 
 __all__ = ["PipelineStage", "PipelineError", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B",

@@ -18,10 +18,10 @@ import dataclasses
 import zlib
 from typing import Any
 
-from ..comm import DistValueError, ProcessGroup, ReduceOp, Work
-from .arrays import array_namespace
+from ...comm import DistValueError, ProcessGroup, ReduceOp, Work
+from ..arrays import array_namespace
 from .buckets import GradBucket
-from .checks import where
+from ..checks import where
 from .flat import FlatLayout
 
 __all__ = ["GradBucket", "allreduce_hook", "fp16_compress_hook", "PowerSGDState", "powersgd_hook"]

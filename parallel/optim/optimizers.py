@@ -25,10 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from ..comm import DistTypeError, DistValueError
-from ..tensor import DTensor
-from .arrays import array_namespace, check_same_library, convert, is_array
-from .checks import at_least_zero, flag, real, where
+from ...comm import DistTypeError, DistValueError
+from ...tensor import DTensor
+from ..arrays import array_namespace, check_same_library, convert, is_array
+from ..checks import at_least_zero, flag, real, where
 
 __all__ = ["SGD", "AdamW", "Optimizer"]
 

@@ -25,11 +25,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..comm import DistValueError, ProcessGroup, all_gather_object
-from .arrays import array_namespace, is_array, to_host
-from .checks import on_ranks, where
+from ...comm import DistValueError, ProcessGroup, all_gather_object
+from ..arrays import array_namespace, is_array, to_host
+from ..checks import on_ranks, where
 from .flat import FlatLayout
-from .optim import Optimizer
+from ..optim.optimizers import Optimizer
 
 __all__ = ["gather_state_dict", "check_state_dict", "state_dict_digest", "agree_on_load", "load_state_dict_into"]
 

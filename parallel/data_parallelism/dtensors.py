@@ -22,11 +22,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-from ..comm import DistTypeError, DistValueError, ProcessGroup
-from ..mesh import DeviceMesh
-from ..tensor import DTensor
-from ..tensor._seams import local_shape_and_offset
-from .sharded_state import ShardedArray
+from ...comm import DistTypeError, DistValueError, ProcessGroup
+from ...mesh import DeviceMesh
+from ...tensor import DTensor
+from ...tensor._seams import local_shape_and_offset
+from ...state import ShardedArray
 
 __all__ = ["BlockLayout", "split", "layout_problem", "layout_spec", "describe_spec", "block_of", "wrap_all"]
 

@@ -4,12 +4,12 @@ Rajbhandari et al., 2020, "ZeRO: Memory Optimizations Toward Training Trillion P
 Models". Parameters live in one flat buffer per dtype, laid out in bucket order (reverse
 registration) and padded to a multiple of the group size N; rank r owns the r-th contiguous
 shard and keeps optimizer state for it only. The gradient interface is DDP's
-(:class:`~meshkit.parallel.reducer.GradientReducer`), on the same bucket machinery:
+(:class:`~meshkit.parallel.data_parallelism.reducer.GradientReducer`), on the same bucket machinery:
 
 - stage 1: gradients live in a full flat buffer (bucket views into it) and each bucket is
   averaged as soon as it is ready; ``step()`` updates the local shard and all-gathers the
   parameters in place.
-- stage 2: a bucket takes a buffer from a :class:`~meshkit.parallel.pool.BufferPool` when its
+- stage 2: a bucket takes a buffer from a :class:`~meshkit.parallel.data_parallelism.pool.BufferPool` when its
   first gradient is written; once complete, its reduction (:func:`reduce_to_owners`, the
   bucket's hook) averages each piece of it on the rank that owns that piece, which adds it to
   its gradient shard, and the buffer returns to the pool. At most two buckets hold buffers at
@@ -33,19 +33,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Sequence
 
-from ..comm import DistTypeError, ProcessGroup, ReduceOp, Work
-from ..mesh import DeviceMesh
-from .arrays import array_namespace
+from ...comm import DistTypeError, ProcessGroup, ReduceOp, Work
+from ...mesh import DeviceMesh
+from ..arrays import array_namespace
 from .buckets import MB, BucketManager, CommHook, GradBucket
 from .dtensors import split, wrap_all
 from .flat import FlatLayout, make_layouts
 from .hooks import allreduce_hook
-from .optim import Optimizer
-from .checks import where
+from ..optim.optimizers import Optimizer
+from ..checks import where
 from .pool import BufferPool
 from .protocol import ReplicatedUnits, check_units, deprecated
 from .reducer import GradientReducer
-from .setup import Params, caps_problem, check_setup, resolve_data_parallel_group, snapshot
+from .construction import Params, caps_problem, check_setup, resolve_data_parallel_group, snapshot
 from .sharded import ShardedStrategy
 
 __all__ = ["ZeroRedundancyOptimizer", "OwnerShards", "reduce_to_owners"]
@@ -105,12 +105,12 @@ class ZeroRedundancyOptimizer(ReplicatedUnits, GradientReducer, ShardedStrategy)
             rank's block is sharded over the group, ``zero.params`` and ``zero.grads`` are
             DTensors over ZeRO's own arrays, ``clip_grad_norm_`` adds norms over the
             parameters' meshes too; ``full_state_dict`` is refused (use ``sharded_state_dict``).
-        optimizer: an :class:`~meshkit.parallel.optim.Optimizer` (``SGD``, ``AdamW``); it sees
+        optimizer: an :class:`~meshkit.parallel.optim.optimizers.Optimizer` (``SGD``, ``AdamW``); it sees
             one flat shard per dtype, named by the dtype.
             Keyword (passing it second, positionally, is deprecated).
         mesh: a 1-D mesh to shard over, or pass ``group`` (neither, meaning the world, is deprecated).
         units: lists of parameter names for :meth:`unshard` (the protocol of
-            :mod:`~meshkit.parallel.protocol`); default one unit of everything.
+            :mod:`~meshkit.parallel.data_parallelism.protocol`); default one unit of everything.
         stage: 1 (shard optimizer state) or 2 (also shard gradients).
         bucket_cap_mb, first_bucket_cap_mb: bucket caps, as DDP's.
         find_unused_parameters: as DDP's.
@@ -202,7 +202,8 @@ class ZeroRedundancyOptimizer(ReplicatedUnits, GradientReducer, ShardedStrategy)
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Finish the gradient sync (a pass whose every gradient is marked), then clip this rank's
         gradient shards by the global norm (see :meth:`ShardedStrategy.clip_grad_norm_
-        <meshkit.parallel.sharded.ShardedStrategy.clip_grad_norm_>`); collective, before :meth:`step`."""
+        <meshkit.parallel.data_parallelism.sharded.ShardedStrategy.clip_grad_norm_>`); collective, before
+        :meth:`step`."""
         self._finish_complete_pass()
         return super().clip_grad_norm_(max_norm, norm_type)
 

@@ -1,8 +1,8 @@
 """What ZeRO and FSDP share: flat shards on every rank, and the same surface over them.
 
 Both keep each rank's parameters, gradients and optimizer state as flat shards
-(:class:`~meshkit.parallel.flat.FlatLayout`), so state dicts, gradient clipping and the memory
-report are the same code: :class:`ShardedStrategy`. State dicts (:mod:`~meshkit.parallel.state_dict`)
+(:class:`~meshkit.parallel.data_parallelism.flat.FlatLayout`), so state dicts, gradient clipping and the memory
+report are the same code: :class:`ShardedStrategy`. State dicts (:mod:`~meshkit.parallel.data_parallelism.full_state`)
 are per parameter name and independent of the world size, so a state saved at one world size
 loads at another.
 """
@@ -11,14 +11,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..comm import DistValueError, ProcessGroup
-from .checks import where
-from .clip import clip_grad_norm_, clip_grad_norm_parts
+from ...comm import DistValueError, ProcessGroup
+from ..checks import where
+from ..optim.clip import clip_grad_norm_, clip_grad_norm_parts
 from .dtensors import BlockLayout
 from .flat import FlatLayout
-from .optim import Optimizer
-from .sharded_state import ShardedArray, StepCount, flat_shard_pieces, load_pieces
-from .state_dict import agree_on_load, check_state_dict, gather_state_dict, load_state_dict_into, state_dict_digest
+from ..optim.optimizers import Optimizer
+from ...state import ShardedArray, StepCount
+from ...state._seams import load_pieces
+from .flat import flat_shard_pieces
+from .full_state import agree_on_load, check_state_dict, gather_state_dict, load_state_dict_into, state_dict_digest
 
 __all__ = ["ShardedStrategy"]
 
@@ -38,7 +40,7 @@ class ShardedStrategy:
     optimizer: Optimizer
     _strategy = "ShardedStrategy"
     #: name -> layout of each DTensor parameter (tensor parallelism): the flat shards hold pieces
-    #: of this rank's blocks of them (see :mod:`~meshkit.parallel.dtensors`); set by subclasses
+    #: of this rank's blocks of them (see :mod:`~meshkit.parallel.data_parallelism.dtensors`); set by subclasses
     _block_layouts: dict[str, BlockLayout] = {}
 
     def _shard_group(self) -> ProcessGroup:
@@ -162,7 +164,7 @@ class ShardedStrategy:
 
         Returns:
             ``{"model": {name: [ShardedArray]}, "optim": {"state": {name: {key: [ShardedArray]}},
-            "step": {name: StepCount}}}`` (see :mod:`~meshkit.parallel.sharded_state`): the same keys at
+            "step": {name: StepCount}}}`` (see :mod:`~meshkit.state.boxes`): the same keys at
             any world size and for any strategy. The optimizer state is materialized (zeros at step
             0) if the optimizer has not stepped yet, so a checkpoint can be loaded in place into a
             fresh strategy; write the views, then call :meth:`load_sharded_state_dict`. A DTensor

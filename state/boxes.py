@@ -1,5 +1,9 @@
 """Sharded state dicts: each rank's pieces of the global arrays, as views into its own memory.
 
+(Here, in :mod:`meshkit.state`, below ``parallel`` and ``checkpoint``: see the package's docstring.
+The strategies' flat shards are cut into boxes by ``parallel/data_parallelism/flat.py``'s
+``flat_shard_pieces``, with :func:`flat_range_boxes` and :func:`box_view` from here.)
+
 A checkpoint must not gather a model to one rank. Instead every strategy describes what it
 holds: for each parameter (and each optimizer state array) the N-D *boxes* of the global array
 that live on this rank, each as a view into the strategy's own buffers, so that reading a box
@@ -31,10 +35,8 @@ import numbers
 from typing import Any, Sequence
 
 from ..comm import DistValueError
-from .flat import FlatLayout
 
-__all__ = ["ShardedArray", "StepCount", "flat_range_boxes", "flat_shard_pieces", "box_view", "load_pieces",
-           "optimizer_state_views"]
+__all__ = ["ShardedArray", "StepCount", "flat_range_boxes", "box_view", "load_pieces", "optimizer_state_views"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,31 +193,6 @@ def box_view(flat: Any, shape: Sequence[int], start: int, offsets: Sequence[int]
     strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
     begin = sum(o * s for o, s in zip(offsets, strides)) - start
     return flat[begin:begin + math.prod(lengths)].reshape(tuple(lengths))
-
-
-def flat_shard_pieces(layout: FlatLayout, shard: Any, index: int) -> dict[str, list[ShardedArray]]:
-    """Each parameter's boxes inside shard ``index`` of ``layout``, as views into ``shard``.
-
-    Args:
-        layout: the flat layout (parameters concatenated in order, padded to equal shards).
-        shard: this rank's 1-D shard of the flat buffer (``layout.shard_size`` elements).
-        index: which shard it is.
-
-    Returns:
-        ``{name: [ShardedArray, ...]}`` for every parameter of the layout (an empty list where
-        the shard holds none of it).
-    """
-    lo, hi = layout.shard_range(index)
-    out: dict[str, list[ShardedArray]] = {}
-    for i, (name, shape, off) in enumerate(zip(layout.names, layout.shapes, layout.offsets)):
-        a, b = max(lo, off), min(hi, off + layout.size_of(i))
-        pieces = []
-        if a < b:
-            local = shard[a - lo:b - lo]
-            for offsets, lengths in flat_range_boxes(shape, a - off, b - off):
-                pieces.append(ShardedArray(box_view(local, shape, a - off, offsets, lengths), shape, offsets))
-        out[name] = pieces
-    return out
 
 
 def load_pieces(where: str, what: str, mine: dict[str, Any], given: Any) -> None:

@@ -1,13 +1,13 @@
 """``data_parallel``: any data-parallel strategy by name, all trained by the loop of
-:mod:`~meshkit.parallel.protocol`."""
+:mod:`~meshkit.parallel.data_parallelism.protocol`."""
 
 from __future__ import annotations
 
 import inspect
 from typing import Any, Sequence
 
-from ..comm import DistTypeError, DistValueError
-from ..mesh import DeviceMesh
+from ...comm import DistTypeError, DistValueError
+from ...mesh import DeviceMesh
 from .ddp import DistributedDataParallel
 from .fsdp import FullyShardedDataParallel
 from .zero import ZeroRedundancyOptimizer
@@ -34,7 +34,7 @@ def data_parallel(params: dict[str, Any], mesh: DeviceMesh, strategy: str = "ddp
         strategy: ``"ddp"`` (:class:`DistributedDataParallel`), ``"zero1"``/``"zero2"``
             (:class:`ZeroRedundancyOptimizer` stage 1/2), ``"fsdp"``
             (:class:`FullyShardedDataParallel` on a 1-D mesh) or ``"hsdp"`` (the same on a 2-D mesh).
-        optimizer: an :class:`~meshkit.parallel.optim.Optimizer`; the strategy's from now on.
+        optimizer: an :class:`~meshkit.parallel.optim.optimizers.Optimizer`; the strategy's from now on.
         units: lists of parameter names (e.g. one per layer); default one unit of everything.
         options: the strategy's own keyword options (e.g. ``bucket_cap_mb``, ``comm_hook`` for
             DDP, ``reshard_after_forward`` for FSDP).

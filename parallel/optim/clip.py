@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from ..comm import DistTypeError, DistValueError, ProcessGroup, ReduceOp, all_reduce
-from ..tensor import DTensor
-from .arrays import array_namespace, check_same_library, is_array, to_host
-from .checks import real, where
+from ...comm import DistTypeError, DistValueError, ProcessGroup, ReduceOp, all_reduce
+from ...tensor import DTensor
+from ..arrays import array_namespace, check_same_library, is_array, to_host
+from ..checks import real, where
 
 __all__ = ["clip_grad_norm_", "clip_grad_norm_parts"]
 

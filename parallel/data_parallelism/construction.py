@@ -12,12 +12,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Iterator, Sequence
 
-from ..comm import DistTypeError, DistValueError, ProcessGroup, all_gather_object
-from ..comm._seams import resolve_group
-from ..mesh import DeviceMesh
-from ..tensor import DTensor
-from .arrays import array_namespace, is_array, type_name
-from .checks import on_ranks, where
+from ...comm import DistTypeError, DistValueError, ProcessGroup, all_gather_object
+from ...comm._seams import resolve_group
+from ...mesh import DeviceMesh
+from ...tensor import DTensor
+from ..arrays import array_namespace, is_array, type_name
+from ..checks import on_ranks, where
 from .dtensors import describe_spec, layout_problem, layout_spec
 from .flat import make_layouts
 

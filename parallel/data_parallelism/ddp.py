@@ -1,8 +1,8 @@
 """DistributedDataParallel: bucketed gradient averaging that overlaps the backward pass.
 
-It implements the training-loop protocol of :mod:`~meshkit.parallel.protocol` (one loop for
+It implements the training-loop protocol of :mod:`~meshkit.parallel.data_parallelism.protocol` (one loop for
 every strategy); the gradient interface (``grads``, ``mark_grad_ready``, ``no_sync``...) is
-:class:`~meshkit.parallel.reducer.GradientReducer`'s, shared with ZeRO::
+:class:`~meshkit.parallel.data_parallelism.reducer.GradientReducer`'s, shared with ZeRO::
 
     ddp = DistributedDataParallel(params, mesh=mesh["dp"], optimizer=SGD(lr=0.1, momentum=0.9))
     for x, y in batches:
@@ -25,19 +25,19 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..comm import DistValueError, ProcessGroup, Work, broadcast_object_list
-from ..mesh import DeviceMesh
-from ..tensor import DTensor
-from .arrays import array_namespace
+from ...comm import DistValueError, ProcessGroup, Work, broadcast_object_list
+from ...mesh import DeviceMesh
+from ...tensor import DTensor
+from ..arrays import array_namespace
 from .buckets import MB, BucketManager, CommHook, GradBucket
-from .clip import clip_grad_norm_
+from ..optim.clip import clip_grad_norm_
 from .dtensors import block_of, split, wrap_all
 from .hooks import allreduce_hook
-from .optim import Optimizer
+from ..optim.optimizers import Optimizer
 from .protocol import ReplicatedUnits, check_units, deprecated
 from .reducer import GradientReducer
-from .sharded_state import load_pieces, optimizer_state_views
-from .setup import Params, broadcast_params, caps_problem, check_setup, resolve_data_parallel_group, snapshot
+from ...state._seams import load_pieces, optimizer_state_views
+from .construction import Params, broadcast_params, caps_problem, check_setup, resolve_data_parallel_group, snapshot
 
 __all__ = ["DistributedDataParallel"]
 
@@ -51,9 +51,9 @@ class DistributedDataParallel(ReplicatedUnits, GradientReducer):
         params: ordered ``dict[str, array]``; updated in place by your optimizer. Values may be
             DTensors laid out over another mesh dimension than ``mesh`` (tensor parallelism:
             ``mesh["tp"]`` beside ``mesh["dp"]``), none ``Partial``: each rank's block is averaged
-            over the group (see :mod:`~meshkit.parallel.dtensors`).
+            over the group (see :mod:`~meshkit.parallel.data_parallelism.dtensors`).
         mesh: a 1-D mesh (e.g. ``mesh["dp"]``) to average over; or pass ``group``.
-        optimizer: the :class:`~meshkit.parallel.optim.Optimizer` :meth:`step` runs on
+        optimizer: the :class:`~meshkit.parallel.optim.optimizers.Optimizer` :meth:`step` runs on
             ``params`` (leaving it out and stepping an optimizer of your own on ``ddp.grads``
             is deprecated).
         units: lists of parameter names for :meth:`unshard`; default one unit of everything.
@@ -64,7 +64,7 @@ class DistributedDataParallel(ReplicatedUnits, GradientReducer):
         gradient_as_bucket_view: ``grads[name]`` is a view into its bucket (no copies);
             otherwise gradients are separate arrays copied in and out of the buckets.
         broadcast_from: group rank whose parameters every rank starts from.
-        comm_hook: ``hook(state, bucket) -> Work`` (see :mod:`meshkit.parallel.hooks`);
+        comm_hook: ``hook(state, bucket) -> Work`` (see :mod:`meshkit.parallel.data_parallelism.hooks`);
             default :func:`allreduce_hook`.
         comm_state: the state passed to ``comm_hook`` (default: the group).
         find_unused_parameters: allow iterations where some gradients are never marked
@@ -72,7 +72,7 @@ class DistributedDataParallel(ReplicatedUnits, GradientReducer):
 
     ``ddp.params`` is DDP's own read-only mapping of the same arrays (update them in place), and
     DDP keeps a snapshot of their names, shapes and dtypes: changing the caller's dict later does
-    not change what is averaged. See :mod:`~meshkit.parallel.reducer` for what reading
+    not change what is averaged. See :mod:`~meshkit.parallel.data_parallelism.reducer` for what reading
     ``ddp.grads`` during a pass does.
 
     With DTensor parameters, ``ddp.params[name]`` is a DTensor (the same mesh and placements)
@@ -216,7 +216,7 @@ class DistributedDataParallel(ReplicatedUnits, GradientReducer):
         """Parameters and optimizer state, full size, on every rank (no communication: replicated).
 
         The form of :meth:`ShardedStrategy.full_state_dict
-        <meshkit.parallel.sharded.ShardedStrategy.full_state_dict>`: ``{"params": {name: array},
+        <meshkit.parallel.data_parallelism.sharded.ShardedStrategy.full_state_dict>`: ``{"params": {name: array},
         "optimizer": {"step": {name: int}, "state": {name: {key: flat array}}, "hyper": ...}}``, copies
         in the parameters' library.
 
@@ -242,7 +242,7 @@ class DistributedDataParallel(ReplicatedUnits, GradientReducer):
 
         Returns:
             ``{"model": {name: array}, "optim": {"state": {name: {key: array}}, "step": {name: StepCount}}}``
-            with the keys of the sharded strategies (:mod:`~meshkit.parallel.sharded_state`); the
+            with the keys of the sharded strategies (:mod:`~meshkit.state.boxes`); the
             optimizer's state is materialized (zeros at step 0) if it has not stepped yet. A
             DTensor parameter's entries are DTensors laid out as it (over its block and the
             block's state), which a checkpoint saves and loads as any DTensor.

@@ -15,7 +15,7 @@ One loop trains DDP, ZeRO-1/2, FSDP and HSDP alike::
             model.mark_grad_ready("w1", dw1)         # final: reduction starts when its bucket/unit is complete
         model.step()                                 # finish the sync, run the optimizer
 
-:func:`~meshkit.parallel.factory.data_parallel` builds any of them. ``unshard(i)`` yields the
+:func:`~meshkit.parallel.data_parallelism.factory.data_parallel` builds any of them. ``unshard(i)`` yields the
 parameters themselves under DDP and ZeRO (nothing is gathered) and gathers unit ``i`` under FSDP;
 ``prefetch(i)`` starts that gather early (a no-op where nothing is gathered). Under
 ``with model.no_sync():`` gradients add up locally for gradient accumulation; the next
@@ -33,7 +33,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator, Sequence
 
-from ..comm import DistValueError
+from ...comm import DistValueError
 
 __all__ = ["ReplicatedUnits", "check_units", "deprecated"]
 

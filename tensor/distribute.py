@@ -10,7 +10,7 @@ from ..comm import DistTypeError, DistValueError
 from ..comm._seams import array_namespace
 from ..mesh import DeviceMesh
 from . import errors
-from .checks import check_same_arguments
+from .verify import check_same_arguments
 from .chunks import chunk_range, chunk_size, local_slices
 from .dtensor import DTensor, coordinate_of, normalize_placements
 from .placements import Partial, Placement, Replicate, Shard

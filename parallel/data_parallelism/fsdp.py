@@ -3,7 +3,7 @@
 At rest each rank holds only its shard of every unit's flat buffers: parameters, gradients and
 optimizer state all cost 1/N. A unit (e.g. one layer) is all-gathered for the moment it is
 used and freed after; its gradients are reduce-scattered straight into the gradient shards. It
-implements the training-loop protocol of :mod:`~meshkit.parallel.protocol`, as DDP and ZeRO do::
+implements the training-loop protocol of :mod:`~meshkit.parallel.data_parallelism.protocol`, as DDP and ZeRO do::
 
     fsdp = FullyShardedDataParallel(params, mesh=mesh, optimizer=AdamW(lr=1e-3),
                                     units=[["w0", "b0"], ["w1", "b1"]])
@@ -29,7 +29,7 @@ over every data-parallel rank as DDP does.
 
 Parameters may be DTensors laid out over another mesh dimension (tensor parallelism, e.g.
 ``mesh["tp"]`` beside ``mesh["dp"]``, or a ``(replicate, shard, tp)`` mesh for HSDP), as DDP's
-and ZeRO's (:mod:`~meshkit.parallel.dtensors`): each rank's block is flat-sharded over the
+and ZeRO's (:mod:`~meshkit.parallel.data_parallelism.dtensors`): each rank's block is flat-sharded over the
 data-parallel mesh as any array would be, ``unshard`` yields DTensors laid out as the parameters
 over the gathered blocks, and ``mark_grad_ready`` takes DTensor gradients laid out alike.
 """
@@ -40,16 +40,16 @@ import contextlib
 from collections.abc import Mapping
 from typing import Any, Iterator, Sequence
 
-from ..comm import DistTypeError, DistValueError, ProcessGroup, ReduceOp, Work
-from ..mesh import DeviceMesh
-from ..tensor import DTensor
-from .arrays import array_namespace, check_same_library
+from ...comm import DistTypeError, DistValueError, ProcessGroup, ReduceOp, Work
+from ...mesh import DeviceMesh
+from ...tensor import DTensor
+from ..arrays import array_namespace, check_same_library
 from .dtensors import block_of, split, wrap_all
 from .flat import FlatLayout, make_layouts
-from .optim import Optimizer
-from .checks import where
+from ..optim.optimizers import Optimizer
+from ..checks import where
 from .protocol import check_units, deprecated
-from .setup import Params, broadcast_params, check_setup
+from .construction import Params, broadcast_params, check_setup
 from .sharded import ShardedStrategy
 
 __all__ = ["FullyShardedDataParallel"]
@@ -66,7 +66,7 @@ class FullyShardedDataParallel(ShardedStrategy):
             every rank of ``mesh`` must pass the same placements, global shape and coordinate
             in the DTensor's mesh, which may hold no other rank of ``mesh`` (checked collectively).
         mesh: 1-D (shard over it) or 2-D ``(replicate, shard)`` for hybrid sharding.
-        optimizer: an elementwise :class:`~meshkit.parallel.optim.Optimizer`; it sees one flat
+        optimizer: an elementwise :class:`~meshkit.parallel.optim.optimizers.Optimizer`; it sees one flat
             shard per unit and dtype, named ``"unit{i}.{dtype}"``.
         units: ordered list of lists of parameter names, each name in exactly one unit (e.g.
             one unit per layer); default: one unit of everything.

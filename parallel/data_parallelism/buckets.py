@@ -20,8 +20,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-from ..comm import ProcessGroup, Work
-from .arrays import array_namespace
+from ...comm import ProcessGroup, Work
+from ..arrays import array_namespace
 
 if TYPE_CHECKING:
     from .pool import BufferPool

@@ -5,7 +5,7 @@ length is padded up to a multiple of the number of shards N; rank r owns element
 ``[r * S, (r + 1) * S)`` with ``S = padded / N``. A :class:`FlatLayout` is that arithmetic:
 where each parameter lies, which shard holds which piece, and the conversions between per-
 parameter arrays and flat buffers (packing for one message, and the state dicts of
-:mod:`~meshkit.parallel.sharded`). Padding is zero and stays zero under every elementwise optimizer.
+:mod:`~meshkit.parallel.data_parallelism.sharded`). Padding is zero and stays zero under every elementwise optimizer.
 """
 
 from __future__ import annotations
@@ -14,10 +14,12 @@ import dataclasses
 import math
 from typing import Any, Iterator, Sequence
 
-from ..comm import ProcessGroup
-from .arrays import array_namespace, convert
+from ...comm import ProcessGroup
+from ...state._seams import box_view, flat_range_boxes
+from ...state import ShardedArray
+from ..arrays import array_namespace, convert
 
-__all__ = ["FlatLayout", "make_layouts"]
+__all__ = ["FlatLayout", "make_layouts", "flat_shard_pieces"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,3 +123,28 @@ def make_layouts(params: dict[str, Any], order: Sequence[str], shards: int, pref
         by_dtype.setdefault(params[name].dtype, []).append(name)
     return [FlatLayout.over({n: params[n] for n in names}, shards, f"{prefix}{dtype.name}")
             for dtype, names in by_dtype.items()]
+
+
+def flat_shard_pieces(layout: FlatLayout, shard: Any, index: int) -> dict[str, list[ShardedArray]]:
+    """Each parameter's boxes inside shard ``index`` of ``layout``, as views into ``shard``.
+
+    Args:
+        layout: the flat layout (parameters concatenated in order, padded to equal shards).
+        shard: this rank's 1-D shard of the flat buffer (``layout.shard_size`` elements).
+        index: which shard it is.
+
+    Returns:
+        ``{name: [ShardedArray, ...]}`` for every parameter of the layout (an empty list where
+        the shard holds none of it).
+    """
+    lo, hi = layout.shard_range(index)
+    out: dict[str, list[ShardedArray]] = {}
+    for i, (name, shape, off) in enumerate(zip(layout.names, layout.shapes, layout.offsets)):
+        a, b = max(lo, off), min(hi, off + layout.size_of(i))
+        pieces = []
+        if a < b:
+            local = shard[a - lo:b - lo]
+            for offsets, lengths in flat_range_boxes(shape, a - off, b - off):
+                pieces.append(ShardedArray(box_view(local, shape, a - off, offsets, lengths), shape, offsets))
+        out[name] = pieces
+    return out

@@ -1,0 +1,13 @@
+"""Pipeline parallelism, as ``torch.distributed.pipelining``: stages on consecutive ranks, micro-batches.
+
+:mod:`.schedules` holds the schedules as data (which stage runs which micro-batch's forward or
+backward, in order: GPipe, 1F1B, interleaved 1F1B) and :func:`bubble_fraction`;
+:mod:`.pipeline` runs them (:class:`PipelineStage`, the schedule executors, :class:`PipelineError`).
+"""
+
+from .pipeline import (PipelineError, PipelineSchedule, PipelineStage, Schedule1F1B, ScheduleGPipe,
+                       ScheduleInterleaved1F1B)
+from .schedules import bubble_fraction
+
+__all__ = ["PipelineStage", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
+           "PipelineError", "bubble_fraction"]
