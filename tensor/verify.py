@@ -235,12 +235,7 @@ def check_same_arguments(op: str, mesh: DeviceMesh, arguments: dict[str, Any] | 
     else:
         vec = [_OK, digest(*arguments.items())]  # type: ignore[union-attr]
 
-    def combine(i: int, rows: list[list[int]]) -> tuple[list[int], str | None]:
-        if any(row[1] != rows[0][1] for row in rows):
-            return [_FOUND, rows[0][1]], None
-        return rows[0], None
-
-    vec, found = _sweep(mesh, vec, combine)
+    vec, found = _sweep(mesh, vec, _same_digest)
     if vec[0] != _OK:
         if own is None:
             description = ", ".join(f"{k} {v}" if isinstance(v, str) else f"{k} {v!r}"
@@ -248,6 +243,13 @@ def check_same_arguments(op: str, mesh: DeviceMesh, arguments: dict[str, Any] | 
         _raise_everywhere(op, mesh, found, description, own,
                           lambda passed: f"every rank must pass the same {_listed(list(arguments or {}))}, but "
                                          + by_ranks(passed))
+
+
+def _same_digest(i: int, rows: list[list[int]]) -> tuple[list[int], str | None]:
+    """A sweep's combine for ``[status, digest]`` rows: found (a digest that differs), else the first row."""
+    if any(row[1] != rows[0][1] for row in rows):
+        return [_FOUND, rows[0][1]], None
+    return rows[0], None
 
 
 def _listed(names: list[str]) -> str:
@@ -267,12 +269,7 @@ def verify_claims(op: str, mesh: DeviceMesh, claims: Sequence[Any]) -> None:
     """
     vec = [_OK, digest(*(c.key for c in claims))]  # claims: dtensor.Claim
 
-    def combine(i: int, rows: list[list[int]]) -> tuple[list[int], str | None]:
-        if any(row[1] != rows[0][1] for row in rows):
-            return [_FOUND, rows[0][1]], None
-        return rows[0], None
-
-    vec, found = _sweep(mesh, vec, combine)
+    vec, found = _sweep(mesh, vec, _same_digest)
     if vec[0] != _OK:
         _raise_everywhere(
             op, mesh, found, " and ".join(f"DTensor.from_local({c.description})" for c in claims), None,
