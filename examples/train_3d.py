@@ -98,9 +98,10 @@ class Stage:
     def __init__(self, full: dict[str, np.ndarray], layers: Sequence[int], n_layers: int, tp: meshkit.DeviceMesh):
         self.layers, self.n_layers, self.tp = list(layers), n_layers, tp
         self.kinds = dict(zip(self.layers, layer_kinds(len(self.layers), tp.size())))
-        # every rank built the same `full` (one seed): each cuts its own block, no data sent
-        self.params = {f"{k}{i}": _contiguous(distribute_tensor(full[f"{k}{i}"], tp, placements_of(self.kinds[i])[k],
-                                                                src_data_rank=None))
+        # every rank built the same `full` (one seed): each cuts its own block, no data sent; the
+        # block is a C-contiguous copy (DDP and the optimizer take each block as one flat buffer)
+        self.params = {f"{k}{i}": distribute_tensor(full[f"{k}{i}"], tp, placements_of(self.kinds[i])[k],
+                                                    src_data_rank=None)
                        for i in self.layers for k in "wb"}
         self.names = list(self.params)  # the stage's parameters, also while it holds none (--dp fsdp between steps)
         self.grads: dict[str, Any] = {}  # this rank's block of each gradient, added up over the microbatches
@@ -139,14 +140,6 @@ class Stage:
             if delta.placements[0].is_partial():  # colwise: Megatron's one all-reduce backward
                 delta = delta.redistribute(placements=[Replicate()])
         return delta.to_local()
-
-
-def _contiguous(t: DTensor) -> DTensor:
-    """``t`` over a C-contiguous copy of its block (a Shard(1) block is a strided view; DDP and the
-    optimizer want each rank's block as one flat buffer)."""
-    block = t.to_local()
-    return DTensor.from_local(array_namespace(block).ascontiguousarray(block), t.device_mesh, t.placements,
-                              shape=t.shape)
 
 
 # --------------------------------------------------------------------------- training
