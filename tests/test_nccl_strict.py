@@ -375,7 +375,8 @@ def rank(r):  # a rank whose script ends without destroy_process_group
     x = double.to_device(np.ones(4))
     meshkit.all_reduce(x, group=mesh.get_group("dp"))
     meshkit.all_reduce(x, async_op=True).wait()
-    print("rank", r, float(x.get()[0]), flush=True)
+    sys.stdout.write(f"rank {{r}} {{float(x.get()[0])}}\\n")  # one write: print's pieces interleave across threads
+    sys.stdout.flush()
 
 import threading
 threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
