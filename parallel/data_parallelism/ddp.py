@@ -204,12 +204,7 @@ class DistributedDataParallel(ReplicatedUnits, GradientReducer):
         Raises:
             DistValueError: as :meth:`step` when the gradients are not averaged.
         """
-        self._finish_complete_pass()
-        self._settle("clip_grad_norm_")
-        if not self._averaged:
-            raise DistValueError(f"{self._where('clip_grad_norm_')}: no synchronized gradient pass since zero_grad() "
-                                 "(or construction), so the gradients are not averaged; mark the gradients ready "
-                                 "(mark_grad_ready(name, grad), outside no_sync()) first")
+        self._ready_for_step("clip_grad_norm_")
         return clip_grad_norm_(dict(self.grads), max_norm, norm_type=norm_type)
 
     def full_state_dict(self) -> dict[str, Any]:

@@ -344,7 +344,7 @@ class GradientReducer:
             "gradients are used; reading them does not finish it")
 
     def _ready_for_step(self, op: str) -> None:
-        """Before ``step()``: finish a synchronized pass in progress (every gradient marked, or
+        """Before ``step()`` (or DDP's ``clip_grad_norm_()``, ``op``): finish a synchronized pass in progress (every gradient marked, or
         ``find_unused_parameters``), then check that the gradients are averaged.
 
         A pass this rank left incomplete is refused here, locally, and stays open (mark the rest,
@@ -356,7 +356,7 @@ class GradientReducer:
         if not self._averaged:
             raise DistValueError(f"{self._where(op)}: no synchronized gradient pass since zero_grad() (or "
                                  "construction), so the gradients are not averaged; mark the gradients ready "
-                                 "(mark_grad_ready(name, grad), outside no_sync()) before step()")
+                                 f"(mark_grad_ready(name, grad), outside no_sync()) before {op}()")
 
     def _finish_complete_pass(self) -> None:
         """Finish a synchronized pass in progress whose every gradient is marked (or any pass in
