@@ -344,7 +344,8 @@ class GradientReducer:
             "gradients are used; reading them does not finish it")
 
     def _ready_for_step(self, op: str) -> None:
-        """Before ``step()`` (or DDP's ``clip_grad_norm_()``, ``op``): finish a synchronized pass in progress (every gradient marked, or
+        """Before ``step()`` (or DDP's ``clip_grad_norm_()``: ``op``): finish a synchronized pass in
+        progress (every gradient marked, or
         ``find_unused_parameters``), then check that the gradients are averaged.
 
         A pass this rank left incomplete is refused here, locally, and stays open (mark the rest,
@@ -371,7 +372,8 @@ class GradientReducer:
         self._before_read(None, op)
         if self._marked():  # inside no_sync(): _before_read leaves those
             raise DistValueError(f"{self._where(op)}: gradients marked ready inside no_sync() are local sums, not "
-                                 "averages; run the last micro-batch outside no_sync(), then step() (or finish_gradient_sync())")
+                                 "averages; run the last micro-batch outside no_sync(), then step() (or "
+                                 "finish_gradient_sync())")
         if self._touched:
             raise DistValueError(f"{self._where(op)}: gradients {sorted(self._touched)} were accumulated under "
                                  "no_sync() but never synchronized; run the last micro-batch outside no_sync(), "
