@@ -345,8 +345,8 @@ class GradientReducer:
 
     def _ready_for_step(self, op: str) -> None:
         """Before ``step()`` (or DDP's ``clip_grad_norm_()``: ``op``): finish a synchronized pass in
-        progress (every gradient marked, or
-        ``find_unused_parameters``), then check that the gradients are averaged.
+        progress (every gradient marked, or ``find_unused_parameters``), then check that the
+        gradients are averaged.
 
         A pass this rank left incomplete is refused here, locally, and stays open (mark the rest,
         then ``step()`` again), as ZeRO's ``step()`` always did; if other ranks completed theirs,
