@@ -13,6 +13,11 @@ group's timeout. The engine is split by concern, each part in a module of its ow
 - ``mpi_cuda_aware.py``: whether the MPI library reads device memory;
 - ``mpi_mailbox.py``: the world's notice channel.
 
+They sit flat beside comm's other modules (as ``local.py`` beside ``local_engine.py``), not in a
+subpackage: ``meshkit.comm.mpi`` stays the module that lifecycle, the tests and the
+benchmarks import (``cuda_aware_mpi`` and ``CUDA_AWARE_ENV`` still import from here), and a
+subpackage's engine module would share ``engine.py``'s name.
+
 These modules import ``mpi4py.MPI``, which initializes MPI: they are imported only when the
 ``mpi`` backend is chosen (``mpi_polling.py`` alone needs no MPI). MPI is asked for
 ``MPI_THREAD_MULTIPLE`` (mpi4py's default), because each group's communication thread calls
