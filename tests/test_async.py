@@ -169,18 +169,18 @@ def test_operations_stay_on_the_thread_while_it_executes_one():
 def waiting_policy() -> tuple[bool, bool, bool, bool]:
     """On an MPI rank: (caller spin chosen for this host, spinning poller never yields,
     yielding poller yields at every pause, role of the thread that runs the operation)."""
-    from meshkit.comm import mpi as engine  # imports mpi4py: only on MPI ranks
+    from meshkit.comm import mpi_polling as policy  # the MPI engine's: only on MPI ranks
 
     cores, ranks = len(os.sched_getaffinity(0)), meshkit.get_world_size()  # one host in tests
-    spin_ok = engine._caller_spin == (engine.CALLER_SPIN_SECONDS if ranks <= cores else 0.0)
+    spin_ok = policy._caller_spin == (policy.CALLER_SPIN_SECONDS if ranks <= cores else 0.0)
     yields: list[int] = []
     real_yield, os.sched_yield = os.sched_yield, lambda: yields.append(1)
     try:
-        spinning = engine._Poller(time.monotonic() + 60, spin=30.0)
+        spinning = policy.Poller(time.monotonic() + 60, spin=30.0)
         for _ in range(100):
             spinning.pause()
         never_yielded = not yields
-        yielding = engine._Poller(time.monotonic() + 60, spin=0.0)
+        yielding = policy.Poller(time.monotonic() + 60, spin=0.0)
         for _ in range(100):
             yielding.pause()
         yielded_after_polls = len(yields) == 100  # a pause comes after each batch of polls

@@ -398,6 +398,36 @@ def test_import_meshkit_does_not_initialize_mpi():
     assert out.stdout.strip() == "False", out.stdout + out.stderr
 
 
+#: The MPI engine's modules, one concern each (issue 25.3): the engine, its datatypes, device staging,
+#: CUDA-aware detection and the notice mailbox import mpi4py; its wait policy needs none.
+MPI_ENGINE = {"meshkit.comm.mpi", "meshkit.comm.mpi_datatypes", "meshkit.comm.mpi_staging",
+              "meshkit.comm.mpi_cuda_aware", "meshkit.comm.mpi_mailbox", "meshkit.comm.mpi_polling"}
+
+
+def test_only_the_mpi_engine_imports_mpi4py_and_only_lifecycle_reaches_it_lazily():
+    """Importing mpi4py initializes MPI: only the MPI engine's modules that need it import it, and the
+    package reaches them from outside only inside a function of ``comm/lifecycle.py`` (the ``mpi``
+    backend chosen), so that neither ``import meshkit`` nor the wait policy starts MPI."""
+    assert MPI_ENGINE <= set(MODULES), sorted(MPI_ENGINE - set(MODULES))
+    importers, outside = set(), {}
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text(), str(path))
+        if any(isinstance(n, ast.ImportFrom) and (n.module or "").startswith("mpi4py") or isinstance(n, ast.Import)
+               and any(a.name.startswith("mpi4py") for a in n.names) for n in ast.walk(tree)):
+            importers.add(module)
+        if module not in MPI_ENGINE:
+            at_import = {t for n in tree.body if not isinstance(n, (ast.FunctionDef, ast.ClassDef))
+                         for t, _, line in GRAPH[module] if n.lineno <= line <= n.end_lineno}
+            reached = {t for t, _, _ in GRAPH[module] if t in MPI_ENGINE}
+            if reached:
+                outside[module] = reached & at_import  # what importing the module would import
+    assert importers == MPI_ENGINE - {"meshkit.comm.mpi_polling"}, sorted(importers)
+    assert outside == {"meshkit.comm.lifecycle": set()}, outside
+    code = "import sys, meshkit.comm.mpi_polling; print('mpi4py.MPI' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
 def _in_repo(filename: str) -> str:
     """A frame's file as the README's map names it (relative to the repository root)."""
     path = Path(filename).resolve()

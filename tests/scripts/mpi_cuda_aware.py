@@ -1,4 +1,4 @@
-"""Whether MPI is CUDA-aware (``meshkit.comm.mpi.cuda_aware_mpi``): the real library, then fakes.
+"""Whether MPI is CUDA-aware (``meshkit.comm.mpi_cuda_aware.cuda_aware_mpi``): the real library, then fakes.
 
 Run with plain ``python`` (an MPI singleton). The real answer comes first, from the library
 mpi4py loaded; then fake libraries (objects with MPICH's MPIX functions, as ctypes gives them)
@@ -11,10 +11,10 @@ import os
 
 from mpi4py import MPI
 
-from meshkit.comm import mpi
+from meshkit.comm import mpi_cuda_aware
 
-lib = mpi._libmpi()
-print(f"real library {os.path.basename(lib._name) if lib is not None else None} -> {mpi.cuda_aware_mpi()}")
+lib = mpi_cuda_aware._libmpi()
+print(f"real library {os.path.basename(lib._name) if lib is not None else None} -> {mpi_cuda_aware.cuda_aware_mpi()}")
 
 
 class Query:
@@ -55,14 +55,14 @@ cases = {
     "no library": None,
 }
 for name, fake in cases.items():
-    mpi._libmpi = lambda fake=fake: fake
-    print(f"{name} -> {mpi.cuda_aware_mpi()}")
+    mpi_cuda_aware._libmpi = lambda fake=fake: fake
+    print(f"{name} -> {mpi_cuda_aware.cuda_aware_mpi()}")
 
-mpi._libmpi = lambda: Library(MPIX_Query_cuda_support=Query(0))
+mpi_cuda_aware._libmpi = lambda: Library(MPIX_Query_cuda_support=Query(0))
 MPI.Query_cuda_support = lambda: True  # mpi4py's own query (mpi4py builds with MPIX) comes before the library's
-print(f"mpi4py Query_cuda_support 1, library 0 -> {mpi.cuda_aware_mpi()}")
+print(f"mpi4py Query_cuda_support 1, library 0 -> {mpi_cuda_aware.cuda_aware_mpi()}")
 del MPI.Query_cuda_support
-mpi._libmpi = lambda: Library(MPIX_Query_cuda_support=Query(1))
+mpi_cuda_aware._libmpi = lambda: Library(MPIX_Query_cuda_support=Query(1))
 for value in ("0", "1"):
-    os.environ[mpi.CUDA_AWARE_ENV] = value
-    print(f"{mpi.CUDA_AWARE_ENV}={value}, library 1 -> {mpi.cuda_aware_mpi()}")
+    os.environ[mpi_cuda_aware.CUDA_AWARE_ENV] = value
+    print(f"{mpi_cuda_aware.CUDA_AWARE_ENV}={value}, library 1 -> {mpi_cuda_aware.cuda_aware_mpi()}")

@@ -44,9 +44,9 @@ if case == "timeout":
         print("all_reduce output", x.get().tolist(), "copies back", rt.copies_to_device, flush=True)
 elif case == "chunked-timeout":
     # As above, chunked (4 chunks): chunks that completed are not copied back either.
-    from meshkit.comm import mpi
+    from meshkit.comm import mpi_staging
 
-    mpi.CHUNK_BYTES = 4
+    mpi_staging.CHUNK_BYTES = 4
     if rank == 0:
         x = double.to_device(np.arange(4, dtype=np.float32))
         report("chunked all_reduce", lambda: meshkit.all_reduce(x, async_op=True).wait())

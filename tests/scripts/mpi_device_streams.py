@@ -60,9 +60,9 @@ elif case == "no-event-wait":  # rank 1's engine forgot the wait; rank 0's is so
         meshkit.send(double.to_device(np.arange(3.0)), dst=1)
         print("sent", flush=True)
 elif case == "chunks":
-    from meshkit.comm import mpi
+    from meshkit.comm import mpi_staging
 
-    mpi.CHUNK_BYTES = 16
+    mpi_staging.CHUNK_BYTES = 16
     total = sum(cases.check_all(dtype, dev=double.to_device, host=double.to_host)
                 for dtype in (np.float64, np.float32, np.int64, np.complex128, np.bool_, np.float16))
     print(f"checks {total}", flush=True)

@@ -17,9 +17,9 @@ import meshkit
 
 mode = sys.argv[1]
 if mode == "chunked":
-    from meshkit.comm import mpi
+    from meshkit.comm import mpi_staging
 
-    mpi.CHUNK_BYTES = 16
+    mpi_staging.CHUNK_BYTES = 16
 with fake_cupy.installed() as cupy:
     meshkit.init_process_group("mpi", timeout=60)
     rank, n = meshkit.get_rank(), meshkit.get_world_size()
