@@ -80,8 +80,10 @@ START, FAILED, ENDED, RELEASE, TIMED_OUT = "start", "failed", "ended", "release"
 #: handlers, MPI_Finalize). Written before shutdown, so the launcher can tell a rank that is still
 #: working from one stuck in MPI_Finalize waiting for ranks that left without it.
 FINISHED = "finished"
-# Frames of the rank bootstrap, hidden from the user's tracebacks (runpy is frozen in 3.11+).
-_BOOTSTRAP_FILES = frozenset({__file__, runpy.__file__, "<frozen runpy>"})
+# Frames of the rank bootstrap (and of meshkit.spawn's rank module, which calls the user's
+# function), hidden from the user's tracebacks (runpy is frozen in 3.11+).
+_BOOTSTRAP_FILES = frozenset({__file__, runpy.__file__, "<frozen runpy>",
+                              os.path.join(os.path.dirname(os.path.abspath(__file__)), "spawn_rank.py")})
 # A line ends at "\n", "\r\n" or a lone "\r" (progress bars redraw a line with "\r").
 _LINE_END = re.compile(r"\r\n|\r(?!$)|\n")
 # Signals a watcher passes on to its rank: those a process manager sends to end or poke a job.
