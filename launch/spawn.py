@@ -25,6 +25,7 @@ defined inside another.
 
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 import shutil
@@ -100,6 +101,16 @@ class SpawnContext:
     def _start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="meshkit-spawn", daemon=True)
         self._thread.start()
+        # A parent leaving without join(): end the job now and remove its folders. (hydra ends a
+        # job whose output pipe closed too, but only when it next polls it: 0.5 s on 2026-11-25.)
+        atexit.register(self._end)
+
+    def _end(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            self._job._send(signal.SIGKILL)  # mpiexec: its proxy kills the ranks' watchers, whose ranks follow
+            self._thread.join(timeout=5)
+        for folder in self._folders:
+            shutil.rmtree(folder, ignore_errors=True)
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait for the processes; True once every one exited 0, False if ``timeout`` passed first.
@@ -119,6 +130,7 @@ class SpawnContext:
                 raise self._error
             _raise_failure(self._job, self._code, self._folders[0])
         finally:
+            atexit.unregister(self._end)
             for folder in self._folders:
                 shutil.rmtree(folder, ignore_errors=True)
         return True

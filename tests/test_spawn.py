@@ -7,6 +7,7 @@ The spawned functions live in ``tests/spawn_cases.py`` (importable by name, as s
 from __future__ import annotations
 
 import functools
+import os
 import pickle
 import re
 import signal
@@ -129,3 +130,28 @@ def test_a_partial_of_an_importable_function_is_accepted(tmp_path):
 def test_timeout_ends_the_job(tmp_path):
     with pytest.raises(TimeoutError, match=r"the 2 processes were still running after timeout=3 s; they were ended"):
         meshkit.spawn(spawn_cases.fail_on, args=(str(tmp_path), 5, "none"), nprocs=2, timeout=3)
+
+
+def test_a_parent_that_leaves_without_join_ends_the_job_and_removes_its_folders(tmp_path):
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent), "TMPDIR": str(temp)}
+    out = subprocess.run([sys.executable, str(SCRIPTS / "spawn_leave.py"), str(tmp_path)], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert not list(temp.iterdir()), "the job's folders (payload, status) were left behind"
+    pids = [int(p) for p in out.stdout.split("pids", 1)[1].split()]
+    assert len(pids) == 2, out.stdout
+
+    def running(pid: int) -> bool:
+        try:
+            return b"spawn_rank" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + 5
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = [p for p in pids if running(p)]
+    assert not alive, f"processes of a job whose parent left still run: {alive}"
