@@ -101,8 +101,9 @@ class SpawnContext:
     def _start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="meshkit-spawn", daemon=True)
         self._thread.start()
-        # A parent leaving without join(): end the job now and remove its folders. (hydra ends a
-        # job whose output pipe closed too, but only when it next polls it: 0.5 s on 2026-11-25.)
+        # A parent leaving without join(): end the job now and remove its folders. (Without this
+        # the job also ended, about 0.5 s after the parent on 2026-11-25, most likely hydra losing
+        # its output pipe; but the folders stayed, and nothing promised the end.)
         atexit.register(self._end)
 
     def _end(self) -> None:
