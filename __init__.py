@@ -26,11 +26,13 @@ from . import checkpoint, comm, mesh, parallel, state, tensor
 from .comm import *  # noqa: F401,F403
 from .comm import __all__ as _comm_all
 from .comm._seams import moved_names
+from .launch import ProcessExitedException, ProcessRaisedException, spawn
 from .mesh import DeviceMesh, ParallelDims, init_device_mesh
 
 __version__ = "0.1.0"
 
-__all__ = [*_comm_all, "DeviceMesh", "init_device_mesh", "ParallelDims", "comm", "mesh", "tensor", "state", "parallel",
+__all__ = [*_comm_all, "DeviceMesh", "init_device_mesh", "ParallelDims", "spawn", "ProcessRaisedException",
+           "ProcessExitedException", "comm", "mesh", "tensor", "state", "parallel",
            "checkpoint"]
 
 #: comm's seams were re-exported here in 0.1: one more release, with a warning.

@@ -135,9 +135,34 @@ def all_to_all_single(output: np.ndarray, input: np.ndarray, output_split_sizes:
                                                   async_op=async_op)
 
 
-def barrier(group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
-    """Wait until every rank of the group arrives."""
-    return resolve_group(group).barrier(async_op=async_op)
+def barrier(group: ProcessGroup | None = None, async_op: bool = False,
+            device_ids: Sequence[int] | None = None) -> Work | None:
+    """Wait until every rank of the group arrives.
+
+    ``device_ids``: as torch's, a list of one int, this rank's GPU (its index among the GPUs the
+    process sees). On ``nccl`` it must be the group's device (an error otherwise: a barrier
+    on another GPU than the collectives' would order nothing); on ``mpi`` and ``local``, which
+    run on the host, it is checked and ignored, so code written for torch's NCCL runs unchanged.
+    """
+    g = resolve_group(group)
+    if device_ids is not None:
+        _check_device_ids(g, device_ids)
+    return g.barrier(async_op=async_op)
+
+
+def _check_device_ids(g: ProcessGroup, device_ids: object) -> None:
+    op = "barrier"
+    ok = (isinstance(device_ids, (list, tuple)) and len(device_ids) == 1 and isinstance(device_ids[0], int)
+          and not isinstance(device_ids[0], bool) and device_ids[0] >= 0)
+    if not ok:
+        error = DistTypeError if not isinstance(device_ids, (list, tuple)) else DistValueError
+        raise error(f"{where(g, op)}: device_ids must be a list of one GPU index of this rank (as torch's, e.g. "
+                    f"[local_rank]), got {device_ids!r}")
+    device = getattr(g.engine, "device", None) if g.backend == "nccl" and g.rank >= 0 else None
+    if device is not None and device_ids[0] != device:
+        raise DistValueError(f"{where(g, op)}: device_ids={list(device_ids)} is not this rank's GPU in group "
+                             f"{g.name}: its collectives run on device {device}; pass device_ids=[{device}] or "
+                             "leave device_ids out")
 
 
 def monitored_barrier(group: ProcessGroup | None = None, timeout: float | None = None,

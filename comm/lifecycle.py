@@ -29,17 +29,20 @@ __all__ = ["init_process_group", "destroy_process_group", "BACKENDS"]
 
 logger = logging.getLogger("meshkit")
 
-BACKENDS = ("auto", "mpi", "local", "nccl")
+#: "gloo" is torch's CPU backend, taken as meshkit's: "mpi" in a process, "local" inside
+#: local.run. So a ported script's init_process_group("gloo") runs unchanged; get_backend()
+#: names the engine that runs ("mpi"), as code branching on it must know (docs/clusters.md).
+BACKENDS = ("auto", "mpi", "local", "nccl", "gloo")
 
 
 def _resolve_backend(backend: str) -> str:
     if backend not in BACKENDS:
         raise DistValueError(f"meshkit.comm: unknown backend {backend!r}; valid backends are {list(BACKENDS)}")
-    if backend != "auto":
+    if backend not in ("auto", "gloo"):
         return backend
     if local_context() is not None:
         return "local"
-    return "nccl" if gpu_available() else "mpi"
+    return "mpi" if backend == "gloo" or not gpu_available() else "nccl"
 
 
 def _world_engine(backend: str, timeout: float, device_id: int | None = None) -> object:
@@ -70,6 +73,8 @@ def init_process_group(backend: str = "auto", *, timeout: float | datetime.timed
             objects over MPI; one GPU per rank, see ``device_id``),
             ``"local"`` (inside :func:`meshkit.comm.local.run`), or ``"auto"``: ``local``
             inside ``local.run``, else ``nccl`` where CuPy sees a GPU, else ``mpi``.
+            ``"gloo"`` (torch's CPU backend) is taken as ``mpi`` (``local`` inside
+            ``local.run``); :func:`get_backend` then reports ``"mpi"``.
         timeout: seconds (or a timedelta) every blocking call of every group waits at most;
             default ``MESHKIT_TIMEOUT`` or 300 s.
         device_id: the index of this rank's GPU among those the process sees (``nccl`` only; as

@@ -11,11 +11,15 @@ initialize MPI in the launcher process), and nothing in comm imports it. The ran
 
 Modules: :mod:`~meshkit.launch.cli` (the command line), :mod:`~meshkit.launch.job` (running and
 ending a job), :mod:`~meshkit.launch.output` (mpiexec's output), :mod:`~meshkit.launch.bootstrap`
-(the rank side), :mod:`~meshkit.launch.mpich_tuning` (MPICH's collective selection).
+(the rank side), :mod:`~meshkit.launch.mpich_tuning` (MPICH's collective selection),
+:mod:`~meshkit.launch.spawn` and :mod:`~meshkit.launch.spawn_rank` (``meshkit.spawn``: torch's
+``spawn(fn, args, nprocs)`` over the same job).
 """
 
 from .cli import THREAD_ENV_VARS, find_mpiexec, main, thread_limits
 from .job import FAILURE_SETTLE_S, KILL_GRACE_S, TIMEOUT_EXIT_CODE, LaunchError
+from .spawn import ProcessException, ProcessExitedException, ProcessRaisedException, SpawnContext, spawn
 
 __all__ = ["main", "find_mpiexec", "thread_limits", "THREAD_ENV_VARS", "LaunchError", "FAILURE_SETTLE_S",
-           "KILL_GRACE_S", "TIMEOUT_EXIT_CODE"]
+           "KILL_GRACE_S", "TIMEOUT_EXIT_CODE", "spawn", "SpawnContext", "ProcessException", "ProcessRaisedException",
+           "ProcessExitedException"]

@@ -4,6 +4,8 @@
 (or ``-m MODULE``): by path, and importing only the standard library, so that the user's
 script is the first to import NumPy and can configure it. The bootstrap
 
+* sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` as torchrun does, from
+  the process manager's own variables (:data:`TORCHRUN_ENV_VARS`);
 * prefixes each line the rank writes to ``sys.stdout``/``sys.stderr`` with ``[rank{r}]: ``
   (as torchrun does), writing whole lines so that ranks never interleave within a line;
 * turns an uncaught exception into the end of the job: the rank prints its traceback, reports
@@ -47,15 +49,26 @@ from types import ModuleType, TracebackType
 from typing import NoReturn, TextIO
 
 __all__ = [
-    "RANK_ENV_VARS", "STATUS_DIR_ENV", "LAUNCHER_ENV", "START", "FAILED", "ENDED", "RELEASE", "TIMED_OUT",
+    "RANK_ENV_VARS", "TORCHRUN_ENV_VARS", "STATUS_DIR_ENV", "LAUNCHER_ENV", "START", "FAILED", "ENDED", "RELEASE", "TIMED_OUT",
     "FINISHED",
-    "launcher_host", "main",
+    "launcher_host", "set_torchrun_env", "main",
 ]
 
 #: The rank is read from the first of these that is set: MPICH/hydra, Open MPI, PMIx, Slurm.
 #: Reading the environment keeps the bootstrap from importing mpi4py (and initializing MPI)
 #: in ranks that never use it.
 RANK_ENV_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
+#: The variables torchrun sets for each rank, each taken from the first of its process manager's
+#: variables that is set (MPICH/hydra, Open MPI, Slurm), so that ported code reading them sees
+#: the rank MPI gives this process (its world rank in meshkit). One that no process manager
+#: announced is removed rather than left at a stale value. MASTER_ADDR/MASTER_PORT are the
+#: launcher's (:mod:`meshkit.launch.cli`).
+TORCHRUN_ENV_VARS = {
+    "RANK": RANK_ENV_VARS,
+    "WORLD_SIZE": ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS", "MESHKIT_WORLD_SIZE"),
+    "LOCAL_RANK": ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"),
+    "LOCAL_WORLD_SIZE": ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+}
 #: The status directory (a folder the launcher made; see the module docstring).
 STATUS_DIR_ENV = "MESHKIT_LAUNCH_STATUS_DIR"
 #: "HOST PID" of the launcher: ranks on another host (which cannot see its folder, or see it
@@ -67,8 +80,10 @@ START, FAILED, ENDED, RELEASE, TIMED_OUT = "start", "failed", "ended", "release"
 #: handlers, MPI_Finalize). Written before shutdown, so the launcher can tell a rank that is still
 #: working from one stuck in MPI_Finalize waiting for ranks that left without it.
 FINISHED = "finished"
-# Frames of the rank bootstrap, hidden from the user's tracebacks (runpy is frozen in 3.11+).
-_BOOTSTRAP_FILES = frozenset({__file__, runpy.__file__, "<frozen runpy>"})
+# Frames of the rank bootstrap (and of meshkit.spawn's rank module, which calls the user's
+# function), hidden from the user's tracebacks (runpy is frozen in 3.11+).
+_BOOTSTRAP_FILES = frozenset({__file__, runpy.__file__, "<frozen runpy>",
+                              os.path.join(os.path.dirname(os.path.abspath(__file__)), "spawn_rank.py")})
 # A line ends at "\n", "\r\n" or a lone "\r" (progress bars redraw a line with "\r").
 _LINE_END = re.compile(r"\r\n|\r(?!$)|\n")
 # Signals a watcher passes on to its rank: those a process manager sends to end or poke a job.
@@ -203,6 +218,17 @@ def _rank_from_env() -> int:
         if value.isdigit():
             return int(value)
     return 0
+
+
+def set_torchrun_env(environ: dict[str, str] | None = None) -> None:
+    """Set :data:`TORCHRUN_ENV_VARS` in ``environ`` (``os.environ``) from the process manager's."""
+    environ = os.environ if environ is None else environ
+    for name, sources in TORCHRUN_ENV_VARS.items():
+        value = next((environ[s].strip() for s in sources if environ.get(s, "").strip().isdigit()), None)
+        if value is None:
+            environ.pop(name, None)
+        else:
+            environ[name] = value
 
 
 def _install_prefixed_streams(prefix: str) -> list[_PrefixedStream]:
@@ -412,6 +438,7 @@ def _rank_main(target: list[str]) -> int:
     if not target or target == ["-m"]:
         raise ValueError(f"meshkit-run: rank bootstrap needs a script or -m MODULE, got {target}")
     rank = _rank_from_env()
+    set_torchrun_env()
     status = _StatusDir.from_env(rank)
     # Without a watcher, a failed rank waits for the launcher itself (it kills the rank then).
     linger = None

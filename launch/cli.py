@@ -16,7 +16,12 @@ the end of the whole job. Unless already set, ``OMP_NUM_THREADS``, ``OPENBLAS_NU
 ``mpiexec`` gets its nonblocking all_reduce selection retuned (see
 :mod:`meshkit.launch.mpich_tuning`; ``MESHKIT_MPICH_TUNING=0`` turns that off).
 
-Ranks see ``MESHKIT_LAUNCHED=1`` and ``MESHKIT_WORLD_SIZE=N`` in their environment. Only output
+Ranks see ``MESHKIT_LAUNCHED=1`` and ``MESHKIT_WORLD_SIZE=N`` in their environment, and what
+torchrun sets, for ported code that reads it: ``RANK`` (MPI's world rank, which is meshkit's),
+``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` (by the rank bootstrap, from the process
+manager's variables) and ``MASTER_ADDR``/``MASTER_PORT``: a port free on the launching host when
+the job starts, at ``127.0.0.1`` for a job on this host, else at this host's name
+(:func:`rendezvous_address`). meshkit itself needs neither: MPI connects the ranks. Only output
 written through Python's ``sys.stdout``/``sys.stderr`` is prefixed; output of C libraries and
 subprocesses that write to the file descriptors directly passes through untouched.
 """
@@ -28,6 +33,7 @@ import logging
 import os
 import shlex
 import shutil
+import socket
 import sys
 import tempfile
 
@@ -35,7 +41,8 @@ from . import bootstrap
 from .job import TIMEOUT_EXIT_CODE, Job, LaunchError
 from .mpich_tuning import tuned_environment
 
-__all__ = ["main", "find_mpiexec", "thread_limits", "LaunchError", "THREAD_ENV_VARS"]
+__all__ = ["main", "find_mpiexec", "thread_limits", "rendezvous_address", "job_command", "job_environment",
+           "LaunchError", "THREAD_ENV_VARS"]
 
 logger = logging.getLogger("meshkit.launch")
 
@@ -186,26 +193,64 @@ def thread_limits(nproc: int, env: dict[str, str]) -> dict[str, str]:
     return {var: threads for var in THREAD_ENV_VARS if var not in env}
 
 
-def _launch(opts: argparse.Namespace, target: list[str]) -> int:
-    command = [
-        *find_mpiexec(),
-        "-n", str(opts.nproc),
-        *shlex.split(opts.mpiexec_args),
+#: mpiexec options that place ranks on other hosts (hydra's and Open MPI's spellings), and
+#: variables by which hydra finds hosts on its own (a host file, a Slurm or PBS allocation).
+_HOST_OPTIONS = ("-host", "-hosts", "--host", "-H", "-f", "-hostfile", "--hostfile", "-machinefile", "--machinefile")
+_HOST_ENV = ("HYDRA_HOST_FILE", "PBS_NODEFILE")
+
+
+def rendezvous_address(mpiexec: list[str], mpiexec_args: list[str], env: dict[str, str]) -> tuple[str, int]:
+    """``(MASTER_ADDR, MASTER_PORT)`` for the ranks: a port free on this host now (the OS picks
+    it, as torchrun's ``--master-port=0``), at ``127.0.0.1`` when every rank runs here, else at
+    this host's name. A job may span hosts when ``MESHKIT_MPIEXEC`` names another launcher
+    (``srun``), the mpiexec arguments name hosts, or hydra would find them itself (a host file,
+    a Slurm allocation of more than one node, PBS)."""
+    words = [*mpiexec[1:], *mpiexec_args]
+    remote = (bool(env.get("MESHKIT_MPIEXEC", "").strip()) or any(w.split("=")[0] in _HOST_OPTIONS for w in words)
+              or any(env.get(name) for name in _HOST_ENV) or env.get("SLURM_JOB_NUM_NODES", "1").strip() != "1")
+    address = socket.getfqdn() if remote else "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("" if remote else "127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return address, port
+
+
+def job_command(mpiexec: list[str], nproc: int, target: list[str], mpiexec_args: list[str]) -> list[str]:
+    """The mpiexec command that starts ``nproc`` ranks of ``target`` through the rank bootstrap."""
+    return [
+        *mpiexec,
+        "-n", str(nproc),
+        *mpiexec_args,
         # By path, not -m: importing the meshkit package would import NumPy before the user's
         # script could configure it (thread counts, devices). The bootstrap needs only stdlib.
         sys.executable, "-u", bootstrap.__file__, *target,
     ]  # fmt: skip
+
+
+def job_environment(mpiexec: list[str], nproc: int, status_dir: str, mpiexec_args: list[str]) -> dict[str, str]:
+    """The ranks' environment: this one, plus what the launcher tells its ranks (module docstring)."""
+    env = dict(os.environ)
+    address, port = rendezvous_address(mpiexec, mpiexec_args, env)
+    env.update({
+        "MESHKIT_LAUNCHED": "1",
+        "MESHKIT_WORLD_SIZE": str(nproc),
+        bootstrap.STATUS_DIR_ENV: status_dir,
+        bootstrap.LAUNCHER_ENV: f"{bootstrap.launcher_host()} {os.getpid()}",
+        "MASTER_ADDR": address,
+        "MASTER_PORT": str(port),
+    })
+    env.update(thread_limits(nproc, env))
+    env.update(tuned_environment(mpiexec[0], status_dir, env))
+    return env
+
+
+def _launch(opts: argparse.Namespace, target: list[str]) -> int:
+    mpiexec_args = shlex.split(opts.mpiexec_args)
+    mpiexec = find_mpiexec()
+    command = job_command(mpiexec, opts.nproc, target, mpiexec_args)
     status_dir = tempfile.mkdtemp(prefix="meshkit-run-")
     try:
-        env = dict(os.environ)
-        env.update({
-            "MESHKIT_LAUNCHED": "1",
-            "MESHKIT_WORLD_SIZE": str(opts.nproc),
-            bootstrap.STATUS_DIR_ENV: status_dir,
-            bootstrap.LAUNCHER_ENV: f"{bootstrap.launcher_host()} {os.getpid()}",
-        })
-        env.update(thread_limits(opts.nproc, env))
-        env.update(tuned_environment(command[0], status_dir, env))
+        env = job_environment(mpiexec, opts.nproc, status_dir, mpiexec_args)
         logger.debug("running %s", shlex.join(command))
         return Job(command, env, nproc=opts.nproc, status_dir=status_dir, timeout=opts.timeout).run()
     finally:

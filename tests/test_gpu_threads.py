@@ -268,9 +268,9 @@ def test_the_mpi_engine_reports_the_node_local_rank(mpirun):
     assert "[rank0]: local rank 0" in out and "[rank1]: local rank 1" in out, out
     out = mpirun("mpi_device_select.py", 2, "split", timeout=60).stdout
     assert "[rank0]: split local rank 0" in out and "[rank1]: split local rank 1" in out, out
-    out = mpirun("mpi_device_select.py", 2, "local-rank", env={"LOCAL_RANK": "5"}, timeout=60).stdout
+    out = mpirun("mpi_device_select.py", 2, "local-rank", env={"TEST_LOCAL_RANK": "5"}, timeout=60).stdout
     assert "[rank0]: local rank 5" in out and "[rank1]: local rank 5" in out, out  # the launcher's word first
-    out = mpirun("mpi_device_select.py", 2, "local-rank", env={"LOCAL_RANK": "two"}, timeout=60).stdout
+    out = mpirun("mpi_device_select.py", 2, "local-rank", env={"TEST_LOCAL_RANK": "two"}, timeout=60).stdout
     assert "[rank1]: DistValueError: meshkit.comm: rank 1: LOCAL_RANK='two' is not a node-local rank" in out, out
 
 

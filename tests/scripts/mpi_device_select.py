@@ -24,6 +24,8 @@ rank = meshkit.get_rank()
 host = meshkit.comm._seams.current_world().default_group.engine
 try:
     if case == "local-rank":
+        if "TEST_LOCAL_RANK" in os.environ:  # meshkit-run sets LOCAL_RANK itself: the test's value goes in here
+            os.environ["LOCAL_RANK"] = os.environ["TEST_LOCAL_RANK"]
         print(f"local rank {host.local_rank()}", flush=True)
     elif case == "split":  # no launcher variable: MPI's shared-memory split
         for name in mpi.LOCAL_RANK_ENVS:

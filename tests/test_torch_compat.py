@@ -1,0 +1,144 @@
+"""What ported torch.distributed code expects (issue 26.4): torchrun's variables under meshkit-run,
+``is_*_available()``, ``barrier(device_ids=...)`` and the ``"gloo"`` backend.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import meshkit
+import nccl_double as double
+from meshkit.comm import cuda_runtime, local
+from meshkit.comm._seams import current_world
+from meshkit.launch import bootstrap, cli
+
+
+# --------------------------------------------------------------------------- torchrun's variables
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_meshkit_run_sets_torchruns_variables_agreeing_with_meshkits_rank(mpirun, backend):
+    # Stale values from the caller's environment must not reach the ranks.
+    out = mpirun("launch_torchrun_env.py", 3, backend, env={"RANK": "7", "LOCAL_WORLD_SIZE": "9"}, timeout=60).stdout
+    ports = set()
+    for r in range(3):
+        line = next(l for l in out.splitlines() if l.startswith(f"[rank{r}]: "))
+        match = re.fullmatch(rf"\[rank{r}\]: RANK={r} WORLD_SIZE=3 LOCAL_RANK={r} LOCAL_WORLD_SIZE=3 "
+                             rf"MASTER_ADDR=127\.0\.0\.1 MASTER_PORT=(\d+) \| meshkit rank {r} of 3 on mpi", line)
+        assert match, out
+        ports.add(int(match.group(1)))
+    assert len(ports) == 1 and 0 < ports.pop() < 65536, out
+
+
+@pytest.mark.parametrize(("env", "expected"), [
+    ({"PMI_RANK": "2", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2"},
+     {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}),
+    ({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+      "OMPI_COMM_WORLD_LOCAL_SIZE": "4"},
+     {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}),
+    # Slurm announces no node-local size in one number: LOCAL_WORLD_SIZE is left out, not stale.
+    ({"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "LOCAL_WORLD_SIZE": "9"},
+     {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}),
+])
+def test_torchruns_variables_come_from_the_process_managers(env, expected):
+    environ = dict(env)
+    bootstrap.set_torchrun_env(environ)
+    assert {k: environ[k] for k in bootstrap.TORCHRUN_ENV_VARS if k in environ} == expected
+
+
+def test_the_rendezvous_address_is_local_unless_the_job_may_span_hosts():
+    import socket
+    assert cli.rendezvous_address(["mpiexec"], [], {})[0] == "127.0.0.1"
+    for args, env in ((["-hosts", "a,b"], {}), (["--hostfile=h"], {}), ([], {"SLURM_JOB_NUM_NODES": "2"}),
+                      ([], {"MESHKIT_MPIEXEC": "srun"}), ([], {"HYDRA_HOST_FILE": "h"})):
+        address, port = cli.rendezvous_address(["mpiexec"], args, env)
+        assert address == socket.getfqdn() and 0 < port < 65536, (args, env)
+    with socket.socket() as s:  # the port was free: it can be bound
+        s.bind(("127.0.0.1", cli.rendezvous_address(["mpiexec"], [], {})[1]))
+
+
+# --------------------------------------------------------------------------- is_*_available
+def test_availability_is_exported():
+    for name in ("is_available", "is_mpi_available", "is_nccl_available"):
+        assert name in meshkit.comm.__all__ and getattr(meshkit, name) is getattr(meshkit.comm, name)
+    assert meshkit.is_available() is True
+
+
+def _python(code: str, **env: str) -> str:
+    import os
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, **env})
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_is_mpi_available_does_not_initialize_mpi():
+    code = "import sys, meshkit; print(meshkit.is_mpi_available(), 'mpi4py.MPI' in sys.modules)"
+    assert _python(code) == "True False"
+    # No MPI library where mpi4py looks for it: False, and no error.
+    assert _python(code, MPI4PY_LIBMPI="/nonexistent/libmpi.so") == "False False"
+    assert _python("import sys; sys.modules['mpi4py'] = None\nimport meshkit; print(meshkit.is_mpi_available())") \
+        == "False"
+
+
+def test_is_nccl_available_is_false_without_cupy_and_never_raises():
+    assert _python("import sys; sys.modules['cupy'] = None\nimport meshkit; print(meshkit.is_nccl_available())") \
+        == "False"
+    try:
+        import cupy  # noqa: F401
+        from cupy.cuda import nccl
+        expected = bool(getattr(nccl, "available", True))
+    except Exception:
+        expected = False
+    assert _python("import meshkit; print(meshkit.is_nccl_available())") == str(expected)
+
+
+# --------------------------------------------------------------------------- barrier(device_ids=)
+def test_barrier_accepts_device_ids_on_host_engines_and_checks_their_type():
+    def body():
+        meshkit.barrier(device_ids=[0])
+        meshkit.barrier(device_ids=[5])  # host engines: no GPU to name; accepted and ignored
+        assert meshkit.barrier(device_ids=(1,), async_op=True).wait()
+        for bad, kind in (("0", TypeError), (0, TypeError), ([0, 1], ValueError), ([], ValueError),
+                          ([-1], ValueError), ([True], ValueError), (["0"], ValueError)):
+            with pytest.raises(kind, match=rf"rank {meshkit.get_rank()}: barrier: device_ids must be a list of one "
+                                           rf"GPU index of this rank \(as torch's, e.g. \[local_rank\]\), got "
+                                           rf"{re.escape(repr(bad))}"):
+                meshkit.barrier(device_ids=bad)
+        return True
+    assert local.run(body, 2, timeout=10) == [True, True]
+
+
+def test_barrier_on_nccl_checks_device_ids_against_the_groups_gpu():
+    previous = cuda_runtime.set_runtime(double.FakeRuntime())
+    try:
+        def body():
+            meshkit.init_process_group("nccl", timeout=10)
+            device = current_world().default_group.engine.device
+            meshkit.barrier(device_ids=[device])
+            with pytest.raises(meshkit.DistValueError, match=rf"rank {meshkit.get_rank()}: barrier: device_ids="
+                                                             rf"\[{device + 1}\] is not this rank's GPU in group "
+                                                             rf"world: its collectives run on device {device}"):
+                meshkit.barrier(device_ids=[device + 1])
+            meshkit.barrier(device_ids=[device])  # the refused call left the group usable
+            return device
+        devices = local.run(body, 2, init=False)
+        assert sorted(devices) == [0, 1]
+    finally:
+        cuda_runtime.set_runtime(previous)
+
+
+# --------------------------------------------------------------------------- "gloo"
+def test_gloo_is_the_host_engine():
+    def body():
+        meshkit.init_process_group("gloo")
+        x = np.array([float(meshkit.get_rank() + 1)])
+        meshkit.all_reduce(x)
+        return meshkit.get_backend(), x[0]
+    assert local.run(body, 3, init=False) == [("local", 6.0)] * 3
+    # In a process (and under meshkit-run: the test with torchrun's variables), "mpi".
+    code = "import meshkit; meshkit.init_process_group('gloo'); print(meshkit.get_backend(), meshkit.get_world_size())"
+    assert _python(code) == "mpi 1"
