@@ -54,7 +54,8 @@ class ExecutionMixin:
         try:
             self._verify(call, seq, time.monotonic() + self.timeout)
         except BaseException as exc:
-            record = self._flight_entry(seq, self.name, op, (), call.dtype, "started")
+            record = self._flight_entry(seq, self.name, op, () if call.shape is None else (call.shape,), call.dtype,
+                                        "started")
             raise self._failed(op, seq, record, exc, self.timeout) from None
         return seq
 
