@@ -9,6 +9,7 @@ from ._seams import moved_names
 from .collectives import (P2POp, all_gather, all_gather_into_tensor, all_reduce, all_to_all, all_to_all_single,
                   barrier, batch_isend_irecv, broadcast, gather, irecv, isend, monitored_barrier, recv, reduce,
                   reduce_scatter, reduce_scatter_tensor, scatter, send)
+from .breakpoints import breakpoint
 from .debug import DebugLevel
 from .errors import (CollectiveMismatchError, CollectiveTimeout, DistBackendError, DistError, DistTypeError,
                      DistValueError, RankFailedError)
@@ -31,7 +32,7 @@ __all__ = [
     "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier",
     "monitored_barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv",
     "broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
-    "DebugLevel", "set_debug_level", "get_debug_level", "set_debug_level_from_env", "flight_record",
+    "breakpoint", "DebugLevel", "set_debug_level", "get_debug_level", "set_debug_level_from_env", "flight_record",
     "format_flight_record",
     "DistError", "DistValueError", "DistTypeError", "DistBackendError", "CollectiveTimeout",
     "CollectiveMismatchError", "RankFailedError", "ObjectCollectiveError",

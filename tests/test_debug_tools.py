@@ -3,6 +3,7 @@ timeout leaves in MESHKIT_TRACE_DIR and ``python -m meshkit.debug analyze``, and
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -308,3 +309,90 @@ def test_analyze_of_a_folder_without_records_says_so(tmp_path):
                           text=True, timeout=60)
     assert proc.returncode == 2
     assert "no flight record (rank<N>.json) in" in proc.stderr
+
+
+@pytest.mark.parametrize("case, expected, line", [
+    ("missing", [("missing", (2,), "all_reduce", "world", 1)],
+     "MISSING: rank 2 never entered all_reduce #1 on group world (ranks [0, 1, 2])"),
+    ("mismatch", [("mismatch", (1,), "all_reduce", "world", 2)],
+     "MISMATCH: rank 1 called all_reduce(shapes=[(3,)], dtype=float32) as call #2 on group world (ranks [0, 1, 2]) "
+     "where ranks [0, 2] called all_reduce(shapes=[(4,)], dtype=float32): the shape/size differs"),
+])
+def test_analyze_on_records_that_real_processes_wrote(mpirun, tmp_path, case, expected, line):
+    """Under meshkit-run: the ranks that failed write rank<N>.json; analyze names the divergence
+    (mismatch: set_debug_level("detail") on MPI, call #1 being the switch itself)."""
+    proc = mpirun("mpi_trace_dir.py", 3, case, timeout=90,
+                  env={"MESHKIT_TRACE_DIR": str(tmp_path), "MESHKIT_TIMEOUT": "1"})
+    failed = ["rank 0", "rank 1"] if case == "missing" else ["rank 0", "rank 1", "rank 2"]
+    for rank in failed:
+        assert f"{rank}: " in proc.stdout and f"{rank}: no error" not in proc.stdout, proc.stdout
+    assert sorted(os.listdir(tmp_path)) == [f"{r.replace(' ', '')}.json" for r in failed]
+    assert _findings(tmp_path) == expected
+    assert line in _analyze(tmp_path)
+
+
+# ----------------------------------------------------------------- breakpoint
+
+
+def test_breakpoint_runs_pdb_on_one_rank_while_the_others_wait_past_the_timeout(monkeypatch):
+    """Local job, pdb's input injected (the terminal substitute): rank 1 is debugged; the others
+    wait in a barrier without deadline while its session sleeps longer than the 1 s timeout."""
+    from meshkit.comm import breakpoints
+
+    out = io.StringIO()
+    commands = io.StringIO("p x\n!import time; time.sleep(1.5)\nc\n")
+    monkeypatch.setattr(breakpoints, "_terminal", lambda rank, backend: (commands, out))
+
+    def job():
+        x = 100 + meshkit.get_rank()  # noqa: F841 (read by pdb)
+        started = time.monotonic()
+        meshkit.breakpoint(rank=1)
+        waited = time.monotonic() - started
+        y = np.ones(1)
+        meshkit.all_reduce(y)
+        return waited, y[0]
+
+    results = local.run(job, 3, timeout=1)
+    assert "(Pdb) 101\n" in out.getvalue() and "rank 1 stopped in pdb" in out.getvalue()
+    for rank, (waited, total) in enumerate(results):
+        assert total == 3.0
+        if rank != 1:
+            assert waited > 1.4, (rank, waited)  # past the timeout of 1 s, without a CollectiveTimeout
+
+
+def test_breakpoint_arguments_are_checked_on_every_rank():
+    with pytest.raises(DistValueError, match=r"rank \d: breakpoint: rank=3 is out of range for a world of size 2 "
+                                             r"\(valid: 0..1\)"):
+        local.run(lambda: meshkit.breakpoint(rank=3), 2)
+    with pytest.raises(DistTypeError, match=r"breakpoint: rank must be an int, got str '0'"):
+        local.run(lambda: meshkit.breakpoint(rank="0"), 2)
+
+
+def _meshkit_run(script: str, n: int, stdin: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    from conftest import LAUNCHER_MODULE, SCRIPTS
+
+    path = os.pathsep.join(p for p in (os.path.dirname(__file__), os.environ.get("PYTHONPATH")) if p)
+    return subprocess.run([sys.executable, "-m", LAUNCHER_MODULE, "-n", str(n), "--timeout", "90",
+                           str(SCRIPTS / script)], input=stdin, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": path, **env})
+
+
+def test_breakpoint_under_meshkit_run_reads_the_launchers_input_and_the_others_wait():
+    """The launcher's stdin reaches rank 0 (mpiexec forwards it there; meshkit-run's ranks have no
+    /dev/tty): pdb prints x, sleeps 2.5 s, continues; the other ranks waited past MESHKIT_TIMEOUT=1."""
+    proc = _meshkit_run("mpi_breakpoint.py", 3, "p x\n!import time; time.sleep(2.5)\nc\n", {"MESHKIT_TIMEOUT": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[rank0]: (Pdb) 42" in proc.stdout
+    for rank in range(3):
+        line = next(line for line in proc.stdout.splitlines() if f"rank {rank} waited" in line)
+        assert line.endswith("sum 3")
+        if rank:
+            assert float(line.split("waited ")[1].split(" s")[0]) >= 2.0, line
+
+
+def test_breakpoint_on_a_rank_without_input_under_meshkit_run_fails_on_every_rank():
+    proc = _meshkit_run("mpi_breakpoint.py", 2, "c\n", {"MESHKIT_TIMEOUT": "1", "BREAK_RANK": "1"})
+    assert proc.returncode != 0
+    text = proc.stdout + proc.stderr
+    assert "breakpoint(rank=1): rank 1 has no terminal for pdb" in text
+    assert "under meshkit-run only rank 0 receives the launcher's input" in text
