@@ -11,8 +11,8 @@ Where pdb reads its commands: ``/dev/tty``, the terminal of the job, where it ca
 and output: ``meshkit-run`` starts ``mpiexec`` in a session of its own (it must signal the whole
 job), so its ranks have no terminal, and ``mpiexec`` forwards the launcher's standard input to
 rank 0 only, so under ``meshkit-run`` pdb runs on rank 0 and reads what is typed into the
-launcher (its prompt and answers come back through the launcher's rank-tagged output). A rank
-with neither (its input is ``/dev/null``) cannot be debugged: every rank then raises, naming it.
+launcher (its prompt and answers come back through the launcher's rank-tagged output). Another
+rank there, or a rank whose input is ``/dev/null``, cannot be debugged: every rank raises, saying so.
 """
 
 from __future__ import annotations
