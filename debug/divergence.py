@@ -89,7 +89,9 @@ def _differs(a: dict[str, Any], b: dict[str, Any]) -> str:
         parts.append("shape/size")
     if a["dtype"] != b["dtype"]:
         parts.append("dtype")
-    return " and ".join(parts) or "arguments"
+    if not parts:
+        return "arguments differ"
+    return f"{parts[0]} differs" if len(parts) == 1 else f"{', '.join(parts[:-1])} and {parts[-1]} differ"
 
 
 def _last(document: dict[str, Any]) -> dict[str, Any] | None:
@@ -145,7 +147,7 @@ def analyze(records: dict[int, dict[str, Any]]) -> list[Finding]:
                                                 f"MISMATCH: {_name(members)} called {signature} as call #{seq} on "
                                                 f"group {name} (ranks {list(ranks)}) where "
                                                 f"{_name(by_signature[majority[0]])} called {majority[0]}: the "
-                                                f"{what} differs"))
+                                                f"{what}"))
             else:
                 listing = "; ".join(f"{_name(m)}: {s}" for s, m in by_signature.items())
                 findings.append(Finding("mismatch", tuple(sorted(entered)), op, name, seq,

@@ -311,22 +311,29 @@ def test_analyze_of_a_folder_without_records_says_so(tmp_path):
     assert "no flight record (rank<N>.json) in" in proc.stderr
 
 
-@pytest.mark.parametrize("case, expected, line", [
+@pytest.mark.parametrize("case, expected, line, failed", [
     ("missing", [("missing", (2,), "all_reduce", "world", 1)],
-     "MISSING: rank 2 never entered all_reduce #1 on group world (ranks [0, 1, 2])"),
+     "MISSING: rank 2 never entered all_reduce #1 on group world (ranks [0, 1, 2])", [0, 1]),
     ("mismatch", [("mismatch", (1,), "all_reduce", "world", 2)],
      "MISMATCH: rank 1 called all_reduce(shapes=[(3,)], dtype=float32) as call #2 on group world (ranks [0, 1, 2]) "
-     "where ranks [0, 2] called all_reduce(shapes=[(4,)], dtype=float32): the shape/size differs"),
+     "where ranks [0, 2] called all_reduce(shapes=[(4,)], dtype=float32): the shape/size differs", [0, 1, 2]),
+    ("alone", [("mismatch", (0,), "set_debug_level", "world", 1)],
+     "MISMATCH: rank 0 called set_debug_level(shapes=[]) as call #1 on group world (ranks [0, 1, 2]) where ranks "
+     "[1, 2] called all_reduce(shapes=[(4,)], dtype=float32): the op, shape/size and dtype differ", [0, 1, 2]),
 ])
-def test_analyze_on_records_that_real_processes_wrote(mpirun, tmp_path, case, expected, line):
-    """Under meshkit-run: the ranks that failed write rank<N>.json; analyze names the divergence
-    (mismatch: set_debug_level("detail") on MPI, call #1 being the switch itself)."""
+def test_analyze_on_records_that_real_processes_wrote(mpirun, tmp_path, case, expected, line, failed):
+    """Under meshkit-run: the ranks that failed write rank<N>.json; analyze names the divergence.
+    mismatch: set_debug_level("detail") on every rank (call #1) over MPI, then rank 1's shorter
+    array; alone: rank 0 switches to detail alone: it times out in the switch naming the ranks
+    that never called it, they in their all_reduce (no hang, no data moved)."""
     proc = mpirun("mpi_trace_dir.py", 3, case, timeout=90,
                   env={"MESHKIT_TRACE_DIR": str(tmp_path), "MESHKIT_TIMEOUT": "1"})
-    failed = ["rank 0", "rank 1"] if case == "missing" else ["rank 0", "rank 1", "rank 2"]
     for rank in failed:
-        assert f"{rank}: " in proc.stdout and f"{rank}: no error" not in proc.stdout, proc.stdout
-    assert sorted(os.listdir(tmp_path)) == [f"{r.replace(' ', '')}.json" for r in failed]
+        assert f"rank {rank}: " in proc.stdout and f"rank {rank}: no error" not in proc.stdout, proc.stdout
+    if case == "alone":
+        assert ("rank 0: CollectiveTimeout: meshkit.comm: rank 0: set_debug_level #1 on group world (ranks [0, 1, 2]) "
+                "timed out after 1.0 s; ranks that did not arrive: [1, 2]") in proc.stdout
+    assert sorted(os.listdir(tmp_path)) == [f"rank{r}.json" for r in failed]
     assert _findings(tmp_path) == expected
     assert line in _analyze(tmp_path)
 
