@@ -4,7 +4,9 @@ Everything torch keeps as scattered globals lives in one :class:`World` object p
 backend, rank, size, timeout, debug level, flight recorder, progress agent and the cache of
 groups by rank set. Under MPI there is one world per process; inside
 :func:`meshkit.comm.local.run` every thread (rank) has its own, held thread-locally.
-This module holds the state only: :mod:`~meshkit.comm.lifecycle` creates and destroys it.
+This module holds the state (:mod:`~meshkit.comm.lifecycle` creates and destroys it) and the
+flight record's readers: as a dict (:func:`flight_document`, which ``meshkit.debug`` gathers),
+and as a file in ``MESHKIT_TRACE_DIR`` after a failed collective (:func:`dump_flight_record`).
 """
 
 from __future__ import annotations

@@ -90,8 +90,7 @@ def export_chrome_trace(path: str | os.PathLike[str]) -> None:
         path: the file rank 0 writes (its folder must exist); the other ranks ignore it.
 
     Raises:
-        DistTypeError: ``path`` is not a str or path-like (on rank 0; checked before the gather,
-            on every rank).
+        DistTypeError: ``path`` is not a str or path-like (checked on every rank, before the gather).
 
     Example (2 ranks)::
 

@@ -204,6 +204,12 @@ def test_export_chrome_trace_writes_one_file_with_a_track_per_rank_and_group(tmp
     assert "wall clock" in trace["otherData"]["clock"]
 
 
+def test_export_chrome_trace_checks_its_path_on_every_rank_before_gathering():
+    with pytest.raises(DistTypeError, match=r"rank \d: export_chrome_trace: path must be a str or path-like, "
+                                            r"got int 3"):
+        local.run(lambda: meshkit.debug.export_chrome_trace(3), 2)
+
+
 # ----------------------------------------------------------------- MESHKIT_TRACE_DIR and analyze
 
 
