@@ -409,3 +409,11 @@ def test_breakpoint_on_a_rank_without_input_under_meshkit_run_fails_on_every_ran
     text = proc.stdout + proc.stderr
     assert "breakpoint(rank=1): rank 1 has no terminal for pdb" in text
     assert "under meshkit-run only rank 0 receives the launcher's input" in text
+
+
+def test_export_chrome_trace_under_meshkit_run_gathers_every_process(mpirun, tmp_path):
+    path = tmp_path / "trace.json"
+    mpirun("mpi_chrome_trace.py", 3, str(path), timeout=90)
+    events = json.loads(path.read_text())["traceEvents"]
+    calls = sorted((e["pid"], e["name"], e["args"]["seq"], e["args"]["bytes"]) for e in events if e["ph"] == "X")
+    assert calls == [(rank, op, seq, 64) for rank in range(3) for op, seq in (("all_reduce", 0), ("broadcast", 1))]
