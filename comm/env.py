@@ -16,9 +16,9 @@ import os
 from .debug import DebugLevel
 from .errors import DistValueError
 
-__all__ = ["DEBUG", "TIMEOUT", "ASYNC_ERROR_HANDLING", "CUDA_AWARE_MPI", "LAUNCHED", "DEVICE_ID", "TRACE_DIR", "debug_level",
-           "timeout", "async_error_handling", "cuda_aware_mpi", "launched", "device_id", "trace_dir", "check_all",
-           "invalid"]
+__all__ = ["DEBUG", "TIMEOUT", "ASYNC_ERROR_HANDLING", "CUDA_AWARE_MPI", "LAUNCHED", "DEVICE_ID", "TRACE_DIR",
+           "debug_level", "timeout", "async_error_handling", "cuda_aware_mpi", "launched", "device_id", "trace_dir",
+           "check_all", "invalid"]
 
 DEBUG = "MESHKIT_DEBUG"
 TIMEOUT = "MESHKIT_TIMEOUT"

@@ -72,7 +72,8 @@ def test_set_debug_level_back_to_off_applies_from_the_next_call():
 
 @pytest.mark.parametrize("bad, error, match", [
     ("verbose", DistValueError, r"level='verbose' is not a debug level; valid levels are \['OFF', 'INFO', 'DETAIL'\]"),
-    (2, DistTypeError, r"level must be a DebugLevel or its name, got int 2; valid levels are \['OFF', 'INFO', 'DETAIL'\]"),
+    (2, DistTypeError,
+     r"level must be a DebugLevel or its name, got int 2; valid levels are \['OFF', 'INFO', 'DETAIL'\]"),
 ])
 def test_a_bad_level_is_an_error_naming_the_argument_and_the_valid_levels(bad, error, match):
     with pytest.raises(error, match=match):
