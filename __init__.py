@@ -2,7 +2,7 @@
 
 The process-group and mesh API is re-exported here (``meshkit.all_reduce``,
 ``meshkit.init_device_mesh``...); every package is an attribute: ``meshkit.comm``,
-``meshkit.mesh``, ``meshkit.tensor``, ``meshkit.state``, ``meshkit.parallel``, ``meshkit.checkpoint``
+``meshkit.mesh``, ``meshkit.tensor``, ``meshkit.state``, ``meshkit.parallel``, ``meshkit.checkpoint``, ``meshkit.debug``
 (``meshkit.tensor.DTensor``, ``meshkit.parallel.DistributedDataParallel``,
 ``from meshkit import checkpoint as dcp``).
 
@@ -22,7 +22,7 @@ Public and private, as torch draws the line:
   ``DeprecationWarning`` naming the new one (:func:`meshkit.comm._seams.moved_names`).
 """
 
-from . import checkpoint, comm, mesh, parallel, state, tensor
+from . import checkpoint, comm, debug, mesh, parallel, state, tensor
 from .comm import *  # noqa: F401,F403
 from .comm import __all__ as _comm_all
 from .comm._seams import moved_names
@@ -32,8 +32,7 @@ from .mesh import DeviceMesh, ParallelDims, init_device_mesh
 __version__ = "0.1.0"
 
 __all__ = [*_comm_all, "DeviceMesh", "init_device_mesh", "ParallelDims", "spawn", "ProcessRaisedException",
-           "ProcessExitedException", "comm", "mesh", "tensor", "state", "parallel",
-           "checkpoint"]
+           "ProcessExitedException", "comm", "mesh", "tensor", "state", "parallel", "checkpoint", "debug"]
 
 #: comm's seams were re-exported here in 0.1: one more release, with a warning.
 __getattr__ = moved_names(__name__, comm._MOVED)

@@ -10,6 +10,7 @@ from .available import is_available, is_mpi_available, is_nccl_available
 from .collectives import (P2POp, all_gather, all_gather_into_tensor, all_reduce, all_to_all, all_to_all_single,
                   barrier, batch_isend_irecv, broadcast, gather, irecv, isend, monitored_barrier, recv, reduce,
                   reduce_scatter, reduce_scatter_tensor, scatter, send)
+from .breakpoints import breakpoint
 from .debug import DebugLevel
 from .errors import (CollectiveMismatchError, CollectiveTimeout, DistBackendError, DistError, DistTypeError,
                      DistValueError, RankFailedError)
@@ -18,6 +19,7 @@ from .objects import (ObjectCollectiveError, all_gather_object, broadcast_object
                       scatter_object_list)
 from .reduce_op import ReduceOp
 from .work import Work
+from .levels import get_debug_level, set_debug_level, set_debug_level_from_env
 from .lifecycle import destroy_process_group, init_process_group
 from .registry import (get_backend, get_global_rank, get_group_rank, get_process_group_ranks, get_rank,
                        get_world_size, new_group)
@@ -32,7 +34,8 @@ __all__ = [
     "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier",
     "monitored_barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv",
     "broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
-    "DebugLevel", "flight_record", "format_flight_record",
+    "breakpoint", "DebugLevel", "set_debug_level", "get_debug_level", "set_debug_level_from_env", "flight_record",
+    "format_flight_record",
     "DistError", "DistValueError", "DistTypeError", "DistBackendError", "CollectiveTimeout",
     "CollectiveMismatchError", "RankFailedError", "ObjectCollectiveError",
 ]

@@ -173,8 +173,8 @@ class FlightRecorder:
         self._entries: collections.deque[CollectiveRecord] = collections.deque(maxlen=size)
 
     def record(self, seq: int, group: str, op: str, shapes: tuple[tuple[int, ...], ...],
-               dtype: Any, state: str = "scheduled") -> CollectiveRecord:
-        now = time.time()
+               dtype: Any, state: str = "scheduled", at: float | None = None) -> CollectiveRecord:
+        now = at or time.time()  # at: when the call began, for an entry made only once it failed
         entry = [seq, group, op, shapes, dtype, state, now, now if state == "started" else None, None, None]
         self._entries.append(entry)
         return entry

@@ -16,8 +16,9 @@ import os
 from .debug import DebugLevel
 from .errors import DistValueError
 
-__all__ = ["DEBUG", "TIMEOUT", "ASYNC_ERROR_HANDLING", "CUDA_AWARE_MPI", "LAUNCHED", "DEVICE_ID", "debug_level", "timeout",
-           "async_error_handling", "cuda_aware_mpi", "launched", "device_id", "check_all", "invalid"]
+__all__ = ["DEBUG", "TIMEOUT", "ASYNC_ERROR_HANDLING", "CUDA_AWARE_MPI", "LAUNCHED", "DEVICE_ID", "TRACE_DIR",
+           "debug_level", "timeout", "async_error_handling", "cuda_aware_mpi", "launched", "device_id", "trace_dir",
+           "check_all", "invalid"]
 
 DEBUG = "MESHKIT_DEBUG"
 TIMEOUT = "MESHKIT_TIMEOUT"
@@ -27,6 +28,8 @@ CUDA_AWARE_MPI = "MESHKIT_CUDA_AWARE_MPI"
 LAUNCHED = "MESHKIT_LAUNCHED"
 #: This rank's GPU (nccl backend), when ``init_process_group(device_id=...)`` does not name it.
 DEVICE_ID = "MESHKIT_DEVICE_ID"
+#: A folder where each rank writes its flight record when a collective fails (``meshkit.debug``).
+TRACE_DIR = "MESHKIT_TRACE_DIR"
 
 _ASYNC_CHOICES = ("abort", "log")
 
@@ -107,6 +110,18 @@ def device_id() -> int | None:
     return int(raw.strip())
 
 
+def trace_dir() -> str | None:
+    """``MESHKIT_TRACE_DIR``: a folder (made where missing) for each rank's flight record after a
+    failed collective; None where not set. A path that exists and is not a folder is invalid."""
+    raw = _get(TRACE_DIR)
+    if raw is None or not raw.strip():
+        return None
+    if os.path.exists(raw) and not os.path.isdir(raw):
+        raise invalid(TRACE_DIR, raw, "a folder (made if missing) where each rank writes its flight record when a "
+                      "collective times out or fails; this path exists and is not a folder")
+    return raw
+
+
 def check_all() -> None:
     """Read every variable above, so that each one's error comes at ``init_process_group``."""
     debug_level()
@@ -115,3 +130,4 @@ def check_all() -> None:
     cuda_aware_mpi()
     launched()
     device_id()
+    trace_dir()

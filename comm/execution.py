@@ -51,10 +51,12 @@ class ExecutionMixin:
         """Detail mode: number the operation and verify every rank called the same one."""
         seq = self._number(op)
         call = self._call(op, tensor, **fingerprint)
+        began = time.time()
         try:
             self._verify(call, seq, time.monotonic() + self.timeout)
         except BaseException as exc:
-            record = self._flight_entry(seq, self.name, op, (), call.dtype, "started")
+            record = self._flight_entry(seq, self.name, op, () if call.shape is None else (call.shape,), call.dtype,
+                                        "started", began)
             raise self._failed(op, seq, record, exc, self.timeout) from None
         return seq
 

@@ -25,6 +25,7 @@ from .errors import CollectiveMismatchError, CollectiveTimeout, DistBackendError
 from .notices import BROKEN, REJECTED, WATCH_INTERVAL, Notice
 from .p2p import P2PWork
 from .work import RequestWork
+from .world import dump_flight_record
 
 __all__ = ["FailureMixin"]
 
@@ -62,6 +63,7 @@ class FailureMixin:
             error = self._timeout_error(op, seq, timeout, exc)
             record[ERROR] = str(error)
             logger.error("%s\n%s", error, self.world.recorder.format(self.global_rank))
+            dump_flight_record(self.world, error)  # MESHKIT_TRACE_DIR, for python -m meshkit.debug analyze
             return error
         record[STATE], record[ERROR] = "failed", repr(exc)
         # A peer's failure breaks the group; on an engine that aborts (NCCL), so does its own
@@ -71,6 +73,7 @@ class FailureMixin:
             self._broken(f"{op} #{seq} failed: {exc}", seq)
         if isinstance(exc, CollectiveMismatchError):
             logger.error("%s\n%s", exc, self.world.recorder.format(self.global_rank))
+        dump_flight_record(self.world, exc)
         return exc
 
     def _work_failed(self, work: RequestWork, exc: BaseException) -> BaseException:

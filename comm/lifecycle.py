@@ -19,6 +19,7 @@ from .cuda_runtime import gpu_available, runtime
 from .debug import DebugLevel, FlightRecorder
 from .errors import DistBackendError, DistError, DistValueError
 from .group import ProcessGroup
+from .levels import agree_at_init, requested_level
 from .notices import LEFT, Notice
 from .progress import ProgressAgent
 from .timeouts import resolve_timeout
@@ -93,12 +94,13 @@ def init_process_group(backend: str = "auto", *, timeout: float | datetime.timed
     name = _resolve_backend(backend)
     limit = resolve_timeout(timeout)
     engine = _world_engine(name, limit, device_id)
-    world = World(backend=name, timeout=limit, debug=env.debug_level(), recorder=FlightRecorder(),
+    world = World(backend=name, timeout=limit, debug=requested_level(), recorder=FlightRecorder(),
                   progress=ProgressAgent("meshkit-progress"))
     group = ProcessGroup(engine, world=world, ranks=range(engine.size), group_rank=engine.rank, name="world",
                          timeout=limit)
     world.rank, world.size, world.default_group = engine.rank, engine.size, group
     world.groups[frozenset(group.ranks)] = group
+    agree_at_init(group)  # a rank in detail mode and one not in it would wait in different exchanges
     set_world(world)
     global _exit_hook_registered
     if not _exit_hook_registered and local_context() is None:

@@ -4,20 +4,33 @@ Everything torch keeps as scattered globals lives in one :class:`World` object p
 backend, rank, size, timeout, debug level, flight recorder, progress agent and the cache of
 groups by rank set. Under MPI there is one world per process; inside
 :func:`meshkit.comm.local.run` every thread (rank) has its own, held thread-locally.
-This module holds the state only: :mod:`~meshkit.comm.lifecycle` creates and destroys it.
+This module holds the state (:mod:`~meshkit.comm.lifecycle` creates and destroys it) and the
+flight record's readers: as a dict (:func:`flight_document`, which ``meshkit.debug`` gathers),
+and as a file in ``MESHKIT_TRACE_DIR`` after a failed collective (:func:`dump_flight_record`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
+import os
 import threading
+import time
 from typing import Any
 
+from . import env
 from .debug import DebugLevel, FlightRecorder
-from .errors import DistError
+from .errors import CollectiveMismatchError, CollectiveTimeout, DistError, RankFailedError
 from .progress import ProgressAgent
 
-__all__ = ["World", "current_world", "is_initialized", "flight_record", "format_flight_record"]
+__all__ = ["World", "current_world", "is_initialized", "flight_record", "format_flight_record", "flight_document",
+           "dump_flight_record", "RECORD_FORMAT"]
+
+logger = logging.getLogger("meshkit")
+
+#: The ``format`` field of a flight-record file (``MESHKIT_TRACE_DIR``, ``meshkit.debug``).
+RECORD_FORMAT = "meshkit-flight-record/1"
 
 
 @dataclasses.dataclass(eq=False)
@@ -102,3 +115,49 @@ def format_flight_record() -> str:
     """This rank's flight record as readable text (what is logged on a timeout or mismatch)."""
     world = current_world()
     return world.recorder.format(world.rank)
+
+
+def flight_document(world: World, reason: str = "") -> dict[str, Any]:
+    """This rank's flight record with what a reader of several ranks' records needs: the rank,
+    the world size, its groups (name, global ranks, calls issued) and each entry's group ranks.
+    Times are wall-clock seconds (``time.time()``), comparable across ranks as far as the hosts'
+    clocks agree."""
+    groups = [g for g in list(world.groups.values()) if g.is_member]
+    ranks_of = {g.name: list(g.ranks) for g in groups}
+    entries = []
+    for entry in world.recorder.entries():
+        entry["shapes"] = [list(shape) for shape in entry["shapes"]]
+        entry["ranks"] = ranks_of.get(entry["group"])
+        entries.append(entry)
+    return {"format": RECORD_FORMAT, "rank": world.rank, "world_size": world.size, "backend": world.backend,
+            "time": time.time(), "reason": reason,
+            "groups": [{"name": g.name, "ranks": list(g.ranks), "issued": g._seq} for g in groups],
+            "entries": entries}
+
+
+#: The failures after which a rank writes its record to ``MESHKIT_TRACE_DIR``.
+_DUMPED = (CollectiveTimeout, CollectiveMismatchError, RankFailedError)
+
+
+def dump_flight_record(world: World, error: BaseException) -> str | None:
+    """After a collective failed with ``error``: write this rank's flight record to
+    ``MESHKIT_TRACE_DIR/rank<N>.json`` (replacing an earlier one: a later record holds more)
+    where that variable is set; the path, or None. Never raises: the caller's error matters more."""
+    if not isinstance(error, _DUMPED):
+        return None
+    try:
+        folder = env.trace_dir()
+        if folder is None:
+            return None
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"rank{world.rank}.json")
+        partial = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        with open(partial, "w") as out:
+            json.dump(flight_document(world, f"{type(error).__name__}: {error}"), out, default=str)
+        os.replace(partial, path)  # a reader never sees half a file
+        logger.error("meshkit: rank %d wrote its flight record to %s", world.rank, path)
+        return path
+    except Exception:  # noqa: BLE001
+        logger.warning("meshkit: rank %d could not write its flight record to MESHKIT_TRACE_DIR", world.rank,
+                       exc_info=True)
+        return None

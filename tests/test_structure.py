@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 #: Folders of the repository that are not part of the package.
 NOT_PACKAGE = {"tests", "examples", "benchmarks", "build", "dist"}
 #: What each top-level package may import from meshkit (checkpoint -> parallel -> tensor -> mesh -> comm;
-#: ``state``, the boxes checkpoints read and write, on comm alone, below parallel and checkpoint).
+#: ``state``, the boxes checkpoints read and write, on comm alone, below parallel and checkpoint; ``debug``, the
+#: tools that read flight records, on comm alone too).
 ALLOWED = {
     "comm": set(),
     "mesh": {"comm"},
@@ -25,6 +26,7 @@ ALLOWED = {
     "parallel": {"comm", "mesh", "tensor", "state"},
     "checkpoint": {"comm", "mesh", "tensor", "state", "parallel"},
     "launch": set(),
+    "debug": {"comm"},
 }
 
 
@@ -166,6 +168,7 @@ SHARED_NAMES = {
     "errors.py": "the error types and message prefix of the package of its folder",
     "checks.py": "the argument checks (cheap, specific messages) of the package of its folder",
     "arrays.py": "NumPy or CuPy: comm's rule (host or device) and, in parallel, the conversions strategies make",
+    "__main__.py": "the command line of the package of its folder (python -m meshkit.launch, meshkit.debug)",
 }
 #: checkpoint's modules that may reach the strategies: the bridge asking a strategy for its state, and
 #: the package's front that re-exports it. The file I/O (writer, reader, plan, format, blocks, leaves...)

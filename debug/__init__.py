@@ -1,0 +1,17 @@
+"""Debugging a job's collectives: a timeline of every rank's calls, and why a job hung.
+
+* :func:`export_chrome_trace` (collective): every rank's flight record as one Chrome trace
+  (``chrome://tracing``, Perfetto): a track per rank and group, each call a complete event.
+* With ``MESHKIT_TRACE_DIR`` set, each rank writes its flight record there when a collective
+  times out or fails; ``python -m meshkit.debug analyze DIR`` (:func:`report`) reads them all
+  and names the divergence: the ranks that never entered the call, the rank whose call differed,
+  the rank that arrived late, ranks that called collectives in different orders.
+
+The debug level (``set_debug_level``), ``breakpoint(rank)`` and the flight recorder itself are in
+:mod:`meshkit.comm`; this package builds on comm alone. See docs/hangs.md.
+"""
+
+from .chrome_trace import chrome_trace, export_chrome_trace
+from .divergence import Finding, analyze, load_records, report
+
+__all__ = ["export_chrome_trace", "chrome_trace", "load_records", "analyze", "report", "Finding"]
