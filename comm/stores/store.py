@@ -19,7 +19,7 @@ from typing import Iterable
 from ..errors import DistStoreError, DistTypeError, DistValueError
 from .wire import MAX_VALUE_BYTES
 
-__all__ = ["Store", "KeyTable", "DEFAULT_TIMEOUT", "as_seconds"]
+__all__ = ["Store", "KeyTable", "NotAnInteger", "DEFAULT_TIMEOUT", "as_seconds"]
 
 #: torch's default store timeout (``kDefaultTimeout``, c10d/Store.hpp): 300 s.
 DEFAULT_TIMEOUT = timedelta(seconds=300)
@@ -68,6 +68,14 @@ def as_value(value: object, what: str = "value") -> bytes:
     return data
 
 
+class NotAnInteger(ValueError):
+    """``add`` met a value that is not a decimal integer; :meth:`Store.add` names the user's key."""
+
+    def __init__(self, held: bytes) -> None:
+        super().__init__(held)
+        self.held = held
+
+
 class KeyTable:
     """The user's keys and their values, and what each operation does to them (torch's HashStore
     rules). Not locked: its owner (a store, the TCP server's loop) serializes calls."""
@@ -82,8 +90,7 @@ class KeyTable:
         """The counter ``key`` plus ``amount`` (a missing key counts from 0); ValueError on a non-integer."""
         held = self.data.get(key)
         if held is not None and not _INTEGER.match(held):
-            raise ValueError(f"add({key!r}, {amount}): key {key!r} holds {held[:40]!r}, not an integer; add counts "
-                             f"only on a key that add created or that holds a decimal integer")
+            raise NotAnInteger(held[:40])
         total = (int(held) if held is not None else 0) + amount
         self.data[key] = str(total).encode()
         return total
@@ -150,7 +157,12 @@ class Store:
         if isinstance(amount, bool) or not isinstance(amount, numbers.Integral):
             raise DistTypeError(f"add({key!r}, amount): amount must be an int, got {type(amount).__name__} {amount!r}")
         self._check_open("add")
-        return self._add(key, int(amount))
+        try:
+            return self._add(key, int(amount))
+        except NotAnInteger as exc:
+            raise DistValueError(f"{type(self).__name__}.add({key!r}, {amount}): key {key!r} holds {exc.held!r}, not "
+                                 f"an integer; add counts only on a key that add created or that holds a decimal "
+                                 f"integer") from None
 
     def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
         """Set ``key`` to ``desired_value`` if it holds ``expected_value`` (or is missing and
@@ -223,7 +235,7 @@ class Store:
         shown = ", ".join(repr(k) for k in missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         return DistStoreError(
             f"{type(self).__name__}{self._where()}: {op} timed out after waiting {waited:.3f} s for key(s) {shown} "
-            f"(timeout {timeout:g} s; pid {os.getpid()}): nobody set them; set_timeout() or wait(timeout=) waits longer",
+            f"(timeout {timeout:g} s; pid {os.getpid()}): no one set them in time; set_timeout() or wait(timeout=) waits longer",
             keys=missing, waited=waited)
 
     def _set(self, key: str, value: bytes) -> None:

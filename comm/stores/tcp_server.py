@@ -20,7 +20,7 @@ import threading
 import time
 
 from ..errors import DistStoreError
-from .store import KeyTable
+from .store import KeyTable, NotAnInteger
 from .wire import HEADER, MAX_MESSAGE_BYTES, Op, ProtocolError, Status, fields_of, reply
 
 __all__ = ["StoreServer"]
@@ -184,10 +184,10 @@ class StoreServer:
             del buf[:HEADER.size + n]
             try:
                 self._handle(conn, body)
-            except ProtocolError as exc:
+            except NotAnInteger as exc:
+                self._send(conn, reply(Status.NOT_AN_INTEGER, exc.held))
+            except (ProtocolError, ValueError) as exc:  # a bad field (not UTF-8, not a number) too
                 self._refuse(conn, f"a malformed request ({exc}); closing the connection")
-            except (ValueError, UnicodeDecodeError) as exc:
-                self._send(conn, reply(Status.VALUE_ERROR, str(exc).encode()))
             except Exception as exc:  # never let one request stop the server
                 self._send(conn, reply(Status.ERROR, f"the server failed: {exc!r}".encode()))
 

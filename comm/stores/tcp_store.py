@@ -14,7 +14,7 @@ from datetime import timedelta
 
 from ..errors import DistStoreError, DistTypeError, DistValueError
 from . import wire
-from .store import DEFAULT_TIMEOUT, Store, as_seconds
+from .store import DEFAULT_TIMEOUT, NotAnInteger, Store
 from .tcp_server import StoreServer
 
 __all__ = ["TCPStore"]
@@ -250,9 +250,9 @@ class TCPStore(Store):
         status, fields = answer
         if status == wire.Status.OK or status == wire.Status.MISSING:
             return status == wire.Status.OK, fields
+        if status == wire.Status.NOT_AN_INTEGER:
+            raise NotAnInteger(fields[0] if fields else b"")
         message = fields[0].decode(errors="replace") if fields else "(no message)"
-        if status == wire.Status.VALUE_ERROR:
-            raise DistValueError(message)
         raise DistStoreError(f"TCPStore at {self._hostport}: the server refused {op}: {message}")
 
     # ------------------------------------------------------------------ the primitives

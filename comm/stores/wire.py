@@ -46,7 +46,7 @@ class Status:
     """Reply status (one byte)."""
     OK = 0
     MISSING = 1       # the deadline passed; fields are the missing keys
-    VALUE_ERROR = 2   # the request's arguments are wrong for the data held (add on a non-integer)
+    NOT_AN_INTEGER = 2  # add on a value that is not a decimal integer; the field is (the start of) that value
     ERROR = 3         # the request was malformed or refused (too long); the server closes the connection
 
 
