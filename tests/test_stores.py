@@ -520,3 +520,23 @@ def test_the_stores_are_meshkits_public_api():
     assert issubclass(DistStoreError, meshkit.DistError)
     assert all(issubclass(c, Store) for c in (HashStore, FileStore, TCPStore, PrefixStore))
     assert os.path.basename(meshkit.comm.stores.wire.__file__) == "wire.py"
+
+
+def test_a_hash_store_is_the_rendezvous_of_the_local_engines_ranks():
+    """The ``local`` engine's ranks are threads of one process: a HashStore shared by them is their
+    rendezvous, with add as the arrival counter."""
+    from meshkit.comm import local
+
+    store = HashStore()
+    store.set_timeout(10)
+
+    def body():
+        rank = meshkit.get_rank()
+        store.set(f"addr/{rank}", f"rank-{rank}")
+        if store.add("arrived", 1) == meshkit.get_world_size():
+            store.set("go", "1")
+        store.wait(["go"])
+        return [store.get(f"addr/{r}") for r in range(meshkit.get_world_size())]
+
+    assert local.run(body, 4) == [[b"rank-0", b"rank-1", b"rank-2", b"rank-3"]] * 4
+    assert store.get("arrived") == b"4" and store.num_keys() == 6
