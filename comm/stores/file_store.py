@@ -75,8 +75,10 @@ class FileStore(Store):
         self._path = os.path.abspath(os.fspath(file_name))
         self._world_size = int(world_size)
         self._close_lock = threading.Lock()
+        self._counted = False  # counted in as a user: close counts out only then
         with self._locked(exclusive=True) as contents:
             contents.users += 1
+        self._counted = True
 
     @property
     def path(self) -> str:
@@ -92,6 +94,8 @@ class FileStore(Store):
             if self._closed:
                 return
             self._closed = True
+            if not self._counted:
+                return
             with self._locked(exclusive=True) as contents:
                 contents.users -= 1
                 contents.closed += 1

@@ -29,7 +29,7 @@ _READ, _WRITE = selectors.EVENT_READ, selectors.EVENT_READ | selectors.EVENT_WRI
 
 
 class _Conn:
-    __slots__ = ("sock", "inbuf", "outbuf", "waiter", "closing", "dead")
+    __slots__ = ("sock", "inbuf", "outbuf", "waiter", "closing", "dead", "writing")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -38,6 +38,7 @@ class _Conn:
         self.waiter: _Waiter | None = None
         self.closing = False  # close once the reply is out (after a refused frame)
         self.dead = False
+        self.writing = False  # registered for EVENT_WRITE (a reply did not fit the socket's buffer)
 
 
 class _Waiter:
@@ -116,10 +117,13 @@ class StoreServer:
                             self._wake_r.recv(4096)
                     else:
                         conn = key.data
-                        if mask & selectors.EVENT_WRITE and not conn.dead:
-                            self._flush(conn)
-                        if mask & selectors.EVENT_READ and not conn.dead:
-                            self._read(conn)
+                        try:
+                            if mask & selectors.EVENT_WRITE and not conn.dead:
+                                self._flush(conn)
+                            if mask & selectors.EVENT_READ and not conn.dead:
+                                self._read(conn)
+                        except Exception:  # a bug or an OS surprise costs that connection, never the server
+                            self._drop(conn)
                 self._expire(time.monotonic())
         finally:
             for key in list(self._selector.get_map().values()):
@@ -214,13 +218,14 @@ class StoreServer:
             return
         del conn.outbuf[:sent]
         if conn.outbuf:
-            self._selector.modify(conn.sock, _WRITE, conn)
+            if not conn.writing:
+                self._selector.modify(conn.sock, _WRITE, conn)
+                conn.writing = True
         elif conn.closing:
             self._drop(conn)
-        else:
-            with contextlib.suppress(KeyError, ValueError):
-                if self._selector.get_key(conn.sock).events != _READ:
-                    self._selector.modify(conn.sock, _READ, conn)
+        elif conn.writing:
+            self._selector.modify(conn.sock, _READ, conn)
+            conn.writing = False
 
     # ------------------------------------------------------------------ requests
     def _handle(self, conn: _Conn, body: bytes) -> None:
