@@ -121,12 +121,13 @@ def test_compare_set_follows_torchs_rule(stores):
 
 def test_check_answers_now_without_waiting(stores):
     store, _ = stores
+    store.set_timeout(timedelta(seconds=10))
     store.set("x", "1")
     start = time.monotonic()
     assert store.check(["x"]) is True
     assert store.check(["x", "y"]) is False
     assert store.check([]) is True
-    assert time.monotonic() - start < 0.25  # under the 0.3 s timeout: it did not wait
+    assert time.monotonic() - start < 5  # a check that waited would take the 10 s timeout
 
 
 def test_wait_returns_when_keys_are_set_and_times_out_naming_only_the_missing_ones(stores):
@@ -379,9 +380,9 @@ def test_a_client_retries_until_the_timeout_then_names_host_port_and_the_time():
     port = _free_port()  # nobody listens there
     start = time.monotonic()
     with pytest.raises(DistStoreError, match=rf"no server answered at 127\.0\.0\.1:{port} within the timeout of "
-                                             rf"0\.5 s \(waited 0\.[5-9][0-9]* s|\(waited [1-2]\.[0-9]+ s"):
+                                             rf"0\.5 s \(waited [0-9.]+ s; last error: .*refused") as info:
         TCPStore("127.0.0.1", port, timeout=timedelta(seconds=0.5))
-    assert 0.5 <= time.monotonic() - start < 3
+    assert 0.5 <= info.value.waited <= time.monotonic() - start < 3
 
 
 def test_a_client_retries_until_the_master_comes_up():
@@ -415,8 +416,8 @@ def test_wait_for_workers_raises_within_the_timeout_naming_how_many_arrived():
     worker.start()
     start = time.monotonic()
     with pytest.raises(DistStoreError, match=rf"TCPStore at 127\.0\.0\.1:{port}: 2 of world_size=3 users \(the master "
-                                             r"included\) connected within the timeout of 1 s"):
-        TCPStore("127.0.0.1", port, is_master=True, world_size=3, timeout=timedelta(seconds=1))
+                                             r"included\) connected within the timeout of 1\.5 s"):
+        TCPStore("127.0.0.1", port, is_master=True, world_size=3, timeout=timedelta(seconds=1.5))
     assert time.monotonic() - start < 4
     worker.join(10)
     TCPStore("127.0.0.1", port, is_master=True).close()  # the failed master let its port go

@@ -23,8 +23,9 @@ __all__ = ["TCPStore"]
 #: (the server answers at the deadline; this covers a loaded master's delay, not a dead one's,
 #: which a closed connection reports at once).
 _REPLY_GRACE_S = 5.0
-#: Connect retries back off from 10 ms to 1 s: workers usually start before their master.
-_RETRY_FIRST_S, _RETRY_MAX_S = 0.01, 1.0
+#: Connect retries back off from 10 ms to 250 ms: workers usually start before their master, and a
+#: refused connect is cheap, so a worker notices its master within a quarter second.
+_RETRY_FIRST_S, _RETRY_MAX_S = 0.01, 0.25
 
 
 class _Connection:
