@@ -454,6 +454,12 @@ def test_a_frame_over_the_limit_is_refused_before_it_is_allocated(master):
     status, fields = _read_frame(garbled)
     assert status == wire.Status.ERROR and b"a malformed request" in fields[0]
     garbled.close()
+    for timeout in (b"inf", b"nan", b"-1", b"1e300"):  # the server's loop must not take these as its own timeout
+        endless = _raw(master.port)
+        endless.sendall(wire.request(wire.Op.WAIT, timeout, b"never"))
+        status, fields = _read_frame(endless)
+        assert status == wire.Status.ERROR and b"timeout must be finite and >= 0 seconds" in fields[0], fields
+        endless.close()
     master.set("still", "serving")
     assert master.get("still") == b"serving"
 

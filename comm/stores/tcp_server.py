@@ -107,8 +107,8 @@ class StoreServer:
         try:
             while not self._stopping:
                 timeout = None
-                if self._deadlines:
-                    timeout = max(0.0, self._deadlines[0][0] - time.monotonic())
+                if self._deadlines:  # capped: epoll refuses a timeout past a C int of milliseconds
+                    timeout = min(max(0.0, self._deadlines[0][0] - time.monotonic()), 3600.0)
                 for key, mask in self._selector.select(timeout):
                     if key.data == "accept":
                         self._accept()
@@ -245,12 +245,15 @@ class StoreServer:
         elif op in (Op.GET, Op.WAIT):
             if len(f) < 2 or (op == Op.GET and len(f) != 2):
                 raise ProtocolError(f"{Op.NAMES[op]} takes a timeout and {'a key' if op == Op.GET else 'keys'}")
+            seconds = float(f[0])
+            if not 0 <= seconds < 1e9:  # NaN and inf fail too
+                raise ProtocolError(f"{Op.NAMES[op]}'s timeout must be finite and >= 0 seconds, got {f[0]!r}")
             keys = [k.decode() for k in f[1:]]
             missing = table.missing(keys)
             if not missing:
                 self._send(conn, reply(Status.OK, *([table.data[keys[0]]] if op == Op.GET else [])))
                 return
-            waiter = _Waiter(conn, keys, keys[0] if op == Op.GET else None, time.monotonic() + float(f[0]))
+            waiter = _Waiter(conn, keys, keys[0] if op == Op.GET else None, time.monotonic() + seconds)
             conn.waiter = waiter
             for key in missing:
                 self._waiters.setdefault(key, set()).add(waiter)
