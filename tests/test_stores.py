@@ -65,6 +65,9 @@ def test_set_and_get_bytes_and_str(stores):
     assert another().get("k") == b"second"
     store.set("empty", b"")
     assert store.get("empty") == b""
+    big = os.urandom(3 << 20)  # more than a socket buffer: the server's reply goes out in several sends
+    store.set("big", big)
+    assert another().get("big") == big
 
 
 def test_get_of_a_missing_key_raises_dist_store_error_naming_it_and_the_time_waited(stores):
