@@ -492,9 +492,9 @@ def _finish(procs: list[subprocess.Popen]) -> list[str]:
 
 
 def test_tcp_store_across_processes_128_clients_lose_no_add_and_rendezvous():
-    """4 processes x 32 client threads x 1000 adds on one counter, started before their master (they
+    """2 processes x 64 client threads x 1000 adds on one counter, started before their master (they
     retry), which waits for all 129 users; then every process waits for every other's key."""
-    nprocs, clients, adds = 4, 32, 1000
+    nprocs, clients, adds = 2, 64, 1000
     port = _free_port()
     procs = [_spawn("tcp", port, r, nprocs, clients, adds) for r in range(nprocs)]
     master = TCPStore("127.0.0.1", port, is_master=True, world_size=nprocs * clients + 1,
