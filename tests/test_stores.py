@@ -352,6 +352,11 @@ def test_port_zero_picks_a_free_port_and_the_server_binds_the_address_given():
         client.close()
     finally:
         store.close()
+    everywhere = TCPStore("0.0.0.0", 0, is_master=True, timeout=timedelta(seconds=5))  # every interface
+    with TCPStore("127.0.0.1", everywhere.port, timeout=timedelta(seconds=5)) as client:
+        client.set("k", "v")
+        assert everywhere.get("k") == b"v"
+    everywhere.close()
 
 
 def test_a_port_in_use_is_an_error_naming_host_and_port(master):

@@ -106,8 +106,10 @@ class TCPStore(Store):
     client; every other process connects to it, retrying until ``timeout``. ``world_size`` counts
     every user, the master included: with ``wait_for_workers=True`` the master's constructor returns
     once that many have connected, and raises :class:`DistStoreError` naming how many did if they
-    have not within ``timeout``. The server lives as long as the master's store: close it (or let it
-    go) last. Methods are thread-safe; each concurrent call gets a connection of its own, so a
+    have not within ``timeout``. The server listens on the address ``host_name`` names (its first
+    address), not on every interface: on the master, name the address the others reach, or
+    ``"0.0.0.0"`` for every interface. The server lives as long as the master's store: close it (or
+    let it go) last. Methods are thread-safe; each concurrent call gets a connection of its own, so a
     thread blocked in ``wait`` does not hold up another thread's ``set``.
     """
 
@@ -135,7 +137,6 @@ class TCPStore(Store):
             raise DistValueError(f"TCPStore(host_name): {host_name!r} does not resolve to an address ({exc.strerror}); "
                                  f"it must name the master's machine") from None
         family, _, _, _, address = infos[0]
-        self._family = family
         start = time.monotonic()
         if self._is_master:
             self._server = StoreServer(host, self._port, family, address)
