@@ -325,12 +325,17 @@ def _raw(port: int) -> socket.socket:
 
 
 def _read_frame(sock: socket.socket) -> tuple[int, list[bytes]]:
-    data = b""
-    while len(data) < 4 or len(data) < 4 + struct.unpack("!I", data[:4])[0]:
-        chunk = sock.recv(1 << 16)
-        assert chunk, f"closed after {data!r}"
-        data += chunk
-    return wire.fields_of(data[4:])
+    """One frame, read byte-exact (the frames after it stay in the socket)."""
+    def exactly(n: int) -> bytes:
+        data = bytearray()
+        while len(data) < n:
+            chunk = sock.recv(min(n - len(data), 1 << 20))
+            assert chunk, f"closed after {len(data)} of {n} bytes"
+            data += chunk
+        return bytes(data)
+
+    (n,) = struct.unpack("!I", exactly(4))
+    return wire.fields_of(exactly(n))
 
 
 @pytest.fixture
@@ -470,6 +475,22 @@ def test_a_frame_over_the_limit_is_refused_before_it_is_allocated(master):
         endless.close()
     master.set("still", "serving")
     assert master.get("still") == b"serving"
+
+
+def test_a_client_that_sends_without_reading_gets_one_reply_buffered_at_a_time(master):
+    big = bytes(3 << 20)
+    master.set("big", big)
+    greedy = _raw(master.port)
+    greedy.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    greedy.sendall(wire.request(wire.Op.GET, b"5", b"big") * 20)  # 60 MiB of replies asked for, none read
+    time.sleep(0.3)
+    conns = [k.data for k in master._server._selector.get_map().values() if not isinstance(k.data, str)]
+    buffered = sum(len(c.outbuf) for c in conns)
+    assert 0 < buffered <= len(big) + 64, buffered  # one reply in flight, not 20
+    assert master.get("big") == big  # and everyone else is served meanwhile
+    head = greedy.recv(9, socket.MSG_WAITALL)  # the first reply's start (the rest crawls through a 4 KiB window)
+    assert struct.unpack("!IBI", head) == (len(big) + 5, wire.Status.OK, len(big)), head
+    greedy.close()
 
 
 def test_a_client_of_a_master_that_closed_gets_an_error_naming_it(master):

@@ -169,14 +169,17 @@ class StoreServer:
             self._drop(conn)
             return
         conn.inbuf += data
-        if conn.waiter is not None and len(conn.inbuf) > MAX_MESSAGE_BYTES + HEADER.size:
-            self._drop(conn)  # frames piling up behind a parked request: not a meshkit client
+        if (conn.waiter is not None or conn.outbuf) and len(conn.inbuf) > MAX_MESSAGE_BYTES + HEADER.size:
+            self._drop(conn)  # frames piling up behind a parked request or an unread reply: not a meshkit client
             return
         self._process(conn)
 
     def _process(self, conn: _Conn) -> None:
         buf = conn.inbuf
-        while conn.waiter is None and not conn.closing and not conn.dead and len(buf) >= HEADER.size:
+        # one request at a time per connection, and the next only once the last reply is out: a client
+        # that sends without reading cannot make the server buffer replies without bound
+        while (conn.waiter is None and not conn.outbuf and not conn.closing and not conn.dead
+               and len(buf) >= HEADER.size):
             (n,) = HEADER.unpack_from(buf, 0)
             if n > MAX_MESSAGE_BYTES:
                 self._refuse(conn, f"a frame of {n} bytes is over the limit of {MAX_MESSAGE_BYTES} bytes "
@@ -226,6 +229,7 @@ class StoreServer:
         elif conn.writing:
             self._selector.modify(conn.sock, _READ, conn)
             conn.writing = False
+            self._process(conn)  # requests that arrived while the reply went out
 
     # ------------------------------------------------------------------ requests
     def _handle(self, conn: _Conn, body: bytes) -> None:
