@@ -175,6 +175,7 @@ def test_delete_key_says_whether_the_key_was_there(stores):
     assert store.delete_key("k") is False  # torch's FileStore says True here
     assert store.delete_key("never") is False
     assert store.num_keys() == 0
+    store.set_timeout(0.05)
     with pytest.raises(DistStoreError, match="'k'"):
         store.get("k")
 
