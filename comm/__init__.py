@@ -12,12 +12,13 @@ from .collectives import (P2POp, all_gather, all_gather_into_tensor, all_reduce,
                   reduce_scatter, reduce_scatter_tensor, scatter, send)
 from .breakpoints import breakpoint
 from .debug import DebugLevel
-from .errors import (CollectiveMismatchError, CollectiveTimeout, DistBackendError, DistError, DistTypeError,
-                     DistValueError, RankFailedError)
+from .errors import (CollectiveMismatchError, CollectiveTimeout, DistBackendError, DistError, DistStoreError,
+                     DistTypeError, DistValueError, RankFailedError)
 from .group import ProcessGroup
 from .objects import (ObjectCollectiveError, all_gather_object, broadcast_object_list, gather_object,
                       scatter_object_list)
 from .reduce_op import ReduceOp
+from .stores import FileStore, HashStore, PrefixStore, Store, TCPStore
 from .work import Work
 from .levels import get_debug_level, set_debug_level, set_debug_level_from_env
 from .lifecycle import destroy_process_group, init_process_group
@@ -38,6 +39,7 @@ __all__ = [
     "format_flight_record",
     "DistError", "DistValueError", "DistTypeError", "DistBackendError", "CollectiveTimeout",
     "CollectiveMismatchError", "RankFailedError", "ObjectCollectiveError",
+    "Store", "HashStore", "FileStore", "TCPStore", "PrefixStore", "DistStoreError",
 ]
 
 #: Seams that were in ``__all__`` in 0.1: importable from here for one more release, with a warning.

@@ -14,6 +14,7 @@ __all__ = [
     "CollectiveTimeout",
     "CollectiveMismatchError",
     "RankFailedError",
+    "DistStoreError",
 ]
 
 
@@ -66,3 +67,17 @@ class CollectiveMismatchError(DistError):
 
 class RankFailedError(DistError):
     """Another rank of an in-process (``local``) job raised; this rank was woken to stop."""
+
+
+class DistStoreError(DistError):
+    """A key-value store failed: a key not set within the timeout, its server unreachable or gone.
+
+    Attributes:
+        keys: the keys still missing when a wait timed out (empty for other failures).
+        waited: seconds waited before giving up, or ``None`` where nothing was waited for.
+    """
+
+    def __init__(self, message: str, *, keys: list[str] | None = None, waited: float | None = None) -> None:
+        super().__init__(message)
+        self.keys = list(keys or [])
+        self.waited = waited

@@ -1,0 +1,94 @@
+"""TCPStore's wire protocol: length-prefixed frames of length-prefixed fields, and their limits.
+
+A frame is a 4-byte big-endian length ``N`` followed by ``N`` bytes. A request's body is one opcode
+byte and its fields; a reply's body is one status byte and its fields. A field is a 4-byte
+big-endian length and that many bytes; integers and timeouts travel as ASCII decimals (``b"-3"``,
+``b"0.25"``), so a counter is not bounded by a fixed-width integer. The server reads the length
+first and refuses a frame longer than :data:`MAX_MESSAGE_BYTES` before allocating anything for it
+(issue 26: a stray connection claiming 4 GiB must not cost the master 4 GiB).
+"""
+
+from __future__ import annotations
+
+import struct
+
+__all__ = ["MAX_MESSAGE_BYTES", "MAX_VALUE_BYTES", "Op", "Status", "ProtocolError", "frame", "request",
+           "reply", "fields_of", "HEADER"]
+
+#: The longest frame either side accepts, header excluded. A store carries rendezvous data
+#: (addresses, NCCL unique ids of 128 bytes, small pickled objects), not tensors: 64 MiB is far
+#: above that and bounds what one connection can make the master allocate.
+MAX_MESSAGE_BYTES = 64 << 20
+#: The longest value any meshkit store accepts (every store, so code that runs on a HashStore runs on
+#: a TCPStore): a ``compare_set`` carries two values and a key, which fit one frame with room.
+MAX_VALUE_BYTES = 16 << 20
+
+HEADER = struct.Struct("!I")
+
+
+class Op:
+    """Request opcodes (one byte)."""
+    JOIN = 1      # a TCPStore client announces itself: counted for wait_for_workers
+    SET = 2       # key, value
+    GET = 3       # timeout, key -> value, or MISSING at the deadline
+    ADD = 4       # key, amount -> new value
+    CAS = 5       # key, expected, desired -> value now held
+    CHECK = 6     # keys... -> the keys missing now
+    WAIT = 7      # timeout, keys... -> OK, or MISSING with the keys still missing at the deadline
+    DELETE = 8    # key -> b"1" or b"0"
+    COUNT = 9     # prefix -> number of user keys starting with it
+
+    NAMES = {JOIN: "join", SET: "set", GET: "get", ADD: "add", CAS: "compare_set", CHECK: "check", WAIT: "wait",
+             DELETE: "delete_key", COUNT: "num_keys"}
+
+
+class Status:
+    """Reply status (one byte)."""
+    OK = 0
+    MISSING = 1       # the deadline passed; fields are the missing keys
+    NOT_AN_INTEGER = 2  # add on a value that is not a decimal integer; the field is (the start of) that value
+    ERROR = 3         # the request was malformed or refused (too long); the server closes the connection
+
+
+class ProtocolError(ValueError):
+    """A frame or field that does not follow the protocol."""
+
+
+def frame(body: bytes) -> bytes:
+    """``body`` with its length header."""
+    return HEADER.pack(len(body)) + body
+
+
+def _pack(code: int, fields: tuple[bytes, ...]) -> bytes:
+    parts = [bytes((code,))]
+    for f in fields:
+        parts.append(HEADER.pack(len(f)))
+        parts.append(f)
+    return frame(b"".join(parts))
+
+
+def request(op: int, *fields: bytes) -> bytes:
+    """A request frame, header included."""
+    return _pack(op, fields)
+
+
+def reply(status: int, *fields: bytes) -> bytes:
+    """A reply frame, header included."""
+    return _pack(status, fields)
+
+
+def fields_of(body: bytes) -> tuple[int, list[bytes]]:
+    """``(code, fields)`` of a frame's body (without its header)."""
+    if not body:
+        raise ProtocolError("an empty frame (no opcode)")
+    out, pos, end = [], 1, len(body)
+    while pos < end:
+        if pos + 4 > end:
+            raise ProtocolError(f"a field header cut at byte {pos} of {end}")
+        (n,) = HEADER.unpack_from(body, pos)
+        pos += 4
+        if pos + n > end:
+            raise ProtocolError(f"a field of {n} bytes at byte {pos} runs past the frame's {end}")
+        out.append(body[pos:pos + n])
+        pos += n
+    return body[0], out
