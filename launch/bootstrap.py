@@ -333,6 +333,9 @@ def _run_target(target: list[str]) -> None:
     if target[0] == "-m":
         module, args = target[1], target[2:]
         sys.argv = [module, *args]
+        # As `python -m module`: the working directory comes first on sys.path (not this file's
+        # folder, launch/, whose cli.py, job.py and output.py would shadow a user module of the name).
+        sys.path[0] = os.getcwd()
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     else:
         script, args = target[0], target[1:]

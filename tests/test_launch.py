@@ -101,6 +101,17 @@ def test_module_runs_like_python_dash_m(tmp_path: Path) -> None:
 
 
 @needs_mpiexec
+def test_a_module_named_as_the_launchers_own_runs_from_the_working_directory(tmp_path: Path) -> None:
+    # python -m puts the working directory first on sys.path; the bootstrap's folder (launch/: cli.py,
+    # job.py, output.py) must not stand in front of it, or `-m output` ran the launcher's module
+    (tmp_path / "output.py").write_text("import sys\nprint('user module', sys.argv[1:])\n")
+    result = run_launcher(["-n", "1", "-m", "output", "a"], tmp_path)
+
+    assert result.returncode == 0, result.stderr
+    assert "[rank0]: user module ['a']" in result.stdout.splitlines(), result.stdout
+
+
+@needs_mpiexec
 def test_exit_code_of_the_script_passes_through(tmp_path: Path) -> None:
     result = run_launcher(["-n", "2", str(SCRIPTS / "launch_exit.py"), "3"], tmp_path)
 
