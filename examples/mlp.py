@@ -189,7 +189,7 @@ class Plain:
 
     def full_state_dict(self) -> dict[str, Any]:
         """The parameters themselves (and the optimizer's state), as the strategies' form."""
-        return {"params": self.params, "optimizer": self.optimizer.state_dict() if self.optimizer else {}}
+        return {"params": self.params, "optim": self.optimizer.state_dict() if self.optimizer else {}}
 
 
 def build(strategy: str, *, hidden: Sequence[int] = (64, 64), dtype: Any = np.float64, optimizer: str = "sgd",

@@ -429,16 +429,39 @@ def test_data_parallel_dtensor_params_on_device_arrays(cupy, strategy, mesh_shap
         dp_tp_cases.assert_matches_reference(params, ref)
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp"])
+def test_full_state_dicts_of_dtensor_params_are_the_global_arrays(strategy):
+    """Issue 25.1: full_state_dict() is full NumPy arrays on every rank, also for DTensor
+    parameters (their blocks gathered over dp where sharded, then over tp): after training, the
+    single-process parameters, and optimizer state of the parameters' global sizes."""
+    ref = dp_tp_cases.reference()
+
+    def body():
+        mesh, model = dp_tp_cases.build((2, 2), strategy)
+        opt = SGD(lr=0.2, momentum=0.9) if strategy == "ddp" else None
+        dp_tp_cases.steps(mesh, model, opt, 0, dp_tp_cases.STEPS)
+        return model.full_state_dict()
+
+    for sd in local.run(body, 4, timeout=30):
+        assert all(type(p) is np.ndarray for p in sd["params"].values())
+        assert sorted(sd["params"]) == sorted(ref)
+        dp_tp_cases.assert_matches_reference({n: sd["params"][n] for n in ref}, ref)
+        if strategy != "ddp":  # DDP's optimizer is the caller's here (none in its state dict)
+            for name, want in ref.items():
+                buf = sd["optim"]["state"][name]["momentum_buffer"]
+                assert type(buf) is np.ndarray and buf.shape == (want.size,), (name, buf.shape)
+                assert sd["optim"]["step"][name] == dp_tp_cases.STEPS
+
+
 @pytest.mark.parametrize("strategy, who", [("zero1", r"ZeroRedundancyOptimizer\(stage=1\)"),
                                            ("fsdp", "FullyShardedDataParallel")], ids=["zero1", "fsdp"])
-def test_sharded_strategies_of_dtensor_params_refuse_full_state_dicts(strategy, who):
+def test_sharded_strategies_of_dtensor_params_refuse_to_load_full_state_dicts(strategy, who):
     def body():
         _, model = dp_tp_cases.build((2, 2), strategy)
-        for call in (model.full_state_dict, lambda: model.load_full_state_dict({})):
-            with pytest.raises(ValueError, match=rf"rank \d: {who}\.(load_)?full_state_dict: parameters \['w1', 'b1', "
-                                                 r"'w2', 'b2'\] are DTensors, whose full state dict .* is not "
-                                                 r"supported; use sharded_state_dict\(\)"):
-                call()
+        with pytest.raises(ValueError, match=rf"rank \d: {who}\.load_full_state_dict: parameters \['w1', 'b1', "
+                                             r"'w2', 'b2'\] are DTensors, whose full state dict cannot be loaded "
+                                             r".*; use sharded_state_dict\(\)"):
+            model.load_full_state_dict(model.full_state_dict())
 
     local.run(body, 4, timeout=30)
 
