@@ -138,8 +138,8 @@ def test_sharded_bad_input():
             fsdp.load_full_state_dict(sd)
         zero = ZeroRedundancyOptimizer(ddp_cases.init_params(), SGD(lr=0.1), stage=2, find_unused_parameters=True)
         zero.sync_gradients()
-        with pytest.raises(ValueError, match="mesh must be a 1-D DeviceMesh"):
-            FullyShardedDataParallel(params, mesh=None, optimizer=SGD(lr=0.1))
+        with pytest.raises(ValueError, match="mesh must be a 1-D DeviceMesh"):  # None is the world (issue 25.1)
+            FullyShardedDataParallel(params, mesh="dp", optimizer=SGD(lr=0.1))
     local.run(body, 2, timeout=20)
 
 

@@ -439,3 +439,23 @@ def test_full_state_dict_is_params_and_optim_and_the_old_key_still_reads_for_a_r
             np.testing.assert_array_equal(after["params"][name], p)
             for key, arr in sd["optim"]["state"][name].items():
                 np.testing.assert_array_equal(after["optim"]["state"][name][key], arr)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_fsdp_without_a_mesh_is_over_the_world_as_ddp_and_zero(world):
+    """Issue 25.1: every strategy takes ``mesh=None`` meaning the world (1-D), FSDP too, with the
+    same DeprecationWarning as DDP and ZeRO; the protocol's loop then trains it to the
+    single-process result."""
+    def make(params: dict[str, np.ndarray]) -> Any:
+        model = FullyShardedDataParallel(params, optimizer=make_optimizer("adamw"), units=UNITS)
+        assert model.mesh.mesh.tolist() == list(range(world)) and model.mesh.mesh_dim_names == ("dp",)
+        return model
+
+    with warnings.catch_warnings(record=True) as seen:  # the ranks' threads warn into the process's filters
+        warnings.simplefilter("always")
+        results = local.run(train, world, make)
+    messages = {str(w.message) for w in seen if issubclass(w.category, DeprecationWarning)}
+    assert messages == {"meshkit.parallel: FullyShardedDataParallel without mesh= (meaning the world) is deprecated; "
+                        "pass mesh= (a 1-D DeviceMesh)"}, messages
+    for sd in results:
+        assert_matches(sd, REFERENCES["adamw"])
