@@ -21,6 +21,7 @@ The training loop speaks the protocol every data-parallel strategy implements
 ``mark_grad_ready`` as gradients are known, ``step``): :func:`build` makes any strategy with
 :func:`meshkit.parallel.data_parallel` (DDP, ZeRO-1/2, FSDP and hybrid sharding, one unit per
 layer), and :class:`Plain` is the same protocol in one process, the single-process reference.
+``loop.py`` beside this file is the loop itself, which every example shares.
 """
 
 from __future__ import annotations
