@@ -218,11 +218,11 @@ class DistributedDataParallel(ReplicatedUnits, GradientReducer):
         with DTensor parameters: their global arrays are gathered over their meshes (collective there).
         """
         blocks = self._block_layouts
-        params = {name: full_array(p.copy(), blocks.get(name)) for name, p in self._blocks.items()}
+        params = {name: full_array(p, blocks.get(name)) for name, p in self._blocks.items()}
         opt = self.optimizer
         if opt is None:
             return FullStateDict(params=params, optim={"step": {}, "state": {}, "hyper": {}})
-        state = {name: {key: full_array(arr.reshape(self._blocks[name].shape).copy(), blocks.get(name)).reshape(-1)
+        state = {name: {key: full_array(arr.reshape(self._blocks[name].shape), blocks.get(name)).reshape(-1)
                         for key, arr in sorted(opt.state[name].items())}
                  for name in self._blocks if name in opt.state}
         steps = {name: opt.steps[name] for name in self._blocks if name in opt.steps}

@@ -69,12 +69,13 @@ class FullStateDict(dict):
 
 
 def full_array(value: Any, block: BlockLayout | None = None) -> np.ndarray:
-    """``value`` as a NumPy array of the whole parameter: a DTensor parameter's block (``block``
-    its layout; collective over its mesh) gathered to the global array, a CuPy array copied to
-    the host. A NumPy array is returned as it is (callers pass copies)."""
-    if block is not None:
-        value = block.wrap(value).full_tensor()
-    return to_host(value)
+    """``value`` as a new NumPy array of the whole parameter, never a view of ``value``: a DTensor
+    parameter's block (``block`` its layout; collective over its mesh) gathered to the global
+    array, a CuPy array copied to the host (``.get()``)."""
+    host = to_host(block.wrap(value).full_tensor() if block is not None else value)
+    if isinstance(value, np.ndarray) and np.may_share_memory(host, value):
+        host = host.copy()  # the strategy's own memory (a full_tensor over Replicate is the block itself)
+    return host
 
 
 def renamed_optimizer_key(sd: Any) -> Any:
@@ -95,10 +96,10 @@ def gather_state_dict(layouts: Sequence[FlatLayout], shards: dict[str, Any], opt
     steps: dict[str, int] = {}
     state: dict[str, dict[str, Any]] = {}
     for layout in layouts:
-        for name, value in layout.split(layout.gather_full(shards[layout.key], group)).items():
+        for name, value in layout.views(layout.gather_full(shards[layout.key], group)).items():
             params[name] = full_array(value, blocks.get(name))
         for key, flat in sorted(optimizer.state.get(layout.key, {}).items()):
-            for name, value in layout.split(layout.gather_full(flat, group)).items():
+            for name, value in layout.views(layout.gather_full(flat, group)).items():
                 state.setdefault(name, {})[key] = full_array(value, blocks.get(name)).reshape(-1)
         if layout.key in optimizer.steps:
             steps.update({name: optimizer.steps[layout.key] for name in layout.names})
