@@ -22,12 +22,14 @@ so that the setting holds under any launcher: with one OpenBLAS thread per core 
 100 of 256 KB (``--cases``), the time of one synchronisation of all of them by:
 
 * ``ddp``: ``DistributedDataParallel`` with the default caps (25 MB, first bucket 1 MB):
-  ``mark_grad_ready(name)`` for every gradient in reverse order (gradients preallocated,
-  nothing new written), ``finish_gradient_sync()``. ``zero_grad()`` is not part of the
-  synchronisation, as the baselines below zero nothing either (figures before 2026-11-22
-  included it: a 4 MB memset, 0.09 ms per call on one rank);
-* ``ddp bulk``: the same buckets through ``sync_gradients()``, DDP's call for gradients
-  computed all at once: it marks a bucket at a time instead of a gradient at a time;
+  ``mark_grad_ready(name, g)`` for every gradient in reverse order (the protocol's spelling:
+  ``g``, preallocated zeros, is checked and added into its bucket), then ``sync_gradients()``,
+  which finishes the sync as ``step()`` does, without the optimizer (the baselines run none).
+  ``zero_grad()`` is not part of the synchronisation, as the baselines below zero nothing
+  either (figures before 2026-11-22 included it: a 4 MB memset, 0.09 ms per call on one rank;
+  figures before 2026-11-25 marked with the deprecated ``mark_grad_ready(name)``, which adds nothing);
+* ``ddp bulk``: the same buckets through ``sync_gradients()`` alone, DDP's call for gradients
+  computed all at once into ``ddp.grads``: it marks a bucket at a time instead of a gradient at a time;
 * ``per-grad``: one blocking ``meshkit.all_reduce(g, AVG)`` per gradient;
 * ``flat``: one ``meshkit.all_reduce`` (AVG) of a single buffer of the same total size: the floor;
 * ``ddp local`` (diagnostic): the same DDP pass inside ``no_sync()``, i.e. DDP's own Python
@@ -50,7 +52,8 @@ communication matters (hidden layers ``--hidden``, default 1024,1024,1024: 2.1M 
 * (b) sync alone: ``ddp.sync_gradients()`` of preset gradients, no compute in between;
 * (c) DDP step: ``zero_grad()``, forward, backward calling ``ddp.mark_grad_ready(name, g)``
   as each gradient is computed (buckets start averaging while earlier layers are still
-  differentiating), ``finish_gradient_sync()``.
+  differentiating), ``sync_gradients()`` (the sync ``step()`` finishes, without the optimizer,
+  which (a) does not run either).
 
 The fraction of communication hidden behind compute is ``(a + b - c) / b``, clamped to
 [0, 1]: 1 when the step costs no more than its compute, 0 when it costs compute plus the
@@ -62,7 +65,7 @@ meaningful with one core per rank (``-n 2`` on 2 cores, 4 ranks on 4+ cores, not
 running), and more so with a spare core: meshkit's MPI engine progresses a bucket's reduction
 on a communication thread that polls MPI (spin, then ``sched_yield``, then short naps), which
 costs CPU beside the compute. Two diagnostics come with (c): ``wait``, the time spent in
-``finish_gradient_sync`` (communication not hidden, plus waiting for slower ranks), and
+``sync_gradients`` (communication not hidden, plus waiting for slower ranks), and
 ``comm cpu``, the CPU time per step of the process's other threads (the communication thread).
 Note also that at the default caps this 8 MB model fills two buckets: a tiny first one (the
 last layer, 20 KB) and one with everything else, which can start only once the first layer's
@@ -106,7 +109,7 @@ from _common import (LOG, Progress, add_output_args, barrier, calibrate_iters, f
 from mpi4py import MPI
 
 import meshkit
-from meshkit.parallel import DistributedDataParallel
+from meshkit.parallel import SGD, DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from mlp import backward, forward, init_params, loss_and_grad_logits, make_data  # noqa: E402  (examples/mlp.py)
@@ -131,7 +134,7 @@ class Block:
     name: str
     fn: Call
     iters: int = 0
-    #: an accumulator ``fn`` adds seconds to (e.g. its wait in finish_gradient_sync): zeroed
+    #: an accumulator ``fn`` adds seconds to (e.g. its wait in sync_gradients): zeroed
     #: before each timed block and read, per call, after it
     side: list[float] | None = None
 
@@ -199,6 +202,15 @@ class Case:
         return f"{self.count} x {format_size(self.nbytes)}"
 
 
+def build_ddp(params: dict[str, np.ndarray], cap_mb: float, first_cap_mb: float) -> DistributedDataParallel:
+    """DDP over the world as a 1-D mesh, as the protocol builds it (collective). Its optimizer is
+    never stepped: the sections time the gradient sync, which ``sync_gradients()`` finishes
+    without it (``step()`` is that plus the optimizer)."""
+    mesh = meshkit.init_device_mesh("cpu", (meshkit.get_world_size(),), mesh_dim_names=("dp",))
+    return DistributedDataParallel(params, mesh=mesh, optimizer=SGD(lr=0.0), bucket_cap_mb=cap_mb,
+                                   first_bucket_cap_mb=first_cap_mb)
+
+
 def parse_case(text: str) -> Case:
     """``1000x4K`` -> 1000 gradients of 4 KB."""
     count, sep, size = text.lower().partition("x")
@@ -217,22 +229,23 @@ def sync_blocks(case: Case, comm: MPI.Comm) -> tuple[list[Block], int]:
     elems = case.nbytes // 4
     width = len(str(case.count - 1))
     params = {f"p{i:0{width}d}": np.zeros(elems, np.float32) for i in range(case.count)}
-    ddp = DistributedDataParallel(params, bucket_cap_mb=DEFAULT_CAP_MB, first_bucket_cap_mb=DEFAULT_FIRST_CAP_MB)
+    ddp = build_ddp(params, DEFAULT_CAP_MB, DEFAULT_FIRST_CAP_MB)
     names = list(reversed(params))
     grads = [np.zeros(elems, np.float32) for _ in range(case.count)]
+    zeros = dict(zip(names, (np.zeros(elems, np.float32) for _ in names)))  # what a timed pass marks ready
     flat = np.zeros(case.count * elems, np.float32)
     avg = meshkit.ReduceOp.AVG
 
     def ddp_sync() -> None:
-        for name in names:
-            ddp.mark_grad_ready(name)
-        ddp.finish_gradient_sync()
+        for name, g in zeros.items():
+            ddp.mark_grad_ready(name, g)
+        ddp.sync_gradients()
 
     def ddp_local() -> None:
         with ddp.no_sync():
-            for name in names:
-                ddp.mark_grad_ready(name)
-            ddp.finish_gradient_sync()
+            for name, g in zeros.items():
+                ddp.mark_grad_ready(name, g)
+            ddp.sync_gradients()
 
     def per_grad() -> None:
         for g in grads:
@@ -245,11 +258,10 @@ def sync_blocks(case: Case, comm: MPI.Comm) -> tuple[list[Block], int]:
     expected = (n + 1) / 2
     offsets = np.arange(case.count, dtype=np.float32)[:, None] / case.count
     ddp.zero_grad()
-    for i, name in enumerate(params):
-        ddp.grads[name][...] = rank + 1 + offsets[i]
+    mine = {name: np.full(elems, rank + 1 + offsets[i, 0], np.float32) for i, name in enumerate(params)}
     for name in names:
-        ddp.mark_grad_ready(name)
-    ddp.finish_gradient_sync()
+        ddp.mark_grad_ready(name, mine[name])
+    ddp.sync_gradients()
     ok = all(np.allclose(ddp.grads[name], expected + offsets[i]) for i, name in enumerate(params))
     for i, g in enumerate(grads):
         g[...] = rank + 1 + offsets[i]
@@ -365,9 +377,9 @@ def overlap_blocks(args: argparse.Namespace, comm: MPI.Comm) -> tuple[list[Block
     rtol = 1e-4 if dtype == np.float32 else 1e-10
     ok = True
     for cap in args.caps:
-        ddp = DistributedDataParallel(params, bucket_cap_mb=caps_of(cap)[0], first_bucket_cap_mb=caps_of(cap)[1])
+        ddp = build_ddp(params, *caps_of(cap))
 
-        side = [0.0, 0.0]  # seconds waiting in finish_gradient_sync; CPU seconds of other threads
+        side = [0.0, 0.0]  # seconds waiting in sync_gradients; CPU seconds of other threads
 
         def step(ddp: DistributedDataParallel = ddp, side: list[float] = side) -> None:
             cpu, main_cpu = time.process_time(), time.thread_time()
@@ -376,7 +388,7 @@ def overlap_blocks(args: argparse.Namespace, comm: MPI.Comm) -> tuple[list[Block
             _, dlogits = loss_and_grad_logits(acts[-1], yb)
             backward(ddp.params, acts, dlogits, ddp.mark_grad_ready)
             start = time.perf_counter()
-            ddp.finish_gradient_sync()
+            ddp.sync_gradients()
             side[0] += time.perf_counter() - start
             side[1] += (time.process_time() - cpu) - (time.thread_time() - main_cpu)
 
@@ -448,7 +460,7 @@ def overlap_report(rows: list[dict[str, Any]], head: str, n: int, oversubscribed
             f"  (a) compute alone     {a:9.2f} ms",
             f"  (b) sync alone        {b:9.2f} ms",
             f"  (c) DDP step          {c:9.2f} ms   (a + b = {a + b:.2f} ms; of c, "
-            f"{default['finish_wait_ms']:.2f} ms waiting in finish_gradient_sync)",
+            f"{default['finish_wait_ms']:.2f} ms waiting in sync_gradients)",
             f"  hidden = (a + b - c) / b = {default['hidden_fraction']:.2f} (per round: {min(spread):.2f} .. "
             f"{max(spread):.2f}); 1 - wait / b = {default['wait_hidden_fraction']:.2f}"]
         if oversubscribed:
@@ -464,7 +476,7 @@ def overlap_report(rows: list[dict[str, Any]], head: str, n: int, oversubscribed
     best = min(rows, key=lambda r: r["step_ms"])
     lines.append(f"  fastest step: cap {best['bucket_cap_mb']:g} MB, {best['step_ms']:.2f} ms "
                  f"(hidden {best['hidden_fraction']:.2f})")
-    lines.append("  wait: ms of (c) in finish_gradient_sync (communication not hidden, plus waiting for slower ranks); "
+    lines.append("  wait: ms of (c) in sync_gradients (communication not hidden, plus waiting for slower ranks); "
                  "comm cpu: CPU ms per step of the threads other than the main one (the communication thread "
                  "polling MPI, during the backward pass and the wait): on a core the compute needs, if none "
                  "is spare")
@@ -504,7 +516,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
         hi = [max(r["hidden_fraction_rounds"]) for r in sweep]
         axes[1].fill_between(caps, lo, hi, color="tab:green", alpha=0.15, label="(a + b - c) / b, range over rounds")
         axes[1].plot(caps, [r["wait_hidden_fraction"] for r in sweep], marker="^", linestyle="--", color="tab:purple",
-                     label="1 - (wait in finish_gradient_sync) / b")
+                     label="1 - (wait in sync_gradients) / b")
         axes[1].set_ylim(-0.03, 1.03)
         axes[1].set_ylabel("fraction of communication hidden")
         axes[1].set_title("fraction of the sync hidden behind backward", fontsize="medium")

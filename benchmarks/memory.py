@@ -16,16 +16,18 @@ The model is a float32 tanh MLP of ``examples/mlp.py`` (20 features, 4 classes) 
 gets to ``--params`` (default 10M; the exact Ψ is printed and stored), trained with AdamW.
 For every strategy and world size N each rank builds the strategy from the same parameters and
 runs ONE training step with zero gradients (memory does not depend on values, so no forward or
-backward arithmetic is done; AdamW creates its state on its first step):
+backward arithmetic is done; AdamW creates its state on its first step). Every strategy is built
+by ``meshkit.parallel.data_parallel`` with one unit per layer (as the example) and runs the same
+step, the training-loop protocol's: ``zero_grad()``; each unit unsharded in forward order and
+again in backward order (no prefetch: at most one unit is full at a time), the backward pass
+marking its zero gradients ready (``mark_grad_ready(name, grad)``, one layer's gradients alive at
+a time); ``step()``; then ``memory_report()``. What differs is what the strategy holds:
 
-* ``ddp``: ``DistributedDataParallel`` (gradients are views into the buckets), every gradient
-  marked ready in reverse order, ``finish_gradient_sync()``, ``AdamW.step``; read
-  ``ddp.memory_report(optimizer)``;
-* ``zero1`` / ``zero2``: ``ZeroRedundancyOptimizer(stage=1|2)`` around AdamW, the same pass,
-  ``step()``; read ``memory_report()``;
-* ``zero3``: ``FullyShardedDataParallel`` with one unit per layer (as the example): each unit
-  unsharded in forward order and again in backward order (no prefetch: at most one unit is
-  full at a time), its zero gradients reduce-scattered with ``reduce_grads``, ``step()``.
+* ``ddp``: ``DistributedDataParallel`` (gradients are views into the buckets), AdamW on every rank;
+* ``zero1`` / ``zero2``: ``ZeroRedundancyOptimizer(stage=1|2)``: AdamW's state (and, at stage 2,
+  the gradients) sharded; ``unshard`` yields the parameters themselves;
+* ``zero3``: ``FullyShardedDataParallel``: each unit gathered while unsharded, its gradients
+  reduce-scattered once all are marked.
 
 Rank 0's report (every rank holds the same up to one padding element) gives the columns
 ``params``, ``grads``, ``optimizer_state`` (the model states: their sum is ``total``) and the
@@ -73,7 +75,7 @@ from _common import (LOG, Progress, add_output_args, choice_list, host_metadata,
 
 import meshkit  # noqa: E402
 from meshkit.comm import local  # noqa: E402
-from meshkit.parallel import AdamW, DistributedDataParallel, FullyShardedDataParallel, ZeroRedundancyOptimizer  # noqa: E402
+from meshkit.parallel import AdamW, data_parallel  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from mlp import CLASSES, FEATURES, init_params  # noqa: E402  (the example's model: examples/mlp.py)
@@ -107,54 +109,40 @@ def width_for(target: int, layers: int) -> int:
 
 
 # --------------------------------------------------------------------------- one rank
-def _replicated_pass(model: Any, order: list[str]) -> None:
-    """A backward pass of zero gradients: mark every gradient ready, last layer first, then sync."""
-    model.zero_grad()
-    for name in order:
-        model.mark_grad_ready(name)
-    model.finish_gradient_sync()
+#: The protocol's name (``data_parallel``'s) of each strategy measured here.
+PROTOCOL_NAMES = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "fsdp"}
 
 
 def rank_step(strategy: str, template: dict[str, np.ndarray], layers: int,
               bucket_cap_mb: float = 25.0) -> tuple[dict[str, int], Any]:
-    """Build ``strategy`` on this rank, run one zero-gradient step, return (report, the objects).
+    """Build ``strategy`` on this rank, run one zero-gradient step, return (report, the strategy).
 
-    The objects are returned so that their memory is still allocated when the caller reads
+    The strategy is returned so that its memory is still allocated when the caller reads
     ``tracemalloc``; the per-rank copy of the parameters is dropped unless the strategy keeps it
     (DDP trains the dict it is given in place).
     """
     n = meshkit.get_world_size()
     mesh = meshkit.init_device_mesh("cpu", (n,), mesh_dim_names=("dp",))
     params = {name: p.copy() for name, p in template.items()}
-    order = list(reversed(params))
-    opt = AdamW(lr=1e-3, weight_decay=0.01)
-    caps = {"bucket_cap_mb": bucket_cap_mb, "first_bucket_cap_mb": min(1.0, bucket_cap_mb)}  # as the example
-    if strategy == "ddp":
-        ddp = DistributedDataParallel(params, mesh=mesh, **caps)
-        _replicated_pass(ddp, order)
-        opt.step(ddp.params, ddp.grads)
-        return ddp.memory_report(opt), (ddp, opt)
-    if strategy in ("zero1", "zero2"):
-        zero = ZeroRedundancyOptimizer(params, opt, mesh=mesh, stage=int(strategy[-1]), **caps)
-        del params
-        _replicated_pass(zero, order)
-        zero.step()
-        return zero.memory_report(), zero
-    units = [[f"w{i}", f"b{i}"] for i in range(layers + 1)]
     shapes = {name: (p.shape, p.dtype) for name, p in params.items()}
-    fsdp = FullyShardedDataParallel(params, mesh=mesh, optimizer=opt, units=units)
+    units = [[f"w{i}", f"b{i}"] for i in range(layers + 1)]
+    options = {} if strategy == "zero3" else \
+        {"bucket_cap_mb": bucket_cap_mb, "first_bucket_cap_mb": min(1.0, bucket_cap_mb)}  # as the example
+    model = data_parallel(params, mesh, PROTOCOL_NAMES[strategy], optimizer=AdamW(lr=1e-3, weight_decay=0.01),
+                          units=units, **options)
     del params
-    fsdp.zero_grad()
+    model.zero_grad()
     for u in range(len(units)):                    # forward
-        with fsdp.unshard(u):
+        with model.unshard(u):
             pass
-    for u in reversed(range(len(units))):          # backward: gather again, reduce zero gradients
-        with fsdp.unshard(u):
-            grads = {name: np.zeros(*shapes[name]) for name in units[u]}
-        fsdp.reduce_grads(u, grads)
+    for u in reversed(range(len(units))):          # backward: FSDP gathers again; zero gradients, last layer first
+        with model.unshard(u):
+            grads = {name: np.zeros(*shapes[name]) for name in reversed(units[u])}
+        for name, g in grads.items():
+            model.mark_grad_ready(name, g)
         del grads
-    fsdp.step()
-    return fsdp.memory_report(), fsdp
+    model.step()
+    return model.memory_report(), model
 
 
 def measure(strategy: str, n: int, template: dict[str, np.ndarray], layers: int, trace: bool,

@@ -21,6 +21,7 @@ The training loop speaks the protocol every data-parallel strategy implements
 ``mark_grad_ready`` as gradients are known, ``step``): :func:`build` makes any strategy with
 :func:`meshkit.parallel.data_parallel` (DDP, ZeRO-1/2, FSDP and hybrid sharding, one unit per
 layer), and :class:`Plain` is the same protocol in one process, the single-process reference.
+``loop.py`` beside this file is the loop itself, which every example shares.
 """
 
 from __future__ import annotations
@@ -189,7 +190,7 @@ class Plain:
 
     def full_state_dict(self) -> dict[str, Any]:
         """The parameters themselves (and the optimizer's state), as the strategies' form."""
-        return {"params": self.params, "optimizer": self.optimizer.state_dict() if self.optimizer else {}}
+        return {"params": self.params, "optim": self.optimizer.state_dict() if self.optimizer else {}}
 
 
 def build(strategy: str, *, hidden: Sequence[int] = (64, 64), dtype: Any = np.float64, optimizer: str = "sgd",

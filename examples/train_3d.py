@@ -58,19 +58,19 @@ training of all ``--steps``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 import meshkit
+import loop  # the examples' one training loop, beside this file
 import mlp  # the model, beside this file
 import train_mlp  # its reference training, --check's comparison, flag types and checkpoint helpers
 from meshkit.checkpoint import CheckpointManager
 from meshkit.comm.cuda_runtime import runtime
 from meshkit.parallel import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, array_namespace,
-                              data_parallel, to_host)
+                              data_parallel)
 from meshkit.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -147,36 +147,28 @@ def build_mesh(shape: tuple[int, int, int]) -> meshkit.DeviceMesh:
     return meshkit.init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp", "tp"))
 
 
-@contextlib.contextmanager
-def stage_params(strategy: Any, stages: list[Stage]) -> Iterator[None]:
-    """The stages' parameters for one training step: every unit unsharded here, once (all
-    prefetched together), and the stages run on what ``unshard`` yields through every
-    microbatch; on exit the stages drop them and their gradient blocks, and each unit is
-    resharded. DDP's and ZeRO's ``unshard`` yields their own DTensors (nothing is gathered);
-    FSDP's all-gathers the unit (collective over ``dp``) and frees its gathered blocks on exit.
-    """
-    with contextlib.ExitStack() as stack:
-        for unit in range(len(strategy.units)):
-            strategy.prefetch(unit)
-        gathered: dict[str, DTensor] = {}
-        for unit in range(len(strategy.units)):
-            gathered.update(stack.enter_context(strategy.unshard(unit)))
+def pipeline_pass(model: Any, stages: list[Stage], schedule: Any, x: Any, y: Any) -> list[float] | None:
+    """One step's forward and backward pass (the loop's ``run_pass``): every unit unsharded once,
+    for every microbatch (DDP's and ZeRO's own DTensors; FSDP's gathered, all prefetched
+    together), the schedule run on them, the stages' gradients (added up over the microbatches)
+    handed to ``model.mark_grad_ready`` (DDP and ZeRO average each bucket over ``dp`` once complete,
+    FSDP reduce-scatters each unit); on exit the stages drop the parameters and their gradient
+    blocks and every unit is resharded. What is pipeline-specific stays here: which stage runs
+    which parameters, and gradients added up over microbatches before they are marked ready.
+    Returns the last stage's microbatch losses (None on other stages)."""
+    with loop.unsharded(model) as params:
         for st in stages:
-            st.params = {name: gathered[name] for name in st.names}
+            st.params = {name: params[name] for name in st.names}
+            st.zero_grad()
         try:
-            yield
+            losses = schedule.step(x, target=y)
+            for st in stages:
+                for name, g in st.grads.items():
+                    model.mark_grad_ready(name, g)
         finally:
             for st in stages:
                 st.params, st.grads = {}, {}
-
-
-def sync_grads(strategy: Any, stages: list[Stage]) -> None:
-    """Hand the stages' gradient blocks (added up over the microbatches) to the strategy, which
-    copies them: DDP and ZeRO average each bucket over ``dp`` once complete, FSDP reduce-scatters
-    each unit once complete (asynchronous: ``step`` waits), so the stages may drop theirs."""
-    for st in stages:
-        for name, g in st.grads.items():
-            strategy.mark_grad_ready(name, g)
+    return losses
 
 
 def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np.ndarray], list[float]]:
@@ -199,32 +191,26 @@ def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np
     units = [[f"w{i}", f"b{i}"] for i in dict.fromkeys(name[1:] for name in blocks)]  # one per layer, in order
     # DDP averages the same blocks, ZeRO and FSDP copy them into their buffers and shards
     strategy = data_parallel(blocks, dp, args.dp, optimizer=mlp.make_optimizer(args.optimizer, args.lr), units=units)
-    for st in stages:  # the stages run on what the strategy's unshard yields (stage_params), step by step
+    for st in stages:  # the stages run on what the strategy's unshard yields (pipeline_pass), step by step
         st.params, st.grads = {}, {}
     first, last = 0 in mine, p * v - 1 in mine
     x, y = mlp.to_device(mlp.make_data(args.samples), args.device)  # once; batches are gathered there
     xp = array_namespace(x)
     # each rank saves and loads the layers it holds (strategy.params, by their global names) and their optimizer state
     manager = CheckpointManager(args.checkpoint_dir, max_to_keep=args.max_to_keep) if args.checkpoint_dir else None
-    start = train_mlp.resume(manager, (strategy, None), args) if args.resume else 0
-    losses = []
-    with train_mlp.progress_bar(args.steps - start, enabled=progress and meshkit.get_rank() == 0) as show:
-        for step in range(start, args.steps):
-            idx = np.array_split(mlp.batch_indices(step, args.samples, args.batch), dp.size())[dp.get_local_rank()]
-            idx = xp.asarray(idx)  # on a GPU: the indices go to the device (a small copy per step)
-            strategy.zero_grad()
-            with stage_params(strategy, stages):  # FSDP: gathered once for every microbatch, freed after
-                for st in stages:
-                    st.zero_grad()
-                mb_losses = schedule.step(x[idx].astype(args.dtype) if first else None,
-                                          target=y[idx] if last else None)
-                sync_grads(strategy, stages)
-            strategy.step()  # DDP: the optimizer on its DTensors; ZeRO: its shard, then all-gathers; FSDP: its shards
-            losses.append(global_loss(mb_losses, mesh))
-            show(losses[-1])
-            if args.save_every and (step + 1) % args.save_every == 0:
-                manager.save(step + 1, train_mlp.state_dict((strategy, None), step + 1, args))
-    return gather_params(strategy, stages, mesh), losses
+    start = train_mlp.resume(manager, strategy, args) if args.resume else 0
+
+    def run_pass(model: Any, step: int) -> list[float] | None:
+        idx = np.array_split(mlp.batch_indices(step, args.samples, args.batch), dp.size())[dp.get_local_rank()]
+        idx = xp.asarray(idx)  # on a GPU: the indices go to the device (a small copy per step)
+        return pipeline_pass(model, stages, schedule, x[idx].astype(args.dtype) if first else None,
+                             y[idx] if last else None)
+
+    # step(): DDP the optimizer on its DTensors; ZeRO its shard, then all-gathers; FSDP its shards
+    losses = loop.train(strategy, range(start, args.steps), run_pass, global_loss=lambda mb: global_loss(mb, mesh),
+                        progress=progress and meshkit.get_rank() == 0,
+                        after_step=train_mlp.saver(manager, strategy, args))
+    return gather_params(strategy, mesh), losses
 
 
 def loss_fn(logits: Any, y: Any) -> tuple[float, Any]:
@@ -240,14 +226,12 @@ def global_loss(mb_losses: list[float] | None, mesh: meshkit.DeviceMesh) -> floa
     return float(mine[0])
 
 
-def gather_params(strategy: Any, stages: list[Stage], mesh: meshkit.DeviceMesh) -> dict[str, np.ndarray]:
-    """Every parameter whole on every rank, as NumPy arrays: (FSDP's gathered over dp,) full_tensor
-    over tp, then an object all-gather over pp (of host copies: a GPU run's parameters reach the
-    host once, here)."""
-    with stage_params(strategy, stages):
-        mine = {name: to_host(t.full_tensor()) for st in stages for name, t in st.params.items()}
+def gather_params(strategy: Any, mesh: meshkit.DeviceMesh) -> dict[str, np.ndarray]:
+    """Every parameter whole on every rank, as NumPy arrays: the strategy's full state dict (its
+    stages' layers, gathered over dp and tp, on the host), then an object all-gather over pp."""
+    mine = strategy.full_state_dict()["params"]
     every: list[Any] = [None] * mesh["pp"].size()
-    meshkit.all_gather_object(every, mine, group=mesh["pp"].get_group())
+    meshkit.all_gather_object(every, dict(mine), group=mesh["pp"].get_group())
     return {name: a for part in every for name, a in part.items()}
 
 

@@ -45,13 +45,13 @@ from dataclasses import dataclass
 from typing import Any, Callable, NoReturn, Sequence
 
 import numpy as np
-from tqdm import tqdm
 
 import meshkit
+import loop  # the examples' one training loop, beside this file
 import mlp  # the model, beside this file
 from meshkit.comm.cuda_runtime import gpu_available
 from meshkit.checkpoint import CheckpointError, CheckpointManager, get_state_dict, set_state_dict
-from meshkit.parallel import PowerSGDState, array_namespace, fp16_compress_hook, powersgd_hook, to_host
+from meshkit.parallel import PowerSGDState, array_namespace, fp16_compress_hook, powersgd_hook
 
 #: Default learning rate per optimizer. AdamW moves every element by about lr whatever its
 #: gradient; at 0.05 this model's training amplifies rounding (4 ranks, 200 steps: float32 sums
@@ -75,16 +75,19 @@ def train_reference(args: argparse.Namespace, hidden: Sequence[int] = (64, 64)
     x, y = mlp.make_data(args.samples)
     params = mlp.init_params(hidden, dtype=np.dtype(args.dtype))
     model = mlp.Plain(params, optimizer=mlp.make_optimizer(args.optimizer, args.lr))
-    losses = []
-    for step in range(args.steps):
-        idx = mlp.batch_indices(step, args.samples, args.batch)
-        model.zero_grad()
-        acts = mlp.forward_layers(model, x[idx])
-        loss, dlogits = mlp.loss_and_grad_logits(acts[-1], y[idx])
-        mlp.backward_layers(model, acts, dlogits)
-        model.step()
-        losses.append(loss)
+    losses = loop.train(model, range(args.steps),
+                        lambda model, step: mlp_pass(model, x, y, mlp.batch_indices(step, args.samples, args.batch)),
+                        global_loss=float)
     return model.params, losses
+
+
+def mlp_pass(model: Any, x: Any, y: Any, idx: Any) -> float:
+    """The MLP's forward and backward pass on samples ``idx`` (the loop's ``run_pass``): each
+    layer's unit unsharded while it runs, each gradient marked ready as soon as it is known."""
+    acts = mlp.forward_layers(model, x[idx])
+    loss, dlogits = mlp.loss_and_grad_logits(acts[-1], y[idx])
+    mlp.backward_layers(model, acts, dlogits)
+    return loss
 
 
 def build(args: argparse.Namespace, comm_hook: Any = None, comm_state: Any = None) -> Any:
@@ -109,24 +112,31 @@ def train(args: argparse.Namespace, comm_hook: Any = None, comm_state: Any = Non
     xp = array_namespace(x)
     model = build(args, comm_hook, comm_state)
     manager = CheckpointManager(args.checkpoint_dir, max_to_keep=args.max_to_keep) if args.checkpoint_dir else None
-    start = resume(manager, (model, None), args) if args.resume else 0  # the strategy holds its optimizer
-    losses = []
-    with progress_bar(args.steps - start, enabled=progress and rank == 0) as show:
-        for step in range(start, args.steps):
-            idx = np.array_split(mlp.batch_indices(step, args.samples, args.batch), world)[rank]
-            idx = xp.asarray(idx)  # on a GPU: the indices go to the device (a small copy per step)
-            model.zero_grad()
-            acts = mlp.forward_layers(model, x[idx])
-            loss, dlogits = mlp.loss_and_grad_logits(acts[-1], y[idx])
-            mlp.backward_layers(model, acts, dlogits)
-            model.step()
-            global_loss = np.array([loss])
-            meshkit.all_reduce(global_loss, meshkit.ReduceOp.AVG)
-            losses.append(float(global_loss[0]))
-            show(losses[-1])
-            if args.save_every and (step + 1) % args.save_every == 0:
-                manager.save(step + 1, state_dict((model, None), step + 1, args))
-    return {name: to_host(p) for name, p in model.full_state_dict()["params"].items()}, losses
+    start = resume(manager, model, args) if args.resume else 0  # the strategy holds its optimizer
+
+    def run_pass(model: Any, step: int) -> float:
+        idx = np.array_split(mlp.batch_indices(step, args.samples, args.batch), world)[rank]
+        return mlp_pass(model, x, y, xp.asarray(idx))  # on a GPU: the indices go to the device (a small copy)
+
+    def global_loss(loss: float) -> float:
+        mean = np.array([loss])
+        meshkit.all_reduce(mean, meshkit.ReduceOp.AVG)
+        return float(mean[0])
+
+    losses = loop.train(model, range(start, args.steps), run_pass, global_loss=global_loss,
+                        progress=progress and rank == 0, after_step=saver(manager, model, args))
+    return model.full_state_dict()["params"], losses  # NumPy arrays, full size, on every rank
+
+
+def saver(manager: CheckpointManager | None, model: Any, args: argparse.Namespace) -> Callable[[int], None] | None:
+    """The loop's ``after_step``: save a checkpoint of ``model`` every ``--save-every`` steps (or None)."""
+    if manager is None or not args.save_every:
+        return None
+
+    def save(done: int) -> None:
+        if done % args.save_every == 0:
+            manager.save(done, state_dict(model, done, args))
+    return save
 
 
 #: The flags that decide a run's trajectory besides the model: a checkpoint records them, and
@@ -135,11 +145,11 @@ def train(args: argparse.Namespace, comm_hook: Any = None, comm_state: Any = Non
 RUN_FLAGS = ("samples", "batch", "lr", "optimizer", "dtype")
 
 
-def state_dict(target: tuple[Any, Any], step: int, args: argparse.Namespace) -> dict[str, Any]:
-    """The checkpoint's contents: the model and optimizer state (views) of ``target``, a
-    ``(strategy, optimizer)`` pair as :func:`~meshkit.checkpoint.get_state_dict` takes it, the
-    step, and the run's :data:`RUN_FLAGS`."""
-    model_sd, optim_sd = get_state_dict(*target)
+def state_dict(model: Any, step: int, args: argparse.Namespace) -> dict[str, Any]:
+    """The checkpoint's contents: the model and optimizer state (views) of ``model``, a strategy
+    (its optimizer is its own, :func:`~meshkit.checkpoint.get_state_dict`), the step, and the
+    run's :data:`RUN_FLAGS`."""
+    model_sd, optim_sd = get_state_dict(model)
     return {"model": model_sd, "optim": optim_sd, "step": step, "run": _run_flags(args)}
 
 
@@ -147,8 +157,8 @@ def _run_flags(args: argparse.Namespace) -> dict[str, Any]:
     return {name: getattr(args, name) for name in RUN_FLAGS}
 
 
-def resume(manager: CheckpointManager, target: tuple[Any, Any], args: argparse.Namespace) -> int:
-    """Load the newest complete checkpoint into ``target`` (resharded to this run); the step it
+def resume(manager: CheckpointManager, model: Any, args: argparse.Namespace) -> int:
+    """Load the newest complete checkpoint into ``model`` (resharded to this run); the step it
     was saved after, or 0 (and a note) if there is none.
 
     A checkpoint past ``--steps`` is a usage error (status 2 on every rank, printed by rank 0):
@@ -157,7 +167,7 @@ def resume(manager: CheckpointManager, target: tuple[Any, Any], args: argparse.N
     each flag with its saved and current value.
     """
     rank = meshkit.get_rank()
-    sd = state_dict(target, 0, args)
+    sd = state_dict(model, 0, args)
     del sd["run"]  # read apart: checkpoints written before the record existed still load
     step = manager.restore(sd)
     if step is None:
@@ -183,7 +193,7 @@ def resume(manager: CheckpointManager, target: tuple[Any, Any], args: argparse.N
             usage_error(f"argument --check: the checkpoint of step {step} in {manager.directory} was saved with "
                         f"{', '.join(differ)}; --check trains every step with this run's flags, so give the saved "
                         "ones (or leave out --check)")
-    set_state_dict(*target, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    set_state_dict(model, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     if rank == 0:
         print(f"resumed from step {sd['step']} of {manager.directory}", flush=True)
     return int(sd["step"])
@@ -194,19 +204,6 @@ def usage_error(text: str) -> NoReturn:
     if meshkit.get_rank() == 0:
         print(f"{sys.argv[0]}: error: {text}", file=sys.stderr, flush=True)
     raise SystemExit(2)
-
-
-@contextlib.contextmanager
-def progress_bar(total: int, *, enabled: bool) -> Any:
-    """Yield ``show(loss)``, which advances a tqdm bar (on stderr) showing the loss; a no-op when disabled."""
-    if not enabled:
-        yield lambda loss: None
-        return
-    with tqdm(total=total, desc="train", unit="step", mininterval=0.5, dynamic_ncols=True) as bar:
-        def show(loss: float) -> None:
-            bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
-            bar.update()
-        yield show
 
 
 def make_hook(name: str) -> tuple[Any, Any]:

@@ -32,23 +32,23 @@ reference) and compares the final parameters to 1e-10 in float64 (1e-5 in float3
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 import meshkit
+import loop  # the examples' one training loop, beside this file
 import mlp  # the model, beside this file
 import train_mlp  # its reference training, --check's comparison and flag types
-from meshkit.parallel import Optimizer, array_namespace, data_parallel, to_host
+from meshkit.parallel import Optimizer, array_namespace, data_parallel
 from meshkit.tensor import ColwiseParallel, DTensor, Replicate, RowwiseParallel, distribute_tensor, parallelize
 
 #: The Megatron block: layer 0 colwise, layer 1 rowwise; DTensors in and out (no local outputs).
 COLWISE = ColwiseParallel(use_local_output=False)
 ROWWISE = RowwiseParallel(use_local_output=False)
 PLAN = {"[wb]0": COLWISE, "[wb]1": ROWWISE}
-#: How the TP blocks are data-parallel over dp (see TensorParallelModel).
+#: How the TP blocks are data-parallel over dp (see build).
 DP_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
 #: The model's hidden widths (mlp.py's default): three layers, the plan's two and a replicated head.
 HIDDEN = (64, 64)
@@ -93,61 +93,39 @@ def build_mesh(shape: tuple[int, int], device: str = "cpu") -> meshkit.DeviceMes
     return meshkit.init_device_mesh(device, shape, mesh_dim_names=("dp", "tp"))
 
 
-class TensorParallelModel:
-    """The model's parameters as DTensors over ``tp``, their blocks trained data-parallel over ``dp``.
+def build(dp_strategy: str, full: dict[str, Any], mesh: meshkit.DeviceMesh, optimizer: Optimizer) -> Any:
+    """The model's parameters as DTensors over ``tp`` (the plan), data-parallel over ``dp`` by
+    ``dp_strategy`` (collective over the mesh), one unit per layer:
 
-    ``dp`` is how the blocks are data-parallel (collective over the mesh):
-
-    * ``ddp``: DDP takes the DTensors and averages each rank's blocks over ``dp``; its optimizer
-      steps ``ddp.params`` with ``ddp.grads``, DTensors laid out as the plan says.
+    * ``ddp``: DDP takes the DTensors and averages each rank's blocks over ``dp``; its ``step()``
+      runs the optimizer on its ``params`` and ``grads``, DTensors laid out as the plan says.
     * ``zero1``/``zero2``: ZeRO takes the DTensors and shards each block's optimizer state (and,
-      at stage 2, its gradient) over ``dp``; ``zero.params`` are DTensors over its buffers.
+      at stage 2, its gradient) over ``dp``; its ``params`` are DTensors over its buffers.
     * ``fsdp``: ZeRO-3 over ``dp`` of the TP blocks (``dp_shard x tp``): FSDP takes the DTensors
-      and flat-shards each rank's blocks over ``dp``; one unit per layer, every unit gathered for
-      the step (``unshard`` yields DTensors laid out as the plan says), each unit's DTensor
-      gradients reduce-scattered once the backward pass has them all.
+      and flat-shards each rank's blocks over ``dp``; every unit is gathered for the step
+      (``unshard`` yields DTensors laid out as the plan says), each unit's DTensor gradients
+      reduce-scattered once the backward pass has them all.
     """
+    units = [[f"w{i}", f"b{i}"] for i in range(mlp.layer_count(full))]
+    return data_parallel(parallelize(full, mesh["tp"], PLAN), mesh["dp"], dp_strategy, optimizer=optimizer,
+                         units=units)
 
-    def __init__(self, dp_strategy: str, full: dict[str, np.ndarray], mesh: meshkit.DeviceMesh,
-                 optimizer: Optimizer) -> None:
-        self.kind, self.tp = dp_strategy, mesh["tp"]
-        self.layout = parallelize(full, self.tp, PLAN)
-        self.units = [[f"w{i}", f"b{i}"] for i in range(mlp.layer_count(full))]
-        # one loop for every strategy (meshkit.parallel.data_parallelism.protocol); self.layout keeps the names and
-        # placements (FSDP copies the blocks into its shards, DDP and ZeRO hand out their own DTensors)
-        self.inner = data_parallel(self.layout, mesh["dp"], dp_strategy, optimizer=optimizer, units=self.units)
 
-    @contextlib.contextmanager
-    def params(self) -> Iterator[dict[str, DTensor]]:
-        """The parameters as DTensors for one forward and backward pass (every unit unsharded:
-        DDP's and ZeRO's own, FSDP's gathered)."""
-        with contextlib.ExitStack() as stack:
-            params: dict[str, DTensor] = {}
-            for unit in range(len(self.units)):
-                params.update(stack.enter_context(self.inner.unshard(unit)))
-            yield params
+def tp_pass(model: Any, x: Any, onehot: DTensor, tp: meshkit.DeviceMesh) -> DTensor:
+    """One forward and backward pass (the loop's ``run_pass``) on every unit at once: DDP's and
+    ZeRO's own DTensors, FSDP's gathered; each gradient, which must come out with its
+    parameter's placements, handed to ``model.mark_grad_ready``. Returns the loss."""
+    with loop.unsharded(model) as params:
+        def mark(name: str, grad: DTensor) -> None:
+            if grad.placements != params[name].placements:
+                raise RuntimeError(f"train_tp: gradient {name!r} came out {grad.placements!r}, its parameter is "
+                                   f"{params[name].placements!r}")
+            model.mark_grad_ready(name, grad)
 
-    def zero_grad(self) -> None:
-        self.inner.zero_grad()
-
-    def grad_ready(self, name: str, grad: DTensor) -> None:
-        """Hand over one gradient, which must have its parameter's placements (DDP and ZeRO reduce
-        its bucket once complete, FSDP its unit)."""
-        if grad.placements != self.layout[name].placements:
-            raise RuntimeError(f"train_tp: gradient {name!r} came out {grad.placements!r}, its parameter is "
-                               f"{self.layout[name].placements!r}")
-        self.inner.mark_grad_ready(name, grad)
-
-    def step(self) -> None:
-        self.inner.step()
-
-    def full_params(self) -> dict[str, np.ndarray]:
-        """Every parameter gathered whole (collective), as NumPy arrays (a GPU run's copied to the host)."""
-        full: dict[str, np.ndarray] = {}
-        for unit in range(len(self.units)):  # one unit gathered at a time
-            with self.inner.unshard(unit) as params:
-                full.update({n: to_host(p.full_tensor()) for n, p in params.items()})
-        return {n: full[n] for n in self.layout}
+        acts = forward(params, x, tp)
+        loss, dlogits = loss_and_grad_logits(acts[-1], onehot)
+        backward(params, acts, dlogits, mark)
+    return loss
 
 
 def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np.ndarray], list[float]]:
@@ -160,26 +138,24 @@ def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np
     x, y = mlp.to_device(mlp.make_data(args.samples), args.device)  # once; batches are gathered there
     xp = array_namespace(x)
     full = mlp.to_device(mlp.init_params(HIDDEN, dtype=np.dtype(args.dtype)), args.device)
-    model = TensorParallelModel(args.dp, full, mesh, mlp.make_optimizer(args.optimizer, args.lr))
-    losses = []
-    with train_mlp.progress_bar(args.steps, enabled=progress and meshkit.get_rank() == 0) as show:
-        for step in range(args.steps):
-            idx = np.array_split(mlp.batch_indices(step, args.samples, args.batch), dp.size())[dp.get_local_rank()]
-            idx = xp.asarray(idx)  # on a GPU: the indices go to the device (a small copy per step)
-            # every tp rank drew the same batch: each keeps its own copy, no data sent (src_data_rank=None)
-            onehot = distribute_tensor(xp.eye(mlp.CLASSES, dtype=args.dtype)[y[idx]], tp, [Replicate()],
-                                       src_data_rank=None)
-            model.zero_grad()
-            with model.params() as params:
-                acts = forward(params, x[idx].astype(args.dtype), tp)
-                loss, dlogits = loss_and_grad_logits(acts[-1], onehot)
-                backward(params, acts, dlogits, model.grad_ready)
-            model.step()
-            global_loss = np.array([float(loss.to_local())])
-            meshkit.all_reduce(global_loss, meshkit.ReduceOp.AVG, group=dp.get_group())
-            losses.append(float(global_loss[0]))
-            show(losses[-1])
-    return model.full_params(), losses
+    model = build(args.dp, full, mesh, mlp.make_optimizer(args.optimizer, args.lr))
+
+    def run_pass(model: Any, step: int) -> DTensor:
+        idx = np.array_split(mlp.batch_indices(step, args.samples, args.batch), dp.size())[dp.get_local_rank()]
+        idx = xp.asarray(idx)  # on a GPU: the indices go to the device (a small copy per step)
+        # every tp rank drew the same batch: each keeps its own copy, no data sent (src_data_rank=None)
+        onehot = distribute_tensor(xp.eye(mlp.CLASSES, dtype=args.dtype)[y[idx]], tp, [Replicate()],
+                                   src_data_rank=None)
+        return tp_pass(model, x[idx].astype(args.dtype), onehot, tp)
+
+    def global_loss(loss: DTensor) -> float:
+        mean = np.array([float(loss.to_local())])
+        meshkit.all_reduce(mean, meshkit.ReduceOp.AVG, group=dp.get_group())
+        return float(mean[0])
+
+    losses = loop.train(model, range(args.steps), run_pass, global_loss=global_loss,
+                        progress=progress and meshkit.get_rank() == 0)
+    return model.full_state_dict()["params"], losses  # the global arrays (gathered over tp), NumPy
 
 
 # --------------------------------------------------------------------------- command line

@@ -288,33 +288,33 @@ def state_dict_loading_is_strict(kind: str) -> None:
     before = model.full_state_dict()
     who = r"load_full_state_dict: nothing was loaded; invalid state dict on ranks \[[\d, ]+\]: "
     cases = [
-        (_without(sd, "optimizer"), r"the state dict: keys differ from \['optimizer', 'params'\]: missing "
-                                    r"\['optimizer'\], unexpected \[\] \(strict=True\)"),
-        (_without(sd, "optimizer", "state", "b"), r"state_dict\['optimizer'\]\['state'\] covers \['a', 'c'\] but not "
+        (_without(sd, "optim"), r"the state dict: keys differ from \['optim', 'params'\]: missing "
+                                    r"\['optim'\], unexpected \[\] \(strict=True\)"),
+        (_without(sd, "optim", "state", "b"), r"state_dict\['optim'\]\['state'\] covers \['a', 'c'\] but not "
                                                   r"\['b'\] \(strict=True: all parameters or none\)"),
-        (_without(sd, "optimizer", "step", "a"), r"state_dict\['optimizer'\]\['step'\] covers \['b', 'c'\] but not "
+        (_without(sd, "optim", "step", "a"), r"state_dict\['optim'\]\['step'\] covers \['b', 'c'\] but not "
                                                   r"\['a'\]"),
-        (_with(sd, -5.0, "optimizer", "hyper", "lr"), r"state_dict\['optimizer'\]\['hyper'\] is invalid: AdamW: "
+        (_with(sd, -5.0, "optim", "hyper", "lr"), r"state_dict\['optim'\]\['hyper'\] is invalid: AdamW: "
                                                       r"lr=-5\.0 must be >= 0"),
-        (_with(sd, "fast", "optimizer", "hyper", "lr"), r"hyper'\] is invalid: AdamW: lr must be a real number, got "
+        (_with(sd, "fast", "optim", "hyper", "lr"), r"hyper'\] is invalid: AdamW: lr must be a real number, got "
                                                         r"str 'fast'"),
-        (_with(sd, 1, "optimizer", "hyper", "warmup"), r"state_dict\['optimizer'\]\['hyper'\]: keys differ from "
+        (_with(sd, 1, "optim", "hyper", "warmup"), r"state_dict\['optim'\]\['hyper'\]: keys differ from "
                                                        r"\['amsgrad', .*unexpected \['warmup'\] \(strict=True\): a state "
                                                        r"dict of another optimizer than AdamW\?"),
-        (_with(sd, SGD(lr=0.1).hyper, "optimizer", "hyper"), r"hyper'\]: keys differ from .*missing \['amsgrad', "
+        (_with(sd, SGD(lr=0.1).hyper, "optim", "hyper"), r"hyper'\]: keys differ from .*missing \['amsgrad', "
                                                              r"'betas', 'eps'\], unexpected \['dampening', 'momentum', "
                                                              r"'nesterov'\]"),
         (_with(sd, {}, "unused"), r"the state dict: keys differ .*unexpected \['unused'\]"),
         (_with(sd, np.zeros(5), "params", "b"), r"state_dict\['params'\]\['b'\] has shape \(5,\), expected the "
                                                 r"model's \(3,\)"),
-        (_with(sd, {"exp_avg": np.zeros(3), "exp_avg_sq": np.zeros(7)}, "optimizer", "state", "b"),
-         r"state_dict\['optimizer'\]\['state'\]\['b'\]\['exp_avg_sq'\] must be a floating-point array of 3 elements "
+        (_with(sd, {"exp_avg": np.zeros(3), "exp_avg_sq": np.zeros(7)}, "optim", "state", "b"),
+         r"state_dict\['optim'\]\['state'\]\['b'\]\['exp_avg_sq'\] must be a floating-point array of 3 elements "
          r"\(the parameter's size\), got float64 array of 7 elements"),
-        (_with(sd, {"exp_avg": np.zeros(3)}, "optimizer", "state", "b"),
+        (_with(sd, {"exp_avg": np.zeros(3)}, "optim", "state", "b"),
          r"state'\]\['b'\]: keys differ from \['exp_avg', 'exp_avg_sq'\]: missing \['exp_avg_sq'\]"),
-        (_with(sd, 2, "optimizer", "step", "b"), r"step'\] has different counts \[1, 2\] for parameters of the flat "
+        (_with(sd, 2, "optim", "step", "b"), r"step'\] has different counts \[1, 2\] for parameters of the flat "
                                                   r"shard"),
-        (_with(sd, -1, "optimizer", "step", "b"), r"step'\]\['b'\]=-1 must be an int >= 0"),
+        (_with(sd, -1, "optim", "step", "b"), r"step'\]\['b'\]=-1 must be an int >= 0"),
         ([1, 2], r"the state dict must be a dict, got list"),
     ]
     if kind == "fsdp":  # "a" and "b" share a unit: the case above needs them apart
@@ -325,9 +325,9 @@ def state_dict_loading_is_strict(kind: str) -> None:
     after = model.full_state_dict()
     for name in before["params"]:
         np.testing.assert_array_equal(after["params"][name], before["params"][name])
-        for key, value in before["optimizer"]["state"][name].items():
-            np.testing.assert_array_equal(after["optimizer"]["state"][name][key], value)
-    assert after["optimizer"]["hyper"] == before["optimizer"]["hyper"]
+        for key, value in before["optim"]["state"][name].items():
+            np.testing.assert_array_equal(after["optim"]["state"][name][key], value)
+    assert after["optim"]["hyper"] == before["optim"]["hyper"]
     model.load_full_state_dict(sd)  # the complete state dict loads
 
 
@@ -335,24 +335,24 @@ def state_dict_strict_false_keeps_what_is_missing(kind: str) -> None:
     """strict=False: missing entries keep their current values, unknown ones are ignored."""
     model = trained(kind)
     sd = model.full_state_dict()
-    moments = sd["optimizer"]["state"]
+    moments = sd["optim"]["state"]
     new_params = {name: np.full(p.shape, 7.0) for name, p in params().items()}
     model.load_full_state_dict({"params": new_params, "extra": 1}, strict=False)  # params only
     after = model.full_state_dict()
     for name in params():
         np.testing.assert_array_equal(after["params"][name], new_params[name])
         for key, value in moments[name].items():
-            np.testing.assert_array_equal(after["optimizer"]["state"][name][key], value)  # moments kept
-    assert after["optimizer"]["step"] == sd["optimizer"]["step"]
-    partial = {"params": {}, "optimizer": {"state": {"c": {"exp_avg": np.full(4, 3.0), "exp_avg_sq": np.ones(4)}},
+            np.testing.assert_array_equal(after["optim"]["state"][name][key], value)  # moments kept
+    assert after["optim"]["step"] == sd["optim"]["step"]
+    partial = {"params": {}, "optim": {"state": {"c": {"exp_avg": np.full(4, 3.0), "exp_avg_sq": np.ones(4)}},
                                            "hyper": {"lr": 0.5}}}
     model.load_full_state_dict(partial, strict=False)
     after = model.full_state_dict()
-    np.testing.assert_array_equal(after["optimizer"]["state"]["c"]["exp_avg"], np.full(4, 3.0))
-    np.testing.assert_array_equal(after["optimizer"]["state"]["a"]["exp_avg"], moments["a"]["exp_avg"])
-    assert after["optimizer"]["hyper"]["lr"] == 0.5 and model.optimizer.betas == (0.9, 0.999)
+    np.testing.assert_array_equal(after["optim"]["state"]["c"]["exp_avg"], np.full(4, 3.0))
+    np.testing.assert_array_equal(after["optim"]["state"]["a"]["exp_avg"], moments["a"]["exp_avg"])
+    assert after["optim"]["hyper"]["lr"] == 0.5 and model.optimizer.betas == (0.9, 0.999)
     with raises_everywhere(r"hyper'\] is invalid: AdamW: lr=-5\.0 must be >= 0"):  # values are still checked
-        model.load_full_state_dict({"optimizer": {"hyper": {"lr": -5.0}}}, strict=False)
+        model.load_full_state_dict({"optim": {"hyper": {"lr": -5.0}}}, strict=False)
 
 
 def state_dicts_differing_across_ranks_are_refused(kind: str) -> None:

@@ -1,7 +1,9 @@
 """benchmarks/collectives.py: the CPU path's output, the command line, and the GPU path end to
 end against the NCCL double (tests/nccl_double.py; ``--device cuda`` on a real GPU is run by
-benchmarks/gpu_check.sh). Only that each path runs and checks its results is tested here,
-never a timing."""
+benchmarks/gpu_check.sh); every other benchmark's ``--help`` and a tiny run. Only that each path
+runs and checks its results is tested here, never a timing. Every benchmark runs with
+DeprecationWarnings as errors (``PYTHONWARNINGS``, which meshkit-run's ranks inherit): a
+benchmark written against an old spelling of the API fails here (issue 25.1)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,15 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "collectives.py"
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCH = BENCHMARKS / "collectives.py"
+
+
+@pytest.fixture(autouse=True)
+def deprecations_are_errors(monkeypatch):
+    """Every benchmark process (and each rank under meshkit-run) turns a DeprecationWarning into
+    an error, as ``python -W error::DeprecationWarning`` does."""
+    monkeypatch.setenv("PYTHONWARNINGS", "error::DeprecationWarning")
 #: A short sweep: 8 B, 512 B, 32 KB, 64 KB, few calls, one round.
 QUICK = ["--min-bytes", "8", "--max-bytes", "64K", "--step-factor", "64", "--iters", "2", "--warmup", "1",
          "--rounds", "1", "--no-progress"]
@@ -214,3 +224,49 @@ def test_dtensor_benchmark_times_every_transition_and_op_and_writes_json(mpirun,
         "from_local(shape=) + first redistribute")]
     assert all(r["checked_us"] > 0 and r["unchecked_us"] > 0 for r in rows if r["section"] == "checks")
     assert "construction checks (issue 23.2)" in out
+
+
+# --------------------------------------------------------------------------- every benchmark: --help, tiny runs
+@pytest.mark.parametrize("script", sorted(p.name for p in BENCHMARKS.glob("*.py") if not p.name.startswith("_")))
+def test_every_benchmark_prints_its_help(script):
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / script), "--help"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith(f"usage: {script}"), proc
+
+
+def test_a_deprecated_spelling_in_a_benchmark_fails_it(tmp_path):
+    """The fixture's filter reaches the benchmark's process: the check of the checks."""
+    script = tmp_path / "old.py"
+    script.write_text("import warnings\nwarnings.warn('old spelling', DeprecationWarning)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "DeprecationWarning: old spelling" in proc.stderr, proc
+
+
+def test_ddp_benchmark_runs_every_section_through_the_protocol(mpirun, tmp_path):
+    out_json = tmp_path / "ddp.json"
+    out = mpirun(BENCHMARKS / "ddp.py", 2, "--cases", "20x4K", "--hidden", "16,16", "--batch", "8", "--caps",
+                 "0.001,25", "--rounds", "1", "--iters", "2", "--warmup", "1", "--no-progress", "--json",
+                 str(out_json)).stdout
+    rows = json.loads(out_json.read_text())["rows"]
+    assert {r["section"] for r in rows} == {"sync", "sweep"}, rows
+    assert "1. gradient sync" in out and "2. overlap" in out and "3. bucket-size sweep" in out, out
+
+
+def test_memory_benchmark_measures_every_strategy_through_the_protocol(tmp_path):
+    out_json = tmp_path / "memory.json"
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "memory.py"), "--params", "20K", "--worlds", "1,2",
+                           "--no-progress", "--json", str(out_json)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc
+    rows = json.loads(out_json.read_text())["rows"]
+    assert [(r["strategy"], r["world_size"]) for r in rows] == [(s, n) for s in ("ddp", "zero1", "zero2", "zero3")
+                                                                for n in (1, 2)]
+    assert all(r["ratio"] == pytest.approx(1, abs=1e-3) for r in rows), rows  # the ZeRO paper's formulas
+
+
+def test_sharded_and_mesh_benchmarks_run(mpirun, tmp_path):
+    mpirun(BENCHMARKS / "sharded.py", 2, "--hidden", "8,8", "--batch", "8", "--samples", "64", "--rounds", "2",
+           "--steps", "5", "--warmup", "1", "--no-progress", "--json", str(tmp_path / "sharded.json"))
+    assert json.loads((tmp_path / "sharded.json").read_text())["rows"]
+    mpirun(BENCHMARKS / "mesh.py", 2, "--engine", "mpi", "--ndims", "1", "--repeats", "1", "--warmup", "0",
+           "--no-progress", "--json", str(tmp_path / "mesh.json"))
+    assert json.loads((tmp_path / "mesh.json").read_text())["rows"]

@@ -27,6 +27,7 @@ from meshkit.tensor import Replicate, Shard
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
+import loop  # noqa: E402
 import mlp  # noqa: E402
 import train_mlp  # noqa: E402
 import train_3d  # noqa: E402
@@ -379,19 +380,19 @@ def test_train_tp_hands_the_dtensors_to_every_strategy_and_steps_theirs(dp, monk
 
     def body():
         mesh = train_tp.build_mesh((2, 2))
-        model = train_tp.TensorParallelModel(dp, mlp.init_params(train_tp.HIDDEN), mesh, mlp.make_optimizer("sgd", 0.1))
+        model = train_tp.build(dp, mlp.init_params(train_tp.HIDDEN), mesh, mlp.make_optimizer("sgd", 0.1))
         if dp != "fsdp":
-            with model.params() as params:  # the strategy's own DTensors (unshard gathers nothing)
-                assert list(params) == list(model.inner.params) and all(params[n] is model.inner.params[n] for n in params)
-            return {n: (type(p).__name__, p.placements) for n, p in model.inner.params.items()}, \
-                {n: (type(g).__name__, g.placements) for n, g in model.inner.grads.items()}
+            with loop.unsharded(model) as params:  # the strategy's own DTensors (unshard gathers nothing)
+                assert list(params) == list(model.params) and all(params[n] is model.params[n] for n in params)
+            return {n: (type(p).__name__, p.placements) for n, p in model.params.items()}, \
+                {n: (type(g).__name__, g.placements) for n, g in model.grads.items()}
         rank = meshkit.get_rank()
-        with model.params() as params:
+        with loop.unsharded(model) as params:
             mine = [unit for r, unit in yielded if r == rank]
             assert len(mine) == 3 and all(params[n] is p for unit in mine for n, p in unit.items())
             acts = train_tp.forward(params, np.ones((2, mlp.FEATURES)), mesh["tp"])
             onehot = train_tp.distribute_tensor(np.eye(mlp.CLASSES)[[0, 1]], mesh["tp"], [Replicate()])
-            train_tp.backward(params, acts, train_tp.loss_and_grad_logits(acts[-1], onehot)[1], model.grad_ready)
+            train_tp.backward(params, acts, train_tp.loss_and_grad_logits(acts[-1], onehot)[1], model.mark_grad_ready)
         model.step()
         return {n: (type(p).__name__, p.placements) for n, p in params.items()}, {}
 
@@ -676,7 +677,7 @@ def test_train_3d_dp_fsdp_gathers_each_unit_once_a_step_and_frees_it_after(monke
     free = [("reshard", 1), ("reshard", 0)]
     runs = [("run", True)] * (2 * 2 * 2)  # forward and backward of 2 microbatches on 2 stages
     one_step = [*gather, *runs, ("reduce", 0), ("reduce", 1), *free, ("step", 0, 0, [])]
-    assert events == {rank: [*one_step, *one_step, *gather, *free] for rank in range(4)}  # then gather_params
+    assert events == {rank: [*one_step, *one_step] for rank in range(4)}  # then gather_params: full_state_dict()
 
 
 @pytest.mark.parametrize("first, then", [
@@ -799,7 +800,8 @@ def test_device_cuda_trains_cupy_arrays_and_passes_the_exact_check(cupy, strateg
         meshkit.init_process_group("nccl", timeout=60)
         model = mlp.build(strategy, hidden=(4,), device="cuda", hsdp_mesh=(2, world // 2) if strategy == "hsdp"
                           else None)
-        assert all(type(p) is cupy.ndarray for p in model.full_state_dict()["params"].values()), "the model is on the device"
+        with model.unshard(0) as p:
+            assert all(type(a) is cupy.ndarray for a in p.values()), "the model is on the device"
         return train_mlp.train(args, progress=False)
     for params, losses in local.run(body, world, init=False, timeout=60):
         results = train_mlp.compare(args, world, params, losses, reference, ref_losses)
@@ -918,3 +920,40 @@ def test_train_3d_device_cuda_main_under_meshkit_run(mpirun, aware):
     assert sorted(re.findall(r"rank (\d) on device (\d)", out)) == [(str(r), str(r)) for r in range(4)], out
     staged = [int(c) for c in re.findall(r"staging copies to host: (\d+)", out)]
     assert len(staged) == 4 and (all(staged) if aware == "0" else not any(staged)), out
+
+
+# --------------------------------------------------------------------------- the one loop
+@pytest.mark.parametrize("example, argv, world", [
+    ("train_mlp", ["--strategy", "fsdp", "--steps", "2", "--batch", "24"], 2),
+    ("train_tp", ["--mesh", "2x1", "--dp", "zero2", "--steps", "2"], 2),
+    ("train_3d", ["--mesh", "2x1x1", "--dp", "ddp", *SMALL_3D, "--steps", "2"], 2),
+])
+def test_every_example_and_the_reference_train_through_the_one_protocol_loop(example, argv, world, monkeypatch):
+    """Issue 25.1: the examples' adapters are gone; train_mlp, train_tp and train_3d (and the
+    single-process reference) run their steps through loop.train, on the strategy that
+    data_parallel built (or mlp.Plain), whose protocol calls it makes: zero_grad, the pass, step."""
+    module = {"train_mlp": train_mlp, "train_tp": train_tp, "train_3d": train_3d}[example]
+    real, seen = loop.train, []
+
+    def spy(model, steps, run_pass, **kwargs):
+        calls = []
+        for name in ("zero_grad", "step", "mark_grad_ready"):
+            method = getattr(model, name)
+            setattr(model, name, lambda *a, _m=method, _n=name: calls.append(_n) or _m(*a))
+        losses = real(model, steps, run_pass, **kwargs)
+        seen.append((type(model).__name__, list(steps), calls))
+        return losses
+
+    monkeypatch.setattr(loop, "train", spy)
+    args = module.parse_args(argv, world_size=world)
+    local.run(lambda: module.train(args, progress=False), world, timeout=60)
+    hidden = args.hidden if example == "train_3d" else train_tp.HIDDEN if example == "train_tp" else (64, 64)
+    train_mlp.train_reference(args, hidden)
+    kind = {"train_mlp": "FullyShardedDataParallel", "train_tp": "ZeroRedundancyOptimizer",
+            "train_3d": "DistributedDataParallel"}[example]
+    assert [s[:2] for s in seen] == [(kind, [0, 1])] * world + [("Plain", [0, 1])], seen
+    for _, _, calls in seen:
+        marks = [c for c in calls if c == "mark_grad_ready"]
+        assert calls[0] == "zero_grad" and calls.count("step") == 2 and len(marks) > 0, calls
+        first = calls[:calls.index("step") + 1]
+        assert first == ["zero_grad", *["mark_grad_ready"] * (len(first) - 2), "step"], first

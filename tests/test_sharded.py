@@ -45,8 +45,8 @@ def test_state_dict_round_trip_from_4_to_2_ranks(strategy):
     steps = ddp_cases.STEPS
     first = local.run(cases.STRATEGIES[strategy], 4, "adamw", "mixed", steps=range(2), timeout=60)
     saved = first[0][0]
-    assert set(saved["optimizer"]["state"]["w1"]) == {"exp_avg", "exp_avg_sq"}
-    assert saved["optimizer"]["step"]["w1"] == 2
+    assert set(saved["optim"]["state"]["w1"]) == {"exp_avg", "exp_avg_sq"}
+    assert saved["optim"]["step"]["w1"] == 2
     resumed = local.run(cases.STRATEGIES[strategy], 2, "adamw", "mixed", steps=range(2, steps), state=saved,
                         timeout=60)
     for sd, _ in resumed:
@@ -138,8 +138,8 @@ def test_sharded_bad_input():
             fsdp.load_full_state_dict(sd)
         zero = ZeroRedundancyOptimizer(ddp_cases.init_params(), SGD(lr=0.1), stage=2, find_unused_parameters=True)
         zero.sync_gradients()
-        with pytest.raises(ValueError, match="mesh must be a 1-D DeviceMesh"):
-            FullyShardedDataParallel(params, mesh=None, optimizer=SGD(lr=0.1))
+        with pytest.raises(ValueError, match="mesh must be a 1-D DeviceMesh"):  # None is the world (issue 25.1)
+            FullyShardedDataParallel(params, mesh="dp", optimizer=SGD(lr=0.1))
     local.run(body, 2, timeout=20)
 
 

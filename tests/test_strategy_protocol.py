@@ -116,13 +116,13 @@ def assert_matches(sd: dict[str, Any], ref: tuple[dict[str, np.ndarray], Optimiz
     assert sorted(sd["params"]) == sorted(params)
     for name, expected in params.items():
         np.testing.assert_allclose(sd["params"][name], expected, rtol=1e-10, atol=1e-10, err_msg=name)
-    state = sd["optimizer"]["state"]
+    state = sd["optim"]["state"]
     for name, st in opt.state.items():
         assert sorted(state[name]) == sorted(st), name
         for key, expected in st.items():
             np.testing.assert_allclose(state[name][key], expected.reshape(-1), rtol=1e-10, atol=1e-10,
                                        err_msg=f"{name}.{key}")
-        assert sd["optimizer"]["step"][name] == STEPS
+        assert sd["optim"]["step"][name] == STEPS
 
 
 def factory(strategy: str, opt_name: str, units: Any = UNITS, **options: Any) -> Callable[[dict], Any]:
@@ -289,9 +289,9 @@ def test_checkpoint_takes_the_strategy_alone():
             back = model.full_state_dict()
             for name in g:
                 np.testing.assert_array_equal(back["params"][name], saved["params"][name])
-                for key, arr in saved["optimizer"]["state"][name].items():
-                    np.testing.assert_array_equal(back["optimizer"]["state"][name][key], arr)
-                assert back["optimizer"]["step"][name] == 1
+                for key, arr in saved["optim"]["state"][name].items():
+                    np.testing.assert_array_equal(back["optim"]["state"][name][key], arr)
+                assert back["optim"]["step"][name] == 1
 
     local.run(run, 2)
 
@@ -402,3 +402,65 @@ def test_clipping_between_the_backward_pass_and_step_finishes_the_sync(strategy,
         warnings.simplefilter("error", DeprecationWarning)  # the protocol alone: no old spelling
         for sd in local.run(train, world, factory(strategy, "adamw", **options), STEPS, 0.05):
             assert_matches(sd, reference("adamw", clip=0.05))
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp", "hsdp"])
+def test_full_state_dict_is_params_and_optim_and_the_old_key_still_reads_for_a_release(strategy):
+    """Issue 25.1: ``{"params": ..., "optim": ...}`` of NumPy arrays (the CuPy half is in
+    tests/test_cupy_parallel.py); code reading 0.1's ``["optimizer"]`` keeps working one release,
+    warning and naming "optim", and a dict saved with that key still loads (warning too)."""
+    def run() -> tuple[Any, Any]:
+        model = factory(strategy, "adamw")(init_params())
+        for name in reversed(list(init_params())):
+            model.mark_grad_ready(name, np.full_like(init_params()[name], 0.1))
+        model.step()
+        sd, again = model.full_state_dict(), model.full_state_dict()
+        for arr in (sd["params"]["w0"], sd["optim"]["state"]["w0"]["exp_avg"]):
+            arr += 1.0  # copies: the strategy's own arrays (DDP's parameters and state) do not change
+        now = model.full_state_dict()
+        np.testing.assert_array_equal(now["params"]["w0"], again["params"]["w0"])
+        np.testing.assert_array_equal(now["optim"]["state"]["w0"]["exp_avg"], again["optim"]["state"]["w0"]["exp_avg"])
+        if strategy != "ddp":  # DDP's state is its parameters and optimizer: nothing to load into shards
+            model.load_full_state_dict({"params": sd["params"], "optimizer": sd["optim"]})  # as 0.1 wrote it
+        return sd, model.full_state_dict()
+
+    with warnings.catch_warnings(record=True) as seen:  # the ranks' threads warn into the process's filters
+        warnings.simplefilter("always")
+        results = local.run(run, 4 if strategy == "hsdp" else 2)
+    messages = [str(w.message) for w in seen if issubclass(w.category, DeprecationWarning)]
+    loads = [m for m in messages if 'a full state dict with the key "optimizer" is deprecated; name it "optim"' in m]
+    assert len(loads) == (0 if strategy == "ddp" else len(results)) and len(messages) == len(loads), messages
+    for sd, after in results:
+        assert type(sd).__name__ == "FullStateDict" and sorted(sd) == ["optim", "params"]
+        assert all(type(a) is np.ndarray for a in sd["params"].values())
+        assert all(type(a) is np.ndarray for st in sd["optim"]["state"].values() for a in st.values())
+        assert sd["optim"]["step"]["w0"] == 1
+        with pytest.warns(DeprecationWarning, match=r'full_state_dict\(\)\["optimizer"\] is deprecated; read '
+                                                    r'full_state_dict\(\)\["optim"\]'):
+            assert sd["optimizer"] is sd["optim"]
+        with pytest.warns(DeprecationWarning, match=r'"optim"'):
+            assert sd.get("optimizer") is sd["optim"]
+        for name, p in sd["params"].items() if strategy != "ddp" else ():  # the old form loaded what was saved
+            np.testing.assert_array_equal(after["params"][name], p)
+            for key, arr in sd["optim"]["state"][name].items():
+                np.testing.assert_array_equal(after["optim"]["state"][name][key], arr)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_fsdp_without_a_mesh_is_over_the_world_as_ddp_and_zero(world):
+    """Issue 25.1: every strategy takes ``mesh=None`` meaning the world (1-D), FSDP too, with the
+    same DeprecationWarning as DDP and ZeRO; the protocol's loop then trains it to the
+    single-process result."""
+    def make(params: dict[str, np.ndarray]) -> Any:
+        model = FullyShardedDataParallel(params, optimizer=make_optimizer("adamw"), units=UNITS)
+        assert model.mesh.mesh.tolist() == list(range(world)) and model.mesh.mesh_dim_names == ("dp",)
+        return model
+
+    with warnings.catch_warnings(record=True) as seen:  # the ranks' threads warn into the process's filters
+        warnings.simplefilter("always")
+        results = local.run(train, world, make)
+    messages = {str(w.message) for w in seen if issubclass(w.category, DeprecationWarning)}
+    assert messages == {"meshkit.parallel: FullyShardedDataParallel without mesh= (meaning the world) is deprecated; "
+                        "pass mesh= (a 1-D DeviceMesh)"}, messages
+    for sd in results:
+        assert_matches(sd, REFERENCES["adamw"])

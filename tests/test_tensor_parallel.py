@@ -429,16 +429,43 @@ def test_data_parallel_dtensor_params_on_device_arrays(cupy, strategy, mesh_shap
         dp_tp_cases.assert_matches_reference(params, ref)
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp"])
+def test_full_state_dicts_of_dtensor_params_are_the_global_arrays(strategy):
+    """Issue 25.1: full_state_dict() is full NumPy arrays on every rank, also for DTensor
+    parameters (their blocks gathered over dp where sharded, then over tp): after training, the
+    single-process parameters, and optimizer state of the parameters' global sizes."""
+    ref, opt = dp_tp_cases.init_params(), SGD(lr=0.2, momentum=0.9)  # dp_tp_cases.reference's, keeping opt
+    for step in range(dp_tp_cases.STEPS):
+        grads = dict(dp_tp_cases.grads_in_backward_order(ref, *dp_tp_cases.data(step)))
+        clip_grad_norm_(grads, dp_tp_cases.MAX_NORM)
+        opt.step(ref, grads)
+
+    def body():
+        own = {"optimizer": SGD(lr=0.2, momentum=0.9)} if strategy == "ddp" else {}  # DDP steps its own too
+        mesh, model = dp_tp_cases.build((2, 2), strategy, **own)
+        dp_tp_cases.steps(mesh, model, None, 0, dp_tp_cases.STEPS)
+        return model.full_state_dict()
+
+    for sd in local.run(body, 4, timeout=30):
+        assert all(type(p) is np.ndarray for p in sd["params"].values())
+        assert sorted(sd["params"]) == sorted(ref)
+        dp_tp_cases.assert_matches_reference({n: sd["params"][n] for n in ref}, ref)
+        for name, want in ref.items():
+            buf = sd["optim"]["state"][name]["momentum_buffer"]
+            assert type(buf) is np.ndarray and buf.shape == (want.size,), (name, buf.shape)
+            np.testing.assert_allclose(buf, opt.state[name]["momentum_buffer"].reshape(-1), rtol=0, atol=1e-10)
+            assert sd["optim"]["step"][name] == dp_tp_cases.STEPS
+
+
 @pytest.mark.parametrize("strategy, who", [("zero1", r"ZeroRedundancyOptimizer\(stage=1\)"),
                                            ("fsdp", "FullyShardedDataParallel")], ids=["zero1", "fsdp"])
-def test_sharded_strategies_of_dtensor_params_refuse_full_state_dicts(strategy, who):
+def test_sharded_strategies_of_dtensor_params_refuse_to_load_full_state_dicts(strategy, who):
     def body():
         _, model = dp_tp_cases.build((2, 2), strategy)
-        for call in (model.full_state_dict, lambda: model.load_full_state_dict({})):
-            with pytest.raises(ValueError, match=rf"rank \d: {who}\.(load_)?full_state_dict: parameters \['w1', 'b1', "
-                                                 r"'w2', 'b2'\] are DTensors, whose full state dict .* is not "
-                                                 r"supported; use sharded_state_dict\(\)"):
-                call()
+        with pytest.raises(ValueError, match=rf"rank \d: {who}\.load_full_state_dict: parameters \['w1', 'b1', "
+                                             r"'w2', 'b2'\] are DTensors, whose full state dict cannot be loaded "
+                                             r".*; use sharded_state_dict\(\)"):
+            model.load_full_state_dict(model.full_state_dict())
 
     local.run(body, 4, timeout=30)
 

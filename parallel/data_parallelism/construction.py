@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Iterator, Sequence
 
-from ...comm import DistTypeError, DistValueError, ProcessGroup, all_gather_object
+from ...comm import DistTypeError, DistValueError, ProcessGroup, all_gather_object, get_backend
 from ...comm._seams import resolve_group
 from ...mesh import DeviceMesh
 from ...tensor import DTensor
@@ -21,7 +21,15 @@ from ..checks import on_ranks, where
 from .dtensors import describe_spec, layout_problem, layout_spec
 from .flat import make_layouts
 
-__all__ = ["resolve_data_parallel_group", "check_setup", "caps_problem", "snapshot", "Params", "broadcast_params"]
+__all__ = ["world_mesh", "resolve_data_parallel_group", "check_setup", "caps_problem", "snapshot", "Params",
+           "broadcast_params"]
+
+
+def world_mesh() -> DeviceMesh:
+    """The world as a 1-D mesh ``("dp",)``: what a strategy given no mesh is data-parallel over (a
+    ``cuda`` mesh on the NCCL engine, else ``cpu``). Not collective: it wraps the world's group."""
+    world = resolve_group(None)
+    return DeviceMesh.from_group(world, "cuda" if get_backend(world) == "nccl" else "cpu", mesh_dim_names=("dp",))
 
 
 def resolve_data_parallel_group(mesh: DeviceMesh | None, group: ProcessGroup | None, who: str) -> ProcessGroup:

@@ -32,6 +32,7 @@ from ..arrays import array_namespace
 from .buckets import MB, BucketManager, CommHook, GradBucket
 from ..optim.clip import clip_grad_norm_
 from .dtensors import block_of, split, wrap_all
+from .full_state import FullStateDict, full_array
 from .hooks import allreduce_hook
 from ..optim.optimizers import Optimizer
 from .protocol import ReplicatedUnits, check_units, deprecated
@@ -207,29 +208,25 @@ class DistributedDataParallel(ReplicatedUnits, GradientReducer):
         self._ready_for_step("clip_grad_norm_")
         return clip_grad_norm_(dict(self.grads), max_norm, norm_type=norm_type)
 
-    def full_state_dict(self) -> dict[str, Any]:
-        """Parameters and optimizer state, full size, on every rank (no communication: replicated).
+    def full_state_dict(self) -> FullStateDict:
+        """Parameters and optimizer state, full size, as NumPy arrays on every rank.
 
         The form of :meth:`ShardedStrategy.full_state_dict
         <meshkit.parallel.data_parallelism.sharded.ShardedStrategy.full_state_dict>`: ``{"params": {name: array},
-        "optimizer": {"step": {name: int}, "state": {name: {key: flat array}}, "hyper": ...}}``, copies
-        in the parameters' library.
-
-        Raises:
-            DistValueError: with DTensor parameters (use :meth:`sharded_state_dict`).
+        "optim": {"step": {name: int}, "state": {name: {key: flat array}}, "hyper": ...}}``, copies
+        (a CuPy model's on the host). No communication (every rank holds the parameters), except
+        with DTensor parameters: their global arrays are gathered over their meshes (collective there).
         """
-        if self._block_layouts:
-            raise DistValueError(f"{self._where('full_state_dict')}: parameters {list(self._block_layouts)} are "
-                                 "DTensors, whose full state dict is not supported; use sharded_state_dict() / "
-                                 "meshkit.checkpoint.get_state_dict(), whose boxes are of the global arrays")
-        params = {name: p.copy() for name, p in self._blocks.items()}
+        blocks = self._block_layouts
+        params = {name: full_array(p, blocks.get(name)) for name, p in self._blocks.items()}
         opt = self.optimizer
         if opt is None:
-            return {"params": params, "optimizer": {"step": {}, "state": {}, "hyper": {}}}
-        state = {name: {key: arr.reshape(-1).copy() for key, arr in sorted(opt.state[name].items())}
+            return FullStateDict(params=params, optim={"step": {}, "state": {}, "hyper": {}})
+        state = {name: {key: full_array(arr.reshape(self._blocks[name].shape), blocks.get(name)).reshape(-1)
+                        for key, arr in sorted(opt.state[name].items())}
                  for name in self._blocks if name in opt.state}
         steps = {name: opt.steps[name] for name in self._blocks if name in opt.steps}
-        return {"params": params, "optimizer": {"step": steps, "state": state, "hyper": opt.hyper}}
+        return FullStateDict(params=params, optim={"step": steps, "state": state, "hyper": opt.hyper})
 
     def sharded_state_dict(self, optimizer: Optimizer | None = None) -> dict[str, Any]:
         """The parameters and the optimizer's state as views (replicated: every rank holds all);

@@ -49,7 +49,7 @@ from .flat import FlatLayout, make_layouts
 from ..optim.optimizers import Optimizer
 from ..checks import where
 from .protocol import check_units, deprecated
-from .construction import Params, broadcast_params, check_setup
+from .construction import Params, broadcast_params, check_setup, world_mesh
 from .sharded import ShardedStrategy
 
 __all__ = ["FullyShardedDataParallel"]
@@ -65,7 +65,8 @@ class FullyShardedDataParallel(ShardedStrategy):
             parallelism), none ``Partial``: each rank's block is sharded over ``mesh``, and
             every rank of ``mesh`` must pass the same placements, global shape and coordinate
             in the DTensor's mesh, which may hold no other rank of ``mesh`` (checked collectively).
-        mesh: 1-D (shard over it) or 2-D ``(replicate, shard)`` for hybrid sharding.
+        mesh: 1-D (shard over it) or 2-D ``(replicate, shard)`` for hybrid sharding. Left out
+            (deprecated, as for DDP and ZeRO): the world, as a 1-D mesh.
         optimizer: an elementwise :class:`~meshkit.parallel.optim.optimizers.Optimizer`; it sees one flat
             shard per unit and dtype, named ``"unit{i}.{dtype}"``.
         units: ordered list of lists of parameter names, each name in exactly one unit (e.g.
@@ -102,9 +103,12 @@ class FullyShardedDataParallel(ShardedStrategy):
 
     _strategy = "FullyShardedDataParallel"
 
-    def __init__(self, params: dict[str, Any], *, mesh: DeviceMesh, optimizer: Optimizer,
+    def __init__(self, params: dict[str, Any], *, mesh: DeviceMesh | None = None, optimizer: Optimizer,
                  units: Sequence[Sequence[str]] | None = None, reshard_after_forward: bool = True,
                  param_dtype: Any = None, reduce_dtype: Any = None) -> None:
+        if mesh is None:  # as DDP and ZeRO take it: one loop may leave it out for every strategy
+            deprecated("FullyShardedDataParallel without mesh= (meaning the world)", "pass mesh= (a 1-D DeviceMesh)")
+            mesh = world_mesh()
         if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2):
             dims = getattr(mesh, "mesh_dim_names", None)
             raise DistValueError(f"{where(self._strategy)}: mesh must be a 1-D DeviceMesh (shard) or a 2-D one "

@@ -3,7 +3,14 @@
 A full state dict is per parameter name and independent of the world size::
 
     {"params": {name: array},
-     "optimizer": {"step": {name: int}, "state": {name: {key: 1-D array}}, "hyper": {...}}}
+     "optim": {"step": {name: int}, "state": {name: {key: 1-D array}}, "hyper": {...}}}
+
+Its arrays are NumPy arrays on every rank, whatever the model's library (a CuPy model's are
+copied to the host, ``.get()``), and DTensor parameters give their global arrays: a full state
+dict is what a user saves with ``np.savez`` or compares with a single-process run, the same on
+every rank. It is a :class:`FullStateDict`: reading ``sd["optimizer"]``, 0.1's key,
+still works for one release and warns (``DeprecationWarning`` naming ``"optim"``);
+:func:`renamed_optimizer_key` lets a load take such a dict too.
 
 Loading is strict by default: every parameter and, once the optimizer has stepped, the state
 and step count of every parameter must be there, with the model's names and sizes and the
@@ -28,29 +35,75 @@ import numpy as np
 from ...comm import DistValueError, ProcessGroup, all_gather_object
 from ..arrays import array_namespace, is_array, to_host
 from ..checks import on_ranks, where
+from .dtensors import BlockLayout
 from .flat import FlatLayout
 from ..optim.optimizers import Optimizer
+from .protocol import deprecated
 
-__all__ = ["gather_state_dict", "check_state_dict", "state_dict_digest", "agree_on_load", "load_state_dict_into"]
+__all__ = ["FullStateDict", "full_array", "gather_state_dict", "renamed_optimizer_key", "check_state_dict",
+           "state_dict_digest", "agree_on_load", "load_state_dict_into"]
 
-_TOP, _OPT = {"params", "optimizer"}, {"step", "state", "hyper"}
+_TOP, _OPT = {"params", "optim"}, {"step", "state", "hyper"}
+_OLD = "optimizer"  # the optimizer's key in 0.1 (issue 25.1 renamed it "optim", get_state_dict's name)
+
+
+class FullStateDict(dict):
+    """``{"params": ..., "optim": ...}``, a dict whose ``["optimizer"]`` (0.1's key) still
+    reads ``["optim"]`` for one release, with a ``DeprecationWarning`` naming the new key.
+
+    Only reading by that name is kept (``sd["optimizer"]``, ``sd.get("optimizer")``): iteration,
+    ``in`` and copies see the real keys, so a copy written back loads as the new form.
+    """
+
+    def __getitem__(self, key: Any) -> Any:
+        if key == _OLD and not dict.__contains__(self, _OLD):
+            deprecated('full_state_dict()["optimizer"]', 'read full_state_dict()["optim"]')
+            key = "optim"
+        return dict.__getitem__(self, key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        if key == _OLD and not dict.__contains__(self, _OLD):
+            deprecated('full_state_dict().get("optimizer")', 'read full_state_dict()["optim"]')
+            key = "optim"
+        return dict.get(self, key, default)
+
+
+def full_array(value: Any, block: BlockLayout | None = None) -> np.ndarray:
+    """``value`` as a new NumPy array of the whole parameter, never a view of ``value``: a DTensor
+    parameter's block (``block`` its layout; collective over its mesh) gathered to the global
+    array, a CuPy array copied to the host (``.get()``)."""
+    host = to_host(block.wrap(value).full_tensor() if block is not None else value)
+    if isinstance(value, np.ndarray) and np.may_share_memory(host, value):
+        host = host.copy()  # the strategy's own memory (a full_tensor over Replicate is the block itself)
+    return host
+
+
+def renamed_optimizer_key(sd: Any) -> Any:
+    """``sd`` with an ``"optimizer"`` entry (0.1's key) renamed ``"optim"``, warning; else ``sd``."""
+    if isinstance(sd, Mapping) and _OLD in sd.keys() and "optim" not in sd.keys():
+        deprecated('a full state dict with the key "optimizer"', 'name it "optim", as full_state_dict() does',
+                   stacklevel=4)
+        return {("optim" if k == _OLD else k): v for k, v in sd.items()}
+    return sd
 _PREFIX = re.compile(r"^meshkit\.parallel: rank \d+: ")  # of the optimizer's own message, quoted in ours
 
 
 def gather_state_dict(layouts: Sequence[FlatLayout], shards: dict[str, Any], optimizer: Optimizer,
-                      group: ProcessGroup) -> dict[str, Any]:
-    """Full per-parameter state from every rank's flat shards; collective over ``group``."""
+                      group: ProcessGroup, blocks: Mapping[str, BlockLayout]) -> FullStateDict:
+    """Full per-parameter state from every rank's flat shards, as NumPy arrays (collective over
+    ``group``, and over the meshes of the DTensor parameters whose layouts are ``blocks``)."""
     params: dict[str, Any] = {}
     steps: dict[str, int] = {}
     state: dict[str, dict[str, Any]] = {}
     for layout in layouts:
-        params.update(layout.split(layout.gather_full(shards[layout.key], group)))
+        for name, value in layout.views(layout.gather_full(shards[layout.key], group)).items():
+            params[name] = full_array(value, blocks.get(name))
         for key, flat in sorted(optimizer.state.get(layout.key, {}).items()):
-            for name, value in layout.split(layout.gather_full(flat, group)).items():
-                state.setdefault(name, {})[key] = value.reshape(-1)
+            for name, value in layout.views(layout.gather_full(flat, group)).items():
+                state.setdefault(name, {})[key] = full_array(value, blocks.get(name)).reshape(-1)
         if layout.key in optimizer.steps:
             steps.update({name: optimizer.steps[layout.key] for name in layout.names})
-    return {"params": params, "optimizer": {"step": steps, "state": state, "hyper": optimizer.hyper}}
+    return FullStateDict(params=params, optim={"step": steps, "state": state, "hyper": optimizer.hyper})
 
 
 def _keys(what: str, got: Any, expected: set[str], strict: bool, differ: str = "") -> str | None:
@@ -88,57 +141,57 @@ def check_state_dict(layouts: Sequence[FlatLayout], sd: Any, optimizer: Optimize
             if tuple(value.shape) != lay.shapes[i]:
                 return (f"state_dict['params'][{name!r}] has shape {tuple(value.shape)}, expected the model's "
                         f"{lay.shapes[i]}")
-    if "optimizer" not in sd:
+    if "optim" not in sd:
         return None
-    opt = sd["optimizer"]
-    problem = _keys("state_dict['optimizer']", opt, _OPT, strict)
+    opt = sd["optim"]
+    problem = _keys("state_dict['optim']", opt, _OPT, strict)
     if problem:
         return problem
     hyper_given = opt.get("hyper", {})
-    problem = _keys("state_dict['optimizer']['hyper']", hyper_given, set(optimizer._HYPER), strict)
+    problem = _keys("state_dict['optim']['hyper']", hyper_given, set(optimizer._HYPER), strict)
     if problem:
         return f"{problem}: a state dict of another optimizer than {type(optimizer).__name__}?"
     try:
         hyper = _hyper(optimizer, hyper_given)
     except (TypeError, ValueError) as exc:
-        return f"state_dict['optimizer']['hyper'] is invalid: {_PREFIX.sub('', str(exc))}"
+        return f"state_dict['optim']['hyper'] is invalid: {_PREFIX.sub('', str(exc))}"
     steps, state = opt.get("step", {}), opt.get("state", {})
     for what, mapping in (("step", steps), ("state", state)):
         if not isinstance(mapping, Mapping):
-            return f"state_dict['optimizer'][{what!r}] must be a dict keyed by parameter name, got {type(mapping).__name__}"
+            return f"state_dict['optim'][{what!r}] must be a dict keyed by parameter name, got {type(mapping).__name__}"
         extra = sorted(set(mapping) - set(names))
         if strict and extra:
-            return f"state_dict['optimizer'][{what!r}] has unexpected parameters {extra} (strict=True)"
+            return f"state_dict['optim'][{what!r}] has unexpected parameters {extra} (strict=True)"
     for name, count in steps.items():
         if name in names and (isinstance(count, (bool, np.bool_)) or not isinstance(count, (int, np.integer))
                               or count < 0):
-            return f"state_dict['optimizer']['step'][{name!r}]={count!r} must be an int >= 0"
+            return f"state_dict['optim']['step'][{name!r}]={count!r} must be an int >= 0"
     keys = set(optimizer._state_keys(hyper))
     for name, st in state.items():
         if name not in names:
             continue
-        problem = _keys(f"state_dict['optimizer']['state'][{name!r}]", st, keys, strict)
+        problem = _keys(f"state_dict['optim']['state'][{name!r}]", st, keys, strict)
         if problem:
             return problem
         lay, i = names[name]
         for key, arr in st.items():
             if key in keys and (not is_array(arr) or arr.dtype.kind != "f" or arr.size != lay.size_of(i)):
                 got = f"{arr.dtype} array of {arr.size} elements" if is_array(arr) else type(arr).__name__
-                return (f"state_dict['optimizer']['state'][{name!r}][{key!r}] must be a floating-point array of "
+                return (f"state_dict['optim']['state'][{name!r}][{key!r}] must be a floating-point array of "
                         f"{lay.size_of(i)} elements (the parameter's size), got {got}")
     if strict:
         with_state = {n for n, st in state.items() if st} if keys else set(steps)
         for what, have in (("step", set(steps)), ("state", with_state)):
             if have and have != set(names):
-                return (f"state_dict['optimizer'][{what!r}] covers {sorted(have)} but not "
+                return (f"state_dict['optim'][{what!r}] covers {sorted(have)} but not "
                         f"{sorted(set(names) - have)} (strict=True: all parameters or none)")
         if set(steps) != with_state:
-            return (f"state_dict['optimizer'] has step counts for {len(steps)} parameters but state for "
+            return (f"state_dict['optim'] has step counts for {len(steps)} parameters but state for "
                     f"{len(with_state)} (strict=True: both or neither)")
     for lay in layouts:
         counts = sorted({int(steps[n]) for n in lay.names if n in steps})
         if len(counts) > 1:
-            return (f"state_dict['optimizer']['step'] has different counts {counts} for parameters of the flat "
+            return (f"state_dict['optim']['step'] has different counts {counts} for parameters of the flat "
                     f"shard {lay.key!r} ({list(lay.names)}), which share one count")
     return None
 
@@ -187,9 +240,9 @@ def load_state_dict_into(layouts: Sequence[FlatLayout], sd: Mapping[str, Any], s
     params = sd.get("params", {})
     for layout in layouts:
         layout.write_shard(shards[layout.key], shard, params)
-    if "optimizer" not in sd:
+    if "optim" not in sd:
         return
-    opt = sd["optimizer"]
+    opt = sd["optim"]
     hyper = _hyper(optimizer, opt.get("hyper", {}))
     keys = optimizer._state_keys(hyper)
     steps, state = opt.get("step", {}), opt.get("state", {})

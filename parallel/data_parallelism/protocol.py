@@ -19,8 +19,8 @@ One loop trains DDP, ZeRO-1/2, FSDP and HSDP alike::
 parameters themselves under DDP and ZeRO (nothing is gathered) and gathers unit ``i`` under FSDP;
 ``prefetch(i)`` starts that gather early (a no-op where nothing is gathered). Under
 ``with model.no_sync():`` gradients add up locally for gradient accumulation; the next
-synchronized pass reduces the sum. ``full_state_dict()`` is ``{"params": ...,
-"optimizer": ...}`` gathered to full size on every rank, ``memory_report()`` the bytes held.
+synchronized pass reduces the sum. ``full_state_dict()`` is ``{"params": ..., "optim": ...}``
+gathered to full size as NumPy arrays on every rank, ``memory_report()`` the bytes held.
 
 :class:`ReplicatedUnits` gives DDP and ZeRO the unit half of the protocol; :func:`deprecated`
 is how an old spelling says which new one replaces it.

@@ -20,7 +20,8 @@ from ..optim.optimizers import Optimizer
 from ...state import ShardedArray, StepCount
 from ...state._seams import load_pieces
 from .flat import flat_shard_pieces
-from .full_state import agree_on_load, check_state_dict, gather_state_dict, load_state_dict_into, state_dict_digest
+from .full_state import (FullStateDict, agree_on_load, check_state_dict, gather_state_dict, load_state_dict_into,
+                         renamed_optimizer_key, state_dict_digest)
 
 __all__ = ["ShardedStrategy"]
 
@@ -111,31 +112,34 @@ class ShardedStrategy:
     def _refuse_full(self, op: str) -> None:
         if self._block_layouts:
             raise DistValueError(f"{where(f'{self._strategy}.{op}', self._shard_group())}: parameters "
-                                 f"{list(self._block_layouts)} are DTensors, whose full state dict (per-rank blocks "
-                                 "gathered over the group) is not supported; use sharded_state_dict() / "
+                                 f"{list(self._block_layouts)} are DTensors, whose full state dict cannot be "
+                                 "loaded (full_state_dict() gives their global arrays, but a load would have to cut "
+                                 "each rank's block out of them); use sharded_state_dict() / "
                                  "meshkit.checkpoint.get_state_dict(), whose boxes are of the global arrays")
 
-    def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, Any] | None:
+    def full_state_dict(self, *, rank0_only: bool = False) -> FullStateDict | None:
         """Parameters and optimizer state gathered to full size, per parameter name (collective).
 
-        The result does not depend on the world size, so :meth:`load_full_state_dict` accepts it
-        at any other. With ``rank0_only`` the other ranks get None. Its arrays are of the
-        parameters' library: a CuPy model's state dict is on its GPU (``.get()`` each to save it).
-
-        Raises:
-            DistValueError: with DTensor parameters (use :meth:`sharded_state_dict`).
+        Returns:
+            ``{"params": {name: array}, "optim": {"step": {name: int}, "state": {name: {key: 1-D
+            array}}, "hyper": {...}}}`` of NumPy arrays on every rank (a CuPy model's copied to
+            the host; a DTensor parameter's global array, gathered over its mesh too). It does not
+            depend on the world size, so :meth:`load_full_state_dict` accepts it at any other.
+            With ``rank0_only`` the other ranks get None. ``["optimizer"]``, 0.1's key, still
+            reads ``["optim"]`` with a ``DeprecationWarning``.
         """
-        self._refuse_full("full_state_dict")
         self._quiesce()
         group = self._shard_group()
-        sd = gather_state_dict(self._layouts(), self._param_shards(), self.optimizer, group)
+        sd = gather_state_dict(self._layouts(), self._param_shards(), self.optimizer, group, self._block_layouts)
         return None if rank0_only and group.rank != 0 else sd
 
     def load_full_state_dict(self, state_dict: dict[str, Any], *, strict: bool = True) -> None:
         """Load a full state dict (from ``full_state_dict``, at any world size) into the shards (collective).
 
         Args:
-            state_dict: ``{"params": ..., "optimizer": ...}`` as :meth:`full_state_dict` returns.
+            state_dict: ``{"params": ..., "optim": ...}`` as :meth:`full_state_dict` returns (a dict
+                with 0.1's key ``"optimizer"`` instead of ``"optim"`` loads too, with a
+                ``DeprecationWarning``).
                 Its arrays may be NumPy or CuPy whatever the model's library: this is the one
                 documented conversion (a checkpoint read on the host loads into a device model);
                 each rank copies only its shard's pieces.
@@ -149,6 +153,7 @@ class ShardedStrategy:
                 dicts differ; with DTensor parameters (use :meth:`load_sharded_state_dict`).
         """
         self._refuse_full("load_full_state_dict")
+        state_dict = renamed_optimizer_key(state_dict)
         self._quiesce()
         layouts, who = self._layouts(), f"{self._strategy}.load_full_state_dict"
         problem = check_state_dict(layouts, state_dict, self.optimizer, strict)
