@@ -239,9 +239,13 @@ class GradientReducer:
                 self.group.progress()
 
     def _check_grad(self, name: str, grad: Any) -> None:
+        shape, dtype = self._specs[name]
+        # the common case first, without building the messages below: 1000 marks of 4 KB gradients
+        # took 2.4 ms with them, 1.6 ms without, as writing into grads[name] and mark_grad_ready(name)
+        if grad.__class__ is self._param.__class__ and grad.shape == shape and grad.dtype == dtype:
+            return
         check_same_library(self._where("mark_grad_ready"), f"gradient {name!r}", grad, self._param, "the parameters",
                            ref_plural=True)
-        shape, dtype = self._specs[name]
         if getattr(grad, "shape", None) != shape or getattr(grad, "dtype", None) != dtype:
             whose = "this rank's block of the DTensor parameter: shape" if name in self._block_layouts else \
                 "the parameter's shape"
