@@ -223,7 +223,7 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
         raise DistTypeError("meshkit.comm: batch_isend_irecv takes a list of P2POp")
     # Engines that match sends and receives in order (NCCL) post the whole list as one group.
     engines = {id(e): e for e in (resolve_group(p.group).engine for p in p2p_op_list)
-               if hasattr(e, "start_coalescing")}
+               if e.capabilities.coalesces}
     for engine in engines.values():
         engine.start_coalescing()
     try:

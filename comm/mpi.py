@@ -45,7 +45,7 @@ from mpi4py import MPI
 
 from . import cuda_runtime, env
 from .arrays import is_device_array
-from .engine import DeadlineExceeded
+from .engine import DeadlineExceeded, EngineCapabilities
 from .errors import DistBackendError, DistValueError
 from .notices import WATCH_INTERVAL, Notice
 from .reduce_op import ReduceOp, combine_into
@@ -479,7 +479,31 @@ class MPIEngine:
 
     backend = "mpi"
     native_avg = False
-    needs_progress = True  # MPI moves nonblocking data only inside MPI calls
+    # MPI moves nonblocking data only inside MPI calls (needs_progress); MPI_Abort ends the job.
+    capabilities = EngineCapabilities(needs_progress=True, aborts_job=True)
+    device = None  # a host engine (device arrays are staged or passed to a CUDA-aware MPI)
+
+    # What MPI does not do (see EngineCapabilities): no-ops, so that every engine has every method.
+    def announce(self, tag: Any) -> None:
+        pass
+
+    def defer(self, request: Any) -> bool:
+        return False
+
+    def abandon(self, why: str) -> None:
+        pass
+
+    def start_coalescing(self) -> None:
+        pass
+
+    def end_coalescing(self) -> None:
+        pass
+
+    def use_device(self) -> None:
+        pass
+
+    def drain(self, op: str, deadline: float) -> None:
+        pass
 
     def __init__(self, comm: MPI.Intracomm, mailbox: _Mailbox) -> None:
         self.comm = comm

@@ -459,7 +459,7 @@ def _defined_as(frame) -> str:
 
 def test_a_queued_bucket_reaches_the_engine_from_the_group_queue():
     """A bucket completed while an earlier one reduces is queued and started by
-    ProcessGroup._advance (comm/execution.py) -> RequestWork.start (comm/work.py) -> engine.all_reduce
+    CollectiveQueue.advance (comm/execution.py) -> RequestWork.start (comm/work.py) -> engine.all_reduce
     (as the README says); every bucket's reduction takes one of the two documented paths."""
     import inspect
 
@@ -496,7 +496,7 @@ def test_a_queued_bucket_reaches_the_engine_from_the_group_queue():
         assert grads == [1.0, 1.0, 1.0]
         assert len(stacks) == 15
         direct = ["all_reduce", "allreduce_hook", "launch"]
-        queued = ["start", "_advance"]
+        queued = ["start", "advance"]
         assert all(s == direct or s[:2] == queued for s in stacks), stacks
         assert any(s[:2] == queued for s in stacks), "no bucket was ever queued: the test proves nothing"
         # the files the README shows for each path
