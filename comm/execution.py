@@ -63,13 +63,15 @@ class CollectiveQueue:
     """
 
     __slots__ = ("group", "engine", "failures", "thread", "seq", "inflight", "lock", "tags", "queues", "tracks",
-                 "defers", "fingerprints", "divides", "detail", "name", "timeout", "flight_entry", "_next_tag")
+                 "defers", "watches", "fingerprints", "divides", "detail", "name", "timeout", "flight_entry", "agent",
+                 "_next_tag")
 
     def __init__(self, group: Any, engine: Engine | None, failures: FailureState) -> None:
         self.group, self.engine, self.failures = group, engine, failures
         self.name, self.timeout = group.name, group.timeout
         self.thread = CommThread(f"meshkit-comm[{group.name}]")
         self.flight_entry = group.world.recorder.record  # bound once: called on every operation
+        self.agent = group.world.progress  # the world's progress agent (and device work's watchdog)
         self.seq = 0
         # At most one collective of the group is in the engine at a time; later async calls wait in
         # this queue, in order, and start as the one before completes (see advance). MPICH runs two
@@ -84,6 +86,8 @@ class CollectiveQueue:
         self.queues = caps is None or caps.queues
         self.tracks = caps is not None and caps.needs_progress
         self.defers = caps is not None and caps.defers
+        # A device engine's requests may be device work, which the agent watches until done (NCCL's).
+        self.watches = engine is not None and engine.device is not None
         # An engine that compares the members' calls as it moves their data (local: always, at no
         # extra exchange) is handed each call's fingerprint; detail mode's error, in every mode.
         self.fingerprints = caps is not None and caps.checks_calls
@@ -208,7 +212,7 @@ class CollectiveQueue:
             alone = self.inflight[0] is work
         if alone:  # the one ahead completed meanwhile, before this one was in the queue: start it
             self.advance(None)
-        return self.track(work)
+        return self.track(work, True)
 
     def start_failed(self, op: str, seq: int, shapes: tuple, dtype: Any, exc: BaseException) -> BaseException:
         """The engine call of call ``seq`` raised: record it; the error to raise (a RankFailedError
@@ -226,7 +230,7 @@ class CollectiveQueue:
             work.queued = True
             with self.lock:
                 self.inflight.append(work)
-            return self.track(work)
+            return self.track(work, False)
         try:
             if not request.Test():
                 self.block(request, time.monotonic() + self.timeout, seq)
@@ -242,7 +246,7 @@ class CollectiveQueue:
         notices for call ``seq`` while it stalls; the progress agent stands back meanwhile (this
         caller drives MPI)."""
         self.failures.waiting = seq
-        waiting, me = self.group.world.progress.waiting, _get_ident()
+        waiting, me = self.agent.waiting, _get_ident()
         waiting.add(me)
         try:
             self.engine.wait(request, deadline)
@@ -277,15 +281,14 @@ class CollectiveQueue:
         return None
 
     # ----------------------------------------------------------------- the in-flight queue
-    def track(self, work: RequestWork) -> RequestWork:
-        """An async collective just queued: keep it moving (the agent), and test the one ahead of
-        it once (which starts it if that one has completed)."""
-        progress = self.group.world.progress
+    def track(self, work: RequestWork, waits: bool) -> RequestWork:
+        """An async collective just in the queue (``waits``: behind an earlier one): keep it moving
+        (the agent), and test the one ahead of it once (which starts it if that one has completed)."""
         if self.tracks:
-            progress.track(work)
-        if work.watched():  # device work: watched until done (see RequestWork.watchdog)
-            progress.watchdog(work)
-        if work.unstarted():
+            self.agent.track(work)
+        if self.watches and work.watched():  # device work: watched until done (see RequestWork.watchdog)
+            self.agent.watchdog(work)
+        if waits and work.unstarted():
             head = self.inflight[0] if self.inflight else None
             if head is not None and head is not work:
                 head.poll(block=False)

