@@ -10,24 +10,16 @@ So every collective, synchronous or not, takes the same path::
 
 What an engine can do beyond the common operations it declares once, as its ``capabilities``
 (an :class:`EngineCapabilities`); the group and its parts read those flags, never probe the engine
-with ``getattr``/``hasattr``. The methods behind a capability are on every engine (the
-:class:`Engine` protocol lists them), as no-ops where unsupported: ``announce(tag)``
-(``checks_calls``: the local engine; the group's next engine call, made right after, is ``tag``,
-``(seq, Call)``, which travels with the operation's data; every member compares the tags before it
-computes anything, and all raise :class:`CallsDiffer` if they differ: detail mode's check, for
-free), ``defer(request) -> bool`` (``defers``: ``Work.wait()`` of an async call orders the
-caller's device stream after the request instead of blocking the host; NCCL),
-``start_coalescing()``/``end_coalescing()`` (``coalesces``: ``batch_isend_irecv`` posts its list
-as one group; NCCL), ``abandon(why)`` (``abandons``: the group broke: stop everything the engine
-started, so that nothing waits for a missing rank forever; NCCL's ``ncclCommAbort``),
-``abort(code)`` (``aborts_job``: end the whole job, MPI_Abort), and, called on every engine,
-``use_device()`` (make the group's GPU current on the calling thread: a ``run_async`` task on the
-communication thread, the progress agent before it touches a work; NCCL), ``drain(op, deadline)``
-(wait for all device work, before ``destroy_process_group`` frees the engine; NCCL),
-``flush(timeout)`` (send pending notices) and ``device`` (the GPU index, None on host engines).
-``local_rank()`` (the rank's index on its node) is asked of a host engine by the NCCL engine to
-pick a GPU. A request with ``watchdog = True`` (NCCL's) is watched by the progress agent until it
-completes, even after ``Work.wait()`` returned.
+with ``getattr``/``hasattr``. A flag gates methods that only the engines setting it have (see
+:class:`EngineCapabilities`): ``announce(tag)`` (``checks_calls``), ``defer(request)``
+(``defers``), ``abandon(why)`` (``abandons``), ``start_coalescing()``/``end_coalescing()``
+(``coalesces``), ``abort(code)`` (``aborts_job``). A device engine (``device`` not None: NCCL)
+also has ``use_device()`` (make the group's GPU current on the calling thread: a ``run_async``
+task on the communication thread, the progress agent before it touches a work) and
+``drain(op, deadline)`` (wait for all device work, before ``destroy_process_group`` frees the
+engine). ``local_rank()`` (the rank's index on its node) is asked of a host engine by the NCCL
+engine to pick a GPU. A request with ``watchdog = True`` (NCCL's) is watched by the progress
+agent until it completes, even after ``Work.wait()`` returned.
 
 Engines see only checked, C-contiguous arrays and group ranks. Reduce ops arrive as
 :class:`~meshkit.comm.reduce_op.ReduceOp`; an engine without a native average reduces
@@ -65,16 +57,23 @@ class CallsDiffer(Exception):
 class EngineCapabilities:
     """What an engine does beyond the operations every engine has (see the module docstring).
 
+    Each flag that names a method says the engine has it; an engine without the flag need not.
+
     Attributes:
-        checks_calls: ``announce(tag)`` compares the members' calls as their data moves (local).
+        checks_calls: ``announce(tag)``: the group's next engine call, made right after, is ``tag``,
+            ``(seq, Call)``, which travels with the operation's data; every member compares the tags
+            before it computes anything, and all raise :class:`CallsDiffer` if they differ (detail
+            mode's check, for free; the local engine).
         reports_dtype: a receive's request knows the sender's dtype (local), so detail mode's
             point-to-point header is not needed.
         needs_progress: nonblocking operations move only while the engine is called (MPI): the
             progress agent tests them while nobody waits.
         queues: the group holds an async collective back until the one before it completed
             (False: the engine orders them itself and each starts at once; NCCL's stream).
-        defers: ``defer(request)`` may order the caller's device stream after a request (NCCL).
-        abandons: ``abandon(why)`` stops the communicator when the group breaks (NCCL).
+        defers: ``defer(request) -> bool``: ``Work.wait()`` of an async call orders the caller's
+            device stream after the request instead of blocking the host (NCCL).
+        abandons: ``abandon(why)``: the group broke: stop everything the engine started, so that
+            nothing waits for a missing rank forever (NCCL's ``ncclCommAbort``).
         coalesces: ``start_coalescing``/``end_coalescing`` post a list of sends and receives as
             one group (NCCL).
         aborts_job: ``abort(code)`` ends the whole job (MPI_Abort; NCCL through its host engine).
@@ -156,23 +155,6 @@ class Engine(Protocol):
         ...
 
     def host_name(self) -> str: ...
-
-    # Behind a capability flag (no-ops where it is False; see EngineCapabilities).
-    def announce(self, tag: Any) -> None: ...
-    def defer(self, request: Request) -> bool: ...
-    def abandon(self, why: str) -> None: ...
-    def start_coalescing(self) -> None: ...
-    def end_coalescing(self) -> None: ...
-    def abort(self, code: int) -> None: ...
-
-    # Called on every engine (no-ops where there is nothing to do).
-    def use_device(self) -> None:
-        """Make the group's GPU current on the calling thread (device engines)."""
-        ...
-
-    def drain(self, op: str, deadline: float) -> None:
-        """Wait until the engine's device work completed (before ``free``)."""
-        ...
 
     def flush(self, timeout: float) -> None:
         """Wait (at most ``timeout`` s) until the notices this rank sent have left."""

@@ -58,12 +58,12 @@ class CollectiveQueue:
             the others too where the engine orders them itself (``capabilities.queues`` False).
         lock: guards ``inflight`` and ``tags``.
         tags: fingerprints of queued calls, announced as each starts (engines that check calls).
-        queues, tracks, defers, fingerprints, divides, detail: decided once from the engine's
+        queues, tracks, defers, on_device, fingerprints, divides, detail: decided once from the engine's
             capabilities and the debug level (see ``__init__``).
     """
 
     __slots__ = ("group", "engine", "failures", "thread", "seq", "inflight", "lock", "tags", "queues", "tracks",
-                 "defers", "watches", "fingerprints", "divides", "detail", "name", "timeout", "flight_entry", "agent",
+                 "defers", "on_device", "fingerprints", "divides", "detail", "name", "timeout", "flight_entry", "agent",
                  "_next_tag")
 
     def __init__(self, group: Any, engine: Engine | None, failures: FailureState) -> None:
@@ -86,8 +86,9 @@ class CollectiveQueue:
         self.queues = caps is None or caps.queues
         self.tracks = caps is not None and caps.needs_progress
         self.defers = caps is not None and caps.defers
-        # A device engine's requests may be device work, which the agent watches until done (NCCL's).
-        self.watches = engine is not None and engine.device is not None
+        # A device engine (NCCL): its requests may be device work, which the agent watches until done,
+        # and it has use_device() (see Engine).
+        self.on_device = engine is not None and engine.device is not None
         # An engine that compares the members' calls as it moves their data (local: always, at no
         # extra exchange) is handed each call's fingerprint; detail mode's error, in every mode.
         self.fingerprints = caps is not None and caps.checks_calls
@@ -286,7 +287,7 @@ class CollectiveQueue:
         (the agent), and test the one ahead of it once (which starts it if that one has completed)."""
         if self.tracks:
             self.agent.track(work)
-        if self.watches and work.watched():  # device work: watched until done (see RequestWork.watchdog)
+        if self.on_device and work.watched():  # device work: watched until done (see RequestWork.watchdog)
             self.agent.watchdog(work)
         if waits and work.unstarted():
             head = self.inflight[0] if self.inflight else None
@@ -394,7 +395,7 @@ class CollectiveQueue:
 
     def use_device(self) -> None:
         """Make the group's GPU current on the calling thread (device engines; else nothing)."""
-        if self.engine is not None:
+        if self.on_device:
             self.engine.use_device()
 
     def end_job(self, reason: str) -> None:

@@ -470,7 +470,7 @@ class ProcessGroup:
             failures.reason = failures.reason or "destroyed with asynchronous work still running"
             logger.warning("meshkit: group %s destroyed with asynchronous work still queued after %.0f s",
                            self.name, self.timeout)
-        if self.engine is not None and failures.reason is None:
+        if self.engine is not None and self.engine.device is not None and failures.reason is None:  # device work
             failures.waiting = self.queue.seq - 1  # notices about any call issued so far end the wait
             try:
                 self.engine.drain("destroy_process_group", time.monotonic() + self.timeout)

@@ -368,30 +368,8 @@ class LocalEngine:
     def host_name(self) -> str:
         return socket.gethostname()
 
-    # What the local engine does not do (see EngineCapabilities): no-ops, so that every engine has every method.
-    def defer(self, request: Any) -> bool:
-        return False
-
-    def abandon(self, why: str) -> None:
-        pass
-
-    def start_coalescing(self) -> None:
-        pass
-
-    def end_coalescing(self) -> None:
-        pass
-
-    def abort(self, code: int) -> None:
-        pass
-
-    def use_device(self) -> None:
-        pass
-
-    def drain(self, op: str, deadline: float) -> None:
-        pass
-
     def flush(self, timeout: float) -> None:
-        pass
+        """Nothing to wait for: a notice is in the other rank's inbox once ``notify`` returned."""
 
     def local_rank(self) -> int:
         """This rank's index among the ranks of its node: all are threads of this process."""

@@ -483,27 +483,6 @@ class MPIEngine:
     capabilities = EngineCapabilities(needs_progress=True, aborts_job=True)
     device = None  # a host engine (device arrays are staged or passed to a CUDA-aware MPI)
 
-    # What MPI does not do (see EngineCapabilities): no-ops, so that every engine has every method.
-    def announce(self, tag: Any) -> None:
-        pass
-
-    def defer(self, request: Any) -> bool:
-        return False
-
-    def abandon(self, why: str) -> None:
-        pass
-
-    def start_coalescing(self) -> None:
-        pass
-
-    def end_coalescing(self) -> None:
-        pass
-
-    def use_device(self) -> None:
-        pass
-
-    def drain(self, op: str, deadline: float) -> None:
-        pass
 
     def __init__(self, comm: MPI.Intracomm, mailbox: _Mailbox) -> None:
         self.comm = comm

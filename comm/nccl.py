@@ -209,9 +209,6 @@ class NCCLEngine:
     def flush(self, timeout: float) -> None:
         self.host.flush(timeout)
 
-    def announce(self, tag: Any) -> None:
-        pass  # NCCL does not compare the members' calls (checks_calls=False)
-
     def abort(self, code: int) -> None:
         """End the whole job (the host engine's abort, e.g. MPI_Abort)."""
         self.host.abort(code)

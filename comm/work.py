@@ -1,8 +1,8 @@
 """Handles of asynchronous operations, and the per-group thread that runs chained tasks.
 
 A collective started with ``async_op=True`` is posted to the engine by the caller at once and
-returned as a :class:`RequestWork`: waiting polls the engine's request, except on an engine with
-``defer`` (NCCL), where waiting (without a timeout) for a device collective orders the caller's
+returned as a :class:`RequestWork`: waiting polls the engine's request, except on an engine that
+``defers`` (its capabilities; NCCL), where waiting (without a timeout) for a device collective orders the caller's
 stream after it without blocking the host, and the progress agent's watchdog enforces its
 deadline (:meth:`RequestWork.watchdog`). While nobody waits, the world's
 :class:`~meshkit.comm.progress.ProgressAgent` polls it, so MPI keeps moving the data while the
