@@ -585,3 +585,50 @@ def test_no_package_imports_another_packages_private_module():
                "meshkit.parallel.data_parallelism.buckets": [("meshkit.parallel.data_parallelism._flat", [], 5)]}
     assert _private_module_imports(planted) == [
         "meshkit.parallel.optim.sgd:3 imports the private module meshkit.parallel.data_parallelism._flat"]
+
+
+def _method(path: Path, cls: str, name: str) -> ast.FunctionDef:
+    tree = ast.parse(path.read_text(), str(path))
+    body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls).body
+    return next(n for n in body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def test_process_group_holds_its_parts_instead_of_inheriting_them():
+    """Issue 25.3: no mixins; the queue and the failure state are objects that declare their state."""
+    from meshkit.comm.execution import CollectiveQueue
+    from meshkit.comm.failures import FailureState
+    from meshkit.comm.group import ProcessGroup
+    assert ProcessGroup.__mro__ == (ProcessGroup, object), ProcessGroup.__mro__
+    for cls in (ProcessGroup, CollectiveQueue, FailureState):
+        assert "__slots__" in cls.__dict__, f"{cls.__name__} does not declare its state"
+
+
+def test_all_reduce_takes_the_path_every_collective_takes():
+    """Issue 25.3: ProcessGroup.all_reduce is no hand-inlined copy of the generic path: it calls the
+    same phases of the group's queue, in the same order, as CollectiveQueue.run (and makes the engine
+    call itself, for DDP's five calls)."""
+    def phases(fn: ast.FunctionDef, owner: str) -> list[str]:
+        calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                 and isinstance(n.func.value, ast.Name) and n.func.value.id == owner]
+        return [c.func.attr for c in sorted(calls, key=lambda c: (c.lineno, c.col_offset))]
+    run = phases(_method(ROOT / "comm/execution.py", "CollectiveQueue", "run"), "self")
+    all_reduce = phases(_method(ROOT / "comm/group.py", "ProcessGroup", "all_reduce"), "queue")
+    assert run == ["behind_tasks", "run", "issue", "enqueue", "start_failed", "started"], run
+    assert all_reduce == ["behind_tasks", "issue", "averaged", "enqueue", "start_failed", "started"], all_reduce
+    assert [p for p in run if p != "run"] == [p for p in all_reduce if p != "averaged"]
+
+
+def test_every_engine_declares_its_capabilities():
+    """Each engine class says what it can do beyond the common operations (comm/engine.py's
+    EngineCapabilities), instead of being probed with getattr/hasattr."""
+    missing = []
+    for file, cls in (("comm/mpi.py", "MPIEngine"), ("comm/local_engine.py", "LocalEngine"),
+                      ("comm/nccl.py", "NCCLEngine")):
+        tree = ast.parse((ROOT / file).read_text())
+        body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls).body
+        declared = [n for n in body if isinstance(n, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "capabilities" for t in n.targets)
+            and isinstance(n.value, ast.Call) and ast.unparse(n.value.func) == "EngineCapabilities"]
+        if not declared:
+            missing.append(f"{file}: {cls}")
+    assert not missing, missing
