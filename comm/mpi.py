@@ -483,7 +483,6 @@ class MPIEngine:
     capabilities = EngineCapabilities(needs_progress=True, aborts_job=True)
     device = None  # a host engine (device arrays are staged or passed to a CUDA-aware MPI)
 
-
     def __init__(self, comm: MPI.Intracomm, mailbox: _Mailbox) -> None:
         self.comm = comm
         self.mailbox = mailbox
