@@ -23,7 +23,7 @@ What is measured, for each world size ``n`` and each mesh of 1, 2 and 3 dimensio
   same call again on that world, after the first build; meshkit caches groups by rank set, so
   it creates no communicator, but it still takes part in the collective splits.
 * Counts, as deltas over the one call: ``splits`` (``World.split_count``: group-creating
-  collective splits), ``colls`` (``world.default_group._seq``: every collective issued on the
+  collective splits), ``colls`` (``world.default_group.queue.seq``: every collective issued on the
   world group, splits included) and ``groups`` (new entries in ``World.groups``, i.e. new
   communicators on this rank). On the MPI engine one split is one ``Ibarrier`` plus one
   ``Comm.Split``; on the local engine one rendezvous of all ranks. A dimension whose group is
@@ -138,14 +138,14 @@ def timed_build(spec: MeshSpec, sync: Callable[[], object]) -> tuple[float, floa
     sync()
     group = world.default_group
     assert group is not None
-    s0, c0, g0 = world.split_count, group._seq, len(world.groups)
+    s0, c0, g0 = world.split_count, group.queue.seq, len(world.groups)
     start, cpu_start = time.perf_counter(), time.thread_time()
     mesh = meshkit.init_device_mesh("cpu", spec.request, mesh_dim_names=spec.names)
     seconds, cpu = time.perf_counter() - start, time.thread_time() - cpu_start
     if mesh.shape != spec.shape:
         raise RuntimeError(f"meshkit.bench: rank {world.rank}: init_device_mesh{spec.request} built shape "
                            f"{mesh.shape}, expected {spec.shape}")
-    return seconds, cpu, (world.split_count - s0, group._seq - c0, len(world.groups) - g0)
+    return seconds, cpu, (world.split_count - s0, group.queue.seq - c0, len(world.groups) - g0)
 
 
 @dataclasses.dataclass

@@ -101,8 +101,9 @@ class _RankPdb(pdb.Pdb):
 def _wait_for_all(group: Any, problem: str | None) -> None:
     """The barrier of the world group with no deadline (``math.inf``), carrying the debugged
     rank's problem, if it had one, so that every rank raises it."""
-    told = group._blocking("breakpoint", lambda seq, deadline: group.engine.exchange(problem, seq, deadline,
-                                                                                      watched=True), math.inf)
+    told = group.queue.blocking("breakpoint",
+                                lambda seq, deadline: group.engine.exchange(problem, seq, deadline, watched=True),
+                                math.inf)
     problems = [p for p in told if p]
     if problems:
         raise DistError(problems[0])

@@ -10,9 +10,9 @@ from typing import Any, Protocol, Sequence
 import numpy as np
 
 from .arrays import is_device_array
-from .errors import DistTypeError, DistValueError
+from .errors import DistError, DistTypeError, DistValueError
 
-__all__ = ["where", "check_array", "check_like", "check_list", "check_root", "check_split_sizes"]
+__all__ = ["where", "check_member", "check_array", "check_like", "check_list", "check_root", "check_split_sizes"]
 
 class CheckedGroup(Protocol):
     """What the checks read of a group (the real class imports this module, not the reverse)."""
@@ -29,6 +29,17 @@ _KINDS = "biufc"
 
 def where(group: CheckedGroup, op: str) -> str:
     return f"meshkit.comm: rank {group.global_rank}: {op}"
+
+
+def check_member(group: Any, op: str) -> None:
+    """This rank is a member of ``group`` (a ProcessGroup) and the world is not destroyed."""
+    if group.rank < 0:
+        raise DistValueError(
+            f"{where(group, op)}: this rank is not a member of group {group.name} "
+            f"(ranks {list(group.ranks)}); only members may call collectives on it")
+    if group.world.destroyed:
+        raise DistError(f"{where(group, op)}: the process group was destroyed; call "
+                        "init_process_group() again first")
 
 
 def check_array(group: CheckedGroup, op: str, arg: str, x: Any, *, writable: bool = True) -> None:

@@ -158,7 +158,7 @@ def _check_device_ids(g: ProcessGroup, device_ids: object) -> None:
         error = DistTypeError if not isinstance(device_ids, (list, tuple)) else DistValueError
         raise error(f"{where(g, op)}: device_ids must be a list of one GPU index of this rank (as torch's, e.g. "
                     f"[local_rank]), got {device_ids!r}")
-    device = getattr(g.engine, "device", None) if g.backend == "nccl" and g.rank >= 0 else None
+    device = g.engine.device if g.backend == "nccl" and g.rank >= 0 else None
     if device is not None and device_ids[0] != device:
         raise DistValueError(f"{where(g, op)}: device_ids={list(device_ids)} is not this rank's GPU in group "
                              f"{g.name}: its collectives run on device {device}; pass device_ids=[{device}] or "
@@ -248,7 +248,7 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
         raise DistTypeError("meshkit.comm: batch_isend_irecv takes a list of P2POp")
     # Engines that match sends and receives in order (NCCL) post the whole list as one group.
     engines = {id(e): e for e in (resolve_group(p.group).engine for p in p2p_op_list)
-               if hasattr(e, "start_coalescing")}
+               if e.capabilities.coalesces}
     for engine in engines.values():
         engine.start_coalescing()
     try:

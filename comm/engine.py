@@ -8,22 +8,18 @@ So every collective, synchronous or not, takes the same path::
 
     ProcessGroup.all_reduce -> engine.all_reduce (e.g. MPI's Iallreduce) -> Request
 
-Optional methods, looked up by the group where an engine has them: ``defer(request) -> bool``
-(``Work.wait()`` of an async call orders the caller's device stream after the request instead
-of blocking the host; NCCL), ``start_coalescing()``/``end_coalescing()`` (``batch_isend_irecv``
-posts its list as one group; NCCL), ``queues = False`` (async collectives start at once instead
-of waiting behind the group's earlier one; NCCL, whose stream orders them), ``use_device()``
-(make the group's GPU current on the calling thread: a ``run_async`` task on the communication
-thread, the progress agent before it touches a work; NCCL), ``local_rank()`` (the rank's index
-on its node, which the NCCL engine asks of its host engine to pick a GPU), ``flush``/``abort`` (send pending notices, job abort),
-``abandon(why)`` (the group broke: stop everything the engine started, so that nothing waits for
-a missing rank forever; NCCL's ``ncclCommAbort``), ``drain(op, deadline)`` (wait for all device
-work, before ``destroy_process_group`` frees the engine; NCCL). A request with ``watchdog = True``
-(NCCL's) is watched by the progress agent until it completes, even after ``Work.wait()`` returned.
-``announce(tag)`` (the local engine, ``checks_calls = True``): the group's next engine call, made
-right after, is ``tag``, ``(seq, Call)``, which travels with the operation's data; every member
-compares the tags before it computes anything, and all raise :class:`CallsDiffer` if they
-differ (detail mode's check, for free).
+What an engine can do beyond the common operations it declares once, as its ``capabilities``
+(an :class:`EngineCapabilities`); the group and its parts read those flags, never probe the engine
+with ``getattr``/``hasattr``. A flag gates methods that only the engines setting it have (see
+:class:`EngineCapabilities`): ``announce(tag)`` (``checks_calls``), ``defer(request)``
+(``defers``), ``abandon(why)`` (``abandons``), ``start_coalescing()``/``end_coalescing()``
+(``coalesces``), ``abort(code)`` (``aborts_job``). A device engine (``device`` not None: NCCL)
+also has ``use_device()`` (make the group's GPU current on the calling thread: a ``run_async``
+task on the communication thread, the progress agent before it touches a work) and
+``drain(op, deadline)`` (wait for all device work, before ``destroy_process_group`` frees the
+engine). ``local_rank()`` (the rank's index on its node) is asked of a host engine by the NCCL
+engine to pick a GPU. A request with ``watchdog = True`` (NCCL's) is watched by the progress
+agent until it completes, even after ``Work.wait()`` returned.
 
 Engines see only checked, C-contiguous arrays and group ranks. Reduce ops arrive as
 :class:`~meshkit.comm.reduce_op.ReduceOp`; an engine without a native average reduces
@@ -32,9 +28,10 @@ Engines see only checked, C-contiguous arrays and group ranks. Reduce ops arrive
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
-__all__ = ["Engine", "Request", "DeadlineExceeded", "CallsDiffer"]
+__all__ = ["Engine", "EngineCapabilities", "Request", "DeadlineExceeded", "CallsDiffer"]
 
 
 class DeadlineExceeded(Exception):
@@ -54,6 +51,42 @@ class CallsDiffer(Exception):
     def __init__(self, entries: list[Any]) -> None:
         super().__init__("the members called different operations")
         self.entries = entries
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine does beyond the operations every engine has (see the module docstring).
+
+    Each flag that names a method says the engine has it; an engine without the flag need not.
+
+    Attributes:
+        checks_calls: ``announce(tag)``: the group's next engine call, made right after, is ``tag``,
+            ``(seq, Call)``, which travels with the operation's data; every member compares the tags
+            before it computes anything, and all raise :class:`CallsDiffer` if they differ (detail
+            mode's check, for free; the local engine).
+        reports_dtype: a receive's request knows the sender's dtype (local), so detail mode's
+            point-to-point header is not needed.
+        needs_progress: nonblocking operations move only while the engine is called (MPI): the
+            progress agent tests them while nobody waits.
+        queues: the group holds an async collective back until the one before it completed
+            (False: the engine orders them itself and each starts at once; NCCL's stream).
+        defers: ``defer(request) -> bool``: ``Work.wait()`` of an async call orders the caller's
+            device stream after the request instead of blocking the host (NCCL).
+        abandons: ``abandon(why)``: the group broke: stop everything the engine started, so that
+            nothing waits for a missing rank forever (NCCL's ``ncclCommAbort``).
+        coalesces: ``start_coalescing``/``end_coalescing`` post a list of sends and receives as
+            one group (NCCL).
+        aborts_job: ``abort(code)`` ends the whole job (MPI_Abort; NCCL through its host engine).
+    """
+
+    checks_calls: bool = False
+    reports_dtype: bool = False
+    needs_progress: bool = False
+    queues: bool = True
+    defers: bool = False
+    abandons: bool = False
+    coalesces: bool = False
+    aborts_job: bool = False
 
 
 class Request(Protocol):
@@ -81,6 +114,8 @@ class Engine(Protocol):
     max_tag: int          # the largest tag send/recv accept
     native_avg: bool      # True if ReduceOp.AVG is averaged by the engine itself
     watch: Callable[[], None] | None  # set by the group: called while a wait stalls, to read notices
+    capabilities: EngineCapabilities  # what it does beyond the operations below
+    device: int | None    # the GPU its collectives run on (NCCL), None on host engines
 
     def all_reduce(self, buf: Any, op: Any) -> Request: ...
     def reduce(self, buf: Any, op: Any, root: int) -> Request: ...
@@ -120,6 +155,10 @@ class Engine(Protocol):
         ...
 
     def host_name(self) -> str: ...
+
+    def flush(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` s) until the notices this rank sent have left."""
+        ...
 
     def free(self) -> None:
         """Release the communicator (once, at ``destroy_process_group``)."""

@@ -1,22 +1,29 @@
 """How a ProcessGroup runs an operation: number it, start it with one engine call, complete it.
 
-Steps 2-4 of :mod:`meshkit.comm.group`'s docstring: the operation number and, in detail mode,
-the check that every rank called the same operation (:meth:`ExecutionMixin._begin`); the start
-by one engine call and the wait under the group's timeout (:meth:`~ExecutionMixin._run`, which
-``all_reduce`` inlines for speed, :meth:`~ExecutionMixin._complete`,
-:meth:`~ExecutionMixin._block`); the queue of the group's in-flight async collectives, at most
-one of which is in the engine at a time (:meth:`~ExecutionMixin._queued`, and
-:meth:`~ExecutionMixin._advance`, called by whichever thread sees the one ahead complete);
-blocking steps (split, monitored barrier); calls made while ``run_async`` tasks are queued; and
-the epilogue of ``AVG`` on an engine that only sums.
+Steps 2-4 of :mod:`meshkit.comm.group`'s docstring are the phases of a
+:class:`CollectiveQueue`, the part of a :class:`~meshkit.comm.group.ProcessGroup` that orders
+its operations (the group's ``queue``). Every collective takes the same path through them:
 
-:class:`ExecutionMixin` is a part of :class:`~meshkit.comm.group.ProcessGroup` (which inherits
-it): its methods use the group's state, set in ``ProcessGroup.__init__``, and its other parts'
-methods (a failure is recorded by :mod:`~meshkit.comm.failures`).
+1. :meth:`~CollectiveQueue.issue`: the operation number and, in detail mode, the check that every
+   rank called the same operation; a synchronous call first waits for the async ones before it;
+2. the engine call, made by the caller itself (``ProcessGroup.all_reduce`` calls
+   ``engine.all_reduce`` in its own frame: DDP's five calls; every other collective through
+   :meth:`~CollectiveQueue.run`, which calls the ``start`` it is given), or, for an async call
+   behind the collective in flight, :meth:`~CollectiveQueue.enqueue`: it starts when the one
+   ahead completes (:meth:`~CollectiveQueue.advance`, called by whichever thread sees that);
+3. :meth:`~CollectiveQueue.started`: the flight record, then the wait under the group's timeout,
+   or a :class:`~meshkit.comm.work.RequestWork` in the queue of in-flight collectives, at most
+   one of which is in the engine at a time (on engines that do not order them themselves).
+
+It also runs blocking steps (split, monitored barrier), calls made while ``run_async`` tasks are
+queued, and the epilogue of ``AVG`` on an engine that only sums. It is the owner
+(:class:`~meshkit.comm.work.WorkOwner`) of the works it hands out. A failure is recorded by the
+group's other part, its :class:`~meshkit.comm.failures.FailureState`.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import threading
 import time
@@ -24,240 +31,397 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .debug import STATE, T_END, Call, CollectiveRecord, fingerprint, mismatch_error
-from .engine import Request
-from .errors import CollectiveMismatchError, CollectiveTimeout
+from . import job_end
+from .debug import ERROR, STATE, T_END, Call, CollectiveRecord, DebugLevel, fingerprint
+from .engine import Engine, Request
+from .errors import CollectiveTimeout
+from .failures import FailureState
+from .notices import REJECTED, Notice
 from .reduce_op import ReduceOp
-from .work import RequestWork, Work
+from .work import CommThread, RequestWork, Work
 
-__all__ = ["ExecutionMixin"]
+__all__ = ["CollectiveQueue"]
+
+#: The highest level, compared by identity: read through the class (``DebugLevel.DETAIL``) it
+#: cost 0.2 us a call on Python 3.11, through this name 0.07 us (timeit, this VM).
+_DETAIL = DebugLevel.DETAIL
 
 _get_ident = threading.get_ident
 
 
-class ExecutionMixin:
-    """How :class:`~meshkit.comm.group.ProcessGroup` numbers, starts, queues and completes its operations."""
+class CollectiveQueue:
+    """How a :class:`~meshkit.comm.group.ProcessGroup` numbers, starts, queues and completes its operations.
+
+    Attributes:
+        group: the group it belongs to (its name, ranks and world, for records and messages).
+        engine: the group's engine.
+        failures: the group's failure state.
+        thread: the group's communication thread (``run_async`` tasks, and the calls behind them).
+        seq: the number the group's next operation gets (the same on every rank: program order).
+        inflight: the group's async collectives not finished, in order; the first is in the engine,
+            the others too where the engine orders them itself (``capabilities.queues`` False).
+        lock: guards ``inflight`` and ``tags``.
+        tags: fingerprints of queued calls, announced as each starts (engines that check calls).
+        queues, tracks, defers, on_device, fingerprints, divides: decided once from the engine's
+            capabilities (see ``__init__``); ``detail`` is read from the world's debug level at each call.
+    """
+
+    __slots__ = ("group", "engine", "failures", "thread", "seq", "inflight", "lock", "tags", "queues", "tracks",
+                 "defers", "on_device", "fingerprints", "divides", "world", "name", "timeout", "flight_entry", "agent",
+                 "_next_tag")
+
+    def __init__(self, group: Any, engine: Engine | None, failures: FailureState) -> None:
+        self.group, self.engine, self.failures = group, engine, failures
+        self.name, self.timeout = group.name, group.timeout
+        self.thread = CommThread(f"meshkit-comm[{group.name}]")
+        self.flight_entry = group.world.recorder.record  # bound once: called on every operation
+        self.agent = group.world.progress  # the world's progress agent (and device work's watchdog)
+        self.seq = 0
+        # At most one collective of the group is in the engine at a time; later async calls wait in
+        # this queue, in order, and start as the one before completes (see advance). MPICH runs two
+        # concurrent Iallreduce of 256 KB-4 MB 1.8-2.6x slower than the same two one after the other
+        # (2 ranks, raw mpi4py; benchmarks/collectives.py --mode async), and DDP's buckets are such.
+        self.inflight: collections.deque[RequestWork] = collections.deque()
+        self.lock = threading.Lock()
+        self.tags: dict[RequestWork, tuple] = {}
+        self._next_tag: tuple | None = None  # the tag of the call issue() just numbered for enqueue()
+        caps = engine.capabilities if engine is not None else None
+        # An engine that orders its operations itself (NCCL's stream) starts each one at once.
+        self.queues = caps is None or caps.queues
+        self.tracks = caps is not None and caps.needs_progress
+        self.defers = caps is not None and caps.defers
+        # A device engine (NCCL): its requests may be device work, which the agent watches until done,
+        # and it has use_device() (see Engine).
+        self.on_device = engine is not None and engine.device is not None
+        # An engine that compares the members' calls as it moves their data (local: always, at no
+        # extra exchange) is handed each call's fingerprint; detail mode's error, in every mode.
+        self.fingerprints = caps is not None and caps.checks_calls
+        # Engines without a native average sum, and the group divides once (as NCCL's AVG does).
+        self.divides = engine is not None and not engine.native_avg
+        self.world = group.world  # its debug level is read at each call (detail)
+
+    @property
+    def detail(self) -> bool:
+        """Detail mode: every call is fingerprinted and checked first. Read at each call (not
+        cached), so that set_debug_level reaches groups that exist (issue 26.3)."""
+        return self.world.debug is _DETAIL
 
     # ----------------------------------------------------------------- numbering
-    def _number(self, op: str) -> int:
+    def number(self, op: str) -> int:
         """The next operation number; DistError if the group failed before."""
-        if self._failure is not None:
-            self._unusable(op)
-        seq = self._seq
-        self._seq = seq + 1
+        if self.failures.reason is not None:
+            self.failures.unusable(op)
+        seq = self.seq
+        self.seq = seq + 1
         return seq
 
-    def _begin(self, op: str, tensor: np.ndarray | None, **fingerprint: Any) -> int:
+    def begin(self, op: str, tensor: np.ndarray | None, reduce_op: ReduceOp | None = None,
+              extra: dict[str, Any] | None = None) -> int:
         """Detail mode: number the operation and verify every rank called the same one."""
-        seq = self._number(op)
-        call = self._call(op, tensor, **fingerprint)
+        seq = self.number(op)
+        call = self.call(op, tensor, reduce_op, extra)
         began = time.time()
         try:
             self._verify(call, seq, time.monotonic() + self.timeout)
         except BaseException as exc:
-            record = self._flight_entry(seq, self.name, op, () if call.shape is None else (call.shape,), call.dtype,
-                                        "started", began)
-            raise self._failed(op, seq, record, exc, self.timeout) from None
+            record = self.flight_entry(seq, self.name, op, () if call.shape is None else (call.shape,), call.dtype,
+                                       "started", began)
+            raise self.failures.failed(op, seq, record, exc, self.timeout) from None
         return seq
 
-    def _call(self, name: str, tensor: np.ndarray | None, *, dtype: np.dtype | None = None,
-              reduce_op: ReduceOp | None = None, root: int | None = None,
-              counts: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> Call:
-        """The fingerprint compared across ranks (detail mode; the local engine, always)."""
+    @staticmethod
+    def call(name: str, tensor: np.ndarray | None, reduce_op: ReduceOp | None = None,
+             extra: dict[str, Any] | None = None) -> Call:
+        """The fingerprint compared across ranks (detail mode; the local engine, always). ``extra``:
+        ``dtype`` (where there is no ``tensor``), ``root``, ``counts``."""
+        extra = extra or {}
         if tensor is not None:
-            return fingerprint(name, tensor.dtype, tensor.shape, reduce_op, root, counts)
-        return fingerprint(name, dtype, None, reduce_op, root, counts)
+            return fingerprint(name, tensor.dtype, tensor.shape, reduce_op, extra.get("root"), extra.get("counts"))
+        return fingerprint(name, extra.get("dtype"), None, reduce_op, extra.get("root"), extra.get("counts"))
 
     def _verify(self, call: Call, seq: int, deadline: float) -> None:
         """Detail mode: every rank must have called the same collective (see debug.Call)."""
-        self._waiting = seq  # a rank that rejected this very call is named at once (notices)
-        if self._fingerprints:  # a rank in another kind of exchange (a monitored barrier) is named too
+        self.failures.waiting = seq  # a rank that rejected this very call is named at once (notices)
+        if self.fingerprints:  # a rank in another kind of exchange (a monitored barrier) is named too
             self.engine.announce((seq, call))
         entries = [e if isinstance(e, tuple) else (-1, None)  # a rank in a monitored barrier sends None
                    for e in self.engine.exchange((seq, call), seq, deadline, watched=True)]
         calls = [c for _, c in entries]
         if all(s == seq for s, _ in entries) and call.agrees(calls):
             return
-        raise self._mismatch(seq, entries)
+        raise self.failures.mismatch(seq, entries)
 
-    def _mismatch(self, seq: int, entries: list[tuple[int, Call | None]]) -> CollectiveMismatchError:
-        return mismatch_error(self.global_rank, self.name, self.ranks, seq, entries)
+    def reject(self, op: str, exc: BaseException) -> BaseException:
+        """``op``'s arguments were rejected on this rank. As in torch the call does not count (it
+        gets no number), but the members that did start it are told, so that they fail instead of
+        waiting for the timeout (unless this rank starts the call, corrected, soon after)."""
+        group, failures = self.group, self.failures
+        if group.rank >= 0 and failures.reason is None and not group.world.destroyed:
+            seq = self.seq
+            failures.rejected.add(seq)
+            record = self.flight_entry(seq, self.name, op, (), None, "rejected")
+            record[ERROR] = str(exc)
+            failures.tell(Notice(REJECTED, group.global_rank, group.ranks, seq, f"{type(exc).__name__}: {exc}"))
+        return exc
 
-    def _announce(self, tag: tuple[int, Call] | None, work: RequestWork | None = None) -> None:
-        """An engine that compares the members' calls (local) is told what the engine call made
-        right after is; a queued call's tag waits for its start (:meth:`_advance`)."""
-        if work is not None:
-            self._tags[work] = tag
-        elif tag is not None:
-            self.engine.announce(tag)
-
-    # ----------------------------------------------------------------- starting and waiting
-    def _run(self, op: str, start: Callable[[], Request], async_op: bool, shapes: tuple, ref: np.ndarray | None,
-             settle: Callable[[], Any] | None, **fingerprint: Any) -> Work | None:
-        """Start an operation by ``start()`` (one engine call) and complete it (see the module docstring)."""
-        thread = self._thread
-        if thread._pending and thread._runner != _get_ident():
-            return self._behind_tasks(op, lambda: self._run(op, start, False, shapes, ref, settle, **fingerprint),
-                                      async_op)
-        seq = self._begin(op, ref, **fingerprint) if self._detail else self._number(op)
-        tag = (seq, self._call(op, ref, **fingerprint)) if self._fingerprints else None
-        dtype = ref.dtype if ref is not None else fingerprint.get("dtype")
-        if async_op:
-            with self._qlock:
-                queued = self._queues and bool(self._inflight)
-                record = self._flight_entry(seq, self.name, op, shapes, dtype, "scheduled" if queued else "started")
-                try:
-                    if not queued:
-                        self._announce(tag)
-                    request = None if queued else start()
-                except BaseException as exc:
-                    raise self._failed(op, seq, record, exc, self.timeout) from None
-                work = RequestWork(self, op, seq, record, request, settle, self.timeout, start if queued else None)
-                if queued and tag is not None:
-                    self._announce(tag, work)
-                work.queued = True
-                self._inflight.append(work)
-            return self._queued(work)
-        if self._inflight:
-            self._drain()
-        record = self._flight_entry(seq, self.name, op, shapes, dtype, "started")
+    # ----------------------------------------------------------------- the path of every collective
+    def run(self, op: str, start: Callable[[], Request], async_op: bool, shapes: tuple, ref: np.ndarray | None,
+            settle: Callable[[], Any] | None, reduce_op: ReduceOp | None = None,
+            extra: dict[str, Any] | None = None) -> Work | None:
+        """Run an operation whose engine call is ``start()``: the phases below, in the order
+        ``ProcessGroup.all_reduce`` takes them with its own engine call."""
+        thread = self.thread
+        if thread.pending and thread.runner != _get_ident():
+            return self.behind_tasks(op, lambda: self.run(op, start, False, shapes, ref, settle, reduce_op, extra),
+                                     async_op)
+        seq = self.issue(op, ref, async_op, reduce_op, extra)
+        dtype = ref.dtype if ref is not None else (extra or {}).get("dtype")
+        if seq < 0:
+            return self.enqueue(~seq, op, start, shapes, dtype, settle)
         try:
-            self._announce(tag)
             request = start()
         except BaseException as exc:
-            raise self._failed(op, seq, record, exc, self.timeout) from None
-        return self._complete(op, seq, record, request, settle)
+            raise self.start_failed(op, seq, shapes, dtype, exc) from None
+        return self.started(op, seq, shapes, dtype, request, settle, async_op)
 
-    def _complete(self, op: str, seq: int, record: CollectiveRecord, request: Request,
-                  settle: Callable[[], Any] | None) -> None:
-        """Wait for a started synchronous operation under the group's timeout."""
+    def issue(self, op: str, ref: np.ndarray | None, async_op: bool, reduce_op: ReduceOp | None = None,
+              extra: dict[str, Any] | None = None) -> int:
+        """Number the operation (in detail mode, check it across ranks) and make way for its start.
+
+        Returns its number ``seq`` when the caller starts it now (a synchronous call, after the
+        async ones before it completed), or ``~seq`` (negative) when it is an async call behind
+        the collective in flight: the caller hands its start to :meth:`enqueue`.
+        """
+        if self.detail:
+            seq = self.begin(op, ref, reduce_op, extra)
+        else:
+            if self.failures.reason is not None:
+                self.failures.unusable(op)
+            seq = self.seq
+            self.seq = seq + 1
+        tag = (seq, self.call(op, ref, reduce_op, extra)) if self.fingerprints else None
+        if async_op:
+            if self.inflight and self.queues:  # behind an earlier collective: started when it completes
+                self._next_tag = tag
+                return ~seq
+        elif self.inflight:
+            self.drain()
+        if tag is not None:  # the engine call made right after is this one (see Engine.announce)
+            self.engine.announce(tag)
+        return seq
+
+    def enqueue(self, seq: int, op: str, start: Callable[[], Request], shapes: tuple, dtype: Any,
+                settle: Callable[[], Any] | None) -> RequestWork:
+        """Async call ``seq`` waits behind the collective in flight; ``start()`` posts it then."""
+        record = self.flight_entry(seq, self.name, op, shapes, dtype, "scheduled")
+        work = RequestWork(self, op, seq, record, None, settle, self.timeout, start)
+        tag, self._next_tag = self._next_tag, None
+        with self.lock:
+            if tag is not None:
+                self.tags[work] = tag
+            work.queued = True
+            self.inflight.append(work)
+            alone = self.inflight[0] is work
+        if alone:  # the one ahead completed meanwhile, before this one was in the queue: start it
+            self.advance(None)
+        return self.track(work, True)
+
+    def start_failed(self, op: str, seq: int, shapes: tuple, dtype: Any, exc: BaseException) -> BaseException:
+        """The engine call of call ``seq`` raised: record it; the error to raise (a RankFailedError
+        breaks the group)."""
+        record = self.flight_entry(seq, self.name, op, shapes, dtype, "started")
+        return self.failures.failed(op, seq, record, exc, self.timeout)
+
+    def started(self, op: str, seq: int, shapes: tuple, dtype: Any, request: Request,
+                settle: Callable[[], Any] | None, async_op: bool) -> Work | None:
+        """Call ``seq`` was posted (``request``): its flight record (written after the post, so
+        that the data moves meanwhile), then its wait under the group's timeout, or its Work."""
+        record = self.flight_entry(seq, self.name, op, shapes, dtype, "started")
+        if async_op:
+            work = RequestWork(self, op, seq, record, request, settle, self.timeout)
+            work.queued = True
+            with self.lock:
+                self.inflight.append(work)
+            return self.track(work, False)
         try:
             if not request.Test():
-                self._block(request, time.monotonic() + self.timeout, seq)
+                self.block(request, time.monotonic() + self.timeout, seq)
             if settle is not None:
                 settle()
         except BaseException as exc:
-            raise self._failed(op, seq, record, exc, self.timeout) from None
+            raise self.failures.failed(op, seq, record, exc, self.timeout) from None
         record[STATE], record[T_END] = "completed", time.time()
         return None
 
-    def _block(self, request: Request, deadline: float, seq: int) -> None:
+    def block(self, request: Request, deadline: float, seq: int) -> None:
         """Block on ``request`` (call #``seq``) until it completes: the engine's wait, which reads
         notices for call ``seq`` while it stalls; the progress agent stands back meanwhile (this
         caller drives MPI)."""
-        self._waiting = seq
-        waiting, me = self.world.progress.waiting, _get_ident()
+        self.failures.waiting = seq
+        waiting, me = self.agent.waiting, _get_ident()
         waiting.add(me)
         try:
             self.engine.wait(request, deadline)
         finally:
             waiting.discard(me)
 
-    def _blocking(self, op: str, step: Callable[[int, float], Any], timeout: float) -> Any:
+    def blocking(self, op: str, step: Callable[[int, float], Any], timeout: float) -> Any:
         """Run a blocking engine step ``step(seq, deadline)`` as operation ``op`` (split, monitored
         barrier): numbered, recorded and ordered like every other operation."""
-        thread = self._thread
-        if thread._pending and thread._runner != _get_ident():
-            return thread.run_in_order(lambda: self._blocking(op, step, timeout), op)
-        seq = self._begin(op, None) if self._detail and op == "split" else self._number(op)
-        if self._inflight:
-            self._drain()
-        record = self._flight_entry(seq, self.name, op, (), None, "started")
-        self._waiting = seq  # a wait in the step that reads notices reads them for this call
+        thread = self.thread
+        if thread.pending and thread.runner != _get_ident():
+            return thread.run_in_order(lambda: self.blocking(op, step, timeout), op)
+        seq = self.begin(op, None) if self.detail and op == "split" else self.number(op)
+        if self.inflight:
+            self.drain()
+        record = self.flight_entry(seq, self.name, op, (), None, "started")
+        self.failures.waiting = seq  # a wait in the step that reads notices reads them for this call
         try:
-            if self._fingerprints:
-                self._announce((seq, Call(op)))
+            if self.fingerprints:
+                self.engine.announce((seq, Call(op)))
             result = step(seq, time.monotonic() + timeout)
         except BaseException as exc:
-            raise self._failed(op, seq, record, exc, timeout) from None
+            raise self.failures.failed(op, seq, record, exc, timeout) from None
         record[STATE], record[T_END] = "completed", time.time()
         return result
 
-    def _behind_tasks(self, op: str, call: Callable[[], Any], async_op: bool) -> Work | None:
+    def behind_tasks(self, op: str, call: Callable[[], Any], async_op: bool) -> Work | None:
         """A call made while ``run_async`` tasks are queued: it runs after them, in order."""
         if async_op:
-            return self._thread.submit(call, Work(f"{op} on group {self.name}"))
-        self._thread.run_in_order(call, op)
+            return self.thread.submit(call, Work(f"{op} on group {self.name}"))
+        self.thread.run_in_order(call, op)
         return None
 
     # ----------------------------------------------------------------- the in-flight queue
-    def _queued(self, work: RequestWork) -> RequestWork:
-        """An async collective just queued: keep it moving (the agent), and test the one ahead of
-        it once (which starts it if that one has completed)."""
-        if self._tracks:
-            self.world.progress.track(work)
-        if getattr(work._request, "watchdog", False):  # device work: watched until done (see RequestWork.watchdog)
-            self.world.progress.watchdog(work)
-        if work._request is None:
-            head = self._inflight[0] if self._inflight else None
+    def track(self, work: RequestWork, waits: bool) -> RequestWork:
+        """An async collective just in the queue (``waits``: behind an earlier one): keep it moving
+        (the agent), and test the one ahead of it once (which starts it if that one has completed)."""
+        if self.tracks:
+            self.agent.track(work)
+        if self.on_device and work.watched():  # device work: watched until done (see RequestWork.watchdog)
+            self.agent.watchdog(work)
+        if waits and work.unstarted():
+            head = self.inflight[0] if self.inflight else None
             if head is not None and head is not work:
                 head.poll(block=False)
         return work
 
-    def _advance(self, done: RequestWork) -> None:
+    def advance(self, done: RequestWork | None) -> None:
         """``done`` finished: start the next queued collective (failing queued ones the group can
         no longer run). Called by whichever thread finished it (a waiter or the progress agent)."""
-        with self._qlock:
-            queue = self._inflight
+        with self.lock:
+            queue = self.inflight
             if queue and queue[0] is done:
                 queue.popleft()
             elif done in queue:
                 queue.remove(done)
-            while queue and queue[0]._request is None and not queue[0]._finished:
+            while queue and queue[0].unstarted():
                 nxt = queue[0]
                 try:
-                    if self._failure is not None:
-                        self._unusable(nxt._op)
-                    if self._tags:
-                        self._announce(self._tags.pop(nxt, None))
+                    if self.failures.reason is not None:
+                        self.failures.unusable(nxt.op)
+                    if self.tags:
+                        tag = self.tags.pop(nxt, None)
+                        if tag is not None:
+                            self.engine.announce(tag)
                     nxt.start()
                     return
                 except BaseException as exc:  # it cannot start: it fails, and the next one is tried
-                    self._tags.pop(nxt, None)
+                    self.tags.pop(nxt, None)
                     queue.popleft()
-                    nxt._result, nxt._error = None, self._work_failed(nxt, exc)
-                    nxt._finished = True
+                    nxt.fail_to_start(exc)
 
-    def _wait_before(self, work: RequestWork, deadline: float | None) -> None:
-        """Wait for the collectives queued ahead of ``work`` until it has started (or failed)."""
-        while work._request is None and not work._finished:
-            with self._qlock:
-                head = self._inflight[0] if self._inflight else None
+    def wait_before(self, work: RequestWork, deadline: float | None) -> bool:
+        """Wait for the collectives queued ahead of ``work`` until it has started (or failed);
+        False if ``deadline`` passed first."""
+        while work.unstarted():
+            with self.lock:
+                head = self.inflight[0] if self.inflight else None
             if head is None or head is work:
-                return
+                return True
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
-                raise CollectiveTimeout(f"meshkit.comm: {work._what} did not start within Work.wait(timeout=...): "
-                                        "the collectives of its group issued before it are still running",
-                                        op=work._op)
+                return False
             try:
                 head.wait(left)
-            except CollectiveTimeout as exc:
+            except CollectiveTimeout:
                 if deadline is not None and time.monotonic() >= deadline:
-                    raise CollectiveTimeout(f"meshkit.comm: {work._what} did not start within Work.wait(timeout="
-                                            "...): the collectives of its group issued before it are still "
-                                            "running", op=work._op) from exc
-            except BaseException:  # the earlier one's own error is its waiter's; ours comes from _advance
+                    return False
+            except BaseException:  # the earlier one's own error is its waiter's; ours comes from advance
                 pass
+        return True
 
-    def _drain(self) -> None:
+    def drain(self) -> None:
         """Before a synchronous collective: every queued one completes first (in program order)."""
-        while self._inflight:
-            last = self._inflight[-1]
+        while self.inflight:
+            last = self.inflight[-1]
             try:
                 last.wait()
             except BaseException:  # that Work's error is raised by its own wait()
                 pass
 
+    def progress(self) -> None:
+        """Test the oldest outstanding collective once (see ``ProcessGroup.progress``)."""
+        inflight = self.inflight
+        if inflight:
+            inflight[0].poll(block=False)
+
+    def counts(self) -> int:
+        """The calls issued, less those from the first asynchronous one not completed on (see
+        ``ProcessGroup.counts``)."""
+        with self.lock:
+            pending = [work.seq for work in self.inflight if not work.finished]
+        return min(pending, default=self.seq)
+
+    def settle(self, deadline: float) -> int:
+        """Let the asynchronous collectives complete until ``deadline``; how many are left."""
+        while self.failures.reason is None:
+            with self.lock:
+                last = self.inflight[-1] if self.inflight else None
+            left = deadline - time.monotonic()
+            if last is None or left <= 0:
+                break
+            try:
+                last.wait(left)
+            except BaseException:  # its own error is its waiter's; this rank leaves anyway
+                break
+        with self.lock:
+            return sum(not work.finished for work in self.inflight)
+
+    # ----------------------------------------------------------------- what a RequestWork asks of its owner
+    def failed(self, op: str, seq: int, record: CollectiveRecord, exc: BaseException) -> BaseException:
+        """A work of this queue failed: record it; the error its waiters raise."""
+        return self.failures.failed(op, seq, record, exc, self.timeout)
+
+    def watchdog_failed(self, op: str, seq: int, error: BaseException, exc: BaseException) -> None:
+        self.failures.watchdog_failed(op, seq, error, exc)
+
+    def check_notices(self, seq: int) -> None:
+        self.failures.check_notices(seq)
+
+    def defer(self, request: Request) -> bool:
+        """Whether the engine ordered the caller's device stream after ``request`` (NCCL), so that
+        ``Work.wait()`` need not block the host."""
+        return self.defers and self.engine.defer(request)
+
+    def use_device(self) -> None:
+        """Make the group's GPU current on the calling thread (device engines; else nothing)."""
+        if self.on_device:
+            self.engine.use_device()
+
+    def end_job(self, reason: str) -> None:
+        """End the whole job (device work failed after its ``Work.wait()`` returned)."""
+        job_end.tear_down(self.group.world, reason)
+
     # ----------------------------------------------------------------- epilogues
-    def _averaged(self, buf: np.ndarray) -> Callable[[], None]:
+    def averaged(self, buf: np.ndarray) -> Callable[[], None]:
         """AVG on an engine without it: the engine sums, then one division by the group size.
 
         For a power-of-two size and a real floating dtype the division is a multiplication by
         ``1 / size``: bit for bit the same (both are the correctly rounded ``x * 2**-k``) and
         1.6-1.7x faster (1 MB float32: 28 -> 16 us, 3 MB: 82 -> 51 us, timeit on this VM).
         """
-        size = self.size
+        size = self.group.size
         if size & (size - 1) == 0 and buf.dtype.kind == "f":
             return functools.partial(_scale, buf, 1.0 / size)
         return functools.partial(_divide, buf, size)

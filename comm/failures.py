@@ -8,8 +8,9 @@ notice (:mod:`~meshkit.comm.notices`), as they are when this rank rejects a call
 A rank stalled in a wait reads the notices it received, and fails at once when one shows that
 the call it waits in can never complete.
 
-:class:`FailureMixin` is a part of :class:`~meshkit.comm.group.ProcessGroup` (which inherits
-it): its methods use the group's state, set in ``ProcessGroup.__init__``.
+A :class:`FailureState` is a part a :class:`~meshkit.comm.group.ProcessGroup` holds (its
+``failures``): it keeps the group's failure state (the reason it broke, the calls this rank
+rejected, the call a wait is for) and reads the group's identity and engine through the group.
 """
 
 from __future__ import annotations
@@ -17,17 +18,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Any
 
 from .checks import where
-from .debug import ERROR, STATE, T_END, CollectiveRecord
+from .debug import ERROR, STATE, T_END, CollectiveRecord, mismatch_error
 from .engine import CallsDiffer, DeadlineExceeded
 from .errors import CollectiveMismatchError, CollectiveTimeout, DistBackendError, DistError, RankFailedError
-from .notices import BROKEN, REJECTED, WATCH_INTERVAL, Notice
-from .p2p import P2PWork
-from .work import RequestWork
+from .notices import BROKEN, WATCH_INTERVAL, Notice
 from .world import dump_flight_record
 
-__all__ = ["FailureMixin"]
+__all__ = ["FailureState"]
 
 logger = logging.getLogger("meshkit")
 
@@ -41,130 +41,138 @@ _notice_lock = threading.Lock()
 _ARRIVAL_GRACE = 0.5
 
 
-class FailureMixin:
-    """How :class:`~meshkit.comm.group.ProcessGroup` records a failure, breaks, and hears of its peers'."""
+class FailureState:
+    """How a :class:`~meshkit.comm.group.ProcessGroup` records a failure, breaks, and hears of its peers'.
+
+    Attributes:
+        reason: why the group broke on this rank (later calls raise), or None while it is usable.
+        rejected: the numbers of calls this rank rejected (they did not count; see ``Notice.blocks``).
+        waiting: the number of the call a wait on this group is for (-1: a send or receive).
+        abandons: the engine aborts its communicator when the group breaks (``capabilities.abandons``).
+    """
+
+    __slots__ = ("group", "reason", "rejected", "waiting", "abandons")
+
+    def __init__(self, group: Any, *, abandons: bool) -> None:
+        self.group = group
+        self.reason: str | None = None
+        self.rejected: set[int] = set()
+        self.waiting = 0
+        self.abandons = abandons
 
     # ----------------------------------------------------------------- failed calls
-    def _failed(self, op: str, seq: int, record: CollectiveRecord, exc: BaseException,
-                timeout: float) -> BaseException:
+    def failed(self, op: str, seq: int, record: CollectiveRecord, exc: BaseException,
+               timeout: float) -> BaseException:
         """Record how operation ``seq`` failed; return the error to raise (a timeout becomes a
         :class:`CollectiveTimeout` and makes the group unusable; anything else is re-raised)."""
+        group = self.group
         record[T_END] = time.time()
         if isinstance(exc, CallsDiffer):  # the engine compared the members' calls (local)
-            exc = self._mismatch(seq, exc.entries)
+            exc = self.mismatch(seq, exc.entries)
         if isinstance(exc, DeadlineExceeded):
             record[STATE] = "timed_out"
-            self._broken(f"{op} #{seq} timed out", seq, timed_out=True)
-            if self._abandons:
+            self.broken(f"{op} #{seq} timed out", seq, timed_out=True)
+            if self.abandons:
                 exc.detail = f"{exc.detail}; the communicator was aborted" if exc.detail else \
                     "the communicator was aborted"
                 if exc.missing is None and seq >= 0:
-                    exc.missing = self._not_arrived(seq)
+                    exc.missing = self.not_arrived(seq)
             error = self._timeout_error(op, seq, timeout, exc)
             record[ERROR] = str(error)
-            logger.error("%s\n%s", error, self.world.recorder.format(self.global_rank))
-            dump_flight_record(self.world, error)  # MESHKIT_TRACE_DIR, for python -m meshkit.debug analyze
+            logger.error("%s\n%s", error, group.world.recorder.format(group.global_rank))
+            dump_flight_record(group.world, error)  # MESHKIT_TRACE_DIR, for python -m meshkit.debug analyze
             return error
         record[STATE], record[ERROR] = "failed", repr(exc)
         # A peer's failure breaks the group; on an engine that aborts (NCCL), so does its own
         # failure (an asynchronous NCCL error aborted the communicator): the others are told.
-        if self._failure is None and (isinstance(exc, RankFailedError)
-                                      or (self._abandons and isinstance(exc, DistBackendError))):
-            self._broken(f"{op} #{seq} failed: {exc}", seq)
+        if self.reason is None and (isinstance(exc, RankFailedError)
+                                    or (self.abandons and isinstance(exc, DistBackendError))):
+            self.broken(f"{op} #{seq} failed: {exc}", seq)
         if isinstance(exc, CollectiveMismatchError):
-            logger.error("%s\n%s", exc, self.world.recorder.format(self.global_rank))
-        dump_flight_record(self.world, exc)
+            logger.error("%s\n%s", exc, group.world.recorder.format(group.global_rank))
+        dump_flight_record(group.world, exc)
         return exc
 
-    def _work_failed(self, work: RequestWork, exc: BaseException) -> BaseException:
-        """A Work of this group failed: record it; the error its waiters raise."""
-        if isinstance(work, P2PWork):
-            return work.error(exc)
-        return self._failed(work._op, work._seq, work._record, exc, self.timeout)
+    def watchdog_failed(self, op: str, seq: int, error: BaseException, exc: BaseException) -> None:
+        """The watchdog found call ``seq``'s device operation failed (``exc``, recorded as ``error``),
+        possibly after its ``Work.wait()`` returned (which only ordered the caller's stream): the
+        group breaks (the communicator is aborted, the others are told; the next call raises), and
+        the error is logged with the flight record, since no caller may be there to raise it."""
+        if self.reason is None:
+            self.broken(f"{op} #{seq} failed: {error}", seq)
+        if not (isinstance(exc, DeadlineExceeded) and seq >= 0):  # failed() logged a collective's timeout
+            group = self.group
+            logger.error("%s\n%s", error, group.world.recorder.format(group.global_rank))
 
-    def _watchdog_failed(self, work: RequestWork, exc: BaseException) -> BaseException:
-        """The watchdog found ``work``'s device operation failed or past its deadline, possibly
-        after its ``Work.wait()`` returned (which only ordered the caller's stream): it fails as
-        a waiter's would, the group breaks (the communicator is aborted, the others are told; the
-        next call raises), and the error is logged with the flight record, since no caller may
-        be there to raise it."""
-        error = self._work_failed(work, exc)
-        if self._failure is None:
-            self._broken(f"{work._op} #{work._seq} failed: {error}", work._seq)
-        if not (isinstance(exc, DeadlineExceeded) and work._seq >= 0):  # _failed logged a collective's timeout
-            logger.error("%s\n%s", error, self.world.recorder.format(self.global_rank))
-        return error
+    def mismatch(self, seq: int, entries: list) -> CollectiveMismatchError:
+        group = self.group
+        return mismatch_error(group.global_rank, group.name, group.ranks, seq, entries)
 
     def _timeout_error(self, op: str, seq: int, timeout: float, exc: DeadlineExceeded) -> CollectiveTimeout:
-        head = (f"meshkit.comm: rank {self.global_rank}: {op} #{seq} on group {self.name} "
-                f"(ranks {list(self.ranks)}) timed out after {timeout:.1f} s")
+        group = self.group
+        head = (f"meshkit.comm: rank {group.global_rank}: {op} #{seq} on group {group.name} "
+                f"(ranks {list(group.ranks)}) timed out after {timeout:.1f} s")
         if exc.missing:
             who = f"ranks that did not arrive: {sorted(exc.missing)}"
         elif exc.missing is not None:
             who = ("every rank reached the call; they may have called different collectives or "
                    "counts (run with MESHKIT_DEBUG=detail to check every call)")
         else:
-            who = (f"the {self.backend} engine cannot tell which ranks did not arrive; run with "
+            who = (f"the {group.backend} engine cannot tell which ranks did not arrive; run with "
                    "MESHKIT_DEBUG=detail to check arrivals before every collective, or use monitored_barrier")
         detail = f" ({exc.detail})" if exc.detail else ""
-        return CollectiveTimeout(f"{head}; {who}{detail}", op=op, group=self.name, seq=seq, missing=exc.missing)
+        return CollectiveTimeout(f"{head}; {who}{detail}", op=op, group=group.name, seq=seq, missing=exc.missing)
 
     # ----------------------------------------------------------------- a broken group, and telling the others
-    def _broken(self, why: str, seq: int, *, timed_out: bool = False) -> None:
+    def broken(self, why: str, seq: int, *, timed_out: bool = False) -> None:
         """This rank stops using the group at call ``seq``; the other members are told (after the
         engine, if it can, aborted what it had started: an NCCL kernel would otherwise wait for
         the missing ranks forever)."""
-        self._failure = why
-        if self._abandons:
-            self.engine.abandon(why)
-        self._tell(Notice(BROKEN, self.global_rank, self.ranks, seq, why, timed_out=timed_out))
+        group = self.group
+        self.reason = why
+        if self.abandons:
+            group.engine.abandon(why)
+        self.tell(Notice(BROKEN, group.global_rank, group.ranks, seq, why, timed_out=timed_out))
 
-    def _unusable(self, op: str) -> None:
-        raise DistError(f"{where(self, op)}: group {self.name} is unusable after an earlier failure: "
-                        f"{self._failure}")
+    def unusable(self, op: str) -> None:
+        """Raise: the group broke earlier."""
+        group = self.group
+        raise DistError(f"{where(group, op)}: group {group.name} is unusable after an earlier failure: "
+                        f"{self.reason}")
 
-    def _tell(self, notice: Notice) -> None:
-        others = [r for r in self.ranks if r != self.global_rank]
-        if others and self.engine is not None:
+    def tell(self, notice: Notice) -> None:
+        """Send ``notice`` to the group's other members (best effort)."""
+        group = self.group
+        others = [r for r in group.ranks if r != group.global_rank]
+        if others and group.engine is not None:
             try:
-                self.engine.notify(others, notice)
+                group.engine.notify(others, notice)
             except Exception:  # telling is best effort: the caller's own error matters more
-                logger.debug("meshkit: rank %d could not send %s", self.global_rank, notice, exc_info=True)
-
-    def _reject(self, op: str, exc: BaseException) -> BaseException:
-        """``op``'s arguments were rejected on this rank. As in torch the call does not count, but
-        the members that did start it are told, so that they fail instead of waiting for the
-        timeout (unless this rank starts the call, corrected, soon after)."""
-        if self.rank >= 0 and self._failure is None and not self.world.destroyed:
-            seq = self._seq
-            self._rejected.add(seq)
-            record = self._flight_entry(seq, self.name, op, (), None, "rejected")
-            record[ERROR] = str(exc)
-            self._tell(Notice(REJECTED, self.global_rank, self.ranks, seq, f"{type(exc).__name__}: {exc}"))
-        return exc
+                logger.debug("meshkit: rank %d could not send %s", group.global_rank, notice, exc_info=True)
 
     # ----------------------------------------------------------------- notices from the others
-    def _stalled(self) -> None:
-        """Called while a wait on this group lasts: raise if a notice shows it is in vain."""
-        self._check_notices(self._waiting)
+    def stalled(self) -> None:
+        """Called while a wait on this group lasts (the engine's ``watch``): raise if a notice shows it is in vain."""
+        self.check_notices(self.waiting)
 
-    def _read_notices(self) -> list[Notice]:
+    def read_notices(self) -> list[Notice]:
         """Every notice this rank received so far (new ones read from the engine)."""
-        world = self.world
+        world = self.group.world
         with _notice_lock:
-            world.notices.extend(self.engine.notices())
+            world.notices.extend(self.group.engine.notices())
         return world.notices
 
-    def _check_notices(self, seq: int) -> None:
+    def check_notices(self, seq: int) -> None:
         """RankFailedError if a notice shows that call #``seq`` (-1: a send or receive) cannot complete."""
-        for notice in self._read_notices():
-            if notice.blocks(self.ranks, seq, self._rejected, aborts=self._abandons):
+        group = self.group
+        for notice in self.read_notices():
+            if notice.blocks(group.ranks, seq, self.rejected, aborts=self.abandons):
                 what = f"call #{seq}" if seq >= 0 else "a send or receive"
-                raise RankFailedError(f"meshkit.comm: rank {self.global_rank}: {what} on group "
-                                      f"{self.name} (ranks {list(self.ranks)}) cannot complete: "
-                                      f"{notice.describe(self.name, p2p=self._waiting < 0)}")
+                raise RankFailedError(f"meshkit.comm: rank {group.global_rank}: {what} on group "
+                                      f"{group.name} (ranks {list(group.ranks)}) cannot complete: "
+                                      f"{notice.describe(group.name, p2p=self.waiting < 0)}")
 
-    def _not_arrived(self, seq: int) -> list[int]:
+    def not_arrived(self, seq: int) -> list[int]:
         """The members that never reached call #``seq``, which timed out here (engines that abort).
 
         This rank has told the others (a BROKEN notice) and aborted its communicator, so every
@@ -172,10 +180,11 @@ class FailureMixin:
         (see :meth:`Notice.blocks`); a member that never issued the call is not waiting in it and
         stays silent. So the members not heard from within ``_ARRIVAL_GRACE`` did not arrive.
         """
-        others = set(self.ranks) - {self.global_rank}
+        group = self.group
+        others = set(group.ranks) - {group.global_rank}
         deadline = time.monotonic() + _ARRIVAL_GRACE
         while True:
-            missing = others - {n.sender for n in self._read_notices() if n.reached(self.ranks, seq)}
+            missing = others - {n.sender for n in self.read_notices() if n.reached(group.ranks, seq)}
             if not missing or time.monotonic() >= deadline:
                 return sorted(missing)
             time.sleep(WATCH_INTERVAL)

@@ -16,17 +16,18 @@ way, synchronous or not:
 While a task of :meth:`ProcessGroup.run_async` is queued, later calls join the queue behind
 it, so that the group's operations still start in program order.
 
-This module holds the class: its state, identity, public collectives (step 1, and
-``all_reduce`` whole, hand-inlined) and lifecycle. The rest of its methods are in private
-mixins it inherits, one concern each (the engine stays held, never inherited):
-:mod:`~meshkit.comm.p2p` (``isend``/``irecv``), :mod:`~meshkit.comm.execution` (steps 2-4 and
-the queue of in-flight collectives) and :mod:`~meshkit.comm.failures` (a failed call recorded,
-the group broken, the other ranks told, their notices read).
+This module holds the class: its identity, public collectives (step 1, then the path every
+collective shares) and lifecycle. The group holds its other parts, each an object with its state
+declared in its own class (the engine is held the same way, never inherited):
+:class:`~meshkit.comm.execution.CollectiveQueue` (``queue``: steps 2-4, the numbering and the
+queue of in-flight collectives; the owner of the works it hands out) and
+:class:`~meshkit.comm.failures.FailureState` (``failures``: a failed call recorded, the group
+broken, the other ranks told, their notices read); :mod:`~meshkit.comm.p2p` holds
+``isend``/``irecv``.
 """
 
 from __future__ import annotations
 
-import collections
 import functools
 import logging
 import math
@@ -37,16 +38,15 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from .checks import check_array, check_like, check_list, check_root, check_split_sizes, where
+from . import p2p
+from .checks import check_array, check_like, check_list, check_member, check_root, check_split_sizes, where
 from .cuda_runtime import keep_current_device
-from .debug import DebugLevel
 from .engine import DeadlineExceeded, Engine
-from .errors import DistError, DistTypeError, DistValueError
-from .execution import ExecutionMixin
-from .failures import FailureMixin
-from .p2p import PointToPointMixin
+from .errors import DistTypeError, DistValueError
+from .execution import CollectiveQueue
+from .failures import FailureState
 from .reduce_op import ReduceOp, check_op_dtype, valid_op_dtypes
-from .work import CommThread, RequestWork, Work
+from .work import Work
 
 if TYPE_CHECKING:
     from .world import World
@@ -56,12 +56,12 @@ __all__ = ["ProcessGroup"]
 logger = logging.getLogger("meshkit")
 
 _get_ident = threading.get_ident
-#: The highest level, compared by identity: read through the class (``DebugLevel.DETAIL``) it
-#: cost 0.2 us a call on Python 3.11, through this name 0.07 us (timeit, this VM).
-_DETAIL = DebugLevel.DETAIL
+#: Bound once: an Enum member read from its class costs about 0.1 us on Python 3.11 (timeit), on the
+#: hottest call of all.
+_AVG = ReduceOp.AVG
 
 
-class ProcessGroup(PointToPointMixin, ExecutionMixin, FailureMixin):
+class ProcessGroup:
     """A group of ranks that communicate together (torch's ``ProcessGroup``).
 
     Attributes:
@@ -71,7 +71,13 @@ class ProcessGroup(PointToPointMixin, ExecutionMixin, FailureMixin):
         name: a readable name (``"world"``, ``"dp"``, ``"group[0, 2]"``).
         timeout: seconds every blocking call waits at most.
         engine: the engine that moves the data (None on a handle of a group this rank is not in).
+        world: the world the group belongs to.
+        failures: its failure state (a part it holds; not user API).
+        queue: how it numbers, starts, queues and completes its operations (a part it holds; not user API).
     """
+
+    __slots__ = ("engine", "world", "ranks", "rank", "size", "name", "timeout", "failures", "queue",
+                 "_group_rank_of", "__weakref__")
 
     def __init__(self, engine: Engine | None, *, world: World, ranks: Sequence[int], group_rank: int, name: str,
                  timeout: float) -> None:
@@ -82,48 +88,13 @@ class ProcessGroup(PointToPointMixin, ExecutionMixin, FailureMixin):
         self.size = len(self.ranks)
         self.name = name
         self.timeout = float(timeout)
-        self._seq = 0
-        self._failure: str | None = None
-        self._thread = CommThread(f"meshkit-comm[{name}]")
-        self._flight_entry = world.recorder.record  # bound once: called on every operation
         self._group_rank_of = {g: i for i, g in enumerate(self.ranks)}
-        # An engine that compares the members' calls as it moves their data (local: always, at no
-        # extra exchange) is handed each call's fingerprint; detail mode's error, in every mode.
-        self._fingerprints = engine is not None and getattr(engine, "checks_calls", False)
-        self._tags: dict[RequestWork, tuple] = {}  # fingerprints of queued calls, announced as each starts
-        # Detail mode: point-to-point messages carry a header, where the engine does not already
-        # report the sender's dtype (MPI moves bytes; the local engine hands over the array).
-        self._may_head = engine is not None and not getattr(engine, "reports_dtype", False)
-        # Engines without a native average sum, and the group divides once (as NCCL's AVG does).
-        self._divides = engine is not None and not engine.native_avg
-        self._tracks = engine is not None and getattr(engine, "needs_progress", False)
-        # An engine with ``abandon`` (NCCL) aborts its communicator when the group breaks: nothing
-        # it started can complete afterwards, on this rank or for the other members.
-        self._abandons = engine is not None and hasattr(engine, "abandon")
-        # At most one collective of the group is in the engine at a time; later async calls wait in
-        # this queue, in order, and start as the one before completes (see _advance). MPICH runs two
-        # concurrent Iallreduce of 256 KB-4 MB 1.8-2.6x slower than the same two one after the other
-        # (2 ranks, raw mpi4py; benchmarks/collectives.py --mode async), and DDP's buckets are such.
-        self._inflight: collections.deque[RequestWork] = collections.deque()
-        # An engine that orders its operations itself (NCCL's stream) starts each one at once.
-        self._queues = engine is None or getattr(engine, "queues", True)
-        self._qlock = threading.Lock()
-        self._rejected: set[int] = set()  # numbers of calls this rank rejected (they did not count)
-        self._waiting = 0  # the call a wait on this group is for (read by _stalled)
+        # An engine that aborts its communicator when the group breaks (NCCL's abandon): nothing it
+        # started can complete afterwards, on this rank or for the other members.
+        self.failures = FailureState(self, abandons=engine is not None and engine.capabilities.abandons)
+        self.queue = CollectiveQueue(self, engine, self.failures)
         if engine is not None:
-            engine.watch = self._stalled
-
-    # ----------------------------------------------------------------- debug level
-    @property
-    def _detail(self) -> bool:
-        """Detail mode: every call is fingerprinted and checked first. Read at each call (not
-        cached), so that set_debug_level reaches groups that exist (issue 26.3)."""
-        return self.world.debug is _DETAIL
-
-    @property
-    def _headers(self) -> bool:
-        """Detail mode's point-to-point headers, where the engine does not report dtypes itself."""
-        return self._may_head and self.world.debug is _DETAIL
+            engine.watch = self.failures.stalled
 
     # ----------------------------------------------------------------- identity
     @property
@@ -160,7 +131,7 @@ class ProcessGroup(PointToPointMixin, ExecutionMixin, FailureMixin):
     @property
     def device(self) -> int | None:
         """The index of the GPU this rank's collectives run on (NCCL engine), or None (host engines)."""
-        return getattr(self.engine, "device", None)
+        return self.engine.device if self.engine is not None else None
 
     def host_name(self) -> str:
         """The name of the host this rank runs on (MPI's processor name on the mpi engine)."""
@@ -178,60 +149,29 @@ class ProcessGroup(PointToPointMixin, ExecutionMixin, FailureMixin):
         Example (3 ranks): rank r holds ``[r, 1]``; afterwards every rank holds ``[3, 3]``.
         """
         if self.rank < 0 or self.world.destroyed:
-            self._member("all_reduce")
+            check_member(self, "all_reduce")
         try:
             check_array(self, "all_reduce", "tensor", tensor)
             if op.__class__ is not ReduceOp or (op, tensor.dtype) not in valid_op_dtypes:  # checked once per pair
                 op = check_op_dtype(op, tensor.dtype, lambda: where(self, "all_reduce"))
         except (DistValueError, DistTypeError) as exc:
-            raise self._reject("all_reduce", exc)
-        thread = self._thread
-        if thread._pending and thread._runner != _get_ident():
-            return self._behind_tasks("all_reduce", lambda: self.all_reduce(tensor, op), async_op)
-        if self._detail:
-            seq = self._begin("all_reduce", tensor, reduce_op=op)
-        else:  # _number, inlined: this is the hottest call of all
-            if self._failure is not None:
-                self._unusable("all_reduce")
-            seq = self._seq
-            self._seq = seq + 1
-        tag = (seq, self._call("all_reduce", tensor, reduce_op=op)) if self._fingerprints else None
-        settle = self._averaged(tensor) if op is ReduceOp.AVG and self._divides else None
-        if async_op:
-            with self._qlock:
-                if self._inflight and self._queues:  # behind an earlier collective: started when it completes
-                    request, start = None, functools.partial(self.engine.all_reduce, tensor, op)
-                else:
-                    try:
-                        if tag is not None:
-                            self._announce(tag)
-                        request, start = self.engine.all_reduce(tensor, op), None
-                    except BaseException as exc:
-                        raise self._start_failed(seq, tensor, exc) from None
-                record = self._flight_entry(seq, self.name, "all_reduce", (tensor.shape,), tensor.dtype,
-                                            "scheduled" if request is None else "started")
-                work = RequestWork(self, "all_reduce", seq, record, request, settle, self.timeout, start)
-                if start is not None and tag is not None:
-                    self._announce(tag, work)
-                work.queued = True
-                self._inflight.append(work)
-            return self._queued(work)
-        if self._inflight:
-            self._drain()
-        try:  # posted before the flight record is written: the data moves meanwhile
-            if tag is not None:
-                self._announce(tag)
+            raise self.queue.reject("all_reduce", exc)
+        # The path of every collective (CollectiveQueue.run's phases), with the engine call made here:
+        # DDP's bucket reaches the engine in five calls (README, tests/test_structure.py).
+        queue = self.queue
+        thread = queue.thread
+        if thread.pending and thread.runner != _get_ident():
+            return queue.behind_tasks("all_reduce", lambda: self.all_reduce(tensor, op), async_op)
+        seq = queue.issue("all_reduce", tensor, async_op, op)
+        settle = queue.averaged(tensor) if op is _AVG and queue.divides else None
+        if seq < 0:  # async, behind the collective in flight: started when that one completes
+            return queue.enqueue(~seq, "all_reduce", functools.partial(self.engine.all_reduce, tensor, op),
+                                 (tensor.shape,), tensor.dtype, settle)
+        try:
             request = self.engine.all_reduce(tensor, op)
         except BaseException as exc:
-            raise self._start_failed(seq, tensor, exc) from None
-        record = self._flight_entry(seq, self.name, "all_reduce", (tensor.shape,), tensor.dtype, "started")
-        return self._complete("all_reduce", seq, record, request, settle)
-
-    def _start_failed(self, seq: int, tensor: np.ndarray, exc: BaseException) -> BaseException:
-        """all_reduce's engine call raised before its record existed: record it and fail as
-        :meth:`_run` does for every other operation (a RankFailedError breaks the group)."""
-        record = self._flight_entry(seq, self.name, "all_reduce", (tensor.shape,), tensor.dtype, "started")
-        return self._failed("all_reduce", seq, record, exc, self.timeout)
+            raise queue.start_failed("all_reduce", seq, (tensor.shape,), tensor.dtype, exc) from None
+        return queue.started("all_reduce", seq, (tensor.shape,), tensor.dtype, request, settle, async_op)
 
     def reduce(self, tensor: np.ndarray, root: int, op: ReduceOp = ReduceOp.SUM, *,
                async_op: bool = False) -> Work | None:
@@ -239,27 +179,28 @@ class ProcessGroup(PointToPointMixin, ExecutionMixin, FailureMixin):
 
         The other ranks' ``tensor`` keeps its contents.
         """
-        self._member("reduce")
+        check_member(self, "reduce")
         try:
             check_array(self, "reduce", "tensor", tensor)
             root = check_root(self, "reduce", "dst", root)
             op = check_op_dtype(op, tensor.dtype, lambda: where(self, "reduce"))
         except (DistValueError, DistTypeError) as exc:
-            raise self._reject("reduce", exc)
-        settle = self._averaged(tensor) if op is ReduceOp.AVG and self._divides and self.rank == root else None
-        return self._run("reduce", lambda: self.engine.reduce(tensor, op, root), async_op, (tensor.shape,),
-                         tensor, settle, reduce_op=op, root=root)
+            raise self.queue.reject("reduce", exc)
+        queue = self.queue
+        settle = queue.averaged(tensor) if op is ReduceOp.AVG and queue.divides and self.rank == root else None
+        return queue.run("reduce", lambda: self.engine.reduce(tensor, op, root), async_op, (tensor.shape,),
+                         tensor, settle, op, {"root": root})
 
     def broadcast(self, tensor: np.ndarray, root: int, *, async_op: bool = False) -> Work | None:
         """Copy group rank ``root``'s ``tensor`` into every rank's ``tensor``."""
-        self._member("broadcast")
+        check_member(self, "broadcast")
         try:
             check_array(self, "broadcast", "tensor", tensor)
             root = check_root(self, "broadcast", "src", root)
         except (DistValueError, DistTypeError) as exc:
-            raise self._reject("broadcast", exc)
-        return self._run("broadcast", lambda: self.engine.broadcast(tensor, root), async_op, (tensor.shape,),
-                         tensor, None, root=root)
+            raise self.queue.reject("broadcast", exc)
+        return self.queue.run("broadcast", lambda: self.engine.broadcast(tensor, root), async_op, (tensor.shape,),
+                              tensor, None, None, {"root": root})
 
     def all_gather_into_tensor(self, output: np.ndarray, input: np.ndarray, *,
                                async_op: bool = False) -> Work | None:
@@ -268,87 +209,87 @@ class ProcessGroup(PointToPointMixin, ExecutionMixin, FailureMixin):
         ``input`` may be the rank's own chunk of ``output`` (a view), which gathers in place.
         """
         name = "all_gather_into_tensor"
-        self._member(name)
+        check_member(self, name)
         try:
             check_array(self, name, "input", input, writable=False)
             check_array(self, name, "output", output)
             check_like(self, name, "output", output, input, "input", size=input.size * self.size)
         except (DistValueError, DistTypeError) as exc:
-            raise self._reject(name, exc)
-        return self._run(name, lambda: self.engine.all_gather(output, input), async_op,
-                         (input.shape, output.shape), input, None)
+            raise self.queue.reject(name, exc)
+        return self.queue.run(name, lambda: self.engine.all_gather(output, input), async_op,
+                              (input.shape, output.shape), input, None)
 
     def all_gather(self, tensor_list: list[np.ndarray], tensor: np.ndarray, *,
                    async_op: bool = False) -> Work | None:
         """Gather every rank's ``tensor`` into ``tensor_list[rank]`` on every rank."""
-        self._member("all_gather")
+        check_member(self, "all_gather")
         try:
             check_array(self, "all_gather", "tensor", tensor, writable=False)
             outs = check_list(self, "all_gather", "tensor_list", tensor_list, tensor, "tensor", writable=True)
         except (DistValueError, DistTypeError) as exc:
-            raise self._reject("all_gather", exc)
+            raise self.queue.reject("all_gather", exc)
         flat = np.empty_like(tensor, shape=(self.size,) + tensor.shape)  # on the tensor's device
-        return self._run("all_gather", lambda: self.engine.all_gather(flat, tensor), async_op, (tensor.shape,),
-                         tensor, _copy_rows(flat, outs))
+        return self.queue.run("all_gather", lambda: self.engine.all_gather(flat, tensor), async_op,
+                              (tensor.shape,), tensor, _copy_rows(flat, outs))
 
     def reduce_scatter_tensor(self, output: np.ndarray, input: np.ndarray, op: ReduceOp = ReduceOp.SUM,
                               *, async_op: bool = False) -> Work | None:
         """Reduce ``input`` (``size`` chunks) over the group; rank r receives reduced chunk r."""
         name = "reduce_scatter_tensor"
-        self._member(name)
+        check_member(self, name)
         try:
             check_array(self, name, "input", input, writable=False)
             check_array(self, name, "output", output)
             check_like(self, name, "input", input, output, "output", size=output.size * self.size)
             op = check_op_dtype(op, input.dtype, lambda: where(self, name))
         except (DistValueError, DistTypeError) as exc:
-            raise self._reject(name, exc)
-        settle = self._averaged(output) if op is ReduceOp.AVG and self._divides else None
-        return self._run(name, lambda: self.engine.reduce_scatter(output, input, op), async_op,
-                         (input.shape, output.shape), input, settle, reduce_op=op)
+            raise self.queue.reject(name, exc)
+        settle = self.queue.averaged(output) if op is ReduceOp.AVG and self.queue.divides else None
+        return self.queue.run(name, lambda: self.engine.reduce_scatter(output, input, op), async_op,
+                              (input.shape, output.shape), input, settle, op)
 
     def reduce_scatter(self, output: np.ndarray, input_list: list[np.ndarray], op: ReduceOp = ReduceOp.SUM,
                        *, async_op: bool = False) -> Work | None:
         """Reduce ``input_list[r]`` over the group into rank r's ``output``."""
-        self._member("reduce_scatter")
+        check_member(self, "reduce_scatter")
         try:
             check_array(self, "reduce_scatter", "output", output)
             ins = check_list(self, "reduce_scatter", "input_list", input_list, output, "output", writable=False)
             op = check_op_dtype(op, output.dtype, lambda: where(self, "reduce_scatter"))
         except (DistValueError, DistTypeError) as exc:
-            raise self._reject("reduce_scatter", exc)
-        settle = self._averaged(output) if op is ReduceOp.AVG and self._divides else None
+            raise self.queue.reject("reduce_scatter", exc)
+        settle = self.queue.averaged(output) if op is ReduceOp.AVG and self.queue.divides else None
         stacked = np.stack(ins)
-        return self._run("reduce_scatter", lambda: self.engine.reduce_scatter(output, stacked, op), async_op,
-                         (output.shape,), output, settle, reduce_op=op)
+        return self.queue.run("reduce_scatter", lambda: self.engine.reduce_scatter(output, stacked, op), async_op,
+                              (output.shape,), output, settle, op)
 
     def gather(self, tensor: np.ndarray, gather_list: list[np.ndarray] | None, root: int, *,
                async_op: bool = False) -> Work | None:
         """Gather every rank's ``tensor`` into ``gather_list`` on group rank ``root``."""
-        self._member("gather")
+        check_member(self, "gather")
         try:
             check_array(self, "gather", "tensor", tensor, writable=False)
             root = check_root(self, "gather", "dst", root)
             outs = self._root_list("gather", "gather_list", gather_list, tensor, root, writable=True)
         except (DistValueError, DistTypeError) as exc:
-            raise self._reject("gather", exc)
+            raise self.queue.reject("gather", exc)
         flat = np.empty_like(tensor, shape=(self.size,) + tensor.shape) if outs is not None else None
-        return self._run("gather", lambda: self.engine.gather(flat, tensor, root), async_op, (tensor.shape,),
-                         tensor, None if outs is None else _copy_rows(flat, outs), root=root)
+        return self.queue.run("gather", lambda: self.engine.gather(flat, tensor, root), async_op, (tensor.shape,),
+                              tensor, None if outs is None else _copy_rows(flat, outs), None, {"root": root})
 
     def scatter(self, tensor: np.ndarray, scatter_list: list[np.ndarray] | None, root: int, *,
                 async_op: bool = False) -> Work | None:
         """Send ``scatter_list[r]`` from group rank ``root`` into rank r's ``tensor``."""
-        self._member("scatter")
+        check_member(self, "scatter")
         try:
             check_array(self, "scatter", "tensor", tensor)
             root = check_root(self, "scatter", "src", root)
             ins = self._root_list("scatter", "scatter_list", scatter_list, tensor, root, writable=False)
         except (DistValueError, DistTypeError) as exc:
-            raise self._reject("scatter", exc)
+            raise self.queue.reject("scatter", exc)
         stacked = np.stack(ins) if ins is not None else None
-        return self._run("scatter", lambda: self.engine.scatter(tensor, stacked, root), async_op, (tensor.shape,),
-                         tensor, None, root=root)
+        return self.queue.run("scatter", lambda: self.engine.scatter(tensor, stacked, root), async_op, (tensor.shape,),
+                              tensor, None, None, {"root": root})
 
     def all_to_all_single(self, output: np.ndarray, input: np.ndarray,
                           output_split_sizes: Sequence[int] | None = None,
@@ -359,7 +300,7 @@ class ProcessGroup(PointToPointMixin, ExecutionMixin, FailureMixin):
         Split sizes count rows of dim 0; None means equal parts. No copies are made.
         """
         name = "all_to_all_single"
-        self._member(name)
+        check_member(self, name)
         try:
             check_array(self, name, "input", input, writable=False)
             check_array(self, name, "output", output)
@@ -373,14 +314,15 @@ class ProcessGroup(PointToPointMixin, ExecutionMixin, FailureMixin):
             recv = [s * row for s in check_split_sizes(self, name, "output_split_sizes", output_split_sizes,
                                                        output.shape[0])]
         except (DistValueError, DistTypeError) as exc:
-            raise self._reject(name, exc)
-        return self._run(name, lambda: self.engine.all_to_all(output, recv, input, send), async_op,
-                         (input.shape, output.shape), None, None, dtype=input.dtype, counts=(tuple(send), tuple(recv)))
+            raise self.queue.reject(name, exc)
+        return self.queue.run(name, lambda: self.engine.all_to_all(output, recv, input, send), async_op,
+                              (input.shape, output.shape), None, None, None,
+                              {"dtype": input.dtype, "counts": (tuple(send), tuple(recv))})
 
     def all_to_all(self, output_list: list[np.ndarray], input_list: list[np.ndarray], *,
                    async_op: bool = False) -> Work | None:
         """Send ``input_list[j]`` to rank j; receive rank j's array into ``output_list[j]``."""
-        self._member("all_to_all")
+        check_member(self, "all_to_all")
         try:
             if not isinstance(input_list, (list, tuple)) or not input_list:
                 raise DistValueError(f"{where(self, 'all_to_all')}: input_list must be a list of {self.size} arrays")
@@ -391,7 +333,7 @@ class ProcessGroup(PointToPointMixin, ExecutionMixin, FailureMixin):
             outs = check_list(self, "all_to_all", "output_list", output_list, ref, "input_list[0]", writable=True,
                               same_shape=False)
         except (DistValueError, DistTypeError) as exc:
-            raise self._reject("all_to_all", exc)
+            raise self.queue.reject("all_to_all", exc)
         send = [x.size for x in ins]
         recv = [x.size for x in outs]
         flat_in = np.concatenate([x.ravel() for x in ins])
@@ -403,14 +345,27 @@ class ProcessGroup(PointToPointMixin, ExecutionMixin, FailureMixin):
                 out.reshape(-1)[...] = flat_out[start:start + n]
                 start += n
 
-        return self._run("all_to_all", lambda: self.engine.all_to_all(flat_out, recv, flat_in, send), async_op,
-                         tuple(x.shape for x in ins), None, settle, dtype=ref.dtype,
-                         counts=(tuple(send), tuple(recv)))
+        return self.queue.run("all_to_all", lambda: self.engine.all_to_all(flat_out, recv, flat_in, send), async_op,
+                              tuple(x.shape for x in ins), None, settle, None,
+                              {"dtype": ref.dtype, "counts": (tuple(send), tuple(recv))})
 
     def barrier(self, *, async_op: bool = False) -> Work | None:
         """Block until every rank of the group has reached the barrier."""
-        self._member("barrier")
-        return self._run("barrier", self.engine.barrier, async_op, (), None, None)
+        check_member(self, "barrier")
+        return self.queue.run("barrier", self.engine.barrier, async_op, (), None, None)
+
+    def isend(self, tensor: np.ndarray, dst: int, tag: int = 0) -> Work:
+        """Start sending ``tensor`` to group rank ``dst``; the Work completes when it may be reused."""
+        return p2p.isend(self, tensor, dst, tag)
+
+    def irecv(self, tensor: np.ndarray, src: int | None = None, tag: int = 0) -> Work:
+        """Start receiving into ``tensor`` from group rank ``src`` (None: any rank).
+
+        ``Work.result()`` is the sender's global rank once the Work completed. A message of
+        another size (or, on the local engine, dtype) than ``tensor`` is an error raised by ``wait``
+        (on MPI a shorter message has been written into the start of ``tensor`` by then).
+        """
+        return p2p.irecv(self, tensor, src, tag)
 
     def monitored_barrier(self, timeout: float | None = None) -> None:
         """A barrier that names every rank that did not arrive within ``timeout`` seconds.
@@ -419,9 +374,9 @@ class ProcessGroup(PointToPointMixin, ExecutionMixin, FailureMixin):
         rank that never arrives is known and reported (torch's gloo ``monitored_barrier``, but
         naming all missing ranks, not only the first).
         """
-        self._member("monitored_barrier")
+        check_member(self, "monitored_barrier")
         limit = self.timeout if timeout is None else float(timeout)
-        self._blocking("monitored_barrier", lambda seq, d: self.engine.exchange(None, seq, d), limit)
+        self.queue.blocking("monitored_barrier", lambda seq, d: self.engine.exchange(None, seq, d), limit)
 
     def split(self, color: int | None, *, ranks: Sequence[int], name: str) -> ProcessGroup | None:
         """Collective over this group: ranks passing the same ``color`` form a new group.
@@ -435,10 +390,10 @@ class ProcessGroup(PointToPointMixin, ExecutionMixin, FailureMixin):
         Returns:
             The new group, or None where ``color`` is None.
         """
-        self._member("split")
+        check_member(self, "split")
         self.world.split_count += 1
         members = tuple(int(r) for r in ranks)
-        engine = self._blocking("split", lambda seq, d: self.engine.split(color, members, d), self.timeout)
+        engine = self.queue.blocking("split", lambda seq, d: self.engine.split(color, members, d), self.timeout)
         if engine is None:
             return None
         return ProcessGroup(engine, world=self.world, ranks=members, group_rank=engine.rank, name=name,
@@ -451,11 +406,7 @@ class ProcessGroup(PointToPointMixin, ExecutionMixin, FailureMixin):
         Python work between its collectives (a backward pass marking gradients) calls this now
         and then, so that an earlier bucket's reduction goes on meanwhile.
         """
-        inflight = self._inflight
-        if inflight:
-            head = inflight[0]
-            if not head._finished:
-                head.poll(block=False)
+        self.queue.progress()
 
     def run_async(self, fn: Callable[[], Any], what: str) -> Work:
         """Run ``fn`` on this group's communication thread, after every task queued before it.
@@ -464,13 +415,13 @@ class ProcessGroup(PointToPointMixin, ExecutionMixin, FailureMixin):
         from other threads wait behind it. Used by communication hooks that chain several
         collectives with computation in between.
         """
-        self._member(what)
+        check_member(self, what)
         # The task may allocate device memory: on this rank's GPU (the engine's, else the caller's
         # current one), not on device 0, where CUDA starts the communication thread.
-        use_device = getattr(self.engine, "use_device", None) or keep_current_device()
+        use_device = self.engine.use_device if self.engine.device is not None else keep_current_device()
         if use_device is not None:
             fn = functools.partial(_on_device, use_device, fn)
-        return self._thread.submit(functools.partial(self._task, what, fn), Work(f"{what} on group {self.name}"))
+        return self.queue.thread.submit(functools.partial(self._task, what, fn), Work(f"{what} on group {self.name}"))
 
     def _task(self, what: str, fn: Callable[[], Any]) -> Any:
         """Run a ``run_async`` task. One that raises may have issued only some of its collectives,
@@ -480,8 +431,8 @@ class ProcessGroup(PointToPointMixin, ExecutionMixin, FailureMixin):
         try:
             return fn()
         except BaseException as exc:
-            if self._failure is None:
-                self._broken(f"{what} raised {type(exc).__name__}: {exc}", self._seq)
+            if self.failures.reason is None:
+                self.failures.broken(f"{what} raised {type(exc).__name__}: {exc}", self.queue.seq)
             raise
 
     def abort(self, reason: str) -> None:
@@ -492,70 +443,48 @@ class ProcessGroup(PointToPointMixin, ExecutionMixin, FailureMixin):
         naming this rank and ``reason``, instead of waiting for the timeout for calls that will
         never come. Later calls on this rank raise too. Idempotent.
         """
-        self._member("abort")
-        if self._failure is None:
-            self._broken(str(reason), self._seq)
+        check_member(self, "abort")
+        if self.failures.reason is None:
+            self.failures.broken(str(reason), self.queue.seq)
 
     # ----------------------------------------------------------------- lifecycle
     def counts(self) -> tuple[tuple[int, ...], int]:
         """``(ranks, calls)``: what a LEFT notice says of this group: the calls issued, less those
         from the first asynchronous one not completed on (started or queued): a rank that leaves
         never completes them, so the members waiting in them must not wait for it (issue 23.5)."""
-        with self._qlock:
-            pending = [work._seq for work in self._inflight if not work._finished]
-        return self.ranks, min(pending, default=self._seq)
+        return self.ranks, self.queue.counts()
 
     def settle(self, deadline: float) -> int:
         """Before this rank leaves: let its asynchronous collectives complete until ``deadline``
         (members already in them complete them within milliseconds). Returns how many are left."""
-        while self._failure is None:
-            with self._qlock:
-                last = self._inflight[-1] if self._inflight else None
-            left = deadline - time.monotonic()
-            if last is None or left <= 0:
-                break
-            try:
-                last.wait(left)
-            except BaseException:  # its own error is its waiter's; this rank leaves anyway
-                break
-        with self._qlock:
-            return sum(not work._finished for work in self._inflight)
+        return self.queue.settle(deadline)
 
     def shutdown(self) -> None:
         """Finish queued tasks and device work (within the timeout), stop the thread, release the
         engine (not one that failed: destroying an NCCL communicator waits for its kernels, which
         may wait for a missing rank forever; the group aborted it instead)."""
-        drained = self._thread.drain(self.timeout)
-        self._thread.close()
+        failures, thread = self.failures, self.queue.thread
+        drained = thread.drain(self.timeout)
+        thread.close()
         if not drained:
-            self._failure = self._failure or "destroyed with asynchronous work still running"
+            failures.reason = failures.reason or "destroyed with asynchronous work still running"
             logger.warning("meshkit: group %s destroyed with asynchronous work still queued after %.0f s",
                            self.name, self.timeout)
-        drain = getattr(self.engine, "drain", None)
-        if drain is not None and self._failure is None:
-            self._waiting = self._seq - 1  # notices about any call issued so far end the wait
+        if self.engine is not None and self.engine.device is not None and failures.reason is None:  # device work
+            failures.waiting = self.queue.seq - 1  # notices about any call issued so far end the wait
             try:
-                drain("destroy_process_group", time.monotonic() + self.timeout)
+                self.engine.drain("destroy_process_group", time.monotonic() + self.timeout)
             except BaseException as exc:  # the group's device work cannot complete: abort, do not hang
                 what = (f"its device work did not complete within {self.timeout:.1f} s" if isinstance(
                         exc, DeadlineExceeded) else f"its device work failed: {exc}")
-                self._broken(f"destroy_process_group: {what}", self._seq)
+                failures.broken(f"destroy_process_group: {what}", self.queue.seq)
                 logger.error("meshkit: rank %d: destroying group %s (ranks %s): %s; the communicator was aborted\n%s",
                              self.global_rank, self.name, list(self.ranks), what,
                              self.world.recorder.format(self.global_rank))
-        if self.engine is not None and self._failure is None:
+        if self.engine is not None and failures.reason is None:
             self.engine.free()
 
     # ----------------------------------------------------------------- argument helpers
-    def _member(self, op: str) -> None:
-        if self.rank < 0:
-            raise DistValueError(
-                f"{where(self, op)}: this rank is not a member of group {self.name} "
-                f"(ranks {list(self.ranks)}); only members may call collectives on it")
-        if self.world.destroyed:
-            raise DistError(f"{where(self, op)}: the process group was destroyed; call "
-                            "init_process_group() again first")
-
     def _root_list(self, op: str, arg: str, xs: list[np.ndarray] | None, ref: np.ndarray, root: int,
                    *, writable: bool) -> list[np.ndarray] | None:
         if self.rank == root:

@@ -140,11 +140,11 @@ def set_debug_level(level: DebugLevel | str) -> None:
     group = world.default_group
     members = [g for g in list(world.groups.values()) if g.is_member and g.engine is not None]
     for g in members:  # calls made by queued run_async tasks are issued before the switch, on every rank
-        g._thread.drain(g.timeout)
-    mine = _Switch(parsed, tuple(sorted((g.ranks, g._seq) for g in members)))
-    switches = group._blocking("set_debug_level",
-                               lambda seq, deadline: group.engine.exchange(mine, seq, deadline, watched=True),
-                               group.timeout)
+        g.queue.thread.drain(g.timeout)
+    mine = _Switch(parsed, tuple(sorted((g.ranks, g.queue.seq) for g in members)))
+    switches = group.queue.blocking("set_debug_level",
+                                    lambda seq, deadline: group.engine.exchange(mine, seq, deadline, watched=True),
+                                    group.timeout)
     _check_switches(world.rank, switches)
     world.debug = parsed
 

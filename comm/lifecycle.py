@@ -23,7 +23,7 @@ from .levels import agree_at_init, requested_level
 from .notices import LEFT, Notice
 from .progress import ProgressAgent
 from .timeouts import resolve_timeout
-from .work import abort_job
+from .job_end import abort_job
 from .world import World, current_world, is_initialized, local_context, set_world
 
 __all__ = ["init_process_group", "destroy_process_group", "BACKENDS"]
@@ -144,10 +144,9 @@ def _leave(world: World, how: str) -> None:
     detail = f"{how}, after {dict(counts).get(group.ranks, 0)} calls on the world group"
     if unfinished:
         detail += f", leaving {unfinished} asynchronous collective(s) unfinished"
-    group._tell(Notice(LEFT, world.rank, detail=detail, counts=counts))
-    flush = getattr(group.engine, "flush", None)
-    if flush is not None:
-        flush(_LEAVE_FLUSH_SECONDS)
+    group.failures.tell(Notice(LEFT, world.rank, detail=detail, counts=counts))
+    if group.engine is not None:
+        group.engine.flush(_LEAVE_FLUSH_SECONDS)
 
 
 def _at_exit() -> None:

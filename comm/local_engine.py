@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .engine import CallsDiffer, DeadlineExceeded
+from .engine import CallsDiffer, DeadlineExceeded, EngineCapabilities
 from .errors import DistValueError, RankFailedError
 from .notices import WATCH_INTERVAL, Notice
 from .reduce_op import ReduceOp, combine_into
@@ -204,9 +204,11 @@ class LocalEngine:
 
     backend = "local"
     native_avg = False
-    checks_calls = True  # announce(): every rendezvous compares what its members called
-    needs_progress = False  # a rendezvous completes as the others deposit: nothing to drive
-    reports_dtype = True  # a receive knows the sent array's dtype
+    # checks_calls: announce(), every rendezvous compares what its members called; reports_dtype: a
+    # receive knows the sent array's dtype. No progress to drive: a rendezvous completes as the
+    # others deposit. No job to abort: the ranks are threads of this process (local.run wakes them).
+    capabilities = EngineCapabilities(checks_calls=True, reports_dtype=True)
+    device = None
     max_tag = 2**20
 
     def __init__(self, hub: Hub, generation: int, ranks: tuple[int, ...], rank: int) -> None:
@@ -365,6 +367,9 @@ class LocalEngine:
 
     def host_name(self) -> str:
         return socket.gethostname()
+
+    def flush(self, timeout: float) -> None:
+        """Nothing to wait for: a notice is in the other rank's inbox once ``notify`` returned."""
 
     def local_rank(self) -> int:
         """This rank's index among the ranks of its node: all are threads of this process."""

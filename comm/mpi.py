@@ -35,7 +35,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .arrays import is_device_array
-from .engine import DeadlineExceeded
+from .engine import DeadlineExceeded, EngineCapabilities
 from .errors import DistBackendError, DistValueError
 from .mpi_cuda_aware import CUDA_AWARE_ENV, cuda_aware_mpi
 from .mpi_datatypes import spec, specs
@@ -103,7 +103,9 @@ class MPIEngine:
 
     backend = "mpi"
     native_avg = False
-    needs_progress = True  # MPI moves nonblocking data only inside MPI calls
+    # MPI moves nonblocking data only inside MPI calls (needs_progress); MPI_Abort ends the job.
+    capabilities = EngineCapabilities(needs_progress=True, aborts_job=True)
+    device = None  # a host engine (device arrays are staged or passed to a CUDA-aware MPI)
 
     def __init__(self, comm: MPI.Intracomm, mailbox: Mailbox) -> None:
         self.comm = comm

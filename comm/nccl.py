@@ -36,7 +36,7 @@ two forms:
 
 Each rank drives one GPU: every call makes the engine's device the calling thread's current
 device (CuPy's ``Device.use()``), so that a communication thread issues on the right device.
-Async collectives start at once (``queues = False``: the group does not hold them back behind
+Async collectives start at once (``capabilities.queues`` False: the group does not hold them back behind
 the one before, as it does for MPI), since the communication stream runs them in order.
 
 Everything GPU-specific goes through the runtime of :mod:`meshkit.comm.cuda_runtime`.
@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -53,7 +54,7 @@ import time
 from typing import Any, Callable, Iterator
 
 from . import env
-from .engine import DeadlineExceeded
+from .engine import DeadlineExceeded, EngineCapabilities
 from .errors import DistBackendError, DistTypeError, DistValueError
 from .notices import WATCH_INTERVAL, Notice
 from .reduce_op import ReduceOp
@@ -145,14 +146,18 @@ class NCCLEngine:
 
     backend = "nccl"
     native_avg = True
-    queues = False  # the stream orders a group's collectives: start each one when it is called
+    # queues=False: the stream orders a group's collectives, so each starts when it is called.
+    # needs_progress and reports_dtype are the host engine's (its host arrays and objects).
+    capabilities = EngineCapabilities(queues=False, defers=True, abandons=True, coalesces=True, aborts_job=True)
 
     def __init__(self, host: Any, comm: Any, rt: Any, device: int) -> None:
         self.host, self.comm, self.rt, self.device = host, comm, rt, device
         self.rank, self.size = host.rank, host.size
         self.max_tag = host.max_tag
-        self.needs_progress = getattr(host, "needs_progress", False)
-        self.reports_dtype = getattr(host, "reports_dtype", False)
+        self.capabilities = dataclasses.replace(NCCLEngine.capabilities,
+                                                needs_progress=host.capabilities.needs_progress,
+                                                reports_dtype=host.capabilities.reports_dtype,
+                                                aborts_job=host.capabilities.aborts_job)
         nccl = rt.nccl
         self._types = {name: getattr(nccl, const) for name, const in NCCL_DTYPES.items() if hasattr(nccl, const)}
         self._ops = {op: getattr(nccl, const) for op, const in NCCL_OPS.items()}
@@ -202,9 +207,7 @@ class NCCLEngine:
         return self.host.notices()
 
     def flush(self, timeout: float) -> None:
-        flush = getattr(self.host, "flush", None)
-        if flush is not None:
-            flush(timeout)
+        self.host.flush(timeout)
 
     def abort(self, code: int) -> None:
         """End the whole job (the host engine's abort, e.g. MPI_Abort)."""

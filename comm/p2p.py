@@ -7,9 +7,8 @@ recorded in the flight recorder, posted with one engine call and returned as a
 (``MESHKIT_DEBUG=detail``) a host message carries a header with its dtype and size, checked by
 the receiver, where the engine does not report them itself (MPI moves bytes).
 
-:class:`PointToPointMixin` is a part of :class:`~meshkit.comm.group.ProcessGroup` (which
-inherits it): its methods use the group's state, set in ``ProcessGroup.__init__``, and its
-other parts' methods (``_member``, ``_unusable``).
+``ProcessGroup.isend``/``irecv`` call :func:`isend`/:func:`irecv` here with the group; they use
+its public identity, its engine and its held parts (``queue``, ``failures``).
 """
 
 from __future__ import annotations
@@ -21,91 +20,98 @@ from typing import Any, Callable
 import numpy as np
 
 from .arrays import is_device_array
-from .checks import check_array, check_root, where
+from .checks import check_array, check_member, check_root, where
 from .debug import ERROR, STATE, T_END, CollectiveRecord
 from .engine import DeadlineExceeded, Request
 from .errors import CollectiveTimeout, DistTypeError, DistValueError
 from .work import RequestWork, Work
 
-__all__ = ["PointToPointMixin", "P2PWork"]
+__all__ = ["isend", "irecv", "P2PWork"]
 
 
-class PointToPointMixin:
-    """``isend`` and ``irecv`` of :class:`~meshkit.comm.group.ProcessGroup`."""
+def _headers(group: Any) -> bool:
+    """Detail mode: point-to-point host messages carry a header, where the engine does not already
+    report the sender's dtype (MPI moves bytes; the local engine hands over the array)."""
+    return group.queue.detail and not group.engine.capabilities.reports_dtype
 
-    def isend(self, tensor: np.ndarray, dst: int, tag: int = 0) -> Work:
-        """Start sending ``tensor`` to group rank ``dst``; the Work completes when it may be reused."""
-        self._member("isend")
-        if self._failure is not None:  # a broken group's traffic fails on every member
-            self._unusable("isend")
-        check_array(self, "isend", "tensor", tensor, writable=False)
-        dst = check_root(self, "isend", "dst", dst)
-        self._check_tag("isend", tag)
-        what = f"send to rank {self.ranks[dst]} tag {tag}"
-        record = self._flight_entry(-1, self.name, "send", (tensor.shape,), tensor.dtype, "started")
-        if self._headers and not is_device_array(tensor):
-            # A host message carries its dtype and size, checked by the receiver (device messages
-            # go over NCCL, which checks counts itself).
-            staged = _with_header(tensor)
-            keep = functools.partial(_keep_alive, staged)  # the Work holds the staged buffer until sent
-            return self._p2p_work(what, self.engine.send(staged, dst, tag), record, dst, keep)
-        request = self.engine.send(tensor, dst, tag)
-        return self._p2p_work(what, request, record, dst, None)
 
-    def irecv(self, tensor: np.ndarray, src: int | None = None, tag: int = 0) -> Work:
-        """Start receiving into ``tensor`` from group rank ``src`` (None: any rank).
+def isend(group: Any, tensor: np.ndarray, dst: int, tag: int = 0) -> Work:
+    """``group.isend``: start sending ``tensor`` to group rank ``dst``; the Work completes when it may be reused."""
+    check_member(group, "isend")
+    if group.failures.reason is not None:  # a broken group's traffic fails on every member
+        group.failures.unusable("isend")
+    check_array(group, "isend", "tensor", tensor, writable=False)
+    dst = check_root(group, "isend", "dst", dst)
+    _check_tag(group, "isend", tag)
+    what = f"send to rank {group.ranks[dst]} tag {tag}"
+    record = group.queue.flight_entry(-1, group.name, "send", (tensor.shape,), tensor.dtype, "started")
+    if _headers(group) and not is_device_array(tensor):
+        # A host message carries its dtype and size, checked by the receiver (device messages
+        # go over NCCL, which checks counts itself).
+        staged = _with_header(tensor)
+        keep = functools.partial(_keep_alive, staged)  # the Work holds the staged buffer until sent
+        return _p2p_work(group, what, group.engine.send(staged, dst, tag), record, dst, keep)
+    request = group.engine.send(tensor, dst, tag)
+    return _p2p_work(group, what, request, record, dst, None)
 
-        ``Work.result()`` is the sender's global rank once the Work completed. A message of
-        another size (or, on the local engine, dtype) than ``tensor`` is an error raised by ``wait``
-        (on MPI a shorter message has been written into the start of ``tensor`` by then).
-        """
-        self._member("irecv")
-        if self._failure is not None:  # a broken group's traffic fails on every member
-            self._unusable("irecv")
-        check_array(self, "irecv", "tensor", tensor)
-        if src is not None:
-            src = check_root(self, "irecv", "src", src)
-        self._check_tag("irecv", tag)
-        peer = "any rank" if src is None else f"rank {self.ranks[src]}"
-        record = self._flight_entry(-1, self.name, "recv", (tensor.shape,), tensor.dtype, "started")
-        staged = (np.empty(_HEADER + tensor.nbytes, np.uint8)
-                  if self._headers and not is_device_array(tensor) else None)
-        request = self.engine.recv(tensor if staged is None else staged, src, tag)
 
-        def settle() -> int:
-            count, source = request.count, request.source
-            dtype = getattr(request, "dtype", None)  # engines that know the sender's dtype check it
-            if staged is not None:
-                dtype, count = _read_header(staged, count)
-                if dtype == tensor.dtype and count == tensor.size:
-                    tensor.reshape(-1).view(np.uint8)[...] = staged[_HEADER:]
-            if dtype is not None and dtype != tensor.dtype:
-                raise DistTypeError(f"{where(self, 'recv')}: recv buffer has dtype {tensor.dtype} but the message "
-                                    f"from group rank {source} has dtype {dtype}; receive into a buffer of the "
-                                    "dtype that was sent")
-            if count != tensor.size:
-                got = ("more elements than fit" if count < 0 else f"{count}" if isinstance(count, int) else
-                       f"{count:g} (its bytes do not divide into {tensor.dtype} elements)")
-                raise DistValueError(f"{where(self, 'recv')}: recv buffer has {tensor.size} elements but the "
-                                     f"message from group rank {source} has {got}; receive into a buffer of the "
-                                     "size that was sent")
-            return self.ranks[source]
+def irecv(group: Any, tensor: np.ndarray, src: int | None = None, tag: int = 0) -> Work:
+    """``group.irecv``: start receiving into ``tensor`` from group rank ``src`` (None: any rank).
 
-        return self._p2p_work(f"recv from {peer} tag {tag}", request, record, src, settle)
+    ``Work.result()`` is the sender's global rank once the Work completed. A message of
+    another size (or, on the local engine, dtype) than ``tensor`` is an error raised by ``wait``
+    (on MPI a shorter message has been written into the start of ``tensor`` by then).
+    """
+    check_member(group, "irecv")
+    if group.failures.reason is not None:  # a broken group's traffic fails on every member
+        group.failures.unusable("irecv")
+    check_array(group, "irecv", "tensor", tensor)
+    if src is not None:
+        src = check_root(group, "irecv", "src", src)
+    _check_tag(group, "irecv", tag)
+    peer = "any rank" if src is None else f"rank {group.ranks[src]}"
+    record = group.queue.flight_entry(-1, group.name, "recv", (tensor.shape,), tensor.dtype, "started")
+    staged = (np.empty(_HEADER + tensor.nbytes, np.uint8)
+              if _headers(group) and not is_device_array(tensor) else None)
+    request = group.engine.recv(tensor if staged is None else staged, src, tag)
 
-    def _p2p_work(self, what: str, request: Request, record: CollectiveRecord, peer: int | None,
-                  settle: Callable[[], Any] | None) -> Work:
-        work = P2PWork(self, what, -1, record, request, settle, self.timeout)
-        work.peer = peer
-        if self._tracks:
-            self.world.progress.track(work)
-        if getattr(request, "watchdog", False):
-            self.world.progress.watchdog(work)
-        return work
+    def settle() -> int:
+        count, source = request.count, request.source
+        dtype = getattr(request, "dtype", None)  # engines that know the sender's dtype check it
+        if staged is not None:
+            dtype, count = _read_header(staged, count)
+            if dtype == tensor.dtype and count == tensor.size:
+                tensor.reshape(-1).view(np.uint8)[...] = staged[_HEADER:]
+        if dtype is not None and dtype != tensor.dtype:
+            raise DistTypeError(f"{where(group, 'recv')}: recv buffer has dtype {tensor.dtype} but the message "
+                                f"from group rank {source} has dtype {dtype}; receive into a buffer of the "
+                                "dtype that was sent")
+        if count != tensor.size:
+            got = ("more elements than fit" if count < 0 else f"{count}" if isinstance(count, int) else
+                   f"{count:g} (its bytes do not divide into {tensor.dtype} elements)")
+            raise DistValueError(f"{where(group, 'recv')}: recv buffer has {tensor.size} elements but the "
+                                 f"message from group rank {source} has {got}; receive into a buffer of the "
+                                 "size that was sent")
+        return group.ranks[source]
 
-    def _check_tag(self, op: str, tag: int) -> None:
-        if not isinstance(tag, (int, np.integer)) or not 0 <= tag <= self.max_tag:
-            raise DistValueError(f"{where(self, op)}: tag={tag!r} is out of range (valid: 0..{self.max_tag})")
+    return _p2p_work(group, f"recv from {peer} tag {tag}", request, record, src, settle)
+
+
+def _p2p_work(group: Any, what: str, request: Request, record: CollectiveRecord, peer: int | None,
+              settle: Callable[[], Any] | None) -> Work:
+    queue = group.queue
+    work = P2PWork(queue, what, -1, record, request, settle, group.timeout)
+    work.peer = peer
+    if queue.tracks:
+        group.world.progress.track(work)
+    if work.watched():
+        group.world.progress.watchdog(work)
+    return work
+
+
+def _check_tag(group: Any, op: str, tag: int) -> None:
+    if not isinstance(tag, (int, np.integer)) or not 0 <= tag <= group.max_tag:
+        raise DistValueError(f"{where(group, op)}: tag={tag!r} is out of range (valid: 0..{group.max_tag})")
 
 
 class P2PWork(RequestWork):
@@ -113,8 +119,8 @@ class P2PWork(RequestWork):
 
     __slots__ = ("peer",)
 
-    def error(self, exc: BaseException) -> BaseException:
-        group, record = self._owner_group, self._record
+    def _fail(self, exc: BaseException) -> BaseException:
+        group, record = self._owner_queue.group, self._record
         record[T_END] = time.time()
         if not isinstance(exc, DeadlineExceeded):
             record[STATE], record[ERROR] = "failed", repr(exc)

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from .arrays import array_namespace
-from .checks import where
+from .checks import check_member, where
 from .errors import DistTypeError, DistValueError
 from .group import ProcessGroup
 from .reduce_op import ReduceOp, check_op_dtype
@@ -81,18 +81,18 @@ class PreparedCollective:
             out = np.empty(self.out_shape, dtype=dtype)
         else:  # a device array: the output lives on its device
             out = np.empty_like(input, shape=self.out_shape)
-        engine = self._engine
+        engine, queue = self._engine, group.queue
         if op == "all_gather_into_tensor":
-            group._run(op, lambda: engine.all_gather(out, input), False, self._shapes, input, None)
+            queue.run(op, lambda: engine.all_gather(out, input), False, self._shapes, input, None)
         elif op == "reduce_scatter_tensor":
             reduce_op = self.reduce_op
-            settle = group._averaged(out) if reduce_op is ReduceOp.AVG and group._divides else None
-            group._run(op, lambda: engine.reduce_scatter(out, input, reduce_op), False, self._shapes, input, settle,
-                       reduce_op=reduce_op)
+            settle = queue.averaged(out) if reduce_op is ReduceOp.AVG and queue.divides else None
+            queue.run(op, lambda: engine.reduce_scatter(out, input, reduce_op), False, self._shapes, input, settle,
+                      reduce_op)
         elif op == "all_to_all_single":
             counts = self._counts
-            group._run(op, lambda: engine.all_to_all(out, counts, input, counts), False, self._shapes, None, None,
-                       dtype=dtype, counts=(tuple(counts), tuple(counts)))
+            queue.run(op, lambda: engine.all_to_all(out, counts, input, counts), False, self._shapes, None, None,
+                      None, {"dtype": dtype, "counts": (tuple(counts), tuple(counts))})
         else:
             out[...] = input
             group.all_reduce(out, self.reduce_op)  # already the lean path (checks two attributes)
@@ -117,7 +117,7 @@ class PreparedCollective:
         tell the group's other members (so that their matching call fails too, instead of
         running with mismatched sizes or waiting out the timeout)."""
         group, op = self.group, self.op
-        group._member(op)  # not a member, or destroyed
+        check_member(group, op)  # not a member, or destroyed
         if not hasattr(input, "shape") or not hasattr(input, "dtype") or not hasattr(input, "flags"):  # not an array
             exc: Exception = DistTypeError(f"{where(group, op)}: input must be an array, got {type(input).__name__}")
         elif input.shape != self.shape:
@@ -128,7 +128,7 @@ class PreparedCollective:
             exc = DistTypeError(f"{where(group, op)}: input has dtype {input.dtype} but this collective was prepared "
                                 f"for {prepared}" + ("" if self.reduce_op is None or op not in _REDUCING
                                                      else f" and {self.reduce_op!r}"))
-        raise group._reject(op, exc)
+        raise group.queue.reject(op, exc)
 
     def __repr__(self) -> str:
         return (f"PreparedCollective({self.op}, group={self.group.name}, shape={self.shape}, "
@@ -147,7 +147,7 @@ def prepare_collective(group: ProcessGroup, op: str, shape: tuple[int, ...], dty
     name = f"prepare_collective({op!r})"
     if not isinstance(group, ProcessGroup):
         raise DistTypeError(f"meshkit.comm: {name}: group must be a ProcessGroup, got {type(group).__name__}")
-    group._member(name)
+    check_member(group, name)
     if op not in PREPARED_OPS:
         raise DistValueError(f"{where(group, name)}: op must be one of {sorted(PREPARED_OPS)}, got {op!r}")
     shape = tuple(shape)

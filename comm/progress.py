@@ -9,8 +9,9 @@ tests a request a caller is waiting on (that caller polls it itself), and betwee
 sleeps rather than yields: on a machine with a core per rank, a yielding poller would take
 half of the core from the rank's own computation.
 
-Every work is touched with its group's GPU current (the engine's ``use_device``): the agent is
-a thread of its own, and CUDA starts every thread on device 0.
+Every work is touched with its group's GPU current (``RequestWork.use_device``, the engine's):
+the agent is a thread of its own, and CUDA starts every thread on device 0 (an event, a copy or a
+kernel of a rank on GPU k made there would land on GPU 0).
 
 It is also the watchdog of device work (NCCL), as torch's ProcessGroupNCCL watchdog thread:
 ``Work.wait()`` of a device collective returns once the caller's stream is ordered after it,
@@ -101,7 +102,7 @@ class ProgressAgent:
         while not self._closed:
             if self._watched and time.monotonic() >= self._next_watch:
                 self._watch()
-            while works and works[0]._finished:
+            while works and works[0].finished:
                 works.popleft()
             if not works:
                 with self._cond:
@@ -122,7 +123,7 @@ class ProgressAgent:
                 continue
             nap, last = _GRACE, oldest
             if not self.waiting:
-                _use_device(oldest)  # its epilogue may copy device arrays (all_gather's list)
+                oldest.use_device()  # its epilogue may copy device arrays (all_gather's list)
                 oldest.poll(block=False)
             time.sleep(_ROUND_NAP)
 
@@ -132,7 +133,7 @@ class ProgressAgent:
         for _ in range(len(watched)):  # others may append meanwhile: they wait for the next round
             work = watched.popleft()
             try:
-                _use_device(work)
+                work.use_device()
                 finished = work.watchdog()
             except Exception:  # the watchdog must outlive anything one work does
                 logger.exception("meshkit: the watchdog failed on %r", work)
@@ -140,13 +141,3 @@ class ProgressAgent:
             if not finished:
                 watched.append(work)
         self._next_watch = time.monotonic() + WATCHDOG_INTERVAL
-
-
-def _use_device(work: RequestWork) -> None:
-    """Make ``work``'s GPU current on the agent's thread before it touches the work (CUDA's current
-    device is per thread and 0 on a new one: an event, a copy or a kernel of a rank on GPU k
-    made here would land on GPU 0). Engines without a device (MPI: its staged requests set the
-    device themselves) have no ``use_device``."""
-    use = getattr(work._owner_group.engine, "use_device", None)
-    if use is not None:
-        use()

@@ -1,8 +1,8 @@
 """Handles of asynchronous operations, and the per-group thread that runs chained tasks.
 
 A collective started with ``async_op=True`` is posted to the engine by the caller at once and
-returned as a :class:`RequestWork`: waiting polls the engine's request, except on an engine with
-``defer`` (NCCL), where waiting (without a timeout) for a device collective orders the caller's
+returned as a :class:`RequestWork`: waiting polls the engine's request, except on an engine that
+``defers`` (its capabilities; NCCL), where waiting (without a timeout) for a device collective orders the caller's
 stream after it without blocking the host, and the progress agent's watchdog enforces its
 deadline (:meth:`RequestWork.watchdog`). While nobody waits, the world's
 :class:`~meshkit.comm.progress.ProgressAgent` polls it, so MPI keeps moving the data while the
@@ -26,11 +26,9 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
-import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from . import env
 from .debug import STATE, T_END, T_START
@@ -39,47 +37,12 @@ from .errors import CollectiveTimeout, DistError
 from .notices import WATCH_INTERVAL
 
 if TYPE_CHECKING:
+    from .debug import CollectiveRecord
     from .engine import Request
 
-__all__ = ["Work", "RequestWork", "CommThread", "in_background", "abort_job", "tear_down"]
+__all__ = ["Work", "RequestWork", "WorkOwner", "CommThread", "in_background"]
 
 logger = logging.getLogger("meshkit")
-
-#: What the watchdog does when device work fails after its ``Work.wait()`` returned (the caller
-#: may already have used the unreduced buffer): ``abort`` (default) ends the whole job, as torch
-#: does by default (``TORCH_NCCL_ASYNC_ERROR_HANDLING``: a silently wrong result is worse than a
-#: crash); ``log`` only logs it, keeps it on ``Work.exception()`` and breaks the group.
-ASYNC_ERROR_HANDLING_ENV = env.ASYNC_ERROR_HANDLING
-
-
-def abort_job(world: Any, announce: str | None = None) -> None:
-    """Flush this rank's output, then end the whole job through the default engine's ``abort``
-    (MPI_Abort), printing ``announce`` to stderr first if given; return if the engine has none.
-
-    Both ways this package ends a job go through it: :func:`tear_down` (device work failed after
-    its ``Work.wait()`` returned) and the MPI excepthook of :mod:`~meshkit.comm.lifecycle`.
-    """
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # a closed stream must not stop the abort
-            pass
-    abort = getattr(world.default_group.engine, "abort", None)
-    if abort is not None:
-        if announce is not None:
-            print(announce, file=sys.stderr, flush=True)
-        abort(1)
-
-
-def tear_down(world: Any, reason: str) -> None:
-    """End the whole job now: the default engine's abort (MPI_Abort), else this process."""
-    logger.critical("meshkit: rank %s: %s; ending the job (set %s=log to only log this)", world.rank, reason,
-                    ASYNC_ERROR_HANDLING_ENV)
-    try:
-        abort_job(world)
-    finally:
-        os._exit(1)
-
 
 class _ThreadRole(threading.local):
     queue: CommThread | None = None  # set on every group's communication thread
@@ -174,11 +137,57 @@ class Work:
         return f"<Work {self._what} {state}>"
 
 
+class WorkOwner(Protocol):
+    """What a :class:`RequestWork` may ask of its owner, the queue of its group's operations
+    (:class:`~meshkit.comm.execution.CollectiveQueue`): nothing else, and nothing private."""
+
+    group: Any  # its public identity (name, ranks, global rank), for messages
+    name: str            # the group's name
+    defers: bool         # the engine may order a device stream after a request (``defer``)
+
+    def advance(self, done: RequestWork | None) -> None:
+        """``done`` finished: start the next queued collective."""
+        ...
+
+    def wait_before(self, work: RequestWork, deadline: float | None) -> bool:
+        """Wait until the collectives queued ahead of ``work`` let it start; False past ``deadline``."""
+        ...
+
+    def block(self, request: Request, deadline: float, seq: int) -> None:
+        """Block on ``request`` (call ``seq``) until it completes; DeadlineExceeded past ``deadline``."""
+        ...
+
+    def failed(self, op: str, seq: int, record: CollectiveRecord, exc: BaseException) -> BaseException:
+        """Record that call ``seq`` failed with ``exc``; the error its waiters raise."""
+        ...
+
+    def watchdog_failed(self, op: str, seq: int, error: BaseException, exc: BaseException) -> None:
+        """The watchdog found call ``seq`` failed (``error``): the group breaks, the error is logged."""
+        ...
+
+    def check_notices(self, seq: int) -> None:
+        """RankFailedError if a notice shows that call ``seq`` cannot complete."""
+        ...
+
+    def defer(self, request: Request) -> bool:
+        """Order the caller's device stream after ``request``; False if the host must wait."""
+        ...
+
+    def use_device(self) -> None:
+        """Make the group's GPU current on the calling thread (device engines)."""
+        ...
+
+    def end_job(self, reason: str) -> None:
+        """End the whole job (see :mod:`~meshkit.comm.job_end`)."""
+        ...
+
+
 class RequestWork(Work):
     """Work of an operation the engine is running: ``wait`` polls the engine's request.
 
     Whichever thread sees the request complete (the caller in ``wait``/``is_completed``, or the
-    progress agent) settles it, exactly once, through its owner (the group): the operation's
+    progress agent) settles it, exactly once, through its owner (its group's queue, a
+    :class:`WorkOwner`): the operation's
     epilogue runs (AVG's division, copies out of a staging buffer, a receive's size check) and
     the flight-recorder entry is closed. When the engine raises, or the operation's deadline
     passes (:class:`~meshkit.comm.engine.DeadlineExceeded`), the owner records the failure and
@@ -188,18 +197,18 @@ class RequestWork(Work):
     no closures: completion is a flag set under the work's lock, which every tester holds.
     """
 
-    __slots__ = ("_request", "_owner_group", "_op", "_seq", "_record", "_settle", "_deadline", "_lock",
+    __slots__ = ("_request", "_owner_queue", "_op", "_seq", "_record", "_settle", "_deadline", "_lock",
                  "_finished", "posted", "_start", "_timeout", "queued")
 
-    def __init__(self, owner: Any, op: str, seq: int, record: Any, request: Request | None,
+    def __init__(self, owner: WorkOwner, op: str, seq: int, record: Any, request: Request | None,
                  settle: Callable[[], Any] | None, timeout: float,
                  start: Callable[[], Request] | None = None) -> None:
-        self._owner_group, self._op, self._seq, self._record = owner, op, seq, record
+        self._owner_queue, self._op, self._seq, self._record = owner, op, seq, record
         self._request, self._settle, self._start, self._timeout = request, settle, start, timeout
         self._error: BaseException | None = None
         self._result: Any = None
         self._finished = False
-        self.queued = False  # in its group's queue of collectives (see ProcessGroup._advance)
+        self.queued = False  # in its group's queue of collectives (see CollectiveQueue.advance)
         self._lock = threading.Lock()  # one thread tests the request at a time (MPI requires it)
         self.posted = now = time.monotonic()
         self._deadline = now + timeout
@@ -213,23 +222,61 @@ class RequestWork(Work):
 
     @property
     def _what(self) -> str:  # only for messages
-        return f"{self._op} on group {self._owner_group.name}"
+        return f"{self._op} on group {self._owner_queue.name}"
+
+    # ----------------------------------------------------------------- what its queue reads
+    @property
+    def op(self) -> str:
+        """The operation's name."""
+        return self._op
+
+    @property
+    def seq(self) -> int:
+        """The operation's number in its group (-1: a send or receive)."""
+        return self._seq
+
+    @property
+    def finished(self) -> bool:
+        """True once settled (without testing the request, unlike ``is_completed``)."""
+        return self._finished
+
+    def unstarted(self) -> bool:
+        """Queued behind an earlier collective, not started and not failed."""
+        return self._request is None and not self._finished
+
+    def watched(self) -> bool:
+        """Whether its request is device work the progress agent's watchdog watches (NCCL's)."""
+        return getattr(self._request, "watchdog", False)
+
+    def fail_to_start(self, exc: BaseException) -> None:
+        """Its queue could not start it: it fails with ``exc`` (recorded), without advancing the queue."""
+        self.queued = False
+        self._result, self._error = None, self._fail(exc)
+        self._finished = True
+
+    def use_device(self) -> None:
+        """Make its group's GPU current on the calling thread (the progress agent's, before it touches it)."""
+        self._owner_queue.use_device()
+
+    def _fail(self, exc: BaseException) -> BaseException:
+        """Record that the operation failed with ``exc``; the error its waiters raise."""
+        return self._owner_queue.failed(self._op, self._seq, self._record, exc)
 
     def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
         self._result, self._error = result, error
         self._finished = True
         if self.queued:
             self.queued = False
-            self._owner_group._advance(self)
+            self._owner_queue.advance(self)
 
     def _settled(self) -> None:
         if self.queued:  # start the next collective before this one's epilogue (AVG's division)
             self.queued = False
-            self._owner_group._advance(self)
+            self._owner_queue.advance(self)
         try:
             result = self._settle() if self._settle is not None else None
         except BaseException as exc:  # handed to every waiter
-            self._finish(None, self._owner_group._work_failed(self, exc))
+            self._finish(None, self._fail(exc))
         else:
             self._record[STATE], self._record[T_END] = "completed", time.time()
             self._finish(result)
@@ -248,12 +295,12 @@ class RequestWork(Work):
                 try:
                     complete = self._request.Test()
                 except BaseException as exc:
-                    self._finish(None, self._owner_group._work_failed(self, exc))
+                    self._finish(None, self._fail(exc))
                 else:
                     if complete:
                         self._settled()
                     elif time.monotonic() > self._deadline:
-                        self._finish(None, self._owner_group._work_failed(self, DeadlineExceeded()))
+                        self._finish(None, self._fail(DeadlineExceeded()))
         finally:
             self._lock.release()
         return self._finished
@@ -269,7 +316,7 @@ class RequestWork(Work):
         nothing else would notice if it never completed: the host would hang later, in a copy or
         at shutdown. So the agent tests it (the done event, NCCL's asynchronous errors), reads
         notices (a member that broke or left) and, past its deadline, fails it; the group then
-        breaks (:meth:`ProcessGroup._watchdog_failed`). A caller waiting on it now is left alone.
+        breaks (:meth:`FailureState.watchdog_failed`). A caller waiting on it now is left alone.
         """
         if self._error is not None or self._request is None:
             return self._error is not None
@@ -278,25 +325,26 @@ class RequestWork(Work):
         try:
             if self._error is not None:
                 return True
-            group = self._owner_group
+            owner = self._owner_queue
             try:
                 if self._request.Test():
                     return True
                 now = time.monotonic()
                 if now - self.posted > WATCH_INTERVAL:  # as a waiter does: a quick retry of a rejected call counts
-                    group._check_notices(self._seq)
+                    owner.check_notices(self._seq)
                 if now <= self._deadline:
                     return False
                 raise DeadlineExceeded(detail="found by the watchdog" + (
                     "; Work.wait() had returned, having ordered only the device stream" if self._finished else ""))
             except BaseException as exc:
-                error = group._watchdog_failed(self, exc)
+                error = self._fail(exc)
+                owner.watchdog_failed(self._op, self._seq, error, exc)
                 if self._finished:
                     self._error = error  # its wait() returned: exception() and is_success() tell
                     handling = env.async_error_handling()  # validated at init_process_group
                     if handling != "log":  # the caller may have read the buffer: not a silent wrong result
-                        tear_down(group.world, f"{error} (after its Work.wait() had returned: the caller may "
-                                               "have used the unreduced buffer)")
+                        owner.end_job(f"{error} (after its Work.wait() had returned: the caller may "
+                                      "have used the unreduced buffer)")
                 else:
                     self._finish(None, error)
                 return True
@@ -308,27 +356,29 @@ class RequestWork(Work):
 
     def wait(self, timeout: float | None = None) -> bool:
         if not self._finished and self._request is None:  # its predecessors must finish first
-            self._owner_group._wait_before(self, None if timeout is None else time.monotonic() + timeout)
+            if not self._owner_queue.wait_before(self, None if timeout is None else time.monotonic() + timeout):
+                raise CollectiveTimeout(f"meshkit.comm: {self._what} did not start within Work.wait(timeout="
+                                        f"{timeout}): the collectives of its group issued before it are still "
+                                        "running", op=self._op)
         if not self._finished:
             limit = self._deadline if timeout is None else min(self._deadline, time.monotonic() + timeout)
             with self._lock:
                 if not self._finished:
-                    request = self._request
-                    defer = getattr(self._owner_group.engine, "defer", None)
+                    request, owner = self._request, self._owner_queue
                     try:
                         # A device collective: the caller's stream waits for it, the host does not
                         # (the watchdog enforces the deadline); with a timeout the host waits, as torch's.
-                        if timeout is None and defer is not None and defer(request):
+                        if timeout is None and owner.defers and owner.defer(request):
                             pass
                         elif not request.Test():
-                            self._owner_group._block(request, limit, self._seq)
+                            owner.block(request, limit, self._seq)
                     except DeadlineExceeded as exc:
                         if limit < self._deadline:  # the caller's own bound: the operation goes on
                             raise CollectiveTimeout(f"meshkit.comm: {self._what} did not complete within "
                                                     f"Work.wait(timeout={timeout})", op=self._what) from None
-                        self._finish(None, self._owner_group._work_failed(self, exc))
+                        self._finish(None, self._fail(exc))
                     except BaseException as exc:
-                        self._finish(None, self._owner_group._work_failed(self, exc))
+                        self._finish(None, self._fail(exc))
                     else:
                         self._settled()
         if self._error is not None:
@@ -340,7 +390,7 @@ class CommThread:
     """Runs a group's asynchronous operations one at a time, in submission order.
 
     The operations run on a daemon thread, or in a waiter that finds nothing executing (see the
-    module docstring); ``_runner`` is the thread executing one now, so that an operation issuing
+    module docstring); ``runner`` is the thread executing one now, so that an operation issuing
     further synchronous operations of its group runs them inline.
     """
 
@@ -348,8 +398,8 @@ class CommThread:
         self._name = name
         self._queue: collections.deque[tuple[Callable[[], Any], Work]] = collections.deque()
         self._cond = threading.Condition()
-        self._pending = 0
-        self._runner: int | None = None
+        self.pending = 0
+        self.runner: int | None = None
         self.waiters = 0  # callers blocked in Work.wait on this queue's operations
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -357,13 +407,13 @@ class CommThread:
     @property
     def idle(self) -> bool:
         """True when nothing is queued or running."""
-        return self._pending == 0
+        return self.pending == 0
 
     def submit(self, fn: Callable[[], Any], work: Work) -> Work:
         with self._cond:
             if self._closed:
                 raise RuntimeError(f"meshkit.comm: the communication thread of {self._name} is closed")
-            self._pending += 1
+            self.pending += 1
             work._queue = work._owner = self
             self._queue.append((fn, work))
             if self._thread is None:
@@ -378,7 +428,7 @@ class CommThread:
         Called while executing one of this queue's operations (a task issuing collectives), it
         runs inline: it is part of that operation, which precedes everything still queued.
         """
-        if self._pending == 0 or self._runner == threading.get_ident():
+        if self.pending == 0 or self.runner == threading.get_ident():
             return fn()
         work = self.submit(fn, Work(what))
         work.wait()
@@ -392,15 +442,15 @@ class CommThread:
         me = threading.get_ident()
         while True:
             with self._cond:
-                if target._queue is None or self._runner is not None or not self._queue:
-                    if self._runner == me and target._queue is not None:
+                if target._queue is None or self.runner is not None or not self._queue:
+                    if self.runner == me and target._queue is not None:
                         raise DistError(
                             f"meshkit.comm: an operation running on {self._name} waits for {target._what}, "
                             "queued after it on the same group: it can never run; issue it synchronously "
                             "(async_op=False) inside the operation instead")
                     return
                 fn, work = self._queue.popleft()
-                self._runner = me
+                self.runner = me
             self._run(fn, work)
             if work is target:
                 return
@@ -409,7 +459,7 @@ class CommThread:
         """Wait until the queue is empty; False if ``timeout`` passed first."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self._pending:
+            while self.pending:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -422,7 +472,7 @@ class CommThread:
             self._cond.notify_all()
 
     def _run(self, fn: Callable[[], Any], work: Work) -> None:
-        """Execute one popped operation (the caller holds ``_runner``) and complete its Work."""
+        """Execute one popped operation (the caller holds ``runner``) and complete its Work."""
         work._queue = None
         try:
             result, error = fn(), None
@@ -431,8 +481,8 @@ class CommThread:
         with self._cond:
             # Counted down before the Work completes: a caller woken by it finds the queue
             # idle and runs its next synchronous call inline.
-            self._runner = None
-            self._pending -= 1
+            self.runner = None
+            self.pending -= 1
             self._cond.notify_all()
         work._finish(result, error)
 
@@ -441,13 +491,13 @@ class CommThread:
         me = threading.get_ident()
         while True:
             with self._cond:
-                while (not self._queue or self._runner is not None) and not self._closed:
+                while (not self._queue or self.runner is not None) and not self._closed:
                     self._cond.wait()
                 if not self._queue:
                     return
-                if self._runner is not None:  # closed while a waiter executes: let it finish
-                    self._cond.wait_for(lambda: self._runner is None)
+                if self.runner is not None:  # closed while a waiter executes: let it finish
+                    self._cond.wait_for(lambda: self.runner is None)
                     continue
                 fn, work = self._queue.popleft()
-                self._runner = me
+                self.runner = me
             self._run(fn, work)

@@ -131,7 +131,7 @@ def flight_document(world: World, reason: str = "") -> dict[str, Any]:
         entries.append(entry)
     return {"format": RECORD_FORMAT, "rank": world.rank, "world_size": world.size, "backend": world.backend,
             "time": time.time(), "reason": reason,
-            "groups": [{"name": g.name, "ranks": list(g.ranks), "issued": g._seq} for g in groups],
+            "groups": [{"name": g.name, "ranks": list(g.ranks), "issued": g.queue.seq} for g in groups],
             "entries": entries}
 
 

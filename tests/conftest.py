@@ -61,7 +61,7 @@ def job_teardowns(monkeypatch):
     import meshkit.comm.work
 
     ended: list[str] = []
-    monkeypatch.setattr(meshkit.comm.work, "tear_down", lambda world, reason: ended.append(reason))
+    monkeypatch.setattr(meshkit.comm.job_end, "tear_down", lambda world, reason: ended.append(reason))
     yield ended
     assert not ended, f"the job would have ended: {ended}"
 

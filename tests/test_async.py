@@ -220,7 +220,7 @@ def queued_chain_progresses():
         w.wait()
     n = meshkit.get_world_size()
     right = all(float(x[0]) == sum(r + i for r in range(n)) for i, x in enumerate(xs))
-    return queued[0], all(queued[1:]) or n == 1, done_before_wait, right, len(group._inflight)
+    return queued[0], all(queued[1:]) or n == 1, done_before_wait, right, len(group.queue.inflight)
 
 
 def test_a_chain_of_async_collectives_completes_in_the_background_on_mpi(mpirun):
@@ -245,7 +245,7 @@ def test_async_collectives_start_in_order_and_a_blocking_call_waits_for_them():
         wb = meshkit.broadcast(b, src=1, async_op=True)
         c = np.full(2, 1.0)
         meshkit.all_reduce(c)  # blocking: every earlier collective of the group completes first
-        state = [wa.is_completed(), wb.is_completed(), len(group._inflight)]
+        state = [wa.is_completed(), wb.is_completed(), len(group.queue.inflight)]
         wb.wait()
         wa.wait()
         return seen == [True], state, a.tolist(), b.tolist(), c.tolist()

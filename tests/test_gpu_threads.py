@@ -10,6 +10,7 @@ stream, on every engine (NCCL, MPI staged and CUDA-aware). Nothing here has run 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import threading
 import time
@@ -100,7 +101,8 @@ def test_the_progress_agent_settles_list_collectives_on_the_ranks_gpu(rt, monkey
     """NCCL over a host engine that needs the progress agent (MPI): the agent completes async
     all_gather/gather/all_to_all and copies their rows out, a kernel on each rank's GPU (rank 1
     on GPU 1). It used to run it with device 0 current, which CuPy refuses."""
-    monkeypatch.setattr(local_engine.LocalEngine, "needs_progress", True)
+    monkeypatch.setattr(local_engine.LocalEngine, "capabilities",
+                        dataclasses.replace(local_engine.LocalEngine.capabilities, needs_progress=True))
 
     def body():
         meshkit.init_process_group("nccl", timeout=20)

@@ -270,7 +270,7 @@ def test_by_default_the_watchdog_ends_the_job_when_deferred_work_fails(fake_gpu,
     monkeypatch.setattr(double, "DOUBLE_TIMEOUT", 6.0)
     monkeypatch.delenv("MESHKIT_ASYNC_ERROR_HANDLING", raising=False)
     ended = []
-    monkeypatch.setattr(meshkit.comm.work, "tear_down", lambda world, reason: ended.append((world.rank, reason)))
+    monkeypatch.setattr(meshkit.comm.job_end, "tear_down", lambda world, reason: ended.append((world.rank, reason)))
 
     def body():
         x = double.to_device(np.ones(2))

@@ -492,7 +492,7 @@ def _defined_as(frame) -> str:
 
 def test_a_queued_bucket_reaches_the_engine_from_the_group_queue():
     """A bucket completed while an earlier one reduces is queued and started by
-    ProcessGroup._advance (comm/execution.py) -> RequestWork.start (comm/work.py) -> engine.all_reduce
+    CollectiveQueue.advance (comm/execution.py) -> RequestWork.start (comm/work.py) -> engine.all_reduce
     (as the README says); every bucket's reduction takes one of the two documented paths."""
     import inspect
 
@@ -529,10 +529,139 @@ def test_a_queued_bucket_reaches_the_engine_from_the_group_queue():
         assert grads == [1.0, 1.0, 1.0]
         assert len(stacks) == 15
         direct = ["all_reduce", "allreduce_hook", "launch"]
-        queued = ["start", "_advance"]
+        queued = ["start", "advance"]
         assert all(s == direct or s[:2] == queued for s in stacks), stacks
         assert any(s[:2] == queued for s in stacks), "no bucket was ever queued: the test proves nothing"
         # the files the README shows for each path
         assert all(f == ["comm/group.py", "parallel/data_parallelism/hooks.py", "parallel/data_parallelism/buckets.py"]
                    if s == direct else
                    f[:2] == ["comm/work.py", "comm/execution.py"] for s, f in zip(stacks, files)), files
+
+
+#: Private attributes that comm's modules read or call on objects other than ``self``/``cls`` (and
+#: other than a module's, as ``sys._getframe``), each with why. Anything else is a private call or
+#: read across objects: declare what one object asks of another as public methods of a declared
+#: interface (``WorkOwner`` in comm/work.py: what a RequestWork asks of its group's queue; the group's
+#: ``queue`` and ``failures``; ``EngineCapabilities``) instead.
+CROSS_OBJECT_PRIVATE = {
+    **{("comm/work.py", name): "Work and CommThread are one mechanism, in one module: a queued Work knows "
+       "its thread (_queue, _owner), the thread completes it (_finish) and counts its waiters (_cond), "
+       "and names it in an error (_what)" for name in ("_queue", "_owner", "_finish", "_cond", "_what")},
+    ("comm/nccl.py", "_complete_batch"): "NCCLEngine's own module: the end of batch_isend_irecv completes "
+                                         "the batch of each engine it opened",
+    ("comm/nccl.py", "_exited"): "NCCLEngine's own module: the exit hook marks every live engine exited",
+    ("comm/nccl.py", "_abort"): "NCCLEngine's own module: the exit hook aborts every live engine",
+    ("comm/collectives.py", "_group_rank_of"): "the module-level functions translate a global rank with one "
+                                               "dict lookup on the group's index (every call with a root or "
+                                               "peer), raising their own message",
+}
+
+
+def _cross_object_private(root: Path) -> list[tuple[str, str, int, str]]:
+    """``(file, attribute, line, expression)`` for every ``x._name`` in comm with x not self/cls/a module."""
+    found = []
+    for path in sorted((root / "comm").glob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        modules = {(a.asname or a.name).split(".")[0] for node in ast.walk(tree)
+                   if isinstance(node, (ast.Import, ast.ImportFrom)) for a in node.names}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
+                continue
+            base = node.value
+            if isinstance(base, ast.Name) and (base.id in ("self", "cls") or base.id in modules):
+                continue
+            found.append((path.relative_to(root).as_posix(), node.attr, node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_no_undeclared_cross_object_private_access_in_comm():
+    """Issue 25.3: ProcessGroup's parts (its queue, its failure state, the works it hands out, the
+    progress agent, prepared collectives, lifecycle) ask each other only what is declared."""
+    wrong = [f"{file}:{line}: {expr}" for file, attr, line, expr in _cross_object_private(ROOT)
+             if (file, attr) not in CROSS_OBJECT_PRIVATE]
+    assert not wrong, "private attributes read or called across objects (declare a public interface, or " \
+                      "list them in CROSS_OBJECT_PRIVATE with a reason):\n" + "\n".join(wrong)
+    used = {(file, attr) for file, attr, _, _ in _cross_object_private(ROOT)}
+    assert not set(CROSS_OBJECT_PRIVATE) - used, f"listed but no longer used: {set(CROSS_OBJECT_PRIVATE) - used}"
+
+
+def test_no_engine_is_probed_with_getattr_or_hasattr():
+    """An engine declares what it can do (``EngineCapabilities``, comm/engine.py) and has every method of
+    the Engine protocol; nothing asks ``getattr(engine, ...)``/``hasattr(engine, ...)`` (issue 25.3)."""
+    wrong = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+                    and node.args and "engine" in ast.unparse(node.args[0]).lower()):
+                wrong.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert not wrong, "\n".join(wrong)
+
+
+def _private_module_imports(graph: dict[str, list[tuple[str, list[str], int]]]) -> list[str]:
+    """Imports of a private module (``_name``, other than ``_seams``) from outside the package holding it."""
+    wrong = []
+    for module, imports in graph.items():
+        package = module if MODULES.get(module, Path()).name == "__init__.py" else module.rsplit(".", 1)[0]
+        for target, _, line in imports:
+            parent, _, last = target.rpartition(".")
+            if last.startswith("_") and not last.startswith("__") and last != "_seams" and parent != package:
+                wrong.append(f"{module}:{line} imports the private module {target}")
+    return wrong
+
+
+def test_no_package_imports_another_packages_private_module():
+    """A module named as private (``_x.py``) is its package's own; another package (a subpackage too) reaches
+    it only through that package's ``_seams`` (issue 25). The check itself is tested on a planted import."""
+    assert not _private_module_imports(GRAPH), "\n".join(_private_module_imports(GRAPH))
+    planted = {"meshkit.parallel.optim.sgd": [("meshkit.parallel.data_parallelism._flat", [], 3),
+                                              ("meshkit.comm._seams", [], 4)],
+               "meshkit.parallel.data_parallelism.buckets": [("meshkit.parallel.data_parallelism._flat", [], 5)]}
+    assert _private_module_imports(planted) == [
+        "meshkit.parallel.optim.sgd:3 imports the private module meshkit.parallel.data_parallelism._flat"]
+
+
+def _method(path: Path, cls: str, name: str) -> ast.FunctionDef:
+    tree = ast.parse(path.read_text(), str(path))
+    body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls).body
+    return next(n for n in body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def test_process_group_holds_its_parts_instead_of_inheriting_them():
+    """Issue 25.3: no mixins; the queue and the failure state are objects that declare their state."""
+    from meshkit.comm.execution import CollectiveQueue
+    from meshkit.comm.failures import FailureState
+    from meshkit.comm.group import ProcessGroup
+    assert ProcessGroup.__mro__ == (ProcessGroup, object), ProcessGroup.__mro__
+    for cls in (ProcessGroup, CollectiveQueue, FailureState):
+        assert "__slots__" in cls.__dict__, f"{cls.__name__} does not declare its state"
+
+
+def test_all_reduce_takes_the_path_every_collective_takes():
+    """Issue 25.3: ProcessGroup.all_reduce is no hand-inlined copy of the generic path: it calls the
+    same phases of the group's queue, in the same order, as CollectiveQueue.run (and makes the engine
+    call itself, for DDP's five calls)."""
+    def phases(fn: ast.FunctionDef, owner: str) -> list[str]:
+        calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                 and isinstance(n.func.value, ast.Name) and n.func.value.id == owner]
+        return [c.func.attr for c in sorted(calls, key=lambda c: (c.lineno, c.col_offset))]
+    run = phases(_method(ROOT / "comm/execution.py", "CollectiveQueue", "run"), "self")
+    all_reduce = phases(_method(ROOT / "comm/group.py", "ProcessGroup", "all_reduce"), "queue")
+    assert run == ["behind_tasks", "run", "issue", "enqueue", "start_failed", "started"], run
+    assert all_reduce == ["behind_tasks", "issue", "averaged", "enqueue", "start_failed", "started"], all_reduce
+    assert [p for p in run if p != "run"] == [p for p in all_reduce if p != "averaged"]
+
+
+def test_every_engine_declares_its_capabilities():
+    """Each engine class says what it can do beyond the common operations (comm/engine.py's
+    EngineCapabilities), instead of being probed with getattr/hasattr."""
+    missing = []
+    for file, cls in (("comm/mpi.py", "MPIEngine"), ("comm/local_engine.py", "LocalEngine"),
+                      ("comm/nccl.py", "NCCLEngine")):
+        tree = ast.parse((ROOT / file).read_text())
+        body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls).body
+        declared = [n for n in body if isinstance(n, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "capabilities" for t in n.targets)
+            and isinstance(n.value, ast.Call) and ast.unparse(n.value.func) == "EngineCapabilities"]
+        if not declared:
+            missing.append(f"{file}: {cls}")
+    assert not missing, missing
