@@ -138,7 +138,12 @@ def start_debug_server(port: int = 0, host: str = "127.0.0.1") -> str:
         except OSError as exc:
             problem = f"rank {rank} cannot listen on {_netloc(host, port + rank if port else 0)}: {_why(exc)}"
     answers: list[Any] = [None] * size
-    all_gather_object(answers, (problem, None if server is None else server.url))
+    try:
+        all_gather_object(answers, (problem, None if server is None else server.url))
+    except BaseException:  # a rank that never called (a timeout), a peer's failure: keep no half-started server
+        if server is not None:
+            server.httpd.server_close()
+        raise
     problems = [p for p, _ in answers if p is not None]
     if problems:
         if server is not None:
@@ -179,7 +184,7 @@ def _bind(world: Any, host: str, port: int) -> _Server:
                                                                        "daemon_threads": True})
     httpd = server_class((host, port), _Handler)
     httpd.timeout = _POLL
-    shown = socket.gethostname() if host in ("0.0.0.0", "::", "") else host  # an address others can use
+    shown = socket.gethostname() if host in ("0.0.0.0", "::") else host  # an address the other ranks can use
     server = _Server(httpd, world, threading.get_ident(), f"http://{_netloc(shown, httpd.server_address[1])}")
     httpd.debug_server = server  # type: ignore[attr-defined]
     return server

@@ -94,8 +94,15 @@ def test_a_base_port_gives_rank_r_port_plus_r():
     assert urls == [f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"]
 
 
-def _start_and_stop(**kwargs) -> str:
+def test_host_all_interfaces_is_reported_by_the_host_name_and_answers_on_localhost():
+    url = local.run(lambda: _start_and_stop(host="0.0.0.0", query=True), 1)[0]
+    assert url.startswith(f"http://{socket.gethostname()}:")
+
+
+def _start_and_stop(query: bool = False, **kwargs) -> str:
     url = meshkit.debug.start_debug_server(**kwargs)
+    if query:  # through 127.0.0.1, which "every interface" includes
+        assert _get(f"http://127.0.0.1:{url.rsplit(':', 1)[1]}/")["url"] == url
     meshkit.barrier()
     meshkit.debug.stop_debug_server()
     return url
