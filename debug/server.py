@@ -57,6 +57,8 @@ DEFAULT_TIMEOUT = 2.0
 _MAX_TIMEOUT = 60.0
 #: How often the serving loop checks whether it was stopped or its world destroyed (seconds).
 _POLL = 0.2
+#: Ranks' problems a failed start names (then "and K more"): a port in use on 1000 ranks is one line.
+_PROBLEMS_SHOWN = 8
 #: Names of the server's own threads, left out of ``/stacks``.
 _THREAD_PREFIX = "meshkit-debug-server"
 _ENDPOINTS = {
@@ -92,7 +94,7 @@ def start_debug_server(port: int = 0, host: str = "127.0.0.1") -> str:
 
     Every rank calls it: each binds ``host:port + rank`` (``port=0``: a free port each), then the
     ranks exchange their addresses (an ``all_gather_object``), so that every rank's ``/all``
-    answers for all of them. If any rank cannot bind, every rank raises and none keeps a server.
+    answers for all of them. If any rank cannot bind, every rank raises and keeps no new server.
     On the local engine each rank (a thread) gets its own server and port, and ``/stacks`` shows
     that rank's thread and its groups' communication threads; in a process it shows every thread.
 
@@ -129,14 +131,14 @@ def start_debug_server(port: int = 0, host: str = "127.0.0.1") -> str:
                              f"must be 0 (a free port per rank) or 1..{65536 - size} for {size} ranks")
     with _servers_lock:
         running = _servers.get(world)
-    server, problem = None, None
+    server, problem, mine = None, None, port + rank if port else 0
     if running is not None:
         problem = f"rank {rank} runs a debug server already at {running.url}; call stop_debug_server() first"
     else:
         try:
-            server = _bind(world, host, port + rank if port else 0)
+            server = _bind(world, host, mine)
         except OSError as exc:
-            problem = f"rank {rank} cannot listen on {_netloc(host, port + rank if port else 0)}: {_why(exc)}"
+            problem = f"rank {rank} cannot listen on {_netloc(host, mine)}: {_why(exc)}"
     answers: list[Any] = [None] * size
     try:
         all_gather_object(answers, (problem, None if server is None else server.url))
@@ -148,14 +150,15 @@ def start_debug_server(port: int = 0, host: str = "127.0.0.1") -> str:
     if problems:
         if server is not None:
             server.httpd.server_close()
-        raise DistError(f"{where}: {'; '.join(problems)}; no server was started")
+        more = f"; and {len(problems) - _PROBLEMS_SHOWN} more ranks" if len(problems) > _PROBLEMS_SHOWN else ""
+        raise DistError(f"{where}: {'; '.join(problems[:_PROBLEMS_SHOWN])}{more}; no server was started")
     server.urls = [url for _, url in answers]
     server.thread = threading.Thread(target=_serve, args=(server,), name=f"{_THREAD_PREFIX}[rank {rank}]",
                                      daemon=True)
     with _servers_lock:
         _servers[world] = server
     server.thread.start()
-    logger.info("meshkit: rank %d debug server at %s (every rank: %s/all)", rank, server.url, server.url)
+    logger.info("meshkit: rank %d debug server at %s (%s/all answers for every rank)", rank, server.url, server.url)
     return server.url
 
 
@@ -295,13 +298,21 @@ def _stacks(server: _Server) -> dict[str, Any]:
 
 
 def _snapshot(server: _Server) -> dict[str, Any]:
-    return {"rank": server.world.rank, "pid": os.getpid(), "host": socket.gethostname(), "stacks": _stacks(server),
-            "inflight": inflight_document(server.world),
-            "flight_record": flight_document(server.world)}
+    """The rank's calls in flight, then its stacks: a rank that is stuck in the calls read first is
+    in them still when its stacks are read (the other order once showed a rank that entered an
+    all_reduce between the two reads in the all_reduce by its record but not by its stack)."""
+    inflight = inflight_document(server.world)
+    return {"rank": server.world.rank, "pid": os.getpid(), "host": socket.gethostname(), "inflight": inflight,
+            "stacks": _stacks(server), "flight_record": flight_document(server.world)}
+
+
+#: Fetches the other ranks' answers directly: never through an ``http_proxy`` of the environment
+#: (clusters often set one), which would not reach 127.0.0.1 or a compute node's port.
+_direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def _fetch(url: str, timeout: float) -> dict[str, Any]:
-    with urllib.request.urlopen(f"{url}/snapshot", timeout=timeout) as reply:  # noqa: S310 (http only)
+    with _direct.open(f"{url}/snapshot", timeout=timeout) as reply:
         return json.loads(reply.read())
 
 
