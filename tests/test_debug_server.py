@@ -323,6 +323,17 @@ def test_a_port_in_use_fails_on_every_rank_naming_host_and_port_and_leaves_no_se
     assert _refused(f"http://127.0.0.1:{base + 1}")  # rank 1 bound it, then closed it
 
 
+def test_an_address_it_cannot_listen_on_fails_on_every_rank_naming_it():
+    host, why = "192.0.2.1", "the address is not one of this host's"  # TEST-NET-1 (RFC 5737): no host has it
+
+    def job():
+        meshkit.debug.start_debug_server(host=host)
+
+    with pytest.raises(DistError, match=rf"rank \d: start_debug_server: rank 0 cannot listen on {host}:0: {why}; "
+                                        rf"rank 1 cannot listen on {host}:0: {why}; no server was started"):
+        local.run(job, 2)
+
+
 def test_a_second_start_on_a_rank_is_an_error_on_every_rank_and_stop_then_start_works():
     def job():
         first = meshkit.debug.start_debug_server()
