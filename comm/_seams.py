@@ -22,11 +22,12 @@ from typing import Any, Callable, Mapping
 from .arrays import array_namespace, is_array, is_device_array, to_host
 from .prepared import PREPARED_OPS, PreparedCollective, prepare_collective
 from .registry import create_groups, resolve_group
-from .world import RECORD_FORMAT, current_world, flight_document
+from .world import RECORD_FORMAT, current_world, flight_document, inflight_document
 
 __all__ = ["array_namespace", "is_device_array", "is_array", "to_host", "PREPARED_OPS", "PreparedCollective",
            "prepare_collective",
-           "create_groups", "resolve_group", "current_world", "flight_document", "RECORD_FORMAT", "moved_names"]
+           "create_groups", "resolve_group", "current_world", "flight_document", "inflight_document", "RECORD_FORMAT",
+           "moved_names"]
 
 
 def moved_names(package: str, names: Mapping[str, str]) -> Callable[[str], Any]:

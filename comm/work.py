@@ -409,6 +409,12 @@ class CommThread:
         """True when nothing is queued or running."""
         return self.pending == 0
 
+    @property
+    def ident(self) -> int | None:
+        """The thread's ident once started (the debug server names it among the rank's stacks)."""
+        thread = self._thread
+        return None if thread is None else thread.ident
+
     def submit(self, fn: Callable[[], Any], work: Work) -> Work:
         with self._cond:
             if self._closed:

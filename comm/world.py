@@ -5,8 +5,9 @@ backend, rank, size, timeout, debug level, flight recorder, progress agent and t
 groups by rank set. Under MPI there is one world per process; inside
 :func:`meshkit.comm.local.run` every thread (rank) has its own, held thread-locally.
 This module holds the state (:mod:`~meshkit.comm.lifecycle` creates and destroys it) and the
-flight record's readers: as a dict (:func:`flight_document`, which ``meshkit.debug`` gathers),
-and as a file in ``MESHKIT_TRACE_DIR`` after a failed collective (:func:`dump_flight_record`).
+flight record's readers: as a dict (:func:`flight_document`, which ``meshkit.debug`` gathers;
+:func:`inflight_document`, the calls not finished, which its debug server answers), and as a
+file in ``MESHKIT_TRACE_DIR`` after a failed collective (:func:`dump_flight_record`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from .errors import CollectiveMismatchError, CollectiveTimeout, DistError, RankF
 from .progress import ProgressAgent
 
 __all__ = ["World", "current_world", "is_initialized", "flight_record", "format_flight_record", "flight_document",
-           "dump_flight_record", "RECORD_FORMAT"]
+           "inflight_document", "dump_flight_record", "RECORD_FORMAT"]
 
 logger = logging.getLogger("meshkit")
 
@@ -122,6 +123,16 @@ def flight_document(world: World, reason: str = "") -> dict[str, Any]:
     the world size, its groups (name, global ranks, calls issued) and each entry's group ranks.
     Times are wall-clock seconds (``time.time()``), comparable across ranks as far as the hosts'
     clocks agree."""
+    groups, entries = _entries(world)
+    return {"format": RECORD_FORMAT, "rank": world.rank, "world_size": world.size, "backend": world.backend,
+            "time": time.time(), "reason": reason,
+            "groups": [{"name": g.name, "ranks": list(g.ranks), "issued": g.queue.seq} for g in groups],
+            "entries": entries}
+
+
+def _entries(world: World) -> tuple[list[Any], list[dict[str, Any]]]:
+    """The groups this rank is a member of, and its flight record's entries as dicts with lists for
+    shapes and each entry's group ranks (JSON-ready)."""
     groups = [g for g in list(world.groups.values()) if g.is_member]
     ranks_of = {g.name: list(g.ranks) for g in groups}
     entries = []
@@ -129,10 +140,39 @@ def flight_document(world: World, reason: str = "") -> dict[str, Any]:
         entry["shapes"] = [list(shape) for shape in entry["shapes"]]
         entry["ranks"] = ranks_of.get(entry["group"])
         entries.append(entry)
-    return {"format": RECORD_FORMAT, "rank": world.rank, "world_size": world.size, "backend": world.backend,
-            "time": time.time(), "reason": reason,
-            "groups": [{"name": g.name, "ranks": list(g.ranks), "issued": g.queue.seq} for g in groups],
-            "entries": entries}
+    return groups, entries
+
+
+#: Flight-recorder states of a call not finished yet (see :data:`~meshkit.comm.debug.RECORD_FIELDS`).
+_UNFINISHED = ("scheduled", "started")
+
+
+def inflight_document(world: World) -> dict[str, Any]:
+    """What this rank waits for now: its calls not finished (flight-recorder entries scheduled or
+    started, each with its group's ranks and the seconds since it began) and, for each of its
+    groups, the calls issued, the asynchronous collectives still in the group's queue (``posted``:
+    in the engine; not: waiting behind an earlier one) and the ident of its communication thread.
+
+    Read by ``meshkit.debug``'s server from its own thread while this rank may be blocked in a
+    call: it takes no lock (copies of deques and dicts are atomic under the GIL), so what it
+    shows is a snapshot that may be a few microseconds old."""
+    now = time.time()
+    groups, entries = _entries(world)
+    calls = []
+    for entry in entries:
+        if entry["state"] in _UNFINISHED:
+            began = entry["t_start"] or entry["t_scheduled"]
+            entry["seconds"] = None if began is None else round(now - began, 6)
+            calls.append(entry)
+    listed = []
+    for g in groups:
+        queue = g.queue
+        queued = [{"seq": w.seq, "op": w.op, "posted": not w.unstarted()}
+                  for w in list(queue.inflight) if not w.finished]
+        listed.append({"name": g.name, "ranks": list(g.ranks), "issued": queue.seq, "queued": queued,
+                       "comm_thread": queue.thread.ident})
+    return {"rank": world.rank, "world_size": world.size, "backend": world.backend, "time": now,
+            "collectives": calls, "groups": listed}
 
 
 #: The failures after which a rank writes its record to ``MESHKIT_TRACE_DIR``.

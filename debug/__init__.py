@@ -6,6 +6,8 @@
   times out or fails; ``python -m meshkit.debug analyze DIR`` (:func:`report`) reads them all
   and names the divergence: the ranks that never entered the call, the rank whose call differed,
   the rank that arrived late, ranks that called collectives in different orders.
+* :func:`start_debug_server` (collective): an HTTP server per rank answering, while the job runs,
+  each rank's stacks, in-flight collectives and flight record (``/all`` on any rank: every rank's).
 
 The debug level (``set_debug_level``), ``breakpoint(rank)`` and the flight recorder itself are in
 :mod:`meshkit.comm`; this package builds on comm alone. See docs/hangs.md.
@@ -13,5 +15,7 @@ The debug level (``set_debug_level``), ``breakpoint(rank)`` and the flight recor
 
 from .chrome_trace import chrome_trace, export_chrome_trace
 from .divergence import Finding, analyze, load_records, report
+from .server import start_debug_server, stop_debug_server
 
-__all__ = ["export_chrome_trace", "chrome_trace", "load_records", "analyze", "report", "Finding"]
+__all__ = ["export_chrome_trace", "chrome_trace", "load_records", "analyze", "report", "Finding", "start_debug_server",
+           "stop_debug_server"]
