@@ -153,6 +153,9 @@ class NCCLEngine:
         self.max_tag = host.max_tag
         self.needs_progress = getattr(host, "needs_progress", False)
         self.reports_dtype = getattr(host, "reports_dtype", False)
+        # A host engine over a store (a job started without MPI) moves no host arrays: the object
+        # collectives then go through exchange (comm/objects.py), and NumPy collectives are refused.
+        self.host_arrays = getattr(host, "host_arrays", True)
         nccl = rt.nccl
         self._types = {name: getattr(nccl, const) for name, const in NCCL_DTYPES.items() if hasattr(nccl, const)}
         self._ops = {op: getattr(nccl, const) for op, const in NCCL_OPS.items()}
