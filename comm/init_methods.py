@@ -50,6 +50,8 @@ _ENV_FALLBACK = {"RANK": "SLURM_PROCID", "WORLD_SIZE": "SLURM_NTASKS", "LOCAL_RA
 #: The keys of a world in its store. The last rank to leave the world deletes them (the store engine's
 #: ``flush``), so that a store given to init_process_group again starts clean.
 PREFIX = "meshkit/world"
+#: Seconds between a rank's tries to reach rank 0's TCPStore of this world while the previous one closes.
+_REOPEN_PAUSE_S = 0.05
 #: Extra seconds a rank waits for the verdict of a rendezvous another rank has timed out.
 _VERDICT_GRACE_S = 2.0
 
@@ -82,10 +84,12 @@ class Requested:
 
 @dataclasses.dataclass
 class Rendezvous:
-    """A rendezvous that completed: this rank, the world size, the store every rank reached (keys
-    under ``prefix``), and whether meshkit made the store (and closes it at destroy)."""
+    """A rendezvous that completed: this rank, the world size, the world's keys (``store``, under
+    :data:`PREFIX` of ``base``, the store every rank reached), and whether meshkit made ``base``
+    (and closes it at destroy)."""
 
     store: Store
+    base: Store
     rank: int
     world_size: int
     local_rank: int | None
@@ -303,17 +307,19 @@ def rendezvous(asked: Requested, timeout: float) -> Rendezvous:
     store, owned, where = open_store(asked, timeout)
     try:
         keys = PrefixStore(PREFIX, store)
-        _meet(keys, asked, timeout, where)
+        _meet(keys, asked, timeout, where, isinstance(store, TCPStore))
     except BaseException:
         if owned:
             store.close()
         raise
-    return Rendezvous(PrefixStore(PREFIX, store), asked.rank, asked.world_size, asked.local_rank, owned, where)
+    return Rendezvous(keys, store, asked.rank, asked.world_size, asked.local_rank, owned, where)
 
 
-def _meet(keys: Store, asked: Requested, timeout: float, where: str) -> None:
+def _meet(keys: Store, asked: Requested, timeout: float, where: str, tcp: bool) -> None:
     rank, size = asked.rank, asked.world_size
     deadline = time.monotonic() + timeout
+    if tcp:
+        _opened(keys, rank, deadline, timeout, where)
     mine = f"{_here()} ({uuid.uuid4().hex[:8]})"
     held = keys.compare_set(f"rank/{rank}", "", mine).decode(errors="replace")
     if held != mine:
@@ -330,16 +336,39 @@ def _meet(keys: Store, asked: Requested, timeout: float, where: str) -> None:
             DistStoreError(verdict.removeprefix("timeout "))
 
 
+def _opened(keys: Store, rank: int, deadline: float, timeout: float, where: str) -> None:
+    """Rank 0 marks its TCPStore open for this world (``open``; it deletes the mark as it leaves the
+    world); the others wait for the mark. A rank that reaches the server of the previous world on
+    the same port (its master still closing it) so waits, reconnects once that server is gone,
+    and never joins the old world's keys."""
+    if rank == 0:
+        keys.set("open", "1")
+        return
+    while True:
+        try:
+            keys.wait(["open"], timeout=max(deadline - time.monotonic(), 0.0))
+            return
+        except DistStoreError as exc:
+            if exc.keys:
+                raise DistStoreError(f"meshkit.comm: rank {rank}: init_process_group over {where}: rank 0 did not open "
+                                     f"the rendezvous within the timeout of {timeout:g} s (a server answers there, "
+                                     "but not rank 0's of this world)") from None
+        if time.monotonic() > deadline:
+            raise DistStoreError(f"meshkit.comm: rank {rank}: init_process_group over {where}: no server of rank 0 "
+                                 f"answered within the timeout of {timeout:g} s")
+        time.sleep(_REOPEN_PAUSE_S)  # the old server went away: the next request connects anew
+
+
 def rendezvous_keys(size: int) -> list[str]:
     """The keys a rendezvous of ``size`` ranks leaves (under :data:`PREFIX`)."""
-    return [*(f"rank/{r}" for r in range(size)), "arrived", "go"]
+    return [*(f"rank/{r}" for r in range(size)), "arrived", "go", "open"]
 
 
 def _await_go(keys: Store, deadline: float, rank: int, size: int, timeout: float, where: str) -> str:
     try:
         keys.wait(["go"], timeout=max(deadline - time.monotonic(), 0.0))
     except DistStoreError as exc:
-        if exc.keys is None:  # the store itself failed (its server is gone), not a timeout
+        if not exc.keys:  # the store itself failed (its server is gone), not a timeout
             raise DistBackendError(f"meshkit.comm: rank {rank}: init_process_group over {where}: the store "
                                    f"failed: {exc}") from None
         arrived = keys.add("arrived", 0)

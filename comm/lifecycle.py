@@ -107,7 +107,8 @@ def _store_world(name: str, asked: Requested, limit: float, device_id: int | Non
         return _world_engine("mpi", limit)  # a world of one (rank 0, checked): MPI's singleton
     met = rendezvous(asked, limit)
     from .store_engine import create_world_engine as create_store_engine
-    host = create_store_engine(met.store, met.rank, met.world_size, met.local_rank, met.owned)
+    host = create_store_engine(met.store, met.rank, met.world_size, met.local_rank,
+                               met.base if met.owned else None)
     return _world_engine("nccl", limit, device_id, host)
 
 

@@ -56,7 +56,7 @@ HOST_ARRAYS_MESSAGE = ("host (NumPy) arrays need a host engine, and this nccl wo
 class _Channel:
     """What the engines of one world share: the store, this process's global rank, the notices."""
 
-    def __init__(self, store: Store, rank: int, size: int, local_rank: int | None, owned: bool) -> None:
+    def __init__(self, store: Store, rank: int, size: int, local_rank: int | None, owned: Store | None) -> None:
         self.store, self.rank, self.size, self.owned = store, rank, size, owned
         self.local_rank = local_rank
         self.read = 0  # notices to this rank read so far
@@ -148,7 +148,7 @@ class StoreEngine:
                 self.store.wait(keys, timeout=min(left, _WATCH_SLICE_S) if watch is not None else left)
                 return True
             except DistStoreError as exc:
-                if exc.keys is None:  # not a timeout: the store itself failed
+                if not exc.keys:  # not a timeout: the store itself failed
                     raise DistBackendError(f"meshkit.comm: rank {self._me}: the rendezvous store failed: "
                                            f"{exc}") from None
             if watch is not None:
@@ -242,6 +242,8 @@ class StoreEngine:
         channel.left = True
         from .init_methods import rendezvous_keys
         try:
+            if channel.rank == 0:  # no rank of a next world on the same port joins this one (init_methods._opened)
+                self.store.delete_key("open")
             if self.store.add("left", 1) == channel.size:
                 for key in (*rendezvous_keys(channel.size), "left"):
                     self.store.delete_key(key)
@@ -281,8 +283,8 @@ class StoreEngine:
         return sum(1 for h in hosts[:self.channel.rank] if h == mine)
 
     def free(self) -> None:
-        if self.ns == "w" and self.channel.owned:
-            self.store.close()
+        if self.ns == "w" and self.channel.owned is not None:
+            self.channel.owned.close()
 
     # ----------------------------------------------------------------- no arrays
     def _no_arrays(self, op: str) -> Any:
@@ -319,6 +321,8 @@ class StoreEngine:
         return self._no_arrays("recv")
 
 
-def create_world_engine(store: Store, rank: int, size: int, local_rank: int | None, owned: bool) -> StoreEngine:
-    """The world's store engine, over the store a rendezvous (:mod:`~meshkit.comm.init_methods`) met in."""
+def create_world_engine(store: Store, rank: int, size: int, local_rank: int | None,
+                        owned: Store | None = None) -> StoreEngine:
+    """The world's store engine, over the keys of a rendezvous (:mod:`~meshkit.comm.init_methods`);
+    ``owned``: the store meshkit made for it, closed with the world."""
     return StoreEngine(_Channel(store, rank, size, local_rank, owned), "w", tuple(range(size)), rank)
