@@ -18,8 +18,10 @@ thread, the progress agent before it touches a work; NCCL), ``local_rank()`` (th
 on its node, which the NCCL engine asks of its host engine to pick a GPU), ``flush``/``abort`` (send pending notices, job abort),
 ``abandon(why)`` (the group broke: stop everything the engine started, so that nothing waits for
 a missing rank forever; NCCL's ``ncclCommAbort``), ``drain(op, deadline)`` (wait for all device
-work, before ``destroy_process_group`` frees the engine; NCCL). A request with ``watchdog = True``
-(NCCL's) is watched by the progress agent until it completes, even after ``Work.wait()`` returned.
+work, before ``destroy_process_group`` frees the engine; NCCL), ``host_arrays = False`` (the
+engine moves no host arrays: object collectives go through ``exchange``; the store engine). A
+request with ``watchdog = True`` (NCCL's) is watched by the progress agent until it completes, even
+after ``Work.wait()`` returned.
 ``announce(tag)`` (the local engine, ``checks_calls = True``): the group's next engine call, made
 right after, is ``tag``, ``(seq, Call)``, which travels with the operation's data; every member
 compares the tags before it computes anything, and all raise :class:`CallsDiffer` if they

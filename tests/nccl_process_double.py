@@ -48,7 +48,8 @@ class ProcessCommunicator:
     def _view(ptr: int, count: int, datatype: int) -> np.ndarray:
         return double._region(ptr, count, double._TYPES[datatype])
 
-    def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, stream: int) -> None:  # noqa: N802
+    def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int,  # noqa: N802
+                  stream: int) -> None:
         parts = self._exchange(self._view(sendbuf, count, datatype).copy())
         self._view(recvbuf, count, datatype)[...] = double._reduce(op, parts)
 

@@ -3,9 +3,10 @@
     init_world.py METHOD[,METHOD...] [TIMEOUT]
 
 Each METHOD in turn makes a world, checks it and destroys it (so the same processes also show
-that a world can be made again). METHOD is ``env`` (``init_method="env://"``: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the
-launcher), ``default`` (no init_method: torch's default, env://), ``tcp``, ``file`` (the URL in
-``$TCP_URL``/``$FILE_URL``), or ``store`` (a TCPStore at MASTER_ADDR:STORE_PORT made here). RANK and
+that a world can be made again). METHOD is ``env`` (``init_method="env://"``: RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT from the launcher), ``default`` (no init_method: torch's default,
+env://), ``tcp``, ``file`` (the URL in ``$TCP_URL``/``$FILE_URL``), or ``store`` (a TCPStore at
+MASTER_ADDR:STORE_PORT made here). RANK and
 WORLD_SIZE come from the environment. The nccl backend runs over a communicator that crosses
 processes (tests/nccl_process_double.py). Each rank checks device all_reduce on the world and on a
 sub-group, barrier, object collectives and the error for host arrays, then prints ``OK``. An
