@@ -140,6 +140,18 @@ def test_env_needs_the_master_address(fake_gpu, monkeypatch):
         meshkit.init_process_group("nccl", init_method="env://", timeout=5)
 
 
+def test_a_port_in_use_is_named(fake_gpu):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(meshkit.DistStoreError, match=rf"TCPStore: cannot listen on 127.0.0.1:{port}: the port is "
+                           r"in use"):
+            meshkit.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=0,
+                                       timeout=2)
+    assert not meshkit.is_initialized()
+
+
 # --------------------------------------------------------------------------- store engine, ranks as threads
 def _on_store(fn, n, store, *, timeout=10):
     def main():
