@@ -314,6 +314,15 @@ def test_a_rank_that_never_comes_fails_the_others_within_the_timeout(tmp_path):
     assert time.monotonic() - began < 2 + 20  # the timeout, plus starting two interpreters on a loaded box
 
 
+def test_a_rank_that_leaves_is_named_at_once_not_at_the_timeout(tmp_path):
+    """Rank 1's script ends after init (its LEFT notice goes through the store): rank 0's barrier
+    fails within seconds, naming rank 1, though the timeout is 30 s."""
+    outputs, codes = start(2, "leave", tmp_path, timeout=30)
+    assert codes == [0, 2], "\n".join(outputs)
+    found = re.search(r"LEFT after ([\d.]+) s: .*rank 1 left the job", outputs[0])
+    assert found and float(found.group(1)) < 5, outputs[0]
+
+
 # --------------------------------------------------------------------------- under meshkit-run: MPI's world
 def test_under_meshkit_run_an_init_method_that_disagrees_is_an_error_naming_both(mpirun):
     out = mpirun("init_disagree.py", 2, timeout=60).stdout

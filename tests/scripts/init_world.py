@@ -5,7 +5,7 @@
 Each METHOD in turn makes a world, checks it and destroys it (so the same processes also show
 that a world can be made again). METHOD is ``env`` (``init_method="env://"``: RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT from the launcher), ``default`` (no init_method: torch's default,
-env://), ``tcp``, ``file`` (the URL in ``$TCP_URL``/``$FILE_URL``), or ``store`` (a TCPStore at
+env://), ``leave`` (env://; rank 1 leaves at once), ``tcp``, ``file`` (the URL in ``$TCP_URL``/``$FILE_URL``), or ``store`` (a TCPStore at
 MASTER_ADDR:STORE_PORT made here). RANK and
 WORLD_SIZE come from the environment. The nccl backend runs over a communicator that crosses
 processes (tests/nccl_process_double.py). Each rank checks device all_reduce on the world and on a
@@ -15,6 +15,7 @@ error is printed as ``ERROR <type>: <message>`` (exit 3), for the tests that exp
 
 import os
 import sys
+import time
 from datetime import timedelta
 
 import nccl_double as double
@@ -46,6 +47,15 @@ def world(method: str, timeout: float) -> None:
                                  is_master=rank == 0, timeout=timedelta(seconds=timeout))
         meshkit.init_process_group("nccl", store=store, world_size=size, rank=rank, timeout=timeout)
     assert (meshkit.get_rank(), meshkit.get_world_size(), meshkit.get_backend()) == (rank, size, "nccl")
+    if method == "leave":  # rank 1's script ends at once; the others learn it in their barrier
+        if rank == 1:
+            sys.exit(2)
+        began = time.monotonic()
+        try:
+            meshkit.barrier()
+        except meshkit.RankFailedError as exc:
+            print(f"LEFT after {time.monotonic() - began:.1f} s: {exc}")
+        return
 
     x = double.to_device(np.arange(4.0) + rank)
     meshkit.all_reduce(x)
