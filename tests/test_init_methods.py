@@ -25,7 +25,7 @@ import pytest
 
 import meshkit
 import nccl_double as double
-from conftest import SCRIPTS, launch
+from conftest import SCRIPTS
 from meshkit.comm import cuda_runtime, local
 from meshkit.comm.world import local_context
 

@@ -35,7 +35,7 @@ def main() -> None:
 
 def world(method: str, timeout: float) -> None:
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if method == "env":
+    if method in ("env", "leave"):
         meshkit.init_process_group("nccl", init_method="env://", timeout=timeout)
     elif method == "default":
         meshkit.init_process_group("nccl", timeout=timeout)
