@@ -126,8 +126,9 @@ def init_process_group(backend: str = "auto", init_method: str | None = None,
     or ``meshkit.spawn`` (an MPI world), MPI's world is the world, and an ``init_method``,
     ``world_size`` or ``rank`` that disagrees with it is an error naming both, on every rank.
     Otherwise the ranks meet through ``init_method`` or ``store``, as in torch; with neither, a
-    process started by a torchrun-style launcher (``RANK`` and ``WORLD_SIZE`` set) meets by
-    ``env://`` (torch's default), and a plain ``python`` process is a world of one.
+    process given ``world_size``/``rank`` or started by a torchrun-style launcher (``RANK`` and
+    ``WORLD_SIZE`` set) meets by ``env://`` (torch's default), and a plain ``python`` process is
+    a world of one.
 
     Args:
         backend: ``"mpi"`` (mpi4py; under ``meshkit-run``/``mpiexec`` or, with plain ``python``,
