@@ -260,9 +260,10 @@ def launcher_name() -> str:
     return "meshkit-run" if os.environ.get("MESHKIT_LAUNCHED", "").strip() == "1" else "mpiexec"
 
 
-def agreement(asked: Requested, rank: int, size: int) -> str | None:
-    """Where ``asked`` disagrees with the world the launcher made (``rank`` of ``size``): the
-    message, naming both; None where they agree."""
+def agreement(asked: Requested, rank: int, size: int, launcher: str | None = None) -> str | None:
+    """Where ``asked`` disagrees with the world ``launcher`` (default: :func:`launcher_name`) made,
+    ``rank`` of ``size``: the message, naming both; None where they agree."""
+    launcher = launcher or launcher_name()
     differs = (asked.world_size != -1 and asked.world_size != size) or (asked.rank != -1 and asked.rank != rank)
     if not differs:
         return None
@@ -276,9 +277,8 @@ def agreement(asked: Requested, rank: int, size: int) -> str | None:
             said += f" WORLD_SIZE={asked.world_size}"
         if asked.rank != -1:
             said += f"{',' if asked.world_size != -1 else ''} RANK={asked.rank}"
-    return (f"meshkit.comm: {said} but {launcher_name()} started this process as rank {rank} of {size}; under "
-            f"{launcher_name()} the MPI world is the world: drop the init method and world_size/rank, or make them "
-            "agree")
+    return (f"meshkit.comm: {said} but {launcher} started this process as rank {rank} of {size}; the world "
+            f"{launcher} made is the world: drop the init method and world_size/rank, or make them agree")
 
 
 # --------------------------------------------------------------------------- the store and the rendezvous

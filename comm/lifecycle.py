@@ -20,7 +20,7 @@ from .cuda_runtime import gpu_available, runtime
 from .debug import DebugLevel, FlightRecorder
 from .errors import DistBackendError, DistError, DistValueError
 from .group import ProcessGroup
-from .init_methods import Requested, agreement, launcher_name, mpi_launched, rendezvous, requested
+from .init_methods import Requested, agreement, mpi_launched, rendezvous, requested
 from .levels import agree_at_init, requested_level
 from .notices import LEFT, Notice
 from .progress import ProgressAgent
@@ -80,9 +80,8 @@ def _launched_world(name: str, asked: Requested, limit: float, device_id: int | 
     host_name = name if name != "nccl" else ("local" if local_context() is not None else "mpi")
     host = _world_engine(host_name, limit)
     if asked.explicit:
-        verdict = agreement(asked, host.rank, host.size)
-        if verdict is not None and local_context() is not None:
-            verdict = verdict.replace(launcher_name(), "meshkit.comm.local.run")
+        verdict = agreement(asked, host.rank, host.size,
+                            "meshkit.comm.local.run" if local_context() is not None else None)
         verdicts = host.exchange(verdict, _AGREE_SEQ, time.monotonic() + limit)
         bad = [r for r, v in enumerate(verdicts) if v is not None]
         if bad:
