@@ -76,7 +76,10 @@ class EngineCapabilities:
             nothing waits for a missing rank forever (NCCL's ``ncclCommAbort``).
         coalesces: ``start_coalescing``/``end_coalescing`` post a list of sends and receives as
             one group (NCCL).
-        aborts_job: ``abort(code)`` ends the whole job (MPI_Abort; NCCL through its host engine).
+        aborts_job: ``abort(code)`` ends the whole job (MPI_Abort; NCCL through its host engine;
+            the store engine ends its own process after telling the others it left).
+        host_arrays: the engine moves host (NumPy) arrays; False: the store engine, whose group
+            refuses NumPy collectives and takes its object collectives through ``exchange``.
     """
 
     checks_calls: bool = False
@@ -87,6 +90,7 @@ class EngineCapabilities:
     abandons: bool = False
     coalesces: bool = False
     aborts_job: bool = False
+    host_arrays: bool = True
 
 
 class Request(Protocol):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import logging
+import os
 import sys
 import time
 from typing import Any
@@ -19,9 +20,11 @@ from .cuda_runtime import gpu_available, runtime
 from .debug import DebugLevel, FlightRecorder
 from .errors import DistBackendError, DistError, DistValueError
 from .group import ProcessGroup
+from .init_methods import Requested, agreement, mpi_launched, rendezvous, requested
 from .levels import agree_at_init, requested_level
 from .notices import LEFT, Notice
 from .progress import ProgressAgent
+from .stores import Store
 from .timeouts import resolve_timeout
 from .job_end import abort_job
 from .world import World, current_world, is_initialized, local_context, set_world
@@ -46,7 +49,8 @@ def _resolve_backend(backend: str) -> str:
     return "mpi" if backend == "gloo" or not gpu_available() else "nccl"
 
 
-def _world_engine(backend: str, timeout: float, device_id: int | None = None) -> object:
+def _world_engine(backend: str, timeout: float, device_id: int | None = None,
+                  host: object | None = None) -> object:
     if backend == "local":
         context = local_context()
         if context is None:
@@ -57,34 +61,106 @@ def _world_engine(backend: str, timeout: float, device_id: int | None = None) ->
     if backend == "mpi":
         from .mpi import create_world_engine as create_mpi
         return create_mpi()
-    # nccl: over the host engine of the same ranks (MPI; the hub inside local.run, with a double runtime)
+    # nccl: over the host engine of the same ranks: MPI, the hub inside local.run (with a double
+    # runtime), or given (the store the ranks met in, in a job no MPI process manager started)
     rt = runtime()  # raises DistBackendError without CuPy
-    host = _world_engine("local" if local_context() is not None else "mpi", timeout)
+    if host is None:
+        host = _world_engine("local" if local_context() is not None else "mpi", timeout)
     from .nccl import create_world_engine as create_nccl
-    return create_nccl(host, rt, time.monotonic() + timeout, device_id)
+    try:
+        return create_nccl(host, rt, time.monotonic() + timeout, device_id)
+    except BaseException:
+        host.free()
+        raise
 
 
-def init_process_group(backend: str = "auto", *, timeout: float | datetime.timedelta | None = None,
-                       device_id: int | None = None) -> None:
+def _launched_world(name: str, asked: Requested, limit: float, device_id: int | None) -> object:
+    """The world a launcher (or local.run) made. What ``asked`` says must agree with it on every
+    rank: each rank's verdict is exchanged, so all raise or none does."""
+    host_name = name if name != "nccl" else ("local" if local_context() is not None else "mpi")
+    host = _world_engine(host_name, limit)
+    if asked.explicit:
+        verdict = agreement(asked, host.rank, host.size,
+                            "meshkit.comm.local.run" if local_context() is not None else None)
+        verdicts = host.exchange(verdict, _AGREE_SEQ, time.monotonic() + limit)
+        bad = [r for r, v in enumerate(verdicts) if v is not None]
+        if bad:
+            host.free()
+            raise DistValueError(verdicts[host.rank] or f"meshkit.comm: rank {host.rank}: init_process_group: ranks "
+                                 f"{bad} disagree with the world: {verdicts[bad[0]]}")
+    return _world_engine(name, limit, device_id, host) if name == "nccl" else host
+
+
+def _store_world(name: str, asked: Requested, limit: float, device_id: int | None) -> object:
+    """A world whose ranks meet through the store of ``asked`` (no MPI process manager started them)."""
+    if name == "local":
+        raise DistBackendError("meshkit.comm: backend 'local' runs inside meshkit.comm.local.run(fn, world_size); "
+                               f"it cannot meet through {asked.source}")
+    if name == "mpi":
+        if asked.world_size > 1:
+            raise DistBackendError(
+                f"meshkit.comm: backend 'mpi' cannot form a world of {asked.world_size} from {asked.source}: MPI's "
+                f"world comes from its process manager, not from an init method. Start the job with meshkit-run -n "
+                f"{asked.world_size} script.py (or mpiexec, or srun with MPI), or use the nccl backend, which meets "
+                "through the init method's store")
+        return _world_engine("mpi", limit)  # a world of one (rank 0, checked): MPI's singleton
+    met = rendezvous(asked, limit)
+    from .store_engine import create_world_engine as create_store_engine
+    host = create_store_engine(met.store, met.rank, met.world_size, met.local_rank,
+                               met.base if met.owned else None)
+    return _world_engine("nccl", limit, device_id, host)
+
+
+def _torchrun_env() -> bool:
+    """Whether a torchrun-style launcher started this process (torch's default init method, env://, applies)."""
+    return all(os.environ.get(name, "").strip() for name in ("RANK", "WORLD_SIZE"))
+
+
+def init_process_group(backend: str = "auto", init_method: str | None = None,
+                       timeout: float | datetime.timedelta | None = None, world_size: int = -1, rank: int = -1,
+                       store: Store | None = None, *, device_id: int | None = None) -> None:
     """Create the default process group (the world) on this rank.
+
+    Where the world comes from (docs/clusters.md, "Launchers"): under ``meshkit-run``, ``mpiexec``
+    or ``meshkit.spawn`` (an MPI world), MPI's world is the world, and an ``init_method``,
+    ``world_size`` or ``rank`` that disagrees with it is an error naming both, on every rank.
+    Otherwise the ranks meet through ``init_method`` or ``store``, as in torch; with neither, a
+    process given ``world_size``/``rank`` or started by a torchrun-style launcher (``RANK`` and
+    ``WORLD_SIZE`` set) meets by ``env://`` (torch's default), and a plain ``python`` process is
+    a world of one.
 
     Args:
         backend: ``"mpi"`` (mpi4py; under ``meshkit-run``/``mpiexec`` or, with plain ``python``,
             a world of one), ``"nccl"`` (device arrays over NCCL through CuPy, host arrays and
-            objects over MPI; one GPU per rank, see ``device_id``),
-            ``"local"`` (inside :func:`meshkit.comm.local.run`), or ``"auto"``: ``local``
-            inside ``local.run``, else ``nccl`` where CuPy sees a GPU, else ``mpi``.
+            objects over MPI; one GPU per rank, see ``device_id``; in a job started without MPI
+            it bootstraps through the init method's store, and moves device arrays and objects,
+            not host arrays), ``"local"`` (inside :func:`meshkit.comm.local.run`), or ``"auto"``:
+            ``local`` inside ``local.run``, else ``nccl`` where CuPy sees a GPU, else ``mpi``.
             ``"gloo"`` (torch's CPU backend) is taken as ``mpi`` (``local`` inside
             ``local.run``); :func:`get_backend` then reports ``"mpi"``.
-        timeout: seconds (or a timedelta) every blocking call of every group waits at most;
-            default ``MESHKIT_TIMEOUT`` or 300 s.
+        init_method: ``"env://"`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
+            ``LOCAL_RANK``; Slurm's ``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID`` where those
+            are what is set), ``"tcp://host:port"`` (rank 0 serves a TCPStore there) or
+            ``"file:///path"`` (a FileStore); the last two need ``world_size`` and ``rank``.
+        timeout: seconds (or a timedelta) every blocking call of every group waits at most, the
+            rendezvous included; default ``MESHKIT_TIMEOUT`` or 300 s.
+        world_size: the number of ranks (-1: from the init method or the launcher).
+        rank: this process's rank (-1: from the init method or the launcher).
+        store: a :class:`~meshkit.comm.stores.Store` every rank reaches, instead of ``init_method``
+            (with ``world_size`` and ``rank``); left open at ``destroy_process_group``. Inside
+            ``local.run`` it makes the nccl backend meet through it, as a job without MPI does.
         device_id: the index of this rank's GPU among those the process sees (``nccl`` only; as
             torch's ``device_id``); default ``MESHKIT_DEVICE_ID``, else the node-local rank
             modulo the visible GPUs (see :func:`meshkit.comm.nccl.select_device`).
 
     Raises:
         DistError: already initialized on this rank.
-        DistValueError: unknown backend or a bad timeout.
+        DistValueError: unknown backend, a bad timeout, a malformed init method, a rank out of
+            range, two processes claiming one rank, or an init method that disagrees with the
+            launcher's world.
+        DistBackendError: ``mpi`` asked to form a world of several from an init method (only an
+            MPI launcher can).
+        DistStoreError: not every rank arrived within the timeout (naming how many did).
     """
     if is_initialized():
         world = current_world()
@@ -93,7 +169,16 @@ def init_process_group(backend: str = "auto", *, timeout: float | datetime.timed
     env.check_all()  # every MESHKIT_* setting, so that a typo is an error now, not ignored until used
     name = _resolve_backend(backend)
     limit = resolve_timeout(timeout)
-    engine = _world_engine(name, limit, device_id)
+    asked = requested(init_method, world_size, rank, store)
+    inside_local = local_context() is not None
+    if inside_local and not (asked.scheme == "store" and name == "nccl") or not inside_local and mpi_launched():
+        engine = _launched_world(name, asked, limit, device_id)
+    elif asked.scheme is not None:
+        engine = _store_world(name, asked, limit, device_id)
+    elif asked.explicit or _torchrun_env():  # torch's default init method
+        engine = _store_world(name, requested("env://", world_size, rank, None), limit, device_id)
+    else:
+        engine = _world_engine(name, limit, device_id)
     world = World(backend=name, timeout=limit, debug=requested_level(), recorder=FlightRecorder(),
                   progress=ProgressAgent("meshkit-progress"))
     group = ProcessGroup(engine, world=world, ranks=range(engine.size), group_rank=engine.rank, name="world",
@@ -192,6 +277,8 @@ class _AbortHook:
 
 
 _abort_hook = _AbortHook()
+#: The exchange number of init_process_group's agreement check (the NCCL engine's use -3 and -4).
+_AGREE_SEQ = -6
 _exit_hook_registered = False
 #: Seconds a leaving rank waits for its notices to leave (they are small, sent eagerly).
 _LEAVE_FLUSH_SECONDS = 1.0

@@ -157,7 +157,10 @@ class NCCLEngine:
         self.capabilities = dataclasses.replace(NCCLEngine.capabilities,
                                                 needs_progress=host.capabilities.needs_progress,
                                                 reports_dtype=host.capabilities.reports_dtype,
-                                                aborts_job=host.capabilities.aborts_job)
+                                                aborts_job=host.capabilities.aborts_job,
+                                                # a host over a store (no MPI) moves no host arrays:
+                                                # object collectives go through exchange (comm/objects.py)
+                                                host_arrays=host.capabilities.host_arrays)
         nccl = rt.nccl
         self._types = {name: getattr(nccl, const) for name, const in NCCL_DTYPES.items() if hasattr(nccl, const)}
         self._ops = {op: getattr(nccl, const) for op, const in NCCL_OPS.items()}

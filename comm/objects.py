@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from .collectives import _group_rank
-from .checks import where
+from .checks import check_member, where
 from .errors import DistError, DistTypeError, DistValueError
 from .group import ProcessGroup
 from .registry import resolve_group
@@ -50,6 +50,47 @@ def _failures(g: ProcessGroup, op: str, what: str, sizes: np.ndarray, rows: Any)
                             for i in failed)
         raise ObjectCollectiveError(f"{where(g, op)}: {what} could not be pickled on ranks "
                                     f"{[g.ranks[i] for i in failed]} ({reasons}); every rank raises")
+
+
+class _OverExchange:
+    """The four buffer collectives the object collectives use, each as one ``exchange`` of the
+    group's engine, for an engine that moves no host arrays (``capabilities.host_arrays`` False:
+    the store engine under an nccl world started without MPI, comm/store_engine.py). Everything else is the
+    group's. The data is small (pickles and their sizes), which a store carries."""
+
+    def __init__(self, g: ProcessGroup) -> None:
+        self._g = g
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._g, name)
+
+    def _all(self, op: str, payload: Any) -> list[Any]:
+        g = self._g
+        check_member(g, op)
+        return g.queue.blocking(op, lambda seq, deadline: g.engine.exchange(payload, seq, deadline, watched=True),
+                                g.timeout)
+
+    def broadcast(self, buf: np.ndarray, root: int) -> None:
+        parts = self._all("broadcast", buf if self._g.rank == root else None)
+        if self._g.rank != root:
+            buf[...] = parts[root]
+
+    def all_gather_into_tensor(self, out: np.ndarray, inp: np.ndarray) -> None:
+        out[...] = np.concatenate(self._all("all_gather_into_tensor", inp))
+
+    def gather(self, inp: np.ndarray, rows: list[np.ndarray] | None, root: int) -> None:
+        parts = self._all("gather", inp)
+        if rows is not None:
+            for row, part in zip(rows, parts):
+                row[...] = part
+
+    def scatter(self, out: np.ndarray, rows: list[np.ndarray] | None, root: int) -> None:
+        out[...] = self._all("scatter", rows)[root][self._g.rank]
+
+
+def _host_side(g: ProcessGroup) -> Any:
+    """``g``, or where its engine moves no host arrays, ``g`` with its buffer collectives over exchange."""
+    return _OverExchange(g) if g.engine is not None and not g.engine.capabilities.host_arrays else g
 
 
 def _load(buf: np.ndarray) -> Any:
@@ -85,6 +126,7 @@ def broadcast_object_list(object_list: list[Any], src: int | None = None, group:
     g = resolve_group(group)
     root = _group_rank(g, "broadcast_object_list", "src", src, group_src)
     _check_list(g, "broadcast_object_list", "object_list", object_list)
+    g = _host_side(g)
     blob, n = _dump(object_list) if g.rank == root else (np.empty(0, np.uint8), 0)
     size = np.array([n], np.int64)
     g.broadcast(size, root)
@@ -111,6 +153,7 @@ def all_gather_object(object_list: list[Any], obj: Any, group: ProcessGroup | No
     """
     g = resolve_group(group)
     _check_list(g, "all_gather_object", "object_list", object_list, g.size)
+    g = _host_side(g)
     blob, n = _dump(obj)
     sizes = _gathered_sizes(g, n)
     width = int(abs(sizes).max())
@@ -128,6 +171,7 @@ def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: in
     root = _group_rank(g, "gather_object", "dst", dst, group_dst)
     if g.rank == root:
         _check_list(g, "gather_object", "object_gather_list", object_gather_list, g.size)
+    g = _host_side(g)
     blob, n = _dump(obj)
     sizes = _gathered_sizes(g, n)
     width = int(abs(sizes).max())
@@ -152,6 +196,7 @@ def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_in
     if not scatter_object_output_list:
         raise DistValueError(f"{where(g, 'scatter_object_list')}: scatter_object_output_list needs at least "
                              "one slot to receive into")
+    g = _host_side(g)
     width = np.zeros(1, np.int64)
     blobs = None
     if g.rank == root:

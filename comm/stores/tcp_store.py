@@ -142,16 +142,7 @@ class TCPStore(Store):
             self._server = StoreServer(host, self._port, family, address)
             self._port = self._server.port
         try:
-            conn = self._connect(start)
-            try:
-                self._checked(conn.call(wire.request(wire.Op.JOIN), self._left(start)), "join")
-            except (OSError, wire.ProtocolError) as exc:
-                conn.close()
-                raise DistStoreError(
-                    f"TCPStore: the server at {self._hostport} did not answer within {self._timeout_s:g} s "
-                    f"(waited {time.monotonic() - start:.3f} s: {exc}); is a meshkit TCPStore master listening "
-                    f"there?", waited=time.monotonic() - start) from None
-            self._idle.append(conn)
+            self._idle.append(self._join(start))
             if self._is_master and wait_for_workers and world_size is not None:
                 joined = self._server.wait_for_workers(world_size, self._left(start))
                 if joined < world_size:
@@ -202,6 +193,27 @@ class TCPStore(Store):
     # ------------------------------------------------------------------ connections
     def _left(self, start: float) -> float:
         return max(0.0, self._timeout_s - (time.monotonic() - start))
+
+    def _join(self, start: float) -> _Connection:
+        """The first connection, joined, retrying until the timeout: a server that accepts and then
+        resets it is the previous job's master on the same port, closing (the next world of the
+        same MASTER_PORT starts right after), and the new one may not listen yet."""
+        delay = _RETRY_FIRST_S
+        while True:
+            conn = self._connect(start)
+            try:
+                self._checked(conn.call(wire.request(wire.Op.JOIN), max(self._left(start), 0.05)), "join")
+                return conn
+            except (OSError, wire.ProtocolError) as exc:
+                conn.close()
+                left = self._left(start)
+                if left <= 0:
+                    raise DistStoreError(
+                        f"TCPStore: the server at {self._hostport} did not answer within {self._timeout_s:g} s "
+                        f"(waited {time.monotonic() - start:.3f} s; last error: {exc}); is a meshkit TCPStore "
+                        f"master listening there?", waited=time.monotonic() - start) from None
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, _RETRY_MAX_S)
 
     def _connect(self, start: float) -> _Connection:
         """A new connection, retrying refused connects until the timeout (the master may start later)."""

@@ -1,0 +1,330 @@
+"""A host engine over a key-value store: what the NCCL engine needs of its host in a job that no
+MPI process manager started (``init_process_group("nccl", init_method="env://")`` under
+torchrun-style launchers or ``srun``).
+
+The NCCL engine moves device arrays itself; of its host engine it needs small-object exchanges
+(the unique id, each rank's GPU, detail-mode checks, monitored barriers, splits), a barrier,
+notices between ranks, and the node-local rank. :class:`StoreEngine` does these through store
+keys, namespaced per group and numbered per call, under the group's deadline, naming the ranks
+that did not arrive. It moves no arrays: host (NumPy) arrays on such a world are a
+:class:`~meshkit.comm.errors.DistTypeError` saying which launcher or backend serves them
+(``host_arrays = False``; object collectives take the exchange instead, see
+:mod:`meshkit.comm.objects`).
+
+Keys (under the world's prefix, :data:`~meshkit.comm.init_methods.PREFIX`):
+
+* ``g<ns>/x<c>/<r>``: rank r's part of exchange number c of group ``ns``; group rank 0 reads
+  them all and answers with ``g<ns>/x<c>/all`` (every value, or the ranks that did not arrive),
+  as the MPI engine's exchange does; the last reader deletes it;
+* ``g<ns>/b<c>/<r>``: rank r reached barrier number c; the last rank to see all of them deletes them;
+* ``n/<r>/count`` and ``n/<r>/<i>``: notice i to global rank r (a counter, then the notice);
+* ``left``: how many ranks left the world (the last deletes the world's keys).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import socket
+import threading
+import time
+from typing import Any, Callable
+
+from .engine import DeadlineExceeded, EngineCapabilities
+from .errors import DistBackendError, DistStoreError, DistTypeError, DistValueError
+from .notices import LEFT, WATCH_INTERVAL, Notice
+from .stores import Store
+
+__all__ = ["StoreEngine", "create_world_engine", "HOST_ARRAYS_MESSAGE"]
+
+logger = logging.getLogger("meshkit")
+
+#: Seconds between reads of the notices while a wait stalls (each read is a store round trip):
+#: a rank that left is named within this, not at the timeout.
+_WATCH_SLICE_S = max(WATCH_INTERVAL, 0.05)
+#: Extra seconds a non-root rank waits for group rank 0's verdict, which rank 0 gives only at its
+#: own deadline (as the MPI engine's exchange, comm/mpi.py _VERDICT_GRACE).
+_VERDICT_GRACE_S = 5.0
+#: What a host-array collective on a store-bootstrapped world says (the rest names the operation).
+HOST_ARRAYS_MESSAGE = ("host (NumPy) arrays need a host engine, and this nccl world was started without MPI "
+                       "(its host side is the rendezvous store, which moves no arrays): pass device (CuPy) "
+                       "arrays, or start the job with meshkit-run/mpiexec (the nccl backend then moves host "
+                       "arrays over MPI), or use the mpi backend under meshkit-run/mpiexec")
+
+
+class _Channel:
+    """What the engines of one world share: the store, this process's global rank, the notices."""
+
+    def __init__(self, store: Store, rank: int, size: int, local_rank: int | None, owned: Store | None) -> None:
+        self.store, self.rank, self.size, self.owned = store, rank, size, owned
+        self.local_rank = local_rank
+        self.read = 0  # notices to this rank read so far
+        self.lock = threading.Lock()
+        self.left = False
+
+    def notify(self, ranks: list[int], notice: Notice) -> None:
+        data = pickle.dumps(notice)
+        for r in ranks:
+            if r == self.rank:
+                continue
+            try:
+                n = self.store.add(f"n/{r}/count", 1)
+                self.store.set(f"n/{r}/{n}", data)
+            except Exception:  # noqa: BLE001 (a store gone at the end of a job: nobody left to tell)
+                logger.debug("meshkit: rank %d could not post a notice to rank %d", self.rank, r, exc_info=True)
+
+    def notices(self) -> list[Notice]:
+        with self.lock:
+            try:
+                count = self.store.add(f"n/{self.rank}/count", 0)
+                got = []
+                for i in range(self.read + 1, count + 1):
+                    key = f"n/{self.rank}/{i}"
+                    got.append(pickle.loads(self.store.get(key)))
+                    self.store.delete_key(key)
+                self.read = count
+            except DistStoreError as exc:
+                raise DistBackendError(f"meshkit.comm: rank {self.rank}: the rendezvous store failed while this rank "
+                                       f"read its notices ({exc}); did rank 0, which serves a TCPStore, end?") from None
+            return got
+
+
+class _Barrier:
+    """A barrier in flight: complete once every member's key of call ``base`` is set."""
+
+    __slots__ = ("engine", "keys", "done")
+    source, count, dtype = -1, -1, None
+
+    def __init__(self, engine: StoreEngine, keys: list[str]) -> None:
+        self.engine, self.keys, self.done = engine, keys, False
+
+    def Test(self) -> bool:  # noqa: N802 (the Request protocol's name)
+        if not self.done and self.engine.store.check(self.keys):
+            self.done = True
+            self.engine.seen(self.keys, self.keys[0].rpartition("/")[0] + "/seen")
+        return self.done
+
+
+class StoreEngine:
+    """The host engine of a group whose ranks met through a store (no MPI)."""
+
+    backend = "store"
+    native_avg = False
+    # A barrier completes as the others set their keys: nothing to drive (no needs_progress). It
+    # moves no arrays: object collectives use exchange (comm/objects.py). abort ends this process
+    # after telling the others it left.
+    capabilities = EngineCapabilities(host_arrays=False, aborts_job=True)
+    device = None
+    max_tag = 0
+
+    def __init__(self, channel: _Channel, ns: str, world_ranks: tuple[int, ...], rank: int) -> None:
+        self.channel, self.store, self.ns = channel, channel.store, ns
+        self._world_ranks = world_ranks
+        self.rank, self.size = rank, len(world_ranks)
+        self.watch: Callable[[], None] | None = None
+        self._calls = 0
+
+    @property
+    def world_ranks(self) -> list[int]:
+        return list(self._world_ranks)
+
+    @property
+    def _me(self) -> int:
+        return self._world_ranks[self.rank]
+
+    def _next(self) -> int:
+        self._calls += 1
+        return self._calls
+
+    # ----------------------------------------------------------------- waiting on keys
+    def _await(self, keys: list[str], deadline: float, watched: bool) -> bool:
+        """Wait until every one of ``keys`` is set (True) or the deadline passes (False), reading
+        notices between slices when ``watched``."""
+        watch = self.watch if watched else None
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return self.store.check(keys)
+            try:
+                self.store.wait(keys, timeout=min(left, _WATCH_SLICE_S) if watch is not None else left)
+                return True
+            except DistStoreError as exc:
+                if not exc.keys:  # not a timeout: the store itself failed
+                    raise DistBackendError(f"meshkit.comm: rank {self._me}: the rendezvous store failed: "
+                                           f"{exc}") from None
+            if watch is not None:
+                watch()
+
+    def _absent(self, keys: list[str]) -> list[int]:
+        return [self._world_ranks[i] for i, key in enumerate(keys) if not self.store.check([key])]
+
+    def seen(self, keys: list[str], counter: str) -> None:
+        """This rank is done with ``keys``: the last of the group to be deletes them."""
+        if self.store.add(counter, 1) == self.size:
+            for key in (*keys, counter):
+                self.store.delete_key(key)
+
+    # ----------------------------------------------------------------- what the NCCL engine asks
+    def exchange(self, payload: Any, seq: int, deadline: float, *, watched: bool = False) -> list[Any]:
+        """Every member's ``payload``, in group rank order; DeadlineExceeded names the ranks that
+        did not arrive. Group rank 0 collects and answers, as the MPI engine's exchange."""
+        if self.size == 1:
+            return [payload]
+        base = f"g{self.ns}/x{self._next()}"
+        answer = f"{base}/all"
+        if self.rank != 0:
+            self.store.set(f"{base}/{self.rank}", pickle.dumps(payload))
+            if not self._await([answer], deadline + _VERDICT_GRACE_S, watched):
+                raise DeadlineExceeded([self._world_ranks[0]], "group rank 0 never answered the exchange")
+            kind, value = pickle.loads(self.store.get(answer))
+            if self.store.add(f"{base}/read", 1) == self.size - 1:
+                self.store.delete_key(answer)
+                self.store.delete_key(f"{base}/read")
+            if kind == "timeout":
+                raise DeadlineExceeded(value)
+            if kind == "error":
+                raise DistBackendError(value)
+            return value
+        keys = [f"{base}/{r}" for r in range(1, self.size)]
+        if not self._await(keys, deadline, watched):
+            missing = [self._world_ranks[i + 1] for i, key in enumerate(keys) if not self.store.check([key])]
+            self.store.set(answer, pickle.dumps(("timeout", missing)))
+            raise DeadlineExceeded(missing)
+        values = [payload]
+        for key in keys:
+            values.append(pickle.loads(self.store.get(key)))
+            self.store.delete_key(key)
+        try:
+            self.store.set(answer, pickle.dumps(("ok", values)))
+        except (DistValueError, DistTypeError) as exc:  # too large for the store: every member raises
+            message = f"meshkit.comm: exchange over the rendezvous store failed on group rank 0: {exc}"
+            self.store.set(answer, pickle.dumps(("error", message)))
+            raise DistBackendError(message) from None
+        return values
+
+    def barrier(self) -> _Barrier:
+        base = f"g{self.ns}/b{self._next()}"
+        self.store.set(f"{base}/{self.rank}", b"1")
+        return _Barrier(self, [f"{base}/{r}" for r in range(self.size)])
+
+    def wait(self, request: Any, deadline: float) -> None:
+        if request.Test():
+            return
+        if not isinstance(request, _Barrier):
+            raise DistTypeError(f"meshkit.comm: rank {self._me}: the store engine cannot wait for {request!r}")
+        if not self._await(request.keys, deadline, True) and not request.Test():
+            raise DeadlineExceeded(self._absent(request.keys))
+        request.Test()
+
+    def split(self, color: int | None, ranks: tuple[int, ...], deadline: float) -> StoreEngine | None:
+        parts = self.exchange((color, self._me), -1, deadline, watched=True)
+        call = self._calls
+        if color is None:
+            return None
+        members = tuple(sorted(g for c, g in parts if c == color))
+        if members != tuple(ranks):
+            raise DistValueError(f"meshkit.comm: rank {self._me}: split: ranks disagree on group {list(ranks)}: "
+                                 f"the split gave {list(members)}")
+        return StoreEngine(self.channel, f"{self.ns}.{call}.{color}", members, members.index(self._me))
+
+    def notify(self, ranks: list[int], notice: Notice) -> None:
+        self.channel.notify(ranks, notice)
+
+    def notices(self) -> list[Notice]:
+        return self.channel.notices()
+
+    def flush(self, timeout: float) -> None:
+        """This rank leaves the world. Rank 0, which serves a TCPStore, waits (up to ``timeout``)
+        for the others to leave too, so that their last notices find the server; the last rank to
+        leave deletes the world's keys, so that a store given to init_process_group again starts clean."""
+        channel = self.channel
+        if channel.left:
+            return
+        channel.left = True
+        from .init_methods import rendezvous_keys
+        try:
+            if channel.rank == 0:  # no rank of a next world on the same port joins this one (init_methods._opened)
+                self.store.delete_key("open")
+            if self.store.add("left", 1) == channel.size:
+                for key in (*rendezvous_keys(channel.size), "left"):
+                    self.store.delete_key(key)
+                for r in range(channel.size):  # notices never read (the LEFT notices of this very leaving)
+                    for i in range(1, self.store.add(f"n/{r}/count", 0) + 1):
+                        self.store.delete_key(f"n/{r}/{i}")
+                    self.store.delete_key(f"n/{r}/count")
+                self.store.set("all-left", b"1")
+            if channel.rank == 0 and channel.size > 1:
+                try:
+                    self.store.wait(["all-left"], timeout=timeout)
+                except DistStoreError:
+                    pass
+            if channel.rank == 0:
+                self.store.delete_key("all-left")
+        except Exception:  # noqa: BLE001 (leaving must not fail on a store already gone)
+            logger.debug("meshkit: rank %d could not record its leaving in the store", channel.rank, exc_info=True)
+
+    def abort(self, code: int) -> None:
+        """End this process, after telling every other rank that it left (so that none waits for
+        it until the timeout): a store cannot end other processes as ``MPI_Abort`` does."""
+        others = [r for r in range(self.channel.size) if r != self.channel.rank]
+        self.channel.notify(others, Notice(LEFT, self.channel.rank, detail=f"it aborted the job (exit code {code})"))
+        os._exit(code)
+
+    def host_name(self) -> str:
+        return socket.gethostname()
+
+    def local_rank(self) -> int:
+        """This rank's index on its node: the launcher's ``LOCAL_RANK`` (or ``SLURM_LOCALID``), else
+        its place among the ranks that claimed their rank from this host name."""
+        if self.channel.local_rank is not None:
+            return self.channel.local_rank
+        hosts = [self.store.get(f"rank/{r}").decode(errors="replace").rsplit(" (", 1)[0].partition(" on host ")[2]
+                 for r in range(self.channel.size)]
+        mine = hosts[self.channel.rank]
+        return sum(1 for h in hosts[:self.channel.rank] if h == mine)
+
+    def free(self) -> None:
+        if self.ns == "w" and self.channel.owned is not None:
+            self.channel.owned.close()
+
+    # ----------------------------------------------------------------- no arrays
+    def _no_arrays(self, op: str) -> Any:
+        raise DistTypeError(f"meshkit.comm: rank {self._me}: {op}: {HOST_ARRAYS_MESSAGE}")
+
+    def all_reduce(self, buf: Any, op: Any) -> Any:
+        return self._no_arrays("all_reduce")
+
+    def reduce(self, buf: Any, op: Any, root: int) -> Any:
+        return self._no_arrays("reduce")
+
+    def broadcast(self, buf: Any, root: int) -> Any:
+        return self._no_arrays("broadcast")
+
+    def all_gather(self, out: Any, inp: Any) -> Any:
+        return self._no_arrays("all_gather")
+
+    def reduce_scatter(self, out: Any, inp: Any, op: Any) -> Any:
+        return self._no_arrays("reduce_scatter")
+
+    def gather(self, out: Any, inp: Any, root: int) -> Any:
+        return self._no_arrays("gather")
+
+    def scatter(self, out: Any, inp: Any, root: int) -> Any:
+        return self._no_arrays("scatter")
+
+    def all_to_all(self, out: Any, recv_counts: list[int], inp: Any, send_counts: list[int]) -> Any:
+        return self._no_arrays("all_to_all")
+
+    def send(self, buf: Any, dst: int, tag: int) -> Any:
+        return self._no_arrays("send")
+
+    def recv(self, buf: Any, src: int | None, tag: int) -> Any:
+        return self._no_arrays("recv")
+
+
+def create_world_engine(store: Store, rank: int, size: int, local_rank: int | None,
+                        owned: Store | None = None) -> StoreEngine:
+    """The world's store engine, over the keys of a rendezvous (:mod:`~meshkit.comm.init_methods`);
+    ``owned``: the store meshkit made for it, closed with the world."""
+    return StoreEngine(_Channel(store, rank, size, local_rank, owned), "w", tuple(range(size)), rank)
