@@ -15,9 +15,10 @@ import time
 from typing import Any
 
 from . import env
+from .backends import RULES, Backend, BackendOptions, check_name, create_engine, register_backend
 from .cuda_runtime import gpu_available, runtime
 from .debug import DebugLevel, FlightRecorder
-from .errors import DistBackendError, DistError, DistValueError
+from .errors import DistBackendError, DistError
 from .group import ProcessGroup
 from .levels import agree_at_init, requested_level
 from .notices import LEFT, Notice
@@ -26,42 +27,56 @@ from .timeouts import resolve_timeout
 from .job_end import abort_job
 from .world import World, current_world, is_initialized, local_context, set_world
 
-__all__ = ["init_process_group", "destroy_process_group", "BACKENDS"]
+__all__ = ["init_process_group", "destroy_process_group"]
 
 logger = logging.getLogger("meshkit")
 
-#: "gloo" is torch's CPU backend, taken as meshkit's: "mpi" in a process, "local" inside
-#: local.run. So a ported script's init_process_group("gloo") runs unchanged; get_backend()
-#: names the engine that runs ("mpi"), as code branching on it must know (docs/clusters.md).
-BACKENDS = ("auto", "mpi", "local", "nccl", "gloo")
-
-
 def _resolve_backend(backend: str) -> str:
-    if backend not in BACKENDS:
-        raise DistValueError(f"meshkit.comm: unknown backend {backend!r}; valid backends are {list(BACKENDS)}")
-    if backend not in ("auto", "gloo"):
-        return backend
+    """A registered backend's name (comm/backends.py) for ``backend``, or the one "auto"/"gloo" pick.
+
+    "gloo" is torch's CPU backend, taken as meshkit's: "mpi" in a process, "local" inside
+    local.run. So a ported script's init_process_group("gloo") runs unchanged; get_backend()
+    names the engine that runs ("mpi"), as code branching on it must know (docs/clusters.md).
+    """
+    name = str(Backend(backend))  # case-insensitive, as torch's; a non-str is a DistTypeError
+    if name not in RULES:
+        return check_name(name)
     if local_context() is not None:
         return "local"
-    return "mpi" if backend == "gloo" or not gpu_available() else "nccl"
+    return Backend.MPI if name == Backend.GLOO or not gpu_available() else Backend.NCCL
 
 
 def _world_engine(backend: str, timeout: float, device_id: int | None = None) -> object:
-    if backend == "local":
-        context = local_context()
-        if context is None:
-            raise DistBackendError("meshkit.comm: backend 'local' runs inside meshkit.comm.local.run(fn, "
-                                   "world_size); use 'mpi' (or 'auto') in a normal process")
-        from .local_engine import create_world_engine as create_local
-        return create_local(context)
-    if backend == "mpi":
-        from .mpi import create_world_engine as create_mpi
-        return create_mpi()
-    # nccl: over the host engine of the same ranks (MPI; the hub inside local.run, with a double runtime)
+    return create_engine(backend, BackendOptions(timeout=timeout, device_id=device_id))
+
+
+# The built-in engines, registered as a third-party one is (register_backend): each factory takes
+# the BackendOptions and imports its engine only when chosen (mpi4py initializes MPI at import).
+def _local_engine(options: BackendOptions) -> object:
+    context = local_context()
+    if context is None:
+        raise DistBackendError("meshkit.comm: backend 'local' runs inside meshkit.comm.local.run(fn, "
+                               "world_size); use 'mpi' (or 'auto') in a normal process")
+    from .local_engine import create_world_engine as create_local
+    return create_local(context)
+
+
+def _mpi_engine(options: BackendOptions) -> object:
+    from .mpi import create_world_engine as create_mpi
+    return create_mpi()
+
+
+def _nccl_engine(options: BackendOptions) -> object:
+    # over the host engine of the same ranks (MPI; the hub inside local.run, with a double runtime)
     rt = runtime()  # raises DistBackendError without CuPy
-    host = _world_engine("local" if local_context() is not None else "mpi", timeout)
+    host = create_engine("local" if local_context() is not None else "mpi", options)
     from .nccl import create_world_engine as create_nccl
-    return create_nccl(host, rt, time.monotonic() + timeout, device_id)
+    return create_nccl(host, rt, time.monotonic() + options.timeout, options.device_id)
+
+
+register_backend(Backend.MPI, _mpi_engine)
+register_backend(Backend.LOCAL, _local_engine)
+register_backend(Backend.NCCL, _nccl_engine, devices=("cpu", "cuda"))
 
 
 def init_process_group(backend: str = "auto", *, timeout: float | datetime.timedelta | None = None,
@@ -75,7 +90,9 @@ def init_process_group(backend: str = "auto", *, timeout: float | datetime.timed
             ``"local"`` (inside :func:`meshkit.comm.local.run`), or ``"auto"``: ``local``
             inside ``local.run``, else ``nccl`` where CuPy sees a GPU, else ``mpi``.
             ``"gloo"`` (torch's CPU backend) is taken as ``mpi`` (``local`` inside
-            ``local.run``); :func:`get_backend` then reports ``"mpi"``.
+            ``local.run``); :func:`get_backend` then reports ``"mpi"``. Case-insensitive, as
+            :class:`~meshkit.comm.backends.Backend`; a name given to
+            :func:`~meshkit.comm.backends.register_backend` builds that backend's engine.
         timeout: seconds (or a timedelta) every blocking call of every group waits at most;
             default ``MESHKIT_TIMEOUT`` or 300 s.
         device_id: the index of this rank's GPU among those the process sees (``nccl`` only; as
@@ -84,7 +101,9 @@ def init_process_group(backend: str = "auto", *, timeout: float | datetime.timed
 
     Raises:
         DistError: already initialized on this rank.
-        DistValueError: unknown backend or a bad timeout.
+        DistValueError: unknown backend (the message lists the registered ones) or a bad timeout.
+        DistBackendError: the backend's engine cannot be built here, or a registered factory's
+            engine does not implement :class:`~meshkit.comm.engine.Engine`.
     """
     if is_initialized():
         world = current_world()
