@@ -144,9 +144,11 @@ def _devices(name: str, devices: str | Iterable[str] | None) -> tuple[str, ...]:
     return tuple(d for d in DEVICES if d in listed)
 
 
-def registered_backends() -> list[str]:
-    """The names ``init_process_group`` accepts besides ``"auto"`` and ``"gloo"``, in registration order."""
-    return list(_plugins)
+def registered_backends() -> dict[str, Callable[[BackendOptions], Any]]:
+    """Each registered name (what ``init_process_group`` accepts besides ``"auto"`` and ``"gloo"``)
+    with its factory, in registration order: a built-in's factory can be wrapped and registered
+    again with ``override=True`` (to instrument its engine, say)."""
+    return {name: plugin.factory for name, plugin in _plugins.items()}
 
 
 def backend_devices(name: str) -> tuple[str, ...]:
@@ -201,7 +203,8 @@ def check_engine(name: str, engine: Any) -> Any:
     for attr, kind in _ATTRIBUTES.items():
         value = values[attr]
         if value is not _MISSING and (not isinstance(value, kind) or kind is int and isinstance(value, bool)):
-            problems.append(f"{attr} is {value!r}, not a {kind.__name__}")
+            article = "an" if kind.__name__[0] in "AEIOUaeiou" else "a"
+            problems.append(f"{attr} is {value!r} (a {type(value).__name__}), expected {article} {kind.__name__}")
     device = values["device"]
     if device is not _MISSING and device is not None and (isinstance(device, bool) or not isinstance(device, int)):
         problems.append(f"device is {device!r}, not None or a GPU index")
