@@ -263,3 +263,43 @@ def test_an_unknown_name_lists_the_registered_ones(registry):
         meshkit.init_process_group("ucc")
     with pytest.raises(TypeError, match="name must be a str, got int 5"):
         meshkit.init_process_group(5)
+
+
+# --------------------------------------------------------------------------- devices
+def test_a_backends_devices_decide_which_meshes_it_serves(registry):
+    import nccl_double as double
+    from meshkit import init_device_mesh
+    from meshkit.comm import cuda_runtime
+    calls = Counter()
+    register_backend("gpurelay", _relay("gpurelay", calls, inner="nccl"), devices=("cpu", "cuda"))
+    register_backend("hostrelay", _relay("hostrelay", calls))
+    register_backend("cudaonly", _relay("cudaonly", calls), devices="cuda")
+
+    def body(backend, device_type):
+        meshkit.init_process_group(backend, timeout=30)
+        try:
+            mesh = init_device_mesh(device_type, (2,))
+        except ValueError as exc:
+            return str(exc)
+        x = double.to_device(np.full(3, meshkit.get_rank() + 1.0)) if device_type == "cuda" else np.ones(3)
+        meshkit.all_reduce(x, group=mesh.get_group())
+        got = x.get().tolist() if device_type == "cuda" else x.tolist()
+        return mesh.get_group().backend, mesh.device_type, type(mesh.get_group().device).__name__, got
+    previous = cuda_runtime.set_runtime(double.FakeRuntime())
+    try:
+        # a device engine behind the name: its GPU index is the group's device
+        assert local.run(body, 2, "gpurelay", "cuda", init=False) == [("gpurelay", "cuda", "int", [3.0] * 3)] * 2
+        assert calls["all_reduce"] == 2
+        assert local.run(body, 2, "hostrelay", "cpu", init=False) == [("hostrelay", "cpu", "NoneType", [2.0] * 3)] * 2
+        assert local.run(body, 2, "hostrelay", "cuda", init=False) == [
+            "meshkit.mesh: rank 0: init_device_mesh: device_type 'cuda' needs meshkit's NCCL engine (backend 'nccl'), "
+            "but the backend here is 'hostrelay'; call init_process_group('nccl') on GPUs, or use device_type='cpu' "
+            "(valid over 'hostrelay': ['cpu'])",
+            "meshkit.mesh: rank 1: init_device_mesh: device_type 'cuda' needs meshkit's NCCL engine (backend 'nccl'), "
+            "but the backend here is 'hostrelay'; call init_process_group('nccl') on GPUs, or use device_type='cpu' "
+            "(valid over 'hostrelay': ['cpu'])"]
+        assert local.run(body, 2, "cudaonly", "cpu", init=False)[0] == (
+            "meshkit.mesh: rank 0: init_device_mesh: device_type 'cpu' is not served by backend 'cudaonly': it was "
+            "registered with devices ['cuda'] (meshkit.register_backend)")
+    finally:
+        cuda_runtime.set_runtime(previous)
