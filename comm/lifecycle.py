@@ -125,7 +125,7 @@ def init_process_group(backend: str = "auto", *, timeout: float | datetime.timed
     if not _exit_hook_registered and local_context() is None:
         atexit.register(_at_exit)  # after mpi4py's own (registered at import): runs before MPI_Finalize
         _exit_hook_registered = True
-    if name in ("mpi", "nccl") and local_context() is None and not env.launched():
+    if engine.capabilities.aborts_job and local_context() is None and not env.launched():
         _abort_hook.install(world)  # meshkit-run's bootstrap ends the job its own way (and prints through the hook)
     if world.debug >= DebugLevel.INFO:
         logger.info("meshkit: rank %d/%d initialized backend %s, timeout %.0f s, debug %s",

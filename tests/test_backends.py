@@ -138,10 +138,14 @@ def test_mpi_resolves_through_the_registry_in_a_process():
             "for name in ('mpi', 'gloo', 'MPI'):\n"
             "    meshkit.init_process_group(name); x = np.ones(2); meshkit.all_reduce(x)\n"
             "    print(name, meshkit.get_backend(), x.sum(), calls['all_reduce']); meshkit.destroy_process_group()\n"
+            # a third-party engine that can end the job (aborts_job) gets the abort-on-uncaught-exception
+            # hook under plain mpiexec, as mpi and nccl do
+            "meshkit.register_backend('relay', lambda o: Relay(mpi(o), 'relay', calls))\n"
+            "hook = sys.excepthook; meshkit.init_process_group('relay'); print('hooked', sys.excepthook != hook)\n"
             ).format(tests=str(Path(__file__).parent))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split("\n")[:3] == ["mpi mpi 2.0 1", "gloo mpi 2.0 2", "MPI mpi 2.0 3"], out.stdout
+    assert out.stdout.split("\n")[:4] == ["mpi mpi 2.0 1", "gloo mpi 2.0 2", "MPI mpi 2.0 3", "hooked True"], out.stdout
 
 
 def test_a_registered_engine_over_mpi_trains_ddp_on_real_processes(mpirun):
