@@ -6,6 +6,7 @@ comm beyond it (the world, group resolution, prepared collectives, the NumPy/CuP
 """
 
 from ._seams import moved_names
+from .backends import Backend, BackendOptions, register_backend
 from .available import is_available, is_mpi_available, is_nccl_available
 from .collectives import (P2POp, all_gather, all_gather_into_tensor, all_reduce, all_to_all, all_to_all_single,
                   barrier, batch_isend_irecv, broadcast, gather, irecv, isend, monitored_barrier, recv, reduce,
@@ -27,7 +28,7 @@ from .registry import (get_backend, get_global_rank, get_group_rank, get_process
 from .world import flight_record, format_flight_record, is_initialized
 
 __all__ = [
-    "init_process_group", "destroy_process_group", "is_initialized", "is_available", "is_mpi_available",
+    "init_process_group", "destroy_process_group", "is_initialized", "Backend", "BackendOptions", "register_backend", "is_available", "is_mpi_available",
     "is_nccl_available", "get_rank", "get_world_size",
     "get_backend", "new_group", "get_group_rank", "get_global_rank", "get_process_group_ranks",
     "ProcessGroup", "ReduceOp", "Work", "P2POp",

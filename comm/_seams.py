@@ -19,12 +19,13 @@ import warnings
 from importlib import import_module
 from typing import Any, Callable, Mapping
 
+from .backends import backend_devices
 from .arrays import array_namespace, is_array, is_device_array, to_host
 from .prepared import PREPARED_OPS, PreparedCollective, prepare_collective
 from .registry import create_groups, resolve_group
 from .world import RECORD_FORMAT, current_world, flight_document, inflight_document
 
-__all__ = ["array_namespace", "is_device_array", "is_array", "to_host", "PREPARED_OPS", "PreparedCollective",
+__all__ = ["backend_devices", "array_namespace", "is_device_array", "is_array", "to_host", "PREPARED_OPS", "PreparedCollective",
            "prepare_collective",
            "create_groups", "resolve_group", "current_world", "flight_document", "inflight_document", "RECORD_FORMAT",
            "moved_names"]

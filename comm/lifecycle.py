@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from . import env
+from .backends import RULES, Backend, BackendOptions, check_name, create_engine, register_backend
 from .cuda_runtime import gpu_available, runtime
 from .debug import DebugLevel, FlightRecorder
 from .errors import DistBackendError, DistError, DistValueError
@@ -29,49 +30,64 @@ from .timeouts import resolve_timeout
 from .job_end import abort_job
 from .world import World, current_world, is_initialized, local_context, set_world
 
-__all__ = ["init_process_group", "destroy_process_group", "BACKENDS"]
+__all__ = ["init_process_group", "destroy_process_group"]
 
 logger = logging.getLogger("meshkit")
 
-#: "gloo" is torch's CPU backend, taken as meshkit's: "mpi" in a process, "local" inside
-#: local.run. So a ported script's init_process_group("gloo") runs unchanged; get_backend()
-#: names the engine that runs ("mpi"), as code branching on it must know (docs/clusters.md).
-BACKENDS = ("auto", "mpi", "local", "nccl", "gloo")
-
-
 def _resolve_backend(backend: str) -> str:
-    if backend not in BACKENDS:
-        raise DistValueError(f"meshkit.comm: unknown backend {backend!r}; valid backends are {list(BACKENDS)}")
-    if backend not in ("auto", "gloo"):
-        return backend
+    """A registered backend's name (comm/backends.py) for ``backend``, or the one "auto"/"gloo" pick.
+
+    "gloo" is torch's CPU backend, taken as meshkit's: "mpi" in a process, "local" inside
+    local.run. So a ported script's init_process_group("gloo") runs unchanged; get_backend()
+    names the engine that runs ("mpi"), as code branching on it must know (docs/clusters.md).
+    """
+    name = str(Backend(backend))  # case-insensitive, as torch's; a non-str is a DistTypeError
+    if name not in RULES:
+        return check_name(name)
     if local_context() is not None:
         return "local"
-    return "mpi" if backend == "gloo" or not gpu_available() else "nccl"
+    return Backend.MPI if name == Backend.GLOO or not gpu_available() else Backend.NCCL
 
 
 def _world_engine(backend: str, timeout: float, device_id: int | None = None,
                   host: object | None = None) -> object:
-    if backend == "local":
-        context = local_context()
-        if context is None:
-            raise DistBackendError("meshkit.comm: backend 'local' runs inside meshkit.comm.local.run(fn, "
-                                   "world_size); use 'mpi' (or 'auto') in a normal process")
-        from .local_engine import create_world_engine as create_local
-        return create_local(context)
-    if backend == "mpi":
-        from .mpi import create_world_engine as create_mpi
-        return create_mpi()
-    # nccl: over the host engine of the same ranks: MPI, the hub inside local.run (with a double
+    return create_engine(backend, BackendOptions(timeout=timeout, device_id=device_id, host=host))
+
+
+# The built-in engines, registered as a third-party one is (register_backend): each factory takes
+# the BackendOptions and imports its engine only when chosen (mpi4py initializes MPI at import).
+def _local_engine(options: BackendOptions) -> object:
+    context = local_context()
+    if context is None:
+        raise DistBackendError("meshkit.comm: backend 'local' runs inside meshkit.comm.local.run(fn, "
+                               "world_size); use 'mpi' (or 'auto') in a normal process")
+    from .local_engine import create_world_engine as create_local
+    return create_local(context)
+
+
+def _mpi_engine(options: BackendOptions) -> object:
+    from .mpi import create_world_engine as create_mpi
+    return create_mpi()
+
+
+def _nccl_engine(options: BackendOptions) -> object:
+    # over the host engine of the same ranks: MPI, the hub inside local.run (with a double
     # runtime), or given (the store the ranks met in, in a job no MPI process manager started)
     rt = runtime()  # raises DistBackendError without CuPy
+    host = options.host
     if host is None:
-        host = _world_engine("local" if local_context() is not None else "mpi", timeout)
+        host = create_engine("local" if local_context() is not None else "mpi", options)
     from .nccl import create_world_engine as create_nccl
     try:
-        return create_nccl(host, rt, time.monotonic() + timeout, device_id)
+        return create_nccl(host, rt, time.monotonic() + options.timeout, options.device_id)
     except BaseException:
         host.free()
         raise
+
+
+register_backend(Backend.MPI, _mpi_engine)
+register_backend(Backend.LOCAL, _local_engine)
+register_backend(Backend.NCCL, _nccl_engine, devices=("cpu", "cuda"))
 
 
 def _launched_world(name: str, asked: Requested, limit: float, device_id: int | None) -> object:
@@ -108,7 +124,7 @@ def _store_world(name: str, asked: Requested, limit: float, device_id: int | Non
     from .store_engine import create_world_engine as create_store_engine
     host = create_store_engine(met.store, met.rank, met.world_size, met.local_rank,
                                met.base if met.owned else None)
-    return _world_engine("nccl", limit, device_id, host)
+    return _world_engine(name, limit, device_id, host)  # nccl over it; a registered backend may use it
 
 
 def _torchrun_env() -> bool:
@@ -137,7 +153,9 @@ def init_process_group(backend: str = "auto", init_method: str | None = None,
             not host arrays), ``"local"`` (inside :func:`meshkit.comm.local.run`), or ``"auto"``:
             ``local`` inside ``local.run``, else ``nccl`` where CuPy sees a GPU, else ``mpi``.
             ``"gloo"`` (torch's CPU backend) is taken as ``mpi`` (``local`` inside
-            ``local.run``); :func:`get_backend` then reports ``"mpi"``.
+            ``local.run``); :func:`get_backend` then reports ``"mpi"``. Case-insensitive, as
+            :class:`~meshkit.comm.backends.Backend`; a name given to
+            :func:`~meshkit.comm.backends.register_backend` builds that backend's engine.
         init_method: ``"env://"`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
             ``LOCAL_RANK``; Slurm's ``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID`` where those
             are what is set), ``"tcp://host:port"`` (rank 0 serves a TCPStore there) or
@@ -155,11 +173,12 @@ def init_process_group(backend: str = "auto", init_method: str | None = None,
 
     Raises:
         DistError: already initialized on this rank.
-        DistValueError: unknown backend, a bad timeout, a malformed init method, a rank out of
-            range, two processes claiming one rank, or an init method that disagrees with the
-            launcher's world.
-        DistBackendError: ``mpi`` asked to form a world of several from an init method (only an
-            MPI launcher can).
+        DistValueError: unknown backend (the message lists the registered ones), a bad timeout,
+            a malformed init method, a rank out of range, two processes claiming one rank, or an
+            init method that disagrees with the launcher's world.
+        DistBackendError: the backend's engine cannot be built here (``mpi`` asked to form a
+            world of several from an init method: only an MPI launcher can), or a registered
+            factory's engine does not implement :class:`~meshkit.comm.engine.Engine`.
         DistStoreError: not every rank arrived within the timeout (naming how many did).
     """
     if is_initialized():
@@ -191,7 +210,7 @@ def init_process_group(backend: str = "auto", init_method: str | None = None,
     if not _exit_hook_registered and local_context() is None:
         atexit.register(_at_exit)  # after mpi4py's own (registered at import): runs before MPI_Finalize
         _exit_hook_registered = True
-    if name in ("mpi", "nccl") and local_context() is None and not env.launched():
+    if engine.capabilities.aborts_job and local_context() is None and not env.launched():
         _abort_hook.install(world)  # meshkit-run's bootstrap ends the job its own way (and prints through the hook)
     if world.debug >= DebugLevel.INFO:
         logger.info("meshkit: rank %d/%d initialized backend %s, timeout %.0f s, debug %s",

@@ -34,7 +34,7 @@ from typing import Any, Sequence, TextIO
 import numpy as np
 
 from ..comm import DistTypeError, DistValueError, ProcessGroup, all_gather_object, get_backend
-from ..comm._seams import create_groups, current_world
+from ..comm._seams import backend_devices, create_groups, current_world
 from . import errors, layout
 from .agreement import agree
 
@@ -43,10 +43,10 @@ __all__ = ["DeviceMesh", "init_device_mesh", "host_names"]
 logger = logging.getLogger("meshkit")
 
 DEVICE_TYPES = ("cpu", "cuda")
-#: Backends whose groups move device arrays, so that a "cuda" mesh is valid over them (as in
-#: torch, where "cuda" meshes need a GPU backend): an mpi world moves device arrays too, but
-#: through host memory or a CUDA-aware MPI, not as a GPU engine.
-GPU_BACKENDS = ("nccl",)
+#: A "cuda" mesh is valid over a backend registered with "cuda" among its devices (nccl; a
+#: third-party one through register_backend(..., devices=...)), as torch's "cuda" meshes need a GPU
+#: backend: an mpi world moves device arrays too, but through host memory or a CUDA-aware MPI, not
+#: as a GPU engine.
 
 #: the plain errors `layout` and the argument checks raise; `errors.convert` prefixes them
 _ARG_ERRORS = (TypeError, ValueError, KeyError, IndexError)
@@ -60,14 +60,18 @@ def host_names(group: ProcessGroup) -> list[str]:
 
 
 def _check_device(device_type: str, backend: str) -> str:
-    """``device_type`` if it is valid over a group of ``backend``: "cpu" always, "cuda" on a GPU backend."""
+    """``device_type`` if ``backend`` serves it (the devices it was registered with: "cpu" for mpi and
+    local, "cpu" and "cuda" for nccl)."""
+    valid = list(backend_devices(backend))
     if device_type not in DEVICE_TYPES:
-        valid = list(DEVICE_TYPES) if backend in GPU_BACKENDS else ["cpu"]
         raise ValueError(f"unknown device_type {device_type!r}; valid types are {valid} (backend {backend!r})")
-    if device_type == "cuda" and backend not in GPU_BACKENDS:
+    if device_type == "cuda" and device_type not in valid:
         raise ValueError(f"device_type 'cuda' needs meshkit's NCCL engine (backend 'nccl'), but the backend here "
                          f"is {backend!r}; call init_process_group('nccl') on GPUs, or use device_type='cpu' "
-                         f"(valid over {backend!r}: ['cpu'])")
+                         f"(valid over {backend!r}: {valid})")
+    if device_type not in valid:  # a third-party backend registered with devices="cuda" alone
+        raise ValueError(f"device_type {device_type!r} is not served by backend {backend!r}: it was registered "
+                         f"with devices {valid} (meshkit.register_backend)")
     return device_type
 
 
