@@ -242,6 +242,9 @@ def test_ranks_on_one_gpu_need_an_nccl_that_shares_it(rt, monkeypatch):
 
 def test_double_refuses_two_ranks_on_one_physical_gpu_as_nccl_does(rt, monkeypatch):
     monkeypatch.delenv("NCCL_MULTI_RANK_GPU_ENABLE", raising=False)
+    # The refused rank fails at once, when it joins; the rank that joined first waits for it in
+    # ncclCommInitRank until the double's own hang limit (30 s, the whole of this test's time).
+    monkeypatch.setattr(double, "DOUBLE_TIMEOUT", 1.0)
     uid = double.fake_nccl.get_unique_id()
     errors = []
 
@@ -261,6 +264,7 @@ def test_double_refuses_two_ranks_on_one_physical_gpu_as_nccl_does(rt, monkeypat
         t.join()
     assert any(re.match(r"double: ncclInvalidUsage: Duplicate GPU detected : rank \d and rank \d both on CUDA "
                         r"device 6", e) for e in errors), errors
+    assert len(errors) == 2 and any("ncclCommInitRank waiting for ranks" in e for e in errors), errors
 
 
 def test_the_mpi_engine_reports_the_node_local_rank(mpirun):
