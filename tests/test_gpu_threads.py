@@ -244,6 +244,9 @@ def test_ranks_on_one_gpu_need_an_nccl_that_shares_it(rt, monkeypatch):
 
 def test_double_refuses_two_ranks_on_one_physical_gpu_as_nccl_does(rt, monkeypatch):
     monkeypatch.delenv("NCCL_MULTI_RANK_GPU_ENABLE", raising=False)
+    # The refused rank fails at once, when it joins; the rank that joined first waits for it in
+    # ncclCommInitRank until the double's own hang limit (30 s, the whole of this test's time).
+    monkeypatch.setattr(double, "DOUBLE_TIMEOUT", 1.0)
     uid = double.fake_nccl.get_unique_id()
     errors = []
 
@@ -263,6 +266,7 @@ def test_double_refuses_two_ranks_on_one_physical_gpu_as_nccl_does(rt, monkeypat
         t.join()
     assert any(re.match(r"double: ncclInvalidUsage: Duplicate GPU detected : rank \d and rank \d both on CUDA "
                         r"device 6", e) for e in errors), errors
+    assert len(errors) == 2 and any("ncclCommInitRank waiting for ranks" in e for e in errors), errors
 
 
 def test_the_mpi_engine_reports_the_node_local_rank(mpirun):
@@ -390,19 +394,23 @@ def test_the_engine_never_aborts_a_communicator_another_thread_is_inside(rt, mon
     monkeypatch.setattr(double, "DOUBLE_TIMEOUT", 3.0)
     monkeypatch.delenv("NCCL_RUNTIME_CONNECT", raising=False)
     monkeypatch.setenv("MESHKIT_ASYNC_ERROR_HANDLING", "log")
+    rank_0_done = threading.Event()
 
     def body():
         meshkit.init_process_group("nccl", timeout=1)
         meshkit.all_reduce(double.to_device(np.ones(1)))  # warm-up: all_reduce is connected
         if meshkit.get_rank() == 1:
-            time.sleep(5)
+            rank_0_done.wait(20)  # absent until rank 0 is through (was a 5 s sleep, 2 s past it)
             return None
-        engine = meshkit.comm._seams.current_world().default_group.engine
-        work = meshkit.all_reduce(double.to_device(np.ones(2)), async_op=True)
-        work.wait()  # orders the stream; the watchdog watches it
-        with pytest.raises(Exception, match=r"runtime connection .* did not happen"):
-            meshkit.send(double.to_device(np.ones(2)), dst=1)  # blocks inside NCCL for 3 s
-        return list(double.misuse), engine.comm._aborted, work.exception()
+        try:
+            engine = meshkit.comm._seams.current_world().default_group.engine
+            work = meshkit.all_reduce(double.to_device(np.ones(2)), async_op=True)
+            work.wait()  # orders the stream; the watchdog watches it
+            with pytest.raises(Exception, match=r"runtime connection .* did not happen"):
+                meshkit.send(double.to_device(np.ones(2)), dst=1)  # blocks inside NCCL for 3 s
+            return list(double.misuse), engine.comm._aborted, work.exception()
+        finally:
+            rank_0_done.set()
 
     (misuse, aborted, error), _ = local.run(body, 2, init=False)
     assert misuse == [], misuse

@@ -9,6 +9,7 @@ that need a GPU skip with the reason.
 
 from __future__ import annotations
 
+import gc
 import inspect
 import re
 import sys
@@ -134,17 +135,20 @@ def test_work_wait_orders_the_stream_without_blocking_the_host(fake_gpu):
         np.testing.assert_array_equal(out, np.full(4, 3.0, np.float32))
 
 
-def test_buffers_of_an_async_collective_stay_alive(fake_gpu):
+def test_buffers_of_an_async_collective_stay_alive(fake_gpu, connect_at_init):
     """Rank 0 drops its Work and its array before rank 1 joins; the double reports any read of
-    freed device memory, so the next collective would fail."""
-    joined = threading.Event()
+    freed device memory, so the next collective would fail. The ranks connect at init: with
+    NCCL's default runtime connect, rank 0's first all_reduce blocks the host until rank 1 calls
+    it, so rank 0 never got to drop anything first (rank 1 waited out its 10 s for ``dropped``)."""
+    dropped = threading.Event()
 
     def body():
         if meshkit.get_rank() == 0:
             meshkit.all_reduce(double.to_device(np.ones(1024)), async_op=True)
-            joined.set()
+            gc.collect()  # the Work and the array are gone, not just unreferenced
+            dropped.set()
         else:
-            joined.wait(10)
+            assert dropped.wait(10), "rank 0's async all_reduce did not return before rank 1 joined"
             meshkit.all_reduce(double.to_device(np.ones(1024)))
         y = double.to_device(np.ones(3))
         meshkit.all_reduce(y)

@@ -59,7 +59,8 @@ def test_the_readme_is_a_front_page_with_the_map_near_the_top():
     heads = re.findall(r"(?m)^## (.*)$", readme)
     assert heads[:2] == ["Set up and test (two commands)", "Run the example"], heads
     assert "How the code is organised" in heads, heads
-    assert '```bash\npip install -e ".[test]"\npytest\n```' in readme  # .ci/run runs this command
+    assert '```bash\npip install -e ".[test]"\npytest -n 2\n```' in readme  # .ci/run runs this command
+    assert (ROOT / ".ci" / "run").read_text().endswith("\npython -m pytest -n 2\n")
     assert "```bash\nmeshkit-run -n 4 examples/train_mlp.py --check\n```" in readme
 
 
