@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -29,10 +30,12 @@ def all_reduce_ranks(rank: int, out_dir: str, scale: float) -> None:
 
 
 def fail_on(rank: int, out_dir: str, bad_rank: int, how: str) -> None:
-    """Rank ``bad_rank`` fails (``how``: raise, exit3, sigkill) while the others wait for it in a
-    barrier that would never end (its timeout is far beyond the test's)."""
+    """Rank ``bad_rank`` fails (``how``: raise, exit3, sigkill) or hangs (``hang``) while the others
+    wait for it in a barrier that would never end (its timeout is far beyond the test's)."""
     meshkit.init_process_group(timeout=600)
     if rank == bad_rank:
+        if how == "hang":
+            time.sleep(600)
         if how == "raise":
             raise ValueError(f"rank {rank} cannot go on")
         if how == "exit3":

@@ -20,7 +20,7 @@ from meshkit import ReduceOp
 from meshkit.comm import local
 from meshkit.parallel import (SGD, AdamW, DistributedDataParallel, FullyShardedDataParallel, PowerSGDState,
                               ZeroRedundancyOptimizer, clip_grad_norm_, fp16_compress_hook, powersgd_hook)
-from meshkit.parallel.data_parallelism.flat import FlatLayout
+from meshkit.parallel.data_parallelism import full_state
 
 
 # The ``cupy`` fixture (tests/conftest.py) installs the fake module and the double for a test.
@@ -252,13 +252,16 @@ def test_mixing_numpy_and_cupy_arrays_is_a_type_error_naming_both(cupy):
 
 
 # --------------------------------------------------------------------------- the fake is strict
-def _implicit_copy_split(self, full):
-    """FlatLayout.split as a careless port would write it: through np.asarray (a device-to-host copy)."""
-    return {name: np.asarray(view).copy() for name, view in self.views(full).items()}
+def _implicit_to_host(value):
+    """full_state_dict's host copy as a careless port would write it: np.asarray of a device array
+    (CuPy refuses it; a forgiving fake would copy silently)."""
+    return np.asarray(value)
 
 
 def test_a_silent_device_to_host_copy_fails_under_the_fake(cupy, monkeypatch):
-    monkeypatch.setattr(FlatLayout, "split", _implicit_copy_split)
+    # the path full_state_dict() takes to the host (it went through FlatLayout.split until that
+    # copy was folded into full_array; the patch must sit on the path, or this test proves nothing)
+    monkeypatch.setattr(full_state, "to_host", _implicit_to_host)
     with pytest.raises(TypeError, match=r"Implicit conversion to a NumPy array is not allowed"):
         on_nccl(cases.train_zero, 2, 1, "sgd", steps=range(1), xp=cupy)
 

@@ -129,7 +129,9 @@ def test_a_partial_of_an_importable_function_is_accepted(tmp_path):
 
 def test_timeout_ends_the_job(tmp_path):
     with pytest.raises(TimeoutError, match=r"the 2 processes were still running after timeout=3 s; they were ended"):
-        meshkit.spawn(spawn_cases.fail_on, args=(str(tmp_path), 5, "none"), nprocs=2, timeout=3)
+        # rank 1 hangs, rank 0 waits for it in a barrier: still running at the timeout however fast
+        # they start (bad rank 5 of 2, as this was, let both finish under 3 s on an idle machine)
+        meshkit.spawn(spawn_cases.fail_on, args=(str(tmp_path), 1, "hang"), nprocs=2, timeout=3)
 
 
 def test_a_parent_that_leaves_without_join_ends_the_job_and_removes_its_folders(tmp_path):
