@@ -24,6 +24,7 @@ for all of them under the timeout, naming how many arrived and which ranks did n
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import numbers
 import os
@@ -52,6 +53,8 @@ _ENV_FALLBACK = {"RANK": "SLURM_PROCID", "WORLD_SIZE": "SLURM_NTASKS", "LOCAL_RA
 PREFIX = "meshkit/world"
 #: Seconds between a rank's tries to reach rank 0's TCPStore of this world while the previous one closes.
 _REOPEN_PAUSE_S = 0.05
+#: Seconds at most a failed rendezvous' store owner waits for the others to read the verdict.
+_LINGER_S = 2.0
 #: Extra seconds a rank waits for the verdict of a rendezvous another rank has timed out.
 _VERDICT_GRACE_S = 2.0
 
@@ -305,11 +308,12 @@ def rendezvous(asked: Requested, timeout: float) -> Rendezvous:
             ranks did not).
     """
     store, owned, where = open_store(asked, timeout)
+    keys = PrefixStore(PREFIX, store)
     try:
-        keys = PrefixStore(PREFIX, store)
         _meet(keys, asked, timeout, where, isinstance(store, TCPStore))
     except BaseException:
         if owned:
+            _linger(keys)
             store.close()
         raise
     return Rendezvous(keys, store, asked.rank, asked.world_size, asked.local_rank, owned, where)
@@ -321,19 +325,38 @@ def _meet(keys: Store, asked: Requested, timeout: float, where: str, tcp: bool) 
     if tcp:
         _opened(keys, rank, deadline, timeout, where)
     mine = f"{_here()} ({uuid.uuid4().hex[:8]})"
+    keys.add("came", 1)
     held = keys.compare_set(f"rank/{rank}", "", mine).decode(errors="replace")
     if held != mine:
         message = (f"meshkit.comm: init_process_group over {where}: rank {rank} was claimed by two processes: "
                    f"{held.rsplit(' (', 1)[0]} and {_here()}; every rank needs its own rank (check RANK or the rank "
                    "argument of each process; a file:// store left by an earlier job holds its claims: delete it)")
         keys.compare_set("go", "", "fail " + message)
+        _told(keys)
         raise DistValueError(message)
     if keys.add("arrived", 1) == size:
         keys.compare_set("go", "", "ok")
     verdict = _await_go(keys, deadline, rank, size, timeout, where)
     if verdict != "ok":
+        _told(keys)
         raise DistValueError(verdict.removeprefix("fail ")) if verdict.startswith("fail ") else \
             DistStoreError(verdict.removeprefix("timeout "))
+
+
+def _told(keys: Store) -> None:
+    """This process has read the rendezvous' failing verdict (counted for :func:`_linger`)."""
+    with contextlib.suppress(Exception):  # the verdict's own error is what the caller raises
+        keys.add("told", 1)
+
+
+def _linger(keys: Store) -> None:
+    """The owner of the store (rank 0, whose process serves a TCPStore) failed the rendezvous: keep
+    the store up until every process that came has read the verdict (at most ``_LINGER_S``), or
+    the others fail on a closed connection instead of the verdict (a duplicate rank, seen in CI)."""
+    end = time.monotonic() + _LINGER_S
+    with contextlib.suppress(Exception):
+        while time.monotonic() < end and keys.add("told", 0) < keys.add("came", 0):
+            time.sleep(_REOPEN_PAUSE_S)
 
 
 def _opened(keys: Store, rank: int, deadline: float, timeout: float, where: str) -> None:
@@ -361,7 +384,7 @@ def _opened(keys: Store, rank: int, deadline: float, timeout: float, where: str)
 
 def rendezvous_keys(size: int) -> list[str]:
     """The keys a rendezvous of ``size`` ranks leaves (under :data:`PREFIX`)."""
-    return [*(f"rank/{r}" for r in range(size)), "arrived", "go", "open"]
+    return [*(f"rank/{r}" for r in range(size)), "arrived", "go", "open", "came", "told"]
 
 
 def _await_go(keys: Store, deadline: float, rank: int, size: int, timeout: float, where: str) -> str:
