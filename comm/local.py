@@ -66,9 +66,14 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float | No
             failures.append((time.monotonic(), rank, exc))
             hub.fail(rank, exc)
         finally:
-            if is_initialized():
-                destroy_process_group()
-            set_local_context(None)
+            try:
+                if is_initialized():
+                    destroy_process_group()
+            except BaseException as exc:  # reported like the body's errors, never lost in a thread
+                if not any(r == rank for _, r, _ in failures):
+                    failures.append((time.monotonic(), rank, exc))
+            finally:
+                set_local_context(None)
 
     threads = [threading.Thread(target=rank_main, args=(r,), name=f"meshkit-local-rank{r}", daemon=True)
                for r in range(world_size)]

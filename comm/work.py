@@ -111,8 +111,9 @@ class Work:
             CollectiveTimeout: ``timeout`` passed first (the operation keeps running).
             DistError: whatever the operation raised.
         """
-        if timeout is None and self._queue is not None and not self._done.is_set():
-            self._queue.run_until(self)
+        queue = self._queue  # read once: the comm thread clears it when it takes the work
+        if timeout is None and queue is not None and not self._done.is_set():
+            queue.run_until(self)
         owner = self._owner
         if owner is None or self._done.is_set():
             done = self._done.wait(timeout)
