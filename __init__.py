@@ -22,9 +22,10 @@ Public and private, as torch draws the line:
   ``DeprecationWarning`` naming the new one (:func:`meshkit.comm._seams.moved_names`).
 """
 
-from . import checkpoint, comm, debug, mesh, parallel, state, tensor
+from . import checkpoint, comm, debug, elastic, mesh, parallel, state, tensor
 from .comm import *  # noqa: F401,F403
 from .comm import __all__ as _comm_all
+from .comm import _seams as _comm_seams
 from .comm._seams import moved_names
 from .launch import ProcessExitedException, ProcessRaisedException, spawn
 from .mesh import DeviceMesh, ParallelDims, init_device_mesh
@@ -32,7 +33,9 @@ from .mesh import DeviceMesh, ParallelDims, init_device_mesh
 __version__ = "0.1.0"
 
 __all__ = [*_comm_all, "DeviceMesh", "init_device_mesh", "ParallelDims", "spawn", "ProcessRaisedException",
-           "ProcessExitedException", "comm", "mesh", "tensor", "state", "parallel", "checkpoint", "debug"]
+           "ProcessExitedException", "comm", "mesh", "tensor", "state", "parallel", "checkpoint", "debug", "elastic"]
+
+_comm_seams.milestone(_comm_seams.IMPORTED)  # meshkit-run times a restart's imports by it
 
 #: comm's seams were re-exported here in 0.1: one more release, with a warning.
 __getattr__ = moved_names(__name__, comm._MOVED)

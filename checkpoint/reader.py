@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..comm import ProcessGroup, all_gather_object
-from ..comm._seams import array_namespace, resolve_group
+from ..comm._seams import RESTORED, array_namespace, milestone, resolve_group
 from ..state import StepCount
 from .blocks import touched_blocks
 from .errors import CheckpointError
@@ -83,6 +83,7 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike, group:
             parent[key].set(value)  # the leaf stays: the dict keeps reading the optimizer's count
         elif not isinstance(parent, tuple):  # (a tuple's values were checked equal)
             parent[key] = value
+    milestone(RESTORED)  # meshkit-run times a restart's checkpoint load by it
 
 
 def _copy(dst: Any, src: np.ndarray) -> None:

@@ -20,6 +20,7 @@ from importlib import import_module
 from typing import Any, Callable, Mapping
 
 from .backends import backend_devices
+from .milestones import FIRST_STEP, IMPORTED, RESTORED, milestone
 from .arrays import array_namespace, is_array, is_device_array, to_host
 from .prepared import PREPARED_OPS, PreparedCollective, prepare_collective
 from .registry import create_groups, resolve_group
@@ -28,7 +29,7 @@ from .world import RECORD_FORMAT, current_world, flight_document, inflight_docum
 __all__ = ["backend_devices", "array_namespace", "is_device_array", "is_array", "to_host", "PREPARED_OPS", "PreparedCollective",
            "prepare_collective",
            "create_groups", "resolve_group", "current_world", "flight_document", "inflight_document", "RECORD_FORMAT",
-           "moved_names"]
+           "moved_names", "milestone", "IMPORTED", "RESTORED", "FIRST_STEP"]
 
 
 def moved_names(package: str, names: Mapping[str, str]) -> Callable[[str], Any]:

@@ -23,6 +23,7 @@ from .errors import DistBackendError, DistError, DistValueError
 from .group import ProcessGroup
 from .init_methods import Requested, agreement, mpi_launched, rendezvous, requested
 from .levels import agree_at_init, requested_level
+from .milestones import RENDEZVOUS, milestone
 from .notices import LEFT, Notice
 from .progress import ProgressAgent
 from .stores import Store
@@ -206,6 +207,8 @@ def init_process_group(backend: str = "auto", init_method: str | None = None,
     world.groups[frozenset(group.ranks)] = group
     agree_at_init(group)  # a rank in detail mode and one not in it would wait in different exchanges
     set_world(world)
+    if local_context() is None:
+        milestone(RENDEZVOUS)  # meshkit-run times a restart's rendezvous by it
     global _exit_hook_registered
     if not _exit_hook_registered and local_context() is None:
         atexit.register(_at_exit)  # after mpi4py's own (registered at import): runs before MPI_Finalize

@@ -24,11 +24,15 @@ one small file per event, each written whole (``os.replace``):
 =================  ======================================  ====================
 file               contents                                written by
 =================  ======================================  ====================
-``start.{r}``      the rank's pid                          rank, at start
+``start.{r}``      the rank's pid, time in ns              rank, at start
 ``failed.{r}``     status, how (exception, exit,           rank, before it exits
                    interrupt), time in ns
 ``ended.{r}``      exit code (negative: killed by that     watcher, when the rank
                    signal), time in ns                     process has ended
+``milestone-{m}.{r}`` time in ns                            rank, when it passed
+                                                           milestone ``m`` (rendezvous,
+                                                           restored, first_step: see
+                                                           :mod:`meshkit.comm.milestones`)
 ``release``        (empty)                                 launcher: watchers may exit
 ``timed-out``      (empty)                                 launcher, before ending a
                                                            job at ``--timeout``
@@ -50,7 +54,7 @@ from typing import NoReturn, TextIO
 
 __all__ = [
     "RANK_ENV_VARS", "TORCHRUN_ENV_VARS", "STATUS_DIR_ENV", "LAUNCHER_ENV", "START", "FAILED", "ENDED", "RELEASE", "TIMED_OUT",
-    "FINISHED",
+    "FINISHED", "MILESTONE",
     "launcher_host", "set_torchrun_env", "main",
 ]
 
@@ -80,6 +84,8 @@ START, FAILED, ENDED, RELEASE, TIMED_OUT = "start", "failed", "ended", "release"
 #: handlers, MPI_Finalize). Written before shutdown, so the launcher can tell a rank that is still
 #: working from one stuck in MPI_Finalize waiting for ranks that left without it.
 FINISHED = "finished"
+#: ``milestone-{name}.{rank}``: the rank passed a point of a (re)start that the launcher times.
+MILESTONE = "milestone"
 # Frames of the rank bootstrap (and of meshkit.spawn's rank module, which calls the user's
 # function), hidden from the user's tracebacks (runpy is frozen in 3.11+).
 _BOOTSTRAP_FILES = frozenset({__file__, runpy.__file__, "<frozen runpy>",
@@ -447,7 +453,7 @@ def _rank_main(target: list[str]) -> int:
     linger = None
     if status is not None:
         linger = None if _fork_watcher(status) else status
-        status.write(START, os.getpid())
+        status.write(START, os.getpid(), time.time_ns())
     streams = _install_prefixed_streams(f"[rank{rank}]: ")
     # Registered before the user's code runs, so it runs after the user's atexit handlers.
     atexit.register(_finish_lines, streams)

@@ -36,10 +36,13 @@ import shutil
 import socket
 import sys
 import tempfile
+from typing import Any
 
 from . import bootstrap
 from .job import TIMEOUT_EXIT_CODE, Job, LaunchError
 from .mpich_tuning import tuned_environment
+from .restarts import ElasticSpec, attempt_environment, hostfile_arguments, run_attempts
+from .slots import Hosts, available, parse_nproc
 
 __all__ = ["main", "find_mpiexec", "thread_limits", "rendezvous_address", "job_command", "job_environment",
            "LaunchError", "THREAD_ENV_VARS"]
@@ -47,7 +50,8 @@ __all__ = ["main", "find_mpiexec", "thread_limits", "rendezvous_address", "job_c
 logger = logging.getLogger("meshkit.launch")
 
 # Launcher options that take a value; the first other bare word is the script.
-_VALUE_OPTIONS = ("-n", "--nproc", "--mpiexec-args", "--timeout")
+_VALUE_OPTIONS = ("-n", "--nproc", "--mpiexec-args", "--timeout", "--max-restarts", "--restart-delay", "--slots",
+                  "--hostfile", "--restart-report")
 
 
 def find_mpiexec() -> list[str]:
@@ -87,6 +91,26 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _seconds_at_least_zero(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected finite seconds >= 0, got {text}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -100,7 +124,7 @@ def _positive_float(text: str) -> float:
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="meshkit-run",
-        usage="%(prog)s -n N [options] (script.py | -m module) [args ...]",
+        usage="%(prog)s -n N|MIN:MAX [options] (script.py | -m module) [args ...]",
         description="Start N ranks of a Python script under mpiexec, each line of output "
         "tagged with its rank. An uncaught exception on any rank ends the whole job.",
         epilog="mpiexec is taken from $MESHKIT_MPIEXEC, else next to the Python "
@@ -108,8 +132,9 @@ def _build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     parser.add_argument(
-        "-n", "--nproc", type=_positive_int, required=True, metavar="N",
-        help="number of ranks to start (>= 1)",
+        "-n", "--nproc", type=parse_nproc, required=True, metavar="N|MIN:MAX",
+        help="number of ranks to start (>= 1); MIN:MAX starts as many as the slots allow, at least MIN "
+             "(a restart may come back with fewer ranks)",
     )  # fmt: skip
     parser.add_argument(
         "--mpiexec-args", default="", metavar="ARGS",
@@ -118,6 +143,28 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--timeout", type=_positive_float, metavar="SECONDS",
         help=f"end the whole job after SECONDS and exit {TIMEOUT_EXIT_CODE}",
+    )  # fmt: skip
+    elastic = parser.add_argument_group("restarts (docs/elastic.md)")
+    elastic.add_argument(
+        "--max-restarts", type=_count, default=0, metavar="K",
+        help="restart the whole job up to K times when a rank fails (default: 0); ranks read "
+             "MESHKIT_RESTART_COUNT",
+    )  # fmt: skip
+    elastic.add_argument(
+        "--restart-delay", type=_seconds_at_least_zero, default=0.0, metavar="SECONDS",
+        help="wait this long before each restart (default: 0)",
+    )  # fmt: skip
+    slots = elastic.add_mutually_exclusive_group()
+    slots.add_argument(
+        "--slots", type=_positive_int, metavar="S", help="slots on this host for -n MIN:MAX (default: MAX)",
+    )  # fmt: skip
+    slots.add_argument(
+        "--hostfile", metavar="FILE",
+        help="hosts and their slots (host, host:S or host slots=S per line), read again before every attempt",
+    )  # fmt: skip
+    elastic.add_argument(
+        "--restart-report", metavar="FILE",
+        help="write each restart's failure and its time back to training, by phase, as JSON",
     )  # fmt: skip
     parser.add_argument(
         "-v", "--verbose", action="store_true", help="log the mpiexec command and teardown",
@@ -175,6 +222,13 @@ def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error("no script given: pass a script path or -m MODULE")
     if opts.module is None and not os.path.exists(target[0]):
         parser.error(f"script not found: {target[0]!r} (relative to {os.getcwd()})")
+    try:
+        slots, source, _ = available(opts.nproc, slots=opts.slots, hostfile=opts.hostfile)
+    except ValueError as exc:
+        parser.error(f"argument --hostfile: {exc}")
+    if slots < opts.nproc.min:
+        parser.error(f"argument -n/--nproc: {opts.nproc} needs at least {opts.nproc.min} slot"
+                     f"{'' if opts.nproc.min == 1 else 's'}, but {source} gives {slots}")
     return opts, target
 
 
@@ -247,14 +301,28 @@ def job_environment(mpiexec: list[str], nproc: int, status_dir: str, mpiexec_arg
 def _launch(opts: argparse.Namespace, target: list[str]) -> int:
     mpiexec_args = shlex.split(opts.mpiexec_args)
     mpiexec = find_mpiexec()
-    command = job_command(mpiexec, opts.nproc, target, mpiexec_args)
-    status_dir = tempfile.mkdtemp(prefix="meshkit-run-")
-    try:
-        env = job_environment(mpiexec, opts.nproc, status_dir, mpiexec_args)
-        logger.debug("running %s", shlex.join(command))
-        return Job(command, env, nproc=opts.nproc, status_dir=status_dir, timeout=opts.timeout).run()
-    finally:
-        shutil.rmtree(status_dir, ignore_errors=True)
+    spec = ElasticSpec(opts.nproc, opts.max_restarts, opts.restart_delay, opts.slots, opts.hostfile, opts.timeout,
+                       opts.restart_report)
+
+    every = " (all attempts together)" if opts.max_restarts else ""
+    text = None if opts.timeout is None else f"{opts.timeout:g} s{every}"
+
+    def attempt(nproc: int, restart: int, hosts: Hosts | None, timeout: float | None, on_poll: Any) -> Job:
+        status_dir = tempfile.mkdtemp(prefix="meshkit-run-")
+        try:
+            args = [*hostfile_arguments(hosts, status_dir), *mpiexec_args]
+            command = job_command(mpiexec, nproc, target, args)
+            env = job_environment(mpiexec, nproc, status_dir, args)
+            env.update(attempt_environment(spec, restart))
+            logger.debug("running %s", shlex.join(command))
+            job = Job(command, env, nproc=nproc, status_dir=status_dir, timeout=timeout, on_poll=on_poll,
+                      timeout_text=text)
+            job.run()
+            return job
+        finally:
+            shutil.rmtree(status_dir, ignore_errors=True)
+
+    return run_attempts(spec, attempt)
 
 
 def _configure_logging(verbose: bool) -> None:

@@ -39,19 +39,24 @@ killed by signal 9 (SIGKILL)``.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import re
+import select
 import signal
 import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
 
-from .bootstrap import ENDED, FAILED, FINISHED, RELEASE, START, TIMED_OUT
-from .output import OutputFilter, start_pump
+from typing import Callable
 
-__all__ = ["Job", "LaunchError", "FAILURE_SETTLE_S", "KILL_GRACE_S", "TIMEOUT_EXIT_CODE"]
+from .bootstrap import ENDED, FAILED, FINISHED, MILESTONE, RELEASE, START, TIMED_OUT
+from .output import OutputFilter, RankTails, start_pump
+
+__all__ = ["Job", "JobFailure", "LaunchError", "FAILURE_SETTLE_S", "KILL_GRACE_S", "TIMEOUT_EXIT_CODE",
+           "VANISHED_GRACE_S"]
 
 logger = logging.getLogger("meshkit.launch")
 
@@ -70,8 +75,15 @@ KILL_GRACE_S = 5.0
 #: Exit status after --timeout, as coreutils' `timeout`.
 TIMEOUT_EXIT_CODE = 124
 
-_POLL_S = 0.05
-_STATUS_FILE = re.compile(rf"({START}|{FAILED}|{ENDED}|{FINISHED})\.(\d+)")
+#: How often the launcher reads the status directory and looks at the ranks' processes: a rank
+#: that dies is noticed within this (its watcher reports it, or its process is seen gone).
+POLL_S = 0.05
+_POLL_S = POLL_S
+_STATUS_FILE = re.compile(rf"({START}|{FAILED}|{ENDED}|{FINISHED}|{MILESTONE}-[a-z_]+)\.(\d+)")
+
+#: A rank's process gone with no word from its watcher this long after: the watcher died with it
+#: (both killed, e.g. by a process group kill), so nobody will report how it ended.
+VANISHED_GRACE_S = 0.2
 
 #: How long ranks whose script is over may stay in interpreter shutdown once every rank's script
 #: is over. MPI_Finalize waits for every rank, so a rank that left without it (``os._exit``,
@@ -93,6 +105,10 @@ class _Rank:
     ended: tuple[int, int] | None = None  # (exit code, negative for a signal; time_ns) from its watcher
     finished: bool = False  # its script is over; it is shutting down
     named: bool = False  # its end was reported to the user
+    started_ns: int | None = None  # when its bootstrap started (wall clock)
+    gone_ns: int | None = None  # when the launcher first saw its process gone (pidfd), ended or not
+    vanished: bool = False  # gone, and its watcher never said how: died with it
+    milestones: dict[str, int] = field(default_factory=dict)  # name -> time_ns (meshkit.comm.milestones)
 
 
 @dataclass(frozen=True, order=True)
@@ -101,6 +117,28 @@ class _Failure:
     rank: int
     status: int  # the exit status it stands for (128 + N for signal N)
     how: str = ""  # "exit 3", "signal 9"
+
+
+@dataclass(frozen=True)
+class JobFailure:
+    """The failure that ended a job, for a restart's report.
+
+    Attributes:
+        rank: the first rank to fail (None: no rank on this host reported one; ``mpiexec`` did).
+        status: the exit status it stands for (128 + N for signal N).
+        description: ``"exited with status 3"``, ``"was killed by signal 9 (SIGKILL)"``, ...
+        failed_ns: when it failed (the rank's or its watcher's clock; the launcher's for a
+            vanished rank), wall-clock ns.
+        detected_ns: when the launcher noticed it.
+        tail: the last lines the rank printed (without its prefix).
+    """
+
+    rank: int | None
+    status: int
+    description: str
+    failed_ns: int
+    detected_ns: int
+    tail: tuple[str, ...] = ()
 
 
 
@@ -131,7 +169,8 @@ class Job:
     """
 
     def __init__(self, command: list[str], env: dict[str, str], *, nproc: int, status_dir: str,
-                 timeout: float | None) -> None:
+                 timeout: float | None, on_poll: Callable[["Job"], None] | None = None,
+                 timeout_text: str | None = None) -> None:
         self.command = command
         self.env = env
         self.nproc = nproc
@@ -149,6 +188,13 @@ class Job:
         self.mpiexec_killed = False
         self.first_failure: _Failure | None = None
         self.shutdown_since: float | None = None  # when only ranks shutting down were left
+        self.timeout_text = timeout_text or (f"{timeout:g} s" if timeout is not None else "")  # for the message
+        self.on_poll = on_poll  # called at every poll (a restart's report reads the milestones)
+        self.tails = RankTails()  # each rank's last lines of output
+        self.popen_ns: int | None = None  # when mpiexec was started
+        self.detected_ns: int | None = None  # when the launcher noticed the first failure
+        self.ended_ns: int | None = None  # when the job was over: mpiexec and every rank here gone
+        self.exit_code: int | None = None  # what run() returned
 
     # --- running --------------------------------------------------------------------------
 
@@ -161,23 +207,27 @@ class Job:
         pumps: list[threading.Thread] = []
         try:
             try:
+                self.popen_ns = time.time_ns()
                 self.proc = subprocess.Popen(self.command, env=self.env, start_new_session=True,
                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             except OSError as exc:
                 raise LaunchError(f"could not start {self.command[0]!r}: {exc}") from exc
             assert self.proc.stdout is not None and self.proc.stderr is not None
             for source, target in ((self.proc.stdout, 1), (self.proc.stderr, 2)):
-                pumps.append(start_pump(source.fileno(), target, OutputFilter(lambda: self.ending)))
+                pumps.append(start_pump(source.fileno(), target, OutputFilter(lambda: self.ending, self.tails)))
             if self.received is not None:  # arrived while the child was being started
                 self._send(self.received)
             returncode = self._supervise()
             self._refresh()
             self._name_ends()
-            return self._exit_code(returncode)
+            self.exit_code = self._exit_code(returncode)
+            return self.exit_code
         finally:
             if self.proc is not None and self.proc.poll() is None:  # e.g. an error in the launcher
                 self._send(signal.SIGKILL)
                 self.proc.wait()
+            self._reap_ranks()  # never two attempts of a restarted job at once
+            self.ended_ns = time.time_ns()
             for pump in pumps:  # the last of the output; a rank's orphan holding the pipe: not ours
                 pump.join(timeout=5)
             if self.proc is not None:
@@ -204,10 +254,13 @@ class Job:
             failure = self._first_failure()
             if failure is not None and self.first_failure is None:
                 self.first_failure = failure
+                self.detected_ns = time.time_ns()
                 self._begin_ending(now + FAILURE_SETTLE_S)
+            if self.on_poll is not None:
+                self.on_poll(self)
             if now >= deadline and not self.timed_out:
                 self.timed_out = True
-                logger.error("job exceeded --timeout %g s", self.timeout)
+                logger.error("job exceeded --timeout %s", self.timeout_text)
                 self._touch(TIMED_OUT)  # ranks print a whole traceback, not one line
                 # SIGINT rather than SIGTERM: ranks in Python code print where they were.
                 self._send(signal.SIGINT)
@@ -313,6 +366,15 @@ class Job:
                 continue
             kind, r = match.group(1), int(match.group(2))
             rank = self.ranks.setdefault(r, _Rank())
+            if kind.startswith(MILESTONE):
+                name = kind[len(MILESTONE) + 1:]
+                if name not in rank.milestones:
+                    try:
+                        with open(os.path.join(self.status_dir, name_of(kind, r)), encoding="ascii") as f:
+                            rank.milestones[name] = int(f.read().split()[0])
+                    except (OSError, ValueError, IndexError):
+                        pass
+                continue
             if (kind == START and rank.pid is not None or kind == FAILED and rank.failed is not None
                     or kind == ENDED and rank.ended is not None or kind == FINISHED and rank.finished):
                 continue
@@ -324,6 +386,7 @@ class Job:
                     fields = f.read().split()
                 if kind == START:
                     rank.pid = int(fields[0])
+                    rank.started_ns = int(fields[1]) if len(fields) > 1 else None
                     rank.pidfd = _open_pidfd(rank.pid)
                 elif kind == FAILED:
                     rank.failed = (int(fields[0]), fields[1], int(fields[2]))
@@ -331,6 +394,64 @@ class Job:
                     rank.ended = (int(fields[0]), int(fields[1]))
             except (OSError, ValueError, IndexError):
                 continue
+        self._look_for_vanished()
+
+    def _look_for_vanished(self) -> None:
+        """Ranks whose process is gone (their pidfd is readable) and whose watcher has not said how
+        :data:`VANISHED_GRACE_S` later: it died with them, so nobody will (a rank that vanishes is
+        noticed within a poll, not at a collective's timeout)."""
+        now_ns = time.time_ns()
+        for rank in self.ranks.values():
+            if rank.pidfd is None or rank.ended is not None or rank.vanished:
+                continue
+            if rank.gone_ns is None:
+                if select.select([rank.pidfd], [], [], 0)[0]:
+                    rank.gone_ns = now_ns
+            elif now_ns - rank.gone_ns > VANISHED_GRACE_S * 1e9:
+                rank.vanished = True
+
+    def _reap_ranks(self) -> None:
+        """Make sure no rank process of this job is left (SIGKILL, then wait up to
+        :data:`KILL_GRACE_S`): a restart's next attempt never runs beside this one."""
+        alive = [rank for rank in self.ranks.values() if rank.pidfd is not None
+                 and not select.select([rank.pidfd], [], [], 0)[0]]
+        for rank in alive:
+            try:
+                signal.pidfd_send_signal(rank.pidfd, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError, OSError):
+                pass
+        deadline = time.monotonic() + KILL_GRACE_S
+        for rank in alive:
+            select.select([rank.pidfd], [], [], max(0.0, deadline - time.monotonic()))
+
+    def failure(self) -> JobFailure | None:
+        """The failure that ended the job (after :meth:`run`), or None: it did not fail, or it was
+        ended by a signal or ``--timeout`` (not failures a restart is for)."""
+        if self.timed_out or self.received is not None:
+            return None
+        failure = self.first_failure or min(self._failures(), default=None)
+        detected = self.detected_ns or self.ended_ns or time.time_ns()
+        if failure is None:
+            code = None if self.proc is None else self.proc.returncode
+            if code in (0, None) or self._exit_code(code) == 0:
+                return None
+            how = f"was killed by signal {-code} ({_signal_name(-code)})" if code < 0 else f"exited with status {code}"
+            return JobFailure(None, 128 - code if code < 0 else code, f"mpiexec {how} and no rank here reported a "
+                              "failure (a rank on another host, or the process manager)", detected, detected)
+        rank = self.ranks.get(failure.rank)
+        if rank is not None and rank.vanished:
+            description = "vanished: its process and its watcher ended without a report (killed together?)"
+        elif failure.how.startswith("signal "):
+            number = int(failure.how.split()[1])
+            description = f"was killed by signal {number} ({_signal_name(number)})"
+        elif failure.how.startswith("exit "):
+            description = f"exited with status {failure.status}"
+            if rank is not None and rank.failed is not None and rank.failed[1] == "exception":
+                description = f"raised an exception (exit {failure.status})"
+        else:
+            description = failure.how
+        return JobFailure(failure.rank, failure.status, description, failure.time_ns, detected,
+                          self.tails.last(failure.rank))
 
     def _only_shutting_down(self) -> list[int]:
         """Ranks still alive though their script is over, when every rank's script is over (and no
@@ -345,7 +466,7 @@ class Job:
     def _all_ended(self) -> bool:
         """Every rank that started on this host has ended (and one did)."""
         started = [rank for rank in self.ranks.values() if rank.pid is not None]
-        return bool(started) and all(rank.ended is not None for rank in started)
+        return bool(started) and all(rank.ended is not None or rank.vanished for rank in started)
 
     def _abandoned(self) -> list[_Failure]:
         """Ranks that left (status 0) without finishing their script, so without MPI_Finalize
@@ -372,6 +493,8 @@ class Job:
                 code, time_ns = rank.ended
                 how = f"exit {code}" if code > 0 else f"signal {-code}"
                 failures.append(_Failure(time_ns, r, code if code > 0 else 128 - code, how))
+            elif rank.vanished and r not in self.killed:
+                failures.append(_Failure(rank.gone_ns or 0, r, 128 + signal.SIGKILL, "vanished"))
         return failures
 
     def _first_failure(self) -> _Failure | None:
@@ -397,6 +520,9 @@ class Job:
                 elif code < 0 and -code != self.received:  # not the Ctrl-C the user pressed
                     ends.setdefault(f"was killed by signal {-code} ({_signal_name(-code)})", []).append(r)
                 rank.named = True
+            elif rank.vanished:
+                ends.setdefault("vanished: its process ended and its watcher with it, without a report", []).append(r)
+                rank.named = True
         for how, ranks in ends.items():
             who = _who(ranks)
             logger.error("%s %s", who, how.replace("was killed", "were killed") if len(ranks) > 1 else how)
@@ -418,6 +544,11 @@ class Job:
         if returncode < 0:  # mpiexec itself died of a signal
             return 128 - returncode
         return returncode
+
+
+def name_of(kind: str, rank: int) -> str:
+    """The status file of ``kind`` for ``rank``."""
+    return f"{kind}.{rank}"
 
 
 def _open_pidfd(pid: int) -> int | None:

@@ -24,16 +24,18 @@ else is held back: a partial line goes out once the stream pauses for 0.1 s.
 
 from __future__ import annotations
 
+import collections
 import os
 import re
 import select
 import threading
 from typing import Callable
 
-__all__ = ["OutputFilter", "start_pump"]
+__all__ = ["OutputFilter", "RankTails", "start_pump"]
 
 _IDLE_S = 0.1
 _RANK_LINE = re.compile(rb"\[rank\d+\]: ")
+_RANK_OF_LINE = re.compile(rb"\[rank(\d+)\]: ?(.*)")
 _HYDRA_NOTICE = re.compile(
     rb"={20,}"
     rb"|=   (BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES|PID \d+ RUNNING AT \S+|EXIT CODE: \d+"
@@ -55,15 +57,39 @@ _TEARDOWN_NOISE = re.compile(
 _LINE = re.compile(rb"[^\r\n]*(\r\n|\n|\r(?!$))")
 
 
+class RankTails:
+    """The last :attr:`keep` lines each rank printed (both streams), for a failure's report."""
+
+    def __init__(self, keep: int = 10) -> None:
+        self.keep = keep
+        self._lines: dict[int, collections.deque[str]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, line: bytes) -> None:
+        """Record ``line`` if a rank wrote it (it carries the ``[rank{r}]: `` prefix)."""
+        match = _RANK_OF_LINE.match(line.rstrip(b"\r\n"))
+        if match is None:
+            return
+        rank, text = int(match.group(1)), match.group(2).decode("utf-8", "replace")
+        with self._lock:
+            self._lines.setdefault(rank, collections.deque(maxlen=self.keep)).append(text)
+
+    def last(self, rank: int | None) -> tuple[str, ...]:
+        with self._lock:
+            return tuple(self._lines.get(rank, ())) if rank is not None else ()
+
+
 class OutputFilter:
     """Drops MPICH's notices from a stream of mpiexec's output (see the module docstring).
 
     Args:
         ending: returns True once the launcher is ending the job.
+        tails: where the ranks' lines are recorded (every line, kept or dropped), or None.
     """
 
-    def __init__(self, ending: Callable[[], bool]) -> None:
+    def __init__(self, ending: Callable[[], bool], tails: RankTails | None = None) -> None:
         self._ending = ending
+        self._tails = tails
         self._pending = b""  # a line not yet ended
         self._blank: list[bytes] = []  # blank lines held back: the last may open a BAD TERMINATION box
         self._after_blank = False  # the line before was blank
@@ -88,6 +114,8 @@ class OutputFilter:
 
     def _line(self, line: bytes) -> bytes:
         text = line.rstrip(b"\r\n")
+        if self._tails is not None:
+            self._tails.add(text)
         after_blank, self._after_blank = self._after_blank, False
         if not text.strip() and line.endswith((b"\n", b"\r")):
             self._blank.append(line)

@@ -327,7 +327,7 @@ def test_mpiexec_that_cannot_start_is_a_clear_error(tmp_path: Path) -> None:
     ("args", "message"),
     [
         (["-n", "0", "script.py"], r"argument -n/--nproc: expected an integer >= 1, got 0"),
-        (["-n", "two", "script.py"], r"argument -n/--nproc: expected an integer >= 1, got 'two'"),
+        (["-n", "two", "script.py"], r"argument -n/--nproc: expected an integer >= 1 \(or MIN:MAX\), got 'two'"),
         (["script.py"], r"the following arguments are required: -n/--nproc"),
         (["-n", "2", "missing.py"], r"script not found: 'missing.py'"),
         (["-n", "2"], r"no script given: pass a script path or -m MODULE"),

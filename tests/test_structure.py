@@ -27,6 +27,7 @@ ALLOWED = {
     "checkpoint": {"comm", "mesh", "tensor", "state", "parallel"},
     "launch": set(),
     "debug": {"comm"},
+    "elastic": set(),
 }
 
 

@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ...comm import DistValueError, ProcessGroup, Work, broadcast_object_list
+from ...comm._seams import FIRST_STEP, milestone
 from ...mesh import DeviceMesh
 from ...tensor import DTensor
 from ..arrays import array_namespace
@@ -189,6 +190,7 @@ class DistributedDataParallel(ReplicatedUnits, GradientReducer):
             raise DistValueError(f"{self._where('step')}: no optimizer; pass optimizer= to DistributedDataParallel")
         self._ready_for_step("step")
         self.optimizer.step(self.params, self.grads)
+        milestone(FIRST_STEP)  # meshkit-run times a restart's first step by it (once per process)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Finish the gradient sync (a pass whose every gradient is marked), then clip the

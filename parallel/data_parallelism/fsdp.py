@@ -41,6 +41,7 @@ from collections.abc import Mapping
 from typing import Any, Iterator, Sequence
 
 from ...comm import DistTypeError, DistValueError, ProcessGroup, ReduceOp, Work
+from ...comm._seams import FIRST_STEP, milestone
 from ...mesh import DeviceMesh
 from ...tensor import DTensor
 from ..arrays import array_namespace, check_same_library
@@ -390,6 +391,7 @@ class FullyShardedDataParallel(ShardedStrategy):
         self._full.clear()  # gathered parameters are stale now
         self._used.clear()
         self._reduced.clear()
+        milestone(FIRST_STEP)  # meshkit-run times a restart's first step by it (once per process)
 
     # ------------------------------------------------------------------ ShardedStrategy
     def _shard_group(self) -> ProcessGroup:

@@ -1,0 +1,46 @@
+"""Milestones of a (re)start that ``meshkit-run`` times: rendezvous, checkpoint restored, first step.
+
+After a restart the launcher reports how long the job took from the failure to its first
+training step again, split into detection, relaunch, rendezvous and checkpoint load (issue 27.4).
+It learns when each rank passed each point from a file the rank writes into the launcher's
+status directory (``milestone-{name}.{rank}``, holding the wall-clock time in ns; the protocol
+is :mod:`meshkit.launch.bootstrap`'s, whose names are repeated here because ``comm`` imports
+nothing of ``launch``). Each milestone is written once per process; outside ``meshkit-run``, or
+on a host other than the launcher's, :func:`milestone` does nothing.
+
+Who calls it: the ``meshkit`` package once imported (``imported``), :func:`~meshkit.comm.init_process_group` (``rendezvous``), checkpoint loads
+(``restored``) and the data-parallel strategies' ``step()`` (``first_step``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+__all__ = ["milestone", "IMPORTED", "RENDEZVOUS", "RESTORED", "FIRST_STEP", "STATUS_DIR_ENV", "LAUNCHER_ENV"]
+
+#: The milestones the launcher knows, in the order a restarted job passes them.
+IMPORTED, RENDEZVOUS, RESTORED, FIRST_STEP = "imported", "rendezvous", "restored", "first_step"
+#: :data:`meshkit.launch.bootstrap.STATUS_DIR_ENV` and ``LAUNCHER_ENV`` (a test checks they agree).
+STATUS_DIR_ENV, LAUNCHER_ENV = "MESHKIT_LAUNCH_STATUS_DIR", "MESHKIT_LAUNCHER"
+
+_passed: set[str] = set()
+
+
+def milestone(name: str) -> None:
+    """Tell the launcher that this process passed ``name`` now (the first time only; cheap after)."""
+    if name in _passed:
+        return
+    _passed.add(name)
+    folder = os.environ.get(STATUS_DIR_ENV, "")
+    host = os.environ.get(LAUNCHER_ENV, "").rpartition(" ")[0]
+    rank = os.environ.get("RANK", "")
+    if not folder or host != os.uname().nodename or not rank.isdigit():
+        return
+    path = os.path.join(folder, f"milestone-{name}.{rank}")
+    try:
+        with open(f"{path}.tmp", "w", encoding="ascii") as f:
+            f.write(str(time.time_ns()))
+        os.replace(f"{path}.tmp", path)
+    except OSError:  # the launcher is gone, or its folder: nobody to tell
+        pass
