@@ -24,7 +24,8 @@ one small file per event, each written whole (``os.replace``):
 =================  ======================================  ====================
 file               contents                                written by
 =================  ======================================  ====================
-``start.{r}``      the rank's pid, time in ns              rank, at start
+``start.{r}``      the rank's pid, time in ns, the         rank, at start
+                   watcher's pid (its own without one)
 ``failed.{r}``     status, how (exception, exit,           rank, before it exits
                    interrupt), time in ns
 ``ended.{r}``      exit code (negative: killed by that     watcher, when the rank
@@ -453,7 +454,7 @@ def _rank_main(target: list[str]) -> int:
     linger = None
     if status is not None:
         linger = None if _fork_watcher(status) else status
-        status.write(START, os.getpid(), time.time_ns())
+        status.write(START, os.getpid(), time.time_ns(), os.getppid() if linger is None else os.getpid())
     streams = _install_prefixed_streams(f"[rank{rank}]: ")
     # Registered before the user's code runs, so it runs after the user's atexit handlers.
     atexit.register(_finish_lines, streams)

@@ -106,6 +106,7 @@ class _Rank:
     finished: bool = False  # its script is over; it is shutting down
     named: bool = False  # its end was reported to the user
     started_ns: int | None = None  # when its bootstrap started (wall clock)
+    watcher: int | None = None  # its watcher's pid (the process mpiexec started)
     gone_ns: int | None = None  # when the launcher first saw its process gone (pidfd), ended or not
     vanished: bool = False  # gone, and its watcher never said how: died with it
     milestones: dict[str, int] = field(default_factory=dict)  # name -> time_ns (meshkit.comm.milestones)
@@ -387,6 +388,7 @@ class Job:
                 if kind == START:
                     rank.pid = int(fields[0])
                     rank.started_ns = int(fields[1]) if len(fields) > 1 else None
+                    rank.watcher = int(fields[2]) if len(fields) > 2 else None
                     rank.pidfd = _open_pidfd(rank.pid)
                 elif kind == FAILED:
                     rank.failed = (int(fields[0]), fields[1], int(fields[2]))
@@ -413,8 +415,16 @@ class Job:
     def _reap_ranks(self) -> None:
         """Make sure no rank process of this job is left (SIGKILL, then wait up to
         :data:`KILL_GRACE_S`): a restart's next attempt never runs beside this one."""
-        alive = [rank for rank in self.ranks.values() if rank.pidfd is not None
-                 and not select.select([rank.pidfd], [], [], 0)[0]]
+        now_ns = time.time_ns()
+        alive = []
+        for r, rank in self.ranks.items():
+            if rank.pidfd is None:
+                continue
+            if select.select([rank.pidfd], [], [], 0)[0]:
+                rank.gone_ns = rank.gone_ns or now_ns  # seen gone, at the latest now
+            else:
+                alive.append(rank)
+                self.killed.add(r)
         for rank in alive:
             try:
                 signal.pidfd_send_signal(rank.pidfd, signal.SIGKILL)
@@ -435,9 +445,19 @@ class Job:
             code = None if self.proc is None else self.proc.returncode
             if code in (0, None) or self._exit_code(code) == 0:
                 return None
+            status = 128 - code if code < 0 else code
             how = f"was killed by signal {-code} ({_signal_name(-code)})" if code < 0 else f"exited with status {code}"
-            return JobFailure(None, 128 - code if code < 0 else code, f"mpiexec {how} and no rank here reported a "
-                              "failure (a rank on another host, or the process manager)", detected, detected)
+            gone = sorted(r for r, rank in self.ranks.items() if rank.ended is None and rank.gone_ns is not None
+                          and r not in self.killed)
+            if len(gone) == 1:  # the one rank that vanished: the others ended as they should
+                return JobFailure(gone[0], status, f"vanished: its process and its watcher ended without a report, "
+                                  f"and mpiexec {how}", detected, detected, self.tails.last(gone[0]))
+            if gone:  # hydra ends the job at once when a watcher dies: one of them vanished, it killed the rest
+                return JobFailure(None, status, f"mpiexec {how}: {_who(gone)} vanished together, their processes "
+                                  "and watchers ended without a report (mpiexec kills every rank as soon as one "
+                                  "process ends; which one died first is not known)", detected, detected)
+            return JobFailure(None, status, f"mpiexec {how} and no rank here reported a failure (a rank on another "
+                              "host, or the process manager)", detected, detected)
         rank = self.ranks.get(failure.rank)
         if rank is not None and rank.vanished:
             description = "vanished: its process and its watcher ended without a report (killed together?)"

@@ -84,6 +84,8 @@ class RestartReport:
     ranks_before: int
     ranks_after: int
     tail: list[str] = field(default_factory=list)
+    failed_at_ns: int = 0  # wall clock: when the rank failed (the launcher's first sight of a vanished one)
+    detected_at_ns: int = 0  # wall clock: when the launcher noticed
     detection_s: float | None = None
     teardown_s: float | None = None
     delay_s: float | None = None
@@ -176,7 +178,7 @@ class _Attempts:
             if before is not None:
                 failure, ended_ns, ranks_before = before
                 report = RestartReport(restart, failure.rank, failure.description, failure.status, ranks_before,
-                                       nproc, list(failure.tail))
+                                       nproc, list(failure.tail), failure.failed_ns, failure.detected_ns)
                 self.reports.append(report)
                 logger.warning("restart %d of %d: %d rank%s (%s)", restart, spec.max_restarts, nproc,
                                "" if nproc == 1 else "s", source)
@@ -207,7 +209,7 @@ class _Attempts:
             failure = job.failure()
             if code == 0 or failure is None:
                 return code
-            if spec.max_restarts:  # a job without restarts says it as it always did (job.py)
+            if spec.max_restarts or failure.rank is None:  # job.py names a rank's failure already
                 _log_failure(restart, failure)
             if restart >= spec.max_restarts:
                 if spec.max_restarts:

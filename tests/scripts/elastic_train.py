@@ -35,13 +35,15 @@ sys.path.insert(0, str(example.parent))
 
 log = os.environ.get("ELASTIC_LOG")
 if log:
-    for earlier in Path(log).glob("attempt-*.rank-*"):
+    for earlier in Path(log).glob("attempt-*.rank-[0-9]"):
         pid = int(earlier.read_text().split()[0])
         if int(earlier.name.split(".")[0].split("-")[1]) < attempt and Path(f"/proc/{pid}").exists():
             status = Path(f"/proc/{pid}/status").read_text()
             if "\nState:\tZ" not in status:  # a zombie is over; only its parent has not reaped it yet
                 raise SystemExit(f"attempt {attempt} started while {earlier.name} (pid {pid}) is still alive")
-    Path(log, f"attempt-{attempt}.rank-{rank}").write_text(f"{os.getpid()} {os.environ['WORLD_SIZE']}")
+    record = Path(log, f"attempt-{attempt}.rank-{rank}")
+    Path(f"{record}.part").write_text(f"{os.getpid()} {os.environ['WORLD_SIZE']}")
+    os.replace(f"{record}.part", record)  # whole: another rank reads it at its start
 
 shrink = os.environ.get("ELASTIC_SHRINK")
 if shrink and attempt == 0 and rank == 0:
