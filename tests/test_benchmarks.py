@@ -270,3 +270,18 @@ def test_sharded_and_mesh_benchmarks_run(mpirun, tmp_path):
     mpirun(BENCHMARKS / "mesh.py", 2, "--engine", "mpi", "--ndims", "1", "--repeats", "1", "--warmup", "0",
            "--no-progress", "--json", str(tmp_path / "mesh.json"))
     assert json.loads((tmp_path / "mesh.json").read_text())["rows"]
+
+
+def test_elastic_benchmark_kills_a_rank_and_reports_every_phase(tmp_path):
+    """benchmarks/elastic.py at its smallest: one repeat of 2 ranks, a rank killed from outside after a
+    checkpoint; both runs pass --check (the script exits otherwise) and every phase has a figure."""
+    out_json = tmp_path / "elastic.json"
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "elastic.py"), "--nproc", "2", "--strategy", "ddp",
+                             "--steps", "8", "--save-every", "4", "--kill-after", "4", "--repeats", "1",
+                             "--json", str(out_json)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for phase in ("detection", "teardown", "relaunch", "imports", "rendezvous", "checkpoint load", "first step"):
+        assert re.search(rf"^ *{phase} +\d+\.\d{{3}} ", result.stdout, re.M), result.stdout
+    assert re.search(r"killed / uninterrupted wall time: \d+\.\d\dx", result.stdout), result.stdout
+    (entry,) = json.loads(out_json.read_text())["restarts"]
+    assert entry["rank"] == 1 and entry["complete"] and entry["ranks_after"] == 2, entry

@@ -318,3 +318,55 @@ def test_train_mlp_killed_and_restarted_equals_single_process_training(strategy,
 @pytest.mark.parametrize(("fault", "after"), [("step", 4), ("save", 2)])
 def test_train_3d_killed_and_restarted_equals_single_process_training(fault, after, tmp_path):
     _elastic_example(tmp_path, "train_3d.py", THREE_D, fault, after, f"3d-{fault}", steps=16, every=4)
+
+
+# --------------------------------------------------------------------------- the docs' resume, as written
+def test_the_docs_resume_snippet_resumes_on_fewer_ranks_to_the_single_process_result(tmp_path, monkeypatch):
+    """docs/elastic.md's resume loop, run as written: 4 ranks of fsdp train 5 of 8 steps (saving every
+    2), "fail", and 3 ranks of zero2 resume from step 4 and end equal to one process training 8 steps."""
+    import numpy as np
+
+    sys.path.insert(0, str(EXAMPLES))
+    import mlp
+    from meshkit.comm import local
+    from meshkit.parallel import data_parallel
+
+    text = (ROOT / "docs" / "elastic.md").read_text().split("## Resuming without ceremony", 1)[1]
+    snippet = text.split("```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    x, y = mlp.make_data(256)
+    batch = 12
+
+    def run(strategy_name: str, steps: int):
+        import meshkit
+
+        rank, world = meshkit.get_rank(), meshkit.get_world_size()
+        strategy = data_parallel(mlp.init_params((8,)), meshkit.init_device_mesh("cpu", (world,)),
+                                 strategy_name, optimizer=mlp.make_optimizer("adamw", 0.01))
+
+        def train_step(model, step):
+            model.zero_grad()
+            idx = np.array_split(mlp.batch_indices(step, len(x), batch), world)[rank]
+            acts = mlp.forward_layers(model, x[idx])
+            _, dlogits = mlp.loss_and_grad_logits(acts[-1], y[idx])
+            mlp.backward_layers(model, acts, dlogits)
+            model.step()
+
+        scope = {"strategy": strategy, "train_step": train_step, "steps": steps, "every": 2}
+        exec(snippet, scope)
+        return scope["start"], strategy.full_state_dict()["params"]
+
+    starts = [s for s, _ in local.run(lambda: run("fsdp", 5), 4, timeout=60)]
+    assert starts == [0] * 4 and sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_2", "step_4"]
+    results = local.run(lambda: run("zero2", 8), 3, timeout=60)
+    reference = mlp.Plain(mlp.init_params((8,)), optimizer=mlp.make_optimizer("adamw", 0.01))
+    for step in range(8):
+        reference.zero_grad()
+        idx = mlp.batch_indices(step, len(x), batch)
+        acts = mlp.forward_layers(reference, x[idx])
+        mlp.backward_layers(reference, acts, mlp.loss_and_grad_logits(acts[-1], y[idx])[1])
+        reference.step()
+    for start, params in results:
+        assert start == 4
+        for name, value in reference.params.items():
+            np.testing.assert_allclose(params[name], value, rtol=1e-10, atol=1e-12, err_msg=name)
