@@ -10,6 +10,7 @@
     meshkit-run -n 2 examples/train_mlp.py --device cuda --check       # CuPy arrays, NCCL, one GPU per rank
     meshkit-run -n 4 examples/train_mlp.py --strategy fsdp --checkpoint-dir ckpt --save-every 50
     meshkit-run -n 2 examples/train_mlp.py --strategy zero2 --checkpoint-dir ckpt --resume --check
+    meshkit-run -n 2:4 --max-restarts 3 examples/train_mlp.py --checkpoint-dir ckpt --save-every 10 --resume --check
 
 The model (``mlp.py`` beside this file) is a tanh MLP with a softmax cross-entropy loss and a
 hand-written backward pass that hands each layer's gradients to the strategy as soon as they
@@ -31,7 +32,10 @@ where CuPy sees a GPU): the data is copied to the device once, and each step bri
 every K steps, each rank writing its own shard (``--max-to-keep K`` keeps only the K newest);
 ``--resume`` continues from the newest complete one, with any strategy on any number of ranks
 (the checkpoint is resharded on load), and ``--check`` still compares with uninterrupted
-single-process training.
+single-process training. Under ``meshkit-run --max-restarts`` the same command line resumes each
+restart, on however many ranks it gets, to the same result: the data of a step depends on the
+step alone (``mlp.batch_indices``), and each rank takes a contiguous, equal share of it
+(docs/elastic.md, "The rule that keeps the result exact").
 """
 
 from __future__ import annotations
