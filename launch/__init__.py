@@ -13,7 +13,9 @@ Modules: :mod:`~meshkit.launch.cli` (the command line), :mod:`~meshkit.launch.jo
 ending a job), :mod:`~meshkit.launch.output` (mpiexec's output), :mod:`~meshkit.launch.bootstrap`
 (the rank side), :mod:`~meshkit.launch.mpich_tuning` (MPICH's collective selection),
 :mod:`~meshkit.launch.spawn` and :mod:`~meshkit.launch.spawn_rank` (``meshkit.spawn``: torch's
-``spawn(fn, args, nprocs)`` over the same job).
+``spawn(fn, args, nprocs)`` over the same job), :mod:`~meshkit.launch.restarts` (``--max-restarts``:
+a failed job restarted, the way back timed) and :mod:`~meshkit.launch.slots` (``-n MIN:MAX``,
+``--slots``, ``--hostfile``).
 """
 
 from .cli import THREAD_ENV_VARS, find_mpiexec, main, thread_limits
