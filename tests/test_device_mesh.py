@@ -150,6 +150,45 @@ def test_parallel_dims_infers_validates_and_builds():
     assert local.run(ones, 2) == [True, True]
 
 
+def test_parallel_dims_with_cp_pp_and_ep_follow_torchtitans_rules():
+    """cp and pp multiply into the world size; ep borrows dp_shard x cp (a multiple of cp that
+    divides dp_shard * cp) and never adds ranks; a combination that breaks either is refused."""
+    dims = ParallelDims(dp_shard=-1, cp=2, tp=2, pp=2, world_size=16)
+    assert (dims.dp_shard, dims.dp) == (2, 2)
+    moe = ParallelDims(dp_shard=4, ep=2, world_size=4)
+    assert (moe.dp_shard_in_ep, moe.dp_shard_mod_ep) == (2, 2)
+    assert ParallelDims(dp_shard=2, cp=2, ep=4, world_size=4).dp_shard_in_ep == 2
+    with pytest.raises(ValueError, match=r"degrees \{'dp_replicate': 1, 'dp_shard': 2, 'tp': 1, 'cp': 2\} multiply to "
+                                         r"4, but world_size is 8"):
+        ParallelDims(dp_shard=2, cp=2, world_size=8)
+    with pytest.raises(ValueError, match=r"ParallelDims.ep 3 must borrow whole ranks of dp_shard x cp \(4 x 1\): it "
+                                         r"must be a multiple of cp 1 and divide dp_shard \* cp = 4"):
+        ParallelDims(dp_shard=4, ep=3, world_size=4)
+    with pytest.raises(ValueError, match=r"ep 2 must borrow whole ranks of dp_shard x cp \(2 x 4\): it must be a "
+                                         r"multiple of cp 4"):
+        ParallelDims(dp_shard=2, cp=4, ep=2, world_size=8)
+    with pytest.raises(ValueError, match=r"ParallelDims.ep must be >= 1 .* got -1"):
+        ParallelDims(dp_shard=4, ep=-1, world_size=4)
+
+    def body(dims):
+        mesh = dims.build_mesh("cpu")
+        return mesh.mesh_dim_names, {name: mesh[name].mesh.tolist() for name in
+                                     ("dp", "dp_cp", "ep", "dp_mod_ep", "dp_shard", "tp", "cp", "pp")
+                                     if name in mesh.mesh_dim_names or name in mesh._flattened}
+
+    names, groups = local.run(body, 8, ParallelDims(dp_shard=2, cp=2, tp=2, world_size=8))[0]
+    assert names == ("dp_replicate", "dp_shard", "cp", "tp")
+    assert groups == {"dp": [0, 4], "dp_cp": [0, 2, 4, 6], "dp_shard": [0, 4], "tp": [0, 1], "cp": [0, 2]}
+    names, groups = local.run(body, 8, ParallelDims(dp_replicate=2, dp_shard=4, ep=2, world_size=8))[5]
+    assert names == ("dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "tp")
+    # rank 5 = (dp_replicate 1, dp_shard_mod_ep 0, dp_shard_in_ep 1): its expert group and its experts' replicas
+    assert groups == {"dp": [0, 1, 2, 3, 4, 5, 6, 7], "ep": [4, 5], "dp_mod_ep": [1, 3, 5, 7],
+                      "dp_shard": [4, 5, 6, 7], "tp": [5]}
+    names, groups = local.run(body, 8, ParallelDims(dp_shard=2, cp=2, ep=4, pp=2, world_size=8))[3]
+    assert names == ("pp", "dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp", "tp")
+    assert groups["ep"] == [0, 1, 2, 3] and groups["pp"] == [3, 7] and groups["dp_mod_ep"] == [3]
+
+
 def test_repr_and_describe_warn_about_dim_order(monkeypatch):
     # Four ranks on two hosts: ranks 0, 1 on "a" and 2, 3 on "b".
     monkeypatch.setattr(device_mesh, "host_names", lambda group: ["a" if r < 2 else "b" for r in group.ranks])
