@@ -245,11 +245,13 @@ def test_every_attempt_starts_after_the_last_one_is_gone_and_waits_the_delay(tmp
 
 def test_the_timeout_bounds_all_attempts_and_is_not_restarted(tmp_path):
     start = time.monotonic()
-    result = run(["-n", "2", "--max-restarts", "3", "--timeout", "3", str(SCRIPTS / "elastic_job.py"), "sleep"],
+    result = run(["-n", "2", "--max-restarts", "3", "--timeout", "6", str(SCRIPTS / "elastic_job.py"), "sleep"],
                  tmp_path)
     assert result.returncode == job.TIMEOUT_EXIT_CODE, explain(result)
-    assert sorted(attempts(tmp_path)) == [0] and time.monotonic() - start < 30
-    assert "job exceeded --timeout 3 s (all attempts together)" in result.stderr, result.stderr
+    # (under heavy load the ranks may not have reached their record before the timeout: no attempt 1 either way)
+    assert set(attempts(tmp_path)) <= {0} and time.monotonic() - start < 60, attempts(tmp_path)
+    assert "restart 1" not in result.stderr and "attempt 0 failed" not in result.stderr, result.stderr
+    assert "job exceeded --timeout 6 s (all attempts together)" in result.stderr, result.stderr
 
 
 def test_ctrl_c_stops_the_job_without_a_restart(tmp_path):

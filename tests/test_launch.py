@@ -146,7 +146,7 @@ def test_failed_rank_that_leaves_others_waiting_is_killed_after_the_settle_time(
 
     assert result.returncode == 3, result.stderr
     assert "rank 1 failed (exit 3); killing the job" in result.stderr
-    assert elapsed < launch.FAILURE_SETTLE_S + 8
+    assert elapsed < launch.FAILURE_SETTLE_S + 30  # not a collective timeout (300 s); 9.8 s seen at load 11
 
 
 @needs_mpiexec
@@ -260,7 +260,7 @@ def test_a_rank_that_dies_without_a_traceback_is_named(tmp_path: Path, how: str,
         f"meshkit-run: rank 2 failed ({how_failed}); killing the job (ranks 0, 1 still running)",
     ]
     assert result.stdout == ""
-    assert elapsed < launch.FAILURE_SETTLE_S + 8
+    assert elapsed < launch.FAILURE_SETTLE_S + 30  # not a collective timeout (300 s); 9.8 s seen at load 11
 
 
 @needs_mpiexec
