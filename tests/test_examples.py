@@ -492,7 +492,10 @@ def test_a_bad_flag_under_meshkit_run_exits_2_with_one_message(mpirun, script, n
 
 @pytest.mark.parametrize("mesh, extra", [("2x2x1", ()), ("2x1x2", ("--optimizer", "adamw")), ("1x2x2", ()),
                                          ("2x1x1", ("--schedule", "interleaved")),
-                                         ("4x1x1", ("--schedule", "gpipe", "--microbatches", "3", "--batch", "24"))])
+                                         ("4x1x1", ("--schedule", "gpipe", "--microbatches", "3", "--batch", "24")),
+                                         ("2x1x2", ("--schedule", "zbh1", "--microbatches", "3", "--batch", "12")),
+                                         ("2x2x1", ("--schedule", "zbv", "--dp", "zero2")),
+                                         ("2x1x2", ("--schedule", "zbv", "--microbatches", "5", "--batch", "40"))])
 def test_train_3d_passes_its_check_local(mesh, extra):
     world = int(np.prod([int(d) for d in mesh.split("x")]))
     args = train_3d.parse_args(["--mesh", mesh, "--steps", "4", *extra], world_size=world)
@@ -545,7 +548,7 @@ def test_train_3d_bad_flags_are_usage_errors(argv, world, message, capsys):
     assert exc.value.code == 2 and re.search(message, capsys.readouterr().err)
 
 
-@pytest.mark.parametrize("mesh, schedule", [("2x2x1", "1f1b"), ("2x1x2", "gpipe")])
+@pytest.mark.parametrize("mesh, schedule", [("2x2x1", "1f1b"), ("2x1x2", "gpipe"), ("2x1x2", "zbv")])
 def test_train_3d_check_passes_under_meshkit_run(mpirun, mesh, schedule):
     out = mpirun(EXAMPLES / "train_3d.py", 4, "--mesh", mesh, "--schedule", schedule, "--steps", "8", "--check").stdout
     assert "check against single-process training: OK" in out, out
