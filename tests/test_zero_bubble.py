@@ -372,3 +372,47 @@ def test_stages_sharing_a_name_with_other_shapes_are_refused_on_every_rank():
 def test_zero_bubble_schedules_under_meshkit_run(mpirun):
     out = mpirun("mpi_zero_bubble.py", 3).stdout
     assert out.count("zero bubble OK") == 3 and out.count("tied OK") == 3 and out.count("unsplit refused") == 3, out
+
+
+def test_a_weight_gradient_that_raises_names_stage_and_microbatch_and_the_others_end():
+    def body():
+        r = meshkit.get_rank()
+        ps = cases.params(2)
+        g = {k: np.zeros_like(a) for k, a in ps[r].items()}
+        fwd, bi, bw = cases.split_stage_fns(ps[r], g)
+
+        def broken(wctx):
+            raise FloatingPointError("overflow in W")
+
+        stage = PipelineStage(fwd, None, r, 2, backward_input=bi, backward_weight=broken if r == 1 else bw)
+        x, t = cases.data(8)  # 4 microbatches: rank 0 still waits for gradients when W 0 fails on rank 1
+        try:
+            ScheduleZBH1(stage, 4, cases.loss_fn).step(x if r == 0 else None, target=t if r == 1 else None)
+        except DistError as exc:
+            return str(exc)
+
+    out = local.run(body, 2, timeout=30)
+    assert out[1] == ("meshkit.parallel: rank 1: pipeline stage 1: backward_weight of microbatch 0 raised "
+                      "FloatingPointError: overflow in W")
+    assert out[0] is not None and out[0].endswith("backward_weight of microbatch 0 raised FloatingPointError: "
+                                                  "overflow in W"), out
+
+
+def test_a_backward_input_that_does_not_return_dx_and_wctx_is_named():
+    def body():
+        r = meshkit.get_rank()
+        ps = cases.params(2)
+        g = {k: np.zeros_like(a) for k, a in ps[r].items()}
+        fwd, bi, bw = cases.split_stage_fns(ps[r], g)
+        stage = PipelineStage(fwd, None, r, 2, backward_input=(lambda c, d: bi(c, d)[0]) if r == 1 else bi,
+                              backward_weight=bw)
+        x, t = cases.data(4)
+        try:
+            ScheduleZBH1(stage, 2, cases.loss_fn).step(x if r == 0 else None, target=t if r == 1 else None)
+        except DistError as exc:
+            return str(exc)
+
+    out = local.run(body, 2, timeout=30)
+    assert out[1] == ("meshkit.parallel: rank 1: pipeline stage 1: backward_input of microbatch 0 returned a "
+                      "ndarray; it must return (dx, wctx), wctx being what backward_weight needs")
+    assert out[0] is not None

@@ -2,9 +2,12 @@
 
 A :class:`PipelineStage` wraps the user's ``forward(x) -> (y, ctx)`` and ``backward(ctx, dy) ->
 dx`` of one contiguous slice of a model. Stage ``i`` of ``num_stages`` lives on group rank
-``i % group.size()`` (one stage per rank, or several: Megatron's virtual stages). The schedules
-(:class:`ScheduleGPipe`, :class:`Schedule1F1B`, :class:`ScheduleInterleaved1F1B`) split a batch
-into microbatches along axis 0 and run the per-rank action lists of :mod:`.schedules`.
+``i % group.size()`` (one stage per rank, or several: Megatron's virtual stages), or in a V
+(``placement="v"``, ZB-V: rank ``r`` holds stages ``r`` and ``2p - 1 - r``). The schedules
+(:class:`ScheduleGPipe`, :class:`Schedule1F1B`, :class:`ScheduleInterleaved1F1B`, and the
+zero-bubble :class:`ScheduleZBH1` and :class:`ScheduleZBVZeroBubble`, which run a stage's
+backward as two passes, B and W, given as ``backward_input`` and ``backward_weight``) split a
+batch into microbatches along axis 0 and run the per-rank action lists of :mod:`.schedules`.
 
 Transfers: activations go forward and gradients backward with ``isend``/``irecv`` on the stage
 group, tagged by (kind, receiving stage), so that messages between the same two ranks never
@@ -88,7 +91,8 @@ class PipelineStage:
         forward: ``forward(x) -> (y, ctx)``; ``ctx`` is kept until the microbatch's backward.
         backward: ``backward(ctx, dy) -> dx``; it accumulates its own parameter gradients
             (the schedule scales ``dy`` so that the sum over microbatches is the gradient of
-            the mean loss over the whole batch). The first stage's ``dx`` is ignored.
+            the mean loss over the whole batch). The first stage's ``dx`` is ignored. None
+            when the stage gives ``backward_input`` and ``backward_weight`` instead.
         stage_index: this stage's position, ``0 <= stage_index < num_stages``.
         num_stages: stages in the pipeline (a multiple of the group's size).
         group: the ranks of the pipeline: a ProcessGroup or a 1-D mesh (``mesh["pp"]``); default:
