@@ -365,7 +365,7 @@ def test_stages_sharing_a_name_with_other_shapes_are_refused_on_every_rank():
 
     for r, text in enumerate(local.run(body, 2, timeout=30)):
         assert text == (f"meshkit.parallel: rank {r}: ScheduleZBH1.step: the stages sharing 'tied' declare gradients "
-                        "of different shapes or dtypes: stage 0: (5, 5) float64, stage 1: (5,) float64")
+                        "of different shapes, dtypes or devices: stage 0: (5, 5) float64, stage 1: (5,) float64")
 
 
 # --------------------------------------------------------------------------- real processes
@@ -416,3 +416,42 @@ def test_a_backward_input_that_does_not_return_dx_and_wctx_is_named():
     assert out[1] == ("meshkit.parallel: rank 1: pipeline stage 1: backward_input of microbatch 0 returned a "
                       "ndarray; it must return (dx, wctx), wctx being what backward_weight needs")
     assert out[0] is not None
+
+
+# --------------------------------------------------------------------------- device arrays (tests/fake_cupy.py)
+@pytest.mark.parametrize("kind", ["zbh1", "zbv"])
+def test_device_arrays_with_a_tied_weight_match_one_process(cupy, kind):
+    # CuPy stages over the local engine; ZB-V's rank 1 holds no tied stage (its share of the
+    # all-reduce is host zeros), ZB-H1's two ranks hold one use each
+    p, m = 2, 3
+    n = 2 * p if kind == "zbv" else p
+    ps = cases.params(n)
+    ps[n - 1]["w"] = ps[0]["w"]
+    x, t = cases.data(2 * m)
+
+    def body():
+        r = meshkit.get_rank()
+        mine = [r, 2 * p - 1 - r] if kind == "zbv" else [r]
+        dev = {s: {k: cupy.asarray(a) for k, a in ps[s].items()} for s in mine}
+        grads = {s: {k: cupy.zeros_like(a) for k, a in dev[s].items()} for s in mine}
+        if 0 in mine and n - 1 in mine:
+            grads[n - 1]["w"] = grads[0]["w"]
+        stages = [cases.split_stage(dev[s], grads[s], s, n, placement="v" if kind == "zbv" else "loop",
+                                    shared={"tied": grads[s]["w"]} if s in (0, n - 1) else None) for s in mine]
+
+        def loss_fn(y, target):
+            d = y - target
+            return 0.0, d / y.shape[0]
+
+        schedule = (ScheduleZBVZeroBubble(stages, m, loss_fn) if kind == "zbv" else
+                    ScheduleZBH1(stages[0], m, loss_fn))
+        schedule.step(cupy.asarray(x) if 0 in mine else None, target=cupy.asarray(t) if n - 1 in mine else None)
+        return {s: {k: a.get() for k, a in g.items()} for s, g in grads.items()}
+
+    results = local.run(body, p, timeout=60)
+    ref = cases.reference(ps, x, t)[1]
+    for grads in results:
+        for s, g in grads.items():
+            want = ref[0]["w"] + ref[n - 1]["w"] if s in (0, n - 1) else ref[s]["w"]
+            np.testing.assert_allclose(g["w"], want, rtol=1e-12, atol=1e-14, err_msg=f"stage {s}")
+            np.testing.assert_allclose(g["b"], ref[s]["b"], rtol=1e-12, atol=1e-14, err_msg=f"stage {s}")

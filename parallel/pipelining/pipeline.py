@@ -448,7 +448,8 @@ class PipelineSchedule:
         self.actions = self._order()
         self._agreed = False
         self._batch: int | None = None  # x's batch size at the first step (see _agree)
-        self._shared_specs: dict[str, tuple[tuple[int, ...], str]] = {}  # every rank's shared names (see _agree)
+        #: every rank's shared names: shape, dtype, on a device (see _agree)
+        self._shared_specs: dict[str, tuple[tuple[int, ...], str, bool]] = {}
 
     def _order(self) -> list[Action]:
         raise NotImplementedError
@@ -487,8 +488,8 @@ class PipelineSchedule:
         held = (_batch(x) if 0 in self._by_index else None,
                 _batch(target) if self.num_stages - 1 in self._by_index else None)
         unsplit = [s.stage_index for s in self.stages if self.zero_bubble and not s.split_backward]
-        shared = {(s.stage_index, name): (tuple(g.shape), np.dtype(g.dtype).str) for s in self.stages
-                  for name, g in s.shared.items()}
+        shared = {(s.stage_index, name): (tuple(g.shape), np.dtype(g.dtype).str, is_device_array(g))
+                  for s in self.stages for name, g in s.shared.items()}
         gathered: list[Any] = [None] * self.group.size
         all_gather_object(gathered, (mine, held, unsplit, shared), group=self.group)
         everyone = [config for config, *_ in gathered]
@@ -515,8 +516,9 @@ class PipelineSchedule:
         for name, uses in specs.items():
             if len({spec for _, spec in uses}) > 1:
                 raise DistValueError(f"{self.head}.step: the stages sharing {name!r} declare gradients of different "
-                                     f"shapes or dtypes: " + ", ".join(f"stage {s}: {sp[0]} {np.dtype(sp[1])}"
-                                                                        for s, sp in uses))
+                                     "shapes, dtypes or devices: " + ", ".join(
+                                         f"stage {s}: {sp[0]} {np.dtype(sp[1])}{' (device)' if sp[2] else ''}"
+                                         for s, sp in uses))
         self._shared_specs = {name: uses[0][1] for name, uses in specs.items()}
         x_at = next(((ranks[i], h[0]) for i, (_, h, *_) in enumerate(gathered) if h[0] is not None), None)
         t_at = next(((ranks[i], h[1]) for i, (_, h, *_) in enumerate(gathered) if h[1] is not None), None)
@@ -543,9 +545,14 @@ class PipelineSchedule:
             mine = [(g, old) for n, g, old in before if n == name]
             if mine:
                 delta = sum(g - old for g, old in mine)
-            else:
-                shape, dtype = self._shared_specs[name]
-                delta = np.zeros(shape, np.dtype(dtype))
+            else:  # a rank holding no use adds zeros, on the device where the holders' arrays are
+                shape, dtype, on_device = self._shared_specs[name]
+                if on_device:
+                    import cupy
+
+                    delta = cupy.zeros(shape, np.dtype(dtype))
+                else:
+                    delta = np.zeros(shape, np.dtype(dtype))
             if self.group.size > 1:
                 all_reduce(delta, group=self.group)
             for g, old in mine:
