@@ -149,7 +149,7 @@ class PipelineStage:
         if placement == "v" and num_stages != 2 * p:
             raise DistValueError(f"{head}: placement 'v' needs num_stages == 2 * the group's {p} ranks, got "
                                  f"{num_stages}")
-        where = _placement(placement, p, num_stages)
+        where = _placement(placement, p)
         if where(stage_index) != rank:
             rule = f"stage i on rank i % {p}" if placement == "loop" else f"stage i on rank i, or {2 * p - 1} - i"
             raise DistValueError(f"{head}: stage {stage_index} of {num_stages} lives on group rank "
@@ -188,7 +188,7 @@ class PipelineStage:
         self._pool_grad: list[Any] = []
         self._sending: list[tuple[Work, Any]] = []  # sends in flight and the arrays they read
         self._parked: list[tuple[Any, list[Any]]] = []  # (buffer, its pool): read by a send in flight
-        #: microbatches whose activations (forward context) are alive now, and the most so far
+        #: microbatches whose activations are alive now (forward context, or what W needs), and the most so far
         self.live_activations = 0
         self.peak_live_activations = 0
 
@@ -372,7 +372,7 @@ class PipelineStage:
         return buf
 
 
-def _placement(placement: str, p: int, num_stages: int) -> Callable[[int], int]:
+def _placement(placement: str, p: int) -> Callable[[int], int]:
     """Stage index -> group rank: ``i % p`` ("loop"), or the V of ZB-V (rank ``i`` holds stages
     ``i`` and ``2 p - 1 - i``)."""
     if placement == "v":
