@@ -668,7 +668,8 @@ def test_train_3d_dp_fsdp_gathers_each_unit_once_a_step_and_frees_it_after(monke
         monkeypatch.setattr(factory, name, None)  # --dp fsdp builds neither
     monkeypatch.setattr(factory, "FullyShardedDataParallel", Spy)
     monkeypatch.setattr(train_3d.Stage, "forward", ran_on_gathered(train_3d.Stage.forward))
-    monkeypatch.setattr(train_3d.Stage, "backward", ran_on_gathered(train_3d.Stage.backward))
+    for name in ("backward_input", "backward_weight"):  # the stages give their backward in two parts
+        monkeypatch.setattr(train_3d.Stage, name, ran_on_gathered(getattr(train_3d.Stage, name)))
     args = train_3d.parse_args(["--mesh", "2x2x1", "--dp", "fsdp", "--schedule", "interleaved", *SMALL_3D,
                                 "--steps", "2"], world_size=4)
     local.run(lambda: train_3d.train(args, progress=False), 4, timeout=60)
@@ -678,7 +679,7 @@ def test_train_3d_dp_fsdp_gathers_each_unit_once_a_step_and_frees_it_after(monke
                                                  (2, ("dp",), {"DTensor"}, second), (3, ("dp",), {"DTensor"}, second)]
     gather = [("unshard", 0), ("unshard", 1)]
     free = [("reshard", 1), ("reshard", 0)]
-    runs = [("run", True)] * (2 * 2 * 2)  # forward and backward of 2 microbatches on 2 stages
+    runs = [("run", True)] * (2 * 2 * 3)  # forward, input and weight gradients of 2 microbatches on 2 stages
     one_step = [*gather, *runs, ("reduce", 0), ("reduce", 1), *free, ("step", 0, 0, [])]
     assert events == {rank: [*one_step, *one_step] for rank in range(4)}  # then gather_params: full_state_dict()
 
