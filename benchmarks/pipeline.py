@@ -11,14 +11,20 @@ Each of the N ranks is one pipeline stage (``v`` = ``--virtual`` stages with the
 schedule). A stage's forward of one microbatch *sleeps* ``--forward-ms`` and its backward twice
 that (sleeping, the stages do not compete for the cores, so the bubble is the schedule's, not
 the machine's); the interleaved schedule's stages sleep ``1/v`` of that each, the same work per
-rank. Activations are 1 KB, so transfers cost little beside the compute.
+rank. The zero-bubble schedules split each backward into two halves, the input gradient B and
+the weight gradient W (so F = B = W, the paper's assumption), ZB-V's two stages per rank half
+of that each. Activations are 1 KB, so transfers cost little beside the compute.
 
 For each schedule and microbatch count m: the step time (median over ``--rounds`` steps, max
 over ranks, after a barrier), the ideal ``m (f + b)`` (no idle time), the time a rank really
 spent in its stages' passes (``busy``: a 2 ms sleep lasts ~2.14 ms here), the measured bubble
 ``1 - busy / step`` (the idle fraction of the step, transfers included) and the formula's: ``(p - 1) / (m + p - 1)`` for GPipe and 1F1B,
-``(p - 1) / (v m + p - 1)`` interleaved; and the peak number of microbatches whose activations
-a stage held (1F1B: ``min(p - s, m)`` on stage s; GPipe: ``m``). With as many microbatches as
+``(p - 1) / (v m + p - 1)`` interleaved, ``i / (3 m + i)`` with ``i = max(p - 1, 2 p - 1 - m)``
+for ZB-H1 and ``i / (6 m + i)`` with ``i = max(p - 1, 4 p - 2 - 2 m)`` for ZB-V (those of the
+schedules' simulation with equal pass times, :func:`meshkit.parallel.pipelining.schedules.simulate`);
+and the peak number of microbatches whose activations
+a stage held (1F1B: ``min(p - s, m)`` on stage s; GPipe: ``m``; ZB-H1: up to ``min(p, m)`` on
+every stage, from F to W: 1F1B's peak, on more stages). With as many microbatches as
 ranks (``m == p``), the interleaved schedule runs every forward first (Megatron-LM's rule): its
 ideal bubble is still ``(p - 1) / (v m + p - 1)`` (each rank's forwards follow each other without
 a gap, as do its backwards), but every stage holds all ``m`` microbatches, as in GPipe; such
@@ -42,17 +48,19 @@ from _common import (LOG, add_output_args, barrier, matplotlib_missing, max_over
 from mpi4py import MPI
 
 import meshkit
-from meshkit.parallel import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                              bubble_fraction)
+from meshkit.parallel import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleZBH1,
+                              ScheduleZBVZeroBubble, bubble_fraction)
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1", "zbv")
 WIDTH = 128  # float64 columns of an activation: 1 KB per sample row
 
 
-def make_stage(index: int, stages: int, f: float, b: float, busy: list[float]) -> PipelineStage:
+def make_stage(index: int, stages: int, f: float, b: float, busy: list[float], *, split: bool = False,
+               placement: str = "loop") -> PipelineStage:
     """A stage that sleeps ``f`` per forward and ``b`` per backward, adding the time it really
-    slept (a sleep overshoots by ~0.1 ms here) to ``busy[0]``."""
+    slept (a sleep overshoots by ~0.1 ms here) to ``busy[0]``; ``split``: the backward in two
+    halves of ``b / 2``, the input gradient (B) and the weight gradient (W), for ZB-H1 and ZB-V."""
     def work(seconds: float) -> None:
         start = time.perf_counter()
         time.sleep(seconds)
@@ -68,6 +76,16 @@ def make_stage(index: int, stages: int, f: float, b: float, busy: list[float]) -
         work(b)
         return dy.copy()
 
+    def backward_input(ctx: Any, dy: Any) -> tuple[Any, Any]:
+        work(b / 2)
+        return dy.copy(), None
+
+    def backward_weight(wctx: Any) -> None:
+        work(b / 2)
+
+    if split:
+        return PipelineStage(forward, None, index, stages, backward_input=backward_input,
+                             backward_weight=backward_weight, placement=placement)
     return PipelineStage(forward, backward, index, stages)
 
 
@@ -77,16 +95,23 @@ def loss_fn(y: Any, t: Any) -> tuple[float, Any]:
 
 def measure(kind: str, m: int, args: argparse.Namespace, comm: MPI.Comm) -> dict[str, Any]:
     rank, p = comm.Get_rank(), comm.Get_size()
-    v = args.virtual if kind == "interleaved" else 1
+    v = args.virtual if kind == "interleaved" else 2 if kind == "zbv" else 1
     f, b = args.forward_ms / 1000 / v, 2 * args.forward_ms / 1000 / v
     busy = [0.0]
-    stages = [make_stage(rank + k * p, p * v, f, b, busy) for k in range(v)]
+    if kind == "zbv":  # rank r holds stages r and 2p - 1 - r
+        stages = [make_stage(s, 2 * p, f, b, busy, split=True, placement="v") for s in (rank, 2 * p - 1 - rank)]
+    else:
+        stages = [make_stage(rank + k * p, p * v, f, b, busy, split=kind == "zbh1") for k in range(v)]
     if kind == "interleaved":
         schedule: Any = ScheduleInterleaved1F1B(stages, m, loss_fn)
+    elif kind == "zbh1":
+        schedule = ScheduleZBH1(stages[0], m, loss_fn)
+    elif kind == "zbv":
+        schedule = ScheduleZBVZeroBubble(stages, m, loss_fn)
     else:
         schedule = (ScheduleGPipe if kind == "gpipe" else Schedule1F1B)(stages[0], m, loss_fn)
     x = np.ones((m, WIDTH)) if rank == 0 else None
-    t = np.ones((m, WIDTH)) if (p * v - 1) % p == rank else None
+    t = np.ones((m, WIDTH)) if any(s.is_last for s in stages) else None
     times, busies = [], []
     for r in range(args.rounds + 1):
         barrier(comm)

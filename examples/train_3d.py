@@ -4,6 +4,7 @@
     meshkit-run -n 4 examples/train_3d.py --mesh 2x1x2 --check     # 2 stages, each split over 2 tp ranks
     meshkit-run -n 8 examples/train_3d.py --mesh 2x2x2 --check     # all three
     meshkit-run -n 2 examples/train_3d.py --mesh 2x1x1 --schedule interleaved --check
+    meshkit-run -n 4 examples/train_3d.py --mesh 2x1x2 --schedule zbv --check   # zero bubble, V: 2 stages a rank
     meshkit-run -n 4 examples/train_3d.py --mesh 2x2x1 --dp zero2 --check   # ZeRO-2 over dp instead of DDP
     meshkit-run -n 4 examples/train_3d.py --mesh 1x2x2 --dp fsdp --check    # FSDP (ZeRO-3) over dp
     python examples/train_3d.py --mesh 1x1x1 --check               # a world of one
@@ -14,7 +15,9 @@
 The model is ``mlp.py``'s tanh MLP with ``--hidden`` layers (default 64,64,64: four layers). Its
 layers are cut into ``pp`` contiguous stages (``np.array_split``; ``pp x --virtual`` stages with
 ``--schedule interleaved``), each a :class:`~meshkit.parallel.PipelineStage` on the ``pp``
-group; a batch runs as ``--microbatches`` microbatches under ``--schedule gpipe|1f1b|interleaved``.
+group; a batch runs as ``--microbatches`` microbatches under ``--schedule gpipe|1f1b|interleaved|zbh1|zbv``
+(the zero-bubble ZB-H1 and ZB-V run each stage's backward as two passes, input then weight
+gradients; ZB-V puts two stages on each rank, in a V).
 Inside a stage, consecutive layers are Megatron-LM blocks over ``tp``: a colwise layer (``w``
 ``Shard(1)``) then a rowwise one (``w`` ``Shard(0)``, its output all-reduced); a layer left
 without a partner is replicated, so every stage boundary carries a replicated activation. The
@@ -69,11 +72,11 @@ import mlp  # the model, beside this file
 import train_mlp  # its reference training, --check's comparison, flag types and checkpoint helpers
 from meshkit.checkpoint import CheckpointManager
 from meshkit.comm.cuda_runtime import runtime
-from meshkit.parallel import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, array_namespace,
-                              data_parallel)
+from meshkit.parallel import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleZBH1,
+                              ScheduleZBVZeroBubble, array_namespace, data_parallel)
 from meshkit.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1", "zbv")
 #: How the stages' blocks are data-parallel over dp (see data_parallel, and the module docstring for fsdp).
 DP_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
 REPLICATED, COLWISE, ROWWISE = "replicated", "colwise", "rowwise"
@@ -129,17 +132,30 @@ class Stage:
         return h.to_local(), (ins, outs)
 
     def backward(self, ctx: Any, dy: Any) -> Any:
+        dx, wctx = self.backward_input(ctx, dy)
+        self.backward_weight(wctx)
+        return dx
+
+    def backward_input(self, ctx: Any, dy: Any) -> tuple[Any, Any]:
+        """The input gradient (the zero-bubble schedules' B), and each layer's (input, delta),
+        which is all its weight gradient needs (W, maybe later)."""
         ins, outs = ctx
         delta = DTensor.from_local(dy, self.tp, [Replicate()])
+        kept = []
         for i, h_in, h_out in zip(reversed(self.layers), reversed(ins), reversed(outs)):
             if i < self.n_layers - 1:
                 delta = delta * (1 - h_out ** 2)  # through tanh
-            self.grads[f"w{i}"] += (h_in.T @ delta).to_local()
-            self.grads[f"b{i}"] += delta.sum(axis=0).to_local()
+            kept.append((i, h_in, delta))
             delta = delta @ self.params[f"w{i}"].T
             if delta.placements[0].is_partial():  # colwise: Megatron's one all-reduce backward
                 delta = delta.redistribute(placements=[Replicate()])
-        return delta.to_local()
+        return delta.to_local(), kept
+
+    def backward_weight(self, kept: Any) -> None:
+        """The weight gradients (W): local matmuls of what B kept, no communication."""
+        for i, h_in, delta in kept:
+            self.grads[f"w{i}"] += (h_in.T @ delta).to_local()
+            self.grads[f"b{i}"] += delta.sum(axis=0).to_local()
 
 
 # --------------------------------------------------------------------------- training
@@ -175,16 +191,24 @@ def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np
     """Train on the ``--mesh``; returns every parameter gathered whole and each step's global loss."""
     mesh = build_mesh(args.mesh)
     pp, dp, tp = mesh["pp"], mesh["dp"], mesh["tp"]
-    p, v = pp.size(), args.virtual if args.schedule == "interleaved" else 1
+    p, v = pp.size(), stages_per_rank(args)
     full = mlp.to_device(mlp.init_params(args.hidden, dtype=np.dtype(args.dtype)), args.device)
     n_layers = mlp.layer_count(full)
     cuts = np.array_split(np.arange(n_layers), p * v)
-    mine = [pp.get_local_rank() + k * p for k in range(v)]
+    r = pp.get_local_rank()
+    mine = [r, 2 * p - 1 - r] if args.schedule == "zbv" else [r + k * p for k in range(v)]  # ZB-V: a V
     stages = [Stage(full, cuts[s], n_layers, tp) for s in mine]
     del full  # the stages hold their blocks; no rank keeps the whole model
-    pipes = [PipelineStage(st.forward, st.backward, s, p * v, group=pp) for s, st in zip(mine, stages)]
+    # the backward split in two (input, weight gradients): the zero-bubble schedules run W later,
+    # the others run the two back to back
+    pipes = [PipelineStage(st.forward, None, s, p * v, group=pp, backward_input=st.backward_input,
+                           backward_weight=st.backward_weight, placement="v" if args.schedule == "zbv" else "loop")
+             for s, st in zip(mine, stages)]
     if args.schedule == "interleaved":
         schedule: Any = ScheduleInterleaved1F1B(pipes, args.microbatches, loss_fn)
+    elif args.schedule in ("zbh1", "zbv"):
+        schedule = (ScheduleZBH1(pipes[0], args.microbatches, loss_fn) if args.schedule == "zbh1" else
+                    ScheduleZBVZeroBubble(pipes, args.microbatches, loss_fn))
     else:
         schedule = (ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B)(pipes[0], args.microbatches, loss_fn)
     blocks = {name: t for st in stages for name, t in st.params.items()}
@@ -282,12 +306,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def stages_per_rank(args: argparse.Namespace) -> int:
+    """``--virtual`` with the interleaved schedule, 2 with ZB-V (its V), else 1."""
+    return args.virtual if args.schedule == "interleaved" else 2 if args.schedule == "zbv" else 1
+
+
 def _problem(args: argparse.Namespace, world_size: int) -> str | None:
     pp, dp, tp = args.mesh
     if pp * dp * tp != world_size:
         return (f"argument --mesh: {pp}x{dp}x{tp} is a mesh of {pp * dp * tp} ranks; this run has {world_size}: "
                 f"use PPxDPxTP with PP x DP x TP = {world_size}")
-    stages = pp * (args.virtual if args.schedule == "interleaved" else 1)
+    stages = pp * stages_per_rank(args)
     layers = len(args.hidden) + 1
     if stages > layers:
         return (f"argument --mesh: {stages} pipeline stages for a model of {layers} layers; use at most {layers} "

@@ -30,13 +30,13 @@ from .data_parallelism import (STRATEGIES, CommHook, DistributedDataParallel, Fu
                             powersgd_hook)
 from .optim import SGD, AdamW, Optimizer, clip_grad_norm_
 from .pipelining import (PipelineError, PipelineSchedule, PipelineStage, Schedule1F1B, ScheduleGPipe,
-                         ScheduleInterleaved1F1B, bubble_fraction)
+                         ScheduleInterleaved1F1B, ScheduleZBH1, ScheduleZBVZeroBubble, bubble_fraction)
 
 __all__ = [
     "DistributedDataParallel", "ZeroRedundancyOptimizer", "FullyShardedDataParallel", "data_parallel", "STRATEGIES",
     "CommHook", "GradBucket", "allreduce_hook", "fp16_compress_hook", "PowerSGDState", "powersgd_hook",
     "PipelineStage", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
-    "PipelineError", "bubble_fraction",
+    "ScheduleZBH1", "ScheduleZBVZeroBubble", "PipelineError", "bubble_fraction",
     "SGD", "AdamW", "Optimizer", "clip_grad_norm_", "array_namespace", "to_host",
     "ShardedArray", "StepCount",
 ]

@@ -84,3 +84,31 @@ def scale_reference(ws: list[float], x: np.ndarray, t: np.ndarray) -> list[float
     d = (np.prod(ws) * x - t) / x.shape[0]
     total = float((x * d).sum())  # d loss / d w_s = (prod of the others) sum(x d) = prod / w_s * sum(x d)
     return [np.prod(ws) / w * total for w in ws]
+
+
+def split_stage_fns(p: dict[str, np.ndarray], grads: dict[str, np.ndarray]):
+    """``stage_fns``'s layer with its backward split (zero-bubble schedules): ``backward_input``
+    returns ``dx`` and what ``backward_weight`` needs, ``backward_weight`` accumulates."""
+    def forward(x):
+        y = np.tanh(x @ p["w"] + p["b"])
+        return y, (x, y)
+
+    def backward_input(ctx, dy):
+        x, y = ctx
+        dz = dy * (1 - y * y)
+        return dz @ p["w"].T, (x, dz)
+
+    def backward_weight(wctx):
+        x, dz = wctx
+        grads["w"] += x.T @ dz
+        grads["b"] += dz.sum(axis=0)
+
+    return forward, backward_input, backward_weight
+
+
+def split_stage(p, grads, stage: int, num_stages: int, **kw):
+    """A PipelineStage of ``split_stage_fns`` (keywords go to PipelineStage)."""
+    from meshkit.parallel import PipelineStage
+
+    fwd, bi, bw = split_stage_fns(p, grads)
+    return PipelineStage(fwd, None, stage, num_stages, backward_input=bi, backward_weight=bw, **kw)

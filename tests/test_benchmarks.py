@@ -178,8 +178,15 @@ def test_pipeline_benchmark_reports_bubbles_and_peak_activations(mpirun, tmp_pat
                  "--json", str(out_json)).stdout
     rows = json.loads(out_json.read_text())["rows"]
     assert [(r["schedule"], r["microbatches"]) for r in rows] == [("gpipe", 2), ("gpipe", 4), ("1f1b", 2), ("1f1b", 4),
-                                                                  ("interleaved", 2), ("interleaved", 4)]
+                                                                  ("interleaved", 2), ("interleaved", 4),
+                                                                  ("zbh1", 2), ("zbh1", 4), ("zbv", 2), ("zbv", 4)]
     by = {(r["schedule"], r["microbatches"]): r for r in rows}
+    # zero bubble: the formula is the simulation's with F = B = W; ZB-H1 holds min(p, m) on each stage (F to W),
+    # ZB-V's rank r holds stages r and 2p - 1 - r (the peaks of zbv_order on 2 ranks, 4 microbatches)
+    assert by[("zbh1", 4)]["bubble_formula"] == pytest.approx(1 / 13)
+    assert by[("zbv", 4)]["bubble_formula"] == pytest.approx(1 / 25)
+    assert by[("zbh1", 4)]["peak_activations"] == {"0": 2, "1": 2}
+    assert by[("zbv", 4)]["peak_activations"] == {"0": 4, "1": 3, "2": 2, "3": 1}
     assert by[("1f1b", 4)]["peak_activations"] == {"0": 2, "1": 1}  # min(p - s, m)
     assert by[("gpipe", 4)]["peak_activations"] == {"0": 4, "1": 4}
     assert by[("gpipe", 4)]["bubble_formula"] == pytest.approx(1 / 5)

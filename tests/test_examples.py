@@ -492,7 +492,10 @@ def test_a_bad_flag_under_meshkit_run_exits_2_with_one_message(mpirun, script, n
 
 @pytest.mark.parametrize("mesh, extra", [("2x2x1", ()), ("2x1x2", ("--optimizer", "adamw")), ("1x2x2", ()),
                                          ("2x1x1", ("--schedule", "interleaved")),
-                                         ("4x1x1", ("--schedule", "gpipe", "--microbatches", "3", "--batch", "24"))])
+                                         ("4x1x1", ("--schedule", "gpipe", "--microbatches", "3", "--batch", "24")),
+                                         ("2x1x2", ("--schedule", "zbh1", "--microbatches", "3", "--batch", "12")),
+                                         ("2x2x1", ("--schedule", "zbv", "--dp", "zero2")),
+                                         ("2x1x2", ("--schedule", "zbv", "--microbatches", "5", "--batch", "40"))])
 def test_train_3d_passes_its_check_local(mesh, extra):
     world = int(np.prod([int(d) for d in mesh.split("x")]))
     args = train_3d.parse_args(["--mesh", mesh, "--steps", "4", *extra], world_size=world)
@@ -545,7 +548,7 @@ def test_train_3d_bad_flags_are_usage_errors(argv, world, message, capsys):
     assert exc.value.code == 2 and re.search(message, capsys.readouterr().err)
 
 
-@pytest.mark.parametrize("mesh, schedule", [("2x2x1", "1f1b"), ("2x1x2", "gpipe")])
+@pytest.mark.parametrize("mesh, schedule", [("2x2x1", "1f1b"), ("2x1x2", "gpipe"), ("2x1x2", "zbv")])
 def test_train_3d_check_passes_under_meshkit_run(mpirun, mesh, schedule):
     out = mpirun(EXAMPLES / "train_3d.py", 4, "--mesh", mesh, "--schedule", schedule, "--steps", "8", "--check").stdout
     assert "check against single-process training: OK" in out, out
@@ -665,7 +668,8 @@ def test_train_3d_dp_fsdp_gathers_each_unit_once_a_step_and_frees_it_after(monke
         monkeypatch.setattr(factory, name, None)  # --dp fsdp builds neither
     monkeypatch.setattr(factory, "FullyShardedDataParallel", Spy)
     monkeypatch.setattr(train_3d.Stage, "forward", ran_on_gathered(train_3d.Stage.forward))
-    monkeypatch.setattr(train_3d.Stage, "backward", ran_on_gathered(train_3d.Stage.backward))
+    for name in ("backward_input", "backward_weight"):  # the stages give their backward in two parts
+        monkeypatch.setattr(train_3d.Stage, name, ran_on_gathered(getattr(train_3d.Stage, name)))
     args = train_3d.parse_args(["--mesh", "2x2x1", "--dp", "fsdp", "--schedule", "interleaved", *SMALL_3D,
                                 "--steps", "2"], world_size=4)
     local.run(lambda: train_3d.train(args, progress=False), 4, timeout=60)
@@ -675,7 +679,7 @@ def test_train_3d_dp_fsdp_gathers_each_unit_once_a_step_and_frees_it_after(monke
                                                  (2, ("dp",), {"DTensor"}, second), (3, ("dp",), {"DTensor"}, second)]
     gather = [("unshard", 0), ("unshard", 1)]
     free = [("reshard", 1), ("reshard", 0)]
-    runs = [("run", True)] * (2 * 2 * 2)  # forward and backward of 2 microbatches on 2 stages
+    runs = [("run", True)] * (2 * 2 * 3)  # forward, input and weight gradients of 2 microbatches on 2 stages
     one_step = [*gather, *runs, ("reduce", 0), ("reduce", 1), *free, ("step", 0, 0, [])]
     assert events == {rank: [*one_step, *one_step] for rank in range(4)}  # then gather_params: full_state_dict()
 

@@ -17,7 +17,8 @@ import pipeline_cases as cases
 from meshkit.comm import DistError, DistValueError, local
 from meshkit.parallel import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                               bubble_fraction)
-from meshkit.parallel.pipelining.schedules import Action, gpipe_order, interleaved_order, one_f_one_b_order
+from meshkit.parallel.pipelining.schedules import (Action, gpipe_order, interleaved_order, one_f_one_b_order,
+                                                   zb_h1_order, zbv_order)
 
 
 # --------------------------------------------------------------------------- orders (no communication)
@@ -46,7 +47,8 @@ def _orders(kind: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
 
 
 def _simulate(orders: list[list[Action]], num_stages: int) -> None:
-    """Run every rank's order with non-blocking sends and blocking receives; fail on a deadlock."""
+    """Run every rank's order with non-blocking sends and blocking receives; fail on a deadlock.
+    A "W" (zero-bubble schedules' weight gradient) needs its own stage's "B"."""
     done: set[tuple[str, int, int]] = set()
     pos = [0] * len(orders)
     while any(pos[r] < len(o) for r, o in enumerate(orders)):
@@ -58,13 +60,16 @@ def _simulate(orders: list[list[Action]], num_stages: int) -> None:
                         ("B", a.microbatch, a.stage + 1) if a.kind == "B" and a.stage < num_stages - 1 else None)
                 if a.kind == "B":
                     assert ("F", a.microbatch, a.stage) in done, f"backward before forward: {a}"
+                if a.kind == "W":
+                    assert ("B", a.microbatch, a.stage) in done, f"weight gradient before input gradient: {a}"
                 if need is not None and need not in done:
                     break
                 done.add(tuple(a))
                 pos[r] += 1
                 moved = True
         assert moved, f"deadlock: ranks wait at {[o[i] if i < len(o) else None for o, i in zip(orders, pos)]}"
-    assert len(done) == 2 * len({(a.microbatch, a.stage) for o in orders for a in o})
+    passes = 3 if any(a.kind == "W" for o in orders for a in o) else 2
+    assert len(done) == passes * len({(a.microbatch, a.stage) for o in orders for a in o})
 
 
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
@@ -75,6 +80,15 @@ def test_every_order_runs_to_the_end_and_covers_every_pass_once(kind, p, m):
     for o in orders:
         assert len(o) == len(set(o)) == 2 * m
     _simulate(orders, p)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 9])
+def test_zero_bubble_orders_run_to_the_end_here_too(p, m):
+    # ZB-H1 and ZB-V (tests/test_zero_bubble.py has the rest): F, B and W of every pair once
+    for orders, n in (([zb_h1_order(r, p, m) for r in range(p)], p), ([zbv_order(r, p, m) for r in range(p)], 2 * p)):
+        assert sum(len(o) for o in orders) == len({a for o in orders for a in o}) == 3 * m * n
+        _simulate(orders, n)
 
 
 @pytest.mark.parametrize("p, v, m", [(2, 2, 2), (2, 2, 4), (2, 3, 6), (3, 2, 3), (3, 2, 9), (4, 2, 8), (4, 3, 4),

@@ -2,9 +2,12 @@
 
 A :class:`PipelineStage` wraps the user's ``forward(x) -> (y, ctx)`` and ``backward(ctx, dy) ->
 dx`` of one contiguous slice of a model. Stage ``i`` of ``num_stages`` lives on group rank
-``i % group.size()`` (one stage per rank, or several: Megatron's virtual stages). The schedules
-(:class:`ScheduleGPipe`, :class:`Schedule1F1B`, :class:`ScheduleInterleaved1F1B`) split a batch
-into microbatches along axis 0 and run the per-rank action lists of :mod:`.schedules`.
+``i % group.size()`` (one stage per rank, or several: Megatron's virtual stages), or in a V
+(``placement="v"``, ZB-V: rank ``r`` holds stages ``r`` and ``2p - 1 - r``). The schedules
+(:class:`ScheduleGPipe`, :class:`Schedule1F1B`, :class:`ScheduleInterleaved1F1B`, and the
+zero-bubble :class:`ScheduleZBH1` and :class:`ScheduleZBVZeroBubble`, which run a stage's
+backward as two passes, B and W, given as ``backward_input`` and ``backward_weight``) split a
+batch into microbatches along axis 0 and run the per-rank action lists of :mod:`.schedules`.
 
 Transfers: activations go forward and gradients backward with ``isend``/``irecv`` on the stage
 group, tagged by (kind, receiving stage), so that messages between the same two ranks never
@@ -36,14 +39,14 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ...comm import DistError, DistValueError, ProcessGroup, Work, all_gather_object
+from ...comm import DistError, DistValueError, ProcessGroup, Work, all_gather_object, all_reduce
 from ...comm._seams import is_device_array, resolve_group
 from ...mesh import DeviceMesh
 from ..arrays import array_namespace, is_array
-from .schedules import Action, gpipe_order, interleaved_order, one_f_one_b_order
+from .schedules import Action, gpipe_order, interleaved_order, one_f_one_b_order, zb_h1_order, zbv_order
 
 __all__ = ["PipelineStage", "PipelineError", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B",
-           "ScheduleInterleaved1F1B"]
+           "ScheduleInterleaved1F1B", "ScheduleZBH1", "ScheduleZBVZeroBubble"]
 
 ACTIVATION, GRADIENT, HEADER = 0, 1, 2
 _HEADER_SLOTS = 19  # dtype (16 bytes as 2 int64), ndim, on a device (CuPy), up to 15 dims
@@ -88,7 +91,8 @@ class PipelineStage:
         forward: ``forward(x) -> (y, ctx)``; ``ctx`` is kept until the microbatch's backward.
         backward: ``backward(ctx, dy) -> dx``; it accumulates its own parameter gradients
             (the schedule scales ``dy`` so that the sum over microbatches is the gradient of
-            the mean loss over the whole batch). The first stage's ``dx`` is ignored.
+            the mean loss over the whole batch). The first stage's ``dx`` is ignored. None
+            when the stage gives ``backward_input`` and ``backward_weight`` instead.
         stage_index: this stage's position, ``0 <= stage_index < num_stages``.
         num_stages: stages in the pipeline (a multiple of the group's size).
         group: the ranks of the pipeline: a ProcessGroup or a 1-D mesh (``mesh["pp"]``); default:
@@ -96,14 +100,32 @@ class PipelineStage:
             Stage ``i`` lives on group rank ``i % group.size()``.
         input_spec: ``(shape, dtype)`` of one microbatch's input, if known: checked against
             what the previous stage sends first (a mismatch names both), instead of learned.
+        backward_input: the backward split in two, as the zero-bubble schedules need (with
+            ``backward_weight``, instead of ``backward``): ``backward_input(ctx, dy) -> (dx,
+            wctx)`` computes the input gradient only (the pass ``B``), ``wctx`` being what the
+            weight gradient needs; it is kept until ``backward_weight(wctx)`` (the pass ``W``)
+            accumulates the parameter gradients, maybe much later, then freed. The other
+            schedules run the two back to back.
+        backward_weight: see ``backward_input``.
+        placement: which rank holds stage ``i``: ``"loop"`` (rank ``i % p``; GPipe, 1F1B,
+            ZB-H1, interleaved) or ``"v"`` (ScheduleZBVZeroBubble, ``num_stages == 2 p``: rank
+            ``i`` for ``i < p``, else rank ``2 p - 1 - i``).
+        shared: ``{name: grad}`` for parameters this stage shares with another stage (tied
+            embeddings): ``grad`` is the array its backward accumulates that parameter's gradient
+            into. At the end of each step the schedule sums every stage's contribution of a
+            name once (an array given by two stages of one rank counts once) and adds the sum
+            to each holder's array, so every copy holds the gradient of all uses.
 
     Raises:
         DistValueError: a stage index out of range, or a stage that does not live on this rank.
     """
 
-    def __init__(self, forward: Callable[[Any], tuple[Any, Any]], backward: Callable[[Any, Any], Any],
+    def __init__(self, forward: Callable[[Any], tuple[Any, Any]], backward: Callable[[Any, Any], Any] | None,
                  stage_index: int, num_stages: int, *, group: ProcessGroup | DeviceMesh | None = None,
-                 input_spec: tuple[Sequence[int], Any] | None = None) -> None:
+                 input_spec: tuple[Sequence[int], Any] | None = None,
+                 backward_input: Callable[[Any, Any], tuple[Any, Any]] | None = None,
+                 backward_weight: Callable[[Any], Any] | None = None, placement: str = "loop",
+                 shared: dict[str, Any] | None = None) -> None:
         if isinstance(group, DeviceMesh):
             if group.ndim != 1:
                 raise DistValueError(f"meshkit.parallel: PipelineStage: group must be a ProcessGroup or a 1-D mesh "
@@ -122,29 +144,51 @@ class PipelineStage:
         if not 0 <= stage_index < num_stages:
             raise DistValueError(f"{head}: stage_index {stage_index} is out of range for {num_stages} stages "
                                  f"(valid: 0..{num_stages - 1})")
-        if stage_index % p != rank:
+        if placement not in ("loop", "v"):
+            raise DistValueError(f"{head}: placement must be 'loop' or 'v', got {placement!r}")
+        if placement == "v" and num_stages != 2 * p:
+            raise DistValueError(f"{head}: placement 'v' needs num_stages == 2 * the group's {p} ranks, got "
+                                 f"{num_stages}")
+        where = _placement(placement, p)
+        if where(stage_index) != rank:
+            rule = f"stage i on rank i % {p}" if placement == "loop" else f"stage i on rank i, or {2 * p - 1} - i"
             raise DistValueError(f"{head}: stage {stage_index} of {num_stages} lives on group rank "
-                                 f"{stage_index % p} (stage i on rank i % {p}), not on this rank (group rank {rank})")
-        if not callable(forward) or not callable(backward):
-            raise DistValueError(f"{head}: forward and backward must be callables")
+                                 f"{where(stage_index)} ({rule}), not on this rank (group rank {rank})")
+        split = (backward_input, backward_weight)
+        if (split[0] is None) != (split[1] is None):
+            raise DistValueError(f"{head}: stage {stage_index}: pass both backward_input and backward_weight (the "
+                                 "split backward), or neither")
+        if backward is not None and split[0] is not None:
+            raise DistValueError(f"{head}: stage {stage_index}: pass backward or backward_input and backward_weight, "
+                                 "not both")
+        if not callable(forward) or not all(callable(f) for f in ([backward] if split[0] is None else split)):
+            raise DistValueError(f"{head}: forward and backward (or backward_input and backward_weight) must be "
+                                 "callables")
+        if shared is not None and (not isinstance(shared, dict) or
+                                   not all(isinstance(k, str) and is_array(v) for k, v in shared.items())):
+            raise DistValueError(f"{head}: stage {stage_index}: shared must be a dict of name -> gradient array, "
+                                 f"got {shared!r}")
         self.forward_fn, self.backward_fn = forward, backward
+        self.backward_input_fn, self.backward_weight_fn = split
+        self.placement, self.shared = placement, dict(shared or {})
         self.stage_index, self.num_stages = stage_index, num_stages
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
-        self.prev_rank = (stage_index - 1) % p  # group ranks of the neighbouring stages
-        self.next_rank = (stage_index + 1) % p
+        self.prev_rank = where(stage_index - 1) if stage_index else where(num_stages - 1)  # neighbours' group ranks
+        self.next_rank = where(stage_index + 1) if stage_index < num_stages - 1 else where(0)
         self.expected_input = None if input_spec is None else (tuple(int(d) for d in input_spec[0]),
                                                                np.dtype(input_spec[1]))
         self.input_spec: tuple[tuple[int, ...], np.dtype] | None = None   # learned from the first activation
         self.output_spec: tuple[tuple[int, ...], np.dtype] | None = None
         self._xp: Any = None
         self._ctx: dict[int, Any] = {}
+        self._wctx: dict[int, Any] = {}  # split backward: what W needs, from B until W
         self._inputs: dict[int, Any] = {}  # received buffers, back to their pools after the backward
         self._grads: dict[int, Any] = {}
         self._pool_in: list[Any] = []
         self._pool_grad: list[Any] = []
         self._sending: list[tuple[Work, Any]] = []  # sends in flight and the arrays they read
         self._parked: list[tuple[Any, list[Any]]] = []  # (buffer, its pool): read by a send in flight
-        #: microbatches whose activations (forward context) are alive now, and the most so far
+        #: microbatches whose activations are alive now (forward context, or what W needs), and the most so far
         self.live_activations = 0
         self.peak_live_activations = 0
 
@@ -162,20 +206,50 @@ class PipelineStage:
         if not is_array(y):
             self.fail(f"stage {self.stage_index}: forward of microbatch {mb} returned y of type {type(y).__name__}; "
                       "y must be a NumPy or CuPy array")
-        if mb in self._ctx:
+        if mb in self._ctx or mb in self._wctx:
             self.fail(f"stage {self.stage_index}: forward of microbatch {mb} ran twice without its backward")
         self._ctx[mb] = ctx
-        self.live_activations = len(self._ctx)
-        self.peak_live_activations = max(self.peak_live_activations, self.live_activations)
+        self._count_live()
         return y
+
+    @property
+    def split_backward(self) -> bool:
+        """Whether this stage's backward comes in two parts (``backward_input``, ``backward_weight``)."""
+        return self.backward_input_fn is not None
+
+    def _count_live(self) -> None:
+        # a microbatch's activations are held from its F until its backward (W when split)
+        self.live_activations = len(self._ctx) + len(self._wctx)
+        self.peak_live_activations = max(self.peak_live_activations, self.live_activations)
 
     def run_backward(self, mb: int, dy: Any) -> Any:
         """Backward of microbatch ``mb``; frees its context; returns ``dx``. Its buffers go back
-        to their pools with :meth:`release`, once ``dx`` (which may be one of them) is sent."""
+        to their pools with :meth:`release`, once ``dx`` (which may be one of them) is sent. A
+        split stage runs its input then its weight gradient here, back to back."""
+        if self.split_backward:
+            dx = self.run_backward_input(mb, dy)
+            self.run_backward_weight(mb)
+            return dx
         ctx = self._ctx.pop(mb)
         dx = self._call("backward", mb, self.backward_fn, ctx, dy)
-        self.live_activations = len(self._ctx)
+        self._count_live()
         return dx
+
+    def run_backward_input(self, mb: int, dy: Any) -> Any:
+        """The pass B of microbatch ``mb``: ``dx``; keeps what ``backward_weight`` needs until W."""
+        ctx = self._ctx.pop(mb)
+        out = self._call("backward_input", mb, self.backward_input_fn, ctx, dy)
+        if not isinstance(out, tuple) or len(out) != 2:
+            self.fail(f"stage {self.stage_index}: backward_input of microbatch {mb} returned a {type(out).__name__}; "
+                      "it must return (dx, wctx), wctx being what backward_weight needs")
+        self._wctx[mb] = out[1]
+        self._count_live()
+        return out[0]
+
+    def run_backward_weight(self, mb: int) -> None:
+        """The pass W of microbatch ``mb``: its weight gradients; frees what B kept for it."""
+        self._call("backward_weight", mb, self.backward_weight_fn, self._wctx.pop(mb))
+        self._count_live()
 
     def release(self, mb: int) -> None:
         """Microbatch ``mb``'s received buffers go back to their pools, each once no send reads it."""
@@ -298,6 +372,14 @@ class PipelineStage:
         return buf
 
 
+def _placement(placement: str, p: int) -> Callable[[int], int]:
+    """Stage index -> group rank: ``i % p`` ("loop"), or the V of ZB-V (rank ``i`` holds stages
+    ``i`` and ``2 p - 1 - i``)."""
+    if placement == "v":
+        return lambda i: i if i < p else 2 * p - 1 - i
+    return lambda i: i % p
+
+
 def _overlap(a: Any, b: Any) -> bool:
     """Whether two C-contiguous arrays (NumPy or CuPy) share memory."""
     def span(x: Any) -> tuple[int, int]:
@@ -336,6 +418,11 @@ class PipelineSchedule:
             mean over it; run on the last stage.
     """
 
+    #: whether the order splits each backward into B (input gradient) and W (weight gradient)
+    zero_bubble = False
+    #: the stages' placement this schedule runs (PipelineStage's ``placement``)
+    placement = "loop"
+
     def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int,
                  loss_fn: Callable[[Any, Any], tuple[Any, Any]]) -> None:
         self.stages = list(stages)
@@ -348,6 +435,11 @@ class PipelineSchedule:
             raise DistValueError(f"{head}: loss_fn must be a callable (output, target) -> (loss, d_output)")
         if any(s.group is not group or s.num_stages != self.stages[0].num_stages for s in self.stages):
             raise DistValueError(f"{head}: all stages of a rank must share one group and num_stages")
+        wrong = [s for s in self.stages if s.placement != self.placement]
+        if wrong:
+            raise DistValueError(f"{head}: runs stages placed {self.placement!r}; stage {wrong[0].stage_index} was "
+                                 f"built with placement={wrong[0].placement!r}: pass placement={self.placement!r} to "
+                                 "its PipelineStage")
         self.group, self.head = group, head
         self.n_microbatches, self.loss_fn = n_microbatches, loss_fn
         self.num_stages = self.stages[0].num_stages
@@ -356,6 +448,8 @@ class PipelineSchedule:
         self.actions = self._order()
         self._agreed = False
         self._batch: int | None = None  # x's batch size at the first step (see _agree)
+        #: every rank's shared names: shape, dtype, on a device (see _agree)
+        self._shared_specs: dict[str, tuple[tuple[int, ...], str, bool]] = {}
 
     def _order(self) -> list[Action]:
         raise NotImplementedError
@@ -374,7 +468,10 @@ class PipelineSchedule:
         if not self._agreed:
             self._agree(x, target)
         try:
-            return self._run(x, target)
+            before = self._snapshot_shared()
+            losses = self._run(x, target)
+            self._sum_shared(before)
+            return losses
         except PipelineError:
             raise  # the stage aborted the group already
         except BaseException as exc:  # bad input, or a transfer failed: the other ranks must not wait
@@ -390,9 +487,12 @@ class PipelineSchedule:
         mine = {"schedule": type(self).__name__, "num_stages": self.num_stages, "n_microbatches": self.n_microbatches}
         held = (_batch(x) if 0 in self._by_index else None,
                 _batch(target) if self.num_stages - 1 in self._by_index else None)
+        unsplit = [s.stage_index for s in self.stages if self.zero_bubble and not s.split_backward]
+        shared = {(s.stage_index, name): (tuple(g.shape), np.dtype(g.dtype).str, is_device_array(g))
+                  for s in self.stages for name, g in s.shared.items()}
         gathered: list[Any] = [None] * self.group.size
-        all_gather_object(gathered, (mine, held), group=self.group)
-        everyone = [config for config, _ in gathered]
+        all_gather_object(gathered, (mine, held, unsplit, shared), group=self.group)
+        everyone = [config for config, *_ in gathered]
         for i, theirs in enumerate(everyone[1:], start=1):
             if theirs != everyone[0]:
                 keys = [k for k in mine if theirs[k] != everyone[0][k]]
@@ -402,12 +502,61 @@ class PipelineSchedule:
                                      f"{', '.join(f'{k}={theirs[k]!r}' for k in keys)}; every rank must build the "
                                      "same schedule with the same num_stages and n_microbatches")
         ranks = self.group.ranks
-        x_at = next(((ranks[i], h[0]) for i, (_, h) in enumerate(gathered) if h[0] is not None), None)
-        t_at = next(((ranks[i], h[1]) for i, (_, h) in enumerate(gathered) if h[1] is not None), None)
+        unsplit = [(s, ranks[i]) for i, (*_, no, _) in enumerate(gathered) for s in no]
+        if unsplit:
+            s, at = unsplit[0]
+            raise DistValueError(f"{self.head}.step: {type(self).__name__} splits each backward into its input and "
+                                 f"weight gradients, but stage {s} (on rank {at}) has a single backward; pass "
+                                 "backward_input=(ctx, dy) -> (dx, wctx) and backward_weight=(wctx) -> None to its "
+                                 "PipelineStage instead of backward"
+                                 + (f" (stages {[s for s, _ in unsplit]} have none)" if len(unsplit) > 1 else ""))
+        specs: dict[str, list[tuple[int, Any]]] = {}
+        for (stage, name), spec in sorted(kv for *_, sh in gathered for kv in sh.items()):
+            specs.setdefault(name, []).append((stage, spec))
+        for name, uses in specs.items():
+            if len({spec for _, spec in uses}) > 1:
+                raise DistValueError(f"{self.head}.step: the stages sharing {name!r} declare gradients of different "
+                                     "shapes, dtypes or devices: " + ", ".join(
+                                         f"stage {s}: {sp[0]} {np.dtype(sp[1])}{' (device)' if sp[2] else ''}"
+                                         for s, sp in uses))
+        self._shared_specs = {name: uses[0][1] for name, uses in specs.items()}
+        x_at = next(((ranks[i], h[0]) for i, (_, h, *_) in enumerate(gathered) if h[0] is not None), None)
+        t_at = next(((ranks[i], h[1]) for i, (_, h, *_) in enumerate(gathered) if h[1] is not None), None)
         if x_at is not None and t_at is not None and x_at[1] != t_at[1]:
             raise DistValueError(self._batch_mismatch(t_at, x_at))
         self._batch = None if x_at is None else x_at[1]
         self._agreed = True
+
+    def _snapshot_shared(self) -> list[tuple[str, Any, Any]]:
+        """(name, array, copy) for each distinct shared gradient array of this rank (by identity:
+        two stages of this rank accumulating into one array count it once)."""
+        seen: dict[int, tuple[str, Any, Any]] = {}
+        for s in self.stages:
+            for name, g in s.shared.items():
+                seen.setdefault(id(g), (name, g, g.copy()))
+        return list(seen.values())
+
+    def _sum_shared(self, before: list[tuple[str, Any, Any]]) -> None:
+        """Each shared name's gradient = what it held before the step + every use's contribution
+        of this step, each counted once: the contributions are the arrays' increments (one per
+        distinct array), summed over this rank's arrays and then over the ranks (one all-reduce
+        per name, in name order, every rank taking part)."""
+        for name in sorted(self._shared_specs):
+            mine = [(g, old) for n, g, old in before if n == name]
+            if mine:
+                delta = sum(g - old for g, old in mine)
+            else:  # a rank holding no use adds zeros, on the device where the holders' arrays are
+                shape, dtype, on_device = self._shared_specs[name]
+                if on_device:
+                    import cupy
+
+                    delta = cupy.zeros(shape, np.dtype(dtype))
+                else:
+                    delta = np.zeros(shape, np.dtype(dtype))
+            if self.group.size > 1:
+                all_reduce(delta, group=self.group)
+            for g, old in mine:
+                g[...] = old + delta
 
     def _batch_mismatch(self, t_at: tuple[int, int], x_at: tuple[int, int], *, earlier: bool = False) -> str:
         x_was = f"had {x_at[1]} at the first step" if earlier else f"has {x_at[1]}"
@@ -440,12 +589,16 @@ class PipelineSchedule:
                     pending[mb] = dy * scale
                 else:
                     sends += self._forward_output(stage, mb, y)
-            else:
+            elif action.kind == "B":
                 dy = pending.pop(mb) if stage.is_last else self._receive_grad(stage, mb)
-                dx = stage.run_backward(mb, dy)
+                dx = stage.run_backward_input(mb, dy) if self.zero_bubble else stage.run_backward(mb, dy)
                 if not stage.is_first:
                     sends += self._backward_output(stage, mb, dx)
-                stage.release(mb)  # after the send of dx, which may be one of the buffers
+                if not self.zero_bubble:
+                    stage.release(mb)  # after the send of dx, which may be one of the buffers
+            else:  # "W": what B kept may be the received buffers (x, dy): they go back only now
+                stage.run_backward_weight(mb)
+                stage.release(mb)
             sends = [w for w in sends if not w.is_completed()]
         for w in sends:
             w.wait()
@@ -564,3 +717,46 @@ class ScheduleInterleaved1F1B(PipelineSchedule):
 
     def _order(self) -> list[Action]:
         return interleaved_order(self.group.rank, self.group.size, self.virtual, self.n_microbatches)
+
+
+class ScheduleZBH1(_OneStagePerRank):
+    """ZB-H1 (Qi et al., 2024): 1F1B with each backward split into B (input gradient) and W
+    (weight gradient), W run later, in what 1F1B leaves idle. With equal F, B and W times the
+    bubble is about a third of 1F1B's (:func:`~.schedules.bubble_fraction` "zbh1"), and no stage
+    holds more microbatches (F done, W not yet) than 1F1B's first stage: ``min(p, m)``. Its
+    stage must give ``backward_input`` and ``backward_weight`` (checked at the first step, on
+    every rank). Any ``n_microbatches``."""
+
+    zero_bubble = True
+
+    def _order(self) -> list[Action]:
+        return zb_h1_order(self.stages[0].stage_index, self.num_stages, self.n_microbatches)
+
+
+class ScheduleZBVZeroBubble(PipelineSchedule):
+    """ZB-V (Qi et al., 2024; torch's ``ScheduleZBVZeroBubble``): two stages per rank in a V,
+    rank ``r`` holding stages ``r`` and ``2 p - 1 - r`` (build them with ``placement="v"``),
+    each backward split into B and W. With equal pass times its bubble is about a sixth of
+    1F1B's once ``2 m >= 3 p - 1`` (:func:`~.schedules.bubble_fraction` "zbv"). Any
+    ``n_microbatches``; the stages must give ``backward_input`` and ``backward_weight``."""
+
+    zero_bubble = True
+    placement = "v"
+
+    def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int,
+                 loss_fn: Callable[[Any, Any], tuple[Any, Any]]) -> None:
+        stages = sorted(stages, key=lambda s: s.stage_index) if isinstance(stages, (list, tuple)) else stages
+        if not isinstance(stages, list) or not stages or not all(isinstance(s, PipelineStage) for s in stages):
+            raise DistValueError("meshkit.parallel: ScheduleZBVZeroBubble takes a list of this rank's two "
+                                 "PipelineStage")
+        g = stages[0].group
+        p = g.size
+        want = [g.rank, 2 * p - 1 - g.rank]
+        if [s.stage_index for s in stages] != want or stages[0].num_stages != 2 * p:
+            raise DistValueError(f"meshkit.parallel: {_rank(g)}: ScheduleZBVZeroBubble needs this rank's stages "
+                                 f"{want} of {2 * p} (rank r holds stages r and 2p - 1 - r, placement='v'), got "
+                                 f"{[s.stage_index for s in stages]} of {stages[0].num_stages}")
+        super().__init__(stages, n_microbatches, loss_fn)
+
+    def _order(self) -> list[Action]:
+        return zbv_order(self.group.rank, self.group.size, self.n_microbatches)
