@@ -1,7 +1,8 @@
-"""Train one transformer block (attention, then a mixture of experts) on a mesh of dp, cp, tp and ep.
+"""Train one transformer block (attention, then a mixture of experts) on a mesh of named dimensions.
 
     meshkit-run -n 4 examples/train_transformer.py --mesh dp=2,tp=2 --check
     meshkit-run -n 4 examples/train_transformer.py --mesh tp=2,dp=2 --no-causal --check
+    meshkit-run -n 4 examples/train_transformer.py --mesh pp=2,dp=2 --schedule zbh1 --microbatches 4 --check
     meshkit-run -n 2 examples/train_transformer.py --mesh tp=2 --heads 2 --check
     python examples/train_transformer.py --mesh dp=1 --steps 10 --check      # a world of one
 
@@ -13,7 +14,10 @@ their product is the world size:
 
 * ``dp``: the global batch split over ranks (each takes a contiguous, equal share);
 * ``tp``: attention's heads and each expert's hidden units split over ranks (Megatron: one
-  all-reduce after the attention's output projection and one after the experts).
+  all-reduce after the attention's output projection and one after the experts);
+* ``pp``: two pipeline stages, the attention and the experts, run by ``--schedule``
+  (gpipe, 1f1b, zbh1: the backward split into input and weight gradients) over
+  ``--microbatches``.
 
 Every step's data depends on the step alone (``transformer.batch_indices``), so the run equals
 single-process training on the global batch whatever the mesh: ``--check`` trains that
@@ -38,13 +42,13 @@ import loop  # the examples' one training loop, beside this file
 import train_mlp  # flag types, checkpoint flags, --check's verdict
 import transformer as model_math  # the model, beside this file
 from meshkit.checkpoint import CheckpointManager, get_state_dict, set_state_dict
-from meshkit.parallel import data_parallel
+from meshkit.parallel import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleZBH1, data_parallel
 from meshkit.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 #: The mesh dimensions ``--mesh`` knows.
 DIMS = ("dp", "cp", "tp", "ep", "pp")
 #: The dimensions this example runs today (cp, ep and pp come with their layers).
-SUPPORTED = ("dp", "tp")
+SUPPORTED = ("dp", "tp", "pp")
 
 
 # --------------------------------------------------------------------------- the mesh flag
@@ -71,9 +75,15 @@ def full_mesh(degrees: dict[str, int]) -> tuple[tuple[str, ...], tuple[int, ...]
 
 
 # --------------------------------------------------------------------------- parameters as DTensors
-def placements_of(name: str) -> dict[str, Any]:
-    """Each parameter's placements on the ``(tp,)`` mesh: heads split for attention, the hidden
-    units of every expert split for the MoE, the router replicated."""
+#: Each stage's parameters: the attention's (stage 0), the router's and the experts' (stage 1).
+STAGE_PARAMS = (("wq", "wk", "wv", "wo"), ("router", "w1", "w2"))
+#: Parameters every rank holding other tokens has a copy of (their gradients averaged over them all).
+DENSE = ("wq", "wk", "wv", "wo", "router")
+
+
+def placement_of(name: str) -> Any:
+    """Each parameter's placement on the ``(tp,)`` mesh: heads split for attention, each expert's
+    hidden units split for the MoE, the router replicated."""
     return {"wq": Shard(1), "wk": Shard(1), "wv": Shard(1), "wo": Shard(0), "router": Replicate(),
             "w1": Shard(2), "w2": Shard(1)}[name]
 
@@ -84,7 +94,7 @@ class Together:
     ranks holding other tokens) and one for the experts (over the ranks holding the same experts)."""
 
     def __init__(self, strategies: Sequence[Any]) -> None:
-        self.strategies = list(strategies)
+        self.strategies = [s for s in strategies if s is not None]
         self.owner = {name: s for s in self.strategies for name in s.params}
         self._units = [(s, u) for s in self.strategies for u in range(len(s.units))]
         self.units = [s.units[u] for s, u in self._units]
@@ -113,24 +123,24 @@ class Together:
         strategy.prefetch(inner)
 
     def full_state_dict(self) -> dict[str, Any]:
-        merged: dict[str, Any] = {"params": {}, "optim": {}}
+        merged: dict[str, Any] = {"params": {}}
         for s in self.strategies:
-            part = s.full_state_dict()
-            merged["params"].update(part["params"])
-            merged["optim"][len(merged["optim"])] = part["optim"]
+            merged["params"].update(s.full_state_dict()["params"])
         return merged
 
 
-def build(args: argparse.Namespace, mesh: meshkit.DeviceMesh) -> Together:
-    """The model's parameters as DTensors over tp, in two DDPs (collective over the mesh)."""
+def build(args: argparse.Namespace, mesh: meshkit.DeviceMesh, stage: int | None) -> Together:
+    """This rank's parameters (all, or its pipeline stage's) as DTensors over tp, in a DDP for the
+    dense ones and one for the experts (collective over the mesh)."""
     full = model_math.init_params(config(args))
     tp = mesh["tp"]
-    dense = {n: distribute_tensor(full[n], tp, [placements_of(n)], src_data_rank=None)
-             for n in ("wq", "wk", "wv", "wo", "router")}
-    experts = {n: distribute_tensor(full[n], tp, [placements_of(n)], src_data_rank=None) for n in ("w1", "w2")}
+    mine = [n for s, names in enumerate(STAGE_PARAMS) if stage in (None, s) for n in names]
+    tensors = {n: distribute_tensor(full[n], tp, [placement_of(n)], src_data_rank=None) for n in mine}
+    dense = {n: t for n, t in tensors.items() if n in DENSE}
+    experts = {n: t for n, t in tensors.items() if n not in DENSE}
     make = lambda: train_mlp.mlp.make_optimizer(args.optimizer, args.lr)  # noqa: E731
-    return Together([data_parallel(dense, mesh["tokens"], "ddp", optimizer=make()),
-                     data_parallel(experts, mesh["tokens"], "ddp", optimizer=make())])
+    return Together([data_parallel(dense, mesh["tokens"], "ddp", optimizer=make()) if dense else None,
+                     data_parallel(experts, mesh["tokens"], "ddp", optimizer=make()) if experts else None])
 
 
 def config(args: argparse.Namespace) -> model_math.Config:
@@ -138,61 +148,105 @@ def config(args: argparse.Namespace) -> model_math.Config:
                              ffn=args.ffn, top_k=args.top_k, causal=args.causal)
 
 
-# --------------------------------------------------------------------------- one pass on a rank
-def tp_pass(model: Together, x: np.ndarray, y: np.ndarray, args: argparse.Namespace, tp: Any) -> float:
-    """Forward and backward on this rank's tokens (``x``, ``y``: its share of the batch, every
-    rank's of one size) with its tp blocks; each gradient marked ready as a DTensor laid out as
-    its parameter. Returns the loss over this rank's tokens (their mean): DDP's average of the
-    ranks' gradients is then the global batch's."""
-    cfg = config(args)
-    with loop.unsharded(model) as params:
-        local = {name: p.to_local() for name, p in params.items()}
-        group = tp.get_group()
-        attn, acache = model_math.attention_forward(x, local, cfg.causal)
-        meshkit.all_reduce(attn, group=group)  # the heads' partial outputs summed (Megatron's rowwise wo)
-        h = x + attn
+# --------------------------------------------------------------------------- the two stages
+class AttentionStage:
+    """``h = x + attention(x)`` on this rank's heads (tp: the partial outputs summed once)."""
+
+    names = STAGE_PARAMS[0]
+
+    def __init__(self, cfg: model_math.Config, tp: Any) -> None:
+        self.cfg, self.tp = cfg, tp
+        self.params: dict[str, np.ndarray] = {}
+        self.grads: dict[str, np.ndarray] = {}
+
+    def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
+        attn, cache = model_math.attention_forward(x, self.params, self.cfg.causal)
+        meshkit.all_reduce(attn, group=self.tp)  # Megatron's rowwise output projection
+        return x + attn, cache
+
+    def backward_input(self, cache: Any, dh: np.ndarray) -> tuple[np.ndarray, Any]:
+        """B: nothing before this stage needs the input's gradient; W gets what it needs."""
+        return dh, (cache, dh)
+
+    def backward_weight(self, kept: Any) -> None:
+        cache, dh = kept
+        _, grads = model_math.attention_backward(dh, cache, self.params)
+        for name, g in grads.items():
+            self.grads[name] += g
+
+
+class MoEStage:
+    """``out = h + moe(h)`` with this rank's hidden units of every expert (tp: partial outputs summed once)."""
+
+    names = STAGE_PARAMS[1]
+
+    def __init__(self, cfg: model_math.Config, tp: Any) -> None:
+        self.cfg, self.tp = cfg, tp
+        self.params: dict[str, np.ndarray] = {}
+        self.grads: dict[str, np.ndarray] = {}
+
+    def forward(self, h: np.ndarray) -> tuple[np.ndarray, Any]:
         b, s, d = h.shape
-        tokens = h.reshape(b * s, d)
-        moe, mcache = model_math.moe_forward(tokens, local, cfg.top_k)
-        meshkit.all_reduce(moe, group=group)  # the experts' partial outputs over their hidden units
-        out = h + moe.reshape(b, s, d)
-        diff = out - y
-        dout = diff / diff.size
-        dh_moe, grads = moe_backward_tp(dout.reshape(b * s, d), mcache, local, group)
-        dh = dout + dh_moe.reshape(b, s, d)
-        _, agrads = model_math.attention_backward(dh, acache, local)
-        grads.update(agrads)
-        for name in model_math.PARAMS:
-            p = params[name]
-            model.mark_grad_ready(name, DTensor.from_local(grads[name], p.device_mesh, p.placements,
-                                                           shape=p.shape))
-        return 0.5 * float(np.mean(diff ** 2))
+        moe, cache = model_math.moe_forward(h.reshape(b * s, d), self.params, self.cfg.top_k)
+        meshkit.all_reduce(moe, group=self.tp)
+        return h + moe.reshape(b, s, d), cache
+
+    def backward_input(self, cache: Any, dout: np.ndarray) -> tuple[np.ndarray, Any]:
+        """B: the input's gradient, which needs the experts' whole outputs (summed over tp) for the
+        gates; the weights' gradients come out of the same pass and wait for W."""
+        h, experts, gates, rcache, per_expert, contributions = cache
+        full = contributions.copy()
+        meshkit.all_reduce(full, group=self.tp)
+        shape = dout.shape
+        flat = dout.reshape(-1, shape[-1])
+        cache = (h, experts, gates, rcache, per_expert, full)
+        dh, grads = model_math.moe_backward(flat, cache, self.params)
+        router_path = model_math.router_input_grad(flat, cache, self.params)  # the same on every tp rank
+        experts_path = dh - router_path
+        meshkit.all_reduce(experts_path, group=self.tp)  # each rank's hidden units' share
+        return dout + (experts_path + router_path).reshape(shape), grads
+
+    def backward_weight(self, grads: dict[str, np.ndarray]) -> None:
+        for name, g in grads.items():
+            self.grads[name] += g
 
 
-def moe_backward_tp(dout: np.ndarray, cache: Any, local: dict[str, np.ndarray], group: Any
-                    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """:func:`transformer.moe_backward` on a tp rank's hidden units: the gates' gradient needs
-    the whole expert outputs (summed over tp first), the input's gradient is a partial sum."""
-    h, experts, gates, rcache, per_expert, contributions = cache
-    full = contributions.copy()
-    meshkit.all_reduce(full, group=group)
-    dh, grads = model_math.moe_backward(dout, (h, experts, gates, rcache, per_expert, full), local)
-    # moe_backward adds the router's path to dh from every rank: keep it once, sum the experts' paths
-    router_path = _router_input_grad(dout, (h, experts, gates, rcache, per_expert, full), local)
-    experts_path = dh - router_path
-    meshkit.all_reduce(experts_path, group=group)
-    return experts_path + router_path, grads
+def loss_fn(out: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:
+    """The mean squared error over one (micro)batch's elements, and its gradient."""
+    diff = out - y
+    return 0.5 * float(np.mean(diff ** 2)), diff / diff.size
 
 
-def _router_input_grad(dout: np.ndarray, cache: Any, local: dict[str, np.ndarray]) -> np.ndarray:
-    h, experts, gates, (_, probs, _, picked), _, contributions = cache
-    dgates = np.einsum("td,tkd->tk", dout, contributions)
-    total = picked.sum(axis=-1, keepdims=True)
-    dpicked = dgates / total - (dgates * picked).sum(axis=-1, keepdims=True) / total ** 2
-    dprobs = np.zeros_like(probs)
-    np.put_along_axis(dprobs, experts, dpicked, axis=-1)
-    dlogits = probs * (dprobs - (dprobs * probs).sum(axis=-1, keepdims=True))
-    return dlogits @ local["router"].T
+def run_stages(model: Together, stages: list[Any], run: Any) -> Any:
+    """Give the stages the parameters' local blocks for one pass (``run()``), then hand each
+    accumulated gradient to ``model.mark_grad_ready`` as a DTensor laid out as its parameter."""
+    with loop.unsharded(model) as params:
+        for st in stages:
+            st.params = {n: params[n].to_local() for n in st.names}
+            st.grads = {n: np.zeros_like(st.params[n]) for n in st.names}
+        try:
+            result = run()
+            for st in stages:
+                for name, g in st.grads.items():
+                    p = params[name]
+                    model.mark_grad_ready(name, DTensor.from_local(g, p.device_mesh, p.placements, shape=p.shape))
+        finally:
+            for st in stages:
+                st.params, st.grads = {}, {}
+    return result
+
+
+def one_pass(stages: list[Any], x: np.ndarray, y: np.ndarray) -> list[float]:
+    """Both stages on this rank, one after the other (no pipeline): the step's pass."""
+    attention, moe = stages
+    h, c0 = attention.forward(x)
+    out, c1 = moe.forward(h)
+    loss, dout = loss_fn(out, y)
+    dh, kept1 = moe.backward_input(c1, dout)
+    moe.backward_weight(kept1)
+    _, kept0 = attention.backward_input(c0, dh)
+    attention.backward_weight(kept0)
+    return [loss]
 
 
 # --------------------------------------------------------------------------- training
@@ -203,28 +257,49 @@ def build_mesh(args: argparse.Namespace) -> meshkit.DeviceMesh:
     return mesh
 
 
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "zbh1": ScheduleZBH1}
+
+
 def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np.ndarray], list[float]]:
-    """Train on ``--mesh``; returns the full final parameters and each step's global loss."""
+    """Train on ``--mesh``; returns the full final parameters (on every rank) and each step's global loss."""
     mesh = build_mesh(args)
     cfg = config(args)
     x, y = model_math.make_data(args.samples, args.seq, cfg)
-    model = build(args, mesh)
-    dp = mesh["dp"]
+    pp, dp, tp = mesh["pp"], mesh["dp"], mesh["tp"].get_group()
+    piped = pp.size() > 1
+    stage = pp.get_local_rank() if piped else None
+    model = build(args, mesh, stage)
+    classes = (AttentionStage, MoEStage)
+    stages = [classes[s](cfg, tp) for s in range(2) if stage in (None, s)]
+    schedule = None
+    if piped:
+        pipe = PipelineStage(stages[0].forward, None, stage, 2, group=pp, backward_input=stages[0].backward_input,
+                             backward_weight=stages[0].backward_weight)
+        schedule = SCHEDULES[args.schedule](pipe, args.microbatches, loss_fn)
     manager = CheckpointManager(args.checkpoint_dir, max_to_keep=args.max_to_keep) if args.checkpoint_dir else None
     start = resume(manager, model, args) if args.resume else 0
 
-    def run_pass(model: Together, step: int) -> float:
+    def run_pass(model: Together, step: int) -> list[float] | None:
         idx = np.array_split(model_math.batch_indices(step, args.samples, args.batch), dp.size())[dp.get_local_rank()]
-        return tp_pass(model, x[idx], y[idx], args, mesh["tp"])
+        if schedule is None:
+            return run_stages(model, stages, lambda: one_pass(stages, x[idx], y[idx]))
+        return run_stages(model, stages, lambda: schedule.step(x[idx] if stage == 0 else None,
+                                                                target=y[idx] if stage == 1 else None))
 
-    def global_loss(loss: float) -> float:
-        mean = np.array([loss])
+    def global_loss(losses: list[float] | None) -> float:
+        mean = np.array([float(np.mean(losses)) if losses is not None else 0.0])
+        meshkit.all_reduce(mean, meshkit.ReduceOp.MAX, group=pp.get_group())  # from the last stage (losses >= 0)
         meshkit.all_reduce(mean, meshkit.ReduceOp.AVG, group=mesh["tokens"].get_group())
         return float(mean[0])
 
     losses = loop.train(model, range(start, args.steps), run_pass, global_loss=global_loss,
                         progress=progress and meshkit.get_rank() == 0, after_step=saver(manager, model, args))
-    return model.full_state_dict()["params"], losses
+    params = model.full_state_dict()["params"]
+    if piped:  # each stage's parameters, to every rank
+        parts: list[Any] = [None] * pp.size()
+        meshkit.all_gather_object(parts, params, group=pp.get_group())
+        params = {name: value for part in parts for name, value in part.items()}
+    return params, losses
 
 
 def train_reference(args: argparse.Namespace) -> tuple[dict[str, np.ndarray], list[float]]:
@@ -243,10 +318,14 @@ def train_reference(args: argparse.Namespace) -> tuple[dict[str, np.ndarray], li
 
 
 def state_dict(model: Together, step: int) -> dict[str, Any]:
-    dense, experts = model.strategies
-    d_model, d_optim = get_state_dict(dense)
-    e_model, e_optim = get_state_dict(experts)
-    return {"model": {**d_model, **e_model}, "optim": {"dense": d_optim, "experts": e_optim}, "step": step}
+    """This rank's parameters and optimizer state (views; keys by global name, so any mesh loads them)."""
+    merged: dict[str, Any] = {"model": {}, "optim": {"state": {}, "step": {}}, "step": step}
+    for strategy in model.strategies:
+        model_sd, optim_sd = get_state_dict(strategy)
+        merged["model"].update(model_sd)
+        for key in ("state", "step"):
+            merged["optim"][key].update(optim_sd[key])
+    return merged
 
 
 def saver(manager: CheckpointManager | None, model: Together, args: argparse.Namespace) -> Any:
@@ -269,12 +348,11 @@ def resume(manager: CheckpointManager, model: Together, args: argparse.Namespace
     if step > args.steps:
         train_mlp.usage_error(f"argument --steps: {args.steps} is below the step of the checkpoint in "
                               f"{manager.directory} (step {step}); give --steps {step} or more")
-    dense, experts = model.strategies
-    names = set(dense.params)
-    set_state_dict(dense, model_state_dict={n: v for n, v in sd["model"].items() if n in names},
-                   optim_state_dict=sd["optim"]["dense"])
-    set_state_dict(experts, model_state_dict={n: v for n, v in sd["model"].items() if n not in names},
-                   optim_state_dict=sd["optim"]["experts"])
+    for strategy in model.strategies:
+        names = set(strategy.params)
+        set_state_dict(strategy, model_state_dict={n: v for n, v in sd["model"].items() if n in names},
+                       optim_state_dict={key: {n: v for n, v in sd["optim"][key].items() if n in names}
+                                         for key in ("state", "step")})
     if meshkit.get_rank() == 0:
         print(f"resumed from step {sd['step']} of {manager.directory}", flush=True)
     return int(sd["step"])
@@ -305,6 +383,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lr", type=train_mlp.positive_float, default=None,
                         help=f"learning rate (default: {lr_defaults})")
     parser.add_argument("--optimizer", default="adamw", choices=tuple(train_mlp.DEFAULT_LR), help="default: %(default)s")
+    parser.add_argument("--schedule", default="1f1b", choices=tuple(SCHEDULES),
+                        help="the pipeline schedule when pp=2 (default: %(default)s)")
+    parser.add_argument("--microbatches", type=train_mlp.int_at_least(1), default=2,
+                        help="microbatches per step when pp=2, dividing each dp rank's batch (default: %(default)s)")
     train_mlp.add_checkpoint_flags(parser, saved_by="a run on any --mesh")
     parser.add_argument("--check", action="store_true",
                         help="train in one process on the global batch too (plain NumPy) and compare the final "
@@ -320,9 +402,14 @@ def _problem(args: argparse.Namespace, world_size: int) -> str | None:
     later = [d for d, n in args.mesh.items() if d not in SUPPORTED and n > 1]
     if later:
         return f"argument --mesh: {', '.join(later)} > 1 is not supported by this example yet (it runs {SUPPORTED})"
-    dp, tp = args.mesh.get("dp", 1), args.mesh.get("tp", 1)
+    dp, tp, pp = args.mesh.get("dp", 1), args.mesh.get("tp", 1), args.mesh.get("pp", 1)
+    if pp > 2:
+        return f"argument --mesh: pp={pp}, but the block has two stages (attention, the experts): use pp=1 or pp=2"
     if args.batch % dp:
         return f"argument --batch: {args.batch} does not divide over dp={dp}; use a multiple of {dp}"
+    if pp == 2 and (args.batch // dp) % args.microbatches:
+        return (f"argument --microbatches: {args.microbatches} does not divide each dp rank's batch of "
+                f"{args.batch // dp} sequences")
     if args.heads % tp:
         return f"argument --heads: {args.heads} does not divide over tp={tp}; use a multiple of {tp}"
     if args.ffn % tp:

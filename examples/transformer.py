@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["Config", "init_params", "make_data", "batch_indices", "attention_forward", "attention_backward",
-           "route", "moe_forward", "moe_backward", "loss_and_grads", "PARAMS"]
+           "route", "moe_forward", "moe_backward", "router_input_grad", "loss_and_grads", "PARAMS"]
 
 PARAMS = ("wq", "wk", "wv", "wo", "router", "w1", "w2")
 
@@ -151,15 +151,26 @@ def moe_backward(dout: np.ndarray, cache: Any, p: dict[str, np.ndarray]) -> tupl
         dpre = (dy @ p["w2"][e].T) * (pre > 0)
         grads["w1"][e] = h[rows].T @ dpre
         np.add.at(dh, rows, dpre @ p["w1"][e].T)
-    # gates = picked / sum(picked): through the renormalization, then the softmax
+    dlogits = _router_logits_grad(dgates, probs, experts, picked)
+    grads["router"] = h.T @ dlogits
+    dh += dlogits @ p["router"].T
+    return dh, grads
+
+
+def _router_logits_grad(dgates: np.ndarray, probs: np.ndarray, experts: np.ndarray, picked: np.ndarray) -> np.ndarray:
+    """Through ``gates = picked / sum(picked)`` (the renormalization), then the softmax."""
     total = picked.sum(axis=-1, keepdims=True)
     dpicked = dgates / total - (dgates * picked).sum(axis=-1, keepdims=True) / total ** 2
     dprobs = np.zeros_like(probs)
     np.put_along_axis(dprobs, experts, dpicked, axis=-1)
-    dlogits = probs * (dprobs - (dprobs * probs).sum(axis=-1, keepdims=True))
-    grads["router"] = h.T @ dlogits
-    dh += dlogits @ p["router"].T
-    return dh, grads
+    return probs * (dprobs - (dprobs * probs).sum(axis=-1, keepdims=True))
+
+
+def router_input_grad(dout: np.ndarray, cache: Any, p: dict[str, np.ndarray]) -> np.ndarray:
+    """The part of :func:`moe_backward`'s input gradient that flows through the router (the gates)."""
+    h, experts, gates, (_, probs, _, picked), _, contributions = cache
+    dgates = np.einsum("td,tkd->tk", dout, contributions)
+    return _router_logits_grad(dgates, probs, experts, picked) @ p["router"].T
 
 
 # --------------------------------------------------------------------------- the block

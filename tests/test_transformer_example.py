@@ -41,6 +41,8 @@ def test_the_hand_written_backward_matches_finite_differences(causal):
 @pytest.mark.parametrize(("mesh", "world", "extra"), [
     ("dp=1", 1, []), ("dp=2", 2, []), ("tp=2", 2, ["--no-causal"]), ("dp=2,tp=2", 4, []),
     ("tp=2,dp=2", 4, ["--heads", "2", "--ffn", "4"]), ("tp=4", 4, ["--optimizer", "sgd"]),
+    ("pp=2", 2, []), ("pp=2,dp=2", 4, ["--schedule", "zbh1", "--microbatches", "4"]),
+    ("dp=2,pp=2", 4, ["--schedule", "gpipe", "--no-causal"]), ("pp=2,tp=2", 4, []),
 ])
 def test_every_mesh_trains_to_the_single_process_result(mesh, world, extra):
     args = train_transformer.parse_args(["--mesh", mesh, "--steps", "6", *extra], world_size=world)
@@ -60,6 +62,9 @@ def test_every_mesh_trains_to_the_single_process_result(mesh, world, extra):
     (["--mesh", "tp=2", "--ffn", "5"], 2, r"argument --ffn: 5 does not divide over tp=2"),
     (["--mesh", "dp=3", "--batch", "8"], 3, r"argument --batch: 8 does not divide over dp=3"),
     (["--top-k", "5"], 1, r"argument --top-k: 5 is larger than --experts 4"),
+    (["--mesh", "pp=3"], 3, r"argument --mesh: pp=3, but the block has two stages"),
+    (["--mesh", "pp=2,dp=2", "--microbatches", "3"], 4,
+     r"argument --microbatches: 3 does not divide each dp rank's batch of 4 sequences"),
 ])
 def test_bad_flags_are_usage_errors_naming_the_flag(argv, world, message, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -74,7 +79,7 @@ def test_it_resumes_on_another_mesh_and_still_equals_single_process_training(tmp
     first = train_transformer.parse_args(["--mesh", "dp=2,tp=2", *common, "--steps", "4", "--save-every", "2"],
                                          world_size=4)
     local.run(lambda: train_transformer.train(first, progress=False), 4, timeout=60)
-    then = train_transformer.parse_args(["--mesh", "tp=2", *common, "--resume"], world_size=2)
+    then = train_transformer.parse_args(["--mesh", "pp=2", *common, "--resume"], world_size=2)
     reference, _ = train_transformer.train_reference(then)
     for params, losses in local.run(lambda: train_transformer.train(then, progress=False), 2, timeout=60):
         assert len(losses) == 2
