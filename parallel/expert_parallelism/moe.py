@@ -14,7 +14,7 @@ dp ranks that hold the same experts and divided by dp x ep (torchtitan's gradien
 for experts), the router's averaged over every dp x ep rank.
 
 Bitwise promise: with one dp rank and one tp rank, ``y`` is bit-identical for every ep degree to
-the same layer run in one process on the concatenated tokens (:mod:`.dispatch` for the order,
+the same layer run in one process on the concatenated tokens (:mod:`.exchange` for the order,
 :mod:`.experts` for BLAS). Gradients and the dp/tp compositions agree to rounding (1e-12 in float64).
 """
 
@@ -28,7 +28,7 @@ import numpy as np
 from ...comm import DistTypeError, DistValueError, ProcessGroup, ReduceOp
 from ..arrays import array_namespace, type_name
 from ..checks import where
-from .dispatch import DispatchPlan
+from .exchange import DispatchPlan
 from .experts import experts_backward, experts_forward
 from .routing import Routing, check_top_k, route, route_backward
 
@@ -95,7 +95,7 @@ class MoE:
         ep_group: the ranks the experts are split over (a ProcessGroup or ``mesh["ep"]``); None: one process.
         dp_group: ranks holding the same experts on other data (gradients reduced over it), or None.
         tp_group: ranks splitting each expert's hidden dimension, or None.
-        capacity_factor: None (dropless) or > 0 (:mod:`.dispatch` defines the cut).
+        capacity_factor: None (dropless) or > 0 (:mod:`.exchange` defines the cut).
         normalize: gates renormalized over the top k (Mixtral; True) or raw softmax probabilities.
     """
 

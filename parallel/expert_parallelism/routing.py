@@ -46,7 +46,7 @@ def route(x: Any, router: Any, top_k: int, *, normalize: bool = True, indices: A
     """Route ``x`` [T, d] with ``router`` [d, E]: softmax of ``x @ router``, top-k, gates.
 
     ``indices`` [T, k] (the caller's own choice of experts) replaces the top-k; it must already be
-    checked (:func:`..dispatch.DispatchPlan` checks its range on every rank).
+    checked (:func:`.exchange.DispatchPlan` checks its range on every rank).
     """
     xp = array_namespace(x)
     scores = blocked_matmul(x, router)
