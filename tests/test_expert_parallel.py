@@ -15,7 +15,7 @@ from meshkit.parallel import MoE, expert_capacity, shard_experts
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 1.0], ids=["dropless", "capacity"])
-@pytest.mark.parametrize("ep,experts", [(1, 4), (2, 4), (4, 8), (3, 6)])
+@pytest.mark.parametrize("ep,experts", [(1, 4), (2, 4), (4, 8), (3, 6), (4, 4)])  # (4, 4): no reorder
 def test_forward_is_bitwise_one_process_for_any_ep_degree(ep, experts, capacity_factor):
     # 300 tokens: more than two ROW_BLOCKs for some experts, uneven shards over 3 ranks
     dropped = local.run(check_bitwise, ep, ep, experts, 2, 300, capacity_factor, timeout=120)

@@ -94,7 +94,10 @@ class DispatchPlan:
         mine_rows = by_dest[:, rank]  # [source, local expert]
         starts = (np.cumsum(mine_rows.reshape(-1)) - mine_rows.reshape(-1)).reshape(ep, per)
         perm = [np.arange(starts[s, j], starts[s, j] + mine_rows[s, j]) for j in range(per) for s in range(ep)]
-        self.perm = xp.asarray(np.concatenate(perm).astype(np.int64) if perm else np.zeros(0, np.int64))
+        perm = np.concatenate(perm).astype(np.int64) if perm else np.zeros(0, np.int64)
+        # One expert per rank (or one source): the received order is already expert-major, and the
+        # reorder, a copy as costly as the exchange itself on one host, is skipped.
+        self.perm = None if np.array_equal(perm, np.arange(perm.size)) else xp.asarray(perm)
         # This rank's assignments (token-major flat index t * k + slot), sorted by expert then token.
         n = t * k
         order = xp.argsort(flat * max(n, 1) + xp.arange(n), kind="stable") if n else xp.zeros(0, xp.int64)
@@ -118,12 +121,14 @@ class DispatchPlan:
         """Rows in sending order (one per kept assignment) -> this rank's experts' rows, expert-major."""
         recv = self.xp.empty((sum(self.output_splits),) + rows.shape[1:], dtype=rows.dtype)
         self._exchange(recv, self.xp.ascontiguousarray(rows), self.output_splits, self.input_splits)
-        return recv[self.perm]
+        return recv if self.perm is None else recv[self.perm]
 
     def combine(self, expert_rows: Any) -> Any:
         """The experts' output rows (expert-major) -> back to their sources, in sending order."""
-        back = self.xp.empty_like(expert_rows)
-        back[self.perm] = expert_rows
+        back = self.xp.ascontiguousarray(expert_rows)
+        if self.perm is not None:
+            back = self.xp.empty_like(expert_rows)
+            back[self.perm] = expert_rows
         out = self.xp.empty((self.num_sent,) + expert_rows.shape[1:], dtype=expert_rows.dtype)
         self._exchange(out, back, self.input_splits, self.output_splits)
         return out
