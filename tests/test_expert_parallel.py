@@ -145,3 +145,29 @@ def test_indices_out_of_range_on_one_rank_fail_on_every_rank_naming_it():
 def test_expert_parallel_on_real_processes(mpirun):
     out = mpirun("mpi_expert_parallel.py", 4).stdout
     assert out.count("EP OK") == 4, out
+
+
+# --------------------------------------------------------------------------- device arrays
+def test_device_arrays_over_nccl_match_numpy(cupy):
+    """tests/fake_cupy.py's strict arrays over the NCCL double: the layer stays on the device (every
+    result a CuPy array) and matches the NumPy layer bit for bit forward, to 1e-12 backward."""
+    from test_cupy_parallel import on_nccl
+
+    def body():
+        mesh = meshkit.init_device_mesh("cuda", (2,), mesh_dim_names=("ep",))
+        r = mesh.get_local_rank()
+        router, w1, w2 = weights(4)
+        w1l, w2l = shard_experts(cupy.asarray(w1), cupy.asarray(w2), r, 2)
+        layer = MoE(cupy.asarray(router), w1l, w2l, top_k=2, ep_group=mesh["ep"], capacity_factor=1.0)
+        rows = slice(20 * r, 20 * r + 20)
+        y, ctx = layer.forward(cupy.asarray(tokens(40)[rows]))
+        dx, grads = layer.backward(ctx, cupy.asarray(np.random.default_rng(2).normal(size=(40, D))[rows]))
+        assert all(isinstance(a, cupy.ndarray) for a in (y, dx, ctx.keep, *grads.values()))
+        return rows, r, y.get(), dx.get(), {k: v.get() for k, v in grads.items()}
+
+    y_ref, dx_ref, g_ref, _ = single_process(4, 2, 40, capacity_factor=1.0)
+    for rows, r, y, dx, grads in on_nccl(body, 2):
+        assert np.array_equal(y, y_ref[rows])
+        np.testing.assert_allclose(dx, dx_ref[rows], rtol=0, atol=1e-12)
+        np.testing.assert_allclose(grads["w1"] * 2, g_ref["w1"][2 * r:2 * r + 2], rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(grads["router"] * 2, g_ref["router"], rtol=1e-12, atol=1e-12)
