@@ -141,6 +141,27 @@ def test_indices_out_of_range_on_one_rank_fail_on_every_rank_naming_it():
         assert msg is not None and f"rank {rank}: MoE.forward: rank 1: indices out of range [0, num_experts=4)" in msg
 
 
+@pytest.mark.parametrize("bad,message", [
+    ("x", r"rank 1: x is not a \[tokens, 5\] array"),
+    ("float indices", r"rank 1: indices are not an integer array of shape \[tokens, top_k\]"),
+    ("indices shape", r"rank 1: indices are not an integer array of shape \[tokens, top_k\]")])
+def test_a_bad_input_on_one_rank_fails_on_every_rank_naming_it(bad, message):
+    def fn():
+        mesh = meshkit.init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
+        r = mesh.get_local_rank()
+        router, w1, w2 = weights(4)
+        layer = MoE(router, *shard_experts(w1, w2, r, 2), top_k=2, ep_group=mesh["ep"])
+        x, idx = tokens(4), np.zeros((4, 2), np.int64)
+        if r == 1:
+            x = tokens(4, d=6) if bad == "x" else x
+            idx = idx.astype(float) if bad == "float indices" else idx[:, :1] if bad == "indices shape" else idx
+        layer.forward(x, indices=idx)
+    import re
+    msgs = _errors_on_every_rank(fn, 2)
+    for rank, msg in enumerate(msgs):
+        assert msg is not None and re.search(f"rank {rank}: MoE.forward: " + message, msg), msg
+
+
 # --------------------------------------------------------------------------- real processes
 def test_expert_parallel_on_real_processes(mpirun):
     out = mpirun("mpi_expert_parallel.py", 4).stdout

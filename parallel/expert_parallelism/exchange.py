@@ -1,8 +1,8 @@
 """Token dispatch and combine over the ep group: who sends which rows where, and the two exchanges.
 
 A :class:`DispatchPlan` is built collectively from each rank's expert choices ``indices`` [T, k]:
-one ``all_gather_into_tensor`` of every rank's per-expert counts (with its token count, width and
-an error flag) tells every rank the whole traffic, so the capacity cut, both split-size lists and
+one ``all_gather_into_tensor`` of every rank's per-expert counts (with its token count and what
+it found wrong in its input, if anything) tells every rank the whole traffic, so the capacity cut, both split-size lists and
 the receive permutation are computed locally, identically, with no second count exchange (a
 per-destination ``all_to_all`` of counts would not give the receiver the per-expert split it needs).
 
@@ -35,6 +35,11 @@ from ..checks import on_ranks
 __all__ = ["DispatchPlan", "expert_capacity"]
 
 
+#: What a rank can find wrong in its own input before the exchange; the exchange sends the index.
+PROBLEMS = ("indices out of range [0, num_experts={num_experts})", "x is not a [tokens, {width}] array",
+            "indices are not an integer array of shape [tokens, top_k]")
+
+
 def expert_capacity(capacity_factor: float, tokens: int, top_k: int, num_experts: int) -> int:
     """``ceil(capacity_factor * tokens * top_k / num_experts)``, in exact arithmetic."""
     return math.ceil(Fraction(capacity_factor) * tokens * top_k / num_experts)
@@ -49,17 +54,20 @@ class DispatchPlan:
     """
 
     def __init__(self, indices: Any, num_experts: int, group: ProcessGroup | None, *, width: int,
-                 capacity_factor: float | None, who: str) -> None:
+                 capacity_factor: float | None, who: str, problem: int | None = None) -> None:
+        """``problem``: what this rank found wrong in its own input, an index of :data:`PROBLEMS`
+        (``indices`` is then ignored): the exchange carries it, and every rank raises, naming this one."""
         xp = array_namespace(indices)
         self.xp, self.group = xp, group
         ep = group.size if group is not None else 1
         rank = group.rank if group is not None else 0
         t, k = indices.shape
         flat = indices.reshape(-1)
-        bad = bool(flat.size) and bool(to_host((flat < 0).any() | (flat >= num_experts).any()))
-        mine = np.zeros(num_experts + 3, np.int64)
-        mine[num_experts:] = (t, width, int(bad))
-        if not bad:
+        if problem is None and flat.size and bool(to_host((flat < 0).any() | (flat >= num_experts).any())):
+            problem = 0
+        mine = np.zeros(num_experts + 2, np.int64)
+        mine[num_experts:] = (t, -1 if problem is None else problem)
+        if problem is None:
             mine[:num_experts] = to_host(xp.bincount(flat, minlength=num_experts))
         if group is not None and ep > 1:
             out = xp.empty(ep * mine.size, np.int64)
@@ -68,10 +76,8 @@ class DispatchPlan:
         else:
             table = mine[None]
         # Every rank raises the same error from the same table: none is left waiting in an exchange.
-        problems = [(r, "indices out of range [0, num_experts=%d)" % num_experts if row[-1] else None)
+        problems = [(r, None if row[-1] < 0 else PROBLEMS[row[-1]].format(num_experts=num_experts, width=width))
                     for r, row in enumerate(table)]
-        problems += [(r, f"x has {row[-2]} columns, rank 0 {table[0, -2]}" if row[-2] != table[0, -2] else None)
-                     for r, row in enumerate(table)]
         if any(p for _, p in problems):
             raise DistValueError(f"{who}: {on_ranks(problems)} (ep group rank numbering)")
         counts = table[:, :num_experts]  # [ep, E]: assignments of each rank to each expert

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from ...comm import DistTypeError, DistValueError, ProcessGroup, ReduceOp
-from ..arrays import array_namespace, type_name
+from ..arrays import array_namespace
 from ..checks import where
 from .exchange import DispatchPlan
 from .experts import experts_backward, experts_forward
@@ -132,23 +132,23 @@ class MoE:
         Collective over the ep group (and tp)."""
         who = where("MoE.forward", self.ep_group)
         xp = array_namespace(x)
-        if x.ndim != 2 or x.shape[1] != self.router.shape[0]:
-            raise DistValueError(f"{who}: x must be [tokens, {self.router.shape[0]}], got {x.shape}")
-        if indices is not None:
-            if not hasattr(indices, "dtype") or indices.dtype.kind not in "iu":
-                raise DistTypeError(f"{who}: indices must be an integer array, got {type_name(indices)} "
-                                    f"{getattr(indices, 'dtype', '')}")
-            if indices.shape != (x.shape[0], self.top_k):
-                raise DistValueError(f"{who}: indices must be [tokens, top_k] = {(x.shape[0], self.top_k)}, "
-                                     f"got {indices.shape}")
-            indices = indices.astype(xp.int64)
-        plan_indices = indices
+        # A rank's own bad input travels in the plan's exchange: every rank raises, none waits.
+        problem = None  # an index of exchange.PROBLEMS
+        if getattr(x, "ndim", None) != 2 or x.shape[1] != self.router.shape[0]:
+            problem = 1
+        elif indices is not None and (getattr(getattr(indices, "dtype", None), "kind", "") not in "iu"
+                                      or indices.shape != (x.shape[0], self.top_k)):
+            problem = 2
         r = None
-        if indices is None:
+        if problem is not None:
+            plan_indices = xp.zeros((0, self.top_k), xp.int64)
+        elif indices is None:
             r = route(x, self.router, self.top_k, normalize=self.normalize)
             plan_indices = r.indices
-        plan = DispatchPlan(plan_indices, self.num_experts, self.ep_group, width=x.shape[1],
-                            capacity_factor=self.capacity_factor, who=who)
+        else:
+            plan_indices = indices = indices.astype(xp.int64)
+        plan = DispatchPlan(plan_indices, self.num_experts, self.ep_group, width=self.router.shape[0],
+                            capacity_factor=self.capacity_factor, who=who, problem=problem)
         if r is None:  # the caller's indices passed the plan's range check on every rank
             r = route(x, self.router, self.top_k, normalize=self.normalize, indices=indices)
         t, k = r.indices.shape
