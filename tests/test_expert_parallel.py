@@ -17,13 +17,18 @@ from meshkit.parallel import MoE, expert_capacity, shard_experts
 @pytest.mark.parametrize("capacity_factor", [None, 1.0], ids=["dropless", "capacity"])
 @pytest.mark.parametrize("ep,experts", [(1, 4), (2, 4), (4, 8), (3, 6), (4, 4)])  # (4, 4): no reorder
 def test_forward_is_bitwise_one_process_for_any_ep_degree(ep, experts, capacity_factor):
-    # 300 tokens: more than two ROW_BLOCKs for some experts, uneven shards over 3 ranks
-    dropped = local.run(check_bitwise, ep, ep, experts, 2, 300, capacity_factor, timeout=120)
+    # 301 tokens: more than two ROW_BLOCKs for some experts, uneven shards
+    dropped = local.run(check_bitwise, ep, ep, experts, 2, 301, capacity_factor, timeout=120)
     assert (dropped[0] > 0) == (capacity_factor is not None), dropped  # the capacity case really drops
 
 
 def test_bitwise_holds_for_three_experts_per_token_and_a_tiny_batch():
     local.run(check_bitwise, 2, 2, 4, 3, 7, 0.5)  # 2 tokens of one rank may all be dropped
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_a_rank_without_tokens_takes_part(capacity_factor):
+    local.run(check_bitwise, 4, 4, 8, 2, 3, capacity_factor)  # 3 tokens over 4 ranks: the last has none
 
 
 @pytest.mark.parametrize("dp,ep", [(2, 2), (3, 2)])

@@ -176,13 +176,13 @@ class MoE:
         r, plan = ctx.routing, ctx.plan
         t, k = r.indices.shape
         dgates = (dy[:, None, :] * ctx.contrib).sum(axis=2)
-        dslots = (r.gates[:, :, None] * dy[:, None, :]).reshape(t * k, -1)
+        dslots = (r.gates[:, :, None] * dy[:, None, :]).reshape(t * k, dy.shape[1])
         dout = plan.dispatch(dslots[plan.send_order])
         drows, dw1, dw2 = experts_backward(ctx.saved, dout, self.w1, self.w2, self.tp_group)
         dx_slots = xp.zeros((t * k, dy.shape[1]), dtype=drows.dtype)
         dx_slots[plan.send_order] = plan.combine(drows)
         dx, drouter = route_backward(r, ctx.x, self.router, dgates)
-        dx = dx + dx_slots.reshape(t, k, -1).sum(axis=1)
+        dx = dx + dx_slots.reshape(t, k, dy.shape[1]).sum(axis=1)
         data_ranks = self.dp * self.ep
         for g in (dw1, dw2):
             if self.dp > 1:
