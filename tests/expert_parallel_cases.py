@@ -120,22 +120,26 @@ def check_bitwise(ep, num_experts, k, n, capacity_factor, d=BITWISE_D, h=BITWISE
     return int(dropped.sum())
 
 
-def check_ep_dp(dp, ep, num_experts, k, n):
-    """dp x ep: tokens split over all dp*ep ranks; y bitwise as one process on its ep group's tokens,
-    dx and the reduced grads to 1e-12 of the full batch's (dropless)."""
-    mesh = meshkit.init_device_mesh("cpu", (dp, ep), mesh_dim_names=("dp", "ep"))
+def check_ep_dp(dp, ep, num_experts, k, n, tp=1):
+    """dp x ep (x tp): tokens split over all dp*ep ranks; y bitwise as one process on its ep group's
+    tokens (without tp; with tp to 1e-12), dx and the reduced grads to 1e-12 of the full batch's (dropless)."""
+    shape, names = ((dp, ep, tp), ("dp", "ep", "tp")) if tp > 1 else ((dp, ep), ("dp", "ep"))
+    mesh = meshkit.init_device_mesh("cpu", shape, mesh_dim_names=names)
     di, er = mesh.get_local_rank("dp"), mesh.get_local_rank("ep")
+    tr = mesh.get_local_rank("tp") if tp > 1 else 0
     rows, y, dx, grads, ctx = ep_forward_backward(mesh["ep"], num_experts, k, n, dp_group=mesh["dp"],
+                                                  tp_group=mesh["tp"] if tp > 1 else None,
                                                   data_index=di * ep + er, data_parts=dp * ep)
     router, w1, w2 = weights(num_experts)
     group_rows = np.concatenate(shards(n, dp * ep)[di * ep:(di + 1) * ep])
     y_ref, *_ = reference(tokens(n)[group_rows], router, w1, w2, k)
-    assert np.array_equal(y, y_ref[np.searchsorted(group_rows, rows)])
+    if tp == 1:
+        assert np.array_equal(y, y_ref[np.searchsorted(group_rows, rows)])
+    np.testing.assert_allclose(y, y_ref[np.searchsorted(group_rows, rows)], rtol=0, atol=1e-12)
     _, dx_ref, g_ref, _ = single_process(num_experts, k, n)
     np.testing.assert_allclose(dx, dx_ref[rows], rtol=0, atol=1e-12)
-    per = num_experts // ep
-    for name, full in (("router", g_ref["router"]), ("w1", g_ref["w1"][er * per:(er + 1) * per]),
-                       ("w2", g_ref["w2"][er * per:(er + 1) * per])):
+    w1_ref, w2_ref = shard_experts(g_ref["w1"], g_ref["w2"], er, ep, tr, tp)
+    for name, full in (("router", g_ref["router"]), ("w1", w1_ref), ("w2", w2_ref)):
         np.testing.assert_allclose(grads[name] * dp * ep, full, rtol=1e-12, atol=1e-12, err_msg=name)
 
 

@@ -36,6 +36,10 @@ def test_ep_by_dp_matches_one_process(dp, ep):
     local.run(check_ep_dp, dp * ep, dp, ep, 4, 2, 90, timeout=120)
 
 
+def test_dp_by_ep_by_tp_matches_one_process():
+    local.run(check_ep_dp, 8, 2, 2, 4, 2, 90, 2, timeout=120)
+
+
 @pytest.mark.parametrize("capacity_factor", [None, 1.0])
 def test_ep_by_tp_matches_one_process(capacity_factor):
     local.run(check_ep_tp, 4, 2, 2, 4, 2, 60, capacity_factor, timeout=120)
