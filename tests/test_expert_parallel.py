@@ -45,6 +45,10 @@ def test_ep_by_tp_matches_one_process(capacity_factor):
     local.run(check_ep_tp, 4, 2, 2, 4, 2, 60, capacity_factor, timeout=120)
 
 
+def test_ep_by_tp_when_a_rank_receives_no_rows():
+    local.run(check_ep_tp, 4, 2, 2, 4, 1, 1)  # one token, one expert: one ep rank runs nothing (empty all-reduce)
+
+
 def test_capacity_keeps_the_first_tokens_in_global_order_and_counts_the_rest():
     """E=2, k=1, 8 tokens on 2 ranks, all sent to expert 0: capacity ceil(1.0 * 8 * 1 / 2) = 4
     keeps rank 0's four tokens and drops rank 1's (their output is zero); expert 1 drops none."""
