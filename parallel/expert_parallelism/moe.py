@@ -13,9 +13,13 @@ reduced, ready for an optimizer (do not reduce them again in DDP): the experts' 
 dp ranks that hold the same experts and divided by dp x ep (torchtitan's gradient divide factor
 for experts), the router's averaged over every dp x ep rank.
 
-Bitwise promise: with one dp rank and one tp rank, ``y`` is bit-identical for every ep degree to
-the same layer run in one process on the concatenated tokens (:mod:`.exchange` for the order,
-:mod:`.experts` for BLAS). Gradients and the dp/tp compositions agree to rounding (1e-12 in float64).
+Bitwise promise: without tp, ``y`` is bit-identical for every ep degree (and dp degree) to the
+same layer run in one process on the ep group's tokens, concatenated in rank order
+(:mod:`.exchange` for the order, :mod:`.experts` for BLAS). With tp, and for every gradient, the
+agreement is to rounding (1e-12 in float64: the sums over tp, dp and ep ranks change the order).
+
+With ``top_k=1`` and ``normalize=True`` every gate is 1 and the router learns nothing: use
+``normalize=False`` there (the Switch Transformer's gate).
 """
 
 from __future__ import annotations
