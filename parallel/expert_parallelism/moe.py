@@ -147,9 +147,11 @@ class MoE:
         if problem is not None:
             plan_indices = xp.zeros((0, self.top_k), xp.int64)
         elif indices is None:
+            x = xp.ascontiguousarray(x)  # bitwise is tested on C-order rows; a strided view may take another BLAS path
             r = route(x, self.router, self.top_k, normalize=self.normalize)
             plan_indices = r.indices
         else:
+            x = xp.ascontiguousarray(x)
             plan_indices = indices = indices.astype(xp.int64)
         plan = DispatchPlan(plan_indices, self.num_experts, self.ep_group, width=self.router.shape[0],
                             capacity_factor=self.capacity_factor, who=who, problem=problem)
