@@ -166,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(rank, args.verbose)
     if args.plot_from is not None:
         if rank == 0:
-            redraw(args, "expert_parallel", plot, lambda meta: f"MoE dispatch + combine, {meta.get('world_size')} ranks")
+            redraw(args, "expert_parallel", plot,
+                   lambda meta: f"MoE dispatch + combine, {meta.get('world_size')} ranks")
         comm.Free()
         return 0
     blas = limit_blas_threads(1)

@@ -2,9 +2,10 @@
 
 A :class:`DispatchPlan` is built collectively from each rank's expert choices ``indices`` [T, k]:
 one ``all_gather_into_tensor`` of every rank's per-expert counts (with its token count and what
-it found wrong in its input, if anything) tells every rank the whole traffic, so the capacity cut, both split-size lists and
-the receive permutation are computed locally, identically, with no second count exchange (a
-per-destination ``all_to_all`` of counts would not give the receiver the per-expert split it needs).
+it found wrong in its input, if anything) tells every rank the whole traffic, so the capacity
+cut, both split-size lists and the receive permutation are computed locally, identically, with
+no second count exchange (a per-destination ``all_to_all`` of counts would give the receiver
+neither the per-expert split it needs nor the earlier ranks' counts the capacity cut needs).
 
 Order, which makes the layer bitwise reproducible for any ep degree: the ranks of the ep group
 hold consecutive token shards (rank 0 the first), so "global token order" is (rank, local token).
