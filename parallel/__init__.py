@@ -13,7 +13,8 @@ a ``TypeError`` naming both types. ``array_namespace`` and ``to_host`` are expor
 that runs on both (the examples' models use them).
 
 The package is arranged by family: :mod:`.data_parallelism` (the strategies and their machinery),
-:mod:`.pipelining` (pipeline stages and schedules), :mod:`.optim` (optimizers, clipping); what
+:mod:`.pipelining` (pipeline stages and schedules),
+:mod:`.expert_parallelism` (a mixture-of-experts layer over ``ep``), :mod:`.optim` (optimizers, clipping); what
 they share is here (:mod:`.arrays`, :mod:`.checks`). ``ShardedArray``/``StepCount``, what a
 strategy's state dict holds, are :mod:`meshkit.state`'s, re-exported.
 
@@ -28,6 +29,7 @@ from .arrays import array_namespace, to_host
 from .data_parallelism import (STRATEGIES, CommHook, DistributedDataParallel, FullyShardedDataParallel, GradBucket,
                             PowerSGDState, ZeroRedundancyOptimizer, allreduce_hook, data_parallel, fp16_compress_hook,
                             powersgd_hook)
+from .expert_parallelism import MoE, MoEContext, expert_capacity, shard_experts
 from .optim import SGD, AdamW, Optimizer, clip_grad_norm_
 from .pipelining import (PipelineError, PipelineSchedule, PipelineStage, Schedule1F1B, ScheduleGPipe,
                          ScheduleInterleaved1F1B, ScheduleZBH1, ScheduleZBVZeroBubble, bubble_fraction)
@@ -38,7 +40,7 @@ __all__ = [
     "PipelineStage", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
     "ScheduleZBH1", "ScheduleZBVZeroBubble", "PipelineError", "bubble_fraction",
     "SGD", "AdamW", "Optimizer", "clip_grad_norm_", "array_namespace", "to_host",
-    "ShardedArray", "StepCount",
+    "ShardedArray", "StepCount", "MoE", "MoEContext", "shard_experts", "expert_capacity",
 ]
 
 #: In ``__all__`` in 0.1, not user API: importable here one more release, with a warning naming the new place

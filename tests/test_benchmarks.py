@@ -292,3 +292,25 @@ def test_elastic_benchmark_kills_a_rank_and_reports_every_phase(tmp_path):
     assert re.search(r"killed / uninterrupted wall time: \d+\.\d\dx", result.stdout), result.stdout
     (entry,) = json.loads(out_json.read_text())["restarts"]
     assert entry["rank"] == 1 and entry["complete"] and entry["ranks_after"] == 2, entry
+
+
+# --------------------------------------------------------------------------- expert_parallel.py
+EP_BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "expert_parallel.py"
+
+
+def test_expert_parallel_benchmark_times_the_layer_and_raw_alltoallv(mpirun, tmp_path):
+    out_json = tmp_path / "ep.json"
+    out = mpirun(EP_BENCH, 2, "--tokens", "16,64", "--dim", "8", "--experts", "4", "--iters", "2", "--rounds", "2",
+                 "--capacity-factor", "0.5", "--no-progress", "--json", str(out_json)).stdout
+    rows = json.loads(out_json.read_text())["rows"]
+    assert [r["tokens"] for r in rows] == [16, 64]
+    for r in rows:
+        assert r["ranks"] == 2 and r["dropped"] > 0  # capacity 0.5: half the assignments go
+        assert r["meshkit/mpi4py"] == pytest.approx(r["meshkit_s"] / r["mpi4py_s"])
+        assert all(len(r["all_s"][e]) == 2 for e in ("meshkit", "exchange", "mpi4py"))
+    assert "meshkit/mpi4py exchange/mpi4py" in out
+
+
+def test_expert_parallel_benchmark_rejects_experts_not_divisible_by_the_ranks(mpirun):
+    proc = mpirun(EP_BENCH, 2, "--experts", "3", check=False)
+    assert proc.returncode != 0 and "--experts 3 must be a positive multiple of the 2 ranks" in proc.stdout + proc.stderr

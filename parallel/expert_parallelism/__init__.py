@@ -1,0 +1,13 @@
+"""Expert parallelism: a mixture-of-experts layer whose experts are split over an ``ep`` group.
+
+:mod:`.routing` (top-k router, gates), :mod:`.exchange` (tokens to their experts' ranks and back
+with ``all_to_all_single``, the capacity cut), :mod:`.experts` (the expert MLPs, row-blocked for
+bitwise results), :mod:`.moe` (:class:`MoE`: forward, backward, gradient reduction over dp).
+"""
+
+from .exchange import DispatchPlan, expert_capacity
+from .experts import ROW_BLOCK, blocked_matmul
+from .moe import MoE, MoEContext, shard_experts
+from .routing import Routing, route
+
+__all__ = ["MoE", "MoEContext", "shard_experts", "expert_capacity"]
