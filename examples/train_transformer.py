@@ -3,6 +3,7 @@
     meshkit-run -n 4 examples/train_transformer.py --mesh dp=2,tp=2 --check
     meshkit-run -n 4 examples/train_transformer.py --mesh tp=2,dp=2 --no-causal --check
     meshkit-run -n 4 examples/train_transformer.py --mesh pp=2,dp=2 --schedule zbh1 --microbatches 4 --check
+    meshkit-run -n 4 examples/train_transformer.py --mesh dp=2,ep=2 --experts 4 --top-k 2 --check
     meshkit-run -n 2 examples/train_transformer.py --mesh tp=2 --heads 2 --check
     python examples/train_transformer.py --mesh dp=1 --steps 10 --check      # a world of one
 
@@ -15,16 +16,20 @@ their product is the world size:
 * ``dp``: the global batch split over ranks (each takes a contiguous, equal share);
 * ``tp``: attention's heads and each expert's hidden units split over ranks (Megatron: one
   all-reduce after the attention's output projection and one after the experts);
+* ``ep``: the experts split over ranks (:class:`meshkit.parallel.MoE`: each token dispatched to
+  its experts' ranks and combined back with ``all_to_all_single``), which also hold other
+  sequences, as data parallelism does (torchtitan's ep borrowing dp);
 * ``pp``: two pipeline stages, the attention and the experts, run by ``--schedule``
   (gpipe, 1f1b, zbh1: the backward split into input and weight gradients) over
   ``--microbatches``.
 
 Every step's data depends on the step alone (``transformer.batch_indices``), so the run equals
 single-process training on the global batch whatever the mesh: ``--check`` trains that
-reference and compares the final parameters (float64, 1e-10). The parameters are DTensors (tp's
-blocks); DDP averages the attention's and the router's gradients over the ranks holding other
-tokens and, separately, each expert's over the ranks holding the same expert; checkpoints
-(``--checkpoint-dir``, ``--save-every``, ``--resume``) resume on another ``--mesh``.
+reference and compares the final parameters (float64, 1e-10). The attention's parameters are
+DTensors (tp's blocks) whose gradients DDP averages over the ranks holding other tokens; the
+router's and the experts' gradients come out of the MoE layer reduced over the ranks sharing
+them. Checkpoints (``--checkpoint-dir``, ``--save-every``, ``--resume``) resume on another
+``--mesh``. The experts compute ``silu(h w1) w2`` (the library layer's), dropless.
 """
 
 from __future__ import annotations
@@ -42,13 +47,15 @@ import loop  # the examples' one training loop, beside this file
 import train_mlp  # flag types, checkpoint flags, --check's verdict
 import transformer as model_math  # the model, beside this file
 from meshkit.checkpoint import CheckpointManager, get_state_dict, set_state_dict
-from meshkit.parallel import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleZBH1, data_parallel
+from meshkit.parallel import (MoE, PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleZBH1, data_parallel,
+                              shard_experts)
+from meshkit.state import ShardedArray, StepCount
 from meshkit.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 #: The mesh dimensions ``--mesh`` knows.
 DIMS = ("dp", "cp", "tp", "ep", "pp")
 #: The dimensions this example runs today (cp, ep and pp come with their layers).
-SUPPORTED = ("dp", "tp", "pp")
+SUPPORTED = ("dp", "tp", "ep", "pp")
 
 
 # --------------------------------------------------------------------------- the mesh flag
@@ -77,8 +84,8 @@ def full_mesh(degrees: dict[str, int]) -> tuple[tuple[str, ...], tuple[int, ...]
 # --------------------------------------------------------------------------- parameters as DTensors
 #: Each stage's parameters: the attention's (stage 0), the router's and the experts' (stage 1).
 STAGE_PARAMS = (("wq", "wk", "wv", "wo"), ("router", "w1", "w2"))
-#: Parameters every rank holding other tokens has a copy of (their gradients averaged over them all).
-DENSE = ("wq", "wk", "wv", "wo", "router")
+#: Parameters in DDP: every rank holding other tokens has a copy (gradients averaged over them all).
+DENSE = ("wq", "wk", "wv", "wo")
 
 
 def placement_of(name: str) -> Any:
@@ -130,17 +137,16 @@ class Together:
 
 
 def build(args: argparse.Namespace, mesh: meshkit.DeviceMesh, stage: int | None) -> Together:
-    """This rank's parameters (all, or its pipeline stage's) as DTensors over tp, in a DDP for the
-    dense ones and one for the experts (collective over the mesh)."""
+    """This rank's parameters (all, or its pipeline stage's): the attention's as DTensors over tp
+    in a DDP over the ranks holding other tokens, the router's and the experts' in an
+    :class:`Experts` (collective over the mesh)."""
     full = model_math.init_params(config(args))
-    tp = mesh["tp"]
-    mine = [n for s, names in enumerate(STAGE_PARAMS) if stage in (None, s) for n in names]
-    tensors = {n: distribute_tensor(full[n], tp, [placement_of(n)], src_data_rank=None) for n in mine}
-    dense = {n: t for n, t in tensors.items() if n in DENSE}
-    experts = {n: t for n, t in tensors.items() if n not in DENSE}
     make = lambda: train_mlp.mlp.make_optimizer(args.optimizer, args.lr)  # noqa: E731
-    return Together([data_parallel(dense, mesh["tokens"], "ddp", optimizer=make()) if dense else None,
-                     data_parallel(experts, mesh["tokens"], "ddp", optimizer=make()) if experts else None])
+    dense = None
+    if stage in (None, 0):
+        tensors = {n: distribute_tensor(full[n], mesh["tp"], [placement_of(n)], src_data_rank=None) for n in DENSE}
+        dense = data_parallel(tensors, mesh["tokens"], "ddp", optimizer=make())
+    return Together([dense, Experts(full, mesh, make()) if stage in (None, 1) else None])
 
 
 def config(args: argparse.Namespace) -> model_math.Config:
@@ -175,36 +181,88 @@ class AttentionStage:
             self.grads[name] += g
 
 
+class Experts:
+    """The router and this rank's experts (``ep``: which experts; ``tp``: which hidden units), kept
+    out of DDP: :class:`meshkit.parallel.MoE` reduces their gradients itself, over the ranks that
+    share them. The protocol's calls for the loop, the optimizer on the local blocks, and the
+    checkpoint's boxes of the global arrays."""
+
+    def __init__(self, full: dict[str, np.ndarray], mesh: meshkit.DeviceMesh, optimizer: Any) -> None:
+        self.mesh = mesh
+        ep, tp = mesh["ep"], mesh["tp"]
+        e, h = full["w1"].shape[0], full["w1"].shape[2]
+        w1, w2 = shard_experts(full["w1"], full["w2"], ep.get_local_rank(), ep.size(), tp.get_local_rank(), tp.size())
+        self.params = {"router": full["router"].copy(), "w1": w1, "w2": w2}
+        self.shapes = {n: full[n].shape for n in self.params}
+        first, hs = ep.get_local_rank() * (e // ep.size()), tp.get_local_rank() * (h // tp.size())
+        self.offsets = {"router": (0, 0), "w1": (first, 0, hs), "w2": (first, hs, 0)}
+        # other ranks hold the same blocks: only the first of them saves (the router: one rank of the stage)
+        self.replica = {n: any(mesh[d].get_local_rank() for d in ("dp", "cp")) for n in ("w1", "w2")}
+        self.replica["router"] = any(mesh[d].get_local_rank() for d in ("dp", "cp", "ep", "tp"))
+        self.optimizer = optimizer
+        self.grads: dict[str, np.ndarray] = {}
+        self.units = [list(self.params)]
+
+    def zero_grad(self) -> None:
+        self.grads = {}
+
+    def mark_grad_ready(self, name: str, grad: np.ndarray) -> None:
+        self.grads[name] = grad
+
+    def step(self) -> None:
+        self.optimizer.step(self.params, self.grads)
+
+    def unshard(self, unit: int) -> Any:
+        return contextlib.nullcontext(self.params)
+
+    def prefetch(self, unit: int) -> None:
+        """Nothing to gather."""
+
+    def _boxes(self, name: str, local: np.ndarray) -> Any:
+        return [ShardedArray(local, self.shapes[name], self.offsets[name], replica=self.replica[name])]
+
+    def state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``(model, optim)`` as checkpoints take them: every array as this rank's box of the global one."""
+        model = {n: self._boxes(n, p) for n, p in self.params.items()}
+        state = {n: {k: self._boxes(n, v.reshape(p.shape)) for k, v in self.optimizer.materialize(n, p.reshape(-1)).items()}
+                 for n, p in self.params.items()}  # the optimizer's state arrays, as views of this rank's blocks
+        return model, {"state": state, "step": {n: StepCount(self.optimizer, n) for n in self.params}}
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """The full router and experts on every rank of the stage (an all-gather of the blocks)."""
+        group = self.mesh["stage"].get_group()
+        blocks: list[Any] = [None] * group.size
+        mine = {n: (self.offsets[n], p) for n, p in self.params.items()}
+        meshkit.all_gather_object(blocks, mine, group=group)
+        full = {n: np.zeros(shape) for n, shape in self.shapes.items()}
+        for part in blocks:
+            for n, (offsets, block) in part.items():
+                full[n][tuple(slice(o, o + s) for o, s in zip(offsets, block.shape))] = block
+        return {"params": full}
+
+
 class MoEStage:
-    """``out = h + moe(h)`` with this rank's hidden units of every expert (tp: partial outputs summed once)."""
+    """``out = h + moe(h)`` by :class:`meshkit.parallel.MoE`: tokens dispatched to their experts'
+    ranks over ``ep``, each expert's hidden units split over ``tp``; its gradients come out reduced."""
 
     names = STAGE_PARAMS[1]
 
-    def __init__(self, cfg: model_math.Config, tp: Any) -> None:
-        self.cfg, self.tp = cfg, tp
+    def __init__(self, cfg: model_math.Config, tp: Any, experts: Experts, mesh: meshkit.DeviceMesh) -> None:
+        p = experts.params
+        self.layer = MoE(p["router"], p["w1"], p["w2"], top_k=cfg.top_k, ep_group=mesh["ep"], tp_group=tp,
+                         dp_group=mesh["replicas"])
         self.params: dict[str, np.ndarray] = {}
         self.grads: dict[str, np.ndarray] = {}
 
     def forward(self, h: np.ndarray) -> tuple[np.ndarray, Any]:
         b, s, d = h.shape
-        moe, cache = model_math.moe_forward(h.reshape(b * s, d), self.params, self.cfg.top_k)
-        meshkit.all_reduce(moe, group=self.tp)
-        return h + moe.reshape(b, s, d), cache
+        y, ctx = self.layer.forward(np.ascontiguousarray(h.reshape(b * s, d)))
+        return h + y.reshape(b, s, d), ctx
 
-    def backward_input(self, cache: Any, dout: np.ndarray) -> tuple[np.ndarray, Any]:
-        """B: the input's gradient, which needs the experts' whole outputs (summed over tp) for the
-        gates; the weights' gradients come out of the same pass and wait for W."""
-        h, experts, gates, rcache, per_expert, contributions = cache
-        full = contributions.copy()
-        meshkit.all_reduce(full, group=self.tp)
-        shape = dout.shape
-        flat = dout.reshape(-1, shape[-1])
-        cache = (h, experts, gates, rcache, per_expert, full)
-        dh, grads = model_math.moe_backward(flat, cache, self.params)
-        router_path = model_math.router_input_grad(flat, cache, self.params)  # the same on every tp rank
-        experts_path = dh - router_path
-        meshkit.all_reduce(experts_path, group=self.tp)  # each rank's hidden units' share
-        return dout + (experts_path + router_path).reshape(shape), grads
+    def backward_input(self, ctx: Any, dout: np.ndarray) -> tuple[np.ndarray, Any]:
+        """B: the input's gradient; the weights' (reduced over the ranks sharing them) wait for W."""
+        dx, grads = self.layer.backward(ctx, np.ascontiguousarray(dout.reshape(-1, dout.shape[-1])))
+        return dout + dx.reshape(dout.shape), grads
 
     def backward_weight(self, grads: dict[str, np.ndarray]) -> None:
         for name, g in grads.items():
@@ -222,14 +280,16 @@ def run_stages(model: Together, stages: list[Any], run: Any) -> Any:
     accumulated gradient to ``model.mark_grad_ready`` as a DTensor laid out as its parameter."""
     with loop.unsharded(model) as params:
         for st in stages:
-            st.params = {n: params[n].to_local() for n in st.names}
+            st.params = {n: params[n].to_local() if isinstance(params[n], DTensor) else params[n] for n in st.names}
             st.grads = {n: np.zeros_like(st.params[n]) for n in st.names}
         try:
             result = run()
             for st in stages:
                 for name, g in st.grads.items():
                     p = params[name]
-                    model.mark_grad_ready(name, DTensor.from_local(g, p.device_mesh, p.placements, shape=p.shape))
+                    if isinstance(p, DTensor):
+                        g = DTensor.from_local(g, p.device_mesh, p.placements, shape=p.shape)
+                    model.mark_grad_ready(name, g)
         finally:
             for st in stages:
                 st.params, st.grads = {}, {}
@@ -253,7 +313,9 @@ def one_pass(stages: list[Any], x: np.ndarray, y: np.ndarray) -> list[float]:
 def build_mesh(args: argparse.Namespace) -> meshkit.DeviceMesh:
     names, sizes = full_mesh(args.mesh)
     mesh = meshkit.init_device_mesh("cpu", sizes, mesh_dim_names=names)
-    mesh[tuple(d for d in names if d in ("dp", "ep", "cp"))].flatten("tokens")
+    mesh[tuple(d for d in names if d in ("dp", "ep", "cp"))].flatten("tokens")  # different tokens, one model
+    mesh[tuple(d for d in names if d in ("dp", "cp"))].flatten("replicas")  # different tokens, the same experts
+    mesh[tuple(d for d in names if d != "pp")].flatten("stage")  # one pipeline stage's ranks
     return mesh
 
 
@@ -265,12 +327,13 @@ def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np
     mesh = build_mesh(args)
     cfg = config(args)
     x, y = model_math.make_data(args.samples, args.seq, cfg)
-    pp, dp, tp = mesh["pp"], mesh["dp"], mesh["tp"].get_group()
+    pp, tp, tokens = mesh["pp"], mesh["tp"].get_group(), mesh["tokens"]
     piped = pp.size() > 1
     stage = pp.get_local_rank() if piped else None
     model = build(args, mesh, stage)
-    classes = (AttentionStage, MoEStage)
-    stages = [classes[s](cfg, tp) for s in range(2) if stage in (None, s)]
+    experts = next((s for s in model.strategies if isinstance(s, Experts)), None)
+    stages = ([AttentionStage(cfg, tp)] if stage in (None, 0) else []) + \
+             ([MoEStage(cfg, tp, experts, mesh)] if stage in (None, 1) else [])
     schedule = None
     if piped:
         pipe = PipelineStage(stages[0].forward, None, stage, 2, group=pp, backward_input=stages[0].backward_input,
@@ -280,7 +343,8 @@ def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np
     start = resume(manager, model, args) if args.resume else 0
 
     def run_pass(model: Together, step: int) -> list[float] | None:
-        idx = np.array_split(model_math.batch_indices(step, args.samples, args.batch), dp.size())[dp.get_local_rank()]
+        batch = model_math.batch_indices(step, args.samples, args.batch)
+        idx = np.array_split(batch, tokens.size())[tokens.get_local_rank()]  # a contiguous share per token rank
         if schedule is None:
             return run_stages(model, stages, lambda: one_pass(stages, x[idx], y[idx]))
         return run_stages(model, stages, lambda: schedule.step(x[idx] if stage == 0 else None,
@@ -321,7 +385,7 @@ def state_dict(model: Together, step: int) -> dict[str, Any]:
     """This rank's parameters and optimizer state (views; keys by global name, so any mesh loads them)."""
     merged: dict[str, Any] = {"model": {}, "optim": {"state": {}, "step": {}}, "step": step}
     for strategy in model.strategies:
-        model_sd, optim_sd = get_state_dict(strategy)
+        model_sd, optim_sd = strategy.state_dict() if isinstance(strategy, Experts) else get_state_dict(strategy)
         merged["model"].update(model_sd)
         for key in ("state", "step"):
             merged["optim"][key].update(optim_sd[key])
@@ -348,7 +412,9 @@ def resume(manager: CheckpointManager, model: Together, args: argparse.Namespace
     if step > args.steps:
         train_mlp.usage_error(f"argument --steps: {args.steps} is below the step of the checkpoint in "
                               f"{manager.directory} (step {step}); give --steps {step} or more")
-    for strategy in model.strategies:
+    for strategy in model.strategies:  # (the experts' blocks were loaded in place: their state dict is views)
+        if isinstance(strategy, Experts):
+            continue
         names = set(strategy.params)
         set_state_dict(strategy, model_state_dict={n: v for n, v in sd["model"].items() if n in names},
                        optim_state_dict={key: {n: v for n, v in sd["optim"][key].items() if n in names}
@@ -402,14 +468,17 @@ def _problem(args: argparse.Namespace, world_size: int) -> str | None:
     later = [d for d, n in args.mesh.items() if d not in SUPPORTED and n > 1]
     if later:
         return f"argument --mesh: {', '.join(later)} > 1 is not supported by this example yet (it runs {SUPPORTED})"
-    dp, tp, pp = args.mesh.get("dp", 1), args.mesh.get("tp", 1), args.mesh.get("pp", 1)
+    dp, tp, pp, ep = (args.mesh.get(d, 1) for d in ("dp", "tp", "pp", "ep"))
     if pp > 2:
         return f"argument --mesh: pp={pp}, but the block has two stages (attention, the experts): use pp=1 or pp=2"
-    if args.batch % dp:
-        return f"argument --batch: {args.batch} does not divide over dp={dp}; use a multiple of {dp}"
-    if pp == 2 and (args.batch // dp) % args.microbatches:
-        return (f"argument --microbatches: {args.microbatches} does not divide each dp rank's batch of "
-                f"{args.batch // dp} sequences")
+    if args.batch % (dp * ep):
+        return (f"argument --batch: {args.batch} does not divide over dp x ep = {dp * ep} ranks holding other "
+                f"sequences; use a multiple of {dp * ep}")
+    if args.experts % ep:
+        return f"argument --experts: {args.experts} does not divide over ep={ep}; use a multiple of {ep}"
+    if pp == 2 and (args.batch // (dp * ep)) % args.microbatches:
+        return (f"argument --microbatches: {args.microbatches} does not divide each rank's batch of "
+                f"{args.batch // (dp * ep)} sequences")
     if args.heads % tp:
         return f"argument --heads: {args.heads} does not divide over tp={tp}; use a multiple of {tp}"
     if args.ffn % tp:

@@ -8,7 +8,7 @@ The block, on ``x`` of shape ``(batch, seq, dim)``::
 
     h   = x + attention(x)         # heads x head_dim, softmax(q k^T / sqrt(head_dim)) v, causal or not
     out = h + moe(h)               # router softmax over experts, top-k, gates renormalized over the k,
-                                   # each expert relu(h w1) w2
+                                   # each expert silu(h w1) w2 (meshkit.parallel.MoE's)
     loss = mean((out - y) ** 2) / 2
 
 Parameters (float64): ``wq``, ``wk``, ``wv`` ``(dim, heads, head_dim)``, ``wo`` ``(heads, head_dim,
@@ -129,7 +129,7 @@ def moe_forward(h: np.ndarray, p: dict[str, np.ndarray], top_k: int) -> tuple[np
     for e in range(p["w1"].shape[0]):
         rows, slots = np.nonzero(experts == e)  # tokens in order: what an expert sees is fixed
         pre = h[rows] @ p["w1"][e]
-        act = np.maximum(pre, 0)
+        act = pre / (1 + np.exp(-pre))  # silu
         y = act @ p["w2"][e]
         per_expert.append((rows, slots, pre, act, y))
     contributions = np.zeros((h.shape[0], top_k, h.shape[1]))
@@ -148,7 +148,8 @@ def moe_backward(dout: np.ndarray, cache: Any, p: dict[str, np.ndarray]) -> tupl
     for e, (rows, slots, pre, act, _) in enumerate(per_expert):
         dy = gates[rows, slots, None] * dout[rows]
         grads["w2"][e] = act.T @ dy
-        dpre = (dy @ p["w2"][e].T) * (pre > 0)
+        sig = 1 / (1 + np.exp(-pre))
+        dpre = (dy @ p["w2"][e].T) * (sig * (1 + pre * (1 - sig)))
         grads["w1"][e] = h[rows].T @ dpre
         np.add.at(dh, rows, dpre @ p["w1"][e].T)
     dlogits = _router_logits_grad(dgates, probs, experts, picked)

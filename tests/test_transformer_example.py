@@ -43,6 +43,8 @@ def test_the_hand_written_backward_matches_finite_differences(causal):
     ("tp=2,dp=2", 4, ["--heads", "2", "--ffn", "4"]), ("tp=4", 4, ["--optimizer", "sgd"]),
     ("pp=2", 2, []), ("pp=2,dp=2", 4, ["--schedule", "zbh1", "--microbatches", "4"]),
     ("dp=2,pp=2", 4, ["--schedule", "gpipe", "--no-causal"]), ("pp=2,tp=2", 4, []),
+    ("ep=2", 2, []), ("dp=2,ep=2", 4, []), ("ep=2,tp=2", 4, []), ("ep=4", 4, ["--experts", "8"]),
+    ("pp=2,ep=2", 4, ["--schedule", "zbh1"]), ("dp=2,ep=2,tp=2", 8, ["--top-k", "3"]),
 ])
 def test_every_mesh_trains_to_the_single_process_result(mesh, world, extra):
     args = train_transformer.parse_args(["--mesh", mesh, "--steps", "6", *extra], world_size=world)
@@ -60,11 +62,13 @@ def test_every_mesh_trains_to_the_single_process_result(mesh, world, extra):
     (["--mesh", "dp=0"], 1, r"argument --mesh: dp's degree must be an integer >= 1, got '0'"),
     (["--mesh", "tp=2", "--heads", "3"], 2, r"argument --heads: 3 does not divide over tp=2"),
     (["--mesh", "tp=2", "--ffn", "5"], 2, r"argument --ffn: 5 does not divide over tp=2"),
-    (["--mesh", "dp=3", "--batch", "8"], 3, r"argument --batch: 8 does not divide over dp=3"),
+    (["--mesh", "dp=3", "--batch", "8"], 3, r"argument --batch: 8 does not divide over dp x ep = 3 ranks"),
     (["--top-k", "5"], 1, r"argument --top-k: 5 is larger than --experts 4"),
     (["--mesh", "pp=3"], 3, r"argument --mesh: pp=3, but the block has two stages"),
+    (["--mesh", "ep=3"], 3, r"argument --batch: 8 does not divide over dp x ep = 3 ranks"),
+    (["--mesh", "ep=2", "--experts", "3"], 2, r"argument --experts: 3 does not divide over ep=2"),
     (["--mesh", "pp=2,dp=2", "--microbatches", "3"], 4,
-     r"argument --microbatches: 3 does not divide each dp rank's batch of 4 sequences"),
+     r"argument --microbatches: 3 does not divide each rank's batch of 4 sequences"),
 ])
 def test_bad_flags_are_usage_errors_naming_the_flag(argv, world, message, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -76,7 +80,7 @@ def test_bad_flags_are_usage_errors_naming_the_flag(argv, world, message, capsys
 
 def test_it_resumes_on_another_mesh_and_still_equals_single_process_training(tmp_path):
     common = ["--steps", "6", "--checkpoint-dir", str(tmp_path)]
-    first = train_transformer.parse_args(["--mesh", "dp=2,tp=2", *common, "--steps", "4", "--save-every", "2"],
+    first = train_transformer.parse_args(["--mesh", "ep=2,tp=2", *common, "--steps", "4", "--save-every", "2"],
                                          world_size=4)
     local.run(lambda: train_transformer.train(first, progress=False), 4, timeout=60)
     then = train_transformer.parse_args(["--mesh", "pp=2", *common, "--resume"], world_size=2)
