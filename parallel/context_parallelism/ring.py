@@ -1,0 +1,206 @@
+"""Ring attention: K/V blocks travel around the context-parallel ring while the current block computes.
+
+Forward (Liu et al., *Ring Attention with Blockwise Transformers*, 2023): at step t rank r holds the K/V
+block of rank ``r - t``; it posts ``isend`` of that block to ``r + 1`` and ``irecv`` of the next from
+``r - 1``, computes its queries against the block it holds, merges the partial result by log-sum-exp
+(:func:`.attention.merge`) and only then waits: the transfer hides behind the compute. ``cp - 1`` steps
+move K and V, so each rank sends ``(cp - 1) / cp`` of the global K and V per pass (even lengths).
+
+Backward (FlashAttention-2's, ring-flash-attention's order): K/V travel the same ring again, and with
+each block travels its dK/dV accumulator: a rank adds its queries' share to the block's accumulator and
+sends it on; after ``cp`` hops every accumulator is back with its block's owner. The accumulator sent
+after step t is received while step t + 1 computes. dQ stays home.
+
+Causal attention skips the blocks no query sees and masks only the diagonal ones, working chunk by chunk
+(:mod:`.sequence`'s chunks): with ``balanced=True`` (head-tail) every rank computes the same number of
+scores, recorded on the context (``score_entries``) so it can be checked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from ...comm import DistValueError, ProcessGroup, Work
+from ...mesh import DeviceMesh
+from ..arrays import array_namespace
+from ..checks import where
+from .agreement import agree
+from .attention import block_backward, block_forward, mask_kind, merge, score_entries
+from .sequence import SequenceSharding, cp_group
+
+__all__ = ["RingAttentionContext", "ring_attention", "ring_attention_backward"]
+
+#: Tags of the ring's messages (one per kind, so K, V and their accumulators never match each other).
+TAG_K, TAG_V, TAG_DK, TAG_DV = 0, 1, 2, 3
+
+
+@dataclasses.dataclass
+class RingAttentionContext:
+    """What :func:`ring_attention_backward` needs of a forward, and the work each pass counted.
+
+    ``score_entries``: (query, key) scores this rank computed in the forward (batch x heads x queries x keys
+    of every block not skipped); ``backward_score_entries`` the same in the backward, once it ran.
+    """
+
+    group: ProcessGroup
+    sharding: SequenceSharding
+    causal: bool
+    scale: float
+    q: Any
+    k: Any
+    v: Any
+    out: Any
+    lse: Any
+    score_entries: int = 0
+    backward_score_entries: int = 0
+
+
+def _pairs(sharding: SequenceSharding, causal: bool, rank: int, src: int) -> list[tuple[slice, slice, str]]:
+    """``(query rows, key rows, mask)`` to compute between rank's queries and rank ``src``'s keys."""
+    if not causal:
+        return [(slice(None), slice(None), "none")]
+    out = []
+    qo = 0
+    for qa, qb in sharding.pieces(rank):
+        ko = 0
+        for ka, kb in sharding.pieces(src):
+            kind = mask_kind((qa, qb), (ka, kb))
+            if kind != "skip":
+                out.append((slice(qo, qo + qb - qa), slice(ko, ko + kb - ka), kind))
+            ko += kb - ka
+        qo += qb - qa
+    return out
+
+
+def _rows(x: Any, rows: slice) -> Any:
+    return x[..., rows, :]
+
+
+def _shift(group: ProcessGroup, send: list[Any], recv: list[Any], tags: tuple[int, ...]) -> list[Work]:
+    """Post the receives from the previous rank, then the sends to the next (all before any wait)."""
+    prev, nxt = (group.rank - 1) % group.size, (group.rank + 1) % group.size
+    works = [group.irecv(buf, prev, tag) for buf, tag in zip(recv, tags)]
+    return works + [group.isend(buf, nxt, tag) for buf, tag in zip(send, tags)]
+
+
+def _like_block(x: Any, length: int) -> Any:
+    xp = array_namespace(x)
+    return xp.empty(x.shape[:-2] + (length, x.shape[-1]), dtype=x.dtype)
+
+
+def ring_attention(q: Any, k: Any, v: Any, group: ProcessGroup | DeviceMesh | None = None, *, causal: bool = False,
+                   balanced: bool = False, scale: float | None = None) -> tuple[Any, RingAttentionContext]:
+    """Softmax attention over the whole sequence, each rank holding its shard of q, k and v (collective).
+
+    Args:
+        q, k, v: this rank's tokens, ``(*batch, heads, local_sequence, head_dim)`` (``v`` may have
+            another head_dim), sharded as :func:`shard_sequence` shards them with the same ``balanced``.
+        group: the context-parallel group: a ProcessGroup, a 1-D mesh (``mesh["cp"]``) or None (world).
+        causal: query at global position i sees keys at positions <= i.
+        balanced: the inputs are head-tail sharded (each rank one early and one late chunk).
+        scale: scores are ``q @ k.T * scale``; default ``1 / sqrt(head_dim)``.
+
+    Returns:
+        ``(out, ctx)``: this rank's rows of the attention output, shaped like ``q`` (with v's
+        head_dim), equal to full attention's rows at this rank's positions; ``ctx`` for
+        :func:`ring_attention_backward`.
+
+    Raises:
+        DistValueError: on every rank, for a sequence that cannot be split as asked or shapes that disagree.
+
+    Example (cp = 2, a 6-token sequence, not balanced)::
+
+        q_local = shard_sequence(q, mesh["cp"])          # rank 0: tokens 0-2, rank 1: tokens 3-5
+        out, ctx = ring_attention(q_local, k_local, v_local, mesh["cp"], causal=True)
+        dq, dk, dv = ring_attention_backward(ctx, dout_local)
+    """
+    g = cp_group("ring_attention", group)
+    sharding = agree("ring_attention", g, q, k, v, causal=causal, balanced=balanced, scale=scale)
+    xp = array_namespace(q)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    q, k, v = (xp.ascontiguousarray(x) for x in (q, k, v))
+    rank, cp = g.rank, g.size
+    q_pos = xp.asarray(sharding.positions(rank))
+    out = xp.zeros(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype)
+    lse = xp.full(q.shape[:-1], -xp.inf, dtype=q.dtype)
+    ctx = RingAttentionContext(g, sharding, causal, scale, q, k, v, out, lse)
+    cur_k, cur_v = k, v
+    for step in range(cp):
+        src = (rank - step) % cp
+        works: list[Work] = []
+        if step < cp - 1:
+            nxt_len = sharding.local_length((src - 1) % cp)
+            nk, nv = _like_block(k, nxt_len), _like_block(v, nxt_len)
+            works = _shift(g, [cur_k, cur_v], [nk, nv], (TAG_K, TAG_V))
+        k_pos = xp.asarray(sharding.positions(src))
+        for rows, cols, kind in _pairs(sharding, causal, rank, src):
+            qb, kb, vb = _rows(q, rows), _rows(cur_k, cols), _rows(cur_v, cols)
+            qp, kp = (q_pos[rows], k_pos[cols]) if kind == "partial" else (None, None)
+            bo, bl = block_forward(qb, kb, vb, scale, qp, kp)
+            o, l = merge(_rows(out, rows), lse[..., rows], bo, bl)
+            out[..., rows, :], lse[..., rows] = o, l
+            ctx.score_entries += score_entries(qb, kb)
+        for w in works:
+            w.wait()
+        if works:
+            cur_k, cur_v = nk, nv
+    return out, ctx
+
+
+def ring_attention_backward(ctx: RingAttentionContext, dout: Any) -> tuple[Any, Any, Any]:
+    """``(dq, dk, dv)`` of this rank's shards, given ``dout`` (this rank's rows of the output's gradient).
+
+    Collective over ``ctx.group``: a second ring pass, dK/dV travelling with their K/V blocks.
+    """
+    g, sharding, scale = ctx.group, ctx.sharding, ctx.scale
+    q, k, v, out, lse = ctx.q, ctx.k, ctx.v, ctx.out, ctx.lse
+    xp = array_namespace(q)
+    if tuple(dout.shape) != tuple(out.shape):
+        raise DistValueError(f"{where('ring_attention_backward', g)}: dout has shape {tuple(dout.shape)} but the "
+                             f"forward's output has {tuple(out.shape)}")
+    dout = xp.ascontiguousarray(dout, dtype=out.dtype)
+    rank, cp = g.rank, g.size
+    delta = xp.sum(dout * out, axis=-1)
+    q_pos = xp.asarray(sharding.positions(rank))
+    dq = xp.zeros_like(q)
+    cur_k, cur_v = k, v
+    acc_works: list[Work] = []
+    acc_in: tuple[Any, Any] | None = None
+    ctx.backward_score_entries = 0
+    for step in range(cp):
+        src = (rank - step) % cp
+        kv_works: list[Work] = []
+        if step < cp - 1:
+            nxt_len = sharding.local_length((src - 1) % cp)
+            nk, nv = _like_block(k, nxt_len), _like_block(v, nxt_len)
+            kv_works = _shift(g, [cur_k, cur_v], [nk, nv], (TAG_K, TAG_V))
+        k_pos = xp.asarray(sharding.positions(src))
+        dk_acc, dv_acc = xp.zeros_like(cur_k), xp.zeros_like(cur_v)
+        for rows, cols, kind in _pairs(sharding, ctx.causal, rank, src):
+            qb, kb, vb = _rows(q, rows), _rows(cur_k, cols), _rows(cur_v, cols)
+            qp, kp = (q_pos[rows], k_pos[cols]) if kind == "partial" else (None, None)
+            bq, bk, bv = block_backward(qb, kb, vb, _rows(dout, rows), lse[..., rows], delta[..., rows], scale, qp, kp)
+            dq[..., rows, :] += bq
+            dk_acc[..., cols, :] += bk
+            dv_acc[..., cols, :] += bv
+            ctx.backward_score_entries += score_entries(qb, kb)
+        if cp == 1:
+            return dq, dk_acc, dv_acc
+        for w in acc_works:  # the accumulators of this block, received while it computed
+            w.wait()
+        if acc_in is not None:
+            dk_acc += acc_in[0]
+            dv_acc += acc_in[1]
+        # this block's accumulators go on to the next rank, which holds the block at step + 1 (or owns it)
+        incoming = sharding.local_length((src - 1) % cp)
+        acc_in = (_like_block(k, incoming), _like_block(v, incoming))
+        acc_works = _shift(g, [dk_acc, dv_acc], list(acc_in), (TAG_DK, TAG_DV))
+        for w in kv_works:
+            w.wait()
+        if kv_works:
+            cur_k, cur_v = nk, nv
+    for w in acc_works:
+        w.wait()
+    return dq, acc_in[0], acc_in[1]
