@@ -9,7 +9,9 @@ rank's arguments on every rank first.
 """
 
 from .ring import RingAttentionContext, ring_attention, ring_attention_backward
+from .ulysses import UlyssesContext, ulysses_attention, ulysses_attention_backward
 from .sequence import SequenceSharding, sequence_positions, shard_sequence, unshard_sequence
 
-__all__ = ["ring_attention", "ring_attention_backward", "RingAttentionContext", "SequenceSharding",
+__all__ = ["ring_attention", "ring_attention_backward", "RingAttentionContext", "ulysses_attention",
+           "ulysses_attention_backward", "UlyssesContext", "SequenceSharding",
            "shard_sequence", "unshard_sequence", "sequence_positions"]
