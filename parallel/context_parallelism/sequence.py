@@ -43,7 +43,7 @@ class SequenceSharding:
         chunks = 2 * self.cp if self.balanced else self.cp
         if self.cp < 1 or self.length < chunks:
             how = f"2 * cp = {chunks} chunks (balanced)" if self.balanced else f"cp = {self.cp} chunks"
-            raise DistValueError(f"meshkit.parallel: SequenceSharding: a sequence of length={self.length} tokens "
+            raise DistValueError(f"{where('SequenceSharding')}: a sequence of length={self.length} tokens "
                                  f"cannot be split into {how}; it needs at least one token per chunk")
 
     @property
