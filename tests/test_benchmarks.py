@@ -285,3 +285,14 @@ def test_elastic_benchmark_kills_a_rank_and_reports_every_phase(tmp_path):
     assert re.search(r"killed / uninterrupted wall time: \d+\.\d\dx", result.stdout), result.stdout
     (entry,) = json.loads(out_json.read_text())["restarts"]
     assert entry["rank"] == 1 and entry["complete"] and entry["ranks_after"] == 2, entry
+
+
+def test_context_parallel_benchmark_times_compute_comm_and_the_ring(mpirun, tmp_path):
+    """benchmarks/context_parallel.py at its smallest: both phases, every figure there (no timing asserted)."""
+    out_json = tmp_path / "cp.json"
+    out = mpirun(BENCHMARKS / "context_parallel.py", 2, "--seq", "16", "--heads", "2", "--head-dim", "4", "--rounds",
+                 "1", "--warmup", "0", "--no-progress", "--json", str(out_json)).stdout
+    rows = json.loads(out_json.read_text())["rows"]
+    assert [r["phase"] for r in rows] == ["forward", "backward"], rows
+    assert all(r["compute_s"] > 0 and r["comm_s"] > 0 and r["ring_s"] > 0 and 0 <= r["hidden"] <= 1 for r in rows)
+    assert "hidden comm" in out and re.search(r"forward\s+2\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+\d+%", out), out

@@ -30,7 +30,7 @@ from .agreement import agree
 from .attention import block_backward, block_forward, mask_kind, merge, score_entries
 from .sequence import SequenceSharding, cp_group
 
-__all__ = ["RingAttentionContext", "ring_attention", "ring_attention_backward"]
+__all__ = ["RingAttentionContext", "ring_attention", "ring_attention_backward", "block_pairs"]
 
 #: Tags of the ring's messages (one per kind, so K, V and their accumulators never match each other).
 TAG_K, TAG_V, TAG_DK, TAG_DV = 0, 1, 2, 3
@@ -57,7 +57,7 @@ class RingAttentionContext:
     backward_score_entries: int = 0
 
 
-def _pairs(sharding: SequenceSharding, causal: bool, rank: int, src: int) -> list[tuple[slice, slice, str]]:
+def block_pairs(sharding: SequenceSharding, causal: bool, rank: int, src: int) -> list[tuple[slice, slice, str]]:
     """``(query rows, key rows, mask)`` to compute between rank's queries and rank ``src``'s keys."""
     if not causal:
         return [(slice(None), slice(None), "none")]
@@ -135,7 +135,7 @@ def ring_attention(q: Any, k: Any, v: Any, group: ProcessGroup | DeviceMesh | No
             nk, nv = _like_block(k, nxt_len), _like_block(v, nxt_len)
             works = _shift(g, [cur_k, cur_v], [nk, nv], (TAG_K, TAG_V))
         k_pos = xp.asarray(sharding.positions(src))
-        for rows, cols, kind in _pairs(sharding, causal, rank, src):
+        for rows, cols, kind in block_pairs(sharding, causal, rank, src):
             qb, kb, vb = _rows(q, rows), _rows(cur_k, cols), _rows(cur_v, cols)
             qp, kp = (q_pos[rows], k_pos[cols]) if kind == "partial" else (None, None)
             bo, bl = block_forward(qb, kb, vb, scale, qp, kp)
@@ -178,7 +178,7 @@ def ring_attention_backward(ctx: RingAttentionContext, dout: Any) -> tuple[Any, 
             kv_works = _shift(g, [cur_k, cur_v], [nk, nv], (TAG_K, TAG_V))
         k_pos = xp.asarray(sharding.positions(src))
         dk_acc, dv_acc = xp.zeros_like(cur_k), xp.zeros_like(cur_v)
-        for rows, cols, kind in _pairs(sharding, ctx.causal, rank, src):
+        for rows, cols, kind in block_pairs(sharding, ctx.causal, rank, src):
             qb, kb, vb = _rows(q, rows), _rows(cur_k, cols), _rows(cur_v, cols)
             qp, kp = (q_pos[rows], k_pos[cols]) if kind == "partial" else (None, None)
             bq, bk, bv = block_backward(qb, kb, vb, _rows(dout, rows), lse[..., rows], delta[..., rows], scale, qp, kp)
