@@ -64,7 +64,8 @@ def _shift(group: Any, bufs: list[Any]) -> list[Any]:
     """One ring step of ``bufs`` (as the ring posts it); returns the received buffers."""
     prev, nxt = (group.rank - 1) % group.size, (group.rank + 1) % group.size
     got = [np.empty_like(b) for b in bufs]
-    works = [group.irecv(g, prev, i) for i, g in enumerate(got)] + [group.isend(b, nxt, i) for i, b in enumerate(bufs)]
+    works = meshkit.batch_isend_irecv([meshkit.P2POp(meshkit.irecv, g, group=group, group_peer=prev) for g in got]
+                                      + [meshkit.P2POp(meshkit.isend, b, group=group, group_peer=nxt) for b in bufs])
     for w in works:
         w.wait()
     return got

@@ -233,3 +233,28 @@ def test_a_sequence_shorter_than_its_chunks_and_a_wrong_dout_are_named():
 def test_ring_and_ulysses_on_real_processes(mpirun, n):
     out = mpirun("mpi_context_parallel.py", n).stdout
     assert out.count("context parallel OK") == n, out
+
+
+# --------------------------------------------------------------------------- device arrays
+@pytest.mark.parametrize("variant", ["ring", "ulysses"])
+def test_device_arrays_stay_on_the_device_and_equal_the_host_reference(cupy, variant):
+    """CuPy arrays (tests/fake_cupy.py, strict: no implicit host copies) over the NCCL engine on the double:
+    the math takes its library from the arrays, every result is a device array."""
+    import fake_cupy
+
+    shape = (1, 4, 9, 3)
+    q, k, v, dout = inputs(shape)
+    forward, backward = VARIANTS[variant]
+    want = reference(q, k, v, dout, True)
+
+    def rank():
+        meshkit.init_process_group("nccl", timeout=60)
+        mine = [shard_sequence(cupy.asarray(x), balanced=True) for x in (q, k, v, dout)]
+        out, ctx = forward(*mine[:3], causal=True, balanced=True)
+        got = (out, *backward(ctx, mine[3]))
+        assert all(isinstance(x, fake_cupy.ndarray) for x in got)
+        return [unshard_sequence(x, shape[-2], balanced=True).get() for x in got]
+
+    for got in local.run(rank, 2, init=False, timeout=120):
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a, b, rtol=0, atol=TOL)

@@ -2,7 +2,7 @@
 
 Forward (Liu et al., *Ring Attention with Blockwise Transformers*, 2023): at step t rank r holds the K/V
 block of rank ``r - t``; it posts ``isend`` of that block to ``r + 1`` and ``irecv`` of the next from
-``r - 1``, computes its queries against the block it holds, merges the partial result by log-sum-exp
+``r - 1`` (one ``batch_isend_irecv``), computes its queries against the block it holds, merges the partial result by log-sum-exp
 (:func:`.attention.merge`) and only then waits: the transfer hides behind the compute. ``cp - 1`` steps
 move K and V, so each rank sends ``(cp - 1) / cp`` of the global K and V per pass (even lengths).
 
@@ -22,7 +22,7 @@ import dataclasses
 import math
 from typing import Any
 
-from ...comm import DistValueError, ProcessGroup, Work
+from ...comm import DistValueError, P2POp, ProcessGroup, Work, batch_isend_irecv, irecv, isend
 from ...mesh import DeviceMesh
 from ..arrays import array_namespace
 from ..checks import where
@@ -32,8 +32,6 @@ from .sequence import SequenceSharding, cp_group
 
 __all__ = ["RingAttentionContext", "ring_attention", "ring_attention_backward", "block_pairs"]
 
-#: Tags of the ring's messages (one per kind, so K, V and their accumulators never match each other).
-TAG_K, TAG_V, TAG_DK, TAG_DV = 0, 1, 2, 3
 
 
 @dataclasses.dataclass
@@ -78,11 +76,13 @@ def _rows(x: Any, rows: slice) -> Any:
     return x[..., rows, :]
 
 
-def _shift(group: ProcessGroup, send: list[Any], recv: list[Any], tags: tuple[int, ...]) -> list[Work]:
-    """Post the receives from the previous rank, then the sends to the next (all before any wait)."""
+def _shift(group: ProcessGroup, send: list[Any], recv: list[Any]) -> list[Work]:
+    """One ring step: receive ``recv`` from the previous rank, send ``send`` to the next, posted as one
+    batch (NCCL groups it, so the ring cannot deadlock). Tag 0 throughout, as NCCL has no tags: every
+    rank posts K, V (and dK, dV) in the same order, and messages between two ranks match in order."""
     prev, nxt = (group.rank - 1) % group.size, (group.rank + 1) % group.size
-    works = [group.irecv(buf, prev, tag) for buf, tag in zip(recv, tags)]
-    return works + [group.isend(buf, nxt, tag) for buf, tag in zip(send, tags)]
+    return batch_isend_irecv([P2POp(irecv, buf, group=group, group_peer=prev) for buf in recv]
+                             + [P2POp(isend, buf, group=group, group_peer=nxt) for buf in send])
 
 
 def _like_block(x: Any, length: int) -> Any:
@@ -133,7 +133,7 @@ def ring_attention(q: Any, k: Any, v: Any, group: ProcessGroup | DeviceMesh | No
         if step < cp - 1:
             nxt_len = sharding.local_length((src - 1) % cp)
             nk, nv = _like_block(k, nxt_len), _like_block(v, nxt_len)
-            works = _shift(g, [cur_k, cur_v], [nk, nv], (TAG_K, TAG_V))
+            works = _shift(g, [cur_k, cur_v], [nk, nv])
         k_pos = xp.asarray(sharding.positions(src))
         for rows, cols, kind in block_pairs(sharding, causal, rank, src):
             qb, kb, vb = _rows(q, rows), _rows(cur_k, cols), _rows(cur_v, cols)
@@ -175,7 +175,7 @@ def ring_attention_backward(ctx: RingAttentionContext, dout: Any) -> tuple[Any, 
         if step < cp - 1:
             nxt_len = sharding.local_length((src - 1) % cp)
             nk, nv = _like_block(k, nxt_len), _like_block(v, nxt_len)
-            kv_works = _shift(g, [cur_k, cur_v], [nk, nv], (TAG_K, TAG_V))
+            kv_works = _shift(g, [cur_k, cur_v], [nk, nv])
         k_pos = xp.asarray(sharding.positions(src))
         dk_acc, dv_acc = xp.zeros_like(cur_k), xp.zeros_like(cur_v)
         for rows, cols, kind in block_pairs(sharding, ctx.causal, rank, src):
@@ -196,7 +196,7 @@ def ring_attention_backward(ctx: RingAttentionContext, dout: Any) -> tuple[Any, 
         # this block's accumulators go on to the next rank, which holds the block at step + 1 (or owns it)
         incoming = sharding.local_length((src - 1) % cp)
         acc_in = (_like_block(k, incoming), _like_block(v, incoming))
-        acc_works = _shift(g, [dk_acc, dv_acc], list(acc_in), (TAG_DK, TAG_DV))
+        acc_works = _shift(g, [dk_acc, dv_acc], list(acc_in))
         for w in kv_works:
             w.wait()
         if kv_works:
