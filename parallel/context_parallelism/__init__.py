@@ -4,7 +4,7 @@
 attention) and shards and unshards; :mod:`.attention` is the local blockwise math (a block's
 forward with its log-sum-exp, the exact merge, FlashAttention-2's backward); :mod:`.ring` passes
 K/V blocks around the ring (:func:`ring_attention`), :mod:`.ulysses` trades sequence sharding for
-head sharding with two all-to-alls (:func:`ulysses_attention`); :mod:`.agreement` checks every
+head sharding with two all-to-alls (:func:`ulysses_attention`); :mod:`.arguments` checks every
 rank's arguments on every rank first.
 """
 

@@ -26,7 +26,7 @@ from ...comm import DistValueError, P2POp, ProcessGroup, Work, batch_isend_irecv
 from ...mesh import DeviceMesh
 from ..arrays import array_namespace
 from ..checks import where
-from .agreement import agree
+from .arguments import agree
 from .attention import block_backward, block_forward, mask_kind, merge, score_entries
 from .sequence import SequenceSharding, cp_group
 

@@ -5,7 +5,7 @@ tokens to rank j, so each rank then holds ``heads / cp`` heads over the whole se
 attention on them (causal by global position, so any sharding, balanced or not, masks right), and a
 second all-to-all brings its output back to sequence shards. The backward moves ``dout`` the same way,
 differentiates the local attention (FlashAttention-2's formulas with the saved log-sum-exp) and sends
-dq, dk, dv back. Heads must divide by cp (checked on every rank, :mod:`.agreement`). Each rank computes
+dq, dk, dv back. Heads must divide by cp (checked on every rank, :mod:`.arguments`). Each rank computes
 ``heads / cp`` heads x sequence x sequence scores, balanced or not.
 
 Uneven sequence shards travel as one flat buffer each way, with per-rank split sizes.
@@ -23,7 +23,7 @@ from ...comm import DistValueError, ProcessGroup
 from ...mesh import DeviceMesh
 from ..arrays import array_namespace
 from ..checks import where
-from .agreement import agree
+from .arguments import agree
 from .attention import block_backward, block_forward, score_entries
 from .sequence import SequenceSharding, cp_group
 
