@@ -1,4 +1,5 @@
-"""Every rank of the context-parallel group checks every rank's q, k, v before any block moves.
+"""Every rank of the context-parallel group checks every rank's q, k, v before any block moves; what a
+forward saves of them for its backward (:class:`SavedAttention`).
 
 One all-gather of a small int64 vector per call (shapes, dtypes, ``causal``, ``balanced``, ``scale``,
 and the head count a Ulysses split needs): each rank then finds the same problems in the same data,
@@ -9,6 +10,7 @@ while the others wait for its blocks. The global sequence length is the sum of t
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from typing import Any
 
@@ -18,7 +20,23 @@ from ...comm import DistValueError, ProcessGroup
 from ..checks import where
 from .sequence import SequenceSharding
 
-__all__ = ["agree"]
+__all__ = ["agree", "SavedAttention"]
+
+@dataclasses.dataclass
+class SavedAttention:
+    """What a forward saves for its backward, in both variants: the group and sharding the arguments
+    were checked against, the arguments, the output and each query's log-sum-exp."""
+
+    group: ProcessGroup
+    sharding: SequenceSharding
+    causal: bool
+    scale: float
+    q: Any
+    k: Any
+    v: Any
+    out: Any
+    lse: Any
+
 
 #: Dimensions of q, k, v the vector holds; more is reported as a problem (attention arrays have 3 or 4).
 _DIMS = 6

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Iterator
 
 from ...comm import DistValueError, P2POp, ProcessGroup, Work, batch_isend_irecv, irecv, isend
 from ...mesh import DeviceMesh
 from ..arrays import array_namespace
 from ..checks import where
-from .arguments import agree
+from .arguments import SavedAttention, agree
 from .attention import block_backward, block_forward, mask_kind, merge, score_entries
 from .sequence import SequenceSharding, cp_group
 
@@ -35,22 +35,13 @@ __all__ = ["RingAttentionContext", "ring_attention", "ring_attention_backward", 
 
 
 @dataclasses.dataclass
-class RingAttentionContext:
+class RingAttentionContext(SavedAttention):
     """What :func:`ring_attention_backward` needs of a forward, and the work each pass counted.
 
     ``score_entries``: (query, key) scores this rank computed in the forward (batch x heads x queries x keys
     of every block not skipped); ``backward_score_entries`` the same in the backward, once it ran.
     """
 
-    group: ProcessGroup
-    sharding: SequenceSharding
-    causal: bool
-    scale: float
-    q: Any
-    k: Any
-    v: Any
-    out: Any
-    lse: Any
     score_entries: int = 0
     backward_score_entries: int = 0
 
@@ -90,6 +81,39 @@ def _like_block(x: Any, length: int) -> Any:
     return xp.empty(x.shape[:-2] + (length, x.shape[-1]), dtype=x.dtype)
 
 
+def _ring_steps(g: ProcessGroup, sharding: SequenceSharding, k: Any, v: Any) -> Iterator[tuple[int, Any, Any]]:
+    """``(owner, k block, v block)`` of each ring step. The next blocks' shift is posted before a step is
+    handed out and waited only when the caller comes back for the next: the caller's compute on this
+    block is what the transfer hides behind."""
+    rank, cp = g.rank, g.size
+    cur_k, cur_v = k, v
+    for step in range(cp):
+        src = (rank - step) % cp
+        works: list[Work] = []
+        if step < cp - 1:
+            length = sharding.local_length((src - 1) % cp)
+            nk, nv = _like_block(k, length), _like_block(v, length)
+            works = _shift(g, [cur_k, cur_v], [nk, nv])
+        yield src, cur_k, cur_v
+        for w in works:
+            w.wait()
+        if works:
+            cur_k, cur_v = nk, nv
+
+
+def _block_pairs(sharding: SequenceSharding, causal: bool, rank: int, src: int,
+                 q_pos: Any) -> Iterator[tuple[slice, slice, Any, Any]]:
+    """:func:`block_pairs` with the positions a partial (diagonal) pair masks by, else None."""
+    k_pos = None
+    for rows, cols, kind in block_pairs(sharding, causal, rank, src):
+        if kind != "partial":
+            yield rows, cols, None, None
+            continue
+        if k_pos is None:
+            k_pos = array_namespace(q_pos).asarray(sharding.positions(src))
+        yield rows, cols, q_pos[rows], k_pos[cols]
+
+
 def ring_attention(q: Any, k: Any, v: Any, group: ProcessGroup | DeviceMesh | None = None, *, causal: bool = False,
                    balanced: bool = False, scale: float | None = None) -> tuple[Any, RingAttentionContext]:
     """Softmax attention over the whole sequence, each rank holding its shard of q, k and v (collective).
@@ -121,31 +145,18 @@ def ring_attention(q: Any, k: Any, v: Any, group: ProcessGroup | DeviceMesh | No
     xp = array_namespace(q)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     q, k, v = (xp.ascontiguousarray(x) for x in (q, k, v))
-    rank, cp = g.rank, g.size
+    rank = g.rank
     q_pos = xp.asarray(sharding.positions(rank))
     out = xp.zeros(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype)
     lse = xp.full(q.shape[:-1], -xp.inf, dtype=q.dtype)
     ctx = RingAttentionContext(g, sharding, causal, scale, q, k, v, out, lse)
-    cur_k, cur_v = k, v
-    for step in range(cp):
-        src = (rank - step) % cp
-        works: list[Work] = []
-        if step < cp - 1:
-            nxt_len = sharding.local_length((src - 1) % cp)
-            nk, nv = _like_block(k, nxt_len), _like_block(v, nxt_len)
-            works = _shift(g, [cur_k, cur_v], [nk, nv])
-        k_pos = xp.asarray(sharding.positions(src))
-        for rows, cols, kind in block_pairs(sharding, causal, rank, src):
+    for src, cur_k, cur_v in _ring_steps(g, sharding, k, v):
+        for rows, cols, qp, kp in _block_pairs(sharding, causal, rank, src, q_pos):
             qb, kb, vb = _rows(q, rows), _rows(cur_k, cols), _rows(cur_v, cols)
-            qp, kp = (q_pos[rows], k_pos[cols]) if kind == "partial" else (None, None)
             bo, bl = block_forward(qb, kb, vb, scale, qp, kp)
             o, l = merge(_rows(out, rows), lse[..., rows], bo, bl)
             out[..., rows, :], lse[..., rows] = o, l
             ctx.score_entries += score_entries(qb, kb)
-        for w in works:
-            w.wait()
-        if works:
-            cur_k, cur_v = nk, nv
     return out, ctx
 
 
@@ -165,22 +176,13 @@ def ring_attention_backward(ctx: RingAttentionContext, dout: Any) -> tuple[Any, 
     delta = xp.sum(dout * out, axis=-1)
     q_pos = xp.asarray(sharding.positions(rank))
     dq = xp.zeros_like(q)
-    cur_k, cur_v = k, v
     acc_works: list[Work] = []
     acc_in: tuple[Any, Any] | None = None
     ctx.backward_score_entries = 0
-    for step in range(cp):
-        src = (rank - step) % cp
-        kv_works: list[Work] = []
-        if step < cp - 1:
-            nxt_len = sharding.local_length((src - 1) % cp)
-            nk, nv = _like_block(k, nxt_len), _like_block(v, nxt_len)
-            kv_works = _shift(g, [cur_k, cur_v], [nk, nv])
-        k_pos = xp.asarray(sharding.positions(src))
+    for src, cur_k, cur_v in _ring_steps(g, sharding, k, v):
         dk_acc, dv_acc = xp.zeros_like(cur_k), xp.zeros_like(cur_v)
-        for rows, cols, kind in block_pairs(sharding, ctx.causal, rank, src):
+        for rows, cols, qp, kp in _block_pairs(sharding, ctx.causal, rank, src, q_pos):
             qb, kb, vb = _rows(q, rows), _rows(cur_k, cols), _rows(cur_v, cols)
-            qp, kp = (q_pos[rows], k_pos[cols]) if kind == "partial" else (None, None)
             bq, bk, bv = block_backward(qb, kb, vb, _rows(dout, rows), lse[..., rows], delta[..., rows], scale, qp, kp)
             dq[..., rows, :] += bq
             dk_acc[..., cols, :] += bk
@@ -197,10 +199,6 @@ def ring_attention_backward(ctx: RingAttentionContext, dout: Any) -> tuple[Any, 
         incoming = sharding.local_length((src - 1) % cp)
         acc_in = (_like_block(k, incoming), _like_block(v, incoming))
         acc_works = _shift(g, [dk_acc, dv_acc], list(acc_in))
-        for w in kv_works:
-            w.wait()
-        if kv_works:
-            cur_k, cur_v = nk, nv
     for w in acc_works:
         w.wait()
     return dq, acc_in[0], acc_in[1]

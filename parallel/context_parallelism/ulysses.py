@@ -23,7 +23,7 @@ from ...comm import DistValueError, ProcessGroup
 from ...mesh import DeviceMesh
 from ..arrays import array_namespace
 from ..checks import where
-from .arguments import agree
+from .arguments import SavedAttention, agree
 from .attention import block_backward, block_forward, score_entries
 from .sequence import SequenceSharding, cp_group
 
@@ -31,21 +31,13 @@ __all__ = ["UlyssesContext", "ulysses_attention", "ulysses_attention_backward"]
 
 
 @dataclasses.dataclass
-class UlyssesContext:
-    """What :func:`ulysses_attention_backward` needs: the head-sharded q, k, v, output and log-sum-exp.
+class UlyssesContext(SavedAttention):
+    """What :func:`ulysses_attention_backward` needs: q, k, v, output and log-sum-exp are head-sharded
+    (``heads / cp`` heads over the whole sequence, its shards in rank order at ``positions``).
 
     ``score_entries``: (query, key) scores this rank computed (its heads x batch x sequence x sequence).
     """
 
-    group: ProcessGroup
-    sharding: SequenceSharding
-    causal: bool
-    scale: float
-    q: Any
-    k: Any
-    v: Any
-    out: Any
-    lse: Any
     positions: Any
     local_shape: tuple[int, ...]
     score_entries: int = 0
