@@ -295,4 +295,5 @@ def test_context_parallel_benchmark_times_compute_comm_and_the_ring(mpirun, tmp_
     rows = json.loads(out_json.read_text())["rows"]
     assert [r["phase"] for r in rows] == ["forward", "backward"], rows
     assert all(r["compute_s"] > 0 and r["comm_s"] > 0 and r["ring_s"] > 0 and 0 <= r["hidden"] <= 1 for r in rows)
-    assert "hidden comm" in out and re.search(r"forward\s+2\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+\d+%", out), out
+    assert all(r["exposed_s"] >= 0 and 0 <= r["hidden_by_waits"] <= 1 for r in rows), rows
+    assert "hidden by waits" in out and re.search(r"forward\s+2(\s+[\d.]+){4}\s+\d+%\s+[\d.]+\s+\d+%", out), out

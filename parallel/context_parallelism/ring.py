@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from typing import Any, Iterator
 
 from ...comm import DistValueError, P2POp, ProcessGroup, Work, batch_isend_irecv, irecv, isend
@@ -40,10 +41,14 @@ class RingAttentionContext(SavedAttention):
 
     ``score_entries``: (query, key) scores this rank computed in the forward (batch x heads x queries x keys
     of every block not skipped); ``backward_score_entries`` the same in the backward, once it ran.
+    ``exposed_comm_s`` (``backward_exposed_comm_s``): seconds the pass waited for transfers after
+    computing on a block, the communication its compute did not hide.
     """
 
     score_entries: int = 0
     backward_score_entries: int = 0
+    exposed_comm_s: float = 0.0
+    backward_exposed_comm_s: float = 0.0
 
 
 def block_pairs(sharding: SequenceSharding, causal: bool, rank: int, src: int) -> list[tuple[slice, slice, str]]:
@@ -81,10 +86,11 @@ def _like_block(x: Any, length: int) -> Any:
     return xp.empty(x.shape[:-2] + (length, x.shape[-1]), dtype=x.dtype)
 
 
-def _ring_steps(g: ProcessGroup, sharding: SequenceSharding, k: Any, v: Any) -> Iterator[tuple[int, Any, Any]]:
+def _ring_steps(g: ProcessGroup, sharding: SequenceSharding, k: Any, v: Any,
+                waited: list[float]) -> Iterator[tuple[int, Any, Any]]:
     """``(owner, k block, v block)`` of each ring step. The next blocks' shift is posted before a step is
     handed out and waited only when the caller comes back for the next: the caller's compute on this
-    block is what the transfer hides behind."""
+    block is what the transfer hides behind. ``waited[0]`` grows by the seconds spent in those waits."""
     rank, cp = g.rank, g.size
     cur_k, cur_v = k, v
     for step in range(cp):
@@ -95,10 +101,16 @@ def _ring_steps(g: ProcessGroup, sharding: SequenceSharding, k: Any, v: Any) -> 
             nk, nv = _like_block(k, length), _like_block(v, length)
             works = _shift(g, [cur_k, cur_v], [nk, nv])
         yield src, cur_k, cur_v
-        for w in works:
-            w.wait()
+        _wait(works, waited)
         if works:
             cur_k, cur_v = nk, nv
+
+
+def _wait(works: list[Work], waited: list[float]) -> None:
+    start = time.perf_counter()
+    for w in works:
+        w.wait()
+    waited[0] += time.perf_counter() - start
 
 
 def _block_pairs(sharding: SequenceSharding, causal: bool, rank: int, src: int,
@@ -150,13 +162,15 @@ def ring_attention(q: Any, k: Any, v: Any, group: ProcessGroup | DeviceMesh | No
     out = xp.zeros(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype)
     lse = xp.full(q.shape[:-1], -xp.inf, dtype=q.dtype)
     ctx = RingAttentionContext(g, sharding, causal, scale, q, k, v, out, lse)
-    for src, cur_k, cur_v in _ring_steps(g, sharding, k, v):
+    waited = [0.0]
+    for src, cur_k, cur_v in _ring_steps(g, sharding, k, v, waited):
         for rows, cols, qp, kp in _block_pairs(sharding, causal, rank, src, q_pos):
             qb, kb, vb = _rows(q, rows), _rows(cur_k, cols), _rows(cur_v, cols)
             bo, bl = block_forward(qb, kb, vb, scale, qp, kp)
             o, l = merge(_rows(out, rows), lse[..., rows], bo, bl)
             out[..., rows, :], lse[..., rows] = o, l
             ctx.score_entries += score_entries(qb, kb)
+    ctx.exposed_comm_s = waited[0]
     return out, ctx
 
 
@@ -178,8 +192,9 @@ def ring_attention_backward(ctx: RingAttentionContext, dout: Any) -> tuple[Any, 
     dq = xp.zeros_like(q)
     acc_works: list[Work] = []
     acc_in: tuple[Any, Any] | None = None
-    ctx.backward_score_entries = 0
-    for src, cur_k, cur_v in _ring_steps(g, sharding, k, v):
+    ctx.backward_score_entries, ctx.backward_exposed_comm_s = 0, 0.0
+    waited = [0.0]
+    for src, cur_k, cur_v in _ring_steps(g, sharding, k, v, waited):
         dk_acc, dv_acc = xp.zeros_like(cur_k), xp.zeros_like(cur_v)
         for rows, cols, qp, kp in _block_pairs(sharding, ctx.causal, rank, src, q_pos):
             qb, kb, vb = _rows(q, rows), _rows(cur_k, cols), _rows(cur_v, cols)
@@ -190,8 +205,7 @@ def ring_attention_backward(ctx: RingAttentionContext, dout: Any) -> tuple[Any, 
             ctx.backward_score_entries += score_entries(qb, kb)
         if cp == 1:
             return dq, dk_acc, dv_acc
-        for w in acc_works:  # the accumulators of this block, received while it computed
-            w.wait()
+        _wait(acc_works, waited)  # the accumulators of this block, received while it computed
         if acc_in is not None:
             dk_acc += acc_in[0]
             dv_acc += acc_in[1]
@@ -199,6 +213,6 @@ def ring_attention_backward(ctx: RingAttentionContext, dout: Any) -> tuple[Any, 
         incoming = sharding.local_length((src - 1) % cp)
         acc_in = (_like_block(k, incoming), _like_block(v, incoming))
         acc_works = _shift(g, [dk_acc, dv_acc], list(acc_in))
-    for w in acc_works:
-        w.wait()
+    _wait(acc_works, waited)  # the last hop home: no block is left to hide it behind
+    ctx.backward_exposed_comm_s = waited[0]
     return dq, acc_in[0], acc_in[1]
