@@ -20,7 +20,7 @@ from typing import Any
 
 from ..arrays import array_namespace
 
-__all__ = ["mask_kind", "block_forward", "merge", "block_backward", "score_entries"]
+__all__ = ["mask_kind", "block_forward", "merge", "block_backward", "block_backward_kv", "score_entries"]
 
 
 def mask_kind(q_range: tuple[int, int], k_range: tuple[int, int]) -> str:
@@ -92,6 +92,14 @@ def block_backward(q: Any, k: Any, v: Any, dout: Any, lse: Any, delta: Any, scal
     ``sum(dout * out, axis=-1)`` with the final output: with them a block's probabilities and the
     softmax's backward need nothing of the other blocks (FlashAttention-2).
     """
+    ds, dk, dv = block_backward_kv(q, k, v, dout, lse, delta, scale, q_pos, k_pos)
+    return (ds @ k) * scale, dk, dv
+
+
+def block_backward_kv(q: Any, k: Any, v: Any, dout: Any, lse: Any, delta: Any, scale: float,
+                      q_pos: Any | None = None, k_pos: Any | None = None) -> tuple[Any, Any, Any]:
+    """:func:`block_backward` without dq: ``(ds, dk, dv)``, dq being ``(ds @ k) * scale``. The ring sends a
+    block's dK/dV on before it computes dq, so that dq's matmul hides the transfer."""
     xp = array_namespace(q)
     s = _scores(q, k, scale, _visible(q_pos, k_pos))
     safe = xp.where(xp.isfinite(lse), lse, 0.0)[..., None]
@@ -99,9 +107,8 @@ def block_backward(q: Any, k: Any, v: Any, dout: Any, lse: Any, delta: Any, scal
     dv = xp.swapaxes(p, -1, -2) @ dout
     dp = dout @ xp.swapaxes(v, -1, -2)
     ds = p * (dp - delta[..., None])
-    dq = (ds @ k) * scale
     dk = (xp.swapaxes(ds, -1, -2) @ q) * scale
-    return dq, dk, dv
+    return ds, dk, dv
 
 
 class _quiet:

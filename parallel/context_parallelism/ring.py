@@ -8,8 +8,8 @@ move K and V, so each rank sends ``(cp - 1) / cp`` of the global K and V per pas
 
 Backward (FlashAttention-2's, ring-flash-attention's order): K/V travel the same ring again, and with
 each block travels its dK/dV accumulator: a rank adds its queries' share to the block's accumulator and
-sends it on; after ``cp`` hops every accumulator is back with its block's owner. The accumulator sent
-after step t is received while step t + 1 computes. dQ stays home.
+sends it on before it computes its dQ share (so dQ's matmul hides the hop, the last one included); after
+``cp`` hops every accumulator is back with its block's owner. dQ stays home.
 
 Causal attention skips the blocks no query sees and masks only the diagonal ones, working chunk by chunk
 (:mod:`.sequence`'s chunks): with ``balanced=True`` (head-tail) every rank computes the same number of
@@ -28,7 +28,7 @@ from ...mesh import DeviceMesh
 from ..arrays import array_namespace
 from ..checks import where
 from .arguments import SavedAttention, agree
-from .attention import block_backward, block_forward, mask_kind, merge, score_entries
+from .attention import block_backward_kv, block_forward, mask_kind, merge, score_entries
 from .sequence import SequenceSharding, cp_group
 
 __all__ = ["RingAttentionContext", "ring_attention", "ring_attention_backward", "block_pairs"]
@@ -196,23 +196,29 @@ def ring_attention_backward(ctx: RingAttentionContext, dout: Any) -> tuple[Any, 
     waited = [0.0]
     for src, cur_k, cur_v in _ring_steps(g, sharding, k, v, waited):
         dk_acc, dv_acc = xp.zeros_like(cur_k), xp.zeros_like(cur_v)
+        dq_later = []
         for rows, cols, qp, kp in _block_pairs(sharding, ctx.causal, rank, src, q_pos):
             qb, kb, vb = _rows(q, rows), _rows(cur_k, cols), _rows(cur_v, cols)
-            bq, bk, bv = block_backward(qb, kb, vb, _rows(dout, rows), lse[..., rows], delta[..., rows], scale, qp, kp)
-            dq[..., rows, :] += bq
+            ds, bk, bv = block_backward_kv(qb, kb, vb, _rows(dout, rows), lse[..., rows], delta[..., rows], scale,
+                                           qp, kp)
             dk_acc[..., cols, :] += bk
             dv_acc[..., cols, :] += bv
+            dq_later.append((rows, ds, kb))
             ctx.backward_score_entries += score_entries(qb, kb)
-        if cp == 1:
-            return dq, dk_acc, dv_acc
-        _wait(acc_works, waited)  # the accumulators of this block, received while it computed
-        if acc_in is not None:
-            dk_acc += acc_in[0]
-            dv_acc += acc_in[1]
-        # this block's accumulators go on to the next rank, which holds the block at step + 1 (or owns it)
-        incoming = sharding.local_length((src - 1) % cp)
-        acc_in = (_like_block(k, incoming), _like_block(v, incoming))
-        acc_works = _shift(g, [dk_acc, dv_acc], list(acc_in))
+        if cp > 1:
+            _wait(acc_works, waited)  # the accumulators of this block, received while it computed
+            if acc_in is not None:
+                dk_acc += acc_in[0]
+                dv_acc += acc_in[1]
+            # this block's accumulators go on to the next rank, which holds the block at step + 1 (or owns it);
+            # dq's matmuls below run while they travel
+            incoming = sharding.local_length((src - 1) % cp)
+            acc_in = (_like_block(k, incoming), _like_block(v, incoming))
+            acc_works = _shift(g, [dk_acc, dv_acc], list(acc_in))
+        for rows, ds, kb in dq_later:
+            dq[..., rows, :] += (ds @ kb) * scale
+    if cp == 1:
+        return dq, dk_acc, dv_acc
     _wait(acc_works, waited)  # the last hop home: no block is left to hide it behind
     ctx.backward_exposed_comm_s = waited[0]
     return dq, acc_in[0], acc_in[1]
