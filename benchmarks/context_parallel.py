@@ -20,7 +20,9 @@ float64 by default). For the forward and for the backward, side by side in one r
 * ``exposed``: what the ring itself recorded waiting for transfers after computing on a block
   (``ctx.exposed_comm_s``, ``ctx.backward_exposed_comm_s``; slowest rank, median), and ``hidden by
   waits`` = ``1 - exposed / comm``. It needs no difference of two noisy times, so it holds on a shared
-  machine where ``hidden`` does not (there compute alone varies by more than the whole of comm).
+  machine where ``hidden`` does not (there compute alone varies by more than the whole of comm). The
+  backward's last hop brings each block's dK/dV home after the last compute; its wait also holds any
+  lag of the peer that sends it (a rank slowed by another job), which is not transfer time.
 
 Each time is the median over ``--rounds`` of the slowest rank, after a barrier; the three are
 timed in turn within each round, so that the noise of a shared machine falls on all three alike. BLAS runs one thread
@@ -147,6 +149,7 @@ def measure(args: argparse.Namespace, comm: MPI.Comm) -> list[dict[str, Any]]:
         hidden = min(1.0, max(0.0, (t["compute"] + t["comm"] - t["ring"]) / t["comm"])) if t["comm"] > 0 else None
         rows.append({"phase": phase, "ranks": cp, "compute_s": t["compute"], "comm_s": t["comm"], "ring_s": t["ring"],
                      "serial_s": t["compute"] + t["comm"], "hidden": hidden, "exposed_s": waited,
+                     "exposed_all_s": max_over_ranks(comm, exposed[phase][args.warmup:]),
                      "hidden_by_waits": max(0.0, 1 - waited / t["comm"]) if t["comm"] > 0 else None,
                      "kv_bytes_per_rank": lk.nbytes + lv.nbytes})
         LOG.info("%s done", phase)
