@@ -6,6 +6,7 @@ flight recorder), errors raised on every rank; and real processes under meshkit-
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -81,6 +82,23 @@ def test_torch_141429_non_causal_with_load_balancing_equals_attention_without_cp
         _check(variant, cp, (1, 4, 32, 8), False, True)
 
 
+@pytest.mark.parametrize("variant", ["ring", "ulysses"])
+def test_float32_stays_float32_and_within_float32_rounding(variant):
+    q, k, v, dout = inputs((2, 3, 13, 8))
+    want = reference(q, k, v, dout, True)
+    forward, backward = VARIANTS[variant]
+
+    def rank():
+        mine = [shard_sequence(x.astype(np.float32), balanced=True) for x in (q, k, v, dout)]
+        out, ctx = forward(*mine[:3], causal=True, balanced=True)
+        got = (out, *backward(ctx, mine[3]))
+        assert all(x.dtype == np.float32 for x in got)
+        return [unshard_sequence(x, 13, balanced=True) for x in got]
+
+    for a, b in zip(local.run(rank, 3)[0], want):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
 def test_a_cp_dimension_of_a_2d_mesh_is_the_group():
     """``mesh["cp"]`` of a dp x cp mesh: each dp replica runs its own ring on group ranks, not global ones."""
     def cp_mesh():
@@ -92,6 +110,25 @@ def test_a_cp_dimension_of_a_2d_mesh_is_the_group():
         for local_results, _, full in results:
             for got, ref in zip(full, want):
                 np.testing.assert_allclose(got, ref, rtol=0, atol=TOL)
+
+
+def test_the_docs_snippet_as_written():
+    """docs/context_parallel.md's example, run as written on 4 ranks (a 2 x 2 dp x cp mesh)."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "context_parallel.md").read_text()
+    snippet = page.split("```python\n", 1)[1].split("```", 1)[0]
+    Q, K, V, dOut = inputs((2, 4, 11, 3))
+    want = reference(Q, K, V, dOut, True)
+
+    def rank():
+        scope = {"Q": Q, "K": K, "V": V, "dOut": dOut}
+        exec(snippet, scope)
+        sharding = SequenceSharding(11, 2, True)
+        me = scope["cp"].get_local_rank()
+        for got, ref in zip((scope["dq"], scope["dk"], scope["dv"]), want[1:]):
+            np.testing.assert_allclose(got, sharding.shard(ref, me), rtol=0, atol=TOL)
+        np.testing.assert_allclose(scope["full"], want[0], rtol=0, atol=TOL)
+
+    local.run(rank, 4)
 
 
 # --------------------------------------------------------------------------- the sharding rule
