@@ -13,8 +13,9 @@ a ``TypeError`` naming both types. ``array_namespace`` and ``to_host`` are expor
 that runs on both (the examples' models use them).
 
 The package is arranged by family: :mod:`.data_parallelism` (the strategies and their machinery),
-:mod:`.pipelining` (pipeline stages and schedules),
-:mod:`.expert_parallelism` (a mixture-of-experts layer over ``ep``), :mod:`.optim` (optimizers, clipping); what
+:mod:`.pipelining` (pipeline stages and schedules), :mod:`.context_parallelism` (ring and all-to-all
+attention over a sequence sharded on a ``cp`` group), :mod:`.expert_parallelism` (a mixture-of-experts
+layer over ``ep``), :mod:`.optim` (optimizers, clipping); what
 they share is here (:mod:`.arrays`, :mod:`.checks`). ``ShardedArray``/``StepCount``, what a
 strategy's state dict holds, are :mod:`meshkit.state`'s, re-exported.
 
@@ -30,6 +31,9 @@ from .data_parallelism import (STRATEGIES, CommHook, DistributedDataParallel, Fu
                             PowerSGDState, ZeroRedundancyOptimizer, allreduce_hook, data_parallel, fp16_compress_hook,
                             powersgd_hook)
 from .expert_parallelism import MoE, MoEContext, expert_capacity, shard_experts
+from .context_parallelism import (RingAttentionContext, SequenceSharding, UlyssesContext, ring_attention,
+                                  ring_attention_backward, sequence_positions, shard_sequence, ulysses_attention,
+                                  ulysses_attention_backward, unshard_sequence)
 from .optim import SGD, AdamW, Optimizer, clip_grad_norm_
 from .pipelining import (PipelineError, PipelineSchedule, PipelineStage, Schedule1F1B, ScheduleGPipe,
                          ScheduleInterleaved1F1B, ScheduleZBH1, ScheduleZBVZeroBubble, bubble_fraction)
@@ -39,6 +43,9 @@ __all__ = [
     "CommHook", "GradBucket", "allreduce_hook", "fp16_compress_hook", "PowerSGDState", "powersgd_hook",
     "PipelineStage", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
     "ScheduleZBH1", "ScheduleZBVZeroBubble", "PipelineError", "bubble_fraction",
+    "ring_attention", "ring_attention_backward", "RingAttentionContext", "ulysses_attention",
+    "ulysses_attention_backward", "UlyssesContext", "SequenceSharding", "shard_sequence", "unshard_sequence",
+    "sequence_positions",
     "SGD", "AdamW", "Optimizer", "clip_grad_norm_", "array_namespace", "to_host",
     "ShardedArray", "StepCount", "MoE", "MoEContext", "shard_experts", "expert_capacity",
 ]

@@ -314,3 +314,13 @@ def test_expert_parallel_benchmark_times_the_layer_and_raw_alltoallv(mpirun, tmp
 def test_expert_parallel_benchmark_rejects_experts_not_divisible_by_the_ranks(mpirun):
     proc = mpirun(EP_BENCH, 2, "--experts", "3", check=False)
     assert proc.returncode != 0 and "--experts 3 must be a positive multiple of the 2 ranks" in proc.stdout + proc.stderr
+def test_context_parallel_benchmark_times_compute_comm_and_the_ring(mpirun, tmp_path):
+    """benchmarks/context_parallel.py at its smallest: both phases, every figure there (no timing asserted)."""
+    out_json = tmp_path / "cp.json"
+    out = mpirun(BENCHMARKS / "context_parallel.py", 2, "--seq", "16", "--heads", "2", "--head-dim", "4", "--rounds",
+                 "1", "--warmup", "0", "--no-progress", "--json", str(out_json)).stdout
+    rows = json.loads(out_json.read_text())["rows"]
+    assert [r["phase"] for r in rows] == ["forward", "backward"], rows
+    assert all(r["compute_s"] > 0 and r["comm_s"] > 0 and r["ring_s"] > 0 and 0 <= r["hidden"] <= 1 for r in rows)
+    assert all(r["exposed_s"] >= 0 and 0 <= r["hidden_by_waits"] <= 1 for r in rows), rows
+    assert "hidden by waits" in out and re.search(r"forward\s+2(\s+[\d.]+){4}\s+\d+%\s+[\d.]+\s+\d+%", out), out
