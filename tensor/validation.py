@@ -139,11 +139,15 @@ def _rng(label: str) -> np.random.Generator:
     return np.random.default_rng(zlib.crc32(label.encode()))
 
 
-def _ufunc_dtype(u: np.ufunc) -> np.dtype | None:
-    """The dtype to sample ``u`` with: float64 where it has a loop, else int64, else bool."""
-    for code, dtype in (("d", np.float64), ("l", np.int64), ("q", np.int64), ("?", np.bool_)):
-        if code * u.nin + "->" + code in u.types or (code * u.nin + "->?") in u.types:
-            return np.dtype(dtype)
+def _ufunc_dtypes(u: np.ufunc) -> tuple[np.dtype, ...] | None:
+    """The input dtypes to sample ``u`` with: its float64 loop, else int64, else bool, else mixed."""
+    loops = [t.split("->")[0] for t in u.types]
+    for want in ("d" * u.nin, "l" * u.nin, "q" * u.nin, "?" * u.nin):
+        if want in loops:
+            return tuple(np.dtype(c) for c in want)
+    for codes in loops:  # ldexp's 'dl', isnat's 'M'
+        if all(c in "dlqM" for c in codes):
+            return tuple(np.dtype("M8[s]" if c == "M" else c) for c in codes)
     return None
 
 
@@ -153,22 +157,40 @@ def _values(rng: np.random.Generator, shape: tuple[int, ...], dtype: Any) -> np.
         return rng.standard_normal(shape)
     if kind == "b":
         return rng.random(shape) < 0.5
+    if kind == "M":
+        return rng.integers(0, 10**9, shape).astype(dtype)
     return rng.integers(0, 6, shape).astype(dtype)
 
 
+#: input shapes for the generalized ufuncs (np.matvec...), by signature
+_CORE_SHAPES = {"(m,n),(n)->(m)": ((5, 6), (6,)), "(n),(n)->()": ((5, 6), (5, 6)),
+                "(n),(n,m)->(m)": ((6,), (6, 5))}
+
+
 def _ufunc_samples(u: np.ufunc) -> list[Sample]:
-    dtype = _ufunc_dtype(u)
-    if dtype is None or u.nout != 1 or u.signature is not None or u.nin not in (1, 2):
+    dtypes = _ufunc_dtypes(u)
+    if dtypes is None or u.nin not in (1, 2):
         return []
     rng = _rng(u.__name__)
-    x = _values(rng, (5, 6), dtype)
+    name = f"np.{u.__name__}"
+    if u.signature is not None:
+        shapes = _CORE_SHAPES.get(u.signature.replace(" ", ""))
+        return [] if shapes is None else \
+            [Sample(f"{name}{shapes}", tuple(_values(rng, sh, dt) for sh, dt in zip(shapes, dtypes)), u)]
+    x = _values(rng, (5, 6), dtypes[0])
     if u.nin == 1:
-        return [Sample(f"np.{u.__name__}(x(5,6))", (x,), u)]
-    y, row = _values(rng, (5, 6), dtype), _values(rng, (6,), dtype)
-    scalar = dtype.type(2) if dtype.kind != "b" else np.True_
-    return [Sample(f"np.{u.__name__}(x(5,6), y(5,6))", (x, y), u),
-            Sample(f"np.{u.__name__}(x(5,6), row(6,))", (x, row), u),
-            Sample(f"np.{u.__name__}(x(5,6), {scalar!r})", (x,), lambda a, u=u, s=scalar: u(a, s))]
+        return [Sample(f"{name}(x(5,6))", (x,), u)]
+    y, row = _values(rng, (5, 6), dtypes[1]), _values(rng, (6,), dtypes[1])
+    scalar = dtypes[1].type(2) if dtypes[1].kind != "b" else np.True_
+    out = [Sample(f"{name}(x(5,6), y(5,6))", (x, y), u),
+           Sample(f"{name}(x(5,6), row(6,))", (x, row), u),
+           Sample(f"{name}(x(5,6), {scalar!r})", (x,), lambda a, u=u, s=scalar: u(a, s))]
+    if u in (np.add, np.subtract, np.multiply, np.divide):  # the rules that keep a Partial: at inf, 0, -0.0, NaN
+        special = np.array([np.inf, -np.inf, 0.0, -0.0, np.nan, 1.0])
+        out += [Sample(f"{name}(x(5,6), special(6,))", (x, special), u),
+                Sample(f"{name}(special(6,), x(5,6))", (special, x), u),
+                Sample(f"{name}(x(5,6), inf)", (x,), lambda a, u=u: u(a, np.inf))]
+    return out
 
 
 def _function_samples(f: Any) -> list[Sample] | None:
@@ -249,7 +271,7 @@ def samples_for(op: Any) -> list[Sample]:
 # ---- placements ------------------------------------------------------------------------------
 
 def _partial_ops(dtype: np.dtype) -> tuple[str, ...]:
-    return {"f": ("sum", "avg", "max", "min"), "b": ("max", "min")}.get(dtype.kind, ("sum", "max", "min"))
+    return {"f": ("sum", "avg", "max", "min"), "b": ("max", "min"), "M": ()}.get(dtype.kind, ("sum", "max", "min"))
 
 
 def _choices(x: np.ndarray, mesh_ndim: int) -> list[tuple[Placement, ...]]:
@@ -287,12 +309,17 @@ def _terms(value: np.ndarray, op: str, n: int, rng: np.random.Generator) -> list
     if n == 1:
         return [value]
     kind = value.dtype.kind
-    scale = 3 * (float(np.max(np.abs(value), initial=0)) + 1) if kind == "f" else 0
+    # three times the largest finite magnitude: a term inf would make the last one inf - inf = NaN
+    scale = 3 * (float(np.max(np.abs(value), initial=0, where=np.isfinite(value))) + 1) if kind == "f" else 0
     if op in ("sum", "avg"):
         target = value * n if op == "avg" else value
         noise = [rng.standard_normal(value.shape) * scale if kind == "f" else
                  rng.integers(-50, 50, value.shape).astype(value.dtype) for _ in range(n - 1)]
-        return [*noise, target - sum(noise)]
+        terms = [*noise, target - sum(noise)]
+        if kind == "f":  # -0.0 only as a sum of -0.0 terms (t + -t is +0.0)
+            negative_zero = (value == 0) & np.signbit(value)
+            terms = [np.where(negative_zero, -0.0, t) for t in terms]
+        return terms
     sign = 1 if op == "min" else -1  # max: terms at or below the value; min: at or above
     if kind == "b":
         terms = [(value | (rng.random(value.shape) < 0.5)) if op == "min" else (value & (rng.random(value.shape) < 0.5))
@@ -400,8 +427,8 @@ def _compare(got: Any, want: Any) -> str | None:
     if np.shape(got) != np.shape(want):
         return f"shape {np.shape(got)}, NumPy {np.shape(want)}"
     if not _close(got, want):
-        err = np.nanmax(np.abs(np.asarray(got, dtype=float) - np.asarray(want, dtype=float)))
-        return f"values differ (max abs error {err:.3g})"
+        bad = ~np.isclose(np.asarray(got, dtype=float), np.asarray(want, dtype=float), rtol=1e-7, equal_nan=True)
+        return f"values differ at {int(bad.sum())} elements (e.g. {np.asarray(got)[bad][:2]}, NumPy {np.asarray(want)[bad][:2]})"
     return None
 
 
