@@ -428,6 +428,8 @@ def _compare(got: Any, want: Any) -> str | None:
         return None if got == want else f"{got!r}, NumPy {want!r}"
     if np.shape(got) != np.shape(want):
         return f"shape {np.shape(got)}, NumPy {np.shape(want)}"
+    if np.result_type(got) != np.result_type(want):
+        return f"dtype {np.result_type(got)}, NumPy {np.result_type(want)}"
     if not _close(got, want):
         bad = ~np.isclose(np.asarray(got, dtype=float), np.asarray(want, dtype=float), rtol=1e-7, equal_nan=True)
         return f"values differ at {int(bad.sum())} elements (e.g. {np.asarray(got)[bad][:2]}, NumPy {np.asarray(want)[bad][:2]})"
