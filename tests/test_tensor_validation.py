@@ -102,3 +102,8 @@ def test_no_rule_is_wrong_on_1d_and_2d_meshes():
     gaps = {name for name, r in report.ops.items() if r.missing}
     assert gaps <= EXPECTED_GAPS, gaps - EXPECTED_GAPS
     assert {"np.divmod", "np.matvec"} <= gaps  # two outputs and gufuncs have no rule (and are reported)
+
+
+def test_layer_op_rules_on_real_processes(mpirun):
+    out = mpirun("mpi_tensor_validation.py", 4, timeout=240).stdout
+    assert out.count("VALIDATION OK") == 4, out
