@@ -48,8 +48,8 @@ from .reductions import logsumexp
 
 __all__ = ["Sample", "OpReport", "Report", "COMPOSITES", "operations", "samples_for", "validate_rules"]
 
-#: meshkit functions built from the table's ops (not in the tables themselves), validated alike
-COMPOSITES: dict[str, Callable[..., Any]] = {"meshkit.tensor.logsumexp": logsumexp}
+#: rules outside the tables, validated alike: a function built from the table's ops, and indexing
+COMPOSITES: dict[str, Any] = {"meshkit.tensor.logsumexp": logsumexp, "DTensor.__getitem__": "DTensor.__getitem__"}
 
 _KINDS = {"sum": "sum", "avg": "sum", "max": "max", "min": "min"}  # Partial ops that commute with each other
 
@@ -185,6 +185,8 @@ def _ufunc_samples(u: np.ufunc) -> list[Sample]:
     out = [Sample(f"{name}(x(5,6), y(5,6))", (x, y), u),
            Sample(f"{name}(x(5,6), row(6,))", (x, row), u),
            Sample(f"{name}(x(5,6), {scalar!r})", (x,), lambda a, u=u, s=scalar: u(a, s))]
+    if u in (np.add, np.maximum):  # a block of no rows on trailing ranks
+        out.append(Sample(f"{name}(x(1,6), row(6,))", (x[:1], row), u))
     if u in (np.add, np.subtract, np.multiply, np.divide):  # the rules that keep a Partial: at inf, 0, -0.0, NaN
         special = np.array([np.inf, -np.inf, 0.0, -0.0, np.nan, 1.0])
         out += [Sample(f"{name}(x(5,6), special(6,))", (x, special), u),
@@ -203,7 +205,8 @@ def _function_samples(f: Any) -> list[Sample] | None:
             return [Sample(f"{_name(f)}(x, axis=0)", (x,), lambda a: f(a, axis=0)),
                     Sample(f"{_name(f)}(x, axis=1, keepdims=True)", (x,), lambda a: f(a, axis=1, keepdims=True)),
                     Sample(f"{_name(f)}(x3, axis=(0, 2))", (x3,), lambda a: f(a, axis=(0, 2))),
-                    Sample(f"{_name(f)}(x)", (x,), lambda a: f(a))]
+                    Sample(f"{_name(f)}(x)", (x,), lambda a: f(a)),
+                    Sample(f"{_name(f)}(x(1,6), axis=0)", (x[:1],), lambda a: f(a, axis=0))]  # empty blocks
     cond, cond_col = r.random((5, 6)) < 0.5, r.random((5, 1)) < 0.5
     a, b, c = r.standard_normal((5, 7)), r.standard_normal((7, 3)), r.standard_normal((2, 5, 4))
     q, k = r.standard_normal((2, 3, 5, 4)), r.standard_normal((2, 3, 7, 4))
@@ -254,6 +257,10 @@ def _function_samples(f: Any) -> list[Sample] | None:
         return [Sample("a(5,7) @ b(7,3)", (a, b), np.matmul),
                 Sample("c(2,5,4) @ b(4,3)", (c, b[:4]), np.matmul),
                 Sample("c(2,5,4) @ d(2,4,3)", (c, r.standard_normal((2, 4, 3))), np.matmul)]
+    if f == "DTensor.__getitem__":  # basic indexing (indexing.py), not a table entry but a rule all the same
+        return [Sample("x3[1:4]", (x3,), lambda t: t[1:4]), Sample("x3[2]", (x3,), lambda t: t[2]),
+                Sample("x3[:, None, -2:, 1]", (x3,), lambda t: t[:, None, -2:, 1]),
+                Sample("x3[..., ::2]", (x3,), lambda t: t[..., ::2])]
     if f is logsumexp:
         return [Sample("logsumexp(x, axis=1)", (x,), lambda s: logsumexp(s, axis=1)),
                 Sample("logsumexp(x3, axis=0, keepdims=True)", (x3 * 30,), lambda s: logsumexp(s, axis=0, keepdims=True)),
