@@ -13,7 +13,7 @@ Depends on ``comm`` and ``mesh`` only. ``__all__`` is the user API; what ``paral
 """
 
 from ..comm._seams import moved_names
-# noqa: the op modules are imported for what they do: they register the NumPy op rules
+# the op modules are imported for what they do: they register the NumPy op rules
 from . import einsum, joins, local_ops, matmul, reductions, shape_ops, ufuncs  # noqa: F401
 from .distribute import distribute_tensor
 from .dtensor import DTensor
