@@ -24,6 +24,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..comm._seams import array_namespace
 from . import errors
 from .dispatch import implements
 from .dtensor import DTensor
@@ -142,7 +143,7 @@ def take(a: Any, indices: Any, axis: Any = None, out: Any = None, mode: str = "r
         raise errors.type_error(op, f"indices must be integers, got dtype {idx.dtype}")
     if axis is None:
         src = moved(op, "a", a, [Replicate()] * a.device_mesh.ndim)
-        local = np.take(src.to_local(), idx, mode=mode)
+        local = np.take(src.to_local(), _like(idx, src.to_local()), mode=mode)
         return wrap(local, a.device_mesh, src.placements, np.shape(local))
     ax = _axis(op, axis, a.ndim)
     n = a.shape[ax]
@@ -153,4 +154,10 @@ def take(a: Any, indices: Any, axis: Any = None, out: Any = None, mode: str = "r
     shift = idx.ndim - 1
     placements = [Shard(p.dim + shift) if isinstance(p, Shard) and p.dim > ax else p for p in src.placements]
     shape = a.shape[:ax] + idx.shape + a.shape[ax + 1:]
-    return wrap(np.take(src.to_local(), idx, axis=ax, mode=mode), a.device_mesh, placements, shape)
+    return wrap(np.take(src.to_local(), _like(idx, src.to_local()), axis=ax, mode=mode), a.device_mesh, placements,
+                shape)
+
+
+def _like(idx: np.ndarray, block: Any) -> Any:
+    """The host indices where the block is (CuPy's take wants device indices for a device block)."""
+    return array_namespace(block).asarray(idx)
