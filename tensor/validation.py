@@ -199,6 +199,7 @@ def _function_samples(f: Any) -> list[Sample] | None:
     """Hand-written samples for the NumPy functions with rules (None: none known for ``f``)."""
     r = _rng(_name(f))
     x, x3 = r.standard_normal((5, 6)), r.standard_normal((5, 6, 3))
+    ints = r.integers(-9, 9, (5, 6))
     reductions = [(np.sum,), (np.mean,), (np.max, np.amax), (np.min, np.amin)]
     for group in reductions:
         if f in group:
@@ -206,7 +207,9 @@ def _function_samples(f: Any) -> list[Sample] | None:
                     Sample(f"{_name(f)}(x, axis=1, keepdims=True)", (x,), lambda a: f(a, axis=1, keepdims=True)),
                     Sample(f"{_name(f)}(x3, axis=(0, 2))", (x3,), lambda a: f(a, axis=(0, 2))),
                     Sample(f"{_name(f)}(x)", (x,), lambda a: f(a)),
-                    Sample(f"{_name(f)}(x(1,6), axis=0)", (x[:1],), lambda a: f(a, axis=0))]  # empty blocks
+                    Sample(f"{_name(f)}(x(1,6), axis=0)", (x[:1],), lambda a: f(a, axis=0)),  # empty blocks
+                    Sample(f"{_name(f)}(ints, axis=1)", (ints,), lambda a: f(a, axis=1)),
+                    Sample(f"{_name(f)}(bools, axis=0)", (ints > 2,), lambda a: f(a, axis=0))]
     cond, cond_col = r.random((5, 6)) < 0.5, r.random((5, 1)) < 0.5
     a, b, c = r.standard_normal((5, 7)), r.standard_normal((7, 3)), r.standard_normal((2, 5, 4))
     q, k = r.standard_normal((2, 3, 5, 4)), r.standard_normal((2, 3, 7, 4))
@@ -463,6 +466,17 @@ def validate_rules(mesh: DeviceMesh, *, ops: Sequence[str] | None = None, max_co
         ops: operation names to check (as :func:`operations` names them); None: all.
         max_combos: placement combinations per sample at most (drawn deterministically); None: all.
         seed: varies the Partial terms (the sample values are fixed by their names).
+
+    A refusal or error is caught on the rank that raised it and reported, and the run goes on;
+    a rule that refuses on some ranks while the others enter a collective would leave those
+    waiting until the world's timeout (the rules decide before they communicate, so none does).
+    NumPy blocks only: the comparison reads every block on the host.
+
+    Example (the command behind docs/dtensor.md's figures)::
+
+        def body():
+            return validate_rules(meshkit.init_device_mesh("cpu", (2, 2)), max_combos=64)
+        print(meshkit.comm.local.run(body, 4)[0].summary())
     """
     if math.prod(mesh.shape) != get_world_size():
         raise ValueError(f"meshkit.tensor.validate_rules: the mesh {mesh.shape} must span the world of "
