@@ -40,7 +40,7 @@ import numpy as np
 
 from ..comm import broadcast_object_list, gather_object, get_rank, get_world_size
 from ..mesh import DeviceMesh
-from . import dispatch
+from . import dispatch, errors
 from .chunks import local_shape_and_offset, local_slices
 from .dtensor import DTensor
 from .placements import Partial, Placement, Replicate, Shard
@@ -479,8 +479,8 @@ def validate_rules(mesh: DeviceMesh, *, ops: Sequence[str] | None = None, max_co
         print(meshkit.comm.local.run(body, 4)[0].summary())
     """
     if math.prod(mesh.shape) != get_world_size():
-        raise ValueError(f"meshkit.tensor.validate_rules: the mesh {mesh.shape} must span the world of "
-                         f"{get_world_size()} ranks (its results are gathered over the world)")
+        raise errors.value_error("validate_rules", f"the mesh {tuple(mesh.shape)} must span the world of "
+                                 f"{get_world_size()} ranks (its results are gathered over the world)")
     mesh_shape = tuple(mesh.shape)
     coordinate = tuple(mesh.get_coordinate())
     report = Report(meshes=[mesh_shape])

@@ -78,7 +78,7 @@ def test_the_mesh_must_span_the_world():
     def body():
         mesh = meshkit.init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
         validate_rules(mesh["a"])
-    with pytest.raises(ValueError, match=r"validate_rules: the mesh \(2,\) must span the world of 4 ranks"):
+    with pytest.raises(ValueError, match=r"rank \d: validate_rules: the mesh \(2,\) must span the world of 4 ranks"):
         local.run(body, 4)
 
 
