@@ -429,9 +429,9 @@ def _close(got: Any, want: Any, rtol: float = 1e-7) -> bool:
 
 def _compare(got: Any, want: Any) -> str | None:
     """None if ``got`` is ``want``, else what differs."""
-    if isinstance(want, list):
+    if isinstance(want, (list, tuple)) and want and all(isinstance(w, np.ndarray) for w in want):  # split, divmod
         if not isinstance(got, list) or len(got) != len(want):
-            return f"{len(got) if isinstance(got, list) else got!r} pieces, NumPy {len(want)}"
+            return f"{len(got) if isinstance(got, list) else repr(got)} pieces, NumPy {len(want)}"
         for j, (g, w) in enumerate(zip(got, want)):
             if (why := _compare(g, w)) is not None:
                 return f"piece {j}: {why}"

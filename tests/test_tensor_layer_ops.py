@@ -234,3 +234,16 @@ def test_an_attention_block_on_a_2x2_mesh_equals_numpy():
         return np.einsum("bhqk,bhkd->bhqd", probs, vv)
     results = _run((2, 2), fn, (Q, [S1, R]), (K, [S1, S2]), (v, [S1, S2]))
     _check(results, [[S1, P]], ["all_reduce", "all_reduce"], want)
+
+
+@pytest.mark.parametrize("mesh,pa,pb,out,issued", [
+    ((2,), [S0], [S0], [S0], []),
+    ((3,), [S1], [R], [S1], []),
+    ((2, 2), [P, S1], [R, R], [R, S1], ["all_reduce"]),  # floor division of a partial sum: reduced first
+])
+def test_ufuncs_of_two_outputs(mesh, pa, pb, out, issued):
+    b = np.abs(X) + 0.5
+    results = _run(mesh, lambda x, y: list(np.divmod(x, y)), (X, pa), (b, pb))
+    _check(results, [out, out], issued, list(np.divmod(X, b)))
+    results = _run(mesh, lambda x: list(np.modf(x)), (X, pb))
+    _check(results, [pb, pb], [], list(np.modf(X)))
