@@ -4,21 +4,25 @@
 shared with checkpoints), ``dtensor`` (the DTensor type), ``redistribute`` (one collective per
 changing mesh dim), ``distribute`` (distribute_tensor), ``dispatch`` (the NumPy protocol tables the op
 modules fill), ``propagation`` (what the op rules share), the op rules ``ufuncs``, ``matmul``,
-``reductions``, ``shape_ops`` and ``local_ops`` (copies, casts), ``indexing`` (basic indexing), ``verify``
+``reductions`` (and ``logsumexp``), ``shape_ops``, ``einsum``, ``joins`` (concatenate, split, take) and
+``local_ops`` (copies, casts), ``indexing`` (basic indexing), ``validation`` (every rule checked against
+NumPy), ``verify``
 (collective construction checks); ``parallel`` (tensor-parallel styles and ``parallelize``).
 Depends on ``comm`` and ``mesh`` only. ``__all__`` is the user API; what ``parallel`` and
 ``checkpoint`` need beyond it is in :mod:`meshkit.tensor._seams`.
 """
 
 from ..comm._seams import moved_names
-from . import local_ops, matmul, reductions, shape_ops, ufuncs  # noqa: F401  (they register the NumPy op rules)
+# the op modules are imported for what they do: they register the NumPy op rules
+from . import einsum, joins, local_ops, matmul, reductions, shape_ops, ufuncs  # noqa: F401
 from .distribute import distribute_tensor
 from .dtensor import DTensor
 from .parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel, parallelize
 from .placements import Partial, Placement, Replicate, Shard
+from .reductions import logsumexp
 
 __all__ = ["DTensor", "distribute_tensor", "Placement", "Shard", "Replicate", "Partial",
-           "parallelize", "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel"]
+           "parallelize", "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "logsumexp"]
 
 #: Was in ``__all__`` in 0.1: a seam (``parallel`` and ``checkpoint`` use it), importable here one more release.
 __getattr__ = moved_names(__name__, {"local_shape_and_offset": "meshkit.tensor._seams"})

@@ -25,7 +25,7 @@ from .dtensor import DTensor
 from .placements import Partial, Placement, Replicate, Shard
 from .propagation import moved, no_out, unsupported, wrap
 
-__all__ = ["total", "mean", "maximum", "minimum"]
+__all__ = ["total", "mean", "maximum", "minimum", "logsumexp"]
 
 #: reduction -> (the Partial it leaves, the Partial ops it passes through)
 _KINDS = {"sum": ("sum", {"sum", "avg"}), "mean": ("sum", {"sum", "avg"}),
@@ -131,3 +131,32 @@ def maximum(a: Any, axis: Any = None, out: Any = None, keepdims: bool = False, *
 def minimum(a: Any, axis: Any = None, out: Any = None, keepdims: bool = False, **kwargs: Any) -> DTensor:
     """``np.min``: a sharded axis reduced away leaves Partial(min)."""
     return _reduce("min", a, axis, keepdims, {"out": out, **kwargs})
+
+
+def logsumexp(x: Any, axis: Any = None, keepdims: bool = False) -> Any:
+    """``log(sum(exp(x), axis))``, numerically stable, for DTensors and plain arrays alike.
+
+    NumPy has none (SciPy's ``scipy.special.logsumexp``, same meaning). The row maximum ``m`` is
+    subtracted before ``exp`` (no overflow), a non-finite ``m`` (a row all ``-inf``, or holding
+    ``inf``) replaced by 0, as SciPy does, so such rows give ``-inf`` / ``inf``, not NaN. Over an
+    axis a mesh dim shards, ``m`` is a Partial(max) all-reduced before the subtraction and the
+    sum of ``exp`` a Partial(sum) all-reduced before the ``log``: two all-reduces of the reduced
+    shape, exact (no approximation of the terms' sum in log space).
+    """
+    x = _reduced(x)  # a Partial x: reduced once here, not by max and again by the subtraction
+    m = _reduced(np.max(x, axis=axis, keepdims=True))  # once, not by isfinite and again by where
+    m = np.where(np.isfinite(m), m, 0)
+    with np.errstate(divide="ignore"):  # log(0) = -inf is the answer for a row all -inf
+        out = np.log(np.sum(np.exp(x - m), axis=axis, keepdims=True)) + m
+    if keepdims:
+        return out
+    ndim = np.ndim(x)
+    axes = range(ndim) if axis is None else [a % ndim for a in ((axis,) if np.ndim(axis) == 0 else axis)]
+    return out[tuple(0 if d in axes else slice(None) for d in range(ndim))]
+
+
+def _reduced(x: Any) -> Any:
+    """``x`` with its Partial placements all-reduced (plain arrays as they are)."""
+    if isinstance(x, DTensor) and any(p.is_partial() for p in x.placements):
+        return moved("logsumexp", "x", x, [Replicate() if p.is_partial() else p for p in x.placements])
+    return x

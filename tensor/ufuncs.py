@@ -10,6 +10,8 @@ redistributed first (logged at DEBUG): a Partial feeding a non-linear ufunc (``t
 ``p - t``, ``np.where``, ``np.clip``) is all-reduced, which is where Megatron's forward
 all-reduce comes from. In-place operators (``x += y``, ``np.add(x, y, out=x)``) write ``x``'s
 block where the result keeps ``x``'s placements, and raise ValueError naming both otherwise.
+A ufunc of two outputs (``np.divmod``, ``np.modf``, ``np.frexp``) gives a tuple of DTensors with
+the same placements (none keeps a Partial); generalized ufuncs (``np.vecdot``) have no rule.
 """
 
 from __future__ import annotations
@@ -93,8 +95,8 @@ def _blockwise(op: str, fn: Any, ufunc: Any, inputs: tuple, out: Any = None) -> 
     if out is None and (same := _same_layout(inputs)) is not None:
         # the common case: the operands' placements, none Partial, on equal shapes (or with scalars):
         # every rule above gives those placements back and moves nothing (measured: 12 -> 8 us per op)
-        return wrap(fn(*(x.to_local() if isinstance(x, DTensor) else x for x in inputs)), mesh, same.placements,
-                    same.shape)
+        return _wrap_all(fn(*(x.to_local() if isinstance(x, DTensor) else x for x in inputs)), mesh, same.placements,
+                         same.shape)
     out_shape = tuple(np.broadcast_shapes(*(x.shape for x in inputs if isinstance(x, DTensor))))
     targets = tuple(_target(ufunc, inputs, i, out_shape) for i in range(mesh.ndim))
     if out is not None:
@@ -108,7 +110,14 @@ def _blockwise(op: str, fn: Any, ufunc: Any, inputs: tuple, out: Any = None) -> 
     if out is not None:
         fn(*locals_, out=out.to_local())
         return out
-    return wrap(fn(*locals_), mesh, targets, out_shape)
+    return _wrap_all(fn(*locals_), mesh, targets, out_shape)
+
+
+def _wrap_all(result: Any, mesh: Any, placements: Any, shape: tuple[int, ...]) -> Any:
+    """The result DTensor, or a tuple of them for a ufunc of two outputs (``np.divmod``, ``np.modf``)."""
+    if isinstance(result, tuple):
+        return tuple(wrap(r, mesh, placements, shape) for r in result)
+    return wrap(result, mesh, placements, shape)
 
 
 def _check_out(op: str, out: Any, mesh: Any, targets: tuple[Placement, ...], out_shape: tuple[int, ...]) -> None:
@@ -135,7 +144,7 @@ def elementwise(ufunc: Any, *inputs: Any, **kwargs: Any) -> DTensor:
     op = f"np.{ufunc.__name__}"
     out = kwargs.pop("out", None)
     no_out(op, kwargs)
-    if ufunc.nout != 1 or ufunc.signature is not None:
+    if ufunc.signature is not None or (ufunc.nout != 1 and out is not None):
         raise unsupported(op, *(x.placements for x in inputs if isinstance(x, DTensor)))
     if isinstance(out, tuple):
         if len(out) != 1:

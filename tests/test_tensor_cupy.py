@@ -14,7 +14,7 @@ from tensor_cases import global_array, same_bits
 import fake_cupy
 import meshkit
 from meshkit.comm import local
-from meshkit.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from meshkit.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, logsumexp
 
 S0, S1, R, P = Shard(0), Shard(1), Replicate(), Partial()
 
@@ -83,6 +83,14 @@ def test_op_rules_on_device_arrays(cupy, mesh_shape):
         "index": (lambda X, W, T, m: X(S1)[1:4, None], x[1:4, None]),
         "reshape T": (lambda X, W, T, m: X(S1).reshape(5, 7, 1).T, x.reshape(5, 7, 1).T),
         "in place": (lambda X, W, T, m: (lambda d: (d.__iadd__(T(S0)), d)[1])(X(S0)), x + t),
+        "einsum P": (lambda X, W, T, m: np.einsum("td,dh->th", X(S1), W(S0)), x @ w),
+        "einsum S": (lambda X, W, T, m: np.einsum("td,th->dh", X(S0), T(S0) * 1), x.T @ t),
+        "logsumexp": (lambda X, W, T, m: logsumexp(X(S1), axis=1), np.log(np.exp(x).sum(1))),
+        "exp P": (lambda X, W, T, m: np.exp(X(P)), np.exp(x)),
+        "concatenate": (lambda X, W, T, m: np.concatenate([X(S1), T(S0)]), np.concatenate([x, t])),
+        "array_split": (lambda X, W, T, m: np.array_split(X(S0), 2, axis=1)[1], np.array_split(x, 2, axis=1)[1]),
+        "take S": (lambda X, W, T, m: np.take(X(S1), [4, 0], axis=0), x[[4, 0]]),
+        "take along S": (lambda X, W, T, m: np.take(X(S1), [6, 0], axis=1), x[:, [6, 0]]),
     }
 
     def body(mesh, cp):
