@@ -4,6 +4,8 @@
     meshkit-run -n 4 examples/train_transformer.py --mesh tp=2,dp=2 --no-causal --check
     meshkit-run -n 4 examples/train_transformer.py --mesh pp=2,dp=2 --schedule zbh1 --microbatches 4 --check
     meshkit-run -n 4 examples/train_transformer.py --mesh dp=2,ep=2 --experts 4 --top-k 2 --check
+    meshkit-run -n 4 examples/train_transformer.py --mesh cp=2,tp=2 --seq 16 --check
+    meshkit-run -n 8 examples/train_transformer.py --mesh pp=2,cp=2,ep=2 --check  # three dimensions at once
     meshkit-run -n 2 examples/train_transformer.py --mesh tp=2 --heads 2 --check
     python examples/train_transformer.py --mesh dp=1 --steps 10 --check      # a world of one
 
@@ -14,6 +16,8 @@ a mean squared error against a teacher block's output, and a hand-written backwa
 their product is the world size:
 
 * ``dp``: the global batch split over ranks (each takes a contiguous, equal share);
+* ``cp``: each sequence split over ranks (head-tail balanced when causal), attention by
+  :func:`meshkit.parallel.ring_attention`, K and V passed around the ring;
 * ``tp``: attention's heads and each expert's hidden units split over ranks (Megatron: one
   all-reduce after the attention's output projection and one after the experts);
 * ``ep``: the experts split over ranks (:class:`meshkit.parallel.MoE`: each token dispatched to
@@ -48,14 +52,12 @@ import train_mlp  # flag types, checkpoint flags, --check's verdict
 import transformer as model_math  # the model, beside this file
 from meshkit.checkpoint import CheckpointManager, get_state_dict, set_state_dict
 from meshkit.parallel import (MoE, PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleZBH1, data_parallel,
-                              shard_experts)
+                              ring_attention, ring_attention_backward, shard_experts, shard_sequence)
 from meshkit.state import ShardedArray, StepCount
 from meshkit.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 #: The mesh dimensions ``--mesh`` knows.
 DIMS = ("dp", "cp", "tp", "ep", "pp")
-#: The dimensions this example runs today (cp, ep and pp come with their layers).
-SUPPORTED = ("dp", "tp", "ep", "pp")
 
 
 # --------------------------------------------------------------------------- the mesh flag
@@ -156,29 +158,37 @@ def config(args: argparse.Namespace) -> model_math.Config:
 
 # --------------------------------------------------------------------------- the two stages
 class AttentionStage:
-    """``h = x + attention(x)`` on this rank's heads (tp: the partial outputs summed once)."""
+    """``h = x + attention(x)`` on this rank's heads (tp: the partial outputs summed once) and its
+    tokens of each sequence (cp: :func:`meshkit.parallel.ring_attention` passes K and V around the
+    ring; head-tail balanced when causal)."""
 
     names = STAGE_PARAMS[0]
 
-    def __init__(self, cfg: model_math.Config, tp: Any) -> None:
-        self.cfg, self.tp = cfg, tp
+    def __init__(self, cfg: model_math.Config, tp: Any, cp: Any) -> None:
+        self.cfg, self.tp, self.cp = cfg, tp, cp
         self.params: dict[str, np.ndarray] = {}
         self.grads: dict[str, np.ndarray] = {}
 
     def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
-        attn, cache = model_math.attention_forward(x, self.params, self.cfg.causal)
+        p = self.params
+        q, k, v = (np.einsum("bsd,dhe->bhse", x, p[n]) for n in ("wq", "wk", "wv"))
+        ctx, ring = ring_attention(q, k, v, self.cp, causal=self.cfg.causal, balanced=self.cfg.causal)
+        attn = np.einsum("bhse,hed->bsd", ctx, p["wo"])
         meshkit.all_reduce(attn, group=self.tp)  # Megatron's rowwise output projection
-        return x + attn, cache
+        return x + attn, (x, ctx, ring)
 
     def backward_input(self, cache: Any, dh: np.ndarray) -> tuple[np.ndarray, Any]:
         """B: nothing before this stage needs the input's gradient; W gets what it needs."""
         return dh, (cache, dh)
 
     def backward_weight(self, kept: Any) -> None:
-        cache, dh = kept
-        _, grads = model_math.attention_backward(dh, cache, self.params)
-        for name, g in grads.items():
-            self.grads[name] += g
+        """W: the ring's backward (collective over cp), then the projections' weight gradients."""
+        (x, ctx, ring), dh = kept
+        p = self.params
+        self.grads["wo"] += np.einsum("bhse,bsd->hed", ctx, dh)
+        dq, dk, dv = ring_attention_backward(ring, np.einsum("bsd,hed->bhse", dh, p["wo"]))
+        for name, d in (("wq", dq), ("wk", dk), ("wv", dv)):
+            self.grads[name] += np.einsum("bsd,bhse->dhe", x, d)
 
 
 class Experts:
@@ -314,6 +324,7 @@ def build_mesh(args: argparse.Namespace) -> meshkit.DeviceMesh:
     names, sizes = full_mesh(args.mesh)
     mesh = meshkit.init_device_mesh("cpu", sizes, mesh_dim_names=names)
     mesh[tuple(d for d in names if d in ("dp", "ep", "cp"))].flatten("tokens")  # different tokens, one model
+    mesh[tuple(d for d in names if d in ("dp", "ep"))].flatten("batch")  # different sequences
     mesh[tuple(d for d in names if d in ("dp", "cp"))].flatten("replicas")  # different tokens, the same experts
     mesh[tuple(d for d in names if d != "pp")].flatten("stage")  # one pipeline stage's ranks
     return mesh
@@ -327,12 +338,12 @@ def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np
     mesh = build_mesh(args)
     cfg = config(args)
     x, y = model_math.make_data(args.samples, args.seq, cfg)
-    pp, tp, tokens = mesh["pp"], mesh["tp"].get_group(), mesh["tokens"]
+    pp, tp, batch_ranks = mesh["pp"], mesh["tp"].get_group(), mesh["batch"]
     piped = pp.size() > 1
     stage = pp.get_local_rank() if piped else None
     model = build(args, mesh, stage)
     experts = next((s for s in model.strategies if isinstance(s, Experts)), None)
-    stages = ([AttentionStage(cfg, tp)] if stage in (None, 0) else []) + \
+    stages = ([AttentionStage(cfg, tp, mesh["cp"])] if stage in (None, 0) else []) + \
              ([MoEStage(cfg, tp, experts, mesh)] if stage in (None, 1) else [])
     schedule = None
     if piped:
@@ -344,11 +355,12 @@ def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np
 
     def run_pass(model: Together, step: int) -> list[float] | None:
         batch = model_math.batch_indices(step, args.samples, args.batch)
-        idx = np.array_split(batch, tokens.size())[tokens.get_local_rank()]  # a contiguous share per token rank
+        idx = np.array_split(batch, batch_ranks.size())[batch_ranks.get_local_rank()]  # a contiguous share
+        xs, ys = (shard_sequence(a[idx], mesh["cp"], balanced=cfg.causal, axis=1) for a in (x, y))  # cp's tokens
         if schedule is None:
-            return run_stages(model, stages, lambda: one_pass(stages, x[idx], y[idx]))
-        return run_stages(model, stages, lambda: schedule.step(x[idx] if stage == 0 else None,
-                                                                target=y[idx] if stage == 1 else None))
+            return run_stages(model, stages, lambda: one_pass(stages, xs, ys))
+        return run_stages(model, stages, lambda: schedule.step(xs if stage == 0 else None,
+                                                                target=ys if stage == 1 else None))
 
     def global_loss(losses: list[float] | None) -> float:
         mean = np.array([float(np.mean(losses)) if losses is not None else 0.0])
@@ -465,15 +477,17 @@ def _problem(args: argparse.Namespace, world_size: int) -> str | None:
     if product != world_size:
         return (f"argument --mesh: {','.join(f'{k}={v}' for k, v in args.mesh.items())} is a mesh of {product} ranks; "
                 f"this run has {world_size}")
-    later = [d for d, n in args.mesh.items() if d not in SUPPORTED and n > 1]
-    if later:
-        return f"argument --mesh: {', '.join(later)} > 1 is not supported by this example yet (it runs {SUPPORTED})"
     dp, tp, pp, ep = (args.mesh.get(d, 1) for d in ("dp", "tp", "pp", "ep"))
     if pp > 2:
         return f"argument --mesh: pp={pp}, but the block has two stages (attention, the experts): use pp=1 or pp=2"
     if args.batch % (dp * ep):
         return (f"argument --batch: {args.batch} does not divide over dp x ep = {dp * ep} ranks holding other "
                 f"sequences; use a multiple of {dp * ep}")
+    cp = args.mesh.get("cp", 1)
+    chunks = 2 * cp if args.causal else cp  # causal: head-tail balanced, two chunks a rank
+    if args.seq % chunks:
+        return (f"argument --seq: {args.seq} does not split into {chunks} equal chunks over cp={cp}"
+                f"{' (head-tail balanced: two a rank)' if args.causal else ''}; use a multiple of {chunks}")
     if args.experts % ep:
         return f"argument --experts: {args.experts} does not divide over ep={ep}; use a multiple of {ep}"
     if pp == 2 and (args.batch // (dp * ep)) % args.microbatches:

@@ -45,6 +45,9 @@ def test_the_hand_written_backward_matches_finite_differences(causal):
     ("dp=2,pp=2", 4, ["--schedule", "gpipe", "--no-causal"]), ("pp=2,tp=2", 4, []),
     ("ep=2", 2, []), ("dp=2,ep=2", 4, []), ("ep=2,tp=2", 4, []), ("ep=4", 4, ["--experts", "8"]),
     ("pp=2,ep=2", 4, ["--schedule", "zbh1"]), ("dp=2,ep=2,tp=2", 8, ["--top-k", "3"]),
+    ("cp=2", 2, []), ("cp=2", 2, ["--no-causal", "--seq", "6"]), ("dp=2,cp=2", 4, []), ("cp=2,tp=2", 4, []),
+    ("cp=4", 4, ["--seq", "16"]), ("pp=2,cp=2", 4, ["--schedule", "zbh1"]),
+    ("tp=1,dp=1,cp=2,ep=2,pp=2", 8, []),   # every dimension named, in an order of its own
 ])
 def test_every_mesh_trains_to_the_single_process_result(mesh, world, extra):
     args = train_transformer.parse_args(["--mesh", mesh, "--steps", "6", *extra], world_size=world)
@@ -67,6 +70,9 @@ def test_every_mesh_trains_to_the_single_process_result(mesh, world, extra):
     (["--mesh", "pp=3"], 3, r"argument --mesh: pp=3, but the block has two stages"),
     (["--mesh", "ep=3"], 3, r"argument --batch: 8 does not divide over dp x ep = 3 ranks"),
     (["--mesh", "ep=2", "--experts", "3"], 2, r"argument --experts: 3 does not divide over ep=2"),
+    (["--mesh", "cp=2", "--seq", "6"], 2,
+     r"argument --seq: 6 does not split into 4 equal chunks over cp=2 \(head-tail balanced: two a rank\)"),
+    (["--mesh", "cp=4", "--seq", "6", "--no-causal"], 4, r"argument --seq: 6 does not split into 4 equal chunks"),
     (["--mesh", "pp=2,dp=2", "--microbatches", "3"], 4,
      r"argument --microbatches: 3 does not divide each rank's batch of 4 sequences"),
 ])
@@ -80,7 +86,7 @@ def test_bad_flags_are_usage_errors_naming_the_flag(argv, world, message, capsys
 
 def test_it_resumes_on_another_mesh_and_still_equals_single_process_training(tmp_path):
     common = ["--steps", "6", "--checkpoint-dir", str(tmp_path)]
-    first = train_transformer.parse_args(["--mesh", "ep=2,tp=2", *common, "--steps", "4", "--save-every", "2"],
+    first = train_transformer.parse_args(["--mesh", "cp=2,ep=2", *common, "--steps", "4", "--save-every", "2"],
                                          world_size=4)
     local.run(lambda: train_transformer.train(first, progress=False), 4, timeout=60)
     then = train_transformer.parse_args(["--mesh", "pp=2", *common, "--resume"], world_size=2)
@@ -92,5 +98,5 @@ def test_it_resumes_on_another_mesh_and_still_equals_single_process_training(tmp
 
 
 def test_the_example_passes_its_check_under_meshkit_run(mpirun):
-    out = mpirun(EXAMPLES / "train_transformer.py", 4, "--mesh", "dp=2,tp=2", "--steps", "5", "--check").stdout
+    out = mpirun(EXAMPLES / "train_transformer.py", 4, "--mesh", "cp=2,ep=2", "--steps", "5", "--check").stdout
     assert "check against single-process training: OK (float64)" in out, out
