@@ -12,9 +12,9 @@ evenly over the N ranks (ep = N). Per token count, side by side in one run, each
 one dispatch followed by one combine (the same bytes both ways):
 
 * ``meshkit``: what :class:`meshkit.parallel.MoE` does per forward: build the
-  ``DispatchPlan`` (one all_gather of the per-expert counts, the capacity cut, the permutations),
-  gather the token rows in sending order, ``dispatch`` (``all_to_all_single``, uneven splits,
-  then the expert-major reorder) and ``combine`` (the reverse);
+  ``DispatchPlan`` (one all_gather of the per-expert counts, the capacity cut, the sending order),
+  gather the token rows in sending order, ``dispatch`` (``all_to_all_single``, uneven splits; the
+  experts run on the rows as received) and ``combine`` (the reverse);
 * ``exchange``: the two ``all_to_all_single`` calls alone, on packed buffers, the plan prebuilt
   (meshkit's layer over the engine, no routing bookkeeping);
 * ``mpi4py``: two raw ``comm.Alltoallv`` of the same buffers and counts.

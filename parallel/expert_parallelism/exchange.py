@@ -3,16 +3,18 @@
 A :class:`DispatchPlan` is built collectively from each rank's expert choices ``indices`` [T, k]:
 one ``all_gather_into_tensor`` of every rank's per-expert counts (with its token count and what
 it found wrong in its input, if anything) tells every rank the whole traffic, so the capacity
-cut, both split-size lists and the receive permutation are computed locally, identically, with
+cut, both split-size lists and the received rows' segments are computed locally, identically, with
 no second count exchange (a per-destination ``all_to_all`` of counts would give the receiver
 neither the per-expert split it needs nor the earlier ranks' counts the capacity cut needs).
 
 Order, which makes the layer bitwise reproducible for any ep degree: the ranks of the ep group
 hold consecutive token shards (rank 0 the first), so "global token order" is (rank, local token).
 A rank sends its kept (token, slot) assignments sorted by expert, then token, then slot; a
-destination receives them source by source (``all_to_all_single``, uneven split sizes) and
-reorders them expert by expert, source by source: each expert sees its tokens in global token
-order, the matrix a single process builds. :meth:`combine` returns the outputs the same way back.
+destination receives them source by source (``all_to_all_single``, uneven split sizes), in
+segments of one (source, expert) each, and runs each expert on its segments where they lie:
+every row's result depends on that row alone (``experts.blocked_matmul``), so that is what a
+single process computes for it, with no reorder copy (on one host as costly as the exchange
+itself). :meth:`combine` returns the outputs the same way back.
 
 Capacity (``capacity_factor`` not None): expert e keeps its first
 ``ceil(capacity_factor * T * k / E)`` assignments in global token order (T: the ep group's tokens,
@@ -50,8 +52,9 @@ class DispatchPlan:
     """The exchange of one forward (and its backward): built collectively over ``group``.
 
     Attributes: ``capacity`` (None when dropless), ``dropped`` (np.ndarray [E], every rank the same),
-    ``keep`` ([T, k] bool, this rank's), ``expert_counts`` (rows per local expert, as received),
-    ``tokens`` (the group's token count).
+    ``keep`` ([T, k] bool, this rank's), ``expert_counts`` (rows per local expert), ``segments``
+    (``(start, rows, local expert)`` runs of the received rows, source-major), ``tokens`` (the
+    group's token count).
     """
 
     def __init__(self, indices: Any, num_experts: int, group: ProcessGroup | None, *, width: int,
@@ -97,14 +100,14 @@ class DispatchPlan:
         self.input_splits = [int(n) for n in by_dest[rank].sum(axis=1)]
         self.output_splits = [int(n) for n in by_dest[:, rank].sum(axis=1)]
         self.expert_counts = [int(n) for n in by_dest[:, rank].sum(axis=0)]
-        # Received: source-major, then expert; wanted: expert-major, then source (global token order).
+        # Received: source-major, then expert. The experts run on those rows where they lie, one
+        # segment (source, expert) at a time: no reorder, a copy as costly as the exchange itself on
+        # one host, in either direction. Each row's result depends on that row alone
+        # (experts.blocked_matmul), so the segments give what one expert-major matrix would.
         mine_rows = by_dest[:, rank]  # [source, local expert]
-        starts = (np.cumsum(mine_rows.reshape(-1)) - mine_rows.reshape(-1)).reshape(ep, per)
-        perm = [np.arange(starts[s, j], starts[s, j] + mine_rows[s, j]) for j in range(per) for s in range(ep)]
-        perm = np.concatenate(perm).astype(np.int64) if perm else np.zeros(0, np.int64)
-        # One expert per rank (or one source): the received order is already expert-major, and the
-        # reorder, a copy as costly as the exchange itself on one host, is skipped.
-        self.perm = None if np.array_equal(perm, np.arange(perm.size)) else xp.asarray(perm)
+        starts = np.cumsum(mine_rows.reshape(-1)) - mine_rows.reshape(-1)
+        self.segments = [(int(start), int(n), j) for start, n, (_, j) in
+                         zip(starts, mine_rows.reshape(-1), np.ndindex(ep, per)) if n]
         # This rank's assignments (token-major flat index t * k + slot), sorted by expert then token.
         n = t * k
         order = xp.argsort(flat * max(n, 1) + xp.arange(n), kind="stable") if n else xp.zeros(0, xp.int64)
@@ -125,17 +128,16 @@ class DispatchPlan:
             out[...] = rows
 
     def dispatch(self, rows: Any) -> Any:
-        """Rows in sending order (one per kept assignment) -> this rank's experts' rows, expert-major."""
+        """Rows in sending order (one per kept assignment) -> this rank's experts' rows, source-major
+        (:attr:`segments` says which expert runs which)."""
         recv = self.xp.empty((sum(self.output_splits),) + rows.shape[1:], dtype=rows.dtype)
         self._exchange(recv, self.xp.ascontiguousarray(rows), self.output_splits, self.input_splits)
-        return recv if self.perm is None else recv[self.perm]
+        return recv
 
     def combine(self, expert_rows: Any) -> Any:
-        """The experts' output rows (expert-major) -> back to their sources, in sending order."""
+        """The experts' output rows (as received: source-major, :attr:`segments`) -> back to their
+        sources, in sending order."""
         back = self.xp.ascontiguousarray(expert_rows)
-        if self.perm is not None:
-            back = self.xp.empty_like(expert_rows)
-            back[self.perm] = expert_rows
         out = self.xp.empty((self.num_sent,) + expert_rows.shape[1:], dtype=expert_rows.dtype)
         self._exchange(out, back, self.input_splits, self.output_splits)
         return out

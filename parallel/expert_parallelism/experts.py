@@ -46,43 +46,39 @@ def _silu(z: Any, xp: Any) -> tuple[Any, Any]:
     return z * s, s
 
 
-def experts_forward(rows: Any, counts: Sequence[int], w1: Any, w2: Any,
+def experts_forward(rows: Any, segments: Sequence[tuple[int, int, int]], w1: Any, w2: Any,
                     tp_group: ProcessGroup | None = None) -> tuple[Any, tuple[Any, ...]]:
-    """Expert j's output for its ``counts[j]`` consecutive rows of ``rows`` (expert-major), and what
-    the backward needs. ``w1`` [E_local, d, h_local], ``w2`` [E_local, h_local, d]."""
+    """Each segment ``(start, n, j)``'s output: expert j on rows ``start .. start + n`` of ``rows``,
+    and what the backward needs. ``w1`` [E_local, d, h_local], ``w2`` [E_local, h_local, d]."""
     xp = array_namespace(rows)
     out = xp.empty((rows.shape[0], w2.shape[2]), dtype=xp.result_type(rows, w2))
     zs, hs = [], []
-    start = 0
-    for j, n in enumerate(counts):
+    for start, n, j in segments:
         z = blocked_matmul(rows[start:start + n], w1[j])
         h, _ = _silu(z, xp)
         out[start:start + n] = blocked_matmul(h, w2[j])
         zs.append(z)
         hs.append(h)
-        start += n
     if tp_group is not None and tp_group.size > 1:
         tp_group.all_reduce(out)  # each tp rank holds a slice of the hidden dimension: partial sums
-    return out, (rows, counts, zs, hs)
+    return out, (rows, segments, zs, hs)
 
 
 def experts_backward(saved: tuple[Any, ...], dout: Any, w1: Any, w2: Any,
                      tp_group: ProcessGroup | None = None) -> tuple[Any, Any, Any]:
-    """``(drows, dw1, dw2)`` from the outputs' gradient ``dout`` (expert-major, as the forward's rows);
+    """``(drows, dw1, dw2)`` from the outputs' gradient ``dout`` (laid out as the forward's rows);
     ``dw1``/``dw2`` are this rank's sums over the rows it ran, not yet reduced over data ranks."""
-    rows, counts, zs, hs = saved
+    rows, segments, zs, hs = saved
     xp = array_namespace(dout)
     drows = xp.empty_like(rows)
     dw1, dw2 = xp.zeros_like(w1), xp.zeros_like(w2)
-    start = 0
-    for j, n in enumerate(counts):
+    for (start, n, j), z, h in zip(segments, zs, hs):
         do = dout[start:start + n]
-        _, s = _silu(zs[j], xp)
-        dz = (do @ w2[j].T) * (s * (1.0 + zs[j] * (1.0 - s)))
-        dw2[j] = hs[j].T @ do
-        dw1[j] = rows[start:start + n].T @ dz
+        _, s = _silu(z, xp)
+        dz = (do @ w2[j].T) * (s * (1.0 + z * (1.0 - s)))
+        dw2[j] += h.T @ do
+        dw1[j] += rows[start:start + n].T @ dz
         drows[start:start + n] = dz @ w1[j].T
-        start += n
     if tp_group is not None and tp_group.size > 1:
         tp_group.all_reduce(drows)  # the input gradient is a partial sum over the hidden slices
     return drows, dw1, dw2

@@ -160,7 +160,7 @@ class MoE:
         t, k = r.indices.shape
         tokens = plan.send_order // k
         rows = plan.dispatch(x[tokens])
-        out, saved = experts_forward(rows, plan.expert_counts, self.w1, self.w2, self.tp_group)
+        out, saved = experts_forward(rows, plan.segments, self.w1, self.w2, self.tp_group)
         back = plan.combine(out)
         contrib = xp.zeros((t * k, x.shape[1]), dtype=out.dtype)
         contrib[plan.send_order] = back
