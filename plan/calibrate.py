@@ -1,0 +1,1 @@
+def calibrate(*a, **k): raise NotImplementedError
