@@ -5,7 +5,7 @@ arithmetic, byte for byte what their ``memory_report()`` says after a training s
 build each strategy and compare integers): the flat layouts of
 :mod:`~meshkit.parallel.data_parallelism.flat` (one per dtype, or per unit and dtype for FSDP,
 padded to a multiple of the shard group), DDP's buckets (``assign_buckets``: no padding), ZeRO-2's
-bucket pool (simulated: buffers are made when no free one fits and at most ``_BUFFERED_BUCKETS``
+bucket pool (simulated: buffers are made when no free one fits and at most ``ZERO2_BUFFERED_BUCKETS``
 are held), and the optimizer's state (AdamW: two arrays the size of what it updates; SGD: one
 with momentum, none without).
 
@@ -31,8 +31,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..parallel import bubble_fraction
-from ..parallel.data_parallelism.buckets import MB, assign_buckets
-from ..parallel.data_parallelism.zero import _BUFFERED_BUCKETS
+from ..parallel._seams import MB, ZERO2_BUFFERED_BUCKETS, assign_buckets
 from .machine import Machine
 from .model import Config, Layer, Model
 
@@ -118,7 +117,7 @@ def _buckets(shapes: dict[str, tuple[int, ...]], dtype: _DType, config: Config) 
     return [sum(math.prod(shapes[n]) for n in names) for names in groups]
 
 
-def _pool_bytes(sizes: list[int], itemsize: int, limit: int = _BUFFERED_BUCKETS) -> int:
+def _pool_bytes(sizes: list[int], itemsize: int, limit: int = ZERO2_BUFFERED_BUCKETS) -> int:
     """ZeRO-2's BufferPool footprint when buckets fill and launch in order (pool.py's rule: the
     smallest free buffer that fits, else a new one, after waiting for the oldest launched holder
     while ``limit`` are held)."""
