@@ -8,7 +8,7 @@ from .estimate import Breakdown, estimate
 from .machine import Machine
 from .model import SCHEDULES, STRATEGIES, Config, Model
 
-__all__ = ["PlanError", "search", "configurations"]
+__all__ = ["PlanError", "search", "configurations", "scaling"]
 
 
 class PlanError(ValueError):
@@ -92,3 +92,26 @@ def search(model: Model, world_size: int, machine: Machine, memory_cap: int | No
                             f"({least.memory} + activations {least.activation_bytes})")
         ranked = fits
     return ranked
+
+
+def scaling(model: Model, machine: Machine, world_sizes: Sequence[int], *,
+            strategies: Sequence[str] = STRATEGIES, optimizer: str = "adamw") -> list[dict]:
+    """Per world size, the fastest configuration of each strategy (and over all of them), with its
+    step time, exposed communication and data-parallel efficiency (compute / step): where a
+    strategy stops scaling shows as its efficiency falling (issue 29.5; docs/planner.md)."""
+    rows = []
+    for n in world_sizes:
+        row: dict = {"ranks": n, "best": None}
+        for strategy in strategies:
+            try:
+                b = search(model, n, machine, strategies=[strategy], optimizer=optimizer)[0]
+            except PlanError:
+                row[strategy] = None
+                continue
+            row[strategy] = {"config": b.config.name(), "step_s": b.step_s, "exposed_comm_s": b.exposed_comm_s,
+                             "efficiency": b.compute_s / b.step_s, "memory": b.memory_total,
+                             "per_device_batch": model.batch // b.config.dp}
+            if row["best"] is None or b.step_s < row[row["best"]]["step_s"]:
+                row["best"] = strategy
+        rows.append(row)
+    return rows
