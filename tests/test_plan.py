@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import pytest
 import meshkit
 from meshkit.comm import local
 from meshkit.plan import (Config, Layer, Level, LinkCost, Machine, Model, PlanError, bus_bytes, calibrate, estimate,
-                          search)
+                          scaling, search)
 from meshkit.plan.calibrate import fit_alpha_beta
 
 
@@ -161,3 +162,35 @@ def test_cli(tmp_path):
     assert "Model.layers[1].params['w1'][1] must be an integer >= 0, got -256" in bad.stderr
     cap = subprocess.run(cmd + ["--memory-cap", "1000"], capture_output=True, text=True)
     assert cap.returncode == 2 and "fits memory_cap=1000 bytes per rank; the closest is" in cap.stderr
+
+
+def test_data_parallel_turns_communication_bound_below_c_over_w():
+    """The scaling-book rule (docs/planner.md): DDP's gradient all-reduce (about 2 x 2P bytes of
+    bfloat16 over bandwidth W) hides under the backward (4 P B / C for B tokens per device) while
+    B > C / W, and is exposed beyond it."""
+    d, seq, layers = 1024, 1024, 16
+    block = Layer("b", {"w1": (d, 4 * d), "w2": (4 * d, d)}, seq * d * 2, 2 * 8 * d * d * seq)
+    machine = Machine.describe_cluster(gpus_per_node=1, nodes=4096, intra_bw=1e12, intra_latency=0, inter_bw=50e9,
+                                       inter_latency=0, memory_bytes=0, flops=400e12)
+    c_over_w_tokens = 400e12 / 50e9 / 2  # bfloat16 rate = 2 x the described float32 rate
+    for factor, bound in ((4, False), (1 / 4, True)):
+        per_device = int(factor * c_over_w_tokens // seq) or 1
+        n = 64
+        model = Model([dataclasses.replace(block, name=f"b{i}") for i in range(layers)], batch=per_device * n,
+                      dtype="bfloat16")
+        b = estimate(Config("ddp", dp_shard=n), model, machine)
+        backward = 2 * b.compute_s / 3
+        if bound:
+            assert b.exposed_comm_s == pytest.approx(b.comm_s - backward, rel=0.05) and b.comm_s > backward
+        else:
+            assert b.exposed_comm_s < 0.15 * b.comm_s < backward
+
+
+def test_scaling_rows():
+    rows = scaling(MODEL, two_level(), [2, 8, 32], strategies=["ddp", "hsdp"])
+    assert [r["ranks"] for r in rows] == [2, 8, 32]
+    assert rows[0]["hsdp"] is None and rows[0]["best"] == "ddp"  # hsdp needs both dimensions > 1
+    for r in rows[1:]:
+        best = r[r["best"]]
+        assert best["step_s"] == min(r[s]["step_s"] for s in ("ddp", "hsdp"))
+        assert 0 < best["efficiency"] <= 1
