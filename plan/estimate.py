@@ -163,7 +163,7 @@ def predict_memory(model: Model, config: Config, stage: int = 0, tp_rank: int = 
     return {"params": shard * it, "grads": shard * it, "optimizer_state": k * shard * it, "comm_buffers": 0}
 
 
-def predict_collectives(model: Model, config: Config, stage: int = 0) -> list[Collective]:
+def predict_collectives(model: Model, config: Config, stage: int = 0, tp_rank: int = 0) -> list[Collective]:
     """The collectives of one steady-state training step of pipeline ``stage``'s data-parallel
     strategy, in the order its flight record lists them (seconds left 0: see :func:`estimate`).
 
@@ -172,7 +172,7 @@ def predict_collectives(model: Model, config: Config, stage: int = 0) -> list[Co
     default) and its gradients reduced.
     """
     layers = stage_layers(model, config.pp)[stage]
-    shapes = local_shapes(layers, config.tp)
+    shapes = local_shapes(layers, config.tp, tp_rank)
     it = model.itemsize
     n = config.dp_shard
     out: list[Collective] = []

@@ -11,6 +11,7 @@ import meshkit
 from meshkit.comm import local
 from meshkit.parallel import data_parallel
 from meshkit.parallel.optim.optimizers import SGD, AdamW
+from meshkit.tensor import DTensor, Shard, distribute_tensor
 from meshkit.plan import Config, Layer, Model, predict_collectives, predict_memory
 
 #: Shapes that divide evenly, that do not (7x5 + 5 over 2, 3, 4 ranks), and a model of buckets
@@ -31,10 +32,10 @@ def _params(model: Model, layers) -> dict:
             for layer in layers for p, shape in layer.params.items()}
 
 
-def _one_step(model: Model, config: Config, mesh, layers) -> tuple[dict, list]:
+def _one_step(model: Model, config: Config, mesh, layers, params=None) -> tuple[dict, list]:
     """Build the strategy over this stage's parameters, run two training steps and return its
     memory_report and the flight record of the second step as (op, bytes, dim)."""
-    params = _params(model, layers)
+    params = _params(model, layers) if params is None else params
     opt = AdamW(lr=1e-3) if config.optimizer == "adamw" else SGD(lr=0.1, momentum=config.momentum)
     units = [[f"{layer.name}.{p}" for p in layer.params] for layer in layers if layer.params]
     fsdp = config.strategy in ("fsdp", "hsdp")
@@ -51,10 +52,10 @@ def _one_step(model: Model, config: Config, mesh, layers) -> tuple[dict, list]:
             for u in reversed(range(len(units))):
                 with m.unshard(u):
                     for name in reversed(units[u]):
-                        m.mark_grad_ready(name, np.ones_like(params[name]))
+                        m.mark_grad_ready(name, np.ones_like(_local(params[name])))
         else:
             for name in reversed(list(params)):
-                m.mark_grad_ready(name, np.ones_like(params[name]))
+                m.mark_grad_ready(name, np.ones_like(_local(params[name])))
         m.step()
     record = meshkit.comm.flight_record()[start:]
     ops = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
@@ -64,6 +65,10 @@ def _one_step(model: Model, config: Config, mesh, layers) -> tuple[dict, list]:
         big = max(int(np.prod(s)) for s in shapes)  # an all-gather's output, a reduce-scatter's input
         listed.append((ops.get(e["op"], e["op"]), big * np.dtype(e["dtype"]).itemsize, dims[e["group"]]))
     return m.memory_report(), listed
+
+
+def _local(p):
+    return p.to_local() if isinstance(p, DTensor) else p
 
 
 def _check(model_name: str, config: Config):
@@ -114,3 +119,30 @@ def test_float64_and_sgd(strategy, optimizer, momentum):
 def test_pipeline_stages(strategy):
     """Two stages of (pp=2, dp=2): each stage's strategy holds what the prediction for that stage says."""
     _check("buckets", Config(strategy, dp_shard=2, pp=2, microbatches=2, **CAPS))
+
+
+TP_MODEL = Model([Layer("l0", {"w": (6, 7), "b": (7,)}, 28, 84, {"w": 1, "b": 0}), Layer("l1", {"w": (8, 5)}, 20, 80, {"w": 0}),
+                  Layer("l2", {"w": (5, 3), "b": (3,)}, 12, 30)], batch=8)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp"])
+def test_tensor_parallel_blocks(strategy):
+    """(dp=2, tp=2): DTensor parameters sharded over tp (7 columns: blocks of 4 and 3) are held as their blocks; memory and
+    collectives are those of the tp-rank's local shapes."""
+    config = Config(strategy, dp_shard=2, tp=2, **CAPS)
+
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        full = _params(TP_MODEL, TP_MODEL.layers)
+        params = {}
+        for layer in TP_MODEL.layers:
+            for p in layer.params:
+                name = f"{layer.name}.{p}"
+                dim = layer.tp_dim.get(p)
+                params[name] = full[name] if dim is None else distribute_tensor(full[name], mesh["tp"], [Shard(dim)])
+        return mesh.get_local_rank("tp"), *_one_step(TP_MODEL, config, mesh["dp"], TP_MODEL.layers, params)
+
+    for tp_rank, report, listed in local.run(body, 4, timeout=60):
+        predicted = predict_memory(TP_MODEL, config, 0, tp_rank)
+        assert {k: report[k] for k in predicted} == predicted
+        assert [(c.op, c.nbytes, c.dim) for c in predict_collectives(TP_MODEL, config, 0, tp_rank)] == listed
