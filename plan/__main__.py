@@ -1,5 +1,5 @@
 """``python -m meshkit.plan MODEL.json --world-size N [--machine calib.json] [--memory-cap BYTES]
-[--top K]``: the ranked configurations for a model file (format: meshkit.plan.model's docstring).
+[--top K] [--strategies ddp,fsdp] [--optimizer sgd] [--json]``: the ranked configurations for a model file (format: meshkit.plan.model's docstring).
 
 Without ``--machine`` the machine is a described one (:data:`DEFAULT_MACHINE`): 8 GPUs per node
 on NVLink, InfiniBand across nodes (the numbers are stated in docs/planner.md).
@@ -12,7 +12,7 @@ import json
 import sys
 
 from .machine import Machine
-from .model import Model
+from .model import OPTIMIZERS, STRATEGIES, Model
 from .search import PlanError, search
 
 #: H100-like nodes (docs/planner.md gives the sources): NVLink 450 GB/s per direction and 3 us,
@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
                         "default a described cluster of 8-GPU nodes")
     parser.add_argument("--memory-cap", type=int, default=None, help="bytes per rank")
     parser.add_argument("--top", type=int, default=10)
+    parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated, default all")
+    parser.add_argument("--optimizer", default="adamw", help="adamw or sgd")
     parser.add_argument("--json", action="store_true", help="print the breakdowns as JSON")
     args = parser.parse_args(argv)
     try:
@@ -37,7 +39,14 @@ def main(argv: list[str] | None = None) -> int:
                              f"{args.world_size}, {args.top}, {args.memory_cap}")
         model = Model.load(args.model)
         machine = Machine.load(args.machine) if args.machine else Machine.describe_cluster(**DEFAULT_MACHINE)
-        ranked = search(model, args.world_size, machine, args.memory_cap)
+        strategies = [x for x in args.strategies.split(",") if x]
+        bad = [x for x in strategies if x not in STRATEGIES] or ([] if strategies else ["(none)"])
+        if bad:
+            raise ValueError(f"--strategies: unknown strategy {bad[0]!r}; valid strategies are {', '.join(STRATEGIES)}")
+        if args.optimizer not in OPTIMIZERS:
+            raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {args.optimizer!r}")
+        ranked = search(model, args.world_size, machine, args.memory_cap, strategies=strategies,
+                        optimizer=args.optimizer)
     except (ValueError, OSError, json.JSONDecodeError) as e:
         parser.print_usage(sys.stderr)
         print(f"python -m meshkit.plan: error: {e}", file=sys.stderr)

@@ -115,8 +115,10 @@ def calibrate(mesh: DeviceMesh, *, sizes: Sequence[int] = SIZES, repeats: int = 
         raise DistValueError(f"meshkit.plan: calibrate: mesh must be a DeviceMesh, got {type(mesh).__name__}")
     bad = [k for k in kinds if k not in KINDS]
     if bad or not sizes or any(int(s) < 4 for s in sizes) or repeats < 1:
-        raise DistValueError(f"meshkit.plan: calibrate: kinds must be among {', '.join(KINDS)}, sizes >= 4 bytes and "
-                             f"repeats >= 1; got kinds={list(kinds)}, sizes={list(sizes)}, repeats={repeats}")
+        # the same arguments on every rank (collective): every rank raises the same error
+        raise DistValueError(f"meshkit.plan: rank {mesh.get_rank()}: calibrate: kinds must be among {', '.join(KINDS)}, "
+                             f"sizes >= 4 bytes and repeats >= 1; got kinds={list(kinds)}, sizes={list(sizes)}, "
+                             f"repeats={repeats}")
     names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
     plan, measured, span = [], [], 1  # (dim, span, kind, bus bytes per size); seconds in order
     for dim in reversed(range(mesh.ndim)):

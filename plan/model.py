@@ -101,9 +101,16 @@ class Model:
         if not isinstance(data, dict) or not isinstance(data.get("layers"), list):
             raise ValueError("meshkit.plan: a model description must be a JSON object with a 'layers' list")
         layers = []
+        unknown = sorted(set(data) - {"layers", "batch", "dtype"})
+        if unknown:
+            raise _bad("Model", unknown, "keys among layers, batch, dtype (unknown keys)")
         for i, lv in enumerate(data["layers"]):
             if not isinstance(lv, dict) or not isinstance(lv.get("params"), dict):
                 raise _bad(f"Model.layers[{i}]", lv, "an object with 'params' (name -> shape)")
+            unknown = sorted(set(lv) - {"name", "params", "activation_bytes", "flops", "tp_dim"})
+            if unknown:
+                raise _bad(f"Model.layers[{i}]", unknown, "keys among name, params, activation_bytes, flops, tp_dim "
+                           "(unknown keys)")
             params = {}
             for p, shape in lv["params"].items():
                 if not isinstance(shape, list):

@@ -100,6 +100,20 @@ def test_calibrate_on_the_local_engine(tmp_path):
     assert Machine.load(tmp_path / "calib.json") == machine
 
 
+def test_calibrate_bad_arguments():
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2,))
+        with pytest.raises(ValueError, match=r"rank \d: calibrate: kinds must be among all_reduce, .*; got "
+                                             r"kinds=\['gossip'\], sizes=\[1024\], repeats=1"):
+            calibrate(mesh, kinds=["gossip"], sizes=[1024], repeats=1)
+        with pytest.raises(ValueError, match=r"sizes=\[2\], repeats=1"):
+            calibrate(mesh, sizes=[2], repeats=1)
+        with pytest.raises(ValueError, match=r"calibrate: mesh must be a DeviceMesh, got list"):
+            calibrate([0, 1])
+
+    local.run(body, 2)
+
+
 def test_calibrate_through_meshkit_run(mpirun, tmp_path):
     out = mpirun("mpi_plan_calibrate.py", 2, str(tmp_path / "calib.json"), "3").stdout
     machine = Machine.load(tmp_path / "calib.json")
@@ -160,6 +174,14 @@ def test_cli(tmp_path):
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "usage:" in bad.stderr
     assert "Model.layers[1].params['w1'][1] must be an integer >= 0, got -256" in bad.stderr
+    strat = subprocess.run(cmd + ["--strategies", "ddp,zero3"], capture_output=True, text=True)
+    assert strat.returncode == 2 and "--strategies: unknown strategy 'zero3'; valid strategies are ddp, zero1" in strat.stderr
+    only = subprocess.run(cmd + ["--strategies", "fsdp", "--json", "--top", "2"], capture_output=True, text=True)
+    assert [r["config"].split()[0] for r in json.loads(only.stdout)] == ["fsdp", "fsdp"]
+    (tmp_path / "typo.json").write_text(json.dumps({"batch": 32, "layers": [{"params": {"w": [2]}, "flop": 3}]}))
+    typo = subprocess.run([sys.executable, "-m", "meshkit.plan", str(tmp_path / "typo.json"), "--world-size", "2"],
+                          capture_output=True, text=True)
+    assert typo.returncode == 2 and "Model.layers[0] must be keys among name, params" in typo.stderr, typo.stderr
     cap = subprocess.run(cmd + ["--memory-cap", "1000"], capture_output=True, text=True)
     assert cap.returncode == 2 and "fits memory_cap=1000 bytes per rank; the closest is" in cap.stderr
 
