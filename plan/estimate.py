@@ -73,7 +73,8 @@ class Breakdown:
 
     @property
     def memory_total(self) -> int:
-        return sum(self.memory.values()) + self.activation_bytes
+        held = sum(v for k, v in self.memory.items() if k != "peak_transient")
+        return held + max(self.memory["peak_transient"] - self.memory["comm_buffers"], 0) + self.activation_bytes
 
     def to_dict(self) -> dict[str, Any]:
         return {"config": self.config.name(), "memory": self.memory, "activation_bytes": self.activation_bytes,
@@ -117,50 +118,61 @@ def _buckets(shapes: dict[str, tuple[int, ...]], dtype: _DType, config: Config) 
     return [sum(math.prod(shapes[n]) for n in names) for names in groups]
 
 
-def _pool_bytes(sizes: list[int], itemsize: int, limit: int = ZERO2_BUFFERED_BUCKETS) -> int:
-    """ZeRO-2's BufferPool footprint when buckets fill and launch in order (pool.py's rule: the
-    smallest free buffer that fits, else a new one, after waiting for the oldest launched holder
-    while ``limit`` are held)."""
+def _pool_bytes(sizes: list[int], itemsize: int, limit: int = ZERO2_BUFFERED_BUCKETS) -> tuple[int, int]:
+    """ZeRO-2's BufferPool footprint and peak live bytes when buckets fill and launch in order
+    (pool.py's rule: the smallest free buffer that fits, else a new one, after waiting for the
+    oldest launched holder while ``limit`` are held)."""
     free: list[int] = []
-    holders: list[int] = []
-    made = 0
-    for size in sizes:
-        while not any(b >= size for b in free) and len(holders) >= limit:
-            free.append(holders.pop(0))  # the oldest holder is launched: wait and release it
-        fits = [b for b in free if b >= size]
-        if fits:
-            buf = min(fits)
-            free.remove(buf)
-        else:
-            buf = size
-            made += size * itemsize
-        holders.append(buf)
-    return made
+    made = peak = 0
+    # The pool lives across steps: a later step finds free buffers that fit and so does not wait
+    # (the limit applies only when none fits), holding more at once than the first step. Three
+    # steps reach the steady state: from the second on, every step starts with every buffer free.
+    for _ in range(3):
+        holders: list[int] = []
+        for size in sizes:
+            while not any(b >= size for b in free) and len(holders) >= limit:
+                free.append(holders.pop(0))  # the oldest holder is launched: wait and release it
+            fits = [b for b in free if b >= size]
+            if fits:
+                buf = min(fits)
+                free.remove(buf)
+            else:
+                buf = size
+                made += size * itemsize
+            holders.append(buf)
+            peak = max(peak, sum(holders) * itemsize)
+        free.extend(reversed(holders))  # the step waits for the rest, last bucket first
+    return made, peak
 
 
 def predict_memory(model: Model, config: Config, stage: int = 0, tp_rank: int = 0) -> dict[str, int]:
-    """``memory_report()``'s params, grads, optimizer_state, comm_buffers for pipeline ``stage``."""
+    """``memory_report()`` after a step on pipeline ``stage``'s tensor-parallel rank ``tp_rank``:
+    params, grads, optimizer_state, comm_buffers (held between steps) and peak_transient (the most
+    communication buffers held at once, not counted in the total)."""
     layers = stage_layers(model, config.pp)[stage]
     shapes = local_shapes(layers, config.tp, tp_rank)
     it, k = model.itemsize, _state_arrays(config)
     numel = sum(math.prod(s) for s in shapes.values())
     n = config.dp_shard
     if config.strategy == "ddp":
-        return {"params": numel * it, "grads": numel * it, "optimizer_state": k * numel * it, "comm_buffers": 0}
+        return {"params": numel * it, "grads": numel * it, "optimizer_state": k * numel * it, "comm_buffers": 0,
+                "peak_transient": 0}
     if config.strategy in ("zero1", "zero2"):
         padded = -(-numel // n) * n if numel else 0
         shard = padded // n
         if config.strategy == "zero1":
-            return {"params": padded * it, "grads": padded * it, "optimizer_state": k * shard * it, "comm_buffers": 0}
-        pool = _pool_bytes(_buckets(shapes, _DType(model.dtype, it), config), it)
-        return {"params": padded * it, "grads": shard * it, "optimizer_state": k * shard * it, "comm_buffers": pool}
-    # fsdp / hsdp: one flat layout per unit (a layer with parameters), each padded to dp_shard
-    shard = 0
-    for layer in layers:
-        unit = sum(math.prod(shapes[f"{layer.name}.{p}"]) for p in layer.params)
-        if layer.params:
-            shard += -(-unit // n)
-    return {"params": shard * it, "grads": shard * it, "optimizer_state": k * shard * it, "comm_buffers": 0}
+            return {"params": padded * it, "grads": padded * it, "optimizer_state": k * shard * it, "comm_buffers": 0,
+                    "peak_transient": 0}
+        pool, peak = _pool_bytes(_buckets(shapes, _DType(model.dtype, it), config), it)
+        return {"params": padded * it, "grads": shard * it, "optimizer_state": k * shard * it, "comm_buffers": pool,
+                "peak_transient": peak}
+    # fsdp / hsdp: one flat layout per unit (a layer with parameters), each padded to dp_shard; the
+    # peak is the largest unit unsharded (a loop that unshards one unit at a time, no prefetch)
+    units = [sum(math.prod(shapes[f"{layer.name}.{p}"]) for p in layer.params) for layer in layers if layer.params]
+    shard = sum(-(-u // n) for u in units)
+    peak = max((-(-u // n) * n for u in units), default=0) * it
+    return {"params": shard * it, "grads": shard * it, "optimizer_state": k * shard * it, "comm_buffers": 0,
+            "peak_transient": peak}
 
 
 def predict_collectives(model: Model, config: Config, stage: int = 0, tp_rank: int = 0) -> list[Collective]:
@@ -240,7 +252,7 @@ def estimate(config: Config, model: Model, machine: Machine) -> Breakdown:
     stages = stage_layers(model, config.pp)
     stage_memory = [predict_memory(model, config, s) for s in range(config.pp)]
     flops = [3 * sum(layer.flops for layer in layers) * local_batch / config.tp for layers in stages]
-    busiest = int(np.argmax([sum(m.values()) for m in stage_memory]))
+    busiest = int(np.argmax([sum(m.values()) - m["peak_transient"] for m in stage_memory]))
     slowest = int(np.argmax(flops))
     compute = machine.compute_time(flops[slowest], model.dtype)
     bubble = bubble_fraction(config.schedule, config.pp, config.microbatches) if config.pp > 1 else 0.0

@@ -95,7 +95,8 @@ def test_calibrate_on_the_local_engine(tmp_path):
     assert set(machine.fit_error) == {f"{d}.{k}" for d in ("rep", "shard") for k in machine.levels[0].costs}
     assert all(np.isfinite(e) and e >= 0 for e in machine.fit_error.values())
     assert machine.flops["float32"] > 0 and machine.flops["float64"] > 0
-    assert machine.collective_time("all_reduce", 1 << 20, 2) > machine.collective_time("all_reduce", 1 << 10, 2)
+    # not ">": 4 threads on a loaded 2-core host can time 64 KiB like 256 B (a fit with beta = 0)
+    assert machine.collective_time("all_reduce", 1 << 20, 2) >= machine.collective_time("all_reduce", 1 << 10, 2)
     machine.save(tmp_path / "calib.json")
     assert Machine.load(tmp_path / "calib.json") == machine
 
@@ -148,7 +149,7 @@ def test_search_ranks_and_fits_the_cap():
 def test_search_says_what_cannot_be_met():
     m = two_level()
     with pytest.raises(PlanError, match=r"no configuration of 8 ranks fits memory_cap=1000 bytes per rank; the "
-                                         r"closest is fsdp dp8 tp1 pp1 at 342656 bytes"):  # 4 x 160768 / 8 x 4 B + 4 samples x 5280 B
+                                         r"closest is fsdp dp8 tp1 pp1 at 598656 bytes"):  # 4 x 160768 / 8 x 4 B + the embedding unsharded (256000 B) + 4 samples x 5280 B
         search(MODEL, 8, m, memory_cap=1000)
     with pytest.raises(PlanError, match=r"no mesh fits world_size=5: .* the nearest world size with one is 4: "):
         search(MODEL, 5, m)
