@@ -53,7 +53,7 @@ class Layer:
 
     def validate(self, where: str) -> None:
         for pname, shape in self.params.items():
-            if not isinstance(shape, tuple) or not shape and shape != ():
+            if not isinstance(shape, tuple):
                 raise _bad(f"{where}.params[{pname!r}]", shape, "a list of sizes")
             for d, s in enumerate(shape):
                 _count(f"{where}.params[{pname!r}][{d}]", s)

@@ -132,6 +132,14 @@ def test_estimate_breakdown_adds_up():
     p = estimate(Config("ddp", dp_shard=2, pp=2, microbatches=4), MODEL, m)
     assert p.bubble_s == pytest.approx(p.compute_s * (1 / 5) / (4 / 5))  # 1f1b: (p-1)/(m+p-1) = 1/5
     assert len(p.stage_memory) == 2
+    with pytest.raises(ValueError, match=r"batch 32 does not divide over 3 data-parallel ranks"):
+        estimate(Config("ddp", dp_shard=3), MODEL, m)
+    with pytest.raises(ValueError, match=r"16 samples per data-parallel rank do not split into 3 microbatches"):
+        estimate(Config("ddp", dp_shard=2, pp=2, microbatches=3), MODEL, m)
+    with pytest.raises(ValueError, match=r"pp=4 stages need at least 4 layers, the model has 3"):
+        estimate(Config("ddp", pp=4), MODEL, m)
+    with pytest.raises(TypeError, match=r"takes a Config, a Model and a Machine, got dict"):
+        estimate({}, MODEL, m)
 
 
 def test_search_ranks_and_fits_the_cap():
