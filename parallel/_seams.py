@@ -4,11 +4,15 @@ The strategies' sharded state (:class:`ShardedStrategy`, :func:`load_pieces`,
 :func:`optimizer_state_views`) and the array test :func:`is_array` are how ``get_state_dict`` and
 ``set_state_dict`` read and write a strategy's own memory; users reach them through those two.
 (``load_pieces``, ``optimizer_state_views`` and ``is_array`` live below ``parallel`` now, in
-``meshkit.state`` and ``meshkit.comm``; they stay importable from here.)
+``meshkit.state`` and ``meshkit.comm``; they stay importable from here.) ``plan`` reads the
+bucket rule (:func:`assign_buckets`, ``MB``) and ZeRO-2's pool limit to predict memory_report exactly.
 """
 
 from ..comm._seams import is_array
 from ..state._seams import load_pieces, optimizer_state_views
+from .data_parallelism.buckets import MB, assign_buckets
 from .data_parallelism.sharded import ShardedStrategy
+from .data_parallelism.zero import _BUFFERED_BUCKETS as ZERO2_BUFFERED_BUCKETS
 
-__all__ = ["ShardedStrategy", "load_pieces", "optimizer_state_views", "is_array"]
+__all__ = ["ShardedStrategy", "load_pieces", "optimizer_state_views", "is_array", "assign_buckets", "MB",
+           "ZERO2_BUFFERED_BUCKETS"]

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NOT_PACKAGE = {"tests", "examples", "benchmarks", "build", "dist"}
 #: What each top-level package may import from meshkit (checkpoint -> parallel -> tensor -> mesh -> comm;
 #: ``state``, the boxes checkpoints read and write, on comm alone, below parallel and checkpoint; ``debug``, the
-#: tools that read flight records, on comm alone too).
+#: tools that read flight records, on comm alone too; ``plan``, the planner, on top of everything).
 ALLOWED = {
     "comm": set(),
     "mesh": {"comm"},
@@ -28,6 +28,7 @@ ALLOWED = {
     "launch": set(),
     "debug": {"comm"},
     "elastic": set(),
+    "plan": {"comm", "mesh", "tensor", "state", "parallel", "checkpoint"},
 }
 
 

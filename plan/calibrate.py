@@ -1,0 +1,150 @@
+"""Measure this machine: each mesh dimension's alpha-beta per collective kind and the local
+matmul rate, fitted into a :class:`~meshkit.plan.machine.Machine`.
+
+Timing follows benchmarks/_common.py: a barrier before each call, a call's time is the MAX over
+the group's ranks (a collective is as slow as its slowest rank), the median over ``repeats``
+rounds (rejects the noise bursts of a shared machine). ``send_recv`` is half a ping-pong between
+the group's ranks 0 and 1. The fit minimizes the *relative* squared error of
+``alpha + bus_bytes * beta`` (bus bytes: :func:`~meshkit.plan.machine.bus_bytes`), so the small
+sizes, whose times are latency, weigh as much as the large; ``fit_error`` is the mean relative
+error of the fit at the measured points.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ..comm import DistValueError, ReduceOp
+from .. import comm as _c
+from ..mesh import DeviceMesh
+from .machine import KINDS, Level, LinkCost, Machine, bus_bytes
+
+__all__ = ["calibrate", "fit_alpha_beta"]
+
+#: Default message sizes (bytes): latency-bound to bandwidth-bound on a host, and fast (< 1 s
+#: per dimension at 2 ranks on the local engine).
+SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20)
+
+
+def fit_alpha_beta(bus: Sequence[float], seconds: Sequence[float]) -> tuple[LinkCost, float]:
+    """Least squares of ``t = alpha + b * beta`` weighted by ``1 / t`` (relative error), both kept
+    >= 0; returns the cost and the mean relative error at the points."""
+    b, t = np.asarray(bus, float), np.asarray(seconds, float)
+    t = np.maximum(t, 1e-9)
+    a = np.stack([np.ones_like(b), b], axis=1) / t[:, None]
+    (alpha, beta), *_ = np.linalg.lstsq(a, np.ones_like(t), rcond=None)
+    if alpha < 0:  # refit through the origin
+        alpha, beta = 0.0, float(np.sum(b / t) / np.sum((b / t) ** 2))
+    if beta < 0:
+        alpha, beta = float(len(t) / np.sum(1 / t)), 0.0
+    pred = alpha + b * beta
+    return LinkCost(float(alpha), float(beta)), float(np.mean(np.abs(pred - t) / t))
+
+
+def _timed(fn: Callable[[], Any], group: Any, repeats: int) -> float:
+    times = []
+    fn()  # warm-up: first-call setup is not the link's cost
+    for _ in range(repeats):
+        _c.barrier(group=group)
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    worst = np.asarray(times)
+    _c.all_reduce(worst, ReduceOp.MAX, group=group)
+    return statistics.median(worst.tolist())
+
+
+def _ops(kind: str, nbytes: int, group: Any) -> tuple[Callable[[], Any], float]:
+    """A call of ``kind`` moving ``nbytes`` (the convention of machine.py) and its bus bytes."""
+    n, me = group.size, group.rank
+    per = max(1, nbytes // (4 * n))  # float32 elements per rank's piece
+    full = np.ones(per * n, np.float32)
+    piece = np.ones(per, np.float32)
+    size = full.nbytes
+    if kind == "all_reduce":
+        fn = lambda: _c.all_reduce(full, group=group)  # noqa: E731
+    elif kind == "all_gather":
+        fn = lambda: _c.all_gather_into_tensor(full, piece, group=group)  # noqa: E731
+    elif kind == "reduce_scatter":
+        fn = lambda: _c.reduce_scatter_tensor(piece, full, group=group)  # noqa: E731
+    elif kind == "all_to_all":
+        out = np.empty_like(full)
+        fn = lambda: _c.all_to_all_single(out, full, group=group)  # noqa: E731
+    elif kind == "broadcast":
+        fn = lambda: _c.broadcast(full, group=group, group_src=0)  # noqa: E731
+    elif kind == "reduce":
+        fn = lambda: _c.reduce(full, group=group, group_dst=0)  # noqa: E731
+    else:  # send_recv: a ping-pong between group ranks 0 and 1, halved below
+        def fn() -> None:
+            if me == 0:
+                _c.send(full, group=group, group_dst=1)
+                _c.recv(full, group=group, group_src=1)
+            elif me == 1:
+                _c.recv(full, group=group, group_src=0)
+                _c.send(full, group=group, group_dst=0)
+    return fn, bus_bytes(kind, size, n)
+
+
+def _matmul_rate(dtype: str, n: int, repeats: int) -> float:
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((n, n)).astype(dtype), rng.standard_normal((n, n)).astype(dtype)
+    a @ b
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t0)
+    return 2 * n ** 3 / max(statistics.median(times), 1e-9)
+
+
+def calibrate(mesh: DeviceMesh, *, sizes: Sequence[int] = SIZES, repeats: int = 5, kinds: Sequence[str] = KINDS,
+              matmul_n: int = 256, memory_bytes: int = 0, name: str = "calibrated") -> Machine:
+    """Measure every dimension of ``mesh`` (collective: every rank of the mesh calls it, with the
+    same arguments) and return the fitted :class:`Machine`, the same on every rank.
+
+    Levels are the mesh's dimensions from the last (innermost) out, each of ``size`` = the ranks it
+    spans with the dimensions inside it; a dimension of one rank is skipped. ``fit_error`` maps
+    ``"dim.kind"`` to the fit's mean relative error; ``flops`` holds the float32 and float64
+    rates of an ``matmul_n``-square matmul on this rank (the slowest rank's, as agreed by MAX).
+    """
+    if not isinstance(mesh, DeviceMesh):
+        raise DistValueError(f"meshkit.plan: calibrate: mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    bad = [k for k in kinds if k not in KINDS]
+    if bad or not sizes or any(int(s) < 4 for s in sizes) or repeats < 1:
+        # the same arguments on every rank (collective): every rank raises the same error
+        raise DistValueError(f"meshkit.plan: rank {mesh.get_rank()}: calibrate: kinds must be among {', '.join(KINDS)}, "
+                             f"sizes >= 4 bytes and repeats >= 1; got kinds={list(kinds)}, sizes={list(sizes)}, "
+                             f"repeats={repeats}")
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    plan, measured, span = [], [], 1  # (dim, span, kind, bus bytes per size); seconds in order
+    for dim in reversed(range(mesh.ndim)):
+        group = mesh.get_group(dim)
+        span *= group.size
+        if group.size == 1:
+            continue
+        for kind in kinds:
+            bus = []
+            for size in sizes:
+                fn, b = _ops(kind, int(size), group)
+                t = _timed(fn, group, repeats)
+                bus.append(b)
+                measured.append(t / 2 if kind == "send_recv" else t)
+            plan.append((dim, span, kind, bus))
+    measured += [-_matmul_rate(d, matmul_n, repeats) for d in ("float32", "float64")]  # MIN rate as MAX of -rate
+    # One machine on every rank: each point's MAX over the whole mesh (over each dimension in turn),
+    # not just over the group that measured it (another group of the same dimension may be slower).
+    agreed = np.asarray(measured)
+    for dim in range(mesh.ndim):
+        _c.all_reduce(agreed, ReduceOp.MAX, group=mesh.get_group(dim))
+    levels: dict[int, Level] = {}
+    errors = {}
+    for i, (dim, dim_span, kind, bus) in enumerate(plan):
+        seconds = agreed[i * len(sizes):(i + 1) * len(sizes)]
+        level = levels.setdefault(dim, Level(names[dim], dim_span, {}))
+        level.costs[kind], errors[f"{names[dim]}.{kind}"] = fit_alpha_beta(bus, seconds)
+    out = list(levels.values()) or [Level("self", 1, {k: LinkCost(0.0, 0.0) for k in kinds})]
+    return Machine(out, memory_bytes, {"float32": float(-agreed[-2]), "float64": float(-agreed[-1])}, name, errors)

@@ -1,0 +1,295 @@
+"""Predict a configuration's per-rank memory and step time from a model and a machine.
+
+Memory (``params``, ``grads``, ``optimizer_state``, ``comm_buffers``) is the strategies' own
+arithmetic, byte for byte what their ``memory_report()`` says after a training step (the tests
+build each strategy and compare integers): the flat layouts of
+:mod:`~meshkit.parallel.data_parallelism.flat` (one per dtype, or per unit and dtype for FSDP,
+padded to a multiple of the shard group), DDP's buckets (``assign_buckets``: no padding), ZeRO-2's
+bucket pool (simulated: buffers are made when no free one fits and at most ``ZERO2_BUFFERED_BUCKETS``
+are held), and the optimizer's state (AdamW: two arrays the size of what it updates; SGD: one
+with momentum, none without).
+
+Time is a model, not a measurement:
+
+* compute: ``3 x forward flops x samples per data-parallel rank / tp / flop rate`` of the stage
+  with the most flops, over ``1 - bubble_fraction(schedule, pp, microbatches)`` when pipelined;
+* each collective as the flight recorder lists it (op, bytes, mesh dimension), timed by the
+  machine's alpha-beta for its kind on the level that holds its dimension;
+* overlap: a stream of collectives that runs beside a compute window ``W`` (DDP/ZeRO buckets beside
+  the backward; FSDP's gathers beside the forward, its gathers and reduce-scatters beside the
+  backward) exposes ``max(t_one, sum(t) - W)``, ``t_one`` being the collective that cannot overlap
+  (the last bucket; the first gather). Everything else (the per-sync agreement, ZeRO's parameter
+  all-gather after the step, tensor parallelism's all-reduces, pipeline sends) is exposed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ..parallel import bubble_fraction
+from ..parallel._seams import MB, ZERO2_BUFFERED_BUCKETS, assign_buckets
+from .machine import Machine
+from .model import Config, Layer, Model
+
+__all__ = ["Collective", "Breakdown", "estimate", "stage_layers", "local_shapes", "predict_memory",
+           "predict_collectives"]
+
+
+class _DType(NamedTuple):
+    """What ``assign_buckets`` reads of a dtype (numpy has no bfloat16)."""
+    name: str
+    itemsize: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective of a step: ``op`` as the flight recorder names it, ``nbytes`` (the full
+    buffer: an all-gather's output, a reduce-scatter's input), the mesh dimension ``dim``, and its
+    predicted ``seconds``."""
+    op: str
+    nbytes: int
+    dim: str
+    seconds: float = 0.0
+
+
+@dataclasses.dataclass
+class Breakdown:
+    """A prediction: per-rank memory (the largest stage's; per stage in ``stage_memory``),
+    the collectives of one step (of the busiest stage) and the step time's parts."""
+    config: Config
+    memory: dict[str, int]
+    stage_memory: list[dict[str, int]]
+    activation_bytes: int
+    collectives: list[Collective]
+    compute_s: float
+    bubble_s: float
+    comm_s: float
+    exposed_comm_s: float
+    step_s: float
+
+    @property
+    def memory_total(self) -> int:
+        held = sum(v for k, v in self.memory.items() if k != "peak_transient")
+        return held + max(self.memory["peak_transient"] - self.memory["comm_buffers"], 0) + self.activation_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config": self.config.name(), "memory": self.memory, "activation_bytes": self.activation_bytes,
+                "stage_memory": self.stage_memory, "compute_s": self.compute_s, "bubble_s": self.bubble_s,
+                "comm_s": self.comm_s, "exposed_comm_s": self.exposed_comm_s, "step_s": self.step_s,
+                "collectives": [dataclasses.asdict(c) for c in self.collectives]}
+
+
+def stage_layers(model: Model, pp: int) -> list[list[Layer]]:
+    """Contiguous runs of layers per pipeline stage (``numpy.array_split``'s rule)."""
+    if pp > len(model.layers):
+        raise ValueError(f"meshkit.plan: pp={pp} stages need at least {pp} layers, the model has {len(model.layers)}")
+    return [list(part) for part in np.array_split(np.array(model.layers, dtype=object), pp)]
+
+
+def local_shapes(layers: list[Layer], tp: int, tp_rank: int = 0) -> dict[str, tuple[int, ...]]:
+    """``layer.param -> shape`` on tensor-parallel rank ``tp_rank``: a ``tp_dim`` split as
+    ``Shard`` splits (torch.chunk: chunks of ``ceil(size / tp)``, the last ones shorter or empty)."""
+    out = {}
+    for layer in layers:
+        for p, shape in layer.params.items():
+            dim = layer.tp_dim.get(p)
+            if tp > 1 and dim is not None:
+                chunk = -(-shape[dim] // tp)
+                shape = shape[:dim] + (max(0, min(chunk, shape[dim] - chunk * tp_rank)),) + shape[dim + 1:]
+            out[f"{layer.name}.{p}"] = shape
+    return out
+
+
+def _state_arrays(config: Config) -> int:
+    if config.optimizer == "adamw":
+        return 2
+    return 1 if config.momentum else 0
+
+
+def _buckets(shapes: dict[str, tuple[int, ...]], dtype: _DType, config: Config) -> list[int]:
+    """Element counts of the buckets, in launch order (the reverse of registration)."""
+    order = list(reversed(shapes))
+    groups = assign_buckets([(n, shapes[n], dtype) for n in order], bucket_cap_bytes=int(config.bucket_cap_mb * MB),
+                            first_bucket_cap_bytes=int(config.first_bucket_cap_mb * MB))
+    return [sum(math.prod(shapes[n]) for n in names) for names in groups]
+
+
+def _pool_bytes(sizes: list[int], itemsize: int, limit: int = ZERO2_BUFFERED_BUCKETS) -> tuple[int, int]:
+    """ZeRO-2's BufferPool footprint and peak live bytes when buckets fill and launch in order
+    (pool.py's rule: the smallest free buffer that fits, else a new one, after waiting for the
+    oldest launched holder while ``limit`` are held)."""
+    free: list[int] = []
+    made = peak = 0
+    # The pool lives across steps: a later step finds free buffers that fit and so does not wait
+    # (the limit applies only when none fits), holding more at once than the first step. Three
+    # steps reach the steady state: from the second on, every step starts with every buffer free.
+    for _ in range(3):
+        holders: list[int] = []
+        for size in sizes:
+            while not any(b >= size for b in free) and len(holders) >= limit:
+                free.append(holders.pop(0))  # the oldest holder is launched: wait and release it
+            fits = [b for b in free if b >= size]
+            if fits:
+                buf = min(fits)
+                free.remove(buf)
+            else:
+                buf = size
+                made += size * itemsize
+            holders.append(buf)
+            peak = max(peak, sum(holders) * itemsize)
+        free.extend(reversed(holders))  # the step waits for the rest, last bucket first
+    return made, peak
+
+
+def predict_memory(model: Model, config: Config, stage: int = 0, tp_rank: int = 0) -> dict[str, int]:
+    """``memory_report()`` after a step on pipeline ``stage``'s tensor-parallel rank ``tp_rank``:
+    params, grads, optimizer_state, comm_buffers (held between steps) and peak_transient (the most
+    communication buffers held at once, not counted in the total)."""
+    layers = stage_layers(model, config.pp)[stage]
+    shapes = local_shapes(layers, config.tp, tp_rank)
+    it, k = model.itemsize, _state_arrays(config)
+    numel = sum(math.prod(s) for s in shapes.values())
+    n = config.dp_shard
+    if config.strategy == "ddp":
+        return {"params": numel * it, "grads": numel * it, "optimizer_state": k * numel * it, "comm_buffers": 0,
+                "peak_transient": 0}
+    if config.strategy in ("zero1", "zero2"):
+        padded = -(-numel // n) * n if numel else 0
+        shard = padded // n
+        if config.strategy == "zero1":
+            return {"params": padded * it, "grads": padded * it, "optimizer_state": k * shard * it, "comm_buffers": 0,
+                    "peak_transient": 0}
+        pool, peak = _pool_bytes(_buckets(shapes, _DType(model.dtype, it), config), it)
+        return {"params": padded * it, "grads": shard * it, "optimizer_state": k * shard * it, "comm_buffers": pool,
+                "peak_transient": peak}
+    # fsdp / hsdp: one flat layout per unit (a layer with parameters), each padded to dp_shard; the
+    # peak is the largest unit unsharded (a loop that unshards one unit at a time, no prefetch)
+    units = [sum(math.prod(shapes[f"{layer.name}.{p}"]) for p in layer.params) for layer in layers if layer.params]
+    shard = sum(-(-u // n) for u in units)
+    peak = max((-(-u // n) * n for u in units), default=0) * it
+    return {"params": shard * it, "grads": shard * it, "optimizer_state": k * shard * it, "comm_buffers": 0,
+            "peak_transient": peak}
+
+
+def predict_collectives(model: Model, config: Config, stage: int = 0, tp_rank: int = 0) -> list[Collective]:
+    """The collectives of one steady-state training step of pipeline ``stage``'s data-parallel
+    strategy, in the order its flight record lists them (seconds left 0: see :func:`estimate`).
+
+    DDP/ZeRO: gradients marked in backward order (the reverse of registration); FSDP: each unit
+    unsharded in the forward, then, in reverse, unsharded again (``reshard_after_forward``, the
+    default) and its gradients reduced.
+    """
+    layers = stage_layers(model, config.pp)[stage]
+    shapes = local_shapes(layers, config.tp, tp_rank)
+    it = model.itemsize
+    n = config.dp_shard
+    out: list[Collective] = []
+    if config.strategy in ("ddp", "zero1", "zero2"):
+        sizes = _buckets(shapes, _DType(model.dtype, it), config)
+        numel = sum(sizes)
+        padded = -(-numel // n) * n
+        # issued at one rank too: the strategies do not special-case a group of one
+        start = 0
+        for size in sizes:
+            if config.strategy == "zero2":  # one reduce per owner's piece of the bucket (zero.py)
+                shard = padded // n
+                for owner in range(n):
+                    lo, hi = max(start, owner * shard), min(start + size, (owner + 1) * shard)
+                    if lo < hi:
+                        out.append(Collective("reduce", (hi - lo) * it, "dp"))
+            else:
+                out.append(Collective("all_reduce", size * it, "dp"))
+            start += size
+        out.append(Collective("all_reduce", 4 * n, "dp"))  # the per-sync agreement flags (int32, reducer.py)
+        if config.strategy != "ddp":
+            out.append(Collective("all_gather", padded * it, "dp"))
+        return out
+    units = [sum(math.prod(shapes[f"{layer.name}.{p}"]) for p in layer.params) for layer in layers if layer.params]
+    padded = [-(-u // n) * n for u in units]
+    shard_dim = "dp_shard" if config.strategy == "hsdp" else "dp"
+    out += [Collective("all_gather", p * it, shard_dim) for p in padded]
+    for p in reversed(padded):
+        out.append(Collective("all_gather", p * it, shard_dim))
+        out.append(Collective("reduce_scatter", p * it, shard_dim))
+        if config.strategy == "hsdp":
+            out.append(Collective("all_reduce", p // n * it, "dp_replicate"))
+    return out
+
+
+def _spans(config: Config) -> dict[str, tuple[int, int]]:
+    """Mesh dimension -> (its size, ranks it spans with the dimensions inside it); the mesh is
+    ``(pp, dp_replicate, dp_shard, tp)``, tp innermost (on the fastest links)."""
+    tp, s, r = config.tp, config.dp_shard, config.dp_replicate
+    return {"tp": (tp, tp), "dp": (s, s * tp), "dp_shard": (s, s * tp), "dp_replicate": (r, r * s * tp),
+            "pp": (config.pp, config.world_size)}
+
+
+def _kind(op: str) -> str:
+    return {"send": "send_recv", "recv": "send_recv"}.get(op, op)
+
+
+def _exposed(times: list[float], window: float, unhidden: float) -> float:
+    """A stream of collectives beside ``window`` seconds of compute exposes ``max(unhidden, sum - window)``."""
+    return max(unhidden, sum(times) - window) if times else 0.0
+
+
+def estimate(config: Config, model: Model, machine: Machine) -> Breakdown:
+    """Predict ``config``'s per-rank memory and step time for ``model`` on ``machine``."""
+    if not isinstance(config, Config) or not isinstance(model, Model) or not isinstance(machine, Machine):
+        raise TypeError(f"meshkit.plan: estimate(config, model, machine) takes a Config, a Model and a Machine, got "
+                        f"{type(config).__name__}, {type(model).__name__}, {type(machine).__name__}")
+    if model.batch % config.dp:
+        raise ValueError(f"meshkit.plan: batch {model.batch} does not divide over {config.dp} data-parallel ranks")
+    local_batch = model.batch // config.dp
+    if local_batch % config.microbatches:
+        raise ValueError(f"meshkit.plan: {local_batch} samples per data-parallel rank do not split into "
+                         f"{config.microbatches} microbatches")
+    spans = _spans(config)
+    stages = stage_layers(model, config.pp)
+    stage_memory = [predict_memory(model, config, s) for s in range(config.pp)]
+    flops = [3 * sum(layer.flops for layer in layers) * local_batch / config.tp for layers in stages]
+    busiest = int(np.argmax([sum(m.values()) - m["peak_transient"] for m in stage_memory]))
+    slowest = int(np.argmax(flops))
+    compute = machine.compute_time(flops[slowest], model.dtype)
+    bubble = bubble_fraction(config.schedule, config.pp, config.microbatches) if config.pp > 1 else 0.0
+    bubble_s = compute * bubble / (1 - bubble)
+    colls = []
+    for c in predict_collectives(model, config, slowest):
+        size, span = spans[c.dim]
+        colls.append(dataclasses.replace(c, seconds=machine.collective_time(_kind(c.op), c.nbytes, size, span)))
+    # tensor parallelism (Megatron): one all-reduce of a layer's activations forward, one backward
+    if config.tp > 1:
+        for layer in stages[slowest]:
+            if layer.tp_dim:
+                nbytes = layer.activation_bytes * local_batch
+                t = machine.collective_time("all_reduce", nbytes, config.tp, config.tp)
+                colls += [Collective("all_reduce", nbytes, "tp", t)] * 2
+    if config.pp > 1:  # activations forward and their gradients backward across each stage boundary
+        boundary = stages[slowest][-1] if slowest < config.pp - 1 else stages[slowest - 1][-1]
+        nbytes = boundary.activation_bytes * local_batch // config.microbatches
+        t = machine.collective_time("send_recv", nbytes, 2, config.world_size)
+        colls += [Collective("send", nbytes, "pp", t)] * (2 * config.microbatches)
+    forward, backward = compute / 3, 2 * compute / 3
+    if config.strategy in ("ddp", "zero1", "zero2"):
+        grads = [c.seconds for c in colls if c.op in ("all_reduce", "reduce") and c.dim == "dp"][:-1]
+        hidden = _exposed(grads, backward, grads[-1] if grads else 0.0)
+        rest = sum(c.seconds for c in colls) - sum(grads)
+    else:
+        gathers = [c.seconds for c in colls if c.op == "all_gather"]
+        fwd, bwd_g = gathers[:len(gathers) // 2], gathers[len(gathers) // 2:]
+        bwd = bwd_g + [c.seconds for c in colls if c.op == "reduce_scatter" or c.dim == "dp_replicate"]
+        hidden = _exposed(fwd, forward, fwd[0] if fwd else 0.0) + _exposed(bwd, backward, bwd[-1] if bwd else 0.0)
+        rest = sum(c.seconds for c in colls if c.dim in ("tp", "pp"))
+    comm = sum(c.seconds for c in colls)
+    exposed = hidden + rest
+    layers = stages[busiest]
+    in_flight = 1 if config.pp == 1 else (config.microbatches if config.schedule == "gpipe"
+                                          else min(config.pp, config.microbatches))
+    acts = sum(layer.activation_bytes for layer in layers) * (local_batch // config.microbatches) * in_flight
+    acts //= config.tp
+    return Breakdown(config, stage_memory[busiest], stage_memory, acts, colls, compute, bubble_s, comm, exposed,
+                     compute + bubble_s + exposed)

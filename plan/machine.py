@@ -1,0 +1,200 @@
+"""A machine as the planner sees it: levels of links with an alpha-beta cost per collective kind,
+device memory and compute rate.
+
+A collective of ``S`` bytes over ``n`` ranks costs ``alpha + bus_bytes(kind, S, n) * beta``
+(alpha: latency in seconds; beta: seconds per byte of *bus* traffic). Bus bytes follow NCCL's
+convention (nccl-tests ``doc/PERFORMANCE.md``, "algbw/busbw"): the bytes one rank's link carries
+in a bandwidth-optimal (ring) algorithm, so one ``beta`` per link serves every group size:
+
+======================  ===========================  ==========================================
+kind                    ``S`` is                     bus bytes
+======================  ===========================  ==========================================
+all_reduce              the buffer                   ``2 (n - 1) / n * S``
+all_gather              the gathered (full) output   ``(n - 1) / n * S``
+reduce_scatter          the full input               ``(n - 1) / n * S``
+all_to_all              one rank's send buffer       ``(n - 1) / n * S``
+broadcast, reduce       the buffer                   ``S``
+send_recv               the message                  ``S``
+======================  ===========================  ==========================================
+
+A machine may be calibrated (:func:`meshkit.plan.calibrate`) or described: e.g. a cluster of
+nodes of 8 GPUs on NVLink and InfiniBand across nodes is two levels, ``Level("node", 8, ...)``
+and ``Level("cluster", 10**6, ...)``; a mesh dimension whose ranks (with the dimensions inside
+it) fit in a level's ``size`` uses that level's links.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+__all__ = ["KINDS", "LinkCost", "Level", "Machine", "bus_bytes"]
+
+#: Collective kinds a level has a cost for.
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "send_recv")
+
+
+def bus_bytes(kind: str, nbytes: float, n: int) -> float:
+    """Bytes one rank's link carries for ``kind`` of ``nbytes`` over ``n`` ranks (table above)."""
+    if kind not in KINDS:
+        raise ValueError(f"meshkit.plan: unknown collective kind {kind!r}; valid kinds are {', '.join(KINDS)}")
+    if n <= 1 and kind != "send_recv":
+        return 0.0
+    if kind == "all_reduce":
+        return 2 * (n - 1) / n * nbytes
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n * nbytes
+    return float(nbytes)
+
+
+def _number(where: str, field: str, value: Any, *, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"meshkit.plan: {where}: {field} must be a finite number, got {value!r}")
+    if value < 0 or (positive and value == 0):
+        raise ValueError(f"meshkit.plan: {where}: {field} must be {'> 0' if positive else '>= 0'}, got {value!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkCost:
+    """``alpha`` seconds of latency plus ``beta`` seconds per bus byte."""
+
+    alpha: float
+    beta: float
+
+    def validate(self, where: str) -> None:
+        _number(where, "alpha", self.alpha)
+        _number(where, "beta", self.beta)
+
+
+@dataclasses.dataclass(frozen=True)
+class Level:
+    """Links among groups of up to ``size`` ranks (``"node"``: the ranks of one host) with a cost
+    per collective kind (a kind left out costs what ``all_reduce``'s link costs)."""
+
+    name: str
+    size: int
+    costs: dict[str, LinkCost]
+
+    def cost(self, kind: str) -> LinkCost:
+        return self.costs.get(kind) or self.costs.get("all_reduce") or next(iter(self.costs.values()))
+
+
+@dataclasses.dataclass
+class Machine:
+    """Levels of links (innermost first), device memory per rank and matmul-like compute rates.
+
+    Args:
+        levels: innermost first (e.g. node, then cluster); sizes non-decreasing.
+        memory_bytes: memory of one rank's device (bytes); 0 means unknown (no cap from it).
+        flops: ``dtype name -> flop/s`` of one rank for matmul-like work (``"float32"``...).
+        fit_error: ``"level.kind" -> relative error`` of a calibration's fit (empty when described).
+    """
+
+    levels: list[Level]
+    memory_bytes: int = 0
+    flops: dict[str, float] = dataclasses.field(default_factory=dict)
+    name: str = "machine"
+    fit_error: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        if not isinstance(self.levels, list) or not self.levels:
+            raise ValueError(f"meshkit.plan: Machine: levels must be a non-empty list of Level, got {self.levels!r}")
+        previous = 0
+        for i, level in enumerate(self.levels):
+            where = f"Machine.levels[{i}]"
+            if not isinstance(level, Level):
+                raise ValueError(f"meshkit.plan: {where} must be a Level, got {type(level).__name__}")
+            if isinstance(level.size, bool) or not isinstance(level.size, int) or level.size < 1:
+                raise ValueError(f"meshkit.plan: {where}: size must be an integer >= 1, got {level.size!r}")
+            if level.size < previous:
+                raise ValueError(f"meshkit.plan: {where}: size {level.size} is below the level inside it ({previous})")
+            previous = level.size
+            if not level.costs:
+                raise ValueError(f"meshkit.plan: {where}: costs must name at least one kind of {', '.join(KINDS)}")
+            for kind, cost in level.costs.items():
+                if kind not in KINDS:
+                    raise ValueError(f"meshkit.plan: {where}: unknown collective kind {kind!r}; valid kinds are "
+                                     f"{', '.join(KINDS)}")
+                cost.validate(f"{where}.costs[{kind!r}]")
+        if isinstance(self.memory_bytes, bool) or not isinstance(self.memory_bytes, int) or self.memory_bytes < 0:
+            raise ValueError(f"meshkit.plan: Machine: memory_bytes must be an integer >= 0, got {self.memory_bytes!r}")
+        for dtype, rate in self.flops.items():
+            _number("Machine", f"flops[{dtype!r}]", rate, positive=True)
+
+    # ------------------------------------------------------------------ costs
+    def level_for(self, span: int) -> Level:
+        """The innermost level whose groups hold ``span`` ranks (a mesh dimension with the ones inside it)."""
+        for level in self.levels:
+            if span <= level.size:
+                return level
+        return self.levels[-1]
+
+    def collective_time(self, kind: str, nbytes: float, n: int, span: int | None = None) -> float:
+        """Seconds for ``kind`` of ``nbytes`` over ``n`` ranks on the level holding ``span`` ranks."""
+        if n <= 1 and kind != "send_recv":
+            return 0.0
+        cost = self.level_for(span or n).cost(kind)
+        return cost.alpha + bus_bytes(kind, nbytes, n) * cost.beta
+
+    def compute_time(self, flops: float, dtype: str) -> float:
+        rate = self.flops.get(dtype) or self.flops.get("float32")
+        if not rate:
+            raise ValueError(f"meshkit.plan: Machine {self.name!r} has no compute rate for {dtype!r} "
+                             f"(flops has {sorted(self.flops)})")
+        return flops / rate
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "memory_bytes": self.memory_bytes, "flops": dict(self.flops),
+                "fit_error": dict(self.fit_error),
+                "levels": [{"name": lv.name, "size": lv.size,
+                            "costs": {k: {"alpha": c.alpha, "beta": c.beta} for k, c in lv.costs.items()}}
+                           for lv in self.levels]}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Machine:
+        """A machine from :meth:`to_dict`'s form; a missing or bad field raises ValueError naming it."""
+        if not isinstance(data, dict) or not isinstance(data.get("levels"), list):
+            raise ValueError("meshkit.plan: a machine description must be a JSON object with a 'levels' list")
+        levels = []
+        for i, lv in enumerate(data["levels"]):
+            if not isinstance(lv, dict) or not isinstance(lv.get("costs"), dict):
+                raise ValueError(f"meshkit.plan: Machine.levels[{i}] must be an object with 'name', 'size', 'costs'")
+            costs = {}
+            for kind, c in lv["costs"].items():
+                if not isinstance(c, dict) or set(c) != {"alpha", "beta"}:
+                    raise ValueError(f"meshkit.plan: Machine.levels[{i}].costs[{kind!r}] must be "
+                                     f"{{'alpha': seconds, 'beta': seconds per byte}}, got {c!r}")
+                costs[kind] = LinkCost(c["alpha"], c["beta"])
+            levels.append(Level(str(lv.get("name", f"level{i}")), lv.get("size"), costs))
+        return cls(levels, data.get("memory_bytes", 0), dict(data.get("flops", {})), str(data.get("name", "machine")),
+                   dict(data.get("fit_error", {})))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Machine:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    @classmethod
+    def describe_cluster(cls, *, gpus_per_node: int, nodes: int, intra_bw: float, intra_latency: float,
+                         inter_bw: float, inter_latency: float, memory_bytes: int, flops: float,
+                         name: str = "cluster") -> Machine:
+        """A two-level cluster from link bandwidths (bytes/s) and latencies (s): e.g. 8 GPUs on
+        NVLink (450e9 B/s, 3e-6 s) per node, InfiniBand (50e9 B/s, 10e-6 s) across nodes."""
+        _number(name, "intra_bw", intra_bw, positive=True)
+        _number(name, "inter_bw", inter_bw, positive=True)
+        inner = {k: LinkCost(intra_latency, 1 / intra_bw) for k in KINDS}
+        outer = {k: LinkCost(inter_latency, 1 / inter_bw) for k in KINDS}
+        return cls([Level("node", gpus_per_node, inner), Level("cluster", gpus_per_node * nodes, outer)],
+                   memory_bytes, {"float32": flops, "float64": flops / 2, "bfloat16": 2 * flops, "float16": 2 * flops},
+                   name)

@@ -1,0 +1,181 @@
+"""What the planner plans for: a model described by its layers, and a configuration (mesh degrees,
+strategy, optimizer, pipeline schedule).
+
+Model file format (JSON), used by ``python -m meshkit.plan``::
+
+    {"dtype": "float32", "batch": 64,
+     "layers": [{"name": "fc1", "params": {"w": [1024, 4096], "b": [4096]},
+                 "activation_bytes": 16384, "flops": 8388608, "tp_dim": {"w": 1, "b": 0}}, ...]}
+
+``activation_bytes`` and ``flops`` are per sample, of the layer's forward pass (its output's bytes
+and its multiply-adds times 2); a training step counts forward + backward as 3x the forward's
+flops (backward = 2x forward, the usual rule: Kaplan et al. 2020, sec. 2.1). ``tp_dim`` (optional)
+names the dimension tensor parallelism shards each parameter along.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Layer", "Model", "Config", "STRATEGIES", "OPTIMIZERS", "SCHEDULES"]
+
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
+OPTIMIZERS = ("sgd", "adamw")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1", "zbv")
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
+
+def _bad(field: str, value: Any, valid: str) -> ValueError:
+    return ValueError(f"meshkit.plan: {field} must be {valid}, got {value!r}")
+
+
+def _count(field: str, value: Any, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise _bad(field, value, f"an integer >= {minimum}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """One layer: ``params`` (name -> shape, in the order the model registers them), forward
+    ``activation_bytes`` and ``flops`` per sample, ``tp_dim`` (param name -> dimension tensor
+    parallelism shards; parameters left out are replicated over tp)."""
+
+    name: str
+    params: dict[str, tuple[int, ...]]
+    activation_bytes: int = 0
+    flops: int = 0
+    tp_dim: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def validate(self, where: str) -> None:
+        for pname, shape in self.params.items():
+            if not isinstance(shape, tuple):
+                raise _bad(f"{where}.params[{pname!r}]", shape, "a list of sizes")
+            for d, s in enumerate(shape):
+                _count(f"{where}.params[{pname!r}][{d}]", s)
+        _count(f"{where}.activation_bytes", self.activation_bytes)
+        _count(f"{where}.flops", self.flops)
+        for pname, dim in self.tp_dim.items():
+            if pname not in self.params:
+                raise _bad(f"{where}.tp_dim", pname, f"one of the layer's parameters {list(self.params)}")
+            if _count(f"{where}.tp_dim[{pname!r}]", dim) >= len(self.params[pname]):
+                raise _bad(f"{where}.tp_dim[{pname!r}]", dim, f"a dimension of {self.params[pname]}")
+
+
+@dataclasses.dataclass
+class Model:
+    """Layers in forward order, the global batch (samples per step) and the parameters' dtype."""
+
+    layers: list[Layer]
+    batch: int
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise _bad("Model.layers", self.layers, "a non-empty list of layers")
+        names = set()
+        for i, layer in enumerate(self.layers):
+            layer.validate(f"Model.layers[{i}]")
+            for p in layer.params:
+                if (layer.name, p) in names:
+                    raise _bad(f"Model.layers[{i}].params", p, "unique within its layer")
+                names.add((layer.name, p))
+        _count("Model.batch", self.batch, 1)
+        if self.dtype not in _ITEMSIZE:
+            raise _bad("Model.dtype", self.dtype, f"one of {', '.join(_ITEMSIZE)}")
+
+    @property
+    def itemsize(self) -> int:
+        return _ITEMSIZE[self.dtype]
+
+    @property
+    def numel(self) -> int:
+        return sum(math.prod(s) for layer in self.layers for s in layer.params.values())
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Model:
+        if not isinstance(data, dict) or not isinstance(data.get("layers"), list):
+            raise ValueError("meshkit.plan: a model description must be a JSON object with a 'layers' list")
+        layers = []
+        unknown = sorted(set(data) - {"layers", "batch", "dtype"})
+        if unknown:
+            raise _bad("Model", unknown, "keys among layers, batch, dtype (unknown keys)")
+        for i, lv in enumerate(data["layers"]):
+            if not isinstance(lv, dict) or not isinstance(lv.get("params"), dict):
+                raise _bad(f"Model.layers[{i}]", lv, "an object with 'params' (name -> shape)")
+            unknown = sorted(set(lv) - {"name", "params", "activation_bytes", "flops", "tp_dim"})
+            if unknown:
+                raise _bad(f"Model.layers[{i}]", unknown, "keys among name, params, activation_bytes, flops, tp_dim "
+                           "(unknown keys)")
+            params = {}
+            for p, shape in lv["params"].items():
+                if not isinstance(shape, list):
+                    raise _bad(f"Model.layers[{i}].params[{p!r}]", shape, "a list of sizes")
+                params[p] = tuple(shape)
+            layers.append(Layer(str(lv.get("name", f"layer{i}")), params, lv.get("activation_bytes", 0),
+                                lv.get("flops", 0), dict(lv.get("tp_dim", {}))))
+        return cls(layers, data.get("batch", 1), data.get("dtype", "float32"))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Model:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def param_names(self, layers: list[Layer] | None = None) -> list[str]:
+        """Flat names ``layer.param`` in registration order (those of the strategies in the tests)."""
+        return [f"{layer.name}.{p}" for layer in (self.layers if layers is None else layers) for p in layer.params]
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A parallel configuration.
+
+    ``dp_shard`` is the data-parallel group's size for ddp, zero1, zero2 and fsdp (``dp_replicate``
+    must then be 1); hsdp shards over ``dp_shard`` and replicates over ``dp_replicate``. Pipeline
+    stages take contiguous runs of layers (``numpy.array_split`` of the layer list: the first
+    stages get one more layer when ``pp`` does not divide them). FSDP's units are the layers.
+    """
+
+    strategy: str = "ddp"
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    optimizer: str = "adamw"
+    momentum: float = 0.0
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    bucket_cap_mb: float = 25
+    first_bucket_cap_mb: float = 1
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise _bad("Config.strategy", self.strategy, f"one of {', '.join(STRATEGIES)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise _bad("Config.optimizer", self.optimizer, f"one of {', '.join(OPTIMIZERS)}")
+        if self.schedule not in SCHEDULES:
+            raise _bad("Config.schedule", self.schedule, f"one of {', '.join(SCHEDULES)}")
+        for field in ("dp_replicate", "dp_shard", "tp", "pp", "microbatches"):
+            _count(f"Config.{field}", getattr(self, field), 1)
+        if self.strategy != "hsdp" and self.dp_replicate != 1:
+            raise _bad("Config.dp_replicate", self.dp_replicate, f"1 for strategy {self.strategy!r} (only hsdp "
+                       "replicates over a second dimension; dp_shard is the data-parallel size)")
+        if self.momentum < 0 or self.bucket_cap_mb <= 0 or self.first_bucket_cap_mb <= 0:
+            raise _bad("Config.momentum/bucket caps", (self.momentum, self.bucket_cap_mb, self.first_bucket_cap_mb),
+                       "momentum >= 0 and caps > 0")
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def name(self) -> str:
+        mesh = f"dp{self.dp_replicate}x{self.dp_shard}" if self.strategy == "hsdp" else f"dp{self.dp_shard}"
+        out = f"{self.strategy} {mesh} tp{self.tp} pp{self.pp}"
+        return out + (f" {self.schedule} mb{self.microbatches}" if self.pp > 1 else "")

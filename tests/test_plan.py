@@ -1,0 +1,227 @@
+"""meshkit.plan: machine descriptions, calibration, search and the command line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import meshkit
+from meshkit.comm import local
+from meshkit.plan import (Config, Layer, Level, LinkCost, Machine, Model, PlanError, bus_bytes, calibrate, estimate,
+                          scaling, search)
+from meshkit.plan.calibrate import fit_alpha_beta
+
+
+def two_level() -> Machine:
+    return Machine.describe_cluster(gpus_per_node=8, nodes=4, intra_bw=400e9, intra_latency=2e-6, inter_bw=40e9,
+                                    inter_latency=8e-6, memory_bytes=80 << 30, flops=1e14)
+
+
+MODEL = Model([Layer("embed", {"w": (1000, 64)}, 256, 0),
+               Layer("mlp", {"w1": (64, 256), "w2": (256, 64)}, 1024, 2 * 64 * 256 * 2, {"w1": 1, "w2": 0}),
+               Layer("head", {"w": (64, 1000)}, 4000, 2 * 64 * 1000)], batch=32)
+
+
+# ------------------------------------------------------------------ machine
+def test_bus_bytes_follow_nccl_conventions():
+    assert bus_bytes("all_reduce", 1000, 4) == 1500          # 2 (n-1)/n S
+    assert bus_bytes("all_gather", 1000, 4) == 750           # (n-1)/n S
+    assert bus_bytes("reduce_scatter", 1000, 2) == 500
+    assert bus_bytes("broadcast", 1000, 8) == 1000
+    assert bus_bytes("all_reduce", 1000, 1) == 0
+    with pytest.raises(ValueError, match=r"unknown collective kind 'gossip'; valid kinds are all_reduce"):
+        bus_bytes("gossip", 1, 2)
+
+
+def test_machine_json_round_trip_and_levels(tmp_path):
+    m = two_level()
+    m.save(tmp_path / "m.json")
+    back = Machine.load(tmp_path / "m.json")
+    assert back == m
+    assert m.level_for(8).name == "node" and m.level_for(16).name == "cluster"
+    # 1 MB all-reduce over 8 ranks in a node: 2e-6 + 2*7/8*1e6 / 400e9
+    assert m.collective_time("all_reduce", 1e6, 8) == pytest.approx(2e-6 + 1.75e6 / 400e9)
+    assert m.collective_time("all_reduce", 1e6, 4, span=32) == pytest.approx(8e-6 + 1.5e6 / 40e9)
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda d: d["levels"][0].update(size=-8), r"Machine.levels\[0\]: size must be an integer >= 1, got -8"),
+    (lambda d: d["levels"][1]["costs"]["all_reduce"].update(beta=-1.0),
+     r"Machine.levels\[1\].costs\['all_reduce'\]: beta must be >= 0, got -1.0"),
+    (lambda d: d.update(memory_bytes=-1), r"Machine: memory_bytes must be an integer >= 0, got -1"),
+    (lambda d: d["levels"][0]["costs"].update(gossip={"alpha": 0, "beta": 0}), r"unknown collective kind 'gossip'"),
+    (lambda d: d["flops"].update(float32=0), r"Machine: flops\['float32'\] must be > 0, got 0"),
+    (lambda d: d["levels"].reverse(), r"Machine.levels\[1\]: size 8 is below the level inside it \(32\)"),
+])
+def test_machine_bad_fields_are_named(change, match):
+    data = two_level().to_dict()
+    change(data)
+    with pytest.raises(ValueError, match=match):
+        Machine.from_dict(data)
+
+
+def test_model_and_config_bad_fields_are_named():
+    with pytest.raises(ValueError, match=r"Model.layers\[0\].params\['w'\]\[1\] must be an integer >= 0, got -3"):
+        Model([Layer("a", {"w": (2, -3)})], batch=4)
+    with pytest.raises(ValueError, match=r"Model.batch must be an integer >= 1, got 0"):
+        Model([Layer("a", {"w": (2,)})], batch=0)
+    with pytest.raises(ValueError, match=r"Config.strategy must be one of ddp, zero1, zero2, fsdp, hsdp, got 'zero3'"):
+        Config("zero3")
+    with pytest.raises(ValueError, match=r"Config.dp_replicate must be 1 for strategy 'fsdp'"):
+        Config("fsdp", dp_replicate=2, dp_shard=2)
+
+
+# ------------------------------------------------------------------ calibration
+def test_fit_recovers_alpha_beta():
+    bus = np.array([1e3, 1e4, 1e5, 1e6])
+    cost, err = fit_alpha_beta(bus, 5e-6 + bus * 2e-10)
+    assert cost.alpha == pytest.approx(5e-6) and cost.beta == pytest.approx(2e-10) and err < 1e-9
+
+
+def test_calibrate_on_the_local_engine(tmp_path):
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))
+        return calibrate(mesh, sizes=(256, 4096, 65536), repeats=2, matmul_n=64).to_dict()
+
+    results = local.run(body, 4, timeout=60)
+    assert all(r == results[0] for r in results)  # the same machine on every rank
+    machine = Machine.from_dict(results[0])
+    assert [(lv.name, lv.size) for lv in machine.levels] == [("shard", 2), ("rep", 4)]
+    assert set(machine.fit_error) == {f"{d}.{k}" for d in ("rep", "shard") for k in machine.levels[0].costs}
+    assert all(np.isfinite(e) and e >= 0 for e in machine.fit_error.values())
+    assert machine.flops["float32"] > 0 and machine.flops["float64"] > 0
+    # not ">": 4 threads on a loaded 2-core host can time 64 KiB like 256 B (a fit with beta = 0)
+    assert machine.collective_time("all_reduce", 1 << 20, 2) >= machine.collective_time("all_reduce", 1 << 10, 2)
+    machine.save(tmp_path / "calib.json")
+    assert Machine.load(tmp_path / "calib.json") == machine
+
+
+def test_calibrate_bad_arguments():
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2,))
+        with pytest.raises(ValueError, match=r"rank \d: calibrate: kinds must be among all_reduce, .*; got "
+                                             r"kinds=\['gossip'\], sizes=\[1024\], repeats=1"):
+            calibrate(mesh, kinds=["gossip"], sizes=[1024], repeats=1)
+        with pytest.raises(ValueError, match=r"sizes=\[2\], repeats=1"):
+            calibrate(mesh, sizes=[2], repeats=1)
+        with pytest.raises(ValueError, match=r"calibrate: mesh must be a DeviceMesh, got list"):
+            calibrate([0, 1])
+
+    local.run(body, 2)
+
+
+def test_calibrate_through_meshkit_run(mpirun, tmp_path):
+    out = mpirun("mpi_plan_calibrate.py", 2, str(tmp_path / "calib.json"), "3").stdout
+    machine = Machine.load(tmp_path / "calib.json")
+    assert machine.levels[0].size == 2 and len(machine.fit_error) == 7
+    assert out.count("FIT dp.") == 7, out
+
+
+# ------------------------------------------------------------------ estimate and search
+def test_estimate_breakdown_adds_up():
+    m = two_level()
+    b = estimate(Config("ddp", dp_shard=4), MODEL, m)
+    assert b.step_s == pytest.approx(b.compute_s + b.bubble_s + b.exposed_comm_s)
+    assert b.compute_s == pytest.approx(3 * sum(layer.flops for layer in MODEL.layers) * 8 / 1e14)
+    assert b.exposed_comm_s <= b.comm_s + 1e-15
+    p = estimate(Config("ddp", dp_shard=2, pp=2, microbatches=4), MODEL, m)
+    assert p.bubble_s == pytest.approx(p.compute_s * (1 / 5) / (4 / 5))  # 1f1b: (p-1)/(m+p-1) = 1/5
+    assert len(p.stage_memory) == 2
+    with pytest.raises(ValueError, match=r"batch 32 does not divide over 3 data-parallel ranks"):
+        estimate(Config("ddp", dp_shard=3), MODEL, m)
+    with pytest.raises(ValueError, match=r"16 samples per data-parallel rank do not split into 3 microbatches"):
+        estimate(Config("ddp", dp_shard=2, pp=2, microbatches=3), MODEL, m)
+    with pytest.raises(ValueError, match=r"pp=4 stages need at least 4 layers, the model has 3"):
+        estimate(Config("ddp", pp=4), MODEL, m)
+    with pytest.raises(TypeError, match=r"takes a Config, a Model and a Machine, got dict"):
+        estimate({}, MODEL, m)
+
+
+def test_search_ranks_and_fits_the_cap():
+    m = two_level()
+    ranked = search(MODEL, 8, m)
+    assert [b.step_s for b in ranked] == sorted(b.step_s for b in ranked)
+    names = {b.config.name() for b in ranked}
+    assert {"ddp dp8 tp1 pp1", "hsdp dp2x4 tp1 pp1", "fsdp dp4 tp2 pp1", "zero2 dp4 tp1 pp2 1f1b mb8"} <= names
+    assert not any("pp4" in n for n in names)  # 3 layers: at most 3 stages
+    cap = sorted(b.memory_total for b in ranked)[len(ranked) // 2]
+    capped = search(MODEL, 8, m, memory_cap=cap)
+    assert capped and all(b.memory_total <= cap for b in capped) and len(capped) < len(ranked)
+
+
+def test_search_says_what_cannot_be_met():
+    m = two_level()
+    with pytest.raises(PlanError, match=r"no configuration of 8 ranks fits memory_cap=1000 bytes per rank; the "
+                                         r"closest is fsdp dp8 tp1 pp1 at 598656 bytes"):  # 4 x 160768 / 8 x 4 B + the embedding unsharded (256000 B) + 4 samples x 5280 B
+        search(MODEL, 8, m, memory_cap=1000)
+    with pytest.raises(PlanError, match=r"no mesh fits world_size=5: .* the nearest world size with one is 4: "):
+        search(MODEL, 5, m)
+    with pytest.raises(PlanError, match=r"world_size must be an integer >= 1, got 0"):
+        search(MODEL, 0, m)
+
+
+def test_cli(tmp_path):
+    layers = [{"name": layer.name, "params": {k: list(v) for k, v in layer.params.items()},
+               "activation_bytes": layer.activation_bytes, "flops": layer.flops, "tp_dim": layer.tp_dim}
+              for layer in MODEL.layers]
+    (tmp_path / "model.json").write_text(json.dumps({"batch": 32, "layers": layers}))
+    two_level().save(tmp_path / "m.json")
+    cmd = [sys.executable, "-m", "meshkit.plan", str(tmp_path / "model.json"), "--world-size", "8"]
+    out = subprocess.run(cmd + ["--machine", str(tmp_path / "m.json"), "--top", "3"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith(f"{len(search(MODEL, 8, two_level()))} configurations of 8 ranks")
+    assert len(lines) == 5 and lines[2].split()[0] == search(MODEL, 8, two_level())[0].config.strategy
+    layers[1]["params"]["w1"] = [64, -256]
+    (tmp_path / "bad.json").write_text(json.dumps({"batch": 32, "layers": layers}))
+    bad = subprocess.run([sys.executable, "-m", "meshkit.plan", str(tmp_path / "bad.json"), "--world-size", "8"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "usage:" in bad.stderr
+    assert "Model.layers[1].params['w1'][1] must be an integer >= 0, got -256" in bad.stderr
+    strat = subprocess.run(cmd + ["--strategies", "ddp,zero3"], capture_output=True, text=True)
+    assert strat.returncode == 2 and "--strategies: unknown strategy 'zero3'; valid strategies are ddp, zero1" in strat.stderr
+    only = subprocess.run(cmd + ["--strategies", "fsdp", "--json", "--top", "2"], capture_output=True, text=True)
+    assert [r["config"].split()[0] for r in json.loads(only.stdout)] == ["fsdp", "fsdp"]
+    (tmp_path / "typo.json").write_text(json.dumps({"batch": 32, "layers": [{"params": {"w": [2]}, "flop": 3}]}))
+    typo = subprocess.run([sys.executable, "-m", "meshkit.plan", str(tmp_path / "typo.json"), "--world-size", "2"],
+                          capture_output=True, text=True)
+    assert typo.returncode == 2 and "Model.layers[0] must be keys among name, params" in typo.stderr, typo.stderr
+    cap = subprocess.run(cmd + ["--memory-cap", "1000"], capture_output=True, text=True)
+    assert cap.returncode == 2 and "fits memory_cap=1000 bytes per rank; the closest is" in cap.stderr
+
+
+def test_data_parallel_turns_communication_bound_below_c_over_w():
+    """The scaling-book rule (docs/planner.md): DDP's gradient all-reduce (about 2 x 2P bytes of
+    bfloat16 over bandwidth W) hides under the backward (4 P B / C for B tokens per device) while
+    B > C / W, and is exposed beyond it."""
+    d, seq, layers = 1024, 1024, 16
+    block = Layer("b", {"w1": (d, 4 * d), "w2": (4 * d, d)}, seq * d * 2, 2 * 8 * d * d * seq)
+    machine = Machine.describe_cluster(gpus_per_node=1, nodes=4096, intra_bw=1e12, intra_latency=0, inter_bw=50e9,
+                                       inter_latency=0, memory_bytes=0, flops=400e12)
+    c_over_w_tokens = 400e12 / 50e9 / 2  # bfloat16 rate = 2 x the described float32 rate
+    for factor, bound in ((4, False), (1 / 4, True)):
+        per_device = int(factor * c_over_w_tokens // seq) or 1
+        n = 64
+        model = Model([dataclasses.replace(block, name=f"b{i}") for i in range(layers)], batch=per_device * n,
+                      dtype="bfloat16")
+        b = estimate(Config("ddp", dp_shard=n), model, machine)
+        backward = 2 * b.compute_s / 3
+        if bound:
+            assert b.exposed_comm_s == pytest.approx(b.comm_s - backward, rel=0.05) and b.comm_s > backward
+        else:
+            assert b.exposed_comm_s < 0.15 * b.comm_s < backward
+
+
+def test_scaling_rows():
+    rows = scaling(MODEL, two_level(), [2, 8, 32], strategies=["ddp", "hsdp"])
+    assert [r["ranks"] for r in rows] == [2, 8, 32]
+    assert rows[0]["hsdp"] is None and rows[0]["best"] == "ddp"  # hsdp needs both dimensions > 1
+    for r in rows[1:]:
+        best = r[r["best"]]
+        assert best["step_s"] == min(r[s]["step_s"] for s in ("ddp", "hsdp"))
+        assert 0 < best["efficiency"] <= 1
