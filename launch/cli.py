@@ -24,6 +24,12 @@ the job starts, at ``127.0.0.1`` for a job on this host, else at this host's nam
 (:func:`rendezvous_address`). meshkit itself needs neither: MPI connects the ranks. Only output
 written through Python's ``sys.stdout``/``sys.stderr`` is prefixed; output of C libraries and
 subprocesses that write to the file descriptors directly passes through untouched.
+
+``--simulate-nodes K`` runs the N ranks as K nodes of this host, for testing multi-node code on
+one machine: ranks in blocks of N/K, each reporting host name ``{host}-sim{node}``
+(``MESHKIT_HOST_NAME``), ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` of its node (set by the rank
+bootstrap), and ``MPIR_CVAR_NOLOCAL=1`` unless set, so MPICH's messages take its network path
+rather than shared memory. See docs/clusters.md.
 """
 
 from __future__ import annotations
@@ -45,13 +51,17 @@ from .restarts import ElasticSpec, attempt_environment, hostfile_arguments, run_
 from .slots import Hosts, available, parse_nproc
 
 __all__ = ["main", "find_mpiexec", "thread_limits", "rendezvous_address", "job_command", "job_environment",
-           "LaunchError", "THREAD_ENV_VARS"]
+           "LaunchError", "THREAD_ENV_VARS", "NOLOCAL_ENV"]
 
 logger = logging.getLogger("meshkit.launch")
 
 # Launcher options that take a value; the first other bare word is the script.
 _VALUE_OPTIONS = ("-n", "--nproc", "--mpiexec-args", "--timeout", "--max-restarts", "--restart-delay", "--slots",
-                  "--hostfile", "--restart-report")
+                  "--hostfile", "--restart-report", "--simulate-nodes")
+#: MPICH's switch that sends every message through its network module (ch4's netmod) instead of
+#: shared memory, so that simulated nodes talk as real ones do (a 4 KB all_reduce at 2 ranks on
+#: this project's 2-core machine: ~3x slower, docs/clusters.md "Simulated nodes").
+NOLOCAL_ENV = "MPIR_CVAR_NOLOCAL"
 
 
 def find_mpiexec() -> list[str]:
@@ -167,6 +177,12 @@ def _build_parser() -> argparse.ArgumentParser:
         help="write each restart's failure and its time back to training, by phase, as JSON",
     )  # fmt: skip
     parser.add_argument(
+        "--simulate-nodes", type=_positive_int, metavar="K",
+        help=f"run the ranks as K simulated nodes of this host (ranks in blocks of N/K; K must divide N): each "
+             f"reports host name HOST-simI, LOCAL_RANK counts its node, and {NOLOCAL_ENV}=1 (unless set) keeps "
+             "MPICH off shared memory; see docs/clusters.md",
+    )  # fmt: skip
+    parser.add_argument(
         "-v", "--verbose", action="store_true", help="log the mpiexec command and teardown",
     )  # fmt: skip
     parser.add_argument(
@@ -226,10 +242,25 @@ def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         slots, source, _ = available(opts.nproc, slots=opts.slots, hostfile=opts.hostfile)
     except ValueError as exc:
         parser.error(f"argument --hostfile: {exc}")
+    if opts.simulate_nodes is not None:
+        _check_simulated_nodes(parser, opts)
     if slots < opts.nproc.min:
         parser.error(f"argument -n/--nproc: {opts.nproc} needs at least {opts.nproc.min} slot"
                      f"{'' if opts.nproc.min == 1 else 's'}, but {source} gives {slots}")
     return opts, target
+
+
+def _check_simulated_nodes(parser: argparse.ArgumentParser, opts: argparse.Namespace) -> None:
+    """``--simulate-nodes K`` needs a fixed ``-n N`` that K divides, on this host alone."""
+    k, n = opts.simulate_nodes, opts.nproc
+    if n.elastic:
+        parser.error(f"argument --simulate-nodes: needs a fixed number of ranks (-n N), got -n {n}")
+    if n.max % k:
+        parser.error(f"argument --simulate-nodes: {k} nodes do not divide -n {n.max} ranks; pass a number of "
+                     f"nodes that divides it (valid: {[d for d in range(1, n.max + 1) if n.max % d == 0]})")
+    if opts.hostfile is not None:
+        parser.error("argument --simulate-nodes: simulates nodes on this host and cannot be combined with "
+                     f"--hostfile {opts.hostfile} (real hosts)")
 
 
 #: Thread-pool variables of the BLAS and OpenMP runtimes NumPy may use.
@@ -281,9 +312,16 @@ def job_command(mpiexec: list[str], nproc: int, target: list[str], mpiexec_args:
     ]  # fmt: skip
 
 
-def job_environment(mpiexec: list[str], nproc: int, status_dir: str, mpiexec_args: list[str]) -> dict[str, str]:
-    """The ranks' environment: this one, plus what the launcher tells its ranks (module docstring)."""
+def job_environment(mpiexec: list[str], nproc: int, status_dir: str, mpiexec_args: list[str],
+                    simulate_nodes: int | None = None) -> dict[str, str]:
+    """The ranks' environment: this one, plus what the launcher tells its ranks (module docstring);
+    with ``simulate_nodes``, the number of simulated nodes for the rank bootstrap and
+    ``MPIR_CVAR_NOLOCAL=1`` unless the user set it (``0`` keeps shared memory between them)."""
     env = dict(os.environ)
+    env.pop(bootstrap.SIMULATED_NODES_ENV, None)  # the launcher's flag alone decides it
+    if simulate_nodes is not None:
+        env[bootstrap.SIMULATED_NODES_ENV] = str(simulate_nodes)
+        env.setdefault(NOLOCAL_ENV, "1")
     address, port = rendezvous_address(mpiexec, mpiexec_args, env)
     env.update({
         "MESHKIT_LAUNCHED": "1",
@@ -312,7 +350,7 @@ def _launch(opts: argparse.Namespace, target: list[str]) -> int:
         try:
             args = [*hostfile_arguments(hosts, status_dir), *mpiexec_args]
             command = job_command(mpiexec, nproc, target, args)
-            env = job_environment(mpiexec, nproc, status_dir, args)
+            env = job_environment(mpiexec, nproc, status_dir, args, opts.simulate_nodes)
             env.update(attempt_environment(spec, restart))
             logger.debug("running %s", shlex.join(command))
             job = Job(command, env, nproc=nproc, status_dir=status_dir, timeout=timeout, on_poll=on_poll,
