@@ -368,9 +368,12 @@ def create_world_engine() -> MPIEngine:
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         logger.warning("meshkit: MPI provides thread level %d, not MPI_THREAD_MULTIPLE; async_op=True "
                        "collectives call MPI from a second thread and may fail", MPI.Query_thread())
-    # The real machine's ranks, simulated nodes or not: they share its cores.
-    host = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
-    ranks_here = host.Get_size()
-    host.Free()
+    if env.host_name() is None:
+        host = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+        ranks_here = host.Get_size()
+        host.Free()
+    else:  # simulated nodes (MPICH sees one per simulated host): they share the real machine's cores
+        machine = os.uname().nodename
+        ranks_here = MPI.COMM_WORLD.allgather(machine).count(machine)
     choose_caller_spin(ranks_here)
     return MPIEngine(MPI.COMM_WORLD.Dup(), Mailbox(MPI.COMM_WORLD.Dup()))

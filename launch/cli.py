@@ -27,9 +27,9 @@ subprocesses that write to the file descriptors directly passes through untouche
 
 ``--simulate-nodes K`` runs the N ranks as K nodes of this host, for testing multi-node code on
 one machine: ranks in blocks of N/K, each reporting host name ``{host}-sim{node}``
-(``MESHKIT_HOST_NAME``), ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` of its node (set by the rank
-bootstrap), and ``MPIR_CVAR_NOLOCAL=1`` unless set, so MPICH's messages take its network path
-rather than shared memory. See docs/clusters.md.
+(``MESHKIT_HOST_NAME``) and ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` of its node (set by the rank
+bootstrap); hydra starts them as hosts of those names (:func:`simulated_node_arguments`), so
+MPICH uses shared memory within a simulated node and TCP between them. See docs/clusters.md.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import os
 import shlex
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 from typing import Any
@@ -51,17 +52,19 @@ from .restarts import ElasticSpec, attempt_environment, hostfile_arguments, run_
 from .slots import Hosts, available, parse_nproc
 
 __all__ = ["main", "find_mpiexec", "thread_limits", "rendezvous_address", "job_command", "job_environment",
-           "LaunchError", "THREAD_ENV_VARS", "NOLOCAL_ENV"]
+           "LaunchError", "THREAD_ENV_VARS", "INTER_NODE_TRANSPORTS", "simulated_node_arguments"]
 
 logger = logging.getLogger("meshkit.launch")
 
 # Launcher options that take a value; the first other bare word is the script.
 _VALUE_OPTIONS = ("-n", "--nproc", "--mpiexec-args", "--timeout", "--max-restarts", "--restart-delay", "--slots",
                   "--hostfile", "--restart-report", "--simulate-nodes")
-#: MPICH's switch that sends every message through its network module (ch4's netmod) instead of
-#: shared memory, so that simulated nodes talk as real ones do (a 4 KB all_reduce at 2 ranks on
-#: this project's 2-core machine: ~3x slower, docs/clusters.md "Simulated nodes").
-NOLOCAL_ENV = "MPIR_CVAR_NOLOCAL"
+#: UCX's transports for the traffic between simulated nodes: TCP, not UCX's own shared memory,
+#: which it would pick between processes of one machine (MPICH's shared memory still carries the
+#: traffic within a simulated node). A 4 KB all_reduce at 2 ranks on this project's 2-core machine:
+#: see docs/clusters.md "Simulated nodes" (``MPIR_CVAR_NOLOCAL=1`` alone changed nothing there:
+#: its messages went through UCX's shared memory).
+INTER_NODE_TRANSPORTS = {"UCX_TLS": "tcp,self"}
 
 
 def find_mpiexec() -> list[str]:
@@ -178,9 +181,9 @@ def _build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument(
         "--simulate-nodes", type=_positive_int, metavar="K",
-        help=f"run the ranks as K simulated nodes of this host (ranks in blocks of N/K; K must divide N): each "
-             f"reports host name HOST-simI, LOCAL_RANK counts its node, and {NOLOCAL_ENV}=1 (unless set) keeps "
-             "MPICH off shared memory; see docs/clusters.md",
+        help="run the ranks as K simulated nodes of this host (ranks in blocks of N/K; K must divide N; MPICH's "
+             "hydra mpiexec): each reports host name HOST-simI, LOCAL_RANK counts its node, MPICH uses shared "
+             "memory within a node and TCP between nodes (UCX_TLS=tcp,self unless set); see docs/clusters.md",
     )  # fmt: skip
     parser.add_argument(
         "-v", "--verbose", action="store_true", help="log the mpiexec command and teardown",
@@ -261,6 +264,34 @@ def _check_simulated_nodes(parser: argparse.ArgumentParser, opts: argparse.Names
     if opts.hostfile is not None:
         parser.error("argument --simulate-nodes: simulates nodes on this host and cannot be combined with "
                      f"--hostfile {opts.hostfile} (real hosts)")
+    hosts = [w for w in shlex.split(opts.mpiexec_args) if w.split("=")[0] in _HOST_OPTIONS]
+    if hosts:
+        parser.error(f"argument --simulate-nodes: simulates nodes on this host and cannot be combined with "
+                     f"--mpiexec-args naming hosts ({hosts[0]})")
+
+
+def simulated_node_arguments(mpiexec: list[str], nodes: int, nproc: int) -> list[str]:
+    """hydra's arguments that start ``nproc`` ranks as ``nodes`` hosts of this machine, in blocks.
+
+    ``-launcher fork`` starts each "host"'s proxy here, and MPICH then takes ranks of different
+    host names for different nodes: shared memory within one, its network module between them,
+    and ``MPI_COMM_TYPE_SHARED`` and ``MPI_LOCALRANKID`` per simulated node. The names are the
+    rank bootstrap's (:func:`meshkit.launch.bootstrap.simulated_host`), which places ranks in
+    the same blocks.
+
+    Raises:
+        LaunchError: ``mpiexec`` is not MPICH's hydra (it alone has a fork launcher and hosts of any name).
+    """
+    try:
+        version = subprocess.run([*mpiexec, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    if "HYDRA" not in version:
+        raise LaunchError(f"--simulate-nodes needs MPICH's hydra mpiexec (the mpich wheel's), and {shlex.join(mpiexec)} "
+                          "is not one (its --version names no HYDRA)")
+    host, per_node = bootstrap.launcher_host(), nproc // nodes
+    return ["-launcher", "fork", "-hosts", ",".join(f"{bootstrap.simulated_host(host, i)}:{per_node}"
+                                                    for i in range(nodes))]
 
 
 #: Thread-pool variables of the BLAS and OpenMP runtimes NumPy may use.
@@ -316,12 +347,12 @@ def job_environment(mpiexec: list[str], nproc: int, status_dir: str, mpiexec_arg
                     simulate_nodes: int | None = None) -> dict[str, str]:
     """The ranks' environment: this one, plus what the launcher tells its ranks (module docstring);
     with ``simulate_nodes``, the number of simulated nodes for the rank bootstrap and
-    ``MPIR_CVAR_NOLOCAL=1`` unless the user set it (``0`` keeps shared memory between them)."""
+    :data:`INTER_NODE_TRANSPORTS` where the user set none."""
     env = dict(os.environ)
     env.pop(bootstrap.SIMULATED_NODES_ENV, None)  # the launcher's flag alone decides it
     if simulate_nodes is not None:
         env[bootstrap.SIMULATED_NODES_ENV] = str(simulate_nodes)
-        env.setdefault(NOLOCAL_ENV, "1")
+        env.update({k: v for k, v in INTER_NODE_TRANSPORTS.items() if k not in env})
     address, port = rendezvous_address(mpiexec, mpiexec_args, env)
     env.update({
         "MESHKIT_LAUNCHED": "1",
@@ -349,7 +380,10 @@ def _launch(opts: argparse.Namespace, target: list[str]) -> int:
         status_dir = tempfile.mkdtemp(prefix="meshkit-run-")
         try:
             args = [*hostfile_arguments(hosts, status_dir), *mpiexec_args]
-            command = job_command(mpiexec, nproc, target, args)
+            # The simulated hosts are this one: not in what rendezvous_address reads.
+            simulated = ([] if opts.simulate_nodes is None
+                         else simulated_node_arguments(mpiexec, opts.simulate_nodes, nproc))
+            command = job_command(mpiexec, nproc, target, [*args, *simulated])
             env = job_environment(mpiexec, nproc, status_dir, args, opts.simulate_nodes)
             env.update(attempt_environment(spec, restart))
             logger.debug("running %s", shlex.join(command))

@@ -35,8 +35,10 @@ def test_each_rank_reports_its_simulated_host_and_node_local_rank(mpirun):
     for rank in range(4):
         node, local_rank = divmod(rank, 2)  # blocks: ranks 0, 1 on node 0, ranks 2, 3 on node 1
         assert seen[rank] == {"MESHKIT_HOST_NAME": f"{HOST}-sim{node}", "LOCAL_RANK": str(local_rank),
-                              "LOCAL_WORLD_SIZE": "2", "MPIR_CVAR_NOLOCAL": "1"}, out
+                              "LOCAL_WORLD_SIZE": "2", "MPI_LOCALRANKID": str(local_rank), "UCX_TLS": "tcp,self"}, out
         assert f"[rank{rank}]: host {HOST}-sim{node} local rank {local_rank}\n" in out, out
+        # MPICH itself sees 2 nodes: shared memory within one, its network module between them.
+        assert f"[rank{rank}]: MPI shared-memory node of 2 ranks\n" in out, out
 
 
 def test_describe_groups_ranks_by_simulated_host_and_names_the_dimension_that_crosses(mpirun):
@@ -51,12 +53,12 @@ def test_describe_groups_ranks_by_simulated_host_and_names_the_dimension_that_cr
     assert "warning: dim 'dp' crosses hosts while the earlier dim 'tp' does not" in transposed, out
 
 
-def test_without_launcher_variables_the_node_local_rank_follows_the_simulated_hosts(mpirun):
-    # LOCAL_RANK removed: hydra's MPI_LOCALRANKID (0..3, the real machine) and MPI's shared-memory
-    # split (one node) must not decide; the simulated host names do.
-    out = mpirun("simulated_nodes.py", 4, "split", options=SIM, timeout=90).stdout
+def test_the_node_local_rank_follows_host_names_a_user_sets(mpirun):
+    # Under plain meshkit-run, hydra's MPI_LOCALRANKID (0..3) and MPI's shared-memory split count
+    # the real machine: with MESHKIT_HOST_NAME set (and no LOCAL_RANK) the names decide.
+    out = mpirun("simulated_nodes.py", 4, "named", timeout=90).stdout
     for rank in range(4):
-        assert f"[rank{rank}]: split local rank {rank % 2}\n" in out, out
+        assert f"[rank{rank}]: named host box{rank // 2} local rank {rank % 2}\n" in out, out
 
 
 def test_nccl_device_selection_follows_the_simulated_nodes(mpirun):
@@ -73,21 +75,29 @@ def test_nccl_device_selection_follows_the_simulated_nodes(mpirun):
     assert "[rank2]: DistBackendError: meshkit.comm: rank 2: ranks [0, 2] would share one GPU" in out, out
 
 
-def test_a_user_set_nolocal_is_kept(mpirun):
-    out = mpirun("simulated_nodes.py", 2, "split", options=SIM, env={"MPIR_CVAR_NOLOCAL": "0"}, timeout=90).stdout
-    assert {r: e["MPIR_CVAR_NOLOCAL"] for r, e in _env_lines(out).items()} == {0: "0", 1: "0"}, out
-    assert "[rank1]: split local rank 0" in out, out  # 2 nodes of 1 rank
+def test_a_user_set_transport_is_kept(mpirun):
+    out = mpirun("simulated_nodes.py", 2, "env", options=SIM, env={"UCX_TLS": "all"}, timeout=90).stdout
+    assert {r: e["UCX_TLS"] for r, e in _env_lines(out).items()} == {0: "all", 1: "all"}, out
+    assert "[rank1]: MPI shared-memory node of 1 ranks" in out, out  # 2 nodes of 1 rank
 
 
-def test_the_launcher_sets_nolocal_and_the_node_count_only_when_asked(monkeypatch, tmp_path):
-    monkeypatch.delenv(cli.NOLOCAL_ENV, raising=False)
+def test_the_launcher_sets_the_transport_and_the_node_count_only_when_asked(monkeypatch, tmp_path):
+    monkeypatch.delenv("UCX_TLS", raising=False)
     monkeypatch.setenv(bootstrap.SIMULATED_NODES_ENV, "2")  # left over: the flag alone decides
     plain = cli.job_environment(["mpiexec"], 4, str(tmp_path), [])
-    assert cli.NOLOCAL_ENV not in plain and bootstrap.SIMULATED_NODES_ENV not in plain
+    assert "UCX_TLS" not in plain and bootstrap.SIMULATED_NODES_ENV not in plain
     simulated = cli.job_environment(["mpiexec"], 4, str(tmp_path), [], simulate_nodes=2)
-    assert (simulated[cli.NOLOCAL_ENV], simulated[bootstrap.SIMULATED_NODES_ENV]) == ("1", "2")
-    monkeypatch.setenv(cli.NOLOCAL_ENV, "0")
-    assert cli.job_environment(["mpiexec"], 4, str(tmp_path), [], simulate_nodes=2)[cli.NOLOCAL_ENV] == "0"
+    assert (simulated["UCX_TLS"], simulated[bootstrap.SIMULATED_NODES_ENV]) == ("tcp,self", "2")
+    monkeypatch.setenv("UCX_TLS", "sm,self")
+    assert cli.job_environment(["mpiexec"], 4, str(tmp_path), [], simulate_nodes=2)["UCX_TLS"] == "sm,self"
+
+
+def test_hydra_starts_the_simulated_hosts_and_another_mpiexec_is_refused():
+    assert cli.simulated_node_arguments(cli.find_mpiexec(), 2, 6) == [
+        "-launcher", "fork", "-hosts", f"{HOST}-sim0:3,{HOST}-sim1:3"]
+    with pytest.raises(launch.LaunchError, match=r"--simulate-nodes needs MPICH's hydra mpiexec \(the mpich "
+                                                 r"wheel's\), and /bin/echo is not one"):
+        cli.simulated_node_arguments(["/bin/echo"], 2, 4)
 
 
 @pytest.mark.parametrize(
@@ -100,6 +110,8 @@ def test_the_launcher_sets_nolocal_and_the_node_count_only_when_asked(monkeypatc
         (["-n", "4", "--simulate-nodes", "0"], r"argument --simulate-nodes: expected an integer >= 1, got 0"),
         (["-n", "4", "--simulate-nodes", "2", "--hostfile", "hosts"],
          r"argument --simulate-nodes: simulates nodes on this host and cannot be combined with --hostfile hosts"),
+        (["-n", "4", "--simulate-nodes", "2", "--mpiexec-args", "-hosts a,b"],
+         r"cannot be combined with --mpiexec-args naming hosts \(-hosts\)"),
     ],
 )
 def test_bad_simulated_nodes_are_usage_errors(tmp_path, monkeypatch, capsys, args, message):
