@@ -12,13 +12,14 @@ The launcher's own variable ``MESHKIT_MPICH_TUNING`` is read by :mod:`meshkit.la
 from __future__ import annotations
 
 import os
+import socket
 
 from .debug import DebugLevel
 from .errors import DistValueError
 
 __all__ = ["DEBUG", "TIMEOUT", "ASYNC_ERROR_HANDLING", "CUDA_AWARE_MPI", "LAUNCHED", "DEVICE_ID", "TRACE_DIR",
-           "debug_level", "timeout", "async_error_handling", "cuda_aware_mpi", "launched", "device_id", "trace_dir",
-           "check_all", "invalid"]
+           "HOST_NAME", "debug_level", "timeout", "async_error_handling", "cuda_aware_mpi", "launched", "device_id",
+           "trace_dir", "host_name", "this_host", "check_all", "invalid"]
 
 DEBUG = "MESHKIT_DEBUG"
 TIMEOUT = "MESHKIT_TIMEOUT"
@@ -30,6 +31,11 @@ LAUNCHED = "MESHKIT_LAUNCHED"
 DEVICE_ID = "MESHKIT_DEVICE_ID"
 #: A folder where each rank writes its flight record when a collective fails (``meshkit.debug``).
 TRACE_DIR = "MESHKIT_TRACE_DIR"
+#: The host name this rank reports in place of the machine's: set per rank by ``meshkit-run
+#: --simulate-nodes`` (:data:`meshkit.launch.bootstrap.HOST_NAME_ENV`, repeated here because
+#: ``comm`` imports nothing of ``launch``; a test checks they agree), so that ranks of one machine
+#: group into simulated nodes wherever meshkit follows host boundaries (docs/clusters.md).
+HOST_NAME = "MESHKIT_HOST_NAME"
 
 _ASYNC_CHOICES = ("abort", "log")
 
@@ -120,6 +126,23 @@ def trace_dir() -> str | None:
         raise invalid(TRACE_DIR, raw, "a folder (made if missing) where each rank writes its flight record when a "
                       "collective times out or fails; this path exists and is not a folder")
     return raw
+
+
+def host_name() -> str | None:
+    """``MESHKIT_HOST_NAME``: the (simulated) host name this rank reports; None where unset or empty.
+
+    Followed by the engines' ``host_name()`` and ``local_rank()`` (hence ``DeviceMesh.describe()``
+    and the NCCL engine's device choice); not by what needs the real machine (addresses, the
+    launcher's status folder, cores)."""
+    raw = _get(HOST_NAME)
+    if raw is None or not raw.strip():
+        return None
+    return raw.strip()
+
+
+def this_host() -> str:
+    """The host name this rank reports: :func:`host_name` where set, else the machine's."""
+    return host_name() or socket.gethostname()
 
 
 def check_all() -> None:

@@ -31,14 +31,13 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import socket
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from . import p2p
+from . import env, p2p
 from .checks import check_array, check_like, check_list, check_member, check_root, check_split_sizes, where
 from .cuda_runtime import keep_current_device
 from .engine import DeadlineExceeded, Engine
@@ -134,8 +133,9 @@ class ProcessGroup:
         return self.engine.device if self.engine is not None else None
 
     def host_name(self) -> str:
-        """The name of the host this rank runs on (MPI's processor name on the mpi engine)."""
-        return self.engine.host_name() if self.engine is not None else socket.gethostname()
+        """The name of the host this rank runs on (MPI's processor name on the mpi engine), or the
+        simulated one that ``MESHKIT_HOST_NAME`` names (``meshkit-run --simulate-nodes``)."""
+        return self.engine.host_name() if self.engine is not None else env.this_host()
 
     def __repr__(self) -> str:
         return (f"<ProcessGroup {self.name!r} backend={self.backend} ranks={list(self.ranks)} rank={self.rank} "

@@ -28,12 +28,12 @@ import contextlib
 import dataclasses
 import numbers
 import os
-import socket
 import time
 import urllib.parse
 import uuid
 from typing import Any
 
+from . import env
 from .errors import DistBackendError, DistStoreError, DistTypeError, DistValueError
 from .stores import FileStore, PrefixStore, Store, TCPStore
 
@@ -60,7 +60,7 @@ _VERDICT_GRACE_S = 2.0
 
 
 def _here() -> str:
-    return f"pid {os.getpid()} on host {socket.gethostname()}"
+    return f"pid {os.getpid()} on host {env.this_host()}"  # the store engine's local_rank() reads the host
 
 
 @dataclasses.dataclass

@@ -9,13 +9,13 @@ equal NumPy's reference. A rank that raises wakes all the others (they raise
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from typing import Any, Callable
 
 import numpy as np
 
+from . import env
 from .engine import CallsDiffer, DeadlineExceeded, EngineCapabilities
 from .errors import DistValueError, RankFailedError
 from .notices import WATCH_INTERVAL, Notice
@@ -366,7 +366,7 @@ class LocalEngine:
         return receiver
 
     def host_name(self) -> str:
-        return socket.gethostname()
+        return env.this_host()
 
     def flush(self, timeout: float) -> None:
         """Nothing to wait for: a notice is in the other rank's inbox once ``notify`` returned."""

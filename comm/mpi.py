@@ -34,6 +34,7 @@ from typing import Any, Callable
 import numpy as np
 from mpi4py import MPI
 
+from . import env
 from .arrays import is_device_array
 from .engine import DeadlineExceeded, EngineCapabilities
 from .errors import DistBackendError, DistValueError
@@ -325,24 +326,32 @@ class MPIEngine:
         return engine
 
     def host_name(self) -> str:
-        return MPI.Get_processor_name()
+        return env.host_name() or MPI.Get_processor_name()
 
     def local_rank(self) -> int:
         """This rank's index among the ranks of its node (the world's engine): the launcher's
         own (the first of :data:`LOCAL_RANK_ENVS` set), else the rank in MPI's shared-memory
         split of the world (``MPI_COMM_TYPE_SHARED``); host names are not used (containers may
-        share one).
+        share one). With simulated nodes (``MESHKIT_HOST_NAME`` set, ``meshkit-run
+        --simulate-nodes``) the process manager's variables and the shared-memory split count
+        the real machine: only ``LOCAL_RANK`` (which the rank bootstrap sets for the simulated
+        node) is read, else the rank's place among the world's ranks of its simulated host name
+        (collective over the world then, as the split is).
 
         Raises:
             DistValueError: a launcher variable that is not a non-negative integer.
         """
-        for name in LOCAL_RANK_ENVS:
+        simulated = env.host_name()
+        for name in LOCAL_RANK_ENVS[:1] if simulated else LOCAL_RANK_ENVS:
             value = os.environ.get(name, "").strip()
             if value:
                 if not value.isdigit():
                     raise DistValueError(f"meshkit.comm: rank {MPI.COMM_WORLD.Get_rank()}: {name}={value!r} is not "
                                          "a node-local rank (a non-negative integer)")
                 return int(value)
+        if simulated:
+            hosts = MPI.COMM_WORLD.allgather(simulated)
+            return hosts[:MPI.COMM_WORLD.Get_rank()].count(simulated)
         node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
         try:
             return node.Get_rank()
@@ -359,8 +368,12 @@ def create_world_engine() -> MPIEngine:
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         logger.warning("meshkit: MPI provides thread level %d, not MPI_THREAD_MULTIPLE; async_op=True "
                        "collectives call MPI from a second thread and may fail", MPI.Query_thread())
-    host = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
-    ranks_here = host.Get_size()
-    host.Free()
+    if env.host_name() is None:
+        host = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+        ranks_here = host.Get_size()
+        host.Free()
+    else:  # simulated nodes (MPICH sees one per simulated host): they share the real machine's cores
+        machine = os.uname().nodename
+        ranks_here = MPI.COMM_WORLD.allgather(machine).count(machine)
     choose_caller_spin(ranks_here)
     return MPIEngine(MPI.COMM_WORLD.Dup(), Mailbox(MPI.COMM_WORLD.Dup()))

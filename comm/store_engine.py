@@ -26,11 +26,11 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import socket
 import threading
 import time
 from typing import Any, Callable
 
+from . import env
 from .engine import DeadlineExceeded, EngineCapabilities
 from .errors import DistBackendError, DistStoreError, DistTypeError, DistValueError
 from .notices import LEFT, WATCH_INTERVAL, Notice
@@ -272,11 +272,12 @@ class StoreEngine:
         os._exit(code)
 
     def host_name(self) -> str:
-        return socket.gethostname()
+        return env.this_host()
 
     def local_rank(self) -> int:
         """This rank's index on its node: the launcher's ``LOCAL_RANK`` (or ``SLURM_LOCALID``), else
-        its place among the ranks that claimed their rank from this host name."""
+        its place among the ranks that claimed their rank from this host name (``MESHKIT_HOST_NAME``
+        where set: simulated nodes)."""
         if self.channel.local_rank is not None:
             return self.channel.local_rank
         hosts = [self.store.get(f"rank/{r}").decode(errors="replace").rsplit(" (", 1)[0].partition(" on host ")[2]

@@ -6,6 +6,10 @@ script is the first to import NumPy and can configure it. The bootstrap
 
 * sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` as torchrun does, from
   the process manager's own variables (:data:`TORCHRUN_ENV_VARS`);
+* with ``meshkit-run --simulate-nodes K`` (:data:`SIMULATED_NODES_ENV`), places the rank on
+  simulated node ``rank // (WORLD_SIZE // K)`` of this machine: ``MESHKIT_HOST_NAME`` (the host
+  name meshkit reports, :data:`HOST_NAME_ENV`) is ``{host}-sim{node}``, and ``LOCAL_RANK`` and
+  ``LOCAL_WORLD_SIZE`` count that node's ranks (:func:`set_simulated_node`);
 * prefixes each line the rank writes to ``sys.stdout``/``sys.stderr`` with ``[rank{r}]: ``
   (as torchrun does), writing whole lines so that ranks never interleave within a line;
 * turns an uncaught exception into the end of the job: the rank prints its traceback, reports
@@ -55,8 +59,8 @@ from typing import NoReturn, TextIO
 
 __all__ = [
     "RANK_ENV_VARS", "TORCHRUN_ENV_VARS", "STATUS_DIR_ENV", "LAUNCHER_ENV", "START", "FAILED", "ENDED", "RELEASE", "TIMED_OUT",
-    "FINISHED", "MILESTONE",
-    "launcher_host", "set_torchrun_env", "main",
+    "FINISHED", "MILESTONE", "SIMULATED_NODES_ENV", "HOST_NAME_ENV",
+    "launcher_host", "set_torchrun_env", "set_simulated_node", "simulated_host", "main",
 ]
 
 #: The rank is read from the first of these that is set: MPICH/hydra, Open MPI, PMIx, Slurm.
@@ -79,6 +83,10 @@ STATUS_DIR_ENV = "MESHKIT_LAUNCH_STATUS_DIR"
 #: "HOST PID" of the launcher: ranks on another host (which cannot see its folder, or see it
 #: through a shared file system) and watchers whose launcher is gone do not wait for it.
 LAUNCHER_ENV = "MESHKIT_LAUNCHER"
+#: ``K``: the launcher's ``--simulate-nodes K``: ranks form K simulated nodes of this machine.
+SIMULATED_NODES_ENV = "MESHKIT_SIMULATED_NODES"
+#: The host name a rank reports in place of the machine's (read by ``meshkit.comm.env``).
+HOST_NAME_ENV = "MESHKIT_HOST_NAME"
 #: Names of the status files (``{name}.{rank}`` for the per-rank ones).
 START, FAILED, ENDED, RELEASE, TIMED_OUT = "start", "failed", "ended", "release", "timed-out"
 #: The rank's script is over (returned, or sys.exit(0)); the interpreter is shutting down (atexit
@@ -228,7 +236,8 @@ def _rank_from_env() -> int:
 
 
 def set_torchrun_env(environ: dict[str, str] | None = None) -> None:
-    """Set :data:`TORCHRUN_ENV_VARS` in ``environ`` (``os.environ``) from the process manager's."""
+    """Set :data:`TORCHRUN_ENV_VARS` in ``environ`` (``os.environ``) from the process manager's, then the
+    simulated node's (:func:`set_simulated_node`)."""
     environ = os.environ if environ is None else environ
     for name, sources in TORCHRUN_ENV_VARS.items():
         value = next((environ[s].strip() for s in sources if environ.get(s, "").strip().isdigit()), None)
@@ -236,6 +245,36 @@ def set_torchrun_env(environ: dict[str, str] | None = None) -> None:
             environ.pop(name, None)
         else:
             environ[name] = value
+    set_simulated_node(environ)
+
+
+def simulated_host(host: str, node: int) -> str:
+    """The name of simulated node ``node`` of ``host``."""
+    return f"{host}-sim{node}"
+
+
+def set_simulated_node(environ: dict[str, str] | None = None) -> None:
+    """Under :data:`SIMULATED_NODES_ENV` (``K``), put this rank on its simulated node, in blocks
+    of ``WORLD_SIZE // K`` consecutive ranks (ranks 0, 1 on node 0 and 2, 3 on node 1 for 4 ranks
+    on 2 nodes, as hydra fills real hosts): sets :data:`HOST_NAME_ENV`, ``LOCAL_RANK`` and
+    ``LOCAL_WORLD_SIZE``. Does nothing where the variable is unset.
+
+    Raises:
+        ValueError: ``K`` is not a positive integer dividing ``WORLD_SIZE``, or no rank is known.
+    """
+    environ = os.environ if environ is None else environ
+    raw = environ.get(SIMULATED_NODES_ENV, "").strip()
+    if not raw:
+        return
+    rank, size = environ.get("RANK", ""), environ.get("WORLD_SIZE", "")
+    if not raw.isdigit() or int(raw) < 1 or not size.isdigit() or int(size) % int(raw) or not rank.isdigit():
+        raise ValueError(f"meshkit-run: rank {rank or '?'}: {SIMULATED_NODES_ENV}={raw!r} is not valid for "
+                         f"WORLD_SIZE={size or '(unset)'}: it must be a number of nodes >= 1 that divides the "
+                         "number of ranks (meshkit-run --simulate-nodes)")
+    per_node = int(size) // int(raw)
+    environ[HOST_NAME_ENV] = simulated_host(launcher_host(), int(rank) // per_node)
+    environ["LOCAL_RANK"] = str(int(rank) % per_node)
+    environ["LOCAL_WORLD_SIZE"] = str(per_node)
 
 
 def _install_prefixed_streams(prefix: str) -> list[_PrefixedStream]:

@@ -23,14 +23,14 @@ LAUNCHER_MODULE = "meshkit.launch"
 
 
 def launch(script: str | Path, n: int, *args: str, timeout: float = 120, env: dict[str, str] | None = None,
-           check: bool = True) -> subprocess.CompletedProcess:
-    """``meshkit-run -n N SCRIPT ARGS``; output captured; asserts exit 0 if ``check``.
+           check: bool = True, options: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """``meshkit-run -n N [OPTIONS] SCRIPT ARGS``; output captured; asserts exit 0 if ``check``.
 
     ``script`` is a file name in tests/scripts, or an absolute path (e.g. an example).
     """
     path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
     full_env = {**os.environ, "PYTHONPATH": path, **(env or {})}
-    cmd = [sys.executable, "-m", LAUNCHER_MODULE, "-n", str(n), "--timeout", str(int(timeout)),
+    cmd = [sys.executable, "-m", LAUNCHER_MODULE, "-n", str(n), "--timeout", str(int(timeout)), *options,
            str(SCRIPTS / script), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 30, env=full_env)
     if check and proc.returncode != 0:

@@ -1,0 +1,54 @@
+"""What follows host boundaries, as a rank of ``meshkit-run [--simulate-nodes K]`` sees it (issue 29.4).
+
+Every rank prints the environment the bootstrap, hydra and the launcher set, and the size of
+MPI's shared-memory split (MPICH's own idea of a node). argv[1]: "env": only that; "hosts": the
+world group's host name and the MPI engine's node-local rank, then ``describe()`` of a 2x2 mesh
+in the launch order and of one whose later dimension crosses the hosts; "named": the rank names
+its host itself (``box{rank // 2}``) and removes ``LOCAL_RANK``, then prints the MPI engine's
+node-local rank (the names decide); "devices N": the NCCL engine's device choice on the double
+with N GPUs (only the selection runs: the double's communicators cannot span processes).
+"""
+
+import os
+import sys
+import time
+
+import nccl_double as double
+import numpy as np
+from mpi4py import MPI
+
+import meshkit
+from meshkit.comm import cuda_runtime, nccl
+from meshkit.mesh import DeviceMesh, init_device_mesh
+
+case = sys.argv[1]
+meshkit.init_process_group("mpi", timeout=30)
+rank = meshkit.get_rank()
+world = meshkit.comm._seams.current_world().default_group
+names = ("MESHKIT_HOST_NAME", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MPI_LOCALRANKID", "UCX_TLS")
+seen = {k: os.environ.get(k) for k in names}
+print(f"env {seen}", flush=True)
+node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)  # MPICH's own idea of this rank's node
+print(f"MPI shared-memory node of {node.Get_size()} ranks", flush=True)
+node.Free()
+if case == "hosts":
+    print(f"host {world.host_name()} local rank {world.engine.local_rank()}", flush=True)
+    text = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")).describe()
+    crossed = DeviceMesh("cpu", np.arange(4).reshape(2, 2).T, mesh_dim_names=("tp", "dp")).describe()
+    if rank == 0:
+        print(f"describe:\n{text}\nend", flush=True)
+        print(f"transposed:\n{crossed}\nend", flush=True)
+elif case == "named":  # hosts named by the user under plain mpiexec: hydra's MPI_LOCALRANKID counts the machine
+    os.environ.pop("LOCAL_RANK", None)
+    os.environ["MESHKIT_HOST_NAME"] = f"box{rank // 2}"
+    print(f"named host {world.host_name()} local rank {world.engine.local_rank()}", flush=True)
+elif case == "devices":
+    rt = double.FakeRuntime(devices=int(sys.argv[2]))
+    cuda_runtime.set_runtime(rt)
+    try:
+        device = nccl.select_device(world.engine, rt, time.monotonic() + 20)
+        print(f"device {device} ({rt.device_uuid(device)})", flush=True)
+    except Exception as exc:  # noqa: BLE001 (the line names what was raised)
+        print(f"{type(exc).__name__}: {exc}", flush=True)
+meshkit.barrier()
+meshkit.destroy_process_group()

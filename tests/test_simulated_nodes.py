@@ -1,0 +1,153 @@
+"""``meshkit-run --simulate-nodes K``: N ranks of one machine as K nodes, and everything in meshkit
+that follows host boundaries follows the simulated ones (issue 29, point 4).
+
+Real jobs through meshkit-run for what ranks see (host names, node-local ranks, torchrun's
+variables, ``describe()``, the NCCL engine's device choice on the double); the launcher's
+usage errors and environment, the bootstrap's placement and the local engine in process.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+
+import pytest
+
+import meshkit
+from meshkit import launch
+from meshkit.comm import env, init_methods, local
+from meshkit.launch import bootstrap, cli
+from meshkit.mesh import init_device_mesh
+
+HOST = bootstrap.launcher_host()
+SIM = ("--simulate-nodes", "2")
+
+
+def _env_lines(out: str) -> dict[int, dict[str, str | None]]:
+    """Each rank's ``env {...}`` line of tests/scripts/simulated_nodes.py."""
+    return {int(r): ast.literal_eval(d) for r, d in re.findall(r"\[rank(\d)\]: env (\{.*\})", out)}
+
+
+def test_each_rank_reports_its_simulated_host_and_node_local_rank(mpirun):
+    out = mpirun("simulated_nodes.py", 4, "hosts", options=SIM, timeout=90).stdout
+    seen = _env_lines(out)
+    for rank in range(4):
+        node, local_rank = divmod(rank, 2)  # blocks: ranks 0, 1 on node 0, ranks 2, 3 on node 1
+        assert seen[rank] == {"MESHKIT_HOST_NAME": f"{HOST}-sim{node}", "LOCAL_RANK": str(local_rank),
+                              "LOCAL_WORLD_SIZE": "2", "MPI_LOCALRANKID": str(local_rank), "UCX_TLS": "tcp,self"}, out
+        assert f"[rank{rank}]: host {HOST}-sim{node} local rank {local_rank}\n" in out, out
+        # MPICH itself sees 2 nodes: shared memory within one, its network module between them.
+        assert f"[rank{rank}]: MPI shared-memory node of 2 ranks\n" in out, out
+
+
+def test_describe_groups_ranks_by_simulated_host_and_names_the_dimension_that_crosses(mpirun):
+    out = mpirun("simulated_nodes.py", 4, "hosts", options=SIM, timeout=90).stdout
+    described = re.search(r"describe:\n(.*?)\[rank0\]: end", out, re.S).group(1)
+    assert "dim 0 'dp' (size 2) crosses hosts: groups [[0, 2], [1, 3]]" in described, out
+    assert "dim 1 'tp' (size 2): groups [[0, 1], [2, 3]]" in described, out
+    assert f"host {HOST}-sim0: ranks [0, 1]" in described and f"host {HOST}-sim1: ranks [2, 3]" in described, out
+    assert "warning" not in described, out  # the launch order: the node dimension first
+    transposed = re.search(r"transposed:\n(.*?)\[rank0\]: end", out, re.S).group(1)
+    assert "dim 1 'dp' (size 2) crosses hosts: groups [[0, 2], [1, 3]]" in transposed, out
+    assert "warning: dim 'dp' crosses hosts while the earlier dim 'tp' does not" in transposed, out
+
+
+def test_the_node_local_rank_follows_host_names_a_user_sets(mpirun):
+    # Under plain meshkit-run, hydra's MPI_LOCALRANKID (0..3) and MPI's shared-memory split count
+    # the real machine: with MESHKIT_HOST_NAME set (and no LOCAL_RANK) the names decide.
+    out = mpirun("simulated_nodes.py", 4, "named", timeout=90).stdout
+    for rank in range(4):
+        assert f"[rank{rank}]: named host box{rank // 2} local rank {rank % 2}\n" in out, out
+
+
+def test_nccl_device_selection_follows_the_simulated_nodes(mpirun):
+    share = {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}
+    out = mpirun("simulated_nodes.py", 4, "devices", "4", options=SIM, env=share, timeout=90).stdout
+    for rank in range(4):  # node-local rank modulo visible GPUs, per simulated node
+        assert f"[rank{rank}]: device {rank % 2} (GPU-0000000{rank % 2})" in out, out
+    out = mpirun("simulated_nodes.py", 4, "devices", "4", env=share, timeout=90).stdout
+    for rank in range(4):  # one real node of 4 ranks: a GPU each
+        assert f"[rank{rank}]: device {rank} (GPU-0000000{rank})" in out, out
+    # The simulated nodes are one machine: GPUs really shared are refused as NCCL would.
+    out = mpirun("simulated_nodes.py", 4, "devices", "2", options=SIM,
+                 env={"NCCL_MULTI_RANK_GPU_ENABLE": "0"}, timeout=90).stdout
+    assert "[rank2]: DistBackendError: meshkit.comm: rank 2: ranks [0, 2] would share one GPU" in out, out
+
+
+def test_a_user_set_transport_is_kept(mpirun):
+    out = mpirun("simulated_nodes.py", 2, "env", options=SIM, env={"UCX_TLS": "all"}, timeout=90).stdout
+    assert {r: e["UCX_TLS"] for r, e in _env_lines(out).items()} == {0: "all", 1: "all"}, out
+    assert "[rank1]: MPI shared-memory node of 1 ranks" in out, out  # 2 nodes of 1 rank
+
+
+def test_the_launcher_sets_the_transport_and_the_node_count_only_when_asked(monkeypatch, tmp_path):
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    monkeypatch.setenv(bootstrap.SIMULATED_NODES_ENV, "2")  # left over: the flag alone decides
+    plain = cli.job_environment(["mpiexec"], 4, str(tmp_path), [])
+    assert "UCX_TLS" not in plain and bootstrap.SIMULATED_NODES_ENV not in plain
+    simulated = cli.job_environment(["mpiexec"], 4, str(tmp_path), [], simulate_nodes=2)
+    assert (simulated["UCX_TLS"], simulated[bootstrap.SIMULATED_NODES_ENV]) == ("tcp,self", "2")
+    monkeypatch.setenv("UCX_TLS", "sm,self")
+    assert cli.job_environment(["mpiexec"], 4, str(tmp_path), [], simulate_nodes=2)["UCX_TLS"] == "sm,self"
+
+
+def test_hydra_starts_the_simulated_hosts_and_another_mpiexec_is_refused():
+    assert cli.simulated_node_arguments(cli.find_mpiexec(), 2, 6) == [
+        "-launcher", "fork", "-hosts", f"{HOST}-sim0:3,{HOST}-sim1:3"]
+    with pytest.raises(launch.LaunchError, match=r"--simulate-nodes needs MPICH's hydra mpiexec \(the mpich "
+                                                 r"wheel's\), and /bin/echo is not one"):
+        cli.simulated_node_arguments(["/bin/echo"], 2, 4)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["-n", "3", "--simulate-nodes", "2"], r"argument --simulate-nodes: 2 nodes do not divide -n 3 ranks; pass "
+                                               r"a number of nodes that divides it \(valid: \[1, 3\]\)"),
+        (["-n", "2:4", "--simulate-nodes", "2"], r"argument --simulate-nodes: needs a fixed number of ranks \(-n N\), "
+                                                 r"got -n 2:4"),
+        (["-n", "4", "--simulate-nodes", "0"], r"argument --simulate-nodes: expected an integer >= 1, got 0"),
+        (["-n", "4", "--simulate-nodes", "2", "--hostfile", "hosts"],
+         r"argument --simulate-nodes: simulates nodes on this host and cannot be combined with --hostfile hosts"),
+        (["-n", "4", "--simulate-nodes", "2", "--mpiexec-args", "-hosts a,b"],
+         r"cannot be combined with --mpiexec-args naming hosts \(-hosts\)"),
+    ],
+)
+def test_bad_simulated_nodes_are_usage_errors(tmp_path, monkeypatch, capsys, args, message):
+    (tmp_path / "script.py").write_text("")
+    (tmp_path / "hosts").write_text("localhost:4\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        launch.main([*args, "script.py"])
+    assert info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_the_bootstrap_places_ranks_in_blocks():
+    for rank, (node, local_rank) in enumerate([(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]):
+        environ = {"PMI_RANK": str(rank), "PMI_SIZE": "6", bootstrap.SIMULATED_NODES_ENV: "2"}
+        bootstrap.set_torchrun_env(environ)
+        assert (environ[bootstrap.HOST_NAME_ENV], environ["LOCAL_RANK"], environ["LOCAL_WORLD_SIZE"]) == (
+            f"{HOST}-sim{node}", str(local_rank), "3")
+    environ = {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1"}
+    bootstrap.set_torchrun_env(environ)
+    assert bootstrap.HOST_NAME_ENV not in environ and environ["LOCAL_RANK"] == "1"
+    with pytest.raises(ValueError, match=r"meshkit-run: rank 1: MESHKIT_SIMULATED_NODES='3' is not valid for "
+                                         r"WORLD_SIZE=4: it must be a number of nodes >= 1 that divides"):
+        bootstrap.set_torchrun_env({"PMI_RANK": "1", "PMI_SIZE": "4", bootstrap.SIMULATED_NODES_ENV: "3"})
+
+
+def test_comm_repeats_the_bootstraps_host_name_variable():
+    assert env.HOST_NAME == bootstrap.HOST_NAME_ENV
+
+
+def test_the_local_engine_and_the_store_rendezvous_report_the_simulated_host(monkeypatch):
+    monkeypatch.setenv(env.HOST_NAME, "box-sim1")
+
+    def rank() -> tuple[str, str]:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        return meshkit.comm._seams.current_world().default_group.host_name(), mesh.describe()
+
+    for host, described in local.run(rank, 2):
+        assert host == "box-sim1" and "host box-sim1: ranks [0, 1]" in described
+    assert init_methods._here().endswith(" on host box-sim1")  # what the store engine's local_rank() reads
