@@ -43,7 +43,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from typing import Any
+from typing import Any, Callable
 
 from . import bootstrap
 from .job import TIMEOUT_EXIT_CODE, Job, LaunchError
@@ -94,44 +94,26 @@ def find_mpiexec() -> list[str]:
     )
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
+def _at_least(low: float, convert: type = int, *, strict: bool = False, what: str = "an integer"
+              ) -> Callable[[str], Any]:
+    """The argparse type of a number ``>= low`` (``> low`` if ``strict``), finite, read by ``convert``."""
+    bound = f"{what} {'>' if strict else '>='} {low:g}"
+
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {bound}, got {text!r}") from None
+        if not (value > low if strict else value >= low) or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"expected {bound}, got {text}")
+        return value
+    return parse
 
 
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
-def _seconds_at_least_zero(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected finite seconds >= 0, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text}")
-    return value
+_positive_int = _at_least(1)
+_count = _at_least(0)
+_positive_float = _at_least(0, float, strict=True, what="seconds")
+_seconds_at_least_zero = _at_least(0, float, what="finite seconds")
 
 
 def _build_parser() -> argparse.ArgumentParser:
