@@ -11,6 +11,9 @@ with momentum, none without).
 
 Time is a model, not a measurement:
 
+* the optimizer's step over the parameters this rank updates (all of them for ddp, a shard for
+  zero and fsdp), at the machine's calibrated ``update_rate`` (issue 29.3: left out, the model
+  ranked ddp above zero1 while zero1 measured faster, benchmarks/scaling.py);
 * compute: ``3 x forward flops x samples per data-parallel rank / tp / flop rate`` of the stage
   with the most flops, over ``1 - bubble_fraction(schedule, pp, microbatches)`` when pipelined;
 * each collective as the flight recorder lists it (op, bytes, mesh dimension), timed by the
@@ -70,6 +73,7 @@ class Breakdown:
     comm_s: float
     exposed_comm_s: float
     step_s: float
+    optimizer_s: float = 0.0
 
     @property
     def memory_total(self) -> int:
@@ -80,6 +84,7 @@ class Breakdown:
         return {"config": self.config.name(), "memory": self.memory, "activation_bytes": self.activation_bytes,
                 "stage_memory": self.stage_memory, "compute_s": self.compute_s, "bubble_s": self.bubble_s,
                 "comm_s": self.comm_s, "exposed_comm_s": self.exposed_comm_s, "step_s": self.step_s,
+                "optimizer_s": self.optimizer_s,
                 "collectives": [dataclasses.asdict(c) for c in self.collectives]}
 
 
@@ -291,5 +296,8 @@ def estimate(config: Config, model: Model, machine: Machine) -> Breakdown:
                                           else min(config.pp, config.microbatches))
     acts = sum(layer.activation_bytes for layer in layers) * (local_batch // config.microbatches) * in_flight
     acts //= config.tp
+    held = stage_memory[slowest]["params"] // model.itemsize
+    updated = -(-held // config.dp_shard) if config.strategy in ("zero1", "zero2") else held
+    optimizer_s = machine.update_time(config.optimizer, updated, model.itemsize)
     return Breakdown(config, stage_memory[busiest], stage_memory, acts, colls, compute, bubble_s, comm, exposed,
-                     compute + bubble_s + exposed)
+                     compute + bubble_s + exposed + optimizer_s, optimizer_s)
