@@ -179,6 +179,7 @@ def worker(args: argparse.Namespace) -> int:
             records.append({"config": config.name(), "strategy": config.strategy, "mode": mode, "ranks": n,
                             "global_batch": global_batch, "measured_step_s": measured, "predicted_step_s": b.step_s,
                             "predicted_compute_s": b.compute_s, "predicted_exposed_comm_s": b.exposed_comm_s,
+                            "predicted_optimizer_s": b.optimizer_s,
                             "measured_bytes": held, "predicted_bytes": predicted,
                             "oversubscribed": n > _cores()})
             if rank == 0:
@@ -227,6 +228,9 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "spearman_all": spearman([r["predicted_step_s"] for r in rows], [r["measured_step_s"] for r in rows]),
         "spearman_not_oversubscribed": spearman([r["predicted_step_s"] for r in fits],
                                                 [r["measured_step_s"] for r in fits]),
+        # the same measurements against the model without the optimizer's step (the planner before issue 29.3)
+        "spearman_all_without_optimizer": spearman([r["predicted_step_s"] - r["predicted_optimizer_s"] for r in rows],
+                                                   [r["measured_step_s"] for r in rows]),
         "records": len(rows), "records_not_oversubscribed": len(fits),
         "picks": picks, "picks_within_10pct": sum(p["ratio"] <= 1.10 for p in picks),
         "memory_mismatches": sum(r["measured_bytes"] != r["predicted_bytes"] for r in rows),
@@ -237,7 +241,8 @@ def print_summary(s: dict[str, Any], cores: int) -> None:
     print(f"\nSpearman(predicted, measured step time): {s['spearman_all']:.3f} over {s['records']} configurations; "
           f"{s['spearman_not_oversubscribed']:.3f} over the {s['records_not_oversubscribed']} with at most "
           f"{cores} ranks (more ranks than cores oversubscribe: compute and communication contend, which "
-          f"the model does not know)")
+          f"the model does not know); {s['spearman_all_without_optimizer']:.3f} over all without the "
+          f"optimizer's step in the model")
     for p in s["picks"]:
         note = "  (oversubscribed: this machine cannot say)" if p["oversubscribed"] else ""
         print(f"  {p['ranks']} ranks {p['mode']:6}: planner picks {p['pick']!r}, fastest measured {p['fastest']!r}: "
