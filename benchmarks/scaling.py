@@ -179,7 +179,7 @@ def worker(args: argparse.Namespace) -> int:
             records.append({"config": config.name(), "strategy": config.strategy, "mode": mode, "ranks": n,
                             "global_batch": global_batch, "measured_step_s": measured, "predicted_step_s": b.step_s,
                             "predicted_compute_s": b.compute_s, "predicted_exposed_comm_s": b.exposed_comm_s,
-                            "predicted_optimizer_s": b.optimizer_s,
+                            "predicted_optimizer_s": b.optimizer_s, "predicted_comm_s": b.comm_s,
                             "measured_bytes": held, "predicted_bytes": predicted,
                             "oversubscribed": n > _cores()})
             if rank == 0:
