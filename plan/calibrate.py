@@ -116,6 +116,29 @@ def _update_rate(optimizer: str, n: int, repeats: int) -> float:
     return n / max(statistics.median(times), 1e-9)
 
 
+def _overlap(group: Any, repeats: int, matmul_n: int) -> float:
+    """How much of a 1 MiB all-reduce hides under a matmul chain of about its length launched
+    beside it: ``(t_compute + t_comm - t_both) / min(t_compute, t_comm)``, clipped to [0, 1]."""
+    buf = np.ones(1 << 18, np.float32)
+    a = np.random.default_rng(0).standard_normal((matmul_n, matmul_n))
+    comm = _timed(lambda: _c.all_reduce(buf, group=group), group, repeats)
+    one = _timed(lambda: a @ a, group, repeats)
+    chain = max(1, round(comm / max(one, 1e-9)))
+
+    def compute() -> None:
+        for _ in range(chain):
+            a @ a
+
+    def both() -> None:
+        work = _c.all_reduce(buf, group=group, async_op=True)
+        compute()
+        work.wait()
+
+    alone = _timed(compute, group, repeats)
+    together = _timed(both, group, repeats)
+    return float(np.clip((alone + comm - together) / max(min(alone, comm), 1e-9), 0.0, 1.0))
+
+
 def calibrate(mesh: DeviceMesh, *, sizes: Sequence[int] = SIZES, repeats: int = 5, kinds: Sequence[str] = KINDS,
               matmul_n: int = 256, update_n: int = 1 << 18, memory_bytes: int = 0,
               name: str = "calibrated") -> Machine:
@@ -127,7 +150,8 @@ def calibrate(mesh: DeviceMesh, *, sizes: Sequence[int] = SIZES, repeats: int = 
     ``"dim.kind"`` to the fit's mean relative error; ``flops`` holds the float32 and float64
     rates of an ``matmul_n``-square matmul on this rank (the slowest rank's, as agreed by MAX);
     ``update_rate`` the float64 parameters per second of AdamW's and SGD's (momentum 0.9) step over
-    ``update_n`` parameters.
+    ``update_n`` parameters; ``overlap`` how much of an all-reduce over the outermost dimension
+    hides under a matmul chain beside it (the least over the ranks; 1 with one rank).
     """
     if not isinstance(mesh, DeviceMesh):
         raise DistValueError(f"meshkit.plan: calibrate: mesh must be a DeviceMesh, got {type(mesh).__name__}")
@@ -154,6 +178,8 @@ def calibrate(mesh: DeviceMesh, *, sizes: Sequence[int] = SIZES, repeats: int = 
             plan.append((dim, span, kind, bus))
     measured += [-_matmul_rate(d, matmul_n, repeats) for d in ("float32", "float64")]  # MIN rate as MAX of -rate
     measured += [-_update_rate(o, update_n, repeats) for o in ("adamw", "sgd")]
+    widest = mesh.get_group(0) if mesh.ndim else None  # the outermost dimension: the most ranks per collective
+    measured.append(-_overlap(widest, repeats, matmul_n) if plan and widest.size > 1 else -1.0)
     # One machine on every rank: each point's MAX over the whole mesh (over each dimension in turn),
     # not just over the group that measured it (another group of the same dimension may be slower).
     agreed = np.asarray(measured)
@@ -166,5 +192,5 @@ def calibrate(mesh: DeviceMesh, *, sizes: Sequence[int] = SIZES, repeats: int = 
         level = levels.setdefault(dim, Level(names[dim], dim_span, {}))
         level.costs[kind], errors[f"{names[dim]}.{kind}"] = fit_alpha_beta(bus, seconds)
     out = list(levels.values()) or [Level("self", 1, {k: LinkCost(0.0, 0.0) for k in kinds})]
-    return Machine(out, memory_bytes, {"float32": float(-agreed[-4]), "float64": float(-agreed[-3])}, name, errors,
-                   {"adamw": float(-agreed[-2]), "sgd": float(-agreed[-1])})
+    return Machine(out, memory_bytes, {"float32": float(-agreed[-5]), "float64": float(-agreed[-4])}, name, errors,
+                   {"adamw": float(-agreed[-3]), "sgd": float(-agreed[-2])}, float(-agreed[-1]))

@@ -18,7 +18,8 @@ Time is a model, not a measurement:
   with the most flops, over ``1 - bubble_fraction(schedule, pp, microbatches)`` when pipelined;
 * each collective as the flight recorder lists it (op, bytes, mesh dimension), timed by the
   machine's alpha-beta for its kind on the level that holds its dimension;
-* overlap: a stream of collectives that runs beside a compute window ``W`` (DDP/ZeRO buckets beside
+* overlap: (scaled by the machine's ``overlap``, the fraction of compute a collective can hide
+  under: benchmarks/scaling.py measured the 2-core host's ranks overlapping nothing, issue 29.3) a stream of collectives that runs beside a compute window ``W`` (DDP/ZeRO buckets beside
   the backward; FSDP's gathers beside the forward, its gathers and reduce-scatters beside the
   backward) exposes ``max(t_one, sum(t) - W)``, ``t_one`` being the collective that cannot overlap
   (the last bucket; the first gather). Everything else (the per-sync agreement, ZeRO's parameter
@@ -281,13 +282,14 @@ def estimate(config: Config, model: Model, machine: Machine) -> Breakdown:
     forward, backward = compute / 3, 2 * compute / 3
     if config.strategy in ("ddp", "zero1", "zero2"):
         grads = [c.seconds for c in colls if c.op in ("all_reduce", "reduce") and c.dim == "dp"][:-1]
-        hidden = _exposed(grads, backward, grads[-1] if grads else 0.0)
+        hidden = _exposed(grads, backward * machine.overlap, grads[-1] if grads else 0.0)
         rest = sum(c.seconds for c in colls) - sum(grads)
     else:
         gathers = [c.seconds for c in colls if c.op == "all_gather"]
         fwd, bwd_g = gathers[:len(gathers) // 2], gathers[len(gathers) // 2:]
         bwd = bwd_g + [c.seconds for c in colls if c.op == "reduce_scatter" or c.dim == "dp_replicate"]
-        hidden = _exposed(fwd, forward, fwd[0] if fwd else 0.0) + _exposed(bwd, backward, bwd[-1] if bwd else 0.0)
+        hidden = (_exposed(fwd, forward * machine.overlap, fwd[0] if fwd else 0.0)
+                  + _exposed(bwd, backward * machine.overlap, bwd[-1] if bwd else 0.0))
         rest = sum(c.seconds for c in colls if c.dim in ("tp", "pp"))
     comm = sum(c.seconds for c in colls)
     exposed = hidden + rest
