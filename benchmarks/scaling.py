@@ -80,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=_ints, default=[512, 512, 512], help="MLP hidden sizes (default: 512,512,512)")
     parser.add_argument("--batch", type=int, default=256,
                         help="strong: the global batch; weak: samples per rank (default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps (default: %(default)s; --quick: 6)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default: 10; --quick: 6)")
     parser.add_argument("--warmup", type=int, default=2, help="steps before timing (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="1 and 2 ranks, 6 steps: a few minutes on 2 cores")
     parser.add_argument("--calib-repeats", type=int, default=5, help="calibrate's repeats (default: %(default)s)")
@@ -90,8 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.worlds is None:
         args.worlds = [1, 2] if args.quick else [1, 2, 4]
-    if args.quick and "--steps" not in " ".join(argv or sys.argv):
-        args.steps = 6
+    if args.steps is None:
+        args.steps = 6 if args.quick else 10
     bad = [m for m in args.modes if m not in MODES]
     if bad:
         parser.error(f"argument --modes: unknown {bad}; valid: strong, weak")
