@@ -21,6 +21,7 @@ import numpy as np
 from ..comm import DistValueError, ReduceOp
 from .. import comm as _c
 from ..mesh import DeviceMesh
+from ..parallel import SGD, AdamW
 from .machine import KINDS, Level, LinkCost, Machine, bus_bytes
 
 __all__ = ["calibrate", "fit_alpha_beta"]
@@ -101,15 +102,56 @@ def _matmul_rate(dtype: str, n: int, repeats: int) -> float:
     return 2 * n ** 3 / max(statistics.median(times), 1e-9)
 
 
+def _update_rate(optimizer: str, n: int, repeats: int) -> float:
+    """float64 parameters per second that ``optimizer``'s step updates (one array of ``n``): the
+    optimizer step is part of every training step (zero and fsdp update a shard, ddp everything)."""
+    opt = AdamW(lr=1e-3) if optimizer == "adamw" else SGD(lr=0.1, momentum=0.9)
+    params, grads = {"p": np.ones(n)}, {"p": np.full(n, 1e-3)}
+    opt.step(params, grads)  # the first step makes the state
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        opt.step(params, grads)
+        times.append(time.perf_counter() - t0)
+    return n / max(statistics.median(times), 1e-9)
+
+
+def _overlap(group: Any, repeats: int, matmul_n: int) -> float:
+    """How much of a 1 MiB all-reduce hides under a matmul chain of about its length launched
+    beside it: ``(t_compute + t_comm - t_both) / min(t_compute, t_comm)``, clipped to [0, 1]."""
+    buf = np.ones(1 << 18, np.float32)
+    a = np.random.default_rng(0).standard_normal((matmul_n, matmul_n))
+    comm = _timed(lambda: _c.all_reduce(buf, group=group), group, repeats)
+    one = _timed(lambda: a @ a, group, repeats)
+    chain = max(1, round(comm / max(one, 1e-9)))
+
+    def compute() -> None:
+        for _ in range(chain):
+            a @ a
+
+    def both() -> None:
+        work = _c.all_reduce(buf, group=group, async_op=True)
+        compute()
+        work.wait()
+
+    alone = _timed(compute, group, repeats)
+    together = _timed(both, group, repeats)
+    return float(np.clip((alone + comm - together) / max(min(alone, comm), 1e-9), 0.0, 1.0))
+
+
 def calibrate(mesh: DeviceMesh, *, sizes: Sequence[int] = SIZES, repeats: int = 5, kinds: Sequence[str] = KINDS,
-              matmul_n: int = 256, memory_bytes: int = 0, name: str = "calibrated") -> Machine:
+              matmul_n: int = 256, update_n: int = 1 << 18, memory_bytes: int = 0,
+              name: str = "calibrated") -> Machine:
     """Measure every dimension of ``mesh`` (collective: every rank of the mesh calls it, with the
     same arguments) and return the fitted :class:`Machine`, the same on every rank.
 
     Levels are the mesh's dimensions from the last (innermost) out, each of ``size`` = the ranks it
     spans with the dimensions inside it; a dimension of one rank is skipped. ``fit_error`` maps
     ``"dim.kind"`` to the fit's mean relative error; ``flops`` holds the float32 and float64
-    rates of an ``matmul_n``-square matmul on this rank (the slowest rank's, as agreed by MAX).
+    rates of an ``matmul_n``-square matmul on this rank (the slowest rank's, as agreed by MAX);
+    ``update_rate`` the float64 parameters per second of AdamW's and SGD's (momentum 0.9) step over
+    ``update_n`` parameters; ``overlap`` how much of an all-reduce over the outermost dimension
+    hides under a matmul chain beside it (the least over the ranks; 1 with one rank).
     """
     if not isinstance(mesh, DeviceMesh):
         raise DistValueError(f"meshkit.plan: calibrate: mesh must be a DeviceMesh, got {type(mesh).__name__}")
@@ -135,6 +177,9 @@ def calibrate(mesh: DeviceMesh, *, sizes: Sequence[int] = SIZES, repeats: int = 
                 measured.append(t / 2 if kind == "send_recv" else t)
             plan.append((dim, span, kind, bus))
     measured += [-_matmul_rate(d, matmul_n, repeats) for d in ("float32", "float64")]  # MIN rate as MAX of -rate
+    measured += [-_update_rate(o, update_n, repeats) for o in ("adamw", "sgd")]
+    widest = mesh.get_group(0) if mesh.ndim else None  # the outermost dimension: the most ranks per collective
+    measured.append(-_overlap(widest, repeats, matmul_n) if plan and widest.size > 1 else -1.0)
     # One machine on every rank: each point's MAX over the whole mesh (over each dimension in turn),
     # not just over the group that measured it (another group of the same dimension may be slower).
     agreed = np.asarray(measured)
@@ -147,4 +192,5 @@ def calibrate(mesh: DeviceMesh, *, sizes: Sequence[int] = SIZES, repeats: int = 
         level = levels.setdefault(dim, Level(names[dim], dim_span, {}))
         level.costs[kind], errors[f"{names[dim]}.{kind}"] = fit_alpha_beta(bus, seconds)
     out = list(levels.values()) or [Level("self", 1, {k: LinkCost(0.0, 0.0) for k in kinds})]
-    return Machine(out, memory_bytes, {"float32": float(-agreed[-2]), "float64": float(-agreed[-1])}, name, errors)
+    return Machine(out, memory_bytes, {"float32": float(-agreed[-5]), "float64": float(-agreed[-4])}, name, errors,
+                   {"adamw": float(-agreed[-3]), "sgd": float(-agreed[-2])}, float(-agreed[-1]))

@@ -11,11 +11,15 @@ with momentum, none without).
 
 Time is a model, not a measurement:
 
+* the optimizer's step over the parameters this rank updates (all of them for ddp, a shard for
+  zero and fsdp), at the machine's calibrated ``update_rate`` (issue 29.3: left out, the model
+  ranked ddp above zero1 while zero1 measured faster, benchmarks/scaling.py);
 * compute: ``3 x forward flops x samples per data-parallel rank / tp / flop rate`` of the stage
   with the most flops, over ``1 - bubble_fraction(schedule, pp, microbatches)`` when pipelined;
 * each collective as the flight recorder lists it (op, bytes, mesh dimension), timed by the
   machine's alpha-beta for its kind on the level that holds its dimension;
-* overlap: a stream of collectives that runs beside a compute window ``W`` (DDP/ZeRO buckets beside
+* overlap: (scaled by the machine's ``overlap``, the fraction of compute a collective can hide
+  under: benchmarks/scaling.py measured the 2-core host's ranks overlapping nothing, issue 29.3) a stream of collectives that runs beside a compute window ``W`` (DDP/ZeRO buckets beside
   the backward; FSDP's gathers beside the forward, its gathers and reduce-scatters beside the
   backward) exposes ``max(t_one, sum(t) - W)``, ``t_one`` being the collective that cannot overlap
   (the last bucket; the first gather). Everything else (the per-sync agreement, ZeRO's parameter
@@ -70,6 +74,7 @@ class Breakdown:
     comm_s: float
     exposed_comm_s: float
     step_s: float
+    optimizer_s: float = 0.0
 
     @property
     def memory_total(self) -> int:
@@ -80,6 +85,7 @@ class Breakdown:
         return {"config": self.config.name(), "memory": self.memory, "activation_bytes": self.activation_bytes,
                 "stage_memory": self.stage_memory, "compute_s": self.compute_s, "bubble_s": self.bubble_s,
                 "comm_s": self.comm_s, "exposed_comm_s": self.exposed_comm_s, "step_s": self.step_s,
+                "optimizer_s": self.optimizer_s,
                 "collectives": [dataclasses.asdict(c) for c in self.collectives]}
 
 
@@ -276,13 +282,14 @@ def estimate(config: Config, model: Model, machine: Machine) -> Breakdown:
     forward, backward = compute / 3, 2 * compute / 3
     if config.strategy in ("ddp", "zero1", "zero2"):
         grads = [c.seconds for c in colls if c.op in ("all_reduce", "reduce") and c.dim == "dp"][:-1]
-        hidden = _exposed(grads, backward, grads[-1] if grads else 0.0)
+        hidden = _exposed(grads, backward * machine.overlap, grads[-1] if grads else 0.0)
         rest = sum(c.seconds for c in colls) - sum(grads)
     else:
         gathers = [c.seconds for c in colls if c.op == "all_gather"]
         fwd, bwd_g = gathers[:len(gathers) // 2], gathers[len(gathers) // 2:]
         bwd = bwd_g + [c.seconds for c in colls if c.op == "reduce_scatter" or c.dim == "dp_replicate"]
-        hidden = _exposed(fwd, forward, fwd[0] if fwd else 0.0) + _exposed(bwd, backward, bwd[-1] if bwd else 0.0)
+        hidden = (_exposed(fwd, forward * machine.overlap, fwd[0] if fwd else 0.0)
+                  + _exposed(bwd, backward * machine.overlap, bwd[-1] if bwd else 0.0))
         rest = sum(c.seconds for c in colls if c.dim in ("tp", "pp"))
     comm = sum(c.seconds for c in colls)
     exposed = hidden + rest
@@ -291,5 +298,8 @@ def estimate(config: Config, model: Model, machine: Machine) -> Breakdown:
                                           else min(config.pp, config.microbatches))
     acts = sum(layer.activation_bytes for layer in layers) * (local_batch // config.microbatches) * in_flight
     acts //= config.tp
+    held = stage_memory[slowest]["params"] // model.itemsize
+    updated = -(-held // config.dp_shard) if config.strategy in ("zero1", "zero2") else held
+    optimizer_s = machine.update_time(config.optimizer, updated, model.itemsize)
     return Breakdown(config, stage_memory[busiest], stage_memory, acts, colls, compute, bubble_s, comm, exposed,
-                     compute + bubble_s + exposed)
+                     compute + bubble_s + exposed + optimizer_s, optimizer_s)

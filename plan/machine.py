@@ -92,6 +92,12 @@ class Machine:
         memory_bytes: memory of one rank's device (bytes); 0 means unknown (no cap from it).
         flops: ``dtype name -> flop/s`` of one rank for matmul-like work (``"float32"``...).
         fit_error: ``"level.kind" -> relative error`` of a calibration's fit (empty when described).
+        update_rate: ``optimizer name -> float64 parameters per second`` its step updates on one
+            rank (memory-bound: a dtype of half the bytes goes twice as fast); empty leaves the
+            optimizer's step out of the step time (a described cluster).
+        overlap: the fraction of a compute window that collectives launched beside it can hide
+            under (1: a GPU's separate streams; near 0 on a host whose ranks have a core each and
+            MPI progresses only inside its calls; calibrate measures it).
     """
 
     levels: list[Level]
@@ -99,6 +105,8 @@ class Machine:
     flops: dict[str, float] = dataclasses.field(default_factory=dict)
     name: str = "machine"
     fit_error: dict[str, float] = dataclasses.field(default_factory=dict)
+    update_rate: dict[str, float] = dataclasses.field(default_factory=dict)
+    overlap: float = 1.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -128,6 +136,10 @@ class Machine:
             raise ValueError(f"meshkit.plan: Machine: memory_bytes must be an integer >= 0, got {self.memory_bytes!r}")
         for dtype, rate in self.flops.items():
             _number("Machine", f"flops[{dtype!r}]", rate, positive=True)
+        if isinstance(self.overlap, bool) or not isinstance(self.overlap, (int, float)) or not 0 <= self.overlap <= 1:
+            raise ValueError(f"meshkit.plan: Machine: overlap must be a number in [0, 1], got {self.overlap!r}")
+        for opt, rate in self.update_rate.items():
+            _number("Machine", f"update_rate[{opt!r}]", rate, positive=True)
 
     # ------------------------------------------------------------------ costs
     def level_for(self, span: int) -> Level:
@@ -151,10 +163,16 @@ class Machine:
                              f"(flops has {sorted(self.flops)})")
         return flops / rate
 
+    def update_time(self, optimizer: str, elements: float, itemsize: int) -> float:
+        """Seconds of ``optimizer``'s step over ``elements`` parameters (0 when its rate is unknown)."""
+        rate = self.update_rate.get(optimizer)
+        return elements * itemsize / (8 * rate) if rate else 0.0
+
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "memory_bytes": self.memory_bytes, "flops": dict(self.flops),
-                "fit_error": dict(self.fit_error),
+                "fit_error": dict(self.fit_error), "update_rate": dict(self.update_rate),
+                "overlap": self.overlap,
                 "levels": [{"name": lv.name, "size": lv.size,
                             "costs": {k: {"alpha": c.alpha, "beta": c.beta} for k, c in lv.costs.items()}}
                            for lv in self.levels]}
@@ -176,7 +194,7 @@ class Machine:
                 costs[kind] = LinkCost(c["alpha"], c["beta"])
             levels.append(Level(str(lv.get("name", f"level{i}")), lv.get("size"), costs))
         return cls(levels, data.get("memory_bytes", 0), dict(data.get("flops", {})), str(data.get("name", "machine")),
-                   dict(data.get("fit_error", {})))
+                   dict(data.get("fit_error", {})), dict(data.get("update_rate", {})), data.get("overlap", 1.0))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")

@@ -324,3 +324,29 @@ def test_context_parallel_benchmark_times_compute_comm_and_the_ring(mpirun, tmp_
     assert all(r["compute_s"] > 0 and r["comm_s"] > 0 and r["ring_s"] > 0 and 0 <= r["hidden"] <= 1 for r in rows)
     assert all(r["exposed_s"] >= 0 and 0 <= r["hidden_by_waits"] <= 1 for r in rows), rows
     assert "hidden by waits" in out and re.search(r"forward\s+2(\s+[\d.]+){4}\s+\d+%\s+[\d.]+\s+\d+%", out), out
+
+
+# --------------------------------------------------------------------------- scaling.py
+def test_scaling_benchmark_writes_measured_beside_predicted_with_exact_memory(tmp_path):
+    """benchmarks/scaling.py at its smallest (1 and 2 ranks, ddp and fsdp, strong scaling, two steps):
+    one record per configuration in issue 29.3's format, memory predicted byte for byte, and the
+    acceptance figures printed. No timing is asserted (a shared 2-core machine)."""
+    out_json = tmp_path / "scaling.json"
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "scaling.py"), "--worlds", "1,2", "--strategies",
+                           "ddp,fsdp", "--modes", "strong", "--hidden", "32,32", "--batch", "16", "--steps", "2",
+                           "--warmup", "1", "--calib-repeats", "1", "--json", str(out_json)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out_json.read_text())
+    rows = data["rows"]
+    assert [(r["config"], r["ranks"]) for r in rows] == [("ddp dp1 tp1 pp1", 1), ("fsdp dp1 tp1 pp1", 1),
+                                                         ("ddp dp2 tp1 pp1", 2), ("fsdp dp2 tp1 pp1", 2)], rows
+    for r in rows:
+        assert r["measured_step_s"] > 0 and r["predicted_step_s"] > 0, r
+        assert isinstance(r["measured_bytes"], int) and r["measured_bytes"] == r["predicted_bytes"], r
+    assert rows[3]["measured_bytes"] * 2 == rows[1]["measured_bytes"]  # fsdp shards over 2 ranks
+    assert data["metadata"]["summary"]["memory_mismatches"] == 0
+    assert re.search(r"^Spearman\(predicted, measured step time\): -?\d\.\d{3} over 4 configurations", proc.stdout,
+                     re.M), proc.stdout
+    assert "planner's pick within 10% of the fastest measured: " in proc.stdout
+    assert (tmp_path / "scaling_calib_2.json").exists()

@@ -56,6 +56,8 @@ def test_machine_json_round_trip_and_levels(tmp_path):
     (lambda d: d.update(memory_bytes=-1), r"Machine: memory_bytes must be an integer >= 0, got -1"),
     (lambda d: d["levels"][0]["costs"].update(gossip={"alpha": 0, "beta": 0}), r"unknown collective kind 'gossip'"),
     (lambda d: d["flops"].update(float32=0), r"Machine: flops\['float32'\] must be > 0, got 0"),
+    (lambda d: d.update(update_rate={"adamw": -1.0}), r"Machine: update_rate\['adamw'\] must be > 0, got -1.0"),
+    (lambda d: d.update(overlap=1.5), r"Machine: overlap must be a number in \[0, 1\], got 1.5"),
     (lambda d: d["levels"].reverse(), r"Machine.levels\[1\]: size 8 is below the level inside it \(32\)"),
 ])
 def test_machine_bad_fields_are_named(change, match):
@@ -95,6 +97,8 @@ def test_calibrate_on_the_local_engine(tmp_path):
     assert set(machine.fit_error) == {f"{d}.{k}" for d in ("rep", "shard") for k in machine.levels[0].costs}
     assert all(np.isfinite(e) and e >= 0 for e in machine.fit_error.values())
     assert machine.flops["float32"] > 0 and machine.flops["float64"] > 0
+    assert machine.update_rate["adamw"] > 0 and machine.update_rate["sgd"] > 0
+    assert 0 <= machine.overlap <= 1
     # not ">": 4 threads on a loaded 2-core host can time 64 KiB like 256 B (a fit with beta = 0)
     assert machine.collective_time("all_reduce", 1 << 20, 2) >= machine.collective_time("all_reduce", 1 << 10, 2)
     machine.save(tmp_path / "calib.json")
@@ -140,6 +144,36 @@ def test_estimate_breakdown_adds_up():
         estimate(Config("ddp", pp=4), MODEL, m)
     with pytest.raises(TypeError, match=r"takes a Config, a Model and a Machine, got dict"):
         estimate({}, MODEL, m)
+
+
+def test_the_optimizer_step_counts_the_parameters_each_rank_updates():
+    """Issue 29.3: benchmarks/scaling.py measured zero1 faster than ddp at 2 ranks (AdamW updates half
+    the parameters); without the optimizer's step the model ranked ddp first."""
+    m = dataclasses.replace(two_level(), update_rate={"adamw": 1e8})
+    numel = MODEL.numel
+    ddp = estimate(Config("ddp", dp_shard=2), MODEL, m)
+    zero1 = estimate(Config("zero1", dp_shard=2), MODEL, m)
+    fsdp = estimate(Config("fsdp", dp_shard=2), MODEL, m)
+    assert ddp.optimizer_s == pytest.approx(numel * 4 / 8 / 1e8)  # float32: twice float64's rate
+    assert zero1.optimizer_s == pytest.approx(ddp.optimizer_s / 2)
+    assert fsdp.optimizer_s == pytest.approx((64000 + 32768 + 64000) // 2 * 4 / 8 / 1e8)  # its units' shards
+    assert ddp.step_s == pytest.approx(ddp.compute_s + ddp.exposed_comm_s + ddp.optimizer_s)
+    assert zero1.step_s < ddp.step_s
+    assert estimate(Config("ddp", dp_shard=2), MODEL, two_level()).optimizer_s == 0  # a rate not given: left out
+
+
+def test_a_machine_that_overlaps_nothing_exposes_every_collective():
+    """Issue 29.3: on the 2-core host calibrate measured overlap 0 (a rank's one core computes or
+    communicates); the model hid FSDP's gathers under compute and picked FSDP, measured slower."""
+    full = dataclasses.replace(two_level(), flops={"float32": 1e9})  # compute long enough to hide buckets under
+    none = dataclasses.replace(full, overlap=0.0)
+    for strategy in ("ddp", "zero2", "fsdp"):
+        config = Config(strategy, dp_shard=4, bucket_cap_mb=0.1, first_bucket_cap_mb=0.1)  # several buckets
+        hidden, exposed = estimate(config, MODEL, full), estimate(config, MODEL, none)
+        assert exposed.exposed_comm_s == pytest.approx(exposed.comm_s)
+        assert exposed.step_s == pytest.approx(exposed.compute_s + exposed.comm_s)
+        assert hidden.exposed_comm_s < exposed.exposed_comm_s
+    assert Machine.from_dict(none.to_dict()) == none
 
 
 def test_search_ranks_and_fits_the_cap():

@@ -1,0 +1,327 @@
+"""The planner checked against runs: every data-parallel configuration of the example MLP that fits
+this machine, measured step time and memory beside ``meshkit.plan``'s prediction (issue 29.3).
+
+Run it by hand with plain ``python`` (it starts one ``meshkit-run -n N`` job per world size itself)::
+
+    python benchmarks/scaling.py --quick                 # 1 and 2 ranks, a few minutes on 2 cores
+    python benchmarks/scaling.py                         # 1, 2 and 4 ranks
+    python benchmarks/scaling.py --worlds 1,2 --strategies ddp,fsdp --steps 4 --json out.json --plot
+
+Each job first calibrates its world (``meshkit.plan.calibrate`` over a 1-D mesh of every rank,
+saved as ``calib_N.json`` beside the result), then builds each strategy with ``examples/mlp.py``'s
+``build`` (ddp, zero1, zero2, fsdp; hsdp on every ``replicate x shard`` split) and trains it for
+``--warmup`` + ``--steps`` steps, twice: **strong** scaling (the global batch ``--batch`` split over
+the ranks) and **weak** scaling (``--batch`` samples per rank). A step's time is the slowest rank's
+(MAX over ranks of each step), the result the median over the steps after warm-up. Beside it, the
+prediction of ``meshkit.plan.estimate(config, model, machine)`` for the MLP described as
+``plan.Model`` layers (its exact parameter shapes; forward flops ``2 x fan_in x fan_out`` per sample;
+activations ``fan_out`` values per sample). ``measured_bytes`` is the rank's params + grads +
+optimizer state from ``memory_report()`` (the largest over ranks), ``predicted_bytes`` the same
+sum of the prediction.
+
+The summary prints the acceptance figures of issue 29.3 from this one run: Spearman's rank
+correlation of predicted vs measured step times (over every record and over those that do not
+oversubscribe the cores), whether the configuration the planner ranks first is within 10% of the
+fastest measured (per world size and scaling mode), and the count of memory mismatches.
+Tensor and pipeline parallelism are not run (the example MLP's strategies are data-parallel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import (_cores, add_output_args, host_metadata, limit_blas_threads, matplotlib_missing,  # noqa: E402
+                     png_path, redraw, require_pyplot, save_figure, write_json)
+
+DEFAULT_JSON = ROOT / "benchmarks" / "results" / "scaling.json"
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
+MODES = ("strong", "weak")
+#: Collective kinds the data-parallel strategies issue (zero2 reduces; the rest are in the others).
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "reduce")
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def _strategies(text: str) -> list[str]:
+    values = text.split(",")
+    bad = [v for v in values if v not in STRATEGIES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown strategies {bad}; valid: {', '.join(STRATEGIES)}")
+    return values
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="scaling.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worlds", type=_ints, default=None, help="world sizes (default: 1,2,4; --quick: 1,2)")
+    parser.add_argument("--strategies", type=_strategies, default=list(STRATEGIES), help="default: all")
+    parser.add_argument("--modes", type=lambda t: t.split(","), default=list(MODES), help="strong,weak (default)")
+    parser.add_argument("--hidden", type=_ints, default=[512, 512, 512], help="MLP hidden sizes (default: 512,512,512)")
+    parser.add_argument("--batch", type=int, default=256,
+                        help="strong: the global batch; weak: samples per rank (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default: 10; --quick: 6)")
+    parser.add_argument("--warmup", type=int, default=2, help="steps before timing (default: %(default)s)")
+    parser.add_argument("--quick", action="store_true", help="1 and 2 ranks, 6 steps: a few minutes on 2 cores")
+    parser.add_argument("--calib-repeats", type=int, default=5, help="calibrate's repeats (default: %(default)s)")
+    parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)  # a job's own records
+    add_output_args(parser, json_help=f"result file (default: {DEFAULT_JSON.relative_to(ROOT)})",
+                    json_default=None)
+    args = parser.parse_args(argv)
+    if args.worlds is None:
+        args.worlds = [1, 2] if args.quick else [1, 2, 4]
+    if args.steps is None:
+        args.steps = 6 if args.quick else 10
+    bad = [m for m in args.modes if m not in MODES]
+    if bad:
+        parser.error(f"argument --modes: unknown {bad}; valid: strong, weak")
+    error = matplotlib_missing(args)
+    if error:
+        parser.error(error)
+    return args
+
+
+# --------------------------------------------------------------------------- the model as the planner sees it
+def plan_model(hidden: list[int], batch: int) -> Any:
+    """examples/mlp.py's MLP (float64, ``w_i: (fan_in, fan_out)``, ``b_i: (fan_out,)``) as plan layers."""
+    import mlp
+    from meshkit.plan import Layer, Model
+    sizes = (mlp.FEATURES, *hidden, mlp.CLASSES)
+    layers = [Layer(f"l{i}", {"w": (a, b), "b": (b,)}, activation_bytes=8 * b, flops=2 * a * b)
+              for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:]))]
+    return Model(layers, batch=batch, dtype="float64")
+
+
+def configurations(n: int, strategies: list[str]) -> list[Any]:
+    """Every data-parallel Config of ``n`` ranks (hsdp: every replicate x shard split) for AdamW."""
+    from meshkit.plan import Config
+    out = []
+    for s in strategies:
+        if s == "hsdp":
+            out += [Config("hsdp", dp_replicate=r, dp_shard=n // r) for r in range(1, n + 1) if n % r == 0]
+        else:
+            out.append(Config(s, dp_shard=n))
+    return out
+
+
+# --------------------------------------------------------------------------- one job (under meshkit-run)
+def _train(config: Any, hidden: list[int], global_batch: int, steps: int, warmup: int) -> tuple[float, int]:
+    """Build ``config`` with mlp.build, train; the slowest rank's median step time and the largest
+    rank's params + grads + optimizer state from memory_report()."""
+    import numpy as np
+
+    import meshkit
+    import mlp
+    from meshkit.comm import ReduceOp
+    rank, n = meshkit.get_rank(), meshkit.get_world_size()
+    model = mlp.build(config.strategy, hidden=tuple(hidden), optimizer="adamw", lr=1e-3,
+                      hsdp_mesh=(config.dp_replicate, config.dp_shard) if config.strategy == "hsdp" else None)
+    x, y = mlp.make_data(global_batch * 4)
+    per = global_batch // n
+    times = []
+    for step in range(warmup + steps):
+        idx = mlp.batch_indices(step, len(x), global_batch)[rank * per:(rank + 1) * per]
+        meshkit.barrier()
+        t0 = time.perf_counter()
+        model.zero_grad()
+        acts = mlp.forward_layers(model, x[idx])
+        _, dlogits = mlp.loss_and_grad_logits(acts[-1], y[idx])
+        dlogits = dlogits * (per / global_batch)  # the global mean's gradient
+        mlp.backward_layers(model, acts, dlogits)
+        model.step()
+        times.append(time.perf_counter() - t0)
+    worst = np.asarray(times[warmup:])
+    report = model.memory_report()
+    held = np.asarray([report["params"] + report["grads"] + report["optimizer_state"]], np.float64)
+    meshkit.all_reduce(worst, ReduceOp.MAX)
+    meshkit.all_reduce(held, ReduceOp.MAX)
+    return statistics.median(worst.tolist()), int(held[0])
+
+
+def worker(args: argparse.Namespace) -> int:
+    limit_blas_threads(1)  # one BLAS thread per rank: the ranks share the cores (benchmarks/_common.py)
+    import meshkit
+    from meshkit.plan import Machine, calibrate, estimate
+    meshkit.init_process_group("mpi", timeout=120)
+    rank, n = meshkit.get_rank(), meshkit.get_world_size()
+    mesh = meshkit.init_device_mesh("cpu", (n,), mesh_dim_names=("dp",))
+    calib = args.worker.parent / f"calib_{n}.json"
+    machine = calibrate(mesh, repeats=args.calib_repeats, kinds=KINDS if n > 1 else ("all_reduce",))
+    if rank == 0:
+        machine.save(calib)
+    records = []
+    for mode in args.modes:
+        global_batch = args.batch if mode == "strong" else args.batch * n
+        model = plan_model(args.hidden, global_batch)
+        for config in configurations(n, args.strategies):
+            measured, held = _train(config, args.hidden, global_batch, args.steps, args.warmup)
+            b = estimate(config, model, machine)
+            before = estimate(config, model, dataclasses.replace(machine, overlap=1.0, update_rate={}))
+            predicted = b.memory["params"] + b.memory["grads"] + b.memory["optimizer_state"]
+            records.append({"config": config.name(), "strategy": config.strategy, "mode": mode, "ranks": n,
+                            "global_batch": global_batch, "measured_step_s": measured, "predicted_step_s": b.step_s,
+                            "predicted_compute_s": b.compute_s, "predicted_exposed_comm_s": b.exposed_comm_s,
+                            "predicted_optimizer_s": b.optimizer_s, "predicted_comm_s": b.comm_s,
+                            "predicted_before_s": before.step_s,
+                            "measured_bytes": held, "predicted_bytes": predicted,
+                            "oversubscribed": n > _cores()})
+            if rank == 0:
+                print(f"{n} ranks {mode:6} {config.name():24} measured {measured * 1e3:8.2f} ms  predicted "
+                      f"{b.step_s * 1e3:8.2f} ms  bytes {held} / {predicted}", flush=True)
+    if rank == 0:
+        args.worker.write_text(json.dumps(records))
+    meshkit.destroy_process_group()
+    return 0
+
+
+# --------------------------------------------------------------------------- the figures
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation (average ranks for ties), numpy only."""
+    import numpy as np
+
+    def ranks(v: list[float]) -> Any:
+        v = np.asarray(v, float)
+        order = np.argsort(v, kind="stable")
+        r = np.empty(len(v))
+        r[order] = np.arange(len(v), dtype=float)
+        for value in np.unique(v):  # ties share their mean rank
+            r[v == value] = r[v == value].mean()
+        return r
+
+    if len(a) < 2:
+        return float("nan")
+    ra, rb = ranks(a), ranks(b)
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Issue 29.3's acceptance figures from ``rows``."""
+    fits = [r for r in rows if not r["oversubscribed"]]
+    picks = []
+    for key in sorted({(r["ranks"], r["mode"]) for r in rows}):
+        group = [r for r in rows if (r["ranks"], r["mode"]) == key]
+        if len(group) < 2:
+            continue
+        pick = min(group, key=lambda r: r["predicted_step_s"])
+        old = min(group, key=lambda r: r["predicted_before_s"])
+        fastest = min(group, key=lambda r: r["measured_step_s"])
+        picks.append({"ranks": key[0], "mode": key[1], "pick": pick["config"], "fastest": fastest["config"],
+                      "ratio": pick["measured_step_s"] / fastest["measured_step_s"],
+                      "ratio_before": old["measured_step_s"] / fastest["measured_step_s"],
+                      "oversubscribed": group[0]["oversubscribed"]})
+    return {
+        "spearman_all": spearman([r["predicted_step_s"] for r in rows], [r["measured_step_s"] for r in rows]),
+        "spearman_not_oversubscribed": spearman([r["predicted_step_s"] for r in fits],
+                                                [r["measured_step_s"] for r in fits]),
+        # the same measurements against the planner before issue 29.3 (full overlap, no optimizer step)
+        "spearman_all_before": spearman([r["predicted_before_s"] for r in rows], [r["measured_step_s"] for r in rows]),
+        "records": len(rows), "records_not_oversubscribed": len(fits),
+        "picks": picks, "picks_within_10pct": sum(p["ratio"] <= 1.10 for p in picks),
+        "picks_within_10pct_before": sum(p["ratio_before"] <= 1.10 for p in picks),
+        "memory_mismatches": sum(r["measured_bytes"] != r["predicted_bytes"] for r in rows),
+    }
+
+
+def print_summary(s: dict[str, Any], cores: int) -> None:
+    print(f"\nSpearman(predicted, measured step time): {s['spearman_all']:.3f} over {s['records']} configurations; "
+          f"{s['spearman_not_oversubscribed']:.3f} over the {s['records_not_oversubscribed']} with at most "
+          f"{cores} ranks (more ranks than cores oversubscribe: compute and communication contend, which "
+          f"the model does not know); {s['spearman_all_before']:.3f} over all for the model before "
+          f"issue 29.3 (full overlap, no optimizer step)")
+    for p in s["picks"]:
+        note = "  (oversubscribed: this machine cannot say)" if p["oversubscribed"] else ""
+        print(f"  {p['ranks']} ranks {p['mode']:6}: planner picks {p['pick']!r}, fastest measured {p['fastest']!r}: "
+              f"{p['ratio']:.2f}x{note}")
+    print(f"planner's pick within 10% of the fastest measured: {s['picks_within_10pct']} of {len(s['picks'])} "
+          f"(before issue 29.3's model changes: {s['picks_within_10pct_before']})")
+    print(f"memory mismatches (params + grads + optimizer state, bytes): {s['memory_mismatches']}")
+
+
+def draw(rows: list[dict[str, Any]], png: Path, title: str) -> None:
+    plt = require_pyplot()
+    modes = sorted({r["mode"] for r in rows})
+    fig, axes = plt.subplots(2, len(modes), figsize=(6 * len(modes), 8), squeeze=False)
+    for col, mode in enumerate(modes):
+        for strategy in STRATEGIES:
+            pts = sorted((r["ranks"], r["measured_step_s"], r["predicted_step_s"]) for r in rows
+                         if r["mode"] == mode and r["strategy"] == strategy)
+            best: dict[int, tuple[float, float]] = {}
+            for n, m, p in pts:  # hsdp: the fastest split per world size
+                if n not in best or m < best[n][0]:
+                    best[n] = (m, p)
+            if not best:
+                continue
+            ns = sorted(best)
+            meas, pred = [best[n][0] for n in ns], [best[n][1] for n in ns]
+            line, = axes[0][col].plot(ns, [m * 1e3 for m in meas], "o-", label=strategy)
+            axes[0][col].plot(ns, [p * 1e3 for p in pred], "x--", color=line.get_color())
+            base_m, base_p = meas[0] * ns[0], pred[0] * ns[0]
+            eff = (lambda t, n, b: b / (t * n)) if mode == "strong" else (lambda t, n, b: b / (t * ns[0]))
+            if mode == "weak":
+                base_m, base_p = meas[0], pred[0]
+            axes[1][col].plot(ns, [eff(m, n, base_m) for m, n in zip(meas, ns)], "o-", color=line.get_color(),
+                              label=strategy)
+            axes[1][col].plot(ns, [eff(p, n, base_p) for p, n in zip(pred, ns)], "x--", color=line.get_color())
+        axes[0][col].set(title=f"{mode} scaling (dashed: predicted)", xlabel="ranks", ylabel="ms per step")
+        axes[1][col].set(xlabel="ranks", ylabel="efficiency")
+        axes[0][col].legend()
+    save_figure(fig, png, title)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker is not None:
+        return worker(args)
+    out = args.json or DEFAULT_JSON
+    if args.plot_from is not None:
+        redraw(args, "scaling", draw, lambda meta: f"scaling, {meta.get('hostname')}")
+        return 0
+    rows: list[dict[str, Any]] = []
+    out.parent.mkdir(parents=True, exist_ok=True)
+    forwarded = ["--strategies", ",".join(args.strategies), "--modes", ",".join(args.modes), "--hidden",
+                 ",".join(map(str, args.hidden)), "--batch", str(args.batch), "--steps", str(args.steps),
+                 "--warmup", str(args.warmup), "--calib-repeats", str(args.calib_repeats)]
+    start = time.monotonic()
+    for n in args.worlds:
+        with tempfile.TemporaryDirectory(prefix="meshkit-scaling-") as tmp:
+            part = Path(tmp) / "records.json"
+            cmd = [sys.executable, "-m", "meshkit.launch", "-n", str(n), __file__, "--worker", str(part), *forwarded]
+            proc = subprocess.run(cmd, text=True, capture_output=True, timeout=1800)
+            print(proc.stdout, end="", flush=True)
+            if proc.returncode != 0:
+                raise SystemExit(f"scaling.py: the {n}-rank job failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+            rows += json.loads(part.read_text())
+            calib = Path(tmp) / f"calib_{n}.json"
+            (out.parent / f"scaling_calib_{n}.json").write_text(calib.read_text())
+    s = summary(rows)
+    print_summary(s, _cores())
+    print(f"({time.monotonic() - start:.0f} s)")
+    write_json(out, host_metadata(benchmark="scaling", summary=s, args={k: str(v) for k, v in vars(args).items()}),
+               rows)
+    if args.plot is not None:
+        draw(rows, png_path(args.plot, out), f"scaling: MLP {args.hidden}, batch {args.batch}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
