@@ -88,6 +88,17 @@ def test_every_module_is_found():
         assert expected in MODULES
 
 
+def test_pyproject_installs_every_package_of_the_tree():
+    """A wheel (``pip install .``, not ``-e``) holds only the packages pyproject lists: one left out
+    installs a meshkit whose ``import`` fails (context_parallelism was, until this test)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    on_disk = {m for m, path in MODULES.items() if path.name == "__init__.py"}
+    assert on_disk - listed == set(), "packages on disk that pyproject.toml does not install"
+    assert listed - on_disk == set(), "packages pyproject.toml lists that do not exist"
+
+
 def test_no_import_cycles():
     """Tarjan's strongly connected components over module imports: every one must be a single module."""
     edges = {m: sorted({t for t, _, _ in GRAPH[m] if t in MODULES}) for m in MODULES}
