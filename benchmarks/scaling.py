@@ -15,7 +15,7 @@ the ranks) and **weak** scaling (``--batch`` samples per rank). A step's time is
 (MAX over ranks of each step), the result the median over the steps after warm-up. Beside it, the
 prediction of ``meshkit.plan.estimate(config, model, machine)`` for the MLP described as
 ``plan.Model`` layers (its exact parameter shapes; forward flops ``2 x fan_in x fan_out`` per sample;
-activations ``fan_out`` values per sample). ``measured_bytes`` is the rank's params + grads +
+activations ``fan_out`` values per sample, each a ``tanh`` but the last layer's). ``measured_bytes`` is the rank's params + grads +
 optimizer state from ``memory_report()`` (the largest over ranks), ``predicted_bytes`` the same
 sum of the prediction.
 
@@ -107,7 +107,9 @@ def plan_model(hidden: list[int], batch: int) -> Any:
     import mlp
     from meshkit.plan import Layer, Model
     sizes = (mlp.FEATURES, *hidden, mlp.CLASSES)
-    layers = [Layer(f"l{i}", {"w": (a, b), "b": (b,)}, activation_bytes=8 * b, flops=2 * a * b)
+    last = len(sizes) - 2  # every layer but the last applies tanh to its output
+    layers = [Layer(f"l{i}", {"w": (a, b), "b": (b,)}, activation_bytes=8 * b, flops=2 * a * b,
+                    pointwise=b if i < last else 0)
               for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:]))]
     return Model(layers, batch=batch, dtype="float64")
 

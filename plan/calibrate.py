@@ -90,30 +90,53 @@ def _ops(kind: str, nbytes: int, group: Any) -> tuple[Callable[[], Any], float]:
     return fn, bus_bytes(kind, size, n)
 
 
-def _matmul_rate(dtype: str, n: int, repeats: int) -> float:
+def _busy_rate(work: Callable[[], Any], units: float, mesh: DeviceMesh, repeats: int, window: float) -> float:
+    """Units per second of ``work`` on this rank while every rank of ``mesh`` runs it too: each
+    round starts together (a barrier over each dimension) and repeats ``work`` for ``window``
+    seconds; the median over ``repeats`` rounds. Ranks that share cores (4 ranks on 2) share
+    them here as they do in a step; a lone short call would see a whole core (issue 29.3:
+    calibrated alone, 4 ranks on 2 cores predicted half the measured compute)."""
+    work()
+    rates = []
+    for _ in range(repeats):
+        for dim in range(mesh.ndim):
+            _c.barrier(group=mesh.get_group(dim))
+        done, t0 = 0, time.perf_counter()
+        while True:
+            work()
+            done += 1
+            elapsed = time.perf_counter() - t0
+            if elapsed >= window:
+                break
+        rates.append(done * units / elapsed)
+    return statistics.median(rates)
+
+
+def _matmul_rate(dtype: str, n: int, mesh: DeviceMesh, repeats: int, window: float) -> float:
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((n, n)).astype(dtype), rng.standard_normal((n, n)).astype(dtype)
-    a @ b
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a @ b
-        times.append(time.perf_counter() - t0)
-    return 2 * n ** 3 / max(statistics.median(times), 1e-9)
+    return _busy_rate(lambda: a @ b, 2 * n ** 3, mesh, repeats, window)
 
 
-def _update_rate(optimizer: str, n: int, repeats: int) -> float:
+def _pointwise_rate(dtype: str, n: int, mesh: DeviceMesh, repeats: int, window: float) -> float:
+    """Elements per second of an activation's forward (``tanh``) and backward (``g * (1 - h**2)``)
+    over ``n`` x ``n`` values: NumPy evaluates them element by element, at a rate of its own."""
+    rng = np.random.default_rng(0)
+    z, g = rng.standard_normal((n, n)).astype(dtype), rng.standard_normal((n, n)).astype(dtype)
+
+    def activation() -> None:
+        h = np.tanh(z)
+        g * (1 - h ** 2)
+
+    return _busy_rate(activation, n * n, mesh, repeats, window)
+
+
+def _update_rate(optimizer: str, n: int, mesh: DeviceMesh, repeats: int, window: float) -> float:
     """float64 parameters per second that ``optimizer``'s step updates (one array of ``n``): the
     optimizer step is part of every training step (zero and fsdp update a shard, ddp everything)."""
     opt = AdamW(lr=1e-3) if optimizer == "adamw" else SGD(lr=0.1, momentum=0.9)
     params, grads = {"p": np.ones(n)}, {"p": np.full(n, 1e-3)}
-    opt.step(params, grads)  # the first step makes the state
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        opt.step(params, grads)
-        times.append(time.perf_counter() - t0)
-    return n / max(statistics.median(times), 1e-9)
+    return _busy_rate(lambda: opt.step(params, grads), n, mesh, repeats, window)
 
 
 def _overlap(group: Any, repeats: int, matmul_n: int) -> float:
@@ -140,7 +163,7 @@ def _overlap(group: Any, repeats: int, matmul_n: int) -> float:
 
 
 def calibrate(mesh: DeviceMesh, *, sizes: Sequence[int] = SIZES, repeats: int = 5, kinds: Sequence[str] = KINDS,
-              matmul_n: int = 256, update_n: int = 1 << 18, memory_bytes: int = 0,
+              matmul_n: int = 256, update_n: int = 1 << 18, compute_window: float = 0.02, memory_bytes: int = 0,
               name: str = "calibrated") -> Machine:
     """Measure every dimension of ``mesh`` (collective: every rank of the mesh calls it, with the
     same arguments) and return the fitted :class:`Machine`, the same on every rank.
@@ -148,19 +171,22 @@ def calibrate(mesh: DeviceMesh, *, sizes: Sequence[int] = SIZES, repeats: int = 
     Levels are the mesh's dimensions from the last (innermost) out, each of ``size`` = the ranks it
     spans with the dimensions inside it; a dimension of one rank is skipped. ``fit_error`` maps
     ``"dim.kind"`` to the fit's mean relative error; ``flops`` holds the float32 and float64
-    rates of an ``matmul_n``-square matmul on this rank (the slowest rank's, as agreed by MAX);
-    ``update_rate`` the float64 parameters per second of AdamW's and SGD's (momentum 0.9) step over
-    ``update_n`` parameters; ``overlap`` how much of an all-reduce over the outermost dimension
+    rates of an ``matmul_n``-square matmul on this rank (the slowest rank's, as agreed by MAX),
+    ``pointwise_rate`` the elements per second of an activation's forward and backward (``tanh``)
+    over as many values, and ``update_rate`` the float64 parameters per second of AdamW's and SGD's
+    (momentum 0.9) step over ``update_n`` parameters, each measured with every rank of the mesh
+    busy at once for ``compute_window`` seconds a round (ranks sharing cores share them, as in a
+    step); ``overlap`` how much of an all-reduce over the outermost dimension
     hides under a matmul chain beside it (the least over the ranks; 1 with one rank).
     """
     if not isinstance(mesh, DeviceMesh):
         raise DistValueError(f"meshkit.plan: calibrate: mesh must be a DeviceMesh, got {type(mesh).__name__}")
     bad = [k for k in kinds if k not in KINDS]
-    if bad or not sizes or any(int(s) < 4 for s in sizes) or repeats < 1:
+    if bad or not sizes or any(int(s) < 4 for s in sizes) or repeats < 1 or not compute_window > 0:
         # the same arguments on every rank (collective): every rank raises the same error
         raise DistValueError(f"meshkit.plan: rank {mesh.get_rank()}: calibrate: kinds must be among {', '.join(KINDS)}, "
                              f"sizes >= 4 bytes and repeats >= 1; got kinds={list(kinds)}, sizes={list(sizes)}, "
-                             f"repeats={repeats}")
+                             f"repeats={repeats}, compute_window={compute_window} (> 0 seconds)")
     names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
     plan, measured, span = [], [], 1  # (dim, span, kind, bus bytes per size); seconds in order
     for dim in reversed(range(mesh.ndim)):
@@ -176,8 +202,11 @@ def calibrate(mesh: DeviceMesh, *, sizes: Sequence[int] = SIZES, repeats: int = 
                 bus.append(b)
                 measured.append(t / 2 if kind == "send_recv" else t)
             plan.append((dim, span, kind, bus))
-    measured += [-_matmul_rate(d, matmul_n, repeats) for d in ("float32", "float64")]  # MIN rate as MAX of -rate
-    measured += [-_update_rate(o, update_n, repeats) for o in ("adamw", "sgd")]
+    dtypes = ("float32", "float64")
+    busy = (mesh, repeats, compute_window)
+    measured += [-_matmul_rate(d, matmul_n, *busy) for d in dtypes]  # MIN rate as MAX of -rate
+    measured += [-_pointwise_rate(d, matmul_n, *busy) for d in dtypes]
+    measured += [-_update_rate(o, update_n, *busy) for o in ("adamw", "sgd")]
     widest = mesh.get_group(0) if mesh.ndim else None  # the outermost dimension: the most ranks per collective
     measured.append(-_overlap(widest, repeats, matmul_n) if plan and widest.size > 1 else -1.0)
     # One machine on every rank: each point's MAX over the whole mesh (over each dimension in turn),
@@ -192,5 +221,6 @@ def calibrate(mesh: DeviceMesh, *, sizes: Sequence[int] = SIZES, repeats: int = 
         level = levels.setdefault(dim, Level(names[dim], dim_span, {}))
         level.costs[kind], errors[f"{names[dim]}.{kind}"] = fit_alpha_beta(bus, seconds)
     out = list(levels.values()) or [Level("self", 1, {k: LinkCost(0.0, 0.0) for k in kinds})]
-    return Machine(out, memory_bytes, {"float32": float(-agreed[-5]), "float64": float(-agreed[-4])}, name, errors,
-                   {"adamw": float(-agreed[-3]), "sgd": float(-agreed[-2])}, float(-agreed[-1]))
+    rates = [float(-v) for v in agreed[-7:-1]]
+    return Machine(out, memory_bytes, dict(zip(dtypes, rates[0:2])), name, errors,
+                   {"adamw": rates[4], "sgd": rates[5]}, float(-agreed[-1]), dict(zip(dtypes, rates[2:4])))

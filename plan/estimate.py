@@ -14,8 +14,9 @@ Time is a model, not a measurement:
 * the optimizer's step over the parameters this rank updates (all of them for ddp, a shard for
   zero and fsdp), at the machine's calibrated ``update_rate`` (issue 29.3: left out, the model
   ranked ddp above zero1 while zero1 measured faster, benchmarks/scaling.py);
-* compute: ``3 x forward flops x samples per data-parallel rank / tp / flop rate`` of the stage
-  with the most flops, over ``1 - bubble_fraction(schedule, pp, microbatches)`` when pipelined;
+* compute: ``3 x forward flops x samples per data-parallel rank / tp / flop rate`` plus the
+  activations' elements over the machine's pointwise rate, of the slowest stage, over
+  ``1 - bubble_fraction(schedule, pp, microbatches)`` when pipelined;
 * each collective as the flight recorder lists it (op, bytes, mesh dimension), timed by the
   machine's alpha-beta for its kind on the level that holds its dimension;
 * overlap: (scaled by the machine's ``overlap``, the fraction of compute a collective can hide
@@ -243,6 +244,15 @@ def _exposed(times: list[float], window: float, unhidden: float) -> float:
     return max(unhidden, sum(times) - window) if times else 0.0
 
 
+def _compute_time(layers: list[Layer], samples: int, config: Config, model: Model, machine: Machine) -> float:
+    """A stage's forward and backward over ``samples``: ``3 x`` the matmul flops at the machine's
+    flop rate, plus the activations' elements at its pointwise rate (a layer split over tp
+    computes its share of both)."""
+    flops = 3 * sum(layer.flops for layer in layers) * samples / config.tp
+    pointwise = sum(layer.pointwise / (config.tp if layer.tp_dim else 1) for layer in layers) * samples
+    return machine.compute_time(flops, model.dtype) + machine.pointwise_time(pointwise, model.dtype)
+
+
 def estimate(config: Config, model: Model, machine: Machine) -> Breakdown:
     """Predict ``config``'s per-rank memory and step time for ``model`` on ``machine``."""
     if not isinstance(config, Config) or not isinstance(model, Model) or not isinstance(machine, Machine):
@@ -257,10 +267,10 @@ def estimate(config: Config, model: Model, machine: Machine) -> Breakdown:
     spans = _spans(config)
     stages = stage_layers(model, config.pp)
     stage_memory = [predict_memory(model, config, s) for s in range(config.pp)]
-    flops = [3 * sum(layer.flops for layer in layers) * local_batch / config.tp for layers in stages]
+    computes = [_compute_time(layers, local_batch, config, model, machine) for layers in stages]
     busiest = int(np.argmax([sum(m.values()) - m["peak_transient"] for m in stage_memory]))
-    slowest = int(np.argmax(flops))
-    compute = machine.compute_time(flops[slowest], model.dtype)
+    slowest = int(np.argmax(computes))
+    compute = computes[slowest]
     bubble = bubble_fraction(config.schedule, config.pp, config.microbatches) if config.pp > 1 else 0.0
     bubble_s = compute * bubble / (1 - bubble)
     colls = []

@@ -98,6 +98,10 @@ class Machine:
         overlap: the fraction of a compute window that collectives launched beside it can hide
             under (1: a GPU's separate streams; near 0 on a host whose ranks have a core each and
             MPI progresses only inside its calls; calibrate measures it).
+        pointwise_rate: ``dtype name -> elements per second`` of an activation function's forward
+            and backward (``tanh`` and its derivative's product) on one rank; empty leaves
+            activations out of the compute time (a described cluster, where they are fused into
+            the matmuls' epilogues and cost little beside them).
     """
 
     levels: list[Level]
@@ -107,6 +111,7 @@ class Machine:
     fit_error: dict[str, float] = dataclasses.field(default_factory=dict)
     update_rate: dict[str, float] = dataclasses.field(default_factory=dict)
     overlap: float = 1.0
+    pointwise_rate: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -140,6 +145,8 @@ class Machine:
             raise ValueError(f"meshkit.plan: Machine: overlap must be a number in [0, 1], got {self.overlap!r}")
         for opt, rate in self.update_rate.items():
             _number("Machine", f"update_rate[{opt!r}]", rate, positive=True)
+        for dtype, rate in self.pointwise_rate.items():
+            _number("Machine", f"pointwise_rate[{dtype!r}]", rate, positive=True)
 
     # ------------------------------------------------------------------ costs
     def level_for(self, span: int) -> Level:
@@ -163,6 +170,11 @@ class Machine:
                              f"(flops has {sorted(self.flops)})")
         return flops / rate
 
+    def pointwise_time(self, elements: float, dtype: str) -> float:
+        """Seconds of an activation's forward and backward over ``elements`` values (0 when unknown)."""
+        rate = self.pointwise_rate.get(dtype)
+        return elements / rate if rate else 0.0
+
     def update_time(self, optimizer: str, elements: float, itemsize: int) -> float:
         """Seconds of ``optimizer``'s step over ``elements`` parameters (0 when its rate is unknown)."""
         rate = self.update_rate.get(optimizer)
@@ -172,7 +184,7 @@ class Machine:
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "memory_bytes": self.memory_bytes, "flops": dict(self.flops),
                 "fit_error": dict(self.fit_error), "update_rate": dict(self.update_rate),
-                "overlap": self.overlap,
+                "overlap": self.overlap, "pointwise_rate": dict(self.pointwise_rate),
                 "levels": [{"name": lv.name, "size": lv.size,
                             "costs": {k: {"alpha": c.alpha, "beta": c.beta} for k, c in lv.costs.items()}}
                            for lv in self.levels]}
@@ -194,7 +206,8 @@ class Machine:
                 costs[kind] = LinkCost(c["alpha"], c["beta"])
             levels.append(Level(str(lv.get("name", f"level{i}")), lv.get("size"), costs))
         return cls(levels, data.get("memory_bytes", 0), dict(data.get("flops", {})), str(data.get("name", "machine")),
-                   dict(data.get("fit_error", {})), dict(data.get("update_rate", {})), data.get("overlap", 1.0))
+                   dict(data.get("fit_error", {})), dict(data.get("update_rate", {})), data.get("overlap", 1.0),
+                   dict(data.get("pointwise_rate", {})))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")

@@ -5,12 +5,15 @@ Model file format (JSON), used by ``python -m meshkit.plan``::
 
     {"dtype": "float32", "batch": 64,
      "layers": [{"name": "fc1", "params": {"w": [1024, 4096], "b": [4096]},
-                 "activation_bytes": 16384, "flops": 8388608, "tp_dim": {"w": 1, "b": 0}}, ...]}
+                 "activation_bytes": 16384, "flops": 8388608, "pointwise": 4096, "tp_dim": {"w": 1, "b": 0}}, ...]}
 
-``activation_bytes`` and ``flops`` are per sample, of the layer's forward pass (its output's bytes
-and its multiply-adds times 2); a training step counts forward + backward as 3x the forward's
-flops (backward = 2x forward, the usual rule: Kaplan et al. 2020, sec. 2.1). ``tp_dim`` (optional)
-names the dimension tensor parallelism shards each parameter along.
+``activation_bytes``, ``flops`` and ``pointwise`` are per sample, of the layer's forward pass (its
+output's bytes, its multiply-adds times 2, and the elements its activation function computes); a
+training step counts forward + backward as 3x the forward's flops (backward = 2x forward, the usual
+rule: Kaplan et al. 2020, sec. 2.1) and the activation's forward and backward at the machine's
+``pointwise_rate`` (on a host, NumPy's ``tanh`` costs as much as a 512-wide layer's matmul:
+issue 29.3, benchmarks/scaling.py). ``tp_dim`` (optional) names the dimension tensor parallelism
+shards each parameter along.
 """
 
 from __future__ import annotations
@@ -43,13 +46,15 @@ def _count(field: str, value: Any, minimum: int = 0) -> int:
 class Layer:
     """One layer: ``params`` (name -> shape, in the order the model registers them), forward
     ``activation_bytes`` and ``flops`` per sample, ``tp_dim`` (param name -> dimension tensor
-    parallelism shards; parameters left out are replicated over tp)."""
+    parallelism shards; parameters left out are replicated over tp), ``pointwise`` (elements per
+    sample its activation function computes, e.g. ``tanh`` of its output: 0 for none)."""
 
     name: str
     params: dict[str, tuple[int, ...]]
     activation_bytes: int = 0
     flops: int = 0
     tp_dim: dict[str, int] = dataclasses.field(default_factory=dict)
+    pointwise: int = 0
 
     def validate(self, where: str) -> None:
         for pname, shape in self.params.items():
@@ -59,6 +64,7 @@ class Layer:
                 _count(f"{where}.params[{pname!r}][{d}]", s)
         _count(f"{where}.activation_bytes", self.activation_bytes)
         _count(f"{where}.flops", self.flops)
+        _count(f"{where}.pointwise", self.pointwise)
         for pname, dim in self.tp_dim.items():
             if pname not in self.params:
                 raise _bad(f"{where}.tp_dim", pname, f"one of the layer's parameters {list(self.params)}")
@@ -107,17 +113,17 @@ class Model:
         for i, lv in enumerate(data["layers"]):
             if not isinstance(lv, dict) or not isinstance(lv.get("params"), dict):
                 raise _bad(f"Model.layers[{i}]", lv, "an object with 'params' (name -> shape)")
-            unknown = sorted(set(lv) - {"name", "params", "activation_bytes", "flops", "tp_dim"})
+            unknown = sorted(set(lv) - {"name", "params", "activation_bytes", "flops", "tp_dim", "pointwise"})
             if unknown:
-                raise _bad(f"Model.layers[{i}]", unknown, "keys among name, params, activation_bytes, flops, tp_dim "
-                           "(unknown keys)")
+                raise _bad(f"Model.layers[{i}]", unknown, "keys among name, params, activation_bytes, flops, tp_dim, "
+                           "pointwise (unknown keys)")
             params = {}
             for p, shape in lv["params"].items():
                 if not isinstance(shape, list):
                     raise _bad(f"Model.layers[{i}].params[{p!r}]", shape, "a list of sizes")
                 params[p] = tuple(shape)
             layers.append(Layer(str(lv.get("name", f"layer{i}")), params, lv.get("activation_bytes", 0),
-                                lv.get("flops", 0), dict(lv.get("tp_dim", {}))))
+                                lv.get("flops", 0), dict(lv.get("tp_dim", {})), lv.get("pointwise", 0)))
         return cls(layers, data.get("batch", 1), data.get("dtype", "float32"))
 
     @classmethod

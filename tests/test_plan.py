@@ -58,6 +58,7 @@ def test_machine_json_round_trip_and_levels(tmp_path):
     (lambda d: d["flops"].update(float32=0), r"Machine: flops\['float32'\] must be > 0, got 0"),
     (lambda d: d.update(update_rate={"adamw": -1.0}), r"Machine: update_rate\['adamw'\] must be > 0, got -1.0"),
     (lambda d: d.update(overlap=1.5), r"Machine: overlap must be a number in \[0, 1\], got 1.5"),
+    (lambda d: d.update(pointwise_rate={"float64": 0}), r"Machine: pointwise_rate\['float64'\] must be > 0, got 0"),
     (lambda d: d["levels"].reverse(), r"Machine.levels\[1\]: size 8 is below the level inside it \(32\)"),
 ])
 def test_machine_bad_fields_are_named(change, match):
@@ -98,11 +99,79 @@ def test_calibrate_on_the_local_engine(tmp_path):
     assert all(np.isfinite(e) and e >= 0 for e in machine.fit_error.values())
     assert machine.flops["float32"] > 0 and machine.flops["float64"] > 0
     assert machine.update_rate["adamw"] > 0 and machine.update_rate["sgd"] > 0
+    assert machine.pointwise_rate["float32"] > 0 and machine.pointwise_rate["float64"] > 0
     assert 0 <= machine.overlap <= 1
     # not ">": 4 threads on a loaded 2-core host can time 64 KiB like 256 B (a fit with beta = 0)
     assert machine.collective_time("all_reduce", 1 << 20, 2) >= machine.collective_time("all_reduce", 1 << 10, 2)
     machine.save(tmp_path / "calib.json")
     assert Machine.load(tmp_path / "calib.json") == machine
+
+
+def test_calibrate_times_compute_with_every_rank_busy_at_once(monkeypatch):
+    """Issue 29.3: measured alone, a short matmul sees a whole core, and 4 ranks on 2 cores were
+    predicted at half their compute time. Each round of a compute rate now starts on every rank
+    together and lasts the window: the rounds of the ranks overlap in time."""
+    import importlib
+    import threading
+    import time
+
+    module = importlib.import_module("meshkit.plan.calibrate")  # the package's name is the function
+    spans: dict[int, list[tuple[float, float]]] = {}
+    lock = threading.Lock()
+    real = module._busy_rate
+
+    def recording(work, units, mesh, repeats, window):
+        def timed():
+            t0 = time.perf_counter()
+            work()
+            with lock:
+                spans.setdefault(mesh.get_rank(), []).append((t0, time.perf_counter()))
+        return real(timed, units, mesh, repeats, window)
+
+    monkeypatch.setattr(module, "_busy_rate", recording)
+
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        return calibrate(mesh, sizes=(256,), repeats=2, kinds=("all_reduce",), matmul_n=32, update_n=1024,
+                         compute_window=0.05).pointwise_rate
+
+    rates = local.run(body, 2, timeout=60)
+    assert rates[0] == rates[1] and rates[0]["float64"] > 0
+    # 6 rates x 2 rounds, each at least 0.05 s of back-to-back calls on each rank, the ranks'
+    # rounds overlapping in time (they start together)
+    def blocks(calls):  # back-to-back calls merged into busy blocks (gaps under 2 ms)
+        out = []
+        for a, b in sorted(calls):
+            if out and a - out[-1][1] < 2e-3:
+                out[-1][1] = max(out[-1][1], b)
+            else:
+                out.append([a, b])
+        return out
+
+    first, second = blocks(spans[0]), blocks(spans[1])
+    assert sum(b - a for a, b in first) >= 6 * 2 * 0.05
+    busy1 = sum(b - a for a, b in second)
+    overlap = sum(max(0.0, min(b, d) - max(a, c)) for a, b in first for c, d in second)
+    assert overlap > 0.5 * busy1, (overlap, busy1)
+
+
+def test_activations_cost_time_at_the_pointwise_rate():
+    """Issue 29.3: on a host NumPy's tanh costs as much as a 512-wide layer's matmul; the model
+    counted matmul flops only and predicted about half the measured step."""
+    layers = [Layer("a", {"w": (8, 16)}, 128, 256, pointwise=16), Layer("b", {"w": (16, 4)}, 32, 128)]
+    model = Model(layers, batch=8)
+    m = dataclasses.replace(two_level(), pointwise_rate={"float32": 1e6})
+    without = estimate(Config("ddp", dp_shard=2), model, two_level())
+    with_ = estimate(Config("ddp", dp_shard=2), model, m)
+    assert with_.compute_s == pytest.approx(without.compute_s + 16 * 4 / 1e6)  # 4 samples a rank
+    assert with_.step_s - without.step_s == pytest.approx(16 * 4 / 1e6)
+    split = Model([Layer("a", {"w": (8, 16)}, 128, 256, {"w": 1}, pointwise=16), layers[1]], batch=8)
+    tp = estimate(Config("ddp", tp=2), split, m)  # a layer split over tp computes half its activations
+    assert tp.compute_s == pytest.approx(m.compute_time(3 * 384 * 8 / 2, "float32") + 16 * 8 / 2 / 1e6)
+    data = {"batch": 8, "layers": [{"name": "a", "params": {"w": [8, 16]}, "pointwise": 16}]}
+    assert Model.from_dict(data).layers[0].pointwise == 16
+    with pytest.raises(ValueError, match=r"Model.layers\[0\].pointwise must be an integer >= 0, got -1"):
+        Model([Layer("a", {"w": (2,)}, pointwise=-1)], batch=1)
 
 
 def test_calibrate_bad_arguments():
@@ -113,6 +182,8 @@ def test_calibrate_bad_arguments():
             calibrate(mesh, kinds=["gossip"], sizes=[1024], repeats=1)
         with pytest.raises(ValueError, match=r"sizes=\[2\], repeats=1"):
             calibrate(mesh, sizes=[2], repeats=1)
+        with pytest.raises(ValueError, match=r"compute_window=0 \(> 0 seconds\)"):
+            calibrate(mesh, sizes=[1024], repeats=1, compute_window=0)
         with pytest.raises(ValueError, match=r"calibrate: mesh must be a DeviceMesh, got list"):
             calibrate([0, 1])
 
