@@ -45,7 +45,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import _cores, add_output_args, host_metadata, limit_blas_threads, write_json  # noqa: E402
+from _common import (_cores, add_output_args, host_metadata, limit_blas_threads, matplotlib_missing,  # noqa: E402
+                     png_path, require_pyplot, save_figure, write_json)
 from scaling import KINDS, ROOT, _ints, _train, configurations, plan_model, spearman  # noqa: E402
 
 DEFAULT_JSON = ROOT / "benchmarks" / "results" / "two_level.json"
@@ -70,6 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--steps, --rounds, --calib-repeats and --batch must be >= 1 and --warmup >= 0, got "
                      f"steps={args.steps} rounds={args.rounds} calib-repeats={args.calib_repeats} "
                      f"batch={args.batch} warmup={args.warmup}")
+    error = matplotlib_missing(args)
+    if error:
+        parser.error(error)
     return args
 
 
@@ -118,6 +122,12 @@ def worker(args: argparse.Namespace) -> int:
                 print(f"{m.name}: level {lv.name!r} size {lv.size}: all_reduce alpha {c.alpha * 1e6:.1f} us, "
                       f"busbw {1 / c.beta / 1e9 if c.beta else float('inf'):.2f} GB/s; 4 KiB all_reduce "
                       f"{m.collective_time('all_reduce', 4096, 2, lv.size) * 1e6:.1f} us at 2 ranks", flush=True)
+        inner, outer = machine2.levels[0].size, machine2.levels[-1].size
+        for size in (4096, 1 << 20):
+            ratio = (machine2.collective_time("all_reduce", size, 2, outer)
+                     / max(machine2.collective_time("all_reduce", size, 2, inner), 1e-12))
+            print(f"two-level: a {size // 1024} KiB all_reduce at 2 ranks across the nodes takes {ratio:.1f}x its "
+                  f"time within one (fitted)", flush=True)
     configs = configurations(n, [*FLAT, "hsdp"])
     samples: dict[tuple[str, str], list[float]] = {}
     held: dict[tuple[str, str], int] = {}
@@ -196,6 +206,23 @@ def print_summary(s: dict[str, Any], cores: int) -> None:
     print(f"memory mismatches (params + grads + optimizer state, bytes): {s['memory_mismatches']}")
 
 
+def draw(rows: list[dict[str, Any]], png: Path, title: str) -> None:
+    """Per mode, each configuration's measured step time beside both machines' predictions."""
+    plt = require_pyplot()
+    modes = sorted({r["mode"] for r in rows})
+    fig, axes = plt.subplots(1, len(modes), figsize=(7 * len(modes), 4.5), squeeze=False)
+    for ax, mode in zip(axes[0], modes):
+        group = [r for r in rows if r["mode"] == mode]
+        xs = range(len(group))
+        for offset, (field, label) in enumerate((("measured_step_s", "measured"), ("predicted_step_s", "two-level"),
+                                                  ("predicted_one_level_s", "one-level"))):
+            ax.bar([x + (offset - 1) * 0.27 for x in xs], [r[field] * 1e3 for r in group], 0.27, label=label)
+        ax.set_xticks(list(xs), [r["config"].split(" tp")[0] for r in group], rotation=30, ha="right")
+        ax.set(title=f"{mode} scaling, 4 ranks on 2 simulated nodes", ylabel="ms per step")
+        ax.legend()
+    save_figure(fig, png, title)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker is not None:
@@ -221,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = host_metadata(benchmark="two_level", summary=s, describe=job["describe"], two_level=job["two_level"],
                          one_level=job["one_level"], args={k: str(v) for k, v in vars(args).items()})
     write_json(out, meta, rows)
+    if args.plot is not None:
+        draw(rows, png_path(args.plot, out), f"two levels: MLP {args.hidden}, batch {args.batch} (oversubscribed)")
     return 0
 
 
