@@ -206,3 +206,41 @@ def test_the_host_mesh_follows_host_names_not_the_rank_order(mpirun):
     for rank in range(4):
         assert lines[rank] == (f"mesh [[0, 2], [1, 3]] local group [{rank % 2}, {rank % 2 + 2}] hosts "
                                f"['box{rank % 2}', 'box{rank % 2}']"), out
+
+
+def test_the_store_engine_follows_simulated_host_names_for_local_rank_describe_and_device(monkeypatch):
+    """A world met through a store (no MPI: ``init_process_group(store=...)``, the nccl engine on
+    the double) where no launcher sets ``LOCAL_RANK``: each rank's node-local rank is its place
+    among the ranks that claimed their rank from its (simulated) host name, and ``describe()`` and
+    the device choice follow. Hosts interleave (box0: ranks 0, 2; box1: ranks 1, 3), so the rank
+    order alone would give other answers."""
+    import nccl_double as double
+
+    from meshkit.comm import cuda_runtime
+    from meshkit.comm.world import local_context
+
+    previous = cuda_runtime.set_runtime(double.FakeRuntime(devices=2))
+    monkeypatch.setattr(env, "this_host", lambda: f"box{local_context().rank % 2}")  # per thread, as per process
+    monkeypatch.setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1")  # box0's and box1's GPU 0 are one GPU of this process
+    for name in ("LOCAL_RANK", "SLURM_LOCALID"):
+        monkeypatch.delenv(name, raising=False)
+    store = meshkit.HashStore()
+
+    def rank() -> tuple[int, int, str]:
+        me = local_context().rank
+        meshkit.init_process_group("nccl", store=store, world_size=4, rank=me, timeout=20)
+        try:
+            world = meshkit.comm._seams.current_world().default_group
+            text = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")).describe()
+            return world.engine.host.local_rank(), int(world.device), text
+        finally:
+            meshkit.destroy_process_group()
+
+    try:
+        results = local.run(rank, 4, init=False)
+    finally:
+        cuda_runtime.set_runtime(previous)
+    for r, (local_rank, device, text) in enumerate(results):
+        assert (local_rank, device) == (r // 2, r // 2), results
+        assert "host box0: ranks [0, 2]" in text and "host box1: ranks [1, 3]" in text, text
+        assert "dim 1 'tp' (size 2) crosses hosts" in text, text
