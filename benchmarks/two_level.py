@@ -53,6 +53,10 @@ DEFAULT_JSON = ROOT / "benchmarks" / "results" / "two_level.json"
 RANKS, NODES = 4, 2
 MODES = ("strong", "weak")
 FLAT = ("ddp", "zero1", "zero2", "fsdp")
+#: Calibration sizes: calibrate's four (1 KiB-1 MiB) and the powers of 4 between them. 4 ranks on 2
+#: cores time a 4 KiB all_reduce anywhere between 14 and 280 us from run to run (the partner rank
+#: descheduled or not); more points and repeats (--calib-repeats, 15) steady the fit, at ~2 s a mesh.
+CALIB_SIZES = tuple(1 << k for k in range(10, 21, 2))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=4, help="timed steps per round (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=1, help="steps before timing, per round (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: %(default)s)")
-    parser.add_argument("--calib-repeats", type=int, default=5, help="calibrate's repeats (default: %(default)s)")
+    parser.add_argument("--calib-repeats", type=int, default=15, help="calibrate's repeats (default: %(default)s)")
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)  # the job's own records
     add_output_args(parser, json_help=f"result file (default: {DEFAULT_JSON.relative_to(ROOT)})", plot_from_help=None)
     args = parser.parse_args(argv)
@@ -113,15 +117,17 @@ def worker(args: argparse.Namespace) -> int:
     two = host_mesh()
     described = two.describe()  # collective; printed by rank 0
     flat = meshkit.init_device_mesh("cpu", (n,), mesh_dim_names=("dp",))
-    machine2 = calibrate(two, repeats=args.calib_repeats, kinds=KINDS, name="two-level")
-    machine1 = calibrate(flat, repeats=args.calib_repeats, kinds=KINDS, name="one-level")
+    options = {"sizes": CALIB_SIZES, "repeats": args.calib_repeats, "kinds": KINDS}
+    machine2 = calibrate(two, name="two-level", **options)
+    machine1 = calibrate(flat, name="one-level", **options)
     if rank == 0:
         for m in (machine2, machine1):
             for lv in m.levels:
                 c = lv.cost("all_reduce")
                 print(f"{m.name}: level {lv.name!r} size {lv.size}: all_reduce alpha {c.alpha * 1e6:.1f} us, "
                       f"busbw {1 / c.beta / 1e9 if c.beta else float('inf'):.2f} GB/s; 4 KiB all_reduce "
-                      f"{m.collective_time('all_reduce', 4096, 2, lv.size) * 1e6:.1f} us at 2 ranks", flush=True)
+                      f"{m.collective_time('all_reduce', 4096, 2, lv.size) * 1e6:.1f} us at 2 ranks (fit error "
+                      f"{m.fit_error[f'{lv.name}.all_reduce']:.2f})", flush=True)
         inner, outer = machine2.levels[0].size, machine2.levels[-1].size
         for size in (4096, 1 << 20):
             ratio = (machine2.collective_time("all_reduce", size, 2, outer)
@@ -180,6 +186,17 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
                           "ratio": pick["measured_step_s"] / fastest["measured_step_s"]})
         out[f"picks_{key}"] = picks
         out[f"picks_within_10pct_{key}"] = sum(p["ratio"] <= 1.10 for p in picks)
+    # The pair the second level is for: the same sharding, over 4 ranks across the nodes (fsdp dp4)
+    # or over the 2 ranks of a node and replicated across (hsdp 2x2). One level prices them alike.
+    pairs = []
+    for mode in sorted({r["mode"] for r in rows}):
+        by = {r["config"].split(" tp")[0]: r for r in rows if r["mode"] == mode}
+        if "hsdp dp2x2" in by and "fsdp dp4" in by:
+            h, f = by["hsdp dp2x2"], by["fsdp dp4"]
+            pairs.append({"mode": mode, **{k: h[field] / f[field] for k, field in (
+                ("measured", "measured_step_s"), ("two_level", "predicted_step_s"),
+                ("one_level", "predicted_one_level_s"))}})
+    out["hsdp2x2_over_fsdp4"] = pairs
     out["records"] = len(rows)
     out["memory_mismatches"] = sum(r["measured_bytes"] != r["predicted_bytes"] for r in rows)
     out["oversubscribed"] = any(r["oversubscribed"] for r in rows)
@@ -203,6 +220,9 @@ def print_summary(s: dict[str, Any], cores: int) -> None:
             print(f"  {p['mode']:6}: planner picks {p['pick']!r}, fastest measured {p['fastest']!r}: {p['ratio']:.2f}x")
         print(f"  planner's pick within 10% of the fastest measured: {s[f'picks_within_10pct_{key}']} of "
               f"{len(s[f'picks_{key}'])}")
+    for p in s["hsdp2x2_over_fsdp4"]:
+        print(f"{p['mode']:6}: hsdp 2x2 / fsdp dp4 step time: measured {p['measured']:.2f}, two-level machine "
+              f"{p['two_level']:.2f}, one-level machine {p['one_level']:.2f}")
     print(f"memory mismatches (params + grads + optimizer state, bytes): {s['memory_mismatches']}")
 
 
