@@ -66,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="strong: the global batch; weak: samples per rank (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per round (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=1, help="steps before timing, per round (default: %(default)s)")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default: %(default)s)")
     parser.add_argument("--calib-repeats", type=int, default=15, help="calibrate's repeats (default: %(default)s)")
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)  # the job's own records
     add_output_args(parser, json_help=f"result file (default: {DEFAULT_JSON.relative_to(ROOT)})", plot_from_help=None)
@@ -195,7 +195,9 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
             h, f = by["hsdp dp2x2"], by["fsdp dp4"]
             pairs.append({"mode": mode, **{k: h[field] / f[field] for k, field in (
                 ("measured", "measured_step_s"), ("two_level", "predicted_step_s"),
-                ("one_level", "predicted_one_level_s"))}})
+                ("one_level", "predicted_one_level_s"))},
+                # hsdp 1x4 is fsdp dp4 (one replica): how far apart they measure is this run's noise
+                "noise": by["hsdp dp1x4"]["measured_step_s"] / f["measured_step_s"] if "hsdp dp1x4" in by else None})
     out["hsdp2x2_over_fsdp4"] = pairs
     out["records"] = len(rows)
     out["memory_mismatches"] = sum(r["measured_bytes"] != r["predicted_bytes"] for r in rows)
@@ -222,7 +224,8 @@ def print_summary(s: dict[str, Any], cores: int) -> None:
               f"{len(s[f'picks_{key}'])}")
     for p in s["hsdp2x2_over_fsdp4"]:
         print(f"{p['mode']:6}: hsdp 2x2 / fsdp dp4 step time: measured {p['measured']:.2f}, two-level machine "
-              f"{p['two_level']:.2f}, one-level machine {p['one_level']:.2f}")
+              f"{p['two_level']:.2f}, one-level machine {p['one_level']:.2f}"
+              + (f" (noise: hsdp 1x4, the same configuration as fsdp dp4, measured {p['noise']:.2f}x it)" if p["noise"] else ""))
     print(f"memory mismatches (params + grads + optimizer state, bytes): {s['memory_mismatches']}")
 
 
