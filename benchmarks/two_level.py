@@ -116,6 +116,10 @@ def worker(args: argparse.Namespace) -> int:
     rank, n = meshkit.get_rank(), meshkit.get_world_size()
     two = host_mesh()
     described = two.describe()  # collective; printed by rank 0
+    blocks = [list(range(i, i + n // NODES)) for i in range(0, n, n // NODES)]
+    if two.mesh.tolist() != blocks:  # mlp.build's hsdp mesh is init_device_mesh((r, s)): rank order
+        raise RuntimeError(f"two_level.py: rank {rank}: the hosts hold ranks {two.mesh.tolist()}, not the blocks "
+                           f"{blocks} that examples/mlp.py's hsdp mesh assumes; its shard groups would cross hosts")
     flat = meshkit.init_device_mesh("cpu", (n,), mesh_dim_names=("dp",))
     options = {"sizes": CALIB_SIZES, "repeats": args.calib_repeats, "kinds": KINDS}
     machine2 = calibrate(two, name="two-level", **options)
