@@ -350,3 +350,36 @@ def test_scaling_benchmark_writes_measured_beside_predicted_with_exact_memory(tm
                      re.M), proc.stdout
     assert "planner's pick within 10% of the fastest measured: " in proc.stdout
     assert (tmp_path / "scaling_calib_2.json").exists()
+
+
+# --------------------------------------------------------------------------- two_level.py
+def test_two_level_benchmark_compares_two_and_one_level_machines_on_simulated_nodes(tmp_path):
+    """benchmarks/two_level.py at its smallest (4 ranks on 2 simulated nodes, one round of two
+    steps): a two-level machine (levels 'local' of 2 and 'node' of 4) and a one-level one, every
+    flat and hybrid configuration beside both predictions, memory exact, the figures printed with
+    the oversubscription noted. No timing is asserted (a shared 2-core machine)."""
+    out_json = tmp_path / "two_level.json"
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "two_level.py"), "--hidden", "32,32", "--batch", "16",
+                           "--steps", "2", "--warmup", "1", "--rounds", "1", "--calib-repeats", "1",
+                           "--json", str(out_json)], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out_json.read_text())
+    meta, rows = data["metadata"], data["rows"]
+    assert [(lv["name"], lv["size"]) for lv in meta["two_level"]["levels"]] == [("local", 2), ("node", 4)]
+    assert [(lv["name"], lv["size"]) for lv in meta["one_level"]["levels"]] == [("dp", 4)]
+    assert "dim 0 'node' (size 2) crosses hosts" in meta["describe"] and "dim 1 'local' (size 2):" in meta["describe"]
+    configs = ["ddp dp4", "zero1 dp4", "zero2 dp4", "fsdp dp4", "hsdp dp1x4", "hsdp dp2x2", "hsdp dp4x1"]
+    assert [(r["mode"], r["config"]) for r in rows] == [(m, f"{c} tp1 pp1") for m in ("strong", "weak")
+                                                        for c in configs], rows
+    for r in rows:
+        assert r["measured_step_s"] > 0 and r["predicted_step_s"] > 0 and r["predicted_one_level_s"] > 0, r
+        assert r["measured_bytes"] == r["predicted_bytes"] and r["hybrid"] == r["config"].startswith("hsdp"), r
+    s = meta["summary"]
+    assert s["memory_mismatches"] == 0 and s["records"] == 14
+    assert re.search(r"^two-level machine: Spearman\(predicted, measured\) flat -?\d\.\d{3}, hybrid -?\d\.\d{3}, "
+                     r"all -?\d\.\d{3}", proc.stdout, re.M), proc.stdout
+    assert proc.stdout.count("planner's pick within 10% of the fastest measured: ") == 2, proc.stdout
+    cores = len(os.sched_getaffinity(0))
+    assert s["oversubscribed"] == (cores < 4)
+    if cores < 4:  # said beside the figures
+        assert f"(4 ranks on {cores} cores oversubscribe them" in proc.stdout, proc.stdout

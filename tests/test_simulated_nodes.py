@@ -151,3 +151,96 @@ def test_the_local_engine_and_the_store_rendezvous_report_the_simulated_host(mon
     for host, described in local.run(rank, 2):
         assert host == "box-sim1" and "host box-sim1: ranks [0, 1]" in described
     assert init_methods._here().endswith(" on host box-sim1")  # what the store engine's local_rank() reads
+
+
+# --------------------------------------------------------------------------- two levels (meshkit.plan)
+def _mesh_lines(out: str) -> dict[int, str]:
+    return dict((int(r), line) for r, line in re.findall(r"\[rank(\d)\]: (mesh .*)", out))
+
+
+def test_calibrate_over_the_host_mesh_gives_two_levels_that_estimate_times_hsdp_on(mpirun, tmp_path):
+    """benchmarks/two_level.py's host mesh over 2 simulated nodes of 2: ``local`` within a host,
+    ``node`` across; calibrate returns a level per dimension, innermost first, and ``estimate``
+    times HSDP 2x2's shard collectives on the intra-node level and its replicate all-reduces on the
+    inter-node one (the costs are fitted from measurements: no timing is asserted beyond their
+    being two different levels)."""
+    from meshkit.plan import Config, Layer, Machine, Model, bus_bytes, estimate
+
+    out = mpirun("plan_two_level.py", 4, "calibrate", str(tmp_path / "calib.json"), options=SIM, timeout=120).stdout
+    lines = _mesh_lines(out)
+    for rank in range(4):
+        node = rank // 2
+        assert lines[rank] == (f"mesh [[0, 1], [2, 3]] local group [{2 * node}, {2 * node + 1}] hosts "
+                               f"['{HOST}-sim{node}', '{HOST}-sim{node}']"), out
+        # examples/mlp.py's hsdp mesh (replicate, shard) is the same array: its shard groups stay within a host
+        assert f"[rank{rank}]: init_device_mesh (2, 2) [[0, 1], [2, 3]]\n" in out, out
+    machine = Machine.load(tmp_path / "calib.json")
+    assert [(lv.name, lv.size) for lv in machine.levels] == [("local", 2), ("node", 4)]
+    local_level, node_level = machine.levels
+    assert sorted(machine.fit_error) == sorted(f"{d}.{k}" for d in ("local", "node")
+                                               for k in ("all_reduce", "all_gather", "reduce_scatter"))
+
+    model = Model([Layer("l0", {"w": (64, 64), "b": (64,)}, activation_bytes=512, flops=2 * 64 * 64),
+                   Layer("l1", {"w": (64, 8)}, activation_bytes=64, flops=2 * 64 * 8)], batch=16, dtype="float64")
+    b = estimate(Config("hsdp", dp_replicate=2, dp_shard=2), model, machine)
+    seen = {c.dim for c in b.collectives}
+    assert seen == {"dp_shard", "dp_replicate"}, b.collectives
+    for c in b.collectives:
+        level, other = (node_level, local_level) if c.dim == "dp_replicate" else (local_level, node_level)
+        cost = level.cost(c.op)
+        assert c.seconds == pytest.approx(cost.alpha + bus_bytes(c.op, c.nbytes, 2) * cost.beta, rel=1e-12), c
+        assert c.seconds == machine.collective_time(c.op, c.nbytes, 2, level.size), c
+        wrong = other.cost(c.op)
+        assert c.seconds != pytest.approx(wrong.alpha + bus_bytes(c.op, c.nbytes, 2) * wrong.beta, rel=1e-9), c
+    assert {c.op for c in b.collectives if c.dim == "dp_replicate"} == {"all_reduce"}
+    # flat fsdp over the 4 ranks crosses the nodes: the inter-node level
+    for c in estimate(Config("fsdp", dp_shard=4), model, machine).collectives:
+        assert c.seconds == machine.collective_time(c.op, c.nbytes, 4, node_level.size), c
+
+
+def test_the_host_mesh_follows_host_names_not_the_rank_order(mpirun):
+    # Hosts named box0 (ranks 0, 2) and box1 (ranks 1, 3): an order-based (2, 2) mesh would put
+    # ranks 0 and 1 together across the hosts; the host mesh keeps each row on one host.
+    out = mpirun("plan_two_level.py", 4, "named", timeout=90).stdout
+    lines = _mesh_lines(out)
+    for rank in range(4):
+        assert lines[rank] == (f"mesh [[0, 2], [1, 3]] local group [{rank % 2}, {rank % 2 + 2}] hosts "
+                               f"['box{rank % 2}', 'box{rank % 2}']"), out
+
+
+def test_the_store_engine_follows_simulated_host_names_for_local_rank_describe_and_device(monkeypatch):
+    """A world met through a store (no MPI: ``init_process_group(store=...)``, the nccl engine on
+    the double) where no launcher sets ``LOCAL_RANK``: each rank's node-local rank is its place
+    among the ranks that claimed their rank from its (simulated) host name, and ``describe()`` and
+    the device choice follow. Hosts interleave (box0: ranks 0, 2; box1: ranks 1, 3), so the rank
+    order alone would give other answers."""
+    import nccl_double as double
+
+    from meshkit.comm import cuda_runtime
+    from meshkit.comm.world import local_context
+
+    previous = cuda_runtime.set_runtime(double.FakeRuntime(devices=2))
+    monkeypatch.setattr(env, "this_host", lambda: f"box{local_context().rank % 2}")  # per thread, as per process
+    monkeypatch.setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1")  # box0's and box1's GPU 0 are one GPU of this process
+    for name in ("LOCAL_RANK", "SLURM_LOCALID"):
+        monkeypatch.delenv(name, raising=False)
+    store = meshkit.HashStore()
+
+    def rank() -> tuple[int, int, str]:
+        me = local_context().rank
+        meshkit.init_process_group("nccl", store=store, world_size=4, rank=me, timeout=20)
+        try:
+            world = meshkit.comm._seams.current_world().default_group
+            text = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")).describe()
+            return world.engine.host.local_rank(), int(world.device), text
+        finally:
+            meshkit.destroy_process_group()
+
+    try:
+        results = local.run(rank, 4, init=False)
+    finally:
+        cuda_runtime.set_runtime(previous)
+    for r, (local_rank, device, text) in enumerate(results):
+        assert (local_rank, device) == (r // 2, r // 2), results
+        assert "host box0: ranks [0, 2]" in text and "host box1: ranks [1, 3]" in text, text
+        assert "dim 1 'tp' (size 2) crosses hosts" in text, text
