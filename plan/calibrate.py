@@ -169,8 +169,10 @@ def calibrate(mesh: DeviceMesh, *, sizes: Sequence[int] = SIZES, repeats: int = 
     same arguments) and return the fitted :class:`Machine`, the same on every rank.
 
     Levels are the mesh's dimensions from the last (innermost) out, each of ``size`` = the ranks it
-    spans with the dimensions inside it; a dimension of one rank is skipped. ``fit_error`` maps
-    ``"dim.kind"`` to the fit's mean relative error; ``flops`` holds the float32 and float64
+    spans with the dimensions inside it; a dimension of one rank is skipped. A mesh of several
+    dimensions is also timed as one group of all its ranks, kept as the outermost level's
+    ``sized`` costs (what flat data parallelism over the whole mesh pays). ``fit_error`` maps
+    ``"dim.kind"`` (``"dim@size.kind"`` for a sized fit) to the fit's mean relative error; ``flops`` holds the float32 and float64
     rates of an ``matmul_n``-square matmul on this rank (the slowest rank's, as agreed by MAX),
     ``pointwise_rate`` the elements per second of an activation's forward and backward (``tanh``)
     over as many values, and ``update_rate`` the float64 parameters per second of AdamW's and SGD's
@@ -188,10 +190,16 @@ def calibrate(mesh: DeviceMesh, *, sizes: Sequence[int] = SIZES, repeats: int = 
                              f"sizes >= 4 bytes and repeats >= 1; got kinds={list(kinds)}, sizes={list(sizes)}, "
                              f"repeats={repeats}, compute_window={compute_window} (> 0 seconds)")
     names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
-    plan, measured, span = [], [], 1  # (dim, span, kind, bus bytes per size); seconds in order
-    for dim in reversed(range(mesh.ndim)):
-        group = mesh.get_group(dim)
-        span *= group.size
+    # (dim, span, kind, bus bytes per size, group size for Level.sized or None); seconds in order
+    plan, measured, span = [], [], 1
+    groups = [(dim, mesh.get_group(dim), None) for dim in reversed(range(mesh.ndim))]
+    if mesh.ndim > 1 and mesh.size() > mesh.get_group(0).size:
+        # the whole mesh as one group (flat data parallelism's): its cost on the outermost level
+        # is not that level's own groups' (Level.sized); flatten is collective, on every rank alike
+        groups.append((0, mesh.flatten("_".join(names) + "_calibrate").get_group(), mesh.size()))
+    for dim, group, sized in groups:
+        if sized is None:
+            span *= group.size
         if group.size == 1:
             continue
         for kind in kinds:
@@ -201,7 +209,7 @@ def calibrate(mesh: DeviceMesh, *, sizes: Sequence[int] = SIZES, repeats: int = 
                 t = _timed(fn, group, repeats)
                 bus.append(b)
                 measured.append(t / 2 if kind == "send_recv" else t)
-            plan.append((dim, span, kind, bus))
+            plan.append((dim, span, kind, bus, sized))
     dtypes = ("float32", "float64")
     busy = (mesh, repeats, compute_window)
     measured += [-_matmul_rate(d, matmul_n, *busy) for d in dtypes]  # MIN rate as MAX of -rate
@@ -216,10 +224,13 @@ def calibrate(mesh: DeviceMesh, *, sizes: Sequence[int] = SIZES, repeats: int = 
         _c.all_reduce(agreed, ReduceOp.MAX, group=mesh.get_group(dim))
     levels: dict[int, Level] = {}
     errors = {}
-    for i, (dim, dim_span, kind, bus) in enumerate(plan):
+    for i, (dim, dim_span, kind, bus, sized) in enumerate(plan):
         seconds = agreed[i * len(sizes):(i + 1) * len(sizes)]
         level = levels.setdefault(dim, Level(names[dim], dim_span, {}))
-        level.costs[kind], errors[f"{names[dim]}.{kind}"] = fit_alpha_beta(bus, seconds)
+        if sized is None:
+            level.costs[kind], errors[f"{names[dim]}.{kind}"] = fit_alpha_beta(bus, seconds)
+        else:
+            level.sized.setdefault(sized, {})[kind], errors[f"{names[dim]}@{sized}.{kind}"] = fit_alpha_beta(bus, seconds)
     out = list(levels.values()) or [Level("self", 1, {k: LinkCost(0.0, 0.0) for k in kinds})]
     rates = [float(-v) for v in agreed[-7:-1]]
     return Machine(out, memory_bytes, dict(zip(dtypes, rates[0:2])), name, errors,

@@ -58,6 +58,20 @@ def _number(where: str, field: str, value: Any, *, positive: bool = False) -> fl
     return value
 
 
+def _costs_dict(costs: dict[str, LinkCost]) -> dict[str, dict[str, float]]:
+    return {k: {"alpha": c.alpha, "beta": c.beta} for k, c in costs.items()}
+
+
+def _costs_from(table: dict[str, Any], where: str) -> dict[str, LinkCost]:
+    costs = {}
+    for kind, c in table.items():
+        if not isinstance(c, dict) or set(c) != {"alpha", "beta"}:
+            raise ValueError(f"meshkit.plan: {where}[{kind!r}] must be {{'alpha': seconds, 'beta': seconds per byte}}, "
+                             f"got {c!r}")
+        costs[kind] = LinkCost(c["alpha"], c["beta"])
+    return costs
+
+
 @dataclasses.dataclass(frozen=True)
 class LinkCost:
     """``alpha`` seconds of latency plus ``beta`` seconds per bus byte."""
@@ -73,14 +87,27 @@ class LinkCost:
 @dataclasses.dataclass(frozen=True)
 class Level:
     """Links among groups of up to ``size`` ranks (``"node"``: the ranks of one host) with a cost
-    per collective kind (a kind left out costs what ``all_reduce``'s link costs)."""
+    per collective kind (a kind left out costs what ``all_reduce``'s link costs).
+
+    ``sized`` holds costs fitted on groups of one size (group size -> kind -> cost), used for a
+    collective over exactly that many ranks: a group of 4 ranks on 2 nodes keeps part of its
+    traffic within a node (MPICH's algorithms are not NCCL's rings), so its cost per bus byte is
+    not the 2-rank cross-node groups' (issue 29.4: priced with those, flat data parallelism over
+    2 simulated nodes was predicted about twice as slow as hsdp 2x2; measured 0.72-0.96x it)."""
 
     name: str
     size: int
     costs: dict[str, LinkCost]
+    sized: dict[int, dict[str, LinkCost]] = dataclasses.field(default_factory=dict)
 
-    def cost(self, kind: str) -> LinkCost:
-        return self.costs.get(kind) or self.costs.get("all_reduce") or next(iter(self.costs.values()))
+    def cost(self, kind: str, n: int | None = None) -> LinkCost:
+        """The cost of ``kind`` over ``n`` ranks: the fit on groups of ``n`` where there is one."""
+        for costs in (self.sized.get(n, {}), self.costs):
+            if costs:
+                found = costs.get(kind) or costs.get("all_reduce")
+                if found:
+                    return found
+        return next(iter(self.costs.values()))
 
 
 @dataclasses.dataclass
@@ -132,11 +159,18 @@ class Machine:
             previous = level.size
             if not level.costs:
                 raise ValueError(f"meshkit.plan: {where}: costs must name at least one kind of {', '.join(KINDS)}")
-            for kind, cost in level.costs.items():
-                if kind not in KINDS:
-                    raise ValueError(f"meshkit.plan: {where}: unknown collective kind {kind!r}; valid kinds are "
-                                     f"{', '.join(KINDS)}")
-                cost.validate(f"{where}.costs[{kind!r}]")
+            tables = [(f"{where}.costs", level.costs)]
+            for n, costs in level.sized.items():
+                if isinstance(n, bool) or not isinstance(n, int) or not 2 <= n <= level.size:
+                    raise ValueError(f"meshkit.plan: {where}.sized: a group size must be an integer in [2, "
+                                     f"{level.size}] (the level's size), got {n!r}")
+                tables.append((f"{where}.sized[{n}]", costs))
+            for table, costs in tables:
+                for kind, cost in costs.items():
+                    if kind not in KINDS:
+                        raise ValueError(f"meshkit.plan: {table}: unknown collective kind {kind!r}; valid kinds are "
+                                         f"{', '.join(KINDS)}")
+                    cost.validate(f"{table}[{kind!r}]")
         if isinstance(self.memory_bytes, bool) or not isinstance(self.memory_bytes, int) or self.memory_bytes < 0:
             raise ValueError(f"meshkit.plan: Machine: memory_bytes must be an integer >= 0, got {self.memory_bytes!r}")
         for dtype, rate in self.flops.items():
@@ -160,7 +194,7 @@ class Machine:
         """Seconds for ``kind`` of ``nbytes`` over ``n`` ranks on the level holding ``span`` ranks."""
         if n <= 1 and kind != "send_recv":
             return 0.0
-        cost = self.level_for(span or n).cost(kind)
+        cost = self.level_for(span or n).cost(kind, n)
         return cost.alpha + bus_bytes(kind, nbytes, n) * cost.beta
 
     def compute_time(self, flops: float, dtype: str) -> float:
@@ -185,8 +219,8 @@ class Machine:
         return {"name": self.name, "memory_bytes": self.memory_bytes, "flops": dict(self.flops),
                 "fit_error": dict(self.fit_error), "update_rate": dict(self.update_rate),
                 "overlap": self.overlap, "pointwise_rate": dict(self.pointwise_rate),
-                "levels": [{"name": lv.name, "size": lv.size,
-                            "costs": {k: {"alpha": c.alpha, "beta": c.beta} for k, c in lv.costs.items()}}
+                "levels": [{"name": lv.name, "size": lv.size, "costs": _costs_dict(lv.costs),
+                            **({"sized": {str(n): _costs_dict(c) for n, c in lv.sized.items()}} if lv.sized else {})}
                            for lv in self.levels]}
 
     @classmethod
@@ -198,13 +232,17 @@ class Machine:
         for i, lv in enumerate(data["levels"]):
             if not isinstance(lv, dict) or not isinstance(lv.get("costs"), dict):
                 raise ValueError(f"meshkit.plan: Machine.levels[{i}] must be an object with 'name', 'size', 'costs'")
-            costs = {}
-            for kind, c in lv["costs"].items():
-                if not isinstance(c, dict) or set(c) != {"alpha", "beta"}:
-                    raise ValueError(f"meshkit.plan: Machine.levels[{i}].costs[{kind!r}] must be "
-                                     f"{{'alpha': seconds, 'beta': seconds per byte}}, got {c!r}")
-                costs[kind] = LinkCost(c["alpha"], c["beta"])
-            levels.append(Level(str(lv.get("name", f"level{i}")), lv.get("size"), costs))
+            costs = _costs_from(lv["costs"], f"Machine.levels[{i}].costs")
+            sized = lv.get("sized", {})
+            if not isinstance(sized, dict):
+                raise ValueError(f"meshkit.plan: Machine.levels[{i}].sized must be an object (group size -> costs)")
+            by_size = {}
+            for n, table in sized.items():
+                if not str(n).isdigit() or not isinstance(table, dict):
+                    raise ValueError(f"meshkit.plan: Machine.levels[{i}].sized: keys must be group sizes and values "
+                                     f"costs, got {n!r}: {table!r}")
+                by_size[int(n)] = _costs_from(table, f"Machine.levels[{i}].sized[{n}]")
+            levels.append(Level(str(lv.get("name", f"level{i}")), lv.get("size"), costs, by_size))
         return cls(levels, data.get("memory_bytes", 0), dict(data.get("flops", {})), str(data.get("name", "machine")),
                    dict(data.get("fit_error", {})), dict(data.get("update_rate", {})), data.get("overlap", 1.0),
                    dict(data.get("pointwise_rate", {})))

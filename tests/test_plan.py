@@ -60,6 +60,11 @@ def test_machine_json_round_trip_and_levels(tmp_path):
     (lambda d: d.update(overlap=1.5), r"Machine: overlap must be a number in \[0, 1\], got 1.5"),
     (lambda d: d.update(pointwise_rate={"float64": 0}), r"Machine: pointwise_rate\['float64'\] must be > 0, got 0"),
     (lambda d: d["levels"].reverse(), r"Machine.levels\[1\]: size 8 is below the level inside it \(32\)"),
+    (lambda d: d["levels"][0].update(sized={"16": {"all_reduce": {"alpha": 0, "beta": 0}}}),
+     r"Machine.levels\[0\].sized: a group size must be an integer in \[2, 8\] \(the level's size\), got 16"),
+    (lambda d: d["levels"][1].update(sized={"4": {"all_reduce": {"alpha": -1, "beta": 0}}}),
+     r"Machine.levels\[1\].sized\[4\]\['all_reduce'\]: alpha must be >= 0, got -1"),
+    (lambda d: d["levels"][1].update(sized={"four": {}}), r"Machine.levels\[1\].sized: keys must be group sizes"),
 ])
 def test_machine_bad_fields_are_named(change, match):
     data = two_level().to_dict()
@@ -95,7 +100,17 @@ def test_calibrate_on_the_local_engine(tmp_path):
     assert all(r == results[0] for r in results)  # the same machine on every rank
     machine = Machine.from_dict(results[0])
     assert [(lv.name, lv.size) for lv in machine.levels] == [("shard", 2), ("rep", 4)]
-    assert set(machine.fit_error) == {f"{d}.{k}" for d in ("rep", "shard") for k in machine.levels[0].costs}
+    kinds = machine.levels[0].costs
+    assert set(machine.fit_error) == {f"{d}.{k}" for d in ("rep", "shard", "rep@4") for k in kinds}
+    # the whole mesh timed as one group of 4: the outer level's cost for 4 ranks (flat dp), its own
+    # groups' (2 ranks: rep) for 2
+    outer = machine.levels[1]
+    assert set(outer.sized) == {4} and set(outer.sized[4]) == set(kinds)
+    assert outer.cost("all_gather", 4) == outer.sized[4]["all_gather"] != outer.cost("all_gather", 2)
+    assert outer.cost("all_gather", 2) == outer.costs["all_gather"]
+    cost = outer.sized[4]["all_reduce"]
+    assert machine.collective_time("all_reduce", 1 << 16, 4) == pytest.approx(
+        cost.alpha + bus_bytes("all_reduce", 1 << 16, 4) * cost.beta)
     assert all(np.isfinite(e) and e >= 0 for e in machine.fit_error.values())
     assert machine.flops["float32"] > 0 and machine.flops["float64"] > 0
     assert machine.update_rate["adamw"] > 0 and machine.update_rate["sgd"] > 0
