@@ -158,6 +158,26 @@ class Stage:
             self.grads[f"b{i}"] += delta.sum(axis=0).to_local()
 
 
+# --------------------------------------------------------------------------- as meshkit.plan sees it
+def plan_model(hidden: Sequence[int], batch: int, *, pp: int = 1, tp: int = 1, schedule: str = "1f1b",
+               virtual: int = 2, dtype: str = "float64") -> Any:
+    """This MLP as ``meshkit.plan`` layers for a run on a ``pp x dp x tp`` mesh: each layer's exact
+    parameter shapes, and how tp cuts it (``tp_dim``: colwise ``w`` dim 1 and ``b``, rowwise ``w``
+    dim 0, a lone layer replicated: the pairing within each stage that :class:`Stage` makes, so it
+    depends on the cut into stages); per sample, forward flops ``2 x fan_in x fan_out``, the output
+    (``activation_bytes``) and the input (``input_bytes``, which a colwise layer's backward all-reduces)."""
+    from meshkit.plan import Layer, Model
+    sizes = (mlp.FEATURES, *hidden, mlp.CLASSES)
+    it = np.dtype(dtype).itemsize
+    per_rank = virtual if schedule == "interleaved" else 2 if schedule == "zbv" else 1
+    kinds = [k for cut in np.array_split(np.arange(len(sizes) - 1), pp * per_rank)
+             for k in layer_kinds(len(cut), tp)]
+    tp_dims = {COLWISE: {"w": 1, "b": 0}, ROWWISE: {"w": 0}, REPLICATED: {}}
+    return Model([Layer(f"l{i}", {"w": (a, b), "b": (b,)}, activation_bytes=it * b, flops=2 * a * b,
+                        tp_dim=tp_dims[kind], input_bytes=it * a)
+                  for i, (a, b, kind) in enumerate(zip(sizes[:-1], sizes[1:], kinds))], batch=batch, dtype=dtype)
+
+
 # --------------------------------------------------------------------------- training
 def build_mesh(shape: tuple[int, int, int]) -> meshkit.DeviceMesh:
     return meshkit.init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp", "tp"))
