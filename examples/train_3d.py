@@ -207,8 +207,10 @@ def pipeline_pass(model: Any, stages: list[Stage], schedule: Any, x: Any, y: Any
     return losses
 
 
-def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np.ndarray], list[float]]:
-    """Train on the ``--mesh``; returns every parameter gathered whole and each step's global loss."""
+def setup(args: argparse.Namespace) -> tuple[meshkit.DeviceMesh, Any, Any]:
+    """The ``--mesh``, the strategy over the stages' blocks and the loop's ``run_pass(model, step)``
+    (one step's pipelined forward and backward on this rank's share of the batch): what
+    :func:`train` trains with (and benchmarks/scaling.py times, step by step)."""
     mesh = build_mesh(args.mesh)
     pp, dp, tp = mesh["pp"], mesh["dp"], mesh["tp"]
     p, v = pp.size(), stages_per_rank(args)
@@ -240,15 +242,22 @@ def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np
     first, last = 0 in mine, p * v - 1 in mine
     x, y = mlp.to_device(mlp.make_data(args.samples), args.device)  # once; batches are gathered there
     xp = array_namespace(x)
-    # each rank saves and loads the layers it holds (strategy.params, by their global names) and their optimizer state
-    manager = CheckpointManager(args.checkpoint_dir, max_to_keep=args.max_to_keep) if args.checkpoint_dir else None
-    start = train_mlp.resume(manager, strategy, args) if args.resume else 0
 
     def run_pass(model: Any, step: int) -> list[float] | None:
         idx = np.array_split(mlp.batch_indices(step, args.samples, args.batch), dp.size())[dp.get_local_rank()]
         idx = xp.asarray(idx)  # on a GPU: the indices go to the device (a small copy per step)
         return pipeline_pass(model, stages, schedule, x[idx].astype(args.dtype) if first else None,
                              y[idx] if last else None)
+
+    return mesh, strategy, run_pass
+
+
+def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np.ndarray], list[float]]:
+    """Train on the ``--mesh``; returns every parameter gathered whole and each step's global loss."""
+    mesh, strategy, run_pass = setup(args)
+    # each rank saves and loads the layers it holds (strategy.params, by their global names) and their optimizer state
+    manager = CheckpointManager(args.checkpoint_dir, max_to_keep=args.max_to_keep) if args.checkpoint_dir else None
+    start = train_mlp.resume(manager, strategy, args) if args.resume else 0
 
     # step(): DDP the optimizer on its DTensors; ZeRO its shard, then all-gathers; FSDP its shards
     losses = loop.train(strategy, range(start, args.steps), run_pass, global_loss=lambda mb: global_loss(mb, mesh),
