@@ -105,7 +105,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="interleaved rounds over a job's configurations; the median is reported "
                              "(default: %(default)s)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps a round (default: 5; --quick: 3)")
-    parser.add_argument("--warmup", type=int, default=2, help="steps before timing (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="steps before timing, each round (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="1 and 2 ranks, 3 steps a round: about a minute")
     parser.add_argument("--calib-repeats", type=int, default=5, help="calibrate's repeats (default: %(default)s)")
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)  # a job's own records

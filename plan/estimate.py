@@ -109,6 +109,9 @@ def rank_chunks(model: Model, config: Config, stage: int = 0) -> list[tuple[int,
     stages ``stage`` and ``2 pp - 1 - stage`` (the V). Its data-parallel strategy holds their
     layers in this order (examples/train_3d.py)."""
     v, p = _virtual(config), config.pp
+    if v > 1 and p * v > len(model.layers):
+        raise ValueError(f"meshkit.plan: schedule {config.schedule!r} holds {v} stages a rank: pp={p} needs at least "
+                         f"{p * v} layers, the model has {len(model.layers)}")
     parts = stage_layers(model, p * v)
     mine = [stage] if v == 1 else [stage, 2 * p - 1 - stage] if config.schedule == "zbv" else [stage + p * k
                                                                                                  for k in range(v)]

@@ -140,7 +140,8 @@ def test_estimate_breakdown_adds_up():
         estimate(Config("ddp", dp_shard=3), MODEL, m)
     with pytest.raises(ValueError, match=r"16 samples per data-parallel rank do not split into 3 microbatches"):
         estimate(Config("ddp", dp_shard=2, pp=2, microbatches=3), MODEL, m)
-    with pytest.raises(ValueError, match=r"pp=4 stages need at least 4 layers, the model has 3"):
+    with pytest.raises(ValueError, match=r"schedule 'zbv' holds 2 stages a rank: pp=2 needs at least 4 layers, the "
+                       r"model has 3"):
         estimate(Config("ddp", pp=4), MODEL, m)
     with pytest.raises(TypeError, match=r"takes a Config, a Model and a Machine, got dict"):
         estimate({}, MODEL, m)
@@ -259,3 +260,14 @@ def test_scaling_rows():
         best = r[r["best"]]
         assert best["step_s"] == min(r[s]["step_s"] for s in ("ddp", "hsdp"))
         assert 0 < best["efficiency"] <= 1
+
+
+def test_search_leaves_out_two_stage_schedules_without_the_layers_for_them():
+    """interleaved and zbv hold two stages a rank: pp=2 needs 4 layers; MODEL has 3, so search
+    offers 1f1b at pp=2 but no zbv there (estimate would refuse it), instead of failing."""
+    ranked = search(MODEL, 2, two_level(), schedules=("zbv", "1f1b"))
+    assert any(b.config.pp == 2 and b.config.schedule == "1f1b" for b in ranked)
+    assert not any(b.config.pp == 2 and b.config.schedule == "zbv" for b in ranked)
+    with pytest.raises(ValueError, match=r"schedule 'zbv' holds 2 stages a rank: pp=2 needs at least 4 layers, the "
+                       r"model has 3"):
+        estimate(Config("ddp", pp=2, schedule="zbv", microbatches=2), MODEL, two_level())
