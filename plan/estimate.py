@@ -16,14 +16,17 @@ Time is a model, not a measurement:
   ranked ddp above zero1 while zero1 measured faster, benchmarks/scaling.py);
 * compute: ``3 x forward flops x samples per data-parallel rank / tp / flop rate`` of the stage
   with the most flops, over ``1 - bubble_fraction(schedule, pp, microbatches)`` when pipelined;
-* each collective as the flight recorder lists it (op, bytes, mesh dimension), timed by the
-  machine's alpha-beta for its kind on the level that holds its dimension;
+* each collective of the step as the flight recorder lists it (op, bytes, mesh dimension:
+  :func:`step_collectives`, tensor parallelism's all-reduces, pipeline sends and receives and the
+  data-parallel strategy's, checked entry by entry against examples/train_3d.py's real step),
+  timed by the machine's alpha-beta for its kind on the level that holds its dimension;
 * overlap: (scaled by the machine's ``overlap``, the fraction of compute a collective can hide
   under: benchmarks/scaling.py measured the 2-core host's ranks overlapping nothing, issue 29.3) a stream of collectives that runs beside a compute window ``W`` (DDP/ZeRO buckets beside
   the backward; FSDP's gathers beside the forward, its gathers and reduce-scatters beside the
   backward) exposes ``max(t_one, sum(t) - W)``, ``t_one`` being the collective that cannot overlap
   (the last bucket; the first gather). Everything else (the per-sync agreement, ZeRO's parameter
-  all-gather after the step, tensor parallelism's all-reduces, pipeline sends) is exposed.
+  all-gather after the step, tensor parallelism's all-reduces, pipeline sends and receives, and
+  with ``loop="whole"`` FSDP's gathers before the pass and reductions after it) is exposed.
 """
 
 from __future__ import annotations
@@ -35,9 +38,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..parallel import bubble_fraction
-from ..parallel.pipelining.schedules import (Action, gpipe_order, interleaved_order, one_f_one_b_order, zb_h1_order,
-                                             zbv_order)
-from ..parallel._seams import MB, ZERO2_BUFFERED_BUCKETS, assign_buckets
+from ..parallel._seams import (MB, ZERO2_BUFFERED_BUCKETS, Action, assign_buckets, gpipe_order, interleaved_order,
+                               one_f_one_b_order, zb_h1_order, zbv_order)
 from .machine import Machine
 from .model import Config, Layer, Model
 
