@@ -104,7 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2,
                         help="interleaved rounds over a job's configurations; the median is reported "
                              "(default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps a round (default: 5; --quick: 3)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps a round (default: 4; --quick: 3)")
     parser.add_argument("--warmup", type=int, default=1,
                         help="steps before timing, each round (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="1 and 2 ranks, 3 steps a round: about a minute")
@@ -116,7 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.worlds is None:
         args.worlds = [1, 2] if args.quick else [1, 2, 4]
     if args.steps is None:
-        args.steps = 3 if args.quick else 5
+        args.steps = 3 if args.quick else 4
     bad = [m for m in args.modes if m not in MODES]
     if bad:
         parser.error(f"argument --modes: unknown {bad}; valid: strong, weak")
@@ -175,11 +175,10 @@ def configurations_3d(n: int, strategies: list[str], microbatches: int = 4) -> l
 
 def _mesh_name(config: Any) -> str:
     """The line a configuration belongs to in the plot: its strategy (data parallel), or which of
-    pp, dp, tp it spans with the strategy over dp (``pp+tp``, ``dp+tp (zero1)``)."""
+    pp, dp, tp it spans (``tp``, ``pp+tp``, ``pp+dp``...)."""
     if config.tp == 1 and config.pp == 1:
         return config.strategy
-    dims = "+".join(d for d, k in (("pp", config.pp), ("dp", config.dp), ("tp", config.tp)) if k > 1)
-    return dims + (f" ({config.strategy})" if config.dp > 1 else "")
+    return "+".join(d for d, k in (("pp", config.pp), ("dp", config.dp), ("tp", config.tp)) if k > 1)
 
 
 # --------------------------------------------------------------------------- one job (under meshkit-run)
@@ -366,33 +365,36 @@ def print_summary(s: dict[str, Any], cores: int) -> None:
 
 
 def draw(rows: list[dict[str, Any]], png: Path, title: str) -> None:
+    """Time per step and efficiency versus ranks, one line per strategy (the data-parallel ones) or
+    per mesh family (tp, pp, dp+tp...: the fastest of its strategies and schedules per world
+    size), predictions dashed. Efficiency is against the fastest one-rank step of the mode (all
+    one-rank configurations run the same computation): strong ``t1 / (n t)``, weak ``t1 / t``."""
     plt = require_pyplot()
     modes = sorted({r["mode"] for r in rows})
-    fig, axes = plt.subplots(2, len(modes), figsize=(6 * len(modes), 8), squeeze=False)
+    fig, axes = plt.subplots(2, len(modes), figsize=(7 * len(modes), 9), squeeze=False)
     for col, mode in enumerate(modes):
-        for strategy in dict.fromkeys(r.get("line", r["strategy"]) for r in rows):  # one line each
-            pts = sorted((r["ranks"], r["measured_step_s"], r["predicted_step_s"]) for r in rows
-                         if r["mode"] == mode and r.get("line", r["strategy"]) == strategy)
+        ones = [r for r in rows if r["mode"] == mode and r["ranks"] == 1]
+        for key in dict.fromkeys(r.get("line", r["strategy"]) for r in rows):  # one line each
             best: dict[int, tuple[float, float]] = {}
-            for n, m, p in pts:  # hsdp: the fastest split per world size
-                if n not in best or m < best[n][0]:
+            for r in rows:  # the fastest configuration of the line per world size
+                n, m, p = r["ranks"], r["measured_step_s"], r["predicted_step_s"]
+                if r["mode"] == mode and r.get("line", r["strategy"]) == key and (n not in best or m < best[n][0]):
                     best[n] = (m, p)
             if not best:
                 continue
             ns = sorted(best)
             meas, pred = [best[n][0] for n in ns], [best[n][1] for n in ns]
-            line, = axes[0][col].plot(ns, [m * 1e3 for m in meas], "o-", label=strategy)
+            line, = axes[0][col].plot(ns, [m * 1e3 for m in meas], "o-", label=key)
             axes[0][col].plot(ns, [p * 1e3 for p in pred], "x--", color=line.get_color())
-            base_m, base_p = meas[0] * ns[0], pred[0] * ns[0]
-            eff = (lambda t, n, b: b / (t * n)) if mode == "strong" else (lambda t, n, b: b / (t * ns[0]))
-            if mode == "weak":
-                base_m, base_p = meas[0], pred[0]
-            axes[1][col].plot(ns, [eff(m, n, base_m) for m, n in zip(meas, ns)], "o-", color=line.get_color(),
-                              label=strategy)
-            axes[1][col].plot(ns, [eff(p, n, base_p) for p, n in zip(pred, ns)], "x--", color=line.get_color())
+            # the one-rank baseline (the line's own first point scaled by its ranks where there is none)
+            base_m = min((r["measured_step_s"] for r in ones), default=meas[0] * ns[0])
+            base_p = min((r["predicted_step_s"] for r in ones), default=pred[0] * ns[0])
+            scale = ns if mode == "strong" else [1] * len(ns)
+            axes[1][col].plot(ns, [base_m / (m * k) for m, k in zip(meas, scale)], "o-", color=line.get_color())
+            axes[1][col].plot(ns, [base_p / (p * k) for p, k in zip(pred, scale)], "x--", color=line.get_color())
         axes[0][col].set(title=f"{mode} scaling (dashed: predicted)", xlabel="ranks", ylabel="ms per step")
-        axes[1][col].set(xlabel="ranks", ylabel="efficiency")
-        axes[0][col].legend()
+        axes[1][col].set(xlabel="ranks", ylabel="efficiency (vs the fastest one-rank step)")
+        axes[0][col].legend(fontsize="small", ncol=2)
     save_figure(fig, png, title)
 
 
