@@ -53,6 +53,10 @@ keys do not depend on the split. ``--resume`` continues from the newest complete
 ``--mesh``, ``--schedule``, ``--virtual`` or ``--dp``: each rank loads the layers it holds now,
 resharded to its tp placements (and, with ZeRO or FSDP, to its shard over ``dp``).
 
+``plan_model`` describes the model as ``meshkit.plan`` layers for a given mesh and schedule
+(tp's pairing included); the planner's ``step_collectives`` lists a step of this script's,
+collective by collective, as its flight record does (tests/test_plan_estimate.py).
+
 ``--check`` trains the same model in one process on the global batch and compares the final
 parameters to 1e-10 in float64 (1e-5 in float32); after ``--resume``, with uninterrupted
 training of all ``--steps``.
