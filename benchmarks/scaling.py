@@ -3,7 +3,7 @@ this machine, measured step time and memory beside ``meshkit.plan``'s prediction
 
 Run it by hand with plain ``python`` (it starts one ``meshkit-run -n N`` job per world size itself)::
 
-    python benchmarks/scaling.py --quick                 # 1 and 2 ranks, about a minute on 2 cores
+    python benchmarks/scaling.py --quick                 # 1 and 2 ranks, 84 s on the shared 2-core machine
     python benchmarks/scaling.py                         # 1, 2 and 4 ranks
     python benchmarks/scaling.py --worlds 1,2 --strategies ddp,fsdp --steps 4 --json out.json --plot
     python benchmarks/scaling.py --parts 3d --worlds 2,4 --rounds 3   # tensor and pipeline parallel only
@@ -107,7 +107,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None, help="timed steps a round (default: 4; --quick: 3)")
     parser.add_argument("--warmup", type=int, default=1,
                         help="steps before timing, each round (default: %(default)s)")
-    parser.add_argument("--quick", action="store_true", help="1 and 2 ranks, 3 steps a round: about a minute")
+    parser.add_argument("--quick", action="store_true", help="1 and 2 ranks, 3 steps a round (84 s measured on a shared 2-core machine)")
     parser.add_argument("--calib-repeats", type=int, default=5, help="calibrate's repeats (default: %(default)s)")
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)  # a job's own records
     add_output_args(parser, json_help=f"result file (default: {DEFAULT_JSON.relative_to(ROOT)})",
