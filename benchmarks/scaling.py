@@ -107,7 +107,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None, help="timed steps a round (default: 4; --quick: 3)")
     parser.add_argument("--warmup", type=int, default=1,
                         help="steps before timing, each round (default: %(default)s)")
-    parser.add_argument("--quick", action="store_true", help="1 and 2 ranks, 3 steps a round (84 s measured on a shared 2-core machine)")
+    parser.add_argument("--quick", action="store_true",
+                        help="1 and 2 ranks, 3 steps a round (84 s measured on a shared 2-core machine)")
     parser.add_argument("--calib-repeats", type=int, default=5, help="calibrate's repeats (default: %(default)s)")
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)  # a job's own records
     add_output_args(parser, json_help=f"result file (default: {DEFAULT_JSON.relative_to(ROOT)})",
