@@ -187,8 +187,9 @@ def _train_3d_step(monkeypatch, shape, schedule, dp, microbatches, hidden="8,8,8
         # the step begins after the previous step's last entry (a collective: sends and receives have no seq)
         last = (before[-1]["group"], before[-1]["seq"])
         step = after[[(e["group"], e["seq"]) for e in after].index(last) + 1:]
-        listed = [(_OPS.get(e["op"], e["op"]), max(int(np.prod(s)) for s in e["shapes"]) * np.dtype(e["dtype"]).itemsize,
-                   dims[e["group"]]) for e in step]
+        listed = [(_OPS.get(e["op"], e["op"]),
+                   max(int(np.prod(s)) for s in e["shapes"]) * np.dtype(e["dtype"]).itemsize, dims[e["group"]])
+                  for e in step]
         assert [e[:2] for e in listed[-2:]] == [("all_reduce", 8)] * 2, listed  # the loss, reported
         assert len(step) < 60, "the flight recorder keeps 64 entries: this step may not fit"
         return mesh.get_local_rank("pp"), mesh.get_local_rank("tp"), listed[:-2], models[rank].memory_report()
