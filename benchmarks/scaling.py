@@ -3,16 +3,21 @@ this machine, measured step time and memory beside ``meshkit.plan``'s prediction
 
 Run it by hand with plain ``python`` (it starts one ``meshkit-run -n N`` job per world size itself)::
 
-    python benchmarks/scaling.py --quick                 # 1 and 2 ranks, a few minutes on 2 cores
+    python benchmarks/scaling.py --quick                 # 1 and 2 ranks, 84 s on the shared 2-core machine
     python benchmarks/scaling.py                         # 1, 2 and 4 ranks
     python benchmarks/scaling.py --worlds 1,2 --strategies ddp,fsdp --steps 4 --json out.json --plot
+    python benchmarks/scaling.py --parts 3d --worlds 2,4 --rounds 3   # tensor and pipeline parallel only
 
 Each job first calibrates its world (``meshkit.plan.calibrate`` over a 1-D mesh of every rank,
 saved as ``calib_N.json`` beside the result), then builds each strategy with ``examples/mlp.py``'s
 ``build`` (ddp, zero1, zero2, fsdp; hsdp on every ``replicate x shard`` split) and trains it for
 ``--warmup`` + ``--steps`` steps, twice: **strong** scaling (the global batch ``--batch`` split over
 the ranks) and **weak** scaling (``--batch`` samples per rank). A step's time is the slowest rank's
-(MAX over ranks of each step), the result the median over the steps after warm-up. Beside it, the
+(MAX over ranks of each step), a round's the median over the steps after warm-up. Every
+configuration of a job is measured in ``--rounds`` interleaved rounds (round-robin over the
+configurations, each built afresh per round), the result the median over the rounds: a burst of
+load on a shared machine then hits every configuration a little rather than one a lot (the
+configurations of one world size differ by 5-20%, as much as such bursts). Beside it, the
 prediction of ``meshkit.plan.estimate(config, model, machine)`` for the MLP described as
 ``plan.Model`` layers (its exact parameter shapes; forward flops ``2 x fan_in x fan_out`` per sample;
 activations ``fan_out`` values per sample, each a ``tanh`` but the last layer's). ``measured_bytes`` is the rank's params + grads +
@@ -23,7 +28,16 @@ The summary prints the acceptance figures of issue 29.3 from this one run: Spear
 correlation of predicted vs measured step times (over every record and over those that do not
 oversubscribe the cores), whether the configuration the planner ranks first is within 10% of the
 fastest measured (per world size and scaling mode), and the count of memory mismatches.
-Tensor and pipeline parallelism are not run (the example MLP's strategies are data-parallel).
+
+Tensor and pipeline parallelism (``--parts 3d``, run by default beside ``dp``) run
+``examples/train_3d.py``'s model and step (its ``setup``: the same MLP as Megatron blocks over
+``tp``, stages over ``pp`` under a schedule with ``--microbatches``, a strategy over ``dp``) on every
+``pp x dp x tp`` mesh of 2 and 4 ranks with ``pp`` or ``tp`` above 1: ``gpipe`` and ``1f1b`` where
+``dp`` is 1, ``1f1b`` with every data-parallel strategy of train_3d (ddp, zero1, zero2, fsdp) where
+it is 2; predicted by ``estimate`` for ``train_3d.plan_model`` (the same layers, with tp's pairing)
+and ``Config(loop="whole")`` (train_3d hands every gradient over after the pipelined pass);
+``measured_bytes`` is the largest rank's, ``predicted_bytes`` the largest of ``predict_memory``
+over the (stage, tp rank) pairs.
 """
 
 from __future__ import annotations
@@ -50,8 +64,11 @@ from _common import (_cores, add_output_args, host_metadata, limit_blas_threads,
 DEFAULT_JSON = ROOT / "benchmarks" / "results" / "scaling.json"
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
 MODES = ("strong", "weak")
-#: Collective kinds the data-parallel strategies issue (zero2 reduces; the rest are in the others).
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "reduce")
+#: Collective kinds the strategies issue (zero2 reduces; pipelines send and receive).
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "reduce", "send_recv")
+PARTS = ("dp", "3d")
+#: train_3d.py's data-parallel strategies (no hsdp)
+STRATEGIES_3D = ("ddp", "zero1", "zero2", "fsdp")
 
 
 def _ints(text: str) -> list[int]:
@@ -80,9 +97,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=_ints, default=[512, 512, 512], help="MLP hidden sizes (default: 512,512,512)")
     parser.add_argument("--batch", type=int, default=256,
                         help="strong: the global batch; weak: samples per rank (default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps (default: 10; --quick: 6)")
-    parser.add_argument("--warmup", type=int, default=2, help="steps before timing (default: %(default)s)")
-    parser.add_argument("--quick", action="store_true", help="1 and 2 ranks, 6 steps: a few minutes on 2 cores")
+    parser.add_argument("--parts", type=lambda t: t.split(","), default=list(PARTS),
+                        help="dp (examples/mlp.py, data parallel) and/or 3d (examples/train_3d.py, tp and pp with "
+                             "dp) (default: dp,3d)")
+    parser.add_argument("--microbatches", type=int, default=4, help="3d: pipeline microbatches (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="interleaved rounds over a job's configurations; the median is reported "
+                             "(default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps a round (default: 4; --quick: 3)")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="steps before timing, each round (default: %(default)s)")
+    parser.add_argument("--quick", action="store_true",
+                        help="1 and 2 ranks, 3 steps a round (84 s measured on a shared 2-core machine)")
     parser.add_argument("--calib-repeats", type=int, default=5, help="calibrate's repeats (default: %(default)s)")
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)  # a job's own records
     add_output_args(parser, json_help=f"result file (default: {DEFAULT_JSON.relative_to(ROOT)})",
@@ -91,10 +117,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.worlds is None:
         args.worlds = [1, 2] if args.quick else [1, 2, 4]
     if args.steps is None:
-        args.steps = 6 if args.quick else 10
+        args.steps = 3 if args.quick else 4
     bad = [m for m in args.modes if m not in MODES]
     if bad:
         parser.error(f"argument --modes: unknown {bad}; valid: strong, weak")
+    bad = [p for p in args.parts if p not in PARTS]
+    if bad:
+        parser.error(f"argument --parts: unknown {bad}; valid: dp, 3d")
+    for name in ("rounds", "steps", "microbatches"):
+        if getattr(args, name) < 1:
+            parser.error(f"argument --{name}: must be >= 1, got {getattr(args, name)}")
     error = matplotlib_missing(args)
     if error:
         parser.error(error)
@@ -126,30 +158,81 @@ def configurations(n: int, strategies: list[str]) -> list[Any]:
     return out
 
 
+def configurations_3d(n: int, strategies: list[str], microbatches: int = 4) -> list[Any]:
+    """Every ``pp x dp x tp`` Config of ``n`` ranks with ``pp`` or ``tp`` above 1, as train_3d.py
+    runs them (AdamW, ``loop="whole"``): gpipe and 1f1b where dp is 1 (the strategy ddp: nothing
+    to shard over one rank), 1f1b with each of ``strategies`` train_3d has where dp is above 1."""
+    from meshkit.plan import Config
+    out = []
+    for pp in (d for d in range(1, n + 1) if n % d == 0):
+        for tp in (d for d in range(1, n // pp + 1) if (n // pp) % d == 0):
+            dp = n // (pp * tp)
+            if pp == tp == 1:
+                continue
+            schedules = ("gpipe", "1f1b") if pp > 1 and dp == 1 else ("1f1b",)
+            kinds = ["ddp"] if dp == 1 else [s for s in strategies if s in STRATEGIES_3D]
+            out += [Config(s, dp_shard=dp, tp=tp, pp=pp, schedule=sched, microbatches=microbatches if pp > 1 else 1,
+                           loop="whole") for sched in schedules for s in kinds]
+    return out
+
+
+def _mesh_name(config: Any) -> str:
+    """The line a configuration belongs to in the plot: its strategy (data parallel), or which of
+    pp, dp, tp it spans (``tp``, ``pp+tp``, ``pp+dp``...)."""
+    if config.tp == 1 and config.pp == 1:
+        return config.strategy
+    return "+".join(d for d, k in (("pp", config.pp), ("dp", config.dp), ("tp", config.tp)) if k > 1)
+
+
 # --------------------------------------------------------------------------- one job (under meshkit-run)
 def _train(config: Any, hidden: list[int], global_batch: int, steps: int, warmup: int) -> tuple[float, int]:
     """Build ``config`` with mlp.build, train; the slowest rank's median step time and the largest
     rank's params + grads + optimizer state from memory_report()."""
-    import numpy as np
-
     import meshkit
     import mlp
-    from meshkit.comm import ReduceOp
     rank, n = meshkit.get_rank(), meshkit.get_world_size()
     model = mlp.build(config.strategy, hidden=tuple(hidden), optimizer="adamw", lr=1e-3,
                       hsdp_mesh=(config.dp_replicate, config.dp_shard) if config.strategy == "hsdp" else None)
     x, y = mlp.make_data(global_batch * 4)
     per = global_batch // n
-    times = []
-    for step in range(warmup + steps):
+
+    def run_pass(model: Any, step: int) -> None:
         idx = mlp.batch_indices(step, len(x), global_batch)[rank * per:(rank + 1) * per]
-        meshkit.barrier()
-        t0 = time.perf_counter()
-        model.zero_grad()
         acts = mlp.forward_layers(model, x[idx])
         _, dlogits = mlp.loss_and_grad_logits(acts[-1], y[idx])
         dlogits = dlogits * (per / global_batch)  # the global mean's gradient
         mlp.backward_layers(model, acts, dlogits)
+
+    return _timed(model, run_pass, steps, warmup)
+
+
+def _train_3d(config: Any, hidden: list[int], global_batch: int, steps: int, warmup: int) -> tuple[float, int]:
+    """``config`` as examples/train_3d.py builds it (``setup``), trained with its loop's step
+    (zero_grad, the pipelined pass, step); what :func:`_train` returns."""
+    import meshkit
+    import train_3d
+    argv = ["--mesh", f"{config.pp}x{config.dp}x{config.tp}", "--dp", config.strategy, "--schedule", config.schedule,
+            "--microbatches", str(config.microbatches), "--hidden", ",".join(map(str, hidden)), "--batch",
+            str(global_batch), "--samples", str(global_batch * 4), "--optimizer", "adamw", "--lr", "1e-3"]
+    args = train_3d.parse_args(argv, rank=meshkit.get_rank(), world_size=meshkit.get_world_size())
+    _, model, run_pass = train_3d.setup(args)
+    return _timed(model, run_pass, steps, warmup)
+
+
+def _timed(model: Any, run_pass: Any, steps: int, warmup: int) -> tuple[float, int]:
+    """The examples' loop step (zero_grad, ``run_pass``, step) timed after a barrier: the slowest
+    rank's median over the steps after ``warmup``, and the largest rank's params + grads +
+    optimizer state from memory_report()."""
+    import numpy as np
+
+    import meshkit
+    from meshkit.comm import ReduceOp
+    times = []
+    for step in range(warmup + steps):
+        meshkit.barrier()
+        t0 = time.perf_counter()
+        model.zero_grad()
+        run_pass(model, step)
         model.step()
         times.append(time.perf_counter() - t0)
     worst = np.asarray(times[warmup:])
@@ -158,6 +241,13 @@ def _train(config: Any, hidden: list[int], global_batch: int, steps: int, warmup
     meshkit.all_reduce(worst, ReduceOp.MAX)
     meshkit.all_reduce(held, ReduceOp.MAX)
     return statistics.median(worst.tolist()), int(held[0])
+
+
+def _predicted_bytes(model: Any, config: Any) -> int:
+    """The largest rank's params + grads + optimizer state: over every (stage, tp rank)."""
+    from meshkit.plan import predict_memory
+    return max(sum(m[k] for k in ("params", "grads", "optimizer_state"))
+               for m in (predict_memory(model, config, s, t) for s in range(config.pp) for t in range(config.tp)))
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -171,25 +261,43 @@ def worker(args: argparse.Namespace) -> int:
     machine = calibrate(mesh, repeats=args.calib_repeats, kinds=KINDS if n > 1 else ("all_reduce",))
     if rank == 0:
         machine.save(calib)
-    records = []
+    import train_3d
+    jobs = []  # (mode, global batch, config, plan model, train function)
     for mode in args.modes:
         global_batch = args.batch if mode == "strong" else args.batch * n
-        model = plan_model(args.hidden, global_batch)
-        for config in configurations(n, args.strategies):
-            measured, held = _train(config, args.hidden, global_batch, args.steps, args.warmup)
-            b = estimate(config, model, machine)
-            before = estimate(config, model, dataclasses.replace(machine, overlap=1.0, update_rate={}))
-            predicted = b.memory["params"] + b.memory["grads"] + b.memory["optimizer_state"]
-            records.append({"config": config.name(), "strategy": config.strategy, "mode": mode, "ranks": n,
-                            "global_batch": global_batch, "measured_step_s": measured, "predicted_step_s": b.step_s,
-                            "predicted_compute_s": b.compute_s, "predicted_exposed_comm_s": b.exposed_comm_s,
-                            "predicted_optimizer_s": b.optimizer_s, "predicted_comm_s": b.comm_s,
-                            "predicted_before_s": before.step_s,
-                            "measured_bytes": held, "predicted_bytes": predicted,
-                            "oversubscribed": n > _cores()})
-            if rank == 0:
-                print(f"{n} ranks {mode:6} {config.name():24} measured {measured * 1e3:8.2f} ms  predicted "
-                      f"{b.step_s * 1e3:8.2f} ms  bytes {held} / {predicted}", flush=True)
+        if "dp" in args.parts:
+            model = plan_model(args.hidden, global_batch)
+            jobs += [(mode, global_batch, c, model, _train) for c in configurations(n, args.strategies)]
+        if "3d" in args.parts:
+            jobs += [(mode, global_batch, c, train_3d.plan_model(args.hidden, global_batch, pp=c.pp, tp=c.tp,
+                                                                 schedule=c.schedule), _train_3d)
+                     for c in configurations_3d(n, args.strategies, args.microbatches)
+                     if c.pp <= len(args.hidden) + 1 and global_batch % (c.dp * c.microbatches) == 0]
+    measured: list[list[float]] = [[] for _ in jobs]
+    held: list[int] = [0] * len(jobs)
+    for _ in range(args.rounds):  # round-robin: a burst of load spreads over the configurations
+        for i, (mode, global_batch, config, _, train) in enumerate(jobs):
+            t, held[i] = train(config, args.hidden, global_batch, args.steps, args.warmup)
+            measured[i].append(t)
+    records = []
+    for i, (mode, global_batch, config, model, _) in enumerate(jobs):
+        step_s = statistics.median(measured[i])
+        b = estimate(config, model, machine)
+        before = estimate(config, model, dataclasses.replace(machine, overlap=1.0, update_rate={}))
+        predicted = _predicted_bytes(model, config)
+        records.append({"config": config.name(), "strategy": config.strategy, "line": _mesh_name(config),
+                        "mode": mode, "ranks": n, "pp": config.pp, "dp": config.dp, "tp": config.tp,
+                        "schedule": config.schedule if config.pp > 1 else None,
+                        "microbatches": config.microbatches, "global_batch": global_batch,
+                        "measured_step_s": step_s, "measured_rounds_s": measured[i], "predicted_step_s": b.step_s,
+                        "predicted_compute_s": b.compute_s, "predicted_exposed_comm_s": b.exposed_comm_s,
+                        "predicted_optimizer_s": b.optimizer_s, "predicted_comm_s": b.comm_s,
+                        "predicted_bubble_s": b.bubble_s, "predicted_before_s": before.step_s,
+                        "measured_bytes": held[i], "predicted_bytes": predicted,
+                        "oversubscribed": n > _cores()})
+        if rank == 0:
+            print(f"{n} ranks {mode:6} {config.name():34} measured {step_s * 1e3:8.2f} ms  predicted "
+                  f"{b.step_s * 1e3:8.2f} ms  bytes {held[i]} / {predicted}", flush=True)
     if rank == 0:
         args.worker.write_text(json.dumps(records))
     meshkit.destroy_process_group()
@@ -260,33 +368,36 @@ def print_summary(s: dict[str, Any], cores: int) -> None:
 
 
 def draw(rows: list[dict[str, Any]], png: Path, title: str) -> None:
+    """Time per step and efficiency versus ranks, one line per strategy (the data-parallel ones) or
+    per mesh family (tp, pp, dp+tp...: the fastest of its strategies and schedules per world
+    size), predictions dashed. Efficiency is against the fastest one-rank step of the mode (all
+    one-rank configurations run the same computation): strong ``t1 / (n t)``, weak ``t1 / t``."""
     plt = require_pyplot()
     modes = sorted({r["mode"] for r in rows})
-    fig, axes = plt.subplots(2, len(modes), figsize=(6 * len(modes), 8), squeeze=False)
+    fig, axes = plt.subplots(2, len(modes), figsize=(7 * len(modes), 9), squeeze=False)
     for col, mode in enumerate(modes):
-        for strategy in STRATEGIES:
-            pts = sorted((r["ranks"], r["measured_step_s"], r["predicted_step_s"]) for r in rows
-                         if r["mode"] == mode and r["strategy"] == strategy)
+        ones = [r for r in rows if r["mode"] == mode and r["ranks"] == 1]
+        for key in dict.fromkeys(r.get("line", r["strategy"]) for r in rows):  # one line each
             best: dict[int, tuple[float, float]] = {}
-            for n, m, p in pts:  # hsdp: the fastest split per world size
-                if n not in best or m < best[n][0]:
+            for r in rows:  # the fastest configuration of the line per world size
+                n, m, p = r["ranks"], r["measured_step_s"], r["predicted_step_s"]
+                if r["mode"] == mode and r.get("line", r["strategy"]) == key and (n not in best or m < best[n][0]):
                     best[n] = (m, p)
             if not best:
                 continue
             ns = sorted(best)
             meas, pred = [best[n][0] for n in ns], [best[n][1] for n in ns]
-            line, = axes[0][col].plot(ns, [m * 1e3 for m in meas], "o-", label=strategy)
+            line, = axes[0][col].plot(ns, [m * 1e3 for m in meas], "o-", label=key)
             axes[0][col].plot(ns, [p * 1e3 for p in pred], "x--", color=line.get_color())
-            base_m, base_p = meas[0] * ns[0], pred[0] * ns[0]
-            eff = (lambda t, n, b: b / (t * n)) if mode == "strong" else (lambda t, n, b: b / (t * ns[0]))
-            if mode == "weak":
-                base_m, base_p = meas[0], pred[0]
-            axes[1][col].plot(ns, [eff(m, n, base_m) for m, n in zip(meas, ns)], "o-", color=line.get_color(),
-                              label=strategy)
-            axes[1][col].plot(ns, [eff(p, n, base_p) for p, n in zip(pred, ns)], "x--", color=line.get_color())
+            # the one-rank baseline (the line's own first point scaled by its ranks where there is none)
+            base_m = min((r["measured_step_s"] for r in ones), default=meas[0] * ns[0])
+            base_p = min((r["predicted_step_s"] for r in ones), default=pred[0] * ns[0])
+            scale = ns if mode == "strong" else [1] * len(ns)
+            axes[1][col].plot(ns, [base_m / (m * k) for m, k in zip(meas, scale)], "o-", color=line.get_color())
+            axes[1][col].plot(ns, [base_p / (p * k) for p, k in zip(pred, scale)], "x--", color=line.get_color())
         axes[0][col].set(title=f"{mode} scaling (dashed: predicted)", xlabel="ranks", ylabel="ms per step")
-        axes[1][col].set(xlabel="ranks", ylabel="efficiency")
-        axes[0][col].legend()
+        axes[1][col].set(xlabel="ranks", ylabel="efficiency (vs the fastest one-rank step)")
+        axes[0][col].legend(fontsize="small", ncol=2)
     save_figure(fig, png, title)
 
 
@@ -302,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     forwarded = ["--strategies", ",".join(args.strategies), "--modes", ",".join(args.modes), "--hidden",
                  ",".join(map(str, args.hidden)), "--batch", str(args.batch), "--steps", str(args.steps),
-                 "--warmup", str(args.warmup), "--calib-repeats", str(args.calib_repeats)]
+                 "--warmup", str(args.warmup), "--calib-repeats", str(args.calib_repeats), "--parts",
+                 ",".join(args.parts), "--rounds", str(args.rounds), "--microbatches", str(args.microbatches)]
     start = time.monotonic()
     for n in args.worlds:
         with tempfile.TemporaryDirectory(prefix="meshkit-scaling-") as tmp:

@@ -53,6 +53,10 @@ keys do not depend on the split. ``--resume`` continues from the newest complete
 ``--mesh``, ``--schedule``, ``--virtual`` or ``--dp``: each rank loads the layers it holds now,
 resharded to its tp placements (and, with ZeRO or FSDP, to its shard over ``dp``).
 
+``plan_model`` describes the model as ``meshkit.plan`` layers for a given mesh and schedule
+(tp's pairing included); the planner's ``step_collectives`` lists a step of this script's,
+collective by collective, as its flight record does (tests/test_plan_estimate.py).
+
 ``--check`` trains the same model in one process on the global batch and compares the final
 parameters to 1e-10 in float64 (1e-5 in float32); after ``--resume``, with uninterrupted
 training of all ``--steps``.
@@ -158,6 +162,28 @@ class Stage:
             self.grads[f"b{i}"] += delta.sum(axis=0).to_local()
 
 
+# --------------------------------------------------------------------------- as meshkit.plan sees it
+def plan_model(hidden: Sequence[int], batch: int, *, pp: int = 1, tp: int = 1, schedule: str = "1f1b",
+               virtual: int = 2, dtype: str = "float64") -> Any:
+    """This MLP as ``meshkit.plan`` layers for a run on a ``pp x dp x tp`` mesh: each layer's exact
+    parameter shapes, and how tp cuts it (``tp_dim``: colwise ``w`` dim 1 and ``b``, rowwise ``w``
+    dim 0, a lone layer replicated: the pairing within each stage that :class:`Stage` makes, so it
+    depends on the cut into stages); per sample, forward flops ``2 x fan_in x fan_out``, the output
+    (``activation_bytes``) and the input (``input_bytes``, which a colwise layer's backward all-reduces),
+    and its ``tanh`` (``pointwise``: every layer but the last)."""
+    from meshkit.plan import Layer, Model
+    sizes = (mlp.FEATURES, *hidden, mlp.CLASSES)
+    it = np.dtype(dtype).itemsize
+    per_rank = virtual if schedule == "interleaved" else 2 if schedule == "zbv" else 1
+    kinds = [k for cut in np.array_split(np.arange(len(sizes) - 1), pp * per_rank)
+             for k in layer_kinds(len(cut), tp)]
+    tp_dims = {COLWISE: {"w": 1, "b": 0}, ROWWISE: {"w": 0}, REPLICATED: {}}
+    last = len(sizes) - 2  # every layer but the last applies tanh to its output
+    return Model([Layer(f"l{i}", {"w": (a, b), "b": (b,)}, activation_bytes=it * b, flops=2 * a * b,
+                        tp_dim=tp_dims[kind], input_bytes=it * a, pointwise=b if i < last else 0)
+                  for i, (a, b, kind) in enumerate(zip(sizes[:-1], sizes[1:], kinds))], batch=batch, dtype=dtype)
+
+
 # --------------------------------------------------------------------------- training
 def build_mesh(shape: tuple[int, int, int]) -> meshkit.DeviceMesh:
     return meshkit.init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp", "tp"))
@@ -187,8 +213,10 @@ def pipeline_pass(model: Any, stages: list[Stage], schedule: Any, x: Any, y: Any
     return losses
 
 
-def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np.ndarray], list[float]]:
-    """Train on the ``--mesh``; returns every parameter gathered whole and each step's global loss."""
+def setup(args: argparse.Namespace) -> tuple[meshkit.DeviceMesh, Any, Any]:
+    """The ``--mesh``, the strategy over the stages' blocks and the loop's ``run_pass(model, step)``
+    (one step's pipelined forward and backward on this rank's share of the batch): what
+    :func:`train` trains with (and benchmarks/scaling.py times, step by step)."""
     mesh = build_mesh(args.mesh)
     pp, dp, tp = mesh["pp"], mesh["dp"], mesh["tp"]
     p, v = pp.size(), stages_per_rank(args)
@@ -220,15 +248,22 @@ def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np
     first, last = 0 in mine, p * v - 1 in mine
     x, y = mlp.to_device(mlp.make_data(args.samples), args.device)  # once; batches are gathered there
     xp = array_namespace(x)
-    # each rank saves and loads the layers it holds (strategy.params, by their global names) and their optimizer state
-    manager = CheckpointManager(args.checkpoint_dir, max_to_keep=args.max_to_keep) if args.checkpoint_dir else None
-    start = train_mlp.resume(manager, strategy, args) if args.resume else 0
 
     def run_pass(model: Any, step: int) -> list[float] | None:
         idx = np.array_split(mlp.batch_indices(step, args.samples, args.batch), dp.size())[dp.get_local_rank()]
         idx = xp.asarray(idx)  # on a GPU: the indices go to the device (a small copy per step)
         return pipeline_pass(model, stages, schedule, x[idx].astype(args.dtype) if first else None,
                              y[idx] if last else None)
+
+    return mesh, strategy, run_pass
+
+
+def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np.ndarray], list[float]]:
+    """Train on the ``--mesh``; returns every parameter gathered whole and each step's global loss."""
+    mesh, strategy, run_pass = setup(args)
+    # each rank saves and loads the layers it holds (strategy.params, by their global names) and their optimizer state
+    manager = CheckpointManager(args.checkpoint_dir, max_to_keep=args.max_to_keep) if args.checkpoint_dir else None
+    start = train_mlp.resume(manager, strategy, args) if args.resume else 0
 
     # step(): DDP the optimizer on its DTensors; ZeRO its shard, then all-gathers; FSDP its shards
     losses = loop.train(strategy, range(start, args.steps), run_pass, global_loss=lambda mb: global_loss(mb, mesh),

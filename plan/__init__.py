@@ -10,10 +10,11 @@ pipeline bubble), or search all configurations of a world size for the fastest t
 """
 
 from .calibrate import calibrate
-from .estimate import Breakdown, Collective, estimate, predict_collectives, predict_memory
+from .estimate import Breakdown, Collective, estimate, predict_collectives, predict_memory, step_collectives
 from .machine import KINDS, Level, LinkCost, Machine, bus_bytes
 from .model import Config, Layer, Model
 from .search import PlanError, scaling, search
 
 __all__ = ["calibrate", "estimate", "search", "Machine", "Level", "LinkCost", "Model", "Layer", "Config",
-           "Breakdown", "Collective", "PlanError", "scaling", "KINDS", "bus_bytes", "predict_memory", "predict_collectives"]
+           "Breakdown", "Collective", "PlanError", "scaling", "KINDS", "bus_bytes", "predict_memory", "predict_collectives",
+           "step_collectives"]

@@ -17,14 +17,17 @@ Time is a model, not a measurement:
 * compute: ``3 x forward flops x samples per data-parallel rank / tp / flop rate`` plus the
   activations' elements over the machine's pointwise rate, of the slowest stage, over
   ``1 - bubble_fraction(schedule, pp, microbatches)`` when pipelined;
-* each collective as the flight recorder lists it (op, bytes, mesh dimension), timed by the
-  machine's alpha-beta for its kind on the level that holds its dimension;
+* each collective of the step as the flight recorder lists it (op, bytes, mesh dimension:
+  :func:`step_collectives`, tensor parallelism's all-reduces, pipeline sends and receives and the
+  data-parallel strategy's, checked entry by entry against examples/train_3d.py's real step),
+  timed by the machine's alpha-beta for its kind on the level that holds its dimension;
 * overlap: (scaled by the machine's ``overlap``, the fraction of compute a collective can hide
   under: benchmarks/scaling.py measured the 2-core host's ranks overlapping nothing, issue 29.3) a stream of collectives that runs beside a compute window ``W`` (DDP/ZeRO buckets beside
   the backward; FSDP's gathers beside the forward, its gathers and reduce-scatters beside the
   backward) exposes ``max(t_one, sum(t) - W)``, ``t_one`` being the collective that cannot overlap
   (the last bucket; the first gather). Everything else (the per-sync agreement, ZeRO's parameter
-  all-gather after the step, tensor parallelism's all-reduces, pipeline sends) is exposed.
+  all-gather after the step, tensor parallelism's all-reduces, pipeline sends and receives, and
+  with ``loop="whole"`` FSDP's gathers before the pass and reductions after it) is exposed.
 """
 
 from __future__ import annotations
@@ -36,12 +39,13 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..parallel import bubble_fraction
-from ..parallel._seams import MB, ZERO2_BUFFERED_BUCKETS, assign_buckets
+from ..parallel._seams import (MB, ZERO2_BUFFERED_BUCKETS, Action, assign_buckets, gpipe_order, interleaved_order,
+                               one_f_one_b_order, zb_h1_order, zbv_order)
 from .machine import Machine
 from .model import Config, Layer, Model
 
-__all__ = ["Collective", "Breakdown", "estimate", "stage_layers", "local_shapes", "predict_memory",
-           "predict_collectives"]
+__all__ = ["Collective", "Breakdown", "estimate", "stage_layers", "rank_chunks", "local_shapes", "predict_memory",
+           "predict_collectives", "step_collectives"]
 
 
 class _DType(NamedTuple):
@@ -97,6 +101,30 @@ def stage_layers(model: Model, pp: int) -> list[list[Layer]]:
     return [list(part) for part in np.array_split(np.array(model.layers, dtype=object), pp)]
 
 
+def _virtual(config: Config) -> int:
+    """Stages a rank holds: two with ``interleaved`` (train_3d.py's default ``--virtual 2``) and ``zbv`` (its V)."""
+    return 2 if config.schedule in ("interleaved", "zbv") else 1
+
+
+def rank_chunks(model: Model, config: Config, stage: int = 0) -> list[tuple[int, list[Layer]]]:
+    """The pipeline stages pipeline rank ``stage`` holds, as (stage index, its layers): stage
+    ``stage`` of ``pp``; with ``interleaved``, stages ``stage + k pp`` of ``2 pp``; with ``zbv``,
+    stages ``stage`` and ``2 pp - 1 - stage`` (the V). Its data-parallel strategy holds their
+    layers in this order (examples/train_3d.py)."""
+    v, p = _virtual(config), config.pp
+    if v > 1 and p * v > len(model.layers):
+        raise ValueError(f"meshkit.plan: schedule {config.schedule!r} holds {v} stages a rank: pp={p} needs at least "
+                         f"{p * v} layers, the model has {len(model.layers)}")
+    parts = stage_layers(model, p * v)
+    mine = [stage] if v == 1 else [stage, 2 * p - 1 - stage] if config.schedule == "zbv" else [stage + p * k
+                                                                                                 for k in range(v)]
+    return [(s, parts[s]) for s in mine]
+
+
+def _rank_layers(model: Model, config: Config, stage: int) -> list[Layer]:
+    return [layer for _, layers in rank_chunks(model, config, stage) for layer in layers]
+
+
 def local_shapes(layers: list[Layer], tp: int, tp_rank: int = 0) -> dict[str, tuple[int, ...]]:
     """``layer.param -> shape`` on tensor-parallel rank ``tp_rank``: a ``tp_dim`` split as
     ``Shard`` splits (torch.chunk: chunks of ``ceil(size / tp)``, the last ones shorter or empty)."""
@@ -117,9 +145,11 @@ def _state_arrays(config: Config) -> int:
     return 1 if config.momentum else 0
 
 
-def _buckets(shapes: dict[str, tuple[int, ...]], dtype: _DType, config: Config) -> list[int]:
-    """Element counts of the buckets, in launch order (the reverse of registration)."""
-    order = list(reversed(shapes))
+def _buckets(shapes: dict[str, tuple[int, ...]], dtype: _DType, config: Config, ready: bool = False) -> list[int]:
+    """Element counts of the buckets, in launch order (the reverse of registration; with ``ready``,
+    the order the loop makes gradients ready in, into which DDP rebuilds its buckets after the
+    first step: ddp.py's ``_rebuild``, as torch's reducer)."""
+    order = list(shapes) if ready and config.loop == "whole" else list(reversed(shapes))
     groups = assign_buckets([(n, shapes[n], dtype) for n in order], bucket_cap_bytes=int(config.bucket_cap_mb * MB),
                             first_bucket_cap_bytes=int(config.first_bucket_cap_mb * MB))
     return [sum(math.prod(shapes[n]) for n in names) for names in groups]
@@ -156,7 +186,7 @@ def predict_memory(model: Model, config: Config, stage: int = 0, tp_rank: int = 
     """``memory_report()`` after a step on pipeline ``stage``'s tensor-parallel rank ``tp_rank``:
     params, grads, optimizer_state, comm_buffers (held between steps) and peak_transient (the most
     communication buffers held at once, not counted in the total)."""
-    layers = stage_layers(model, config.pp)[stage]
+    layers = _rank_layers(model, config, stage)
     shapes = local_shapes(layers, config.tp, tp_rank)
     it, k = model.itemsize, _state_arrays(config)
     numel = sum(math.prod(s) for s in shapes.values())
@@ -174,10 +204,12 @@ def predict_memory(model: Model, config: Config, stage: int = 0, tp_rank: int = 
         return {"params": padded * it, "grads": shard * it, "optimizer_state": k * shard * it, "comm_buffers": pool,
                 "peak_transient": peak}
     # fsdp / hsdp: one flat layout per unit (a layer with parameters), each padded to dp_shard; the
-    # peak is the largest unit unsharded (a loop that unshards one unit at a time, no prefetch)
+    # peak is the largest unit unsharded (a loop that unshards one unit at a time, no prefetch), or
+    # every unit at once (loop="whole")
     units = [sum(math.prod(shapes[f"{layer.name}.{p}"]) for p in layer.params) for layer in layers if layer.params]
     shard = sum(-(-u // n) for u in units)
-    peak = max((-(-u // n) * n for u in units), default=0) * it
+    padded = [-(-u // n) * n for u in units]
+    peak = (sum(padded) if config.loop == "whole" else max(padded, default=0)) * it
     return {"params": shard * it, "grads": shard * it, "optimizer_state": k * shard * it, "comm_buffers": 0,
             "peak_transient": peak}
 
@@ -186,20 +218,32 @@ def predict_collectives(model: Model, config: Config, stage: int = 0, tp_rank: i
     """The collectives of one steady-state training step of pipeline ``stage``'s data-parallel
     strategy, in the order its flight record lists them (seconds left 0: see :func:`estimate`).
 
-    DDP/ZeRO: gradients marked in backward order (the reverse of registration); FSDP: each unit
-    unsharded in the forward, then, in reverse, unsharded again (``reshard_after_forward``, the
-    default) and its gradients reduced.
+    DDP/ZeRO: buckets of the gradients in backward order (the reverse of registration; DDP's,
+    with ``loop="whole"``, in forward order, the order that loop marks them in); FSDP
+    (``loop="per_layer"``): each unit unsharded in the forward, then, in reverse, unsharded
+    again (``reshard_after_forward``, the default) and its gradients reduced; (``loop="whole"``)
+    every unit unsharded, then every unit's gradients reduced, in forward order. The whole step,
+    tensor and pipeline parallelism's too: :func:`step_collectives`.
     """
-    layers = stage_layers(model, config.pp)[stage]
+    before, after = _dp_collectives(model, config, stage, tp_rank)
+    return before + after
+
+
+def _dp_collectives(model: Model, config: Config, stage: int, tp_rank: int
+                    ) -> tuple[list[Collective], list[Collective]]:
+    """The data-parallel strategy's collectives: those before the forward and backward pass
+    (FSDP's forward gathers) and those after them."""
+    layers = _rank_layers(model, config, stage)
     shapes = local_shapes(layers, config.tp, tp_rank)
     it = model.itemsize
     n = config.dp_shard
     out: list[Collective] = []
     if config.strategy in ("ddp", "zero1", "zero2"):
-        sizes = _buckets(shapes, _DType(model.dtype, it), config)
+        sizes = _buckets(shapes, _DType(model.dtype, it), config, ready=config.strategy == "ddp")
         numel = sum(sizes)
         padded = -(-numel // n) * n
-        # issued at one rank too: the strategies do not special-case a group of one
+        # issued at one rank too: the strategies do not special-case a group of one; buckets are
+        # launched in bucket order whatever the order gradients are marked in (reducer.py)
         start = 0
         for size in sizes:
             if config.strategy == "zero2":  # one reduce per owner's piece of the bucket (zero.py)
@@ -214,17 +258,83 @@ def predict_collectives(model: Model, config: Config, stage: int = 0, tp_rank: i
         out.append(Collective("all_reduce", 4 * n, "dp"))  # the per-sync agreement flags (int32, reducer.py)
         if config.strategy != "ddp":
             out.append(Collective("all_gather", padded * it, "dp"))
-        return out
+        return [], out
     units = [sum(math.prod(shapes[f"{layer.name}.{p}"]) for p in layer.params) for layer in layers if layer.params]
     padded = [-(-u // n) * n for u in units]
     shard_dim = "dp_shard" if config.strategy == "hsdp" else "dp"
-    out += [Collective("all_gather", p * it, shard_dim) for p in padded]
-    for p in reversed(padded):
-        out.append(Collective("all_gather", p * it, shard_dim))
+    before = [Collective("all_gather", p * it, shard_dim) for p in padded]
+    for p in (padded if config.loop == "whole" else reversed(padded)):
+        if config.loop == "per_layer":
+            out.append(Collective("all_gather", p * it, shard_dim))
         out.append(Collective("reduce_scatter", p * it, shard_dim))
         if config.strategy == "hsdp":
             out.append(Collective("all_reduce", p // n * it, "dp_replicate"))
+    return before, out
+
+
+def _order(config: Config, stage: int) -> list[Action]:
+    """Pipeline rank ``stage``'s passes in its schedule's order (meshkit.parallel's own orders)."""
+    p, m = config.pp, config.microbatches
+    if config.schedule == "interleaved":
+        return interleaved_order(stage, p, _virtual(config), m)
+    if config.schedule == "zbv":
+        return zbv_order(stage, p, m)
+    return {"gpipe": gpipe_order, "1f1b": one_f_one_b_order, "zbh1": zb_h1_order}[config.schedule](stage, p, m)
+
+
+def _input_bytes(model: Model) -> dict[str, int]:
+    """Each layer's input bytes per sample: its ``input_bytes``, else the previous layer's output."""
+    out, prev = {}, model.layers[0].activation_bytes
+    for layer in model.layers:
+        out[layer.name] = layer.input_bytes or prev
+        prev = layer.activation_bytes
     return out
+
+
+def step_collectives(model: Model, config: Config, stage: int = 0, tp_rank: int = 0) -> list[Collective]:
+    """Every collective of one steady-state training step on pipeline rank ``stage``, tensor-parallel
+    rank ``tp_rank``, in the order the flight recorder lists them (``op``, ``nbytes``, ``dim``;
+    seconds left 0), for a step run as examples/train_3d.py runs it: the stages' passes in the
+    schedule's order (:func:`rank_chunks`), then the data-parallel strategy's collectives
+    (:func:`predict_collectives`; FSDP's gathers before the passes).
+
+    Each forward pass of a stage (a microbatch of ``batch / dp / microbatches`` samples): ``recv``
+    of its input (but on the first stage, or from a stage on this rank), one ``tp`` all-reduce of
+    the output of each rowwise (and block) layer, ``send`` of its output (but on the last stage).
+    Each backward pass (the zero-bubble schedules' B; W issues nothing): ``recv`` of the output's
+    gradient, one ``tp`` all-reduce of the input gradient of each colwise (and block) layer, last
+    layer first (the first stage's too), ``send`` of the input's gradient. Tensor parallelism's
+    all-reduces only where ``tp > 1`` (:attr:`Layer.tp_style`)."""
+    if model.batch % (config.dp * config.microbatches):
+        raise ValueError(f"meshkit.plan: batch {model.batch} does not split over {config.dp} data-parallel ranks "
+                         f"into {config.microbatches} microbatches each")
+    mb = model.batch // config.dp // config.microbatches
+    p, v = config.pp, _virtual(config)
+    n = p * v
+    mine = dict(rank_chunks(model, config, stage))
+    out_bytes = [layers[-1].activation_bytes * mb for layers in stage_layers(model, n)]
+    held_by = (lambda s: s if s < p else 2 * p - 1 - s) if config.schedule == "zbv" else (lambda s: s % p)
+    inputs = _input_bytes(model)
+    tp = config.tp > 1
+
+    def pp(op: str, s: int, nbytes: int) -> list[Collective]:  # a transfer to or from stage s, unless held here
+        return [Collective(op, nbytes, "pp")] if 0 <= s < n and held_by(s) != stage else []
+
+    passes: list[Collective] = []
+    for a in _order(config, stage):
+        s, layers = a.stage, mine[a.stage]
+        if a.kind == "F":
+            passes += pp("recv", s - 1, out_bytes[s - 1] if s else 0)
+            passes += [Collective("all_reduce", layer.activation_bytes * mb, "tp") for layer in layers
+                       if tp and layer.tp_style in ("rowwise", "block")]
+            passes += pp("send", s + 1, out_bytes[s])
+        elif a.kind == "B":
+            passes += pp("recv", s + 1, out_bytes[s])
+            passes += [Collective("all_reduce", inputs[layer.name] * mb, "tp") for layer in reversed(layers)
+                       if tp and layer.tp_style in ("colwise", "block")]
+            passes += pp("send", s - 1, out_bytes[s - 1] if s else 0)
+    before, after = _dp_collectives(model, config, stage, tp_rank)
+    return before + passes + after
 
 
 def _spans(config: Config) -> dict[str, tuple[int, int]]:
@@ -245,11 +355,14 @@ def _exposed(times: list[float], window: float, unhidden: float) -> float:
 
 
 def _compute_time(layers: list[Layer], samples: int, config: Config, model: Model, machine: Machine) -> float:
-    """A stage's forward and backward over ``samples``: ``3 x`` the matmul flops at the machine's
-    flop rate, plus the activations' elements at its pointwise rate (a layer split over tp
-    computes its share of both)."""
-    flops = 3 * sum(layer.flops for layer in layers) * samples / config.tp
-    pointwise = sum(layer.pointwise / (config.tp if layer.tp_dim else 1) for layer in layers) * samples
+    """A pipeline rank's forward and backward over ``samples``: ``3 x`` the matmul flops at the
+    machine's flop rate, plus the activations' elements at its pointwise rate. A layer split over
+    tp does its share of the flops (a replicated one all of them) and, colwise, its share of the
+    activation; a rowwise or block layer's output is all-reduced, whole on every tp rank, and so is
+    its activation (examples/train_3d.py)."""
+    tp = config.tp
+    flops = 3 * sum(layer.flops / (1 if layer.tp_style == "replicated" else tp) for layer in layers) * samples
+    pointwise = sum(layer.pointwise / (tp if layer.tp_style == "colwise" else 1) for layer in layers) * samples
     return machine.compute_time(flops, model.dtype) + machine.pointwise_time(pointwise, model.dtype)
 
 
@@ -267,33 +380,28 @@ def estimate(config: Config, model: Model, machine: Machine) -> Breakdown:
     spans = _spans(config)
     stages = stage_layers(model, config.pp)
     stage_memory = [predict_memory(model, config, s) for s in range(config.pp)]
-    computes = [_compute_time(layers, local_batch, config, model, machine) for layers in stages]
+    computes = [_compute_time(_rank_layers(model, config, s), local_batch, config, model, machine)
+                for s in range(config.pp)]
     busiest = int(np.argmax([sum(m.values()) - m["peak_transient"] for m in stage_memory]))
     slowest = int(np.argmax(computes))
     compute = computes[slowest]
     bubble = bubble_fraction(config.schedule, config.pp, config.microbatches) if config.pp > 1 else 0.0
     bubble_s = compute * bubble / (1 - bubble)
     colls = []
-    for c in predict_collectives(model, config, slowest):
+    for c in step_collectives(model, config, slowest):
         size, span = spans[c.dim]
         colls.append(dataclasses.replace(c, seconds=machine.collective_time(_kind(c.op), c.nbytes, size, span)))
-    # tensor parallelism (Megatron): one all-reduce of a layer's activations forward, one backward
-    if config.tp > 1:
-        for layer in stages[slowest]:
-            if layer.tp_dim:
-                nbytes = layer.activation_bytes * local_batch
-                t = machine.collective_time("all_reduce", nbytes, config.tp, config.tp)
-                colls += [Collective("all_reduce", nbytes, "tp", t)] * 2
-    if config.pp > 1:  # activations forward and their gradients backward across each stage boundary
-        boundary = stages[slowest][-1] if slowest < config.pp - 1 else stages[slowest - 1][-1]
-        nbytes = boundary.activation_bytes * local_batch // config.microbatches
-        t = machine.collective_time("send_recv", nbytes, 2, config.world_size)
-        colls += [Collective("send", nbytes, "pp", t)] * (2 * config.microbatches)
     forward, backward = compute / 3, 2 * compute / 3
+    comm = sum(c.seconds for c in colls)
     if config.strategy in ("ddp", "zero1", "zero2"):
         grads = [c.seconds for c in colls if c.op in ("all_reduce", "reduce") and c.dim == "dp"][:-1]
-        hidden = _exposed(grads, backward * machine.overlap, grads[-1] if grads else 0.0)
+        # loop="whole" hands every gradient over after the pass: no backward left to hide under
+        window = backward * machine.overlap if config.loop == "per_layer" else 0.0
+        hidden = _exposed(grads, window, grads[-1] if grads else 0.0)
         rest = sum(c.seconds for c in colls) - sum(grads)
+    elif config.loop == "whole":  # every gather before the passes, every reduction after: nothing beside them
+        hidden = 0.0
+        rest = comm
     else:
         gathers = [c.seconds for c in colls if c.op == "all_gather"]
         fwd, bwd_g = gathers[:len(gathers) // 2], gathers[len(gathers) // 2:]
@@ -301,7 +409,6 @@ def estimate(config: Config, model: Model, machine: Machine) -> Breakdown:
         hidden = (_exposed(fwd, forward * machine.overlap, fwd[0] if fwd else 0.0)
                   + _exposed(bwd, backward * machine.overlap, bwd[-1] if bwd else 0.0))
         rest = sum(c.seconds for c in colls if c.dim in ("tp", "pp"))
-    comm = sum(c.seconds for c in colls)
     exposed = hidden + rest
     layers = stages[busiest]
     in_flight = 1 if config.pp == 1 else (config.microbatches if config.schedule == "gpipe"

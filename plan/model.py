@@ -29,6 +29,7 @@ __all__ = ["Layer", "Model", "Config", "STRATEGIES", "OPTIMIZERS", "SCHEDULES"]
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1", "zbv")
+LOOPS = ("per_layer", "whole")
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
 
@@ -54,7 +55,19 @@ class Layer:
     activation_bytes: int = 0
     flops: int = 0
     tp_dim: dict[str, int] = dataclasses.field(default_factory=dict)
+    input_bytes: int = 0
     pointwise: int = 0
+
+    @property
+    def tp_style(self) -> str:
+        """How tensor parallelism cuts the layer, read off its 2-D parameters' ``tp_dim`` (weights
+        ``(fan_in, fan_out)``, as Megatron-LM's linear layers): ``"colwise"`` (split along dim 1:
+        its input gradient all-reduced in the backward), ``"rowwise"`` (dim 0: its output
+        all-reduced in the forward), ``"block"`` (both inside one layer: both all-reduces) or
+        ``"replicated"`` (no 2-D parameter split: no communication)."""
+        dims = {d for p, d in self.tp_dim.items() if len(self.params[p]) == 2}
+        return {frozenset({1}): "colwise", frozenset({0}): "rowwise",
+                frozenset({0, 1}): "block"}.get(frozenset(dims), "replicated")
 
     def validate(self, where: str) -> None:
         for pname, shape in self.params.items():
@@ -65,6 +78,7 @@ class Layer:
         _count(f"{where}.activation_bytes", self.activation_bytes)
         _count(f"{where}.flops", self.flops)
         _count(f"{where}.pointwise", self.pointwise)
+        _count(f"{where}.input_bytes", self.input_bytes)
         for pname, dim in self.tp_dim.items():
             if pname not in self.params:
                 raise _bad(f"{where}.tp_dim", pname, f"one of the layer's parameters {list(self.params)}")
@@ -113,17 +127,19 @@ class Model:
         for i, lv in enumerate(data["layers"]):
             if not isinstance(lv, dict) or not isinstance(lv.get("params"), dict):
                 raise _bad(f"Model.layers[{i}]", lv, "an object with 'params' (name -> shape)")
-            unknown = sorted(set(lv) - {"name", "params", "activation_bytes", "flops", "tp_dim", "pointwise"})
+            unknown = sorted(set(lv) - {"name", "params", "activation_bytes", "flops", "tp_dim", "input_bytes",
+                                        "pointwise"})
             if unknown:
                 raise _bad(f"Model.layers[{i}]", unknown, "keys among name, params, activation_bytes, flops, tp_dim, "
-                           "pointwise (unknown keys)")
+                           "input_bytes, pointwise (unknown keys)")
             params = {}
             for p, shape in lv["params"].items():
                 if not isinstance(shape, list):
                     raise _bad(f"Model.layers[{i}].params[{p!r}]", shape, "a list of sizes")
                 params[p] = tuple(shape)
             layers.append(Layer(str(lv.get("name", f"layer{i}")), params, lv.get("activation_bytes", 0),
-                                lv.get("flops", 0), dict(lv.get("tp_dim", {})), lv.get("pointwise", 0)))
+                                lv.get("flops", 0), dict(lv.get("tp_dim", {})), lv.get("input_bytes", 0),
+                                lv.get("pointwise", 0)))
         return cls(layers, data.get("batch", 1), data.get("dtype", "float32"))
 
     @classmethod
@@ -142,7 +158,16 @@ class Config:
     ``dp_shard`` is the data-parallel group's size for ddp, zero1, zero2 and fsdp (``dp_replicate``
     must then be 1); hsdp shards over ``dp_shard`` and replicates over ``dp_replicate``. Pipeline
     stages take contiguous runs of layers (``numpy.array_split`` of the layer list: the first
-    stages get one more layer when ``pp`` does not divide them). FSDP's units are the layers.
+    stages get one more layer when ``pp`` does not divide them; ``interleaved`` and ``zbv`` cut
+    ``2 x pp`` stages, two a rank, as examples/train_3d.py by default). FSDP's units are the layers.
+
+    ``loop`` says how the training loop drives the data-parallel strategy: ``"per_layer"``
+    (examples/mlp.py: each layer's gradients handed over as the backward makes them, last layer
+    first; FSDP's units unsharded one at a time in the forward and again in the backward) or
+    ``"whole"`` (examples/train_3d.py, as torchtitan runs FSDP with pipelining: every unit
+    unsharded once before the forward and backward pass and held through it, every gradient
+    handed over after it, first layer first: DDP then rebuilds its buckets in that order, and
+    FSDP holds every unit at once but gathers each once a step).
     """
 
     strategy: str = "ddp"
@@ -156,6 +181,7 @@ class Config:
     microbatches: int = 1
     bucket_cap_mb: float = 25
     first_bucket_cap_mb: float = 1
+    loop: str = "per_layer"
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -164,6 +190,8 @@ class Config:
             raise _bad("Config.optimizer", self.optimizer, f"one of {', '.join(OPTIMIZERS)}")
         if self.schedule not in SCHEDULES:
             raise _bad("Config.schedule", self.schedule, f"one of {', '.join(SCHEDULES)}")
+        if self.loop not in LOOPS:
+            raise _bad("Config.loop", self.loop, f"one of {', '.join(LOOPS)}")
         for field in ("dp_replicate", "dp_shard", "tp", "pp", "microbatches"):
             _count(f"Config.{field}", getattr(self, field), 1)
         if self.strategy != "hsdp" and self.dp_replicate != 1:
@@ -184,4 +212,5 @@ class Config:
     def name(self) -> str:
         mesh = f"dp{self.dp_replicate}x{self.dp_shard}" if self.strategy == "hsdp" else f"dp{self.dp_shard}"
         out = f"{self.strategy} {mesh} tp{self.tp} pp{self.pp}"
-        return out + (f" {self.schedule} mb{self.microbatches}" if self.pp > 1 else "")
+        out += f" {self.schedule} mb{self.microbatches}" if self.pp > 1 else ""
+        return out + (" whole-pass" if self.loop == "whole" else "")

@@ -40,7 +40,8 @@ def configurations(model: Model, world_size: int, *, strategies: Sequence[str] =
                 continue
             local = model.batch // dp
             pipe = [(s, m) for s in schedules for m in range(pp, max_microbatch_factor * pp + 1, pp)
-                    if local % m == 0] if pp > 1 else [("1f1b", 1)]
+                    if local % m == 0 and pp * (2 if s in ("interleaved", "zbv") else 1) <= len(model.layers)
+                    ] if pp > 1 else [("1f1b", 1)]  # interleaved and zbv: two stages a rank
             for schedule, mb in pipe:
                 common = {"tp": tp, "pp": pp, "optimizer": optimizer, "schedule": schedule, "microbatches": mb}
                 for strategy in strategies:

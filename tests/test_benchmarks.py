@@ -328,28 +328,53 @@ def test_context_parallel_benchmark_times_compute_comm_and_the_ring(mpirun, tmp_
 
 # --------------------------------------------------------------------------- scaling.py
 def test_scaling_benchmark_writes_measured_beside_predicted_with_exact_memory(tmp_path):
-    """benchmarks/scaling.py at its smallest (1 and 2 ranks, ddp and fsdp, strong scaling, two steps):
+    """benchmarks/scaling.py at its smallest (1 and 2 ranks, ddp and fsdp, strong scaling, one step
+    in each of two interleaved rounds; at 2 ranks also train_3d's tp2, pp2 gpipe and pp2 1f1b):
     one record per configuration in issue 29.3's format, memory predicted byte for byte, and the
     acceptance figures printed. No timing is asserted (a shared 2-core machine)."""
     out_json = tmp_path / "scaling.json"
     proc = subprocess.run([sys.executable, str(BENCHMARKS / "scaling.py"), "--worlds", "1,2", "--strategies",
-                           "ddp,fsdp", "--modes", "strong", "--hidden", "32,32", "--batch", "16", "--steps", "2",
-                           "--warmup", "1", "--calib-repeats", "1", "--json", str(out_json)],
-                          capture_output=True, text=True, timeout=120)
+                           "ddp,fsdp", "--modes", "strong", "--hidden", "32,32", "--batch", "16", "--steps", "1",
+                           "--warmup", "1", "--rounds", "2", "--microbatches", "2", "--calib-repeats", "1",
+                           "--json", str(out_json)],
+                          capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(out_json.read_text())
     rows = data["rows"]
-    assert [(r["config"], r["ranks"]) for r in rows] == [("ddp dp1 tp1 pp1", 1), ("fsdp dp1 tp1 pp1", 1),
-                                                         ("ddp dp2 tp1 pp1", 2), ("fsdp dp2 tp1 pp1", 2)], rows
+    assert [(r["config"], r["ranks"]) for r in rows] == [
+        ("ddp dp1 tp1 pp1", 1), ("fsdp dp1 tp1 pp1", 1), ("ddp dp2 tp1 pp1", 2), ("fsdp dp2 tp1 pp1", 2),
+        ("ddp dp1 tp2 pp1 whole-pass", 2), ("ddp dp1 tp1 pp2 gpipe mb2 whole-pass", 2),
+        ("ddp dp1 tp1 pp2 1f1b mb2 whole-pass", 2)], rows
     for r in rows:
         assert r["measured_step_s"] > 0 and r["predicted_step_s"] > 0, r
+        assert len(r["measured_rounds_s"]) == 2, r  # one median a round, their median reported
+        assert r["measured_step_s"] == pytest.approx(sum(r["measured_rounds_s"]) / 2), r
         assert isinstance(r["measured_bytes"], int) and r["measured_bytes"] == r["predicted_bytes"], r
     assert rows[3]["measured_bytes"] * 2 == rows[1]["measured_bytes"]  # fsdp shards over 2 ranks
+    assert rows[4]["measured_bytes"] < rows[0]["measured_bytes"]  # tp holds about half of each block pair
+    assert (rows[5]["pp"], rows[5]["tp"], rows[5]["schedule"], rows[5]["line"]) == (2, 1, "gpipe", "pp")
     assert data["metadata"]["summary"]["memory_mismatches"] == 0
-    assert re.search(r"^Spearman\(predicted, measured step time\): -?\d\.\d{3} over 4 configurations", proc.stdout,
+    assert re.search(r"^Spearman\(predicted, measured step time\): -?\d\.\d{3} over 7 configurations", proc.stdout,
                      re.M), proc.stdout
     assert "planner's pick within 10% of the fastest measured: " in proc.stdout
     assert (tmp_path / "scaling_calib_2.json").exists()
+
+
+def test_scaling_configurations_of_tp_and_pp():
+    """Which tp and pp meshes scaling.py runs at 2 and 4 ranks, and that a bad --rounds is refused."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import scaling
+    assert [c.name() for c in scaling.configurations_3d(2, ["ddp", "zero1"], 4)] == [
+        "ddp dp1 tp2 pp1 whole-pass", "ddp dp1 tp1 pp2 gpipe mb4 whole-pass", "ddp dp1 tp1 pp2 1f1b mb4 whole-pass"]
+    four = {(c.pp, c.dp, c.tp, c.strategy, c.schedule if c.pp > 1 else None)
+            for c in scaling.configurations_3d(4, ["ddp", "zero1", "zero2", "fsdp", "hsdp"], 4)}
+    assert {(1, 2, 2, s, None) for s in ("ddp", "zero1", "zero2", "fsdp")} <= four  # dp2 x tp2, train_3d's strategies
+    assert {(2, 2, 1, s, "1f1b") for s in ("ddp", "zero1", "zero2", "fsdp")} <= four  # dp2 x pp2
+    assert {(2, 1, 2, "ddp", "1f1b"), (2, 1, 2, "ddp", "gpipe"), (1, 1, 4, "ddp", None)} <= four
+    assert all(pp > 1 or tp > 1 for pp, _, tp, *_ in four)
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "scaling.py"), "--rounds", "0"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and "argument --rounds: must be >= 1, got 0" in proc.stderr, proc.stderr
 
 
 # --------------------------------------------------------------------------- two_level.py

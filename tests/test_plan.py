@@ -345,3 +345,27 @@ def test_scaling_rows():
         best = r[r["best"]]
         assert best["step_s"] == min(r[s]["step_s"] for s in ("ddp", "hsdp"))
         assert 0 < best["efficiency"] <= 1
+
+
+def test_search_leaves_out_two_stage_schedules_without_the_layers_for_them():
+    """interleaved and zbv hold two stages a rank: pp=2 needs 4 layers; MODEL has 3, so search
+    offers 1f1b at pp=2 but no zbv there (estimate would refuse it), instead of failing."""
+    ranked = search(MODEL, 2, two_level(), schedules=("zbv", "1f1b"))
+    assert any(b.config.pp == 2 and b.config.schedule == "1f1b" for b in ranked)
+    assert not any(b.config.pp == 2 and b.config.schedule == "zbv" for b in ranked)
+    with pytest.raises(ValueError, match=r"schedule 'zbv' holds 2 stages a rank: pp=2 needs at least 4 layers, the "
+                       r"model has 3"):
+        estimate(Config("ddp", pp=2, schedule="zbv", microbatches=2), MODEL, two_level())
+
+
+def test_layer_tp_style_and_input_bytes():
+    """How tp cuts a layer is read off its 2-D weights' tp_dim (Megatron's (fan_in, fan_out) linear
+    layers); input_bytes, the size a colwise layer's backward all-reduces, loads from a model file."""
+    assert Layer("a", {"w": (4, 8), "b": (8,)}, tp_dim={"w": 1, "b": 0}).tp_style == "colwise"
+    assert Layer("a", {"w": (8, 4), "b": (4,)}, tp_dim={"w": 0}).tp_style == "rowwise"
+    assert MODEL.layers[1].tp_style == "block"  # w1 colwise and w2 rowwise inside one layer
+    assert Layer("a", {"w": (4, 8), "b": (8,)}, tp_dim={"b": 0}).tp_style == "replicated"
+    loaded = Model.from_dict({"layers": [{"params": {"w": [2, 3]}, "activation_bytes": 12, "input_bytes": 8}]})
+    assert loaded.layers[0].input_bytes == 8
+    with pytest.raises(ValueError, match=r"Model.layers\[0\].input_bytes must be an integer >= 0, got -1"):
+        Model([Layer("a", {"w": (2,)}, input_bytes=-1)], batch=1)

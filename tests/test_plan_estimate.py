@@ -4,6 +4,9 @@ the local engine, for every strategy at 1-4 ranks, hsdp meshes and pipeline stag
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -12,7 +15,8 @@ from meshkit.comm import local
 from meshkit.parallel import data_parallel
 from meshkit.parallel.optim.optimizers import SGD, AdamW
 from meshkit.tensor import DTensor, Shard, distribute_tensor
-from meshkit.plan import Config, Layer, Model, predict_collectives, predict_memory
+from meshkit.plan import (Config, Layer, Machine, Model, estimate, predict_collectives, predict_memory,
+                          step_collectives)
 
 #: Shapes that divide evenly, that do not (7x5 + 5 over 2, 3, 4 ranks), and a model of buckets
 #: (caps of a few kB in the configs below: several buckets, some parameters larger than a cap).
@@ -146,3 +150,105 @@ def test_tensor_parallel_blocks(strategy):
         predicted = predict_memory(TP_MODEL, config, 0, tp_rank)
         assert {k: report[k] for k in predicted} == predicted
         assert [(c.op, c.nbytes, c.dim) for c in predict_collectives(TP_MODEL, config, 0, tp_rank)] == listed
+
+
+# --------------------------------------------------------------------------- examples/train_3d.py's whole step
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import train_3d  # noqa: E402
+import train_mlp  # noqa: E402
+
+_OPS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
+
+
+def _train_3d_step(monkeypatch, shape, schedule, dp, microbatches, hidden="8,8,8", optimizer="sgd"):
+    """Train examples/train_3d.py for 3 steps on the local engine; per rank: (pp rank, tp rank,
+    the third step's flight record as (op, bytes, mesh dim), memory_report() after it). The loop's
+    loss reporting (two 1-element all-reduces, over pp and dp, after each step) is not the step's."""
+    snapshots: dict[int, list] = {}
+    models: dict[int, object] = {}
+
+    def saver(manager, model, args):  # the loop's after_step: where one step ends
+        models[meshkit.get_rank()] = model
+        return lambda done: snapshots.setdefault(meshkit.get_rank(), []).append(meshkit.flight_record())
+
+    monkeypatch.setattr(train_mlp, "saver", saver)
+
+    def body():
+        rank, world = meshkit.get_rank(), meshkit.get_world_size()
+        args = train_3d.parse_args(["--mesh", "x".join(map(str, shape)), "--schedule", schedule, "--dp", dp,
+                                    "--microbatches", str(microbatches), "--hidden", hidden, "--steps", "3",
+                                    "--batch", "8", "--samples", "64", "--optimizer", optimizer],
+                                   rank=rank, world_size=world)
+        train_3d.train(args, progress=False)
+        mesh = train_3d.build_mesh(args.mesh)
+        # dimensions of size 1 share one group: name it dp (tp and pp issue nothing over one rank)
+        dims = {mesh.get_group(name).name: name for name in ("pp", "tp", "dp")}
+        before, after = snapshots[rank][-2:]
+        # the step begins after the previous step's last entry (a collective: sends and receives have no seq)
+        last = (before[-1]["group"], before[-1]["seq"])
+        step = after[[(e["group"], e["seq"]) for e in after].index(last) + 1:]
+        listed = [(_OPS.get(e["op"], e["op"]),
+                   max(int(np.prod(s)) for s in e["shapes"]) * np.dtype(e["dtype"]).itemsize, dims[e["group"]])
+                  for e in step]
+        assert [e[:2] for e in listed[-2:]] == [("all_reduce", 8)] * 2, listed  # the loss, reported
+        assert len(step) < 60, "the flight recorder keeps 64 entries: this step may not fit"
+        return mesh.get_local_rank("pp"), mesh.get_local_rank("tp"), listed[:-2], models[rank].memory_report()
+
+    return local.run(body, int(np.prod(shape)), timeout=120)
+
+
+TRAIN_3D = [((2, 1, 1), "gpipe", "ddp", 2), ((2, 1, 1), "1f1b", "zero1", 4), ((1, 1, 2), "1f1b", "ddp", 2),
+            ((1, 1, 2), "gpipe", "fsdp", 2), ((2, 1, 2), "1f1b", "ddp", 2), ((2, 1, 2), "gpipe", "zero2", 2),
+            ((1, 2, 2), "1f1b", "zero2", 2), ((1, 2, 2), "gpipe", "fsdp", 2), ((2, 2, 1), "1f1b", "fsdp", 2),
+            ((2, 2, 1), "gpipe", "zero1", 2), ((2, 1, 2), "zbh1", "ddp", 2), ((2, 1, 1), "interleaved", "ddp", 2),
+            ((2, 1, 2), "interleaved", "zero2", 4), ((2, 1, 2), "zbv", "fsdp", 2), ((2, 2, 1), "zbv", "ddp", 2)]
+
+
+@pytest.mark.parametrize("shape,schedule,dp,microbatches", TRAIN_3D)
+def test_train_3d_step_matches_the_flight_record(monkeypatch, shape, schedule, dp, microbatches):
+    """examples/train_3d.py's real step (Megatron blocks over tp, its stages over pp under the
+    schedule, the strategy over dp): step_collectives lists every collective of it (tp all-reduces,
+    pp sends and receives, dp collectives) entry by entry on every rank, and memory is exact."""
+    pp, dps, tp = shape
+    hidden = (8,) * (7 if schedule in ("interleaved", "zbv") else 3)  # two layers a stage: Megatron blocks
+    model = train_3d.plan_model(hidden, 8, pp=pp, tp=tp, schedule=schedule)
+    config = Config(dp, dp_shard=dps, tp=tp, pp=pp, optimizer="sgd", momentum=0.9, schedule=schedule,
+                    microbatches=microbatches, loop="whole")
+    ranks = _train_3d_step(monkeypatch, shape, schedule, dp, microbatches, hidden=",".join(map(str, hidden)))
+    for stage, tp_rank, listed, report in ranks:
+        predicted = step_collectives(model, config, stage, tp_rank)
+        assert [(c.op, c.nbytes, c.dim) for c in predicted] == listed, (stage, tp_rank)
+        memory = predict_memory(model, config, stage, tp_rank)
+        assert {k: report[k] for k in memory} == memory, (stage, tp_rank)
+    ops = {(op, dim) for *_, listed, _ in ranks for op, _, dim in listed}
+    assert (("send", "pp") in ops) == (pp > 1) and (("all_reduce", "tp") in ops) == (tp > 1)
+
+
+def test_train_3d_buckets_and_adamw(monkeypatch):
+    """Widths of 512 (several DDP buckets: 25 MB and a first of 1 MB), AdamW, 2 stages x 2 tp ranks."""
+    model = train_3d.plan_model((512, 512, 512), 8, pp=2, tp=2)
+    config = Config("ddp", dp_shard=1, tp=2, pp=2, optimizer="adamw", microbatches=2, loop="whole")
+    ranks = _train_3d_step(monkeypatch, (2, 1, 2), "1f1b", "ddp", 2, hidden="512,512,512", optimizer="adamw")
+    for stage, tp_rank, listed, report in ranks:
+        assert [(c.op, c.nbytes, c.dim) for c in step_collectives(model, config, stage, tp_rank)] == listed
+        assert sum(op == "all_reduce" and dim == "dp" for op, _, dim in listed) == 3  # two buckets, the flags
+        memory = predict_memory(model, config, stage, tp_rank)
+        assert {k: report[k] for k in memory} == memory
+
+
+def test_estimate_times_the_step_it_lists():
+    """estimate's collectives are step_collectives' list for the stage it times (the slowest),
+    each timed over its dimension: tensor parallelism's all-reduces and pipeline transfers are
+    the real ones (four a microbatch at pp=2, tp=2 on a 4-layer MLP), not a rough count."""
+    model = train_3d.plan_model((64, 64, 64), 32, pp=2, tp=2)
+    config = Config("zero1", dp_shard=2, tp=2, pp=2, schedule="1f1b", microbatches=4, loop="whole")
+    machine = Machine.describe_cluster(gpus_per_node=8, nodes=1, intra_bw=1e11, intra_latency=1e-5, inter_bw=1e10,
+                                       inter_latency=1e-5, memory_bytes=1 << 34, flops=1e12)
+    b = estimate(config, model, machine)
+    listed = step_collectives(model, config, 0)
+    assert [(c.op, c.nbytes, c.dim) for c in b.collectives] == [(c.op, c.nbytes, c.dim) for c in listed]
+    assert sum(c.dim == "tp" for c in listed) == 2 * 4 and sum(c.dim == "pp" for c in listed) == 2 * 4
+    assert all(c.seconds > 0 for c in b.collectives)
+    assert b.comm_s == pytest.approx(sum(c.seconds for c in b.collectives))
+    with pytest.raises(ValueError, match=r"Config.loop must be one of per_layer, whole, got 'once'"):
+        Config("fsdp", loop="once")
