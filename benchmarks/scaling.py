@@ -101,7 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="dp (examples/mlp.py, data parallel) and/or 3d (examples/train_3d.py, tp and pp with "
                              "dp) (default: dp,3d)")
     parser.add_argument("--microbatches", type=int, default=4, help="3d: pipeline microbatches (default: %(default)s)")
-    parser.add_argument("--rounds", type=int, default=2,
+    parser.add_argument("--rounds", type=int, default=3,
                         help="interleaved rounds over a job's configurations; the median is reported "
                              "(default: %(default)s)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps a round (default: 4; --quick: 3)")
