@@ -29,6 +29,8 @@ __all__ = ["calibrate", "fit_alpha_beta"]
 #: Default message sizes (bytes): latency-bound to bandwidth-bound on a host, and fast (< 1 s
 #: per dimension at 2 ranks on the local engine).
 SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20)
+#: Collectives per round of the sync-cost measurement (each after two matmuls).
+SYNC_CALLS = 20
 
 
 def fit_alpha_beta(bus: Sequence[float], seconds: Sequence[float]) -> tuple[LinkCost, float]:
@@ -162,8 +164,31 @@ def _overlap(group: Any, repeats: int, matmul_n: int) -> float:
     return float(np.clip((alone + comm - together) / max(min(alone, comm), 1e-9), 0.0, 1.0))
 
 
+def _sync_cost(group: Any, repeats: int, matmul_n: int) -> float:
+    """Seconds a small all-reduce costs between two stretches of computation beyond what it costs
+    alone: every rank runs ``SYNC_CALLS`` times two ``matmul_n``-square matmuls then an 8-byte
+    all-reduce, against the same matmuls without it. On a host with a core per rank it is the
+    ranks' uneven arrival; with more ranks than cores, the wait for a peer that shares a core with
+    a computing rank (issue 29.3: at 4 ranks on 2 cores 1.7 ms a call, against 0.2 ms idle)."""
+    a = np.random.default_rng(0).standard_normal((matmul_n, matmul_n))
+    flag = np.ones(1, np.float64)
+
+    def chain(sync: bool) -> None:
+        for _ in range(SYNC_CALLS):
+            a @ a
+            a @ a
+            if sync:
+                _c.all_reduce(flag, group=group)
+
+    # paired rounds, the median of their differences: a slow spell of a shared host hits both
+    # halves of a pair (4 ranks on 2 cores: differences of medians ranged 0.3-2.6 ms a call)
+    extra = [_timed(lambda: chain(True), group, 1) - _timed(lambda: chain(False), group, 1) for _ in range(repeats)]
+    idle = _timed(lambda: _c.all_reduce(flag, group=group), group, repeats)
+    return max(0.0, statistics.median(extra) / SYNC_CALLS - idle)
+
+
 def calibrate(mesh: DeviceMesh, *, sizes: Sequence[int] = SIZES, repeats: int = 5, kinds: Sequence[str] = KINDS,
-              matmul_n: int = 256, update_n: int = 1 << 18, compute_window: float = 0.02, memory_bytes: int = 0,
+              matmul_n: int = 256, update_n: int = 1 << 18, compute_window: float = 0.05, memory_bytes: int = 0,
               name: str = "calibrated") -> Machine:
     """Measure every dimension of ``mesh`` (collective: every rank of the mesh calls it, with the
     same arguments) and return the fitted :class:`Machine`, the same on every rank.
@@ -179,7 +204,9 @@ def calibrate(mesh: DeviceMesh, *, sizes: Sequence[int] = SIZES, repeats: int = 
     (momentum 0.9) step over ``update_n`` parameters, each measured with every rank of the mesh
     busy at once for ``compute_window`` seconds a round (ranks sharing cores share them, as in a
     step); ``overlap`` how much of an all-reduce over the outermost dimension
-    hides under a matmul chain beside it (the least over the ranks; 1 with one rank).
+    hides under a matmul chain beside it (the least over the ranks; 1 with one rank); ``sync_cost``
+    what a collective over every rank costs between stretches of computation beyond its cost
+    alone (the most over the ranks; 0 with one rank).
     """
     if not isinstance(mesh, DeviceMesh):
         raise DistValueError(f"meshkit.plan: calibrate: mesh must be a DeviceMesh, got {type(mesh).__name__}")
@@ -216,6 +243,8 @@ def calibrate(mesh: DeviceMesh, *, sizes: Sequence[int] = SIZES, repeats: int = 
     measured += [-_pointwise_rate(d, matmul_n, *busy) for d in dtypes]
     measured += [-_update_rate(o, update_n, *busy) for o in ("adamw", "sgd")]
     widest = mesh.get_group(0) if mesh.ndim else None  # the outermost dimension: the most ranks per collective
+    whole = groups[-1][1] if groups and groups[-1][2] is not None else widest  # every rank of the mesh
+    measured.append(_sync_cost(whole, repeats, matmul_n) if plan and whole.size > 1 else 0.0)
     measured.append(-_overlap(widest, repeats, matmul_n) if plan and widest.size > 1 else -1.0)
     # One machine on every rank: each point's MAX over the whole mesh (over each dimension in turn),
     # not just over the group that measured it (another group of the same dimension may be slower).
@@ -232,6 +261,7 @@ def calibrate(mesh: DeviceMesh, *, sizes: Sequence[int] = SIZES, repeats: int = 
         else:
             level.sized.setdefault(sized, {})[kind], errors[f"{names[dim]}@{sized}.{kind}"] = fit_alpha_beta(bus, seconds)
     out = list(levels.values()) or [Level("self", 1, {k: LinkCost(0.0, 0.0) for k in kinds})]
-    rates = [float(-v) for v in agreed[-7:-1]]
+    rates = [float(-v) for v in agreed[-8:-2]]
     return Machine(out, memory_bytes, dict(zip(dtypes, rates[0:2])), name, errors,
-                   {"adamw": rates[4], "sgd": rates[5]}, float(-agreed[-1]), dict(zip(dtypes, rates[2:4])))
+                   {"adamw": rates[4], "sgd": rates[5]}, float(-agreed[-1]), dict(zip(dtypes, rates[2:4])),
+                   float(agreed[-2]))

@@ -27,7 +27,10 @@ Time is a model, not a measurement:
   backward) exposes ``max(t_one, sum(t) - W)``, ``t_one`` being the collective that cannot overlap
   (the last bucket; the first gather). Everything else (the per-sync agreement, ZeRO's parameter
   all-gather after the step, tensor parallelism's all-reduces, pipeline sends and receives, and
-  with ``loop="whole"`` FSDP's gathers before the pass and reductions after it) is exposed.
+  with ``loop="whole"`` FSDP's gathers before the pass and reductions after it) is exposed;
+* each collective of the step adds the machine's ``sync_cost`` (ranks reach it from computation:
+  uneven arrival, and on an oversubscribed host a peer waiting for a core; issue 29.3 measured
+  4-rank steps on 2 cores at 1.3-3x the model without it, more for strategies with more calls).
 """
 
 from __future__ import annotations
@@ -409,7 +412,8 @@ def estimate(config: Config, model: Model, machine: Machine) -> Breakdown:
         hidden = (_exposed(fwd, forward * machine.overlap, fwd[0] if fwd else 0.0)
                   + _exposed(bwd, backward * machine.overlap, bwd[-1] if bwd else 0.0))
         rest = sum(c.seconds for c in colls if c.dim in ("tp", "pp"))
-    exposed = hidden + rest
+    # every collective of the step is reached from computation: the machine's sync cost each
+    exposed = hidden + rest + machine.sync_cost * len(colls)
     layers = stages[busiest]
     in_flight = 1 if config.pp == 1 else (config.microbatches if config.schedule == "gpipe"
                                           else min(config.pp, config.microbatches))

@@ -125,6 +125,10 @@ class Machine:
         overlap: the fraction of a compute window that collectives launched beside it can hide
             under (1: a GPU's separate streams; near 0 on a host whose ranks have a core each and
             MPI progresses only inside its calls; calibrate measures it).
+        sync_cost: seconds each collective of a step costs beyond its alpha-beta because ranks
+            reach it from computation (uneven arrival, a descheduled peer): measured by calibrate
+            (about 0.1 ms at 2 ranks on this 2-core host, 1.5 ms at 4, where a peer must wait for
+            a core); 0 for a described cluster.
         pointwise_rate: ``dtype name -> elements per second`` of an activation function's forward
             and backward (``tanh`` and its derivative's product) on one rank; empty leaves
             activations out of the compute time (a described cluster, where they are fused into
@@ -139,6 +143,7 @@ class Machine:
     update_rate: dict[str, float] = dataclasses.field(default_factory=dict)
     overlap: float = 1.0
     pointwise_rate: dict[str, float] = dataclasses.field(default_factory=dict)
+    sync_cost: float = 0.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -181,6 +186,7 @@ class Machine:
             _number("Machine", f"update_rate[{opt!r}]", rate, positive=True)
         for dtype, rate in self.pointwise_rate.items():
             _number("Machine", f"pointwise_rate[{dtype!r}]", rate, positive=True)
+        _number("Machine", "sync_cost", self.sync_cost)
 
     # ------------------------------------------------------------------ costs
     def level_for(self, span: int) -> Level:
@@ -218,7 +224,7 @@ class Machine:
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "memory_bytes": self.memory_bytes, "flops": dict(self.flops),
                 "fit_error": dict(self.fit_error), "update_rate": dict(self.update_rate),
-                "overlap": self.overlap, "pointwise_rate": dict(self.pointwise_rate),
+                "overlap": self.overlap, "pointwise_rate": dict(self.pointwise_rate), "sync_cost": self.sync_cost,
                 "levels": [{"name": lv.name, "size": lv.size, "costs": _costs_dict(lv.costs),
                             **({"sized": {str(n): _costs_dict(c) for n, c in lv.sized.items()}} if lv.sized else {})}
                            for lv in self.levels]}
@@ -245,7 +251,7 @@ class Machine:
             levels.append(Level(str(lv.get("name", f"level{i}")), lv.get("size"), costs, by_size))
         return cls(levels, data.get("memory_bytes", 0), dict(data.get("flops", {})), str(data.get("name", "machine")),
                    dict(data.get("fit_error", {})), dict(data.get("update_rate", {})), data.get("overlap", 1.0),
-                   dict(data.get("pointwise_rate", {})))
+                   dict(data.get("pointwise_rate", {})), data.get("sync_cost", 0.0))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
