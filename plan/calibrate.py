@@ -31,6 +31,8 @@ __all__ = ["calibrate", "fit_alpha_beta"]
 SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20)
 #: Collectives per round of the sync-cost measurement (each after two matmuls).
 SYNC_CALLS = 20
+#: Bytes of the copy-rate measurement: a bucket's or a layer's size, past the 1 MiB L2 of a core.
+COPY_BYTES = 1 << 22
 
 
 def fit_alpha_beta(bus: Sequence[float], seconds: Sequence[float]) -> tuple[LinkCost, float]:
@@ -133,6 +135,13 @@ def _pointwise_rate(dtype: str, n: int, mesh: DeviceMesh, repeats: int, window: 
     return _busy_rate(activation, n * n, mesh, repeats, window)
 
 
+def _copy_rate(nbytes: int, mesh: DeviceMesh, repeats: int, window: float) -> float:
+    """Bytes per second of ``array.copy()`` of ``nbytes``: a copy into fresh memory, as the
+    strategies' packing of a collective's buffer allocates its destination."""
+    src = np.ones(nbytes // 8)
+    return _busy_rate(src.copy, src.nbytes, mesh, repeats, window)
+
+
 def _update_rate(optimizer: str, n: int, mesh: DeviceMesh, repeats: int, window: float) -> float:
     """float64 parameters per second that ``optimizer``'s step updates (one array of ``n``): the
     optimizer step is part of every training step (zero and fsdp update a shard, ddp everything)."""
@@ -201,7 +210,8 @@ def calibrate(mesh: DeviceMesh, *, sizes: Sequence[int] = SIZES, repeats: int = 
     rates of an ``matmul_n``-square matmul on this rank (the slowest rank's, as agreed by MAX),
     ``pointwise_rate`` the elements per second of an activation's forward and backward (``tanh``)
     over as many values, and ``update_rate`` the float64 parameters per second of AdamW's and SGD's
-    (momentum 0.9) step over ``update_n`` parameters, each measured with every rank of the mesh
+    (momentum 0.9) step over ``update_n`` parameters and ``copy_rate`` the bytes per second of a
+    4 MiB ``copy()``, each measured with every rank of the mesh
     busy at once for ``compute_window`` seconds a round (ranks sharing cores share them, as in a
     step); ``overlap`` how much of an all-reduce over the outermost dimension
     hides under a matmul chain beside it (the least over the ranks; 1 with one rank); ``sync_cost``
@@ -242,6 +252,7 @@ def calibrate(mesh: DeviceMesh, *, sizes: Sequence[int] = SIZES, repeats: int = 
     measured += [-_matmul_rate(d, matmul_n, *busy) for d in dtypes]  # MIN rate as MAX of -rate
     measured += [-_pointwise_rate(d, matmul_n, *busy) for d in dtypes]
     measured += [-_update_rate(o, update_n, *busy) for o in ("adamw", "sgd")]
+    measured.append(-_copy_rate(COPY_BYTES, *busy))
     widest = mesh.get_group(0) if mesh.ndim else None  # the outermost dimension: the most ranks per collective
     whole = groups[-1][1] if groups and groups[-1][2] is not None else widest  # every rank of the mesh
     measured.append(_sync_cost(whole, repeats, matmul_n) if plan and whole.size > 1 else 0.0)
@@ -261,7 +272,7 @@ def calibrate(mesh: DeviceMesh, *, sizes: Sequence[int] = SIZES, repeats: int = 
         else:
             level.sized.setdefault(sized, {})[kind], errors[f"{names[dim]}@{sized}.{kind}"] = fit_alpha_beta(bus, seconds)
     out = list(levels.values()) or [Level("self", 1, {k: LinkCost(0.0, 0.0) for k in kinds})]
-    rates = [float(-v) for v in agreed[-8:-2]]
+    rates = [float(-v) for v in agreed[-9:-2]]
     return Machine(out, memory_bytes, dict(zip(dtypes, rates[0:2])), name, errors,
                    {"adamw": rates[4], "sgd": rates[5]}, float(-agreed[-1]), dict(zip(dtypes, rates[2:4])),
-                   float(agreed[-2]))
+                   float(agreed[-2]), rates[6])

@@ -28,6 +28,9 @@ Time is a model, not a measurement:
   (the last bucket; the first gather). Everything else (the per-sync agreement, ZeRO's parameter
   all-gather after the step, tensor parallelism's all-reduces, pipeline sends and receives, and
   with ``loop="whole"`` FSDP's gathers before the pass and reductions after it) is exposed;
+* each collective's buffer costs one pass through memory at the machine's ``copy_rate`` (the
+  strategies pack gradients into buckets, gathered shards into units: at one rank, where the
+  links cost nothing, FSDP's three passes a step measured 10-25% over DDP's one);
 * each collective of the step adds the machine's ``sync_cost`` (ranks reach it from computation:
   uneven arrival, and on an oversubscribed host a peer waiting for a core; issue 29.3 measured
   4-rank steps on 2 cores at 1.3-3x the model without it, more for strategies with more calls).
@@ -83,6 +86,7 @@ class Breakdown:
     exposed_comm_s: float
     step_s: float
     optimizer_s: float = 0.0
+    copy_s: float = 0.0
 
     @property
     def memory_total(self) -> int:
@@ -93,7 +97,7 @@ class Breakdown:
         return {"config": self.config.name(), "memory": self.memory, "activation_bytes": self.activation_bytes,
                 "stage_memory": self.stage_memory, "compute_s": self.compute_s, "bubble_s": self.bubble_s,
                 "comm_s": self.comm_s, "exposed_comm_s": self.exposed_comm_s, "step_s": self.step_s,
-                "optimizer_s": self.optimizer_s,
+                "optimizer_s": self.optimizer_s, "copy_s": self.copy_s,
                 "collectives": [dataclasses.asdict(c) for c in self.collectives]}
 
 
@@ -422,5 +426,9 @@ def estimate(config: Config, model: Model, machine: Machine) -> Breakdown:
     held = stage_memory[slowest]["params"] // model.itemsize
     updated = -(-held // config.dp_shard) if config.strategy in ("zero1", "zero2") else held
     optimizer_s = machine.update_time(config.optimizer, updated, model.itemsize)
+    # every collective's buffer is packed or unpacked on this rank once (gradients into a bucket, a
+    # shard into an unsharded unit, a received activation into its array): a pass through memory,
+    # at one rank too, where the collectives still run
+    copy_s = machine.copy_time(sum(c.nbytes for c in colls))
     return Breakdown(config, stage_memory[busiest], stage_memory, acts, colls, compute, bubble_s, comm, exposed,
-                     compute + bubble_s + exposed + optimizer_s, optimizer_s)
+                     compute + bubble_s + exposed + optimizer_s + copy_s, optimizer_s, copy_s)

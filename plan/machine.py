@@ -129,6 +129,9 @@ class Machine:
             reach it from computation (uneven arrival, a descheduled peer): measured by calibrate
             (about 0.1 ms at 2 ranks on this 2-core host, 1.5 ms at 4, where a peer must wait for
             a core); 0 for a described cluster.
+        copy_rate: bytes per second a rank copies into freshly allocated memory (``array.copy()``
+            of 4 MiB), the pass a strategy makes over each collective's buffer; 0 leaves it out
+            (a described cluster: on a GPU it runs at HBM speed, beside the links' cost).
         pointwise_rate: ``dtype name -> elements per second`` of an activation function's forward
             and backward (``tanh`` and its derivative's product) on one rank; empty leaves
             activations out of the compute time (a described cluster, where they are fused into
@@ -144,6 +147,7 @@ class Machine:
     overlap: float = 1.0
     pointwise_rate: dict[str, float] = dataclasses.field(default_factory=dict)
     sync_cost: float = 0.0
+    copy_rate: float = 0.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -187,6 +191,7 @@ class Machine:
         for dtype, rate in self.pointwise_rate.items():
             _number("Machine", f"pointwise_rate[{dtype!r}]", rate, positive=True)
         _number("Machine", "sync_cost", self.sync_cost)
+        _number("Machine", "copy_rate", self.copy_rate)
 
     # ------------------------------------------------------------------ costs
     def level_for(self, span: int) -> Level:
@@ -215,6 +220,10 @@ class Machine:
         rate = self.pointwise_rate.get(dtype)
         return elements / rate if rate else 0.0
 
+    def copy_time(self, nbytes: float) -> float:
+        """Seconds to copy ``nbytes`` on one rank (0 when the rate is unknown)."""
+        return nbytes / self.copy_rate if self.copy_rate else 0.0
+
     def update_time(self, optimizer: str, elements: float, itemsize: int) -> float:
         """Seconds of ``optimizer``'s step over ``elements`` parameters (0 when its rate is unknown)."""
         rate = self.update_rate.get(optimizer)
@@ -225,6 +234,7 @@ class Machine:
         return {"name": self.name, "memory_bytes": self.memory_bytes, "flops": dict(self.flops),
                 "fit_error": dict(self.fit_error), "update_rate": dict(self.update_rate),
                 "overlap": self.overlap, "pointwise_rate": dict(self.pointwise_rate), "sync_cost": self.sync_cost,
+                "copy_rate": self.copy_rate,
                 "levels": [{"name": lv.name, "size": lv.size, "costs": _costs_dict(lv.costs),
                             **({"sized": {str(n): _costs_dict(c) for n, c in lv.sized.items()}} if lv.sized else {})}
                            for lv in self.levels]}
@@ -251,7 +261,7 @@ class Machine:
             levels.append(Level(str(lv.get("name", f"level{i}")), lv.get("size"), costs, by_size))
         return cls(levels, data.get("memory_bytes", 0), dict(data.get("flops", {})), str(data.get("name", "machine")),
                    dict(data.get("fit_error", {})), dict(data.get("update_rate", {})), data.get("overlap", 1.0),
-                   dict(data.get("pointwise_rate", {})), data.get("sync_cost", 0.0))
+                   dict(data.get("pointwise_rate", {})), data.get("sync_cost", 0.0), data.get("copy_rate", 0.0))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
