@@ -334,6 +334,15 @@ def test_cli(tmp_path):
     lines = out.stdout.splitlines()
     assert lines[0].startswith(f"{len(search(MODEL, 8, two_level()))} configurations of 8 ranks")
     assert len(lines) == 5 and lines[2].split()[0] == search(MODEL, 8, two_level())[0].config.strategy
+    # each row adds up: step = compute + bubble + exposed + optim + copy, in the columns shown
+    assert lines[1].split()[1:] == ["step", "ms", "compute", "bubble", "exposed", "optim", "copy", "comm", "MiB/rank"]
+    machine = dataclasses.replace(two_level(), update_rate={"adamw": 1e8}, copy_rate=1e9)
+    machine.save(tmp_path / "full.json")
+    full = subprocess.run(cmd + ["--machine", str(tmp_path / "full.json"), "--top", "3"], capture_output=True,
+                          text=True)
+    for row in full.stdout.splitlines()[2:]:
+        step, compute, bubble, exposed, optim, copy = map(float, row.split()[-8:-2])
+        assert optim > 0 and copy > 0 and step == pytest.approx(compute + bubble + exposed + optim + copy, abs=2e-3)
     layers[1]["params"]["w1"] = [64, -256]
     (tmp_path / "bad.json").write_text(json.dumps({"batch": 32, "layers": layers}))
     bad = subprocess.run([sys.executable, "-m", "meshkit.plan", str(tmp_path / "bad.json"), "--world-size", "8"],
