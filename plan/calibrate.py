@@ -204,10 +204,11 @@ def calibrate(mesh: DeviceMesh, *, sizes: Sequence[int] = SIZES, repeats: int = 
 
     Levels are the mesh's dimensions from the last (innermost) out, each of ``size`` = the ranks it
     spans with the dimensions inside it; a dimension of one rank is skipped. A mesh of several
-    dimensions is also timed as one group of all its ranks, kept as the outermost level's
-    ``sized`` costs (what flat data parallelism over the whole mesh pays). ``fit_error`` maps
-    ``"dim.kind"`` (``"dim@size.kind"`` for a sized fit) to the fit's mean relative error; ``flops`` holds the float32 and float64
-    rates of an ``matmul_n``-square matmul on this rank (the slowest rank's, as agreed by MAX),
+    dimensions of more than one rank is also timed as one group of all its ranks, kept as the
+    outermost level's ``sized`` costs (what flat data parallelism over the whole mesh pays).
+    ``fit_error`` maps ``"dim.kind"`` (``"dim@size.kind"`` for a sized fit) to the fit's mean
+    relative error; ``flops`` holds the float32 and float64 rates of an ``matmul_n``-square
+    matmul on this rank (the slowest rank's, as agreed by MAX),
     ``pointwise_rate`` the elements per second of an activation's forward and backward (``tanh``)
     over as many values, and ``update_rate`` the float64 parameters per second of AdamW's and SGD's
     (momentum 0.9) step over ``update_n`` parameters and ``copy_rate`` the bytes per second of a
@@ -230,10 +231,11 @@ def calibrate(mesh: DeviceMesh, *, sizes: Sequence[int] = SIZES, repeats: int = 
     # (dim, span, kind, bus bytes per size, group size for Level.sized or None); seconds in order
     plan, measured, span = [], [], 1
     groups = [(dim, mesh.get_group(dim), None) for dim in reversed(range(mesh.ndim))]
-    if mesh.ndim > 1 and mesh.size() > mesh.get_group(0).size:
+    wide = [dim for dim in range(mesh.ndim) if mesh.size(dim) > 1]
+    if len(wide) > 1:
         # the whole mesh as one group (flat data parallelism's): its cost on the outermost level
         # is not that level's own groups' (Level.sized); flatten is collective, on every rank alike
-        groups.append((0, mesh.flatten("_".join(names) + "_calibrate").get_group(), mesh.size()))
+        groups.append((wide[0], mesh.flatten("_".join(names) + "_calibrate").get_group(), mesh.size()))
     for dim, group, sized in groups:
         if sized is None:
             span *= group.size
@@ -270,7 +272,8 @@ def calibrate(mesh: DeviceMesh, *, sizes: Sequence[int] = SIZES, repeats: int = 
         if sized is None:
             level.costs[kind], errors[f"{names[dim]}.{kind}"] = fit_alpha_beta(bus, seconds)
         else:
-            level.sized.setdefault(sized, {})[kind], errors[f"{names[dim]}@{sized}.{kind}"] = fit_alpha_beta(bus, seconds)
+            fitted = fit_alpha_beta(bus, seconds)
+            level.sized.setdefault(sized, {})[kind], errors[f"{names[dim]}@{sized}.{kind}"] = fitted
     out = list(levels.values()) or [Level("self", 1, {k: LinkCost(0.0, 0.0) for k in kinds})]
     rates = [float(-v) for v in agreed[-9:-2]]
     return Machine(out, memory_bytes, dict(zip(dtypes, rates[0:2])), name, errors,

@@ -226,6 +226,18 @@ def test_activations_cost_time_at_the_pointwise_rate():
         Model([Layer("a", {"w": (2,)}, pointwise=-1)], batch=1)
 
 
+def test_calibrate_a_mesh_with_a_dimension_of_one_rank():
+    """A (1, 2) mesh has one dimension of more than one rank: one level, no sized costs (the whole
+    mesh is that dimension's group; a level holding only sized costs would not be a valid machine)."""
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (1, 2), mesh_dim_names=("rep", "shard"))
+        return calibrate(mesh, sizes=(256, 4096), repeats=1, kinds=("all_reduce",), matmul_n=32,
+                         compute_window=0.005).to_dict()
+
+    machine = Machine.from_dict(local.run(body, 2, timeout=60)[0])
+    assert [(lv.name, lv.size, lv.sized) for lv in machine.levels] == [("shard", 2, {})]
+
+
 def test_calibrate_bad_arguments():
     def body():
         mesh = meshkit.init_device_mesh("cpu", (2,))
