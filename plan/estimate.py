@@ -73,8 +73,10 @@ class Collective:
 
 @dataclasses.dataclass
 class Breakdown:
-    """A prediction: per-rank memory (the largest stage's; per stage in ``stage_memory``),
-    the collectives of one step (of the busiest stage) and the step time's parts."""
+    """A prediction: per-rank memory (the stage holding the most; per stage in ``stage_memory``),
+    the collectives of one step of the slowest pipeline rank (the one with the most compute, whose
+    time is the step's) and the step time's parts: ``step_s = compute_s + bubble_s +
+    exposed_comm_s + optimizer_s + copy_s`` (``comm_s``: all of the communication, hidden or not)."""
     config: Config
     memory: dict[str, int]
     stage_memory: list[dict[str, int]]
