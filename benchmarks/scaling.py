@@ -52,7 +52,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -401,6 +401,20 @@ def draw(rows: list[dict[str, Any]], png: Path, title: str) -> None:
     save_figure(fig, png, title)
 
 
+def run_worker(script: str, n: int, forwarded: list[str], tmp: Path, launch: Sequence[str] = ()) -> Any:
+    """Run ``script --worker FILE`` as one ``meshkit-run -n n`` job (``launch``: more launcher flags),
+    echo its output and return what it wrote to FILE (JSON); a failed job ends the benchmark with
+    its exit code and the tail of its errors."""
+    part = tmp / "records.json"
+    cmd = [sys.executable, "-m", "meshkit.launch", "-n", str(n), *launch, script, "--worker", str(part), *forwarded]
+    proc = subprocess.run(cmd, text=True, capture_output=True, timeout=1800)
+    print(proc.stdout, end="", flush=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{Path(script).name}: the {n}-rank job failed (exit {proc.returncode}):\n"
+                         f"{proc.stderr[-3000:]}")
+    return json.loads(part.read_text())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker is not None:
@@ -418,13 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     for n in args.worlds:
         with tempfile.TemporaryDirectory(prefix="meshkit-scaling-") as tmp:
-            part = Path(tmp) / "records.json"
-            cmd = [sys.executable, "-m", "meshkit.launch", "-n", str(n), __file__, "--worker", str(part), *forwarded]
-            proc = subprocess.run(cmd, text=True, capture_output=True, timeout=1800)
-            print(proc.stdout, end="", flush=True)
-            if proc.returncode != 0:
-                raise SystemExit(f"scaling.py: the {n}-rank job failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-            rows += json.loads(part.read_text())
+            rows += run_worker(__file__, n, forwarded, Path(tmp))
             calib = Path(tmp) / f"calib_{n}.json"
             (out.parent / f"scaling_calib_{n}.json").write_text(calib.read_text())
     s = summary(rows)

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,7 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (_cores, add_output_args, host_metadata, limit_blas_threads, matplotlib_missing,  # noqa: E402
                      png_path, require_pyplot, save_figure, write_json)
-from scaling import KINDS, ROOT, _ints, _train, configurations, plan_model, spearman  # noqa: E402
+from scaling import (KINDS, ROOT, _ints, _train, configurations, plan_model, run_worker,  # noqa: E402
+                     spearman)
 
 DEFAULT_JSON = ROOT / "benchmarks" / "results" / "two_level.json"
 RANKS, NODES = 4, 2
@@ -259,14 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                  "--warmup", str(args.warmup), "--rounds", str(args.rounds), "--calib-repeats", str(args.calib_repeats)]
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="meshkit-two-level-") as tmp:
-        part = Path(tmp) / "records.json"
-        cmd = [sys.executable, "-m", "meshkit.launch", "-n", str(RANKS), "--simulate-nodes", str(NODES), __file__,
-               "--worker", str(part), *forwarded]
-        proc = subprocess.run(cmd, text=True, capture_output=True, timeout=1800)
-        print(proc.stdout, end="", flush=True)
-        if proc.returncode != 0:
-            raise SystemExit(f"two_level.py: the job failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-        job = json.loads(part.read_text())
+        job = run_worker(__file__, RANKS, forwarded, Path(tmp), launch=("--simulate-nodes", str(NODES)))
     rows = job["records"]
     s = summary(rows)
     print_table(rows)

@@ -50,9 +50,10 @@ def fit_alpha_beta(bus: Sequence[float], seconds: Sequence[float]) -> tuple[Link
     return LinkCost(float(alpha), float(beta)), float(np.mean(np.abs(pred - t) / t))
 
 
-def _timed(fn: Callable[[], Any], group: Any, repeats: int) -> float:
+def _timed(fn: Callable[[], Any], group: Any, repeats: int, warm: bool = True) -> float:
     times = []
-    fn()  # warm-up: first-call setup is not the link's cost
+    if warm:
+        fn()  # warm-up: first-call setup is not the link's cost
     for _ in range(repeats):
         _c.barrier(group=group)
         t0 = time.perf_counter()
@@ -191,7 +192,9 @@ def _sync_cost(group: Any, repeats: int, matmul_n: int) -> float:
 
     # paired rounds, the median of their differences: a slow spell of a shared host hits both
     # halves of a pair (4 ranks on 2 cores: differences of medians ranged 0.3-2.6 ms a call)
-    extra = [_timed(lambda: chain(True), group, 1) - _timed(lambda: chain(False), group, 1) for _ in range(repeats)]
+    chain(True)  # warm-up, once: both halves of each pair below run the same calls
+    extra = [_timed(lambda: chain(True), group, 1, warm=False) - _timed(lambda: chain(False), group, 1, warm=False)
+             for _ in range(repeats)]
     idle = _timed(lambda: _c.all_reduce(flag, group=group), group, repeats)
     return max(0.0, statistics.median(extra) / SYNC_CALLS - idle)
 
