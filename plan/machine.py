@@ -28,8 +28,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 __all__ = ["KINDS", "LinkCost", "Level", "Machine", "bus_bytes"]
 
@@ -269,6 +270,48 @@ class Machine:
     @classmethod
     def load(cls, path: str | Path) -> Machine:
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+    @classmethod
+    def median(cls, machines: Sequence[Machine], name: str | None = None) -> Machine:
+        """One machine whose every cost and rate is the median of ``machines``' (calibrations of
+        the same mesh, e.g. taken at intervals through a long benchmark: a shared host's speed
+        drifts by 10-30% over minutes, and one calibration then mis-scales every prediction made
+        with it). The machines must have the same levels, kinds and rate keys; ValueError names
+        the first that differs."""
+        machines = list(machines)
+        if not machines or not all(isinstance(m, Machine) for m in machines):
+            raise ValueError("meshkit.plan: Machine.median: needs one or more Machine, got "
+                             f"{[type(m).__name__ for m in machines]}")
+        first = machines[0]
+
+        def shape(m: Machine) -> Any:
+            return ([(lv.name, lv.size, sorted(lv.costs), {n: sorted(c) for n, c in lv.sized.items()})
+                     for lv in m.levels], sorted(m.flops), sorted(m.update_rate), sorted(m.pointwise_rate))
+
+        for i, m in enumerate(machines[1:], 1):
+            if shape(m) != shape(first):
+                raise ValueError(f"meshkit.plan: Machine.median: machines[{i}] ({m.name!r}) does not have the levels, "
+                                 f"kinds and rates of machines[0] ({first.name!r}): {shape(m)} vs {shape(first)}")
+
+        def mid(values: Sequence[float]) -> float:
+            return float(statistics.median(values))
+
+        def costs(tables: Sequence[dict[str, LinkCost]]) -> dict[str, LinkCost]:
+            return {k: LinkCost(mid([t[k].alpha for t in tables]), mid([t[k].beta for t in tables]))
+                    for k in tables[0]}
+
+        def rates(field: str) -> dict[str, float]:
+            return {k: mid([getattr(m, field)[k] for m in machines]) for k in getattr(first, field)}
+
+        levels = [Level(lv.name, lv.size, costs([m.levels[i].costs for m in machines]),
+                        {n: costs([m.levels[i].sized[n] for m in machines]) for n in lv.sized})
+                  for i, lv in enumerate(first.levels)]
+        errors = {k: mid([m.fit_error[k] for m in machines if k in m.fit_error])
+                  for k in dict.fromkeys(k for m in machines for k in m.fit_error)}
+        return cls(levels, int(mid([m.memory_bytes for m in machines])), rates("flops"),
+                   name if name is not None else first.name, errors, rates("update_rate"),
+                   mid([m.overlap for m in machines]), rates("pointwise_rate"), mid([m.sync_cost for m in machines]),
+                   mid([m.copy_rate for m in machines]))
 
     @classmethod
     def describe_cluster(cls, *, gpus_per_node: int, nodes: int, intra_bw: float, intra_latency: float,
