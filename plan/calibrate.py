@@ -4,7 +4,8 @@ matmul rate, fitted into a :class:`~meshkit.plan.machine.Machine`.
 Timing follows benchmarks/_common.py: a barrier before each call, a call's time is the MAX over
 the group's ranks (a collective is as slow as its slowest rank), the median over ``repeats``
 rounds (rejects the noise bursts of a shared machine). ``send_recv`` is half a ping-pong between
-the group's ranks 0 and 1. The fit minimizes the *relative* squared error of
+the group's ranks 0 and 1. Each timed call follows a pass over 64 MiB of the rank's memory
+(``evict_bytes``), as a step's collectives follow its computation: cold caches. The fit minimizes the *relative* squared error of
 ``alpha + bus_bytes * beta`` (bus bytes: :func:`~meshkit.plan.machine.bus_bytes`), so the small
 sizes, whose times are latency, weigh as much as the large; ``fit_error`` is the mean relative
 error of the fit at the measured points.
@@ -31,6 +32,8 @@ __all__ = ["calibrate", "fit_alpha_beta"]
 SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20)
 #: Collectives per round of the sync-cost measurement (each after two matmuls).
 SYNC_CALLS = 20
+#: Bytes each rank writes before a timed collective (twice a 32 MiB L3), 0 to time them hot.
+EVICT_BYTES = 64 << 20
 #: Bytes of the copy-rate measurement: a bucket's or a layer's size, past the 1 MiB L2 of a core.
 COPY_BYTES = 1 << 22
 
@@ -50,11 +53,14 @@ def fit_alpha_beta(bus: Sequence[float], seconds: Sequence[float]) -> tuple[Link
     return LinkCost(float(alpha), float(beta)), float(np.mean(np.abs(pred - t) / t))
 
 
-def _timed(fn: Callable[[], Any], group: Any, repeats: int, warm: bool = True) -> float:
+def _timed(fn: Callable[[], Any], group: Any, repeats: int, warm: bool = True,
+           before: Callable[[], Any] | None = None) -> float:
     times = []
     if warm:
         fn()  # warm-up: first-call setup is not the link's cost
     for _ in range(repeats):
+        if before is not None:
+            before()
         _c.barrier(group=group)
         t0 = time.perf_counter()
         fn()
@@ -62,6 +68,18 @@ def _timed(fn: Callable[[], Any], group: Any, repeats: int, warm: bool = True) -
     worst = np.asarray(times)
     _c.all_reduce(worst, ReduceOp.MAX, group=group)
     return statistics.median(worst.tolist())
+
+
+def _evictor(nbytes: int) -> Callable[[], None]:
+    """A pass over ``nbytes`` of this rank's own memory: run before each timed collective, it
+    leaves the collective's buffers out of the caches, as a training step's computation leaves
+    its buckets and shards (a 3.3 MB all-reduce at 2 ranks here: 0.77 ms when its buffer is hot,
+    2.3 ms after a pass of matmuls)."""
+    sink = np.empty(max(1, nbytes // 8))
+
+    def evict() -> None:
+        sink.fill(1.0)
+    return evict
 
 
 def _ops(kind: str, nbytes: int, group: Any) -> tuple[Callable[[], Any], float]:
@@ -174,7 +192,7 @@ def _overlap(group: Any, repeats: int, matmul_n: int) -> float:
     return float(np.clip((alone + comm - together) / max(min(alone, comm), 1e-9), 0.0, 1.0))
 
 
-def _sync_cost(group: Any, repeats: int, matmul_n: int) -> float:
+def _sync_cost(group: Any, repeats: int, matmul_n: int, evict: Callable[[], None] | None = None) -> float:
     """Seconds a small all-reduce costs between two stretches of computation beyond what it costs
     alone: every rank runs ``SYNC_CALLS`` times two ``matmul_n``-square matmuls then an 8-byte
     all-reduce, against the same matmuls without it. On a host with a core per rank it is the
@@ -195,13 +213,15 @@ def _sync_cost(group: Any, repeats: int, matmul_n: int) -> float:
     chain(True)  # warm-up, once: both halves of each pair below run the same calls
     extra = [_timed(lambda: chain(True), group, 1, warm=False) - _timed(lambda: chain(False), group, 1, warm=False)
              for _ in range(repeats)]
-    idle = _timed(lambda: _c.all_reduce(flag, group=group), group, repeats)
+    # less the call's cost after a pass over memory (the alpha-beta fit's conditions), so that
+    # what remains is the uneven arrival alone
+    idle = _timed(lambda: _c.all_reduce(flag, group=group), group, repeats, before=evict)
     return max(0.0, statistics.median(extra) / SYNC_CALLS - idle)
 
 
 def calibrate(mesh: DeviceMesh, *, sizes: Sequence[int] = SIZES, repeats: int = 5, kinds: Sequence[str] = KINDS,
               matmul_n: int = 256, update_n: int = 1 << 18, compute_window: float = 0.05, memory_bytes: int = 0,
-              name: str = "calibrated") -> Machine:
+              name: str = "calibrated", evict_bytes: int = EVICT_BYTES) -> Machine:
     """Measure every dimension of ``mesh`` (collective: every rank of the mesh calls it, with the
     same arguments) and return the fitted :class:`Machine`, the same on every rank.
 
@@ -221,6 +241,12 @@ def calibrate(mesh: DeviceMesh, *, sizes: Sequence[int] = SIZES, repeats: int = 
     hides under a matmul chain beside it (the least over the ranks; 1 with one rank); ``sync_cost``
     what a collective over every rank costs between stretches of computation beyond its cost
     alone (the most over the ranks; 0 with one rank).
+
+    Each timed collective follows a pass over ``evict_bytes`` of the rank's own memory (twice a
+    32 MiB L3 by default; 0 times them hot): in a step, the computation before a collective has
+    evicted its buffers and MPI's from the caches, and a hot calibration under-predicted every
+    multi-rank step (issue 29.3: a 3.3 MB all-reduce at 2 ranks took 0.77 ms hot, 2.3 ms after a
+    pass of matmuls).
     """
     if not isinstance(mesh, DeviceMesh):
         raise DistValueError(f"meshkit.plan: calibrate: mesh must be a DeviceMesh, got {type(mesh).__name__}")
@@ -231,6 +257,7 @@ def calibrate(mesh: DeviceMesh, *, sizes: Sequence[int] = SIZES, repeats: int = 
                              f"sizes >= 4 bytes and repeats >= 1; got kinds={list(kinds)}, sizes={list(sizes)}, "
                              f"repeats={repeats}, compute_window={compute_window} (> 0 seconds)")
     names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    evict = _evictor(evict_bytes) if evict_bytes else None
     # (dim, span, kind, bus bytes per size, group size for Level.sized or None); seconds in order
     plan, measured, span = [], [], 1
     groups = [(dim, mesh.get_group(dim), None) for dim in reversed(range(mesh.ndim))]
@@ -248,7 +275,7 @@ def calibrate(mesh: DeviceMesh, *, sizes: Sequence[int] = SIZES, repeats: int = 
             bus = []
             for size in sizes:
                 fn, b = _ops(kind, int(size), group)
-                t = _timed(fn, group, repeats)
+                t = _timed(fn, group, repeats, before=evict)
                 bus.append(b)
                 measured.append(t / 2 if kind == "send_recv" else t)
             plan.append((dim, span, kind, bus, sized))
@@ -260,7 +287,7 @@ def calibrate(mesh: DeviceMesh, *, sizes: Sequence[int] = SIZES, repeats: int = 
     measured.append(-_copy_rate(COPY_BYTES, *busy))
     widest = mesh.get_group(0) if mesh.ndim else None  # the outermost dimension: the most ranks per collective
     whole = groups[-1][1] if groups and groups[-1][2] is not None else widest  # every rank of the mesh
-    measured.append(_sync_cost(whole, repeats, matmul_n) if plan and whole.size > 1 else 0.0)
+    measured.append(_sync_cost(whole, repeats, matmul_n, evict) if plan and whole.size > 1 else 0.0)
     measured.append(-_overlap(widest, repeats, matmul_n) if plan and widest.size > 1 else -1.0)
     # One machine on every rank: each point's MAX over the whole mesh (over each dimension in turn),
     # not just over the group that measured it (another group of the same dimension may be slower).
