@@ -18,10 +18,10 @@ a failed job restarted, the way back timed) and :mod:`~meshkit.launch.slots` (``
 ``--slots``, ``--hostfile``).
 """
 
-from .cli import THREAD_ENV_VARS, find_mpiexec, main, thread_limits
+from .cli import ALLOCATOR_ENV, THREAD_ENV_VARS, allocator_settings, find_mpiexec, main, thread_limits
 from .job import FAILURE_SETTLE_S, KILL_GRACE_S, TIMEOUT_EXIT_CODE, LaunchError
 from .spawn import ProcessException, ProcessExitedException, ProcessRaisedException, SpawnContext, spawn
 
-__all__ = ["main", "find_mpiexec", "thread_limits", "THREAD_ENV_VARS", "LaunchError", "FAILURE_SETTLE_S",
-           "KILL_GRACE_S", "TIMEOUT_EXIT_CODE", "spawn", "SpawnContext", "ProcessException", "ProcessRaisedException",
+__all__ = ["main", "find_mpiexec", "thread_limits", "THREAD_ENV_VARS", "allocator_settings", "ALLOCATOR_ENV",
+           "LaunchError", "FAILURE_SETTLE_S", "KILL_GRACE_S", "TIMEOUT_EXIT_CODE", "spawn", "SpawnContext", "ProcessException", "ProcessRaisedException",
            "ProcessExitedException"]
