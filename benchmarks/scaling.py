@@ -3,21 +3,27 @@ this machine, measured step time and memory beside ``meshkit.plan``'s prediction
 
 Run it by hand with plain ``python`` (it starts one ``meshkit-run -n N`` job per world size itself)::
 
-    python benchmarks/scaling.py --quick                 # 1 and 2 ranks, 84 s on the shared 2-core machine
+    python benchmarks/scaling.py --quick                 # 1 and 2 ranks, 93 s on the shared 2-core machine
     python benchmarks/scaling.py                         # 1, 2 and 4 ranks
     python benchmarks/scaling.py --worlds 1,2 --strategies ddp,fsdp --steps 4 --json out.json --plot
     python benchmarks/scaling.py --parts 3d --worlds 2,4 --rounds 3   # tensor and pipeline parallel only
 
-Each job first calibrates its world (``meshkit.plan.calibrate`` over a 1-D mesh of every rank,
-saved as ``calib_N.json`` beside the result), then builds each strategy with ``examples/mlp.py``'s
-``build`` (ddp, zero1, zero2, fsdp; hsdp on every ``replicate x shard`` split) and trains it for
-``--warmup`` + ``--steps`` steps, twice: **strong** scaling (the global batch ``--batch`` split over
-the ranks) and **weak** scaling (``--batch`` samples per rank). A step's time is the slowest rank's
-(MAX over ranks of each step), a round's the median over the steps after warm-up. Every
-configuration of a job is measured in ``--rounds`` interleaved rounds (round-robin over the
-configurations, each built afresh per round), the result the median over the rounds: a burst of
-load on a shared machine then hits every configuration a little rather than one a lot (the
-configurations of one world size differ by 5-20%, as much as such bursts). Beside it, the
+The run is ``--rounds`` rounds; a round is one job per world size, in turn. Each job first
+calibrates its world (``meshkit.plan.calibrate`` over a 1-D mesh of every rank), then builds each
+strategy with ``examples/mlp.py``'s ``build`` (ddp, zero1, zero2, fsdp; hsdp on every
+``replicate x shard`` split), twice: **strong** scaling (the global batch ``--batch`` split over
+the ranks) and **weak** scaling (``--batch`` samples per rank). It trains every configuration for
+``--warmup`` steps, then ``--steps`` timed steps interleaved: one step of each configuration in
+turn, from a configuration that rotates by one a round. A step's time is the slowest rank's (MAX
+over ranks of each step), a round's the median over its timed steps, the result the median over
+the rounds. The prediction
+uses the median of the rounds' calibrations (``Machine.median``, saved as
+``scaling_calib_N.json`` beside the result). Rounds interleave the world sizes because this
+shared host's speed drifts by 10-30% over minutes: with one job per world size, measured and
+calibrated minutes apart, the 1-rank job once ran 1.2x and the 2-rank job 1.5x slower than
+predicted, and another run the other way round, which reorders the world sizes' steps (issue
+29.3: Spearman 0.89-0.95 from one run to the next). A burst of load then hits every
+configuration and world size a little rather than one a lot. Beside it, the
 prediction of ``meshkit.plan.estimate(config, model, machine)`` for the MLP described as
 ``plan.Model`` layers (its exact parameter shapes; forward flops ``2 x fan_in x fan_out`` per sample;
 activations ``fan_out`` values per sample, each a ``tanh`` but the last layer's). ``measured_bytes`` is the rank's params + grads +
@@ -101,16 +107,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="dp (examples/mlp.py, data parallel) and/or 3d (examples/train_3d.py, tp and pp with "
                              "dp) (default: dp,3d)")
     parser.add_argument("--microbatches", type=int, default=4, help="3d: pipeline microbatches (default: %(default)s)")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="interleaved rounds over a job's configurations; the median is reported "
-                             "(default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="rounds, each one job per world size (calibrate, then every configuration once), "
+                             "interleaved over the world sizes; the median is reported (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps a round (default: 4; --quick: 3)")
     parser.add_argument("--warmup", type=int, default=1,
                         help="steps before timing, each round (default: %(default)s)")
     parser.add_argument("--quick", action="store_true",
-                        help="1 and 2 ranks, 3 steps a round (84 s measured on a shared 2-core machine)")
+                        help="1 and 2 ranks, 3 steps a round (93 s measured on a shared 2-core machine)")
     parser.add_argument("--calib-repeats", type=int, default=5, help="calibrate's repeats (default: %(default)s)")
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)  # a job's own records
+    parser.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)  # the worker's round
     add_output_args(parser, json_help=f"result file (default: {DEFAULT_JSON.relative_to(ROOT)})",
                     json_default=None)
     args = parser.parse_args(argv)
@@ -185,9 +192,9 @@ def _mesh_name(config: Any) -> str:
 
 
 # --------------------------------------------------------------------------- one job (under meshkit-run)
-def _train(config: Any, hidden: list[int], global_batch: int, steps: int, warmup: int) -> tuple[float, int]:
-    """Build ``config`` with mlp.build, train; the slowest rank's median step time and the largest
-    rank's params + grads + optimizer state from memory_report()."""
+def _build(config: Any, hidden: list[int], global_batch: int) -> tuple[Any, Any]:
+    """``config`` built with mlp.build, and its pass (forward, loss, backward over this rank's
+    share of step ``step``'s global batch)."""
     import meshkit
     import mlp
     rank, n = meshkit.get_rank(), meshkit.get_world_size()
@@ -203,12 +210,11 @@ def _train(config: Any, hidden: list[int], global_batch: int, steps: int, warmup
         dlogits = dlogits * (per / global_batch)  # the global mean's gradient
         mlp.backward_layers(model, acts, dlogits)
 
-    return _timed(model, run_pass, steps, warmup)
+    return model, run_pass
 
 
-def _train_3d(config: Any, hidden: list[int], global_batch: int, steps: int, warmup: int) -> tuple[float, int]:
-    """``config`` as examples/train_3d.py builds it (``setup``), trained with its loop's step
-    (zero_grad, the pipelined pass, step); what :func:`_train` returns."""
+def _build_3d(config: Any, hidden: list[int], global_batch: int) -> tuple[Any, Any]:
+    """``config`` as examples/train_3d.py builds it (``setup``), and its pipelined pass."""
     import meshkit
     import train_3d
     argv = ["--mesh", f"{config.pp}x{config.dp}x{config.tp}", "--dp", config.strategy, "--schedule", config.schedule,
@@ -216,31 +222,50 @@ def _train_3d(config: Any, hidden: list[int], global_batch: int, steps: int, war
             str(global_batch), "--samples", str(global_batch * 4), "--optimizer", "adamw", "--lr", "1e-3"]
     args = train_3d.parse_args(argv, rank=meshkit.get_rank(), world_size=meshkit.get_world_size())
     _, model, run_pass = train_3d.setup(args)
-    return _timed(model, run_pass, steps, warmup)
+    return model, run_pass
 
 
-def _timed(model: Any, run_pass: Any, steps: int, warmup: int) -> tuple[float, int]:
-    """The examples' loop step (zero_grad, ``run_pass``, step) timed after a barrier: the slowest
-    rank's median over the steps after ``warmup``, and the largest rank's params + grads +
-    optimizer state from memory_report()."""
+def _train(config: Any, hidden: list[int], global_batch: int, steps: int, warmup: int) -> tuple[float, int]:
+    """Build ``config`` with mlp.build, train; the slowest rank's median step time and the largest
+    rank's params + grads + optimizer state from memory_report()."""
+    return _timed([_build(config, hidden, global_batch)], steps, warmup)[0]
+
+
+def _timed(built: list[tuple[Any, Any]], steps: int, warmup: int, first: int = 0) -> list[tuple[float, int]]:
+    """Each ``(model, run_pass)`` of ``built`` trained with the examples' loop step (zero_grad,
+    ``run_pass``, step): ``warmup`` steps each, then ``steps`` timed steps interleaved (one step of
+    each model in turn, from model ``first`` on), each after a barrier. A burst of load on this
+    shared host then lands on one step of many models, not on all the steps of one: the same step
+    measured 12-39% apart when each model ran its steps in a row. Returns, per model, the median
+    over its steps of the slowest rank's time and the largest rank's params + grads + optimizer
+    state from memory_report()."""
     import numpy as np
 
     import meshkit
     from meshkit.comm import ReduceOp
-    times = []
-    for step in range(warmup + steps):
+
+    def step(i: int, k: int) -> float:
+        model, run_pass = built[i]
         meshkit.barrier()
         t0 = time.perf_counter()
         model.zero_grad()
-        run_pass(model, step)
+        run_pass(model, k)
         model.step()
-        times.append(time.perf_counter() - t0)
-    worst = np.asarray(times[warmup:])
-    report = model.memory_report()
-    held = np.asarray([report["params"] + report["grads"] + report["optimizer_state"]], np.float64)
-    meshkit.all_reduce(worst, ReduceOp.MAX)
+        return time.perf_counter() - t0
+
+    for i in range(len(built)):
+        for k in range(warmup):
+            step(i, k)
+    order = [*range(first, len(built)), *range(first)]
+    times = np.zeros((len(built), steps))
+    for k in range(steps):
+        for i in order:
+            times[i, k] = step(i, warmup + k)
+    held = np.asarray([sum(m.memory_report()[f] for f in ("params", "grads", "optimizer_state")) for m, _ in built],
+                      np.float64)
+    meshkit.all_reduce(times, ReduceOp.MAX)
     meshkit.all_reduce(held, ReduceOp.MAX)
-    return statistics.median(worst.tolist()), int(held[0])
+    return [(float(np.median(t)), int(h)) for t, h in zip(times, held)]
 
 
 def _predicted_bytes(model: Any, config: Any) -> int:
@@ -250,58 +275,76 @@ def _predicted_bytes(model: Any, config: Any) -> int:
                for m in (predict_memory(model, config, s, t) for s in range(config.pp) for t in range(config.tp)))
 
 
-def worker(args: argparse.Namespace) -> int:
-    limit_blas_threads(1)  # one BLAS thread per rank: the ranks share the cores (benchmarks/_common.py)
-    import meshkit
-    from meshkit.plan import Machine, calibrate, estimate
-    meshkit.init_process_group("mpi", timeout=120)
-    rank, n = meshkit.get_rank(), meshkit.get_world_size()
-    mesh = meshkit.init_device_mesh("cpu", (n,), mesh_dim_names=("dp",))
-    calib = args.worker.parent / f"calib_{n}.json"
-    machine = calibrate(mesh, repeats=args.calib_repeats, kinds=KINDS if n > 1 else ("all_reduce",))
-    if rank == 0:
-        machine.save(calib)
+def jobs_for(n: int, args: argparse.Namespace) -> list[tuple[str, int, Any, Any, Any]]:
+    """What a job of ``n`` ranks runs, in order: ``(mode, global batch, Config, plan Model, build
+    function)`` for every configuration of ``args`` (the worker measures them, main predicts them)."""
     import train_3d
-    jobs = []  # (mode, global batch, config, plan model, train function)
+    jobs = []
     for mode in args.modes:
         global_batch = args.batch if mode == "strong" else args.batch * n
         if "dp" in args.parts:
             model = plan_model(args.hidden, global_batch)
-            jobs += [(mode, global_batch, c, model, _train) for c in configurations(n, args.strategies)]
+            jobs += [(mode, global_batch, c, model, _build) for c in configurations(n, args.strategies)]
         if "3d" in args.parts:
             jobs += [(mode, global_batch, c, train_3d.plan_model(args.hidden, global_batch, pp=c.pp, tp=c.tp,
-                                                                 schedule=c.schedule), _train_3d)
+                                                                 schedule=c.schedule), _build_3d)
                      for c in configurations_3d(n, args.strategies, args.microbatches)
                      if c.pp <= len(args.hidden) + 1 and global_batch % (c.dp * c.microbatches) == 0]
-    measured: list[list[float]] = [[] for _ in jobs]
-    held: list[int] = [0] * len(jobs)
-    for _ in range(args.rounds):  # round-robin: a burst of load spreads over the configurations
-        for i, (mode, global_batch, config, _, train) in enumerate(jobs):
-            t, held[i] = train(config, args.hidden, global_batch, args.steps, args.warmup)
-            measured[i].append(t)
-    records = []
-    for i, (mode, global_batch, config, model, _) in enumerate(jobs):
-        step_s = statistics.median(measured[i])
+    return jobs
+
+
+def worker(args: argparse.Namespace) -> int:
+    """One round of one world size (under meshkit-run): calibrate, save the machine as
+    ``calib.json`` beside ``--worker``, then build every configuration and train them, their
+    steps interleaved (:func:`_timed`); writes
+    ``[[step seconds, bytes held], ...]`` in :func:`jobs_for`'s order."""
+    limit_blas_threads(1)  # one BLAS thread per rank: the ranks share the cores (benchmarks/_common.py)
+    import meshkit
+    from meshkit.plan import calibrate
+    meshkit.init_process_group("mpi", timeout=120)
+    rank, n = meshkit.get_rank(), meshkit.get_world_size()
+    mesh = meshkit.init_device_mesh("cpu", (n,), mesh_dim_names=("dp",))
+    machine = calibrate(mesh, repeats=args.calib_repeats, kinds=KINDS if n > 1 else ("all_reduce",))
+    if rank == 0:
+        machine.save(args.worker.parent / "calib.json")
+    jobs = jobs_for(n, args)
+    built = [build(config, args.hidden, global_batch) for _, global_batch, config, _, build in jobs]
+    # Where the interleaved steps start rotates by one a round: the configuration trained first
+    # after the calibration measured 20-30% slow in every round (1 rank: ddp strong 54-70 ms, the
+    # same computation as ddp weak, 42-58), which the median over rounds then drops.
+    out = _timed(built, args.steps, args.warmup, first=args.round % len(jobs) if jobs else 0)
+    if rank == 0:
+        args.worker.write_text(json.dumps(out))
+    meshkit.destroy_process_group()
+    return 0
+
+
+def records(n: int, args: argparse.Namespace, rounds: list[list[tuple[float, int]]], machine: Any) -> list[dict[str, Any]]:
+    """The result rows of world size ``n``: each configuration's rounds (``rounds[r][i]``: round
+    ``r``'s step seconds and bytes held of configuration ``i``), their median, and ``estimate``'s
+    prediction on ``machine`` (the median of the rounds' calibrations)."""
+    from meshkit.plan import estimate
+    rows = []
+    for i, (mode, global_batch, config, model, _) in enumerate(jobs_for(n, args)):
+        measured = [r[i][0] for r in rounds]
+        held = max(r[i][1] for r in rounds)
+        step_s = statistics.median(measured)
         b = estimate(config, model, machine)
         before = estimate(config, model, dataclasses.replace(machine, overlap=1.0, update_rate={}))
         predicted = _predicted_bytes(model, config)
-        records.append({"config": config.name(), "strategy": config.strategy, "line": _mesh_name(config),
-                        "mode": mode, "ranks": n, "pp": config.pp, "dp": config.dp, "tp": config.tp,
-                        "schedule": config.schedule if config.pp > 1 else None,
-                        "microbatches": config.microbatches, "global_batch": global_batch,
-                        "measured_step_s": step_s, "measured_rounds_s": measured[i], "predicted_step_s": b.step_s,
-                        "predicted_compute_s": b.compute_s, "predicted_exposed_comm_s": b.exposed_comm_s,
-                        "predicted_optimizer_s": b.optimizer_s, "predicted_comm_s": b.comm_s,
-                        "predicted_bubble_s": b.bubble_s, "predicted_before_s": before.step_s,
-                        "measured_bytes": held[i], "predicted_bytes": predicted,
-                        "oversubscribed": n > _cores()})
-        if rank == 0:
-            print(f"{n} ranks {mode:6} {config.name():34} measured {step_s * 1e3:8.2f} ms  predicted "
-                  f"{b.step_s * 1e3:8.2f} ms  bytes {held[i]} / {predicted}", flush=True)
-    if rank == 0:
-        args.worker.write_text(json.dumps(records))
-    meshkit.destroy_process_group()
-    return 0
+        rows.append({"config": config.name(), "strategy": config.strategy, "line": _mesh_name(config),
+                     "mode": mode, "ranks": n, "pp": config.pp, "dp": config.dp, "tp": config.tp,
+                     "schedule": config.schedule if config.pp > 1 else None,
+                     "microbatches": config.microbatches, "global_batch": global_batch,
+                     "measured_step_s": step_s, "measured_rounds_s": measured, "predicted_step_s": b.step_s,
+                     "predicted_compute_s": b.compute_s, "predicted_exposed_comm_s": b.exposed_comm_s,
+                     "predicted_optimizer_s": b.optimizer_s, "predicted_comm_s": b.comm_s,
+                     "predicted_bubble_s": b.bubble_s, "predicted_before_s": before.step_s,
+                     "measured_bytes": held, "predicted_bytes": predicted,
+                     "oversubscribed": n > _cores()})
+        print(f"{n} ranks {mode:6} {config.name():34} measured {step_s * 1e3:8.2f} ms  predicted "
+              f"{b.step_s * 1e3:8.2f} ms  bytes {held} / {predicted}", flush=True)
+    return rows
 
 
 # --------------------------------------------------------------------------- the figures
@@ -423,18 +466,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot_from is not None:
         redraw(args, "scaling", draw, lambda meta: f"scaling, {meta.get('hostname')}")
         return 0
+    from meshkit.plan import Machine
     rows: list[dict[str, Any]] = []
     out.parent.mkdir(parents=True, exist_ok=True)
     forwarded = ["--strategies", ",".join(args.strategies), "--modes", ",".join(args.modes), "--hidden",
                  ",".join(map(str, args.hidden)), "--batch", str(args.batch), "--steps", str(args.steps),
                  "--warmup", str(args.warmup), "--calib-repeats", str(args.calib_repeats), "--parts",
-                 ",".join(args.parts), "--rounds", str(args.rounds), "--microbatches", str(args.microbatches)]
+                 ",".join(args.parts), "--microbatches", str(args.microbatches)]
     start = time.monotonic()
+    measured: dict[int, list[Any]] = {n: [] for n in args.worlds}
+    machines: dict[int, list[Any]] = {n: [] for n in args.worlds}
+    for r in range(args.rounds):  # round-robin over the world sizes: the host's drift hits each alike
+        for n in args.worlds:
+            with tempfile.TemporaryDirectory(prefix="meshkit-scaling-") as tmp:
+                measured[n].append(run_worker(__file__, n, [*forwarded, "--round", str(r)], Path(tmp)))
+                machines[n].append(Machine.load(Path(tmp) / "calib.json"))
+            print(f"round {r + 1}/{args.rounds}: {n} ranks calibrated and measured ({time.monotonic() - start:.0f} s)",
+                  flush=True)
     for n in args.worlds:
-        with tempfile.TemporaryDirectory(prefix="meshkit-scaling-") as tmp:
-            rows += run_worker(__file__, n, forwarded, Path(tmp))
-            calib = Path(tmp) / f"calib_{n}.json"
-            (out.parent / f"scaling_calib_{n}.json").write_text(calib.read_text())
+        machine = Machine.median(machines[n], name=f"calibrated ({args.rounds} rounds)")
+        machine.save(out.parent / f"scaling_calib_{n}.json")
+        rows += records(n, args, measured[n], machine)
     s = summary(rows)
     print_summary(s, _cores())
     print(f"({time.monotonic() - start:.0f} s)")
