@@ -438,6 +438,11 @@ def draw(rows: list[dict[str, Any]], png: Path, title: str) -> None:
             scale = ns if mode == "strong" else [1] * len(ns)
             axes[1][col].plot(ns, [base_m / (m * k) for m, k in zip(meas, scale)], "o-", color=line.get_color())
             axes[1][col].plot(ns, [base_p / (p * k) for p, k in zip(pred, scale)], "x--", color=line.get_color())
+        worlds = sorted({r["ranks"] for r in rows})
+        for ax in (axes[0][col], axes[1][col]):  # rank counts on a log2 axis, ticked where measured
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(worlds, [str(n) for n in worlds])
+            ax.minorticks_off()
         axes[0][col].set(title=f"{mode} scaling (dashed: predicted)", xlabel="ranks", ylabel="ms per step")
         axes[1][col].set(xlabel="ranks", ylabel="efficiency (vs the fastest one-rank step)")
         axes[0][col].legend(fontsize="small", ncol=2)

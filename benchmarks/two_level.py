@@ -17,11 +17,12 @@ one through shared memory. The job:
    (size 2, shared memory) and ``node`` (size 4, its groups cross the hosts);
 2. calibrates the same 4 ranks as a flat 1-D mesh ``("dp",)``: one level of size 4, the
    collectives of every size timed across the hosts (the one-level machine);
-3. trains examples/mlp.py's MLP (benchmarks/scaling.py's ``_train``) for ddp, zero1, zero2 and
-   fsdp over all 4 ranks (flat: their collectives cross the nodes) and hsdp 2x2 (replicate across
-   the nodes, shard within), 1x4 and 4x1, strong and weak scaling, in ``--rounds`` interleaved
-   rounds (every configuration once per round, so the shared machine's slow spells spread over
-   all of them); measured is the median over rounds of each round's median step (slowest rank);
+3. trains examples/mlp.py's MLP (benchmarks/scaling.py's ``_build`` and ``_timed``) for ddp,
+   zero1, zero2 and fsdp over all 4 ranks (flat: their collectives cross the nodes) and hsdp 2x2
+   (replicate across the nodes, shard within), 1x4 and 4x1, strong and weak scaling, in
+   ``--rounds`` rounds; a round builds every configuration and interleaves their steps (one step
+   of each in turn), so the shared machine's slow spells spread over all of them; measured is the
+   median over rounds of each round's median step (slowest rank);
 4. prints each beside the two-level and the one-level machine's ``estimate``, Spearman's rank
    correlation of predicted and measured step times over the flat and the hybrid configurations,
    and whether the configuration each machine's planner ranks first is within 10% of the fastest
@@ -46,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (_cores, add_output_args, host_metadata, limit_blas_threads, matplotlib_missing,  # noqa: E402
                      png_path, require_pyplot, save_figure, write_json)
-from scaling import (KINDS, ROOT, _ints, _train, configurations, plan_model, run_worker,  # noqa: E402
+from scaling import (KINDS, ROOT, _build, _ints, _timed, configurations, plan_model, run_worker,  # noqa: E402
                      spearman)
 
 DEFAULT_JSON = ROOT / "benchmarks" / "results" / "two_level.json"
@@ -141,13 +142,14 @@ def worker(args: argparse.Namespace) -> int:
     configs = configurations(n, [*FLAT, "hsdp"])
     samples: dict[tuple[str, str], list[float]] = {}
     held: dict[tuple[str, str], int] = {}
-    for r in range(args.rounds):
-        for mode in MODES:
-            global_batch = args.batch if mode == "strong" else args.batch * n
-            for config in configs:
-                measured, bytes_ = _train(config, args.hidden, global_batch, args.steps, args.warmup)
-                samples.setdefault((mode, config.name()), []).append(measured)
-                held[(mode, config.name())] = bytes_
+    runs = [(mode, args.batch if mode == "strong" else args.batch * n, config) for mode in MODES for config in configs]
+    for r in range(args.rounds):  # every configuration built afresh, their steps interleaved (scaling._timed)
+        built = [_build(config, args.hidden, global_batch) for _, global_batch, config in runs]
+        for (mode, _, config), (measured, bytes_) in zip(runs, _timed(built, args.steps, args.warmup,
+                                                                       first=r % len(runs))):
+            samples.setdefault((mode, config.name()), []).append(measured)
+            held[(mode, config.name())] = bytes_
+        del built
         if rank == 0:
             print(f"round {r + 1} of {args.rounds} done", flush=True)
     records = []
