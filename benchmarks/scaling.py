@@ -235,8 +235,8 @@ def _timed(built: list[tuple[Any, Any]], steps: int, warmup: int, first: int = 0
     """Each ``(model, run_pass)`` of ``built`` trained with the examples' loop step (zero_grad,
     ``run_pass``, step): ``warmup`` steps each, then ``steps`` timed steps interleaved (one step of
     each model in turn, from model ``first`` on), each after a barrier. A burst of load on this
-    shared host then lands on one step of many models, not on all the steps of one: the same step
-    measured 12-39% apart when each model ran its steps in a row. Returns, per model, the median
+    shared host then lands on one step of many models, not on all the steps of one: the same
+    computation measured up to 28% apart when each model ran its steps in a row. Returns, per model, the median
     over its steps of the slowest rank's time and the largest rank's params + grads + optimizer
     state from memory_report()."""
     import numpy as np

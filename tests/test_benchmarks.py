@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -358,6 +359,45 @@ def test_scaling_benchmark_writes_measured_beside_predicted_with_exact_memory(tm
                      re.M), proc.stdout
     assert "planner's pick within 10% of the fastest measured: " in proc.stdout
     assert (tmp_path / "scaling_calib_2.json").exists()
+
+
+def test_scaling_interleaves_the_steps_of_its_configurations_from_a_rotating_start():
+    """scaling.py's ``_timed``: every model's warm-up steps first, then one timed step of each model
+    in turn from model ``first`` on (a round's rotation), each step's time the slowest rank's; per
+    model, the median of its steps and the largest rank's held bytes."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import scaling
+
+    import meshkit
+    from meshkit.comm import local
+
+    def body():
+        rank = meshkit.get_rank()
+        log = []
+
+        class Fake:
+            def __init__(self, name, seconds, held):
+                self.name, self.seconds, self.held = name, seconds, held
+
+            def zero_grad(self):
+                pass
+
+            def step(self):
+                time.sleep(self.seconds if rank == 1 else 0.0)  # rank 1 is the slowest: its time counts
+
+            def memory_report(self):
+                return {"params": self.held + rank, "grads": 1, "optimizer_state": 2, "comm_buffers": 99}
+
+        built = [(Fake(name, seconds, held), lambda model, k: log.append((model.name, k)))
+                 for name, seconds, held in (("a", 0.001, 10), ("b", 0.02, 20), ("c", 0.001, 30))]
+        out = scaling._timed(built, steps=2, warmup=1, first=1)
+        return log, out
+
+    (log, out), (log1, out1) = local.run(body, 2, timeout=60)
+    assert log == log1 == [("a", 0), ("b", 0), ("c", 0), ("b", 1), ("c", 1), ("a", 1), ("b", 2), ("c", 2), ("a", 2)]
+    assert out == out1
+    assert [held for _, held in out] == [10 + 1 + 1 + 2, 20 + 1 + 1 + 2, 30 + 1 + 1 + 2]  # rank 1's, the largest
+    assert out[1][0] >= 0.02 > out[0][0] and out[2][0] < 0.02  # b's steps slept on rank 1: the slowest rank's time
 
 
 def test_scaling_configurations_of_tp_and_pp():
