@@ -225,12 +225,6 @@ def _build_3d(config: Any, hidden: list[int], global_batch: int) -> tuple[Any, A
     return model, run_pass
 
 
-def _train(config: Any, hidden: list[int], global_batch: int, steps: int, warmup: int) -> tuple[float, int]:
-    """Build ``config`` with mlp.build, train; the slowest rank's median step time and the largest
-    rank's params + grads + optimizer state from memory_report()."""
-    return _timed([_build(config, hidden, global_batch)], steps, warmup)[0]
-
-
 def _timed(built: list[tuple[Any, Any]], steps: int, warmup: int, first: int = 0) -> list[tuple[float, int]]:
     """Each ``(model, run_pass)`` of ``built`` trained with the examples' loop step (zero_grad,
     ``run_pass``, step): ``warmup`` steps each, then ``steps`` timed steps interleaved (one step of
@@ -319,7 +313,8 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def records(n: int, args: argparse.Namespace, rounds: list[list[tuple[float, int]]], machine: Any) -> list[dict[str, Any]]:
+def records(n: int, args: argparse.Namespace, rounds: list[list[tuple[float, int]]],
+            machine: Any) -> list[dict[str, Any]]:
     """The result rows of world size ``n``: each configuration's rounds (``rounds[r][i]``: round
     ``r``'s step seconds and bytes held of configuration ``i``), their median, and ``estimate``'s
     prediction on ``machine`` (the median of the rounds' calibrations)."""

@@ -23,5 +23,5 @@ from .job import FAILURE_SETTLE_S, KILL_GRACE_S, TIMEOUT_EXIT_CODE, LaunchError
 from .spawn import ProcessException, ProcessExitedException, ProcessRaisedException, SpawnContext, spawn
 
 __all__ = ["main", "find_mpiexec", "thread_limits", "THREAD_ENV_VARS", "allocator_settings", "ALLOCATOR_ENV",
-           "LaunchError", "FAILURE_SETTLE_S", "KILL_GRACE_S", "TIMEOUT_EXIT_CODE", "spawn", "SpawnContext", "ProcessException", "ProcessRaisedException",
-           "ProcessExitedException"]
+           "LaunchError", "FAILURE_SETTLE_S", "KILL_GRACE_S", "TIMEOUT_EXIT_CODE", "spawn", "SpawnContext",
+           "ProcessException", "ProcessRaisedException", "ProcessExitedException"]

@@ -5,8 +5,8 @@ Timing follows benchmarks/_common.py: a barrier before each call, a call's time 
 the group's ranks (a collective is as slow as its slowest rank), the median over ``repeats``
 rounds (rejects the noise bursts of a shared machine). ``send_recv`` is half a ping-pong between
 the group's ranks 0 and 1. Each timed call follows a pass over 64 MiB of the rank's memory
-(``evict_bytes``), as a step's collectives follow its computation: cold caches. The fit minimizes the *relative* squared error of
-``alpha + bus_bytes * beta`` (bus bytes: :func:`~meshkit.plan.machine.bus_bytes`), so the small
+(``evict_bytes``), as a step's collectives follow its computation: cold caches. The fit
+minimizes the *relative* squared error of ``alpha + bus_bytes * beta`` (bus bytes: :func:`~meshkit.plan.machine.bus_bytes`), so the small
 sizes, whose times are latency, weigh as much as the large; ``fit_error`` is the mean relative
 error of the fit at the measured points.
 """
@@ -155,8 +155,9 @@ def _pointwise_rate(dtype: str, n: int, mesh: DeviceMesh, repeats: int, window: 
 
 
 def _copy_rate(nbytes: int, mesh: DeviceMesh, repeats: int, window: float) -> float:
-    """Bytes per second of ``array.copy()`` of ``nbytes``: a copy into fresh memory, as the
-    strategies' packing of a collective's buffer allocates its destination."""
+    """Bytes per second of ``array.copy()`` of ``nbytes``: a copy into a newly allocated array, as
+    the strategies' packing of a collective's buffer allocates its destination (the allocator
+    serves it from memory freed before, as it does in a step under meshkit-run's malloc settings)."""
     src = np.ones(nbytes // 8)
     return _busy_rate(src.copy, src.nbytes, mesh, repeats, window)
 

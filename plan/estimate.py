@@ -29,8 +29,9 @@ Time is a model, not a measurement:
   all-gather after the step, tensor parallelism's all-reduces, pipeline sends and receives, and
   with ``loop="whole"`` FSDP's gathers before the pass and reductions after it) is exposed;
 * each collective's buffer costs one pass through memory at the machine's ``copy_rate`` (the
-  strategies pack gradients into buckets, gathered shards into units: at one rank, where the
-  links cost nothing, FSDP's three passes a step measured 10-25% over DDP's one);
+  strategies pack gradients into buckets, gathered shards into units). At one rank, where the
+  links cost nothing, FSDP measured 10-25% over DDP; most of that was page faults of buffers glibc
+  had unmapped when freed, which meshkit-run's malloc settings remove, not the copies;
 * each collective of the step adds the machine's ``sync_cost`` (ranks reach it from computation:
   uneven arrival, and on an oversubscribed host a peer waiting for a core; issue 29.3 measured
   4-rank steps on 2 cores at 1.3-3x the model without it, more for strategies with more calls).

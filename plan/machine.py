@@ -130,7 +130,7 @@ class Machine:
             reach it from computation (uneven arrival, a descheduled peer): measured by calibrate
             (about 0.1 ms at 2 ranks on this 2-core host, 1.5 ms at 4, where a peer must wait for
             a core); 0 for a described cluster.
-        copy_rate: bytes per second a rank copies into freshly allocated memory (``array.copy()``
+        copy_rate: bytes per second a rank copies into a newly allocated array (``array.copy()``
             of 4 MiB), the pass a strategy makes over each collective's buffer; 0 leaves it out
             (a described cluster: on a GPU it runs at HBM speed, beside the links' cost).
         pointwise_rate: ``dtype name -> elements per second`` of an activation function's forward
