@@ -6,6 +6,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -341,6 +342,21 @@ def test_calibrate_through_meshkit_run(mpirun, tmp_path):
     machine = Machine.load(tmp_path / "calib.json")
     assert machine.levels[0].size == 2 and len(machine.fit_error) == 7
     assert out.count("FIT dp.") == 7, out
+
+
+def test_the_docs_snippet_as_written(tmp_path):
+    """docs/planner.md's example, pasted into a file and run the way it says (2 ranks under
+    meshkit-run): it calibrates, saves calib.json and ranks zero2's configurations."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "planner.md").read_text()
+    snippet = page.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "meshkit-run -n 2 plan_example.py" in snippet
+    (tmp_path / "plan_example.py").write_text(snippet + "if meshkit.get_rank() == 0:\n"
+                                              "    print('BEST', ranked[0].config.name(), b.step_s > 0)\n")
+    proc = subprocess.run([sys.executable, "-m", "meshkit.launch", "-n", "2", "plan_example.py"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert Machine.load(tmp_path / "calib.json").levels[0].size == 2
+    assert "BEST " in proc.stdout and proc.stdout.rstrip().endswith("True"), proc.stdout
 
 
 # ------------------------------------------------------------------ estimate and search
