@@ -18,8 +18,10 @@ from .debug import DebugLevel
 from .errors import DistValueError
 
 __all__ = ["DEBUG", "TIMEOUT", "ASYNC_ERROR_HANDLING", "CUDA_AWARE_MPI", "LAUNCHED", "DEVICE_ID", "TRACE_DIR",
-           "HOST_NAME", "debug_level", "timeout", "async_error_handling", "cuda_aware_mpi", "launched", "device_id",
-           "trace_dir", "host_name", "this_host", "check_all", "invalid"]
+           "HOST_NAME", "JOB_SECRET", "MAX_TIMEOUT_S", "debug_level", "timeout", "check_timeout", "async_error_handling",
+           "cuda_aware_mpi", "launched", "device_id", "trace_dir", "host_name", "this_host", "job_secret", "job_identity", "secret_identity",
+           "positive_number",
+           "check_all", "invalid"]
 
 DEBUG = "MESHKIT_DEBUG"
 TIMEOUT = "MESHKIT_TIMEOUT"
@@ -36,6 +38,21 @@ TRACE_DIR = "MESHKIT_TRACE_DIR"
 #: ``comm`` imports nothing of ``launch``; a test checks they agree), so that ranks of one machine
 #: group into simulated nodes wherever meshkit follows host boundaries (docs/clusters.md).
 HOST_NAME = "MESHKIT_HOST_NAME"
+
+#: The job's secret (docs/security.md): ``meshkit-run`` and ``meshkit.spawn`` generate one per job
+#: (:mod:`meshkit.launch.cli` names the same variable; a test checks they agree); every store
+#: meshkit makes authenticates with it, and an outsider without it is refused.
+JOB_SECRET = "MESHKIT_JOB_SECRET"
+#: The shortest secret accepted: 32 characters (``secrets.token_hex(16)``, 128 bits, the least a
+#: key should have; the launcher makes 64).
+MIN_SECRET_CHARS = 32
+#: Variables by which other launchers name their job (never secrets): a ``file://`` rendezvous
+#: tells two jobs on one path apart by the job's identity (:func:`job_identity`).
+_JOB_ID_ENVS = (("SLURM_JOB_ID", "SLURM_STEP_ID"), ("TORCHELASTIC_RUN_ID",), ("PBS_JOBID",), ("LSB_JOBID",))
+#: The longest timeout: 1e6 s (11.6 days). Longer ones overflow what the waits underneath take
+#: (epoll's C int of milliseconds ends at 24.8 days, ``threading``'s waits at ``TIMEOUT_MAX``), and
+#: ``inf``, ``1e10`` and ``2e9`` each failed somewhere else with a message naming nothing (issue 35).
+MAX_TIMEOUT_S = 1e6
 
 _ASYNC_CHOICES = ("abort", "log")
 
@@ -61,7 +78,7 @@ def debug_level() -> DebugLevel:
 
 
 def timeout() -> float | None:
-    """``MESHKIT_TIMEOUT``: seconds, a positive number; None where it is not set."""
+    """``MESHKIT_TIMEOUT``: seconds, positive and at most :data:`MAX_TIMEOUT_S`; None where not set."""
     raw = _get(TIMEOUT)
     if raw is None:
         return None
@@ -69,8 +86,19 @@ def timeout() -> float | None:
         seconds = float(raw)
     except ValueError:
         seconds = float("nan")
-    if not seconds > 0:  # NaN too; inf is a valid "no timeout"
-        raise invalid(TIMEOUT, raw, "a positive number of seconds (e.g. 300)")
+    if not 0 < seconds <= MAX_TIMEOUT_S:  # NaN and inf too
+        raise invalid(TIMEOUT, raw, f"a positive number of seconds (e.g. 300), at most {MAX_TIMEOUT_S:.0e} "
+                      "(11.6 days; every blocking call ends by its timeout, so there is no infinite one)")
+    return seconds
+
+
+def check_timeout(seconds: float, what: str = "timeout") -> float:
+    """``seconds`` if in (0, :data:`MAX_TIMEOUT_S`], else the error naming ``what``."""
+    if not seconds > 0:
+        raise DistValueError(f"meshkit.comm: {what} must be positive, got {seconds}")
+    if not seconds <= MAX_TIMEOUT_S:
+        raise DistValueError(f"meshkit.comm: {what} must be at most {MAX_TIMEOUT_S:.0e} seconds (11.6 days; every "
+                             f"blocking call ends by its timeout), got {seconds}")
     return seconds
 
 
@@ -145,6 +173,64 @@ def this_host() -> str:
     return host_name() or socket.gethostname()
 
 
+def positive_number(name: str, default: float, *, integer: bool = False, upper: float | None = None) -> float:
+    """The positive number in variable ``name`` (an integer where ``integer``; at most ``upper``),
+    ``default`` where unset or empty. Used by the bounds of meshkit's servers (stores/limits.py)."""
+    raw = _get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        value: float = int(raw.strip()) if integer else float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or (upper is not None and not value <= upper) or value == float("inf"):
+        kind = "a positive integer" if integer else "a positive number"
+        bound = "" if upper is None else f" at most {upper:g}"
+        raise invalid(name, raw, f"{kind}{bound} (default {default:g})")
+    return value
+
+
+def job_secret() -> bytes | None:
+    """``MESHKIT_JOB_SECRET``: the job's secret as bytes (at least :data:`MIN_SECRET_CHARS` printable
+    ASCII characters, no whitespace); None where not set (or empty).
+
+    The value is a key: it is never logged, and errors name the variable, not the value."""
+    raw = _get(JOB_SECRET)
+    if raw is None or raw == "":
+        return None
+    if len(raw) < MIN_SECRET_CHARS or not all("!" <= c <= "~" for c in raw):
+        problem = (f"{len(raw)} characters" if len(raw) < MIN_SECRET_CHARS
+                   else "it holds whitespace or characters that are not printable ASCII")
+        raise DistValueError(f"meshkit.comm: {JOB_SECRET} is not valid ({problem}; its value is not shown): valid "
+                             f"values are at least {MIN_SECRET_CHARS} printable ASCII characters without whitespace, "
+                             "the same on every rank, e.g. from `python -c 'import secrets; "
+                             "print(secrets.token_hex(32))'` (meshkit-run and meshkit.spawn make one per job)")
+    return raw.encode("ascii")
+
+
+def secret_identity(secret: bytes) -> str:
+    """A digest that names the job of ``secret`` without revealing it (an HMAC of a fixed label)."""
+    import hmac
+
+    return "s:" + hmac.digest(secret, b"meshkit job identity", "sha256")[:16].hex()
+
+
+def job_identity() -> str | None:
+    """What tells this job apart from another of the same user: a digest of the job's secret, else
+    the job id of the launcher that started it (Slurm's job and step, torchrun's run id unless
+    ``none``, PBS's, LSF's); None where there is neither."""
+    import hashlib
+
+    secret = job_secret()
+    if secret is not None:
+        return secret_identity(secret)
+    for names in _JOB_ID_ENVS:
+        values = [(_get(n) or "").strip() for n in names]
+        if values[0] and values[0] != "none":
+            return "l:" + hashlib.sha256(" ".join(f"{n}={v}" for n, v in zip(names, values)).encode()).hexdigest()[:32]
+    return None
+
+
 def check_all() -> None:
     """Read every variable above, so that each one's error comes at ``init_process_group``."""
     debug_level()
@@ -154,3 +240,4 @@ def check_all() -> None:
     launched()
     device_id()
     trace_dir()
+    job_secret()

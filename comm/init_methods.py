@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import numbers
 import os
 import time
@@ -39,6 +40,8 @@ from .stores import FileStore, PrefixStore, Store, TCPStore
 
 __all__ = ["Rendezvous", "Requested", "requested", "mpi_launched", "launcher_name", "agreement", "rendezvous",
            "MPI_RANK_ENVS", "SCHEMES", "PREFIX", "rendezvous_keys"]
+
+logger = logging.getLogger("meshkit")
 
 SCHEMES = ("env://", "tcp://host:port", "file:///path")
 #: Variables by which an MPI process manager announces a rank (MPICH's Hydra, Open MPI, PMIx):
@@ -290,12 +293,35 @@ def open_store(asked: Requested, timeout: float) -> tuple[Store, bool, str]:
     if asked.scheme == "store":
         return asked.store, False, "store="
     if asked.scheme == "file":
+        if env.job_identity() is None:
+            raise DistValueError(
+                f"meshkit.comm: rank {asked.rank}: init_process_group over {asked.init_method} needs the job's "
+                f"identity, so that two jobs on one path never form one world: set {env.JOB_SECRET} to the same "
+                "secret on every rank before starting them (e.g. export "
+                f"{env.JOB_SECRET}=$(python -c 'import secrets; print(secrets.token_hex(32))')), or start the "
+                "ranks with a launcher that names its job (meshkit-run, Slurm, torchrun with --rdzv-id)")
         return FileStore(asked.path, asked.world_size), True, asked.init_method
     host, port = (asked.host, asked.port) if asked.scheme == "tcp" else _master()
     where = asked.init_method if asked.scheme == "tcp" else f"env:// (MASTER_ADDR={host}, MASTER_PORT={port})"
     store = TCPStore(host, port, world_size=asked.world_size, is_master=asked.rank == 0, timeout=timeout,
                      wait_for_workers=False)
+    if not store.authenticated:
+        _warn_open(where)
     return store, True, where
+
+
+_warned_open = False
+
+
+def _warn_open(where: str) -> None:
+    """Say once per process that the rendezvous store admits anyone who reaches it."""
+    global _warned_open
+    if not _warned_open:
+        _warned_open = True
+        logger.warning("meshkit: the rendezvous store over %s is not authenticated (%s is not set): any process "
+                       "that reaches its port can read and write the world's keys (nothing read from it is "
+                       "unpickled, so no code runs, but a world can be disrupted). Set %s to the same secret on "
+                       "every rank; see docs/security.md", where, env.JOB_SECRET, env.JOB_SECRET)
 
 
 def rendezvous(asked: Requested, timeout: float) -> Rendezvous:

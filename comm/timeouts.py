@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime
 
 from . import env
-from .errors import DistTypeError, DistValueError
+from .errors import DistTypeError
 
 __all__ = ["DEFAULT_TIMEOUT", "resolve_timeout"]
 
@@ -23,6 +23,4 @@ def resolve_timeout(timeout: float | datetime.timedelta | None) -> float:
         timeout = timeout.total_seconds()
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
         raise DistTypeError(f"meshkit.comm: timeout must be seconds (float) or a timedelta, got {timeout!r}")
-    if not timeout > 0:
-        raise DistValueError(f"meshkit.comm: timeout must be positive, got {timeout}")
-    return float(timeout)
+    return env.check_timeout(float(timeout))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import socket
 import subprocess
 import sys
@@ -264,8 +265,9 @@ def test_a_store_that_never_gets_its_workers_names_the_count(fake_gpu):
 
 
 # --------------------------------------------------------------------------- real processes, no MPI
-def start(n_or_ranks, methods, tmp_path, *, timeout=30, extra=None):
-    """The plain launcher: one ``python scripts/init_world.py`` per rank, with torchrun's variables."""
+def start(n_or_ranks, methods, tmp_path, *, timeout=30, extra=None, secret=True):
+    """The plain launcher: one ``python scripts/init_world.py`` per rank, with torchrun's variables
+    and (``secret``) the job's secret, as a user who starts ranks by hand sets it (docs/security.md)."""
     ranks = range(n_or_ranks) if isinstance(n_or_ranks, int) else n_or_ranks
     size = n_or_ranks if isinstance(n_or_ranks, int) else (extra or {}).get("size", len(ranks))
     port, store_port, tcp_port = free_port(), free_port(), free_port()
@@ -273,6 +275,9 @@ def start(n_or_ranks, methods, tmp_path, *, timeout=30, extra=None):
               "STORE_PORT": str(store_port), "TCP_URL": f"tcp://127.0.0.1:{tcp_port}",
               "FILE_URL": f"file://{tmp_path}/rendezvous", "MESHKIT_TEST_NCCL_FILE": str(tmp_path / "nccl-double"),
               "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    common.pop("MESHKIT_JOB_SECRET", None)
+    if secret:
+        common["MESHKIT_JOB_SECRET"] = secrets.token_hex(32)
     procs = [subprocess.Popen([sys.executable, str(SCRIPTS / "init_world.py"), methods, str(timeout)],
                               env={**common, "RANK": str(r), "LOCAL_RANK": str(i)}, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)

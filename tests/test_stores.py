@@ -309,6 +309,9 @@ def test_file_store_refuses_bad_arguments_and_a_foreign_file(tmp_path):
     with pytest.raises(DistStoreError, match="cannot open the file"):
         FileStore(str(tmp_path / "no" / "such" / "dir" / "s"))
     (tmp_path / "foreign").write_text("hello")
+    with pytest.raises(DistStoreError, match=r"foreign': its mode is 0644: others may read or write it"):
+        FileStore(str(tmp_path / "foreign"))
+    (tmp_path / "foreign").chmod(0o600)
     with pytest.raises(DistStoreError, match="the file is not a meshkit FileStore"):
         FileStore(str(tmp_path / "foreign"))
 
@@ -320,8 +323,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _raw(port: int) -> socket.socket:
+def _raw(port: int, greeted: bool = True) -> socket.socket:
+    """A raw connection to an open server, past its greeting (``greeted``)."""
     s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    if greeted:
+        status, fields = _read_frame(s)
+        assert status == wire.Status.OK and fields[:2] == [wire.GREETING, b"open"], fields
     return s
 
 

@@ -32,6 +32,11 @@ class PrefixStore(Store):
         """The store the keys live in."""
         return self._store
 
+    @property
+    def authenticated(self) -> bool:
+        """The underlying store's."""
+        return self._store.authenticated
+
     def _where(self) -> str:
         return f" (prefix {self._prefix!r} of {type(self._store).__name__}{self._store._where()})"
 

@@ -95,14 +95,19 @@ class KeyTable:
         self.data[key] = str(total).encode()
         return total
 
-    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
-        """torch's rule: ``desired`` is set when the key holds ``expected``, or is missing and
-        ``expected`` is empty; the reply is the value now held, or ``expected`` for a missing key
-        left unset."""
+    def sets(self, key: str, expected: bytes) -> bool:
+        """Whether ``compare_set(key, expected, ...)`` sets: torch's rule, ``key`` holds ``expected``
+        or is missing and ``expected`` is empty."""
         held = self.data.get(key)
-        if (held is None and not expected) or held == expected:
+        return (held is None and not expected) or held == expected
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        """Set ``desired`` where :meth:`sets`; the reply is the value now held, or ``expected`` for a
+        missing key left unset."""
+        if self.sets(key, expected):
             self.data[key] = desired
             return desired
+        held = self.data.get(key)
         return expected if held is None else held
 
     def missing(self, keys: Iterable[str]) -> list[str]:
@@ -210,6 +215,13 @@ class Store:
     def timeout(self) -> timedelta:
         """The store's timeout."""
         return timedelta(seconds=self._timeout_s)
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether only the job (its ranks and its user) can read or write this store's keys: a
+        HashStore (one process), a FileStore (a private file of this job), a TCPStore with the job's
+        secret. Object collectives unpickle what came through a store only where this holds."""
+        return False
 
     def close(self) -> None:
         """Release what the store holds (connections, the server, a FileStore's use of its file)."""

@@ -3,42 +3,70 @@
 One thread owns the table, so each request is applied whole before the next (no lost ``add``);
 a ``get``/``wait`` whose keys are missing parks its connection (a waiter) until a change sets them or
 its deadline passes, while the loop serves the other connections. A client that disconnects, even
-halfway through a frame, only loses its own connection; a frame claiming more than
-:data:`~.wire.MAX_MESSAGE_BYTES` is answered with an error and the connection closed, before
-anything is allocated for it.
+halfway through a frame, only loses its own connection, and its waiter is forgotten at once.
+
+Who gets in: the server speaks first (a greeting with a nonce, :mod:`.auth`); with the job's secret
+every connection must authenticate before anything else and every frame after is checked, so a
+client without the secret is refused before it reads or writes a key. What it may cost (its bounds,
+:class:`~.limits.ServerLimits`): a frame is refused before anything is allocated for it when it is
+longer than the protocol allows (1 KiB before authentication, :data:`~.wire.MAX_MESSAGE_BYTES`
+after) or than the memory bound leaves; the values held, the frames being received and the replies
+not yet read share one budget (``MESHKIT_STORE_MAX_BYTES``): a request that would make the values
+exceed it is refused, and one whose frame or reply would make the traffic exceed it waits (its
+connection is not read) until replies drain; connections are capped, and one idle past its timeout
+(or slow to authenticate) is closed. A refused request is answered with an error naming the bound
+and its variable, then its connection is closed.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import heapq
+import hmac
 import itertools
+import logging
 import selectors
 import socket
 import threading
 import time
 
 from ..errors import DistStoreError
+from . import auth
+from .limits import IDLE_TIMEOUT, MAX_BYTES, MAX_CONNECTIONS, MAX_WAIT_KEYS, ServerLimits
 from .store import KeyTable, NotAnInteger
-from .wire import HEADER, MAX_MESSAGE_BYTES, Op, ProtocolError, Status, fields_of, reply
+from .wire import HEADER, MAX_MESSAGE_BYTES, GREETING, Op, ProtocolError, Status, fields_of, reply
 
 __all__ = ["StoreServer"]
 
+logger = logging.getLogger("meshkit")
+
 _READ, _WRITE = selectors.EVENT_READ, selectors.EVENT_READ | selectors.EVENT_WRITE
+#: Seconds between the loop's sweeps for idle and unauthenticated connections.
+_SWEEP_S = 1.0
 
 
 class _Conn:
-    __slots__ = ("sock", "inbuf", "outbuf", "waiter", "closing", "dead", "writing")
+    __slots__ = ("sock", "peer", "inbuf", "outbuf", "waiter", "closing", "dead", "writing", "nonce", "session",
+                 "authed", "reserved", "deferred", "paused", "opened", "active")
 
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
+    def __init__(self, sock: socket.socket, peer: str, nonce: bytes, authed: bool, now: float) -> None:
+        self.sock, self.peer = sock, peer
         self.inbuf = bytearray()
         self.outbuf = bytearray()
         self.waiter: _Waiter | None = None
         self.closing = False  # close once the reply is out (after a refused frame)
         self.dead = False
         self.writing = False  # registered for EVENT_WRITE (a reply did not fit the socket's buffer)
+        self.nonce = nonce  # the server's nonce of the greeting
+        self.session: auth.Session | None = None
+        self.authed = authed  # an open server: authed from the start
+        self.reserved = 0  # bytes of the memory budget held for the frame being received
+        self.deferred: bytes | None = None  # a get whose reply waits for memory (paused)
+        self.paused = False  # waiting for memory: not read, not processed
+        self.opened = now
+        self.active = now  # the last byte in or out
 
 
 class _Waiter:
@@ -48,10 +76,17 @@ class _Waiter:
         self.conn, self.keys, self.value_of, self.deadline, self.done = conn, keys, value_of, deadline, False
 
 
-class StoreServer:
-    """Listens on ``host:port`` (``port=0``: a free port, then :attr:`port`) and serves in a daemon thread."""
+class _Refused(Exception):
+    """A request the server will not serve: answered with this message, then the connection closes."""
 
-    def __init__(self, host: str, port: int, family: int, address: tuple) -> None:
+
+class StoreServer:
+    """Listens on ``host:port`` (``port=0``: a free port, then :attr:`port`) and serves in a daemon
+    thread; with ``key`` (:func:`.auth.store_key` of the job's secret) every client must authenticate."""
+
+    def __init__(self, host: str, port: int, family: int, address: tuple, key: bytes | None = None,
+                 limits: ServerLimits | None = None) -> None:
+        self.limits = limits or ServerLimits.from_env()
         listener = socket.socket(family, socket.SOCK_STREAM)
         try:
             # SO_REUSEADDR: a restarted master may take a port in TIME_WAIT; Linux still refuses a
@@ -70,13 +105,21 @@ class StoreServer:
             raise DistStoreError(f"TCPStore: cannot listen on {host}:{port}: {why} ({exc})") from None
         listener.setblocking(False)
         self.host, self.port = host, listener.getsockname()[1]
+        self._key = key
         self._listener = listener
         self._table = KeyTable()
+        self._held = 0  # bytes of keys and values in the table
+        self._traffic = 0  # bytes reserved by frames being received, and of replies not yet sent
+        self._conns: set[_Conn] = set()
+        self._paused: collections.deque[_Conn] = collections.deque()
+        self._resuming = False
         self._waiters: dict[str, set[_Waiter]] = {}
         self._deadlines: list[tuple[float, int, _Waiter]] = []
+        self._stale = 0  # heap entries of waiters already done (compacted when they outnumber the live)
         self._order = itertools.count()
         self._joined = 0
         self._joined_changed = threading.Condition()
+        self._refused_auth = 0
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -104,12 +147,14 @@ class StoreServer:
 
     # ------------------------------------------------------------------ the loop
     def _serve(self) -> None:
+        next_sweep = time.monotonic() + _SWEEP_S
         try:
             while not self._stopping:
-                timeout = None
-                if self._deadlines:  # capped: epoll refuses a timeout past a C int of milliseconds
-                    timeout = min(max(0.0, self._deadlines[0][0] - time.monotonic()), 3600.0)
-                for key, mask in self._selector.select(timeout):
+                timeout = max(0.0, next_sweep - time.monotonic()) if self._conns else None
+                if self._deadlines:
+                    first = max(0.0, self._deadlines[0][0] - time.monotonic())
+                    timeout = first if timeout is None else min(timeout, first)
+                for key, mask in self._selector.select(None if timeout is None else min(timeout, 3600.0)):
                     if key.data == "accept":
                         self._accept()
                     elif key.data == "wake":
@@ -120,11 +165,16 @@ class StoreServer:
                         try:
                             if mask & selectors.EVENT_WRITE and not conn.dead:
                                 self._flush(conn)
-                            if mask & selectors.EVENT_READ and not conn.dead:
+                            if mask & selectors.EVENT_READ and not conn.dead and not conn.paused:
                                 self._read(conn)
                         except Exception:  # a bug or an OS surprise costs that connection, never the server
+                            logger.debug("meshkit: TCPStore server dropped %s", conn.peer, exc_info=True)
                             self._drop(conn)
-                self._expire(time.monotonic())
+                now = time.monotonic()
+                self._expire(now)
+                if now >= next_sweep:
+                    self._sweep(now)
+                    next_sweep = now + _SWEEP_S
         finally:
             for key in list(self._selector.get_map().values()):
                 with contextlib.suppress(OSError):
@@ -136,30 +186,68 @@ class StoreServer:
     def _accept(self) -> None:
         while True:
             try:
-                sock, _ = self._listener.accept()
+                sock, address = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:  # out of descriptors, a connection reset before accept: keep serving
+            except OSError as exc:  # out of descriptors, a reset before accept: keep serving
+                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                    logger.warning("meshkit: TCPStore at port %d: out of file descriptors (%s)", self.port, exc)
                 return
+            peer = f"{address[0]}:{address[1]}" if isinstance(address, tuple) else str(address)
+            if len(self._conns) >= self.limits.max_connections:
+                with contextlib.suppress(OSError):
+                    sock.setblocking(False)
+                    sock.send(reply(Status.ERROR, (
+                        f"the server has {len(self._conns)} connections, its limit ({MAX_CONNECTIONS}="
+                        f"{self.limits.max_connections}); connection refused").encode()))
+                sock.close()
+                continue
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._selector.register(sock, _READ, _Conn(sock))
+            nonce = auth.nonce()
+            conn = _Conn(sock, peer, nonce, self._key is None, time.monotonic())
+            self._conns.add(conn)
+            self._selector.register(sock, _READ, conn)
+            self._send(conn, reply(Status.OK, GREETING, auth.MODE_OPEN if self._key is None else auth.MODE_AUTH,
+                                   nonce))
 
     def _drop(self, conn: _Conn) -> None:
         if conn.dead:
             return
         conn.dead = True
+        self._conns.discard(conn)
+        self._traffic -= conn.reserved + len(conn.outbuf)
+        conn.reserved = 0
+        conn.outbuf.clear()
         if conn.waiter is not None:
             conn.waiter.done = True
+            self._stale += 1
             self._forget(conn.waiter)
-        with contextlib.suppress(KeyError, ValueError):
-            self._selector.unregister(conn.sock)
+            conn.waiter = None
+        if not conn.paused:
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.unregister(conn.sock)
         with contextlib.suppress(OSError):
             conn.sock.close()
+        self._resume()  # memory freed
+
+    def _sweep(self, now: float) -> None:
+        """Close what has overstayed: unauthenticated connections past the handshake timeout, and
+        idle ones (nothing parked, nothing in flight, no traffic) past the idle timeout."""
+        limits = self.limits
+        for conn in list(self._conns):
+            if not conn.authed and now - conn.opened > limits.handshake_timeout:
+                self._drop(conn)
+            elif conn.waiter is None and not conn.paused and now - conn.active > limits.idle_timeout:
+                self._drop(conn)  # a client finds it closed and reconnects (tcp_store.py)
+        if self._stale > 64 and self._stale > len(self._deadlines) // 2:
+            self._deadlines = [d for d in self._deadlines if not d[2].done]
+            heapq.heapify(self._deadlines)
+            self._stale = 0
 
     def _read(self, conn: _Conn) -> None:
         try:
-            data = conn.sock.recv(1 << 16)
+            data = conn.sock.recv(1 << 20 if conn.authed else auth.PRE_AUTH_MAX_BYTES)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
@@ -168,46 +256,147 @@ class StoreServer:
         if not data:  # the client left, maybe halfway through a frame: only its connection goes
             self._drop(conn)
             return
+        conn.active = time.monotonic()
         conn.inbuf += data
         if (conn.waiter is not None or conn.outbuf) and len(conn.inbuf) > MAX_MESSAGE_BYTES + HEADER.size:
             self._drop(conn)  # frames piling up behind a parked request or an unread reply: not a meshkit client
             return
         self._process(conn)
 
+    def _budget_left(self) -> int:
+        return self.limits.max_bytes - self._held - self._traffic
+
+    def _pause(self, conn: _Conn) -> None:
+        """Stop reading ``conn`` until memory is freed (it has nothing to send: requests are served
+        one at a time, the next once the last reply is out)."""
+        if not conn.paused:
+            conn.paused = True
+            self._paused.append(conn)
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.unregister(conn.sock)
+
+    def _resume(self) -> None:
+        """Serve paused connections, in order, while memory allows (not re-entered: serving one may
+        free memory, and the loop here goes on to the next)."""
+        if self._resuming:
+            return
+        self._resuming = True
+        try:
+            while self._paused:
+                conn = self._paused[0]
+                if not conn.dead and self._traffic > 0 and self._needs(conn) > self._budget_left():
+                    return
+                self._paused.popleft()
+                if conn.dead:
+                    continue
+                conn.paused = False
+                self._selector.register(conn.sock, _READ, conn)
+                body, conn.deferred = conn.deferred, None
+                if body is not None:
+                    self._serve_request(conn, body)
+                self._process(conn)
+        finally:
+            self._resuming = False
+
+    def _needs(self, conn: _Conn) -> int:
+        """The memory a paused connection waits for: its deferred reply, or its next frame."""
+        if conn.deferred is not None:
+            _, f = fields_of(conn.deferred)
+            return len(self._table.data.get(f[1].decode(), b""))
+        return HEADER.unpack_from(conn.inbuf, 0)[0] if len(conn.inbuf) >= HEADER.size else 0
+
     def _process(self, conn: _Conn) -> None:
         buf = conn.inbuf
         # one request at a time per connection, and the next only once the last reply is out: a client
         # that sends without reading cannot make the server buffer replies without bound
-        while (conn.waiter is None and not conn.outbuf and not conn.closing and not conn.dead
+        while (conn.waiter is None and not conn.outbuf and not conn.closing and not conn.dead and not conn.paused
                and len(buf) >= HEADER.size):
             (n,) = HEADER.unpack_from(buf, 0)
-            if n > MAX_MESSAGE_BYTES:
-                self._refuse(conn, f"a frame of {n} bytes is over the limit of {MAX_MESSAGE_BYTES} bytes "
-                                   f"(meshkit.comm.stores.wire.MAX_MESSAGE_BYTES); closing the connection")
-                return
+            if not conn.reserved:
+                if not conn.authed and n > auth.PRE_AUTH_MAX_BYTES:
+                    self._refuse(conn, f"a frame of {n} bytes before authenticating (the handshake's are under "
+                                       f"{auth.PRE_AUTH_MAX_BYTES}); closing the connection")
+                    return
+                if n > MAX_MESSAGE_BYTES:
+                    self._refuse(conn, f"a frame of {n} bytes is over the limit of {MAX_MESSAGE_BYTES} bytes "
+                                       f"(meshkit.comm.stores.wire.MAX_MESSAGE_BYTES); closing the connection")
+                    return
+                if n > self._budget_left():
+                    if self._traffic > 0:  # others' traffic will drain: wait for it
+                        self._pause(conn)
+                        return
+                    self._refuse(conn, self._over(n, "a request of"))
+                    return
+                conn.reserved = n
+                self._traffic += n
             if len(buf) < HEADER.size + n:
                 return
             body = bytes(buf[HEADER.size:HEADER.size + n])
             del buf[:HEADER.size + n]
-            try:
-                self._handle(conn, body)
-            except NotAnInteger as exc:
-                self._send(conn, reply(Status.NOT_AN_INTEGER, exc.held))
-            except (ProtocolError, ValueError) as exc:  # a bad field (not UTF-8, not a number) too
-                self._refuse(conn, f"a malformed request ({exc}); closing the connection")
-            except Exception as exc:  # never let one request stop the server
-                self._send(conn, reply(Status.ERROR, f"the server failed: {exc!r}".encode()))
+            self._traffic -= conn.reserved
+            conn.reserved = 0
+            if conn.session is not None:
+                try:
+                    body = conn.session.open(body)
+                except auth.AuthError as exc:
+                    self._refuse(conn, f"{exc}; closing the connection")
+                    return
+            if not conn.authed:
+                self._authenticate(conn, body)
+            else:
+                self._serve_request(conn, body)
+
+    def _serve_request(self, conn: _Conn, body: bytes) -> None:
+        try:
+            self._handle(conn, body)
+        except NotAnInteger as exc:
+            self._send(conn, reply(Status.NOT_AN_INTEGER, exc.held))
+        except _Refused as exc:
+            self._refuse(conn, str(exc))
+        except (ProtocolError, ValueError) as exc:  # a bad field (not UTF-8, not a number) too
+            self._refuse(conn, f"a malformed request ({exc}); closing the connection")
+        except Exception as exc:  # never let one request stop the server
+            self._send(conn, reply(Status.ERROR, f"the server failed: {exc!r}".encode()))
+
+    def _over(self, n: int, what: str) -> str:
+        return (f"{what} {n} bytes would pass the server's memory limit ({MAX_BYTES}={self.limits.max_bytes}: "
+                f"{self._held} bytes of values held, {self._traffic} in flight); refused, closing the connection")
+
+    def _authenticate(self, conn: _Conn, body: bytes) -> None:
+        """The client's answer to the greeting: ``AUTH(nonce, proof)``; the server's proof back."""
+        op, f = fields_of(body)
+        if op != Op.AUTH or len(f) != 2 or len(f[0]) != auth.NONCE_BYTES:
+            self._refuse(conn, "this store requires the job's secret: authenticate first (a meshkit TCPStore "
+                               "client with secret= or MESHKIT_JOB_SECRET does); closing the connection")
+            return
+        client_nonce, proof = f
+        if not hmac.compare_digest(auth.client_proof(self._key, conn.nonce, client_nonce), proof):
+            self._refused_auth += 1
+            if self._refused_auth in (1, 10, 100) or self._refused_auth % 1000 == 0:
+                logger.warning("meshkit: TCPStore at port %d refused %s: it does not know the job's secret (%d "
+                               "refused so far)", self.port, conn.peer, self._refused_auth)
+            self._refuse(conn, "authentication failed: this client does not know the job's secret "
+                               "(MESHKIT_JOB_SECRET); closing the connection")
+            return
+        conn.authed = True
+        self._send(conn, reply(Status.OK, auth.server_proof(self._key, conn.nonce, client_nonce)))
+        conn.session = auth.Session(self._key, conn.nonce, client_nonce, server=True)
 
     def _refuse(self, conn: _Conn, why: str) -> None:
         conn.closing = True
+        self._traffic -= conn.reserved
+        conn.reserved = 0
         conn.inbuf.clear()
         self._send(conn, reply(Status.ERROR, why.encode()))
 
     def _send(self, conn: _Conn, data: bytes) -> None:
         if conn.dead:
             return
+        if conn.session is not None:
+            data = HEADER.pack(len(data) - HEADER.size + auth.TAG_BYTES) + conn.session.seal(data[HEADER.size:])
         pending = bool(conn.outbuf)
         conn.outbuf += data
+        self._traffic += len(data)
         if not pending:
             self._flush(conn)
 
@@ -219,43 +408,72 @@ class StoreServer:
         except OSError:
             self._drop(conn)
             return
+        if sent:
+            conn.active = time.monotonic()
         del conn.outbuf[:sent]
+        self._traffic -= sent
         if conn.outbuf:
             if not conn.writing:
                 self._selector.modify(conn.sock, _WRITE, conn)
                 conn.writing = True
         elif conn.closing:
             self._drop(conn)
-        elif conn.writing:
-            self._selector.modify(conn.sock, _READ, conn)
-            conn.writing = False
+        else:
+            if conn.writing:
+                self._selector.modify(conn.sock, _READ, conn)
+                conn.writing = False
             self._process(conn)  # requests that arrived while the reply went out
+        if sent:
+            self._resume()
 
     # ------------------------------------------------------------------ requests
+    def _check_keys(self, op: int, keys: list[bytes]) -> None:
+        if len(keys) > self.limits.max_wait_keys:
+            raise _Refused(f"{Op.NAMES[op]} names {len(keys)} keys, over the limit of {self.limits.max_wait_keys} "
+                           f"({MAX_WAIT_KEYS}); closing the connection")
+
+    def _store(self, key: str, grows: int) -> None:
+        """Room for ``grows`` more bytes of values, or the refusal naming the bound."""
+        if grows > 0 and self._held + grows > self.limits.max_bytes - self._traffic:
+            raise _Refused(self._over(grows, f"setting {key!r} adds"))
+
     def _handle(self, conn: _Conn, body: bytes) -> None:
         op, f = fields_of(body)
         table = self._table
         if op == Op.ADD:
             _need(op, f, 2)
-            total = table.add(f[0].decode(), int(f[1]))
-            self._changed(f[0].decode())
+            key = f[0].decode()
+            held = table.data.get(key)
+            if held is None:
+                self._store(key, len(key) + 24)  # a new counter: its key and up to ~24 digits
+            total = table.add(key, int(f[1]))
+            self._held += len(table.data[key]) - (len(held) if held is not None else -len(key))
+            self._changed(key)
             self._send(conn, reply(Status.OK, str(total).encode()))
         elif op == Op.SET:
             _need(op, f, 2)
             key = f[0].decode()
-            table.set(key, f[1])
-            self._changed(key)
+            self._set(key, f[1])
             self._send(conn, reply(Status.OK))
         elif op in (Op.GET, Op.WAIT):
             if len(f) < 2 or (op == Op.GET and len(f) != 2):
                 raise ProtocolError(f"{Op.NAMES[op]} takes a timeout and {'a key' if op == Op.GET else 'keys'}")
+            self._check_keys(op, f[1:])
             seconds = float(f[0])
             if not 0 <= seconds < 1e9:  # NaN and inf fail too
                 raise ProtocolError(f"{Op.NAMES[op]}'s timeout must be finite and >= 0 seconds, got {f[0]!r}")
             keys = [k.decode() for k in f[1:]]
             missing = table.missing(keys)
             if not missing:
-                self._send(conn, reply(Status.OK, *([table.data[keys[0]]] if op == Op.GET else [])))
+                if op == Op.GET:
+                    value = table.data[keys[0]]
+                    if len(value) > self._budget_left() and self._traffic > 0:
+                        conn.deferred = body  # its reply waits until others' replies drain
+                        self._pause(conn)
+                        return
+                    self._send(conn, reply(Status.OK, value))
+                else:
+                    self._send(conn, reply(Status.OK))
                 return
             waiter = _Waiter(conn, keys, keys[0] if op == Op.GET else None, time.monotonic() + seconds)
             conn.waiter = waiter
@@ -264,15 +482,23 @@ class StoreServer:
             heapq.heappush(self._deadlines, (waiter.deadline, next(self._order), waiter))
         elif op == Op.CAS:
             _need(op, f, 3)
-            key = f[0].decode()
-            held = table.compare_set(key, f[1], f[2])
-            self._changed(key)
-            self._send(conn, reply(Status.OK, held))
+            key, expected, desired = f[0].decode(), f[1], f[2]
+            if table.sets(key, expected):
+                self._set(key, desired)
+                self._send(conn, reply(Status.OK, desired))
+            else:
+                self._send(conn, reply(Status.OK, table.compare_set(key, expected, desired)))
         elif op == Op.CHECK:
+            self._check_keys(op, f)
             self._send(conn, reply(Status.OK, *(k.encode() for k in table.missing([k.decode() for k in f]))))
         elif op == Op.DELETE:
             _need(op, f, 1)
-            self._send(conn, reply(Status.OK, b"1" if table.delete(f[0].decode()) else b"0"))
+            key = f[0].decode()
+            held = table.data.get(key)
+            if held is not None:
+                self._held -= len(key) + len(held)
+            self._send(conn, reply(Status.OK, b"1" if table.delete(key) else b"0"))
+            self._resume()
         elif op == Op.COUNT:
             _need(op, f, 1)
             self._send(conn, reply(Status.OK, str(table.count(f[0].decode())).encode()))
@@ -283,6 +509,17 @@ class StoreServer:
             self._send(conn, reply(Status.OK))
         else:
             raise ProtocolError(f"unknown opcode {op}")
+
+    def _set(self, key: str, value: bytes) -> None:
+        """Hold ``value`` under ``key`` within the memory bound, and wake its waiters."""
+        held = self._table.data.get(key)
+        grows = len(value) - (len(held) if held is not None else -len(key))
+        self._store(key, grows)
+        self._table.set(key, value)
+        self._held += grows
+        self._changed(key)
+        if grows < 0:
+            self._resume()
 
     def _changed(self, key: str) -> None:
         """Wake the waiters whose keys are now all set."""
@@ -301,6 +538,7 @@ class StoreServer:
 
     def _finish(self, w: _Waiter, message: bytes) -> None:
         w.done = True
+        self._stale += 1
         self._forget(w)
         conn = w.conn
         conn.waiter = None
@@ -318,8 +556,11 @@ class StoreServer:
     def _expire(self, now: float) -> None:
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, w = heapq.heappop(self._deadlines)
-            if not w.done:
+            if w.done:
+                self._stale = max(0, self._stale - 1)
+            else:
                 self._finish(w, reply(Status.MISSING, *(k.encode() for k in self._table.missing(w.keys))))
+                self._stale = max(0, self._stale - 1)
 
 
 def _need(op: int, fields: list[bytes], n: int) -> None:

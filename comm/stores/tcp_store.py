@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hmac
 import ipaddress
 import numbers
 import os
@@ -13,7 +14,8 @@ import time
 from datetime import timedelta
 
 from ..errors import DistStoreError, DistTypeError, DistValueError
-from . import wire
+from .. import env
+from . import auth, wire
 from .store import DEFAULT_TIMEOUT, NotAnInteger, Store
 from .tcp_server import StoreServer
 
@@ -26,6 +28,16 @@ _REPLY_GRACE_S = 5.0
 #: Connect retries back off from 10 ms to 250 ms: workers usually start before their master, and a
 #: refused connect is cheap, so a worker notices its master within a quarter second.
 _RETRY_FIRST_S, _RETRY_MAX_S = 0.01, 0.25
+#: The shortest ``secret=`` accepted: 16 bytes (128 bits), the least a key should have.
+_MIN_SECRET_BYTES = 16
+
+
+class _Stale(ConnectionResetError):
+    """A pooled connection the server had closed (idle) before this request reached it: retried."""
+
+
+class _Refused(DistStoreError):
+    """The server refused this client (the secret, a bound): not retried."""
 
 
 class _Connection:
@@ -34,28 +46,46 @@ class _Connection:
     The socket is blocking with kernel timeouts (``SO_RCVTIMEO``/``SO_SNDTIMEO``, set only when the
     timeout changes) rather than Python's ``settimeout``, which polls before every send and receive:
     a request is then one ``send`` and usually one ``recv`` (128 clients x 1000 adds went from 6
-    system calls a request to 2).
+    system calls a request to 2). With the job's secret each frame carries its tag (``session``).
     """
 
     def __init__(self, sock: socket.socket) -> None:
         sock.settimeout(None)
         self.sock = sock
         self._timeout = -1.0
+        self.session: auth.Session | None = None
 
-    def call(self, message: bytes, timeout: float) -> tuple[int, list[bytes]]:
+    def _deadline(self, timeout: float) -> None:
         if timeout != self._timeout:
             seconds = max(timeout, 1e-3)
             tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
             self._timeout = timeout
+
+    def call(self, op: int, fields: list[bytes], timeout: float) -> tuple[int, list[bytes]]:
+        """Send a request and read its reply (``(status, fields)``)."""
+        self._deadline(timeout)
+        body = wire.request(op, *fields)[wire.HEADER.size:]
+        if self.session is not None:
+            body = self.session.seal(body)
         try:
-            self.sock.sendall(message)
-            buf = self._recv(b"")
+            self.sock.sendall(wire.HEADER.pack(len(body)) + body)
+        except BrokenPipeError:
+            raise _Stale("the server had closed the connection") from None
+        except BlockingIOError:  # SO_SNDTIMEO expired
+            raise TimeoutError(f"no answer within {timeout:g} s") from None
+        return self.read(timeout, first=True)
+
+    def read(self, timeout: float, *, first: bool = False) -> tuple[int, list[bytes]]:
+        """The next frame from the server, its tag checked once authenticated."""
+        self._deadline(timeout)
+        try:
+            buf = self._recv(b"", stale=first)
             while len(buf) < wire.HEADER.size:
                 buf = self._recv(buf)
             (n,) = wire.HEADER.unpack_from(buf, 0)
-            if n > wire.MAX_MESSAGE_BYTES:
+            if n > wire.MAX_MESSAGE_BYTES + auth.TAG_BYTES:
                 raise wire.ProtocolError(f"the server announced a reply of {n} bytes, over the limit")
             end = wire.HEADER.size + n
             if len(buf) < end:
@@ -68,17 +98,48 @@ class _Connection:
                 buf = b"".join(parts)
         except BlockingIOError:  # SO_RCVTIMEO/SO_SNDTIMEO expired
             raise TimeoutError(f"no answer within {timeout:g} s") from None
-        return wire.fields_of(buf[wire.HEADER.size:end])
+        body = buf[wire.HEADER.size:end]
+        if self.session is not None:
+            try:
+                body = self.session.open(body)
+            except auth.AuthError as exc:
+                raise wire.ProtocolError(f"the server's reply failed its check: {exc}") from None
+        return wire.fields_of(body)
 
-    def _recv(self, buf: bytes, size: int = 1 << 16) -> bytes:
-        chunk = self.sock.recv(size)
+    def _recv(self, buf: bytes, size: int = 1 << 16, *, stale: bool = False) -> bytes:
+        try:
+            chunk = self.sock.recv(size)
+        except ConnectionResetError:
+            chunk = b""
         if not chunk:
+            if stale:
+                raise _Stale("the server closed the connection")
             raise ConnectionResetError("the server closed the connection")
         return buf + chunk if buf else chunk
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.sock.close()
+
+
+def _check_secret(secret: object) -> bytes | None:
+    """The store's secret as bytes: ``secret=`` where given, else the job's (``MESHKIT_JOB_SECRET``)."""
+    if secret is None:
+        return env.job_secret()
+    if isinstance(secret, str):
+        secret = secret.encode()
+    if not isinstance(secret, (bytes, bytearray)):
+        raise DistTypeError(f"TCPStore(secret): secret must be str or bytes (or None: the job's, "
+                            f"{env.JOB_SECRET}), got {type(secret).__name__}")
+    if len(secret) < _MIN_SECRET_BYTES:
+        raise DistValueError(f"TCPStore(secret): a secret of {len(secret)} bytes is too short to be a key; give at "
+                             f"least {_MIN_SECRET_BYTES} random bytes (its value is not shown)")
+    return bytes(secret)
+
+
+def _text(fields: list[bytes]) -> str:
+    """A server's message (its first field), for an error."""
+    return fields[0][:2000].decode(errors="replace") if fields else "(no message)"
 
 
 def _check_host(host_name: object) -> str:
@@ -99,7 +160,7 @@ def _check_host(host_name: object) -> str:
 
 
 class TCPStore(Store):
-    """A store served over TCP (torch's ``TCPStore``).
+    """A store served over TCP (torch's ``TCPStore``), authenticated with the job's secret.
 
     The process made with ``is_master=True`` runs the server (a thread listening on
     ``host_name:port``; ``port=0`` picks a free port, reported by :attr:`port`) and is itself a
@@ -111,10 +172,19 @@ class TCPStore(Store):
     ``"0.0.0.0"`` for every interface. The server lives as long as the master's store: close it (or
     let it go) last. Methods are thread-safe; each concurrent call gets a connection of its own, so a
     thread blocked in ``wait`` does not hold up another thread's ``set``.
+
+    ``secret`` (default: the job's, ``MESHKIT_JOB_SECRET``, which ``meshkit-run`` and
+    ``meshkit.spawn`` set for their ranks) authenticates both ends of every connection and every
+    frame (comm/stores/auth.py): a client without it is refused at connect, before it reads or
+    writes a key, and a server that cannot prove it knows it (a squatter on the port) is refused by
+    the client. With no secret anywhere the store is open, as torch's: anyone who reaches the port
+    can read and write its keys (docs/security.md). The server's bounds (memory, connections, idle
+    time) are in comm/stores/limits.py.
     """
 
     def __init__(self, host_name: str, port: int, world_size: int | None = None, is_master: bool = False,
-                 timeout: timedelta = DEFAULT_TIMEOUT, wait_for_workers: bool = True) -> None:
+                 timeout: timedelta = DEFAULT_TIMEOUT, wait_for_workers: bool = True, *,
+                 secret: str | bytes | None = None) -> None:
         host = _check_host(host_name)
         if isinstance(port, bool) or not isinstance(port, numbers.Integral) or not 0 <= port <= 65535:
             raise DistValueError(f"TCPStore(port): port must be an int in [0, 65535], got {port!r}")
@@ -125,9 +195,11 @@ class TCPStore(Store):
                                        or world_size < 1):
             raise DistValueError(f"TCPStore(world_size): world_size must be None or an int >= 1 (clients plus the "
                                  f"master), got {world_size!r}")
+        secret_bytes = _check_secret(secret)
         super().__init__(timeout)
         self._host, self._port, self._world_size = host, int(port), world_size
         self._is_master = bool(is_master)
+        self._key = None if secret_bytes is None else auth.store_key(secret_bytes)
         self._idle: list[_Connection] = []
         self._pool_lock = threading.Lock()
         self._server: StoreServer | None = None
@@ -139,7 +211,7 @@ class TCPStore(Store):
         family, _, _, _, address = infos[0]
         start = time.monotonic()
         if self._is_master:
-            self._server = StoreServer(host, self._port, family, address)
+            self._server = StoreServer(host, self._port, family, address, self._key)
             self._port = self._server.port
         try:
             self._idle.append(self._join(start))
@@ -168,6 +240,11 @@ class TCPStore(Store):
     @property
     def world_size(self) -> int | None:
         return self._world_size
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether every connection proves the job's secret both ways (False: an open store)."""
+        return self._key is not None
 
     @property
     def _hostport(self) -> str:
@@ -202,7 +279,7 @@ class TCPStore(Store):
         while True:
             conn = self._connect(start)
             try:
-                self._checked(conn.call(wire.request(wire.Op.JOIN), max(self._left(start), 0.05)), "join")
+                self._checked(conn.call(wire.Op.JOIN, [], max(self._left(start), 0.05)), "join")
                 return conn
             except (OSError, wire.ProtocolError) as exc:
                 conn.close()
@@ -215,20 +292,39 @@ class TCPStore(Store):
             time.sleep(min(delay, left))
             delay = min(delay * 2, _RETRY_MAX_S)
 
-    def _connect(self, start: float) -> _Connection:
-        """A new connection, retrying refused connects until the timeout (the master may start later)."""
-        delay, last = _RETRY_FIRST_S, None
+    def _connect(self, start: float, *, retry: bool = True) -> _Connection:
+        """A new connection, authenticated where the store has a secret, retrying refused connects
+        and servers that do not greet (the master may start later, or a previous one be closing)
+        until the timeout."""
+        delay, last, greeted = _RETRY_FIRST_S, None, False
         while True:
             left = self._left(start)
             try:
                 sock = socket.create_connection((self._host, self._port), timeout=max(left, 0.05))
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                return _Connection(sock)
             except OSError as exc:
-                last = exc
+                last, greeted = exc, False
+            else:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                conn = _Connection(sock)
+                try:
+                    self._handshake(conn, max(self._left(start), 0.05))
+                    return conn
+                except (OSError, wire.ProtocolError) as exc:  # not (yet) a meshkit server: retried
+                    conn.close()
+                    last, greeted = exc, True
+                except BaseException:
+                    conn.close()
+                    raise
             left = self._left(start)
+            if not retry:
+                raise last
             if left <= 0:
                 waited = time.monotonic() - start
+                if greeted:
+                    raise DistStoreError(
+                        f"TCPStore: the server at {self._hostport} did not answer within {self._timeout_s:g} s "
+                        f"(waited {waited:.3f} s; last error: {last}); is a meshkit TCPStore master listening there?",
+                        waited=waited)
                 raise DistStoreError(
                     f"TCPStore: no server answered at {self._hostport} within the timeout of {self._timeout_s:g} s "
                     f"(waited {waited:.3f} s; last error: {last}); is the master (is_master=True) running there, "
@@ -236,28 +332,83 @@ class TCPStore(Store):
             time.sleep(min(delay, left))
             delay = min(delay * 2, _RETRY_MAX_S)
 
+    def _handshake(self, conn: _Connection, timeout: float) -> None:
+        """Read the server's greeting and, with a secret, prove it and check the server's proof.
+
+        Raises:
+            _Refused: the two sides disagree on the secret, or the server refused the connection
+                (a bound): not worth retrying.
+            wire.ProtocolError / OSError: not (yet) a meshkit server; the caller retries.
+        """
+        status, fields = conn.read(timeout)
+        if status == wire.Status.ERROR:
+            raise _Refused(f"TCPStore at {self._hostport}: the server refused the connection: "
+                           f"{_text(fields)}")
+        if status != wire.Status.OK or len(fields) != 3 or fields[0] != wire.GREETING:
+            raise wire.ProtocolError("it did not greet as a meshkit TCPStore does (another program on the port, or "
+                                     "a meshkit of another protocol version)")
+        mode, server_nonce = fields[1], fields[2]
+        if mode == auth.MODE_OPEN:
+            if self._key is not None:
+                raise _Refused(f"TCPStore at {self._hostport}: the server does not authenticate (it was made without "
+                               f"a secret) while this process has the job's secret ({env.JOB_SECRET}); refusing it: "
+                               "it may be another program squatting on the port. Give the master the same secret")
+            return
+        if mode != auth.MODE_AUTH or len(server_nonce) != auth.NONCE_BYTES:
+            raise wire.ProtocolError(f"an unknown authentication mode {mode[:32]!r}")
+        if self._key is None:
+            raise _Refused(f"TCPStore at {self._hostport}: the server requires the job's secret and this process has "
+                           f"none: set {env.JOB_SECRET} to the job's secret (meshkit-run and meshkit.spawn set it for "
+                           "their ranks) or pass secret=")
+        client_nonce = auth.nonce()
+        status, fields = conn.call(wire.Op.AUTH, [client_nonce, auth.client_proof(self._key, server_nonce,
+                                                                                 client_nonce)], timeout)
+        if status != wire.Status.OK:
+            raise _Refused(f"TCPStore at {self._hostport}: {_text(fields)}")
+        if len(fields) != 1 or not hmac.compare_digest(fields[0], auth.server_proof(self._key, server_nonce,
+                                                                                     client_nonce)):
+            raise _Refused(f"TCPStore at {self._hostport}: the server did not prove that it knows the job's secret "
+                           "(another program squatting on the port, or a store of another job); refusing it")
+        conn.session = auth.Session(self._key, server_nonce, client_nonce, server=False)
+
     def _request(self, op: int, fields: list[bytes], reply_timeout: float) -> tuple[bool, list[bytes]]:
         """``(found, fields)`` of the server's answer; ``found`` is False for a get/wait past its deadline."""
-        message = wire.request(op, *fields)
-        if len(message) - wire.HEADER.size > wire.MAX_MESSAGE_BYTES:
-            raise DistValueError(f"TCPStore.{wire.Op.NAMES[op]}: a request of {len(message)} bytes is over the limit "
+        size = wire.HEADER.size + 1 + sum(wire.HEADER.size + len(f) for f in fields)
+        if size - wire.HEADER.size > wire.MAX_MESSAGE_BYTES:
+            raise DistValueError(f"TCPStore.{wire.Op.NAMES[op]}: a request of {size} bytes is over the limit "
                                  f"of {wire.MAX_MESSAGE_BYTES} bytes (meshkit.comm.stores.wire.MAX_MESSAGE_BYTES)")
         with self._pool_lock:
             conn = self._idle.pop() if self._idle else None
-        if conn is None:
-            conn = self._connect(time.monotonic())
         try:
-            answer = conn.call(message, reply_timeout)
+            if conn is None:
+                conn = self._connect(time.monotonic())
+                answer = conn.call(op, fields, reply_timeout)
+            else:
+                try:
+                    answer = conn.call(op, fields, reply_timeout)
+                except _Stale:  # closed while idle in the pool (the server's idle timeout): never applied
+                    conn.close()
+                    conn = None  # once, at once: a master that is gone refuses it (reported below)
+                    conn = self._connect(time.monotonic(), retry=False)
+                    answer = conn.call(op, fields, reply_timeout)
+        except _Refused:
+            raise
+        except DistStoreError:
+            raise
         except (OSError, wire.ProtocolError) as exc:
-            conn.close()
+            if conn is not None:
+                conn.close()
             why = "no answer within the timeout" if isinstance(exc, TimeoutError) else str(exc) or type(exc).__name__
             raise DistStoreError(f"TCPStore at {self._hostport}: {wire.Op.NAMES[op]} failed: {why} (pid "
                                  f"{os.getpid()}); did the master's store close?") from None
-        with self._pool_lock:
-            if self._closed:
-                conn.close()
-            else:
-                self._idle.append(conn)
+        if answer[0] == wire.Status.ERROR:  # the server closes a refused request's connection
+            conn.close()
+        else:
+            with self._pool_lock:
+                if self._closed:
+                    conn.close()
+                else:
+                    self._idle.append(conn)
         return self._checked(answer, wire.Op.NAMES[op])
 
     def _checked(self, answer: tuple[int, list[bytes]], op: str) -> tuple[bool, list[bytes]]:
@@ -266,8 +417,7 @@ class TCPStore(Store):
             return status == wire.Status.OK, fields
         if status == wire.Status.NOT_AN_INTEGER:
             raise NotAnInteger(fields[0] if fields else b"")
-        message = fields[0].decode(errors="replace") if fields else "(no message)"
-        raise DistStoreError(f"TCPStore at {self._hostport}: the server refused {op}: {message}")
+        raise DistStoreError(f"TCPStore at {self._hostport}: the server refused {op}: {_text(fields)}")
 
     # ------------------------------------------------------------------ the primitives
     def _set(self, key: str, value: bytes) -> None:

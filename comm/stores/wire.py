@@ -1,6 +1,8 @@
 """TCPStore's wire protocol: length-prefixed frames of length-prefixed fields, and their limits.
 
-A frame is a 4-byte big-endian length ``N`` followed by ``N`` bytes. A request's body is one opcode
+A frame is a 4-byte big-endian length ``N`` followed by ``N`` bytes. The server speaks first: a
+greeting (:data:`GREETING`, the mode, a nonce), then, with the job's secret, the handshake of
+:mod:`.auth`, after which every frame's body ends with its 16-byte tag. A request's body is one opcode
 byte and its fields; a reply's body is one status byte and its fields. A field is a 4-byte
 big-endian length and that many bytes; integers and timeouts travel as ASCII decimals (``b"-3"``,
 ``b"0.25"``), so a counter is not bounded by a fixed-width integer. The server reads the length
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import struct
 
-__all__ = ["MAX_MESSAGE_BYTES", "MAX_VALUE_BYTES", "Op", "Status", "ProtocolError", "frame", "request",
+__all__ = ["MAX_MESSAGE_BYTES", "MAX_VALUE_BYTES", "GREETING", "Op", "Status", "ProtocolError", "frame", "request",
            "reply", "fields_of", "HEADER"]
 
 #: The longest frame either side accepts, header excluded. A store carries rendezvous data
@@ -24,6 +26,10 @@ MAX_MESSAGE_BYTES = 64 << 20
 MAX_VALUE_BYTES = 16 << 20
 
 HEADER = struct.Struct("!I")
+#: The first field of the server's greeting, the first frame of every connection (then the mode,
+#: open or authenticating, and the server's nonce: comm/stores/auth.py). A client that reads
+#: anything else has not reached a meshkit TCPStore of this protocol.
+GREETING = b"meshkit-store 2"
 
 
 class Op:
@@ -37,9 +43,10 @@ class Op:
     WAIT = 7      # timeout, keys... -> OK, or MISSING with the keys still missing at the deadline
     DELETE = 8    # key -> b"1" or b"0"
     COUNT = 9     # prefix -> number of user keys starting with it
+    AUTH = 10     # client nonce, client proof -> server proof (comm/stores/auth.py)
 
     NAMES = {JOIN: "join", SET: "set", GET: "get", ADD: "add", CAS: "compare_set", CHECK: "check", WAIT: "wait",
-             DELETE: "delete_key", COUNT: "num_keys"}
+             DELETE: "delete_key", COUNT: "num_keys", AUTH: "authenticate"}
 
 
 class Status:
