@@ -43,13 +43,14 @@ __all__ = ["StoreServer"]
 logger = logging.getLogger("meshkit")
 
 _READ, _WRITE = selectors.EVENT_READ, selectors.EVENT_READ | selectors.EVENT_WRITE
-#: Seconds between the loop's sweeps for idle and unauthenticated connections.
+#: Seconds between the loop's sweeps for idle and unauthenticated connections (at most; a quarter
+#: of the shorter of the two timeouts where that is less).
 _SWEEP_S = 1.0
 
 
 class _Conn:
     __slots__ = ("sock", "peer", "inbuf", "outbuf", "waiter", "closing", "dead", "writing", "nonce", "session",
-                 "authed", "reserved", "deferred", "paused", "opened", "active")
+                 "authed", "reserved", "deferred", "paused", "opened", "active", "discard", "refusal")
 
     def __init__(self, sock: socket.socket, peer: str, nonce: bytes, authed: bool, now: float) -> None:
         self.sock, self.peer = sock, peer
@@ -67,6 +68,8 @@ class _Conn:
         self.paused = False  # waiting for memory: not read, not processed
         self.opened = now
         self.active = now  # the last byte in or out
+        self.discard = 0  # bytes of a refused frame still to read and drop (its client is still sending it)
+        self.refusal = ""  # the answer once they are
 
 
 class _Waiter:
@@ -147,7 +150,8 @@ class StoreServer:
 
     # ------------------------------------------------------------------ the loop
     def _serve(self) -> None:
-        next_sweep = time.monotonic() + _SWEEP_S
+        sweep_s = min(_SWEEP_S, self.limits.idle_timeout / 4, self.limits.handshake_timeout / 4)
+        next_sweep = time.monotonic() + sweep_s
         try:
             while not self._stopping:
                 timeout = max(0.0, next_sweep - time.monotonic()) if self._conns else None
@@ -174,7 +178,7 @@ class StoreServer:
                 self._expire(now)
                 if now >= next_sweep:
                     self._sweep(now)
-                    next_sweep = now + _SWEEP_S
+                    next_sweep = now + sweep_s
         finally:
             for key in list(self._selector.get_map().values()):
                 with contextlib.suppress(OSError):
@@ -257,6 +261,14 @@ class StoreServer:
             self._drop(conn)
             return
         conn.active = time.monotonic()
+        if conn.discard:  # the rest of a frame refused for memory: read and dropped, then the refusal
+            dropped = min(conn.discard, len(data))
+            conn.discard -= dropped
+            data = data[dropped:]
+            if conn.discard:
+                return
+            self._refuse(conn, conn.refusal)
+            return
         conn.inbuf += data
         if (conn.waiter is not None or conn.outbuf) and len(conn.inbuf) > MAX_MESSAGE_BYTES + HEADER.size:
             self._drop(conn)  # frames piling up behind a parked request or an unread reply: not a meshkit client
@@ -325,7 +337,14 @@ class StoreServer:
                     if self._traffic > 0:  # others' traffic will drain: wait for it
                         self._pause(conn)
                         return
-                    self._refuse(conn, self._over(n, "a request of"))
+                    # the values alone leave no room: refused once its client has sent it (a client
+                    # still sending when the connection closes would read a reset, not the reason)
+                    conn.refusal = self._over(n, "a request of")
+                    conn.discard = HEADER.size + n - len(buf)
+                    buf.clear()
+                    if conn.discard <= 0:
+                        conn.discard = 0
+                        self._refuse(conn, conn.refusal)
                     return
                 conn.reserved = n
                 self._traffic += n
