@@ -24,7 +24,7 @@ SHORT = timedelta(seconds=0.3)  # what a timeout test waits: the failure must co
 
 
 # --------------------------------------------------------------------------- one semantics, four stores
-@pytest.fixture(params=["hash", "file", "tcp", "prefix"])
+@pytest.fixture(params=["hash", "file", "tcp", "tcp-secret", "prefix"])
 def stores(request, tmp_path):
     """``(store, another)``: a store with a short timeout and a function giving another handle on the
     same keys (a second client, a second opener of the file; the same object for a HashStore)."""
@@ -42,9 +42,12 @@ def stores(request, tmp_path):
         path = tmp_path / "store"
         store = keep(FileStore(str(path)))
         another = lambda: keep(FileStore(str(path)))  # noqa: E731
-    elif kind == "tcp":
-        store = keep(TCPStore("127.0.0.1", 0, is_master=True, world_size=1, timeout=timedelta(seconds=10)))
-        another = lambda: keep(TCPStore("127.0.0.1", store.port, timeout=timedelta(seconds=10)))  # noqa: E731
+    elif kind.startswith("tcp"):  # "tcp-secret": every frame authenticated (comm/stores/auth.py)
+        secret = "s" * 32 if kind == "tcp-secret" else None
+        store = keep(TCPStore("127.0.0.1", 0, is_master=True, world_size=1, timeout=timedelta(seconds=10),
+                              secret=secret))
+        another = lambda: keep(TCPStore("127.0.0.1", store.port, timeout=timedelta(seconds=10),  # noqa: E731
+                                        secret=secret))
     else:
         inner = keep(TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10)))
         store = PrefixStore("job", inner)

@@ -36,7 +36,7 @@ from ..errors import DistStoreError
 from . import auth
 from .limits import IDLE_TIMEOUT, MAX_BYTES, MAX_CONNECTIONS, MAX_WAIT_KEYS, ServerLimits
 from .store import KeyTable, NotAnInteger
-from .wire import HEADER, MAX_MESSAGE_BYTES, GREETING, Op, ProtocolError, Status, fields_of, reply
+from .wire import HEADER, MAX_MESSAGE_BYTES, GREETING, Op, ProtocolError, Status, fields_of, parts, reply
 
 __all__ = ["StoreServer"]
 
@@ -212,8 +212,7 @@ class StoreServer:
             conn = _Conn(sock, peer, nonce, self._key is None, time.monotonic())
             self._conns.add(conn)
             self._selector.register(sock, _READ, conn)
-            self._send(conn, reply(Status.OK, GREETING, auth.MODE_OPEN if self._key is None else auth.MODE_AUTH,
-                                   nonce))
+            self._send(conn, Status.OK, GREETING, auth.MODE_OPEN if self._key is None else auth.MODE_AUTH, nonce)
 
     def _drop(self, conn: _Conn) -> None:
         if conn.dead:
@@ -251,7 +250,7 @@ class StoreServer:
 
     def _read(self, conn: _Conn) -> None:
         try:
-            data = conn.sock.recv(1 << 20 if conn.authed else auth.PRE_AUTH_MAX_BYTES)
+            data = conn.sock.recv(1 << 16 if conn.authed else auth.PRE_AUTH_MAX_BYTES)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
@@ -369,13 +368,13 @@ class StoreServer:
         try:
             self._handle(conn, body)
         except NotAnInteger as exc:
-            self._send(conn, reply(Status.NOT_AN_INTEGER, exc.held))
+            self._send(conn, Status.NOT_AN_INTEGER, exc.held)
         except _Refused as exc:
             self._refuse(conn, str(exc))
         except (ProtocolError, ValueError) as exc:  # a bad field (not UTF-8, not a number) too
             self._refuse(conn, f"a malformed request ({exc}); closing the connection")
         except Exception as exc:  # never let one request stop the server
-            self._send(conn, reply(Status.ERROR, f"the server failed: {exc!r}".encode()))
+            self._send(conn, Status.ERROR, f"the server failed: {exc!r}".encode())
 
     def _over(self, n: int, what: str) -> str:
         return (f"{what} {n} bytes would pass the server's memory limit ({MAX_BYTES}={self.limits.max_bytes}: "
@@ -398,7 +397,7 @@ class StoreServer:
                                "(MESHKIT_JOB_SECRET); closing the connection")
             return
         conn.authed = True
-        self._send(conn, reply(Status.OK, auth.server_proof(self._key, conn.nonce, client_nonce)))
+        self._send(conn, Status.OK, auth.server_proof(self._key, conn.nonce, client_nonce))
         conn.session = auth.Session(self._key, conn.nonce, client_nonce, server=True)
 
     def _refuse(self, conn: _Conn, why: str) -> None:
@@ -406,13 +405,17 @@ class StoreServer:
         self._traffic -= conn.reserved
         conn.reserved = 0
         conn.inbuf.clear()
-        self._send(conn, reply(Status.ERROR, why.encode()))
+        self._send(conn, Status.ERROR, why.encode())
 
-    def _send(self, conn: _Conn, data: bytes) -> None:
+    def _send(self, conn: _Conn, status: int, *fields: bytes) -> None:
+        """Queue the reply ``status, fields`` (tagged once authenticated) and send what the socket takes."""
         if conn.dead:
             return
+        pieces, size = parts(status, fields)
         if conn.session is not None:
-            data = HEADER.pack(len(data) - HEADER.size + auth.TAG_BYTES) + conn.session.seal(data[HEADER.size:])
+            data = conn.session.frame(pieces, size)
+        else:
+            data = b"".join([HEADER.pack(size), *pieces])
         pending = bool(conn.outbuf)
         conn.outbuf += data
         self._traffic += len(data)
@@ -468,12 +471,12 @@ class StoreServer:
             total = table.add(key, int(f[1]))
             self._held += len(table.data[key]) - (len(held) if held is not None else -len(key))
             self._changed(key)
-            self._send(conn, reply(Status.OK, str(total).encode()))
+            self._send(conn, Status.OK, str(total).encode())
         elif op == Op.SET:
             _need(op, f, 2)
             key = f[0].decode()
             self._set(key, f[1])
-            self._send(conn, reply(Status.OK))
+            self._send(conn, Status.OK)
         elif op in (Op.GET, Op.WAIT):
             if len(f) < 2 or (op == Op.GET and len(f) != 2):
                 raise ProtocolError(f"{Op.NAMES[op]} takes a timeout and {'a key' if op == Op.GET else 'keys'}")
@@ -490,9 +493,9 @@ class StoreServer:
                         conn.deferred = body  # its reply waits until others' replies drain
                         self._pause(conn)
                         return
-                    self._send(conn, reply(Status.OK, value))
+                    self._send(conn, Status.OK, value)
                 else:
-                    self._send(conn, reply(Status.OK))
+                    self._send(conn, Status.OK)
                 return
             waiter = _Waiter(conn, keys, keys[0] if op == Op.GET else None, time.monotonic() + seconds)
             conn.waiter = waiter
@@ -504,28 +507,28 @@ class StoreServer:
             key, expected, desired = f[0].decode(), f[1], f[2]
             if table.sets(key, expected):
                 self._set(key, desired)
-                self._send(conn, reply(Status.OK, desired))
+                self._send(conn, Status.OK, desired)
             else:
-                self._send(conn, reply(Status.OK, table.compare_set(key, expected, desired)))
+                self._send(conn, Status.OK, table.compare_set(key, expected, desired))
         elif op == Op.CHECK:
             self._check_keys(op, f)
-            self._send(conn, reply(Status.OK, *(k.encode() for k in table.missing([k.decode() for k in f]))))
+            self._send(conn, Status.OK, *(k.encode() for k in table.missing([k.decode() for k in f])))
         elif op == Op.DELETE:
             _need(op, f, 1)
             key = f[0].decode()
             held = table.data.get(key)
             if held is not None:
                 self._held -= len(key) + len(held)
-            self._send(conn, reply(Status.OK, b"1" if table.delete(key) else b"0"))
+            self._send(conn, Status.OK, b"1" if table.delete(key) else b"0")
             self._resume()
         elif op == Op.COUNT:
             _need(op, f, 1)
-            self._send(conn, reply(Status.OK, str(table.count(f[0].decode())).encode()))
+            self._send(conn, Status.OK, str(table.count(f[0].decode())).encode())
         elif op == Op.JOIN:
             with self._joined_changed:
                 self._joined += 1
                 self._joined_changed.notify_all()
-            self._send(conn, reply(Status.OK))
+            self._send(conn, Status.OK)
         else:
             raise ProtocolError(f"unknown opcode {op}")
 
@@ -553,15 +556,15 @@ class StoreServer:
                 for k in missing:
                     self._waiters.setdefault(k, set()).add(w)
                 continue
-            self._finish(w, reply(Status.OK, *([self._table.data[w.value_of]] if w.value_of is not None else [])))
+            self._finish(w, Status.OK, [self._table.data[w.value_of]] if w.value_of is not None else [])
 
-    def _finish(self, w: _Waiter, message: bytes) -> None:
+    def _finish(self, w: _Waiter, status: int, fields: list[bytes]) -> None:
         w.done = True
         self._stale += 1
         self._forget(w)
         conn = w.conn
         conn.waiter = None
-        self._send(conn, message)
+        self._send(conn, status, *fields)
         self._process(conn)  # frames that arrived behind the parked one
 
     def _forget(self, w: _Waiter) -> None:
@@ -578,7 +581,7 @@ class StoreServer:
             if w.done:
                 self._stale = max(0, self._stale - 1)
             else:
-                self._finish(w, reply(Status.MISSING, *(k.encode() for k in self._table.missing(w.keys))))
+                self._finish(w, Status.MISSING, [k.encode() for k in self._table.missing(w.keys)])
                 self._stale = max(0, self._stale - 1)
 
 

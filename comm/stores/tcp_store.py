@@ -66,11 +66,11 @@ class _Connection:
     def call(self, op: int, fields: list[bytes], timeout: float) -> tuple[int, list[bytes]]:
         """Send a request and read its reply (``(status, fields)``)."""
         self._deadline(timeout)
-        body = wire.request(op, *fields)[wire.HEADER.size:]
-        if self.session is not None:
-            body = self.session.seal(body)
+        pieces, size = wire.parts(op, fields)
+        message = (self.session.frame(pieces, size) if self.session is not None
+                   else b"".join([wire.HEADER.pack(size), *pieces]))
         try:
-            self.sock.sendall(wire.HEADER.pack(len(body)) + body)
+            self.sock.sendall(message)
         except BrokenPipeError:
             raise _Stale("the server had closed the connection") from None
         except BlockingIOError:  # SO_SNDTIMEO expired
@@ -78,35 +78,41 @@ class _Connection:
         return self.read(timeout, first=True)
 
     def read(self, timeout: float, *, first: bool = False) -> tuple[int, list[bytes]]:
-        """The next frame from the server, its tag checked once authenticated."""
+        """The next frame from the server, its tag checked once authenticated. Usually one
+        ``recv`` (a reply under 64 KiB arrives whole); a longer one is read into its own buffer."""
         self._deadline(timeout)
         try:
-            buf = self._recv(b"", stale=first)
+            buf = self._recv(1 << 16, stale=first)
             while len(buf) < wire.HEADER.size:
-                buf = self._recv(buf)
+                buf += self._recv(1 << 16)
             (n,) = wire.HEADER.unpack_from(buf, 0)
             if n > wire.MAX_MESSAGE_BYTES + auth.TAG_BYTES:
                 raise wire.ProtocolError(f"the server announced a reply of {n} bytes, over the limit")
             end = wire.HEADER.size + n
-            if len(buf) < end:
-                parts = [buf]
-                have = len(buf)
-                while have < end:
-                    chunk = self._recv(b"", min(end - have, 1 << 20))
-                    parts.append(chunk)
-                    have += len(chunk)
-                buf = b"".join(parts)
+            if len(buf) >= end:
+                body: bytes | bytearray | memoryview = memoryview(buf)[wire.HEADER.size:end]
+            else:
+                body = bytearray(n)
+                view = memoryview(body)
+                have = len(buf) - wire.HEADER.size
+                view[:have] = buf[wire.HEADER.size:]
+                while have < n:
+                    got = self.sock.recv_into(view[have:], n - have)
+                    if not got:
+                        raise ConnectionResetError("the server closed the connection")
+                    have += got
         except BlockingIOError:  # SO_RCVTIMEO/SO_SNDTIMEO expired
             raise TimeoutError(f"no answer within {timeout:g} s") from None
-        body = buf[wire.HEADER.size:end]
-        if self.session is not None:
-            try:
-                body = self.session.open(body)
-            except auth.AuthError as exc:
-                raise wire.ProtocolError(f"the server's reply failed its check: {exc}") from None
-        return wire.fields_of(body)
+        if self.session is None:
+            return wire.fields_of(body)
+        try:
+            return wire.fields_of(self.session.open(body))
+        except auth.AuthError as exc:
+            raise wire.ProtocolError(f"the server's reply failed its check: {exc}") from None
 
-    def _recv(self, buf: bytes, size: int = 1 << 16, *, stale: bool = False) -> bytes:
+    def _recv(self, size: int, *, stale: bool = False) -> bytes:
+        """What the socket has, up to ``size`` bytes: EOF at the first read of a reply means a stale
+        connection (closed by the server while idle), later a connection lost mid-reply."""
         try:
             chunk = self.sock.recv(size)
         except ConnectionResetError:
@@ -115,7 +121,7 @@ class _Connection:
             if stale:
                 raise _Stale("the server closed the connection")
             raise ConnectionResetError("the server closed the connection")
-        return buf + chunk if buf else chunk
+        return chunk
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import struct
 
-__all__ = ["MAX_MESSAGE_BYTES", "MAX_VALUE_BYTES", "GREETING", "Op", "Status", "ProtocolError", "frame", "request",
-           "reply", "fields_of", "HEADER"]
+__all__ = ["MAX_MESSAGE_BYTES", "MAX_VALUE_BYTES", "GREETING", "Op", "Status", "ProtocolError", "frame", "parts",
+           "request", "reply", "fields_of", "HEADER"]
 
 #: The longest frame either side accepts, header excluded. A store carries rendezvous data
 #: (addresses, NCCL unique ids of 128 bytes, small pickled objects), not tensors: 64 MiB is far
@@ -66,36 +66,42 @@ def frame(body: bytes) -> bytes:
     return HEADER.pack(len(body)) + body
 
 
-def _pack(code: int, fields: tuple[bytes, ...]) -> bytes:
-    parts = [bytes((code,))]
+def parts(code: int, fields: tuple[bytes, ...] | list[bytes]) -> tuple[list[bytes], int]:
+    """A body as the pieces it is made of, and its length: a frame is joined once, and a tag is
+    computed over the pieces without joining them first (comm/stores/auth.py)."""
+    out, size = [bytes((code,))], 1
     for f in fields:
-        parts.append(HEADER.pack(len(f)))
-        parts.append(f)
-    return frame(b"".join(parts))
+        out.append(HEADER.pack(len(f)))
+        out.append(f)
+        size += HEADER.size + len(f)
+    return out, size
 
 
 def request(op: int, *fields: bytes) -> bytes:
     """A request frame, header included."""
-    return _pack(op, fields)
+    pieces, size = parts(op, fields)
+    return b"".join([HEADER.pack(size), *pieces])
 
 
 def reply(status: int, *fields: bytes) -> bytes:
     """A reply frame, header included."""
-    return _pack(status, fields)
+    pieces, size = parts(status, fields)
+    return b"".join([HEADER.pack(size), *pieces])
 
 
-def fields_of(body: bytes) -> tuple[int, list[bytes]]:
-    """``(code, fields)`` of a frame's body (without its header)."""
-    if not body:
+def fields_of(body: bytes | bytearray | memoryview) -> tuple[int, list[bytes]]:
+    """``(code, fields)`` of a frame's body (without its header); each field a ``bytes`` of its own."""
+    if not len(body):
         raise ProtocolError("an empty frame (no opcode)")
-    out, pos, end = [], 1, len(body)
+    view = memoryview(body)
+    out, pos, end = [], 1, len(view)
     while pos < end:
         if pos + 4 > end:
             raise ProtocolError(f"a field header cut at byte {pos} of {end}")
-        (n,) = HEADER.unpack_from(body, pos)
+        (n,) = HEADER.unpack_from(view, pos)
         pos += 4
         if pos + n > end:
             raise ProtocolError(f"a field of {n} bytes at byte {pos} runs past the frame's {end}")
-        out.append(body[pos:pos + n])
+        out.append(bytes(view[pos:pos + n]))
         pos += n
-    return body[0], out
+    return view[0], out
