@@ -109,6 +109,8 @@ def test_init_arguments_are_checked(monkeypatch):
         meshkit.init_process_group("ucc")
     with pytest.raises(ValueError, match="timeout must be positive, got -1"):
         meshkit.init_process_group("mpi", timeout=-1)
+    with pytest.raises(ValueError, match=r"timeout must be at most 1e\+06 seconds \(11.6 days.*got inf"):
+        meshkit.init_process_group("mpi", timeout=float("inf"))
     monkeypatch.setenv("MESHKIT_TIMEOUT", "soon")
     with pytest.raises(ValueError, match=r"MESHKIT_TIMEOUT='soon' is not valid; valid values are a positive number "
                                          r"of seconds \(e.g. 300\)"):
@@ -128,6 +130,12 @@ def test_init_arguments_are_checked(monkeypatch):
 BAD_SETTINGS = [
     ("MESHKIT_TIMEOUT", "-5", r"MESHKIT_TIMEOUT='-5' is not valid; valid values are a positive number of seconds"),
     ("MESHKIT_TIMEOUT", "0", r"MESHKIT_TIMEOUT='0' is not valid"),
+    # issue 35: each of these failed somewhere else (an overflow in a wait) with a message naming nothing
+    *((("MESHKIT_TIMEOUT", v, rf"MESHKIT_TIMEOUT='{v}' is not valid; valid values are a positive number of seconds "
+        r"\(e.g. 300\), at most 1e\+06 \(11.6 days") for v in ("inf", "1e10", "2e9"))),
+    ("MESHKIT_JOB_SECRET", "short", r"MESHKIT_JOB_SECRET is not valid \(5 characters; its value is not shown\): valid "
+                                    r"values are at least 32 printable ASCII characters"),
+    ("MESHKIT_JOB_SECRET", "a b" * 20, r"MESHKIT_JOB_SECRET is not valid \(it holds whitespace"),
     ("MESHKIT_ASYNC_ERROR_HANDLING", "ignore", r"MESHKIT_ASYNC_ERROR_HANDLING='ignore' is not valid; valid values are "
                                                r"'abort' \(end the job .*\) and 'log'"),
     ("MESHKIT_CUDA_AWARE_MPI", "yes", r"MESHKIT_CUDA_AWARE_MPI='yes' is not valid; valid values are 0 \(stage device "
@@ -149,7 +157,8 @@ def test_every_meshkit_setting_is_validated_at_init(monkeypatch, name, value, me
 
 @pytest.mark.parametrize("name, good", [("MESHKIT_TIMEOUT", " 7.5 "), ("MESHKIT_ASYNC_ERROR_HANDLING", "LOG"),
                                         ("MESHKIT_CUDA_AWARE_MPI", "0"), ("MESHKIT_LAUNCHED", "0"),
-                                        ("MESHKIT_DEBUG", "Info"), ("MESHKIT_DEVICE_ID", "1")])
+                                        ("MESHKIT_DEBUG", "Info"), ("MESHKIT_DEVICE_ID", "1"),
+                                        ("MESHKIT_JOB_SECRET", "0123456789abcdef" * 2)])
 def test_valid_settings_are_accepted(monkeypatch, name, good):
     monkeypatch.setenv(name, good)
     from meshkit.comm.world import current_world
