@@ -27,6 +27,9 @@ then reported exit 9 or 0 at random), and which rank had died, and how, was not 
 * **--timeout**: as SIGINT, with each rank printing where it was.
 * Still running :data:`KILL_GRACE_S` after the release of a job being ended (a process manager
   that does not end the job when its ranks exit), or at a second signal, ``mpiexec`` is killed.
+* **The launcher dies** (SIGKILL included): the watchers here end their ranks at once
+  (:mod:`meshkit.launch.bootstrap`), and ``mpiexec``, started through :mod:`meshkit.launch.deathsig`,
+  gets SIGTERM, which it passes to the ranks on other hosts.
 
 **What a dead attempt leaves**: MPICH's shared-memory files in ``/dev/shm`` (2-4 MB each; MPI_Finalize
 removes them, a rank that dies does not). While the attempt runs the launcher records the files
@@ -52,14 +55,17 @@ import logging
 import os
 import re
 import select
+import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
 
 from typing import Callable
 
+from . import deathsig
 from .bootstrap import (ENDED, FAILED, FINISHED, MILESTONE, RELEASE, SHM_RECORD, START, TIMED_OUT,
                         format_shm_record, read_small, remove_shm, replace_whole, shm_files, write_exclusive)
 from .output import OutputFilter, RankTails, start_pump
@@ -237,9 +243,14 @@ class Job:
                 previous[sig] = signal.signal(sig, self._on_signal)
         pumps: list[threading.Thread] = []
         try:
+            if shutil.which(self.command[0]) is None:
+                raise LaunchError(f"could not start {self.command[0]!r}: not found, or not an executable file")
+            command = self.command
+            if sys.platform.startswith("linux"):  # SIGTERM to mpiexec when the launcher dies (deathsig.py)
+                command = [sys.executable, "-I", "-S", deathsig.__file__, str(os.getpid()), *command]
             try:
                 self.popen_ns = time.time_ns()
-                self.proc = subprocess.Popen(self.command, env=self.env, start_new_session=True,
+                self.proc = subprocess.Popen(command, env=self.env, start_new_session=True,
                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             except OSError as exc:
                 raise LaunchError(f"could not start {self.command[0]!r}: {exc}") from exc

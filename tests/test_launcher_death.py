@@ -254,3 +254,28 @@ def test_a_killed_ranks_shared_memory_is_gone_before_the_restart_and_a_launcher_
     finally:
         (job.folder / "go").touch()
         job.stop()
+
+
+@needs_mpiexec
+def test_ranks_without_a_watcher_of_the_launcher_end_with_it_through_mpiexec(tmp_path):
+    """Ranks on another host have no watcher of the launcher (they cannot see it): played here by
+    ranks told the launcher runs elsewhere. Its death still ends them: mpiexec gets SIGTERM
+    (launch/deathsig.py) and passes it on. (Their status folder, on a host without a rank, stays.)"""
+    job = Job(tmp_path, "--mpiexec-args", "-genv MESHKIT_LAUNCHER 'another-host 1'")
+    fds: dict[int, int] = {}
+    try:
+        job.wait_ready(time.monotonic() + 120)
+        processes = job.processes()
+        names = [comm(pid) for pid in processes]  # no watchers: mpiexec, its proxy, 2 ranks
+        assert len(processes) == 4 and {"mpiexec", "hydra_pmi_proxy"} <= set(names), names
+        assert set(job.ranks()) <= set(processes)
+        fds = open_pidfds(processes)
+        job.proc.send_signal(signal.SIGKILL)
+        job.proc.wait()
+        alive, waited = wait_gone(fds, GONE_WITHIN_S)
+        assert not alive, f"alive {GONE_WITHIN_S:g} s after the launcher died: {[(p, comm(p)) for p in alive]}"
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+        (job.folder / "go").touch()
+        job.stop()
