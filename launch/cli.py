@@ -370,11 +370,18 @@ def job_command(mpiexec: list[str], nproc: int, target: list[str], mpiexec_args:
 
 
 def job_environment(mpiexec: list[str], nproc: int, status_dir: str, mpiexec_args: list[str],
-                    simulate_nodes: int | None = None, *, secret: str) -> dict[str, str]:
+                    simulate_nodes: int | None = None, *, secret: str | None = None) -> dict[str, str]:
     """The ranks' environment: this one, plus what the launcher tells its ranks (module docstring),
-    the job's ``secret`` (:func:`meshkit.launch.secret.job_secret`) among them; with
+    the job's ``secret`` among them (None: :func:`meshkit.launch.secret.job_secret`'s, a new one
+    unless the user set one; a job of several attempts passes its own to each); with
     ``simulate_nodes``, the number of simulated nodes for the rank bootstrap and
-    :data:`INTER_NODE_TRANSPORTS` where the user set none."""
+    :data:`INTER_NODE_TRANSPORTS` where the user set none.
+
+    Raises:
+        LaunchConfigError: a ``MESHKIT_JOB_SECRET`` set but not usable, ``MESHKIT_MPICH_TUNING`` not 0 or 1.
+    """
+    if secret is None:
+        secret = job_secret(os.environ)
     env = dict(os.environ)
     env.pop(bootstrap.SIMULATED_NODES_ENV, None)  # the launcher's flag alone decides it
     if simulate_nodes is not None:
