@@ -38,7 +38,7 @@ import os
 import shutil
 from typing import Any
 
-from .bootstrap import write_exclusive
+from .bootstrap import replace_whole
 from .job import LaunchConfigError
 
 __all__ = ["tuned_environment", "retune", "IALLREDUCE_RECURSIVE_DOUBLING_MAX", "SELECTION_ENV", "OPT_OUT_ENV"]
@@ -145,6 +145,6 @@ def tuned_environment(mpiexec: str, directory: str, env: dict[str, str]) -> dict
         logger.debug("MPICH selection not retuned (library %s)", library)
         return {}
     path = os.path.join(directory, "mpich-coll-selection.json")
-    write_exclusive(path, json.dumps(tree).encode("utf-8"))  # the ranks' MPICH reads it: the job's own file
+    replace_whole(path, json.dumps(tree).encode("utf-8"))  # (exclusively, 0600) the ranks' MPICH reads it
     logger.debug("Iallreduce uses recursive doubling up to %d bytes (%s)", IALLREDUCE_RECURSIVE_DOUBLING_MAX, path)
     return {SELECTION_ENV: path}
