@@ -24,5 +24,6 @@ from .secret import JOB_SECRET_ENV
 from .spawn import ProcessException, ProcessExitedException, ProcessRaisedException, SpawnContext, spawn
 
 __all__ = ["main", "find_mpiexec", "thread_limits", "THREAD_ENV_VARS", "allocator_settings", "ALLOCATOR_ENV",
-           "LaunchError", "LaunchConfigError", "JOB_SECRET_ENV", "FAILURE_SETTLE_S", "KILL_GRACE_S", "TIMEOUT_EXIT_CODE", "spawn", "SpawnContext",
-           "ProcessException", "ProcessRaisedException", "ProcessExitedException"]
+           "LaunchError", "LaunchConfigError", "JOB_SECRET_ENV", "FAILURE_SETTLE_S", "KILL_GRACE_S",
+           "TIMEOUT_EXIT_CODE", "spawn", "SpawnContext", "ProcessException", "ProcessRaisedException",
+           "ProcessExitedException"]

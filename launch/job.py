@@ -247,7 +247,7 @@ class Job:
             if shutil.which(self.command[0]) is None:
                 raise LaunchError(f"could not start {self.command[0]!r}: not found, or not an executable file")
             command = self.command
-            if sys.platform.startswith("linux"):  # SIGTERM to mpiexec when the launcher dies (deathsig.py)
+            if sys.platform.startswith("linux") and sys.executable:  # SIGTERM to mpiexec when the launcher dies
                 command = [sys.executable, "-I", "-S", deathsig.__file__, str(os.getpid()), *command]
             try:
                 self.popen_ns = time.time_ns()
@@ -420,7 +420,8 @@ class Job:
                 name = kind[len(MILESTONE) + 1:]
                 if name not in rank.milestones:
                     try:
-                        rank.milestones[name] = _number(read_small(os.path.join(self.status_dir, name_of(kind, r))).split()[0])
+                        text = read_small(os.path.join(self.status_dir, name_of(kind, r)))
+                        rank.milestones[name] = _number(text.split()[0])
                     except (OSError, ValueError, IndexError):
                         pass
                 continue
@@ -556,13 +557,13 @@ class Job:
         a failure: the ranks that never reported a start, whose processes died before their
         bootstrap did (killed at start). None when every rank started, or some may run elsewhere."""
         # Ranks that vanished do not count: mpiexec kills every rank here when one process dies.
-        if not self.local_only or code in (0, None) or any(f.how != "vanished" for f in self._failures()):
+        if not self.local_only or code is None or code == 0 or any(f.how != "vanished" for f in self._failures()):
             return None
         unstarted = [r for r in range(self.nproc) if r not in self.ranks or self.ranks[r].pid is None]
         if not unstarted:
             return None
-        status = 128 - code if code < 0 else code  # type: ignore[operator]
-        how = f"was killed by signal {-code} ({_signal_name(-code)})" if code < 0 else f"exited with status {code}"  # type: ignore[operator]
+        status = 128 - code if code < 0 else code
+        how = f"was killed by signal {-code} ({_signal_name(-code)})" if code < 0 else f"exited with status {code}"
         one = len(unstarted) == 1
         description = (f"died before it started: its process ended before the rank bootstrap reported a start, and "
                        f"mpiexec {how}" if one else

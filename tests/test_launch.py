@@ -364,7 +364,8 @@ def test_mpiexec_that_cannot_start_is_a_clear_error(tmp_path: Path) -> None:
         (["-n", "2", "-m"], r"argument -m: expected a module name"),
         (["-n", "2", "--timeout", "0", "script.py"], r"--timeout: expected seconds > 0, got 0"),
         (["-n", "2", "--mpiexec-args", "-genv A 'b", "script.py"],
-         r"argument --mpiexec-args: \"-genv A 'b\" cannot be split into words as a shell would \(No closing quotation\)"),
+         r"argument --mpiexec-args: \"-genv A 'b\" cannot be split into words as a shell would "
+         r"\(No closing quotation\)"),
     ],
 )
 def test_bad_command_line_is_a_clear_error(
@@ -795,8 +796,9 @@ def test_a_rank_without_a_watcher_ends_with_its_launcher(tmp_path: Path) -> None
     folder = tmp_path / "status"
     folder.mkdir(mode=0o700)
     launcher = subprocess.Popen(["sleep", "60"])
-    env = {**os.environ, bootstrap.STATUS_DIR_ENV: str(folder), bootstrap.LAUNCHER_START_ENV:
-           bootstrap.process_start_time(launcher.pid), bootstrap.LAUNCHER_ENV: f"{bootstrap.launcher_host()} {launcher.pid}"}
+    env = {**os.environ, bootstrap.STATUS_DIR_ENV: str(folder),
+           bootstrap.LAUNCHER_START_ENV: bootstrap.process_start_time(launcher.pid),
+           bootstrap.LAUNCHER_ENV: f"{bootstrap.launcher_host()} {launcher.pid}"}
     rank = subprocess.Popen([sys.executable, "-c", GUARDED_RANK, bootstrap.__file__], cwd=tmp_path, env=env,
                             start_new_session=True)  # its own process group, as hydra starts a rank
     try:

@@ -194,8 +194,8 @@ def test_a_payload_that_is_not_the_parents_is_refused_before_it_is_unpickled(tmp
     assert spawn_rank.read_payload(str(folder), 1) == good
 
     def refused(match: str) -> None:
-        with pytest.raises(PermissionError, match=rf"^meshkit.spawn: process 1: refusing to load '{folder}/payload.pickle'"
-                                                  f": {match}"):
+        with pytest.raises(PermissionError,
+                           match=rf"^meshkit.spawn: process 1: refusing to load '{folder}/payload.pickle': {match}"):
             spawn_rank.main(str(folder))
         assert not planted.exists(), "the planted payload ran"
 
