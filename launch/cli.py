@@ -159,7 +159,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     elastic.add_argument(
         "--restart-delay", type=_seconds_at_least_zero, default=None, metavar="SECONDS",
-        help=f"wait this long before each restart (default: back off: no wait before a restart, then "
+        help=f"wait this long before each restart (default: back off: no wait before the first restart, then "
              f"{BACKOFF_BASE_S:g}, {2 * BACKOFF_BASE_S:g}, {4 * BACKOFF_BASE_S:g}... up to {BACKOFF_CAP_S:g} s "
              f"while attempts keep failing within {BACKOFF_RESET_S:g} s of their start)",
     )  # fmt: skip

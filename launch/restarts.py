@@ -10,8 +10,8 @@ One attempt at a time: every rank process of an attempt is gone before the next 
 is the shared memory MPICH left for it (:mod:`meshkit.launch.job`).
 
 The wait before a restart: ``--restart-delay S`` waits S seconds before every restart. Without
-it the launcher backs off: no wait before a restart (a job that failed once comes back at once),
-but while attempts keep failing within :data:`BACKOFF_RESET_S` of their start, it waits
+it the launcher backs off: no wait before the first restart (a job that failed once comes back at
+once), but while attempts keep failing within :data:`BACKOFF_RESET_S` of their start, it waits
 :data:`BACKOFF_BASE_S`, then twice that, and so on up to :data:`BACKOFF_CAP_S` (a job that fails
 at once on every attempt, a restart storm, then costs a restart every 30 s rather than every
 2-3 s, each starting Python, NumPy and MPI on every rank).
