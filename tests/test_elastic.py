@@ -168,8 +168,8 @@ def test_restarts_back_off_unless_a_delay_is_given(capsys):
     assert [restarts.restart_delay(0.0, k) for k in (1, 2, 9)] == [0.0] * 3
     with pytest.raises(SystemExit):
         launch_main(["--help"])
-    assert "(default: back off: no wait before the first restart, then 1, 2, 4... up to 30 s while attempts keep failing " \
-           "within 60 s of their start)" in " ".join(capsys.readouterr().out.split())
+    assert "(default: back off: no wait before the first restart, then 1, 2, 4... up to 30 s while attempts " \
+           "keep failing within 60 s of their start)" in " ".join(capsys.readouterr().out.split())
 
 
 def test_a_report_line_names_every_phase_it_knows():
