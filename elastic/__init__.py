@@ -54,8 +54,15 @@ def is_restart() -> bool:
 
 
 def world_size_range() -> tuple[int, int] | None:
-    """``(MIN, MAX)`` of ``meshkit-run -n MIN:MAX`` (``(N, N)`` for ``-n N``), or None outside it."""
+    """``(MIN, MAX)`` of ``meshkit-run -n MIN:MAX`` (``(N, N)`` for ``-n N``), or None outside it.
+
+    Raises:
+        ValueError: a variable is not an integer >= 0, or MIN is larger than MAX.
+    """
     low, high = _number("MESHKIT_MIN_NPROC", 0), _number("MESHKIT_MAX_NPROC", 0)
+    if low and high and low > high:
+        raise ValueError(f"meshkit.elastic: MESHKIT_MIN_NPROC={low} is larger than MESHKIT_MAX_NPROC={high} "
+                         "(meshkit-run sets them from -n MIN:MAX; unset them or give MIN <= MAX)")
     return (low, high) if low and high else None
 
 

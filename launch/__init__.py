@@ -14,14 +14,16 @@ ending a job), :mod:`~meshkit.launch.output` (mpiexec's output), :mod:`~meshkit.
 (the rank side), :mod:`~meshkit.launch.mpich_tuning` (MPICH's collective selection),
 :mod:`~meshkit.launch.spawn` and :mod:`~meshkit.launch.spawn_rank` (``meshkit.spawn``: torch's
 ``spawn(fn, args, nprocs)`` over the same job), :mod:`~meshkit.launch.restarts` (``--max-restarts``:
-a failed job restarted, the way back timed) and :mod:`~meshkit.launch.slots` (``-n MIN:MAX``,
-``--slots``, ``--hostfile``).
+a failed job restarted, the way back timed), :mod:`~meshkit.launch.slots` (``-n MIN:MAX``,
+``--slots``, ``--hostfile``) and :mod:`~meshkit.launch.secret` (the job's secret).
 """
 
 from .cli import ALLOCATOR_ENV, THREAD_ENV_VARS, allocator_settings, find_mpiexec, main, thread_limits
-from .job import FAILURE_SETTLE_S, KILL_GRACE_S, TIMEOUT_EXIT_CODE, LaunchError
+from .job import FAILURE_SETTLE_S, KILL_GRACE_S, TIMEOUT_EXIT_CODE, LaunchConfigError, LaunchError
+from .secret import JOB_SECRET_ENV
 from .spawn import ProcessException, ProcessExitedException, ProcessRaisedException, SpawnContext, spawn
 
 __all__ = ["main", "find_mpiexec", "thread_limits", "THREAD_ENV_VARS", "allocator_settings", "ALLOCATOR_ENV",
-           "LaunchError", "FAILURE_SETTLE_S", "KILL_GRACE_S", "TIMEOUT_EXIT_CODE", "spawn", "SpawnContext",
-           "ProcessException", "ProcessRaisedException", "ProcessExitedException"]
+           "LaunchError", "LaunchConfigError", "JOB_SECRET_ENV", "FAILURE_SETTLE_S", "KILL_GRACE_S",
+           "TIMEOUT_EXIT_CODE", "spawn", "SpawnContext", "ProcessException", "ProcessRaisedException",
+           "ProcessExitedException"]

@@ -20,7 +20,15 @@ script is the first to import NumPy and can configure it. The bootstrap
   or signal, which no other process could learn: ``mpiexec``'s proxy reaps it) and then waits
   for the launcher's release before it exits the same way. So the first rank to end never
   makes ``mpiexec`` kill the others before they have printed their own errors, and the
-  launcher alone decides when the job ends (see :mod:`meshkit.launch.job`).
+  launcher alone decides when the job ends (see :mod:`meshkit.launch.job`);
+* on the launcher's host, ends with the launcher, however it dies (SIGKILL included): the
+  watcher holds a pidfd of the launcher (checked against its start time,
+  :data:`LAUNCHER_START_ENV`, so a reused pid is never taken for it) and, the moment it dies,
+  SIGKILLs its rank's process group (the rank and its children), removes the MPICH
+  shared-memory files of the job (:func:`shm_files`) and, the last of the watchers, the status
+  directory, then exits; ``mpiexec`` and its proxy end with their processes. A rank that found
+  no launcher (it died while ``mpiexec`` was starting the ranks) never runs its script, and a
+  rank without a watcher (no fork) watches the launcher from a thread of its own.
 
 The ranks and the launcher talk through a status directory (``$MESHKIT_LAUNCH_STATUS_DIR``),
 one small file per event, each written whole (``os.replace``):
@@ -41,7 +49,15 @@ file               contents                                written by
 ``release``        (empty)                                 launcher: watchers may exit
 ``timed-out``      (empty)                                 launcher, before ending a
                                                            job at ``--timeout``
+``shm``            ``NAME DEV INODE`` per line: MPICH      launcher, as it finds them
+                   files the ranks hold (:func:`shm_files`)
+``gone.{r}``       (empty)                                 watcher, after the launcher
+                                                           died and its rank was killed
 =================  ======================================  ====================
+
+The directory is the launcher's ``mkdtemp`` (mode 0700); every file in it is created
+exclusively (``O_EXCL | O_NOFOLLOW``, mode 0600) and the launcher parses them as integers and
+known words only.
 """
 
 from __future__ import annotations
@@ -50,7 +66,10 @@ import atexit
 import os
 import re
 import runpy
+import select
+import shutil
 import signal
+import stat
 import sys
 import threading
 import time
@@ -58,9 +77,12 @@ from types import ModuleType, TracebackType
 from typing import NoReturn, TextIO
 
 __all__ = [
-    "RANK_ENV_VARS", "TORCHRUN_ENV_VARS", "STATUS_DIR_ENV", "LAUNCHER_ENV", "START", "FAILED", "ENDED", "RELEASE", "TIMED_OUT",
-    "FINISHED", "MILESTONE", "SIMULATED_NODES_ENV", "HOST_NAME_ENV",
-    "launcher_host", "set_torchrun_env", "set_simulated_node", "simulated_host", "main",
+    "RANK_ENV_VARS", "TORCHRUN_ENV_VARS", "STATUS_DIR_ENV", "LAUNCHER_ENV", "LAUNCHER_START_ENV", "START", "FAILED",
+    "ENDED", "RELEASE", "TIMED_OUT", "FINISHED", "MILESTONE", "SHM_RECORD", "GONE", "SIMULATED_NODES_ENV",
+    "HOST_NAME_ENV", "SHM_DIR", "DEPART_WAIT_S",
+    "launcher_host", "process_start_time", "shm_files", "remove_shm", "format_shm_record", "read_shm_record",
+    "write_exclusive", "replace_whole", "read_small", "not_private",
+    "set_torchrun_env", "set_simulated_node", "simulated_host", "main",
 ]
 
 #: The rank is read from the first of these that is set: MPICH/hydra, Open MPI, PMIx, Slurm.
@@ -82,7 +104,11 @@ TORCHRUN_ENV_VARS = {
 STATUS_DIR_ENV = "MESHKIT_LAUNCH_STATUS_DIR"
 #: "HOST PID" of the launcher: ranks on another host (which cannot see its folder, or see it
 #: through a shared file system) and watchers whose launcher is gone do not wait for it.
+#: (``meshkit.comm.milestones`` reads the host as everything before the last space: keep two fields.)
 LAUNCHER_ENV = "MESHKIT_LAUNCHER"
+#: The launcher's start time, field 22 of ``/proc/PID/stat`` (clock ticks since boot): a process
+#: with the launcher's pid and another start time is another process that reused the pid.
+LAUNCHER_START_ENV = "MESHKIT_LAUNCHER_START"
 #: ``K``: the launcher's ``--simulate-nodes K``: ranks form K simulated nodes of this machine.
 SIMULATED_NODES_ENV = "MESHKIT_SIMULATED_NODES"
 #: The host name a rank reports in place of the machine's (read by ``meshkit.comm.env``).
@@ -95,6 +121,26 @@ START, FAILED, ENDED, RELEASE, TIMED_OUT = "start", "failed", "ended", "release"
 FINISHED = "finished"
 #: ``milestone-{name}.{rank}``: the rank passed a point of a (re)start that the launcher times.
 MILESTONE = "milestone"
+#: The launcher's record of the MPICH shared-memory files the ranks hold (module docstring).
+SHM_RECORD = "shm"
+#: ``gone.{rank}``: the launcher died and this rank's watcher has killed its rank.
+GONE = "gone"
+#: Where POSIX shared memory lives on Linux (``shm_open``).
+SHM_DIR = "/dev/shm"
+#: MPICH's shared-memory files: ``mpich_shm_{world}_{node}`` (its intranode channel, created in
+#: MPI_Init by the first local rank, held open and mapped by every local rank, unlinked by
+#: MPI_Finalize; a job that dies leaves it, 2-4 MB for 2-4 ranks with the mpich 5.0.2 wheel) and
+#: ``mpich_vci_{world}_{node}`` (with several VCIs). ``world`` hashes the process manager's job
+#: name, so a later job may reuse a name: files are matched by device and inode, not by name alone.
+_MPICH_SHM = re.compile(r"mpich_[A-Za-z0-9_]+")
+#: After the launcher died, how long a watcher waits for the other watchers of this host to kill
+#: their ranks before it exits: its exit makes hydra SIGKILL the other watchers (their ranks die
+#: with them, by PR_SET_PDEATHSIG, but not the ranks' children), so none exits before all are
+#: done. They all see the death at once through their pidfds: a few ms; the bound is for a
+#: watcher that was itself killed.
+DEPART_WAIT_S = 2.0
+#: A status file is a few numbers: more than this is not one of ours.
+_STATUS_FILE_MAX = 4096
 # Frames of the rank bootstrap (and of meshkit.spawn's rank module, which calls the user's
 # function), hidden from the user's tracebacks (runpy is frozen in 3.11+).
 _BOOTSTRAP_FILES = frozenset({__file__, runpy.__file__, "<frozen runpy>",
@@ -108,6 +154,9 @@ _CORE_SIGNALS = frozenset({signal.SIGQUIT, signal.SIGILL, signal.SIGABRT, signal
                            signal.SIGBUS, signal.SIGSYS, signal.SIGTRAP, signal.SIGXCPU, signal.SIGXFSZ})
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _RELEASE_POLL_S = 0.02
+#: How often a watcher looks for its launcher where Linux gives no pidfd (before 5.3).
+_LAUNCHER_POLL_S = 0.25
+_EXCLUSIVE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
 def launcher_host() -> str:
@@ -115,30 +164,253 @@ def launcher_host() -> str:
     return os.uname().nodename
 
 
+def process_start_time(pid: int | str = "self") -> str | None:
+    """Field 22 of ``/proc/PID/stat``: when the process started, in clock ticks since boot (None
+    where there is no /proc). With the pid, it names one process for as long as the host runs."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    fields = data[data.rfind(b")") + 2:].split()  # the command name may hold spaces and ")"
+    return fields[19].decode("ascii", "replace") if len(fields) > 19 else None
+
+
+def not_private(info: os.stat_result, *, directory: bool) -> str | None:
+    """Why what ``os.lstat`` described is not this user's own private file (``directory``: folder),
+    or None: a symbolic link, another type, another owner, or open to other users."""
+    kind = "directory" if directory else "regular file"
+    if stat.S_ISLNK(info.st_mode):
+        return "a symbolic link"
+    if not (stat.S_ISDIR(info.st_mode) if directory else stat.S_ISREG(info.st_mode)):
+        return f"not a {kind}"
+    if info.st_uid != os.getuid():
+        return f"owned by uid {info.st_uid}, not by this user (uid {os.getuid()})"
+    if stat.S_IMODE(info.st_mode) & 0o077:
+        return f"mode {stat.S_IMODE(info.st_mode):o}, open to other users"
+    return None
+
+
+def write_exclusive(path: str, data: bytes) -> None:
+    """Create ``path`` with ``data``, exclusively (``O_EXCL | O_NOFOLLOW``) and mode 0600.
+
+    Raises:
+        OSError: it exists (FileExistsError), is a symbolic link, or cannot be written.
+    """
+    fd = os.open(path, _EXCLUSIVE, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+
+
+def replace_whole(path: str, data: bytes) -> None:
+    """Write ``path`` whole (a reader never sees half of it): an exclusive temporary, renamed."""
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        write_exclusive(tmp, data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def read_small(path: str) -> str:
+    """The text of a status file the job wrote: a regular file, not a link, at most
+    :data:`_STATUS_FILE_MAX` bytes of ASCII. Raises OSError or ValueError otherwise."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path} is not a regular file")
+        data = os.read(fd, _STATUS_FILE_MAX + 1)
+    finally:
+        os.close(fd)
+    if len(data) > _STATUS_FILE_MAX:
+        raise ValueError(f"{path} is larger than a status file")
+    return data.decode("ascii")
+
+
+# --------------------------------------------------------------------------------------------
+# MPICH's shared memory
+# --------------------------------------------------------------------------------------------
+
+
+def shm_files(pid: int) -> dict[str, tuple[int, int]]:
+    """MPICH's shared-memory files that process ``pid`` holds open: ``{name: (st_dev, st_ino)}``.
+
+    Read from ``/proc/PID/fd`` (the same user's processes only). Every local rank of a job holds
+    its job's files open from MPI_Init to MPI_Finalize, so the files a rank holds are that job's
+    and no other's: a name alone would not do, since another job of the same user may be using
+    ``/dev/shm`` too, and names are hashes that a later job may repeat. The caller makes sure
+    ``pid`` is still its process (a pidfd not yet readable after the call).
+    """
+    found: dict[str, tuple[int, int]] = {}
+    folder = f"/proc/{pid}/fd"
+    try:
+        fds = os.listdir(folder)
+    except OSError:
+        return found
+    for fd in fds:
+        try:
+            target = os.readlink(f"{folder}/{fd}")
+        except OSError:
+            continue
+        where, _, name = target.rpartition("/")
+        if where != SHM_DIR or not _MPICH_SHM.fullmatch(name):  # " (deleted)": already unlinked
+            continue
+        try:
+            info = os.stat(f"{folder}/{fd}")
+        except OSError:
+            continue
+        found[name] = (info.st_dev, info.st_ino)
+    return found
+
+
+def remove_shm(files: dict[str, tuple[int, int]]) -> list[str]:
+    """Unlink those of ``files`` (from :func:`shm_files`) still in :data:`SHM_DIR` as the same
+    file (device and inode), owned by this user; the names removed."""
+    removed = []
+    for name, (dev, ino) in files.items():
+        if not _MPICH_SHM.fullmatch(name):
+            continue
+        path = os.path.join(SHM_DIR, name)
+        try:
+            info = os.lstat(path)
+            if stat.S_ISREG(info.st_mode) and (info.st_dev, info.st_ino) == (dev, ino) and info.st_uid == os.getuid():
+                os.unlink(path)
+                removed.append(name)
+        except OSError:  # gone already (MPI_Finalize, another watcher), or not ours
+            pass
+    return removed
+
+
+def format_shm_record(files: dict[str, tuple[int, int]]) -> bytes:
+    """The :data:`SHM_RECORD` file's contents."""
+    return "".join(f"{name} {dev} {ino}\n" for name, (dev, ino) in sorted(files.items())).encode("ascii")
+
+
+def read_shm_record(path: str) -> dict[str, tuple[int, int]]:
+    """Parse a :data:`SHM_RECORD` file (lines that are not ``NAME DEV INODE`` are skipped); {} if unreadable."""
+    try:
+        text = read_small(path)
+    except (OSError, ValueError):
+        return {}
+    files = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 3 and _MPICH_SHM.fullmatch(parts[0]) and parts[1].isdigit() and parts[2].isdigit():
+            files[parts[0]] = (int(parts[1]), int(parts[2]))
+    return files
+
+
+# --------------------------------------------------------------------------------------------
+# The launcher, as its ranks see it
+# --------------------------------------------------------------------------------------------
+
+
+class _Launcher:
+    """The launcher process, watched through a pidfd (Linux 5.3+; else polled).
+
+    Opened once, then checked against the start time the launcher announced: a pidfd names one
+    process for good, so a launcher that dies later is seen dead even if its pid is reused.
+    """
+
+    def __init__(self, pid: int, start: str | None) -> None:
+        self.pid, self.start = pid, start
+        self.fd: int | None = None
+        self.dead = False
+        try:
+            self.fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self.dead = True
+        except (AttributeError, OSError):  # no pidfds: polled by pid and start time
+            pass
+        # After the pidfd is open: the process it names is the one that had the pid when the
+        # start time was read, so a match means the pidfd is the launcher's.
+        if not self.dead and start and process_start_time(pid) not in (start, None):
+            self.dead = True
+
+    def alive(self) -> bool:
+        if self.dead:
+            return False
+        if self.fd is not None:
+            self.dead = bool(select.select([self.fd], [], [], 0)[0])
+        else:
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                self.dead = True
+            except PermissionError:
+                pass
+            if not self.dead and self.start and process_start_time(self.pid) not in (self.start, None):
+                self.dead = True
+        return not self.dead
+
+    def wait(self, timeout: float | None) -> bool:
+        """Wait up to ``timeout`` seconds (None: for ever) for the launcher to die; whether it did."""
+        if self.dead:
+            return True
+        if self.fd is not None:
+            select.select([self.fd], [], [], timeout)
+        else:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while self.alive() and (deadline is None or time.monotonic() < deadline):
+                time.sleep(_LAUNCHER_POLL_S if deadline is None else
+                           max(0.0, min(_LAUNCHER_POLL_S, deadline - time.monotonic())))
+        return not self.alive()
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _ranks_with(kind: str, names: list[str]) -> set[str]:
+    """The ranks that have a ``{kind}.{rank}`` file among ``names``."""
+    return {name[len(kind) + 1:] for name in names if name.startswith(f"{kind}.") and name[len(kind) + 1:].isdigit()}
+
+
 class _StatusDir:
     """This rank's side of the status directory; None-safe construction via :meth:`from_env`."""
 
-    def __init__(self, path: str, launcher_pid: int, rank: int) -> None:
+    def __init__(self, path: str, launcher_pid: int, rank: int, launcher_start: str | None = None) -> None:
         self.path = path
         self.launcher_pid = launcher_pid
         self.rank = rank
+        self.launcher = _Launcher(launcher_pid, launcher_start)
 
     @classmethod
     def from_env(cls, rank: int) -> _StatusDir | None:
-        """The launcher's status directory, if the launcher runs on this host; else None."""
+        """The launcher's status directory, if the launcher runs on this host; else None.
+
+        Raises:
+            PermissionError: the directory named is not the launcher's (not a directory of this
+                user's, or open to others): a rank reports into nothing it cannot trust.
+        """
         path = os.environ.get(STATUS_DIR_ENV, "")
         host, _, pid = os.environ.get(LAUNCHER_ENV, "").rpartition(" ")
-        if not path or host != launcher_host() or not pid.isdigit() or not os.path.isdir(path):
+        if not path or host != launcher_host() or not pid.isdigit():
             return None
-        return cls(path, int(pid), rank)
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:  # the launcher is gone, or ending: see the caller
+            info = None
+        problem = None if info is None else not_private(info, directory=True)
+        if problem is not None:
+            raise PermissionError(f"meshkit-run: rank {rank}: {STATUS_DIR_ENV}={path!r} is not the launcher's status "
+                                  f"directory: it is {problem}; refusing to start")
+        return cls(path, int(pid), rank, os.environ.get(LAUNCHER_START_ENV) or None)
 
     def write(self, name: str, *fields: object) -> None:
         """Write ``{name}.{rank}`` whole: the launcher never reads a half-written file."""
-        path = os.path.join(self.path, f"{name}.{self.rank}")
         try:
-            with open(f"{path}.tmp", "w", encoding="ascii") as f:
-                f.write(" ".join(str(field) for field in fields))
-            os.replace(f"{path}.tmp", path)
+            replace_whole(os.path.join(self.path, f"{name}.{self.rank}"),
+                           " ".join(str(field) for field in fields).encode("ascii"))
         except OSError:  # the launcher is gone and took its folder along: nobody to tell
             pass
 
@@ -149,24 +421,49 @@ class _StatusDir:
         return os.path.exists(os.path.join(self.path, name))
 
     def launcher_alive(self) -> bool:
-        if not os.path.isdir(self.path):  # it removes the folder as it exits
-            return False
-        try:
-            os.kill(self.launcher_pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-        return True
+        return os.path.isdir(self.path) and self.launcher.alive()  # it removes the folder as it exits
 
-    def wait_for_release(self) -> None:
-        """Return once the launcher has written ``release``, or is gone."""
+    def wait_for_release(self) -> bool:
+        """Return once the launcher has written ``release`` (True), or is gone (False)."""
         polls = 0
         while not self.has(RELEASE):
             polls += 1
-            if polls % 25 == 0 and not self.launcher_alive():  # every 0.5 s
+            if self.launcher.wait(_RELEASE_POLL_S) or polls % 25 == 0 and not os.path.isdir(self.path):
+                return False
+        return True
+
+    def depart(self, files: dict[str, tuple[int, int]], *, wait: bool = True) -> None:
+        """After the launcher died: remove the shared memory the rank held (``files``) and what the
+        launcher recorded, say so (``gone.{rank}``), and let the last of the ranks remove the
+        directory. With ``wait`` (a watcher, its rank killed), wait until every rank that started
+        is gone (at most :data:`DEPART_WAIT_S`), so that no watcher's exit makes hydra kill
+        another mid-way; the last one to arrive removes the directory."""
+        remove_shm(files)
+        remove_shm(read_shm_record(os.path.join(self.path, SHM_RECORD)))
+        self.write(GONE)
+        deadline = time.monotonic() + (DEPART_WAIT_S if wait else 0.0)
+        while True:
+            try:
+                names = os.listdir(self.path)
+            except OSError:  # another watcher removed it
                 return
-            time.sleep(_RELEASE_POLL_S)
+            if _ranks_with(START, names) <= _ranks_with(GONE, names):
+                break
+            if time.monotonic() >= deadline:
+                if not wait:
+                    return  # another rank is still on its way: the last one removes it
+                break
+            time.sleep(_RELEASE_POLL_S / 2)
+        self.remove()
+
+    def remove(self) -> None:
+        """Remove the directory (the launcher is gone), if it is still the one this rank checked."""
+        try:
+            info = os.lstat(self.path)
+        except OSError:
+            return
+        if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid():
+            shutil.rmtree(self.path, ignore_errors=True)
 
 
 class _PrefixedStream:
@@ -425,7 +722,8 @@ def _fork_watcher(status: _StatusDir) -> bool:
         return False
     if child == 0:
         # Its own process group: a signal hydra sends to the rank's group reaches the rank
-        # once, through the watcher, not twice. Killed with the watcher, whoever kills it.
+        # once, through the watcher, not twice; and the watcher ends the rank's children with
+        # it. Killed with the watcher, whoever kills it.
         try:
             os.setpgid(0, 0)
         except OSError:
@@ -433,6 +731,7 @@ def _fork_watcher(status: _StatusDir) -> bool:
         prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != watcher:  # the watcher died before prctl took effect
             os._exit(128 + signal.SIGKILL)
+        status.launcher.close()  # the watcher's to watch
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)
         return True
     try:
@@ -442,26 +741,91 @@ def _fork_watcher(status: _StatusDir) -> bool:
     _watch(child, status)
 
 
+def _ended(child: int) -> int | None:
+    """How ``child`` ended (``os.waitstatus_to_exitcode``'s form), or None while it runs.
+
+    Not reaped (``WNOWAIT``): until the watcher reaps it, the zombie keeps its pid and process
+    group id from being reused, so killing that group later can only hit the rank's own.
+    """
+    info = os.waitid(os.P_PID, child, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    if info is None:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
+def _wait_child_or_launcher(child: int, launcher: _Launcher) -> int | None:
+    """Wait until the rank ends (its code, as :func:`_ended`) or the launcher dies (None)."""
+    try:
+        child_fd: int | None = os.pidfd_open(child)
+    except (AttributeError, OSError):
+        child_fd = None
+    try:
+        while True:
+            fds = [fd for fd in (child_fd, launcher.fd) if fd is not None]
+            # Retried by Python when a forwarded signal interrupts it (PEP 475).
+            select.select(fds, [], [], None if len(fds) == 2 else _LAUNCHER_POLL_S)
+            code = _ended(child)
+            if code is not None:
+                return code
+            if not launcher.alive():
+                return None
+    finally:
+        if child_fd is not None:
+            os.close(child_fd)
+
+
 def _watch(child: int, status: _StatusDir) -> NoReturn:
-    """Wait for the rank process, record how it ended, wait for the release, exit the same way."""
+    """Wait for the rank process, record how it ended, wait for the release, exit the same way;
+    end the rank and leave (:func:`_orphaned`) the moment the launcher dies."""
     alive = True
 
     def forward(signum: int, frame: object) -> None:
         if alive:
             try:
-                os.kill(child, signum)
+                os.kill(child, signum)  # not reaped before the end: still the rank's pid
             except ProcessLookupError:
                 pass
 
     for sig in _FORWARDED:
         signal.signal(sig, forward)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)
-    _, wait_status = os.waitpid(child, 0)  # retried by Python when a forwarded signal interrupts it
+    code = _wait_child_or_launcher(child, status.launcher)
+    if code is not None:
+        alive = False
+        status.write(ENDED, code, time.time_ns())
+        if status.wait_for_release():
+            os.waitpid(child, 0)
+            _exit_like(code)
     alive = False
-    code = os.waitstatus_to_exitcode(wait_status)
-    status.write(ENDED, code, time.time_ns())
-    status.wait_for_release()
-    _exit_like(code)
+    _orphaned(child, status)
+
+
+def _orphaned(child: int, status: _StatusDir) -> NoReturn:
+    """The launcher died: SIGKILL the rank's process group (the rank and its children), remove
+    the shared memory it held, leave the status directory (:meth:`_StatusDir.depart`), exit."""
+    files = shm_files(child) if _ended(child) is None else {}
+    try:
+        os.killpg(child, signal.SIGKILL) if os.getpgid(child) == child else os.kill(child, signal.SIGKILL)
+    except OSError:
+        pass
+    os.waitpid(child, 0)
+    status.depart(files)
+    os._exit(128 + signal.SIGKILL)
+
+
+def _guard_without_watcher(status: _StatusDir) -> None:
+    """For a rank that has no watcher (no fork): a thread that ends this process, and its process
+    group where it leads one, when the launcher dies. (PR_SET_PDEATHSIG cannot do it: the rank's
+    parent is mpiexec's proxy, which outlives the launcher.)"""
+
+    def guard() -> None:
+        status.launcher.wait(None)
+        status.depart(shm_files(os.getpid()), wait=False)
+        if os.getpgid(0) == os.getpid():
+            os.killpg(0, signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=guard, name="meshkit-launcher-guard", daemon=True).start()
 
 
 def _exit_like(code: int) -> NoReturn:
@@ -489,10 +853,18 @@ def _rank_main(target: list[str]) -> int:
     rank = _rank_from_env()
     set_torchrun_env()
     status = _StatusDir.from_env(rank)
+    if status is not None and not status.launcher_alive():
+        # The launcher died while mpiexec was starting the ranks (its folder may be gone with it).
+        why = "has removed its status directory" if status.launcher.alive() else "is gone"
+        print(f"meshkit-run: rank {rank}: the launcher (pid {status.launcher_pid}) {why}; not starting",
+              file=sys.stderr, flush=True)
+        return 128 + signal.SIGKILL
     # Without a watcher, a failed rank waits for the launcher itself (it kills the rank then).
     linger = None
     if status is not None:
         linger = None if _fork_watcher(status) else status
+        if linger is not None:
+            _guard_without_watcher(status)
         status.write(START, os.getpid(), time.time_ns(), os.getppid() if linger is None else os.getpid())
     streams = _install_prefixed_streams(f"[rank{rank}]: ")
     # Registered before the user's code runs, so it runs after the user's atexit handlers.

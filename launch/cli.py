@@ -18,7 +18,8 @@ step), and an MPICH found beside
 ``mpiexec`` gets its nonblocking all_reduce selection retuned (see
 :mod:`meshkit.launch.mpich_tuning`; ``MESHKIT_MPICH_TUNING=0`` turns that off).
 
-Ranks see ``MESHKIT_LAUNCHED=1`` and ``MESHKIT_WORLD_SIZE=N`` in their environment, and what
+Ranks see ``MESHKIT_LAUNCHED=1``, ``MESHKIT_WORLD_SIZE=N`` and the job's secret
+``MESHKIT_JOB_SECRET`` (:mod:`meshkit.launch.secret`) in their environment, and what
 torchrun sets, for ported code that reads it: ``RANK`` (MPI's world rank, which is meshkit's),
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` (by the rank bootstrap, from the process
 manager's variables) and ``MASTER_ADDR``/``MASTER_PORT``: a port free on the launching host when
@@ -48,13 +49,15 @@ import tempfile
 from typing import Any, Callable
 
 from . import bootstrap
-from .job import TIMEOUT_EXIT_CODE, Job, LaunchError
+from .job import TIMEOUT_EXIT_CODE, Job, LaunchConfigError, LaunchError
 from .mpich_tuning import tuned_environment
-from .restarts import ElasticSpec, attempt_environment, hostfile_arguments, run_attempts
+from .restarts import (BACKOFF_BASE_S, BACKOFF_CAP_S, BACKOFF_RESET_S, ElasticSpec, attempt_environment,
+                       hostfile_arguments, run_attempts)
+from .secret import JOB_SECRET_ENV, job_secret
 from .slots import Hosts, available, parse_nproc
 
 __all__ = ["main", "find_mpiexec", "thread_limits", "allocator_settings", "ALLOCATOR_ENV", "rendezvous_address",
-           "job_command", "job_environment",
+           "all_ranks_here", "job_command", "job_environment",
            "LaunchError", "THREAD_ENV_VARS", "INTER_NODE_TRANSPORTS", "simulated_node_arguments"]
 
 logger = logging.getLogger("meshkit.launch")
@@ -78,11 +81,17 @@ def find_mpiexec() -> list[str]:
     then ``PATH``.
 
     Raises:
+        LaunchConfigError: ``$MESHKIT_MPIEXEC`` cannot be split (an unbalanced quote).
         LaunchError: no mpiexec was found.
     """
     from_env = os.environ.get("MESHKIT_MPIEXEC", "").strip()
     if from_env:
-        return shlex.split(from_env)
+        try:
+            return shlex.split(from_env)
+        except ValueError as exc:
+            raise LaunchConfigError(f"meshkit.launch: MESHKIT_MPIEXEC={from_env!r} cannot be split into words as a "
+                                    f"shell would ({exc}); quote it as a shell command line, e.g. "
+                                    "MESHKIT_MPIEXEC=\"srun --mpi=pmix\"") from None
     # Not resolved: in a venv sys.executable is a link into the base Python's bin directory.
     beside_python = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     if os.path.isfile(beside_python) and os.access(beside_python, os.X_OK):
@@ -149,8 +158,10 @@ def _build_parser() -> argparse.ArgumentParser:
              "MESHKIT_RESTART_COUNT",
     )  # fmt: skip
     elastic.add_argument(
-        "--restart-delay", type=_seconds_at_least_zero, default=0.0, metavar="SECONDS",
-        help="wait this long before each restart (default: 0)",
+        "--restart-delay", type=_seconds_at_least_zero, default=None, metavar="SECONDS",
+        help=f"wait this long before each restart (default: back off: no wait before the first restart, then "
+             f"{BACKOFF_BASE_S:g}, {2 * BACKOFF_BASE_S:g}, {4 * BACKOFF_BASE_S:g}... up to {BACKOFF_CAP_S:g} s "
+             f"while attempts keep failing within {BACKOFF_RESET_S:g} s of their start)",
     )  # fmt: skip
     slots = elastic.add_mutually_exclusive_group()
     slots.add_argument(
@@ -226,6 +237,11 @@ def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error("no script given: pass a script path or -m MODULE")
     if opts.module is None and not os.path.exists(target[0]):
         parser.error(f"script not found: {target[0]!r} (relative to {os.getcwd()})")
+    try:
+        shlex.split(opts.mpiexec_args)
+    except ValueError as exc:
+        parser.error(f"argument --mpiexec-args: {opts.mpiexec_args!r} cannot be split into words as a shell would "
+                     f"({exc})")
     try:
         slots, source, _ = available(opts.nproc, slots=opts.slots, hostfile=opts.hostfile)
     except ValueError as exc:
@@ -320,15 +336,20 @@ _HOST_OPTIONS = ("-host", "-hosts", "--host", "-H", "-f", "-hostfile", "--hostfi
 _HOST_ENV = ("HYDRA_HOST_FILE", "PBS_NODEFILE")
 
 
+def all_ranks_here(mpiexec: list[str], mpiexec_args: list[str], env: dict[str, str]) -> bool:
+    """Whether every rank surely runs on this host. A job may span hosts when ``MESHKIT_MPIEXEC``
+    names another launcher (``srun``), the mpiexec arguments name hosts, or hydra would find them
+    itself (a host file, a Slurm allocation of more than one node, PBS)."""
+    words = [*mpiexec[1:], *mpiexec_args]
+    return not (bool(env.get("MESHKIT_MPIEXEC", "").strip()) or any(w.split("=")[0] in _HOST_OPTIONS for w in words)
+                or any(env.get(name) for name in _HOST_ENV) or env.get("SLURM_JOB_NUM_NODES", "1").strip() != "1")
+
+
 def rendezvous_address(mpiexec: list[str], mpiexec_args: list[str], env: dict[str, str]) -> tuple[str, int]:
     """``(MASTER_ADDR, MASTER_PORT)`` for the ranks: a port free on this host now (the OS picks
     it, as torchrun's ``--master-port=0``), at ``127.0.0.1`` when every rank runs here, else at
-    this host's name. A job may span hosts when ``MESHKIT_MPIEXEC`` names another launcher
-    (``srun``), the mpiexec arguments name hosts, or hydra would find them itself (a host file,
-    a Slurm allocation of more than one node, PBS)."""
-    words = [*mpiexec[1:], *mpiexec_args]
-    remote = (bool(env.get("MESHKIT_MPIEXEC", "").strip()) or any(w.split("=")[0] in _HOST_OPTIONS for w in words)
-              or any(env.get(name) for name in _HOST_ENV) or env.get("SLURM_JOB_NUM_NODES", "1").strip() != "1")
+    this host's name (:func:`all_ranks_here`)."""
+    remote = not all_ranks_here(mpiexec, mpiexec_args, env)
     address = socket.getfqdn() if remote else "127.0.0.1"
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("" if remote else "127.0.0.1", 0))
@@ -349,10 +370,18 @@ def job_command(mpiexec: list[str], nproc: int, target: list[str], mpiexec_args:
 
 
 def job_environment(mpiexec: list[str], nproc: int, status_dir: str, mpiexec_args: list[str],
-                    simulate_nodes: int | None = None) -> dict[str, str]:
-    """The ranks' environment: this one, plus what the launcher tells its ranks (module docstring);
-    with ``simulate_nodes``, the number of simulated nodes for the rank bootstrap and
-    :data:`INTER_NODE_TRANSPORTS` where the user set none."""
+                    simulate_nodes: int | None = None, *, secret: str | None = None) -> dict[str, str]:
+    """The ranks' environment: this one, plus what the launcher tells its ranks (module docstring),
+    the job's ``secret`` among them (None: :func:`meshkit.launch.secret.job_secret`'s, a new one
+    unless the user set one; a job of several attempts passes its own to each); with
+    ``simulate_nodes``, the number of simulated nodes for the rank bootstrap and
+    :data:`INTER_NODE_TRANSPORTS` where the user set none.
+
+    Raises:
+        LaunchConfigError: a ``MESHKIT_JOB_SECRET`` set but not usable, ``MESHKIT_MPICH_TUNING`` not 0 or 1.
+    """
+    if secret is None:
+        secret = job_secret(os.environ)
     env = dict(os.environ)
     env.pop(bootstrap.SIMULATED_NODES_ENV, None)  # the launcher's flag alone decides it
     if simulate_nodes is not None:
@@ -364,9 +393,15 @@ def job_environment(mpiexec: list[str], nproc: int, status_dir: str, mpiexec_arg
         "MESHKIT_WORLD_SIZE": str(nproc),
         bootstrap.STATUS_DIR_ENV: status_dir,
         bootstrap.LAUNCHER_ENV: f"{bootstrap.launcher_host()} {os.getpid()}",
+        JOB_SECRET_ENV: secret,
         "MASTER_ADDR": address,
         "MASTER_PORT": str(port),
     })
+    start = bootstrap.process_start_time()
+    if start is None:
+        env.pop(bootstrap.LAUNCHER_START_ENV, None)
+    else:
+        env[bootstrap.LAUNCHER_START_ENV] = start
     env.update(thread_limits(nproc, env))
     env.update(allocator_settings(env))
     env.update(tuned_environment(mpiexec[0], status_dir, env))
@@ -376,6 +411,7 @@ def job_environment(mpiexec: list[str], nproc: int, status_dir: str, mpiexec_arg
 def _launch(opts: argparse.Namespace, target: list[str]) -> int:
     mpiexec_args = shlex.split(opts.mpiexec_args)
     mpiexec = find_mpiexec()
+    secret = job_secret(os.environ)  # one for the job: every attempt keeps it
     spec = ElasticSpec(opts.nproc, opts.max_restarts, opts.restart_delay, opts.slots, opts.hostfile, opts.timeout,
                        opts.restart_report)
 
@@ -390,11 +426,11 @@ def _launch(opts: argparse.Namespace, target: list[str]) -> int:
             simulated = ([] if opts.simulate_nodes is None
                          else simulated_node_arguments(mpiexec, opts.simulate_nodes, nproc))
             command = job_command(mpiexec, nproc, target, [*args, *simulated])
-            env = job_environment(mpiexec, nproc, status_dir, args, opts.simulate_nodes)
+            env = job_environment(mpiexec, nproc, status_dir, args, opts.simulate_nodes, secret=secret)
             env.update(attempt_environment(spec, restart))
             logger.debug("running %s", shlex.join(command))
             job = Job(command, env, nproc=nproc, status_dir=status_dir, timeout=timeout, on_poll=on_poll,
-                      timeout_text=text)
+                      timeout_text=text, local_only=all_ranks_here(mpiexec, args, env))
             job.run()
             return job
         finally:

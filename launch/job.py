@@ -27,6 +27,16 @@ then reported exit 9 or 0 at random), and which rank had died, and how, was not 
 * **--timeout**: as SIGINT, with each rank printing where it was.
 * Still running :data:`KILL_GRACE_S` after the release of a job being ended (a process manager
   that does not end the job when its ranks exit), or at a second signal, ``mpiexec`` is killed.
+* **The launcher dies** (SIGKILL included): the watchers here end their ranks at once
+  (:mod:`meshkit.launch.bootstrap`), and ``mpiexec``, started through :mod:`meshkit.launch.deathsig`,
+  gets SIGTERM, which it passes to the ranks on other hosts.
+
+**What a dead attempt leaves**: MPICH's shared-memory files in ``/dev/shm`` (2-4 MB each; MPI_Finalize
+removes them, a rank that dies does not). While the attempt runs the launcher records the files
+its ranks hold open (:func:`meshkit.launch.bootstrap.shm_files`: those and no other job's) and
+removes them once every rank here is gone, before a restart and at the end of the job; the
+record is kept in the status directory too, for the watchers to remove them if the launcher
+itself dies (:mod:`meshkit.launch.bootstrap`).
 
 The launcher's exit code: 124 after ``--timeout``; 128 + N after signal N (130 for Ctrl-C);
 else the status of the first rank to fail, by the time it failed (128 + N for a rank killed by
@@ -34,7 +44,8 @@ signal N); else 0 when every rank of the job ran on this host and exited 0; else
 
 A rank that ended without a traceback (``os._exit(3)``, a signal, a non-zero ``sys.exit``) is
 named on stderr: ``meshkit-run: rank 2 exited with status 3``, ``meshkit-run: rank 1 was
-killed by signal 9 (SIGKILL)``.
+killed by signal 9 (SIGKILL)``; on a job whose ranks all run on this host, so is a rank whose
+process died before its bootstrap reported a start (``rank 1 died before it started``).
 """
 
 from __future__ import annotations
@@ -44,19 +55,23 @@ import logging
 import os
 import re
 import select
+import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
 
 from typing import Callable
 
-from .bootstrap import ENDED, FAILED, FINISHED, MILESTONE, RELEASE, START, TIMED_OUT
+from . import deathsig
+from .bootstrap import (ENDED, FAILED, FINISHED, MILESTONE, RELEASE, SHM_RECORD, START, TIMED_OUT,
+                        format_shm_record, read_small, remove_shm, replace_whole, shm_files, write_exclusive)
 from .output import OutputFilter, RankTails, start_pump
 
-__all__ = ["Job", "JobFailure", "LaunchError", "FAILURE_SETTLE_S", "KILL_GRACE_S", "TIMEOUT_EXIT_CODE",
-           "VANISHED_GRACE_S"]
+__all__ = ["Job", "JobFailure", "LaunchError", "LaunchConfigError", "FAILURE_SETTLE_S", "KILL_GRACE_S",
+           "TIMEOUT_EXIT_CODE", "VANISHED_GRACE_S", "SHM_RESCAN_S"]
 
 logger = logging.getLogger("meshkit.launch")
 
@@ -80,6 +95,17 @@ TIMEOUT_EXIT_CODE = 124
 POLL_S = 0.05
 _POLL_S = POLL_S
 _STATUS_FILE = re.compile(rf"({START}|{FAILED}|{ENDED}|{FINISHED}|{MILESTONE}-[a-z_]+)\.(\d+)")
+#: A number in a status file: ASCII digits (``int()`` alone would take "1_0" or other scripts' digits).
+_INT = re.compile(r"-?[0-9]{1,20}")
+#: How a rank reports its failure (``failed.{r}``'s second field).
+_HOWS = frozenset({"exception", "exit", "interrupt"})
+
+#: How often the launcher looks again at the shared-memory files of a rank that holds some
+#: (a rank that holds none yet, before its MPI_Init, is looked at every poll): MPICH makes its
+#: files in MPI_Init and keeps them, so later looks only catch rare late ones. A look reads
+#: ``/proc/PID/fd``: 28 links, 52 us for a rank with meshkit, NumPy and MPI started (this
+#: project's 2-core machine), so 2 ms a second for 2 ranks before their MPI_Init, 0.1 ms after.
+SHM_RESCAN_S = 1.0
 
 #: A rank's process gone with no word from its watcher this long after: the watcher died with it
 #: (both killed, e.g. by a process group kill), so nobody will report how it ended.
@@ -95,6 +121,10 @@ class LaunchError(RuntimeError):
     """The launcher cannot start the job (no mpiexec, or it failed to start)."""
 
 
+class LaunchConfigError(LaunchError, ValueError):
+    """A launcher setting (an environment variable it reads) is not valid; the message names it."""
+
+
 @dataclass
 class _Rank:
     """What the status directory says about one rank on this host."""
@@ -108,6 +138,7 @@ class _Rank:
     started_ns: int | None = None  # when its bootstrap started (wall clock)
     watcher: int | None = None  # its watcher's pid (the process mpiexec started)
     gone_ns: int | None = None  # when the launcher first saw its process gone (pidfd), ended or not
+    next_shm_scan: float = 0.0  # monotonic: when to look at the shared memory it holds again
     vanished: bool = False  # gone, and its watcher never said how: died with it
     milestones: dict[str, int] = field(default_factory=dict)  # name -> time_ns (meshkit.comm.milestones)
 
@@ -167,11 +198,15 @@ class Job:
         nproc: the number of ranks.
         status_dir: the status directory (made and removed by the caller).
         timeout: seconds before the job is ended with :data:`TIMEOUT_EXIT_CODE`, or None.
+        on_poll: called at every poll (a restart's report reads the milestones).
+        timeout_text: how the timeout is named in its message (default: ``"{timeout} s"``).
+        local_only: every rank runs on this host, so a rank that never reported a start is one
+            that died before it started (named), not one on another host.
     """
 
     def __init__(self, command: list[str], env: dict[str, str], *, nproc: int, status_dir: str,
                  timeout: float | None, on_poll: Callable[["Job"], None] | None = None,
-                 timeout_text: str | None = None) -> None:
+                 timeout_text: str | None = None, local_only: bool = False) -> None:
         self.command = command
         self.env = env
         self.nproc = nproc
@@ -196,6 +231,8 @@ class Job:
         self.detected_ns: int | None = None  # when the launcher noticed the first failure
         self.ended_ns: int | None = None  # when the job was over: mpiexec and every rank here gone
         self.exit_code: int | None = None  # what run() returned
+        self.local_only = local_only
+        self.shm: dict[str, tuple[int, int]] = {}  # MPICH's files the ranks here hold: name -> (dev, inode)
 
     # --- running --------------------------------------------------------------------------
 
@@ -207,9 +244,14 @@ class Job:
                 previous[sig] = signal.signal(sig, self._on_signal)
         pumps: list[threading.Thread] = []
         try:
+            if shutil.which(self.command[0]) is None:
+                raise LaunchError(f"could not start {self.command[0]!r}: not found, or not an executable file")
+            command = self.command
+            if sys.platform.startswith("linux") and sys.executable:  # SIGTERM to mpiexec when the launcher dies
+                command = [sys.executable, "-I", "-S", deathsig.__file__, str(os.getpid()), *command]
             try:
                 self.popen_ns = time.time_ns()
-                self.proc = subprocess.Popen(self.command, env=self.env, start_new_session=True,
+                self.proc = subprocess.Popen(command, env=self.env, start_new_session=True,
                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             except OSError as exc:
                 raise LaunchError(f"could not start {self.command[0]!r}: {exc}") from exc
@@ -221,6 +263,9 @@ class Job:
             returncode = self._supervise()
             self._refresh()
             self._name_ends()
+            unstarted = self._unstarted_failure(returncode)
+            if unstarted is not None and unstarted.rank is not None:
+                logger.error("rank %d %s", unstarted.rank, unstarted.description)
             self.exit_code = self._exit_code(returncode)
             return self.exit_code
         finally:
@@ -228,6 +273,9 @@ class Job:
                 self._send(signal.SIGKILL)
                 self.proc.wait()
             self._reap_ranks()  # never two attempts of a restarted job at once
+            removed = remove_shm(self.shm)  # what the ranks' MPI_Finalize did not remove
+            if removed:
+                logger.debug("removed the shared memory the ranks left: %s", ", ".join(removed))
             self.ended_ns = time.time_ns()
             for pump in pumps:  # the last of the output; a rank's orphan holding the pipe: not ours
                 pump.join(timeout=5)
@@ -252,6 +300,7 @@ class Job:
                 pass
             now = time.monotonic()
             self._refresh()
+            self._scan_shm(now)
             failure = self._first_failure()
             if failure is not None and self.first_failure is None:
                 self.first_failure = failure
@@ -315,9 +364,8 @@ class Job:
 
     def _touch(self, name: str) -> None:
         try:
-            with open(os.path.join(self.status_dir, name), "w"):
-                pass
-        except OSError:
+            write_exclusive(os.path.join(self.status_dir, name), b"")
+        except OSError:  # there already (FileExistsError), or the folder is gone
             pass
 
     def _release(self, now: float) -> None:
@@ -342,6 +390,7 @@ class Job:
                 states.append(f"{_who(exiting)} finished {'its script' if one else 'their scripts'} but "
                               f"{'has' if one else 'have'} not exited: stuck in MPI_Finalize or an atexit handler")
             logger.error("rank %d failed (%s); killing the job (%s)", failed.rank, failed.how, "; ".join(states))
+        self._scan_shm(time.monotonic(), every=True)  # the last look before they go
         for r in running:
             rank = self.ranks[r]
             try:
@@ -371,8 +420,8 @@ class Job:
                 name = kind[len(MILESTONE) + 1:]
                 if name not in rank.milestones:
                     try:
-                        with open(os.path.join(self.status_dir, name_of(kind, r)), encoding="ascii") as f:
-                            rank.milestones[name] = int(f.read().split()[0])
+                        text = read_small(os.path.join(self.status_dir, name_of(kind, r)))
+                        rank.milestones[name] = _number(text.split()[0])
                     except (OSError, ValueError, IndexError):
                         pass
                 continue
@@ -383,17 +432,22 @@ class Job:
                 rank.finished = True
                 continue
             try:
-                with open(os.path.join(self.status_dir, name), encoding="ascii") as f:
-                    fields = f.read().split()
+                fields = read_small(os.path.join(self.status_dir, name)).split()
                 if kind == START:
-                    rank.pid = int(fields[0])
-                    rank.started_ns = int(fields[1]) if len(fields) > 1 else None
-                    rank.watcher = int(fields[2]) if len(fields) > 2 else None
+                    pid = _number(fields[0])
+                    if pid <= 0:
+                        continue
+                    rank.pid = pid
+                    rank.started_ns = _number(fields[1]) if len(fields) > 1 else None
+                    rank.watcher = _number(fields[2]) if len(fields) > 2 else None
                     rank.pidfd = _open_pidfd(rank.pid)
+                    logger.debug("rank %d started: pid %d (its watcher: pid %s)", r, rank.pid, rank.watcher)
                 elif kind == FAILED:
-                    rank.failed = (int(fields[0]), fields[1], int(fields[2]))
+                    if fields[1] not in _HOWS:
+                        continue
+                    rank.failed = (_number(fields[0]), fields[1], _number(fields[2]))
                 else:
-                    rank.ended = (int(fields[0]), int(fields[1]))
+                    rank.ended = (_number(fields[0]), _number(fields[1]))
             except (OSError, ValueError, IndexError):
                 continue
         self._look_for_vanished()
@@ -412,9 +466,31 @@ class Job:
             elif now_ns - rank.gone_ns > VANISHED_GRACE_S * 1e9:
                 rank.vanished = True
 
+    def _scan_shm(self, now: float, *, every: bool = False) -> None:
+        """Record the MPICH shared-memory files the ranks here hold (see the module docstring): each
+        rank that holds none yet at every call, the others every :data:`SHM_RESCAN_S` (``every``:
+        all now, before they are killed). New files go into the status directory's record too."""
+        found: dict[str, tuple[int, int]] = {}
+        for rank in self.ranks.values():
+            if rank.pidfd is None or rank.gone_ns is not None or not every and now < rank.next_shm_scan:
+                continue
+            files = shm_files(rank.pid)  # type: ignore[arg-type]
+            if select.select([rank.pidfd], [], [], 0)[0]:  # it ended meanwhile: /proc/PID may be another's
+                continue
+            rank.next_shm_scan = now + SHM_RESCAN_S if files else 0.0
+            found.update(files)
+        new = {name: key for name, key in found.items() if self.shm.get(name) != key}
+        if new:
+            self.shm.update(new)
+            try:
+                replace_whole(os.path.join(self.status_dir, SHM_RECORD), format_shm_record(self.shm))
+            except OSError:
+                pass
+
     def _reap_ranks(self) -> None:
         """Make sure no rank process of this job is left (SIGKILL, then wait up to
         :data:`KILL_GRACE_S`): a restart's next attempt never runs beside this one."""
+        self._scan_shm(time.monotonic(), every=True)
         now_ns = time.time_ns()
         alive = []
         for r, rank in self.ranks.items():
@@ -439,6 +515,9 @@ class Job:
         ended by a signal or ``--timeout`` (not failures a restart is for)."""
         if self.timed_out or self.received is not None:
             return None
+        unstarted = self._unstarted_failure(None if self.proc is None else self.proc.returncode)
+        if unstarted is not None:
+            return unstarted
         failure = self.first_failure or min(self._failures(), default=None)
         detected = self.detected_ns or self.ended_ns or time.time_ns()
         if failure is None:
@@ -472,6 +551,28 @@ class Job:
             description = failure.how
         return JobFailure(failure.rank, failure.status, description, failure.time_ns, detected,
                           self.tails.last(failure.rank))
+
+    def _unstarted_failure(self, code: int | None) -> JobFailure | None:
+        """On a job whose ranks all run here, that failed (``code``: mpiexec's) with no rank reporting
+        a failure: the ranks that never reported a start, whose processes died before their
+        bootstrap did (killed at start). None when every rank started, or some may run elsewhere."""
+        # Ranks that vanished do not count: mpiexec kills every rank here when one process dies.
+        if not self.local_only or code is None or code == 0 or any(f.how != "vanished" for f in self._failures()):
+            return None
+        unstarted = [r for r in range(self.nproc) if r not in self.ranks or self.ranks[r].pid is None]
+        if not unstarted:
+            return None
+        status = 128 - code if code < 0 else code
+        how = f"was killed by signal {-code} ({_signal_name(-code)})" if code < 0 else f"exited with status {code}"
+        one = len(unstarted) == 1
+        description = (f"died before it started: its process ended before the rank bootstrap reported a start, and "
+                       f"mpiexec {how}" if one else
+                       f"mpiexec {how}: {_who(unstarted)} died before they started (their processes ended before the "
+                       "rank bootstrap reported a start; mpiexec ends every rank as soon as one process ends, so which "
+                       "one died first is not known)")
+        now = self.detected_ns or self.ended_ns or time.time_ns()
+        return JobFailure(unstarted[0] if one else None, status, description, now, now,
+                          self.tails.last(unstarted[0]) if one else ())
 
     def _only_shutting_down(self) -> list[int]:
         """Ranks still alive though their script is over, when every rank's script is over (and no
@@ -552,6 +653,9 @@ class Job:
             return TIMEOUT_EXIT_CODE
         if self.received is not None:
             return 128 + self.received  # 130 for Ctrl-C, as a shell reports it
+        unstarted = self._unstarted_failure(returncode)
+        if unstarted is not None:
+            return unstarted.status
         failure = min([*self._failures(), *([self.first_failure] if self.first_failure else [])], default=None)
         if failure is not None:
             return failure.status or 1
@@ -569,6 +673,13 @@ class Job:
 def name_of(kind: str, rank: int) -> str:
     """The status file of ``kind`` for ``rank``."""
     return f"{kind}.{rank}"
+
+
+def _number(text: str) -> int:
+    """An integer of a status file: ASCII digits, an optional minus. Raises ValueError otherwise."""
+    if not _INT.fullmatch(text):
+        raise ValueError(f"not a number: {text!r}")
+    return int(text)
 
 
 def _open_pidfd(pid: int) -> int | None:

@@ -38,7 +38,8 @@ import os
 import shutil
 from typing import Any
 
-from .job import LaunchError
+from .bootstrap import replace_whole
+from .job import LaunchConfigError
 
 __all__ = ["tuned_environment", "retune", "IALLREDUCE_RECURSIVE_DOUBLING_MAX", "SELECTION_ENV", "OPT_OUT_ENV"]
 
@@ -125,11 +126,11 @@ def tuned_environment(mpiexec: str, directory: str, env: dict[str, str]) -> dict
         env: the environment the job would get (user settings win).
 
     Raises:
-        LaunchError: ``MESHKIT_MPICH_TUNING`` is set to something other than 0 or 1.
+        LaunchConfigError: ``MESHKIT_MPICH_TUNING`` is set to something other than 0 or 1.
     """
     choice = env.get(OPT_OUT_ENV, "1")
     if choice.strip() not in ("0", "1"):  # the message has meshkit.comm.env's form (launch imports no comm)
-        raise LaunchError(f"meshkit.launch: {OPT_OUT_ENV}={choice!r} is not valid; valid values are 1 (the "
+        raise LaunchConfigError(f"meshkit.launch: {OPT_OUT_ENV}={choice!r} is not valid; valid values are 1 (the "
                           "default: retune MPICH's Iallreduce selection) and 0 (leave MPICH's selection alone)")
     if SELECTION_ENV in env or choice.strip() == "0":
         return {}
@@ -144,7 +145,6 @@ def tuned_environment(mpiexec: str, directory: str, env: dict[str, str]) -> dict
         logger.debug("MPICH selection not retuned (library %s)", library)
         return {}
     path = os.path.join(directory, "mpich-coll-selection.json")
-    with open(path, "w") as f:
-        json.dump(tree, f)
+    replace_whole(path, json.dumps(tree).encode("utf-8"))  # (exclusively, 0600) the ranks' MPICH reads it
     logger.debug("Iallreduce uses recursive doubling up to %d bytes (%s)", IALLREDUCE_RECURSIVE_DOUBLING_MAX, path)
     return {SELECTION_ENV: path}

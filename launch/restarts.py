@@ -3,10 +3,18 @@
 ``meshkit-run --max-restarts K`` runs the job; when a rank fails (a non-zero exit, an uncaught
 exception, a signal, a rank that vanishes) the launcher ends the job as it always does
 (:mod:`meshkit.launch.job`), reports the failure with the rank, how it ended and its last lines
-of output, waits ``--restart-delay`` seconds and starts the job again, up to K times
+of output, waits (see below) and starts the job again, up to K times
 (torchrun's ``--max-restarts``). The job is not restarted when it succeeded, when the user
 stopped it (Ctrl-C, SIGTERM: 128 + N) or at ``--timeout`` (which bounds all attempts together).
-One attempt at a time: every rank process of an attempt is gone before the next starts.
+One attempt at a time: every rank process of an attempt is gone before the next starts, and so
+is the shared memory MPICH left for it (:mod:`meshkit.launch.job`).
+
+The wait before a restart: ``--restart-delay S`` waits S seconds before every restart. Without
+it the launcher backs off: no wait before the first restart (a job that failed once comes back at
+once), but while attempts keep failing within :data:`BACKOFF_RESET_S` of their start, it waits
+:data:`BACKOFF_BASE_S`, then twice that, and so on up to :data:`BACKOFF_CAP_S` (a job that fails
+at once on every attempt, a restart storm, then costs a restart every 30 s rather than every
+2-3 s, each starting Python, NumPy and MPI on every rank).
 
 Each attempt starts as many ranks as the slots allow within ``-n MIN:MAX``
 (:mod:`meshkit.launch.slots`), so a restart after a host lost slots comes back smaller; with
@@ -25,7 +33,7 @@ line (``--restart-report FILE`` also writes them as JSON)::
   :data:`~meshkit.launch.job.POLL_S`, not a collective's timeout);
 * teardown: noticing it to every process of the job gone (the launcher waits
   :data:`~meshkit.launch.job.FAILURE_SETTLE_S` for other ranks' errors, then kills the rest);
-* delay: ``--restart-delay``;
+* delay: the wait before the restart (``--restart-delay``, or the backoff);
 * relaunch: ``mpiexec`` started to the last rank's bootstrap running;
 * imports: to the last rank done importing meshkit (NumPy with it: about 2 s on a loaded 2-core machine);
 * rendezvous: to the last rank out of ``init_process_group``;
@@ -45,10 +53,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
+from .bootstrap import replace_whole, write_exclusive
 from .job import Job, JobFailure, TIMEOUT_EXIT_CODE
 from .slots import Hosts, NprocRange, available
 
-__all__ = ["ElasticSpec", "RestartReport", "run_attempts", "RESTART_ENV"]
+__all__ = ["ElasticSpec", "RestartReport", "run_attempts", "RESTART_ENV", "restart_delay", "BACKOFF_BASE_S",
+           "BACKOFF_CAP_S", "BACKOFF_RESET_S"]
 
 logger = logging.getLogger("meshkit.launch")
 
@@ -58,6 +68,31 @@ RESTART_ENV = ("MESHKIT_RESTART_COUNT", "MESHKIT_MAX_RESTARTS", "MESHKIT_MIN_NPR
 _PHASES = (("imported", "imports"), ("rendezvous", "rendezvous"), ("restored", "checkpoint load"),
            ("first_step", "first step"))
 
+#: The backoff's first wait (the second restart in a row): a few times the 0.2-0.5 s an attempt
+#: takes to start its ranks, so a storm of attempts that fail at once halves its rate at once.
+BACKOFF_BASE_S = 1.0
+#: The longest wait of the backoff (as systemd's and Kubernetes' restart backoffs, capped).
+BACKOFF_CAP_S = 30.0
+#: An attempt that ran this long before it failed ends the streak: the next restart is at once.
+#: Twice the cap: a job whose attempts each run a minute spends at most a third of its time waiting.
+BACKOFF_RESET_S = 60.0
+
+
+def restart_delay(fixed: float | None, streak: int) -> float:
+    """Seconds to wait before a restart: ``fixed`` (``--restart-delay``) if given, else the backoff
+    after ``streak`` failed attempts in a row, each shorter than :data:`BACKOFF_RESET_S`: 0 after
+    one, then :data:`BACKOFF_BASE_S`, twice that, ... at most :data:`BACKOFF_CAP_S`."""
+    if fixed is not None:
+        return fixed
+    if streak <= 1:
+        return 0.0
+    return min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2.0 ** min(streak - 2, 64))
+
+
+def next_streak(streak: int, ran_s: float) -> int:
+    """The streak of quick failures after an attempt that failed ``ran_s`` seconds after its start."""
+    return streak + 1 if ran_s < BACKOFF_RESET_S else 1
+
 
 @dataclass(frozen=True)
 class ElasticSpec:
@@ -65,7 +100,7 @@ class ElasticSpec:
 
     nproc: NprocRange
     max_restarts: int = 0
-    restart_delay: float = 0.0
+    restart_delay: float | None = None  # None: back off (restart_delay())
     slots: int | None = None
     hostfile: str | None = None
     timeout: float | None = None
@@ -157,11 +192,9 @@ class _Attempts:
     def _write_reports(self) -> None:
         if self.spec.report_path is None:
             return
-        try:
-            tmp = f"{self.spec.report_path}.tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump([asdict(r) for r in self.reports], f, indent=1)
-            os.replace(tmp, self.spec.report_path)
+        try:  # whole, through an exclusive temporary file (never through a link planted beside it)
+            replace_whole(self.spec.report_path,
+                          json.dumps([asdict(r) for r in self.reports], indent=1).encode("utf-8"))
         except OSError as exc:
             logger.warning("cannot write --restart-report %s: %s", self.spec.report_path, exc)
 
@@ -169,6 +202,7 @@ class _Attempts:
         spec = self.spec
         deadline = None if spec.timeout is None else time.monotonic() + spec.timeout
         restart, before = 0, None  # before: (failure, ended_ns, ranks) of the attempt that failed
+        streak, delay = 0, 0.0  # failed attempts in a row, each quick (see restart_delay); the wait before this one
         while True:
             chosen = self._nproc(restart)
             if chosen is None:
@@ -190,7 +224,6 @@ class _Attempts:
             on_poll = None
             if report is not None:
                 failure, ended_ns, _ = before
-                delay = spec.restart_delay
 
                 def on_poll(job: Job, report: RestartReport = report, failure: JobFailure = failure,
                             ended_ns: int = ended_ns, delay: float = delay) -> None:
@@ -203,7 +236,7 @@ class _Attempts:
             job = self.start(nproc, restart, hosts, left, on_poll)
             code = job.exit_code
             if report is not None and not report.complete:
-                _fill(report, failure, before[1], job, spec.restart_delay)
+                _fill(report, failure, before[1], job, delay)
                 logger.warning("%s (not every rank reached its first step)", report.line())
                 self._write_reports()
             failure = job.failure()
@@ -218,8 +251,15 @@ class _Attempts:
                 return code
             before = (failure, job.ended_ns or time.time_ns(), nproc)
             restart += 1
-            if spec.restart_delay:
-                time.sleep(spec.restart_delay)
+            streak = next_streak(streak, _seconds(job.ended_ns, job.popen_ns) or 0.0)
+            delay = restart_delay(spec.restart_delay, streak)
+            if deadline is not None:
+                delay = max(0.0, min(delay, deadline - time.monotonic()))
+            if delay:
+                why = ("--restart-delay" if spec.restart_delay is not None else
+                       f"backing off: {streak} attempts in a row failed within {BACKOFF_RESET_S:g} s of their start")
+                logger.warning("restart %d in %.3g s (%s)", restart, delay, why)
+                time.sleep(delay)
 
 
 def _log_failure(restart: int, failure: JobFailure) -> None:
@@ -242,7 +282,7 @@ def run_attempts(spec: ElasticSpec, start: Callable[[int, int, Hosts | None, flo
     """
     try:
         return _Attempts(spec, start).run()
-    except KeyboardInterrupt:  # Ctrl-C between attempts (during --restart-delay)
+    except KeyboardInterrupt:  # Ctrl-C between attempts (during the wait before a restart)
         logger.error("interrupted between attempts; not restarting")
         return 128 + signal.SIGINT
 
@@ -258,8 +298,7 @@ def hostfile_arguments(hosts: Hosts | None, status_dir: str) -> list[str]:
     if hosts is None or not hosts.remote():
         return []
     path = os.path.join(status_dir, "hosts")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(hosts.hydra_lines())
+    write_exclusive(path, hosts.hydra_lines().encode("utf-8"))
     return ["-f", path]
 
 

@@ -21,6 +21,10 @@ new processes by pickle, so ``fn`` must be importable by name: a function at mod
 in the script run as ``__main__`` is found by running that script again as ``__mp_main__``, so
 it needs the ``if __name__ == "__main__":`` guard, as with torch), never a lambda or a function
 defined inside another.
+
+The payload is the parent's own: written exclusively (mode 0600) into a folder of its own (mode
+0700), and signed with the job's secret (:mod:`meshkit.launch.secret`): each process checks the
+folder and the signature before it unpickles anything (:mod:`meshkit.launch.spawn_rank`).
 """
 
 from __future__ import annotations
@@ -36,13 +40,17 @@ import threading
 import traceback
 from typing import Any, Callable, Sequence
 
-from .cli import find_mpiexec, job_command, job_environment
+from .bootstrap import write_exclusive
+from .cli import all_ranks_here, find_mpiexec, job_command, job_environment
 from .job import Job
+from .secret import SPAWN_DIGEST_ENV, job_secret, payload_digest
 
 __all__ = ["spawn", "SpawnContext", "ProcessException", "ProcessRaisedException", "ProcessExitedException"]
 
 #: The payload file in the spawn directory, and each failed rank's traceback beside it.
 PAYLOAD, ERROR = "payload.pickle", "error"
+#: The longest traceback the parent reads back from a process (the rest is cut).
+_ERROR_MAX = 1 << 20
 #: The module each process runs (through the rank bootstrap, as ``-m``).
 RANK_MODULE = "meshkit.launch.spawn_rank"
 
@@ -163,7 +171,8 @@ def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, joi
             picklable, ``nprocs`` not a positive int).
         ProcessRaisedException / ProcessExitedException: a process failed.
         TimeoutError: ``timeout`` passed.
-        LaunchError: no ``mpiexec`` (``pip install mpich``).
+        LaunchError: no ``mpiexec`` (``pip install mpich``); LaunchConfigError (a ValueError too): a
+            launcher variable set but not valid (``MESHKIT_JOB_SECRET``, ``MESHKIT_MPIEXEC``).
     """
     if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
         raise ValueError(f"meshkit.spawn: nprocs must be an int >= 1, got {nprocs!r}")
@@ -181,19 +190,21 @@ def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, joi
                         f"{type(args).__name__} {args!r}") from None
     payload = _payload(fn, args)
     mpiexec = find_mpiexec()
-    spawn_dir = tempfile.mkdtemp(prefix="meshkit-spawn-")
+    secret = job_secret(os.environ)
+    spawn_dir = tempfile.mkdtemp(prefix="meshkit-spawn-")  # mode 0700
     status_dir = tempfile.mkdtemp(prefix="meshkit-run-")
     try:
-        with open(os.path.join(spawn_dir, PAYLOAD), "wb") as f:
-            f.write(payload)
+        write_exclusive(os.path.join(spawn_dir, PAYLOAD), payload)
         command = job_command(mpiexec, nprocs, ["-m", RANK_MODULE, spawn_dir], [])
-        env = job_environment(mpiexec, nprocs, status_dir, [])
+        env = job_environment(mpiexec, nprocs, status_dir, [], secret=secret)
+        env[SPAWN_DIGEST_ENV] = payload_digest(secret, payload)
     except BaseException:
         shutil.rmtree(spawn_dir, ignore_errors=True)
         shutil.rmtree(status_dir, ignore_errors=True)
         raise
-    context = SpawnContext(Job(command, env, nproc=nprocs, status_dir=status_dir, timeout=timeout),
-                           [spawn_dir, status_dir])
+    job = Job(command, env, nproc=nprocs, status_dir=status_dir, timeout=timeout,
+              local_only=all_ranks_here(mpiexec, [], env))
+    context = SpawnContext(job, [spawn_dir, status_dir])
     if not join:
         context._start()
         return context
@@ -248,8 +259,9 @@ def _raise_failure(job: Job, code: int | None, spawn_dir: str) -> None:
     rank = job.ranks.get(r)
     pid = rank.pid if rank is not None else None
     try:
-        with open(os.path.join(spawn_dir, f"{ERROR}.{r}"), encoding="utf-8") as f:
-            trace = f.read()
+        with os.fdopen(os.open(os.path.join(spawn_dir, f"{ERROR}.{r}"), os.O_RDONLY | os.O_NOFOLLOW),
+                       encoding="utf-8", errors="replace") as f:
+            trace = f.read(_ERROR_MAX)
     except OSError:
         trace = None
     if trace is not None:

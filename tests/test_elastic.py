@@ -25,7 +25,8 @@ import pytest
 from conftest import LAUNCHER_MODULE, SCRIPTS
 from meshkit import elastic
 from meshkit.comm import milestones
-from meshkit.launch import bootstrap, job, slots
+from meshkit.launch import bootstrap, job, restarts, slots
+from meshkit.launch import main as launch_main
 from meshkit.launch.restarts import RestartReport
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,6 +148,28 @@ def test_elastic_reads_the_attempt_from_the_environment(monkeypatch):
     monkeypatch.setenv("MESHKIT_RESTART_COUNT", "two")
     with pytest.raises(ValueError, match=r"MESHKIT_RESTART_COUNT='two' is not an integer"):
         elastic.restart_count()
+    monkeypatch.setenv("MESHKIT_MIN_NPROC", "5")
+    with pytest.raises(ValueError, match=r"^meshkit.elastic: MESHKIT_MIN_NPROC=5 is larger than MESHKIT_MAX_NPROC=4 "
+                                         r"\(meshkit-run sets them from -n MIN:MAX; unset them or give MIN <= MAX\)"):
+        elastic.world_size_range()
+
+
+def test_restarts_back_off_unless_a_delay_is_given(capsys):
+    """No wait before a restart; while attempts keep failing within a minute of their start, 1 s, 2 s,
+    4 s... up to 30 s; an attempt that ran a minute starts the count again. --restart-delay S: S."""
+    streaks, streak = [], 0
+    for ran_s in (2, 2, 2, 2, 2, 2, 2, 2, 59.9, 60, 2, 2):
+        streak = restarts.next_streak(streak, ran_s)
+        streaks.append(streak)
+    assert streaks == [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3]
+    assert [restarts.restart_delay(None, k) for k in streaks] == [0, 1, 2, 4, 8, 16, 30, 30, 30, 0, 1, 2]
+    assert restarts.restart_delay(None, 10**6) == 30  # no overflow however long the storm
+    assert [restarts.restart_delay(2.5, k) for k in (1, 2, 9)] == [2.5] * 3
+    assert [restarts.restart_delay(0.0, k) for k in (1, 2, 9)] == [0.0] * 3
+    with pytest.raises(SystemExit):
+        launch_main(["--help"])
+    assert "(default: back off: no wait before the first restart, then 1, 2, 4... up to 30 s while attempts " \
+           "keep failing within 60 s of their start)" in " ".join(capsys.readouterr().out.split())
 
 
 def test_a_report_line_names_every_phase_it_knows():
@@ -203,6 +226,9 @@ def test_a_job_failing_the_same_way_every_time_stops_after_k_restarts(tmp_path):
     assert result.returncode == 1, explain(result)
     assert sorted(attempts(tmp_path)) == [0, 1, 2]
     assert result.stderr.count("failed: rank 1 raised an exception (exit 1)") == 3, result.stderr
+    # the default backoff: the first restart at once, the second after 1 s
+    assert "restart 1 in" not in result.stderr and "meshkit-run: restart 2 in 1 s (backing off: 2 attempts in a " \
+           "row failed within 60 s of their start)" in result.stderr, result.stderr
     assert "ValueError: elastic_job: rank 1 fails on attempt 2 too" in result.stderr
     assert result.stderr.rstrip().endswith("giving up after 2 restarts: the last attempt failed as above"), \
         result.stderr

@@ -10,6 +10,7 @@ import ast
 import io
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import pytest
 
 from meshkit import launch
 from meshkit.launch import bootstrap, cli, job, output
+from meshkit.launch import secret as job_secret
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 LAUNCHER = [sys.executable, "-m", "meshkit.launch"]
@@ -310,6 +312,34 @@ def test_a_rank_stuck_in_finalize_for_ranks_that_left_without_it_is_ended(tmp_pa
     assert elapsed < 20, elapsed
 
 
+#: A rank killed before the rank bootstrap runs (before it forks its watcher and reports a start):
+#: rank 1's interpreter SIGKILLs itself in sitecustomize, once rank 0 has reported its start.
+KILL_AT_START = """\
+import os, signal, time
+folder = os.environ.get("MESHKIT_LAUNCH_STATUS_DIR")
+if folder and os.environ.get("PMI_RANK") == "1":
+    deadline = time.monotonic() + 60
+    while not os.path.exists(os.path.join(folder, "start.0")) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@needs_mpiexec
+def test_a_rank_killed_before_it_started_is_named(tmp_path: Path) -> None:
+    # Every rank runs here, so a rank that never reported a start died before it started: named,
+    # not "no rank here reported a failure (a rank on another host...)".
+    (tmp_path / "sitecustomize.py").write_text(KILL_AT_START)
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    result = run_launcher(["-n", "2", str(SCRIPTS / "launch_sleep.py")], tmp_path, env=env)
+
+    assert result.returncode != 0
+    assert re.search(r"^meshkit-run: rank 1 died before it started: its process ended before the rank bootstrap "
+                     r"reported a start, and mpiexec (exited with status \d+|was killed by signal \d+)",
+                     result.stderr, re.M), result.stderr
+    assert "no rank here reported a failure" not in result.stderr
+
+
 def test_mpiexec_that_cannot_start_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "script.py").write_text("")
     env = dict(os.environ, MESHKIT_MPIEXEC=str(tmp_path / "no-such-mpiexec"))
@@ -333,6 +363,9 @@ def test_mpiexec_that_cannot_start_is_a_clear_error(tmp_path: Path) -> None:
         (["-n", "2"], r"no script given: pass a script path or -m MODULE"),
         (["-n", "2", "-m"], r"argument -m: expected a module name"),
         (["-n", "2", "--timeout", "0", "script.py"], r"--timeout: expected seconds > 0, got 0"),
+        (["-n", "2", "--mpiexec-args", "-genv A 'b", "script.py"],
+         r"argument --mpiexec-args: \"-genv A 'b\" cannot be split into words as a shell would "
+         r"\(No closing quotation\)"),
     ],
 )
 def test_bad_command_line_is_a_clear_error(
@@ -434,6 +467,19 @@ def test_find_mpiexec_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     (path_dir / "mpiexec").unlink()
     with pytest.raises(launch.LaunchError, match=r"no mpiexec found .*pip install mpich.*MESHKIT_MPIEXEC"):
         launch.find_mpiexec()
+
+
+def test_an_unbalanced_quote_in_mpiexec_is_named(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("MESHKIT_MPIEXEC", "srun --mpi='pmix")
+    message = r"meshkit.launch: MESHKIT_MPIEXEC=\"srun --mpi='pmix\" cannot be split into words as a shell would " \
+              r"\(No closing quotation\)"
+    with pytest.raises(launch.LaunchConfigError, match=f"^{message}"):
+        launch.find_mpiexec()
+    (tmp_path / "script.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    assert launch.main(["-n", "1", "script.py"]) == 1  # the launcher's error, not a traceback
+    assert re.fullmatch(message + ".*", caplog.records[-1].getMessage()), caplog.text
 
 
 @pytest.mark.parametrize(
@@ -629,3 +675,166 @@ def test_importing_the_launcher_does_not_initialize_mpi() -> None:
             "print(mpi is None or not mpi.Is_initialized())")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.stdout.strip() == "True", result.stderr
+
+
+# --- the job's secret, its own files, and its end with the launcher (issue 35) -----------------
+
+
+def test_the_secret_variable_is_the_one_comm_reads() -> None:
+    # launch imports nothing of comm: comm/env.py names the same variable (JOB_SECRET) on its own.
+    assert job_secret.JOB_SECRET_ENV == launch.JOB_SECRET_ENV == "MESHKIT_JOB_SECRET"
+    assert f'"{job_secret.JOB_SECRET_ENV}"' in (ROOT / "comm" / "env.py").read_text()
+
+
+def test_one_secret_per_job_and_a_users_own_kept_if_usable() -> None:
+    made = [job_secret.job_secret({}) for _ in range(2)]
+    assert made[0] != made[1] and all(re.fullmatch(r"[0-9a-f]{64}", s) for s in made)
+    mine = "x" * 31 + "!"
+    assert job_secret.job_secret({"MESHKIT_JOB_SECRET": mine}) == mine
+    for bad, why in [("", r"it has 0 characters, fewer than 32"), ("s3cr3t" * 5, r"it has 30 characters"),
+                     ("a" * 20 + " " + "b" * 20, r"its character 21 is whitespace or not printable ASCII"),
+                     ("a" * 40 + "é", r"its character 41 is whitespace or not printable ASCII")]:
+        with pytest.raises(launch.LaunchConfigError, match=r"^meshkit.launch: MESHKIT_JOB_SECRET is set but is not a "
+                                                           rf"usable secret: {why}") as info:
+            job_secret.job_secret({"MESHKIT_JOB_SECRET": bad})
+        assert not bad or bad not in str(info.value)  # the message never quotes a secret
+        assert isinstance(info.value, ValueError)
+
+
+def test_status_files_are_read_as_numbers_and_known_words_only(tmp_path: Path) -> None:
+    run = job.Job([], {}, nproc=4, status_dir=str(tmp_path), timeout=None)
+    me = str(os.getpid())
+    _status(tmp_path, start_0=me, start_1="1_000", start_2=f"{me} 12 ٣", start_3="0", failed_0="1 pickle 5",
+            ended_0="0 1e3")
+    (tmp_path / "start.2").write_text("9" * 5000)  # larger than a status file
+    run._refresh()
+    assert {r: rank.pid for r, rank in run.ranks.items()} == {0: os.getpid(), 1: None, 2: None, 3: None}
+    assert run.ranks[0].failed is None and run.ranks[0].ended is None
+    for rank in run.ranks.values():
+        if rank.pidfd is not None:
+            os.close(rank.pidfd)
+
+
+def test_the_jobs_files_are_created_exclusively_and_private(tmp_path: Path) -> None:
+    target = tmp_path / "target"
+    target.write_text("theirs")
+    (tmp_path / "link").symlink_to(target)
+    for name in ("link", "target"):  # neither through a link nor over a file that is there
+        with pytest.raises(FileExistsError):
+            bootstrap.write_exclusive(str(tmp_path / name), b"ours")
+    assert target.read_text() == "theirs"
+    bootstrap.write_exclusive(str(tmp_path / "new"), b"ours")
+    assert (tmp_path / "new").stat().st_mode & 0o777 == 0o600
+    report = tmp_path / "report.json"  # a whole file, replaced through an exclusive temporary
+    bootstrap.replace_whole(str(report), b"[]")
+    bootstrap.replace_whole(str(report), b"[1]")
+    assert report.read_text() == "[1]" and report.stat().st_mode & 0o777 == 0o600
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "new", "report.json", "target"]
+
+
+def test_a_status_folder_that_is_not_the_launchers_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = tmp_path / "status"
+    folder.mkdir(mode=0o700)
+    monkeypatch.setenv(bootstrap.STATUS_DIR_ENV, str(folder))
+    monkeypatch.setenv(bootstrap.LAUNCHER_ENV, f"{bootstrap.launcher_host()} {os.getpid()}")
+    monkeypatch.delenv(bootstrap.LAUNCHER_START_ENV, raising=False)
+    assert bootstrap._StatusDir.from_env(3) is not None
+    folder.chmod(0o755)
+    with pytest.raises(PermissionError, match=rf"rank 3: MESHKIT_LAUNCH_STATUS_DIR='{folder}' is not the launcher's "
+                                              r"status directory: it is mode 755, open to other users"):
+        bootstrap._StatusDir.from_env(3)
+    (tmp_path / "link").symlink_to(folder)
+    monkeypatch.setenv(bootstrap.STATUS_DIR_ENV, str(tmp_path / "link"))
+    with pytest.raises(PermissionError, match=r"it is a symbolic link; refusing to start"):
+        bootstrap._StatusDir.from_env(3)
+
+
+def _bootstrap_with_launcher(tmp_path: Path, launcher: str, start: str | None) -> subprocess.CompletedProcess[str]:
+    folder = tmp_path / "status"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    (tmp_path / "script.py").write_text("open('ran', 'w').close()\n")
+    env = {**os.environ, bootstrap.STATUS_DIR_ENV: str(folder), bootstrap.LAUNCHER_ENV: launcher, "PMI_RANK": "1"}
+    env.pop(bootstrap.LAUNCHER_START_ENV, None)
+    if start is not None:
+        env[bootstrap.LAUNCHER_START_ENV] = start
+    return subprocess.run([sys.executable, bootstrap.__file__, "script.py"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=30)
+
+
+def test_a_rank_whose_launcher_is_gone_does_not_start(tmp_path: Path) -> None:
+    gone = subprocess.Popen([sys.executable, "-c", ""])
+    gone.wait()
+    host = bootstrap.launcher_host()
+    result = _bootstrap_with_launcher(tmp_path, f"{host} {gone.pid}", None)
+    assert result.returncode == 128 + signal.SIGKILL and not (tmp_path / "ran").exists()
+    assert f"meshkit-run: rank 1: the launcher (pid {gone.pid}) is gone; not starting" in result.stderr
+    # The launcher's pid, now another process's (here: this test's, with another start time).
+    me = bootstrap.process_start_time()
+    result = _bootstrap_with_launcher(tmp_path, f"{host} {os.getpid()}", str(int(me) + 1))
+    assert result.returncode == 128 + signal.SIGKILL and not (tmp_path / "ran").exists(), result.stderr
+    (tmp_path / "status" / bootstrap.RELEASE).touch()  # (this "launcher" releases the watcher at once)
+    result = _bootstrap_with_launcher(tmp_path, f"{host} {os.getpid()}", me)  # the launcher itself: it runs
+    assert result.returncode == 0 and (tmp_path / "ran").exists(), result.stderr
+
+
+GUARDED_RANK = """\
+import os, subprocess, sys, time
+sys.path.insert(0, os.path.dirname(sys.argv[1]))
+import bootstrap
+status = bootstrap._StatusDir.from_env(0)
+bootstrap._guard_without_watcher(status)
+status.write(bootstrap.START, os.getpid(), time.time_ns(), os.getpid())
+child = subprocess.Popen(["sleep", "60"])
+open("child", "w").write(str(child.pid))
+time.sleep(60)
+"""
+
+
+def test_a_rank_without_a_watcher_ends_with_its_launcher(tmp_path: Path) -> None:
+    # No fork (no watcher): a thread of the rank watches the launcher and ends the rank's process
+    # group (the rank and its children) when it dies, the status folder with it.
+    folder = tmp_path / "status"
+    folder.mkdir(mode=0o700)
+    launcher = subprocess.Popen(["sleep", "60"])
+    env = {**os.environ, bootstrap.STATUS_DIR_ENV: str(folder),
+           bootstrap.LAUNCHER_START_ENV: bootstrap.process_start_time(launcher.pid),
+           bootstrap.LAUNCHER_ENV: f"{bootstrap.launcher_host()} {launcher.pid}"}
+    rank = subprocess.Popen([sys.executable, "-c", GUARDED_RANK, bootstrap.__file__], cwd=tmp_path, env=env,
+                            start_new_session=True)  # its own process group, as hydra starts a rank
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "child").exists() or not (tmp_path / "child").read_text():
+            assert rank.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        child = os.pidfd_open(int((tmp_path / "child").read_text()))
+        launcher.kill()
+        launcher.wait()
+        assert rank.wait(timeout=10) == -signal.SIGKILL
+        assert select.select([child], [], [], 5)[0], "the rank's child outlived the launcher"
+        os.close(child)
+        assert not folder.exists()
+    finally:
+        for proc in (rank, launcher):
+            proc.kill()
+            proc.wait()
+
+
+def test_only_the_jobs_own_shared_memory_is_removed() -> None:
+    import secrets as random_names
+
+    path = Path(bootstrap.SHM_DIR, f"mpich_shm_test{random_names.token_hex(4)}_0")
+    if not path.parent.is_dir():
+        pytest.skip("no /dev/shm")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        held = bootstrap.shm_files(os.getpid())
+        assert held == {path.name: (os.fstat(fd).st_dev, os.fstat(fd).st_ino)}
+        other = {path.name: (held[path.name][0], held[path.name][1] + 1)}  # the name, another file
+        assert bootstrap.remove_shm(other) == [] and path.exists()
+        assert bootstrap.remove_shm({"../tmp/x": held[path.name]}) == []  # only MPICH's names, in /dev/shm
+        record = bootstrap.format_shm_record(held)
+        assert bootstrap.remove_shm(held) == [path.name] and not path.exists()
+        assert record == f"{path.name} {held[path.name][0]} {held[path.name][1]}\n".encode()
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)

@@ -21,6 +21,8 @@ import pytest
 import meshkit
 import spawn_cases
 from meshkit import launch
+from meshkit.launch import bootstrap, spawn_rank
+from meshkit.launch import secret as launch_secret
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
@@ -42,6 +44,8 @@ def test_spawn_runs_fn_in_one_world_of_nprocs(tmp_path, nprocs):
 def test_join_false_returns_a_context_whose_join_waits(tmp_path):
     context = meshkit.spawn(spawn_cases.all_reduce_ranks, args=(str(tmp_path), 1.0), nprocs=2, join=False)
     assert isinstance(context, launch.SpawnContext)
+    spawn_dir = Path(context._folders[0])  # the payload is the parent's own: a private file in a private folder
+    assert spawn_dir.stat().st_mode & 0o777 == 0o700 and (spawn_dir / "payload.pickle").stat().st_mode & 0o777 == 0o600
     deadline = time.monotonic() + 60
     while not context.join(timeout=0.1):
         assert time.monotonic() < deadline, "the job never ended"
@@ -157,3 +161,74 @@ def test_a_parent_that_leaves_without_join_ends_the_job_and_removes_its_folders(
         time.sleep(0.1)
         alive = [p for p in pids if running(p)]
     assert not alive, f"processes of a job whose parent left still run: {alive}"
+
+
+# --- the payload is the parent's own (issue 35.2) -------------------------------------------------
+
+class _Planted:
+    """A pickle that, once loaded, creates the file it names: code run by whoever loads it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return Path.touch, (Path(self.path),)
+
+
+def _spawn_folder(tmp_path: Path, monkeypatch, payload: bytes, secret: str = "k" * 64) -> Path:
+    """A spawn folder as the parent makes it, and the environment its processes get."""
+    folder = tmp_path / "spawn"
+    folder.mkdir(mode=0o700)
+    bootstrap.write_exclusive(str(folder / "payload.pickle"), payload)
+    monkeypatch.setenv("MESHKIT_JOB_SECRET", secret)
+    monkeypatch.setenv("MESHKIT_SPAWN_DIGEST", launch_secret.payload_digest(secret, payload))
+    monkeypatch.setenv("PMI_RANK", "1")
+    return folder
+
+
+def test_a_payload_that_is_not_the_parents_is_refused_before_it_is_unpickled(tmp_path, monkeypatch):
+    planted = tmp_path / "code-ran"
+    evil = pickle.dumps(_Planted(str(planted)))
+    good = pickle.dumps({"fn": b"", "args": b""})
+    folder = _spawn_folder(tmp_path, monkeypatch, good)
+    assert spawn_rank.read_payload(str(folder), 1) == good
+
+    def refused(match: str) -> None:
+        with pytest.raises(PermissionError,
+                           match=rf"^meshkit.spawn: process 1: refusing to load '{folder}/payload.pickle': {match}"):
+            spawn_rank.main(str(folder))
+        assert not planted.exists(), "the planted payload ran"
+
+    payload = folder / "payload.pickle"
+    payload.chmod(0o600)
+    payload.unlink()
+    payload.write_bytes(evil)  # swapped by a process of this user without the secret
+    payload.chmod(0o600)
+    refused(r"it is not the file the job's parent wrote \(its HMAC-SHA256 under MESHKIT_JOB_SECRET differs from "
+            r"MESHKIT_SPAWN_DIGEST\)")
+    monkeypatch.setenv("MESHKIT_SPAWN_DIGEST", launch_secret.payload_digest("k" * 64, evil))
+    monkeypatch.setenv("MESHKIT_JOB_SECRET", "another job's secret, 32 chars long")  # signed with another key
+    refused(r"it is not the file the job's parent wrote")
+    monkeypatch.delenv("MESHKIT_JOB_SECRET")
+    refused(r"MESHKIT_JOB_SECRET and MESHKIT_SPAWN_DIGEST must both be set")
+    monkeypatch.setenv("MESHKIT_JOB_SECRET", "k" * 64)  # a good signature, but the file is open to others
+    payload.chmod(0o644)
+    refused(r"it is mode 644, open to other users")
+    payload.unlink()
+    (tmp_path / "elsewhere").write_bytes(evil)
+    (tmp_path / "elsewhere").chmod(0o600)
+    payload.symlink_to(tmp_path / "elsewhere")
+    refused(r"it cannot be opened as a regular file \(.*; a symbolic link is refused\)")
+    folder.chmod(0o755)  # a folder others may write into
+    refused(r"its folder is mode 755, open to other users")
+    folder.chmod(0o700)
+    forged = tmp_path / "forged"
+    forged.symlink_to(folder)
+    with pytest.raises(PermissionError, match=r"its folder is a symbolic link"):
+        spawn_rank.main(str(forged))
+    if os.getuid() == 0:  # another user's folder (here made so by root; elsewhere: skipped, needs root)
+        os.chown(folder, 65534, 65534)
+        refused(r"its folder is owned by uid 65534, not by this user \(uid 0\)")
+    assert not planted.exists()
+    # the parent's own folder: the first refusal went to the parent, as any error of a process does
+    assert "is not the file the job's parent wrote" in (folder / "error.1").read_text()
