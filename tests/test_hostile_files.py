@@ -571,12 +571,13 @@ def test_a_checkpoint_file_is_created_exclusively_and_never_through_a_planted_sy
 # =========================================================================== flight records: analyze
 def _record(rank: int, world: int = 2, **changes) -> dict:
     """A flight record as a rank writes one: an all_reduce completed, the next one started."""
+    ranks = list(range(world)) if world <= 64 else [0, 1]  # (a huge world comes with its own groups)
     entry = {"seq": 0, "group": "world", "op": "all_reduce", "shapes": [[4]], "dtype": "float32",
              "state": "completed", "t_scheduled": 100.0, "t_start": 100.0, "t_end": 100.1, "error": None,
-             "ranks": list(range(world))}
+             "ranks": ranks}
     doc = {"format": "meshkit-flight-record/1", "rank": rank, "world_size": world, "backend": "mpi", "time": 101.0,
            "reason": "CollectiveTimeout: timed out",
-           "groups": [{"name": "world", "ranks": list(range(world)), "issued": 2}],
+           "groups": [{"name": "world", "ranks": ranks, "issued": 2}],
            "entries": [entry, {**entry, "seq": 1, "state": "started", "t_end": None, "t_scheduled": 100.2,
                                "t_start": 100.2}]}
     doc.update(changes)
@@ -638,7 +639,7 @@ _BAD_RECORDS = {
     "rank-str": (_field(rank="1"), r"'rank' must be an int in 0\.\.1 \(its world_size less one\), got str '1'"),
     "rank-bool": (_field(rank=True), r"'rank' must be an int in 0\.\.1 .*, got bool True"),
     "rank-outside": (_field(rank=5), r"'rank' must be an int in 0\.\.1 .*, got int 5"),
-    "no-entries": (_drop("entries"), r"has no 'entries'"),
+    "no-entries": (_drop("entries"), r"it has no 'entries'"),
     "entries-dict": (_field(entries={}), r"'entries' must be a list, got dict"),
     "entry-int": (_field(entries=[3]), r"entry 0 must be a JSON object, got int 3"),
     "entry-no-seq": (_drop("entries", 1, "seq"), r"entry 1 has no 'seq'"),
@@ -661,7 +662,7 @@ _BAD_RECORDS = {
 @pytest.mark.parametrize("case", sorted(_BAD_RECORDS))
 def test_analyze_refuses_a_malformed_record_with_the_right_format_naming_file_and_field(case, tmp_path, capsys):
     edit, message = _BAD_RECORDS[case]
-    folder = _write_records(tmp_path / "t", _record(0), edit(_record(1)))
+    folder = _write_records(tmp_path / "t", _record(0), raw={"rank1.json": json.dumps(edit(_record(1)))})
     code, out, err, took = _analyze(folder, capsys)
     import re
     assert code == 2 and out == "", (code, out, err)
@@ -742,7 +743,8 @@ def test_analyze_prints_escape_sequences_and_control_characters_from_records_esc
 def test_analyze_is_near_linear_in_the_records(tmp_path, capsys):
     """Rank 0 entered 3000 calls, each on a group of its own that rank 1 (whose record holds 3000
     other calls) never entered: each group's finding looked up rank 1's last call anew (3000 x
-    3000); and a world of 2**31-1 ranks listed every absent rank."""
+    3000: 1.3 s, 100x that for 10x the calls); and a world of 2**31-1 ranks listed every absent
+    rank (a MemoryError after 15 s with 4 GB)."""
     world = 2 ** 31 - 1
     e = 3000
     started_entry = {"seq": 0, "op": "all_reduce", "shapes": [[4]], "dtype": "float32", "state": "started",
@@ -757,7 +759,7 @@ def test_analyze_is_near_linear_in_the_records(tmp_path, capsys):
     assert code == 0, err
     assert f"no record from ranks 2..{world - 1}" in out
     assert out.count("MISSING: ranks [1, ") == e
-    assert took < 3.0, took  # 0.3-0.5 s here; 14 s with the lookups, and no end with the listing
+    assert took < 3.0, took  # 0.3-0.5 s here
 
 
 # =========================================================================== MESHKIT_TRACE_DIR
