@@ -308,7 +308,7 @@ def test_metadata_that_is_a_symlink_to_dev_zero_is_refused_without_reading_it(tm
     _refused_everywhere(value, r"metadata.json' is not a regular file \(a character device\)")
 
 
-def test_enormous_metadata_is_refused_at_the_cap_naming_the_variable(tmp_path, monkeypatch):
+def test_enormous_metadata_is_refused_at_the_cap_naming_the_variable(tmp_path, monkeypatch, caplog):
     _save(tmp_path / "ck")
     size = (tmp_path / "ck" / "metadata.json").stat().st_size
     monkeypatch.setenv("MESHKIT_CHECKPOINT_MAX_METADATA_BYTES", str(size - 1))
@@ -316,6 +316,12 @@ def test_enormous_metadata_is_refused_at_the_cap_naming_the_variable(tmp_path, m
                                                     r"\(MESHKIT_CHECKPOINT_MAX_METADATA_BYTES\)")
     monkeypatch.setenv("MESHKIT_CHECKPOINT_MAX_METADATA_BYTES", str(size))
     assert [text for text, _ in _try_load(tmp_path / "ck")] == [None, None]
+    monkeypatch.setenv("MESHKIT_CHECKPOINT_MAX_METADATA_BYTES", str(size - 100))
+    with caplog.at_level("WARNING", logger="meshkit.checkpoint"):  # a save beyond the cap commits, and says so
+        _save(tmp_path / "big")
+    assert (tmp_path / "big" / "metadata.json").is_file()
+    assert f"is larger than {size - 100} bytes: a load refuses it unless MESHKIT_CHECKPOINT_MAX_METADATA_BYTES is set " \
+           "higher" in caplog.text, caplog.text
     monkeypatch.setenv("MESHKIT_CHECKPOINT_MAX_METADATA_BYTES", "lots")
     _refused_everywhere(_try_load(tmp_path / "ck"), r"MESHKIT_CHECKPOINT_MAX_METADATA_BYTES='lots' is not valid; "
                                                     r"valid values are a positive number of bytes")
