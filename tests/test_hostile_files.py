@@ -373,12 +373,13 @@ def test_a_step_planted_in_a_shared_manager_directory_by_another_user_is_not_the
         manager.save(2, {"x": x + 1})  # prunes step 1, and leaves the planted ones alone
         return step, list(x), manager.all_steps()
 
-    step, x, steps = local.run(restore, 1)[0]
     if AS_NOBODY:
+        step, x, steps = local.run(restore, 1)[0]
         assert (step, x, steps) == (1, [0.0, 1.0, 2.0, 3.0], [2])
         assert (directory / "step_99").is_dir() and (directory / "step_98").is_symlink()
-    else:  # this user's own plants are this user's checkpoints: the symlink and the directory count
-        assert step == 99 or steps
+    else:  # planted by this user, step_99 is this user's own: what it holds is refused, never loaded
+        with pytest.raises(CheckpointError, match=r"step_99/metadata.json' is not meshkit checkpoint metadata"):
+            local.run(restore, 1)
 
 
 def test_the_chunk_staircase_that_took_84_s_is_checked_in_near_linear_time():
@@ -798,10 +799,10 @@ def test_a_trace_dir_that_is_a_file_is_refused_at_init(tmp_path, monkeypatch):
 def test_a_trace_dir_planted_by_another_user_is_refused_at_init(shared_dir, monkeypatch):
     """In a shared folder, another user makes the trace folder's name a folder of theirs, or a
     symlink (theirs) to one: the ranks would write their records where that user reads them."""
-    _outsider("mkdir", str(shared_dir / "theirs"))
-    _outsider("ln", "-s", str(shared_dir / "theirs"), str(shared_dir / "link"))
     if not AS_NOBODY:
         pytest.skip("needs another user (root and setpriv): a folder of this user's is the user's to use")
+    _outsider("mkdir", str(shared_dir / "theirs"))
+    _outsider("ln", "-s", str(shared_dir / "theirs"), str(shared_dir / "link"))
     text = _init_with_trace_dir(monkeypatch, shared_dir / "theirs")
     assert text is not None and f"is owned by uid {NOBODY}, not this user (uid 0)" in text, text
     text = _init_with_trace_dir(monkeypatch, shared_dir / "link")
