@@ -27,9 +27,9 @@ could connect to 127.0.0.1, gets 403 and nothing of the stacks or records. A req
 ``Host`` that is not this host (a web page whose name was rebound to 127.0.0.1 sends its own name)
 gets 421. Each server serves at most ``MESHKIT_DEBUG_SERVER_CONNECTIONS`` connections at once (a
 thread each; more are answered 503 at once; ``/all`` runs one at a time, fetching with up to 32
-threads, and reads at most ``MESHKIT_DEBUG_MAX_RECORD_BYTES`` of each rank's answer), and a client has ``MESHKIT_DEBUG_SERVER_TIMEOUT``
-seconds to send its request and for each read or write of the answer (half a request does not
-hold a thread). No TLS: across hosts, the token crosses the network in the clear. The server stops
+threads, and reads at most ``MESHKIT_DEBUG_MAX_RECORD_BYTES`` of each rank's answer), and a
+client has ``MESHKIT_DEBUG_SERVER_TIMEOUT`` seconds to send its request and for each read or write
+of the answer (half a request does not hold a thread). No TLS: across hosts, the token crosses the network in the clear. The server stops
 with :func:`stop_debug_server` or when the process group is destroyed.
 """
 

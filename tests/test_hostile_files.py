@@ -320,8 +320,8 @@ def test_enormous_metadata_is_refused_at_the_cap_naming_the_variable(tmp_path, m
     with caplog.at_level("WARNING", logger="meshkit.checkpoint"):  # a save beyond the cap commits, and says so
         _save(tmp_path / "big")
     assert (tmp_path / "big" / "metadata.json").is_file()
-    assert f"is larger than {size - 100} bytes: a load refuses it unless MESHKIT_CHECKPOINT_MAX_METADATA_BYTES is set " \
-           "higher" in caplog.text, caplog.text
+    assert (f"is larger than {size - 100} bytes: a load refuses it unless MESHKIT_CHECKPOINT_MAX_METADATA_BYTES is "
+            "set higher") in caplog.text, caplog.text
     monkeypatch.setenv("MESHKIT_CHECKPOINT_MAX_METADATA_BYTES", "lots")
     _refused_everywhere(_try_load(tmp_path / "ck"), r"MESHKIT_CHECKPOINT_MAX_METADATA_BYTES='lots' is not valid; "
                                                     r"valid values are a positive number of bytes")
