@@ -168,7 +168,8 @@ def _of_its_type(key: str, given: Any, new: Any, path: Path) -> Any:
             pass
     elif type(new) is type(given):  # (bool is not int here: True where an int is expected is refused)
         return new
-    shown = repr(new) if len(repr(new)) <= 60 else repr(new)[:57] + "..."
+    text = repr(new)
+    shown = text if len(text) <= 60 else text[:57] + "..."
     raise CheckpointError(f"key {key!r}: the checkpoint at {str(path)!r} has a {type(new).__name__} ({shown}), where "
                           f"the state dict has a {type(given).__name__} ({given!r}); a value loads only into one of "
                           "its type (an int into a float too; None takes any)")
