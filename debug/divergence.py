@@ -134,6 +134,8 @@ def max_record_bytes() -> int:
 def _read_record(path: Path, limit: int) -> bytes:
     """The bytes of the record at ``path``, if it is a regular file of at most ``limit`` bytes; it is
     opened without blocking (a FIFO swapped in after the check does not wait for a writer)."""
+    too_large = DistValueError(f"meshkit.debug: analyze: {path} is larger than {limit} bytes ({MAX_RECORD_ENV}); "
+                               "set that variable higher to read it")
     try:
         _regular(path, os.stat(path).st_mode)
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -142,21 +144,22 @@ def _read_record(path: Path, limit: int) -> bytes:
     try:
         info = os.fstat(fd)
         _regular(path, info.st_mode)
-        data = os.read(fd, min(info.st_size, limit) + 1) if info.st_size <= limit else b"too large"
-        data = data if len(data) <= limit else data[:limit + 1]
-        while data and len(data) <= limit:
-            more = os.read(fd, limit + 1 - len(data))
-            if not more:
+        if info.st_size > limit:
+            raise too_large
+        parts, size, want = [], 0, info.st_size + 1  # (a read allocates what it asks for: ask for the size)
+        while size <= limit:
+            part = os.read(fd, min(want, limit + 1 - size))
+            if not part:
                 break
-            data += more
+            parts.append(part)
+            size, want = size + len(part), 1 << 16
     except OSError as exc:
         raise DistValueError(f"meshkit.debug: analyze: {path} cannot be read: {exc}") from None
     finally:
         os.close(fd)
-    if len(data) > limit or info.st_size > limit:
-        raise DistValueError(f"meshkit.debug: analyze: {path} is larger than {limit} bytes ({MAX_RECORD_ENV}); set "
-                             "that variable higher to read it")
-    return data
+    if size > limit:  # it grew since fstat
+        raise too_large
+    return b"".join(parts)
 
 
 def _regular(path: Path, mode: int) -> None:
@@ -210,11 +213,11 @@ def check_record(doc: dict[str, Any]) -> None:
     if not _is_int(doc["rank"], 0, world - 1):
         raise ValueError(f"'rank' must be an int in 0..{world - 1} (its world_size less one), got "
                          f"{_shown(doc['rank'])}")
-    for field, kinds, what in (("reason", str, "a str"), ("backend", str, "a str"),
-                               ("time", (int, float), "a finite number")):
-        if field in doc and not (isinstance(doc[field], kinds) and not isinstance(doc[field], bool)
-                                 and (kinds is str or math.isfinite(doc[field]))):
-            raise ValueError(f"{field!r} must be {what}, got {_shown(doc[field])}")
+    for field in ("reason", "backend"):
+        if field in doc and not isinstance(doc[field], str):
+            raise ValueError(f"{field!r} must be a str, got {_shown(doc[field])}")
+    if "time" in doc and not _is_time(doc["time"]):
+        raise ValueError(f"'time' must be a finite number, got {_shown(doc['time'])}")
     if not isinstance(doc["groups"], list):
         raise ValueError(f"'groups' must be a list, got {type(doc['groups']).__name__}")
     for i, g in enumerate(doc["groups"]):
@@ -241,6 +244,11 @@ def check_record(doc: dict[str, Any]) -> None:
             raise ValueError(f"entry {i}: {exc}") from None
 
 
+def _is_time(t: Any) -> bool:
+    """Seconds, as a rank's clock gives them: a finite float, or an int a float holds exactly."""
+    return (isinstance(t, float) and math.isfinite(t)) or _is_int(t, -(2 ** 53), 2 ** 53)
+
+
 def _ranks(v: Any, world: int) -> bool:
     return isinstance(v, list) and all(_is_int(r, 0, world - 1) for r in v) and len(set(v)) == len(v)
 
@@ -262,9 +270,8 @@ def _check_entry(e: dict[str, Any], world: int) -> None:
         if e[field] is not None and not isinstance(e[field], str):
             raise ValueError(f"{field!r} must be null or a str, got {_shown(e[field])}")
     for field in ("t_scheduled", "t_start", "t_end"):
-        t = e[field]
-        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t)):
-            raise ValueError(f"{field!r} must be null or a finite number, got {_shown(t)}")
+        if e[field] is not None and not _is_time(e[field]):
+            raise ValueError(f"{field!r} must be null or a finite number, got {_shown(e[field])}")
     if e["ranks"] is not None and not _ranks(e["ranks"], world):
         raise ValueError(f"'ranks' must be null or a list of distinct ints in 0..{world - 1} (the world's ranks), "
                          f"got {_shown(e['ranks'])}")
