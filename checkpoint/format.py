@@ -57,18 +57,21 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import stat
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import xxhash
 
-from .blocks import block_bytes, block_checksums
+from .blocks import MAX_BLOCK, MIN_BLOCK, block_bytes, block_checksums
 from .errors import CheckpointError
-from .plan import tiling_problem
+from .plan import Box, tiling_problem
 
 __all__ = ["FORMAT", "VERSION", "LEGACY_BEFORE", "METADATA", "METADATA_CHECKSUM", "ALIGN", "data_file", "write_chunks",
-           "read_metadata", "write_metadata", "fsync_dir", "checksum", "CHECKSUM"]
+           "read_metadata", "write_metadata", "fsync_dir", "checksum", "CHECKSUM", "create_exclusive", "METADATA_ENV",
+           "MAX_METADATA_BYTES", "max_metadata_bytes", "read_regular", "open_regular", "check_dtype_string"]
 
 FORMAT, VERSION = "meshkit.checkpoint", 3
 #: versions below this joined nested keys with "." without escaping a "." inside a key
@@ -105,7 +108,7 @@ def write_chunks(directory: Path, rank: int, chunks: list[tuple[str, tuple[int, 
         return []
     name = data_file(rank)
     out = []
-    with open(directory / name, "wb") as f:
+    with create_exclusive(directory / name) as f:
         pos = 0
         for key, offsets, data in chunks:
             if not data.flags.c_contiguous:  # (np.ascontiguousarray would turn a 0-d array 1-d)
@@ -125,15 +128,29 @@ def write_chunks(directory: Path, rank: int, chunks: list[tuple[str, tuple[int, 
     return out
 
 
-def write_metadata(directory: Path, metadata: dict[str, Any]) -> None:
-    """Write metadata.json and its checksum file, fsync both and their directory."""
+def write_metadata(directory: Path, metadata: dict[str, Any]) -> int:
+    """Write metadata.json and its checksum file (each created exclusively), fsync both and their
+    directory; returns metadata.json's size in bytes."""
     raw = json.dumps(metadata, separators=(",", ":")).encode()
     for name, data in ((METADATA, raw), (METADATA_CHECKSUM, checksum(raw).encode())):
-        with open(directory / name, "wb") as f:
+        with create_exclusive(directory / name) as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
     fsync_dir(directory)
+    return len(raw)
+
+
+def create_exclusive(path: Path) -> Any:
+    """A new file at ``path`` for writing (binary): created exclusively (``O_EXCL``: never one that
+    exists, nor through a symbolic link planted at that name), with mode 0666 less the umask, as
+    ``open`` creates files: a checkpoint's files are as private as the user's umask asks.
+
+    Raises:
+        FileExistsError: something is at ``path`` already (the save fails; nothing is overwritten).
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    return os.fdopen(fd, "wb")
 
 
 def fsync_dir(directory: Path) -> None:
@@ -147,18 +164,26 @@ def fsync_dir(directory: Path) -> None:
 
 def read_metadata(directory: Path) -> dict[str, Any]:
     """metadata.json of the checkpoint at ``directory``, verified against its checksum file and
-    checked for form: every array's chunks tile it exactly (inside it, no two overlapping,
-    every element in one).
+    checked for form: every field the reader uses has its type and range (:func:`_check_entry`),
+    every value is JSON data, and every array's chunks tile it exactly (inside it, no two
+    overlapping, every element in one).
+
+    The metadata is read only if it is a regular file (a FIFO would wait for a writer, /dev/zero
+    never end) of at most :func:`max_metadata_bytes`; the checks take time linear in its size.
+    Version 1 (no checksum file) gets every check the later versions get: the checksum guards
+    against corruption, not against whoever can write the metadata (who can rewrite the checksum
+    file too), so removing it skips nothing else.
 
     Raises:
-        CheckpointError: no checkpoint there; metadata that is unreadable, corrupt (its checksum
-            differs or is missing) or malformed; naming the file.
+        CheckpointError: no checkpoint there; metadata that is unreadable, too large, corrupt (its
+            checksum differs or is missing) or malformed; naming the file and what is wrong.
     """
     path = directory / METADATA
     if not directory.is_dir():
         raise CheckpointError(f"no checkpoint at {str(directory)!r}: the directory does not exist")
+    limit = max_metadata_bytes()
     try:
-        raw = path.read_bytes()
+        raw = read_regular(path, limit, f" ({METADATA_ENV}): set that variable higher to read this checkpoint")
     except FileNotFoundError:
         raise CheckpointError(f"no checkpoint at {str(directory)!r}: {METADATA} is missing (an incomplete save "
                               "never has this name: was the directory made by something else?)") from None
@@ -166,68 +191,278 @@ def read_metadata(directory: Path) -> dict[str, Any]:
         raise CheckpointError(f"{str(path)!r} cannot be read: {exc}") from None
     side = directory / METADATA_CHECKSUM
     try:
-        recorded: str | None = side.read_text().strip()
+        recorded: str | None = read_regular(side, _CHECKSUM_FILE_BYTES, ": a checksum file holds 16 hex digits"
+                                            ).decode(errors="replace").strip()
     except FileNotFoundError:
         recorded = None  # version 1 had none; from version 2 on, a missing one is an error (below)
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
         raise CheckpointError(f"{str(side)!r} cannot be read: {exc}") from None
     actual = checksum(raw)
     if recorded is not None and actual != recorded:
+        shown = recorded if _HEX16.fullmatch(recorded) else repr(recorded[:32])
         raise CheckpointError(f"{str(path)!r} does not match its checksum in {METADATA_CHECKSUM} (XXH3-64 {actual}, "
-                              f"recorded {recorded[:32]}): the metadata is corrupt")
+                              f"recorded {shown}): the metadata is corrupt")
     try:
         meta = json.loads(raw)
+    except RecursionError:
+        raise CheckpointError(f"{str(path)!r} is not readable JSON: nested too deeply") from None
     except ValueError as exc:
         raise CheckpointError(f"{str(path)!r} is not readable JSON: {exc}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("arrays"), dict) \
             or not isinstance(meta.get("values"), dict):
         raise CheckpointError(f"{str(path)!r} is not meshkit checkpoint metadata (format {FORMAT!r}, with 'arrays' "
                               "and 'values')")
-    if meta.get("version") == 1 and recorded is None:
-        _from_version_1(meta)
-    elif meta.get("version") not in (2, VERSION):
-        raise CheckpointError(f"{str(path)!r} has format version {meta.get('version')!r}; this meshkit reads "
-                              f"versions 1 to {VERSION}")
-    elif recorded is None:
+    version = meta.get("version")
+    if isinstance(version, bool) or version not in (1, 2, VERSION):
+        raise CheckpointError(f"{str(path)!r} has format version {version!r}; this meshkit reads versions 1 to "
+                              f"{VERSION}")
+    if recorded is None and version != 1:
         raise CheckpointError(f"{str(side)!r} is missing: {METADATA} cannot be verified (a checkpoint is committed "
                               "with both)")
     for key, a in meta["arrays"].items():
         try:
-            _check_entry(a)
-        except (KeyError, TypeError, ValueError) as exc:
+            _check_entry(a, version)
+        except ValueError as exc:
             raise CheckpointError(f"{str(path)!r}: the entry of {key!r} is malformed: {exc}") from None
+    for key, value in meta["values"].items():
+        if not _is_json_data(value):
+            raise CheckpointError(f"{str(path)!r}: the value of {key!r} must be JSON scalars or lists of them, got "
+                                  f"{_shown(value)}")
     return meta
 
 
-def _from_version_1(meta: dict[str, Any]) -> None:
-    """Version 1 (no metadata checksum; one checksum per chunk) as version 2: one block a chunk."""
-    for a in meta["arrays"].values():
-        for c in a.get("chunks", ()) if isinstance(a, dict) else ():
-            if isinstance(c, dict) and isinstance(c.get(CHECKSUM), str) and isinstance(c.get("nbytes"), int):
-                c["block_bytes"], c[CHECKSUM] = max(1, c["nbytes"]), [c[CHECKSUM]]
+# --------------------------------------------------------------------------- reading files safely
+#: the variable that sets :func:`max_metadata_bytes`
+METADATA_ENV = "MESHKIT_CHECKPOINT_MAX_METADATA_BYTES"
+#: metadata.json's default cap: about 130 bytes a chunk (more with many checksum blocks), so 256
+#: MiB is some 2M chunks, e.g. 1000 arrays flat-sharded over 2048 ranks; parsed, it takes about
+#: ten times that in memory, which a rank that loads that checkpoint can afford
+MAX_METADATA_BYTES = 256 << 20
+#: the checksum file holds 16 hex digits (and maybe a newline)
+_CHECKSUM_FILE_BYTES = 4096
+_HEX16 = re.compile(r"[0-9a-f]{16}")
 
 
-def _ints(v: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
-        raise TypeError(f"{what} must be a list of ints, got {v!r}")
+def max_metadata_bytes() -> int:
+    """``MESHKIT_CHECKPOINT_MAX_METADATA_BYTES``: the most bytes of metadata.json a load reads
+    (default :data:`MAX_METADATA_BYTES`).
+
+    Raises:
+        CheckpointError: the variable is not a positive whole number of bytes, naming it.
+    """
+    raw = os.environ.get(METADATA_ENV)
+    if raw is None or not raw.strip():
+        return MAX_METADATA_BYTES
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise CheckpointError(f"meshkit.checkpoint: {METADATA_ENV}={raw!r} is not valid; valid values are a positive "
+                              f"number of bytes (default {MAX_METADATA_BYTES}: 256 MiB)")
+    return value
+
+
+def read_regular(path: Path, limit: int, why: str) -> bytes:
+    """The bytes of the regular file at ``path`` (a symbolic link is followed to one), at most ``limit``.
+
+    A FIFO, a device (``/dev/zero``), a directory or a socket is refused before it is read, and
+    opened, if at all, without blocking (``O_NONBLOCK``: a FIFO swapped in after the check does
+    not wait for a writer); a file is read no further than ``limit`` bytes.
+
+    Raises:
+        FileNotFoundError: there is no file at ``path``.
+        CheckpointError: not a regular file, or larger than ``limit`` (``why`` follows: what sets it).
+        OSError: it cannot be read.
+    """
+    _check_regular(path, os.stat(path).st_mode, "")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        _check_regular(path, info.st_mode, "")
+        if info.st_size > limit:
+            raise CheckpointError(f"{str(path)!r} is larger than {limit} bytes{why}")
+        parts, size, want = [], 0, info.st_size + 1  # (a read allocates what it asks for: ask for the size)
+        while size <= limit:
+            part = os.read(fd, min(want, limit + 1 - size))
+            want = 1 << 16
+            if not part:
+                break
+            parts.append(part)
+            size += len(part)
+        if size > limit:  # it grew since fstat
+            raise CheckpointError(f"{str(path)!r} is larger than {limit} bytes{why}")
+        return b"".join(parts)
+    finally:
+        os.close(fd)
+
+
+def open_regular(path: Path, what: str) -> Any:
+    """A binary file object of the regular file at ``path`` (see :func:`read_regular`), for a
+    memory map. ``what`` precedes the path in an error (``"data file"``).
+
+    Raises:
+        FileNotFoundError, OSError; CheckpointError: not a regular file.
+    """
+    _check_regular(path, os.stat(path).st_mode, what)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        _check_regular(path, os.fstat(fd).st_mode, what)
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "rb")
+
+
+def _check_regular(path: Path, mode: int, what: str) -> None:
+    if not stat.S_ISREG(mode):
+        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode) else
+                "a block device" if stat.S_ISBLK(mode) else "a directory" if stat.S_ISDIR(mode) else
+                "a socket" if stat.S_ISSOCK(mode) else "not a file")
+        raise CheckpointError(f"{what + ' ' if what else ''}{str(path)!r} is not a regular file ({kind}); a "
+                              "checkpoint's files are the regular files its save wrote")
+
+
+# --------------------------------------------------------------------------- the form of an entry
+#: the largest index NumPy can address: shapes, offsets and byte counts are below it
+_LIMIT = 2 ** 63
+_MAX_NDIM = 64  # NumPy's (NPY_MAXDIMS since NumPy 2)
+#: a dtype string longer than this is not one ``dtype.str`` writes (those are a few characters)
+_MAX_DTYPE_CHARS = 32
+_DATA_FILE = re.compile(r"data-\d{5,}\.bin")
+
+
+def _shown(v: Any) -> str:
+    """A value in an error message: its type and (shortened) repr."""
+    text = repr(v)
+    return f"{type(v).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+def _int(v: Any, what: str, low: int = 0, high: int = _LIMIT - 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+        raise ValueError(f"{what} must be an int in {low}..{'2**63-1' if high == _LIMIT - 1 else high}, got "
+                         f"{_shown(v)}")
+    return v
+
+
+def _ints(v: Any, what: str, n: int) -> tuple[int, ...]:
+    if not isinstance(v, list) or len(v) != n or not all(
+            isinstance(x, int) and not isinstance(x, bool) and 0 <= x < _LIMIT for x in v):
+        raise ValueError(f"{what} must be a list of {n} ints in 0..2**63-1, got {_shown(v)}")
     return tuple(v)
 
 
-def _check_entry(a: dict[str, Any]) -> None:
-    """One array's entry: its dtype, shape and chunk records, and that the chunks tile it."""
-    itemsize = np.dtype(a["dtype"]).itemsize
-    shape = _ints(a["shape"], "shape")
+def check_dtype_string(text: Any) -> np.dtype:
+    """The dtype a metadata ``dtype`` field names, if it is one a checkpoint can hold: a NumPy
+    ``dtype.str`` (canonical: what the writer records) of plain values, with a non-zero itemsize.
+    Object dtypes (pointers to Python objects), structured and subarray dtypes are refused.
+
+    Raises:
+        ValueError: naming the string and what is wrong.
+    """
+    valid = "'dtype' must be a NumPy dtype of plain values (dtype.str, e.g. '<f8'), got"
+    if not isinstance(text, str):
+        raise ValueError(f"{valid} {_shown(text)}")
+    shown = repr(text if len(text) <= 40 else text[:37] + "...")
+    if len(text) > _MAX_DTYPE_CHARS:
+        raise ValueError(f"{valid} {shown}: longer than any dtype.str")
+    try:
+        dtype = np.dtype(text)
+    except (TypeError, ValueError, SyntaxError):
+        raise ValueError(f"{valid} {shown}: not a dtype NumPy reads") from None
+    if dtype.hasobject:
+        raise ValueError(f"{valid} {shown}: an object dtype (its bytes would be pointers to Python objects)")
+    if dtype.fields is not None or dtype.subdtype is not None:
+        raise ValueError(f"{valid} {shown}: a structured or subarray dtype")
+    if dtype.str != text:
+        raise ValueError(f"{valid} {shown}: not in its dtype.str form ({dtype.str!r})")
+    if dtype.itemsize < 1:
+        raise ValueError(f"{valid} {shown}: its itemsize is 0")
+    return dtype
+
+
+def _check_entry(a: Any, version: int) -> None:
+    """One array's entry: its shape, dtype and chunk records (each field's type and range), and
+    that the chunks tile it. A version-1 chunk (one checksum string, no block_bytes) is rewritten
+    as version 2's: one block a chunk.
+
+    Raises:
+        ValueError: what is wrong, naming the field (and the chunk's index).
+    """
+    if not isinstance(a, dict):
+        raise ValueError(f"it must be a JSON object, got {_shown(a)}")
+    for field in ("shape", "dtype", "chunks"):
+        if field not in a:
+            raise ValueError(f"it has no {field!r}")
+    shape = a["shape"]
+    if not isinstance(shape, list) or len(shape) > _MAX_NDIM or not all(
+            isinstance(x, int) and not isinstance(x, bool) and 0 <= x < _LIMIT for x in shape) or \
+            math.prod(shape) >= _LIMIT:
+        raise ValueError(f"'shape' must be a list of at most {_MAX_NDIM} ints in 0..2**63-1 whose product is below "
+                         f"2**63, got {_shown(shape)}")
+    shape = tuple(shape)
+    dtype = check_dtype_string(a["dtype"])
+    chunks = a["chunks"]
+    if not isinstance(chunks, list):
+        raise ValueError(f"'chunks' must be a list of chunk records, got {type(chunks).__name__}")
     boxes = []
-    for c in a["chunks"]:
-        offsets, lengths = _ints(c["offsets"], "offsets"), _ints(c["lengths"], "lengths")
-        block, sums = c["block_bytes"], c[CHECKSUM]
-        if not isinstance(c["file"], str) or not isinstance(c["offset"], int) or c["offset"] < 0 or \
-                c["nbytes"] != math.prod(lengths) * itemsize or not isinstance(block, int) or block < 1 or \
-                not isinstance(sums, list) or len(sums) != -(-c["nbytes"] // block) or \
-                not all(isinstance(x, str) for x in sums):
-            raise ValueError(f"chunk {c} does not fit shape {shape} and dtype {a['dtype']} (or its block checksums "
-                             "do not fit its nbytes)")
-        boxes.append((offsets, lengths))
+    for i, c in enumerate(chunks):
+        if not isinstance(c, dict):
+            raise ValueError(f"chunk {i} must be a JSON object, got {_shown(c)}")
+        try:
+            boxes.append(_check_chunk(c, shape, dtype, version))
+        except KeyError as exc:
+            raise ValueError(f"chunk {i} has no {exc.args[0]!r}") from None
+        except ValueError as exc:
+            raise ValueError(f"chunk {i}: {exc}") from None
     problem = tiling_problem(shape, boxes, "chunk")
     if problem:
         raise ValueError(f"its {problem}")
+
+
+def _check_chunk(c: dict[str, Any], shape: tuple[int, ...], dtype: np.dtype, version: int) -> Box:
+    """One chunk record's fields (KeyError: one is missing); its box."""
+    offsets = _ints(c["offsets"], "'offsets'", len(shape))
+    lengths = _ints(c["lengths"], "'lengths'", len(shape))
+    name = c["file"]
+    if not isinstance(name, str) or not _DATA_FILE.fullmatch(name):
+        raise ValueError(f"'file' must be a data file name (data-NNNNN.bin), got "
+                         f"{repr(name) if isinstance(name, str) else _shown(name)}")
+    offset = c["offset"]
+    if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < _LIMIT or offset % ALIGN:
+        raise ValueError(f"'offset' must be an int in 0..2**63-1 that is a multiple of {ALIGN}, got {_shown(offset)}")
+    nbytes = _int(c["nbytes"], "'nbytes'")
+    elements = math.prod(lengths)
+    if nbytes != elements * dtype.itemsize:
+        raise ValueError(f"'nbytes' is {nbytes}, but {elements} elements of {dtype.str} are "
+                         f"{elements * dtype.itemsize} bytes")
+    if offset + nbytes >= _LIMIT:
+        raise ValueError(f"its bytes {offset}..{offset + nbytes} lie beyond any file")
+    sums = c[CHECKSUM]
+    if version == 1:
+        if not isinstance(sums, str) or "block_bytes" in c:
+            raise ValueError(f"a version-1 chunk has one {CHECKSUM!r} string and no 'block_bytes', got "
+                             f"{CHECKSUM} {_shown(sums)}{' and block_bytes' if 'block_bytes' in c else ''}")
+        c["block_bytes"], c[CHECKSUM] = max(1, nbytes), [sums] if nbytes else []
+        sums = c[CHECKSUM]
+    else:
+        _int(c["block_bytes"], "'block_bytes'", MIN_BLOCK, MAX_BLOCK)
+    count = -(-nbytes // c["block_bytes"])
+    if not isinstance(sums, list) or len(sums) != count or not all(
+            isinstance(x, str) and _HEX16.fullmatch(x) for x in sums):
+        raise ValueError(f"{CHECKSUM!r} must be a list of {count} checksums (16 hex digits), one a block of "
+                         f"{c['block_bytes']} bytes of its {nbytes}, got {_shown(sums)}")
+    return offsets, lengths
+
+
+def _is_json_data(value: Any) -> bool:
+    """Whether ``value`` (parsed JSON) is what a state dict's value can be: None, a bool, an int,
+    a float, a str, or a list of such (nested); no objects. Iterative: any depth JSON parsed."""
+    todo = [value]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, list):
+            todo.extend(v)
+        elif not (v is None or isinstance(v, (bool, int, float, str))):
+            return False
+    return True

@@ -61,6 +61,8 @@ class CheckpointManager:
         self.group = resolve_group(group)
         #: serializes pruning: an async_save's writer thread and the caller's next save prune at once
         self._prune_lock = threading.Lock()
+        #: names of step_ entries owned by another user, warned about once
+        self._foreign: set[str] = set()
         if self.group.rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._prune(steps=False)  # only the leftovers of crashes: no step is dropped before a save
@@ -70,15 +72,35 @@ class CheckpointManager:
         return self.directory / f"step_{int(step)}"
 
     def all_steps(self) -> list[int]:
-        """The steps with a complete checkpoint, in increasing order (reads the directory)."""
+        """The steps with a complete checkpoint, in increasing order (reads the directory).
+
+        A ``step_<n>`` that another user owns (the directory, or a symbolic link planted in a
+        directory others may write in) is not this job's: it is left out, with a warning, so that
+        it is neither restored nor pruned. Load one deliberately with :func:`load` and its path.
+        """
         if not self.directory.is_dir():
             return []
         steps = []
         for p in self.directory.iterdir():
             m = _STEP.fullmatch(p.name)
-            if m and (p / METADATA).is_file():
+            if m and (p / METADATA).is_file() and self._own(p):
                 steps.append(int(m.group(1)))
         return sorted(steps)
+
+    def _own(self, path: Path) -> bool:
+        """Whether ``path`` (not followed) belongs to this process's user; warns once a name if not."""
+        try:
+            owner = path.lstat().st_uid
+        except OSError:  # removed meanwhile
+            return False
+        if owner == os.geteuid():
+            return True
+        if path.name not in self._foreign:
+            self._foreign.add(path.name)
+            logger.warning("meshkit.checkpoint: CheckpointManager: %s is owned by uid %d, not this user (uid %d): it "
+                           "is not this job's checkpoint and is neither restored nor removed", path, owner,
+                           os.geteuid())
+        return False
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None."""

@@ -23,7 +23,7 @@ from ..comm._seams import RESTORED, array_namespace, milestone, resolve_group
 from ..state import StepCount
 from .blocks import touched_blocks
 from .errors import CheckpointError
-from .format import CHECKSUM, LEGACY_BEFORE, checksum, read_metadata
+from .format import CHECKSUM, LEGACY_BEFORE, checksum, open_regular, read_metadata
 from .leaves import Piece, array_leaf, flatten, json_value
 
 __all__ = ["load"]
@@ -55,7 +55,9 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike, group:
             was expected: no checkpoint at the path, a missing file or key, another shape or
             dtype, a truncated file, a checksum mismatch, a read-only destination array, a step
             count that is not one, two counts the optimizer keeps as one (a flat shard's)
-            given different values, a value to change inside a tuple.
+            given different values, a value to change inside a tuple, a value of another type
+            than the state dict's (a str where it holds an int), metadata that is not a regular
+            file, is too large (``MESHKIT_CHECKPOINT_MAX_METADATA_BYTES``) or malformed.
     """
     g = resolve_group(group)
     rank = g.rank
@@ -103,7 +105,7 @@ def _prepare(state_dict: Any, path: Path, rank: int) -> tuple[list[tuple[Any, np
     the values to set."""
     meta = read_metadata(path)
     maps: dict[str, np.ndarray] = {}
-    verified: dict[tuple[str, int], tuple[str, dict[str, Any], np.ndarray, np.ndarray]] = {}
+    verified: dict[int, tuple[str, dict[str, Any], np.ndarray, np.ndarray]] = {}  # by id of the chunk record
     copies: list[tuple[Any, np.ndarray]] = []
     values: list[tuple[Any, Any, Any]] = []
     counts: dict[Any, tuple[str, int]] = {}  # a StepCount's target -> (first key, its count)
@@ -116,7 +118,9 @@ def _prepare(state_dict: Any, path: Path, rank: int) -> tuple[list[tuple[Any, np
             new = meta["values"][key]
             if isinstance(value, StepCount):
                 new = _step_count(key, value, new, counts, path)
-            elif isinstance(parent, tuple) and new != json_value(value):
+            else:
+                new = _of_its_type(key, json_value(value), new, path)
+            if isinstance(parent, tuple) and new != json_value(value):
                 raise CheckpointError(f"key {key!r} is in a tuple, whose items cannot be replaced, and the checkpoint "
                                       f"at {str(path)!r} has {new!r} for it, not {value!r}; use a list")
             values.append((parent, pkey, new))
@@ -144,6 +148,31 @@ def _prepare(state_dict: Any, path: Path, rank: int) -> tuple[list[tuple[Any, np
 def _writeable(a: Any) -> bool:
     flags = getattr(a, "flags", None)
     return bool(getattr(flags, "writeable", True))
+
+
+def _of_its_type(key: str, given: Any, new: Any, path: Path) -> Any:
+    """The checkpoint's value ``new`` for a leaf that is ``given`` now, if it has ``given``'s type
+    (bool, int, float, str or list; an int may load into a float, and becomes one; None declares
+    no type and takes any value): the state dict says what each value is, and code reading a
+    step as an int must not get a str.
+
+    Raises:
+        CheckpointError: naming the key, both types and values.
+    """
+    if given is None:
+        return new
+    if isinstance(given, float) and isinstance(new, int) and not isinstance(new, bool):
+        try:
+            return float(new)
+        except OverflowError:
+            pass
+    elif type(new) is type(given):  # (bool is not int here: True where an int is expected is refused)
+        return new
+    text = repr(new)
+    shown = text if len(text) <= 60 else text[:57] + "..."
+    raise CheckpointError(f"key {key!r}: the checkpoint at {str(path)!r} has a {type(new).__name__} ({shown}), where "
+                          f"the state dict has a {type(given).__name__} ({given!r}); a value loads only into one of "
+                          "its type (an int into a float too; None takes any)")
 
 
 def _step_count(key: str, leaf: StepCount, new: Any, counts: dict[Any, tuple[str, int]], path: Path) -> int:
@@ -194,15 +223,17 @@ def _chunk(key: str, c: dict[str, Any], dtype: np.dtype, path: Path, maps: dict[
            verified: dict) -> tuple[np.ndarray, np.ndarray]:
     """Chunk ``c`` as a read-only view of its memory-mapped file, and the mask of its checksum
     blocks to verify (noted in ``verified``; the caller marks the blocks it reads)."""
-    name = c["file"]
+    name = c["file"]  # a data-NNNNN.bin name (read_metadata checked it)
     if name not in maps:
         file = path / name
-        if os.sep in name or name.startswith("."):
-            raise CheckpointError(f"{key!r}: chunk file name {name!r} in the metadata is not a plain file name")
         try:
-            maps[name] = np.memmap(file, dtype=np.uint8, mode="r") if file.stat().st_size else np.empty(0, np.uint8)
+            with open_regular(file, "data file") as f:  # a FIFO or a device is refused, never waited on
+                maps[name] = np.memmap(f, dtype=np.uint8, mode="r") if os.fstat(f.fileno()).st_size else \
+                    np.empty(0, np.uint8)
         except FileNotFoundError:
             raise CheckpointError(f"data file {str(file)!r} is missing (it holds {key!r})") from None
+        except CheckpointError as exc:
+            raise CheckpointError(f"{exc} (it holds {key!r})") from None
         except OSError as exc:
             raise CheckpointError(f"data file {str(file)!r} cannot be read: {exc}") from None
     m = maps[name]
@@ -211,7 +242,7 @@ def _chunk(key: str, c: dict[str, Any], dtype: np.dtype, path: Path, maps: dict[
         raise CheckpointError(f"data file {str(path / name)!r} is truncated: {m.size} bytes, but {key!r} has a chunk "
                               f"at bytes {start}..{start + nbytes}")
     raw = m[start:start + nbytes]
-    needed = verified.setdefault((name, start), (key, c, raw, np.zeros(len(c[CHECKSUM]), bool)))[3]
+    needed = verified.setdefault(id(c), (key, c, raw, np.zeros(len(c[CHECKSUM]), bool)))[3]  # c: in meta, alive
     return raw.view(dtype).reshape(c["lengths"]), needed
 
 

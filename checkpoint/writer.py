@@ -46,7 +46,8 @@ import numpy as np
 from ..comm import CollectiveTimeout, DistError, ProcessGroup, gather_object, scatter_object_list
 from ..comm._seams import resolve_group, to_host
 from .errors import CheckpointError
-from .format import FORMAT, VERSION, fsync_dir, write_chunks, write_metadata
+from .format import (FORMAT, METADATA_ENV, VERSION, create_exclusive, fsync_dir, max_metadata_bytes, read_regular,
+                     write_chunks, write_metadata)
 from .leaves import ArrayLeaf, array_leaf, flatten, json_value
 from .plan import describe, make_plan
 
@@ -212,7 +213,8 @@ def _write(tmp: Path, rank: int, chunks: list) -> str | None:
 def _drop(path: Path, text: str) -> None:
     """Write a marker file whole (written aside, then renamed: a reader never sees half of it)."""
     part = path.with_name(path.name + ".part")
-    part.write_text(text)
+    with create_exclusive(part) as f:  # (in this save's own directory: nothing is there yet)
+        f.write(text.encode())
     os.replace(part, path)
 
 
@@ -263,12 +265,16 @@ def _decide(g: ProcessGroup, seq: int, tmp: Path, final: Path, skeleton: dict[st
 def _commit(tmp: Path, final: Path, size: int, skeleton: dict[str, Any]) -> str | None:
     """Rank 0, every rank's marker in ``tmp``: write the metadata and rename; None, or why not."""
     try:
+        limit = max_metadata_bytes()
         for r in range(size):
-            for key, record in json.loads((tmp / f"rank-{r}.json").read_text()):
+            marker = read_regular(tmp / f"rank-{r}.json", 1 << 62, "")  # (this save's own: a regular file, any size)
+            for key, record in json.loads(marker):
                 skeleton["arrays"][key]["chunks"].append(record)
         for a in skeleton["arrays"].values():
             a["chunks"].sort(key=lambda c: c["offsets"])
-        write_metadata(tmp, skeleton)
+        if write_metadata(tmp, skeleton) > limit:  # committed all the same: it loads with the variable raised
+            logger.warning("meshkit.checkpoint: rank 0: the metadata of %s is larger than %d bytes: a load refuses "
+                           "it unless %s is set higher", final, limit, METADATA_ENV)
         for p in tmp.glob("rank-*.json"):
             p.unlink()
         os.rename(tmp, final)  # the commit: atomic, and refused if final appeared meanwhile

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import socket
+import stat
 
 from .debug import DebugLevel
 from .errors import DistValueError
@@ -145,14 +146,42 @@ def device_id() -> int | None:
 
 
 def trace_dir() -> str | None:
-    """``MESHKIT_TRACE_DIR``: a folder (made where missing) for each rank's flight record after a
-    failed collective; None where not set. A path that exists and is not a folder is invalid."""
+    """``MESHKIT_TRACE_DIR``: a folder for each rank's flight record after a failed collective;
+    None where not set.
+
+    Made (mode 0700) where missing. It must then be a folder that this user owns and can write
+    in, and not a symbolic link another user owns: the records show every rank's calls, and in
+    a folder of another user's (or one they point the name at, in a shared /tmp) that user would
+    read them and plant files where the ranks write. Checked at ``init_process_group``, so an
+    unusable folder is an error when the job starts, not a warning when a collective fails.
+    """
     raw = _get(TRACE_DIR)
     if raw is None or not raw.strip():
         return None
-    if os.path.exists(raw) and not os.path.isdir(raw):
-        raise invalid(TRACE_DIR, raw, "a folder (made if missing) where each rank writes its flight record when a "
-                      "collective times out or fails; this path exists and is not a folder")
+
+    def unusable(why: str) -> DistValueError:
+        return invalid(TRACE_DIR, raw, "a folder this user owns and can write in (made with mode 0700 if missing) "
+                       f"where each rank writes its flight record when a collective times out or fails; {why}")
+
+    try:
+        os.makedirs(raw, mode=0o700, exist_ok=True)
+    except FileExistsError:
+        raise unusable("this path exists and is not a folder") from None
+    except OSError as exc:
+        raise unusable(f"it cannot be made: {exc}") from None
+    me = os.geteuid()
+    try:
+        link, info = os.lstat(raw), os.stat(raw)
+    except OSError as exc:
+        raise unusable(f"it cannot be read: {exc}") from None
+    if stat.S_ISLNK(link.st_mode) and link.st_uid != me:
+        raise unusable(f"it is a symbolic link owned by uid {link.st_uid}, not this user (uid {me})")
+    if not stat.S_ISDIR(info.st_mode):
+        raise unusable("this path exists and is not a folder")
+    if info.st_uid != me:
+        raise unusable(f"it is owned by uid {info.st_uid}, not this user (uid {me})")
+    if not os.access(raw, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
+        raise unusable("it is not writable by this user")
     return raw
 
 

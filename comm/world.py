@@ -12,10 +12,12 @@ file in ``MESHKIT_TRACE_DIR`` after a failed collective (:func:`dump_flight_reco
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
+import secrets
 import threading
 import time
 from typing import Any
@@ -182,22 +184,50 @@ _DUMPED = (CollectiveTimeout, CollectiveMismatchError, RankFailedError)
 def dump_flight_record(world: World, error: BaseException) -> str | None:
     """After a collective failed with ``error``: write this rank's flight record to
     ``MESHKIT_TRACE_DIR/rank<N>.json`` (replacing an earlier one: a later record holds more)
-    where that variable is set; the path, or None. Never raises: the caller's error matters more."""
+    where that variable is set; the path, or None. Never raises: the caller's error matters more.
+
+    The record is written to a new file of a random name, created exclusively with mode 0600 (a
+    name another user planted, a symbolic link to a file of this user's, is never written
+    through: another name is drawn), then renamed over ``rank<N>.json`` (which replaces whatever
+    is there, a planted link included, without following it): a reader never sees half a file.
+    """
     if not isinstance(error, _DUMPED):
         return None
     try:
         folder = env.trace_dir()
         if folder is None:
             return None
-        os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, f"rank{world.rank}.json")
-        partial = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        with open(partial, "w") as out:
-            json.dump(flight_document(world, f"{type(error).__name__}: {error}"), out, default=str)
-        os.replace(partial, path)  # a reader never sees half a file
+        data = json.dumps(flight_document(world, f"{type(error).__name__}: {error}"), default=str).encode()
+        for _ in range(_TRIES):
+            partial = _partial_name(path)
+            try:
+                fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                break
+            except FileExistsError:  # taken: planted, or (at 2**-64) drawn twice
+                continue
+        else:
+            raise FileExistsError(f"{_TRIES} names beside {path} were taken")
+        try:
+            with os.fdopen(fd, "wb") as out:
+                out.write(data)
+            os.replace(partial, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(partial)
+            raise
         logger.error("meshkit: rank %d wrote its flight record to %s", world.rank, path)
         return path
     except Exception:  # noqa: BLE001
         logger.warning("meshkit: rank %d could not write its flight record to MESHKIT_TRACE_DIR", world.rank,
                        exc_info=True)
         return None
+
+
+#: names drawn for a record's temporary file before giving up (each taken one was planted)
+_TRIES = 4
+
+
+def _partial_name(path: str) -> str:
+    """A temporary name beside ``path`` that no one can guess (64 random bits)."""
+    return f"{path}.{secrets.token_hex(8)}.tmp"

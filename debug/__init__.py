@@ -4,10 +4,12 @@
   (``chrome://tracing``, Perfetto): a track per rank and group, each call a complete event.
 * With ``MESHKIT_TRACE_DIR`` set, each rank writes its flight record there when a collective
   times out or fails; ``python -m meshkit.debug analyze DIR`` (:func:`report`) reads them all
-  and names the divergence: the ranks that never entered the call, the rank whose call differed,
-  the rank that arrived late, ranks that called collectives in different orders.
+  (refusing, in bounded time and memory, files that are not valid records) and names the
+  divergence: the ranks that never entered the call, the rank whose call differed, the rank that
+  arrived late, ranks that called collectives in different orders.
 * :func:`start_debug_server` (collective): an HTTP server per rank answering, while the job runs,
-  each rank's stacks, in-flight collectives and flight record (``/all`` on any rank: every rank's).
+  each rank's stacks, in-flight collectives and flight record (``/all`` on any rank: every rank's),
+  to whoever holds the job's token (the URL it returns ends with it), within bounded connections.
 
 The debug level (``set_debug_level``), ``breakpoint(rank)`` and the flight recorder itself are in
 :mod:`meshkit.comm`; this package builds on comm alone. See docs/hangs.md.

@@ -21,14 +21,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import re
+import stat
+import unicodedata
 from pathlib import Path
 from typing import Any
 
 from ..comm import DistValueError
 from ..comm._seams import RECORD_FORMAT
 
-__all__ = ["Finding", "load_records", "analyze", "report"]
+__all__ = ["Finding", "load_records", "check_record", "analyze", "report", "printable", "max_record_bytes",
+           "MAX_RECORD_ENV", "MAX_RECORD_BYTES"]
 
 #: The order findings are listed in, within one group's frontier (the cause first).
 _KINDS = ("mismatch", "order", "stuck", "missing")
@@ -48,30 +53,242 @@ class Finding:
 
 
 def load_records(directory: str | os.PathLike[str]) -> dict[int, dict[str, Any]]:
-    """Every ``rank<N>.json`` flight record in ``directory``, by rank.
+    """Every ``rank<N>.json`` flight record in ``directory``, by rank, each checked for form.
+
+    The folder may be shared with other users (``MESHKIT_TRACE_DIR`` on a shared disk), so a
+    record is read only if it is a regular file (a FIFO would wait for a writer, ``/dev/zero``
+    never end), at most :func:`max_record_bytes` of it, and only if every field the analysis
+    reads has the type and range a rank writes (:func:`check_record`): a record of the format
+    with fields missing or of other types is refused here, never half-analysed. The time is
+    linear in the records' size.
 
     Raises:
-        DistValueError: the folder does not exist, holds no record, or a file is not one.
+        DistValueError: the folder does not exist or holds no record; a file is not a flight
+            record (not a regular file, too large, not JSON, another format, a field of the
+            wrong type or range); two files hold one rank's record; records of worlds of two
+            sizes. Each names the file and what is wrong.
     """
     folder = Path(directory)
     if not folder.is_dir():
         raise DistValueError(f"meshkit.debug: analyze: DIR={str(directory)!r} is not a folder; pass the folder "
                              "MESHKIT_TRACE_DIR named")
-    records = {}
+    limit = max_record_bytes()
+    records: dict[int, dict[str, Any]] = {}
+    paths: dict[int, Path] = {}
     for path in sorted(folder.glob("rank*.json")):
-        try:
-            document = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise DistValueError(f"meshkit.debug: analyze: {path} is not a flight record: {exc}") from None
+        document = _parse(path, _read_record(path, limit))
         if not isinstance(document, dict) or document.get("format") != RECORD_FORMAT:
             raise DistValueError(f"meshkit.debug: analyze: {path} is not a flight record (its format is not "
                                  f"{RECORD_FORMAT!r})")
-        records[int(document["rank"])] = document
+        try:
+            check_record(document)
+        except ValueError as exc:
+            raise DistValueError(f"meshkit.debug: analyze: {path} is not a valid flight record: {exc}") from None
+        rank = document["rank"]
+        if rank in records:
+            raise DistValueError(f"meshkit.debug: analyze: {paths[rank]} and {path} both hold the record of rank "
+                                 f"{rank}; keep the one of the job to analyse")
+        if records:
+            first = next(iter(records))
+            if document["world_size"] != records[first]["world_size"]:
+                raise DistValueError(f"meshkit.debug: analyze: {path} says a world of {document['world_size']} "
+                                     f"ranks, but {paths[first]} one of {records[first]['world_size']}: records of "
+                                     "two jobs? Analyse a folder holding one job's records")
+        records[rank], paths[rank] = document, path
     if not records:
         raise DistValueError(f"meshkit.debug: analyze: no flight record (rank<N>.json) in {str(directory)!r}; "
                              "ranks write theirs there when a collective times out or fails with "
                              "MESHKIT_TRACE_DIR set")
     return records
+
+
+#: The variable that sets :func:`max_record_bytes`.
+MAX_RECORD_ENV = "MESHKIT_DEBUG_MAX_RECORD_BYTES"
+#: A record's default cap. A rank's record holds its last 64 calls, each naming its group's
+#: ranks (about 7 bytes a rank): a world of 16k ranks whose every call is on the world group
+#: writes 64 x 16k x 7 = 7 MB; 16 MiB holds that twice over. Larger worlds: set the variable.
+MAX_RECORD_BYTES = 16 << 20
+
+
+def max_record_bytes() -> int:
+    """``MESHKIT_DEBUG_MAX_RECORD_BYTES``: the most bytes of one rank's record that ``meshkit.debug``
+    reads (a ``rank<N>.json`` file, or a rank's answer to the debug server's ``/all``); default
+    :data:`MAX_RECORD_BYTES`.
+
+    Raises:
+        DistValueError: the variable is not a positive whole number of bytes, naming it.
+    """
+    raw = os.environ.get(MAX_RECORD_ENV)
+    if raw is None or not raw.strip():
+        return MAX_RECORD_BYTES
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise DistValueError(f"meshkit.debug: {MAX_RECORD_ENV}={raw!r} is not valid; valid values are a positive "
+                             f"number of bytes (default {MAX_RECORD_BYTES}: 16 MiB)")
+    return value
+
+
+def _read_record(path: Path, limit: int) -> bytes:
+    """The bytes of the record at ``path``, if it is a regular file of at most ``limit`` bytes; it is
+    opened without blocking (a FIFO swapped in after the check does not wait for a writer)."""
+    too_large = DistValueError(f"meshkit.debug: analyze: {path} is larger than {limit} bytes ({MAX_RECORD_ENV}); "
+                               "set that variable higher to read it")
+    try:
+        _regular(path, os.stat(path).st_mode)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise DistValueError(f"meshkit.debug: analyze: {path} cannot be read: {exc}") from None
+    try:
+        info = os.fstat(fd)
+        _regular(path, info.st_mode)
+        if info.st_size > limit:
+            raise too_large
+        parts, size, want = [], 0, info.st_size + 1  # (a read allocates what it asks for: ask for the size)
+        while size <= limit:
+            part = os.read(fd, min(want, limit + 1 - size))
+            if not part:
+                break
+            parts.append(part)
+            size, want = size + len(part), 1 << 16
+    except OSError as exc:
+        raise DistValueError(f"meshkit.debug: analyze: {path} cannot be read: {exc}") from None
+    finally:
+        os.close(fd)
+    if size > limit:  # it grew since fstat
+        raise too_large
+    return b"".join(parts)
+
+
+def _regular(path: Path, mode: int) -> None:
+    if not stat.S_ISREG(mode):
+        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode) else
+                "a block device" if stat.S_ISBLK(mode) else "a directory" if stat.S_ISDIR(mode) else
+                "a socket" if stat.S_ISSOCK(mode) else "not a file")
+        raise DistValueError(f"meshkit.debug: analyze: {path} is not a regular file ({kind}); a flight record is "
+                             "a file a rank wrote")
+
+
+def _parse(path: Path, raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise DistValueError(f"meshkit.debug: analyze: {path} is not a flight record: its JSON is nested too "
+                             "deeply") from None
+    except ValueError as exc:  # (UnicodeDecodeError too)
+        raise DistValueError(f"meshkit.debug: analyze: {path} is not a flight record: {exc}") from None
+
+
+#: An entry's states (:data:`meshkit.comm.debug.RECORD_FIELDS`; ``rejected``: arguments refused).
+_STATES = ("completed", "failed", "rejected", "scheduled", "started", "timed_out")
+#: MPI's ranks are C ints; sequence numbers count calls (int64).
+_MAX_WORLD, _MAX_SEQ = 2 ** 31 - 1, 2 ** 63 - 1
+
+
+def _shown(v: Any) -> str:
+    text = repr(v)
+    return f"{type(v).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+def _is_int(v: Any, low: int, high: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and low <= v <= high
+
+
+def check_record(doc: dict[str, Any]) -> None:
+    """Check that a flight record (a parsed ``rank<N>.json``) has the form a rank writes
+    (:func:`meshkit.comm._seams.flight_document`): every field the analysis reads present, of
+    its type and in range (ranks inside the world, a world a C int can count). Linear in its size.
+
+    Raises:
+        ValueError: the first field that is not, named (``entry 3: 'seq' must be ...``).
+    """
+    for field in ("rank", "world_size", "groups", "entries"):
+        if field not in doc:
+            raise ValueError(f"it has no {field!r}")
+    world = doc["world_size"]
+    if not _is_int(world, 1, _MAX_WORLD):
+        raise ValueError(f"'world_size' must be an int in 1..{_MAX_WORLD}, got {_shown(world)}")
+    if not _is_int(doc["rank"], 0, world - 1):
+        raise ValueError(f"'rank' must be an int in 0..{world - 1} (its world_size less one), got "
+                         f"{_shown(doc['rank'])}")
+    for field in ("reason", "backend"):
+        if field in doc and not isinstance(doc[field], str):
+            raise ValueError(f"{field!r} must be a str, got {_shown(doc[field])}")
+    if "time" in doc and not _is_time(doc["time"]):
+        raise ValueError(f"'time' must be a finite number, got {_shown(doc['time'])}")
+    if not isinstance(doc["groups"], list):
+        raise ValueError(f"'groups' must be a list, got {type(doc['groups']).__name__}")
+    for i, g in enumerate(doc["groups"]):
+        if not isinstance(g, dict):
+            raise ValueError(f"group {i} must be a JSON object, got {_shown(g)}")
+        for field in ("name", "ranks"):
+            if field not in g:
+                raise ValueError(f"group {i} has no {field!r}")
+        if not isinstance(g["name"], str):
+            raise ValueError(f"group {i}: 'name' must be a str, got {_shown(g['name'])}")
+        if not _ranks(g["ranks"], world):
+            raise ValueError(f"group {i}: 'ranks' must be a list of distinct ints in 0..{world - 1}, got "
+                             f"{_shown(g['ranks'])}")
+    if not isinstance(doc["entries"], list):
+        raise ValueError(f"'entries' must be a list, got {type(doc['entries']).__name__}")
+    for i, e in enumerate(doc["entries"]):
+        if not isinstance(e, dict):
+            raise ValueError(f"entry {i} must be a JSON object, got {_shown(e)}")
+        try:
+            _check_entry(e, world)
+        except KeyError as exc:
+            raise ValueError(f"entry {i} has no {exc.args[0]!r}") from None
+        except ValueError as exc:
+            raise ValueError(f"entry {i}: {exc}") from None
+
+
+def _is_time(t: Any) -> bool:
+    """Seconds, as a rank's clock gives them: a finite float, or an int a float holds exactly."""
+    return (isinstance(t, float) and math.isfinite(t)) or _is_int(t, -(2 ** 53), 2 ** 53)
+
+
+def _ranks(v: Any, world: int) -> bool:
+    return isinstance(v, list) and all(_is_int(r, 0, world - 1) for r in v) and len(set(v)) == len(v)
+
+
+def _check_entry(e: dict[str, Any], world: int) -> None:
+    """One entry's fields (KeyError: one is missing)."""
+    if not _is_int(e["seq"], -1, _MAX_SEQ):
+        raise ValueError(f"'seq' must be an int in -1..2**63-1, got {_shown(e['seq'])}")
+    for field in ("group", "op"):
+        if not isinstance(e[field], str):
+            raise ValueError(f"{field!r} must be a str, got {_shown(e[field])}")
+    if e["state"] not in _STATES:
+        raise ValueError(f"'state' must be one of {list(_STATES)}, got {e['state']!r}"[:200])
+    shapes = e["shapes"]
+    if not isinstance(shapes, list) or not all(
+            isinstance(s, list) and all(_is_int(n, 0, _MAX_SEQ) for n in s) for s in shapes):
+        raise ValueError(f"'shapes' must be a list of lists of ints, got {_shown(shapes)}")
+    for field in ("dtype", "error"):
+        if e[field] is not None and not isinstance(e[field], str):
+            raise ValueError(f"{field!r} must be null or a str, got {_shown(e[field])}")
+    for field in ("t_scheduled", "t_start", "t_end"):
+        if e[field] is not None and not _is_time(e[field]):
+            raise ValueError(f"{field!r} must be null or a finite number, got {_shown(e[field])}")
+    if e["ranks"] is not None and not _ranks(e["ranks"], world):
+        raise ValueError(f"'ranks' must be null or a list of distinct ints in 0..{world - 1} (the world's ranks), "
+                         f"got {_shown(e['ranks'])}")
+
+
+#: Characters shown escaped when ``analyze`` prints text from a record: control characters
+#: (terminal escape sequences start with ESC), format characters (bidirectional overrides),
+#: surrogates, unassigned and private-use code points, line and paragraph separators.
+_HIDDEN = frozenset(("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"))
+_NOT_PLAIN = re.compile(r"[^\x20-\x7e]")
+
+
+def printable(text: str) -> str:
+    """``text`` with every character a terminal would act on, or that would hide or reorder text,
+    written as its Python escape (``\\x1b``, ``\\u202e``); one line (a newline is ``\\n``)."""
+    return _NOT_PLAIN.sub(lambda m: m[0].encode("unicode_escape").decode("ascii")
+                          if unicodedata.category(m[0]) in _HIDDEN else m[0], text)
 
 
 def _signature(entry: dict[str, Any]) -> str:
@@ -125,6 +342,7 @@ def analyze(records: dict[int, dict[str, Any]]) -> list[Finding]:
             frontiers[ranks] = seq
     findings: list[Finding] = []
     ordered: set[frozenset[int]] = set()
+    lasts = {r: _last(d) for r, d in records.items()}  # (looked up per group below: once each)
     for ranks, seq in sorted(frontiers.items()):
         name = groups.get(ranks, f"group{list(ranks)}")
         by_rank = calls[ranks]
@@ -154,9 +372,10 @@ def analyze(records: dict[int, dict[str, Any]]) -> list[Finding]:
                                         f"MISMATCH: call #{seq} on group {name} (ranks {list(ranks)}) differs "
                                         f"between its ranks: {listing}"))
         # stuck: entered after the others had given up on the call
-        ends = {r: e["t_end"] for r, e in entered.items() if e["t_end"] is not None and e["state"] != "completed"}
+        ends = sorted((e["t_end"], r) for r, e in entered.items()
+                      if e["t_end"] is not None and e["state"] != "completed")[:2]  # the others' earliest, below
         for r, e in sorted(entered.items()):
-            others = [t for o, t in ends.items() if o != r]
+            others = [t for t, o in ends if o != r][:1]
             start = e["t_start"] or e["t_scheduled"]
             if others and start is not None and start >= min(others):
                 previous = [p for s, p in by_rank[r].items() if s < seq and p["t_end"] is not None]
@@ -176,12 +395,13 @@ def analyze(records: dict[int, dict[str, Any]]) -> list[Finding]:
                 notes.append(f"rank {r} wrote no flight record (it exited, crashed, or was still busy when the "
                              "job ended)")
                 continue
-            last = _last(records[r])
+            last = lasts[r]
             blocked = last is not None and last["state"] != "completed" and last["ranks"] is not None
             if blocked and tuple(last["ranks"]) != ranks:
                 other = tuple(last["ranks"])
+                members = set(other)
                 # order: r waits in a call that some rank which entered this one never reached
-                behind = [o for o in entered if o in other and last["seq"] not in calls.get(other, {}).get(o, {})]
+                behind = [o for o in entered if o in members and last["seq"] not in calls.get(other, {}).get(o, {})]
                 if behind:
                     pair = frozenset([r, *behind])
                     if pair not in ordered:
@@ -211,17 +431,41 @@ def analyze(records: dict[int, dict[str, Any]]) -> list[Finding]:
 
 
 def report(directory: str | os.PathLike[str]) -> str:
-    """What ``python -m meshkit.debug analyze DIR`` prints."""
+    """What ``python -m meshkit.debug analyze DIR`` prints: each line :func:`printable` (text from
+    the records, such as op and group names, cannot move the cursor or recolour the terminal)."""
     records = load_records(directory)
-    world = max(d["world_size"] for d in records.values())
-    lines = [f"meshkit.debug: flight records of ranks {sorted(records)} (world of {world}) in {directory}"]
-    absent = [r for r in range(world) if r not in records]
+    world = next(iter(records.values()))["world_size"]  # (load_records checked that they agree)
+    lines = [f"meshkit.debug: flight records of {_ranks_text(_runs(sorted(records)))} (world of {world}) in "
+             f"{directory}"]
+    ranks = sorted(records)
+    absent = [(a + 1, b - 1) for a, b in zip([-1, *ranks], [*ranks, world]) if b - a > 1]  # never one rank at a time
     if absent:
-        lines.append(f"no record from {_name(absent)}")
+        lines.append(f"no record from {_ranks_text(absent)}")
     findings = analyze(records)
     for record in sorted(records.values(), key=lambda d: d["rank"]):
         if record.get("reason"):
-            lines.append(f"rank {record['rank']} wrote its record after: {record['reason'].splitlines()[0]}")
+            lines.append(f"rank {record['rank']} wrote its record after: {(record['reason'].splitlines() or [''])[0]}")
     lines += [f.text for f in findings] or ["no divergence: every group's calls were completed or failed alike "
                                             "on every rank that wrote a record"]
-    return "\n".join(lines)
+    return "\n".join(printable(line) for line in lines)
+
+
+def _runs(ranks: list[int]) -> list[tuple[int, int]]:
+    """Sorted distinct ranks as runs ``(first, last)`` of consecutive ones."""
+    runs: list[tuple[int, int]] = []
+    for r in ranks:
+        if runs and runs[-1][1] == r - 1:
+            runs[-1] = (runs[-1][0], r)
+        else:
+            runs.append((r, r))
+    return runs
+
+
+def _ranks_text(runs: list[tuple[int, int]]) -> str:
+    """``rank 3``, ``ranks 2..2147483646``, ``ranks [0, 1, 5..9]``: runs of three or more as ``a..b``."""
+    parts: list[str] = []
+    for a, b in runs:
+        parts += [f"{a}..{b}"] if b - a >= 2 else [str(r) for r in range(a, b + 1)]
+    if len(parts) == 1 and ".." not in parts[0]:
+        return f"rank {parts[0]}"
+    return f"ranks {parts[0]}" if len(parts) == 1 else f"ranks [{', '.join(parts)}]"

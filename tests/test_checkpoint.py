@@ -360,6 +360,8 @@ def _rewrite_metadata(path, edit):
     from meshkit.checkpoint.format import write_metadata
     meta = json.loads((path / "metadata.json").read_text())
     edit(meta)
+    (path / "metadata.json").unlink()  # (written exclusively, as a save writes it)
+    (path / "metadata.json.xxh3_64").unlink()
     write_metadata(path, meta)
 
 

@@ -68,6 +68,8 @@ def test_step_counts_a_flat_shard_shares_must_agree_before_anything_is_loaded(st
         from meshkit.checkpoint.format import write_metadata
         meta = json.loads((tmp_path / "ck" / "metadata.json").read_text())
         meta["values"]["optim.step.b"] = steps["b"]
+        for name in ("metadata.json", "metadata.json.xxh3_64"):  # (written exclusively, as a save writes them)
+            (tmp_path / "ck" / name).unlink()
         write_metadata(tmp_path / "ck", meta)
 
     def body():
@@ -127,6 +129,8 @@ def test_a_version_2_checkpoint_with_dotted_keys_still_loads(tmp_path):
     local.run(lambda: dcp.save({"model": {"layer.0": np.arange(4.0)}}, checkpoint_id=tmp_path / "ck"), 2)
     meta = json.loads((tmp_path / "ck" / "metadata.json").read_text())
     meta["version"], meta["arrays"] = 2, {k.replace("\\.", "."): v for k, v in meta["arrays"].items()}
+    for name in ("metadata.json", "metadata.json.xxh3_64"):  # (written exclusively, as a save writes them)
+        (tmp_path / "ck" / name).unlink()
     write_metadata(tmp_path / "ck", meta)
 
     def body():

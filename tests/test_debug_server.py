@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
@@ -14,6 +15,7 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -77,7 +79,8 @@ def test_each_local_rank_serves_its_own_port_with_its_own_stack_record_and_the_i
 
     results = local.run(job, 3, timeout=20)
     urls = [r[0] for r in results]
-    assert len({u.rsplit(":", 1)[1] for u in urls}) == 3 and all(u.startswith("http://127.0.0.1:") for u in urls)
+    assert len({_port(u) for u in urls}) == 3 and all(u.startswith("http://127.0.0.1:") for u in urls)
+    assert len({_token(u) for u in urls}) == 1 and len(_token(urls[0])) == 32  # the job's, from rank 0
     for rank, (url, index, stacks, record, inflight) in enumerate(results):
         assert index["rank"] == rank and index["world_size"] == 3 and index["backend"] == "local"
         assert index["ranks"] == urls and index["url"] == url and index["pid"] == os.getpid()
@@ -95,7 +98,8 @@ def test_each_local_rank_serves_its_own_port_with_its_own_stack_record_and_the_i
 def test_a_base_port_gives_rank_r_port_plus_r():
     base = _free_ports(2)
     urls = local.run(lambda: _start_and_stop(port=base), 2)
-    assert urls == [f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"]
+    token = _token(urls[0])
+    assert urls == [f"http://127.0.0.1:{base}/{token}", f"http://127.0.0.1:{base + 1}/{token}"]
 
 
 def test_host_all_interfaces_is_reported_by_the_host_name_and_answers_on_localhost():
@@ -103,10 +107,18 @@ def test_host_all_interfaces_is_reported_by_the_host_name_and_answers_on_localho
     assert url.startswith(f"http://{socket.gethostname()}:")
 
 
+def _port(url: str) -> int:
+    return urllib.parse.urlsplit(url).port
+
+
+def _token(url: str) -> str:
+    return urllib.parse.urlsplit(url).path.strip("/")
+
+
 def _start_and_stop(query: bool = False, **kwargs) -> str:
     url = meshkit.debug.start_debug_server(**kwargs)
     if query:  # through 127.0.0.1, which "every interface" includes
-        assert _get(f"http://127.0.0.1:{url.rsplit(':', 1)[1]}/")["url"] == url
+        assert _get(f"http://127.0.0.1:{_port(url)}/{_token(url)}/")["url"] == url
     meshkit.barrier()
     meshkit.debug.stop_debug_server()
     return url
@@ -197,7 +209,7 @@ def test_all_lists_queued_asynchronous_collectives_and_names_ranks_that_do_not_a
         frozen = None
         if rank == 1:
             meshkit.debug.stop_debug_server()
-            frozen = _listen_until_free(int(url.rsplit(":", 1)[1]))
+            frozen = _listen_until_free(_port(url))
         if rank == 2:
             meshkit.debug.stop_debug_server()
         sub = meshkit.new_group([0, 1])
@@ -419,3 +431,149 @@ def _url_line(lines: queue.Queue, seen: list[str], within: float = 60.0) -> str:
         if "URL http://" in line:
             return line.split("URL ", 1)[1].strip()
     pytest.fail(f"rank 0 printed no URL:\n{''.join(seen)}")
+
+
+# ----------------------------------------------------------------- who may ask, and how much (issue 35.4)
+NOBODY = 65534
+AS_NOBODY = os.geteuid() == 0 and shutil.which("setpriv") is not None
+
+_OUTSIDER = """
+import sys, urllib.error, urllib.request
+opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+for url in sys.argv[1:]:
+    try:
+        with opener.open(url, timeout=10) as reply:
+            print(reply.status, reply.read()[:300])
+    except urllib.error.HTTPError as exc:
+        print(exc.code, exc.read()[:300])
+"""
+
+
+def test_another_local_user_without_the_token_gets_403_and_nothing_else():
+    """The URLs differ from what the attacker can guess: the base, a wrong token of the right
+    length, the token's prefix, a path after a wrong token. Run as user nobody where root can
+    (setpriv), else by this user without the token. The job's own /all still answers after."""
+    def job():
+        url = meshkit.debug.start_debug_server()
+        meshkit.barrier()
+        out = None
+        if meshkit.get_rank() == 0:
+            base, token = url.rsplit("/", 1)
+            guesses = [f"{base}/", f"{base}/stacks", f"{base}/{'A' * len(token)}/all", f"{base}/{token[:-1]}/stacks",
+                       f"{base}/{token}x/snapshot", f"{base}/x/{token}/all"]
+            prefix = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"] if AS_NOBODY else []
+            proc = subprocess.run([*prefix, sys.executable, "-c", _OUTSIDER, *guesses], capture_output=True, text=True,
+                                  timeout=60)
+            out = proc.stdout, proc.stderr, _get(url + "/all")
+        meshkit.barrier()
+        meshkit.debug.stop_debug_server()
+        return out
+
+    stdout, stderr, doc = local.run(job, 2, timeout=60)[0]
+    lines = stdout.splitlines()
+    assert len(lines) == 6, (stdout, stderr)
+    for line in lines:
+        assert line.startswith("403 b'{\"error\": \"meshkit debug server: this server answers only under the path of "
+                               "the URL start_debug_server returned"), line
+        assert "frames" not in line and "entries" not in line
+    assert doc["did_not_answer"] == {} and sorted(doc["ranks"]) == ["0", "1"]
+
+
+def _raw(port: int, request: bytes, timeout: float = 5.0) -> bytes:
+    """Send ``request`` as is and read the whole answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(request)
+        chunks = []
+        while True:
+            part = s.recv(65536)
+            if not part:
+                return b"".join(chunks)
+            chunks.append(part)
+
+
+def test_a_host_that_is_not_this_one_is_refused_421_and_no_host_400():
+    """DNS rebinding: a web page whose name now resolves to 127.0.0.1 makes the browser send its
+    own name as Host (and it cannot know the token either)."""
+    def job():
+        url = meshkit.debug.start_debug_server()
+        port, path = _port(url), urllib.parse.urlsplit(url).path
+        answers = {host: _raw(port, f"GET {path}/ HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+                   for host in ("evil.example", f"evil.example:{port}", "127.0.0.1.nip.io", f"localhost:{port}",
+                                f"127.0.0.1:{port}", f"[::1]:{port}", socket.gethostname())}
+        answers[None] = _raw(port, f"GET {path}/ HTTP/1.0\r\n\r\n".encode())
+        meshkit.debug.stop_debug_server()
+        return answers
+
+    answers = local.run(job, 1)[0]
+    for host, answer in answers.items():
+        if host is None:
+            assert answer.startswith(b"HTTP/1.0 400 ") and b"a request must name the Host" in answer, answer[:200]
+        elif host.startswith(("evil.example", "127.0.0.1.nip.io")):
+            assert answer.startswith(b"HTTP/1.0 421 ") and b"is not this host" in answer, (host, answer[:200])
+            assert b"frames" not in answer and b"ranks" not in answer
+        else:
+            assert answer.startswith(b"HTTP/1.0 200 "), (host, answer[:200])
+
+
+def test_connections_are_capped_and_half_a_request_holds_no_thread(monkeypatch):
+    """MESHKIT_DEBUG_SERVER_CONNECTIONS=2, MESHKIT_DEBUG_SERVER_TIMEOUT=0.5: two clients send half
+    a request (one trickles a byte every 0.1 s, which a per-read timeout alone would let it do
+    forever); a third is answered 503 at once; within the timeout both are dropped, and a request
+    of the job's own is answered."""
+    monkeypatch.setenv("MESHKIT_DEBUG_SERVER_CONNECTIONS", "2")
+    monkeypatch.setenv("MESHKIT_DEBUG_SERVER_TIMEOUT", "0.5")
+
+    def job():
+        url = meshkit.debug.start_debug_server()
+        port = _port(url)
+        slow = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(2)]
+        for s in slow:
+            s.sendall(b"GET /")
+        time.sleep(0.1)  # both accepted (the serving loop takes a connection within milliseconds)
+        started = time.monotonic()
+        third = _raw(port, b"", timeout=5)
+        refused_in = time.monotonic() - started
+        closed = []
+        for i in range(40):  # 4 s at most
+            try:
+                slow[1].sendall(b"x")  # the trickle
+            except OSError:
+                pass
+            for s in slow:
+                s.setblocking(False)
+                try:
+                    if s.recv(1024) == b"" and s not in closed:
+                        closed.append(s)
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    if s not in closed:
+                        closed.append(s)
+            if len(closed) == 2:
+                break
+            time.sleep(0.1)
+        dropped_in = time.monotonic() - started
+        own = _get(url + "/")
+        for s in slow:
+            s.close()
+        meshkit.debug.stop_debug_server()
+        return third, refused_in, len(closed), dropped_in, own
+
+    third, refused_in, closed, dropped_in, own = local.run(job, 1, timeout=30)[0]
+    assert third.startswith(b"HTTP/1.0 503 Service Unavailable") and b"MESHKIT_DEBUG_SERVER_CONNECTIONS" in third
+    assert refused_in < 1.0, refused_in
+    assert closed == 2 and dropped_in < 2.5, (closed, dropped_in)  # 0.5 s, and the 0.2 s serving loop
+    assert own["rank"] == 0
+
+
+@pytest.mark.parametrize("name, value, valid", [
+    ("MESHKIT_DEBUG_SERVER_CONNECTIONS", "0", "a positive whole number of connections served at once"),
+    ("MESHKIT_DEBUG_SERVER_CONNECTIONS", "many", "a positive whole number of connections served at once"),
+    ("MESHKIT_DEBUG_SERVER_TIMEOUT", "-1", "a positive number of seconds"),
+    ("MESHKIT_DEBUG_SERVER_TIMEOUT", "inf", "a positive number of seconds"),
+])
+def test_a_bad_bound_is_an_error_naming_the_variable_on_every_rank(name, value, valid, monkeypatch):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(DistValueError, match=rf"meshkit.debug: rank \d: start_debug_server: {name}='{value}' is not "
+                                             rf"valid; valid values are {valid} \(default "):
+        local.run(meshkit.debug.start_debug_server, 2)
