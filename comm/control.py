@@ -62,7 +62,7 @@ from .errors import DistBackendError, DistTypeError, DistValueError
 from .levels import _Switch
 from .notices import BROKEN, LEFT, REJECTED, Notice
 
-__all__ = ["encode", "decode", "ControlMessageError", "FORMAT", "MAX_DEPTH_ENV", "max_depth"]
+__all__ = ["encode", "decode", "decode_notice", "ControlMessageError", "FORMAT", "MAX_DEPTH_ENV", "max_depth"]
 
 #: The first byte of every control message: the format's version (a pickle starts with 0x80).
 FORMAT = 0xC1
@@ -392,6 +392,15 @@ def decode(data: bytes | bytearray | memoryview, *, what: str) -> Any:
     except (UnicodeDecodeError, ValueError, TypeError, OverflowError) as exc:
         reason = f"{type(exc).__name__}: {exc}"
     raise ControlMessageError(f"meshkit.comm: {what}: not a control message meshkit wrote ({size} bytes): {reason}")
+
+
+def decode_notice(data: bytes | bytearray | memoryview, *, what: str) -> Notice:
+    """:func:`decode`, for a value that must be a :class:`~meshkit.comm.notices.Notice`."""
+    notice = decode(data, what=what)
+    if type(notice) is not Notice:
+        raise ControlMessageError(f"meshkit.comm: {what}: a control message, but a {type(notice).__name__}, "
+                                  "not a notice")
+    return notice
 
 
 def _count(data: Any, pos: int, unit: int, what: str) -> tuple[int, int]:

@@ -36,11 +36,12 @@ from mpi4py import MPI
 
 from . import env
 from .arrays import is_device_array
+from .control import ControlMessageError, decode, encode
 from .engine import DeadlineExceeded, EngineCapabilities
-from .errors import DistBackendError, DistValueError
+from .errors import DistBackendError, DistTypeError, DistValueError
 from .mpi_cuda_aware import CUDA_AWARE_ENV, cuda_aware_mpi
 from .mpi_datatypes import spec, specs
-from .mpi_mailbox import Mailbox
+from .mpi_mailbox import Mailbox, receive
 from .mpi_polling import Poller, choose_caller_spin, completes
 from .mpi_staging import Deferred, Staging
 from .notices import Notice
@@ -104,8 +105,9 @@ class MPIEngine:
 
     backend = "mpi"
     native_avg = False
-    # MPI moves nonblocking data only inside MPI calls (needs_progress); MPI_Abort ends the job.
-    capabilities = EngineCapabilities(needs_progress=True, aborts_job=True)
+    # MPI moves nonblocking data only inside MPI calls (needs_progress); MPI_Abort ends the job; its
+    # peers are the job's processes, started by its process manager (object collectives unpickle).
+    capabilities = EngineCapabilities(needs_progress=True, aborts_job=True, authenticated_peers=True)
     device = None  # a host engine (device arrays are staged or passed to a CUDA-aware MPI)
 
     def __init__(self, comm: MPI.Intracomm, mailbox: Mailbox) -> None:
@@ -120,6 +122,7 @@ class MPIEngine:
         staging = Staging()  # device arrays: staged through host buffers, or to a CUDA-aware MPI
         self._device = staging.start
         self._posts = staging.posts  # device operations waiting for the device before MPI sees them
+        self._loose: list[MPI.Request] = []  # exchange verdicts sent without waiting (each holds its bytes)
 
     def wait(self, request: Any, deadline: float) -> None:
         if not completes(request, deadline, self.watch):
@@ -259,45 +262,96 @@ class MPIEngine:
 
         Messages carry ``seq`` so that a late message of an earlier, timed-out exchange is never
         taken for this one. DeadlineExceeded names global ranks through ``self.world_ranks``.
+        Payloads and answers are control messages (:mod:`~meshkit.comm.control`) sent as bytes,
+        never pickled: a payload that is not one makes rank 0 answer with an error that every
+        member raises (ControlMessageError on rank 0).
         """
         watch = self.watch if watched else None  # read notices while waiting (detail-mode checks)
         n, comm = self.size, self.comm
         if n == 1:
             return [payload]
+        status = MPI.Status()
         if self.rank != 0:
-            sent = comm.isend((seq, payload), dest=0, tag=self._tag_up)
+            data = encode((seq, payload))
+            sent = comm.Isend([data, MPI.BYTE], dest=0, tag=self._tag_up)  # the request holds data until sent
             poller = Poller(deadline + _VERDICT_GRACE, watch=watch)
-            while True:
-                if comm.iprobe(source=0, tag=self._tag_down):
-                    s, (kind, value) = comm.recv(source=0, tag=self._tag_down)
-                    if s == seq:
-                        break
-                elif not poller.pause():
-                    raise DeadlineExceeded([self.world_ranks[0]], "group rank 0 never answered the arrival check")
+            try:
+                while True:
+                    answer = receive(comm, 0, self._tag_down, status)
+                    if answer is not None:
+                        s, (kind, value) = self._answer(answer)
+                        if s == seq:
+                            break
+                    elif not poller.pause():
+                        raise DeadlineExceeded([self.world_ranks[0]], "group rank 0 never answered the arrival check")
+            except BaseException:
+                self._loose.append(sent)  # not sent yet, maybe: its bytes must outlive this frame
+                raise
             sent.Wait()
             if kind == "timeout":
                 raise DeadlineExceeded(value)
+            if kind == "error":
+                raise DistBackendError(value)
             return value
         got: dict[int, Any] = {0: payload}
+        refused = None
         poller = Poller(deadline, watch=watch)
-        status = MPI.Status()
         while len(got) < n:
-            if comm.iprobe(source=MPI.ANY_SOURCE, tag=self._tag_up, status=status):
+            data = receive(comm, MPI.ANY_SOURCE, self._tag_up, status)
+            if data is not None:
                 source = status.Get_source()
-                s, value = comm.recv(source=source, tag=self._tag_up)
+                try:
+                    entry = decode(data, what=f"rank {self.world_ranks[0]}: the exchange message from group rank "
+                                              f"{source} (rank {self.world_ranks[source]})")
+                    if type(entry) is not tuple or len(entry) != 2 or type(entry[0]) is not int:
+                        raise ControlMessageError(f"meshkit.comm: rank {self.world_ranks[0]}: the exchange message "
+                                                  f"from group rank {source} is a {type(entry).__name__}, not a "
+                                                  "(call number, payload) pair")
+                except ControlMessageError as exc:  # of no exchange we can tell: this one fails
+                    refused = refused or str(exc)
+                    entry = (seq, None)
+                s, value = entry
                 if s == seq:
                     got[source] = value
             elif not poller.pause():
                 missing = [self.world_ranks[i] for i in range(n) if i not in got]
-                verdict: tuple[str, Any] = ("timeout", missing)
-                for i in got:
-                    if i:
-                        comm.isend((seq, verdict), dest=i, tag=self._tag_down)
+                self._answer_all((seq, ("timeout", missing)), [i for i in got if i])
                 raise DeadlineExceeded(missing)
+        if refused is not None:
+            self._answer_all((seq, ("error", refused)), range(1, n))
+            raise ControlMessageError(refused)
         values = [got[i] for i in range(n)]
-        requests = [comm.isend((seq, ("ok", values)), dest=i, tag=self._tag_down) for i in range(1, n)]
-        MPI.Request.Waitall(requests)
+        try:
+            answer = encode((seq, ("ok", values)))
+        except DistTypeError as exc:  # rank 0's own payload: a bug, but every member learns of it
+            message = f"meshkit.comm: exchange failed on group rank 0: {exc}"
+            self._answer_all((seq, ("error", message)), range(1, n))
+            raise DistBackendError(message) from None
+        MPI.Request.Waitall([comm.Isend([answer, MPI.BYTE], dest=i, tag=self._tag_down) for i in range(1, n)])
         return values
+
+    def _answer_all(self, verdict: tuple[int, tuple[str, Any]], ranks: Any) -> None:
+        """Send ``verdict`` to these group ranks without waiting; each request is kept (it holds
+        the bytes) until it completes."""
+        data = encode(verdict)
+        self._loose = [r for r in self._loose if not r.Test()]
+        self._loose += [self.comm.Isend([data, MPI.BYTE], dest=i, tag=self._tag_down) for i in ranks]
+
+    def _answer(self, data: bytearray) -> tuple[int, tuple[str, Any]]:
+        """Rank 0's answer: ``(seq, ("ok", values))``, ``(seq, ("timeout", ranks))`` or ``(seq,
+        ("error", message))``; anything else is a ControlMessageError."""
+        me = self.world_ranks[self.rank]
+        what = f"rank {me}: the exchange answer from group rank 0 (rank {self.world_ranks[0]})"
+        got = decode(data, what=what)
+        if type(got) is tuple and len(got) == 2 and type(got[0]) is int and type(got[1]) is tuple \
+                and len(got[1]) == 2:
+            kind, value = got[1]
+            if (kind == "ok" and type(value) is list and len(value) == self.size
+                    or kind == "timeout" and type(value) is list and all(type(r) is int for r in value)
+                    or kind == "error" and type(value) is str):
+                return got
+        raise ControlMessageError(f"meshkit.comm: {what}: a {type(got).__name__} that is not an answer of a group "
+                                  f"of {self.size}")
 
     @property
     def world_ranks(self) -> list[int]:
@@ -350,7 +404,7 @@ class MPIEngine:
                                          "a node-local rank (a non-negative integer)")
                 return int(value)
         if simulated:
-            hosts = MPI.COMM_WORLD.allgather(simulated)
+            hosts = _allgather_text(MPI.COMM_WORLD, simulated)
             return hosts[:MPI.COMM_WORLD.Get_rank()].count(simulated)
         node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
         try:
@@ -361,6 +415,19 @@ class MPIEngine:
     def free(self) -> None:
         if self.comm != MPI.COMM_NULL:
             self.comm.Free()
+
+
+def _allgather_text(comm: MPI.Intracomm, text: str) -> list[str]:
+    """Every rank's ``text`` (a host name), as UTF-8 bytes: sizes, then the bytes (mpi4py's
+    lowercase ``allgather`` would pickle, and nothing of MPI is unpickled)."""
+    data = text.encode("utf-8", "surrogatepass")
+    sizes = np.empty(comm.Get_size(), np.int64)
+    comm.Allgather(np.array([len(data)], np.int64), sizes)
+    counts = sizes.tolist()
+    starts = [0, *itertools.accumulate(counts[:-1])]
+    out = bytearray(sum(counts))
+    comm.Allgatherv([data, MPI.BYTE], [out, (counts, starts), MPI.BYTE])
+    return [out[a:a + c].decode("utf-8", "surrogatepass") for a, c in zip(starts, counts)]
 
 
 def create_world_engine() -> MPIEngine:
@@ -374,6 +441,6 @@ def create_world_engine() -> MPIEngine:
         host.Free()
     else:  # simulated nodes (MPICH sees one per simulated host): they share the real machine's cores
         machine = os.uname().nodename
-        ranks_here = MPI.COMM_WORLD.allgather(machine).count(machine)
+        ranks_here = _allgather_text(MPI.COMM_WORLD, machine).count(machine)
     choose_caller_spin(ranks_here)
     return MPIEngine(MPI.COMM_WORLD.Dup(), Mailbox(MPI.COMM_WORLD.Dup()))
