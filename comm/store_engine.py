@@ -78,7 +78,7 @@ class _Channel:
         self.lock = threading.Lock()
         self.left = False
         # Whether only the job's processes can write the store (it proves the job's secret); read once.
-        self.authenticated = getattr(store, "authenticated", False) is True
+        self.authenticated = store.authenticated is True
 
     def notify(self, ranks: list[int], notice: Notice) -> None:
         data = encode(notice)
