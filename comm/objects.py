@@ -20,8 +20,9 @@ unauthenticated group refuses a pickle without unpickling it.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -97,6 +98,19 @@ def _load(g: Any, op: str, buf: np.ndarray, sender: int) -> Any:
         return control.decode(buf[1:].tobytes(), what=who)
     raise ControlMessageError(f"{who} is neither a pickle nor in meshkit's typed format (its first byte is "
                               f"{tag!r}); a process outside this job may have written to the rendezvous store")
+
+
+@contextlib.contextmanager
+def _refusing(g: Any) -> Iterator[None]:
+    """Bytes that are not what a member sent (forged, malformed: ControlMessageError) are refused
+    after the group's calls completed here: this rank then stops using the group and tells the
+    others, so that their next call fails at once instead of waiting for it until the timeout."""
+    try:
+        yield
+    except ControlMessageError as exc:
+        if g.failures.reason is None:
+            g.failures.broken(str(exc), g.queue.seq - 1)
+        raise
 
 
 def _failures(g: ProcessGroup, op: str, what: str, sizes: np.ndarray, rows: Any) -> None:
@@ -213,27 +227,28 @@ def broadcast_object_list(object_list: list[Any], src: int | None = None, group:
     root = _group_rank(g, "broadcast_object_list", "src", src, group_src)
     _check_list(g, "broadcast_object_list", "object_list", object_list)
     g = _host_side(g)
-    blob, n = _dump(object_list, _authenticated(g)) if g.rank == root else (np.empty(0, np.uint8), 0)
-    size = np.array([n], np.int64)
-    g.broadcast(size, root)
-    n = int(size[0])
-    _bounded(g, "broadcast_object_list", [n], [root])
-    buf = blob if g.rank == root else np.empty(abs(n), np.uint8)
-    g.broadcast(buf, root)
-    if n < 0:
-        how = "pickled" if _authenticated(g) else "sent in meshkit's typed format"
-        raise ObjectCollectiveError(f"{where(g, 'broadcast_object_list')}: object_list could not be {how} on "
-                                    f"the source, rank {g.ranks[root]} ({bytes(buf).decode(errors='replace')}); "
-                                    "every rank raises")
-    if g.rank != root:
-        received = _load(g, "broadcast_object_list", buf, root)
-        if type(received) is not list:
-            raise ControlMessageError(f"{where(g, 'broadcast_object_list')}: the source, rank {g.ranks[root]}, "
-                                      f"sent a {type(received).__name__}, not a list")
-        if len(received) != len(object_list):
-            raise DistValueError(f"{where(g, 'broadcast_object_list')}: object_list has {len(object_list)} "
-                                 f"elements but the source's has {len(received)}; they must match")
-        object_list[:] = received
+    with _refusing(g):
+        blob, n = _dump(object_list, _authenticated(g)) if g.rank == root else (np.empty(0, np.uint8), 0)
+        size = np.array([n], np.int64)
+        g.broadcast(size, root)
+        n = int(size[0])
+        _bounded(g, "broadcast_object_list", [n], [root])
+        buf = blob if g.rank == root else np.empty(abs(n), np.uint8)
+        g.broadcast(buf, root)
+        if n < 0:
+            how = "pickled" if _authenticated(g) else "sent in meshkit's typed format"
+            raise ObjectCollectiveError(f"{where(g, 'broadcast_object_list')}: object_list could not be {how} on "
+                                        f"the source, rank {g.ranks[root]} ({bytes(buf).decode(errors='replace')}); "
+                                        "every rank raises")
+        if g.rank != root:
+            received = _load(g, "broadcast_object_list", buf, root)
+            if type(received) is not list:
+                raise ControlMessageError(f"{where(g, 'broadcast_object_list')}: the source, rank {g.ranks[root]}, "
+                                          f"sent a {type(received).__name__}, not a list")
+            if len(received) != len(object_list):
+                raise DistValueError(f"{where(g, 'broadcast_object_list')}: object_list has {len(object_list)} "
+                                     f"elements but the source's has {len(received)}; they must match")
+            object_list[:] = received
 
 
 def all_gather_object(object_list: list[Any], obj: Any, group: ProcessGroup | None = None) -> None:
@@ -246,15 +261,16 @@ def all_gather_object(object_list: list[Any], obj: Any, group: ProcessGroup | No
     g = resolve_group(group)
     _check_list(g, "all_gather_object", "object_list", object_list, g.size)
     g = _host_side(g)
-    blob, n = _dump(obj, _authenticated(g))
-    sizes = _gathered_sizes(g, n)
-    _bounded(g, "all_gather_object", sizes, range(g.size))
-    width = int(abs(sizes).max())
-    out = np.empty(width * g.size, np.uint8)
-    g.all_gather_into_tensor(out, _padded(blob, width))
-    rows = out.reshape(g.size, width)
-    _failures(g, "all_gather_object", "obj", sizes, rows)
-    object_list[:] = [_load(g, "all_gather_object", rows[i, :sizes[i]], i) for i in range(g.size)]
+    with _refusing(g):
+        blob, n = _dump(obj, _authenticated(g))
+        sizes = _gathered_sizes(g, n)
+        _bounded(g, "all_gather_object", sizes, range(g.size))
+        width = int(abs(sizes).max())
+        out = np.empty(width * g.size, np.uint8)
+        g.all_gather_into_tensor(out, _padded(blob, width))
+        rows = out.reshape(g.size, width)
+        _failures(g, "all_gather_object", "obj", sizes, rows)
+        object_list[:] = [_load(g, "all_gather_object", rows[i, :sizes[i]], i) for i in range(g.size)]
 
 
 def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: int | None = None,
@@ -266,16 +282,17 @@ def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: in
     if g.rank == root:
         _check_list(g, "gather_object", "object_gather_list", object_gather_list, g.size)
     g = _host_side(g)
-    blob, n = _dump(obj, _authenticated(g))
-    sizes = _gathered_sizes(g, n)
-    _bounded(g, "gather_object", sizes, range(g.size))
-    width = int(abs(sizes).max())
-    rows = [np.empty(width, np.uint8) for _ in range(g.size)] if g.rank == root else None
-    g.gather(_padded(blob, width), rows, root)
-    mine = [blob if i == g.rank else np.empty(0, np.uint8) for i in range(g.size)]  # a failing rank's own error
-    _failures(g, "gather_object", "obj", sizes, rows if rows is not None else mine)
-    if rows is not None:
-        object_gather_list[:] = [_load(g, "gather_object", rows[i][:sizes[i]], i) for i in range(g.size)]
+    with _refusing(g):
+        blob, n = _dump(obj, _authenticated(g))
+        sizes = _gathered_sizes(g, n)
+        _bounded(g, "gather_object", sizes, range(g.size))
+        width = int(abs(sizes).max())
+        rows = [np.empty(width, np.uint8) for _ in range(g.size)] if g.rank == root else None
+        g.gather(_padded(blob, width), rows, root)
+        mine = [blob if i == g.rank else np.empty(0, np.uint8) for i in range(g.size)]  # a failing rank's own error
+        _failures(g, "gather_object", "obj", sizes, rows if rows is not None else mine)
+        if rows is not None:
+            object_gather_list[:] = [_load(g, "gather_object", rows[i][:sizes[i]], i) for i in range(g.size)]
 
 
 def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_input_list: list[Any] | None = None,
@@ -292,44 +309,45 @@ def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_in
         raise DistValueError(f"{where(g, 'scatter_object_list')}: scatter_object_output_list needs at least "
                              "one slot to receive into")
     g = _host_side(g)
-    width = np.zeros(1, np.int64)
-    blobs = None
-    if g.rank == root:
-        try:
-            _check_list(g, "scatter_object_list", "scatter_object_input_list", scatter_object_input_list, g.size)
-        except (DistTypeError, DistValueError) as exc:
-            error: BaseException | None = exc
-            text = f"{type(exc).__name__}: {exc}".encode()
-            dumped = [(np.frombuffer(bytearray(text), np.uint8), -len(text))]
-        else:
-            error = None
-            pickles = _authenticated(g)
-            dumped = [_dump(o, pickles) for o in scatter_object_input_list]
-        bad = next(((b, n) for b, n in dumped if n < 0), None)
-        if bad is not None:
-            blobs, width[0] = [bad[0]], bad[1]  # a negative width: the error message follows
-        else:
-            blobs = [b for b, _ in dumped]
-            width[0] = max(b.size for b in blobs) + 8
-    g.broadcast(width, root)
-    w = int(width[0])
-    _bounded(g, "scatter_object_list", [w], [root])
-    if w < 0:
-        message = blobs[0] if blobs is not None else np.empty(-w, np.uint8)
-        g.broadcast(message, root)
-        if g.rank == root and error is not None:
-            raise error
-        raise ObjectCollectiveError(f"{where(g, 'scatter_object_list')}: the source, rank {g.ranks[root]}, could "
-                                    f"not send scatter_object_input_list ({bytes(message).decode(errors='replace')}); "
-                                    "every rank raises")
-    mine = np.empty(w, np.uint8)
-    rows = None
-    if blobs is not None:
-        # Each row: 8 bytes of length, then the object's bytes, padded to the widest.
-        rows = [_padded(np.concatenate([np.array([b.size], np.int64).view(np.uint8), b]), w) for b in blobs]
-    g.scatter(mine, rows, root)
-    n = int(mine[:8].view(np.int64)[0])
-    if not 0 < n <= w - 8:
-        raise ControlMessageError(f"{where(g, 'scatter_object_list')}: the source, rank {g.ranks[root]}, sent a row "
-                                  f"of {w} bytes that says it holds {n}")
-    scatter_object_output_list[0] = _load(g, "scatter_object_list", mine[8:8 + n], root)
+    with _refusing(g):
+        width = np.zeros(1, np.int64)
+        blobs = None
+        if g.rank == root:
+            try:
+                _check_list(g, "scatter_object_list", "scatter_object_input_list", scatter_object_input_list, g.size)
+            except (DistTypeError, DistValueError) as exc:
+                error: BaseException | None = exc
+                text = f"{type(exc).__name__}: {exc}".encode()
+                dumped = [(np.frombuffer(bytearray(text), np.uint8), -len(text))]
+            else:
+                error = None
+                pickles = _authenticated(g)
+                dumped = [_dump(o, pickles) for o in scatter_object_input_list]
+            bad = next(((b, n) for b, n in dumped if n < 0), None)
+            if bad is not None:
+                blobs, width[0] = [bad[0]], bad[1]  # a negative width: the error message follows
+            else:
+                blobs = [b for b, _ in dumped]
+                width[0] = max(b.size for b in blobs) + 8
+        g.broadcast(width, root)
+        w = int(width[0])
+        _bounded(g, "scatter_object_list", [w], [root])
+        if w < 0:
+            message = blobs[0] if blobs is not None else np.empty(-w, np.uint8)
+            g.broadcast(message, root)
+            if g.rank == root and error is not None:
+                raise error
+            text = bytes(message).decode(errors="replace")
+            raise ObjectCollectiveError(f"{where(g, 'scatter_object_list')}: the source, rank {g.ranks[root]}, could "
+                                        f"not send scatter_object_input_list ({text}); every rank raises")
+        mine = np.empty(w, np.uint8)
+        rows = None
+        if blobs is not None:
+            # Each row: 8 bytes of length, then the object's bytes, padded to the widest.
+            rows = [_padded(np.concatenate([np.array([b.size], np.int64).view(np.uint8), b]), w) for b in blobs]
+        g.scatter(mine, rows, root)
+        n = int(mine[:8].view(np.int64)[0])
+        if not 0 < n <= w - 8:
+            raise ControlMessageError(f"{where(g, 'scatter_object_list')}: the source, rank {g.ranks[root]}, sent a "
+                                      f"row of {w} bytes that says it holds {n}")
+        scatter_object_output_list[0] = _load(g, "scatter_object_list", mine[8:8 + n], root)

@@ -15,6 +15,7 @@ NCCL double, as tests/test_init_methods.py does; the attacker writes the world's
 
 from __future__ import annotations
 
+import ast
 import math
 import os
 import re
@@ -267,7 +268,7 @@ VALUES = st.recursive(_LEAVES, lambda inner: st.lists(inner, max_size=3) | st.li
 
 
 @given(VALUES)
-@settings(max_examples=60)
+@settings(max_examples=100)
 def test_property_every_value_round_trips(value):
     assert same(decode(encode(value), what="x"), value)
 
@@ -286,7 +287,7 @@ def test_property_random_bytes_raise_nothing_but_the_codecs_error(data):
 
 
 @given(VALUES, st.data())
-@settings(max_examples=60)
+@settings(max_examples=100)
 def test_property_truncated_and_mutated_messages_raise_nothing_but_the_codecs_error(value, data):
     wire = encode(value)
     cut = data.draw(st.integers(0, len(wire) - 1))
@@ -326,21 +327,26 @@ def _outcome(fn):
     return None, time.monotonic() - began
 
 
-def _forge(store, member, value, *, limit=5.0):
-    """An attacker's thread: once group rank ``member`` has written its payload of an exchange
-    of the world group, overwrite that payload (``member`` > 0) or, for ``member`` given as
-    ``"all"``, write the answer before group rank 0 does."""
-    def run():
-        deadline = time.monotonic() + limit
-        while time.monotonic() < deadline:
-            for c in range(1, 64):
-                if store.check([f"{WORLD}gw/x{c}/1"]) and not store.check([f"{WORLD}gw/x{c}/all"]):
-                    store.set(f"{WORLD}gw/x{c}/{member}", value)
-                    return
-            time.sleep(0.001)
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
+def _forge(store, member, value, *, limit=5.0) -> str:
+    """The attacker: once group rank 1 has written its payload of an exchange of the world group
+    that group rank 0 has not answered, overwrite rank ``member``'s payload, or (``member`` given as
+    ``"all"``) write the answer before rank 0 does. Returns the exchange's keys' base."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        for c in range(1, 64):
+            base = f"{WORLD}gw/x{c}"
+            if store.check([f"{base}/1"]) and not store.check([f"{base}/all"]):
+                store.set(f"{base}/{member}", value)
+                return base
+        time.sleep(0.001)
+    raise AssertionError("rank 1 never started an exchange")
+
+
+def _until_gone(store, key, limit=5.0) -> None:
+    """Wait until rank 1 has read (and deleted) a forged answer, so that rank 0's does not replace it first."""
+    deadline = time.monotonic() + limit
+    while store.check([key]) and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
 def test_a_pickled_notice_posted_into_a_running_world_runs_no_code(fake_gpu, tmp_path):
@@ -401,10 +407,10 @@ def test_a_forged_exchange_answer_runs_no_code_and_fails_cleanly(fake_gpu, tmp_p
                           (encode(("ok", [None])), r"\('ok', \[None\]\) is not an answer of a group of 2")):
         store = OpenStore()
 
-        def body(rank, forged=forged):
+        def body(rank, forged=forged, store=store):
             meshkit.barrier()
-            if rank == 0:
-                _forge(store, "all", forged).join()
+            if rank == 0:  # the outsider answers rank 1's exchange; rank 0 comes once rank 1 read it
+                _until_gone(store, _forge(store, "all", forged) + "/all")
             return _outcome(lambda: meshkit.monitored_barrier(timeout=5)), _outcome(meshkit.barrier)
 
         (mine0, next0), (mine1, next1) = _world(body, 2, store)
@@ -424,8 +430,8 @@ def test_a_forged_payload_fails_the_exchange_on_every_rank(fake_gpu, tmp_path):
 
     def body(rank):
         meshkit.barrier()
-        if rank == 0:
-            _forge(store, 1, pickle.dumps(Plant(marker))).join()
+        if rank == 0:  # the outsider replaces rank 1's payload; then rank 0 comes and reads it
+            _forge(store, 1, pickle.dumps(Plant(marker)))
         return _outcome(lambda: meshkit.monitored_barrier(timeout=5))
 
     outcomes = _world(body, 2, store)
@@ -435,3 +441,175 @@ def test_a_forged_payload_fails_the_exchange_on_every_rank(fake_gpu, tmp_path):
         assert re.search(r"rank 0: the payload of exchange gw/x\d+ in rendezvous store key 'gw/x\d+/1' "
                                        r"\(written by group rank 1, rank 1\): not a control message meshkit wrote "
                                        r"\(\d+ bytes\): it is a pickle", str(error)), error
+
+
+# --------------------------------------------------------------------------- object collectives
+def _all_four(rank, n, obj):
+    """Every object collective once with ``obj`` (rank 0's or each rank's), their results."""
+    everyone = [None] * n
+    meshkit.all_gather_object(everyone, obj(rank))
+    sent = [obj(1)] if rank == 1 else [None]
+    meshkit.broadcast_object_list(sent, src=1)
+    gathered = [None] * n if rank == 0 else None
+    meshkit.gather_object(obj(rank), gathered, dst=0)
+    mine = [None]
+    meshkit.scatter_object_list(mine, [obj(r) for r in range(n)] if rank == 1 else None, src=1)
+    return everyone, sent, gathered, mine
+
+
+def test_object_collectives_carry_plain_data_where_peers_are_not_authenticated(fake_gpu):
+    """Over a store without the job's secret, what meshkit's own callers send (tuples, dicts, str,
+    None, NumPy arrays) travels in the typed format."""
+    def plain(r):
+        return {"rank": r, "host": f"h{r}", "spec": [("w", (2, 3), "float32", None)], "grad": np.arange(3.0) * r}
+
+    def body(rank):
+        assert not meshkit.comm._seams.current_world().default_group.engine.capabilities.authenticated_peers
+        return _all_four(rank, 3, plain)
+
+    for rank, (everyone, sent, gathered, mine) in enumerate(_world(body, 3, OpenStore())):
+        assert same(everyone, [plain(r) for r in range(3)]) and same(sent, [plain(1)]) and same(mine, [plain(rank)])
+        assert same(gathered, [plain(r) for r in range(3)] if rank == 0 else None)
+
+
+def test_a_class_of_ones_own_is_refused_on_every_rank_naming_the_secret(fake_gpu):
+    def body(rank):
+        outcomes = []
+        for call in (lambda: meshkit.all_gather_object([None] * 2, Mine(rank) if rank == 1 else rank),
+                     lambda: meshkit.broadcast_object_list([Mine(1)] if rank == 1 else [None], src=1),
+                     lambda: meshkit.scatter_object_list([None], [1, Mine(2)] if rank == 1 else None, src=1)):
+            outcomes.append(_outcome(call)[0])
+        everyone = [None] * 2
+        meshkit.all_gather_object(everyone, ("still", rank))  # the calls stayed paired
+        return outcomes, everyone
+
+    for rank, (outcomes, everyone) in enumerate(_world(body, 2, OpenStore())):
+        assert everyone == [("still", 0), ("still", 1)]
+        for error in outcomes:
+            assert isinstance(error, meshkit.ObjectCollectiveError), error
+            assert re.search(rf"^meshkit.comm: rank {rank}: \w+: .*could not be sent in meshkit's typed format on "
+                             r"(ranks \[1\]|the source, rank 1)|the source, rank 1, could not send", str(error)), error
+            assert ("the typed format cannot carry a value of type test_control_messages.Mine" in str(error)
+                    and "this group's peers are not authenticated" in str(error)
+                    and "set MESHKIT_JOB_SECRET to the same secret on every rank, e.g. from `python -c 'import "
+                        "secrets; print(secrets.token_hex(32))'`" in str(error)), error
+
+
+def test_a_forged_pickle_is_refused_without_unpickling_and_the_others_are_told(fake_gpu, tmp_path, monkeypatch):
+    """Rank 1's object arrives tagged as a pickle (what a forger writes into the store): no rank
+    of an unauthenticated group unpickles it; each raises, breaking the group, so the next call
+    fails at once."""
+    from meshkit.comm import objects
+    marker, real = tmp_path / "ran", objects._dump
+
+    def forged(obj, pickles):
+        if local_context().rank == 1:
+            return real(Plant(marker), True)
+        return real(obj, pickles)
+    monkeypatch.setattr(objects, "_dump", forged)
+
+    def body(rank):
+        got = _outcome(lambda: meshkit.all_gather_object([None] * 2, rank))
+        return got, _outcome(meshkit.barrier)
+
+    for rank, ((error, _), (after, took)) in enumerate(_world(body, 2, OpenStore())):
+        assert isinstance(error, ControlMessageError), error
+        assert str(error).startswith(f"meshkit.comm: rank {rank}: all_gather_object: the object from rank 1 is a "
+                                     "pickle, refused without unpickling it: this group's peers are not authenticated")
+        assert isinstance(after, meshkit.DistError) and took < 5, (after, took)
+    assert not marker.exists()
+
+
+def test_forged_sizes_allocate_nothing_and_fail_every_rank_at_once(fake_gpu):
+    """An outsider answers the sizes step of all_gather_object claiming 1 TiB: rank 1 refuses it
+    before allocating, and rank 0, waiting for rank 1 in the next step, is told at once."""
+    store = OpenStore()
+
+    def body(rank):
+        meshkit.barrier()
+        if rank == 0:
+            forged = encode(("ok", [np.array([1 << 40], np.int64), np.array([5], np.int64)]))
+            _until_gone(store, _forge(store, "all", forged) + "/all")
+        return _outcome(lambda: meshkit.all_gather_object([None] * 2, rank))
+
+    (error0, took0), (error1, _) = _world(body, 2, store, timeout=30)
+    assert isinstance(error1, ControlMessageError), error1
+    assert re.search(r"rank 1: all_gather_object: rank 0 announced 1099511627776 bytes, more than any store carries "
+                     r"\(16777216\); a process outside this job", str(error1)), error1
+    assert isinstance(error0, meshkit.RankFailedError) and took0 < 10, (error0, took0)
+
+
+@pytest.mark.parametrize("store", [meshkit.HashStore, None], ids=["authenticated store", "local engine"])
+def test_authenticated_groups_pickle_as_before(fake_gpu, store):
+    def body(rank):
+        group = meshkit.comm._seams.current_world().default_group
+        assert group.engine.capabilities.authenticated_peers
+        return _all_four(rank, 2, Mine)
+
+    results = _world(body, 2, store()) if store else local.run(lambda: body(meshkit.get_rank()), 2)
+    for rank, (everyone, sent, gathered, mine) in enumerate(results):
+        assert everyone == [Mine(0), Mine(1)] and sent == [Mine(1)] and mine == [Mine(rank)]
+        assert gathered == ([Mine(0), Mine(1)] if rank == 0 else None)
+
+
+def test_every_engine_answers_whether_its_peers_are_authenticated():
+    from meshkit.comm.engine import EngineCapabilities
+    from meshkit.comm.local_engine import LocalEngine
+    from meshkit.comm.store_engine import create_world_engine
+    assert EngineCapabilities().authenticated_peers is False  # an engine says so only if it knows
+    assert LocalEngine.capabilities.authenticated_peers
+    mpi = ast.parse((Path(meshkit.comm.__file__).parent / "mpi.py").read_text())  # importing it would start MPI
+    declared = next(n.value for c in mpi.body if isinstance(c, ast.ClassDef) and c.name == "MPIEngine"
+                    for n in c.body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "capabilities")
+    assert "authenticated_peers=True" in ast.unparse(declared)
+    assert create_world_engine(meshkit.HashStore(), 0, 1, 0).capabilities.authenticated_peers
+    assert not create_world_engine(OpenStore(), 0, 1, 0).capabilities.authenticated_peers
+    assert create_world_engine(meshkit.PrefixStore("p", meshkit.HashStore()), 0, 1, 0).capabilities.authenticated_peers
+
+
+# --------------------------------------------------------------------------- real processes: env://
+def test_an_env_world_of_processes_attacked_through_its_store_runs_no_code(tmp_path, monkeypatch):
+    """Issue 35.1's reproduction: two processes meet over env:// without a job secret; the outsider
+    (this process) connects to MASTER_PORT and posts a pickled notice to rank 1. No code runs;
+    rank 1's barrier fails naming the key, rank 0's next one names rank 1. Before the attack, the
+    world's object collectives carried plain objects and refused, on every rank, one the typed
+    format cannot carry, naming MESHKIT_JOB_SECRET."""
+    monkeypatch.delenv("MESHKIT_JOB_SECRET", raising=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("MESHKIT_JOB_SECRET", "LOCAL_RANK", "MESHKIT_LAUNCHED")}
+    env.update(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               MESHKIT_TEST_NCCL_FILE=str(tmp_path / "nccl-double"),
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")]))
+    procs = [subprocess.Popen([sys.executable, str(SCRIPTS / "control_attack.py"), str(tmp_path)],
+                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    marker = tmp_path / "ran"
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "ready").exists():
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the world never formed"
+            time.sleep(0.01)
+        client = meshkit.TCPStore("127.0.0.1", port, timeout=10)
+        outsider = meshkit.PrefixStore("meshkit/world", client)
+        n = outsider.add("n/1/count", 1)
+        outsider.set(f"n/1/{n}", pickle.dumps(Plant(marker)))
+        client.close()
+        (tmp_path / "attacked").touch()
+        outputs = [p.communicate(timeout=60)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert not marker.exists(), "a pickle from the store ran in a rank"
+    assert re.search(r"^BARRIER2 ControlMessageError meshkit.comm: rank 1: the notice in rendezvous store key "
+                     r"'n/1/1' \(posted by another rank of this world\): not a control message meshkit wrote \(\d+ "
+                     r"bytes\): it is a pickle", outputs[1], re.M), outputs[1]
+    assert re.search(r"^BARRIER2 ok$", outputs[0], re.M), outputs[0]
+    assert re.search(r"^BARRIER3 RankFailedError .*rank 1 stopped using group world", outputs[0], re.M), outputs[0]
+    for out in outputs:
+        assert re.search(r"^OBJECTS ok$", out, re.M), out
+        assert re.search(r"^REFUSED ObjectCollectiveError .*could not be sent in meshkit's typed format on ranks \[1\] "
+                         r"\(rank 1: the typed format cannot carry a value of type __main__.Mine .*set "
+                         r"MESHKIT_JOB_SECRET to the same secret on every rank", out, re.M), out
