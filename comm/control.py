@@ -40,10 +40,12 @@ little-endian, lengths and counts as 4 bytes (a value larger than 4 GiB is refus
     a <dtype> <ndim> <shape: q each> <nbytes: Q> <bytes>   an ndarray, C order
     g <dtype> <bytes>     a NumPy scalar           R <record> <len> values   a record's fields, in order
 
-Speed (``python -m meshkit.comm.control``, the least of 5 runs on this project's loaded 2-core VM):
-``(seq, Call)``, detail mode's exchange entry at every collective, encodes and decodes in 2.8 us
-against pickle's 4.4 (each distinct Call is encoded and decoded once, then served from a cache); a
-Notice, sent only when a rank fails, rejects a call or leaves, in 12 us against pickle's 4.6.
+Speed (``python -c "from meshkit.comm import control; control.timings()"``, the least of 5 runs
+on this project's VM, 2 cores shared with other jobs): ``(seq, Call)``, detail mode's exchange
+entry at every collective, encodes and decodes in 2.8-3.7 us against pickle's 4.4-5.8 (each
+distinct Call is encoded and decoded once, then served from a cache); a Notice, sent only when a
+rank fails, rejects a call or leaves, in 12 us against pickle's 4.6-5.2. Tiny messages (a
+monitored barrier's ``(seq, None)``) take 1-2 us each way against pickle's 0.5.
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ from .errors import DistBackendError, DistTypeError, DistValueError
 from .levels import _Switch
 from .notices import BROKEN, LEFT, REJECTED, Notice
 
-__all__ = ["encode", "decode", "decode_notice", "ControlMessageError", "FORMAT", "MAX_DEPTH_ENV", "max_depth"]
+__all__ = ["encode", "decode", "decode_notice", "ControlMessageError", "FORMAT", "MAX_DEPTH_ENV", "max_depth",
+           "timings"]
 
 #: The first byte of every control message: the format's version (a pickle starts with 0x80).
 FORMAT = 0xC1
@@ -255,14 +258,18 @@ def _put(out: list, obj: Any, depth: int) -> None:
         out.append(_TAG_INT(b"i", obj) if -_I64 <= obj < _I64 else _big(obj))
     elif t is str:
         data = obj.encode("utf-8", "surrogatepass")
-        out.append(_TAG_LEN(_STR, _length(len(data), "a str of length")))
+        if len(data) >= _U32:
+            _length(len(data), "a str of length")
+        out.append(_TAG_LEN(_STR, len(data)))
         out.append(data)
     elif obj is None:
         out.append(_NONE)
     elif t is tuple or t is list:
         if depth <= 0:
             raise _Uncarried(f"a value nested deeper than {max_depth()} levels ({MAX_DEPTH_ENV})")
-        n = _length(len(obj), f"a {t.__name__} of length")
+        n = len(obj)
+        if n >= _U32:
+            _length(n, f"a {t.__name__} of length")
         # ranks, shapes, counts, NCCL's id: one struct call (the ends are looked at first: cheaper
         # than a generator over a tuple that holds other things, such as (seq, Call))
         if n and type(obj[0]) is int and type(obj[-1]) is int and {*map(type, obj)} == _JUST_INT:
@@ -274,8 +281,13 @@ def _put(out: list, obj: Any, depth: int) -> None:
             except struct.error:  # an int over 64 bits: item by item
                 out.pop()
         out.append(_TAG_LEN(_TUPLE if t is tuple else _LIST, n))
-        for x in obj:
-            _put(out, x, depth - 1)
+        for x in obj:  # None and small ints inline: a call per item is most of a small message's cost
+            if x is None:
+                out.append(_NONE)
+            elif type(x) is int and -_I64 <= x < _I64:
+                out.append(_TAG_INT(b"i", x))
+            else:
+                _put(out, x, depth - 1)
     elif t is bool:
         out.append(_TRUE if obj else _FALSE)
     elif t in _RECORD_OF_TYPE:
@@ -434,11 +446,22 @@ def _get(data: Any, pos: int, depth: int) -> tuple[Any, int]:
     if tag == _T_TUPLE or tag == _T_LIST:
         if depth <= 0:
             raise _Malformed(f"it nests deeper than {max_depth()} levels ({MAX_DEPTH_ENV})")
-        n, pos = _count(data, pos, 1, "a list of length")
+        n = _LEN(data, pos)[0]
+        pos += 4
+        if n > len(data) - pos:
+            raise _Malformed(f"a list of length {n} at byte {pos - 5}, but only {len(data) - pos} bytes remain")
         items = []
-        for _ in range(n):
-            x, pos = _get(data, pos, depth - 1)
-            items.append(x)
+        for _ in range(n):  # None and ints inline, as encode writes them
+            item = data[pos]
+            if item == _T_NONE:
+                items.append(None)
+                pos += 1
+            elif item == _T_INT:
+                items.append(_INT(data, pos + 1)[0])
+                pos += 9
+            else:
+                x, pos = _get(data, pos, depth - 1)
+                items.append(x)
         return (tuple(items) if tag == _T_TUPLE else items), pos
     if tag == _T_TRUE:
         return True, pos
@@ -550,7 +573,8 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _timings() -> None:  # pragma: no cover (python -m meshkit.comm.control: the figures of the docstring)
+def timings() -> None:  # pragma: no cover (the figures of the module docstring)
+    """Print encode and decode times of detail mode's ``(seq, Call)`` and of a Notice, beside pickle's."""
     import pickle
     import timeit
     from .debug import fingerprint
@@ -567,7 +591,3 @@ def _timings() -> None:  # pragma: no cover (python -m meshkit.comm.control: the
         print(f"{name}: control {len(wire)} B, encode {ours[0]:.2f} us + decode {ours[1]:.2f} us = "
               f"{sum(ours):.2f} us; pickle {len(pickled)} B, {theirs[0]:.2f} + {theirs[1]:.2f} = {sum(theirs):.2f} us",
               file=sys.stdout)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    _timings()
