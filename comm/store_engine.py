@@ -63,6 +63,11 @@ HOST_ARRAYS_MESSAGE = ("host (NumPy) arrays need a host engine, and this nccl wo
                        "arrays over MPI), or use the mpi backend under meshkit-run/mpiexec")
 
 
+#: Seconds a rank waits for a notice whose counter was raised but whose key is not there yet: its
+#: sender writes the key right after raising the counter (one store round trip, well under a
+#: millisecond on a host, a few over a network), so a key missing for this long was never posted
+#: (the counter was raised by someone else), and the rank does not wait on it for the store's timeout.
+_NOTICE_GRACE_S = 2.0
 #: What a malformed value read from the store adds to its error: who may have written it.
 _OUTSIDER = "; a process outside this job may have written to the rendezvous store"
 
@@ -98,9 +103,17 @@ class _Channel:
             got, self.kept = self.kept, []
             bad: ControlMessageError | None = None
             try:
-                count = self.store.add(f"n/{self.rank}/count", 0)
+                counter = f"n/{self.rank}/count"
+                count = self.store.add(counter, 0)
                 for i in range(self.read + 1, count + 1):
                     key = f"n/{self.rank}/{i}"
+                    if not self._posted(key):  # a counter raised by someone who posts nothing: skip its range
+                        self.read = count
+                        bad = bad or ControlMessageError(
+                            f"meshkit.comm: rank {self.rank}: the notice counter {counter!r} says {count}, but key "
+                            f"{key!r} was not written within {_NOTICE_GRACE_S:g} s of it (a rank that posts a "
+                            "notice writes it right after raising the counter)")
+                        break
                     data = self.store.get(key)
                     self.store.delete_key(key)
                     self.read = i
@@ -116,6 +129,19 @@ class _Channel:
                 self.kept = got
                 raise ControlMessageError(f"{bad}{_OUTSIDER}")
             return got
+
+
+    def _posted(self, key: str) -> bool:
+        """Whether notice ``key`` is there, or comes within :data:`_NOTICE_GRACE_S`."""
+        if self.store.check([key]):
+            return True
+        try:
+            self.store.wait([key], timeout=_NOTICE_GRACE_S)
+        except DistStoreError as exc:
+            if not exc.keys:  # the store itself failed
+                raise
+            return False
+        return True
 
 
 class _Barrier:

@@ -613,3 +613,22 @@ def test_an_env_world_of_processes_attacked_through_its_store_runs_no_code(tmp_p
         assert re.search(r"^REFUSED ObjectCollectiveError .*could not be sent in meshkit's typed format on ranks \[1\] "
                          r"\(rank 1: the typed format cannot carry a value of type __main__.Mine .*set "
                          r"MESHKIT_JOB_SECRET to the same secret on every rank", out, re.M), out
+
+
+def test_a_notice_counter_raised_by_an_outsider_costs_seconds_not_the_timeout(monkeypatch):
+    """A counter raised with no notice behind it: the reader names it within the grace, skips
+    that range, and reads the notices posted after it."""
+    from meshkit.comm import store_engine
+    monkeypatch.setattr(store_engine, "_NOTICE_GRACE_S", 0.2)
+    store = OpenStore()
+    store.set_timeout(60)
+    channel = store_engine._Channel(store, 1, 2, 0, None)
+    store.add("n/1/count", 1000)
+    began = time.monotonic()
+    with pytest.raises(ControlMessageError, match=r"rank 1: the notice counter 'n/1/count' says 1000, but key 'n/1/1' "
+                                                  r"was not written within 0.2 s of it"):
+        channel.notices()
+    assert time.monotonic() - began < 5
+    real = Notice(LEFT, 0, detail="after the forged range")
+    store_engine._Channel(store, 0, 2, 0, None).notify([1], real)
+    assert channel.notices() == [real]
