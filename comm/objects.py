@@ -94,8 +94,8 @@ def _load(g: Any, op: str, buf: np.ndarray, sender: int) -> Any:
                                       f"outside this job may have written to the rendezvous store (to use pickle, "
                                       f"{_JOB_SECRET_HINT})")
         return pickle.loads(buf[1:])
-    if tag == _TYPED:
-        return control.decode(buf[1:].tobytes(), what=who)
+    if tag == _TYPED:  # decode's message starts with "meshkit.comm: " itself
+        return control.decode(buf[1:].tobytes(), what=who.removeprefix("meshkit.comm: "))
     raise ControlMessageError(f"{who} is neither a pickle nor in meshkit's typed format (its first byte is "
                               f"{tag!r}); a process outside this job may have written to the rendezvous store")
 

@@ -632,3 +632,15 @@ def test_a_notice_counter_raised_by_an_outsider_costs_seconds_not_the_timeout(mo
     real = Notice(LEFT, 0, detail="after the forged range")
     store_engine._Channel(store, 0, 2, 0, None).notify([1], real)
     assert channel.notices() == [real]
+
+
+def test_a_malformed_typed_object_names_the_sender(fake_gpu, monkeypatch):
+    from meshkit.comm import objects
+    real = objects._dump
+    monkeypatch.setattr(objects, "_dump", lambda obj, pickles: (np.frombuffer(b"C\xc1Z", np.uint8), 3)
+                        if local_context().rank == 1 else real(obj, pickles))
+    outcomes = _world(lambda rank: _outcome(lambda: meshkit.all_gather_object([None] * 2, rank))[0], 2, OpenStore())
+    for rank, error in enumerate(outcomes):
+        assert isinstance(error, ControlMessageError), error
+        assert str(error).startswith(f"meshkit.comm: rank {rank}: all_gather_object: the object from rank 1: not a "
+                                     "control message meshkit wrote (2 bytes): unknown tag 0x5a at byte 1"), error
