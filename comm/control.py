@@ -64,7 +64,7 @@ from .errors import DistBackendError, DistTypeError, DistValueError
 from .levels import _Switch
 from .notices import BROKEN, LEFT, REJECTED, Notice
 
-__all__ = ["encode", "decode", "decode_notice", "ControlMessageError", "FORMAT", "MAX_DEPTH_ENV", "max_depth",
+__all__ = ["encode", "decode", "decode_notice", "join", "ControlMessageError", "FORMAT", "MAX_DEPTH_ENV", "max_depth",
            "timings"]
 
 #: The first byte of every control message: the format's version (a pickle starts with 0x80).
@@ -404,6 +404,21 @@ def decode(data: bytes | bytearray | memoryview, *, what: str) -> Any:
     except (UnicodeDecodeError, ValueError, TypeError, OverflowError) as exc:
         reason = f"{type(exc).__name__}: {exc}"
     raise ControlMessageError(f"meshkit.comm: {what}: not a control message meshkit wrote ({size} bytes): {reason}")
+
+
+def join(messages: list[bytes]) -> bytes:
+    """The message of a list whose items are the values of ``messages`` (each made by
+    :func:`encode`, and read back by :func:`decode` already), without decoding and encoding
+    them again: an exchange's answer is every member's payload, as they sent it."""
+    if len(messages) >= _U32:
+        raise DistTypeError(f"meshkit.comm: a control message cannot carry a list of length {len(messages)} (over "
+                            "4 GiB)")
+    parts = [_HEADER, _TAG_LEN(_LIST, len(messages))]
+    for message in messages:
+        if message[:1] != _HEADER:
+            raise DistTypeError("meshkit.comm: control.join: an item is not a control message")
+        parts.append(memoryview(message)[1:])
+    return b"".join(parts)
 
 
 def decode_notice(data: bytes | bytearray | memoryview, *, what: str) -> Notice:

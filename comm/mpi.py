@@ -29,6 +29,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import struct
 from typing import Any, Callable
 
 import numpy as np
@@ -36,7 +37,7 @@ from mpi4py import MPI
 
 from . import env
 from .arrays import is_device_array
-from .control import ControlMessageError, decode, encode
+from .control import ControlMessageError, decode, encode, join
 from .engine import DeadlineExceeded, EngineCapabilities
 from .errors import DistBackendError, DistTypeError, DistValueError
 from .mpi_cuda_aware import CUDA_AWARE_ENV, cuda_aware_mpi
@@ -54,6 +55,11 @@ logger = logging.getLogger("meshkit")
 #: Extra seconds non-root ranks of a monitored exchange wait for rank 0's verdict, which rank 0
 #: may send only at its own deadline.
 _VERDICT_GRACE = 5.0
+
+#: The exchange's headers: a payload's call number; an answer's call number and verdict.
+_SEQ = struct.Struct("<q")
+_VERDICT = struct.Struct("<qB")
+_OK, _TIMEOUT, _ERROR = range(3)
 
 #: Launchers' node-local rank, in the order asked: torchrun, MPICH's Hydra, Open MPI, Slurm.
 LOCAL_RANK_ENVS = ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
@@ -123,6 +129,7 @@ class MPIEngine:
         self._device = staging.start
         self._posts = staging.posts  # device operations waiting for the device before MPI sees them
         self._loose: list[MPI.Request] = []  # exchange verdicts sent without waiting (each holds its bytes)
+        self._whats: list[str] | None = None  # see _what
 
     def wait(self, request: Any, deadline: float) -> None:
         if not completes(request, deadline, self.watch):
@@ -263,8 +270,10 @@ class MPIEngine:
         Messages carry ``seq`` so that a late message of an earlier, timed-out exchange is never
         taken for this one. DeadlineExceeded names global ranks through ``self.world_ranks``.
         Payloads and answers are control messages (:mod:`~meshkit.comm.control`) sent as bytes,
-        never pickled: a payload that is not one makes rank 0 answer with an error that every
-        member raises (ControlMessageError on rank 0).
+        never pickled, behind a fixed header: ``seq`` (8 bytes) up; ``seq`` and the verdict's
+        kind (9 bytes) down. The answer's list is the members' payloads as they sent them
+        (``control.join``), not encoded again. A payload that is not a control message makes
+        rank 0 answer with an error that every member raises (ControlMessageError on rank 0).
         """
         watch = self.watch if watched else None  # read notices while waiting (detail-mode checks)
         n, comm = self.size, self.comm
@@ -272,14 +281,14 @@ class MPIEngine:
             return [payload]
         status = MPI.Status()
         if self.rank != 0:
-            data = encode((seq, payload))
+            data = _SEQ.pack(seq) + encode(payload)
             sent = comm.Isend([data, MPI.BYTE], dest=0, tag=self._tag_up)  # the request holds data until sent
             poller = Poller(deadline + _VERDICT_GRACE, watch=watch)
             try:
                 while True:
                     answer = receive(comm, 0, self._tag_down, status)
                     if answer is not None:
-                        s, (kind, value) = self._answer(answer)
+                        s, kind, value = self._answer(answer)
                         if s == seq:
                             break
                     elif not poller.pause():
@@ -288,12 +297,13 @@ class MPIEngine:
                 self._loose.append(sent)  # not sent yet, maybe: its bytes must outlive this frame
                 raise
             sent.Wait()
-            if kind == "timeout":
+            if kind == _TIMEOUT:
                 raise DeadlineExceeded(value)
-            if kind == "error":
+            if kind == _ERROR:
                 raise DistBackendError(value)
             return value
         got: dict[int, Any] = {0: payload}
+        sent_as: dict[int, bytes] = {}  # each member's payload as it came: the answer forwards it
         refused = None
         poller = Poller(deadline, watch=watch)
         while len(got) < n:
@@ -301,57 +311,66 @@ class MPIEngine:
             if data is not None:
                 source = status.Get_source()
                 try:
-                    entry = decode(data, what=f"rank {self.world_ranks[0]}: the exchange message from group rank "
-                                              f"{source} (rank {self.world_ranks[source]})")
-                    if type(entry) is not tuple or len(entry) != 2 or type(entry[0]) is not int:
+                    if len(data) < _SEQ.size:
                         raise ControlMessageError(f"meshkit.comm: rank {self.world_ranks[0]}: the exchange message "
-                                                  f"from group rank {source} is a {type(entry).__name__}, not a "
-                                                  "(call number, payload) pair")
+                                                  f"from group rank {source} has {len(data)} bytes, fewer than its "
+                                                  "header's 8")
+                    s = _SEQ.unpack_from(data)[0]
+                    body = bytes(memoryview(data)[_SEQ.size:])
+                    value = decode(body, what=self._what(source))
                 except ControlMessageError as exc:  # of no exchange we can tell: this one fails
                     refused = refused or str(exc)
-                    entry = (seq, None)
-                s, value = entry
+                    s, value, body = seq, None, b""
                 if s == seq:
-                    got[source] = value
+                    got[source], sent_as[source] = value, body
             elif not poller.pause():
                 missing = [self.world_ranks[i] for i in range(n) if i not in got]
-                self._answer_all((seq, ("timeout", missing)), [i for i in got if i])
+                self._answer_all(seq, _TIMEOUT, missing, [i for i in got if i])
                 raise DeadlineExceeded(missing)
         if refused is not None:
-            self._answer_all((seq, ("error", refused)), range(1, n))
+            self._answer_all(seq, _ERROR, refused, range(1, n))
             raise ControlMessageError(refused)
-        values = [got[i] for i in range(n)]
         try:
-            answer = encode((seq, ("ok", values)))
+            answer = _VERDICT.pack(seq, _OK) + join([encode(payload), *(sent_as[i] for i in range(1, n))])
         except DistTypeError as exc:  # rank 0's own payload: a bug, but every member learns of it
             message = f"meshkit.comm: exchange failed on group rank 0: {exc}"
-            self._answer_all((seq, ("error", message)), range(1, n))
+            self._answer_all(seq, _ERROR, message, range(1, n))
             raise DistBackendError(message) from None
         MPI.Request.Waitall([comm.Isend([answer, MPI.BYTE], dest=i, tag=self._tag_down) for i in range(1, n)])
-        return values
+        return [got[i] for i in range(n)]
 
-    def _answer_all(self, verdict: tuple[int, tuple[str, Any]], ranks: Any) -> None:
-        """Send ``verdict`` to these group ranks without waiting; each request is kept (it holds
-        the bytes) until it completes."""
-        data = encode(verdict)
+    def _answer_all(self, seq: int, kind: int, value: Any, ranks: Any) -> None:
+        """Send the verdict ``kind``, ``value`` of exchange ``seq`` to these group ranks without
+        waiting; each request is kept (it holds the bytes) until it completes."""
+        data = _VERDICT.pack(seq, kind) + encode(value)
         self._loose = [r for r in self._loose if not r.Test()]
         self._loose += [self.comm.Isend([data, MPI.BYTE], dest=i, tag=self._tag_down) for i in ranks]
 
-    def _answer(self, data: bytearray) -> tuple[int, tuple[str, Any]]:
-        """Rank 0's answer: ``(seq, ("ok", values))``, ``(seq, ("timeout", ranks))`` or ``(seq,
-        ("error", message))``; anything else is a ControlMessageError."""
-        me = self.world_ranks[self.rank]
-        what = f"rank {me}: the exchange answer from group rank 0 (rank {self.world_ranks[0]})"
-        got = decode(data, what=what)
-        if type(got) is tuple and len(got) == 2 and type(got[0]) is int and type(got[1]) is tuple \
-                and len(got[1]) == 2:
-            kind, value = got[1]
-            if (kind == "ok" and type(value) is list and len(value) == self.size
-                    or kind == "timeout" and type(value) is list and all(type(r) is int for r in value)
-                    or kind == "error" and type(value) is str):
-                return got
-        raise ControlMessageError(f"meshkit.comm: {what}: a {type(got).__name__} that is not an answer of a group "
-                                  f"of {self.size}")
+    def _what(self, source: int) -> str:
+        """Where group rank ``source``'s exchange messages come from, for their errors (made once:
+        an exchange is on the path of every detail-mode collective)."""
+        whats = self._whats
+        if whats is None:
+            ranks, me = self.world_ranks, self.world_ranks[self.rank]
+            whats = self._whats = [f"rank {me}: the exchange answer from group rank 0 (rank {ranks[0]})" if i == 0 else
+                                   f"rank {me}: the exchange payload from group rank {i} (rank {ranks[i]})"
+                                   for i in range(self.size)]
+        return whats[source]
+
+    def _answer(self, data: bytearray) -> tuple[int, int, Any]:
+        """Rank 0's answer ``(seq, kind, value)``: every member's payload (``_OK``), the ranks that
+        did not arrive (``_TIMEOUT``) or a message (``_ERROR``); anything else is a ControlMessageError."""
+        what = self._what(0)
+        if len(data) < _VERDICT.size:
+            raise ControlMessageError(f"meshkit.comm: {what}: {len(data)} bytes, fewer than its header's 9")
+        seq, kind = _VERDICT.unpack_from(data)
+        value = decode(memoryview(data)[_VERDICT.size:], what=what)
+        if (kind == _OK and type(value) is list and len(value) == self.size
+                or kind == _TIMEOUT and type(value) is list and all(type(r) is int for r in value)
+                or kind == _ERROR and type(value) is str):
+            return seq, kind, value
+        raise ControlMessageError(f"meshkit.comm: {what}: verdict {kind} with a {type(value).__name__}, not an answer "
+                                  f"of a group of {self.size}")
 
     @property
     def world_ranks(self) -> list[int]:

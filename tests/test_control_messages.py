@@ -644,3 +644,10 @@ def test_a_malformed_typed_object_names_the_sender(fake_gpu, monkeypatch):
         assert isinstance(error, ControlMessageError), error
         assert str(error).startswith(f"meshkit.comm: rank {rank}: all_gather_object: the object from rank 1: not a "
                                      "control message meshkit wrote (2 bytes): unknown tag 0x5a at byte 1"), error
+
+
+def test_join_makes_the_list_of_messages_without_decoding_them():
+    parts = [encode((3, CALL)), encode(None), encode({"a": [1, 2]})]
+    assert same(decode(control.join(parts), what="x"), [(3, CALL), None, {"a": [1, 2]}])
+    with pytest.raises(meshkit.DistTypeError, match="an item is not a control message"):
+        control.join([b"\x80not one"])
