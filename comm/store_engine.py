@@ -343,8 +343,11 @@ class StoreEngine:
                 for key in (*rendezvous_keys(channel.size), "left"):
                     self.store.delete_key(key)
                 for r in range(channel.size):  # notices never read (the LEFT notices of this very leaving)
-                    for i in range(1, self.store.add(f"n/{r}/count", 0) + 1):
-                        self.store.delete_key(f"n/{r}/{i}")
+                    # The unread ones are the last: from the counter down to the first missing key,
+                    # so a counter raised by someone else costs one delete, not one per number.
+                    for i in range(self.store.add(f"n/{r}/count", 0), 0, -1):
+                        if not self.store.delete_key(f"n/{r}/{i}"):
+                            break
                     self.store.delete_key(f"n/{r}/count")
                 self.store.set("all-left", b"1")
             if channel.rank == 0 and channel.size > 1:
