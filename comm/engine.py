@@ -80,6 +80,12 @@ class EngineCapabilities:
             the store engine ends its own process after telling the others it left).
         host_arrays: the engine moves host (NumPy) arrays; False: the store engine, whose group
             refuses NumPy collectives and takes its object collectives through ``exchange``.
+        authenticated_peers: every byte the engine receives comes from a process of this job: MPI
+            (its process manager started the peers), local (threads of this process), a store
+            engine whose store proves the job's secret (``Store.authenticated``), NCCL (its host
+            engine's answer). Object collectives unpickle only on such a group; elsewhere they
+            carry objects in the typed format of :mod:`~meshkit.comm.control` (comm/objects.py).
+            False by default: an engine says so only if it knows.
     """
 
     checks_calls: bool = False
@@ -91,6 +97,7 @@ class EngineCapabilities:
     coalesces: bool = False
     aborts_job: bool = False
     host_arrays: bool = True
+    authenticated_peers: bool = False
 
 
 class Request(Protocol):

@@ -206,8 +206,9 @@ class LocalEngine:
     native_avg = False
     # checks_calls: announce(), every rendezvous compares what its members called; reports_dtype: a
     # receive knows the sent array's dtype. No progress to drive: a rendezvous completes as the
-    # others deposit. No job to abort: the ranks are threads of this process (local.run wakes them).
-    capabilities = EngineCapabilities(checks_calls=True, reports_dtype=True)
+    # others deposit. No job to abort: the ranks are threads of this process (local.run wakes them),
+    # hence its own peers (object collectives unpickle).
+    capabilities = EngineCapabilities(checks_calls=True, reports_dtype=True, authenticated_peers=True)
     device = None
     max_tag = 2**20
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import struct
 from typing import Any, Callable
 
 import numpy as np
@@ -36,11 +37,12 @@ from mpi4py import MPI
 
 from . import env
 from .arrays import is_device_array
+from .control import ControlMessageError, decode, encode, join
 from .engine import DeadlineExceeded, EngineCapabilities
-from .errors import DistBackendError, DistValueError
+from .errors import DistBackendError, DistTypeError, DistValueError
 from .mpi_cuda_aware import CUDA_AWARE_ENV, cuda_aware_mpi
 from .mpi_datatypes import spec, specs
-from .mpi_mailbox import Mailbox
+from .mpi_mailbox import Mailbox, receive
 from .mpi_polling import Poller, choose_caller_spin, completes
 from .mpi_staging import Deferred, Staging
 from .notices import Notice
@@ -53,6 +55,11 @@ logger = logging.getLogger("meshkit")
 #: Extra seconds non-root ranks of a monitored exchange wait for rank 0's verdict, which rank 0
 #: may send only at its own deadline.
 _VERDICT_GRACE = 5.0
+
+#: The exchange's headers: a payload's call number; an answer's call number and verdict.
+_SEQ = struct.Struct("<q")
+_VERDICT = struct.Struct("<qB")
+_OK, _TIMEOUT, _ERROR = range(3)
 
 #: Launchers' node-local rank, in the order asked: torchrun, MPICH's Hydra, Open MPI, Slurm.
 LOCAL_RANK_ENVS = ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
@@ -104,8 +111,9 @@ class MPIEngine:
 
     backend = "mpi"
     native_avg = False
-    # MPI moves nonblocking data only inside MPI calls (needs_progress); MPI_Abort ends the job.
-    capabilities = EngineCapabilities(needs_progress=True, aborts_job=True)
+    # MPI moves nonblocking data only inside MPI calls (needs_progress); MPI_Abort ends the job; its
+    # peers are the job's processes, started by its process manager (object collectives unpickle).
+    capabilities = EngineCapabilities(needs_progress=True, aborts_job=True, authenticated_peers=True)
     device = None  # a host engine (device arrays are staged or passed to a CUDA-aware MPI)
 
     def __init__(self, comm: MPI.Intracomm, mailbox: Mailbox) -> None:
@@ -120,6 +128,8 @@ class MPIEngine:
         staging = Staging()  # device arrays: staged through host buffers, or to a CUDA-aware MPI
         self._device = staging.start
         self._posts = staging.posts  # device operations waiting for the device before MPI sees them
+        self._loose: list[MPI.Request] = []  # exchange verdicts sent without waiting (each holds its bytes)
+        self._whats: list[str] | None = None  # see _what
 
     def wait(self, request: Any, deadline: float) -> None:
         if not completes(request, deadline, self.watch):
@@ -259,45 +269,108 @@ class MPIEngine:
 
         Messages carry ``seq`` so that a late message of an earlier, timed-out exchange is never
         taken for this one. DeadlineExceeded names global ranks through ``self.world_ranks``.
+        Payloads and answers are control messages (:mod:`~meshkit.comm.control`) sent as bytes,
+        never pickled, behind a fixed header: ``seq`` (8 bytes) up; ``seq`` and the verdict's
+        kind (9 bytes) down. The answer's list is the members' payloads as they sent them
+        (``control.join``), not encoded again. A payload that is not a control message makes
+        rank 0 answer with an error that every member raises (ControlMessageError on rank 0).
         """
         watch = self.watch if watched else None  # read notices while waiting (detail-mode checks)
         n, comm = self.size, self.comm
         if n == 1:
             return [payload]
+        status = MPI.Status()
         if self.rank != 0:
-            sent = comm.isend((seq, payload), dest=0, tag=self._tag_up)
+            data = _SEQ.pack(seq) + encode(payload)
+            sent = comm.Isend([data, MPI.BYTE], dest=0, tag=self._tag_up)  # the request holds data until sent
             poller = Poller(deadline + _VERDICT_GRACE, watch=watch)
-            while True:
-                if comm.iprobe(source=0, tag=self._tag_down):
-                    s, (kind, value) = comm.recv(source=0, tag=self._tag_down)
-                    if s == seq:
-                        break
-                elif not poller.pause():
-                    raise DeadlineExceeded([self.world_ranks[0]], "group rank 0 never answered the arrival check")
+            try:
+                while True:
+                    answer = receive(comm, 0, self._tag_down, status)
+                    if answer is not None:
+                        s, kind, value = self._answer(answer)
+                        if s == seq:
+                            break
+                    elif not poller.pause():
+                        raise DeadlineExceeded([self.world_ranks[0]], "group rank 0 never answered the arrival check")
+            except BaseException:
+                self._loose.append(sent)  # not sent yet, maybe: its bytes must outlive this frame
+                raise
             sent.Wait()
-            if kind == "timeout":
+            if kind == _TIMEOUT:
                 raise DeadlineExceeded(value)
+            if kind == _ERROR:
+                raise DistBackendError(value)
             return value
         got: dict[int, Any] = {0: payload}
+        sent_as: dict[int, bytes] = {}  # each member's payload as it came: the answer forwards it
+        refused = None
         poller = Poller(deadline, watch=watch)
-        status = MPI.Status()
         while len(got) < n:
-            if comm.iprobe(source=MPI.ANY_SOURCE, tag=self._tag_up, status=status):
+            data = receive(comm, MPI.ANY_SOURCE, self._tag_up, status)
+            if data is not None:
                 source = status.Get_source()
-                s, value = comm.recv(source=source, tag=self._tag_up)
+                try:
+                    if len(data) < _SEQ.size:
+                        raise ControlMessageError(f"meshkit.comm: rank {self.world_ranks[0]}: the exchange message "
+                                                  f"from group rank {source} has {len(data)} bytes, fewer than its "
+                                                  "header's 8")
+                    s = _SEQ.unpack_from(data)[0]
+                    body = bytes(memoryview(data)[_SEQ.size:])
+                    value = decode(body, what=self._what(source))
+                except ControlMessageError as exc:  # of no exchange we can tell: this one fails
+                    refused = refused or str(exc)
+                    s, value, body = seq, None, b""
                 if s == seq:
-                    got[source] = value
+                    got[source], sent_as[source] = value, body
             elif not poller.pause():
                 missing = [self.world_ranks[i] for i in range(n) if i not in got]
-                verdict: tuple[str, Any] = ("timeout", missing)
-                for i in got:
-                    if i:
-                        comm.isend((seq, verdict), dest=i, tag=self._tag_down)
+                self._answer_all(seq, _TIMEOUT, missing, [i for i in got if i])
                 raise DeadlineExceeded(missing)
-        values = [got[i] for i in range(n)]
-        requests = [comm.isend((seq, ("ok", values)), dest=i, tag=self._tag_down) for i in range(1, n)]
-        MPI.Request.Waitall(requests)
-        return values
+        if refused is not None:
+            self._answer_all(seq, _ERROR, refused, range(1, n))
+            raise ControlMessageError(refused)
+        try:
+            answer = _VERDICT.pack(seq, _OK) + join([encode(payload), *(sent_as[i] for i in range(1, n))])
+        except DistTypeError as exc:  # rank 0's own payload: a bug, but every member learns of it
+            message = f"meshkit.comm: exchange failed on group rank 0: {exc}"
+            self._answer_all(seq, _ERROR, message, range(1, n))
+            raise DistBackendError(message) from None
+        MPI.Request.Waitall([comm.Isend([answer, MPI.BYTE], dest=i, tag=self._tag_down) for i in range(1, n)])
+        return [got[i] for i in range(n)]
+
+    def _answer_all(self, seq: int, kind: int, value: Any, ranks: Any) -> None:
+        """Send the verdict ``kind``, ``value`` of exchange ``seq`` to these group ranks without
+        waiting; each request is kept (it holds the bytes) until it completes."""
+        data = _VERDICT.pack(seq, kind) + encode(value)
+        self._loose = [r for r in self._loose if not r.Test()]
+        self._loose += [self.comm.Isend([data, MPI.BYTE], dest=i, tag=self._tag_down) for i in ranks]
+
+    def _what(self, source: int) -> str:
+        """Where group rank ``source``'s exchange messages come from, for their errors (made once:
+        an exchange is on the path of every detail-mode collective)."""
+        whats = self._whats
+        if whats is None:
+            ranks, me = self.world_ranks, self.world_ranks[self.rank]
+            whats = self._whats = [f"rank {me}: the exchange answer from group rank 0 (rank {ranks[0]})" if i == 0 else
+                                   f"rank {me}: the exchange payload from group rank {i} (rank {ranks[i]})"
+                                   for i in range(self.size)]
+        return whats[source]
+
+    def _answer(self, data: bytearray) -> tuple[int, int, Any]:
+        """Rank 0's answer ``(seq, kind, value)``: every member's payload (``_OK``), the ranks that
+        did not arrive (``_TIMEOUT``) or a message (``_ERROR``); anything else is a ControlMessageError."""
+        what = self._what(0)
+        if len(data) < _VERDICT.size:
+            raise ControlMessageError(f"meshkit.comm: {what}: {len(data)} bytes, fewer than its header's 9")
+        seq, kind = _VERDICT.unpack_from(data)
+        value = decode(memoryview(data)[_VERDICT.size:], what=what)
+        if (kind == _OK and type(value) is list and len(value) == self.size
+                or kind == _TIMEOUT and type(value) is list and all(type(r) is int for r in value)
+                or kind == _ERROR and type(value) is str):
+            return seq, kind, value
+        raise ControlMessageError(f"meshkit.comm: {what}: verdict {kind} with a {type(value).__name__}, not an answer "
+                                  f"of a group of {self.size}")
 
     @property
     def world_ranks(self) -> list[int]:
@@ -350,7 +423,7 @@ class MPIEngine:
                                          "a node-local rank (a non-negative integer)")
                 return int(value)
         if simulated:
-            hosts = MPI.COMM_WORLD.allgather(simulated)
+            hosts = _allgather_text(MPI.COMM_WORLD, simulated)
             return hosts[:MPI.COMM_WORLD.Get_rank()].count(simulated)
         node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
         try:
@@ -361,6 +434,19 @@ class MPIEngine:
     def free(self) -> None:
         if self.comm != MPI.COMM_NULL:
             self.comm.Free()
+
+
+def _allgather_text(comm: MPI.Intracomm, text: str) -> list[str]:
+    """Every rank's ``text`` (a host name), as UTF-8 bytes: sizes, then the bytes (mpi4py's
+    lowercase ``allgather`` would pickle, and nothing of MPI is unpickled)."""
+    data = text.encode("utf-8", "surrogatepass")
+    sizes = np.empty(comm.Get_size(), np.int64)
+    comm.Allgather(np.array([len(data)], np.int64), sizes)
+    counts = sizes.tolist()
+    starts = [0, *itertools.accumulate(counts[:-1])]
+    out = bytearray(sum(counts))
+    comm.Allgatherv([data, MPI.BYTE], [out, (counts, starts), MPI.BYTE])
+    return [out[a:a + c].decode("utf-8", "surrogatepass") for a, c in zip(starts, counts)]
 
 
 def create_world_engine() -> MPIEngine:
@@ -374,6 +460,6 @@ def create_world_engine() -> MPIEngine:
         host.Free()
     else:  # simulated nodes (MPICH sees one per simulated host): they share the real machine's cores
         machine = os.uname().nodename
-        ranks_here = MPI.COMM_WORLD.allgather(machine).count(machine)
+        ranks_here = _allgather_text(MPI.COMM_WORLD, machine).count(machine)
     choose_caller_spin(ranks_here)
     return MPIEngine(MPI.COMM_WORLD.Dup(), Mailbox(MPI.COMM_WORLD.Dup()))

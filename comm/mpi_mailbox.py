@@ -4,6 +4,10 @@ the others (a call rejected, a rank leaving) while they may be blocked in a coll
 Apart from the engine because it is not a group's traffic: one mailbox serves every engine of
 the world, over a communicator of its own (a duplicate of MPI_COMM_WORLD), so notices never
 meet collective or user messages; engines only post, drain and flush it.
+
+Notices, like every control message, travel as bytes in the typed format of
+:mod:`~meshkit.comm.control`, never pickled (mpi4py's lowercase ``isend``/``recv`` would pickle):
+:func:`receive` is how one comes off MPI, also for the engine's exchange (comm/mpi.py).
 """
 
 from __future__ import annotations
@@ -12,10 +16,24 @@ import time
 
 from mpi4py import MPI
 
+from .control import ControlMessageError, decode_notice, encode
 from .mpi_polling import completes
 from .notices import Notice
 
-__all__ = ["Mailbox"]
+__all__ = ["Mailbox", "receive"]
+
+
+def receive(comm: MPI.Comm, source: int, tag: int, status: MPI.Status) -> bytearray | None:
+    """The bytes of a message from ``source`` with ``tag`` that has arrived (its sender in
+    ``status``), or None if none has. A matched probe (``Improbe``, then ``Mrecv`` of that very
+    message into a buffer of its size), so another thread's receive can never take it between the
+    two."""
+    message = comm.Improbe(source, tag, status)
+    if message is None:
+        return None
+    data = bytearray(status.Get_count(MPI.BYTE))
+    message.Recv([data, MPI.BYTE])
+    return data
 
 
 class Mailbox:
@@ -26,19 +44,30 @@ class Mailbox:
 
     def __init__(self, comm: MPI.Intracomm) -> None:
         self.comm = comm
-        self._sent: list[MPI.Request] = []
+        self._sent: list[MPI.Request] = []  # each holds its message's bytes until sent
+        self._kept: list[Notice] = []  # notices drained beside a malformed one: returned at the next drain
 
     def post(self, ranks: list[int], notice: Notice) -> None:
         """Send ``notice`` to these global ranks without waiting (what was sent and has left is forgotten)."""
         self._sent = [r for r in self._sent if not r.Test()]
-        self._sent += [self.comm.isend(notice, dest=r, tag=self._TAG) for r in ranks]
+        data = encode(notice)
+        self._sent += [self.comm.Isend([data, MPI.BYTE], dest=r, tag=self._TAG) for r in ranks]
 
     def drain(self) -> list[Notice]:
-        """The notices that have arrived, in order of arrival."""
-        got = []
+        """The notices that have arrived, in order of arrival. A message that is not a notice is a
+        ControlMessageError naming its sender (the notices drained with it come at the next drain)."""
+        got, self._kept = self._kept, []
+        bad: ControlMessageError | None = None
         status = MPI.Status()
-        while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=self._TAG, status=status):
-            got.append(self.comm.recv(source=status.Get_source(), tag=self._TAG))
+        while (data := receive(self.comm, MPI.ANY_SOURCE, self._TAG, status)) is not None:
+            try:
+                got.append(decode_notice(data, what=f"rank {self.comm.Get_rank()}: the notice from rank "
+                                                    f"{status.Get_source()}"))
+            except ControlMessageError as exc:
+                bad = bad or exc
+        if bad is not None:
+            self._kept = got
+            raise bad
         return got
 
     def flush(self, timeout: float) -> None:

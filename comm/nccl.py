@@ -160,7 +160,9 @@ class NCCLEngine:
                                                 aborts_job=host.capabilities.aborts_job,
                                                 # a host over a store (no MPI) moves no host arrays:
                                                 # object collectives go through exchange (comm/objects.py)
-                                                host_arrays=host.capabilities.host_arrays)
+                                                host_arrays=host.capabilities.host_arrays,
+                                                # its peers are whom the host engine's are (they met there)
+                                                authenticated_peers=host.capabilities.authenticated_peers)
         nccl = rt.nccl
         self._types = {name: getattr(nccl, const) for name, const in NCCL_DTYPES.items() if hasattr(nccl, const)}
         self._ops = {op: getattr(nccl, const) for op, const in NCCL_OPS.items()}

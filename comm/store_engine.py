@@ -19,18 +19,28 @@ Keys (under the world's prefix, :data:`~meshkit.comm.init_methods.PREFIX`):
 * ``g<ns>/b<c>/<r>``: rank r reached barrier number c; the last rank to see all of them deletes them;
 * ``n/<r>/count`` and ``n/<r>/<i>``: notice i to global rank r (a counter, then the notice);
 * ``left``: how many ranks left the world (the last deletes the world's keys).
+
+Whoever can write the store (anyone who reaches a TCPStore's port without the job's secret, or
+writes a file:// file) can write these keys, so their values are never unpickled: notices,
+exchange payloads and answers travel in the typed format of :mod:`~meshkit.comm.control`. A
+value that is not one (a pickle, garbage, an answer of the wrong shape) is a
+:class:`~meshkit.comm.control.ControlMessageError` naming the key and the rank that should have
+written it; a payload is refused by group rank 0, whose answer makes every member raise it.
+Whether object collectives may unpickle on this world is the store's answer
+(``Store.authenticated``: the job's secret; ``capabilities.authenticated_peers``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-import pickle
 import threading
 import time
 from typing import Any, Callable
 
 from . import env
+from .control import ControlMessageError, decode, decode_notice, encode
 from .engine import DeadlineExceeded, EngineCapabilities
 from .errors import DistBackendError, DistStoreError, DistTypeError, DistValueError
 from .notices import LEFT, WATCH_INTERVAL, Notice
@@ -53,6 +63,15 @@ HOST_ARRAYS_MESSAGE = ("host (NumPy) arrays need a host engine, and this nccl wo
                        "arrays over MPI), or use the mpi backend under meshkit-run/mpiexec")
 
 
+#: Seconds a rank waits for a notice whose counter was raised but whose key is not there yet: its
+#: sender writes the key right after raising the counter (one store round trip, well under a
+#: millisecond on a host, a few over a network), so a key missing for this long was never posted
+#: (the counter was raised by someone else), and the rank does not wait on it for the store's timeout.
+_NOTICE_GRACE_S = 2.0
+#: What a malformed value read from the store adds to its error: who may have written it.
+_OUTSIDER = "; a process outside this job may have written to the rendezvous store"
+
+
 class _Channel:
     """What the engines of one world share: the store, this process's global rank, the notices."""
 
@@ -60,11 +79,14 @@ class _Channel:
         self.store, self.rank, self.size, self.owned = store, rank, size, owned
         self.local_rank = local_rank
         self.read = 0  # notices to this rank read so far
+        self.kept: list[Notice] = []  # notices read beside a malformed one, returned at the next read
         self.lock = threading.Lock()
         self.left = False
+        # Whether only the job's processes can write the store (it proves the job's secret); read once.
+        self.authenticated = store.authenticated is True
 
     def notify(self, ranks: list[int], notice: Notice) -> None:
-        data = pickle.dumps(notice)
+        data = encode(notice)
         for r in ranks:
             if r == self.rank:
                 continue
@@ -75,19 +97,51 @@ class _Channel:
                 logger.debug("meshkit: rank %d could not post a notice to rank %d", self.rank, r, exc_info=True)
 
     def notices(self) -> list[Notice]:
+        """The notices posted to this rank since the last call. A value that is no notice is a
+        ControlMessageError naming its key (the notices read with it come at the next call)."""
         with self.lock:
+            got, self.kept = self.kept, []
+            bad: ControlMessageError | None = None
             try:
-                count = self.store.add(f"n/{self.rank}/count", 0)
-                got = []
+                counter = f"n/{self.rank}/count"
+                count = self.store.add(counter, 0)
                 for i in range(self.read + 1, count + 1):
                     key = f"n/{self.rank}/{i}"
-                    got.append(pickle.loads(self.store.get(key)))
+                    if not self._posted(key):  # a counter raised by someone who posts nothing: skip its range
+                        self.read = count
+                        bad = bad or ControlMessageError(
+                            f"meshkit.comm: rank {self.rank}: the notice counter {counter!r} says {count}, but key "
+                            f"{key!r} was not written within {_NOTICE_GRACE_S:g} s of it (a rank that posts a "
+                            "notice writes it right after raising the counter)")
+                        break
+                    data = self.store.get(key)
                     self.store.delete_key(key)
-                self.read = count
+                    self.read = i
+                    try:
+                        got.append(decode_notice(data, what=f"rank {self.rank}: the notice in rendezvous store key "
+                                                            f"{key!r} (posted by another rank of this world)"))
+                    except ControlMessageError as exc:
+                        bad = bad or exc
             except DistStoreError as exc:
                 raise DistBackendError(f"meshkit.comm: rank {self.rank}: the rendezvous store failed while this rank "
                                        f"read its notices ({exc}); did rank 0, which serves a TCPStore, end?") from None
+            if bad is not None:
+                self.kept = got
+                raise ControlMessageError(f"{bad}{_OUTSIDER}")
             return got
+
+
+    def _posted(self, key: str) -> bool:
+        """Whether notice ``key`` is there, or comes within :data:`_NOTICE_GRACE_S`."""
+        if self.store.check([key]):
+            return True
+        try:
+            self.store.wait([key], timeout=_NOTICE_GRACE_S)
+        except DistStoreError as exc:
+            if not exc.keys:  # the store itself failed
+                raise
+            return False
+        return True
 
 
 class _Barrier:
@@ -120,6 +174,8 @@ class StoreEngine:
 
     def __init__(self, channel: _Channel, ns: str, world_ranks: tuple[int, ...], rank: int) -> None:
         self.channel, self.store, self.ns = channel, channel.store, ns
+        # Object collectives unpickle only where the store admits the job's processes alone.
+        self.capabilities = dataclasses.replace(StoreEngine.capabilities, authenticated_peers=channel.authenticated)
         self._world_ranks = world_ranks
         self.rank, self.size = rank, len(world_ranks)
         self.watch: Callable[[], None] | None = None
@@ -168,19 +224,25 @@ class StoreEngine:
     # ----------------------------------------------------------------- what the NCCL engine asks
     def exchange(self, payload: Any, seq: int, deadline: float, *, watched: bool = False) -> list[Any]:
         """Every member's ``payload``, in group rank order; DeadlineExceeded names the ranks that
-        did not arrive. Group rank 0 collects and answers, as the MPI engine's exchange."""
+        did not arrive. Group rank 0 collects and answers, as the MPI engine's exchange.
+
+        Payloads and answers are control messages (:mod:`~meshkit.comm.control`). A payload that
+        is not one makes group rank 0 answer with an error naming its key and sender, which every
+        member raises; an answer that is not one is raised by the member that read it (its group
+        then breaks, and its notice fails the others' next wait)."""
         if self.size == 1:
             return [payload]
         base = f"g{self.ns}/x{self._next()}"
         answer = f"{base}/all"
         if self.rank != 0:
-            self.store.set(f"{base}/{self.rank}", pickle.dumps(payload))
+            self.store.set(f"{base}/{self.rank}", encode(payload))
             if not self._await([answer], deadline + _VERDICT_GRACE_S, watched):
                 raise DeadlineExceeded([self._world_ranks[0]], "group rank 0 never answered the exchange")
-            kind, value = pickle.loads(self.store.get(answer))
+            data = self.store.get(answer)
             if self.store.add(f"{base}/read", 1) == self.size - 1:
                 self.store.delete_key(answer)
                 self.store.delete_key(f"{base}/read")
+            kind, value = self._answer(data, answer)
             if kind == "timeout":
                 raise DeadlineExceeded(value)
             if kind == "error":
@@ -189,19 +251,50 @@ class StoreEngine:
         keys = [f"{base}/{r}" for r in range(1, self.size)]
         if not self._await(keys, deadline, watched):
             missing = [self._world_ranks[i + 1] for i, key in enumerate(keys) if not self.store.check([key])]
-            self.store.set(answer, pickle.dumps(("timeout", missing)))
+            self.store.set(answer, encode(("timeout", missing)))
             raise DeadlineExceeded(missing)
         values = [payload]
-        for key in keys:
-            values.append(pickle.loads(self.store.get(key)))
+        refused = None
+        for r, key in enumerate(keys, start=1):
+            data = self.store.get(key)
             self.store.delete_key(key)
+            try:
+                values.append(decode(data, what=f"rank {self._me}: the payload of exchange {base} in rendezvous "
+                                                f"store key {key!r} (written by group rank {r}, rank "
+                                                f"{self._world_ranks[r]})"))
+            except ControlMessageError as exc:
+                refused = refused or f"{exc}{_OUTSIDER}"
+        if refused is not None:  # every member raises it: the answer says so
+            self.store.set(answer, encode(("error", refused)))
+            raise ControlMessageError(refused)
         try:
-            self.store.set(answer, pickle.dumps(("ok", values)))
+            self.store.set(answer, encode(("ok", values)))
         except (DistValueError, DistTypeError) as exc:  # too large for the store: every member raises
             message = f"meshkit.comm: exchange over the rendezvous store failed on group rank 0: {exc}"
-            self.store.set(answer, pickle.dumps(("error", message)))
+            self.store.set(answer, encode(("error", message)))
             raise DistBackendError(message) from None
         return values
+
+    def _answer(self, data: bytes, key: str) -> tuple[str, Any]:
+        """Group rank 0's answer read from ``key``: ``("ok", one value per member)``, ``("timeout",
+        missing ranks)`` or ``("error", message)``; anything else is a ControlMessageError."""
+        what = (f"rank {self._me}: the answer of exchange {key.rpartition('/')[0]} in rendezvous store key {key!r} "
+                f"(written by group rank 0, rank {self._world_ranks[0]})")
+        try:
+            got = decode(data, what=what)
+        except ControlMessageError as exc:
+            raise ControlMessageError(f"{exc}{_OUTSIDER}") from None
+        if type(got) is tuple and len(got) == 2:
+            kind, value = got
+            if (kind == "ok" and type(value) is list and len(value) == self.size
+                    or kind == "timeout" and type(value) is list and all(type(r) is int for r in value)
+                    or kind == "error" and type(value) is str):
+                return kind, value
+        shown = repr(got)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        raise ControlMessageError(f"meshkit.comm: {what}: {shown} is not an answer of a group of {self.size} "
+                                  f"(('ok', [one value per member]), ('timeout', [ranks]) or ('error', text))"
+                                  f"{_OUTSIDER}")
 
     def barrier(self) -> _Barrier:
         base = f"g{self.ns}/b{self._next()}"
@@ -250,8 +343,11 @@ class StoreEngine:
                 for key in (*rendezvous_keys(channel.size), "left"):
                     self.store.delete_key(key)
                 for r in range(channel.size):  # notices never read (the LEFT notices of this very leaving)
-                    for i in range(1, self.store.add(f"n/{r}/count", 0) + 1):
-                        self.store.delete_key(f"n/{r}/{i}")
+                    # The unread ones are the last: from the counter down to the first missing key,
+                    # so a counter raised by someone else costs one delete, not one per number.
+                    for i in range(self.store.add(f"n/{r}/count", 0), 0, -1):
+                        if not self.store.delete_key(f"n/{r}/{i}"):
+                            break
                     self.store.delete_key(f"n/{r}/count")
                 self.store.set("all-left", b"1")
             if channel.rank == 0 and channel.size > 1:

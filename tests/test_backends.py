@@ -209,7 +209,8 @@ def test_an_engine_without_attributes_names_them(registry):
 def test_the_check_covers_every_attribute_the_protocol_declares():
     from meshkit.comm.engine import Engine
     assert set(Engine.__annotations__) == {*backends._ATTRIBUTES, "watch", "device"}
-    assert set(backends._GATED) | {"reports_dtype", "needs_progress", "queues", "host_arrays"} == set(
+    assert set(backends._GATED) | {"reports_dtype", "needs_progress", "queues", "host_arrays",
+                                   "authenticated_peers"} == set(
         EngineCapabilities.__dataclass_fields__)
 
 
