@@ -461,13 +461,17 @@ class ProcessGroup:
 
     def shutdown(self) -> None:
         """Finish queued tasks and device work (within the timeout), stop the thread, release the
-        engine (not one that failed: destroying an NCCL communicator waits for its kernels, which
-        may wait for a missing rank forever; the group aborted it instead)."""
+        engine. A group that failed was broken through :meth:`FailureState.broken`, which made an
+        engine that ``abandons`` abort its communicator first (destroying an NCCL communicator
+        waits for its kernels, which may wait for a missing rank forever), so its release waits
+        for no one; it still frees what the engine holds of this process (the rendezvous store's
+        server, whose port a next world of the same processes takes)."""
         failures, thread = self.failures, self.queue.thread
         drained = thread.drain(self.timeout)
         thread.close()
         if not drained:
-            failures.reason = failures.reason or "destroyed with asynchronous work still running"
+            if failures.reason is None:
+                failures.broken("destroyed with asynchronous work still running", self.queue.seq)
             logger.warning("meshkit: group %s destroyed with asynchronous work still queued after %.0f s",
                            self.name, self.timeout)
         if self.engine is not None and self.engine.device is not None and failures.reason is None:  # device work
@@ -481,7 +485,7 @@ class ProcessGroup:
                 logger.error("meshkit: rank %d: destroying group %s (ranks %s): %s; the communicator was aborted\n%s",
                              self.global_rank, self.name, list(self.ranks), what,
                              self.world.recorder.format(self.global_rank))
-        if self.engine is not None and failures.reason is None:
+        if self.engine is not None:
             self.engine.free()
 
     # ----------------------------------------------------------------- argument helpers

@@ -385,18 +385,30 @@ def _linger(keys: Store) -> None:
             time.sleep(_REOPEN_PAUSE_S)
 
 
+#: The mark of the last world this process met at each address (``where``): a rank of a next world on
+#: the same port that finds this mark there has reached the old world's server, still up because
+#: its rank 0 has not left yet (a failed world's rank 0 may still wait in a collective), and waits.
+_met_worlds: dict[str, str] = {}
+
+
 def _opened(keys: Store, rank: int, deadline: float, timeout: float, where: str) -> None:
-    """Rank 0 marks its TCPStore open for this world (``open``; it deletes the mark as it leaves the
-    world); the others wait for the mark. A rank that reaches the server of the previous world on
-    the same port (its master still closing it) so waits, reconnects once that server is gone,
-    and never joins the old world's keys."""
+    """Rank 0 marks its TCPStore open for this world (``open``, a token of this world; it deletes
+    the mark as it leaves the world); the others wait for the mark. A rank that reaches the server
+    of the previous world on the same port (its master still closing it, or still in that world)
+    so waits, reconnects once that server is gone, and never joins the old world's keys."""
     if rank == 0:
-        keys.set("open", "1")
+        token = uuid.uuid4().hex
+        keys.set("open", token)
+        _met_worlds[where] = token
         return
+    old = _met_worlds.get(where)
     while True:
         try:
             keys.wait(["open"], timeout=max(deadline - time.monotonic(), 0.0))
-            return
+            token = keys.get("open").decode(errors="replace")
+            if token != old:
+                _met_worlds[where] = token
+                return
         except DistStoreError as exc:
             if exc.keys:
                 raise DistStoreError(f"meshkit.comm: rank {rank}: init_process_group over {where}: rank 0 did not open "
@@ -404,8 +416,9 @@ def _opened(keys: Store, rank: int, deadline: float, timeout: float, where: str)
                                      "but not rank 0's of this world)") from None
         if time.monotonic() > deadline:
             raise DistStoreError(f"meshkit.comm: rank {rank}: init_process_group over {where}: no server of rank 0 "
-                                 f"answered within the timeout of {timeout:g} s")
-        time.sleep(_REOPEN_PAUSE_S)  # the old server went away: the next request connects anew
+                                 f"of this world answered within the timeout of {timeout:g} s (the previous world's "
+                                 "did: has its rank 0 left it?)")
+        time.sleep(_REOPEN_PAUSE_S)  # the old world's server: the next request finds it gone, or the mark changed
 
 
 def rendezvous_keys(size: int) -> list[str]:

@@ -609,6 +609,7 @@ def test_an_env_world_of_processes_attacked_through_its_store_runs_no_code(tmp_p
     assert re.search(r"^BARRIER2 ok$", outputs[0], re.M), outputs[0]
     assert re.search(r"^BARRIER3 RankFailedError .*rank 1 stopped using group world", outputs[0], re.M), outputs[0]
     for out in outputs:
+        assert re.search(r"^WORLD2 ok$", out, re.M), out  # the failed world's store server was closed
         assert re.search(r"^OBJECTS ok$", out, re.M), out
         assert re.search(r"^REFUSED ObjectCollectiveError .*could not be sent in meshkit's typed format on ranks \[1\] "
                          r"\(rank 1: the typed format cannot carry a value of type __main__.Mine .*set "

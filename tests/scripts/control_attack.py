@@ -8,8 +8,9 @@ collectives of such a world: plain objects travel (``OBJECTS ok``) and an object
 is refused on every rank (``REFUSED <type> <message>``). Then rank 0 writes ``DIR/ready`` and
 waits for ``DIR/attacked`` (the test, as the outsider, posts a pickled notice to rank 1 through
 the store) and joins the next barrier late, so that rank 1 reads its notices while it waits
-there. Each rank prints what its next two barriers did (``BARRIER2/3 <type> <message>``). The
-device side is tests/nccl_process_double.py's.
+there. Each rank prints what its next two barriers did (``BARRIER2/3 <type> <message>``), then
+makes a second world on the same port (``WORLD2``). The device side is
+tests/nccl_process_double.py's.
 """
 
 import os
@@ -54,6 +55,13 @@ def main() -> None:
     outcome("BARRIER2", meshkit.barrier)
     outcome("BARRIER3", meshkit.barrier)
     meshkit.destroy_process_group()
+    # The world failed; its destroy still closes rank 0's TCPStore server, so a next world of the
+    # same processes meets on the same MASTER_PORT (it found the old server there before).
+    def again() -> None:
+        meshkit.init_process_group("nccl", init_method="env://", timeout=20)
+        meshkit.barrier()
+        meshkit.destroy_process_group()
+    outcome("WORLD2", again)
 
 if __name__ == "__main__":
     main()
