@@ -28,6 +28,7 @@ their messages pair up on every rank.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import errno
 import json
 import logging
@@ -49,7 +50,7 @@ from .errors import CheckpointError
 from .format import (FORMAT, METADATA_ENV, VERSION, create_exclusive, fsync_dir, max_metadata_bytes, read_regular,
                      write_chunks, write_metadata)
 from .leaves import ArrayLeaf, array_leaf, flatten, json_value
-from .plan import describe, make_plan
+from .plan import Description, describe, make_plan
 
 __all__ = ["save", "async_save"]
 
@@ -125,7 +126,9 @@ def _start(state_dict: Any, checkpoint_id: Any, group: ProcessGroup | None, op: 
     except Exception as exc:  # fails the save on every rank (rank 0 tells them), never one rank alone
         description = f"meshkit.checkpoint: rank {rank}: {op}: {type(exc).__name__}: {exc}"
     gathered: list[Any] | None = [None] * size if rank == 0 else None
-    gather_object(description, gathered, group=g, group_dst=0)
+    # Plain data (a dataclass would need pickle, which a group of unauthenticated peers refuses)
+    gather_object(description if isinstance(description, str) else dataclasses.astuple(description), gathered,
+                  group=g, group_dst=0)
     assignments: list[Any] | None = None
     if rank == 0:
         assignments = _plan(gathered, final, op, size)
@@ -165,6 +168,7 @@ def slabs(offsets: tuple[int, ...], data: np.ndarray) -> list[tuple[tuple[int, .
 def _plan(gathered: list[Any], final: Path, op: str, size: int) -> list[Any]:
     """Rank 0: every rank's assignment ``(tmp dir, boxes, metadata skeleton)``, or one error for all."""
     errors = [(r, d) for r, d in enumerate(gathered) if isinstance(d, str)]
+    gathered = [d if isinstance(d, str) else Description(*d) for d in gathered]
     try:
         if errors:
             r, text = errors[0]

@@ -29,7 +29,7 @@ from ..comm._seams import PreparedCollective, prepare_collective
 from ..mesh import DeviceMesh
 from . import errors
 from .chunks import chunk_range, local_shape_and_offset
-from .placements import Placement, Shard
+from .placements import Partial, Placement, Replicate, Shard
 
 __all__ = ["check_from_local", "infer_global_shape", "check_same_arguments", "verify_claims"]
 
@@ -42,7 +42,7 @@ def check_from_local(op: str, local: Any, mesh: DeviceMesh, placements: Sequence
     """
     coordinate = mesh.get_coordinate()
     rank = mesh.get_rank()
-    mine = (rank, tuple(coordinate), tuple(shape), tuple(placements), tuple(local.shape), str(local.dtype))
+    mine = (rank, tuple(coordinate), tuple(shape), _plain(placements), tuple(local.shape), str(local.dtype))
     problems: list[str] = []
     for i in range(mesh.ndim):  # sweep 1: every rank checks what its peers along each mesh dim passed
         everyone: list[Any] = [None] * mesh.shape[i]
@@ -56,14 +56,28 @@ def check_from_local(op: str, local: Any, mesh: DeviceMesh, placements: Sequence
         raise errors.value_error(op, "; ".join(problems))
 
 
+def _plain(placements: Sequence[Placement]) -> tuple[tuple[Any, ...], ...]:
+    """``placements`` as plain data (``("S", dim)``, ``("R",)``, ``("P", op)``): what the ranks
+    exchange, since an object collective over a group whose peers are not authenticated carries
+    only meshkit's typed format (comm/control.py), never a pickled Placement."""
+    return tuple(("S", p.dim) if isinstance(p, Shard) else ("P", p.reduce_op) if isinstance(p, Partial) else ("R",)
+                 for p in placements)
+
+
+def _placements(plain: Sequence[Sequence[Any]]) -> tuple[Placement, ...]:
+    """The placements of :func:`_plain`."""
+    return tuple(Shard(p[1]) if p[0] == "S" else Partial(p[1]) if p[0] == "P" else Replicate() for p in plain)
+
+
 def _problems(mesh: DeviceMesh, rank: int, mine: tuple, everyone: list[Any]) -> list[str]:
     """What is wrong with the peers' arguments (``everyone``), seen from this rank."""
     problems = []
-    for other, coord, their_shape, their_placements, local_shape, dtype in everyone:
-        if (their_shape, their_placements, dtype) != (mine[2], mine[3], mine[5]):
+    for other, coord, their_shape, plain, local_shape, dtype in everyone:
+        their_placements = _placements(plain)
+        if (their_shape, plain, dtype) != (mine[2], mine[3], mine[5]):
             problems.append(f"rank {other} passed shape {their_shape}, placements {their_placements!r}, "
-                            f"dtype {dtype} but rank {rank} passed shape {mine[2]}, placements {mine[3]!r}, "
-                            f"dtype {mine[5]}")
+                            f"dtype {dtype} but rank {rank} passed shape {mine[2]}, placements "
+                            f"{_placements(mine[3])!r}, dtype {mine[5]}")
         elif len(their_shape) != len(local_shape):
             problems.append(f"rank {other}'s local has {len(local_shape)} dims, the shape {their_shape} "
                             f"has {len(their_shape)}")
@@ -142,11 +156,11 @@ def _raise_everywhere(op: str, mesh: DeviceMesh, found: list[str], description: 
     A rank whose own arguments failed re-raises its own error; the others raise one naming it.
     """
     rank = mesh.get_rank()
-    known: tuple[set[str], dict[int, Any]] = (set(found), {rank: description})
+    known: tuple[list[str], dict[int, Any]] = (sorted(set(found)), {rank: description})  # plain data (no set)
     for i in range(mesh.ndim):
         theirs: list[Any] = [None] * mesh.shape[i]
         all_gather_object(theirs, known, group=mesh.get_group(i))
-        known = (set().union(*(t[0] for t in theirs)), {k: v for t in theirs for k, v in t[1].items()})
+        known = (sorted(set().union(*(t[0] for t in theirs))), {k: v for t in theirs for k, v in t[1].items()})
     if own is not None:
         raise own
     problems, passed = known

@@ -671,3 +671,21 @@ def test_leaving_deletes_the_unread_notices_and_not_one_key_per_forged_number():
     store2.set(f"n/0/{store2.add('n/0/count', 1)}", encode(Notice(LEFT, 1)))
     engine2.flush(1.0)
     assert store2.num_keys() == 0
+
+
+def test_from_locals_check_carries_plain_data_where_peers_are_not_authenticated(fake_gpu):
+    """from_local's check sent Placement objects through all_gather_object, which a world whose
+    store is open refuses to pickle: it sends plain data, and a bad block is named on every rank."""
+    from meshkit import tensor
+
+    def body(rank):
+        mesh = meshkit.init_device_mesh("cuda", (3,))
+        block = double.to_device(np.zeros((2 if rank else 1, 2)))  # rank 0's block is not torch.chunk's cut
+        with pytest.raises(meshkit.DistValueError, match=r"rank 0's local has shape \(1, 2\) but global shape "
+                                                         r"\(5, 2\) with placements \(Shard\(dim=0\),\) gives it "
+                                                         r"\(2, 2\)"):
+            tensor.DTensor.from_local(block, mesh, [tensor.Shard(0)], shape=(5, 2), run_check=True)
+        good = double.to_device(np.zeros((2 if rank < 2 else 1, 2)))
+        return tensor.DTensor.from_local(good, mesh, [tensor.Shard(0)], shape=(5, 2), run_check=True).shape
+
+    assert _world(body, 3, OpenStore()) == [(5, 2)] * 3
