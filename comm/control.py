@@ -52,13 +52,13 @@ from __future__ import annotations
 
 import functools
 import operator
-import os
 import struct
 import sys
 from typing import Any, Callable
 
 import numpy as np
 
+from . import env
 from .debug import Call, DebugLevel
 from .errors import DistBackendError, DistTypeError, DistValueError
 from .levels import _Switch
@@ -71,13 +71,8 @@ __all__ = ["encode", "decode", "decode_notice", "join", "ControlMessageError", "
 FORMAT = 0xC1
 _HEADER = bytes([FORMAT])
 
-#: The variable that bounds how deeply values nest (lists in dicts in tuples ...).
-MAX_DEPTH_ENV = "MESHKIT_CONTROL_MAX_DEPTH"
-#: Its default: meshkit's own messages nest at most 5 deep (a Notice's counts in a list); 100
-#: leaves room for object collectives' data, and decoding 100 levels uses 100 Python frames.
-_DEFAULT_DEPTH = 100
-#: Its largest valid value: each level is a Python frame, under CPython's default limit of 1000.
-_MOST_DEPTH = 500
+#: The variable that bounds how deeply values nest (lists in dicts in tuples ...): comm/env.py.
+MAX_DEPTH_ENV = env.CONTROL_MAX_DEPTH
 
 
 class ControlMessageError(DistBackendError):
@@ -91,16 +86,9 @@ class _Malformed(Exception):
 
 @functools.cache
 def max_depth() -> int:
-    """``MESHKIT_CONTROL_MAX_DEPTH``: how deeply control messages and the objects of object
-    collectives on unauthenticated groups may nest (default 100; 1..500). Read once."""
-    raw = os.environ.get(MAX_DEPTH_ENV)
-    if raw is None or not raw.strip():
-        return _DEFAULT_DEPTH
-    value = raw.strip()
-    if not value.isdigit() or not 1 <= int(value) <= _MOST_DEPTH:
-        raise DistValueError(f"meshkit.comm: {MAX_DEPTH_ENV}={raw!r} is not valid; valid values are integers "
-                             f"1..{_MOST_DEPTH} (levels of nesting; default {_DEFAULT_DEPTH})")
-    return int(value)
+    """``MESHKIT_CONTROL_MAX_DEPTH`` (:func:`meshkit.comm.env.control_max_depth`): how deeply control
+    messages and the objects of object collectives on unauthenticated groups may nest. Read once."""
+    return env.control_max_depth()
 
 
 # --------------------------------------------------------------------------- dtypes

@@ -21,7 +21,8 @@ from .errors import DistValueError
 __all__ = ["DEBUG", "TIMEOUT", "ASYNC_ERROR_HANDLING", "CUDA_AWARE_MPI", "LAUNCHED", "DEVICE_ID", "TRACE_DIR",
            "HOST_NAME", "JOB_SECRET", "MAX_TIMEOUT_S", "debug_level", "timeout", "check_timeout", "async_error_handling",
            "cuda_aware_mpi", "launched", "device_id", "trace_dir", "host_name", "this_host", "job_secret", "job_identity", "secret_identity",
-           "positive_number",
+           "positive_number", "control_max_depth", "CONTROL_MAX_DEPTH", "STORE_MAX_BYTES", "STORE_MAX_CONNECTIONS",
+           "STORE_IDLE_TIMEOUT", "STORE_HANDSHAKE_TIMEOUT", "STORE_MAX_WAIT_KEYS",
            "check_all", "invalid"]
 
 DEBUG = "MESHKIT_DEBUG"
@@ -50,6 +51,18 @@ MIN_SECRET_CHARS = 32
 #: Variables by which other launchers name their job (never secrets): a ``file://`` rendezvous
 #: tells two jobs on one path apart by the job's identity (:func:`job_identity`).
 _JOB_ID_ENVS = (("SLURM_JOB_ID", "SLURM_STEP_ID"), ("TORCHELASTIC_RUN_ID",), ("PBS_JOBID",), ("LSB_JOBID",))
+#: How deeply control messages (and objects on groups whose peers are not authenticated) may nest
+#: (comm/control.py): meshkit's own messages nest at most 5 deep (a Notice's counts in a list);
+#: the default 100 leaves room for object collectives' data, and decoding a level takes a Python
+#: frame, so at most 500 (under CPython's default recursion limit of 1000).
+CONTROL_MAX_DEPTH = "MESHKIT_CONTROL_MAX_DEPTH"
+_DEFAULT_DEPTH, _MOST_DEPTH = 100, 500
+#: The bounds of a TCPStore server (comm/stores/limits.py has their defaults and reasons).
+STORE_MAX_BYTES = "MESHKIT_STORE_MAX_BYTES"
+STORE_MAX_CONNECTIONS = "MESHKIT_STORE_MAX_CONNECTIONS"
+STORE_IDLE_TIMEOUT = "MESHKIT_STORE_IDLE_TIMEOUT"
+STORE_HANDSHAKE_TIMEOUT = "MESHKIT_STORE_HANDSHAKE_TIMEOUT"
+STORE_MAX_WAIT_KEYS = "MESHKIT_STORE_MAX_WAIT_KEYS"
 #: The longest timeout: 1e6 s (11.6 days). Longer ones overflow what the waits underneath take
 #: (epoll's C int of milliseconds ends at 24.8 days, ``threading``'s waits at ``TIMEOUT_MAX``), and
 #: ``inf``, ``1e10`` and ``2e9`` each failed somewhere else with a message naming nothing (issue 35).
@@ -219,6 +232,17 @@ def positive_number(name: str, default: float, *, integer: bool = False, upper: 
     return value
 
 
+def control_max_depth() -> int:
+    """``MESHKIT_CONTROL_MAX_DEPTH``: levels of nesting, 1..500 (default 100)."""
+    raw = _get(CONTROL_MAX_DEPTH)
+    if raw is None or not raw.strip():
+        return _DEFAULT_DEPTH
+    value = raw.strip()
+    if not value.isdigit() or not 1 <= int(value) <= _MOST_DEPTH:
+        raise invalid(CONTROL_MAX_DEPTH, raw, f"integers 1..{_MOST_DEPTH} (levels of nesting; default {_DEFAULT_DEPTH})")
+    return int(value)
+
+
 def job_secret() -> bytes | None:
     """``MESHKIT_JOB_SECRET``: the job's secret as bytes (at least :data:`MIN_SECRET_CHARS` printable
     ASCII characters, no whitespace); None where not set (or empty).
@@ -270,3 +294,8 @@ def check_all() -> None:
     device_id()
     trace_dir()
     job_secret()
+    control_max_depth()
+    for name in (STORE_MAX_BYTES, STORE_MAX_CONNECTIONS, STORE_MAX_WAIT_KEYS):
+        positive_number(name, 1, integer=True)
+    for name in (STORE_IDLE_TIMEOUT, STORE_HANDSHAKE_TIMEOUT):
+        positive_number(name, 1, upper=MAX_TIMEOUT_S)

@@ -136,6 +136,10 @@ BAD_SETTINGS = [
     ("MESHKIT_JOB_SECRET", "short", r"MESHKIT_JOB_SECRET is not valid \(5 characters; its value is not shown\): valid "
                                     r"values are at least 32 printable ASCII characters"),
     ("MESHKIT_JOB_SECRET", "a b" * 20, r"MESHKIT_JOB_SECRET is not valid \(it holds whitespace"),
+    ("MESHKIT_STORE_MAX_BYTES", "1G", r"MESHKIT_STORE_MAX_BYTES='1G' is not valid; valid values are a positive integer"),
+    ("MESHKIT_STORE_IDLE_TIMEOUT", "inf", r"MESHKIT_STORE_IDLE_TIMEOUT='inf' is not valid; valid values are a positive "
+                                          r"number at most 1e\+06"),
+    ("MESHKIT_CONTROL_MAX_DEPTH", "0", r"MESHKIT_CONTROL_MAX_DEPTH='0' is not valid; valid values are integers 1..500"),
     ("MESHKIT_ASYNC_ERROR_HANDLING", "ignore", r"MESHKIT_ASYNC_ERROR_HANDLING='ignore' is not valid; valid values are "
                                                r"'abort' \(end the job .*\) and 'log'"),
     ("MESHKIT_CUDA_AWARE_MPI", "yes", r"MESHKIT_CUDA_AWARE_MPI='yes' is not valid; valid values are 0 \(stage device "
