@@ -50,6 +50,8 @@ WORKER = r'''
 import json, os, statistics, sys, time
 from datetime import timedelta
 mode, args = sys.argv[1], sys.argv[2:]
+cores = sorted(os.sched_getaffinity(0))
+os.sched_setaffinity(0, {cores[int(os.environ["BENCH_CORE"]) % len(cores)]})  # the same placement every run
 from meshkit.comm.stores import TCPStore
 T = timedelta(seconds=60)
 
@@ -106,8 +108,9 @@ def _tree(baseline: str, work: Path) -> dict[str, Path]:
     return paths
 
 
-def _env(config: str, paths: dict[str, Path], port: int | None = None) -> dict[str, str]:
+def _env(config: str, paths: dict[str, Path], port: int | None = None, core: int = 0) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("MESHKIT_JOB_SECRET", "PYTHONPATH")}
+    env["BENCH_CORE"] = str(core)  # each process pinned to one core, the same in every run: placement is noise
     env["PYTHONPATH"] = str(paths["baseline" if config == "baseline" else "current"])
     if config == "secret":
         env["MESHKIT_JOB_SECRET"] = SECRET
@@ -125,13 +128,12 @@ def _free_port() -> int:
 
 
 def _round_trips(config: str, paths: dict[str, Path], calls: int) -> dict[str, float]:
-    env = _env(config, paths)
-    server = subprocess.Popen([sys.executable, "-c", WORKER, "serve"], env=env, stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen([sys.executable, "-c", WORKER, "serve"], env=_env(config, paths, core=0),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         port = server.stdout.readline().strip()
-        client = subprocess.run([sys.executable, "-c", WORKER, "client", port, str(calls)], env=env,
-                                capture_output=True, text=True, timeout=300)
+        client = subprocess.run([sys.executable, "-c", WORKER, "client", port, str(calls)],
+                                env=_env(config, paths, core=1), capture_output=True, text=True, timeout=300)
         if client.returncode:
             raise SystemExit(f"{config}: the client failed:\n{client.stderr}")
         return json.loads(client.stdout.strip().splitlines()[-1])
@@ -141,9 +143,10 @@ def _round_trips(config: str, paths: dict[str, Path], calls: int) -> dict[str, f
 
 
 def _world(config: str, paths: dict[str, Path], nproc: int, calls: int) -> dict[str, float]:
-    env = _env(config, paths, _free_port())
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, "rank", str(r), str(nproc), str(calls)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(nproc)]
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, "rank", str(r), str(nproc), str(calls)],
+                              env=_env(config, paths, port, core=r), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for r in range(nproc)]
     outs = []
     for p in procs:
         out, err = p.communicate(timeout=300)
@@ -181,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     for figure in results["baseline"]:
         med = {c: statistics.median(results[c][figure]) for c in CONFIGS}
         rows.append({"figure": figure, **{f"{c}_s": med[c] for c in CONFIGS},
+                     **{f"{c}_rounds_s": results[c][figure] for c in CONFIGS},
                      "open_ratio": med["open"] / med["baseline"], "secret_ratio": med["secret"] / med["baseline"]})
         unit, scale = ("ms", 1e3) if med["baseline"] > 1e-3 else ("us", 1e6)
         print(f"{figure:<12} " + " ".join(f"{med[c] * scale:>9.1f} {unit}" for c in CONFIGS)

@@ -155,9 +155,13 @@ class _Barrier:
 
     def Test(self) -> bool:  # noqa: N802 (the Request protocol's name)
         if not self.done and self.engine.store.check(self.keys):
-            self.done = True
-            self.engine.seen(self.keys, self.keys[0].rpartition("/")[0] + "/seen")
+            self.complete()
         return self.done
+
+    def complete(self) -> None:
+        """Every member's key is set: done (the last member to see it deletes the keys)."""
+        self.done = True
+        self.engine.seen(self.keys, self.keys[0].rpartition("/")[0] + "/seen")
 
 
 class StoreEngine:
@@ -212,6 +216,23 @@ class StoreEngine:
             if watch is not None:
                 watch()
 
+    def _fetch(self, key: str, deadline: float, watched: bool) -> bytes | None:
+        """The value of ``key`` once set (None: not by the deadline), reading notices between
+        slices when ``watched``: one round trip where a wait and a get would be two."""
+        watch = self.watch if watched else None
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            try:
+                value = self.store._get(key, min(left, _WATCH_SLICE_S) if watch is not None else left)
+            except DistStoreError as exc:  # the store itself failed (a timeout is None, not an error)
+                raise DistBackendError(f"meshkit.comm: rank {self._me}: the rendezvous store failed: {exc}") from None
+            if value is not None:
+                return value
+            if watch is not None:
+                watch()
+
     def _absent(self, keys: list[str]) -> list[int]:
         return [self._world_ranks[i] for i, key in enumerate(keys) if not self.store.check([key])]
 
@@ -236,9 +257,9 @@ class StoreEngine:
         answer = f"{base}/all"
         if self.rank != 0:
             self.store.set(f"{base}/{self.rank}", encode(payload))
-            if not self._await([answer], deadline + _VERDICT_GRACE_S, watched):
+            data = self._fetch(answer, deadline + _VERDICT_GRACE_S, watched)
+            if data is None:
                 raise DeadlineExceeded([self._world_ranks[0]], "group rank 0 never answered the exchange")
-            data = self.store.get(answer)
             if self.store.add(f"{base}/read", 1) == self.size - 1:
                 self.store.delete_key(answer)
                 self.store.delete_key(f"{base}/read")
@@ -302,13 +323,16 @@ class StoreEngine:
         return _Barrier(self, [f"{base}/{r}" for r in range(self.size)])
 
     def wait(self, request: Any, deadline: float) -> None:
-        if request.Test():
-            return
         if not isinstance(request, _Barrier):
             raise DistTypeError(f"meshkit.comm: rank {self._me}: the store engine cannot wait for {request!r}")
-        if not self._await(request.keys, deadline, True) and not request.Test():
+        if request.done:
+            return
+        # One wait (it returns at once where every key is set already), not a check before and
+        # after it: each is a store round trip on the barrier's path.
+        if self._await(request.keys, deadline, True):
+            request.complete()
+        elif not request.Test():
             raise DeadlineExceeded(self._absent(request.keys))
-        request.Test()
 
     def split(self, color: int | None, ranks: tuple[int, ...], deadline: float) -> StoreEngine | None:
         parts = self.exchange((color, self._me), -1, deadline, watched=True)

@@ -154,11 +154,12 @@ class StoreServer:
         next_sweep = time.monotonic() + sweep_s
         try:
             while not self._stopping:
-                timeout = max(0.0, next_sweep - time.monotonic()) if self._conns else None
-                if self._deadlines:
-                    first = max(0.0, self._deadlines[0][0] - time.monotonic())
-                    timeout = first if timeout is None else min(timeout, first)
-                for key, mask in self._selector.select(None if timeout is None else min(timeout, 3600.0)):
+                # at the next sweep (while anyone is connected) or the first waiter's deadline
+                wake = next_sweep if self._conns else None
+                if self._deadlines and (wake is None or self._deadlines[0][0] < wake):
+                    wake = self._deadlines[0][0]
+                timeout = None if wake is None else min(max(wake - time.monotonic(), 0.0), 3600.0)
+                for key, mask in self._selector.select(timeout):
                     if key.data == "accept":
                         self._accept()
                     elif key.data == "wake":
@@ -323,14 +324,18 @@ class StoreServer:
         while (conn.waiter is None and not conn.outbuf and not conn.closing and not conn.dead and not conn.paused
                and len(buf) >= HEADER.size):
             (n,) = HEADER.unpack_from(buf, 0)
-            if not conn.reserved:
-                if not conn.authed and n > auth.PRE_AUTH_MAX_BYTES:
-                    self._refuse(conn, f"a frame of {n} bytes before authenticating (the handshake's are under "
-                                       f"{auth.PRE_AUTH_MAX_BYTES}); closing the connection")
-                    return
-                if n > MAX_MESSAGE_BYTES:
-                    self._refuse(conn, f"a frame of {n} bytes is over the limit of {MAX_MESSAGE_BYTES} bytes "
-                                       f"(meshkit.comm.stores.wire.MAX_MESSAGE_BYTES); closing the connection")
+            if not conn.authed and n > auth.PRE_AUTH_MAX_BYTES:
+                self._refuse(conn, f"a frame of {n} bytes before authenticating (the handshake's are under "
+                                   f"{auth.PRE_AUTH_MAX_BYTES}); closing the connection")
+                return
+            if n > MAX_MESSAGE_BYTES:
+                self._refuse(conn, f"a frame of {n} bytes is over the limit of {MAX_MESSAGE_BYTES} bytes "
+                                   f"(meshkit.comm.stores.wire.MAX_MESSAGE_BYTES); closing the connection")
+                return
+            if len(buf) < HEADER.size + n:
+                # A frame still arriving holds memory for its whole length from here on (one that
+                # arrived whole, most of them, is served at once and holds nothing)
+                if conn.reserved:
                     return
                 if n > self._budget_left():
                     if self._traffic > 0:  # others' traffic will drain: wait for it
@@ -347,12 +352,12 @@ class StoreServer:
                     return
                 conn.reserved = n
                 self._traffic += n
-            if len(buf) < HEADER.size + n:
                 return
             body = bytes(buf[HEADER.size:HEADER.size + n])
             del buf[:HEADER.size + n]
-            self._traffic -= conn.reserved
-            conn.reserved = 0
+            if conn.reserved:
+                self._traffic -= conn.reserved
+                conn.reserved = 0
             if conn.session is not None:
                 try:
                     body = conn.session.open(body)
@@ -416,11 +421,27 @@ class StoreServer:
             data = conn.session.frame(pieces, size)
         else:
             data = b"".join([HEADER.pack(size), *pieces])
-        pending = bool(conn.outbuf)
-        conn.outbuf += data
-        self._traffic += len(data)
-        if not pending:
-            self._flush(conn)
+        if conn.outbuf:  # behind a reply still going out (only a refusal comes after one)
+            conn.outbuf += data
+            self._traffic += len(data)
+            return
+        try:  # most replies leave in this one send, never copied into the connection's buffer
+            sent = conn.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            self._drop(conn)
+            return
+        if sent:
+            conn.active = time.monotonic()
+        if sent < len(data):
+            conn.outbuf += memoryview(data)[sent:]
+            self._traffic += len(data) - sent
+            if not conn.writing:
+                self._selector.modify(conn.sock, _WRITE, conn)
+                conn.writing = True
+        elif conn.closing:
+            self._drop(conn)
 
     def _flush(self, conn: _Conn) -> None:
         try:
@@ -440,12 +461,11 @@ class StoreServer:
                 conn.writing = True
         elif conn.closing:
             self._drop(conn)
-        else:
-            if conn.writing:
-                self._selector.modify(conn.sock, _READ, conn)
-                conn.writing = False
+        elif conn.writing:
+            self._selector.modify(conn.sock, _READ, conn)
+            conn.writing = False
             self._process(conn)  # requests that arrived while the reply went out
-        if sent:
+        if sent and self._paused:
             self._resume()
 
     # ------------------------------------------------------------------ requests
@@ -536,7 +556,8 @@ class StoreServer:
         """Hold ``value`` under ``key`` within the memory bound, and wake its waiters."""
         held = self._table.data.get(key)
         grows = len(value) - (len(held) if held is not None else -len(key))
-        self._store(key, grows)
+        if grows > 0:
+            self._store(key, grows)
         self._table.set(key, value)
         self._held += grows
         self._changed(key)

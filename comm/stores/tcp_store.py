@@ -90,7 +90,7 @@ class _Connection:
                 raise wire.ProtocolError(f"the server announced a reply of {n} bytes, over the limit")
             end = wire.HEADER.size + n
             if len(buf) >= end:
-                body: bytes | bytearray | memoryview = memoryview(buf)[wire.HEADER.size:end]
+                body: bytes | bytearray | memoryview = buf[wire.HEADER.size:end]
             else:
                 body = bytearray(n)
                 view = memoryview(body)

@@ -93,15 +93,15 @@ def fields_of(body: bytes | bytearray | memoryview) -> tuple[int, list[bytes]]:
     """``(code, fields)`` of a frame's body (without its header); each field a ``bytes`` of its own."""
     if not len(body):
         raise ProtocolError("an empty frame (no opcode)")
-    view = memoryview(body)
-    out, pos, end = [], 1, len(view)
+    copy = not isinstance(body, bytes)  # a view's slices are views: each field is copied out once
+    out, pos, end = [], 1, len(body)
     while pos < end:
         if pos + 4 > end:
             raise ProtocolError(f"a field header cut at byte {pos} of {end}")
-        (n,) = HEADER.unpack_from(view, pos)
+        (n,) = HEADER.unpack_from(body, pos)
         pos += 4
         if pos + n > end:
             raise ProtocolError(f"a field of {n} bytes at byte {pos} runs past the frame's {end}")
-        out.append(bytes(view[pos:pos + n]))
+        out.append(bytes(body[pos:pos + n]) if copy else body[pos:pos + n])
         pos += n
-    return view[0], out
+    return body[0], out
