@@ -2,8 +2,8 @@
 
 Run it by hand with plain ``python`` (it starts its processes itself; a measurement, not a test)::
 
-    python benchmarks/stores.py                        # against the commit before issue 35
-    python benchmarks/stores.py --baseline HEAD~3 --rounds 7 --json benchmarks/results/stores.json
+    python benchmarks/stores.py --plot                 # against the commit before issue 35
+    python benchmarks/stores.py --baseline HEAD~3 --rounds 7 --json /tmp/stores.json
 
 Side by side in one run, in interleaved rounds (each round runs every configuration, from a
 rotating start), three configurations of the same measurements:
@@ -18,8 +18,8 @@ The measurements, each in fresh processes of the configuration's meshkit:
 
 * ``set``/``get``/``add`` of a 16-byte value and ``get`` of a 1 MiB value: the median round trip
   of one client process against a master in another;
-* ``rendezvous``: ``--nproc`` processes meeting through ``env://`` (rank 0 serves the TCPStore),
-  the slowest rank's time from its first call to its world's keys;
+* ``rendezvous``: ``--nproc`` processes meeting through ``env://`` (rank 0 serves the TCPStore,
+  started 50 ms before the others), the time from the others' start to the last rank's keys;
 * ``exchange``/``barrier``: the store engine's collectives over that world (what an nccl world
   started without MPI does on its host side), median per call, slowest rank.
 
@@ -39,7 +39,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _common import Progress, add_output_args, host_metadata, require_pyplot, save_figure, save_results, setup_logging
+
 ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
 #: The last commit before issue 35 changed the stores and the control messages.
 DEFAULT_BASELINE = "4d2e322"
 CONFIGS = ("baseline", "open", "secret")
@@ -76,10 +79,13 @@ elif mode == "client":
     print(json.dumps(out))
 else:  # a rank: the rendezvous, then the store engine's collectives
     from meshkit.comm import init_methods, store_engine
-    rank, size, n = int(args[0]), int(args[1]), int(args[2])
-    start = time.perf_counter()
+    rank, size, n, start_at = int(args[0]), int(args[1]), int(args[2]), float(args[3])
+    # Rank 0 (the server) starts 50 ms early, the others at once, imports done: the figure is from
+    # then to the last rank's keys (the protocol, not the 10 ms connect retries of a client that
+    # comes before its server listens, which made the figure bimodal: 4 or 14 ms)
+    time.sleep(max(0.0, start_at - (0.05 if rank == 0 else 0.0) - time.time()))
     rv = init_methods.rendezvous(init_methods.requested("env://", size, rank, None), 60)
-    took = time.perf_counter() - start
+    took = time.time() - start_at
     engine = store_engine.create_world_engine(rv.store, rank, size, None, rv.base)
     seq = [0]
     def exchange():
@@ -144,7 +150,8 @@ def _round_trips(config: str, paths: dict[str, Path], calls: int) -> dict[str, f
 
 def _world(config: str, paths: dict[str, Path], nproc: int, calls: int) -> dict[str, float]:
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, "rank", str(r), str(nproc), str(calls)],
+    start_at = time.time() + 2.0  # after every rank's imports (about 0.5 s here)
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, "rank", str(r), str(nproc), str(calls), str(start_at)],
                               env=_env(config, paths, port, core=r), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for r in range(nproc)]
     outs = []
@@ -156,26 +163,47 @@ def _world(config: str, paths: dict[str, Path], nproc: int, calls: int) -> dict[
     return {k: max(o[k] for o in outs) for k in outs[0]}
 
 
+def draw(rows: list[dict[str, Any]], png: Path, title: str) -> None:
+    """Each figure's open and secret time as a ratio of the baseline's: a bar per configuration,
+    each round's ratio as a dot (the spread is this shared machine's noise)."""
+    plt = require_pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for i, config in enumerate(("open", "secret")):
+        xs = [j + (i - 0.5) * 0.35 for j in range(len(rows))]
+        ax.bar(xs, [r[f"{config}_ratio"] for r in rows], width=0.35, label=config)
+        for x, r in zip(xs, rows):
+            ax.plot([x] * len(r[f"{config}_rounds_s"]),
+                    [v / b for v, b in zip(r[f"{config}_rounds_s"], r["baseline_rounds_s"])], "k.", markersize=3)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.axhline(1.1, color="grey", linewidth=0.8, linestyle=":")
+    ax.set_xticks(range(len(rows)), [r["figure"] for r in rows])
+    ax.set_ylabel("time / baseline's (median of rounds)")
+    ax.legend()
+    save_figure(fig, png, title)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="stores.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", default=DEFAULT_BASELINE, help="git ref of the baseline (default: %(default)s)")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default: %(default)s)")
-    parser.add_argument("--calls", type=int, default=2000, help="timed calls per figure (default: %(default)s)")
-    parser.add_argument("--nproc", type=int, default=4, help="ranks of the rendezvous (default: %(default)s)")
-    parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--rounds", type=int, default=11, help="interleaved rounds (default: %(default)s)")
+    parser.add_argument("--calls", type=int, default=3000, help="timed calls per figure (default: %(default)s)")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks of the rendezvous (default: %(default)s)")
+    add_output_args(parser, json_help="result file (default: benchmarks/results/stores.json)", plot_from_help=None)
     opts = parser.parse_args(argv)
+    setup_logging(0, opts.verbose)
     results: dict[str, dict[str, list[float]]] = {c: {} for c in CONFIGS}
     with tempfile.TemporaryDirectory(prefix="meshkit-bench-stores-") as tmp:
         paths = _tree(opts.baseline, Path(tmp))
         try:
-            for r in range(opts.rounds):
-                order = CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]
-                for config in order:
-                    figures = {**_round_trips(config, paths, opts.calls),
-                               **_world(config, paths, opts.nproc, max(opts.calls // 10, 20))}
-                    for k, v in figures.items():
-                        results[config].setdefault(k, []).append(v)
-                print(f"round {r + 1} of {opts.rounds} done", file=sys.stderr, flush=True)
+            with Progress(opts.rounds * len(CONFIGS), enabled=not opts.no_progress, unit="run") as progress:
+                for r in range(opts.rounds):
+                    progress.start_group(f"round {r + 1} of {opts.rounds}")
+                    for config in CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]:  # a rotating start
+                        figures = {**_round_trips(config, paths, opts.calls),
+                                   **_world(config, paths, opts.nproc, max(opts.calls // 10, 20))}
+                        for k, v in figures.items():
+                            results[config].setdefault(k, []).append(v)
+                        progress.step(config)
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(Path(tmp) / "baseline-tree")],
                            capture_output=True)
@@ -189,11 +217,10 @@ def main(argv: list[str] | None = None) -> int:
         unit, scale = ("ms", 1e3) if med["baseline"] > 1e-3 else ("us", 1e6)
         print(f"{figure:<12} " + " ".join(f"{med[c] * scale:>9.1f} {unit}" for c in CONFIGS)
               + f" {med['open'] / med['baseline']:>10.2f} {med['secret'] / med['baseline']:>12.2f}")
-    if opts.json:
-        Path(opts.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(opts.json).write_text(json.dumps({"metadata": {"baseline": opts.baseline, "rounds": opts.rounds,
-                                                            "calls": opts.calls, "nproc": opts.nproc,
-                                                            "time": time.time()}, "rows": rows}, indent=1))
+    metadata = host_metadata(benchmark="stores", baseline=opts.baseline, rounds=opts.rounds, calls=opts.calls,
+                             nproc=opts.nproc)
+    title = f"stores: open and secret vs {opts.baseline} ({opts.rounds} rounds, {opts.nproc} ranks)"
+    save_results(opts, RESULTS / "stores.json", metadata, rows, lambda png: draw(rows, png, title))
     return 0
 
 

@@ -448,3 +448,16 @@ def test_two_level_benchmark_compares_two_and_one_level_machines_on_simulated_no
     assert s["oversubscribed"] == (cores < 4)
     if cores < 4:  # said beside the figures
         assert f"(4 ranks on {cores} cores oversubscribe them" in proc.stdout, proc.stdout
+
+
+def test_stores_benchmark_runs_every_configuration_and_writes_json_and_a_plot(tmp_path):
+    """benchmarks/stores.py at its smallest: one round of the three configurations (the baseline
+    checked out from git, this tree open and with a secret); every figure there (no timing asserted)."""
+    out = tmp_path / "stores.json"
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "stores.py"), "--rounds", "1", "--calls", "5", "--json",
+                           str(out), "--plot", "--no-progress"], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["figure"] for r in rows] == ["set", "get", "add", "get 1 MiB", "rendezvous", "exchange", "barrier"]
+    assert all(r[f"{c}_s"] > 0 and len(r[f"{c}_rounds_s"]) == 1 for r in rows for c in ("baseline", "open", "secret"))
+    assert out.with_suffix(".png").stat().st_size > 0

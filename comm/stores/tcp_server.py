@@ -6,8 +6,8 @@ its deadline passes, while the loop serves the other connections. A client that 
 halfway through a frame, only loses its own connection, and its waiter is forgotten at once.
 
 Who gets in: the server speaks first (a greeting with a nonce, :mod:`.auth`); with the job's secret
-every connection must authenticate before anything else and every frame after is checked, so a
-client without the secret is refused before it reads or writes a key. What it may cost (its bounds,
+every connection must authenticate before anything else, so a client without the secret is
+refused before it reads or writes a key. What it may cost (its bounds,
 :class:`~.limits.ServerLimits`): a frame is refused before anything is allocated for it when it is
 longer than the protocol allows (1 KiB before authentication, :data:`~.wire.MAX_MESSAGE_BYTES`
 after) or than the memory bound leaves; the values held, the frames being received and the replies
@@ -36,7 +36,7 @@ from ..errors import DistStoreError
 from . import auth
 from .limits import IDLE_TIMEOUT, MAX_BYTES, MAX_CONNECTIONS, MAX_WAIT_KEYS, ServerLimits
 from .store import KeyTable, NotAnInteger
-from .wire import HEADER, MAX_MESSAGE_BYTES, GREETING, Op, ProtocolError, Status, fields_of, parts, reply
+from .wire import HEADER, MAX_MESSAGE_BYTES, GREETING, Op, ProtocolError, Status, fields_of, reply
 
 __all__ = ["StoreServer"]
 
@@ -49,7 +49,7 @@ _SWEEP_S = 1.0
 
 
 class _Conn:
-    __slots__ = ("sock", "peer", "inbuf", "outbuf", "waiter", "closing", "dead", "writing", "nonce", "session",
+    __slots__ = ("sock", "peer", "inbuf", "outbuf", "waiter", "closing", "dead", "writing", "nonce",
                  "authed", "reserved", "deferred", "paused", "opened", "active", "discard", "refusal")
 
     def __init__(self, sock: socket.socket, peer: str, nonce: bytes, authed: bool, now: float) -> None:
@@ -61,7 +61,6 @@ class _Conn:
         self.dead = False
         self.writing = False  # registered for EVENT_WRITE (a reply did not fit the socket's buffer)
         self.nonce = nonce  # the server's nonce of the greeting
-        self.session: auth.Session | None = None
         self.authed = authed  # an open server: authed from the start
         self.reserved = 0  # bytes of the memory budget held for the frame being received
         self.deferred: bytes | None = None  # a get whose reply waits for memory (paused)
@@ -358,12 +357,6 @@ class StoreServer:
             if conn.reserved:
                 self._traffic -= conn.reserved
                 conn.reserved = 0
-            if conn.session is not None:
-                try:
-                    body = conn.session.open(body)
-                except auth.AuthError as exc:
-                    self._refuse(conn, f"{exc}; closing the connection")
-                    return
             if not conn.authed:
                 self._authenticate(conn, body)
             else:
@@ -403,7 +396,6 @@ class StoreServer:
             return
         conn.authed = True
         self._send(conn, Status.OK, auth.server_proof(self._key, conn.nonce, client_nonce))
-        conn.session = auth.Session(self._key, conn.nonce, client_nonce, server=True)
 
     def _refuse(self, conn: _Conn, why: str) -> None:
         conn.closing = True
@@ -413,14 +405,10 @@ class StoreServer:
         self._send(conn, Status.ERROR, why.encode())
 
     def _send(self, conn: _Conn, status: int, *fields: bytes) -> None:
-        """Queue the reply ``status, fields`` (tagged once authenticated) and send what the socket takes."""
+        """Send the reply ``status, fields`` as far as the socket takes it; queue the rest."""
         if conn.dead:
             return
-        pieces, size = parts(status, fields)
-        if conn.session is not None:
-            data = conn.session.frame(pieces, size)
-        else:
-            data = b"".join([HEADER.pack(size), *pieces])
+        data = reply(status, *fields)
         if conn.outbuf:  # behind a reply still going out (only a refusal comes after one)
             conn.outbuf += data
             self._traffic += len(data)

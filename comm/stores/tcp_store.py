@@ -46,14 +46,13 @@ class _Connection:
     The socket is blocking with kernel timeouts (``SO_RCVTIMEO``/``SO_SNDTIMEO``, set only when the
     timeout changes) rather than Python's ``settimeout``, which polls before every send and receive:
     a request is then one ``send`` and usually one ``recv`` (128 clients x 1000 adds went from 6
-    system calls a request to 2). With the job's secret each frame carries its tag (``session``).
+    system calls a request to 2).
     """
 
     def __init__(self, sock: socket.socket) -> None:
         sock.settimeout(None)
         self.sock = sock
         self._timeout = -1.0
-        self.session: auth.Session | None = None
 
     def _deadline(self, timeout: float) -> None:
         if timeout != self._timeout:
@@ -63,30 +62,31 @@ class _Connection:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
             self._timeout = timeout
 
-    def call(self, op: int, fields: list[bytes], timeout: float) -> tuple[int, list[bytes]]:
-        """Send a request and read its reply (``(status, fields)``)."""
+    def call(self, message: bytes, timeout: float) -> tuple[int, list[bytes]]:
+        """Send a request frame and read its reply (``(status, fields)``)."""
         self._deadline(timeout)
-        pieces, size = wire.parts(op, fields)
-        message = (self.session.frame(pieces, size) if self.session is not None
-                   else b"".join([wire.HEADER.pack(size), *pieces]))
         try:
             self.sock.sendall(message)
         except BrokenPipeError:
             raise _Stale("the server had closed the connection") from None
         except BlockingIOError:  # SO_SNDTIMEO expired
             raise TimeoutError(f"no answer within {timeout:g} s") from None
-        return self.read(timeout, first=True)
+        return self._reply(timeout, True)
 
-    def read(self, timeout: float, *, first: bool = False) -> tuple[int, list[bytes]]:
-        """The next frame from the server, its tag checked once authenticated. Usually one
-        ``recv`` (a reply under 64 KiB arrives whole); a longer one is read into its own buffer."""
+    def read(self, timeout: float) -> tuple[int, list[bytes]]:
+        """The next frame from the server (the greeting)."""
         self._deadline(timeout)
+        return self._reply(timeout, False)
+
+    def _reply(self, timeout: float, first: bool) -> tuple[int, list[bytes]]:
+        """The next frame. Usually one ``recv`` (a reply under 64 KiB arrives whole); a longer one
+        is read into its own buffer. ``first``: EOF before any byte is a stale connection."""
         try:
             buf = self._recv(1 << 16, stale=first)
             while len(buf) < wire.HEADER.size:
                 buf += self._recv(1 << 16)
             (n,) = wire.HEADER.unpack_from(buf, 0)
-            if n > wire.MAX_MESSAGE_BYTES + auth.TAG_BYTES:
+            if n > wire.MAX_MESSAGE_BYTES:
                 raise wire.ProtocolError(f"the server announced a reply of {n} bytes, over the limit")
             end = wire.HEADER.size + n
             if len(buf) >= end:
@@ -103,12 +103,7 @@ class _Connection:
                     have += got
         except BlockingIOError:  # SO_RCVTIMEO/SO_SNDTIMEO expired
             raise TimeoutError(f"no answer within {timeout:g} s") from None
-        if self.session is None:
-            return wire.fields_of(body)
-        try:
-            return wire.fields_of(self.session.open(body))
-        except auth.AuthError as exc:
-            raise wire.ProtocolError(f"the server's reply failed its check: {exc}") from None
+        return wire.fields_of(body)
 
     def _recv(self, size: int, *, stale: bool = False) -> bytes:
         """What the socket has, up to ``size`` bytes: EOF at the first read of a reply means a stale
@@ -285,7 +280,7 @@ class TCPStore(Store):
         while True:
             conn = self._connect(start)
             try:
-                self._checked(conn.call(wire.Op.JOIN, [], max(self._left(start), 0.05)), "join")
+                self._checked(conn.call(wire.request(wire.Op.JOIN), max(self._left(start), 0.05)), "join")
                 return conn
             except (OSError, wire.ProtocolError) as exc:
                 conn.close()
@@ -367,36 +362,35 @@ class TCPStore(Store):
                            f"none: set {env.JOB_SECRET} to the job's secret (meshkit-run and meshkit.spawn set it for "
                            "their ranks) or pass secret=")
         client_nonce = auth.nonce()
-        status, fields = conn.call(wire.Op.AUTH, [client_nonce, auth.client_proof(self._key, server_nonce,
-                                                                                 client_nonce)], timeout)
+        status, fields = conn.call(wire.request(wire.Op.AUTH, client_nonce,
+                                                auth.client_proof(self._key, server_nonce, client_nonce)), timeout)
         if status != wire.Status.OK:
             raise _Refused(f"TCPStore at {self._hostport}: {_text(fields)}")
         if len(fields) != 1 or not hmac.compare_digest(fields[0], auth.server_proof(self._key, server_nonce,
                                                                                      client_nonce)):
             raise _Refused(f"TCPStore at {self._hostport}: the server did not prove that it knows the job's secret "
                            "(another program squatting on the port, or a store of another job); refusing it")
-        conn.session = auth.Session(self._key, server_nonce, client_nonce, server=False)
 
     def _request(self, op: int, fields: list[bytes], reply_timeout: float) -> tuple[bool, list[bytes]]:
         """``(found, fields)`` of the server's answer; ``found`` is False for a get/wait past its deadline."""
-        size = wire.HEADER.size + 1 + sum(wire.HEADER.size + len(f) for f in fields)
-        if size - wire.HEADER.size > wire.MAX_MESSAGE_BYTES:
-            raise DistValueError(f"TCPStore.{wire.Op.NAMES[op]}: a request of {size} bytes is over the limit "
+        message = wire.request(op, *fields)
+        if len(message) - wire.HEADER.size > wire.MAX_MESSAGE_BYTES:
+            raise DistValueError(f"TCPStore.{wire.Op.NAMES[op]}: a request of {len(message)} bytes is over the limit "
                                  f"of {wire.MAX_MESSAGE_BYTES} bytes (meshkit.comm.stores.wire.MAX_MESSAGE_BYTES)")
         with self._pool_lock:
             conn = self._idle.pop() if self._idle else None
         try:
             if conn is None:
                 conn = self._connect(time.monotonic())
-                answer = conn.call(op, fields, reply_timeout)
+                answer = conn.call(message, reply_timeout)
             else:
                 try:
-                    answer = conn.call(op, fields, reply_timeout)
+                    answer = conn.call(message, reply_timeout)
                 except _Stale:  # closed while idle in the pool (the server's idle timeout): never applied
                     conn.close()
                     conn = None  # once, at once: a master that is gone refuses it (reported below)
                     conn = self._connect(time.monotonic(), retry=False)
-                    answer = conn.call(op, fields, reply_timeout)
+                    answer = conn.call(message, reply_timeout)
         except _Refused:
             raise
         except DistStoreError:

@@ -2,7 +2,7 @@
 
 A frame is a 4-byte big-endian length ``N`` followed by ``N`` bytes. The server speaks first: a
 greeting (:data:`GREETING`, the mode, a nonce), then, with the job's secret, the handshake of
-:mod:`.auth`, after which every frame's body ends with its 16-byte tag. A request's body is one opcode
+:mod:`.auth`. A request's body is one opcode
 byte and its fields; a reply's body is one status byte and its fields. A field is a 4-byte
 big-endian length and that many bytes; integers and timeouts travel as ASCII decimals (``b"-3"``,
 ``b"0.25"``), so a counter is not bounded by a fixed-width integer. The server reads the length
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import struct
 
-__all__ = ["MAX_MESSAGE_BYTES", "MAX_VALUE_BYTES", "GREETING", "Op", "Status", "ProtocolError", "frame", "parts",
-           "request", "reply", "fields_of", "HEADER"]
+__all__ = ["MAX_MESSAGE_BYTES", "MAX_VALUE_BYTES", "GREETING", "Op", "Status", "ProtocolError", "frame", "request",
+           "reply", "fields_of", "HEADER"]
 
 #: The longest frame either side accepts, header excluded. A store carries rendezvous data
 #: (addresses, NCCL unique ids of 128 bytes, small pickled objects), not tensors: 64 MiB is far
@@ -66,27 +66,24 @@ def frame(body: bytes) -> bytes:
     return HEADER.pack(len(body)) + body
 
 
-def parts(code: int, fields: tuple[bytes, ...] | list[bytes]) -> tuple[list[bytes], int]:
-    """A body as the pieces it is made of, and its length: a frame is joined once, and a tag is
-    computed over the pieces without joining them first (comm/stores/auth.py)."""
-    out, size = [bytes((code,))], 1
+def _pack(code: int, fields: tuple[bytes, ...]) -> bytes:
+    """A frame, header included, joined once."""
+    pieces, size = [bytes((code,))], 1
     for f in fields:
-        out.append(HEADER.pack(len(f)))
-        out.append(f)
+        pieces.append(HEADER.pack(len(f)))
+        pieces.append(f)
         size += HEADER.size + len(f)
-    return out, size
+    return b"".join([HEADER.pack(size), *pieces])
 
 
 def request(op: int, *fields: bytes) -> bytes:
     """A request frame, header included."""
-    pieces, size = parts(op, fields)
-    return b"".join([HEADER.pack(size), *pieces])
+    return _pack(op, fields)
 
 
 def reply(status: int, *fields: bytes) -> bytes:
     """A reply frame, header included."""
-    pieces, size = parts(status, fields)
-    return b"".join([HEADER.pack(size), *pieces])
+    return _pack(status, fields)
 
 
 def fields_of(body: bytes | bytearray | memoryview) -> tuple[int, list[bytes]]:
