@@ -1,5 +1,5 @@
 """The stores admit no one else (issue 35, points 2-4): TCPStore's mutual authentication with the job's
-secret and its per-frame tags, FileStore's private, exclusive files, and the TCPStore server's bounds.
+secret (a handshake per connection), FileStore's private, exclusive files, and the TCPStore server's bounds.
 
 Each attack is made as an outsider would make it (another local user through setpriv where this
 machine allows it, else the same attack from this uid without the secret), and the job's own
