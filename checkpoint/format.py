@@ -65,6 +65,8 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from ..comm import DistValueError
+from ..comm._seams import positive_setting
 from .blocks import MAX_BLOCK, MIN_BLOCK, block_bytes, block_checksums
 from .errors import CheckpointError
 from .plan import Box, tiling_problem
@@ -250,17 +252,11 @@ def max_metadata_bytes() -> int:
     Raises:
         CheckpointError: the variable is not a positive whole number of bytes, naming it.
     """
-    raw = os.environ.get(METADATA_ENV)
-    if raw is None or not raw.strip():
-        return MAX_METADATA_BYTES
     try:
-        value = int(raw.strip())
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise CheckpointError(f"meshkit.checkpoint: {METADATA_ENV}={raw!r} is not valid; valid values are a positive "
-                              f"number of bytes (default {MAX_METADATA_BYTES}: 256 MiB)")
-    return value
+        return int(positive_setting(METADATA_ENV, MAX_METADATA_BYTES, integer=True, where="meshkit.checkpoint",
+                                    valid=f"a positive number of bytes (default {MAX_METADATA_BYTES}: 256 MiB)"))
+    except DistValueError as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def read_regular(path: Path, limit: int, why: str) -> bytes:

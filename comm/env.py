@@ -215,9 +215,12 @@ def this_host() -> str:
     return host_name() or socket.gethostname()
 
 
-def positive_number(name: str, default: float, *, integer: bool = False, upper: float | None = None) -> float:
+def positive_number(name: str, default: float, *, integer: bool = False, upper: float | None = None,
+                    where: str = "meshkit.comm", valid: str | None = None) -> float:
     """The positive number in variable ``name`` (an integer where ``integer``; at most ``upper``),
-    ``default`` where unset or empty. Used by the bounds of meshkit's servers (stores/limits.py)."""
+    ``default`` where unset or empty: the bounds of meshkit's servers and readers (stores/limits.py,
+    the debug server's, the checkpoint and trace readers'). A bad value raises
+    ``where: NAME='raw' is not valid; valid values are ...`` (``valid``: how to say what is)."""
     raw = _get(name)
     if raw is None or not raw.strip():
         return default
@@ -226,9 +229,10 @@ def positive_number(name: str, default: float, *, integer: bool = False, upper: 
     except ValueError:
         value = float("nan")
     if not value > 0 or (upper is not None and not value <= upper) or value == float("inf"):
-        kind = "a positive integer" if integer else "a positive number"
-        bound = "" if upper is None else f" at most {upper:g}"
-        raise invalid(name, raw, f"{kind}{bound} (default {default:g})")
+        if valid is None:
+            kind = "a positive integer" if integer else "a positive number"
+            valid = f"{kind}{'' if upper is None else f' at most {upper:g}'} (default {default:g})"
+        raise DistValueError(f"{where}: {name}={raw!r} is not valid; valid values are {valid}")
     return value
 
 

@@ -225,7 +225,7 @@ class StoreEngine:
             if left <= 0:
                 return None
             try:
-                value = self.store._get(key, min(left, _WATCH_SLICE_S) if watch is not None else left)
+                value = self.store.try_get(key, min(left, _WATCH_SLICE_S) if watch is not None else left)
             except DistStoreError as exc:  # the store itself failed (a timeout is None, not an error)
                 raise DistBackendError(f"meshkit.comm: rank {self._me}: the rendezvous store failed: {exc}") from None
             if value is not None:

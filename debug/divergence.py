@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..comm import DistValueError
-from ..comm._seams import RECORD_FORMAT
+from ..comm._seams import RECORD_FORMAT, positive_setting
 
 __all__ = ["Finding", "load_records", "check_record", "analyze", "report", "printable", "max_record_bytes",
            "MAX_RECORD_ENV", "MAX_RECORD_BYTES"]
@@ -118,17 +118,8 @@ def max_record_bytes() -> int:
     Raises:
         DistValueError: the variable is not a positive whole number of bytes, naming it.
     """
-    raw = os.environ.get(MAX_RECORD_ENV)
-    if raw is None or not raw.strip():
-        return MAX_RECORD_BYTES
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise DistValueError(f"meshkit.debug: {MAX_RECORD_ENV}={raw!r} is not valid; valid values are a positive "
-                             f"number of bytes (default {MAX_RECORD_BYTES}: 16 MiB)")
-    return value
+    return int(positive_setting(MAX_RECORD_ENV, MAX_RECORD_BYTES, integer=True, where="meshkit.debug",
+                                valid=f"a positive number of bytes (default {MAX_RECORD_BYTES}: 16 MiB)"))
 
 
 def _read_record(path: Path, limit: int) -> bytes:

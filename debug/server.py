@@ -57,7 +57,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from ..comm import DistError, DistTypeError, DistValueError, all_gather_object
-from ..comm._seams import current_world, flight_document, inflight_document
+from ..comm._seams import current_world, flight_document, inflight_document, positive_setting
 from .divergence import MAX_RECORD_ENV, max_record_bytes
 
 __all__ = ["start_debug_server", "stop_debug_server"]
@@ -173,9 +173,12 @@ def start_debug_server(port: int = 0, host: str = "127.0.0.1") -> str:
     if port != 0 and not 1 <= port <= 65536 - size:
         raise DistValueError(f"{where}: port={port} is out of range: rank r listens on port + r, so port "
                              f"must be 0 (a free port per rank) or 1..{65536 - size} for {size} ranks")
-    connections = _setting(CONNECTIONS_ENV, DEFAULT_CONNECTIONS, int, where, "a positive whole number of "
-                           "connections served at once")
-    client_timeout = _setting(TIMEOUT_ENV, DEFAULT_CLIENT_TIMEOUT, float, where, "a positive number of seconds")
+    connections = int(positive_setting(CONNECTIONS_ENV, DEFAULT_CONNECTIONS, integer=True, where=where,
+                                       valid=f"a positive whole number of connections served at once (default "
+                                             f"{DEFAULT_CONNECTIONS})"))
+    client_timeout = positive_setting(TIMEOUT_ENV, DEFAULT_CLIENT_TIMEOUT, where=where, upper=3600.0,
+                                      valid=f"a positive number of seconds (default {DEFAULT_CLIENT_TIMEOUT:g}; "
+                                            "at most 3600)")
     with _servers_lock:
         running = _servers.get(world)
     server, problem, mine = None, None, port + rank if port else 0
@@ -227,20 +230,6 @@ def stop_debug_server() -> None:
         server.stopping.set()
         if server.thread is not None and server.thread is not threading.current_thread():
             server.thread.join()
-
-
-def _setting(name: str, default: Any, kind: type, where: str, valid: str) -> Any:
-    """A positive number from the variable ``name`` (``default`` where unset); DistValueError naming it."""
-    raw = os.environ.get(name)
-    if raw is None or not raw.strip():
-        return default
-    try:
-        value = kind(raw.strip())
-    except ValueError:
-        value = kind(0)
-    if not 0 < value < float("inf"):
-        raise DistValueError(f"{where}: {name}={raw!r} is not valid; valid values are {valid} (default {default:g})")
-    return value
 
 
 class _DebugHTTPServer(ThreadingHTTPServer):

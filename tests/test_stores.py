@@ -587,3 +587,14 @@ def test_a_hash_store_is_the_rendezvous_of_the_local_engines_ranks():
 
     assert local.run(body, 4) == [[b"rank-0", b"rank-1", b"rank-2", b"rank-3"]] * 4
     assert store.get("arrived") == b"4" and store.num_keys() == 6
+
+
+def test_try_get_waits_up_to_its_timeout_and_gives_none_instead_of_raising(stores):
+    store, another = stores
+    start = time.monotonic()
+    assert store.try_get("absent", 0.2) is None
+    assert 0.19 <= time.monotonic() - start < 3
+    threading.Timer(0.1, another().set, ("late", "here")).start()
+    assert store.try_get("late", timedelta(seconds=10)) == b"here"
+    with pytest.raises(ValueError, match=r"timeout must be finite and >= 0 seconds, got -1"):
+        store.try_get("k", -1)

@@ -156,6 +156,13 @@ class Store:
             raise self._timed_out("get", [key], start, timeout)
         return value
 
+    def try_get(self, key: str, timeout: timedelta | float) -> bytes | None:
+        """The value of ``key``, waiting up to ``timeout``; None if no one set it by then (where
+        :meth:`get` raises): one round trip for a waiter that does something else between tries."""
+        key, seconds = check_key(key), as_seconds(timeout)
+        self._check_open("try_get")
+        return self._get(key, seconds)
+
     def add(self, key: str, amount: int) -> int:
         """Add ``amount`` to the integer counter ``key`` (created at ``amount``) and return the new value."""
         key = check_key(key)
