@@ -413,40 +413,43 @@ class StoreServer:
             conn.outbuf += data
             self._traffic += len(data)
             return
-        try:  # most replies leave in this one send, never copied into the connection's buffer
-            sent = conn.sock.send(data)
-        except (BlockingIOError, InterruptedError):
-            sent = 0
-        except OSError:
-            self._drop(conn)
+        sent = self._try_send(conn, data)  # most replies leave at once, never copied into the buffer
+        if sent is None:
             return
-        if sent:
-            conn.active = time.monotonic()
         if sent < len(data):
             conn.outbuf += memoryview(data)[sent:]
             self._traffic += len(data) - sent
-            if not conn.writing:
-                self._selector.modify(conn.sock, _WRITE, conn)
-                conn.writing = True
+            self._want_write(conn)
         elif conn.closing:
             self._drop(conn)
 
-    def _flush(self, conn: _Conn) -> None:
+    def _try_send(self, conn: _Conn, data: bytes | bytearray) -> int | None:
+        """How much of ``data`` the socket took now; None where the connection is gone (dropped)."""
         try:
-            sent = conn.sock.send(conn.outbuf)
+            sent = conn.sock.send(data)
         except (BlockingIOError, InterruptedError):
-            sent = 0
+            return 0
         except OSError:
             self._drop(conn)
-            return
+            return None
         if sent:
             conn.active = time.monotonic()
+        return sent
+
+    def _want_write(self, conn: _Conn) -> None:
+        """Be told when the socket takes more (a reply did not fit its buffer)."""
+        if not conn.writing:
+            self._selector.modify(conn.sock, _WRITE, conn)
+            conn.writing = True
+
+    def _flush(self, conn: _Conn) -> None:
+        sent = self._try_send(conn, conn.outbuf)
+        if sent is None:
+            return
         del conn.outbuf[:sent]
         self._traffic -= sent
         if conn.outbuf:
-            if not conn.writing:
-                self._selector.modify(conn.sock, _WRITE, conn)
-                conn.writing = True
+            self._want_write(conn)
         elif conn.closing:
             self._drop(conn)
         elif conn.writing:
