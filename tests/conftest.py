@@ -38,6 +38,20 @@ def launch(script: str | Path, n: int, *args: str, timeout: float = 120, env: di
     return proc
 
 
+def _have_mpiexec() -> bool:
+    from meshkit import launch as launcher
+
+    try:
+        launcher.find_mpiexec()
+    except launcher.LaunchError:
+        return False
+    return True
+
+
+#: Tests that start mpiexec themselves (not through ``launch``): skipped, saying why, without one.
+needs_mpiexec = pytest.mark.skipif(not _have_mpiexec(), reason="no mpiexec (pip install mpich)")
+
+
 @pytest.fixture
 def mpirun():
     return launch

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import needs_mpiexec
 from meshkit import launch
 from meshkit.launch import bootstrap, cli, job, output
 from meshkit.launch import secret as job_secret
@@ -27,15 +28,6 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 LAUNCHER = [sys.executable, "-m", "meshkit.launch"]
 
 
-def _have_mpiexec() -> bool:
-    try:
-        launch.find_mpiexec()
-    except launch.LaunchError:
-        return False
-    return True
-
-
-needs_mpiexec = pytest.mark.skipif(not _have_mpiexec(), reason="no mpiexec (pip install mpich)")
 
 
 def run_launcher(

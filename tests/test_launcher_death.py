@@ -23,8 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import LAUNCHER_MODULE, SCRIPTS
-from meshkit import launch
+from conftest import LAUNCHER_MODULE, SCRIPTS, needs_mpiexec
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(os, "pidfd_open"),
                                 reason="Linux with pidfds: the processes are found and watched in /proc")
@@ -35,15 +34,6 @@ STATUS_DIR_ENV = b"MESHKIT_LAUNCH_STATUS_DIR="
 GONE_WITHIN_S = 10.0
 
 
-def _have_mpiexec() -> bool:
-    try:
-        launch.find_mpiexec()
-    except launch.LaunchError:
-        return False
-    return True
-
-
-needs_mpiexec = pytest.mark.skipif(not _have_mpiexec(), reason="no mpiexec (pip install mpich)")
 
 
 class Job:
