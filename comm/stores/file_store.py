@@ -306,4 +306,5 @@ def _foreign(theirs: bytes, ours: bytes) -> str:
     if ours == _NO_IDENTITY:
         return (f"a job with an identity made it, and this process has none (set {env.JOB_SECRET} as that job's "
                 "ranks have it, or run under its launcher)")
-    return "another job made it (its job identity differs from this process's); two jobs on one path never form one world"
+    return ("another job made it (its job identity differs from this process's); two jobs on one path never form "
+            "one world")

@@ -36,10 +36,6 @@ class _Stale(ConnectionResetError):
     """A pooled connection the server had closed (idle) before this request reached it: retried."""
 
 
-class _Refused(DistStoreError):
-    """The server refused this client (the secret, a bound): not retried."""
-
-
 class _Connection:
     """One socket to the server, used by one request at a time.
 
@@ -337,39 +333,41 @@ class TCPStore(Store):
         """Read the server's greeting and, with a secret, prove it and check the server's proof.
 
         Raises:
-            _Refused: the two sides disagree on the secret, or the server refused the connection
+            DistStoreError: the two sides disagree on the secret, or the server refused the connection
                 (a bound): not worth retrying.
             wire.ProtocolError / OSError: not (yet) a meshkit server; the caller retries.
         """
         status, fields = conn.read(timeout)
         if status == wire.Status.ERROR:
-            raise _Refused(f"TCPStore at {self._hostport}: the server refused the connection: "
-                           f"{_text(fields)}")
+            raise DistStoreError(f"TCPStore at {self._hostport}: the server refused the connection: "
+                                 f"{_text(fields)}")
         if status != wire.Status.OK or len(fields) != 3 or fields[0] != wire.GREETING:
             raise wire.ProtocolError("it did not greet as a meshkit TCPStore does (another program on the port, or "
                                      "a meshkit of another protocol version)")
         mode, server_nonce = fields[1], fields[2]
         if mode == auth.MODE_OPEN:
             if self._key is not None:
-                raise _Refused(f"TCPStore at {self._hostport}: the server does not authenticate (it was made without "
-                               f"a secret) while this process has the job's secret ({env.JOB_SECRET}); refusing it: "
-                               "it may be another program squatting on the port. Give the master the same secret")
+                raise DistStoreError(f"TCPStore at {self._hostport}: the server does not authenticate (it was made "
+                                     f"without a secret) while this process has the job's secret ({env.JOB_SECRET}); "
+                                     "refusing it: it may be another program squatting on the port. Give the master "
+                                     "the same secret")
             return
         if mode != auth.MODE_AUTH or len(server_nonce) != auth.NONCE_BYTES:
             raise wire.ProtocolError(f"an unknown authentication mode {mode[:32]!r}")
         if self._key is None:
-            raise _Refused(f"TCPStore at {self._hostport}: the server requires the job's secret and this process has "
-                           f"none: set {env.JOB_SECRET} to the job's secret (meshkit-run and meshkit.spawn set it for "
-                           "their ranks) or pass secret=")
+            raise DistStoreError(f"TCPStore at {self._hostport}: the server requires the job's secret and this "
+                                 f"process has none: set {env.JOB_SECRET} to the job's secret (meshkit-run and "
+                                 "meshkit.spawn set it for their ranks) or pass secret=")
         client_nonce = auth.nonce()
         status, fields = conn.call(wire.request(wire.Op.AUTH, client_nonce,
                                                 auth.client_proof(self._key, server_nonce, client_nonce)), timeout)
         if status != wire.Status.OK:
-            raise _Refused(f"TCPStore at {self._hostport}: {_text(fields)}")
+            raise DistStoreError(f"TCPStore at {self._hostport}: {_text(fields)}")
         if len(fields) != 1 or not hmac.compare_digest(fields[0], auth.server_proof(self._key, server_nonce,
                                                                                      client_nonce)):
-            raise _Refused(f"TCPStore at {self._hostport}: the server did not prove that it knows the job's secret "
-                           "(another program squatting on the port, or a store of another job); refusing it")
+            raise DistStoreError(f"TCPStore at {self._hostport}: the server did not prove that it knows the job's "
+                                 "secret (another program squatting on the port, or a store of another job); "
+                                 "refusing it")
 
     def _request(self, op: int, fields: list[bytes], reply_timeout: float) -> tuple[bool, list[bytes]]:
         """``(found, fields)`` of the server's answer; ``found`` is False for a get/wait past its deadline."""
@@ -391,9 +389,7 @@ class TCPStore(Store):
                     conn = None  # once, at once: a master that is gone refuses it (reported below)
                     conn = self._connect(time.monotonic(), retry=False)
                     answer = conn.call(message, reply_timeout)
-        except _Refused:
-            raise
-        except DistStoreError:
+        except DistStoreError:  # refused by the server, or the master's store is gone: said already
             raise
         except (OSError, wire.ProtocolError) as exc:
             if conn is not None:
