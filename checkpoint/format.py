@@ -58,7 +58,6 @@ import json
 import math
 import os
 import re
-import stat
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +65,7 @@ import numpy as np
 import xxhash
 
 from ..comm import DistValueError
-from ..comm._seams import positive_setting
+from ..comm._seams import NotRegular, TooLarge, open_regular as open_bounded, positive_setting, read_bounded
 from .blocks import MAX_BLOCK, MIN_BLOCK, block_bytes, block_checksums
 from .errors import CheckpointError
 from .plan import Box, tiling_problem
@@ -263,34 +262,20 @@ def read_regular(path: Path, limit: int, why: str) -> bytes:
     """The bytes of the regular file at ``path`` (a symbolic link is followed to one), at most ``limit``.
 
     A FIFO, a device (``/dev/zero``), a directory or a socket is refused before it is read, and
-    opened, if at all, without blocking (``O_NONBLOCK``: a FIFO swapped in after the check does
-    not wait for a writer); a file is read no further than ``limit`` bytes.
+    opened, if at all, without blocking; a file is read no further than ``limit`` bytes
+    (:func:`meshkit.comm._seams.read_bounded`).
 
     Raises:
         FileNotFoundError: there is no file at ``path``.
         CheckpointError: not a regular file, or larger than ``limit`` (``why`` follows: what sets it).
         OSError: it cannot be read.
     """
-    _check_regular(path, os.stat(path).st_mode, "")
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        info = os.fstat(fd)
-        _check_regular(path, info.st_mode, "")
-        if info.st_size > limit:
-            raise CheckpointError(f"{str(path)!r} is larger than {limit} bytes{why}")
-        parts, size, want = [], 0, info.st_size + 1  # (a read allocates what it asks for: ask for the size)
-        while size <= limit:
-            part = os.read(fd, min(want, limit + 1 - size))
-            want = 1 << 16
-            if not part:
-                break
-            parts.append(part)
-            size += len(part)
-        if size > limit:  # it grew since fstat
-            raise CheckpointError(f"{str(path)!r} is larger than {limit} bytes{why}")
-        return b"".join(parts)
-    finally:
-        os.close(fd)
+        return read_bounded(path, limit)
+    except NotRegular as exc:
+        raise _not_regular(path, exc.kind, "") from None
+    except TooLarge:
+        raise CheckpointError(f"{str(path)!r} is larger than {limit} bytes{why}") from None
 
 
 def open_regular(path: Path, what: str) -> Any:
@@ -300,23 +285,15 @@ def open_regular(path: Path, what: str) -> Any:
     Raises:
         FileNotFoundError, OSError; CheckpointError: not a regular file.
     """
-    _check_regular(path, os.stat(path).st_mode, what)
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        _check_regular(path, os.fstat(fd).st_mode, what)
-    except BaseException:
-        os.close(fd)
-        raise
-    return os.fdopen(fd, "rb")
+        return os.fdopen(open_bounded(path), "rb")
+    except NotRegular as exc:
+        raise _not_regular(path, exc.kind, what) from None
 
 
-def _check_regular(path: Path, mode: int, what: str) -> None:
-    if not stat.S_ISREG(mode):
-        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode) else
-                "a block device" if stat.S_ISBLK(mode) else "a directory" if stat.S_ISDIR(mode) else
-                "a socket" if stat.S_ISSOCK(mode) else "not a file")
-        raise CheckpointError(f"{what + ' ' if what else ''}{str(path)!r} is not a regular file ({kind}); a "
-                              "checkpoint's files are the regular files its save wrote")
+def _not_regular(path: Path, kind: str, what: str) -> CheckpointError:
+    return CheckpointError(f"{what + ' ' if what else ''}{str(path)!r} is not a regular file ({kind}); a "
+                           "checkpoint's files are the regular files its save wrote")
 
 
 # --------------------------------------------------------------------------- the form of an entry

@@ -24,13 +24,15 @@ from .milestones import FIRST_STEP, IMPORTED, RESTORED, milestone
 from .arrays import array_namespace, is_array, is_device_array, to_host
 from .prepared import PREPARED_OPS, PreparedCollective, prepare_collective
 from .registry import create_groups, resolve_group
+from .files import NotRegular, TooLarge, open_regular, read_bounded  # files read back (debug, checkpoint)
 from .env import positive_number as positive_setting  # a bound's MESHKIT_* variable, checked (debug, checkpoint)
 from .world import RECORD_FORMAT, current_world, flight_document, inflight_document
 
 __all__ = ["backend_devices", "array_namespace", "is_device_array", "is_array", "to_host", "PREPARED_OPS", "PreparedCollective",
            "prepare_collective",
            "create_groups", "resolve_group", "current_world", "flight_document", "inflight_document", "RECORD_FORMAT",
-           "moved_names", "milestone", "IMPORTED", "RESTORED", "FIRST_STEP", "positive_setting"]
+           "moved_names", "milestone", "IMPORTED", "RESTORED", "FIRST_STEP", "positive_setting", "read_bounded",
+           "open_regular", "NotRegular", "TooLarge"]
 
 
 def moved_names(package: str, names: Mapping[str, str]) -> Callable[[str], Any]:

@@ -24,13 +24,12 @@ import json
 import math
 import os
 import re
-import stat
 import unicodedata
 from pathlib import Path
 from typing import Any
 
 from ..comm import DistValueError
-from ..comm._seams import RECORD_FORMAT, positive_setting
+from ..comm._seams import RECORD_FORMAT, NotRegular, TooLarge, positive_setting, read_bounded
 
 __all__ = ["Finding", "load_records", "check_record", "analyze", "report", "printable", "max_record_bytes",
            "MAX_RECORD_ENV", "MAX_RECORD_BYTES"]
@@ -125,41 +124,16 @@ def max_record_bytes() -> int:
 def _read_record(path: Path, limit: int) -> bytes:
     """The bytes of the record at ``path``, if it is a regular file of at most ``limit`` bytes; it is
     opened without blocking (a FIFO swapped in after the check does not wait for a writer)."""
-    too_large = DistValueError(f"meshkit.debug: analyze: {path} is larger than {limit} bytes ({MAX_RECORD_ENV}); "
-                               "set that variable higher to read it")
     try:
-        _regular(path, os.stat(path).st_mode)
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        return read_bounded(path, limit)
+    except NotRegular as exc:
+        raise DistValueError(f"meshkit.debug: analyze: {path} is not a regular file ({exc.kind}); a flight record is "
+                             "a file a rank wrote") from None
+    except TooLarge:
+        raise DistValueError(f"meshkit.debug: analyze: {path} is larger than {limit} bytes ({MAX_RECORD_ENV}); "
+                             "set that variable higher to read it") from None
     except OSError as exc:
         raise DistValueError(f"meshkit.debug: analyze: {path} cannot be read: {exc}") from None
-    try:
-        info = os.fstat(fd)
-        _regular(path, info.st_mode)
-        if info.st_size > limit:
-            raise too_large
-        parts, size, want = [], 0, info.st_size + 1  # (a read allocates what it asks for: ask for the size)
-        while size <= limit:
-            part = os.read(fd, min(want, limit + 1 - size))
-            if not part:
-                break
-            parts.append(part)
-            size, want = size + len(part), 1 << 16
-    except OSError as exc:
-        raise DistValueError(f"meshkit.debug: analyze: {path} cannot be read: {exc}") from None
-    finally:
-        os.close(fd)
-    if size > limit:  # it grew since fstat
-        raise too_large
-    return b"".join(parts)
-
-
-def _regular(path: Path, mode: int) -> None:
-    if not stat.S_ISREG(mode):
-        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode) else
-                "a block device" if stat.S_ISBLK(mode) else "a directory" if stat.S_ISDIR(mode) else
-                "a socket" if stat.S_ISSOCK(mode) else "not a file")
-        raise DistValueError(f"meshkit.debug: analyze: {path} is not a regular file ({kind}); a flight record is "
-                             "a file a rank wrote")
 
 
 def _parse(path: Path, raw: bytes) -> Any:
