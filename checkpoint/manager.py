@@ -5,6 +5,12 @@ complete (:mod:`.save` commits by one atomic rename), so :meth:`latest_step` nev
 incomplete one. Old checkpoints are removed by renaming them aside first, so a crash while
 deleting cannot leave a half-deleted one under a step's name. Rank 0 also removes what crashes
 left (:mod:`.cleanup`) when the manager is made and after each save.
+
+:meth:`CheckpointManager.restore` takes the newest checkpoint that loads: one that fails
+verification (a flipped byte, a missing file) would otherwise fail an elastic job the same way on
+every restart. A skipped one is renamed aside (``step_<n>.skipped-<random>``, never removed) once
+an older one has loaded, so that the resumed run's own save of that step does not collide with it
+and pruning does not count it; ``fallback=False`` refuses instead.
 """
 
 from __future__ import annotations
@@ -41,23 +47,29 @@ class CheckpointManager:
         directory: where the ``step_<n>`` checkpoints live (created if missing).
         max_to_keep: keep only this many newest checkpoints (None: keep all).
         group: the ranks that save and load together (default: the world).
+        fallback: whether :meth:`restore` skips checkpoints that do not load (True, the default)
+            or raises the newest one's error (False).
 
     Example::
 
         manager = CheckpointManager("ckpt", max_to_keep=3)
-        start = manager.restore(state_dict) or 0     # the newest complete one, if any
+        start = manager.restore(state_dict) or 0     # the newest one that loads, if any
         ...
         manager.save(step, state_dict)
     """
 
     def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = None,
-                 group: ProcessGroup | None = None) -> None:
+                 group: ProcessGroup | None = None, fallback: bool = True) -> None:
+        if not isinstance(fallback, bool):
+            raise CheckpointError(f"meshkit.checkpoint: CheckpointManager: fallback must be True or False, got "
+                                  f"{fallback!r}")
         if max_to_keep is not None and (not isinstance(max_to_keep, int) or isinstance(max_to_keep, bool)
                                         or max_to_keep < 1):
             raise CheckpointError(f"meshkit.checkpoint: CheckpointManager: max_to_keep must be a positive int or "
                                   f"None, got {max_to_keep!r}")
         self.directory = Path(directory)
         self.max_to_keep = max_to_keep
+        self.fallback = fallback
         self.group = resolve_group(group)
         #: serializes pruning: an async_save's writer thread and the caller's next save prune at once
         self._prune_lock = threading.Lock()
@@ -136,16 +148,60 @@ class CheckpointManager:
         return future
 
     def restore(self, state_dict: dict[str, Any]) -> int | None:
-        """Load the newest complete checkpoint, if there is one, into ``state_dict`` (collective).
+        """Load the newest checkpoint that loads, if there is one, into ``state_dict`` (collective).
 
         Returns its step, or None (nothing loaded) when there is none: the usual start of a job
         that may be resuming. Rank 0's view of the directory decides for every rank.
+
+        A checkpoint that does not load (it fails verification: a flipped byte, a truncated or
+        missing file; or it does not fit ``state_dict``) is skipped for the next newest, with a
+        warning on every rank naming the step and the reason (the same text on every rank: the
+        ranks agree on each load's outcome, so they load the same step). Once an older one has
+        loaded, each skipped one is renamed aside to ``step_<n>.skipped-<random>`` by rank 0, kept
+        for inspection (rename it back to retry it): left under its name it would make the
+        resumed run's save of step ``n`` fail (a save never overwrites) and count towards
+        ``max_to_keep``. With ``fallback=False`` the newest one's error is raised instead.
+
+        Raises:
+            CheckpointError: on every rank, with nothing loaded: none of the checkpoints loads
+                (each step and its reason named; none is renamed), or the newest does not load
+                and ``fallback`` is False.
         """
-        latest = [self.latest_step()]
-        broadcast_object_list(latest, group=self.group, group_src=0)
-        if latest[0] is None:
-            return None
-        return self.load(latest[0], state_dict)
+        listing = [(self.all_steps(), uuid.uuid4().hex[:8])]  # the suffix of the names aside, rank 0's
+        broadcast_object_list(listing, group=self.group, group_src=0)
+        steps, suffix = listing[0]
+        skipped: list[tuple[int, str]] = []
+        for step in reversed(steps if self.fallback else steps[-1:]):
+            try:
+                load(state_dict, checkpoint_id=self.path(step), group=self.group)
+            except CheckpointError as exc:  # raised on every rank alike, nothing loaded
+                if not self.fallback:
+                    raise
+                skipped.append((step, str(exc)))
+                continue
+            for bad, reason in skipped:
+                self._set_aside(bad, reason, step, suffix)
+            return step
+        if skipped:
+            reasons = "; ".join(f"step {bad}: {reason}" for bad, reason in skipped)
+            raise CheckpointError(f"meshkit.checkpoint: rank {self.group.rank}: CheckpointManager.restore: none of "
+                                  f"the {len(skipped)} checkpoints in {str(self.directory)!r} loads, each is kept: "
+                                  f"{reasons}")
+        return None
+
+    def _set_aside(self, step: int, reason: str, restored: int, suffix: str) -> None:
+        """Warn (every rank) that ``step`` was skipped for ``restored``; rank 0 renames it aside."""
+        aside = self.directory / f"step_{step}.skipped-{suffix}"
+        logger.warning("meshkit.checkpoint: CheckpointManager.restore: skipped step %d in %r: it does not load (%s); "
+                       "restored step %d instead; step %d is kept as %r", step, str(self.directory), reason, restored,
+                       step, str(aside))
+        if self.group.rank == 0:
+            try:
+                os.rename(self.path(step), aside)
+            except OSError as exc:  # never raised on rank 0 alone: the load succeeded everywhere
+                logger.warning("meshkit.checkpoint: rank 0: CheckpointManager.restore could not rename the skipped "
+                               "%s to %s: %s; a save of step %d will fail until it is moved", self.path(step), aside,
+                               exc, step)
 
     def load(self, step: int | None, state_dict: dict[str, Any]) -> int:
         """Load ``step``'s checkpoint (None: the latest, as rank 0 sees the directory) into

@@ -228,3 +228,85 @@ def test_a_dict_built_once_sees_state_loaded_without_it(how, tmp_path):
     out = local.run(body, 2)[0]
     assert out["optim"]["step"] == {"a": 2, "b": 2}
     assert out["optim"]["state"]["a"]["exp_avg"].tolist() == pytest.approx([0.5 * (1 - 0.9 ** 2)] * 4)
+
+
+# --------------------------------------------------------------------------- a corrupt newest checkpoint (issue 36.5)
+def _flip_a_byte(path):
+    f = path / "data-00001.bin"
+    raw = bytearray(f.read_bytes())
+    raw[5] ^= 0x10
+    f.write_bytes(bytes(raw))
+
+
+def _remove_a_data_file(path):
+    (path / "data-00000.bin").unlink()
+
+
+def _train_save_twice(directory, kind="fsdp", opt="adamw"):
+    """Steps 0-2, ``CheckpointManager.save(3)``, steps 3-5, ``save(6)``: an elastic job's history."""
+    manager, run = dcp.CheckpointManager(directory, max_to_keep=2), cases.Run(kind, opt)
+    state = run.state()
+    for step in range(6):
+        run.step(step)
+        if step in (2, 5):
+            manager.save(step + 1, state)
+
+
+def _resume_from_the_newest_that_verifies(directory, kind="fsdp", opt="adamw"):
+    """What a restarted job does: restore, then train on to step 6 and save it."""
+    manager, run = dcp.CheckpointManager(directory, max_to_keep=2), cases.Run(kind, opt)
+    state = run.state()
+    start = manager.restore(state)
+    run.take(state)
+    for step in range(start, 6):
+        run.step(step)
+    manager.save(6, state)
+    return start, run.params(), manager.all_steps()
+
+
+@pytest.mark.parametrize("corrupt, reason", [
+    (_flip_a_byte, r"data-00001.bin': checksum mismatch in the chunk of '[^']+' at offsets"),
+    (_remove_a_data_file, r"data file '.*step_6/data-00000.bin' is missing"),
+], ids=["flipped-byte", "missing-data-file"])
+def test_a_corrupt_newest_checkpoint_is_skipped_on_every_rank_and_the_next_resumes_exactly(corrupt, reason,
+                                                                                          tmp_path, caplog):
+    local.run(lambda: _train_save_twice(tmp_path), 2)
+    corrupt(tmp_path / "step_6")
+    with caplog.at_level("WARNING", logger="meshkit.checkpoint"):
+        results = local.run(lambda: _resume_from_the_newest_that_verifies(tmp_path), 2)
+    for start, params, steps in results:
+        assert start == 3 and steps == [3, 6]  # the resumed run's own step 6 replaced the corrupt one
+        cases.check(params, "adamw", tmp_path, "fsdp resumed from step 3")
+    skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(skipped) == 2 and skipped[0] == skipped[1], skipped  # one warning a rank, the same text
+    import re
+    assert re.search(r"CheckpointManager.restore: skipped step 6 in '.*': it does not load \(", skipped[0])
+    assert re.search(reason, skipped[0]), skipped[0]
+    assert re.search(r"restored step 3 instead; step 6 is kept as '.*step_6\.skipped-[0-9a-f]{8}'", skipped[0])
+    aside = [p.name for p in tmp_path.iterdir() if p.name.startswith("step_6.skipped-")]
+    assert len(aside) == 1  # kept for inspection, out of the way of the next save of step 6
+
+
+def test_restore_refuses_instead_when_asked_and_when_no_checkpoint_loads(tmp_path):
+    """``fallback=False`` raises the newest one's error; with every checkpoint corrupt, restore
+    raises naming each (a silent start from scratch would lose the run), renaming none."""
+    local.run(lambda: _train_save_twice(tmp_path), 2)
+    _flip_a_byte(tmp_path / "step_6")
+
+    def restore(fallback):
+        state = cases.Run("fsdp", "adamw").state()
+        try:
+            dcp.CheckpointManager(tmp_path, fallback=fallback).restore(state)
+        except CheckpointError as exc:
+            return str(exc)
+
+    for text in local.run(lambda: restore(False), 2):
+        assert "step_6/data-00001.bin': checksum mismatch" in text and "nothing was loaded" in text, text
+    _remove_a_data_file(tmp_path / "step_3")
+    for text in local.run(lambda: restore(True), 2):
+        assert text.startswith("meshkit.checkpoint: rank ") and "CheckpointManager.restore: none of the 2 " \
+            "checkpoints in" in text and "loads, each is kept: step 6: " in text, text
+        assert "checksum mismatch" in text and "; step 3: " in text and "step_3/data-00000.bin' is missing" in text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_3", "step_6"]
+    with pytest.raises(CheckpointError, match="CheckpointManager: fallback must be True or False, got 'no'"):
+        local.run(lambda: dcp.CheckpointManager(tmp_path, fallback="no"), 1)
