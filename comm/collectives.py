@@ -14,6 +14,7 @@ Per-rank example (world of 4, ``dp = new_group([0, 2])``)::
 from __future__ import annotations
 
 import dataclasses
+import datetime
 from typing import Callable, Sequence
 
 import numpy as np
@@ -52,6 +53,12 @@ def _group_rank(g: ProcessGroup, op: str, arg: str, global_rank: int | None, gro
     return index
 
 
+def _outputs(work: Work | None, outputs: list) -> Work | None:
+    """``work`` (None for a synchronous call) naming the call's output arrays: its future's value,
+    as torch's (``[tensor]`` for an all-reduce, ``[output_tensor_list]`` for an all-gather)."""
+    return None if work is None else work._with_outputs(outputs)
+
+
 def all_reduce(tensor: np.ndarray, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
                async_op: bool = False) -> Work | None:
     """Reduce ``tensor`` across the group in place on every rank.
@@ -59,22 +66,23 @@ def all_reduce(tensor: np.ndarray, op: ReduceOp = ReduceOp.SUM, group: ProcessGr
     Example (3 ranks): rank r holds ``[r, 1]``; after ``all_reduce(x)`` every rank holds
     ``[3, 3]``; with ``op=ReduceOp.MAX``, ``[2, 1]``.
     """
-    return (current_world().default_group if group is None else resolve_group(group)).all_reduce(
-        tensor, op, async_op=async_op)
+    return _outputs((current_world().default_group if group is None else resolve_group(group)).all_reduce(
+        tensor, op, async_op=async_op), [tensor])
 
 
 def reduce(tensor: np.ndarray, dst: int | None = None, op: ReduceOp = ReduceOp.SUM,
            group: ProcessGroup | None = None, async_op: bool = False, group_dst: int | None = None) -> Work | None:
     """Reduce ``tensor`` across the group into ``dst``'s ``tensor`` (others keep theirs)."""
     g = resolve_group(group)
-    return g.reduce(tensor, _group_rank(g, "reduce", "dst", dst, group_dst), op, async_op=async_op)
+    return _outputs(g.reduce(tensor, _group_rank(g, "reduce", "dst", dst, group_dst), op, async_op=async_op), [tensor])
 
 
 def broadcast(tensor: np.ndarray, src: int | None = None, group: ProcessGroup | None = None,
               async_op: bool = False, group_src: int | None = None) -> Work | None:
     """Copy ``src``'s ``tensor`` into every rank's ``tensor``."""
     g = resolve_group(group)
-    return g.broadcast(tensor, _group_rank(g, "broadcast", "src", src, group_src), async_op=async_op)
+    return _outputs(g.broadcast(tensor, _group_rank(g, "broadcast", "src", src, group_src), async_op=async_op),
+                    [tensor])
 
 
 def all_gather(tensor_list: list[np.ndarray], tensor: np.ndarray, group: ProcessGroup | None = None,
@@ -83,33 +91,36 @@ def all_gather(tensor_list: list[np.ndarray], tensor: np.ndarray, group: Process
 
     Example (2 ranks): rank r passes ``tensor = [r]``; both get ``tensor_list == [[0], [1]]``.
     """
-    return resolve_group(group).all_gather(tensor_list, tensor, async_op=async_op)
+    return _outputs(resolve_group(group).all_gather(tensor_list, tensor, async_op=async_op), [tensor_list])
 
 
 def all_gather_into_tensor(output_tensor: np.ndarray, input_tensor: np.ndarray,
                            group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
     """Concatenate every rank's ``input_tensor`` (in rank order) into ``output_tensor``."""
-    return resolve_group(group).all_gather_into_tensor(output_tensor, input_tensor, async_op=async_op)
+    return _outputs(resolve_group(group).all_gather_into_tensor(output_tensor, input_tensor, async_op=async_op),
+                    [output_tensor])
 
 
 def gather(tensor: np.ndarray, gather_list: list[np.ndarray] | None = None, dst: int | None = None,
            group: ProcessGroup | None = None, async_op: bool = False, group_dst: int | None = None) -> Work | None:
     """Gather every rank's ``tensor`` into ``gather_list`` on ``dst`` (None elsewhere)."""
     g = resolve_group(group)
-    return g.gather(tensor, gather_list, _group_rank(g, "gather", "dst", dst, group_dst), async_op=async_op)
+    return _outputs(g.gather(tensor, gather_list, _group_rank(g, "gather", "dst", dst, group_dst), async_op=async_op),
+                    [gather_list] if gather_list is not None else [])
 
 
 def scatter(tensor: np.ndarray, scatter_list: list[np.ndarray] | None = None, src: int | None = None,
             group: ProcessGroup | None = None, async_op: bool = False, group_src: int | None = None) -> Work | None:
     """``src`` sends ``scatter_list[r]`` to rank r's ``tensor``."""
     g = resolve_group(group)
-    return g.scatter(tensor, scatter_list, _group_rank(g, "scatter", "src", src, group_src), async_op=async_op)
+    return _outputs(g.scatter(tensor, scatter_list, _group_rank(g, "scatter", "src", src, group_src),
+                              async_op=async_op), [tensor])
 
 
 def reduce_scatter(output: np.ndarray, input_list: list[np.ndarray], op: ReduceOp = ReduceOp.SUM,
                    group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
     """Rank r receives the reduction of every rank's ``input_list[r]``."""
-    return resolve_group(group).reduce_scatter(output, input_list, op, async_op=async_op)
+    return _outputs(resolve_group(group).reduce_scatter(output, input_list, op, async_op=async_op), [output])
 
 
 def reduce_scatter_tensor(output: np.ndarray, input: np.ndarray, op: ReduceOp = ReduceOp.SUM,
@@ -118,21 +129,22 @@ def reduce_scatter_tensor(output: np.ndarray, input: np.ndarray, op: ReduceOp = 
 
     Example (2 ranks): rank r passes ``input = [r, 10 * r]``; rank 0 gets ``[1]``, rank 1 ``[10]``.
     """
-    return resolve_group(group).reduce_scatter_tensor(output, input, op, async_op=async_op)
+    return _outputs(resolve_group(group).reduce_scatter_tensor(output, input, op, async_op=async_op), [output])
 
 
 def all_to_all(output_tensor_list: list[np.ndarray], input_tensor_list: list[np.ndarray],
                group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
     """Rank i's ``input_tensor_list[j]`` arrives in rank j's ``output_tensor_list[i]``."""
-    return resolve_group(group).all_to_all(output_tensor_list, input_tensor_list, async_op=async_op)
+    return _outputs(resolve_group(group).all_to_all(output_tensor_list, input_tensor_list, async_op=async_op),
+                    output_tensor_list)
 
 
 def all_to_all_single(output: np.ndarray, input: np.ndarray, output_split_sizes: Sequence[int] | None = None,
                       input_split_sizes: Sequence[int] | None = None, group: ProcessGroup | None = None,
                       async_op: bool = False) -> Work | None:
     """Split ``input`` along dim 0 (equal parts or ``input_split_sizes``); part j goes to rank j."""
-    return resolve_group(group).all_to_all_single(output, input, output_split_sizes, input_split_sizes,
-                                                  async_op=async_op)
+    return _outputs(resolve_group(group).all_to_all_single(output, input, output_split_sizes, input_split_sizes,
+                                                           async_op=async_op), [output])
 
 
 def barrier(group: ProcessGroup | None = None, async_op: bool = False,
@@ -147,7 +159,7 @@ def barrier(group: ProcessGroup | None = None, async_op: bool = False,
     g = resolve_group(group)
     if device_ids is not None:
         _check_device_ids(g, device_ids)
-    return g.barrier(async_op=async_op)
+    return _outputs(g.barrier(async_op=async_op), [])
 
 
 def _check_device_ids(g: ProcessGroup, device_ids: object) -> None:
@@ -165,9 +177,10 @@ def _check_device_ids(g: ProcessGroup, device_ids: object) -> None:
                              "leave device_ids out")
 
 
-def monitored_barrier(group: ProcessGroup | None = None, timeout: float | None = None,
+def monitored_barrier(group: ProcessGroup | None = None, timeout: float | datetime.timedelta | None = None,
                       wait_all_ranks: bool = True) -> None:
-    """A barrier whose timeout names every rank that did not arrive.
+    """A barrier whose timeout (seconds, or a ``timedelta`` as torch's; None: the group's) names
+    every rank that did not arrive.
 
     ``wait_all_ranks`` is accepted for torch compatibility; meshkit always names all of them.
     """
@@ -178,7 +191,7 @@ def isend(tensor: np.ndarray, dst: int | None = None, group: ProcessGroup | None
           group_dst: int | None = None) -> Work:
     """Start sending ``tensor`` to ``dst``; wait on the Work before reusing ``tensor``."""
     g = resolve_group(group)
-    return g.isend(tensor, _group_rank(g, "isend", "dst", dst, group_dst), tag)
+    return _outputs(g.isend(tensor, _group_rank(g, "isend", "dst", dst, group_dst), tag), [tensor])
 
 
 def irecv(tensor: np.ndarray, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
@@ -186,7 +199,7 @@ def irecv(tensor: np.ndarray, src: int | None = None, group: ProcessGroup | None
     """Start receiving into ``tensor`` from ``src`` (None and no ``group_src``: any rank)."""
     g = resolve_group(group)
     peer = None if src is None and group_src is None else _group_rank(g, "irecv", "src", src, group_src)
-    return g.irecv(tensor, peer, tag)
+    return _outputs(g.irecv(tensor, peer, tag), [tensor])
 
 
 def send(tensor: np.ndarray, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0,

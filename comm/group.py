@@ -28,6 +28,7 @@ broken, the other ranks told, their notices read); :mod:`~meshkit.comm.p2p` hold
 
 from __future__ import annotations
 
+import datetime
 import functools
 import logging
 import math
@@ -45,6 +46,7 @@ from .errors import DistTypeError, DistValueError
 from .execution import CollectiveQueue
 from .failures import FailureState
 from .reduce_op import ReduceOp, check_op_dtype, valid_op_dtypes
+from .timeouts import resolve_timeout
 from .work import Work
 
 if TYPE_CHECKING:
@@ -367,15 +369,16 @@ class ProcessGroup:
         """
         return p2p.irecv(self, tensor, src, tag)
 
-    def monitored_barrier(self, timeout: float | None = None) -> None:
-        """A barrier that names every rank that did not arrive within ``timeout`` seconds.
+    def monitored_barrier(self, timeout: float | datetime.timedelta | None = None) -> None:
+        """A barrier that names every rank that did not arrive within ``timeout`` (seconds, or a
+        ``timedelta`` as torch's; None: the group's timeout).
 
         Group rank 0 collects an arrival message from each rank and answers all of them, so a
         rank that never arrives is known and reported (torch's gloo ``monitored_barrier``, but
         naming all missing ranks, not only the first).
         """
         check_member(self, "monitored_barrier")
-        limit = self.timeout if timeout is None else float(timeout)
+        limit = self.timeout if timeout is None else resolve_timeout(timeout)
         self.queue.blocking("monitored_barrier", lambda seq, d: self.engine.exchange(None, seq, d), limit)
 
     def split(self, color: int | None, *, ranks: Sequence[int], name: str) -> ProcessGroup | None:

@@ -25,7 +25,10 @@ operations at any time, so their order is the same on every rank.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import datetime
 import logging
+import math
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Protocol
@@ -33,14 +36,14 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 from . import env
 from .debug import STATE, T_END, T_START
 from .engine import DeadlineExceeded
-from .errors import CollectiveTimeout, DistError
+from .errors import CollectiveTimeout, DistError, DistTypeError, DistValueError
 from .notices import WATCH_INTERVAL
 
 if TYPE_CHECKING:
     from .debug import CollectiveRecord
     from .engine import Request
 
-__all__ = ["Work", "RequestWork", "WorkOwner", "CommThread", "in_background"]
+__all__ = ["Work", "WorkFuture", "RequestWork", "WorkOwner", "CommThread", "in_background"]
 
 logger = logging.getLogger("meshkit")
 
@@ -63,14 +66,40 @@ def in_background() -> bool:
     return queue is not None and queue.waiters == 0
 
 
+#: Guards the completion callbacks of every Work (registered by ``get_future``; rare, so one lock).
+_CALLBACKS = threading.Lock()
+
+
+def wait_seconds(timeout: float | datetime.timedelta | None) -> float | None:
+    """``Work.wait``'s timeout in seconds, or None (no bound of the caller's own).
+
+    A ``timedelta`` is torch's form; 0 (either form) is torch's ``kNoTimeout``, torch's default
+    for ``Work.wait``: no bound of the caller's, the operation's own timeout still applies (the
+    same as None). A negative, NaN or infinite one, or another type, is refused.
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise DistTypeError(f"meshkit.comm: Work.wait(timeout=...) takes seconds (a float), a datetime.timedelta "
+                            f"or None, got {type(timeout).__name__} {timeout!r}")
+    if not math.isfinite(seconds) or seconds < 0:
+        raise DistValueError(f"meshkit.comm: Work.wait(timeout={timeout!r}): the timeout must be finite and >= 0 "
+                             "seconds (0 and None: the operation's own timeout alone)")
+    return seconds or None
+
+
 class Work:
     """Handle of an asynchronous operation, as torch's ``Work``.
 
     ``wait()`` blocks until the operation finished and re-raises its error; ``is_completed()``
-    never blocks.
+    never blocks; ``get_future()`` gives a :class:`WorkFuture` of it.
     """
 
-    __slots__ = ("_done", "_error", "_result", "_what", "_queue", "_owner")
+    __slots__ = ("_done", "_error", "_result", "_what", "_queue", "_owner", "_callbacks", "_outputs")
 
     def __init__(self, what: str) -> None:
         self._done = threading.Event()
@@ -79,10 +108,77 @@ class Work:
         self._what = what
         self._queue: CommThread | None = None  # set while queued: a waiter may run it itself
         self._owner: CommThread | None = None  # the queue it was submitted to
+        self._callbacks: list[Callable[[], None]] | None = None  # run once it finishes (get_future)
+        self._outputs: list[Any] | None = None  # its output arrays, as its future's value (collectives.py)
 
     def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
         self._result, self._error = result, error
         self._done.set()
+        if self._callbacks is not None:
+            self._run_callbacks()
+
+    def _finished_yet(self) -> bool:
+        """Whether it has finished, without testing it."""
+        return self._done.is_set()
+
+    def _run_callbacks(self) -> None:
+        with _CALLBACKS:
+            callbacks, self._callbacks = self._callbacks, None
+        for callback in callbacks or ():
+            callback()
+
+    def _when_done(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` once it has finished (now, if it has)."""
+        with _CALLBACKS:
+            if not self._finished_yet():
+                self._callbacks = (self._callbacks or []) + [callback]
+                return
+        callback()
+
+    def _with_outputs(self, outputs: list[Any]) -> "Work":
+        """Name the operation's output arrays, its future's value (the module-level collectives)."""
+        self._outputs = outputs
+        return self
+
+    def get_future(self) -> "WorkFuture":
+        """A :class:`concurrent.futures.Future` of the operation, as torch's ``Work.get_future()``.
+
+        It resolves to what torch's does: the list of the operation's output arrays (for
+        ``all_reduce(x, async_op=True)``, ``[x]``; a Work that is not a collective's, a
+        ``run_async`` task's, to what the task returned), or to the operation's error. Its
+        callbacks (``add_done_callback``, torch's ``then``) run once meshkit sees the operation
+        complete: on MPI the progress agent does, elsewhere at the latest when the Work or the
+        future is waited on or tested (``done()``): so wait on the last future of a chain, as
+        torch's DDP does on a hook's.
+
+        Example (2 ranks)::
+
+            x = np.ones(2)
+            fut = meshkit.all_reduce(x, async_op=True).get_future()
+            doubled = fut.then(lambda f: f.value()[0] * 2)
+            doubled.wait()          # array([4., 4.]) on both ranks; x holds [2., 2.]
+        """
+        future = WorkFuture(self.is_completed, self._drive)
+
+        def settle() -> None:
+            if self._error is not None:
+                future.set_exception(self._error)
+            else:
+                future.set_result(self._outputs if self._outputs is not None else self._result)
+
+        self._when_done(settle)
+        return future
+
+    def _drive(self, timeout: float | None) -> None:
+        """Wait for the operation for its future; concurrent.futures.TimeoutError if ``timeout``
+        passes first (its own error is the future's, set by ``settle``)."""
+        try:
+            self.wait(timeout)
+        except CollectiveTimeout:
+            if not self._finished_yet():  # the caller's bound passed, the operation goes on
+                raise concurrent.futures.TimeoutError(f"{self._what} did not complete within {timeout} s") from None
+        except BaseException:
+            pass  # the operation's error: its future holds it
 
     def is_completed(self) -> bool:
         """True once the operation has finished, successfully or not."""
@@ -100,17 +196,21 @@ class Work:
         """What the operation returned (e.g. the source rank of a receive), after ``wait``."""
         return self._result
 
-    def wait(self, timeout: float | None = None) -> bool:
+    def wait(self, timeout: float | datetime.timedelta | None = None) -> bool:
         """Block until the operation completes; return True.
 
         Args:
-            timeout: seconds to wait at most; None waits until the operation itself finishes
-                or times out under its group's timeout.
+            timeout: seconds (or, as torch's, a ``timedelta``) to wait at most; None, or 0 (torch's
+                default, ``kNoTimeout``), waits until the operation itself finishes or times out
+                under its group's timeout.
 
         Raises:
             CollectiveTimeout: ``timeout`` passed first (the operation keeps running).
             DistError: whatever the operation raised.
+            DistTypeError, DistValueError: ``timeout`` is not seconds, a timedelta or None, or is
+                negative.
         """
+        timeout = wait_seconds(timeout)
         queue = self._queue  # read once: the comm thread clears it when it takes the work
         if timeout is None and queue is not None and not self._done.is_set():
             queue.run_until(self)
@@ -136,6 +236,67 @@ class Work:
     def __repr__(self) -> str:
         state = "completed" if self.is_completed() else "pending"
         return f"<Work {self._what} {state}>"
+
+
+class WorkFuture(concurrent.futures.Future):
+    """What :meth:`Work.get_future` returns: a :class:`concurrent.futures.Future` with torch's
+    ``torch.futures.Future`` methods too (``wait``, ``value``, ``then``).
+
+    Waiting on it (``result``, ``exception``, ``wait``) waits on the operation; ``done()`` tests
+    it: a future of meshkit's is never left pending by an operation that completed unseen.
+    """
+
+    def __init__(self, poll: Callable[[], Any], drive: Callable[[float | None], None]) -> None:
+        super().__init__()
+        self._poll, self._drive = poll, drive
+
+    def done(self) -> bool:
+        if not super().done():
+            self._poll()
+        return super().done()
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not super().done():
+            self._drive(timeout)
+        return super().result(0)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if not super().done():
+            self._drive(timeout)
+        return super().exception(0)
+
+    def cancel(self) -> bool:
+        """False: a collective cannot be cancelled (nor can torch's future of one)."""
+        return False
+
+    def wait(self) -> Any:
+        """torch's ``Future.wait()``: its value, once the operation completed (its error raised)."""
+        return self.result()
+
+    def value(self) -> Any:
+        """torch's ``Future.value()``: the value of a completed future (its error raised)."""
+        if not self.done():
+            raise DistValueError("meshkit.comm: WorkFuture.value() of a future whose operation has not completed "
+                                 "(as torch's); call wait(), which waits and returns the value")
+        return super().result(0)
+
+    def then(self, callback: Callable[["WorkFuture"], Any]) -> "WorkFuture":
+        """torch's ``Future.then``: a future of ``callback(self)``, run once this one completes;
+        waiting on it waits on this one (an error of either is its error)."""
+        child = WorkFuture(self.done, self._drive_for_child)
+
+        def run(_: concurrent.futures.Future) -> None:
+            try:
+                child.set_result(callback(self))
+            except BaseException as exc:
+                child.set_exception(exc)
+
+        self.add_done_callback(run)
+        return child
+
+    def _drive_for_child(self, timeout: float | None) -> None:
+        if not super().done():
+            self._drive(timeout)
 
 
 class WorkOwner(Protocol):
@@ -208,6 +369,8 @@ class RequestWork(Work):
         self._request, self._settle, self._start, self._timeout = request, settle, start, timeout
         self._error: BaseException | None = None
         self._result: Any = None
+        self._callbacks: list[Callable[[], None]] | None = None
+        self._outputs: list[Any] | None = None
         self._finished = False
         self.queued = False  # in its group's queue of collectives (see CollectiveQueue.advance)
         self._lock = threading.Lock()  # one thread tests the request at a time (MPI requires it)
@@ -269,6 +432,11 @@ class RequestWork(Work):
         if self.queued:
             self.queued = False
             self._owner_queue.advance(self)
+        if self._callbacks is not None:
+            self._run_callbacks()
+
+    def _finished_yet(self) -> bool:
+        return self._finished
 
     def _settled(self) -> None:
         if self.queued:  # start the next collective before this one's epilogue (AVG's division)
@@ -355,7 +523,8 @@ class RequestWork(Work):
     def is_success(self) -> bool:
         return self._finished and self._error is None
 
-    def wait(self, timeout: float | None = None) -> bool:
+    def wait(self, timeout: float | datetime.timedelta | None = None) -> bool:
+        timeout = wait_seconds(timeout)
         if not self._finished and self._request is None:  # its predecessors must finish first
             if not self._owner_queue.wait_before(self, None if timeout is None else time.monotonic() + timeout):
                 raise CollectiveTimeout(f"meshkit.comm: {self._what} did not start within Work.wait(timeout="

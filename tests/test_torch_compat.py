@@ -142,3 +142,72 @@ def test_gloo_is_the_host_engine():
     # In a process (and under meshkit-run: the test with torchrun's variables), "mpi".
     code = "import meshkit; meshkit.init_process_group('gloo'); print(meshkit.get_backend(), meshkit.get_world_size())"
     assert _python(code) == "mpi 1"
+
+
+# --------------------------------------------------------------------------- issue 36.7: timeouts and futures
+def test_timeouts_take_torchs_timedelta():
+    """``monitored_barrier(timeout=timedelta)`` and ``Work.wait(timeout=timedelta)`` raised
+    TypeError; torch takes a timedelta (and ``Work.wait``'s default, timedelta(0), means no bound
+    of the caller's own)."""
+    from datetime import timedelta
+
+    def body():
+        meshkit.monitored_barrier(timeout=timedelta(seconds=30))
+        x = np.full(2, meshkit.get_rank() + 1.0)
+        assert meshkit.all_reduce(x, async_op=True).wait(timeout=timedelta(seconds=30)) is True
+        assert meshkit.all_reduce(x, async_op=True).wait(timeout=timedelta(0)) is True  # torch's kNoTimeout
+        for bad, error in ((timedelta(seconds=-1), meshkit.DistValueError), ("5", meshkit.DistTypeError)):
+            with pytest.raises(error, match=r"Work.wait\(timeout="):
+                meshkit.all_reduce(x, async_op=True).wait(timeout=bad)
+            meshkit.barrier()  # the all-reduce whose wait was refused still completes
+        with pytest.raises(meshkit.DistValueError, match="timeout must be positive, got 0.0"):
+            meshkit.monitored_barrier(timeout=timedelta(0))
+        return x.tolist()
+
+    assert local.run(body, 2) == [[24.0, 24.0]] * 2  # 1 + 2, doubled by each of the other three all-reduces
+
+
+def test_a_works_future_resolves_to_its_outputs_as_torchs():
+    """``Work.get_future()`` was missing. torch's resolves to the list of output tensors; meshkit's
+    is a concurrent.futures.Future with torch's wait/value/then, its error that of the operation."""
+    import concurrent.futures
+
+    def body():
+        r = meshkit.get_rank()
+        x = np.full(2, r + 1.0)
+        fut = meshkit.all_reduce(x, async_op=True).get_future()
+        assert isinstance(fut, concurrent.futures.Future)
+        halved = fut.then(lambda f: f.value()[0] / 2)  # the DDP hook pattern
+        assert halved.wait().tolist() == [1.5, 1.5] and fut.value()[0] is x and fut.done()
+        seen = []
+        out = [np.zeros(1), np.zeros(1)]
+        gathered = meshkit.all_gather(out, np.full(1, float(r)), async_op=True).get_future()
+        gathered.add_done_callback(lambda f: seen.append(len(f.result()[0])))
+        assert gathered.result(timeout=30)[0] is out and seen == [2] and not gathered.cancel()
+        recv = meshkit.irecv(np.zeros(1), src=1 - r) if r == 0 else meshkit.isend(np.ones(1), dst=0)
+        value = recv.get_future().wait()
+        assert len(value) == 1 and value[0].tolist() == [1.0 if r == 0 else 1.0]
+        pending = meshkit.irecv(np.zeros(1), src=1 - r, tag=7).get_future()
+        with pytest.raises(meshkit.DistValueError, match=r"value\(\) of a future whose operation has not completed"):
+            pending.value()
+        with pytest.raises(concurrent.futures.TimeoutError):
+            pending.result(timeout=0.01)
+        meshkit.barrier()  # neither rank sends before both timed out
+        meshkit.send(np.full(1, 5.0), dst=1 - r, tag=7)
+        assert pending.wait()[0].tolist() == [5.0]
+        return True
+
+    assert local.run(body, 2) == [True, True]
+
+
+def test_a_failed_operations_future_holds_its_error():
+    def body():
+        if meshkit.get_rank() == 1:
+            return "skipped"
+        fut = meshkit.irecv(np.zeros(1), src=1).get_future()
+        chained = fut.then(lambda f: f.value())
+        with pytest.raises(meshkit.CollectiveTimeout, match="rank 1 did not post a matching send"):
+            chained.wait()
+        return type(fut.exception()).__name__
+
+    assert local.run(body, 2, timeout=0.3)[0] == "CollectiveTimeout"
