@@ -18,7 +18,8 @@ import stat
 from .debug import DebugLevel
 from .errors import DistValueError
 
-__all__ = ["DEBUG", "TIMEOUT", "ASYNC_ERROR_HANDLING", "CUDA_AWARE_MPI", "LAUNCHED", "DEVICE_ID", "TRACE_DIR",
+__all__ = ["DEBUG", "TORCH_DEBUG", "TIMEOUT", "ASYNC_ERROR_HANDLING", "CUDA_AWARE_MPI", "LAUNCHED", "DEVICE_ID",
+           "TRACE_DIR",
            "HOST_NAME", "JOB_SECRET", "MAX_TIMEOUT_S", "debug_level", "timeout", "check_timeout", "async_error_handling",
            "cuda_aware_mpi", "launched", "device_id", "trace_dir", "host_name", "this_host", "job_secret", "job_identity", "secret_identity",
            "positive_number", "control_max_depth", "CONTROL_MAX_DEPTH", "STORE_MAX_BYTES", "STORE_MAX_CONNECTIONS",
@@ -26,6 +27,8 @@ __all__ = ["DEBUG", "TIMEOUT", "ASYNC_ERROR_HANDLING", "CUDA_AWARE_MPI", "LAUNCH
            "check_all", "invalid"]
 
 DEBUG = "MESHKIT_DEBUG"
+#: torch's name for it, read where ``MESHKIT_DEBUG`` is not set
+TORCH_DEBUG = "TORCH_DISTRIBUTED_DEBUG"
 TIMEOUT = "MESHKIT_TIMEOUT"
 ASYNC_ERROR_HANDLING = "MESHKIT_ASYNC_ERROR_HANDLING"
 CUDA_AWARE_MPI = "MESHKIT_CUDA_AWARE_MPI"
@@ -82,13 +85,16 @@ def _get(name: str) -> str | None:
 
 
 def debug_level() -> DebugLevel:
-    """``MESHKIT_DEBUG``: off (default), info or detail, case-insensitive."""
-    raw = _get(DEBUG)
+    """``MESHKIT_DEBUG``: off (default), info or detail, case-insensitive; where it is not set,
+    torch's ``TORCH_DISTRIBUTED_DEBUG`` (``OFF``, ``INFO``, ``DETAIL``), so that a torch job's
+    environment gives a ported script the checks it asked for."""
+    name = DEBUG if _get(DEBUG) is not None else TORCH_DEBUG
+    raw = _get(name)
     key = (raw or "off").strip().upper() or "OFF"
     try:
         return DebugLevel[key]
     except KeyError:
-        raise invalid(DEBUG, raw, str([level.name.lower() for level in DebugLevel])) from None
+        raise invalid(name, raw, str([level.name.lower() for level in DebugLevel])) from None
 
 
 def timeout() -> float | None:

@@ -211,3 +211,22 @@ def test_a_failed_operations_future_holds_its_error():
         return type(fut.exception()).__name__
 
     assert local.run(body, 2, timeout=0.3)[0] == "CollectiveTimeout"
+
+
+def test_torch_distributed_debug_is_read_where_meshkit_debug_is_not_set(monkeypatch):
+    """``TORCH_DISTRIBUTED_DEBUG=DETAIL`` was ignored: a ported job's environment asked for the
+    checks of detail mode and got none."""
+    from meshkit.comm.debug import DebugLevel
+
+    monkeypatch.delenv("MESHKIT_DEBUG", raising=False)
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+    assert local.run(meshkit.get_debug_level, 2) == [DebugLevel.DETAIL] * 2  # the world's level
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "info")
+    assert meshkit.get_debug_level() == DebugLevel.INFO
+    monkeypatch.setenv("MESHKIT_DEBUG", "off")  # meshkit's own variable decides where set
+    assert meshkit.get_debug_level() == DebugLevel.OFF
+    monkeypatch.delenv("MESHKIT_DEBUG")
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "VERBOSE")
+    with pytest.raises(meshkit.DistValueError, match=r"TORCH_DISTRIBUTED_DEBUG='VERBOSE' is not valid; valid values "
+                                                     r"are \['off', 'info', 'detail'\]"):
+        meshkit.get_debug_level()
