@@ -330,6 +330,18 @@ class DeviceMesh:
         anchor._flattened[new_name] = result
         return result
 
+    def _flatten(self, mesh_dim_name: str | None = None, backend_override: Any = None) -> DeviceMesh:
+        """torch's private ``DeviceMesh._flatten``, which torchtitan calls
+        (``world_mesh["dp_replicate", "dp_shard"]._flatten(mesh_dim_name="dp")``): :meth:`flatten`.
+
+        ``backend_override`` (torch's per-mesh backend options) must be None: a meshkit mesh's
+        groups use its world's engine.
+        """
+        if backend_override is not None:
+            raise DistValueError(f"{errors.prefix('DeviceMesh._flatten')}backend_override={backend_override!r} is not "
+                                 "supported: a meshkit mesh's groups use its world's engine; leave it out (None)")
+        return self.flatten(mesh_dim_name)
+
     def unflatten(self, dim: int | str, sizes: Sequence[int], names: Sequence[str]) -> DeviceMesh:
         """Split dimension ``dim`` into ``sizes`` (one may be -1) named ``names``; collective over the root.
 

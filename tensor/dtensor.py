@@ -21,7 +21,7 @@ from .indexing import index_plan
 from .placements import Partial, Placement, Replicate, Shard
 from .redistribute import cached, program, remember
 
-__all__ = ["DTensor", "normalize_placements"]
+__all__ = ["DTensor", "Size", "normalize_placements"]
 
 #: One entry per claim alive and not yet checked, in this process (all ranks of the local engine).
 #: Only while there are some do the NumPy protocols look for claims to pass on to their results:
@@ -29,6 +29,31 @@ __all__ = ["DTensor", "normalize_placements"]
 #: because append and pop are atomic (the ranks of the local engine are threads) and take no lock
 #: that a Claim's __del__, run wherever a reference drops, could find already held.
 _pending: list[None] = []
+
+
+class Size(int):
+    """:attr:`DTensor.size`: the number of elements, as NumPy's ``size`` (it is that int), and
+    callable as torch's ``size(dim=None)`` method, so that NumPy code (``d.size``) and torch code
+    (``d.size()``, ``d.size(0)``) both read it as they expect."""
+
+    _shape: tuple[int, ...]
+
+    def __new__(cls, count: int, shape: tuple[int, ...]) -> "Size":
+        out = super().__new__(cls, count)
+        out._shape = shape
+        return out
+
+    def __call__(self, dim: int | None = None) -> tuple[int, ...] | int:
+        """torch's ``DTensor.size(dim=None)``: the global shape, or its size along ``dim``
+        (negative counts from the end; IndexError out of range, as torch's)."""
+        if dim is None:
+            return self._shape
+        if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
+            raise TypeError(errors.prefix("DTensor.size") + f"dim must be an int or None, got {dim!r}")
+        return self._shape[normalize_dim(int(dim), len(self._shape), what=errors.prefix("DTensor.size") + "size(dim)")]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return int, (int(self),)  # pickled, copied: the plain count
 
 
 class Claim:
@@ -269,9 +294,13 @@ class DTensor(NDArrayOperatorsMixin):
         return self._local.dtype
 
     @property
-    def size(self) -> int:
-        """Number of elements of the global array (NumPy's ``size``)."""
-        return int(np.prod(self._shape, dtype=np.int64))
+    def size(self) -> "Size":
+        """Number of elements of the global array (NumPy's ``size``, an int); called, torch's
+        ``DTensor.size(dim=None)``: the global shape, or its size along ``dim``.
+
+        Example (a 4 x 6 global array): ``d.size == 24``, ``d.size() == (4, 6)``, ``d.size(-1) == 6``.
+        """
+        return Size(int(np.prod(self._shape, dtype=np.int64)), self._shape)
 
     def __len__(self) -> int:
         """The global first dimension (TypeError for a 0-d DTensor, as NumPy's ``len()``)."""

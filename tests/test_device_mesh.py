@@ -539,3 +539,18 @@ def test_a_partition_of_the_parent_itself_is_the_parent():
         assert mesh.get_group() is world.default_group and world.split_count == n
         return True
     assert local.run(body, 4) == [True] * 4
+
+
+def test_torchtitans_private_flatten_is_flatten():
+    """Issue 36.7: torchtitan calls ``mesh["dp_replicate", "dp_shard"]._flatten(mesh_dim_name="dp")``,
+    which was missing."""
+    def body():
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+        dp = mesh["dp_replicate", "dp_shard"]._flatten(mesh_dim_name="dp")
+        assert dp is mesh["dp_replicate", "dp_shard"].flatten("dp") and mesh["dp"] is dp
+        assert mesh._flatten().mesh_dim_names == ("dp_replicate_dp_shard",)
+        with pytest.raises(ValueError, match=r"DeviceMesh._flatten: backend_override='nccl' is not supported"):
+            mesh._flatten("x", backend_override="nccl")
+        return dp.mesh.tolist(), dp.get_local_rank()
+
+    assert local.run(body, 4) == [([0, 1, 2, 3], r) for r in range(4)]

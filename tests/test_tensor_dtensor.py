@@ -592,3 +592,22 @@ def test_checked_and_dropped_claims_stop_ops_looking_for_claims():
         np.testing.assert_array_equal(full, 2 * ROWS5)
     gc.collect()
     assert len(dtensor._pending) == before
+
+
+def test_size_is_numpys_count_and_torchs_method():
+    """Issue 36.7: ``DTensor.size`` was a property (NumPy's element count) where torch's is a
+    method (``size()`` the shape, ``size(dim)`` one size): ported torch code called an int."""
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2,))
+        d = distribute_tensor(np.zeros((5, 3)), mesh, [Shard(0)])  # uneven: blocks of 3 and 2 rows
+        assert d.size == 15 and d.size * 2 == 30 and np.arange(d.size).shape == (15,)  # NumPy's
+        assert d.size() == (5, 3) and d.size(0) == 5 and d.size(-1) == 3  # torch's, the global shape
+        assert pickle.loads(pickle.dumps(d.size)) == 15 and type(pickle.loads(pickle.dumps(d.size))) is int
+        with pytest.raises(IndexError, match=r"rank \d: DTensor.size: size\(dim\): dim 2 is out of range for an "
+                                             r"array of 2 dimensions"):
+            d.size(2)
+        with pytest.raises(TypeError, match=r"DTensor.size: dim must be an int or None, got 'x'"):
+            d.size("x")
+        return d.to_local().size  # the local block's, NumPy's own
+
+    assert local.run(body, 2) == [9, 6]
