@@ -1,8 +1,12 @@
 """Reduction operations, which dtypes each accepts, and their NumPy reference.
 
 The dtype rules follow torch.distributed: ``AVG`` needs a floating-point or complex dtype,
-complex numbers only sum or average, booleans reduce with MIN/MAX/BAND/BOR/BXOR (MIN is a
-logical and, MAX a logical or), and the bitwise ops need integers or booleans.
+complex numbers only sum or average (torch: "MAX, MIN and PRODUCT are not supported for complex
+tensors"; NCCL has no complex type, meshkit reduces complex numbers as pairs of floats),
+booleans reduce with MIN/MAX/BAND/BOR/BXOR (MIN is a logical and, MAX a logical or), and the
+bitwise ops need integers or booleans. ``PREMUL_SUM`` is torch's name for NCCL's sum of inputs
+each scaled by a factor (``_make_nccl_premul_sum(factor)``); meshkit refuses it, naming the way:
+scale the input, then ``SUM``.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ class ReduceOp(enum.Enum):
     BAND = "band"
     BOR = "bor"
     BXOR = "bxor"
+    #: torch's premultiplied sum: refused on use (see the module docstring), never valid
+    PREMUL_SUM = "premul_sum"
 
     def __repr__(self) -> str:
         return f"ReduceOp.{self.name}"
@@ -38,7 +44,7 @@ class ReduceOp(enum.Enum):
 
 
 _BOOL_OPS = frozenset({ReduceOp.MIN, ReduceOp.MAX, ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
-_INT_OPS = frozenset(ReduceOp) - {ReduceOp.AVG}
+_INT_OPS = frozenset(ReduceOp) - {ReduceOp.AVG, ReduceOp.PREMUL_SUM}
 _FLOAT_OPS = frozenset({ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX})
 _COMPLEX_OPS = frozenset({ReduceOp.SUM, ReduceOp.AVG})
 
@@ -77,6 +83,10 @@ def check_op_dtype(op: object, dtype: np.dtype, where: Callable[[], str]) -> Red
         except KeyError:
             valid = [o.name for o in ReduceOp]
             raise DistTypeError(f"{where()}: op={op!r} is not a ReduceOp; valid ops are {valid}") from None
+    if op is ReduceOp.PREMUL_SUM:
+        raise DistTypeError(f"{where()}: ReduceOp.PREMUL_SUM (torch's _make_nccl_premul_sum(factor), NCCL's sum of "
+                            "inputs each multiplied by factor) is not supported; the same result: multiply the input "
+                            "by factor in place (x *= factor), then reduce with ReduceOp.SUM")
     valid_ops = _valid_ops(dtype)
     if op not in valid_ops:
         names = sorted(o.name for o in valid_ops)

@@ -230,3 +230,44 @@ def test_torch_distributed_debug_is_read_where_meshkit_debug_is_not_set(monkeypa
     with pytest.raises(meshkit.DistValueError, match=r"TORCH_DISTRIBUTED_DEBUG='VERBOSE' is not valid; valid values "
                                                      r"are \['off', 'info', 'detail'\]"):
         meshkit.get_debug_level()
+
+
+def test_the_reduce_op_table_of_the_docs_is_what_the_code_accepts():
+    """docs/collectives.md listed complex PRODUCT (and MIN, MAX) while the code refused it, as torch
+    does: the docs now hold a table by dtype, checked here against check_op_dtype."""
+    from pathlib import Path
+
+    from meshkit import ReduceOp
+    from meshkit.comm.reduce_op import check_op_dtype
+
+    text = (Path(meshkit.__file__).parent / "docs" / "collectives.md").read_text()
+    rows = dict(re.findall(r"^\| (\w+) [^|]*\| ([A-Z, ()a-z]+) \|$", text, re.M))
+    rows.pop("dtype", None)  # the header
+    examples = {"float": ["float16", "float32", "float64", "longdouble"], "integer": ["int8", "uint64", "int32"],
+                "complex": ["complex64", "complex128"], "bool": ["bool"]}
+    assert set(rows) == set(examples), rows
+    for kind, dtypes in examples.items():
+        listed = {ReduceOp[w] for w in re.findall(r"\b[A-Z]+\b", rows[kind])}
+        for dtype in dtypes:
+            for op in ReduceOp:
+                try:
+                    check_op_dtype(op, np.dtype(dtype), lambda: "here")
+                    accepted = True
+                except meshkit.DistTypeError:
+                    accepted = False
+                assert accepted == (op in listed), (kind, dtype, op)
+
+    def body():
+        with pytest.raises(meshkit.DistTypeError, match=r"rank \d: all_reduce: ReduceOp.PRODUCT is not defined for "
+                                                         r"dtype complex128; valid ops for this dtype are \['AVG', 'SUM'\]"):
+            meshkit.all_reduce(np.ones(2, complex), ReduceOp.PRODUCT)
+        with pytest.raises(meshkit.DistTypeError, match=r"ReduceOp.PREMUL_SUM \(torch's _make_nccl_premul_sum\(factor\)"
+                                                         r".* multiply the input by factor in place \(x \*= factor\), "
+                                                         r"then reduce with ReduceOp.SUM"):
+            meshkit.all_reduce(np.ones(2), ReduceOp.PREMUL_SUM)
+        x = np.full(2, meshkit.get_rank() + 1.0)
+        x *= 0.5  # the way: scale, then sum
+        meshkit.all_reduce(x, ReduceOp.SUM)
+        return x.tolist()
+
+    assert local.run(body, 2) == [[1.5, 1.5]] * 2
