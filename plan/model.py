@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +39,15 @@ def _bad(field: str, value: Any, valid: str) -> ValueError:
 
 
 def _count(field: str, value: Any, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    """``value`` as an int (NumPy's integers too: a flop count is often ``np.prod`` of a shape)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise _bad(field, value, f"an integer >= {minimum}")
-    return value
+    return int(value)
+
+
+def _as_int(value: Any) -> Any:
+    """A NumPy integer as an int; anything else as it is (validate names what is wrong)."""
+    return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +64,17 @@ class Layer:
     tp_dim: dict[str, int] = dataclasses.field(default_factory=dict)
     input_bytes: int = 0
     pointwise: int = 0
+
+    def __post_init__(self) -> None:
+        # NumPy integers become ints (np.int64 flop counts were refused: issue 36.7), so that
+        # the arithmetic, JSON and messages see plain ints
+        for field in ("activation_bytes", "flops", "input_bytes", "pointwise"):
+            object.__setattr__(self, field, _as_int(getattr(self, field)))
+        if isinstance(self.params, dict):
+            object.__setattr__(self, "params", {p: tuple(_as_int(d) for d in shape) if isinstance(shape, tuple) else
+                                                shape for p, shape in self.params.items()})
+        if isinstance(self.tp_dim, dict):
+            object.__setattr__(self, "tp_dim", {p: _as_int(d) for p, d in self.tp_dim.items()})
 
     @property
     def tp_style(self) -> str:
@@ -97,13 +115,13 @@ class Model:
     def __post_init__(self) -> None:
         if not self.layers:
             raise _bad("Model.layers", self.layers, "a non-empty list of layers")
-        names = set()
+        first: dict[str, int] = {}
         for i, layer in enumerate(self.layers):
             layer.validate(f"Model.layers[{i}]")
-            for p in layer.params:
-                if (layer.name, p) in names:
-                    raise _bad(f"Model.layers[{i}].params", p, "unique within its layer")
-                names.add((layer.name, p))
+            j = first.setdefault(layer.name, i)
+            if j != i:  # parameters and activations are keyed by the layer's name
+                raise _bad(f"Model.layers[{i}].name", layer.name, f"unique among the layers (Model.layers[{j}] is "
+                           "named so too)")
         _count("Model.batch", self.batch, 1)
         if self.dtype not in _ITEMSIZE:
             raise _bad("Model.dtype", self.dtype, f"one of {', '.join(_ITEMSIZE)}")

@@ -119,6 +119,29 @@ def test_model_and_config_bad_fields_are_named():
         Config("fsdp", dp_replicate=2, dp_shard=2)
 
 
+def test_numpy_counts_are_counts_and_a_repeated_layer_name_is_named():
+    """Issue 36.7: ``flops=np.int64(...)`` (an ``np.prod`` of a shape) was refused as not an
+    integer, and two layers with one name were reported as a parameter not unique "within its
+    layer". NumPy integers are ints now; a repeated name is refused naming both layers (the
+    planner keys parameters and activations by the layer's name)."""
+    with_numpy = Model([Layer("embed", {"w": (np.int64(1000), 64)}, np.int64(256), np.int64(0)),
+                        Layer("mlp", {"w1": (64, 256), "w2": (256, 64)}, np.int64(1024), np.prod([2, 64, 256, 2]),
+                              {"w1": np.int64(1), "w2": 0}),
+                        Layer("head", {"w": (64, 1000)}, 4000, np.int64(2 * 64 * 1000), pointwise=np.int32(3))],
+                       batch=32)
+    assert type(with_numpy.layers[1].flops) is int and type(with_numpy.layers[0].params["w"][0]) is int
+    plain = dataclasses.replace(MODEL, layers=[dataclasses.replace(MODEL.layers[2], pointwise=3) if i == 2 else layer
+                                               for i, layer in enumerate(MODEL.layers)])
+    for config in (Config("fsdp", dp_shard=4, tp=2), Config("zero2", dp_shard=8)):
+        assert estimate(config, with_numpy, two_level()).to_dict() == estimate(config, plain, two_level()).to_dict()
+    json.dumps(estimate(Config("ddp", dp_shard=2), with_numpy, two_level()).to_dict())  # plain ints, JSON-able
+    with pytest.raises(ValueError, match=r"Model.layers\[2\].name must be unique among the layers "
+                                         r"\(Model.layers\[0\] is named so too\), got 'fc'"):
+        Model([Layer("fc", {"w": (2, 2)}), Layer("act", {}), Layer("fc", {"w": (2, 2)})], batch=4)
+    with pytest.raises(ValueError, match=r"Model.layers\[0\].flops must be an integer >= 0, got 2.5"):
+        Model([Layer("fc", {"w": (2, 2)}, flops=2.5)], batch=4)
+
+
 # ------------------------------------------------------------------ calibration
 def test_fit_recovers_alpha_beta():
     bus = np.array([1e3, 1e4, 1e5, 1e6])
