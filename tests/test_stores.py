@@ -598,3 +598,162 @@ def test_try_get_waits_up_to_its_timeout_and_gives_none_instead_of_raising(store
     assert store.try_get("late", timedelta(seconds=10)) == b"here"
     with pytest.raises(ValueError, match=r"timeout must be finite and >= 0 seconds, got -1"):
         store.try_get("k", -1)
+
+
+# --------------------------------------------------------------------------- torch 2.13's later methods (issue 36.7)
+def test_multi_get_multi_set_append_and_list_keys(stores, monkeypatch):
+    from meshkit.comm.stores import store as store_module, tcp_server
+
+    for module in (store_module, tcp_server):  # the value limit, lowered: 16 MiB values cost a second a store
+        monkeypatch.setattr(module, "MAX_VALUE_BYTES", 1024)
+    store, another = stores
+    store.multi_set(["a", "b", "a"], ["1", b"\x00", "3"])  # a key given twice: its last value
+    other = another()
+    assert other.multi_get(["b", "a"]) == [b"\x00", b"3"] and store.multi_get([]) == []
+    store.append("s", "po")
+    other.append("s", b"tato")
+    assert store.get("s") == b"potato"
+    assert store.list_keys() == ["a", "b", "s"] == other.list_keys() and store.num_keys() == 3
+    store.set_timeout(0.05)  # a timeout that must fire: short
+    with pytest.raises(DistStoreError, match=r"multi_get timed out after waiting 0\.[0-9]+ s for key\(s\) 'nope' "
+                                             r"\(timeout 0\.05 s") as info:
+        store.multi_get(["a", "nope"])
+    assert info.value.keys == ["nope"]
+    threading.Timer(0.05, lambda: other.set("late", "x")).start()
+    store.set_timeout(timedelta(seconds=5))
+    assert store.multi_get(["a", "late"]) == [b"3", b"x"]  # waits for the last key
+    with pytest.raises(ValueError, match=r"multi_set\(keys, values\): 2 keys but 1 values; give one value per key"):
+        store.multi_set(["x", "y"], ["1"])
+    with pytest.raises(TypeError, match=r"multi_set\(keys, values\): values must be a list of str or bytes, got str"):
+        store.multi_set(["x"], "1")
+    store.set("full", bytes(1023))
+    with pytest.raises(ValueError, match=r"append\('full', ...\): 'full' holds 1023 bytes, and 2 more would pass the "
+                                         r"stores' limit of 1024 bytes a value"):
+        store.append("full", b"xy")
+    assert len(other.get("full")) == 1023 and store.has_extended_api()
+
+
+def test_queues_push_pop_in_order_wake_a_popper_and_are_not_keys(stores):
+    store, another = stores
+    other = another()
+    assert store.queue_len("q") == 0 and not store.check(["q"])
+    store.queue_push("q", "first")
+    other.queue_push("q", b"second")
+    assert other.queue_len("q") == 2 and store.check(["q"])
+    store.wait(["q"])  # wait sees a non-empty queue, as torch's
+    assert store.list_keys() == [] and store.num_keys() == 0  # a queue is not a key
+    assert store.queue_pop("q") == b"first" and other.queue_pop("q", block=False) == b"second"
+    with pytest.raises(meshkit.comm.stores.QueueEmptyError, match=r"queue_pop\('q', block=False\): the queue is empty"):
+        store.queue_pop("q", block=False)
+    store.set_timeout(0.05)  # a timeout that must fire: short
+    with pytest.raises(DistStoreError, match=r"queue_pop timed out after waiting 0\.[0-9]+ s for key\(s\) 'q' "
+                                             r"\(timeout 0\.05 s.*\): no one pushed onto it in time"):
+        store.queue_pop("q")
+    store.set_timeout(timedelta(seconds=5))
+    threading.Timer(0.05, lambda: other.queue_push("q", "late")).start()
+    assert store.queue_pop("q") == b"late" and store.queue_len("q") == 0
+    store.set("q", "a key of the same name")  # lives beside the queue
+    store.queue_push("q", "v")
+    assert store.get("q") == b"a key of the same name" and store.queue_pop("q") == b"v"
+
+
+def test_a_clone_is_another_handle_for_another_thread(stores):
+    store, _ = stores
+    store.set_timeout(timedelta(seconds=5))
+    clones = [store.clone() for _ in range(4)]
+    assert all(c.timeout == store.timeout for c in clones)
+
+    def work(c: Store, i: int) -> None:
+        for _ in range(25):
+            c.add("n", 1)
+        c.queue_push("done", str(i))
+
+    threads = [threading.Thread(target=work, args=(c, i)) for i, c in enumerate(clones)]
+    for t in threads:
+        t.start()
+    assert sorted(store.queue_pop("done") for _ in range(4)) == [b"0", b"1", b"2", b"3"]
+    for t in threads:
+        t.join()
+    assert store.get("n") == b"100"
+    for c in clones:
+        c.close()
+    assert store.get("n") == b"100"  # closing a clone leaves the store open
+    with pytest.raises(DistStoreError, match=r"get on a closed store"):
+        clones[0].get("n")
+
+
+def test_barrier_waits_for_world_size_callers_and_serves_again(stores):
+    store, _ = stores
+    store.set_timeout(timedelta(seconds=10))
+    passed: list[int] = []
+
+    def member(c: Store) -> None:
+        for round_ in range(3):
+            c.barrier("b", 3)
+            passed.append(round_)
+
+    handles = [store.clone() for _ in range(2)]
+    threads = [threading.Thread(target=member, args=(h,)) for h in handles]
+    for t in threads:
+        t.start()
+    for round_ in range(3):
+        time.sleep(0.02)
+        assert passed.count(round_) == 0  # nobody passes round r before the third caller arrives
+        store.barrier("b", 3)
+        while passed.count(round_) < 2:
+            time.sleep(0.002)
+    for t in threads:
+        t.join()
+    assert passed == [0, 0, 1, 1, 2, 2] and store.list_keys() == ["b/arrived", "b/done/2"]
+    with pytest.raises(DistStoreError, match=r"barrier\('lonely', world_size=2\) timed out after waiting 0\.[0-9]+ s "
+                                             r"\(timeout 0\.1 s.*\): 1 of 2 callers arrived; the others never called"):
+        store.barrier("lonely", 2, timeout=0.1)
+    with pytest.raises(ValueError, match=r"barrier\('x', world_size\): world_size must be an int >= 1, got 0"):
+        store.barrier("x", 0)
+    for h in handles:
+        h.close()
+
+
+def test_a_timeout_of_zero_is_refused_where_torch_waits_without_limit(stores):
+    """torch reads ``set_timeout(timedelta(0))`` as no limit; meshkit's get then raised at once.
+    meshkit bounds every wait, so it refuses 0 naming what to give (docs/stores.md)."""
+    store, _ = stores
+    with pytest.raises(ValueError, match=r"timeout must be positive, got datetime.timedelta\(0\): torch reads 0 as "
+                                         r"'wait without limit', and meshkit's stores bound every wait; give the "
+                                         r"longest wait you accept"):
+        store.set_timeout(timedelta(0))
+    assert store.timeout == SHORT  # unchanged
+    with pytest.raises(ValueError, match=r"timeout must be positive, got 0"):
+        TCPStore("127.0.0.1", 0, is_master=True, timeout=0)
+    assert store.try_get("nope", 0) is None  # a bound of 0 where a call takes one: look once
+
+
+def test_the_servers_bounds_hold_for_the_new_requests(monkeypatch):
+    """multi_set, append and queue_push are held within MESHKIT_STORE_MAX_BYTES; multi_get names
+    at most MESHKIT_STORE_MAX_WAIT_KEYS keys; a multi_get or list_keys reply over the frame limit is
+    refused naming it (limit lowered here: 16 MiB values would take 64 MiB per reply)."""
+    from meshkit.comm.stores import tcp_server
+
+    monkeypatch.setenv("MESHKIT_STORE_MAX_BYTES", str(1 << 20))
+    monkeypatch.setenv("MESHKIT_STORE_MAX_WAIT_KEYS", "4")
+    store = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5))
+    half = bytes(600 << 10)
+    store.queue_push("q", half)
+    for refused in (lambda: store.queue_push("q", half), lambda: store.append("a", half),
+                    lambda: store.multi_set(["x", "y"], [half[:400 << 10], half[:400 << 10]])):
+        with pytest.raises(DistStoreError, match=r"would pass the server's memory limit \(MESHKIT_STORE_MAX_BYTES="
+                                                 r"1048576"):
+            refused()
+    assert store.queue_pop("q") == half and store.list_keys() == []  # nothing of the refused ones was kept
+    store.append("a", half)  # room again once popped
+    with pytest.raises(DistStoreError, match=r"multi_get names 5 keys, over the limit of 4 "
+                                             r"\(MESHKIT_STORE_MAX_WAIT_KEYS\)"):
+        store.multi_get(["a"] * 5)
+    monkeypatch.setattr(tcp_server, "MAX_MESSAGE_BYTES", 512 << 10)
+    store.multi_set(["k1", "k2"], [bytes(300 << 10), bytes(100 << 10)])
+    with pytest.raises(DistStoreError, match=r"multi_get's reply of \d+ bytes \(3 fields\) is over the limit of "
+                                             r"524288 bytes \(meshkit.comm.stores.wire.MAX_MESSAGE_BYTES\); ask for "
+                                             r"fewer keys at once"):
+        store.multi_get(["a", "k1", "k2"])
+    assert store.multi_get(["k1", "k2"])[1] == bytes(100 << 10) and store.list_keys() == ["a", "k1", "k2"]
+    store.close()

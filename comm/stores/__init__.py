@@ -9,7 +9,7 @@ master process) and ``PrefixStore`` (a namespace in another store) share one sem
 from .file_store import FileStore
 from .hash_store import HashStore
 from .prefix_store import PrefixStore
-from .store import Store
+from .store import QueueEmptyError, Store
 from .tcp_store import TCPStore
 
-__all__ = ["Store", "HashStore", "FileStore", "TCPStore", "PrefixStore"]
+__all__ = ["Store", "HashStore", "FileStore", "TCPStore", "PrefixStore", "QueueEmptyError"]

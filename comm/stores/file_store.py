@@ -10,6 +10,7 @@ the path and why, so two jobs on one path never form one world (issue 35).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import fcntl
 import numbers
@@ -18,7 +19,7 @@ import pwd
 import stat
 import threading
 import time
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 from .. import env
 from ..errors import DistStoreError, DistTypeError, DistValueError
@@ -31,6 +32,10 @@ _MAGIC = b"meshkit FileStore 2\n"
 _LEGACY_MAGIC = b"meshkit FileStore 1\n"
 #: What a file written by a job with no identity says in place of one.
 _NO_IDENTITY = b"-"
+#: The first byte of a queue's name field (a queue's values are one field, framed as the file's
+#: own fields): 0xFF never starts the UTF-8 encoding of a key, so a queue never reads as a key,
+#: and files without queues are as before.
+_QUEUE = b"\xff"
 #: Polling interval of a waiting ``get``/``wait``: from 1 ms doubling to 20 ms, so a rendezvous
 #: answers within ~20 ms while a long wait costs ~50 reads a second (torch's FileStore polls too).
 _POLL_FIRST_S, _POLL_MAX_S = 0.001, 0.02
@@ -57,8 +62,13 @@ class _Contents:
             _, fields = wire.fields_of(b"\0" + raw[len(_MAGIC):])
             if len(fields) < 3 or len(fields) % 2 == 0:
                 raise wire.ProtocolError(f"{len(fields)} fields")
-            data = {fields[i].decode(): fields[i + 1] for i in range(3, len(fields), 2)}
-            return cls(fields[0], KeyTable(data), int(fields[1]), int(fields[2]))
+            data, queues = {}, {}
+            for i in range(3, len(fields), 2):
+                if fields[i][:1] == _QUEUE:
+                    queues[fields[i][1:].decode()] = collections.deque(wire.fields_of(b"\0" + fields[i + 1])[1])
+                else:
+                    data[fields[i].decode()] = fields[i + 1]
+            return cls(fields[0], KeyTable(data, queues), int(fields[1]), int(fields[2]))
         except (ValueError, UnicodeDecodeError) as exc:
             raise DistStoreError(f"FileStore at {path!r}: the file is not a meshkit FileStore ({exc}); "
                                  f"give each store a file of its own") from None
@@ -67,6 +77,8 @@ class _Contents:
         fields = [self.identity, str(self.users).encode(), str(self.closed).encode()]
         for key, value in self.table.data.items():
             fields += [key.encode(), value]
+        for key, queue in self.table.queues.items():
+            fields += [_QUEUE + key.encode(), wire.request(0, *queue)[5:]]
         return _MAGIC + wire.request(0, *fields)[5:]  # the fields without the frame header or the code
 
 
@@ -104,9 +116,15 @@ class FileStore(Store):
             raise DistValueError(f"FileStore(world_size): world_size must be -1 (unknown) or an int >= 1, "
                                  f"got {world_size!r}")
         super().__init__()
-        self._path = os.path.abspath(os.fspath(file_name))
-        self._world_size = int(world_size)
-        self._identity = _identity(secret)
+        self._attach(os.path.abspath(os.fspath(file_name)), int(world_size), _identity(secret), clone=False)
+
+    def _attach(self, path: str, world_size: int, identity: bytes, *, clone: bool) -> None:
+        """Open the file and count this store in as a user (a clone only as one that holds it
+        open: its close does not count towards ``world_size``)."""
+        self._path = path
+        self._world_size = world_size
+        self._identity = identity
+        self._is_clone = clone
         self._lock = threading.Lock()  # flock does not exclude the threads of one open file description
         self._close_lock = threading.Lock()
         self._fd = -1
@@ -204,7 +222,7 @@ class FileStore(Store):
                 if self._counted:
                     with self._locked(exclusive=True) as contents:
                         contents.users -= 1
-                        contents.closed += 1
+                        contents.closed += 0 if self._is_clone else 1
                         if contents.users <= 0 and 0 <= self._world_size <= contents.closed:
                             with contextlib.suppress(FileNotFoundError):
                                 os.unlink(self._path)
@@ -266,13 +284,16 @@ class FileStore(Store):
         with self._locked(False) as c:
             return c.table.count(prefix)
 
-    def _poll(self, keys: list[str], timeout: float, value_of: str | None) -> tuple[list[str], bytes | None]:
+    def _poll(self, ready: Callable[[KeyTable], tuple[list[str], Any]], timeout: float,
+              exclusive: bool = False) -> tuple[list[str], Any]:
+        """``ready(table)`` (``(missing, result)``) under the lock until nothing is missing or
+        ``timeout`` passes; ``exclusive`` where it changes the table (a pop)."""
         deadline, delay = time.monotonic() + timeout, _POLL_FIRST_S
         while True:
-            with self._locked(False) as c:
-                missing = c.table.missing(keys)
+            with self._locked(exclusive) as c:
+                missing, result = ready(c.table)
                 if not missing:
-                    return [], (c.table.data[value_of] if value_of is not None else None)
+                    return [], result
             left = deadline - time.monotonic()
             if left <= 0:
                 return missing, None
@@ -280,10 +301,49 @@ class FileStore(Store):
             delay = min(delay * 2, _POLL_MAX_S)
 
     def _get(self, key: str, timeout: float) -> bytes | None:
-        return self._poll([key], timeout, key)[1]
+        return self._poll(lambda t: (t.absent([key]), t.data.get(key)), timeout)[1]
 
     def _wait(self, keys: list[str], timeout: float) -> list[str]:
-        return self._poll(keys, timeout, None)[0]
+        return self._poll(lambda t: (t.missing(keys), None), timeout)[0]
+
+    def _multi_get(self, keys: list[str], timeout: float) -> tuple[list[bytes] | None, list[str]]:
+        missing, values = self._poll(lambda t: (t.absent(keys), [t.data.get(k) for k in keys]), timeout)
+        return values, missing
+
+    def _multi_set(self, pairs: list[tuple[str, bytes]]) -> None:
+        with self._locked(True) as c:
+            for key, value in pairs:
+                c.table.set(key, value)
+
+    def _append(self, key: str, value: bytes) -> None:
+        with self._locked(True) as c:
+            c.table.append(key, value)
+
+    def _push(self, key: str, value: bytes) -> None:
+        with self._locked(True) as c:
+            c.table.push(key, value)
+
+    def _pop(self, key: str, timeout: float) -> bytes | None:
+        def ready(t: KeyTable) -> tuple[list[str], bytes | None]:
+            value = t.pop(key)
+            return ([key] if value is None else []), value
+        return self._poll(ready, timeout, exclusive=True)[1]
+
+    def _queue_len(self, key: str) -> int:
+        with self._locked(False) as c:
+            return c.table.queue_len(key)
+
+    def _list(self, prefix: str) -> list[str]:
+        with self._locked(False) as c:
+            return c.table.keys(prefix)
+
+    def _clone(self) -> "FileStore":
+        """The same file opened again, by this job (its identity): a user while open, whose close
+        does not count towards ``world_size`` (a clone is not one of the job's users)."""
+        other = FileStore.__new__(FileStore)
+        Store.__init__(other)
+        other._attach(self._path, self._world_size, self._identity, clone=True)
+        return other
 
 
 def _identity(secret: str | bytes | None) -> bytes:

@@ -34,6 +34,49 @@ class HashStore(Store):
             self._changed.wait_for(lambda: key in data, timeout)
             return data.get(key)
 
+    def _multi_get(self, keys: list[str], timeout: float) -> tuple[list[bytes] | None, list[str]]:
+        table = self._table
+        with self._changed:
+            self._changed.wait_for(lambda: not table.absent(keys), timeout)
+            missing = table.absent(keys)
+            return (None, missing) if missing else ([table.data[k] for k in keys], [])
+
+    def _multi_set(self, pairs: list[tuple[str, bytes]]) -> None:
+        with self._changed:
+            for key, value in pairs:
+                self._table.set(key, value)
+            self._changed.notify_all()
+
+    def _append(self, key: str, value: bytes) -> None:
+        with self._changed:
+            self._table.append(key, value)
+            self._changed.notify_all()
+
+    def _push(self, key: str, value: bytes) -> None:
+        with self._changed:
+            self._table.push(key, value)
+            self._changed.notify_all()
+
+    def _pop(self, key: str, timeout: float) -> bytes | None:
+        table = self._table
+        with self._changed:
+            self._changed.wait_for(lambda: table.queue_len(key) > 0, timeout)
+            return table.pop(key)
+
+    def _queue_len(self, key: str) -> int:
+        with self._changed:
+            return self._table.queue_len(key)
+
+    def _list(self, prefix: str) -> list[str]:
+        with self._changed:
+            return self._table.keys(prefix)
+
+    def _clone(self) -> "HashStore":
+        """Another handle on the same table (this process's threads share it anyway)."""
+        other = HashStore()
+        other._table, other._changed = self._table, self._changed
+        return other
+
     def _add(self, key: str, amount: int) -> int:
         with self._changed:
             total = self._table.add(key, amount)

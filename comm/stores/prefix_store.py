@@ -13,9 +13,10 @@ class PrefixStore(Store):
     ``"prefix/k"`` in ``store``.
 
     Unlike torch's (which asks the underlying store), ``num_keys`` counts this prefix's keys only,
-    so a group's store reports that group's keys whatever else shares the server. The timeout is the
-    underlying store's when made, then its own (``set_timeout`` changes only this view);
-    ``close`` closes the view, not the underlying store.
+    so a group's store reports that group's keys whatever else shares the server (and ``list_keys``
+    lists them, without the prefix). The timeout is the underlying store's when made, then its own
+    (``set_timeout`` changes only this view); ``close`` closes the view, not the underlying store
+    (but a clone's, which is its own).
     """
 
     def __init__(self, prefix: str, store: Store) -> None:
@@ -26,6 +27,7 @@ class PrefixStore(Store):
         super().__init__(store.timeout)
         self._prefix = prefix + "/"
         self._store = store
+        self._owned = False  # a clone's underlying store is its own (clone())
 
     @property
     def underlying_store(self) -> Store:
@@ -70,3 +72,37 @@ class PrefixStore(Store):
 
     def _count(self, prefix: str) -> int:
         return self._store._count(self._prefix + prefix)
+
+    def _multi_get(self, keys: list[str], timeout: float) -> tuple[list[bytes] | None, list[str]]:
+        values, missing = self._store._multi_get([self._prefix + k for k in keys], timeout)
+        return values, self._strip(missing)
+
+    def _multi_set(self, pairs: list[tuple[str, bytes]]) -> None:
+        self._store._multi_set([(self._prefix + k, v) for k, v in pairs])
+
+    def _append(self, key: str, value: bytes) -> None:
+        self._store._append(self._prefix + key, value)
+
+    def _push(self, key: str, value: bytes) -> None:
+        self._store._push(self._prefix + key, value)
+
+    def _pop(self, key: str, timeout: float) -> bytes | None:
+        return self._store._pop(self._prefix + key, timeout)
+
+    def _queue_len(self, key: str) -> int:
+        return self._store._queue_len(self._prefix + key)
+
+    def _list(self, prefix: str) -> list[str]:
+        return self._strip(self._store._list(self._prefix + prefix))
+
+    def _clone(self) -> "PrefixStore":
+        """A view of a clone of the underlying store, which it owns: closing the clone closes it."""
+        other = PrefixStore(self._prefix[:-1], self._store.clone())
+        other._owned = True
+        return other
+
+    def close(self) -> None:
+        """Close the view (and the underlying store where the view is a clone's, which owns it)."""
+        super().close()
+        if self._owned:
+            self._store.close()

@@ -36,7 +36,7 @@ from ..errors import DistStoreError
 from . import auth
 from .limits import IDLE_TIMEOUT, MAX_BYTES, MAX_CONNECTIONS, MAX_WAIT_KEYS, ServerLimits
 from .store import KeyTable, NotAnInteger
-from .wire import HEADER, MAX_MESSAGE_BYTES, GREETING, Op, ProtocolError, Status, fields_of, reply
+from .wire import HEADER, MAX_MESSAGE_BYTES, MAX_VALUE_BYTES, GREETING, Op, ProtocolError, Status, fields_of, reply
 
 __all__ = ["StoreServer"]
 
@@ -50,7 +50,7 @@ _SWEEP_S = 1.0
 
 class _Conn:
     __slots__ = ("sock", "peer", "inbuf", "outbuf", "waiter", "closing", "dead", "writing", "nonce",
-                 "authed", "reserved", "deferred", "paused", "opened", "active", "discard", "refusal")
+                 "authed", "reserved", "deferred", "deferred_bytes", "paused", "opened", "active", "discard", "refusal")
 
     def __init__(self, sock: socket.socket, peer: str, nonce: bytes, authed: bool, now: float) -> None:
         self.sock, self.peer = sock, peer
@@ -64,6 +64,7 @@ class _Conn:
         self.authed = authed  # an open server: authed from the start
         self.reserved = 0  # bytes of the memory budget held for the frame being received
         self.deferred: bytes | None = None  # a get whose reply waits for memory (paused)
+        self.deferred_bytes = 0  # the size of that reply
         self.paused = False  # waiting for memory: not read, not processed
         self.opened = now
         self.active = now  # the last byte in or out
@@ -72,10 +73,14 @@ class _Conn:
 
 
 class _Waiter:
-    __slots__ = ("conn", "keys", "value_of", "deadline", "done")
+    """A parked request: ``kind`` is ``"wait"`` (keys set or queues non-empty), ``"get"`` (a key's
+    value), ``"multi"`` (the values of keys) or ``"pop"`` (a queue's oldest value); ``seq`` orders
+    waiters of one key (pops are served first come, first served)."""
 
-    def __init__(self, conn: _Conn, keys: list[str], value_of: str | None, deadline: float) -> None:
-        self.conn, self.keys, self.value_of, self.deadline, self.done = conn, keys, value_of, deadline, False
+    __slots__ = ("conn", "keys", "kind", "deadline", "done", "seq")
+
+    def __init__(self, conn: _Conn, keys: list[str], kind: str, deadline: float, seq: int) -> None:
+        self.conn, self.keys, self.kind, self.deadline, self.done, self.seq = conn, keys, kind, deadline, False, seq
 
 
 class _Refused(Exception):
@@ -312,8 +317,7 @@ class StoreServer:
     def _needs(self, conn: _Conn) -> int:
         """The memory a paused connection waits for: its deferred reply, or its next frame."""
         if conn.deferred is not None:
-            _, f = fields_of(conn.deferred)
-            return len(self._table.data.get(f[1].decode(), b""))
+            return conn.deferred_bytes
         return HEADER.unpack_from(conn.inbuf, 0)[0] if len(conn.inbuf) >= HEADER.size else 0
 
     def _process(self, conn: _Conn) -> None:
@@ -488,31 +492,75 @@ class StoreServer:
             key = f[0].decode()
             self._set(key, f[1])
             self._send(conn, Status.OK)
-        elif op in (Op.GET, Op.WAIT):
-            if len(f) < 2 or (op == Op.GET and len(f) != 2):
-                raise ProtocolError(f"{Op.NAMES[op]} takes a timeout and {'a key' if op == Op.GET else 'keys'}")
+        elif op in (Op.GET, Op.WAIT, Op.MULTI_GET, Op.QUEUE_POP):
+            if len(f) < 2 or (op in (Op.GET, Op.QUEUE_POP) and len(f) != 2):
+                raise ProtocolError(f"{Op.NAMES[op]} takes a timeout and "
+                                    f"{'a key' if op in (Op.GET, Op.QUEUE_POP) else 'keys'}")
             self._check_keys(op, f[1:])
             seconds = float(f[0])
             if not 0 <= seconds < 1e9:  # NaN and inf fail too
                 raise ProtocolError(f"{Op.NAMES[op]}'s timeout must be finite and >= 0 seconds, got {f[0]!r}")
             keys = [k.decode() for k in f[1:]]
-            missing = table.missing(keys)
+            kind = {Op.GET: "get", Op.WAIT: "wait", Op.MULTI_GET: "multi", Op.QUEUE_POP: "pop"}[op]
+            missing, fields = self._ready(kind, keys)
             if not missing:
-                if op == Op.GET:
-                    value = table.data[keys[0]]
-                    if len(value) > self._budget_left() and self._traffic > 0:
-                        conn.deferred = body  # its reply waits until others' replies drain
-                        self._pause(conn)
-                        return
-                    self._send(conn, Status.OK, value)
-                else:
-                    self._send(conn, Status.OK)
+                self._reply(conn, body, fields)
+                if kind == "pop":
+                    self._resume()  # memory freed
                 return
-            waiter = _Waiter(conn, keys, keys[0] if op == Op.GET else None, time.monotonic() + seconds)
+            if kind == "pop" and seconds == 0:  # queue_pop(block=False): at once
+                self._send(conn, Status.MISSING, *(k.encode() for k in missing))
+                return
+            seq = next(self._order)
+            waiter = _Waiter(conn, keys, kind, time.monotonic() + seconds, seq)
             conn.waiter = waiter
             for key in missing:
                 self._waiters.setdefault(key, set()).add(waiter)
-            heapq.heappush(self._deadlines, (waiter.deadline, next(self._order), waiter))
+            heapq.heappush(self._deadlines, (waiter.deadline, seq, waiter))
+        elif op == Op.MULTI_SET:
+            if not f or len(f) % 2:
+                raise ProtocolError(f"multi_set takes pairs of a key and a value, got {len(f)} fields")
+            self._check_keys(op, f[0::2])
+            pairs = {k.decode(): v for k, v in zip(f[0::2], f[1::2])}  # a key given twice: its last value
+            grows = sum(len(v) - (len(table.data[k]) if k in table.data else -len(k)) for k, v in pairs.items())
+            if grows > 0 and self._held + grows > self.limits.max_bytes - self._traffic:
+                raise _Refused(self._over(grows, f"multi_set of {len(pairs)} keys adds"))
+            for key, value in pairs.items():
+                table.set(key, value)
+            self._held += grows
+            for key in pairs:
+                self._changed(key)
+            self._send(conn, Status.OK)
+            if grows < 0:
+                self._resume()
+        elif op == Op.APPEND:
+            _need(op, f, 2)
+            key, value = f[0].decode(), f[1]
+            held = table.data.get(key)
+            if (len(held) if held is not None else 0) + len(value) > MAX_VALUE_BYTES:
+                self._send(conn, Status.TOO_LONG, str(len(held) if held is not None else 0).encode())
+                return
+            grows = len(value) + (0 if held is not None else len(key))
+            self._store(key, grows)
+            table.append(key, value)
+            self._held += grows
+            self._changed(key)
+            self._send(conn, Status.OK)
+        elif op == Op.QUEUE_PUSH:
+            _need(op, f, 2)
+            key, value = f[0].decode(), f[1]
+            grows = len(value) + (0 if key in table.queues else len(key))
+            self._store(key, grows)
+            table.push(key, value)
+            self._held += grows
+            self._changed(key)
+            self._send(conn, Status.OK)
+        elif op == Op.QUEUE_LEN:
+            _need(op, f, 1)
+            self._send(conn, Status.OK, str(table.queue_len(f[0].decode())).encode())
+        elif op == Op.LIST_KEYS:
+            _need(op, f, 1)
+            self._reply(conn, body, [k.encode() for k in table.keys(f[0].decode())])
         elif op == Op.CAS:
             _need(op, f, 3)
             key, expected, desired = f[0].decode(), f[1], f[2]
@@ -543,6 +591,36 @@ class StoreServer:
         else:
             raise ProtocolError(f"unknown opcode {op}")
 
+    def _ready(self, kind: str, keys: list[str]) -> tuple[list[str], list[bytes]]:
+        """What a request of ``kind`` still waits for (the keys), or, when nothing, its reply's
+        fields (a pop takes its value out of the table here)."""
+        table = self._table
+        if kind == "pop":
+            value = table.pop(keys[0])
+            if value is None:
+                return keys, []
+            self._held -= len(value) + (0 if keys[0] in table.queues else len(keys[0]))
+            return [], [value]
+        if kind == "wait":
+            return table.missing(keys), []
+        missing = table.absent(keys)
+        return missing, ([] if missing else [table.data[k] for k in keys])
+
+    def _reply(self, conn: _Conn, body: bytes, fields: list[bytes]) -> None:
+        """Send ``fields``: refused past the frame limit (naming it); deferred while the memory bound
+        leaves no room for it and others' replies will drain (served again when they have)."""
+        size = 1 + sum(HEADER.size + len(x) for x in fields)
+        if size > MAX_MESSAGE_BYTES:
+            op = Op.NAMES.get(body[0], body[0])
+            raise _Refused(f"{op}'s reply of {size} bytes ({len(fields)} fields) is over the limit of "
+                           f"{MAX_MESSAGE_BYTES} bytes (meshkit.comm.stores.wire.MAX_MESSAGE_BYTES); ask for fewer "
+                           "keys at once; closing the connection")
+        if size > self._budget_left() and self._traffic > 0 and body[0] != Op.QUEUE_POP:
+            conn.deferred, conn.deferred_bytes = body, size  # its reply waits until others' replies drain
+            self._pause(conn)
+            return
+        self._send(conn, Status.OK, *fields)
+
     def _set(self, key: str, value: bytes) -> None:
         """Hold ``value`` under ``key`` within the memory bound, and wake its waiters."""
         held = self._table.data.get(key)
@@ -556,19 +634,24 @@ class StoreServer:
             self._resume()
 
     def _changed(self, key: str) -> None:
-        """Wake the waiters whose keys are now all set."""
+        """Wake the waiters whose keys are now all set (a push: pops in the order they came, while
+        the queue lasts)."""
         waiters = self._waiters.pop(key, None)
         if not waiters:
             return
-        for w in waiters:
+        popped = False
+        for w in sorted(waiters, key=lambda w: w.seq):
             if w.done:
                 continue
-            missing = self._table.missing(w.keys)
+            missing, fields = self._ready(w.kind, w.keys)
             if missing:  # park it under every key still missing (one may have been deleted meanwhile)
                 for k in missing:
                     self._waiters.setdefault(k, set()).add(w)
                 continue
-            self._finish(w, Status.OK, [self._table.data[w.value_of]] if w.value_of is not None else [])
+            popped |= w.kind == "pop"
+            self._finish(w, Status.OK, fields)
+        if popped:
+            self._resume()  # memory freed
 
     def _finish(self, w: _Waiter, status: int, fields: list[bytes]) -> None:
         w.done = True
@@ -576,6 +659,11 @@ class StoreServer:
         self._forget(w)
         conn = w.conn
         conn.waiter = None
+        if 1 + sum(HEADER.size + len(x) for x in fields) > MAX_MESSAGE_BYTES:  # a multi_get's values grew meanwhile
+            self._refuse(conn, f"{w.kind}'s reply of {len(fields)} values is over the limit of {MAX_MESSAGE_BYTES} "
+                               "bytes (meshkit.comm.stores.wire.MAX_MESSAGE_BYTES); ask for fewer keys at once; "
+                               "closing the connection")
+            return
         self._send(conn, status, *fields)
         self._process(conn)  # frames that arrived behind the parked one
 
@@ -593,7 +681,8 @@ class StoreServer:
             if w.done:
                 self._stale = max(0, self._stale - 1)
             else:
-                self._finish(w, Status.MISSING, [k.encode() for k in self._table.missing(w.keys)])
+                missing = self._ready(w.kind, w.keys)[0] if w.kind != "pop" else w.keys
+                self._finish(w, Status.MISSING, [k.encode() for k in missing])
                 self._stale = max(0, self._stale - 1)
 
 

@@ -16,7 +16,7 @@ from datetime import timedelta
 from ..errors import DistStoreError, DistTypeError, DistValueError
 from .. import env
 from . import auth, wire
-from .store import DEFAULT_TIMEOUT, NotAnInteger, Store
+from .store import DEFAULT_TIMEOUT, NotAnInteger, Store, ValueTooLong
 from .tcp_server import StoreServer
 
 __all__ = ["TCPStore"]
@@ -413,6 +413,8 @@ class TCPStore(Store):
             return status == wire.Status.OK, fields
         if status == wire.Status.NOT_AN_INTEGER:
             raise NotAnInteger(fields[0] if fields else b"")
+        if status == wire.Status.TOO_LONG:
+            raise ValueTooLong(int(fields[0]) if fields else 0)
         raise DistStoreError(f"TCPStore at {self._hostport}: the server refused {op}: {_text(fields)}")
 
     # ------------------------------------------------------------------ the primitives
@@ -442,3 +444,37 @@ class TCPStore(Store):
 
     def _count(self, prefix: str) -> int:
         return int(self._request(wire.Op.COUNT, [prefix.encode()], self._timeout_s)[1][0])
+
+    def _multi_get(self, keys: list[str], timeout: float) -> tuple[list[bytes] | None, list[str]]:
+        found, out = self._request(wire.Op.MULTI_GET, [repr(timeout).encode(), *(k.encode() for k in keys)],
+                                   timeout + _REPLY_GRACE_S)
+        return (out, []) if found else (None, [k.decode() for k in out])
+
+    def _multi_set(self, pairs: list[tuple[str, bytes]]) -> None:
+        self._request(wire.Op.MULTI_SET, [x for k, v in pairs for x in (k.encode(), v)], self._timeout_s)
+
+    def _append(self, key: str, value: bytes) -> None:
+        self._request(wire.Op.APPEND, [key.encode(), value], self._timeout_s)
+
+    def _push(self, key: str, value: bytes) -> None:
+        self._request(wire.Op.QUEUE_PUSH, [key.encode(), value], self._timeout_s)
+
+    def _pop(self, key: str, timeout: float) -> bytes | None:
+        found, out = self._request(wire.Op.QUEUE_POP, [repr(timeout).encode(), key.encode()], timeout + _REPLY_GRACE_S)
+        return out[0] if found else None
+
+    def _queue_len(self, key: str) -> int:
+        return int(self._request(wire.Op.QUEUE_LEN, [key.encode()], self._timeout_s)[1][0])
+
+    def _list(self, prefix: str) -> list[str]:
+        return [k.decode() for k in self._request(wire.Op.LIST_KEYS, [prefix.encode()], self._timeout_s)[1]]
+
+    def _clone(self) -> "TCPStore":
+        """A client of the same server: its own connections (made as it needs them, authenticated
+        with the same secret), not counted as a worker, never the server's owner."""
+        other = TCPStore.__new__(TCPStore)
+        Store.__init__(other, self._timeout_s)
+        other._host, other._port, other._world_size = self._host, self._port, self._world_size
+        other._is_master, other._key, other._server = False, self._key, None
+        other._idle, other._pool_lock = [], threading.Lock()
+        return other

@@ -44,9 +44,18 @@ class Op:
     DELETE = 8    # key -> b"1" or b"0"
     COUNT = 9     # prefix -> number of user keys starting with it
     AUTH = 10     # client nonce, client proof -> server proof (comm/stores/auth.py)
+    MULTI_GET = 11   # timeout, keys... -> their values, or MISSING with the keys unset at the deadline
+    MULTI_SET = 12   # key, value, key, value... (applied together)
+    APPEND = 13      # key, value -> OK, or TOO_LONG with the length held
+    QUEUE_PUSH = 14  # key, value
+    QUEUE_POP = 15   # timeout, key -> the oldest value, or MISSING at the deadline (0: at once)
+    QUEUE_LEN = 16   # key -> the queue's length
+    LIST_KEYS = 17   # prefix -> the user keys starting with it, sorted
 
     NAMES = {JOIN: "join", SET: "set", GET: "get", ADD: "add", CAS: "compare_set", CHECK: "check", WAIT: "wait",
-             DELETE: "delete_key", COUNT: "num_keys", AUTH: "authenticate"}
+             DELETE: "delete_key", COUNT: "num_keys", AUTH: "authenticate", MULTI_GET: "multi_get",
+             MULTI_SET: "multi_set", APPEND: "append", QUEUE_PUSH: "queue_push", QUEUE_POP: "queue_pop",
+             QUEUE_LEN: "queue_len", LIST_KEYS: "list_keys"}
 
 
 class Status:
@@ -55,6 +64,7 @@ class Status:
     MISSING = 1       # the deadline passed; fields are the missing keys
     NOT_AN_INTEGER = 2  # add on a value that is not a decimal integer; the field is (the start of) that value
     ERROR = 3         # the request was malformed or refused (too long); the server closes the connection
+    TOO_LONG = 4      # append would pass MAX_VALUE_BYTES; the field is the length the key holds
 
 
 class ProtocolError(ValueError):
