@@ -48,6 +48,7 @@ def test_the_hand_written_backward_matches_finite_differences(causal):
     ("cp=2", 2, []), ("cp=2", 2, ["--no-causal", "--seq", "6"]), ("dp=2,cp=2", 4, []), ("cp=2,tp=2", 4, []),
     ("cp=4", 4, ["--seq", "16"]), ("pp=2,cp=2", 4, ["--schedule", "zbh1"]),
     ("tp=1,dp=1,cp=2,ep=2,pp=2", 8, []),   # every dimension named, in an order of its own
+    ("dp=2,ep=2", 4, ["--top-k", "1", "--optimizer", "sgd"]),  # top-1's check: the router at 5e-18 with SGD
 ])
 def test_every_mesh_trains_to_the_single_process_result(mesh, world, extra):
     args = train_transformer.parse_args(["--mesh", mesh, "--steps", "6", *extra], world_size=world)
@@ -75,6 +76,9 @@ def test_every_mesh_trains_to_the_single_process_result(mesh, world, extra):
     (["--mesh", "cp=4", "--seq", "6", "--no-causal"], 4, r"argument --seq: 6 does not split into 4 equal chunks"),
     (["--mesh", "pp=2,dp=2", "--microbatches", "3"], 4,
      r"argument --microbatches: 3 does not divide each rank's batch of 4 sequences"),
+    # issue 36.7: passed with the router at 7e-11 of the 1e-10 tolerance (20 steps), failed at 30
+    (["--top-k", "1", "--check"], 1, r"argument --check: with --top-k 1 every token's gate is 1, so the router's "
+                                     r"gradient is 0 but for rounding .* check --top-k 1 with --optimizer sgd"),
 ])
 def test_bad_flags_are_usage_errors_naming_the_flag(argv, world, message, capsys):
     with pytest.raises(SystemExit) as exit_:
