@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -928,3 +929,66 @@ def test_each_rank_saves_its_own_random_state_under_a_key_of_its_own(tmp_path):
     for (got, step), want in zip(local.run(load, 3), expected):
         assert step == 3 and np.array_equal(got, want)
     assert not np.array_equal(expected[0], expected[1])  # the ranks' streams differ: each got its own back
+
+
+# --------------------------------------------------------------------------- issue 36.8: what mutations showed untested
+def test_zero_size_arrays_and_dtensors_round_trip(tmp_path):
+    """Empty arrays (a (0, 3), a (0,) float32), DTensors of an empty global array, of an empty
+    dimension sharded, and of a rank holding an empty block (one row over 2 ranks): saved and loaded
+    into other placements, shapes and values kept; an empty array of another shape is refused."""
+    def state(fill, placements):
+        mesh = meshkit.init_device_mesh("cpu", (2,))
+        return {"a": np.full((0, 3), fill), "b": np.full(0, fill, np.float32),
+                "c": distribute_tensor(np.full((0, 4), fill), mesh, [placements[0]]),
+                "e": distribute_tensor(np.full((3, 0), fill), mesh, [placements[1]]),
+                "f": distribute_tensor(np.arange(4.0).reshape(1, 4) * fill, mesh, [placements[2]]),
+                "x": np.arange(3.0) * fill}
+
+    def save():
+        dcp.save(state(1.0, [Shard(0), Shard(1), Shard(0)]), checkpoint_id=tmp_path / "ck")
+
+    def load():
+        sd = state(-1.0, [Replicate(), Shard(0), Shard(1)])
+        dcp.load(sd, checkpoint_id=tmp_path / "ck")
+        got = {k: (v.shape, np.asarray(v.full_tensor() if isinstance(v, DTensor) else v).tolist())
+               for k, v in sd.items()}
+        wrong = {"a": np.zeros((0, 4))}
+        with pytest.raises(CheckpointError, match=r"'a': the checkpoint has shape \(0, 3\) and dtype float64, this "
+                                                  r"state dict expects shape \(0, 4\)"):
+            dcp.load(wrong, checkpoint_id=tmp_path / "ck")
+        return got
+
+    local.run(save, 2)
+    meta = json.loads((tmp_path / "ck" / "metadata.json").read_text())["arrays"]
+    assert meta["c"]["shape"] == [0, 4] and meta["b"]["dtype"] == "<f4" and meta["e"]["shape"] == [3, 0]
+    for got in local.run(load, 2):
+        assert got == {"a": ((0, 3), []), "b": ((0,), []), "c": ((0, 4), []), "e": ((3, 0), [[], [], []]),
+                       "f": ((1, 4), [[0.0, 1.0, 2.0, 3.0]]), "x": ((3,), [0.0, 1.0, 2.0])}
+
+
+def _corrupt_negative_lengths(path):  # consistent metadata (checksum rewritten) with a chunk of -8 rows
+    def edit(meta):
+        meta["arrays"]["model.w"]["chunks"][1]["lengths"] = [-8, 8]
+    _rewrite_metadata(path, edit)
+
+
+def test_negative_chunk_lengths_in_metadata_are_refused_on_every_rank(tmp_path):
+    _save_fsdp_like(tmp_path / "ck")
+    _corrupt_negative_lengths(tmp_path / "ck")
+    for text, untouched in _try_load(tmp_path / "ck"):
+        assert untouched and "nothing was loaded" in text, text
+        assert re.search(r"metadata.json': the entry of 'model.w' is malformed: chunk 1: 'lengths' must be a list of 2 "
+                         r"ints in 0..2\*\*63-1, got list \[-8, 8\]", text), text
+
+
+@pytest.mark.parametrize("extra", [0, 40], ids=["few-boxes", "many-boxes"])
+def test_a_box_of_negative_length_is_not_inside_the_array(extra):
+    """tiling_problem's own check (the planner calls it on the ranks' boxes; a load's metadata is
+    refused before): [0, 4) + [0, 2) + a box of length -2 at 2 sum to one cover of every element,
+    so only the range check refuses it once the boxes are too many to sweep (> 32: the corners)."""
+    from meshkit.checkpoint.plan import tiling_problem
+
+    shape = (4, extra + 1)
+    boxes = [((0, 0), (4, 1)), ((0, 0), (2, 1)), ((2, 0), (-2, 1))] + [((0, 1 + i), (4, 1)) for i in range(extra)]
+    assert tiling_problem(shape, boxes, "chunk") == "chunk at offsets (2, 0) (lengths (-2, 1)) is not inside the " \
+                                                    f"shape {shape}"
