@@ -438,7 +438,8 @@ class ndarray:  # noqa: N801 - CuPy's name
     def copy(self, order: str = "C") -> ndarray:
         return _wrap(double.to_device(self._a.get()))
 
-    def astype(self, dtype: Any, order: str = "K", casting: Any = None, subok: Any = None, copy: bool = True) -> ndarray:
+    def astype(self, dtype: Any, order: str = "K", casting: Any = None, subok: Any = None,
+               copy: bool = True) -> ndarray:
         if not copy and np.dtype(dtype) == self.dtype:
             return self
         return _wrap(double.to_device(self._a.get().astype(dtype, order=order, casting=casting or "unsafe")))

@@ -127,7 +127,8 @@ def test_take_out_of_range_raises_on_device_arrays_as_numpy_does(cupy):
         d = distribute_tensor(cp.asarray(a), mesh, [S1])
         with pytest.raises(IndexError, match=r"rank \d: np.take: index 5 is out of bounds for axis 0 with size 5"):
             np.take(d, [0, 5], axis=0)
-        with pytest.raises(IndexError, match=r"np.take: index -11 is out of bounds for the flattened array with size 10"):
+        with pytest.raises(IndexError, match=r"np.take: index -11 is out of bounds for the flattened array with "
+                                             r"size 10"):
             np.take(d, [-11])
         with pytest.raises(ValueError, match=r"np.take: mode must be one of \['raise', 'wrap', 'clip'\], got 'wrapp'"):
             np.take(d, [0], axis=0, mode="wrapp")
