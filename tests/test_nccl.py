@@ -10,6 +10,7 @@ that need a GPU skip with the reason.
 from __future__ import annotations
 
 import gc
+import importlib.machinery
 import importlib.util
 import inspect
 import re
@@ -823,3 +824,22 @@ def test_nccl_over_mpi_as_host_engine(mpirun):
     out = mpirun("mpi_nccl_double.py", 1).stdout
     lines = [line for line in out.splitlines() if " OK " in f" {line.split(': ', 1)[-1]} "]
     assert len(lines) == 1 and "checks on rank 0 of 1" in lines[0], out
+
+
+@pytest.mark.parametrize("module", ["test_nccl", "test_nccl_strict"])
+def test_a_broken_cupy_fails_the_checks_against_it_instead_of_skipping(monkeypatch, module):
+    """Only a CuPy that is not installed skips the checks against the real module; one that is
+    installed and fails to import (a broken wheel, missing NCCL bindings) fails them, so a broken
+    CuPy in the cuda12 CI job cannot pass as "skipped"."""
+    import test_nccl_strict
+
+    real = _real_nccl if module == "test_nccl" else lambda: test_nccl_strict._real("nccl")
+    monkeypatch.setitem(sys.modules, "cupy", None)  # not installed: find_spec says None
+    with pytest.raises(pytest.skip.Exception, match="CuPy is not installed here"):
+        real()
+    broken = types.ModuleType("cupy")
+    broken.__spec__ = importlib.machinery.ModuleSpec("cupy", None)
+    monkeypatch.setitem(sys.modules, "cupy", broken)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", None)  # installed, and `from cupy.cuda import nccl` fails
+    with pytest.raises(ImportError):
+        real()
