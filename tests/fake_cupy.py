@@ -42,9 +42,9 @@ import numpy as np
 
 import nccl_double as double
 
-__all__ = ["ndarray", "module", "installed", "IMPLICIT", "REAL", "SIGNATURES", "UFUNCS", "UFUNC_KWARGS", "GUFUNCS",
-           "GUFUNC_KWARGS", "UFUNC_METHODS", "Device", "real_signature", "recorded_signature", "spec_of", "Reference",
-           "reference"]
+__all__ = ["ndarray", "module", "installed", "IMPLICIT", "REAL", "SIGNATURES", "UFUNCS", "ABSENT", "UFUNC_KWARGS",
+           "GUFUNCS", "GUFUNC_KWARGS", "UFUNC_METHODS", "Device", "real_signature", "recorded_signature", "spec_of",
+           "Reference", "reference"]
 
 #: CuPy's message for an implicit device-to-host conversion (cupy/_core/core.pyx, ``__array__``).
 IMPLICIT = ("Implicit conversion to a NumPy array is not allowed. Please use `.get()` to construct a NumPy "
@@ -83,9 +83,11 @@ GUFUNC_KWARGS = ("axes", "axis", "keepdims", "casting", "dtype", "signature", "o
 #: NumPy ufuncs that are generalized ufuncs in CuPy.
 GUFUNCS = ("matmul",)
 #: The ufuncs whose methods CuPy implements (``_kernel.pyx``: reduce/accumulate of add and multiply
-#: only, reduceat of add, ``at`` where a scatter op exists); others raise NotImplementedError.
+#: only, reduceat of add, ``at`` of the ufuncs with a scatter op, among those of :data:`UFUNCS`; the
+#: dtypes ``at`` takes are not modelled); others raise NotImplementedError. ``outer``: every ufunc.
 UFUNC_METHODS = {"reduce": ("add", "multiply"), "accumulate": ("add", "multiply"), "reduceat": ("add",),
-                 "at": ("add", "maximum", "minimum"), "outer": None}
+                 "at": ("add", "bitwise_and", "bitwise_or", "bitwise_xor", "maximum", "minimum", "subtract"),
+                 "outer": None}
 
 
 def real_signature(f: Any) -> inspect.Signature:
@@ -159,8 +161,15 @@ class Reference:
         return obj
 
     def has(self, path: str) -> bool:
+        """Whether CuPy has ``path``; with the table, LookupError for a path it does not record."""
         if self.real is None:
-            return path in SIGNATURES or path in UFUNCS
+            if path in SIGNATURES or path in UFUNCS:
+                return True
+            if path in ABSENT:
+                return False
+            raise LookupError(f"fake_cupy: whether CuPy has cupy.{path} is not recorded, and no CuPy is installed to "
+                              "ask: pip install 'meshkit[cuda12]' (CuPy imports without a GPU), or record it in "
+                              "tests/fake_cupy.py (SIGNATURES, UFUNCS or ABSENT)")
         try:
             self._resolve(path)
         except AttributeError:
@@ -172,8 +181,8 @@ class Reference:
             return real_signature(self._resolve(path))
         spec = SIGNATURES.get(path)
         if spec is None:
-            raise LookupError(f"fake_cupy: no recorded CuPy signature for cupy.{path} and no CuPy installed to read "
-                              f"it from: pip install 'meshkit[cuda12]' (CuPy imports without a GPU), or record "
+            raise LookupError(f"fake_cupy: no recorded CuPy signature for cupy.{path}, and no CuPy is installed to "
+                              f"read it from: pip install 'meshkit[cuda12]' (CuPy imports without a GPU), or record "
                               f"SIGNATURES[{path!r}] = spec_of(real_signature(cupy.{path})) in tests/fake_cupy.py")
         return recorded_signature(spec)
 
@@ -199,6 +208,12 @@ def reference(ref: Reference) -> Iterator[Reference]:
 def _check(path: str, args: Any, kwargs: dict[str, Any], *, method: bool = False) -> None:
     """Bind ``args``/``kwargs`` to CuPy's ``path`` as CuPy would: its TypeError where they do not fit."""
     sig = _reference.signature(path)
+    named = {p.name for p in sig.parameters.values() if p.kind not in (p.POSITIONAL_ONLY, p.VAR_POSITIONAL)}
+    if not any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+        for name in kwargs:  # Python names an unexpected keyword before a missing argument
+            if name not in named:
+                raise TypeError(f"cupy.{path}() got an unexpected keyword argument {name!r} (fake_cupy: the "
+                                f"signature of cupy.{path} in CuPy {_reference.version()} is {sig})")
     try:
         sig.bind(*(("self",) if method else ()), *args, **kwargs)
     except TypeError as exc:
@@ -351,7 +366,7 @@ class ndarray:  # noqa: N801 - CuPy's name
         """The device the array lies on (CuPy's ``ndarray.device``; CuPy has no ``device_id``)."""
         return Device(self._a.device_id)
 
-    def get(self, stream: Any = None, out: Any = None, blocking: bool = True) -> np.ndarray:
+    def get(self, stream: Any = None, order: str = "C", out: Any = None, blocking: bool = True) -> np.ndarray:
         """The explicit device-to-host copy (synchronizes the current stream)."""
         host = self._a.get()
         if out is not None:
@@ -424,8 +439,8 @@ class ndarray:  # noqa: N801 - CuPy's name
         return self._a.get().tolist()
 
     # ---- methods
-    def reshape(self, *shape: Any, order: str = "C") -> ndarray:
-        return ndarray._of(self._a.reshape(*shape, order=order))
+    def reshape(self, *shape: Any, order: str = "C", copy: Any = None) -> ndarray:
+        return ndarray._of(self._a.reshape(*shape, order=order, copy=copy))
 
     def ravel(self, order: str = "C") -> ndarray:
         return ndarray._of(self._a.ravel(order))
@@ -440,9 +455,12 @@ class ndarray:  # noqa: N801 - CuPy's name
 
     def astype(self, dtype: Any, order: str = "K", casting: Any = None, subok: Any = None,
                copy: bool = True) -> ndarray:
+        for name, given in (("subok", subok), ("casting", casting)):  # CuPy 14.2 core.pyx: taken, never used
+            if given is not None:
+                raise TypeError(f"{name} is not supported yet")
         if not copy and np.dtype(dtype) == self.dtype:
             return self
-        return _wrap(double.to_device(self._a.get().astype(dtype, order=order, casting=casting or "unsafe")))
+        return _wrap(double.to_device(self._a.get().astype(dtype, order=order)))
 
     def fill(self, value: Any) -> None:
         self._a[...] = _dev(value)
@@ -512,12 +530,22 @@ def _ones(shape: Any, dtype: Any = float, order: str = "C") -> ndarray:
     return _full(shape, 1, dtype)
 
 
-def _like(filler: Any) -> Any:
-    def like(prototype: Any, dtype: Any = None, order: str = "K", subok: Any = None, shape: Any = None) -> ndarray:
-        if not isinstance(prototype, ndarray):
-            raise _unsupported(prototype)
-        return filler(prototype.shape if shape is None else shape, dtype or prototype.dtype)
-    return like
+def _like(filler: Any, a: Any, dtype: Any, shape: Any) -> ndarray:
+    if not isinstance(a, ndarray):
+        raise _unsupported(a)
+    return filler(a.shape if shape is None else shape, dtype or a.dtype)
+
+
+def _empty_like(prototype: Any, dtype: Any = None, order: str = "K", subok: Any = None, shape: Any = None) -> ndarray:
+    return _like(_empty, prototype, dtype, shape)
+
+
+def _zeros_like(a: Any, dtype: Any = None, order: str = "K", subok: Any = None, shape: Any = None) -> ndarray:
+    return _like(_zeros, a, dtype, shape)
+
+
+def _ones_like(a: Any, dtype: Any = None, order: str = "K", subok: Any = None, shape: Any = None) -> ndarray:
+    return _like(_ones, a, dtype, shape)
 
 
 def _asarray(a: Any, dtype: Any = None, order: Any = None, *, copy: Any = None, blocking: bool = False) -> ndarray:
@@ -579,7 +607,7 @@ def _module_has(name: str) -> bool:
     if target is None:
         return False
     plain = not callable(target) or target is np.dtype or isinstance(target, type) and issubclass(target, np.generic)
-    return plain or name in SIGNATURES or name in UFUNCS
+    return plain or _reference.has(name)
 
 
 def _function(name: str, target: Any) -> Any:
@@ -614,8 +642,7 @@ class _FakeCupy(types.ModuleType):
 module = _FakeCupy("cupy", __doc__)
 module.__dict__.update({
     "ndarray": ndarray, "empty": _empty, "zeros": _zeros, "ones": _ones, "full": _full,
-    "empty_like": _like(_empty), "zeros_like": _like(lambda s, d: _full(s, 0, d)),
-    "ones_like": _like(lambda s, d: _full(s, 1, d)), "asarray": _asarray, "array": _array,
+    "empty_like": _empty_like, "zeros_like": _zeros_like, "ones_like": _ones_like, "asarray": _asarray, "array": _array,
     "asnumpy": _asnumpy, "get_array_module": _get_array_module,
     "random": types.SimpleNamespace(default_rng=_Generator, Generator=_Generator), "__file__": __file__,
 })
@@ -658,6 +685,7 @@ SIGNATURES: dict[str, str] = {
     "full_like": "a, fill_value, dtype=, order=, subok=, shape=",
     "max": "a, axis=, out=, keepdims=",
     "moveaxis": "a, source, destination",
+    "outer": "a, b, out=",
     "ndarray.any": "self, axis=, out=, keepdims=",
     "ndarray.argmax": "self, axis=, out=, dtype=, keepdims=",
     "ndarray.dot": "self, b, out=",
@@ -679,6 +707,9 @@ SIGNATURES: dict[str, str] = {
     "ufunc.outer": "self, A, B, **kwargs",
     "ufunc.at": "self, a, indices, b=",
 }
+#: Names NumPy has and CuPy 14.2 lacks that meshkit might reach for (``errstate``: meshkit's
+#: attention asks for it; the others: ``np.block``, ``np.insert``... on device arrays).
+ABSENT = ("errstate", "seterr", "block", "insert", "unstack", "vecdot", "nanquantile", "ndarray.resize")
 #: CuPy's ufuncs (and, :data:`GUFUNCS`, generalized ufuncs) the fake is called with in the test suite,
 #: recorded from CuPy 14.2.0 (their call takes :data:`UFUNC_KWARGS`, not a signature).
 UFUNCS = ("add", "bitwise_and", "bitwise_or", "bitwise_xor", "divide", "exp", "greater", "isfinite", "isnan", "log",
