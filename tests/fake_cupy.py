@@ -694,6 +694,7 @@ SIGNATURES: dict[str, str] = {
     "ndarray.sum": "self, axis=, dtype=, out=, keepdims=",
     "ndarray.transpose": "self, *axes",
     "result_type": "*arrays_and_dtypes",
+    "shape": "a",
     "stack": "tup, axis=, out=, *, dtype=, casting=",
     "sum": "a, axis=, dtype=, out=, keepdims=",
     "swapaxes": "a, axis1, axis2",
