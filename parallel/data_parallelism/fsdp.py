@@ -51,9 +51,8 @@ from .dtensors import block_of, split, wrap_all
 from .flat import FlatLayout, make_layouts
 from ..optim.optimizers import Optimizer
 from ..checks import where
-from .protocol import check_units, deprecated
-from .rules import (DISCARD, USE, PassAgreement, check_gradient, failed_sync, marked_after_complete, marked_twice,
-                    refused_after_failure)
+from .protocol import (DISCARD, USE, PassAgreement, check_gradient, check_units, deprecated, failed_sync,
+                       marked_after_complete, marked_twice, refused_after_failure)
 from .construction import Params, broadcast_params, check_setup, world_mesh
 from .sharded import ShardedStrategy
 
@@ -154,7 +153,7 @@ class FullyShardedDataParallel(ShardedStrategy):
         self._used: set[int] = set()       # unsharded since the last step
         self._pending: list[Work] = []
         self._peak = 0
-        # The protocol's gradient side (rules.py): name -> (unit, shape, dtype the gradient must have,
+        # The protocol's gradient side (protocol.py): name -> (unit, shape, dtype the gradient must have,
         # flat key); this pass's marks per unit until the unit is complete; complete units waiting for
         # their turn; units whose reduction was issued in this pass; full-size sums of gradients
         # marked under no_sync().
@@ -261,7 +260,7 @@ class FullyShardedDataParallel(ShardedStrategy):
         into the gradient shards, asynchronously (averaged over every data-parallel rank and
         added, so micro-batches accumulate until ``zero_grad()``). Units are reduced last unit
         first, whatever order the ranks mark them in: a unit complete early waits for the units
-        after it (collectives pair by order; rule 3 of :mod:`~meshkit.parallel.data_parallelism.rules`).
+        after it (collectives pair by order; rule 3 of :mod:`~meshkit.parallel.data_parallelism.protocol`).
         Under ``no_sync()`` the gradient is added to a local full-size sum instead, reduced with
         the next synchronized pass. A DTensor parameter's gradient is a DTensor laid out as it, or
         this rank's block.
@@ -391,7 +390,7 @@ class FullyShardedDataParallel(ShardedStrategy):
 
     def _end_pass(self, op: str, code: int, problem: str | None = None) -> None:
         """End this synchronized pass alike on every rank (rules 3-5 of
-        :mod:`~meshkit.parallel.data_parallelism.rules`): reduce every unit not reduced yet, in
+        :mod:`~meshkit.parallel.data_parallelism.protocol`): reduce every unit not reduced yet, in
         ``_order`` (a complete one with its gradients, others with zeros, as parameters without a
         gradient), wait, and agree. Collective over the mesh.
 
@@ -435,7 +434,7 @@ class FullyShardedDataParallel(ShardedStrategy):
 
         A synchronized pass in progress is discarded: collective, as the ``step()`` it replaces
         (its units are reduced, with zeros where nothing was marked), so that a rank which
-        skipped ``step()`` meets its peers' (rule 4 of :mod:`~meshkit.parallel.data_parallelism.rules`).
+        skipped ``step()`` meets its peers' (rule 4 of :mod:`~meshkit.parallel.data_parallelism.protocol`).
         Every rank discarding it skips the step alike.
 
         Raises:

@@ -33,11 +33,11 @@ No gradient passes as averaged when it is not:
 - The strategy owns a snapshot of the parameters' names, shapes and dtypes: gradients are
   checked against it, whatever happens to the caller's dict later.
 
-These are the protocol's rules every strategy enforces alike (:mod:`~meshkit.parallel.data_parallelism.rules`,
-which FSDP uses too): the gradient's shape and dtype, one mark per pass, buckets reduced in one
-order whatever order ranks mark them, and a pass whose every gradient is marked ended by
-``step()``: ``zero_grad()`` on it discards it on every rank (an error on every rank, naming the
-rank, if others stepped on it), and a mark on it fails it on every rank.
+These are the protocol's rules, which FSDP enforces alike (written once, in
+:mod:`~meshkit.parallel.data_parallelism.protocol`): the gradient's shape and dtype, one mark per
+pass, buckets reduced in one order whatever order ranks mark them, and a pass whose every
+gradient is marked ended by ``step()``: ``zero_grad()`` on it discards it on every rank (an error
+on every rank, naming the rank, if others stepped on it), and a mark on it fails it on every rank.
 """
 
 from __future__ import annotations
@@ -52,9 +52,8 @@ from ...tensor import DTensor
 from .buckets import BucketManager
 from ..checks import where
 from .dtensors import BlockLayout, block_of
-from .protocol import deprecated
-from .rules import (DISCARD, USE, PassAgreement, check_gradient, failed_sync, marked_after_complete, marked_twice,
-                    refused_after_failure)
+from .protocol import (DISCARD, USE, PassAgreement, check_gradient, deprecated, failed_sync, marked_after_complete,
+                       marked_twice, refused_after_failure)
 
 __all__ = ["GradientReducer", "Gradients", "DTensorGradients"]
 
@@ -157,7 +156,7 @@ class GradientReducer:
         self._location = self._buckets.location
         first = next(iter(self.params.values()))
         self._param = first.to_local() if isinstance(first, DTensor) else first  # every gradient's array library
-        self._agreement = PassAgreement([self.group], self._param)  # the per-sync agreement (rules.py)
+        self._agreement = PassAgreement([self.group], self._param)  # the per-sync agreement (protocol.py)
         self._steps = 0  # optimizer steps taken (step()), compared in the agreement
         self.grads = (DTensorGradients if self._block_layouts else Gradients)(self, arrays)
         self.iteration = 0
@@ -186,7 +185,7 @@ class GradientReducer:
         A synchronized pass that ``step()`` would end (every gradient marked; any pass with
         ``find_unused_parameters``) is discarded: collective, as the ``step()`` it replaces, so
         that a rank which skipped ``step()`` meets its peers' (rule 4 of
-        :mod:`~meshkit.parallel.data_parallelism.rules`). Every rank discarding it skips the step alike.
+        :mod:`~meshkit.parallel.data_parallelism.protocol`). Every rank discarding it skips the step alike.
 
         Raises:
             DistValueError: inside a synchronized pass with gradients left to mark (they are being
@@ -286,7 +285,7 @@ class GradientReducer:
         """Wait for every bucket's reduction. Inside ``no_sync()`` it only ends the backward pass.
 
         Collective: every rank launches every bucket and then learns, in one small all-reduce
-        (:class:`~meshkit.parallel.data_parallelism.rules.PassAgreement`), whether every rank ended
+        (:class:`~meshkit.parallel.data_parallelism.protocol.PassAgreement`), whether every rank ended
         the pass alike; if not, every rank raises (naming ``op``) and this pass's gradients are
         zeroed on every rank.
 
