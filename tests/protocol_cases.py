@@ -542,6 +542,26 @@ def skipped_step(strategy: str) -> None:
     assert_rule_result(model, rule_reference(skipped=(1,)), f"{strategy} rank 1 skipped step 1")
 
 
+def skipped_step_after_clipping(strategy: str) -> None:
+    """Rank 1 clips (which ends the pass) and skips step() at step 1: nothing tells it then, but the
+    next pass's sync (the next clip_grad_norm_()) compares the ranks' step counts and raises on every
+    rank, naming rank 1."""
+    rank = meshkit.get_rank()
+    model = rule_model(strategy)
+    for step in range(RULE_STEPS):
+        model.zero_grad()
+        rule_pass(model, step)
+        if step == 2:
+            with raises_everywhere(r"clip_grad_norm_: the gradient sync failed on rank\(s\) \[1\]: rank 1: it has taken "
+                                   r"1 optimizer step\(s\) where rank\(s\) \[0(, \d)*\] took 2: step\(\) was skipped on "
+                                   r"this rank"):
+                model.clip_grad_norm_(1e9)
+            return
+        model.clip_grad_norm_(1e9)
+        if not (rank == 1 and step == 1):
+            model.step()
+
+
 def float32_gradients_are_refused(strategy: str) -> None:
     """float32 gradients of float64 parameters: refused on every rank, naming the gradient, its
     dtype and the parameter's (FSDP accepted them); the float64 pass that follows trains right."""

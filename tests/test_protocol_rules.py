@@ -45,6 +45,11 @@ def test_a_rank_that_skips_step_fails_the_next_sync_on_every_rank(strategy):
     local.run(cases.skipped_step, ranks(strategy), strategy, timeout=30)
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "hsdp"])  # ZeRO's step() all-gathers: see docs/strategies.md
+def test_a_rank_that_skips_step_after_clipping_fails_the_next_sync_on_every_rank(strategy):
+    local.run(cases.skipped_step_after_clipping, ranks(strategy), strategy, timeout=30)
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_gradients_of_another_dtype_are_refused(strategy):
     local.run(cases.float32_gradients_are_refused, ranks(strategy), strategy, timeout=30)
