@@ -336,7 +336,7 @@ class FullyShardedDataParallel(ShardedStrategy):
                  for n, g in grads.items()}
         for name in names:  # check everything before launching anything
             self._check_grad(head, name, grads[name])
-        self._launch(u, grads)
+        self._reduce_unit(u, grads)
 
     def _launch_in_order(self) -> None:
         """Reduce the complete units whose turn it is: in ``_order``, each after those before it
@@ -345,12 +345,12 @@ class FullyShardedDataParallel(ShardedStrategy):
         while self._next < len(order):
             u = order[self._next]
             if u in self._queued:
-                self._launch(u, self._queued.pop(u))
+                self._reduce_unit(u, self._queued.pop(u))
             elif u not in self._issued:
                 return
             self._next += 1
 
-    def _launch(self, u: int, grads: dict[str, Any]) -> None:
+    def _reduce_unit(self, u: int, grads: dict[str, Any]) -> None:
         """Reduce-scatter unit ``u``'s full gradients (missing ones zero) into the local shards,
         asynchronously: averaged over every data-parallel rank (DDP's semantics) and added to the
         shard, so several micro-batches accumulate until ``zero_grad()``."""
@@ -406,9 +406,9 @@ class FullyShardedDataParallel(ShardedStrategy):
                            "marked ready (nor reduce_grads called for them); their gradients would be lost")
         for u in self._order[self._next:]:
             if u in self._queued:
-                self._launch(u, self._queued.pop(u))
+                self._reduce_unit(u, self._queued.pop(u))
             elif u not in self._issued:
-                self._launch(u, {})
+                self._reduce_unit(u, {})
         self._next = 0
         self._issued.clear()
         self._pass_marked.clear()
