@@ -46,8 +46,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..parallel import bubble_fraction
-from ..parallel._seams import (MB, ZERO2_BUFFERED_BUCKETS, Action, assign_buckets, gpipe_order, interleaved_order,
-                               one_f_one_b_order, zb_h1_order, zbv_order)
+from ..parallel._seams import (AGREEMENT_SLOTS, MB, ZERO2_BUFFERED_BUCKETS, Action, assign_buckets, gpipe_order,
+                               interleaved_order, one_f_one_b_order, zb_h1_order, zbv_order)
 from .machine import Machine
 from .model import Config, Layer, Model
 
@@ -232,7 +232,8 @@ def predict_collectives(model: Model, config: Config, stage: int = 0, tp_rank: i
     with ``loop="whole"``, in forward order, the order that loop marks them in); FSDP
     (``loop="per_layer"``): each unit unsharded in the forward, then, in reverse, unsharded
     again (``reshard_after_forward``, the default) and its gradients reduced; (``loop="whole"``)
-    every unit unsharded, then every unit's gradients reduced, in forward order. The whole step,
+    every unit unsharded, then every unit's gradients reduced, last unit first (the order FSDP
+    reduces units in, whatever order they are marked in); then the per-pass agreement. The whole step,
     tensor and pipeline parallelism's too: :func:`step_collectives`.
     """
     before, after = _dp_collectives(model, config, stage, tp_rank)
@@ -265,7 +266,7 @@ def _dp_collectives(model: Model, config: Config, stage: int, tp_rank: int
             else:
                 out.append(Collective("all_reduce", size * it, "dp"))
             start += size
-        out.append(Collective("all_reduce", 4 * n, "dp"))  # the per-sync agreement flags (int32, reducer.py)
+        out.append(Collective("all_reduce", 4 * AGREEMENT_SLOTS * n, "dp"))  # the per-sync agreement (int32 rows)
         if config.strategy != "ddp":
             out.append(Collective("all_gather", padded * it, "dp"))
         return [], out
@@ -273,12 +274,15 @@ def _dp_collectives(model: Model, config: Config, stage: int, tp_rank: int
     padded = [-(-u // n) * n for u in units]
     shard_dim = "dp_shard" if config.strategy == "hsdp" else "dp"
     before = [Collective("all_gather", p * it, shard_dim) for p in padded]
-    for p in (padded if config.loop == "whole" else reversed(padded)):
+    for p in reversed(padded):  # units are reduced last unit first, whatever order they are marked in
         if config.loop == "per_layer":
             out.append(Collective("all_gather", p * it, shard_dim))
         out.append(Collective("reduce_scatter", p * it, shard_dim))
         if config.strategy == "hsdp":
             out.append(Collective("all_reduce", p // n * it, "dp_replicate"))
+    out.append(Collective("all_reduce", 4 * AGREEMENT_SLOTS * n, shard_dim))  # the per-pass agreement (fsdp.py)
+    if config.strategy == "hsdp":
+        out.append(Collective("all_reduce", 4 * AGREEMENT_SLOTS * config.dp_replicate, "dp_replicate"))
     return before, out
 
 
@@ -413,12 +417,16 @@ def estimate(config: Config, model: Model, machine: Machine) -> Breakdown:
         hidden = 0.0
         rest = comm
     else:
-        gathers = [c.seconds for c in colls if c.op == "all_gather"]
+        # the per-pass agreement, the step's last collective(s) (HSDP: over both dims), follows the
+        # backward pass: nothing beside it
+        agreed = 2 if config.strategy == "hsdp" else 1
+        streamed, agreement = colls[:-agreed], colls[-agreed:]
+        gathers = [c.seconds for c in streamed if c.op == "all_gather"]
         fwd, bwd_g = gathers[:len(gathers) // 2], gathers[len(gathers) // 2:]
-        bwd = bwd_g + [c.seconds for c in colls if c.op == "reduce_scatter" or c.dim == "dp_replicate"]
+        bwd = bwd_g + [c.seconds for c in streamed if c.op == "reduce_scatter" or c.dim == "dp_replicate"]
         hidden = (_exposed(fwd, forward * machine.overlap, fwd[0] if fwd else 0.0)
                   + _exposed(bwd, backward * machine.overlap, bwd[-1] if bwd else 0.0))
-        rest = sum(c.seconds for c in colls if c.dim in ("tp", "pp"))
+        rest = sum(c.seconds for c in streamed if c.dim in ("tp", "pp")) + sum(c.seconds for c in agreement)
     # every collective of the step is reached from computation: the machine's sync cost each
     exposed = hidden + rest + machine.sync_cost * len(colls)
     layers = stages[busiest]

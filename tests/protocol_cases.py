@@ -8,6 +8,7 @@ the object and what to do. ``CROSS_RANK`` are the cases where ranks do different
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 
 import numpy as np
@@ -15,7 +16,7 @@ import pytest
 
 import meshkit
 from meshkit.parallel import (SGD, AdamW, DistributedDataParallel, FullyShardedDataParallel,
-                              ZeroRedundancyOptimizer)
+                              ZeroRedundancyOptimizer, data_parallel)
 
 RANKED = r"meshkit\.parallel: rank \d+: "  # every parallel error starts so
 
@@ -412,6 +413,170 @@ def settings_differing_across_ranks_raise() -> None:
         FullyShardedDataParallel(params(), mesh=mesh, optimizer=SGD(lr=1.0), units=units)
 
 
+# ---------------------------------------------------------------------------- 6: the rules every strategy enforces
+
+# Issue 36.1: the same loop (data_parallel, only protocol methods) under every strategy: marking
+# order, second marks, a skipped step() and the gradient's dtype give the single-process result
+# or the same error on every rank. A two-layer model in two units, trained with SGD momentum.
+RULE_STRATEGIES = ["ddp", "zero1", "zero2", "fsdp", "hsdp"]
+RULE_UNITS = [["w0", "b0"], ["w1"]]
+RULE_BATCH, RULE_STEPS = 24, 3
+
+
+def rule_params() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(3)
+    return {"w0": rng.standard_normal((4, 5)) / 2, "b0": rng.standard_normal(5) * 0.1,
+            "w1": rng.standard_normal((5, 3)) / 2}
+
+
+def rule_batch(step: int, rank: int = 0, n: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(50 + step)
+    x, y = rng.standard_normal((RULE_BATCH, 4)), rng.standard_normal((RULE_BATCH, 3))
+    return np.array_split(x, n)[rank], np.array_split(y, n)[rank]
+
+
+def rule_grads(p, x, y) -> dict[str, np.ndarray]:
+    """Gradients of 0.5 * mean squared error of ``tanh(x @ w0 + b0) @ w1`` over the batch."""
+    h = np.tanh(x @ p["w0"] + p["b0"])
+    delta = (h @ p["w1"] - y) / len(y)
+    dh = (delta @ p["w1"].T) * (1 - h ** 2)
+    return {"w1": h.T @ delta, "b0": dh.sum(axis=0), "w0": x.T @ dh}
+
+
+def rule_reference(skipped: tuple[int, ...] = ()) -> dict[str, np.ndarray]:
+    """One process, the global batch, no strategy; the steps in ``skipped`` are not applied."""
+    params, opt = rule_params(), SGD(lr=0.1, momentum=0.9)
+    for step in range(RULE_STEPS):
+        if step not in skipped:
+            opt.step(params, rule_grads(params, *rule_batch(step)))
+    return params
+
+
+def rule_model(strategy: str):
+    n = meshkit.get_world_size()
+    shape, names = ((2, n // 2), ("replicate", "shard")) if strategy == "hsdp" else ((n,), ("dp",))
+    mesh = meshkit.init_device_mesh("cpu", shape, mesh_dim_names=names)
+    caps = CAPS if strategy in ("ddp", "zero1", "zero2") else {}  # DDP, ZeRO: a bucket per parameter
+    return data_parallel(rule_params(), mesh, strategy, optimizer=SGD(lr=0.1, momentum=0.9), units=RULE_UNITS,
+                         **caps)
+
+
+def rule_pass(model, step: int, order=("w1", "b0", "w0"), mark=None) -> None:
+    """This rank's forward and backward pass: every unit unsharded, the gradients marked in ``order``
+    (through ``mark(name, grad)`` if given)."""
+    rank, n = meshkit.get_rank(), meshkit.get_world_size()
+    full = {}
+    for u in range(len(model.units)):
+        with model.unshard(u) as p:
+            full.update({k: np.array(v) for k, v in p.items()})
+    grads = rule_grads(full, *rule_batch(step, rank, n))
+    for name in order:
+        (mark or model.mark_grad_ready)(name, grads[name])
+
+
+def assert_rule_result(model, ref: dict[str, np.ndarray], what: str) -> None:
+    got = model.full_state_dict()["params"]
+    for name, expected in ref.items():
+        np.testing.assert_allclose(got[name], expected, rtol=1e-10, atol=1e-10, err_msg=f"{what}: {name}")
+
+
+def marks_in_any_order(strategy: str) -> None:
+    """Rank 1 marks w0, b0, w1 and rank 0 w1, b0, w0 (other ranks alternate): the result does not
+    depend on it (FSDP reduced units in the order they completed: 0.16-0.29 off after 3 steps)."""
+    rank = meshkit.get_rank()
+    model = rule_model(strategy)
+    for step in range(RULE_STEPS):
+        model.zero_grad()
+        rule_pass(model, step, ("w0", "b0", "w1") if rank % 2 else ("w1", "b0", "w0"))
+        model.step()
+    assert_rule_result(model, rule_reference(), f"{strategy} marked in rank-dependent order")
+
+
+def marked_twice(strategy: str, ranks: str) -> None:
+    """A gradient marked a second time in a backward pass (w1, a unit of its own, complete after its
+    first mark), on every rank or on rank 1 alone: refused on that rank, naming it, and nothing
+    changes, so the run goes on to the single-process result (FSDP reduced it again)."""
+    rank = meshkit.get_rank()
+    model = rule_model(strategy)
+    again = ranks == "every" or rank == 1
+
+    def mark(name, grad):
+        model.mark_grad_ready(name, grad)
+        if name == "w1" and again:
+            with raises_everywhere(r"mark_grad_ready: gradient 'w1' was already marked ready in this backward pass"):
+                model.mark_grad_ready(name, grad)
+
+    for step in range(RULE_STEPS):
+        model.zero_grad()
+        rule_pass(model, step, mark=mark)
+        model.step()
+    assert_rule_result(model, rule_reference(), f"{strategy} w1 marked twice on {ranks} rank(s)")
+
+
+def skipped_step(strategy: str) -> None:
+    """Rank 1 skips step() once (step 1) and carries on: the ranks' next synchronization (rank 0's
+    step(), rank 1's zero_grad()) raises on every rank, naming rank 1 and the skipped step(); no rank
+    applies step 1, so all go on alike, to the single-process result without step 1 (FSDP: both ranks
+    0.13-0.15 off, reporting nothing)."""
+    rank = meshkit.get_rank()
+    model = rule_model(strategy)
+    raised = []
+    for step in range(RULE_STEPS):
+        try:
+            model.zero_grad()
+        except ValueError as exc:
+            raised.append(("zero_grad", step, str(exc)))
+        rule_pass(model, step)
+        if rank == 1 and step == 1:
+            continue
+        try:
+            model.step()
+        except ValueError as exc:
+            raised.append(("step", step, str(exc)))
+    where = ("zero_grad", 2) if rank == 1 else ("step", 1)
+    assert [r[:2] for r in raised] == [where], raised
+    assert re.match(rf"^{RANKED}.*{where[0]}: the gradient sync failed on rank\(s\) \[1\]: rank 1: zero_grad\(\) "
+                    r"discarded a backward pass that step\(\) had not ended: step\(\) was skipped on this rank, while "
+                    r"rank\(s\) \[0(, \d)*\] ended the pass to use its gradients \(step\(\) or clip_grad_norm_\(\)\)\. "
+                    r"This pass's gradients were discarded \(zeroed\) on every rank", raised[0][2]), raised[0][2]
+    assert_rule_result(model, rule_reference(skipped=(1,)), f"{strategy} rank 1 skipped step 1")
+
+
+def skipped_step_after_clipping(strategy: str) -> None:
+    """Rank 1 clips (which ends the pass) and skips step() at step 1: nothing tells it then, but the
+    next pass's sync (the next clip_grad_norm_()) compares the ranks' step counts and raises on every
+    rank, naming rank 1."""
+    rank = meshkit.get_rank()
+    model = rule_model(strategy)
+    for step in range(RULE_STEPS):
+        model.zero_grad()
+        rule_pass(model, step)
+        if step == 2:
+            with raises_everywhere(r"clip_grad_norm_: the gradient sync failed on rank\(s\) \[1\]: rank 1: it has taken "
+                                   r"1 optimizer step\(s\) where rank\(s\) \[0(, \d)*\] took 2: step\(\) was skipped on "
+                                   r"this rank"):
+                model.clip_grad_norm_(1e9)
+            return
+        model.clip_grad_norm_(1e9)
+        if not (rank == 1 and step == 1):
+            model.step()
+
+
+def float32_gradients_are_refused(strategy: str) -> None:
+    """float32 gradients of float64 parameters: refused on every rank, naming the gradient, its
+    dtype and the parameter's (FSDP accepted them); the float64 pass that follows trains right."""
+    model = rule_model(strategy)
+    for step in range(RULE_STEPS):
+        model.zero_grad()
+        if step == 0:
+            with raises_everywhere(r"mark_grad_ready: gradient 'w1' has shape \(5, 3\) and dtype float32; expected "
+                                   r"the parameter's shape \(5, 3\) and dtype float64"):
+                rule_pass(model, step, mark=lambda name, g: model.mark_grad_ready(name, g.astype(np.float32)))
+        rule_pass(model, step)
+        model.step()
+    assert_rule_result(model, rule_reference(), f"{strategy} after float32 gradients")
+
+
 CROSS_RANK = [
     *(lambda kind=kind: one_rank_fails_the_sync(kind) for kind in KINDS),
     *(lambda kind=kind: one_rank_catches_and_carries_on(kind) for kind in KINDS),
@@ -420,6 +585,9 @@ CROSS_RANK = [
     *(lambda kind=kind: bad_argument_on_one_rank_raises_everywhere(kind) for kind in ("ddp", "zero2", "fsdp")),
     settings_differing_across_ranks_raise,
     *(lambda kind=kind: read_before_finish_changes_nothing(kind) for kind in KINDS),
+    *(lambda s=s: marks_in_any_order(s) for s in ("ddp", "zero2", "fsdp")),
+    *(lambda s=s: marked_twice(s, "one") for s in ("zero1", "fsdp")),
+    *(lambda s=s: skipped_step(s) for s in ("ddp", "zero2", "fsdp")),
 ]
 
 

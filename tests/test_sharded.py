@@ -125,13 +125,15 @@ def test_sharded_bad_input():
                     pass
         with pytest.raises(ValueError, match=r"reduce_grads: unit 1 needs gradients for \['w32'\], got \['w1'\]"):
             fsdp.reduce_grads(1, {"w1": np.zeros((6, 5))})
-        with pytest.raises(ValueError, match=r"gradient 'w32' has shape \(3, 6\); expected \(6, 3\)"):
+        with pytest.raises(ValueError, match=r"gradient 'w32' has shape \(3, 6\) and dtype float32; expected the "
+                                             r"parameter's shape \(6, 3\) and dtype float32"):
             fsdp.reduce_grads(1, {"w32": np.zeros((3, 6), np.float32)})
         with fsdp.unshard(1):
             pass
-        with pytest.raises(ValueError, match=r"step: units \[0, 1\] were unsharded since the last step but "
-                                             r"reduce_grads was never called for them"):
-            fsdp.step()
+        with pytest.raises(ValueError, match=r"step: the gradient sync failed on rank\(s\) \[0, 1\]: ranks \[0, 1\]: "
+                                             r"units \[0, 1\] were unsharded since the last step but none of their "
+                                             r"gradients were marked ready \(nor reduce_grads called for them\)"):
+            fsdp.step()  # on every rank: the others would step on gradients without these
         sd = fsdp.full_state_dict()
         del sd["params"]["big"]
         with pytest.raises(ValueError, match=r"parameters differ from the model's: missing \['big'\]"):
@@ -152,7 +154,7 @@ def test_fsdp_param_and_reduce_dtypes():
         with fsdp.unshard(0) as full:
             assert full["w"].dtype == np.float32
             np.testing.assert_allclose(full["w"], params["w"], rtol=1e-7)
-        fsdp.reduce_grads(0, {"w": np.full(7, 0.5 + meshkit.get_rank())})
+        fsdp.reduce_grads(0, {"w": np.full(7, 0.5 + meshkit.get_rank(), np.float32)})  # param_dtype's, as unshard's
         fsdp.step()
         return fsdp.full_state_dict()["params"]["w"]
     for w in local.run(body, 2):

@@ -261,11 +261,24 @@ class BucketManager:
         return [n for n in self._specs if n not in self.location[n].ready]
 
     def wait_all(self) -> None:
+        """Wait for every launched bucket; then raise the first error, if one failed.
+
+        Every bucket is waited for even after one failed (a hook that raised, a timeout): a
+        reduction left running would write its average into the buffer after ``zero_grad()``
+        zeroed it, into the next pass's gradients (issue 36.8).
+        """
         # The last one first: a waiter runs the group's queued operations itself, in order, up to
         # the one it waits for (comm.work), so buckets no thread has started yet all run here
         # without handing each to the communication thread and being woken by it.
+        error: BaseException | None = None
         for bucket in reversed(self.buckets):
-            bucket.wait()
+            try:
+                bucket.wait()
+            except BaseException as exc:
+                bucket.work = None  # failed: nothing left to wait for
+                error = error or exc
+        if error is not None:
+            raise error
 
     def reset(self) -> None:
         for bucket in self.buckets:

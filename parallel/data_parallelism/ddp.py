@@ -190,6 +190,7 @@ class DistributedDataParallel(ReplicatedUnits, GradientReducer):
             raise DistValueError(f"{self._where('step')}: no optimizer; pass optimizer= to DistributedDataParallel")
         self._ready_for_step("step")
         self.optimizer.step(self.params, self.grads)
+        self._steps += 1
         milestone(FIRST_STEP)  # meshkit-run times a restart's first step by it (once per process)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:

@@ -40,16 +40,19 @@ import contextlib
 from collections.abc import Mapping
 from typing import Any, Iterator, Sequence
 
+import numpy as np
+
 from ...comm import DistTypeError, DistValueError, ProcessGroup, ReduceOp, Work
 from ...comm._seams import FIRST_STEP, milestone
 from ...mesh import DeviceMesh
 from ...tensor import DTensor
-from ..arrays import array_namespace, check_same_library
+from ..arrays import array_namespace
 from .dtensors import block_of, split, wrap_all
 from .flat import FlatLayout, make_layouts
 from ..optim.optimizers import Optimizer
 from ..checks import where
-from .protocol import check_units, deprecated
+from .protocol import (DISCARD, USE, PassAgreement, check_gradient, check_units, deprecated, failed_sync,
+                       marked_after_complete, marked_twice, refused_after_failure)
 from .construction import Params, broadcast_params, check_setup, world_mesh
 from .sharded import ShardedStrategy
 
@@ -148,16 +151,27 @@ class FullyShardedDataParallel(ShardedStrategy):
         self._prefetching: dict[int, tuple[list[Work], list[Any]]] = {}
         self._active: set[int] = set()
         self._used: set[int] = set()       # unsharded since the last step
-        self._reduced: set[int] = set()    # reduce_grads called since the last step
         self._pending: list[Work] = []
         self._peak = 0
-        # the protocol's gradient side: name -> (unit, shape); marks of the current pass per unit;
-        # full-size sums of gradients marked under no_sync()
-        self._grad_of = {name: (u, lay.shapes[i]) for u, unit in enumerate(self.layouts) for lay in unit
-                         for i, name in enumerate(lay.names)}
+        # The protocol's gradient side (protocol.py): name -> (unit, shape, dtype the gradient must have,
+        # flat key); this pass's marks per unit until the unit is complete; complete units waiting for
+        # their turn; units whose reduction was issued in this pass; full-size sums of gradients
+        # marked under no_sync().
+        self._grad_of = {name: (u, lay.shapes[i], np.dtype(param_dtype) if param_dtype is not None else lay.dtype,
+                                lay.key)
+                         for u, unit in enumerate(self.layouts) for lay in unit for i, name in enumerate(lay.names)}
+        self._order = list(reversed(range(len(self.units))))  # rule 3: last unit first, a backward pass's order
+        self._next = 0  # position in _order of the next unit to reduce in this pass
         self._marks: dict[int, dict[str, Any]] = {}
+        self._queued: dict[int, dict[str, Any]] = {}
+        self._issued: set[int] = set()
+        self._pass_marked: set[str] = set()
         self._accumulated: dict[str, Any] = {}
         self._sync = True
+        self._ended = False  # the pass was ended for use (clip_grad_norm_) and not stepped yet
+        self._failed: str | None = None  # why the last pass failed, until zero_grad()
+        self._steps = 0  # optimizer steps taken, compared in the agreement
+        self._agreement = PassAgreement(self._agreement_groups(), next(iter(self._shards.values())))
         self.params = Params(self._local_pieces(), self._strategy)
 
     def _local_pieces(self) -> dict[str, Any]:
@@ -244,52 +258,56 @@ class FullyShardedDataParallel(ShardedStrategy):
 
         Once every gradient of its unit is marked, the unit's gradients are reduce-scattered
         into the gradient shards, asynchronously (averaged over every data-parallel rank and
-        added, so micro-batches accumulate until ``zero_grad()``). Under ``no_sync()`` the
-        gradient is added to a local full-size sum instead, reduced with the next synchronized
-        pass. A DTensor parameter's gradient is a DTensor laid out as it, or this rank's block.
+        added, so micro-batches accumulate until ``zero_grad()``). Units are reduced last unit
+        first, whatever order the ranks mark them in: a unit complete early waits for the units
+        after it (collectives pair by order; rule 3 of :mod:`~meshkit.parallel.data_parallelism.protocol`).
+        Under ``no_sync()`` the gradient is added to a local full-size sum instead, reduced with
+        the next synchronized pass. A DTensor parameter's gradient is a DTensor laid out as it, or
+        this rank's block.
 
         Raises:
-            DistValueError: an unknown name, a gradient marked twice in one pass, a wrong shape.
-            DistTypeError: no gradient (FSDP keeps no gradient arrays to write into).
+            DistValueError: an unknown name, a wrong shape or dtype (the unsharded parameter's:
+                ``param_dtype`` if set), a gradient marked twice in one pass (nothing changes);
+                on every rank, a mark once every gradient of the pass is marked (a second mark or a
+                skipped ``step()``: the pass fails on every rank).
+            DistTypeError: no gradient (FSDP keeps no gradient arrays to write into), or an array
+                of another library than the parameters'.
         """
         head = self._where("mark_grad_ready")
         try:
-            u, shape = self._grad_of[name]
+            u = self._grad_of[name][0]
         except (KeyError, TypeError):
             raise DistValueError(f"{head}: unknown parameter {name!r}; valid names are "
                                  f"{[n for unit in self.units for n in unit]}") from None
         if grad is None:
             raise DistTypeError(f"{head}: gradient {name!r} is None; FullyShardedDataParallel keeps no gradient "
                                 "arrays to write into: pass it, mark_grad_ready(name, grad)")
+        if self._sync and name in self._pass_marked:  # under no_sync() a second mark is the next micro-batch's
+            if len(self._pass_marked) == len(self._grad_of):
+                self._end_pass("mark_grad_ready", USE, marked_after_complete(name))  # raises on every rank
+            raise marked_twice(head, name)
         if isinstance(grad, DTensor):
             grad = block_of(head, f"gradient {name!r}", name, grad, self._block_layouts.get(name))
-        self._check_grad(head, name, grad, shape)
-        marks = self._marks.setdefault(u, {})
-        if name in marks:
-            raise DistValueError(f"{head}: gradient {name!r} was already marked ready in this backward pass")
+        self._check_grad(head, name, grad)
         held = self._accumulated.pop(name, None)
         if held is not None:
             held += grad
         if not self._sync:
             self._accumulated[name] = held if held is not None else grad.copy()
-            if not marks:
-                del self._marks[u]
             return
         # held until the unit is complete: a copy, so that the caller may reuse its array
+        marks = self._marks.setdefault(u, {})
         marks[name] = held if held is not None else grad.copy()
+        self._pass_marked.add(name)
         if len(marks) == len(self.units[u]):
             del self._marks[u]
-            self._reduce_unit(u, marks)
+            self._queued[u] = marks
+            self._launch_in_order()
 
-    def _check_grad(self, head: str, name: str, g: Any, shape: tuple[int, ...]) -> None:
-        if hasattr(g, "shape"):
-            lay = next(lay for lay in self.layouts[self._grad_of[name][0]] if name in lay.names)
-            check_same_library(head, f"gradient {name!r}", g, self._shards[lay.key], "the parameter shards",
-                               ref_plural=True)
-        if tuple(getattr(g, "shape", ())) != shape:
-            whose = "this rank's block of the DTensor parameter: " if name in self._block_layouts else ""
-            raise DistValueError(f"{head}: gradient {name!r} has shape {getattr(g, 'shape', None)}; expected "
-                                 f"{whose}{shape}")
+    def _check_grad(self, head: str, name: str, g: Any) -> None:
+        _, shape, dtype, key = self._grad_of[name]
+        check_gradient(head, name, g, shape, dtype, self._shards[key], "the parameter shards",
+                       block=name in self._block_layouts)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -301,18 +319,13 @@ class FullyShardedDataParallel(ShardedStrategy):
             self._sync = previous
 
     def reduce_grads(self, unit: int, grads: dict[str, Any]) -> None:
-        """Deprecated: :meth:`mark_grad_ready` each gradient (the unit is reduced once all are marked)."""
+        """Deprecated: :meth:`mark_grad_ready` each gradient (the unit is reduced once all are marked).
+
+        It reduces the unit at once, in the order of the calls (every rank must call it alike),
+        and may reduce a unit several times before ``step()`` (micro-batches add up).
+        """
         deprecated("FullyShardedDataParallel.reduce_grads(unit, grads)",
                    "call mark_grad_ready(name, grad) for each gradient; the unit is reduced once all are marked")
-        self._reduce_unit(unit, grads)
-
-    def _reduce_unit(self, unit: int, grads: dict[str, Any]) -> None:
-        """Reduce-scatter ``unit``'s full gradients into the local shards, asynchronously.
-
-        Gradients are averaged over every data-parallel rank (DDP's semantics) and added to the
-        shard, so several micro-batches accumulate until ``zero_grad()``. The gradient of a
-        DTensor parameter is a DTensor laid out as it, or this rank's block.
-        """
         u = self._unit(unit, "reduce_grads")
         names = self.units[u]
         head = self._where("reduce_grads")
@@ -321,14 +334,30 @@ class FullyShardedDataParallel(ShardedStrategy):
             raise DistValueError(f"{head}: unit {u} needs gradients for {names}, got {got}")
         grads = {n: block_of(head, f"gradient {n!r}", n, g, self._block_layouts.get(n)) if isinstance(g, DTensor) else g
                  for n, g in grads.items()}
-        for lay in self.layouts[u]:  # check everything before launching anything
-            for i, name in enumerate(lay.names):
-                self._check_grad(head, name, grads[name], lay.shapes[i])
+        for name in names:  # check everything before launching anything
+            self._check_grad(head, name, grads[name])
+        self._reduce_unit(u, grads)
+
+    def _launch_in_order(self) -> None:
+        """Reduce the complete units whose turn it is: in ``_order``, each after those before it
+        (a unit reduced with ``reduce_grads`` in this pass has had its turn)."""
+        order = self._order
+        while self._next < len(order):
+            u = order[self._next]
+            if u in self._queued:
+                self._reduce_unit(u, self._queued.pop(u))
+            elif u not in self._issued:
+                return
+            self._next += 1
+
+    def _reduce_unit(self, u: int, grads: dict[str, Any]) -> None:
+        """Reduce-scatter unit ``u``'s full gradients (missing ones zero) into the local shards,
+        asynchronously: averaged over every data-parallel rank (DDP's semantics) and added to the
+        shard, so several micro-batches accumulate until ``zero_grad()``."""
         for lay in self.layouts[u]:
-            dtype = self.reduce_dtype or lay.dtype
-            flat = lay.pack(grads, self._shards[lay.key], dtype=dtype)
+            flat = lay.pack(grads, self._shards[lay.key], dtype=self.reduce_dtype or lay.dtype)
             self._pending.append(self.shard_group.run_async(self._reduction(lay, flat), "fsdp_reduce_grads"))
-        self._reduced.add(u)
+        self._issued.add(u)
 
     def _reduction(self, lay: FlatLayout, flat: Any) -> Any:
         target = self._grad_shards[lay.key]
@@ -343,54 +372,136 @@ class FullyShardedDataParallel(ShardedStrategy):
         return run
 
     def _wait_pending(self) -> None:
+        """Wait for every pending reduction, then raise the first failure, if any (a reduction left
+        running would add into the shards after zero_grad() zeroed them)."""
         pending, self._pending = self._pending, []
+        error: BaseException | None = None
         for work in pending:
-            work.wait()
+            try:
+                work.wait()
+            except BaseException as exc:
+                error = error or exc
+        if error is not None:
+            raise error
 
-    def zero_grad(self) -> None:
-        """Zero the gradient shards and what ``no_sync()`` passes accumulated.
+    def _pass_open(self) -> bool:
+        """Whether this synchronized pass has anything to end: marks, or reductions issued or waiting."""
+        return bool(self._pass_marked or self._issued or self._queued)
+
+    def _end_pass(self, op: str, code: int, problem: str | None = None) -> None:
+        """End this synchronized pass alike on every rank (rules 3-5 of
+        :mod:`~meshkit.parallel.data_parallelism.protocol`): reduce every unit not reduced yet, in
+        ``_order`` (a complete one with its gradients, others with zeros, as parameters without a
+        gradient), wait, and agree. Collective over the mesh.
 
         Raises:
-            DistValueError: inside a pass whose units are partly marked (finish it with ``step()``).
+            DistValueError: on every rank, when a rank had a problem (``problem``; units unsharded
+                but never reduced), discarded the pass while others used it, or took another
+                number of optimizer steps: the gradient shards are zeroed on every rank.
         """
-        if self._marks:
-            raise DistValueError(f"{self._where('zero_grad')}: gradients {self._partly_marked()} were marked ready "
-                                 "in a pass that was not finished; mark the rest of their units first")
-        self._wait_pending()
+        if code == USE and problem is None:
+            forgotten = sorted(self._used - self._issued - set(self._queued))
+            if forgotten:
+                problem = (f"units {forgotten} were unsharded since the last step but none of their gradients were "
+                           "marked ready (nor reduce_grads called for them); their gradients would be lost")
+        for u in self._order[self._next:]:
+            if u in self._queued:
+                self._reduce_unit(u, self._queued.pop(u))
+            elif u not in self._issued:
+                self._reduce_unit(u, {})
+        self._next = 0
+        self._issued.clear()
+        self._pass_marked.clear()
+        self._used.clear()
+        try:
+            self._wait_pending()
+        except BaseException as exc:
+            self._failed = f"the last gradient sync raised {type(exc).__name__}: {exc}"
+            raise
+        failure = self._agreement(code, self._steps, problem)
+        if failure is not None:
+            self._zero_grads()  # a failed pass's gradients are garbage on every rank
+            self._failed = failure
+            raise failed_sync(self._where(op), failure)
+
+    def _zero_grads(self) -> None:
         self._accumulated.clear()
         for g in self._grad_shards.values():
             g[...] = 0
 
+    def zero_grad(self) -> None:
+        """Zero the gradient shards and what ``no_sync()`` passes accumulated.
+
+        A synchronized pass in progress is discarded: collective, as the ``step()`` it replaces
+        (its units are reduced, with zeros where nothing was marked), so that a rank which
+        skipped ``step()`` meets its peers' (rule 4 of :mod:`~meshkit.parallel.data_parallelism.protocol`).
+        Every rank discarding it skips the step alike.
+
+        Raises:
+            DistValueError: inside a pass whose units are partly marked (mark the rest of their
+                units first; nothing changes); on every rank, when some ranks discarded the pass
+                while others stepped on it (naming the ranks that skipped ``step()``): the
+                gradients are zeroed on every rank all the same.
+        """
+        if self._marks:
+            raise DistValueError(f"{self._where('zero_grad')}: gradients {self._partly_marked()} were marked ready "
+                                 "in a pass that was not finished; mark the rest of their units first")
+        try:
+            if self._pass_open():
+                self._end_pass("zero_grad", DISCARD)
+        finally:
+            self._wait_pending()
+            self._zero_grads()
+            self._failed = None
+            self._ended = False
+
     def _partly_marked(self) -> dict[int, list[str]]:
         return {u: [n for n in self.units[u] if n in marks] for u, marks in sorted(self._marks.items())}
 
-    def step(self) -> None:
-        """Wait for pending reductions, then update every shard.
-
-        Raises:
-            DistValueError: a unit was unsharded since the last step but its gradients were
-                never reduced, a unit's gradients were only partly marked, or gradients
-                accumulated under ``no_sync()`` were never synchronized.
-        """
-        self._wait_pending()
+    def _end_for_use(self, op: str) -> None:
+        """Before the gradient shards are used by ``op`` (``step``, ``clip_grad_norm_``): end the
+        synchronized pass (collective), unless ``clip_grad_norm_()`` ended it and nothing was
+        marked since. Refused locally (nothing changes) after a failed pass, with units partly
+        marked, or with gradients accumulated under ``no_sync()`` only."""
+        if self._failed is not None:
+            raise refused_after_failure(self._where(op), self._failed)
         if self._marks:
             missing = {u: [n for n in self.units[u] if n not in marks] for u, marks in sorted(self._marks.items())}
-            raise DistValueError(f"{self._where('step')}: units {sorted(missing)} are partly marked: gradients "
+            raise DistValueError(f"{self._where(op)}: units {sorted(missing)} are partly marked: gradients "
                                  f"{missing} (unit: names) were not marked ready in this backward pass, so the "
                                  "units were never reduced")
         if self._accumulated:
-            raise DistValueError(f"{self._where('step')}: gradients {sorted(self._accumulated)} were accumulated "
+            raise DistValueError(f"{self._where(op)}: gradients {sorted(self._accumulated)} were accumulated "
                                  "under no_sync() but never synchronized; run the last micro-batch outside no_sync()")
-        forgotten = sorted(self._used - self._reduced)
-        if forgotten:
-            raise DistValueError(f"{self._where('step')}: units {forgotten} were unsharded since the last "
-                                 "step but reduce_grads was never called for them (nor were all their gradients "
-                                 "marked ready with mark_grad_ready); their gradients would be lost")
+        if not self._ended or self._pass_open():
+            self._end_pass(op, USE)
+        self._ended = True
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """End the synchronized pass (as :meth:`step` does), then clip the gradient shards by the
+        global norm (see :meth:`ShardedStrategy.clip_grad_norm_
+        <meshkit.parallel.data_parallelism.sharded.ShardedStrategy.clip_grad_norm_>`); collective,
+        before :meth:`step`."""
+        self._end_for_use("clip_grad_norm_")
+        return super().clip_grad_norm_(max_norm, norm_type)
+
+    def step(self) -> None:
+        """End the synchronized pass (every unit reduced, in one order on every rank; the ranks
+        agree), then update every shard.
+
+        Raises:
+            DistValueError: on every rank, when a rank had a problem with the pass (a unit
+                unsharded since the last step whose gradients were never marked), discarded it,
+                or skipped a step; locally (nothing changes), after a failed pass (call
+                ``zero_grad()``), when a unit's gradients were only partly marked, or when
+                gradients accumulated under ``no_sync()`` were never synchronized.
+        """
+        self._end_for_use("step")
         for key, shard in self._shards.items():
             self.optimizer.update(key, shard, self._grad_shards[key])
         self._full.clear()  # gathered parameters are stale now
-        self._used.clear()
-        self._reduced.clear()
+        self._ended = False
+        self._steps += 1
         milestone(FIRST_STEP)  # meshkit-run times a restart's first step by it (once per process)
 
     # ------------------------------------------------------------------ ShardedStrategy
@@ -407,6 +518,11 @@ class FullyShardedDataParallel(ShardedStrategy):
         return dict(self._grad_shards)
 
     def _quiesce(self) -> None:
+        self._wait_pending()
+
+    def _settle(self, op: str) -> None:
+        if self._failed is not None:
+            raise refused_after_failure(self._where(op), self._failed)
         self._wait_pending()
 
     def _agreement_groups(self) -> list[ProcessGroup]:

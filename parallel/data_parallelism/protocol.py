@@ -24,6 +24,35 @@ gathered to full size as NumPy arrays on every rank, ``memory_report()`` the byt
 
 :class:`ReplicatedUnits` gives DDP and ZeRO the unit half of the protocol; :func:`deprecated`
 is how an old spelling says which new one replaces it.
+
+The rules, written once here for every strategy (issue 36.1): DDP and ZeRO-1/2
+(:class:`~meshkit.parallel.data_parallelism.reducer.GradientReducer`) and FSDP/HSDP
+(:class:`~meshkit.parallel.data_parallelism.fsdp.FullyShardedDataParallel`) hold gradients
+differently (buckets, unit shards) but take the loop by the same rules, checked here with the same
+words, so that no strategy forgives what another refuses:
+
+1. **A gradient is its parameter's**: its shape, its dtype (FSDP: the dtype ``unshard`` yields,
+   ``param_dtype`` if set) and its array library. Nothing is cast silently (float32 gradients of
+   float64 parameters carry float32 rounding into float64 training: 2.7e-9 off after 3 steps of
+   issue 36's case, outside the 1e-10 that float64 holds). :func:`check_gradient` refuses it on
+   the rank that passes it, and nothing changes.
+2. **One mark per gradient per synchronized backward pass**: a second one is refused
+   (:func:`marked_twice`) and changes nothing. Under ``no_sync()`` each mark is a micro-batch's.
+3. **The reduction does not depend on the order ranks mark gradients**: reductions are issued in
+   one fixed order on every rank (DDP, ZeRO: bucket order; FSDP: last unit first), a bucket or unit
+   complete early waiting for those before it. Collectives pair by order, so a rank-dependent
+   order averaged one unit's gradients with another's (issue 36.1: 0.16-0.29 off after 3 steps).
+4. **A synchronized pass ends with ``step()``** (or ``clip_grad_norm_()``, which ends it first).
+   ``zero_grad()`` on a pass that ``step()`` would end discards it (:data:`DISCARD`); a mark on a
+   pass whose every gradient is marked is a second mark or a skipped ``step()``
+   (:func:`marked_after_complete`). Both end the pass collectively, as the peers' ``step()`` does,
+   so the ranks' collectives stay paired and the agreement below decides.
+5. **A pass fails on every rank or on none** (:class:`PassAgreement`): one small all-reduce per ended
+   pass tells every rank what each did with it and how many optimizer steps each has taken. Every
+   rank using it, or every rank discarding it (a step skipped everywhere alike), passes; a problem
+   on any rank, ranks discarding while others step (a rank that skipped ``step()`` and carried on),
+   or step counts that differ (one that skipped ``step()`` after ``clip_grad_norm_()``) raise on
+   every rank, naming the ranks, before any of them applies the pass.
 """
 
 from __future__ import annotations
@@ -33,9 +62,14 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator, Sequence
 
-from ...comm import DistValueError
+import numpy as np
 
-__all__ = ["ReplicatedUnits", "check_units", "deprecated"]
+from ...comm import DistValueError, ProcessGroup, ReduceOp, all_gather_object
+from ..arrays import array_namespace, check_same_library, to_host
+from ..checks import on_ranks
+
+__all__ = ["ReplicatedUnits", "check_units", "deprecated", "USE", "FAILED", "DISCARD", "PassAgreement", "check_gradient",
+           "marked_twice", "marked_after_complete", "discarded_pass", "refused_after_failure", "failed_sync"]
 
 
 def deprecated(old: str, new: str, stacklevel: int = 3) -> None:
@@ -87,3 +121,133 @@ class ReplicatedUnits:
         u = self._unit(unit, "unshard")
         params = self.params
         yield {name: params[name] for name in self.units[u]}
+
+
+# ---------------------------------------------------------------------------- the rules
+
+#: What a rank does with the pass it ends: uses its gradients (``step()``, ``clip_grad_norm_()``,
+#: ``finish_gradient_sync()``), has a problem with it, or discards it (``zero_grad()``).
+USE, FAILED, DISCARD = 0, 1, 2
+#: Slots of a rank's row in the agreement: what it does with the pass, optimizer steps it has taken.
+SLOTS = 2
+
+
+def check_gradient(head: str, name: str, grad: Any, shape: tuple[int, ...], dtype: Any, like: Any, like_arg: str,
+                   *, block: bool = False) -> None:
+    """Refuse a gradient that is not of its parameter's shape, dtype and array library (rule 1).
+
+    Args:
+        head: the message prefix (``"meshkit.parallel: rank R: OP"``).
+        shape, dtype: what the gradient must be (``block``: this rank's block of a DTensor parameter).
+        like, like_arg: an array of the parameters' library, and how the message names it.
+
+    Raises:
+        DistTypeError: an array of another library (NumPy for CuPy parameters, or the reverse).
+        DistValueError: another shape or dtype, naming both.
+    """
+    if grad.__class__ is like.__class__ and grad.shape == shape and grad.dtype == dtype:
+        return
+    check_same_library(head, f"gradient {name!r}", grad, like, like_arg, ref_plural=True)
+    if getattr(grad, "shape", None) != shape or getattr(grad, "dtype", None) != dtype:
+        whose = "this rank's block of the DTensor parameter: shape" if block else "the parameter's shape"
+        raise DistValueError(f"{head}: gradient {name!r} has shape {getattr(grad, 'shape', None)} and dtype "
+                             f"{getattr(grad, 'dtype', None)}; expected {whose} {shape} and dtype {np.dtype(dtype)}")
+
+
+def marked_twice(head: str, name: str) -> DistValueError:
+    """The refusal of a second mark in a pass (rule 2)."""
+    return DistValueError(f"{head}: gradient {name!r} was already marked ready in this backward pass")
+
+
+def marked_after_complete(name: str) -> str:
+    """This rank's problem when it marks a gradient of a pass whose every gradient is marked (rule 4)."""
+    return (f"gradient {name!r} was marked ready again after every gradient of the backward pass was marked, "
+            "before step() ended the pass (a second mark, or a skipped step())")
+
+
+def discarded_pass(users: list[int]) -> str:
+    """A rank's problem when it discarded the pass that ranks ``users`` stepped on (rule 4)."""
+    return (f"zero_grad() discarded a backward pass that step() had not ended: step() was skipped on this rank, "
+            f"while rank(s) {users} ended the pass to use its gradients (step() or clip_grad_norm_())")
+
+
+def refused_after_failure(head: str, failure: str) -> DistValueError:
+    """The refusal to use (read, step on) the gradients of a pass that failed, until ``zero_grad()``."""
+    return DistValueError(f"{head}: {failure}; the gradients of that pass were discarded: call zero_grad() and run "
+                          "the backward pass again")
+
+
+def failed_sync(head: str, failure: str) -> DistValueError:
+    """The error every rank raises when the agreement says the pass failed."""
+    return DistValueError(f"{head}: {failure}. This pass's gradients were discarded (zeroed) on every rank; run "
+                          "the backward pass again")
+
+
+class PassAgreement:
+    """Whether every rank ended the pass alike (rule 5): one small all-reduce per group.
+
+    Each rank writes its row (what it does with the pass, the optimizer steps it has taken) into
+    an int32 array of one row per rank of the group, zero elsewhere; a MAX all-reduce gives every
+    rank every row, and the one device-to-host copy of a sync (the host must branch). With two
+    groups (HSDP: shard, then replicate) the second all-reduce carries each shard group's verdict,
+    so that every rank of the mesh reaches the same one. Only when it is a failure are the
+    problems themselves gathered (``all_gather_object``), to be named on every rank.
+
+    Args:
+        groups: the data-parallel groups, in order (every rank of the strategy is in each kind).
+        like: an array of the strategy's library: the rows live there (device memory on NCCL).
+    """
+
+    def __init__(self, groups: Sequence[ProcessGroup], like: Any) -> None:
+        xp = array_namespace(like)
+        self.groups = list(groups)
+        self._rows = [xp.zeros((group.size, SLOTS), dtype=np.int32) for group in self.groups]
+
+    def __call__(self, code: int, steps: int, problem: str | None) -> str | None:
+        """Collective over the groups: None when the ranks agree, else what failed on which ranks
+        (the same text on every rank).
+
+        Args:
+            code: :data:`USE` or :data:`DISCARD` (a ``problem`` makes it :data:`FAILED`).
+            steps: the optimizer steps this rank's strategy has taken.
+            problem: what is wrong on this rank, or None.
+        """
+        row = (FAILED if problem is not None else code, steps)
+        for group, rows in zip(self.groups, self._rows):
+            rows[...] = 0
+            rows[group.rank, 0], rows[group.rank, 1] = row
+            group.all_reduce(rows, ReduceOp.MAX)
+            row = _verdict(to_host(rows))
+        if row[0] != FAILED:
+            return None
+        return self._explain(code, steps, problem)
+
+    def _explain(self, code: int, steps: int, problem: str | None) -> str:
+        """Gather every rank's row and problem (the failure path only) and name what went wrong."""
+        entries = [(self.groups[0].global_rank, FAILED if problem is not None else code, steps, problem)]
+        for group in self.groups:
+            gathered: list[Any] = [None] * group.size
+            all_gather_object(gathered, entries, group=group)
+            entries = sorted({entry[0]: entry for part in gathered for entry in part}.values())
+        most = max(entry[2] for entry in entries)
+        users = [rank for rank, c, _, _ in entries if c == USE]
+        ahead = [rank for rank, _, s, _ in entries if s == most]
+        problems: list[tuple[int, str | None]] = []
+        for rank, c, s, p in entries:
+            said = [p] if p is not None else []
+            if c == DISCARD and users:
+                said.append(discarded_pass(users))
+            if s < most:
+                said.append(f"it has taken {s} optimizer step(s) where rank(s) {ahead} took {most}: step() was "
+                            "skipped on this rank")
+            problems.append((rank, "; ".join(said) if said else None))
+        failed = [rank for rank, p in problems if p is not None]
+        return f"the gradient sync failed on rank(s) {failed}: " + on_ranks(problems)
+
+
+def _verdict(rows: np.ndarray) -> tuple[int, int]:
+    """The group's row for the next stage: the common (code, steps), or FAILED where they differ."""
+    codes, steps = rows[:, 0], rows[:, 1]
+    if codes[0] != FAILED and (codes == codes[0]).all() and (steps == steps[0]).all():
+        return int(codes[0]), int(steps[0])
+    return FAILED, int(steps.max())

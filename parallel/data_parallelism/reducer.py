@@ -32,6 +32,12 @@ No gradient passes as averaged when it is not:
   raises until ``zero_grad()`` or the next synchronized pass.
 - The strategy owns a snapshot of the parameters' names, shapes and dtypes: gradients are
   checked against it, whatever happens to the caller's dict later.
+
+These are the protocol's rules, which FSDP enforces alike (written once, in
+:mod:`~meshkit.parallel.data_parallelism.protocol`): the gradient's shape and dtype, one mark per
+pass, buckets reduced in one order whatever order ranks mark them, and a pass whose every
+gradient is marked ended by ``step()``: ``zero_grad()`` on it discards it on every rank (an error
+on every rank, naming the rank, if others stepped on it), and a mark on it fails it on every rank.
 """
 
 from __future__ import annotations
@@ -41,15 +47,13 @@ import operator
 from collections.abc import Mapping
 from typing import Any, Iterator
 
-import numpy as np
-
-from ...comm import DistValueError, ProcessGroup, ReduceOp, all_gather_object
+from ...comm import DistValueError, ProcessGroup
 from ...tensor import DTensor
-from ..arrays import array_namespace, check_same_library, to_host
 from .buckets import BucketManager
-from ..checks import on_ranks, where
+from ..checks import where
 from .dtensors import BlockLayout, block_of
-from .protocol import deprecated
+from .protocol import (DISCARD, USE, PassAgreement, check_gradient, deprecated, failed_sync, marked_after_complete,
+                       marked_twice, refused_after_failure)
 
 __all__ = ["GradientReducer", "Gradients", "DTensorGradients"]
 
@@ -152,8 +156,8 @@ class GradientReducer:
         self._location = self._buckets.location
         first = next(iter(self.params.values()))
         self._param = first.to_local() if isinstance(first, DTensor) else first  # every gradient's array library
-        xp = array_namespace(self._param)
-        self._flags = xp.zeros(self.group.size, dtype=np.int32)  # the per-sync agreement: which ranks failed
+        self._agreement = PassAgreement([self.group], self._param)  # the per-sync agreement (protocol.py)
+        self._steps = 0  # optimizer steps taken (step()), compared in the agreement
         self.grads = (DTensorGradients if self._block_layouts else Gradients)(self, arrays)
         self.iteration = 0
         self._averaged = False  # whether the gradients are the result of a synchronized pass
@@ -178,14 +182,32 @@ class GradientReducer:
     def zero_grad(self) -> None:
         """Set every gradient to zero (they accumulate otherwise, as torch's ``.grad``).
 
+        A synchronized pass that ``step()`` would end (every gradient marked; any pass with
+        ``find_unused_parameters``) is discarded: collective, as the ``step()`` it replaces, so
+        that a rank which skipped ``step()`` meets its peers' (rule 4 of
+        :mod:`~meshkit.parallel.data_parallelism.protocol`). Every rank discarding it skips the step alike.
+
         Raises:
-            DistValueError: inside a synchronized pass (gradients are marked and being
-                reduced): finish it first.
+            DistValueError: inside a synchronized pass with gradients left to mark (they are being
+                reduced: mark the rest and finish it first; nothing changes); on every rank, when
+                some ranks discarded the pass while others stepped on it (naming the ranks that
+                skipped ``step()``): the gradients are zeroed on every rank all the same.
         """
         marked = self._marked()
         if marked and self._sync:
+            if self.find_unused_parameters or not self._buckets.unready():
+                try:
+                    self._finish_sync("zero_grad", DISCARD)
+                finally:
+                    self._reset_gradients()
+                return
             raise DistValueError(f"{self._where('zero_grad')}: gradients {marked} were marked ready in a pass that "
                                  "was not finished and are being reduced; call finish_gradient_sync() first")
+        self._reset_gradients()
+
+    def _reset_gradients(self) -> None:
+        """Zero the gradients and forget what the last pass left: they are no averages, and a failed
+        sync no longer applies (issue 36.8: without either, step() stepped on zeros, or raised on)."""
         self._zero()
         self._averaged = False
         self._failed = None
@@ -207,8 +229,7 @@ class GradientReducer:
                                  f"are {list(self._specs)}") from None
         ready = bucket.ready
         if name in ready and self._sync:  # under no_sync() a second mark is the next micro-batch's
-            raise DistValueError(f"{self._where('mark_grad_ready')}: gradient {name!r} was already marked ready "
-                                 "in this backward pass")
+            self._second_mark(name)
         current = self._arrays[name]
         if grad is None:
             if not self._bulk and not self._warned_mark:  # once per strategy: warnings.warn costs us per call
@@ -238,43 +259,51 @@ class GradientReducer:
             elif not marked & 31:  # every 32 marks: let an earlier bucket's reduction move on
                 self.group.progress()
 
+    def _second_mark(self, name: str) -> None:
+        """``name`` is marked again in this synchronized pass (rules 2 and 4): refused, changing
+        nothing; once every gradient is marked it is a second mark or a skipped ``step()``, and
+        the pass fails on every rank (this rank meets its peers' ``step()`` in the sync)."""
+        if not self._buckets.unready():
+            self._finish_sync("mark_grad_ready", problem=marked_after_complete(name))  # raises on every rank
+        raise marked_twice(self._where("mark_grad_ready"), name)
+
     def _check_grad(self, name: str, grad: Any) -> None:
         shape, dtype = self._specs[name]
-        # the common case first, without building the messages below: 1000 marks of 4 KB gradients
-        # took 2.4 ms with them, 1.6 ms without, as writing into grads[name] and mark_grad_ready(name)
+        # the common case first, without building the message head: 1000 marks of 4 KB gradients
+        # took 2.4 ms with the messages, 1.6 ms without, as writing into grads[name] and mark_grad_ready(name)
         if grad.__class__ is self._param.__class__ and grad.shape == shape and grad.dtype == dtype:
             return
-        check_same_library(self._where("mark_grad_ready"), f"gradient {name!r}", grad, self._param, "the parameters",
-                           ref_plural=True)
-        if getattr(grad, "shape", None) != shape or getattr(grad, "dtype", None) != dtype:
-            whose = "this rank's block of the DTensor parameter: shape" if name in self._block_layouts else \
-                "the parameter's shape"
-            raise DistValueError(
-                f"{self._where('mark_grad_ready')}: gradient {name!r} has shape {getattr(grad, 'shape', None)} "
-                f"and dtype {getattr(grad, 'dtype', None)}; expected {whose} {shape} and dtype {dtype}")
+        check_gradient(self._where("mark_grad_ready"), name, grad, shape, dtype, self._param, "the parameters",
+                       block=name in self._block_layouts)
 
     def finish_gradient_sync(self) -> None:
         """Deprecated: :meth:`step` finishes the sync and runs the optimizer (see :meth:`_finish_sync`)."""
         deprecated("finish_gradient_sync()", "step() finishes the gradient sync and runs the optimizer")
-        self._finish_sync()
+        self._finish_sync("finish_gradient_sync")
 
-    def _finish_sync(self) -> None:
+    def _finish_sync(self, op: str, code: int = USE, problem: str | None = None) -> None:
         """Wait for every bucket's reduction. Inside ``no_sync()`` it only ends the backward pass.
 
-        Collective: every rank launches every bucket and then learns, in one small all-reduce,
-        whether any rank failed; if one did, every rank raises and this pass's gradients are
+        Collective: every rank launches every bucket and then learns, in one small all-reduce
+        (:class:`~meshkit.parallel.data_parallelism.protocol.PassAgreement`), whether every rank ended
+        the pass alike; if not, every rank raises (naming ``op``) and this pass's gradients are
         zeroed on every rank.
+
+        Args:
+            op: the call that ends the pass, for messages.
+            code: ``USE`` (the gradients are averaged for use) or ``DISCARD`` (``zero_grad()``).
+            problem: what is wrong with the pass on this rank, if anything.
 
         Raises:
             DistValueError: on every rank, when some rank did not mark all its gradients ready
-                and ``find_unused_parameters`` is False (the ranks and gradients are named).
+                and ``find_unused_parameters`` is False, or had another problem, or discarded
+                the pass while others used it, or took another number of steps (naming the ranks).
         """
         if not self._sync:
             self._end_pass()
             return
         unready = self._buckets.unready()
-        problem = None
-        if unready and not self.find_unused_parameters:
+        if unready and not self.find_unused_parameters and problem is None:
             problem = (f"gradients {unready} were not marked ready in this backward pass; mark every gradient (or "
                        "call sync_gradients()), or pass find_unused_parameters=True if some parameters are unused")
         for name in unready:  # reduced as they are: zero if unused in every micro-batch
@@ -294,32 +323,26 @@ class GradientReducer:
             self._failed = f"the last gradient sync raised {type(exc).__name__}: {exc}"
             raise
         self._end_pass()
-        self._agree(problem)
+        self._agree(op, code, problem)
+        if code == DISCARD:  # every rank discarded it alike: zero_grad() zeroes the gradients
+            return
         self._averaged = True
         self._failed = None
         self._touched.clear()
         self.iteration += 1
         self._after_sync(order)
 
-    def _agree(self, problem: str | None) -> None:
-        """One small all-reduce per sync: did any rank fail? If so, every rank raises, naming them."""
-        flags, group = self._flags, self.group
-        flags[...] = 0
-        if problem is not None:
-            flags[group.rank] = 1
-        group.all_reduce(flags, ReduceOp.MAX)
-        if not to_host(flags).any():  # the one device-to-host transfer of a sync (the host must branch)
+    def _agree(self, op: str, code: int, problem: str | None) -> None:
+        """One small all-reduce per sync: did every rank end the pass alike? If not, every rank
+        raises, naming the ranks, and the pass's gradients are zeroed (garbage on every rank)."""
+        failure = self._agreement(code, self._steps, problem)
+        if failure is None:
             return
-        problems: list[Any] = [None] * group.size
-        all_gather_object(problems, problem, group=group)
-        failed = [group.ranks[i] for i, p in enumerate(problems) if p is not None]
-        self._zero()  # a failed pass's gradients are garbage on every rank
+        self._zero()
         self._averaged = False
         self._touched.clear()
-        self._failed = (f"the gradient sync failed on rank(s) {failed}: "
-                        + on_ranks([(group.ranks[i], p) for i, p in enumerate(problems)]))
-        raise DistValueError(f"{self._where('finish_gradient_sync')}: {self._failed}. This pass's gradients were "
-                             "discarded (zeroed) on every rank; run the backward pass again")
+        self._failed = failure
+        raise failed_sync(self._where(op), failure)
 
     def _marked(self) -> list[str]:
         """Names marked ready in the current pass."""
@@ -329,8 +352,7 @@ class GradientReducer:
         """Before gradients are used as averaged (``grads[name]``, ZeRO's step...): raise if a
         synchronized pass is not finished or the last sync failed. Changes nothing (no collective)."""
         if self._failed is not None:
-            raise DistValueError(f"{self._where(op)}: {self._failed}; the gradients of that pass were discarded: "
-                                 "call zero_grad() and run the backward pass again")
+            raise refused_after_failure(self._where(op), self._failed)
         if not self._sync or (name is not None and name not in self._location[name].ready):
             return
         if name is None and not self._marked():
@@ -356,20 +378,20 @@ class GradientReducer:
         then ``step()`` again), as ZeRO's ``step()`` always did; if other ranks completed theirs,
         they wait in the sync until this one completes it (or the group's timeout).
         """
-        self._finish_complete_pass()
+        self._finish_complete_pass(op)
         self._settle(op)
         if not self._averaged:
             raise DistValueError(f"{self._where(op)}: no synchronized gradient pass since zero_grad() (or "
                                  "construction), so the gradients are not averaged; mark the gradients ready "
                                  f"(mark_grad_ready(name, grad), outside no_sync()) before {op}()")
 
-    def _finish_complete_pass(self) -> None:
+    def _finish_complete_pass(self, op: str) -> None:
         """Finish a synchronized pass in progress whose every gradient is marked (or any pass in
         progress, with ``find_unused_parameters``): what the collective calls that end a backward
         pass (``step()``, ``clip_grad_norm_()``) do first. A read never does (issue 23.4)."""
         if self._sync and self._failed is None and self._marked() and (
                 self.find_unused_parameters or not self._buckets.unready()):
-            self._finish_sync()
+            self._finish_sync(op)
 
     def _settle(self, op: str) -> None:
         """Gradients are about to be used as averaged: refuse unless a synchronized pass finished."""
@@ -410,7 +432,7 @@ class GradientReducer:
                     self._bulk = False
         if self._sync:
             self._buckets.launch_ready()
-        self._finish_sync()
+        self._finish_sync("sync_gradients")
 
     def _end_pass(self) -> None:
         if not self._sync:  # a no_sync() pass: remember what it touched, for find_unused_parameters

@@ -205,7 +205,7 @@ class ZeroRedundancyOptimizer(ReplicatedUnits, GradientReducer, ShardedStrategy)
         gradient shards by the global norm (see :meth:`ShardedStrategy.clip_grad_norm_
         <meshkit.parallel.data_parallelism.sharded.ShardedStrategy.clip_grad_norm_>`); collective, before
         :meth:`step`."""
-        self._finish_complete_pass()
+        self._finish_complete_pass("clip_grad_norm_")
         return super().clip_grad_norm_(max_norm, norm_type)
 
     def step(self) -> None:
@@ -230,6 +230,7 @@ class ZeroRedundancyOptimizer(ReplicatedUnits, GradientReducer, ShardedStrategy)
             works.append(self.group.all_gather_into_tensor(flat, mine, async_op=True))
         for work in works:
             work.wait()
+        self._steps += 1
         milestone(FIRST_STEP)  # meshkit-run times a restart's first step by it (once per process)
 
     # ------------------------------------------------------------------ ShardedStrategy
