@@ -88,7 +88,7 @@ class FailureState:
         if self.reason is None and (isinstance(exc, RankFailedError)
                                     or (self.abandons and isinstance(exc, DistBackendError))):
             self.broken(f"{op} #{seq} failed: {exc}", seq)
-        if isinstance(exc, CollectiveMismatchError):
+        if isinstance(exc, CollectiveMismatchError) and self.reason is None:  # (a fingerprint's, logged already)
             logger.error("%s\n%s", exc, group.world.recorder.format(group.global_rank))
         dump_flight_record(group.world, exc)
         return exc

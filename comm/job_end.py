@@ -19,8 +19,10 @@ import time
 from typing import Any
 
 from . import env
+from .milestones import report_failure
 
-__all__ = ["abort_job", "tear_down", "drain_output", "ASYNC_ERROR_HANDLING_ENV", "DRAIN_SECONDS"]
+__all__ = ["abort_job", "tear_down", "end_hung", "drain_output", "ASYNC_ERROR_HANDLING_ENV", "DRAIN_SECONDS",
+           "HUNG_EXIT_CODE"]
 
 logger = logging.getLogger("meshkit")
 
@@ -87,6 +89,24 @@ def abort_job(world: Any, announce: str | None = None) -> None:
             stream.flush()
         except Exception:  # a closed stream must not stop the abort
             pass
+
+
+#: The exit status of a process its watchdog ended (comm/watchdog.py): a call that never returned.
+HUNG_EXIT_CODE = 1
+
+
+def end_hung(reason: str) -> None:
+    """End this process now: a call into the engine's library did not return within its timeout
+    (``reason`` says which; comm/watchdog.py). Called from the watchdog's thread while another
+    thread is inside that call, so MPI is not called (MPI_Abort could wait for the lock the
+    stuck call holds): ``reason`` goes to stderr, ``meshkit-run`` is told that this rank hung
+    (its status directory: the launcher names it as the job's cause), the output is drained and
+    the process exits, which ends the job (mpiexec kills the others when one exits unfinalized)."""
+    logger.critical("%s", reason)
+    print(reason, file=sys.stderr, flush=True)
+    report_failure(HUNG_EXIT_CODE, "hung")
+    drain_output()
+    os._exit(HUNG_EXIT_CODE)
 
 
 def tear_down(world: Any, reason: str) -> None:

@@ -43,7 +43,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ...comm import DistValueError, ProcessGroup, ReduceOp, all_gather_object
+from ...comm import CollectiveMismatchError, DistValueError, ProcessGroup, ReduceOp, all_gather_object
+from ...comm._seams import FINGERPRINT_SLOTS, stamp_fingerprint, verify_fingerprint
 from ...tensor import DTensor
 from ..arrays import array_namespace, check_same_library, to_host
 from .buckets import BucketManager
@@ -153,7 +154,8 @@ class GradientReducer:
         first = next(iter(self.params.values()))
         self._param = first.to_local() if isinstance(first, DTensor) else first  # every gradient's array library
         xp = array_namespace(self._param)
-        self._flags = xp.zeros(self.group.size, dtype=np.int32)  # the per-sync agreement: which ranks failed
+        # the per-sync agreement: which ranks failed, then the group's call fingerprint (comm/call_fingerprint.py)
+        self._flags = xp.zeros(self.group.size + FINGERPRINT_SLOTS, dtype=np.int32)
         self.grads = (DTensorGradients if self._block_layouts else Gradients)(self, arrays)
         self.iteration = 0
         self._averaged = False  # whether the gradients are the result of a synchronized pass
@@ -302,13 +304,27 @@ class GradientReducer:
         self._after_sync(order)
 
     def _agree(self, problem: str | None) -> None:
-        """One small all-reduce per sync: did any rank fail? If so, every rank raises, naming them."""
+        """One small all-reduce per sync: did any rank fail, and did every rank make the same calls
+        on the group (its fingerprint, comm/call_fingerprint.py: a mismatch the engine let through)? If
+        not, every rank raises, naming them, and this pass's gradients are discarded."""
         flags, group = self._flags, self.group
-        flags[...] = 0
+        n = group.size
+        fingerprint, token = stamp_fingerprint(group)
+        flags[:n] = 0
+        flags[n:] = array_namespace(flags).asarray(fingerprint)  # host values: one copy to a device array
         if problem is not None:
             flags[group.rank] = 1
         group.all_reduce(flags, ReduceOp.MAX)
-        if not to_host(flags).any():  # the one device-to-host transfer of a sync (the host must branch)
+        host = to_host(flags)  # the one device-to-host transfer of a sync (the host must branch)
+        try:
+            verify_fingerprint(group, host[n:], token, f"{self._strategy}'s gradient sync")
+        except CollectiveMismatchError as exc:
+            self._zero()  # the reduced gradients may be garbage: nothing of this pass is applied
+            self._averaged = False
+            self._touched.clear()
+            self._failed = f"the gradient sync found a collective mismatch: {exc}"
+            raise
+        if not host[:n].any():
             return
         problems: list[Any] = [None] * group.size
         all_gather_object(problems, problem, group=group)
