@@ -46,8 +46,8 @@ from .debug import Call, fingerprint
 from .engine import DeadlineExceeded
 from .errors import CollectiveMismatchError, DistError
 
-__all__ = ["CallSequence", "RING", "SLOTS", "EXPLAIN_SECONDS", "entry", "creation", "stamp", "verify", "compare",
-           "same_creation", "explain"]
+__all__ = ["CallSequence", "RING", "SLOTS", "EXPLAIN_SECONDS", "MISMATCH_NOTICE", "entry", "creation", "stamp",
+           "verify", "compare", "same_creation", "explain"]
 
 logger = logging.getLogger("meshkit")
 
@@ -184,7 +184,7 @@ def same_creation(group: Any, description: str, deadline: float) -> None:
         raise explain(group, token, f"{description}'s check that every rank makes the same call")
     by_text: dict[str, list[int]] = {}
     for i, (p, text) in enumerate(zip(parts, texts)):
-        shown = f"{text} #{p[0]}" if text is not None else "another exchange (a monitored barrier?)"
+        shown = f"{text} #{p[0] - 1}" if text is not None else "another exchange (a monitored barrier?)"
         by_text.setdefault(shown, []).append(group.ranks[i])
     listing = "; ".join(f"{_who(rs)}: {text}" for text, rs in by_text.items())
     error = CollectiveMismatchError(
@@ -200,17 +200,26 @@ def _text(what: Any) -> str:
     return what if isinstance(what, str) else str(what)
 
 
-def explain(group: Any, token: tuple[int, int], where: str) -> CollectiveMismatchError:
-    """The members' fingerprints differ: exchange the calls made since the last comparison that
-    passed (the failure path only), break the group (later calls raise; the other members are
-    told) and return the error to raise, the same on every rank that took part.
+#: How the notice of a group broken by a mismatch begins: a member stalled in another call of the
+#: group that reads it joins the exchange that names the calls (comm/failures.py), so that it too
+#: raises the mismatch, and the others learn what it called.
+MISMATCH_NOTICE = "meshkit: collective mismatch"
 
-    A member that does not come within :data:`EXPLAIN_SECONDS` (it was in another call, whose
-    data the comparison read) is named as such; it learns of the mismatch from the notice.
+
+def explain(group: Any, token: tuple[int, int], where: str) -> CollectiveMismatchError:
+    """The members' fingerprints differ: break the group (later calls raise; the other members are
+    told, and one stalled in another call of the group comes to this exchange), exchange the calls
+    made since the last comparison that passed (the failure path only), and return the error to
+    raise, the same on every member that took part.
+
+    A member that does not come within :data:`EXPLAIN_SECONDS` (busy in its own code) is named as such.
     """
     sequence, me = group.queue.sequence, group.global_rank
     calls, value = token
     since = sequence.agreed[0]
+    failures = group.failures
+    if failures.reason is None:  # every later call on the group is garbage: the notice blocks waits from `since` on
+        failures.broken(f"{MISMATCH_NOTICE} on group {group.name} after call #{since}, found by {where}", since)
     mine = (calls, since, [(s, v, _text(w)) for s, v, w in list(sequence.ring) if s >= since])
     parts: list[Any] = [None] * group.size
     absent: list[int] = []
@@ -225,13 +234,9 @@ def explain(group: Any, token: tuple[int, int], where: str) -> CollectiveMismatc
         parts[group.rank] = mine
     listing, first, calls_by_rank = _describe(group, parts, absent)
     message = (f"meshkit.comm: rank {me}: collective mismatch on group {group.name} (ranks {list(group.ranks)}), "
-               f"found by {where} after {calls} calls: {listing}. Found by comparing a fingerprint of each group's "
-               f"calls where the ranks exchange something anyway; MESHKIT_DEBUG=detail checks every call as it is "
-               f"made and names the first one at once")
+               f"found by {where}: {listing}. Found by comparing a fingerprint of each group's calls where the ranks "
+               f"exchange something anyway; MESHKIT_DEBUG=detail checks every call as it is made")
     error = CollectiveMismatchError(message, calls=calls_by_rank)
-    failures = group.failures
-    if failures.reason is None:
-        failures.broken(f"collective mismatch on group {group.name} at call #{first}: {listing}", calls)
     from .world import dump_flight_record  # world imports nothing of this module; kept off the import path
     logger.error("%s\n%s", error, group.world.recorder.format(me))
     dump_flight_record(group.world, error)

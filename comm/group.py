@@ -417,7 +417,8 @@ class ProcessGroup:
 
         def step(seq: int, deadline: float) -> Engine | None:
             same_creation(self, description, deadline)
-            with watched(f"split ({self.backend} engine)", self.world, self.name, self.ranks, self.timeout):
+            with watched(f"split ({self.backend} engine)", self.global_rank, self.name, self.ranks, self.timeout,
+                         self.world.recorder):
                 return self.engine.split(color, members, time.monotonic() + self.timeout)
 
         engine = self.queue.blocking("split", step, self.timeout, (digest, description))
@@ -513,8 +514,8 @@ class ProcessGroup:
                              self.global_rank, self.name, list(self.ranks), what,
                              self.world.recorder.format(self.global_rank))
         if self.engine is not None:
-            with watched(f"freeing the communicator ({self.backend} engine)", self.world, self.name, self.ranks,
-                         self.timeout):
+            with watched(f"freeing the communicator ({self.backend} engine)", self.global_rank, self.name,
+                         self.ranks, self.timeout, self.world.recorder):
                 self.engine.free()
 
     # ----------------------------------------------------------------- argument helpers

@@ -17,27 +17,24 @@ watchdog is the last line, for a member that stopped answering between the check
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
-from typing import Any, Iterator
 import contextlib
+from typing import Any, Iterator
 
 from . import job_end
 
 __all__ = ["watched"]
 
-logger = logging.getLogger("meshkit")
-
-
 @contextlib.contextmanager
-def watched(call: str, world: Any, group: str, ranks: Any, limit: float) -> Iterator[None]:
+def watched(call: str, rank: int, group: str, ranks: Any, limit: float, recorder: Any = None) -> Iterator[None]:
     """Run the body (one blocking call into the engine's library, ``call``, on ``group`` of global
-    ``ranks``) under a watchdog that ends the process if it has not returned after ``limit``
-    seconds (the group's timeout). A thread started per call (about 0.1 ms): for the rare calls
-    that create or free a communicator, not for collectives."""
+    ``ranks``, on global rank ``rank``) under a watchdog that ends the process if it has not
+    returned after ``limit`` seconds (the group's timeout); ``recorder``: the world's flight
+    recorder, whose record is printed then. A thread is started per call (about 0.1 ms): for the
+    rare calls that create or free a communicator, not for collectives."""
     started = time.monotonic()
-    timer = threading.Timer(limit, _expired, (call, world, group, tuple(ranks), limit, started))
+    timer = threading.Timer(limit, _expired, (call, rank, group, tuple(ranks), limit, started, recorder))
     timer.daemon = True
     timer.name = f"meshkit-watchdog[{call}]"
     timer.start()
@@ -47,12 +44,9 @@ def watched(call: str, world: Any, group: str, ranks: Any, limit: float) -> Iter
         timer.cancel()
 
 
-def _expired(call: str, world: Any, group: str, ranks: tuple[int, ...], limit: float, started: float) -> None:
-    rank = getattr(world, "rank", "?")
-    record = ""
-    recorder = getattr(world, "recorder", None)
-    if recorder is not None:
-        record = "\n" + recorder.format(rank)
+def _expired(call: str, rank: int, group: str, ranks: tuple[int, ...], limit: float, started: float,
+             recorder: Any) -> None:
+    record = "" if recorder is None else "\n" + recorder.format(rank)
     reason = (f"meshkit.comm: rank {rank}: {call} on group {group} (ranks {list(ranks)}) has not returned after "
               f"{time.monotonic() - started:.1f} s (the group's timeout is {limit:.1f} s: MESHKIT_TIMEOUT or "
               f"init_process_group(timeout=)); the call cannot be interrupted, so the watchdog ends this process, as "

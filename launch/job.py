@@ -567,9 +567,9 @@ class Job:
 
         A rank whose watchdog ended it (``hung``: a call into the engine's library never returned)
         is the cause, the earliest such. Else, when the first failure is a collective's timeout:
-        the ranks that timeout named as not arrived (where the engine knows), or else the ranks
+        the ranks the timeouts named as not arrived (where the engine knows), or else the ranks
         here that reported no failure and were still running, their script not over, when the
-        job was ended (they never reached the collective the others timed out in)."""
+        job was ended: they never reached the collective the others timed out in."""
         hung = sorted((rank.failed[2], r) for r, rank in self.ranks.items()
                       if rank.failed is not None and rank.failed[1] == "hung")
         if hung:
@@ -581,10 +581,9 @@ class Job:
         if timed_out is None or timed_out.failed is None or timed_out.failed[1] != "timeout":
             return None
         waiting = sorted(r for r, rank in self.ranks.items() if rank.failed is not None and rank.failed[1] == "timeout")
-        if timed_out.waited_for:
-            suspects = [r for r in timed_out.waited_for
-                        if r not in self.ranks or self.ranks[r].failed is None or self.ranks[r].failed[1] == "hung"]
-            how = "named by its timeout as not arrived"
+        named = sorted({r for w in waiting for r in self.ranks[w].waited_for})
+        if named:
+            suspects, how = named, "named by their timeouts as not arrived"
         else:
             suspects = sorted(r for r, rank in self.ranks.items() if r in self.killed and rank.failed is None
                               and not rank.finished)
@@ -593,8 +592,8 @@ class Job:
             return None
         others = f" (with {_who(suspects[1:])})" if len(suspects) > 1 else ""
         return JobFailure(suspects[0], first.status,
-                          f"hung{others}: {_who(waiting)} timed out in a collective waiting for it ({how}); a rank "
-                          "stuck in its own code, or in another call, never reached it", first.time_ns, detected,
+                          f"hung{others}: {_who(waiting)} timed out in a collective waiting for it ({how}): it was "
+                          "stuck in its own code or in another call", first.time_ns, detected,
                           self.tails.last(suspects[0]))
 
     def _unstarted_failure(self, code: int | None) -> JobFailure | None:
