@@ -591,9 +591,10 @@ class Job:
         if not suspects:
             return None
         others = f" (with {_who(suspects[1:])})" if len(suspects) > 1 else ""
+        waited = [r for r in waiting if r not in suspects]
         return JobFailure(suspects[0], first.status,
-                          f"hung{others}: {_who(waiting)} timed out in a collective waiting for it ({how}): it was "
-                          "stuck in its own code or in another call", first.time_ns, detected,
+                          f"hung{others}: {_who(waited or waiting)} timed out in a collective waiting for it ({how}): "
+                          "it was stuck in its own code or in another call", first.time_ns, detected,
                           self.tails.last(suspects[0]))
 
     def _unstarted_failure(self, code: int | None) -> JobFailure | None:
