@@ -2,7 +2,9 @@
 
 A user calls the names of :data:`meshkit.comm.__all__`; ``mesh``, ``tensor``, ``parallel`` and
 ``checkpoint`` also need the world (:func:`current_world`), a group argument's default
-(:func:`resolve_group`), one split making many groups (:func:`create_groups`), prepared
+(:func:`resolve_group`), one split making many groups (:func:`create_groups`), the fingerprint of a
+group's calls that a per-step agreement compares (:func:`stamp_fingerprint`, :func:`verify_fingerprint`,
+:data:`FINGERPRINT_SLOTS`: comm/call_fingerprint.py), prepared
 collectives (:class:`PreparedCollective`) and the NumPy/CuPy rule (:func:`array_namespace`,
 :func:`is_device_array`, :func:`is_array`, :func:`to_host`). They import those from here, a module
 named as private as torch's
@@ -24,6 +26,7 @@ from .milestones import FIRST_STEP, IMPORTED, RESTORED, milestone
 from .arrays import array_namespace, is_array, is_device_array, to_host
 from .prepared import PREPARED_OPS, PreparedCollective, prepare_collective
 from .registry import create_groups, resolve_group
+from .call_fingerprint import SLOTS as FINGERPRINT_SLOTS, stamp as stamp_fingerprint, verify as verify_fingerprint
 from .files import NotRegular, TooLarge, open_regular, read_bounded  # files read back (debug, checkpoint)
 from .env import positive_number as positive_setting  # a bound's MESHKIT_* variable, checked (debug, checkpoint)
 from .world import RECORD_FORMAT, current_world, flight_document, inflight_document
@@ -32,7 +35,7 @@ __all__ = ["backend_devices", "array_namespace", "is_device_array", "is_array", 
            "prepare_collective",
            "create_groups", "resolve_group", "current_world", "flight_document", "inflight_document", "RECORD_FORMAT",
            "moved_names", "milestone", "IMPORTED", "RESTORED", "FIRST_STEP", "positive_setting", "read_bounded",
-           "open_regular", "NotRegular", "TooLarge"]
+           "open_regular", "NotRegular", "TooLarge", "FINGERPRINT_SLOTS", "stamp_fingerprint", "verify_fingerprint"]
 
 
 def moved_names(package: str, names: Mapping[str, str]) -> Callable[[str], Any]:

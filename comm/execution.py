@@ -38,6 +38,7 @@ from .errors import CollectiveTimeout
 from .failures import FailureState
 from .notices import REJECTED, Notice
 from .reduce_op import ReduceOp
+from .call_fingerprint import CallSequence, entry, stamp, verify
 from .work import CommThread, RequestWork, Work
 
 __all__ = ["CollectiveQueue"]
@@ -58,17 +59,19 @@ class CollectiveQueue:
         failures: the group's failure state.
         thread: the group's communication thread (``run_async`` tasks, and the calls behind them).
         seq: the number the group's next operation gets (the same on every rank: program order).
+        sequence: the running fingerprint of the group's calls and the last ones (comm/call_fingerprint.py),
+            compared at the group's barriers, creations, object collectives and strategies' steps.
         inflight: the group's async collectives not finished, in order; the first is in the engine,
             the others too where the engine orders them itself (``capabilities.queues`` False).
         lock: guards ``inflight`` and ``tags``.
         tags: fingerprints of queued calls, announced as each starts (engines that check calls).
-        queues, tracks, defers, on_device, fingerprints, divides: decided once from the engine's
-            capabilities (see ``__init__``); ``detail`` is read from the world's debug level at each call.
+        queues, tracks, defers, on_device, fingerprints, divides, checks_barrier: decided once from the
+            engine's capabilities (see ``__init__``); ``detail`` is read from the world's debug level at each call.
     """
 
     __slots__ = ("group", "engine", "failures", "thread", "seq", "inflight", "lock", "tags", "queues", "tracks",
                  "defers", "on_device", "fingerprints", "divides", "world", "name", "timeout", "flight_entry", "agent",
-                 "_next_tag")
+                 "sequence", "checks_barrier", "_next_tag")
 
     def __init__(self, group: Any, engine: Engine | None, failures: FailureState) -> None:
         self.group, self.engine, self.failures = group, engine, failures
@@ -77,6 +80,7 @@ class CollectiveQueue:
         self.flight_entry = group.world.recorder.record  # bound once: called on every operation
         self.agent = group.world.progress  # the world's progress agent (and device work's watchdog)
         self.seq = 0
+        self.sequence = CallSequence()
         # At most one collective of the group is in the engine at a time; later async calls wait in
         # this queue, in order, and start as the one before completes (see advance). MPICH runs two
         # concurrent Iallreduce of 256 KB-4 MB 1.8-2.6x slower than the same two one after the other
@@ -98,6 +102,10 @@ class CollectiveQueue:
         self.fingerprints = caps is not None and caps.checks_calls
         # Engines without a native average sum, and the group divides once (as NCCL's AVG does).
         self.divides = engine is not None and not engine.native_avg
+        # A barrier compares the members' fingerprints (comm/call_fingerprint.py) where the engine does not
+        # compare calls itself and moves host arrays: a MAX all-reduce of 4 integers instead of
+        # MPI's barrier, the same round of messages (see barrier()).
+        self.checks_barrier = caps is not None and not caps.checks_calls and caps.host_arrays
         self.world = group.world  # its debug level is read at each call (detail)
 
     @property
@@ -184,6 +192,28 @@ class CollectiveQueue:
             raise self.start_failed(op, seq, shapes, dtype, exc) from None
         return self.started(op, seq, shapes, dtype, request, settle, async_op)
 
+    def barrier(self, async_op: bool) -> Work | None:
+        """A barrier: on engines that ``checks_barrier``, a ``MAX`` all-reduce of the group's
+        fingerprint (:func:`~meshkit.comm.call_fingerprint.stamp`, taken right after the barrier was
+        numbered), compared when it completes: every member raises if their calls differed
+        since the last comparison (:func:`~meshkit.comm.call_fingerprint.verify`)."""
+        if not self.checks_barrier:
+            return self.run("barrier", self.engine.barrier, async_op, (), None, None)
+        thread = self.thread
+        if thread.pending and thread.runner != _get_ident():
+            return self.behind_tasks("barrier", lambda: self.barrier(False), async_op)
+        seq = self.issue("barrier", None, async_op)
+        buf, token = stamp(self.group)
+        start = functools.partial(self.engine.all_reduce, buf, ReduceOp.MAX)
+        settle = functools.partial(verify, self.group, buf, token, "barrier()")
+        if seq < 0:
+            return self.enqueue(~seq, "barrier", start, (), None, settle)
+        try:
+            request = start()
+        except BaseException as exc:
+            raise self.start_failed("barrier", seq, (), None, exc) from None
+        return self.started("barrier", seq, (), None, request, settle, async_op)
+
     def issue(self, op: str, ref: np.ndarray | None, async_op: bool, reduce_op: ReduceOp | None = None,
               extra: dict[str, Any] | None = None) -> int:
         """Number the operation (in detail mode, check it across ranks) and make way for its start.
@@ -199,7 +229,16 @@ class CollectiveQueue:
                 self.failures.unusable(op)
             seq = self.seq
             self.seq = seq + 1
-        tag = (seq, self.call(op, ref, reduce_op, extra)) if self.fingerprints else None
+        # The call's digest into the group's fingerprint (comm/call_fingerprint.py): one cached lookup.
+        if extra is None:
+            digest, call = entry(op, None if ref is None else ref.dtype, None if ref is None else ref.shape, reduce_op,
+                                 None, None)
+        elif ref is not None:
+            digest, call = entry(op, ref.dtype, ref.shape, reduce_op, extra.get("root"), extra.get("counts"))
+        else:
+            digest, call = entry(op, extra.get("dtype"), None, reduce_op, extra.get("root"), extra.get("counts"))
+        self.sequence.add(seq, digest, call)
+        tag = (seq, call) if self.fingerprints else None
         if async_op:
             if self.inflight and self.queues:  # behind an earlier collective: started when it completes
                 self._next_tag = tag
@@ -265,13 +304,17 @@ class CollectiveQueue:
         finally:
             waiting.discard(me)
 
-    def blocking(self, op: str, step: Callable[[int, float], Any], timeout: float) -> Any:
+    def blocking(self, op: str, step: Callable[[int, float], Any], timeout: float,
+                 what: tuple[int, str] | None = None) -> Any:
         """Run a blocking engine step ``step(seq, deadline)`` as operation ``op`` (split, monitored
-        barrier): numbered, recorded and ordered like every other operation."""
+        barrier): numbered, recorded and ordered like every other operation. ``what``: the
+        ``(digest, description)`` it adds to the group's fingerprint (a split's partition), else
+        its name alone."""
         thread = self.thread
         if thread.pending and thread.runner != _get_ident():
-            return thread.run_in_order(lambda: self.blocking(op, step, timeout), op)
+            return thread.run_in_order(lambda: self.blocking(op, step, timeout, what), op)
         seq = self.begin(op, None) if self.detail and op == "split" else self.number(op)
+        self.sequence.add(seq, *(what or entry(op, None, None, None, None, None)))
         if self.inflight:
             self.drain()
         record = self.flight_entry(seq, self.name, op, (), None, "started")

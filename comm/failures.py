@@ -20,6 +20,7 @@ import threading
 import time
 from typing import Any
 
+from .call_fingerprint import MISMATCH_NOTICE, explain
 from .checks import where
 from .debug import ERROR, STATE, T_END, CollectiveRecord, mismatch_error
 from .engine import CallsDiffer, DeadlineExceeded
@@ -88,7 +89,7 @@ class FailureState:
         if self.reason is None and (isinstance(exc, RankFailedError)
                                     or (self.abandons and isinstance(exc, DistBackendError))):
             self.broken(f"{op} #{seq} failed: {exc}", seq)
-        if isinstance(exc, CollectiveMismatchError):
+        if isinstance(exc, CollectiveMismatchError) and self.reason is None:  # (a fingerprint's, logged already)
             logger.error("%s\n%s", exc, group.world.recorder.format(group.global_rank))
         dump_flight_record(group.world, exc)
         return exc
@@ -167,6 +168,11 @@ class FailureState:
         group = self.group
         for notice in self.read_notices():
             if notice.blocks(group.ranks, seq, self.rejected, aborts=self.abandons):
+                if notice.kind == BROKEN and notice.detail.startswith(MISMATCH_NOTICE) and self.reason is None:
+                    # the member found the group's calls differ: this rank, stalled in one of them, joins
+                    # the exchange that names them, and raises the same mismatch
+                    queue = group.queue
+                    raise explain(group, (queue.seq, queue.sequence.value), f"rank {notice.sender}'s notice")
                 what = f"call #{seq}" if seq >= 0 else "a send or receive"
                 raise RankFailedError(f"meshkit.comm: rank {group.global_rank}: {what} on group "
                                       f"{group.name} (ranks {list(group.ranks)}) cannot complete: "

@@ -47,6 +47,8 @@ from .execution import CollectiveQueue
 from .failures import FailureState
 from .reduce_op import ReduceOp, check_op_dtype, valid_op_dtypes
 from .timeouts import resolve_timeout
+from .call_fingerprint import creation, same_creation
+from .watchdog import watched
 from .work import Work
 
 if TYPE_CHECKING:
@@ -352,9 +354,16 @@ class ProcessGroup:
                               {"dtype": ref.dtype, "counts": (tuple(send), tuple(recv))})
 
     def barrier(self, *, async_op: bool = False) -> Work | None:
-        """Block until every rank of the group has reached the barrier."""
+        """Block until every rank of the group has reached the barrier.
+
+        Where the engine does not compare calls itself (MPI), the barrier also compares the
+        fingerprint of the members' calls since the last comparison (comm/call_fingerprint.py), in the
+        same round of messages: if they differ, every member raises
+        :class:`~meshkit.comm.errors.CollectiveMismatchError` naming the first call that
+        differs, the ranks and what each called.
+        """
         check_member(self, "barrier")
-        return self.queue.run("barrier", self.engine.barrier, async_op, (), None, None)
+        return self.queue.barrier(async_op)
 
     def isend(self, tensor: np.ndarray, dst: int, tag: int = 0) -> Work:
         """Start sending ``tensor`` to group rank ``dst``; the Work completes when it may be reused."""
@@ -381,22 +390,41 @@ class ProcessGroup:
         limit = self.timeout if timeout is None else resolve_timeout(timeout)
         self.queue.blocking("monitored_barrier", lambda seq, d: self.engine.exchange(None, seq, d), limit)
 
-    def split(self, color: int | None, *, ranks: Sequence[int], name: str) -> ProcessGroup | None:
+    def split(self, color: int | None, *, ranks: Sequence[int], name: str,
+              partition: Sequence[Sequence[int]] | None = None) -> ProcessGroup | None:
         """Collective over this group: ranks passing the same ``color`` form a new group.
+
+        Whatever the debug level, every member first checks that all are making this call (the
+        same ``partition``) before the engine's split, which cannot be interrupted (MPI's
+        ``Comm.Split``); the split itself runs under a watchdog (comm/watchdog.py).
 
         Args:
             color: this rank's new group id, or None to take part without joining any.
             ranks: the global ranks of this rank's new group (ascending), known to the caller
                 from the layout; the engine checks that it agrees.
             name: name of the new group.
+            partition: every new group's global ranks, the same on every member (compared); None:
+                only that every member splits is checked.
 
         Returns:
             The new group, or None where ``color`` is None.
+
+        Raises:
+            CollectiveMismatchError: members make another call, or another split (every member).
+            CollectiveTimeout: a member did not come within the group's timeout (named).
         """
         check_member(self, "split")
         self.world.split_count += 1
         members = tuple(int(r) for r in ranks)
-        engine = self.queue.blocking("split", lambda seq, d: self.engine.split(color, members, d), self.timeout)
+        digest, description = creation(partition)
+
+        def step(seq: int, deadline: float) -> Engine | None:
+            same_creation(self, description, deadline)
+            with watched(f"split ({self.backend} engine)", self.global_rank, self.name, self.ranks, self.timeout,
+                         self.world.recorder):
+                return self.engine.split(color, members, time.monotonic() + self.timeout)
+
+        engine = self.queue.blocking("split", step, self.timeout, (digest, description))
         if engine is None:
             return None
         return ProcessGroup(engine, world=self.world, ranks=members, group_rank=engine.rank, name=name,
@@ -489,7 +517,9 @@ class ProcessGroup:
                              self.global_rank, self.name, list(self.ranks), what,
                              self.world.recorder.format(self.global_rank))
         if self.engine is not None:
-            self.engine.free()
+            with watched(f"freeing the communicator ({self.backend} engine)", self.global_rank, self.name,
+                         self.ranks, self.timeout, self.world.recorder):
+                self.engine.free()
 
     # ----------------------------------------------------------------- argument helpers
     def _root_list(self, op: str, arg: str, xs: list[np.ndarray] | None, ref: np.ndarray, root: int,

@@ -68,7 +68,7 @@ def _local_engine(options: BackendOptions) -> object:
 
 def _mpi_engine(options: BackendOptions) -> object:
     from .mpi import create_world_engine as create_mpi
-    return create_mpi()
+    return create_mpi(options.timeout)
 
 
 def _nccl_engine(options: BackendOptions) -> object:

@@ -17,7 +17,8 @@ from __future__ import annotations
 import os
 import time
 
-__all__ = ["milestone", "IMPORTED", "RENDEZVOUS", "RESTORED", "FIRST_STEP", "STATUS_DIR_ENV", "LAUNCHER_ENV"]
+__all__ = ["milestone", "report_failure", "IMPORTED", "RENDEZVOUS", "RESTORED", "FIRST_STEP", "STATUS_DIR_ENV",
+           "LAUNCHER_ENV"]
 
 #: The milestones the launcher knows, in the order a restarted job passes them.
 IMPORTED, RENDEZVOUS, RESTORED, FIRST_STEP = "imported", "rendezvous", "restored", "first_step"
@@ -32,15 +33,29 @@ def milestone(name: str) -> None:
     if name in _passed:
         return
     _passed.add(name)
+    _write(f"milestone-{name}", str(time.time_ns()))
+
+
+def report_failure(status: int, how: str) -> None:
+    """Tell the launcher that this rank fails now, and how (``failed.{rank}``: status, how, time in
+    ns, as the rank bootstrap writes it): ``hung``, for a process its watchdog ends because a call
+    into the engine's library never returned (comm/watchdog.py), which the launcher names as the
+    cause of the job's failure before the ranks whose own timeouts fired while they waited for it."""
+    _write("failed", f"{int(status)} {how} {time.time_ns()}")
+
+
+def _write(name: str, text: str) -> None:
+    """``{name}.{rank}`` in the launcher's status directory, written whole (outside ``meshkit-run``,
+    or on another host than the launcher's: nothing)."""
     folder = os.environ.get(STATUS_DIR_ENV, "")
     host = os.environ.get(LAUNCHER_ENV, "").rpartition(" ")[0]
     rank = os.environ.get("RANK", "")
     if not folder or host != os.uname().nodename or not rank.isdigit():
         return
-    path = os.path.join(folder, f"milestone-{name}.{rank}")
+    path = os.path.join(folder, f"{name}.{rank}")
     try:
         with open(f"{path}.tmp", "w", encoding="ascii") as f:
-            f.write(str(time.time_ns()))
+            f.write(text)
         os.replace(f"{path}.tmp", path)
     except OSError:  # the launcher is gone, or its folder: nobody to tell
         pass

@@ -47,6 +47,7 @@ from .mpi_polling import Poller, choose_caller_spin, completes
 from .mpi_staging import Deferred, Staging
 from .notices import Notice
 from .reduce_op import ReduceOp
+from .watchdog import watched
 
 __all__ = ["MPIEngine", "create_world_engine", "cuda_aware_mpi", "CUDA_AWARE_ENV"]
 
@@ -449,17 +450,21 @@ def _allgather_text(comm: MPI.Intracomm, text: str) -> list[str]:
     return [out[a:a + c].decode("utf-8", "surrogatepass") for a, c in zip(starts, counts)]
 
 
-def create_world_engine() -> MPIEngine:
-    """The world's engine: a duplicate of MPI_COMM_WORLD, so meshkit's traffic never meets the user's."""
+def create_world_engine(timeout: float = 300.0) -> MPIEngine:
+    """The world's engine: a duplicate of MPI_COMM_WORLD, so meshkit's traffic never meets the user's.
+    ``timeout``: the world's; the node split, which has no deadline, runs under a watchdog."""
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         logger.warning("meshkit: MPI provides thread level %d, not MPI_THREAD_MULTIPLE; async_op=True "
                        "collectives call MPI from a second thread and may fail", MPI.Query_thread())
-    if env.host_name() is None:
-        host = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
-        ranks_here = host.Get_size()
-        host.Free()
-    else:  # simulated nodes (MPICH sees one per simulated host): they share the real machine's cores
-        machine = os.uname().nodename
-        ranks_here = _allgather_text(MPI.COMM_WORLD, machine).count(machine)
+    # MPI's split and blocking gathers have no deadline: under a watchdog (comm/watchdog.py)
+    with watched("counting the ranks of this node (MPI's Split_type, Comm_free, Allgather)", MPI.COMM_WORLD.Get_rank(),
+                 "world", range(MPI.COMM_WORLD.Get_size()), timeout):
+        if env.host_name() is None:
+            host = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+            ranks_here = host.Get_size()
+            host.Free()
+        else:  # simulated nodes (MPICH sees one per simulated host): they share the real machine's cores
+            machine = os.uname().nodename
+            ranks_here = _allgather_text(MPI.COMM_WORLD, machine).count(machine)
     choose_caller_spin(ranks_here)
     return MPIEngine(MPI.COMM_WORLD.Dup(), Mailbox(MPI.COMM_WORLD.Dup()))

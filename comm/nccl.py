@@ -59,6 +59,7 @@ from .engine import DeadlineExceeded, EngineCapabilities
 from .errors import DistBackendError, DistTypeError, DistValueError
 from .notices import WATCH_INTERVAL, Notice
 from .reduce_op import ReduceOp
+from .watchdog import watched
 
 __all__ = ["NCCLEngine", "DeviceRequest", "create_world_engine", "select_device", "NCCL_DTYPES", "NCCL_OPS",
            "DEVICE_ENV", "SHARE_ENV", "BLOCKING_ENV"]
@@ -678,6 +679,10 @@ def _abort_at_exit() -> None:
 atexit.register(_abort_at_exit)
 
 
+#: Seconds the blocking steps of an NCCL world's creation (the node-local rank's split, NCCL's init)
+#: may take at least under their watchdog, whatever is left of the deadline when they start: NCCL's
+#: init connects every rank, seconds on a loaded node, and torch gives it the group's whole timeout.
+_MIN_INIT_SECONDS = 30.0
 #: The environment variable that names this rank's GPU (an index among the GPUs the process
 #: sees), when ``init_process_group(device_id=...)`` does not.
 DEVICE_ENV = env.DEVICE_ID
@@ -761,7 +766,9 @@ def select_device(host: Any, rt: Any, deadline: float, device_id: int | None = N
     if device_id is None and env.device_id() is not None:
         source, device_id = DEVICE_ENV, env.device_id()
     if device_id is None:
-        device = host.local_rank() % count
+        with watched("the node-local rank (MPI's Split_type)", me, "world", range(host.size),
+                     max(deadline - time.monotonic(), _MIN_INIT_SECONDS)):
+            device = host.local_rank() % count
     else:
         try:
             device = int(device_id)
@@ -804,5 +811,8 @@ def create_world_engine(host: Any, rt: Any, deadline: float, device_id: int | No
     rt.use_device(device)
     uid = rt.nccl.get_unique_id() if host.rank == 0 else None
     uid = host.exchange(uid, -3, deadline)[0]
-    comm = rt.nccl.NcclCommunicator(host.size, uid, host.rank)
+    limit = max(deadline - time.monotonic(), _MIN_INIT_SECONDS)
+    with watched("NCCL's communicator init (ncclCommInitRank)", host.rank, "world", range(host.size), limit):
+        comm = rt.nccl.NcclCommunicator(host.size, uid, host.rank)
     return NCCLEngine(host, comm, rt, device)
+

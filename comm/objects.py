@@ -27,6 +27,7 @@ import numpy as np
 
 from . import control
 from .collectives import _group_rank
+from .call_fingerprint import compare
 from .checks import check_member, where
 from .control import ControlMessageError
 from .errors import DistError, DistTypeError, DistValueError
@@ -209,10 +210,17 @@ def _padded(blob: np.ndarray, size: int) -> np.ndarray:
     return out
 
 
-def _gathered_sizes(g: ProcessGroup, n: int) -> np.ndarray:
-    sizes = np.empty(g.size, np.int64)
-    g.all_gather_into_tensor(sizes, np.array([n], np.int64))
-    return sizes
+def _gathered_sizes(g: ProcessGroup, n: int, op: str) -> np.ndarray:
+    """Every rank's size, gathered beside its fingerprint of the group's calls so far
+    (comm/call_fingerprint.py): if the members' calls differed, every rank raises here, before
+    sizes read from another call's data are used (a shifted sequence made this an allocation of
+    8 EiB, or an UnpicklingError naming nothing: issue 36.2)."""
+    queue = g.queue
+    token = (queue.seq, queue.sequence.value)
+    pairs = np.empty(2 * g.size, np.int64)
+    g.all_gather_into_tensor(pairs, np.array([n, token[1]], np.int64))
+    compare(g, pairs[1::2].tolist(), token, op)
+    return pairs[0::2].copy()
 
 
 def _check_list(g: ProcessGroup, op: str, arg: str, xs: Any, slots: int | None = None) -> None:
@@ -270,7 +278,7 @@ def all_gather_object(object_list: list[Any], obj: Any, group: ProcessGroup | No
     g = _host_side(g)
     with _Refusing(g):
         blob, n = _dump(obj, _authenticated(g))
-        sizes = _gathered_sizes(g, n)
+        sizes = _gathered_sizes(g, n, "all_gather_object")
         _bounded(g, "all_gather_object", sizes, range(g.size))
         width = int(abs(sizes).max())
         out = np.empty(width * g.size, np.uint8)
@@ -291,7 +299,7 @@ def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: in
     g = _host_side(g)
     with _Refusing(g):
         blob, n = _dump(obj, _authenticated(g))
-        sizes = _gathered_sizes(g, n)
+        sizes = _gathered_sizes(g, n, "gather_object")
         _bounded(g, "gather_object", sizes, range(g.size))
         width = int(abs(sizes).max())
         rows = [np.empty(width, np.uint8) for _ in range(g.size)] if g.rank == root else None

@@ -61,7 +61,7 @@ def create_groups(parent: ProcessGroup, partition: Sequence[Sequence[int]], *, n
     existing = world.groups.get(frozenset(mine)) if mine is not None else None
     if existing is not None:
         color = None
-    created = parent.split(color, ranks=mine or (), name=name)
+    created = parent.split(color, ranks=mine or (), name=name, partition=partition)
     world.partitions.setdefault(over, set()).add(key)
     if created is not None:
         if timeout is not None:

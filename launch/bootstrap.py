@@ -39,7 +39,8 @@ file               contents                                written by
 ``start.{r}``      the rank's pid, time in ns, the         rank, at start
                    watcher's pid (its own without one)
 ``failed.{r}``     status, how (exception, exit,           rank, before it exits
-                   interrupt), time in ns
+                   interrupt, timeout, hung), time in      (``hung``: its watchdog,
+                   ns; a timeout's ranks not arrived       meshkit.comm.watchdog)
 ``ended.{r}``      exit code (negative: killed by that     watcher, when the rank
                    signal), time in ns                     process has ended
 ``milestone-{m}.{r}`` time in ns                            rank, when it passed
@@ -414,8 +415,10 @@ class _StatusDir:
         except OSError:  # the launcher is gone and took its folder along: nobody to tell
             pass
 
-    def report_failure(self, status: int, how: str) -> None:
-        self.write(FAILED, status, how, time.time_ns())
+    def report_failure(self, status: int, how: str, *ranks: int) -> None:
+        """``failed.{rank}``: the status, how (exception, exit, interrupt, timeout), the time in ns
+        and, for a timeout, the ranks it named as not arrived."""
+        self.write(FAILED, status, how, time.time_ns(), *ranks)
 
     def has(self, name: str) -> bool:
         return os.path.exists(os.path.join(self.path, name))
@@ -600,6 +603,22 @@ def _exit_status(code: object) -> int:
     if isinstance(code, int):
         return code & 0xFF
     return 1  # Python prints a non-integer code to stderr and exits 1
+
+
+#: The class of meshkit's collective timeouts, by module and name: the bootstrap imports nothing of meshkit.
+_TIMEOUT_CLASS = ("meshkit.comm.errors", "CollectiveTimeout")
+
+
+def _timed_out(exc: BaseException) -> list[int] | None:
+    """If ``exc`` is (or was raised from) a collective timeout: the global ranks it named as not
+    arrived (empty: the engine could not tell); else None."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if (type(exc).__module__, type(exc).__name__) == _TIMEOUT_CLASS:
+            missing = getattr(exc, "missing", None)
+            return [int(r) for r in missing if isinstance(r, int)] if isinstance(missing, (list, tuple)) else []
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
 
 
 def _print_exception(exc: BaseException) -> None:
@@ -896,7 +915,11 @@ def _rank_main(target: list[str]) -> int:
         _print_exception(exc)
         if status is not None:
             _finish_lines(streams)
-            status.report_failure(1, "exception")
+            missing = _timed_out(exc)
+            if missing is None:
+                status.report_failure(1, "exception")
+            else:  # the launcher names the ranks it waited for, not this one, as the cause
+                status.report_failure(1, "timeout", *missing)
         _end_rank(1, streams, linger)
     if status is not None:
         status.write(FINISHED, time.time_ns())

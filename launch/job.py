@@ -97,8 +97,10 @@ _POLL_S = POLL_S
 _STATUS_FILE = re.compile(rf"({START}|{FAILED}|{ENDED}|{FINISHED}|{MILESTONE}-[a-z_]+)\.(\d+)")
 #: A number in a status file: ASCII digits (``int()`` alone would take "1_0" or other scripts' digits).
 _INT = re.compile(r"-?[0-9]{1,20}")
-#: How a rank reports its failure (``failed.{r}``'s second field).
-_HOWS = frozenset({"exception", "exit", "interrupt"})
+#: How a rank reports its failure (``failed.{r}``'s second field): ``timeout`` is an uncaught
+#: collective timeout (followed by the ranks it named as not arrived, where known), ``hung`` a rank
+#: whose watchdog ended it in a call that never returned (meshkit.comm.watchdog).
+_HOWS = frozenset({"exception", "exit", "interrupt", "timeout", "hung"})
 
 #: How often the launcher looks again at the shared-memory files of a rank that holds some
 #: (a rank that holds none yet, before its MPI_Init, is looked at every poll): MPICH makes its
@@ -141,6 +143,7 @@ class _Rank:
     next_shm_scan: float = 0.0  # monotonic: when to look at the shared memory it holds again
     vanished: bool = False  # gone, and its watcher never said how: died with it
     milestones: dict[str, int] = field(default_factory=dict)  # name -> time_ns (meshkit.comm.milestones)
+    waited_for: tuple[int, ...] = ()  # a timeout's report: the ranks it named as not arrived (empty: unknown)
 
 
 @dataclass(frozen=True, order=True)
@@ -446,6 +449,9 @@ class Job:
                     if fields[1] not in _HOWS:
                         continue
                     rank.failed = (_number(fields[0]), fields[1], _number(fields[2]))
+                    if fields[1] == "timeout":  # the ranks it did not see arrive, of this job's
+                        named = {_number(f) for f in fields[3:3 + self.nproc]}
+                        rank.waited_for = tuple(sorted(x for x in named if 0 <= x < self.nproc and x != r))
                 else:
                     rank.ended = (_number(fields[0]), _number(fields[1]))
             except (OSError, ValueError, IndexError):
@@ -537,6 +543,9 @@ class Job:
                                   "process ends; which one died first is not known)", detected, detected)
             return JobFailure(None, status, f"mpiexec {how} and no rank here reported a failure (a rank on another "
                               "host, or the process manager)", detected, detected)
+        hung = self._hung(failure, detected)
+        if hung is not None:
+            return hung
         rank = self.ranks.get(failure.rank)
         if rank is not None and rank.vanished:
             description = "vanished: its process and its watcher ended without a report (killed together?)"
@@ -551,6 +560,42 @@ class Job:
             description = failure.how
         return JobFailure(failure.rank, failure.status, description, failure.time_ns, detected,
                           self.tails.last(failure.rank))
+
+    def _hung(self, first: _Failure, detected: int) -> JobFailure | None:
+        """The rank that hung, named as the job's cause rather than the ranks whose timeouts fired
+        while they waited for it (issue 36.3), or None.
+
+        A rank whose watchdog ended it (``hung``: a call into the engine's library never returned)
+        is the cause, the earliest such. Else, when the first failure is a collective's timeout:
+        the ranks the timeouts named as not arrived (where the engine knows), or else the ranks
+        here that reported no failure and were still running, their script not over, when the
+        job was ended: they never reached the collective the others timed out in."""
+        hung = sorted((rank.failed[2], r) for r, rank in self.ranks.items()
+                      if rank.failed is not None and rank.failed[1] == "hung")
+        if hung:
+            time_ns, r = hung[0]
+            return JobFailure(r, self.ranks[r].failed[0], "hung: a call into the engine's library (creating or freeing "
+                              "a communicator) did not return within the group's timeout, and its watchdog ended "
+                              "it (its output names the call)", time_ns, detected, self.tails.last(r))
+        timed_out = self.ranks.get(first.rank)
+        if timed_out is None or timed_out.failed is None or timed_out.failed[1] != "timeout":
+            return None
+        waiting = sorted(r for r, rank in self.ranks.items() if rank.failed is not None and rank.failed[1] == "timeout")
+        named = sorted({r for w in waiting for r in self.ranks[w].waited_for})
+        if named:
+            suspects, how = named, "named by their timeouts as not arrived"
+        else:
+            suspects = sorted(r for r, rank in self.ranks.items() if r in self.killed and rank.failed is None
+                              and not rank.finished)
+            how = "still running, without reporting a failure, when the job was ended"
+        if not suspects:
+            return None
+        others = f" (with {_who(suspects[1:])})" if len(suspects) > 1 else ""
+        waited = [r for r in waiting if r not in suspects]
+        return JobFailure(suspects[0], first.status,
+                          f"hung{others}: {_who(waited or waiting)} timed out in a collective waiting for it ({how}): "
+                          "it was stuck in its own code or in another call", first.time_ns, detected,
+                          self.tails.last(suspects[0]))
 
     def _unstarted_failure(self, code: int | None) -> JobFailure | None:
         """On a job whose ranks all run here, that failed (``code``: mpiexec's) with no rank reporting

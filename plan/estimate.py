@@ -46,7 +46,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..parallel import bubble_fraction
-from ..parallel._seams import (AGREEMENT_SLOTS, MB, ZERO2_BUFFERED_BUCKETS, Action, assign_buckets, gpipe_order,
+from ..parallel._seams import (agreement_size, MB, ZERO2_BUFFERED_BUCKETS, Action, assign_buckets, gpipe_order,
                                interleaved_order, one_f_one_b_order, zb_h1_order, zbv_order)
 from .machine import Machine
 from .model import Config, Layer, Model
@@ -266,7 +266,7 @@ def _dp_collectives(model: Model, config: Config, stage: int, tp_rank: int
             else:
                 out.append(Collective("all_reduce", size * it, "dp"))
             start += size
-        out.append(Collective("all_reduce", 4 * AGREEMENT_SLOTS * n, "dp"))  # the per-sync agreement (int32 rows)
+        out.append(Collective("all_reduce", 4 * agreement_size(n), "dp"))  # the per-sync agreement (int32 rows)
         if config.strategy != "ddp":
             out.append(Collective("all_gather", padded * it, "dp"))
         return [], out
@@ -280,9 +280,9 @@ def _dp_collectives(model: Model, config: Config, stage: int, tp_rank: int
         out.append(Collective("reduce_scatter", p * it, shard_dim))
         if config.strategy == "hsdp":
             out.append(Collective("all_reduce", p // n * it, "dp_replicate"))
-    out.append(Collective("all_reduce", 4 * AGREEMENT_SLOTS * n, shard_dim))  # the per-pass agreement (fsdp.py)
+    out.append(Collective("all_reduce", 4 * agreement_size(n), shard_dim))  # the per-pass agreement (fsdp.py)
     if config.strategy == "hsdp":
-        out.append(Collective("all_reduce", 4 * AGREEMENT_SLOTS * config.dp_replicate, "dp_replicate"))
+        out.append(Collective("all_reduce", 4 * agreement_size(config.dp_replicate), "dp_replicate"))
     return before, out
 
 

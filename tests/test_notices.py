@@ -7,6 +7,7 @@ receives of the wrong size, sends to oneself, an uncaught exception under plain 
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -296,12 +297,50 @@ def test_real_processes_detail_mode_checks_the_dtype_of_a_message(mpirun):
 
 
 def test_an_uncaught_exception_under_plain_mpiexec_ends_the_job():
+    """Its traceback reaches mpiexec's stderr even when the process reading the rank's output
+    runs only after the abort (the rank stops hydra's proxy across it: issue 36.8's flake, made
+    certain; before the abort waited for its pipe to drain, stderr came back empty 4 times in 5)."""
     mpiexec = Path(sys.executable).parent / "mpiexec"
     start = time.monotonic()
-    proc = subprocess.run([str(mpiexec), "-n", "3", sys.executable, str(SCRIPTS / "mpi_notices.py"), "uncaught"],
+    proc = subprocess.run([str(mpiexec), "-n", "3", sys.executable, str(SCRIPTS / "mpi_abort_output.py")],
                           capture_output=True, text=True, timeout=60)
     elapsed = time.monotonic() - start
     assert proc.returncode != 0
-    assert "RuntimeError: rank 1 fails, uncaught" in proc.stderr
+    assert "RuntimeError: rank 1 fails, uncaught, its output's reader stopped" in proc.stderr, proc.stderr
     assert "meshkit: rank 1: uncaught RuntimeError: aborting the MPI job" in proc.stderr
     assert elapsed < 30, f"the job took {elapsed:.0f} s (the barrier's timeout is 60 s)"
+
+
+def test_the_abort_waits_until_the_reader_of_the_output_took_it(monkeypatch):
+    """MPI_Abort is called only once the process reading this rank's stderr (hydra's proxy) has
+    taken what the rank wrote: the traceback is not in the pipe when the job is killed. (The
+    process test above stops the proxy across the abort; this one holds the pipe's reader back.)"""
+    from meshkit.comm import job_end
+
+    read_fd, write_fd = os.pipe()
+    stream = open(write_fd, "w", buffering=1, closefd=True)
+    monkeypatch.setattr(sys, "stderr", stream)
+    unread_at_abort = []
+
+    class Engine:
+        capabilities = type("Caps", (), {"aborts_job": True})()
+
+        def abort(self, code):
+            unread_at_abort.append(job_end._unread(write_fd))
+
+    world = type("World", (), {"default_group": type("Group", (), {"engine": Engine()})()})()
+    taken = []
+    reader = threading.Timer(0.2, lambda: taken.append(os.read(read_fd, 1 << 16)))
+    reader.start()
+    try:
+        stream.write("Traceback (most recent call last): ...\n")
+        started = time.monotonic()
+        job_end.abort_job(world, "meshkit: rank 1: uncaught RuntimeError: aborting the MPI job")
+        waited = time.monotonic() - started
+    finally:
+        reader.join()
+        stream.close()
+        os.close(read_fd)
+    assert unread_at_abort == [0], unread_at_abort
+    assert b"Traceback" in taken[0] and b"aborting the MPI job" in taken[0]
+    assert 0.15 < waited < job_end.DRAIN_SECONDS, waited

@@ -234,7 +234,7 @@ def test_protocol_misuse_raises_naming_what_to_do():
             fsdp.mark_grad_ready("w0", g["w0"])
         with pytest.raises(ValueError, match=r"mark_grad_ready: unknown parameter 'x'; valid names are"):
             fsdp.mark_grad_ready("x", g["w0"])
-        with pytest.raises(ValueError, match=r"gradient 'b0' has shape \(3,\); expected \(7,\)"):
+        with pytest.raises(ValueError, match=r"gradient 'b0' has shape \(3,\) and dtype float64; expected the parameter's shape \(7,\)"):
             fsdp.mark_grad_ready("b0", np.ones(3))
         with pytest.raises(TypeError, match=r"gradient 'b0' is None; FullyShardedDataParallel keeps no gradient"):
             fsdp.mark_grad_ready("b0", None)

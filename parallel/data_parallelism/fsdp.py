@@ -42,7 +42,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from ...comm import DistTypeError, DistValueError, ProcessGroup, ReduceOp, Work
+from ...comm import CollectiveMismatchError, DistTypeError, DistValueError, ProcessGroup, ReduceOp, Work
 from ...comm._seams import FIRST_STEP, milestone
 from ...mesh import DeviceMesh
 from ...tensor import DTensor
@@ -171,7 +171,8 @@ class FullyShardedDataParallel(ShardedStrategy):
         self._ended = False  # the pass was ended for use (clip_grad_norm_) and not stepped yet
         self._failed: str | None = None  # why the last pass failed, until zero_grad()
         self._steps = 0  # optimizer steps taken, compared in the agreement
-        self._agreement = PassAgreement(self._agreement_groups(), next(iter(self._shards.values())))
+        self._agreement = PassAgreement(self._agreement_groups(), next(iter(self._shards.values())),
+                                        f"{self._strategy}'s gradient sync")
         self.params = Params(self._local_pieces(), self._strategy)
 
     def _local_pieces(self) -> dict[str, Any]:
@@ -418,7 +419,12 @@ class FullyShardedDataParallel(ShardedStrategy):
         except BaseException as exc:
             self._failed = f"the last gradient sync raised {type(exc).__name__}: {exc}"
             raise
-        failure = self._agreement(code, self._steps, problem)
+        try:
+            failure = self._agreement(code, self._steps, problem)
+        except CollectiveMismatchError as exc:
+            self._zero_grads()  # the reduced gradients may be garbage: nothing of this pass is applied
+            self._failed = f"the gradient sync found a collective mismatch: {exc}"
+            raise
         if failure is not None:
             self._zero_grads()  # a failed pass's gradients are garbage on every rank
             self._failed = failure

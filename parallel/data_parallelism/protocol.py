@@ -64,11 +64,12 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from ...comm import DistValueError, ProcessGroup, ReduceOp, all_gather_object
+from ...comm import CollectiveMismatchError, DistValueError, ProcessGroup, ReduceOp, all_gather_object
+from ...comm._seams import FINGERPRINT_SLOTS, stamp_fingerprint, verify_fingerprint
 from ..arrays import array_namespace, check_same_library, to_host
 from ..checks import on_ranks
 
-__all__ = ["ReplicatedUnits", "check_units", "deprecated", "USE", "FAILED", "DISCARD", "PassAgreement", "check_gradient",
+__all__ = ["ReplicatedUnits", "check_units", "deprecated", "USE", "FAILED", "DISCARD", "PassAgreement", "agreement_size", "MISMATCH", "check_gradient",
            "marked_twice", "marked_after_complete", "discarded_pass", "refused_after_failure", "failed_sync"]
 
 
@@ -128,6 +129,14 @@ class ReplicatedUnits:
 #: What a rank does with the pass it ends: uses its gradients (``step()``, ``clip_grad_norm_()``,
 #: ``finish_gradient_sync()``), has a problem with it, or discards it (``zero_grad()``).
 USE, FAILED, DISCARD = 0, 1, 2
+def agreement_size(ranks: int) -> int:
+    """int32 elements of a group's agreement (:class:`PassAgreement`): a row per rank, then the
+    call fingerprint (the planner lists its all-reduce)."""
+    return ranks * SLOTS + FINGERPRINT_SLOTS
+
+
+#: A row's code once a group's call fingerprints differed (carried to the next group, HSDP).
+MISMATCH = 3
 #: Slots of a rank's row in the agreement: what it does with the pass, optimizer steps it has taken.
 SLOTS = 2
 
@@ -184,24 +193,31 @@ def failed_sync(head: str, failure: str) -> DistValueError:
 
 
 class PassAgreement:
-    """Whether every rank ended the pass alike (rule 5): one small all-reduce per group.
+    """Whether every rank ended the pass alike (rule 5), and made the same calls on each group: one
+    small all-reduce per group.
 
     Each rank writes its row (what it does with the pass, the optimizer steps it has taken) into
-    an int32 array of one row per rank of the group, zero elsewhere; a MAX all-reduce gives every
-    rank every row, and the one device-to-host copy of a sync (the host must branch). With two
-    groups (HSDP: shard, then replicate) the second all-reduce carries each shard group's verdict,
-    so that every rank of the mesh reaches the same one. Only when it is a failure are the
-    problems themselves gathered (``all_gather_object``), to be named on every rank.
+    an int32 array of one row per rank of the group, zero elsewhere, followed by the group's call
+    fingerprint (comm/call_fingerprint.py: a collective whose arguments differed between ranks,
+    which MPI lets through as garbage); a MAX all-reduce gives every rank every row and tells whether
+    every fingerprint was equal, and the one device-to-host copy of a sync (the host must branch).
+    With two groups (HSDP: shard, then replicate) the second all-reduce carries each shard group's
+    verdict, so that every rank of the mesh reaches the same one. Only when it is a failure are the
+    problems themselves gathered (``all_gather_object``), to be named on every rank; a mismatch is
+    named by the members of the group where it happened (they exchange their last calls) and, in
+    HSDP, reported by the rest as found on another group (a mismatch on a replicate group reaches
+    that group's members only: nothing of the second stage flows back).
 
     Args:
         groups: the data-parallel groups, in order (every rank of the strategy is in each kind).
         like: an array of the strategy's library: the rows live there (device memory on NCCL).
+        what: how a mismatch names the comparison (``"DDP's gradient sync"``).
     """
 
-    def __init__(self, groups: Sequence[ProcessGroup], like: Any) -> None:
-        xp = array_namespace(like)
+    def __init__(self, groups: Sequence[ProcessGroup], like: Any, what: str = "the gradient sync") -> None:
         self.groups = list(groups)
-        self._rows = [xp.zeros((group.size, SLOTS), dtype=np.int32) for group in self.groups]
+        self._xp = array_namespace(like)
+        self.what = what
 
     def __call__(self, code: int, steps: int, problem: str | None) -> str | None:
         """Collective over the groups: None when the ranks agree, else what failed on which ranks
@@ -211,13 +227,32 @@ class PassAgreement:
             code: :data:`USE` or :data:`DISCARD` (a ``problem`` makes it :data:`FAILED`).
             steps: the optimizer steps this rank's strategy has taken.
             problem: what is wrong on this rank, or None.
+
+        Raises:
+            CollectiveMismatchError: the ranks' calls on a group differed (on every rank).
         """
         row = (FAILED if problem is not None else code, steps)
-        for group, rows in zip(self.groups, self._rows):
-            rows[...] = 0
-            rows[group.rank, 0], rows[group.rank, 1] = row
-            group.all_reduce(rows, ReduceOp.MAX)
-            row = _verdict(to_host(rows))
+        checked = []
+        for group in self.groups:
+            n = group.size
+            values, token = stamp_fingerprint(group)
+            host = np.zeros(agreement_size(n), dtype=np.int32)
+            host[group.rank * SLOTS:(group.rank + 1) * SLOTS] = row
+            host[n * SLOTS:] = values
+            flat = self._xp.asarray(host)  # NumPy: the same array; CuPy: one host-to-device copy
+            group.all_reduce(flat, ReduceOp.MAX)
+            got = to_host(flat)
+            fingerprints = got[n * SLOTS:]
+            checked.append((group, fingerprints, token))
+            same = fingerprints[0] == -fingerprints[2] and fingerprints[1] == -fingerprints[3]
+            row = _verdict(got[:n * SLOTS].reshape(n, SLOTS)) if same and row[0] != MISMATCH else (MISMATCH, steps)
+        for group, fingerprints, token in checked:  # raises on the members of a group whose calls differed
+            verify_fingerprint(group, fingerprints, token, self.what)
+        if row[0] == MISMATCH:
+            raise CollectiveMismatchError(
+                f"meshkit.parallel: rank {self.groups[0].global_rank}: {self.what} found a collective mismatch on "
+                "another group of the strategy in this step (the members of that group name the calls); nothing of "
+                "this step was applied")
         if row[0] != FAILED:
             return None
         return self._explain(code, steps, problem)
@@ -248,6 +283,8 @@ class PassAgreement:
 def _verdict(rows: np.ndarray) -> tuple[int, int]:
     """The group's row for the next stage: the common (code, steps), or FAILED where they differ."""
     codes, steps = rows[:, 0], rows[:, 1]
+    if (codes == MISMATCH).any():
+        return MISMATCH, int(steps.max())
     if codes[0] != FAILED and (codes == codes[0]).all() and (steps == steps[0]).all():
         return int(codes[0]), int(steps[0])
     return FAILED, int(steps.max())

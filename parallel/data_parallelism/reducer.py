@@ -47,7 +47,7 @@ import operator
 from collections.abc import Mapping
 from typing import Any, Iterator
 
-from ...comm import DistValueError, ProcessGroup
+from ...comm import CollectiveMismatchError, DistValueError, ProcessGroup
 from ...tensor import DTensor
 from .buckets import BucketManager
 from ..checks import where
@@ -156,7 +156,7 @@ class GradientReducer:
         self._location = self._buckets.location
         first = next(iter(self.params.values()))
         self._param = first.to_local() if isinstance(first, DTensor) else first  # every gradient's array library
-        self._agreement = PassAgreement([self.group], self._param)  # the per-sync agreement (protocol.py)
+        self._agreement = PassAgreement([self.group], self._param, f"{self._strategy}'s gradient sync")  # the per-sync agreement (protocol.py)
         self._steps = 0  # optimizer steps taken (step()), compared in the agreement
         self.grads = (DTensorGradients if self._block_layouts else Gradients)(self, arrays)
         self.iteration = 0
@@ -335,13 +335,21 @@ class GradientReducer:
     def _agree(self, op: str, code: int, problem: str | None) -> None:
         """One small all-reduce per sync: did every rank end the pass alike? If not, every rank
         raises, naming the ranks, and the pass's gradients are zeroed (garbage on every rank)."""
-        failure = self._agreement(code, self._steps, problem)
+        try:
+            failure = self._agreement(code, self._steps, problem)
+        except CollectiveMismatchError as exc:
+            failure = f"the gradient sync found a collective mismatch: {exc}"
+            mismatch: BaseException | None = exc
+        else:
+            mismatch = None
         if failure is None:
             return
         self._zero()
         self._averaged = False
         self._touched.clear()
         self._failed = failure
+        if mismatch is not None:
+            raise mismatch
         raise failed_sync(self._where(op), failure)
 
     def _marked(self) -> list[str]:
