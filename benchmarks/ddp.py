@@ -32,6 +32,10 @@ so that the setting holds under any launcher: with one OpenBLAS thread per core 
   computed all at once into ``ddp.grads``: it marks a bucket at a time instead of a gradient at a time;
 * ``per-grad``: one blocking ``meshkit.all_reduce(g, AVG)`` per gradient;
 * ``flat``: one ``meshkit.all_reduce`` (AVG) of a single buffer of the same total size: the floor;
+* ``ddp no-fp`` (diagnostic): ``ddp`` with the call fingerprint switched off (each call's
+  update of comm/call_fingerprint.py's running hash made a no-op; the agreement still carries
+  its 16 bytes): the column ``fp cost`` is what keeping the fingerprint costs a DDP step
+  (issue 36.2's bar: within 1%; it adds no message, the step's agreement carries it);
 * ``ddp local`` (diagnostic): the same DDP pass inside ``no_sync()``, i.e. DDP's own Python
   work (marking, bucket bookkeeping) without any communication;
 * ``local+flat`` (diagnostic): ``ddp local`` then ``flat`` in one block: what DDP would cost
@@ -109,6 +113,7 @@ from _common import (LOG, Progress, add_output_args, barrier, calibrate_iters, f
 from mpi4py import MPI
 
 import meshkit
+from meshkit.comm.call_fingerprint import CallSequence
 from meshkit.parallel import SGD, DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -121,7 +126,7 @@ MAX_DDP_OVER_FLAT = 1.3
 MIN_PERGRAD_OVER_DDP = 4.0
 PERGRAD_TARGET_BYTES = 4 << 10  # the per-gradient target applies to the small-gradient case
 DEFAULT_CAP_MB, DEFAULT_FIRST_CAP_MB = 25.0, 1.0
-SYNC_METHODS = ("ddp", "ddp bulk", "per-grad", "flat", "ddp local", "local+flat")
+SYNC_METHODS = ("ddp", "ddp bulk", "per-grad", "flat", "ddp local", "local+flat", "ddp no-fp")
 
 Call = Callable[[], object]
 
@@ -279,10 +284,23 @@ def sync_blocks(case: Case, comm: MPI.Comm) -> tuple[list[Block], int]:
         ddp_local()
         flat_sync()
 
+    def ddp_without_fingerprint() -> None:
+        keep = CallSequence.add
+        CallSequence.add = _no_update  # type: ignore[method-assign]
+        try:
+            ddp_sync()
+        finally:
+            CallSequence.add = keep  # type: ignore[method-assign]
+
     blocks = [Block("ddp", ddp_sync), Block("ddp bulk", ddp.sync_gradients), Block("per-grad", per_grad),
               Block("flat", flat_sync),
-              Block("ddp local", ddp_local), Block("local+flat", local_then_flat)]
+              Block("ddp local", ddp_local), Block("local+flat", local_then_flat),
+              Block("ddp no-fp", ddp_without_fingerprint)]
     return blocks, len(ddp.buckets)
+
+
+def _no_update(self: CallSequence, seq: int, digest: int, what: Any) -> None:
+    """CallSequence.add switched off: the same value on every rank, so every comparison passes."""
 
 
 def sync_rows(case: Case, times: dict[str, list[float]], blocks: list[Block], buckets: int,
@@ -304,14 +322,14 @@ def sync_table(rows: list[dict[str, Any]], n: int, rounds: int) -> list[str]:
         by_case.setdefault(row["case"], {})[row["method"]] = row
     lines = [f"1. gradient sync: float32, AVG, {n} ranks; ms per sync (max over ranks, median of {rounds} rounds)",
              f"{'case':>11} {'total':>6} {'buckets':>7} {'ddp':>9} {'ddp bulk':>9} {'per-grad':>9} {'flat':>9} "
-             f"{'ddp local':>9} {'local+flat':>10} {'ddp/flat':>9} {'bulk/flat':>9} {'per-grad/ddp':>12}"]
+             f"{'ddp local':>9} {'local+flat':>10} {'ddp/flat':>9} {'bulk/flat':>9} {'per-grad/ddp':>12} {'fp cost':>8}"]
     verdicts = []
     for label, m in by_case.items():
-        ddp, bulk, per, flat, local, floor = (m[k]["time_ms"] for k in SYNC_METHODS)
+        ddp, bulk, per, flat, local, floor, nofp = (m[k]["time_ms"] for k in SYNC_METHODS)
         total = m["ddp"]["total_bytes"]
         lines.append(f"{label:>11} {mib(total):>6} {m['ddp']['buckets']:>7} {ddp:9.3f} {bulk:9.3f} {per:9.3f} "
                      f"{flat:9.3f} {local:9.3f} {floor:10.3f} {ddp / flat:8.2f}x {bulk / flat:8.2f}x "
-                     f"{per / ddp:11.2f}x")
+                     f"{per / ddp:11.2f}x {100 * (ddp / nofp - 1):+7.2f}%")
         for what, t in (("ddp/flat", ddp), ("ddp bulk/flat", bulk)):
             verdicts.append(f"  {label}: {what} {t / flat:.2f}x (target <= {MAX_DDP_OVER_FLAT}x): "
                             f"{'PASS' if t / flat <= MAX_DDP_OVER_FLAT else 'MISS'}")

@@ -564,6 +564,8 @@ CROSS_OBJECT_PRIVATE = {
                                          "the batch of each engine it opened",
     ("comm/nccl.py", "_exited"): "NCCLEngine's own module: the exit hook marks every live engine exited",
     ("comm/nccl.py", "_abort"): "NCCLEngine's own module: the exit hook aborts every live engine",
+    ("comm/collectives.py", "_with_outputs"): "the module-level collectives name their output arrays, the "
+                                              "value of the Work's future (torch's get_future())",
     ("comm/collectives.py", "_group_rank_of"): "the module-level functions translate a global rank with one "
                                                "dict lookup on the group's index (every call with a root or "
                                                "peer), raising their own message",
