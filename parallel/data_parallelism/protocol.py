@@ -52,7 +52,9 @@ words, so that no strategy forgives what another refuses:
    rank using it, or every rank discarding it (a step skipped everywhere alike), passes; a problem
    on any rank, ranks discarding while others step (a rank that skipped ``step()`` and carried on),
    or step counts that differ (one that skipped ``step()`` after ``clip_grad_norm_()``) raise on
-   every rank, naming the ranks, before any of them applies the pass.
+   every rank, naming the ranks, before any of them applies the pass. The same all-reduce
+   compares each group's call fingerprint (comm/call_fingerprint.py): a collective mismatch during
+   the pass raises ``CollectiveMismatchError`` on every rank, and nothing is applied.
 """
 
 from __future__ import annotations
