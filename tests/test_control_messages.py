@@ -522,13 +522,16 @@ def test_a_forged_pickle_is_refused_without_unpickling_and_the_others_are_told(f
 
 def test_forged_sizes_allocate_nothing_and_fail_every_rank_at_once(fake_gpu):
     """An outsider answers the sizes step of all_gather_object claiming 1 TiB: rank 1 refuses it
-    before allocating, and rank 0, waiting for rank 1 in the next step, is told at once."""
+    before allocating, and rank 0, waiting for rank 1 in the next step, is told at once. The sizes
+    travel beside the group's call fingerprint (comm/call_fingerprint.py), which the forger copies
+    (it can read the ranks' own messages in an open store)."""
     store = OpenStore()
 
     def body(rank):
         meshkit.barrier()
         if rank == 0:
-            forged = encode(("ok", [np.array([1 << 40], np.int64), np.array([5], np.int64)]))
+            fp = meshkit.comm._seams.current_world().default_group.queue.sequence.value
+            forged = encode(("ok", [np.array([1 << 40, fp], np.int64), np.array([5, fp], np.int64)]))
             _until_gone(store, _forge(store, "all", forged) + "/all")
         return _outcome(lambda: meshkit.all_gather_object([None] * 2, rank))
 

@@ -680,7 +680,7 @@ def test_train_3d_dp_fsdp_gathers_each_unit_once_a_step_and_frees_it_after(monke
     gather = [("unshard", 0), ("unshard", 1)]
     free = [("reshard", 1), ("reshard", 0)]
     runs = [("run", True)] * (2 * 2 * 3)  # forward, input and weight gradients of 2 microbatches on 2 stages
-    one_step = [*gather, *runs, ("reduce", 0), ("reduce", 1), *free, ("step", 0, 0, [])]
+    one_step = [*gather, *runs, ("reduce", 1), ("reduce", 0), *free, ("step", 0, 0, [])]  # units reduced last first
     assert events == {rank: [*one_step, *one_step] for rank in range(4)}  # then gather_params: full_state_dict()
 
 

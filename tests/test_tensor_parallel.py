@@ -667,8 +667,8 @@ def test_fsdp_refuses_a_gradient_laid_out_unlike_its_parameter():
     assert rows == ("meshkit.parallel: rank 1: FullyShardedDataParallel.reduce_grads: gradient 'w1' is a DTensor "
                     "(Shard(dim=0),) of shape (4, 5) on mesh [0, 1]; parameter 'w1' is (Shard(dim=1),) of shape (4, 5) "
                     "on mesh [0, 1]: redistribute it to the parameter's placements first")
-    assert whole == ("meshkit.parallel: rank 1: FullyShardedDataParallel.reduce_grads: gradient 'w1' has shape (4, 5); "
-                     "expected this rank's block of the DTensor parameter: (4, 2)")
+    assert whole == ("meshkit.parallel: rank 1: FullyShardedDataParallel.reduce_grads: gradient 'w1' has shape (4, 5) and "
+                     "dtype float64; expected this rank's block of the DTensor parameter: shape (4, 2) and dtype float64")
 
 
 def test_update_asks_for_flat_arrays_not_dtensors():
