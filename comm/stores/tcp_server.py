@@ -31,6 +31,7 @@ import selectors
 import socket
 import threading
 import time
+from typing import Callable
 
 from ..errors import DistStoreError
 from . import auth
@@ -540,20 +541,12 @@ class StoreServer:
             if (len(held) if held is not None else 0) + len(value) > MAX_VALUE_BYTES:
                 self._send(conn, Status.TOO_LONG, str(len(held) if held is not None else 0).encode())
                 return
-            grows = len(value) + (0 if held is not None else len(key))
-            self._store(key, grows)
-            table.append(key, value)
-            self._held += grows
-            self._changed(key)
+            self._grow(key, len(value) + (0 if held is not None else len(key)), lambda: table.append(key, value))
             self._send(conn, Status.OK)
         elif op == Op.QUEUE_PUSH:
             _need(op, f, 2)
             key, value = f[0].decode(), f[1]
-            grows = len(value) + (0 if key in table.queues else len(key))
-            self._store(key, grows)
-            table.push(key, value)
-            self._held += grows
-            self._changed(key)
+            self._grow(key, len(value) + (0 if key in table.queues else len(key)), lambda: table.push(key, value))
             self._send(conn, Status.OK)
         elif op == Op.QUEUE_LEN:
             _need(op, f, 1)
@@ -632,6 +625,14 @@ class StoreServer:
         self._changed(key)
         if grows < 0:
             self._resume()
+
+    def _grow(self, key: str, grows: int, apply: Callable[[], None]) -> None:
+        """``apply`` a change that adds ``grows`` bytes under ``key`` (append, push) within the
+        memory bound, and wake its waiters."""
+        self._store(key, grows)
+        apply()
+        self._held += grows
+        self._changed(key)
 
     def _changed(self, key: str) -> None:
         """Wake the waiters whose keys are now all set (a push: pops in the order they came, while
