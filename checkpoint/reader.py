@@ -3,9 +3,9 @@
 Each rank reads only the chunks that intersect its own boxes, through a memory map of the data
 files (so the bytes of other ranks' data are never touched and no staging copy is made). It
 first verifies everything (keys, shapes, dtypes, file sizes, the checksum of every block of a
-chunk that it reads: :mod:`.blocks`), then
-the ranks agree (one all-gather of their outcomes) and only then copy into the state dict: a
-bad checkpoint raises :class:`CheckpointError` on every rank with nothing written in place.
+chunk that it reads: :mod:`.blocks`), then the ranks agree (one exchange of their outcomes,
+:func:`meshkit.comm._seams.agree`) and only then copy into the state dict: a bad checkpoint raises
+:class:`CheckpointError` on every rank with nothing written in place.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from ..comm import ProcessGroup, all_gather_object
-from ..comm._seams import RESTORED, array_namespace, milestone, resolve_group
+from ..comm import ProcessGroup
+from ..comm._seams import RESTORED, agree, array_namespace, milestone, resolve_group
 from ..state import StepCount
 from .blocks import touched_blocks
 from .errors import CheckpointError
@@ -69,12 +69,9 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike, group:
             f"meshkit.checkpoint: rank {rank}: load: {exc}"
     except Exception as exc:  # anything else fails the load everywhere too, never one rank alone
         outcome = f"meshkit.checkpoint: rank {rank}: load: {type(exc).__name__}: {exc}"
-    outcomes: list[Any] = [None] * g.size
-    all_gather_object(outcomes, outcome, group=g)
-    failed = [(r, text) for r, text in enumerate(outcomes) if text is not None]
-    if failed:
-        more = f" (and on ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
-        raise CheckpointError(f"{failed[0][1]}{more}; nothing was loaded")
+    agree(g, None, problem=outcome, error=lambda message: CheckpointError(f"{message}; nothing was loaded"),
+          invalid=lambda failed: failed[0][1] + (f" (and on ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1
+                                                 else ""))
     host = [(d, src) for d, src in copies if array_namespace(d) is np]
     in_parallel(_copy, host)
     for dst, src in copies:  # device arrays from this thread: its current device is this rank's GPU

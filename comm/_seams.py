@@ -1,7 +1,9 @@
 """comm's seams: what the other meshkit packages need of comm that is not user API.
 
 A user calls the names of :data:`meshkit.comm.__all__`; ``mesh``, ``tensor``, ``parallel`` and
-``checkpoint`` also need the world (:func:`current_world`), a group argument's default
+``checkpoint`` also need the one way every rank agrees on its arguments (:func:`agree`: all raise
+the same error or none does) and names ranks in a message (:func:`name_ranks`, :func:`by_ranks`),
+the world (:func:`current_world`), a group argument's default
 (:func:`resolve_group`), one split making many groups (:func:`create_groups`), the fingerprint of a
 group's calls that a per-step agreement compares (:func:`stamp_fingerprint`, :func:`verify_fingerprint`,
 :data:`FINGERPRINT_SLOTS`: comm/call_fingerprint.py), prepared
@@ -21,6 +23,7 @@ import warnings
 from importlib import import_module
 from typing import Any, Callable, Mapping
 
+from .agree import agree, by_ranks, name_ranks
 from .backends import backend_devices
 from .milestones import FIRST_STEP, IMPORTED, RESTORED, milestone
 from .arrays import array_namespace, is_array, is_device_array, to_host
@@ -31,7 +34,7 @@ from .files import NotRegular, TooLarge, open_regular, read_bounded  # files rea
 from .env import positive_number as positive_setting  # a bound's MESHKIT_* variable, checked (debug, checkpoint)
 from .world import RECORD_FORMAT, current_world, flight_document, inflight_document
 
-__all__ = ["backend_devices", "array_namespace", "is_device_array", "is_array", "to_host", "PREPARED_OPS", "PreparedCollective",
+__all__ = ["agree", "by_ranks", "name_ranks", "backend_devices", "array_namespace", "is_device_array", "is_array", "to_host", "PREPARED_OPS", "PreparedCollective",
            "prepare_collective",
            "create_groups", "resolve_group", "current_world", "flight_document", "inflight_document", "RECORD_FORMAT",
            "moved_names", "milestone", "IMPORTED", "RESTORED", "FIRST_STEP", "positive_setting", "read_bounded",

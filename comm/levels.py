@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 from . import env
+from .agree import agree, by_ranks
 from .debug import DebugLevel
 from .engine import DeadlineExceeded
 from .errors import CollectiveMismatchError, CollectiveTimeout, DistTypeError, DistValueError
@@ -90,20 +91,27 @@ def agree_at_init(group: Any) -> None:
     rank naming each rank's level if they differ."""
     if group.size == 1:
         return
-    try:
-        levels = group.engine.exchange(int(group.world.debug), _INIT_SEQ, time.monotonic() + group.timeout)
-    except DeadlineExceeded as exc:
-        raise CollectiveTimeout(f"meshkit.comm: rank {group.world.rank}: init_process_group: the ranks' debug levels "
-                                f"were not all compared within {group.timeout:.1f} s; ranks that did not arrive: "
-                                f"{exc.missing}", op="init_process_group", group=group.name,
-                                missing=exc.missing) from None
-    if len(set(levels)) > 1:
-        by_level: dict[str, list[int]] = {}
-        for rank, value in enumerate(levels):
-            by_level.setdefault(DebugLevel(value).name, []).append(rank)
-        listing = "; ".join(f"ranks {ranks}: {name}" for name, ranks in by_level.items())
-        raise DistValueError(f"meshkit.comm: rank {group.world.rank}: init_process_group: the ranks' debug levels "
-                             f"differ ({listing}); set MESHKIT_DEBUG (or call set_debug_level) alike on every rank")
+    deadline = time.monotonic() + group.timeout
+    me = group.world.rank
+
+    def exchange(g: Any, payload: Any) -> list[Any]:
+        try:
+            return g.engine.exchange(payload, _INIT_SEQ, deadline)
+        except DeadlineExceeded as exc:
+            raise CollectiveTimeout(f"meshkit.comm: rank {me}: init_process_group: the ranks' debug levels were not "
+                                    f"all compared within {group.timeout:.1f} s; ranks that did not arrive: "
+                                    f"{exc.missing}", op="init_process_group", group=group.name,
+                                    missing=exc.missing) from None
+
+    def differ(g: Any, levels: list[int]) -> str | None:
+        if len(set(levels)) == 1:
+            return None
+        listing = by_ranks((rank, DebugLevel(value).name) for rank, value in zip(g.ranks, levels))
+        return (f"the ranks' debug levels differ ({listing}); set MESHKIT_DEBUG (or call set_debug_level) alike on "
+                "every rank")
+
+    agree(group, int(group.world.debug), compare=differ, exchange=exchange,
+          error=lambda message: DistValueError(f"meshkit.comm: rank {me}: init_process_group: {message}"))
 
 
 def set_debug_level(level: DebugLevel | str) -> None:

@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from ..comm import DistValueError, ProcessGroup, all_gather_object
+from ..comm import DistValueError, ProcessGroup
+from ..comm._seams import agree as comm_agree, by_ranks
 from . import errors
 
 __all__ = ["agree"]
@@ -27,18 +28,6 @@ _PLURAL = {"mesh": "meshes", "mesh_shape": "mesh shapes", "device_type": "device
 
 def _show(value: Any) -> str:
     return repr(value.tolist()) if isinstance(value, np.ndarray) else repr(value)
-
-
-def _ranks(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
-
-
-def _by_value(values: dict[int, str]) -> dict[str, list[int]]:
-    """Global ranks grouped by the value they sent, groups in order of their first rank."""
-    groups: dict[str, list[int]] = {}
-    for rank in sorted(values):
-        groups.setdefault(values[rank], []).append(rank)
-    return groups
 
 
 def agree(group: ProcessGroup, op: str, args: dict[str, Any] | None, error: Exception | None = None) -> None:
@@ -68,26 +57,29 @@ def agree(group: ProcessGroup, op: str, args: dict[str, Any] | None, error: Exce
         mesh_dim_names ('dp', 'tp'); rank 3: mesh_dim_names ('tp', 'dp')
     """
     shown = {name: _show(value) for name, value in (args or {}).items()}
-    if error is not None:
-        mine: tuple[str, str] = ("error", str(error.args[0]) if error.args else str(error))
-    else:
-        mine = ("digest", hashlib.blake2b(repr(sorted(shown.items())).encode(), digest_size=16).hexdigest())
-    everyone: list[Any] = [None] * group.size
-    all_gather_object(everyone, mine, group=group)
-    if error is not None:
-        raise errors.convert(op, error) from None
-    failed = {group.ranks[i]: text for i, (kind, text) in enumerate(everyone) if kind == "error"}
-    if failed:
-        listing = "; ".join(f"{_ranks(ranks)}: {text}" for text, ranks in _by_value(failed).items())
-        raise DistValueError(f"{errors.prefix(op)}{op} failed on other ranks ({listing}); it is collective, "
-                             "so every rank raises")
-    if len({digest for _, digest in everyone}) == 1:
-        return
-    calls: list[Any] = [None] * group.size  # every rank saw the digests differ: all take part
-    all_gather_object(calls, shown, group=group)
-    differing = [name for name in shown if len({c[name] for c in calls}) > 1]
-    described = {group.ranks[i]: ", ".join(f"{name} {c[name]}" for name in differing) for i, c in enumerate(calls)}
-    listing = "; ".join(f"{_ranks(ranks)}: {text}" for text, ranks in _by_value(described).items())
-    labels = " and ".join(_PLURAL.get(name, name) for name in differing)
-    raise errors.MeshMismatchError(f"{errors.prefix(op)}ranks passed different {labels} to {op}; it is collective, "
-                                   f"so every rank must pass the same: {listing}", calls=described)
+    digest = None if error is not None else \
+        hashlib.blake2b(repr(sorted(shown.items())).encode(), digest_size=16).hexdigest()
+
+    def differ(g: ProcessGroup, digests: list[str]) -> str | None:
+        if len(set(digests)) == 1:
+            return None
+        described: dict[int, str] = {}
+
+        def differences(g: ProcessGroup, calls: list[dict[str, str]]) -> str:
+            differing = [name for name in shown if len({c[name] for c in calls}) > 1]
+            described.update({g.ranks[i]: ", ".join(f"{name} {c[name]}" for name in differing)
+                              for i, c in enumerate(calls)})
+            labels = " and ".join(_PLURAL.get(name, name) for name in differing)
+            return (f"ranks passed different {labels} to {op}; it is collective, so every rank must pass the same: "
+                    f"{by_ranks(described.items())}")
+
+        # every rank saw the digests differ: all take part in a second exchange, of the values, to name them
+        comm_agree(g, shown, compare=differences,
+                   error=lambda message: errors.MeshMismatchError(f"{errors.prefix(op)}{message}", calls=described))
+        return None
+
+    comm_agree(group, digest, problem=None if error is None else (str(error.args[0]) if error.args else str(error)),
+               own=None if error is None else errors.convert(op, error), compare=differ,
+               error=lambda message: DistValueError(f"{errors.prefix(op)}{message}"),
+               invalid=lambda failed: f"{op} failed on other ranks ({by_ranks(failed)}); it is collective, so every "
+                                      "rank raises")

@@ -114,7 +114,7 @@ def test_a_rank_in_detail_mode_facing_one_not_in_it_fails_at_init_on_every_rank(
         meshkit.init_process_group("local", timeout=5)
 
     with pytest.raises(DistValueError, match=r"init_process_group: the ranks' debug levels differ "
-                                             r"\(ranks \[0\]: DETAIL; ranks \[1, 2\]: OFF\)"):
+                                             r"\(rank 0: DETAIL; ranks \[1, 2\]: OFF\)"):
         local.run(job, 3, init=False)
 
 

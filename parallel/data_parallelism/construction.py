@@ -2,7 +2,7 @@
 rank, and start every rank from the same parameters.
 
 Shared by DDP, ZeRO and FSDP, so that they accept and reject the same inputs with the same words.
-The checks are collective (one ``all_gather_object``): a bad argument on one rank, or parameters
+The checks are collective (one exchange, :func:`meshkit.comm._seams.agree`): a bad argument on one rank, or parameters
 or settings that differ between ranks, raise on *every* rank, naming the ranks, instead of
 leaving the others waiting in the first collective or training on mismatched buckets.
 """
@@ -12,12 +12,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Iterator, Sequence
 
-from ...comm import DistTypeError, DistValueError, ProcessGroup, all_gather_object, get_backend
-from ...comm._seams import resolve_group
+from ...comm import DistTypeError, DistValueError, ProcessGroup, get_backend
+from ...comm._seams import agree, resolve_group
 from ...mesh import DeviceMesh
 from ...tensor import DTensor
 from ..arrays import array_namespace, is_array, type_name
-from ..checks import on_ranks, where
+from ..checks import where
 from .dtensors import describe_spec, layout_problem, layout_spec
 from .flat import make_layouts
 
@@ -124,38 +124,29 @@ def check_setup(params: Any, group: ProcessGroup, who: str, *, problem: str | No
             problem or ranks differ (DistTypeError when parameters mix NumPy and CuPy).
     """
     problem = problem or _params_problem(params, group, data_parallel_ranks)
-    mine = (problem, None if problem else [(n, *_spec(p)) for n, p in params.items()], config)
-    everyone: list[Any] = [None] * group.size
-    all_gather_object(everyone, mine, group=group)
-    verdict = _verdict(group, everyone)
-    if then is not None:
-        theirs: list[Any] = [None] * then.size
-        all_gather_object(theirs, (verdict, mine), group=then)
-        verdict = next((v for v, _ in theirs if v is not None), None) or _verdict(then, [m for _, m in theirs])
-    if verdict is not None:
-        type_error, message = verdict
-        raise (DistTypeError if type_error else DistValueError)(f"{where(who, group)}: {message}")
+    specs = None if problem else [(n, *_spec(p)) for n, p in params.items()]
+
+    def fail(message: str) -> Exception:  # a problem of mixed array libraries is a type error
+        return (DistTypeError if _MIXED in message else DistValueError)(f"{where(who, group)}: {message}")
+
+    agree([group] if then is None else [group, then], (specs, config), problem=problem, compare=_verdict, error=fail)
 
 
-def _verdict(group: ProcessGroup, everyone: list[Any]) -> tuple[bool, str] | None:
-    """``(is a type error, message)`` of what is wrong with the ranks' ``(problem, specs, config)``
-    (``group``'s, in its order), or None: the same on every rank that has them."""
-    if any(p is not None for p, _, _ in everyone):
-        bad = on_ranks([(group.ranks[i], p) for i, (p, _, _) in enumerate(everyone)])
-        mixed = any(p is not None and p.startswith(_MIXED) for p, _, _ in everyone)
-        return mixed, f"invalid arguments on {bad}"
-    ref_specs, ref_config = everyone[0][1], everyone[0][2]
-    for i, (_, theirs, their_config) in enumerate(everyone[1:], start=1):
+def _verdict(group: ProcessGroup, everyone: list[Any]) -> str | None:
+    """What differs between the ranks' ``(specs, config)`` (``group``'s, in its order), or None: the
+    same on every rank that has them."""
+    ref_specs, ref_config = everyone[0]
+    for i, (theirs, their_config) in enumerate(everyone[1:], start=1):
         if theirs != ref_specs:
             what = "shapes, dtypes and DTensor layouts" if any(s[3] for s in ref_specs + theirs) else \
                 "shapes and dtypes"
-            return False, (f"{_spec_difference(ref_specs, theirs, group.ranks[0], group.ranks[i])}; every rank must "
-                           f"pass the same names, {what} in the same order")
+            return (f"{_spec_difference(ref_specs, theirs, group.ranks[0], group.ranks[i])}; every rank must "
+                    f"pass the same names, {what} in the same order")
         if their_config != ref_config:
             keys = [k for k in ref_config if ref_config[k] != their_config.get(k)]
-            return False, (f"settings differ between rank {group.ranks[0]} ({ {k: ref_config[k] for k in keys} }) "
-                           f"and rank {group.ranks[i]} ({ {k: their_config.get(k) for k in keys} }); every rank must "
-                           "pass the same")
+            return (f"settings differ between rank {group.ranks[0]} ({ {k: ref_config[k] for k in keys} }) "
+                    f"and rank {group.ranks[i]} ({ {k: their_config.get(k) for k in keys} }); every rank must "
+                    "pass the same")
     return None
 
 

@@ -18,7 +18,7 @@ optimizer's hyperparameter and state keys; hyperparameters go through the optimi
 validation. ``strict=False`` is the explicit opt-out: what is missing keeps its current value
 and unknown entries are ignored (sizes and hyperparameter values are still checked). Either way
 a load is all or nothing on every rank: every rank checks its state dict and a digest of it,
-and one ``all_gather_object`` tells every rank whether some rank's is invalid or differs from
+and one exchange (:func:`meshkit.comm._seams.agree`) tells every rank whether some rank's is invalid or differs from
 the others' (e.g. two checkpoint files), in which case all raise and nothing is loaded.
 """
 
@@ -32,9 +32,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ...comm import DistValueError, ProcessGroup, all_gather_object
+from ...comm import DistValueError, ProcessGroup
+from ...comm._seams import agree, by_ranks
 from ..arrays import array_namespace, is_array, to_host
-from ..checks import on_ranks, where
+from ..checks import where
 from .dtensors import BlockLayout
 from .flat import FlatLayout
 from ..optim.optimizers import Optimizer
@@ -219,19 +220,17 @@ def state_dict_digest(sd: Any, strict: bool) -> str:
 
 def agree_on_load(group: ProcessGroup, who: str, problem: str | None, digest: str | None) -> None:
     """Raise on every rank of ``group`` if some rank's state dict is invalid or differs (collective)."""
-    everyone: list[Any] = [None] * group.size
-    all_gather_object(everyone, (problem, digest), group=group)
-    if any(p is not None for p, _ in everyone):
-        bad = on_ranks([(group.ranks[i], p) for i, (p, _) in enumerate(everyone)])
-        raise DistValueError(f"{where(who, group)}: nothing was loaded; invalid state dict on {bad}. Fix the state "
-                             "dict; strict=False loads a partial one (what is missing keeps its current value)")
-    digests: dict[str, list[int]] = {}
-    for i, (_, d) in enumerate(everyone):
-        digests.setdefault(d, []).append(group.ranks[i])
-    if len(digests) > 1:
-        groups = ", ".join(f"ranks {ranks} passed one with digest {d}" for d, ranks in digests.items())
-        raise DistValueError(f"{where(who, group)}: nothing was loaded; the state dicts differ across ranks: {groups}; "
-                             "every rank must load the same state dict (the same checkpoint)")
+    def differ(g: ProcessGroup, digests: list[str]) -> str | None:
+        if len(set(digests)) == 1:
+            return None
+        return (f"nothing was loaded; the state dicts differ across ranks: "
+                f"{by_ranks(zip(g.ranks, digests), ' passed one with digest ')}; "
+                "every rank must load the same state dict (the same checkpoint)")
+
+    agree(group, digest, problem=problem, compare=differ,
+          error=lambda message: DistValueError(f"{where(who, group)}: {message}"),
+          invalid=lambda bad: (f"nothing was loaded; invalid state dict on {by_ranks(bad)}. Fix the state dict; "
+                               "strict=False loads a partial one (what is missing keeps its current value)"))
 
 
 def load_state_dict_into(layouts: Sequence[FlatLayout], sd: Mapping[str, Any], shards: dict[str, Any],

@@ -39,8 +39,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ...comm import DistError, DistValueError, ProcessGroup, Work, all_gather_object, all_reduce
-from ...comm._seams import is_device_array, resolve_group
+from ...comm import DistError, DistValueError, ProcessGroup, Work, all_reduce
+from ...comm._seams import agree, is_device_array, resolve_group
 from ...mesh import DeviceMesh
 from ..arrays import array_namespace, is_array
 from .schedules import Action, gpipe_order, interleaved_order, one_f_one_b_order, zb_h1_order, zbv_order
@@ -74,6 +74,15 @@ def _batch(a: Any) -> int | None:
     """The size of ``a``'s batch axis (axis 0), or None for what has none (refused later)."""
     shape = getattr(a, "shape", None)
     return int(shape[0]) if shape else None
+
+
+def _shared_uses(gathered: list[Any]) -> dict[str, list[tuple[int, Any]]]:
+    """Each shared gradient's name -> ``(stage, (shape, dtype, on a device))`` of every stage using it,
+    from every rank's part of the first step's agreement."""
+    specs: dict[str, list[tuple[int, Any]]] = {}
+    for (stage, name), spec in sorted(kv for *_, sh in gathered for kv in sh.items()):
+        specs.setdefault(name, []).append((stage, spec))
+    return specs
 
 
 def _rank(group: ProcessGroup) -> str:
@@ -490,42 +499,44 @@ class PipelineSchedule:
         unsplit = [s.stage_index for s in self.stages if self.zero_bubble and not s.split_backward]
         shared = {(s.stage_index, name): (tuple(g.shape), np.dtype(g.dtype).str, is_device_array(g))
                   for s in self.stages for name, g in s.shared.items()}
-        gathered: list[Any] = [None] * self.group.size
-        all_gather_object(gathered, (mine, held, unsplit, shared), group=self.group)
+        gathered = agree(self.group, (mine, held, unsplit, shared), compare=self._disagreement,
+                         error=DistValueError)
+        ranks = self.group.ranks
+        self._shared_specs = {name: uses[0][1] for name, uses in _shared_uses(gathered).items()}
+        x_at = next(((ranks[i], h[0]) for i, (_, h, *_) in enumerate(gathered) if h[0] is not None), None)
+        self._batch = None if x_at is None else x_at[1]
+        self._agreed = True
+
+    def _disagreement(self, group: ProcessGroup, gathered: list[Any]) -> str | None:
+        """What is wrong with every rank's ``(config, held batch sizes, unsplit stages, shared specs)``
+        (the same on every rank), or None."""
         everyone = [config for config, *_ in gathered]
+        ranks = group.ranks
         for i, theirs in enumerate(everyone[1:], start=1):
             if theirs != everyone[0]:
-                keys = [k for k in mine if theirs[k] != everyone[0][k]]
-                ranks = self.group.ranks
-                raise DistValueError(f"{self.head}.step: the ranks of the pipeline disagree: rank {ranks[0]} has "
-                                     f"{', '.join(f'{k}={everyone[0][k]!r}' for k in keys)} and rank {ranks[i]} "
-                                     f"{', '.join(f'{k}={theirs[k]!r}' for k in keys)}; every rank must build the "
-                                     "same schedule with the same num_stages and n_microbatches")
-        ranks = self.group.ranks
+                keys = [k for k in everyone[0] if theirs[k] != everyone[0][k]]
+                return (f"{self.head}.step: the ranks of the pipeline disagree: rank {ranks[0]} has "
+                        f"{', '.join(f'{k}={everyone[0][k]!r}' for k in keys)} and rank {ranks[i]} "
+                        f"{', '.join(f'{k}={theirs[k]!r}' for k in keys)}; every rank must build the "
+                        "same schedule with the same num_stages and n_microbatches")
         unsplit = [(s, ranks[i]) for i, (*_, no, _) in enumerate(gathered) for s in no]
         if unsplit:
             s, at = unsplit[0]
-            raise DistValueError(f"{self.head}.step: {type(self).__name__} splits each backward into its input and "
-                                 f"weight gradients, but stage {s} (on rank {at}) has a single backward; pass "
-                                 "backward_input=(ctx, dy) -> (dx, wctx) and backward_weight=(wctx) -> None to its "
-                                 "PipelineStage instead of backward"
-                                 + (f" (stages {[s for s, _ in unsplit]} have none)" if len(unsplit) > 1 else ""))
-        specs: dict[str, list[tuple[int, Any]]] = {}
-        for (stage, name), spec in sorted(kv for *_, sh in gathered for kv in sh.items()):
-            specs.setdefault(name, []).append((stage, spec))
-        for name, uses in specs.items():
+            return (f"{self.head}.step: {type(self).__name__} splits each backward into its input and "
+                    f"weight gradients, but stage {s} (on rank {at}) has a single backward; pass "
+                    "backward_input=(ctx, dy) -> (dx, wctx) and backward_weight=(wctx) -> None to its "
+                    "PipelineStage instead of backward"
+                    + (f" (stages {[s for s, _ in unsplit]} have none)" if len(unsplit) > 1 else ""))
+        for name, uses in _shared_uses(gathered).items():
             if len({spec for _, spec in uses}) > 1:
-                raise DistValueError(f"{self.head}.step: the stages sharing {name!r} declare gradients of different "
-                                     "shapes, dtypes or devices: " + ", ".join(
-                                         f"stage {s}: {sp[0]} {np.dtype(sp[1])}{' (device)' if sp[2] else ''}"
-                                         for s, sp in uses))
-        self._shared_specs = {name: uses[0][1] for name, uses in specs.items()}
+                return (f"{self.head}.step: the stages sharing {name!r} declare gradients of different "
+                        "shapes, dtypes or devices: " + ", ".join(
+                            f"stage {s}: {sp[0]} {np.dtype(sp[1])}{' (device)' if sp[2] else ''}" for s, sp in uses))
         x_at = next(((ranks[i], h[0]) for i, (_, h, *_) in enumerate(gathered) if h[0] is not None), None)
         t_at = next(((ranks[i], h[1]) for i, (_, h, *_) in enumerate(gathered) if h[1] is not None), None)
         if x_at is not None and t_at is not None and x_at[1] != t_at[1]:
-            raise DistValueError(self._batch_mismatch(t_at, x_at))
-        self._batch = None if x_at is None else x_at[1]
-        self._agreed = True
+            return self._batch_mismatch(t_at, x_at)
+        return None
 
     def _snapshot_shared(self) -> list[tuple[str, Any, Any]]:
         """(name, array, copy) for each distinct shared gradient array of this rank (by identity:
