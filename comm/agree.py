@@ -70,7 +70,8 @@ def _all_gather_object(group: Any, payload: Any) -> list[Any]:
 def agree(group: AgreeGroup | Sequence[AgreeGroup], mine: Any = None, *, problem: str | None = None,
           own: BaseException | None = None, compare: Callable[[AgreeGroup, list[Any]], str | None] | None = None,
           error: Callable[[str], BaseException], invalid: Callable[[list[tuple[int, str]]], str] = invalid_on,
-          exchange: Callable[[AgreeGroup, Any], Sequence[Any]] | None = None) -> list[Any]:
+          combine: Callable[[list[Any]], Any] | None = None,
+          exchange: Callable[[AgreeGroup, Any], Sequence[Any]] | None = None) -> Any:
     """Every rank's ``mine``, once every rank of ``group`` knows that all are valid and agree (collective).
 
     Every member calls it, with its value or with what is wrong with its own arguments.
@@ -86,14 +87,21 @@ def agree(group: AgreeGroup | Sequence[AgreeGroup], mine: Any = None, *, problem
             (the other ranks raise ``error(invalid(...))`` naming this rank and ``problem``, by default
             ``str(own)``).
         compare: ``(group, everyone's values in group-rank order) -> what is wrong, or None``, run by
-            every member on the same values (so it must not depend on which rank runs it).
+            every member on the same values (so it must not depend on which rank runs it); with
+            ``combine``, ``(last group, the combined value)``, once, after the last exchange.
         error: the exception every rank raises, built from the message.
         invalid: the message when ranks reported problems, from ``(global rank, problem)`` pairs.
+        combine: over several groups, what a rank sends in the next exchange from everyone's values
+            in this one (e.g. their union): after the last, every rank of the mesh holds the same
+            combined value, compared once, so every rank raises the very same message. Without it
+            each group compares its own members' values (a problem found in an exchange before the
+            last reaches every rank; one found in the last, by every group whose members differ).
         exchange: ``(group, payload) -> every member's payload``, one collective (default: an
             ``all_gather_object``); e.g. an engine's unnumbered exchange before the group exists.
 
     Returns:
-        Every member's ``mine`` over the last group, in group-rank order.
+        Every member's ``mine`` over the last group, in group-rank order; with ``combine``, the
+        combined value after the last exchange.
 
     Raises:
         ``own``: on the rank that gave it. ``error(message)``: on every other rank when any rank
@@ -109,7 +117,7 @@ def agree(group: AgreeGroup | Sequence[AgreeGroup], mine: Any = None, *, problem
         problem = str(own.args[0]) if own.args else str(own)
     gather = exchange or _all_gather_object
     verdict: str | None = None
-    values: list[Any] = []
+    values: Any = []
     for g in groups:
         everyone = gather(g, (verdict, problem, None if problem is not None else mine))
         # the first verdict an earlier exchange found (the same on every rank: see Args)
@@ -118,9 +126,13 @@ def agree(group: AgreeGroup | Sequence[AgreeGroup], mine: Any = None, *, problem
             problems = [(g.ranks[i], p) for i, (_, p, _) in enumerate(everyone) if p is not None]
             if problems:
                 verdict = invalid(problems)
+            elif combine is not None:
+                values = mine = combine([v for _, _, v in everyone])
             else:
                 values = [v for _, _, v in everyone]
                 verdict = compare(g, values) if compare is not None else None
+    if verdict is None and combine is not None and compare is not None:
+        verdict = compare(groups[-1], values)
     if own is not None:
         raise own
     if verdict is not None:

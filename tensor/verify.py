@@ -7,10 +7,10 @@ every rank passed the same arguments (:func:`check_same_arguments`).
 Deferred (:func:`verify_claims`): ``from_local``'s trusted ``shape=`` is compared across ranks
 at the first redistribution of a DTensor built on it (see ``dtensor.Claim``).
 
-With ``run_check=True`` or ``MESHKIT_DEBUG=detail`` (:func:`check_from_local`): two small
-object all-gathers per mesh dimension: in the first sweep every rank checks what its
-peers along each mesh dim passed; in the second what anyone found reaches every rank of the
-mesh. So a rank whose block does not fit the global shape, or ranks that passed different
+With ``run_check=True`` or ``MESHKIT_DEBUG=detail`` (:func:`check_from_local`): one small
+object exchange per mesh dimension (:func:`meshkit.comm._seams.agree`), each carrying what the
+ranks passed so far, so that after the last every rank knows what every rank of the mesh passed.
+So a rank whose block does not fit the global shape, or ranks that passed different
 shapes or placements, make every rank raise the same error instead of computing on a wrong
 layout (or waiting for a rank that already raised).
 """
@@ -24,8 +24,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..comm import all_gather_object
-from ..comm._seams import PreparedCollective, prepare_collective
+from ..comm._seams import PreparedCollective, agree, by_ranks, prepare_collective
 from ..mesh import DeviceMesh
 from . import errors
 from .chunks import chunk_range, local_shape_and_offset
@@ -38,22 +37,15 @@ def check_from_local(op: str, local: Any, mesh: DeviceMesh, placements: Sequence
                      shape: Sequence[int]) -> None:
     """Raise on every rank of ``mesh`` unless every block fits ``shape`` and all agree on it.
 
-    Collective over each mesh dimension's group.
+    Collective over each mesh dimension's group: one small object exchange per mesh dimension
+    (:func:`~meshkit.comm._seams.agree`), each carrying what the ranks passed so far, so that after
+    the last every rank holds what every rank of the mesh passed and raises the same error.
     """
-    coordinate = mesh.get_coordinate()
     rank = mesh.get_rank()
-    mine = (rank, tuple(coordinate), tuple(shape), _plain(placements), tuple(local.shape), str(local.dtype))
-    problems: list[str] = []
-    for i in range(mesh.ndim):  # sweep 1: every rank checks what its peers along each mesh dim passed
-        everyone: list[Any] = [None] * mesh.shape[i]
-        all_gather_object(everyone, mine, group=mesh.get_group(i))
-        problems.extend(_problems(mesh, rank, mine, everyone))
-    for i in range(mesh.ndim):  # sweep 2: what anyone found reaches every rank of the mesh
-        found: list[Any] = [None] * mesh.shape[i]
-        all_gather_object(found, problems, group=mesh.get_group(i))
-        problems = sorted({p for theirs in found for p in theirs})
-    if problems:
-        raise errors.value_error(op, "; ".join(problems))
+    mine = {rank: (tuple(mesh.get_coordinate()), tuple(shape), _plain(placements), tuple(local.shape),
+                   str(local.dtype))}
+    agree(mesh.get_all_groups(), mine, combine=lambda passed: {k: v for p in passed for k, v in p.items()},
+          compare=lambda _, passed: _problems(mesh, passed), error=lambda message: errors.value_error(op, message))
 
 
 def _plain(placements: Sequence[Placement]) -> tuple[tuple[Any, ...], ...]:
@@ -69,22 +61,21 @@ def _placements(plain: Sequence[Sequence[Any]]) -> tuple[Placement, ...]:
     return tuple(Shard(p[1]) if p[0] == "S" else Partial(p[1]) if p[0] == "P" else Replicate() for p in plain)
 
 
-def _problems(mesh: DeviceMesh, rank: int, mine: tuple, everyone: list[Any]) -> list[str]:
-    """What is wrong with the peers' arguments (``everyone``), seen from this rank."""
+def _problems(mesh: DeviceMesh, passed: dict[int, tuple]) -> str | None:
+    """What is wrong with what every rank of the mesh passed (the same on every rank), or None."""
+    arguments = {rank: (shape, plain, dtype) for rank, (_, shape, plain, _, dtype) in passed.items()}
+    if len(set(arguments.values())) > 1:
+        return "ranks passed different arguments: " + _passed(
+            {rank: f"shape {shape}, placements {_placements(plain)!r}, dtype {dtype}"
+             for rank, (shape, plain, dtype) in arguments.items()})
     problems = []
-    for other, coord, their_shape, plain, local_shape, dtype in everyone:
-        their_placements = _placements(plain)
-        if (their_shape, plain, dtype) != (mine[2], mine[3], mine[5]):
-            problems.append(f"rank {other} passed shape {their_shape}, placements {their_placements!r}, "
-                            f"dtype {dtype} but rank {rank} passed shape {mine[2]}, placements "
-                            f"{_placements(mine[3])!r}, dtype {mine[5]}")
-        elif len(their_shape) != len(local_shape):
-            problems.append(f"rank {other}'s local has {len(local_shape)} dims, the shape {their_shape} "
-                            f"has {len(their_shape)}")
-        elif (want := local_shape_and_offset(their_shape, mesh.shape, coord, their_placements)[0]) != local_shape:
-            problems.append(f"rank {other}'s local has shape {local_shape} but global shape {their_shape} "
-                            f"with placements {their_placements!r} gives it {want}")
-    return problems
+    for rank, (coord, shape, plain, local_shape, _) in sorted(passed.items()):
+        if len(shape) != len(local_shape):
+            problems.append(f"rank {rank}'s local has {len(local_shape)} dims, the shape {shape} has {len(shape)}")
+        elif (want := local_shape_and_offset(shape, mesh.shape, coord, _placements(plain))[0]) != local_shape:
+            problems.append(f"rank {rank}'s local has shape {local_shape} but global shape {shape} with placements "
+                            f"{_placements(plain)!r} gives it {want}")
+    return "; ".join(problems) or None
 
 
 # ---- agreement sweeps: the global shape of from_local, the arguments of distribute_tensor ------
@@ -155,25 +146,22 @@ def _raise_everywhere(op: str, mesh: DeviceMesh, found: list[str], description: 
 
     A rank whose own arguments failed re-raises its own error; the others raise one naming it.
     """
-    rank = mesh.get_rank()
-    known: tuple[list[str], dict[int, Any]] = (sorted(set(found)), {rank: description})  # plain data (no set)
-    for i in range(mesh.ndim):
-        theirs: list[Any] = [None] * mesh.shape[i]
-        all_gather_object(theirs, known, group=mesh.get_group(i))
-        known = (sorted(set().union(*(t[0] for t in theirs))), {k: v for t in theirs for k, v in t[1].items()})
-    if own is not None:
-        raise own
-    problems, passed = known
-    raise errors.value_error(op, "; ".join(sorted(problems)) if problems else explain(passed))
+    def union(known: list[tuple[list[str], dict[int, Any]]]) -> tuple[list[str], dict[int, Any]]:
+        return sorted(set().union(*(k[0] for k in known))), {r: v for k in known for r, v in k[1].items()}
+
+    def message(_: Any, known: tuple[list[str], dict[int, Any]]) -> str:
+        if own is not None:
+            return str(own)  # (raised as it is)
+        problems, passed = known
+        return "; ".join(problems) if problems else explain(passed)
+
+    agree(mesh.get_all_groups(), (sorted(set(found)), {mesh.get_rank(): description}), combine=union, compare=message,
+          error=lambda text: own if own is not None else errors.value_error(op, text))
 
 
-def by_ranks(passed: dict[int, Any]) -> str:
+def _passed(passed: dict[int, Any]) -> str:
     """``"ranks [0, 2] passed A; rank 1 passed B"``: ranks grouped by what they passed."""
-    groups: dict[str, list[int]] = {}
-    for rank in sorted(passed):
-        groups.setdefault(str(passed[rank]), []).append(rank)
-    return "; ".join(f"rank {rs[0]} passed {what}" if len(rs) == 1 else f"ranks {rs} passed {what}"
-                     for what, rs in sorted(groups.items(), key=lambda item: item[1]))
+    return by_ranks(passed.items(), " passed ")
 
 
 def infer_global_shape(op: str, local: Any, mesh: DeviceMesh, placements: Sequence[Placement]) -> tuple[int, ...]:
@@ -229,7 +217,7 @@ def infer_global_shape(op: str, local: Any, mesh: DeviceMesh, placements: Sequen
     if vec[0] != _OK:
         _raise_everywhere(op, mesh, found, f"placements {placements!r} with a {ndim}-d {local.dtype} block",
                           None,
-                          lambda passed: "the ranks passed blocks that do not make one DTensor: " + by_ranks(passed))
+                          lambda passed: "the ranks passed blocks that do not make one DTensor: " + _passed(passed))
     return tuple(vec[3:3 + ndim])
 
 
@@ -256,7 +244,7 @@ def check_same_arguments(op: str, mesh: DeviceMesh, arguments: dict[str, Any] | 
                                     for k, v in arguments.items())  # type: ignore[union-attr]
         _raise_everywhere(op, mesh, found, description, own,
                           lambda passed: f"every rank must pass the same {_listed(list(arguments or {}))}, but "
-                                         + by_ranks(passed))
+                                         + _passed(passed))
 
 
 def _same_digest(i: int, rows: list[list[int]]) -> tuple[list[int], str | None]:
@@ -288,7 +276,7 @@ def verify_claims(op: str, mesh: DeviceMesh, claims: Sequence[Any]) -> None:
         _raise_everywhere(
             op, mesh, found, " and ".join(f"DTensor.from_local({c.description})" for c in claims), None,
             lambda passed: "the ranks built this DTensor (or the DTensors it was computed from) on global layouts "
-                           "that differ, so its blocks do not make one array: " + by_ranks(passed) + "; from_local "
+                           "that differ, so its blocks do not make one array: " + _passed(passed) + "; from_local "
                            "trusts shape= without communication (checked here, where the data first crosses "
                            "ranks): pass the same global shape on every rank (not the local size times the mesh "
                            "size: uneven blocks make that differ), or leave shape= out to have the block sizes "

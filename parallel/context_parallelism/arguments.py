@@ -1,7 +1,7 @@
 """Every rank of the context-parallel group checks every rank's q, k, v before any block moves; what a
 forward saves of them for its backward (:class:`SavedAttention`).
 
-One all-gather of a small int64 vector per call (shapes, dtypes, ``causal``, ``balanced``, ``scale``,
+One all-gather of a small int64 vector per call (:func:`meshkit.comm._seams.agree`'s exchange here) (shapes, dtypes, ``causal``, ``balanced``, ``scale``,
 and the head count a Ulysses split needs): each rank then finds the same problems in the same data,
 so a sequence or head count that cannot be split, shapes that disagree, or one rank sharded wrong
 raise the same error on every rank, naming the argument and the rank, instead of one rank raising
@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from ...comm import DistValueError, ProcessGroup
+from ...comm._seams import agree as comm_agree
 from ..checks import where
 from .sequence import SequenceSharding
 
@@ -72,29 +73,40 @@ def agree(who: str, group: ProcessGroup, q: Any, k: Any, v: Any, *, causal: bool
     Raises:
         DistValueError: on every rank, naming the argument, the rank and what is valid.
     """
-    mine = _encode(q, k, v, causal, balanced, scale)
+    found: list[SequenceSharding] = []
+
+    def problems(g: ProcessGroup, rows: list[dict[str, Any]]) -> str | None:
+        problems = _problems(rows, g.size, heads_split)
+        if not problems:
+            length = sum(r["q"][1][-2] for r in rows)
+            if length < (2 * g.size if balanced else g.size):
+                chunks = f"2 * cp = {2 * g.size} chunks (balanced)" if balanced else f"cp = {g.size} chunks"
+                problems.append(f"the sequence (axis -2 of q) of {length} tokens over all ranks cannot be split into "
+                                f"{chunks}: it needs at least one token per chunk")
+            else:
+                sharding = SequenceSharding(length, g.size, balanced)
+                bad = [(rank, r["q"][1][-2], sharding.local_length(rank)) for rank, r in enumerate(rows)
+                       if r["q"][1][-2] != sharding.local_length(rank)]
+                if bad:
+                    listed = ", ".join(f"rank {rank} has {got}, should have {want}" for rank, got, want in bad)
+                    problems.append(f"q's sequence length (axis -2) does not follow the sharding of a {length}-token "
+                                    f"sequence over cp = {g.size} ranks (balanced={balanced}): {listed}; shard "
+                                    "inputs with shard_sequence")
+                found.append(sharding)
+        return "; ".join(problems) if problems else None
+
+    comm_agree(group, _encode(q, k, v, causal, balanced, scale), compare=problems, exchange=_gather_rows,
+               error=lambda message: DistValueError(f"{where(who, group)}: {message}"))
+    return found[0]
+
+
+def _gather_rows(group: ProcessGroup, payload: tuple[None, None, np.ndarray]) -> list[tuple[None, None, dict]]:
+    """:func:`agree`'s exchange here: one all-gather of the int64 rows (no verdict or problem to carry:
+    one group, and every problem is found in the rows), each decoded."""
+    _, _, mine = payload
     everyone = np.empty((group.size, mine.size), dtype=np.int64)
     group.all_gather_into_tensor(everyone, mine)
-    rows = [_decode(r) for r in everyone]
-    problems = _problems(rows, group.size, heads_split)
-    if not problems:
-        length = sum(r["q"][1][-2] for r in rows)
-        if length < (2 * group.size if balanced else group.size):
-            chunks = f"2 * cp = {2 * group.size} chunks (balanced)" if balanced else f"cp = {group.size} chunks"
-            problems.append(f"the sequence (axis -2 of q) of {length} tokens over all ranks cannot be split into "
-                            f"{chunks}: it needs at least one token per chunk")
-        else:
-            sharding = SequenceSharding(length, group.size, balanced)
-            bad = [(rank, r["q"][1][-2], sharding.local_length(rank)) for rank, r in enumerate(rows)
-                   if r["q"][1][-2] != sharding.local_length(rank)]
-            if bad:
-                listed = ", ".join(f"rank {rank} has {got}, should have {want}" for rank, got, want in bad)
-                problems.append(f"q's sequence length (axis -2) does not follow the sharding of a {length}-token "
-                                f"sequence over cp = {group.size} ranks (balanced={balanced}): {listed}; shard "
-                                "inputs with shard_sequence")
-    if problems:
-        raise DistValueError(f"{where(who, group)}: {'; '.join(problems)}")
-    return sharding
+    return [(None, None, _decode(r)) for r in everyone]
 
 
 def _problems(rows: list[dict[str, Any]], cp: int, heads_split: bool) -> list[str]:
