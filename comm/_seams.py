@@ -23,7 +23,8 @@ import warnings
 from importlib import import_module
 from typing import Any, Callable, Mapping
 
-from .agree import agree, by_ranks, name_ranks
+from .agree import agree
+from .naming import by_ranks, name_ranks
 from .backends import backend_devices
 from .milestones import FIRST_STEP, IMPORTED, RESTORED, milestone
 from .arrays import array_namespace, is_array, is_device_array, to_host

@@ -17,15 +17,17 @@ Over several groups (a mesh's dimensions, HSDP's shard then replicate group) the
 after the other, each carrying what the earlier ones found: one exchange per group, and a problem
 found in any group reaches every rank of the mesh.
 
-The "rank 3" / "ranks [0, 2]" way of naming ranks in messages is here too (:func:`name_ranks`,
-:func:`by_ranks`): every package's messages name ranks the same way.
+Messages name ranks as every message of meshkit does (:mod:`.naming`: ``rank 3``, ``ranks [0, 2]``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
-__all__ = ["agree", "name_ranks", "by_ranks", "invalid_on"]
+from .naming import by_ranks
+from .objects import all_gather_object
+
+__all__ = ["agree", "invalid_on"]
 
 
 class AgreeGroup(Protocol):
@@ -35,33 +37,12 @@ class AgreeGroup(Protocol):
     ranks: Sequence[int]
 
 
-def name_ranks(ranks: Sequence[int]) -> str:
-    """``"rank 3"`` for one rank, ``"ranks [0, 2]"`` for several: how every message names ranks."""
-    ranks = list(ranks)
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
-
-
-def by_ranks(items: Iterable[tuple[int, Any]], sep: str = ": ") -> str:
-    """``"ranks [0, 2]: A; rank 1: B"``: ranks grouped by what they have (``str`` of it; None left out),
-    the groups in the order of their first rank.
-
-    ``sep`` goes between the ranks and the text (``" passed "`` gives ``"rank 1 passed B"``).
-    """
-    groups: dict[str, list[int]] = {}
-    for rank, what in sorted(items, key=lambda item: item[0]):
-        if what is not None:
-            groups.setdefault(str(what), []).append(rank)
-    return "; ".join(f"{name_ranks(ranks)}{sep}{text}" for text, ranks in groups.items())
-
-
 def invalid_on(problems: list[tuple[int, str]]) -> str:
     """The default message of :func:`agree` when ranks reported problems: ``invalid arguments on ...``."""
     return f"invalid arguments on {by_ranks(problems)}"
 
 
 def _all_gather_object(group: Any, payload: Any) -> list[Any]:
-    from .objects import all_gather_object  # (objects imports the group machinery; agree is below it)
-
     out: list[Any] = [None] * group.size
     all_gather_object(out, payload, group=group)
     return out

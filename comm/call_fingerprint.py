@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from .naming import name_ranks
 from .debug import Call, fingerprint
 from .engine import DeadlineExceeded
 from .errors import CollectiveMismatchError, DistError
@@ -187,7 +188,7 @@ def same_creation(group: Any, description: str, deadline: float) -> None:
     for i, (p, text) in enumerate(zip(parts, texts)):
         shown = f"{text} #{p[0] - 1}" if text is not None else "another exchange (a monitored barrier?)"
         by_text.setdefault(shown, []).append(group.ranks[i])
-    listing = "; ".join(f"{_who(rs)}: {text}" for text, rs in by_text.items())
+    listing = "; ".join(f"{name_ranks(rs)}: {text}" for text, rs in by_text.items())
     error = CollectiveMismatchError(
         f"meshkit.comm: rank {group.global_rank}: group creation mismatch on group {group.name} (ranks "
         f"{list(group.ranks)}): every member must create the same groups at the same point; {listing}",
@@ -274,15 +275,13 @@ def _describe(group: Any, parts: list[Any], absent: list[int]) -> tuple[str, int
             text = f"call #{first} is older than the last {RING} it keeps (it had made {counts[r]}; its oldest kept: #{oldest})"
         described[r] = text
         by_text.setdefault(text, []).append(r)
-    listing = "; ".join(f"{_who(rs)}: {text}" for text, rs in by_text.items())
+    listing = "; ".join(f"{name_ranks(rs)}: {text}" for text, rs in by_text.items())
     if absent:
-        listing += f"; {_who(absent)} did not take part in the comparison within {EXPLAIN_SECONDS:g} s (in another call)"
+        listing += (f"; {name_ranks(absent)} did not take part in the comparison within {EXPLAIN_SECONDS:g} s "
+                    "(in another call)")
         described.update({r: "another call" for r in absent})
     return f"the members' calls differ from #{first} on: {listing}", first, described
 
-
-def _who(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
 
 
 def timings() -> None:

@@ -27,7 +27,9 @@ class CheckedGroup(Protocol):
 _KINDS = "biufc"
 
 
-def where(group: CheckedGroup, op: str) -> str:
+def where(op: str, group: CheckedGroup) -> str:
+    """``"meshkit.comm: rank R: op"``, R the global rank: what was called, then on which group, as
+    every package's ``where`` (``meshkit.parallel``'s: ``where(who, group)``)."""
     return f"meshkit.comm: rank {group.global_rank}: {op}"
 
 
@@ -35,10 +37,10 @@ def check_member(group: Any, op: str) -> None:
     """This rank is a member of ``group`` (a ProcessGroup) and the world is not destroyed."""
     if group.rank < 0:
         raise DistValueError(
-            f"{where(group, op)}: this rank is not a member of group {group.name} "
+            f"{where(op, group)}: this rank is not a member of group {group.name} "
             f"(ranks {list(group.ranks)}); only members may call collectives on it")
     if group.world.destroyed:
-        raise DistError(f"{where(group, op)}: the process group was destroyed; call "
+        raise DistError(f"{where(op, group)}: the process group was destroyed; call "
                         "init_process_group() again first")
 
 
@@ -62,16 +64,16 @@ def _where_is(x: Any) -> str:
 
 def _array_error(group: CheckedGroup, op: str, arg: str, x: Any, writable: bool) -> None:
     if not isinstance(x, np.ndarray) and not is_device_array(x):
-        raise DistTypeError(f"{where(group, op)}: {arg} must be a numpy.ndarray, got {type(x).__name__} "
+        raise DistTypeError(f"{where(op, group)}: {arg} must be a numpy.ndarray, got {type(x).__name__} "
                             "(device arrays with __cuda_array_interface__, e.g. cupy.ndarray, are accepted too)")
     if x.dtype.kind not in _KINDS and x.dtype.name != "bfloat16":
-        raise DistTypeError(f"{where(group, op)}: {arg} has dtype {x.dtype}, which cannot be communicated; "
+        raise DistTypeError(f"{where(op, group)}: {arg} has dtype {x.dtype}, which cannot be communicated; "
                             "valid dtypes are bool, integers, floats, complex and bfloat16 (ml_dtypes)")
     if not x.flags.c_contiguous:
         raise DistValueError(
-            f"{where(group, op)}: {arg} is not C-contiguous (shape {x.shape}, strides {x.strides}); "
+            f"{where(op, group)}: {arg} is not C-contiguous (shape {x.shape}, strides {x.strides}); "
             f"pass np.ascontiguousarray({arg}) or a contiguous buffer")
-    raise DistValueError(f"{where(group, op)}: {arg} is read-only but is written by {op}")
+    raise DistValueError(f"{where(op, group)}: {arg} is read-only but is written by {op}")
 
 
 def check_like(group: CheckedGroup, op: str, arg: str, x: np.ndarray, ref: np.ndarray, ref_arg: str,
@@ -79,15 +81,15 @@ def check_like(group: CheckedGroup, op: str, arg: str, x: np.ndarray, ref: np.nd
     """``x`` has ``ref``'s dtype, lives where ``ref`` does (host or device) and has the expected
     ``size`` (elements) or ``shape``."""
     if type(x) is not type(ref) and is_device_array(x) != is_device_array(ref):
-        raise DistTypeError(f"{where(group, op)}: {arg} is {_where_is(x)} but {ref_arg} is {_where_is(ref)}; "
+        raise DistTypeError(f"{where(op, group)}: {arg} is {_where_is(x)} but {ref_arg} is {_where_is(ref)}; "
                             "pass both on the host (NumPy) or both on the device")
     if x.dtype != ref.dtype:
-        raise DistTypeError(f"{where(group, op)}: {arg} has dtype {x.dtype} but {ref_arg} has dtype "
+        raise DistTypeError(f"{where(op, group)}: {arg} has dtype {x.dtype} but {ref_arg} has dtype "
                             f"{ref.dtype}; they must match")
     if shape is not None and x.shape != shape:
-        raise DistValueError(f"{where(group, op)}: {arg} has shape {x.shape}, expected {shape}")
+        raise DistValueError(f"{where(op, group)}: {arg} has shape {x.shape}, expected {shape}")
     if size is not None and x.size != size:
-        raise DistValueError(f"{where(group, op)}: {arg} has {x.size} elements (shape {x.shape}), "
+        raise DistValueError(f"{where(op, group)}: {arg} has {x.size} elements (shape {x.shape}), "
                              f"expected {size}")
 
 
@@ -95,10 +97,10 @@ def check_list(group: CheckedGroup, op: str, arg: str, xs: Any, ref: np.ndarray,
                *, writable: bool, same_shape: bool = True) -> list[np.ndarray]:
     """A list of ``group.size`` arrays, each like ``ref`` (same dtype; same shape if asked)."""
     if not isinstance(xs, (list, tuple)):
-        raise DistTypeError(f"{where(group, op)}: {arg} must be a list of {group.size} arrays, "
+        raise DistTypeError(f"{where(op, group)}: {arg} must be a list of {group.size} arrays, "
                             f"got {type(xs).__name__}")
     if len(xs) != group.size:
-        raise DistValueError(f"{where(group, op)}: {arg} has {len(xs)} arrays, expected one per rank of "
+        raise DistValueError(f"{where(op, group)}: {arg} has {len(xs)} arrays, expected one per rank of "
                              f"the group ({group.size})")
     for i, x in enumerate(xs):
         check_array(group, op, f"{arg}[{i}]", x, writable=writable)
@@ -109,9 +111,9 @@ def check_list(group: CheckedGroup, op: str, arg: str, xs: Any, ref: np.ndarray,
 def check_root(group: CheckedGroup, op: str, arg: str, group_rank: int) -> int:
     """A group rank in range (the caller translated a global rank already)."""
     if not isinstance(group_rank, (int, np.integer)) or isinstance(group_rank, bool):
-        raise DistTypeError(f"{where(group, op)}: {arg} must be an int rank, got {group_rank!r}")
+        raise DistTypeError(f"{where(op, group)}: {arg} must be an int rank, got {group_rank!r}")
     if not 0 <= group_rank < group.size:
-        raise DistValueError(f"{where(group, op)}: {arg}={group_rank} is out of range for group "
+        raise DistValueError(f"{where(op, group)}: {arg}={group_rank} is out of range for group "
                              f"{group.name} of size {group.size} (valid: 0..{group.size - 1})")
     return int(group_rank)
 
@@ -122,11 +124,11 @@ def check_split_sizes(group: CheckedGroup, op: str, arg: str, splits: Sequence[i
     n = group.size
     if splits is None:
         if rows % n:
-            raise DistValueError(f"{where(group, op)}: dim 0 of length {rows} does not divide into "
+            raise DistValueError(f"{where(op, group)}: dim 0 of length {rows} does not divide into "
                                  f"{n} equal parts; pass {arg}")
         return [rows // n] * n
     splits = [int(s) for s in splits]
     if len(splits) != n or any(s < 0 for s in splits) or sum(splits) != rows:
-        raise DistValueError(f"{where(group, op)}: {arg}={splits} must hold {n} non-negative sizes "
+        raise DistValueError(f"{where(op, group)}: {arg}={splits} must hold {n} non-negative sizes "
                              f"summing to dim 0 of the array ({rows})")
     return splits

@@ -38,16 +38,16 @@ def _group_rank(g: ProcessGroup, op: str, arg: str, global_rank: int | None, gro
     """Resolve torch's (``src``, ``group_src``) pair to a group rank."""
     if group_rank is not None:
         if global_rank is not None:
-            raise DistValueError(f"{where(g, op)}: pass either {arg} or group_{arg}, not both")
+            raise DistValueError(f"{where(op, g)}: pass either {arg} or group_{arg}, not both")
         return group_rank
     if global_rank is None:
-        raise DistValueError(f"{where(g, op)}: {arg} (a global rank) or group_{arg} (a rank in the group) "
+        raise DistValueError(f"{where(op, g)}: {arg} (a global rank) or group_{arg} (a rank in the group) "
                              "is required")
     if isinstance(global_rank, bool) or not isinstance(global_rank, (int, np.integer)):
-        raise DistTypeError(f"{where(g, op)}: {arg} must be an int rank, got {global_rank!r}")
+        raise DistTypeError(f"{where(op, g)}: {arg} must be an int rank, got {global_rank!r}")
     index = g._group_rank_of.get(int(global_rank))
     if index is None:
-        raise DistValueError(f"{where(g, op)}: {arg}={global_rank} is not a rank of group {g.name} "
+        raise DistValueError(f"{where(op, g)}: {arg}={global_rank} is not a rank of group {g.name} "
                              f"(global ranks {list(g.ranks)}); {arg} is a global rank, group_{arg} a rank "
                              "within the group")
     return index
@@ -168,11 +168,11 @@ def _check_device_ids(g: ProcessGroup, device_ids: object) -> None:
           and not isinstance(device_ids[0], bool) and device_ids[0] >= 0)
     if not ok:
         error = DistTypeError if not isinstance(device_ids, (list, tuple)) else DistValueError
-        raise error(f"{where(g, op)}: device_ids must be a list of one GPU index of this rank (as torch's, e.g. "
+        raise error(f"{where(op, g)}: device_ids must be a list of one GPU index of this rank (as torch's, e.g. "
                     f"[local_rank]), got {device_ids!r}")
     device = g.engine.device if g.backend == "nccl" and g.rank >= 0 else None
     if device is not None and device_ids[0] != device:
-        raise DistValueError(f"{where(g, op)}: device_ids={list(device_ids)} is not this rank's GPU in group "
+        raise DistValueError(f"{where(op, g)}: device_ids={list(device_ids)} is not this rank's GPU in group "
                              f"{g.name}: its collectives run on device {device}; pass device_ids=[{device}] or "
                              "leave device_ids out")
 
@@ -212,7 +212,7 @@ def send(tensor: np.ndarray, dst: int | None = None, group: ProcessGroup | None 
     g = resolve_group(group)
     peer = _group_rank(g, "send", "dst", dst, group_dst)
     if peer == g.rank:
-        raise DistValueError(f"{where(g, 'send')}: a blocking send to this rank itself (global rank "
+        raise DistValueError(f"{where('send', g)}: a blocking send to this rank itself (global rank "
                              f"{g.global_rank}) can never complete; use isend and irecv to send to yourself")
     g.isend(tensor, peer, tag).wait()
 
@@ -226,7 +226,7 @@ def recv(tensor: np.ndarray, src: int | None = None, group: ProcessGroup | None 
     """
     g = resolve_group(group)
     if (src is not None or group_src is not None) and _group_rank(g, "recv", "src", src, group_src) == g.rank:
-        raise DistValueError(f"{where(g, 'recv')}: a blocking recv from this rank itself (global rank "
+        raise DistValueError(f"{where('recv', g)}: a blocking recv from this rank itself (global rank "
                              f"{g.global_rank}) can never complete; use isend and irecv to send to yourself")
     work = irecv(tensor, src, group, tag, group_src)
     work.wait()

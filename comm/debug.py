@@ -18,6 +18,7 @@ import functools
 import time
 from typing import Any
 
+from .naming import name_ranks
 from .errors import CollectiveMismatchError
 
 __all__ = [
@@ -129,7 +130,7 @@ def mismatch_error(rank: int, group: str, ranks: tuple[int, ...], seq: int,
     for i, (s, c) in enumerate(entries):
         shown = "another exchange (a monitored barrier?)" if c is None else f"{c.describe(counts=False)} #{s}"
         groups.setdefault(shown, []).append(ranks[i])
-    listing = "; ".join(f"{_name(members)}: {text}" for text, members in groups.items())
+    listing = "; ".join(f"{name_ranks(members)}: {text}" for text, members in groups.items())
     calls = [c for _, c in entries]
     if len(groups) == 1 and all(c is not None and c.counts is not None for c in calls):
         pairs = _count_disagreements(calls)
@@ -144,9 +145,6 @@ def mismatch_error(rank: int, group: str, ranks: tuple[int, ...], seq: int,
 def _elements(n: int) -> str:
     return f"{n} element" if n == 1 else f"{n} elements"
 
-
-def _name(members: list[int]) -> str:
-    return f"rank {members[0]}" if len(members) == 1 else f"ranks {members}"
 
 
 #: The fields of a flight-recorder entry, in order. ``state``: scheduled, started, completed,

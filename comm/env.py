@@ -15,6 +15,7 @@ import os
 import socket
 import stat
 
+from ..launch_protocol import HOST_NAME_ENV, JOB_SECRET_ENV, LAUNCHED_ENV
 from .debug import DebugLevel
 from .errors import DistValueError
 
@@ -33,21 +34,20 @@ TIMEOUT = "MESHKIT_TIMEOUT"
 ASYNC_ERROR_HANDLING = "MESHKIT_ASYNC_ERROR_HANDLING"
 CUDA_AWARE_MPI = "MESHKIT_CUDA_AWARE_MPI"
 #: Set to 1 by ``meshkit-run`` for its ranks.
-LAUNCHED = "MESHKIT_LAUNCHED"
+LAUNCHED = LAUNCHED_ENV
 #: This rank's GPU (nccl backend), when ``init_process_group(device_id=...)`` does not name it.
 DEVICE_ID = "MESHKIT_DEVICE_ID"
 #: A folder where each rank writes its flight record when a collective fails (``meshkit.debug``).
 TRACE_DIR = "MESHKIT_TRACE_DIR"
 #: The host name this rank reports in place of the machine's: set per rank by ``meshkit-run
-#: --simulate-nodes`` (:data:`meshkit.launch.bootstrap.HOST_NAME_ENV`, repeated here because
-#: ``comm`` imports nothing of ``launch``; a test checks they agree), so that ranks of one machine
+#: --simulate-nodes`` (:mod:`meshkit.launch_protocol`'s name), so that ranks of one machine
 #: group into simulated nodes wherever meshkit follows host boundaries (docs/clusters.md).
-HOST_NAME = "MESHKIT_HOST_NAME"
+HOST_NAME = HOST_NAME_ENV
 
 #: The job's secret (docs/security.md): ``meshkit-run`` and ``meshkit.spawn`` generate one per job
-#: (:mod:`meshkit.launch.cli` names the same variable; a test checks they agree); every store
-#: meshkit makes authenticates with it, and an outsider without it is refused.
-JOB_SECRET = "MESHKIT_JOB_SECRET"
+#: (:mod:`meshkit.launch_protocol`'s name); every store meshkit makes authenticates with it, and an
+#: outsider without it is refused.
+JOB_SECRET = JOB_SECRET_ENV
 #: The shortest secret accepted: 32 characters (``secrets.token_hex(16)``, 128 bits, the least a
 #: key should have; the launcher makes 64).
 MIN_SECRET_CHARS = 32

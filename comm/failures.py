@@ -138,7 +138,7 @@ class FailureState:
     def unusable(self, op: str) -> None:
         """Raise: the group broke earlier."""
         group = self.group
-        raise DistError(f"{where(group, op)}: group {group.name} is unusable after an earlier failure: "
+        raise DistError(f"{where(op, group)}: group {group.name} is unusable after an earlier failure: "
                         f"{self.reason}")
 
     def tell(self, notice: Notice) -> None:

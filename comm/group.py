@@ -157,7 +157,7 @@ class ProcessGroup:
         try:
             check_array(self, "all_reduce", "tensor", tensor)
             if op.__class__ is not ReduceOp or (op, tensor.dtype) not in valid_op_dtypes:  # checked once per pair
-                op = check_op_dtype(op, tensor.dtype, lambda: where(self, "all_reduce"))
+                op = check_op_dtype(op, tensor.dtype, lambda: where("all_reduce", self))
         except (DistValueError, DistTypeError) as exc:
             raise self.queue.reject("all_reduce", exc)
         # The path of every collective (CollectiveQueue.run's phases), with the engine call made here:
@@ -187,7 +187,7 @@ class ProcessGroup:
         try:
             check_array(self, "reduce", "tensor", tensor)
             root = check_root(self, "reduce", "dst", root)
-            op = check_op_dtype(op, tensor.dtype, lambda: where(self, "reduce"))
+            op = check_op_dtype(op, tensor.dtype, lambda: where("reduce", self))
         except (DistValueError, DistTypeError) as exc:
             raise self.queue.reject("reduce", exc)
         queue = self.queue
@@ -245,7 +245,7 @@ class ProcessGroup:
             check_array(self, name, "input", input, writable=False)
             check_array(self, name, "output", output)
             check_like(self, name, "input", input, output, "output", size=output.size * self.size)
-            op = check_op_dtype(op, input.dtype, lambda: where(self, name))
+            op = check_op_dtype(op, input.dtype, lambda: where(name, self))
         except (DistValueError, DistTypeError) as exc:
             raise self.queue.reject(name, exc)
         settle = self.queue.averaged(output) if op is ReduceOp.AVG and self.queue.divides else None
@@ -259,7 +259,7 @@ class ProcessGroup:
         try:
             check_array(self, "reduce_scatter", "output", output)
             ins = check_list(self, "reduce_scatter", "input_list", input_list, output, "output", writable=False)
-            op = check_op_dtype(op, output.dtype, lambda: where(self, "reduce_scatter"))
+            op = check_op_dtype(op, output.dtype, lambda: where("reduce_scatter", self))
         except (DistValueError, DistTypeError) as exc:
             raise self.queue.reject("reduce_scatter", exc)
         settle = self.queue.averaged(output) if op is ReduceOp.AVG and self.queue.divides else None
@@ -310,7 +310,7 @@ class ProcessGroup:
             check_array(self, name, "output", output)
             check_like(self, name, "output", output, input, "input")
             if input.ndim == 0 or output.ndim == 0 or input.shape[1:] != output.shape[1:]:
-                raise DistValueError(f"{where(self, name)}: input {input.shape} and output {output.shape} must be "
+                raise DistValueError(f"{where(name, self)}: input {input.shape} and output {output.shape} must be "
                                      "at least 1-D with the same shape after dim 0")
             row = input.size // input.shape[0] if input.shape[0] else math.prod(input.shape[1:])
             send = [s * row for s in check_split_sizes(self, name, "input_split_sizes", input_split_sizes,
@@ -329,7 +329,7 @@ class ProcessGroup:
         check_member(self, "all_to_all")
         try:
             if not isinstance(input_list, (list, tuple)) or not input_list:
-                raise DistValueError(f"{where(self, 'all_to_all')}: input_list must be a list of {self.size} arrays")
+                raise DistValueError(f"{where('all_to_all', self)}: input_list must be a list of {self.size} arrays")
             check_array(self, "all_to_all", "input_list[0]", input_list[0], writable=False)
             ref = input_list[0]
             ins = check_list(self, "all_to_all", "input_list", input_list, ref, "input_list[0]", writable=False,
@@ -526,11 +526,11 @@ class ProcessGroup:
                    *, writable: bool) -> list[np.ndarray] | None:
         if self.rank == root:
             if xs is None:
-                raise DistValueError(f"{where(self, op)}: {arg} is required on the root rank "
+                raise DistValueError(f"{where(op, self)}: {arg} is required on the root rank "
                                      f"(group rank {root})")
             return check_list(self, op, arg, xs, ref, "tensor", writable=writable)
         if xs:
-            raise DistValueError(f"{where(self, op)}: {arg} must be None or empty on non-root ranks "
+            raise DistValueError(f"{where(op, self)}: {arg} must be None or empty on non-root ranks "
                                  f"(root is group rank {root}, this is group rank {self.rank})")
         return None
 

@@ -259,11 +259,11 @@ def mpi_launched() -> bool:
     """Whether an MPI process manager started this process (``mpiexec``, ``meshkit-run``,
     ``meshkit.spawn``, ``srun`` with an MPI plugin): then MPI's world is the world."""
     return any(os.environ.get(name, "").strip() for name in MPI_RANK_ENVS) or \
-        os.environ.get("MESHKIT_LAUNCHED", "").strip() == "1"
+        os.environ.get(env.LAUNCHED, "").strip() == "1"
 
 
 def launcher_name() -> str:
-    return "meshkit-run" if os.environ.get("MESHKIT_LAUNCHED", "").strip() == "1" else "mpiexec"
+    return "meshkit-run" if os.environ.get(env.LAUNCHED, "").strip() == "1" else "mpiexec"
 
 
 def agreement(asked: Requested, rank: int, size: int, launcher: str | None = None) -> str | None:

@@ -8,7 +8,7 @@ it would wait in different exchanges. Hence the choice made here:
 * Before ``init_process_group`` the level is this rank's (a thread's, inside
   :func:`meshkit.comm.local.run`): the next ``init_process_group`` uses it instead of
   ``MESHKIT_DEBUG``. ``init_process_group`` compares the ranks' levels and raises on every rank
-  if they differ.
+  if they differ (comm/lifecycle.py, through :func:`~meshkit.comm.agree.agree`).
 * After it, :func:`set_debug_level` is **collective over the world**: every rank calls it at the
   same point of its program, with the same level. It waits for the run_async tasks of every group,
   then exchanges ``(level, calls issued on each group)`` over the world group, and every rank
@@ -22,17 +22,14 @@ it would wait in different exchanges. Hence the choice made here:
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any
 
 from . import env
-from .agree import agree, by_ranks
 from .debug import DebugLevel
-from .engine import DeadlineExceeded
-from .errors import CollectiveMismatchError, CollectiveTimeout, DistTypeError, DistValueError
+from .errors import CollectiveMismatchError, DistTypeError, DistValueError
 from .world import current_world, is_initialized, local_context
 
-__all__ = ["set_debug_level", "get_debug_level", "set_debug_level_from_env", "requested_level", "agree_at_init"]
+__all__ = ["set_debug_level", "get_debug_level", "set_debug_level_from_env", "requested_level"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,10 +40,6 @@ class _Switch:
     level: DebugLevel
     counts: tuple[tuple[tuple[int, ...], int], ...]
 
-
-#: The number of init_process_group's exchange of levels (not a call of the world group; other
-#: unnumbered exchanges use -1 to -4: comm/local_engine.py's split, comm/nccl.py's bootstrap).
-_INIT_SEQ = -5
 
 # Before init_process_group: the level the next one uses (per thread inside local.run).
 _process_request: DebugLevel | None = None
@@ -82,36 +75,6 @@ def _request(level: DebugLevel) -> None:
         context.debug_level = level
     else:
         _process_request = level
-
-
-def agree_at_init(group: Any) -> None:
-    """At ``init_process_group``: every rank's level must be the same (a rank in detail mode and
-    one not in it would wait in different exchanges at the first collective). One exchange of the
-    world's engine, not numbered (no call of the world group is spent); DistValueError on every
-    rank naming each rank's level if they differ."""
-    if group.size == 1:
-        return
-    deadline = time.monotonic() + group.timeout
-    me = group.world.rank
-
-    def exchange(g: Any, payload: Any) -> list[Any]:
-        try:
-            return g.engine.exchange(payload, _INIT_SEQ, deadline)
-        except DeadlineExceeded as exc:
-            raise CollectiveTimeout(f"meshkit.comm: rank {me}: init_process_group: the ranks' debug levels were not "
-                                    f"all compared within {group.timeout:.1f} s; ranks that did not arrive: "
-                                    f"{exc.missing}", op="init_process_group", group=group.name,
-                                    missing=exc.missing) from None
-
-    def differ(g: Any, levels: list[int]) -> str | None:
-        if len(set(levels)) == 1:
-            return None
-        listing = by_ranks((rank, DebugLevel(value).name) for rank, value in zip(g.ranks, levels))
-        return (f"the ranks' debug levels differ ({listing}); set MESHKIT_DEBUG (or call set_debug_level) alike on "
-                "every rank")
-
-    agree(group, int(group.world.debug), compare=differ, exchange=exchange,
-          error=lambda message: DistValueError(f"meshkit.comm: rank {me}: init_process_group: {message}"))
 
 
 def set_debug_level(level: DebugLevel | str) -> None:

@@ -16,13 +16,16 @@ import time
 from typing import Any
 
 from . import env
+from .agree import agree
+from .naming import by_ranks
 from .backends import RULES, Backend, BackendOptions, check_name, create_engine, register_backend
 from .cuda_runtime import gpu_available, runtime
 from .debug import DebugLevel, FlightRecorder
-from .errors import DistBackendError, DistError, DistValueError
+from .engine import DeadlineExceeded
+from .errors import CollectiveTimeout, DistBackendError, DistError, DistValueError
 from .group import ProcessGroup
 from .init_methods import Requested, agreement, mpi_launched, rendezvous, requested
-from .levels import agree_at_init, requested_level
+from .levels import requested_level
 from .milestones import RENDEZVOUS, milestone
 from .notices import LEFT, Notice
 from .progress import ProgressAgent
@@ -34,6 +37,41 @@ from .world import World, current_world, is_initialized, local_context, set_worl
 __all__ = ["init_process_group", "destroy_process_group"]
 
 logger = logging.getLogger("meshkit")
+
+#: The number of init_process_group's exchange of levels (not a call of the world group; other
+#: unnumbered exchanges use -1 to -4: comm/local_engine.py's split, comm/nccl.py's bootstrap).
+_INIT_SEQ = -5
+
+
+def _agree_on_levels(group: Any) -> None:
+    """At ``init_process_group``: every rank's level must be the same (a rank in detail mode and
+    one not in it would wait in different exchanges at the first collective). One exchange of the
+    world's engine, not numbered (no call of the world group is spent); DistValueError on every
+    rank naming each rank's level if they differ."""
+    if group.size == 1:
+        return
+    deadline = time.monotonic() + group.timeout
+    me = group.world.rank
+
+    def exchange(g: Any, payload: Any) -> list[Any]:
+        try:
+            return g.engine.exchange(payload, _INIT_SEQ, deadline)
+        except DeadlineExceeded as exc:
+            raise CollectiveTimeout(f"meshkit.comm: rank {me}: init_process_group: the ranks' debug levels were not "
+                                    f"all compared within {group.timeout:.1f} s; ranks that did not arrive: "
+                                    f"{exc.missing}", op="init_process_group", group=group.name,
+                                    missing=exc.missing) from None
+
+    def differ(g: Any, levels: list[int]) -> str | None:
+        if len(set(levels)) == 1:
+            return None
+        listing = by_ranks((rank, DebugLevel(value).name) for rank, value in zip(g.ranks, levels))
+        return (f"the ranks' debug levels differ ({listing}); set MESHKIT_DEBUG (or call set_debug_level) alike on "
+                "every rank")
+
+    agree(group, int(group.world.debug), compare=differ, exchange=exchange,
+          error=lambda message: DistValueError(f"meshkit.comm: rank {me}: init_process_group: {message}"))
+
 
 def _resolve_backend(backend: str) -> str:
     """A registered backend's name (comm/backends.py) for ``backend``, or the one "auto"/"gloo" pick.
@@ -205,7 +243,7 @@ def init_process_group(backend: str = "auto", init_method: str | None = None,
                          timeout=limit)
     world.rank, world.size, world.default_group = engine.rank, engine.size, group
     world.groups[frozenset(group.ranks)] = group
-    agree_at_init(group)  # a rank in detail mode and one not in it would wait in different exchanges
+    _agree_on_levels(group)  # a rank in detail mode and one not in it would wait in different exchanges
     set_world(world)
     if local_context() is None:
         milestone(RENDEZVOUS)  # meshkit-run times a restart's rendezvous by it

@@ -3,9 +3,8 @@
 After a restart the launcher reports how long the job took from the failure to its first
 training step again, split into detection, relaunch, rendezvous and checkpoint load (issue 27.4).
 It learns when each rank passed each point from a file the rank writes into the launcher's
-status directory (``milestone-{name}.{rank}``, holding the wall-clock time in ns; the protocol
-is :mod:`meshkit.launch.bootstrap`'s, whose names are repeated here because ``comm`` imports
-nothing of ``launch``). Each milestone is written once per process; outside ``meshkit-run``, or
+status directory (``milestone-{name}.{rank}``, holding the wall-clock time in ns; the names are
+:mod:`meshkit.launch_protocol`'s, which the launcher imports too). Each milestone is written once per process; outside ``meshkit-run``, or
 on a host other than the launcher's, :func:`milestone` does nothing.
 
 Who calls it: the ``meshkit`` package once imported (``imported``), :func:`~meshkit.comm.init_process_group` (``rendezvous``), checkpoint loads
@@ -17,13 +16,12 @@ from __future__ import annotations
 import os
 import time
 
+from ..launch_protocol import (FAILED, FIRST_STEP, IMPORTED, LAUNCHER_ENV, RENDEZVOUS, RESTORED, STATUS_DIR_ENV,
+                               milestone_file)
+
 __all__ = ["milestone", "report_failure", "IMPORTED", "RENDEZVOUS", "RESTORED", "FIRST_STEP", "STATUS_DIR_ENV",
            "LAUNCHER_ENV"]
 
-#: The milestones the launcher knows, in the order a restarted job passes them.
-IMPORTED, RENDEZVOUS, RESTORED, FIRST_STEP = "imported", "rendezvous", "restored", "first_step"
-#: :data:`meshkit.launch.bootstrap.STATUS_DIR_ENV` and ``LAUNCHER_ENV`` (a test checks they agree).
-STATUS_DIR_ENV, LAUNCHER_ENV = "MESHKIT_LAUNCH_STATUS_DIR", "MESHKIT_LAUNCHER"
 
 _passed: set[str] = set()
 
@@ -33,7 +31,7 @@ def milestone(name: str) -> None:
     if name in _passed:
         return
     _passed.add(name)
-    _write(f"milestone-{name}", str(time.time_ns()))
+    _write(milestone_file(name), str(time.time_ns()))
 
 
 def report_failure(status: int, how: str) -> None:
@@ -41,7 +39,7 @@ def report_failure(status: int, how: str) -> None:
     ns, as the rank bootstrap writes it): ``hung``, for a process its watchdog ends because a call
     into the engine's library never returned (comm/watchdog.py), which the launcher names as the
     cause of the job's failure before the ranks whose own timeouts fired while they waited for it."""
-    _write("failed", f"{int(status)} {how} {time.time_ns()}")
+    _write(FAILED, f"{int(status)} {how} {time.time_ns()}")
 
 
 def _write(name: str, text: str) -> None:

@@ -129,7 +129,7 @@ def _failures(g: ProcessGroup, op: str, what: str, sizes: np.ndarray, rows: Any)
                             if len(rows[i]) else f"rank {g.ranks[i]}: its error is reported on the destination"
                             for i in failed)
         how = "pickled" if _authenticated(g) else "sent in meshkit's typed format"
-        raise ObjectCollectiveError(f"{where(g, op)}: {what} could not be {how} on ranks "
+        raise ObjectCollectiveError(f"{where(op, g)}: {what} could not be {how} on ranks "
                                     f"{[g.ranks[i] for i in failed]} ({reasons}); every rank raises")
 
 
@@ -158,7 +158,7 @@ class _OverExchange:
             g = self._g
             got = (f"an array of shape {part.shape} and dtype {part.dtype}" if isinstance(part, np.ndarray)
                    else f"a {type(part).__name__}")
-            raise ControlMessageError(f"{where(g, op)}: the exchange brought {got} from rank {g.ranks[sender]}, "
+            raise ControlMessageError(f"{where(op, g)}: the exchange brought {got} from rank {g.ranks[sender]}, "
                                       f"where an array of shape {like.shape} and dtype {like.dtype} was sent; a "
                                       "process outside this job may have written to the rendezvous store")
         return part
@@ -181,7 +181,7 @@ class _OverExchange:
     def scatter(self, out: np.ndarray, rows: list[np.ndarray] | None, root: int) -> None:
         sent = self._all("scatter", rows)[root]
         if type(sent) is not list or len(sent) != self._g.size:
-            raise ControlMessageError(f"{where(self._g, 'scatter')}: the exchange brought a "
+            raise ControlMessageError(f"{where('scatter', self._g)}: the exchange brought a "
                                       f"{type(sent).__name__} from rank {self._g.ranks[root]}, where a list of "
                                       f"{self._g.size} arrays was sent; a process outside this job may have written "
                                       "to the rendezvous store")
@@ -199,7 +199,7 @@ def _bounded(g: Any, op: str, sizes: Any, senders: Any) -> None:
     if isinstance(g, _OverExchange):
         for n, i in zip(sizes, senders):
             if abs(int(n)) > MAX_VALUE_BYTES:
-                raise ControlMessageError(f"{where(g, op)}: rank {g.ranks[i]} announced {abs(int(n))} bytes, more "
+                raise ControlMessageError(f"{where(op, g)}: rank {g.ranks[i]} announced {abs(int(n))} bytes, more "
                                           f"than any store carries ({MAX_VALUE_BYTES}); a process outside this job "
                                           "may have written to the rendezvous store")
 
@@ -226,9 +226,9 @@ def _gathered_sizes(g: ProcessGroup, n: int, op: str) -> np.ndarray:
 def _check_list(g: ProcessGroup, op: str, arg: str, xs: Any, slots: int | None = None) -> None:
     """``xs`` is a list (of ``slots`` entries, when given)."""
     if not isinstance(xs, list):
-        raise DistTypeError(f"{where(g, op)}: {arg} must be a list, got {type(xs).__name__}")
+        raise DistTypeError(f"{where(op, g)}: {arg} must be a list, got {type(xs).__name__}")
     if slots is not None and len(xs) != slots:
-        raise DistValueError(f"{where(g, op)}: {arg} has {len(xs)} slots, expected one per rank ({slots})")
+        raise DistValueError(f"{where(op, g)}: {arg} has {len(xs)} slots, expected one per rank ({slots})")
 
 
 def broadcast_object_list(object_list: list[Any], src: int | None = None, group: ProcessGroup | None = None,
@@ -252,16 +252,16 @@ def broadcast_object_list(object_list: list[Any], src: int | None = None, group:
         g.broadcast(buf, root)
         if n < 0:
             how = "pickled" if _authenticated(g) else "sent in meshkit's typed format"
-            raise ObjectCollectiveError(f"{where(g, 'broadcast_object_list')}: object_list could not be {how} on "
+            raise ObjectCollectiveError(f"{where('broadcast_object_list', g)}: object_list could not be {how} on "
                                         f"the source, rank {g.ranks[root]} ({bytes(buf).decode(errors='replace')}); "
                                         "every rank raises")
         if g.rank != root:
             received = _load(g, "broadcast_object_list", buf, root)
             if type(received) is not list:
-                raise ControlMessageError(f"{where(g, 'broadcast_object_list')}: the source, rank {g.ranks[root]}, "
+                raise ControlMessageError(f"{where('broadcast_object_list', g)}: the source, rank {g.ranks[root]}, "
                                           f"sent a {type(received).__name__}, not a list")
             if len(received) != len(object_list):
-                raise DistValueError(f"{where(g, 'broadcast_object_list')}: object_list has {len(object_list)} "
+                raise DistValueError(f"{where('broadcast_object_list', g)}: object_list has {len(object_list)} "
                                      f"elements but the source's has {len(received)}; they must match")
             object_list[:] = received
 
@@ -321,7 +321,7 @@ def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_in
     root = _group_rank(g, "scatter_object_list", "src", src, group_src)
     _check_list(g, "scatter_object_list", "scatter_object_output_list", scatter_object_output_list)
     if not scatter_object_output_list:
-        raise DistValueError(f"{where(g, 'scatter_object_list')}: scatter_object_output_list needs at least "
+        raise DistValueError(f"{where('scatter_object_list', g)}: scatter_object_output_list needs at least "
                              "one slot to receive into")
     g = _host_side(g)
     with _Refusing(g):
@@ -353,7 +353,7 @@ def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_in
             if g.rank == root and error is not None:
                 raise error
             text = bytes(message).decode(errors="replace")
-            raise ObjectCollectiveError(f"{where(g, 'scatter_object_list')}: the source, rank {g.ranks[root]}, could "
+            raise ObjectCollectiveError(f"{where('scatter_object_list', g)}: the source, rank {g.ranks[root]}, could "
                                         f"not send scatter_object_input_list ({text}); every rank raises")
         mine = np.empty(w, np.uint8)
         rows = None
@@ -363,6 +363,6 @@ def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_in
         g.scatter(mine, rows, root)
         n = int(mine[:8].view(np.int64)[0])
         if not 0 < n <= w - 8:
-            raise ControlMessageError(f"{where(g, 'scatter_object_list')}: the source, rank {g.ranks[root]}, sent a "
+            raise ControlMessageError(f"{where('scatter_object_list', g)}: the source, rank {g.ranks[root]}, sent a "
                                       f"row of {w} bytes that says it holds {n}")
         scatter_object_output_list[0] = _load(g, "scatter_object_list", mine[8:8 + n], root)

@@ -83,13 +83,13 @@ def irecv(group: Any, tensor: np.ndarray, src: int | None = None, tag: int = 0) 
             if dtype == tensor.dtype and count == tensor.size:
                 tensor.reshape(-1).view(np.uint8)[...] = staged[_HEADER:]
         if dtype is not None and dtype != tensor.dtype:
-            raise DistTypeError(f"{where(group, 'recv')}: recv buffer has dtype {tensor.dtype} but the message "
+            raise DistTypeError(f"{where('recv', group)}: recv buffer has dtype {tensor.dtype} but the message "
                                 f"from group rank {source} has dtype {dtype}; receive into a buffer of the "
                                 "dtype that was sent")
         if count != tensor.size:
             got = ("more elements than fit" if count < 0 else f"{count}" if isinstance(count, int) else
                    f"{count:g} (its bytes do not divide into {tensor.dtype} elements)")
-            raise DistValueError(f"{where(group, 'recv')}: recv buffer has {tensor.size} elements but the "
+            raise DistValueError(f"{where('recv', group)}: recv buffer has {tensor.size} elements but the "
                                  f"message from group rank {source} has {got}; receive into a buffer of the "
                                  "size that was sent")
         return group.ranks[source]
@@ -111,7 +111,7 @@ def _p2p_work(group: Any, what: str, request: Request, record: CollectiveRecord,
 
 def _check_tag(group: Any, op: str, tag: int) -> None:
     if not isinstance(tag, (int, np.integer)) or not 0 <= tag <= group.max_tag:
-        raise DistValueError(f"{where(group, op)}: tag={tag!r} is out of range (valid: 0..{group.max_tag})")
+        raise DistValueError(f"{where(op, group)}: tag={tag!r} is out of range (valid: 0..{group.max_tag})")
 
 
 class P2PWork(RequestWork):

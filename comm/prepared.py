@@ -106,7 +106,7 @@ class PreparedCollective:
             return False
         if self.op in _REDUCING:
             try:
-                check_op_dtype(self.reduce_op, dtype, lambda: where(self.group, self.op))
+                check_op_dtype(self.reduce_op, dtype, lambda: where(self.op, self.group))
             except (DistTypeError, DistValueError):
                 return False
         self._dtypes.add(dtype)
@@ -119,13 +119,13 @@ class PreparedCollective:
         group, op = self.group, self.op
         check_member(group, op)  # not a member, or destroyed
         if not hasattr(input, "shape") or not hasattr(input, "dtype") or not hasattr(input, "flags"):  # not an array
-            exc: Exception = DistTypeError(f"{where(group, op)}: input must be an array, got {type(input).__name__}")
+            exc: Exception = DistTypeError(f"{where(op, group)}: input must be an array, got {type(input).__name__}")
         elif input.shape != self.shape:
-            exc = DistValueError(f"{where(group, op)}: input has shape {tuple(input.shape)} but this collective was "
+            exc = DistValueError(f"{where(op, group)}: input has shape {tuple(input.shape)} but this collective was "
                                  f"prepared for shape {self.shape}")
         else:
             prepared = "any communicable dtype" if self.dtype is None else f"dtype {self.dtype}"
-            exc = DistTypeError(f"{where(group, op)}: input has dtype {input.dtype} but this collective was prepared "
+            exc = DistTypeError(f"{where(op, group)}: input has dtype {input.dtype} but this collective was prepared "
                                 f"for {prepared}" + ("" if self.reduce_op is None or op not in _REDUCING
                                                      else f" and {self.reduce_op!r}"))
         raise group.queue.reject(op, exc)
@@ -149,29 +149,29 @@ def prepare_collective(group: ProcessGroup, op: str, shape: tuple[int, ...], dty
         raise DistTypeError(f"meshkit.comm: {name}: group must be a ProcessGroup, got {type(group).__name__}")
     check_member(group, name)
     if op not in PREPARED_OPS:
-        raise DistValueError(f"{where(group, name)}: op must be one of {sorted(PREPARED_OPS)}, got {op!r}")
+        raise DistValueError(f"{where(name, group)}: op must be one of {sorted(PREPARED_OPS)}, got {op!r}")
     shape = tuple(shape)
     if not shape or any(not isinstance(s, (int, np.integer)) or s < 0 for s in shape):
-        raise DistValueError(f"{where(group, name)}: shape must be a non-empty tuple of sizes >= 0, got {shape!r}")
+        raise DistValueError(f"{where(name, group)}: shape must be a non-empty tuple of sizes >= 0, got {shape!r}")
     shape = tuple(int(s) for s in shape)
     if op in ("reduce_scatter_tensor", "all_to_all_single") and shape[0] % group.size:
-        raise DistValueError(f"{where(group, name)}: shape[0] = {shape[0]} must be a multiple of the group size "
+        raise DistValueError(f"{where(name, group)}: shape[0] = {shape[0]} must be a multiple of the group size "
                              f"{group.size} for {op}")
     if dtype is not None:
         try:
             dtype = np.dtype(dtype)
         except TypeError:
-            raise DistTypeError(f"{where(group, name)}: dtype {dtype!r} is not a NumPy dtype") from None
+            raise DistTypeError(f"{where(name, group)}: dtype {dtype!r} is not a NumPy dtype") from None
         if dtype.kind not in "biufc":
-            raise DistTypeError(f"{where(group, name)}: dtype {dtype} cannot be communicated; valid dtypes are "
+            raise DistTypeError(f"{where(name, group)}: dtype {dtype} cannot be communicated; valid dtypes are "
                                 "bool, integers, floats and complex")
     if op in ("reduce_scatter_tensor", "all_reduce"):
         if dtype is not None:
-            reduce_op = check_op_dtype(reduce_op, dtype, lambda: where(group, name))
+            reduce_op = check_op_dtype(reduce_op, dtype, lambda: where(name, group))
         elif reduce_op.__class__ is not ReduceOp:  # a name; whether it suits a dtype is checked at its first call
             try:
                 reduce_op = ReduceOp[str(reduce_op).upper()]
             except KeyError:
-                raise DistTypeError(f"{where(group, name)}: reduce_op={reduce_op!r} is not a ReduceOp; valid ops are "
+                raise DistTypeError(f"{where(name, group)}: reduce_op={reduce_op!r} is not a ReduceOp; valid ops are "
                                     f"{[o.name for o in ReduceOp]}") from None
     return PreparedCollective(group, op, shape, dtype, reduce_op)

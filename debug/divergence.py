@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..comm import DistValueError
-from ..comm._seams import RECORD_FORMAT, NotRegular, TooLarge, positive_setting, read_bounded
+from ..comm._seams import RECORD_FORMAT, NotRegular, TooLarge, name_ranks, positive_setting, read_bounded
 
 __all__ = ["Finding", "load_records", "check_record", "analyze", "report", "printable", "max_record_bytes",
            "MAX_RECORD_ENV", "MAX_RECORD_BYTES"]
@@ -282,9 +282,6 @@ def _last(document: dict[str, Any]) -> dict[str, Any] | None:
     return calls[-1] if calls else None
 
 
-def _name(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
-
 
 def analyze(records: dict[int, dict[str, Any]]) -> list[Finding]:
     """The divergences these ranks' flight records show (see the module docstring), cause first."""
@@ -327,12 +324,12 @@ def analyze(records: dict[int, dict[str, Any]]) -> list[Finding]:
                     if signature != majority[0]:
                         what = _differs(entered[members[0]], reference)
                         findings.append(Finding("mismatch", tuple(members), entered[members[0]]["op"], name, seq,
-                                                f"MISMATCH: {_name(members)} called {signature} as call #{seq} on "
+                                                f"MISMATCH: {name_ranks(members)} called {signature} as call #{seq} on "
                                                 f"group {name} (ranks {list(ranks)}) where "
-                                                f"{_name(by_signature[majority[0]])} called {majority[0]}: the "
+                                                f"{name_ranks(by_signature[majority[0]])} called {majority[0]}: the "
                                                 f"{what}"))
             else:
-                listing = "; ".join(f"{_name(m)}: {s}" for s, m in by_signature.items())
+                listing = "; ".join(f"{name_ranks(m)}: {s}" for s, m in by_signature.items())
                 findings.append(Finding("mismatch", tuple(sorted(entered)), op, name, seq,
                                         f"MISMATCH: call #{seq} on group {name} (ranks {list(ranks)}) differs "
                                         f"between its ranks: {listing}"))
@@ -373,8 +370,8 @@ def analyze(records: dict[int, dict[str, Any]]) -> list[Finding]:
                         ordered.add(pair)
                         findings.append(Finding(
                             "order", tuple(sorted(pair)), op, name, seq,
-                            f"ORDER: {_name(sorted(pair))} called collectives in different orders: "
-                            f"{_name(behind)} entered {where} first, while rank {r} entered {last['op']} "
+                            f"ORDER: {name_ranks(sorted(pair))} called collectives in different orders: "
+                            f"{name_ranks(behind)} entered {where} first, while rank {r} entered {last['op']} "
                             f"#{last['seq']} on group {last['group']} (ranks {last['ranks']}) first; each waits "
                             "for the other"))
                     continue
@@ -390,7 +387,7 @@ def analyze(records: dict[int, dict[str, Any]]) -> list[Finding]:
                          "before it until the job ended)")
         if missing:
             findings.append(Finding("missing", tuple(missing), op, name, seq,
-                                    f"MISSING: {_name(missing)} never entered {where}: " + "; ".join(notes)))
+                                    f"MISSING: {name_ranks(missing)} never entered {where}: " + "; ".join(notes)))
     findings.sort(key=lambda f: _KINDS.index(f.kind))  # stable: groups stay in order within a kind
     return findings
 

@@ -13,13 +13,15 @@ not repeating a first attempt's set-up::
 
 Outside the launcher (plain ``python``, ``mpiexec``, another launcher) every process is on its
 first attempt and there are no restarts. The package reads the environment only: it imports
-nothing of meshkit.
+nothing of meshkit but the variables' names (:mod:`meshkit.launch_protocol`).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+
+from ..launch_protocol import MAX_NPROC_ENV, MAX_RESTARTS_ENV, MIN_NPROC_ENV, RESTART_COUNT_ENV
 
 __all__ = ["restart_count", "max_restarts", "is_restart", "world_size_range", "Attempt", "attempt"]
 
@@ -40,12 +42,12 @@ def _number(name: str, default: int) -> int:
 
 def restart_count() -> int:
     """Restarts before this attempt: 0 on the first attempt (and outside ``meshkit-run``)."""
-    return _number("MESHKIT_RESTART_COUNT", 0)
+    return _number(RESTART_COUNT_ENV, 0)
 
 
 def max_restarts() -> int:
     """``--max-restarts`` of the job (0 outside ``meshkit-run`` or without restarts)."""
-    return _number("MESHKIT_MAX_RESTARTS", 0)
+    return _number(MAX_RESTARTS_ENV, 0)
 
 
 def is_restart() -> bool:
@@ -59,9 +61,9 @@ def world_size_range() -> tuple[int, int] | None:
     Raises:
         ValueError: a variable is not an integer >= 0, or MIN is larger than MAX.
     """
-    low, high = _number("MESHKIT_MIN_NPROC", 0), _number("MESHKIT_MAX_NPROC", 0)
+    low, high = _number(MIN_NPROC_ENV, 0), _number(MAX_NPROC_ENV, 0)
     if low and high and low > high:
-        raise ValueError(f"meshkit.elastic: MESHKIT_MIN_NPROC={low} is larger than MESHKIT_MAX_NPROC={high} "
+        raise ValueError(f"meshkit.elastic: {MIN_NPROC_ENV}={low} is larger than {MAX_NPROC_ENV}={high} "
                          "(meshkit-run sets them from -n MIN:MAX; unset them or give MIN <= MAX)")
     return (low, high) if low and high else None
 

@@ -18,12 +18,33 @@ a failed job restarted, the way back timed), :mod:`~meshkit.launch.slots` (``-n 
 ``--slots``, ``--hostfile``) and :mod:`~meshkit.launch.secret` (the job's secret).
 """
 
-from .cli import ALLOCATOR_ENV, THREAD_ENV_VARS, allocator_settings, find_mpiexec, main, thread_limits
-from .job import FAILURE_SETTLE_S, KILL_GRACE_S, TIMEOUT_EXIT_CODE, LaunchConfigError, LaunchError
-from .secret import JOB_SECRET_ENV
+import sys
+import warnings
+from importlib import import_module
+from typing import Any
+
+from .cli import allocator_settings, find_mpiexec, main, thread_limits
+from .job import LaunchConfigError, LaunchError
 from .spawn import ProcessException, ProcessExitedException, ProcessRaisedException, SpawnContext, spawn
 
-__all__ = ["main", "find_mpiexec", "thread_limits", "THREAD_ENV_VARS", "allocator_settings", "ALLOCATOR_ENV",
-           "LaunchError", "LaunchConfigError", "JOB_SECRET_ENV", "FAILURE_SETTLE_S", "KILL_GRACE_S",
-           "TIMEOUT_EXIT_CODE", "spawn", "SpawnContext", "ProcessException", "ProcessRaisedException",
-           "ProcessExitedException"]
+__all__ = ["main", "find_mpiexec", "thread_limits", "allocator_settings", "LaunchError", "LaunchConfigError", "spawn",
+           "SpawnContext", "ProcessException", "ProcessRaisedException", "ProcessExitedException"]
+
+#: Constants that were in ``__all__`` in 0.1 (the package exports no constants: the protocol's names are
+#: :mod:`meshkit.launch_protocol`'s, the launcher's own settings its modules'): importable from here for one
+#: more release, with a warning naming their module.
+_MOVED = {"ALLOCATOR_ENV": "meshkit.launch.cli", "THREAD_ENV_VARS": "meshkit.launch.cli",
+          "FAILURE_SETTLE_S": "meshkit.launch.job", "KILL_GRACE_S": "meshkit.launch.job",
+          "TIMEOUT_EXIT_CODE": "meshkit.launch.job", "JOB_SECRET_ENV": "meshkit.launch_protocol"}
+
+
+def __getattr__(name: str) -> Any:
+    """The names of :data:`_MOVED`, with a DeprecationWarning (as ``meshkit.comm._seams.moved_names``
+    does for the other packages; launch imports nothing of comm)."""
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    new = _MOVED[name]
+    if sys._getframe(1).f_code.co_name != "_handle_fromlist":  # a from-import asks twice: warn once
+        warnings.warn(f"{__name__}.{name} is not public API and goes in the next release: import it from {new} "
+                      f"({new}.{name})", DeprecationWarning, stacklevel=2)
+    return getattr(import_module(new), name)

@@ -56,7 +56,9 @@ file               contents                                written by
                                                            died and its rank was killed
 =================  ======================================  ====================
 
-The directory is the launcher's ``mkdtemp`` (mode 0700); every file in it is created
+These names, and the environment variables, are :mod:`meshkit.launch_protocol`'s, loaded by path
+(the one module besides the standard library the bootstrap reads). The directory is the
+launcher's ``mkdtemp`` (mode 0700); every file in it is created
 exclusively (``O_EXCL | O_NOFOLLOW``, mode 0600) and the launcher parses them as integers and
 known words only.
 """
@@ -64,6 +66,8 @@ known words only.
 from __future__ import annotations
 
 import atexit
+import importlib
+import importlib.util
 import os
 import re
 import runpy
@@ -86,6 +90,34 @@ __all__ = [
     "set_torchrun_env", "set_simulated_node", "simulated_host", "main",
 ]
 
+
+def _load_protocol() -> ModuleType:
+    """:mod:`meshkit.launch_protocol`, the names the launcher and the ranks share.
+
+    Imported as ``meshkit.launch.bootstrap`` (the launcher's side), the package's module. Run by
+    path (a rank), the same file, loaded by path under a private name: importing ``meshkit``
+    would import NumPy before the user's script. It imports only the standard library.
+    """
+    if __package__:
+        return importlib.import_module("..launch_protocol", __package__)
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch_protocol", "__init__.py")
+    spec = importlib.util.spec_from_file_location("_meshkit_launch_protocol", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"meshkit-run: the launch protocol module {path!r} cannot be loaded")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+PROTOCOL = _load_protocol()
+# The protocol's names this module and the launcher use (meshkit.launch_protocol documents each).
+STATUS_DIR_ENV, LAUNCHER_ENV, LAUNCHER_START_ENV = (PROTOCOL.STATUS_DIR_ENV, PROTOCOL.LAUNCHER_ENV,
+                                                    PROTOCOL.LAUNCHER_START_ENV)
+SIMULATED_NODES_ENV, HOST_NAME_ENV = PROTOCOL.SIMULATED_NODES_ENV, PROTOCOL.HOST_NAME_ENV
+START, FAILED, ENDED, RELEASE, TIMED_OUT = PROTOCOL.START, PROTOCOL.FAILED, PROTOCOL.ENDED, PROTOCOL.RELEASE, \
+    PROTOCOL.TIMED_OUT
+FINISHED, MILESTONE, SHM_RECORD, GONE = PROTOCOL.FINISHED, PROTOCOL.MILESTONE, PROTOCOL.SHM_RECORD, PROTOCOL.GONE
+
 #: The rank is read from the first of these that is set: MPICH/hydra, Open MPI, PMIx, Slurm.
 #: Reading the environment keeps the bootstrap from importing mpi4py (and initializing MPI)
 #: in ranks that never use it.
@@ -97,35 +129,11 @@ RANK_ENV_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"
 #: launcher's (:mod:`meshkit.launch.cli`).
 TORCHRUN_ENV_VARS = {
     "RANK": RANK_ENV_VARS,
-    "WORLD_SIZE": ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS", "MESHKIT_WORLD_SIZE"),
+    "WORLD_SIZE": ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS", PROTOCOL.WORLD_SIZE_ENV),
     "LOCAL_RANK": ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"),
     "LOCAL_WORLD_SIZE": ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"),
 }
-#: The status directory (a folder the launcher made; see the module docstring).
-STATUS_DIR_ENV = "MESHKIT_LAUNCH_STATUS_DIR"
-#: "HOST PID" of the launcher: ranks on another host (which cannot see its folder, or see it
-#: through a shared file system) and watchers whose launcher is gone do not wait for it.
-#: (``meshkit.comm.milestones`` reads the host as everything before the last space: keep two fields.)
-LAUNCHER_ENV = "MESHKIT_LAUNCHER"
-#: The launcher's start time, field 22 of ``/proc/PID/stat`` (clock ticks since boot): a process
-#: with the launcher's pid and another start time is another process that reused the pid.
-LAUNCHER_START_ENV = "MESHKIT_LAUNCHER_START"
-#: ``K``: the launcher's ``--simulate-nodes K``: ranks form K simulated nodes of this machine.
-SIMULATED_NODES_ENV = "MESHKIT_SIMULATED_NODES"
-#: The host name a rank reports in place of the machine's (read by ``meshkit.comm.env``).
-HOST_NAME_ENV = "MESHKIT_HOST_NAME"
-#: Names of the status files (``{name}.{rank}`` for the per-rank ones).
-START, FAILED, ENDED, RELEASE, TIMED_OUT = "start", "failed", "ended", "release", "timed-out"
-#: The rank's script is over (returned, or sys.exit(0)); the interpreter is shutting down (atexit
-#: handlers, MPI_Finalize). Written before shutdown, so the launcher can tell a rank that is still
-#: working from one stuck in MPI_Finalize waiting for ranks that left without it.
-FINISHED = "finished"
-#: ``milestone-{name}.{rank}``: the rank passed a point of a (re)start that the launcher times.
-MILESTONE = "milestone"
-#: The launcher's record of the MPICH shared-memory files the ranks hold (module docstring).
-SHM_RECORD = "shm"
-#: ``gone.{rank}``: the launcher died and this rank's watcher has killed its rank.
-GONE = "gone"
+
 #: Where POSIX shared memory lives on Linux (``shm_open``).
 SHM_DIR = "/dev/shm"
 #: MPICH's shared-memory files: ``mpich_shm_{world}_{node}`` (its intranode channel, created in

@@ -49,6 +49,7 @@ import tempfile
 from typing import Any, Callable
 
 from . import bootstrap
+from .. import launch_protocol as PROTOCOL
 from .job import TIMEOUT_EXIT_CODE, Job, LaunchConfigError, LaunchError
 from .mpich_tuning import tuned_environment
 from .restarts import (BACKOFF_BASE_S, BACKOFF_CAP_S, BACKOFF_RESET_S, ElasticSpec, attempt_environment,
@@ -155,7 +156,7 @@ def _build_parser() -> argparse.ArgumentParser:
     elastic.add_argument(
         "--max-restarts", type=_count, default=0, metavar="K",
         help="restart the whole job up to K times when a rank fails (default: 0); ranks read "
-             "MESHKIT_RESTART_COUNT",
+             f"{PROTOCOL.RESTART_COUNT_ENV}",
     )  # fmt: skip
     elastic.add_argument(
         "--restart-delay", type=_seconds_at_least_zero, default=None, metavar="SECONDS",
@@ -389,8 +390,8 @@ def job_environment(mpiexec: list[str], nproc: int, status_dir: str, mpiexec_arg
         env.update({k: v for k, v in INTER_NODE_TRANSPORTS.items() if k not in env})
     address, port = rendezvous_address(mpiexec, mpiexec_args, env)
     env.update({
-        "MESHKIT_LAUNCHED": "1",
-        "MESHKIT_WORLD_SIZE": str(nproc),
+        PROTOCOL.LAUNCHED_ENV: "1",
+        PROTOCOL.WORLD_SIZE_ENV: str(nproc),
         bootstrap.STATUS_DIR_ENV: status_dir,
         bootstrap.LAUNCHER_ENV: f"{bootstrap.launcher_host()} {os.getpid()}",
         JOB_SECRET_ENV: secret,

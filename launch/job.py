@@ -66,6 +66,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from . import deathsig
+from ..launch_protocol import milestone_file
 from .bootstrap import (ENDED, FAILED, FINISHED, MILESTONE, RELEASE, SHM_RECORD, START, TIMED_OUT,
                         format_shm_record, read_small, remove_shm, replace_whole, shm_files, write_exclusive)
 from .output import OutputFilter, RankTails, start_pump
@@ -94,7 +95,7 @@ TIMEOUT_EXIT_CODE = 124
 #: that dies is noticed within this (its watcher reports it, or its process is seen gone).
 POLL_S = 0.05
 _POLL_S = POLL_S
-_STATUS_FILE = re.compile(rf"({START}|{FAILED}|{ENDED}|{FINISHED}|{MILESTONE}-[a-z_]+)\.(\d+)")
+_STATUS_FILE = re.compile(rf"({START}|{FAILED}|{ENDED}|{FINISHED}|{milestone_file('[a-z_]+')})\.(\d+)")
 #: A number in a status file: ASCII digits (``int()`` alone would take "1_0" or other scripts' digits).
 _INT = re.compile(r"-?[0-9]{1,20}")
 #: How a rank reports its failure (``failed.{r}``'s second field): ``timeout`` is an uncaught

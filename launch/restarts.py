@@ -53,6 +53,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
+from .. import launch_protocol as PROTOCOL
 from .bootstrap import replace_whole, write_exclusive
 from .job import Job, JobFailure, TIMEOUT_EXIT_CODE
 from .slots import Hosts, NprocRange, available
@@ -63,10 +64,10 @@ __all__ = ["ElasticSpec", "RestartReport", "run_attempts", "RESTART_ENV", "resta
 logger = logging.getLogger("meshkit.launch")
 
 #: What every rank of an attempt is told (read by :mod:`meshkit.elastic`).
-RESTART_ENV = ("MESHKIT_RESTART_COUNT", "MESHKIT_MAX_RESTARTS", "MESHKIT_MIN_NPROC", "MESHKIT_MAX_NPROC")
+RESTART_ENV = PROTOCOL.RESTART_ENV
 #: The milestones of a restart, in order, with the name of the phase that ends at each.
-_PHASES = (("imported", "imports"), ("rendezvous", "rendezvous"), ("restored", "checkpoint load"),
-           ("first_step", "first step"))
+_PHASES = ((PROTOCOL.IMPORTED, "imports"), (PROTOCOL.RENDEZVOUS, "rendezvous"), (PROTOCOL.RESTORED, "checkpoint load"),
+           (PROTOCOL.FIRST_STEP, "first step"))
 
 #: The backoff's first wait (the second restart in a row): a few times the 0.2-0.5 s an attempt
 #: takes to start its ranks, so a storm of attempts that fail at once halves its rate at once.
@@ -159,8 +160,8 @@ def _fill(report: RestartReport, failure: JobFailure, failed_job_ended_ns: int, 
         times = [r.milestones[name] for r in job.ranks.values() if name in r.milestones]
         passed = max(times) if len(times) >= job.nproc else None
         value = _seconds(passed, previous) if passed is not None else None
-        setattr(report, {"imported": "imports_s", "rendezvous": "rendezvous_s", "restored": "checkpoint_load_s",
-                         "first_step": "first_step_s"}[name], value)
+        setattr(report, {PROTOCOL.IMPORTED: "imports_s", PROTOCOL.RENDEZVOUS: "rendezvous_s",
+                         PROTOCOL.RESTORED: "checkpoint_load_s", PROTOCOL.FIRST_STEP: "first_step_s"}[name], value)
         if passed is not None:
             previous = latest = passed
     report.total_s = _seconds(latest, failure.failed_ns)

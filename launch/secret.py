@@ -25,13 +25,13 @@ import hmac
 import secrets
 from typing import Mapping
 
+from ..launch_protocol import JOB_SECRET_ENV as PROTOCOL_JOB_SECRET_ENV
 from .job import LaunchConfigError
 
 __all__ = ["JOB_SECRET_ENV", "SPAWN_DIGEST_ENV", "MIN_SECRET_CHARS", "job_secret", "check_secret", "payload_digest"]
 
-#: The secret's variable. ``meshkit.comm.env`` names the same one (``JOB_SECRET``; launch imports
-#: nothing of comm): tests/test_launch.py checks that the two agree.
-JOB_SECRET_ENV = "MESHKIT_JOB_SECRET"
+#: The secret's variable (:mod:`meshkit.launch_protocol`'s, which ``meshkit.comm.env`` reads too).
+JOB_SECRET_ENV = PROTOCOL_JOB_SECRET_ENV
 #: ``meshkit.spawn``'s HMAC-SHA256 of its payload, in hex, keyed by the job's secret.
 SPAWN_DIGEST_ENV = "MESHKIT_SPAWN_DIGEST"
 #: The shortest secret a user may set: 32 characters (the generated one has 64 hex characters,

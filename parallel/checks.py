@@ -12,8 +12,13 @@ from typing import Any
 import numpy as np
 
 from ..comm import DistTypeError, DistValueError, ProcessGroup, get_rank, is_initialized
+from ..comm._seams import by_ranks
 
 __all__ = ["where", "on_ranks", "real", "flag", "at_least_zero"]
+
+#: ``"rank 1: A; ranks [0, 2]: B"`` from ``(rank, problem)`` pairs, None problems left out: comm's
+#: one formatter (:func:`meshkit.comm.naming.by_ranks`), under the name parallel's modules call.
+on_ranks = by_ranks
 
 
 def where(who: str, group: ProcessGroup | None = None) -> str:
@@ -23,16 +28,6 @@ def where(who: str, group: ProcessGroup | None = None) -> str:
     else:
         rank = get_rank() if is_initialized() else 0
     return f"meshkit.parallel: rank {rank}: {who}"
-
-
-def on_ranks(problems: list[tuple[int, str | None]]) -> str:
-    """``"rank 1: A; ranks [0, 2]: B"`` from ``(rank, problem)`` pairs, None problems left out."""
-    by_problem: dict[str, list[int]] = {}
-    for rank, problem in problems:
-        if problem is not None:
-            by_problem.setdefault(problem, []).append(rank)
-    return "; ".join(f"rank {ranks[0]}: {p}" if len(ranks) == 1 else f"ranks {ranks}: {p}"
-                     for p, ranks in by_problem.items())
 
 
 def real(who: str, name: str, value: Any) -> float:

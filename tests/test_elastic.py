@@ -114,10 +114,20 @@ def test_bad_restart_flags_are_usage_errors_naming_the_flag(args, message, tmp_p
 
 
 def test_the_milestone_protocol_is_the_launchers():
-    """comm repeats the status directory's names (it imports nothing of launch): they must agree."""
+    """The launcher and the ranks take the status directory's names from one module
+    (meshkit.launch_protocol), the rank bootstrap by path: the same values on both sides."""
+    from meshkit import launch_protocol
     assert (milestones.STATUS_DIR_ENV, milestones.LAUNCHER_ENV) == (bootstrap.STATUS_DIR_ENV, bootstrap.LAUNCHER_ENV)
     names = [milestones.IMPORTED, milestones.RENDEZVOUS, milestones.RESTORED, milestones.FIRST_STEP]
-    assert all(job._STATUS_FILE.fullmatch(f"{bootstrap.MILESTONE}-{n}.3") for n in names)
+    assert names == list(launch_protocol.MILESTONES) == [name for name, _ in restarts._PHASES]
+    assert all(job._STATUS_FILE.fullmatch(f"{launch_protocol.milestone_file(n)}.3") for n in names)
+    assert restarts.RESTART_ENV == launch_protocol.RESTART_ENV
+    code = ("import runpy, sys; b = runpy.run_path(sys.argv[1]); "
+            "print(b['STATUS_DIR_ENV'], b['MILESTONE'], b['PROTOCOL'].__file__, 'numpy' in sys.modules, "
+            "'meshkit' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, bootstrap.__file__], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == [launch_protocol.STATUS_DIR_ENV, launch_protocol.MILESTONE,
+                                  launch_protocol.__file__, "False", "False"], out.stdout + out.stderr
 
 
 def test_a_milestone_is_written_once_per_process(tmp_path, monkeypatch):

@@ -140,7 +140,7 @@ def test_failed_rank_that_leaves_others_waiting_is_killed_after_the_settle_time(
 
     assert result.returncode == 3, result.stderr
     assert "rank 1 failed (exit 3); killing the job" in result.stderr
-    assert elapsed < launch.FAILURE_SETTLE_S + 30  # not a collective timeout (300 s); 9.8 s seen at load 11
+    assert elapsed < job.FAILURE_SETTLE_S + 30  # not a collective timeout (300 s); 9.8 s seen at load 11
 
 
 @needs_mpiexec
@@ -191,9 +191,9 @@ def test_timeout_ends_the_job_with_124(tmp_path: Path) -> None:
     result = run_launcher(["-n", "2", "--timeout", "2", str(SCRIPTS / "launch_sleep.py")], tmp_path)
     elapsed = time.monotonic() - start
 
-    assert result.returncode == launch.TIMEOUT_EXIT_CODE
+    assert result.returncode == job.TIMEOUT_EXIT_CODE
     assert "meshkit-run: job exceeded --timeout 2 s" in result.stderr
-    assert elapsed < 2 + launch.KILL_GRACE_S + 5
+    assert elapsed < 2 + job.KILL_GRACE_S + 5
     # Every rank says where it was, in a whole traceback (not Ctrl-C's one line).
     assert other_lines(result.stderr) == ["meshkit-run: job exceeded --timeout 2 s"]
     for rank in (0, 1):
@@ -254,7 +254,7 @@ def test_a_rank_that_dies_without_a_traceback_is_named(tmp_path: Path, how: str,
         f"meshkit-run: rank 2 failed ({how_failed}); killing the job (ranks 0, 1 still running)",
     ]
     assert result.stdout == ""
-    assert elapsed < launch.FAILURE_SETTLE_S + 30  # not a collective timeout (300 s); 9.8 s seen at load 11
+    assert elapsed < job.FAILURE_SETTLE_S + 30  # not a collective timeout (300 s); 9.8 s seen at load 11
 
 
 @needs_mpiexec
@@ -518,13 +518,13 @@ def test_ranks_keep_freed_memory_so_steps_do_not_fault_in_fresh_pages(tmp_path: 
 
 
 def test_allocator_settings_step_aside_for_the_users() -> None:
-    assert launch.allocator_settings({}) == launch.ALLOCATOR_ENV == {
+    assert launch.allocator_settings({}) == cli.ALLOCATOR_ENV == {
         "MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_MMAP_THRESHOLD_": str(32 << 20)}
     for env in ({"MALLOC_TRIM_THRESHOLD_": "0"}, {"MALLOC_MMAP_THRESHOLD_": "4096"},
                 {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"}, {"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"},
                 {"LD_PRELOAD": "libtcmalloc_minimal.so"}):
         assert launch.allocator_settings(env) == {}, env
-    assert launch.allocator_settings({"GLIBC_TUNABLES": "glibc.rtld.optional_static_tls=1"}) == launch.ALLOCATOR_ENV
+    assert launch.allocator_settings({"GLIBC_TUNABLES": "glibc.rtld.optional_static_tls=1"}) == cli.ALLOCATOR_ENV
 
 
 def test_thread_limits_respect_the_users_settings() -> None:
@@ -673,9 +673,10 @@ def test_importing_the_launcher_does_not_initialize_mpi() -> None:
 
 
 def test_the_secret_variable_is_the_one_comm_reads() -> None:
-    # launch imports nothing of comm: comm/env.py names the same variable (JOB_SECRET) on its own.
-    assert job_secret.JOB_SECRET_ENV == launch.JOB_SECRET_ENV == "MESHKIT_JOB_SECRET"
-    assert f'"{job_secret.JOB_SECRET_ENV}"' in (ROOT / "comm" / "env.py").read_text()
+    # One home for the launcher-to-rank names (meshkit.launch_protocol): both sides read it there.
+    from meshkit import launch_protocol
+    from meshkit.comm import env as comm_env
+    assert job_secret.JOB_SECRET_ENV is comm_env.JOB_SECRET is launch_protocol.JOB_SECRET_ENV == "MESHKIT_JOB_SECRET"
 
 
 def test_one_secret_per_job_and_a_users_own_kept_if_usable() -> None:

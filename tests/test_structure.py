@@ -17,17 +17,20 @@ ROOT = Path(__file__).resolve().parents[1]
 NOT_PACKAGE = {"tests", "examples", "benchmarks", "build", "dist"}
 #: What each top-level package may import from meshkit (checkpoint -> parallel -> tensor -> mesh -> comm;
 #: ``state``, the boxes checkpoints read and write, on comm alone, below parallel and checkpoint; ``debug``, the
-#: tools that read flight records, on comm alone too; ``plan``, the planner, on top of everything).
+#: tools that read flight records, on comm alone too; ``plan``, the planner, on top of everything;
+#: ``launch_protocol``, the names the launcher and the ranks share, standard library only, below launch, elastic
+#: and comm, which import nothing else of each other).
 ALLOWED = {
-    "comm": set(),
+    "launch_protocol": set(),
+    "comm": {"launch_protocol"},
     "mesh": {"comm"},
     "tensor": {"comm", "mesh"},
     "state": {"comm"},
     "parallel": {"comm", "mesh", "tensor", "state"},
     "checkpoint": {"comm", "mesh", "tensor", "state", "parallel"},
-    "launch": set(),
+    "launch": {"launch_protocol"},
     "debug": {"comm"},
-    "elastic": set(),
+    "elastic": {"launch_protocol"},
     "plan": {"comm", "mesh", "tensor", "state", "parallel", "checkpoint"},
 }
 
@@ -259,6 +262,9 @@ MOVED = {
     ("meshkit.parallel", "BufferPool"): "meshkit.parallel.data_parallelism.pool",
     ("meshkit.parallel", "FlatLayout"): "meshkit.parallel.data_parallelism.flat",
     ("meshkit.parallel", "flat_range_boxes"): "meshkit.state._seams",
+    **{("meshkit.launch", n): "meshkit.launch.cli" for n in ("ALLOCATOR_ENV", "THREAD_ENV_VARS")},
+    **{("meshkit.launch", n): "meshkit.launch.job" for n in ("FAILURE_SETTLE_S", "KILL_GRACE_S", "TIMEOUT_EXIT_CODE")},
+    ("meshkit.launch", "JOB_SECRET_ENV"): "meshkit.launch_protocol",
 }
 
 
@@ -683,3 +689,91 @@ def test_every_engine_declares_its_capabilities():
         if not declared:
             missing.append(f"{file}: {cls}")
     assert not missing, missing
+
+
+def _stdlib_only(path: Path) -> list[str]:
+    """The imports of a file that are not of the standard library."""
+    wrong = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level or (node.module or "").split(".")[0] not in sys.stdlib_module_names | {"__future__"}:
+                wrong.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+        elif isinstance(node, ast.Import):
+            wrong += [f"{path.relative_to(ROOT)}:{node.lineno}" for a in node.names
+                      if a.name.split(".")[0] not in sys.stdlib_module_names]
+    return wrong
+
+
+def test_the_launch_protocol_has_one_home_that_both_sides_import():
+    """The launcher-to-rank names (environment variables, status files, milestones) are written once, in
+    meshkit.launch_protocol (standard library only: the rank bootstrap loads it by path), and no other
+    module of the package spells one of its variables."""
+    import importlib
+
+    protocol = importlib.import_module("meshkit.launch_protocol")
+    assert _stdlib_only(ROOT / "launch_protocol" / "__init__.py") == []
+    variables = {getattr(protocol, n) for n in protocol.__all__ if n.endswith("_ENV")}
+    assert len(variables) >= 12, variables
+    spelled = [f"{path.relative_to(ROOT)}:{node.lineno} spells {node.value!r}"
+               for name, path in MODULES.items() if _top(name) != "launch_protocol"
+               for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in variables]
+    assert not spelled, "\n".join(spelled)
+    users = {_top(m) for m, imports in GRAPH.items() for target, _, _ in imports if _top(target) == "launch_protocol"}
+    assert users == {"comm", "launch", "elastic"}, users
+
+
+def test_launch_exports_no_constants():
+    import importlib
+
+    launch = importlib.import_module("meshkit.launch")
+    constants = [n for n in launch.__all__ if n.isupper()]
+    assert not constants, constants
+
+
+#: Modules that gather objects for another reason than comparing the ranks' arguments, with the reason.
+GATHER_FACTS = {
+    "meshkit.comm.objects": "defines all_gather_object",
+    "meshkit.comm.agree": "the one agreement",
+    "meshkit.mesh.device_mesh": "host names and GPUs, to group ranks by host (facts, not arguments)",
+    "meshkit.debug.server": "the debug servers' addresses, so that every rank's /all can reach the others",
+}
+
+
+#: What a function named ``agree``/``_agree``/``agree_*`` may call to agree: comm's agree() (as itself or
+#: ``comm_agree``, where the module's own function is called agree), a wrapper of it, or the strategies' per-step
+#: pass agreement (``_agreement``: one all_reduce of rows per sync, data_parallelism/protocol.py, whose failure
+#: path goes through agree()).
+AGREE_CALLS = {"agree", "comm_agree", "_agree", "check_same_arguments", "_agreement"}
+
+
+def test_one_agree():
+    """Every rank agrees on its arguments, or all raise the same error, through comm's one agree()
+    (comm/agree.py): no other module of the package gathers objects to compare them, and a function
+    named for an agreement (``agree``, ``_agree``, ``agree_on_load``...) is a wrapper that calls it."""
+    gathers, own = [], []
+    for name, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
+        if name not in GATHER_FACTS:
+            gathers += [f"{path.relative_to(ROOT)}:{c.lineno}" for c in calls
+                        if ast.unparse(c.func).split(".")[-1] == "all_gather_object"]
+        for fn in ast.walk(tree):
+            if isinstance(fn, ast.FunctionDef) and fn.name.lstrip("_").split("_")[0] == "agree" and \
+                    name != "meshkit.comm.agree":
+                called = {ast.unparse(c.func).split(".")[-1] for c in ast.walk(fn) if isinstance(c, ast.Call)}
+                if not called & AGREE_CALLS:
+                    own.append(f"{path.relative_to(ROOT)}:{fn.lineno} {fn.name}")
+    assert not gathers, "objects gathered outside comm's agree():\n" + "\n".join(gathers)
+    assert not own, "agreements that do not go through comm's agree():\n" + "\n".join(own)
+
+
+def test_one_way_to_name_ranks():
+    """"rank 3" / "ranks [0, 2]" is written once (comm/naming.py); launch, which imports nothing of comm,
+    names ranks its own way ("ranks 1, 2", after a launcher's listing)."""
+    import re
+
+    pattern = re.compile(r"""f"rank \{[^}]*\[0\]\}"\s+if\s+len\(""")
+    copies = [str(path.relative_to(ROOT)) for name, path in MODULES.items()
+              if name != "meshkit.comm.naming" and _top(name) != "launch" and pattern.search(path.read_text())]
+    assert not copies, copies

@@ -1,9 +1,9 @@
 """Every rank of the context-parallel group checks every rank's q, k, v before any block moves; what a
 forward saves of them for its backward (:class:`SavedAttention`).
 
-One all-gather of a small int64 vector per call (:func:`meshkit.comm._seams.agree`'s exchange here) (shapes, dtypes, ``causal``, ``balanced``, ``scale``,
-and the head count a Ulysses split needs): each rank then finds the same problems in the same data,
-so a sequence or head count that cannot be split, shapes that disagree, or one rank sharded wrong
+One all-gather of a small int64 vector per call (:func:`meshkit.comm._seams.agree`'s exchange
+here: shapes, dtypes, ``causal``, ``balanced``, ``scale``, and the head count a Ulysses split
+needs): each rank then finds the same problems in the same data, so a sequence or head count that cannot be split, shapes that disagree, or one rank sharded wrong
 raise the same error on every rank, naming the argument and the rank, instead of one rank raising
 while the others wait for its blocks. The global sequence length is the sum of the ranks' lengths.
 """

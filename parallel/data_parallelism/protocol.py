@@ -66,8 +66,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from ...comm import CollectiveMismatchError, DistValueError, ProcessGroup, ReduceOp, all_gather_object
-from ...comm._seams import FINGERPRINT_SLOTS, stamp_fingerprint, verify_fingerprint
+from ...comm import CollectiveMismatchError, DistValueError, ProcessGroup, ReduceOp
+from ...comm._seams import FINGERPRINT_SLOTS, agree, stamp_fingerprint, verify_fingerprint
 from ..arrays import array_namespace, check_same_library, to_host
 from ..checks import on_ranks
 
@@ -205,7 +205,7 @@ class PassAgreement:
     every fingerprint was equal, and the one device-to-host copy of a sync (the host must branch).
     With two groups (HSDP: shard, then replicate) the second all-reduce carries each shard group's
     verdict, so that every rank of the mesh reaches the same one. Only when it is a failure are the
-    problems themselves gathered (``all_gather_object``), to be named on every rank; a mismatch is
+    problems themselves gathered (:func:`~meshkit.comm._seams.agree`), to be named on every rank; a mismatch is
     named by the members of the group where it happened (they exchange their last calls) and, in
     HSDP, reported by the rest as found on another group (a mismatch on a replicate group reaches
     that group's members only: nothing of the second stage flows back).
@@ -261,11 +261,10 @@ class PassAgreement:
 
     def _explain(self, code: int, steps: int, problem: str | None) -> str:
         """Gather every rank's row and problem (the failure path only) and name what went wrong."""
-        entries = [(self.groups[0].global_rank, FAILED if problem is not None else code, steps, problem)]
-        for group in self.groups:
-            gathered: list[Any] = [None] * group.size
-            all_gather_object(gathered, entries, group=group)
-            entries = sorted({entry[0]: entry for part in gathered for entry in part}.values())
+        mine = [(self.groups[0].global_rank, FAILED if problem is not None else code, steps, problem)]
+        # every rank's entry, on every rank (nothing to compare: it never raises)
+        entries = agree(self.groups, mine, error=DistValueError,
+                        combine=lambda parts: sorted({e[0]: e for part in parts for e in part}.values()))
         most = max(entry[2] for entry in entries)
         users = [rank for rank, c, _, _ in entries if c == USE]
         ahead = [rank for rank, _, s, _ in entries if s == most]
