@@ -3,7 +3,8 @@
 Building a mesh is collective: ranks that pass different meshes, shapes or dim names would build
 groups that do not match, or, worse, the same groups under different names (rank 0's ``"dp"`` is
 rank 3's ``"tp"``): a silently wrong mesh. `agree` compares every rank's validated arguments with
-one small object all-gather (a digest each) over the group that builds, and raises on every rank,
+one small object all-gather (a digest each) over the group that builds (comm's one agreement,
+:func:`meshkit.comm._seams.agree`; a second, of the values, only once they differ), and raises on every rank,
 naming what differs and which ranks passed what. A rank whose arguments were invalid sends its
 error instead of a digest, so the others raise too rather than wait for it in the next collective.
 """
