@@ -7,7 +7,8 @@ without one, and exits with the status of the first rank to fail.
 
 The launcher is its own package: it imports nothing of :mod:`meshkit.comm` (it must not
 initialize MPI in the launcher process), and nothing in comm imports it. The ranks run
-:mod:`meshkit.launch.bootstrap` by path, importing only the standard library.
+:mod:`meshkit.launch.bootstrap` by path, importing only the standard library (and
+:mod:`meshkit.launch_protocol`, the names the launcher and the ranks share, loaded by path).
 
 Modules: :mod:`~meshkit.launch.cli` (the command line), :mod:`~meshkit.launch.job` (running and
 ending a job), :mod:`~meshkit.launch.output` (mpiexec's output), :mod:`~meshkit.launch.bootstrap`
