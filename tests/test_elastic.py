@@ -382,12 +382,12 @@ def test_the_docs_resume_snippet_resumes_on_fewer_ranks_to_the_single_process_re
 
         scope = {"strategy": strategy, "train_step": train_step, "steps": steps, "every": 2}
         exec(snippet, scope)
-        return scope["start"], strategy.full_state_dict()["params"]
+        return scope["start"], strategy.full_state_dict()["model"]
 
     starts = [s for s, _ in local.run(lambda: run("fsdp", 5), 4, timeout=60)]
     assert starts == [0] * 4 and sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_2", "step_4"]
     results = local.run(lambda: run("zero2", 8), 3, timeout=60)
-    reference = mlp.Plain(mlp.init_params((8,)), optimizer=mlp.make_optimizer("adamw", 0.01))
+    reference = meshkit.parallel.LocalStrategy(mlp.init_params((8,)), optimizer=mlp.make_optimizer("adamw", 0.01))
     for step in range(8):
         reference.zero_grad()
         idx = mlp.batch_indices(step, len(x), batch)

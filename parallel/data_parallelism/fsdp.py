@@ -43,7 +43,6 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from ...comm import CollectiveMismatchError, DistTypeError, DistValueError, ProcessGroup, ReduceOp, Work
-from ...comm._seams import FIRST_STEP, milestone
 from ...mesh import DeviceMesh
 from ...tensor import DTensor
 from ..arrays import array_namespace
@@ -53,6 +52,7 @@ from ..optim.optimizers import Optimizer
 from ..checks import where
 from .protocol import (DISCARD, USE, PassAgreement, check_gradient, check_units, deprecated, failed_sync,
                        marked_after_complete, marked_twice, refused_after_failure)
+from ..strategy import Steps
 from .construction import Params, broadcast_params, check_setup, world_mesh
 from .sharded import ShardedStrategy
 
@@ -170,7 +170,7 @@ class FullyShardedDataParallel(ShardedStrategy):
         self._sync = True
         self._ended = False  # the pass was ended for use (clip_grad_norm_) and not stepped yet
         self._failed: str | None = None  # why the last pass failed, until zero_grad()
-        self._steps = 0  # optimizer steps taken, compared in the agreement
+        self._steps = Steps()  # optimizer steps taken, compared in the agreement
         self._agreement = PassAgreement(self._agreement_groups(), next(iter(self._shards.values())),
                                         f"{self._strategy}'s gradient sync")
         self.params = Params(self._local_pieces(), self._strategy)
@@ -254,7 +254,7 @@ class FullyShardedDataParallel(ShardedStrategy):
         return sum(int(b.nbytes) for b in held)
 
     # ------------------------------------------------------------------ gradients and step
-    def mark_grad_ready(self, name: str, grad: Any) -> None:
+    def mark_grad_ready(self, name: str, grad: Any = None) -> None:
         """Declare parameter ``name``'s full gradient ``grad`` final for this backward pass.
 
         Once every gradient of its unit is marked, the unit's gradients are reduce-scattered
@@ -420,7 +420,7 @@ class FullyShardedDataParallel(ShardedStrategy):
             self._failed = f"the last gradient sync raised {type(exc).__name__}: {exc}"
             raise
         try:
-            failure = self._agreement(code, self._steps, problem)
+            failure = self._agreement(code, self._steps.count, problem)
         except CollectiveMismatchError as exc:
             self._zero_grads()  # the reduced gradients may be garbage: nothing of this pass is applied
             self._failed = f"the gradient sync found a collective mismatch: {exc}"
@@ -507,8 +507,7 @@ class FullyShardedDataParallel(ShardedStrategy):
             self.optimizer.update(key, shard, self._grad_shards[key])
         self._full.clear()  # gathered parameters are stale now
         self._ended = False
-        self._steps += 1
-        milestone(FIRST_STEP)  # meshkit-run times a restart's first step by it (once per process)
+        self._steps.taken()
 
     # ------------------------------------------------------------------ ShardedStrategy
     def _shard_group(self) -> ProcessGroup:

@@ -60,6 +60,7 @@ words, so that no strategy forgives what another refuses:
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator, Sequence
@@ -71,7 +72,7 @@ from ...comm._seams import FINGERPRINT_SLOTS, stamp_fingerprint, verify_fingerpr
 from ..arrays import array_namespace, check_same_library, to_host
 from ..checks import on_ranks
 
-__all__ = ["ReplicatedUnits", "check_units", "deprecated", "USE", "FAILED", "DISCARD", "PassAgreement", "agreement_size", "MISMATCH", "check_gradient",
+__all__ = ["ReplicatedUnits", "check_units", "deprecated", "old_optimizer_argument", "split_state_dict", "USE", "FAILED", "DISCARD", "PassAgreement", "agreement_size", "MISMATCH", "check_gradient",
            "marked_twice", "marked_after_complete", "discarded_pass", "refused_after_failure", "failed_sync"]
 
 
@@ -79,6 +80,35 @@ def deprecated(old: str, new: str, stacklevel: int = 3) -> None:
     """Warn that ``old`` is deprecated in favour of ``new`` (a DeprecationWarning at the caller's
     line: Python's default filters show it once per call site)."""
     warnings.warn(f"meshkit.parallel: {old} is deprecated; {new}", DeprecationWarning, stacklevel=stacklevel)
+
+
+def old_optimizer_argument(method: Callable[[Any], dict[str, int]]) -> Callable[..., dict[str, int]]:
+    """``method(self)`` that also takes 0.2's ``method(self, optimizer)`` (a strategy built without
+    one: its ``optimizer_state`` is that optimizer's), warning; the signature shown is ``method``'s,
+    the protocol's (``functools.wraps``)."""
+    @functools.wraps(method)
+    def accepting(self: Any, optimizer: Any = None) -> dict[str, int]:
+        report = method(self)
+        if optimizer is not None:
+            deprecated(f"{type(self).__name__}.{method.__name__}(optimizer)",
+                       f"pass optimizer= to the constructor and call {method.__name__}()")
+            report["optimizer_state"] = optimizer.state_nbytes()
+        return report
+    return accepting
+
+
+def split_state_dict(where: str, state_dict: Any, rank: int) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+    """``(model, optim)`` of a state dict of ``state_dict()``'s shape ``{"model": ..., "optim": ...}``.
+
+    Raises:
+        DistValueError: it is not a mapping of those two keys, each a mapping (naming what it got).
+    """
+    if isinstance(state_dict, Mapping) and isinstance(state_dict.get("model"), Mapping) \
+            and isinstance(state_dict.get("optim", {}), Mapping):
+        return state_dict["model"], state_dict.get("optim", {})
+    got = sorted(map(str, state_dict)) if isinstance(state_dict, Mapping) else type(state_dict).__name__
+    raise DistValueError(f"meshkit.parallel: rank {rank}: {where}: state_dict must be {{'model': {{name: value}}, "
+                         f"'optim': {{'state': ..., 'step': ...}}}} (state_dict()'s shape), got {got}")
 
 
 def check_units(params: Mapping[str, Any], units: Sequence[Sequence[str]] | None

@@ -52,6 +52,7 @@ from ...tensor import DTensor
 from .buckets import BucketManager
 from ..checks import where
 from .dtensors import BlockLayout, block_of
+from ..strategy import Steps
 from .protocol import (DISCARD, USE, PassAgreement, check_gradient, deprecated, failed_sync, marked_after_complete,
                        marked_twice, refused_after_failure)
 
@@ -157,7 +158,7 @@ class GradientReducer:
         first = next(iter(self.params.values()))
         self._param = first.to_local() if isinstance(first, DTensor) else first  # every gradient's array library
         self._agreement = PassAgreement([self.group], self._param, f"{self._strategy}'s gradient sync")  # the per-sync agreement (protocol.py)
-        self._steps = 0  # optimizer steps taken (step()), compared in the agreement
+        self._steps = Steps()  # optimizer steps taken (step()), compared in the agreement
         self.grads = (DTensorGradients if self._block_layouts else Gradients)(self, arrays)
         self.iteration = 0
         self._averaged = False  # whether the gradients are the result of a synchronized pass
@@ -336,7 +337,7 @@ class GradientReducer:
         """One small all-reduce per sync: did every rank end the pass alike? If not, every rank
         raises, naming the ranks, and the pass's gradients are zeroed (garbage on every rank)."""
         try:
-            failure = self._agreement(code, self._steps, problem)
+            failure = self._agreement(code, self._steps.count, problem)
         except CollectiveMismatchError as exc:
             failure = f"the gradient sync found a collective mismatch: {exc}"
             mismatch: BaseException | None = exc

@@ -9,6 +9,7 @@ loads at another.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from ...comm import DistValueError, ProcessGroup
@@ -20,8 +21,9 @@ from ..optim.optimizers import Optimizer
 from ...state import ShardedArray, StepCount
 from ...state._seams import load_pieces
 from .flat import flat_shard_pieces
-from .full_state import (FullStateDict, agree_on_load, check_state_dict, gather_state_dict, load_state_dict_into,
-                         renamed_optimizer_key, state_dict_digest)
+from .full_state import (FullStateDict, agree_on_load, check_state_dict, current_shape, gather_state_dict,
+                         load_state_dict_into, state_dict_digest)
+from .protocol import deprecated, split_state_dict
 
 __all__ = ["ShardedStrategy"]
 
@@ -121,25 +123,26 @@ class ShardedStrategy:
         """Parameters and optimizer state gathered to full size, per parameter name (collective).
 
         Returns:
-            ``{"params": {name: array}, "optim": {"step": {name: int}, "state": {name: {key: 1-D
-            array}}, "hyper": {...}}}`` of NumPy arrays on every rank (a CuPy model's copied to
+            ``{"model": {name: array}, "optim": {"state": {name: {key: array}}, "step": {name: int},
+            "hyper": {...}}}`` (the shape of :meth:`state_dict`, full size; optimizer state arrays
+            shaped as their parameters) of NumPy arrays on every rank (a CuPy model's copied to
             the host; a DTensor parameter's global array, gathered over its mesh too). It does not
             depend on the world size, so :meth:`load_full_state_dict` accepts it at any other.
-            With ``rank0_only`` the other ranks get None. ``["optimizer"]``, 0.1's key, still
-            reads ``["optim"]`` with a ``DeprecationWarning``.
+            With ``rank0_only`` the other ranks get None. ``["params"]`` and ``["optimizer"]``,
+            earlier releases' keys, still read ``["model"]`` and ``["optim"]`` with a ``DeprecationWarning``.
         """
         self._quiesce()
         group = self._shard_group()
         sd = gather_state_dict(self._layouts(), self._param_shards(), self.optimizer, group, self._block_layouts)
         return None if rank0_only and group.rank != 0 else sd
 
-    def load_full_state_dict(self, state_dict: dict[str, Any], *, strict: bool = True) -> None:
+    def load_full_state_dict(self, state_dict: Mapping[str, Any], *, strict: bool = True) -> None:
         """Load a full state dict (from ``full_state_dict``, at any world size) into the shards (collective).
 
         Args:
-            state_dict: ``{"params": ..., "optim": ...}`` as :meth:`full_state_dict` returns (a dict
-                with 0.1's key ``"optimizer"`` instead of ``"optim"`` loads too, with a
-                ``DeprecationWarning``).
+            state_dict: ``{"model": ..., "optim": ...}`` as :meth:`full_state_dict` returns
+                (``optim["hyper"]`` may be left out: the optimizer keeps its own; the keys of earlier
+                releases, ``"params"`` and ``"optimizer"``, load too, with a ``DeprecationWarning``).
                 Its arrays may be NumPy or CuPy whatever the model's library: this is the one
                 documented conversion (a checkpoint read on the host loads into a device model);
                 each rank copies only its shard's pieces.
@@ -153,7 +156,7 @@ class ShardedStrategy:
                 dicts differ; with DTensor parameters (use :meth:`load_sharded_state_dict`).
         """
         self._refuse_full("load_full_state_dict")
-        state_dict = renamed_optimizer_key(state_dict)
+        state_dict = current_shape(state_dict)
         self._quiesce()
         layouts, who = self._layouts(), f"{self._strategy}.load_full_state_dict"
         problem = check_state_dict(layouts, state_dict, self.optimizer, strict)
@@ -164,7 +167,7 @@ class ShardedStrategy:
                              strict)
         self._loaded()
 
-    def sharded_state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         """This rank's pieces of the parameters and optimizer state, as views: nothing is gathered.
 
         Returns:
@@ -172,7 +175,7 @@ class ShardedStrategy:
             "step": {name: StepCount}}}`` (see :mod:`~meshkit.state.boxes`): the same keys at
             any world size and for any strategy. The optimizer state is materialized (zeros at step
             0) if the optimizer has not stepped yet, so a checkpoint can be loaded in place into a
-            fresh strategy; write the views, then call :meth:`load_sharded_state_dict`. A DTensor
+            fresh strategy; write the views, then call :meth:`load_state_dict`. A DTensor
             parameter's boxes (and its optimizer state's) are boxes of its global array: its flat
             shard's pieces of this rank's block, placed at the block's offset, so that a checkpoint
             reshards across tensor-parallel meshes and strategies.
@@ -194,19 +197,31 @@ class ShardedStrategy:
                 state[name] = {k: block.place(v) for k, v in state[name].items()}
         return {"model": model, "optim": {"state": state, "step": step}}
 
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """Deprecated: :meth:`state_dict` (the protocol's name)."""
+        deprecated(f"{self._strategy}.sharded_state_dict()", "call state_dict()")
+        return self.state_dict()
+
     def load_sharded_state_dict(self, model_state_dict: dict[str, Any], optim_state_dict: dict[str, Any]) -> None:
-        """Take in a sharded state dict of this strategy's form (collective).
+        """Deprecated: :meth:`load_state_dict` of ``{"model": ..., "optim": ...}``."""
+        deprecated(f"{self._strategy}.load_sharded_state_dict(model, optim)",
+                   'call load_state_dict({"model": model, "optim": optim})')
+        self.load_state_dict({"model": model_state_dict, "optim": optim_state_dict})
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Take in a state dict of :meth:`state_dict`'s shape, ``{"model": ..., "optim": ...}`` (collective).
 
         Pieces that are this strategy's own views (a checkpoint loaded in place into
-        :meth:`sharded_state_dict`) need no copy; others are copied in box by box. Then the
+        :meth:`state_dict`) need no copy; others are copied in box by box. Then the
         optimizer's step counts are set and the strategy refreshes what derives from its shards
         (ZeRO all-gathers the parameters, FSDP drops gathered units).
 
         Raises:
             DistValueError: a key, box or step does not match this strategy (naming it).
         """
-        mine = self.sharded_state_dict()
-        where_ = f"{self._strategy}.load_sharded_state_dict"
+        where_ = f"{self._strategy}.load_state_dict"
+        model_state_dict, optim_state_dict = split_state_dict(where_, state_dict, self._shard_group().rank)
+        mine = self.state_dict()
         load_pieces(where_, "model", mine["model"], model_state_dict)
         load_pieces(where_, "optim.state", mine["optim"]["state"], optim_state_dict.get("state"))
         steps = optim_state_dict.get("step")

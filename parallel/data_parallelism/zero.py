@@ -34,7 +34,6 @@ from collections.abc import Mapping
 from typing import Any, Sequence
 
 from ...comm import DistTypeError, ProcessGroup, ReduceOp, Work
-from ...comm._seams import FIRST_STEP, milestone
 from ...mesh import DeviceMesh
 from ..arrays import array_namespace
 from .buckets import MB, BucketManager, CommHook, GradBucket
@@ -230,8 +229,7 @@ class ZeroRedundancyOptimizer(ReplicatedUnits, GradientReducer, ShardedStrategy)
             works.append(self.group.all_gather_into_tensor(flat, mine, async_op=True))
         for work in works:
             work.wait()
-        self._steps += 1
-        milestone(FIRST_STEP)  # meshkit-run times a restart's first step by it (once per process)
+        self._steps.taken()
 
     # ------------------------------------------------------------------ ShardedStrategy
     def _shard_group(self) -> ProcessGroup:
