@@ -19,6 +19,7 @@ micro-batches add up locally; the next synchronized pass averages the sum.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping
 from typing import Any, Callable, Sequence
@@ -47,7 +48,7 @@ __all__ = ["DistributedDataParallel"]
 logger = logging.getLogger("meshkit")
 
 
-class DistributedDataParallel(ReplicatedUnits, GradientReducer):
+class DistributedDataParallel(GradientReducer):
     """Average gradients over a data-parallel group in buckets, overlapping the backward pass.
 
     Args:
@@ -131,6 +132,7 @@ class DistributedDataParallel(ReplicatedUnits, GradientReducer):
         broadcast_params(arrays, self.group, broadcast_from)
         self._blocks = arrays
         self.params = Params(wrap_all(arrays, self._block_layouts), self._strategy)
+        self.replicated = ReplicatedUnits(self.units, self.params, self._where)  # unshard, prefetch
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = self._restore_views = gradient_as_bucket_view
         comm = CommHook(self.group, hook, self.group if comm_state is None else comm_state)
@@ -154,6 +156,14 @@ class DistributedDataParallel(ReplicatedUnits, GradientReducer):
         if not self.gradient_as_bucket_view:
             for g in self._arrays.values():
                 g[...] = 0
+
+    def prefetch(self, unit: int) -> None:
+        """Nothing to gather: every rank holds the full parameters (checks ``unit``)."""
+        self.replicated.prefetch(unit)
+
+    def unshard(self, unit: int) -> contextlib.AbstractContextManager[dict[str, Any]]:
+        """Yield ``{name: parameter}`` of ``unit``: the parameters themselves (no communication)."""
+        return self.replicated.unshard(unit)
 
     def register_comm_hook(self, state: Any, hook: Callable[[Any, GradBucket], Work]) -> None:
         """Use ``hook(state, bucket)`` to average buckets (torch's ``register_comm_hook``)."""

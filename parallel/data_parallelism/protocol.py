@@ -19,11 +19,13 @@ One loop trains DDP, ZeRO-1/2, FSDP and HSDP alike::
 parameters themselves under DDP and ZeRO (nothing is gathered) and gathers unit ``i`` under FSDP;
 ``prefetch(i)`` starts that gather early (a no-op where nothing is gathered). Under
 ``with model.no_sync():`` gradients add up locally for gradient accumulation; the next
-synchronized pass reduces the sum. ``full_state_dict()`` is ``{"params": ..., "optim": ...}``
-gathered to full size as NumPy arrays on every rank, ``memory_report()`` the bytes held.
+synchronized pass reduces the sum. ``full_state_dict()`` is ``{"model": ..., "optim": ...}``
+gathered to full size as NumPy arrays on every rank (``state_dict()``'s shape, views of this
+rank's pieces), ``memory_report()`` the bytes held.
 
-:class:`ReplicatedUnits` gives DDP and ZeRO the unit half of the protocol; :func:`deprecated`
-is how an old spelling says which new one replaces it.
+:class:`ReplicatedUnits` is the part DDP and ZeRO hold for the unit half of the protocol;
+:func:`deprecated` is how an old spelling says which new one replaces it. The protocol itself is
+a type, :class:`~meshkit.parallel.strategy.Strategy`.
 
 The rules, written once here for every strategy (issue 36.1): DDP and ZeRO-1/2
 (:class:`~meshkit.parallel.data_parallelism.reducer.GradientReducer`) and FSDP/HSDP
@@ -132,12 +134,17 @@ def check_units(params: Mapping[str, Any], units: Sequence[Sequence[str]] | None
 
 class ReplicatedUnits:
     """``units``, ``unshard`` and ``prefetch`` of a strategy whose every rank holds the full
-    parameters (DDP, ZeRO): ``unshard(i)`` yields unit ``i``'s entries of ``params``, the
-    parameters themselves, without communication."""
+    parameters (DDP, ZeRO), as a part the strategy holds: ``unshard(i)`` yields unit ``i``'s
+    entries of ``params``, the parameters themselves, without communication.
 
-    units: list[list[str]]
-    params: Mapping[str, Any]
-    _where: Callable[[str], str]  # the strategy's error prefix (GradientReducer's)
+    Args:
+        units: the strategy's units (lists of parameter names).
+        params: the strategy's parameters (read at each ``unshard``).
+        where: the strategy's error prefix for an operation (``where("unshard")``).
+    """
+
+    def __init__(self, units: list[list[str]], params: Mapping[str, Any], where: Callable[[str], str]) -> None:
+        self.units, self.params, self._where = units, params, where
 
     def _unit(self, unit: Any, op: str) -> int:
         if isinstance(unit, bool) or not isinstance(unit, int) or not 0 <= unit < len(self.units):

@@ -125,6 +125,14 @@ class DTensorGradients(Gradients):
 class GradientReducer:
     """Base of strategies whose gradients are reduced bucket by bucket during the backward pass.
 
+    DDP's and ZeRO's one base class (their units and ZeRO's flat shards are parts they hold,
+    :class:`~meshkit.parallel.data_parallelism.protocol.ReplicatedUnits` and
+    :class:`~meshkit.parallel.data_parallelism.sharded.Shards`). It stays a base rather than a held
+    part because ``mark_grad_ready`` is the hot path (called per gradient per step) and the first
+    of the five frames from DDP to MPI: a delegating method would add a frame to each call. It
+    raises no ``NotImplementedError``: every hook below has its default, and what it reads of the
+    strategy is declared here.
+
     Subclasses set ``group``, ``params``, ``_specs`` (name -> (shape, dtype) of this rank's
     arrays, see :func:`~meshkit.parallel.data_parallelism.construction.snapshot`), ``_block_layouts`` (name ->
     :class:`~meshkit.parallel.data_parallelism.dtensors.BlockLayout` of each DTensor parameter, whose ``params``
