@@ -429,7 +429,8 @@ def test_full_state_dict_is_model_and_optim_and_the_old_keys_still_read_and_load
         np.testing.assert_array_equal(now["model"]["w0"], again["model"]["w0"])
         np.testing.assert_array_equal(now["optim"]["state"]["w0"]["exp_avg"], again["optim"]["state"]["w0"]["exp_avg"])
         model.load_full_state_dict({"params": sd["model"], "optimizer": sd["optim"]})  # as 0.1 wrote it
-        model.load_full_state_dict({"params": sd["model"], "optim": sd["optim"]})  # as 0.2 wrote it
+        flat = {**sd["optim"], "state": {n: {k: a.reshape(-1) for k, a in st.items()} for n, st in sd["optim"]["state"].items()}}
+        model.load_full_state_dict({"params": sd["model"], "optim": flat})  # as 0.2 wrote it (1-D state)
         return sd, model.full_state_dict()
 
     with warnings.catch_warnings(record=True) as seen:  # the ranks' threads warn into the process's filters
@@ -605,3 +606,38 @@ def test_memory_reports_old_optimizer_argument_warns_and_still_counts():
             old = ddp.memory_report(opt)["optimizer_state"]
         return old, ddp.memory_report()["optimizer_state"]
     assert local.run(run, 2) == [(2 * 35 * 8, 0)] * 2
+
+
+def test_the_librarys_strategies_refuse_bad_input_naming_it():
+    """LocalStrategy, Composite and ExpertStrategy check their arguments as the data-parallel ones do."""
+    p = init_params()
+    with pytest.raises(TypeError, match=r"LocalStrategy: optimizer must be a meshkit Optimizer \(SGD, AdamW\), got str"):
+        LocalStrategy(p, optimizer="sgd")
+    with pytest.raises(ValueError, match=r"LocalStrategy: units must put every parameter in exactly one"):
+        LocalStrategy(p, optimizer=make_optimizer("sgd"), units=[["w0"]])
+    model = LocalStrategy(p, optimizer=make_optimizer("sgd"))
+    model.mark_grad_ready("w0", np.zeros_like(p["w0"]))
+    with pytest.raises(ValueError, match=r"LocalStrategy.mark_grad_ready: gradient 'w0' was already marked ready"):
+        model.mark_grad_ready("w0", np.zeros_like(p["w0"]))
+    with pytest.raises(ValueError, match=r"gradient 'b0' has shape \(3,\) and dtype float64; expected the "
+                                         r"parameter's shape \(7,\)"):
+        model.mark_grad_ready("b0", np.zeros(3))
+    with pytest.raises(ValueError, match=r"LocalStrategy.load_state_dict: state_dict must be \{'model'.*got \['params'\]"):
+        model.load_state_dict({"params": {}})
+    with pytest.raises(ValueError, match=r"LocalStrategy.load_full_state_dict: nothing was loaded; state_dict\['model'\]"
+                                         r"\['w0'\] has shape \(2,\)"):
+        model.load_full_state_dict({"model": {**p, "w0": np.zeros(2)}, "optim": {"state": {}, "step": {}}})
+    with pytest.raises(TypeError, match=r"Composite: every part must be a meshkit.parallel.Strategy, got dict"):
+        Composite([model, p])
+    with pytest.raises(ValueError, match=r"Composite: parameter 'w0' is held by two parts \(LocalStrategy and "
+                                         r"LocalStrategy\)"):
+        Composite([model, LocalStrategy({"w0": p["w0"]}, optimizer=make_optimizer("sgd"))])
+    with pytest.raises(ValueError, match=r"Composite.mark_grad_ready: unknown parameter 'w9'"):
+        Composite([model]).mark_grad_ready("w9", p["w0"])
+
+    def expert() -> None:
+        group = meshkit.init_device_mesh("cpu", (1,), mesh_dim_names=("ep",)).get_group()
+        with pytest.raises(TypeError, match=r"ExpertStrategy: boxes must map each name to a ShardedArray, got "
+                                            r"\{'w0': 'ndarray'\}"):
+            ExpertStrategy({"w0": p["w0"]}, optimizer=make_optimizer("sgd"), group=group)
+    local.run(expert, 1)
