@@ -37,7 +37,7 @@ from .context_parallelism import (RingAttentionContext, SequenceSharding, Ulysse
 from .optim import SGD, AdamW, Optimizer, clip_grad_norm_
 from .strategy import Strategy
 from .composite import Composite
-from .local import LocalStrategy
+from .local_strategy import LocalStrategy
 from .pipelining import (PipelineError, PipelineSchedule, PipelineStage, Schedule1F1B, ScheduleGPipe,
                          ScheduleInterleaved1F1B, ScheduleZBH1, ScheduleZBVZeroBubble, bubble_fraction)
 

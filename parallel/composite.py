@@ -2,7 +2,7 @@
 
 A model's parameters need not all be parallelized alike: a transformer's attention weights are
 tensor-parallel DTensors averaged by DDP over the ranks holding other tokens, while its experts
-(:class:`~meshkit.parallel.expert_parallelism.strategy.ExpertStrategy`) come out of the
+(:class:`~meshkit.parallel.expert_parallelism.expert_strategy.ExpertStrategy`) come out of the
 mixture-of-experts layer already reduced over the ranks that share them. A recipe builds each
 part in order, as torchtitan's ``parallelize`` applies tensor, context and then data parallelism,
 and ``Composite`` gives the loop, the checkpoint and the example one strategy of them::

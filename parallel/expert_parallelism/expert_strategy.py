@@ -33,7 +33,7 @@ from ..arrays import to_host
 from ..checks import where
 from ..data_parallelism.full_state import (FullStateDict, agree_on_load, current_shape, state_dict_digest)
 from ..data_parallelism.protocol import split_state_dict
-from ..local import LocalStrategy
+from ..local_strategy import LocalStrategy
 from ..optim.optimizers import Optimizer
 
 __all__ = ["ExpertStrategy"]
