@@ -126,7 +126,7 @@ class Composite:
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Each part takes its parameters' entries."""
-        model, _ = split_state_dict(f"{self._strategy}.load_state_dict", state_dict, 0)
+        model, _ = split_state_dict(f"{self._strategy}.load_state_dict", state_dict)
         unknown = sorted(set(model) - set(self._owner))
         if unknown:
             raise DistValueError(f"{where(f'{self._strategy}.load_state_dict')}: unknown parameters {unknown}; valid "
@@ -149,7 +149,7 @@ class Composite:
     def load_full_state_dict(self, state_dict: Mapping[str, Any], *, strict: bool = True) -> None:
         """Each part loads its parameters' entries (collective over each part's ranks)."""
         state_dict = current_shape(state_dict)
-        model, _ = split_state_dict(f"{self._strategy}.load_full_state_dict", state_dict, 0)
+        model, _ = split_state_dict(f"{self._strategy}.load_full_state_dict", state_dict)
         unknown = sorted(set(model) - set(self._owner))
         if strict and unknown:
             raise DistValueError(f"{where(f'{self._strategy}.load_full_state_dict')}: unknown parameters {unknown} "

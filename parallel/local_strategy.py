@@ -136,7 +136,7 @@ class LocalStrategy:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Take in a state dict of :meth:`state_dict`'s shape (views written in place are not copied)."""
         who = f"{self._strategy}.load_state_dict"
-        model, optim = split_state_dict(who, state_dict, 0)
+        model, optim = split_state_dict(who, state_dict)
         mine = self.state_dict()
         load_pieces(who, "model", mine["model"], dict(model))
         if self.optimizer is None:

@@ -464,7 +464,7 @@ def test_sharded_strategies_of_dtensor_params_refuse_to_load_full_state_dicts(st
         _, model = dp_tp_cases.build((2, 2), strategy)
         with pytest.raises(ValueError, match=rf"rank \d: {who}\.load_full_state_dict: parameters \['w1', 'b1', "
                                              r"'w2', 'b2'\] are DTensors, whose full state dict cannot be loaded "
-                                             r".*; use sharded_state_dict\(\)"):
+                                             r".*; use state_dict\(\)"):
             model.load_full_state_dict(model.full_state_dict())
 
     local.run(body, 4, timeout=30)

@@ -315,7 +315,7 @@ class DistributedDataParallel(GradientReducer):
         """Take in a state dict of :meth:`state_dict`'s shape, ``{"model": ..., "optim": ...}`` (views
         already written in place are not copied again), the optimizer's step counts included."""
         where_ = f"{self._strategy}.load_state_dict"
-        model, optim = split_state_dict(where_, state_dict, self.group.global_rank)
+        model, optim = split_state_dict(where_, state_dict, self.group)
         self._load(where_, model, optim, self.optimizer)
 
     def load_sharded_state_dict(self, model_state_dict: dict[str, Any], optim_state_dict: dict[str, Any] | None = None,

@@ -72,7 +72,7 @@ import numpy as np
 from ...comm import CollectiveMismatchError, DistValueError, ProcessGroup, ReduceOp, all_gather_object
 from ...comm._seams import FINGERPRINT_SLOTS, stamp_fingerprint, verify_fingerprint
 from ..arrays import array_namespace, check_same_library, to_host
-from ..checks import on_ranks
+from ..checks import on_ranks, where
 
 __all__ = ["ReplicatedUnits", "check_units", "deprecated", "old_optimizer_argument", "split_state_dict", "USE", "FAILED", "DISCARD", "PassAgreement", "agreement_size", "MISMATCH", "check_gradient",
            "marked_twice", "marked_after_complete", "discarded_pass", "refused_after_failure", "failed_sync"]
@@ -99,8 +99,10 @@ def old_optimizer_argument(method: Callable[[Any], dict[str, int]]) -> Callable[
     return accepting
 
 
-def split_state_dict(where: str, state_dict: Any, rank: int) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
-    """``(model, optim)`` of a state dict of ``state_dict()``'s shape ``{"model": ..., "optim": ...}``.
+def split_state_dict(op: str, state_dict: Any, group: ProcessGroup | None = None
+                     ) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+    """``(model, optim)`` of a state dict of ``state_dict()``'s shape ``{"model": ..., "optim": ...}``
+    (``op`` and ``group``, whose global rank the message names: as :func:`~meshkit.parallel.checks.where`'s).
 
     Raises:
         DistValueError: it is not a mapping of those two keys, each a mapping (naming what it got).
@@ -109,7 +111,7 @@ def split_state_dict(where: str, state_dict: Any, rank: int) -> tuple[Mapping[st
             and isinstance(state_dict.get("optim", {}), Mapping):
         return state_dict["model"], state_dict.get("optim", {})
     got = sorted(map(str, state_dict)) if isinstance(state_dict, Mapping) else type(state_dict).__name__
-    raise DistValueError(f"meshkit.parallel: rank {rank}: {where}: state_dict must be {{'model': {{name: value}}, "
+    raise DistValueError(f"{where(op, group)}: state_dict must be {{'model': {{name: value}}, "
                          f"'optim': {{'state': ..., 'step': ...}}}} (state_dict()'s shape), got {got}")
 
 

@@ -121,7 +121,7 @@ class Shards:
             raise DistValueError(f"{where(f'{self.owner._strategy}.{op}', self.owner._shard_group())}: parameters "
                                  f"{list(self.owner._block_layouts)} are DTensors, whose full state dict cannot be "
                                  "loaded (full_state_dict() gives their global arrays, but a load would have to cut "
-                                 "each rank's block out of them); use sharded_state_dict() / "
+                                 "each rank's block out of them); use state_dict() / "
                                  "meshkit.checkpoint.get_state_dict(), whose boxes are of the global arrays")
 
     def full_state_dict(self, *, rank0_only: bool = False) -> FullStateDict | None:
@@ -225,7 +225,7 @@ class Shards:
             DistValueError: a key, box or step does not match this strategy (naming it).
         """
         where_ = f"{self.owner._strategy}.load_state_dict"
-        model_state_dict, optim_state_dict = split_state_dict(where_, state_dict, self.owner._shard_group().rank)
+        model_state_dict, optim_state_dict = split_state_dict(where_, state_dict, self.owner._shard_group())
         mine = self.state_dict()
         load_pieces(where_, "model", mine["model"], model_state_dict)
         load_pieces(where_, "optim.state", mine["optim"]["state"], optim_state_dict.get("state"))

@@ -109,7 +109,7 @@ class ExpertStrategy:
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         who = f"{self._strategy}.load_state_dict"
-        model, optim = split_state_dict(who, state_dict, self.group.global_rank)
+        model, optim = split_state_dict(who, state_dict, self.group)
         mine = self.state_dict()
         load_pieces(who, "model", mine["model"], dict(model))
         load_pieces(who, "optim.state", mine["optim"]["state"], optim.get("state"))
@@ -166,7 +166,7 @@ class ExpertStrategy:
     def _problem(self, sd: Any, strict: bool) -> str | None:
         """What is wrong with full state dict ``sd`` for these blocks, or None."""
         try:
-            model, optim = split_state_dict("", sd, 0)
+            model, optim = split_state_dict("", sd)
         except DistValueError as exc:
             return str(exc).split(": state_dict ", 1)[-1]
         missing = sorted(set(self.params) - set(model))
