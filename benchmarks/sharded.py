@@ -148,7 +148,7 @@ def reference_step(args: argparse.Namespace, batches: Batches) -> dict[str, np.n
     """Single-process training (float64) of one step on the whole of global batch 0."""
     model = build(float64(args), "compute")
     train_step(model, batches.global_x, batches.global_y)
-    return model.full_state_dict()["params"]
+    return model.full_state_dict()["model"]
 
 
 def check_one_step(args: argparse.Namespace, name: str, batches: Batches, reference: dict[str, np.ndarray],
@@ -165,7 +165,7 @@ def check_one_step(args: argparse.Namespace, name: str, batches: Batches, refere
         return None
     model = build(float64(args), name)
     train_step(model, batches.x[0], batches.y[0], prefetch=name != "fsdp-noprefetch")
-    params = model.full_state_dict()["params"]
+    params = model.full_state_dict()["model"]
     atol = RTOL * 1e-2
     worst = max(float(np.max(np.abs(params[k] - reference[k]) / (np.abs(reference[k]) + atol / RTOL)))
                 for k in reference)

@@ -1,6 +1,7 @@
 """get_state_dict / set_state_dict: one state dict form for every strategy, as views.
 
-The keys never depend on the strategy or the world size::
+The keys never depend on the strategy or the world size (the shape of every strategy's
+``state_dict()``, :mod:`meshkit.parallel.strategy`, as two dicts)::
 
     model_state_dict = {name: value}
     optim_state_dict = {"state": {name: {"exp_avg": value, ...}}, "step": {name: StepCount}}
@@ -18,9 +19,10 @@ checkpoint loads into a freshly built strategy before its first step.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from typing import Any, Sequence
 
-from ..parallel import Optimizer, StepCount
+from ..parallel import Optimizer, StepCount, Strategy
 from ..parallel._seams import load_pieces, optimizer_state_views
 from ..tensor import DTensor
 from ..tensor._seams import block_like
@@ -28,82 +30,88 @@ from .errors import CheckpointError
 
 __all__ = ["get_state_dict", "set_state_dict"]
 
-#: Any strategy of the protocol (DistributedDataParallel, ZeroRedundancyOptimizer,
-#: FullyShardedDataParallel: they hold their optimizer and give their state dicts themselves,
-#: ``sharded_state_dict()`` / ``load_sharded_state_dict(model, optim)``), or a dict of parameters.
-Strategy = Any
 
-
-def get_state_dict(strategy: Strategy, optimizers: Optimizer | Sequence[Optimizer] | None = None
+def get_state_dict(strategy: Strategy | Mapping[str, Any], optimizers: Optimizer | Sequence[Optimizer] | None = None
                    ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(model_state_dict, optim_state_dict)`` of ``strategy`` as views (torch's name).
 
     Args:
-        strategy: a ``DistributedDataParallel``, ``ZeroRedundancyOptimizer`` or
-            ``FullyShardedDataParallel`` (HSDP included), whose optimizer is its own; or a
-            ``dict`` of parameters (arrays or DTensors: one process, or tensor parallelism).
-        optimizers: the optimizer a dict of parameters is stepped with. For a strategy,
+        strategy: any :class:`~meshkit.parallel.Strategy` (``DistributedDataParallel``,
+            ``ZeroRedundancyOptimizer``, ``FullyShardedDataParallel``/HSDP, ``LocalStrategy``,
+            ``ExpertStrategy``, a ``Composite`` of them), whose optimizer is its own: its
+            ``state_dict()``; or a mapping of parameters (arrays or DTensors: one process, or
+            tensor parallelism).
+        optimizers: the optimizer a mapping of parameters is stepped with. For a strategy,
             deprecated (the strategy's optimizer is used; a DDP built without one takes it here).
     """
     optimizer = _one_optimizer(strategy, optimizers, "get_state_dict")
-    if isinstance(strategy, dict):
+    if isinstance(strategy, Mapping):
         params = dict(strategy)
         return params, _params_optim_views(optimizer, params) if optimizer is not None else {"state": {}, "step": {}}
-    sd = strategy.sharded_state_dict() if optimizer is None else strategy.sharded_state_dict(optimizer)
+    sd = strategy.state_dict()
+    if optimizer is not None:  # a strategy built without an optimizer (deprecated): the one given, as for a dict
+        return sd["model"], _params_optim_views(optimizer, dict(sd["model"]))
     return sd["model"], sd["optim"]
 
 
-def set_state_dict(strategy: Strategy, optimizers: Optimizer | Sequence[Optimizer] | None = None, *,
-                   model_state_dict: dict[str, Any], optim_state_dict: dict[str, Any]) -> None:
+def set_state_dict(strategy: Strategy | Mapping[str, Any], optimizers: Optimizer | Sequence[Optimizer] | None = None,
+                   *, model_state_dict: dict[str, Any], optim_state_dict: dict[str, Any]) -> None:
     """Take ``model_state_dict`` and ``optim_state_dict`` into ``strategy`` (torch's name).
 
     Pieces that are already ``strategy``'s own views (a checkpoint loaded in place into
     :func:`get_state_dict`'s dicts) are not copied again; the step counts are set and the
-    strategy refreshes what derives from its shards. Collective for ZeRO and FSDP.
-    ``optimizers`` as :func:`get_state_dict`'s.
+    strategy refreshes what derives from its shards (its ``load_state_dict``). Collective for
+    ZeRO and FSDP. ``optimizers`` as :func:`get_state_dict`'s.
 
     Raises:
         DistValueError: a key, box or step that does not match ``strategy``.
     """
     optimizer = _one_optimizer(strategy, optimizers, "set_state_dict")
-    if not isinstance(strategy, dict):
+    if not isinstance(strategy, Mapping):
         if optimizer is None:
-            strategy.load_sharded_state_dict(model_state_dict, optim_state_dict)
-        else:
-            strategy.load_sharded_state_dict(model_state_dict, optim_state_dict, optimizer)
+            strategy.load_state_dict({"model": model_state_dict, "optim": optim_state_dict})
+            return
+        # a strategy built without an optimizer (deprecated): its parameters, then the one given, as for a dict
+        strategy.load_state_dict({"model": model_state_dict, "optim": {}})
+        _load_optimizer(optimizer, dict(strategy.state_dict()["model"]), optim_state_dict)
         return
     params = dict(strategy)
     load_pieces("set_state_dict", "model", {k: _local(v) for k, v in params.items()},
                 {k: _local(v) for k, v in model_state_dict.items()})
     if optimizer is not None:
-        mine = _params_optim_views(optimizer, params)
-        load_pieces("set_state_dict", "optim.state", _locals(mine["state"]), _locals(optim_state_dict["state"]))
-        optimizer.steps.update({k: int(v) for k, v in optim_state_dict["step"].items()})
+        _load_optimizer(optimizer, params, optim_state_dict)
 
 
-def _one_optimizer(strategy: Strategy, optimizers: Any, op: str) -> Optimizer | None:
-    """The optimizer to pass the strategy explicitly: None (its own) but for a dict of parameters
-    and the deprecated ``get_state_dict(ddp, optimizer)`` of a DDP built without one."""
+def _load_optimizer(optimizer: Optimizer, params: dict[str, Any], optim_state_dict: dict[str, Any]) -> None:
+    mine = _params_optim_views(optimizer, params)
+    load_pieces("set_state_dict", "optim.state", _locals(mine["state"]), _locals(optim_state_dict["state"]))
+    optimizer.steps.update({k: int(v) for k, v in optim_state_dict["step"].items()})
+
+
+def _one_optimizer(strategy: Strategy | Mapping[str, Any], optimizers: Any, op: str) -> Optimizer | None:
+    """The optimizer to use besides the strategy's state dict: None (the strategy's own) but for a
+    mapping of parameters and the deprecated ``get_state_dict(ddp, optimizer)`` of a DDP built without one."""
     if isinstance(optimizers, (list, tuple)):
         if len(optimizers) != 1:
             raise CheckpointError(f"meshkit.checkpoint: {op}: optimizers must be one Optimizer (or a one-element "
                                   f"list), got {len(optimizers)}")
         optimizers = optimizers[0]
-    if not isinstance(strategy, dict) and not (callable(getattr(strategy, "sharded_state_dict", None))
-                                               and callable(getattr(strategy, "load_sharded_state_dict", None))):
-        raise CheckpointError(f"meshkit.checkpoint: {op}: strategy must be a DistributedDataParallel, "
-                              f"ZeroRedundancyOptimizer, FullyShardedDataParallel or a dict of parameters, got "
-                              f"{type(strategy).__name__}")
+    if not isinstance(strategy, (Mapping, Strategy)):
+        raise CheckpointError(f"meshkit.checkpoint: {op}: strategy must be a meshkit.parallel.Strategy "
+                              "(DistributedDataParallel, ZeroRedundancyOptimizer, FullyShardedDataParallel, ...) or a "
+                              f"dict of parameters, got {type(strategy).__name__}")
     if optimizers is not None and not isinstance(optimizers, Optimizer):
         raise CheckpointError(f"meshkit.checkpoint: {op}: optimizers must be a meshkit Optimizer, got "
                               f"{type(optimizers).__name__}")
-    if isinstance(strategy, dict) or optimizers is None:
+    if isinstance(strategy, Mapping) or optimizers is None:
         return optimizers
-    own = getattr(strategy, "optimizer", None)
-    if own is None:  # a DDP built without optimizer=: today's spelling
+    # the strategy's own optimizers: those its step counts read (StepCount declares its optimizer)
+    own = {id(c.optimizer): c.optimizer for c in strategy.state_dict()["optim"]["step"].values()
+           if isinstance(c, StepCount)}
+    if not own:  # a DDP built without optimizer=: today's spelling
         _deprecated(op, "build the strategy with optimizer= and call {op}(strategy)")
         return optimizers
-    if own is not optimizers:
+    if id(optimizers) not in own:
         raise CheckpointError(f"meshkit.checkpoint: {op}: a {type(strategy).__name__} holds its optimizer; pass "
                               "optimizers=None")
     _deprecated(op, "call {op}(strategy): the optimizer is the strategy's")

@@ -1,7 +1,7 @@
 """The examples' training loop, written once against the data-parallel protocol (issue 25.1).
 
 ``train_mlp.py``, ``train_tp.py`` and ``train_3d.py`` train through :func:`train`, and so does
-train_mlp's single-process reference (``mlp.Plain`` speaks the same protocol). A step is the
+train_mlp's single-process reference (the library's ``meshkit.parallel.LocalStrategy``). A step is the
 protocol's (:mod:`meshkit.parallel.data_parallelism.protocol`), whatever the strategy::
 
     model.zero_grad()
@@ -24,15 +24,18 @@ from typing import Any, Callable, Iterator
 
 from tqdm import tqdm
 
+from meshkit.parallel import Strategy
+
 __all__ = ["train", "unsharded", "progress_bar"]
 
 
-def train(model: Any, steps: range, run_pass: Callable[[Any, int], Any], *, global_loss: Callable[[Any], float],
+def train(model: Strategy, steps: range, run_pass: Callable[[Any, int], Any], *, global_loss: Callable[[Any], float],
           progress: bool = False, after_step: Callable[[int], None] | None = None) -> list[float]:
     """Train ``model`` (any strategy of the protocol) for ``steps``; return each step's global loss.
 
     Args:
-        model: a strategy of :func:`meshkit.parallel.data_parallel` (or ``mlp.Plain``).
+        model: any ``meshkit.parallel.Strategy`` (one :func:`meshkit.parallel.data_parallel` built, a
+            ``LocalStrategy``, a ``Composite``).
         steps: the steps to run (``range(start, total)`` after a resume).
         run_pass: ``run_pass(model, step) -> loss``: the step's forward and backward pass on this
             rank's share of its batch, handing every gradient to ``model.mark_grad_ready``.
@@ -55,7 +58,7 @@ def train(model: Any, steps: range, run_pass: Callable[[Any, int], Any], *, glob
 
 
 @contextlib.contextmanager
-def unsharded(model: Any) -> Iterator[dict[str, Any]]:
+def unsharded(model: Strategy) -> Iterator[dict[str, Any]]:
     """Every unit of ``model`` unsharded for one pass, as ``{name: parameter}``: all prefetched
     first, entered in order, resharded in reverse order on exit. DDP's and ZeRO's are their own
     parameters (nothing is gathered); FSDP's are gathered (collective over its mesh) and freed on exit."""

@@ -20,19 +20,19 @@ The training loop speaks the protocol every data-parallel strategy implements
 (:mod:`meshkit.parallel.data_parallelism.protocol`: ``unshard``/``prefetch`` a layer's unit while it runs,
 ``mark_grad_ready`` as gradients are known, ``step``): :func:`build` makes any strategy with
 :func:`meshkit.parallel.data_parallel` (DDP, ZeRO-1/2, FSDP and hybrid sharding, one unit per
-layer), and :class:`Plain` is the same protocol in one process, the single-process reference.
+layer), and the library's :class:`meshkit.parallel.LocalStrategy` is the same protocol in one
+process, the single-process reference.
 ``loop.py`` beside this file is the loop itself, which every example shares.
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 import meshkit
-from meshkit.parallel import SGD, AdamW, Optimizer, array_namespace, data_parallel
+from meshkit.parallel import SGD, AdamW, LocalStrategy, Optimizer, array_namespace, data_parallel
 
 __all__ = [
     "FEATURES", "CLASSES", "STRATEGIES", "make_data", "init_params", "layer_count", "batch_indices",
@@ -112,12 +112,12 @@ def loss_and_grad_logits(logits: Any, y: Any) -> tuple[float, Any]:
 
 def forward(params: dict[str, Any], x: Any) -> list[Any]:
     """Activations of every layer (input first; the last entry is the logits)."""
-    return forward_layers(Plain(params), x)
+    return forward_layers(LocalStrategy(params), x)
 
 
 def backward(params: dict[str, Any], acts: list[Any], dlogits: Any, on_grad: Callable[[str, Any], None]) -> None:
     """Back-propagate layer by layer, calling ``on_grad(name, grad)`` as each gradient is final."""
-    backward_layers(Plain(params), acts, dlogits, on_grad)
+    backward_layers(LocalStrategy(params), acts, dlogits, on_grad)
 
 
 def _layer_units(model: Any) -> list[int]:
@@ -128,7 +128,7 @@ def _layer_units(model: Any) -> list[int]:
 
 def forward_layers(model: Any, x: Any, prefetch: bool = True) -> list[Any]:
     """Forward pass through ``model``, any strategy of the protocol (:mod:`meshkit.parallel.data_parallelism.protocol`)
-    or :class:`Plain`: each layer's unit unsharded only while it runs, the next one prefetched
+    or a ``LocalStrategy``: each layer's unit unsharded only while it runs, the next one prefetched
     (unless ``prefetch`` is False)."""
     units = _layer_units(model)
     n = len(units)
@@ -164,33 +164,9 @@ def backward_layers(model: Any, acts: list[Any], dlogits: Any, on_grad: Callable
 
 
 # --------------------------------------------------------------------------- one process
-class Plain:
-    """One process, no communication: the training-loop protocol of the strategies
-    (:mod:`meshkit.parallel.data_parallelism.protocol`) over a dict of parameters, the single-process reference."""
-
-    def __init__(self, params: dict[str, Any], optimizer: Optimizer | None = None) -> None:
-        self.params, self.optimizer = params, optimizer
-        self.units = [list(params)]
-        self.grads: dict[str, Any] = {}
-
-    def unshard(self, unit: int) -> Any:
-        return contextlib.nullcontext(self.params)
-
-    def prefetch(self, unit: int) -> None:
-        """Nothing to gather."""
-
-    def zero_grad(self) -> None:
-        self.grads.clear()
-
-    def mark_grad_ready(self, name: str, grad: Any) -> None:
-        self.grads[name] = grad + self.grads[name] if name in self.grads else grad
-
-    def step(self) -> None:
-        self.optimizer.step(self.params, self.grads)
-
-    def full_state_dict(self) -> dict[str, Any]:
-        """The parameters themselves (and the optimizer's state), as the strategies' form."""
-        return {"params": self.params, "optim": self.optimizer.state_dict() if self.optimizer else {}}
+#: The single-process reference is the library's (:class:`meshkit.parallel.LocalStrategy`); this
+#: name stays for the scripts that still say ``mlp.Plain`` (benchmarks/sharded.py).
+Plain = LocalStrategy
 
 
 def build(strategy: str, *, hidden: Sequence[int] = (64, 64), dtype: Any = np.float64, optimizer: str = "sgd",

@@ -288,7 +288,7 @@ def global_loss(mb_losses: list[float] | None, mesh: meshkit.DeviceMesh) -> floa
 def gather_params(strategy: Any, mesh: meshkit.DeviceMesh) -> dict[str, np.ndarray]:
     """Every parameter whole on every rank, as NumPy arrays: the strategy's full state dict (its
     stages' layers, gathered over dp and tp, on the host), then an object all-gather over pp."""
-    mine = strategy.full_state_dict()["params"]
+    mine = strategy.full_state_dict()["model"]
     every: list[Any] = [None] * mesh["pp"].size()
     meshkit.all_gather_object(every, dict(mine), group=mesh["pp"].get_group())
     return {name: a for part in every for name, a in part.items()}

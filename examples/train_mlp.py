@@ -55,7 +55,7 @@ import loop  # the examples' one training loop, beside this file
 import mlp  # the model, beside this file
 from meshkit.comm.cuda_runtime import gpu_available
 from meshkit.checkpoint import CheckpointError, CheckpointManager, get_state_dict, set_state_dict
-from meshkit.parallel import PowerSGDState, array_namespace, fp16_compress_hook, powersgd_hook
+from meshkit.parallel import LocalStrategy, PowerSGDState, array_namespace, fp16_compress_hook, powersgd_hook
 
 #: Default learning rate per optimizer. AdamW moves every element by about lr whatever its
 #: gradient; at 0.05 this model's training amplifies rounding (4 ranks, 200 steps: float32 sums
@@ -78,7 +78,7 @@ def train_reference(args: argparse.Namespace, hidden: Sequence[int] = (64, 64)
     """Single-process training on the global batch: what every strategy must reproduce."""
     x, y = mlp.make_data(args.samples)
     params = mlp.init_params(hidden, dtype=np.dtype(args.dtype))
-    model = mlp.Plain(params, optimizer=mlp.make_optimizer(args.optimizer, args.lr))
+    model = LocalStrategy(params, optimizer=mlp.make_optimizer(args.optimizer, args.lr))  # the library's reference
     losses = loop.train(model, range(args.steps),
                         lambda model, step: mlp_pass(model, x, y, mlp.batch_indices(step, args.samples, args.batch)),
                         global_loss=float)
@@ -129,7 +129,7 @@ def train(args: argparse.Namespace, comm_hook: Any = None, comm_state: Any = Non
 
     losses = loop.train(model, range(start, args.steps), run_pass, global_loss=global_loss,
                         progress=progress and rank == 0, after_step=saver(manager, model, args))
-    return model.full_state_dict()["params"], losses  # NumPy arrays, full size, on every rank
+    return model.full_state_dict()["model"], losses  # NumPy arrays, full size, on every rank
 
 
 def saver(manager: CheckpointManager | None, model: Any, args: argparse.Namespace) -> Callable[[int], None] | None:

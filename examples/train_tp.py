@@ -155,7 +155,7 @@ def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np
 
     losses = loop.train(model, range(args.steps), run_pass, global_loss=global_loss,
                         progress=progress and meshkit.get_rank() == 0)
-    return model.full_state_dict()["params"], losses  # the global arrays (gathered over tp), NumPy
+    return model.full_state_dict()["model"], losses  # the global arrays (gathered over tp), NumPy
 
 
 # --------------------------------------------------------------------------- command line

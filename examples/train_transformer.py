@@ -32,14 +32,14 @@ single-process training on the global batch whatever the mesh: ``--check`` train
 reference and compares the final parameters (float64, 1e-10). The attention's parameters are
 DTensors (tp's blocks) whose gradients DDP averages over the ranks holding other tokens; the
 router's and the experts' gradients come out of the MoE layer reduced over the ranks sharing
-them. Checkpoints (``--checkpoint-dir``, ``--save-every``, ``--resume``) resume on another
+them (the library's ``ExpertStrategy``); one ``Composite`` of the two is the loop's model, so
+nothing here adapts a strategy or dispatches on its class. Checkpoints (``--checkpoint-dir``, ``--save-every``, ``--resume``) resume on another
 ``--mesh``. The experts compute ``silu(h w1) w2`` (the library layer's), dropless.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import sys
 from typing import Any, Sequence
@@ -50,10 +50,10 @@ import meshkit
 import loop  # the examples' one training loop, beside this file
 import train_mlp  # flag types, checkpoint flags, --check's verdict
 import transformer as model_math  # the model, beside this file
-from meshkit.checkpoint import CheckpointManager, get_state_dict, set_state_dict
-from meshkit.parallel import (MoE, PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleZBH1, data_parallel,
+from meshkit.checkpoint import CheckpointManager
+from meshkit.parallel import (Composite, ExpertStrategy, MoE, PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleZBH1, data_parallel,
                               ring_attention, ring_attention_backward, shard_experts, shard_sequence)
-from meshkit.state import ShardedArray, StepCount
+from meshkit.state import ShardedArray
 from meshkit.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 #: The mesh dimensions ``--mesh`` knows.
@@ -97,58 +97,36 @@ def placement_of(name: str) -> Any:
             "w1": Shard(2), "w2": Shard(1)}[name]
 
 
-class Together:
-    """Several strategies of the data-parallel protocol as one (the loop's ``model``): a name's
-    calls go to the strategy holding it. Here: one for the dense parameters (averaged over the
-    ranks holding other tokens) and one for the experts (over the ranks holding the same experts)."""
-
-    def __init__(self, strategies: Sequence[Any]) -> None:
-        self.strategies = [s for s in strategies if s is not None]
-        self.owner = {name: s for s in self.strategies for name in s.params}
-        self._units = [(s, u) for s in self.strategies for u in range(len(s.units))]
-        self.units = [s.units[u] for s, u in self._units]
-
-    @property
-    def params(self) -> dict[str, Any]:
-        return {name: s.params[name] for name, s in self.owner.items()}
-
-    def zero_grad(self) -> None:
-        for s in self.strategies:
-            s.zero_grad()
-
-    def mark_grad_ready(self, name: str, grad: Any) -> None:
-        self.owner[name].mark_grad_ready(name, grad)
-
-    def step(self) -> None:
-        for s in self.strategies:
-            s.step()
-
-    def unshard(self, unit: int) -> Any:
-        strategy, inner = self._units[unit]
-        return strategy.unshard(inner)
-
-    def prefetch(self, unit: int) -> None:
-        strategy, inner = self._units[unit]
-        strategy.prefetch(inner)
-
-    def full_state_dict(self) -> dict[str, Any]:
-        merged: dict[str, Any] = {"params": {}}
-        for s in self.strategies:
-            merged["params"].update(s.full_state_dict()["params"])
-        return merged
-
-
-def build(args: argparse.Namespace, mesh: meshkit.DeviceMesh, stage: int | None) -> Together:
-    """This rank's parameters (all, or its pipeline stage's): the attention's as DTensors over tp
-    in a DDP over the ranks holding other tokens, the router's and the experts' in an
-    :class:`Experts` (collective over the mesh)."""
+def build(args: argparse.Namespace, mesh: meshkit.DeviceMesh, stage: int | None) -> Composite:
+    """The recipe (torchtitan's ``parallelize``: tensor parallel, then data parallel, each part
+    applied in order): this rank's parameters (all, or its pipeline stage's), the attention's as
+    DTensors over tp in a DDP over the ranks holding other tokens, the router's and the experts'
+    blocks in an :class:`~meshkit.parallel.ExpertStrategy` (their MoE reduces their gradients),
+    one :class:`~meshkit.parallel.Composite` of the two (collective over the mesh)."""
     full = model_math.init_params(config(args))
     make = lambda: train_mlp.mlp.make_optimizer(args.optimizer, args.lr)  # noqa: E731
-    dense = None
+    dense = experts = None
     if stage in (None, 0):
         tensors = {n: distribute_tensor(full[n], mesh["tp"], [placement_of(n)], src_data_rank=None) for n in DENSE}
         dense = data_parallel(tensors, mesh["tokens"], "ddp", optimizer=make())
-    return Together([dense, Experts(full, mesh, make()) if stage in (None, 1) else None])
+    if stage in (None, 1):
+        experts = ExpertStrategy(expert_boxes(full, mesh), optimizer=make(), group=mesh["stage"].get_group())
+    return Composite([dense, experts])
+
+
+def expert_boxes(full: dict[str, np.ndarray], mesh: meshkit.DeviceMesh) -> dict[str, ShardedArray]:
+    """This rank's blocks of the router (all of it) and the experts (``ep``: which experts; ``tp``:
+    which hidden units) as boxes of the global arrays; where other ranks hold the same block, only
+    the first of them saves it (the router: one rank of the stage)."""
+    ep, tp = mesh["ep"], mesh["tp"]
+    e, h = full["w1"].shape[0], full["w1"].shape[2]
+    w1, w2 = shard_experts(full["w1"], full["w2"], ep.get_local_rank(), ep.size(), tp.get_local_rank(), tp.size())
+    first, hs = ep.get_local_rank() * (e // ep.size()), tp.get_local_rank() * (h // tp.size())
+    replica = any(mesh[d].get_local_rank() for d in ("dp", "cp"))
+    return {"router": ShardedArray(full["router"].copy(), full["router"].shape, (0, 0),
+                                   replica=any(mesh[d].get_local_rank() for d in ("dp", "cp", "ep", "tp"))),
+            "w1": ShardedArray(w1, full["w1"].shape, (first, 0, hs), replica=replica),
+            "w2": ShardedArray(w2, full["w2"].shape, (first, hs, 0), replica=replica)}
 
 
 def config(args: argparse.Namespace) -> model_math.Config:
@@ -191,74 +169,13 @@ class AttentionStage:
             self.grads[name] += np.einsum("bsd,bhse->dhe", x, d)
 
 
-class Experts:
-    """The router and this rank's experts (``ep``: which experts; ``tp``: which hidden units), kept
-    out of DDP: :class:`meshkit.parallel.MoE` reduces their gradients itself, over the ranks that
-    share them. The protocol's calls for the loop, the optimizer on the local blocks, and the
-    checkpoint's boxes of the global arrays."""
-
-    def __init__(self, full: dict[str, np.ndarray], mesh: meshkit.DeviceMesh, optimizer: Any) -> None:
-        self.mesh = mesh
-        ep, tp = mesh["ep"], mesh["tp"]
-        e, h = full["w1"].shape[0], full["w1"].shape[2]
-        w1, w2 = shard_experts(full["w1"], full["w2"], ep.get_local_rank(), ep.size(), tp.get_local_rank(), tp.size())
-        self.params = {"router": full["router"].copy(), "w1": w1, "w2": w2}
-        self.shapes = {n: full[n].shape for n in self.params}
-        first, hs = ep.get_local_rank() * (e // ep.size()), tp.get_local_rank() * (h // tp.size())
-        self.offsets = {"router": (0, 0), "w1": (first, 0, hs), "w2": (first, hs, 0)}
-        # other ranks hold the same blocks: only the first of them saves (the router: one rank of the stage)
-        self.replica = {n: any(mesh[d].get_local_rank() for d in ("dp", "cp")) for n in ("w1", "w2")}
-        self.replica["router"] = any(mesh[d].get_local_rank() for d in ("dp", "cp", "ep", "tp"))
-        self.optimizer = optimizer
-        self.grads: dict[str, np.ndarray] = {}
-        self.units = [list(self.params)]
-
-    def zero_grad(self) -> None:
-        self.grads = {}
-
-    def mark_grad_ready(self, name: str, grad: np.ndarray) -> None:
-        self.grads[name] = grad
-
-    def step(self) -> None:
-        self.optimizer.step(self.params, self.grads)
-
-    def unshard(self, unit: int) -> Any:
-        return contextlib.nullcontext(self.params)
-
-    def prefetch(self, unit: int) -> None:
-        """Nothing to gather."""
-
-    def _boxes(self, name: str, local: np.ndarray) -> Any:
-        return [ShardedArray(local, self.shapes[name], self.offsets[name], replica=self.replica[name])]
-
-    def state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """``(model, optim)`` as checkpoints take them: every array as this rank's box of the global one."""
-        model = {n: self._boxes(n, p) for n, p in self.params.items()}
-        state = {n: {k: self._boxes(n, v.reshape(p.shape)) for k, v in self.optimizer.materialize(n, p.reshape(-1)).items()}
-                 for n, p in self.params.items()}  # the optimizer's state arrays, as views of this rank's blocks
-        return model, {"state": state, "step": {n: StepCount(self.optimizer, n) for n in self.params}}
-
-    def full_state_dict(self) -> dict[str, Any]:
-        """The full router and experts on every rank of the stage (an all-gather of the blocks)."""
-        group = self.mesh["stage"].get_group()
-        blocks: list[Any] = [None] * group.size
-        mine = {n: (self.offsets[n], p) for n, p in self.params.items()}
-        meshkit.all_gather_object(blocks, mine, group=group)
-        full = {n: np.zeros(shape) for n, shape in self.shapes.items()}
-        for part in blocks:
-            for n, (offsets, block) in part.items():
-                full[n][tuple(slice(o, o + s) for o, s in zip(offsets, block.shape))] = block
-        return {"params": full}
-
-
 class MoEStage:
     """``out = h + moe(h)`` by :class:`meshkit.parallel.MoE`: tokens dispatched to their experts'
     ranks over ``ep``, each expert's hidden units split over ``tp``; its gradients come out reduced."""
 
     names = STAGE_PARAMS[1]
 
-    def __init__(self, cfg: model_math.Config, tp: Any, experts: Experts, mesh: meshkit.DeviceMesh) -> None:
-        p = experts.params
+    def __init__(self, cfg: model_math.Config, tp: Any, p: Any, mesh: meshkit.DeviceMesh) -> None:
         self.layer = MoE(p["router"], p["w1"], p["w2"], top_k=cfg.top_k, ep_group=mesh["ep"], tp_group=tp,
                          dp_group=mesh["replicas"])
         self.params: dict[str, np.ndarray] = {}
@@ -285,7 +202,7 @@ def loss_fn(out: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:
     return 0.5 * float(np.mean(diff ** 2)), diff / diff.size
 
 
-def run_stages(model: Together, stages: list[Any], run: Any) -> Any:
+def run_stages(model: Composite, stages: list[Any], run: Any) -> Any:
     """Give the stages the parameters' local blocks for one pass (``run()``), then hand each
     accumulated gradient to ``model.mark_grad_ready`` as a DTensor laid out as its parameter."""
     with loop.unsharded(model) as params:
@@ -342,9 +259,8 @@ def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np
     piped = pp.size() > 1
     stage = pp.get_local_rank() if piped else None
     model = build(args, mesh, stage)
-    experts = next((s for s in model.strategies if isinstance(s, Experts)), None)
     stages = ([AttentionStage(cfg, tp, mesh["cp"])] if stage in (None, 0) else []) + \
-             ([MoEStage(cfg, tp, experts, mesh)] if stage in (None, 1) else [])
+             ([MoEStage(cfg, tp, model.params, mesh)] if stage in (None, 1) else [])
     schedule = None
     if piped:
         pipe = PipelineStage(stages[0].forward, None, stage, 2, group=pp, backward_input=stages[0].backward_input,
@@ -353,7 +269,7 @@ def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np
     manager = CheckpointManager(args.checkpoint_dir, max_to_keep=args.max_to_keep) if args.checkpoint_dir else None
     start = resume(manager, model, args) if args.resume else 0
 
-    def run_pass(model: Together, step: int) -> list[float] | None:
+    def run_pass(model: Composite, step: int) -> list[float] | None:
         batch = model_math.batch_indices(step, args.samples, args.batch)
         idx = np.array_split(batch, batch_ranks.size())[batch_ranks.get_local_rank()]  # a contiguous share
         xs, ys = (shard_sequence(a[idx], mesh["cp"], balanced=cfg.causal, axis=1) for a in (x, y))  # cp's tokens
@@ -370,7 +286,7 @@ def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np
 
     losses = loop.train(model, range(start, args.steps), run_pass, global_loss=global_loss,
                         progress=progress and meshkit.get_rank() == 0, after_step=saver(manager, model, args))
-    params = model.full_state_dict()["params"]
+    params = model.full_state_dict()["model"]
     if piped:  # each stage's parameters, to every rank
         parts: list[Any] = [None] * pp.size()
         meshkit.all_gather_object(parts, params, group=pp.get_group())
@@ -393,18 +309,12 @@ def train_reference(args: argparse.Namespace) -> tuple[dict[str, np.ndarray], li
     return params, losses
 
 
-def state_dict(model: Together, step: int) -> dict[str, Any]:
+def state_dict(model: Composite, step: int) -> dict[str, Any]:
     """This rank's parameters and optimizer state (views; keys by global name, so any mesh loads them)."""
-    merged: dict[str, Any] = {"model": {}, "optim": {"state": {}, "step": {}}, "step": step}
-    for strategy in model.strategies:
-        model_sd, optim_sd = strategy.state_dict() if isinstance(strategy, Experts) else get_state_dict(strategy)
-        merged["model"].update(model_sd)
-        for key in ("state", "step"):
-            merged["optim"][key].update(optim_sd[key])
-    return merged
+    return {**model.state_dict(), "step": step}
 
 
-def saver(manager: CheckpointManager | None, model: Together, args: argparse.Namespace) -> Any:
+def saver(manager: CheckpointManager | None, model: Composite, args: argparse.Namespace) -> Any:
     if manager is None or not args.save_every:
         return None
 
@@ -414,7 +324,7 @@ def saver(manager: CheckpointManager | None, model: Together, args: argparse.Nam
     return save
 
 
-def resume(manager: CheckpointManager, model: Together, args: argparse.Namespace) -> int:
+def resume(manager: CheckpointManager, model: Composite, args: argparse.Namespace) -> int:
     sd = state_dict(model, 0)
     step = manager.restore(sd)
     if step is None:
@@ -424,13 +334,7 @@ def resume(manager: CheckpointManager, model: Together, args: argparse.Namespace
     if step > args.steps:
         train_mlp.usage_error(f"argument --steps: {args.steps} is below the step of the checkpoint in "
                               f"{manager.directory} (step {step}); give --steps {step} or more")
-    for strategy in model.strategies:  # (the experts' blocks were loaded in place: their state dict is views)
-        if isinstance(strategy, Experts):
-            continue
-        names = set(strategy.params)
-        set_state_dict(strategy, model_state_dict={n: v for n, v in sd["model"].items() if n in names},
-                       optim_state_dict={key: {n: v for n, v in sd["optim"][key].items() if n in names}
-                                         for key in ("state", "step")})
+    model.load_state_dict(sd)  # what was loaded in place (views) is not copied again
     if meshkit.get_rank() == 0:
         print(f"resumed from step {sd['step']} of {manager.directory}", flush=True)
     return int(sd["step"])

@@ -30,16 +30,19 @@ from .arrays import array_namespace, to_host
 from .data_parallelism import (STRATEGIES, CommHook, DistributedDataParallel, FullyShardedDataParallel, GradBucket,
                             PowerSGDState, ZeroRedundancyOptimizer, allreduce_hook, data_parallel, fp16_compress_hook,
                             powersgd_hook)
-from .expert_parallelism import MoE, MoEContext, expert_capacity, shard_experts
+from .expert_parallelism import ExpertStrategy, MoE, MoEContext, expert_capacity, shard_experts
 from .context_parallelism import (RingAttentionContext, SequenceSharding, UlyssesContext, ring_attention,
                                   ring_attention_backward, sequence_positions, shard_sequence, ulysses_attention,
                                   ulysses_attention_backward, unshard_sequence)
 from .optim import SGD, AdamW, Optimizer, clip_grad_norm_
+from .strategy import Strategy
+from .composite import Composite
+from .local_strategy import LocalStrategy
 from .pipelining import (PipelineError, PipelineSchedule, PipelineStage, Schedule1F1B, ScheduleGPipe,
                          ScheduleInterleaved1F1B, ScheduleZBH1, ScheduleZBVZeroBubble, bubble_fraction)
 
 __all__ = [
-    "DistributedDataParallel", "ZeroRedundancyOptimizer", "FullyShardedDataParallel", "data_parallel", "STRATEGIES",
+    "Strategy", "LocalStrategy", "Composite", "ExpertStrategy", "DistributedDataParallel", "ZeroRedundancyOptimizer", "FullyShardedDataParallel", "data_parallel", "STRATEGIES",
     "CommHook", "GradBucket", "allreduce_hook", "fp16_compress_hook", "PowerSGDState", "powersgd_hook",
     "PipelineStage", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
     "ScheduleZBH1", "ScheduleZBVZeroBubble", "PipelineError", "bubble_fraction",

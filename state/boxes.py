@@ -24,7 +24,23 @@ The keys do not depend on the strategy or the world size::
 where a value is a full array (replicated: every rank holds all of it) or a list of
 :class:`ShardedArray` (this rank's boxes; possibly empty). Optimizer state arrays have their
 parameter's shape. A step count is a :class:`StepCount`: read from the optimizer whenever it
-is used, so a state dict built once is as current as the arrays it views.
+is used, so a state dict built once is as current as the arrays it views. ``full_state_dict()``
+has the same keys with full arrays (the one state shape, :mod:`meshkit.parallel.strategy`).
+
+**Words for a shard.** The house has one word for what a rank holds of a global array when it is
+saved, loaded or compared across strategies: a *box*, a :class:`ShardedArray` (an N-D rectangle
+of the global array at ``offsets``). Three other shapes of a shard remain, each because its
+geometry is what its owner computes on, and each is described as boxes at the state-dict boundary:
+
+- a :class:`~meshkit.tensor.DTensor` (torch's name and the user's type): a global array laid out
+  over a mesh by placements; its local part, ``to_local()``, is a *block*. Kept because tensor
+  parallelism computes on blocks and redistributes by placement, which a box cannot say.
+- a *flat shard* (``FlatLayout``, ZeRO and FSDP): rank r's contiguous range of a padded flat buffer
+  of several parameters. Kept because one collective (all-gather, reduce-scatter) moves a flat
+  buffer; it cuts parameters at any element, so :func:`flat_range_boxes` describes it as boxes.
+- a ``BlockLayout`` (parallel/data_parallelism/dtensors.py) is not a shard but the bridge: how a
+  DTensor parameter's block sits in its global array, so that a data-parallel strategy can
+  flat-shard blocks and still give boxes of the global array.
 """
 
 from __future__ import annotations

@@ -109,7 +109,7 @@ class Run:
         if self.kind in ("dict", "ddp"):
             return {k: np.array(v) for k, v in dict(self.strategy if self.kind == "dict" else
                                                     self.strategy.params).items()}
-        return self.strategy.full_state_dict()["params"]
+        return self.strategy.full_state_dict()["model"]
 
 
 def save(state: dict[str, Any], how: str, directory: Path, step: int) -> None:

@@ -289,7 +289,7 @@ def state_dict_loading_is_strict(kind: str) -> None:
     before = model.full_state_dict()
     who = r"load_full_state_dict: nothing was loaded; invalid state dict on ranks \[[\d, ]+\]: "
     cases = [
-        (_without(sd, "optim"), r"the state dict: keys differ from \['optim', 'params'\]: missing "
+        (_without(sd, "optim"), r"the state dict: keys differ from \['model', 'optim'\]: missing "
                                     r"\['optim'\], unexpected \[\] \(strict=True\)"),
         (_without(sd, "optim", "state", "b"), r"state_dict\['optim'\]\['state'\] covers \['a', 'c'\] but not "
                                                   r"\['b'\] \(strict=True: all parameters or none\)"),
@@ -306,7 +306,7 @@ def state_dict_loading_is_strict(kind: str) -> None:
                                                              r"'betas', 'eps'\], unexpected \['dampening', 'momentum', "
                                                              r"'nesterov'\]"),
         (_with(sd, {}, "unused"), r"the state dict: keys differ .*unexpected \['unused'\]"),
-        (_with(sd, np.zeros(5), "params", "b"), r"state_dict\['params'\]\['b'\] has shape \(5,\), expected the "
+        (_with(sd, np.zeros(5), "model", "b"), r"state_dict\['model'\]\['b'\] has shape \(5,\), expected the "
                                                 r"model's \(3,\)"),
         (_with(sd, {"exp_avg": np.zeros(3), "exp_avg_sq": np.zeros(7)}, "optim", "state", "b"),
          r"state_dict\['optim'\]\['state'\]\['b'\]\['exp_avg_sq'\] must be a floating-point array of 3 elements "
@@ -324,8 +324,8 @@ def state_dict_loading_is_strict(kind: str) -> None:
         with raises_everywhere(who + r".*" + match):
             model.load_full_state_dict(bad)
     after = model.full_state_dict()
-    for name in before["params"]:
-        np.testing.assert_array_equal(after["params"][name], before["params"][name])
+    for name in before["model"]:
+        np.testing.assert_array_equal(after["model"][name], before["model"][name])
         for key, value in before["optim"]["state"][name].items():
             np.testing.assert_array_equal(after["optim"]["state"][name][key], value)
     assert after["optim"]["hyper"] == before["optim"]["hyper"]
@@ -338,14 +338,14 @@ def state_dict_strict_false_keeps_what_is_missing(kind: str) -> None:
     sd = model.full_state_dict()
     moments = sd["optim"]["state"]
     new_params = {name: np.full(p.shape, 7.0) for name, p in params().items()}
-    model.load_full_state_dict({"params": new_params, "extra": 1}, strict=False)  # params only
+    model.load_full_state_dict({"model": new_params, "extra": 1}, strict=False)  # params only
     after = model.full_state_dict()
     for name in params():
-        np.testing.assert_array_equal(after["params"][name], new_params[name])
+        np.testing.assert_array_equal(after["model"][name], new_params[name])
         for key, value in moments[name].items():
             np.testing.assert_array_equal(after["optim"]["state"][name][key], value)  # moments kept
     assert after["optim"]["step"] == sd["optim"]["step"]
-    partial = {"params": {}, "optim": {"state": {"c": {"exp_avg": np.full(4, 3.0), "exp_avg_sq": np.ones(4)}},
+    partial = {"model": {}, "optim": {"state": {"c": {"exp_avg": np.full(4, 3.0), "exp_avg_sq": np.ones(4)}},
                                            "hyper": {"lr": 0.5}}}
     model.load_full_state_dict(partial, strict=False)
     after = model.full_state_dict()
@@ -363,14 +363,14 @@ def state_dicts_differing_across_ranks_are_refused(kind: str) -> None:
     model = trained(kind)
     sd = model.full_state_dict()
     before = model.full_state_dict()
-    mine = _with(sd, sd["params"]["c"] + (1.0 if rank == 1 else 0.0), "params", "c")
+    mine = _with(sd, sd["model"]["c"] + (1.0 if rank == 1 else 0.0), "model", "c")
     with raises_everywhere(r"load_full_state_dict: nothing was loaded; the state dicts differ across ranks: "
                            r"(ranks \[0(, [2-9])*\]|rank 0) passed one with digest [0-9a-f]+; rank 1 passed one with digest "
                            r"[0-9a-f]+; every rank must load the same state dict"):
         model.load_full_state_dict(mine)
     after = model.full_state_dict()
     for name in params():
-        np.testing.assert_array_equal(after["params"][name], before["params"][name])
+        np.testing.assert_array_equal(after["model"][name], before["model"][name])
 
 
 # ---------------------------------------------------------------------------- 5: construction
@@ -475,7 +475,7 @@ def rule_pass(model, step: int, order=("w1", "b0", "w0"), mark=None) -> None:
 
 
 def assert_rule_result(model, ref: dict[str, np.ndarray], what: str) -> None:
-    got = model.full_state_dict()["params"]
+    got = model.full_state_dict()["model"]
     for name, expected in ref.items():
         np.testing.assert_allclose(got[name], expected, rtol=1e-10, atol=1e-10, err_msg=f"{what}: {name}")
 

@@ -935,7 +935,7 @@ def test_train_3d_device_cuda_main_under_meshkit_run(mpirun, aware):
 def test_every_example_and_the_reference_train_through_the_one_protocol_loop(example, argv, world, monkeypatch):
     """Issue 25.1: the examples' adapters are gone; train_mlp, train_tp and train_3d (and the
     single-process reference) run their steps through loop.train, on the strategy that
-    data_parallel built (or mlp.Plain), whose protocol calls it makes: zero_grad, the pass, step."""
+    data_parallel built (or the library's LocalStrategy), whose protocol calls it makes: zero_grad, the pass, step."""
     module = {"train_mlp": train_mlp, "train_tp": train_tp, "train_3d": train_3d}[example]
     real, seen = loop.train, []
 
@@ -955,7 +955,7 @@ def test_every_example_and_the_reference_train_through_the_one_protocol_loop(exa
     train_mlp.train_reference(args, hidden)
     kind = {"train_mlp": "FullyShardedDataParallel", "train_tp": "ZeroRedundancyOptimizer",
             "train_3d": "DistributedDataParallel"}[example]
-    assert [s[:2] for s in seen] == [(kind, [0, 1])] * world + [("Plain", [0, 1])], seen
+    assert [s[:2] for s in seen] == [(kind, [0, 1])] * world + [("LocalStrategy", [0, 1])], seen
     for _, _, calls in seen:
         marks = [c for c in calls if c == "mark_grad_ready"]
         assert calls[0] == "zero_grad" and calls.count("step") == 2 and len(marks) > 0, calls

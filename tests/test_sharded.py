@@ -22,7 +22,7 @@ REFERENCE = {(kind, config): cases.reference(kind, config) for kind in ("adamw",
 def test_strategy_reproduces_single_process_training_local(strategy, kind, config, world_size):
     results = local.run(cases.STRATEGIES[strategy], world_size, kind, config, timeout=60)
     for sd, norms in results:
-        cases.assert_matches(sd["params"], REFERENCE[kind, config], f"{strategy}/{kind}/{config}/{world_size}")
+        cases.assert_matches(sd["model"], REFERENCE[kind, config], f"{strategy}/{kind}/{config}/{world_size}")
         assert norms == results[0][1], "every rank computes the same global norm"
     if config == "clipped":
         assert max(results[0][1]) > cases.MAX_NORM, "clipping was exercised"
@@ -32,7 +32,7 @@ def test_strategy_reproduces_single_process_training_local(strategy, kind, confi
 @pytest.mark.parametrize("kind", ["adamw", "sgd"])
 def test_hybrid_sharding_on_a_2x2_mesh(kind, config):
     for sd, _ in local.run(cases.train_fsdp, 4, kind, config, (2, 2), timeout=60):
-        cases.assert_matches(sd["params"], REFERENCE[kind, config], f"hsdp/{kind}/{config}")
+        cases.assert_matches(sd["model"], REFERENCE[kind, config], f"hsdp/{kind}/{config}")
 
 
 def test_every_strategy_on_real_processes(mpirun):
@@ -50,7 +50,7 @@ def test_state_dict_round_trip_from_4_to_2_ranks(strategy):
     resumed = local.run(cases.STRATEGIES[strategy], 2, "adamw", "mixed", steps=range(2, steps), state=saved,
                         timeout=60)
     for sd, _ in resumed:
-        cases.assert_matches(sd["params"], REFERENCE["adamw", "mixed"], f"{strategy} resumed")
+        cases.assert_matches(sd["model"], REFERENCE["adamw", "mixed"], f"{strategy} resumed")
 
 
 PSI = 2000  # float32 parameters: 4 * PSI bytes
@@ -135,7 +135,7 @@ def test_sharded_bad_input():
                                              r"gradients were marked ready \(nor reduce_grads called for them\)"):
             fsdp.step()  # on every rank: the others would step on gradients without these
         sd = fsdp.full_state_dict()
-        del sd["params"]["big"]
+        del sd["model"]["big"]
         with pytest.raises(ValueError, match=r"parameters differ from the model's: missing \['big'\]"):
             fsdp.load_full_state_dict(sd)
         zero = ZeroRedundancyOptimizer(ddp_cases.init_params(), SGD(lr=0.1), stage=2, find_unused_parameters=True)
@@ -156,7 +156,7 @@ def test_fsdp_param_and_reduce_dtypes():
             np.testing.assert_allclose(full["w"], params["w"], rtol=1e-7)
         fsdp.reduce_grads(0, {"w": np.full(7, 0.5 + meshkit.get_rank(), np.float32)})  # param_dtype's, as unshard's
         fsdp.step()
-        return fsdp.full_state_dict()["params"]["w"]
+        return fsdp.full_state_dict()["model"]["w"]
     for w in local.run(body, 2):
         assert w.dtype == np.float64
         np.testing.assert_allclose(w, np.linspace(0, 1, 7) - 1.0, rtol=1e-7)

@@ -11,18 +11,25 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import re
+import typing
 import warnings
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import numpy as np
 import pytest
 
 import meshkit
-from meshkit.checkpoint import get_state_dict, set_state_dict
+from meshkit.checkpoint import get_state_dict, load, save, set_state_dict
 from meshkit.comm import local
-from meshkit.parallel import (SGD, AdamW, DistributedDataParallel, FullyShardedDataParallel, Optimizer,
-                              ZeroRedundancyOptimizer, data_parallel)
+from meshkit.parallel import (SGD, AdamW, Composite, DistributedDataParallel, ExpertStrategy, FullyShardedDataParallel,
+                              LocalStrategy, Optimizer, Strategy, ZeroRedundancyOptimizer, data_parallel)
+from meshkit.parallel import strategy as strategy_module
+from meshkit.parallel.data_parallelism import ddp as ddp_module, fsdp as fsdp_module, zero as zero_module
+from meshkit.parallel.strategy import PROTOCOL_METHODS
+from meshkit.state import ShardedArray
 
 FEATURES, HIDDEN, OUT = 5, 7, 3
 LAYERS = 3
@@ -113,14 +120,14 @@ def reference(opt_name: str, clip: float | None = None) -> tuple[dict[str, np.nd
 
 def assert_matches(sd: dict[str, Any], ref: tuple[dict[str, np.ndarray], Optimizer]) -> None:
     params, opt = ref
-    assert sorted(sd["params"]) == sorted(params)
+    assert sorted(sd["model"]) == sorted(params)
     for name, expected in params.items():
-        np.testing.assert_allclose(sd["params"][name], expected, rtol=1e-10, atol=1e-10, err_msg=name)
+        np.testing.assert_allclose(sd["model"][name], expected, rtol=1e-10, atol=1e-10, err_msg=name)
     state = sd["optim"]["state"]
     for name, st in opt.state.items():
         assert sorted(state[name]) == sorted(st), name
         for key, expected in st.items():
-            np.testing.assert_allclose(state[name][key], expected.reshape(-1), rtol=1e-10, atol=1e-10,
+            np.testing.assert_allclose(state[name][key], expected.reshape(state[name][key].shape), rtol=1e-10, atol=1e-10,
                                        err_msg=f"{name}.{key}")
         assert sd["optim"]["step"][name] == STEPS
 
@@ -288,7 +295,7 @@ def test_checkpoint_takes_the_strategy_alone():
             set_state_dict(model, model_state_dict=copies[0], optim_state_dict=copies[1])
             back = model.full_state_dict()
             for name in g:
-                np.testing.assert_array_equal(back["params"][name], saved["params"][name])
+                np.testing.assert_array_equal(back["model"][name], saved["model"][name])
                 for key, arr in saved["optim"]["state"][name].items():
                     np.testing.assert_array_equal(back["optim"]["state"][name][key], arr)
                 assert back["optim"]["step"][name] == 1
@@ -351,7 +358,7 @@ def train_old(strategy: str, opt_name: str) -> dict[str, np.ndarray]:
     if strategy == "ddp":
         get_state_dict(model, opt)                                           # the optimizer passed alongside
         return {name: p.copy() for name, p in model.params.items()}
-    return model.full_state_dict()["params"]
+    return model.full_state_dict()["model"]
 
 
 OLD_SPELLINGS = {
@@ -405,43 +412,49 @@ def test_clipping_between_the_backward_pass_and_step_finishes_the_sync(strategy,
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp", "hsdp"])
-def test_full_state_dict_is_params_and_optim_and_the_old_key_still_reads_for_a_release(strategy):
-    """Issue 25.1: ``{"params": ..., "optim": ...}`` of NumPy arrays (the CuPy half is in
-    tests/test_cupy_parallel.py); code reading 0.1's ``["optimizer"]`` keeps working one release,
-    warning and naming "optim", and a dict saved with that key still loads (warning too)."""
+def test_full_state_dict_is_model_and_optim_and_the_old_keys_still_read_and_load_for_a_release(strategy):
+    """Issue 37.2: ``{"model": ..., "optim": ...}`` of NumPy arrays, state_dict()'s shape (the CuPy
+    half is in tests/test_cupy_parallel.py); code reading the old keys ``["params"]`` and
+    ``["optimizer"]`` keeps working one release, warning and naming the new key, and a dict saved
+    in either old shape still loads into every strategy, DDP included (warning too)."""
     def run() -> tuple[Any, Any]:
         model = factory(strategy, "adamw")(init_params())
         for name in reversed(list(init_params())):
             model.mark_grad_ready(name, np.full_like(init_params()[name], 0.1))
         model.step()
         sd, again = model.full_state_dict(), model.full_state_dict()
-        for arr in (sd["params"]["w0"], sd["optim"]["state"]["w0"]["exp_avg"]):
+        for arr in (sd["model"]["w0"], sd["optim"]["state"]["w0"]["exp_avg"]):
             arr += 1.0  # copies: the strategy's own arrays (DDP's parameters and state) do not change
         now = model.full_state_dict()
-        np.testing.assert_array_equal(now["params"]["w0"], again["params"]["w0"])
+        np.testing.assert_array_equal(now["model"]["w0"], again["model"]["w0"])
         np.testing.assert_array_equal(now["optim"]["state"]["w0"]["exp_avg"], again["optim"]["state"]["w0"]["exp_avg"])
-        if strategy != "ddp":  # DDP's state is its parameters and optimizer: nothing to load into shards
-            model.load_full_state_dict({"params": sd["params"], "optimizer": sd["optim"]})  # as 0.1 wrote it
+        model.load_full_state_dict({"params": sd["model"], "optimizer": sd["optim"]})  # as 0.1 wrote it
+        flat = {**sd["optim"], "state": {n: {k: a.reshape(-1) for k, a in st.items()} for n, st in sd["optim"]["state"].items()}}
+        model.load_full_state_dict({"params": sd["model"], "optim": flat})  # as 0.2 wrote it (1-D state)
         return sd, model.full_state_dict()
 
     with warnings.catch_warnings(record=True) as seen:  # the ranks' threads warn into the process's filters
         warnings.simplefilter("always")
         results = local.run(run, 4 if strategy == "hsdp" else 2)
     messages = [str(w.message) for w in seen if issubclass(w.category, DeprecationWarning)]
-    loads = [m for m in messages if 'a full state dict with the key "optimizer" is deprecated; name it "optim"' in m]
-    assert len(loads) == (0 if strategy == "ddp" else len(results)) and len(messages) == len(loads), messages
+    loads = [m for m in messages if re.search(r'a full state dict with the key "(optimizer|params)" is deprecated; '
+                                              r'name it "(optim|model)"', m)]
+    assert len(loads) == 3 * len(results) and len(messages) == len(loads), messages
     for sd, after in results:
-        assert type(sd).__name__ == "FullStateDict" and sorted(sd) == ["optim", "params"]
-        assert all(type(a) is np.ndarray for a in sd["params"].values())
+        assert type(sd).__name__ == "FullStateDict" and sorted(sd) == ["model", "optim"]
+        assert sorted(sd["optim"]) == ["hyper", "state", "step"]
+        assert all(type(a) is np.ndarray for a in sd["model"].values())
         assert all(type(a) is np.ndarray for st in sd["optim"]["state"].values() for a in st.values())
+        assert all(a.shape == sd["model"][n].shape for n, st in sd["optim"]["state"].items() for a in st.values())
         assert sd["optim"]["step"]["w0"] == 1
-        with pytest.warns(DeprecationWarning, match=r'full_state_dict\(\)\["optimizer"\] is deprecated; read '
-                                                    r'full_state_dict\(\)\["optim"\]'):
-            assert sd["optimizer"] is sd["optim"]
-        with pytest.warns(DeprecationWarning, match=r'"optim"'):
-            assert sd.get("optimizer") is sd["optim"]
-        for name, p in sd["params"].items() if strategy != "ddp" else ():  # the old form loaded what was saved
-            np.testing.assert_array_equal(after["params"][name], p)
+        for old, new in (("optimizer", "optim"), ("params", "model")):
+            with pytest.warns(DeprecationWarning, match=rf'full_state_dict\(\)\["{old}"\] is deprecated; read '
+                                                        rf'full_state_dict\(\)\["{new}"\]'):
+                assert sd[old] is sd[new]
+            with pytest.warns(DeprecationWarning, match=rf'"{new}"'):
+                assert sd.get(old) is sd[new]
+        for name, p in sd["model"].items():  # the old forms loaded what was saved (the += 1 above included)
+            np.testing.assert_array_equal(after["model"][name], p)
             for key, arr in sd["optim"]["state"][name].items():
                 np.testing.assert_array_equal(after["optim"]["state"][name][key], arr)
 
@@ -464,3 +477,167 @@ def test_fsdp_without_a_mesh_is_over_the_world_as_ddp_and_zero(world):
                         "pass mesh= (a 1-D DeviceMesh)"}, messages
     for sd in results:
         assert_matches(sd, REFERENCES["adamw"])
+
+
+# ---------------------------------------------------------------------------- issue 37: one Strategy type
+def _signature(fn: Any) -> list[tuple[str, Any, Any]]:
+    """A method's parameters (name, kind, default), annotations aside (a subclass may narrow them)."""
+    return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
+def _every_strategy() -> dict[str, Any]:
+    """One of every strategy of the library, over this rank's world of 4 (collective)."""
+    world = meshkit.get_world_size()
+    dp = meshkit.init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    hsdp = meshkit.init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    p = init_params()
+    built = {kind: data_parallel(init_params(), dp, kind, optimizer=make_optimizer("adamw"), units=UNITS)
+             for kind in ("ddp", "zero1", "zero2", "fsdp")}
+    built["hsdp"] = data_parallel(init_params(), hsdp, "hsdp", optimizer=make_optimizer("adamw"), units=UNITS)
+    built["local"] = LocalStrategy(init_params(), optimizer=make_optimizer("sgd"), units=UNITS)
+    boxes = {"w0": ShardedArray(p["w0"][:, :4].copy(), p["w0"].shape, (0, 0))}  # one block of w0 on every rank
+    built["expert"] = ExpertStrategy(boxes, optimizer=make_optimizer("sgd"), group=dp.get_group())
+    dense = {n: v for n, v in init_params().items() if n != "w0"}
+    built["composite"] = Composite([data_parallel(dense, dp, "fsdp", optimizer=make_optimizer("sgd")),
+                                    built["expert"]])
+    return built
+
+
+def test_every_strategy_is_a_strategy_with_the_protocols_signatures():
+    """Issue 37.1: ``Strategy`` is a runtime-checkable Protocol, and every strategy of the library
+    (DDP, ZeRO-1/2, FSDP, HSDP, the single-process LocalStrategy, the ExpertStrategy, a Composite)
+    implements every one of its methods with its signature; data_parallel is declared to return it."""
+    declared = {n for n in vars(Strategy) if not n.startswith("_")} | set(Strategy.__annotations__)
+    assert declared == set(PROTOCOL_METHODS) | {"units", "params"}, declared
+    assert typing.get_type_hints(data_parallel)["return"] is Strategy
+
+    def run() -> dict[str, Any]:
+        found = {}
+        for name, s in _every_strategy().items():
+            wrong = [m for m in PROTOCOL_METHODS if _signature(getattr(type(s), m)) != _signature(getattr(Strategy, m))]
+            found[name] = (isinstance(s, Strategy), wrong, isinstance(s.units, list), isinstance(s.params, Mapping))
+        return found
+
+    for found in local.run(run, 4):
+        assert found == {name: (True, [], True, True) for name in found} and len(found) == 8, found
+
+    class Partial:  # the check can fail: a strategy without load_full_state_dict (DDP's case before issue 37)
+        units, params = [], {}
+        zero_grad = prefetch = unshard = mark_grad_ready = no_sync = step = state_dict = lambda self, *a: None
+        load_state_dict = full_state_dict = memory_report = lambda self, *a: None
+    assert not isinstance(Partial(), Strategy)
+
+
+def test_the_librarys_reference_and_a_composite_train_by_the_one_loop():
+    """Issue 37.1: the single-process reference is the library's (LocalStrategy, a world of one), and
+    a Composite of FSDP (layer 0) and DDP (layers 1, 2) trains by the same loop to the same result."""
+    assert_matches(local.run(lambda: train(lambda p: LocalStrategy(p, optimizer=make_optimizer("adamw"),
+                                                                   units=UNITS)), 1)[0], REFERENCES["adamw"])
+
+    def composite(p: dict[str, np.ndarray]) -> Composite:
+        mesh = meshkit.init_device_mesh("cpu", (meshkit.get_world_size(),), mesh_dim_names=("dp",))
+        first = {n: p[n] for n in UNITS[0]}
+        rest = {n: v for n, v in p.items() if n not in first}
+        return Composite([data_parallel(first, mesh, "fsdp", optimizer=make_optimizer("adamw")),
+                          data_parallel(rest, mesh, "ddp", optimizer=make_optimizer("adamw"), units=UNITS[1:])])
+    for sd in local.run(lambda: train(composite), 3):
+        assert_matches(sd, REFERENCES["adamw"])
+
+
+def test_first_step_is_fired_by_the_strategies_one_step_counter(monkeypatch):
+    """Issue 37.4: FIRST_STEP is fired in one place, the Steps counter every strategy's step() advances."""
+    fired = []
+    monkeypatch.setattr(strategy_module, "milestone", fired.append)
+
+    for kind in ("ddp", "zero1", "zero2", "fsdp"):
+        local.run(lambda: train(factory(kind, "sgd"), steps=2), 2)
+    local.run(lambda: train(lambda p: LocalStrategy(p, optimizer=make_optimizer("sgd"), units=UNITS), steps=2), 1)
+    assert fired == [strategy_module.FIRST_STEP] * (4 * 2 * 2 + 2)  # every step of every rank says it (the
+    # milestone itself fires once per process)
+    assert "FIRST_STEP" not in "".join(inspect.getsource(m) for m in (ddp_module, zero_module, fsdp_module))
+
+
+@pytest.mark.parametrize("kind, world", [("fsdp", 3), ("zero2", 2), ("hsdp", 4), ("ddp", 2)])
+def test_a_full_checkpoint_loads_into_any_strategy_and_a_sharded_one_into_a_full_state_dict(tmp_path, kind, world):
+    """Issue 37.2: one shape. A checkpoint of a full state dict (one process) loads into the views of
+    any strategy's ``state_dict()`` at any world size, nothing gathered to make a destination (it is
+    ``state_dict()``, views); the strategy's sharded checkpoint then loads into a full state dict
+    (a LocalStrategy's, one process) and equals the strategy's own ``full_state_dict()``."""
+    full_dir, sharded_dir = tmp_path / "full", tmp_path / "sharded"
+
+    def save_full() -> None:
+        model = LocalStrategy(init_params(), optimizer=make_optimizer("adamw"), units=UNITS)
+        model.load_full_state_dict(trained_full)
+        save(model.full_state_dict(), checkpoint_id=full_dir)
+
+    trained_full = local.run(lambda: train(factory("ddp", "adamw")), 1)[0]
+    local.run(save_full, 1)
+
+    def into_strategy() -> dict[str, Any]:
+        model = factory(kind, "adamw")(init_params())
+        sd = model.state_dict()
+        load(sd, checkpoint_id=full_dir)
+        model.load_state_dict(sd)
+        save(model.state_dict(), checkpoint_id=sharded_dir)
+        return model.full_state_dict()
+
+    for got in local.run(into_strategy, world):
+        assert_matches(got, REFERENCES["adamw"])
+
+    def into_full() -> dict[str, Any]:
+        model = LocalStrategy(init_params(), optimizer=make_optimizer("adamw"), units=UNITS)
+        sd = model.state_dict()
+        load(sd, checkpoint_id=sharded_dir)
+        return model.full_state_dict()
+
+    assert_matches(local.run(into_full, 1)[0], REFERENCES["adamw"])
+
+
+def test_memory_reports_old_optimizer_argument_warns_and_still_counts():
+    """Issue 37.1: DDP's ``memory_report(optimizer)`` (0.2) keeps working one release, warning;
+    its signature is the protocol's."""
+    def run() -> tuple[int, int]:
+        mesh = meshkit.init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        with pytest.warns(DeprecationWarning, match="without optimizer="):
+            ddp = DistributedDataParallel(init_params(), mesh=mesh)
+        opt = make_optimizer("adamw")
+        opt.materialize("w0", init_params()["w0"].reshape(-1))
+        with pytest.warns(DeprecationWarning, match=r"memory_report\(optimizer\) is deprecated"):
+            old = ddp.memory_report(opt)["optimizer_state"]
+        return old, ddp.memory_report()["optimizer_state"]
+    assert local.run(run, 2) == [(2 * 35 * 8, 0)] * 2
+
+
+def test_the_librarys_strategies_refuse_bad_input_naming_it():
+    """LocalStrategy, Composite and ExpertStrategy check their arguments as the data-parallel ones do."""
+    p = init_params()
+    with pytest.raises(TypeError, match=r"LocalStrategy: optimizer must be a meshkit Optimizer \(SGD, AdamW\), got str"):
+        LocalStrategy(p, optimizer="sgd")
+    with pytest.raises(ValueError, match=r"LocalStrategy: units must put every parameter in exactly one"):
+        LocalStrategy(p, optimizer=make_optimizer("sgd"), units=[["w0"]])
+    model = LocalStrategy(p, optimizer=make_optimizer("sgd"))
+    model.mark_grad_ready("w0", np.zeros_like(p["w0"]))
+    with pytest.raises(ValueError, match=r"LocalStrategy.mark_grad_ready: gradient 'w0' was already marked ready"):
+        model.mark_grad_ready("w0", np.zeros_like(p["w0"]))
+    with pytest.raises(ValueError, match=r"gradient 'b0' has shape \(3,\) and dtype float64; expected the "
+                                         r"parameter's shape \(7,\)"):
+        model.mark_grad_ready("b0", np.zeros(3))
+    with pytest.raises(ValueError, match=r"LocalStrategy.load_state_dict: state_dict must be \{'model'.*got \['params'\]"):
+        model.load_state_dict({"params": {}})
+    with pytest.raises(ValueError, match=r"LocalStrategy.load_full_state_dict: nothing was loaded; state_dict\['model'\]"
+                                         r"\['w0'\] has shape \(2,\)"):
+        model.load_full_state_dict({"model": {**p, "w0": np.zeros(2)}, "optim": {"state": {}, "step": {}}})
+    with pytest.raises(TypeError, match=r"Composite: every part must be a meshkit.parallel.Strategy, got dict"):
+        Composite([model, p])
+    with pytest.raises(ValueError, match=r"Composite: parameter 'w0' is held by two parts \(LocalStrategy and "
+                                         r"LocalStrategy\)"):
+        Composite([model, LocalStrategy({"w0": p["w0"]}, optimizer=make_optimizer("sgd"))])
+    with pytest.raises(ValueError, match=r"Composite.mark_grad_ready: unknown parameter 'w9'"):
+        Composite([model]).mark_grad_ready("w9", p["w0"])
+
+    def expert() -> None:
+        group = meshkit.init_device_mesh("cpu", (1,), mesh_dim_names=("ep",)).get_group()
+        with pytest.raises(TypeError, match=r"ExpertStrategy: boxes must map each name to a ShardedArray, got "
+                                            r"\{'w0': 'ndarray'\}"):
+            ExpertStrategy({"w0": p["w0"]}, optimizer=make_optimizer("sgd"), group=group)
+    local.run(expert, 1)

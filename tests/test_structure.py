@@ -777,3 +777,31 @@ def test_one_way_to_name_ranks():
     copies = [str(path.relative_to(ROOT)) for name, path in MODULES.items()
               if name != "meshkit.comm.naming" and _top(name) != "launch" and pattern.search(path.read_text())]
     assert not copies, copies
+
+
+#: The library's strategy classes (and the mixins some are still built of): what a caller would dispatch on.
+STRATEGY_CLASSES = {"DistributedDataParallel", "ZeroRedundancyOptimizer", "FullyShardedDataParallel", "LocalStrategy",
+                    "Composite", "ExpertStrategy", "ShardedStrategy", "GradientReducer", "ReplicatedUnits"}
+
+
+def test_examples_and_checkpoint_never_isinstance_a_strategy_class():
+    """Issue 37.1: every strategy answers the one Protocol, so no example and no checkpoint code
+    dispatches on a strategy's class (``isinstance(strategy, Strategy)``, the Protocol itself, checks a
+    type and stays allowed). A class an example defines with ``mark_grad_ready`` and ``step`` counts as a
+    strategy too (train_transformer's ``Experts`` was one, tested with ``isinstance`` twice)."""
+    found = []
+    for folder in ("examples", "checkpoint"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            tree = ast.parse(path.read_text(), str(path))
+            local_strategies = {node.name for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
+                                and {"mark_grad_ready", "step"} <= {f.name for f in node.body
+                                                                    if isinstance(f, ast.FunctionDef)}}
+            for node in ast.walk(tree):
+                if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                        and node.func.id in ("isinstance", "issubclass") and len(node.args) == 2):
+                    continue
+                kinds = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+                names = {k.id if isinstance(k, ast.Name) else k.attr if isinstance(k, ast.Attribute) else "" for k in kinds}
+                if names & (STRATEGY_CLASSES | local_strategies):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, found

@@ -19,6 +19,7 @@ micro-batches add up locally; the next synchronized pass averages the sum.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping
 from typing import Any, Callable, Sequence
@@ -26,17 +27,18 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ...comm import DistValueError, ProcessGroup, Work, broadcast_object_list
-from ...comm._seams import FIRST_STEP, milestone
 from ...mesh import DeviceMesh
 from ...tensor import DTensor
 from ..arrays import array_namespace
 from .buckets import MB, BucketManager, CommHook, GradBucket
 from ..optim.clip import clip_grad_norm_
 from .dtensors import block_of, split, wrap_all
-from .full_state import FullStateDict, full_array
+from .flat import FlatLayout
+from .full_state import (FullStateDict, agree_on_load, check_state_dict, current_shape, full_array,
+                         load_state_dict_into, state_dict_digest)
 from .hooks import allreduce_hook
 from ..optim.optimizers import Optimizer
-from .protocol import ReplicatedUnits, check_units, deprecated
+from .protocol import ReplicatedUnits, check_units, deprecated, old_optimizer_argument, split_state_dict
 from .reducer import GradientReducer
 from ...state._seams import load_pieces, optimizer_state_views
 from .construction import Params, broadcast_params, caps_problem, check_setup, resolve_data_parallel_group, snapshot
@@ -46,7 +48,7 @@ __all__ = ["DistributedDataParallel"]
 logger = logging.getLogger("meshkit")
 
 
-class DistributedDataParallel(ReplicatedUnits, GradientReducer):
+class DistributedDataParallel(GradientReducer):
     """Average gradients over a data-parallel group in buckets, overlapping the backward pass.
 
     Args:
@@ -130,6 +132,7 @@ class DistributedDataParallel(ReplicatedUnits, GradientReducer):
         broadcast_params(arrays, self.group, broadcast_from)
         self._blocks = arrays
         self.params = Params(wrap_all(arrays, self._block_layouts), self._strategy)
+        self.replicated = ReplicatedUnits(self.units, self.params, self._where)  # unshard, prefetch
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = self._restore_views = gradient_as_bucket_view
         comm = CommHook(self.group, hook, self.group if comm_state is None else comm_state)
@@ -153,6 +156,14 @@ class DistributedDataParallel(ReplicatedUnits, GradientReducer):
         if not self.gradient_as_bucket_view:
             for g in self._arrays.values():
                 g[...] = 0
+
+    def prefetch(self, unit: int) -> None:
+        """Nothing to gather: every rank holds the full parameters (checks ``unit``)."""
+        self.replicated.prefetch(unit)
+
+    def unshard(self, unit: int) -> contextlib.AbstractContextManager[dict[str, Any]]:
+        """Yield ``{name: parameter}`` of ``unit``: the parameters themselves (no communication)."""
+        return self.replicated.unshard(unit)
 
     def register_comm_hook(self, state: Any, hook: Callable[[Any, GradBucket], Work]) -> None:
         """Use ``hook(state, bucket)`` to average buckets (torch's ``register_comm_hook``)."""
@@ -190,8 +201,7 @@ class DistributedDataParallel(ReplicatedUnits, GradientReducer):
             raise DistValueError(f"{self._where('step')}: no optimizer; pass optimizer= to DistributedDataParallel")
         self._ready_for_step("step")
         self.optimizer.step(self.params, self.grads)
-        self._steps += 1
-        milestone(FIRST_STEP)  # meshkit-run times a restart's first step by it (once per process)
+        self._steps.taken()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Finish the gradient sync (a pass whose every gradient is marked), then clip the
@@ -211,29 +221,58 @@ class DistributedDataParallel(ReplicatedUnits, GradientReducer):
         self._ready_for_step("clip_grad_norm_")
         return clip_grad_norm_(dict(self.grads), max_norm, norm_type=norm_type)
 
-    def full_state_dict(self) -> FullStateDict:
+    def full_state_dict(self, *, rank0_only: bool = False) -> FullStateDict | None:
         """Parameters and optimizer state, full size, as NumPy arrays on every rank.
 
-        The form of :meth:`ShardedStrategy.full_state_dict
-        <meshkit.parallel.data_parallelism.sharded.ShardedStrategy.full_state_dict>`: ``{"params": {name: array},
-        "optim": {"step": {name: int}, "state": {name: {key: flat array}}, "hyper": ...}}``, copies
+        The shape of every strategy's (:mod:`~meshkit.parallel.strategy`): ``{"model": {name: array},
+        "optim": {"state": {name: {key: array}}, "step": {name: int}, "hyper": ...}}``, copies
         (a CuPy model's on the host). No communication (every rank holds the parameters), except
         with DTensor parameters: their global arrays are gathered over their meshes (collective there).
+        With ``rank0_only`` the other ranks get None.
         """
         blocks = self._block_layouts
         params = {name: full_array(p, blocks.get(name)) for name, p in self._blocks.items()}
         opt = self.optimizer
         if opt is None:
-            return FullStateDict(params=params, optim={"step": {}, "state": {}, "hyper": {}})
-        state = {name: {key: full_array(arr.reshape(self._blocks[name].shape), blocks.get(name)).reshape(-1)
-                        for key, arr in sorted(opt.state[name].items())}
-                 for name in self._blocks if name in opt.state}
-        steps = {name: opt.steps[name] for name in self._blocks if name in opt.steps}
-        return FullStateDict(params=params, optim={"step": steps, "state": state, "hyper": opt.hyper})
+            sd = FullStateDict(model=params, optim={"state": {}, "step": {}, "hyper": {}})
+        else:
+            state = {name: {key: full_array(arr.reshape(self._blocks[name].shape), blocks.get(name))
+                            for key, arr in sorted(opt.state[name].items())}
+                     for name in self._blocks if name in opt.state}
+            steps = {name: opt.steps[name] for name in self._blocks if name in opt.steps}
+            sd = FullStateDict(model=params, optim={"state": state, "step": steps, "hyper": opt.hyper})
+        return None if rank0_only and self.group.rank != 0 else sd
 
-    def sharded_state_dict(self, optimizer: Optimizer | None = None) -> dict[str, Any]:
-        """The parameters and the optimizer's state as views (replicated: every rank holds all);
-        ``optimizer`` (deprecated: pass it to the constructor) defaults to the strategy's.
+    def load_full_state_dict(self, state_dict: Mapping[str, Any], *, strict: bool = True) -> None:
+        """Load a full state dict (any strategy's :meth:`full_state_dict`, at any world size; collective).
+
+        Checked as the sharded strategies check it (names, shapes, the optimizer's keys; ``strict``
+        as theirs), and all or nothing: every rank of the group loads the same one or none does.
+        ``optim["hyper"]`` may be left out; the keys of earlier releases load with a ``DeprecationWarning``.
+
+        Raises:
+            DistValueError: on every rank, before anything is loaded, when some rank's state dict is
+                invalid (naming the rank and the key) or the ranks' differ; with DTensor parameters
+                (use :meth:`load_state_dict`, whose entries are DTensors), or without an optimizer.
+        """
+        who = f"{self._strategy}.load_full_state_dict"
+        if self._block_layouts or self.optimizer is None:
+            why = (f"parameters {list(self._block_layouts)} are DTensors, whose full state dict cannot be loaded "
+                   "(a load would have to cut each rank's block out of the global arrays); use state_dict() / "
+                   "load_state_dict()") if self._block_layouts else "it was built without optimizer="
+            raise DistValueError(f"{self._where('load_full_state_dict')}: {why}")
+        state_dict = current_shape(state_dict)
+        layouts = [FlatLayout.over({name: block}, 1, key=name) for name, block in self._blocks.items()]
+        problem = check_state_dict(layouts, state_dict, self.optimizer, strict)
+        digest = None if problem else state_dict_digest(state_dict, strict)
+        agree_on_load(self.group, who, problem, digest)
+        flat = {name: block.reshape(-1).copy() for name, block in self._blocks.items()}
+        load_state_dict_into(layouts, state_dict, flat, self.optimizer, 0, strict)
+        for name, block in self._blocks.items():
+            block[...] = flat[name].reshape(block.shape)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The parameters and the optimizer's state as views (replicated: every rank holds all).
 
         Returns:
             ``{"model": {name: array}, "optim": {"state": {name: {key: array}}, "step": {name: StepCount}}}``
@@ -242,7 +281,14 @@ class DistributedDataParallel(ReplicatedUnits, GradientReducer):
             DTensor parameter's entries are DTensors laid out as it (over its block and the
             block's state), which a checkpoint saves and loads as any DTensor.
         """
-        optimizer = optimizer or self.optimizer
+        return self._state_dict(self.optimizer)
+
+    def sharded_state_dict(self, optimizer: Optimizer | None = None) -> dict[str, Any]:
+        """Deprecated: :meth:`state_dict` (``optimizer``: pass it to the constructor)."""
+        deprecated(f"{self._strategy}.sharded_state_dict()", "call state_dict(); pass the optimizer to the constructor")
+        return self._state_dict(optimizer or self.optimizer)
+
+    def _state_dict(self, optimizer: Optimizer | None) -> dict[str, Any]:
         if optimizer is None:
             return {"model": dict(self.params), "optim": {"state": {}, "step": {}}}
         optim = optimizer_state_views(optimizer, self._blocks)
@@ -254,7 +300,7 @@ class DistributedDataParallel(ReplicatedUnits, GradientReducer):
         """A state dict's entries with DTensors laid out as their parameters replaced by their blocks."""
         if not isinstance(state, dict) or not self._block_layouts:
             return state
-        head = self._where("load_sharded_state_dict")
+        head = self._where("load_state_dict")
         out = {}
         for name, value in state.items():
             if isinstance(value, dict):
@@ -265,12 +311,23 @@ class DistributedDataParallel(ReplicatedUnits, GradientReducer):
             out[name] = value
         return out
 
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Take in a state dict of :meth:`state_dict`'s shape, ``{"model": ..., "optim": ...}`` (views
+        already written in place are not copied again), the optimizer's step counts included."""
+        where_ = f"{self._strategy}.load_state_dict"
+        model, optim = split_state_dict(where_, state_dict, self.group)
+        self._load(where_, model, optim, self.optimizer)
+
     def load_sharded_state_dict(self, model_state_dict: dict[str, Any], optim_state_dict: dict[str, Any] | None = None,
                                 optimizer: Optimizer | None = None) -> None:
-        """Take in a state dict of :meth:`sharded_state_dict`'s form (views already written in place
-        are not copied again) and ``optimizer``'s step counts."""
-        where_ = f"{self._strategy}.load_sharded_state_dict"
-        optimizer = optimizer or self.optimizer
+        """Deprecated: :meth:`load_state_dict` of ``{"model": ..., "optim": ...}`` (``optimizer``: pass
+        it to the constructor)."""
+        deprecated(f"{self._strategy}.load_sharded_state_dict(model, optim)",
+                   'call load_state_dict({"model": model, "optim": optim})')
+        self._load(f"{self._strategy}.load_sharded_state_dict", model_state_dict, optim_state_dict,
+                   optimizer or self.optimizer)
+
+    def _load(self, where_: str, model_state_dict: Any, optim_state_dict: Any, optimizer: Optimizer | None) -> None:
         load_pieces(where_, "model", self._blocks, self._own_blocks("model", model_state_dict))
         if optimizer is not None:
             optim_state_dict = optim_state_dict or {}
@@ -283,15 +340,15 @@ class DistributedDataParallel(ReplicatedUnits, GradientReducer):
                                      f"parameter {list(self.params)} to its count")
             optimizer.steps.update({name: int(count) for name, count in steps.items()})
 
-    def memory_report(self, optimizer: Any = None) -> dict[str, int]:
-        """Bytes this rank holds: ``params``, ``grads``, ``optimizer_state`` (of ``optimizer``,
-        default the strategy's), ``comm_buffers`` (extra buffers for communication: none, the buckets are the
-        gradients when ``gradient_as_bucket_view``) and ``peak_transient``."""
+    @old_optimizer_argument
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds: ``params``, ``grads``, ``optimizer_state`` (of the strategy's
+        optimizer), ``comm_buffers`` (extra buffers for communication: none, the buckets are the
+        gradients when ``gradient_as_bucket_view``) and ``peak_transient``.
+        (``memory_report(optimizer)``, for a DDP built without one, is deprecated.)"""
         params = sum(int(p.nbytes) for p in self._blocks.values())
         grads = self._buckets.nbytes
         comm = 0 if self.gradient_as_bucket_view else sum(int(g.nbytes) for g in self._arrays.values())
-        optimizer = optimizer or self.optimizer
-        state = optimizer.state_nbytes() if optimizer is not None else 0
+        state = self.optimizer.state_nbytes() if self.optimizer is not None else 0
         return {"params": params, "grads": grads, "optimizer_state": state, "comm_buffers": comm,
                 "peak_transient": 0}
-

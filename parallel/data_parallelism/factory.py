@@ -8,6 +8,7 @@ from typing import Any, Sequence
 
 from ...comm import DistTypeError, DistValueError
 from ...mesh import DeviceMesh
+from ..strategy import Strategy
 from .ddp import DistributedDataParallel
 from .fsdp import FullyShardedDataParallel
 from .zero import ZeroRedundancyOptimizer
@@ -25,8 +26,9 @@ def _options(cls: type, taken: set[str]) -> list[str]:
 
 
 def data_parallel(params: dict[str, Any], mesh: DeviceMesh, strategy: str = "ddp", *, optimizer: Any,
-                  units: Sequence[Sequence[str]] | None = None, **options: Any) -> Any:
-    """Build a data-parallel strategy over ``mesh``: any of them trains with the same loop.
+                  units: Sequence[Sequence[str]] | None = None, **options: Any) -> Strategy:
+    """Build a data-parallel strategy over ``mesh``: any of them trains with the same loop
+    (a :class:`~meshkit.parallel.strategy.Strategy`).
 
     Args:
         params: ordered ``dict[str, array]`` (arrays or DTensors over another mesh dimension).

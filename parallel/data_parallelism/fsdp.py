@@ -43,23 +43,24 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from ...comm import CollectiveMismatchError, DistTypeError, DistValueError, ProcessGroup, ReduceOp, Work
-from ...comm._seams import FIRST_STEP, milestone
 from ...mesh import DeviceMesh
 from ...tensor import DTensor
 from ..arrays import array_namespace
 from .dtensors import block_of, split, wrap_all
 from .flat import FlatLayout, make_layouts
+from .full_state import FullStateDict
 from ..optim.optimizers import Optimizer
 from ..checks import where
 from .protocol import (DISCARD, USE, PassAgreement, check_gradient, check_units, deprecated, failed_sync,
                        marked_after_complete, marked_twice, refused_after_failure)
+from ..strategy import Steps
 from .construction import Params, broadcast_params, check_setup, world_mesh
-from .sharded import ShardedStrategy
+from .sharded import Shards
 
 __all__ = ["FullyShardedDataParallel"]
 
 
-class FullyShardedDataParallel(ShardedStrategy):
+class FullyShardedDataParallel:
     """Parameters, gradients and optimizer state sharded over a mesh dimension.
 
     Args:
@@ -170,10 +171,11 @@ class FullyShardedDataParallel(ShardedStrategy):
         self._sync = True
         self._ended = False  # the pass was ended for use (clip_grad_norm_) and not stepped yet
         self._failed: str | None = None  # why the last pass failed, until zero_grad()
-        self._steps = 0  # optimizer steps taken, compared in the agreement
+        self._steps = Steps()  # optimizer steps taken, compared in the agreement
         self._agreement = PassAgreement(self._agreement_groups(), next(iter(self._shards.values())),
                                         f"{self._strategy}'s gradient sync")
         self.params = Params(self._local_pieces(), self._strategy)
+        self.shards = Shards(self)  # state dicts, clipping, memory report over the flat shards
 
     def _local_pieces(self) -> dict[str, Any]:
         """name -> this rank's piece of the parameter: a 1-D view of its flat shard (maybe empty)."""
@@ -254,7 +256,7 @@ class FullyShardedDataParallel(ShardedStrategy):
         return sum(int(b.nbytes) for b in held)
 
     # ------------------------------------------------------------------ gradients and step
-    def mark_grad_ready(self, name: str, grad: Any) -> None:
+    def mark_grad_ready(self, name: str, grad: Any = None) -> None:
         """Declare parameter ``name``'s full gradient ``grad`` final for this backward pass.
 
         Once every gradient of its unit is marked, the unit's gradients are reduce-scattered
@@ -420,7 +422,7 @@ class FullyShardedDataParallel(ShardedStrategy):
             self._failed = f"the last gradient sync raised {type(exc).__name__}: {exc}"
             raise
         try:
-            failure = self._agreement(code, self._steps, problem)
+            failure = self._agreement(code, self._steps.count, problem)
         except CollectiveMismatchError as exc:
             self._zero_grads()  # the reduced gradients may be garbage: nothing of this pass is applied
             self._failed = f"the gradient sync found a collective mismatch: {exc}"
@@ -485,11 +487,11 @@ class FullyShardedDataParallel(ShardedStrategy):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
         """End the synchronized pass (as :meth:`step` does), then clip the gradient shards by the
-        global norm (see :meth:`ShardedStrategy.clip_grad_norm_
-        <meshkit.parallel.data_parallelism.sharded.ShardedStrategy.clip_grad_norm_>`); collective,
+        global norm (see :meth:`Shards.clip_grad_norm_
+        <meshkit.parallel.data_parallelism.sharded.Shards.clip_grad_norm_>`); collective,
         before :meth:`step`."""
         self._end_for_use("clip_grad_norm_")
-        return super().clip_grad_norm_(max_norm, norm_type)
+        return self.shards.clip_grad_norm_(max_norm, norm_type)
 
     def step(self) -> None:
         """End the synchronized pass (every unit reduced, in one order on every rank; the ranks
@@ -507,10 +509,44 @@ class FullyShardedDataParallel(ShardedStrategy):
             self.optimizer.update(key, shard, self._grad_shards[key])
         self._full.clear()  # gathered parameters are stale now
         self._ended = False
-        self._steps += 1
-        milestone(FIRST_STEP)  # meshkit-run times a restart's first step by it (once per process)
+        self._steps.taken()
 
-    # ------------------------------------------------------------------ ShardedStrategy
+    # ------------------------------------------------------------------ the flat shards' surface (self.shards)
+    def grad_shards(self) -> dict[str, Any]:
+        """This rank's averaged gradient shard per flat key (see :meth:`Shards.grad_shards`)."""
+        return self.shards.grad_shards()
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's pieces of the parameters and optimizer state, as views (see :meth:`Shards.state_dict`)."""
+        return self.shards.state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Take in a state dict of :meth:`state_dict`'s shape (collective; see :meth:`Shards.load_state_dict`)."""
+        self.shards.load_state_dict(state_dict)
+
+    def full_state_dict(self, *, rank0_only: bool = False) -> FullStateDict | None:
+        """Parameters and optimizer state gathered to full size (collective; see :meth:`Shards.full_state_dict`)."""
+        return self.shards.full_state_dict(rank0_only=rank0_only)
+
+    def load_full_state_dict(self, state_dict: Mapping[str, Any], *, strict: bool = True) -> None:
+        """Load a full state dict of any strategy at any world size (collective; see
+        :meth:`Shards.load_full_state_dict`)."""
+        self.shards.load_full_state_dict(state_dict, strict=strict)
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """Deprecated: :meth:`state_dict`."""
+        return self.shards.sharded_state_dict()
+
+    def load_sharded_state_dict(self, model_state_dict: dict[str, Any], optim_state_dict: dict[str, Any]) -> None:
+        """Deprecated: :meth:`load_state_dict` of ``{"model": ..., "optim": ...}``."""
+        self.shards.load_sharded_state_dict(model_state_dict, optim_state_dict)
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds: ``params``, ``grads``, ``optimizer_state``, ``comm_buffers``,
+        ``peak_transient`` (see :meth:`Shards.memory_report`)."""
+        return self.shards.memory_report()
+
+    # ------------------------------------------------------------------ what Shards asks (ShardOwner)
     def _shard_group(self) -> ProcessGroup:
         return self.shard_group
 

@@ -1,16 +1,22 @@
 """Full state dicts of sharded strategies: gathered from flat shards, checked, loaded into them.
 
-A full state dict is per parameter name and independent of the world size::
+A full state dict is per parameter name and independent of the world size, in the one shape
+of every state dict (:mod:`meshkit.parallel.strategy`)::
 
-    {"params": {name: array},
-     "optim": {"step": {name: int}, "state": {name: {key: 1-D array}}, "hyper": {...}}}
+    {"model": {name: array},
+     "optim": {"state": {name: {key: array shaped as the parameter}}, "step": {name: int}, "hyper": {...}}}
+
+``state_dict()`` has the same keys (without ``"hyper"``, the optimizer's settings, which a load
+may leave out), with this rank's pieces instead of full arrays: a full state dict loads into any
+strategy's ``state_dict()`` (a checkpoint of one loads into the other, both ways).
 
 Its arrays are NumPy arrays on every rank, whatever the model's library (a CuPy model's are
 copied to the host, ``.get()``), and DTensor parameters give their global arrays: a full state
 dict is what a user saves with ``np.savez`` or compares with a single-process run, the same on
-every rank. It is a :class:`FullStateDict`: reading ``sd["optimizer"]``, 0.1's key,
-still works for one release and warns (``DeprecationWarning`` naming ``"optim"``);
-:func:`renamed_optimizer_key` lets a load take such a dict too.
+every rank. It is a :class:`FullStateDict`: reading ``sd["params"]`` or ``sd["optimizer"]``, the
+keys of earlier releases, still works for one release and warns (``DeprecationWarning`` naming
+``"model"``, ``"optim"``); :func:`current_shape` lets a load take such a dict too (0.2's
+``{"params", "optim"}`` included), warning alike.
 
 Loading is strict by default: every parameter and, once the optimizer has stepped, the state
 and step count of every parameter must be there, with the model's names and sizes and the
@@ -41,31 +47,35 @@ from .flat import FlatLayout
 from ..optim.optimizers import Optimizer
 from .protocol import deprecated
 
-__all__ = ["FullStateDict", "full_array", "gather_state_dict", "renamed_optimizer_key", "check_state_dict",
+__all__ = ["FullStateDict", "full_array", "gather_state_dict", "current_shape", "renamed_optimizer_key",
+           "check_state_dict",
            "state_dict_digest", "agree_on_load", "load_state_dict_into"]
 
-_TOP, _OPT = {"params", "optim"}, {"step", "state", "hyper"}
-_OLD = "optimizer"  # the optimizer's key in 0.1 (issue 25.1 renamed it "optim", get_state_dict's name)
+_TOP, _OPT = {"model", "optim"}, {"step", "state", "hyper"}
+#: The keys of earlier releases -> today's: 0.1's "optimizer" (renamed "optim", get_state_dict's name),
+#: 0.2's "params" (renamed "model", so that the full and the sharded state dicts are one shape).
+_RENAMED = {"optimizer": "optim", "params": "model"}
 
 
 class FullStateDict(dict):
-    """``{"params": ..., "optim": ...}``, a dict whose ``["optimizer"]`` (0.1's key) still
-    reads ``["optim"]`` for one release, with a ``DeprecationWarning`` naming the new key.
+    """``{"model": ..., "optim": ...}``, a dict whose ``["params"]`` and ``["optimizer"]`` (the
+    keys of earlier releases) still read ``["model"]`` and ``["optim"]`` for one release, with a
+    ``DeprecationWarning`` naming the new key.
 
-    Only reading by that name is kept (``sd["optimizer"]``, ``sd.get("optimizer")``): iteration,
+    Only reading by those names is kept (``sd["params"]``, ``sd.get("params")``): iteration,
     ``in`` and copies see the real keys, so a copy written back loads as the new form.
     """
 
     def __getitem__(self, key: Any) -> Any:
-        if key == _OLD and not dict.__contains__(self, _OLD):
-            deprecated('full_state_dict()["optimizer"]', 'read full_state_dict()["optim"]')
-            key = "optim"
+        if key in _RENAMED and not dict.__contains__(self, key):
+            deprecated(f'full_state_dict()["{key}"]', f'read full_state_dict()["{_RENAMED[key]}"]')
+            key = _RENAMED[key]
         return dict.__getitem__(self, key)
 
     def get(self, key: Any, default: Any = None) -> Any:
-        if key == _OLD and not dict.__contains__(self, _OLD):
-            deprecated('full_state_dict().get("optimizer")', 'read full_state_dict()["optim"]')
-            key = "optim"
+        if key in _RENAMED and not dict.__contains__(self, key):
+            deprecated(f'full_state_dict().get("{key}")', f'read full_state_dict()["{_RENAMED[key]}"]')
+            key = _RENAMED[key]
         return dict.get(self, key, default)
 
 
@@ -79,13 +89,20 @@ def full_array(value: Any, block: BlockLayout | None = None) -> np.ndarray:
     return host
 
 
-def renamed_optimizer_key(sd: Any) -> Any:
-    """``sd`` with an ``"optimizer"`` entry (0.1's key) renamed ``"optim"``, warning; else ``sd``."""
-    if isinstance(sd, Mapping) and _OLD in sd.keys() and "optim" not in sd.keys():
-        deprecated('a full state dict with the key "optimizer"', 'name it "optim", as full_state_dict() does',
-                   stacklevel=4)
-        return {("optim" if k == _OLD else k): v for k, v in sd.items()}
-    return sd
+def current_shape(sd: Any, stacklevel: int = 4) -> Any:
+    """``sd`` with the keys of earlier releases renamed (``"params"`` -> ``"model"``, ``"optimizer"``
+    -> ``"optim"``), warning once per old key; else ``sd`` itself."""
+    if not isinstance(sd, Mapping):
+        return sd
+    old = [k for k in _RENAMED if k in sd.keys() and _RENAMED[k] not in sd.keys()]
+    for key in old:
+        deprecated(f'a full state dict with the key "{key}"', f'name it "{_RENAMED[key]}", as full_state_dict() does',
+                   stacklevel=stacklevel)
+    return {_RENAMED[k] if k in old else k: v for k, v in sd.items()} if old else sd
+
+
+#: 0.2's name of :func:`current_shape` (which renamed "optimizer" only).
+renamed_optimizer_key = current_shape
 _PREFIX = re.compile(r"^meshkit\.parallel: rank \d+: ")  # of the optimizer's own message, quoted in ours
 
 
@@ -101,10 +118,10 @@ def gather_state_dict(layouts: Sequence[FlatLayout], shards: dict[str, Any], opt
             params[name] = full_array(value, blocks.get(name))
         for key, flat in sorted(optimizer.state.get(layout.key, {}).items()):
             for name, value in layout.views(layout.gather_full(flat, group)).items():
-                state.setdefault(name, {})[key] = full_array(value, blocks.get(name)).reshape(-1)
+                state.setdefault(name, {})[key] = full_array(value, blocks.get(name))
         if layout.key in optimizer.steps:
             steps.update({name: optimizer.steps[layout.key] for name in layout.names})
-    return FullStateDict(params=params, optim={"step": steps, "state": state, "hyper": optimizer.hyper})
+    return FullStateDict(model=params, optim={"state": state, "step": steps, "hyper": dict(optimizer.hyper)})
 
 
 def _keys(what: str, got: Any, expected: set[str], strict: bool, differ: str = "") -> str | None:
@@ -130,25 +147,27 @@ def check_state_dict(layouts: Sequence[FlatLayout], sd: Any, optimizer: Optimize
     problem = _keys("the state dict", sd, _TOP, strict)
     if problem:
         return problem
-    params = sd.get("params", {})
-    problem = _keys("state_dict['params']", params, set(names), strict, "parameters differ from the model's")
+    params = sd.get("model", {})
+    problem = _keys("state_dict['model']", params, set(names), strict, "parameters differ from the model's")
     if problem:
         return problem
     for name, value in params.items():
         if name in names:
             lay, i = names[name]
             if not is_array(value) or value.dtype.kind not in "fciu":
-                return f"state_dict['params'][{name!r}] must be a numeric array, got {type(value).__name__}"
+                return f"state_dict['model'][{name!r}] must be a numeric array, got {type(value).__name__}"
             if tuple(value.shape) != lay.shapes[i]:
-                return (f"state_dict['params'][{name!r}] has shape {tuple(value.shape)}, expected the model's "
+                return (f"state_dict['model'][{name!r}] has shape {tuple(value.shape)}, expected the model's "
                         f"{lay.shapes[i]}")
     if "optim" not in sd:
         return None
     opt = sd["optim"]
-    problem = _keys("state_dict['optim']", opt, _OPT, strict)
+    # "hyper" may be left out (state_dict()'s shape: the optimizer keeps its settings)
+    problem = _keys("state_dict['optim']", opt, _OPT if isinstance(opt, Mapping) and "hyper" in opt
+                    else _OPT - {"hyper"}, strict)
     if problem:
         return problem
-    hyper_given = opt.get("hyper", {})
+    hyper_given = opt.get("hyper", optimizer.hyper)
     problem = _keys("state_dict['optim']['hyper']", hyper_given, set(optimizer._HYPER), strict)
     if problem:
         return f"{problem}: a state dict of another optimizer than {type(optimizer).__name__}?"
@@ -236,7 +255,7 @@ def agree_on_load(group: ProcessGroup, who: str, problem: str | None, digest: st
 def load_state_dict_into(layouts: Sequence[FlatLayout], sd: Mapping[str, Any], shards: dict[str, Any],
                          optimizer: Optimizer, shard: int, strict: bool) -> None:
     """Write this rank's shard of a checked full state dict into ``shards`` and the optimizer."""
-    params = sd.get("params", {})
+    params = sd.get("model", {})
     for layout in layouts:
         layout.write_shard(shards[layout.key], shard, params)
     if "optim" not in sd:

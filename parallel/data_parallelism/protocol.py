@@ -19,11 +19,13 @@ One loop trains DDP, ZeRO-1/2, FSDP and HSDP alike::
 parameters themselves under DDP and ZeRO (nothing is gathered) and gathers unit ``i`` under FSDP;
 ``prefetch(i)`` starts that gather early (a no-op where nothing is gathered). Under
 ``with model.no_sync():`` gradients add up locally for gradient accumulation; the next
-synchronized pass reduces the sum. ``full_state_dict()`` is ``{"params": ..., "optim": ...}``
-gathered to full size as NumPy arrays on every rank, ``memory_report()`` the bytes held.
+synchronized pass reduces the sum. ``full_state_dict()`` is ``{"model": ..., "optim": ...}``
+gathered to full size as NumPy arrays on every rank (``state_dict()``'s shape, views of this
+rank's pieces), ``memory_report()`` the bytes held.
 
-:class:`ReplicatedUnits` gives DDP and ZeRO the unit half of the protocol; :func:`deprecated`
-is how an old spelling says which new one replaces it.
+:class:`ReplicatedUnits` is the part DDP and ZeRO hold for the unit half of the protocol;
+:func:`deprecated` is how an old spelling says which new one replaces it. The protocol itself is
+a type, :class:`~meshkit.parallel.strategy.Strategy`.
 
 The rules, written once here for every strategy (issue 36.1): DDP and ZeRO-1/2
 (:class:`~meshkit.parallel.data_parallelism.reducer.GradientReducer`) and FSDP/HSDP
@@ -60,6 +62,7 @@ words, so that no strategy forgives what another refuses:
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator, Sequence
@@ -69,9 +72,9 @@ import numpy as np
 from ...comm import CollectiveMismatchError, DistValueError, ProcessGroup, ReduceOp
 from ...comm._seams import FINGERPRINT_SLOTS, agree, stamp_fingerprint, verify_fingerprint
 from ..arrays import array_namespace, check_same_library, to_host
-from ..checks import on_ranks
+from ..checks import on_ranks, where
 
-__all__ = ["ReplicatedUnits", "check_units", "deprecated", "USE", "FAILED", "DISCARD", "PassAgreement", "agreement_size", "MISMATCH", "check_gradient",
+__all__ = ["ReplicatedUnits", "check_units", "deprecated", "old_optimizer_argument", "split_state_dict", "USE", "FAILED", "DISCARD", "PassAgreement", "agreement_size", "MISMATCH", "check_gradient",
            "marked_twice", "marked_after_complete", "discarded_pass", "refused_after_failure", "failed_sync"]
 
 
@@ -79,6 +82,37 @@ def deprecated(old: str, new: str, stacklevel: int = 3) -> None:
     """Warn that ``old`` is deprecated in favour of ``new`` (a DeprecationWarning at the caller's
     line: Python's default filters show it once per call site)."""
     warnings.warn(f"meshkit.parallel: {old} is deprecated; {new}", DeprecationWarning, stacklevel=stacklevel)
+
+
+def old_optimizer_argument(method: Callable[[Any], dict[str, int]]) -> Callable[..., dict[str, int]]:
+    """``method(self)`` that also takes 0.2's ``method(self, optimizer)`` (a strategy built without
+    one: its ``optimizer_state`` is that optimizer's), warning; the signature shown is ``method``'s,
+    the protocol's (``functools.wraps``)."""
+    @functools.wraps(method)
+    def accepting(self: Any, optimizer: Any = None) -> dict[str, int]:
+        report = method(self)
+        if optimizer is not None:
+            deprecated(f"{type(self).__name__}.{method.__name__}(optimizer)",
+                       f"pass optimizer= to the constructor and call {method.__name__}()")
+            report["optimizer_state"] = optimizer.state_nbytes()
+        return report
+    return accepting
+
+
+def split_state_dict(op: str, state_dict: Any, group: ProcessGroup | None = None
+                     ) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+    """``(model, optim)`` of a state dict of ``state_dict()``'s shape ``{"model": ..., "optim": ...}``
+    (``op`` and ``group``, whose global rank the message names: as :func:`~meshkit.parallel.checks.where`'s).
+
+    Raises:
+        DistValueError: it is not a mapping of those two keys, each a mapping (naming what it got).
+    """
+    if isinstance(state_dict, Mapping) and isinstance(state_dict.get("model"), Mapping) \
+            and isinstance(state_dict.get("optim", {}), Mapping):
+        return state_dict["model"], state_dict.get("optim", {})
+    got = sorted(map(str, state_dict)) if isinstance(state_dict, Mapping) else type(state_dict).__name__
+    raise DistValueError(f"{where(op, group)}: state_dict must be {{'model': {{name: value}}, "
+                         f"'optim': {{'state': ..., 'step': ...}}}} (state_dict()'s shape), got {got}")
 
 
 def check_units(params: Mapping[str, Any], units: Sequence[Sequence[str]] | None
@@ -102,12 +136,17 @@ def check_units(params: Mapping[str, Any], units: Sequence[Sequence[str]] | None
 
 class ReplicatedUnits:
     """``units``, ``unshard`` and ``prefetch`` of a strategy whose every rank holds the full
-    parameters (DDP, ZeRO): ``unshard(i)`` yields unit ``i``'s entries of ``params``, the
-    parameters themselves, without communication."""
+    parameters (DDP, ZeRO), as a part the strategy holds: ``unshard(i)`` yields unit ``i``'s
+    entries of ``params``, the parameters themselves, without communication.
 
-    units: list[list[str]]
-    params: Mapping[str, Any]
-    _where: Callable[[str], str]  # the strategy's error prefix (GradientReducer's)
+    Args:
+        units: the strategy's units (lists of parameter names).
+        params: the strategy's parameters (read at each ``unshard``).
+        where: the strategy's error prefix for an operation (``where("unshard")``).
+    """
+
+    def __init__(self, units: list[list[str]], params: Mapping[str, Any], where: Callable[[str], str]) -> None:
+        self.units, self.params, self._where = units, params, where
 
     def _unit(self, unit: Any, op: str) -> int:
         if isinstance(unit, bool) or not isinstance(unit, int) or not 0 <= unit < len(self.units):

@@ -52,6 +52,7 @@ from ...tensor import DTensor
 from .buckets import BucketManager
 from ..checks import where
 from .dtensors import BlockLayout, block_of
+from ..strategy import Steps
 from .protocol import (DISCARD, USE, PassAgreement, check_gradient, deprecated, failed_sync, marked_after_complete,
                        marked_twice, refused_after_failure)
 
@@ -124,6 +125,14 @@ class DTensorGradients(Gradients):
 class GradientReducer:
     """Base of strategies whose gradients are reduced bucket by bucket during the backward pass.
 
+    DDP's and ZeRO's one base class (their units and ZeRO's flat shards are parts they hold,
+    :class:`~meshkit.parallel.data_parallelism.protocol.ReplicatedUnits` and
+    :class:`~meshkit.parallel.data_parallelism.sharded.Shards`). It stays a base rather than a held
+    part because ``mark_grad_ready`` is the hot path (called per gradient per step) and the first
+    of the five frames from DDP to MPI: a delegating method would add a frame to each call. It
+    raises no ``NotImplementedError``: every hook below has its default, and what it reads of the
+    strategy is declared here.
+
     Subclasses set ``group``, ``params``, ``_specs`` (name -> (shape, dtype) of this rank's
     arrays, see :func:`~meshkit.parallel.data_parallelism.construction.snapshot`), ``_block_layouts`` (name ->
     :class:`~meshkit.parallel.data_parallelism.dtensors.BlockLayout` of each DTensor parameter, whose ``params``
@@ -157,7 +166,7 @@ class GradientReducer:
         first = next(iter(self.params.values()))
         self._param = first.to_local() if isinstance(first, DTensor) else first  # every gradient's array library
         self._agreement = PassAgreement([self.group], self._param, f"{self._strategy}'s gradient sync")  # the per-sync agreement (protocol.py)
-        self._steps = 0  # optimizer steps taken (step()), compared in the agreement
+        self._steps = Steps()  # optimizer steps taken (step()), compared in the agreement
         self.grads = (DTensorGradients if self._block_layouts else Gradients)(self, arrays)
         self.iteration = 0
         self._averaged = False  # whether the gradients are the result of a synchronized pass
@@ -336,7 +345,7 @@ class GradientReducer:
         """One small all-reduce per sync: did every rank end the pass alike? If not, every rank
         raises, naming the ranks, and the pass's gradients are zeroed (garbage on every rank)."""
         try:
-            failure = self._agreement(code, self._steps, problem)
+            failure = self._agreement(code, self._steps.count, problem)
         except CollectiveMismatchError as exc:
             failure = f"the gradient sync found a collective mismatch: {exc}"
             mismatch: BaseException | None = exc

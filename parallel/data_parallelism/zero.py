@@ -30,16 +30,17 @@ stage 1 holds 4Ψ + 4Ψ + 8Ψ/N bytes, stage 2 4Ψ + 4Ψ/N + 8Ψ/N plus the buck
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any, Sequence
 
 from ...comm import DistTypeError, ProcessGroup, ReduceOp, Work
-from ...comm._seams import FIRST_STEP, milestone
 from ...mesh import DeviceMesh
 from ..arrays import array_namespace
 from .buckets import MB, BucketManager, CommHook, GradBucket
 from .dtensors import split, wrap_all
 from .flat import FlatLayout, make_layouts
+from .full_state import FullStateDict
 from .hooks import allreduce_hook
 from ..optim.optimizers import Optimizer
 from ..checks import where
@@ -47,7 +48,7 @@ from .pool import BufferPool
 from .protocol import ReplicatedUnits, check_units, deprecated
 from .reducer import GradientReducer
 from .construction import Params, caps_problem, check_setup, resolve_data_parallel_group, snapshot
-from .sharded import ShardedStrategy
+from .sharded import Shards
 
 __all__ = ["ZeroRedundancyOptimizer", "OwnerShards", "reduce_to_owners"]
 
@@ -96,7 +97,7 @@ class _Stage2Views(dict):
         return self._location[name].view(name)
 
 
-class ZeroRedundancyOptimizer(ReplicatedUnits, GradientReducer, ShardedStrategy):
+class ZeroRedundancyOptimizer(GradientReducer):
     """ZeRO stage 1 or 2 data parallelism around an elementwise optimizer.
 
     Args:
@@ -162,6 +163,8 @@ class ZeroRedundancyOptimizer(ReplicatedUnits, GradientReducer, ShardedStrategy)
         views = {name: v for key, lay in self.layouts.items() for name, v in lay.views(self._flat[key]).items()}
         self._blocks = {name: views[name] for name in blocks}
         self.params = Params(wrap_all(self._blocks, self._block_layouts), self._strategy)
+        self.replicated = ReplicatedUnits(self.units, self.params, self._where)  # unshard, prefetch
+        self.shards = Shards(self)  # state dicts, clipping, memory report over the flat shards
         caps = {"bucket_cap_bytes": int(bucket_cap_mb * MB), "first_bucket_cap_bytes": int(first_bucket_cap_mb * MB)}
         xp = array_namespace(next(iter(self._flat.values())))
         if stage == 1:
@@ -202,11 +205,11 @@ class ZeroRedundancyOptimizer(ReplicatedUnits, GradientReducer, ShardedStrategy)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Finish the gradient sync (a pass whose every gradient is marked), then clip this rank's
-        gradient shards by the global norm (see :meth:`ShardedStrategy.clip_grad_norm_
-        <meshkit.parallel.data_parallelism.sharded.ShardedStrategy.clip_grad_norm_>`); collective, before
+        gradient shards by the global norm (see :meth:`Shards.clip_grad_norm_
+        <meshkit.parallel.data_parallelism.sharded.Shards.clip_grad_norm_>`); collective, before
         :meth:`step`."""
         self._finish_complete_pass("clip_grad_norm_")
-        return super().clip_grad_norm_(max_norm, norm_type)
+        return self.shards.clip_grad_norm_(max_norm, norm_type)
 
     def step(self) -> None:
         """Update this rank's shard of every flat buffer, then all-gather the parameters in place.
@@ -230,12 +233,61 @@ class ZeroRedundancyOptimizer(ReplicatedUnits, GradientReducer, ShardedStrategy)
             works.append(self.group.all_gather_into_tensor(flat, mine, async_op=True))
         for work in works:
             work.wait()
-        self._steps += 1
-        milestone(FIRST_STEP)  # meshkit-run times a restart's first step by it (once per process)
+        self._steps.taken()
 
-    # ------------------------------------------------------------------ ShardedStrategy
+    # ------------------------------------------------------------------ the units: every rank holds them all
+    def prefetch(self, unit: int) -> None:
+        """Nothing to gather: every rank holds the full parameters (checks ``unit``)."""
+        self.replicated.prefetch(unit)
+
+    def unshard(self, unit: int) -> contextlib.AbstractContextManager[dict[str, Any]]:
+        """Yield ``{name: parameter}`` of ``unit``: the parameters themselves (no communication)."""
+        return self.replicated.unshard(unit)
+
+    # ------------------------------------------------------------------ the flat shards' surface (self.shards)
+    def grad_shards(self) -> dict[str, Any]:
+        """This rank's averaged gradient shard per flat key (see :meth:`Shards.grad_shards`)."""
+        return self.shards.grad_shards()
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's pieces of the parameters and optimizer state, as views (see :meth:`Shards.state_dict`)."""
+        return self.shards.state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Take in a state dict of :meth:`state_dict`'s shape (collective; see :meth:`Shards.load_state_dict`)."""
+        self.shards.load_state_dict(state_dict)
+
+    def full_state_dict(self, *, rank0_only: bool = False) -> FullStateDict | None:
+        """Parameters and optimizer state gathered to full size (collective; see :meth:`Shards.full_state_dict`)."""
+        return self.shards.full_state_dict(rank0_only=rank0_only)
+
+    def load_full_state_dict(self, state_dict: Mapping[str, Any], *, strict: bool = True) -> None:
+        """Load a full state dict of any strategy at any world size (collective; see
+        :meth:`Shards.load_full_state_dict`)."""
+        self.shards.load_full_state_dict(state_dict, strict=strict)
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """Deprecated: :meth:`state_dict`."""
+        return self.shards.sharded_state_dict()
+
+    def load_sharded_state_dict(self, model_state_dict: dict[str, Any], optim_state_dict: dict[str, Any]) -> None:
+        """Deprecated: :meth:`load_state_dict` of ``{"model": ..., "optim": ...}``."""
+        self.shards.load_sharded_state_dict(model_state_dict, optim_state_dict)
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds: ``params``, ``grads``, ``optimizer_state``, ``comm_buffers``,
+        ``peak_transient`` (see :meth:`Shards.memory_report`)."""
+        return self.shards.memory_report()
+
+    # ------------------------------------------------------------------ what Shards asks (ShardOwner)
     def _shard_group(self) -> ProcessGroup:
         return self.group
+
+    def _quiesce(self) -> None:
+        """Nothing runs between the sync and the step: nothing to finish."""
+
+    def _agreement_groups(self) -> list[ProcessGroup]:
+        return [self.group]
 
     def _layouts(self) -> list[FlatLayout]:
         return list(self.layouts.values())

@@ -2,12 +2,14 @@
 
 :mod:`.routing` (top-k router, gates), :mod:`.exchange` (tokens to their experts' ranks and back
 with ``all_to_all_single``, the capacity cut), :mod:`.experts` (the expert MLPs, row-blocked for
-bitwise results), :mod:`.moe` (:class:`MoE`: forward, backward, gradient reduction over dp).
+bitwise results), :mod:`.moe` (:class:`MoE`: forward, backward, gradient reduction over dp),
+:mod:`.expert_strategy` (:class:`ExpertStrategy`: the experts' blocks as a strategy of the protocol).
 """
 
 from .exchange import DispatchPlan, expert_capacity
 from .experts import ROW_BLOCK, blocked_matmul
 from .moe import MoE, MoEContext, shard_experts
 from .routing import Routing, route
+from .expert_strategy import ExpertStrategy
 
-__all__ = ["MoE", "MoEContext", "shard_experts", "expert_capacity"]
+__all__ = ["ExpertStrategy", "MoE", "MoEContext", "shard_experts", "expert_capacity"]
