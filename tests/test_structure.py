@@ -737,6 +737,8 @@ GATHER_FACTS = {
     "meshkit.comm.agree": "the one agreement",
     "meshkit.mesh.device_mesh": "host names and GPUs, to group ranks by host (facts, not arguments)",
     "meshkit.debug.server": "the debug servers' addresses, so that every rank's /all can reach the others",
+    "meshkit.parallel.expert_parallelism.expert_strategy": "full_state_dict gathers the experts' blocks and their "
+                                                           "offsets (the data, not arguments)",
 }
 
 
