@@ -1,7 +1,7 @@
 """Module-level collectives with torch.distributed's names and signatures.
 
 Each takes ``group=None`` (the world) and ``async_op=False``; with ``async_op=True`` it returns
-a :class:`~meshkit.comm.work.Work`. As in torch, ``src``/``dst`` are *global* ranks and
+a :class:`~meshkit.comm.groups.work.Work`. As in torch, ``src``/``dst`` are *global* ranks and
 ``group_src``/``group_dst`` are ranks within ``group``; pass one of the two.
 
 Per-rank example (world of 4, ``dp = new_group([0, 2])``)::
@@ -21,11 +21,11 @@ import numpy as np
 
 from .checks import where
 from .errors import DistTypeError, DistValueError
-from .group import ProcessGroup
+from .groups.group import ProcessGroup
 from .reduce_op import ReduceOp
-from .work import Work
-from .registry import resolve_group
-from .world import current_world
+from .groups.work import Work
+from .setup.registry import resolve_group
+from .groups.world import current_world
 
 __all__ = [
     "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "gather", "scatter",

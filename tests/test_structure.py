@@ -83,7 +83,7 @@ def _top(name: str) -> str | None:
 
 
 def test_every_module_is_found():
-    for expected in ("meshkit.comm.group", "meshkit.comm.engine", "meshkit.mesh.layout",
+    for expected in ("meshkit.comm.groups.group", "meshkit.comm.engines.engine", "meshkit.mesh.layout",
                      "meshkit.parallel.data_parallelism.ddp", "meshkit.state.boxes"):
         assert expected in MODULES
 
@@ -356,7 +356,7 @@ def _resolve(dotted: str):
 def test_what_the_readme_and_the_examples_use_is_user_api():
     """Every ``meshkit.x.y`` the README and docs/ name and every name the examples import from meshkit
     resolves with no warning, is in its module's ``__all__`` (a package's, or a public module's as
-    ``meshkit.comm.cuda_runtime.gpu_available``), and is no seam, whichever module it is taken from."""
+    ``meshkit.comm.engines.cuda_runtime.gpu_available``), and is no seam, whichever module it is taken from."""
     import importlib
     import re
     import types
@@ -416,13 +416,13 @@ def test_import_meshkit_does_not_initialize_mpi():
 
 #: The MPI engine's modules, one concern each (issue 25.3): the engine, its datatypes, device staging,
 #: CUDA-aware detection and the notice mailbox import mpi4py; its wait policy needs none.
-MPI_ENGINE = {"meshkit.comm.mpi", "meshkit.comm.mpi_datatypes", "meshkit.comm.mpi_staging",
-              "meshkit.comm.mpi_cuda_aware", "meshkit.comm.mpi_mailbox", "meshkit.comm.mpi_polling"}
+MPI_ENGINE = {"meshkit.comm.engines.mpi", "meshkit.comm.engines.mpi_datatypes", "meshkit.comm.engines.mpi_staging",
+              "meshkit.comm.engines.mpi_cuda_aware", "meshkit.comm.engines.mpi_mailbox", "meshkit.comm.engines.mpi_polling"}
 
 
 def test_only_the_mpi_engine_imports_mpi4py_and_only_lifecycle_reaches_it_lazily():
     """Importing mpi4py initializes MPI: only the MPI engine's modules that need it import it, and the
-    package reaches them from outside only inside a function of ``comm/lifecycle.py`` (the ``mpi``
+    package reaches them from outside only inside a function of ``comm/setup/lifecycle.py`` (the ``mpi``
     backend chosen), so that neither ``import meshkit`` nor the wait policy starts MPI."""
     assert MPI_ENGINE <= set(MODULES), sorted(MPI_ENGINE - set(MODULES))
     importers, outside = set(), {}
@@ -437,9 +437,9 @@ def test_only_the_mpi_engine_imports_mpi4py_and_only_lifecycle_reaches_it_lazily
             reached = {t for t, _, _ in GRAPH[module] if t in MPI_ENGINE}
             if reached:
                 outside[module] = reached & at_import  # what importing the module would import
-    assert importers == MPI_ENGINE - {"meshkit.comm.mpi_polling"}, sorted(importers)
-    assert outside == {"meshkit.comm.lifecycle": set()}, outside
-    code = "import sys, meshkit.comm.mpi_polling; print('mpi4py.MPI' in sys.modules)"
+    assert importers == MPI_ENGINE - {"meshkit.comm.engines.mpi_polling"}, sorted(importers)
+    assert outside == {"meshkit.comm.setup.lifecycle": set()}, outside
+    code = "import sys, meshkit.comm.engines.mpi_polling; print('mpi4py.MPI' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stdout + out.stderr
 
@@ -485,7 +485,7 @@ def test_one_ddp_all_reduce_reaches_the_engine_in_five_calls():
     assert chain == ["mark_grad_ready", "launch", "allreduce_hook", "all_reduce", "spy"], chain
     where = files[:path.index("mark_grad_ready") + 1][::-1][:4]  # the files the README shows
     assert where == ["parallel/data_parallelism/reducer.py", "parallel/data_parallelism/buckets.py",
-                     "parallel/data_parallelism/hooks.py", "comm/group.py"], where
+                     "parallel/data_parallelism/hooks.py", "comm/groups/group.py"], where
     # the README's chain names each frame by the class that defines it (GradientReducer's, which DDP inherits)
     block = (ROOT / "README.md").read_text().split("One all-reduce, from DDP to MPI, is five calls", 1)[1]
     rows = [line.strip().removeprefix("-> ").split() for line in block.split("```")[1].strip().splitlines()]
@@ -505,7 +505,7 @@ def _defined_as(frame) -> str:
 
 def test_a_queued_bucket_reaches_the_engine_from_the_group_queue():
     """A bucket completed while an earlier one reduces is queued and started by
-    CollectiveQueue.advance (comm/execution.py) -> RequestWork.start (comm/work.py) -> engine.all_reduce
+    CollectiveQueue.advance (comm/groups/execution.py) -> RequestWork.start (comm/groups/work.py) -> engine.all_reduce
     (as the README says); every bucket's reduction takes one of the two documented paths."""
     import inspect
 
@@ -546,24 +546,24 @@ def test_a_queued_bucket_reaches_the_engine_from_the_group_queue():
         assert all(s == direct or s[:2] == queued for s in stacks), stacks
         assert any(s[:2] == queued for s in stacks), "no bucket was ever queued: the test proves nothing"
         # the files the README shows for each path
-        assert all(f == ["comm/group.py", "parallel/data_parallelism/hooks.py", "parallel/data_parallelism/buckets.py"]
+        assert all(f == ["comm/groups/group.py", "parallel/data_parallelism/hooks.py", "parallel/data_parallelism/buckets.py"]
                    if s == direct else
-                   f[:2] == ["comm/work.py", "comm/execution.py"] for s, f in zip(stacks, files)), files
+                   f[:2] == ["comm/groups/work.py", "comm/groups/execution.py"] for s, f in zip(stacks, files)), files
 
 
 #: Private attributes that comm's modules read or call on objects other than ``self``/``cls`` (and
 #: other than a module's, as ``sys._getframe``), each with why. Anything else is a private call or
 #: read across objects: declare what one object asks of another as public methods of a declared
-#: interface (``WorkOwner`` in comm/work.py: what a RequestWork asks of its group's queue; the group's
+#: interface (``WorkOwner`` in comm/groups/work.py: what a RequestWork asks of its group's queue; the group's
 #: ``queue`` and ``failures``; ``EngineCapabilities``) instead.
 CROSS_OBJECT_PRIVATE = {
-    **{("comm/work.py", name): "Work and CommThread are one mechanism, in one module: a queued Work knows "
+    **{("comm/groups/work.py", name): "Work and CommThread are one mechanism, in one module: a queued Work knows "
        "its thread (_queue, _owner), the thread completes it (_finish) and counts its waiters (_cond), "
        "and names it in an error (_what)" for name in ("_queue", "_owner", "_finish", "_cond", "_what")},
-    ("comm/nccl.py", "_complete_batch"): "NCCLEngine's own module: the end of batch_isend_irecv completes "
+    ("comm/engines/nccl.py", "_complete_batch"): "NCCLEngine's own module: the end of batch_isend_irecv completes "
                                          "the batch of each engine it opened",
-    ("comm/nccl.py", "_exited"): "NCCLEngine's own module: the exit hook marks every live engine exited",
-    ("comm/nccl.py", "_abort"): "NCCLEngine's own module: the exit hook aborts every live engine",
+    ("comm/engines/nccl.py", "_exited"): "NCCLEngine's own module: the exit hook marks every live engine exited",
+    ("comm/engines/nccl.py", "_abort"): "NCCLEngine's own module: the exit hook aborts every live engine",
     ("comm/collectives.py", "_with_outputs"): "the module-level collectives name their output arrays, the "
                                               "value of the Work's future (torch's get_future())",
     ("comm/collectives.py", "_group_rank_of"): "the module-level functions translate a global rank with one "
@@ -575,7 +575,7 @@ CROSS_OBJECT_PRIVATE = {
 def _cross_object_private(root: Path) -> list[tuple[str, str, int, str]]:
     """``(file, attribute, line, expression)`` for every ``x._name`` in comm with x not self/cls/a module."""
     found = []
-    for path in sorted((root / "comm").glob("*.py")):
+    for path in sorted(p for p in (root / "comm").rglob("*.py") if p.parent.name != "stores"):
         tree = ast.parse(path.read_text(), str(path))
         modules = {(a.asname or a.name).split(".")[0] for node in ast.walk(tree)
                    if isinstance(node, (ast.Import, ast.ImportFrom)) for a in node.names}
@@ -601,16 +601,16 @@ def test_no_undeclared_cross_object_private_access_in_comm():
 
 
 def test_no_engine_is_probed_with_getattr_or_hasattr():
-    """An engine declares what it can do (``EngineCapabilities``, comm/engine.py) and has every method of
+    """An engine declares what it can do (``EngineCapabilities``, comm/engines/engine.py) and has every method of
     the Engine protocol; nothing asks ``getattr(engine, ...)``/``hasattr(engine, ...)`` (issue 25.3), except
-    comm/backends.py's ``check_engine``, which checks a registered backend's engine has them (issue 26.5)."""
-    check = _method(ROOT / "comm/backends.py", None, "check_engine")
+    comm/setup/backends.py's ``check_engine``, which checks a registered backend's engine has them (issue 26.5)."""
+    check = _method(ROOT / "comm/setup/backends.py", None, "check_engine")
     wrong = []
     for module, path in MODULES.items():
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
                     and node.args and "engine" in ast.unparse(node.args[0]).lower()
-                    and not (module == "meshkit.comm.backends" and check.lineno <= node.lineno <= check.end_lineno)):
+                    and not (module == "meshkit.comm.setup.backends" and check.lineno <= node.lineno <= check.end_lineno)):
                 wrong.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
     assert not wrong, "\n".join(wrong)
 
@@ -646,9 +646,9 @@ def _method(path: Path, cls: str | None, name: str) -> ast.FunctionDef:
 
 def test_process_group_holds_its_parts_instead_of_inheriting_them():
     """Issue 25.3: no mixins; the queue and the failure state are objects that declare their state."""
-    from meshkit.comm.execution import CollectiveQueue
-    from meshkit.comm.failures import FailureState
-    from meshkit.comm.group import ProcessGroup
+    from meshkit.comm.groups.execution import CollectiveQueue
+    from meshkit.comm.groups.failures import FailureState
+    from meshkit.comm.groups.group import ProcessGroup
     assert ProcessGroup.__mro__ == (ProcessGroup, object), ProcessGroup.__mro__
     for cls in (ProcessGroup, CollectiveQueue, FailureState):
         assert "__slots__" in cls.__dict__, f"{cls.__name__} does not declare its state"
@@ -662,19 +662,19 @@ def test_all_reduce_takes_the_path_every_collective_takes():
         calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
                  and isinstance(n.func.value, ast.Name) and n.func.value.id == owner]
         return [c.func.attr for c in sorted(calls, key=lambda c: (c.lineno, c.col_offset))]
-    run = phases(_method(ROOT / "comm/execution.py", "CollectiveQueue", "run"), "self")
-    all_reduce = phases(_method(ROOT / "comm/group.py", "ProcessGroup", "all_reduce"), "queue")
+    run = phases(_method(ROOT / "comm/groups/execution.py", "CollectiveQueue", "run"), "self")
+    all_reduce = phases(_method(ROOT / "comm/groups/group.py", "ProcessGroup", "all_reduce"), "queue")
     assert run == ["behind_tasks", "run", "issue", "enqueue", "start_failed", "started"], run
     assert all_reduce == ["behind_tasks", "issue", "averaged", "enqueue", "start_failed", "started"], all_reduce
     assert [p for p in run if p != "run"] == [p for p in all_reduce if p != "averaged"]
 
 
 def test_every_engine_declares_its_capabilities():
-    """Each engine class says what it can do beyond the common operations (comm/engine.py's
+    """Each engine class says what it can do beyond the common operations (comm/engines/engine.py's
     EngineCapabilities), instead of being probed with getattr/hasattr."""
     missing = []
-    for file, cls in (("comm/mpi.py", "MPIEngine"), ("comm/local_engine.py", "LocalEngine"),
-                      ("comm/nccl.py", "NCCLEngine")):
+    for file, cls in (("comm/engines/mpi.py", "MPIEngine"), ("comm/engines/local_engine.py", "LocalEngine"),
+                      ("comm/engines/nccl.py", "NCCLEngine")):
         tree = ast.parse((ROOT / file).read_text())
         body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls).body
         declared = [n for n in body if isinstance(n, ast.Assign) and any(

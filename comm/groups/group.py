@@ -1,7 +1,7 @@
 """ProcessGroup: a set of ranks that communicate together, over the engine it holds.
 
 A :class:`ProcessGroup` is a set of global ranks (ascending; a rank's *group rank* is its
-position in that tuple), a timeout and an engine (:mod:`meshkit.comm.engine`). Its public
+position in that tuple), a timeout and an engine (:mod:`meshkit.comm.engines.engine`). Its public
 methods take group ranks for roots and peers (the module-level functions in
 :mod:`meshkit.comm.collectives` translate torch-style global ranks) and run every operation the same
 way, synchronous or not:
@@ -11,7 +11,7 @@ way, synchronous or not:
    operations in program order) and, with ``MESHKIT_DEBUG=detail``, verify that every rank
    called the same operation (:mod:`~meshkit.comm.debug`);
 3. start it with one engine call, which returns a request at once;
-4. wait for it under the group's timeout, or return a :class:`~meshkit.comm.work.RequestWork`.
+4. wait for it under the group's timeout, or return a :class:`~meshkit.comm.groups.work.RequestWork`.
 
 While a task of :meth:`ProcessGroup.run_async` is queued, later calls join the queue behind
 it, so that the group's operations still start in program order.
@@ -19,10 +19,10 @@ it, so that the group's operations still start in program order.
 This module holds the class: its identity, public collectives (step 1, then the path every
 collective shares) and lifecycle. The group holds its other parts, each an object with its state
 declared in its own class (the engine is held the same way, never inherited):
-:class:`~meshkit.comm.execution.CollectiveQueue` (``queue``: steps 2-4, the numbering and the
+:class:`~meshkit.comm.groups.execution.CollectiveQueue` (``queue``: steps 2-4, the numbering and the
 queue of in-flight collectives; the owner of the works it hands out) and
-:class:`~meshkit.comm.failures.FailureState` (``failures``: a failed call recorded, the group
-broken, the other ranks told, their notices read); :mod:`~meshkit.comm.p2p` holds
+:class:`~meshkit.comm.groups.failures.FailureState` (``failures``: a failed call recorded, the group
+broken, the other ranks told, their notices read); :mod:`~meshkit.comm.groups.p2p` holds
 ``isend``/``irecv``.
 """
 
@@ -38,17 +38,18 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from . import env, p2p
-from .checks import check_array, check_like, check_list, check_member, check_root, check_split_sizes, where
-from .cuda_runtime import keep_current_device
-from .engine import DeadlineExceeded, Engine
-from .errors import DistTypeError, DistValueError
+from .. import env
+from . import p2p
+from ..checks import check_array, check_like, check_list, check_member, check_root, check_split_sizes, where
+from ..engines.cuda_runtime import keep_current_device
+from ..engines.engine import DeadlineExceeded, Engine
+from ..errors import DistTypeError, DistValueError
 from .execution import CollectiveQueue
 from .failures import FailureState
-from .reduce_op import ReduceOp, check_op_dtype, valid_op_dtypes
-from .timeouts import resolve_timeout
+from ..reduce_op import ReduceOp, check_op_dtype, valid_op_dtypes
+from ..timeouts import resolve_timeout
 from .call_fingerprint import creation, same_creation
-from .watchdog import watched
+from ..engines.watchdog import watched
 from .work import Work
 
 if TYPE_CHECKING:
@@ -357,7 +358,7 @@ class ProcessGroup:
         """Block until every rank of the group has reached the barrier.
 
         Where the engine does not compare calls itself (MPI), the barrier also compares the
-        fingerprint of the members' calls since the last comparison (comm/call_fingerprint.py), in the
+        fingerprint of the members' calls since the last comparison (comm/groups/call_fingerprint.py), in the
         same round of messages: if they differ, every member raises
         :class:`~meshkit.comm.errors.CollectiveMismatchError` naming the first call that
         differs, the ranks and what each called.
@@ -396,7 +397,7 @@ class ProcessGroup:
 
         Whatever the debug level, every member first checks that all are making this call (the
         same ``partition``) before the engine's split, which cannot be interrupted (MPI's
-        ``Comm.Split``); the split itself runs under a watchdog (comm/watchdog.py).
+        ``Comm.Split``); the split itself runs under a watchdog (comm/engines/watchdog.py).
 
         Args:
             color: this rank's new group id, or None to take part without joining any.

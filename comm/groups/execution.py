@@ -1,7 +1,7 @@
 """How a ProcessGroup runs an operation: number it, start it with one engine call, complete it.
 
-Steps 2-4 of :mod:`meshkit.comm.group`'s docstring are the phases of a
-:class:`CollectiveQueue`, the part of a :class:`~meshkit.comm.group.ProcessGroup` that orders
+Steps 2-4 of :mod:`meshkit.comm.groups.group`'s docstring are the phases of a
+:class:`CollectiveQueue`, the part of a :class:`~meshkit.comm.groups.group.ProcessGroup` that orders
 its operations (the group's ``queue``). Every collective takes the same path through them:
 
 1. :meth:`~CollectiveQueue.issue`: the operation number and, in detail mode, the check that every
@@ -12,13 +12,13 @@ its operations (the group's ``queue``). Every collective takes the same path thr
    behind the collective in flight, :meth:`~CollectiveQueue.enqueue`: it starts when the one
    ahead completes (:meth:`~CollectiveQueue.advance`, called by whichever thread sees that);
 3. :meth:`~CollectiveQueue.started`: the flight record, then the wait under the group's timeout,
-   or a :class:`~meshkit.comm.work.RequestWork` in the queue of in-flight collectives, at most
+   or a :class:`~meshkit.comm.groups.work.RequestWork` in the queue of in-flight collectives, at most
    one of which is in the engine at a time (on engines that do not order them themselves).
 
 It also runs blocking steps (split, monitored barrier), calls made while ``run_async`` tasks are
 queued, and the epilogue of ``AVG`` on an engine that only sums. It is the owner
-(:class:`~meshkit.comm.work.WorkOwner`) of the works it hands out. A failure is recorded by the
-group's other part, its :class:`~meshkit.comm.failures.FailureState`.
+(:class:`~meshkit.comm.groups.work.WorkOwner`) of the works it hands out. A failure is recorded by the
+group's other part, its :class:`~meshkit.comm.groups.failures.FailureState`.
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import job_end
-from .debug import ERROR, STATE, T_END, Call, CollectiveRecord, DebugLevel, fingerprint
-from .engine import Engine, Request
-from .errors import CollectiveTimeout
+from .. import job_end
+from ..debug import ERROR, STATE, T_END, Call, CollectiveRecord, DebugLevel, fingerprint
+from ..engines.engine import Engine, Request
+from ..errors import CollectiveTimeout
 from .failures import FailureState
-from .notices import REJECTED, Notice
-from .reduce_op import ReduceOp
+from ..notices import REJECTED, Notice
+from ..reduce_op import ReduceOp
 from .call_fingerprint import CallSequence, entry, stamp, verify
 from .work import CommThread, RequestWork, Work
 
@@ -51,7 +51,7 @@ _get_ident = threading.get_ident
 
 
 class CollectiveQueue:
-    """How a :class:`~meshkit.comm.group.ProcessGroup` numbers, starts, queues and completes its operations.
+    """How a :class:`~meshkit.comm.groups.group.ProcessGroup` numbers, starts, queues and completes its operations.
 
     Attributes:
         group: the group it belongs to (its name, ranks and world, for records and messages).
@@ -59,7 +59,7 @@ class CollectiveQueue:
         failures: the group's failure state.
         thread: the group's communication thread (``run_async`` tasks, and the calls behind them).
         seq: the number the group's next operation gets (the same on every rank: program order).
-        sequence: the running fingerprint of the group's calls and the last ones (comm/call_fingerprint.py),
+        sequence: the running fingerprint of the group's calls and the last ones (comm/groups/call_fingerprint.py),
             compared at the group's barriers, creations, object collectives and strategies' steps.
         inflight: the group's async collectives not finished, in order; the first is in the engine,
             the others too where the engine orders them itself (``capabilities.queues`` False).
@@ -102,7 +102,7 @@ class CollectiveQueue:
         self.fingerprints = caps is not None and caps.checks_calls
         # Engines without a native average sum, and the group divides once (as NCCL's AVG does).
         self.divides = engine is not None and not engine.native_avg
-        # A barrier compares the members' fingerprints (comm/call_fingerprint.py) where the engine does not
+        # A barrier compares the members' fingerprints (comm/groups/call_fingerprint.py) where the engine does not
         # compare calls itself and moves host arrays: a MAX all-reduce of 4 integers instead of
         # MPI's barrier, the same round of messages (see barrier()).
         self.checks_barrier = caps is not None and not caps.checks_calls and caps.host_arrays
@@ -194,9 +194,9 @@ class CollectiveQueue:
 
     def barrier(self, async_op: bool) -> Work | None:
         """A barrier: on engines that ``checks_barrier``, a ``MAX`` all-reduce of the group's
-        fingerprint (:func:`~meshkit.comm.call_fingerprint.stamp`, taken right after the barrier was
+        fingerprint (:func:`~meshkit.comm.groups.call_fingerprint.stamp`, taken right after the barrier was
         numbered), compared when it completes: every member raises if their calls differed
-        since the last comparison (:func:`~meshkit.comm.call_fingerprint.verify`)."""
+        since the last comparison (:func:`~meshkit.comm.groups.call_fingerprint.verify`)."""
         if not self.checks_barrier:
             return self.run("barrier", self.engine.barrier, async_op, (), None, None)
         thread = self.thread
@@ -229,7 +229,7 @@ class CollectiveQueue:
                 self.failures.unusable(op)
             seq = self.seq
             self.seq = seq + 1
-        # The call's digest into the group's fingerprint (comm/call_fingerprint.py): one cached lookup.
+        # The call's digest into the group's fingerprint (comm/groups/call_fingerprint.py): one cached lookup.
         if extra is None:
             digest, call = entry(op, None if ref is None else ref.dtype, None if ref is None else ref.shape, reduce_op,
                                  None, None)

@@ -19,11 +19,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .arrays import is_device_array
-from .checks import check_array, check_member, check_root, where
-from .debug import ERROR, STATE, T_END, CollectiveRecord
-from .engine import DeadlineExceeded, Request
-from .errors import CollectiveTimeout, DistTypeError, DistValueError
+from ..arrays import is_device_array
+from ..checks import check_array, check_member, check_root, where
+from ..debug import ERROR, STATE, T_END, CollectiveRecord
+from ..engines.engine import DeadlineExceeded, Request
+from ..errors import CollectiveTimeout, DistTypeError, DistValueError
 from .work import RequestWork, Work
 
 __all__ = ["isend", "irecv", "P2PWork"]

@@ -18,11 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from .arrays import array_namespace
-from .checks import check_member, where
-from .errors import DistTypeError, DistValueError
+from ..arrays import array_namespace
+from ..checks import check_member, where
+from ..errors import DistTypeError, DistValueError
 from .group import ProcessGroup
-from .reduce_op import ReduceOp, check_op_dtype
+from ..reduce_op import ReduceOp, check_op_dtype
 
 __all__ = ["PreparedCollective", "prepare_collective", "PREPARED_OPS"]
 

@@ -17,8 +17,8 @@ import os
 import time
 from typing import Any, Callable
 
-from .notices import WATCH_INTERVAL
-from .work import in_background
+from ..notices import WATCH_INTERVAL
+from ..groups.work import in_background
 
 __all__ = ["Poller", "completes", "choose_caller_spin", "CALLER_SPIN_SECONDS"]
 

@@ -39,7 +39,7 @@ device (CuPy's ``Device.use()``), so that a communication thread issues on the r
 Async collectives start at once (``capabilities.queues`` False: the group does not hold them back behind
 the one before, as it does for MPI), since the communication stream runs them in order.
 
-Everything GPU-specific goes through the runtime of :mod:`meshkit.comm.cuda_runtime`.
+Everything GPU-specific goes through the runtime of :mod:`meshkit.comm.engines.cuda_runtime`.
 """
 
 from __future__ import annotations
@@ -54,11 +54,11 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-from . import env
+from .. import env
 from .engine import DeadlineExceeded, EngineCapabilities
-from .errors import DistBackendError, DistTypeError, DistValueError
-from .notices import WATCH_INTERVAL, Notice
-from .reduce_op import ReduceOp
+from ..errors import DistBackendError, DistTypeError, DistValueError
+from ..notices import WATCH_INTERVAL, Notice
+from ..reduce_op import ReduceOp
 from .watchdog import watched
 
 __all__ = ["NCCLEngine", "DeviceRequest", "create_world_engine", "select_device", "NCCL_DTYPES", "NCCL_OPS",

@@ -5,7 +5,7 @@ returned as a :class:`RequestWork`: waiting polls the engine's request, except o
 ``defers`` (its capabilities; NCCL), where waiting (without a timeout) for a device collective orders the caller's
 stream after it without blocking the host, and the progress agent's watchdog enforces its
 deadline (:meth:`RequestWork.watchdog`). While nobody waits, the world's
-:class:`~meshkit.comm.progress.ProgressAgent` polls it, so MPI keeps moving the data while the
+:class:`~meshkit.comm.groups.progress.ProgressAgent` polls it, so MPI keeps moving the data while the
 caller computes.
 
 Tasks that chain several collectives with computation in between (communication hooks, ZeRO-2's
@@ -33,15 +33,15 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-from . import env
-from .debug import STATE, T_END, T_START
-from .engine import DeadlineExceeded
-from .errors import CollectiveTimeout, DistError, DistTypeError, DistValueError
-from .notices import WATCH_INTERVAL
+from .. import env
+from ..debug import STATE, T_END, T_START
+from ..engines.engine import DeadlineExceeded
+from ..errors import CollectiveTimeout, DistError, DistTypeError, DistValueError
+from ..notices import WATCH_INTERVAL
 
 if TYPE_CHECKING:
-    from .debug import CollectiveRecord
-    from .engine import Request
+    from ..debug import CollectiveRecord
+    from ..engines.engine import Request
 
 __all__ = ["Work", "WorkFuture", "RequestWork", "WorkOwner", "CommThread", "in_background"]
 
@@ -301,7 +301,7 @@ class WorkFuture(concurrent.futures.Future):
 
 class WorkOwner(Protocol):
     """What a :class:`RequestWork` may ask of its owner, the queue of its group's operations
-    (:class:`~meshkit.comm.execution.CollectiveQueue`): nothing else, and nothing private."""
+    (:class:`~meshkit.comm.groups.execution.CollectiveQueue`): nothing else, and nothing private."""
 
     group: Any  # its public identity (name, ranks, global rank), for messages
     name: str            # the group's name
@@ -352,7 +352,7 @@ class RequestWork(Work):
     :class:`WorkOwner`): the operation's
     epilogue runs (AVG's division, copies out of a staging buffer, a receive's size check) and
     the flight-recorder entry is closed. When the engine raises, or the operation's deadline
-    passes (:class:`~meshkit.comm.engine.DeadlineExceeded`), the owner records the failure and
+    passes (:class:`~meshkit.comm.engines.engine.DeadlineExceeded`), the owner records the failure and
     gives the error every waiter raises.
 
     It holds no ``threading.Event`` (3 us to create, more than a small all-reduce costs) and

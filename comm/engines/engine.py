@@ -1,9 +1,9 @@
 """The engine interface: what a collective library (MPI, the in-process hub, NCCL) provides.
 
-A :class:`~meshkit.comm.group.ProcessGroup` *holds* an engine (composition, not subclassing):
+A :class:`~meshkit.comm.groups.group.ProcessGroup` *holds* an engine (composition, not subclassing):
 it checks arguments, numbers and records each operation, and calls one engine method, which
 starts the operation and returns a :class:`Request` at once. The group then waits for the
-request (synchronous calls) or hands it to a :class:`~meshkit.comm.work.Work` (``async_op``).
+request (synchronous calls) or hands it to a :class:`~meshkit.comm.groups.work.Work` (``async_op``).
 So every collective, synchronous or not, takes the same path::
 
     ProcessGroup.all_reduce -> engine.all_reduce (e.g. MPI's Iallreduce) -> Request

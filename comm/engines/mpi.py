@@ -14,7 +14,7 @@ group's timeout. The engine is split by concern, each part in a module of its ow
 - ``mpi_mailbox.py``: the world's notice channel.
 
 They sit flat beside comm's other modules (as ``local.py`` beside ``local_engine.py``), not in a
-subpackage: ``meshkit.comm.mpi`` stays the module that lifecycle, the tests and the
+subpackage: ``meshkit.comm.engines.mpi`` stays the module that lifecycle, the tests and the
 benchmarks import (``cuda_aware_mpi`` and ``CUDA_AWARE_ENV`` still import from here), and a
 subpackage's engine module would share ``engine.py``'s name.
 
@@ -35,18 +35,18 @@ from typing import Any, Callable
 import numpy as np
 from mpi4py import MPI
 
-from . import env
-from .arrays import is_device_array
-from .control import ControlMessageError, decode, encode, join
+from .. import env
+from ..arrays import is_device_array
+from ..control import ControlMessageError, decode, encode, join
 from .engine import DeadlineExceeded, EngineCapabilities
-from .errors import DistBackendError, DistTypeError, DistValueError
+from ..errors import DistBackendError, DistTypeError, DistValueError
 from .mpi_cuda_aware import CUDA_AWARE_ENV, cuda_aware_mpi
 from .mpi_datatypes import spec, specs
 from .mpi_mailbox import Mailbox, receive
 from .mpi_polling import Poller, choose_caller_spin, completes
 from .mpi_staging import Deferred, Staging
-from .notices import Notice
-from .reduce_op import ReduceOp
+from ..notices import Notice
+from ..reduce_op import ReduceOp
 from .watchdog import watched
 
 __all__ = ["MPIEngine", "create_world_engine", "cuda_aware_mpi", "CUDA_AWARE_ENV"]
@@ -456,7 +456,7 @@ def create_world_engine(timeout: float = 300.0) -> MPIEngine:
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         logger.warning("meshkit: MPI provides thread level %d, not MPI_THREAD_MULTIPLE; async_op=True "
                        "collectives call MPI from a second thread and may fail", MPI.Query_thread())
-    # MPI's split and blocking gathers have no deadline: under a watchdog (comm/watchdog.py)
+    # MPI's split and blocking gathers have no deadline: under a watchdog (comm/engines/watchdog.py)
     with watched("counting the ranks of this node (MPI's Split_type, Comm_free, Allgather)", MPI.COMM_WORLD.Get_rank(),
                  "world", range(MPI.COMM_WORLD.Get_size()), timeout):
         if env.host_name() is None:
