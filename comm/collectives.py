@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from typing import Callable, Sequence
+from typing import Callable, Sequence, cast
 
 import numpy as np
 
 from .checks import where
+from .engines.engine import Coalesces
 from .errors import DistTypeError, DistValueError
 from .groups.group import ProcessGroup
 from .reduce_op import ReduceOp
@@ -263,9 +264,9 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
     engines = {id(e): e for e in (resolve_group(p.group).engine for p in p2p_op_list)
                if e.capabilities.coalesces}
     for engine in engines.values():
-        engine.start_coalescing()
+        cast(Coalesces, engine).start_coalescing()
     try:
         return [p.op(p.tensor, p.peer, p.group, p.tag, p.group_peer) for p in p2p_op_list]
     finally:
         for engine in engines.values():
-            engine.end_coalescing()
+            cast(Coalesces, engine).end_coalescing()

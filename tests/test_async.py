@@ -11,7 +11,8 @@ import pytest
 
 import meshkit
 from meshkit.comm import local
-from meshkit.comm.groups.work import CommThread, Work, in_background
+from meshkit.comm.engines.engine import in_background
+from meshkit.comm.groups.work import CommThread, Work
 from meshkit.comm.groups.world import current_world
 
 

@@ -208,11 +208,15 @@ def test_an_engine_without_attributes_names_them(registry):
 
 
 def test_the_check_covers_every_attribute_the_protocol_declares():
-    from meshkit.comm.engines.engine import Engine
+    from meshkit.comm.engines.engine import GATED, Engine, methods
     assert set(Engine.__annotations__) == {*backends._ATTRIBUTES, "watch", "device"}
-    assert set(backends._GATED) | {"reports_dtype", "needs_progress", "queues", "host_arrays",
-                                   "authenticated_peers"} == set(
+    assert set(GATED) | {"reports_dtype", "needs_progress", "queues", "host_arrays",
+                         "authenticated_peers", "watched_requests"} == set(
         EngineCapabilities.__dataclass_fields__)
+    # each flag's Protocol declares the methods it gates (what check_engine asks of a registered engine)
+    assert {flag: methods(p) for flag, p in GATED.items()} == {
+        "checks_calls": ("announce",), "defers": ("defer",), "abandons": ("abandon",),
+        "coalesces": ("start_coalescing", "end_coalescing"), "aborts_job": ("abort",)}
 
 
 # --------------------------------------------------------------------------- names

@@ -122,6 +122,7 @@ class MPIEngine:
         self.mailbox = mailbox
         self.watch: Callable[[], None] | None = None  # set by the group: reads notices while stalled
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self._world_ranks: list[int] | None = None  # each rank's global rank: asked of MPI once, when first needed
         tag_ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
         self._tag_up, self._tag_down = tag_ub, tag_ub - 1
         self.max_tag = tag_ub - 16  # the top tags carry monitored exchanges
@@ -376,7 +377,7 @@ class MPIEngine:
     @property
     def world_ranks(self) -> list[int]:
         """The global rank of each rank of this communicator."""
-        ranks = getattr(self, "_world_ranks", None)
+        ranks = self._world_ranks
         if ranks is None:
             ranks = self._world_ranks = self.comm.Get_group().Translate_ranks(list(range(self.size)),
                                                                                MPI.COMM_WORLD.Get_group())

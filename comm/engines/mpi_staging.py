@@ -134,10 +134,18 @@ class Deferred:
         requests = self.requests
         return requests[0].Test() if len(requests) == 1 else MPI.Request.Testall(requests)
 
-    def __getattr__(self, name: str) -> Any:
-        if not self.requests:
-            raise AttributeError(name)
-        return getattr(self.requests[0], name)
+    # a receive's fields (engine.Received), from its one request once complete
+    @property
+    def source(self) -> int:
+        return self.requests[0].source
+
+    @property
+    def count(self) -> int | float:
+        return self.requests[0].count
+
+    @property
+    def dtype(self) -> Any:
+        return self.requests[0].dtype
 
 
 def _drain(rt: Any, stream: Any) -> None:
@@ -179,8 +187,18 @@ class _Staged:
         self.release()
         return True
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.request, name)
+    # a receive's fields (engine.Received), from the MPI request it stages
+    @property
+    def source(self) -> int:
+        return self.request.source
+
+    @property
+    def count(self) -> int | float:
+        return self.request.count
+
+    @property
+    def dtype(self) -> Any:
+        return self.request.dtype
 
 
 def _use(rt: Any, device: int) -> None:

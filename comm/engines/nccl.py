@@ -108,7 +108,6 @@ class DeviceRequest:
     """
 
     __slots__ = ("engine", "op", "event", "keep", "source", "count", "dtype", "done")
-    watchdog = True  # the progress agent watches it until done, even after Work.wait() returned
 
     def __init__(self, engine: NCCLEngine, op: str, event: Any, keep: tuple) -> None:
         self.engine, self.op, self.event, self.keep = engine, op, event, keep
@@ -150,7 +149,10 @@ class NCCLEngine:
     native_avg = True
     # queues=False: the stream orders a group's collectives, so each starts when it is called.
     # needs_progress and reports_dtype are the host engine's (its host arrays and objects).
-    capabilities = EngineCapabilities(queues=False, defers=True, abandons=True, coalesces=True, aborts_job=True)
+    # watched_requests: device work is watched until done, even after Work.wait() returned; a host
+    # array's request (the host engine's) is not
+    capabilities = EngineCapabilities(queues=False, defers=True, abandons=True, coalesces=True, aborts_job=True,
+                                      watched_requests=(DeviceRequest,))
 
     def __init__(self, host: Any, comm: Any, rt: Any, device: int) -> None:
         self.host, self.comm, self.rt, self.device = host, comm, rt, device

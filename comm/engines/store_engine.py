@@ -37,7 +37,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from .. import env
 from ..control import ControlMessageError, decode, decode_notice, encode
@@ -75,8 +75,10 @@ _OUTSIDER = "; a process outside this job may have written to the rendezvous sto
 class _Channel:
     """What the engines of one world share: the store, this process's global rank, the notices."""
 
-    def __init__(self, store: Store, rank: int, size: int, local_rank: int | None, owned: Store | None) -> None:
+    def __init__(self, store: Store, rank: int, size: int, local_rank: int | None, owned: Store | None,
+                 rendezvous_keys: Sequence[str] = ()) -> None:
         self.store, self.rank, self.size, self.owned = store, rank, size, owned
+        self.rendezvous_keys = tuple(rendezvous_keys)  # the rendezvous's keys, deleted by the last rank to leave
         self.local_rank = local_rank
         self.read = 0  # notices to this rank read so far
         self.kept: list[Notice] = []  # notices read beside a malformed one, returned at the next read
@@ -359,12 +361,11 @@ class StoreEngine:
         if channel.left:
             return
         channel.left = True
-        from ..setup.init_methods import rendezvous_keys
         try:
             if channel.rank == 0:  # no rank of a next world on the same port joins this one (init_methods._opened)
                 self.store.delete_key("open")
             if self.store.add("left", 1) == channel.size:
-                for key in (*rendezvous_keys(channel.size), "left"):
+                for key in (*channel.rendezvous_keys, "left"):
                     self.store.delete_key(key)
                 for r in range(channel.size):  # notices never read (the LEFT notices of this very leaving)
                     # The unread ones are the last: from the counter down to the first missing key,
@@ -445,7 +446,9 @@ class StoreEngine:
 
 
 def create_world_engine(store: Store, rank: int, size: int, local_rank: int | None,
-                        owned: Store | None = None) -> StoreEngine:
+                        owned: Store | None = None, rendezvous_keys: Sequence[str] = ()) -> StoreEngine:
     """The world's store engine, over the keys of a rendezvous (:mod:`~meshkit.comm.setup.init_methods`);
-    ``owned``: the store meshkit made for it, closed with the world."""
-    return StoreEngine(_Channel(store, rank, size, local_rank, owned), "w", tuple(range(size)), rank)
+    ``owned``: the store meshkit made for it, closed with the world; ``rendezvous_keys``: the keys
+    that rendezvous left, deleted with the world's own by the last rank to leave (the set-up
+    room names them, so that this engine imports nothing of it)."""
+    return StoreEngine(_Channel(store, rank, size, local_rank, owned, rendezvous_keys), "w", tuple(range(size)), rank)

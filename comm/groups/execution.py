@@ -27,13 +27,13 @@ import collections
 import functools
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import numpy as np
 
 from .. import job_end
 from ..debug import ERROR, STATE, T_END, Call, CollectiveRecord, DebugLevel, fingerprint
-from ..engines.engine import Engine, Request
+from ..engines.engine import ChecksCalls, Defers, DeviceEngine, Engine, Request
 from ..errors import CollectiveTimeout
 from .failures import FailureState
 from ..notices import REJECTED, Notice
@@ -71,7 +71,7 @@ class CollectiveQueue:
 
     __slots__ = ("group", "engine", "failures", "thread", "seq", "inflight", "lock", "tags", "queues", "tracks",
                  "defers", "on_device", "fingerprints", "divides", "world", "name", "timeout", "flight_entry", "agent",
-                 "sequence", "checks_barrier", "_next_tag")
+                 "sequence", "checks_barrier", "_next_tag", "watched")
 
     def __init__(self, group: Any, engine: Engine | None, failures: FailureState) -> None:
         self.group, self.engine, self.failures = group, engine, failures
@@ -97,6 +97,7 @@ class CollectiveQueue:
         # A device engine (NCCL): its requests may be device work, which the agent watches until done,
         # and it has use_device() (see Engine).
         self.on_device = engine is not None and engine.device is not None
+        self.watched = caps.watched_requests if caps is not None else ()  # the request types the agent watches
         # An engine that compares the members' calls as it moves their data (local: always, at no
         # extra exchange) is handed each call's fingerprint; detail mode's error, in every mode.
         self.fingerprints = caps is not None and caps.checks_calls
@@ -151,7 +152,7 @@ class CollectiveQueue:
         """Detail mode: every rank must have called the same collective (see debug.Call)."""
         self.failures.waiting = seq  # a rank that rejected this very call is named at once (notices)
         if self.fingerprints:  # a rank in another kind of exchange (a monitored barrier) is named too
-            self.engine.announce((seq, call))
+            cast(ChecksCalls, self.engine).announce((seq, call))
         entries = [e if isinstance(e, tuple) else (-1, None)  # a rank in a monitored barrier sends None
                    for e in self.engine.exchange((seq, call), seq, deadline, watched=True)]
         calls = [c for _, c in entries]
@@ -174,23 +175,23 @@ class CollectiveQueue:
 
     # ----------------------------------------------------------------- the path of every collective
     def run(self, op: str, start: Callable[[], Request], async_op: bool, shapes: tuple, ref: np.ndarray | None,
-            settle: Callable[[], Any] | None, reduce_op: ReduceOp | None = None,
+            epilogue: Callable[[], Any] | None, reduce_op: ReduceOp | None = None,
             extra: dict[str, Any] | None = None) -> Work | None:
         """Run an operation whose engine call is ``start()``: the phases below, in the order
         ``ProcessGroup.all_reduce`` takes them with its own engine call."""
         thread = self.thread
         if thread.pending and thread.runner != _get_ident():
-            return self.behind_tasks(op, lambda: self.run(op, start, False, shapes, ref, settle, reduce_op, extra),
+            return self.behind_tasks(op, lambda: self.run(op, start, False, shapes, ref, epilogue, reduce_op, extra),
                                      async_op)
-        seq = self.issue(op, ref, async_op, reduce_op, extra)
+        seq, queued = self.issue(op, ref, async_op, reduce_op, extra)
         dtype = ref.dtype if ref is not None else (extra or {}).get("dtype")
-        if seq < 0:
-            return self.enqueue(~seq, op, start, shapes, dtype, settle)
+        if queued:
+            return self.enqueue(seq, op, start, shapes, dtype, epilogue)
         try:
             request = start()
         except BaseException as exc:
             raise self.start_failed(op, seq, shapes, dtype, exc) from None
-        return self.started(op, seq, shapes, dtype, request, settle, async_op)
+        return self.started(op, seq, shapes, dtype, request, epilogue, async_op)
 
     def barrier(self, async_op: bool) -> Work | None:
         """A barrier: on engines that ``checks_barrier``, a ``MAX`` all-reduce of the group's
@@ -202,25 +203,25 @@ class CollectiveQueue:
         thread = self.thread
         if thread.pending and thread.runner != _get_ident():
             return self.behind_tasks("barrier", lambda: self.barrier(False), async_op)
-        seq = self.issue("barrier", None, async_op)
+        seq, queued = self.issue("barrier", None, async_op)
         buf, token = stamp(self.group)
         start = functools.partial(self.engine.all_reduce, buf, ReduceOp.MAX)
-        settle = functools.partial(verify, self.group, buf, token, "barrier()")
-        if seq < 0:
-            return self.enqueue(~seq, "barrier", start, (), None, settle)
+        epilogue = functools.partial(verify, self.group, buf, token, "barrier()")
+        if queued:
+            return self.enqueue(seq, "barrier", start, (), None, epilogue)
         try:
             request = start()
         except BaseException as exc:
             raise self.start_failed("barrier", seq, (), None, exc) from None
-        return self.started("barrier", seq, (), None, request, settle, async_op)
+        return self.started("barrier", seq, (), None, request, epilogue, async_op)
 
     def issue(self, op: str, ref: np.ndarray | None, async_op: bool, reduce_op: ReduceOp | None = None,
-              extra: dict[str, Any] | None = None) -> int:
+              extra: dict[str, Any] | None = None) -> tuple[int, bool]:
         """Number the operation (in detail mode, check it across ranks) and make way for its start.
 
-        Returns its number ``seq`` when the caller starts it now (a synchronous call, after the
-        async ones before it completed), or ``~seq`` (negative) when it is an async call behind
-        the collective in flight: the caller hands its start to :meth:`enqueue`.
+        Returns ``(seq, queued)``: its number, and whether it is an async call behind the
+        collective in flight (the caller hands its start to :meth:`enqueue`) rather than one the
+        caller starts now (a synchronous call, after the async ones before it completed).
         """
         if self.detail:
             seq = self.begin(op, ref, reduce_op, extra)
@@ -242,18 +243,18 @@ class CollectiveQueue:
         if async_op:
             if self.inflight and self.queues:  # behind an earlier collective: started when it completes
                 self._next_tag = tag
-                return ~seq
+                return seq, True
         elif self.inflight:
             self.drain()
         if tag is not None:  # the engine call made right after is this one (see Engine.announce)
-            self.engine.announce(tag)
-        return seq
+            cast(ChecksCalls, self.engine).announce(tag)
+        return seq, False
 
     def enqueue(self, seq: int, op: str, start: Callable[[], Request], shapes: tuple, dtype: Any,
-                settle: Callable[[], Any] | None) -> RequestWork:
+                epilogue: Callable[[], Any] | None) -> RequestWork:
         """Async call ``seq`` waits behind the collective in flight; ``start()`` posts it then."""
         record = self.flight_entry(seq, self.name, op, shapes, dtype, "scheduled")
-        work = RequestWork(self, op, seq, record, None, settle, self.timeout, start)
+        work = RequestWork(self, op, seq, record, None, epilogue, self.timeout, start)
         tag, self._next_tag = self._next_tag, None
         with self.lock:
             if tag is not None:
@@ -272,12 +273,12 @@ class CollectiveQueue:
         return self.failures.failed(op, seq, record, exc, self.timeout)
 
     def started(self, op: str, seq: int, shapes: tuple, dtype: Any, request: Request,
-                settle: Callable[[], Any] | None, async_op: bool) -> Work | None:
+                epilogue: Callable[[], Any] | None, async_op: bool) -> Work | None:
         """Call ``seq`` was posted (``request``): its flight record (written after the post, so
         that the data moves meanwhile), then its wait under the group's timeout, or its Work."""
         record = self.flight_entry(seq, self.name, op, shapes, dtype, "started")
         if async_op:
-            work = RequestWork(self, op, seq, record, request, settle, self.timeout)
+            work = RequestWork(self, op, seq, record, request, epilogue, self.timeout)
             work.queued = True
             with self.lock:
                 self.inflight.append(work)
@@ -285,8 +286,8 @@ class CollectiveQueue:
         try:
             if not request.Test():
                 self.block(request, time.monotonic() + self.timeout, seq)
-            if settle is not None:
-                settle()
+            if epilogue is not None:
+                epilogue()
         except BaseException as exc:
             raise self.failures.failed(op, seq, record, exc, self.timeout) from None
         record[STATE], record[T_END] = "completed", time.time()
@@ -321,7 +322,7 @@ class CollectiveQueue:
         self.failures.waiting = seq  # a wait in the step that reads notices reads them for this call
         try:
             if self.fingerprints:
-                self.engine.announce((seq, Call(op)))
+                cast(ChecksCalls, self.engine).announce((seq, Call(op)))
             result = step(seq, time.monotonic() + timeout)
         except BaseException as exc:
             raise self.failures.failed(op, seq, record, exc, timeout) from None
@@ -366,7 +367,7 @@ class CollectiveQueue:
                     if self.tags:
                         tag = self.tags.pop(nxt, None)
                         if tag is not None:
-                            self.engine.announce(tag)
+                            cast(ChecksCalls, self.engine).announce(tag)
                     nxt.start()
                     return
                 except BaseException as exc:  # it cannot start: it fails, and the next one is tried
@@ -416,7 +417,7 @@ class CollectiveQueue:
             pending = [work.seq for work in self.inflight if not work.finished]
         return min(pending, default=self.seq)
 
-    def settle(self, deadline: float) -> int:
+    def finish_inflight(self, deadline: float) -> int:
         """Let the asynchronous collectives complete until ``deadline``; how many are left."""
         while self.failures.reason is None:
             with self.lock:
@@ -445,12 +446,16 @@ class CollectiveQueue:
     def defer(self, request: Request) -> bool:
         """Whether the engine ordered the caller's device stream after ``request`` (NCCL), so that
         ``Work.wait()`` need not block the host."""
-        return self.defers and self.engine.defer(request)
+        return self.defers and cast(Defers, self.engine).defer(request)
+
+    def watches(self, request: Request | None) -> bool:
+        """Whether ``request`` is device work the progress agent watches until it completes (NCCL's)."""
+        return isinstance(request, self.watched)
 
     def use_device(self) -> None:
         """Make the group's GPU current on the calling thread (device engines; else nothing)."""
         if self.on_device:
-            self.engine.use_device()
+            cast(DeviceEngine, self.engine).use_device()
 
     def end_job(self, reason: str) -> None:
         """End the whole job (device work failed after its ``Work.wait()`` returned)."""

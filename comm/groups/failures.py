@@ -18,12 +18,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, cast
 
 from .call_fingerprint import MISMATCH_NOTICE, explain
 from ..checks import where
 from ..debug import ERROR, STATE, T_END, CollectiveRecord, mismatch_error
-from ..engines.engine import CallsDiffer, DeadlineExceeded
+from ..engines.engine import Abandons, CallsDiffer, DeadlineExceeded
 from ..errors import CollectiveMismatchError, CollectiveTimeout, DistBackendError, DistError, RankFailedError
 from ..notices import BROKEN, WATCH_INTERVAL, Notice
 from .world import dump_flight_record
@@ -132,7 +132,7 @@ class FailureState:
         group = self.group
         self.reason = why
         if self.abandons:
-            group.engine.abandon(why)
+            cast(Abandons, group.engine).abandon(why)
         self.tell(Notice(BROKEN, group.global_rank, group.ranks, seq, why, timed_out=timed_out))
 
     def unusable(self, op: str) -> None:

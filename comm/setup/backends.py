@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from ..engines.engine import Engine, EngineCapabilities
+from ..engines.engine import DEVICE, GATED, Engine, EngineCapabilities, methods as engine_methods
 from ..errors import DistBackendError, DistTypeError, DistValueError
 
 __all__ = ["Backend", "BackendOptions", "register_backend", "registered_backends", "backend_devices",
@@ -183,8 +183,6 @@ def check_name(name: str) -> str:
 _ATTRIBUTES = {"backend": str, "rank": int, "size": int, "max_tag": int, "native_avg": bool,
                "capabilities": EngineCapabilities}
 #: Methods an engine has only where its capabilities say so (EngineCapabilities' docstring).
-_GATED = {"checks_calls": ("announce",), "defers": ("defer",), "abandons": ("abandon",),
-          "coalesces": ("start_coalescing", "end_coalescing"), "aborts_job": ("abort",)}
 _MISSING = object()
 
 
@@ -216,12 +214,12 @@ def check_engine(name: str, engine: Any) -> Any:
         problems.append(f"rank {rank} is not in range(size) with size {size}")
     if type(values["backend"]) is str and values["backend"] != name:
         problems.append(f"backend is {values['backend']!r}, not {name!r} (get_backend() reports it)")
-    methods = [m for m, v in vars(Engine).items() if not m.startswith("_") and callable(v)]
+    methods = list(engine_methods(Engine))
     capabilities = values["capabilities"]
     if isinstance(capabilities, EngineCapabilities):
-        methods += [m for flag, gated in _GATED.items() if getattr(capabilities, flag) for m in gated]
+        methods += [m for flag, gated in GATED.items() if getattr(capabilities, flag) for m in engine_methods(gated)]
     if isinstance(device, int) and not isinstance(device, bool):
-        methods += ["use_device", "drain"]
+        methods += engine_methods(DEVICE)
     uncallable = [m for m in methods if not callable(getattr(engine, m, None))]
     if uncallable:
         problems.append(f"missing methods {uncallable}")

@@ -21,7 +21,7 @@ from ..engines.cuda_runtime import gpu_available, runtime
 from ..debug import DebugLevel, FlightRecorder
 from ..errors import DistBackendError, DistError, DistValueError
 from ..groups.group import ProcessGroup
-from .init_methods import Requested, agreement, mpi_launched, rendezvous, requested
+from .init_methods import Requested, agreement, mpi_launched, rendezvous, rendezvous_keys, requested
 from ..levels import agree_at_init, requested_level
 from ..milestones import RENDEZVOUS, milestone
 from ..notices import LEFT, Notice
@@ -124,7 +124,7 @@ def _store_world(name: str, asked: Requested, limit: float, device_id: int | Non
     met = rendezvous(asked, limit)
     from ..engines.store_engine import create_world_engine as create_store_engine
     host = create_store_engine(met.store, met.rank, met.world_size, met.local_rank,
-                               met.base if met.owned else None)
+                               met.base if met.owned else None, rendezvous_keys(met.world_size))
     return _world_engine(name, limit, device_id, host)  # nccl over it; a registered backend may use it
 
 
@@ -244,9 +244,9 @@ def _leave(world: World, how: str) -> None:
     # Asynchronous collectives still in flight (DDP's buckets at a sys.exit) complete first if the
     # others are in them; those that do not are not counted: the others waiting in them are
     # told at once that they wait in vain, instead of waiting for the timeout (issue 23.5).
-    deadline = time.monotonic() + _LEAVE_SETTLE_SECONDS
+    deadline = time.monotonic() + _LEAVE_INFLIGHT_SECONDS
     members = [g for g in world.groups.values() if g.is_member]
-    unfinished = sum(g.settle(deadline) for g in members)
+    unfinished = sum(g.finish_inflight(deadline) for g in members)
     counts = tuple(g.counts() for g in members)
     detail = f"{how}, after {dict(counts).get(group.ranks, 0)} calls on the world group"
     if unfinished:
@@ -306,4 +306,4 @@ _exit_hook_registered = False
 _LEAVE_FLUSH_SECONDS = 1.0
 #: Seconds a leaving rank gives its asynchronous collectives to complete: members already in them
 #: complete them within milliseconds; a member not there yet learns from the notice instead.
-_LEAVE_SETTLE_SECONDS = 1.0
+_LEAVE_INFLIGHT_SECONDS = 1.0
