@@ -46,7 +46,7 @@ Rank 0 prints one table per op, a summary line per op against the project's targ
   NCCL holds one rank per GPU: on one GPU this is world size 1.
 * ``--backend mpi``: meshkit's MPI engine on CuPy buffers against raw mpi4py staging by hand
   (``mpi4py-staged``: device -> pinned host buffer, the MPI call on the host, host -> device)
-  and, when MPI is CUDA-aware (``meshkit.comm.mpi.cuda_aware_mpi``: ``MESHKIT_CUDA_AWARE_MPI``,
+  and, when MPI is CUDA-aware (``meshkit.comm.engines.mpi.cuda_aware_mpi``: ``MESHKIT_CUDA_AWARE_MPI``,
   else the MPI library's MPIX query), raw mpi4py on the device buffers (``mpi4py-cuda``). Several ranks may share one GPU.
 
 Every engine works on the same CuPy buffers, checked at each size before timing (inputs
@@ -80,9 +80,9 @@ from _common import (LOG, Progress, add_output_args, barrier, calibrate_iters, f
 from mpi4py import MPI
 
 import meshkit
-from meshkit.comm import cuda_runtime
-from meshkit.comm.mpi import cuda_aware_mpi
-from meshkit.comm.nccl import NCCL_DTYPES
+from meshkit.comm.engines import cuda_runtime
+from meshkit.comm.engines.mpi import cuda_aware_mpi
+from meshkit.comm.engines.nccl import NCCL_DTYPES
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -341,7 +341,7 @@ def device_zeros(count: int, dtype: np.dtype) -> Any:
 
 @dataclasses.dataclass
 class DeviceSpace:
-    """Device buffers, reached from the host through the runtime of ``meshkit.comm.cuda_runtime``
+    """Device buffers, reached from the host through the runtime of ``meshkit.comm.engines.cuda_runtime``
     (CuPy's calls: ``cupyx.empty_pinned``, ``ndarray.get(out=)``, ``ndarray.set``): the checks
     write inputs and read results through pinned host buffers, on the current stream."""
 

@@ -33,7 +33,7 @@ so that the setting holds under any launcher: with one OpenBLAS thread per core 
 * ``per-grad``: one blocking ``meshkit.all_reduce(g, AVG)`` per gradient;
 * ``flat``: one ``meshkit.all_reduce`` (AVG) of a single buffer of the same total size: the floor;
 * ``ddp no-fp`` (diagnostic): ``ddp`` with the call fingerprint switched off (each call's
-  update of comm/call_fingerprint.py's running hash made a no-op; the agreement still carries
+  update of comm/groups/call_fingerprint.py's running hash made a no-op; the agreement still carries
   its 16 bytes): the column ``fp cost`` is what keeping the fingerprint costs a DDP step
   (issue 36.2's bar: within 1%; it adds no message, the step's agreement carries it);
 * ``ddp local`` (diagnostic): the same DDP pass inside ``no_sync()``, i.e. DDP's own Python
@@ -113,7 +113,7 @@ from _common import (LOG, Progress, add_output_args, barrier, calibrate_iters, f
 from mpi4py import MPI
 
 import meshkit
-from meshkit.comm.call_fingerprint import CallSequence
+from meshkit.comm.groups.call_fingerprint import CallSequence
 from meshkit.parallel import SGD, DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))

@@ -29,7 +29,7 @@ on purpose and must see it. A negative control that does not show what it must f
 
 Everything goes through meshkit's public API and raw CuPy, except ONE seam (:class:`Seam`, in the
 section "the one internal seam"): the CUDA runtime meshkit's NCCL engine uses is wrapped through
-``meshkit.comm.cuda_runtime.set_runtime`` so that the engine's communication stream can (a) skip
+``meshkit.comm.engines.cuda_runtime.set_runtime`` so that the engine's communication stream can (a) skip
 its wait on the caller's stream (the ordering-in negative control) and (b) get a long kernel in
 front of its next operation (ordering out: the collective then completes long after it was
 issued). Nothing else reaches inside meshkit.
@@ -114,7 +114,7 @@ class RealGpu:
         """, "fault")
 
     def runtime(self) -> Any:
-        from meshkit.comm.cuda_runtime import CupyRuntime
+        from meshkit.comm.engines.cuda_runtime import CupyRuntime
         return CupyRuntime()
 
     @property
@@ -295,12 +295,12 @@ class Seam:
         return self._stream()
 
     def __enter__(self) -> Seam:
-        from meshkit.comm import cuda_runtime
+        from meshkit.comm.engines import cuda_runtime
         self._previous = cuda_runtime.set_runtime(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        from meshkit.comm import cuda_runtime
+        from meshkit.comm.engines import cuda_runtime
         cuda_runtime.set_runtime(self._previous)
 
 
@@ -988,7 +988,8 @@ def worker(name: str, double: bool) -> int:
     """Run one check in this process (one rank of a job, or every rank as threads over the double)."""
     check = CHECKS[name]
     if double:
-        from meshkit.comm import cuda_runtime, local
+        from meshkit.comm.engines import cuda_runtime
+        from meshkit.comm import local
         gpu = DoubleGpu()
         previous = cuda_runtime.set_runtime(gpu.runtime())
         n = DOUBLE_RANKS if check.ranks != "1" else 1

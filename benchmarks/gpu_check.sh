@@ -175,7 +175,7 @@ show("nccl", nccl)
 def mpi():
     from mpi4py import MPI
     import mpi4py
-    from meshkit.comm.mpi import cuda_aware_mpi
+    from meshkit.comm.engines.mpi import cuda_aware_mpi
     return (f"mpi4py {mpi4py.__version__}, {MPI.Get_library_version().splitlines()[0].strip()}, "
             f"CUDA-aware: {cuda_aware_mpi()}")
 show("mpi", mpi)

@@ -6,7 +6,7 @@ the same error or none does) and names ranks in a message (:func:`name_ranks`, :
 the world (:func:`current_world`), a group argument's default
 (:func:`resolve_group`), one split making many groups (:func:`create_groups`), the fingerprint of a
 group's calls that a per-step agreement compares (:func:`stamp_fingerprint`, :func:`verify_fingerprint`,
-:data:`FINGERPRINT_SLOTS`: comm/call_fingerprint.py), prepared
+:data:`FINGERPRINT_SLOTS`: comm/groups/call_fingerprint.py), prepared
 collectives (:class:`PreparedCollective`) and the NumPy/CuPy rule (:func:`array_namespace`,
 :func:`is_device_array`, :func:`is_array`, :func:`to_host`). They import those from here, a module
 named as private as torch's
@@ -18,38 +18,46 @@ for one release.
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import sys
+import types
 import warnings
 from importlib import import_module
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from .agree import agree
 from .naming import by_ranks, name_ranks
-from .backends import backend_devices
+from .setup.backends import backend_devices
 from .milestones import FIRST_STEP, IMPORTED, RESTORED, milestone
 from .arrays import array_namespace, is_array, is_device_array, to_host
-from .prepared import PREPARED_OPS, PreparedCollective, prepare_collective
-from .registry import create_groups, resolve_group
-from .call_fingerprint import SLOTS as FINGERPRINT_SLOTS, stamp as stamp_fingerprint, verify as verify_fingerprint
+from .groups.prepared import PREPARED_OPS, PreparedCollective, prepare_collective
+from .setup.registry import create_groups, resolve_group
+from .groups.call_fingerprint import SLOTS as FINGERPRINT_SLOTS, stamp as stamp_fingerprint, verify as verify_fingerprint
 from .files import NotRegular, TooLarge, open_regular, read_bounded  # files read back (debug, checkpoint)
 from .env import positive_number as positive_setting  # a bound's MESHKIT_* variable, checked (debug, checkpoint)
-from .world import RECORD_FORMAT, current_world, flight_document, inflight_document
+from .groups.world import RECORD_FORMAT, current_world, flight_document, inflight_document
 
 __all__ = ["agree", "by_ranks", "name_ranks", "backend_devices", "array_namespace", "is_device_array", "is_array", "to_host", "PREPARED_OPS", "PreparedCollective",
            "prepare_collective",
            "create_groups", "resolve_group", "current_world", "flight_document", "inflight_document", "RECORD_FORMAT",
            "moved_names", "milestone", "IMPORTED", "RESTORED", "FIRST_STEP", "positive_setting", "read_bounded",
-           "open_regular", "NotRegular", "TooLarge", "FINGERPRINT_SLOTS", "stamp_fingerprint", "verify_fingerprint"]
+           "open_regular", "NotRegular", "TooLarge", "FINGERPRINT_SLOTS", "stamp_fingerprint", "verify_fingerprint",
+           "moved_modules"]
 
 
-def moved_names(package: str, names: Mapping[str, str]) -> Callable[[str], Any]:
+def moved_names(package: str, names: Mapping[str, str], modules: Mapping[str, str] | None = None) -> Callable[[str], Any]:
     """A module ``__getattr__`` that still serves names ``package`` took out of its public API.
 
     ``names`` maps each old name to the module that holds it now. Reading ``package.NAME`` (or
     ``from package import NAME``) returns the object and warns with a ``DeprecationWarning`` naming
     the new place; the names go in the release after (they were documented as public in 0.1).
+    ``modules`` (old full module name to new, as :func:`moved_modules` takes) serves
+    ``package.MODULE`` read as an attribute: it imports the old path, which warns.
     """
     def __getattr__(name: str) -> Any:
+        if modules and f"{package}.{name}" in modules:
+            return import_module(f"{package}.{name}")
         if name not in names:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         new = names[name]
@@ -61,3 +69,53 @@ def moved_names(package: str, names: Mapping[str, str]) -> Callable[[str], Any]:
         return getattr(import_module(new), name)
 
     return __getattr__
+
+
+def _warn_at_importer(message: str, skip: set[str]) -> None:
+    """A ``DeprecationWarning`` at the line that imported: the first frame outside the import system
+    and the modules of ``skip`` (``stacklevel`` cannot say it: how many frames importlib adds varies)."""
+    frame = sys._getframe(1)
+    while frame.f_back is not None and (frame.f_globals.get("__name__", "") in skip
+                                        or frame.f_globals.get("__name__", "").startswith(("importlib", "_frozen_importlib"))):
+        frame = frame.f_back
+    globals_ = frame.f_globals
+    warnings.warn_explicit(message, DeprecationWarning, frame.f_code.co_filename, frame.f_lineno,
+                           module=globals_.get("__name__", "<unknown>"),
+                           registry=globals_.setdefault("__warningregistry__", {}))
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds each old module path of :func:`moved_modules` and loads it as the module it moved to."""
+
+    def __init__(self, names: Mapping[str, str]) -> None:
+        self.names = dict(names)
+        self.specs: dict[str, importlib.machinery.ModuleSpec] = {}
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None = None,
+                  target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in self.names:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        new = self.names[spec.name]
+        _warn_at_importer(f"{spec.name} moved to {new}: import it from there; the old path goes in the next release",
+                          skip={__name__, spec.name.rpartition(".")[0]})
+        module = import_module(new)
+        # the import system sets ``__spec__`` on what this returns: exec_module puts the module's own back
+        self.specs[new] = module.__spec__
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        module.__spec__ = self.specs[module.__name__]
+
+
+def moved_modules(names: Mapping[str, str]) -> None:
+    """Keep each old module path of ``names`` (old dotted name to new) importable for one release.
+
+    ``import meshkit.comm.mpi`` (or ``from meshkit.comm import mpi``) then gives the module that
+    is ``meshkit.comm.engines.mpi`` now, the same object (so a monkeypatch through either name
+    patches both), with a ``DeprecationWarning`` naming the new path. No file stays at the old
+    path, so ``git log --follow`` and merges follow each move.
+    """
+    sys.meta_path.append(_MovedModules(names))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 
-from .cuda_runtime import runtime
+from .engines.cuda_runtime import runtime
 
 __all__ = ["is_available", "is_mpi_available", "is_nccl_available"]
 

@@ -27,7 +27,7 @@ from typing import IO, Any, Callable
 
 from . import env
 from .errors import DistError, DistTypeError, DistValueError
-from .world import current_world
+from .groups.world import current_world
 
 __all__ = ["breakpoint"]
 

@@ -1,7 +1,7 @@
 """Module-level collectives with torch.distributed's names and signatures.
 
 Each takes ``group=None`` (the world) and ``async_op=False``; with ``async_op=True`` it returns
-a :class:`~meshkit.comm.work.Work`. As in torch, ``src``/``dst`` are *global* ranks and
+a :class:`~meshkit.comm.groups.work.Work`. As in torch, ``src``/``dst`` are *global* ranks and
 ``group_src``/``group_dst`` are ranks within ``group``; pass one of the two.
 
 Per-rank example (world of 4, ``dp = new_group([0, 2])``)::
@@ -15,17 +15,18 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from typing import Callable, Sequence
+from typing import Callable, Sequence, cast
 
 import numpy as np
 
 from .checks import where
+from .engines.engine import Coalesces
 from .errors import DistTypeError, DistValueError
-from .group import ProcessGroup
+from .groups.group import ProcessGroup
 from .reduce_op import ReduceOp
-from .work import Work
-from .registry import resolve_group
-from .world import current_world
+from .groups.work import Work
+from .setup.registry import resolve_group
+from .groups.world import current_world
 
 __all__ = [
     "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "gather", "scatter",
@@ -263,9 +264,9 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
     engines = {id(e): e for e in (resolve_group(p.group).engine for p in p2p_op_list)
                if e.capabilities.coalesces}
     for engine in engines.values():
-        engine.start_coalescing()
+        cast(Coalesces, engine).start_coalescing()
     try:
         return [p.op(p.tensor, p.peer, p.group, p.tag, p.group_peer) for p in p2p_op_list]
     finally:
         for engine in engines.values():
-            engine.end_coalescing()
+            cast(Coalesces, engine).end_coalescing()

@@ -27,7 +27,7 @@ from typing import Any
 from . import env
 from .debug import DebugLevel
 from .errors import CollectiveMismatchError, DistTypeError, DistValueError
-from .world import current_world, is_initialized, local_context
+from .groups.world import current_world, is_initialized, local_context
 
 __all__ = ["set_debug_level", "get_debug_level", "set_debug_level_from_env", "requested_level"]
 

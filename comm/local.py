@@ -1,7 +1,7 @@
 """Run a function on N ranks of one process: meshkit's in-process jobs, for tests and dry runs.
 
 :func:`run` starts one thread per rank, each with its own world on the ``local`` engine
-(:mod:`meshkit.comm.local_engine`), and returns each rank's result. A rank that raises wakes
+(:mod:`meshkit.comm.engines.local_engine`), and returns each rank's result. A rank that raises wakes
 all the others, and :func:`run` re-raises the first rank's exception in the caller: a local
 job never hangs.
 """
@@ -13,9 +13,9 @@ import time
 from typing import Any, Callable
 
 from .errors import DistValueError, RankFailedError
-from .lifecycle import destroy_process_group, init_process_group
-from .local_engine import Hub, RankContext
-from .world import is_initialized, set_local_context
+from .setup.lifecycle import destroy_process_group, init_process_group
+from .engines.local_engine import Hub, RankContext
+from .groups.world import is_initialized, set_local_context
 
 __all__ = ["run"]
 

@@ -27,12 +27,12 @@ import numpy as np
 
 from . import control
 from .collectives import _group_rank
-from .call_fingerprint import compare
+from .groups.call_fingerprint import compare
 from .checks import check_member, where
 from .control import ControlMessageError
 from .errors import DistError, DistTypeError, DistValueError
-from .group import ProcessGroup
-from .registry import resolve_group
+from .groups.group import ProcessGroup
+from .setup.registry import resolve_group
 from .stores.wire import MAX_VALUE_BYTES
 
 __all__ = ["broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
@@ -136,7 +136,7 @@ def _failures(g: ProcessGroup, op: str, what: str, sizes: np.ndarray, rows: Any)
 class _OverExchange:
     """The four buffer collectives the object collectives use, each as one ``exchange`` of the
     group's engine, for an engine that moves no host arrays (``capabilities.host_arrays`` False:
-    the store engine under an nccl world started without MPI, comm/store_engine.py). Everything else is the
+    the store engine under an nccl world started without MPI, comm/engines/store_engine.py). Everything else is the
     group's. The data is small (objects' bytes and their sizes), which a store carries; each part
     that comes back must be an array like the one this rank passed (else ControlMessageError,
     naming the rank it came from)."""
@@ -212,7 +212,7 @@ def _padded(blob: np.ndarray, size: int) -> np.ndarray:
 
 def _gathered_sizes(g: ProcessGroup, n: int, op: str) -> np.ndarray:
     """Every rank's size, gathered beside its fingerprint of the group's calls so far
-    (comm/call_fingerprint.py): if the members' calls differed, every rank raises here, before
+    (comm/groups/call_fingerprint.py): if the members' calls differed, every rank raises here, before
     sizes read from another call's data are used (a shifted sequence made this an allocation of
     8 EiB, or an UnpicklingError naming nothing: issue 36.2)."""
     queue = g.queue

@@ -75,7 +75,7 @@ import loop  # the examples' one training loop, beside this file
 import mlp  # the model, beside this file
 import train_mlp  # its reference training, --check's comparison, flag types and checkpoint helpers
 from meshkit.checkpoint import CheckpointManager
-from meshkit.comm.cuda_runtime import runtime
+from meshkit.comm.engines.cuda_runtime import runtime
 from meshkit.parallel import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleZBH1,
                               ScheduleZBVZeroBubble, array_namespace, data_parallel)
 from meshkit.tensor import DTensor, Replicate, Shard, distribute_tensor

@@ -53,7 +53,7 @@ import numpy as np
 import meshkit
 import loop  # the examples' one training loop, beside this file
 import mlp  # the model, beside this file
-from meshkit.comm.cuda_runtime import gpu_available
+from meshkit.comm.engines.cuda_runtime import gpu_available
 from meshkit.checkpoint import CheckpointError, CheckpointManager, get_state_dict, set_state_dict
 from meshkit.parallel import LocalStrategy, PowerSGDState, array_namespace, fp16_compress_hook, powersgd_hook
 

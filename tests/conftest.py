@@ -72,7 +72,7 @@ def job_teardowns(monkeypatch):
     """The NCCL watchdog ends the whole job (os._exit) when deferred device work fails: inside
     pytest that would end the run with no report. Here it is recorded instead, and a test that
     caused one without expecting it fails, naming the reason; tests of it patch ``tear_down``."""
-    import meshkit.comm.work
+    import meshkit.comm.groups.work
 
     ended: list[str] = []
     monkeypatch.setattr(meshkit.comm.job_end, "tear_down", lambda world, reason: ended.append(reason))

@@ -651,7 +651,7 @@ module.__dict__.update({
 @contextlib.contextmanager
 def installed() -> Iterator[Any]:
     """``sys.modules["cupy"]`` is this module, and the double is the CUDA runtime, for the block."""
-    from meshkit.comm import cuda_runtime
+    from meshkit.comm.engines import cuda_runtime
 
     saved = sys.modules.get("cupy")
     sys.modules["cupy"] = module

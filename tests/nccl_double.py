@@ -1,7 +1,7 @@
 """A strict double of the GPU side of meshkit's NCCL engine: communicators, device memory,
 streams and events, for ranks that are threads of one process (``meshkit.comm.local.run``).
 
-Install it with ``meshkit.comm.cuda_runtime.set_runtime(FakeRuntime())``. It is strict where
+Install it with ``meshkit.comm.engines.cuda_runtime.set_runtime(FakeRuntime())``. It is strict where
 NCCL is strict, and checks every call as NCCL would:
 
 * pointers lie inside live device allocations of the communicator's device, and
@@ -62,7 +62,7 @@ _OPS = {0: "SUM", 1: "PROD", 2: "MAX", 3: "MIN", 4: "AVG"}
 #: Seconds a host synchronization or a split waits in the double before it reports a hang.
 DOUBLE_TIMEOUT = 30.0
 #: Seconds ncclCommDestroy takes once every member entered it: milliseconds on a GPU (issue 24);
-#: above the watchdog's 10 ms round (comm/progress.py WATCHDOG_INTERVAL), so that a watchdog
+#: above the watchdog's 10 ms round (comm/groups/progress.py WATCHDOG_INTERVAL), so that a watchdog
 #: querying a communicator being destroyed is caught every time, not by luck.
 DESTROY_SECONDS = 0.015
 #: Whether a communicator still holding its handle when it is garbage-collected destroys it, as
@@ -1172,7 +1172,7 @@ class _Copy:
 
 
 class FakeRuntime:
-    """The runtime of :mod:`meshkit.comm.cuda_runtime`, over the double.
+    """The runtime of :mod:`meshkit.comm.engines.cuda_runtime`, over the double.
 
     Counts what MPI staging does: ``pinned_allocations``, ``copies_to_host``, ``copies_to_device``.
     """

@@ -11,8 +11,9 @@ import pytest
 
 import meshkit
 from meshkit.comm import local
-from meshkit.comm.work import CommThread, Work, in_background
-from meshkit.comm.world import current_world
+from meshkit.comm.engines.engine import in_background
+from meshkit.comm.groups.work import CommThread, Work
+from meshkit.comm.groups.world import current_world
 
 
 def progress_while_computing():
@@ -169,7 +170,7 @@ def test_operations_stay_on_the_thread_while_it_executes_one():
 def waiting_policy() -> tuple[bool, bool, bool, bool]:
     """On an MPI rank: (caller spin chosen for this host, spinning poller never yields,
     yielding poller yields at every pause, role of the thread that runs the operation)."""
-    from meshkit.comm import mpi_polling as policy  # the MPI engine's: only on MPI ranks
+    from meshkit.comm.engines import mpi_polling as policy  # the MPI engine's: only on MPI ranks
 
     cores, ranks = len(os.sched_getaffinity(0)), meshkit.get_world_size()  # one host in tests
     spin_ok = policy._caller_spin == (policy.CALLER_SPIN_SECONDS if ranks <= cores else 0.0)
@@ -307,7 +308,7 @@ def test_a_task_that_raises_midway_breaks_the_group_on_every_rank():
     fail at once (not pair with rank 0's next call, nor wait the whole timeout), and rank 0's
     later calls on the group must raise."""
     def body():
-        group = meshkit.comm.world.current_world().default_group
+        group = meshkit.comm.groups.world.current_world().default_group
         x = np.ones(3)
 
         rank = meshkit.get_rank()

@@ -15,8 +15,9 @@ import pytest
 import ddp_cases
 import meshkit
 from meshkit import Backend, BackendOptions, register_backend
-from meshkit.comm import backends, local
-from meshkit.comm.engine import EngineCapabilities
+from meshkit.comm.setup import backends
+from meshkit.comm import local
+from meshkit.comm.engines.engine import EngineCapabilities
 from toy_backend import Relay, Solo
 
 
@@ -131,7 +132,7 @@ def test_the_builtins_are_looked_up_in_the_registry_like_any_backend(registry):
 
 def test_mpi_resolves_through_the_registry_in_a_process():
     code = ("import sys; from collections import Counter; sys.path.insert(0, {tests!r})\n"
-            "import numpy as np, meshkit; from meshkit.comm import backends; from toy_backend import Relay\n"
+            "import numpy as np, meshkit; from meshkit.comm.setup import backends; from toy_backend import Relay\n"
             "calls, mpi = Counter(), backends.registered_backends()['mpi']\n"
             "meshkit.register_backend('mpi', lambda o: Relay(mpi(o), 'mpi', calls), override=True)\n"
             "for name in ('mpi', 'gloo', 'MPI'):\n"
@@ -174,8 +175,8 @@ def _solo(**attributes):
 
 
 @pytest.mark.parametrize(("make", "problem"), [
-    (lambda: None, r"its factory returned None, not an engine \(an object implementing meshkit.comm.engine.Engine\)"),
-    (_NoCollectives, r"a _NoCollectives that does not implement meshkit.comm.engine.Engine: missing methods "
+    (lambda: None, r"its factory returned None, not an engine \(an object implementing meshkit.comm.engines.engine.Engine\)"),
+    (_NoCollectives, r"a _NoCollectives that does not implement meshkit.comm.engines.engine.Engine: missing methods "
                      r"\['all_reduce', 'reduce', 'broadcast', 'all_gather', 'reduce_scatter', 'gather', 'scatter', "
                      r"'all_to_all', 'send', 'recv', 'wait', 'exchange', 'split', 'notify', 'notices', 'host_name', "
                      r"'flush', 'free'\]$"),
@@ -201,17 +202,21 @@ def test_an_engine_without_attributes_names_them(registry):
         pass
     register_backend("bare", lambda options: Bare())
     with pytest.raises(meshkit.DistBackendError, match=r"backend 'bare': its factory returned a Bare that does not "
-                       r"implement meshkit.comm.engine.Engine: missing attributes \['backend', 'rank', 'size', "
+                       r"implement meshkit.comm.engines.engine.Engine: missing attributes \['backend', 'rank', 'size', "
                        r"'max_tag', 'native_avg', 'capabilities', 'watch', 'device'\]; missing methods \['all_reduce'"):
         meshkit.init_process_group("bare")
 
 
 def test_the_check_covers_every_attribute_the_protocol_declares():
-    from meshkit.comm.engine import Engine
+    from meshkit.comm.engines.engine import GATED, Engine, methods
     assert set(Engine.__annotations__) == {*backends._ATTRIBUTES, "watch", "device"}
-    assert set(backends._GATED) | {"reports_dtype", "needs_progress", "queues", "host_arrays",
-                                   "authenticated_peers"} == set(
+    assert set(GATED) | {"reports_dtype", "needs_progress", "queues", "host_arrays",
+                         "authenticated_peers", "watched_requests"} == set(
         EngineCapabilities.__dataclass_fields__)
+    # each flag's Protocol declares the methods it gates (what check_engine asks of a registered engine)
+    assert {flag: methods(p) for flag, p in GATED.items()} == {
+        "checks_calls": ("announce",), "defers": ("defer",), "abandons": ("abandon",),
+        "coalesces": ("start_coalescing", "end_coalescing"), "aborts_job": ("abort",)}
 
 
 # --------------------------------------------------------------------------- names
@@ -273,7 +278,7 @@ def test_an_unknown_name_lists_the_registered_ones(registry):
 def test_a_backends_devices_decide_which_meshes_it_serves(registry):
     import nccl_double as double
     from meshkit import init_device_mesh
-    from meshkit.comm import cuda_runtime
+    from meshkit.comm.engines import cuda_runtime
     calls = Counter()
     register_backend("gpurelay", _relay("gpurelay", calls, inner="nccl"), devices=("cpu", "cuda"))
     register_backend("hostrelay", _relay("hostrelay", calls))

@@ -2,7 +2,7 @@
 
 Group creation checks that every rank makes the same call before MPI's ``Comm.Split`` (which has
 no deadline); the calls that cannot be interrupted run under a watchdog that ends the process
-(comm/watchdog.py), reporting ``hung`` to ``meshkit-run``; the launcher names the rank that hung,
+(comm/engines/watchdog.py), reporting ``hung`` to ``meshkit-run``; the launcher names the rank that hung,
 not the ranks whose timeouts fired while they waited for it (launch/job.py).
 """
 

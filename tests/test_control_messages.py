@@ -39,15 +39,16 @@ from hypothesis.extra import numpy as hnp
 import meshkit
 import nccl_double as double
 from conftest import SCRIPTS
-from meshkit.comm import control, cuda_runtime, local
+from meshkit.comm import control, local
+from meshkit.comm.engines import cuda_runtime
 from meshkit.comm.control import ControlMessageError, decode, encode
 from meshkit.comm.debug import Call, DebugLevel, fingerprint
 from meshkit.comm.levels import _Switch
 from meshkit.comm.notices import BROKEN, LEFT, Notice
 from meshkit.comm.reduce_op import ReduceOp
-from meshkit.comm.world import local_context
+from meshkit.comm.groups.world import local_context
 
-#: The prefix of a world's keys in its rendezvous store (comm/init_methods.py's PREFIX).
+#: The prefix of a world's keys in its rendezvous store (comm/setup/init_methods.py's PREFIX).
 WORLD = "meshkit/world/"
 
 
@@ -381,7 +382,7 @@ def test_a_pickled_notice_posted_into_a_running_world_runs_no_code(fake_gpu, tmp
 
 
 def test_notices_read_beside_a_malformed_one_come_at_the_next_read():
-    from meshkit.comm.store_engine import _Channel
+    from meshkit.comm.engines.store_engine import _Channel
     store = OpenStore()
     channel = _Channel(store, 1, 2, 0, None)
     real = Notice(LEFT, 0, detail="a real one")
@@ -523,7 +524,7 @@ def test_a_forged_pickle_is_refused_without_unpickling_and_the_others_are_told(f
 def test_forged_sizes_allocate_nothing_and_fail_every_rank_at_once(fake_gpu):
     """An outsider answers the sizes step of all_gather_object claiming 1 TiB: rank 1 refuses it
     before allocating, and rank 0, waiting for rank 1 in the next step, is told at once. The sizes
-    travel beside the group's call fingerprint (comm/call_fingerprint.py), which the forger copies
+    travel beside the group's call fingerprint (comm/groups/call_fingerprint.py), which the forger copies
     (it can read the ranks' own messages in an open store)."""
     store = OpenStore()
 
@@ -556,12 +557,12 @@ def test_authenticated_groups_pickle_as_before(fake_gpu, store):
 
 
 def test_every_engine_answers_whether_its_peers_are_authenticated():
-    from meshkit.comm.engine import EngineCapabilities
-    from meshkit.comm.local_engine import LocalEngine
-    from meshkit.comm.store_engine import create_world_engine
+    from meshkit.comm.engines.engine import EngineCapabilities
+    from meshkit.comm.engines.local_engine import LocalEngine
+    from meshkit.comm.engines.store_engine import create_world_engine
     assert EngineCapabilities().authenticated_peers is False  # an engine says so only if it knows
     assert LocalEngine.capabilities.authenticated_peers
-    mpi = ast.parse((Path(meshkit.comm.__file__).parent / "mpi.py").read_text())  # importing it would start MPI
+    mpi = ast.parse((Path(meshkit.comm.__file__).parent / "engines" / "mpi.py").read_text())  # importing it would start MPI
     declared = next(n.value for c in mpi.body if isinstance(c, ast.ClassDef) and c.name == "MPIEngine"
                     for n in c.body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "capabilities")
     assert "authenticated_peers=True" in ast.unparse(declared)
@@ -622,7 +623,7 @@ def test_an_env_world_of_processes_attacked_through_its_store_runs_no_code(tmp_p
 def test_a_notice_counter_raised_by_an_outsider_costs_seconds_not_the_timeout(monkeypatch):
     """A counter raised with no notice behind it: the reader names it within the grace, skips
     that range, and reads the notices posted after it."""
-    from meshkit.comm import store_engine
+    from meshkit.comm.engines import store_engine
     monkeypatch.setattr(store_engine, "_NOTICE_GRACE_S", 0.2)
     store = OpenStore()
     store.set_timeout(60)
@@ -658,7 +659,7 @@ def test_join_makes_the_list_of_messages_without_decoding_them():
 
 
 def test_leaving_deletes_the_unread_notices_and_not_one_key_per_forged_number():
-    from meshkit.comm.store_engine import create_world_engine
+    from meshkit.comm.engines.store_engine import create_world_engine
     store = OpenStore()
     engine = create_world_engine(store, 0, 1, 0)
     for i in (1, 2, 3):

@@ -278,7 +278,8 @@ def test_one_rule_decides_device_and_library_in_every_layer(cupy):
     """comm's engines and checks, the CUDA runtime, parallel and tensor ask one rule
     (``__cuda_array_interface__`` on the array): the double's DeviceArray, an np.ndarray subclass,
     is a device array, hence CuPy's, to all of them; torch-like CPU tensors are host arrays."""
-    from meshkit.comm import checks, cuda_runtime
+    from meshkit.comm import checks
+    from meshkit.comm.engines import cuda_runtime
     from meshkit.comm._seams import array_namespace, is_device_array
     from meshkit.parallel import array_namespace as parallel_namespace
     from meshkit.tensor import reductions

@@ -33,7 +33,7 @@ def test_debug_level_functions_are_exported_as_torch_names_them():
 def test_set_debug_level_reaches_groups_that_exist_already():
     """A mismatched async all_reduce on a group made before the switch: OFF, the local engine finds
     it when the data meets (at wait); DETAIL, the fingerprints are compared before anything starts,
-    at the call itself. The cached level (comm/group.py before issue 26.3) kept OFF's behaviour."""
+    at the call itself. The cached level (comm/groups/group.py before issue 26.3) kept OFF's behaviour."""
 
     def job():
         sub = meshkit.new_group([0, 1])

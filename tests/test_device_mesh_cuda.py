@@ -16,7 +16,8 @@ import pytest
 import meshkit
 import nccl_double as double
 from meshkit import DeviceMesh, init_device_mesh
-from meshkit.comm import cuda_runtime, local
+from meshkit.comm.engines import cuda_runtime
+from meshkit.comm import local
 
 
 @pytest.fixture

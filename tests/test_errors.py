@@ -165,7 +165,7 @@ def test_every_meshkit_setting_is_validated_at_init(monkeypatch, name, value, me
                                         ("MESHKIT_JOB_SECRET", "0123456789abcdef" * 2)])
 def test_valid_settings_are_accepted(monkeypatch, name, good):
     monkeypatch.setenv(name, good)
-    from meshkit.comm.world import current_world
+    from meshkit.comm.groups.world import current_world
 
     timeouts = local.run(lambda: current_world().timeout, 2)
     if name == "MESHKIT_TIMEOUT":

@@ -21,7 +21,7 @@ import meshkit
 from meshkit.comm import local
 from meshkit.parallel import FullyShardedDataParallel
 from meshkit.parallel.data_parallelism import factory
-from meshkit.comm.cuda_runtime import gpu_available
+from meshkit.comm.engines.cuda_runtime import gpu_available
 from meshkit.parallel import fp16_compress_hook
 from meshkit.tensor import Replicate, Shard
 

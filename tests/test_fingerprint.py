@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 import meshkit
-from meshkit.comm import call_fingerprint, local
-from meshkit.comm.call_fingerprint import CallSequence, entry
+from meshkit.comm.groups import call_fingerprint
+from meshkit.comm import local
+from meshkit.comm.groups.call_fingerprint import CallSequence, entry
 from meshkit.comm.reduce_op import ReduceOp
-from meshkit.comm.world import current_world
+from meshkit.comm.groups.world import current_world
 from meshkit.parallel import SGD, data_parallel
 
 F64, F32 = np.dtype(np.float64), np.dtype(np.float32)
@@ -194,7 +195,8 @@ def test_the_watchdog_ends_a_call_that_never_returns(monkeypatch):
     import threading
     import time
 
-    from meshkit.comm import job_end, watchdog
+    from meshkit.comm import job_end
+    from meshkit.comm.engines import watchdog
 
     ended = []
     done = threading.Event()

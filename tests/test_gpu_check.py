@@ -234,7 +234,8 @@ def test_a_check_fails_when_its_negative_control_cannot_bite(monkeypatch):
     sys.path.insert(0, str(ROOT / "tests"))
     gpu = m.DoubleGpu()
     monkeypatch.setattr(m.DoubleGpu, "spin_on", lambda self, stream, seconds: None)
-    from meshkit.comm import cuda_runtime, local
+    from meshkit.comm.engines import cuda_runtime
+    from meshkit.comm import local
     previous = cuda_runtime.set_runtime(gpu.runtime())
     try:
         result, = local.run(lambda: m.check_ordering_out(gpu, m.Context("ordering_out", 0)), 1, init=False)
@@ -292,8 +293,9 @@ def test_the_ordering_check_fails_an_engine_whose_work_wait_orders_nothing(monke
     contents and the check fails, naming it."""
     m = accept_module()
     sys.path.insert(0, str(ROOT / "tests"))
-    from meshkit.comm import cuda_runtime, local
-    from meshkit.comm import nccl as nccl_engine
+    from meshkit.comm.engines import cuda_runtime
+    from meshkit.comm import local
+    from meshkit.comm.engines import nccl as nccl_engine
     monkeypatch.setattr(nccl_engine.NCCLEngine, "defer", lambda self, request: True)  # "ordered", it says
     gpu = m.DoubleGpu()
     previous = cuda_runtime.set_runtime(gpu.runtime())

@@ -20,8 +20,9 @@ import pytest
 
 import meshkit
 import nccl_double as double
-from meshkit.comm import cuda_runtime, local, local_engine
-from meshkit.comm.world import local_context
+from meshkit.comm.engines import cuda_runtime, local_engine
+from meshkit.comm import local
+from meshkit.comm.groups.world import local_context
 
 
 @pytest.fixture

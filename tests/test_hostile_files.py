@@ -853,7 +853,7 @@ def test_a_flight_record_is_written_0600_never_through_a_symlink_planted_in_a_sh
     user plants symlinks to a file of the user's at rank0.json and at the temporary name the rank
     writes first (guessed here: it is random). The rank's record replaces the planted rank0.json,
     never writing through either link, and is readable by the user alone."""
-    from meshkit.comm import world as world_module
+    from meshkit.comm.groups import world as world_module
 
     victim = shared_dir / "victim"
     victim.write_text("precious")

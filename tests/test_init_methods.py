@@ -27,8 +27,9 @@ import pytest
 import meshkit
 import nccl_double as double
 from conftest import SCRIPTS
-from meshkit.comm import cuda_runtime, local
-from meshkit.comm.world import local_context
+from meshkit.comm.engines import cuda_runtime
+from meshkit.comm import local
+from meshkit.comm.groups.world import local_context
 
 #: Variables a launcher may have set in the environment pytest runs in: removed for every test.
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS",

@@ -22,7 +22,7 @@ import pytest
 
 import nccl_double as double
 
-from meshkit.comm import cuda_runtime
+from meshkit.comm.engines import cuda_runtime
 
 SCRIPTS = Path(__file__).parent / "scripts"
 

@@ -28,9 +28,10 @@ import fake_cupy
 import meshkit
 import nccl_double as double
 from meshkit import ReduceOp
-from meshkit.comm import cuda_runtime, local
-from meshkit.comm import lifecycle
-from meshkit.comm import nccl as nccl_engine
+from meshkit.comm.engines import cuda_runtime
+from meshkit.comm import local
+from meshkit.comm.setup import lifecycle
+from meshkit.comm.engines import nccl as nccl_engine
 from meshkit.comm._seams import current_world
 
 # NCCL's own types, and dtypes it moves as bytes (reductions need one of the first kind).

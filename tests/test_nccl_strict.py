@@ -31,10 +31,12 @@ import fake_cupy
 import nccl_double as double
 from collective_cases import avg_rtol
 from meshkit import ReduceOp
-from meshkit.comm import cuda_runtime, local, progress
-from meshkit.comm import nccl as nccl_engine
+from meshkit.comm.engines import cuda_runtime
+from meshkit.comm import local
+from meshkit.comm.groups import progress
+from meshkit.comm.engines import nccl as nccl_engine
 from meshkit.comm._seams import current_world
-from meshkit.comm.world import local_context
+from meshkit.comm.groups.world import local_context
 
 TESTS = Path(__file__).parent
 
@@ -367,9 +369,9 @@ sys.path.insert(0, {tests!r})
 import numpy as np
 import nccl_double as double
 import meshkit
-from meshkit.comm import cuda_runtime
-from meshkit.comm.local_engine import Hub, RankContext
-from meshkit.comm.world import set_local_context
+from meshkit.comm.engines import cuda_runtime
+from meshkit.comm.engines.local_engine import Hub, RankContext
+from meshkit.comm.groups.world import set_local_context
 
 double.DOUBLE_TIMEOUT = 120.0  # a destroy waiting for a peer waits this long: a hang
 cuda_runtime.set_runtime(double.FakeRuntime(dealloc=True))  # CuPy's __dealloc__ destroys
@@ -521,7 +523,7 @@ def test_bfloat16_end_to_end(fake_gpu):
 def test_bfloat16_is_mapped_to_ncclbfloat16_and_the_cuda_extras_install_ml_dtypes():
     import tomllib
 
-    from meshkit.comm.nccl import NCCL_DTYPES
+    from meshkit.comm.engines.nccl import NCCL_DTYPES
 
     assert NCCL_DTYPES["bfloat16"] == "NCCL_BFLOAT16"
     extras = tomllib.loads((TESTS.parent / "pyproject.toml").read_text())["project"]["optional-dependencies"]

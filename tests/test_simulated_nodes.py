@@ -15,7 +15,8 @@ import pytest
 
 import meshkit
 from meshkit import launch
-from meshkit.comm import env, init_methods, local
+from meshkit.comm import env, local
+from meshkit.comm.setup import init_methods
 from meshkit.launch import bootstrap, cli
 from meshkit.mesh import init_device_mesh
 
@@ -219,8 +220,8 @@ def test_the_store_engine_follows_simulated_host_names_for_local_rank_describe_a
     order alone would give other answers."""
     import nccl_double as double
 
-    from meshkit.comm import cuda_runtime
-    from meshkit.comm.world import local_context
+    from meshkit.comm.engines import cuda_runtime
+    from meshkit.comm.groups.world import local_context
 
     previous = cuda_runtime.set_runtime(double.FakeRuntime(devices=2))
     monkeypatch.setattr(env, "this_host", lambda: f"box{local_context().rank % 2}")  # per thread, as per process

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from meshkit import DistStoreError, FileStore, TCPStore
-from meshkit.comm import init_methods
+from meshkit.comm.setup import init_methods
 from meshkit.comm.stores import auth, wire
 from outsider import can_run_as_outsider, run_as_outsider
 

@@ -13,7 +13,8 @@ import pytest
 
 import meshkit
 import nccl_double as double
-from meshkit.comm import cuda_runtime, local
+from meshkit.comm.engines import cuda_runtime
+from meshkit.comm import local
 from meshkit.comm._seams import current_world
 from meshkit.launch import bootstrap, cli
 

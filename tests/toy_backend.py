@@ -1,5 +1,5 @@
 """Third-party engines for the backend registry's tests (issue 26.5), written against
-meshkit.comm.engine's declared interface only.
+meshkit.comm.engines.engine's declared interface only.
 
 ``Relay`` is a thin wrapper around one of meshkit's engines (the local one inside local.run, MPI's
 in a process) that counts the calls reaching it; ``Solo`` is a world-of-one engine written from
@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from meshkit.comm.engine import EngineCapabilities
+from meshkit.comm.engines.engine import EngineCapabilities
 
 
 class Relay:

@@ -55,7 +55,7 @@ words, so that no strategy forgives what another refuses:
    on any rank, ranks discarding while others step (a rank that skipped ``step()`` and carried on),
    or step counts that differ (one that skipped ``step()`` after ``clip_grad_norm_()``) raise on
    every rank, naming the ranks, before any of them applies the pass. The same all-reduce
-   compares each group's call fingerprint (comm/call_fingerprint.py): a collective mismatch during
+   compares each group's call fingerprint (comm/groups/call_fingerprint.py): a collective mismatch during
    the pass raises ``CollectiveMismatchError`` on every rank, and nothing is applied.
 """
 
@@ -239,7 +239,7 @@ class PassAgreement:
 
     Each rank writes its row (what it does with the pass, the optimizer steps it has taken) into
     an int32 array of one row per rank of the group, zero elsewhere, followed by the group's call
-    fingerprint (comm/call_fingerprint.py: a collective whose arguments differed between ranks,
+    fingerprint (comm/groups/call_fingerprint.py: a collective whose arguments differed between ranks,
     which MPI lets through as garbage); a MAX all-reduce gives every rank every row and tells whether
     every fingerprint was equal, and the one device-to-host copy of a sync (the host must branch).
     With two groups (HSDP: shard, then replicate) the second all-reduce carries each shard group's

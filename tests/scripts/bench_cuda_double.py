@@ -15,7 +15,7 @@ from pathlib import Path
 import nccl_double as double
 import numpy as np
 
-from meshkit.comm import cuda_runtime
+from meshkit.comm.engines import cuda_runtime
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import collectives  # noqa: E402  (found through the path just added)

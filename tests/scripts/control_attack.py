@@ -21,7 +21,7 @@ from pathlib import Path
 from nccl_process_double import ProcessRuntime
 
 import meshkit
-from meshkit.comm import cuda_runtime
+from meshkit.comm.engines import cuda_runtime
 
 
 class Mine:

@@ -23,7 +23,7 @@ import numpy as np
 from nccl_process_double import ProcessRuntime
 
 import meshkit
-from meshkit.comm import cuda_runtime
+from meshkit.comm.engines import cuda_runtime
 
 
 def main() -> None:

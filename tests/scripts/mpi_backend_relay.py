@@ -7,7 +7,7 @@ import numpy as np
 from toy_backend import Relay
 
 import meshkit
-from meshkit.comm import backends
+from meshkit.comm.setup import backends
 
 calls, mpi = Counter(), backends.registered_backends()["mpi"]
 meshkit.register_backend("relay", lambda options: Relay(mpi(options), "relay", calls))

@@ -1,4 +1,4 @@
-"""Whether MPI is CUDA-aware (``meshkit.comm.mpi_cuda_aware.cuda_aware_mpi``): the real library, then fakes.
+"""Whether MPI is CUDA-aware (``meshkit.comm.engines.mpi_cuda_aware.cuda_aware_mpi``): the real library, then fakes.
 
 Run with plain ``python`` (an MPI singleton). The real answer comes first, from the library
 mpi4py loaded; then fake libraries (objects with MPICH's MPIX functions, as ctypes gives them)
@@ -11,7 +11,7 @@ import os
 
 from mpi4py import MPI
 
-from meshkit.comm import mpi_cuda_aware
+from meshkit.comm.engines import mpi_cuda_aware
 
 lib = mpi_cuda_aware._libmpi()
 print(f"real library {os.path.basename(lib._name) if lib is not None else None} -> {mpi_cuda_aware.cuda_aware_mpi()}")

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import meshkit
-from meshkit.comm import cuda_runtime
+from meshkit.comm.engines import cuda_runtime
 
 mode = sys.argv[1]
 rt = double.FakeRuntime()

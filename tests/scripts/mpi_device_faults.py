@@ -15,7 +15,7 @@ import numpy as np
 from mpi4py import MPI
 
 import meshkit
-from meshkit.comm import cuda_runtime
+from meshkit.comm.engines import cuda_runtime
 
 case = sys.argv[1]
 rt = double.FakeRuntime()
@@ -44,7 +44,7 @@ if case == "timeout":
         print("all_reduce output", x.get().tolist(), "copies back", rt.copies_to_device, flush=True)
 elif case == "chunked-timeout":
     # As above, chunked (4 chunks): chunks that completed are not copied back either.
-    from meshkit.comm import mpi_staging
+    from meshkit.comm.engines import mpi_staging
 
     mpi_staging.CHUNK_BYTES = 4
     if rank == 0:

@@ -14,7 +14,7 @@ import time
 import nccl_double as double
 
 import meshkit
-from meshkit.comm import cuda_runtime, mpi, nccl
+from meshkit.comm.engines import cuda_runtime, mpi, nccl
 
 case = sys.argv[1]
 rt = double.FakeRuntime(devices=1)

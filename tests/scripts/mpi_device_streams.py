@@ -15,7 +15,7 @@ import nccl_double as double
 import numpy as np
 
 import meshkit
-from meshkit.comm import cuda_runtime
+from meshkit.comm.engines import cuda_runtime
 
 double.DOUBLE_TIMEOUT = 5.0  # a copy stuck behind the gate fails in seconds, not half a minute
 case = sys.argv[1]
@@ -60,7 +60,7 @@ elif case == "no-event-wait":  # rank 1's engine forgot the wait; rank 0's is so
         meshkit.send(double.to_device(np.arange(3.0)), dst=1)
         print("sent", flush=True)
 elif case == "chunks":
-    from meshkit.comm import mpi_staging
+    from meshkit.comm.engines import mpi_staging
 
     mpi_staging.CHUNK_BYTES = 16
     total = sum(cases.check_all(dtype, dev=double.to_device, host=double.to_host)

@@ -16,7 +16,7 @@ import nccl_double as double
 import numpy as np
 
 import meshkit
-from meshkit.comm import cuda_runtime
+from meshkit.comm.engines import cuda_runtime
 
 case = sys.argv[1]
 rt = double.FakeRuntime()

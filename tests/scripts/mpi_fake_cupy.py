@@ -17,7 +17,7 @@ import meshkit
 
 mode = sys.argv[1]
 if mode == "chunked":
-    from meshkit.comm import mpi_staging
+    from meshkit.comm.engines import mpi_staging
 
     mpi_staging.CHUNK_BYTES = 16
 with fake_cupy.installed() as cupy:

@@ -11,7 +11,7 @@ import numpy as np
 from test_nccl import nccl_ops
 
 import meshkit
-from meshkit.comm import cuda_runtime
+from meshkit.comm.engines import cuda_runtime
 
 cuda_runtime.set_runtime(double.FakeRuntime())
 meshkit.init_process_group("nccl", timeout=60)

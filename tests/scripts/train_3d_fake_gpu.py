@@ -10,7 +10,7 @@ import fake_cupy
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import meshkit  # noqa: E402
 import train_3d  # noqa: E402
-from meshkit.comm import cuda_runtime  # noqa: E402
+from meshkit.comm.engines import cuda_runtime  # noqa: E402
 
 with fake_cupy.installed() as cupy:  # also the double as the CUDA runtime: 8 devices, gpu_available()
     real_train = train_3d.train

@@ -1,6 +1,6 @@
 """The one door to the GPU: everything the NCCL engine needs of CUDA, behind one object.
 
-The NCCL engine (:mod:`meshkit.comm.nccl`) never imports CuPy itself. It asks this module for
+The NCCL engine (:mod:`meshkit.comm.engines.nccl`) never imports CuPy itself. It asks this module for
 the *runtime*, an object with the NCCL module, streams, events, the current stream, device
 selection and array pointers. By default that is :class:`CupyRuntime` (CuPy and its NCCL
 bindings, whichever ``cupy-cudaXXx`` wheel is installed: nothing here names a CUDA major
@@ -39,8 +39,8 @@ import sys
 import threading
 from typing import Any, Callable
 
-from .arrays import is_device_array
-from .errors import DistBackendError
+from ..arrays import is_device_array
+from ..errors import DistBackendError
 
 __all__ = ["CupyRuntime", "runtime", "set_runtime", "gpu_available", "is_device_array", "keep_current_device"]
 

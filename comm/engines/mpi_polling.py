@@ -17,8 +17,8 @@ import os
 import time
 from typing import Any, Callable
 
-from .notices import WATCH_INTERVAL
-from .work import in_background
+from ..notices import WATCH_INTERVAL
+from .engine import in_background
 
 __all__ = ["Poller", "completes", "choose_caller_spin", "CALLER_SPIN_SECONDS"]
 
@@ -37,7 +37,7 @@ _BATCH = range(_POLLS_PER_YIELD)
 #: happens inside ``Test``: at 2 ranks on 2 cores a 64 KB all_reduce took 25.2 us polled with
 #: ``sched_yield`` against 20.7 us spinning (blocking ``Allreduce``: 21.6 us). A communication
 #: thread spins only while a caller waits for it; otherwise it runs beside the caller's
-#: computation (see ``work.in_background``).
+#: computation (see ``engine.in_background``).
 CALLER_SPIN_SECONDS = 0.002
 _caller_spin = 0.0
 #: Seconds of yielding before napping. MPI's nonblocking collectives progress only inside
@@ -61,7 +61,7 @@ class Poller:
     """Spin, then yield, then nap: the waiting policy of every MPI wait.
 
     ``spin``: seconds to keep spinning (no yield between batches) after the first batch, while
-    nobody computes beside this wait (see ``work.in_background``). ``watch``: called every
+    nobody computes beside this wait (see ``engine.in_background``). ``watch``: called every
     :data:`~meshkit.comm.notices.WATCH_INTERVAL` once the wait has lasted that long (it reads
     notices and raises if the wait is in vain).
     """

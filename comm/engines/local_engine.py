@@ -15,11 +15,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import env
+from .. import env
 from .engine import CallsDiffer, DeadlineExceeded, EngineCapabilities
-from .errors import DistValueError, RankFailedError
-from .notices import WATCH_INTERVAL, Notice
-from .reduce_op import ReduceOp, combine_into
+from ..errors import DistValueError, RankFailedError
+from ..notices import WATCH_INTERVAL, Notice
+from ..reduce_op import ReduceOp, combine_into
 
 __all__ = ["Hub", "RankContext", "LocalEngine", "create_world_engine"]
 

@@ -7,7 +7,7 @@ meet collective or user messages; engines only post, drain and flush it.
 
 Notices, like every control message, travel as bytes in the typed format of
 :mod:`~meshkit.comm.control`, never pickled (mpi4py's lowercase ``isend``/``recv`` would pickle):
-:func:`receive` is how one comes off MPI, also for the engine's exchange (comm/mpi.py).
+:func:`receive` is how one comes off MPI, also for the engine's exchange (comm/engines/mpi.py).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import time
 
 from mpi4py import MPI
 
-from .control import ControlMessageError, decode_notice, encode
+from ..control import ControlMessageError, decode_notice, encode
 from .mpi_polling import completes
-from .notices import Notice
+from ..notices import Notice
 
 __all__ = ["Mailbox", "receive"]
 

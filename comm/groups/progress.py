@@ -4,7 +4,7 @@ and watches device work until it completes.
 MPI moves the data of a nonblocking collective only inside MPI calls (MPICH has no progress
 thread by default). A caller that posts an ``async_op=True`` all-reduce and then computes
 would find it untouched when it finally waits, so one daemon thread per world tests the
-outstanding requests of engines that need it, and settles those that completed. It never
+outstanding requests of engines that need it, and completes those that did. It never
 tests a request a caller is waiting on (that caller polls it itself), and between rounds it
 sleeps rather than yields: on a machine with a core per rank, a yielding poller would take
 half of the core from the rank's own computation.
@@ -58,7 +58,7 @@ class ProgressAgent:
 
     MPI's progress engine is global: testing one request moves every outstanding one. So the
     agent tests only the oldest unfinished work (in posting order), which keeps its cost
-    constant however many works are outstanding; the others are settled by their waiters.
+    constant however many works are outstanding; the others are completed by their waiters.
     """
 
     def __init__(self, name: str) -> None:

@@ -1,9 +1,9 @@
 """The engine interface: what a collective library (MPI, the in-process hub, NCCL) provides.
 
-A :class:`~meshkit.comm.group.ProcessGroup` *holds* an engine (composition, not subclassing):
+A :class:`~meshkit.comm.groups.group.ProcessGroup` *holds* an engine (composition, not subclassing):
 it checks arguments, numbers and records each operation, and calls one engine method, which
 starts the operation and returns a :class:`Request` at once. The group then waits for the
-request (synchronous calls) or hands it to a :class:`~meshkit.comm.work.Work` (``async_op``).
+request (synchronous calls) or hands it to a :class:`~meshkit.comm.groups.work.Work` (``async_op``).
 So every collective, synchronous or not, takes the same path::
 
     ProcessGroup.all_reduce -> engine.all_reduce (e.g. MPI's Iallreduce) -> Request
@@ -18,8 +18,18 @@ also has ``use_device()`` (make the group's GPU current on the calling thread: a
 task on the communication thread, the progress agent before it touches a work) and
 ``drain(op, deadline)`` (wait for all device work, before ``destroy_process_group`` frees the
 engine). ``local_rank()`` (the rank's index on its node) is asked of a host engine by the NCCL
-engine to pick a GPU. A request with ``watchdog = True`` (NCCL's) is watched by the progress
-agent until it completes, even after ``Work.wait()`` returned.
+engine to pick a GPU; ``world_ranks`` (each group rank's global rank) by the engines and the
+NCCL engine of its host. Each of these is declared as a :class:`typing.Protocol` below
+(:data:`GATED` maps each flag to its Protocol; ``check_engine`` in comm/setup/backends.py
+checks a registered engine against them), so a caller asks the flag and calls the method, never
+probes. The requests of the types in ``capabilities.watched_requests`` (NCCL's device work) are
+watched by the progress agent until they complete, even after ``Work.wait()`` returned. A receive's
+request is a :class:`Received`: ``source``, ``count`` and ``dtype`` (None where the engine does
+not know the sender's dtype) once complete.
+
+Which thread an engine call runs on is declared here too (:data:`thread_role`,
+:func:`in_background`): the group's communication thread marks itself, and an engine's wait
+reads whether anyone waits for it, with no import of the group's machinery.
 
 Engines see only checked, C-contiguous arrays and group ranks. Reduce ops arrive as
 :class:`~meshkit.comm.reduce_op.ReduceOp`; an engine without a native average reduces
@@ -28,10 +38,13 @@ Engines see only checked, C-contiguous arrays and group ranks. Reduce ops arrive
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
-__all__ = ["Engine", "EngineCapabilities", "Request", "DeadlineExceeded", "CallsDiffer"]
+__all__ = ["Engine", "EngineCapabilities", "Request", "Received", "DeadlineExceeded", "CallsDiffer", "ChecksCalls",
+           "Defers", "Abandons", "Coalesces", "AbortsJob", "DeviceEngine", "HostEngine", "GATED", "DEVICE",
+           "methods", "thread_role", "in_background"]
 
 
 class DeadlineExceeded(Exception):
@@ -80,6 +93,9 @@ class EngineCapabilities:
             the store engine ends its own process after telling the others it left).
         host_arrays: the engine moves host (NumPy) arrays; False: the store engine, whose group
             refuses NumPy collectives and takes its object collectives through ``exchange``.
+        watched_requests: the request types the progress agent watches until they complete, even
+            after ``Work.wait()`` returned (NCCL's device work: a failure after the wait still
+            breaks the group); an ``isinstance`` check, so an MPI request needs no field of its own.
         authenticated_peers: every byte the engine receives comes from a process of this job: MPI
             (its process manager started the peers), local (threads of this process), a store
             engine whose store proves the job's secret (``Store.authenticated``), NCCL (its host
@@ -98,6 +114,7 @@ class EngineCapabilities:
     aborts_job: bool = False
     host_arrays: bool = True
     authenticated_peers: bool = False
+    watched_requests: tuple[type, ...] = ()
 
 
 class Request(Protocol):
@@ -108,6 +125,108 @@ class Request(Protocol):
     """
 
     def Test(self) -> bool: ...  # noqa: N802 (MPI's name: an MPI.Request is a Request as it is)
+
+
+class Received(Request, Protocol):
+    """A receive's request: once ``Test()`` returned True, ``source`` is the sender's group rank,
+    ``count`` the elements received (-1: the message did not fit the buffer; a fraction: its
+    bytes do not divide into elements) and ``dtype`` the sender's dtype, or None where the engine
+    does not know it (``EngineCapabilities.reports_dtype`` False: only the size is checked)."""
+
+    source: int
+    count: int | float
+    dtype: Any
+
+
+class ChecksCalls(Protocol):
+    """``EngineCapabilities.checks_calls``: the group's next engine call carries ``tag``."""
+
+    def announce(self, tag: tuple[int, Any]) -> None: ...
+
+
+class Defers(Protocol):
+    """``EngineCapabilities.defers``: order the caller's device stream after ``request`` (True),
+    or say that it cannot (False: the caller blocks)."""
+
+    def defer(self, request: Request) -> bool: ...
+
+
+class Abandons(Protocol):
+    """``EngineCapabilities.abandons``: the group broke: stop everything the engine started."""
+
+    def abandon(self, why: str) -> None: ...
+
+
+class Coalesces(Protocol):
+    """``EngineCapabilities.coalesces``: the sends and receives between the two calls are one group."""
+
+    def start_coalescing(self) -> None: ...
+    def end_coalescing(self) -> None: ...
+
+
+class AbortsJob(Protocol):
+    """``EngineCapabilities.aborts_job``: end the whole job with exit status ``code``."""
+
+    def abort(self, code: int) -> None: ...
+
+
+class DeviceEngine(Protocol):
+    """An engine whose ``device`` is not None (NCCL)."""
+
+    def use_device(self) -> None:
+        """Make the engine's GPU current on the calling thread."""
+        ...
+
+    def drain(self, op: str, deadline: float) -> None:
+        """Wait for all device work the engine started (``op`` names the caller in errors)."""
+        ...
+
+
+class HostEngine(Protocol):
+    """What the NCCL engine asks of the host engine beside it (MPI, store)."""
+
+    @property
+    def world_ranks(self) -> list[int]:
+        """The global rank of each group rank."""
+        ...
+
+    def local_rank(self) -> int:
+        """This rank's index among the ranks of its node (to pick a GPU)."""
+        ...
+
+
+#: Each capability flag that gates methods, and the Protocol that declares them.
+GATED: dict[str, type] = {"checks_calls": ChecksCalls, "defers": Defers, "abandons": Abandons,
+                          "coalesces": Coalesces, "aborts_job": AbortsJob}
+#: The Protocol of an engine whose ``device`` is not None.
+DEVICE = DeviceEngine
+
+
+def methods(protocol: type) -> tuple[str, ...]:
+    """The methods ``protocol`` declares, in the order it declares them."""
+    return tuple(name for name, value in vars(protocol).items() if not name.startswith("_") and callable(value))
+
+
+class _ThreadRole(threading.local):
+    #: Set on a group's communication thread to what it serves: an object whose ``waiters`` counts
+    #: the callers blocked on it (a ``CommThread``); None on every other thread.
+    queue: Any = None
+
+
+#: The calling thread's role: a group's communication thread sets ``thread_role.queue`` once.
+thread_role = _ThreadRole()
+
+
+def in_background() -> bool:
+    """True on a communication thread that nobody is waiting for.
+
+    Engines use it to choose how to wait: a caller that blocks may spin on the network, as MPI's
+    blocking calls do, and so may a communication thread once a caller blocks in ``Work.wait``
+    on its queue; otherwise it runs beside the caller's computation and gives the core away
+    between polls.
+    """
+    queue = thread_role.queue
+    return queue is not None and queue.waiters == 0
 
 
 class Engine(Protocol):
@@ -138,7 +257,7 @@ class Engine(Protocol):
     def all_to_all(self, out: Any, recv_counts: list[int], inp: Any, send_counts: list[int]) -> Request: ...
     def barrier(self) -> Request: ...
     def send(self, buf: Any, dst: int, tag: int) -> Request: ...
-    def recv(self, buf: Any, src: int | None, tag: int) -> Request: ...
+    def recv(self, buf: Any, src: int | None, tag: int) -> Received: ...
 
     def wait(self, request: Request, deadline: float) -> None:
         """Block until ``request`` completes; :class:`DeadlineExceeded` (naming the ranks that

@@ -1,7 +1,7 @@
 """How a ProcessGroup runs an operation: number it, start it with one engine call, complete it.
 
-Steps 2-4 of :mod:`meshkit.comm.group`'s docstring are the phases of a
-:class:`CollectiveQueue`, the part of a :class:`~meshkit.comm.group.ProcessGroup` that orders
+Steps 2-4 of :mod:`meshkit.comm.groups.group`'s docstring are the phases of a
+:class:`CollectiveQueue`, the part of a :class:`~meshkit.comm.groups.group.ProcessGroup` that orders
 its operations (the group's ``queue``). Every collective takes the same path through them:
 
 1. :meth:`~CollectiveQueue.issue`: the operation number and, in detail mode, the check that every
@@ -12,13 +12,13 @@ its operations (the group's ``queue``). Every collective takes the same path thr
    behind the collective in flight, :meth:`~CollectiveQueue.enqueue`: it starts when the one
    ahead completes (:meth:`~CollectiveQueue.advance`, called by whichever thread sees that);
 3. :meth:`~CollectiveQueue.started`: the flight record, then the wait under the group's timeout,
-   or a :class:`~meshkit.comm.work.RequestWork` in the queue of in-flight collectives, at most
+   or a :class:`~meshkit.comm.groups.work.RequestWork` in the queue of in-flight collectives, at most
    one of which is in the engine at a time (on engines that do not order them themselves).
 
 It also runs blocking steps (split, monitored barrier), calls made while ``run_async`` tasks are
 queued, and the epilogue of ``AVG`` on an engine that only sums. It is the owner
-(:class:`~meshkit.comm.work.WorkOwner`) of the works it hands out. A failure is recorded by the
-group's other part, its :class:`~meshkit.comm.failures.FailureState`.
+(:class:`~meshkit.comm.groups.work.WorkOwner`) of the works it hands out. A failure is recorded by the
+group's other part, its :class:`~meshkit.comm.groups.failures.FailureState`.
 """
 
 from __future__ import annotations
@@ -27,17 +27,17 @@ import collections
 import functools
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import numpy as np
 
-from . import job_end
-from .debug import ERROR, STATE, T_END, Call, CollectiveRecord, DebugLevel, fingerprint
-from .engine import Engine, Request
-from .errors import CollectiveTimeout
+from .. import job_end
+from ..debug import ERROR, STATE, T_END, Call, CollectiveRecord, DebugLevel, fingerprint
+from ..engines.engine import ChecksCalls, Defers, DeviceEngine, Engine, Request
+from ..errors import CollectiveTimeout
 from .failures import FailureState
-from .notices import REJECTED, Notice
-from .reduce_op import ReduceOp
+from ..notices import REJECTED, Notice
+from ..reduce_op import ReduceOp
 from .call_fingerprint import CallSequence, entry, stamp, verify
 from .work import CommThread, RequestWork, Work
 
@@ -51,7 +51,7 @@ _get_ident = threading.get_ident
 
 
 class CollectiveQueue:
-    """How a :class:`~meshkit.comm.group.ProcessGroup` numbers, starts, queues and completes its operations.
+    """How a :class:`~meshkit.comm.groups.group.ProcessGroup` numbers, starts, queues and completes its operations.
 
     Attributes:
         group: the group it belongs to (its name, ranks and world, for records and messages).
@@ -59,7 +59,7 @@ class CollectiveQueue:
         failures: the group's failure state.
         thread: the group's communication thread (``run_async`` tasks, and the calls behind them).
         seq: the number the group's next operation gets (the same on every rank: program order).
-        sequence: the running fingerprint of the group's calls and the last ones (comm/call_fingerprint.py),
+        sequence: the running fingerprint of the group's calls and the last ones (comm/groups/call_fingerprint.py),
             compared at the group's barriers, creations, object collectives and strategies' steps.
         inflight: the group's async collectives not finished, in order; the first is in the engine,
             the others too where the engine orders them itself (``capabilities.queues`` False).
@@ -71,7 +71,7 @@ class CollectiveQueue:
 
     __slots__ = ("group", "engine", "failures", "thread", "seq", "inflight", "lock", "tags", "queues", "tracks",
                  "defers", "on_device", "fingerprints", "divides", "world", "name", "timeout", "flight_entry", "agent",
-                 "sequence", "checks_barrier", "_next_tag")
+                 "sequence", "checks_barrier", "_next_tag", "watched")
 
     def __init__(self, group: Any, engine: Engine | None, failures: FailureState) -> None:
         self.group, self.engine, self.failures = group, engine, failures
@@ -97,12 +97,13 @@ class CollectiveQueue:
         # A device engine (NCCL): its requests may be device work, which the agent watches until done,
         # and it has use_device() (see Engine).
         self.on_device = engine is not None and engine.device is not None
+        self.watched = caps.watched_requests if caps is not None else ()  # the request types the agent watches
         # An engine that compares the members' calls as it moves their data (local: always, at no
         # extra exchange) is handed each call's fingerprint; detail mode's error, in every mode.
         self.fingerprints = caps is not None and caps.checks_calls
         # Engines without a native average sum, and the group divides once (as NCCL's AVG does).
         self.divides = engine is not None and not engine.native_avg
-        # A barrier compares the members' fingerprints (comm/call_fingerprint.py) where the engine does not
+        # A barrier compares the members' fingerprints (comm/groups/call_fingerprint.py) where the engine does not
         # compare calls itself and moves host arrays: a MAX all-reduce of 4 integers instead of
         # MPI's barrier, the same round of messages (see barrier()).
         self.checks_barrier = caps is not None and not caps.checks_calls and caps.host_arrays
@@ -151,7 +152,7 @@ class CollectiveQueue:
         """Detail mode: every rank must have called the same collective (see debug.Call)."""
         self.failures.waiting = seq  # a rank that rejected this very call is named at once (notices)
         if self.fingerprints:  # a rank in another kind of exchange (a monitored barrier) is named too
-            self.engine.announce((seq, call))
+            cast(ChecksCalls, self.engine).announce((seq, call))
         entries = [e if isinstance(e, tuple) else (-1, None)  # a rank in a monitored barrier sends None
                    for e in self.engine.exchange((seq, call), seq, deadline, watched=True)]
         calls = [c for _, c in entries]
@@ -174,53 +175,53 @@ class CollectiveQueue:
 
     # ----------------------------------------------------------------- the path of every collective
     def run(self, op: str, start: Callable[[], Request], async_op: bool, shapes: tuple, ref: np.ndarray | None,
-            settle: Callable[[], Any] | None, reduce_op: ReduceOp | None = None,
+            epilogue: Callable[[], Any] | None, reduce_op: ReduceOp | None = None,
             extra: dict[str, Any] | None = None) -> Work | None:
         """Run an operation whose engine call is ``start()``: the phases below, in the order
         ``ProcessGroup.all_reduce`` takes them with its own engine call."""
         thread = self.thread
         if thread.pending and thread.runner != _get_ident():
-            return self.behind_tasks(op, lambda: self.run(op, start, False, shapes, ref, settle, reduce_op, extra),
+            return self.behind_tasks(op, lambda: self.run(op, start, False, shapes, ref, epilogue, reduce_op, extra),
                                      async_op)
-        seq = self.issue(op, ref, async_op, reduce_op, extra)
+        seq, queued = self.issue(op, ref, async_op, reduce_op, extra)
         dtype = ref.dtype if ref is not None else (extra or {}).get("dtype")
-        if seq < 0:
-            return self.enqueue(~seq, op, start, shapes, dtype, settle)
+        if queued:
+            return self.enqueue(seq, op, start, shapes, dtype, epilogue)
         try:
             request = start()
         except BaseException as exc:
             raise self.start_failed(op, seq, shapes, dtype, exc) from None
-        return self.started(op, seq, shapes, dtype, request, settle, async_op)
+        return self.started(op, seq, shapes, dtype, request, epilogue, async_op)
 
     def barrier(self, async_op: bool) -> Work | None:
         """A barrier: on engines that ``checks_barrier``, a ``MAX`` all-reduce of the group's
-        fingerprint (:func:`~meshkit.comm.call_fingerprint.stamp`, taken right after the barrier was
+        fingerprint (:func:`~meshkit.comm.groups.call_fingerprint.stamp`, taken right after the barrier was
         numbered), compared when it completes: every member raises if their calls differed
-        since the last comparison (:func:`~meshkit.comm.call_fingerprint.verify`)."""
+        since the last comparison (:func:`~meshkit.comm.groups.call_fingerprint.verify`)."""
         if not self.checks_barrier:
             return self.run("barrier", self.engine.barrier, async_op, (), None, None)
         thread = self.thread
         if thread.pending and thread.runner != _get_ident():
             return self.behind_tasks("barrier", lambda: self.barrier(False), async_op)
-        seq = self.issue("barrier", None, async_op)
+        seq, queued = self.issue("barrier", None, async_op)
         buf, token = stamp(self.group)
         start = functools.partial(self.engine.all_reduce, buf, ReduceOp.MAX)
-        settle = functools.partial(verify, self.group, buf, token, "barrier()")
-        if seq < 0:
-            return self.enqueue(~seq, "barrier", start, (), None, settle)
+        epilogue = functools.partial(verify, self.group, buf, token, "barrier()")
+        if queued:
+            return self.enqueue(seq, "barrier", start, (), None, epilogue)
         try:
             request = start()
         except BaseException as exc:
             raise self.start_failed("barrier", seq, (), None, exc) from None
-        return self.started("barrier", seq, (), None, request, settle, async_op)
+        return self.started("barrier", seq, (), None, request, epilogue, async_op)
 
     def issue(self, op: str, ref: np.ndarray | None, async_op: bool, reduce_op: ReduceOp | None = None,
-              extra: dict[str, Any] | None = None) -> int:
+              extra: dict[str, Any] | None = None) -> tuple[int, bool]:
         """Number the operation (in detail mode, check it across ranks) and make way for its start.
 
-        Returns its number ``seq`` when the caller starts it now (a synchronous call, after the
-        async ones before it completed), or ``~seq`` (negative) when it is an async call behind
-        the collective in flight: the caller hands its start to :meth:`enqueue`.
+        Returns ``(seq, queued)``: its number, and whether it is an async call behind the
+        collective in flight (the caller hands its start to :meth:`enqueue`) rather than one the
+        caller starts now (a synchronous call, after the async ones before it completed).
         """
         if self.detail:
             seq = self.begin(op, ref, reduce_op, extra)
@@ -229,7 +230,7 @@ class CollectiveQueue:
                 self.failures.unusable(op)
             seq = self.seq
             self.seq = seq + 1
-        # The call's digest into the group's fingerprint (comm/call_fingerprint.py): one cached lookup.
+        # The call's digest into the group's fingerprint (comm/groups/call_fingerprint.py): one cached lookup.
         if extra is None:
             digest, call = entry(op, None if ref is None else ref.dtype, None if ref is None else ref.shape, reduce_op,
                                  None, None)
@@ -242,18 +243,18 @@ class CollectiveQueue:
         if async_op:
             if self.inflight and self.queues:  # behind an earlier collective: started when it completes
                 self._next_tag = tag
-                return ~seq
+                return seq, True
         elif self.inflight:
             self.drain()
         if tag is not None:  # the engine call made right after is this one (see Engine.announce)
-            self.engine.announce(tag)
-        return seq
+            cast(ChecksCalls, self.engine).announce(tag)
+        return seq, False
 
     def enqueue(self, seq: int, op: str, start: Callable[[], Request], shapes: tuple, dtype: Any,
-                settle: Callable[[], Any] | None) -> RequestWork:
+                epilogue: Callable[[], Any] | None) -> RequestWork:
         """Async call ``seq`` waits behind the collective in flight; ``start()`` posts it then."""
         record = self.flight_entry(seq, self.name, op, shapes, dtype, "scheduled")
-        work = RequestWork(self, op, seq, record, None, settle, self.timeout, start)
+        work = RequestWork(self, op, seq, record, None, epilogue, self.timeout, start)
         tag, self._next_tag = self._next_tag, None
         with self.lock:
             if tag is not None:
@@ -272,12 +273,12 @@ class CollectiveQueue:
         return self.failures.failed(op, seq, record, exc, self.timeout)
 
     def started(self, op: str, seq: int, shapes: tuple, dtype: Any, request: Request,
-                settle: Callable[[], Any] | None, async_op: bool) -> Work | None:
+                epilogue: Callable[[], Any] | None, async_op: bool) -> Work | None:
         """Call ``seq`` was posted (``request``): its flight record (written after the post, so
         that the data moves meanwhile), then its wait under the group's timeout, or its Work."""
         record = self.flight_entry(seq, self.name, op, shapes, dtype, "started")
         if async_op:
-            work = RequestWork(self, op, seq, record, request, settle, self.timeout)
+            work = RequestWork(self, op, seq, record, request, epilogue, self.timeout)
             work.queued = True
             with self.lock:
                 self.inflight.append(work)
@@ -285,8 +286,8 @@ class CollectiveQueue:
         try:
             if not request.Test():
                 self.block(request, time.monotonic() + self.timeout, seq)
-            if settle is not None:
-                settle()
+            if epilogue is not None:
+                epilogue()
         except BaseException as exc:
             raise self.failures.failed(op, seq, record, exc, self.timeout) from None
         record[STATE], record[T_END] = "completed", time.time()
@@ -321,7 +322,7 @@ class CollectiveQueue:
         self.failures.waiting = seq  # a wait in the step that reads notices reads them for this call
         try:
             if self.fingerprints:
-                self.engine.announce((seq, Call(op)))
+                cast(ChecksCalls, self.engine).announce((seq, Call(op)))
             result = step(seq, time.monotonic() + timeout)
         except BaseException as exc:
             raise self.failures.failed(op, seq, record, exc, timeout) from None
@@ -366,7 +367,7 @@ class CollectiveQueue:
                     if self.tags:
                         tag = self.tags.pop(nxt, None)
                         if tag is not None:
-                            self.engine.announce(tag)
+                            cast(ChecksCalls, self.engine).announce(tag)
                     nxt.start()
                     return
                 except BaseException as exc:  # it cannot start: it fails, and the next one is tried
@@ -416,7 +417,7 @@ class CollectiveQueue:
             pending = [work.seq for work in self.inflight if not work.finished]
         return min(pending, default=self.seq)
 
-    def settle(self, deadline: float) -> int:
+    def finish_inflight(self, deadline: float) -> int:
         """Let the asynchronous collectives complete until ``deadline``; how many are left."""
         while self.failures.reason is None:
             with self.lock:
@@ -445,12 +446,16 @@ class CollectiveQueue:
     def defer(self, request: Request) -> bool:
         """Whether the engine ordered the caller's device stream after ``request`` (NCCL), so that
         ``Work.wait()`` need not block the host."""
-        return self.defers and self.engine.defer(request)
+        return self.defers and cast(Defers, self.engine).defer(request)
+
+    def watches(self, request: Request | None) -> bool:
+        """Whether ``request`` is device work the progress agent watches until it completes (NCCL's)."""
+        return isinstance(request, self.watched)
 
     def use_device(self) -> None:
         """Make the group's GPU current on the calling thread (device engines; else nothing)."""
         if self.on_device:
-            self.engine.use_device()
+            cast(DeviceEngine, self.engine).use_device()
 
     def end_job(self, reason: str) -> None:
         """End the whole job (device work failed after its ``Work.wait()`` returned)."""

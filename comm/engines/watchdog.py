@@ -11,7 +11,7 @@ failure report in its status directory, so that the launcher names this rank as 
 rank whose own timeout fired later), and ends the process, as torch's NCCL watchdog does. Ending
 it ends the job: ``mpiexec`` kills the other ranks when one exits without finalizing MPI.
 
-Group creation first checks that every rank is making the same call (comm/group.py), so the
+Group creation first checks that every rank is making the same call (comm/groups/group.py), so the
 watchdog is the last line, for a member that stopped answering between the check and the split.
 """
 
@@ -22,7 +22,7 @@ import time
 import contextlib
 from typing import Any, Iterator
 
-from . import job_end
+from .. import job_end
 
 __all__ = ["watched"]
 

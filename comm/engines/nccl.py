@@ -39,7 +39,7 @@ device (CuPy's ``Device.use()``), so that a communication thread issues on the r
 Async collectives start at once (``capabilities.queues`` False: the group does not hold them back behind
 the one before, as it does for MPI), since the communication stream runs them in order.
 
-Everything GPU-specific goes through the runtime of :mod:`meshkit.comm.cuda_runtime`.
+Everything GPU-specific goes through the runtime of :mod:`meshkit.comm.engines.cuda_runtime`.
 """
 
 from __future__ import annotations
@@ -54,11 +54,11 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-from . import env
+from .. import env
 from .engine import DeadlineExceeded, EngineCapabilities
-from .errors import DistBackendError, DistTypeError, DistValueError
-from .notices import WATCH_INTERVAL, Notice
-from .reduce_op import ReduceOp
+from ..errors import DistBackendError, DistTypeError, DistValueError
+from ..notices import WATCH_INTERVAL, Notice
+from ..reduce_op import ReduceOp
 from .watchdog import watched
 
 __all__ = ["NCCLEngine", "DeviceRequest", "create_world_engine", "select_device", "NCCL_DTYPES", "NCCL_OPS",
@@ -108,7 +108,6 @@ class DeviceRequest:
     """
 
     __slots__ = ("engine", "op", "event", "keep", "source", "count", "dtype", "done")
-    watchdog = True  # the progress agent watches it until done, even after Work.wait() returned
 
     def __init__(self, engine: NCCLEngine, op: str, event: Any, keep: tuple) -> None:
         self.engine, self.op, self.event, self.keep = engine, op, event, keep
@@ -150,7 +149,10 @@ class NCCLEngine:
     native_avg = True
     # queues=False: the stream orders a group's collectives, so each starts when it is called.
     # needs_progress and reports_dtype are the host engine's (its host arrays and objects).
-    capabilities = EngineCapabilities(queues=False, defers=True, abandons=True, coalesces=True, aborts_job=True)
+    # watched_requests: device work is watched until done, even after Work.wait() returned; a host
+    # array's request (the host engine's) is not
+    capabilities = EngineCapabilities(queues=False, defers=True, abandons=True, coalesces=True, aborts_job=True,
+                                      watched_requests=(DeviceRequest,))
 
     def __init__(self, host: Any, comm: Any, rt: Any, device: int) -> None:
         self.host, self.comm, self.rt, self.device = host, comm, rt, device

@@ -34,9 +34,9 @@ import urllib.parse
 import uuid
 from typing import Any
 
-from . import env
-from .errors import DistBackendError, DistStoreError, DistTypeError, DistValueError
-from .stores import FileStore, PrefixStore, Store, TCPStore
+from .. import env
+from ..errors import DistBackendError, DistStoreError, DistTypeError, DistValueError
+from ..stores import FileStore, PrefixStore, Store, TCPStore
 
 __all__ = ["Rendezvous", "Requested", "requested", "mpi_launched", "launcher_name", "agreement", "rendezvous",
            "MPI_RANK_ENVS", "SCHEMES", "PREFIX", "rendezvous_keys"]

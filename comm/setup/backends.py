@@ -1,9 +1,9 @@
 """Backends by name: the registry ``init_process_group(backend)`` looks names up in, and ``Backend``.
 
 A backend is a name and a *factory* that builds this rank's world engine: an object implementing
-:class:`~meshkit.comm.engine.Engine`, which the world's :class:`~meshkit.comm.group.ProcessGroup`
+:class:`~meshkit.comm.engines.engine.Engine`, which the world's :class:`~meshkit.comm.groups.group.ProcessGroup`
 holds. The built-in ``mpi``, ``local`` and ``nccl`` register here as a third-party engine does
-(:mod:`meshkit.comm.lifecycle` registers them), so ``init_process_group`` knows no engine by name:
+(:mod:`meshkit.comm.setup.lifecycle` registers them), so ``init_process_group`` knows no engine by name:
 it resolves ``"auto"`` and ``"gloo"`` (rules, not engines) and asks the registry for the rest.
 
 A factory is called as ``factory(options)`` with one :class:`BackendOptions`, on the rank that
@@ -20,8 +20,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from .engine import Engine, EngineCapabilities
-from .errors import DistBackendError, DistTypeError, DistValueError
+from ..engines.engine import DEVICE, GATED, Engine, EngineCapabilities, methods as engine_methods
+from ..errors import DistBackendError, DistTypeError, DistValueError
 
 __all__ = ["Backend", "BackendOptions", "register_backend", "registered_backends", "backend_devices",
            "create_engine", "check_name", "check_engine", "RULES", "DEVICES"]
@@ -43,7 +43,7 @@ class BackendOptions:
         timeout: seconds every blocking call of the world waits at most (building the engine too).
         device_id: the GPU index ``init_process_group(device_id=...)`` was given, else None.
         host: the host engine of a world whose ranks met through a store (an init method in a
-            job no MPI launcher started: comm/store_engine.py), which ``nccl`` builds on; else None.
+            job no MPI launcher started: comm/engines/store_engine.py), which ``nccl`` builds on; else None.
     """
 
     timeout: float
@@ -105,7 +105,7 @@ def register_backend(name: str, factory: Callable[[BackendOptions], Any], *,
             ``init_process_group``) nor ``"undefined"``.
         factory: called as ``factory(BackendOptions(timeout, device_id))`` on each rank at
             ``init_process_group``; returns that rank's world engine, an object implementing
-            :class:`~meshkit.comm.engine.Engine` with ``backend == name`` (checked there).
+            :class:`~meshkit.comm.engines.engine.Engine` with ``backend == name`` (checked there).
         devices: the device types a mesh over this backend may have: ``"cpu"`` (default; host
             arrays) and/or ``"cuda"`` (the engine moves device arrays as a GPU engine; as torch's
             ``devices``).
@@ -178,18 +178,16 @@ def check_name(name: str) -> str:
     return name
 
 
-#: Attributes of the Engine protocol (comm/engine.py) with the types they must have; ``watch`` (set by
+#: Attributes of the Engine protocol (comm/engines/engine.py) with the types they must have; ``watch`` (set by
 #: the group) and ``device`` (None or a GPU index) are checked on their own.
 _ATTRIBUTES = {"backend": str, "rank": int, "size": int, "max_tag": int, "native_avg": bool,
                "capabilities": EngineCapabilities}
 #: Methods an engine has only where its capabilities say so (EngineCapabilities' docstring).
-_GATED = {"checks_calls": ("announce",), "defers": ("defer",), "abandons": ("abandon",),
-          "coalesces": ("start_coalescing", "end_coalescing"), "aborts_job": ("abort",)}
 _MISSING = object()
 
 
 def check_engine(name: str, engine: Any) -> Any:
-    """``engine`` if it implements :class:`~meshkit.comm.engine.Engine` for backend ``name``, else a
+    """``engine`` if it implements :class:`~meshkit.comm.engines.engine.Engine` for backend ``name``, else a
     :class:`DistBackendError` naming the backend and everything missing or wrong.
 
     This is the one place meshkit asks an engine what it has: the group and its parts then read only
@@ -197,7 +195,7 @@ def check_engine(name: str, engine: Any) -> Any:
     """
     if engine is None or isinstance(engine, (bool, int, float, str, bytes)):
         raise DistBackendError(f"meshkit.comm: backend {name!r}: its factory returned {engine!r}, not an engine "
-                               f"(an object implementing meshkit.comm.engine.Engine)")
+                               f"(an object implementing meshkit.comm.engines.engine.Engine)")
     problems = []
     values = {attr: getattr(engine, attr, _MISSING) for attr in (*_ATTRIBUTES, "watch", "device")}
     absent = [attr for attr, value in values.items() if value is _MISSING]
@@ -216,18 +214,18 @@ def check_engine(name: str, engine: Any) -> Any:
         problems.append(f"rank {rank} is not in range(size) with size {size}")
     if type(values["backend"]) is str and values["backend"] != name:
         problems.append(f"backend is {values['backend']!r}, not {name!r} (get_backend() reports it)")
-    methods = [m for m, v in vars(Engine).items() if not m.startswith("_") and callable(v)]
+    methods = list(engine_methods(Engine))
     capabilities = values["capabilities"]
     if isinstance(capabilities, EngineCapabilities):
-        methods += [m for flag, gated in _GATED.items() if getattr(capabilities, flag) for m in gated]
+        methods += [m for flag, gated in GATED.items() if getattr(capabilities, flag) for m in engine_methods(gated)]
     if isinstance(device, int) and not isinstance(device, bool):
-        methods += ["use_device", "drain"]
+        methods += engine_methods(DEVICE)
     uncallable = [m for m in methods if not callable(getattr(engine, m, None))]
     if uncallable:
         problems.append(f"missing methods {uncallable}")
     if problems:
         where = f" (rank {rank})" if type(rank) is int else ""
         raise DistBackendError(f"meshkit.comm: backend {name!r}{where}: its factory returned a "
-                               f"{type(engine).__name__} that does not implement meshkit.comm.engine.Engine: "
+                               f"{type(engine).__name__} that does not implement meshkit.comm.engines.engine.Engine: "
                                + "; ".join(problems))
     return engine

@@ -2,10 +2,10 @@
 CUDA-aware MPI as they are; either way posted only once the device is done writing them.
 
 Device arrays (``__cuda_array_interface__``: CuPy, ...) go to MPI as they are when MPI is
-CUDA-aware (:mod:`~meshkit.comm.mpi_cuda_aware`), once the caller's current stream has finished
+CUDA-aware (:mod:`~meshkit.comm.engines.mpi_cuda_aware`), once the caller's current stream has finished
 writing them (MPI is not stream-aware: an event recorded at issue, tested later, so that the
 issuing call does not wait for the caller's kernels). Otherwise they are staged: copied into
-pinned host buffers (reused per size and dtype, through :mod:`~meshkit.comm.cuda_runtime`) on
+pinned host buffers (reused per size and dtype, through :mod:`~meshkit.comm.engines.cuda_runtime`) on
 the engine's staging stream, which waits for the caller's stream through an event (so only for
 the caller's writes so far), moved by MPI, and copied back on the same stream (all_reduce,
 reduce and broadcast above :data:`CHUNK_BYTES` go to MPI chunk by chunk, each as its copy
@@ -134,10 +134,18 @@ class Deferred:
         requests = self.requests
         return requests[0].Test() if len(requests) == 1 else MPI.Request.Testall(requests)
 
-    def __getattr__(self, name: str) -> Any:
-        if not self.requests:
-            raise AttributeError(name)
-        return getattr(self.requests[0], name)
+    # a receive's fields (engine.Received), from its one request once complete
+    @property
+    def source(self) -> int:
+        return self.requests[0].source
+
+    @property
+    def count(self) -> int | float:
+        return self.requests[0].count
+
+    @property
+    def dtype(self) -> Any:
+        return self.requests[0].dtype
 
 
 def _drain(rt: Any, stream: Any) -> None:
@@ -179,8 +187,18 @@ class _Staged:
         self.release()
         return True
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.request, name)
+    # a receive's fields (engine.Received), from the MPI request it stages
+    @property
+    def source(self) -> int:
+        return self.request.source
+
+    @property
+    def count(self) -> int | float:
+        return self.request.count
+
+    @property
+    def dtype(self) -> Any:
+        return self.request.dtype
 
 
 def _use(rt: Any, device: int) -> None:

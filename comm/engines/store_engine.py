@@ -11,7 +11,7 @@ that did not arrive. It moves no arrays: host (NumPy) arrays on such a world are
 (``host_arrays = False``; object collectives take the exchange instead, see
 :mod:`meshkit.comm.objects`).
 
-Keys (under the world's prefix, :data:`~meshkit.comm.init_methods.PREFIX`):
+Keys (under the world's prefix, :data:`~meshkit.comm.setup.init_methods.PREFIX`):
 
 * ``g<ns>/x<c>/<r>``: rank r's part of exchange number c of group ``ns``; group rank 0 reads
   them all and answers with ``g<ns>/x<c>/all`` (every value, or the ranks that did not arrive),
@@ -37,14 +37,14 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
-from . import env
-from .control import ControlMessageError, decode, decode_notice, encode
+from .. import env
+from ..control import ControlMessageError, decode, decode_notice, encode
 from .engine import DeadlineExceeded, EngineCapabilities
-from .errors import DistBackendError, DistStoreError, DistTypeError, DistValueError
-from .notices import LEFT, WATCH_INTERVAL, Notice
-from .stores import Store
+from ..errors import DistBackendError, DistStoreError, DistTypeError, DistValueError
+from ..notices import LEFT, WATCH_INTERVAL, Notice
+from ..stores import Store
 
 __all__ = ["StoreEngine", "create_world_engine", "HOST_ARRAYS_MESSAGE"]
 
@@ -54,7 +54,7 @@ logger = logging.getLogger("meshkit")
 #: a rank that left is named within this, not at the timeout.
 _WATCH_SLICE_S = max(WATCH_INTERVAL, 0.05)
 #: Extra seconds a non-root rank waits for group rank 0's verdict, which rank 0 gives only at its
-#: own deadline (as the MPI engine's exchange, comm/mpi.py _VERDICT_GRACE).
+#: own deadline (as the MPI engine's exchange, comm/engines/mpi.py _VERDICT_GRACE).
 _VERDICT_GRACE_S = 5.0
 #: What a host-array collective on a store-bootstrapped world says (the rest names the operation).
 HOST_ARRAYS_MESSAGE = ("host (NumPy) arrays need a host engine, and this nccl world was started without MPI "
@@ -75,8 +75,10 @@ _OUTSIDER = "; a process outside this job may have written to the rendezvous sto
 class _Channel:
     """What the engines of one world share: the store, this process's global rank, the notices."""
 
-    def __init__(self, store: Store, rank: int, size: int, local_rank: int | None, owned: Store | None) -> None:
+    def __init__(self, store: Store, rank: int, size: int, local_rank: int | None, owned: Store | None,
+                 rendezvous_keys: Sequence[str] = ()) -> None:
         self.store, self.rank, self.size, self.owned = store, rank, size, owned
+        self.rendezvous_keys = tuple(rendezvous_keys)  # the rendezvous's keys, deleted by the last rank to leave
         self.local_rank = local_rank
         self.read = 0  # notices to this rank read so far
         self.kept: list[Notice] = []  # notices read beside a malformed one, returned at the next read
@@ -359,12 +361,11 @@ class StoreEngine:
         if channel.left:
             return
         channel.left = True
-        from .init_methods import rendezvous_keys
         try:
             if channel.rank == 0:  # no rank of a next world on the same port joins this one (init_methods._opened)
                 self.store.delete_key("open")
             if self.store.add("left", 1) == channel.size:
-                for key in (*rendezvous_keys(channel.size), "left"):
+                for key in (*channel.rendezvous_keys, "left"):
                     self.store.delete_key(key)
                 for r in range(channel.size):  # notices never read (the LEFT notices of this very leaving)
                     # The unread ones are the last: from the counter down to the first missing key,
@@ -445,7 +446,9 @@ class StoreEngine:
 
 
 def create_world_engine(store: Store, rank: int, size: int, local_rank: int | None,
-                        owned: Store | None = None) -> StoreEngine:
-    """The world's store engine, over the keys of a rendezvous (:mod:`~meshkit.comm.init_methods`);
-    ``owned``: the store meshkit made for it, closed with the world."""
-    return StoreEngine(_Channel(store, rank, size, local_rank, owned), "w", tuple(range(size)), rank)
+                        owned: Store | None = None, rendezvous_keys: Sequence[str] = ()) -> StoreEngine:
+    """The world's store engine, over the keys of a rendezvous (:mod:`~meshkit.comm.setup.init_methods`);
+    ``owned``: the store meshkit made for it, closed with the world; ``rendezvous_keys``: the keys
+    that rendezvous left, deleted with the world's own by the last rank to leave (the set-up
+    room names them, so that this engine imports nothing of it)."""
+    return StoreEngine(_Channel(store, rank, size, local_rank, owned, rendezvous_keys), "w", tuple(range(size)), rank)

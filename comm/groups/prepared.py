@@ -18,11 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from .arrays import array_namespace
-from .checks import check_member, where
-from .errors import DistTypeError, DistValueError
+from ..arrays import array_namespace
+from ..checks import check_member, where
+from ..errors import DistTypeError, DistValueError
 from .group import ProcessGroup
-from .reduce_op import ReduceOp, check_op_dtype
+from ..reduce_op import ReduceOp, check_op_dtype
 
 __all__ = ["PreparedCollective", "prepare_collective", "PREPARED_OPS"]
 
@@ -86,8 +86,8 @@ class PreparedCollective:
             queue.run(op, lambda: engine.all_gather(out, input), False, self._shapes, input, None)
         elif op == "reduce_scatter_tensor":
             reduce_op = self.reduce_op
-            settle = queue.averaged(out) if reduce_op is ReduceOp.AVG and queue.divides else None
-            queue.run(op, lambda: engine.reduce_scatter(out, input, reduce_op), False, self._shapes, input, settle,
+            epilogue = queue.averaged(out) if reduce_op is ReduceOp.AVG and queue.divides else None
+            queue.run(op, lambda: engine.reduce_scatter(out, input, reduce_op), False, self._shapes, input, epilogue,
                       reduce_op)
         elif op == "all_to_all_single":
             counts = self._counts

@@ -14,7 +14,7 @@ group's timeout. The engine is split by concern, each part in a module of its ow
 - ``mpi_mailbox.py``: the world's notice channel.
 
 They sit flat beside comm's other modules (as ``local.py`` beside ``local_engine.py``), not in a
-subpackage: ``meshkit.comm.mpi`` stays the module that lifecycle, the tests and the
+subpackage: ``meshkit.comm.engines.mpi`` stays the module that lifecycle, the tests and the
 benchmarks import (``cuda_aware_mpi`` and ``CUDA_AWARE_ENV`` still import from here), and a
 subpackage's engine module would share ``engine.py``'s name.
 
@@ -35,18 +35,18 @@ from typing import Any, Callable
 import numpy as np
 from mpi4py import MPI
 
-from . import env
-from .arrays import is_device_array
-from .control import ControlMessageError, decode, encode, join
+from .. import env
+from ..arrays import is_device_array
+from ..control import ControlMessageError, decode, encode, join
 from .engine import DeadlineExceeded, EngineCapabilities
-from .errors import DistBackendError, DistTypeError, DistValueError
+from ..errors import DistBackendError, DistTypeError, DistValueError
 from .mpi_cuda_aware import CUDA_AWARE_ENV, cuda_aware_mpi
 from .mpi_datatypes import spec, specs
 from .mpi_mailbox import Mailbox, receive
 from .mpi_polling import Poller, choose_caller_spin, completes
 from .mpi_staging import Deferred, Staging
-from .notices import Notice
-from .reduce_op import ReduceOp
+from ..notices import Notice
+from ..reduce_op import ReduceOp
 from .watchdog import watched
 
 __all__ = ["MPIEngine", "create_world_engine", "cuda_aware_mpi", "CUDA_AWARE_ENV"]
@@ -122,6 +122,7 @@ class MPIEngine:
         self.mailbox = mailbox
         self.watch: Callable[[], None] | None = None  # set by the group: reads notices while stalled
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self._world_ranks: list[int] | None = None  # each rank's global rank: asked of MPI once, when first needed
         tag_ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
         self._tag_up, self._tag_down = tag_ub, tag_ub - 1
         self.max_tag = tag_ub - 16  # the top tags carry monitored exchanges
@@ -376,7 +377,7 @@ class MPIEngine:
     @property
     def world_ranks(self) -> list[int]:
         """The global rank of each rank of this communicator."""
-        ranks = getattr(self, "_world_ranks", None)
+        ranks = self._world_ranks
         if ranks is None:
             ranks = self._world_ranks = self.comm.Get_group().Translate_ranks(list(range(self.size)),
                                                                                MPI.COMM_WORLD.Get_group())
@@ -456,7 +457,7 @@ def create_world_engine(timeout: float = 300.0) -> MPIEngine:
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         logger.warning("meshkit: MPI provides thread level %d, not MPI_THREAD_MULTIPLE; async_op=True "
                        "collectives call MPI from a second thread and may fail", MPI.Query_thread())
-    # MPI's split and blocking gathers have no deadline: under a watchdog (comm/watchdog.py)
+    # MPI's split and blocking gathers have no deadline: under a watchdog (comm/engines/watchdog.py)
     with watched("counting the ranks of this node (MPI's Split_type, Comm_free, Allgather)", MPI.COMM_WORLD.Get_rank(),
                  "world", range(MPI.COMM_WORLD.Get_size()), timeout):
         if env.host_name() is None:

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .reduce_op import ReduceOp, combine_into
+from ..reduce_op import ReduceOp, combine_into
 
 __all__ = ["spec", "specs"]
 

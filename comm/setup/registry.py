@@ -1,6 +1,6 @@
 """The world's groups: creating them, finding them, and translating ranks.
 
-Groups are cached by rank set in the :class:`~meshkit.comm.world.World`, so the same ranks never
+Groups are cached by rank set in the :class:`~meshkit.comm.groups.world.World`, so the same ranks never
 get a second communicator, whichever way they are asked for (``new_group``, a mesh dimension).
 """
 
@@ -10,11 +10,11 @@ import datetime
 import logging
 from typing import Sequence
 
-from .debug import DebugLevel
-from .errors import DistTypeError, DistValueError
-from .group import ProcessGroup
-from .timeouts import resolve_timeout
-from .world import current_world
+from ..debug import DebugLevel
+from ..errors import DistTypeError, DistValueError
+from ..groups.group import ProcessGroup
+from ..timeouts import resolve_timeout
+from ..groups.world import current_world
 
 __all__ = ["resolve_group", "create_groups", "new_group", "get_rank", "get_world_size", "get_backend",
            "get_group_rank", "get_global_rank", "get_process_group_ranks"]

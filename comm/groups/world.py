@@ -4,7 +4,7 @@ Everything torch keeps as scattered globals lives in one :class:`World` object p
 backend, rank, size, timeout, debug level, flight recorder, progress agent and the cache of
 groups by rank set. Under MPI there is one world per process; inside
 :func:`meshkit.comm.local.run` every thread (rank) has its own, held thread-locally.
-This module holds the state (:mod:`~meshkit.comm.lifecycle` creates and destroys it) and the
+This module holds the state (:mod:`~meshkit.comm.setup.lifecycle` creates and destroys it) and the
 flight record's readers: as a dict (:func:`flight_document`, which ``meshkit.debug`` gathers;
 :func:`inflight_document`, the calls not finished, which its debug server answers), and as a
 file in ``MESHKIT_TRACE_DIR`` after a failed collective (:func:`dump_flight_record`).
@@ -22,9 +22,9 @@ import threading
 import time
 from typing import Any
 
-from . import env
-from .debug import DebugLevel, FlightRecorder
-from .errors import CollectiveMismatchError, CollectiveTimeout, DistError, RankFailedError
+from .. import env
+from ..debug import DebugLevel, FlightRecorder
+from ..errors import CollectiveMismatchError, CollectiveTimeout, DistError, RankFailedError
 from .progress import ProgressAgent
 
 __all__ = ["World", "current_world", "is_initialized", "flight_record", "format_flight_record", "flight_document",

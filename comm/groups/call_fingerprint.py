@@ -15,7 +15,7 @@ something anyway, with no extra message where they do:
 * ``barrier()`` (on engines that do not compare calls themselves): a ``MAX`` all-reduce of those
   integers instead of a barrier, the same one message round;
 * group creation (``new_group``, ``split``, meshes), whatever the debug level: an exchange of
-  what each rank is creating, before the blocking split (comm/group.py);
+  what each rank is creating, before the blocking split (comm/groups/group.py);
 * the object collectives (checkpoint agreement, ``all_gather_object``...): their sizes carry the
   fingerprint (comm/objects.py).
 
@@ -29,7 +29,7 @@ the other members are told).
 
 Cost of keeping it (timeit on this project's 2-core VM, Python 3.11): 0.6-1.0 us a call, a cached
 lookup of the call's digest and an integer multiply-add
-(``python -c "from meshkit.comm import call_fingerprint; call_fingerprint.timings()"``).
+(``python -c "from meshkit.comm.groups import call_fingerprint; call_fingerprint.timings()"``).
 """
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ from typing import Any
 
 import numpy as np
 
-from .naming import name_ranks
-from .debug import Call, fingerprint
-from .engine import DeadlineExceeded
-from .errors import CollectiveMismatchError, DistError
+from ..naming import name_ranks
+from ..debug import Call, fingerprint
+from ..engines.engine import DeadlineExceeded
+from ..errors import CollectiveMismatchError, DistError
 
 __all__ = ["CallSequence", "RING", "SLOTS", "EXPLAIN_SECONDS", "MISMATCH_NOTICE", "entry", "creation", "stamp",
            "verify", "compare", "same_creation", "explain"]
@@ -171,7 +171,7 @@ def same_creation(group: Any, description: str, deadline: float) -> None:
     One exchange of ``(calls, fingerprint, description)``: group creation is rare, and a member
     in another call (a ``barrier()``) would otherwise leave the others in MPI's ``Comm.Split``,
     which has no deadline. A member that does not come is named by the exchange's timeout
-    (:class:`~meshkit.comm.engine.DeadlineExceeded`); members making another creation, or whose
+    (:class:`~meshkit.comm.engines.engine.DeadlineExceeded`); members making another creation, or whose
     earlier calls differ, raise the mismatch on every member.
     """
     queue = group.queue
@@ -203,7 +203,7 @@ def _text(what: Any) -> str:
 
 
 #: How the notice of a group broken by a mismatch begins: a member stalled in another call of the
-#: group that reads it joins the exchange that names the calls (comm/failures.py), so that it too
+#: group that reads it joins the exchange that names the calls (comm/groups/failures.py), so that it too
 #: raises the mismatch, and the others learn what it called.
 MISMATCH_NOTICE = "meshkit: collective mismatch"
 
@@ -288,7 +288,7 @@ def timings() -> None:
     """Print what keeping the sequence costs per call."""
     import timeit
 
-    from .reduce_op import ReduceOp
+    from ..reduce_op import ReduceOp
 
     x, op, sequence = np.ones(4), ReduceOp.SUM, CallSequence()
 

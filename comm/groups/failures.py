@@ -8,7 +8,7 @@ notice (:mod:`~meshkit.comm.notices`), as they are when this rank rejects a call
 A rank stalled in a wait reads the notices it received, and fails at once when one shows that
 the call it waits in can never complete.
 
-A :class:`FailureState` is a part a :class:`~meshkit.comm.group.ProcessGroup` holds (its
+A :class:`FailureState` is a part a :class:`~meshkit.comm.groups.group.ProcessGroup` holds (its
 ``failures``): it keeps the group's failure state (the reason it broke, the calls this rank
 rejected, the call a wait is for) and reads the group's identity and engine through the group.
 """
@@ -18,14 +18,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, cast
 
 from .call_fingerprint import MISMATCH_NOTICE, explain
-from .checks import where
-from .debug import ERROR, STATE, T_END, CollectiveRecord, mismatch_error
-from .engine import CallsDiffer, DeadlineExceeded
-from .errors import CollectiveMismatchError, CollectiveTimeout, DistBackendError, DistError, RankFailedError
-from .notices import BROKEN, WATCH_INTERVAL, Notice
+from ..checks import where
+from ..debug import ERROR, STATE, T_END, CollectiveRecord, mismatch_error
+from ..engines.engine import Abandons, CallsDiffer, DeadlineExceeded
+from ..errors import CollectiveMismatchError, CollectiveTimeout, DistBackendError, DistError, RankFailedError
+from ..notices import BROKEN, WATCH_INTERVAL, Notice
 from .world import dump_flight_record
 
 __all__ = ["FailureState"]
@@ -43,7 +43,7 @@ _ARRIVAL_GRACE = 0.5
 
 
 class FailureState:
-    """How a :class:`~meshkit.comm.group.ProcessGroup` records a failure, breaks, and hears of its peers'.
+    """How a :class:`~meshkit.comm.groups.group.ProcessGroup` records a failure, breaks, and hears of its peers'.
 
     Attributes:
         reason: why the group broke on this rank (later calls raise), or None while it is usable.
@@ -132,7 +132,7 @@ class FailureState:
         group = self.group
         self.reason = why
         if self.abandons:
-            group.engine.abandon(why)
+            cast(Abandons, group.engine).abandon(why)
         self.tell(Notice(BROKEN, group.global_rank, group.ranks, seq, why, timed_out=timed_out))
 
     def unusable(self, op: str) -> None:

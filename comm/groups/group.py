@@ -1,7 +1,7 @@
 """ProcessGroup: a set of ranks that communicate together, over the engine it holds.
 
 A :class:`ProcessGroup` is a set of global ranks (ascending; a rank's *group rank* is its
-position in that tuple), a timeout and an engine (:mod:`meshkit.comm.engine`). Its public
+position in that tuple), a timeout and an engine (:mod:`meshkit.comm.engines.engine`). Its public
 methods take group ranks for roots and peers (the module-level functions in
 :mod:`meshkit.comm.collectives` translate torch-style global ranks) and run every operation the same
 way, synchronous or not:
@@ -11,7 +11,7 @@ way, synchronous or not:
    operations in program order) and, with ``MESHKIT_DEBUG=detail``, verify that every rank
    called the same operation (:mod:`~meshkit.comm.debug`);
 3. start it with one engine call, which returns a request at once;
-4. wait for it under the group's timeout, or return a :class:`~meshkit.comm.work.RequestWork`.
+4. wait for it under the group's timeout, or return a :class:`~meshkit.comm.groups.work.RequestWork`.
 
 While a task of :meth:`ProcessGroup.run_async` is queued, later calls join the queue behind
 it, so that the group's operations still start in program order.
@@ -19,10 +19,10 @@ it, so that the group's operations still start in program order.
 This module holds the class: its identity, public collectives (step 1, then the path every
 collective shares) and lifecycle. The group holds its other parts, each an object with its state
 declared in its own class (the engine is held the same way, never inherited):
-:class:`~meshkit.comm.execution.CollectiveQueue` (``queue``: steps 2-4, the numbering and the
+:class:`~meshkit.comm.groups.execution.CollectiveQueue` (``queue``: steps 2-4, the numbering and the
 queue of in-flight collectives; the owner of the works it hands out) and
-:class:`~meshkit.comm.failures.FailureState` (``failures``: a failed call recorded, the group
-broken, the other ranks told, their notices read); :mod:`~meshkit.comm.p2p` holds
+:class:`~meshkit.comm.groups.failures.FailureState` (``failures``: a failed call recorded, the group
+broken, the other ranks told, their notices read); :mod:`~meshkit.comm.groups.p2p` holds
 ``isend``/``irecv``.
 """
 
@@ -34,21 +34,22 @@ import logging
 import math
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 import numpy as np
 
-from . import env, p2p
-from .checks import check_array, check_like, check_list, check_member, check_root, check_split_sizes, where
-from .cuda_runtime import keep_current_device
-from .engine import DeadlineExceeded, Engine
-from .errors import DistTypeError, DistValueError
+from .. import env
+from . import p2p
+from ..checks import check_array, check_like, check_list, check_member, check_root, check_split_sizes, where
+from ..engines.cuda_runtime import keep_current_device
+from ..engines.engine import DeadlineExceeded, DeviceEngine, Engine
+from ..errors import DistTypeError, DistValueError
 from .execution import CollectiveQueue
 from .failures import FailureState
-from .reduce_op import ReduceOp, check_op_dtype, valid_op_dtypes
-from .timeouts import resolve_timeout
+from ..reduce_op import ReduceOp, check_op_dtype, valid_op_dtypes
+from ..timeouts import resolve_timeout
 from .call_fingerprint import creation, same_creation
-from .watchdog import watched
+from ..engines.watchdog import watched
 from .work import Work
 
 if TYPE_CHECKING:
@@ -166,16 +167,16 @@ class ProcessGroup:
         thread = queue.thread
         if thread.pending and thread.runner != _get_ident():
             return queue.behind_tasks("all_reduce", lambda: self.all_reduce(tensor, op), async_op)
-        seq = queue.issue("all_reduce", tensor, async_op, op)
-        settle = queue.averaged(tensor) if op is _AVG and queue.divides else None
-        if seq < 0:  # async, behind the collective in flight: started when that one completes
-            return queue.enqueue(~seq, "all_reduce", functools.partial(self.engine.all_reduce, tensor, op),
-                                 (tensor.shape,), tensor.dtype, settle)
+        seq, queued = queue.issue("all_reduce", tensor, async_op, op)
+        epilogue = queue.averaged(tensor) if op is _AVG and queue.divides else None
+        if queued:  # async, behind the collective in flight: started when that one completes
+            return queue.enqueue(seq, "all_reduce", functools.partial(self.engine.all_reduce, tensor, op),
+                                 (tensor.shape,), tensor.dtype, epilogue)
         try:
             request = self.engine.all_reduce(tensor, op)
         except BaseException as exc:
             raise queue.start_failed("all_reduce", seq, (tensor.shape,), tensor.dtype, exc) from None
-        return queue.started("all_reduce", seq, (tensor.shape,), tensor.dtype, request, settle, async_op)
+        return queue.started("all_reduce", seq, (tensor.shape,), tensor.dtype, request, epilogue, async_op)
 
     def reduce(self, tensor: np.ndarray, root: int, op: ReduceOp = ReduceOp.SUM, *,
                async_op: bool = False) -> Work | None:
@@ -191,9 +192,9 @@ class ProcessGroup:
         except (DistValueError, DistTypeError) as exc:
             raise self.queue.reject("reduce", exc)
         queue = self.queue
-        settle = queue.averaged(tensor) if op is ReduceOp.AVG and queue.divides and self.rank == root else None
+        epilogue = queue.averaged(tensor) if op is ReduceOp.AVG and queue.divides and self.rank == root else None
         return queue.run("reduce", lambda: self.engine.reduce(tensor, op, root), async_op, (tensor.shape,),
-                         tensor, settle, op, {"root": root})
+                         tensor, epilogue, op, {"root": root})
 
     def broadcast(self, tensor: np.ndarray, root: int, *, async_op: bool = False) -> Work | None:
         """Copy group rank ``root``'s ``tensor`` into every rank's ``tensor``."""
@@ -248,9 +249,9 @@ class ProcessGroup:
             op = check_op_dtype(op, input.dtype, lambda: where(name, self))
         except (DistValueError, DistTypeError) as exc:
             raise self.queue.reject(name, exc)
-        settle = self.queue.averaged(output) if op is ReduceOp.AVG and self.queue.divides else None
+        epilogue = self.queue.averaged(output) if op is ReduceOp.AVG and self.queue.divides else None
         return self.queue.run(name, lambda: self.engine.reduce_scatter(output, input, op), async_op,
-                              (input.shape, output.shape), input, settle, op)
+                              (input.shape, output.shape), input, epilogue, op)
 
     def reduce_scatter(self, output: np.ndarray, input_list: list[np.ndarray], op: ReduceOp = ReduceOp.SUM,
                        *, async_op: bool = False) -> Work | None:
@@ -262,10 +263,10 @@ class ProcessGroup:
             op = check_op_dtype(op, output.dtype, lambda: where("reduce_scatter", self))
         except (DistValueError, DistTypeError) as exc:
             raise self.queue.reject("reduce_scatter", exc)
-        settle = self.queue.averaged(output) if op is ReduceOp.AVG and self.queue.divides else None
+        epilogue = self.queue.averaged(output) if op is ReduceOp.AVG and self.queue.divides else None
         stacked = np.stack(ins)
         return self.queue.run("reduce_scatter", lambda: self.engine.reduce_scatter(output, stacked, op), async_op,
-                              (output.shape,), output, settle, op)
+                              (output.shape,), output, epilogue, op)
 
     def gather(self, tensor: np.ndarray, gather_list: list[np.ndarray] | None, root: int, *,
                async_op: bool = False) -> Work | None:
@@ -343,21 +344,21 @@ class ProcessGroup:
         flat_in = np.concatenate([x.ravel() for x in ins])
         flat_out = np.empty_like(ref, shape=(sum(recv),))
 
-        def settle() -> None:
+        def epilogue() -> None:
             start = 0
             for out, n in zip(outs, recv):
                 out.reshape(-1)[...] = flat_out[start:start + n]
                 start += n
 
         return self.queue.run("all_to_all", lambda: self.engine.all_to_all(flat_out, recv, flat_in, send), async_op,
-                              tuple(x.shape for x in ins), None, settle, None,
+                              tuple(x.shape for x in ins), None, epilogue, None,
                               {"dtype": ref.dtype, "counts": (tuple(send), tuple(recv))})
 
     def barrier(self, *, async_op: bool = False) -> Work | None:
         """Block until every rank of the group has reached the barrier.
 
         Where the engine does not compare calls itself (MPI), the barrier also compares the
-        fingerprint of the members' calls since the last comparison (comm/call_fingerprint.py), in the
+        fingerprint of the members' calls since the last comparison (comm/groups/call_fingerprint.py), in the
         same round of messages: if they differ, every member raises
         :class:`~meshkit.comm.errors.CollectiveMismatchError` naming the first call that
         differs, the ranks and what each called.
@@ -396,7 +397,7 @@ class ProcessGroup:
 
         Whatever the debug level, every member first checks that all are making this call (the
         same ``partition``) before the engine's split, which cannot be interrupted (MPI's
-        ``Comm.Split``); the split itself runs under a watchdog (comm/watchdog.py).
+        ``Comm.Split``); the split itself runs under a watchdog (comm/engines/watchdog.py).
 
         Args:
             color: this rank's new group id, or None to take part without joining any.
@@ -485,10 +486,10 @@ class ProcessGroup:
         never completes them, so the members waiting in them must not wait for it (issue 23.5)."""
         return self.ranks, self.queue.counts()
 
-    def settle(self, deadline: float) -> int:
+    def finish_inflight(self, deadline: float) -> int:
         """Before this rank leaves: let its asynchronous collectives complete until ``deadline``
         (members already in them complete them within milliseconds). Returns how many are left."""
-        return self.queue.settle(deadline)
+        return self.queue.finish_inflight(deadline)
 
     def shutdown(self) -> None:
         """Finish queued tasks and device work (within the timeout), stop the thread, release the
@@ -508,7 +509,7 @@ class ProcessGroup:
         if self.engine is not None and self.engine.device is not None and failures.reason is None:  # device work
             failures.waiting = self.queue.seq - 1  # notices about any call issued so far end the wait
             try:
-                self.engine.drain("destroy_process_group", time.monotonic() + self.timeout)
+                cast(DeviceEngine, self.engine).drain("destroy_process_group", time.monotonic() + self.timeout)
             except BaseException as exc:  # the group's device work cannot complete: abort, do not hang
                 what = (f"its device work did not complete within {self.timeout:.1f} s" if isinstance(
                         exc, DeadlineExceeded) else f"its device work failed: {exc}")

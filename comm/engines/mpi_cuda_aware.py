@@ -1,7 +1,7 @@
 """Whether the MPI library reads device memory (CUDA-aware MPI), asked once per engine.
 
 The answer decides how the engine hands a device array to MPI (as it is, or staged through
-host memory: :mod:`~meshkit.comm.mpi_staging`). It is its own module because finding it out is
+host memory: :mod:`~meshkit.comm.engines.mpi_staging`). It is its own module because finding it out is
 a matter of the MPI *library*, not of communication: ``MESHKIT_CUDA_AWARE_MPI=1`` or ``0``
 decides; without it, mpi4py's ``MPI.Query_cuda_support()`` where mpi4py has it, else the
 library's ``MPIX_Query_cuda_support()`` / ``MPIX_GPU_query_support()`` through ctypes, else
@@ -16,7 +16,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from . import env
+from .. import env
 
 __all__ = ["cuda_aware_mpi", "CUDA_AWARE_ENV"]
 

@@ -5,7 +5,7 @@ returned as a :class:`RequestWork`: waiting polls the engine's request, except o
 ``defers`` (its capabilities; NCCL), where waiting (without a timeout) for a device collective orders the caller's
 stream after it without blocking the host, and the progress agent's watchdog enforces its
 deadline (:meth:`RequestWork.watchdog`). While nobody waits, the world's
-:class:`~meshkit.comm.progress.ProgressAgent` polls it, so MPI keeps moving the data while the
+:class:`~meshkit.comm.groups.progress.ProgressAgent` polls it, so MPI keeps moving the data while the
 caller computes.
 
 Tasks that chain several collectives with computation in between (communication hooks, ZeRO-2's
@@ -33,38 +33,19 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-from . import env
-from .debug import STATE, T_END, T_START
-from .engine import DeadlineExceeded
-from .errors import CollectiveTimeout, DistError, DistTypeError, DistValueError
-from .notices import WATCH_INTERVAL
+from .. import env
+from ..debug import STATE, T_END, T_START
+from ..engines.engine import DeadlineExceeded, thread_role
+from ..errors import CollectiveTimeout, DistError, DistTypeError, DistValueError
+from ..notices import WATCH_INTERVAL
 
 if TYPE_CHECKING:
-    from .debug import CollectiveRecord
-    from .engine import Request
+    from ..debug import CollectiveRecord
+    from ..engines.engine import Request
 
-__all__ = ["Work", "WorkFuture", "RequestWork", "WorkOwner", "CommThread", "in_background"]
+__all__ = ["Work", "WorkFuture", "RequestWork", "WorkOwner", "CommThread"]
 
 logger = logging.getLogger("meshkit")
-
-class _ThreadRole(threading.local):
-    queue: CommThread | None = None  # set on every group's communication thread
-
-
-_role = _ThreadRole()
-
-
-def in_background() -> bool:
-    """True on a communication thread that nobody is waiting for.
-
-    Engines use it to choose how to wait: a caller that blocks may spin on the network, as MPI's
-    blocking calls do, and so may a communication thread once a caller blocks in ``Work.wait``
-    on its queue; otherwise it runs beside the caller's computation and gives the core away
-    between polls.
-    """
-    queue = _role.queue
-    return queue is not None and queue.waiters == 0
-
 
 #: Guards the completion callbacks of every Work (registered by ``get_future``; rare, so one lock).
 _CALLBACKS = threading.Lock()
@@ -160,18 +141,18 @@ class Work:
         """
         future = WorkFuture(self.is_completed, self._drive)
 
-        def settle() -> None:
+        def resolve() -> None:
             if self._error is not None:
                 future.set_exception(self._error)
             else:
                 future.set_result(self._outputs if self._outputs is not None else self._result)
 
-        self._when_done(settle)
+        self._when_done(resolve)
         return future
 
     def _drive(self, timeout: float | None) -> None:
         """Wait for the operation for its future; concurrent.futures.TimeoutError if ``timeout``
-        passes first (its own error is the future's, set by ``settle``)."""
+        passes first (its own error is the future's, set by ``resolve``)."""
         try:
             self.wait(timeout)
         except CollectiveTimeout:
@@ -301,7 +282,7 @@ class WorkFuture(concurrent.futures.Future):
 
 class WorkOwner(Protocol):
     """What a :class:`RequestWork` may ask of its owner, the queue of its group's operations
-    (:class:`~meshkit.comm.execution.CollectiveQueue`): nothing else, and nothing private."""
+    (:class:`~meshkit.comm.groups.execution.CollectiveQueue`): nothing else, and nothing private."""
 
     group: Any  # its public identity (name, ranks, global rank), for messages
     name: str            # the group's name
@@ -335,6 +316,10 @@ class WorkOwner(Protocol):
         """Order the caller's device stream after ``request``; False if the host must wait."""
         ...
 
+    def watches(self, request: Request | None) -> bool:
+        """Whether ``request`` is device work the progress agent watches until it completes."""
+        ...
+
     def use_device(self) -> None:
         """Make the group's GPU current on the calling thread (device engines)."""
         ...
@@ -348,25 +333,25 @@ class RequestWork(Work):
     """Work of an operation the engine is running: ``wait`` polls the engine's request.
 
     Whichever thread sees the request complete (the caller in ``wait``/``is_completed``, or the
-    progress agent) settles it, exactly once, through its owner (its group's queue, a
+    progress agent) completes it, exactly once, through its owner (its group's queue, a
     :class:`WorkOwner`): the operation's
     epilogue runs (AVG's division, copies out of a staging buffer, a receive's size check) and
     the flight-recorder entry is closed. When the engine raises, or the operation's deadline
-    passes (:class:`~meshkit.comm.engine.DeadlineExceeded`), the owner records the failure and
+    passes (:class:`~meshkit.comm.engines.engine.DeadlineExceeded`), the owner records the failure and
     gives the error every waiter raises.
 
     It holds no ``threading.Event`` (3 us to create, more than a small all-reduce costs) and
     no closures: completion is a flag set under the work's lock, which every tester holds.
     """
 
-    __slots__ = ("_request", "_owner_queue", "_op", "_seq", "_record", "_settle", "_deadline", "_lock",
+    __slots__ = ("_request", "_owner_queue", "_op", "_seq", "_record", "_epilogue", "_deadline", "_lock",
                  "_finished", "posted", "_start", "_timeout", "queued")
 
     def __init__(self, owner: WorkOwner, op: str, seq: int, record: Any, request: Request | None,
-                 settle: Callable[[], Any] | None, timeout: float,
+                 epilogue: Callable[[], Any] | None, timeout: float,
                  start: Callable[[], Request] | None = None) -> None:
         self._owner_queue, self._op, self._seq, self._record = owner, op, seq, record
-        self._request, self._settle, self._start, self._timeout = request, settle, start, timeout
+        self._request, self._epilogue, self._start, self._timeout = request, epilogue, start, timeout
         self._error: BaseException | None = None
         self._result: Any = None
         self._callbacks: list[Callable[[], None]] | None = None
@@ -401,7 +386,7 @@ class RequestWork(Work):
 
     @property
     def finished(self) -> bool:
-        """True once settled (without testing the request, unlike ``is_completed``)."""
+        """True once finished (without testing the request, unlike ``is_completed``)."""
         return self._finished
 
     def unstarted(self) -> bool:
@@ -410,7 +395,7 @@ class RequestWork(Work):
 
     def watched(self) -> bool:
         """Whether its request is device work the progress agent's watchdog watches (NCCL's)."""
-        return getattr(self._request, "watchdog", False)
+        return self._owner_queue.watches(self._request)
 
     def fail_to_start(self, exc: BaseException) -> None:
         """Its queue could not start it: it fails with ``exc`` (recorded), without advancing the queue."""
@@ -438,12 +423,12 @@ class RequestWork(Work):
     def _finished_yet(self) -> bool:
         return self._finished
 
-    def _settled(self) -> None:
+    def _request_completed(self) -> None:
         if self.queued:  # start the next collective before this one's epilogue (AVG's division)
             self.queued = False
             self._owner_queue.advance(self)
         try:
-            result = self._settle() if self._settle is not None else None
+            result = self._epilogue() if self._epilogue is not None else None
         except BaseException as exc:  # handed to every waiter
             self._finish(None, self._fail(exc))
         else:
@@ -467,7 +452,7 @@ class RequestWork(Work):
                     self._finish(None, self._fail(exc))
                 else:
                     if complete:
-                        self._settled()
+                        self._request_completed()
                     elif time.monotonic() > self._deadline:
                         self._finish(None, self._fail(DeadlineExceeded()))
         finally:
@@ -550,7 +535,7 @@ class RequestWork(Work):
                     except BaseException as exc:
                         self._finish(None, self._fail(exc))
                     else:
-                        self._settled()
+                        self._request_completed()
         if self._error is not None:
             raise self._error
         return True
@@ -663,7 +648,7 @@ class CommThread:
         work._finish(result, error)
 
     def _loop(self) -> None:
-        _role.queue = self
+        thread_role.queue = self
         me = threading.get_ident()
         while True:
             with self._cond:

@@ -15,24 +15,24 @@ import sys
 import time
 from typing import Any
 
-from . import env
-from .agree import agree
-from .naming import by_ranks
+from .. import env
+from ..agree import agree
+from ..naming import by_ranks
 from .backends import RULES, Backend, BackendOptions, check_name, create_engine, register_backend
-from .cuda_runtime import gpu_available, runtime
-from .debug import DebugLevel, FlightRecorder
-from .engine import DeadlineExceeded
-from .errors import CollectiveTimeout, DistBackendError, DistError, DistValueError
-from .group import ProcessGroup
-from .init_methods import Requested, agreement, mpi_launched, rendezvous, requested
-from .levels import requested_level
-from .milestones import RENDEZVOUS, milestone
-from .notices import LEFT, Notice
-from .progress import ProgressAgent
-from .stores import Store
-from .timeouts import resolve_timeout
-from .job_end import abort_job
-from .world import World, current_world, is_initialized, local_context, set_world
+from ..engines.cuda_runtime import gpu_available, runtime
+from ..debug import DebugLevel, FlightRecorder
+from ..engines.engine import DeadlineExceeded
+from ..errors import CollectiveTimeout, DistBackendError, DistError, DistValueError
+from ..groups.group import ProcessGroup
+from .init_methods import Requested, agreement, mpi_launched, rendezvous, rendezvous_keys, requested
+from ..levels import requested_level
+from ..milestones import RENDEZVOUS, milestone
+from ..notices import LEFT, Notice
+from ..groups.progress import ProgressAgent
+from ..stores import Store
+from ..timeouts import resolve_timeout
+from ..job_end import abort_job
+from ..groups.world import World, current_world, is_initialized, local_context, set_world
 
 __all__ = ["init_process_group", "destroy_process_group"]
 
@@ -74,7 +74,7 @@ def _agree_on_levels(group: Any) -> None:
 
 
 def _resolve_backend(backend: str) -> str:
-    """A registered backend's name (comm/backends.py) for ``backend``, or the one "auto"/"gloo" pick.
+    """A registered backend's name (comm/setup/backends.py) for ``backend``, or the one "auto"/"gloo" pick.
 
     "gloo" is torch's CPU backend, taken as meshkit's: "mpi" in a process, "local" inside
     local.run. So a ported script's init_process_group("gloo") runs unchanged; get_backend()
@@ -100,12 +100,12 @@ def _local_engine(options: BackendOptions) -> object:
     if context is None:
         raise DistBackendError("meshkit.comm: backend 'local' runs inside meshkit.comm.local.run(fn, "
                                "world_size); use 'mpi' (or 'auto') in a normal process")
-    from .local_engine import create_world_engine as create_local
+    from ..engines.local_engine import create_world_engine as create_local
     return create_local(context)
 
 
 def _mpi_engine(options: BackendOptions) -> object:
-    from .mpi import create_world_engine as create_mpi
+    from ..engines.mpi import create_world_engine as create_mpi
     return create_mpi(options.timeout)
 
 
@@ -116,7 +116,7 @@ def _nccl_engine(options: BackendOptions) -> object:
     host = options.host
     if host is None:
         host = create_engine("local" if local_context() is not None else "mpi", options)
-    from .nccl import create_world_engine as create_nccl
+    from ..engines.nccl import create_world_engine as create_nccl
     try:
         return create_nccl(host, rt, time.monotonic() + options.timeout, options.device_id)
     except BaseException:
@@ -160,9 +160,9 @@ def _store_world(name: str, asked: Requested, limit: float, device_id: int | Non
                 "through the init method's store")
         return _world_engine("mpi", limit)  # a world of one (rank 0, checked): MPI's singleton
     met = rendezvous(asked, limit)
-    from .store_engine import create_world_engine as create_store_engine
+    from ..engines.store_engine import create_world_engine as create_store_engine
     host = create_store_engine(met.store, met.rank, met.world_size, met.local_rank,
-                               met.base if met.owned else None)
+                               met.base if met.owned else None, rendezvous_keys(met.world_size))
     return _world_engine(name, limit, device_id, host)  # nccl over it; a registered backend may use it
 
 
@@ -193,8 +193,8 @@ def init_process_group(backend: str = "auto", init_method: str | None = None,
             ``local`` inside ``local.run``, else ``nccl`` where CuPy sees a GPU, else ``mpi``.
             ``"gloo"`` (torch's CPU backend) is taken as ``mpi`` (``local`` inside
             ``local.run``); :func:`get_backend` then reports ``"mpi"``. Case-insensitive, as
-            :class:`~meshkit.comm.backends.Backend`; a name given to
-            :func:`~meshkit.comm.backends.register_backend` builds that backend's engine.
+            :class:`~meshkit.comm.setup.backends.Backend`; a name given to
+            :func:`~meshkit.comm.setup.backends.register_backend` builds that backend's engine.
         init_method: ``"env://"`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
             ``LOCAL_RANK``; Slurm's ``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID`` where those
             are what is set), ``"tcp://host:port"`` (rank 0 serves a TCPStore there) or
@@ -208,7 +208,7 @@ def init_process_group(backend: str = "auto", init_method: str | None = None,
             ``local.run`` it makes the nccl backend meet through it, as a job without MPI does.
         device_id: the index of this rank's GPU among those the process sees (``nccl`` only; as
             torch's ``device_id``); default ``MESHKIT_DEVICE_ID``, else the node-local rank
-            modulo the visible GPUs (see :func:`meshkit.comm.nccl.select_device`).
+            modulo the visible GPUs (see :func:`meshkit.comm.engines.nccl.select_device`).
 
     Raises:
         DistError: already initialized on this rank.
@@ -217,7 +217,7 @@ def init_process_group(backend: str = "auto", init_method: str | None = None,
             init method that disagrees with the launcher's world.
         DistBackendError: the backend's engine cannot be built here (``mpi`` asked to form a
             world of several from an init method: only an MPI launcher can), or a registered
-            factory's engine does not implement :class:`~meshkit.comm.engine.Engine`.
+            factory's engine does not implement :class:`~meshkit.comm.engines.engine.Engine`.
         DistStoreError: not every rank arrived within the timeout (naming how many did).
     """
     if is_initialized():
@@ -282,9 +282,9 @@ def _leave(world: World, how: str) -> None:
     # Asynchronous collectives still in flight (DDP's buckets at a sys.exit) complete first if the
     # others are in them; those that do not are not counted: the others waiting in them are
     # told at once that they wait in vain, instead of waiting for the timeout (issue 23.5).
-    deadline = time.monotonic() + _LEAVE_SETTLE_SECONDS
+    deadline = time.monotonic() + _LEAVE_INFLIGHT_SECONDS
     members = [g for g in world.groups.values() if g.is_member]
-    unfinished = sum(g.settle(deadline) for g in members)
+    unfinished = sum(g.finish_inflight(deadline) for g in members)
     counts = tuple(g.counts() for g in members)
     detail = f"{how}, after {dict(counts).get(group.ranks, 0)} calls on the world group"
     if unfinished:
@@ -344,4 +344,4 @@ _exit_hook_registered = False
 _LEAVE_FLUSH_SECONDS = 1.0
 #: Seconds a leaving rank gives its asynchronous collectives to complete: members already in them
 #: complete them within milliseconds; a member not there yet learns from the notice instead.
-_LEAVE_SETTLE_SECONDS = 1.0
+_LEAVE_INFLIGHT_SECONDS = 1.0

@@ -19,11 +19,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .arrays import is_device_array
-from .checks import check_array, check_member, check_root, where
-from .debug import ERROR, STATE, T_END, CollectiveRecord
-from .engine import DeadlineExceeded, Request
-from .errors import CollectiveTimeout, DistTypeError, DistValueError
+from ..arrays import is_device_array
+from ..checks import check_array, check_member, check_root, where
+from ..debug import ERROR, STATE, T_END, CollectiveRecord
+from ..engines.engine import DeadlineExceeded, Request
+from ..errors import CollectiveTimeout, DistTypeError, DistValueError
 from .work import RequestWork, Work
 
 __all__ = ["isend", "irecv", "P2PWork"]
@@ -75,9 +75,9 @@ def irecv(group: Any, tensor: np.ndarray, src: int | None = None, tag: int = 0) 
               if _headers(group) and not is_device_array(tensor) else None)
     request = group.engine.recv(tensor if staged is None else staged, src, tag)
 
-    def settle() -> int:
+    def epilogue() -> int:
         count, source = request.count, request.source
-        dtype = getattr(request, "dtype", None)  # engines that know the sender's dtype check it
+        dtype = request.dtype  # None where the engine does not know the sender's dtype (engine.Received)
         if staged is not None:
             dtype, count = _read_header(staged, count)
             if dtype == tensor.dtype and count == tensor.size:
@@ -94,13 +94,13 @@ def irecv(group: Any, tensor: np.ndarray, src: int | None = None, tag: int = 0) 
                                  "size that was sent")
         return group.ranks[source]
 
-    return _p2p_work(group, f"recv from {peer} tag {tag}", request, record, src, settle)
+    return _p2p_work(group, f"recv from {peer} tag {tag}", request, record, src, epilogue)
 
 
 def _p2p_work(group: Any, what: str, request: Request, record: CollectiveRecord, peer: int | None,
-              settle: Callable[[], Any] | None) -> Work:
+              epilogue: Callable[[], Any] | None) -> Work:
     queue = group.queue
-    work = P2PWork(queue, what, -1, record, request, settle, group.timeout)
+    work = P2PWork(queue, what, -1, record, request, epilogue, group.timeout)
     work.peer = peer
     if queue.tracks:
         group.world.progress.track(work)
