@@ -56,6 +56,8 @@ the top, shared leaves (import no room)
     checks.py          argument checks shared by every engine
     notices.py         how a rank tells the others a call will never complete
     control.py         typed control messages between ranks (no pickle)
+    agree.py           agree(): every rank's value, or all raise the same error
+    naming.py          "rank 3" / "ranks [0, 2]" in messages, written once
     job_end.py         ending the whole job
     milestones.py      the (re)start's milestones that ``meshkit-run`` times
     files.py           bounded reads of files the job wrote
