@@ -1,5 +1,5 @@
 """benchmarks/collectives.py: the CPU path's output, the command line, and the GPU path end to
-end against the NCCL double (tests/nccl_double.py; ``--device cuda`` on a real GPU is run by
+end against the NCCL double (tests/doubles/nccl_double.py; ``--device cuda`` on a real GPU is run by
 benchmarks/gpu_check.sh); every other benchmark's ``--help`` and a tiny run. Only that each path
 runs and checks its results is tested here, never a timing. Every benchmark runs with
 DeprecationWarnings as errors (``PYTHONWARNINGS``, which meshkit-run's ranks inherit): a

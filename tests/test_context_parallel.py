@@ -275,9 +275,9 @@ def test_ring_and_ulysses_on_real_processes(mpirun, n):
 # --------------------------------------------------------------------------- device arrays
 @pytest.mark.parametrize("variant", ["ring", "ulysses"])
 def test_device_arrays_stay_on_the_device_and_equal_the_host_reference(cupy, variant):
-    """CuPy arrays (tests/fake_cupy.py, strict: no implicit host copies) over the NCCL engine on the double:
+    """CuPy arrays (tests/doubles/fake_cupy.py, strict: no implicit host copies) over the NCCL engine on the double:
     the math takes its library from the arrays, every result is a device array."""
-    import fake_cupy
+    from doubles import fake_cupy
 
     shape = (1, 4, 9, 3)
     q, k, v, dout = inputs(shape)

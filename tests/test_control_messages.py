@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import meshkit
-import nccl_double as double
+from doubles import nccl_double as double
 from conftest import SCRIPTS
 from meshkit.comm import control, cuda_runtime, local
 from meshkit.comm.control import ControlMessageError, decode, encode

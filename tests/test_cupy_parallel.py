@@ -1,4 +1,4 @@
-"""Every parallel strategy on device arrays: the NCCL engine over the double, with tests/fake_cupy.py's
+"""Every parallel strategy on device arrays: the NCCL engine over the double, with tests/doubles/fake_cupy.py's
 strict CuPy arrays (not np.ndarray; np.asarray on them raises as on CuPy), against single-process
 NumPy on the global batch (float64 to 1e-10, float32 to 1e-5). The collective suite runs on the
 strict arrays over every engine: NCCL, local, and MPI (staged, chunked, CUDA-aware)."""
@@ -12,9 +12,9 @@ import pytest
 
 import collective_cases
 import ddp_cases
-import fake_cupy
+from doubles import fake_cupy
 import meshkit
-import nccl_double as double
+from doubles import nccl_double as double
 import sharded_cases as cases
 from meshkit import ReduceOp
 from meshkit.comm import local
@@ -291,7 +291,7 @@ def test_one_rule_decides_device_and_library_in_every_layer(cupy):
         assert is_device_array(x) is device, name
         assert array_namespace(x) is (cupy if device else np), name
         assert cuda_runtime.runtime().is_device_array(x) is device, name
-    assert checks._where_is(double.to_device(np.ones(2))) == "nccl_double.DeviceArray (device)"
+    assert checks._where_is(double.to_device(np.ones(2))) == "doubles.nccl_double.DeviceArray (device)"
 
 
 def test_the_fake_refuses_host_arrays_as_cupy_does(cupy):

@@ -1,4 +1,4 @@
-""""cuda" device meshes over the NCCL engine, against the strict double (tests/nccl_double.py),
+""""cuda" device meshes over the NCCL engine, against the strict double (tests/doubles/nccl_double.py),
 ranks as threads: one commSplit per dimension, each rank's host and GPU in ``describe()``,
 ``from_group`` without a communicator, and the errors where the backend is not a GPU one.
 Nothing here has run on a GPU.
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import meshkit
-import nccl_double as double
+from doubles import nccl_double as double
 from meshkit import DeviceMesh, init_device_mesh
 from meshkit.comm import cuda_runtime, local
 

@@ -794,7 +794,7 @@ def test_readme_tour_runs_on_four_ranks(mpirun):
 # --------------------------------------------------------------------------- --device cuda
 @pytest.mark.parametrize("strategy, world", [("ddp", 2), ("zero2", 3), ("fsdp", 2), ("hsdp", 4)])
 def test_device_cuda_trains_cupy_arrays_and_passes_the_exact_check(cupy, strategy, world):
-    """The example's --device cuda path on the NCCL engine over the double, with tests/fake_cupy.py's
+    """The example's --device cuda path on the NCCL engine over the double, with tests/doubles/fake_cupy.py's
     strict arrays (a host copy the model math made by accident would raise)."""
     args = train_mlp.parse_args(["--strategy", strategy, "--steps", "4", "--batch", "24", "--device", "cuda"],
                                 world_size=world)
@@ -867,7 +867,7 @@ def _logits_on_the_device(monkeypatch, module, name, cupy, local_block=lambda a:
 
 @pytest.mark.parametrize("dp, mesh, world", [("ddp", "2x2", 4), ("zero2", "1x2", 2), ("fsdp", "2x1", 2)])
 def test_train_tp_device_cuda_trains_cupy_blocks_and_passes_the_exact_check(cupy, monkeypatch, dp, mesh, world):
-    """train_tp.py --device cuda: DTensor blocks of tests/fake_cupy.py's strict arrays on a cuda mesh,
+    """train_tp.py --device cuda: DTensor blocks of tests/doubles/fake_cupy.py's strict arrays on a cuda mesh,
     the NCCL engine over the double; the final parameters match single-process NumPy."""
     args = train_tp.parse_args(["--mesh", mesh, "--dp", dp, "--steps", "3", "--batch", "24", "--device", "cuda"],
                                world_size=world)

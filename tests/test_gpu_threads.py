@@ -2,7 +2,7 @@
 
 CUDA's current device is per thread and 0 on a new thread, so every helper thread of meshkit
 (the progress agent and watchdog, a group's communication thread) that touches CUDA for a rank
-on GPU k must make GPU k current first. The double (tests/nccl_double.py) refuses what CUDA and
+on GPU k must make GPU k current first. The double (tests/doubles/nccl_double.py) refuses what CUDA and
 CuPy refuse: an event recorded on another device's stream, a kernel on another device's array.
 ``all_reduce(x, async_op=True)`` must return while a long kernel still runs on the caller's
 stream, on every engine (NCCL, MPI staged and CUDA-aware). Nothing here has run on a GPU.
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import meshkit
-import nccl_double as double
+from doubles import nccl_double as double
 from meshkit.comm import cuda_runtime, local, local_engine
 from meshkit.comm.world import local_context
 

@@ -6,7 +6,7 @@ Three tiers: bad input in this process (each error raised before anything is con
 nccl engine over the store engine with ranks as threads (``local.run`` with the strict NCCL
 double, whose communicators live in one process, and a HashStore); and real processes started by
 a plain launcher written here (``subprocess.Popen`` with RANK, WORLD_SIZE, MASTER_ADDR and
-MASTER_PORT, no mpiexec), whose device collectives go through ``tests/nccl_process_double.py``
+MASTER_PORT, no mpiexec), whose device collectives go through ``tests/doubles/nccl_process_double.py``
 (a stand-in communicator that crosses processes), plus one job under ``meshkit-run``.
 """
 
@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import meshkit
-import nccl_double as double
+from doubles import nccl_double as double
 from conftest import SCRIPTS
 from meshkit.comm import cuda_runtime, local
 from meshkit.comm.world import local_context

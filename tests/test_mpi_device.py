@@ -1,4 +1,4 @@
-"""Device arrays over the MPI engine, against the double (tests/nccl_double.py) as the runtime.
+"""Device arrays over the MPI engine, against the double (tests/doubles/nccl_double.py) as the runtime.
 
 On real processes (2 ranks, ``meshkit-run``): every collective and point-to-point on device
 arrays, staged through pinned host buffers (``MESHKIT_CUDA_AWARE_MPI=0``) and handed to MPI as
@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import nccl_double as double
+from doubles import nccl_double as double
 
 from meshkit.comm import cuda_runtime
 

@@ -1,4 +1,4 @@
-"""The NCCL engine over the strict double (tests/nccl_double.py), ranks as threads.
+"""The NCCL engine over the strict double (tests/doubles/nccl_double.py), ranks as threads.
 
 Every collective against the NumPy reference at world sizes 1 to 4, the routing of host and
 device arrays, streams (Work.wait orders the caller's stream, no host sync), timeouts, and
@@ -24,9 +24,9 @@ import numpy as np
 import pytest
 
 import collective_cases as cases
-import fake_cupy
+from doubles import fake_cupy
 import meshkit
-import nccl_double as double
+from doubles import nccl_double as double
 from meshkit import ReduceOp
 from meshkit.comm import cuda_runtime, local
 from meshkit.comm import lifecycle
@@ -399,10 +399,10 @@ def test_mixing_host_and_device_arrays_is_a_type_error(fake_gpu):
     def body():
         out = double.to_device(np.zeros(4))
         with pytest.raises(TypeError, match=r"rank \d: all_gather_into_tensor: output is "
-                                            r"nccl_double.DeviceArray \(device\) but input is numpy.ndarray \(host\)"):
+                                            r"doubles.nccl_double.DeviceArray \(device\) but input is numpy.ndarray \(host\)"):
             meshkit.all_gather_into_tensor(out, np.zeros(2))
         with pytest.raises(TypeError, match=r"all_gather: tensor_list\[1\] is numpy.ndarray \(host\) but tensor is "
-                                            r"nccl_double.DeviceArray \(device\)"):
+                                            r"doubles.nccl_double.DeviceArray \(device\)"):
             meshkit.all_gather([double.to_device(np.zeros(2)), np.zeros(2)], double.to_device(np.zeros(2)))
         return True
     assert on_nccl(body, 2) == [True, True]

@@ -27,8 +27,8 @@ import numpy as np
 import pytest
 
 import meshkit
-import fake_cupy
-import nccl_double as double
+from doubles import fake_cupy
+from doubles import nccl_double as double
 from collective_cases import avg_rtol
 from meshkit import ReduceOp
 from meshkit.comm import cuda_runtime, local, progress
@@ -365,7 +365,7 @@ _EXIT_SCRIPT = """
 import sys, time
 sys.path.insert(0, {tests!r})
 import numpy as np
-import nccl_double as double
+from doubles import nccl_double as double
 import meshkit
 from meshkit.comm import cuda_runtime
 from meshkit.comm.local_engine import Hub, RankContext

@@ -571,7 +571,7 @@ def test_stages_that_return_their_buffers_under_meshkit_run(mpirun):
     assert out.count(" OK") == 12 and "WRONG" not in out, out
 
 
-# --------------------------------------------------------------------------- device arrays (tests/fake_cupy.py)
+# --------------------------------------------------------------------------- device arrays (tests/doubles/fake_cupy.py)
 def _device_run(cupy, backend: str, kind: str):
     ps = cases.params(2)
     x, t = cases.data(4)

@@ -217,7 +217,7 @@ def test_the_store_engine_follows_simulated_host_names_for_local_rank_describe_a
     among the ranks that claimed their rank from its (simulated) host name, and ``describe()`` and
     the device choice follow. Hosts interleave (box0: ranks 0, 2; box1: ranks 1, 3), so the rank
     order alone would give other answers."""
-    import nccl_double as double
+    from doubles import nccl_double as double
 
     from meshkit.comm import cuda_runtime
     from meshkit.comm.world import local_context

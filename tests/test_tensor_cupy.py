@@ -1,4 +1,4 @@
-"""DTensor on device arrays: tests/fake_cupy.py's strict CuPy arrays (not np.ndarray; an implicit
+"""DTensor on device arrays: tests/doubles/fake_cupy.py's strict CuPy arrays (not np.ndarray; an implicit
 host copy raises) over the NCCL engine on the double. Every redistribution pair and the op rules
 keep the blocks on the device and match NumPy."""
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from tensor_cases import global_array, same_bits
 
-import fake_cupy
+from doubles import fake_cupy
 import meshkit
 from meshkit.comm import local
 from meshkit.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, logsumexp

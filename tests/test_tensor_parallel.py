@@ -409,9 +409,9 @@ DEVICE_CASES = [("ddp", (2, 2)), ("zero2", (2, 2)), ("fsdp", (2, 2)), ("hsdp", (
 
 @pytest.mark.parametrize("strategy, mesh_shape", DEVICE_CASES, ids=[s for s, _ in DEVICE_CASES])
 def test_data_parallel_dtensor_params_on_device_arrays(cupy, strategy, mesh_shape):
-    """CuPy blocks (tests/fake_cupy.py's strict arrays) over the NCCL engine on the double: the
+    """CuPy blocks (tests/doubles/fake_cupy.py's strict arrays) over the NCCL engine on the double: the
     strategy's DTensors wrap device arrays, and training equals single-process NumPy."""
-    import fake_cupy
+    from doubles import fake_cupy
 
     ref = dp_tp_cases.reference()
 

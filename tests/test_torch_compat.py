@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import meshkit
-import nccl_double as double
+from doubles import nccl_double as double
 from meshkit.comm import cuda_runtime, local
 from meshkit.comm._seams import current_world
 from meshkit.launch import bootstrap, cli

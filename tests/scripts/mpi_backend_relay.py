@@ -4,7 +4,7 @@ from collections import Counter
 
 import ddp_cases
 import numpy as np
-from toy_backend import Relay
+from doubles.toy_backend import Relay
 
 import meshkit
 from meshkit.comm import backends

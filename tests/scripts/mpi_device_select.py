@@ -11,7 +11,7 @@ import os
 import sys
 import time
 
-import nccl_double as double
+from doubles import nccl_double as double
 
 import meshkit
 from meshkit.comm import cuda_runtime, mpi, nccl

@@ -11,7 +11,7 @@ Prints one line per check.
 import sys
 
 import collective_cases as cases
-import nccl_double as double
+from doubles import nccl_double as double
 import numpy as np
 
 import meshkit

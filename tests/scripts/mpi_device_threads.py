@@ -12,7 +12,7 @@ comes from MESHKIT_CUDA_AWARE_MPI.
 import sys
 import time
 
-import nccl_double as double
+from doubles import nccl_double as double
 import numpy as np
 
 import meshkit

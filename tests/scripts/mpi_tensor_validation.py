@@ -5,7 +5,7 @@ where, concatenate, split, take) checked by validate_rules against NumPy on a 1-
 import numpy as np
 
 import meshkit
-from meshkit.tensor.validation import validate_rules
+from support.tensor_validation import validate_rules
 
 OPS = ["np.einsum", "np.max", "meshkit.tensor.logsumexp", "np.exp", "np.where", "np.concatenate", "np.split",
        "np.array_split", "np.take", "np.matmul", "np.sum"]

@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-import nccl_double as double
+from doubles import nccl_double as double
 import numpy as np
 from mpi4py import MPI
 

@@ -274,7 +274,7 @@ def _on_current_device(what: str, *arrays: Any) -> None:
     """Refuse a kernel (``what``) touching a device array of another device than the current one."""
     here = _device()
     for a in arrays:
-        a = getattr(a, "_device_memory", a)  # tests/fake_cupy.py's arrays wrap a DeviceArray
+        a = getattr(a, "_device_memory", a)  # tests/doubles/fake_cupy.py's arrays wrap a DeviceArray
         if isinstance(a, DeviceArray) and a.device_id != here:
             raise ValueError(f"The device where the array resides ({a.device_id}) is different from the current "
                              f"device ({here}). Peer access is unavailable between these devices. "
@@ -1208,7 +1208,7 @@ class FakeRuntime:
 
     def _copy(self, what: str, device: Any, host: Any, stream: Any, to_device: bool) -> None:
         self._check_pinned(what, host)
-        device = getattr(device, "_device_memory", device)  # tests/fake_cupy.py's arrays wrap a DeviceArray
+        device = getattr(device, "_device_memory", device)  # tests/doubles/fake_cupy.py's arrays wrap a DeviceArray
         if not isinstance(device, DeviceArray) or (device.nbytes and _owner(device.__array_interface__["data"][0],
                                                                             device.nbytes) is None):
             raise FakeNcclError(f"double: {what}: {type(device).__name__} is not live device memory")
@@ -1265,7 +1265,7 @@ class FakeRuntime:
 
     @staticmethod
     def device_of(x: Any) -> int:
-        a = getattr(x, "_device_memory", x)  # tests/fake_cupy.py's arrays wrap a DeviceArray
+        a = getattr(x, "_device_memory", x)  # tests/doubles/fake_cupy.py's arrays wrap a DeviceArray
         if isinstance(a, DeviceArray):  # also an empty one (CuPy's ``x.device``)
             return a.device_id
         owner = _owner(int(x.__cuda_array_interface__["data"][0]))
