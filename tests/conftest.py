@@ -67,6 +67,15 @@ def cupy():
         yield module
 
 
+@pytest.fixture
+def fake_gpu():
+    """The NCCL double as the CUDA runtime for the test (tests/support/nccl.py); yields its module."""
+    from support.nccl import fake_runtime
+
+    with fake_runtime() as double:
+        yield double
+
+
 @pytest.fixture(autouse=True)
 def job_teardowns(monkeypatch):
     """The NCCL watchdog ends the whole job (os._exit) when deferred device work fails: inside

@@ -79,13 +79,6 @@ class Mine:
         return isinstance(other, Mine) and other.value == self.value
 
 
-@pytest.fixture
-def fake_gpu():
-    previous = cuda_runtime.set_runtime(double.FakeRuntime())
-    yield double
-    cuda_runtime.set_runtime(previous)
-
-
 def same(a, b) -> bool:
     """Equal and of exactly the same types all the way down (floats by their bits: NaN, -0.0)."""
     if type(a) is not type(b):

@@ -5,6 +5,7 @@ strict arrays over every engine: NCCL, local, and MPI (staged, chunked, CUDA-awa
 
 from __future__ import annotations
 
+import functools
 import re
 
 import numpy as np
@@ -21,15 +22,12 @@ from meshkit.comm import local
 from meshkit.parallel import (SGD, AdamW, DistributedDataParallel, FullyShardedDataParallel, PowerSGDState,
                               ZeroRedundancyOptimizer, clip_grad_norm_, fp16_compress_hook, powersgd_hook)
 from meshkit.parallel.data_parallelism import full_state
+import support.nccl
 
 
-# The ``cupy`` fixture (tests/conftest.py) installs the fake module and the double for a test.
-def on_nccl(fn, n, *args, **kwargs):
-    """``fn`` on ``n`` thread-ranks of an ``nccl`` world over the double (one fake GPU each)."""
-    def main():
-        meshkit.init_process_group("nccl", timeout=60)
-        return fn(*args, **kwargs)
-    return local.run(main, n, init=False, timeout=120)
+# The ``cupy`` fixture (tests/conftest.py) installs the fake module and the double for a test; a
+# strategy's step on 4 thread-ranks of a loaded 2-core machine takes the group's timeout of 60 s.
+on_nccl = functools.partial(support.nccl.on_nccl, timeout=60)
 
 
 def host(tree):

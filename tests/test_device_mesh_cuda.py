@@ -15,6 +15,7 @@ import pytest
 
 import meshkit
 from doubles import nccl_double as double
+from support.nccl import on_nccl
 from meshkit import DeviceMesh, init_device_mesh
 from meshkit.comm import cuda_runtime, local
 
@@ -33,13 +34,6 @@ def splits(monkeypatch):
     monkeypatch.setattr(double.FakeCommunicator, "commSplit", counted)
     yield counts
     cuda_runtime.set_runtime(previous)
-
-
-def on_nccl(fn, n):
-    def main():
-        meshkit.init_process_group("nccl", timeout=30)
-        return fn()
-    return local.run(main, n, init=False)
 
 
 def test_cuda_mesh_2x2_splits_once_per_dimension_and_describes_hosts_and_gpus(splits):

@@ -26,6 +26,7 @@ import pytest
 
 import meshkit
 from doubles import nccl_double as double
+from support.ports import free_port
 from conftest import SCRIPTS
 from meshkit.comm import cuda_runtime, local
 from meshkit.comm.world import local_context
@@ -39,19 +40,6 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
 def no_launcher(monkeypatch):
     for name in LAUNCH_VARS:
         monkeypatch.delenv(name, raising=False)
-
-
-@pytest.fixture
-def fake_gpu():
-    previous = cuda_runtime.set_runtime(double.FakeRuntime())
-    yield double
-    cuda_runtime.set_runtime(previous)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --------------------------------------------------------------------------- bad input, nothing connected

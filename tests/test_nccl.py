@@ -27,6 +27,7 @@ import collective_cases as cases
 from doubles import fake_cupy
 import meshkit
 from doubles import nccl_double as double
+from support.nccl import on_nccl
 from meshkit import ReduceOp
 from meshkit.comm import cuda_runtime, local
 from meshkit.comm import lifecycle
@@ -54,27 +55,11 @@ def nccl_ops(dtype) -> list[ReduceOp]:
 
 
 @pytest.fixture
-def fake_gpu():
-    """The double as the runtime, for the test's duration."""
-    previous = cuda_runtime.set_runtime(double.FakeRuntime())
-    yield double
-    cuda_runtime.set_runtime(previous)
-
-
-@pytest.fixture
 def connect_at_init(monkeypatch):
     """NCCL_RUNTIME_CONNECT=0: NCCL connects the ranks in init, so a peer late at a communicator's
     first collective meets the group's timeout (by default NCCL connects at that first call and
     blocks the host inside it, where no timeout reaches: see docs/gpus.md)."""
     monkeypatch.setenv("NCCL_RUNTIME_CONNECT", "0")
-
-
-def on_nccl(fn, n, *args, timeout=30):
-    """Run ``fn`` on ``n`` thread-ranks, each with an ``nccl`` world over the double."""
-    def main():
-        meshkit.init_process_group("nccl", timeout=timeout)
-        return fn(*args)
-    return local.run(main, n, init=False)
 
 
 def dev_cases(dtype, group=None):

@@ -29,6 +29,7 @@ import pytest
 import meshkit
 from doubles import fake_cupy
 from doubles import nccl_double as double
+from support.nccl import on_nccl
 from collective_cases import avg_rtol
 from meshkit import ReduceOp
 from meshkit.comm import cuda_runtime, local, progress
@@ -37,27 +38,6 @@ from meshkit.comm._seams import current_world
 from meshkit.comm.world import local_context
 
 TESTS = Path(__file__).parent
-
-
-@pytest.fixture
-def fake_gpu():
-    previous = cuda_runtime.set_runtime(double.FakeRuntime())
-    yield double
-    cuda_runtime.set_runtime(previous)
-
-
-def on_nccl(fn, n, *args, timeout=30, runtime=None):
-    """``fn`` on ``n`` thread-ranks, each with an ``nccl`` world over the double."""
-    previous = cuda_runtime.set_runtime(runtime) if runtime is not None else None
-
-    def main():
-        meshkit.init_process_group("nccl", timeout=timeout)
-        return fn(*args)
-    try:
-        return local.run(main, n, init=False)
-    finally:
-        if runtime is not None:
-            cuda_runtime.set_runtime(previous)
 
 
 def on_comms(n, fn, rt=None):
