@@ -235,11 +235,24 @@ def test_dtensor_benchmark_times_every_transition_and_op_and_writes_json(mpirun,
 
 
 # --------------------------------------------------------------------------- every benchmark: --help, tiny runs
-@pytest.mark.parametrize("script", sorted(p.name for p in BENCHMARKS.glob("*.py") if not p.name.startswith("_")))
-def test_every_benchmark_prints_its_help(script):
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / script), "--help"], capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0 and proc.stdout.startswith(f"usage: {script}"), proc
+HELPED = sorted(p.name for p in BENCHMARKS.glob("*.py") if not p.name.startswith("_"))
+
+
+@pytest.fixture(scope="module")
+def helps() -> dict[str, dict]:
+    """Every benchmark's ``--help``, run in one process (tests/scripts/benchmark_helps.py) with
+    DeprecationWarnings as errors: script name -> its exit code, stdout and stderr."""
+    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "scripts" / "benchmark_helps.py"),
+                           *(str(BENCHMARKS / s) for s in HELPED)], capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "PYTHONWARNINGS": "error::DeprecationWarning"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return {r["script"]: r for r in map(json.loads, proc.stdout.splitlines())}
+
+
+@pytest.mark.parametrize("script", HELPED)
+def test_every_benchmark_prints_its_help(helps, script):
+    got = helps[script]
+    assert got["code"] == 0 and got["out"].startswith(f"usage: {script}"), got
 
 
 def test_a_deprecated_spelling_in_a_benchmark_fails_it(tmp_path):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import re
 import subprocess
@@ -17,6 +19,7 @@ from meshkit.comm import local
 from meshkit.plan import (Config, Layer, Level, LinkCost, Machine, Model, PlanError, bus_bytes, calibrate, estimate,
                           scaling, search)
 from meshkit.plan.calibrate import fit_alpha_beta
+from meshkit.plan.__main__ import main as plan_command
 
 
 def two_level() -> Machine:
@@ -497,14 +500,24 @@ def test_the_nearest_world_size_costs_the_same_at_any_world_size(world_size):
     assert _lines_executed(lambda: search(MODEL, 8, m), 200_000) < 200_000  # 34 configurations estimated
 
 
+def _plan(argv: list[str]) -> subprocess.CompletedProcess:
+    """``python -m meshkit.plan ARGV`` through its ``main`` in this process: exit status, stdout, stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = plan_command(argv)
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+
 def test_cli(tmp_path):
     layers = [{"name": layer.name, "params": {k: list(v) for k, v in layer.params.items()},
                "activation_bytes": layer.activation_bytes, "flops": layer.flops, "tp_dim": layer.tp_dim}
               for layer in MODEL.layers]
     (tmp_path / "model.json").write_text(json.dumps({"batch": 32, "layers": layers}))
     two_level().save(tmp_path / "m.json")
-    cmd = [sys.executable, "-m", "meshkit.plan", str(tmp_path / "model.json"), "--world-size", "8"]
-    out = subprocess.run(cmd + ["--machine", str(tmp_path / "m.json"), "--top", "3"], capture_output=True, text=True)
+    args = [str(tmp_path / "model.json"), "--world-size", "8"]
+    # the command itself once; the other runs call its main in this process (a process each costs seconds)
+    out = subprocess.run([sys.executable, "-m", "meshkit.plan", *args, "--machine", str(tmp_path / "m.json"), "--top",
+                          "3"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].startswith(f"{len(search(MODEL, 8, two_level()))} configurations of 8 ranks")
@@ -513,26 +526,23 @@ def test_cli(tmp_path):
     assert lines[1].split()[1:] == ["step", "ms", "compute", "bubble", "exposed", "optim", "copy", "comm", "MiB/rank"]
     machine = dataclasses.replace(two_level(), update_rate={"adamw": 1e8}, copy_rate=1e9)
     machine.save(tmp_path / "full.json")
-    full = subprocess.run(cmd + ["--machine", str(tmp_path / "full.json"), "--top", "3"], capture_output=True,
-                          text=True)
+    full = _plan(args + ["--machine", str(tmp_path / "full.json"), "--top", "3"])
     for row in full.stdout.splitlines()[2:]:
         step, compute, bubble, exposed, optim, copy = map(float, row.split()[-8:-2])
         assert optim > 0 and copy > 0 and step == pytest.approx(compute + bubble + exposed + optim + copy, abs=2e-3)
     layers[1]["params"]["w1"] = [64, -256]
     (tmp_path / "bad.json").write_text(json.dumps({"batch": 32, "layers": layers}))
-    bad = subprocess.run([sys.executable, "-m", "meshkit.plan", str(tmp_path / "bad.json"), "--world-size", "8"],
-                         capture_output=True, text=True)
+    bad = _plan([str(tmp_path / "bad.json"), "--world-size", "8"])
     assert bad.returncode == 2 and "usage:" in bad.stderr
     assert "Model.layers[1].params['w1'][1] must be an integer >= 0, got -256" in bad.stderr
-    strat = subprocess.run(cmd + ["--strategies", "ddp,zero3"], capture_output=True, text=True)
+    strat = _plan(args + ["--strategies", "ddp,zero3"])
     assert strat.returncode == 2 and "--strategies: unknown strategy 'zero3'; valid strategies are ddp, zero1" in strat.stderr
-    only = subprocess.run(cmd + ["--strategies", "fsdp", "--json", "--top", "2"], capture_output=True, text=True)
+    only = _plan(args + ["--strategies", "fsdp", "--json", "--top", "2"])
     assert [r["config"].split()[0] for r in json.loads(only.stdout)] == ["fsdp", "fsdp"]
     (tmp_path / "typo.json").write_text(json.dumps({"batch": 32, "layers": [{"params": {"w": [2]}, "flop": 3}]}))
-    typo = subprocess.run([sys.executable, "-m", "meshkit.plan", str(tmp_path / "typo.json"), "--world-size", "2"],
-                          capture_output=True, text=True)
+    typo = _plan([str(tmp_path / "typo.json"), "--world-size", "2"])
     assert typo.returncode == 2 and "Model.layers[0] must be keys among name, params" in typo.stderr, typo.stderr
-    cap = subprocess.run(cmd + ["--memory-cap", "1000"], capture_output=True, text=True)
+    cap = _plan(args + ["--memory-cap", "1000"])
     assert cap.returncode == 2 and "fits memory_cap=1000 bytes per rank; the closest is" in cap.stderr
 
 

@@ -28,7 +28,7 @@ def _env_lines(out: str) -> dict[int, dict[str, str | None]]:
     return {int(r): ast.literal_eval(d) for r, d in re.findall(r"\[rank(\d)\]: env (\{.*\})", out)}
 
 
-def test_each_rank_reports_its_simulated_host_and_node_local_rank(mpirun):
+def test_each_rank_reports_its_simulated_host_and_node_local_rank_and_describe_groups_by_host(mpirun):
     out = mpirun("simulated_nodes.py", 4, "hosts", options=SIM, timeout=90).stdout
     seen = _env_lines(out)
     for rank in range(4):
@@ -38,10 +38,7 @@ def test_each_rank_reports_its_simulated_host_and_node_local_rank(mpirun):
         assert f"[rank{rank}]: host {HOST}-sim{node} local rank {local_rank}\n" in out, out
         # MPICH itself sees 2 nodes: shared memory within one, its network module between them.
         assert f"[rank{rank}]: MPI shared-memory node of 2 ranks\n" in out, out
-
-
-def test_describe_groups_ranks_by_simulated_host_and_names_the_dimension_that_crosses(mpirun):
-    out = mpirun("simulated_nodes.py", 4, "hosts", options=SIM, timeout=90).stdout
+    # describe() of the same job groups the ranks by simulated host and names the dimension that crosses
     described = re.search(r"describe:\n(.*?)\[rank0\]: end", out, re.S).group(1)
     assert "dim 0 'dp' (size 2) crosses hosts: groups [[0, 2], [1, 3]]" in described, out
     assert "dim 1 'tp' (size 2): groups [[0, 1], [2, 3]]" in described, out
