@@ -9,6 +9,8 @@ modules fill), ``propagation`` (what the op rules share), the op rules ``ufuncs`
 checks); ``parallel`` (tensor-parallel styles and ``parallelize``).
 Depends on ``comm`` and ``mesh`` only. ``__all__`` is the user API; what ``parallel`` and
 ``checkpoint`` need beyond it is in :mod:`meshkit.tensor._seams`.
+
+Modules besides those above: ``errors.py`` (the ``meshkit.tensor: rank R:`` prefix), ``_seams.py``.
 """
 
 from ..comm._seams import moved_names

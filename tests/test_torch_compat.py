@@ -67,6 +67,26 @@ def test_availability_is_exported():
     assert meshkit.is_available() is True
 
 
+def test_a_star_import_gives_the_torch_surface_and_the_packages_and_keeps_the_builtin_breakpoint():
+    """``from meshkit import *`` as ``from torch.distributed import *`` would be used: the names of
+    meshkit's ``__all__`` (comm's, the mesh, ``spawn``, every package), never a shadowed builtin."""
+    import builtins
+    from pathlib import Path
+
+    names: dict = {}
+    exec("from meshkit import *", names)
+    assert "breakpoint" not in names and "breakpoint" not in meshkit.__all__
+    shadowed = sorted(n for n in meshkit.__all__ if hasattr(builtins, n))
+    assert not shadowed, f"from meshkit import * would shadow builtins: {shadowed}"
+    assert meshkit.breakpoint is meshkit.comm.breakpoint  # still there by its full name, as torch's dist.breakpoint
+    assert set(meshkit.comm.__all__) - {"breakpoint"} <= set(names)
+    root = Path(meshkit.__file__).parent
+    packages = {p.name for p in root.iterdir() if (p / "__init__.py").is_file() and p.name != "tests"}
+    assert packages == {"comm", "mesh", "tensor", "state", "parallel", "checkpoint", "plan", "debug", "launch",
+                        "elastic"}, packages
+    assert packages <= set(meshkit.__all__) and all(names[p] is getattr(meshkit, p) for p in packages)
+
+
 def _python(code: str, **env: str) -> str:
     import os
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,

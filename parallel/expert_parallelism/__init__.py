@@ -3,6 +3,9 @@
 :mod:`.routing` (top-k router, gates), :mod:`.exchange` (tokens to their experts' ranks and back
 with ``all_to_all_single``, the capacity cut), :mod:`.experts` (the expert MLPs, row-blocked for
 bitwise results), :mod:`.moe` (:class:`MoE`: forward, backward, gradient reduction over dp).
+
+Modules: ``routing.py`` (router scores, top-k experts, gates), ``exchange.py`` (token dispatch and
+combine over ``ep``), ``experts.py`` (the expert MLPs, forward and backward), ``moe.py`` (the layer).
 """
 
 from .exchange import DispatchPlan, expert_capacity
