@@ -164,10 +164,6 @@ class Model:
     def load(cls, path: str | Path) -> Model:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
-    def param_names(self, layers: list[Layer] | None = None) -> list[str]:
-        """Flat names ``layer.param`` in registration order (those of the strategies in the tests)."""
-        return [f"{layer.name}.{p}" for layer in (self.layers if layers is None else layers) for p in layer.params]
-
 
 @dataclasses.dataclass(frozen=True)
 class Config:
