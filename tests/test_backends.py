@@ -1,4 +1,4 @@
-"""Backends by name (issue 26.5): ``Backend``, ``register_backend``, a third-party engine used through
+"""Backends by name: ``Backend``, ``register_backend``, a third-party engine used through
 ``init_process_group``, the interface check at init, and the built-ins registering the same way.
 """
 

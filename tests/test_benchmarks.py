@@ -3,7 +3,7 @@ end against the NCCL double (tests/doubles/nccl_double.py; ``--device cuda`` on 
 benchmarks/gpu_check.sh); every other benchmark's ``--help`` and a tiny run. Only that each path
 runs and checks its results is tested here, never a timing. Every benchmark runs with
 DeprecationWarnings as errors (``PYTHONWARNINGS``, which meshkit-run's ranks inherit): a
-benchmark written against an old spelling of the API fails here (issue 25.1)."""
+benchmark written against an old spelling of the API fails here."""
 
 from __future__ import annotations
 
@@ -344,7 +344,7 @@ def test_context_parallel_benchmark_times_compute_comm_and_the_ring(mpirun, tmp_
 def test_scaling_benchmark_writes_measured_beside_predicted_with_exact_memory(tmp_path):
     """benchmarks/scaling.py at its smallest (1 and 2 ranks, ddp and fsdp, strong scaling, one step
     in each of two interleaved rounds; at 2 ranks also train_3d's tp2, pp2 gpipe and pp2 1f1b):
-    one record per configuration in issue 29.3's format, memory predicted byte for byte, and the
+    one record per configuration, memory predicted byte for byte, and the
     acceptance figures printed. No timing is asserted (a shared 2-core machine)."""
     out_json = tmp_path / "scaling.json"
     proc = subprocess.run([sys.executable, str(BENCHMARKS / "scaling.py"), "--worlds", "1,2", "--strategies",

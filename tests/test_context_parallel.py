@@ -1,4 +1,4 @@
-"""Context parallelism (issue 28.1): ring and all-to-all (Ulysses) attention, forward and backward, equal
+"""Context parallelism: ring and all-to-all (Ulysses) attention, forward and backward, equal
 to full attention in one process to 1e-12 (float64), causal or not, balanced (head-tail) or not, sequence
 lengths that do not divide by cp; the work each rank computes, the bytes the ring sends (read from the
 flight recorder), errors raised on every rank; and real processes under meshkit-run."""

@@ -105,7 +105,7 @@ def test_sharded_strategies_on_device_arrays_match_single_process_numpy(cupy, st
     results = on_nccl(cases.STRATEGIES[strategy], world_size, kind, config, steps=range(2), xp=cupy)
     ref = cases.reference(kind, config, steps=2)
     for sd, norms in results:
-        assert on_host(sd), "the full state dict of a device model is NumPy arrays on the host (issue 25.1)"
+        assert on_host(sd), "the full state dict of a device model is NumPy arrays on the host"
         cases.assert_matches(host(sd["params"]), ref, f"{strategy}/{kind}/{config}/{world_size}")
         assert norms == results[0][1] and all(isinstance(v, float) for v in norms)
 
@@ -184,7 +184,7 @@ def test_clip_grad_norm_nan_on_device(cupy):
 # --------------------------------------------------------------------------- state dicts and memory
 def test_state_dicts_on_device_and_the_documented_host_conversion(cupy):
     """A device ZeRO-2 run saved at 4 ranks resumes at 2 from its full state dict, NumPy arrays on
-    the host (issue 25.1: full_state_dict() is NumPy whatever the model's library), and from a
+    the host (full_state_dict() is NumPy whatever the model's library), and from a
     device copy of it (the one documented conversion: a load takes either library)."""
     steps = ddp_cases.STEPS
     ref = cases.reference("adamw", "mixed")

@@ -1,4 +1,4 @@
-"""tests/doubles/fake_cupy.py and tests/doubles/nccl_double.py refuse what the real CuPy refuses (issue 36, point 4).
+"""tests/doubles/fake_cupy.py and tests/doubles/nccl_double.py refuse what the real CuPy refuses.
 
 The fake binds every call to the signature of the real CuPy function of the same name where CuPy
 is installed (the cuda12 CI job installs it: cupy-cuda12x imports without a GPU), else to a table

@@ -1,4 +1,4 @@
-"""Issue 26.3: the debug level at run time, the Chrome trace of the flight records, the records a
+"""The debug level at run time, the Chrome trace of the flight records, the records a
 timeout leaves in MESHKIT_TRACE_DIR and ``python -m meshkit.debug analyze``, and ``breakpoint``."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def test_debug_level_functions_are_exported_as_torch_names_them():
 def test_set_debug_level_reaches_groups_that_exist_already():
     """A mismatched async all_reduce on a group made before the switch: OFF, the local engine finds
     it when the data meets (at wait); DETAIL, the fingerprints are compared before anything starts,
-    at the call itself. The cached level (comm/group.py before issue 26.3) kept OFF's behaviour."""
+    at the call itself. The cached level (comm/group.py before levels changed at run time) kept OFF's behaviour."""
 
     def job():
         sub = meshkit.new_group([0, 1])

@@ -1,4 +1,4 @@
-"""Expert parallelism (issue 28.2): the MoE layer over an ep group reproduces one process bit for
+"""Expert parallelism: the MoE layer over an ep group reproduces one process bit for
 bit (forward) and to 1e-12 (backward, and composed with dp and tp), drops exactly what its
 capacity rule says, and rejects bad input on every rank."""
 

@@ -1,4 +1,4 @@
-"""Devices on every thread, and calls that must not wait for the device (issue 24, points 3 and 8).
+"""Devices on every thread, and calls that must not wait for the device.
 
 CUDA's current device is per thread and 0 on a new thread, so every helper thread of meshkit
 (the progress agent and watchdog, a group's communication thread) that touches CUDA for a rank

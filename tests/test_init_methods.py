@@ -1,4 +1,4 @@
-"""init_process_group's init methods (issue 26.2): env://, tcp://, file://, store=, checked inputs,
+"""init_process_group's init methods: env://, tcp://, file://, store=, checked inputs,
 the rendezvous (duplicate ranks, ranks that never come), the MPI world under meshkit-run, and the
 nccl backend bootstrapped through a store without MPI.
 
@@ -102,7 +102,7 @@ def test_bad_environment_is_named(monkeypatch, env, match):
 
 
 def test_mpi_cannot_form_a_world_from_env_outside_mpiexec(monkeypatch):
-    """MPI's world comes from its process manager: the error names meshkit-run (issue 26.2, point 4).
+    """MPI's world comes from its process manager: the error names meshkit-run.
     Slurm's variables stand in for RANK/WORLD_SIZE (srun without an MPI plugin)."""
     monkeypatch.setenv("SLURM_PROCID", "1")
     monkeypatch.setenv("SLURM_NTASKS", "3")

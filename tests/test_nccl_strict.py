@@ -1,5 +1,5 @@
-"""Where the NCCL double models real CuPy/NCCL strictly (issue 24, points 1, 2, 6 and 7; issue 36,
-point 4: the GPU identity, nonblocking communicators, no driver), and the engine against it.
+"""Where the NCCL double models real CuPy/NCCL strictly (among them the GPU identity, nonblocking
+communicators, no driver), and the engine against it.
 
 Each modelled behaviour is tested on the double itself (``test_double_*``, against the real
 ``cupy.cuda.nccl`` / CuPy runtime where their texts are compared), then the engine: each of those
@@ -509,7 +509,7 @@ def test_bfloat16_is_mapped_to_ncclbfloat16_and_the_cuda_extras_install_ml_dtype
         assert any(d.startswith("ml_dtypes") for d in extras[name]), extras[name]
 
 
-# --------------------------------------------------------------------------- issue 36.4: what CuPy refuses
+# --------------------------------------------------------------------------- What CuPy refuses
 def _cupy_runtime_over(gpus):
     """A CupyRuntime whose ``cupy.cuda.runtime`` is the double's (:class:`double.FakeCudaRuntimeModule`)."""
     rt = cuda_runtime.CupyRuntime.__new__(cuda_runtime.CupyRuntime)

@@ -108,7 +108,7 @@ def test_a_rank_that_ends_after_its_last_call_fails_nobody():
 
 
 def _ddp_rank_leaves_with_buckets_in_flight(late: bool):
-    """Rank 2 launches two of four DDP buckets and returns; the others finish the sync (issue 23.5)."""
+    """Rank 2 launches two of four DDP buckets and returns; the others finish the sync."""
     from meshkit.parallel import DistributedDataParallel
     params = {f"p{i}": np.zeros(1000) for i in range(4)}
     ddp = DistributedDataParallel(params, bucket_cap_mb=0.004, first_bucket_cap_mb=0.004)  # a bucket each
@@ -242,7 +242,7 @@ def test_real_processes_a_rank_that_exits_cleanly_while_others_wait(mpirun):
 
 @pytest.mark.parametrize("case", ["ddp-exit", "ddp-exit-late"])
 def test_real_processes_a_rank_that_exits_with_ddp_buckets_in_flight(mpirun, case):
-    """Issue 23.5: sys.exit(0) with buckets in flight; the others named it within seconds (timeout
+    """``sys.exit(0)`` with buckets in flight; the others named it within seconds (timeout
     60 s), and the launcher says the rank is stuck exiting, not running."""
     start = time.monotonic()
     proc = mpirun("mpi_notices.py", 3, case, timeout=60, check=False)
@@ -296,7 +296,7 @@ def test_real_processes_detail_mode_checks_the_dtype_of_a_message(mpirun):
 
 def test_an_uncaught_exception_under_plain_mpiexec_ends_the_job():
     """Its traceback reaches mpiexec's stderr even when the process reading the rank's output
-    runs only after the abort (the rank stops hydra's proxy across it: issue 36.8's flake, made
+    runs only after the abort (the rank stops hydra's proxy across it: a flake on a loaded machine, made
     certain; before the abort waited for its pipe to drain, stderr came back empty 4 times in 5)."""
     mpiexec = Path(sys.executable).parent / "mpiexec"
     start = time.monotonic()

@@ -375,7 +375,7 @@ def test_ranks_that_build_different_pipelines_fail_on_every_rank_at_the_first_st
 
 @pytest.mark.parametrize("p, v", [(2, 1), (3, 1), (1, 2), (2, 2)])
 def test_a_target_of_another_batch_than_x_fails_on_every_rank(p, v):
-    """Issue 23.7: x of 8 samples, target of 4, 4 microbatches: the loss's broadcasting (a (2, 5)
+    """An x of 8 samples, target of 4, 4 microbatches: the loss's broadcasting (a (2, 5)
     output minus a (1, 5) target) would hide it; every rank raises at the first step."""
     x, t = cases.data(8)
     results, took = _steps(p, v, 4, x, [t[:4]])

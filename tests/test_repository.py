@@ -27,7 +27,7 @@ def test_a_clone_in_a_folder_whose_name_is_not_an_identifier_runs_its_tests(tmp_
     assert "1 passed" in proc.stdout
 
 
-# --------------------------------------------------------------------------- the documentation (issue 25.5)
+# --------------------------------------------------------------------------- the documentation
 DOCS = ROOT / "docs"
 _LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)\s]*)?\)")  # a Markdown link's target, without its #anchor
 
@@ -65,8 +65,8 @@ def test_the_readme_is_a_front_page_with_the_map_near_the_top():
     assert "```bash\nmeshkit-run -n 4 examples/train_mlp.py --check\n```" in readme
 
 
-#: Packages whose docstring does not carry the map yet: comm's is written with its rooms (issue 37.3,
-#: another branch); remove it from here when that lands, and the test checks comm as every other package.
+#: Packages whose docstring does not carry the map yet: comm's is written with its rooms (on another
+#: branch); remove it from here when that lands, and the test checks comm as every other package.
 MAP_PENDING = {"comm"}
 
 

@@ -1,5 +1,5 @@
 """``meshkit-run --simulate-nodes K``: N ranks of one machine as K nodes, and everything in meshkit
-that follows host boundaries follows the simulated ones (issue 29, point 4).
+that follows host boundaries follows the simulated ones.
 
 Real jobs through meshkit-run for what ranks see (host names, node-local ranks, torchrun's
 variables, ``describe()``, the NCCL engine's device choice on the double); the launcher's

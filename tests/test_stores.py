@@ -1,4 +1,4 @@
-"""Key-value stores (issue 26.1): one semantics for HashStore, FileStore, TCPStore and PrefixStore,
+"""Key-value stores: one semantics for HashStore, FileStore, TCPStore and PrefixStore,
 TCPStore's server under load and abuse, and both process-shared stores across real processes."""
 
 from __future__ import annotations
@@ -595,7 +595,7 @@ def test_try_get_waits_up_to_its_timeout_and_gives_none_instead_of_raising(store
         store.try_get("k", -1)
 
 
-# --------------------------------------------------------------------------- torch 2.13's later methods (issue 36.7)
+# --------------------------------------------------------------------------- torch 2.13's later methods
 def test_multi_get_multi_set_append_and_list_keys(stores, monkeypatch):
     from meshkit.comm.stores import store as store_module, tcp_server
 

@@ -1,4 +1,4 @@
-"""What ported torch.distributed code expects (issue 26.4): torchrun's variables under meshkit-run,
+"""What ported torch.distributed code expects: torchrun's variables under meshkit-run,
 ``is_*_available()``, ``barrier(device_ids=...)`` and the ``"gloo"`` backend.
 """
 
@@ -164,7 +164,7 @@ def test_gloo_is_the_host_engine():
     assert _python(code) == "mpi 1"
 
 
-# --------------------------------------------------------------------------- issue 36.7: timeouts and futures
+# --------------------------------------------------------------------------- Timeouts and futures
 def test_timeouts_take_torchs_timedelta():
     """``monitored_barrier(timeout=timedelta)`` and ``Work.wait(timeout=timedelta)`` raised
     TypeError; torch takes a timedelta (and ``Work.wait``'s default, timedelta(0), means no bound

@@ -1,4 +1,4 @@
-"""Zero-bubble pipeline schedules (issue 28.3): ZB-H1 and ZB-V with each backward split into B
+"""Zero-bubble pipeline schedules: ZB-H1 and ZB-V with each backward split into B
 (input gradient) and W (weight gradient). Orders checked by simulation (no deadlock, every
 microbatch's F, B and W once per stage, in dependency order), simulated bubbles against the
 formula, peak held activations against 1F1B's, equality with single-process training on the

@@ -1,4 +1,4 @@
-"""A third-party backend registered by name over MPI's engine, used through init_process_group (issue 26.5)."""
+"""A third-party backend registered by name over MPI's engine, used through init_process_group."""
 
 from collections import Counter
 

@@ -1,4 +1,4 @@
-"""The NCCL engine's device selection over the MPI engine as host, on the double (issue 24, point 4).
+"""The NCCL engine's device selection over the MPI engine as host, on the double.
 
 argv[1:]: the cases, run in order in one job. "local-rank": each rank prints its node-local rank (the
 launcher's variable; "local-rank=V": with LOCAL_RANK=V instead); "split": the same without any launcher

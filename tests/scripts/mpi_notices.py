@@ -65,7 +65,7 @@ for case in sys.argv[1:]:
             report(lambda: meshkit.recv(y, src=0))
             print(f"RECEIVED {rank} {y.tolist()}", flush=True)
     elif case in ("ddp-exit", "ddp-exit-late"):
-        # Issue 23.5: rank 1 leaves with DDP buckets in flight; the others finish the sync.
+        # Rank 1 leaves with DDP buckets in flight; the others finish the sync.
         from meshkit.parallel import DistributedDataParallel
         params = {f"p{i}": np.zeros(1000) for i in range(4)}
         ddp = DistributedDataParallel(params, bucket_cap_mb=0.004, first_bucket_cap_mb=0.004)  # a bucket each

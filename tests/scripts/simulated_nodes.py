@@ -1,4 +1,4 @@
-"""What follows host boundaries, as a rank of ``meshkit-run [--simulate-nodes K]`` sees it (issue 29.4).
+"""What follows host boundaries, as a rank of ``meshkit-run [--simulate-nodes K]`` sees it.
 
 Every rank prints the environment the bootstrap, hydra and the launcher set, and the size of
 MPI's shared-memory split (MPICH's own idea of a node). argv[1]: "env": only that; "hosts": the

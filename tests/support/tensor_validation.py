@@ -1,4 +1,4 @@
-"""Every sharding rule checked against NumPy: :func:`validate_rules` (issue 28; torch's
+"""Every sharding rule checked against NumPy: :func:`validate_rules` (torch's
 ``DTensor`` op tests do the same for its sharding strategies).
 
 For every operation in the dispatch tables (:mod:`.dispatch`: each NumPy function of
