@@ -59,16 +59,15 @@ def test_the_node_local_rank_follows_host_names_a_user_sets(mpirun):
 
 def test_nccl_device_selection_follows_the_simulated_nodes(mpirun):
     share = {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}
-    out = mpirun("simulated_nodes.py", 4, "devices", "4", options=SIM, env=share, timeout=90).stdout
+    # One job: 4 GPUs on each of 2 simulated nodes, then 2 GPUs with sharing refused.
+    out = mpirun("simulated_nodes.py", 4, "devices", "4", "2:0", options=SIM, env=share, timeout=90).stdout
     for rank in range(4):  # node-local rank modulo visible GPUs, per simulated node
         assert f"[rank{rank}]: device {rank % 2} (0000:0{rank % 2}:00.0)" in out, out
+    # The simulated nodes are one machine: GPUs really shared are refused as NCCL would.
+    assert "[rank2]: DistBackendError: meshkit.comm: rank 2: ranks [0, 2] would share one GPU" in out, out
     out = mpirun("simulated_nodes.py", 4, "devices", "4", env=share, timeout=90).stdout
     for rank in range(4):  # one real node of 4 ranks: a GPU each
         assert f"[rank{rank}]: device {rank} (0000:0{rank}:00.0)" in out, out
-    # The simulated nodes are one machine: GPUs really shared are refused as NCCL would.
-    out = mpirun("simulated_nodes.py", 4, "devices", "2", options=SIM,
-                 env={"NCCL_MULTI_RANK_GPU_ENABLE": "0"}, timeout=90).stdout
-    assert "[rank2]: DistBackendError: meshkit.comm: rank 2: ranks [0, 2] would share one GPU" in out, out
 
 
 def test_a_user_set_transport_is_kept(mpirun):
