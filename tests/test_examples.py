@@ -899,7 +899,9 @@ def test_train_3d_checkpoint_of_a_device_run_resumes_on_the_host_and_back(cupy, 
             assert result.ok, result.line()
 
 
-@pytest.mark.parametrize("aware", ["0", "1"], ids=["staged", "aware"])
+# Staged only: the CUDA-aware path of the MPI engine is tested in tests/test_mpi_device.py (the collective
+# suite, no staging copy) and tests/test_cupy_parallel.py; this job shows the example's main() over it.
+@pytest.mark.parametrize("aware", ["0"], ids=["staged"])
 def test_train_3d_device_cuda_main_under_meshkit_run(mpirun, aware):
     """Its main() over the MPI engine on the strict arrays: a GPU per rank, the check passes."""
     out = mpirun("train_3d_fake_gpu.py", 4, "--mesh", "2x2x1", "--steps", "3", "--device", "cuda", "--check",
