@@ -77,7 +77,8 @@ def _docstring(package: Path) -> str:
 def test_each_package_docstring_is_its_map():
     """The map of the code is in the packages' docstrings: each module (``layout.py``, or ``layout``)
     and each subpackage (``optim/``) is named in its package's docstring, or in an enclosing
-    package's by its path inside it (``engines/mpi.py`` in comm's); the root's names every package."""
+    package's by its path inside it (``engines/mpi.py``, or ``mpi.py`` in a map that names its room
+    ``engines/``); the root's names every package."""
     packages = sorted(p.parent for p in ROOT.rglob("__init__.py") if ROOT / "tests" not in p.parents
                       and not any(part.startswith(".") or part.endswith(".egg-info") for part in p.parts))
     assert ROOT in packages and ROOT / "parallel" / "optim" in packages, packages
@@ -94,8 +95,10 @@ def test_each_package_docstring_is_its_map():
                 for outer in enclosing:
                     inner = item.relative_to(outer).as_posix()
                     text = _docstring(outer)
+                    rooms = item.relative_to(outer).parts[:-1]  # a map by room: "``engines/``", then "mpi.py"
                     named |= (f"{inner}/" if item.is_dir() else inner) in text or \
-                        (outer == package and f"``{item.stem}``" in text)
+                        (outer == package and f"``{item.stem}``" in text) or \
+                        (bool(rooms) and item.name in text and all(f"{room}/" in text for room in rooms))
             top = item.relative_to(ROOT).parts[0]
             if not named and top not in MAP_PENDING:
                 missing.append(item.relative_to(ROOT).as_posix())
