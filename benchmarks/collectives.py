@@ -334,7 +334,7 @@ GPU_ENGINES = {"nccl": ("meshkit", "nccl"), "mpi": ("meshkit", "mpi4py-staged", 
 def device_zeros(count: int, dtype: np.dtype) -> Any:
     """A zero-filled device array of ``count`` elements (CuPy). Tests replace this function,
     together with the runtime (``cuda_runtime.set_runtime``), to run the GPU path against the
-    double of tests/nccl_double.py."""
+    double of tests/doubles/nccl_double.py."""
     import cupy
     return cupy.zeros(count, dtype)
 

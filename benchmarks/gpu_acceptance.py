@@ -1,7 +1,7 @@
 """The GPU acceptance run of issue 24: one check function per behaviour, each with its negative control.
 
 **What has run on hardware: nothing.** Every check below was written for the first machine with
-a GPU and has run only against the strict double (``--dry-run-double``, tests/nccl_double.py)
+a GPU and has run only against the strict double (``--dry-run-double``, tests/doubles/nccl_double.py)
 where the double can model it; on a GPU it runs through ``bash benchmarks/gpu_check.sh``.
 
 Usage::
@@ -179,13 +179,13 @@ class RealGpu:
 
 
 class DoubleGpu:
-    """The strict double of tests/nccl_double.py, with the same interface (ranks are threads)."""
+    """The strict double of tests/doubles/nccl_double.py, with the same interface (ranks are threads)."""
 
     name = "double"
 
     def __init__(self) -> None:
         sys.path.insert(0, str(REPO / "tests"))
-        import nccl_double
+        from doubles import nccl_double
 
         self.d = nccl_double
         self.nccl = nccl_double.fake_nccl
@@ -1251,7 +1251,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--point", action="append", help="a point of issue 24 (1-8) or 'all'; repeatable")
     parser.add_argument("--check", action="append", help="one check by name; repeatable")
-    parser.add_argument("--dry-run-double", action="store_true", help="over tests/nccl_double.py, ranks as threads")
+    parser.add_argument("--dry-run-double", action="store_true", help="over tests/doubles/nccl_double.py, ranks as threads")
     parser.add_argument("--results", help="append each check's record to this JSON-lines file")
     parser.add_argument("--list", action="store_true", help="list the checks")
     parser.add_argument("--verbose", action="store_true", help="print each worker's output")
@@ -1310,7 +1310,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"invalid --check {bad}; valid: {list(CHECKS)}")
     names = sorted(dict.fromkeys(names), key=lambda n: CHECKS[n].ranks == "multi")  # one-GPU stage first
     gpus = 0 if args.dry_run_double else gpu_count()
-    print(f"# gpu_acceptance: {'the double (tests/nccl_double.py)' if args.dry_run_double else f'{gpus} GPU(s)'}, "
+    print(f"# gpu_acceptance: {'the double (tests/doubles/nccl_double.py)' if args.dry_run_double else f'{gpus} GPU(s)'}, "
           f"{len(names)} checks", flush=True)
     records = []
     stage = None

@@ -26,7 +26,7 @@
 #      are visible (else SKIP with the reason);
 #   3. the GPU tests (the tests that run on a GPU, one pytest process each); one whose every test
 #      skipped is SKIP (the reasons pytest gave), not ok: it verified nothing. The files that check
-#      the doubles (tests/nccl_double.py, tests/fake_cupy.py) against the real CuPy run too, against
+#      the doubles (tests/doubles/nccl_double.py, tests/doubles/fake_cupy.py) against the real CuPy run too, against
 #      this machine's, but only a failure of theirs is recorded: passing, they verified no GPU;
 #   4. benchmarks/collectives.py --device cuda (meshkit's NCCL engine vs raw NcclCommunicator at
 #      1 rank, sync and async; the MPI engine on CuPy buffers at 2 ranks); benchmarks/ddp.py only

@@ -13,6 +13,10 @@
 
 The debug level (``set_debug_level``), ``breakpoint(rank)`` and the flight recorder itself are in
 :mod:`meshkit.comm`; this package builds on comm alone. See docs/hangs.md.
+
+Modules: ``chrome_trace.py`` (``export_chrome_trace``), ``divergence.py`` (reading
+``MESHKIT_TRACE_DIR``'s records, naming the divergence), ``server.py`` (``start_debug_server``),
+``__main__.py`` (``python -m meshkit.debug analyze``).
 """
 
 from .chrome_trace import chrome_trace, export_chrome_trace

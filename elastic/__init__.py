@@ -1,4 +1,4 @@
-"""What a script learns about the attempt it runs in, under ``meshkit-run --max-restarts`` (issue 27).
+"""What a script learns about the attempt it runs in, under ``meshkit-run --max-restarts``.
 
 ``meshkit-run --max-restarts K -n MIN:MAX script.py`` restarts the whole job when a rank fails
 (:mod:`meshkit.launch.restarts`); each attempt's ranks get ``MESHKIT_RESTART_COUNT`` (0 on the

@@ -46,9 +46,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import signal
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
@@ -301,11 +299,3 @@ def hostfile_arguments(hosts: Hosts | None, status_dir: str) -> list[str]:
     path = os.path.join(status_dir, "hosts")
     write_exclusive(path, hosts.hydra_lines().encode("utf-8"))
     return ["-f", path]
-
-
-def new_status_dir() -> str:
-    return tempfile.mkdtemp(prefix="meshkit-run-")
-
-
-def remove_status_dir(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)

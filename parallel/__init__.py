@@ -22,6 +22,10 @@ strategy's state dict holds, are :mod:`meshkit.state`'s, re-exported.
 ``__all__`` is the user API (every name importable from here, re-exported from its family); what
 ``checkpoint`` needs of the strategies beyond it is in :mod:`meshkit.parallel._seams`, the rest of
 the machinery in the families' modules (``data_parallelism.buckets``, ``data_parallelism.flat``...).
+
+Modules: by family, a subpackage each: ``data_parallelism/`` (DDP, ZeRO, FSDP/HSDP),
+``pipelining/``, ``context_parallelism/``, ``expert_parallelism/``, ``optim/`` (optimizers, clipping);
+shared by the families: ``arrays.py`` (NumPy and CuPy conversions), ``checks.py``, ``_seams.py``.
 """
 
 from ..comm._seams import moved_names

@@ -7,6 +7,11 @@ pipeline bubble), or search all configurations of a world size for the fastest t
     machine.save("calib.json")
     model = meshkit.plan.Model.load("model.json")
     ranked = meshkit.plan.search(model, 8, meshkit.plan.Machine.load("calib.json"), memory_cap=2**30)
+
+Modules (docs/planner.md): ``machine.py`` (alpha-beta cost per link), ``calibrate.py`` (measures
+a Machine on a mesh), ``model.py`` (a model by its layers, a configuration), ``estimate.py`` (memory as
+``memory_report`` gives it, step time), ``search.py`` (a world size's configurations, fastest first),
+``__main__.py`` (``python -m meshkit.plan``).
 """
 
 from .calibrate import calibrate

@@ -117,8 +117,8 @@ def _busy_rate(work: Callable[[], Any], units: float, mesh: DeviceMesh, repeats:
     """Units per second of ``work`` on this rank while every rank of ``mesh`` runs it too: each
     round starts together (a barrier over each dimension) and repeats ``work`` for ``window``
     seconds; the median over ``repeats`` rounds. Ranks that share cores (4 ranks on 2) share
-    them here as they do in a step; a lone short call would see a whole core (issue 29.3:
-    calibrated alone, 4 ranks on 2 cores predicted half the measured compute)."""
+    them here as they do in a step; a lone short call would see a whole core (calibrated
+    alone, 4 ranks on 2 cores predicted half the measured compute)."""
     work()
     rates = []
     for _ in range(repeats):
@@ -198,7 +198,7 @@ def _sync_cost(group: Any, repeats: int, matmul_n: int, evict: Callable[[], None
     alone: every rank runs ``SYNC_CALLS`` times two ``matmul_n``-square matmuls then an 8-byte
     all-reduce, against the same matmuls without it. On a host with a core per rank it is the
     ranks' uneven arrival; with more ranks than cores, the wait for a peer that shares a core with
-    a computing rank (issue 29.3: at 4 ranks on 2 cores 1.7 ms a call, against 0.2 ms idle)."""
+    a computing rank (at 4 ranks on 2 cores 1.7 ms a call, against 0.2 ms idle)."""
     a = np.random.default_rng(0).standard_normal((matmul_n, matmul_n))
     flag = np.ones(1, np.float64)
 
@@ -210,7 +210,7 @@ def _sync_cost(group: Any, repeats: int, matmul_n: int, evict: Callable[[], None
                 _c.all_reduce(flag, group=group)
 
     # paired rounds, the median of their differences: a slow spell of a shared host hits both
-    # halves of a pair (4 ranks on 2 cores: differences of medians ranged 0.3-2.6 ms a call)
+    # halves of a pair (oversubscribed ranks' differences of medians varied several-fold between runs)
     chain(True)  # warm-up, once: both halves of each pair below run the same calls
     extra = [_timed(lambda: chain(True), group, 1, warm=False) - _timed(lambda: chain(False), group, 1, warm=False)
              for _ in range(repeats)]
@@ -246,7 +246,7 @@ def calibrate(mesh: DeviceMesh, *, sizes: Sequence[int] = SIZES, repeats: int = 
     Each timed collective follows a pass over ``evict_bytes`` of the rank's own memory (twice a
     32 MiB L3 by default; 0 times them hot): in a step, the computation before a collective has
     evicted its buffers and MPI's from the caches, and a hot calibration under-predicted every
-    multi-rank step (issue 29.3: a 3.3 MB all-reduce at 2 ranks took 0.77 ms hot, 2.3 ms after a
+    multi-rank step (a 3.3 MB all-reduce at 2 ranks took 0.77 ms hot, 2.3 ms after a
     pass of matmuls).
     """
     if not isinstance(mesh, DeviceMesh):

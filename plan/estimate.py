@@ -12,7 +12,7 @@ with momentum, none without).
 Time is a model, not a measurement:
 
 * the optimizer's step over the parameters this rank updates (all of them for ddp, a shard for
-  zero and fsdp), at the machine's calibrated ``update_rate`` (issue 29.3: left out, the model
+  zero and fsdp), at the machine's calibrated ``update_rate`` (left out, the model
   ranked ddp above zero1 while zero1 measured faster, benchmarks/scaling.py);
 * compute: ``3 x forward flops x samples per data-parallel rank / tp / flop rate`` plus the
   activations' elements over the machine's pointwise rate, of the slowest stage, over
@@ -22,7 +22,7 @@ Time is a model, not a measurement:
   data-parallel strategy's, checked entry by entry against examples/train_3d.py's real step),
   timed by the machine's alpha-beta for its kind on the level that holds its dimension;
 * overlap: (scaled by the machine's ``overlap``, the fraction of compute a collective can hide
-  under: benchmarks/scaling.py measured the 2-core host's ranks overlapping nothing, issue 29.3) a stream of collectives that runs beside a compute window ``W`` (DDP/ZeRO buckets beside
+  under: benchmarks/scaling.py measured the 2-core host's ranks overlapping nothing) a stream of collectives that runs beside a compute window ``W`` (DDP/ZeRO buckets beside
   the backward; FSDP's gathers beside the forward, its gathers and reduce-scatters beside the
   backward) exposes ``max(t_one, sum(t) - W)``, ``t_one`` being the collective that cannot overlap
   (the last bucket; the first gather). Everything else (the per-sync agreement, ZeRO's parameter
@@ -33,8 +33,8 @@ Time is a model, not a measurement:
   links cost nothing, FSDP measured 10-25% over DDP; most of that was page faults of buffers glibc
   had unmapped when freed, which meshkit-run's malloc settings remove, not the copies;
 * each collective of the step adds the machine's ``sync_cost`` (ranks reach it from computation:
-  uneven arrival, and on an oversubscribed host a peer waiting for a core; issue 29.3 measured
-  4-rank steps on 2 cores at 1.3-3x the model without it, more for strategies with more calls).
+  uneven arrival, and on an oversubscribed host a peer waiting for a core: 4-rank steps on 2 cores
+  took 1.3-3x the model without it, more for strategies with more calls).
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ class Level:
     ``sized`` holds costs fitted on groups of one size (group size -> kind -> cost), used for a
     collective over exactly that many ranks: a group of 4 ranks on 2 nodes keeps part of its
     traffic within a node (MPICH's algorithms are not NCCL's rings), so its cost per bus byte is
-    not the 2-rank cross-node groups' (issue 29.4: priced with those, flat data parallelism over
+    not the 2-rank cross-node groups' (priced with those, flat data parallelism over
     2 simulated nodes was predicted about twice as slow as hsdp 2x2; measured 0.72-0.96x it)."""
 
     name: str

@@ -12,7 +12,7 @@ output's bytes, its multiply-adds times 2, and the elements its activation funct
 training step counts forward + backward as 3x the forward's flops (backward = 2x forward, the usual
 rule: Kaplan et al. 2020, sec. 2.1) and the activation's forward and backward at the machine's
 ``pointwise_rate`` (on a host, NumPy's ``tanh`` costs as much as a 512-wide layer's matmul:
-issue 29.3, benchmarks/scaling.py). ``tp_dim`` (optional) names the dimension tensor parallelism
+benchmarks/scaling.py). ``tp_dim`` (optional) names the dimension tensor parallelism
 shards each parameter along.
 """
 
@@ -66,7 +66,7 @@ class Layer:
     pointwise: int = 0
 
     def __post_init__(self) -> None:
-        # NumPy integers become ints (np.int64 flop counts were refused: issue 36.7), so that
+        # NumPy integers become ints (np.int64 flop counts were refused), so that
         # the arithmetic, JSON and messages see plain ints
         for field in ("activation_bytes", "flops", "input_bytes", "pointwise"):
             object.__setattr__(self, field, _as_int(getattr(self, field)))
@@ -163,10 +163,6 @@ class Model:
     @classmethod
     def load(cls, path: str | Path) -> Model:
         return cls.from_dict(json.loads(Path(path).read_text()))
-
-    def param_names(self, layers: list[Layer] | None = None) -> list[str]:
-        """Flat names ``layer.param`` in registration order (those of the strategies in the tests)."""
-        return [f"{layer.name}.{p}" for layer in (self.layers if layers is None else layers) for p in layer.params]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -83,7 +83,7 @@ def _nearest_world_size(model: Model, world_size: int, options: dict) -> int | N
     Only products ``pp x tp x dp`` (``pp`` at most the layers, ``tp`` a degree of
     :func:`_tp_degrees`, ``dp`` a divisor of the batch) have one, so those are enumerated:
     ``O(layers x tp degrees x batch divisors)``, whatever ``world_size``. (Scanning the world sizes
-    around it, each by its own divisors, took 37 s for 16384 ranks: issue 36.6.)"""
+    around it, each by its own divisors, took 37 s for 16384 ranks.)"""
     best: tuple[int, int] | None = None
     tps = _tp_degrees(model) or [1]  # (None, any degree: search never asks, every world size has one)
     for pp in range(1, len(model.layers) + 1):
@@ -142,7 +142,7 @@ def scaling(model: Model, machine: Machine, world_sizes: Sequence[int], *,
             strategies: Sequence[str] = STRATEGIES, optimizer: str = "adamw") -> list[dict]:
     """Per world size, the fastest configuration of each strategy (and over all of them), with its
     step time, exposed communication and data-parallel efficiency (compute / step): where a
-    strategy stops scaling shows as its efficiency falling (issue 29.5; docs/planner.md)."""
+    strategy stops scaling shows as its efficiency falling (docs/planner.md)."""
     rows = []
     for n in world_sizes:
         row: dict = {"ranks": n, "best": None}

@@ -11,6 +11,9 @@ strategy for its state, knows ``parallel`` (``tests/test_structure.py`` checks).
 
 ``__all__`` is the user API (what ``get_state_dict`` returns holds these);
 ``meshkit.state._seams`` has what ``parallel`` and ``checkpoint`` share beyond it.
+
+Modules: ``boxes.py`` (``ShardedArray``: each rank's boxes of a global array; ``StepCount``; box
+arithmetic), ``_seams.py``.
 """
 
 from .boxes import ShardedArray, StepCount

@@ -5,11 +5,12 @@ shared with checkpoints), ``dtensor`` (the DTensor type), ``redistribute`` (one 
 changing mesh dim), ``distribute`` (distribute_tensor), ``dispatch`` (the NumPy protocol tables the op
 modules fill), ``propagation`` (what the op rules share), the op rules ``ufuncs``, ``matmul``,
 ``reductions`` (and ``logsumexp``), ``shape_ops``, ``einsum``, ``joins`` (concatenate, split, take) and
-``local_ops`` (copies, casts), ``indexing`` (basic indexing), ``validation`` (every rule checked against
-NumPy), ``verify``
-(collective construction checks); ``parallel`` (tensor-parallel styles and ``parallelize``).
+``local_ops`` (copies, casts), ``indexing`` (basic indexing), ``verify`` (collective construction
+checks); ``parallel`` (tensor-parallel styles and ``parallelize``).
 Depends on ``comm`` and ``mesh`` only. ``__all__`` is the user API; what ``parallel`` and
 ``checkpoint`` need beyond it is in :mod:`meshkit.tensor._seams`.
+
+Modules besides those above: ``errors.py`` (the ``meshkit.tensor: rank R:`` prefix), ``_seams.py``.
 """
 
 from ..comm._seams import moved_names

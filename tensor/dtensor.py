@@ -494,7 +494,8 @@ def _inherit(out: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
     ``out=``), so that ``y = x @ w; y.full_tensor()`` checks the shape ``x`` was built on.
 
     Runs only while some claim is pending (``_pending``); written for the common case of a few
-    DTensors known to agree, whose ``_claims`` is None (measured: 0.1-0.3 us per op on 8x8 blocks, under 5%).
+    DTensors known to agree, whose ``_claims`` is None: there
+    it costs a small fraction of an op on small blocks.
     """
     pending: list[Claim] | None = None
     for a in (args if not kwargs else (*args, *kwargs.values())):

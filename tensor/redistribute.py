@@ -95,8 +95,8 @@ def _plan(src: tuple[Placement, ...], dst: tuple[Placement, ...]) -> tuple[tuple
 
 # ---- compiled programs: the plan with every size, group and index worked out once ---------------
 #
-# Planning on every call cost 4-11 us beside a 3-12 us collective (world of one, 8x64 float64;
-# S0->S1 23 us: moveaxis alone is microseconds). A program is the plan compiled into closures
+# Planning on every call cost about as much as the collective it planned, on small blocks (a
+# world of one; moveaxis alone costs microseconds). A program is the plan compiled into closures
 # (each step's sizes, indexes and prepared collective bound in), looked up by the placements the
 # caller passed, so that a call on a known layout is: one dict lookup, the steps, the wrapping
 # (benchmarks/dtensor.py shows the current cost beside the collective).

@@ -94,7 +94,7 @@ def _blockwise(op: str, fn: Any, ufunc: Any, inputs: tuple, out: Any = None) -> 
     mesh = common_mesh(op, inputs)
     if out is None and (same := _same_layout(inputs)) is not None:
         # the common case: the operands' placements, none Partial, on equal shapes (or with scalars):
-        # every rule above gives those placements back and moves nothing (measured: 12 -> 8 us per op)
+        # every rule above gives those placements back and moves nothing: a third of a small op's time saved
         return _wrap_all(fn(*(x.to_local() if isinstance(x, DTensor) else x for x in inputs)), mesh, same.placements,
                          same.shape)
     out_shape = tuple(np.broadcast_shapes(*(x.shape for x in inputs if isinstance(x, DTensor))))

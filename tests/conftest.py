@@ -59,12 +59,21 @@ def mpirun():
 
 @pytest.fixture
 def cupy():
-    """tests/fake_cupy.py as ``cupy`` in sys.modules and the NCCL double as the CUDA runtime, for
+    """tests/doubles/fake_cupy.py as ``cupy`` in sys.modules and the NCCL double as the CUDA runtime, for
     the test: strict device arrays (not np.ndarray) for the parallel layer, no GPU needed."""
-    import fake_cupy
+    from doubles import fake_cupy
 
     with fake_cupy.installed() as module:
         yield module
+
+
+@pytest.fixture
+def fake_gpu():
+    """The NCCL double as the CUDA runtime for the test (tests/support/nccl.py); yields its module."""
+    from support.nccl import fake_runtime
+
+    with fake_runtime() as double:
+        yield double
 
 
 @pytest.fixture(autouse=True)

@@ -64,7 +64,7 @@ def reference(steps: int = STEPS) -> dict[str, np.ndarray]:
 
 
 def _xp(device: str):
-    """NumPy for a ``cpu`` mesh, CuPy (tests/fake_cupy.py's, where installed) for a ``cuda`` one."""
+    """NumPy for a ``cpu`` mesh, CuPy (tests/doubles/fake_cupy.py's, where installed) for a ``cuda`` one."""
     if device == "cpu":
         return np
     import cupy

@@ -1,4 +1,4 @@
-"""Another local user, for the tests of issue 35: code run as user ``nobody`` through ``setpriv``.
+"""Another local user, for the security tests: code run as user ``nobody`` through ``setpriv``.
 
 An outsider knows what any local user can learn (ports, paths in /tmp, process lists) and not the
 job's secret (``/proc/PID/environ`` is readable by the same user only). Its code runs with the

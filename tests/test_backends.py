@@ -1,4 +1,4 @@
-"""Backends by name (issue 26.5): ``Backend``, ``register_backend``, a third-party engine used through
+"""Backends by name: ``Backend``, ``register_backend``, a third-party engine used through
 ``init_process_group``, the interface check at init, and the built-ins registering the same way.
 """
 
@@ -18,7 +18,7 @@ from meshkit import Backend, BackendOptions, register_backend
 from meshkit.comm.setup import backends
 from meshkit.comm import local
 from meshkit.comm.engines.engine import EngineCapabilities
-from toy_backend import Relay, Solo
+from doubles.toy_backend import Relay, Solo
 
 
 @pytest.fixture
@@ -132,7 +132,7 @@ def test_the_builtins_are_looked_up_in_the_registry_like_any_backend(registry):
 
 def test_mpi_resolves_through_the_registry_in_a_process():
     code = ("import sys; from collections import Counter; sys.path.insert(0, {tests!r})\n"
-            "import numpy as np, meshkit; from meshkit.comm.setup import backends; from toy_backend import Relay\n"
+            "import numpy as np, meshkit; from meshkit.comm.setup import backends; from doubles.toy_backend import Relay\n"
             "calls, mpi = Counter(), backends.registered_backends()['mpi']\n"
             "meshkit.register_backend('mpi', lambda o: Relay(mpi(o), 'mpi', calls), override=True)\n"
             "for name in ('mpi', 'gloo', 'MPI'):\n"
@@ -276,7 +276,7 @@ def test_an_unknown_name_lists_the_registered_ones(registry):
 
 # --------------------------------------------------------------------------- devices
 def test_a_backends_devices_decide_which_meshes_it_serves(registry):
-    import nccl_double as double
+    from doubles import nccl_double as double
     from meshkit import init_device_mesh
     from meshkit.comm.engines import cuda_runtime
     calls = Counter()

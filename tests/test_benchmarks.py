@@ -1,9 +1,9 @@
 """benchmarks/collectives.py: the CPU path's output, the command line, and the GPU path end to
-end against the NCCL double (tests/nccl_double.py; ``--device cuda`` on a real GPU is run by
+end against the NCCL double (tests/doubles/nccl_double.py; ``--device cuda`` on a real GPU is run by
 benchmarks/gpu_check.sh); every other benchmark's ``--help`` and a tiny run. Only that each path
 runs and checks its results is tested here, never a timing. Every benchmark runs with
 DeprecationWarnings as errors (``PYTHONWARNINGS``, which meshkit-run's ranks inherit): a
-benchmark written against an old spelling of the API fails here (issue 25.1)."""
+benchmark written against an old spelling of the API fails here."""
 
 from __future__ import annotations
 
@@ -235,11 +235,24 @@ def test_dtensor_benchmark_times_every_transition_and_op_and_writes_json(mpirun,
 
 
 # --------------------------------------------------------------------------- every benchmark: --help, tiny runs
-@pytest.mark.parametrize("script", sorted(p.name for p in BENCHMARKS.glob("*.py") if not p.name.startswith("_")))
-def test_every_benchmark_prints_its_help(script):
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / script), "--help"], capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0 and proc.stdout.startswith(f"usage: {script}"), proc
+HELPED = sorted(p.name for p in BENCHMARKS.glob("*.py") if not p.name.startswith("_"))
+
+
+@pytest.fixture(scope="module")
+def helps() -> dict[str, dict]:
+    """Every benchmark's ``--help``, run in one process (tests/scripts/benchmark_helps.py) with
+    DeprecationWarnings as errors: script name -> its exit code, stdout and stderr."""
+    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "scripts" / "benchmark_helps.py"),
+                           *(str(BENCHMARKS / s) for s in HELPED)], capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "PYTHONWARNINGS": "error::DeprecationWarning"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return {r["script"]: r for r in map(json.loads, proc.stdout.splitlines())}
+
+
+@pytest.mark.parametrize("script", HELPED)
+def test_every_benchmark_prints_its_help(helps, script):
+    got = helps[script]
+    assert got["code"] == 0 and got["out"].startswith(f"usage: {script}"), got
 
 
 def test_a_deprecated_spelling_in_a_benchmark_fails_it(tmp_path):
@@ -331,7 +344,7 @@ def test_context_parallel_benchmark_times_compute_comm_and_the_ring(mpirun, tmp_
 def test_scaling_benchmark_writes_measured_beside_predicted_with_exact_memory(tmp_path):
     """benchmarks/scaling.py at its smallest (1 and 2 ranks, ddp and fsdp, strong scaling, one step
     in each of two interleaved rounds; at 2 ranks also train_3d's tp2, pp2 gpipe and pp2 1f1b):
-    one record per configuration in issue 29.3's format, memory predicted byte for byte, and the
+    one record per configuration, memory predicted byte for byte, and the
     acceptance figures printed. No timing is asserted (a shared 2-core machine)."""
     out_json = tmp_path / "scaling.json"
     proc = subprocess.run([sys.executable, str(BENCHMARKS / "scaling.py"), "--worlds", "1,2", "--strategies",

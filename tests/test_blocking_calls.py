@@ -1,4 +1,4 @@
-"""No blocking call waits past its timeout (issue 36.3).
+"""No blocking call waits past its timeout.
 
 Group creation checks that every rank makes the same call before MPI's ``Comm.Split`` (which has
 no deadline); the calls that cannot be interrupted run under a watchdog that ends the process

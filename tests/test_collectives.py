@@ -72,7 +72,7 @@ def test_avg_equals_sum_then_division_bit_for_bit(dtype, world_size):
 
 
 # ---------------------------------------------------------------- the local engine is as strict as detail mode
-# Issue 23.3: code that passes on the local engine must not produce garbage under MPI, so the local
+# Code that passes on the local engine must not produce garbage under MPI, so the local
 # engine compares every rank's call (kind, shape, dtype, op, root, counts) on every collective, and
 # raises on every rank what MESHKIT_DEBUG=detail raises under MPI.
 

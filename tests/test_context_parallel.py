@@ -1,4 +1,4 @@
-"""Context parallelism (issue 28.1): ring and all-to-all (Ulysses) attention, forward and backward, equal
+"""Context parallelism: ring and all-to-all (Ulysses) attention, forward and backward, equal
 to full attention in one process to 1e-12 (float64), causal or not, balanced (head-tail) or not, sequence
 lengths that do not divide by cp; the work each rank computes, the bytes the ring sends (read from the
 flight recorder), errors raised on every rank; and real processes under meshkit-run."""
@@ -275,9 +275,9 @@ def test_ring_and_ulysses_on_real_processes(mpirun, n):
 # --------------------------------------------------------------------------- device arrays
 @pytest.mark.parametrize("variant", ["ring", "ulysses"])
 def test_device_arrays_stay_on_the_device_and_equal_the_host_reference(cupy, variant):
-    """CuPy arrays (tests/fake_cupy.py, strict: no implicit host copies) over the NCCL engine on the double:
+    """CuPy arrays (tests/doubles/fake_cupy.py, strict: no implicit host copies) over the NCCL engine on the double:
     the math takes its library from the arrays, every result is a device array."""
-    import fake_cupy
+    from doubles import fake_cupy
 
     shape = (1, 4, 9, 3)
     q, k, v, dout = inputs(shape)

@@ -1,4 +1,4 @@
-"""Control messages (issue 35.1): no code from outside runs in a rank.
+"""Control messages: no code from outside runs in a rank.
 
 The typed wire format of comm/control.py (round trips, what it refuses, malformed and hostile
 bytes, bounds, property tests); the store engine reading it (a pickled notice posted into a
@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import meshkit
-import nccl_double as double
+from doubles import nccl_double as double
 from conftest import SCRIPTS
 from meshkit.comm import control, local
 from meshkit.comm.engines import cuda_runtime
@@ -78,13 +78,6 @@ class Mine:
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Mine) and other.value == self.value
-
-
-@pytest.fixture
-def fake_gpu():
-    previous = cuda_runtime.set_runtime(double.FakeRuntime())
-    yield double
-    cuda_runtime.set_runtime(previous)
 
 
 def same(a, b) -> bool:
@@ -351,7 +344,7 @@ def _until_gone(store, key, limit=5.0) -> None:
 
 
 def test_a_pickled_notice_posted_into_a_running_world_runs_no_code(fake_gpu, tmp_path):
-    """The attack of issue 35.1: an outsider posts a pickled notice to rank 1 of a running world.
+    """The attack: an outsider posts a pickled notice to rank 1 of a running world.
     Before, rank 1 unpickled it while its barrier stalled (the file appeared). Now rank 1's
     barrier fails naming the key, rank 0 learns of it at its next call, and a new world on the
     same store works."""
@@ -573,7 +566,7 @@ def test_every_engine_answers_whether_its_peers_are_authenticated():
 
 # --------------------------------------------------------------------------- real processes: env://
 def test_an_env_world_of_processes_attacked_through_its_store_runs_no_code(tmp_path, monkeypatch):
-    """Issue 35.1's reproduction: two processes meet over env:// without a job secret; the outsider
+    """The reproduction: two processes meet over env:// without a job secret; the outsider
     (this process) connects to MASTER_PORT and posts a pickled notice to rank 1. No code runs;
     rank 1's barrier fails naming the key, rank 0's next one names rank 1. Before the attack, the
     world's object collectives carried plain objects and refused, on every rank, one the typed

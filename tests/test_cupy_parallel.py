@@ -1,10 +1,11 @@
-"""Every parallel strategy on device arrays: the NCCL engine over the double, with tests/fake_cupy.py's
+"""Every parallel strategy on device arrays: the NCCL engine over the double, with tests/doubles/fake_cupy.py's
 strict CuPy arrays (not np.ndarray; np.asarray on them raises as on CuPy), against single-process
 NumPy on the global batch (float64 to 1e-10, float32 to 1e-5). The collective suite runs on the
 strict arrays over every engine: NCCL, local, and MPI (staged, chunked, CUDA-aware)."""
 
 from __future__ import annotations
 
+import functools
 import re
 
 import numpy as np
@@ -12,24 +13,21 @@ import pytest
 
 import collective_cases
 import ddp_cases
-import fake_cupy
+from doubles import fake_cupy
 import meshkit
-import nccl_double as double
+from doubles import nccl_double as double
 import sharded_cases as cases
 from meshkit import ReduceOp
 from meshkit.comm import local
 from meshkit.parallel import (SGD, AdamW, DistributedDataParallel, FullyShardedDataParallel, PowerSGDState,
                               ZeroRedundancyOptimizer, clip_grad_norm_, fp16_compress_hook, powersgd_hook)
 from meshkit.parallel.data_parallelism import full_state
+import support.nccl
 
 
-# The ``cupy`` fixture (tests/conftest.py) installs the fake module and the double for a test.
-def on_nccl(fn, n, *args, **kwargs):
-    """``fn`` on ``n`` thread-ranks of an ``nccl`` world over the double (one fake GPU each)."""
-    def main():
-        meshkit.init_process_group("nccl", timeout=60)
-        return fn(*args, **kwargs)
-    return local.run(main, n, init=False, timeout=120)
+# The ``cupy`` fixture (tests/conftest.py) installs the fake module and the double for a test; a
+# strategy's step on 4 thread-ranks of a loaded 2-core machine takes the group's timeout of 60 s.
+on_nccl = functools.partial(support.nccl.on_nccl, timeout=60)
 
 
 def host(tree):
@@ -107,7 +105,7 @@ def test_sharded_strategies_on_device_arrays_match_single_process_numpy(cupy, st
     results = on_nccl(cases.STRATEGIES[strategy], world_size, kind, config, steps=range(2), xp=cupy)
     ref = cases.reference(kind, config, steps=2)
     for sd, norms in results:
-        assert on_host(sd), "the full state dict of a device model is NumPy arrays on the host (issue 25.1)"
+        assert on_host(sd), "the full state dict of a device model is NumPy arrays on the host"
         cases.assert_matches(host(sd["model"]), ref, f"{strategy}/{kind}/{config}/{world_size}")
         assert norms == results[0][1] and all(isinstance(v, float) for v in norms)
 
@@ -186,7 +184,7 @@ def test_clip_grad_norm_nan_on_device(cupy):
 # --------------------------------------------------------------------------- state dicts and memory
 def test_state_dicts_on_device_and_the_documented_host_conversion(cupy):
     """A device ZeRO-2 run saved at 4 ranks resumes at 2 from its full state dict, NumPy arrays on
-    the host (issue 25.1: full_state_dict() is NumPy whatever the model's library), and from a
+    the host (full_state_dict() is NumPy whatever the model's library), and from a
     device copy of it (the one documented conversion: a load takes either library)."""
     steps = ddp_cases.STEPS
     ref = cases.reference("adamw", "mixed")
@@ -292,7 +290,7 @@ def test_one_rule_decides_device_and_library_in_every_layer(cupy):
         assert is_device_array(x) is device, name
         assert array_namespace(x) is (cupy if device else np), name
         assert cuda_runtime.runtime().is_device_array(x) is device, name
-    assert checks._where_is(double.to_device(np.ones(2))) == "nccl_double.DeviceArray (device)"
+    assert checks._where_is(double.to_device(np.ones(2))) == "doubles.nccl_double.DeviceArray (device)"
 
 
 def test_the_fake_refuses_host_arrays_as_cupy_does(cupy):

@@ -1,4 +1,4 @@
-"""tests/fake_cupy.py and tests/nccl_double.py refuse what the real CuPy refuses (issue 36, point 4).
+"""tests/doubles/fake_cupy.py and tests/doubles/nccl_double.py refuse what the real CuPy refuses.
 
 The fake binds every call to the signature of the real CuPy function of the same name where CuPy
 is installed (the cuda12 CI job installs it: cupy-cuda12x imports without a GPU), else to a table
@@ -19,8 +19,8 @@ import re
 import numpy as np
 import pytest
 
-import fake_cupy
-import nccl_double as double
+from doubles import fake_cupy
+from doubles import nccl_double as double
 
 # Each call, with what CuPy 14.2 does with it: None where it takes the call (on a machine without
 # a GPU it then fails reaching the device: accepted all the same), else the exception it raises

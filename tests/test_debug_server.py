@@ -1,4 +1,4 @@
-"""Issue 26.5: ``meshkit.debug.start_debug_server``: what every rank is doing now (its stacks, its
+"""``meshkit.debug.start_debug_server``: what every rank is doing now (its stacks, its
 in-flight collectives, its flight record) over HTTP, answered while the ranks are stuck in a
 collective; on the local engine (each rank a thread with its own server) and on real processes."""
 
@@ -433,7 +433,7 @@ def _url_line(lines: queue.Queue, seen: list[str], within: float = 60.0) -> str:
     pytest.fail(f"rank 0 printed no URL:\n{''.join(seen)}")
 
 
-# ----------------------------------------------------------------- who may ask, and how much (issue 35.4)
+# ----------------------------------------------------------------- who may ask, and how much
 NOBODY = 65534
 AS_NOBODY = os.geteuid() == 0 and shutil.which("setpriv") is not None
 

@@ -1,8 +1,9 @@
-"""Issue 26.3: the debug level at run time, the Chrome trace of the flight records, the records a
+"""The debug level at run time, the Chrome trace of the flight records, the records a
 timeout leaves in MESHKIT_TRACE_DIR and ``python -m meshkit.debug analyze``, and ``breakpoint``."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -19,6 +20,7 @@ from meshkit.comm import local
 from meshkit.comm.errors import CollectiveMismatchError, CollectiveTimeout, DistTypeError, DistValueError
 
 import meshkit.debug
+from meshkit.debug.__main__ import main as debug_command
 
 
 # ----------------------------------------------------------------- set_debug_level
@@ -33,7 +35,7 @@ def test_debug_level_functions_are_exported_as_torch_names_them():
 def test_set_debug_level_reaches_groups_that_exist_already():
     """A mismatched async all_reduce on a group made before the switch: OFF, the local engine finds
     it when the data meets (at wait); DETAIL, the fingerprints are compared before anything starts,
-    at the call itself. The cached level (comm/groups/group.py before issue 26.3) kept OFF's behaviour."""
+    at the call itself. The cached level (comm/groups/group.py before levels changed at run time) kept OFF's behaviour."""
 
     def job():
         sub = meshkit.new_group([0, 1])
@@ -214,11 +216,18 @@ def test_export_chrome_trace_checks_its_path_on_every_rank_before_gathering():
 # ----------------------------------------------------------------- MESHKIT_TRACE_DIR and analyze
 
 
-def _analyze(folder) -> str:
-    proc = subprocess.run([sys.executable, "-m", "meshkit.debug", "analyze", str(folder)], capture_output=True,
-                          text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout
+def _analyze(folder, *, command: bool = False) -> str:
+    """What ``python -m meshkit.debug analyze FOLDER`` prints: the command itself with ``command`` (a
+    process: test_analyze_on_records_that_real_processes_wrote), else its ``main`` in this process."""
+    if command:
+        proc = subprocess.run([sys.executable, "-m", "meshkit.debug", "analyze", str(folder)], capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert debug_command(["analyze", str(folder)]) == 0
+    return out.getvalue()
 
 
 def _findings(folder) -> list[tuple[str, tuple[int, ...], str, str, int]]:
@@ -342,7 +351,7 @@ def test_analyze_on_records_that_real_processes_wrote(mpirun, tmp_path, case, ex
                 "timed out after 1.0 s; ranks that did not arrive: [1, 2]") in proc.stdout
     assert sorted(os.listdir(tmp_path)) == [f"rank{r}.json" for r in failed]
     assert _findings(tmp_path) == expected
-    assert line in _analyze(tmp_path)
+    assert line in _analyze(tmp_path, command=case == "missing")  # the command itself once
 
 
 # ----------------------------------------------------------------- breakpoint

@@ -542,7 +542,7 @@ def test_a_partition_of_the_parent_itself_is_the_parent():
 
 
 def test_torchtitans_private_flatten_is_flatten():
-    """Issue 36.7: torchtitan calls ``mesh["dp_replicate", "dp_shard"]._flatten(mesh_dim_name="dp")``,
+    """torchtitan calls ``mesh["dp_replicate", "dp_shard"]._flatten(mesh_dim_name="dp")``,
     which was missing."""
     def body():
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))

@@ -1,4 +1,4 @@
-""""cuda" device meshes over the NCCL engine, against the strict double (tests/nccl_double.py),
+""""cuda" device meshes over the NCCL engine, against the strict double (tests/doubles/nccl_double.py),
 ranks as threads: one commSplit per dimension, each rank's host and GPU in ``describe()``,
 ``from_group`` without a communicator, and the errors where the backend is not a GPU one.
 Nothing here has run on a GPU.
@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import meshkit
-import nccl_double as double
+from doubles import nccl_double as double
+from support.nccl import on_nccl
 from meshkit import DeviceMesh, init_device_mesh
 from meshkit.comm.engines import cuda_runtime
 from meshkit.comm import local
@@ -34,13 +35,6 @@ def splits(monkeypatch):
     monkeypatch.setattr(double.FakeCommunicator, "commSplit", counted)
     yield counts
     cuda_runtime.set_runtime(previous)
-
-
-def on_nccl(fn, n):
-    def main():
-        meshkit.init_process_group("nccl", timeout=30)
-        return fn()
-    return local.run(main, n, init=False)
 
 
 def test_cuda_mesh_2x2_splits_once_per_dimension_and_describes_hosts_and_gpus(splits):

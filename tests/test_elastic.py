@@ -1,4 +1,4 @@
-"""Elastic training (issue 27): ``meshkit-run --max-restarts`` restarts a failed job, and a run
+"""Elastic training: ``meshkit-run --max-restarts`` restarts a failed job, and a run
 that loses a rank ends with exactly the parameters of uninterrupted single-process training.
 
 The restart tests run real jobs (``python -m meshkit.launch``) of ``tests/scripts/elastic_job.py``;

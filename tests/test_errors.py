@@ -124,13 +124,13 @@ def test_init_arguments_are_checked(monkeypatch):
         local.run(lambda: None, 1)
 
 
-#: Every MESHKIT_* variable the library reads (issue 23.8): a bad value, and the message naming it,
+#: Every MESHKIT_* variable the library reads: a bad value, and the message naming it,
 #: its value and the valid values. Before, the middle three were ignored and -5 gave "timeout
 #: must be positive" without the variable's name.
 BAD_SETTINGS = [
     ("MESHKIT_TIMEOUT", "-5", r"MESHKIT_TIMEOUT='-5' is not valid; valid values are a positive number of seconds"),
     ("MESHKIT_TIMEOUT", "0", r"MESHKIT_TIMEOUT='0' is not valid"),
-    # issue 35: each of these failed somewhere else (an overflow in a wait) with a message naming nothing
+    # Each of these failed somewhere else (an overflow in a wait) with a message naming nothing
     *((("MESHKIT_TIMEOUT", v, rf"MESHKIT_TIMEOUT='{v}' is not valid; valid values are a positive number of seconds "
         r"\(e.g. 300\), at most 1e\+06 \(11.6 days") for v in ("inf", "1e10", "2e9"))),
     ("MESHKIT_JOB_SECRET", "short", r"MESHKIT_JOB_SECRET is not valid \(5 characters; its value is not shown\): valid "

@@ -1,4 +1,4 @@
-"""Expert parallelism (issue 28.2): the MoE layer over an ep group reproduces one process bit for
+"""Expert parallelism: the MoE layer over an ep group reproduces one process bit for
 bit (forward) and to 1e-12 (backward, and composed with dp and tp), drops exactly what its
 capacity rule says, and rejects bad input on every rank."""
 
@@ -183,7 +183,7 @@ def test_expert_parallel_on_real_processes(mpirun):
 
 # --------------------------------------------------------------------------- device arrays
 def test_device_arrays_over_nccl_match_numpy(cupy):
-    """tests/fake_cupy.py's strict arrays over the NCCL double: the layer stays on the device (every
+    """tests/doubles/fake_cupy.py's strict arrays over the NCCL double: the layer stays on the device (every
     result a CuPy array) and matches the NumPy layer bit for bit forward, to 1e-12 backward."""
     from test_cupy_parallel import on_nccl
 

@@ -1,4 +1,4 @@
-"""A collective mismatch is caught by default (issue 36.2): each group's calls as a running
+"""A collective mismatch is caught by default: each group's calls as a running
 fingerprint, compared where the ranks already exchange something.
 
 The local engine compares every call itself, so a real mismatch never reaches these comparisons

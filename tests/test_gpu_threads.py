@@ -1,8 +1,8 @@
-"""Devices on every thread, and calls that must not wait for the device (issue 24, points 3 and 8).
+"""Devices on every thread, and calls that must not wait for the device.
 
 CUDA's current device is per thread and 0 on a new thread, so every helper thread of meshkit
 (the progress agent and watchdog, a group's communication thread) that touches CUDA for a rank
-on GPU k must make GPU k current first. The double (tests/nccl_double.py) refuses what CUDA and
+on GPU k must make GPU k current first. The double (tests/doubles/nccl_double.py) refuses what CUDA and
 CuPy refuse: an event recorded on another device's stream, a kernel on another device's array.
 ``all_reduce(x, async_op=True)`` must return while a long kernel still runs on the caller's
 stream, on every engine (NCCL, MPI staged and CUDA-aware). Nothing here has run on a GPU.
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import meshkit
-import nccl_double as double
+from doubles import nccl_double as double
 from meshkit.comm.engines import cuda_runtime, local_engine
 from meshkit.comm import local
 from meshkit.comm.groups.world import local_context
@@ -272,20 +272,20 @@ def test_double_refuses_two_ranks_on_one_physical_gpu_as_nccl_does(rt, monkeypat
 
 
 def test_the_mpi_engine_reports_the_node_local_rank(mpirun):
-    out = mpirun("mpi_device_select.py", 2, "local-rank", timeout=60).stdout
-    assert "[rank0]: local rank 0" in out and "[rank1]: local rank 1" in out, out
-    out = mpirun("mpi_device_select.py", 2, "split", timeout=60).stdout
-    assert "[rank0]: split local rank 0" in out and "[rank1]: split local rank 1" in out, out
-    out = mpirun("mpi_device_select.py", 2, "local-rank", env={"TEST_LOCAL_RANK": "5"}, timeout=60).stdout
-    assert "[rank0]: local rank 5" in out and "[rank1]: local rank 5" in out, out  # the launcher's word first
-    out = mpirun("mpi_device_select.py", 2, "local-rank", env={"TEST_LOCAL_RANK": "two"}, timeout=60).stdout
-    assert "[rank1]: DistValueError: meshkit.comm: rank 1: LOCAL_RANK='two' is not a node-local rank" in out, out
+    """Four cases in one job: meshkit-run's LOCAL_RANK, another value of it (the launcher's word
+    first), one that is not a number, and none at all (MPI's shared-memory split)."""
+    out = mpirun("mpi_device_select.py", 2, "local-rank", "local-rank=5", "local-rank=two", "split", timeout=60).stdout
+    for rank in (0, 1):
+        lines = [line.split(": ", 1)[1] for line in out.splitlines() if line.startswith(f"[rank{rank}]: ")]
+        assert lines == [f"local rank {rank}", "local rank 5",
+                         f"DistValueError: meshkit.comm: rank {rank}: LOCAL_RANK='two' is not a node-local rank (a "
+                         "non-negative integer)", f"split local rank {rank}"], out
 
 
 def test_over_mpi_one_visible_gpu_per_rank_is_device_0_and_one_shared_gpu_is_refused(mpirun):
-    out = mpirun("mpi_device_select.py", 2, "per-task", env={"NCCL_MULTI_RANK_GPU_ENABLE": "0"}, timeout=60).stdout
+    out = mpirun("mpi_device_select.py", 2, "per-task", "one-gpu", env={"NCCL_MULTI_RANK_GPU_ENABLE": "0"},
+                 timeout=60).stdout
     assert "[rank0]: device 0 (0000:00:00.0)" in out and "[rank1]: device 0 (0000:01:00.0)" in out, out
-    out = mpirun("mpi_device_select.py", 2, "one-gpu", env={"NCCL_MULTI_RANK_GPU_ENABLE": "0"}, timeout=60).stdout
     for rank in (0, 1):
         assert f"[rank{rank}]: DistBackendError: meshkit.comm: rank {rank}: ranks [0, 1] would share one GPU" in out, out
 

@@ -1,4 +1,4 @@
-"""Issue 35 (points 3, 5 and 7): the files meshkit reads and writes, against another local user.
+"""The files meshkit reads and writes, against another local user.
 
 Readers refuse hostile input with a clear error, in bounded time and memory: the flight records
 ``python -m meshkit.debug analyze`` reads (a FIFO, /dev/zero, a huge file, malformed records with

@@ -1,4 +1,4 @@
-"""init_process_group's init methods (issue 26.2): env://, tcp://, file://, store=, checked inputs,
+"""init_process_group's init methods: env://, tcp://, file://, store=, checked inputs,
 the rendezvous (duplicate ranks, ranks that never come), the MPI world under meshkit-run, and the
 nccl backend bootstrapped through a store without MPI.
 
@@ -6,7 +6,7 @@ Three tiers: bad input in this process (each error raised before anything is con
 nccl engine over the store engine with ranks as threads (``local.run`` with the strict NCCL
 double, whose communicators live in one process, and a HashStore); and real processes started by
 a plain launcher written here (``subprocess.Popen`` with RANK, WORLD_SIZE, MASTER_ADDR and
-MASTER_PORT, no mpiexec), whose device collectives go through ``tests/nccl_process_double.py``
+MASTER_PORT, no mpiexec), whose device collectives go through ``tests/doubles/nccl_process_double.py``
 (a stand-in communicator that crosses processes), plus one job under ``meshkit-run``.
 """
 
@@ -25,7 +25,8 @@ import numpy as np
 import pytest
 
 import meshkit
-import nccl_double as double
+from doubles import nccl_double as double
+from support.ports import free_port
 from conftest import SCRIPTS
 from meshkit.comm.engines import cuda_runtime
 from meshkit.comm import local
@@ -40,19 +41,6 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
 def no_launcher(monkeypatch):
     for name in LAUNCH_VARS:
         monkeypatch.delenv(name, raising=False)
-
-
-@pytest.fixture
-def fake_gpu():
-    previous = cuda_runtime.set_runtime(double.FakeRuntime())
-    yield double
-    cuda_runtime.set_runtime(previous)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --------------------------------------------------------------------------- bad input, nothing connected
@@ -115,7 +103,7 @@ def test_bad_environment_is_named(monkeypatch, env, match):
 
 
 def test_mpi_cannot_form_a_world_from_env_outside_mpiexec(monkeypatch):
-    """MPI's world comes from its process manager: the error names meshkit-run (issue 26.2, point 4).
+    """MPI's world comes from its process manager: the error names meshkit-run.
     Slurm's variables stand in for RANK/WORLD_SIZE (srun without an MPI plugin)."""
     monkeypatch.setenv("SLURM_PROCID", "1")
     monkeypatch.setenv("SLURM_NTASKS", "3")

@@ -670,7 +670,7 @@ def test_importing_the_launcher_does_not_initialize_mpi() -> None:
     assert result.stdout.strip() == "True", result.stderr
 
 
-# --- the job's secret, its own files, and its end with the launcher (issue 35) -----------------
+# --- the job's secret, its own files, and its end with the launcher -----------------
 
 
 def test_the_secret_variable_is_the_one_comm_reads() -> None:

@@ -1,4 +1,4 @@
-"""The launcher takes its job with it (issue 35.6): killed with SIGKILL, ``meshkit-run`` leaves no
+"""The launcher takes its job with it: killed with SIGKILL, ``meshkit-run`` leaves no
 process of its job (ranks, their children, watchers, mpiexec, hydra's proxy), no status folder and
 no MPICH shared memory behind, and another job of the same user runs on untouched; a dead
 attempt's shared memory is gone before the next attempt starts.

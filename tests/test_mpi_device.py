@@ -1,4 +1,4 @@
-"""Device arrays over the MPI engine, against the double (tests/nccl_double.py) as the runtime.
+"""Device arrays over the MPI engine, against the double (tests/doubles/nccl_double.py) as the runtime.
 
 On real processes (2 ranks, ``meshkit-run``): every collective and point-to-point on device
 arrays, staged through pinned host buffers (``MESHKIT_CUDA_AWARE_MPI=0``) and handed to MPI as
@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import nccl_double as double
+from doubles import nccl_double as double
 
 from meshkit.comm.engines import cuda_runtime
 
@@ -62,14 +62,24 @@ def test_a_failed_copy_back_fails_the_work_and_leaves_the_output(mpirun):
     assert "[rank1]: copy-back completed True success True output [0.0, 2.0, 4.0, 6.0]" in out, out
 
 
-def test_staging_copies_wait_for_the_callers_writes_not_its_later_work(mpirun):
-    """The copies run on the engine's staging stream, after an event on the caller's stream: a
-    Work completes while the caller's stream is busy with work queued after the collective."""
-    out = mpirun("mpi_device_streams.py", 2, "overlap", env={"MESHKIT_CUDA_AWARE_MPI": "0"}, timeout=60).stdout
-    for rank in (0, 1):
+def test_staging_copies_follow_the_callers_writes_and_large_buffers_go_to_mpi_in_chunks(mpirun):
+    """One job of 3 ranks, two cases. "overlap": the copies run on the engine's staging stream, after
+    an event on the caller's stream: a Work completes while the caller's stream is busy with work
+    queued after the collective. "chunks": all_reduce, reduce and broadcast above CHUNK_BYTES (16
+    bytes here) are posted chunk by chunk as their copies arrive; every collective still matches
+    NumPy; one copy back."""
+    n = 3
+    out = mpirun("mpi_device_streams.py", n, "overlap", "chunks", env={"MESHKIT_CUDA_AWARE_MPI": "0"},
+                 timeout=200).stdout
+    for rank in range(n):
         assert f"[rank{rank}]: wait with the caller's stream busy: True" in out, out
-        assert f"[rank{rank}]: result [30.0, 3.0, 3.0, 3.0]" in out, out  # x[0] written before: copied
+        assert f"[rank{rank}]: result [60.0, 6.0, 6.0, 6.0]" in out, out  # x[0] written before: copied
     assert "[rank1]: broadcast [0.0, 1.0, 2.0]" in out, out
+    for rank in range(n):
+        assert re.search(rf"\[rank{rank}\]: checks \d+", out), out
+        assert f"[rank{rank}]: all_reduce 1001 float64: 501 copies to host, 1 back" in out, out  # 2 per chunk
+    assert "[rank1]: broadcast 5 float64: 3 copies to host, 0 back" in out, out  # the root reads in 3 chunks
+    assert "[rank0]: broadcast 5 float64: 0 copies to host, 1 back" in out, out
 
 
 def test_a_staging_stream_that_skips_the_event_wait_fails_on_the_double(mpirun):
@@ -79,18 +89,6 @@ def test_a_staging_stream_that_skips_the_event_wait_fails_on_the_double(mpirun):
             "device array on another stream") in out, out
     assert ("[rank1]: send: FakeNcclError: double: copy_to_host: the stream is not ordered after the caller's "
             "current stream") in out, out
-
-
-@pytest.mark.parametrize("n", [2, 3])
-def test_large_staged_buffers_go_to_mpi_in_chunks(mpirun, n):
-    """all_reduce, reduce and broadcast above CHUNK_BYTES (16 bytes here) are posted chunk by
-    chunk as their copies arrive; every collective still matches NumPy; one copy back."""
-    out = mpirun("mpi_device_streams.py", n, "chunks", env={"MESHKIT_CUDA_AWARE_MPI": "0"}, timeout=200).stdout
-    for rank in range(n):
-        assert re.search(rf"\[rank{rank}\]: checks \d+", out), out
-        assert f"[rank{rank}]: all_reduce 1001 float64: 501 copies to host, 1 back" in out, out  # 2 per chunk
-    assert "[rank1]: broadcast 5 float64: 3 copies to host, 0 back" in out, out  # the root reads in 3 chunks
-    assert "[rank0]: broadcast 5 float64: 0 copies to host, 1 back" in out, out
 
 
 def test_cuda_aware_override_must_be_0_or_1(mpirun):

@@ -1,4 +1,4 @@
-"""The NCCL engine over the strict double (tests/nccl_double.py), ranks as threads.
+"""The NCCL engine over the strict double (tests/doubles/nccl_double.py), ranks as threads.
 
 Every collective against the NumPy reference at world sizes 1 to 4, the routing of host and
 device arrays, streams (Work.wait orders the caller's stream, no host sync), timeouts, and
@@ -24,9 +24,10 @@ import numpy as np
 import pytest
 
 import collective_cases as cases
-import fake_cupy
+from doubles import fake_cupy
 import meshkit
-import nccl_double as double
+from doubles import nccl_double as double
+from support.nccl import on_nccl
 from meshkit import ReduceOp
 from meshkit.comm.engines import cuda_runtime
 from meshkit.comm import local
@@ -55,27 +56,11 @@ def nccl_ops(dtype) -> list[ReduceOp]:
 
 
 @pytest.fixture
-def fake_gpu():
-    """The double as the runtime, for the test's duration."""
-    previous = cuda_runtime.set_runtime(double.FakeRuntime())
-    yield double
-    cuda_runtime.set_runtime(previous)
-
-
-@pytest.fixture
 def connect_at_init(monkeypatch):
     """NCCL_RUNTIME_CONNECT=0: NCCL connects the ranks in init, so a peer late at a communicator's
     first collective meets the group's timeout (by default NCCL connects at that first call and
     blocks the host inside it, where no timeout reaches: see docs/gpus.md)."""
     monkeypatch.setenv("NCCL_RUNTIME_CONNECT", "0")
-
-
-def on_nccl(fn, n, *args, timeout=30):
-    """Run ``fn`` on ``n`` thread-ranks, each with an ``nccl`` world over the double."""
-    def main():
-        meshkit.init_process_group("nccl", timeout=timeout)
-        return fn(*args)
-    return local.run(main, n, init=False)
 
 
 def dev_cases(dtype, group=None):
@@ -400,10 +385,10 @@ def test_mixing_host_and_device_arrays_is_a_type_error(fake_gpu):
     def body():
         out = double.to_device(np.zeros(4))
         with pytest.raises(TypeError, match=r"rank \d: all_gather_into_tensor: output is "
-                                            r"nccl_double.DeviceArray \(device\) but input is numpy.ndarray \(host\)"):
+                                            r"doubles.nccl_double.DeviceArray \(device\) but input is numpy.ndarray \(host\)"):
             meshkit.all_gather_into_tensor(out, np.zeros(2))
         with pytest.raises(TypeError, match=r"all_gather: tensor_list\[1\] is numpy.ndarray \(host\) but tensor is "
-                                            r"nccl_double.DeviceArray \(device\)"):
+                                            r"doubles.nccl_double.DeviceArray \(device\)"):
             meshkit.all_gather([double.to_device(np.zeros(2)), np.zeros(2)], double.to_device(np.zeros(2)))
         return True
     assert on_nccl(body, 2) == [True, True]

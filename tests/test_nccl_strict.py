@@ -1,5 +1,5 @@
-"""Where the NCCL double models real CuPy/NCCL strictly (issue 24, points 1, 2, 6 and 7; issue 36,
-point 4: the GPU identity, nonblocking communicators, no driver), and the engine against it.
+"""Where the NCCL double models real CuPy/NCCL strictly (among them the GPU identity, nonblocking
+communicators, no driver), and the engine against it.
 
 Each modelled behaviour is tested on the double itself (``test_double_*``, against the real
 ``cupy.cuda.nccl`` / CuPy runtime where their texts are compared), then the engine: each of those
@@ -27,8 +27,9 @@ import numpy as np
 import pytest
 
 import meshkit
-import fake_cupy
-import nccl_double as double
+from doubles import fake_cupy
+from doubles import nccl_double as double
+from support.nccl import on_nccl
 from collective_cases import avg_rtol
 from meshkit import ReduceOp
 from meshkit.comm.engines import cuda_runtime
@@ -39,27 +40,6 @@ from meshkit.comm._seams import current_world
 from meshkit.comm.groups.world import local_context
 
 TESTS = Path(__file__).parent
-
-
-@pytest.fixture
-def fake_gpu():
-    previous = cuda_runtime.set_runtime(double.FakeRuntime())
-    yield double
-    cuda_runtime.set_runtime(previous)
-
-
-def on_nccl(fn, n, *args, timeout=30, runtime=None):
-    """``fn`` on ``n`` thread-ranks, each with an ``nccl`` world over the double."""
-    previous = cuda_runtime.set_runtime(runtime) if runtime is not None else None
-
-    def main():
-        meshkit.init_process_group("nccl", timeout=timeout)
-        return fn(*args)
-    try:
-        return local.run(main, n, init=False)
-    finally:
-        if runtime is not None:
-            cuda_runtime.set_runtime(previous)
 
 
 def on_comms(n, fn, rt=None):
@@ -367,7 +347,7 @@ _EXIT_SCRIPT = """
 import sys, time
 sys.path.insert(0, {tests!r})
 import numpy as np
-import nccl_double as double
+from doubles import nccl_double as double
 import meshkit
 from meshkit.comm.engines import cuda_runtime
 from meshkit.comm.engines.local_engine import Hub, RankContext
@@ -531,7 +511,7 @@ def test_bfloat16_is_mapped_to_ncclbfloat16_and_the_cuda_extras_install_ml_dtype
         assert any(d.startswith("ml_dtypes") for d in extras[name]), extras[name]
 
 
-# --------------------------------------------------------------------------- issue 36.4: what CuPy refuses
+# --------------------------------------------------------------------------- What CuPy refuses
 def _cupy_runtime_over(gpus):
     """A CupyRuntime whose ``cupy.cuda.runtime`` is the double's (:class:`double.FakeCudaRuntimeModule`)."""
     rt = cuda_runtime.CupyRuntime.__new__(cuda_runtime.CupyRuntime)

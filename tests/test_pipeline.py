@@ -375,7 +375,7 @@ def test_ranks_that_build_different_pipelines_fail_on_every_rank_at_the_first_st
 
 @pytest.mark.parametrize("p, v", [(2, 1), (3, 1), (1, 2), (2, 2)])
 def test_a_target_of_another_batch_than_x_fails_on_every_rank(p, v):
-    """Issue 23.7: x of 8 samples, target of 4, 4 microbatches: the loss's broadcasting (a (2, 5)
+    """An x of 8 samples, target of 4, 4 microbatches: the loss's broadcasting (a (2, 5)
     output minus a (1, 5) target) would hide it; every rank raises at the first step."""
     x, t = cases.data(8)
     results, took = _steps(p, v, 4, x, [t[:4]])
@@ -571,7 +571,7 @@ def test_stages_that_return_their_buffers_under_meshkit_run(mpirun):
     assert out.count(" OK") == 12 and "WRONG" not in out, out
 
 
-# --------------------------------------------------------------------------- device arrays (tests/fake_cupy.py)
+# --------------------------------------------------------------------------- device arrays (tests/doubles/fake_cupy.py)
 def _device_run(cupy, backend: str, kind: str):
     ps = cases.params(2)
     x, t = cases.data(4)

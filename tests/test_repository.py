@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 import shutil
 import subprocess
@@ -26,7 +27,7 @@ def test_a_clone_in_a_folder_whose_name_is_not_an_identifier_runs_its_tests(tmp_
     assert "1 passed" in proc.stdout
 
 
-# --------------------------------------------------------------------------- the documentation (issue 25.5)
+# --------------------------------------------------------------------------- the documentation
 DOCS = ROOT / "docs"
 _LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)\s]*)?\)")  # a Markdown link's target, without its #anchor
 
@@ -64,19 +65,54 @@ def test_the_readme_is_a_front_page_with_the_map_near_the_top():
     assert "```bash\nmeshkit-run -n 4 examples/train_mlp.py --check\n```" in readme
 
 
-def test_the_readme_map_names_every_module():
-    """Every ``.py`` of the package, the examples and the benchmarks is named in its folder's entry of
-    the map ("How the code is organised"), by its path inside that folder (``prepared.py``,
-    ``parallel/style.py`` under ``tensor/``)."""
+#: Packages whose docstring does not carry the map yet: comm's is written with its rooms (on another
+#: branch); remove it from here when that lands, and the test checks comm as every other package.
+MAP_PENDING = {"comm"}
+
+
+def _docstring(package: Path) -> str:
+    return ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
+
+
+def test_each_package_docstring_is_its_map():
+    """The map of the code is in the packages' docstrings: each module (``layout.py``, or ``layout``)
+    and each subpackage (``optim/``) is named in its package's docstring, or in an enclosing
+    package's by its path inside it (``engines/mpi.py``, or ``mpi.py`` in a map that names its room
+    ``engines/``); the root's names every package."""
+    packages = sorted(p.parent for p in ROOT.rglob("__init__.py") if ROOT / "tests" not in p.parents
+                      and not any(part.startswith(".") or part.endswith(".egg-info") for part in p.parts))
+    assert ROOT in packages and ROOT / "parallel" / "optim" in packages, packages
+    missing = []
+    for package in packages:
+        for item in sorted(package.iterdir()):
+            if item.name == "__init__.py" or not (item.suffix == ".py" or (item / "__init__.py").is_file()):
+                continue
+            if package == ROOT:
+                named = f"meshkit.{item.name}" in _docstring(ROOT)
+            else:
+                enclosing = [p for p in packages if p != ROOT and (p == package or p in package.parents)]
+                named = False
+                for outer in enclosing:
+                    inner = item.relative_to(outer).as_posix()
+                    text = _docstring(outer)
+                    rooms = item.relative_to(outer).parts[:-1]  # a map by room: "``engines/``", then "mpi.py"
+                    named |= (f"{inner}/" if item.is_dir() else inner) in text or \
+                        (outer == package and f"``{item.stem}``" in text) or \
+                        (bool(rooms) and item.name in text and all(f"{room}/" in text for room in rooms))
+            top = item.relative_to(ROOT).parts[0]
+            if not named and top not in MAP_PENDING:
+                missing.append(item.relative_to(ROOT).as_posix())
+    assert not missing, f"not named in its package's docstring: {missing}"
+
+
+def test_the_readme_lists_the_packages_and_names_every_script():
+    """The README's map ("How the code is organised") has a line for each package (its docstring
+    holds the rest), and names every script of examples/ and benchmarks/ by its file name."""
     readme = (ROOT / "README.md").read_text()
     section = readme.split("## How the code is organised", 1)[1].split("\n## ", 1)[0]
     entries = dict(re.findall(r"(?ms)^- `(\w+)/`:(.*?)(?=^- `|^\S|\Z)", section))
-    missing = []
-    for top in sorted(p for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))
-                      and p.name not in {"tests", "docs"} and not p.name.endswith(".egg-info")):
-        for path in sorted(top.rglob("*.py")):
-            inner = path.relative_to(top).as_posix()
-            if path.name != "__init__.py" and f"`{inner}`" not in entries.get(top.name, ""):
-                missing.append(path.relative_to(ROOT).as_posix())
-    assert {"comm", "parallel", "tensor", "examples", "benchmarks"} <= set(entries), sorted(entries)
+    packages = {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file() and p.name != "tests"}
+    assert packages <= set(entries), sorted(packages - set(entries))
+    missing = [f"{folder}/{path.name}" for folder in ("examples", "benchmarks")
+               for path in sorted((ROOT / folder).glob("*.py")) if f"`{path.name}`" not in entries[folder]]
     assert not missing, f"not named in the README's map: {missing}"

@@ -1,5 +1,5 @@
 """``meshkit-run --simulate-nodes K``: N ranks of one machine as K nodes, and everything in meshkit
-that follows host boundaries follows the simulated ones (issue 29, point 4).
+that follows host boundaries follows the simulated ones.
 
 Real jobs through meshkit-run for what ranks see (host names, node-local ranks, torchrun's
 variables, ``describe()``, the NCCL engine's device choice on the double); the launcher's
@@ -29,7 +29,7 @@ def _env_lines(out: str) -> dict[int, dict[str, str | None]]:
     return {int(r): ast.literal_eval(d) for r, d in re.findall(r"\[rank(\d)\]: env (\{.*\})", out)}
 
 
-def test_each_rank_reports_its_simulated_host_and_node_local_rank(mpirun):
+def test_each_rank_reports_its_simulated_host_and_node_local_rank_and_describe_groups_by_host(mpirun):
     out = mpirun("simulated_nodes.py", 4, "hosts", options=SIM, timeout=90).stdout
     seen = _env_lines(out)
     for rank in range(4):
@@ -39,10 +39,7 @@ def test_each_rank_reports_its_simulated_host_and_node_local_rank(mpirun):
         assert f"[rank{rank}]: host {HOST}-sim{node} local rank {local_rank}\n" in out, out
         # MPICH itself sees 2 nodes: shared memory within one, its network module between them.
         assert f"[rank{rank}]: MPI shared-memory node of 2 ranks\n" in out, out
-
-
-def test_describe_groups_ranks_by_simulated_host_and_names_the_dimension_that_crosses(mpirun):
-    out = mpirun("simulated_nodes.py", 4, "hosts", options=SIM, timeout=90).stdout
+    # describe() of the same job groups the ranks by simulated host and names the dimension that crosses
     described = re.search(r"describe:\n(.*?)\[rank0\]: end", out, re.S).group(1)
     assert "dim 0 'dp' (size 2) crosses hosts: groups [[0, 2], [1, 3]]" in described, out
     assert "dim 1 'tp' (size 2): groups [[0, 1], [2, 3]]" in described, out
@@ -63,16 +60,15 @@ def test_the_node_local_rank_follows_host_names_a_user_sets(mpirun):
 
 def test_nccl_device_selection_follows_the_simulated_nodes(mpirun):
     share = {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}
-    out = mpirun("simulated_nodes.py", 4, "devices", "4", options=SIM, env=share, timeout=90).stdout
+    # One job: 4 GPUs on each of 2 simulated nodes, then 2 GPUs with sharing refused.
+    out = mpirun("simulated_nodes.py", 4, "devices", "4", "2:0", options=SIM, env=share, timeout=90).stdout
     for rank in range(4):  # node-local rank modulo visible GPUs, per simulated node
         assert f"[rank{rank}]: device {rank % 2} (0000:0{rank % 2}:00.0)" in out, out
+    # The simulated nodes are one machine: GPUs really shared are refused as NCCL would.
+    assert "[rank2]: DistBackendError: meshkit.comm: rank 2: ranks [0, 2] would share one GPU" in out, out
     out = mpirun("simulated_nodes.py", 4, "devices", "4", env=share, timeout=90).stdout
     for rank in range(4):  # one real node of 4 ranks: a GPU each
         assert f"[rank{rank}]: device {rank} (0000:0{rank}:00.0)" in out, out
-    # The simulated nodes are one machine: GPUs really shared are refused as NCCL would.
-    out = mpirun("simulated_nodes.py", 4, "devices", "2", options=SIM,
-                 env={"NCCL_MULTI_RANK_GPU_ENABLE": "0"}, timeout=90).stdout
-    assert "[rank2]: DistBackendError: meshkit.comm: rank 2: ranks [0, 2] would share one GPU" in out, out
 
 
 def test_a_user_set_transport_is_kept(mpirun):
@@ -218,7 +214,7 @@ def test_the_store_engine_follows_simulated_host_names_for_local_rank_describe_a
     among the ranks that claimed their rank from its (simulated) host name, and ``describe()`` and
     the device choice follow. Hosts interleave (box0: ranks 0, 2; box1: ranks 1, 3), so the rank
     order alone would give other answers."""
-    import nccl_double as double
+    from doubles import nccl_double as double
 
     from meshkit.comm.engines import cuda_runtime
     from meshkit.comm.groups.world import local_context

@@ -1,4 +1,4 @@
-"""``meshkit.spawn`` (issue 26.5): torch.multiprocessing.spawn's contract on real processes.
+"""``meshkit.spawn``: torch.multiprocessing.spawn's contract on real processes.
 
 The spawned functions live in ``tests/spawn_cases.py`` (importable by name, as spawn requires);
 ``tests/scripts/spawn_main.py`` is a ported script whose function is in its own ``__main__``.
@@ -163,7 +163,7 @@ def test_a_parent_that_leaves_without_join_ends_the_job_and_removes_its_folders(
     assert not alive, f"processes of a job whose parent left still run: {alive}"
 
 
-# --- the payload is the parent's own (issue 35.2) -------------------------------------------------
+# --- the payload is the parent's own -------------------------------------------------
 
 class _Planted:
     """A pickle that, once loaded, creates the file it names: code run by whoever loads it."""

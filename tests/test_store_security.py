@@ -1,4 +1,4 @@
-"""The stores admit no one else (issue 35, points 2-4): TCPStore's mutual authentication with the job's
+"""The stores admit no one else: TCPStore's mutual authentication with the job's
 secret (a handshake per connection), FileStore's private, exclusive files, and the TCPStore server's bounds.
 
 Each attack is made as an outsider would make it (another local user through setpriv where this
@@ -192,7 +192,7 @@ def test_a_client_refuses_a_squatter_on_the_port():
 
 
 def test_env_rendezvous_refuses_a_squatter_on_master_port(monkeypatch):
-    """Attack 2 of issue 35: an outsider serves a store on MASTER_PORT before rank 0 does. Rank 0
+    """An outsider serves a store on MASTER_PORT before rank 0 does. Rank 0
     cannot listen there (named), and rank 1 refuses the squatter instead of taking its answers."""
     squatter = TCPStore("127.0.0.1", 0, is_master=True, timeout=T)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
@@ -291,7 +291,7 @@ def test_a_file_another_user_planted_is_refused_naming_its_owner(shared_dir):
 
 
 def test_two_jobs_on_one_path_never_form_one_world(tmp_path, monkeypatch):
-    """Issue 35's attack 3 (and the accident): a second job, or an outsider's file, on the path of a
+    """An attack on the path (and the accident): a second job, or an outsider's file, on the path of a
     job's file:// rendezvous is refused, naming the path; the job's own second rank joins."""
     path = tmp_path / "rendezvous"
     job_a = FileStore(path, world_size=2, secret=SECRET)
@@ -337,7 +337,7 @@ def _greeted(port: int) -> socket.socket:
 
 
 def test_clients_that_never_read_their_replies_cannot_grow_the_master_past_its_memory_bound(monkeypatch):
-    """Issue 35: one client that never read its replies to GETs of a 60 MiB value grew the master by
+    """One client that never read its replies to GETs of a 60 MiB value grew the master by
     1 GB per 16 requests. Now the values held, the frames received and the replies unread share
     MESHKIT_STORE_MAX_BYTES; the greedy connections are closed at the idle timeout and the others
     are served."""

@@ -1,4 +1,4 @@
-"""Key-value stores (issue 26.1): one semantics for HashStore, FileStore, TCPStore and PrefixStore,
+"""Key-value stores: one semantics for HashStore, FileStore, TCPStore and PrefixStore,
 TCPStore's server under load and abuse, and both process-shared stores across real processes."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import pytest
 import meshkit
 from meshkit import DistStoreError, FileStore, HashStore, PrefixStore, Store, TCPStore
 from meshkit.comm.stores import wire
+from support.ports import free_port
 
 WORKER = Path(__file__).parent / "scripts" / "store_worker.py"
 SHORT = timedelta(seconds=0.3)  # what a timeout test waits: the failure must come this soon, not hang
@@ -320,12 +321,6 @@ def test_file_store_refuses_bad_arguments_and_a_foreign_file(tmp_path):
 
 
 # --------------------------------------------------------------------------- TCPStore
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _raw(port: int, greeted: bool = True) -> socket.socket:
     """A raw connection to an open server, past its greeting (``greeted``)."""
     s = socket.create_connection(("127.0.0.1", port), timeout=5)
@@ -401,7 +396,7 @@ def test_bad_ports_and_world_sizes_are_refused():
 
 
 def test_a_client_retries_until_the_timeout_then_names_host_port_and_the_time():
-    port = _free_port()  # nobody listens there
+    port = free_port()  # nobody listens there
     start = time.monotonic()
     with pytest.raises(DistStoreError, match=rf"no server answered at 127\.0\.0\.1:{port} within the timeout of "
                                              rf"0\.5 s \(waited [0-9.]+ s; last error: .*refused") as info:
@@ -410,7 +405,7 @@ def test_a_client_retries_until_the_timeout_then_names_host_port_and_the_time():
 
 
 def test_a_client_retries_until_the_master_comes_up():
-    port = _free_port()
+    port = free_port()
     box = []
     t = threading.Thread(target=lambda: box.append(TCPStore("127.0.0.1", port, timeout=timedelta(seconds=10))))
     t.start()
@@ -435,7 +430,7 @@ def test_a_listener_that_never_answers_is_an_error_naming_it():
 
 
 def test_wait_for_workers_raises_within_the_timeout_naming_how_many_arrived():
-    port = _free_port()
+    port = free_port()
     worker = threading.Thread(target=lambda: TCPStore("127.0.0.1", port, timeout=timedelta(seconds=5)).close())
     worker.start()
     start = time.monotonic()
@@ -532,7 +527,7 @@ def test_tcp_store_across_processes_128_clients_lose_no_add_and_rendezvous():
     """2 processes x 64 client threads x 1000 adds on one counter, started before their master (they
     retry), which waits for all 129 users; then every process waits for every other's key."""
     nprocs, clients, adds = 2, 64, 1000
-    port = _free_port()
+    port = free_port()
     procs = [_spawn("tcp", port, r, nprocs, clients, adds) for r in range(nprocs)]
     master = TCPStore("127.0.0.1", port, is_master=True, world_size=nprocs * clients + 1,
                       timeout=timedelta(seconds=90))
@@ -600,7 +595,7 @@ def test_try_get_waits_up_to_its_timeout_and_gives_none_instead_of_raising(store
         store.try_get("k", -1)
 
 
-# --------------------------------------------------------------------------- torch 2.13's later methods (issue 36.7)
+# --------------------------------------------------------------------------- torch 2.13's later methods
 def test_multi_get_multi_set_append_and_list_keys(stores, monkeypatch):
     from meshkit.comm.stores import store as store_module, tcp_server
 

@@ -1,4 +1,4 @@
-"""DTensor on device arrays: tests/fake_cupy.py's strict CuPy arrays (not np.ndarray; an implicit
+"""DTensor on device arrays: tests/doubles/fake_cupy.py's strict CuPy arrays (not np.ndarray; an implicit
 host copy raises) over the NCCL engine on the double. Every redistribution pair and the op rules
 keep the blocks on the device and match NumPy."""
 
@@ -11,23 +11,22 @@ import numpy as np
 import pytest
 from tensor_cases import global_array, same_bits
 
-import fake_cupy
+from doubles import fake_cupy
 import meshkit
-from meshkit.comm import local
 from meshkit.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, logsumexp
+from support.nccl import on_nccl
 
 S0, S1, R, P = Shard(0), Shard(1), Replicate(), Partial()
 
 
 # The ``cupy`` fixture (tests/conftest.py) installs the fake module and the double for a test.
-def on_nccl(fn, mesh_shape):
+def on_mesh(fn, mesh_shape):
     """``fn(mesh, cupy)`` on thread-ranks of an ``nccl`` world over the double (one fake GPU each)."""
     def main():
         import cupy
 
-        meshkit.init_process_group("nccl", timeout=60)
         return fn(meshkit.init_device_mesh("cuda", mesh_shape), cupy)
-    return local.run(main, int(np.prod(mesh_shape)), init=False, timeout=120)
+    return on_nccl(main, int(np.prod(mesh_shape)), timeout=60)
 
 
 def host(x):
@@ -56,7 +55,7 @@ def test_every_redistribution_pair_on_device_arrays(cupy, mesh_shape):
             assert same_bits(host(s.full_tensor()), a), (src, "src_data_rank=0")
         return count
 
-    assert on_nccl(body, mesh_shape) == [len(options) ** (2 * len(mesh_shape))] * int(np.prod(mesh_shape))
+    assert on_mesh(body, mesh_shape) == [len(options) ** (2 * len(mesh_shape))] * int(np.prod(mesh_shape))
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -109,7 +108,7 @@ def test_op_rules_on_device_arrays(cupy, mesh_shape):
             out[name] = host(r.full_tensor())
         return out
 
-    for rank in on_nccl(body, mesh_shape):
+    for rank in on_mesh(body, mesh_shape):
         for name, (_, want) in cases.items():
             got = rank[name]
             assert got.dtype == want.dtype, name
@@ -134,4 +133,4 @@ def test_take_out_of_range_raises_on_device_arrays_as_numpy_does(cupy):
             np.take(d, [0], axis=0, mode="wrapp")
         return host(np.take(d, [-5, 4], axis=0).full_tensor()).tolist()
 
-    assert on_nccl(body, (2,)) == [a[[0, 4]].tolist()] * 2
+    assert on_mesh(body, (2,)) == [a[[0, 4]].tolist()] * 2

@@ -213,7 +213,7 @@ def test_truth_value_and_len_are_never_silently_wrong():
     assert local.run(body, 2) == [(5, False)] * 2
 
 
-# ---- issue 23.2: ranks that disagree on the global shape never read what nobody wrote -----------
+# ---- Ranks that disagree on the global shape never read what nobody wrote -----------
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -374,7 +374,7 @@ def test_distribute_tensor_checks_every_rank_of_a_2d_mesh():
     assert "ranks [0, 1, 2] passed shape (4,)" in messages[0] and "rank 3 passed shape (5,)" in messages[0]
 
 
-# ---- issue 23.9: distribute_tensor's default src_data_rank is torch's (0) -------------------------
+# ---- distribute_tensor's default src_data_rank is torch's (0) -------------------------
 
 
 def test_separately_seeded_inits_make_one_array_by_default_as_in_torch():
@@ -400,7 +400,7 @@ def test_layout_agreement_on_real_processes(mpirun, n):
     assert out.count("AGREEMENT OK") == n, out
 
 
-# ---- issue 23.2: from_local's trusted shape= is checked where the data first crosses ranks ------
+# ---- from_local's trusted shape= is checked where the data first crosses ranks ------
 
 ROWS5 = np.arange(15.0).reshape(5, 3)
 
@@ -595,7 +595,7 @@ def test_checked_and_dropped_claims_stop_ops_looking_for_claims():
 
 
 def test_size_is_numpys_count_and_torchs_method():
-    """Issue 36.7: ``DTensor.size`` was a property (NumPy's element count) where torch's is a
+    """``DTensor.size`` was a property (NumPy's element count) where torch's is a
     method (``size()`` the shape, ``size(dim)`` one size): ported torch code called an int."""
     def body():
         mesh = meshkit.init_device_mesh("cpu", (2,))

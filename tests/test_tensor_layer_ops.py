@@ -1,4 +1,4 @@
-"""The DTensor ops attention and MoE layers need (issue 28.4): np.einsum, max reductions,
+"""The DTensor ops attention and MoE layers need: np.einsum, max reductions,
 logsumexp, exp, np.where, concatenate/split/array_split, take; their placements, the
 collectives they issue, and their values against NumPy on 1-D and 2-D meshes (local engine)."""
 

@@ -94,7 +94,7 @@ def test_parallelize_by_names_and_globs_gives_each_rank_its_own_block():
 
 @pytest.mark.parametrize("src_data_rank", [0, None])
 def test_parallelize_scatters_tp_rank_0s_values_as_torchs_styles_do(src_data_rank):
-    # issue 23.9: parameters initialised with a seed per rank (a torch script ported as it is) make
+    # Parameters initialised with a seed per rank (a torch script ported as it is) make
     # one model, tp rank 0's; src_data_rank=None keeps every rank's own array, no data sent
     def body():
         mesh = meshkit.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
@@ -115,7 +115,7 @@ def test_parallelize_scatters_tp_rank_0s_values_as_torchs_styles_do(src_data_ran
 
 
 def test_a_torch_linear_weight_ports_by_its_transpose_under_the_same_style():
-    # issue 23.9: torch's ColwiseParallel is Shard(0) of an (out, in) weight; here Shard(1) of (in, out)
+    # Torch's ColwiseParallel is Shard(0) of an (out, in) weight; here Shard(1) of (in, out)
     import meshkit.tensor.parallel.style as style
 
     readme = (Path(__file__).resolve().parents[1] / "docs" / "dtensor.md").read_text()  # the README's DTensor page
@@ -409,9 +409,9 @@ DEVICE_CASES = [("ddp", (2, 2)), ("zero2", (2, 2)), ("fsdp", (2, 2)), ("hsdp", (
 
 @pytest.mark.parametrize("strategy, mesh_shape", DEVICE_CASES, ids=[s for s, _ in DEVICE_CASES])
 def test_data_parallel_dtensor_params_on_device_arrays(cupy, strategy, mesh_shape):
-    """CuPy blocks (tests/fake_cupy.py's strict arrays) over the NCCL engine on the double: the
+    """CuPy blocks (tests/doubles/fake_cupy.py's strict arrays) over the NCCL engine on the double: the
     strategy's DTensors wrap device arrays, and training equals single-process NumPy."""
-    import fake_cupy
+    from doubles import fake_cupy
 
     ref = dp_tp_cases.reference()
 
@@ -431,7 +431,7 @@ def test_data_parallel_dtensor_params_on_device_arrays(cupy, strategy, mesh_shap
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp"])
 def test_full_state_dicts_of_dtensor_params_are_the_global_arrays(strategy):
-    """Issue 25.1: full_state_dict() is full NumPy arrays on every rank, also for DTensor
+    """``full_state_dict()`` is full NumPy arrays on every rank, also for DTensor
     parameters (their blocks gathered over dp where sharded, then over tp): after training, the
     single-process parameters, and optimizer state of the parameters' global sizes."""
     ref, opt = dp_tp_cases.init_params(), SGD(lr=0.2, momentum=0.9)  # dp_tp_cases.reference's, keeping opt
@@ -489,7 +489,7 @@ def test_ddp_of_dtensors_takes_blocks_too_and_hands_out_dtensors_over_its_own_ar
 
 
 def test_the_tensor_parallel_docstring_gives_ddp_the_dtensors_as_they_are():
-    """issue 25.5: the package's docstring told users to unwrap DTensors for DDP (``to_local()``) and wrap
+    """The package's docstring told users to unwrap DTensors for DDP (``to_local()``) and wrap
     the averages back; DDP takes the DTensor dict itself. Its call is run as written."""
     import meshkit.tensor.parallel as tp
 

@@ -37,7 +37,7 @@ def test_bad_placement_values_are_named():
 
 
 def test_bad_placement_values_name_the_rank_as_every_dtensor_error_does():
-    # issue 23.8: Partial("bogus") said "Partial(reduce_op): ..." without "meshkit.tensor: rank R: "
+    # Partial("bogus") said "Partial(reduce_op): ..." without "meshkit.tensor: rank R: "
     def body():
         rank = meshkit.get_rank()
         head = rf"^meshkit\.tensor: rank {rank}: "

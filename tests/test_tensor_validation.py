@@ -1,4 +1,4 @@
-"""meshkit.tensor.validation (issue 28.4): every rule of the dispatch tables checked against NumPy,
+"""tests/support/tensor_validation.py: every rule of the dispatch tables checked against NumPy,
 Partial inputs split unevenly with mixed signs; a planted wrong rule is caught; none is wrong."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import meshkit
 from meshkit.comm import local
 from meshkit.tensor import Partial, Shard, dispatch, shape_ops, ufuncs
-from meshkit.tensor.validation import Report, _terms, operations, samples_for, validate_rules
+from support.tensor_validation import Report, _terms, operations, samples_for, validate_rules
 
 
 def _validate(mesh_shape, **kwargs) -> Report:
@@ -82,7 +82,7 @@ def test_the_mesh_must_span_the_world():
         local.run(body, 4)
 
 
-#: What the rules refuse, by op, over the CI sample (the gaps; issue 28 asks for them listed)
+#: What the rules refuse, by op, over the CI sample (the gaps, listed)
 EXPECTED_GAPS = {"np.reshape", "DTensor.__getitem__", "np.matvec", "np.vecdot", "np.vecmat"}
 
 

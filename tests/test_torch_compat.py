@@ -1,4 +1,4 @@
-"""What ported torch.distributed code expects (issue 26.4): torchrun's variables under meshkit-run,
+"""What ported torch.distributed code expects: torchrun's variables under meshkit-run,
 ``is_*_available()``, ``barrier(device_ids=...)`` and the ``"gloo"`` backend.
 """
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import meshkit
-import nccl_double as double
+from doubles import nccl_double as double
 from meshkit.comm.engines import cuda_runtime
 from meshkit.comm import local
 from meshkit.comm._seams import current_world
@@ -66,6 +66,26 @@ def test_availability_is_exported():
     for name in ("is_available", "is_mpi_available", "is_nccl_available"):
         assert name in meshkit.comm.__all__ and getattr(meshkit, name) is getattr(meshkit.comm, name)
     assert meshkit.is_available() is True
+
+
+def test_a_star_import_gives_the_torch_surface_and_the_packages_and_keeps_the_builtin_breakpoint():
+    """``from meshkit import *`` as ``from torch.distributed import *`` would be used: the names of
+    meshkit's ``__all__`` (comm's, the mesh, ``spawn``, every package), never a shadowed builtin."""
+    import builtins
+    from pathlib import Path
+
+    names: dict = {}
+    exec("from meshkit import *", names)
+    assert "breakpoint" not in names and "breakpoint" not in meshkit.__all__
+    shadowed = sorted(n for n in meshkit.__all__ if hasattr(builtins, n))
+    assert not shadowed, f"from meshkit import * would shadow builtins: {shadowed}"
+    assert meshkit.breakpoint is meshkit.comm.breakpoint  # still there by its full name, as torch's dist.breakpoint
+    assert set(meshkit.comm.__all__) - {"breakpoint"} <= set(names)
+    root = Path(meshkit.__file__).parent
+    packages = {p.name for p in root.iterdir() if (p / "__init__.py").is_file() and p.name != "tests"}
+    assert packages == {"comm", "mesh", "tensor", "state", "parallel", "checkpoint", "plan", "debug", "launch",
+                        "elastic"}, packages
+    assert packages <= set(meshkit.__all__) and all(names[p] is getattr(meshkit, p) for p in packages)
 
 
 def _python(code: str, **env: str) -> str:
@@ -145,7 +165,7 @@ def test_gloo_is_the_host_engine():
     assert _python(code) == "mpi 1"
 
 
-# --------------------------------------------------------------------------- issue 36.7: timeouts and futures
+# --------------------------------------------------------------------------- Timeouts and futures
 def test_timeouts_take_torchs_timedelta():
     """``monitored_barrier(timeout=timedelta)`` and ``Work.wait(timeout=timedelta)`` raised
     TypeError; torch takes a timedelta (and ``Work.wait``'s default, timedelta(0), means no bound

@@ -1,4 +1,4 @@
-"""Zero-bubble pipeline schedules (issue 28.3): ZB-H1 and ZB-V with each backward split into B
+"""Zero-bubble pipeline schedules: ZB-H1 and ZB-V with each backward split into B
 (input gradient) and W (weight gradient). Orders checked by simulation (no deadlock, every
 microbatch's F, B and W once per stage, in dependency order), simulated bubbles against the
 formula, peak held activations against 1F1B's, equality with single-process training on the
@@ -418,7 +418,7 @@ def test_a_backward_input_that_does_not_return_dx_and_wctx_is_named():
     assert out[0] is not None
 
 
-# --------------------------------------------------------------------------- device arrays (tests/fake_cupy.py)
+# --------------------------------------------------------------------------- device arrays (tests/doubles/fake_cupy.py)
 @pytest.mark.parametrize("kind", ["zbh1", "zbv"])
 def test_device_arrays_with_a_tied_weight_match_one_process(cupy, kind):
     # CuPy stages over the local engine; ZB-V's rank 1 holds no tied stage (its share of the

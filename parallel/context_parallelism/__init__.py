@@ -6,6 +6,11 @@ forward with its log-sum-exp, the exact merge, FlashAttention-2's backward); :mo
 K/V blocks around the ring (:func:`ring_attention`), :mod:`.ulysses` trades sequence sharding for
 head sharding with two all-to-alls (:func:`ulysses_attention`); :mod:`.arguments` checks every
 rank's arguments on every rank first.
+
+Modules: ``attention.py`` (the local math: attention on one block of keys, its merge, its
+backward), ``ring.py`` (ring attention: K/V blocks travel around the ring), ``ulysses.py`` (all-to-all:
+the sequence sharding traded for a head sharding), ``sequence.py`` (which tokens each rank holds),
+``arguments.py`` (every rank checks every rank's q, k, v; what a forward saves for its backward).
 """
 
 from .ring import RingAttentionContext, ring_attention, ring_attention_backward

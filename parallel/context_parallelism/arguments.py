@@ -41,7 +41,6 @@ class SavedAttention:
 
 #: Dimensions of q, k, v the vector holds; more is reported as a problem (attention arrays have 3 or 4).
 _DIMS = 6
-_FIELDS = 3 * (1 + _DIMS) + 3 + 3
 
 
 def _encode(q: Any, k: Any, v: Any, causal: bool, balanced: bool, scale: float | None) -> np.ndarray:

@@ -4,6 +4,10 @@
 with ``all_to_all_single``, the capacity cut), :mod:`.experts` (the expert MLPs, row-blocked for
 bitwise results), :mod:`.moe` (:class:`MoE`: forward, backward, gradient reduction over dp),
 :mod:`.expert_strategy` (:class:`ExpertStrategy`: the experts' blocks as a strategy of the protocol).
+
+Modules: ``routing.py`` (router scores, top-k experts, gates), ``exchange.py`` (token dispatch and
+combine over ``ep``), ``experts.py`` (the expert MLPs, forward and backward), ``moe.py`` (the layer),
+``expert_strategy.py`` (the experts' blocks as a strategy).
 """
 
 from .exchange import DispatchPlan, expert_capacity

@@ -4,6 +4,9 @@
 backward, in order: GPipe, 1F1B, interleaved 1F1B, and the zero-bubble ZB-H1 and ZB-V, whose
 backward is split into input and weight gradients) and :func:`bubble_fraction`;
 :mod:`.pipeline` runs them (:class:`PipelineStage`, the schedule executors, :class:`PipelineError`).
+
+Modules: ``pipeline.py`` (stages and their executor), ``schedules.py`` (schedules as pure
+per-rank action orders).
 """
 
 from .pipeline import (PipelineError, PipelineSchedule, PipelineStage, Schedule1F1B, ScheduleGPipe,

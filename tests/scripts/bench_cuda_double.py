@@ -1,4 +1,4 @@
-"""benchmarks/collectives.py --device cuda against the NCCL double (tests/nccl_double.py).
+"""benchmarks/collectives.py --device cuda against the NCCL double (tests/doubles/nccl_double.py).
 
 The double replaces CuPy's runtime (streams, events, NCCL, pinned buffers) and the benchmark's
 device allocator, so the GPU path runs end to end here: meshkit's engine and the raw engines
@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-import nccl_double as double
+from doubles import nccl_double as double
 import numpy as np
 
 from meshkit.comm.engines import cuda_runtime

@@ -10,7 +10,7 @@ waits for ``DIR/attacked`` (the test, as the outsider, posts a pickled notice to
 the store) and joins the next barrier late, so that rank 1 reads its notices while it waits
 there. Each rank prints what its next two barriers did (``BARRIER2/3 <type> <message>``), then
 makes a second world on the same port (``WORLD2``). The device side is
-tests/nccl_process_double.py's.
+tests/doubles/nccl_process_double.py's.
 """
 
 import os
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from nccl_process_double import ProcessRuntime
+from doubles.nccl_process_double import ProcessRuntime
 
 import meshkit
 from meshkit.comm.engines import cuda_runtime

@@ -1,4 +1,4 @@
-"""A small job for the restart tests of ``meshkit-run`` (issue 27): what it does depends on argv[1].
+"""A small job for the restart tests of ``meshkit-run``: what it does depends on argv[1].
 
 Every rank first prints ``attempt A rank R of N`` (with meshkit.elastic's view) and records its pid
 in ``$ELASTIC_LOG/attempt-{A}.rank-{R}`` when that is set.

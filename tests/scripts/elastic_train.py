@@ -1,4 +1,4 @@
-"""An example run under ``meshkit-run --max-restarts``, with a fault on its first attempt (issue 27).
+"""An example run under ``meshkit-run --max-restarts``, with a fault on its first attempt.
 
     meshkit-run -n 4 --max-restarts 1 elastic_train.py EXAMPLE.py EXAMPLE-ARGS...
 

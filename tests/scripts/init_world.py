@@ -8,7 +8,7 @@ MASTER_ADDR, MASTER_PORT from the launcher), ``default`` (no init_method: torch'
 env://), ``leave`` (env://; rank 1 leaves at once), ``tcp``, ``file`` (the URL in ``$TCP_URL``/``$FILE_URL``), or ``store`` (a TCPStore at
 MASTER_ADDR:STORE_PORT made here). RANK and
 WORLD_SIZE come from the environment. The nccl backend runs over a communicator that crosses
-processes (tests/nccl_process_double.py). Each rank checks device all_reduce on the world and on a
+processes (tests/doubles/nccl_process_double.py). Each rank checks device all_reduce on the world and on a
 sub-group, barrier, object collectives and the error for host arrays, then prints ``OK``. An
 error is printed as ``ERROR <type>: <message>`` (exit 3), for the tests that expect one.
 """
@@ -18,9 +18,9 @@ import sys
 import time
 from datetime import timedelta
 
-import nccl_double as double
+from doubles import nccl_double as double
 import numpy as np
-from nccl_process_double import ProcessRuntime
+from doubles.nccl_process_double import ProcessRuntime
 
 import meshkit
 from meshkit.comm.engines import cuda_runtime

@@ -2,7 +2,7 @@
 
 Rank 1 stops the process that reads its output (hydra's proxy, its parent) before it raises, and
 a helper resumes it a second later: the traceback and the abort are then pending together, as
-they are on a loaded machine where the proxy did not run between the two (issue 36.8: the job
+they are on a loaded machine where the proxy did not run between the two (the job
 ended with an empty stderr once in 4 loaded runs). The traceback must still reach mpiexec's stderr.
 """
 

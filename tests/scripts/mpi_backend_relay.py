@@ -1,10 +1,10 @@
-"""A third-party backend registered by name over MPI's engine, used through init_process_group (issue 26.5)."""
+"""A third-party backend registered by name over MPI's engine, used through init_process_group."""
 
 from collections import Counter
 
 import ddp_cases
 import numpy as np
-from toy_backend import Relay
+from doubles.toy_backend import Relay
 
 import meshkit
 from meshkit.comm.setup import backends

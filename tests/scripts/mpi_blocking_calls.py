@@ -1,4 +1,4 @@
-"""No blocking call waits past its timeout, and meshkit-run names the rank that hung (issue 36.3).
+"""No blocking call waits past its timeout, and meshkit-run names the rank that hung.
 
 3 ranks under ``meshkit-run --max-restarts 1``, the world's timeout 2 s:
 

@@ -1,4 +1,4 @@
-"""Issue 23.1 on real processes: a state dict built once before training, saved by a
+"""Resuming from a checkpoint on real processes: a state dict built once before training, saved by a
 CheckpointManager; a new job (new processes) restores into a dict built once and trains on.
 
 argv: DIRECTORY PHASE, PHASE "first" (3 steps, save step 3) or "resume" (load step 3, 3 more

@@ -8,7 +8,7 @@ counts, the mix of host and device arrays, and prints one OK line per rank.
 import sys
 
 import collective_cases as cases
-import nccl_double as double
+from doubles import nccl_double as double
 import numpy as np
 import pytest
 

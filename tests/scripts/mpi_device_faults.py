@@ -10,7 +10,7 @@ device raises; its Work fails and its output keeps its contents. Prints one line
 import os
 import sys
 
-import nccl_double as double
+from doubles import nccl_double as double
 import numpy as np
 from mpi4py import MPI
 

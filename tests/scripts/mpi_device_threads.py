@@ -1,4 +1,4 @@
-"""Device arrays over the MPI engine from every thread, on the double (issue 24, points 3 and 8).
+"""Device arrays over the MPI engine from every thread, on the double.
 
 argv[1]: "devices": every rank computes on GPU 1 (as a rank does on GPU k of its node): an
 async all_reduce settled by the progress agent (the caller sleeps instead of waiting), and a
@@ -12,7 +12,7 @@ comes from MESHKIT_CUDA_AWARE_MPI.
 import sys
 import time
 
-import nccl_double as double
+from doubles import nccl_double as double
 import numpy as np
 
 import meshkit

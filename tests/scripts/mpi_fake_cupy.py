@@ -1,4 +1,4 @@
-"""The collective suite on tests/fake_cupy.py's strict arrays over the MPI engine, at any world size.
+"""The collective suite on tests/doubles/fake_cupy.py's strict arrays over the MPI engine, at any world size.
 
 argv[1]: "staged" (MESHKIT_CUDA_AWARE_MPI=0), "chunked" (staged, in 16-byte chunks) or "aware"
 (=1). The arrays are not np.ndarray and
@@ -9,8 +9,8 @@ array fails here. Prints one OK line per rank with the number of checks.
 import sys
 
 import collective_cases as cases
-import fake_cupy
-import nccl_double as double
+from doubles import fake_cupy
+from doubles import nccl_double as double
 import numpy as np
 
 import meshkit

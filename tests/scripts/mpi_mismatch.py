@@ -1,4 +1,4 @@
-"""Collective mismatches under MPI at the default debug level (issue 36.2), one case per group.
+"""Collective mismatches under MPI at the default debug level, one case per group.
 
 4 ranks; each case on a 2-rank group of its own (a mismatch breaks its group), two at a time:
 ``size`` (4 float64 against 8) on [0, 1] and ``dtype`` (float32 against float64) on [2, 3], both

@@ -6,7 +6,7 @@ over MPI, the split, notices and teardown), not NCCL traffic between processes.
 """
 
 import collective_cases as cases
-import nccl_double as double
+from doubles import nccl_double as double
 import numpy as np
 from test_nccl import nccl_ops
 

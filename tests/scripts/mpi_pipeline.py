@@ -33,7 +33,7 @@ for kind, v, m in [("1f1b", 1, 5), ("gpipe", 1, 3), ("interleaved", 2, 4)]:
         assert abs(np.mean(losses) - ref_loss) <= 1e-12 * abs(ref_loss)
 print("pipeline OK", flush=True)
 
-# a target of another batch than x (issue 23.7): refused on every rank at the first step, at once
+# a target of another batch than x: refused on every rank at the first step, at once
 x, t = cases.data(8)
 ps = cases.params(p)
 grads = {k: np.zeros_like(a) for k, a in ps[r].items()}

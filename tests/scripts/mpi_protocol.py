@@ -1,4 +1,4 @@
-"""Issue 12's cross-rank cases on real processes: each ends in the right result or an error on every rank."""
+"""The cross-rank cases of the protocol on real processes: each ends in the right result or an error on every rank."""
 
 import protocol_cases
 

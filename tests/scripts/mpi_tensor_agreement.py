@@ -1,4 +1,4 @@
-"""Issue 23.2 and 23.9 on real processes (any world size >= 2): uneven blocks through from_local
+"""DTensor construction agreement on real processes (any world size >= 2): uneven blocks through from_local
 without shape= give the right global array (under MPI the old inferred shapes differed per rank and
 full_tensor returned uninitialised memory with exit status 0); distribute_tensor with a shape that
 differs on the last rank raises on every rank, naming it, and the job goes on; separately seeded

@@ -1,11 +1,11 @@
-"""Issue 28.4 on real processes (world 4): the rules of the layer ops (einsum, max, logsumexp, exp,
+"""On real processes (world 4): the rules of the layer ops (einsum, max, logsumexp, exp,
 where, concatenate, split, take) checked by validate_rules against NumPy on a 1-D mesh of 4 and a
 2x2 mesh, where their collectives cross processes over MPI; every rank gets the same report."""
 
 import numpy as np
 
 import meshkit
-from meshkit.tensor.validation import validate_rules
+from support.tensor_validation import validate_rules
 
 OPS = ["np.einsum", "np.max", "meshkit.tensor.logsumexp", "np.exp", "np.where", "np.concatenate", "np.split",
        "np.array_split", "np.take", "np.matmul", "np.sum"]

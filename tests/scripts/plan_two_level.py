@@ -1,4 +1,4 @@
-"""A two-level machine calibrated over a host-aware mesh (issue 29.4), as a rank of ``meshkit-run
+"""A two-level machine calibrated over a host-aware mesh, as a rank of ``meshkit-run
 -n 4 [--simulate-nodes 2]`` sees it.
 
 argv[1] "calibrate": build benchmarks/two_level.py's ``host_mesh()`` (rows = hosts), calibrate it

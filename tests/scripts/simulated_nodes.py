@@ -1,19 +1,19 @@
-"""What follows host boundaries, as a rank of ``meshkit-run [--simulate-nodes K]`` sees it (issue 29.4).
+"""What follows host boundaries, as a rank of ``meshkit-run [--simulate-nodes K]`` sees it.
 
 Every rank prints the environment the bootstrap, hydra and the launcher set, and the size of
 MPI's shared-memory split (MPICH's own idea of a node). argv[1]: "env": only that; "hosts": the
 world group's host name and the MPI engine's node-local rank, then ``describe()`` of a 2x2 mesh
 in the launch order and of one whose later dimension crosses the hosts; "named": the rank names
 its host itself (``box{rank // 2}``) and removes ``LOCAL_RANK``, then prints the MPI engine's
-node-local rank (the names decide); "devices N": the NCCL engine's device choice on the double
-with N GPUs (only the selection runs: the double's communicators cannot span processes).
+node-local rank (the names decide); "devices N...": the NCCL engine's device choice on the double
+with N GPUs, once per N in order (N:S sets NCCL_MULTI_RANK_GPU_ENABLE=S first) (only the selection runs: the double's communicators cannot span processes).
 """
 
 import os
 import sys
 import time
 
-import nccl_double as double
+from doubles import nccl_double as double
 import numpy as np
 from mpi4py import MPI
 
@@ -43,12 +43,16 @@ elif case == "named":  # hosts named by the user under plain mpiexec: hydra's MP
     os.environ["MESHKIT_HOST_NAME"] = f"box{rank // 2}"
     print(f"named host {world.host_name()} local rank {world.engine.local_rank()}", flush=True)
 elif case == "devices":
-    rt = double.FakeRuntime(devices=int(sys.argv[2]))
-    cuda_runtime.set_runtime(rt)
-    try:
-        device = nccl.select_device(world.engine, rt, time.monotonic() + 20)
-        print(f"device {device} ({rt.pci_bus_id(device)})", flush=True)
-    except Exception as exc:  # noqa: BLE001 (the line names what was raised)
-        print(f"{type(exc).__name__}: {exc}", flush=True)
+    for spec in sys.argv[2:]:  # N, or N:S with NCCL_MULTI_RANK_GPU_ENABLE=S for that choice
+        gpus, _, share = spec.partition(":")
+        if share:
+            os.environ[nccl.SHARE_ENV] = share
+        rt = double.FakeRuntime(devices=int(gpus))
+        cuda_runtime.set_runtime(rt)
+        try:
+            device = nccl.select_device(world.engine, rt, time.monotonic() + 20)
+            print(f"device {device} ({rt.pci_bus_id(device)})", flush=True)
+        except Exception as exc:  # noqa: BLE001 (the line names what was raised)
+            print(f"{type(exc).__name__}: {exc}", flush=True)
 meshkit.barrier()
 meshkit.destroy_process_group()

@@ -1,11 +1,11 @@
-"""examples/train_3d.py --device cuda on "GPUs" that are tests/fake_cupy.py's strict arrays over the
+"""examples/train_3d.py --device cuda on "GPUs" that are tests/doubles/fake_cupy.py's strict arrays over the
 NCCL double's device memory: its main() as a user runs it, over the MPI engine (staged or
 CUDA-aware, as MESHKIT_CUDA_AWARE_MPI says). argv: the example's flags; prints each rank's device."""
 
 import sys
 from pathlib import Path
 
-import fake_cupy
+from doubles import fake_cupy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import meshkit  # noqa: E402

@@ -1,4 +1,4 @@
-"""Every sharding rule checked against NumPy: :func:`validate_rules` (issue 28; torch's
+"""Every sharding rule checked against NumPy: :func:`validate_rules` (torch's
 ``DTensor`` op tests do the same for its sharding strategies).
 
 For every operation in the dispatch tables (:mod:`.dispatch`: each NumPy function of
@@ -38,13 +38,13 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from ..comm import broadcast_object_list, gather_object, get_rank, get_world_size
-from ..mesh import DeviceMesh
-from . import dispatch, errors
-from .chunks import local_shape_and_offset, local_slices
-from .dtensor import DTensor
-from .placements import Partial, Placement, Replicate, Shard
-from .reductions import logsumexp
+from meshkit.comm import broadcast_object_list, gather_object, get_rank, get_world_size
+from meshkit.mesh import DeviceMesh
+from meshkit.tensor import dispatch, errors
+from meshkit.tensor.chunks import local_shape_and_offset, local_slices
+from meshkit.tensor.dtensor import DTensor
+from meshkit.tensor.placements import Partial, Placement, Replicate, Shard
+from meshkit.tensor.reductions import logsumexp
 
 __all__ = ["Sample", "OpReport", "Report", "COMPOSITES", "operations", "samples_for", "validate_rules"]
 

@@ -1,4 +1,4 @@
-"""A strict fake ``cupy`` module over the NCCL double's device memory (tests/nccl_double.py).
+"""A strict fake ``cupy`` module over the NCCL double's device memory (tests/doubles/nccl_double.py).
 
 ``nccl_double.DeviceArray`` is an ``np.ndarray`` subclass, so code that treats a device array as
 NumPy (``np.asarray(x)``, ``np.zeros_like(x)``, mixing it with host arrays) passes silently on it.
@@ -40,7 +40,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-import nccl_double as double
+from . import nccl_double as double
 
 __all__ = ["ndarray", "module", "installed", "IMPLICIT", "REAL", "SIGNATURES", "UFUNCS", "ABSENT", "UFUNC_KWARGS",
            "GUFUNCS", "GUFUNC_KWARGS", "UFUNC_METHODS", "Device", "real_signature", "recorded_signature", "spec_of",
@@ -169,7 +169,7 @@ class Reference:
                 return False
             raise LookupError(f"fake_cupy: whether CuPy has cupy.{path} is not recorded, and no CuPy is installed to "
                               "ask: pip install 'meshkit[cuda12]' (CuPy imports without a GPU), or record it in "
-                              "tests/fake_cupy.py (SIGNATURES, UFUNCS or ABSENT)")
+                              "tests/doubles/fake_cupy.py (SIGNATURES, UFUNCS or ABSENT)")
         try:
             self._resolve(path)
         except AttributeError:
@@ -183,7 +183,7 @@ class Reference:
         if spec is None:
             raise LookupError(f"fake_cupy: no recorded CuPy signature for cupy.{path}, and no CuPy is installed to "
                               f"read it from: pip install 'meshkit[cuda12]' (CuPy imports without a GPU), or record "
-                              f"SIGNATURES[{path!r}] = spec_of(real_signature(cupy.{path})) in tests/fake_cupy.py")
+                              f"SIGNATURES[{path!r}] = spec_of(real_signature(cupy.{path})) in tests/doubles/fake_cupy.py")
         return recorded_signature(spec)
 
     def version(self) -> str:

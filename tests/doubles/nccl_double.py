@@ -61,7 +61,7 @@ except ImportError:  # without ml_dtypes there is no bfloat16 array to pass
 _OPS = {0: "SUM", 1: "PROD", 2: "MAX", 3: "MIN", 4: "AVG"}
 #: Seconds a host synchronization or a split waits in the double before it reports a hang.
 DOUBLE_TIMEOUT = 30.0
-#: Seconds ncclCommDestroy takes once every member entered it: milliseconds on a GPU (issue 24);
+#: Seconds ncclCommDestroy takes once every member entered it: milliseconds on a GPU;
 #: above the watchdog's 10 ms round (comm/groups/progress.py WATCHDOG_INTERVAL), so that a watchdog
 #: querying a communicator being destroyed is caught every time, not by luck.
 DESTROY_SECONDS = 0.015
@@ -233,7 +233,7 @@ def _region(ptr: int, count: int, dtype: np.dtype) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- devices, streams, events
-# Devices (issue 24, point 3). CUDA's current device is per host thread and 0 until the thread
+# Devices. CUDA's current device is per host thread and 0 until the thread
 # sets another (CUDA C++ Programming Guide, "Device Selection": "a host thread can set the device
 # it operates on at any time by calling cudaSetDevice()"; a new thread starts on device 0). What
 # the double refuses, as the hardware does:
@@ -252,7 +252,7 @@ def _device() -> int:
     return getattr(_tls, "device", 0)
 
 
-# Visible devices (issue 24, point 4). CUDA numbers the GPUs a process sees 0..n-1 in the order
+# Visible devices. CUDA numbers the GPUs a process sees 0..n-1 in the order
 # of CUDA_VISIBLE_DEVICES (CUDA C++ Programming Guide, "CUDA Environment Variables"), so under
 # ``--gpus-per-task=1`` every rank sees one GPU, device 0, and each a different physical one.
 # A thread-rank of the double sets what its "process" sees with :func:`visible_devices`; a GPU's
@@ -274,7 +274,7 @@ def _on_current_device(what: str, *arrays: Any) -> None:
     """Refuse a kernel (``what``) touching a device array of another device than the current one."""
     here = _device()
     for a in arrays:
-        a = getattr(a, "_device_memory", a)  # tests/fake_cupy.py's arrays wrap a DeviceArray
+        a = getattr(a, "_device_memory", a)  # tests/doubles/fake_cupy.py's arrays wrap a DeviceArray
         if isinstance(a, DeviceArray) and a.device_id != here:
             raise ValueError(f"The device where the array resides ({a.device_id}) is different from the current "
                              f"device ({here}). Peer access is unavailable between these devices. "
@@ -392,7 +392,7 @@ class Gate:
 
 
 # --------------------------------------------------------------------------- timed kernels
-# Timed kernels (issue 24, point 8): a kernel occupies its stream for a given time, as a real
+# Timed kernels: a kernel occupies its stream for a given time, as a real
 # one does, so that a test can measure whether a call waits for the device: everything queued
 # after it on its stream waits; the host returns from launching it at once (kernel launches are
 # asynchronous, CUDA C++ Programming Guide, "Asynchronous Concurrent Execution").
@@ -596,7 +596,7 @@ def _group_end() -> None:
 
 
 # --------------------------------------------------------------------------- blocking calls
-# Blocking calls (issue 24, point 5). These block the calling host thread inside NCCL until the
+# Blocking calls. These block the calling host thread inside NCCL until the
 # peers arrive, with no timeout of their own (gpu-reality.md; NCCL init.cc, enqueue.cc):
 # * ncclCommInitRank (``NcclCommunicator(...)``): until every rank of the communicator joined;
 # * commSplit: until every rank of the parent called it (see ``FakeCommunicator.commSplit``);
@@ -744,7 +744,7 @@ def _progress() -> None:
 # * ncclAvg on floating types is FuncPreMulSum: every input is first multiplied by the scalar
 #   1/nRanks *in its own type* (fp16 and bf16 too: float(1.0/nRanks) rounded to half), then
 #   summed, each addition rounded in that type. fp16 AVG at 7 ranks of 512 inputs in [0.5, 2] so
-#   differs by up to 1.5e-3 from the exact mean and 1.7e-3 from fp16 sum/n (issue 24: 1.4e-3;
+#   differs by up to 1.5e-3 from the exact mean and 1.7e-3 from fp16 sum/n (1.4e-3;
 #   tests/test_nccl_strict.py::test_fp16_avg_at_7_ranks_is_premultiplied_and_within_the_tolerance).
 # * ncclAvg on integer types is FuncSumPostDiv: the wrapping sum, then divided by nRanks with the
 #   quotient truncated toward zero (|x| / n, negated back for a negative signed sum).
@@ -1208,7 +1208,7 @@ class FakeRuntime:
 
     def _copy(self, what: str, device: Any, host: Any, stream: Any, to_device: bool) -> None:
         self._check_pinned(what, host)
-        device = getattr(device, "_device_memory", device)  # tests/fake_cupy.py's arrays wrap a DeviceArray
+        device = getattr(device, "_device_memory", device)  # tests/doubles/fake_cupy.py's arrays wrap a DeviceArray
         if not isinstance(device, DeviceArray) or (device.nbytes and _owner(device.__array_interface__["data"][0],
                                                                             device.nbytes) is None):
             raise FakeNcclError(f"double: {what}: {type(device).__name__} is not live device memory")
@@ -1265,7 +1265,7 @@ class FakeRuntime:
 
     @staticmethod
     def device_of(x: Any) -> int:
-        a = getattr(x, "_device_memory", x)  # tests/fake_cupy.py's arrays wrap a DeviceArray
+        a = getattr(x, "_device_memory", x)  # tests/doubles/fake_cupy.py's arrays wrap a DeviceArray
         if isinstance(a, DeviceArray):  # also an empty one (CuPy's ``x.device``)
             return a.device_id
         owner = _owner(int(x.__cuda_array_interface__["data"][0]))

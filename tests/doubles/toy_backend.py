@@ -1,4 +1,4 @@
-"""Third-party engines for the backend registry's tests (issue 26.5), written against
+"""Third-party engines for the backend registry's tests, written against
 meshkit.comm.engines.engine's declared interface only.
 
 ``Relay`` is a thin wrapper around one of meshkit's engines (the local one inside local.run, MPI's

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 import meshkit
-import nccl_double as double
+from . import nccl_double as double
 
 __all__ = ["ProcessRuntime", "STORE_ENV"]
 
