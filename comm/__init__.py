@@ -27,6 +27,9 @@ The map, one line a module:
     mpi_cuda_aware.py  whether the MPI library reads device memory, asked once
     mpi_mailbox.py     the MPI world's notice channel
     nccl.py            the NCCL engine: device arrays over NCCL, the rest over its host engine
+    nccl_requests.py   its requests: device work (watched until done), AVG of host arrays
+    nccl_coalescing.py its ``batch_isend_irecv``: one NCCL group, done events at the outermost end
+    nccl_abort.py      the guard of its communicator's handle, and its abort (also at exit)
     local_engine.py    the in-process engine: ranks as threads of one process
     store_engine.py    a host engine over a key-value store, where no MPI launcher started the job
     cuda_runtime.py    the one door to CUDA (CuPy, NCCL): every GPU call goes through it

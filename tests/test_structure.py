@@ -566,10 +566,6 @@ CROSS_OBJECT_PRIVATE = {
     **{("comm/groups/work.py", name): "Work and CommThread are one mechanism, in one module: a queued Work knows "
        "its thread (_queue, _owner), the thread completes it (_finish) and counts its waiters (_cond), "
        "and names it in an error (_what)" for name in ("_queue", "_owner", "_finish", "_cond", "_what")},
-    ("comm/engines/nccl.py", "_complete_batch"): "NCCLEngine's own module: the end of batch_isend_irecv completes "
-                                         "the batch of each engine it opened",
-    ("comm/engines/nccl.py", "_exited"): "NCCLEngine's own module: the exit hook marks every live engine exited",
-    ("comm/engines/nccl.py", "_abort"): "NCCLEngine's own module: the exit hook aborts every live engine",
     ("comm/collectives.py", "_with_outputs"): "the module-level collectives name their output arrays, the "
                                               "value of the Work's future (torch's get_future())",
     ("comm/collectives.py", "_group_rank_of"): "the module-level functions translate a global rank with one "

@@ -40,22 +40,24 @@ Async collectives start at once (``capabilities.queues`` False: the group does n
 the one before, as it does for MPI), since the communication stream runs them in order.
 
 Everything GPU-specific goes through the runtime of :mod:`meshkit.comm.engines.cuda_runtime`.
+The engine's parts are modules of their own: its requests (:mod:`.nccl_requests`), the batches of
+``batch_isend_irecv`` (:mod:`.nccl_coalescing`) and the guard of the communicator's handle, which
+aborts it (:mod:`.nccl_abort`).
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import dataclasses
-import logging
 import os
 import socket
-import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from .. import env
+from . import nccl_coalescing
 from .engine import DeadlineExceeded, EngineCapabilities
+from .nccl_abort import CommGuard
+from .nccl_requests import DeviceRequest, HostAverage
 from ..errors import DistBackendError, DistTypeError, DistValueError
 from ..notices import WATCH_INTERVAL, Notice
 from ..reduce_op import ReduceOp
@@ -84,9 +86,6 @@ _SPIN_SECONDS = 0.001
 _NAP_SECONDS = 0.0001
 
 
-logger = logging.getLogger("meshkit")
-
-
 def _runtime_version(nccl: Any) -> int:
     """The NCCL library's own version, as loaded at run time."""
     try:
@@ -98,48 +97,6 @@ def _runtime_version(nccl: Any) -> int:
 
 def _version_text(code: int) -> str:
     return f"{code // 10000}.{code // 100 % 100}.{code % 100}"
-
-
-class DeviceRequest:
-    """A collective on the communication stream: complete once its done event fired.
-
-    ``keep`` holds the arrays it reads and writes until then. Receives carry ``source`` and
-    ``count`` (NCCL receives exactly the count posted), as the Request protocol asks.
-    """
-
-    __slots__ = ("engine", "op", "event", "keep", "source", "count", "dtype", "done")
-
-    def __init__(self, engine: NCCLEngine, op: str, event: Any, keep: tuple) -> None:
-        self.engine, self.op, self.event, self.keep = engine, op, event, keep
-        self.source, self.count, self.dtype, self.done = -1, -1, None, False
-
-    def Test(self) -> bool:  # noqa: N802 (the Request protocol's name)
-        if not self.done:
-            # A fired done event is success, whatever happens to the communicator afterwards (a
-            # watchdog looking after destroy_process_group must not read the destroyed handle).
-            if self.event is not None and self.engine.event_done(self.event, self.op):
-                self.done, self.keep = True, ()
-            else:
-                self.engine.check_error(self.op)
-        return self.done
-
-
-class _HostAverage:
-    """ReduceOp.AVG of host arrays: the host engine sums, then ``buf`` is divided once (the
-    group does not divide on an engine whose AVG is native)."""
-
-    __slots__ = ("inner", "buf", "size", "done", "source", "count", "dtype")
-
-    def __init__(self, inner: Any, buf: Any, size: int) -> None:
-        self.inner, self.buf, self.size, self.done = inner, buf, size, False
-        self.source, self.count, self.dtype = -1, -1, None
-
-    def Test(self) -> bool:  # noqa: N802 (the Request protocol's name)
-        if not self.done and self.inner.Test():
-            if self.buf is not None:
-                self.buf /= self.size
-            self.done = True
-        return self.done
 
 
 class NCCLEngine:
@@ -175,25 +132,16 @@ class NCCLEngine:
         rt.use_device(device)
         self.stream = rt.new_stream()
         self._outstanding: list[DeviceRequest] = []
-        self._aborted: str | None = None
-        # The communicator's handle is queried (check_async_error) by waiters and the watchdog, and
-        # destroyed or aborted by the group: never at once (NCCL would read freed memory), and not
-        # after it was released (CuPy's handle is then NULL: NCCL_ERROR_INVALID_ARGUMENT).
-        self._handle_lock = threading.Lock()
-        self._released = False
-        self._exited = False  # set by _abort_at_exit
+        # Who may touch the communicator's handle, and its abort (comm/engines/nccl_abort.py).
+        self.guard = CommGuard(comm)
         nccl_version = _runtime_version(nccl)
         self.nccl_version = nccl_version
         if nccl_version < _AVG_VERSION:  # no ncclAvg: NCCL sums, the group divides (as on MPI)
             self.native_avg = False
             self._ops = {**self._ops, ReduceOp.AVG: self._ops[ReduceOp.SUM]}
-        _live_engines.add(self)
         self._watch: Callable[[], None] | None = None
-        self._coalesced: list[DeviceRequest] | None = None  # requests issued since start_coalescing
-        # Threads inside an NCCL call on this communicator, and an abort that waits for them to leave.
-        self._inside: dict[int, int] = {}
-        self._inside_lock = threading.Lock()
-        self._abort_pending = False
+        # requests issued since start_coalescing (comm/engines/nccl_coalescing.py), None outside a batch
+        self.coalesced: list[DeviceRequest] | None = None
 
     # ----------------------------------------------------------------- shared with the host engine
     @property
@@ -275,9 +223,9 @@ class NCCLEngine:
     # ----------------------------------------------------------------- launching
     def _launch(self, op: str, keep: tuple, issue: Callable[[int], None], *, grouped: bool = False) -> DeviceRequest:
         """Issue one operation on the communication stream, ordered after the caller's stream."""
-        if self._aborted is not None:
+        if self.guard.aborted is not None:
             raise DistBackendError(f"meshkit.comm: rank {self._me}: {op}: the NCCL communicator was aborted "
-                                   f"earlier ({self._aborted})")
+                                   f"earlier ({self.guard.aborted})")
         rt = self.rt
         rt.use_device(self.device)
         ready = rt.new_event()
@@ -285,7 +233,7 @@ class NCCLEngine:
         stream = self.stream
         stream.wait_event(ready)  # the collective sees the caller's writes; the host does not wait
         nccl = rt.nccl
-        with self._calling():
+        with self.guard.calling():
             if grouped:
                 nccl.groupStart()
             try:
@@ -293,9 +241,9 @@ class NCCLEngine:
             finally:
                 if grouped:
                     nccl.groupEnd()
-        if self._coalesced is not None:  # inside batch_isend_irecv: NCCL enqueues at groupEnd
+        if self.coalesced is not None:  # inside batch_isend_irecv: NCCL enqueues at groupEnd
             request = DeviceRequest(self, op, None, keep)
-            self._coalesced.append(request)
+            self.coalesced.append(request)
             return request
         done = rt.new_event()
         done.record(stream)
@@ -309,13 +257,14 @@ class NCCLEngine:
         """Raise (after aborting the communicator) if NCCL reported an asynchronous error, or if the
         communicator was aborted (an aborted communicator must not be called again). A communicator
         this rank destroyed (or is destroying) is not queried: there is nothing left to report."""
-        if self._exited:  # aborted at interpreter exit: the watchdog must not end a job that finished
+        guard = self.guard
+        if guard.exited:  # aborted at interpreter exit: the watchdog must not end a job that finished
             return
-        if self._aborted is not None:
+        if guard.aborted is not None:
             raise DistBackendError(f"meshkit.comm: rank {self._me}: {op}: the NCCL communicator was aborted "
-                                   f"({self._aborted})")
-        with self._handle_lock:
-            if self._released:
+                                   f"({guard.aborted})")
+        with guard.handle_lock:
+            if guard.released:
                 return
             try:
                 self.comm.check_async_error()
@@ -323,7 +272,7 @@ class NCCLEngine:
                 error = exc
             else:
                 return
-        self._abort(f"{op}: {error}")
+        guard.abort(f"{op}: {error}")
         raise DistBackendError(f"meshkit.comm: rank {self._me}: {op}: NCCL reported an asynchronous error "
                                f"({error}); the communicator was aborted") from None
 
@@ -346,56 +295,8 @@ class NCCLEngine:
         and the streams ordered after them go on. Idempotent. If another thread is inside an
         NCCL call on it (blocked in a runtime connection, a split, a destroy), the abort is left
         to that thread as it leaves the call: aborting beside it is unsafe on a blocking
-        communicator."""
-        self._abort(why)
-
-    def _abort(self, why: str) -> None:
-        with self._handle_lock:
-            if self._aborted is not None or self._released:
-                return
-            self._aborted = why
-            me = threading.get_ident()
-            with self._inside_lock:
-                if any(t != me for t in self._inside):
-                    # Another thread is inside an NCCL call on this communicator (blocked in a
-                    # runtime connection, a split, a destroy): ncclCommAbort must not run beside
-                    # it on a blocking communicator (CuPy 14.2 makes no other kind). That thread
-                    # aborts as it leaves the call (see _calling); until then nothing can unblock it.
-                    self._abort_pending = True
-                    return
-            self._abort_now()
-
-    def _abort_now(self) -> None:
-        """``ncclCommAbort``, once; the caller holds ``_handle_lock`` (nothing queries it after)."""
-        self._released = True
-        _live_engines.discard(self)
-        try:
-            self.comm.abort()
-        except Exception:  # aborting is the last resort: its own failure changes nothing
-            pass
-
-    @contextlib.contextmanager
-    def _calling(self) -> Iterator[None]:
-        """The calling thread is inside an NCCL call on this communicator for the block (calls
-        that may block the host: enqueues that connect at first use, groupEnd, commSplit,
-        destroy); an abort asked meanwhile by another thread runs as the last thread leaves."""
-        me = threading.get_ident()
-        with self._inside_lock:
-            self._inside[me] = self._inside.get(me, 0) + 1
-        try:
-            yield
-        finally:
-            with self._inside_lock:
-                self._inside[me] -= 1
-                if not self._inside[me]:
-                    del self._inside[me]
-                pending = self._abort_pending and not self._inside
-                if pending:
-                    self._abort_pending = False
-            if pending:
-                with self._handle_lock:
-                    if not self._released:
-                        self._abort_now()
+        communicator (comm/engines/nccl_abort.py)."""
+        self.guard.abort(why)
 
     def wait(self, request: Any, deadline: float) -> None:
         """Block the host until ``request`` completes, under ``deadline``.
@@ -404,7 +305,7 @@ class NCCLEngine:
         aborts it (:meth:`abandon`) when the operation itself timed out, not when a caller's own
         ``Work.wait(timeout=...)`` ran out (the operation goes on, as in torch).
         """
-        if isinstance(request, _HostAverage):
+        if isinstance(request, HostAverage):
             if not request.done:
                 self.host.wait(request.inner, deadline)
                 request.Test()
@@ -425,7 +326,7 @@ class NCCLEngine:
         except DeadlineExceeded:
             raise
         except BaseException as exc:  # a peer failed (notice) or NCCL failed: the communicator is unusable
-            self._abort(f"{request.op}: {exc}")
+            self.guard.abort(f"{request.op}: {exc}")
             raise
 
     def defer(self, request: Any) -> bool:
@@ -441,8 +342,8 @@ class NCCLEngine:
         self.rt.current_stream().wait_event(request.event)
         return True
 
-    def _averaged(self, request: Any, buf: Any) -> _HostAverage:
-        return _HostAverage(request, buf, self.size)
+    def _averaged(self, request: Any, buf: Any) -> HostAverage:
+        return HostAverage(request, buf, self.size)
 
     # ----------------------------------------------------------------- collectives
     def all_reduce(self, buf: Any, op: ReduceOp) -> Any:
@@ -557,33 +458,14 @@ class NCCLEngine:
         return request
 
     def start_coalescing(self) -> None:
-        """Open an NCCL group: the sends and receives issued until :meth:`end_coalescing` are
-        matched together (``batch_isend_irecv``), so their order cannot deadlock. A batch over
-        several groups opens one per engine, nested: NCCL merges them into the outermost one."""
-        self.rt.use_device(self.device)
-        with self._calling():
-            self.rt.nccl.groupStart()
-        self._coalesced = []
-        _batch.depth = getattr(_batch, "depth", 0) + 1
+        """Open an NCCL group (``batch_isend_irecv``): see :func:`~.nccl_coalescing.start`."""
+        nccl_coalescing.start(self)
 
     def end_coalescing(self) -> None:
-        """Close the group. NCCL enqueues a group's operations only at the outermost ``groupEnd``
-        (its group depth is per thread), so the done events, one per engine, are recorded there,
-        for every engine of the batch: an event recorded at an inner end would cover nothing."""
-        requests, self._coalesced = self._coalesced or [], None
-        ended = _batch.__dict__.setdefault("ended", [])
-        ended.append((self, requests))
-        _batch.depth -= 1
-        with self._calling():  # the outermost end makes the group's connections (and may block)
-            self.rt.nccl.groupEnd()
-        if _batch.depth:
-            return
-        _batch.ended = []
-        for engine, issued in ended:
-            if issued:
-                engine._complete_batch(issued)
+        """Close it; the outermost end records the batch's done events (:func:`~.nccl_coalescing.end`)."""
+        nccl_coalescing.end(self)
 
-    def _complete_batch(self, requests: list[DeviceRequest]) -> None:
+    def complete_batch(self, requests: list[DeviceRequest]) -> None:
         """One done event, recorded on the communication stream after the batch was enqueued."""
         self.rt.use_device(self.device)
         done = self.rt.new_event()
@@ -610,7 +492,7 @@ class NCCLEngine:
         # NCCL: no operation may be outstanding on a communicator being split (async work that
         # Work.wait() only ordered may still run on the device): wait for the stream first.
         self.drain("split", deadline)
-        with self._calling():  # blocks until every rank of this communicator calls it
+        with self.guard.calling():  # blocks until every rank of this communicator calls it
             child = self.comm.commSplit(-1 if color is None else int(color), self.rank)
         if host is None:
             return None
@@ -631,54 +513,14 @@ class NCCLEngine:
     def free(self) -> None:
         """Destroy the communicator (``ncclCommDestroy``: collective over its ranks, it blocks until
         they all destroy it). From here on nothing queries it (see :meth:`check_error`)."""
-        with self._handle_lock:  # a query in flight on another thread finishes first
-            destroy = self._aborted is None and not self._released
-            if self._aborted is not None and not self._released:  # an abort left to a thread inside NCCL
-                with self._inside_lock:
-                    busy = bool(self._inside)
-                if not busy:  # that thread has left: abort now rather than leave the communicator live
-                    self._abort_now()
-            else:
-                self._released = True
-                _live_engines.discard(self)
-        if destroy:
+        if self.guard.release():
             try:
-                with self._calling():  # ncclCommDestroy is collective within the node: it may block
+                with self.guard.calling():  # ncclCommDestroy is collective within the node: it may block
                     self.comm.destroy()
             except Exception as exc:  # freeing at shutdown must not mask the caller's own state
                 raise DistBackendError(f"meshkit.comm: rank {self._me}: destroying the NCCL communicator "
                                        f"failed: {exc}") from None
         self.host.free()
-
-
-#: This thread's open ``batch_isend_irecv`` groups: their depth, and the engines whose done events
-#: wait for the outermost end (NCCL's group depth is per thread: src/group.cc).
-_batch = threading.local()
-#: Engines whose communicator is neither destroyed nor aborted (see :func:`_abort_at_exit`).
-_live_engines: set[NCCLEngine] = set()
-
-
-def _abort_at_exit() -> None:
-    """The interpreter exits with communicators never destroyed (no ``destroy_process_group``):
-    abort them (torch's ProcessGroupNCCL likewise warns when it is destructed without
-    destroy_process_group).
-
-    Otherwise CuPy's ``NcclCommunicator.__dealloc__`` calls ``ncclCommDestroy`` during interpreter
-    teardown: a collective, blocking call that waits for the other ranks to destroy the same
-    communicator, which they may never do (exited, crashed, or freeing theirs in another order):
-    the process hangs at exit. ``ncclCommAbort`` is local, and leaves CuPy a NULL handle.
-    """
-    engines = list(_live_engines)
-    if engines:
-        logger.warning("meshkit: the process exits without destroy_process_group(): aborting %d NCCL "
-                       "communicator(s) instead of destroying them (a destroy is collective and could hang)",
-                       len(engines))
-    for engine in engines:
-        engine._exited = True
-        engine._abort("the process exited without destroy_process_group()")
-
-
-atexit.register(_abort_at_exit)
 
 
 #: Seconds the blocking steps of an NCCL world's creation (the node-local rank's split, NCCL's init)
