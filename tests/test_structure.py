@@ -812,9 +812,9 @@ def test_examples_and_checkpoint_never_isinstance_a_strategy_class():
 #: comm's rooms (comm/__init__.py's docstring maps them) and what each may import of comm. The
 #: shared leaves at comm's top import no room; the user-facing modules at the top may import any.
 COMM_LEAVES = {f"meshkit.comm.{m}" for m in ("errors", "env", "debug", "reduce_op", "arrays", "checks", "notices",
-                                             "control", "job_end", "milestones", "files", "timeouts")}
+                                             "control", "job_end", "milestones", "files", "timeouts", "naming")}
 COMM_FRONT = {f"meshkit.comm.{m}" for m in ("collectives", "objects", "local", "levels", "breakpoints", "available",
-                                            "_seams")} | {"meshkit.comm"}
+                                            "_seams", "agree")} | {"meshkit.comm"}
 COMM_ROOMS = {  # room: the rooms it may import besides itself and the leaves
     "engines": {"stores"},  # an engine knows nothing of the group that drives it, nor of set-up
     "groups": {"engines"},  # a group and its parts know nothing of how the world started
@@ -827,6 +827,8 @@ COMM_ROOM_EXCEPTIONS = {
                                                       "user-facing module; it belongs in a leaf",
     ("meshkit.comm.setup.lifecycle", "meshkit.comm.levels"): "init's agreement on the debug level (agree_at_init) "
                                                               "lives beside set_debug_level",
+    ("meshkit.comm.setup.lifecycle", "meshkit.comm.agree"): "init's arguments agree through the one agree(), over "
+                                                             "the object collectives (a user-facing module)",
 }
 
 
