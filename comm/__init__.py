@@ -59,12 +59,11 @@ the top, shared leaves (import no room)
     checks.py          argument checks shared by every engine
     notices.py         how a rank tells the others a call will never complete
     control.py         typed control messages between ranks (no pickle)
-    agree.py           agree(): every rank's value, or all raise the same error
-    naming.py          "rank 3" / "ranks [0, 2]" in messages, written once
     job_end.py         ending the whole job
     milestones.py      the (re)start's milestones that ``meshkit-run`` times
     files.py           bounded reads of files the job wrote
     timeouts.py        the default timeout and how a user sets it
+    naming.py          how every message names ranks (``rank 3``, ``ranks [0, 2]``)
 the top, user-facing (may import any room)
     collectives.py     torch's module-level collectives
     objects.py         object collectives over the buffer ones
@@ -72,6 +71,7 @@ the top, user-facing (may import any room)
     levels.py          ``set_debug_level`` and friends
     breakpoints.py     ``breakpoint(rank)``
     available.py       ``is_*_available()``
+    agree.py           ``agree()``: every rank's arguments, or the same error on every rank
     _seams.py          what other meshkit packages need of comm; moved names and modules
 """
 

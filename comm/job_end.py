@@ -1,8 +1,8 @@
 """Ending the whole job: the policy both ways meshkit ends a job go through.
 
 :func:`tear_down` ends it when device work failed after its ``Work.wait()`` had returned (the
-progress agent's watchdog, :meth:`~meshkit.comm.work.RequestWork.watchdog`); the MPI excepthook of
-:mod:`~meshkit.comm.lifecycle` ends it on an uncaught exception. Both go through
+progress agent's watchdog, :meth:`~meshkit.comm.groups.work.RequestWork.watchdog`); the MPI excepthook of
+:mod:`~meshkit.comm.setup.lifecycle` ends it on an uncaught exception. Both go through
 :func:`abort_job`, the default engine's ``abort`` (MPI_Abort) where it has one
 (``capabilities.aborts_job``).
 """
@@ -91,13 +91,13 @@ def abort_job(world: Any, announce: str | None = None) -> None:
             pass
 
 
-#: The exit status of a process its watchdog ended (comm/watchdog.py): a call that never returned.
+#: The exit status of a process its watchdog ended (comm/engines/watchdog.py): a call that never returned.
 HUNG_EXIT_CODE = 1
 
 
 def end_hung(reason: str) -> None:
     """End this process now: a call into the engine's library did not return within its timeout
-    (``reason`` says which; comm/watchdog.py). Called from the watchdog's thread while another
+    (``reason`` says which; comm/engines/watchdog.py). Called from the watchdog's thread while another
     thread is inside that call, so MPI is not called (MPI_Abort could wait for the lock the
     stuck call holds): ``reason`` goes to stderr, ``meshkit-run`` is told that this rank hung
     (its status directory: the launcher names it as the job's cause), the output is drained and

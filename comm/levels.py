@@ -8,7 +8,7 @@ it would wait in different exchanges. Hence the choice made here:
 * Before ``init_process_group`` the level is this rank's (a thread's, inside
   :func:`meshkit.comm.local.run`): the next ``init_process_group`` uses it instead of
   ``MESHKIT_DEBUG``. ``init_process_group`` compares the ranks' levels and raises on every rank
-  if they differ (comm/lifecycle.py, through :func:`~meshkit.comm.agree.agree`).
+  if they differ (comm/setup/lifecycle.py, through :func:`~meshkit.comm.agree.agree`).
 * After it, :func:`set_debug_level` is **collective over the world**: every rank calls it at the
   same point of its program, with the same level. It waits for the run_async tasks of every group,
   then exchanges ``(level, calls issued on each group)`` over the world group, and every rank

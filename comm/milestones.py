@@ -37,7 +37,7 @@ def milestone(name: str) -> None:
 def report_failure(status: int, how: str) -> None:
     """Tell the launcher that this rank fails now, and how (``failed.{rank}``: status, how, time in
     ns, as the rank bootstrap writes it): ``hung``, for a process its watchdog ends because a call
-    into the engine's library never returned (comm/watchdog.py), which the launcher names as the
+    into the engine's library never returned (comm/engines/watchdog.py), which the launcher names as the
     cause of the job's failure before the ranks whose own timeouts fired while they waited for it."""
     _write(FAILED, f"{int(status)} {how} {time.time_ns()}")
 

@@ -39,7 +39,7 @@ __all__ = ["init_process_group", "destroy_process_group"]
 logger = logging.getLogger("meshkit")
 
 #: The number of init_process_group's exchange of levels (not a call of the world group; other
-#: unnumbered exchanges use -1 to -4: comm/local_engine.py's split, comm/nccl.py's bootstrap).
+#: unnumbered exchanges use -1 to -4: comm/engines/local_engine.py's split, comm/engines/nccl.py's bootstrap).
 _INIT_SEQ = -5
 
 
