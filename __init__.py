@@ -13,7 +13,8 @@ package's docstring is its map, a line for each of its modules:
 - ``meshkit.checkpoint``: sharded, resharding, crash-safe, checksummed checkpoints.
 - ``meshkit.plan``: the planner (calibrate a machine, estimate a configuration, search them).
 - ``meshkit.debug``: Chrome traces, the hang analyzer, the debug server.
-- ``meshkit.launch``: ``meshkit-run`` (mpiexec underneath) and ``spawn``; imports nothing of meshkit.
+- ``meshkit.launch``: ``meshkit-run`` (mpiexec underneath) and ``spawn``; imports nothing of meshkit but
+  ``meshkit.launch_protocol``, the launcher-to-rank names (standard library only; not user API).
 - ``meshkit.elastic``: what a restarted script learns of its attempt.
 
 ``__all__`` is torch.distributed's surface as meshkit has it, the mesh, ``spawn`` and the packages;

@@ -65,9 +65,8 @@ def test_the_readme_is_a_front_page_with_the_map_near_the_top():
     assert "```bash\nmeshkit-run -n 4 examples/train_mlp.py --check\n```" in readme
 
 
-#: Packages whose docstring does not carry the map yet: comm's is written with its rooms (on another
-#: branch); remove it from here when that lands, and the test checks comm as every other package.
-MAP_PENDING = {"comm"}
+#: Packages whose docstring does not carry the map yet (none: every package's does).
+MAP_PENDING: set[str] = set()
 
 
 def _docstring(package: Path) -> str:

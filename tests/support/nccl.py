@@ -12,7 +12,8 @@ from typing import Any, Callable, Iterator
 
 import meshkit
 from doubles import nccl_double as double
-from meshkit.comm import cuda_runtime, local
+from meshkit.comm import local
+from meshkit.comm.engines import cuda_runtime
 
 __all__ = ["fake_runtime", "on_nccl"]
 
