@@ -40,7 +40,7 @@ def _terminal(rank: int, backend: str) -> tuple[IO[str], IO[str]] | str:
         why = f"/dev/tty cannot be opened ({exc.strerror})"
     if rank != 0 and backend != "local" and env.launched():
         # mpiexec (hydra) gives every rank a pipe for stdin but writes the launcher's input to
-        # rank 0's only: pdb on another rank would wait for input forever (seen: issue 26.3).
+        # rank 0's only: pdb on another rank would wait for input forever (seen).
         return f"{why} and under meshkit-run only rank 0 receives the launcher's input"
     stdin = sys.stdin
     try:

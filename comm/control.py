@@ -40,12 +40,11 @@ little-endian, lengths and counts as 4 bytes (a value larger than 4 GiB is refus
     a <dtype> <ndim> <shape: q each> <nbytes: Q> <bytes>   an ndarray, C order
     g <dtype> <bytes>     a NumPy scalar           R <record> <len> values   a record's fields, in order
 
-Speed (``python -c "from meshkit.comm import control; control.timings()"``, the least of 5 runs
-on this project's VM, 2 cores shared with other jobs): ``(seq, Call)``, detail mode's exchange
-entry at every collective, encodes and decodes in 2.8-3.7 us against pickle's 4.4-5.8 (each
-distinct Call is encoded and decoded once, then served from a cache); a Notice, sent only when a
-rank fails, rejects a call or leaves, in 12 us against pickle's 4.6-5.2. Tiny messages (a
-monitored barrier's ``(seq, None)``) take 1-2 us each way against pickle's 0.5.
+Speed (``python -c "from meshkit.comm import control; control.timings()"`` measures it):
+``(seq, Call)``, detail mode's exchange entry at every collective, encodes and decodes faster
+than pickle (each distinct Call is encoded and decoded once, then served from a cache); a Notice,
+sent only when a rank fails, rejects a call or leaves, and tiny messages (a monitored barrier's
+``(seq, None)``) are slower than pickle, which matters little off the hot path.
 """
 
 from __future__ import annotations

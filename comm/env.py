@@ -68,7 +68,7 @@ STORE_HANDSHAKE_TIMEOUT = "MESHKIT_STORE_HANDSHAKE_TIMEOUT"
 STORE_MAX_WAIT_KEYS = "MESHKIT_STORE_MAX_WAIT_KEYS"
 #: The longest timeout: 1e6 s (11.6 days). Longer ones overflow what the waits underneath take
 #: (epoll's C int of milliseconds ends at 24.8 days, ``threading``'s waits at ``TIMEOUT_MAX``), and
-#: ``inf``, ``1e10`` and ``2e9`` each failed somewhere else with a message naming nothing (issue 35).
+#: ``inf``, ``1e10`` and ``2e9`` each failed somewhere else with a message naming nothing.
 MAX_TIMEOUT_S = 1e6
 
 _ASYNC_CHOICES = ("abort", "log")

@@ -38,7 +38,7 @@ ASYNC_ERROR_HANDLING_ENV = env.ASYNC_ERROR_HANDLING
 #: PMI socket in one event loop: when the abort and the traceback are both pending (a loaded
 #: machine, where the proxy did not run between the write and the abort), it may handle the
 #: abort first, and the job is killed with the traceback still in the pipe: the job ended with
-#: an empty stderr once in 4 loaded runs (issue 36.8), and every time with the proxy stopped
+#: an empty stderr once in 4 loaded runs, and every time with the proxy stopped
 #: across the abort (tests/test_notices.py). A proxy that runs takes a pipe within milliseconds;
 #: the bound is for one that never reads (output to a file or a terminal is not waited for).
 DRAIN_SECONDS = 2.0

@@ -1,7 +1,7 @@
 """Milestones of a (re)start that ``meshkit-run`` times: rendezvous, checkpoint restored, first step.
 
 After a restart the launcher reports how long the job took from the failure to its first
-training step again, split into detection, relaunch, rendezvous and checkpoint load (issue 27.4).
+training step again, split into detection, relaunch, rendezvous and checkpoint load.
 It learns when each rank passed each point from a file the rank writes into the launcher's
 status directory (``milestone-{name}.{rank}``, holding the wall-clock time in ns; the names are
 :mod:`meshkit.launch_protocol`'s, which the launcher imports too). Each milestone is written once per process; outside ``meshkit-run``, or

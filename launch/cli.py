@@ -68,9 +68,9 @@ _VALUE_OPTIONS = ("-n", "--nproc", "--mpiexec-args", "--timeout", "--max-restart
                   "--hostfile", "--restart-report", "--simulate-nodes")
 #: UCX's transports for the traffic between simulated nodes: TCP, not UCX's own shared memory,
 #: which it would pick between processes of one machine (MPICH's shared memory still carries the
-#: traffic within a simulated node). A 4 KB all_reduce at 2 ranks on this project's 2-core machine
-#: (docs/clusters.md "Simulated nodes on one machine"): 44.3 us between simulated nodes, 14.6 us
-#: within one; ``MPIR_CVAR_NOLOCAL=1`` alone 18.7 us, its messages through UCX's shared memory.
+#: traffic within a simulated node). So a small all_reduce is slower between
+#: simulated nodes than within one, as between real nodes (docs/clusters.md "Simulated nodes on
+#: one machine"); ``MPIR_CVAR_NOLOCAL=1`` alone would still carry it through UCX's shared memory.
 INTER_NODE_TRANSPORTS = {"UCX_TLS": "tcp,self"}
 
 
@@ -304,8 +304,8 @@ def thread_limits(nproc: int, env: dict[str, str]) -> dict[str, str]:
     """Thread counts for the ranks: the cores divided among them, unless the user set them.
 
     Every rank's BLAS otherwise starts one thread per core: N ranks on C cores then run N x C
-    threads, and a matmul became 10-25x slower at 4 ranks on 2 cores (measured on this
-    project's CI machines). torchrun likewise sets OMP_NUM_THREADS=1 for several ranks.
+    threads, and a matmul becomes many times slower once they oversubscribe the
+    cores. torchrun likewise sets OMP_NUM_THREADS=1 for several ranks.
     """
     threads = str(max(1, (os.cpu_count() or 1) // nproc))
     return {var: threads for var in THREAD_ENV_VARS if var not in env}
@@ -316,8 +316,8 @@ def thread_limits(nproc: int, env: dict[str, str]) -> dict[str, str]:
 #: largest glibc allows) from the heap instead of fresh mmap()s. Training allocates and frees the
 #: same buffers every step (FSDP's unsharded units, ZeRO-2's packed gradients); by default glibc
 #: unmaps them on free, so each step touched fresh pages again: 2,500-3,300 page faults a step of
-#: examples/mlp.py's fsdp and zero2 (hidden 512,512,512), 10-15 ms a step at about 4 us a fault in
-#: this project's VMs, against under 70 with these settings.
+#: examples/mlp.py's fsdp and zero2 (hidden 512,512,512), a sizeable share of the step's time,
+#: against under 70 with these settings.
 ALLOCATOR_ENV = {"MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_MMAP_THRESHOLD_": str(32 << 20)}
 
 

@@ -2,8 +2,8 @@
 
 ``python -I -S deathsig.py PARENT_PID COMMAND...`` sets Linux's ``PR_SET_PDEATHSIG`` to SIGTERM and
 executes COMMAND in its place (the same process, so the launcher's ``Popen`` is ``mpiexec``'s).
-Run by path, importing only ``ctypes``, ``os`` and ``sys``: about 16 ms per attempt (a bare
-``fork``/``exec`` is under 1 ms), measured on this project's 2-core machine.
+Run by path, importing only ``ctypes``, ``os`` and ``sys``, so that it adds to each attempt only an
+interpreter's start beyond a bare ``fork``/``exec``.
 
 Why: the ranks on the launcher's host end with it through their watchers
 (:mod:`meshkit.launch.bootstrap`), and ``mpiexec`` with them. Ranks on other hosts have no

@@ -78,7 +78,7 @@ logger = logging.getLogger("meshkit.launch")
 
 #: How long the job goes on after the first rank failed, so that ranks failing at about the same
 #: time print their errors too, before the ranks still running are killed. 4 ranks raising right
-#: after a barrier reported within 5 ms of each other on a 2-core machine at load 3.5; 1 s leaves
+#: after a barrier report close together even on a loaded 2-core machine; 1 s leaves
 #: room for ranks that fail a little later on their own, and a rank still running then is taken
 #: to be waiting for the failed ones.
 FAILURE_SETTLE_S = 1.0
@@ -106,8 +106,8 @@ _HOWS = frozenset({"exception", "exit", "interrupt", "timeout", "hung"})
 #: How often the launcher looks again at the shared-memory files of a rank that holds some
 #: (a rank that holds none yet, before its MPI_Init, is looked at every poll): MPICH makes its
 #: files in MPI_Init and keeps them, so later looks only catch rare late ones. A look reads
-#: ``/proc/PID/fd``: 28 links, 52 us for a rank with meshkit, NumPy and MPI started (this
-#: project's 2-core machine), so 2 ms a second for 2 ranks before their MPI_Init, 0.1 ms after.
+#: ``/proc/PID/fd`` (a few dozen links for a rank with meshkit, NumPy and MPI started): cheap
+#: enough at every poll before MPI_Init, and once a second costs next to nothing after.
 SHM_RESCAN_S = 1.0
 
 #: A rank's process gone with no word from its watcher this long after: the watcher died with it
@@ -385,7 +385,7 @@ class Job:
         if healthy and self.first_failure is not None and self.received is None and not self.timed_out:
             failed = self.first_failure
             # A rank whose script is over but whose process lives on is stuck in its exit (in
-            # MPI_Finalize, waiting for the others), not working (issue 23.5).
+            # MPI_Finalize, waiting for the others), not working.
             working = [r for r in healthy if not self.ranks[r].finished]
             exiting = [r for r in healthy if self.ranks[r].finished]
             states = [f"{_who(working)} still running"] if working else []
@@ -564,7 +564,7 @@ class Job:
 
     def _hung(self, first: _Failure, detected: int) -> JobFailure | None:
         """The rank that hung, named as the job's cause rather than the ranks whose timeouts fired
-        while they waited for it (issue 36.3), or None.
+        while they waited for it, or None.
 
         A rank whose watchdog ended it (``hung``: a call into the engine's library never returned)
         is the cause, the earliest such. Else, when the first failure is a collective's timeout:

@@ -1,4 +1,4 @@
-"""Attempts of a ``meshkit-run`` job: restart the whole job when a rank fails (issue 27).
+"""Attempts of a ``meshkit-run`` job: restart the whole job when a rank fails.
 
 ``meshkit-run --max-restarts K`` runs the job; when a rank fails (a non-zero exit, an uncaught
 exception, a signal, a rank that vanishes) the launcher ends the job as it always does
@@ -67,7 +67,7 @@ RESTART_ENV = PROTOCOL.RESTART_ENV
 _PHASES = ((PROTOCOL.IMPORTED, "imports"), (PROTOCOL.RENDEZVOUS, "rendezvous"), (PROTOCOL.RESTORED, "checkpoint load"),
            (PROTOCOL.FIRST_STEP, "first step"))
 
-#: The backoff's first wait (the second restart in a row): a few times the 0.2-0.5 s an attempt
+#: The backoff's first wait (the second restart in a row): a few times what an attempt
 #: takes to start its ranks, so a storm of attempts that fail at once halves its rate at once.
 BACKOFF_BASE_S = 1.0
 #: The longest wait of the backoff (as systemd's and Kubernetes' restart backoffs, capped).

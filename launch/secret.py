@@ -1,4 +1,4 @@
-"""The job's secret (issue 35.2): one per job, handed to its ranks in the environment.
+"""The job's secret: one per job, handed to its ranks in the environment.
 
 ``meshkit-run`` and :func:`meshkit.spawn` make one secret per job (:func:`job_secret`: 64 hex
 characters from :func:`secrets.token_hex`) and give it to every rank as ``MESHKIT_JOB_SECRET``;

@@ -110,7 +110,7 @@ class SpawnContext:
         self._thread = threading.Thread(target=self._run, name="meshkit-spawn", daemon=True)
         self._thread.start()
         # A parent leaving without join(): end the job now and remove its folders. (Without this
-        # the job also ended, about 0.5 s after the parent on 2026-11-25, most likely hydra losing
+        # the job also ended, shortly after the parent, most likely hydra losing
         # its output pipe; but the folders stayed, and nothing promised the end.)
         atexit.register(self._end)
 

@@ -327,7 +327,8 @@ class LocalEngine:
         return list(request.values)
 
     def split(self, color: int | None, ranks: tuple[int, ...], deadline: float) -> LocalEngine | None:
-        parts = self.exchange((color, self.global_rank), -1, deadline, watched=True)  # notices: issue 23.5
+        # watched: reads notices while it waits, so a member that left is named at once
+        parts = self.exchange((color, self.global_rank), -1, deadline, watched=True)
         if color is None:
             return None
         members = tuple(sorted(g for c, g in parts if c == color))

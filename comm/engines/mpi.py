@@ -68,8 +68,8 @@ LOCAL_RANK_ENVS = ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK"
 
 def _own_chunk(out: np.ndarray, inp: np.ndarray, rank: int) -> bool:
     """True when ``inp`` is this rank's chunk of ``out`` (FSDP's layout): gather in place."""
-    # Only a view can be; addresses through mpi4py's buffer (0.2 us) rather than
-    # ``__array_interface__`` (1 us each).
+    # Only a view can be; addresses through mpi4py's buffer rather than
+    # ``__array_interface__`` (which builds a dict each call).
     return inp.base is not None and MPI.buffer(inp).address == MPI.buffer(out).address + rank * inp.nbytes
 
 
@@ -386,7 +386,7 @@ class MPIEngine:
     def split(self, color: int | None, ranks: tuple[int, ...], deadline: float) -> MPIEngine | None:
         # Comm.Split has no nonblocking form: a barrier first makes it honour the deadline, and
         # reads notices while it stalls, so a member that left (or broke) is named at once
-        # instead of at the timeout (issue 23.5).
+        # instead of at the timeout.
         if not completes(self.comm.Ibarrier(), deadline, self.watch):
             raise DeadlineExceeded()
         me = MPI.COMM_WORLD.Get_rank()

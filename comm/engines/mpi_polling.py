@@ -25,24 +25,24 @@ __all__ = ["Poller", "completes", "choose_caller_spin", "CALLER_SPIN_SECONDS"]
 #: Polls per ``sched_yield`` (the first after as many). Few: with more ranks than cores, the
 #: peer this rank waits for may need this very core; but not one: every yield is a context
 #: switch, and MPI progresses only inside ``Test``. Measured with raw ``Iallreduce`` polls at 4
-#: ranks on 2 cores, relative to blocking ``Allreduce``: yielding at every poll 0.62-0.67 (4 KB),
-#: 1.13-1.17 (64 KB), 1.05-1.13 (256 KB); every 4th poll 0.44-0.47, 0.89-0.93, 0.97-1.07;
-#: every 64th 0.54, 1.38, 1.19 (and 64 polls before the first yield cost small all_reduces
-#: +14 to +19 us over raw mpi4py).
+#: ranks on 2 cores against blocking ``Allreduce``: yielding at every 4th poll was the fastest of
+#: every poll, every 4th and every 64th at 4 KB, 64 KB and 256 KB alike (and 64 polls before the
+#: first yield made small all_reduces markedly slower than raw mpi4py; benchmarks/collectives.py
+#: measures it).
 _POLLS_PER_YIELD = 4
 _BATCH = range(_POLLS_PER_YIELD)
 #: Seconds a blocked caller keeps polling without yielding when every rank of this host has a
 #: core of its own (set by :func:`choose_caller_spin`; 0 when the host is oversubscribed).
 #: Yielding between polls costs a system call per poll and slows MPI's progress, which only
-#: happens inside ``Test``: at 2 ranks on 2 cores a 64 KB all_reduce took 25.2 us polled with
-#: ``sched_yield`` against 20.7 us spinning (blocking ``Allreduce``: 21.6 us). A communication
+#: happens inside ``Test``: a 64 KB all_reduce polled with ``sched_yield`` was slower than one
+#: spinning, and than a blocking ``Allreduce`` (benchmarks/collectives.py). A communication
 #: thread spins only while a caller waits for it; otherwise it runs beside the caller's
 #: computation (see ``engine.in_background``).
 CALLER_SPIN_SECONDS = 0.002
 _caller_spin = 0.0
 #: Seconds of yielding before napping. MPI's nonblocking collectives progress only inside
 #: ``Test``, so a poller that naps throttles any transfer still running: with naps after 20 ms,
-#: a 64 MB all_to_all at 4 ranks took 185 ms instead of 19 ms (benchmarks/collectives.py).
+#: a 64 MB all_to_all at 4 ranks took several times as long (benchmarks/collectives.py).
 #: Yielding still gives the core to other processes; only a wait longer than this (a peer
 #: computing elsewhere, or hung) naps, so that it does not keep a core busy for minutes.
 _YIELD_SECONDS = 1.0

@@ -60,7 +60,7 @@ class _Pool:
 #: Staged all_reduce, reduce and broadcast buffers above this many bytes go to MPI in chunks of
 #: it: each chunk is handed to MPI as soon as its device-to-host copy is over, so the copy of the
 #: next chunk overlaps MPI's work on this one. 4 MB: at PCIe 4 pinned rates (~20-25 GB/s) a chunk
-#: copies in ~0.2 ms, far above one MPI call's fixed cost (~10 us at 2 ranks on one host), and a
+#: copies in ~0.2 ms, far above one MPI call's fixed cost, and a
 #: 64 MB bucket overlaps in 16 steps. Not yet tuned on a GPU. Only these collectives are chunked:
 #: each element of their output depends on the same element of the inputs alone, so chunks are
 #: independent collectives; every rank cuts the same chunks (the sizes agree) and posts them all
@@ -77,7 +77,7 @@ class Posts:
     over. Waiting for that at issue blocks the caller behind every kernel it queued before (a
     DDP bucket's all-reduce behind the rest of the backward pass: no overlap left), so an
     operation is posted when an event recorded at issue has fired, found by the tests that the
-    caller's wait and the progress agent make anyway (issue 24, point 8).
+    caller's wait and the progress agent make anyway.
     """
 
     __slots__ = ("queue", "lock")

@@ -4,7 +4,7 @@ Most of a group's waits poll a nonblocking request under the group's timeout. A 
 the engine's library have no nonblocking form and cannot be interrupted: MPI's ``Comm.Split``,
 ``Split_type`` and ``Comm_free``, NCCL's communicator init, ``commSplit`` and destroy. If another
 rank is in a different call (a ``barrier()`` where the others create a group), such a call never
-returns: no timeout fires, nothing is printed, the job never ends (issue 36.3). Each of them runs
+returns: no timeout fires, nothing is printed, the job never ends. Each of them runs
 inside :func:`watched`: a timer that, once the call has run the group's timeout, reports the call,
 the group and this rank's last calls on stderr, tells ``meshkit-run`` that this rank hung (a
 failure report in its status directory, so that the launcher names this rank as the cause, not the
@@ -31,8 +31,8 @@ def watched(call: str, rank: int, group: str, ranks: Any, limit: float, recorder
     """Run the body (one blocking call into the engine's library, ``call``, on ``group`` of global
     ``ranks``, on global rank ``rank``) under a watchdog that ends the process if it has not
     returned after ``limit`` seconds (the group's timeout); ``recorder``: the world's flight
-    recorder, whose record is printed then. A thread is started per call (about 0.1 ms): for the
-    rare calls that create or free a communicator, not for collectives."""
+    recorder, whose record is printed then. A thread is started per call (more than a collective may
+    cost): for the rare calls that create or free a communicator, not for collectives."""
     started = time.monotonic()
     timer = threading.Timer(limit, _expired, (call, rank, group, tuple(ranks), limit, started, recorder))
     timer.daemon = True

@@ -2,7 +2,7 @@
 
 Under MPI a rank whose collective differs from the others' (4 float64 against 8, float32 against
 float64, a call skipped after a caught error) gets garbage, or a later call meets the wrong one
-and fails naming nothing (issue 36.2). Checking every call (``MESHKIT_DEBUG=detail``) costs an
+and fails naming nothing. Checking every call (``MESHKIT_DEBUG=detail``) costs an
 exchange per call: 1.2-3.7x at small sizes (docs/hangs.md). Instead each group keeps a
 :class:`CallSequence`: a 62-bit running hash of its calls (operation, shape, dtype, reduce op,
 root; not the all_to_all counts, which differ between ranks by design), updated as each call is
@@ -27,8 +27,7 @@ last calls (:func:`explain`, the failure path only), so that all raise the same
 members differ, the ranks and what each called; the group is then broken (later calls raise,
 the other members are told).
 
-Cost of keeping it (timeit on this project's 2-core VM, Python 3.11): 0.6-1.0 us a call, a cached
-lookup of the call's digest and an integer multiply-add
+Cost of keeping it: a cached lookup of the call's digest and an integer multiply-add a call
 (``python -c "from meshkit.comm.groups import call_fingerprint; call_fingerprint.timings()"``).
 """
 
@@ -166,7 +165,8 @@ _CREATION_SEQ = -8
 
 def same_creation(group: Any, description: str, deadline: float) -> None:
     """Before a blocking split of ``group``: check that every member is making this same call
-    (``description``, already added to the fingerprint), whatever the debug level (issue 36.3).
+    (``description``, already added to the fingerprint), whatever the debug level (a
+    rank in another call would otherwise leave the split waiting forever).
 
     One exchange of ``(calls, fingerprint, description)``: group creation is rare, and a member
     in another call (a ``barrier()``) would otherwise leave the others in MPI's ``Comm.Split``,

@@ -1,8 +1,8 @@
 """Prepared collectives: one group, one input shape and dtype, validated once; each call returns a new array.
 
 A library that issues the same collective on the same shapes over and over (DTensor's
-redistribution programs) pays the public methods' argument checks on every call: about 0.5 us
-of the 4-7 us a small collective takes. A :class:`PreparedCollective` does those checks once,
+redistribution programs) pays the public methods' argument checks on every call: a noticeable
+share of what a small collective takes. A :class:`PreparedCollective` does those checks once,
 when it is made, as MPI's persistent collectives and torch's functional collectives (the ones
 DTensor is built on) do; a call then compares the input's shape and dtype with what was
 prepared (a strided input is copied to a contiguous one first, as it is only read), allocates the output (on the input's device) and starts the

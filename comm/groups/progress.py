@@ -43,8 +43,8 @@ _ROUND_NAP = 0.0002
 
 
 #: Seconds an idle agent sleeps between looks for requests. It is never woken: waking it on a
-#: post cost the poster ~0.1 ms (the agent takes the interpreter lock as MPI's call releases it),
-#: and it acts only on requests older than _GRACE anyway.
+#: post cost the poster more than a small collective (the agent takes the interpreter lock as
+#: MPI's call releases it), and it acts only on requests older than _GRACE anyway.
 _IDLE_NAP = 0.005
 #: Seconds between watchdog rounds over device work: torch's NCCL watchdog looks every 100 ms;
 #: a rank whose device work waits in a call another member abandoned must answer that member's

@@ -17,8 +17,8 @@ issued in program order.
 A caller that waits (``Work.wait()`` without a timeout, or a synchronous call behind queued
 work) while no operation is executing runs the queued operations itself, in order, up to the
 one it waits for, instead of sleeping until the thread wakes up: handing an operation to a
-sleeping thread and being woken by it adds two thread wake-ups to the operation (about 70 us
-on the 2-core machine this was measured on). Exactly one thread executes the group's
+sleeping thread and being woken by it adds two thread wake-ups to the operation, more than a
+small operation itself costs. Exactly one thread executes the group's
 operations at any time, so their order is the same on every rank.
 """
 
@@ -340,7 +340,7 @@ class RequestWork(Work):
     passes (:class:`~meshkit.comm.engines.engine.DeadlineExceeded`), the owner records the failure and
     gives the error every waiter raises.
 
-    It holds no ``threading.Event`` (3 us to create, more than a small all-reduce costs) and
+    It holds no ``threading.Event`` (costlier to create than a small all-reduce) and
     no closures: completion is a flag set under the work's lock, which every tester holds.
     """
 

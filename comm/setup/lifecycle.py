@@ -281,7 +281,7 @@ def _leave(world: World, how: str) -> None:
     group = world.default_group
     # Asynchronous collectives still in flight (DDP's buckets at a sys.exit) complete first if the
     # others are in them; those that do not are not counted: the others waiting in them are
-    # told at once that they wait in vain, instead of waiting for the timeout (issue 23.5).
+    # told at once that they wait in vain, instead of waiting for the timeout.
     deadline = time.monotonic() + _LEAVE_INFLIGHT_SECONDS
     members = [g for g in world.groups.values() if g.is_member]
     unfinished = sum(g.finish_inflight(deadline) for g in members)

@@ -19,12 +19,10 @@ Why per connection and not a MAC on every frame: what a per-frame MAC adds is pr
 attacker on the network path who injects into an established TCP connection. No local user can
 (a connection on loopback is the kernel's; injecting needs root), and one on the network path
 can already read and inject MPI's traffic between hosts, which authenticates nothing: multi-host
-jobs need a network only the job's hosts reach either way (docs/security.md). Measured on this
-project's 2-core VM (benchmarks/stores.py, each process pinned to a core; the store engine's
-collectives at 2 ranks over 5 interleaved rounds), a keyed BLAKE2b tag on every frame made a
-barrier 38-52% and an exchange 13-36% slower (about 4 us a tag in that setting, where a tight
-loop took 0.5-1 us); the handshake costs one round trip per connection, and clients keep their
-connections in a pool.
+jobs need a network only the job's hosts reach either way (docs/security.md). A keyed BLAKE2b tag on
+every frame made the store engine's barrier and exchange markedly slower (benchmarks/stores.py
+measures it), far more than the tag costs in a tight loop; the handshake costs one round trip
+per connection, and clients keep their connections in a pool.
 """
 
 from __future__ import annotations

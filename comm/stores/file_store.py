@@ -5,7 +5,7 @@ existing one is used only if it is a regular file (not a symlink, a FIFO or a de
 user, with no permission for anyone else, and carries this job's identity
 (:func:`meshkit.comm.env.job_identity`: a digest of the job's secret, or a launcher's job id): a file
 another user planted in a shared folder, or one of another job on the same path, is refused naming
-the path and why, so two jobs on one path never form one world (issue 35).
+the path and why, so two jobs on one path never form one world.
 """
 
 from __future__ import annotations

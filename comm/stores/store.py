@@ -3,7 +3,7 @@ semantics of its operations over a dict (:class:`KeyTable`).
 
 HashStore, FileStore and TCPStore's server all apply their operations through ``KeyTable``, and
 every public method's argument checks and timeout errors live in :class:`Store`: one
-implementation, so the four stores cannot answer differently (torch's do: issue 26).
+implementation, so the four stores cannot answer differently (torch's do).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def store_timeout(timeout: timedelta | float, what: str = "timeout") -> float:
 
     torch reads 0 as "wait without limit" (``kNoTimeout``); meshkit's stores bound every wait
     (nothing hangs), so 0 is refused, naming what to give instead, rather than taken to mean
-    "fail at once" (meshkit before issue 36) or "forever" (torch).
+    "fail at once" (meshkit once did) or "forever" (torch).
     """
     seconds = as_seconds(timeout, what)
     if seconds == 0:

@@ -7,7 +7,7 @@ byte and its fields; a reply's body is one status byte and its fields. A field i
 big-endian length and that many bytes; integers and timeouts travel as ASCII decimals (``b"-3"``,
 ``b"0.25"``), so a counter is not bounded by a fixed-width integer. The server reads the length
 first and refuses a frame longer than :data:`MAX_MESSAGE_BYTES` before allocating anything for it
-(issue 26: a stray connection claiming 4 GiB must not cost the master 4 GiB).
+(a stray connection claiming 4 GiB must not cost the master 4 GiB).
 """
 
 from __future__ import annotations
