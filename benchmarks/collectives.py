@@ -57,7 +57,7 @@ stream that meshkit's ``Work.wait`` ordered), so queued device work is inside th
 returns once the collective finished, and the raw NCCL call is followed by a synchronize of
 its stream (raw mpi4py is blocking anyway); in ``async`` mode meshkit's two ``async_op=True``
 calls and ``Work.wait`` (which orders the caller's stream, no host wait) against two raw
-calls issued back to back. The summary checks issue 13's target: meshkit within 3 % of the
+calls issued back to back. The summary checks the project's GPU target: meshkit within 3 % of the
 raw time at >= 1 MB and at most 15 us per call slower below 1 MB (against ``nccl``, or the raw
 mpi4py engine doing what meshkit's MPI engine does: ``mpi4py-cuda`` when MPI is CUDA-aware,
 else ``mpi4py-staged``). JSON goes to ``benchmarks/results/collectives-cuda-{backend}-n{N}.json``.
@@ -117,7 +117,7 @@ class Targets:
 
 
 CPU_TARGETS = Targets("mpi4py", LARGE_BYTES, MAX_RATIO, SMALL_BYTES, MAX_EXCESS_US)
-#: Issue 13 on a GPU: within 3 % at >= 1 MB, at most 15 us per call slower below 1 MB.
+#: The project's target on a GPU: within 3 % at >= 1 MB, at most 15 us per call slower below 1 MB.
 GPU_TARGETS = Targets("nccl", 1 << 20, 1.03, 1 << 20, 15.0, below=True)
 
 
@@ -487,7 +487,7 @@ def make_gpu_engines(names: list[str], backend: str, comm: MPI.Comm, rt: Any, dt
 
 
 def gpu_targets(backend: str, engines: list[str]) -> Targets:
-    """Issue 13's GPU targets against the raw engine that does what meshkit's engine does."""
+    """The project's GPU targets against the raw engine that does what meshkit's engine does."""
     if backend == "nccl":
         ref = "nccl"
     else:

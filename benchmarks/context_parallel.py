@@ -1,4 +1,4 @@
-"""Ring attention: how much of its communication hides behind its compute (issue 28.1).
+"""Ring attention: how much of its communication hides behind its compute.
 
 Run it by hand (a measurement, not a test; nothing here asserts on timings)::
 

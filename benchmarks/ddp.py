@@ -26,7 +26,7 @@ so that the setting holds under any launcher: with one OpenBLAS thread per core 
   ``g``, preallocated zeros, is checked and added into its bucket), then ``sync_gradients()``,
   which finishes the sync as ``step()`` does, without the optimizer (the baselines run none).
   ``zero_grad()`` is not part of the synchronisation, as the baselines below zero nothing
-  either (figures before 2026-11-22 included it: a 4 MB memset, 0.09 ms per call on one rank;
+  either (figures before 2026-11-22 included it: a 4 MB memset per call on one rank;
   figures before 2026-11-25 marked with the deprecated ``mark_grad_ready(name)``, which adds nothing);
 * ``ddp bulk``: the same buckets through ``sync_gradients()`` alone, DDP's call for gradients
   computed all at once into ``ddp.grads``: it marks a bucket at a time instead of a gradient at a time;
@@ -35,7 +35,7 @@ so that the setting holds under any launcher: with one OpenBLAS thread per core 
 * ``ddp no-fp`` (diagnostic): ``ddp`` with the call fingerprint switched off (each call's
   update of comm/groups/call_fingerprint.py's running hash made a no-op; the agreement still carries
   its 16 bytes): the column ``fp cost`` is what keeping the fingerprint costs a DDP step
-  (issue 36.2's bar: within 1%; it adds no message, the step's agreement carries it);
+  (the bar: within 1%; it adds no message, the step's agreement carries it);
 * ``ddp local`` (diagnostic): the same DDP pass inside ``no_sync()``, i.e. DDP's own Python
   work (marking, bucket bookkeeping) without any communication;
 * ``local+flat`` (diagnostic): ``ddp local`` then ``flat`` in one block: what DDP would cost

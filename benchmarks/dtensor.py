@@ -34,12 +34,12 @@ What is measured, on a 1-D mesh over all N ranks, float64:
   floor as by redistribute: on glibc, when two large blocks are freed together (``S0->S1``'s
   send buffer and a dropped result), ``free`` may give the top of the heap back to the kernel
   (``M_TRIM_THRESHOLD``), so the next call faults both in again (plain NumPy, two 512 KB
-  ``np.ones`` per iteration: 224 page faults and ~0.5-0.9 ms per iteration, against ~20-35 us and
+  ``np.ones`` per iteration: 224 page faults per iteration, and many times the time, against
   none for one). Run with ``MALLOC_TRIM_THRESHOLD_=268435456 MALLOC_MMAP_THRESHOLD_=67108864`` to
   see the loop without it. Both ratios are printed; the second is DTensor's layer: the program
   lookup, its copies, the wrapping. All three results are compared before timing (a wrong answer
   aborts the run).
-* ``checks``: what the construction checks of issue 23.2 add per call, for a block of each
+* ``checks``: what the construction checks add per call, for a block of each
   ``--check-shapes`` per rank (global ``N`` times as many rows, ``[Shard(0)]``): ``distribute_tensor``
   (the all-gather of a fingerprint per mesh dim) beside the same construction without it, with
   ``src_data_rank=None`` (beside the local cut and copy alone) and with 0 (beside the scatter
@@ -290,7 +290,7 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     checks = [r for r in rows if r["section"] == "checks"]
     if checks:
         lines.append("")
-        lines.append("construction checks (issue 23.2): checked beside the same construction without the check")
+        lines.append("construction checks: checked beside the same construction without the check")
         lines.append(f"{'case':<40} {'block':>9} {'checked us':>11} {'unchecked us':>13} {'added us':>9} {'ratio':>7}")
         for r in checks:
             ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"

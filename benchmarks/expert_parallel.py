@@ -22,7 +22,7 @@ one dispatch followed by one combine (the same bytes both ways):
 A call's time is the MAX over ranks of the per-call mean; the reported time the median over
 ``--rounds`` rounds, the three interleaved with rotating order. The results are checked once
 before timing (combine(dispatch(rows)) returns the rows; the raw exchange receives what
-meshkit's does). Ratios: ``meshkit/mpi4py`` and ``exchange/mpi4py`` (issue 28.2's target: within 1.1x).
+meshkit's does). Ratios: ``meshkit/mpi4py`` and ``exchange/mpi4py`` (the project's target: within 1.1x).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The GPU acceptance run of issue 24: one check function per behaviour, each with its negative control.
+"""The GPU acceptance run: one check function per behaviour, each with its negative control.
 
 **What has run on hardware: nothing.** Every check below was written for the first machine with
 a GPU and has run only against the strict double (``--dry-run-double``, tests/doubles/nccl_double.py)
@@ -1249,7 +1249,7 @@ def append_record(path: str | None, record: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--point", action="append", help="a point of issue 24 (1-8) or 'all'; repeatable")
+    parser.add_argument("--point", action="append", help="a point of this run (1-8) or 'all'; repeatable")
     parser.add_argument("--check", action="append", help="one check by name; repeatable")
     parser.add_argument("--dry-run-double", action="store_true", help="over tests/doubles/nccl_double.py, ranks as threads")
     parser.add_argument("--results", help="append each check's record to this JSON-lines file")

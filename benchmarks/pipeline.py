@@ -17,7 +17,7 @@ of that each. Activations are 1 KB, so transfers cost little beside the compute.
 
 For each schedule and microbatch count m: the step time (median over ``--rounds`` steps, max
 over ranks, after a barrier), the ideal ``m (f + b)`` (no idle time), the time a rank really
-spent in its stages' passes (``busy``: a 2 ms sleep lasts ~2.14 ms here), the measured bubble
+spent in its stages' passes (``busy``: a sleep lasts a little longer than asked), the measured bubble
 ``1 - busy / step`` (the idle fraction of the step, transfers included) and the formula's: ``(p - 1) / (m + p - 1)`` for GPipe and 1F1B,
 ``(p - 1) / (v m + p - 1)`` interleaved, ``i / (3 m + i)`` with ``i = max(p - 1, 2 p - 1 - m)``
 for ZB-H1 and ``i / (6 m + i)`` with ``i = max(p - 1, 4 p - 2 - 2 m)`` for ZB-V (those of the
@@ -59,7 +59,7 @@ WIDTH = 128  # float64 columns of an activation: 1 KB per sample row
 def make_stage(index: int, stages: int, f: float, b: float, busy: list[float], *, split: bool = False,
                placement: str = "loop") -> PipelineStage:
     """A stage that sleeps ``f`` per forward and ``b`` per backward, adding the time it really
-    slept (a sleep overshoots by ~0.1 ms here) to ``busy[0]``; ``split``: the backward in two
+    slept (a sleep overshoots) to ``busy[0]``; ``split``: the backward in two
     halves of ``b / 2``, the input gradient (B) and the weight gradient (W), for ZB-H1 and ZB-V."""
     def work(seconds: float) -> None:
         start = time.perf_counter()

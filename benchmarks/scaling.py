@@ -1,9 +1,9 @@
 """The planner checked against runs: every data-parallel configuration of the example MLP that fits
-this machine, measured step time and memory beside ``meshkit.plan``'s prediction (issue 29.3).
+this machine, measured step time and memory beside ``meshkit.plan``'s prediction.
 
 Run it by hand with plain ``python`` (it starts one ``meshkit-run -n N`` job per world size itself)::
 
-    python benchmarks/scaling.py --quick                 # 1 and 2 ranks, 93 s on the shared 2-core machine
+    python benchmarks/scaling.py --quick                 # 1 and 2 ranks, the shortest run
     python benchmarks/scaling.py                         # 1, 2 and 4 ranks
     python benchmarks/scaling.py --worlds 1,2 --strategies ddp,fsdp --steps 4 --json out.json --plot
     python benchmarks/scaling.py --parts 3d --worlds 2,4 --rounds 3   # tensor and pipeline parallel only
@@ -21,8 +21,8 @@ uses the median of the rounds' calibrations (``Machine.median``, saved as
 ``scaling_calib_N.json`` beside the result). Rounds interleave the world sizes because this
 shared host's speed drifts by 10-30% over minutes: with one job per world size, measured and
 calibrated minutes apart, the 1-rank job once ran 1.2x and the 2-rank job 1.5x slower than
-predicted, and another run the other way round, which reorders the world sizes' steps (issue
-29.3: Spearman 0.89-0.95 from one run to the next). A burst of load then hits every
+predicted, and another run the other way round, which reorders the world sizes' steps
+(Spearman's correlation moved from one run to the next). A burst of load then hits every
 configuration and world size a little rather than one a lot. Beside it, the
 prediction of ``meshkit.plan.estimate(config, model, machine)`` for the MLP described as
 ``plan.Model`` layers (its exact parameter shapes; forward flops ``2 x fan_in x fan_out`` per sample;
@@ -30,7 +30,7 @@ activations ``fan_out`` values per sample, each a ``tanh`` but the last layer's)
 optimizer state from ``memory_report()`` (the largest over ranks), ``predicted_bytes`` the same
 sum of the prediction.
 
-The summary prints the acceptance figures of issue 29.3 from this one run: Spearman's rank
+The summary prints the planner's acceptance figures from this one run: Spearman's rank
 correlation of predicted vs measured step times (over every record and over those that do not
 oversubscribe the cores), whether the configuration the planner ranks first is within 10% of the
 fastest measured (per world size and scaling mode), and the count of memory mismatches.
@@ -114,7 +114,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1,
                         help="steps before timing, each round (default: %(default)s)")
     parser.add_argument("--quick", action="store_true",
-                        help="1 and 2 ranks, 3 steps a round (93 s measured on a shared 2-core machine)")
+                        help="1 and 2 ranks, 3 steps a round (the shortest run)")
     parser.add_argument("--calib-repeats", type=int, default=5, help="calibrate's repeats (default: %(default)s)")
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)  # a job's own records
     parser.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)  # the worker's round
@@ -304,8 +304,8 @@ def worker(args: argparse.Namespace) -> int:
     jobs = jobs_for(n, args)
     built = [build(config, args.hidden, global_batch) for _, global_batch, config, _, build in jobs]
     # Where the interleaved steps start rotates by one a round: the configuration trained first
-    # after the calibration measured 20-30% slow in every round (1 rank: ddp strong 54-70 ms, the
-    # same computation as ddp weak, 42-58), which the median over rounds then drops.
+    # after the calibration measured slow in every round (1 rank: ddp strong slower than ddp weak,
+    # the same computation), which the median over rounds then drops.
     out = _timed(built, args.steps, args.warmup, first=args.round % len(jobs) if jobs else 0)
     if rank == 0:
         args.worker.write_text(json.dumps(out))
@@ -363,7 +363,7 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Issue 29.3's acceptance figures from ``rows``."""
+    """The planner's acceptance figures from ``rows``."""
     fits = [r for r in rows if not r["oversubscribed"]]
     picks = []
     for key in sorted({(r["ranks"], r["mode"]) for r in rows}):
@@ -381,7 +381,7 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "spearman_all": spearman([r["predicted_step_s"] for r in rows], [r["measured_step_s"] for r in rows]),
         "spearman_not_oversubscribed": spearman([r["predicted_step_s"] for r in fits],
                                                 [r["measured_step_s"] for r in fits]),
-        # the same measurements against the planner before issue 29.3 (full overlap, no optimizer step)
+        # the same measurements against the planner's earlier model (full overlap, no optimizer step)
         "spearman_all_before": spearman([r["predicted_before_s"] for r in rows], [r["measured_step_s"] for r in rows]),
         "records": len(rows), "records_not_oversubscribed": len(fits),
         "picks": picks, "picks_within_10pct": sum(p["ratio"] <= 1.10 for p in picks),
@@ -394,14 +394,14 @@ def print_summary(s: dict[str, Any], cores: int) -> None:
     print(f"\nSpearman(predicted, measured step time): {s['spearman_all']:.3f} over {s['records']} configurations; "
           f"{s['spearman_not_oversubscribed']:.3f} over the {s['records_not_oversubscribed']} with at most "
           f"{cores} ranks (more ranks than cores oversubscribe: compute and communication contend, which "
-          f"the model does not know); {s['spearman_all_before']:.3f} over all for the model before "
-          f"issue 29.3 (full overlap, no optimizer step)")
+          f"the model does not know); {s['spearman_all_before']:.3f} over all for the earlier model "
+          f"(full overlap, no optimizer step)")
     for p in s["picks"]:
         note = "  (oversubscribed: this machine cannot say)" if p["oversubscribed"] else ""
         print(f"  {p['ranks']} ranks {p['mode']:6}: planner picks {p['pick']!r}, fastest measured {p['fastest']!r}: "
               f"{p['ratio']:.2f}x{note}")
     print(f"planner's pick within 10% of the fastest measured: {s['picks_within_10pct']} of {len(s['picks'])} "
-          f"(before issue 29.3's model changes: {s['picks_within_10pct_before']})")
+          f"(the earlier model: {s['picks_within_10pct_before']})")
     print(f"memory mismatches (params + grads + optimizer state, bytes): {s['memory_mismatches']}")
 
 

@@ -2,13 +2,13 @@
 
 Run it by hand with plain ``python`` (it starts its processes itself; a measurement, not a test)::
 
-    python benchmarks/stores.py --plot                 # against the commit before issue 35
+    python benchmarks/stores.py --plot                 # against the commit before authentication
     python benchmarks/stores.py --baseline HEAD~3 --rounds 7 --json /tmp/stores.json
 
 Side by side in one run, in interleaved rounds (each round runs every configuration, from a
 rotating start), three configurations of the same measurements:
 
-* **baseline**: meshkit at ``--baseline`` (a git ref; default the commit before issue 35), its
+* **baseline**: meshkit at ``--baseline`` (a git ref; default the commit before authentication), its
   store open and its control messages pickled;
 * **open**: this tree without a secret (open store, typed control messages);
 * **secret**: this tree with ``MESHKIT_JOB_SECRET`` (each connection authenticated, every frame
@@ -43,7 +43,7 @@ from _common import Progress, add_output_args, host_metadata, require_pyplot, sa
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-#: The last commit before issue 35 changed the stores and the control messages.
+#: The last commit before authentication and typed control messages changed the stores.
 DEFAULT_BASELINE = "4d2e322"
 CONFIGS = ("baseline", "open", "secret")
 SECRET = "b" * 64
@@ -86,7 +86,7 @@ else:  # a rank: the rendezvous, then the store engine's collectives
     rank, size, n, start_at = int(args[0]), int(args[1]), int(args[2]), float(args[3])
     # Rank 0 (the server) starts 50 ms early, the others at once, imports done: the figure is from
     # then to the last rank's keys (the protocol, not the 10 ms connect retries of a client that
-    # comes before its server listens, which made the figure bimodal: 4 or 14 ms)
+    # comes before its server listens, which made the figure bimodal: with or without a retry)
     time.sleep(max(0.0, start_at - (0.05 if rank == 0 else 0.0) - time.time()))
     rv = init_methods.rendezvous(init_methods.requested("env://", size, rank, None), 60)
     took = time.time() - start_at
@@ -154,7 +154,7 @@ def _round_trips(config: str, paths: dict[str, Path], calls: int) -> dict[str, f
 
 def _world(config: str, paths: dict[str, Path], nproc: int, calls: int) -> dict[str, float]:
     port = _free_port()
-    start_at = time.time() + 2.0  # after every rank's imports (about 0.5 s here)
+    start_at = time.time() + 2.0  # after every rank's imports, with room for a loaded machine
     procs = [subprocess.Popen([sys.executable, "-c", WORKER, "rank", str(r), str(nproc), str(calls), str(start_at)],
                               env=_env(config, paths, port, core=r), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for r in range(nproc)]

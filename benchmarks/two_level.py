@@ -1,4 +1,4 @@
-"""Two levels on one machine (issue 29.4): 4 ranks as 2 simulated nodes of 2, a two-level machine
+"""Two levels on one machine: 4 ranks as 2 simulated nodes of 2, a two-level machine
 calibrated over a host-aware mesh, and the planner's predictions for flat and hybrid meshes beside
 measured step times and beside a one-level machine's.
 
@@ -55,8 +55,9 @@ RANKS, NODES = 4, 2
 MODES = ("strong", "weak")
 FLAT = ("ddp", "zero1", "zero2", "fsdp")
 #: Calibration sizes: calibrate's four (1 KiB-1 MiB) and the powers of 4 between them. 4 ranks on 2
-#: cores time a 4 KiB all_reduce anywhere between 14 and 280 us from run to run (the partner rank
-#: descheduled or not); more points and repeats (--calib-repeats, 15) steady the fit, at ~2 s a mesh.
+#: cores time a 4 KiB all_reduce up to an order of magnitude apart from run to run (the partner rank
+#: descheduled or not); more points and repeats (--calib-repeats, 15) steady the fit, at the cost of a
+#: longer calibration per mesh.
 CALIB_SIZES = tuple(1 << k for k in range(10, 21, 2))
 
 

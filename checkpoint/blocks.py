@@ -25,7 +25,8 @@ __all__ = ["block_bytes", "block_checksums", "touched_blocks"]
 #: needs at each end of its rows
 MAX_BLOCK = 1 << 20
 #: the smallest block: per block the metadata holds 19 bytes (its checksum as a JSON string) and
-#: a reader makes one hash call (~0.1 us), both negligible against 64 KB (0.03% and <1%)
+#: a reader makes one hash call, both negligible against 64 KB (0.03% of its bytes; one call's
+#: fixed cost beside hashing 64 KB)
 MIN_BLOCK = 64 << 10
 #: blocks a chunk is cut into, where that keeps them within [MIN_BLOCK, MAX_BLOCK]: enough that
 #: a reader taking 1/n of a chunk's rows (n ranks resharding) hashes about 1/n + 1/16 of it

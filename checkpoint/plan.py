@@ -9,7 +9,7 @@ Copies written once must be equal, as a value saved once must be: every holder o
 leaf (a plain array, a DTensor's box over a ``Replicate`` mesh dim) sends the XXH3-64 of its
 copy with its description, and copies that differ fail the save on every rank, naming the key
 and which ranks hold which copy. The cost is one hash pass over the replicated bytes on each
-holder (XXH3: 38 ms for 64 MB a rank on this loaded 2-core VM; docs/checkpoints.md). A
+holder (XXH3, which runs at about memory speed; docs/checkpoints.md). A
 :class:`~meshkit.parallel.ShardedArray` marked ``replica`` (HSDP, a flat shard replicated over
 tp) is its strategy's promise and is not described, hence not compared.
 
@@ -179,13 +179,13 @@ def _check_tiling(key: str, shape: tuple[int, ...], boxes: list[Box]) -> None:
 
 
 #: The corners (or grid cells) counted per box on average, at most, with a floor of 65536 in all:
-#: a box cut on up to 6 axes; 64 dictionary updates are about 50 us a box on this project's VM.
+#: a box cut on up to 6 axes; 64 dictionary updates a box keep the check's Python cost small.
 STEPS_PER_BOX = 64
 #: Up to this many boxes, a plain sweep (at most 496 pairs): as fast as before the corners for the
-#: usual few chunks an array (600 arrays of 8 chunks: 9-17 ms either way; corners first: 29-50 ms)
+#: usual few chunks an array (for 600 arrays of 8 chunks, counting corners first was slower)
 _FEW = 32
-#: Pairs of boxes the sweep may compare (with a floor for few boxes): about 1-2 s of Python at
-#: most, whatever the metadata holds; beyond, the boxes are refused as too costly to check.
+#: Pairs of boxes the sweep may compare (with a floor for few boxes): a bound on the check's
+#: Python time, whatever the metadata holds; beyond, the boxes are refused as too costly to check.
 PAIRS = 1 << 21
 
 
@@ -249,7 +249,7 @@ def _overlap_text(noun: str, pair: tuple[Box, Box]) -> str:
 def _corners_add_up(shape: tuple[int, ...], boxes: list[Box]) -> bool:
     """Whether the boxes' signed corners add up to the whole array's (see the module docstring):
     the boxes, all non-empty, inside the array and of the array's total volume, tile it.
-    (1M chunks of a 2-D array, 4M corners: 3.7 s on this project's loaded 2-core VM.)"""
+    (Linear in the corners: 1M chunks of a 2-D array make 4M corners.)"""
     counts: defaultdict[tuple[int, ...], int] = defaultdict(int)
     product = itertools.product
     for offsets, lengths in boxes:

@@ -31,7 +31,7 @@ __all__ = ["load"]
 def _workers() -> int:
     """Threads per rank for hashing and copying: this rank's share of the cores it may use (the
     ranks on one host, as MPICH's, Open MPI's or Slurm's launcher tells each process), at most 4.
-    Measured with 2 ranks on 2 cores: 2 threads each made a load 1.9x np.load, 1 thread 1.5x."""
+    Measured with 2 ranks on 2 cores: 2 threads each made a load slower than 1 thread each."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     here = next((int(v) for k in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
                  if (v := os.environ.get(k, "")).isdigit() and int(v) > 0), 1)

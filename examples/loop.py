@@ -1,4 +1,4 @@
-"""The examples' training loop, written once against the data-parallel protocol (issue 25.1).
+"""The examples' training loop, written once against the data-parallel protocol.
 
 ``train_mlp.py``, ``train_tp.py`` and ``train_3d.py`` train through :func:`train`, and so does
 train_mlp's single-process reference (the library's ``meshkit.parallel.LocalStrategy``). A step is the

@@ -265,7 +265,7 @@ class BucketManager:
 
         Every bucket is waited for even after one failed (a hook that raised, a timeout): a
         reduction left running would write its average into the buffer after ``zero_grad()``
-        zeroed it, into the next pass's gradients (issue 36.8).
+        zeroed it, into the next pass's gradients.
         """
         # The last one first: a waiter runs the group's queued operations itself, in order, up to
         # the one it waits for (comm.work), so buckets no thread has started yet all run here

@@ -1,4 +1,4 @@
-"""The training-loop protocol every data-parallel strategy implements (issue 25.1).
+"""The training-loop protocol every data-parallel strategy implements.
 
 One loop trains DDP, ZeRO-1/2, FSDP and HSDP alike::
 
@@ -27,7 +27,7 @@ rank's pieces), ``memory_report()`` the bytes held.
 :func:`deprecated` is how an old spelling says which new one replaces it. The protocol itself is
 a type, :class:`~meshkit.parallel.strategy.Strategy`.
 
-The rules, written once here for every strategy (issue 36.1): DDP and ZeRO-1/2
+The rules, written once here for every strategy: DDP and ZeRO-1/2
 (:class:`~meshkit.parallel.data_parallelism.reducer.GradientReducer`) and FSDP/HSDP
 (:class:`~meshkit.parallel.data_parallelism.fsdp.FullyShardedDataParallel`) hold gradients
 differently (buckets, unit shards) but take the loop by the same rules, checked here with the same
@@ -35,15 +35,15 @@ words, so that no strategy forgives what another refuses:
 
 1. **A gradient is its parameter's**: its shape, its dtype (FSDP: the dtype ``unshard`` yields,
    ``param_dtype`` if set) and its array library. Nothing is cast silently (float32 gradients of
-   float64 parameters carry float32 rounding into float64 training: 2.7e-9 off after 3 steps of
-   issue 36's case, outside the 1e-10 that float64 holds). :func:`check_gradient` refuses it on
+   float64 parameters carry float32 rounding into float64 training: 2.7e-9 off after 3 steps in
+   one measured case, outside the 1e-10 that float64 holds). :func:`check_gradient` refuses it on
    the rank that passes it, and nothing changes.
 2. **One mark per gradient per synchronized backward pass**: a second one is refused
    (:func:`marked_twice`) and changes nothing. Under ``no_sync()`` each mark is a micro-batch's.
 3. **The reduction does not depend on the order ranks mark gradients**: reductions are issued in
    one fixed order on every rank (DDP, ZeRO: bucket order; FSDP: last unit first), a bucket or unit
    complete early waiting for those before it. Collectives pair by order, so a rank-dependent
-   order averaged one unit's gradients with another's (issue 36.1: 0.16-0.29 off after 3 steps).
+   order averaged one unit's gradients with another's (0.16-0.29 off after 3 steps).
 4. **A synchronized pass ends with ``step()``** (or ``clip_grad_norm_()``, which ends it first).
    ``zero_grad()`` on a pass that ``step()`` would end discards it (:data:`DISCARD`); a mark on a
    pass whose every gradient is marked is a second mark or a skipped ``step()``

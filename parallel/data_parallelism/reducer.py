@@ -22,8 +22,8 @@ No gradient passes as averaged when it is not:
   ``sync_gradients()``) ends the pass: reading it before that raises, naming the gradient (and
   the unmarked ones, if any) and ``finish_gradient_sync()``, and changes nothing. Reading never
   communicates, so a rank that reads (to log a norm, say) cannot run a collective the others do
-  not, and the explicit finish that follows is always the one that ends the pass (issue 23.4:
-  a read that finished the pass left the next finish to refuse and zero the averages). ZeRO's
+  not, and the explicit finish that follows is always the one that ends the pass (a
+  read that finished the pass left the next finish to refuse and zero the averages). ZeRO's
   ``step()``, ``grad_shards()`` and ``clip_grad_norm_()`` refuse alike.
 - A sync fails on every rank or on none. A rank whose pass is incomplete still launches every
   bucket, so the ranks' collectives stay aligned; then one small all-reduce per sync tells
@@ -216,7 +216,7 @@ class GradientReducer:
 
     def _reset_gradients(self) -> None:
         """Zero the gradients and forget what the last pass left: they are no averages, and a failed
-        sync no longer applies (issue 36.8: without either, step() stepped on zeros, or raised on)."""
+        sync no longer applies (without either, step() stepped on zeros, or raised on)."""
         self._zero()
         self._averaged = False
         self._failed = None
@@ -278,8 +278,8 @@ class GradientReducer:
 
     def _check_grad(self, name: str, grad: Any) -> None:
         shape, dtype = self._specs[name]
-        # the common case first, without building the message head: 1000 marks of 4 KB gradients
-        # took 2.4 ms with the messages, 1.6 ms without, as writing into grads[name] and mark_grad_ready(name)
+        # the common case first, without building the message head: building it made 1000 marks of
+        # 4 KB gradients half again as slow (benchmarks/ddp.py measures the marks)
         if grad.__class__ is self._param.__class__ and grad.shape == shape and grad.dtype == dtype:
             return
         check_gradient(self._where("mark_grad_ready"), name, grad, shape, dtype, self._param, "the parameters",
@@ -405,7 +405,7 @@ class GradientReducer:
     def _finish_complete_pass(self, op: str) -> None:
         """Finish a synchronized pass in progress whose every gradient is marked (or any pass in
         progress, with ``find_unused_parameters``): what the collective calls that end a backward
-        pass (``step()``, ``clip_grad_norm_()``) do first. A read never does (issue 23.4)."""
+        pass (``step()``, ``clip_grad_norm_()``) do first. A read never does."""
         if self._sync and self._failed is None and self._marked() and (
                 self.find_unused_parameters or not self._buckets.unready()):
             self._finish_sync(op)
@@ -435,7 +435,7 @@ class GradientReducer:
             pending = [n for n in bucket.names if n not in ready] if ready else bucket.names
             views = bucket.views
             # Every pending gradient still the bucket's own view, compared in C (map over the two
-            # lookups): 1000 names in a generator cost 0.16 ms, a sixth of a 4 MB sync at 2 ranks.
+            # lookups): a Python generator over 1000 names cost a sizeable share of a 4 MB sync.
             if bucket.buffer is not None and all(map(operator.is_, map(arrays.get, pending), map(views.get, pending))):
                 bucket.ready.update(pending)
                 if self._record_order:
