@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# meshkit's GPU acceptance run (issue 24, point 9): the one command that answers each point of
-# issue 24 on real hardware, then runs every GPU test and the GPU benchmark.
+# meshkit's GPU acceptance run: the one command that answers each of its points on real
+# hardware (1-8: benchmarks/gpu_acceptance.py; 9: this script), then runs every GPU test and the
+# GPU benchmark.
 #
 # WHAT HAS RUN ON HARDWARE: NOTHING. This script and benchmarks/gpu_acceptance.py were written for
 # the first machine with a GPU. On CPU only their logic has run: the acceptance checks over the
@@ -21,7 +22,7 @@
 # $MESHKIT_MPIEXEC, else PATH.
 # Steps (each goes on after a failure):
 #   0. the venv; 1. nvidia-smi -L and the versions of python, NumPy, CuPy, CUDA, NCCL, MPI;
-#   2. benchmarks/gpu_acceptance.py --point all: points 1-8 of issue 24, each check in its own
+#   2. benchmarks/gpu_acceptance.py --point all: points 1-8, each check in its own
 #      worker with its negative control; one-GPU checks, then multi-GPU checks where >= 2 GPUs
 #      are visible (else SKIP with the reason);
 #   3. the GPU tests (the tests that run on a GPU, one pytest process each); one whose every test
@@ -34,7 +35,7 @@
 #   Where CuPy sees no GPU (no CuPy, no driver, none visible), steps 1, 3 and 4 record SKIP with
 #   the reason instead of running what needs one (a machine without nvidia-smi is not a failure),
 #   so the run ends NOT VERIFIED, never FAIL or PASS;
-#   5. the verdict: one line per point of issue 24 (`POINT n: PASS|FAIL|SKIP (reason)`; steps 0, 3
+#   5. the verdict: one line per point (`POINT n: PASS|FAIL|SKIP (reason)`; steps 0, 3
 #      and 4 are point 9), then `VERDICT: PASS|FAIL|NOT VERIFIED (...)`.
 # GPU_CHECK_STEPS="2" (or "3 4", ...) runs only those steps, appending to the results already in
 # $OUT, for machines that limit one command's time (the whole run takes about 15 minutes); the
@@ -61,7 +62,7 @@ record_status() {
 # record_pytest NAME LOG RC: PASS / FAIL / SKIP (reasons) from pytest's own output
 record_pytest() { "$PY" "$ACCEPT" --results "$RESULTS" --pytest-outcome "$1" "$2" "$3" 9; }
 verdict() {
-    section "verdict (issue 24)"
+    section "verdict"
     "$PY" "$ACCEPT" --verdict "$RESULTS"
 }
 
@@ -187,7 +188,7 @@ record_status "versions" 9 $?
 fi
 
 if step 2; then
-section "2. issue 24, points 1-8 (benchmarks/gpu_acceptance.py)"
+section "2. points 1-8 (benchmarks/gpu_acceptance.py)"
 timeout 3000 "$PY" "$ACCEPT" --point all --results "$RESULTS"
 echo "(gpu_acceptance.py exit $?)"
 fi
