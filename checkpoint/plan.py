@@ -9,7 +9,7 @@ Copies written once must be equal, as a value saved once must be: every holder o
 leaf (a plain array, a DTensor's box over a ``Replicate`` mesh dim) sends the XXH3-64 of its
 copy with its description, and copies that differ fail the save on every rank, naming the key
 and which ranks hold which copy. The cost is one hash pass over the replicated bytes on each
-holder (XXH3, which runs at about memory speed; docs/checkpoints.md). A
+holder (XXH3, a fast non-cryptographic hash; docs/checkpoints.md measures it). A
 :class:`~meshkit.parallel.ShardedArray` marked ``replica`` (HSDP, a flat shard replicated over
 tp) is its strategy's promise and is not described, hence not compared.
 
