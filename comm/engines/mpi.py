@@ -101,6 +101,13 @@ class _Receive:
 
 _NDARRAY = np.ndarray
 _on_device = is_device_array  # NumPy's path pays one class check (all_reduce's, not even a call)
+#: The least the world's first meeting (the node split in :func:`create_world_engine`) waits before
+#: its watchdog ends the process: the ranks reach it as their interpreters finish importing, seconds
+#: apart on a loaded machine, and a short group timeout (``MESHKIT_TIMEOUT``) is meant for calls
+#: between ranks already running. A rank that never comes is still named, and the launcher ends
+#: the job when a rank dies.
+START_UP_GRACE = 60.0
+
 #: The datatype cache, bound here by assignment for all_reduce's hottest line: CPython 3.11
 #: compiles ``name.get(...)`` as a method call (no bound method made) on any global but one bound
 #: by an import, where it loads the attribute and then calls it (``dis`` shows both).
@@ -453,13 +460,14 @@ def _allgather_text(comm: MPI.Intracomm, text: str) -> list[str]:
 
 def create_world_engine(timeout: float = 300.0) -> MPIEngine:
     """The world's engine: a duplicate of MPI_COMM_WORLD, so meshkit's traffic never meets the user's.
-    ``timeout``: the world's; the node split, which has no deadline, runs under a watchdog."""
+    ``timeout``: the world's; the node split, which has no deadline, runs under a watchdog (at least
+    :data:`START_UP_GRACE` seconds: the ranks arrive as they finish importing)."""
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         logger.warning("meshkit: MPI provides thread level %d, not MPI_THREAD_MULTIPLE; async_op=True "
                        "collectives call MPI from a second thread and may fail", MPI.Query_thread())
     # MPI's split and blocking gathers have no deadline: under a watchdog (comm/engines/watchdog.py)
     with watched("counting the ranks of this node (MPI's Split_type, Comm_free, Allgather)", MPI.COMM_WORLD.Get_rank(),
-                 "world", range(MPI.COMM_WORLD.Get_size()), timeout):
+                 "world", range(MPI.COMM_WORLD.Get_size()), max(timeout, START_UP_GRACE)):
         if env.host_name() is None:
             host = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
             ranks_here = host.Get_size()
