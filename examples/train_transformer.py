@@ -32,8 +32,9 @@ single-process training on the global batch whatever the mesh: ``--check`` train
 reference and compares the final parameters (float64, 1e-10). The attention's parameters are
 DTensors (tp's blocks) whose gradients DDP averages over the ranks holding other tokens; the
 router's and the experts' gradients come out of the MoE layer reduced over the ranks sharing
-them (the library's ``ExpertStrategy``); one ``Composite`` of the two is the loop's model, so
-nothing here adapts a strategy or dispatches on its class. Checkpoints (``--checkpoint-dir``, ``--save-every``, ``--resume``) resume on another
+them; the library's recipe (``parallelize_model``) makes the loop's one model of the two (a
+``Composite`` of a DDP and an ``ExpertStrategy``), so nothing here builds or adapts a strategy or
+dispatches on its class. Checkpoints (``--checkpoint-dir``, ``--save-every``, ``--resume``) resume on another
 ``--mesh``. The experts compute ``silu(h w1) w2`` (the library layer's), dropless.
 """
 
@@ -51,10 +52,10 @@ import loop  # the examples' one training loop, beside this file
 import train_mlp  # flag types, checkpoint flags, --check's verdict
 import transformer as model_math  # the model, beside this file
 from meshkit.checkpoint import CheckpointManager
-from meshkit.parallel import (Composite, ExpertStrategy, MoE, PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleZBH1, data_parallel,
+from meshkit.parallel import (MoE, PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleZBH1, Strategy, parallelize_model,
                               ring_attention, ring_attention_backward, shard_experts, shard_sequence)
 from meshkit.state import ShardedArray
-from meshkit.tensor import DTensor, Replicate, Shard, distribute_tensor
+from meshkit.tensor import DTensor, Replicate, Shard
 
 #: The mesh dimensions ``--mesh`` knows.
 DIMS = ("dp", "cp", "tp", "ep", "pp")
@@ -97,21 +98,17 @@ def placement_of(name: str) -> Any:
             "w1": Shard(2), "w2": Shard(1)}[name]
 
 
-def build(args: argparse.Namespace, mesh: meshkit.DeviceMesh, stage: int | None) -> Composite:
-    """The recipe (torchtitan's ``parallelize``: tensor parallel, then data parallel, each part
-    applied in order): this rank's parameters (all, or its pipeline stage's), the attention's as
-    DTensors over tp in a DDP over the ranks holding other tokens, the router's and the experts'
-    blocks in an :class:`~meshkit.parallel.ExpertStrategy` (their MoE reduces their gradients),
-    one :class:`~meshkit.parallel.Composite` of the two (collective over the mesh)."""
+def build(args: argparse.Namespace, mesh: meshkit.DeviceMesh, stage: int | None) -> Strategy:
+    """The library's recipe (:func:`~meshkit.parallel.parallelize_model`, torchtitan's ``parallelize``:
+    tensor, then context, then data parallelism): this rank's parameters (all, or its pipeline
+    stage's), the attention's as DTensors over tp in a DDP over the ranks holding other tokens, the
+    router's and the experts' blocks trained as their MoE reduced them (collective over the mesh)."""
     full = model_math.init_params(config(args))
-    make = lambda: train_mlp.mlp.make_optimizer(args.optimizer, args.lr)  # noqa: E731
-    dense = experts = None
-    if stage in (None, 0):
-        tensors = {n: distribute_tensor(full[n], mesh["tp"], [placement_of(n)], src_data_rank=None) for n in DENSE}
-        dense = data_parallel(tensors, mesh["tokens"], "ddp", optimizer=make())
-    if stage in (None, 1):
-        experts = ExpertStrategy(expert_boxes(full, mesh), optimizer=make(), group=mesh["stage"].get_group())
-    return Composite([dense, experts])
+    return parallelize_model({n: full[n] for n in DENSE} if stage in (None, 0) else {}, mesh,
+                             optimizer=lambda: train_mlp.mlp.make_optimizer(args.optimizer, args.lr),
+                             tp_plan={n: placement_of(n) for n in DENSE}, context_parallel=args.mesh.get("cp", 1) > 1,
+                             dp_dims=("dp", "ep"), strategy="ddp", pp_dim="pp", src_data_rank=None,
+                             experts=expert_boxes(full, mesh) if stage in (None, 1) else None)
 
 
 def expert_boxes(full: dict[str, np.ndarray], mesh: meshkit.DeviceMesh) -> dict[str, ShardedArray]:
@@ -202,7 +199,7 @@ def loss_fn(out: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:
     return 0.5 * float(np.mean(diff ** 2)), diff / diff.size
 
 
-def run_stages(model: Composite, stages: list[Any], run: Any) -> Any:
+def run_stages(model: Strategy, stages: list[Any], run: Any) -> Any:
     """Give the stages the parameters' local blocks for one pass (``run()``), then hand each
     accumulated gradient to ``model.mark_grad_ready`` as a DTensor laid out as its parameter."""
     with loop.unsharded(model) as params:
@@ -269,7 +266,7 @@ def train(args: argparse.Namespace, progress: bool = True) -> tuple[dict[str, np
     manager = CheckpointManager(args.checkpoint_dir, max_to_keep=args.max_to_keep) if args.checkpoint_dir else None
     start = resume(manager, model, args) if args.resume else 0
 
-    def run_pass(model: Composite, step: int) -> list[float] | None:
+    def run_pass(model: Strategy, step: int) -> list[float] | None:
         batch = model_math.batch_indices(step, args.samples, args.batch)
         idx = np.array_split(batch, batch_ranks.size())[batch_ranks.get_local_rank()]  # a contiguous share
         xs, ys = (shard_sequence(a[idx], mesh["cp"], balanced=cfg.causal, axis=1) for a in (x, y))  # cp's tokens
@@ -309,12 +306,12 @@ def train_reference(args: argparse.Namespace) -> tuple[dict[str, np.ndarray], li
     return params, losses
 
 
-def state_dict(model: Composite, step: int) -> dict[str, Any]:
+def state_dict(model: Strategy, step: int) -> dict[str, Any]:
     """This rank's parameters and optimizer state (views; keys by global name, so any mesh loads them)."""
     return {**model.state_dict(), "step": step}
 
 
-def saver(manager: CheckpointManager | None, model: Composite, args: argparse.Namespace) -> Any:
+def saver(manager: CheckpointManager | None, model: Strategy, args: argparse.Namespace) -> Any:
     if manager is None or not args.save_every:
         return None
 
@@ -324,7 +321,7 @@ def saver(manager: CheckpointManager | None, model: Composite, args: argparse.Na
     return save
 
 
-def resume(manager: CheckpointManager, model: Composite, args: argparse.Namespace) -> int:
+def resume(manager: CheckpointManager, model: Strategy, args: argparse.Namespace) -> int:
     sd = state_dict(model, 0)
     step = manager.restore(sd)
     if step is None:

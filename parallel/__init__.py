@@ -28,7 +28,8 @@ Modules: by family, a subpackage each: ``data_parallelism/`` (DDP, ZeRO, FSDP/HS
 shared by the families: ``arrays.py`` (NumPy and CuPy conversions), ``checks.py``, ``_seams.py``;
 the one type every strategy implements, ``strategy.py`` (``Strategy``), and the library's own:
 ``local_strategy.py`` (``LocalStrategy``, the single-process reference) and ``composite.py``
-(``Composite``: several strategies over disjoint parameters as one).
+(``Composite``: several strategies over disjoint parameters as one); ``recipe.py``
+(``parallelize_model``: tensor, then context, then data parallelism on a named mesh, one Strategy).
 """
 
 from ..comm._seams import moved_names
@@ -44,12 +45,13 @@ from .context_parallelism import (RingAttentionContext, SequenceSharding, Ulysse
 from .optim import SGD, AdamW, Optimizer, clip_grad_norm_
 from .strategy import Strategy
 from .composite import Composite
+from .recipe import parallelize_model
 from .local_strategy import LocalStrategy
 from .pipelining import (PipelineError, PipelineSchedule, PipelineStage, Schedule1F1B, ScheduleGPipe,
                          ScheduleInterleaved1F1B, ScheduleZBH1, ScheduleZBVZeroBubble, bubble_fraction)
 
 __all__ = [
-    "Strategy", "LocalStrategy", "Composite", "ExpertStrategy", "DistributedDataParallel", "ZeroRedundancyOptimizer", "FullyShardedDataParallel", "data_parallel", "STRATEGIES",
+    "Strategy", "LocalStrategy", "Composite", "parallelize_model", "ExpertStrategy", "DistributedDataParallel", "ZeroRedundancyOptimizer", "FullyShardedDataParallel", "data_parallel", "STRATEGIES",
     "CommHook", "GradBucket", "allreduce_hook", "fp16_compress_hook", "PowerSGDState", "powersgd_hook",
     "PipelineStage", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
     "ScheduleZBH1", "ScheduleZBVZeroBubble", "PipelineError", "bubble_fraction",
