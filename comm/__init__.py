@@ -30,6 +30,7 @@ The map, one line a module:
     nccl_requests.py   its requests: device work (watched until done), AVG of host arrays
     nccl_coalescing.py its ``batch_isend_irecv``: one NCCL group, done events at the outermost end
     nccl_abort.py      the guard of its communicator's handle, and its abort (also at exit)
+    nccl_creation.py   the world's communicator: each rank's GPU, the unique id, NCCL's init
     local_engine.py    the in-process engine: ranks as threads of one process
     store_engine.py    a host engine over a key-value store, where no MPI launcher started the job
     cuda_runtime.py    the one door to CUDA (CuPy, NCCL): every GPU call goes through it

@@ -155,7 +155,7 @@ def launched() -> bool:
 
 def device_id() -> int | None:
     """``MESHKIT_DEVICE_ID``: an index of a GPU this process sees (0, 1, ...); None where not set.
-    Whether the device exists is checked where the GPU is chosen (``comm/engines/nccl.py``)."""
+    Whether the device exists is checked where the GPU is chosen (``comm/engines/nccl_creation.py``)."""
     raw = _get(DEVICE_ID)
     if raw is None or not raw.strip():
         return None

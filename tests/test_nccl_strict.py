@@ -35,7 +35,7 @@ from meshkit import ReduceOp
 from meshkit.comm.engines import cuda_runtime
 from meshkit.comm import local
 from meshkit.comm.groups import progress
-from meshkit.comm.engines import nccl as nccl_engine
+from meshkit.comm.engines import nccl as nccl_engine, nccl_creation
 from meshkit.comm._seams import current_world
 from meshkit.comm.groups.world import local_context
 
@@ -540,13 +540,13 @@ def test_two_gpus_whose_uuids_agree_up_to_a_zero_byte_are_two_gpus():
     def body():
         engine = current_world().default_group.engine
         rt = _cupy_runtime_over(gpus)
-        return nccl_engine.select_device(engine, rt, time.monotonic() + 20), rt.pci_bus_id(meshkit.get_rank())
+        return nccl_creation.select_device(engine, rt, time.monotonic() + 20), rt.pci_bus_id(meshkit.get_rank())
 
     assert local.run(body, 2) == [(0, "0000:1b:00.0"), (1, "0000:2c:00.0")]
 
     def shared():  # and one GPU for both ranks is still refused, naming it
         engine = current_world().default_group.engine
-        nccl_engine.select_device(engine, _cupy_runtime_over(gpus[:1]), time.monotonic() + 20)
+        nccl_creation.select_device(engine, _cupy_runtime_over(gpus[:1]), time.monotonic() + 20)
 
     with pytest.raises(meshkit.DistBackendError, match=r"ranks \[0, 1\] would share one GPU \(PCI 0000:1b:00\.0 of "
                                                        r"host \S+\); NCCL refuses that"):
@@ -582,7 +582,7 @@ def test_nccl_comm_blocking_set_on_one_rank_only_fails_every_rank(fake_gpu, monk
     """Only rank 1 refuses (its own environment): rank 0 must not go on into ncclCommInitRank, which
     would wait for rank 1 with no timeout; both raise naming rank 1."""
     mine = threading.local()
-    monkeypatch.setattr(nccl_engine, "_blocking_refusal",
+    monkeypatch.setattr(nccl_creation, "_blocking_refusal",
                         lambda: "NCCL_COMM_BLOCKING='0' asks..." if mine.rank == 1 else None)
     errors = []
 

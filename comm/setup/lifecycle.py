@@ -39,7 +39,7 @@ __all__ = ["init_process_group", "destroy_process_group"]
 logger = logging.getLogger("meshkit")
 
 #: The number of init_process_group's exchange of levels (not a call of the world group; other
-#: unnumbered exchanges use -1 to -4: comm/engines/local_engine.py's split, comm/engines/nccl.py's bootstrap).
+#: unnumbered exchanges use -1 to -4: comm/engines/local_engine.py's split, comm/engines/nccl_creation.py's bootstrap).
 _INIT_SEQ = -5
 
 
@@ -116,7 +116,7 @@ def _nccl_engine(options: BackendOptions) -> object:
     host = options.host
     if host is None:
         host = create_engine("local" if local_context() is not None else "mpi", options)
-    from ..engines.nccl import create_world_engine as create_nccl
+    from ..engines.nccl_creation import create_world_engine as create_nccl
     try:
         return create_nccl(host, rt, time.monotonic() + options.timeout, options.device_id)
     except BaseException:
@@ -208,7 +208,7 @@ def init_process_group(backend: str = "auto", init_method: str | None = None,
             ``local.run`` it makes the nccl backend meet through it, as a job without MPI does.
         device_id: the index of this rank's GPU among those the process sees (``nccl`` only; as
             torch's ``device_id``); default ``MESHKIT_DEVICE_ID``, else the node-local rank
-            modulo the visible GPUs (see :func:`meshkit.comm.engines.nccl.select_device`).
+            modulo the visible GPUs (see :func:`meshkit.comm.engines.nccl_creation.select_device`).
 
     Raises:
         DistError: already initialized on this rank.

@@ -15,7 +15,7 @@ import time
 from doubles import nccl_double as double
 
 import meshkit
-from meshkit.comm.engines import cuda_runtime, mpi, nccl
+from meshkit.comm.engines import cuda_runtime, mpi, nccl_creation as nccl
 
 rt = double.FakeRuntime(devices=1)
 cuda_runtime.set_runtime(rt)

@@ -18,7 +18,7 @@ import numpy as np
 from mpi4py import MPI
 
 import meshkit
-from meshkit.comm.engines import cuda_runtime, nccl
+from meshkit.comm.engines import cuda_runtime, nccl_creation as nccl
 from meshkit.mesh import DeviceMesh, init_device_mesh
 
 case = sys.argv[1]
