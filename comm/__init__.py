@@ -55,6 +55,7 @@ the top, shared leaves (import no room)
     errors.py          meshkit's ``Dist*Error`` types
     env.py             every ``MESHKIT_*`` setting, read and validated
     debug.py           the debug level, call fingerprints, the flight recorder
+    level_state.py     the level the next init uses, and a level switch's message
     reduce_op.py       ``ReduceOp``, the dtypes each accepts, their NumPy reference
     arrays.py          host or device, NumPy or CuPy: the rule every layer asks
     checks.py          argument checks shared by every engine

@@ -60,7 +60,7 @@ import numpy as np
 from . import env
 from .debug import Call, DebugLevel
 from .errors import DistBackendError, DistTypeError, DistValueError
-from .levels import _Switch
+from .level_state import Switch
 from .notices import BROKEN, LEFT, REJECTED, Notice
 
 __all__ = ["encode", "decode", "decode_notice", "join", "ControlMessageError", "FORMAT", "MAX_DEPTH_ENV", "max_depth",
@@ -181,8 +181,8 @@ _RECORDS = (
                         "detail": _is(str), "counts": _group_counts, "timed_out": _is(bool)}),
     _Record(2, Call, {"op": _is(str), "dtype": _opt(str), "shape": _opt_ints, "reduce_op": _opt(str),
                       "root": _opt(int), "counts": _call_counts}, cached=True),
-    _Record(3, _Switch, {"level": _level, "counts": _group_counts},
-            fields=lambda s: (int(s.level), s.counts), make=lambda level, counts: _Switch(DebugLevel(level), counts)),
+    _Record(3, Switch, {"level": _level, "counts": _group_counts},
+            fields=lambda s: (int(s.level), s.counts), make=lambda level, counts: Switch(DebugLevel(level), counts)),
 )
 _RECORD_OF_TYPE = {r.cls: r for r in _RECORDS}
 _RECORD_OF_TAG = {r.tag: r for r in _RECORDS}

@@ -21,28 +21,19 @@ it would wait in different exchanges. Hence the choice made here:
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-from . import env
+from . import env, level_state
 from .debug import DebugLevel
 from .errors import CollectiveMismatchError, DistTypeError, DistValueError
 from .groups.world import current_world, is_initialized, local_context
+from .level_state import Switch
 
 __all__ = ["set_debug_level", "get_debug_level", "set_debug_level_from_env", "requested_level"]
 
 
-@dataclasses.dataclass(frozen=True)
-class _Switch:
-    """What each rank sends in a level switch (a class, not a tuple: an exchange of detail mode's
-    fingerprints carries tuples, and a rank in one must not take this for one)."""
-
-    level: DebugLevel
-    counts: tuple[tuple[tuple[int, ...], int], ...]
-
-
-# Before init_process_group: the level the next one uses (per thread inside local.run).
-_process_request: DebugLevel | None = None
+#: Old names of what lives in the leaf :mod:`.level_state` (the control channel and set-up read it).
+_Switch = Switch
 
 
 def _parse(level: Any, rank: int | None) -> DebugLevel:
@@ -63,18 +54,11 @@ def _parse(level: Any, rank: int | None) -> DebugLevel:
 
 def requested_level() -> DebugLevel:
     """The level ``init_process_group`` gives the world: set_debug_level's, else ``MESHKIT_DEBUG``."""
-    context = local_context()
-    requested = getattr(context, "debug_level", None) if context is not None else _process_request
-    return env.debug_level() if requested is None else requested
+    return level_state.requested_level(local_context())
 
 
 def _request(level: DebugLevel) -> None:
-    global _process_request
-    context = local_context()
-    if context is not None:
-        context.debug_level = level
-    else:
-        _process_request = level
+    level_state.request_level(local_context(), level)
 
 
 def set_debug_level(level: DebugLevel | str) -> None:
@@ -112,7 +96,7 @@ def set_debug_level(level: DebugLevel | str) -> None:
     members = [g for g in list(world.groups.values()) if g.is_member and g.engine is not None]
     for g in members:  # calls made by queued run_async tasks are issued before the switch, on every rank
         g.queue.thread.drain(g.timeout)
-    mine = _Switch(parsed, tuple(sorted((g.ranks, g.queue.seq) for g in members)))
+    mine = Switch(parsed, tuple(sorted((g.ranks, g.queue.seq) for g in members)))
     switches = group.queue.blocking("set_debug_level",
                                     lambda seq, deadline: group.engine.exchange(mine, seq, deadline, watched=True),
                                     group.timeout)
@@ -123,7 +107,7 @@ def set_debug_level(level: DebugLevel | str) -> None:
 def _check_switches(me: int, switches: list[Any]) -> None:
     """Every rank's level must be the same, and every group's members must have issued the same
     calls; each rank runs this on the same list, so all raise or none does."""
-    other = [r for r, s in enumerate(switches) if not isinstance(s, _Switch)]
+    other = [r for r, s in enumerate(switches) if not isinstance(s, Switch)]
     if other:
         raise CollectiveMismatchError(
             f"meshkit.comm: rank {me}: set_debug_level is collective over the world, but ranks {other} were in "

@@ -43,7 +43,7 @@ from meshkit.comm import control, local
 from meshkit.comm.engines import cuda_runtime
 from meshkit.comm.control import ControlMessageError, decode, encode
 from meshkit.comm.debug import Call, DebugLevel, fingerprint
-from meshkit.comm.levels import _Switch
+from meshkit.comm.level_state import Switch
 from meshkit.comm.notices import BROKEN, LEFT, Notice
 from meshkit.comm.reduce_op import ReduceOp
 from meshkit.comm.groups.world import local_context
@@ -109,7 +109,7 @@ CARRIED = [
     np.float32(3.5), np.int64(-7), np.bool_(True), np.uint16(9),
     Notice(BROKEN, 1, (0, 1), 17, "RuntimeError: boom", (((0, 1), 18),), True), Notice(LEFT, 0, detail="it ended"),
     CALL, fingerprint("all_reduce", np.dtype(np.float64), (4, 2), ReduceOp.SUM, None, None), Call("barrier"),
-    _Switch(DebugLevel.DETAIL, (((0, 1), 3), ((1,), 0))),
+    Switch(DebugLevel.DETAIL, (((0, 1), 3), ((1,), 0))),
     (17, CALL), ("ok", [(3, CALL), (-1, None)]), ("timeout", [2, 3]), ("error", "it failed"),
 ]
 
@@ -125,13 +125,15 @@ def test_every_carried_value_comes_back_equal_and_of_the_same_type(value):
 def test_the_messages_meshkit_sends_all_travel():
     """Every payload of an engine's exchange and every notice (comm/: execution, levels,
     breakpoints, lifecycle, split, nccl's bootstrap, monitored_barrier, objects' _OverExchange)."""
-    payloads = [(5, CALL), int(DebugLevel.OFF), _Switch(DebugLevel.INFO, ()), None, "rank 1 has no terminal",
+    payloads = [(5, CALL), int(DebugLevel.OFF), Switch(DebugLevel.INFO, ()), None, "rank 1 has no terminal",
                 "meshkit.comm: init_process_group ... disagrees", (3, 7), (None, 2), "GPU-00000001",
                 tuple(np.int8(v).item() for v in range(-128, 0)), os.urandom(128), np.array([12], np.int64),
                 np.zeros(9, np.uint8), [np.zeros(3, np.uint8)] * 4]
     for p in payloads:
         assert same(decode(encode(p), what="x"), p)
-    assert decode(encode(_Switch(DebugLevel.DETAIL, ())), what="x").level is DebugLevel.DETAIL
+    assert decode(encode(Switch(DebugLevel.DETAIL, ())), what="x").level is DebugLevel.DETAIL
+    from meshkit.comm.levels import _Switch  # the old name still imports, the same class
+    assert _Switch is Switch
 
 
 @pytest.mark.parametrize("value, named", [
@@ -207,8 +209,8 @@ MALFORMED = [
     (encode(Notice(LEFT, 0)).replace(b"i" + b"\x00" * 8, b"s\x04\x00\x00\x00four", 1),
      r"a Notice whose field sender is 'four' \(type str\), which it cannot be"),
     (encode(Notice(LEFT, 0)).replace(b"left", b"lost"), r"a Notice whose field kind is 'lost'"),
-    (encode(_Switch(DebugLevel.OFF, ())).replace(b"i" + b"\x00" * 8, b"i\x07" + b"\x00" * 7, 1),
-     r"a _Switch whose field level is 7"),
+    (encode(Switch(DebugLevel.OFF, ())).replace(b"i" + b"\x00" * 8, b"i\x07" + b"\x00" * 7, 1),
+     r"a Switch whose field level is 7"),
     (F + b"R\x02" + struct.pack("<I", len(encode(Call("x"))) - 6) + encode(Call("x"))[7:] + b"N",
      rf"a Call at byte 1 says it holds {len(encode(Call('x'))) - 6} bytes, its fields take "
      rf"{len(encode(Call('x'))) - 7}"),

@@ -25,7 +25,7 @@ from ..engines.engine import DeadlineExceeded
 from ..errors import CollectiveTimeout, DistBackendError, DistError, DistValueError
 from ..groups.group import ProcessGroup
 from .init_methods import Requested, agreement, mpi_launched, rendezvous, rendezvous_keys, requested
-from ..levels import requested_level
+from ..level_state import requested_level
 from ..milestones import RENDEZVOUS, milestone
 from ..notices import LEFT, Notice
 from ..groups.progress import ProgressAgent
@@ -237,7 +237,7 @@ def init_process_group(backend: str = "auto", init_method: str | None = None,
         engine = _store_world(name, requested("env://", world_size, rank, None), limit, device_id)
     else:
         engine = _world_engine(name, limit, device_id)
-    world = World(backend=name, timeout=limit, debug=requested_level(), recorder=FlightRecorder(),
+    world = World(backend=name, timeout=limit, debug=requested_level(local_context()), recorder=FlightRecorder(),
                   progress=ProgressAgent("meshkit-progress"))
     group = ProcessGroup(engine, world=world, ranks=range(engine.size), group_rank=engine.rank, name="world",
                          timeout=limit)
