@@ -290,7 +290,7 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     checks = [r for r in rows if r["section"] == "checks"]
     if checks:
         lines.append("")
-        lines.append("construction checks (issue 23.2): checked beside the same construction without the check")
+        lines.append("construction checks: checked beside the same construction without the check")
         lines.append(f"{'case':<40} {'block':>9} {'checked us':>11} {'unchecked us':>13} {'added us':>9} {'ratio':>7}")
         for r in checks:
             ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"

@@ -231,7 +231,7 @@ def test_dtensor_benchmark_times_every_transition_and_op_and_writes_json(mpirun,
         "distribute_tensor(src_data_rank=None)", "distribute_tensor(src_data_rank=0)", "from_local(no shape=)",
         "from_local(shape=) + first redistribute")]
     assert all(r["checked_us"] > 0 and r["unchecked_us"] > 0 for r in rows if r["section"] == "checks")
-    assert "construction checks (issue 23.2)" in out
+    assert "construction checks: checked beside the same construction without the check" in out
 
 
 # --------------------------------------------------------------------------- every benchmark: --help, tiny runs
