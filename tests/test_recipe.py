@@ -54,11 +54,11 @@ def train(shape: tuple[int, int, int], strategy: str, opt_name: str, context_par
     its gradient reduced by the "layer" (here) over the data ranks, as an MoE does."""
     mesh = meshkit.init_device_mesh("cpu", shape, mesh_dim_names=("dp", "cp", "tp"))
     full = init_params()
-    data_ranks = ("dp", "cp") if context_parallel else ("dp",)
+    data_ranks = ("dp", "cp") if context_parallel or strategy == "hsdp" else ("dp",)
     first = meshkit.get_rank() == 0
     model = parallelize_model({n: full[n] for n in ("w0", "w1", "b1")}, mesh, optimizer=make_optimizer(opt_name),
                               tp_plan={"w0": ColwiseParallel(), "w1": Shard(0)}, context_parallel=context_parallel,
-                              strategy=strategy, experts={"e": ShardedArray(full["e"].copy(), full["e"].shape, (0, 0),
+                              strategy=strategy, dp_dims=data_ranks if strategy == "hsdp" else ("dp",), experts={"e": ShardedArray(full["e"].copy(), full["e"].shape, (0, 0),
                                                                            replica=not first)})
     data = mesh[data_ranks].flatten("data") if len(data_ranks) > 1 else mesh["dp"]
     tp = mesh["tp"].get_group()
@@ -93,6 +93,7 @@ REFERENCES = {name: reference(name) for name in ("sgd", "adamw")}
     ((2, 2, 2), "ddp", "adamw", True),   # tp, cp joining dp, ddp: the whole recipe at once
     ((2, 2, 2), "fsdp", "sgd", True),
     ((2, 1, 2), "zero2", "adamw", False),
+    ((2, 2, 1), "hsdp", "adamw", False),  # dp_dims=(replicate, shard)
     ((1, 1, 1), "ddp", "sgd", False),    # a world of one
 ])
 def test_the_recipe_trains_to_the_single_process_result(shape, strategy, opt_name, context_parallel):
