@@ -175,6 +175,9 @@ def parallelize_model(params: Mapping[str, Any] | None, mesh: DeviceMesh, *,
     if strategy == "hsdp" and (len(dp_dims) != 2 or context_parallel):
         raise DistValueError(f"{where(_OP)}: strategy 'hsdp' takes dp_dims=(replicate, shard), two names, and no "
                              f"context_parallel; got dp_dims={tuple(dp_dims)!r}, context_parallel={context_parallel}")
+    if tp_plan is not None and not isinstance(tp_plan, Mapping):
+        raise DistTypeError(f"{where(_OP)}: tp_plan must be a dict of name or glob -> ParallelStyle or Placement, got "
+                            f"{type(tp_plan).__name__}")
     if params is not None and not isinstance(params, Mapping):
         raise DistTypeError(f"{where(_OP)}: params must be a dict of name -> array (or None), got "
                             f"{type(params).__name__}")
@@ -193,9 +196,6 @@ def parallelize_model(params: Mapping[str, Any] | None, mesh: DeviceMesh, *,
     if params:
         dense = dict(params)
         if tp_plan is not None:  # 1. tensor parallel
-            if not isinstance(tp_plan, Mapping):
-                raise DistTypeError(f"{where(_OP)}: tp_plan must be a dict of name or glob -> ParallelStyle or "
-                                    f"Placement, got {type(tp_plan).__name__}")
             plan = {k: _Placed(v) if isinstance(v, Placement) else v for k, v in tp_plan.items()}
             dense = parallelize(dense, mesh[tp], plan, src_data_rank=src_data_rank)
         # 2. context parallel: cp's ranks are among data_mesh's; 3. data parallel over them all.

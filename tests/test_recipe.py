@@ -136,6 +136,8 @@ def test_one_kind_of_parameter_gives_that_strategy_alone_and_an_optimizer_instan
     ({"tp_plan": {"w": Shard(0)}, "dp_dims": ("tp",)}, DistValueError, r"dimension\(s\) \['tp'\] named twice"),
     ({"optimizer": "sgd"}, DistTypeError, r"optimizer must be a meshkit.parallel.Optimizer or a function making one"),
     ({"optimizer": lambda: None}, DistTypeError, r"optimizer\(\) must return a meshkit.parallel.Optimizer, got NoneType"),
+    ({"tp_plan": [Shard(0)]}, DistTypeError, r"tp_plan must be a dict of name or glob -> ParallelStyle or Placement"),
+    ({"params": [np.ones(2)]}, DistTypeError, r"params must be a dict of name -> array \(or None\), got list"),
     ({"params": {}}, DistValueError, r"nothing to parallelize: params is empty and experts is None"),
     ({"mesh": None}, DistTypeError, r"mesh must be a DeviceMesh with mesh_dim_names, got NoneType"),
 ])
@@ -146,3 +148,16 @@ def test_bad_input_names_the_argument(kwargs, error, message):
         parallelize_model(args.pop("params"), args.pop("mesh"), **args)
     with pytest.raises(error, match=r"rank 0: parallelize_model: " + message):
         local.run(run, 1, timeout=30)
+
+
+def test_a_plan_of_bare_placements_takes_globs_as_a_plan_of_styles_does():
+    def run(plan: dict) -> dict:
+        mesh = meshkit.init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+        model = parallelize_model({"wa": np.ones((4, 2)), "wb": np.ones((4, 2))}, mesh, optimizer=SGD(lr=0.1),
+                                  tp_plan=plan)
+        return {n: (p.placements, p.to_local().shape) for n, p in model.params.items()}
+    same = local.run(run, 2, {"w?": Shard(0), "*a": Shard(0)}, timeout=30)  # two globs, one placement: they agree
+    assert same[0] == {"wa": ((Shard(0),), (2, 2)), "wb": ((Shard(0),), (2, 2))}
+    with pytest.raises(DistValueError, match=r"parameter 'wa' matches plan rules \['w\?', '\*a'\] with different "
+                                             r"styles"):
+        local.run(run, 2, {"w?": Shard(0), "*a": Shard(1)}, timeout=30)
