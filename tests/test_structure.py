@@ -805,6 +805,19 @@ def test_examples_and_checkpoint_never_isinstance_a_strategy_class():
     assert not found, found
 
 
+def test_examples_compose_through_the_library_recipe():
+    """A model whose parts differ is composed by ``meshkit.parallel.parallelize_model``: no example builds a
+    ``Composite`` or an ``ExpertStrategy`` itself (train_transformer's ``build`` did, by hand)."""
+    found = []
+    for path in sorted((ROOT / "examples").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.ImportFrom) else \
+                [node.attr] if isinstance(node, ast.Attribute) else [node.id] if isinstance(node, ast.Name) else []
+            found += [f"{path.relative_to(ROOT)}:{node.lineno}: {n}" for n in names if n in ("Composite", "ExpertStrategy")]
+    assert not found, found
+    assert "parallelize_model" in (ROOT / "examples" / "train_transformer.py").read_text()
+
+
 #: comm's rooms (comm/__init__.py's docstring maps them) and what each may import of comm. The
 #: shared leaves at comm's top import no room; the user-facing modules at the top may import any.
 COMM_LEAVES = {f"meshkit.comm.{m}" for m in ("errors", "env", "debug", "reduce_op", "arrays", "checks", "notices",
