@@ -115,13 +115,13 @@ class _ForwardedAttribute(property):
         _check_name(owner, name, self.name, self.part)
 
 
-def forward_attribute(part: str, target: str | property, *, doc: str | None = None) -> Any:
+def forward_attribute(part: str, target: str | property | Callable[[Any], Any], *, doc: str | None = None) -> Any:
     """A read-only attribute of a strategy that is its part's, read at every access.
 
     Args:
         part: the attribute holding the part.
         target: the part's attribute name, or its property (``GradientReducer.buckets``: the
-            name and docstring are its).
+            name and docstring are its; a type checker reads a property on the class as a callable).
         doc: the docstring (for an attribute named by a string; a property's own by default).
 
     Raises:

@@ -179,7 +179,7 @@ class GradientReducer:
     parameter, or this rank's block: buckets only ever see blocks.
     """
 
-    def __init__(self, owner: ReducerOwner, *, strategy: str, group: ProcessGroup, blocks: Mapping[str, Any],
+    def __init__(self, owner: ReducerOwner, *, strategy: str, group: ProcessGroup, blocks: dict[str, Any],
                  block_layouts: dict[str, BlockLayout], buckets: BucketManager, arrays: dict[str, Any],
                  find_unused_parameters: bool, restore_views: bool = True, record_order: bool = False) -> None:
         self.owner, self._strategy, self.group = owner, strategy, group
@@ -295,6 +295,8 @@ class GradientReducer:
         raise marked_twice(self._where("mark_grad_ready"), name)
 
     def check_grad(self, name: str, grad: Any) -> None:
+        """Refuse a gradient of ``name`` that is not its parameter's (shape, dtype, array library; rule 1
+        of :mod:`~meshkit.parallel.data_parallelism.protocol`): also what ZeRO-2 checks ``grads[name] = value`` by."""
         shape, dtype = self._specs[name]
         # the common case first, without building the message head: building it made 1000 marks of
         # 4 KB gradients half again as slow (benchmarks/ddp.py measures the marks)
