@@ -25,7 +25,9 @@ the machinery in the families' modules (``data_parallelism.buckets``, ``data_par
 
 Modules: by family, a subpackage each: ``data_parallelism/`` (DDP, ZeRO, FSDP/HSDP),
 ``pipelining/``, ``context_parallelism/``, ``expert_parallelism/``, ``optim/`` (optimizers, clipping);
-shared by the families: ``arrays.py`` (NumPy and CuPy conversions), ``checks.py``, ``_seams.py``;
+shared by the families: ``arrays.py`` (NumPy and CuPy conversions), ``checks.py``, ``_seams.py``,
+``forwarding.py`` (``forward_to``: a strategy's member that is a part's own, as DDP's ``mark_grad_ready`` is
+its reducer's);
 the one type every strategy implements, ``strategy.py`` (``Strategy``), and the library's own:
 ``local_strategy.py`` (``LocalStrategy``, the single-process reference) and ``composite.py``
 (``Composite``: several strategies over disjoint parameters as one); ``recipe.py``

@@ -492,7 +492,8 @@ def test_one_ddp_all_reduce_reaches_the_engine_in_five_calls():
     where = files[:path.index("mark_grad_ready") + 1][::-1][:4]  # the files the README shows
     assert where == ["parallel/data_parallelism/reducer.py", "parallel/data_parallelism/buckets.py",
                      "parallel/data_parallelism/hooks.py", "comm/groups/group.py"], where
-    # the README's chain names each frame by the class that defines it (GradientReducer's, which DDP inherits)
+    # the README's chain names each frame by the class that defines it (GradientReducer's: DDP holds one, and its
+    # mark_grad_ready is the reducer's bound method, parallel/forwarding.py)
     block = (ROOT / "README.md").read_text().split("One all-reduce, from DDP to MPI, is five calls", 1)[1]
     rows = [line.strip().removeprefix("-> ").split() for line in block.split("```")[1].strip().splitlines()]
     assert [r[0] for r in rows[:4]] == names[:path.index("mark_grad_ready") + 1][::-1][:4], (rows, names)
@@ -777,7 +778,7 @@ def test_one_way_to_name_ranks():
     assert not copies, copies
 
 
-#: The library's strategy classes (and the mixins some are still built of): what a caller would dispatch on.
+#: The library's strategy classes (and the parts some hold): what a caller would dispatch on.
 STRATEGY_CLASSES = {"DistributedDataParallel", "ZeroRedundancyOptimizer", "FullyShardedDataParallel", "LocalStrategy",
                     "Composite", "ExpertStrategy", "ShardedStrategy", "GradientReducer", "ReplicatedUnits"}
 
@@ -816,6 +817,149 @@ def test_examples_compose_through_the_library_recipe():
             found += [f"{path.relative_to(ROOT)}:{node.lineno}: {n}" for n in names if n in ("Composite", "ExpertStrategy")]
     assert not found, found
     assert "parallelize_model" in (ROOT / "examples" / "train_transformer.py").read_text()
+
+
+#: The parts strategies hold (``self.reducer``, ``self.shards``, ``self.replicated``): never a base class.
+STRATEGY_PARTS = {"GradientReducer", "Shards", "ReplicatedUnits"}
+
+
+def _parallel_classes() -> list[type]:
+    """Every class defined in a module of meshkit.parallel (importing them all)."""
+    import importlib
+    import inspect
+    found = []
+    for name in sorted(m for m in MODULES if m.startswith("meshkit.parallel.") or m == "meshkit.parallel"):
+        module = importlib.import_module(name)
+        found += [c for _, c in inspect.getmembers(module, inspect.isclass) if c.__module__ == name]
+    return found
+
+
+def _inherited_parts(classes: list[type]) -> list[str]:
+    """Classes that inherit a strategy or a strategy's part: a strategy (a class with every method of the
+    Strategy Protocol, the Protocol itself aside) whose MRO holds any class but itself and ``object``, or
+    any class deriving from a part (whatever it is)."""
+    from meshkit.parallel.strategy import PROTOCOL_METHODS
+    wrong = []
+    for cls in classes:
+        is_strategy = all(hasattr(cls, m) for m in PROTOCOL_METHODS) and not getattr(cls, "_is_protocol", False)
+        bases = [b.__name__ for b in cls.__mro__[1:] if b is not object]
+        if is_strategy and bases:
+            wrong.append(f"strategy {cls.__module__}.{cls.__name__} inherits {bases}")
+        elif set(bases) & STRATEGY_PARTS:
+            wrong.append(f"{cls.__module__}.{cls.__name__} inherits the part {sorted(set(bases) & STRATEGY_PARTS)}")
+    return wrong
+
+
+def test_strategies_hold_their_parts_instead_of_inheriting_them():
+    """Issue 37.1: no strategy of meshkit.parallel inherits another strategy, a reducer, the shards' surface or
+    the units (it holds them: ``self.reducer``, ``self.shards``, ``self.replicated``, and declares what
+    each asks of it: ``ReducerOwner``, ``ShardOwner``), and none of them or their parts raises
+    ``NotImplementedError`` for a hook. The check catches a planted subclass (ZeRO's MRO was
+    ``ReplicatedUnits -> GradientReducer -> ShardedStrategy``)."""
+    import inspect
+
+    from meshkit.parallel import DistributedDataParallel
+    from meshkit.parallel.data_parallelism.reducer import GradientReducer
+
+    classes = _parallel_classes()
+    strategies = {c.__name__ for c in classes if c.__name__ in STRATEGY_CLASSES}
+    assert strategies >= {"DistributedDataParallel", "ZeroRedundancyOptimizer", "FullyShardedDataParallel",
+                          "LocalStrategy", "Composite", "ExpertStrategy"}, strategies
+    assert not _inherited_parts(classes), "\n".join(_inherited_parts(classes))
+    held = [c for c in classes if c.__name__ in STRATEGY_CLASSES | STRATEGY_PARTS]
+    hooks = [c.__name__ for c in held if "NotImplementedError" in inspect.getsource(c)]
+    assert not hooks, f"NotImplementedError hooks in {hooks}"
+
+    class Mixed(GradientReducer):  # the old shape: a strategy built on the reducer
+        pass
+
+    class Derived(DistributedDataParallel):
+        pass
+    assert _inherited_parts([Mixed, Derived]) == [f"{__name__}.Mixed inherits the part ['GradientReducer']",
+                                                  f"strategy {__name__}.Derived inherits ['DistributedDataParallel']"]
+
+
+def test_forwarded_members_are_the_parts_own_with_their_signatures():
+    """Issue 37.1: a strategy's member forwarded to a part it holds (``forward_to``, parallel/forwarding.py)
+    is, on an instance, the part's own bound method (no frame of the strategy's when called: the hot path
+    ``mark_grad_ready`` stays five frames from DDP to MPI), and on the class shows the part's method's
+    name, signature and docstring (what ``help()`` and the Strategy Protocol's check read). DDP and ZeRO
+    forward every public member of the reducer's they had when they inherited it, ZeRO and FSDP every one of
+    the shards' surface. A member declared under another name than its target's is refused."""
+    import inspect
+
+    import numpy as np
+    import pytest
+
+    import meshkit
+    from meshkit.comm import local
+    from meshkit.parallel import SGD, data_parallel
+    from meshkit.parallel.data_parallelism.reducer import GradientReducer
+    from meshkit.parallel.data_parallelism.sharded import Shards
+    from meshkit.parallel.forwarding import forward_attribute, forward_to
+
+    surfaces = {"reducer": {"zero_grad", "mark_grad_ready", "no_sync", "sync_gradients", "finish_gradient_sync",
+                            "buckets", "grads", "iteration", "find_unused_parameters"},
+                "shards": {"grad_shards", "state_dict", "load_state_dict", "full_state_dict", "load_full_state_dict",
+                           "sharded_state_dict", "load_sharded_state_dict", "memory_report"}}
+
+    def build() -> dict[str, list[str]]:
+        mesh = meshkit.init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        problems: dict[str, list[str]] = {}
+        for kind, parts in (("ddp", ["reducer"]), ("zero1", ["reducer", "shards"]), ("zero2", ["reducer", "shards"]),
+                            ("fsdp", ["shards"])):
+            model = data_parallel({"w": np.ones((2, 3)), "b": np.zeros(3)}, mesh, kind, optimizer=SGD(lr=0.1))
+            cls, wrong = type(model), problems.setdefault(kind, [])
+            members = {n: m for n, m in vars(cls).items() if isinstance(m, (forward_to, property)) and hasattr(m, "part")}
+            for part in parts:
+                if {n for n, m in members.items() if m.part == part} != surfaces[part]:
+                    wrong.append(f"forwards {sorted(n for n, m in members.items() if m.part == part)} to {part}")
+            for name, member in members.items():
+                held = getattr(model, member.part)
+                if isinstance(member, forward_to):
+                    target = getattr(type(held), name)
+                    bound = getattr(model, name)
+                    if not (bound.__self__ is held and bound.__func__ is target and member.__wrapped__ is target):
+                        wrong.append(f"{name} is not {member.part}'s bound method")
+                    if (inspect.signature(getattr(cls, name)) != inspect.signature(target)
+                            or getattr(cls, name).__doc__ != target.__doc__ or getattr(model, name) is not bound):
+                        wrong.append(f"{name} does not show {type(held).__name__}.{name}'s signature and docstring")
+                elif getattr(model, name) != getattr(held, name):
+                    wrong.append(f"{name} is not {member.part}.{name}")
+        return problems
+
+    assert local.run(build, 2) == [{"ddp": [], "zero1": [], "zero2": [], "fsdp": []}] * 2
+
+    class Owner:  # unbound calls reach the part; attributes are read live and are read-only
+        mark_grad_ready = forward_to("part", GradientReducer.mark_grad_ready)
+        iteration = forward_attribute("part", "iteration", doc="passes")
+
+        def __init__(self, part: object) -> None:
+            self.part = part
+
+    class Part:
+        iteration = 0
+
+        def mark_grad_ready(self, name, grad=None):
+            return ("marked", name, grad)
+
+    owner = Owner(Part())
+    assert Owner.mark_grad_ready(owner, "w", 1) == ("marked", "w", 1)
+    owner.part.iteration = 3
+    assert owner.iteration == 3 and Owner.iteration.__doc__ == "passes"
+    with pytest.raises(AttributeError):
+        owner.iteration = 4
+    with pytest.raises((TypeError, RuntimeError)) as caught:  # Python 3.11 wraps __set_name__'s error in a RuntimeError
+        type("Bad", (), {"step": forward_to("reducer", GradientReducer.sync_gradients)})
+    error = caught.value if isinstance(caught.value, TypeError) else caught.value.__cause__
+    assert isinstance(error, TypeError) and str(error).startswith(
+        "meshkit.parallel: Bad.step forwards to self.reducer.sync_gradients: a forwarded member keeps its target's "
+        "name"), repr(error)
+    with pytest.raises(TypeError, match=r"forward_to: target must be a method of the part's class \(a function\), "
+                                        r"got property"):
+        forward_to("reducer", GradientReducer.buckets)
+    with pytest.raises(TypeError, match=r"forward_to: part must be an attribute name, got 'self.reducer'"):
+        forward_to("self.reducer", Shards.state_dict)
 
 
 #: comm's rooms (comm/__init__.py's docstring maps them) and what each may import of comm. The

@@ -10,7 +10,7 @@ keep flat shards (:mod:`.flat`) and share their state dicts and clipping (:mod:`
 :mod:`.dtensors` is how DTensor parameters (tensor parallel inside) are split and rewrapped.
 
 Modules: ``protocol.py`` (the loop protocol every strategy shares), ``factory.py``
-(``data_parallel``), ``reducer.py`` (``GradientReducer``, DDP's and ZeRO's), ``buckets.py``, ``hooks.py``
+(``data_parallel``), ``reducer.py`` (``GradientReducer``, the part DDP and ZeRO hold), ``buckets.py``, ``hooks.py``
 (communication hooks), ``ddp.py``, ``zero.py``, ``fsdp.py``, ``dtensors.py`` (DTensor parameters in the
 strategies), ``flat.py``, ``sharded.py`` and ``full_state.py`` (flat shards, and what ZeRO and FSDP
 share), ``construction.py`` (checks and broadcast at construction), ``pool.py`` (reused buffers).

@@ -1,8 +1,11 @@
 """DistributedDataParallel: bucketed gradient averaging that overlaps the backward pass.
 
 It implements the training-loop protocol of :mod:`~meshkit.parallel.data_parallelism.protocol` (one loop for
-every strategy); the gradient interface (``grads``, ``mark_grad_ready``, ``no_sync``...) is
-:class:`~meshkit.parallel.data_parallelism.reducer.GradientReducer`'s, shared with ZeRO::
+every strategy) with parts it holds: its gradient interface (``grads``, ``mark_grad_ready``,
+``no_sync``...) is its :class:`~meshkit.parallel.data_parallelism.reducer.GradientReducer`'s
+(``ddp.reducer``, ZeRO holds one too), forwarded as its own
+(:class:`~meshkit.parallel.forwarding.forward_to`), its units a
+:class:`~meshkit.parallel.data_parallelism.protocol.ReplicatedUnits` (``ddp.replicated``)::
 
     ddp = DistributedDataParallel(params, mesh=mesh["dp"], optimizer=SGD(lr=0.1, momentum=0.9))
     for x, y in batches:
@@ -30,6 +33,7 @@ from ...comm import DistValueError, ProcessGroup, Work, broadcast_object_list
 from ...mesh import DeviceMesh
 from ...tensor import DTensor
 from ..arrays import array_namespace
+from ..checks import where
 from .buckets import MB, BucketManager, CommHook, GradBucket
 from ..optim.clip import clip_grad_norm_
 from .dtensors import block_of, split, wrap_all
@@ -40,15 +44,16 @@ from .hooks import allreduce_hook
 from ..optim.optimizers import Optimizer
 from .protocol import ReplicatedUnits, check_units, deprecated, old_optimizer_argument, split_state_dict
 from .reducer import GradientReducer
+from ..forwarding import forward_attribute, forward_to
 from ...state._seams import load_pieces, optimizer_state_views
-from .construction import Params, broadcast_params, caps_problem, check_setup, resolve_data_parallel_group, snapshot
+from .construction import Params, broadcast_params, caps_problem, check_setup, resolve_data_parallel_group
 
 __all__ = ["DistributedDataParallel"]
 
 logger = logging.getLogger("meshkit")
 
 
-class DistributedDataParallel(GradientReducer):
+class DistributedDataParallel:
     """Average gradients over a data-parallel group in buckets, overlapping the backward pass.
 
     Args:
@@ -99,6 +104,19 @@ class DistributedDataParallel(GradientReducer):
 
     _strategy = "DistributedDataParallel"
 
+    # the gradient interface: the reducer's own (ddp.mark_grad_ready is ddp.reducer.mark_grad_ready)
+    zero_grad = forward_to("reducer", GradientReducer.zero_grad)
+    mark_grad_ready = forward_to("reducer", GradientReducer.mark_grad_ready)
+    no_sync = forward_to("reducer", GradientReducer.no_sync)
+    sync_gradients = forward_to("reducer", GradientReducer.sync_gradients)
+    finish_gradient_sync = forward_to("reducer", GradientReducer.finish_gradient_sync)
+    buckets = forward_attribute("reducer", GradientReducer.buckets)
+    grads = forward_attribute("reducer", "grads", doc="``name -> gradient`` (guarded while reduced: see "
+                              ":mod:`~meshkit.parallel.data_parallelism.reducer`).")
+    iteration = forward_attribute("reducer", "iteration", doc="Synchronized passes completed.")
+    find_unused_parameters = forward_attribute("reducer", "find_unused_parameters",
+                                               doc="Whether gradients never marked in a pass are reduced as they are.")
+
     def __init__(self, params: dict[str, Any], *, mesh: DeviceMesh | None = None, optimizer: Optimizer | None = None,
                  units: Sequence[Sequence[str]] | None = None, group: ProcessGroup | None = None,
                  bucket_cap_mb: float = 25, first_bucket_cap_mb: float = 1, gradient_as_bucket_view: bool = True,
@@ -128,34 +146,33 @@ class DistributedDataParallel(GradientReducer):
         self.units: list[list[str]] = unit_list  # type: ignore[assignment]
         # our own dict of this rank's blocks: later changes to the caller's do not reach the buckets
         arrays, self._block_layouts = split(params)
-        self._specs = snapshot(arrays)
         broadcast_params(arrays, self.group, broadcast_from)
         self._blocks = arrays
         self.params = Params(wrap_all(arrays, self._block_layouts), self._strategy)
         self.replicated = ReplicatedUnits(self.units, self.params, self._where)  # unshard, prefetch
-        self.find_unused_parameters = find_unused_parameters
-        self.gradient_as_bucket_view = self._restore_views = gradient_as_bucket_view
+        self.gradient_as_bucket_view = gradient_as_bucket_view
         comm = CommHook(self.group, hook, self.group if comm_state is None else comm_state)
         self._buckets = BucketManager(arrays, list(reversed(arrays)),
                                       bucket_cap_bytes=int(bucket_cap_mb * MB),
                                       first_bucket_cap_bytes=int(first_bucket_cap_mb * MB), comm=comm)
-        self._init_reducer({})
+        self._grads: dict[str, Any] = {}  # the arrays grads hands out, the reducer's too (see _bind_grads)
+        # record_order: until the first synchronized pass's order has rebuilt the buckets (_rebuild)
+        self.reducer = GradientReducer(self, strategy=self._strategy, group=self.group, blocks=arrays,
+                                       block_layouts=self._block_layouts, buckets=self._buckets, arrays=self._grads,
+                                       find_unused_parameters=find_unused_parameters,
+                                       restore_views=gradient_as_bucket_view, record_order=True)
         self._bind_grads()
-        self._record_order = True  # until the first synchronized pass's order has rebuilt the buckets
 
     def _bind_grads(self) -> None:
         """Point ``grads`` at the buckets' views (or, with copies, make the arrays once)."""
         for name, view in self._buckets.views().items():
             if self.gradient_as_bucket_view:
-                self._arrays[name] = view
-            elif name not in self._arrays:
-                self._arrays[name] = array_namespace(view).zeros_like(view)
+                self._grads[name] = view
+            elif name not in self._grads:
+                self._grads[name] = array_namespace(view).zeros_like(view)
 
-    def _zero(self) -> None:
-        self._buckets.zero()
-        if not self.gradient_as_bucket_view:
-            for g in self._arrays.values():
-                g[...] = 0
+    def _where(self, op: str) -> str:
+        return where(f"{self._strategy}.{op}", self.group)
 
     def prefetch(self, unit: int) -> None:
         """Nothing to gather: every rank holds the full parameters (checks ``unit``)."""
@@ -169,19 +186,30 @@ class DistributedDataParallel(GradientReducer):
         """Use ``hook(state, bucket)`` to average buckets (torch's ``register_comm_hook``)."""
         self._buckets.comm.hook, self._buckets.comm.state = hook, state
 
+    # ------------------------------------------------------------------ what the reducer asks (ReducerOwner)
+    def _zero_grads(self) -> None:
+        self._buckets.zero()
+        if not self.gradient_as_bucket_view:
+            for g in self._grads.values():
+                g[...] = 0
+
+    def _assign_grad(self, name: str, value: Any) -> None:
+        """Keep the caller's array: it is checked and copied into its bucket when marked."""
+        self._grads[name] = value
+
     def _after_sync(self, ready_order: list[str]) -> None:
         if not self.gradient_as_bucket_view:
-            for name, g in self._arrays.items():
+            for name, g in self._grads.items():
                 g[...] = self._buckets.view(name)
-        if self._record_order:
+        if self.reducer.record_order:
             self._rebuild(ready_order)
 
     def _rebuild(self, ready_order: list[str]) -> None:
         """Once, after the first synchronized pass: rebuild buckets in the order gradients became
         ready (rank 0's order, broadcast so every rank agrees), as torch's reducer does."""
-        self._record_order = False
+        self.reducer.record_order = False
         order = list(dict.fromkeys(ready_order))
-        order += [n for n in reversed(self._specs) if n not in set(order)]
+        order += [n for n in reversed(self._blocks) if n not in set(order)]
         shared = [order]
         broadcast_object_list(shared, group_src=0, group=self.group)
         if shared[0] != [n for bucket in self._buckets.buckets for n in bucket.names]:
@@ -199,9 +227,9 @@ class DistributedDataParallel(GradientReducer):
         """
         if self.optimizer is None:
             raise DistValueError(f"{self._where('step')}: no optimizer; pass optimizer= to DistributedDataParallel")
-        self._ready_for_step("step")
+        self.reducer.ready_for_step("step")
         self.optimizer.step(self.params, self.grads)
-        self._steps.taken()
+        self.reducer.steps.taken()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Finish the gradient sync (a pass whose every gradient is marked), then clip the
@@ -218,7 +246,7 @@ class DistributedDataParallel(GradientReducer):
         Raises:
             DistValueError: as :meth:`step` when the gradients are not averaged.
         """
-        self._ready_for_step("clip_grad_norm_")
+        self.reducer.ready_for_step("clip_grad_norm_")
         return clip_grad_norm_(dict(self.grads), max_norm, norm_type=norm_type)
 
     def full_state_dict(self, *, rank0_only: bool = False) -> FullStateDict | None:
@@ -348,7 +376,7 @@ class DistributedDataParallel(GradientReducer):
         (``memory_report(optimizer)``, for a DDP built without one, is deprecated.)"""
         params = sum(int(p.nbytes) for p in self._blocks.values())
         grads = self._buckets.nbytes
-        comm = 0 if self.gradient_as_bucket_view else sum(int(g.nbytes) for g in self._arrays.values())
+        comm = 0 if self.gradient_as_bucket_view else sum(int(g.nbytes) for g in self._grads.values())
         state = self.optimizer.state_nbytes() if self.optimizer is not None else 0
         return {"params": params, "grads": grads, "optimizer_state": state, "comm_buffers": comm,
                 "peak_transient": 0}

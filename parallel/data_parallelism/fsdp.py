@@ -48,7 +48,6 @@ from ...tensor import DTensor
 from ..arrays import array_namespace
 from .dtensors import block_of, split, wrap_all
 from .flat import FlatLayout, make_layouts
-from .full_state import FullStateDict
 from ..optim.optimizers import Optimizer
 from ..checks import where
 from .protocol import (DISCARD, USE, PassAgreement, check_gradient, check_units, deprecated, failed_sync,
@@ -56,6 +55,7 @@ from .protocol import (DISCARD, USE, PassAgreement, check_gradient, check_units,
 from ..strategy import Steps
 from .construction import Params, broadcast_params, check_setup, world_mesh
 from .sharded import Shards
+from ..forwarding import forward_to
 
 __all__ = ["FullyShardedDataParallel"]
 
@@ -107,6 +107,16 @@ class FullyShardedDataParallel:
     """
 
     _strategy = "FullyShardedDataParallel"
+
+    # the flat shards' surface: self.shards' own (fsdp.state_dict is fsdp.shards.state_dict)
+    grad_shards = forward_to("shards", Shards.grad_shards)
+    state_dict = forward_to("shards", Shards.state_dict)
+    load_state_dict = forward_to("shards", Shards.load_state_dict)
+    full_state_dict = forward_to("shards", Shards.full_state_dict)
+    load_full_state_dict = forward_to("shards", Shards.load_full_state_dict)
+    sharded_state_dict = forward_to("shards", Shards.sharded_state_dict)
+    load_sharded_state_dict = forward_to("shards", Shards.load_sharded_state_dict)
+    memory_report = forward_to("shards", Shards.memory_report)
 
     def __init__(self, params: dict[str, Any], *, mesh: DeviceMesh | None = None, optimizer: Optimizer,
                  units: Sequence[Sequence[str]] | None = None, reshard_after_forward: bool = True,
@@ -510,41 +520,6 @@ class FullyShardedDataParallel:
         self._full.clear()  # gathered parameters are stale now
         self._ended = False
         self._steps.taken()
-
-    # ------------------------------------------------------------------ the flat shards' surface (self.shards)
-    def grad_shards(self) -> dict[str, Any]:
-        """This rank's averaged gradient shard per flat key (see :meth:`Shards.grad_shards`)."""
-        return self.shards.grad_shards()
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's pieces of the parameters and optimizer state, as views (see :meth:`Shards.state_dict`)."""
-        return self.shards.state_dict()
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Take in a state dict of :meth:`state_dict`'s shape (collective; see :meth:`Shards.load_state_dict`)."""
-        self.shards.load_state_dict(state_dict)
-
-    def full_state_dict(self, *, rank0_only: bool = False) -> FullStateDict | None:
-        """Parameters and optimizer state gathered to full size (collective; see :meth:`Shards.full_state_dict`)."""
-        return self.shards.full_state_dict(rank0_only=rank0_only)
-
-    def load_full_state_dict(self, state_dict: Mapping[str, Any], *, strict: bool = True) -> None:
-        """Load a full state dict of any strategy at any world size (collective; see
-        :meth:`Shards.load_full_state_dict`)."""
-        self.shards.load_full_state_dict(state_dict, strict=strict)
-
-    def sharded_state_dict(self) -> dict[str, Any]:
-        """Deprecated: :meth:`state_dict`."""
-        return self.shards.sharded_state_dict()
-
-    def load_sharded_state_dict(self, model_state_dict: dict[str, Any], optim_state_dict: dict[str, Any]) -> None:
-        """Deprecated: :meth:`load_state_dict` of ``{"model": ..., "optim": ...}``."""
-        self.shards.load_sharded_state_dict(model_state_dict, optim_state_dict)
-
-    def memory_report(self) -> dict[str, int]:
-        """Bytes this rank holds: ``params``, ``grads``, ``optimizer_state``, ``comm_buffers``,
-        ``peak_transient`` (see :meth:`Shards.memory_report`)."""
-        return self.shards.memory_report()
 
     # ------------------------------------------------------------------ what Shards asks (ShardOwner)
     def _shard_group(self) -> ProcessGroup:

@@ -1,4 +1,4 @@
-"""The gradient protocol shared by DDP and ZeRO: write gradients, mark them ready, sync.
+"""The gradients DDP and ZeRO hold (``self.reducer``): write gradients, mark them ready, sync.
 
 Arrays have no autograd, so the backward pass tells the strategy when each gradient is final
 (the protocol of :mod:`~meshkit.parallel.data_parallelism.protocol`, which FSDP implements too)::
@@ -10,6 +10,12 @@ Arrays have no autograd, so the backward pass tells the strategy when each gradi
     model.step()                               # wait for every bucket, run the optimizer
 
 ``finish_gradient_sync()`` (deprecated: ``step()`` calls it) waits for every bucket alone.
+
+:class:`GradientReducer` is a part, not a base class: DDP and ZeRO each hold one and forward its
+interface as their own (``model.mark_grad_ready`` is the reducer's bound method, declared with
+:class:`~meshkit.parallel.forwarding.forward_to`, so the hot path has no frame of the strategy's);
+what it asks of them is declared, :class:`ReducerOwner` (zeroing and assigning gradients where the
+strategy keeps them, and what to do after a sync).
 
 Gradients accumulate like torch's ``.grad``: ``zero_grad()`` zeroes them, a pass writes or adds.
 Under ``with model.no_sync():`` nothing is communicated, so micro-batches add up locally and the
@@ -45,18 +51,19 @@ from __future__ import annotations
 import contextlib
 import operator
 from collections.abc import Mapping
-from typing import Any, Iterator
+from typing import Any, Iterator, Protocol
 
 from ...comm import CollectiveMismatchError, DistValueError, ProcessGroup
 from ...tensor import DTensor
 from .buckets import BucketManager
+from .construction import snapshot
 from ..checks import where
 from .dtensors import BlockLayout, block_of
 from ..strategy import Steps
 from .protocol import (DISCARD, USE, PassAgreement, check_gradient, deprecated, failed_sync, marked_after_complete,
                        marked_twice, refused_after_failure)
 
-__all__ = ["GradientReducer", "Gradients", "DTensorGradients"]
+__all__ = ["GradientReducer", "ReducerOwner", "Gradients", "DTensorGradients"]
 
 
 class Gradients(Mapping):
@@ -81,7 +88,7 @@ class Gradients(Mapping):
         if name in self._location[name].ready and reducer._sync:
             raise DistValueError(f"{reducer._where('grads')}: gradient {name!r} was already marked ready and is "
                                  "being reduced; assign it before mark_grad_ready()")
-        reducer._assign(name, value)
+        reducer.owner._assign_grad(name, value)
 
     def __contains__(self, name: object) -> bool:
         return name in self._location
@@ -122,67 +129,78 @@ class DTensorGradients(Gradients):
         super().__setitem__(name, value)
 
 
+class ReducerOwner(Protocol):
+    """What a :class:`GradientReducer` asks of the strategy that holds it (DDP, ZeRO): where the
+    gradients live beside the buckets, which the strategy alone knows (DDP's copies when not
+    ``gradient_as_bucket_view``, ZeRO's flat gradients and gradient shards)."""
+
+    def _zero_grads(self) -> None:
+        """Set every gradient to zero: the buckets (``BucketManager.zero``) and whatever else holds them."""
+
+    def _assign_grad(self, name: str, value: Any) -> None:
+        """``grads[name] = value`` outside a reduction: keep the caller's array in the reducer's
+        ``arrays`` (it is checked and copied in when marked), or copy it in now."""
+
+    def _after_sync(self, ready_order: list[str]) -> None:
+        """A synchronized pass completed (every bucket reduced, every rank agreed); ``ready_order``
+        is the order its gradients were marked in while :attr:`GradientReducer.record_order`."""
+
+
 class GradientReducer:
-    """Base of strategies whose gradients are reduced bucket by bucket during the backward pass.
+    """The gradients of a strategy that reduces them bucket by bucket during the backward pass.
 
-    DDP's and ZeRO's one base class (their units and ZeRO's flat shards are parts they hold,
-    :class:`~meshkit.parallel.data_parallelism.protocol.ReplicatedUnits` and
-    :class:`~meshkit.parallel.data_parallelism.sharded.Shards`). It stays a base rather than a held
-    part because ``mark_grad_ready`` is the hot path (called per gradient per step) and the first
-    of the five frames from DDP to MPI: a delegating method would add a frame to each call. It
-    raises no ``NotImplementedError``: every hook below has its default, and what it reads of the
-    strategy is declared here.
+    The part DDP and ZeRO hold (``self.reducer``), and whose gradient interface they forward as
+    their own (``mark_grad_ready``, ``zero_grad``, ``no_sync``, ``sync_gradients``, ``grads``...:
+    :mod:`~meshkit.parallel.forwarding`, so that ``ddp.mark_grad_ready`` is this class's bound
+    method and the five frames from DDP to MPI start here, with no frame of the strategy's). What it
+    asks of the strategy is declared, :class:`ReducerOwner`; everything else it is given.
 
-    Subclasses set ``group``, ``params``, ``_specs`` (name -> (shape, dtype) of this rank's
-    arrays, see :func:`~meshkit.parallel.data_parallelism.construction.snapshot`), ``_block_layouts`` (name ->
-    :class:`~meshkit.parallel.data_parallelism.dtensors.BlockLayout` of each DTensor parameter, whose ``params``
-    entry is a DTensor over the strategy's block), ``_buckets`` (a :class:`BucketManager`) and
-    ``find_unused_parameters``, then call :meth:`_init_reducer` with the gradient arrays.
+    Args:
+        owner: the strategy holding it (a :class:`ReducerOwner`).
+        strategy: the strategy's name, for messages (``"DistributedDataParallel"``).
+        group: the group gradients are reduced over.
+        blocks: this rank's parameter arrays (a DTensor parameter's block), ``name -> array``:
+            gradients are checked against a snapshot of their names, shapes and dtypes (see
+            :func:`~meshkit.parallel.data_parallelism.construction.snapshot`) and array library.
+        block_layouts: the :class:`~meshkit.parallel.data_parallelism.dtensors.BlockLayout` of each
+            DTensor parameter (whose gradient is a DTensor laid out as it).
+        buckets: the :class:`BucketManager` reducing the gradients.
+        arrays: the gradient arrays handed out as ``grads`` (bucket views, or arrays of the
+            caller's own), the owner's dict too.
+        find_unused_parameters: allow passes where some gradients are never marked ready (reduced as they are).
+        restore_views: an array of the caller's, copied into its bucket when marked, is replaced
+            in ``arrays`` by the bucket's view (False where bucket buffers come and go: ZeRO-2).
+        record_order: passes record the order gradients are marked in, for the owner's
+            ``_after_sync`` (DDP, until it rebuilt its buckets in that order; it then sets
+            :attr:`record_order` False).
 
     With DTensor parameters, ``grads`` gives DTensors laid out as their parameters
     (:class:`DTensorGradients`), and ``mark_grad_ready`` takes a DTensor gradient laid out as its
     parameter, or this rank's block: buckets only ever see blocks.
     """
 
-    group: ProcessGroup
-    params: dict[str, Any]
-    _specs: dict[str, tuple[tuple[int, ...], Any]]
-    _block_layouts: dict[str, BlockLayout]
-    _buckets: BucketManager
-    find_unused_parameters: bool
-    _strategy = "GradientReducer"
-    #: whether passes record the order gradients became ready in (given to ``_after_sync``)
-    _record_order = False
-    #: whether an array of the caller's, copied into the bucket at marking, is replaced by the view
-    _restore_views = True
-
-    def _init_reducer(self, arrays: dict[str, Any]) -> None:
+    def __init__(self, owner: ReducerOwner, *, strategy: str, group: ProcessGroup, blocks: dict[str, Any],
+                 block_layouts: dict[str, BlockLayout], buckets: BucketManager, arrays: dict[str, Any],
+                 find_unused_parameters: bool, restore_views: bool = True, record_order: bool = False) -> None:
+        self.owner, self._strategy, self.group = owner, strategy, group
+        self._specs = snapshot(blocks)
+        self._block_layouts, self._buckets, self._arrays = block_layouts, buckets, arrays
+        self.find_unused_parameters = find_unused_parameters
+        self._restore_views = restore_views
+        self.record_order = record_order  # whether passes record the ready order (given to _after_sync)
         self._sync = True
-        self._ready_order: list[str] = []  # kept while _record_order (DDP, until it rebuilt its buckets)
+        self._ready_order: list[str] = []  # kept while record_order
         self._touched: set[str] = set()  # marked ready in no_sync() passes since the last synchronized finish
         self._failed: str | None = None  # why the last synchronized pass failed, until zero_grad() or the next
-        self._arrays = arrays
-        self._location = self._buckets.location
-        first = next(iter(self.params.values()))
-        self._param = first.to_local() if isinstance(first, DTensor) else first  # every gradient's array library
-        self._agreement = PassAgreement([self.group], self._param, f"{self._strategy}'s gradient sync")  # the per-sync agreement (protocol.py)
-        self._steps = Steps()  # optimizer steps taken (step()), compared in the agreement
-        self.grads = (DTensorGradients if self._block_layouts else Gradients)(self, arrays)
+        self._location = buckets.location
+        self._param = next(iter(blocks.values()))  # every gradient's array library
+        self._agreement = PassAgreement([group], self._param, f"{strategy}'s gradient sync")  # the per-sync agreement (protocol.py)
+        self.steps = Steps()  # optimizer steps taken (the owner's step()), compared in the agreement
+        self.grads = (DTensorGradients if block_layouts else Gradients)(self, arrays)
         self.iteration = 0
         self._averaged = False  # whether the gradients are the result of a synchronized pass
         self._bulk = False  # sync_gradients() marking the caller's arrays (no deprecation warning)
         self._warned_mark = False  # whether mark_grad_ready(name) without a gradient has warned
-
-    # ------------------------------------------------------------------ subclass hooks
-    def _after_sync(self, ready_order: list[str]) -> None:
-        """After a synchronized pass completed (every bucket reduced)."""
-
-    def _zero(self) -> None:
-        self._buckets.zero()
-
-    def _assign(self, name: str, value: Any) -> None:
-        """``grads[name] = value``: keep the caller's array; it is checked and copied in when marked."""
-        self._arrays[name] = value
 
     def _where(self, op: str) -> str:
         return where(f"{self._strategy}.{op}", self.group)
@@ -217,7 +235,7 @@ class GradientReducer:
     def _reset_gradients(self) -> None:
         """Zero the gradients and forget what the last pass left: they are no averages, and a failed
         sync no longer applies (without either, step() stepped on zeros, or raised on)."""
-        self._zero()
+        self.owner._zero_grads()
         self._averaged = False
         self._failed = None
         self._touched.clear()
@@ -249,17 +267,17 @@ class GradientReducer:
             if isinstance(grad, DTensor):  # unwrapped here, so that buckets only ever see blocks
                 grad = block_of(self._where("mark_grad_ready"), f"gradient {name!r}", name, grad,
                                   self._block_layouts.get(name))
-            self._check_grad(name, grad)
+            self.check_grad(name, grad)
             current += grad
         if current is not bucket.views.get(name):
             view = bucket.view(name)  # made now, or the caller's own array: check and copy it in
             if current is not view:
-                self._check_grad(name, current)
+                self.check_grad(name, current)
                 view[...] = current
                 if self._restore_views:
                     self._arrays[name] = view
         ready.add(name)
-        if self._record_order:
+        if self.record_order:
             self._ready_order.append(name)
         if self._sync:
             marked = len(ready)
@@ -276,7 +294,9 @@ class GradientReducer:
             self._finish_sync("mark_grad_ready", problem=marked_after_complete(name))  # raises on every rank
         raise marked_twice(self._where("mark_grad_ready"), name)
 
-    def _check_grad(self, name: str, grad: Any) -> None:
+    def check_grad(self, name: str, grad: Any) -> None:
+        """Refuse a gradient of ``name`` that is not its parameter's (shape, dtype, array library; rule 1
+        of :mod:`~meshkit.parallel.data_parallelism.protocol`): also what ZeRO-2 checks ``grads[name] = value`` by."""
         shape, dtype = self._specs[name]
         # the common case first, without building the message head: building it made 1000 marks of
         # 4 KB gradients half again as slow (benchmarks/ddp.py measures the marks)
@@ -339,13 +359,13 @@ class GradientReducer:
         self._failed = None
         self._touched.clear()
         self.iteration += 1
-        self._after_sync(order)
+        self.owner._after_sync(order)
 
     def _agree(self, op: str, code: int, problem: str | None) -> None:
         """One small all-reduce per sync: did every rank end the pass alike? If not, every rank
         raises, naming the ranks, and the pass's gradients are zeroed (garbage on every rank)."""
         try:
-            failure = self._agreement(code, self._steps.count, problem)
+            failure = self._agreement(code, self.steps.count, problem)
         except CollectiveMismatchError as exc:
             failure = f"the gradient sync found a collective mismatch: {exc}"
             mismatch: BaseException | None = exc
@@ -353,7 +373,7 @@ class GradientReducer:
             mismatch = None
         if failure is None:
             return
-        self._zero()
+        self.owner._zero_grads()
         self._averaged = False
         self._touched.clear()
         self._failed = failure
@@ -386,7 +406,7 @@ class GradientReducer:
             "finished; step() or clip_grad_norm_() finish it (or the deprecated finish_gradient_sync()) before "
             "gradients are used; reading them does not finish it")
 
-    def _ready_for_step(self, op: str) -> None:
+    def ready_for_step(self, op: str) -> None:
         """Before ``step()`` (or DDP's ``clip_grad_norm_()``: ``op``): finish a synchronized pass in
         progress (every gradient marked, or ``find_unused_parameters``), then check that the
         gradients are averaged.
@@ -395,14 +415,14 @@ class GradientReducer:
         then ``step()`` again), as ZeRO's ``step()`` always did; if other ranks completed theirs,
         they wait in the sync until this one completes it (or the group's timeout).
         """
-        self._finish_complete_pass(op)
-        self._settle(op)
+        self.finish_complete_pass(op)
+        self.check_averaged(op)
         if not self._averaged:
             raise DistValueError(f"{self._where(op)}: no synchronized gradient pass since zero_grad() (or "
                                  "construction), so the gradients are not averaged; mark the gradients ready "
                                  f"(mark_grad_ready(name, grad), outside no_sync()) before {op}()")
 
-    def _finish_complete_pass(self, op: str) -> None:
+    def finish_complete_pass(self, op: str) -> None:
         """Finish a synchronized pass in progress whose every gradient is marked (or any pass in
         progress, with ``find_unused_parameters``): what the collective calls that end a backward
         pass (``step()``, ``clip_grad_norm_()``) do first. A read never does."""
@@ -410,7 +430,7 @@ class GradientReducer:
                 self.find_unused_parameters or not self._buckets.unready()):
             self._finish_sync(op)
 
-    def _settle(self, op: str) -> None:
+    def check_averaged(self, op: str) -> None:
         """Gradients are about to be used as averaged: refuse unless a synchronized pass finished."""
         self._before_read(None, op)
         if self._marked():  # inside no_sync(): _before_read leaves those
@@ -438,7 +458,7 @@ class GradientReducer:
             # lookups): a Python generator over 1000 names cost a sizeable share of a 4 MB sync.
             if bucket.buffer is not None and all(map(operator.is_, map(arrays.get, pending), map(views.get, pending))):
                 bucket.ready.update(pending)
-                if self._record_order:
+                if self.record_order:
                     self._ready_order.extend(pending)
             else:
                 self._bulk = True  # the caller's arrays, checked and copied in: not the deprecated spelling

@@ -3,8 +3,12 @@
 Rajbhandari et al., 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
 Models". Parameters live in one flat buffer per dtype, laid out in bucket order (reverse
 registration) and padded to a multiple of the group size N; rank r owns the r-th contiguous
-shard and keeps optimizer state for it only. The gradient interface is DDP's
-(:class:`~meshkit.parallel.data_parallelism.reducer.GradientReducer`), on the same bucket machinery:
+shard and keeps optimizer state for it only. It is built of parts it holds: the gradient interface
+is DDP's, a :class:`~meshkit.parallel.data_parallelism.reducer.GradientReducer` on the same bucket
+machinery (``zero.reducer``), the state dicts, clipping and memory report over the flat shards
+FSDP's (``zero.shards``, a :class:`~meshkit.parallel.data_parallelism.sharded.Shards`), the units
+DDP's (``zero.replicated``); what it offers of them is forwarded as its own
+(:mod:`~meshkit.parallel.forwarding`):
 
 - stage 1: gradients live in a full flat buffer (bucket views into it) and each bucket is
   averaged as soon as it is ready; ``step()`` updates the local shard and all-gathers the
@@ -40,14 +44,14 @@ from ..arrays import array_namespace
 from .buckets import MB, BucketManager, CommHook, GradBucket
 from .dtensors import split, wrap_all
 from .flat import FlatLayout, make_layouts
-from .full_state import FullStateDict
 from .hooks import allreduce_hook
 from ..optim.optimizers import Optimizer
 from ..checks import where
 from .pool import BufferPool
 from .protocol import ReplicatedUnits, check_units, deprecated
 from .reducer import GradientReducer
-from .construction import Params, caps_problem, check_setup, resolve_data_parallel_group, snapshot
+from ..forwarding import forward_attribute, forward_to
+from .construction import Params, caps_problem, check_setup, resolve_data_parallel_group
 from .sharded import Shards
 
 __all__ = ["ZeroRedundancyOptimizer", "OwnerShards", "reduce_to_owners"]
@@ -97,7 +101,7 @@ class _Stage2Views(dict):
         return self._location[name].view(name)
 
 
-class ZeroRedundancyOptimizer(GradientReducer):
+class ZeroRedundancyOptimizer:
     """ZeRO stage 1 or 2 data parallelism around an elementwise optimizer.
 
     Args:
@@ -124,6 +128,29 @@ class ZeroRedundancyOptimizer(GradientReducer):
         zero.zero_grad(); ...; zero.mark_grad_ready(name, grad); ...
         zero.step()          # finish the sync; each rank updates its shard; parameters are all-gathered
     """
+
+    # the gradient interface: the reducer's own (zero.mark_grad_ready is zero.reducer.mark_grad_ready)
+    zero_grad = forward_to("reducer", GradientReducer.zero_grad)
+    mark_grad_ready = forward_to("reducer", GradientReducer.mark_grad_ready)
+    no_sync = forward_to("reducer", GradientReducer.no_sync)
+    sync_gradients = forward_to("reducer", GradientReducer.sync_gradients)
+    finish_gradient_sync = forward_to("reducer", GradientReducer.finish_gradient_sync)
+    buckets = forward_attribute("reducer", GradientReducer.buckets)
+    grads = forward_attribute("reducer", "grads", doc="``name -> gradient`` (guarded while reduced: see "
+                              ":mod:`~meshkit.parallel.data_parallelism.reducer`).")
+    iteration = forward_attribute("reducer", "iteration", doc="Synchronized passes completed.")
+    find_unused_parameters = forward_attribute("reducer", "find_unused_parameters",
+                                               doc="Whether gradients never marked in a pass are reduced as they are.")
+
+    # the flat shards' surface: self.shards' own (zero.state_dict is zero.shards.state_dict)
+    grad_shards = forward_to("shards", Shards.grad_shards)
+    state_dict = forward_to("shards", Shards.state_dict)
+    load_state_dict = forward_to("shards", Shards.load_state_dict)
+    full_state_dict = forward_to("shards", Shards.full_state_dict)
+    load_full_state_dict = forward_to("shards", Shards.load_full_state_dict)
+    sharded_state_dict = forward_to("shards", Shards.sharded_state_dict)
+    load_sharded_state_dict = forward_to("shards", Shards.load_sharded_state_dict)
+    memory_report = forward_to("shards", Shards.memory_report)
 
     def __init__(self, params: dict[str, Any], *args: Optimizer, mesh: DeviceMesh | None = None,
                  optimizer: Optimizer | None = None, units: Sequence[Sequence[str]] | None = None,
@@ -152,9 +179,7 @@ class ZeroRedundancyOptimizer(GradientReducer):
             "find_unused_parameters": find_unused_parameters, "optimizer": repr(optimizer), "units": unit_list})
         self.stage, self.optimizer = stage, optimizer
         self.units: list[list[str]] = unit_list  # type: ignore[assignment]
-        self.find_unused_parameters = find_unused_parameters
         blocks, self._block_layouts = split(params)  # this rank's blocks of DTensor parameters
-        self._specs = snapshot(blocks)
         order = list(reversed(blocks))  # the order buckets fill in: each bucket is a flat range
         self.layouts: dict[str, FlatLayout] = {lay.key: lay for lay in make_layouts(blocks, order, self.group.size)}
         self._flat = {key: lay.pack(blocks, blocks[lay.names[0]]) for key, lay in self.layouts.items()}
@@ -172,24 +197,34 @@ class ZeroRedundancyOptimizer(GradientReducer):
             flat_grads = {self.layouts[key].dtype: g for key, g in self._flat_grads.items()}
             self._buckets = BucketManager(self._blocks, order, comm=CommHook(self.group, allreduce_hook, self.group),
                                           flat=flat_grads, **caps)
-            self._init_reducer(self._buckets.views())
+            self._grads = self._buckets.views()
         else:
             self._grad_shards = {key: xp.zeros(lay.shard_size, dtype=lay.dtype) for key, lay in self.layouts.items()}
             self._pool = BufferPool(xp, _BUFFERED_BUCKETS)
             owners = OwnerShards(self.group, self.layouts, self._grad_shards)
             self._buckets = BucketManager(self._blocks, order, comm=CommHook(self.group, reduce_to_owners, owners),
                                           pool=self._pool, **caps)
-            self._restore_views = False  # bucket buffers come and go: views are never kept
-            self._init_reducer(_Stage2Views(self._buckets.location))
+            self._grads = _Stage2Views(self._buckets.location)
+        # stage 2: bucket buffers come and go, so views are never kept (restore_views)
+        self.reducer = GradientReducer(self, strategy=self._strategy, group=self.group, blocks=self._blocks,
+                                       block_layouts=self._block_layouts, buckets=self._buckets, arrays=self._grads,
+                                       find_unused_parameters=find_unused_parameters, restore_views=stage == 1)
 
-    def _assign(self, name: str, value: Any) -> None:
-        if self.stage == 1:
-            super()._assign(name, value)
+    def _where(self, op: str) -> str:
+        return where(f"{self._strategy}.{op}", self.group)
+
+    # ------------------------------------------------------------------ what the reducer asks (ReducerOwner)
+    def _assign_grad(self, name: str, value: Any) -> None:
+        if self.stage == 1:  # keep the caller's array: it is checked and copied into its bucket when marked
+            self._grads[name] = value
         else:  # stage 2 keeps no arrays of the caller's: copy into the bucket
-            self._check_grad(name, value)
-            self._arrays[name][...] = value
+            self.reducer.check_grad(name, value)
+            self._grads[name][...] = value
 
-    def _zero(self) -> None:
+    def _after_sync(self, ready_order: list[str]) -> None:
+        """Nothing to do: the averages are in place (stage 1) or added to the gradient shards (stage 2)."""
+
+    def _zero_grads(self) -> None:
         if self.stage == 1:
             for g in self._flat_grads.values():
                 g[...] = 0
@@ -208,7 +243,7 @@ class ZeroRedundancyOptimizer(GradientReducer):
         gradient shards by the global norm (see :meth:`Shards.clip_grad_norm_
         <meshkit.parallel.data_parallelism.sharded.Shards.clip_grad_norm_>`); collective, before
         :meth:`step`."""
-        self._finish_complete_pass("clip_grad_norm_")
+        self.reducer.finish_complete_pass("clip_grad_norm_")
         return self.shards.clip_grad_norm_(max_norm, norm_type)
 
     def step(self) -> None:
@@ -224,7 +259,7 @@ class ZeroRedundancyOptimizer(GradientReducer):
                 were accumulated under ``no_sync()`` only, or no synchronized pass ran since
                 ``zero_grad()`` (or construction).
         """
-        self._ready_for_step("step")
+        self.reducer.ready_for_step("step")
         shards = self._local_grad_shards()
         works = []
         for key, flat in self._flat.items():
@@ -233,7 +268,7 @@ class ZeroRedundancyOptimizer(GradientReducer):
             works.append(self.group.all_gather_into_tensor(flat, mine, async_op=True))
         for work in works:
             work.wait()
-        self._steps.taken()
+        self.reducer.steps.taken()
 
     # ------------------------------------------------------------------ the units: every rank holds them all
     def prefetch(self, unit: int) -> None:
@@ -244,47 +279,15 @@ class ZeroRedundancyOptimizer(GradientReducer):
         """Yield ``{name: parameter}`` of ``unit``: the parameters themselves (no communication)."""
         return self.replicated.unshard(unit)
 
-    # ------------------------------------------------------------------ the flat shards' surface (self.shards)
-    def grad_shards(self) -> dict[str, Any]:
-        """This rank's averaged gradient shard per flat key (see :meth:`Shards.grad_shards`)."""
-        return self.shards.grad_shards()
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's pieces of the parameters and optimizer state, as views (see :meth:`Shards.state_dict`)."""
-        return self.shards.state_dict()
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Take in a state dict of :meth:`state_dict`'s shape (collective; see :meth:`Shards.load_state_dict`)."""
-        self.shards.load_state_dict(state_dict)
-
-    def full_state_dict(self, *, rank0_only: bool = False) -> FullStateDict | None:
-        """Parameters and optimizer state gathered to full size (collective; see :meth:`Shards.full_state_dict`)."""
-        return self.shards.full_state_dict(rank0_only=rank0_only)
-
-    def load_full_state_dict(self, state_dict: Mapping[str, Any], *, strict: bool = True) -> None:
-        """Load a full state dict of any strategy at any world size (collective; see
-        :meth:`Shards.load_full_state_dict`)."""
-        self.shards.load_full_state_dict(state_dict, strict=strict)
-
-    def sharded_state_dict(self) -> dict[str, Any]:
-        """Deprecated: :meth:`state_dict`."""
-        return self.shards.sharded_state_dict()
-
-    def load_sharded_state_dict(self, model_state_dict: dict[str, Any], optim_state_dict: dict[str, Any]) -> None:
-        """Deprecated: :meth:`load_state_dict` of ``{"model": ..., "optim": ...}``."""
-        self.shards.load_sharded_state_dict(model_state_dict, optim_state_dict)
-
-    def memory_report(self) -> dict[str, int]:
-        """Bytes this rank holds: ``params``, ``grads``, ``optimizer_state``, ``comm_buffers``,
-        ``peak_transient`` (see :meth:`Shards.memory_report`)."""
-        return self.shards.memory_report()
-
     # ------------------------------------------------------------------ what Shards asks (ShardOwner)
     def _shard_group(self) -> ProcessGroup:
         return self.group
 
     def _quiesce(self) -> None:
         """Nothing runs between the sync and the step: nothing to finish."""
+
+    def _settle(self, op: str) -> None:
+        self.reducer.check_averaged(op)
 
     def _agreement_groups(self) -> list[ProcessGroup]:
         return [self.group]
