@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,26 @@ settings.register_profile("meshkit", derandomize=True, database=None, deadline=N
 settings.load_profile("meshkit")
 
 SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def _cache_bytecode_for_the_session() -> None:
+    """With ``PYTHONDONTWRITEBYTECODE`` set (some images set it), every process the tests start
+    (each rank of each ``meshkit-run`` job, each benchmark) compiled meshkit's ~160 modules again:
+    0.45 s of CPU in each ``python -c "import meshkit"`` (0.80 s against 0.37 s with the bytecode
+    cached, measured on the 2-core machine), and the suite starts over a thousand such processes.
+    Here the session keeps its bytecode in a private temporary folder (``mkdtemp``: mode 0700, so
+    no other user can plant bytecode there), removed when the session ends; the tree stays free
+    of ``__pycache__`` as the variable asked. Set here at import, before pytest-xdist starts its
+    workers, so that they and every process they start inherit it; a user's own
+    ``PYTHONPYCACHEPREFIX`` is left as it is."""
+    if os.environ.get("PYTHONDONTWRITEBYTECODE") and not os.environ.get("PYTHONPYCACHEPREFIX"):
+        prefix = tempfile.mkdtemp(prefix="meshkit-tests-bytecode-")
+        atexit.register(shutil.rmtree, prefix, ignore_errors=True)
+        del os.environ["PYTHONDONTWRITEBYTECODE"]
+        os.environ["PYTHONPYCACHEPREFIX"] = prefix
+
+
+_cache_bytecode_for_the_session()
 
 
 #: The module behind ``meshkit-run``: the one place the tests name it.
