@@ -130,15 +130,19 @@ class _RepositoryRootIsNotATestPackage:
         return None
 
 
-#: The files holding the suite's longest tests (real processes: benchmarks, restarts, kills; 7-17 s
-#: each in ``--durations=25`` of ``pytest -n 2`` on a quiet 2-core machine), longest first. They run
-#: before every other file so that ``-n 2``'s two workers end together: pytest-xdist hands out tests in
-#: collection order, and a 12 s test collected last (alphabetical order puts test_tensor_* and
-#: test_transformer_example there) kept one worker busy while the other had nothing left. A file
-#: missing from the list keeps its place; a name here with no file is ignored.
+#: The files holding the suite's longest tests (real processes: benchmarks, restarts, kills, device
+#: doubles; 7-17 s each in ``--durations=25`` of ``pytest -n 2`` on a quiet 2-core machine, and the
+#: files with the most test time in a loaded run's ``--durations=0``), roughly longest test first. They run
+#: before every other file so that ``-n 2``'s two workers end together: pytest-xdist hands out tests
+#: in collection order, and a 12 s test collected last (alphabetical order puts test_tensor_*,
+#: test_transformer_example and test_zero_bubble there) can keep one worker busy while the other
+#: has nothing left; the files left to the end are in-process tests of milliseconds. A file missing
+#: from the list keeps its place; a name here with no file is ignored.
 LONGEST_FIRST = ("test_benchmarks.py", "test_elastic.py", "test_tensor_redistribute.py", "test_tensor_cupy.py",
                  "test_gpu_check.py", "test_checkpoint_state.py", "test_blocking_calls.py", "test_checkpoint.py",
-                 "test_simulated_nodes.py", "test_transformer_example.py", "test_plan.py")
+                 "test_simulated_nodes.py", "test_transformer_example.py", "test_plan.py", "test_examples.py",
+                 "test_launch.py", "test_stores.py", "test_tensor_validation.py", "test_zero_bubble.py",
+                 "test_notices.py", "test_mpi_device.py", "test_gpu_threads.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
