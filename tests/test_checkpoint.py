@@ -670,15 +670,23 @@ def test_object_and_structured_arrays_are_refused_at_save_on_every_rank(array, m
 
 
 # --------------------------------------------------------------------------- killed mid-save (real processes)
-@pytest.mark.parametrize("phase", ["before-write", "after-write", "before-commit", "after-commit"])
-def test_a_rank_killed_mid_save_leaves_the_checkpoint_complete_or_absent(phase, tmp_path):
+PHASES = ["before-write", "after-write", "before-commit", "after-commit"]
+
+
+def test_a_rank_killed_mid_save_leaves_the_checkpoint_complete_or_absent(tmp_path):
+    """A job per phase, killed there; then one job resumes every phase's directory (what it
+    resumes is named by directory, so a wrong one names its phase)."""
     from conftest import launch
-    proc = launch("mpi_checkpoint_kill.py", 2, str(tmp_path), phase, timeout=60, check=False)
-    assert proc.returncode != 0 and f"dies at {phase}" in proc.stdout, proc.stdout + proc.stderr  # no hang
-    manager_steps = sorted(int(p.name[5:]) for p in tmp_path.iterdir() if p.name.startswith("step_"))
-    assert manager_steps == ([1, 2] if phase == "after-commit" else [1]), (phase, manager_steps, proc.stderr[-2000:])
-    proc = launch("mpi_checkpoint_kill.py", 2, str(tmp_path), "resume", timeout=60)
-    assert f"resumed from step {2 if phase == 'after-commit' else 1}" in proc.stdout, proc.stdout
+    for phase in PHASES:
+        proc = launch("mpi_checkpoint_kill.py", 2, str(tmp_path / phase), phase, timeout=60, check=False)
+        assert proc.returncode != 0 and f"dies at {phase}" in proc.stdout, (phase, proc.stdout + proc.stderr)  # no hang
+        manager_steps = sorted(int(p.name[5:]) for p in (tmp_path / phase).iterdir() if p.name.startswith("step_"))
+        assert manager_steps == ([1, 2] if phase == "after-commit" else [1]), (phase, manager_steps,
+                                                                                 proc.stderr[-2000:])
+    proc = launch("mpi_checkpoint_kill.py", 2, "resume", *(str(tmp_path / phase) for phase in PHASES), timeout=60)
+    for phase in PHASES:
+        assert f"{tmp_path / phase} resumed from step {2 if phase == 'after-commit' else 1}" in proc.stdout, (
+            phase, proc.stdout)
 
 
 def test_a_load_reads_in_place_without_staging_copies(tmp_path):

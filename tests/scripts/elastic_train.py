@@ -3,17 +3,20 @@
     meshkit-run -n 4 --max-restarts 1 elastic_train.py EXAMPLE.py EXAMPLE-ARGS...
 
 The example (``examples/train_mlp.py`` or ``train_3d.py``) runs as its own ``__main__``, unchanged;
-this wrapper only arms the fault, from the environment, on the first attempt
-(``MESHKIT_RESTART_COUNT=0``):
+this wrapper only arms a fault, from the environment, on the attempts it names
+(``MESHKIT_RESTART_COUNT``), so one job can be killed differently on successive attempts:
 
-* ``ELASTIC_FAULT=step:R:S``: SIGKILL rank R right after training step S (its first training
-  loop only: the single-process reference of ``--check`` trains through the same loop);
-* ``ELASTIC_FAULT=save:R:S``: SIGKILL rank R in the middle of saving the checkpoint of step S:
-  its data file written, its marker not (so that checkpoint can never commit);
-* ``ELASTIC_FAULT=vanish:R:S``: after step S, SIGKILL rank R's watcher and then rank R: the
-  process vanishes without anyone reporting how; the time of the kill goes to ``$ELASTIC_LOG/killed``;
-* ``ELASTIC_SHRINK=PATH:N``: rank 0 of the first attempt rewrites the host file PATH to N slots
-  of this host (the launcher read it before this attempt; the restart reads it again);
+* ``ELASTIC_FAULT=FAULT[,FAULT...]``: the first FAULT is armed on attempt 0, the second on
+  attempt 1, and so on (an attempt past the list runs unharmed). A FAULT is one of:
+
+  * ``step:R:S``: SIGKILL rank R right after training step S (its first training loop only: the
+    single-process reference of ``--check`` trains through the same loop);
+  * ``save:R:S``: SIGKILL rank R in the middle of saving the checkpoint of step S: its data file
+    written, its marker not (so that checkpoint can never commit);
+  * ``vanish:R:S``: after step S, SIGKILL rank R's watcher and then rank R: the process vanishes
+    without anyone reporting how; the time of the kill goes to ``$ELASTIC_LOG/killed``;
+* ``ELASTIC_SHRINK=PATH:N[,N...]``: rank 0 of attempt a rewrites the host file PATH to the a-th N
+  slots of this host (the launcher read it before this attempt; the restart reads it again);
 * ``ELASTIC_LOG=DIR``: every rank of every attempt writes ``attempt-{a}.rank-{r}`` (its pid and
   the attempt's world size) and fails if a process of an earlier attempt is still alive.
 """
@@ -46,9 +49,10 @@ if log:
     os.replace(f"{record}.part", record)  # whole: another rank reads it at its start
 
 shrink = os.environ.get("ELASTIC_SHRINK")
-if shrink and attempt == 0 and rank == 0:
-    path, _, slots = shrink.rpartition(":")
-    Path(path).write_text(f"localhost:{slots}\n")
+if shrink and rank == 0:
+    path, _, sizes = shrink.rpartition(":")
+    if attempt < len(sizes.split(",")):
+        Path(path).write_text(f"localhost:{sizes.split(',')[attempt]}\n")
 
 
 def _die(vanish: bool = False) -> None:
@@ -60,9 +64,9 @@ def _die(vanish: bool = False) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-fault = os.environ.get("ELASTIC_FAULT", "")
-if fault and attempt == 0:
-    kind, victim, at = fault.split(":")
+faults = [f for f in os.environ.get("ELASTIC_FAULT", "").split(",") if f]
+if attempt < len(faults):
+    kind, victim, at = faults[attempt].split(":")
     victim_rank, at_step = int(victim), int(at)
     if kind in ("step", "vanish") and rank == victim_rank:
         import loop  # the examples' one training loop (beside them)

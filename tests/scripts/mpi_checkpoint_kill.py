@@ -1,8 +1,8 @@
 """A rank dies at a chosen moment of a save (os._exit: no cleanup, like a kill -9).
 
 argv: DIRECTORY PHASE, PHASE one of before-write, after-write, before-commit, after-commit
-(rank 1 dies, or rank 0 for the commit phases), or "resume": load the latest complete
-checkpoint and check it."""
+(rank 1 dies, or rank 0 for the commit phases); or "resume" DIRECTORY...: in each directory, load
+the latest complete checkpoint and check it (one job resumes the saves of every phase)."""
 
 import os
 import sys
@@ -13,11 +13,9 @@ import meshkit
 from meshkit.checkpoint import CheckpointManager
 from meshkit.checkpoint import writer as save_module
 
-directory, phase = sys.argv[1], sys.argv[2]
 meshkit.init_process_group("mpi")
 rank = meshkit.get_rank()
 mesh = meshkit.init_device_mesh("cpu", (meshkit.get_world_size(),))
-manager = CheckpointManager(directory)
 
 
 def state(step):
@@ -26,13 +24,16 @@ def state(step):
     return {"w": distribute_tensor(full, mesh, [Shard(0)]), "step": step}
 
 
-if phase == "resume":
-    sd = state(0)
-    step = manager.load(None, sd)
-    assert sd["step"] == step and np.array_equal(sd["w"].full_tensor(), np.arange(4096.0) * step)
-    print(f"resumed from step {step}")
+if sys.argv[1] == "resume":
+    for directory in sys.argv[2:]:
+        sd = state(0)
+        step = CheckpointManager(directory).load(None, sd)
+        assert sd["step"] == step and np.array_equal(sd["w"].full_tensor(), np.arange(4096.0) * step), directory
+        print(f"{directory} resumed from step {step}")
     sys.exit(0)
 
+directory, phase = sys.argv[1], sys.argv[2]
+manager = CheckpointManager(directory)
 manager.save(1, state(1))
 
 
