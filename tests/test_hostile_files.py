@@ -388,15 +388,17 @@ def test_the_chunk_staircase_that_took_84_s_is_checked_in_near_linear_time():
     the others (84 s). The check is now a count of signed corners, 4 a chunk."""
     n = 4000
     boxes = [((i, i), (n - i, 1)) for i in range(n)] + [((0, i), (i, 1)) for i in range(1, n)]
-    started = time.perf_counter()
+    # CPU time of this thread, not wall time: another worker's load must not fail it, and the
+    # bound is far from the near-linear check's cost and far below the quadratic sweep's 84 s
+    started = time.thread_time()
     assert tiling_problem((n, n), boxes, "chunk") is None
-    valid = time.perf_counter() - started
+    valid = time.thread_time() - started
     boxes[-1] = ((1, n - 1), (n - 1, 1))  # the last upper chunk moved down one: overlaps the diagonal's
-    started = time.perf_counter()
+    started = time.thread_time()
     assert tiling_problem((n, n), boxes, "chunk") == (f"chunks at offsets ({n - 1}, {n - 1}) (lengths (1, 1)) and "
                                                       f"(1, {n - 1}) (lengths ({n - 1}, 1)) overlap")
-    overlapping = time.perf_counter() - started
-    assert valid < 1.0 and overlapping < 1.0, (valid, overlapping)  # 0.03-0.06 s here; it was 84 s
+    overlapping = time.thread_time() - started
+    assert valid < 5.0 and overlapping < 5.0, (valid, overlapping)
 
 
 def _cells(shape, boxes):
@@ -514,7 +516,7 @@ def test_chunks_cut_on_many_axes_are_checked_exactly_or_refused_in_bounded_time(
     boundaries is painted (4096 unit chunks of a 12-D array), or the boxes are swept (few boxes,
     or 4000 random cuts of an 8-D array); a crafted file beyond all three is refused, fast."""
     import itertools
-    started = time.perf_counter()
+    started = time.thread_time()  # CPU time of this thread: the bound is on the work, not on the machine's load
     units = [(corner, (1,) * 12) for corner in itertools.product(range(2), repeat=12)]
     assert tiling_problem((2,) * 12, units, "chunk") is None
     units[5] = ((0,) * 12, (1,) * 12)  # a duplicate in place of another: the volumes still add up
@@ -529,7 +531,7 @@ def test_chunks_cut_on_many_axes_are_checked_exactly_or_refused_in_bounded_time(
     problem = tiling_problem(shape, boxes, "chunk")
     assert problem.startswith(f"chunks of the array of shape {shape}: 5000 chunks cut on up to 16 axes, too costly to "
                               "check that they tile it ("), problem
-    assert time.perf_counter() - started < 3.0  # 0.7 s here
+    assert time.thread_time() - started < 6.0  # the bound a crafted file cannot exceed; the check's own cost is well below
 
 
 # --------------------------------------------------------------------------- writing: umask, exclusive files
