@@ -5,8 +5,12 @@ shared with checkpoints), ``dtensor`` (the DTensor type), ``redistribute`` (one 
 changing mesh dim), ``distribute`` (distribute_tensor), ``dispatch`` (the NumPy protocol tables the op
 modules fill), ``propagation`` (what the op rules share), the op rules ``ufuncs``, ``matmul``,
 ``reductions`` (and ``logsumexp``), ``shape_ops``, ``einsum``, ``joins`` (concatenate, split, take) and
-``local_ops`` (copies, casts), ``indexing`` (basic indexing), ``verify`` (collective construction
-checks); ``parallel`` (tensor-parallel styles and ``parallelize``).
+``local_ops`` (copies, casts), ``indexing`` (basic, fancy and boolean indexing, and writes),
+``statistics`` (var, std, average, count_nonzero, any, all, prod, argmax, argmin, median),
+``scans`` (cumsum, cumprod), ``sorting`` (sort, argsort), ``movement`` (diff, roll, flip, pad),
+``linalg`` (norm, outer, trace, tensordot, dot), ``coverage`` (the table of supported operations
+by placement, generated from the dispatch tables), ``verify`` (collective construction checks);
+``parallel`` (tensor-parallel styles and ``parallelize``).
 Depends on ``comm`` and ``mesh`` only. ``__all__`` is the user API; what ``parallel`` and
 ``checkpoint`` need beyond it is in :mod:`meshkit.tensor._seams`.
 
@@ -15,7 +19,8 @@ Modules besides those above: ``errors.py`` (the ``meshkit.tensor: rank R:`` pref
 
 from ..comm._seams import moved_names
 # the op modules are imported for what they do: they register the NumPy op rules
-from . import einsum, joins, local_ops, matmul, reductions, shape_ops, ufuncs  # noqa: F401
+from . import (einsum, joins, linalg, local_ops, matmul, movement, reductions, scans, shape_ops, sorting,  # noqa: F401
+               statistics, ufuncs)
 from .distribute import distribute_tensor
 from .dtensor import DTensor
 from .parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel, parallelize

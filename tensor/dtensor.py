@@ -17,7 +17,7 @@ from ..mesh import DeviceMesh
 from . import dispatch, errors
 from .verify import verify_claims
 from .chunks import local_shape_and_offset, normalize_dim
-from .indexing import index_plan
+from .indexing import getitem, index_plan, setitem
 from .placements import Partial, Placement, Replicate, Shard
 from .redistribute import cached, program, remember
 
@@ -388,9 +388,13 @@ class DTensor(NDArrayOperatorsMixin):
     def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
         rule = dispatch.FUNCTIONS.get(func)
         if rule is None:
-            raise NotImplementedError(errors.prefix(f"np.{func.__name__}")
-                                      + f"has no DTensor rule (placements {self._placements!r}); "
-                                        f"call full_tensor() or to_local() first")
+            module = getattr(func, "__module__", "numpy") or "numpy"
+            name = f"np.{module[6:]}.{func.__name__}" if module.startswith("numpy.") and \
+                not module.startswith(("numpy._core", "numpy.lib", "numpy.core")) else f"np.{func.__name__}"
+            raise NotImplementedError(errors.prefix(name)
+                                      + f"has no DTensor rule (placements {self._placements!r}); redistribute to "
+                                        f"Replicate first (d.redistribute(placements=[Replicate()] * mesh.ndim) "
+                                        f"or d.full_tensor()) and call NumPy on that")
         out = rule(*args, **kwargs)
         if _pending:
             _inherit(out, args, kwargs)
@@ -443,11 +447,22 @@ class DTensor(NDArrayOperatorsMixin):
         return np.astype(self, dtype, copy=copy)
 
     def __getitem__(self, key: Any) -> DTensor:
-        """Integers, slices, ``...`` and None, locally along unsharded dims (see :mod:`.indexing`)."""
-        local_key, shape, placements = index_plan(key, self._shape, self._placements)
+        """Integers, slices, ``...`` and None (locally where no block moves), one integer array, a
+        boolean mask (see :mod:`.indexing`)."""
+        try:
+            local_key, shape, placements = index_plan(key, self._shape, self._placements)
+        except NotImplementedError:  # a sharded dim indexed, or a fancy or boolean key: indexing.getitem's rules
+            out = getitem(self, key)
+            if out._claims is None:
+                out._claims = self._claims
+            return out
         out = DTensor(self._local[local_key], self._mesh, placements, shape=shape)
         out._claims = self._claims
         return out
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        """``x[key] = value``: each rank writes the part its block holds (see :func:`.indexing.setitem`)."""
+        setitem(self, key, value)
 
     def __copy__(self) -> DTensor:
         out = DTensor(self._local, self._mesh, self._placements, shape=self._shape)

@@ -154,7 +154,14 @@ def matmul(a: Any, b: Any, **kwargs: Any) -> DTensor:
 
 @implements(np.dot)
 def dot(a: Any, b: Any, out: Any = None) -> DTensor:
-    """``np.dot`` of two 2-D DTensors (the matrix product); other ranks of input are not supported."""
-    if out is not None or not (isinstance(a, DTensor) and isinstance(b, DTensor)) or a.ndim != 2 or b.ndim != 2:
+    """``np.dot``: two matrices by :func:`matmul`'s rules; vectors and N-D operands as
+    ``np.tensordot`` over a's last axis and b's second to last (einsum's rules); a 0-d operand
+    as ``np.multiply``."""
+    if out is not None or not (isinstance(a, DTensor) and isinstance(b, DTensor)):
         raise unsupported("np.dot", *(x.placements for x in (a, b) if isinstance(x, DTensor)))
-    return matmul(a, b)
+    if a.ndim == 2 and b.ndim == 2:
+        return matmul(a, b)
+    if a.ndim == 0 or b.ndim == 0:
+        return np.multiply(a, b)
+    # 1-D operands, or N-D: the sum over a's last axis and b's second to last (b's only, if 1-D)
+    return np.tensordot(a, b, axes=([a.ndim - 1], [max(b.ndim - 2, 0)]))

@@ -18,11 +18,12 @@ import numpy as np
 from ..mesh import DeviceMesh
 from . import errors
 from .dtensor import DTensor
-from .placements import Placement
+from .placements import Partial, Placement, Replicate, Shard
 from .redistribute import redistribute_local
 from ..comm._seams import array_namespace
 
-__all__ = ["logger", "is_scalar", "common_mesh", "moved", "unsupported", "no_out", "wrap", "uniform_finite"]
+__all__ = ["logger", "is_scalar", "common_mesh", "moved", "unsupported", "no_out", "wrap", "uniform_finite",
+           "norm_axes", "off_axes", "gather_over", "reduce_over", "renumbered", "refuse_kwargs"]
 
 logger = logging.getLogger("meshkit.tensor")
 
@@ -107,3 +108,90 @@ def no_out(op: str, kwargs: dict[str, Any], *names: str) -> None:
 def wrap(local: Any, mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int]) -> DTensor:
     """The result DTensor (no check: the rule computed placements and shape)."""
     return DTensor(local, mesh, placements, shape=shape)
+
+
+def norm_axes(op: str, ndim: int, axis: Any) -> tuple[int, ...]:
+    """``axis`` (None, an int or a tuple of ints) as sorted non-negative axes; NumPy's AxisError out of range."""
+    if axis is None:
+        return tuple(range(ndim))
+    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
+    out = set()
+    for ax in axes:
+        if isinstance(ax, bool) or not isinstance(ax, (int, np.integer)):
+            raise errors.type_error(op, f"axis must be an int or a tuple of ints, got {axis!r}")
+        if not -ndim <= ax < ndim:
+            raise np.exceptions.AxisError(int(ax), ndim, errors.prefix(op) + "axis")
+        out.add(int(ax) % ndim)
+    return tuple(sorted(out))
+
+
+def refuse_kwargs(op: str, kwargs: dict[str, Any], placements: Sequence[Placement]) -> None:
+    """NotImplementedError naming ``op``, the placements and the first keyword given a non-default value."""
+    for name, value in kwargs.items():
+        if value is not None and value is not np._NoValue:
+            raise NotImplementedError(errors.prefix(op) + f"{name}={value!r} has no DTensor rule (placements "
+                                      f"{tuple(placements)!r}); compute on full_tensor() (redistribute to "
+                                      "Replicate first)")
+
+
+def off_axes(op: str, arg: str, a: DTensor, axes: Sequence[int], *, keep_partial: Sequence[str] = ()) -> DTensor:
+    """``a`` laid out so that no mesh dim shards one of ``axes`` and no Partial is left but those of
+    ``keep_partial``: what an op that reads whole lines along ``axes`` (sort, median, diff...) needs.
+
+    A mesh dim sharding one of ``axes`` moves its Shard to another axis, the largest that no mesh
+    dim shards yet (one all-to-all: each rank sends and receives about its block once), and where
+    there is none (1-D arrays, every other axis taken) gathers it (an all-gather: each rank
+    receives the whole line). A Partial not kept is all-reduced.
+    """
+    taken = {p.dim for p in a.placements if isinstance(p, Shard) and p.dim not in axes}
+    need: list[Placement] = []
+    for p in a.placements:
+        if isinstance(p, Shard) and p.dim in axes:
+            free = [d for d in range(a.ndim) if d not in axes and d not in taken]
+            if free:
+                d = max(free, key=lambda d: (a.shape[d], -d))
+                taken.add(d)
+                need.append(Shard(d))
+            else:
+                need.append(Replicate())
+        elif isinstance(p, Partial) and p.reduce_op not in keep_partial:
+            need.append(Replicate())
+        else:
+            need.append(p)
+    return moved(op, arg, a, need)
+
+
+def renumbered(placements: Sequence[Placement], removed: Sequence[int]) -> list[Placement]:
+    """``placements`` with each Shard's dim shifted past the ``removed`` axes (none of them sharded)."""
+    return [Shard(p.dim - sum(r < p.dim for r in removed)) if isinstance(p, Shard) else p for p in placements]
+
+
+def gather_over(local: Any, mesh: DeviceMesh, dims: Sequence[int]) -> Any:
+    """Every rank's ``local`` along mesh ``dims``: an array ``(n_0, n_1, ..., *local.shape)`` in mesh
+    coordinate order (one all-gather per mesh dim; the blocks must have one shape along each group)."""
+    xp = array_namespace(local)
+    out = xp.ascontiguousarray(local)
+    lead: tuple[int, ...] = ()
+    for i in dims:
+        n = mesh.shape[i]
+        flat = out.reshape((1, -1)) if out.size else out.reshape((1, 0))
+        into = xp.empty((n, flat.shape[1]), dtype=out.dtype)
+        if n > 1:
+            mesh.get_group(i).all_gather_into_tensor(into, flat)
+        else:
+            into[...] = flat
+        # this dim's axis goes after the ones gathered before (mesh order kept)
+        block = into.reshape((n, *lead, *local.shape))
+        out = xp.ascontiguousarray(xp.moveaxis(block, 0, len(lead)))
+        lead = (*lead, n)
+    return out
+
+
+def reduce_over(local: Any, mesh: DeviceMesh, dims: Sequence[int], op: Any) -> Any:
+    """A copy of ``local`` all-reduced with ``op`` over mesh ``dims`` (one all-reduce per mesh dim)."""
+    xp = array_namespace(local)
+    out = xp.array(local, copy=True, order="C")
+    for i in dims:
+        if mesh.shape[i] > 1:
+            mesh.get_group(i).all_reduce(out, op)
+    return out

@@ -4,8 +4,9 @@ Transpose moves each Shard to where its axis goes. Reshape is local where every 
 survives: it starts at the same flat position in the new shape (equal products of the dims
 before it) and every rank's chunk boundaries land on whole rows of the new axis, so each rank's
 block is exactly the block the new shape gives it (merging ``(B, S, H)`` Shard(0) into
-``(B*S, H)`` qualifies when B divides evenly). Anything else raises NotImplementedError naming
-the shapes and placements.
+``(B*S, H)`` qualifies when B divides evenly). Anything else moves data, logged at DEBUG: the
+sharded mesh dims are gathered (one all-gather each), the array reshaped and cut again along
+the new shape's largest axis (a local slice), so the result is as sharded as the input.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import numpy as np
 from .chunks import local_shape_and_offset
 from .dispatch import implements
 from .dtensor import DTensor
-from .placements import Placement, Shard
-from .propagation import unsupported, wrap
+from .placements import Placement, Replicate, Shard
+from .propagation import moved, unsupported, wrap
 
 __all__ = ["transpose", "reshape", "reshape_placements"]
 
@@ -84,8 +85,23 @@ def reshape(a: Any, shape: Any = None, order: str = "C", *, newshape: Any = None
         raise NotImplementedError("np.reshape: only order='C' (and copy=None) is supported on DTensors")
     new = _resolve(a.shape, shape if shape is not None else newshape)
     placements = reshape_placements(a.shape, new, a.device_mesh.shape, a.placements)
-    if placements is None:
-        raise NotImplementedError(f"{unsupported('np.reshape', a.placements)} (reshaping {a.shape} to {new} would "
-                                  "move elements between ranks)")
+    if placements is None:  # blocks would move between ranks: gather, reshape, cut again
+        return _reshape_moving(a, new)
     local_shape = local_shape_and_offset(new, a.device_mesh.shape, a.device_mesh.get_coordinate(), placements)[0]
     return wrap(a.to_local().reshape(local_shape), a.device_mesh, placements, new)
+
+
+def _reshape_moving(a: DTensor, new: tuple[int, ...]) -> DTensor:
+    """Reshape where some rank's block would take elements of another's: each mesh dim that shards
+    is gathered (one all-gather per such mesh dim: every rank then holds the whole array for a
+    moment), the array reshaped, and cut again along the new shape's largest axis (a local
+    slice, so the result is sharded as the input was, by as many mesh dims). A Partial stays
+    (reshaping selects elements). Logged at DEBUG, as every move."""
+    whole = moved("np.reshape", "a", a, [Replicate() if isinstance(p, Shard) else p for p in a.placements])
+    local = whole.to_local().reshape(new)
+    if not new:
+        return wrap(local, a.device_mesh, whole.placements, new)
+    axis = max(range(len(new)), key=lambda d: (new[d], -d))
+    target = [Shard(axis) if isinstance(p, Shard) else p for p in a.placements]
+    out = wrap(local, a.device_mesh, whole.placements, new)
+    return moved("np.reshape", "result", out, target)

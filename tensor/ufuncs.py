@@ -9,7 +9,9 @@ term 0 would be NaN where the sum is +-inf); else Replicate. Inputs that differ 
 redistributed first (logged at DEBUG): a Partial feeding a non-linear ufunc (``tanh(p)``,
 ``p - t``, ``np.where``, ``np.clip``) is all-reduced, which is where Megatron's forward
 all-reduce comes from. In-place operators (``x += y``, ``np.add(x, y, out=x)``) write ``x``'s
-block where the result keeps ``x``'s placements, and raise ValueError naming both otherwise.
+block where the result keeps ``x``'s placements, and raise ValueError naming both otherwise;
+``x += c`` and ``x -= c`` on a Partial ``x`` with a scalar ``c`` keep the Partial (a Partial(sum)
+shifts only the terms of mesh coordinate 0).
 A ufunc of two outputs (``np.divmod``, ``np.modf``, ``np.frexp``) gives a tuple of DTensors with
 the same placements (none keeps a Partial); generalized ufuncs (``np.vecdot``) have no rule.
 """
@@ -24,7 +26,7 @@ from . import errors
 from .dispatch import implements, implements_ufunc
 from .dtensor import DTensor
 from .placements import Partial, Placement, Replicate, Shard
-from .propagation import common_mesh, moved, no_out, uniform_finite, unsupported, wrap
+from .propagation import common_mesh, is_scalar, moved, no_out, uniform_finite, unsupported, wrap
 
 __all__ = ["elementwise", "where", "clip"]
 
@@ -154,7 +156,23 @@ def elementwise(ufunc: Any, *inputs: Any, **kwargs: Any) -> DTensor:
     def fn(*blocks: Any, out: Any = None) -> Any:
         return ufunc(*blocks, **kwargs) if out is None else ufunc(*blocks, out=out, **kwargs)
 
+    if out is not None and ufunc in _ADDITIVE and len(inputs) == 2 and inputs[0] is out and \
+            isinstance(out, DTensor) and is_scalar(inputs[1]) and any(p.is_partial() for p in out.placements):
+        return _shift_partial(out, fn, inputs[1])
     return _blockwise(op, fn, ufunc, inputs, out)
+
+
+def _shift_partial(out: DTensor, fn: Any, scalar: Any) -> DTensor:
+    """``x += c`` / ``x -= c`` on a Partial ``x`` (c a scalar), in place with its placements kept:
+    the terms must reduce to the shifted value, so along a Partial(sum) mesh dim only coordinate 0
+    adds ``c`` (the others add nothing), and along avg, max and min every term adds it
+    (``max(t + c) = max(t) + c``, rounding being monotonic). No communication. torch refuses an
+    in-place op that would change a Partial's placement; this keeps it, exactly."""
+    coordinate = out.device_mesh.get_coordinate()
+    if not any(isinstance(p, Partial) and p.reduce_op == "sum" and c != 0
+               for p, c in zip(out.placements, coordinate)):
+        fn(out.to_local(), scalar, out=out.to_local())
+    return out
 
 
 @implements(np.where)

@@ -124,7 +124,7 @@ def test_in_place_operators_that_would_change_placements_raise_on_every_rank():
     def body():
         mesh = meshkit.init_device_mesh("cpu", (2,))
         messages = []
-        for x, y in [(distribute_tensor(A, mesh, [P]), 1.0),                       # P + 1 reduces first
+        for x, y in [(distribute_tensor(A, mesh, [P]), distribute_tensor(A, mesh, [S1])),  # P + S1 is S1
                      (distribute_tensor(A, mesh, [R]), distribute_tensor(E, mesh, [S1]))]:  # R + S1 is S1
             start = meshkit.flight_record()
             with pytest.raises(ValueError, match=r"np.add: in place \(x op= y, or out=x\) the result would have "
@@ -178,17 +178,17 @@ def test_deepcopy_shares_the_mesh_and_copies_the_block():
         np.testing.assert_array_equal(twin, A + 1.0)
 
 
-def test_indexing_a_sharded_dim_or_with_arrays_is_refused_with_the_dim_named():
+def test_indexing_a_sharded_dim_moves_data_and_two_index_arrays_are_refused():
     def body():
         mesh = meshkit.init_device_mesh("cpu", (3,))
         d = distribute_tensor(A, mesh, [S1])
-        with pytest.raises(NotImplementedError, match=r"DTensor.__getitem__: index 2 on dim 1, which placements "
-                                                      r"\(Shard\(dim=1\),\) shard"):
-            d[:, 2]
-        with pytest.raises(NotImplementedError, match=r"index slice\(1, None, None\) on dim 1"):
-            d[0, 1:]
-        with pytest.raises(NotImplementedError, match=r"index \[0, 1\] \(list\) is not supported"):
-            d[[0, 1]]
+        np.testing.assert_array_equal(d[:, 2].full_tensor(), A[:, 2])  # issue 40: the sharded dim gathered
+        assert d[:, 2].placements == (R,) and d[0, 1:].placements == (Shard(0),)
+        np.testing.assert_array_equal(d[0, 1:].full_tensor(), A[0, 1:])
+        np.testing.assert_array_equal(d[[0, 1]].full_tensor(), A[[0, 1]])
+        with pytest.raises(NotImplementedError, match=r"DTensor.__getitem__: index \(\[0, 1\], \[1, 2\]\) \(placements "
+                                                      r"\(Shard\(dim=1\),\)\): one integer array among full slices"):
+            d[[0, 1], [1, 2]]
         with pytest.raises(IndexError, match="index 5 is out of bounds for dim 0 with size 5"):
             d[5]
         with pytest.raises(IndexError, match="too many indices"):

@@ -159,10 +159,13 @@ def test_transpose_and_reshape():
         inner = distribute_tensor(x, mesh, [S1, R]).reshape(4, 30)  # 6 = 2 x 3 rows of 5: chunks stay whole
         assert inner.placements == (S1, R)
         np.testing.assert_array_equal(inner.full_tensor(), x.reshape(4, 30))
-        with pytest.raises(NotImplementedError, match=r"np.reshape.*\(Shard\(dim=1\), Replicate\(\)\)"):
-            distribute_tensor(x, mesh, [S1, R]).reshape(24, 5)  # the sharded axis merges into the batch
-        with pytest.raises(NotImplementedError, match=r"np.reshape"):
-            distribute_tensor(np.ones((5, 2)), mesh, [S0, R]).reshape(10)  # 5 rows unevenly: chunks move
+        # blocks would move (issue 40): gathered, reshaped, cut again along the largest new axis
+        moving = distribute_tensor(x, mesh, [S1, R]).reshape(24, 5)  # the sharded axis merges into the batch
+        assert moving.placements == (S0, R)
+        np.testing.assert_array_equal(moving.full_tensor(), x.reshape(24, 5))
+        uneven = distribute_tensor(np.arange(10.).reshape(5, 2), mesh, [S0, R]).reshape(10)  # 5 rows unevenly
+        assert uneven.placements == (S0, R)
+        np.testing.assert_array_equal(uneven.full_tensor(), np.arange(10.))
         return True
 
     assert all(local.run(body, 4))
@@ -180,8 +183,9 @@ def test_bad_mixes_are_named_and_redistribution_is_logged(caplog):
         with pytest.raises(ValueError, match=r"np.add: in place \(x op= y, or out=x\) the result would have "
                                              r"placements \(Shard\(dim=0\),\) .* but out has placements \(Replicate"):
             np.add(distribute_tensor(A, mesh, [R]), a, out=distribute_tensor(A, mesh, [R]))
-        with pytest.raises(NotImplementedError, match="np.cumsum: has no DTensor rule"):
-            np.cumsum(a)
+        with pytest.raises(NotImplementedError, match=r"np.unique: has no DTensor rule \(placements \(Shard\(dim=0\),\)\); "
+                                                      "redistribute to Replicate first"):
+            np.unique(a)
         p = distribute_tensor(A, mesh, [P])
         return (p + 1).placements
 
