@@ -3,8 +3,9 @@
 Integers, slices, ``...`` and ``None`` apply to each rank's block along dims no mesh dim shards
 (a Partial stays: selecting elements commutes with the reduction of the terms), and Shard dims
 are renumbered past the dims integers remove and ``None`` adds. A sharded dim takes only ``:``
-(any other index would move chunks between ranks): NotImplementedError naming the dim and the
-placements. Arrays, lists and masks as keys are not supported.
+locally; any other index there is :func:`getitem`'s (it moves data where it must, and says so at
+DEBUG), as are one integer array (``np.take``'s rule) and boolean masks (a data-dependent length
+every rank learns). :func:`setitem` writes ``x[key] = value``, each rank its own part.
 
 Example (2 ranks, ``A`` of shape ``(4, 6)``, ``[Shard(1)]``): ``d[1:3]`` gives rank 0
 ``A[1:3, 0:3]`` and rank 1 ``A[1:3, 3:6]``, placements ``[Shard(1)]``, shape ``(2, 6)``;
@@ -94,7 +95,7 @@ def _is_mask(k: Any) -> bool:
 
 def getitem(x: Any, key: Any) -> Any:
     """``x[key]`` for every key :func:`index_plan` refuses on a sharded dim, and for fancy and
-    boolean keys (see the rules in :func:`_sliced`, :func:`_fancy`, :func:`_masked`)."""
+    boolean keys: a slice of a sharded dim keeps it sharded (local where every rank's chunk of the result lies in its block, else gathered and cut again), an integer on one gathers it, one integer array is ``np.take``'s rule, a boolean mask gathers the dims it covers (:func:`_sliced`, :func:`_masked`)."""
     op = "DTensor.__getitem__"
     if _is_mask(key):
         return _masked(op, x, key)

@@ -15,11 +15,13 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import numpy as np
+import pytest
 
 import meshkit
 from meshkit.comm import gather_object, get_rank, local
 from meshkit.tensor import DTensor, Partial, Shard
 from support.tensor_validation import _assemble, _block, _compare, _record
+from tensor_cases import new_records
 
 W5 = np.array([1.0, 2.0, 0.5, 3.0, 1.5])  # average's weights along axis 0 (plain, alike on every rank)
 
@@ -137,3 +139,66 @@ def test_coverage_report():
     assert counts["wrong"] == 0, [(k, v) for k, v in table.items() if v[0] == "wrong"]
     refused = {k for k, v in table.items() if v[0] == "refused"}
     assert refused == STILL_REFUSED, (sorted(refused - STILL_REFUSED), sorted(STILL_REFUSED - refused))
+
+
+def test_the_docs_table_is_the_generated_one():
+    from pathlib import Path
+
+    from meshkit.tensor import coverage as generated
+
+    page = (Path(__file__).parents[1] / "docs" / "dtensor.md").read_text()
+    block = page.split(generated.START, 1)[1].split(generated.END, 1)[0]
+    assert block.strip() == generated.table().strip(), "run: python -m meshkit.tensor.coverage docs/dtensor.md"
+    for op in ("np.var", "np.cumsum", "np.sort", "np.linalg.norm", "DTensor.__setitem__", "np.tensordot"):
+        assert f"`{op}`" in block
+
+
+def test_what_is_still_refused_names_the_op_the_placements_and_the_way_on_every_rank():
+    from meshkit.tensor import Replicate, distribute_tensor
+
+    def body() -> list[str]:
+        mesh = meshkit.init_device_mesh("cpu", (2,))
+        d = distribute_tensor(X, mesh, [Shard(0)])
+        cases = [(lambda: np.linalg.norm(d, 2), r"np.linalg.norm: the matrix norm ord=2 has no DTensor rule "
+                  r"\(placements \(Shard\(dim=0\),\)\); .*redistribute to Replicate first"),
+                 (lambda: np.unique(d), r"np.unique: has no DTensor rule \(placements \(Shard\(dim=0\),\)\); "
+                  r"redistribute to Replicate first"),
+                 (lambda: np.fft.fft(d), r"np.fft.fft: has no DTensor rule"),
+                 (lambda: d[[0, 1], [1, 2]], r"one integer array among full slices ':' is supported.*redistribute"),
+                 (lambda: np.pad(d, 1, mode="mean"), r"np.pad: mode='mean' has no DTensor rule \(placements "
+                  r"\(Shard\(dim=0\),\)\).*redistribute to Replicate first"),
+                 (lambda: np.diff(d, prepend=0.0), r"np.diff: prepend=0.0 has no DTensor rule.*Replicate first")]
+        seen = []
+        for call, message in cases:
+            start = meshkit.flight_record()
+            with pytest.raises(NotImplementedError, match=message) as info:
+                call()
+            assert new_records(start) == [], "refused before any communication"
+            seen.append(str(info.value).split(": ", 2)[2])
+        full = d.redistribute(placements=[Replicate()]).to_local()  # the way named: it works
+        assert np.linalg.norm(full, 2) == np.linalg.norm(X, 2)
+        return seen
+
+    first, second = local.run(body, 2)
+    assert first == second  # every rank refuses alike, with the same words
+
+
+def test_var_of_a_huge_offset_stays_accurate():
+    """Chan's merge, not a sum of squares: var of 1e9 + unit noise, sharded unevenly, as NumPy's (a sum of
+    squares loses every digit there)."""
+    from meshkit.tensor import distribute_tensor
+
+    data = 1e9 + np.random.default_rng(1).standard_normal((7, 3))
+
+    def body() -> Any:
+        return np.var(distribute_tensor(data, meshkit.init_device_mesh("cpu", (3,)), [Shard(0)]), axis=0).full_tensor()
+
+    got = local.run(body, 3)[0]
+    np.testing.assert_allclose(got, np.var(data, axis=0), rtol=1e-6)  # the data hold 1e9 to 1e-7
+    naive = np.mean(data ** 2, axis=0) - np.mean(data, axis=0) ** 2  # what a sum of squares gives
+    assert not np.allclose(naive, np.var(data, axis=0), rtol=1e-3)
+
+
+def test_new_rules_match_numpy_on_real_processes(mpirun):
+    out = mpirun("mpi_tensor_numpy_ops.py", 3, timeout=120).stdout
+    assert out.count("NUMPY OPS OK") == 3, out
