@@ -48,6 +48,12 @@ What is measured, on a 1-D mesh over all N ranks, float64:
   to Replicate (the check of the trusted shape, an all-gather of a fingerprint per mesh dim,
   then the data's all-gather) beside the same redistribution of a DTensor known to agree.
   ``added_us`` is the difference, ``ratio`` checked / unchecked.
+* ``reductions``: issue 40's reductions on a ``[Shard(0)]`` array of each ``--reduce-shapes``
+  block per rank (``var``/``std`` along axis 0 and whole, ``argmax`` whole and along axis 0,
+  ``prod`` and ``cumsum`` along axis 0, ``linalg.norm``, ``count_nonzero`` completed by
+  ``full_tensor()``), each beside its fair floor: the collective it needs on the group plus the
+  local NumPy work, written by hand (:func:`reduction_pairs`), checked to agree before timing.
+  The target: ratio within 1.20.
 * ``overhead``: for small arrays (``--op-shape``, default 8x8 per rank), the time of a DTensor
   op (``a + b``, ``np.tanh``, ``a @ w``, ``np.sum(axis=1)``, ``.T``, ``reshape``) minus the time
   of the same NumPy call on the local blocks, in microseconds: the cost of dispatch, placement
@@ -86,6 +92,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 COLUMNS = 64  # float64 columns of the redistributed arrays
 TRANSITIONS = ("S0->R", "P->R", "P->S0", "S0->S1", "R->S0")
 OPS = ("add", "tanh", "matmul", "sum", "transpose", "reshape")
+REDUCTIONS = ("var0", "varall", "std0", "argmax", "argmax0", "prod0", "cumsum0", "norm", "count_nonzero")
 _PLACEMENT = {"S0": Shard(0), "S1": Shard(1), "R": Replicate(), "P": Partial()}
 
 
@@ -184,6 +191,93 @@ def op_pairs(shape: tuple[int, int], mesh: meshkit.DeviceMesh
     }
 
 
+def reduction_pairs(block: tuple[int, int], mesh: meshkit.DeviceMesh
+                    ) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]]]:
+    """``{reduction: (the DTensor call, its fair floor)}`` on a ``[Shard(0)]`` array of ``block`` per
+    rank, each checked to agree before timing. The floor is the collective the reduction needs on
+    the group, written by hand with NumPy on the block: ``var`` the local mean and M2, one
+    all-gather of both and Chan's merge; ``argmax`` the local argmax, one all-gather of (value,
+    global index) and the pick; ``prod`` the local product and one all-reduce PRODUCT; ``cumsum``
+    the local scan, one all-gather of the last rows and the add; ``norm`` the local sum of squares,
+    one all-reduce and the root; ``count_nonzero`` (its Partial completed: ``.full_tensor()``) the
+    local count and one all-reduce."""
+    group, n, r = mesh.get_group(0), mesh.size(), mesh.get_local_rank(0)
+    rows, cols = block
+    g = np.random.default_rng(3).standard_normal((rows * n, cols))
+    d = distribute_tensor(g, mesh, [Shard(0)], src_data_rank=None)
+    x = d.to_local()
+
+    def chan(stats: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
+        m, m2, total = stats[0, 0], stats[0, 1], count
+        for k in range(1, n):
+            delta = stats[k, 0] - m
+            new = total + count
+            m = m + delta * (count / new)
+            m2 = m2 + stats[k, 1] + delta * delta * (total * count / new)
+            total = new
+        return m2, total
+
+    def var_floor(axis: Any) -> Any:
+        m = x.mean(axis=axis, keepdims=True)
+        mine = np.stack([m, np.square(x - m).sum(axis=axis, keepdims=True)])
+        every = np.empty((n, *mine.shape))
+        group.all_gather_into_tensor(every, mine[None])
+        m2, total = chan(every, x.size if axis is None else x.shape[0])
+        return (m2 / total).reshape(-1) if axis is not None else (m2 / total).reshape(())
+
+    def argmax_floor(axis: Any) -> Any:
+        k = np.argmax(x, axis=axis)
+        if axis is None:
+            mine = np.array([x.reshape(-1)[k], k + r * x.size], dtype=np.float64)
+        else:
+            mine = np.stack([np.take_along_axis(x, k[None], 0)[0], k + r * rows]).astype(np.float64)
+        every = np.empty((n, *mine.shape))
+        group.all_gather_into_tensor(every, mine[None])
+        return every[np.argmax(every[:, 0], axis=0), 1].astype(np.intp) if axis is None else \
+            np.take_along_axis(every[:, 1], np.argmax(every[:, 0], axis=0)[None], 0)[0].astype(np.intp)
+
+    def prod_floor() -> Any:
+        out = np.prod(x, axis=0)
+        group.all_reduce(out, meshkit.ReduceOp.PRODUCT)
+        return out
+
+    def cumsum_floor() -> Any:
+        out = np.cumsum(x, axis=0)
+        last = np.empty((n, cols))
+        group.all_gather_into_tensor(last, out[-1:])
+        if r:
+            out += last[:r].sum(axis=0)
+        return out
+
+    def norm_floor() -> Any:
+        out = np.array(np.dot(x.reshape(-1), x.reshape(-1)))
+        group.all_reduce(out)
+        return np.sqrt(out)
+
+    def count_floor() -> Any:
+        out = np.array(np.count_nonzero(x > 0), dtype=np.intp)
+        group.all_reduce(out)
+        return out
+
+    pairs = {
+        "var0": (lambda: np.var(d, axis=0), lambda: var_floor(0)),
+        "varall": (lambda: np.var(d), lambda: var_floor(None)),
+        "std0": (lambda: np.std(d, axis=0), lambda: np.sqrt(var_floor(0))),
+        "argmax": (lambda: np.argmax(d), lambda: argmax_floor(None)),
+        "argmax0": (lambda: np.argmax(d, axis=0), lambda: argmax_floor(0)),
+        "prod0": (lambda: np.prod(d, axis=0), prod_floor),
+        "cumsum0": (lambda: np.cumsum(d, axis=0), cumsum_floor),
+        "norm": (lambda: np.linalg.norm(d), norm_floor),
+        "count_nonzero": (lambda: np.count_nonzero(d > 0).full_tensor(), count_floor),
+    }
+    for name, (dt, floor) in pairs.items():
+        got, want = dt(), floor()
+        got = got.to_local() if isinstance(got, DTensor) else got
+        if not np.allclose(got, want, rtol=1e-9, atol=1e-12, equal_nan=True):
+            raise SystemExit(f"meshkit.bench: rank {meshkit.get_rank()}: {name}: the DTensor op and its floor disagree")
+    return pairs
+
+
 def check_pairs(block: tuple[int, int], mesh: meshkit.DeviceMesh
                 ) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]]]:
     """``{case: (checked construction, the same without the check)}`` for a ``block`` per rank."""
@@ -239,7 +333,9 @@ def run(args: argparse.Namespace, comm: MPI.Comm, rank: int, n: int) -> list[dic
     pairs = op_pairs((args.op_shape[0], args.op_shape[1]), mesh)
     out: list[dict[str, Any]] = []
     checks = [(shape, check_pairs(shape, mesh)) for shape in args.check_shapes]
-    total = len(args.transitions) * len(rows_list) + len(args.ops) + sum(len(c) for _, c in checks)
+    reductions = [(shape, reduction_pairs(shape, mesh)) for shape in args.reduce_shapes]
+    total = len(args.transitions) * len(rows_list) + len(args.ops) + sum(len(c) for _, c in checks) + \
+        len(args.reductions) * len(reductions)
     with Progress(total, enabled=rank == 0 and not args.no_progress, unit="case") as progress:
         for name in args.transitions:
             progress.start_group(name)
@@ -258,6 +354,13 @@ def run(args: argparse.Namespace, comm: MPI.Comm, rank: int, n: int) -> list[dic
             out.append({"section": "overhead", "op": op, "dtensor_us": 1e6 * t_dt, "numpy_us": 1e6 * t_np,
                         "overhead_us": 1e6 * (t_dt - t_np)})
             progress.step(op)
+        progress.start_group("reductions")
+        for shape, cases in reductions:
+            for name in args.reductions:
+                t_dt, t_floor = time_each(cases[name], args, comm)
+                out.append({"section": "reductions", "op": name, "block": list(shape), "dtensor_us": 1e6 * t_dt,
+                            "floor_us": 1e6 * t_floor, "ratio": t_dt / t_floor if t_floor > 0 else None})
+                progress.step(name)
         progress.start_group("checks")
         for shape, cases in checks:
             for case, pair in cases.items():
@@ -287,6 +390,16 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     for r in rows:
         if r["section"] == "overhead":
             lines.append(f"{r['op']:<10} {r['dtensor_us']:>11.2f} {r['numpy_us']:>9.2f} {r['overhead_us']:>12.2f}")
+    reductions = [r for r in rows if r["section"] == "reductions"]
+    if reductions:
+        lines.append("")
+        lines.append("reductions on [Shard(0)] beside their fair floor (the collective they need + the local "
+                     "work, by hand). Target: ratio within 1.20")
+        lines.append(f"{'op':<14} {'block':>9} {'DTensor us':>11} {'floor us':>9} {'ratio':>7}")
+        for r in reductions:
+            ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
+            lines.append(f"{r['op']:<14} {'x'.join(map(str, r['block'])):>9} {r['dtensor_us']:>11.2f} "
+                         f"{r['floor_us']:>9.2f} {ratio:>7}")
     checks = [r for r in rows if r["section"] == "checks"]
     if checks:
         lines.append("")
@@ -346,6 +459,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--op-shape", default="8x8", help="per-rank block of the overhead ops, ROWSxCOLS (COLS even)")
     p.add_argument("--check-shapes", default="8x8,1024x128",
                    help="per-rank blocks of the construction checks' timing, ROWSxCOLS,... ('' for none)")
+    p.add_argument("--reductions", type=choice_list(REDUCTIONS, "reductions"), default=list(REDUCTIONS))
+    p.add_argument("--reduce-shapes", default="8x8,1024x64",
+                   help="per-rank blocks of the reductions beside their floor, ROWSxCOLS,... ('' for none)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     p.add_argument("--iters", type=int, default=None, help="timed calls per round (default: adapted)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls before each timed block")
@@ -372,6 +488,13 @@ def _invalid(args: argparse.Namespace, n: int) -> str | None:
         args.check_shapes = [()]
     if any(len(shape) != 2 or min(shape) < 1 for shape in args.check_shapes):
         return "invalid --check-shapes: write ROWSxCOLS[,ROWSxCOLS...] with positive sizes, e.g. 8x8,1024x128"
+    try:
+        args.reduce_shapes = [tuple(int(v) for v in item.lower().split("x")) for item in args.reduce_shapes.split(",")
+                              if item.strip()]
+    except ValueError:
+        args.reduce_shapes = [()]
+    if any(len(shape) != 2 or min(shape) < 1 for shape in args.reduce_shapes):
+        return "invalid --reduce-shapes: write ROWSxCOLS[,ROWSxCOLS...] with positive sizes, e.g. 8x8,1024x64"
     if "S0->S1" in args.transitions and COLUMNS % n:
         return f"S0->S1 needs {COLUMNS} columns to divide over the {n} ranks"
     return matplotlib_missing(args)
@@ -394,7 +517,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         meshkit.destroy_process_group()
     meta = run_metadata(comm, benchmark="dtensor", columns=COLUMNS, transitions=args.transitions, ops=args.ops,
-                        op_shape=list(args.op_shape), check_shapes=[list(s) for s in args.check_shapes], rounds=args.rounds, iters=args.iters, warmup=args.warmup,
+                        op_shape=list(args.op_shape), check_shapes=[list(s) for s in args.check_shapes],
+                        reductions=args.reductions, reduce_shapes=[list(s) for s in args.reduce_shapes], rounds=args.rounds, iters=args.iters, warmup=args.warmup,
                         seconds=time.perf_counter() - started,
                         load_average_1m=os.getloadavg()[0] if hasattr(os, "getloadavg") else None)
     if rank == 0:

@@ -71,8 +71,8 @@ def norm(x: Any, ord: Any = None, axis: Any = None, keepdims: bool = False) -> D
     xp = array_namespace(local)
     if local.dtype.kind not in "fc":
         local = local.astype(np.float64)
-    mag = xp.abs(local)
-    real = mag.dtype
+    mag = xp.abs(local) if local.dtype.kind == "c" or ord not in (None, 2) else local
+    real = mag.dtype if mag.dtype.kind == "f" else np.dtype(np.float64)
     if ord == np.inf or ord == -np.inf:
         kind = "max" if ord == np.inf else "min"
         if any(s == 0 for s in local.shape):
@@ -88,7 +88,11 @@ def norm(x: Any, ord: Any = None, axis: Any = None, keepdims: bool = False) -> D
         part = xp.sum(mag, axis=axes, keepdims=True)
         reduce_op = ReduceOp.SUM
     elif ord == 2:
-        part = xp.sum(mag * mag, axis=axes, keepdims=True)
+        if len(axes) == local.ndim and local.dtype.kind == "f":  # the whole block: one BLAS dot, no temporaries
+            flat = local.reshape(-1)
+            part = xp.asarray(xp.dot(flat, flat)).reshape((1,) * local.ndim)
+        else:
+            part = xp.sum(mag * mag, axis=axes, keepdims=True)
         reduce_op = ReduceOp.SUM
     else:
         p = float(ord)

@@ -239,7 +239,7 @@ def count_nonzero(a: Any, axis: Any = None, *, keepdims: bool = False) -> DTenso
     (int64), no communication here. A Partial input is all-reduced first."""
     def fn(x: Any, axis: Any, keepdims: bool) -> Any:
         xp = array_namespace(x)
-        return xp.sum(x != 0, axis=axis, keepdims=keepdims, dtype=np.intp)
+        return xp.asarray(xp.count_nonzero(x, axis=axis, keepdims=keepdims)).astype(np.intp, copy=False)
     return _logical("np.count_nonzero", fn, "sum", a, axis, keepdims)
 
 
@@ -319,8 +319,13 @@ def _arg(op: str, kind: str, a: Any, axis: Any, out: Any, keepdims: Any) -> DTen
             idx = i + offset[ax]
     if merged:
         counts = _counts(a, need, axes, merged).reshape(-1)
-        vals = gather_over(val, mesh, merged).reshape((-1, *val.shape))
-        idxs = gather_over(idx.astype(np.int64), mesh, merged).reshape((-1, *idx.shape))
+        if np.dtype(local.dtype).itemsize <= 4 or local.dtype == np.float64:  # both exact in float64: one all-gather
+            both = gather_over(xp.stack([val.astype(np.float64), idx.astype(np.float64)]), mesh, merged)
+            both = both.reshape((-1, 2, *val.shape))
+            vals, idxs = both[:, 0].astype(local.dtype, copy=False), both[:, 1].astype(np.int64)
+        else:  # 64-bit integers: values and indices gathered apart
+            vals = gather_over(val, mesh, merged).reshape((-1, *val.shape))
+            idxs = gather_over(idx.astype(np.int64), mesh, merged).reshape((-1, *idx.shape))
         valid = counts > 0
         vals, idxs = vals[valid], idxs[valid]
         best = (xp.max if kind == "max" else xp.min)(vals, axis=0)  # NaN where any candidate is NaN
@@ -337,7 +342,8 @@ def _arg(op: str, kind: str, a: Any, axis: Any, out: Any, keepdims: Any) -> DTen
 @implements(np.argmax)
 def argmax(a: Any, axis: Any = None, out: Any = None, *, keepdims: Any = False) -> DTensor:
     """``np.argmax``: each rank's ``(max, its global index)`` per line; over a sharded reduced axis
-    one all-gather per mesh dim of both (2 x the output block) picks the first maximum in global
+    one all-gather per mesh dim of both packed as float64 (2 x the output block; two all-gathers
+    for 64-bit integers, which float64 does not hold exactly) picks the first maximum in global
     order (the first NaN, as NumPy): Replicate there. ``axis=None``: global flat indices."""
     return _arg("np.argmax", "max", a, axis, out, keepdims)
 
