@@ -1,0 +1,133 @@
+"""Issue 40's rules, by what they decide: the placements they give and where they communicate
+(none where the sharded axis is untouched), what a write changes, and NumPy's dtypes. Values are
+the validator's (tests/test_tensor_validation.py); here each rule's promise is pinned."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import meshkit
+from meshkit.comm import local
+from meshkit.tensor import Partial, Replicate, Shard
+from tensor_cases import distribute_tensor, new_records
+
+X = np.random.default_rng(41).standard_normal((5, 7))
+S0, S1, R, P = Shard(0), Shard(1), Replicate(), Partial("sum")
+
+
+def _on(n, body):
+    """``body(mesh)`` on ``n`` ranks of a 1-D mesh; every rank's result."""
+    return local.run(lambda: body(meshkit.init_device_mesh("cpu", (n,))), n)
+
+
+def _quiet(fn):
+    """``(fn(), the collectives it issued)``."""
+    start = meshkit.flight_record()
+    out = fn()
+    return out, [r["op"] if isinstance(r, dict) and "op" in r else r for r in new_records(start)]
+
+
+def test_the_untouched_sharded_axis_communicates_nothing():
+    def body(mesh):
+        d = distribute_tensor(X, mesh, [S0])
+        seen = {}
+        for name, fn, want in [("var(axis=1)", lambda: np.var(d, axis=1), np.var(X, axis=1)),
+                               ("cumsum(axis=1)", lambda: np.cumsum(d, axis=1), np.cumsum(X, axis=1)),
+                               ("sort(axis=1)", lambda: np.sort(d, axis=1), np.sort(X, axis=1)),
+                               ("median(axis=1)", lambda: np.median(d, axis=1), np.median(X, axis=1)),
+                               ("diff(axis=1)", lambda: np.diff(d, axis=1), np.diff(X, axis=1)),
+                               ("flip(axis=1)", lambda: np.flip(d, axis=1), np.flip(X, axis=1)),
+                               ("pad(cols)", lambda: np.pad(d, ((0, 0), (1, 2))), np.pad(X, ((0, 0), (1, 2)))),
+                               ("argmax(axis=1)", lambda: np.argmax(d, axis=1), np.argmax(X, axis=1)),
+                               ("x[1:4]", lambda: d[1:4], X[1:4]),  # each rank's chunk of rows 1-3 is its own
+                               ("count_nonzero", lambda: np.count_nonzero(d > 0), np.count_nonzero(X > 0)),
+                               ("trace", lambda: np.trace(d), np.trace(X)),
+                               ("average", lambda: np.average(d, axis=0, weights=np.arange(1.0, 6.0)),
+                                np.average(X, axis=0, weights=np.arange(1.0, 6.0)))]:
+            out, issued = _quiet(fn)
+            seen[name] = (out.placements, issued)
+            np.testing.assert_allclose(out.full_tensor(), want, rtol=1e-12, err_msg=name)
+        return seen
+
+    seen = _on(2, body)[0]
+    assert all(issued == [] for _, issued in seen.values()), seen
+    placements = {name: p for name, (p, _) in seen.items()}
+    assert placements["var(axis=1)"] == (S0,) and placements["sort(axis=1)"] == (S0,)
+    assert placements["x[1:4]"] == (S0,) and placements["argmax(axis=1)"] == (S0,)
+    assert placements["count_nonzero"] == (P,) and placements["trace"] == (P,)  # completed only when needed
+    assert placements["average"] == (P,)
+
+
+def test_a_reduced_or_moved_sharded_axis_takes_one_named_collective():
+    def body(mesh):
+        d = distribute_tensor(X, mesh, [S0])
+        out = {}
+        for name, fn in [("var", lambda: np.var(d, axis=0)), ("cumsum", lambda: np.cumsum(d, axis=0)),
+                         ("argmax", lambda: np.argmax(d)), ("prod", lambda: np.prod(d, axis=0)),
+                         ("sort", lambda: np.sort(d, axis=0)), ("x[::-1]", lambda: d[::-1]),
+                         ("norm", lambda: np.linalg.norm(d))]:
+            result, issued = _quiet(fn)
+            out[name] = (result.placements, len(issued))
+        return out
+
+    got = _on(3, body)[0]
+    assert got["var"] == ((R,), 1) and got["argmax"] == ((R,), 1) and got["prod"] == ((R,), 1)
+    assert got["cumsum"] == ((S0,), 1)  # the exclusive scan of the shard totals: one all-gather of a line
+    assert got["sort"] == ((S1,), 1)  # one all-to-all: the rows go whole, the result sharded on columns
+    assert got["x[::-1]"][0] == (S0,)  # still sharded on rows after the move
+    assert got["norm"] == ((R,), 1)
+
+
+def test_writes_change_only_the_owning_ranks_block_and_a_partial_sum_one_term():
+    def body(mesh):
+        d = distribute_tensor(X, mesh, [S0])
+        before = d.to_local().copy()
+        _, issued = _quiet(lambda: d.__setitem__((4, 0), 9.0))
+        changed = not np.array_equal(before, d.to_local())
+        p = distribute_tensor(X, mesh, [R]).redistribute(placements=[P])
+        p[1, 2:4] = [7.0, 8.0]
+        p += 1.5
+        want = X.copy()
+        want[4, 0] = 9.0
+        wantp = X.copy()
+        wantp[1, 2:4] = [7.0, 8.0]
+        np.testing.assert_array_equal(d.full_tensor(), want)
+        np.testing.assert_allclose(p.full_tensor(), wantp + 1.5, rtol=1e-12)
+        return changed, issued, p.placements, p.to_local()[1, 2]
+
+    (c0, i0, pl0, t0), (c1, i1, pl1, t1) = _on(2, body)
+    assert (c0, c1) == (False, True) and i0 == i1 == []  # row 4 lives on rank 1 (rows 3-4) only
+    assert pl0 == pl1 == (P,) and (t0, t1) == (8.5, 0.0)  # coordinate 0's term holds the value
+
+
+def test_a_boolean_mask_gives_every_rank_the_same_data_dependent_length():
+    def body(mesh):
+        d = distribute_tensor(X, mesh, [S1])
+        out = d[d > 0.3]
+        return out.shape, out.placements
+
+    shapes = _on(3, body)
+    assert shapes == [((int(np.count_nonzero(X > 0.3)),), (R,))] * 3
+
+
+def test_numpys_dtypes_and_nan():
+    ints = (X * 4).astype(np.int32)
+    nan = X.copy()
+    nan[3, 2] = np.nan
+
+    def body(mesh):
+        di, db, dn, df = (distribute_tensor(v, mesh, [S0]) for v in (ints, ints > 0, nan, X.astype(np.float32)))
+        out = {"var(int32)": np.var(di, axis=0), "cumsum(bool)": np.cumsum(db, axis=0),
+               "argmax(nan)": np.argmax(dn), "std(float32)": np.std(df, axis=0), "prod(int32)": np.prod(di, axis=0),
+               "median(nan)": np.median(dn, axis=0), "any(bool)": np.any(db, axis=0)}
+        return {k: (v.dtype, v.full_tensor()) for k, v in out.items()}
+
+    got = _on(2, body)[0]
+    want = {"var(int32)": np.var(ints, axis=0), "cumsum(bool)": np.cumsum(ints > 0, axis=0),
+            "argmax(nan)": np.argmax(nan), "std(float32)": np.std(X.astype(np.float32), axis=0),
+            "prod(int32)": np.prod(ints, axis=0), "median(nan)": np.median(nan, axis=0),
+            "any(bool)": np.any(ints > 0, axis=0)}
+    for name, (dtype, value) in got.items():
+        assert dtype == want[name].dtype, name
+        np.testing.assert_allclose(value, want[name], rtol=1e-5 if dtype == np.float32 else 1e-12, err_msg=name)
+    assert got["argmax(nan)"][1] == 3 * 7 + 2
