@@ -207,15 +207,10 @@ def reduction_pairs(block: tuple[int, int], mesh: meshkit.DeviceMesh
     d = distribute_tensor(g, mesh, [Shard(0)], src_data_rank=None)
     x = d.to_local()
 
-    def chan(stats: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
-        m, m2, total = stats[0, 0], stats[0, 1], count
-        for k in range(1, n):
-            delta = stats[k, 0] - m
-            new = total + count
-            m = m + delta * (count / new)
-            m2 = m2 + stats[k, 1] + delta * delta * (total * count / new)
-            total = new
-        return m2, total
+    def chan(stats: np.ndarray, count: int) -> tuple[np.ndarray, int]:
+        m = stats[:, 0].mean(axis=0)  # equal blocks: equal weights
+        delta = stats[:, 0] - m
+        return stats[:, 1].sum(axis=0) + (delta * delta).sum(axis=0) * count, count * n
 
     def var_floor(axis: Any) -> Any:
         m = x.mean(axis=axis, keepdims=True)

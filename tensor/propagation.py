@@ -182,7 +182,7 @@ def gather_over(local: Any, mesh: DeviceMesh, dims: Sequence[int]) -> Any:
             into[...] = flat
         # this dim's axis goes after the ones gathered before (mesh order kept)
         block = into.reshape((n, *lead, *local.shape))
-        out = xp.ascontiguousarray(xp.moveaxis(block, 0, len(lead)))
+        out = xp.ascontiguousarray(xp.moveaxis(block, 0, len(lead))) if lead else block
         lead = (*lead, n)
     return out
 

@@ -21,6 +21,7 @@ NaN anywhere in a line gives NaN (``argmax``: the first NaN's index, as NumPy). 
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -67,17 +68,25 @@ def _plan(a: DTensor, axes: tuple[int, ...], keepdims: bool, keep_partial: tuple
 
 
 def _counts(a: DTensor, placements: list[Placement], axes: tuple[int, ...], merged: list[int]) -> np.ndarray:
-    """Elements each rank along the ``merged`` mesh dims reduces (shape ``(n_0, n_1, ...)``): arithmetic."""
+    """Elements each rank along the ``merged`` mesh dims reduces, flat in mesh order: arithmetic."""
     mesh = a.device_mesh
-    me = list(mesh.get_coordinate())
-    sizes = [mesh.shape[i] for i in merged]
+    return _counts_of(a.shape, tuple(mesh.shape), tuple(mesh.get_coordinate()), tuple(placements), axes,
+                      tuple(merged))
+
+
+@functools.lru_cache(maxsize=256)
+def _counts_of(shape: tuple[int, ...], mesh_shape: tuple[int, ...], me: tuple[int, ...],
+               placements: tuple[Placement, ...], axes: tuple[int, ...], merged: tuple[int, ...]) -> np.ndarray:
+    sizes = [mesh_shape[i] for i in merged]
     out = np.zeros(sizes, dtype=np.int64)
     for idx in np.ndindex(*sizes):
         coordinate = list(me)
         for i, c in zip(merged, idx):
             coordinate[i] = c
-        shape = local_shape_and_offset(a.shape, mesh.shape, coordinate, placements)[0]
-        out[idx] = math.prod(shape[ax] for ax in axes)
+        block = local_shape_and_offset(shape, mesh_shape, coordinate, placements)[0]
+        out[idx] = math.prod(block[ax] for ax in axes)
+    out = out.reshape(-1)
+    out.flags.writeable = False
     return out
 
 
@@ -94,10 +103,11 @@ def _stats_dtype(op: str, dtype: np.dtype) -> np.dtype:
 def var(a: Any, axis: Any = None, dtype: Any = None, out: Any = None, ddof: Any = 0, keepdims: Any = False,
         *, where: Any = True, mean: Any = None, correction: Any = None) -> DTensor:
     """``np.var``: local ``(count, mean, M2)`` per block, merged over a sharded reduced axis by
-    Chan, Golub and LeVeque's parallel formula (``M2 = M2_a + M2_b + d^2 n_a n_b / n``), never a
-    sum of squares, so it is as accurate as NumPy's two passes. Cost: one all-gather per mesh dim
-    sharding a reduced axis of ``2 x`` the output block (the counts are arithmetic); the merge is
-    done in mesh order on every rank, so the result is Replicate there, bit-identical on all
+    Chan, Golub and LeVeque's parallel formula for all blocks at once (the global mean ``m`` from
+    the counts and means, then ``M2 = sum M2_k + sum n_k (m_k - m)^2``, non-negative terms),
+    never a sum of squares, so it is as accurate as NumPy's two passes. Cost: one all-gather per
+    mesh dim sharding a reduced axis of ``2 x`` the output block (the counts are arithmetic); the
+    merge runs in mesh order on every rank, so the result is Replicate there, the same on all
     ranks. A Partial input is all-reduced first."""
     return _moments("np.var", a, axis, dtype, out, ddof, keepdims, where, mean, correction, root=False)
 
@@ -129,24 +139,18 @@ def _moments(op: str, a: Any, axis: Any, dtype: Any, out: Any, ddof: Any, keepdi
     else:
         m = xp.zeros(tuple(1 if d in axes else s for d, s in enumerate(local.shape)), dtype=work)
         m2 = xp.zeros_like(m)
+    merged = [i for i in merged if a.device_mesh.shape[i] > 1]  # a mesh dim of one rank has nothing to merge
     if merged:
-        counts = _counts(a, need, axes, merged).reshape(-1)
+        counts = _counts(a, need, axes, merged)
         both = gather_over(xp.stack([m, m2]), a.device_mesh, merged)
-        both = both.reshape((-1, *both.shape[len(merged):]))
-        n_acc, m, m2 = 0, None, None
-        for k, count in enumerate(counts.tolist()):  # Chan et al., in mesh order on every rank
-            if not count:
-                continue
-            mb, m2b = both[k, 0], both[k, 1]
-            if m is None:
-                n_acc, m, m2 = count, mb, m2b
-                continue
-            total = n_acc + count
-            delta = mb - m
-            m = m + delta * (count / total)
-            m2 = m2 + m2b + delta * delta * (n_acc * count / total)
-            n_acc = total
-        n_total = n_acc
+        both = both.reshape((-1, *both.shape[len(merged):]))[counts > 0]  # empty blocks hold no moments
+        weights = xp.asarray((counts[counts > 0] / counts.sum()).astype(work)).reshape((-1,) + (1,) * m.ndim)
+        # Chan et al.'s merge of all blocks at once: the global mean, then M2 = sum M2_k + n_k (m_k - m)^2,
+        # a sum of non-negative terms (no cancellation, unlike sum(x^2) - n m^2); summed in mesh order
+        m = xp.sum(weights * both[:, 0], axis=0)
+        delta = both[:, 0] - m
+        m2 = xp.sum(both[:, 1], axis=0) + xp.sum(weights * delta * delta, axis=0) * counts.sum()
+        n_total = int(counts.sum())
     else:
         n_total = n_local
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -305,8 +309,7 @@ def _arg(op: str, kind: str, a: Any, axis: Any, out: Any, keepdims: Any) -> DTen
             idx, val = xp.zeros((), dtype=np.intp), xp.zeros((), dtype=local.dtype)
         else:
             k = int(pick(local))
-            multi = np.unravel_index(k, local.shape)
-            idx = xp.asarray(np.ravel_multi_index(tuple(m + o for m, o in zip(multi, offset)), a.shape))
+            idx = xp.asarray(_global_flat(k, local.shape, offset, a.shape), dtype=np.intp)
             val = local.reshape(-1)[k]
     else:
         ax = axes[0]
@@ -317,8 +320,9 @@ def _arg(op: str, kind: str, a: Any, axis: Any, out: Any, keepdims: Any) -> DTen
             i = pick(local, axis=ax)
             val = xp.take_along_axis(local, xp.expand_dims(i, ax), axis=ax).squeeze(ax)
             idx = i + offset[ax]
+    merged = [i for i in merged if mesh.shape[i] > 1]  # a mesh dim of one rank has nothing to merge
     if merged:
-        counts = _counts(a, need, axes, merged).reshape(-1)
+        counts = _counts(a, need, axes, merged)
         if np.dtype(local.dtype).itemsize <= 4 or local.dtype == np.float64:  # both exact in float64: one all-gather
             both = gather_over(xp.stack([val.astype(np.float64), idx.astype(np.float64)]), mesh, merged)
             both = both.reshape((-1, 2, *val.shape))
@@ -337,6 +341,16 @@ def _arg(op: str, kind: str, a: Any, axis: Any, out: Any, keepdims: Any) -> DTen
     if keep:
         idx = idx.reshape(shape) if flat else xp.expand_dims(idx, axes[0])
     return wrap(idx, mesh, placements, shape)
+
+
+def _global_flat(k: int, local_shape: tuple[int, ...], offset: tuple[int, ...], shape: tuple[int, ...]) -> int:
+    """The global flat (C order) index of the block's flat index ``k``."""
+    flat, stride = 0, 1
+    for size, block, off in zip(reversed(shape), reversed(local_shape), reversed(offset)):
+        k, within = divmod(k, block)
+        flat += (within + off) * stride
+        stride *= size
+    return flat
 
 
 @implements(np.argmax)
