@@ -291,6 +291,8 @@ def _arg(op: str, kind: str, a: Any, axis: Any, out: Any, keepdims: Any) -> DTen
     if a.size == 0:
         raise ValueError(errors.prefix(op) + f"attempt to get {op[3:]} of an empty sequence")
     flat = axis is None
+    if not flat and (isinstance(axis, bool) or not isinstance(axis, (int, np.integer))):
+        raise TypeError(errors.prefix(op) + f"axis must be an int or None, got {axis!r}")  # NumPy's: one axis
     axes = tuple(range(a.ndim)) if flat else norm_axes(op, a.ndim, axis)
     keep = bool(keepdims)
     need, placements, merged, _ = _plan(a, axes, keep)
