@@ -434,6 +434,62 @@ class DTensor(NDArrayOperatorsMixin):
         """As ``ndarray.min`` (a sharded axis reduced away gives Partial(min))."""
         return np.min(self, axis=axis, **kwargs)
 
+    def var(self, axis: Any = None, **kwargs: Any) -> DTensor:
+        """As ``ndarray.var`` (see :mod:`.statistics`)."""
+        return np.var(self, axis=axis, **kwargs)
+
+    def std(self, axis: Any = None, **kwargs: Any) -> DTensor:
+        """As ``ndarray.std``."""
+        return np.std(self, axis=axis, **kwargs)
+
+    def prod(self, axis: Any = None, **kwargs: Any) -> DTensor:
+        """As ``ndarray.prod``."""
+        return np.prod(self, axis=axis, **kwargs)
+
+    def any(self, axis: Any = None, **kwargs: Any) -> DTensor:
+        """As ``ndarray.any`` (a sharded axis reduced away gives Partial(max))."""
+        return np.any(self, axis=axis, **kwargs)
+
+    def all(self, axis: Any = None, **kwargs: Any) -> DTensor:
+        """As ``ndarray.all`` (a sharded axis reduced away gives Partial(min))."""
+        return np.all(self, axis=axis, **kwargs)
+
+    def argmax(self, axis: Any = None, **kwargs: Any) -> DTensor:
+        """As ``ndarray.argmax``."""
+        return np.argmax(self, axis=axis, **kwargs)
+
+    def argmin(self, axis: Any = None, **kwargs: Any) -> DTensor:
+        """As ``ndarray.argmin``."""
+        return np.argmin(self, axis=axis, **kwargs)
+
+    def cumsum(self, axis: Any = None, **kwargs: Any) -> DTensor:
+        """As ``ndarray.cumsum`` (see :mod:`.scans`)."""
+        return np.cumsum(self, axis=axis, **kwargs)
+
+    def cumprod(self, axis: Any = None, **kwargs: Any) -> DTensor:
+        """As ``ndarray.cumprod``."""
+        return np.cumprod(self, axis=axis, **kwargs)
+
+    def argsort(self, axis: Any = -1, **kwargs: Any) -> DTensor:
+        """As ``ndarray.argsort`` (see :mod:`.sorting`)."""
+        return np.argsort(self, axis=axis, **kwargs)
+
+    def trace(self, offset: int = 0, **kwargs: Any) -> DTensor:
+        """As ``ndarray.trace``."""
+        return np.trace(self, offset, **kwargs)
+
+    def dot(self, other: Any) -> DTensor:
+        """As ``ndarray.dot``."""
+        return np.dot(self, other)
+
+    def ravel(self) -> DTensor:
+        """The flattened array (``reshape(-1)``: moves blocks where they would not stay whole)."""
+        return np.reshape(self, (-1,))
+
+    def flatten(self) -> DTensor:
+        """A copy of the flattened array."""
+        return np.copy(np.reshape(self, (-1,)))
+
     def clip(self, min: Any = None, max: Any = None, **kwargs: Any) -> DTensor:
         """As ``ndarray.clip`` (a Partial is reduced first)."""
         return np.clip(self, min, max, **kwargs)

@@ -153,8 +153,8 @@ def _moments(op: str, a: Any, axis: Any, dtype: Any, out: Any, ddof: Any, keepdi
         n_total = int(counts.sum())
     else:
         n_total = n_local
-    with np.errstate(divide="ignore", invalid="ignore"):
-        result = m2 / max(n_total - ddof, 0) if n_total - ddof > 0 else m2 * np.nan
+    with np.errstate(divide="ignore", invalid="ignore"):  # ddof >= count: inf or NaN, as NumPy's
+        result = m2 / max(n_total - ddof, 0)
     if root:
         result = xp.sqrt(result)
     if not keepdims:

@@ -131,3 +131,19 @@ def test_numpys_dtypes_and_nan():
         assert dtype == want[name].dtype, name
         np.testing.assert_allclose(value, want[name], rtol=1e-5 if dtype == np.float32 else 1e-12, err_msg=name)
     assert got["argmax(nan)"][1] == 3 * 7 + 2
+
+
+def test_the_ndarray_methods_route_to_the_rules():
+    def body(mesh):
+        d = distribute_tensor(X, mesh, [S1])
+        return {name: np.asarray(getattr(d, name)(*args).full_tensor()) for name, args in
+                [("var", (0,)), ("std", ()), ("prod", (1,)), ("any", ()), ("all", (0,)), ("argmax", ()),
+                 ("argmin", (1,)), ("cumsum", (1,)), ("cumprod", (0,)), ("argsort", ()), ("trace", ()),
+                 ("ravel", ()), ("flatten", ())]} | {"dot": d.dot(d.T).full_tensor()}
+
+    got = _on(3, body)[0]
+    for name, args in [("var", (0,)), ("std", ()), ("prod", (1,)), ("any", ()), ("all", (0,)), ("argmax", ()),
+                       ("argmin", (1,)), ("cumsum", (1,)), ("cumprod", (0,)), ("argsort", ()), ("trace", ()),
+                       ("ravel", ()), ("flatten", ())]:
+        np.testing.assert_allclose(got[name], getattr(X, name)(*args), rtol=1e-12, err_msg=name)
+    np.testing.assert_allclose(got["dot"], X.dot(X.T), rtol=1e-12)
