@@ -513,7 +513,8 @@ def main(argv: list[str] | None = None) -> int:
         meshkit.destroy_process_group()
     meta = run_metadata(comm, benchmark="dtensor", columns=COLUMNS, transitions=args.transitions, ops=args.ops,
                         op_shape=list(args.op_shape), check_shapes=[list(s) for s in args.check_shapes],
-                        reductions=args.reductions, reduce_shapes=[list(s) for s in args.reduce_shapes], rounds=args.rounds, iters=args.iters, warmup=args.warmup,
+                        reductions=args.reductions, reduce_shapes=[list(s) for s in args.reduce_shapes],
+                        rounds=args.rounds, iters=args.iters, warmup=args.warmup,
                         seconds=time.perf_counter() - started,
                         load_average_1m=os.getloadavg()[0] if hasattr(os, "getloadavg") else None)
     if rank == 0:

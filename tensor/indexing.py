@@ -95,7 +95,10 @@ def _is_mask(k: Any) -> bool:
 
 def getitem(x: Any, key: Any) -> Any:
     """``x[key]`` for every key :func:`index_plan` refuses on a sharded dim, and for fancy and
-    boolean keys: a slice of a sharded dim keeps it sharded (local where every rank's chunk of the result lies in its block, else gathered and cut again), an integer on one gathers it, one integer array is ``np.take``'s rule, a boolean mask gathers the dims it covers (:func:`_sliced`, :func:`_masked`)."""
+    boolean keys: a slice of a sharded dim keeps it sharded (local where every rank's chunk of the
+    result lies in its block, else gathered and cut again), an integer on one gathers it, one
+    integer array is ``np.take``'s rule, a boolean mask gathers the dims it covers
+    (:func:`_sliced`, :func:`_masked`)."""
     op = "DTensor.__getitem__"
     if _is_mask(key):
         return _masked(op, x, key)
@@ -124,7 +127,6 @@ def _sliced(op: str, x: Any, key: Any) -> Any:
     touched dims are gathered (one all-gather per mesh dim sharding them), indexed, and cut again
     (a local slice) to the same mesh dims. An integer on a sharded dim removes it: gathered, the
     mesh dim Replicate (the owner's broadcast would move less: not done). A Partial stays."""
-    from .chunks import local_shape_and_offset
     from .dtensor import DTensor
     from .propagation import moved
 
@@ -239,8 +241,9 @@ def _masked(op: str, x: Any, mask: Any) -> Any:
 
 
 def setitem(x: Any, key: Any, value: Any) -> None:
-    """``x[key] = value`` with basic keys (integers, slices, ``...``, None) or a boolean mask laid
-    out as ``x``: each rank writes the part of the selection its block holds (no communication;
+    """``x[key] = value`` with basic keys (integers, slices, ``...``, None) or a boolean mask of
+    ``x``'s shape (a DTensor, brought to ``x``'s layout: no communication for ``x > 0``, or a plain
+    array sliced locally): each rank writes the part of the selection its block holds (no communication;
     ``value`` a scalar, a plain array the same on every rank broadcast to the selection, or an
     all-Replicate DTensor). On a Partial ``x`` the written elements must reduce to ``value``:
     Partial(sum) writes ``value`` on the ranks of mesh coordinate 0 along that dim and 0 on the
@@ -265,15 +268,27 @@ def setitem(x: Any, key: Any, value: Any) -> None:
     coordinate = tuple(mesh.get_coordinate())
     zero = any(isinstance(p, Partial) and p.reduce_op == "sum" and c != 0 for p, c in zip(x.placements, coordinate))
     if _is_mask(key):
-        if not isinstance(key, DTensor) or key.placements != x.placements or key.shape != x.shape:
-            raise NotImplementedError(errors.prefix(op) + "a boolean mask must be a DTensor of the array's shape and "
-                                      f"placements {x.placements!r} (x > 0 gives one)")
+        if tuple(key.shape) != tuple(x.shape):
+            raise IndexError(f"{errors.prefix(op)}boolean index of shape {tuple(key.shape)} does not match the "
+                             f"DTensor of shape {x.shape}")
         if np.ndim(value) != 0:
-            raise NotImplementedError(errors.prefix(op) + "x[mask] = value takes a scalar value on DTensors")
-        if any(p.is_partial() for p in x.placements):
-            raise NotImplementedError(errors.prefix(op) + f"x[mask] = value on placements {x.placements!r}: a "
-                                      "Partial mask has no rule; redistribute to Replicate first")
-        local[key.to_local()] = 0 if zero else value
+            raise NotImplementedError(errors.prefix(op) + "x[mask] = value takes a scalar value on DTensors (placements "
+                                      f"{x.placements!r}); for an array value, write on full_tensor()")
+        if isinstance(key, DTensor):
+            if any(p.is_partial() for p in key.placements):
+                raise NotImplementedError(errors.prefix(op) + f"a Partial mask (placements {key.placements!r}) has "
+                                          "no rule; redistribute the mask to Replicate first")
+            # the mask laid out as x's blocks (a Partial dim of x holds the whole extent): x > 0 already is,
+            # a Replicate mask is sliced locally, another Shard moves (a collective every rank reaches)
+            from .propagation import moved
+
+            target = [p if isinstance(p, Shard) else Replicate() for p in x.placements]
+            mine = moved(op, "mask", key, target).to_local()
+        else:  # the whole mask on every rank: each takes its block's part
+            from .chunks import local_slices
+
+            mine = key[local_slices(x.shape, mesh.shape, coordinate, x.placements)]
+        local[xp.asarray(mine)] = 0 if zero else value
         return
     expanded = _expand(op, key, x.ndim)
     shape, offset = local_shape_and_offset(x.shape, mesh.shape, coordinate, x.placements)

@@ -280,7 +280,9 @@ def _function_samples(f: Any) -> list[Sample] | None:
                 Sample("x[1:4, ::2] = row", (x,), lambda t: _set(t, (slice(1, 4), slice(None, None, 2)), x[0, ::2])),
                 Sample("x[-1] = nan", (x,), lambda t: _set(t, -1, np.nan)),
                 Sample("ints[:, 3] = 7", (ints,), lambda t: _set(t, (slice(None), 3), 7)),
-                Sample("x += 1.5; x -= 0.25", (x,), _shift)]
+                Sample("x += 1.5; x -= 0.25", (x,), _shift),
+                Sample("x[x > 0.5] = -1", (x,), lambda t: _set(t, t > 0.5, -1.0)),
+                Sample("x[cond] = 0 (cond plain)", (x,), lambda t: _set(t, cond, 0.0))]
     if f is logsumexp:
         return [Sample("logsumexp(x, axis=1)", (x,), lambda s: logsumexp(s, axis=1)),
                 Sample("logsumexp(x3, axis=0, keepdims=True)", (x3 * 30,),
