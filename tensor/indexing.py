@@ -272,8 +272,8 @@ def setitem(x: Any, key: Any, value: Any) -> None:
             raise IndexError(f"{errors.prefix(op)}boolean index of shape {tuple(key.shape)} does not match the "
                              f"DTensor of shape {x.shape}")
         if np.ndim(value) != 0:
-            raise NotImplementedError(errors.prefix(op) + "x[mask] = value takes a scalar value on DTensors (placements "
-                                      f"{x.placements!r}); for an array value, write on full_tensor()")
+            raise NotImplementedError(errors.prefix(op) + "x[mask] = value takes a scalar value on DTensors "
+                                      f"(placements {x.placements!r}); for an array value, write on full_tensor()")
         if isinstance(key, DTensor):
             if any(p.is_partial() for p in key.placements):
                 raise NotImplementedError(errors.prefix(op) + f"a Partial mask (placements {key.placements!r}) has "
