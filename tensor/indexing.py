@@ -96,7 +96,8 @@ def _is_mask(k: Any) -> bool:
 def getitem(x: Any, key: Any) -> Any:
     """``x[key]`` for every key :func:`index_plan` refuses on a sharded dim, and for fancy and
     boolean keys: a slice of a sharded dim keeps it sharded (local where every rank's chunk of the
-    result lies in its block, else gathered and cut again), an integer on one gathers it, one
+    result lies in its block, else gathered and cut again), an integer on one is broadcast from
+    the rank holding it, one
     integer array is ``np.take``'s rule, a boolean mask gathers the dims it covers
     (:func:`_sliced`, :func:`_masked`)."""
     op = "DTensor.__getitem__"
@@ -125,8 +126,9 @@ def _sliced(op: str, x: Any, key: Any) -> Any:
     rank's chunk of the result lies in its own block (``x[1:4]`` of 5 rows over 2 ranks: rows 1-2
     on rank 0, row 3 on rank 1) each rank slices its block, no communication; otherwise the
     touched dims are gathered (one all-gather per mesh dim sharding them), indexed, and cut again
-    (a local slice) to the same mesh dims. An integer on a sharded dim removes it: gathered, the
-    mesh dim Replicate (the owner's broadcast would move less: not done). A Partial stays."""
+    (a local slice) to the same mesh dims. Integers alone on sharded dims (``x[2]``) are
+    :func:`_from_owner`'s: one broadcast of the result's block from the rank holding it, those
+    mesh dims Replicate. A Partial stays."""
     from .dtensor import DTensor
     from .propagation import moved
 
@@ -155,6 +157,9 @@ def _sliced(op: str, x: Any, key: Any) -> Any:
     target = tuple(Shard(new_dim[p.dim]) if isinstance(p, Shard) and p.dim in touched and p.dim in new_dim
                    else q for p, q in zip(x.placements, out))
     mesh = x.device_mesh
+    sharded_touched = [p.dim for p in x.placements if isinstance(p, Shard) and p.dim in touched]
+    if all(not isinstance(touched[d], slice) for d in sharded_touched):
+        return _from_owner(op, x, expanded, touched, local_key, shape, out)
     if all(isinstance(touched.get(p.dim), slice) for p in x.placements if isinstance(p, Shard) and p.dim in touched):
         plan = _local_slices(x, expanded, touched, shape, target)
         if plan is not None:
@@ -163,6 +168,66 @@ def _sliced(op: str, x: Any, key: Any) -> Any:
     whole = moved(op, "self", x, gathered)
     result = DTensor(whole.to_local()[local_key], mesh, out, shape=shape)
     return moved(op, "result", result, target)
+
+
+def _from_owner(op: str, x: Any, expanded: list[Any], touched: dict[int, Any], local_key: tuple[Any, ...],
+                shape: tuple[int, ...], out: tuple[Placement, ...]) -> Any:
+    """``x[key]`` where integers are the only indices on sharded dims (``x[2]`` of rows over ranks):
+    the rank whose block holds those indices indexes it, and one broadcast per mesh dim sharding
+    them (innermost first, from the owner's coordinate) gives it to the others, so each rank
+    receives the result's block, not the whole dim. Those mesh dims become Replicate."""
+    import itertools
+
+    from ..comm._seams import array_namespace
+    from .chunks import local_shape_and_offset
+    from .dtensor import DTensor
+
+    mesh = x.device_mesh
+    mesh_shape = tuple(mesh.shape)
+    me = tuple(mesh.get_coordinate())
+    dims = [i for i, p in enumerate(x.placements) if isinstance(p, Shard) and p.dim in touched]
+    owner = None
+    for combo in itertools.product(*(range(mesh_shape[i]) for i in dims)):
+        coordinate = list(me)
+        for i, c in zip(dims, combo):
+            coordinate[i] = c
+        bshape, boff = local_shape_and_offset(x.shape, mesh_shape, coordinate, x.placements)
+        if all(boff[d] <= int(touched[d]) % x.shape[d] < boff[d] + bshape[d]
+               for d in {x.placements[i].dim for i in dims}):
+            owner = tuple(coordinate)
+            break
+    assert owner is not None  # the integers were checked in range by index_plan
+    block = x.to_local()
+    xp = array_namespace(block)
+    _, offset = local_shape_and_offset(x.shape, mesh_shape, me, x.placements)
+    result_shape = local_shape_and_offset(shape, mesh_shape, me, out)[0]
+    if all(me[i] == owner[i] for i in dims):
+        key = []
+        d = 0
+        for k in expanded:
+            if k is None:
+                key.append(None)
+                continue
+            if d in touched and any(x.placements[i].dim == d for i in dims):
+                key.append(int(k) % x.shape[d] - offset[d])
+            else:
+                key.append(local_key[len(key)] if len(key) < len(local_key) else k)
+            d += 1
+        result = xp.ascontiguousarray(block[tuple(key)])
+    else:
+        result = xp.empty(result_shape, dtype=block.dtype)
+    from .propagation import logger
+
+    logger.debug("%s: broadcasting the block of %r from mesh coordinate %s (placements %r -> %r)", op, expanded,
+                 owner, x.placements, out)
+    for i in reversed(dims):  # innermost first: the owner's row of each outer group then holds it
+        if mesh_shape[i] > 1:
+            group = mesh.get_group(i)
+            root_coordinate = list(me)
+            root_coordinate[i] = owner[i]
+            root = list(group.ranks).index(int(mesh.mesh[tuple(root_coordinate)]))
+            group.broadcast(result, root)
+    return DTensor(result, mesh, out, shape=shape)
 
 
 def _local_slices(x: Any, expanded: list[Any], touched: dict[int, Any], shape: tuple[int, ...],

@@ -65,9 +65,11 @@ def test_a_reduced_or_moved_sharded_axis_takes_one_named_collective():
         for name, fn in [("var", lambda: np.var(d, axis=0)), ("cumsum", lambda: np.cumsum(d, axis=0)),
                          ("argmax", lambda: np.argmax(d)), ("prod", lambda: np.prod(d, axis=0)),
                          ("sort", lambda: np.sort(d, axis=0)), ("x[::-1]", lambda: d[::-1]),
-                         ("norm", lambda: np.linalg.norm(d))]:
+                         ("norm", lambda: np.linalg.norm(d)), ("x[2]", lambda: d[2])]:
             result, issued = _quiet(fn)
             out[name] = (result.placements, len(issued))
+        _, issued = _quiet(lambda: d[2])
+        out["x[2] by"] = [r.get("op") if isinstance(r, dict) else r for r in issued]
         return out
 
     got = _on(3, body)[0]
@@ -76,6 +78,7 @@ def test_a_reduced_or_moved_sharded_axis_takes_one_named_collective():
     assert got["sort"] == ((S1,), 1)  # one all-to-all: the rows go whole, the result sharded on columns
     assert got["x[::-1]"][0] == (S0,)  # still sharded on rows after the move
     assert got["norm"] == ((R,), 1)
+    assert got["x[2]"] == ((R,), 1) and "broadcast" in str(got["x[2] by"])  # the owner's row only, not a gather
 
 
 def test_writes_change_only_the_owning_ranks_block_and_a_partial_sum_one_term():
