@@ -214,7 +214,9 @@ def reduction_pairs(block: tuple[int, int], mesh: meshkit.DeviceMesh
 
     def var_floor(axis: Any) -> Any:
         m = x.mean(axis=axis, keepdims=True)
-        mine = np.stack([m, np.square(x - m).sum(axis=axis, keepdims=True)])
+        dev = x - m
+        np.multiply(dev, dev, out=dev)
+        mine = np.stack([m, dev.sum(axis=axis, keepdims=True)])
         every = np.empty((n, *mine.shape))
         group.all_gather_into_tensor(every, mine[None])
         m2, total = chan(every, x.size if axis is None else x.shape[0])

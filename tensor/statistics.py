@@ -135,7 +135,9 @@ def _moments(op: str, a: Any, axis: Any, dtype: Any, out: Any, ddof: Any, keepdi
     n_local = math.prod(local.shape[ax] for ax in axes)
     if n_local:
         m = xp.mean(block, axis=axes, keepdims=True)
-        m2 = xp.sum(xp.square(block - m), axis=axes, keepdims=True)
+        dev = block - m
+        xp.multiply(dev, dev, out=dev)  # in place, as NumPy's var: one temporary of the block, not two
+        m2 = xp.sum(dev, axis=axes, keepdims=True)
     else:
         m = xp.zeros(tuple(1 if d in axes else s for d, s in enumerate(local.shape)), dtype=work)
         m2 = xp.zeros_like(m)
