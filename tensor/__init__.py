@@ -5,7 +5,8 @@ shared with checkpoints), ``dtensor`` (the DTensor type), ``redistribute`` (one 
 changing mesh dim), ``distribute`` (distribute_tensor), ``dispatch`` (the NumPy protocol tables the op
 modules fill), ``propagation`` (what the op rules share), the op rules ``ufuncs``, ``matmul``,
 ``reductions`` (and ``logsumexp``), ``shape_ops``, ``einsum``, ``joins`` (concatenate, split, take) and
-``local_ops`` (copies, casts), ``indexing`` (basic, fancy and boolean indexing, and writes),
+``local_ops`` (copies, casts), ``indexing`` (the plan of basic indexing, no communication),
+``selection`` (indexing that moves data, fancy and boolean keys, and writes),
 ``statistics`` (var, std, average, count_nonzero, any, all, prod, argmax, argmin, median),
 ``scans`` (cumsum, cumprod), ``sorting`` (sort, argsort), ``movement`` (diff, roll, flip, pad),
 ``linalg`` (norm, outer, trace, tensordot, dot), ``coverage`` (the table of supported operations
@@ -19,8 +20,8 @@ Modules besides those above: ``errors.py`` (the ``meshkit.tensor: rank R:`` pref
 
 from ..comm._seams import moved_names
 # the op modules are imported for what they do: they register the NumPy op rules
-from . import (einsum, joins, linalg, local_ops, matmul, movement, reductions, scans, shape_ops, sorting,  # noqa: F401
-               statistics, ufuncs)
+from . import (einsum, joins, linalg, local_ops, matmul, movement, reductions, scans, selection,  # noqa: F401
+               shape_ops, sorting, statistics, ufuncs)
 from .distribute import distribute_tensor
 from .dtensor import DTensor
 from .parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel, parallelize

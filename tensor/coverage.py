@@ -53,8 +53,8 @@ def table() -> str:
         rows[f"every other ufunc (`{method}`)"] = (rule.__module__.rsplit(".", 1)[-1], _summary(rule))
     for name in ("__getitem__", "__setitem__"):
         rule = getattr(DTensor, name)
-        from . import indexing
-        detail = indexing.getitem if name == "__getitem__" else indexing.setitem
+        from . import selection
+        detail = selection.getitem if name == "__getitem__" else selection.setitem
         rows[f"`DTensor.{name}`"] = ("indexing", _summary(rule) + " " + _summary(detail))
     lines = ["| Operation | Rule | Placements and cost |", "|---|---|---|"]
     lines += [f"| {op} | {module} | {text} |" for op, (module, text) in sorted(rows.items())]

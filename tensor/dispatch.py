@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-__all__ = ["FUNCTIONS", "UFUNCS", "UFUNC_METHODS", "implements", "implements_ufunc"]
+__all__ = ["FUNCTIONS", "UFUNCS", "UFUNC_METHODS", "INDEXING", "implements", "implements_ufunc"]
 
 #: NumPy function (``np.sum``, ``np.transpose``...) -> rule taking the call's ``*args, **kwargs``
 FUNCTIONS: dict[Callable[..., Any], Callable[..., Any]] = {}
@@ -17,6 +17,9 @@ FUNCTIONS: dict[Callable[..., Any], Callable[..., Any]] = {}
 UFUNCS: dict[Any, Callable[..., Any]] = {}
 #: ufunc method name (``"__call__"``, ``"reduce"``) -> rule taking ``(ufunc, *inputs, **kwargs)``
 UFUNC_METHODS: dict[str, Callable[..., Any]] = {}
+#: ``"getitem"`` -> ``(d, key)`` and ``"setitem"`` -> ``(d, key, value)``: the indexing that moves data
+#: (:mod:`.selection`), for the keys :mod:`.indexing`'s plan refuses, and every write
+INDEXING: dict[str, Callable[..., Any]] = {}
 
 
 def implements(*funcs: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

@@ -17,7 +17,7 @@ from ..mesh import DeviceMesh
 from . import dispatch, errors
 from .verify import verify_claims
 from .chunks import local_shape_and_offset, normalize_dim
-from .indexing import getitem, index_plan, setitem
+from .indexing import index_plan
 from .placements import Partial, Placement, Replicate, Shard
 from .redistribute import cached, program, remember
 
@@ -507,8 +507,8 @@ class DTensor(NDArrayOperatorsMixin):
         boolean mask (see :mod:`.indexing`)."""
         try:
             local_key, shape, placements = index_plan(key, self._shape, self._placements)
-        except NotImplementedError:  # a sharded dim indexed, or a fancy or boolean key: indexing.getitem's rules
-            out = getitem(self, key)
+        except NotImplementedError:  # a sharded dim indexed, or a fancy or boolean key: selection.getitem's rules
+            out = dispatch.INDEXING["getitem"](self, key)
             if out._claims is None:
                 out._claims = self._claims
             return out
@@ -517,8 +517,8 @@ class DTensor(NDArrayOperatorsMixin):
         return out
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        """``x[key] = value``: each rank writes the part its block holds (see :func:`.indexing.setitem`)."""
-        setitem(self, key, value)
+        """``x[key] = value``: each rank writes the part its block holds (see :func:`.selection.setitem`)."""
+        dispatch.INDEXING["setitem"](self, key, value)
 
     def __copy__(self) -> DTensor:
         out = DTensor(self._local, self._mesh, self._placements, shape=self._shape)
