@@ -678,8 +678,11 @@ class Job:
         return min(self._failures(), default=None)
 
     def _survive(self) -> None:
-        """Under ``--survive K``: the first K ranks to fail are survived (logged, not the job's end)."""
-        for failure in sorted(f for f in self._all_failures() if f.rank not in self.survived):
+        """Under ``--survive K``: the first K ranks lost are survived (logged, not the job's end). A lost
+        rank is one whose process ended without reporting a failure (a signal, ``os._exit``); one that
+        raised reported it, and its error is the script's: it ends the job as without ``--survive``."""
+        for failure in sorted(f for f in self._all_failures() if f.rank not in self.survived
+                              and self.ranks[f.rank].failed is None):
             if len(self.survived) >= self.survive:
                 return
             self.survived[failure.rank] = failure

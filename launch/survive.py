@@ -61,8 +61,9 @@ def find_ulfm_mpiexec() -> tuple[list[str], str]:
 def survive_arguments() -> list[str]:
     """Open MPI's options of a job that survives failures: ULFM on, TCP between the ranks (its
     shared-memory transport hung on a dead peer, measured), as many ranks as asked whatever the
-    cores (as MPICH's hydra does)."""
-    return ["--with-ft", "ulfm", "--mca", "btl", "self,tcp", "--oversubscribe"]
+    cores, unbound (as MPICH's hydra: Open MPI binds each rank to a core by default, and
+    4 ranks on 2 cores then import NumPy in 11.8 s instead of 4.4 s, measured on a loaded machine)."""
+    return ["--with-ft", "ulfm", "--mca", "btl", "self,tcp", "--oversubscribe", "--bind-to", "none"]
 
 
 def survive_environment(survive: int, library: str) -> dict[str, str]:

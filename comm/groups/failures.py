@@ -52,7 +52,7 @@ class FailureState:
         abandons: the engine aborts its communicator when the group breaks (``capabilities.abandons``).
     """
 
-    __slots__ = ("group", "reason", "rejected", "waiting", "abandons")
+    __slots__ = ("group", "reason", "rejected", "waiting", "abandons", "failed_ranks")
 
     def __init__(self, group: Any, *, abandons: bool) -> None:
         self.group = group
@@ -60,6 +60,7 @@ class FailureState:
         self.rejected: set[int] = set()
         self.waiting = 0
         self.abandons = abandons
+        self.failed_ranks: tuple[int, ...] | None = None  # set when a rank failure broke the group
 
     # ----------------------------------------------------------------- failed calls
     def failed(self, op: str, seq: int, record: CollectiveRecord, exc: BaseException,
@@ -91,6 +92,8 @@ class FailureState:
         record[STATE], record[ERROR] = "failed", repr(exc)
         # A peer's failure breaks the group; on an engine that aborts (NCCL), so does its own
         # failure (an asynchronous NCCL error aborted the communicator): the others are told.
+        if isinstance(exc, RankFailedError) and self.failed_ranks is None:
+            self.failed_ranks = exc.failed_ranks
         if self.reason is None and (isinstance(exc, RankFailedError)
                                     or (self.abandons and isinstance(exc, DistBackendError))):
             self.broken(f"{op} #{seq} failed: {exc}", seq)
@@ -141,10 +144,12 @@ class FailureState:
         self.tell(Notice(BROKEN, group.global_rank, group.ranks, seq, why, timed_out=timed_out))
 
     def unusable(self, op: str) -> None:
-        """Raise: the group broke earlier."""
+        """Raise: the group broke earlier (a RankFailedError naming the dead if a rank failure broke it)."""
         group = self.group
-        raise DistError(f"{where(op, group)}: group {group.name} is unusable after an earlier failure: "
-                        f"{self.reason}")
+        text = f"{where(op, group)}: group {group.name} is unusable after an earlier failure: {self.reason}"
+        if self.failed_ranks is not None:  # a rank failure: the same error type, for the caller's except
+            raise RankFailedError(text, failed_ranks=self.failed_ranks)
+        raise DistError(text)
 
     def tell(self, notice: Notice) -> None:
         """Send ``notice`` to the group's other members (best effort)."""
