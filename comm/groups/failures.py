@@ -23,7 +23,7 @@ from typing import Any, cast
 from .call_fingerprint import MISMATCH_NOTICE, explain
 from ..checks import where
 from ..debug import ERROR, STATE, T_END, CollectiveRecord, mismatch_error
-from ..engines.engine import Abandons, CallsDiffer, DeadlineExceeded
+from ..engines.engine import Abandons, CallsDiffer, DeadlineExceeded, Survives
 from ..errors import CollectiveMismatchError, CollectiveTimeout, DistBackendError, DistError, RankFailedError
 from ..notices import BROKEN, WATCH_INTERVAL, Notice
 from .world import dump_flight_record
@@ -71,9 +71,8 @@ class FailureState:
         record[T_END] = time.time()
         # An engine on a fault-tolerant MPI (meshkit-run --survive) names a dead peer's error as one
         # RankFailedError, whichever call met it (comm/engines/mpi_ulfm.py)
-        rank_failure = getattr(group.engine, "rank_failure", None)
-        if rank_failure is not None:
-            exc = rank_failure(exc, f"{op} #{seq} on group {group.name}") or exc
+        if group.engine is not None and group.engine.capabilities.survives:
+            exc = cast(Survives, group.engine).rank_failure(exc, f"{op} #{seq} on group {group.name}") or exc
         if isinstance(exc, CallsDiffer):  # the engine compared the members' calls (local)
             exc = self.mismatch(seq, exc.entries)
         if isinstance(exc, DeadlineExceeded):

@@ -34,7 +34,7 @@ from ..timeouts import resolve_timeout
 from ..job_end import abort_job
 from ..groups.world import World, current_world, is_initialized, local_context, set_world
 
-__all__ = ["init_process_group", "destroy_process_group", "install_world"]
+__all__ = ["init_process_group", "destroy_process_group", "install_world", "survivors_engine"]
 
 logger = logging.getLogger("meshkit")
 
@@ -242,7 +242,7 @@ def init_process_group(backend: str = "auto", init_method: str | None = None,
 
 def install_world(name: str, engine: Any, limit: float, *, first: bool = True) -> World:
     """Make ``engine`` (a world's) the default group of this rank: ``init_process_group``'s last
-    part, and :func:`~meshkit.comm.setup.survive.shrink_world`'s over the survivors' engine."""
+    part, and :func:`~meshkit.comm.setup.survivors.shrink_world`'s over the survivors' engine."""
     world = World(backend=name, timeout=limit, debug=requested_level(), recorder=FlightRecorder(),
                   progress=ProgressAgent("meshkit-progress"))
     group = ProcessGroup(engine, world=world, ranks=range(engine.size), group_rank=engine.rank, name="world",
@@ -263,6 +263,14 @@ def install_world(name: str, engine: Any, limit: float, *, first: bool = True) -
         logger.info("meshkit: rank %d/%d initialized backend %s, timeout %.0f s, debug %s",
                     world.rank, world.size, world.backend, world.timeout, world.debug.name)
     return world
+
+
+def survivors_engine(world: World) -> tuple[Any, dict[int, int]]:
+    """The engine of the world over the survivors of ``world`` (MPI's ULFM under ``meshkit-run
+    --survive``) and each survivor's new rank by its old one; see
+    :func:`meshkit.comm.engines.mpi.survivors_engine` (imported here, when asked, as every engine)."""
+    from ..engines.mpi import survivors_engine as shrink_mpi
+    return shrink_mpi(world.default_group.engine, [g.engine for g in world.groups.values() if g.engine is not None])
 
 
 def destroy_process_group() -> None:

