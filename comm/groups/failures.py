@@ -69,10 +69,7 @@ class FailureState:
         :class:`CollectiveTimeout` and makes the group unusable; anything else is re-raised)."""
         group = self.group
         record[T_END] = time.time()
-        # An engine on a fault-tolerant MPI (meshkit-run --survive) names a dead peer's error as one
-        # RankFailedError, whichever call met it (comm/engines/mpi_ulfm.py)
-        if group.engine is not None and group.engine.capabilities.survives:
-            exc = cast(Survives, group.engine).rank_failure(exc, f"{op} #{seq} on group {group.name}") or exc
+        exc = self.engine_error(exc, f"{op} #{seq} on group {group.name}")
         if isinstance(exc, CallsDiffer):  # the engine compared the members' calls (local)
             exc = self.mismatch(seq, exc.entries)
         if isinstance(exc, DeadlineExceeded):
@@ -100,6 +97,22 @@ class FailureState:
             logger.error("%s\n%s", exc, group.world.recorder.format(group.global_rank))
         dump_flight_record(group.world, exc)
         return exc
+
+    def engine_error(self, exc: BaseException, what: str) -> BaseException:
+        """``exc`` as the caller sees it: an engine on a fault-tolerant MPI (``meshkit-run --survive``)
+        names a dead peer's error as one RankFailedError, whichever call (``what``) met it
+        (comm/engines/mpi_ulfm.py); the group then breaks as for any peer's failure."""
+        group = self.group
+        if group.engine is None or not group.engine.capabilities.survives:
+            return exc
+        error = cast(Survives, group.engine).rank_failure(exc, what)
+        if error is None:
+            return exc
+        if isinstance(error, RankFailedError) and self.failed_ranks is None:
+            self.failed_ranks = error.failed_ranks
+        if self.reason is None:
+            self.broken(f"{what} failed: {error}", -1)
+        return error
 
     def watchdog_failed(self, op: str, seq: int, error: BaseException, exc: BaseException) -> None:
         """The watchdog found call ``seq``'s device operation failed (``exc``, recorded as ``error``),
