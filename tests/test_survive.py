@@ -13,11 +13,14 @@ import os
 import re
 import stat
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from conftest import launch
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 from meshkit import comm
 from meshkit.comm import local
 from meshkit.comm import DistBackendError, DistValueError, RankFailedError
@@ -118,6 +121,17 @@ def test_ddp_survives_two_failures_in_memory_with_the_exact_result():
     assert "the survivors carry on without it (2 of --survive 2)" in result.stderr, result.stderr
     diff = float(re.search(r"max \|diff\| (\S+)", out).group(1))
     assert diff < 1e-10
+
+
+@needs_ulfm
+def test_train_mlp_survives_a_killed_rank_with_the_exact_result():
+    # examples/train_mlp.py as users run it, under --survive; tests/scripts/elastic_train.py SIGKILLs rank 3
+    # after step 5 (its first loop only); --check compares with single-process training (1e-10, float64)
+    result = launch("elastic_train.py", 4, str(EXAMPLES / "train_mlp.py"), "--strategy", "ddp", "--steps", "10",
+                    "--check", options=("--survive", "1"), env={"ELASTIC_FAULT": "step:3:5"}, timeout=90)
+    assert "ddp on 3 ranks" in result.stdout and "check against single-process training: OK" in result.stdout, \
+        result.stdout
+    assert "the world shrank from 4 to 3 ranks without rank(s) [3]" in result.stdout + result.stderr
 
 
 @needs_ulfm
