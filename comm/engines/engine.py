@@ -103,7 +103,7 @@ class EngineCapabilities:
             engine's answer). Object collectives unpickle only on such a group; elsewhere they
             carry objects in the typed format of :mod:`~meshkit.comm.control` (comm/objects.py).
             False by default: an engine says so only if it knows.
-        survives: ``rank_failure(exc, what)``: the engine's error ``exc`` in call ``what`` stands for
+        survives: ``rank_failure(exc, what, request)``: the engine's error ``exc`` in call ``what`` stands for
             a dead peer under ``meshkit-run --survive`` (MPI's ULFM): it returns the
             :class:`~meshkit.comm.errors.RankFailedError` naming the dead, or None (MPI).
     """
@@ -165,7 +165,7 @@ class Abandons(Protocol):
 class Survives(Protocol):
     """``EngineCapabilities.survives``: an engine error that stands for a dead peer, as a RankFailedError."""
 
-    def rank_failure(self, exc: BaseException, what: str) -> BaseException | None: ...
+    def rank_failure(self, exc: BaseException, what: str, request: Any = None) -> BaseException | None: ...
 
 
 class Coalesces(Protocol):

@@ -151,12 +151,15 @@ class MPIEngine:
         if not completes(request, deadline, self.watch):
             raise DeadlineExceeded()
 
-    def rank_failure(self, exc: BaseException, what: str) -> BaseException | None:
-        """The :class:`RankFailedError` an MPI error of a call (``what``) stands for under
-        ``meshkit-run --survive`` (a dead peer, ULFM), or None (see :mod:`.mpi_ulfm`)."""
-        if isinstance(exc, MPI.Exception):
-            return mpi_ulfm.rank_failed(exc, self.comm, what)
-        return None
+    def rank_failure(self, exc: BaseException, what: str, request: Any = None) -> BaseException | None:
+        """The :class:`RankFailedError` an MPI error of a call (``what``, its ``request`` where known)
+        stands for under ``meshkit-run --survive`` (a dead peer, ULFM), or None (see :mod:`.mpi_ulfm`)."""
+        if not isinstance(exc, MPI.Exception):
+            return None
+        error = mpi_ulfm.rank_failed(exc, self.comm, what)
+        if error is not None and request is not None:
+            mpi_ulfm.keep([request.request if isinstance(request, _Receive) else request])
+        return error
 
     def notify(self, ranks: list[int], notice: Notice) -> None:
         """Send ``notice`` to these global ranks (fire and forget)."""
@@ -518,6 +521,7 @@ def survivors_engine(old: MPIEngine, engines: list[Any]) -> tuple[MPIEngine, dic
     for engine in engines:
         mpi_ulfm.revoke(engine.comm)
     mpi_ulfm.revoke(old.mailbox.comm)  # notices posted to the dead must not be waited for
+    mpi_ulfm.keep(old.mailbox.drop())
     survivors = mpi_ulfm.shrink(old.comm)
     before = old.comm.Get_group()
     try:

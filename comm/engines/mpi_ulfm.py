@@ -30,7 +30,7 @@ from mpi4py import MPI
 from ...launch_protocol import SURVIVE_ENV
 from ..errors import RankFailedError
 
-__all__ = ["budget", "lost", "enabled", "supported", "failed_ranks", "revoke", "rank_failed", "shrink", "world_comm", "set_world_comm"]
+__all__ = ["budget", "lost", "keep", "enabled", "supported", "failed_ranks", "revoke", "rank_failed", "shrink", "world_comm", "set_world_comm"]
 
 logger = logging.getLogger("meshkit")
 
@@ -62,6 +62,18 @@ def budget() -> int:
     """K of ``meshkit-run --survive K`` (``MESHKIT_SURVIVE``): the rank failures the job survives; 0 without it."""
     text = os.environ.get(SURVIVE_ENV, "").strip()
     return int(text) if text.isdigit() else 0
+
+
+#: Requests of operations that met a dead peer: kept, never freed. Open MPI ends the process when
+#: an error arrives for a request already freed ("An error occurred in Send error after request
+#: freed", measured: a 1 MiB send to a rank that died, its request freed by the garbage collector),
+#: and a send to the dead never completes. A few per failure.
+_kept: list[MPI.Request] = []
+
+
+def keep(requests: list[MPI.Request]) -> None:
+    """Keep ``requests`` (to the dead, or cut off by a revoke) alive for the rest of the process."""
+    _kept.extend(requests)
 
 
 def enabled() -> bool:

@@ -98,14 +98,15 @@ class FailureState:
         dump_flight_record(group.world, exc)
         return exc
 
-    def engine_error(self, exc: BaseException, what: str) -> BaseException:
+    def engine_error(self, exc: BaseException, what: str, request: Any = None) -> BaseException:
         """``exc`` as the caller sees it: an engine on a fault-tolerant MPI (``meshkit-run --survive``)
         names a dead peer's error as one RankFailedError, whichever call (``what``) met it
-        (comm/engines/mpi_ulfm.py); the group then breaks as for any peer's failure."""
+        (comm/engines/mpi_ulfm.py; ``request``: the call's, which the engine may have to keep);
+        the group then breaks as for any peer's failure."""
         group = self.group
         if group.engine is None or not group.engine.capabilities.survives:
             return exc
-        error = cast(Survives, group.engine).rank_failure(exc, what)
+        error = cast(Survives, group.engine).rank_failure(exc, what, request)
         if error is None:
             return exc
         if isinstance(error, RankFailedError) and self.failed_ranks is None:
