@@ -28,7 +28,8 @@ Modules: by family, a subpackage each: ``data_parallelism/`` (DDP, ZeRO, FSDP/HS
 shared by the families: ``arrays.py`` (NumPy and CuPy conversions), ``checks.py``, ``_seams.py``;
 the one type every strategy implements, ``strategy.py`` (``Strategy``), and the library's own:
 ``local_strategy.py`` (``LocalStrategy``, the single-process reference) and ``composite.py``
-(``Composite``: several strategies over disjoint parameters as one).
+(``Composite``: several strategies over disjoint parameters as one); ``survive.py``
+(``survive.shrink``: a strategy rebuilt on the survivors of a rank failure, ``meshkit-run --survive``).
 """
 
 from ..comm._seams import moved_names
