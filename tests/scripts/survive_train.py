@@ -2,7 +2,7 @@
 
     meshkit-run -n 4 --survive 2 survive_train.py FAULT [FAULT ...]
 
-Each FAULT is ``KIND:R:S``, R a rank of the world at that moment (ranks are renumbered after a
+Each FAULT (on the job's first attempt only) is ``KIND:R:S``, R a rank of the world at that moment (ranks are renumbered after a
 shrink) and S a step: ``step`` os._exit's rank R as step S starts; ``kill`` SIGKILLs it there;
 ``bucket`` SIGKILLs it in step S's backward pass, after its first gradient was handed over, so
 the others are inside a bucket's all-reduce. The loop is the documented pattern: on
@@ -34,7 +34,9 @@ from meshkit.parallel import LocalStrategy, survive  # noqa: E402
 STEPS, SAMPLES, BATCH, LR = int(os.environ.get("SURVIVE_STEPS", "12")), 240, 120, 0.05
 HIDDEN = (int(os.environ.get("SURVIVE_HIDDEN", "64")),) * 2
 LOG = os.environ.get("SURVIVE_DIR")
-faults = [(k, int(r), int(s)) for k, r, s in (f.split(":") for f in sys.argv[1:])]
+# on the first attempt only: past --survive K, a restart (--max-restarts) trains without them
+faults = [(k, int(r), int(s)) for k, r, s in (f.split(":") for f in sys.argv[1:])
+          if os.environ.get("MESHKIT_RESTART_COUNT", "0") == "0"]
 
 
 def die(kind: str) -> None:
