@@ -10,7 +10,6 @@ one that loses more than K, restarted by --max-restarts.
 
 from __future__ import annotations
 
-import os
 import re
 import stat
 import sys
@@ -20,13 +19,12 @@ import numpy as np
 import pytest
 
 from conftest import launch
-
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 from meshkit import comm
-from meshkit.comm import local
-from meshkit.comm import DistBackendError, DistValueError, RankFailedError
+from meshkit.comm import DistBackendError, DistValueError, RankFailedError, local
 from meshkit.launch import LaunchError, cli, find_mpiexec
 from meshkit.launch.fault_tolerant import find_ulfm_mpiexec, survive_arguments, survive_environment
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def _have_ulfm() -> bool:
