@@ -11,7 +11,7 @@ the job's ranks load it instead of MPICH:
   pip installed last owns the name. Open MPI's wheel also installs ``ompirun_wrapper``, the real
   launcher its ``mpiexec`` stub executes with ``OPAL_PREFIX`` set to the environment's prefix; no
   other wheel has that name, so it is what this module runs (:func:`find_ulfm_mpiexec`), and the
-  default path looks for MPICH's ``mpiexec.hydra`` first for the same reason
+  default path takes MPICH's ``mpiexec.hydra`` where ``mpiexec`` is no longer MPICH's
   (:func:`meshkit.launch.cli.find_mpiexec`);
 - **the library**: mpi4py 4 loads the MPI library at run time (``mpi4py._mpiabi``): the first of
   ``libmpi.so``, ``libmpi.so.12`` (MPICH), ``libmpi.so.40`` (Open MPI) that opens, unless
@@ -61,8 +61,7 @@ def find_ulfm_mpiexec() -> tuple[list[str], str]:
 def survive_arguments() -> list[str]:
     """Open MPI's options of a job that survives failures: ULFM on, TCP between the ranks (its
     shared-memory transport hung on a dead peer, measured), as many ranks as asked whatever the
-    cores, unbound (as MPICH's hydra: Open MPI binds each rank to a core by default, and
-    4 ranks on 2 cores then import NumPy in 11.8 s instead of 4.4 s, measured on a loaded machine)."""
+    cores, unbound (as MPICH's hydra does; Open MPI binds each rank to a core by default)."""
     return ["--with-ft", "ulfm", "--mca", "btl", "self,tcp", "--oversubscribe", "--bind-to", "none"]
 
 
