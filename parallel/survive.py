@@ -30,6 +30,7 @@ error (docs/elastic.md "Surviving failures", limits).
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -40,6 +41,8 @@ from ..comm import DistValueError, Shrunk, all_gather, broadcast_object_list, ge
 from .data_parallelism import DistributedDataParallel
 
 __all__ = ["shrink", "Recovery", "last_recovery"]
+
+logger = logging.getLogger("meshkit")
 
 
 @dataclass(frozen=True)
@@ -104,4 +107,7 @@ def shrink(model: Any, build: Callable[[], Any]) -> tuple[Any, int]:
     recovery = Recovery(shrink=shrunk_at - started, state=time.perf_counter() - shrunk_at, step=max(steps),
                         source=source, world=shrunk)
     _last.append(recovery)
+    logger.warning("meshkit: rank %d: %s rebuilt on %d ranks in %.3f s = shrink %.3f + state %.3f; redoing step %d "
+                   "(the state of rank %d)", get_rank(), type(model).__name__, get_world_size(),
+                   recovery.shrink + recovery.state, recovery.shrink, recovery.state, recovery.step, source)
     return rebuilt, recovery.step
