@@ -26,6 +26,7 @@ The map, one line a module:
     mpi_staging.py     device arrays through MPI: pinned host buffers, or CUDA-aware MPI
     mpi_cuda_aware.py  whether the MPI library reads device memory, asked once
     mpi_mailbox.py     the MPI world's notice channel
+    mpi_ulfm.py        MPI's fault tolerance (ULFM): a dead rank as RankFailedError, Revoke, Shrink
     nccl.py            the NCCL engine: device arrays over NCCL, the rest over its host engine
     nccl_requests.py   its requests: device work (watched until done), AVG of host arrays
     nccl_coalescing.py its ``batch_isend_irecv``: one NCCL group, done events at the outermost end
@@ -47,6 +48,7 @@ The map, one line a module:
     world.py           one rank's state (groups, flight recorder), and the flight record's readers
 ``setup/`` (how a world starts and ends; may import both rooms above)
     lifecycle.py       ``init_process_group``/``destroy_process_group``
+    survivors.py       ``shrink_world``: the world rebuilt over the survivors (``meshkit-run --survive``)
     init_methods.py    ``env://``, ``tcp://``, ``file://``, ``store=``: finding the other ranks
     backends.py        the backends' registry, ``Backend``, ``register_backend``
     registry.py        ``new_group``, the world's groups by rank set, rank translation
@@ -95,12 +97,13 @@ from .stores import FileStore, HashStore, PrefixStore, Store, TCPStore
 from .groups.work import Work
 from .levels import get_debug_level, set_debug_level, set_debug_level_from_env
 from .setup.lifecycle import destroy_process_group, init_process_group
+from .setup.survivors import Shrunk, shrink_world
 from .setup.registry import (get_backend, get_global_rank, get_group_rank, get_process_group_ranks, get_rank,
                        get_world_size, new_group)
 from .groups.world import flight_record, format_flight_record, is_initialized
 
 __all__ = [
-    "init_process_group", "destroy_process_group", "is_initialized", "Backend", "BackendOptions", "register_backend", "is_available", "is_mpi_available",
+    "init_process_group", "destroy_process_group", "shrink_world", "Shrunk", "is_initialized", "Backend", "BackendOptions", "register_backend", "is_available", "is_mpi_available",
     "is_nccl_available", "get_rank", "get_world_size",
     "get_backend", "new_group", "get_group_rank", "get_global_rank", "get_process_group_ranks",
     "ProcessGroup", "ReduceOp", "Work", "P2POp",

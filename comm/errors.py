@@ -66,7 +66,20 @@ class CollectiveMismatchError(DistError):
 
 
 class RankFailedError(DistError):
-    """Another rank of an in-process (``local``) job raised; this rank was woken to stop."""
+    """Another rank failed, so this rank's call cannot complete.
+
+    Raised when a peer's notice shows the call is in vain (a rank of a ``local`` job raised, a
+    member broke the group), and, under ``meshkit-run --survive`` (MPI's fault tolerance), when
+    the engine reports that ranks died: then ``failed_ranks`` names them and the survivors may
+    carry on without them (:func:`meshkit.comm.shrink_world`, docs/elastic.md "Surviving failures").
+
+    Attributes:
+        failed_ranks: the global ranks known dead (empty where the failure is not a death).
+    """
+
+    def __init__(self, message: str, *, failed_ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.failed_ranks = tuple(failed_ranks)
 
 
 class DistStoreError(DistError):

@@ -11,6 +11,9 @@ not repeating a first attempt's set-up::
     if elastic.is_restart():
         print(f"restart {elastic.restart_count()} of {elastic.max_restarts()}")
 
+Under ``meshkit-run --survive K`` no rank is restarted: the survivors of up to K failures carry
+on in memory (:func:`survive_budget` is K; docs/elastic.md "Surviving failures").
+
 Outside the launcher (plain ``python``, ``mpiexec``, another launcher) every process is on its
 first attempt and there are no restarts. The package reads the environment only: it imports
 nothing of meshkit but the variables' names (:mod:`meshkit.launch_protocol`).
@@ -21,9 +24,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ..launch_protocol import MAX_NPROC_ENV, MAX_RESTARTS_ENV, MIN_NPROC_ENV, RESTART_COUNT_ENV
+from ..launch_protocol import MAX_NPROC_ENV, MAX_RESTARTS_ENV, MIN_NPROC_ENV, RESTART_COUNT_ENV, SURVIVE_ENV
 
-__all__ = ["restart_count", "max_restarts", "is_restart", "world_size_range", "Attempt", "attempt"]
+__all__ = ["restart_count", "max_restarts", "is_restart", "world_size_range", "survive_budget", "Attempt", "attempt"]
 
 
 def _number(name: str, default: int) -> int:
@@ -48,6 +51,12 @@ def restart_count() -> int:
 def max_restarts() -> int:
     """``--max-restarts`` of the job (0 outside ``meshkit-run`` or without restarts)."""
     return _number(MAX_RESTARTS_ENV, 0)
+
+
+def survive_budget() -> int:
+    """``--survive K`` of the job: the rank failures its survivors carry on after, in memory
+    (0 outside ``meshkit-run --survive``); see docs/elastic.md "Surviving failures"."""
+    return _number(SURVIVE_ENV, 0)
 
 
 def is_restart() -> bool:

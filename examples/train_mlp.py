@@ -55,7 +55,9 @@ import loop  # the examples' one training loop, beside this file
 import mlp  # the model, beside this file
 from meshkit.comm.engines.cuda_runtime import gpu_available
 from meshkit.checkpoint import CheckpointError, CheckpointManager, get_state_dict, set_state_dict
-from meshkit.parallel import LocalStrategy, PowerSGDState, array_namespace, fp16_compress_hook, powersgd_hook
+from meshkit import elastic
+from meshkit.comm import RankFailedError
+from meshkit.parallel import LocalStrategy, PowerSGDState, array_namespace, fp16_compress_hook, powersgd_hook, survive
 
 #: Default learning rate per optimizer. AdamW moves every element by about lr whatever its
 #: gradient; at 0.05 this model's training amplifies rounding (4 ranks, 200 steps: float32 sums
@@ -119,16 +121,33 @@ def train(args: argparse.Namespace, comm_hook: Any = None, comm_state: Any = Non
     start = resume(manager, model, args) if args.resume else 0  # the strategy holds its optimizer
 
     def run_pass(model: Any, step: int) -> float:
+        # the rank and world size of now: under meshkit-run --survive a failure shrinks the world
+        rank, world = meshkit.get_rank(), meshkit.get_world_size()
         idx = np.array_split(mlp.batch_indices(step, args.samples, args.batch), world)[rank]
         return mlp_pass(model, x, y, xp.asarray(idx))  # on a GPU: the indices go to the device (a small copy)
+
+    losses: list[float] = []  # every step's, whichever world took it
 
     def global_loss(loss: float) -> float:
         mean = np.array([loss])
         meshkit.all_reduce(mean, meshkit.ReduceOp.AVG)
-        return float(mean[0])
+        losses.append(float(mean[0]))
+        return losses[-1]
 
-    losses = loop.train(model, range(start, args.steps), run_pass, global_loss=global_loss,
-                        progress=progress and rank == 0, after_step=saver(manager, model, args))
+    step = start
+    while True:
+        try:
+            loop.train(model, range(step, args.steps), run_pass, global_loss=global_loss,
+                       progress=progress and rank == 0, after_step=saver(manager, model, args))
+            break
+        except RankFailedError:
+            if not elastic.survive_budget():
+                raise
+            # meshkit-run --survive: the world, mesh, groups and state on the survivors; redo the step
+            model, step = survive.shrink(model, lambda: build(args, comm_hook, comm_state))
+            box = [losses[:step - start]]  # the source took the step: its losses count
+            meshkit.broadcast_object_list(box, src=survive.last_recovery().source)
+            losses[:] = box[0]
     return model.full_state_dict()["model"], losses  # NumPy arrays, full size, on every rank
 
 
@@ -499,6 +518,7 @@ def main(argv: list[str] | None = None) -> int:
         meshkit.destroy_process_group()
         raise
     params, losses = train(args, *make_hook(args.hook))
+    rank, world = meshkit.get_rank(), meshkit.get_world_size()  # fewer after failures under --survive
     status = 0
     if rank == 0:
         ranks = f"{world} rank{'s' if world > 1 else ''}"

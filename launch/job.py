@@ -206,11 +206,13 @@ class Job:
         timeout_text: how the timeout is named in its message (default: ``"{timeout} s"``).
         local_only: every rank runs on this host, so a rank that never reported a start is one
             that died before it started (named), not one on another host.
+        survive: ``--survive K``: the first K ranks to fail do not end the job (the survivors
+            carry on without them, docs/elastic.md "Surviving failures"); the next one does.
     """
 
     def __init__(self, command: list[str], env: dict[str, str], *, nproc: int, status_dir: str,
                  timeout: float | None, on_poll: Callable[["Job"], None] | None = None,
-                 timeout_text: str | None = None, local_only: bool = False) -> None:
+                 timeout_text: str | None = None, local_only: bool = False, survive: int = 0) -> None:
         self.command = command
         self.env = env
         self.nproc = nproc
@@ -237,6 +239,8 @@ class Job:
         self.exit_code: int | None = None  # what run() returned
         self.local_only = local_only
         self.shm: dict[str, tuple[int, int]] = {}  # MPICH's files the ranks here hold: name -> (dev, inode)
+        self.survive = survive
+        self.survived: dict[int, _Failure] = {}  # rank -> its failure, which the others survived
 
     # --- running --------------------------------------------------------------------------
 
@@ -651,6 +655,12 @@ class Job:
                 and r not in self.killed and now_ns - rank.ended[1] > grace_ns]
 
     def _failures(self) -> list[_Failure]:
+        """The failures that end the job (not those survived under ``--survive``)."""
+        if self.survive:
+            self._survive()
+        return [f for f in self._all_failures() if f.rank not in self.survived]
+
+    def _all_failures(self) -> list[_Failure]:
         failures = self._abandoned()
         for r, rank in self.ranks.items():
             if rank.failed is not None:
@@ -666,6 +676,18 @@ class Job:
 
     def _first_failure(self) -> _Failure | None:
         return min(self._failures(), default=None)
+
+    def _survive(self) -> None:
+        """Under ``--survive K``: the first K ranks lost are survived (logged, not the job's end). A lost
+        rank is one whose process ended without reporting a failure (a signal, ``os._exit``); one that
+        raised reported it, and its error is the script's: it ends the job as without ``--survive``."""
+        for failure in sorted(f for f in self._all_failures() if f.rank not in self.survived
+                              and self.ranks[f.rank].failed is None):
+            if len(self.survived) >= self.survive:
+                return
+            self.survived[failure.rank] = failure
+            logger.warning("rank %d failed (%s); the survivors carry on without it (%d of --survive %d)",
+                           failure.rank, failure.how, len(self.survived), self.survive)
 
     def _name_ends(self) -> None:
         """Say how the ranks ended that left no traceback (``os._exit(3)``, a signal, ``sys.exit``),
@@ -707,7 +729,7 @@ class Job:
             return failure.status or 1
         local = {r: rank for r, rank in self.ranks.items() if rank.pid is not None}
         # A rank ended in MPI_Finalize after its script was over (see SHUTDOWN_GRACE_S) exited well.
-        if len(local) == self.nproc and all(rank.ended is not None and rank.ended[0] == 0
+        if len(local) == self.nproc and all(rank.ended is not None and rank.ended[0] == 0 or r in self.survived
                                             or r in self.killed and rank.finished for r, rank in local.items()):
             # hydra may report a rank it killed after its watcher was released: the ranks know better
             return 0

@@ -18,7 +18,7 @@ from __future__ import annotations
 __all__ = [
     "STATUS_DIR_ENV", "LAUNCHER_ENV", "LAUNCHER_START_ENV", "LAUNCHED_ENV", "WORLD_SIZE_ENV", "SIMULATED_NODES_ENV",
     "HOST_NAME_ENV", "JOB_SECRET_ENV", "RESTART_COUNT_ENV", "MAX_RESTARTS_ENV", "MIN_NPROC_ENV", "MAX_NPROC_ENV",
-    "RESTART_ENV", "START", "FAILED", "ENDED", "RELEASE", "TIMED_OUT", "FINISHED", "MILESTONE", "SHM_RECORD", "GONE",
+    "RESTART_ENV", "SURVIVE_ENV", "START", "FAILED", "ENDED", "RELEASE", "TIMED_OUT", "FINISHED", "MILESTONE", "SHM_RECORD", "GONE",
     "IMPORTED", "RENDEZVOUS", "RESTORED", "FIRST_STEP", "MILESTONES", "milestone_file",
 ]
 
@@ -47,6 +47,9 @@ JOB_SECRET_ENV = "MESHKIT_JOB_SECRET"
 #: ``TORCHELASTIC_RESTART_COUNT``), the job's ``--max-restarts``, and ``-n MIN:MAX``'s bounds.
 RESTART_COUNT_ENV, MAX_RESTARTS_ENV = "MESHKIT_RESTART_COUNT", "MESHKIT_MAX_RESTARTS"
 MIN_NPROC_ENV, MAX_NPROC_ENV = "MESHKIT_MIN_NPROC", "MESHKIT_MAX_NPROC"
+#: ``K``: the launcher's ``--survive K``: the job runs on MPI's fault tolerance (ULFM) and its
+#: survivors carry on after up to K rank failures (docs/elastic.md "Surviving failures").
+SURVIVE_ENV = "MESHKIT_SURVIVE"
 #: What every rank of an attempt is told (read by :mod:`meshkit.elastic`), in this order.
 RESTART_ENV = (RESTART_COUNT_ENV, MAX_RESTARTS_ENV, MIN_NPROC_ENV, MAX_NPROC_ENV)
 

@@ -31,7 +31,9 @@ its reducer's);
 the one type every strategy implements, ``strategy.py`` (``Strategy``), and the library's own:
 ``local_strategy.py`` (``LocalStrategy``, the single-process reference) and ``composite.py``
 (``Composite``: several strategies over disjoint parameters as one); ``recipe.py``
-(``parallelize_model``: tensor, then context, then data parallelism on a named mesh, one Strategy).
+(``parallelize_model``: tensor, then context, then data parallelism on a named mesh, one Strategy);
+``survive.py`` (``survive.shrink``: a strategy rebuilt on the survivors of a rank failure,
+``meshkit-run --survive``).
 """
 
 from ..comm._seams import moved_names

@@ -12,7 +12,8 @@ What an engine can do beyond the common operations it declares once, as its ``ca
 (an :class:`EngineCapabilities`); the group and its parts read those flags, never probe the engine
 with ``getattr``/``hasattr``. A flag gates methods that only the engines setting it have (see
 :class:`EngineCapabilities`): ``announce(tag)`` (``checks_calls``), ``defer(request)``
-(``defers``), ``abandon(why)`` (``abandons``), ``start_coalescing()``/``end_coalescing()``
+(``defers``), ``abandon(why)`` (``abandons``), ``rank_failure(exc, what)`` (``survives``),
+``start_coalescing()``/``end_coalescing()``
 (``coalesces``), ``abort(code)`` (``aborts_job``). A device engine (``device`` not None: NCCL)
 also has ``use_device()`` (make the group's GPU current on the calling thread: a ``run_async``
 task on the communication thread, the progress agent before it touches a work) and
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 __all__ = ["Engine", "EngineCapabilities", "Request", "Received", "DeadlineExceeded", "CallsDiffer", "ChecksCalls",
-           "Defers", "Abandons", "Coalesces", "AbortsJob", "DeviceEngine", "HostEngine", "GATED", "DEVICE",
+           "Defers", "Abandons", "Survives", "Coalesces", "AbortsJob", "DeviceEngine", "HostEngine", "GATED", "DEVICE",
            "methods", "thread_role", "in_background"]
 
 
@@ -102,6 +103,9 @@ class EngineCapabilities:
             engine's answer). Object collectives unpickle only on such a group; elsewhere they
             carry objects in the typed format of :mod:`~meshkit.comm.control` (comm/objects.py).
             False by default: an engine says so only if it knows.
+        survives: ``rank_failure(exc, what, request)``: the engine's error ``exc`` in call ``what`` stands for
+            a dead peer under ``meshkit-run --survive`` (MPI's ULFM): it returns the
+            :class:`~meshkit.comm.errors.RankFailedError` naming the dead, or None (MPI).
     """
 
     checks_calls: bool = False
@@ -114,6 +118,7 @@ class EngineCapabilities:
     aborts_job: bool = False
     host_arrays: bool = True
     authenticated_peers: bool = False
+    survives: bool = False
     watched_requests: tuple[type, ...] = ()
 
 
@@ -157,6 +162,12 @@ class Abandons(Protocol):
     def abandon(self, why: str) -> None: ...
 
 
+class Survives(Protocol):
+    """``EngineCapabilities.survives``: an engine error that stands for a dead peer, as a RankFailedError."""
+
+    def rank_failure(self, exc: BaseException, what: str, request: Any = None) -> BaseException | None: ...
+
+
 class Coalesces(Protocol):
     """``EngineCapabilities.coalesces``: the sends and receives between the two calls are one group."""
 
@@ -197,7 +208,7 @@ class HostEngine(Protocol):
 
 #: Each capability flag that gates methods, and the Protocol that declares them.
 GATED: dict[str, type] = {"checks_calls": ChecksCalls, "defers": Defers, "abandons": Abandons,
-                          "coalesces": Coalesces, "aborts_job": AbortsJob}
+                          "survives": Survives, "coalesces": Coalesces, "aborts_job": AbortsJob}
 #: The Protocol of an engine whose ``device`` is not None.
 DEVICE = DeviceEngine
 

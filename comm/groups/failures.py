@@ -23,7 +23,7 @@ from typing import Any, cast
 from .call_fingerprint import MISMATCH_NOTICE, explain
 from ..checks import where
 from ..debug import ERROR, STATE, T_END, CollectiveRecord, mismatch_error
-from ..engines.engine import Abandons, CallsDiffer, DeadlineExceeded
+from ..engines.engine import Abandons, CallsDiffer, DeadlineExceeded, Survives
 from ..errors import CollectiveMismatchError, CollectiveTimeout, DistBackendError, DistError, RankFailedError
 from ..notices import BROKEN, WATCH_INTERVAL, Notice
 from .world import dump_flight_record
@@ -52,7 +52,7 @@ class FailureState:
         abandons: the engine aborts its communicator when the group breaks (``capabilities.abandons``).
     """
 
-    __slots__ = ("group", "reason", "rejected", "waiting", "abandons")
+    __slots__ = ("group", "reason", "rejected", "waiting", "abandons", "failed_ranks")
 
     def __init__(self, group: Any, *, abandons: bool) -> None:
         self.group = group
@@ -60,6 +60,7 @@ class FailureState:
         self.rejected: set[int] = set()
         self.waiting = 0
         self.abandons = abandons
+        self.failed_ranks: tuple[int, ...] | None = None  # set when a rank failure broke the group
 
     # ----------------------------------------------------------------- failed calls
     def failed(self, op: str, seq: int, record: CollectiveRecord, exc: BaseException,
@@ -68,6 +69,7 @@ class FailureState:
         :class:`CollectiveTimeout` and makes the group unusable; anything else is re-raised)."""
         group = self.group
         record[T_END] = time.time()
+        exc = self.engine_error(exc, f"{op} #{seq} on group {group.name}")
         if isinstance(exc, CallsDiffer):  # the engine compared the members' calls (local)
             exc = self.mismatch(seq, exc.entries)
         if isinstance(exc, DeadlineExceeded):
@@ -86,6 +88,8 @@ class FailureState:
         record[STATE], record[ERROR] = "failed", repr(exc)
         # A peer's failure breaks the group; on an engine that aborts (NCCL), so does its own
         # failure (an asynchronous NCCL error aborted the communicator): the others are told.
+        if isinstance(exc, RankFailedError) and self.failed_ranks is None:
+            self.failed_ranks = exc.failed_ranks
         if self.reason is None and (isinstance(exc, RankFailedError)
                                     or (self.abandons and isinstance(exc, DistBackendError))):
             self.broken(f"{op} #{seq} failed: {exc}", seq)
@@ -93,6 +97,23 @@ class FailureState:
             logger.error("%s\n%s", exc, group.world.recorder.format(group.global_rank))
         dump_flight_record(group.world, exc)
         return exc
+
+    def engine_error(self, exc: BaseException, what: str, request: Any = None) -> BaseException:
+        """``exc`` as the caller sees it: an engine on a fault-tolerant MPI (``meshkit-run --survive``)
+        names a dead peer's error as one RankFailedError, whichever call (``what``) met it
+        (comm/engines/mpi_ulfm.py; ``request``: the call's, which the engine may have to keep);
+        the group then breaks as for any peer's failure."""
+        group = self.group
+        if group.engine is None or not group.engine.capabilities.survives:
+            return exc
+        error = cast(Survives, group.engine).rank_failure(exc, what, request)
+        if error is None:
+            return exc
+        if isinstance(error, RankFailedError) and self.failed_ranks is None:
+            self.failed_ranks = error.failed_ranks
+        if self.reason is None:
+            self.broken(f"{what} failed: {error}", -1)
+        return error
 
     def watchdog_failed(self, op: str, seq: int, error: BaseException, exc: BaseException) -> None:
         """The watchdog found call ``seq``'s device operation failed (``exc``, recorded as ``error``),
@@ -136,10 +157,12 @@ class FailureState:
         self.tell(Notice(BROKEN, group.global_rank, group.ranks, seq, why, timed_out=timed_out))
 
     def unusable(self, op: str) -> None:
-        """Raise: the group broke earlier."""
+        """Raise: the group broke earlier (a RankFailedError naming the dead if a rank failure broke it)."""
         group = self.group
-        raise DistError(f"{where(op, group)}: group {group.name} is unusable after an earlier failure: "
-                        f"{self.reason}")
+        text = f"{where(op, group)}: group {group.name} is unusable after an earlier failure: {self.reason}"
+        if self.failed_ranks is not None:  # a rank failure: the same error type, for the caller's except
+            raise RankFailedError(text, failed_ranks=self.failed_ranks)
+        raise DistError(text)
 
     def tell(self, notice: Notice) -> None:
         """Send ``notice`` to the group's other members (best effort)."""

@@ -123,6 +123,7 @@ class P2PWork(RequestWork):
         group, record = self._owner_queue.group, self._record
         record[T_END] = time.time()
         if not isinstance(exc, DeadlineExceeded):
+            exc = group.failures.engine_error(exc, f"{self._op} on group {group.name}", self._request)  # --survive
             record[STATE], record[ERROR] = "failed", repr(exc)
             return exc
         record[STATE] = "timed_out"

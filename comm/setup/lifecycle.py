@@ -34,7 +34,7 @@ from ..timeouts import resolve_timeout
 from ..job_end import abort_job
 from ..groups.world import World, current_world, is_initialized, local_context, set_world
 
-__all__ = ["init_process_group", "destroy_process_group"]
+__all__ = ["init_process_group", "destroy_process_group", "install_world", "survivors_engine"]
 
 logger = logging.getLogger("meshkit")
 
@@ -237,6 +237,12 @@ def init_process_group(backend: str = "auto", init_method: str | None = None,
         engine = _store_world(name, requested("env://", world_size, rank, None), limit, device_id)
     else:
         engine = _world_engine(name, limit, device_id)
+    install_world(name, engine, limit)
+
+
+def install_world(name: str, engine: Any, limit: float, *, first: bool = True) -> World:
+    """Make ``engine`` (a world's) the default group of this rank: ``init_process_group``'s last
+    part, and :func:`~meshkit.comm.setup.survivors.shrink_world`'s over the survivors' engine."""
     world = World(backend=name, timeout=limit, debug=requested_level(local_context()), recorder=FlightRecorder(),
                   progress=ProgressAgent("meshkit-progress"))
     group = ProcessGroup(engine, world=world, ranks=range(engine.size), group_rank=engine.rank, name="world",
@@ -245,7 +251,7 @@ def init_process_group(backend: str = "auto", init_method: str | None = None,
     world.groups[frozenset(group.ranks)] = group
     _agree_on_levels(group)  # a rank in detail mode and one not in it would wait in different exchanges
     set_world(world)
-    if local_context() is None:
+    if first and local_context() is None:
         milestone(RENDEZVOUS)  # meshkit-run times a restart's rendezvous by it
     global _exit_hook_registered
     if not _exit_hook_registered and local_context() is None:
@@ -256,6 +262,15 @@ def init_process_group(backend: str = "auto", init_method: str | None = None,
     if world.debug >= DebugLevel.INFO:
         logger.info("meshkit: rank %d/%d initialized backend %s, timeout %.0f s, debug %s",
                     world.rank, world.size, world.backend, world.timeout, world.debug.name)
+    return world
+
+
+def survivors_engine(world: World) -> tuple[Any, dict[int, int]]:
+    """The engine of the world over the survivors of ``world`` (MPI's ULFM under ``meshkit-run
+    --survive``) and each survivor's new rank by its old one; see
+    :func:`meshkit.comm.engines.mpi.survivors_engine` (imported here, when asked, as every engine)."""
+    from ..engines.mpi import survivors_engine as shrink_mpi
+    return shrink_mpi(world.default_group.engine, [g.engine for g in world.groups.values() if g.engine is not None])
 
 
 def destroy_process_group() -> None:

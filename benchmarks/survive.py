@@ -1,0 +1,185 @@
+"""``meshkit-run --survive``: a step when nothing fails, side by side with a plain run, and the way back from a failure.
+
+Run it by hand with plain ``python`` (it starts the jobs itself; a measurement, not a test)::
+
+    python benchmarks/survive.py                        # 4 ranks, DDP, MLP 256x256, 60 steps, 3 repeats
+    python benchmarks/survive.py --hidden 512 --repeats 5 --json benchmarks/results/survive.json
+
+Each repeat runs the same DDP training (examples/mlp.py's MLP, AdamW, float64) under
+``meshkit-run -n N`` three times, in an order rotating from repeat to repeat:
+
+* **plain**: MPICH, as every job without ``--survive``;
+* **survive**: ``--survive 1`` (Open MPI's wheel with ULFM, over TCP), nothing failing;
+* **killed**: ``--survive 1``, rank N-1 SIGKILLed as step ``--kill-at`` starts; the survivors
+  shrink and redo the step, and each recovery is reported by phase: detection (the death, by the
+  dying rank's clock, to rank 0's RankFailedError), shrink (``meshkit.comm.shrink_world``), state
+  (the agreement on the source, its broadcast, the new DDP and its load), redo (the step again).
+
+The step time is the training loop's wall time over the steps (after a barrier, the import and
+set-up excluded). Every run checks its final parameters against single-process training (1e-10).
+The machine may be loaded: say so beside any figure taken from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+PHASES = ("detection", "shrink", "state", "redo", "total")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="survive.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nproc", type=_positive, default=4, help="ranks (default: %(default)s)")
+    parser.add_argument("--hidden", type=_positive, default=256, help="the MLP's two hidden widths (default: %(default)s)")
+    parser.add_argument("--steps", type=_positive, default=60, help="default: %(default)s")
+    parser.add_argument("--kill-at", type=_positive, default=20, help="the killed run's failure step (default: %(default)s)")
+    parser.add_argument("--repeats", type=_positive, default=3, help="default: %(default)s")
+    parser.add_argument("--json", type=Path, default=None, help="write the measurements here")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # a rank of one run
+    return parser.parse_args(argv)
+
+
+# --------------------------------------------------------------------------- a rank of one run
+
+def worker(args: argparse.Namespace) -> int:
+    """One rank: DDP training with the documented recovery loop; rank 0 prints the figures as JSON."""
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import mlp
+
+    import meshkit
+    from meshkit.comm import RankFailedError
+    from meshkit.parallel import LocalStrategy, survive
+
+    hidden, lr, samples, batch = (args.hidden,) * 2, 0.05, 240, 120
+    log, victim = os.environ.get("SURVIVE_BENCH_DIR"), args.nproc - 1
+
+    def build() -> Any:
+        return mlp.build("ddp", hidden=hidden, optimizer="adamw", lr=lr)
+
+    def train_step(model: Any, step: int) -> None:
+        rank, world = meshkit.get_rank(), meshkit.get_world_size()
+        if log and step == args.kill_at and world == args.nproc and rank == victim:
+            Path(log, "died").write_text(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        model.zero_grad()
+        idx = np.array_split(mlp.batch_indices(step, samples, batch), world)[rank]
+        acts = mlp.forward_layers(model, x[idx])
+        _, dlogits = mlp.loss_and_grad_logits(acts[-1], y[idx])
+        mlp.backward_layers(model, acts, dlogits)
+        model.step()
+
+    meshkit.init_process_group("mpi")
+    x, y = mlp.make_data(samples)
+    model = build()
+    meshkit.barrier()
+    started, step, phases, redo = time.perf_counter(), 0, {}, None
+    while step < args.steps:
+        try:
+            train_step(model, step)
+            step += 1
+            if redo is not None:
+                phases["redo"], redo = time.time() - redo, None
+        except RankFailedError:
+            failed_at = time.time()
+            model, step = survive.shrink(model, build)
+            redo, recovery = time.time(), survive.last_recovery()
+            phases = {"detection": failed_at - float(Path(log, "died").read_text()),
+                      "shrink": recovery.shrink, "state": recovery.state}
+    elapsed = time.perf_counter() - started
+    final = model.full_state_dict()["model"]
+    if meshkit.get_rank() == 0:
+        ref = LocalStrategy(mlp.init_params(hidden), optimizer=mlp.make_optimizer("adamw", lr))
+        for s in range(args.steps):
+            ref.zero_grad()
+            idx = mlp.batch_indices(s, samples, batch)
+            acts = mlp.forward_layers(ref, x[idx])
+            _, dl = mlp.loss_and_grad_logits(acts[-1], y[idx])
+            mlp.backward_layers(ref, acts, dl)
+            ref.step()
+        diff = max(float(np.max(np.abs(final[k] - ref.params[k]))) for k in ref.params)
+        if diff >= 1e-10:
+            print(f"survive.py: final parameters differ from single-process training by {diff:.3g}", flush=True)
+            return 1
+        if phases:
+            phases["total"] = sum(phases.values())
+        print("RESULT " + json.dumps({"step_s": elapsed / args.steps, "phases": phases, "diff": diff}), flush=True)
+    meshkit.destroy_process_group()
+    return 0
+
+
+# --------------------------------------------------------------------------- the driver
+
+def run(args: argparse.Namespace, kind: str) -> dict[str, Any]:
+    """One job of ``kind`` (plain, survive, killed); rank 0's figures."""
+    options = [] if kind == "plain" else ["--survive", "1"]
+    with tempfile.TemporaryDirectory(prefix="survive-bench-") as log:
+        env = {**os.environ, **({"SURVIVE_BENCH_DIR": log} if kind == "killed" else {})}
+        command = [sys.executable, "-m", "meshkit.launch", "-n", str(args.nproc), *options, __file__, "--worker",
+                   "--nproc", str(args.nproc), "--hidden", str(args.hidden), "--steps", str(args.steps),
+                   "--kill-at", str(args.kill_at)]
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    found = re.search(r"RESULT (\{.*\})", done.stdout)
+    if done.returncode != 0 or found is None:
+        raise SystemExit(f"survive.py: the {kind} run failed (exit {done.returncode}):\n{done.stdout}\n{done.stderr}")
+    return json.loads(found.group(1))
+
+
+def _cell(values: list[float], scale: float = 1.0) -> str:
+    if not values:
+        return f"{'-':>8} {'-':>8} {'-':>8}"
+    return " ".join(f"{v * scale:8.3f}" for v in (statistics.median(values), min(values), max(values)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker(args)
+    if args.kill_at >= args.steps:
+        raise SystemExit(f"survive.py: --kill-at {args.kill_at} must be below --steps {args.steps}")
+    kinds = ("plain", "survive", "killed")
+    results: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
+    for repeat in range(args.repeats):
+        for kind in kinds[repeat % 3:] + kinds[:repeat % 3]:
+            results[kind].append(run(args, kind))
+        print(f"repeat {repeat + 1}/{args.repeats}: " + ", ".join(
+            f"{k} {results[k][-1]['step_s'] * 1e3:.2f} ms a step" for k in kinds), flush=True)
+    print(f"\n# DDP on {args.nproc} ranks, MLP {args.hidden}x{args.hidden}, {args.steps} steps, {args.repeats} repeats")
+    print(f"{'ms a step':>22} {'median':>8} {'min':>8} {'max':>8}")
+    for kind in ("plain", "survive"):
+        print(f"{kind:>22} {_cell([r['step_s'] for r in results[kind]], 1e3)}")
+    ratio = statistics.median(r["step_s"] for r in results["survive"]) / statistics.median(
+        r["step_s"] for r in results["plain"])
+    print(f"survive / plain step time: {ratio:.3f}x (median over median)")
+    print(f"\n# rank {args.nproc - 1} SIGKILLed as step {args.kill_at} starts: failure -> next step, seconds")
+    print(f"{'phase':>22} {'median':>8} {'min':>8} {'max':>8}")
+    for phase in PHASES:
+        print(f"{phase:>22} {_cell([r['phases'][phase] for r in results['killed'] if phase in r['phases']])}")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

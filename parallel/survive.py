@@ -1,0 +1,113 @@
+"""Recovery in one call: a data-parallel strategy rebuilt on the survivors of a rank failure.
+
+Under ``meshkit-run --survive K`` a rank's death raises :class:`~meshkit.comm.RankFailedError` in
+every survivor's current call (docs/elastic.md "Surviving failures"). The loop then calls
+:func:`shrink` and redoes the step it returns, whose data depends on the step alone, so the
+result still equals uninterrupted single-process training::
+
+    step = 0
+    while step < steps:
+        try:
+            train_step(model, step)          # zero_grad, forward, backward, model.step()
+            step += 1
+        except RankFailedError:
+            model, step = survive.shrink(model, build)   # build(): the strategy over the new world
+
+What :func:`shrink` does, in order (each phase timed in :class:`Recovery`):
+
+1. **agreement and shrink**: :func:`meshkit.comm.shrink_world` (ULFM's Revoke and Shrink): the
+   world over the survivors, numbered 0..n-1;
+2. **state**: the survivors agree on the most advanced copy of the replicated state (the highest
+   optimizer step count: a rank may have finished the step whose all-reduce failed elsewhere) and
+   broadcast it from there; the new strategy (``build()``, collective over the new world: a new
+   mesh and groups) loads it. Replicated state only: DDP's parameters and optimizer state are
+   whole on every rank, so any survivor holds them.
+
+Sharded state (ZeRO-1/2's optimizer shards, FSDP, HSDP) needs in-memory buddy copies of each
+rank's shards, which are not written yet: :func:`shrink` refuses those strategies with a clear
+error (docs/elastic.md "Surviving failures", limits).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from ..comm import DistValueError, Shrunk, all_gather, broadcast_object_list, get_rank, get_world_size, shrink_world
+from .data_parallelism import DistributedDataParallel
+
+__all__ = ["shrink", "Recovery", "last_recovery"]
+
+logger = logging.getLogger("meshkit")
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """One recovery on this rank, by phase (seconds), and what it agreed on.
+
+    Attributes:
+        shrink: :func:`~meshkit.comm.shrink_world` (revoke, ULFM's Shrink and its agreement, the new world).
+        state: the agreement on the source, its broadcast, the new strategy and its load.
+        step: the step the loop redoes (the source's optimizer step count).
+        source: the new rank whose state every survivor took.
+        world: what the shrink did (the dead ranks, the old and new ranks).
+    """
+
+    shrink: float
+    state: float
+    step: int
+    source: int
+    world: Shrunk
+
+
+_last: list[Recovery] = []
+
+
+def last_recovery() -> Recovery | None:
+    """This rank's latest :class:`Recovery` (None before any)."""
+    return _last[-1] if _last else None
+
+
+def _steps_done(state: dict[str, Any]) -> int:
+    counts = state["optim"]["step"]
+    return max((int(c) for c in counts.values()), default=0)
+
+
+def shrink(model: Any, build: Callable[[], Any]) -> tuple[Any, int]:
+    """Rebuild ``model`` (a data-parallel strategy) on the survivors; return it and the step to redo.
+
+    Collective over every survivor, each of which caught the same failure. ``build()`` makes the
+    strategy over the new world (its mesh and groups), as at the start of the script.
+
+    Raises:
+        DistValueError: ``model`` holds sharded state (ZeRO, FSDP, HSDP: buddy copies are not
+            implemented) or has no optimizer.
+        DistError, DistBackendError: see :func:`~meshkit.comm.shrink_world`.
+    """
+    if not isinstance(model, DistributedDataParallel) or model.optimizer is None:
+        raise DistValueError(f"meshkit.parallel.survive: rank {get_rank()}: shrink rebuilds DDP (replicated state, "
+                             f"with an optimizer) only, not {type(model).__name__}: sharded strategies need buddy "
+                             "copies of their shards, not implemented yet (docs/elastic.md \"Surviving failures\")")
+    started = time.perf_counter()
+    state = model.full_state_dict()  # DDP's: local copies, no communication
+    shrunk = shrink_world()
+    shrunk_at = time.perf_counter()
+    counts = [np.zeros(1, np.int64) for _ in range(get_world_size())]
+    all_gather(counts, np.array([_steps_done(state)], np.int64))
+    steps = [int(c[0]) for c in counts]
+    source = steps.index(max(steps))  # the most advanced survivor (the lowest rank among equals)
+    box = [state if get_rank() == source else None]
+    broadcast_object_list(box, src=source)
+    rebuilt = build()
+    rebuilt.load_full_state_dict(box[0])
+    recovery = Recovery(shrink=shrunk_at - started, state=time.perf_counter() - shrunk_at, step=max(steps),
+                        source=source, world=shrunk)
+    _last.append(recovery)
+    logger.warning("meshkit: rank %d: %s rebuilt on %d ranks in %.3f s = shrink %.3f + state %.3f; redoing step %d "
+                   "(the state of rank %d)", get_rank(), type(model).__name__, get_world_size(),
+                   recovery.shrink + recovery.state, recovery.shrink, recovery.state, recovery.step, source)
+    return rebuilt, recovery.step
