@@ -44,7 +44,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..comm import CollectiveTimeout, DistError, ProcessGroup, gather_object, scatter_object_list
+from ..comm import CollectiveTimeout, DistError, ProcessGroup, RankFailedError, gather_object, scatter_object_list
 from ..comm._seams import resolve_group, to_host
 from .errors import CheckpointError
 from .format import (FORMAT, METADATA_ENV, VERSION, create_exclusive, fsync_dir, max_metadata_bytes, read_regular,
@@ -231,10 +231,13 @@ def _decide(g: ProcessGroup, seq: int, tmp: Path, final: Path, skeleton: dict[st
     deadline = time.monotonic() + limit
     failures = [] if failure is None else [failure]
     missing = []
+    lost: RankFailedError | None = None  # ranks dead under --survive: the save fails, then the loop shrinks
     for r, (work, buf) in works.items():
         try:
             failed, text = _receive(g, seq, r, work, buf, deadline)
         except DistError as exc:  # a timeout (the rank is still writing, or gone), a broken group
+            if _died(exc):
+                lost = lost or exc
             if isinstance(exc, CollectiveTimeout):
                 missing.append(g.ranks[r])
             else:
@@ -263,7 +266,15 @@ def _decide(g: ProcessGroup, seq: int, tmp: Path, final: Path, skeleton: dict[st
             work.wait(timeout=limit)
         except DistError:
             pass
+    if lost is not None:  # nothing was committed (tmp is gone); the survivors' loop catches this and shrinks
+        raise lost
     return verdict
+
+
+def _died(exc: BaseException) -> bool:
+    """Ranks died under ``meshkit-run --survive``: a ``RankFailedError`` naming them, which the save lets
+    through (after cleaning up) so the loop can shrink and redo, rather than a ``CheckpointError``."""
+    return isinstance(exc, RankFailedError) and bool(exc.failed_ranks)
 
 
 def _commit(tmp: Path, final: Path, size: int, skeleton: dict[str, Any]) -> str | None:
@@ -304,7 +315,10 @@ def _report(g: ProcessGroup, seq: int, final: Path, failure: str | None, limit: 
     try:
         return _receive(g, seq, 0, work, buf, time.monotonic() + limit)[1]
     except DistError as exc:
-        return (f"meshkit.checkpoint: rank {g.rank}: no verdict from rank 0 on {str(final)!r} within {limit:g} s "
+        if _died(exc):
+            raise
+        waited = f" within {limit:g} s" if isinstance(exc, CollectiveTimeout) else ""
+        return (f"meshkit.checkpoint: rank {g.rank}: no verdict from rank 0 on {str(final)!r}{waited} "
                 f"({exc}); whether it was committed is unknown")
 
 
