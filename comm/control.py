@@ -59,7 +59,7 @@ import numpy as np
 
 from . import env
 from .debug import Call, DebugLevel
-from .errors import DistBackendError, DistTypeError, DistValueError
+from .errors import DistBackendError, DistTypeError
 from .level_state import Switch
 from .notices import BROKEN, LEFT, REJECTED, Notice
 

@@ -50,7 +50,6 @@ process died before its bootstrap reported a start (``rank 1 died before it star
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import re

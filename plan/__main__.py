@@ -13,7 +13,7 @@ import sys
 
 from .machine import Machine
 from .model import OPTIMIZERS, STRATEGIES, Model
-from .search import PlanError, search
+from .search import search
 
 #: H100-like nodes (docs/planner.md gives the sources): NVLink 450 GB/s per direction and 3 us,
 #: InfiniBand NDR 50 GB/s per GPU and 10 us, 80 GiB, 400 Tflop/s bf16-dense-ish float32 matmul.

@@ -35,7 +35,7 @@ from typing import Callable
 
 from ..errors import DistStoreError
 from . import auth
-from .limits import IDLE_TIMEOUT, MAX_BYTES, MAX_CONNECTIONS, MAX_WAIT_KEYS, ServerLimits
+from .limits import MAX_BYTES, MAX_CONNECTIONS, MAX_WAIT_KEYS, ServerLimits
 from .store import KeyTable, NotAnInteger
 from .wire import HEADER, MAX_MESSAGE_BYTES, MAX_VALUE_BYTES, GREETING, Op, ProtocolError, Status, fields_of, reply
 

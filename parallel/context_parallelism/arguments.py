@@ -111,7 +111,7 @@ def _gather_rows(group: ProcessGroup, payload: tuple[None, None, np.ndarray]) ->
 def _problems(rows: list[dict[str, Any]], cp: int, heads_split: bool) -> list[str]:
     problems = []
     for rank, r in enumerate(rows):
-        (qn, qs), (kn, ks), (vn, vs) = r["q"], r["k"], r["v"]
+        (qn, qs), (_, ks), (vn, vs) = r["q"], r["k"], r["v"]
         if not 3 <= qn <= _DIMS:
             problems.append(f"q on rank {rank} has {qn} dims; valid: 3 to {_DIMS}, laid out "
                             "(*batch, heads, sequence, head_dim)")
