@@ -29,9 +29,9 @@ from .chunks import local_shape_and_offset
 from .dispatch import implements
 from .dtensor import DTensor
 from .placements import Partial, Placement, Replicate, Shard
-from .propagation import moved, norm_axes, reduce_over, unsupported, wrap
+from .propagation import moved, reduction_placements, norm_axes, reduce_over, unsupported, wrap
 
-__all__ = ["norm", "outer", "trace", "tensordot", "dot"]
+__all__ = ["norm", "outer", "trace", "tensordot"]  # np.dot is matmul.py's (its N-D form calls tensordot)
 
 
 @implements(np.linalg.norm)
@@ -53,20 +53,7 @@ def norm(x: Any, ord: Any = None, axis: Any = None, keepdims: bool = False) -> D
         raise ValueError(errors.prefix(op) + f"invalid norm order {ord!r} for vectors")
     if ord is None or ord == "fro":
         ord = 2
-    need: list[Placement] = []
-    out: list[Placement] = []
-    merged: list[int] = []
-    for i, p in enumerate(x.placements):
-        if isinstance(p, Shard) and p.dim in axes:
-            need.append(p)
-            out.append(Replicate())
-            merged.append(i)
-        elif isinstance(p, Shard):
-            need.append(p)
-            out.append(Shard(p.dim if keepdims else p.dim - sum(a < p.dim for a in axes)))
-        else:
-            need.append(Replicate())
-            out.append(Replicate())
+    need, out, merged, _ = reduction_placements(x, axes, keepdims)
     local = moved(op, "x", x, need).to_local()
     xp = array_namespace(local)
     if local.dtype.kind not in "fc":

@@ -23,7 +23,7 @@ from .redistribute import redistribute_local
 from ..comm._seams import array_namespace
 
 __all__ = ["logger", "is_scalar", "common_mesh", "moved", "unsupported", "no_out", "wrap", "uniform_finite",
-           "norm_axes", "off_axes", "gather_over", "reduce_over", "renumbered", "refuse_kwargs"]
+           "reduction_placements", "norm_axes", "off_axes", "gather_over", "reduce_over", "renumbered", "refuse_kwargs"]
 
 logger = logging.getLogger("meshkit.tensor")
 
@@ -195,3 +195,31 @@ def reduce_over(local: Any, mesh: DeviceMesh, dims: Sequence[int], op: Any) -> A
         if mesh.shape[i] > 1:
             mesh.get_group(i).all_reduce(out, op)
     return out
+
+
+def reduction_placements(a: DTensor, axes: tuple[int, ...], keepdims: bool, keep_partial: tuple[str, ...] = ()
+                         ) -> tuple[list[Placement], list[Placement], list[int], tuple[int, ...]]:
+    """A reduction of ``a`` over ``axes``: ``(what a must hold, the output's placements, the mesh dims
+    sharding a reduced axis, the output's shape)``; a Partial of ``keep_partial`` passes through.
+
+    The output placement of a mesh dim sharding a reduced axis is left Replicate here (the rule
+    combines it or changes it)."""
+    need: list[Placement] = []
+    out: list[Placement] = []
+    merged: list[int] = []
+    for i, p in enumerate(a.placements):
+        if isinstance(p, Shard) and p.dim in axes:
+            need.append(p)
+            out.append(Replicate())
+            merged.append(i)
+        elif isinstance(p, Shard):
+            need.append(p)
+            out.append(Shard(p.dim if keepdims else p.dim - sum(ax < p.dim for ax in axes)))
+        elif isinstance(p, Partial) and p.reduce_op in keep_partial:
+            need.append(p)
+            out.append(p)
+        else:
+            need.append(Replicate())
+            out.append(Replicate())
+    shape = tuple(1 if d in axes else s for d, s in enumerate(a.shape) if keepdims or d not in axes)
+    return need, out, merged, shape

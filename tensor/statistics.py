@@ -34,37 +34,10 @@ from .chunks import local_shape_and_offset
 from .dispatch import implements
 from .dtensor import DTensor
 from .placements import Partial, Placement, Replicate, Shard
-from .propagation import gather_over, moved, no_out, norm_axes, off_axes, reduce_over, renumbered, uniform_finite, \
-    unsupported, wrap
+from .propagation import gather_over, moved, no_out, norm_axes, off_axes, reduce_over, reduction_placements, renumbered, \
+    uniform_finite, unsupported, wrap
 
 __all__ = ["var", "std", "average", "count_nonzero", "any_", "all_", "prod", "argmax", "argmin", "median"]
-
-
-def _plan(a: DTensor, axes: tuple[int, ...], keepdims: bool, keep_partial: tuple[str, ...] = ()
-          ) -> tuple[list[Placement], list[Placement], list[int], tuple[int, ...]]:
-    """``(what a must hold, the output's placements, the mesh dims sharding a reduced axis, out shape)``.
-
-    The output placement of a mesh dim sharding a reduced axis is left Replicate here (the rule
-    combines it or changes it)."""
-    need: list[Placement] = []
-    out: list[Placement] = []
-    merged: list[int] = []
-    for i, p in enumerate(a.placements):
-        if isinstance(p, Shard) and p.dim in axes:
-            need.append(p)
-            out.append(Replicate())
-            merged.append(i)
-        elif isinstance(p, Shard):
-            need.append(p)
-            out.append(Shard(p.dim if keepdims else p.dim - sum(ax < p.dim for ax in axes)))
-        elif isinstance(p, Partial) and p.reduce_op in keep_partial:
-            need.append(p)
-            out.append(p)
-        else:
-            need.append(Replicate())
-            out.append(Replicate())
-    shape = tuple(1 if d in axes else s for d, s in enumerate(a.shape) if keepdims or d not in axes)
-    return need, out, merged, shape
 
 
 def _counts(a: DTensor, placements: list[Placement], axes: tuple[int, ...], merged: list[int]) -> np.ndarray:
@@ -128,7 +101,7 @@ def _moments(op: str, a: Any, axis: Any, dtype: Any, out: Any, ddof: Any, keepdi
         ddof = correction
     axes = norm_axes(op, a.ndim, axis)
     work = np.dtype(dtype) if dtype is not None else _stats_dtype(op, np.dtype(a.dtype))
-    need, placements, merged, shape = _plan(a, axes, bool(keepdims))
+    need, placements, merged, shape = reduction_placements(a, axes, bool(keepdims))
     local = moved(op, "a", a, need).to_local()
     xp = array_namespace(local)
     block = local.astype(work, copy=False)
@@ -203,7 +176,7 @@ def average(a: Any, axis: Any = None, weights: Any = None, returned: bool = Fals
     if np.any(wsum == 0.0):
         raise ZeroDivisionError(errors.prefix(op) + "weights sum to zero, can't be normalized")
     keep = ("sum", "avg") if uniform_finite(w) else ()
-    need, placements, merged, shape = _plan(a, axes, bool(keepdims), keep)
+    need, placements, merged, shape = reduction_placements(a, axes, bool(keepdims), keep)
     for i in merged:
         placements[i] = Partial("sum")
     src = moved(op, "a", a, need)
@@ -229,7 +202,7 @@ def _logical(op: str, fn: Any, partial: str, a: Any, axis: Any, keepdims: Any, d
     if not isinstance(a, DTensor):
         raise unsupported(op)
     axes = norm_axes(op, a.ndim, axis)
-    need, placements, merged, shape = _plan(a, axes, bool(keepdims))
+    need, placements, merged, shape = reduction_placements(a, axes, bool(keepdims))
     for i in merged:
         placements[i] = Partial(partial)
     local = moved(op, "a", a, need).to_local()
@@ -276,7 +249,7 @@ def prod(a: Any, axis: Any = None, dtype: Any = None, out: Any = None, keepdims:
         raise unsupported(op)
     no_out(op, {"out": out, "where": where, "initial": initial})
     axes = norm_axes(op, a.ndim, axis)
-    need, placements, merged, shape = _plan(a, axes, bool(keepdims))
+    need, placements, merged, shape = reduction_placements(a, axes, bool(keepdims))
     local = moved(op, "a", a, need).to_local()
     result = np.prod(local, axis=axes, dtype=dtype, keepdims=bool(keepdims))
     if merged:
@@ -297,7 +270,7 @@ def _arg(op: str, kind: str, a: Any, axis: Any, out: Any, keepdims: Any) -> DTen
         raise TypeError(errors.prefix(op) + f"axis must be an int or None, got {axis!r}")  # NumPy's: one axis
     axes = tuple(range(a.ndim)) if flat else norm_axes(op, a.ndim, axis)
     keep = bool(keepdims)
-    need, placements, merged, _ = _plan(a, axes, keep)
+    need, placements, merged, _ = reduction_placements(a, axes, keep)
     shape = (tuple(1 for _ in a.shape) if keep else ()) if flat else \
         tuple(1 if d in axes else s for d, s in enumerate(a.shape) if keep or d not in axes)
     if flat and keep:
