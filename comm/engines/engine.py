@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 __all__ = ["Engine", "EngineCapabilities", "Request", "Received", "DeadlineExceeded", "CallsDiffer", "ChecksCalls",
-           "Defers", "Abandons", "Coalesces", "AbortsJob", "DeviceEngine", "HostEngine", "GATED", "DEVICE",
+           "Defers", "Abandons", "Coalesces", "AbortsJob", "ReportsPath", "DeviceEngine", "HostEngine", "GATED", "DEVICE",
            "methods", "thread_role", "in_background"]
 
 
@@ -102,6 +102,8 @@ class EngineCapabilities:
             engine's answer). Object collectives unpickle only on such a group; elsewhere they
             carry objects in the typed format of :mod:`~meshkit.comm.control` (comm/objects.py).
             False by default: an engine says so only if it knows.
+        reports_path: ``path(request) -> str``: the way a started operation's data goes (the shared-
+            memory engine: ``"shm"`` or ``"mpi"``), written into its flight-recorder entry.
     """
 
     checks_calls: bool = False
@@ -114,6 +116,7 @@ class EngineCapabilities:
     aborts_job: bool = False
     host_arrays: bool = True
     authenticated_peers: bool = False
+    reports_path: bool = False
     watched_requests: tuple[type, ...] = ()
 
 
@@ -170,6 +173,12 @@ class AbortsJob(Protocol):
     def abort(self, code: int) -> None: ...
 
 
+class ReportsPath(Protocol):
+    """``EngineCapabilities.reports_path``: the way ``request``'s data goes (``"shm"``, ``"mpi"``)."""
+
+    def path(self, request: Request) -> str: ...
+
+
 class DeviceEngine(Protocol):
     """An engine whose ``device`` is not None (NCCL)."""
 
@@ -197,7 +206,7 @@ class HostEngine(Protocol):
 
 #: Each capability flag that gates methods, and the Protocol that declares them.
 GATED: dict[str, type] = {"checks_calls": ChecksCalls, "defers": Defers, "abandons": Abandons,
-                          "coalesces": Coalesces, "aborts_job": AbortsJob}
+                          "coalesces": Coalesces, "aborts_job": AbortsJob, "reports_path": ReportsPath}
 #: The Protocol of an engine whose ``device`` is not None.
 DEVICE = DeviceEngine
 

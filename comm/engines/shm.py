@@ -1,0 +1,262 @@
+"""The shared-memory path under MPI: a group whose ranks share a node reduces through one segment.
+
+:class:`ShmEngine` holds a group's MPI engine (composition, as the group holds its engine) and a
+:class:`~meshkit.comm.engines.shm_collectives.Channel` over the group's segment. ``all_reduce``,
+``reduce``, ``broadcast``, ``all_gather`` and ``reduce_scatter`` of NumPy arrays of at least
+:func:`min_bytes` bytes go through shared memory (:mod:`~meshkit.comm.engines.shm_collectives`:
+the algorithm, its memory ordering and how it waits); every other call, device (CuPy) arrays,
+and the calls below the threshold go to MPI as before. Both paths are driven the same way
+(``Test``, :meth:`ShmEngine.wait`), so sync and ``async_op`` calls, the group's timeout, the
+flight recorder and the progress agent treat them alike; ``path(request)`` says which path a
+call took (``"shm"`` or ``"mpi"``: the flight recorder's ``path`` field).
+
+:func:`over` decides, once per group (collectively over its ranks), whether the path applies:
+``MESHKIT_SHM`` not ``0``, x86-64 (the memory-ordering argument is x86-TSO's), more than one rank,
+every rank on one node (MPI's ``COMM_TYPE_SHARED`` split holds them all; with simulated nodes,
+``meshkit-run --simulate-nodes``, their simulated host names agree too), and the segment created
+and attached on every rank (:mod:`~meshkit.comm.engines.shm_segment`: why POSIX shared memory,
+how it is secured and cleaned up). Where any rank cannot, every rank stays on MPI, with a
+warning naming why. A group that spans nodes stays on MPI (a hierarchical path, shared memory
+within each node and MPI between one leader per node, is not there yet).
+
+Bounds and settings (docs/security.md): ``MESHKIT_SHM`` (0/1), ``MESHKIT_SHM_MIN_BYTES``,
+``MESHKIT_SHM_CHUNK_BYTES`` (a segment is ``n x (256 + 2 x chunk)`` bytes),
+``MESHKIT_SHM_SMALL_BYTES``; every wait is bounded by the group's timeout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import platform
+import time
+from typing import Any, Callable
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import env
+from ..reduce_op import ReduceOp
+from .engine import DeadlineExceeded
+from .mpi import MPIEngine, _allgather_text, _own_chunk
+from .mpi_polling import completes
+from .shm_collectives import Channel, ShmRequest
+from .shm_layout import segment_bytes
+from .shm_segment import NAME_BYTES, Segment, attach, create
+from .watchdog import watched
+
+__all__ = ["ShmEngine", "over", "supported", "min_bytes", "chunk_bytes", "small_bytes",
+           "DEFAULT_MIN_BYTES", "DEFAULT_CHUNK_BYTES", "DEFAULT_SMALL_BYTES"]
+
+logger = logging.getLogger("meshkit")
+
+#: Collectives below this many bytes go to MPI (``MESHKIT_SHM_MIN_BYTES``): below it MPICH's
+#: shared-memory channel, all C, beat the path's Python steps (benchmarks/collectives.py; see
+#: docs/collectives.md for the figures).
+DEFAULT_MIN_BYTES = 16 * 1024
+#: Bytes of each of a rank's two buffers (``MESHKIT_SHM_CHUNK_BYTES``): 2 ranks' two buffers stay
+#: within one core's 2 MiB L2 at 256 KiB, where 4 MiB chunks ran slower (docs/collectives.md).
+DEFAULT_CHUNK_BYTES = 256 * 1024
+#: A reduction chunk of at most this many bytes meets once, every rank reducing all of it
+#: (``MESHKIT_SHM_SMALL_BYTES``): DeepSpeed's shm.cpp switches at 1 MiB; measured here.
+DEFAULT_SMALL_BYTES = 64 * 1024
+
+_NDARRAY = np.ndarray
+
+
+def supported() -> bool:
+    """The memory-ordering argument holds (x86-64: TSO)."""
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def min_bytes() -> int:
+    return env.shm_bytes(env.SHM_MIN_BYTES, DEFAULT_MIN_BYTES, zero=True)
+
+
+def chunk_bytes() -> int:
+    return env.shm_bytes(env.SHM_CHUNK_BYTES, DEFAULT_CHUNK_BYTES, multiple=64)
+
+
+def small_bytes() -> int:
+    return env.shm_bytes(env.SHM_SMALL_BYTES, DEFAULT_SMALL_BYTES, zero=True)
+
+
+class ShmEngine:
+    """A group's MPI engine with the shared-memory path for the collectives it can run."""
+
+    backend = "mpi"
+    native_avg = False
+    device = None
+
+    def __init__(self, host: MPIEngine, segment: Segment, channel: Channel, least: int) -> None:
+        self.host, self.segment, self.channel, self.min_bytes = host, segment, channel, least
+        self.capabilities = dataclasses.replace(host.capabilities, reports_path=True)
+        self.rank, self.size, self.max_tag = host.rank, host.size, host.max_tag
+
+    # ----------------------------------------------------------------- what is the host's
+    @property
+    def watch(self) -> Callable[[], None] | None:
+        return self.host.watch
+
+    @watch.setter
+    def watch(self, value: Callable[[], None] | None) -> None:
+        self.host.watch = value
+
+    @property
+    def world_ranks(self) -> list[int]:
+        return self.host.world_ranks
+
+    def local_rank(self) -> int:
+        return self.host.local_rank()
+
+    def host_name(self) -> str:
+        return self.host.host_name()
+
+    def notify(self, ranks: list[int], notice: Any) -> None:
+        self.host.notify(ranks, notice)
+
+    def notices(self) -> list[Any]:
+        return self.host.notices()
+
+    def flush(self, timeout: float) -> None:
+        self.host.flush(timeout)
+
+    def abort(self, code: int) -> None:
+        self.host.abort(code)
+
+    def exchange(self, payload: Any, seq: int, deadline: float, *, watched: bool = False) -> list[Any]:
+        return self.host.exchange(payload, seq, deadline, watched=watched)
+
+    def gather(self, out: Any, inp: Any, root: int) -> Any:
+        return self.host.gather(out, inp, root)
+
+    def scatter(self, out: Any, inp: Any, root: int) -> Any:
+        return self.host.scatter(out, inp, root)
+
+    def all_to_all(self, out: Any, recv_counts: list[int], inp: Any, send_counts: list[int]) -> Any:
+        return self.host.all_to_all(out, recv_counts, inp, send_counts)
+
+    def barrier(self) -> Any:
+        return self.host.barrier()
+
+    def send(self, buf: Any, dst: int, tag: int) -> Any:
+        return self.host.send(buf, dst, tag)
+
+    def recv(self, buf: Any, src: int | None, tag: int) -> Any:
+        return self.host.recv(buf, src, tag)
+
+    # ----------------------------------------------------------------- the path
+    def all_reduce(self, buf: Any, op: ReduceOp) -> Any:
+        if buf.__class__ is _NDARRAY and buf.nbytes >= self.min_bytes:
+            channel = self.channel
+            return ShmRequest("all_reduce", lambda request: channel.all_reduce(request, buf, op))
+        return self.host.all_reduce(buf, op)
+
+    def reduce(self, buf: Any, op: ReduceOp, root: int) -> Any:
+        if buf.__class__ is _NDARRAY and buf.nbytes >= self.min_bytes:
+            channel = self.channel
+            return ShmRequest("reduce", lambda request: channel.all_reduce(request, buf, op, root))
+        return self.host.reduce(buf, op, root)
+
+    def broadcast(self, buf: Any, root: int) -> Any:
+        if buf.__class__ is _NDARRAY and buf.nbytes >= self.min_bytes:
+            channel = self.channel
+            return ShmRequest("broadcast", lambda request: channel.broadcast(request, buf, root))
+        return self.host.broadcast(buf, root)
+
+    def all_gather(self, out: Any, inp: Any) -> Any:
+        if out.__class__ is _NDARRAY and inp.__class__ is _NDARRAY and out.nbytes >= self.min_bytes:
+            channel, own = self.channel, _own_chunk(out, inp, self.rank)
+            return ShmRequest("all_gather", lambda request: channel.all_gather(request, out, inp, own))
+        return self.host.all_gather(out, inp)
+
+    def reduce_scatter(self, out: Any, inp: Any, op: ReduceOp) -> Any:
+        if out.__class__ is _NDARRAY and inp.__class__ is _NDARRAY and inp.nbytes >= self.min_bytes:
+            channel = self.channel
+            return ShmRequest("reduce_scatter", lambda request: channel.reduce_scatter(request, out, inp, op))
+        return self.host.reduce_scatter(out, inp, op)
+
+    def path(self, request: Any) -> str:
+        """The path ``request`` takes: ``"shm"`` (this engine's segment) or ``"mpi"``."""
+        return "shm" if request.__class__ is ShmRequest else "mpi"
+
+    def wait(self, request: Any, deadline: float) -> None:
+        if request.__class__ is not ShmRequest:
+            self.host.wait(request, deadline)
+        elif not completes(request, deadline, self.host.watch):
+            ranks = self.host.world_ranks
+            raise DeadlineExceeded([ranks[r] for r in request.missing_ranks],
+                                   f"{request.kind} over shared memory: their flags never came")
+
+    def split(self, color: int | None, ranks: tuple[int, ...], deadline: float) -> Any:
+        child = self.host.split(color, ranks, deadline)
+        return None if child is None else over(child, deadline)
+
+    def free(self) -> None:
+        self.channel.close()
+        self.segment.close()
+        self.host.free()
+
+
+def _node_wide(host: MPIEngine) -> bool:
+    """Every rank of ``host``'s communicator is on this node (collective over it)."""
+    node = host.comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        together = node.Get_size() == host.size
+    finally:
+        node.Free()
+    simulated = env.host_name()
+    flags = np.array([together, simulated is not None], np.int8)
+    host.comm.Allreduce(MPI.IN_PLACE, flags, MPI.MIN)
+    if flags[0] and not flags[1] and simulated is not None:
+        return False  # some ranks simulate nodes and others not: no telling what shares a node
+    if flags[0] and simulated is not None:
+        names = _allgather_text(host.comm, simulated)
+        return len(set(names)) == 1
+    return bool(flags[0])
+
+
+def over(host: MPIEngine, deadline: float) -> MPIEngine | ShmEngine:
+    """``host``'s engine with the shared-memory path where it applies, else ``host`` itself
+    (collective over ``host``'s ranks: every rank gets the same kind). ``deadline``: the group's
+    creation's; its blocking MPI steps run under a watchdog that ends the process past it."""
+    if host.size < 2 or not env.shm_enabled() or not supported():
+        return host
+    least, chunk, small = min_bytes(), chunk_bytes(), small_bytes()
+    size = segment_bytes(host.size, chunk)
+    me = host.world_ranks[host.rank]
+    limit = max(deadline - time.monotonic(), 1.0)
+    with watched("creating the group's shared-memory segment (MPI's Split_type, Bcast, Allreduce)", me,
+                 f"ranks {host.world_ranks}", host.world_ranks, limit):
+        if not _node_wide(host):
+            return host
+        segment, problem = None, ""
+        name = bytearray(NAME_BYTES)
+        if host.rank == 0:
+            try:
+                segment = create(size)
+                name[:len(segment.path)] = segment.path.encode()
+            except OSError as exc:
+                problem = f"rank {me} could not create it: {exc}"
+        host.comm.Bcast([name, MPI.BYTE], 0)
+        path = bytes(name).rstrip(b"\0").decode()
+        if host.rank != 0 and path:
+            try:
+                segment = attach(path, size)
+            except OSError as exc:
+                problem = f"rank {me} could not map {path}: {exc}"
+        ok = np.array([segment is not None], np.int8)
+        host.comm.Allreduce(MPI.IN_PLACE, ok, MPI.MIN)  # every rank mapped it (or one could not)
+    if host.rank == 0 and segment is not None:
+        segment.unlink()  # from now on only the mappings hold it: nothing is left if a rank dies
+    if segment is not None:
+        segment.close_fd()
+    if not ok[0] or segment is None:
+        if segment is not None:
+            segment.close()
+        if problem or host.rank == 0:
+            logger.warning("meshkit: the shared-memory path is off for ranks %s (collectives go to MPI): %s",
+                           host.world_ranks, problem or "a rank could not create or map the segment")
+        return host
+    channel = Channel(segment.memory, host.size, host.rank, chunk, small, host.world_ranks)
+    return ShmEngine(host, segment, channel, least)
