@@ -190,14 +190,10 @@ class Channel:
             pid, ns = words[r * CONTROL_WORDS + PID], words[r * CONTROL_WORDS + PIDNS]
             if pid <= 0 or ns != self.pidns or not ns:
                 continue  # not attached yet, or another pid namespace: its pid means nothing here
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
+            if not _alive(pid):
                 raise RankFailedError(
                     f"meshkit.comm: rank {self.world_ranks[self.rank]}: {request.kind} over shared memory cannot "
-                    f"complete: rank {self.world_ranks[r]} (pid {pid}) died before it arrived") from None
-            except PermissionError:
-                pass  # alive (another user's process reusing the pid would also answer so)
+                    f"complete: rank {self.world_ranks[r]} (pid {pid}) died before it arrived")
 
     # ----------------------------------------------------------------- the collectives (each a generator)
     def all_reduce(self, request: ShmRequest, buf: np.ndarray, op: ReduceOp, root: int = -1) -> Steps:
@@ -305,6 +301,23 @@ class Channel:
                 first = False
             if me != root:
                 np.copyto(flat[start:start + length], self.buffer(root, parity, dtype, length))
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs: it exists (``kill(pid, 0)``) and is not a zombie (a rank killed
+    but not yet reaped by its parent, the launcher's watcher, still answers ``kill``)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process: the pid was reused, so not our rank, but we cannot tell
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read(512).rpartition(b")")[2].split()[:1]
+    except OSError:
+        return True
+    return state != [b"Z"]
 
 
 def _reduce_into(op: ReduceOp, dst: np.ndarray, parts: list[np.ndarray]) -> None:
