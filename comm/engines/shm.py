@@ -50,16 +50,26 @@ __all__ = ["ShmEngine", "over", "supported", "min_bytes", "chunk_bytes", "small_
 
 logger = logging.getLogger("meshkit")
 
-#: Collectives below this many bytes go to MPI (``MESHKIT_SHM_MIN_BYTES``): below it MPICH's
-#: shared-memory channel, all C, beat the path's Python steps (benchmarks/collectives.py; see
-#: docs/collectives.md for the figures).
-DEFAULT_MIN_BYTES = 16 * 1024
-#: Bytes of each of a rank's two buffers (``MESHKIT_SHM_CHUNK_BYTES``): 2 ranks' two buffers stay
-#: within one core's 2 MiB L2 at 256 KiB, where 4 MiB chunks ran slower (docs/collectives.md).
-DEFAULT_CHUNK_BYTES = 256 * 1024
+#: Collectives below this many bytes go to MPI (``MESHKIT_SHM_MIN_BYTES``). At 2 ranks on the
+#: project's 2-core machine (benchmarks/collectives.py, docs/collectives.md) a 64 KB all_reduce
+#: through the path took 52 us against MPICH's 29 (the path's Python steps cost tens of us a
+#: meeting), a 1 MB one 0.27 ms against 1.4 ms; the machine was loaded by other jobs, so the
+#: threshold sits between, where the path's fixed cost is small against the bytes.
+DEFAULT_MIN_BYTES = 256 * 1024
+#: Most bytes of each of a rank's two buffers (``MESHKIT_SHM_CHUNK_BYTES``); the default is also
+#: held to :data:`SEGMENT_BUDGET` ``/ n``. Every chunk is a meeting of all ranks, and on shared
+#: cores a meeting costs a scheduling round: a 64 MB all_reduce took 0.30-0.55 s with 256 KiB or
+#: 1 MiB chunks and 0.12-0.13 s with 4 or 16 MiB (loaded machine; L3 is 300 MiB, so the cache did not
+#: decide it).
+DEFAULT_CHUNK_BYTES = 4 << 20
+#: The default chunk is at most this over the group's size: a segment (n x 2 chunks) stays under
+#: 64 MiB of /dev/shm (tmpfs, counted against the machine's memory) however large the group.
+SEGMENT_BUDGET = 32 << 20
 #: A reduction chunk of at most this many bytes meets once, every rank reducing all of it
-#: (``MESHKIT_SHM_SMALL_BYTES``): DeepSpeed's shm.cpp switches at 1 MiB; measured here.
-DEFAULT_SMALL_BYTES = 64 * 1024
+#: (``MESHKIT_SHM_SMALL_BYTES``): it saves a meeting and the copy-out for the price of reducing
+#: n slices instead of one; DeepSpeed's shm.cpp switches at 1 MiB. Here: the threshold above, so
+#: that the smallest calls the path takes meet once.
+DEFAULT_SMALL_BYTES = 256 * 1024
 
 _NDARRAY = np.ndarray
 
@@ -73,8 +83,11 @@ def min_bytes() -> int:
     return env.shm_bytes(env.SHM_MIN_BYTES, DEFAULT_MIN_BYTES, zero=True)
 
 
-def chunk_bytes() -> int:
-    return env.shm_bytes(env.SHM_CHUNK_BYTES, DEFAULT_CHUNK_BYTES, multiple=64)
+def chunk_bytes(n: int = 2) -> int:
+    """``MESHKIT_SHM_CHUNK_BYTES`` where set, else :data:`DEFAULT_CHUNK_BYTES` held to
+    :data:`SEGMENT_BUDGET` ``/ n`` (a multiple of 64)."""
+    default = max(64 << 10, min(DEFAULT_CHUNK_BYTES, SEGMENT_BUDGET // n // 64 * 64))
+    return env.shm_bytes(env.SHM_CHUNK_BYTES, default, multiple=64)
 
 
 def small_bytes() -> int:
@@ -222,7 +235,7 @@ def over(host: MPIEngine, deadline: float) -> MPIEngine | ShmEngine:
     creation's; its blocking MPI steps run under a watchdog that ends the process past it."""
     if host.size < 2 or not env.shm_enabled() or not supported():
         return host
-    least, chunk, small = min_bytes(), chunk_bytes(), small_bytes()
+    least, chunk, small = min_bytes(), chunk_bytes(host.size), small_bytes()
     size = segment_bytes(host.size, chunk)
     me = host.world_ranks[host.rank]
     limit = max(deadline - time.monotonic(), 1.0)
