@@ -175,3 +175,37 @@ def test_a_missing_rank_is_named_and_a_dead_one_fails_its_peers_at_once():
         while not request.Test():
             time.sleep(0.001)
     assert time.monotonic() - start < 1.0
+
+
+# --------------------------------------------------------------------------- the switch
+class _Host:
+    """What over() reads of an MPI engine before it asks MPI anything."""
+
+    size, rank, world_ranks = 2, 0, [0, 1]
+
+    @property
+    def comm(self):
+        raise AssertionError("over() asked MPI although the path is off")
+
+
+def test_MESHKIT_SHM_0_keeps_the_mpi_engine_and_a_bad_value_is_named(monkeypatch):
+    from meshkit.comm.engines import shm
+
+    host = _Host()
+    monkeypatch.setenv("MESHKIT_SHM", "0")
+    assert shm.over(host, time.monotonic() + 5) is host
+    monkeypatch.setenv("MESHKIT_SHM", "off")
+    with pytest.raises(DistValueError, match=r"MESHKIT_SHM='off' is not valid"):
+        shm.over(host, time.monotonic() + 5)
+    monkeypatch.setenv("MESHKIT_SHM", "1")
+    monkeypatch.setattr(shm.platform, "machine", lambda: "aarch64")  # no TSO: the path's ordering argument fails
+    assert shm.over(host, time.monotonic() + 5) is host
+
+
+def test_the_default_chunk_keeps_a_segment_within_its_budget(monkeypatch):
+    from meshkit.comm.engines import shm
+
+    monkeypatch.delenv("MESHKIT_SHM_CHUNK_BYTES", raising=False)
+    assert shm.chunk_bytes(2) == 4 << 20 and shm.chunk_bytes(16) == 2 << 20 and shm.chunk_bytes(1024) == 64 << 10
+    monkeypatch.setenv("MESHKIT_SHM_CHUNK_BYTES", "8192")
+    assert shm.chunk_bytes(16) == 8192

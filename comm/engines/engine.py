@@ -103,7 +103,8 @@ class EngineCapabilities:
             carry objects in the typed format of :mod:`~meshkit.comm.control` (comm/objects.py).
             False by default: an engine says so only if it knows.
         reports_path: ``path(request) -> str``: the way a started operation's data goes (the shared-
-            memory engine: ``"shm"`` or ``"mpi"``), written into its flight-recorder entry.
+            memory engine: ``"shm"`` or ``"mpi"``), written into its flight-recorder entry; and
+            ``paths() -> str``: which calls take which way, in words.
     """
 
     checks_calls: bool = False
@@ -177,6 +178,10 @@ class ReportsPath(Protocol):
     """``EngineCapabilities.reports_path``: the way ``request``'s data goes (``"shm"``, ``"mpi"``)."""
 
     def path(self, request: Request) -> str: ...
+
+    def paths(self) -> str:
+        """Which calls take which path, in words (``DeviceMesh.describe`` shows it)."""
+        ...
 
 
 class DeviceEngine(Protocol):

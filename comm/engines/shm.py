@@ -193,6 +193,11 @@ class ShmEngine:
         """The path ``request`` takes: ``"shm"`` (this engine's segment) or ``"mpi"``."""
         return "shm" if request.__class__ is ShmRequest else "mpi"
 
+    def paths(self) -> str:
+        """Which calls go through shared memory (``DeviceMesh.describe`` shows it)."""
+        return (f"all_reduce, reduce, broadcast, all_gather and reduce_scatter of NumPy arrays of >= {self.min_bytes} "
+                "bytes through shared memory, the rest over mpi")
+
     def wait(self, request: Any, deadline: float) -> None:
         if request.__class__ is not ShmRequest:
             self.host.wait(request, deadline)

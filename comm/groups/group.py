@@ -42,7 +42,7 @@ from .. import env
 from . import p2p
 from ..checks import check_array, check_like, check_list, check_member, check_root, check_split_sizes, where
 from ..engines.cuda_runtime import keep_current_device
-from ..engines.engine import DeadlineExceeded, DeviceEngine, Engine
+from ..engines.engine import DeadlineExceeded, DeviceEngine, Engine, ReportsPath
 from ..errors import DistTypeError, DistValueError
 from .execution import CollectiveQueue
 from .failures import FailureState
@@ -141,6 +141,14 @@ class ProcessGroup:
         """The name of the host this rank runs on (MPI's processor name on the mpi engine), or the
         simulated one that ``MESHKIT_HOST_NAME`` names (``meshkit-run --simulate-nodes``)."""
         return self.engine.host_name() if self.engine is not None else env.this_host()
+
+    def paths(self) -> str | None:
+        """Which of its calls take which path, where the engine has more than one (a group on one
+        node under MPI: shared memory or MPI, comm/engines/shm.py); None otherwise."""
+        engine = self.engine
+        if engine is None or not engine.capabilities.reports_path:
+            return None
+        return cast(ReportsPath, engine).paths()
 
     def __repr__(self) -> str:
         return (f"<ProcessGroup {self.name!r} backend={self.backend} ranks={list(self.ranks)} rank={self.rank} "
