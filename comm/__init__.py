@@ -30,6 +30,7 @@ The map, one line a module:
     shm_collectives.py its collectives: flags instead of barriers, a fixed reduction order
     shm_segment.py     its segment: POSIX shared memory, created exclusively, unlinked once mapped
     shm_layout.py      its arithmetic: flags, headers and buffers in the segment, chunks, slices
+    shm_hierarchy.py   a group across nodes: all_reduce through each node's segment and MPI between leaders
     nccl.py            the NCCL engine: device arrays over NCCL, the rest over its host engine
     nccl_requests.py   its requests: device work (watched until done), AVG of host arrays
     nccl_coalescing.py its ``batch_isend_irecv``: one NCCL group, done events at the outermost end

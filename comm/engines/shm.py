@@ -16,8 +16,9 @@ every rank on one node (MPI's ``COMM_TYPE_SHARED`` split holds them all; with si
 ``meshkit-run --simulate-nodes``, their simulated host names agree too), and the segment created
 and attached on every rank (:mod:`~meshkit.comm.engines.shm_segment`: why POSIX shared memory,
 how it is secured and cleaned up). Where any rank cannot, every rank stays on MPI, with a
-warning naming why. A group that spans nodes stays on MPI (a hierarchical path, shared memory
-within each node and MPI between one leader per node, is not there yet).
+warning naming why. A group that spans nodes gets the hierarchical all-reduce
+(:mod:`~meshkit.comm.engines.shm_hierarchy`: shared memory within each node, MPI between one
+leader per node), its other calls over MPI.
 
 Bounds and settings (docs/security.md): ``MESHKIT_SHM`` (0/1), ``MESHKIT_SHM_MIN_BYTES``,
 ``MESHKIT_SHM_CHUNK_BYTES`` (a segment is ``n x (256 + 2 x chunk)`` bytes),
@@ -41,6 +42,7 @@ from .engine import DeadlineExceeded
 from .mpi import MPIEngine, _allgather_text, _own_chunk
 from .mpi_polling import completes
 from .shm_collectives import Channel, ShmRequest
+from .shm_hierarchy import HierarchicalEngine
 from .shm_layout import segment_bytes
 from .shm_segment import NAME_BYTES, Segment, attach, create
 from .watchdog import watched
@@ -216,25 +218,38 @@ class ShmEngine:
         self.host.free()
 
 
-def _node_wide(host: MPIEngine) -> bool:
-    """Every rank of ``host``'s communicator is on this node (collective over it)."""
-    node = host.comm.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        together = node.Get_size() == host.size
-    finally:
-        node.Free()
+def _node_of(host: MPIEngine) -> MPI.Intracomm | None:
+    """The ranks of ``host``'s communicator on this rank's node, as a communicator (collective over
+    it): MPI's shared-memory split, or with simulated nodes (``MESHKIT_HOST_NAME`` on every rank)
+    the ranks of the same simulated host. None where some ranks simulate nodes and others do not
+    (no telling what shares a node), on every rank."""
     simulated = env.host_name()
-    flags = np.array([together, simulated is not None], np.int8)
+    flags = np.array([simulated is not None, simulated is None], np.int8)
     host.comm.Allreduce(MPI.IN_PLACE, flags, MPI.MIN)
-    if flags[0] and not flags[1] and simulated is not None:
-        return False  # some ranks simulate nodes and others not: no telling what shares a node
-    if flags[0] and simulated is not None:
-        names = _allgather_text(host.comm, simulated)
-        return len(set(names)) == 1
-    return bool(flags[0])
+    if not flags[0] and not flags[1]:
+        return None
+    if simulated is None:
+        return host.comm.Split_type(MPI.COMM_TYPE_SHARED, key=host.rank)
+    names = _allgather_text(host.comm, simulated)
+    return host.comm.Split(sorted(set(names)).index(simulated), host.rank)
 
 
-def over(host: MPIEngine, deadline: float) -> MPIEngine | ShmEngine:
+def _hierarchical(host: MPIEngine, node: MPI.Intracomm, least: int, deadline: float) -> MPIEngine | HierarchicalEngine:
+    """A group across nodes: its nodes' engines and one leader per node (collective over ``host``)."""
+    sizes = np.array([node.Get_size()], np.int64)
+    host.comm.Allreduce(MPI.IN_PLACE, sizes, MPI.MAX)
+    leaders = host.comm.Split(0 if node.Get_rank() == 0 else MPI.UNDEFINED, host.rank)
+    if sizes[0] < 2:  # one rank per node: nothing to share
+        node.Free()
+        if leaders != MPI.COMM_NULL:
+            leaders.Free()
+        return host
+    node_engine = over(MPIEngine(node, host.mailbox), deadline)
+    leaders_engine = None if leaders == MPI.COMM_NULL else MPIEngine(leaders, host.mailbox)
+    return HierarchicalEngine(host, node_engine, leaders_engine, least)
+
+
+def over(host: MPIEngine, deadline: float) -> MPIEngine | ShmEngine | HierarchicalEngine:
     """``host``'s engine with the shared-memory path where it applies, else ``host`` itself
     (collective over ``host``'s ranks: every rank gets the same kind). ``deadline``: the group's
     creation's; its blocking MPI steps run under a watchdog that ends the process past it."""
@@ -246,8 +261,12 @@ def over(host: MPIEngine, deadline: float) -> MPIEngine | ShmEngine:
     limit = max(deadline - time.monotonic(), 1.0)
     with watched("creating the group's shared-memory segment (MPI's Split_type, Bcast, Allreduce)", me,
                  f"ranks {host.world_ranks}", host.world_ranks, limit):
-        if not _node_wide(host):
+        node = _node_of(host)
+        if node is None:
             return host
+        if node.Get_size() != host.size:  # collective over host: every rank sees the group span nodes
+            return _hierarchical(host, node, least, deadline)
+        node.Free()
         segment, problem = None, ""
         name = bytearray(NAME_BYTES)
         if host.rank == 0:
