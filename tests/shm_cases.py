@@ -180,3 +180,31 @@ def check_timeout() -> str | None:
             return str(exc)
         raise AssertionError("an all_reduce rank 1 never joined did not time out")
     return None
+
+
+def check_shared_buffer() -> None:
+    """A buffer of ``shared_buffer`` is reduced in place (path shm at any size), a view of it too,
+    and DDP's buckets live in one: its gradients reduce in place and match the expected sum."""
+    rank, n = meshkit.get_rank(), meshkit.get_world_size()
+    group = resolve_group(None)
+    buf = group.shared_buffer(8 * 1000).view(np.float64)
+    assert buf.shape == (1000,) and not buf.any()
+    buf[:] = np.arange(1000) * (rank + 1)
+    meshkit.all_reduce(buf)
+    assert _last_path() == "shm" and np.array_equal(buf, np.arange(1000) * (n * (n + 1) // 2))
+    part = buf[10:20]  # a view: the same place on every rank, below MESHKIT_SHM_MIN_BYTES
+    part[:] = rank
+    meshkit.all_reduce(part, op=ReduceOp.MAX, async_op=True).wait()
+    assert _last_path() == "shm" and (part == n - 1).all() and np.array_equal(buf[:10], np.arange(10) * (n * (n + 1) // 2))
+    from meshkit.parallel import DistributedDataParallel
+
+    params = {"w": np.zeros((64, 8)), "b": np.zeros(8)}
+    ddp = DistributedDataParallel(params)
+    for name in params:
+        ddp.grads[name][...] = rank + 1.0
+        ddp.mark_grad_ready(name)
+    ddp.finish_gradient_sync()
+    for name in params:
+        assert (ddp.grads[name] == (n + 1) / 2).all(), (name, ddp.grads[name].ravel()[:3])
+    reduced = [e for e in meshkit.flight_record() if e["op"] == "all_reduce" and e["dtype"] == "float64"][-1]
+    assert reduced["path"] == "shm", reduced  # a bucket of 4 KB, below the threshold: in place in the segment

@@ -209,3 +209,18 @@ def test_the_default_chunk_keeps_a_segment_within_its_budget(monkeypatch):
     assert shm.chunk_bytes(2) == 4 << 20 and shm.chunk_bytes(16) == 2 << 20 and shm.chunk_bytes(1024) == 64 << 10
     monkeypatch.setenv("MESHKIT_SHM_CHUNK_BYTES", "8192")
     assert shm.chunk_bytes(16) == 8192
+
+
+def test_a_shared_buffer_reduces_in_place_and_a_different_place_is_a_mismatch():
+    n, m = 3, 1000
+    regions = mmap.mmap(-1, n * m * 8)
+    views = [np.frombuffer(regions, np.float64, m, r * m * 8) for r in range(n)]
+    for r in range(n):
+        views[r][:] = np.arange(m) * (r + 1)
+    assert _drive(n, [lambda ch, req: ch.all_reduce_in_place(req, views, ReduceOp.SUM, 0)] * n) == [None] * n
+    for v in views:
+        assert np.array_equal(v, np.arange(m) * 6.0)
+    parts = [v[:10] for v in views]
+    errors = _drive(2, [lambda ch, req: ch.all_reduce_in_place(req, parts[:2], ReduceOp.SUM, 0),
+                        lambda ch, req: ch.all_reduce_in_place(req, parts[:2], ReduceOp.SUM, 80)])
+    assert all(isinstance(e, CallsDiffer) for e in errors), errors

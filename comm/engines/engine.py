@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 __all__ = ["Engine", "EngineCapabilities", "Request", "Received", "DeadlineExceeded", "CallsDiffer", "ChecksCalls",
-           "Defers", "Abandons", "Coalesces", "AbortsJob", "ReportsPath", "DeviceEngine", "HostEngine", "GATED", "DEVICE",
+           "Defers", "Abandons", "Coalesces", "AbortsJob", "ReportsPath", "SharesMemory", "DeviceEngine", "HostEngine", "GATED", "DEVICE",
            "methods", "thread_role", "in_background"]
 
 
@@ -105,6 +105,9 @@ class EngineCapabilities:
         reports_path: ``path(request) -> str``: the way a started operation's data goes (the shared-
             memory engine: ``"shm"`` or ``"mpi"``), written into its flight-recorder entry; and
             ``paths() -> str``: which calls take which way, in words.
+        shares_memory: ``shared_buffer(nbytes, deadline)``: collective over the group: a zeroed
+            buffer of this rank's inside memory every member maps (the shared-memory engine), which
+            ``all_reduce`` reduces in place, with no copy in or out.
     """
 
     checks_calls: bool = False
@@ -118,6 +121,7 @@ class EngineCapabilities:
     host_arrays: bool = True
     authenticated_peers: bool = False
     reports_path: bool = False
+    shares_memory: bool = False
     watched_requests: tuple[type, ...] = ()
 
 
@@ -184,6 +188,12 @@ class ReportsPath(Protocol):
         ...
 
 
+class SharesMemory(Protocol):
+    """``EngineCapabilities.shares_memory``: a buffer inside memory every member maps."""
+
+    def shared_buffer(self, nbytes: int, deadline: float) -> Any: ...
+
+
 class DeviceEngine(Protocol):
     """An engine whose ``device`` is not None (NCCL)."""
 
@@ -211,7 +221,8 @@ class HostEngine(Protocol):
 
 #: Each capability flag that gates methods, and the Protocol that declares them.
 GATED: dict[str, type] = {"checks_calls": ChecksCalls, "defers": Defers, "abandons": Abandons,
-                          "coalesces": Coalesces, "aborts_job": AbortsJob, "reports_path": ReportsPath}
+                          "coalesces": Coalesces, "aborts_job": AbortsJob, "reports_path": ReportsPath,
+                          "shares_memory": SharesMemory}
 #: The Protocol of an engine whose ``device`` is not None.
 DEVICE = DeviceEngine
 

@@ -37,6 +37,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import env
+from ..errors import DistBackendError
 from ..reduce_op import ReduceOp
 from .engine import DeadlineExceeded
 from .mpi import MPIEngine, _allgather_text, _own_chunk
@@ -105,8 +106,11 @@ class ShmEngine:
 
     def __init__(self, host: MPIEngine, segment: Segment, channel: Channel, least: int) -> None:
         self.host, self.segment, self.channel, self.min_bytes = host, segment, channel, least
-        self.capabilities = dataclasses.replace(host.capabilities, reports_path=True)
+        self.capabilities = dataclasses.replace(host.capabilities, reports_path=True, shares_memory=True)
         self.rank, self.size, self.max_tag = host.rank, host.size, host.max_tag
+        #: buffers handed out by shared_buffer: (this rank's region's address, its bytes, every rank's region)
+        self.regions: list[tuple[int, int, list[np.ndarray]]] = []
+        self._pools: list[Segment] = []
 
     # ----------------------------------------------------------------- what is the host's
     @property
@@ -162,10 +166,49 @@ class ShmEngine:
 
     # ----------------------------------------------------------------- the path
     def all_reduce(self, buf: Any, op: ReduceOp) -> Any:
+        if buf.__class__ is _NDARRAY and self.regions:
+            place = self._in_region(buf)
+            if place is not None:  # a buffer of shared_buffer: reduced in place, at any size
+                channel, (views, offset) = self.channel, place
+                return ShmRequest("all_reduce", lambda request: channel.all_reduce_in_place(request, views, op, offset))
         if buf.__class__ is _NDARRAY and buf.nbytes >= self.min_bytes:
             channel = self.channel
             return ShmRequest("all_reduce", lambda request: channel.all_reduce(request, buf, op))
         return self.host.all_reduce(buf, op)
+
+    def shared_buffer(self, nbytes: int, deadline: float) -> np.ndarray:
+        """Collective over the group: ``nbytes`` zeroed bytes of this rank inside a new segment every
+        member maps (each rank's region at the same place), as a uint8 array; an ``all_reduce`` of a
+        view of it (C-contiguous, at the same place on every rank) reduces in place, with no copy in
+        or out. Freed with the group (when its views are gone).
+
+        Raises:
+            DistBackendError: a rank could not create or map the segment (every rank raises).
+        """
+        region = -(-max(nbytes, 1) // 64) * 64
+        me = self.host.world_ranks[self.host.rank]
+        with watched("creating a shared buffer (MPI's Bcast, Allreduce)", me, f"ranks {self.host.world_ranks}",
+                     self.host.world_ranks, max(deadline - time.monotonic(), 1.0)):
+            segment, problem = _shared_segment(self.host, region * self.size)
+        if segment is None:
+            raise DistBackendError(f"meshkit.comm: rank {me}: shared_buffer({nbytes}): "
+                                   f"{problem or 'a rank could not create or map the segment'}")
+        self._pools.append(segment)
+        regions = [np.frombuffer(segment.memory, np.uint8, region, r * region) for r in range(self.size)]
+        mine = regions[self.rank]
+        self.regions.append((mine.ctypes.data, region, regions))
+        return mine[:nbytes]
+
+    def _in_region(self, buf: np.ndarray) -> tuple[list[np.ndarray], int] | None:
+        """Every rank's array at ``buf``'s place and that place (bytes from the region's start),
+        where ``buf`` lies in a region of this rank; else None."""
+        start = buf.ctypes.data
+        for index, (base, size, regions) in enumerate(self.regions):
+            if base <= start and start + buf.nbytes <= base + size:
+                offset = start - base
+                # the place names the buffer too: two shared buffers never compare equal
+                return [np.frombuffer(region, buf.dtype, buf.size, offset) for region in regions], offset + (index << 40)
+        return None
 
     def reduce(self, buf: Any, op: ReduceOp, root: int) -> Any:
         if buf.__class__ is _NDARRAY and buf.nbytes >= self.min_bytes:
@@ -215,6 +258,9 @@ class ShmEngine:
     def free(self) -> None:
         self.channel.close()
         self.segment.close()
+        self.regions.clear()
+        for pool in self._pools:
+            pool.close()
         self.host.free()
 
 
@@ -249,6 +295,39 @@ def _hierarchical(host: MPIEngine, node: MPI.Intracomm, least: int, deadline: fl
     return HierarchicalEngine(host, node_engine, leaders_engine, least)
 
 
+def _shared_segment(host: MPIEngine, size: int) -> tuple[Segment | None, str]:
+    """A segment of ``size`` bytes mapped by every rank of ``host`` (collective over it; the caller
+    bounds it with a watchdog): rank 0 creates it, broadcasts its name, the others attach, and once
+    all have (an all-reduce of the verdicts) rank 0 unlinks it. ``(None, why)`` on every rank where
+    any rank could not."""
+    me = host.world_ranks[host.rank]
+    segment, problem = None, ""
+    name = bytearray(NAME_BYTES)
+    if host.rank == 0:
+        try:
+            segment = create(size)
+            name[:len(segment.path)] = segment.path.encode()
+        except OSError as exc:
+            problem = f"rank {me} could not create it: {exc}"
+    host.comm.Bcast([name, MPI.BYTE], 0)
+    path = bytes(name).rstrip(b"\0").decode()
+    if host.rank != 0 and path:
+        try:
+            segment = attach(path, size)
+        except OSError as exc:
+            problem = f"rank {me} could not map {path}: {exc}"
+    ok = np.array([segment is not None], np.int8)
+    host.comm.Allreduce(MPI.IN_PLACE, ok, MPI.MIN)  # every rank mapped it (or one could not)
+    if host.rank == 0 and segment is not None:
+        segment.unlink()  # from now on only the mappings hold it: nothing is left if a rank dies
+    if segment is not None:
+        segment.close_fd()
+        if not ok[0]:
+            segment.close()
+            segment = None
+    return segment, problem
+
+
 def over(host: MPIEngine, deadline: float) -> MPIEngine | ShmEngine | HierarchicalEngine:
     """``host``'s engine with the shared-memory path where it applies, else ``host`` itself
     (collective over ``host``'s ranks: every rank gets the same kind). ``deadline``: the group's
@@ -267,30 +346,8 @@ def over(host: MPIEngine, deadline: float) -> MPIEngine | ShmEngine | Hierarchic
         if node.Get_size() != host.size:  # collective over host: every rank sees the group span nodes
             return _hierarchical(host, node, least, deadline)
         node.Free()
-        segment, problem = None, ""
-        name = bytearray(NAME_BYTES)
-        if host.rank == 0:
-            try:
-                segment = create(size)
-                name[:len(segment.path)] = segment.path.encode()
-            except OSError as exc:
-                problem = f"rank {me} could not create it: {exc}"
-        host.comm.Bcast([name, MPI.BYTE], 0)
-        path = bytes(name).rstrip(b"\0").decode()
-        if host.rank != 0 and path:
-            try:
-                segment = attach(path, size)
-            except OSError as exc:
-                problem = f"rank {me} could not map {path}: {exc}"
-        ok = np.array([segment is not None], np.int8)
-        host.comm.Allreduce(MPI.IN_PLACE, ok, MPI.MIN)  # every rank mapped it (or one could not)
-    if host.rank == 0 and segment is not None:
-        segment.unlink()  # from now on only the mappings hold it: nothing is left if a rank dies
-    if segment is not None:
-        segment.close_fd()
-    if not ok[0] or segment is None:
-        if segment is not None:
-            segment.close()
+        segment, problem = _shared_segment(host, size)
+    if segment is None:
         if problem or host.rank == 0:
             logger.warning("meshkit: the shared-memory path is off for ranks %s (collectives go to MPI): %s",
                            host.world_ranks, problem or "a rank could not create or map the segment")

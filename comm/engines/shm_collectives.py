@@ -70,7 +70,7 @@ from .shm_layout import CONTROL_WORDS, HEADER, HEADER_WORDS, PID, PIDNS, POST, R
 __all__ = ["Channel", "ShmRequest", "KINDS", "LIVENESS_INTERVAL"]
 
 #: The collectives this path runs, as the header's kind (index + 1; 0: no header yet).
-KINDS = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter")
+KINDS = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "all_reduce of a shared buffer")
 _REDUCE_OPS = tuple(ReduceOp)
 #: Seconds between looks at whether the ranks a wait is missing still live (``os.kill(pid, 0)``):
 #: a dead rank is found within this, and a look costs a system call per missing rank.
@@ -151,7 +151,7 @@ class Channel:
         kind, count, op, root, *name = header
         what = KINDS[kind - 1] if 0 < kind <= len(KINDS) else f"unknown call {kind}"
         return Call(what, _name_of((name[0], name[1])), (count,), None if op == 0 else _REDUCE_OPS[op - 1].name,
-                    None if root < 0 else root)
+                    None if root < 0 or kind == 6 else root)  # (kind 6's root word: the place in the buffer)
 
     def _compare(self, step: int, mine: tuple[int, ...]) -> None:
         headers = [self._read_header(r, step) for r in range(self.n)]
@@ -230,6 +230,29 @@ class Channel:
             if out:
                 yield from self._wait(request, self._reds, step)
                 np.copyto(part, bufs[0])
+
+    def all_reduce_in_place(self, request: ShmRequest, views: list[np.ndarray], op: ReduceOp, offset: int) -> Steps:
+        """All-reduce of arrays that already lie in the segment of a shared buffer, ``views[r]``
+        rank r's (at the same place in every rank's region, which the header's root word carries):
+        no copy in or out. Rank ``r`` reduces its slice of every rank's array in rank order into rank
+        0's, copies it into every other rank's, and posts its reduced flag; once every rank has,
+        every array holds the result (two meetings, one step)."""
+        n, me = self.n, self.rank
+        mine = views[me]
+        header = self._header(6, mine.size, op, offset, mine.dtype)
+        step = self.step = self.step + 1
+        self._write_header(step, header)
+        self._post(step)
+        yield from self._wait(request, self._posts, step)
+        self._compare(step, header)
+        lo, hi = slice_of(mine.size, n, me, mine.dtype.itemsize)
+        acc = views[0][lo:hi]
+        for other in views[1:]:
+            combine_into(op, acc, other[lo:hi])
+        for other in views[1:]:
+            np.copyto(other[lo:hi], acc)
+        self._reduced(step)
+        yield from self._wait(request, self._reds, step)
 
     def reduce_scatter(self, request: ShmRequest, out: np.ndarray, inp: np.ndarray, op: ReduceOp) -> Steps:
         """Rank r's ``out`` (m elements) = the reduction of every rank's block r of ``inp`` (n x m)."""

@@ -10,6 +10,7 @@ meshkit.init_process_group("mpi", timeout=60)
 rank = meshkit.get_rank()
 total = sum(cases.check_dtype_ops(dtype) for dtype in DTYPES)
 cases.check_repeats()
+cases.check_shared_buffer()
 timed_out = cases.check_timeout()
 if timed_out:
     print(f"TIMEOUT {timed_out}", flush=True)
