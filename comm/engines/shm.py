@@ -292,7 +292,7 @@ def _hierarchical(host: MPIEngine, node: MPI.Intracomm, least: int, deadline: fl
         return host
     node_engine = over(MPIEngine(node, host.mailbox), deadline)
     leaders_engine = None if leaders == MPI.COMM_NULL else MPIEngine(leaders, host.mailbox)
-    return HierarchicalEngine(host, node_engine, leaders_engine, least)
+    return HierarchicalEngine(host, node_engine, leaders_engine, least, over)
 
 
 def _shared_segment(host: MPIEngine, size: int) -> tuple[Segment | None, str]:

@@ -80,6 +80,11 @@ LIVENESS_INTERVAL = 0.05
 _POLLS_PER_CLOCK = 64
 
 Steps = Generator[None, None, None]
+#: Dtypes whose items hold padding (x87's 80-bit long double in 16 bytes): a ufunc writes the value's
+#: bytes only, so a result reduced straight into a rank's array would keep that rank's padding.
+_PADDED = frozenset(np.dtype(t) for t in (np.longdouble, np.clongdouble)
+                    if np.finfo(np.longdouble).nmant + np.finfo(np.longdouble).nexp + 1
+                    < 8 * np.dtype(np.longdouble).itemsize)
 
 
 def pid_namespace() -> int:
@@ -349,8 +354,10 @@ def _alive(pid: int) -> bool:
 def _reduce_into(op: ReduceOp, dst: np.ndarray, parts: list[np.ndarray]) -> None:
     """``dst = ((parts[0] op parts[1]) op parts[2]) ...``: the fixed rank order (the first step reads
     two parts and writes ``dst`` in one pass)."""
-    if len(parts) == 1:
+    if len(parts) == 1 or dst.dtype in _PADDED:  # (a copy first: the padding bytes are rank 0's too)
         np.copyto(dst, parts[0])
+        for other in parts[1:]:
+            combine_into(op, dst, other)
         return
     combine(op, parts[0], parts[1], dst)
     for other in parts[2:]:

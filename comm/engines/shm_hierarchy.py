@@ -23,9 +23,10 @@ import numpy as np
 
 from ..reduce_op import ReduceOp
 from .engine import DeadlineExceeded
-from .mpi import MPIEngine
-from .mpi_polling import completes
 from .shm_collectives import ShmRequest
+
+#: The group's MPI engines (comm/engines/mpi.py), handed in: this module imports nothing of MPI.
+MPIEngine = Any
 
 __all__ = ["HierarchicalEngine", "HierarchicalRequest"]
 
@@ -86,14 +87,16 @@ class HierarchicalEngine:
             or its segment could not be made).
         leaders: an MPI engine over the first rank of each node, on those ranks; None elsewhere.
         least: ``MESHKIT_SHM_MIN_BYTES``.
+        over: how a child group's engine is made (``shm.over``: the path where it applies).
     """
 
     backend = "mpi"
     native_avg = False
     device = None
 
-    def __init__(self, host: MPIEngine, node: Any, leaders: MPIEngine | None, least: int) -> None:
-        self.host, self.node, self.leaders, self.min_bytes = host, node, leaders, least
+    def __init__(self, host: MPIEngine, node: Any, leaders: MPIEngine | None, least: int,
+                 over: Callable[[MPIEngine, float], Any]) -> None:
+        self.host, self.node, self.leaders, self.min_bytes, self._over = host, node, leaders, least, over
         self.capabilities = dataclasses.replace(host.capabilities, reports_path=True)
         self.rank, self.size, self.max_tag = host.rank, host.size, host.max_tag
 
@@ -132,14 +135,16 @@ class HierarchicalEngine:
     def wait(self, request: Any, deadline: float) -> None:
         if request.__class__ is not HierarchicalRequest:
             self.host.wait(request, deadline)
-        elif not completes(request, deadline, self.host.watch):
-            raise DeadlineExceeded(request.missing(), "all_reduce through shared memory and the nodes' leaders")
+            return
+        try:
+            self.host.wait(request, deadline)  # MPI's wait polls Test(): each step moves on
+        except DeadlineExceeded:
+            raise DeadlineExceeded(request.missing(), "all_reduce through shared memory and the nodes' leaders") \
+                from None
 
     def split(self, color: int | None, ranks: tuple[int, ...], deadline: float) -> Any:
-        from .shm import over
-
         child = self.host.split(color, ranks, deadline)
-        return None if child is None else over(child, deadline)
+        return None if child is None else self._over(child, deadline)
 
     def free(self) -> None:
         self.node.free()
