@@ -343,6 +343,9 @@ def check_all() -> None:
     job_secret()
     control_max_depth()
     shm_enabled()
+    shm_bytes(SHM_MIN_BYTES, 0, zero=True)
+    shm_bytes(SHM_SMALL_BYTES, 0, zero=True)
+    shm_bytes(SHM_CHUNK_BYTES, 64, multiple=64)
     for name in (STORE_MAX_BYTES, STORE_MAX_CONNECTIONS, STORE_MAX_WAIT_KEYS):
         positive_number(name, 1, integer=True)
     for name in (STORE_IDLE_TIMEOUT, STORE_HANDSHAKE_TIMEOUT):

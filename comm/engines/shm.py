@@ -20,6 +20,15 @@ warning naming why. A group that spans nodes gets the hierarchical all-reduce
 (:mod:`~meshkit.comm.engines.shm_hierarchy`: shared memory within each node, MPI between one
 leader per node), its other calls over MPI.
 
+``shared_buffer(nbytes, deadline)`` (``ProcessGroup.shared_buffer``) hands out a buffer inside a
+segment of its own that every member maps; an ``all_reduce`` of a view of it at the same place on
+every rank reduces in place at any size (no copy in or out): DDP's buckets live there.
+
+Mismatches: a call's header names its kind, count, dtype, reduce op and root, so ranks that call
+different collectives *through the path* all raise ``CollectiveMismatchError`` at once. Ranks whose
+calls differ in size across ``MESHKIT_SHM_MIN_BYTES`` (one on the path, one on MPI) meet nowhere:
+both wait until the group's timeout, which names the ranks that did not arrive, as on MPI.
+
 Bounds and settings (docs/security.md): ``MESHKIT_SHM`` (0/1), ``MESHKIT_SHM_MIN_BYTES``,
 ``MESHKIT_SHM_CHUNK_BYTES`` (a segment is ``n x (256 + 2 x chunk)`` bytes),
 ``MESHKIT_SHM_SMALL_BYTES``; every wait is bounded by the group's timeout.
