@@ -87,7 +87,10 @@ def check_dtype_ops(dtype) -> int:
     rank, n = meshkit.get_rank(), meshkit.get_world_size()
     itemsize = np.dtype(dtype).itemsize
     checks = 0
+    digests = []
     for label, nbytes in SIZES.items():
+        if label == "mpi" and np.dtype(dtype) not in (np.dtype(np.float64), np.dtype(np.int32)):
+            continue  # the step aside below the threshold: two dtypes are enough (CI's time)
         count = max(1, nbytes // itemsize)
         path = "mpi" if label == "mpi" else "shm"
         results = []
@@ -119,7 +122,7 @@ def check_dtype_ops(dtype) -> int:
                 assert np.array_equal(out, full[rank * count:(rank + 1) * count]), f"reduce_scatter {what}"
             checks += 3
         if path == "shm":  # (MPI's long double results differ in their padding bytes)
-            _same_everywhere(results, f"all_reduce {np.dtype(dtype).name} {label}")
+            digests += results
         mine = inputs(rank, dtype, count, ReduceOp.SUM)
         out = np.empty(count * n, dtype)
         meshkit.all_gather_into_tensor(out, mine, async_op=True).wait()
@@ -133,6 +136,7 @@ def check_dtype_ops(dtype) -> int:
         meshkit.broadcast(buf, src=1)
         assert np.array_equal(buf, inputs(1, dtype, count, ReduceOp.SUM)), f"broadcast {np.dtype(dtype).name} {label}"
         checks += 3
+    _same_everywhere(digests, f"all_reduce {np.dtype(dtype).name}")
     return checks
 
 
