@@ -5,8 +5,9 @@ security in tests/test_shm_segment.py).
 1. tests/scripts/mpi_shm.py at 3 ranks, with tiny sizes (every path at a few KB): every dtype x op
    of all_reduce, reduce, reduce_scatter, all_gather (also in place) and broadcast against NumPy's
    reduction in the same rank order, exactly, sync and async; bitwise the same result on every rank
-   and on a second run; the MPI path below MESHKIT_SHM_MIN_BYTES; a timeout naming the rank whose
-   flag never came; a mismatch raised on every rank; nothing left in /dev/shm.
+   and on a second run; the MPI path below MESHKIT_SHM_MIN_BYTES; a shared buffer reduced in place
+   (and DDP's buckets in one); a timeout naming the rank whose flag never came; a mismatch raised on
+   every rank; nothing left in /dev/shm.
 2. tests/scripts/mpi_shm_kill.py at 2 ranks: a rank SIGKILLed mid-job; its peer fails at once, naming
    it, and the launcher removes the segment the dead rank held.
 """

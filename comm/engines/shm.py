@@ -36,11 +36,10 @@ Bounds and settings (docs/security.md): ``MESHKIT_SHM`` (0/1), ``MESHKIT_SHM_MIN
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import platform
 import time
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -53,6 +52,7 @@ from .mpi import MPIEngine, _allgather_text, _own_chunk
 from .mpi_polling import completes
 from .shm_collectives import Channel, ShmRequest
 from .shm_hierarchy import HierarchicalEngine
+from .shm_host import OverHost
 from .shm_layout import segment_bytes
 from .shm_segment import NAME_BYTES, Segment, attach, create
 from .watchdog import watched
@@ -106,72 +106,15 @@ def small_bytes() -> int:
     return env.shm_bytes(env.SHM_SMALL_BYTES, DEFAULT_SMALL_BYTES, zero=True)
 
 
-class ShmEngine:
+class ShmEngine(OverHost):
     """A group's MPI engine with the shared-memory path for the collectives it can run."""
 
-    backend = "mpi"
-    native_avg = False
-    device = None
-
     def __init__(self, host: MPIEngine, segment: Segment, channel: Channel, least: int) -> None:
-        self.host, self.segment, self.channel, self.min_bytes = host, segment, channel, least
-        self.capabilities = dataclasses.replace(host.capabilities, reports_path=True, shares_memory=True)
-        self.rank, self.size, self.max_tag = host.rank, host.size, host.max_tag
+        super().__init__(host, shares_memory=True)
+        self.segment, self.channel, self.min_bytes = segment, channel, least
         #: buffers handed out by shared_buffer: (this rank's region's address, its bytes, every rank's region)
         self.regions: list[tuple[int, int, list[np.ndarray]]] = []
         self._pools: list[Segment] = []
-
-    # ----------------------------------------------------------------- what is the host's
-    @property
-    def watch(self) -> Callable[[], None] | None:
-        return self.host.watch
-
-    @watch.setter
-    def watch(self, value: Callable[[], None] | None) -> None:
-        self.host.watch = value
-
-    @property
-    def world_ranks(self) -> list[int]:
-        return self.host.world_ranks
-
-    def local_rank(self) -> int:
-        return self.host.local_rank()
-
-    def host_name(self) -> str:
-        return self.host.host_name()
-
-    def notify(self, ranks: list[int], notice: Any) -> None:
-        self.host.notify(ranks, notice)
-
-    def notices(self) -> list[Any]:
-        return self.host.notices()
-
-    def flush(self, timeout: float) -> None:
-        self.host.flush(timeout)
-
-    def abort(self, code: int) -> None:
-        self.host.abort(code)
-
-    def exchange(self, payload: Any, seq: int, deadline: float, *, watched: bool = False) -> list[Any]:
-        return self.host.exchange(payload, seq, deadline, watched=watched)
-
-    def gather(self, out: Any, inp: Any, root: int) -> Any:
-        return self.host.gather(out, inp, root)
-
-    def scatter(self, out: Any, inp: Any, root: int) -> Any:
-        return self.host.scatter(out, inp, root)
-
-    def all_to_all(self, out: Any, recv_counts: list[int], inp: Any, send_counts: list[int]) -> Any:
-        return self.host.all_to_all(out, recv_counts, inp, send_counts)
-
-    def barrier(self) -> Any:
-        return self.host.barrier()
-
-    def send(self, buf: Any, dst: int, tag: int) -> Any:
-        return self.host.send(buf, dst, tag)
-
-    def recv(self, buf: Any, src: int | None, tag: int) -> Any:
-        return self.host.recv(buf, src, tag)
 
     # ----------------------------------------------------------------- the path
     def all_reduce(self, buf: Any, op: ReduceOp) -> Any:

@@ -16,7 +16,6 @@ there is nothing to share, and the group stays on MPI.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable, Generator
 
 import numpy as np
@@ -24,6 +23,7 @@ import numpy as np
 from ..reduce_op import ReduceOp
 from .engine import DeadlineExceeded
 from .shm_collectives import ShmRequest
+from .shm_host import OverHost
 
 #: The group's MPI engines (comm/engines/mpi.py), handed in: this module imports nothing of MPI.
 MPIEngine = Any
@@ -78,7 +78,7 @@ class HierarchicalRequest:
         return False
 
 
-class HierarchicalEngine:
+class HierarchicalEngine(OverHost):
     """A group's MPI engine with the hierarchical all-reduce (see the module docstring).
 
     Args:
@@ -90,27 +90,10 @@ class HierarchicalEngine:
         over: how a child group's engine is made (``shm.over``: the path where it applies).
     """
 
-    backend = "mpi"
-    native_avg = False
-    device = None
-
     def __init__(self, host: MPIEngine, node: Any, leaders: MPIEngine | None, least: int,
                  over: Callable[[MPIEngine, float], Any]) -> None:
-        self.host, self.node, self.leaders, self.min_bytes, self._over = host, node, leaders, least, over
-        self.capabilities = dataclasses.replace(host.capabilities, reports_path=True)
-        self.rank, self.size, self.max_tag = host.rank, host.size, host.max_tag
-
-    @property
-    def watch(self) -> Callable[[], None] | None:
-        return self.host.watch
-
-    @watch.setter
-    def watch(self, value: Callable[[], None] | None) -> None:
-        self.host.watch = value
-
-    @property
-    def world_ranks(self) -> list[int]:
-        return self.host.world_ranks
+        super().__init__(host)
+        self.node, self.leaders, self.min_bytes, self._over = node, leaders, least, over
 
     def all_reduce(self, buf: Any, op: ReduceOp) -> Any:
         if buf.__class__ is not _NDARRAY or buf.nbytes < self.min_bytes:
@@ -151,55 +134,3 @@ class HierarchicalEngine:
         if self.leaders is not None:
             self.leaders.free()
         self.host.free()
-
-    # everything else is the group's MPI engine's
-    def reduce(self, buf: Any, op: ReduceOp, root: int) -> Any:
-        return self.host.reduce(buf, op, root)
-
-    def broadcast(self, buf: Any, root: int) -> Any:
-        return self.host.broadcast(buf, root)
-
-    def all_gather(self, out: Any, inp: Any) -> Any:
-        return self.host.all_gather(out, inp)
-
-    def reduce_scatter(self, out: Any, inp: Any, op: ReduceOp) -> Any:
-        return self.host.reduce_scatter(out, inp, op)
-
-    def gather(self, out: Any, inp: Any, root: int) -> Any:
-        return self.host.gather(out, inp, root)
-
-    def scatter(self, out: Any, inp: Any, root: int) -> Any:
-        return self.host.scatter(out, inp, root)
-
-    def all_to_all(self, out: Any, recv_counts: list[int], inp: Any, send_counts: list[int]) -> Any:
-        return self.host.all_to_all(out, recv_counts, inp, send_counts)
-
-    def barrier(self) -> Any:
-        return self.host.barrier()
-
-    def send(self, buf: Any, dst: int, tag: int) -> Any:
-        return self.host.send(buf, dst, tag)
-
-    def recv(self, buf: Any, src: int | None, tag: int) -> Any:
-        return self.host.recv(buf, src, tag)
-
-    def local_rank(self) -> int:
-        return self.host.local_rank()
-
-    def host_name(self) -> str:
-        return self.host.host_name()
-
-    def notify(self, ranks: list[int], notice: Any) -> None:
-        self.host.notify(ranks, notice)
-
-    def notices(self) -> list[Any]:
-        return self.host.notices()
-
-    def flush(self, timeout: float) -> None:
-        self.host.flush(timeout)
-
-    def abort(self, code: int) -> None:
-        self.host.abort(code)
-
-    def exchange(self, payload: Any, seq: int, deadline: float, *, watched: bool = False) -> list[Any]:
-        return self.host.exchange(payload, seq, deadline, watched=watched)
