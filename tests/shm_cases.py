@@ -200,6 +200,13 @@ def check_shared_buffer() -> None:
     part[:] = rank
     meshkit.all_reduce(part, op=ReduceOp.MAX, async_op=True).wait()
     assert _last_path() == "shm" and (part == n - 1).all() and np.array_equal(buf[:10], np.arange(10) * (n * (n + 1) // 2))
+    flat = group.shared_buffer(8 * 300 * n).view(np.float64)  # FSDP's layout: gather into, scatter from
+    flat[rank * 300:(rank + 1) * 300] = rank
+    meshkit.all_gather_into_tensor(flat, flat[rank * 300:(rank + 1) * 300])
+    assert _last_path() == "shm" and np.array_equal(flat, np.repeat(np.arange(n, dtype=float), 300))
+    shard = np.empty(300)
+    meshkit.reduce_scatter_tensor(shard, flat)
+    assert _last_path() == "shm" and (shard == n * rank).all()
     from meshkit.parallel import DistributedDataParallel
 
     params = {"w": np.zeros((64, 8)), "b": np.zeros(8)}

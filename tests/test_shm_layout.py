@@ -224,3 +224,29 @@ def test_a_shared_buffer_reduces_in_place_and_a_different_place_is_a_mismatch():
     errors = _drive(2, [lambda ch, req: ch.all_reduce_in_place(req, parts[:2], ReduceOp.SUM, 0),
                         lambda ch, req: ch.all_reduce_in_place(req, parts[:2], ReduceOp.SUM, 80)])
     assert all(isinstance(e, CallsDiffer) for e in errors), errors
+
+
+def test_all_gather_into_and_reduce_scatter_of_a_shared_buffer_need_no_copy_in():
+    n, m = 3, 500
+    regions = mmap.mmap(-1, n * n * m * 8)
+    arrays = [np.frombuffer(regions, np.float64, n * m, r * n * m * 8) for r in range(n)]
+    for r in range(n):
+        arrays[r][:] = np.arange(n * m) + 1000 * r
+    outs = [np.empty(m) for _ in range(n)]
+    assert _drive(n, [lambda ch, req, r=r: ch.reduce_scatter_in_place(req, outs[r], arrays, ReduceOp.SUM, 0)
+                      for r in range(n)]) == [None] * n
+    full = _ordered(ReduceOp.SUM, [a.copy() for a in arrays])
+    for r in range(n):
+        assert np.array_equal(outs[r], full[r * m:(r + 1) * m])
+    mine = [np.full(m, float(r)) for r in range(n)]
+    assert _drive(n, [lambda ch, req, r=r: ch.all_gather_in_place(req, arrays, mine[r], 0)
+                      for r in range(n)]) == [None] * n
+    for a in arrays:
+        assert np.array_equal(a, np.repeat(np.arange(n, dtype=float), m))
+    # in place: each rank's input is its own block of the shared array
+    for r in range(n):
+        arrays[r][r * m:(r + 1) * m] = 10.0 + r
+    assert _drive(n, [lambda ch, req, r=r: ch.all_gather_in_place(req, arrays, arrays[r][r * m:(r + 1) * m], 0)
+                      for r in range(n)]) == [None] * n
+    for a in arrays:
+        assert np.array_equal(a, np.repeat(10.0 + np.arange(n), m))

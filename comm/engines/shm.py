@@ -22,7 +22,8 @@ leader per node), its other calls over MPI.
 
 ``shared_buffer(nbytes, deadline)`` (``ProcessGroup.shared_buffer``) hands out a buffer inside a
 segment of its own that every member maps; an ``all_reduce`` of a view of it at the same place on
-every rank reduces in place at any size (no copy in or out): DDP's buckets live there.
+every rank reduces in place at any size (no copy in or out): DDP's buckets live there. So do
+``all_gather`` into one and ``reduce_scatter`` of one (each block read from its owner's array).
 
 Mismatches: a call's header names its kind, count, dtype, reduce op and root, so ranks that call
 different collectives *through the path* all raise ``CollectiveMismatchError`` at once. Ranks whose
@@ -175,12 +176,23 @@ class ShmEngine(OverHost):
         return self.host.broadcast(buf, root)
 
     def all_gather(self, out: Any, inp: Any) -> Any:
+        if out.__class__ is _NDARRAY and inp.__class__ is _NDARRAY and self.regions:
+            place = self._in_region(out)
+            if place is not None:  # into a shared buffer: every block read from its owner's, at any size
+                channel, (outs, offset) = self.channel, place
+                return ShmRequest("all_gather", lambda request: channel.all_gather_in_place(request, outs, inp, offset))
         if out.__class__ is _NDARRAY and inp.__class__ is _NDARRAY and out.nbytes >= self.min_bytes:
             channel, own = self.channel, _own_chunk(out, inp, self.rank)
             return ShmRequest("all_gather", lambda request: channel.all_gather(request, out, inp, own))
         return self.host.all_gather(out, inp)
 
     def reduce_scatter(self, out: Any, inp: Any, op: ReduceOp) -> Any:
+        if out.__class__ is _NDARRAY and inp.__class__ is _NDARRAY and self.regions:
+            place = self._in_region(inp)
+            if place is not None:  # of a shared buffer: every block reduced from its owners', no copy in
+                channel, (ins, offset) = self.channel, place
+                return ShmRequest("reduce_scatter",
+                                  lambda request: channel.reduce_scatter_in_place(request, out, ins, op, offset))
         if out.__class__ is _NDARRAY and inp.__class__ is _NDARRAY and inp.nbytes >= self.min_bytes:
             channel = self.channel
             return ShmRequest("reduce_scatter", lambda request: channel.reduce_scatter(request, out, inp, op))

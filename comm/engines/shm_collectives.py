@@ -70,7 +70,8 @@ from .shm_layout import CONTROL_WORDS, HEADER, HEADER_WORDS, PID, PIDNS, POST, R
 __all__ = ["Channel", "ShmRequest", "KINDS", "LIVENESS_INTERVAL"]
 
 #: The collectives this path runs, as the header's kind (index + 1; 0: no header yet).
-KINDS = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "all_reduce of a shared buffer")
+KINDS = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "all_reduce of a shared buffer",
+         "all_gather into a shared buffer", "reduce_scatter of a shared buffer")
 _REDUCE_OPS = tuple(ReduceOp)
 #: Seconds between looks at whether the ranks a wait is missing still live (``os.kill(pid, 0)``):
 #: a dead rank is found within this, and a look costs a system call per missing rank.
@@ -156,7 +157,7 @@ class Channel:
         kind, count, op, root, *name = header
         what = KINDS[kind - 1] if 0 < kind <= len(KINDS) else f"unknown call {kind}"
         return Call(what, _name_of((name[0], name[1])), (count,), None if op == 0 else _REDUCE_OPS[op - 1].name,
-                    None if root < 0 or kind == 6 else root)  # (kind 6's root word: the place in the buffer)
+                    None if root < 0 or kind >= 6 else root)  # (kinds 6-8's root word: the place in the buffer)
 
     def _compare(self, step: int, mine: tuple[int, ...]) -> None:
         headers = [self._read_header(r, step) for r in range(self.n)]
@@ -259,6 +260,52 @@ class Channel:
             combine_into(op, acc, other[lo:hi])
         for other in views[1:]:
             np.copyto(other[lo:hi], acc)
+        self._reduced(step)
+        yield from self._wait(request, self._reds, step)
+
+    def all_gather_in_place(self, request: ShmRequest, outs: list[np.ndarray], inp: np.ndarray, offset: int) -> Steps:
+        """All-gather into arrays that lie in a shared buffer, ``outs[r]`` rank r's (n x m elements, at
+        the same place on every rank): this rank's block is written once (unless ``inp`` is it), then
+        each rank copies every other block straight from its owner's array; a second meeting keeps
+        each owner's block unchanged until every rank has read it."""
+        n, me = self.n, self.rank
+        src, mine = inp.reshape(-1), outs[me].reshape(n, -1)
+        m = src.size
+        header = self._header(7, m, None, offset, src.dtype)
+        step = self.step = self.step + 1
+        if src.ctypes.data != mine[me].ctypes.data:
+            np.copyto(mine[me], src)
+        self._write_header(step, header)
+        self._post(step)
+        yield from self._wait(request, self._posts, step)
+        self._compare(step, header)
+        for r in range(n):
+            if r != me:
+                np.copyto(mine[r], outs[r].reshape(n, -1)[r])
+        self._reduced(step)
+        yield from self._wait(request, self._reds, step)
+
+    def reduce_scatter_in_place(self, request: ShmRequest, out: np.ndarray, ins: list[np.ndarray], op: ReduceOp,
+                                offset: int) -> Steps:
+        """Reduce-scatter of arrays that lie in a shared buffer, ``ins[r]`` rank r's (n x m elements, at
+        the same place on every rank): rank r reduces block r of every rank's array in rank order
+        straight into ``out``, with no copy in; a second meeting keeps the inputs unchanged until
+        every rank has read them."""
+        n, me = self.n, self.rank
+        dst = out.reshape(-1)
+        header = self._header(8, dst.size, op, offset, dst.dtype)
+        step = self.step = self.step + 1
+        self._write_header(step, header)
+        self._post(step)
+        yield from self._wait(request, self._posts, step)
+        self._compare(step, header)
+        parts = [a.reshape(n, -1)[me] for a in ins]
+        if np.may_share_memory(dst, ins[me]):  # out is (in) this rank's own input: reduce aside first
+            result = np.empty_like(dst)
+            _reduce_into(op, result, parts)
+            np.copyto(dst, result)
+        else:
+            _reduce_into(op, dst, parts)
         self._reduced(step)
         yield from self._wait(request, self._reds, step)
 
