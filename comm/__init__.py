@@ -32,6 +32,7 @@ The map, one line a module:
     shm_layout.py      its arithmetic: flags, headers and buffers in the segment, chunks, slices
     shm_hierarchy.py   a group across nodes: all_reduce through each node's segment and MPI between leaders
     shm_host.py        what those two leave to the group's MPI engine, passed on
+    shm_settings.py    its settings (MESHKIT_SHM_*), read without MPI
     nccl.py            the NCCL engine: device arrays over NCCL, the rest over its host engine
     nccl_requests.py   its requests: device work (watched until done), AVG of host arrays
     nccl_coalescing.py its ``batch_isend_irecv``: one NCCL group, done events at the outermost end

@@ -178,37 +178,28 @@ def test_a_missing_rank_is_named_and_a_dead_one_fails_its_peers_at_once():
 
 
 # --------------------------------------------------------------------------- the switch
-class _Host:
-    """What over() reads of an MPI engine before it asks MPI anything."""
+def test_MESHKIT_SHM_0_keeps_mpi_and_a_bad_value_is_named(monkeypatch):
+    from meshkit.comm.engines import shm_settings  # (no MPI: comm/engines/shm.py would start it)
 
-    size, rank, world_ranks = 2, 0, [0, 1]
-
-    @property
-    def comm(self):
-        raise AssertionError("over() asked MPI although the path is off")
-
-
-def test_MESHKIT_SHM_0_keeps_the_mpi_engine_and_a_bad_value_is_named(monkeypatch):
-    from meshkit.comm.engines import shm
-
-    host = _Host()
     monkeypatch.setenv("MESHKIT_SHM", "0")
-    assert shm.over(host, time.monotonic() + 5) is host
+    assert not shm_settings.applies(2)
     monkeypatch.setenv("MESHKIT_SHM", "off")
     with pytest.raises(DistValueError, match=r"MESHKIT_SHM='off' is not valid"):
-        shm.over(host, time.monotonic() + 5)
+        shm_settings.applies(2)
     monkeypatch.setenv("MESHKIT_SHM", "1")
-    monkeypatch.setattr(shm.platform, "machine", lambda: "aarch64")  # no TSO: the path's ordering argument fails
-    assert shm.over(host, time.monotonic() + 5) is host
+    assert shm_settings.applies(2) == shm_settings.supported() and not shm_settings.applies(1)
+    monkeypatch.setattr(shm_settings.platform, "machine", lambda: "aarch64")  # no TSO: the ordering argument fails
+    assert not shm_settings.applies(2)
 
 
 def test_the_default_chunk_keeps_a_segment_within_its_budget(monkeypatch):
-    from meshkit.comm.engines import shm
+    from meshkit.comm.engines import shm_settings
 
     monkeypatch.delenv("MESHKIT_SHM_CHUNK_BYTES", raising=False)
-    assert shm.chunk_bytes(2) == 4 << 20 and shm.chunk_bytes(16) == 2 << 20 and shm.chunk_bytes(1024) == 64 << 10
+    assert shm_settings.chunk_bytes(2) == 4 << 20 and shm_settings.chunk_bytes(16) == 2 << 20
+    assert shm_settings.chunk_bytes(1024) == 64 << 10
     monkeypatch.setenv("MESHKIT_SHM_CHUNK_BYTES", "8192")
-    assert shm.chunk_bytes(16) == 8192
+    assert shm_settings.chunk_bytes(16) == 8192
 
 
 def test_a_shared_buffer_reduces_in_place_and_a_different_place_is_a_mismatch():

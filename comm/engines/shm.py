@@ -38,7 +38,6 @@ Bounds and settings (docs/security.md): ``MESHKIT_SHM`` (0/1), ``MESHKIT_SHM_MIN
 from __future__ import annotations
 
 import logging
-import platform
 import time
 from typing import Any
 
@@ -54,57 +53,16 @@ from .mpi_polling import completes
 from .shm_collectives import Channel, ShmRequest
 from .shm_hierarchy import HierarchicalEngine
 from .shm_host import OverHost
+from .shm_settings import applies, chunk_bytes, min_bytes, small_bytes
 from .shm_layout import segment_bytes
 from .shm_segment import NAME_BYTES, Segment, attach, create
 from .watchdog import watched
 
-__all__ = ["ShmEngine", "over", "supported", "min_bytes", "chunk_bytes", "small_bytes",
-           "DEFAULT_MIN_BYTES", "DEFAULT_CHUNK_BYTES", "DEFAULT_SMALL_BYTES"]
+__all__ = ["ShmEngine", "over"]
 
 logger = logging.getLogger("meshkit")
 
-#: Collectives below this many bytes go to MPI (``MESHKIT_SHM_MIN_BYTES``). At 2 ranks on the
-#: project's 2-core machine (benchmarks/collectives.py, docs/collectives.md) a 64 KB all_reduce
-#: through the path took 52 us against MPICH's 29 (the path's Python steps cost tens of us a
-#: meeting), a 1 MB one 0.27 ms against 1.4 ms; the machine was loaded by other jobs, so the
-#: threshold sits between, where the path's fixed cost is small against the bytes.
-DEFAULT_MIN_BYTES = 256 * 1024
-#: Most bytes of each of a rank's two buffers (``MESHKIT_SHM_CHUNK_BYTES``); the default is also
-#: held to :data:`SEGMENT_BUDGET` ``/ n``. Every chunk is a meeting of all ranks, and on shared
-#: cores a meeting costs a scheduling round: a 64 MB all_reduce took 0.30-0.55 s with 256 KiB or
-#: 1 MiB chunks and 0.12-0.13 s with 4 or 16 MiB (loaded machine; L3 is 300 MiB, so the cache did not
-#: decide it).
-DEFAULT_CHUNK_BYTES = 4 << 20
-#: The default chunk is at most this over the group's size: a segment (n x 2 chunks) stays under
-#: 64 MiB of /dev/shm (tmpfs, counted against the machine's memory) however large the group.
-SEGMENT_BUDGET = 32 << 20
-#: A reduction chunk of at most this many bytes meets once, every rank reducing all of it
-#: (``MESHKIT_SHM_SMALL_BYTES``): it saves a meeting and the copy-out for the price of reducing
-#: n slices instead of one; DeepSpeed's shm.cpp switches at 1 MiB. Here: the threshold above, so
-#: that the smallest calls the path takes meet once.
-DEFAULT_SMALL_BYTES = 256 * 1024
-
 _NDARRAY = np.ndarray
-
-
-def supported() -> bool:
-    """The memory-ordering argument holds (x86-64: TSO)."""
-    return platform.machine().lower() in ("x86_64", "amd64")
-
-
-def min_bytes() -> int:
-    return env.shm_bytes(env.SHM_MIN_BYTES, DEFAULT_MIN_BYTES, zero=True)
-
-
-def chunk_bytes(n: int = 2) -> int:
-    """``MESHKIT_SHM_CHUNK_BYTES`` where set, else :data:`DEFAULT_CHUNK_BYTES` held to
-    :data:`SEGMENT_BUDGET` ``/ n`` (a multiple of 64)."""
-    default = max(64 << 10, min(DEFAULT_CHUNK_BYTES, SEGMENT_BUDGET // n // 64 * 64))
-    return env.shm_bytes(env.SHM_CHUNK_BYTES, default, multiple=64)
-
-
-def small_bytes() -> int:
-    return env.shm_bytes(env.SHM_SMALL_BYTES, DEFAULT_SMALL_BYTES, zero=True)
 
 
 class ShmEngine(OverHost):
@@ -296,7 +254,7 @@ def over(host: MPIEngine, deadline: float) -> MPIEngine | ShmEngine | Hierarchic
     """``host``'s engine with the shared-memory path where it applies, else ``host`` itself
     (collective over ``host``'s ranks: every rank gets the same kind). ``deadline``: the group's
     creation's; its blocking MPI steps run under a watchdog that ends the process past it."""
-    if host.size < 2 or not env.shm_enabled() or not supported():
+    if not applies(host.size):
         return host
     least, chunk, small = min_bytes(), chunk_bytes(host.size), small_bytes()
     size = segment_bytes(host.size, chunk)
