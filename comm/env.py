@@ -25,7 +25,7 @@ __all__ = ["DEBUG", "TORCH_DEBUG", "TIMEOUT", "ASYNC_ERROR_HANDLING", "CUDA_AWAR
            "cuda_aware_mpi", "launched", "device_id", "trace_dir", "host_name", "this_host", "job_secret", "job_identity", "secret_identity",
            "positive_number", "control_max_depth", "CONTROL_MAX_DEPTH", "STORE_MAX_BYTES", "STORE_MAX_CONNECTIONS",
            "STORE_IDLE_TIMEOUT", "STORE_HANDSHAKE_TIMEOUT", "STORE_MAX_WAIT_KEYS",
-           "SHM", "SHM_MIN_BYTES", "SHM_CHUNK_BYTES", "SHM_SMALL_BYTES", "shm_enabled", "shm_bytes",
+           "SHM", "SHM_MIN_BYTES", "SHM_MOVE_MIN_BYTES", "SHM_CHUNK_BYTES", "SHM_SMALL_BYTES", "shm_enabled", "shm_bytes",
            "check_all", "invalid"]
 
 DEBUG = "MESHKIT_DEBUG"
@@ -300,6 +300,8 @@ def job_identity() -> str | None:
 SHM = "MESHKIT_SHM"
 #: Collectives of fewer bytes than this go to MPI, not through shared memory.
 SHM_MIN_BYTES = "MESHKIT_SHM_MIN_BYTES"
+#: all_gather and broadcast (no reduction) of fewer bytes than this go to MPI.
+SHM_MOVE_MIN_BYTES = "MESHKIT_SHM_MOVE_MIN_BYTES"
 #: Bytes of each of a rank's two buffers in a group's segment (a multiple of 64).
 SHM_CHUNK_BYTES = "MESHKIT_SHM_CHUNK_BYTES"
 #: A reduction chunk of at most this many bytes meets once (every rank reduces all of it).
@@ -344,6 +346,7 @@ def check_all() -> None:
     control_max_depth()
     shm_enabled()
     shm_bytes(SHM_MIN_BYTES, 0, zero=True)
+    shm_bytes(SHM_MOVE_MIN_BYTES, 0, zero=True)
     shm_bytes(SHM_SMALL_BYTES, 0, zero=True)
     shm_bytes(SHM_CHUNK_BYTES, 64, multiple=64)
     for name in (STORE_MAX_BYTES, STORE_MAX_CONNECTIONS, STORE_MAX_WAIT_KEYS):

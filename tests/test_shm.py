@@ -22,7 +22,8 @@ import pytest
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm (POSIX shared memory)")
 
-TINY = {"MESHKIT_SHM_MIN_BYTES": "512", "MESHKIT_SHM_SMALL_BYTES": "1024", "MESHKIT_SHM_CHUNK_BYTES": "4096"}
+TINY = {"MESHKIT_SHM_MIN_BYTES": "512", "MESHKIT_SHM_MOVE_MIN_BYTES": "512", "MESHKIT_SHM_SMALL_BYTES": "1024",
+        "MESHKIT_SHM_CHUNK_BYTES": "4096"}
 
 
 def _segments() -> set[str]:

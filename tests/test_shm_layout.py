@@ -200,6 +200,11 @@ def test_the_default_chunk_keeps_a_segment_within_its_budget(monkeypatch):
     assert shm_settings.chunk_bytes(1024) == 64 << 10
     monkeypatch.setenv("MESHKIT_SHM_CHUNK_BYTES", "8192")
     assert shm_settings.chunk_bytes(16) == 8192
+    monkeypatch.delenv("MESHKIT_SHM_MOVE_MIN_BYTES", raising=False)
+    assert shm_settings.move_min_bytes() == 1 << 30  # all_gather and broadcast: MPICH's one copy wins
+    monkeypatch.setenv("MESHKIT_SHM_MOVE_MIN_BYTES", "x")
+    with pytest.raises(DistValueError, match=r"MESHKIT_SHM_MOVE_MIN_BYTES='x' is not valid; valid values are integers"):
+        shm_settings.move_min_bytes()
 
 
 def test_a_shared_buffer_reduces_in_place_and_a_different_place_is_a_mismatch():

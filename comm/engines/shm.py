@@ -53,7 +53,7 @@ from .mpi_polling import completes
 from .shm_collectives import Channel, ShmRequest
 from .shm_hierarchy import HierarchicalEngine
 from .shm_host import OverHost
-from .shm_settings import applies, chunk_bytes, min_bytes, small_bytes
+from .shm_settings import applies, chunk_bytes, min_bytes, move_min_bytes, small_bytes
 from .shm_layout import segment_bytes
 from .shm_segment import NAME_BYTES, Segment, attach, create
 from .watchdog import watched
@@ -68,9 +68,9 @@ _NDARRAY = np.ndarray
 class ShmEngine(OverHost):
     """A group's MPI engine with the shared-memory path for the collectives it can run."""
 
-    def __init__(self, host: MPIEngine, segment: Segment, channel: Channel, least: int) -> None:
+    def __init__(self, host: MPIEngine, segment: Segment, channel: Channel, least: int, least_moved: int) -> None:
         super().__init__(host, shares_memory=True)
-        self.segment, self.channel, self.min_bytes = segment, channel, least
+        self.segment, self.channel, self.min_bytes, self.move_min_bytes = segment, channel, least, least_moved
         #: buffers handed out by shared_buffer: (this rank's region's address, its bytes, every rank's region)
         self.regions: list[tuple[int, int, list[np.ndarray]]] = []
         self._pools: list[Segment] = []
@@ -128,7 +128,7 @@ class ShmEngine(OverHost):
         return self.host.reduce(buf, op, root)
 
     def broadcast(self, buf: Any, root: int) -> Any:
-        if buf.__class__ is _NDARRAY and buf.nbytes >= self.min_bytes:
+        if buf.__class__ is _NDARRAY and buf.nbytes >= self.move_min_bytes:
             channel = self.channel
             return ShmRequest("broadcast", lambda request: channel.broadcast(request, buf, root))
         return self.host.broadcast(buf, root)
@@ -139,7 +139,7 @@ class ShmEngine(OverHost):
             if place is not None:  # into a shared buffer: every block read from its owner's, at any size
                 channel, (outs, offset) = self.channel, place
                 return ShmRequest("all_gather", lambda request: channel.all_gather_in_place(request, outs, inp, offset))
-        if out.__class__ is _NDARRAY and inp.__class__ is _NDARRAY and out.nbytes >= self.min_bytes:
+        if out.__class__ is _NDARRAY and inp.__class__ is _NDARRAY and out.nbytes >= self.move_min_bytes:
             channel, own = self.channel, _own_chunk(out, inp, self.rank)
             return ShmRequest("all_gather", lambda request: channel.all_gather(request, out, inp, own))
         return self.host.all_gather(out, inp)
@@ -162,8 +162,10 @@ class ShmEngine(OverHost):
 
     def paths(self) -> str:
         """Which calls go through shared memory (``DeviceMesh.describe`` shows it)."""
-        return (f"all_reduce, reduce, broadcast, all_gather and reduce_scatter of NumPy arrays of >= {self.min_bytes} "
-                "bytes through shared memory, the rest over mpi")
+        moved = ("" if self.move_min_bytes >= 1 << 30 else
+                 f", all_gather and broadcast of >= {self.move_min_bytes} bytes")
+        return (f"all_reduce, reduce and reduce_scatter of NumPy arrays of >= {self.min_bytes} bytes{moved} and "
+                "every collective on a shared buffer through shared memory, the rest over mpi")
 
     def wait(self, request: Any, deadline: float) -> None:
         if request.__class__ is not ShmRequest:
@@ -275,4 +277,4 @@ def over(host: MPIEngine, deadline: float) -> MPIEngine | ShmEngine | Hierarchic
                            host.world_ranks, problem or "a rank could not create or map the segment")
         return host
     channel = Channel(segment.memory, host.size, host.rank, chunk, small, host.world_ranks)
-    return ShmEngine(host, segment, channel, least)
+    return ShmEngine(host, segment, channel, least, move_min_bytes())

@@ -11,7 +11,7 @@ import platform
 
 from .. import env
 
-__all__ = ["applies", "supported", "min_bytes", "chunk_bytes", "small_bytes", "DEFAULT_MIN_BYTES",
+__all__ = ["applies", "supported", "min_bytes", "move_min_bytes", "DEFAULT_MOVE_MIN_BYTES", "chunk_bytes", "small_bytes", "DEFAULT_MIN_BYTES",
            "DEFAULT_CHUNK_BYTES", "SEGMENT_BUDGET", "DEFAULT_SMALL_BYTES"]
 
 #: Collectives below this many bytes go to MPI (``MESHKIT_SHM_MIN_BYTES``). At 2 ranks on the
@@ -20,6 +20,13 @@ __all__ = ["applies", "supported", "min_bytes", "chunk_bytes", "small_bytes", "D
 #: meeting), a 1 MB one 0.27 ms against 1.4 ms; the machine was loaded by other jobs, so the
 #: threshold sits between, where the path's fixed cost is small against the bytes.
 DEFAULT_MIN_BYTES = 256 * 1024
+#: all_gather and broadcast (data moved, nothing reduced) go to MPI below this
+#: (``MESHKIT_SHM_MOVE_MIN_BYTES``), which by default is the most the setting allows: in effect
+#: never. MPICH moves a large message with one copy, the path with two (into the segment, out of
+#: it): at 2 ranks an all_gather through the path took 1.25-1.9x MPICH's time at every size from
+#: 4 KB to 64 MB (benchmarks/collectives.py, docs/collectives.md). A buffer of ``shared_buffer``
+#: still gathers in place (one copy) at any size.
+DEFAULT_MOVE_MIN_BYTES = 1 << 30
 #: Most bytes of each of a rank's two buffers (``MESHKIT_SHM_CHUNK_BYTES``); the default is also
 #: held to :data:`SEGMENT_BUDGET` ``/ n``. Every chunk is a meeting of all ranks, and on shared
 #: cores a meeting costs a scheduling round: a 64 MB all_reduce took 0.30-0.55 s with 256 KiB or
@@ -42,6 +49,11 @@ def supported() -> bool:
 
 def min_bytes() -> int:
     return env.shm_bytes(env.SHM_MIN_BYTES, DEFAULT_MIN_BYTES, zero=True)
+
+
+def move_min_bytes() -> int:
+    """``MESHKIT_SHM_MOVE_MIN_BYTES``: all_gather and broadcast below it go to MPI."""
+    return env.shm_bytes(env.SHM_MOVE_MIN_BYTES, DEFAULT_MOVE_MIN_BYTES, zero=True)
 
 
 def chunk_bytes(n: int = 2) -> int:
