@@ -148,7 +148,7 @@ OPS = {spec.name: spec for spec in (
     OpSpec("broadcast", "broadcast", "Bcast", lambda n: 1.0, in_place=True),
     OpSpec("all_to_all", "all_to_all_single", "Alltoall", lambda n: (n - 1) / n),
 )}
-ENGINES = ("meshkit", "mpi4py", "gloo", "mpi4py-guarded")
+ENGINES = ("meshkit", "mpi4py", "gloo", "mpi4py-guarded", "meshkit-mpi", "copy")
 
 
 @dataclasses.dataclass
@@ -188,6 +188,7 @@ class Engine:
     optional: bool = False
     finish: Callable[[], None] = lambda: None
     inputs_written: Callable[[], None] = lambda: None
+    checked: bool = True  # False: not a collective (``copy``), its result is not checked
 
 
 # --------------------------------------------------------------------------- engines
@@ -240,6 +241,49 @@ def torch_style_bind(api: Any, convert: Callable[[np.ndarray], Any] = np.asarray
 def meshkit_engine(mode: str = "sync") -> Engine:
     """meshkit's torch.distributed-style API on its default (world) group."""
     return Engine("meshkit", torch_style_bind(meshkit, mode=mode))
+
+
+#: A threshold no buffer reaches: the shared-memory path steps aside for every call.
+_NEVER = 1 << 62
+
+
+def meshkit_mpi_engine(mode: str = "sync") -> Engine:
+    """meshkit on the same world group with its shared-memory path stepped aside (its engine's
+    threshold, ``MESHKIT_SHM_MIN_BYTES``, set above every size for the call): meshkit over MPI, in
+    the same job as the shared-memory path, on the same buffers. Without the path (``MESHKIT_SHM=0``,
+    a world across nodes) it is plain ``meshkit``."""
+    from meshkit.comm._seams import resolve_group
+    from meshkit.comm.engines.shm import ShmEngine
+
+    engine = resolve_group(None).engine
+    plain = torch_style_bind(meshkit, mode=mode)
+    if not isinstance(engine, ShmEngine):
+        return Engine("meshkit-mpi", plain)
+    shm = engine
+
+    def bind(op: str, b: Buffers) -> Call:
+        fn = plain(op, b)
+
+        def over_mpi() -> None:
+            least, shm.min_bytes = shm.min_bytes, _NEVER
+            try:
+                fn()
+            finally:
+                shm.min_bytes = least
+        return over_mpi
+
+    return Engine("meshkit-mpi", bind)
+
+
+def copy_engine() -> Engine:
+    """Not a collective: one core copying the op's largest buffer (``np.copyto`` of the same bytes),
+    measured in the same rounds: the memory system's limit that busbw is compared with (the ``copy``
+    column's algbw)."""
+    def bind(op: str, b: Buffers) -> Call:
+        src = b.out if b.out.nbytes >= b.inp.nbytes else b.inp
+        return functools.partial(np.copyto, np.empty_like(src), src)
+
+    return Engine("copy", bind, checked=False)
 
 
 def _mpi_arguments(op: str, b: Buffers) -> tuple:
@@ -322,7 +366,8 @@ def torch_importable() -> bool:
 def make_engines(names: list[str], comm: MPI.Comm, mode: str = "sync") -> list[Engine]:
     makers: dict[str, Callable[[], Engine]] = {
         "meshkit": lambda: meshkit_engine(mode), "mpi4py": lambda: mpi4py_engine(mode),
-        "gloo": lambda: gloo_engine(comm, mode), "mpi4py-guarded": guarded_engine}
+        "gloo": lambda: gloo_engine(comm, mode), "mpi4py-guarded": guarded_engine,
+        "meshkit-mpi": lambda: meshkit_mpi_engine(mode), "copy": copy_engine}
     return [makers[name]() for name in names]
 
 
@@ -616,6 +661,7 @@ class Settings:
     iters: int | None
     warmup: int | None
     rounds: int
+    stat: str = "median"  # how a size's time is taken from its rounds: median, or min (--stat)
 
 
 def run_rounds(calls: dict[str, Call], comm: MPI.Comm, iters: int, warmup: int,
@@ -657,7 +703,7 @@ def measure(op: str, nbytes: int, engines: list[Engine], unsupported: set[tuple[
         if (engine.name, op) in unsupported:
             continue
         fn = engine.bind(op, b)
-        if check_engine(engine, op, fn, b, comm, space):
+        if not engine.checked or check_engine(engine, op, fn, b, comm, space):
             calls[engine.name] = fn
         else:
             unsupported.add((engine.name, op))
@@ -677,15 +723,15 @@ def measure(op: str, nbytes: int, engines: list[Engine], unsupported: set[tuple[
     if warmup is None:
         warmup = max(1, (iters or 0) // 10)
     per_round = run_rounds(calls, comm, iters or 0, warmup, settings.rounds, finish) if calls else {}
-    return [row(op, nbytes, count, e.name, per_round.get(e.name), iters, n) for e in engines]
+    return [row(op, nbytes, count, e.name, per_round.get(e.name), iters, n, settings.stat) for e in engines]
 
 
 def row(op: str, nbytes: int, count: int, engine: str, rounds: list[float] | None, iters: int | None,
-        n: int) -> dict[str, Any]:
+        n: int, stat: str = "median") -> dict[str, Any]:
     if rounds is None:
         return {"op": op, "bytes": nbytes, "count": count, "engine": engine, "time_us": None,
                 "algbw_gbs": None, "busbw_gbs": None, "iters": None, "rounds": None}
-    seconds = median(rounds)
+    seconds = min(rounds) if stat == "min" else median(rounds)
     algbw = nbytes / seconds / 1e9
     return {"op": op, "bytes": nbytes, "count": count, "engine": engine, "time_us": seconds * 1e6,
             "algbw_gbs": algbw, "busbw_gbs": algbw * OPS[op].bus_factor(n), "iters": iters,
@@ -707,7 +753,8 @@ def table_header(op: str, engines: list[str], n: int, dtype: np.dtype, ref: str 
     top = f"# {'':>14} {'':>8} {'':>10}" + "".join(f" | {name:^32}" for name in engines)
     cols = f"# {'op':>14} {'size':>8} {'count':>10}" + " | time(us) algbw(GB/s) busbw(GB/s)" * len(engines)
     has_ratio = "meshkit" in engines and ref in engines
-    return [title, top, cols + (f" | meshkit/{ref}" if has_ratio else "")]
+    fraction = " | meshkit busbw/copy" if "meshkit" in engines and "copy" in engines else ""
+    return [title, top, cols + (f" | meshkit/{ref}" if has_ratio else "") + fraction]
 
 
 def table_line(rows: list[dict[str, Any]], ref: str = "mpi4py") -> str:
@@ -723,7 +770,17 @@ def table_line(rows: list[dict[str, Any]], ref: str = "mpi4py") -> str:
     if {"meshkit", ref} <= engines:
         q = ratio(rows, first["bytes"], ref)
         cells.append(f" | {q:{max(14, len(ref) + 8)}.3f}" if q is not None else f" | {'n/a':>{max(14, len(ref) + 8)}}")
+    if {"meshkit", "copy"} <= engines:
+        q = copy_fraction(rows)
+        cells.append(f" | {q:19.3f}" if q is not None else f" | {'n/a':>19}")
     return "".join(cells)
+
+
+def copy_fraction(rows: list[dict[str, Any]]) -> float | None:
+    """meshkit's busbw over the ``copy`` engine's algbw (one core's copy of the same bytes), rows of one size."""
+    bw = {r["engine"]: (r["busbw_gbs"], r["algbw_gbs"]) for r in rows}
+    mk, copy = bw.get("meshkit"), bw.get("copy")
+    return mk[0] / copy[1] if mk and copy and mk[0] is not None and copy[1] else None
 
 
 def summary_line(op: str, rows: list[dict[str, Any]], targets: Targets = CPU_TARGETS) -> str | None:
@@ -819,6 +876,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=None,
                    help="untimed calls per engine before each timed block (default: max(1, iters / 10))")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the median is reported (default: 5)")
+    p.add_argument("--stat", default="median", choices=("median", "min"),
+                   help="a size's time over the rounds: median, or min (the least disturbed round on a loaded "
+                        "machine; default: median)")
+    p.add_argument("--sizes", default=None,
+                   help="comma-separated sizes in place of the sweep, e.g. 4K,16K,64K,1M,4M,16M,64M")
     p.add_argument("--engines", default=None,
                    help=f"comma-separated, from {', '.join(ENGINES)} "
                         "(default: meshkit,mpi4py, plus gloo when torch is importable); with --device cuda, "
@@ -849,6 +911,11 @@ def parse_args(rank: int, argv: list[str] | None = None) -> argparse.Namespace:
     p = build_parser()
     args = parse_checked(p, rank, argv, _invalid)
     args.ops = _split(args.ops, list(OPS), "ops", p, rank)
+    if args.sizes is not None:
+        try:
+            args.sizes = [parse_size(s.strip()) for s in args.sizes.split(",") if s.strip()]
+        except (ValueError, argparse.ArgumentTypeError):
+            usage_error(p, rank, f"invalid --sizes {args.sizes!r}; use sizes such as 4K,64K,1M")
     args.dtype = np.dtype(args.dtype)
     if args.device == "cuda":
         args.engines = _split(args.engines or ",".join(_default_gpu_engines(args.backend)),
@@ -917,7 +984,10 @@ def run(args: argparse.Namespace, comm: MPI.Comm, engines: list[Engine], space: 
     """
     rank, n = comm.Get_rank(), comm.Get_size()
     sizes = size_sweep(args.min_bytes, args.max_bytes, args.step_factor, multiple=n * args.dtype.itemsize)
-    settings = Settings(args.iters, args.warmup, args.rounds)
+    if args.sizes:
+        unit = n * args.dtype.itemsize
+        sizes = [-(-s // unit) * unit for s in args.sizes]
+    settings = Settings(args.iters, args.warmup, args.rounds, args.stat)
     names = [e.name for e in engines]
     unsupported: set[tuple[str, str]] = set()
     rows: list[dict[str, Any]] = []

@@ -27,6 +27,13 @@ The map, one line a module:
     mpi_cuda_aware.py  whether the MPI library reads device memory, asked once
     mpi_mailbox.py     the MPI world's notice channel
     mpi_ulfm.py        MPI's fault tolerance (ULFM): a dead rank as RankFailedError, Revoke, Shrink
+    shm.py             the shared-memory path under MPI: a group on one node, through one segment
+    shm_collectives.py its collectives: flags instead of barriers, a fixed reduction order
+    shm_segment.py     its segment: POSIX shared memory, created exclusively, unlinked once mapped
+    shm_layout.py      its arithmetic: flags, headers and buffers in the segment, chunks, slices
+    shm_hierarchy.py   a group across nodes: all_reduce through each node's segment and MPI between leaders
+    shm_host.py        what those two leave to the group's MPI engine, passed on
+    shm_settings.py    its settings (MESHKIT_SHM_*), read without MPI
     nccl.py            the NCCL engine: device arrays over NCCL, the rest over its host engine
     nccl_requests.py   its requests: device work (watched until done), AVG of host arrays
     nccl_coalescing.py its ``batch_isend_irecv``: one NCCL group, done events at the outermost end

@@ -148,8 +148,10 @@ def _elements(n: int) -> str:
 
 #: The fields of a flight-recorder entry, in order. ``state``: scheduled, started, completed,
 #: failed, timed_out.
-RECORD_FIELDS = ("seq", "group", "op", "shapes", "dtype", "state", "t_scheduled", "t_start", "t_end", "error")
-SEQ, GROUP, OP, SHAPES, DTYPE, STATE, T_SCHEDULED, T_START, T_END, ERROR = range(len(RECORD_FIELDS))
+#: ``path``: the way the data went where the engine tells paths apart (``"shm"`` or ``"mpi"`` on a
+#: group whose ranks share a node: comm/engines/shm.py), else None.
+RECORD_FIELDS = ("seq", "group", "op", "shapes", "dtype", "state", "t_scheduled", "t_start", "t_end", "error", "path")
+SEQ, GROUP, OP, SHAPES, DTYPE, STATE, T_SCHEDULED, T_START, T_END, ERROR, PATH = range(len(RECORD_FIELDS))
 
 #: One flight-recorder entry: a plain list indexed by the constants above. One is made per
 #: collective call, and a list is built in C: a class with ``__slots__`` and an ``__init__``
@@ -173,7 +175,7 @@ class FlightRecorder:
     def record(self, seq: int, group: str, op: str, shapes: tuple[tuple[int, ...], ...],
                dtype: Any, state: str = "scheduled", at: float | None = None) -> CollectiveRecord:
         now = at or time.time()  # at: when the call began, for an entry made only once it failed
-        entry = [seq, group, op, shapes, dtype, state, now, now if state == "started" else None, None, None]
+        entry = [seq, group, op, shapes, dtype, state, now, now if state == "started" else None, None, None, None]
         self._entries.append(entry)
         return entry
 
@@ -187,6 +189,7 @@ class FlightRecorder:
             took = "" if end is None or start is None else f" {1e3 * (end - start):.3f} ms"
             err = f" error={e['error']}" if e["error"] else ""
             dtype = "" if e["dtype"] is None else f" dtype={e['dtype']}"
+            dtype += "" if e["path"] is None else f" path={e['path']}"
             lines.append(f"  #{e['seq']:<6} {e['group']:<24} {e['op']:<22} {e['state']:<10} shapes={list(e['shapes'])}"
                          f"{dtype}{took}{err}")
         return "\n".join(lines)

@@ -25,6 +25,7 @@ __all__ = ["DEBUG", "TORCH_DEBUG", "TIMEOUT", "ASYNC_ERROR_HANDLING", "CUDA_AWAR
            "cuda_aware_mpi", "launched", "device_id", "trace_dir", "host_name", "this_host", "job_secret", "job_identity", "secret_identity",
            "positive_number", "control_max_depth", "CONTROL_MAX_DEPTH", "STORE_MAX_BYTES", "STORE_MAX_CONNECTIONS",
            "STORE_IDLE_TIMEOUT", "STORE_HANDSHAKE_TIMEOUT", "STORE_MAX_WAIT_KEYS",
+           "SHM", "SHM_MIN_BYTES", "SHM_MOVE_MIN_BYTES", "SHM_CHUNK_BYTES", "SHM_SMALL_BYTES", "shm_enabled", "shm_bytes",
            "check_all", "invalid"]
 
 DEBUG = "MESHKIT_DEBUG"
@@ -294,6 +295,44 @@ def job_identity() -> str | None:
     return None
 
 
+#: ``0`` turns the shared-memory path off (collectives of groups on one node go to MPI); ``1`` (the
+#: default) uses it where it applies (docs/collectives.md).
+SHM = "MESHKIT_SHM"
+#: Collectives of fewer bytes than this go to MPI, not through shared memory.
+SHM_MIN_BYTES = "MESHKIT_SHM_MIN_BYTES"
+#: all_gather and broadcast (no reduction) of fewer bytes than this go to MPI.
+SHM_MOVE_MIN_BYTES = "MESHKIT_SHM_MOVE_MIN_BYTES"
+#: Bytes of each of a rank's two buffers in a group's segment (a multiple of 64).
+SHM_CHUNK_BYTES = "MESHKIT_SHM_CHUNK_BYTES"
+#: A reduction chunk of at most this many bytes meets once (every rank reduces all of it).
+SHM_SMALL_BYTES = "MESHKIT_SHM_SMALL_BYTES"
+#: The most any of the byte sizes above may be (1 GiB: a group's segment is n x 2 x the chunk).
+_SHM_MOST_BYTES = 1 << 30
+
+
+def shm_enabled() -> bool:
+    """``MESHKIT_SHM``: 1 (default: the shared-memory path where it applies) or 0 (MPI only)."""
+    raw = _get(SHM)
+    value = (raw or "1").strip() or "1"
+    if value not in ("0", "1"):
+        raise invalid(SHM, raw or "", "0 (collectives over MPI only) or 1 (shared memory within a node; the default)")
+    return value == "1"
+
+
+def shm_bytes(name: str, default: int, *, multiple: int = 1, zero: bool = False) -> int:
+    """One of the ``MESHKIT_SHM_*_BYTES`` settings: an integer of bytes, at most 1 GiB, a multiple of
+    ``multiple``, 0 allowed where ``zero``; ``default`` where unset or empty."""
+    raw = _get(name)
+    if raw is None or not raw.strip():
+        return default
+    text = raw.strip()
+    least = 0 if zero else multiple
+    if not text.isdigit() or not least <= int(text) <= _SHM_MOST_BYTES or int(text) % multiple:
+        also = f", a multiple of {multiple}" if multiple > 1 else ""
+        raise invalid(name, raw, f"integers {least}..{_SHM_MOST_BYTES} (bytes{also}; default {default})")
+    return int(text)
+
+
 def check_all() -> None:
     """Read every variable above, so that each one's error comes at ``init_process_group``."""
     debug_level()
@@ -305,6 +344,11 @@ def check_all() -> None:
     trace_dir()
     job_secret()
     control_max_depth()
+    shm_enabled()
+    shm_bytes(SHM_MIN_BYTES, 0, zero=True)
+    shm_bytes(SHM_MOVE_MIN_BYTES, 0, zero=True)
+    shm_bytes(SHM_SMALL_BYTES, 0, zero=True)
+    shm_bytes(SHM_CHUNK_BYTES, 64, multiple=64)
     for name in (STORE_MAX_BYTES, STORE_MAX_CONNECTIONS, STORE_MAX_WAIT_KEYS):
         positive_number(name, 1, integer=True)
     for name in (STORE_IDLE_TIMEOUT, STORE_HANDSHAKE_TIMEOUT):

@@ -18,7 +18,7 @@ import numpy as np
 
 from .errors import DistTypeError
 
-__all__ = ["ReduceOp", "check_op_dtype", "combine_into"]
+__all__ = ["ReduceOp", "check_op_dtype", "combine_into", "combine"]
 
 
 class ReduceOp(enum.Enum):
@@ -99,20 +99,26 @@ def check_op_dtype(op: object, dtype: np.dtype, where: Callable[[], str]) -> Red
 
 def combine_into(op: ReduceOp, acc: np.ndarray, other: np.ndarray) -> None:
     """``acc = acc (op) other`` in place; AVG combines as SUM (the caller divides)."""
+    combine(op, acc, other, acc)
+
+
+def combine(op: ReduceOp, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    """``out = a (op) b`` (``out`` may be ``a``); AVG combines as SUM (the caller divides). One pass
+    where a copy then :func:`combine_into` would take two (the shared-memory path's reductions)."""
     if op in (ReduceOp.SUM, ReduceOp.AVG):
-        if acc.dtype.kind == "b":
-            np.logical_or(acc, other, out=acc)
+        if a.dtype.kind == "b":
+            np.logical_or(a, b, out=out)
         else:
-            np.add(acc, other, out=acc)
+            np.add(a, b, out=out)
     elif op is ReduceOp.PRODUCT:
-        np.multiply(acc, other, out=acc)
+        np.multiply(a, b, out=out)
     elif op is ReduceOp.MIN:
-        np.minimum(acc, other, out=acc)
+        np.minimum(a, b, out=out)
     elif op is ReduceOp.MAX:
-        np.maximum(acc, other, out=acc)
+        np.maximum(a, b, out=out)
     elif op is ReduceOp.BAND:
-        np.bitwise_and(acc, other, out=acc)
+        np.bitwise_and(a, b, out=out)
     elif op is ReduceOp.BOR:
-        np.bitwise_or(acc, other, out=acc)
+        np.bitwise_or(a, b, out=out)
     else:
-        np.bitwise_xor(acc, other, out=acc)
+        np.bitwise_xor(a, b, out=out)

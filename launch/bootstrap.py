@@ -141,7 +141,9 @@ SHM_DIR = "/dev/shm"
 #: MPI_Finalize; a job that dies leaves it, 2-4 MB for 2-4 ranks with the mpich 5.0.2 wheel) and
 #: ``mpich_vci_{world}_{node}`` (with several VCIs). ``world`` hashes the process manager's job
 #: name, so a later job may reuse a name: files are matched by device and inode, not by name alone.
-_MPICH_SHM = re.compile(r"mpich_[A-Za-z0-9_]+")
+#: meshkit's own segments (comm/engines/shm_segment.py): ``meshkit-shm-`` and 32 hex digits, unlinked
+#: by the group once every rank mapped it, so only a job killed while creating a group leaves one.
+_MPICH_SHM = re.compile(r"mpich_[A-Za-z0-9_]+|meshkit-shm-[0-9a-f]{32}")
 #: After the launcher died, how long a watcher waits for the other watchers of this host to kill
 #: their ranks before it exits: its exit makes hydra SIGKILL the other watchers (their ranks die
 #: with them, by PR_SET_PDEATHSIG, but not the ranks' children), so none exits before all are

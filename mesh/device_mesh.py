@@ -471,8 +471,9 @@ class DeviceMesh:
             parts = layout.dim_groups(self._layout, d).tolist()
             crossing = any(len({hosts[r] for r in p}) > 1 for p in parts)
             crosses.append(crossing)
+            paths = self.get_group(d).paths()  # this rank's group of the dim: its collectives' paths
             lines.append(f"  dim {d} {name!r} (size {self.shape[d]}){' crosses hosts' if crossing else ''}: "
-                         f"groups {parts}")
+                         f"groups {parts}" + (f"; {paths}" if paths else ""))
         by_host: dict[str, list[int]] = {}
         for r in sorted(int(r) for r in self._layout.ravel()):
             by_host.setdefault(hosts[r], []).append(r)

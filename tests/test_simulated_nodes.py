@@ -37,6 +37,8 @@ def test_each_rank_reports_its_simulated_host_and_node_local_rank_and_describe_g
         assert seen[rank] == {"MESHKIT_HOST_NAME": f"{HOST}-sim{node}", "LOCAL_RANK": str(local_rank),
                               "LOCAL_WORLD_SIZE": "2", "MPI_LOCALRANKID": str(local_rank), "UCX_TLS": "tcp,self"}, out
         assert f"[rank{rank}]: host {HOST}-sim{node} local rank {local_rank}\n" in out, out
+        # the world's large all_reduce: shared memory within each node, MPI between them; tp's: shared memory
+        assert f"[rank{rank}]: paths ['shm+mpi', 'shm']\n" in out, out
         # MPICH itself sees 2 nodes: shared memory within one, its network module between them.
         assert f"[rank{rank}]: MPI shared-memory node of 2 ranks\n" in out, out
     # describe() of the same job groups the ranks by simulated host and names the dimension that crosses

@@ -421,10 +421,12 @@ def test_import_meshkit_does_not_initialize_mpi():
 
 
 #: The MPI engine's modules, one concern each (issue 25.3): the engine, its datatypes, device staging,
-#: CUDA-aware detection and the notice mailbox import mpi4py; its wait policy needs none.
+#: CUDA-aware detection, the notice mailbox and the shared-memory path under it (its segment made over
+#: MPI) import mpi4py; its wait policy needs none.
 MPI_ENGINE = {"meshkit.comm.engines.mpi", "meshkit.comm.engines.mpi_datatypes", "meshkit.comm.engines.mpi_staging",
               "meshkit.comm.engines.mpi_ulfm",
-              "meshkit.comm.engines.mpi_cuda_aware", "meshkit.comm.engines.mpi_mailbox", "meshkit.comm.engines.mpi_polling"}
+              "meshkit.comm.engines.mpi_cuda_aware", "meshkit.comm.engines.mpi_mailbox", "meshkit.comm.engines.mpi_polling",
+              "meshkit.comm.engines.shm"}
 
 
 def test_only_the_mpi_engine_imports_mpi4py_and_only_lifecycle_reaches_it_lazily():

@@ -44,7 +44,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 __all__ = ["Engine", "EngineCapabilities", "Request", "Received", "DeadlineExceeded", "CallsDiffer", "ChecksCalls",
-           "Defers", "Abandons", "Survives", "Coalesces", "AbortsJob", "DeviceEngine", "HostEngine", "GATED", "DEVICE",
+           "Defers", "Abandons", "Survives", "Coalesces", "AbortsJob", "ReportsPath", "SharesMemory",
+           "DeviceEngine", "HostEngine", "GATED", "DEVICE",
            "methods", "thread_role", "in_background"]
 
 
@@ -106,6 +107,12 @@ class EngineCapabilities:
         survives: ``rank_failure(exc, what, request)``: the engine's error ``exc`` in call ``what`` stands for
             a dead peer under ``meshkit-run --survive`` (MPI's ULFM): it returns the
             :class:`~meshkit.comm.errors.RankFailedError` naming the dead, or None (MPI).
+        reports_path: ``path(request) -> str``: the way a started operation's data goes (the shared-
+            memory engine: ``"shm"`` or ``"mpi"``), written into its flight-recorder entry; and
+            ``paths() -> str``: which calls take which way, in words.
+        shares_memory: ``shared_buffer(nbytes, deadline)``: collective over the group: a zeroed
+            buffer of this rank's inside memory every member maps (the shared-memory engine), which
+            ``all_reduce`` reduces in place, with no copy in or out.
     """
 
     checks_calls: bool = False
@@ -119,6 +126,8 @@ class EngineCapabilities:
     host_arrays: bool = True
     authenticated_peers: bool = False
     survives: bool = False
+    reports_path: bool = False
+    shares_memory: bool = False
     watched_requests: tuple[type, ...] = ()
 
 
@@ -181,6 +190,22 @@ class AbortsJob(Protocol):
     def abort(self, code: int) -> None: ...
 
 
+class ReportsPath(Protocol):
+    """``EngineCapabilities.reports_path``: the way ``request``'s data goes (``"shm"``, ``"mpi"``)."""
+
+    def path(self, request: Request) -> str: ...
+
+    def paths(self) -> str:
+        """Which calls take which path, in words (``DeviceMesh.describe`` shows it)."""
+        ...
+
+
+class SharesMemory(Protocol):
+    """``EngineCapabilities.shares_memory``: a buffer inside memory every member maps."""
+
+    def shared_buffer(self, nbytes: int, deadline: float) -> Any: ...
+
+
 class DeviceEngine(Protocol):
     """An engine whose ``device`` is not None (NCCL)."""
 
@@ -208,7 +233,8 @@ class HostEngine(Protocol):
 
 #: Each capability flag that gates methods, and the Protocol that declares them.
 GATED: dict[str, type] = {"checks_calls": ChecksCalls, "defers": Defers, "abandons": Abandons,
-                          "survives": Survives, "coalesces": Coalesces, "aborts_job": AbortsJob}
+                          "survives": Survives, "coalesces": Coalesces, "aborts_job": AbortsJob,
+                          "reports_path": ReportsPath, "shares_memory": SharesMemory}
 #: The Protocol of an engine whose ``device`` is not None.
 DEVICE = DeviceEngine
 

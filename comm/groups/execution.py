@@ -32,8 +32,8 @@ from typing import Any, Callable, cast
 import numpy as np
 
 from .. import job_end
-from ..debug import ERROR, STATE, T_END, Call, CollectiveRecord, DebugLevel, fingerprint
-from ..engines.engine import ChecksCalls, Defers, DeviceEngine, Engine, Request
+from ..debug import ERROR, PATH, STATE, T_END, Call, CollectiveRecord, DebugLevel, fingerprint
+from ..engines.engine import ChecksCalls, Defers, DeviceEngine, Engine, ReportsPath, Request
 from ..errors import CollectiveTimeout
 from .failures import FailureState
 from ..notices import REJECTED, Notice
@@ -70,7 +70,7 @@ class CollectiveQueue:
     """
 
     __slots__ = ("group", "engine", "failures", "thread", "seq", "inflight", "lock", "tags", "queues", "tracks",
-                 "defers", "on_device", "fingerprints", "divides", "world", "name", "timeout", "flight_entry", "agent",
+                 "defers", "on_device", "fingerprints", "paths", "divides", "world", "name", "timeout", "flight_entry", "agent",
                  "sequence", "checks_barrier", "_next_tag", "watched")
 
     def __init__(self, group: Any, engine: Engine | None, failures: FailureState) -> None:
@@ -101,6 +101,8 @@ class CollectiveQueue:
         # An engine that compares the members' calls as it moves their data (local: always, at no
         # extra exchange) is handed each call's fingerprint; detail mode's error, in every mode.
         self.fingerprints = caps is not None and caps.checks_calls
+        # An engine with more than one way to move data (shared memory or MPI) says which a call took.
+        self.paths = caps is not None and caps.reports_path
         # Engines without a native average sum, and the group divides once (as NCCL's AVG does).
         self.divides = engine is not None and not engine.native_avg
         # A barrier compares the members' fingerprints (comm/groups/call_fingerprint.py) where the engine does not
@@ -277,6 +279,8 @@ class CollectiveQueue:
         """Call ``seq`` was posted (``request``): its flight record (written after the post, so
         that the data moves meanwhile), then its wait under the group's timeout, or its Work."""
         record = self.flight_entry(seq, self.name, op, shapes, dtype, "started")
+        if self.paths:
+            record[PATH] = cast(ReportsPath, self.engine).path(request)
         if async_op:
             work = RequestWork(self, op, seq, record, request, epilogue, self.timeout)
             work.queued = True
@@ -447,6 +451,10 @@ class CollectiveQueue:
         """Whether the engine ordered the caller's device stream after ``request`` (NCCL), so that
         ``Work.wait()`` need not block the host."""
         return self.defers and cast(Defers, self.engine).defer(request)
+
+    def path_of(self, request: Request) -> str | None:
+        """The way ``request``'s data goes, where the engine tells ways apart (``shm``, ``mpi``), else None."""
+        return cast(ReportsPath, self.engine).path(request) if self.paths else None
 
     def watches(self, request: Request | None) -> bool:
         """Whether ``request`` is device work the progress agent watches until it completes (NCCL's)."""

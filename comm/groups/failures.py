@@ -71,7 +71,8 @@ class FailureState:
         record[T_END] = time.time()
         exc = self.engine_error(exc, f"{op} #{seq} on group {group.name}")
         if isinstance(exc, CallsDiffer):  # the engine compared the members' calls (local)
-            exc = self.mismatch(seq, exc.entries)
+            # (an engine that does not know the group's numbering leaves it None: this call's)
+            exc = self.mismatch(seq, [(seq if s is None else s, c) for s, c in exc.entries])
         if isinstance(exc, DeadlineExceeded):
             record[STATE] = "timed_out"
             self.broken(f"{op} #{seq} timed out", seq, timed_out=True)

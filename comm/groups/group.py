@@ -42,7 +42,7 @@ from .. import env
 from . import p2p
 from ..checks import check_array, check_like, check_list, check_member, check_root, check_split_sizes, where
 from ..engines.cuda_runtime import keep_current_device
-from ..engines.engine import DeadlineExceeded, DeviceEngine, Engine
+from ..engines.engine import DeadlineExceeded, DeviceEngine, Engine, ReportsPath, SharesMemory
 from ..errors import DistTypeError, DistValueError
 from .execution import CollectiveQueue
 from .failures import FailureState
@@ -141,6 +141,40 @@ class ProcessGroup:
         """The name of the host this rank runs on (MPI's processor name on the mpi engine), or the
         simulated one that ``MESHKIT_HOST_NAME`` names (``meshkit-run --simulate-nodes``)."""
         return self.engine.host_name() if self.engine is not None else env.this_host()
+
+    def shared_buffer(self, nbytes: int) -> np.ndarray:
+        """``nbytes`` zeroed bytes (a uint8 array) for a buffer this group reduces without copies.
+
+        Collective over the group: every member calls it with the same ``nbytes``, in the same
+        order among the group's calls. On a group whose ranks share memory (one node, the
+        shared-memory path: comm/engines/shm.py) the buffer lies in a segment every member maps,
+        and an ``all_reduce`` of a view of it (the same place on every rank, any size) reduces in
+        place: no copy in or out. Elsewhere it is ordinary memory and the call costs nothing.
+
+        Example (2 ranks on one node)::
+
+            buf = group.shared_buffer(8 * 1000).view(np.float64)
+            buf[:] = rank + 1
+            group.all_reduce(buf)          # both ranks: buf == 3.0, reduced where it lies
+        """
+        check_member(self, "shared_buffer")
+        if nbytes.__class__ is not int or nbytes < 0:
+            raise self.queue.reject("shared_buffer", DistValueError(
+                f"{where('shared_buffer', self)}: nbytes must be a non-negative int, got {nbytes!r}"))
+        engine = self.engine
+        if engine is None or not engine.capabilities.shares_memory:
+            return np.zeros(nbytes, np.uint8)
+        sharing = cast(SharesMemory, engine)
+        return self.queue.blocking("shared_buffer", lambda seq, deadline: sharing.shared_buffer(nbytes, deadline),
+                                   self.timeout)
+
+    def paths(self) -> str | None:
+        """Which of its calls take which path, where the engine has more than one (a group on one
+        node under MPI: shared memory or MPI, comm/engines/shm.py); None otherwise."""
+        engine = self.engine
+        if engine is None or not engine.capabilities.reports_path:
+            return None
+        return cast(ReportsPath, engine).paths()
 
     def __repr__(self) -> str:
         return (f"<ProcessGroup {self.name!r} backend={self.backend} ranks={list(self.ranks)} rank={self.rank} "

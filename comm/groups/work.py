@@ -34,7 +34,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from .. import env
-from ..debug import STATE, T_END, T_START
+from ..debug import PATH, STATE, T_END, T_START
 from ..engines.engine import DeadlineExceeded, thread_role
 from ..errors import CollectiveTimeout, DistError, DistTypeError, DistValueError
 from ..notices import WATCH_INTERVAL
@@ -316,6 +316,10 @@ class WorkOwner(Protocol):
         """Order the caller's device stream after ``request``; False if the host must wait."""
         ...
 
+    def path_of(self, request: Request) -> str | None:
+        """The way ``request``'s data goes (``shm``, ``mpi``) where the engine tells ways apart, else None."""
+        ...
+
     def watches(self, request: Request | None) -> bool:
         """Whether ``request`` is device work the progress agent watches until it completes."""
         ...
@@ -364,8 +368,9 @@ class RequestWork(Work):
 
     def start(self) -> None:
         """Post a queued operation now (its predecessor finished); called once, by its group."""
-        self._request = self._start()  # type: ignore[misc]
+        self._request = request = self._start()  # type: ignore[misc]
         self._record[STATE], self._record[T_START] = "started", time.time()
+        self._record[PATH] = self._owner_queue.path_of(request)
         self.posted = now = time.monotonic()
         self._deadline = now + self._timeout
 

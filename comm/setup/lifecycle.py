@@ -106,7 +106,8 @@ def _local_engine(options: BackendOptions) -> object:
 
 def _mpi_engine(options: BackendOptions) -> object:
     from ..engines.mpi import create_world_engine as create_mpi
-    return create_mpi(options.timeout)
+    from ..engines.shm import over  # the shared-memory path, where the ranks share a node (MESHKIT_SHM)
+    return over(create_mpi(options.timeout), time.monotonic() + options.timeout)
 
 
 def _nccl_engine(options: BackendOptions) -> object:

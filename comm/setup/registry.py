@@ -64,8 +64,8 @@ def create_groups(parent: ProcessGroup, partition: Sequence[Sequence[int]], *, n
     created = parent.split(color, ranks=mine or (), name=name, partition=partition)
     world.partitions.setdefault(over, set()).add(key)
     if created is not None:
-        if timeout is not None:
-            created.timeout = float(timeout)
+        if timeout is not None:  # the group's, and its queue's (which waits for its calls)
+            created.timeout = created.queue.timeout = float(timeout)
         world.groups[frozenset(created.ranks)] = created
         if world.debug >= DebugLevel.INFO:
             logger.info("meshkit: rank %d created group %s ranks %s", me, name, list(created.ranks))

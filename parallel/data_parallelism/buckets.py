@@ -20,6 +20,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
+import numpy as np
+
 from ...comm import ProcessGroup, Work
 from ..arrays import array_namespace
 
@@ -229,6 +231,8 @@ class BucketManager:
             elif self._flat is not None:
                 offset = used.get(dtype, 0)
                 buffer, used[dtype] = self._flat[dtype][offset:offset + start], offset + start
+            elif self._xp is np:  # in the group's shared memory where it has some: reduced in place
+                buffer = self.comm.group.shared_buffer(start * np.dtype(dtype).itemsize).view(dtype)
             else:
                 buffer = self._xp.zeros(start, dtype=dtype)
             bucket = Bucket(index, buffer, names, slots, dtype, self.comm, self._pool)

@@ -38,6 +38,13 @@ if case == "hosts":
     if rank == 0:
         print(f"describe:\n{text}\nend", flush=True)
         print(f"transposed:\n{crossed}\nend", flush=True)
+    # the world spans the 2 simulated nodes: shared memory within each, MPI between their leaders
+    big = np.arange(1 << 16, dtype=np.float64) * (rank + 1)
+    meshkit.all_reduce(big)
+    assert np.array_equal(big, np.arange(1 << 16) * 10.0)
+    tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")).get_group("tp")  # within a node
+    meshkit.all_reduce(np.ones(1 << 16), group=tp)
+    print(f"paths {[e['path'] for e in meshkit.flight_record() if e['op'] == 'all_reduce'][-2:]}", flush=True)
 elif case == "named":  # hosts named by the user under plain mpiexec: hydra's MPI_LOCALRANKID counts the machine
     os.environ.pop("LOCAL_RANK", None)
     os.environ["MESHKIT_HOST_NAME"] = f"box{rank // 2}"

@@ -1,0 +1,280 @@
+"""The shared-memory path under MPI: a group whose ranks share a node reduces through one segment.
+
+:class:`ShmEngine` holds a group's MPI engine (composition, as the group holds its engine) and a
+:class:`~meshkit.comm.engines.shm_collectives.Channel` over the group's segment. ``all_reduce``,
+``reduce``, ``broadcast``, ``all_gather`` and ``reduce_scatter`` of NumPy arrays of at least
+:func:`min_bytes` bytes go through shared memory (:mod:`~meshkit.comm.engines.shm_collectives`:
+the algorithm, its memory ordering and how it waits); every other call, device (CuPy) arrays,
+and the calls below the threshold go to MPI as before. Both paths are driven the same way
+(``Test``, :meth:`ShmEngine.wait`), so sync and ``async_op`` calls, the group's timeout, the
+flight recorder and the progress agent treat them alike; ``path(request)`` says which path a
+call took (``"shm"`` or ``"mpi"``: the flight recorder's ``path`` field).
+
+:func:`over` decides, once per group (collectively over its ranks), whether the path applies:
+``MESHKIT_SHM`` not ``0``, x86-64 (the memory-ordering argument is x86-TSO's), more than one rank,
+every rank on one node (MPI's ``COMM_TYPE_SHARED`` split holds them all; with simulated nodes,
+``meshkit-run --simulate-nodes``, their simulated host names agree too), and the segment created
+and attached on every rank (:mod:`~meshkit.comm.engines.shm_segment`: why POSIX shared memory,
+how it is secured and cleaned up). Where any rank cannot, every rank stays on MPI, with a
+warning naming why. A group that spans nodes gets the hierarchical all-reduce
+(:mod:`~meshkit.comm.engines.shm_hierarchy`: shared memory within each node, MPI between one
+leader per node), its other calls over MPI.
+
+``shared_buffer(nbytes, deadline)`` (``ProcessGroup.shared_buffer``) hands out a buffer inside a
+segment of its own that every member maps; an ``all_reduce`` of a view of it at the same place on
+every rank reduces in place at any size (no copy in or out): DDP's buckets live there. So do
+``all_gather`` into one and ``reduce_scatter`` of one (each block read from its owner's array).
+
+Mismatches: a call's header names its kind, count, dtype, reduce op and root, so ranks that call
+different collectives *through the path* all raise ``CollectiveMismatchError`` at once. Ranks whose
+calls differ in size across ``MESHKIT_SHM_MIN_BYTES`` (one on the path, one on MPI) meet nowhere:
+both wait until the group's timeout, which names the ranks that did not arrive, as on MPI.
+
+Bounds and settings (docs/security.md): ``MESHKIT_SHM`` (0/1), ``MESHKIT_SHM_MIN_BYTES``,
+``MESHKIT_SHM_CHUNK_BYTES`` (a segment is ``n x (256 + 2 x chunk)`` bytes),
+``MESHKIT_SHM_SMALL_BYTES``; every wait is bounded by the group's timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import env
+from ..errors import DistBackendError
+from ..reduce_op import ReduceOp
+from .engine import DeadlineExceeded
+from .mpi import MPIEngine, _allgather_text, _own_chunk
+from .mpi_polling import completes
+from .shm_collectives import Channel, ShmRequest
+from .shm_hierarchy import HierarchicalEngine
+from .shm_host import OverHost
+from .shm_settings import applies, chunk_bytes, min_bytes, move_min_bytes, small_bytes
+from .shm_layout import segment_bytes
+from .shm_segment import NAME_BYTES, Segment, attach, create
+from .watchdog import watched
+
+__all__ = ["ShmEngine", "over"]
+
+logger = logging.getLogger("meshkit")
+
+_NDARRAY = np.ndarray
+
+
+class ShmEngine(OverHost):
+    """A group's MPI engine with the shared-memory path for the collectives it can run."""
+
+    def __init__(self, host: MPIEngine, segment: Segment, channel: Channel, least: int, least_moved: int) -> None:
+        super().__init__(host, shares_memory=True)
+        self.segment, self.channel, self.min_bytes, self.move_min_bytes = segment, channel, least, least_moved
+        #: buffers handed out by shared_buffer: (this rank's region's address, its bytes, every rank's region)
+        self.regions: list[tuple[int, int, list[np.ndarray]]] = []
+        self._pools: list[Segment] = []
+
+    # ----------------------------------------------------------------- the path
+    def all_reduce(self, buf: Any, op: ReduceOp) -> Any:
+        if buf.__class__ is _NDARRAY and self.regions:
+            place = self._in_region(buf)
+            if place is not None:  # a buffer of shared_buffer: reduced in place, at any size
+                channel, (views, offset) = self.channel, place
+                return ShmRequest("all_reduce", lambda request: channel.all_reduce_in_place(request, views, op, offset))
+        if buf.__class__ is _NDARRAY and buf.nbytes >= self.min_bytes:
+            channel = self.channel
+            return ShmRequest("all_reduce", lambda request: channel.all_reduce(request, buf, op))
+        return self.host.all_reduce(buf, op)
+
+    def shared_buffer(self, nbytes: int, deadline: float) -> np.ndarray:
+        """Collective over the group: ``nbytes`` zeroed bytes of this rank inside a new segment every
+        member maps (each rank's region at the same place), as a uint8 array; an ``all_reduce`` of a
+        view of it (C-contiguous, at the same place on every rank) reduces in place, with no copy in
+        or out. Freed with the group (when its views are gone).
+
+        Raises:
+            DistBackendError: a rank could not create or map the segment (every rank raises).
+        """
+        region = -(-max(nbytes, 1) // 64) * 64
+        me = self.host.world_ranks[self.host.rank]
+        with watched("creating a shared buffer (MPI's Bcast, Allreduce)", me, f"ranks {self.host.world_ranks}",
+                     self.host.world_ranks, max(deadline - time.monotonic(), 1.0)):
+            segment, problem = _shared_segment(self.host, region * self.size)
+        if segment is None:
+            raise DistBackendError(f"meshkit.comm: rank {me}: shared_buffer({nbytes}): "
+                                   f"{problem or 'a rank could not create or map the segment'}")
+        self._pools.append(segment)
+        regions = [np.frombuffer(segment.memory, np.uint8, region, r * region) for r in range(self.size)]
+        mine = regions[self.rank]
+        self.regions.append((mine.ctypes.data, region, regions))
+        return mine[:nbytes]
+
+    def _in_region(self, buf: np.ndarray) -> tuple[list[np.ndarray], int] | None:
+        """Every rank's array at ``buf``'s place and that place (bytes from the region's start),
+        where ``buf`` lies in a region of this rank; else None."""
+        start = buf.ctypes.data
+        for index, (base, size, regions) in enumerate(self.regions):
+            if base <= start and start + buf.nbytes <= base + size:
+                offset = start - base
+                # the place names the buffer too: two shared buffers never compare equal
+                return [np.frombuffer(region, buf.dtype, buf.size, offset) for region in regions], offset + (index << 40)
+        return None
+
+    def reduce(self, buf: Any, op: ReduceOp, root: int) -> Any:
+        if buf.__class__ is _NDARRAY and buf.nbytes >= self.min_bytes:
+            channel = self.channel
+            return ShmRequest("reduce", lambda request: channel.all_reduce(request, buf, op, root))
+        return self.host.reduce(buf, op, root)
+
+    def broadcast(self, buf: Any, root: int) -> Any:
+        if buf.__class__ is _NDARRAY and buf.nbytes >= self.move_min_bytes:
+            channel = self.channel
+            return ShmRequest("broadcast", lambda request: channel.broadcast(request, buf, root))
+        return self.host.broadcast(buf, root)
+
+    def all_gather(self, out: Any, inp: Any) -> Any:
+        if out.__class__ is _NDARRAY and inp.__class__ is _NDARRAY and self.regions:
+            place = self._in_region(out)
+            if place is not None:  # into a shared buffer: every block read from its owner's, at any size
+                channel, (outs, offset) = self.channel, place
+                return ShmRequest("all_gather", lambda request: channel.all_gather_in_place(request, outs, inp, offset))
+        if out.__class__ is _NDARRAY and inp.__class__ is _NDARRAY and out.nbytes >= self.move_min_bytes:
+            channel, own = self.channel, _own_chunk(out, inp, self.rank)
+            return ShmRequest("all_gather", lambda request: channel.all_gather(request, out, inp, own))
+        return self.host.all_gather(out, inp)
+
+    def reduce_scatter(self, out: Any, inp: Any, op: ReduceOp) -> Any:
+        if out.__class__ is _NDARRAY and inp.__class__ is _NDARRAY and self.regions:
+            place = self._in_region(inp)
+            if place is not None:  # of a shared buffer: every block reduced from its owners', no copy in
+                channel, (ins, offset) = self.channel, place
+                return ShmRequest("reduce_scatter",
+                                  lambda request: channel.reduce_scatter_in_place(request, out, ins, op, offset))
+        if out.__class__ is _NDARRAY and inp.__class__ is _NDARRAY and inp.nbytes >= self.min_bytes:
+            channel = self.channel
+            return ShmRequest("reduce_scatter", lambda request: channel.reduce_scatter(request, out, inp, op))
+        return self.host.reduce_scatter(out, inp, op)
+
+    def path(self, request: Any) -> str:
+        """The path ``request`` takes: ``"shm"`` (this engine's segment) or ``"mpi"``."""
+        return "shm" if request.__class__ is ShmRequest else "mpi"
+
+    def paths(self) -> str:
+        """Which calls go through shared memory (``DeviceMesh.describe`` shows it)."""
+        moved = ("" if self.move_min_bytes >= 1 << 30 else
+                 f", all_gather and broadcast of >= {self.move_min_bytes} bytes")
+        return (f"all_reduce, reduce and reduce_scatter of NumPy arrays of >= {self.min_bytes} bytes{moved} and "
+                "every collective on a shared buffer through shared memory, the rest over mpi")
+
+    def wait(self, request: Any, deadline: float) -> None:
+        if request.__class__ is not ShmRequest:
+            self.host.wait(request, deadline)
+        elif not completes(request, deadline, self.host.watch):
+            ranks = self.host.world_ranks
+            raise DeadlineExceeded([ranks[r] for r in request.missing_ranks],
+                                   f"{request.kind} over shared memory: their flags never came")
+
+    def split(self, color: int | None, ranks: tuple[int, ...], deadline: float) -> Any:
+        child = self.host.split(color, ranks, deadline)
+        return None if child is None else over(child, deadline)
+
+    def free(self) -> None:
+        self.channel.close()
+        self.segment.close()
+        self.regions.clear()
+        for pool in self._pools:
+            pool.close()
+        self.host.free()
+
+
+def _node_of(host: MPIEngine) -> MPI.Intracomm | None:
+    """The ranks of ``host``'s communicator on this rank's node, as a communicator (collective over
+    it): MPI's shared-memory split, or with simulated nodes (``MESHKIT_HOST_NAME`` on every rank)
+    the ranks of the same simulated host. None where some ranks simulate nodes and others do not
+    (no telling what shares a node), on every rank."""
+    simulated = env.host_name()
+    flags = np.array([simulated is not None, simulated is None], np.int8)
+    host.comm.Allreduce(MPI.IN_PLACE, flags, MPI.MIN)
+    if not flags[0] and not flags[1]:
+        return None
+    if simulated is None:
+        return host.comm.Split_type(MPI.COMM_TYPE_SHARED, key=host.rank)
+    names = _allgather_text(host.comm, simulated)
+    return host.comm.Split(sorted(set(names)).index(simulated), host.rank)
+
+
+def _hierarchical(host: MPIEngine, node: MPI.Intracomm, least: int, deadline: float) -> MPIEngine | HierarchicalEngine:
+    """A group across nodes: its nodes' engines and one leader per node (collective over ``host``)."""
+    sizes = np.array([node.Get_size()], np.int64)
+    host.comm.Allreduce(MPI.IN_PLACE, sizes, MPI.MAX)
+    leaders = host.comm.Split(0 if node.Get_rank() == 0 else MPI.UNDEFINED, host.rank)
+    if sizes[0] < 2:  # one rank per node: nothing to share
+        node.Free()
+        if leaders != MPI.COMM_NULL:
+            leaders.Free()
+        return host
+    node_engine = over(MPIEngine(node, host.mailbox), deadline)
+    leaders_engine = None if leaders == MPI.COMM_NULL else MPIEngine(leaders, host.mailbox)
+    return HierarchicalEngine(host, node_engine, leaders_engine, least, over)
+
+
+def _shared_segment(host: MPIEngine, size: int) -> tuple[Segment | None, str]:
+    """A segment of ``size`` bytes mapped by every rank of ``host`` (collective over it; the caller
+    bounds it with a watchdog): rank 0 creates it, broadcasts its name, the others attach, and once
+    all have (an all-reduce of the verdicts) rank 0 unlinks it. ``(None, why)`` on every rank where
+    any rank could not."""
+    me = host.world_ranks[host.rank]
+    segment, problem = None, ""
+    name = bytearray(NAME_BYTES)
+    if host.rank == 0:
+        try:
+            segment = create(size)
+            name[:len(segment.path)] = segment.path.encode()
+        except OSError as exc:
+            problem = f"rank {me} could not create it: {exc}"
+    host.comm.Bcast([name, MPI.BYTE], 0)
+    path = bytes(name).rstrip(b"\0").decode()
+    if host.rank != 0 and path:
+        try:
+            segment = attach(path, size)
+        except OSError as exc:
+            problem = f"rank {me} could not map {path}: {exc}"
+    ok = np.array([segment is not None], np.int8)
+    host.comm.Allreduce(MPI.IN_PLACE, ok, MPI.MIN)  # every rank mapped it (or one could not)
+    if host.rank == 0 and segment is not None:
+        segment.unlink()  # from now on only the mappings hold it: nothing is left if a rank dies
+    if segment is not None:
+        segment.close_fd()
+        if not ok[0]:
+            segment.close()
+            segment = None
+    return segment, problem
+
+
+def over(host: MPIEngine, deadline: float) -> MPIEngine | ShmEngine | HierarchicalEngine:
+    """``host``'s engine with the shared-memory path where it applies, else ``host`` itself
+    (collective over ``host``'s ranks: every rank gets the same kind). ``deadline``: the group's
+    creation's; its blocking MPI steps run under a watchdog that ends the process past it."""
+    if not applies(host.size):
+        return host
+    least, chunk, small = min_bytes(), chunk_bytes(host.size), small_bytes()
+    size = segment_bytes(host.size, chunk)
+    me = host.world_ranks[host.rank]
+    limit = max(deadline - time.monotonic(), 1.0)
+    with watched("creating the group's shared-memory segment (MPI's Split_type, Bcast, Allreduce)", me,
+                 f"ranks {host.world_ranks}", host.world_ranks, limit):
+        node = _node_of(host)
+        if node is None:
+            return host
+        if node.Get_size() != host.size:  # collective over host: every rank sees the group span nodes
+            return _hierarchical(host, node, least, deadline)
+        node.Free()
+        segment, problem = _shared_segment(host, size)
+    if segment is None:
+        if problem or host.rank == 0:
+            logger.warning("meshkit: the shared-memory path is off for ranks %s (collectives go to MPI): %s",
+                           host.world_ranks, problem or "a rank could not create or map the segment")
+        return host
+    channel = Channel(segment.memory, host.size, host.rank, chunk, small, host.world_ranks)
+    return ShmEngine(host, segment, channel, least, move_min_bytes())

@@ -1,0 +1,449 @@
+"""The collectives over a group's shared-memory segment: flags instead of barriers, a fixed
+reduction order, double buffering.
+
+The algorithm is DeepSpeed's CPU all-reduce (csrc/cpu/comm/shm.cpp), which gloo adopted: every
+rank has two data buffers of ``chunk_bytes`` in the segment (:mod:`~meshkit.comm.engines.shm_layout`)
+and two flags, *post* and *reduced*, each a step number. A buffer is cut into chunks; each chunk
+is one *step* of a counter every rank keeps in lockstep (the same calls in the same order), and
+uses the rank's buffer ``step % 2``:
+
+all_reduce (and reduce), large chunks (two meetings per chunk)
+    each rank copies its chunk into its buffer and posts ``step``; once every rank posted, rank
+    ``r`` reduces its slice (:func:`~meshkit.comm.engines.shm_layout.slice_of`) of every rank's
+    buffer **in rank order** (``((b0 + b1) + b2) + ...``) into rank 0's buffer, and sets its
+    reduced flag; once every rank has, each copies the whole chunk out of rank 0's buffer.
+all_reduce (and reduce), small chunks and every chunk of 2 ranks (one meeting)
+    each rank copies in and posts; once every rank posted, each reduces the whole chunk itself,
+    in the same rank order, from the buffers into its own array.
+reduce_scatter
+    each rank copies in its chunk of every rank's block; rank ``r`` reduces block ``r`` of every
+    buffer, in rank order, straight into its output.
+all_gather, broadcast
+    each rank (the root) copies in; once every rank posted, each copies every rank's (the root's)
+    buffer out.
+
+Every rank computes each element from the same inputs in the same order, so every rank holds
+bitwise the same result and a run repeats bit for bit, whatever the timing.
+
+Why no barrier is needed: a rank writes its buffer ``step % 2`` only at step ``s + 2``, after it
+saw every rank post ``s + 1``; a rank posts ``s + 1`` only after it finished reading everything
+of step ``s``. Rank 0's buffer, written by every rank at the reduce of step ``s``, is written
+after every rank posted ``s`` (so finished step ``s - 1``, and step ``s - 2`` in the same buffer).
+The call header (kind, count, dtype, reduce op, root) is written before the first step's post
+flag, in the header slot of that step's parity, and compared by every rank once every rank
+posted: all of them see the same headers, so a mismatched call raises
+:class:`~meshkit.comm.engines.engine.CallsDiffer` on every rank at once, before any data is read.
+
+**Memory ordering.** The flags are aligned 8-byte words written and read through a
+``memoryview`` cast to ``q`` (one 8-byte ``memcpy``, which compilers emit as one ``mov``: atomic
+on x86 when aligned). The path relies on x86-TSO: a rank's stores become visible to the others
+in program order (the data, then the flag), and loads are not reordered with older loads (the
+flag, then the data). NumPy's copies and ufuncs issue their stores in program order before the
+flag's (CPython does not reorder statements), and glibc's ``memcpy`` ends its non-temporal
+stores (used only for copies larger than a fraction of the last-level cache) with ``sfence``.
+Weaker memory models (ARM, POWER) would need fences: the engine uses the path only on x86-64
+(:func:`~meshkit.comm.engines.shm.supported`).
+
+**Waiting.** A collective is a generator that yields whenever a flag it needs has not come:
+``Test()`` runs it until it yields or ends, so a caller's wait, and the progress agent for an
+``async_op`` call, drive it exactly as they drive MPI's requests (the wait spins, then yields the
+core with ``os.sched_yield``, bounded by the group's timeout). While it waits it knows which
+ranks' flags are missing (:attr:`ShmRequest.missing`: a timeout names them) and, every
+:data:`LIVENESS_INTERVAL`, whether those ranks' processes still exist: a dead rank makes every
+waiting peer raise :class:`~meshkit.comm.errors.RankFailedError` naming it, not spin.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable, Generator, Iterator
+
+import numpy as np
+
+from ..debug import Call
+from ..errors import RankFailedError
+from ..reduce_op import ReduceOp, combine, combine_into
+from .engine import CallsDiffer
+from .shm_layout import CONTROL_WORDS, HEADER, HEADER_WORDS, PID, PIDNS, POST, RED, chunks, data_offset, slice_of
+
+__all__ = ["Channel", "ShmRequest", "KINDS", "LIVENESS_INTERVAL"]
+
+#: The collectives this path runs, as the header's kind (index + 1; 0: no header yet).
+KINDS = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "all_reduce of a shared buffer",
+         "all_gather into a shared buffer", "reduce_scatter of a shared buffer")
+_REDUCE_OPS = tuple(ReduceOp)
+#: Seconds between looks at whether the ranks a wait is missing still live (``os.kill(pid, 0)``):
+#: a dead rank is found within this, and a look costs a system call per missing rank.
+LIVENESS_INTERVAL = 0.05
+#: Polls between reads of the clock while waiting for a flag (a read of ``time.monotonic`` costs
+#: as much as a poll).
+_POLLS_PER_CLOCK = 64
+
+Steps = Generator[None, None, None]
+#: Dtypes whose items hold padding (x87's 80-bit long double in 16 bytes): a ufunc writes the value's
+#: bytes only, so a result reduced straight into a rank's array would keep that rank's padding.
+_PADDED = frozenset(np.dtype(t) for t in (np.longdouble, np.clongdouble)
+                    if np.finfo(np.longdouble).nmant + np.finfo(np.longdouble).nexp + 1
+                    < 8 * np.dtype(np.longdouble).itemsize)
+
+
+def pid_namespace() -> int:
+    """The inode of this process's pid namespace (0 where unknown): pids compare only within one."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _name_words(dtype: np.dtype) -> tuple[int, int]:
+    raw = dtype.name.encode("ascii", "replace")[:16].ljust(16, b"\0")
+    return int.from_bytes(raw[:8], "little", signed=True), int.from_bytes(raw[8:], "little", signed=True)
+
+
+def _name_of(words: tuple[int, int]) -> str:
+    raw = b"".join(w.to_bytes(8, "little", signed=True) for w in words)
+    return raw.rstrip(b"\0").decode("ascii", "replace")
+
+
+class Channel:
+    """One rank's view of a group's segment: its flags, headers and buffers, and the step counter.
+
+    Args:
+        memory: the mapped segment (:class:`~meshkit.comm.engines.shm_segment.Segment`'s ``memory``).
+        n, rank: the group's size and this rank's group rank.
+        chunk_bytes: bytes of each data buffer.
+        small_bytes: a reduction of at most this many bytes per chunk meets once (each rank reduces
+            the whole chunk) instead of twice (each reduces its slice).
+        world_ranks: each group rank's global rank (errors name global ranks).
+    """
+
+    def __init__(self, memory: Any, n: int, rank: int, chunk_bytes: int, small_bytes: int,
+                 world_ranks: list[int]) -> None:
+        self.memory, self.n, self.rank = memory, n, rank
+        self.chunk_bytes, self.small_bytes, self.world_ranks = chunk_bytes, small_bytes, world_ranks
+        self.words = memoryview(memory).cast("B").cast("q")  # the control blocks' int64 words
+        self.step = 0  # the last step this rank started (the same on every rank, call after call)
+        self.pid = os.getpid()
+        self.pidns = pid_namespace()
+        self._bases = [[data_offset(n, chunk_bytes, r, b) for b in (0, 1)] for r in range(n)]
+        self._posts = [r * CONTROL_WORDS + POST for r in range(n)]
+        self._reds = [r * CONTROL_WORDS + RED for r in range(n)]
+        me = rank * CONTROL_WORDS
+        self.words[me + PID], self.words[me + PIDNS] = self.pid, self.pidns
+
+    def close(self) -> None:
+        self.words.release()
+
+    # ----------------------------------------------------------------- the segment's parts
+    def buffer(self, rank: int, parity: int, dtype: np.dtype, count: int) -> np.ndarray:
+        """Rank ``rank``'s buffer ``parity`` as ``count`` elements of ``dtype``."""
+        return np.frombuffer(self.memory, dtype, count, self._bases[rank][parity])
+
+    def _header(self, kind: int, count: int, op: ReduceOp | None, root: int, dtype: np.dtype) -> tuple[int, ...]:
+        return (kind, count, 0 if op is None else _REDUCE_OPS.index(op) + 1, root, *_name_words(dtype))
+
+    def _write_header(self, step: int, header: tuple[int, ...]) -> None:
+        at = self.rank * CONTROL_WORDS + HEADER + (step & 1) * HEADER_WORDS
+        words = self.words
+        for i, value in enumerate(header):
+            words[at + i] = value
+
+    def _read_header(self, rank: int, step: int) -> tuple[int, ...]:
+        at = rank * CONTROL_WORDS + HEADER + (step & 1) * HEADER_WORDS
+        return tuple(self.words[at:at + HEADER_WORDS])
+
+    def _call(self, header: tuple[int, ...]) -> Call:
+        kind, count, op, root, *name = header
+        what = KINDS[kind - 1] if 0 < kind <= len(KINDS) else f"unknown call {kind}"
+        return Call(what, _name_of((name[0], name[1])), (count,), None if op == 0 else _REDUCE_OPS[op - 1].name,
+                    None if root < 0 or kind >= 6 else root)  # (kinds 6-8's root word: the place in the buffer)
+
+    def _compare(self, step: int, mine: tuple[int, ...]) -> None:
+        headers = [self._read_header(r, step) for r in range(self.n)]
+        if any(h != mine for h in headers):  # every rank reads the same headers: all raise or none does
+            raise CallsDiffer([(None, self._call(h)) for h in headers])
+
+    # ----------------------------------------------------------------- flags and waiting
+    def _post(self, step: int) -> None:
+        self.words[self._posts[self.rank]] = step
+
+    def _reduced(self, step: int) -> None:
+        self.words[self._reds[self.rank]] = step
+
+    def _wait(self, request: ShmRequest, flags: list[int], step: int) -> Steps:
+        """Yield until every rank's flag (word index in ``flags``) reached ``step``."""
+        words = self.words
+        polls = 0
+        while True:
+            missing = [r for r, at in enumerate(flags) if words[at] < step]
+            if not missing:
+                request.missing_ranks = ()
+                return
+            request.missing_ranks = missing
+            polls += 1
+            if polls % _POLLS_PER_CLOCK == 0:
+                self._check_alive(request, missing)
+            yield
+
+    def _check_alive(self, request: ShmRequest, missing: list[int]) -> None:
+        now = time.monotonic()
+        if now - request.looked < LIVENESS_INTERVAL:
+            return
+        request.looked = now
+        words = self.words
+        for r in missing:
+            pid, ns = words[r * CONTROL_WORDS + PID], words[r * CONTROL_WORDS + PIDNS]
+            if pid <= 0 or ns != self.pidns or not ns:
+                continue  # not attached yet, or another pid namespace: its pid means nothing here
+            if not _alive(pid):
+                raise RankFailedError(
+                    f"meshkit.comm: rank {self.world_ranks[self.rank]}: {request.kind} over shared memory cannot "
+                    f"complete: rank {self.world_ranks[r]} (pid {pid}) died before it arrived")
+
+    # ----------------------------------------------------------------- the collectives (each a generator)
+    def all_reduce(self, request: ShmRequest, buf: np.ndarray, op: ReduceOp, root: int = -1) -> Steps:
+        """In place over ``buf`` (flat); ``root >= 0``: a reduce, only the root's ``buf`` written."""
+        flat, n, me = buf.reshape(-1), self.n, self.rank
+        header = self._header(2 if root >= 0 else 1, flat.size, op, root, flat.dtype)
+        itemsize = flat.dtype.itemsize
+        per = max(1, self.chunk_bytes // itemsize)
+        # Two ranks meet once per chunk at any size: reducing the whole chunk from both buffers straight
+        # into the caller's array reads 2 and writes 1 chunk, as much as the slice's reduce and the
+        # copy-out (1.5 reads, 1.5 writes), with a meeting fewer.
+        small = n == 2 or min(flat.size, per) * itemsize <= self.small_bytes
+        out = root < 0 or root == me
+        first = True
+        for start, length in chunks(flat.size, per):
+            step = self.step = self.step + 1
+            parity = step & 1
+            part = flat[start:start + length]
+            np.copyto(self.buffer(me, parity, flat.dtype, length), part)
+            if first:
+                self._write_header(step, header)
+            self._post(step)
+            yield from self._wait(request, self._posts, step)
+            if first:
+                self._compare(step, header)
+                first = False
+            bufs = [self.buffer(r, parity, flat.dtype, length) for r in range(n)]
+            if small:
+                if out:
+                    _reduce_into(op, part, bufs)
+                continue
+            lo, hi = slice_of(length, n, me, itemsize)
+            acc = bufs[0][lo:hi]
+            for other in bufs[1:]:
+                combine_into(op, acc, other[lo:hi])
+            self._reduced(step)
+            if out:
+                yield from self._wait(request, self._reds, step)
+                np.copyto(part, bufs[0])
+
+    def all_reduce_in_place(self, request: ShmRequest, views: list[np.ndarray], op: ReduceOp, offset: int) -> Steps:
+        """All-reduce of arrays that already lie in the segment of a shared buffer, ``views[r]``
+        rank r's (at the same place in every rank's region, which the header's root word carries):
+        no copy in or out. Rank ``r`` reduces its slice of every rank's array in rank order into rank
+        0's, copies it into every other rank's, and posts its reduced flag; once every rank has,
+        every array holds the result (two meetings, one step)."""
+        n, me = self.n, self.rank
+        mine = views[me]
+        header = self._header(6, mine.size, op, offset, mine.dtype)
+        step = self.step = self.step + 1
+        self._write_header(step, header)
+        self._post(step)
+        yield from self._wait(request, self._posts, step)
+        self._compare(step, header)
+        lo, hi = slice_of(mine.size, n, me, mine.dtype.itemsize)
+        acc = views[0][lo:hi]
+        for other in views[1:]:
+            combine_into(op, acc, other[lo:hi])
+        for other in views[1:]:
+            np.copyto(other[lo:hi], acc)
+        self._reduced(step)
+        yield from self._wait(request, self._reds, step)
+
+    def all_gather_in_place(self, request: ShmRequest, outs: list[np.ndarray], inp: np.ndarray, offset: int) -> Steps:
+        """All-gather into arrays that lie in a shared buffer, ``outs[r]`` rank r's (n x m elements, at
+        the same place on every rank): this rank's block is written once (unless ``inp`` is it), then
+        each rank copies every other block straight from its owner's array; a second meeting keeps
+        each owner's block unchanged until every rank has read it."""
+        n, me = self.n, self.rank
+        src, mine = inp.reshape(-1), outs[me].reshape(n, -1)
+        m = src.size
+        header = self._header(7, m, None, offset, src.dtype)
+        step = self.step = self.step + 1
+        if src.ctypes.data != mine[me].ctypes.data:
+            np.copyto(mine[me], src)
+        self._write_header(step, header)
+        self._post(step)
+        yield from self._wait(request, self._posts, step)
+        self._compare(step, header)
+        for r in range(n):
+            if r != me:
+                np.copyto(mine[r], outs[r].reshape(n, -1)[r])
+        self._reduced(step)
+        yield from self._wait(request, self._reds, step)
+
+    def reduce_scatter_in_place(self, request: ShmRequest, out: np.ndarray, ins: list[np.ndarray], op: ReduceOp,
+                                offset: int) -> Steps:
+        """Reduce-scatter of arrays that lie in a shared buffer, ``ins[r]`` rank r's (n x m elements, at
+        the same place on every rank): rank r reduces block r of every rank's array in rank order
+        straight into ``out``, with no copy in; a second meeting keeps the inputs unchanged until
+        every rank has read them."""
+        n, me = self.n, self.rank
+        dst = out.reshape(-1)
+        header = self._header(8, dst.size, op, offset, dst.dtype)
+        step = self.step = self.step + 1
+        self._write_header(step, header)
+        self._post(step)
+        yield from self._wait(request, self._posts, step)
+        self._compare(step, header)
+        parts = [a.reshape(n, -1)[me] for a in ins]
+        if np.may_share_memory(dst, ins[me]):  # out is (in) this rank's own input: reduce aside first
+            result = np.empty_like(dst)
+            _reduce_into(op, result, parts)
+            np.copyto(dst, result)
+        else:
+            _reduce_into(op, dst, parts)
+        self._reduced(step)
+        yield from self._wait(request, self._reds, step)
+
+    def reduce_scatter(self, request: ShmRequest, out: np.ndarray, inp: np.ndarray, op: ReduceOp) -> Steps:
+        """Rank r's ``out`` (m elements) = the reduction of every rank's block r of ``inp`` (n x m)."""
+        n, me = self.n, self.rank
+        dst, src = out.reshape(-1), inp.reshape(n, -1)
+        m, dtype = dst.size, dst.dtype
+        header = self._header(5, m, op, -1, dtype)
+        per = max(1, self.chunk_bytes // dtype.itemsize // n)
+        first = True
+        for start, length in chunks(m, per):
+            step = self.step = self.step + 1
+            parity = step & 1
+            mine = self.buffer(me, parity, dtype, n * length).reshape(n, length)
+            np.copyto(mine, src[:, start:start + length])
+            if first:
+                self._write_header(step, header)
+            self._post(step)
+            yield from self._wait(request, self._posts, step)
+            if first:
+                self._compare(step, header)
+                first = False
+            blocks = [self.buffer(r, parity, dtype, n * length)[me * length:(me + 1) * length] for r in range(n)]
+            _reduce_into(op, dst[start:start + length], blocks)
+
+    def all_gather(self, request: ShmRequest, out: np.ndarray, inp: np.ndarray, own_chunk: bool) -> Steps:
+        """``out`` (n x m) = every rank's ``inp`` (m), in rank order; ``own_chunk``: ``inp`` is
+        this rank's block of ``out`` (gathered in place)."""
+        n, me = self.n, self.rank
+        src, dst = inp.reshape(-1), out.reshape(n, -1)
+        m, dtype = src.size, src.dtype
+        header = self._header(4, m, None, -1, dtype)
+        per = max(1, self.chunk_bytes // dtype.itemsize)
+        first = True
+        for start, length in chunks(m, per):
+            step = self.step = self.step + 1
+            parity = step & 1
+            np.copyto(self.buffer(me, parity, dtype, length), src[start:start + length])
+            if first:
+                self._write_header(step, header)
+            self._post(step)
+            if not own_chunk:
+                np.copyto(dst[me, start:start + length], src[start:start + length])
+            yield from self._wait(request, self._posts, step)
+            if first:
+                self._compare(step, header)
+                first = False
+            for r in range(n):
+                if r != me:
+                    np.copyto(dst[r, start:start + length], self.buffer(r, parity, dtype, length))
+
+    def broadcast(self, request: ShmRequest, buf: np.ndarray, root: int) -> Steps:
+        """Root's ``buf`` into every rank's."""
+        flat, me = buf.reshape(-1), self.rank
+        dtype = flat.dtype
+        header = self._header(3, flat.size, None, root, dtype)
+        per = max(1, self.chunk_bytes // dtype.itemsize)
+        first = True
+        for start, length in chunks(flat.size, per):
+            step = self.step = self.step + 1
+            parity = step & 1
+            if me == root:
+                np.copyto(self.buffer(me, parity, dtype, length), flat[start:start + length])
+            if first:
+                self._write_header(step, header)
+            self._post(step)
+            yield from self._wait(request, self._posts, step)
+            if first:
+                self._compare(step, header)
+                first = False
+            if me != root:
+                np.copyto(flat[start:start + length], self.buffer(root, parity, dtype, length))
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs: it exists (``kill(pid, 0)``) and is not a zombie (a rank killed
+    but not yet reaped by its parent, the launcher's watcher, still answers ``kill``)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process: the pid was reused, so not our rank, but we cannot tell
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read(512).rpartition(b")")[2].split()[:1]
+    except OSError:
+        return True
+    return state != [b"Z"]
+
+
+def _reduce_into(op: ReduceOp, dst: np.ndarray, parts: list[np.ndarray]) -> None:
+    """``dst = ((parts[0] op parts[1]) op parts[2]) ...``: the fixed rank order (the first step reads
+    two parts and writes ``dst`` in one pass)."""
+    if len(parts) == 1 or dst.dtype in _PADDED:  # (a copy first: the padding bytes are rank 0's too)
+        np.copyto(dst, parts[0])
+        for other in parts[1:]:
+            combine_into(op, dst, other)
+        return
+    combine(op, parts[0], parts[1], dst)
+    for other in parts[2:]:
+        combine_into(op, dst, other)
+
+
+class ShmRequest:
+    """A collective over shared memory in progress: ``Test()`` runs it until it must wait for a
+    flag (False) or it is done (True); an error it raised is raised again by every later ``Test``.
+
+    Attributes:
+        kind: the collective (``all_reduce``, ...), for messages.
+        missing_ranks: the group ranks whose flag the collective waits for (empty when not waiting).
+        path: ``"shm"``: the path the call took (the flight recorder's field).
+    """
+
+    __slots__ = ("kind", "missing_ranks", "looked", "_steps", "_done", "_error")
+    path = "shm"
+
+    def __init__(self, kind: str, start: Callable[[ShmRequest], Iterator[None]]) -> None:
+        self.kind = kind
+        self.missing_ranks: list[int] | tuple[()] = ()
+        self.looked = time.monotonic()
+        self._done = False
+        self._error: BaseException | None = None
+        self._steps = start(self)
+        self.Test()  # copy in and post at once: the others can go on while the caller computes
+
+    def Test(self) -> bool:  # noqa: N802 (the Request protocol's name)
+        if self._done:
+            return True
+        if self._error is not None:
+            raise self._error
+        try:
+            next(self._steps)
+        except StopIteration:
+            self._done = True
+            return True
+        except BaseException as exc:
+            self._error = exc
+            raise
+        return False

@@ -1,0 +1,253 @@
+"""The shared-memory path without processes: its arithmetic, its settings, and its collectives
+driven by threads over one anonymous mapping (each thread a rank with its own Channel).
+
+The real-process cases (one meshkit-run job) are in tests/test_shm.py.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from meshkit import ReduceOp
+from meshkit.comm import env
+from meshkit.comm.engines import shm_layout as layout
+from meshkit.comm.engines.engine import CallsDiffer
+from meshkit.comm.engines.shm_collectives import Channel, ShmRequest
+from meshkit.comm.errors import DistValueError, RankFailedError
+
+
+# --------------------------------------------------------------------------- arithmetic
+@pytest.mark.parametrize("itemsize", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 16])
+def test_slices_cover_each_chunk_once_and_start_on_a_cache_line(n, itemsize):
+    for length in (0, 1, 5, 63, 64, 65, 1000, 4096 // itemsize, 12345):
+        bounds = [layout.slice_of(length, n, r, itemsize) for r in range(n)]
+        covered = np.zeros(length, int)
+        for lo, hi in bounds:
+            assert 0 <= lo <= hi <= length
+            assert lo == length or (lo * itemsize) % 64 == 0, (length, n, lo)
+            covered[lo:hi] += 1
+        assert (covered == 1).all(), (length, n, bounds)
+
+
+def test_slices_and_chunks_written_out():
+    assert [layout.slice_of(100, 3, r, 8) for r in range(3)] == [(0, 40), (40, 80), (80, 100)]
+    assert [layout.slice_of(10, 4, r, 4) for r in range(4)] == [(0, 10), (10, 10), (10, 10), (10, 10)]
+    assert layout.chunks(10, 4) == [(0, 4), (4, 4), (8, 2)]
+    assert layout.chunks(0, 4) == [(0, 0)]
+    assert layout.segment_bytes(2, 4096) == 2 * 256 + 4 * 4096
+    assert layout.data_offset(2, 4096, 1, 1) == 2 * 256 + 3 * 4096
+    with pytest.raises(ValueError, match="chunk_bytes=100 is not a positive multiple of 64"):
+        layout.segment_bytes(2, 100)
+
+
+# --------------------------------------------------------------------------- settings
+@pytest.mark.parametrize("raw", ["2", "yes", "-1"])
+def test_a_bad_MESHKIT_SHM_names_the_variable_and_the_valid_values(monkeypatch, raw):
+    monkeypatch.setenv("MESHKIT_SHM", raw)
+    with pytest.raises(DistValueError, match=rf"MESHKIT_SHM='{raw}' is not valid; valid values are 0 \(collectives "
+                                             r"over MPI only\) or 1"):
+        env.shm_enabled()
+    monkeypatch.setenv("MESHKIT_SHM", "0")
+    assert env.shm_enabled() is False
+
+
+@pytest.mark.parametrize("name, raw", [("MESHKIT_SHM_MIN_BYTES", "-5"), ("MESHKIT_SHM_MIN_BYTES", "1e3"),
+                                       ("MESHKIT_SHM_CHUNK_BYTES", "100"), ("MESHKIT_SHM_CHUNK_BYTES", "0"),
+                                       ("MESHKIT_SHM_CHUNK_BYTES", str(2 << 30))])
+def test_bad_byte_settings_name_the_variable(monkeypatch, name, raw):
+    monkeypatch.setenv(name, raw)
+    with pytest.raises(DistValueError, match=rf"{name}='{raw}' is not valid; valid values are integers"):
+        env.shm_bytes(name, 4096, multiple=64 if "CHUNK" in name else 1, zero="MIN" in name)
+
+
+# --------------------------------------------------------------------------- the collectives, threads as ranks
+CHUNK, SMALL = 4096, 1024
+
+
+def _drive(n: int, calls, *, timeout: float = 20.0, chunk: int = CHUNK, small: int = SMALL):
+    """Run ``calls[r](channel, request)`` (a generator factory) on n threads over one mapping; each
+    rank's result or exception."""
+    memory = mmap.mmap(-1, layout.segment_bytes(n, chunk))
+    channels = [Channel(memory, n, r, chunk, small, list(range(n))) for r in range(n)]
+    results: list = [None] * n
+
+    def rank(r):
+        try:
+            if calls[r] is None:
+                return
+            request = ShmRequest("test", lambda req: calls[r](channels[r], req))
+            deadline = time.monotonic() + timeout
+            while not request.Test():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rank {r} waits for {request.missing_ranks}")
+                os.sched_yield()
+        except BaseException as exc:  # noqa: BLE001 (returned to the test)
+            results[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def _ordered(op, parts):
+    acc = parts[0].copy()
+    for p in parts[1:]:
+        acc = {ReduceOp.SUM: np.add, ReduceOp.PRODUCT: np.multiply, ReduceOp.MIN: np.minimum,
+               ReduceOp.MAX: np.maximum}[op](acc, p)
+    return acc
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+@pytest.mark.parametrize("count", [100, 3000])  # one meeting (800 B), two meetings over 6 chunks (24 KB)
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX])
+def test_all_reduce_is_the_fixed_order_reduction_bit_for_bit_on_every_rank(n, count, op):
+    rng = np.random.default_rng(count)
+    parts = [rng.standard_normal(count) for _ in range(n)]
+    bufs = [p.copy() for p in parts]
+    errors = _drive(n, [lambda ch, req, r=r: ch.all_reduce(req, bufs[r], op) for r in range(n)])
+    assert errors == [None] * n
+    expected = _ordered(op, parts)
+    for b in bufs:
+        assert b.tobytes() == expected.tobytes()
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_reduce_scatter_all_gather_broadcast_and_reduce(n):
+    m = 1500  # 12 KB per block: several chunks
+    rng = np.random.default_rng(7)
+    ins = [rng.standard_normal(n * m) for _ in range(n)]
+    outs = [np.empty(m) for _ in range(n)]
+    assert _drive(n, [lambda ch, req, r=r: ch.reduce_scatter(req, outs[r], ins[r], ReduceOp.SUM)
+                      for r in range(n)]) == [None] * n
+    full = _ordered(ReduceOp.SUM, ins)
+    for r in range(n):
+        assert np.array_equal(outs[r], full[r * m:(r + 1) * m])
+    mine = [np.full(m, float(r)) for r in range(n)]
+    gathered = [np.empty(n * m) for _ in range(n)]
+    assert _drive(n, [lambda ch, req, r=r: ch.all_gather(req, gathered[r], mine[r], False)
+                      for r in range(n)]) == [None] * n
+    for g in gathered:
+        assert np.array_equal(g, np.repeat(np.arange(n, dtype=float), m))
+    bufs = [np.full(m, float(r)) for r in range(n)]
+    assert _drive(n, [lambda ch, req, r=r: ch.broadcast(req, bufs[r], n - 1) for r in range(n)]) == [None] * n
+    assert all((b == n - 1).all() for b in bufs)
+    bufs = [np.full(m, r + 1.0) for r in range(n)]
+    assert _drive(n, [lambda ch, req, r=r: ch.all_reduce(req, bufs[r], ReduceOp.SUM, 0) for r in range(n)]) == \
+        [None] * n
+    assert (bufs[0] == n * (n + 1) / 2).all() and all((bufs[r] == r + 1).all() for r in range(1, n))
+
+
+def test_a_mismatched_call_raises_on_every_rank_before_any_data_is_read():
+    a, b = np.ones(100), np.full(100, 2.0)
+    errors = _drive(2, [lambda ch, req: ch.all_reduce(req, a, ReduceOp.SUM),
+                        lambda ch, req: ch.all_reduce(req, b, ReduceOp.MAX)])
+    assert all(isinstance(e, CallsDiffer) for e in errors), errors
+    calls = [str(c) for _, c in errors[0].entries]
+    assert calls == ["all_reduce(shape=(100,), dtype=float64, op=SUM)",
+                     "all_reduce(shape=(100,), dtype=float64, op=MAX)"]
+    assert (a == 1).all() and (b == 2).all()  # nothing was written
+
+
+def test_a_missing_rank_is_named_and_a_dead_one_fails_its_peers_at_once():
+    memory = mmap.mmap(-1, layout.segment_bytes(2, CHUNK))
+    me = Channel(memory, 2, 0, CHUNK, SMALL, [5, 9])
+    Channel(memory, 2, 1, CHUNK, SMALL, [5, 9])  # rank 1 attached (its pid is this process's) but never calls
+    request = ShmRequest("all_reduce", lambda req: me.all_reduce(req, np.ones(10), ReduceOp.SUM))
+    assert not request.Test() and request.missing_ranks == [1]
+    dead = os.fork()
+    if dead == 0:
+        os._exit(0)
+    os.waitpid(dead, 0)
+    me.words[1 * layout.CONTROL_WORDS + layout.PID] = dead  # rank 1's process is gone
+    start = time.monotonic()
+    with pytest.raises(RankFailedError, match=rf"rank 5: all_reduce over shared memory cannot complete: "
+                                             rf"rank 9 \(pid {dead}\) died before it arrived"):
+        while not request.Test():
+            time.sleep(0.001)
+    assert time.monotonic() - start < 1.0
+
+
+# --------------------------------------------------------------------------- the switch
+def test_MESHKIT_SHM_0_keeps_mpi_and_a_bad_value_is_named(monkeypatch):
+    from meshkit.comm.engines import shm_settings  # (no MPI: comm/engines/shm.py would start it)
+
+    monkeypatch.setenv("MESHKIT_SHM", "0")
+    assert not shm_settings.applies(2)
+    monkeypatch.setenv("MESHKIT_SHM", "off")
+    with pytest.raises(DistValueError, match=r"MESHKIT_SHM='off' is not valid"):
+        shm_settings.applies(2)
+    monkeypatch.setenv("MESHKIT_SHM", "1")
+    monkeypatch.delenv("MESHKIT_SURVIVE", raising=False)
+    assert shm_settings.applies(2) == shm_settings.supported() and not shm_settings.applies(1)
+    monkeypatch.setenv("MESHKIT_SURVIVE", "1")  # meshkit-run --survive: survivors rebuild their groups over MPI
+    assert not shm_settings.applies(2)
+    monkeypatch.setenv("MESHKIT_SURVIVE", "0")
+    assert shm_settings.applies(2) == shm_settings.supported()
+    monkeypatch.setattr(shm_settings.platform, "machine", lambda: "aarch64")  # no TSO: the ordering argument fails
+    assert not shm_settings.applies(2)
+
+
+def test_the_default_chunk_keeps_a_segment_within_its_budget(monkeypatch):
+    from meshkit.comm.engines import shm_settings
+
+    monkeypatch.delenv("MESHKIT_SHM_CHUNK_BYTES", raising=False)
+    assert shm_settings.chunk_bytes(2) == 4 << 20 and shm_settings.chunk_bytes(16) == 2 << 20
+    assert shm_settings.chunk_bytes(1024) == 64 << 10
+    monkeypatch.setenv("MESHKIT_SHM_CHUNK_BYTES", "8192")
+    assert shm_settings.chunk_bytes(16) == 8192
+    monkeypatch.delenv("MESHKIT_SHM_MOVE_MIN_BYTES", raising=False)
+    assert shm_settings.move_min_bytes() == 1 << 30  # all_gather and broadcast: MPICH's one copy wins
+    monkeypatch.setenv("MESHKIT_SHM_MOVE_MIN_BYTES", "x")
+    with pytest.raises(DistValueError, match=r"MESHKIT_SHM_MOVE_MIN_BYTES='x' is not valid; valid values are integers"):
+        shm_settings.move_min_bytes()
+
+
+def test_a_shared_buffer_reduces_in_place_and_a_different_place_is_a_mismatch():
+    n, m = 3, 1000
+    regions = mmap.mmap(-1, n * m * 8)
+    views = [np.frombuffer(regions, np.float64, m, r * m * 8) for r in range(n)]
+    for r in range(n):
+        views[r][:] = np.arange(m) * (r + 1)
+    assert _drive(n, [lambda ch, req: ch.all_reduce_in_place(req, views, ReduceOp.SUM, 0)] * n) == [None] * n
+    for v in views:
+        assert np.array_equal(v, np.arange(m) * 6.0)
+    parts = [v[:10] for v in views]
+    errors = _drive(2, [lambda ch, req: ch.all_reduce_in_place(req, parts[:2], ReduceOp.SUM, 0),
+                        lambda ch, req: ch.all_reduce_in_place(req, parts[:2], ReduceOp.SUM, 80)])
+    assert all(isinstance(e, CallsDiffer) for e in errors), errors
+
+
+def test_all_gather_into_and_reduce_scatter_of_a_shared_buffer_need_no_copy_in():
+    n, m = 3, 500
+    regions = mmap.mmap(-1, n * n * m * 8)
+    arrays = [np.frombuffer(regions, np.float64, n * m, r * n * m * 8) for r in range(n)]
+    for r in range(n):
+        arrays[r][:] = np.arange(n * m) + 1000 * r
+    outs = [np.empty(m) for _ in range(n)]
+    assert _drive(n, [lambda ch, req, r=r: ch.reduce_scatter_in_place(req, outs[r], arrays, ReduceOp.SUM, 0)
+                      for r in range(n)]) == [None] * n
+    full = _ordered(ReduceOp.SUM, [a.copy() for a in arrays])
+    for r in range(n):
+        assert np.array_equal(outs[r], full[r * m:(r + 1) * m])
+    mine = [np.full(m, float(r)) for r in range(n)]
+    assert _drive(n, [lambda ch, req, r=r: ch.all_gather_in_place(req, arrays, mine[r], 0)
+                      for r in range(n)]) == [None] * n
+    for a in arrays:
+        assert np.array_equal(a, np.repeat(np.arange(n, dtype=float), m))
+    # in place: each rank's input is its own block of the shared array
+    for r in range(n):
+        arrays[r][r * m:(r + 1) * m] = 10.0 + r
+    assert _drive(n, [lambda ch, req, r=r: ch.all_gather_in_place(req, arrays, arrays[r][r * m:(r + 1) * m], 0)
+                      for r in range(n)]) == [None] * n
+    for a in arrays:
+        assert np.array_equal(a, np.repeat(10.0 + np.arange(n), m))
