@@ -26,7 +26,9 @@ class OverHost:
 
     def __init__(self, host: Any, **capabilities: bool) -> None:
         self.host = host
-        self.capabilities = dataclasses.replace(host.capabilities, reports_path=True, **capabilities)
+        # survives=False: the path is off in a --survive job (shm_settings.applies), so these engines never
+        # meet MPI's fault tolerance and have no rank_failure of their own
+        self.capabilities = dataclasses.replace(host.capabilities, reports_path=True, survives=False, **capabilities)
         self.rank, self.size, self.max_tag = host.rank, host.size, host.max_tag
 
     @property
