@@ -1,0 +1,115 @@
+"""Buddy copies of sharded state (meshkit.parallel.buddy): which shards come from whom, in-process.
+
+On the local engine (threads as ranks) with ``MESHKIT_SURVIVE`` set as ``meshkit-run --survive``
+sets it: ZeRO-1/2, FSDP and HSDP train a few steps with AdamW, then for each rank taken away the
+survivors' contributions assemble the full state exactly (bitwise equal to ``full_state_dict()``),
+the lost rank's shard from the rank before it; two neighbours lost is a clear error naming the
+shard, and so are shards of different steps. Under the launcher (Open MPI's ULFM) the example's
+fsdp and zero2 survive a SIGKILL with ``--check`` (tests/test_survive.py has DDP's).
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import sharded_cases
+from meshkit import comm
+from meshkit.comm import DistValueError, local
+from meshkit.parallel import buddy, survive
+from test_survive import EXAMPLES, launch, needs_ulfm
+
+STEPS = range(3)
+
+
+def _trained(strategy: str, mesh_shape=None):
+    def body():
+        held = []
+        if strategy == "fsdp":
+            full, _ = sharded_cases.train_fsdp("adamw", mesh_shape=mesh_shape, steps=STEPS, setup=held.append)
+        else:
+            full, _ = sharded_cases.STRATEGIES[strategy]("adamw", steps=STEPS, setup=held.append)
+        model = held[0]
+        return (buddy.contribution(model, comm.get_rank()), full, model._layouts(), dict(model.optimizer.hyper),
+                model.memory_report(), model.shards.buddy)
+    return local.run(body, 4)
+
+
+@pytest.mark.parametrize("strategy, mesh_shape", [("zero1", None), ("zero2", None), ("fsdp", None), ("fsdp", (2, 2))],
+                         ids=["zero1", "zero2", "fsdp", "hsdp2x2"])
+def test_any_one_rank_lost_its_shards_come_from_its_buddy_exactly(strategy, mesh_shape, monkeypatch):
+    monkeypatch.setenv("MESHKIT_SURVIVE", "1")
+    out = _trained(strategy, mesh_shape)
+    contributions, full, layouts, hyper = [o[0] for o in out], out[0][1], out[0][2], out[0][3]
+    n = layouts[0].shards
+    for rank, (c, _, lays, _, report, copy) in enumerate(out):
+        own = sum(int(a.nbytes) for a in c.held[0].arrays.values())
+        assert report["buddy"] == copy.nbytes >= own > 0  # a copy as large as this rank's shards (and 2 step counts)
+        assert copy.valid and c.held[1].count == c.held[0].count == len(STEPS)
+        index = c.group.index(rank)
+        assert c.held[1].index == (index + 1) % n and c.held[1].owner == c.group[(index + 1) % n]
+        neighbour = next(o[0] for o in out if o[0].held[0].holder == c.held[1].owner)
+        for key, value in neighbour.held[0].arrays.items():  # the copy is the neighbour's shards, bit for bit
+            np.testing.assert_array_equal(c.held[1].arrays[key], value)
+    for dead in range(4):
+        survivors = [c for r, c in enumerate(contributions) if r != dead]
+        state, step, chosen = buddy.assemble(layouts, survivors, hyper, [dead])
+        assert step == len(STEPS)
+        group = contributions[dead].group
+        index = group.index(dead)
+        if mesh_shape is None:  # the one shard group: the dead rank's shard from the rank before it
+            assert chosen[index].holder == group[(index - 1) % n] and chosen[index].owner == dead
+        assert all(h.holder != dead for h in chosen.values())
+        for name, value in full["model"].items():
+            np.testing.assert_array_equal(state["model"][name], value)
+        for name, per_key in full["optim"]["state"].items():
+            for key, value in per_key.items():
+                np.testing.assert_array_equal(state["optim"]["state"][name][key], value)
+        assert state["optim"]["step"] == full["optim"]["step"]
+
+
+def test_a_rank_and_its_buddy_both_lost_is_an_error_naming_the_shard(monkeypatch):
+    monkeypatch.setenv("MESHKIT_SURVIVE", "2")
+    out = _trained("fsdp")
+    contributions, layouts, hyper = [o[0] for o in out], out[0][2], out[0][3]
+    buddy.assemble(layouts, [contributions[0], contributions[2]], hyper, [1, 3])  # not neighbours: fine
+    with pytest.raises(buddy.ShardsLostError, match=re.escape(
+            "the loss of ranks [1, 2]: no survivor holds shard 2 of ranks [2], whose copies were on ranks [1]")):
+        buddy.assemble(layouts, [contributions[0], contributions[3]], hyper, [1, 2])
+    # a survivor whose own shards went one step further than the only copy of the lost rank's
+    ahead = contributions[2]
+    ahead.held[0].steps = {k: c + 1 for k, c in ahead.held[0].steps.items()}
+    with pytest.raises(buddy.ShardsLostError, match=r"shard 1 of ranks \[1\], whose copies were on ranks \[0\] "
+                                                    r"\(held at step counts \[3\] only\)"):
+        buddy.assemble(layouts, [contributions[0], ahead, contributions[3]], hyper, [1])
+
+
+def test_a_plain_run_keeps_no_copy_and_shrink_says_why(monkeypatch):
+    monkeypatch.delenv("MESHKIT_SURVIVE", raising=False)
+
+    def body():
+        held = []
+        sharded_cases.STRATEGIES["zero2"]("adamw", steps=range(1), setup=held.append)
+        model = held[0]
+        assert model.shards.buddy is None and "buddy" not in model.memory_report()
+        with pytest.raises(DistValueError, match=rf"rank {comm.get_rank()}: ZeroRedundancyOptimizer holds sharded "
+                                                 r"state and no buddy copies of it: build the strategy under "
+                                                 r"meshkit-run --survive K"):
+            survive.shrink(model, lambda: None)
+        return True
+
+    assert local.run(body, 2) == [True, True]
+
+
+@needs_ulfm
+@pytest.mark.parametrize("strategy", ["zero2", "fsdp"])
+def test_train_mlp_sharded_survives_a_killed_rank_with_the_exact_result(strategy):
+    # rank 1 SIGKILLed after step 5 of 10: its shards come back from rank 0's buddy copy
+    result = launch("elastic_train.py", 4, str(EXAMPLES / "train_mlp.py"), "--strategy", strategy, "--optimizer",
+                    "adamw", "--steps", "10", "--check", options=("--survive", "1"),
+                    env={"ELASTIC_FAULT": "step:1:5"}, timeout=90)
+    assert f"{strategy} on 3 ranks" in result.stdout and "check against single-process training: OK" in result.stdout, \
+        result.stdout
+    assert "rebuilt on 3 ranks" in result.stdout + result.stderr
