@@ -25,6 +25,7 @@ takes the newest step at which every shard is held, and refuses (the job ends, o
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -79,6 +80,8 @@ class BuddyCopy:
         self.steps: dict[str, int] = {}  # the neighbour's optimizer step counts, per flat key
         self.valid = False  # a complete copy is held (False before the first step and after a failed exchange)
         self._counts: Any = None
+        self.refreshes = 0  # exchanges done, and their wall time (benchmarks/survive.py reports it per step)
+        self.seconds = 0.0
 
     @property
     def nbytes(self) -> int:
@@ -90,6 +93,7 @@ class BuddyCopy:
         group: ProcessGroup = self.owner._shard_group()
         if group.size == 1:
             return  # the only shard: no other rank could keep it
+        started = time.perf_counter()
         mine = _arrays(self.owner._layouts(), self.owner._param_shards(), self.owner.optimizer)
         if list(mine) != list(self.arrays) or any(self.arrays[k].shape != a.shape for k, a in mine.items()):
             xp = array_namespace(next(iter(mine.values())))
@@ -106,6 +110,8 @@ class BuddyCopy:
         self.steps = {k: int(c) for k, c in zip(keys, received)}
         self._counts = sent
         self.valid = True
+        self.refreshes += 1
+        self.seconds += time.perf_counter() - started
 
 
 @dataclass

@@ -123,6 +123,8 @@ def shrink(model: Any, build: Callable[[], Any]) -> tuple[Any, int]:
         broadcast_object_list(box, src=source)
     rebuilt = build()
     rebuilt.load_full_state_dict(box[0])
+    if isinstance(getattr(rebuilt, "shards", None), Shards):
+        rebuilt.shards.after_step()  # the new buddy copies at once: a failure in the step redone is survived too
     recovery = Recovery(shrink=shrunk_at - started, state=time.perf_counter() - shrunk_at, step=max(steps),
                         source=source, world=shrunk)
     _last.append(recovery)

@@ -4,9 +4,10 @@ On the local engine (threads as ranks) with ``MESHKIT_SURVIVE`` set as ``meshkit
 sets it: ZeRO-1/2, FSDP and HSDP train a few steps with AdamW, then for each rank taken away the
 survivors' contributions assemble the full state exactly (bitwise equal to ``full_state_dict()``),
 the lost rank's shard from the rank before it; two neighbours lost is a clear error naming the
-shard, and so are shards of different steps. Under the launcher (Open MPI's ULFM) the example's
-zero2 and hsdp (2x2 -> 1x3) survive a SIGKILL with ``--check`` (tests/test_survive.py has DDP's;
-zero1 and fsdp are the same classes, exercised in-process here).
+shard, and so are shards of different steps. Under the launcher (Open MPI's ULFM): the example's
+hsdp (2x2 -> 1x3) survives a SIGKILL with ``--check``, and ZeRO-2 two failures in a row, the second
+inside its gradients' reduction (tests/test_survive.py has DDP's; zero1 and fsdp on one dimension
+are the same classes, exercised in-process here).
 """
 
 from __future__ import annotations
@@ -105,13 +106,25 @@ def test_a_plain_run_keeps_no_copy_and_shrink_says_why(monkeypatch):
 
 
 @needs_ulfm
-@pytest.mark.parametrize("strategy", ["zero2", "hsdp"])
-def test_train_mlp_sharded_survives_a_killed_rank_with_the_exact_result(strategy):
-    # rank 1 SIGKILLed after step 5 of 10: its shards come back from rank 0's buddy copy. hsdp: 2x2 -> 1x3 (its
-    # default mesh adapts as on a restart); ranks 2 and 3 share no group with rank 1 and are woken by the revoke
-    result = launch("elastic_train.py", 4, str(EXAMPLES / "train_mlp.py"), "--strategy", strategy, "--optimizer",
+def test_train_mlp_hsdp_survives_a_killed_rank_on_a_shrunk_mesh_with_the_exact_result():
+    # rank 1 SIGKILLed after step 5 of 10; hsdp 2x2 -> 1x3 (its default mesh adapts as on a restart): rank 1's
+    # shards from rank 0's buddy copy; ranks 2 and 3 share no group with rank 1 and are woken by the revoke
+    result = launch("elastic_train.py", 4, str(EXAMPLES / "train_mlp.py"), "--strategy", "hsdp", "--optimizer",
                     "adamw", "--steps", "10", "--check", options=("--survive", "1"),
                     env={"ELASTIC_FAULT": "step:1:5"}, timeout=90)
-    assert f"{strategy} on 3 ranks" in result.stdout and "check against single-process training: OK" in result.stdout, \
+    assert "hsdp on 3 ranks" in result.stdout and "check against single-process training: OK" in result.stdout, \
         result.stdout
     assert "rebuilt on 3 ranks" in result.stdout + result.stderr and "redoing step 5" in result.stdout + result.stderr
+
+
+@needs_ulfm
+def test_zero2_survives_two_failures_in_memory_with_the_exact_result():
+    # rank 1 os._exit's as step 2 starts; then (renumbered) rank 1 is SIGKILLed in step 5's backward, its
+    # gradients' reduction to their owners in flight: 4 -> 3 -> 2 ranks, parameters as single-process training
+    result = launch("survive_train.py", 4, "step:1:2", "bucket:1:5", options=("--survive", "2"),
+                    env={"SURVIVE_STRATEGY": "zero2"}, timeout=90)
+    out = result.stdout
+    assert "survived 2 failure(s); world 2" in out, out
+    assert re.search(r"recovered from the loss of \[1\]: .* redo from step 2 .* world 4 -> 3", out), out
+    assert re.search(r"recovered from the loss of \[1\]: .* redo from step 5 .* world 3 -> 2", out), out
+    assert float(re.search(r"max \|diff\| (\S+)", out).group(1)) < 1e-10
