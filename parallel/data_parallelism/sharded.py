@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from ...comm import DistValueError, ProcessGroup
-from ...elastic import survive_budget
+from ...comm._seams import survive_budget
 from ..buddy import BuddyCopy
 from ..checks import where
 from ..optim.clip import clip_grad_norm_, clip_grad_norm_parts
