@@ -86,7 +86,7 @@ class BuddyCopy:
     @property
     def nbytes(self) -> int:
         """Bytes the copy holds (what ``memory_report()["buddy"]`` says)."""
-        return sum(int(a.nbytes) for a in self.arrays.values()) + (0 if self._counts is None else 2 * 8 * len(self._counts))
+        return sum(int(a.nbytes) for a in self.arrays.values()) + (0 if self._counts is None else 2 * int(self._counts.nbytes))
 
     def refresh(self) -> None:
         """Send this rank's shards to index ``s - 1`` and receive index ``s + 1``'s (collective over the shard group)."""
@@ -95,19 +95,20 @@ class BuddyCopy:
             return  # the only shard: no other rank could keep it
         started = time.perf_counter()
         mine = _arrays(self.owner._layouts(), self.owner._param_shards(), self.owner.optimizer)
+        xp = array_namespace(next(iter(mine.values())))  # NumPy, or CuPy on the GPU engine (counts too)
         if list(mine) != list(self.arrays) or any(self.arrays[k].shape != a.shape for k, a in mine.items()):
-            xp = array_namespace(next(iter(mine.values())))
             self.arrays = {k: xp.empty_like(a) for k, a in mine.items()}  # AdamW's state appears at its first step
         keys = sorted(self.owner.optimizer.steps)
-        sent = np.array([int(self.owner.optimizer.steps[k]) for k in keys], np.int64)
-        received = np.empty_like(sent)
+        # the number of counts first: never an empty message (no step counts before the first step)
+        sent = xp.asarray(np.array([len(keys), *(int(self.owner.optimizer.steps[k]) for k in keys)], np.int64))
+        received = xp.empty_like(sent)
         self.valid = False  # until every message has arrived: a half-received copy is never used
         to, of = (group.rank - 1) % group.size, (group.rank + 1) % group.size
         works = [group.irecv(received, of, BUDDY_TAG)] + [group.irecv(a, of, BUDDY_TAG) for a in self.arrays.values()]
         works += [group.isend(sent, to, BUDDY_TAG)] + [group.isend(a, to, BUDDY_TAG) for a in mine.values()]
         for work in works:
             work.wait()
-        self.steps = {k: int(c) for k, c in zip(keys, received)}
+        self.steps = {k: int(c) for k, c in zip(keys, to_host(received)[1:])}
         self._counts = sent
         self.valid = True
         self.refreshes += 1

@@ -26,13 +26,13 @@ from test_survive import EXAMPLES, launch, needs_ulfm
 STEPS = range(3)
 
 
-def _trained(strategy: str, mesh_shape=None):
+def _trained(strategy: str, mesh_shape=None, steps=STEPS):
     def body():
         held = []
         if strategy == "fsdp":
-            full, _ = sharded_cases.train_fsdp("adamw", mesh_shape=mesh_shape, steps=STEPS, setup=held.append)
+            full, _ = sharded_cases.train_fsdp("adamw", mesh_shape=mesh_shape, steps=steps, setup=held.append)
         else:
-            full, _ = sharded_cases.STRATEGIES[strategy]("adamw", steps=STEPS, setup=held.append)
+            full, _ = sharded_cases.STRATEGIES[strategy]("adamw", steps=steps, setup=held.append)
         model = held[0]
         return (buddy.contribution(model, comm.get_rank()), full, model._layouts(), dict(model.optimizer.hyper),
                 model.memory_report(), model.shards.buddy)
@@ -86,6 +86,15 @@ def test_a_rank_and_its_buddy_both_lost_is_an_error_naming_the_shard(monkeypatch
     with pytest.raises(buddy.ShardsLostError, match=r"shard 1 of ranks \[1\], whose copies were on ranks \[0\] "
                                                     r"\(held at step counts \[3\] only\)"):
         buddy.assemble(layouts, [contributions[0], ahead, contributions[3]], hyper, [1])
+
+
+def test_a_failure_before_the_first_step_finds_no_copy(monkeypatch):
+    monkeypatch.setenv("MESHKIT_SURVIVE", "1")
+    out = _trained("zero1", steps=range(0))
+    assert not any(o[5].valid for o in out) and all(len(o[0].held) == 1 for o in out)
+    with pytest.raises(buddy.ShardsLostError, match=r"loss of ranks \[2\]: no survivor holds shard 2 of ranks \[2\], "
+                                                    r"whose copies were on ranks \[1\] at the step"):
+        buddy.assemble(out[0][2], [o[0] for r, o in enumerate(out) if r != 2], out[0][3], [2])
 
 
 def test_a_plain_run_keeps_no_copy_and_shrink_says_why(monkeypatch):
