@@ -12,7 +12,9 @@ are the same classes, exercised in-process here).
 
 from __future__ import annotations
 
+import argparse
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -24,6 +26,8 @@ from meshkit.parallel import buddy, survive
 from test_survive import EXAMPLES, launch, needs_ulfm
 
 STEPS = range(3)
+sys.path.insert(0, str(EXAMPLES))
+import train_mlp  # noqa: E402  (examples/, beside mlp.py and loop.py)
 
 
 def _trained(strategy: str, mesh_shape=None, steps=STEPS):
@@ -137,3 +141,18 @@ def test_zero2_survives_two_failures_in_memory_with_the_exact_result():
     assert re.search(r"recovered from the loss of \[1\]: .* redo from step 2 .* world 4 -> 3", out), out
     assert re.search(r"recovered from the loss of \[1\]: .* redo from step 5 .* world 3 -> 2", out), out
     assert float(re.search(r"max \|diff\| (\S+)", out).group(1)) < 1e-10
+
+
+def test_train_mlp_hsdp_mesh_adapts_after_a_shrink_unless_given():
+    adapted = argparse.Namespace(strategy="hsdp", mesh=(2, 2), mesh_given=False)
+    given = argparse.Namespace(strategy="hsdp", mesh=(2, 2), mesh_given=True)
+
+    def body():
+        assert train_mlp.shrunk_args(adapted).mesh == (1, 3) and adapted.mesh == (2, 2)  # a copy: args kept
+        with pytest.raises(ValueError, match=rf"rank {comm.get_rank()}: argument --mesh: 2x2 cannot shrink to the 3 "
+                                             r"ranks left after a failure; leave --mesh out"):
+            train_mlp.shrunk_args(given)
+        return True
+
+    assert local.run(body, 3) == [True] * 3
+    assert train_mlp.default_hsdp_mesh(4) == (2, 2) and train_mlp.default_hsdp_mesh(2) == (2, 1)
