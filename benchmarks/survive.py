@@ -3,9 +3,10 @@
 Run it by hand with plain ``python`` (it starts the jobs itself; a measurement, not a test)::
 
     python benchmarks/survive.py                        # 4 ranks, DDP, MLP 256x256, 60 steps, 3 repeats
+    python benchmarks/survive.py --strategy fsdp        # sharded: the buddy copies' cost too
     python benchmarks/survive.py --hidden 512 --repeats 5 --json benchmarks/results/survive.json
 
-Each repeat runs the same DDP training (examples/mlp.py's MLP, AdamW, float64) under
+Each repeat runs the same training (``--strategy``, DDP by default; examples/mlp.py's MLP, AdamW, float64) under
 ``meshkit-run -n N`` three times, in an order rotating from repeat to repeat:
 
 * **plain**: MPICH, as every job without ``--survive``;
@@ -13,7 +14,13 @@ Each repeat runs the same DDP training (examples/mlp.py's MLP, AdamW, float64) u
 * **killed**: ``--survive 1``, rank N-1 SIGKILLed as step ``--kill-at`` starts; the survivors
   shrink and redo the step, and each recovery is reported by phase: detection (the death, by the
   dying rank's clock, to rank 0's RankFailedError), shrink (``meshkit.comm.shrink_world``), state
-  (the agreement on the source, its broadcast, the new DDP and its load), redo (the step again).
+  (the agreement on the source, its broadcast, the new DDP and its load; for a sharded strategy the
+  all-gather of every survivor's shards and buddy copy, the assembly, the new strategy, its load and
+  its first buddy copy), redo (the step again).
+
+A sharded strategy under ``--survive`` renews its buddy copy after every step
+(:mod:`meshkit.parallel.buddy`): the run reports its bytes (``memory_report()["buddy"]``) and the
+mean wall time of one exchange, part of the step time.
 
 The step time is the training loop's wall time over the steps (after a barrier, the import and
 set-up excluded). Every run checks its final parameters against single-process training (1e-10).
@@ -53,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=_positive, default=60, help="default: %(default)s")
     parser.add_argument("--kill-at", type=_positive, default=20, help="the killed run's failure step (default: %(default)s)")
     parser.add_argument("--repeats", type=_positive, default=3, help="default: %(default)s")
+    parser.add_argument("--strategy", default="ddp", choices=["ddp", "zero1", "zero2", "fsdp", "hsdp"],
+                        help="examples/mlp.py's strategy (hsdp: 2 x N/2 for an even N, else 1 x N; default: %(default)s)")
     parser.add_argument("--json", type=Path, default=None, help="write the measurements here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # a rank of one run
     return parser.parse_args(argv)
@@ -75,7 +84,9 @@ def worker(args: argparse.Namespace) -> int:
     log, victim = os.environ.get("SURVIVE_BENCH_DIR"), args.nproc - 1
 
     def build() -> Any:
-        return mlp.build("ddp", hidden=hidden, optimizer="adamw", lr=lr)
+        world = meshkit.get_world_size()
+        mesh = ((2, world // 2) if world % 2 == 0 else (1, world)) if args.strategy == "hsdp" else None
+        return mlp.build(args.strategy, hidden=hidden, optimizer="adamw", lr=lr, hsdp_mesh=mesh)
 
     def train_step(model: Any, step: int) -> None:
         rank, world = meshkit.get_rank(), meshkit.get_world_size()
@@ -123,7 +134,11 @@ def worker(args: argparse.Namespace) -> int:
             return 1
         if phases:
             phases["total"] = sum(phases.values())
-        print("RESULT " + json.dumps({"step_s": elapsed / args.steps, "phases": phases, "diff": diff}), flush=True)
+        copy = getattr(getattr(model, "shards", None), "buddy", None)
+        buddy = {} if copy is None else {"buddy_bytes": model.memory_report()["buddy"],
+                                          "buddy_s": copy.seconds / max(copy.refreshes, 1)}
+        print("RESULT " + json.dumps({"step_s": elapsed / args.steps, "phases": phases, "diff": diff, **buddy}),
+              flush=True)
     meshkit.destroy_process_group()
     return 0
 
@@ -137,7 +152,7 @@ def run(args: argparse.Namespace, kind: str) -> dict[str, Any]:
         env = {**os.environ, **({"SURVIVE_BENCH_DIR": log} if kind == "killed" else {})}
         command = [sys.executable, "-m", "meshkit.launch", "-n", str(args.nproc), *options, __file__, "--worker",
                    "--nproc", str(args.nproc), "--hidden", str(args.hidden), "--steps", str(args.steps),
-                   "--kill-at", str(args.kill_at)]
+                   "--kill-at", str(args.kill_at), "--strategy", args.strategy]
         done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     found = re.search(r"RESULT (\{.*\})", done.stdout)
     if done.returncode != 0 or found is None:
@@ -164,13 +179,17 @@ def main(argv: list[str] | None = None) -> int:
             results[kind].append(run(args, kind))
         print(f"repeat {repeat + 1}/{args.repeats}: " + ", ".join(
             f"{k} {results[k][-1]['step_s'] * 1e3:.2f} ms a step" for k in kinds), flush=True)
-    print(f"\n# DDP on {args.nproc} ranks, MLP {args.hidden}x{args.hidden}, {args.steps} steps, {args.repeats} repeats")
+    print(f"\n# {args.strategy} on {args.nproc} ranks, MLP {args.hidden}x{args.hidden}, {args.steps} steps, {args.repeats} repeats")
     print(f"{'ms a step':>22} {'median':>8} {'min':>8} {'max':>8}")
     for kind in ("plain", "survive"):
         print(f"{kind:>22} {_cell([r['step_s'] for r in results[kind]], 1e3)}")
     ratio = statistics.median(r["step_s"] for r in results["survive"]) / statistics.median(
         r["step_s"] for r in results["plain"])
     print(f"survive / plain step time: {ratio:.3f}x (median over median)")
+    copies = [r for r in results["survive"] if "buddy_s" in r]
+    if copies:
+        print(f"buddy copy: {copies[0]['buddy_bytes']} bytes a rank; one exchange {_cell([r['buddy_s'] for r in copies], 1e3)} ms "
+              "(median min max)")
     print(f"\n# rank {args.nproc - 1} SIGKILLed as step {args.kill_at} starts: failure -> next step, seconds")
     print(f"{'phase':>22} {'median':>8} {'min':>8} {'max':>8}")
     for phase in PHASES:

@@ -11,6 +11,7 @@ collectives (:class:`PreparedCollective`) and the NumPy/CuPy rule (:func:`array_
 :func:`is_device_array`, :func:`is_array`, :func:`to_host`). They import those from here, a module
 named as private as torch's
 ``torch.distributed._*`` are: the names may change between releases without a deprecation.
+``parallel``'s sharded strategies also read the job's ``--survive`` budget (:func:`survive_budget`).
 
 :func:`moved_names` is the one way a package keeps a name it took out of its ``__all__`` importable
 for one release.
@@ -19,6 +20,7 @@ for one release.
 from __future__ import annotations
 
 import importlib.abc
+import os
 import importlib.machinery
 import sys
 import types
@@ -26,6 +28,7 @@ import warnings
 from importlib import import_module
 from typing import Any, Callable, Mapping, Sequence
 
+from ..launch_protocol import SURVIVE_ENV
 from .agree import agree
 from .naming import by_ranks, name_ranks
 from .setup.backends import backend_devices
@@ -43,7 +46,15 @@ __all__ = ["agree", "by_ranks", "name_ranks", "backend_devices", "array_namespac
            "create_groups", "resolve_group", "current_world", "flight_document", "inflight_document", "RECORD_FORMAT",
            "moved_names", "milestone", "IMPORTED", "RESTORED", "FIRST_STEP", "positive_setting", "read_bounded",
            "open_regular", "NotRegular", "TooLarge", "FINGERPRINT_SLOTS", "stamp_fingerprint", "verify_fingerprint",
-           "moved_modules"]
+           "moved_modules", "survive_budget"]
+
+
+def survive_budget() -> int:
+    """K of ``meshkit-run --survive K`` (``MESHKIT_SURVIVE``, set by the launcher), 0 in a plain run, read
+    as the ULFM engine reads it (:func:`meshkit.comm.engines.mpi_ulfm.budget`) but without importing MPI:
+    the sharded strategies ask at construction whether to keep buddy copies (parallel/buddy.py)."""
+    text = os.environ.get(SURVIVE_ENV, "").strip()
+    return int(text) if text.isdigit() else 0
 
 
 def moved_names(package: str, names: Mapping[str, str], modules: Mapping[str, str] | None = None) -> Callable[[str], Any]:

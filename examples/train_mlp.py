@@ -144,11 +144,29 @@ def train(args: argparse.Namespace, comm_hook: Any = None, comm_state: Any = Non
             if not elastic.survive_budget():
                 raise
             # meshkit-run --survive: the world, mesh, groups and state on the survivors; redo the step
-            model, step = survive.shrink(model, lambda: build(args, comm_hook, comm_state))
+            model, step = survive.shrink(model, lambda: build(shrunk_args(args), comm_hook, comm_state))
             box = [losses[:step - start]]  # the source took the step: its losses count
             meshkit.broadcast_object_list(box, src=survive.last_recovery().source)
             losses[:] = box[0]
     return model.full_state_dict()["model"], losses  # NumPy arrays, full size, on every rank
+
+
+def shrunk_args(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` for the world after a shrink (``--survive``): hsdp's default mesh adapts as on a restart
+    (:func:`default_hsdp_mesh`); a ``--mesh`` given on the command line that no longer fits ends the job."""
+    world = meshkit.get_world_size()
+    if args.strategy != "hsdp" or args.mesh[0] * args.mesh[1] == world:
+        return args
+    if args.mesh_given:
+        raise ValueError(f"train_mlp: rank {meshkit.get_rank()}: argument --mesh: {args.mesh[0]}x{args.mesh[1]} "
+                         f"cannot shrink to the {world} ranks left after a failure; leave --mesh out to let hsdp's "
+                         "mesh adapt (2 x N/2 for an even N, else 1 x N)")
+    return argparse.Namespace(**{**vars(args), "mesh": default_hsdp_mesh(world)})
+
+
+def default_hsdp_mesh(world_size: int) -> tuple[int, int]:
+    """hsdp's mesh without ``--mesh``: 2 x N/2 for an even N, else 1 x N (restarts and shrinks take it again)."""
+    return (2, world_size // 2) if world_size % 2 == 0 else (1, world_size)
 
 
 def saver(manager: CheckpointManager | None, model: Any, args: argparse.Namespace) -> Callable[[int], None] | None:
@@ -480,8 +498,9 @@ def parse_args(argv: Sequence[str] | None = None, *, rank: int = 0, world_size: 
         args.lr = DEFAULT_LR[args.optimizer]
     if args.hook is None:
         args.hook = "allreduce"
+    args.mesh_given = args.mesh is not None
     if args.strategy == "hsdp" and args.mesh is None:
-        args.mesh = (2, world_size // 2) if world_size % 2 == 0 else (1, world_size)
+        args.mesh = default_hsdp_mesh(world_size)
     return args
 
 

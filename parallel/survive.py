@@ -17,15 +17,15 @@ What :func:`shrink` does, in order (each phase timed in :class:`Recovery`):
 
 1. **agreement and shrink**: :func:`meshkit.comm.shrink_world` (ULFM's Revoke and Shrink): the
    world over the survivors, numbered 0..n-1;
-2. **state**: the survivors agree on the most advanced copy of the replicated state (the highest
-   optimizer step count: a rank may have finished the step whose all-reduce failed elsewhere) and
-   broadcast it from there; the new strategy (``build()``, collective over the new world: a new
-   mesh and groups) loads it. Replicated state only: DDP's parameters and optimizer state are
-   whole on every rank, so any survivor holds them.
-
-Sharded state (ZeRO-1/2's optimizer shards, FSDP, HSDP) needs in-memory buddy copies of each
-rank's shards, which are not written yet: :func:`shrink` refuses those strategies with a clear
-error (docs/elastic.md "Surviving failures", limits).
+2. **state**, replicated (DDP: parameters and optimizer state whole on every rank): the survivors
+   agree on the most advanced copy (the highest optimizer step count: a rank may have finished the
+   step whose all-reduce failed elsewhere) and broadcast it from there;
+   sharded (ZeRO-1/2, FSDP, HSDP, built under ``--survive``): every survivor brings its own shards
+   and its buddy copy of the next shard (:mod:`meshkit.parallel.buddy`), one all-gather, and each
+   survivor assembles the full state at the newest step where every shard is held (a clear
+   :class:`~meshkit.parallel.buddy.ShardsLostError` where a rank and its buddy both died);
+   then the new strategy (``build()``, collective over the new world: a new mesh and groups)
+   loads it with ``load_full_state_dict``, whatever its world size and mesh.
 """
 
 from __future__ import annotations
@@ -37,8 +37,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..comm import DistValueError, Shrunk, all_gather, broadcast_object_list, get_rank, get_world_size, shrink_world
+from ..comm import (DistValueError, Shrunk, all_gather, all_gather_object, broadcast_object_list, get_rank,
+                    get_world_size, shrink_world)
+from . import buddy
 from .data_parallelism import DistributedDataParallel
+from .data_parallelism.sharded import Shards
 
 __all__ = ["shrink", "Recovery", "last_recovery"]
 
@@ -84,26 +87,44 @@ def shrink(model: Any, build: Callable[[], Any]) -> tuple[Any, int]:
     strategy over the new world (its mesh and groups), as at the start of the script.
 
     Raises:
-        DistValueError: ``model`` holds sharded state (ZeRO, FSDP, HSDP: buddy copies are not
-            implemented) or has no optimizer.
+        DistValueError: ``model`` is no data-parallel strategy, has no optimizer, or holds sharded
+            state without buddy copies (built outside ``meshkit-run --survive``).
+        ShardsLostError: a shard is held by no survivor (a rank and its buddy both lost).
         DistError, DistBackendError: see :func:`~meshkit.comm.shrink_world`.
     """
-    if not isinstance(model, DistributedDataParallel) or model.optimizer is None:
-        raise DistValueError(f"meshkit.parallel.survive: rank {get_rank()}: shrink rebuilds DDP (replicated state, "
-                             f"with an optimizer) only, not {type(model).__name__}: sharded strategies need buddy "
-                             "copies of their shards, not implemented yet (docs/elastic.md \"Surviving failures\")")
+    sharded = isinstance(getattr(model, "shards", None), Shards)
+    if getattr(model, "optimizer", None) is None or not (isinstance(model, DistributedDataParallel) or sharded):
+        raise DistValueError(f"meshkit.parallel.survive: rank {get_rank()}: shrink rebuilds a data-parallel strategy "
+                             f"with an optimizer (DDP, ZeRO, FSDP, HSDP), not {type(model).__name__}")
+    if sharded and model.shards.buddy is None:
+        raise DistValueError(f"meshkit.parallel.survive: rank {get_rank()}: {type(model).__name__} holds sharded "
+                             "state and no buddy copies of it: build the strategy under meshkit-run --survive K "
+                             "(MESHKIT_SURVIVE set), which keeps a copy of the next rank's shards "
+                             "(docs/elastic.md \"Surviving failures\")")
     started = time.perf_counter()
-    state = model.full_state_dict()  # DDP's: local copies, no communication
+    old_rank = get_rank()
+    mine = buddy.contribution(model, old_rank) if sharded else model.full_state_dict()  # local: no communication
     shrunk = shrink_world()
     shrunk_at = time.perf_counter()
-    counts = [np.zeros(1, np.int64) for _ in range(get_world_size())]
-    all_gather(counts, np.array([_steps_done(state)], np.int64))
-    steps = [int(c[0]) for c in counts]
-    source = steps.index(max(steps))  # the most advanced survivor (the lowest rank among equals)
-    box = [state if get_rank() == source else None]
-    broadcast_object_list(box, src=source)
+    if sharded:  # every survivor's own shards and buddy copy, to every survivor (by new rank)
+        everyone: list[Any] = [None] * get_world_size()
+        all_gather_object(everyone, mine)
+        state, steps_done, _ = buddy.assemble(model._layouts(), everyone, model.optimizer.hyper, shrunk.failed)
+        # the source: the lowest survivor whose own shards are at that step (it took every step redone from)
+        source = next((r for r, c in enumerate(everyone) if c.held[0].count == steps_done), 0)
+        box: list[Any] = [state]
+        steps = [steps_done]
+    else:
+        counts = [np.zeros(1, np.int64) for _ in range(get_world_size())]
+        all_gather(counts, np.array([_steps_done(mine)], np.int64))
+        steps = [int(c[0]) for c in counts]
+        source = steps.index(max(steps))  # the most advanced survivor (the lowest rank among equals)
+        box = [mine if get_rank() == source else None]
+        broadcast_object_list(box, src=source)
     rebuilt = build()
     rebuilt.load_full_state_dict(box[0])
+    if isinstance(getattr(rebuilt, "shards", None), Shards):
+        rebuilt.shards.after_step()  # the new buddy copies at once: a failure in the step redone is survived too
     recovery = Recovery(shrink=shrunk_at - started, state=time.perf_counter() - shrunk_at, step=max(steps),
                         source=source, world=shrunk)
     _last.append(recovery)

@@ -739,6 +739,8 @@ GATHER_FACTS = {
     "meshkit.debug.server": "the debug servers' addresses, so that every rank's /all can reach the others",
     "meshkit.parallel.expert_parallelism.expert_strategy": "full_state_dict gathers the experts' blocks and their "
                                                            "offsets (the data, not arguments)",
+    "meshkit.parallel.survive": "shrink gathers the survivors' shards and buddy copies of a sharded strategy (the "
+                                "data, not arguments; parallel/buddy.py)",
 }
 
 

@@ -114,6 +114,16 @@ def revoke(comm: MPI.Comm) -> None:
         logger.debug("meshkit: could not revoke a communicator", exc_info=True)
 
 
+def _is_revoked(comm: MPI.Comm) -> bool:
+    """Whether a survivor revoked ``comm``: a nonblocking collective cut off by the revoke fails with
+    ``MPI_ERR_OTHER``, not ``MPI_ERR_REVOKED`` (measured with Open MPI 5.0.11: hybrid sharding's
+    replicate all-reduce between two survivors, after a rank of another shard group died)."""
+    try:
+        return comm != MPI.COMM_NULL and bool(comm.Is_revoked())
+    except (MPI.Exception, NotImplementedError, AttributeError):
+        return False
+
+
 def rank_failed(exc: MPI.Exception, comm: MPI.Comm, what: str) -> RankFailedError | None:
     """The :class:`RankFailedError` that MPI error ``exc`` on ``comm`` stands for, or None if it
     is not a rank failure (or the job does not survive failures). ``comm`` is revoked first, so
@@ -121,7 +131,7 @@ def rank_failed(exc: MPI.Exception, comm: MPI.Comm, what: str) -> RankFailedErro
     if not enabled():
         return None
     dead = failed_ranks(comm)
-    revoked = exc.Get_error_class() == getattr(MPI, "ERR_REVOKED", -1)
+    revoked = exc.Get_error_class() == getattr(MPI, "ERR_REVOKED", -1) or _is_revoked(comm)
     if not dead and not revoked:
         return None
     revoke(comm)

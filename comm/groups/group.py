@@ -43,7 +43,7 @@ from . import p2p
 from ..checks import check_array, check_like, check_list, check_member, check_root, check_split_sizes, where
 from ..engines.cuda_runtime import keep_current_device
 from ..engines.engine import DeadlineExceeded, DeviceEngine, Engine, ReportsPath, SharesMemory
-from ..errors import DistTypeError, DistValueError
+from ..errors import DistTypeError, DistValueError, RankFailedError
 from .execution import CollectiveQueue
 from .failures import FailureState
 from ..reduce_op import ReduceOp, check_op_dtype, valid_op_dtypes
@@ -497,6 +497,8 @@ class ProcessGroup:
         try:
             return fn()
         except BaseException as exc:
+            if isinstance(exc, RankFailedError) and self.failures.failed_ranks is None:
+                self.failures.failed_ranks = exc.failed_ranks  # later calls raise RankFailedError too (--survive)
             if self.failures.reason is None:
                 self.failures.broken(f"{what} raised {type(exc).__name__}: {exc}", self.queue.seq)
             raise

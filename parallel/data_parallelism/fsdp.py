@@ -520,6 +520,7 @@ class FullyShardedDataParallel:
         self._full.clear()  # gathered parameters are stale now
         self._ended = False
         self._steps.taken()
+        self.shards.after_step()  # --survive: the buddy copy of the next shard (meshkit.parallel.buddy)
 
     # ------------------------------------------------------------------ what Shards asks (ShardOwner)
     def _shard_group(self) -> ProcessGroup:

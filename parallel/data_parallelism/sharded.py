@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from ...comm import DistValueError, ProcessGroup
+from ...comm._seams import survive_budget
+from ..buddy import BuddyCopy
 from ..checks import where
 from ..optim.clip import clip_grad_norm_, clip_grad_norm_parts
 from .dtensors import BlockLayout
@@ -79,6 +81,14 @@ class Shards:
 
     def __init__(self, owner: ShardOwner) -> None:
         self.owner = owner
+        #: under ``meshkit-run --survive K``: a copy of the next shard's state (:mod:`meshkit.parallel.buddy`)
+        self.buddy: BuddyCopy | None = BuddyCopy(owner) if survive_budget() > 0 else None
+
+    def after_step(self) -> None:
+        """The strategy's ``step()`` ends here: the buddy copy renewed (one exchange over the shard group,
+        under ``--survive`` only)."""
+        if self.buddy is not None:
+            self.buddy.refresh()
 
     # ------------------------------------------------------------------ the surface
     def grad_shards(self) -> dict[str, Any]:
@@ -241,10 +251,15 @@ class Shards:
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds: ``params``, ``grads``, ``optimizer_state``, ``comm_buffers``
-        (buffers held now for communication) and ``peak_transient`` (the most ever held at once)."""
+        (buffers held now for communication) and ``peak_transient`` (the most ever held at once);
+        under ``meshkit-run --survive``, ``buddy`` too (the copy of the next shard's parameters and
+        optimizer state, :mod:`meshkit.parallel.buddy`; not within ``comm_buffers``)."""
         params, grads, comm, peak = self.owner._footprint()
-        return {"params": params, "grads": grads, "optimizer_state": self.owner.optimizer.state_nbytes(),
-                "comm_buffers": comm, "peak_transient": peak}
+        report = {"params": params, "grads": grads, "optimizer_state": self.owner.optimizer.state_nbytes(),
+                  "comm_buffers": comm, "peak_transient": peak}
+        if self.buddy is not None:
+            report["buddy"] = self.buddy.nbytes
+        return report
 
 
 #: 0.2's name: the flat shards' surface was a base class of ZeRO and FSDP; it is the part they hold now.

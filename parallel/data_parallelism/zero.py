@@ -269,6 +269,7 @@ class ZeroRedundancyOptimizer:
         for work in works:
             work.wait()
         self.reducer.steps.taken()
+        self.shards.after_step()  # --survive: the buddy copy of the next shard (meshkit.parallel.buddy)
 
     # ------------------------------------------------------------------ the units: every rank holds them all
     def prefetch(self, unit: int) -> None:

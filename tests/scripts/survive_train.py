@@ -1,4 +1,4 @@
-"""DDP training of examples/mlp.py's MLP under ``meshkit-run --survive K``, with rank failures.
+"""DDP (or ``SURVIVE_STRATEGY``) training of examples/mlp.py's MLP under ``meshkit-run --survive K``, with rank failures.
 
     meshkit-run -n 4 --survive 2 survive_train.py FAULT [FAULT ...]
 
@@ -11,7 +11,7 @@ parameters with single-process training (float64, 1e-10) and prints each recover
 detection (the death, whose time the dying rank leaves in ``$SURVIVE_DIR``, to this rank's
 RankFailedError), shrink (revoke, ULFM's Shrink and agreement, the new world), state (agreeing
 on the source, its broadcast, the new DDP, its load) and redo (the step done again).
-``SURVIVE_STEPS`` (default 12) and ``SURVIVE_HIDDEN`` (default 64) size the run.
+``SURVIVE_STRATEGY`` (default ddp) picks mlp.build's strategy, ``SURVIVE_STEPS`` (default 12) and ``SURVIVE_HIDDEN`` (default 64) size the run.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from meshkit.parallel import LocalStrategy, survive  # noqa: E402
 STEPS, SAMPLES, BATCH, LR = int(os.environ.get("SURVIVE_STEPS", "12")), 240, 120, 0.05
 HIDDEN = (int(os.environ.get("SURVIVE_HIDDEN", "64")),) * 2
 LOG = os.environ.get("SURVIVE_DIR")
+STRATEGY = os.environ.get("SURVIVE_STRATEGY", "ddp")  # ddp, zero1, zero2, fsdp or hsdp (mlp.STRATEGIES)
 # on the first attempt only: past --survive K, a restart (--max-restarts) trains without them
 faults = [(k, int(r), int(s)) for k, r, s in (f.split(":") for f in sys.argv[1:])
           if os.environ.get("MESHKIT_RESTART_COUNT", "0") == "0"]
@@ -49,7 +50,12 @@ def die(kind: str) -> None:
 
 
 def build():
-    return mlp.build("ddp", hidden=HIDDEN, optimizer="adamw", lr=LR, bucket_cap_mb=0.01)
+    world = meshkit.get_world_size()
+    if STRATEGY == "hsdp":  # hsdp's mesh adapts as train_mlp's default does: 2 x N/2 for an even N, else 1 x N
+        return mlp.build("hsdp", hidden=HIDDEN, optimizer="adamw", lr=LR,
+                         hsdp_mesh=(2, world // 2) if world % 2 == 0 else (1, world))
+    return mlp.build(STRATEGY, hidden=HIDDEN, optimizer="adamw", lr=LR,
+                     **({} if STRATEGY == "fsdp" else {"bucket_cap_mb": 0.01}))
 
 
 def run_step(model, step: int, x, y) -> None:
@@ -89,8 +95,11 @@ while step < STEPS:
             redo = None
     except RankFailedError as exc:
         failed_at = time.time()
-        faults = [f for f in faults if f[2] > step or f[1] not in exc.failed_ranks]  # the dead stay dead
+        at = step
         model, step = survive.shrink(model, build)  # faults for later steps name ranks of the shrunk world
+        # the dead stay dead: the agreed set (a survivor sharing no group with the dead, as in hsdp, was
+        # woken by the revoke, its RankFailedError naming no rank)
+        faults = [f for f in faults if f[2] > at or f[1] not in survive.last_recovery().world.failed]
         redo = time.time()
         died = float(Path(LOG, "died").read_text()) if LOG else failed_at
         recoveries.append([exc.failed_ranks, survive.last_recovery(), failed_at - died])

@@ -1,0 +1,232 @@
+"""Buddy copies: each rank keeps a copy of a neighbour's shards in memory, so sharded state survives a lost rank.
+
+Under ``meshkit-run --survive K`` (``MESHKIT_SURVIVE`` set by the launcher) a sharded strategy
+(ZeRO-1/2, FSDP, HSDP) holds, besides its own flat shards, a copy of those of the next rank of
+its shard group: shard index ``s`` keeps index ``(s + 1) % n``'s parameter shards and optimizer
+state shards (every flat key's), with that rank's optimizer step counts. :meth:`BuddyCopy.refresh`
+renews the copy after every optimizer step, in one exchange over the shard group (each rank
+sends its shards to index ``s - 1`` and receives index ``s + 1``'s, every message posted before
+any is waited on): it moves one shard's worth of parameters and optimizer state per rank, and
+holds as much memory (``memory_report()["buddy"]``). A plain run builds no copy and pays nothing.
+
+When ranks die, :func:`contribution` is what a survivor still holds (its own shards and its copy,
+read locally: no communication) and :func:`assemble` makes one full state dict (``{"model",
+"optim"}``, :mod:`~meshkit.parallel.data_parallelism.full_state`'s shape, loadable at any world
+size) from every survivor's contribution, or says which shards are lost (a rank and the rank
+holding its copy both dead, with no other replica of that shard, as HSDP's replicate dimension
+has). :func:`meshkit.parallel.survive.shrink` does the exchange between the two.
+
+The copy is taken after the step completes; a failure inside the exchange itself invalidates the
+receiving rank's copy (a half-received message is never used), and a failure after some ranks
+updated their shards but before the exchange leaves shards of different steps: :func:`assemble`
+takes the newest step at which every shard is held, and refuses (the job ends, or restarts under
+``--max-restarts``) where there is none (docs/elastic.md "Surviving failures", limits).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..comm import DistError, ProcessGroup
+from .arrays import array_namespace, to_host
+
+if TYPE_CHECKING:  # the strategies import this module: nothing of theirs at run time
+    from .data_parallelism.flat import FlatLayout
+    from .optim.optimizers import Optimizer
+
+__all__ = ["BuddyCopy", "Held", "ShardsLostError", "contribution", "assemble", "BUDDY_TAG"]
+
+#: The tag of the exchange's messages, apart from a user's point-to-point traffic on the same group
+#: (tag 0 by default). Below 32767, the least upper bound MPI guarantees for tags.
+BUDDY_TAG = 25205
+
+
+class ShardsLostError(DistError):
+    """Some shard is held by no survivor at a step where every other shard is held: the sharded
+    state cannot be rebuilt in memory (the job ends, or restarts under ``--max-restarts``)."""
+
+
+def _count(optimizer: Optimizer) -> int:
+    """The optimizer steps taken (the same on every flat key after a complete step; 0 before the first)."""
+    return max((int(c) for c in optimizer.steps.values()), default=0)
+
+
+def _arrays(layouts: Sequence[FlatLayout], shards: Mapping[str, Any], optimizer: Optimizer) -> dict[str, Any]:
+    """This rank's flat shards, by ``key`` (parameters) and ``key:state`` (optimizer state), in a fixed order."""
+    out: dict[str, Any] = {}
+    for lay in layouts:
+        out[lay.key] = shards[lay.key]
+        for name, flat in sorted(optimizer.state.get(lay.key, {}).items()):
+            out[f"{lay.key}:{name}"] = flat
+    return out
+
+
+class BuddyCopy:
+    """A copy of the next shard's state (index ``(s + 1) % n`` of the shard group), renewed every step.
+
+    Args:
+        owner: the strategy (a :class:`~meshkit.parallel.data_parallelism.sharded.ShardOwner`):
+            its ``_shard_group()``, ``_layouts()``, ``_param_shards()`` and ``optimizer``.
+    """
+
+    def __init__(self, owner: Any) -> None:
+        self.owner = owner
+        self.arrays: dict[str, Any] = {}  # the copy, shaped as the neighbour's shards (= this rank's)
+        self.steps: dict[str, int] = {}  # the neighbour's optimizer step counts, per flat key
+        self.valid = False  # a complete copy is held (False before the first step and after a failed exchange)
+        self._counts: Any = None
+        self.refreshes = 0  # exchanges done, and their wall time (benchmarks/survive.py reports it per step)
+        self.seconds = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the copy holds (what ``memory_report()["buddy"]`` says)."""
+        return sum(int(a.nbytes) for a in self.arrays.values()) + (0 if self._counts is None else 2 * int(self._counts.nbytes))
+
+    def refresh(self) -> None:
+        """Send this rank's shards to index ``s - 1`` and receive index ``s + 1``'s (collective over the shard group)."""
+        group: ProcessGroup = self.owner._shard_group()
+        if group.size == 1:
+            return  # the only shard: no other rank could keep it
+        started = time.perf_counter()
+        mine = _arrays(self.owner._layouts(), self.owner._param_shards(), self.owner.optimizer)
+        xp = array_namespace(next(iter(mine.values())))  # NumPy, or CuPy on the GPU engine (counts too)
+        if list(mine) != list(self.arrays) or any(self.arrays[k].shape != a.shape for k, a in mine.items()):
+            self.arrays = {k: xp.empty_like(a) for k, a in mine.items()}  # AdamW's state appears at its first step
+        keys = sorted(self.owner.optimizer.steps)
+        # the number of counts first: never an empty message (no step counts before the first step)
+        sent = xp.asarray(np.array([len(keys), *(int(self.owner.optimizer.steps[k]) for k in keys)], np.int64))
+        received = xp.empty_like(sent)
+        self.valid = False  # until every message has arrived: a half-received copy is never used
+        to, of = (group.rank - 1) % group.size, (group.rank + 1) % group.size
+        works = [group.irecv(received, of, BUDDY_TAG)] + [group.irecv(a, of, BUDDY_TAG) for a in self.arrays.values()]
+        works += [group.isend(sent, to, BUDDY_TAG)] + [group.isend(a, to, BUDDY_TAG) for a in mine.values()]
+        for work in works:
+            work.wait()
+        self.steps = {k: int(c) for k, c in zip(keys, to_host(received)[1:])}
+        self._counts = sent
+        self.valid = True
+        self.refreshes += 1
+        self.seconds += time.perf_counter() - started
+
+
+@dataclass
+class Held:
+    """The shards a survivor holds of one shard index: its own, or its copy of its neighbour's.
+
+    Attributes:
+        index: the shard index (the position in the shard group).
+        steps: the optimizer step counts of these shards, per flat key.
+        arrays: ``key`` / ``key:state`` -> the flat shard (NumPy, copied to the host).
+        holder: the old global rank holding them; ``owner``: the old global rank whose shards they are.
+    """
+
+    index: int
+    steps: dict[str, int]
+    arrays: dict[str, np.ndarray]
+    holder: int
+    owner: int
+
+    @property
+    def count(self) -> int:
+        return max(self.steps.values(), default=0)
+
+
+@dataclass
+class Contribution:
+    """What one survivor brings to :func:`assemble`: its shard group (old global ranks) and what it holds."""
+
+    group: tuple[int, ...]
+    held: list[Held] = field(default_factory=list)
+
+
+def contribution(model: Any, old_rank: int) -> Contribution:
+    """What this survivor holds of ``model``'s sharded state (local: no communication).
+
+    Args:
+        model: a sharded strategy whose ``shards.buddy`` is a :class:`BuddyCopy`.
+        old_rank: this rank's global rank before the failure.
+    """
+    group = model._shard_group()
+    ranks = tuple(int(r) for r in group.ranks)
+    index, n = ranks.index(old_rank), len(ranks)
+    own = _arrays(model._layouts(), model._param_shards(), model.optimizer)
+    held = [Held(index, {k: int(c) for k, c in model.optimizer.steps.items()},
+                 {k: np.array(to_host(a)) for k, a in own.items()}, old_rank, old_rank)]
+    buddy: BuddyCopy | None = model.shards.buddy
+    if buddy is not None and buddy.valid and n > 1:
+        nxt = (index + 1) % n
+        held.append(Held(nxt, dict(buddy.steps), {k: np.array(to_host(a)) for k, a in buddy.arrays.items()},
+                         old_rank, ranks[nxt]))
+    return Contribution(ranks, held)
+
+
+def assemble(layouts: Sequence[FlatLayout], contributions: Sequence[Contribution], hyper: Mapping[str, Any],
+             failed: Sequence[int]) -> tuple[dict[str, Any], int, dict[int, Held]]:
+    """The full state dict from the survivors' contributions (local: every survivor computes the same).
+
+    Picks the newest optimizer step count ``T`` at which every shard index of ``layouts`` is held
+    by some survivor (its own shards, or a copy), and joins those shards.
+
+    Args:
+        layouts: the strategy's flat layouts (of the old world: ``layouts[i].shards`` indices).
+        contributions: every survivor's :func:`contribution`, in any order.
+        hyper: the optimizer's hyperparameters (go into ``optim["hyper"]``).
+        failed: the old global ranks that died (for the error's message).
+
+    Returns:
+        ``(state, T, chosen)``: the full state dict ``{"model", "optim"}``, the step count ``T``,
+        and which :class:`Held` was taken for each shard index.
+
+    Raises:
+        ShardsLostError: no step at which every shard is held; naming the shard indices missing,
+            the dead ranks whose shards they are and the dead ranks that held their copies.
+    """
+    n = layouts[0].shards
+    by_index: dict[int, list[Held]] = {i: [] for i in range(n)}
+    for c in contributions:
+        for h in c.held:
+            by_index[h.index].append(h)
+    counts = [{h.count for h in by_index[i]} for i in range(n)]
+    common = set.intersection(*counts) if counts else set()
+    if not common:
+        newest = max((c for cs in counts for c in cs), default=0)
+        missing = [i for i in range(n) if newest not in counts[i]]
+        raise ShardsLostError(_lost_message(missing, contributions, failed, counts))
+    step = max(common)
+    chosen = {i: min((h for h in by_index[i] if h.count == step), key=lambda h: (h.holder != h.owner, h.holder))
+              for i in range(n)}
+    params: dict[str, np.ndarray] = {}
+    state: dict[str, dict[str, np.ndarray]] = {}
+    steps: dict[str, int] = {}
+    for lay in layouts:
+        flat = np.concatenate([chosen[i].arrays[lay.key] for i in range(n)])
+        params.update(lay.split(flat))
+        names = sorted({k.split(":", 1)[1] for k in chosen[0].arrays if k.startswith(f"{lay.key}:")})
+        for key in names:
+            full = np.concatenate([chosen[i].arrays[f"{lay.key}:{key}"] for i in range(n)])
+            for name, value in lay.split(full).items():
+                state.setdefault(name, {})[key] = value
+        if lay.key in chosen[0].steps:
+            steps.update({name: chosen[0].steps[lay.key] for name in lay.names})
+    return {"model": params, "optim": {"state": state, "step": steps, "hyper": dict(hyper)}}, step, chosen
+
+
+def _lost_message(missing: list[int], contributions: Sequence[Contribution], failed: Sequence[int],
+                  counts: list[set[int]]) -> str:
+    groups = {c.group for c in contributions}
+    parts = []
+    for i in missing:
+        owners = sorted({g[i] for g in groups})
+        holders = sorted({g[(i - 1) % len(g)] for g in groups})
+        held = f" (held at step counts {sorted(counts[i])} only)" if counts[i] else ""
+        parts.append(f"shard {i} of ranks {owners}, whose copies were on ranks {holders}{held}")
+    return (f"meshkit.parallel.buddy: the sharded state cannot be rebuilt in memory after the loss of ranks "
+            f"{sorted(failed)}: no survivor holds {'; '.join(parts)} at the step the other shards are at (a rank and "
+            "the rank keeping its buddy copy both lost, or a failure between an optimizer step and its copy): the "
+            "job ends, or restarts under meshkit-run --max-restarts (docs/elastic.md \"Surviving failures\")")

@@ -1,0 +1,158 @@
+"""Buddy copies of sharded state (meshkit.parallel.buddy): which shards come from whom, in-process.
+
+On the local engine (threads as ranks) with ``MESHKIT_SURVIVE`` set as ``meshkit-run --survive``
+sets it: ZeRO-1/2, FSDP and HSDP train a few steps with AdamW, then for each rank taken away the
+survivors' contributions assemble the full state exactly (bitwise equal to ``full_state_dict()``),
+the lost rank's shard from the rank before it; two neighbours lost is a clear error naming the
+shard, and so are shards of different steps. Under the launcher (Open MPI's ULFM): the example's
+hsdp (2x2 -> 1x3) survives a SIGKILL with ``--check``, and ZeRO-2 two failures in a row, the second
+inside its gradients' reduction (tests/test_survive.py has DDP's; zero1 and fsdp on one dimension
+are the same classes, exercised in-process here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+import numpy as np
+import pytest
+
+import sharded_cases
+from meshkit import comm
+from meshkit.comm import DistValueError, local
+from meshkit.parallel import buddy, survive
+from test_survive import EXAMPLES, launch, needs_ulfm
+
+STEPS = range(3)
+sys.path.insert(0, str(EXAMPLES))
+import train_mlp  # noqa: E402  (examples/, beside mlp.py and loop.py)
+
+
+def _trained(strategy: str, mesh_shape=None, steps=STEPS):
+    def body():
+        held = []
+        if strategy == "fsdp":
+            full, _ = sharded_cases.train_fsdp("adamw", mesh_shape=mesh_shape, steps=steps, setup=held.append)
+        else:
+            full, _ = sharded_cases.STRATEGIES[strategy]("adamw", steps=steps, setup=held.append)
+        model = held[0]
+        return (buddy.contribution(model, comm.get_rank()), full, model._layouts(), dict(model.optimizer.hyper),
+                model.memory_report(), model.shards.buddy)
+    return local.run(body, 4)
+
+
+@pytest.mark.parametrize("strategy, mesh_shape", [("zero1", None), ("zero2", None), ("fsdp", None), ("fsdp", (2, 2))],
+                         ids=["zero1", "zero2", "fsdp", "hsdp2x2"])
+def test_any_one_rank_lost_its_shards_come_from_its_buddy_exactly(strategy, mesh_shape, monkeypatch):
+    monkeypatch.setenv("MESHKIT_SURVIVE", "1")
+    out = _trained(strategy, mesh_shape)
+    contributions, full, layouts, hyper = [o[0] for o in out], out[0][1], out[0][2], out[0][3]
+    n = layouts[0].shards
+    for rank, (c, _, lays, _, report, copy) in enumerate(out):
+        own = sum(int(a.nbytes) for a in c.held[0].arrays.values())
+        assert report["buddy"] == copy.nbytes >= own > 0  # a copy as large as this rank's shards (and 2 step counts)
+        assert copy.valid and c.held[1].count == c.held[0].count == len(STEPS)
+        index = c.group.index(rank)
+        assert c.held[1].index == (index + 1) % n and c.held[1].owner == c.group[(index + 1) % n]
+        neighbour = next(o[0] for o in out if o[0].held[0].holder == c.held[1].owner)
+        for key, value in neighbour.held[0].arrays.items():  # the copy is the neighbour's shards, bit for bit
+            np.testing.assert_array_equal(c.held[1].arrays[key], value)
+    for dead in range(4):
+        survivors = [c for r, c in enumerate(contributions) if r != dead]
+        state, step, chosen = buddy.assemble(layouts, survivors, hyper, [dead])
+        assert step == len(STEPS)
+        group = contributions[dead].group
+        index = group.index(dead)
+        if mesh_shape is None:  # the one shard group: the dead rank's shard from the rank before it
+            assert chosen[index].holder == group[(index - 1) % n] and chosen[index].owner == dead
+        assert all(h.holder != dead for h in chosen.values())
+        for name, value in full["model"].items():
+            np.testing.assert_array_equal(state["model"][name], value)
+        for name, per_key in full["optim"]["state"].items():
+            for key, value in per_key.items():
+                np.testing.assert_array_equal(state["optim"]["state"][name][key], value)
+        assert state["optim"]["step"] == full["optim"]["step"]
+
+
+def test_a_rank_and_its_buddy_both_lost_is_an_error_naming_the_shard(monkeypatch):
+    monkeypatch.setenv("MESHKIT_SURVIVE", "2")
+    out = _trained("fsdp")
+    contributions, layouts, hyper = [o[0] for o in out], out[0][2], out[0][3]
+    buddy.assemble(layouts, [contributions[0], contributions[2]], hyper, [1, 3])  # not neighbours: fine
+    with pytest.raises(buddy.ShardsLostError, match=re.escape(
+            "the loss of ranks [1, 2]: no survivor holds shard 2 of ranks [2], whose copies were on ranks [1]")):
+        buddy.assemble(layouts, [contributions[0], contributions[3]], hyper, [1, 2])
+    # a survivor whose own shards went one step further than the only copy of the lost rank's
+    ahead = contributions[2]
+    ahead.held[0].steps = {k: c + 1 for k, c in ahead.held[0].steps.items()}
+    with pytest.raises(buddy.ShardsLostError, match=r"shard 1 of ranks \[1\], whose copies were on ranks \[0\] "
+                                                    r"\(held at step counts \[3\] only\)"):
+        buddy.assemble(layouts, [contributions[0], ahead, contributions[3]], hyper, [1])
+
+
+def test_a_failure_before_the_first_step_finds_no_copy(monkeypatch):
+    monkeypatch.setenv("MESHKIT_SURVIVE", "1")
+    out = _trained("zero1", steps=range(0))
+    assert not any(o[5].valid for o in out) and all(len(o[0].held) == 1 for o in out)
+    with pytest.raises(buddy.ShardsLostError, match=r"loss of ranks \[2\]: no survivor holds shard 2 of ranks \[2\], "
+                                                    r"whose copies were on ranks \[1\] at the step"):
+        buddy.assemble(out[0][2], [o[0] for r, o in enumerate(out) if r != 2], out[0][3], [2])
+
+
+def test_a_plain_run_keeps_no_copy_and_shrink_says_why(monkeypatch):
+    monkeypatch.delenv("MESHKIT_SURVIVE", raising=False)
+
+    def body():
+        held = []
+        sharded_cases.STRATEGIES["zero2"]("adamw", steps=range(1), setup=held.append)
+        model = held[0]
+        assert model.shards.buddy is None and "buddy" not in model.memory_report()
+        with pytest.raises(DistValueError, match=rf"rank {comm.get_rank()}: ZeroRedundancyOptimizer holds sharded "
+                                                 r"state and no buddy copies of it: build the strategy under "
+                                                 r"meshkit-run --survive K"):
+            survive.shrink(model, lambda: None)
+        return True
+
+    assert local.run(body, 2) == [True, True]
+
+
+@needs_ulfm
+def test_train_mlp_hsdp_survives_a_killed_rank_on_a_shrunk_mesh_with_the_exact_result():
+    # rank 1 SIGKILLed after step 5 of 10; hsdp 2x2 -> 1x3 (its default mesh adapts as on a restart): rank 1's
+    # shards from rank 0's buddy copy; ranks 2 and 3 share no group with rank 1 and are woken by the revoke
+    result = launch("elastic_train.py", 4, str(EXAMPLES / "train_mlp.py"), "--strategy", "hsdp", "--optimizer",
+                    "adamw", "--steps", "10", "--check", options=("--survive", "1"),
+                    env={"ELASTIC_FAULT": "step:1:5"}, timeout=90)
+    assert "hsdp on 3 ranks" in result.stdout and "check against single-process training: OK" in result.stdout, \
+        result.stdout
+    assert "rebuilt on 3 ranks" in result.stdout + result.stderr and "redoing step 5" in result.stdout + result.stderr
+
+
+@needs_ulfm
+def test_zero2_survives_two_failures_in_memory_with_the_exact_result():
+    # rank 1 os._exit's as step 2 starts; then (renumbered) rank 1 is SIGKILLed in step 5's backward, its
+    # gradients' reduction to their owners in flight: 4 -> 3 -> 2 ranks, parameters as single-process training
+    result = launch("survive_train.py", 4, "step:1:2", "bucket:1:5", options=("--survive", "2"),
+                    env={"SURVIVE_STRATEGY": "zero2"}, timeout=90)
+    out = result.stdout
+    assert "survived 2 failure(s); world 2" in out, out
+    assert re.search(r"recovered from the loss of \[1\]: .* redo from step 2 .* world 4 -> 3", out), out
+    assert re.search(r"recovered from the loss of \[1\]: .* redo from step 5 .* world 3 -> 2", out), out
+    assert float(re.search(r"max \|diff\| (\S+)", out).group(1)) < 1e-10
+
+
+def test_train_mlp_hsdp_mesh_adapts_after_a_shrink_unless_given():
+    adapted = argparse.Namespace(strategy="hsdp", mesh=(2, 2), mesh_given=False)
+    given = argparse.Namespace(strategy="hsdp", mesh=(2, 2), mesh_given=True)
+
+    def body():
+        assert train_mlp.shrunk_args(adapted).mesh == (1, 3) and adapted.mesh == (2, 2)  # a copy: args kept
+        with pytest.raises(ValueError, match=rf"rank {comm.get_rank()}: argument --mesh: 2x2 cannot shrink to the 3 "
+                                             r"ranks left after a failure; leave --mesh out"):
+            train_mlp.shrunk_args(given)
+        return True
+
+    assert local.run(body, 3) == [True] * 3
+    assert train_mlp.default_hsdp_mesh(4) == (2, 2) and train_mlp.default_hsdp_mesh(2) == (2, 1)
