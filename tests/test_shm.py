@@ -45,7 +45,7 @@ def test_every_collective_dtype_and_op_through_shared_memory(mpirun):
 
 def test_a_killed_rank_fails_its_peer_at_once_and_leaves_nothing_in_dev_shm(mpirun):
     before = _segments()
-    proc = mpirun("mpi_shm_kill.py", 2, check=False, timeout=60)
+    proc = mpirun("mpi_shm_kill.py", 2, check=False, timeout=60, env={"MESHKIT_SHM_MIN_BYTES": "512"})
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
     held = re.search(r"HELD (\S+)", out)

@@ -30,7 +30,8 @@ def _env_lines(out: str) -> dict[int, dict[str, str | None]]:
 
 
 def test_each_rank_reports_its_simulated_host_and_node_local_rank_and_describe_groups_by_host(mpirun):
-    out = mpirun("simulated_nodes.py", 4, "hosts", options=SIM, timeout=90).stdout
+    out = mpirun("simulated_nodes.py", 4, "hosts", options=SIM, timeout=90,
+                 env={"MESHKIT_SHM_MIN_BYTES": "512"}).stdout  # its 512 KB all_reduces take the path
     seen = _env_lines(out)
     for rank in range(4):
         node, local_rank = divmod(rank, 2)  # blocks: ranks 0, 1 on node 0, ranks 2, 3 on node 1

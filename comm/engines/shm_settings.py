@@ -16,12 +16,14 @@ from ...launch_protocol import SURVIVE_ENV
 __all__ = ["applies", "supported", "surviving", "min_bytes", "move_min_bytes", "chunk_bytes", "small_bytes",
            "DEFAULT_MIN_BYTES", "DEFAULT_MOVE_MIN_BYTES", "DEFAULT_CHUNK_BYTES", "SEGMENT_BUDGET", "DEFAULT_SMALL_BYTES"]
 
-#: Collectives below this many bytes go to MPI (``MESHKIT_SHM_MIN_BYTES``). At 2 ranks on the
-#: project's 2-core machine (benchmarks/collectives.py, docs/collectives.md) a 64 KB all_reduce
-#: through the path took 52 us against MPICH's 29 (the path's Python steps cost tens of us a
-#: meeting), a 1 MB one 0.27 ms against 1.4 ms; the machine was loaded by other jobs, so the
-#: threshold sits between, where the path's fixed cost is small against the bytes.
-DEFAULT_MIN_BYTES = 256 * 1024
+#: all_reduce, reduce and reduce_scatter of an ordinary buffer below this many bytes go to MPI
+#: (``MESHKIT_SHM_MIN_BYTES``). Measured at 2 ranks on the project's quiet 2-core machine
+#: (benchmarks/collectives.py, min over 5 interleaved rounds, float32; docs/collectives.md): the
+#: path's copy in and out lost to MPICH from 1 MB to 16 MB (all_reduce 1 MB 654 us against 508 us
+#: over MPI, 4 MB 1.67 ms against 1.38, 16 MB 7.5 ms against 7.4) and won at 64 MB (38 ms against
+#: 44; reduce_scatter 22 ms against 40), so ordinary buffers take it from 32 MiB. A buffer of
+#: ``shared_buffer`` (DDP's buckets), reduced in place with no copy, takes it at every size.
+DEFAULT_MIN_BYTES = 32 << 20
 #: all_gather and broadcast (data moved, nothing reduced) go to MPI below this
 #: (``MESHKIT_SHM_MOVE_MIN_BYTES``), which by default is the most the setting allows: in effect
 #: never. MPICH moves a large message with one copy, the path with two (into the segment, out of
