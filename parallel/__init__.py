@@ -33,7 +33,8 @@ the one type every strategy implements, ``strategy.py`` (``Strategy``), and the 
 (``Composite``: several strategies over disjoint parameters as one); ``recipe.py``
 (``parallelize_model``: tensor, then context, then data parallelism on a named mesh, one Strategy);
 ``survive.py`` (``survive.shrink``: a strategy rebuilt on the survivors of a rank failure,
-``meshkit-run --survive``).
+``meshkit-run --survive``) and ``buddy.py`` (``BuddyCopy``: each rank's copy of its neighbour's
+shards, from which ``shrink`` rebuilds sharded state).
 """
 
 from ..comm._seams import moved_names
