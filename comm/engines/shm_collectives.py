@@ -67,7 +67,7 @@ from ..reduce_op import ReduceOp, combine, combine_into
 from .engine import CallsDiffer
 from .shm_layout import CONTROL_WORDS, HEADER, HEADER_WORDS, PID, PIDNS, POST, RED, chunks, data_offset, slice_of
 
-__all__ = ["Channel", "ShmRequest", "KINDS", "LIVENESS_INTERVAL"]
+__all__ = ["Channel", "Stepped", "ShmRequest", "KINDS", "LIVENESS_INTERVAL"]
 
 #: The collectives this path runs, as the header's kind (index + 1; 0: no header yet).
 KINDS = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "all_reduce of a shared buffer",
@@ -411,27 +411,14 @@ def _reduce_into(op: ReduceOp, dst: np.ndarray, parts: list[np.ndarray]) -> None
         combine_into(op, dst, other)
 
 
-class ShmRequest:
-    """A collective over shared memory in progress: ``Test()`` runs it until it must wait for a
-    flag (False) or it is done (True); an error it raised is raised again by every later ``Test``.
+class Stepped:
+    """A request driven by a generator: ``Test()`` runs it to its next wait (False) or its end
+    (True); an error it raised is raised again by every later ``Test``."""
 
-    Attributes:
-        kind: the collective (``all_reduce``, ...), for messages.
-        missing_ranks: the group ranks whose flag the collective waits for (empty when not waiting).
-        path: ``"shm"``: the path the call took (the flight recorder's field).
-    """
-
-    __slots__ = ("kind", "missing_ranks", "looked", "_steps", "_done", "_error")
-    path = "shm"
-
-    def __init__(self, kind: str, start: Callable[[ShmRequest], Iterator[None]]) -> None:
-        self.kind = kind
-        self.missing_ranks: list[int] | tuple[()] = ()
-        self.looked = time.monotonic()
-        self._done = False
-        self._error: BaseException | None = None
-        self._steps = start(self)
-        self.Test()  # copy in and post at once: the others can go on while the caller computes
+    __slots__ = ("_steps", "_done", "_error")
+    _steps: Iterator[None]
+    _done: bool
+    _error: BaseException | None
 
     def Test(self) -> bool:  # noqa: N802 (the Request protocol's name)
         if self._done:
@@ -447,3 +434,27 @@ class ShmRequest:
             self._error = exc
             raise
         return False
+
+
+class ShmRequest(Stepped):
+    """A collective over shared memory in progress: ``Test()`` runs it until it must wait for a
+    flag (False) or it is done (True); an error it raised is raised again by every later ``Test``.
+
+    Attributes:
+        kind: the collective (``all_reduce``, ...), for messages.
+        missing_ranks: the group ranks whose flag the collective waits for (empty when not waiting).
+        path: ``"shm"``: the path the call took (the flight recorder's field).
+    """
+
+    __slots__ = ("kind", "missing_ranks", "looked")
+    path = "shm"
+
+    def __init__(self, kind: str, start: Callable[[ShmRequest], Iterator[None]]) -> None:
+        self.kind = kind
+        self.missing_ranks: list[int] | tuple[()] = ()
+        self.looked = time.monotonic()
+        self._done = False
+        self._error: BaseException | None = None
+        self._steps = start(self)
+        self.Test()  # copy in and post at once: the others can go on while the caller computes
+

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..reduce_op import ReduceOp
 from .engine import DeadlineExceeded
-from .shm_collectives import ShmRequest
+from .shm_collectives import ShmRequest, Stepped
 from .shm_host import OverHost
 
 #: The group's MPI engines (comm/engines/mpi.py), handed in: this module imports nothing of MPI.
@@ -33,14 +33,14 @@ __all__ = ["HierarchicalEngine", "HierarchicalRequest"]
 _NDARRAY = np.ndarray
 
 
-class HierarchicalRequest:
+class HierarchicalRequest(Stepped):
     """The three steps of a hierarchical all-reduce; ``Test()`` moves them on without blocking.
 
     ``missing()``: the global ranks a stalled step waits for where that is known (a step over shared
     memory), else None (MPI's step cannot tell).
     """
 
-    __slots__ = ("_steps", "_step", "_node", "_done", "_error")
+    __slots__ = ("_step", "_node")
     path = "shm+mpi"
 
     def __init__(self, steps: Callable[[HierarchicalRequest], Generator[None, None, None]], node: Any) -> None:
@@ -61,21 +61,6 @@ class HierarchicalRequest:
         while not request.Test():
             yield
         self._step = None
-
-    def Test(self) -> bool:  # noqa: N802 (the Request protocol's name)
-        if self._done:
-            return True
-        if self._error is not None:
-            raise self._error
-        try:
-            next(self._steps)
-        except StopIteration:
-            self._done = True
-            return True
-        except BaseException as exc:
-            self._error = exc
-            raise
-        return False
 
 
 class HierarchicalEngine(OverHost):

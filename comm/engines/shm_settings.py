@@ -42,33 +42,10 @@ DEFAULT_CHUNK_BYTES = 4 << 20
 SEGMENT_BUDGET = 32 << 20
 #: A reduction chunk of at most this many bytes meets once, every rank reducing all of it
 #: (``MESHKIT_SHM_SMALL_BYTES``): it saves a meeting and the copy-out for the price of reducing
-#: n slices instead of one; DeepSpeed's shm.cpp switches at 1 MiB. Here: the threshold above, so
-#: that the smallest calls the path takes meet once.
+#: n slices instead of one; DeepSpeed's shm.cpp switches at 1 MiB. Here 256 KiB, where the path's
+#: fixed cost (tens of microseconds a meeting) stops dominating: it applies to shared buffers (DDP's
+#: buckets), which take the path at every size; ordinary buffers start far above it.
 DEFAULT_SMALL_BYTES = 256 * 1024
-
-def supported() -> bool:
-    """The memory-ordering argument holds (x86-64: TSO)."""
-    return platform.machine().lower() in ("x86_64", "amd64")
-
-
-def min_bytes() -> int:
-    return env.shm_bytes(env.SHM_MIN_BYTES, DEFAULT_MIN_BYTES, zero=True)
-
-
-def move_min_bytes() -> int:
-    """``MESHKIT_SHM_MOVE_MIN_BYTES``: all_gather and broadcast below it go to MPI."""
-    return env.shm_bytes(env.SHM_MOVE_MIN_BYTES, DEFAULT_MOVE_MIN_BYTES, zero=True)
-
-
-def chunk_bytes(n: int = 2) -> int:
-    """``MESHKIT_SHM_CHUNK_BYTES`` where set, else :data:`DEFAULT_CHUNK_BYTES` held to
-    :data:`SEGMENT_BUDGET` ``/ n`` (a multiple of 64)."""
-    default = max(64 << 10, min(DEFAULT_CHUNK_BYTES, SEGMENT_BUDGET // n // 64 * 64))
-    return env.shm_bytes(env.SHM_CHUNK_BYTES, default, multiple=64)
-
-
-def small_bytes() -> int:
-    return env.shm_bytes(env.SHM_SMALL_BYTES, DEFAULT_SMALL_BYTES, zero=True)
 
 
 def supported() -> bool:
@@ -104,3 +81,8 @@ def chunk_bytes(n: int = 2) -> int:
 def small_bytes() -> int:
     """``MESHKIT_SHM_SMALL_BYTES``: a reduction chunk up to it meets once."""
     return env.shm_bytes(env.SHM_SMALL_BYTES, DEFAULT_SMALL_BYTES, zero=True)
+
+
+def move_min_bytes() -> int:
+    """``MESHKIT_SHM_MOVE_MIN_BYTES``: all_gather and broadcast below it go to MPI."""
+    return env.shm_bytes(env.SHM_MOVE_MIN_BYTES, DEFAULT_MOVE_MIN_BYTES, zero=True)
