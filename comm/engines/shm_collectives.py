@@ -171,6 +171,17 @@ class Channel:
     def _reduced(self, step: int) -> None:
         self.words[self._reds[self.rank]] = step
 
+    def _meet(self, request: ShmRequest, step: int, header: tuple[int, ...] | None) -> Steps:
+        """Post this rank's flag for ``step`` and yield until every rank's came; at a call's first
+        meeting (``header`` given) the call's header is written before and compared after, so ranks
+        whose calls differ all raise there."""
+        if header is not None:
+            self._write_header(step, header)
+        self._post(step)
+        yield from self._wait(request, self._posts, step)
+        if header is not None:
+            self._compare(step, header)
+
     def _wait(self, request: ShmRequest, flags: list[int], step: int) -> Steps:
         """Yield until every rank's flag (word index in ``flags``) reached ``step``."""
         words = self.words
@@ -219,13 +230,8 @@ class Channel:
             parity = step & 1
             part = flat[start:start + length]
             np.copyto(self.buffer(me, parity, flat.dtype, length), part)
-            if first:
-                self._write_header(step, header)
-            self._post(step)
-            yield from self._wait(request, self._posts, step)
-            if first:
-                self._compare(step, header)
-                first = False
+            yield from self._meet(request, step, header if first else None)
+            first = False
             bufs = [self.buffer(r, parity, flat.dtype, length) for r in range(n)]
             if small:
                 if out:
@@ -250,10 +256,7 @@ class Channel:
         mine = views[me]
         header = self._header(6, mine.size, op, offset, mine.dtype)
         step = self.step = self.step + 1
-        self._write_header(step, header)
-        self._post(step)
-        yield from self._wait(request, self._posts, step)
-        self._compare(step, header)
+        yield from self._meet(request, step, header)
         lo, hi = slice_of(mine.size, n, me, mine.dtype.itemsize)
         acc = views[0][lo:hi]
         for other in views[1:]:
@@ -275,10 +278,7 @@ class Channel:
         step = self.step = self.step + 1
         if src.ctypes.data != mine[me].ctypes.data:
             np.copyto(mine[me], src)
-        self._write_header(step, header)
-        self._post(step)
-        yield from self._wait(request, self._posts, step)
-        self._compare(step, header)
+        yield from self._meet(request, step, header)
         for r in range(n):
             if r != me:
                 np.copyto(mine[r], outs[r].reshape(n, -1)[r])
@@ -295,10 +295,7 @@ class Channel:
         dst = out.reshape(-1)
         header = self._header(8, dst.size, op, offset, dst.dtype)
         step = self.step = self.step + 1
-        self._write_header(step, header)
-        self._post(step)
-        yield from self._wait(request, self._posts, step)
-        self._compare(step, header)
+        yield from self._meet(request, step, header)
         parts = [a.reshape(n, -1)[me] for a in ins]
         if np.may_share_memory(dst, ins[me]):  # out is (in) this rank's own input: reduce aside first
             result = np.empty_like(dst)
@@ -322,13 +319,8 @@ class Channel:
             parity = step & 1
             mine = self.buffer(me, parity, dtype, n * length).reshape(n, length)
             np.copyto(mine, src[:, start:start + length])
-            if first:
-                self._write_header(step, header)
-            self._post(step)
-            yield from self._wait(request, self._posts, step)
-            if first:
-                self._compare(step, header)
-                first = False
+            yield from self._meet(request, step, header if first else None)
+            first = False
             blocks = [self.buffer(r, parity, dtype, n * length)[me * length:(me + 1) * length] for r in range(n)]
             _reduce_into(op, dst[start:start + length], blocks)
 
@@ -345,7 +337,7 @@ class Channel:
             step = self.step = self.step + 1
             parity = step & 1
             np.copyto(self.buffer(me, parity, dtype, length), src[start:start + length])
-            if first:
+            if first:  # _meet's steps, with this rank's own copy done while the others post
                 self._write_header(step, header)
             self._post(step)
             if not own_chunk:
@@ -370,13 +362,8 @@ class Channel:
             parity = step & 1
             if me == root:
                 np.copyto(self.buffer(me, parity, dtype, length), flat[start:start + length])
-            if first:
-                self._write_header(step, header)
-            self._post(step)
-            yield from self._wait(request, self._posts, step)
-            if first:
-                self._compare(step, header)
-                first = False
+            yield from self._meet(request, step, header if first else None)
+            first = False
             if me != root:
                 np.copyto(flat[start:start + length], self.buffer(root, parity, dtype, length))
 
