@@ -47,6 +47,7 @@ __all__ = [
     "setup_logging",
     "add_output_args",
     "choice_list",
+    "positive_int",
     "positive_int_list",
     "parse_args_rank0",
     "usage_error",
@@ -159,6 +160,14 @@ def choice_list(valid: Sequence[str], what: str) -> Callable[[str], list[str]]:
         return names
 
     return parse
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type``: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
 
 
 def positive_int_list(example: str) -> Callable[[str], list[int]]:

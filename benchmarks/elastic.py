@@ -36,30 +36,25 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _common import positive_int
+
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "train_mlp.py"
 PHASES = ("detection_s", "teardown_s", "delay_s", "relaunch_s", "imports_s", "rendezvous_s", "checkpoint_load_s",
           "first_step_s", "total_s")
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="elastic.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nproc", type=_positive, default=4, help="ranks (default: %(default)s)")
+    parser.add_argument("--nproc", type=positive_int, default=4, help="ranks (default: %(default)s)")
     parser.add_argument("--strategy", default="fsdp", choices=("ddp", "zero1", "zero2", "fsdp", "hsdp"),
                         help="train_mlp's --strategy (default: %(default)s)")
-    parser.add_argument("--steps", type=_positive, default=60, help="default: %(default)s")
-    parser.add_argument("--save-every", type=_positive, default=10, help="default: %(default)s")
-    parser.add_argument("--kill-after", type=_positive, default=20,
+    parser.add_argument("--steps", type=positive_int, default=60, help="default: %(default)s")
+    parser.add_argument("--save-every", type=positive_int, default=10, help="default: %(default)s")
+    parser.add_argument("--kill-after", type=positive_int, default=20,
                         help="kill a rank once this step's checkpoint is complete (default: %(default)s)")
     parser.add_argument("--victim", type=int, default=None, help="the rank to kill (default: the last)")
-    parser.add_argument("--repeats", type=_positive, default=3, help="default: %(default)s")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="default: %(default)s")
     parser.add_argument("--json", type=Path, default=None, help="write the measurements here")
     args = parser.parse_args(argv)
     if args.kill_after % args.save_every or args.kill_after >= args.steps:

@@ -42,24 +42,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _common import positive_int
+
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("detection", "shrink", "state", "redo", "total")
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="survive.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nproc", type=_positive, default=4, help="ranks (default: %(default)s)")
-    parser.add_argument("--hidden", type=_positive, default=256, help="the MLP's two hidden widths (default: %(default)s)")
-    parser.add_argument("--steps", type=_positive, default=60, help="default: %(default)s")
-    parser.add_argument("--kill-at", type=_positive, default=20, help="the killed run's failure step (default: %(default)s)")
-    parser.add_argument("--repeats", type=_positive, default=3, help="default: %(default)s")
+    parser.add_argument("--nproc", type=positive_int, default=4, help="ranks (default: %(default)s)")
+    parser.add_argument("--hidden", type=positive_int, default=256, help="the MLP's two hidden widths (default: %(default)s)")
+    parser.add_argument("--steps", type=positive_int, default=60, help="default: %(default)s")
+    parser.add_argument("--kill-at", type=positive_int, default=20, help="the killed run's failure step (default: %(default)s)")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="default: %(default)s")
     parser.add_argument("--strategy", default="ddp", choices=["ddp", "zero1", "zero2", "fsdp", "hsdp"],
                         help="examples/mlp.py's strategy (hsdp: 2 x N/2 for an even N, else 1 x N; default: %(default)s)")
     parser.add_argument("--json", type=Path, default=None, help="write the measurements here")
