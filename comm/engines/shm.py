@@ -38,6 +38,7 @@ Bounds and settings (docs/security.md): ``MESHKIT_SHM`` (0/1), ``MESHKIT_SHM_MIN
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -53,7 +54,8 @@ from .mpi_polling import completes
 from .shm_collectives import Channel, ShmRequest
 from .shm_hierarchy import HierarchicalEngine
 from .shm_host import OverHost
-from .shm_settings import applies, chunk_bytes, min_bytes, move_min_bytes, small_bytes
+from .shm_cma import probe
+from .shm_settings import DIRECT_BYTES, applies, chunk_bytes, direct, min_bytes, move_min_bytes, small_bytes
 from .shm_layout import segment_bytes
 from .shm_segment import NAME_BYTES, Segment, attach, create
 from .watchdog import watched
@@ -279,4 +281,43 @@ def over(host: MPIEngine, deadline: float) -> MPIEngine | ShmEngine | Hierarchic
                            host.world_ranks, problem or "a rank could not create or map the segment")
         return host
     channel = Channel(segment.memory, host.size, host.rank, chunk, small, host.world_ranks)
+    if direct():
+        with watched("checking cross-memory attach between the group's ranks (MPI's Allgather, Allreduce)", me,
+                     f"ranks {host.world_ranks}", host.world_ranks, max(deadline - time.monotonic(), 1.0)):
+            problem = _direct_problem(host, channel, segment.path.encode())
+        if not problem:
+            channel.attach_directly(_pids(host), DIRECT_BYTES)
+        elif host.rank == 0:
+            logger.info("meshkit: ranks %s copy ordinary buffers through the shared segment (no cross-memory "
+                        "attach: %s)", host.world_ranks, problem)
     return ShmEngine(host, segment, channel, least, move_min_bytes())
+
+
+def _pids(host: MPIEngine) -> list[int]:
+    """Every rank's pid (collective over ``host``)."""
+    pids = np.zeros(host.size, np.int64)
+    host.comm.Allgather(np.array([os.getpid()], np.int64), pids)
+    return [int(p) for p in pids]
+
+
+def _direct_problem(host: MPIEngine, channel: Channel, magic: bytes) -> str:
+    """Why cross-memory attach cannot be used between ``host``'s ranks ("" where it can; collective:
+    every rank gets the same verdict, a problem seen by any rank is named by it in the log).
+
+    Every rank holds ``magic`` (the segment's random name: only this job's ranks know it) at an
+    address it sends to the others, with its pid and its pid namespace; each reads every other's
+    and compares (shm_cma.probe), and the verdicts are all-reduced."""
+    mine = np.frombuffer(bytearray(magic), np.uint8)
+    row = np.array([os.getpid(), mine.ctypes.data, channel.pidns], np.int64)
+    rows = np.zeros((host.size, 3), np.int64)
+    host.comm.Allgather(row, rows)
+    if len(set(rows[:, 2].tolist())) != 1 or not rows[0, 2]:
+        problem = "the ranks' pid namespaces differ or are unknown"
+    else:
+        problem = probe([int(p) for p in rows[:, 0]], [int(a) for a in rows[:, 1]], host.rank, magic)
+    ok = np.array([not problem], np.int8)
+    host.comm.Allreduce(MPI.IN_PLACE, ok, MPI.MIN)
+    del mine
+    if problem:
+        logger.debug("meshkit: rank %d: no cross-memory attach: %s", host.world_ranks[host.rank], problem)
+    return problem if not ok[0] and problem else ("" if ok[0] else "another rank could not read its peers")

@@ -62,10 +62,12 @@ from typing import Any, Callable, Generator, Iterator
 import numpy as np
 
 from ..debug import Call
-from ..errors import RankFailedError
+from ..errors import DistBackendError, RankFailedError
 from ..reduce_op import ReduceOp, combine, combine_into
 from .engine import CallsDiffer
-from .shm_layout import CONTROL_WORDS, HEADER, HEADER_WORDS, PID, PIDNS, POST, RED, chunks, data_offset, slice_of
+from .shm_cma import Transfer
+from .shm_layout import (ADDRESS, CONTROL_WORDS, HEADER, HEADER_WORDS, PID, PIDNS, POST, RED, chunks, data_offset,
+                         slice_of)
 
 __all__ = ["Channel", "Stepped", "ShmRequest", "KINDS", "LIVENESS_INTERVAL"]
 
@@ -131,6 +133,24 @@ class Channel:
         self._reds = [r * CONTROL_WORDS + RED for r in range(n)]
         me = rank * CONTROL_WORDS
         self.words[me + PID], self.words[me + PIDNS] = self.pid, self.pidns
+        #: cross-memory attach (shm_cma.py), once :meth:`attach_directly` was called: each rank's pid,
+        #: and one scratch slot of ``direct_bytes`` per rank (peers' parts read in, the accumulator)
+        self.direct: Transfer | None = None
+        self.pids: list[int] = []
+        self.direct_bytes = 0
+        self._scratch = np.empty(0, np.uint8)
+
+    def attach_directly(self, pids: list[int], scratch_bytes: int) -> None:
+        """Let ordinary buffers of more than ``small_bytes`` move between the ranks' own arrays with
+        ``process_vm_readv``/``writev`` (every rank of the group calls it, once :func:`shm_cma.probe`
+        succeeded on all): ``pids[r]`` rank r's process; ``scratch_bytes`` (a multiple of 64) the
+        piece reduced at a time, in this rank's cache."""
+        self.direct, self.pids, self.direct_bytes = Transfer(), list(pids), scratch_bytes
+        self._scratch = np.empty(self.n * scratch_bytes, np.uint8)
+
+    def goes_direct(self, nbytes: int) -> bool:
+        """Whether an ordinary buffer of ``nbytes`` moves by cross-memory attach (the same on every rank)."""
+        return self.direct is not None and nbytes > self.small_bytes
 
     def close(self) -> None:
         self.words.release()
@@ -167,6 +187,43 @@ class Channel:
     # ----------------------------------------------------------------- flags and waiting
     def _post(self, step: int) -> None:
         self.words[self._posts[self.rank]] = step
+
+    def _post_address(self, step: int, address: int) -> None:
+        """Before the post flag of ``step``: the address of the array peers may read and write."""
+        self.words[self._posts[self.rank] + ADDRESS + (step & 1)] = address
+
+    def _addresses(self, step: int) -> list[int]:
+        """Every rank's posted address for ``step`` (read once every rank posted it)."""
+        words, at = self.words, ADDRESS + (step & 1)
+        return [words[post + at] for post in self._posts]
+
+    def _moved(self, rank: int, what: str, exc: OSError) -> BaseException:
+        """The error for a failed cross-memory copy with ``rank``: its death, else the copy's own."""
+        who = self.world_ranks[rank]
+        pid = self.pids[rank]
+        me = self.world_ranks[self.rank]
+        if not _alive(pid):
+            return RankFailedError(f"meshkit.comm: rank {me}: {what} over shared memory cannot complete: rank {who} "
+                                   f"(pid {pid}) died during it")
+        return DistBackendError(f"meshkit.comm: rank {me}: {what} over shared memory: a direct copy with rank {who} "
+                                f"failed: {exc}; MESHKIT_SHM_CMA=0 copies through the segment instead")
+
+    def _read(self, rank: int, address: int, into: np.ndarray, what: str) -> None:
+        try:
+            self.direct.read(self.pids[rank], address, into)  # type: ignore[union-attr]
+        except OSError as exc:
+            raise self._moved(rank, what, exc) from exc
+
+    def _write(self, rank: int, address: int, data: np.ndarray, what: str) -> None:
+        try:
+            self.direct.write(self.pids[rank], address, data)  # type: ignore[union-attr]
+        except OSError as exc:
+            raise self._moved(rank, what, exc) from exc
+
+    def _scratches(self, dtype: np.dtype) -> tuple[list[np.ndarray], int]:
+        """One scratch array per rank of ``dtype`` (``direct_bytes`` each) and its element count."""
+        per = self.direct_bytes // dtype.itemsize
+        return [np.frombuffer(self._scratch, dtype, per, r * self.direct_bytes) for r in range(self.n)], per
 
     def _reduced(self, step: int) -> None:
         self.words[self._reds[self.rank]] = step
@@ -214,37 +271,92 @@ class Channel:
 
     # ----------------------------------------------------------------- the collectives (each a generator)
     def all_reduce(self, request: ShmRequest, buf: np.ndarray, op: ReduceOp, root: int = -1) -> Steps:
-        """In place over ``buf`` (flat); ``root >= 0``: a reduce, only the root's ``buf`` written."""
+        """In place over ``buf`` (flat); ``root >= 0``: a reduce, only the root's ``buf`` written.
+
+        A chunk of more than ``small_bytes``: rank r copies in every slice of its chunk but its own
+        (slice r, which only it reduces, is read straight from its array), reduces slice r of every
+        rank in rank order into the free slot of its buffer, posts its reduced flag, copies its result
+        into its array, and copies the other slices' results out of their owners' buffers: per rank
+        about two passes over the chunk instead of three (docs/collectives.md has the figures)."""
         flat, n, me = buf.reshape(-1), self.n, self.rank
-        header = self._header(2 if root >= 0 else 1, flat.size, op, root, flat.dtype)
-        itemsize = flat.dtype.itemsize
+        dtype = flat.dtype
+        header = self._header(2 if root >= 0 else 1, flat.size, op, root, dtype)
+        if self.goes_direct(flat.nbytes):
+            yield from self._all_reduce_direct(request, flat, op, root, header)
+            return
+        itemsize = dtype.itemsize
         per = max(1, self.chunk_bytes // itemsize)
-        # Two ranks meet once per chunk at any size: reducing the whole chunk from both buffers straight
-        # into the caller's array reads 2 and writes 1 chunk, as much as the slice's reduce and the
-        # copy-out (1.5 reads, 1.5 writes), with a meeting fewer.
-        small = n == 2 or min(flat.size, per) * itemsize <= self.small_bytes
         out = root < 0 or root == me
         first = True
         for start, length in chunks(flat.size, per):
             step = self.step = self.step + 1
             parity = step & 1
             part = flat[start:start + length]
-            np.copyto(self.buffer(me, parity, flat.dtype, length), part)
-            yield from self._meet(request, step, header if first else None)
-            first = False
-            bufs = [self.buffer(r, parity, flat.dtype, length) for r in range(n)]
-            if small:
+            mine = self.buffer(me, parity, dtype, length)
+            if length * itemsize <= self.small_bytes:  # one meeting: every rank reduces the whole chunk
+                np.copyto(mine, part)
+                yield from self._meet(request, step, header if first else None)
+                first = False
                 if out:
-                    _reduce_into(op, part, bufs)
+                    _reduce_into(op, part, [self.buffer(r, parity, dtype, length) for r in range(n)])
                 continue
             lo, hi = slice_of(length, n, me, itemsize)
-            acc = bufs[0][lo:hi]
-            for other in bufs[1:]:
-                combine_into(op, acc, other[lo:hi])
+            if lo:
+                np.copyto(mine[:lo], part[:lo])
+            if hi < length:
+                np.copyto(mine[hi:], part[hi:])
+            yield from self._meet(request, step, header if first else None)
+            first = False
+            bufs = [self.buffer(r, parity, dtype, length) for r in range(n)]
+            _reduce_into(op, mine[lo:hi], [part[lo:hi] if r == me else bufs[r][lo:hi] for r in range(n)])
             self._reduced(step)
             if out:
+                np.copyto(part[lo:hi], mine[lo:hi])  # (while the others still reduce)
                 yield from self._wait(request, self._reds, step)
-                np.copyto(part, bufs[0])
+                for r in range(n):
+                    if r != me:
+                        a, b = slice_of(length, n, r, itemsize)
+                        np.copyto(part[a:b], bufs[r][a:b])
+
+    def _all_reduce_direct(self, request: ShmRequest, flat: np.ndarray, op: ReduceOp, root: int,
+                           header: tuple[int, ...]) -> Steps:
+        """All-reduce (reduce: ``root >= 0``) between the ranks' own arrays, with no copy through the
+        segment: every rank posts its array's address and meets; rank r then, piece by piece
+        (``direct_bytes``), reads slice r of every other rank's array into its scratch, reduces the
+        slice in rank order (into its own array, or its scratch where its array is an input the
+        order reads later), and writes the result into every other rank's array (the root's only);
+        it posts its reduced flag and returns once every rank has, so nobody's array changes while
+        another reads it. Per rank: one read of the others' slice, the reduce, one write: about 1.4
+        copies where the segment's path is 2.2 (docs/collectives.md)."""
+        n, me, what = self.n, self.rank, KINDS[header[0] - 1]
+        dtype, itemsize = flat.dtype, flat.dtype.itemsize
+        step = self.step = self.step + 1
+        self._post_address(step, flat.ctypes.data)
+        yield from self._meet(request, step, header)
+        addresses = self._addresses(step)
+        out = root < 0 or root == me
+        targets = [r for r in range(n) if r != me and (root < 0 or r == root)]
+        # the accumulator may be this rank's own piece where the order reads it first (rank 0) or
+        # second (rank 1: the first step reads both before it writes), unless padding bytes would
+        # come from this rank (x87 long double: the result's padding is rank 0's)
+        in_place = out and (me == 0 or (me == 1 and dtype not in _PADDED))
+        scratch, per = self._scratches(dtype)
+        lo, hi = slice_of(flat.size, n, me, itemsize)
+        for start in range(lo, hi, per):
+            length = min(hi, start + per) - start
+            own = flat[start:start + length]
+            parts = [own if r == me else scratch[r][:length] for r in range(n)]
+            for r in range(n):
+                if r != me:
+                    self._read(r, addresses[r] + start * itemsize, parts[r], what)
+            acc = own if in_place else scratch[me][:length]
+            _reduce_into(op, acc, parts)
+            if out and acc is not own:
+                np.copyto(own, acc)
+            for r in targets:
+                self._write(r, addresses[r] + start * itemsize, acc, what)
+        self._reduced(step)
+        yield from self._wait(request, self._reds, step)
 
     def all_reduce_in_place(self, request: ShmRequest, views: list[np.ndarray], op: ReduceOp, offset: int) -> Steps:
         """All-reduce of arrays that already lie in the segment of a shared buffer, ``views[r]``
@@ -312,17 +424,68 @@ class Channel:
         dst, src = out.reshape(-1), inp.reshape(n, -1)
         m, dtype = dst.size, dst.dtype
         header = self._header(5, m, op, -1, dtype)
+        if self.goes_direct(src.nbytes):
+            yield from self._reduce_scatter_direct(request, dst, src, op, header)
+            return
         per = max(1, self.chunk_bytes // dtype.itemsize // n)
+        # this rank's own block is read straight from its input, unless the output overlaps the input
+        # (then a reduction in rank order could overwrite it before reading it: copied in as the others)
+        direct = not np.may_share_memory(dst, src)
         first = True
         for start, length in chunks(m, per):
             step = self.step = self.step + 1
             parity = step & 1
             mine = self.buffer(me, parity, dtype, n * length).reshape(n, length)
-            np.copyto(mine, src[:, start:start + length])
+            for r in range(n):
+                if r != me or not direct:
+                    np.copyto(mine[r], src[r, start:start + length])
             yield from self._meet(request, step, header if first else None)
             first = False
-            blocks = [self.buffer(r, parity, dtype, n * length)[me * length:(me + 1) * length] for r in range(n)]
+            blocks = [src[me, start:start + length] if r == me and direct else
+                      self.buffer(r, parity, dtype, n * length)[me * length:(me + 1) * length] for r in range(n)]
             _reduce_into(op, dst[start:start + length], blocks)
+
+    def _reduce_scatter_direct(self, request: ShmRequest, dst: np.ndarray, src: np.ndarray, op: ReduceOp,
+                               header: tuple[int, ...]) -> Steps:
+        """Reduce-scatter between the ranks' own arrays: rank r reads block r of every other rank's
+        input, piece by piece, into its scratch and reduces it in rank order into its output; a
+        second meeting keeps every input unchanged until all have read it."""
+        n, me = self.n, self.rank
+        dtype, itemsize, m = dst.dtype, dst.dtype.itemsize, dst.size
+        step = self.step = self.step + 1
+        self._post_address(step, src.ctypes.data)
+        yield from self._meet(request, step, header)
+        addresses = self._addresses(step)
+        scratch, per = self._scratches(dtype)
+        aside = np.may_share_memory(dst, src)  # the output is (in) the input: reduce aside, then copy
+        for start in range(0, m, per):
+            length = min(m, start + per) - start
+            parts = [src[me, start:start + length] if r == me else scratch[r][:length] for r in range(n)]
+            for r in range(n):
+                if r != me:
+                    self._read(r, addresses[r] + (me * m + start) * itemsize, parts[r], "reduce_scatter")
+            if aside:
+                _reduce_into(op, scratch[me][:length], parts)
+                np.copyto(dst[start:start + length], scratch[me][:length])
+            else:
+                _reduce_into(op, dst[start:start + length], parts)
+        self._reduced(step)
+        yield from self._wait(request, self._reds, step)
+
+    def _move_direct(self, request: ShmRequest, header: tuple[int, ...], address: int,
+                     reads: list[tuple[int, int, np.ndarray]]) -> Steps:
+        """all_gather and broadcast between the ranks' own arrays: post ``address`` (what the peers
+        read here), meet, read each ``(rank, offset, into)`` from that rank's posted address plus
+        ``offset`` bytes, and meet again (the sources stay unchanged until all have read)."""
+        what = KINDS[header[0] - 1]
+        step = self.step = self.step + 1
+        self._post_address(step, address)
+        yield from self._meet(request, step, header)
+        addresses = self._addresses(step)
+        for r, offset, into in reads:
+            self._read(r, addresses[r] + offset, into, what)
+        self._reduced(step)
+        yield from self._wait(request, self._reds, step)
 
     def all_gather(self, request: ShmRequest, out: np.ndarray, inp: np.ndarray, own_chunk: bool) -> Steps:
         """``out`` (n x m) = every rank's ``inp`` (m), in rank order; ``own_chunk``: ``inp`` is
@@ -331,6 +494,11 @@ class Channel:
         src, dst = inp.reshape(-1), out.reshape(n, -1)
         m, dtype = src.size, src.dtype
         header = self._header(4, m, None, -1, dtype)
+        if self.goes_direct(dst.nbytes):
+            if not own_chunk:
+                np.copyto(dst[me], src)
+            yield from self._move_direct(request, header, src.ctypes.data, [(r, 0, dst[r]) for r in range(n) if r != me])
+            return
         per = max(1, self.chunk_bytes // dtype.itemsize)
         first = True
         for start, length in chunks(m, per):
@@ -355,6 +523,9 @@ class Channel:
         flat, me = buf.reshape(-1), self.rank
         dtype = flat.dtype
         header = self._header(3, flat.size, None, root, dtype)
+        if self.goes_direct(flat.nbytes):
+            yield from self._move_direct(request, header, flat.ctypes.data, [] if me == root else [(root, 0, flat)])
+            return
         per = max(1, self.chunk_bytes // dtype.itemsize)
         first = True
         for start, length in chunks(flat.size, per):

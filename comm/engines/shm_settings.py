@@ -13,7 +13,8 @@ import platform
 from .. import env
 from ...launch_protocol import SURVIVE_ENV
 
-__all__ = ["applies", "supported", "surviving", "min_bytes", "move_min_bytes", "chunk_bytes", "small_bytes",
+__all__ = ["applies", "supported", "surviving", "min_bytes", "move_min_bytes", "chunk_bytes", "small_bytes", "direct",
+           "CMA", "DIRECT_BYTES",
            "DEFAULT_MIN_BYTES", "DEFAULT_MOVE_MIN_BYTES", "DEFAULT_CHUNK_BYTES", "SEGMENT_BUDGET", "DEFAULT_SMALL_BYTES"]
 
 #: all_reduce, reduce and reduce_scatter of an ordinary buffer below this many bytes go to MPI
@@ -46,6 +47,28 @@ SEGMENT_BUDGET = 32 << 20
 #: fixed cost (tens of microseconds a meeting) stops dominating: it applies to shared buffers (DDP's
 #: buckets), which take the path at every size; ordinary buffers start far above it.
 DEFAULT_SMALL_BYTES = 256 * 1024
+
+
+#: ``MESHKIT_SHM_CMA``: 1 (default) lets ordinary buffers move between the ranks' own arrays by
+#: cross-memory attach where the kernel permits it (comm/engines/shm_cma.py); 0 copies them through
+#: the segment.
+CMA = "MESHKIT_SHM_CMA"
+#: Bytes of the piece a direct (cross-memory) reduction reads and reduces at a time, per rank of the
+#: group (this rank's scratch: n x this), so that the piece read is reduced while in this core's L2
+#: (4 MiB here). Measured at 2 ranks, all_reduce of 4 MB (benchmarks/collectives.py's phases,
+#: docs/collectives.md): XXX
+DIRECT_BYTES = 256 << 10
+
+
+def direct() -> bool:
+    """``MESHKIT_SHM_CMA``: whether ordinary buffers may move by cross-memory attach (a bad value
+    raises, naming the variable and the valid values)."""
+    raw = os.environ.get(CMA)
+    value = (raw or "1").strip() or "1"
+    if value not in ("0", "1"):
+        raise env.invalid(CMA, raw or "", "0 (copy through the segment) or 1 (cross-memory attach where the "
+                                           "kernel permits it; the default)")
+    return value == "1"
 
 
 def supported() -> bool:
