@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import threading
 import time
 
@@ -16,10 +17,11 @@ import pytest
 
 from meshkit import ReduceOp
 from meshkit.comm import env
+from meshkit.comm.engines import shm_cma
 from meshkit.comm.engines import shm_layout as layout
 from meshkit.comm.engines.engine import CallsDiffer
 from meshkit.comm.engines.shm_collectives import Channel, ShmRequest
-from meshkit.comm.errors import DistValueError, RankFailedError
+from meshkit.comm.errors import DistBackendError, DistValueError, RankFailedError
 
 
 # --------------------------------------------------------------------------- arithmetic
@@ -71,11 +73,15 @@ def test_bad_byte_settings_name_the_variable(monkeypatch, name, raw):
 CHUNK, SMALL = 4096, 1024
 
 
-def _drive(n: int, calls, *, timeout: float = 20.0, chunk: int = CHUNK, small: int = SMALL):
+def _drive(n: int, calls, *, timeout: float = 20.0, chunk: int = CHUNK, small: int = SMALL, direct: int = 0):
     """Run ``calls[r](channel, request)`` (a generator factory) on n threads over one mapping; each
-    rank's result or exception."""
+    rank's result or exception. ``direct``: the channels move ordinary buffers by cross-memory
+    attach, ``direct`` bytes a piece (every "peer" is this process: the kernel's copy is the same)."""
     memory = mmap.mmap(-1, layout.segment_bytes(n, chunk))
     channels = [Channel(memory, n, r, chunk, small, list(range(n))) for r in range(n)]
+    if direct:
+        for channel in channels:
+            channel.attach_directly([os.getpid()] * n, direct)
     results: list = [None] * n
 
     def rank(r):
@@ -107,14 +113,25 @@ def _ordered(op, parts):
     return acc
 
 
+def _self_attach() -> str:
+    """Why this process cannot read itself with process_vm_readv ("" where it can)."""
+    magic = np.frombuffer(bytearray(b"meshkit-cma-test"), np.uint8)
+    return shm_cma.probe([os.getpid(), os.getpid()], [magic.ctypes.data] * 2, 0, magic.tobytes())
+
+
+needs_cma = pytest.mark.skipif(bool(_self_attach()), reason=f"process_vm_readv refused here: {_self_attach()}")
+
+
 @pytest.mark.parametrize("n", [2, 3, 5])
-@pytest.mark.parametrize("count", [100, 3000])  # one meeting (800 B), two meetings over 6 chunks (24 KB)
+# one meeting (800 B); two meetings over 6 chunks (24 KB); two chunks, then a last one of 608 B that meets once
+@pytest.mark.parametrize("count", [100, 3000, 1100])
 @pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX])
-def test_all_reduce_is_the_fixed_order_reduction_bit_for_bit_on_every_rank(n, count, op):
+@pytest.mark.parametrize("direct", [0, pytest.param(192, marks=needs_cma)])  # direct: pieces of 192 B
+def test_all_reduce_is_the_fixed_order_reduction_bit_for_bit_on_every_rank(n, count, op, direct):
     rng = np.random.default_rng(count)
     parts = [rng.standard_normal(count) for _ in range(n)]
     bufs = [p.copy() for p in parts]
-    errors = _drive(n, [lambda ch, req, r=r: ch.all_reduce(req, bufs[r], op) for r in range(n)])
+    errors = _drive(n, [lambda ch, req, r=r: ch.all_reduce(req, bufs[r], op) for r in range(n)], direct=direct)
     assert errors == [None] * n
     expected = _ordered(op, parts)
     for b in bufs:
@@ -122,28 +139,36 @@ def test_all_reduce_is_the_fixed_order_reduction_bit_for_bit_on_every_rank(n, co
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_reduce_scatter_all_gather_broadcast_and_reduce(n):
+@pytest.mark.parametrize("direct", [0, pytest.param(256, marks=needs_cma)])
+def test_reduce_scatter_all_gather_broadcast_and_reduce(n, direct):
     m = 1500  # 12 KB per block: several chunks
     rng = np.random.default_rng(7)
     ins = [rng.standard_normal(n * m) for _ in range(n)]
     outs = [np.empty(m) for _ in range(n)]
     assert _drive(n, [lambda ch, req, r=r: ch.reduce_scatter(req, outs[r], ins[r], ReduceOp.SUM)
-                      for r in range(n)]) == [None] * n
+                      for r in range(n)], direct=direct) == [None] * n
     full = _ordered(ReduceOp.SUM, ins)
     for r in range(n):
         assert np.array_equal(outs[r], full[r * m:(r + 1) * m])
+    # the output is the rank's own block of its input (the order reads that block last on rank 2)
+    copies = [a.copy() for a in ins]
+    assert _drive(n, [lambda ch, req, r=r: ch.reduce_scatter(req, copies[r][r * m:(r + 1) * m], copies[r],
+                                                             ReduceOp.SUM) for r in range(n)], direct=direct) == [None] * n
+    for r in range(n):
+        assert np.array_equal(copies[r][r * m:(r + 1) * m], full[r * m:(r + 1) * m])
     mine = [np.full(m, float(r)) for r in range(n)]
     gathered = [np.empty(n * m) for _ in range(n)]
     assert _drive(n, [lambda ch, req, r=r: ch.all_gather(req, gathered[r], mine[r], False)
-                      for r in range(n)]) == [None] * n
+                      for r in range(n)], direct=direct) == [None] * n
     for g in gathered:
         assert np.array_equal(g, np.repeat(np.arange(n, dtype=float), m))
     bufs = [np.full(m, float(r)) for r in range(n)]
-    assert _drive(n, [lambda ch, req, r=r: ch.broadcast(req, bufs[r], n - 1) for r in range(n)]) == [None] * n
+    assert _drive(n, [lambda ch, req, r=r: ch.broadcast(req, bufs[r], n - 1) for r in range(n)],
+                  direct=direct) == [None] * n
     assert all((b == n - 1).all() for b in bufs)
     bufs = [np.full(m, r + 1.0) for r in range(n)]
-    assert _drive(n, [lambda ch, req, r=r: ch.all_reduce(req, bufs[r], ReduceOp.SUM, 0) for r in range(n)]) == \
-        [None] * n
+    assert _drive(n, [lambda ch, req, r=r: ch.all_reduce(req, bufs[r], ReduceOp.SUM, 0) for r in range(n)],
+                  direct=direct) == [None] * n
     assert (bufs[0] == n * (n + 1) / 2).all() and all((bufs[r] == r + 1).all() for r in range(1, n))
 
 
@@ -251,3 +276,42 @@ def test_all_gather_into_and_reduce_scatter_of_a_shared_buffer_need_no_copy_in()
                       for r in range(n)]) == [None] * n
     for a in arrays:
         assert np.array_equal(a, np.repeat(10.0 + np.arange(n), m))
+
+
+# --------------------------------------------------------------------------- cross-memory attach
+def test_MESHKIT_SHM_CMA_is_validated_and_named(monkeypatch):
+    from meshkit.comm.engines import shm_settings
+
+    monkeypatch.delenv("MESHKIT_SHM_CMA", raising=False)
+    assert shm_settings.direct() is True
+    monkeypatch.setenv("MESHKIT_SHM_CMA", "0")
+    assert shm_settings.direct() is False
+    monkeypatch.setenv("MESHKIT_SHM_CMA", "no")
+    with pytest.raises(DistValueError, match=r"MESHKIT_SHM_CMA='no' is not valid; valid values are 0 \(copy through "
+                                             r"the segment\) or 1"):
+        shm_settings.direct()
+
+
+@needs_cma
+def test_the_probe_names_what_it_could_not_read_and_a_dead_peer_fails_a_direct_copy():
+    magic = np.frombuffer(bytearray(b"0123456789abcdef"), np.uint8)
+    me = os.getpid()
+    assert shm_cma.probe([me, me], [magic.ctypes.data] * 2, 0, magic.tobytes()) == ""
+    assert "read other bytes than that rank's" in shm_cma.probe([me, me], [magic.ctypes.data] * 2, 1, b"x" * 16)
+    dead = os.fork()
+    if dead == 0:
+        os._exit(0)
+    os.waitpid(dead, 0)
+    assert re.search(rf"process_vm_readv of 16 bytes at 0x[0-9a-f]+ in pid {dead} failed: No such process",
+                     shm_cma.probe([me, dead], [0, magic.ctypes.data], 0, magic.tobytes()))
+    memory = mmap.mmap(-1, layout.segment_bytes(2, CHUNK))
+    channel = Channel(memory, 2, 0, CHUNK, SMALL, [4, 7])
+    channel.attach_directly([me, dead], 256)
+    with pytest.raises(RankFailedError, match=rf"rank 4: all_reduce over shared memory cannot complete: rank 7 "
+                                             rf"\(pid {dead}\) died during it"):
+        channel._read(1, magic.ctypes.data, np.empty(16, np.uint8), "all_reduce")
+    channel.pids[1] = me  # alive, but the address is not mapped: the copy's own error, and the way out
+    with pytest.raises(DistBackendError, match=r"rank 4: all_reduce over shared memory: a direct copy with rank 7 "
+                                              r"failed: .*Bad address; MESHKIT_SHM_CMA=0 copies through the segment"):
+        channel._read(1, 8, np.empty(16, np.uint8), "all_reduce")
+    assert channel.goes_direct(SMALL + 1) and not channel.goes_direct(SMALL)

@@ -87,3 +87,55 @@ def test_attach_refuses_what_is_not_a_0600_segment_of_this_user(segment, tmp_pat
         os.chown(segment.path, 65534, 65534)
         with pytest.raises(PermissionError, match=r"owned by uid 65534, not this user's \(0\)"):
             shm_segment.attach(segment.path, 4096)
+
+
+# --------------------------------------------------------------------------- cross-memory attach (shm_cma.py)
+_VICTIM = """
+import ctypes, os, sys
+secret = ctypes.create_string_buffer(b"meshkit-rank-secret-0123456789", 32)
+print(os.getpid(), ctypes.addressof(secret), flush=True)
+sys.stdin.read()
+"""
+#: A process that reads 32 bytes of another's memory the way shm_cma does (plain ctypes: the kernel's
+#: rule is what is tested, and the attacker needs nothing of ours).
+_READER = """
+import ctypes, os, sys
+class V(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+libc = ctypes.CDLL(None, use_errno=True)
+libc.process_vm_readv.restype = ctypes.c_ssize_t
+got = ctypes.create_string_buffer(32)
+local, remote = V(ctypes.addressof(got), 32), V(int(sys.argv[2]), 32)
+n = libc.process_vm_readv(int(sys.argv[1]), ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+print("READ", got.value.decode() if n == 32 else os.strerror(ctypes.get_errno()))
+"""
+
+
+def _yama_scope() -> int:
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            return int(f.read())
+    except OSError:
+        return 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None or not sys.platform.startswith("linux"),
+                    reason="playing two local users needs root and setpriv (a rank reading its own process's "
+                           "memory is tests/test_shm_layout.py's direct cases)")
+def test_another_local_user_cannot_read_a_ranks_memory_by_cross_memory_attach():
+    def as_user(uid, *args, **kw):
+        return subprocess.Popen(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", sys.executable,
+                                 "-c", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+    victim = as_user(65534, _VICTIM, stdin=subprocess.PIPE)
+    try:
+        pid, address = victim.stdout.readline().split()
+        attacker = as_user(65533, _READER, pid, address)
+        out, err = attacker.communicate(timeout=30)
+        assert "READ Operation not permitted" in out, (out, err)
+        peer = as_user(65534, _READER, pid, address)  # the same user (a rank of the job): permitted, but Yama's
+        out, err = peer.communicate(timeout=30)        # scope 1 allows only ancestors: then the path copies instead
+        expected = "READ meshkit-rank-secret-0123456789" if _yama_scope() == 0 else "READ Operation not permitted"
+        assert expected in out, (out, err)
+    finally:
+        victim.communicate(timeout=30)
