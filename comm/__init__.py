@@ -31,6 +31,7 @@ The map, one line a module:
     shm_collectives.py its collectives: flags instead of barriers, a fixed reduction order
     shm_segment.py     its segment: POSIX shared memory, created exclusively, unlinked once mapped
     shm_layout.py      its arithmetic: flags, headers and buffers in the segment, chunks, slices
+    shm_cma.py         cross-memory attach: copies between ranks' own arrays (process_vm_readv/writev)
     shm_hierarchy.py   a group across nodes: all_reduce through each node's segment and MPI between leaders
     shm_host.py        what those two leave to the group's MPI engine, passed on
     shm_settings.py    its settings (MESHKIT_SHM_*), read without MPI
