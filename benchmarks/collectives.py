@@ -148,7 +148,7 @@ OPS = {spec.name: spec for spec in (
     OpSpec("broadcast", "broadcast", "Bcast", lambda n: 1.0, in_place=True),
     OpSpec("all_to_all", "all_to_all_single", "Alltoall", lambda n: (n - 1) / n),
 )}
-ENGINES = ("meshkit", "mpi4py", "gloo", "mpi4py-guarded", "meshkit-mpi", "copy")
+ENGINES = ("meshkit", "mpi4py", "gloo", "mpi4py-guarded", "meshkit-mpi", "meshkit-shared", "copy")
 
 
 @dataclasses.dataclass
@@ -189,6 +189,9 @@ class Engine:
     finish: Callable[[], None] = lambda: None
     inputs_written: Callable[[], None] = lambda: None
     checked: bool = True  # False: not a collective (``copy``), its result is not checked
+    #: ``(op, buffers) -> buffers``: the engine's own buffers like ``buffers`` (where the caller asks
+    #: the library for them: ``meshkit-shared``); checked and timed on those. None: the common ones.
+    own_buffers: Callable[[str, Buffers], Buffers] | None = None
 
 
 # --------------------------------------------------------------------------- engines
@@ -249,7 +252,7 @@ _NEVER = 1 << 62
 
 def meshkit_mpi_engine(mode: str = "sync") -> Engine:
     """meshkit on the same world group with its shared-memory path stepped aside (its engine's
-    threshold, ``MESHKIT_SHM_MIN_BYTES``, set above every size for the call): meshkit over MPI, in
+    thresholds, ``MESHKIT_SHM_MIN_BYTES`` and ``MESHKIT_SHM_MOVE_MIN_BYTES``, set above every size for the call): meshkit over MPI, in
     the same job as the shared-memory path, on the same buffers. Without the path (``MESHKIT_SHM=0``,
     a world across nodes) it is plain ``meshkit``."""
     from meshkit.comm._seams import resolve_group
@@ -265,14 +268,39 @@ def meshkit_mpi_engine(mode: str = "sync") -> Engine:
         fn = plain(op, b)
 
         def over_mpi() -> None:
-            least, shm.min_bytes = shm.min_bytes, _NEVER
+            least, moved = shm.min_bytes, shm.move_min_bytes
+            shm.min_bytes = shm.move_min_bytes = _NEVER
             try:
                 fn()
             finally:
-                shm.min_bytes = least
+                shm.min_bytes, shm.move_min_bytes = least, moved
         return over_mpi
 
     return Engine("meshkit-mpi", bind)
+
+
+def meshkit_shared_engine(mode: str = "sync") -> Engine:
+    """meshkit on buffers it handed out (``group.shared_buffer``, as DDP's buckets are): all_reduce
+    and all_gather_into_tensor into one, reduce_scatter_tensor of one, in place with no copy in or
+    out (the "shm in place" column; a user who asks for the buffer gets this). Other ops, and a
+    world without the path, run on such buffers as on any (ordinary memory without the path)."""
+    from meshkit.comm._seams import resolve_group
+
+    group = resolve_group(None)
+
+    def shared(like: np.ndarray) -> np.ndarray:
+        return group.shared_buffer(like.nbytes).view(like.dtype).reshape(like.shape)
+
+    def own_buffers(op: str, b: Buffers) -> Buffers:
+        spec = _spec(op)
+        if spec.in_place:
+            inp = shared(b.inp)
+            return Buffers(inp, inp)
+        if op == "all_gather":
+            return Buffers(b.inp.copy(), shared(b.out))
+        return Buffers(shared(b.inp), b.out.copy())
+
+    return Engine("meshkit-shared", torch_style_bind(meshkit, mode=mode), own_buffers=own_buffers)
 
 
 def copy_engine() -> Engine:
@@ -367,7 +395,8 @@ def make_engines(names: list[str], comm: MPI.Comm, mode: str = "sync") -> list[E
     makers: dict[str, Callable[[], Engine]] = {
         "meshkit": lambda: meshkit_engine(mode), "mpi4py": lambda: mpi4py_engine(mode),
         "gloo": lambda: gloo_engine(comm, mode), "mpi4py-guarded": guarded_engine,
-        "meshkit-mpi": lambda: meshkit_mpi_engine(mode), "copy": copy_engine}
+        "meshkit-mpi": lambda: meshkit_mpi_engine(mode), "meshkit-shared": lambda: meshkit_shared_engine(mode),
+        "copy": copy_engine}
     return [makers[name]() for name in names]
 
 
@@ -699,17 +728,22 @@ def measure(op: str, nbytes: int, engines: list[Engine], unsupported: set[tuple[
     count = nbytes // dtype.itemsize
     b = make_buffers(spec, count, dtype, n, np.zeros if space is None else space.zeros)
     calls: dict[str, Call] = {}
+    owned: list[Buffers] = []  # engines' own buffers (own_buffers), zeroed with the common ones
     for engine in engines:
         if (engine.name, op) in unsupported:
             continue
-        fn = engine.bind(op, b)
-        if not engine.checked or check_engine(engine, op, fn, b, comm, space):
+        eb = b if engine.own_buffers is None or space is not None else engine.own_buffers(op, b)
+        if eb is not b:
+            owned.append(eb)
+        fn = engine.bind(op, eb)
+        if not engine.checked or check_engine(engine, op, fn, eb, comm, space):
             calls[engine.name] = fn
         else:
             unsupported.add((engine.name, op))
     if space is None:
-        b.inp.fill(0)  # zeros: sums stay finite however many calls run in place
-        b.out.fill(0)
+        for each in [b, *owned]:
+            each.inp.fill(0)  # zeros: sums stay finite however many calls run in place
+            each.out.fill(0)
     else:
         write_buffers(space, b, host_mirror(b))
         for engine in engines:
