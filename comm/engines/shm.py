@@ -30,9 +30,16 @@ different collectives *through the path* all raise ``CollectiveMismatchError`` a
 calls differ in size across ``MESHKIT_SHM_MIN_BYTES`` (one on the path, one on MPI) meet nowhere:
 both wait until the group's timeout, which names the ranks that did not arrive, as on MPI.
 
+Cross-memory attach (:mod:`~meshkit.comm.engines.shm_cma`): where ``process_vm_readv`` works
+between every pair of the group's ranks (a probe at creation, collectively; ``MESHKIT_SHM_CMA=0``
+turns it off), an all_reduce of an ordinary buffer above ``MESHKIT_SHM_SMALL_BYTES`` reads and
+writes the peers' own arrays instead of copying through the segment, and ordinary buffers take the
+path from 4 MiB instead of 32 MiB (shm_settings.py has the measurements).
+
 Bounds and settings (docs/security.md): ``MESHKIT_SHM`` (0/1), ``MESHKIT_SHM_MIN_BYTES``,
 ``MESHKIT_SHM_CHUNK_BYTES`` (a segment is ``n x (256 + 2 x chunk)`` bytes),
-``MESHKIT_SHM_SMALL_BYTES``; every wait is bounded by the group's timeout.
+``MESHKIT_SHM_SMALL_BYTES``, ``MESHKIT_SHM_CMA`` (0/1; a rank's scratch for it is
+``n x 256 KiB``); every wait is bounded by the group's timeout.
 """
 
 from __future__ import annotations
@@ -302,7 +309,8 @@ def over(host: MPIEngine, deadline: float) -> MPIEngine | ShmEngine | Hierarchic
         elif host.rank == 0:
             logger.info("meshkit: ranks %s copy ordinary buffers through the shared segment (no cross-memory "
                         "attach: %s)", host.world_ranks, problem)
-    return ShmEngine(host, segment, channel, least, move_min_bytes())
+    # (the threshold depends on the probe, whose verdict every rank shares)
+    return ShmEngine(host, segment, channel, min_bytes(channel.direct is not None), move_min_bytes())
 
 
 def _pids(host: MPIEngine) -> list[int]:

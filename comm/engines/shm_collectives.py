@@ -7,28 +7,38 @@ and two flags, *post* and *reduced*, each a step number. A buffer is cut into ch
 is one *step* of a counter every rank keeps in lockstep (the same calls in the same order), and
 uses the rank's buffer ``step % 2``:
 
-all_reduce (and reduce), large chunks (two meetings per chunk)
-    each rank copies its chunk into its buffer and posts ``step``; once every rank posted, rank
-    ``r`` reduces its slice (:func:`~meshkit.comm.engines.shm_layout.slice_of`) of every rank's
-    buffer **in rank order** (``((b0 + b1) + b2) + ...``) into rank 0's buffer, and sets its
-    reduced flag; once every rank has, each copies the whole chunk out of rank 0's buffer.
-all_reduce (and reduce), small chunks and every chunk of 2 ranks (one meeting)
+all_reduce (and reduce), chunks of more than ``small_bytes`` (two meetings per chunk)
+    rank ``r`` copies into its buffer every slice (:func:`~meshkit.comm.engines.shm_layout.slice_of`)
+    of its chunk but slice ``r``, and posts ``step``; once every rank posted, it reduces slice ``r``
+    of every rank **in rank order** (``((b0 + b1) + b2) + ...``; its own part read from its array)
+    into slice ``r`` of its own buffer, which it left free, sets its reduced flag and copies the
+    result into its array; once every rank has, it copies each other slice out of its owner's buffer.
+all_reduce (and reduce), chunks of at most ``small_bytes`` (one meeting)
     each rank copies in and posts; once every rank posted, each reduces the whole chunk itself,
     in the same rank order, from the buffers into its own array.
+all_reduce (and reduce) by cross-memory attach (where :meth:`Channel.attach_directly` was called)
+    no chunks and no segment data: each rank posts its array's address and meets; rank ``r`` reads
+    slice ``r`` of the others' arrays (``process_vm_readv``), reduces it in rank order and writes
+    the result into their arrays (``process_vm_writev``), then posts its reduced flag; once every
+    rank has, every array holds the result (:meth:`Channel._all_reduce_direct`).
 reduce_scatter
-    each rank copies in its chunk of every rank's block; rank ``r`` reduces block ``r`` of every
-    buffer, in rank order, straight into its output.
+    each rank copies in its chunk of every other rank's block; rank ``r`` reduces block ``r`` of
+    every buffer (its own read from its input), in rank order, straight into its output.
 all_gather, broadcast
     each rank (the root) copies in; once every rank posted, each copies every rank's (the root's)
-    buffer out.
+    buffer out; by cross-memory attach, each reads the others' (the root's) arrays directly.
 
 Every rank computes each element from the same inputs in the same order, so every rank holds
 bitwise the same result and a run repeats bit for bit, whatever the timing.
 
 Why no barrier is needed: a rank writes its buffer ``step % 2`` only at step ``s + 2``, after it
 saw every rank post ``s + 1``; a rank posts ``s + 1`` only after it finished reading everything
-of step ``s``. Rank 0's buffer, written by every rank at the reduce of step ``s``, is written
-after every rank posted ``s`` (so finished step ``s - 1``, and step ``s - 2`` in the same buffer).
+of step ``s``. Slice ``r`` of rank ``r``'s buffer, written at the reduce of step ``s``, is written
+after every rank posted ``s`` (so finished step ``s - 1``, and step ``s - 2`` in the same buffer),
+and read by the others only after rank ``r``'s reduced flag. By cross-memory attach, a rank reads
+and writes another's array only between the call's two meetings, while that rank is inside the
+call: the array is alive at the posted address, and changes only by the slices the others write,
+each of which only its writer reads.
 The call header (kind, count, dtype, reduce op, root) is written before the first step's post
 flag, in the header slot of that step's parity, and compared by every rank once every rank
 posted: all of them see the same headers, so a mismatched call raises
@@ -424,9 +434,8 @@ class Channel:
         dst, src = out.reshape(-1), inp.reshape(n, -1)
         m, dtype = dst.size, dst.dtype
         header = self._header(5, m, op, -1, dtype)
-        if self.goes_direct(src.nbytes):
-            yield from self._reduce_scatter_direct(request, dst, src, op, header)
-            return
+        # (no cross-memory attach here: each rank copies in what the others reduce, which moves as many
+        # bytes as reading them directly would, and the kernel's copy cost more: docs/collectives.md)
         per = max(1, self.chunk_bytes // dtype.itemsize // n)
         # this rank's own block is read straight from its input, unless the output overlaps the input
         # (then a reduction in rank order could overwrite it before reading it: copied in as the others)
@@ -444,33 +453,6 @@ class Channel:
             blocks = [src[me, start:start + length] if r == me and direct else
                       self.buffer(r, parity, dtype, n * length)[me * length:(me + 1) * length] for r in range(n)]
             _reduce_into(op, dst[start:start + length], blocks)
-
-    def _reduce_scatter_direct(self, request: ShmRequest, dst: np.ndarray, src: np.ndarray, op: ReduceOp,
-                               header: tuple[int, ...]) -> Steps:
-        """Reduce-scatter between the ranks' own arrays: rank r reads block r of every other rank's
-        input, piece by piece, into its scratch and reduces it in rank order into its output; a
-        second meeting keeps every input unchanged until all have read it."""
-        n, me = self.n, self.rank
-        dtype, itemsize, m = dst.dtype, dst.dtype.itemsize, dst.size
-        step = self.step = self.step + 1
-        self._post_address(step, src.ctypes.data)
-        yield from self._meet(request, step, header)
-        addresses = self._addresses(step)
-        scratch, per = self._scratches(dtype)
-        aside = np.may_share_memory(dst, src)  # the output is (in) the input: reduce aside, then copy
-        for start in range(0, m, per):
-            length = min(m, start + per) - start
-            parts = [src[me, start:start + length] if r == me else scratch[r][:length] for r in range(n)]
-            for r in range(n):
-                if r != me:
-                    self._read(r, addresses[r] + (me * m + start) * itemsize, parts[r], "reduce_scatter")
-            if aside:
-                _reduce_into(op, scratch[me][:length], parts)
-                np.copyto(dst[start:start + length], scratch[me][:length])
-            else:
-                _reduce_into(op, dst[start:start + length], parts)
-        self._reduced(step)
-        yield from self._wait(request, self._reds, step)
 
     def _move_direct(self, request: ShmRequest, header: tuple[int, ...], address: int,
                      reads: list[tuple[int, int, np.ndarray]]) -> Steps:

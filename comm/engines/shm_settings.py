@@ -15,16 +15,25 @@ from ...launch_protocol import SURVIVE_ENV
 
 __all__ = ["applies", "supported", "surviving", "min_bytes", "move_min_bytes", "chunk_bytes", "small_bytes", "direct",
            "CMA", "DIRECT_BYTES",
-           "DEFAULT_MIN_BYTES", "DEFAULT_MOVE_MIN_BYTES", "DEFAULT_CHUNK_BYTES", "SEGMENT_BUDGET", "DEFAULT_SMALL_BYTES"]
+           "DEFAULT_MIN_BYTES", "DEFAULT_DIRECT_MIN_BYTES", "DEFAULT_MOVE_MIN_BYTES", "DEFAULT_CHUNK_BYTES", "SEGMENT_BUDGET", "DEFAULT_SMALL_BYTES"]
 
 #: all_reduce, reduce and reduce_scatter of an ordinary buffer below this many bytes go to MPI
-#: (``MESHKIT_SHM_MIN_BYTES``). Measured at 2 ranks on the project's quiet 2-core machine
-#: (benchmarks/collectives.py, min over 5 interleaved rounds, float32; docs/collectives.md): the
-#: path's copy in and out lost to MPICH from 1 MB to 16 MB (all_reduce 1 MB 654 us against 508 us
-#: over MPI, 4 MB 1.67 ms against 1.38, 16 MB 7.5 ms against 7.4) and won at 64 MB (38 ms against
-#: 44; reduce_scatter 22 ms against 40), so ordinary buffers take it from 32 MiB. A buffer of
-#: ``shared_buffer`` (DDP's buckets), reduced in place with no copy, takes it at every size.
+#: (``MESHKIT_SHM_MIN_BYTES``) where the group copies through its segment (no cross-memory attach:
+#: another kernel, Yama's ptrace_scope 1, ``MESHKIT_SHM_CMA=0``). Measured at 2 ranks on the
+#: project's quiet 2-core machine (benchmarks/collectives.py, min over 5 interleaved rounds, float32;
+#: docs/collectives.md): the copies in and out lost to MPICH from 1 MB to 16 MB (all_reduce 1 MB
+#: 654 us against 508 us over MPI, 4 MB 1.67 ms against 1.38, 16 MB 7.5 ms against 7.4) and won at
+#: 64 MB (38 ms against 44; reduce_scatter 22 ms against 40); the copy-in of only the others' slices
+#: (2026-11-29) cut a quarter of that, which still lost at 4-16 MB on the loaded machine (4 MB 1.2-1.5
+#: ms against 1.1-1.4 over MPI, 16 MB 10-24 ms against 6-25), so ordinary buffers take it from 32 MiB.
+#: A buffer of ``shared_buffer`` (DDP's buckets), reduced in place with no copy, takes it at every size.
 DEFAULT_MIN_BYTES = 32 << 20
+#: The same threshold where cross-memory attach works between the group's ranks (shm_cma.py): the
+#: all_reduce reads and writes the peers' arrays directly. At 2 ranks on the loaded machine (min over
+#: 21-31 interleaved single calls, 5 runs; docs/collectives.md) it won at 4 MB in 4 runs of 5 (0.92-1.04
+#: ms against 1.11-1.40 over meshkit's MPI path) and at 16 and 64 MB in all, and lost at 1 MB in all
+#: (0.37-0.64 ms against 0.28-0.51): ordinary buffers take it from 4 MiB.
+DEFAULT_DIRECT_MIN_BYTES = 4 << 20
 #: all_gather and broadcast (data moved, nothing reduced) go to MPI below this
 #: (``MESHKIT_SHM_MOVE_MIN_BYTES``), which by default is the most the setting allows: in effect
 #: never. MPICH moves a large message with one copy, the path with two (into the segment, out of
@@ -41,22 +50,24 @@ DEFAULT_CHUNK_BYTES = 4 << 20
 #: The default chunk is at most this over the group's size: a segment (n x 2 chunks) stays under
 #: 64 MiB of /dev/shm (tmpfs, counted against the machine's memory) however large the group.
 SEGMENT_BUDGET = 32 << 20
-#: A reduction chunk of at most this many bytes meets once, every rank reducing all of it
-#: (``MESHKIT_SHM_SMALL_BYTES``): it saves a meeting and the copy-out for the price of reducing
-#: n slices instead of one; DeepSpeed's shm.cpp switches at 1 MiB. Here 256 KiB, where the path's
-#: fixed cost (tens of microseconds a meeting) stops dominating: it applies to shared buffers (DDP's
-#: buckets), which take the path at every size; ordinary buffers start far above it.
-DEFAULT_SMALL_BYTES = 256 * 1024
-
-
+#: A reduction chunk of an ordinary buffer of at most this many bytes meets once, every rank
+#: reducing all of it from the segment (``MESHKIT_SHM_SMALL_BYTES``): it saves a meeting for the
+#: price of a copy-in of the whole chunk and n slices reduced instead of one; above it a rank copies
+#: in only the others' slices, or moves the buffer by cross-memory attach. DeepSpeed's shm.cpp
+#: switches at 1 MiB; here (2 ranks, loaded machine, min of 15 single calls) one meeting took 22 us
+#: at 64 KB against 28 for two, and both about as long at 1 MB (219-257 us against 184-239), while
+#: cross-memory attach lost at 1 MB (above): 1 MiB. Ordinary buffers start above it by default
+#: (``DEFAULT_DIRECT_MIN_BYTES``); it matters where ``MESHKIT_SHM_MIN_BYTES`` is set lower.
+DEFAULT_SMALL_BYTES = 1 << 20
 #: ``MESHKIT_SHM_CMA``: 1 (default) lets ordinary buffers move between the ranks' own arrays by
 #: cross-memory attach where the kernel permits it (comm/engines/shm_cma.py); 0 copies them through
 #: the segment.
 CMA = "MESHKIT_SHM_CMA"
-#: Bytes of the piece a direct (cross-memory) reduction reads and reduces at a time, per rank of the
-#: group (this rank's scratch: n x this), so that the piece read is reduced while in this core's L2
-#: (4 MiB here). Measured at 2 ranks, all_reduce of 4 MB (benchmarks/collectives.py's phases,
-#: docs/collectives.md): XXX
+#: Bytes of the piece a direct (cross-memory) all_reduce reads and reduces at a time, per rank of the
+#: group (this rank's scratch is n x this), so that the piece read is reduced, and written to the
+#: peers, while in this core's L2 (4 MiB here). At 2 ranks (loaded machine, min of 21 single calls)
+#: 64 KiB pieces took 1.7 ms at 4 MB where 256 KiB and 1 MiB took 1.0 ms (a kernel call per piece
+#: and peer): 256 KiB.
 DIRECT_BYTES = 256 << 10
 
 
@@ -89,9 +100,11 @@ def surviving() -> bool:
     return os.environ.get(SURVIVE_ENV, "").strip() not in ("", "0")
 
 
-def min_bytes() -> int:
-    """``MESHKIT_SHM_MIN_BYTES``: collectives below it go to MPI."""
-    return env.shm_bytes(env.SHM_MIN_BYTES, DEFAULT_MIN_BYTES, zero=True)
+def min_bytes(direct: bool = False) -> int:
+    """``MESHKIT_SHM_MIN_BYTES``: collectives below it go to MPI; by default
+    :data:`DEFAULT_DIRECT_MIN_BYTES` where ``direct`` (cross-memory attach works), else
+    :data:`DEFAULT_MIN_BYTES`."""
+    return env.shm_bytes(env.SHM_MIN_BYTES, DEFAULT_DIRECT_MIN_BYTES if direct else DEFAULT_MIN_BYTES, zero=True)
 
 
 def chunk_bytes(n: int = 2) -> int:
