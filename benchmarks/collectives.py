@@ -20,6 +20,12 @@ What is measured, for each op and size:
   (nccl-tests' PERFORMANCE.md), so busbw is comparable with the link's bandwidth.
 * Every engine works on the same NumPy buffers, and its result is checked at each size before
   it is timed (a wrong answer aborts the run; an op gloo lacks is recorded as null).
+* Besides meshkit and raw mpi4py, ``--engines`` may add ``meshkit-mpi`` (meshkit with its
+  shared-memory path stepped aside: its MPI path in the same job), ``meshkit-shared`` (meshkit on
+  buffers of ``group.shared_buffer``, which DDP's buckets use: all_reduce, all_gather into and
+  reduce_scatter of one in place, no copy in or out; docs/collectives.md's "shm in place" column;
+  allocated once per op and size, and kept until the end) and ``copy`` (one core's ``np.copyto``
+  of the same bytes: the memory's limit, the ``meshkit busbw/copy`` column).
 * Engines are interleaved in rounds: each round runs, per engine, ``warmup`` untimed calls,
   a barrier (whose waiting ranks yield their core), then ``iters`` timed calls; the engine
   order rotates from round to round so that none is always first. A call's time is the MAX

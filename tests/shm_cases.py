@@ -1,7 +1,7 @@
 """The shared-memory path's cases, run by every rank of one meshkit-run job (tests/test_shm.py).
 
 The job runs with tiny settings (``MESHKIT_SHM_MIN_BYTES=512`` and ``MESHKIT_SHM_MOVE_MIN_BYTES=512``,
-``MESHKIT_SHM_SMALL_BYTES=1024``,
+``MESHKIT_SHM_SMALL_BYTES=1024``, ``MESHKIT_SHM_SHARED_MIN_BYTES=512``,
 ``MESHKIT_SHM_CHUNK_BYTES=4096``), so that a few KB exercise every path: MPI below 512 bytes,
 one meeting per chunk up to 1 KB, two meetings and many chunks above. Each rank computes every
 rank's input, and the reference is NumPy's reduction in the same fixed rank order
@@ -188,7 +188,8 @@ def check_timeout() -> str | None:
 
 
 def check_shared_buffer() -> None:
-    """A buffer of ``shared_buffer`` is reduced in place (path shm at any size), a view of it too,
+    """A buffer of ``shared_buffer`` is reduced in place (path shm from MESHKIT_SHM_SHARED_MIN_BYTES, 512
+    in this job; MPI below it, on the same memory), a view of it too,
     and DDP's buckets live in one: its gradients reduce in place and match the expected sum."""
     rank, n = meshkit.get_rank(), meshkit.get_world_size()
     group = resolve_group(None)
@@ -197,10 +198,14 @@ def check_shared_buffer() -> None:
     buf[:] = np.arange(1000) * (rank + 1)
     meshkit.all_reduce(buf)
     assert _last_path() == "shm" and np.array_equal(buf, np.arange(1000) * (n * (n + 1) // 2))
-    part = buf[10:20]  # a view: the same place on every rank, below MESHKIT_SHM_MIN_BYTES
+    part = buf[10:90]  # a view: the same place on every rank, below MESHKIT_SHM_MIN_BYTES
     part[:] = rank
     meshkit.all_reduce(part, op=ReduceOp.MAX, async_op=True).wait()
     assert _last_path() == "shm" and (part == n - 1).all() and np.array_equal(buf[:10], np.arange(10) * (n * (n + 1) // 2))
+    small = buf[100:110]  # 80 bytes, below MESHKIT_SHM_SHARED_MIN_BYTES: MPI on the same memory
+    small[:] = rank + 1
+    meshkit.all_reduce(small)
+    assert _last_path() == "mpi" and (small == n * (n + 1) // 2).all() and (buf[90:100] == np.arange(90, 100) * (n * (n + 1) // 2)).all()
     flat = group.shared_buffer(8 * 300 * n).view(np.float64)  # FSDP's layout: gather into, scatter from
     flat[rank * 300:(rank + 1) * 300] = rank
     meshkit.all_gather_into_tensor(flat, flat[rank * 300:(rank + 1) * 300])

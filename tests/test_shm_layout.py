@@ -230,6 +230,14 @@ def test_the_default_chunk_keeps_a_segment_within_its_budget(monkeypatch):
     assert shm_settings.chunk_bytes(1024) == 64 << 10
     monkeypatch.setenv("MESHKIT_SHM_CHUNK_BYTES", "8192")
     assert shm_settings.chunk_bytes(16) == 8192
+    monkeypatch.delenv("MESHKIT_SHM_SHARED_MIN_BYTES", raising=False)
+    monkeypatch.delenv("MESHKIT_SHM_MIN_BYTES", raising=False)
+    assert shm_settings.shared_min_bytes() == 64 << 10  # below, MPI on a shared buffer's memory is faster
+    assert shm_settings.min_bytes(direct=True) == 4 << 20 and shm_settings.min_bytes() == 32 << 20
+    monkeypatch.setenv("MESHKIT_SHM_SHARED_MIN_BYTES", "-1")
+    with pytest.raises(DistValueError, match=r"MESHKIT_SHM_SHARED_MIN_BYTES='-1' is not valid; valid values are "
+                                             r"integers 0\.\.1073741824"):
+        shm_settings.shared_min_bytes()
     monkeypatch.delenv("MESHKIT_SHM_MOVE_MIN_BYTES", raising=False)
     assert shm_settings.move_min_bytes() == 1 << 30  # all_gather and broadcast: MPICH's one copy wins
     monkeypatch.setenv("MESHKIT_SHM_MOVE_MIN_BYTES", "x")

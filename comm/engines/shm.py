@@ -22,7 +22,8 @@ leader per node), its other calls over MPI.
 
 ``shared_buffer(nbytes, deadline)`` (``ProcessGroup.shared_buffer``) hands out a buffer inside a
 segment of its own that every member maps; an ``all_reduce`` of a view of it at the same place on
-every rank reduces in place at any size (no copy in or out): DDP's buckets live there. So do
+every rank reduces in place (no copy in or out) from ``MESHKIT_SHM_SHARED_MIN_BYTES`` (64 KiB; below,
+MPI on the same memory is faster): DDP's buckets live there. So do
 ``all_gather`` into one and ``reduce_scatter`` of one (each block read from its owner's array).
 
 Mismatches: a call's header names its kind, count, dtype, reduce op and root, so ranks that call
@@ -62,7 +63,8 @@ from .shm_collectives import Channel, ShmRequest
 from .shm_hierarchy import HierarchicalEngine
 from .shm_host import OverHost
 from .shm_cma import probe
-from .shm_settings import DIRECT_BYTES, applies, chunk_bytes, direct, min_bytes, move_min_bytes, small_bytes
+from .shm_settings import (DIRECT_BYTES, applies, chunk_bytes, direct, min_bytes, move_min_bytes, shared_min_bytes,
+                           small_bytes)
 from .shm_layout import segment_bytes
 from .shm_segment import NAME_BYTES, Segment, attach, create
 from .watchdog import watched
@@ -80,6 +82,8 @@ class ShmEngine(OverHost):
     def __init__(self, host: MPIEngine, segment: Segment, channel: Channel, least: int, least_moved: int) -> None:
         super().__init__(host, shares_memory=True)
         self.segment, self.channel, self.min_bytes, self.move_min_bytes = segment, channel, least, least_moved
+        #: a buffer of ``shared_buffer`` below this goes to MPI like any (``MESHKIT_SHM_SHARED_MIN_BYTES``)
+        self.shared_min_bytes = shared_min_bytes()
         #: buffers handed out by shared_buffer: (this rank's region's address, its bytes, every rank's region)
         self.regions: list[tuple[int, int, list[np.ndarray]]] = []
         #: id of this rank's region array (what a view's ``base`` is) -> its index in ``regions``; the
@@ -89,7 +93,7 @@ class ShmEngine(OverHost):
 
     # ----------------------------------------------------------------- the path
     def all_reduce(self, buf: Any, op: ReduceOp) -> Any:
-        if buf.__class__ is _NDARRAY and self.regions:
+        if buf.__class__ is _NDARRAY and self.regions and buf.nbytes >= self.shared_min_bytes:
             place = self._in_region(buf)
             if place is not None:  # a buffer of shared_buffer: reduced in place, at any size
                 channel, (views, offset) = self.channel, place
@@ -156,7 +160,8 @@ class ShmEngine(OverHost):
         return self.host.broadcast(buf, root)
 
     def all_gather(self, out: Any, inp: Any) -> Any:
-        if out.__class__ is _NDARRAY and inp.__class__ is _NDARRAY and self.regions:
+        if out.__class__ is _NDARRAY and inp.__class__ is _NDARRAY and self.regions and \
+                out.nbytes >= self.shared_min_bytes:
             place = self._in_region(out)
             if place is not None:  # into a shared buffer: every block read from its owner's, at any size
                 channel, (outs, offset) = self.channel, place
@@ -167,7 +172,8 @@ class ShmEngine(OverHost):
         return self.host.all_gather(out, inp)
 
     def reduce_scatter(self, out: Any, inp: Any, op: ReduceOp) -> Any:
-        if out.__class__ is _NDARRAY and inp.__class__ is _NDARRAY and self.regions:
+        if out.__class__ is _NDARRAY and inp.__class__ is _NDARRAY and self.regions and \
+                inp.nbytes >= self.shared_min_bytes:
             place = self._in_region(inp)
             if place is not None:  # of a shared buffer: every block reduced from its owners', no copy in
                 channel, (ins, offset) = self.channel, place
@@ -187,7 +193,8 @@ class ShmEngine(OverHost):
         moved = ("" if self.move_min_bytes >= 1 << 30 else
                  f", all_gather and broadcast of >= {self.move_min_bytes} bytes")
         return (f"all_reduce, reduce and reduce_scatter of NumPy arrays of >= {self.min_bytes} bytes{moved} and "
-                "every collective on a shared buffer through shared memory, the rest over mpi")
+                f"all_reduce, all_gather and reduce_scatter on a shared buffer of >= {self.shared_min_bytes} bytes "
+                "through shared memory, the rest over mpi")
 
     def wait(self, request: Any, deadline: float) -> None:
         if request.__class__ is not ShmRequest:

@@ -14,7 +14,7 @@ from .. import env
 from ...launch_protocol import SURVIVE_ENV
 
 __all__ = ["applies", "supported", "surviving", "min_bytes", "move_min_bytes", "chunk_bytes", "small_bytes", "direct",
-           "CMA", "DIRECT_BYTES",
+           "shared_min_bytes", "CMA", "DIRECT_BYTES", "SHARED_MIN_BYTES", "DEFAULT_SHARED_MIN_BYTES",
            "DEFAULT_MIN_BYTES", "DEFAULT_DIRECT_MIN_BYTES", "DEFAULT_MOVE_MIN_BYTES", "DEFAULT_CHUNK_BYTES", "SEGMENT_BUDGET", "DEFAULT_SMALL_BYTES"]
 
 #: all_reduce, reduce and reduce_scatter of an ordinary buffer below this many bytes go to MPI
@@ -59,6 +59,14 @@ SEGMENT_BUDGET = 32 << 20
 #: cross-memory attach lost at 1 MB (above): 1 MiB. Ordinary buffers start above it by default
 #: (``DEFAULT_DIRECT_MIN_BYTES``); it matters where ``MESHKIT_SHM_MIN_BYTES`` is set lower.
 DEFAULT_SMALL_BYTES = 1 << 20
+#: A buffer of ``shared_buffer`` (DDP's buckets) is reduced (gathered) in place from this many bytes
+#: (``MESHKIT_SHM_SHARED_MIN_BYTES``); below it MPI works on the same memory, as on any array. At 2
+#: ranks on the loaded machine (min of 25-31 interleaved single calls, 3 runs; docs/collectives.md)
+#: the in-place all_reduce took 62 us at 4 KB and 67 at 16 KB against 31 and 46 over meshkit's MPI
+#: path, about as long at 64 KB (61-120 against 52-125), and won from 256 KB (99 against 120; 1 MB
+#: 210-303 against 331-414): 64 KiB.
+SHARED_MIN_BYTES = "MESHKIT_SHM_SHARED_MIN_BYTES"
+DEFAULT_SHARED_MIN_BYTES = 64 << 10
 #: ``MESHKIT_SHM_CMA``: 1 (default) lets ordinary buffers move between the ranks' own arrays by
 #: cross-memory attach where the kernel permits it (comm/engines/shm_cma.py); 0 copies them through
 #: the segment.
@@ -117,6 +125,11 @@ def chunk_bytes(n: int = 2) -> int:
 def small_bytes() -> int:
     """``MESHKIT_SHM_SMALL_BYTES``: a reduction chunk up to it meets once."""
     return env.shm_bytes(env.SHM_SMALL_BYTES, DEFAULT_SMALL_BYTES, zero=True)
+
+
+def shared_min_bytes() -> int:
+    """``MESHKIT_SHM_SHARED_MIN_BYTES``: a shared buffer below it goes to MPI like any array."""
+    return env.shm_bytes(SHARED_MIN_BYTES, DEFAULT_SHARED_MIN_BYTES, zero=True)
 
 
 def move_min_bytes() -> int:
