@@ -192,7 +192,9 @@ class ShmEngine(OverHost):
         """Which calls go through shared memory (``DeviceMesh.describe`` shows it)."""
         moved = ("" if self.move_min_bytes >= 1 << 30 else
                  f", all_gather and broadcast of >= {self.move_min_bytes} bytes")
-        return (f"all_reduce, reduce and reduce_scatter of NumPy arrays of >= {self.min_bytes} bytes{moved} and "
+        direct = ("" if self.channel.direct is None else
+                  f" (all_reduce and reduce above {self.channel.small_bytes} bytes by cross-memory attach)")
+        return (f"all_reduce, reduce and reduce_scatter of NumPy arrays of >= {self.min_bytes} bytes{direct}{moved} and "
                 f"all_reduce, all_gather and reduce_scatter on a shared buffer of >= {self.shared_min_bytes} bytes "
                 "through shared memory, the rest over mpi")
 
