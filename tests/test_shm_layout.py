@@ -233,6 +233,7 @@ def test_the_default_chunk_keeps_a_segment_within_its_budget(monkeypatch):
     monkeypatch.delenv("MESHKIT_SHM_SHARED_MIN_BYTES", raising=False)
     monkeypatch.delenv("MESHKIT_SHM_MIN_BYTES", raising=False)
     assert shm_settings.shared_min_bytes() == 64 << 10  # below, MPI on a shared buffer's memory is faster
+    assert [shm_settings.direct_bytes(n) for n in (2, 32, 128, 4096)] == [256 << 10, 256 << 10, 64 << 10, 4096]
     assert shm_settings.min_bytes(direct=True) == 4 << 20 and shm_settings.min_bytes() == 32 << 20
     monkeypatch.setenv("MESHKIT_SHM_SHARED_MIN_BYTES", "-1")
     with pytest.raises(DistValueError, match=r"MESHKIT_SHM_SHARED_MIN_BYTES='-1' is not valid; valid values are "

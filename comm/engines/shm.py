@@ -39,8 +39,8 @@ path from 4 MiB instead of 32 MiB (shm_settings.py has the measurements).
 
 Bounds and settings (docs/security.md): ``MESHKIT_SHM`` (0/1), ``MESHKIT_SHM_MIN_BYTES``,
 ``MESHKIT_SHM_CHUNK_BYTES`` (a segment is ``n x (256 + 2 x chunk)`` bytes),
-``MESHKIT_SHM_SMALL_BYTES``, ``MESHKIT_SHM_CMA`` (0/1; a rank's scratch for it is
-``n x 256 KiB``); every wait is bounded by the group's timeout.
+``MESHKIT_SHM_SMALL_BYTES``, ``MESHKIT_SHM_SHARED_MIN_BYTES``, ``MESHKIT_SHM_CMA`` (0/1; a
+rank's scratch for it is ``n x 256 KiB``, at most 8 MiB); every wait is bounded by the group's timeout.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ from .shm_collectives import Channel, ShmRequest
 from .shm_hierarchy import HierarchicalEngine
 from .shm_host import OverHost
 from .shm_cma import probe
-from .shm_settings import (DIRECT_BYTES, applies, chunk_bytes, direct, min_bytes, move_min_bytes, shared_min_bytes,
+from .shm_settings import (applies, chunk_bytes, direct, direct_bytes, min_bytes, move_min_bytes, shared_min_bytes,
                            small_bytes)
 from .shm_layout import segment_bytes
 from .shm_segment import NAME_BYTES, Segment, attach, create
@@ -314,7 +314,7 @@ def over(host: MPIEngine, deadline: float) -> MPIEngine | ShmEngine | Hierarchic
                      f"ranks {host.world_ranks}", host.world_ranks, max(deadline - time.monotonic(), 1.0)):
             problem = _direct_problem(host, channel, segment.path.encode())
         if not problem:
-            channel.attach_directly(_pids(host), DIRECT_BYTES)
+            channel.attach_directly(_pids(host), direct_bytes(host.size))
         elif host.rank == 0:
             logger.info("meshkit: ranks %s copy ordinary buffers through the shared segment (no cross-memory "
                         "attach: %s)", host.world_ranks, problem)

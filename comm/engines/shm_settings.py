@@ -14,7 +14,7 @@ from .. import env
 from ...launch_protocol import SURVIVE_ENV
 
 __all__ = ["applies", "supported", "surviving", "min_bytes", "move_min_bytes", "chunk_bytes", "small_bytes", "direct",
-           "shared_min_bytes", "CMA", "DIRECT_BYTES", "SHARED_MIN_BYTES", "DEFAULT_SHARED_MIN_BYTES",
+           "shared_min_bytes", "direct_bytes", "CMA", "DIRECT_BYTES", "DIRECT_SCRATCH_BUDGET", "SHARED_MIN_BYTES", "DEFAULT_SHARED_MIN_BYTES",
            "DEFAULT_MIN_BYTES", "DEFAULT_DIRECT_MIN_BYTES", "DEFAULT_MOVE_MIN_BYTES", "DEFAULT_CHUNK_BYTES", "SEGMENT_BUDGET", "DEFAULT_SMALL_BYTES"]
 
 #: all_reduce, reduce and reduce_scatter of an ordinary buffer below this many bytes go to MPI
@@ -77,6 +77,15 @@ CMA = "MESHKIT_SHM_CMA"
 #: 64 KiB pieces took 1.7 ms at 4 MB where 256 KiB and 1 MiB took 1.0 ms (a kernel call per piece
 #: and peer): 256 KiB.
 DIRECT_BYTES = 256 << 10
+#: A rank's scratch for cross-memory attach (n pieces) stays within this: from 32 ranks on a node the
+#: piece shrinks (to 64 KiB at 128 ranks), so that no rank holds more than 8 MiB for it.
+DIRECT_SCRATCH_BUDGET = 8 << 20
+
+
+def direct_bytes(n: int) -> int:
+    """The piece of a direct all_reduce for a group of ``n`` ranks: :data:`DIRECT_BYTES`, held to
+    :data:`DIRECT_SCRATCH_BUDGET` ``/ n`` (a multiple of 64, at least 4 KiB)."""
+    return max(4096, min(DIRECT_BYTES, DIRECT_SCRATCH_BUDGET // max(n, 1) // 64 * 64))
 
 
 def direct() -> bool:
