@@ -169,6 +169,10 @@ class ShmEngine(OverHost):
         return (f"all_reduce, reduce and reduce_scatter of NumPy arrays of >= {self.min_bytes} bytes{moved} and "
                 "every collective on a shared buffer through shared memory, the rest over mpi")
 
+    def mapped_bytes(self) -> int:
+        """Bytes this rank maps: the group's segment and every shared buffer's (each holds every rank's region)."""
+        return self.segment.size + sum(pool.size for pool in self._pools)
+
     def wait(self, request: Any, deadline: float) -> None:
         if request.__class__ is not ShmRequest:
             self.host.wait(request, deadline)
