@@ -44,3 +44,30 @@ def test_the_node_layout_of_a_group_across_nodes(leader_of, rank, want):
     layout = NodeLayout.of(leader_of, rank)
     assert layout == want
     assert layout.widest == max(len(m) for m in want.members)
+
+
+def test_a_level_prices_the_shared_memory_path_apart_and_estimate_uses_it_for_shared_buffers(tmp_path):
+    from meshkit.plan import Config, Layer, Level, LinkCost, Machine, Model, estimate
+
+    slow, fast = LinkCost(1e-4, 1e-9), LinkCost(1e-6, 1e-11)
+    plain = Machine([Level("node", 2, {"all_reduce": slow, "all_gather": slow, "reduce_scatter": slow})], 0,
+                    {"float32": 1e10})
+    shm = Machine([Level("node", 2, dict(plain.levels[0].costs), paths={"shm": {"all_reduce": fast,
+                                                                               "reduce_scatter": fast}})], 0,
+                  {"float32": 1e10})
+    assert shm.levels[0].cost("all_reduce", path="shm") is fast and shm.levels[0].cost("all_reduce") is slow
+    assert shm.levels[0].cost("all_gather", path="shm") is slow  # no path cost for it: the level's links
+    shm.save(tmp_path / "m.json")
+    assert Machine.load(tmp_path / "m.json") == shm and Machine.median([shm, shm]) == shm
+    model = Model([Layer("l0", {"w": (64, 64)}, 64, 2 * 64 * 64), Layer("l1", {"w": (64, 64)}, 64, 2 * 64 * 64)],
+                  batch=8)
+    for strategy, op in (("ddp", "all_reduce"), ("fsdp", "reduce_scatter")):
+        cheap, dear = estimate(Config(strategy, dp_shard=2), model, shm), estimate(Config(strategy, dp_shard=2), model, plain)
+        shared = [(c.op, c.seconds) for c in cheap.collectives if c.shared]
+        assert shared and all(o == op or o == "all_gather" for o, _ in shared), shared
+        assert cheap.comm_s < dear.comm_s, (strategy, cheap.comm_s, dear.comm_s)
+        # the per-pass agreement (an ordinary int32 array) keeps the links' price
+        agreement = [c for c in cheap.collectives if not c.shared and c.op == "all_reduce"][-1]
+        assert agreement.seconds == pytest.approx(slow.alpha + 2 * 0.5 * agreement.nbytes * slow.beta)
+    with pytest.raises(ValueError, match=r"Machine.levels\[0\].paths: unknown path 'nvlink'; valid paths are shm"):
+        Machine([Level("node", 2, {"all_reduce": slow}, paths={"nvlink": {"all_reduce": fast}})], 0, {})

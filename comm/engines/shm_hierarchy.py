@@ -126,6 +126,33 @@ class HierarchicalRequest(Stepped):
             yield
         self._step = None
 
+    def among_leaders(self, leaders: MPIEngine, number: int, tag: int, start: Callable[[], Any]) -> Steps:
+        """A step among the leaders (``leaders``, this rank's MPI engine over them): every leader's
+        arrival message first (``number``: the engine's count of such steps, on ``tag`` of the
+        leaders' own communicator), so that a timeout names the leaders that never came; then the
+        step ``start`` begins, until it completes."""
+        comm, me = leaders.comm, leaders.rank
+        others = [r for r in range(leaders.size) if r != me]
+        token = np.array([number], np.int64)
+        heard = np.zeros(leaders.size, np.int64)
+        receives = {r: comm.Irecv(heard[r:r + 1], source=r, tag=tag) for r in others}
+        sends = [comm.Isend(token, dest=r, tag=tag) for r in others]
+        self._pending = list(receives.values())
+        self.stage = "the nodes' leaders' arrival before their mpi step"
+        while True:
+            waiting = [r for r, pending in receives.items() if not pending.Test()]
+            if not waiting:
+                break
+            self._waiting = [leaders.world_ranks[r] for r in waiting]
+            yield
+        self._waiting, self._pending = [], []
+        self.stage = _LEADERS_STEP
+        yield from self.run(start())
+        self._waiting, self.stage = None, "a step after the leaders'"
+        for sent in sends:  # matched by now: every leader received before it started the step
+            while not sent.Test():
+                yield
+
     def abandon(self) -> None:
         """The call timed out: cancel the arrival messages this rank still waits for."""
         for pending in self._pending:
@@ -244,31 +271,9 @@ class HierarchicalEngine(OverHost):
         return HierarchicalRequest("reduce_scatter", steps, node)
 
     def _among_leaders(self, request: HierarchicalRequest, start: Callable[[], Any]) -> Steps:
-        """A step among the leaders: every leader's arrival message first (so that a timeout names the
-        leaders that never came), then the step ``start`` begins, until it completes."""
-        comm, leaders = self.leaders.comm, self.leaders
+        """A step among the leaders, each leader's arrival first (:meth:`HierarchicalRequest.among_leaders`)."""
         self._arrivals += 1
-        me, tag = leaders.rank, self._tag
-        others = [r for r in range(leaders.size) if r != me]
-        token = np.array([self._arrivals], np.int64)
-        heard = np.zeros(leaders.size, np.int64)
-        receives = {r: comm.Irecv(heard[r:r + 1], source=r, tag=tag) for r in others}
-        sends = [comm.Isend(token, dest=r, tag=tag) for r in others]
-        request._pending = list(receives.values())
-        request.stage = "the nodes' leaders' arrival before their mpi step"
-        while True:
-            waiting = [r for r, pending in receives.items() if not pending.Test()]
-            if not waiting:
-                break
-            request._waiting = [leaders.world_ranks[r] for r in waiting]
-            yield
-        request._waiting, request._pending = [], []
-        request.stage = _LEADERS_STEP
-        yield from request.run(start())
-        request._waiting, request.stage = None, "a step after the leaders'"
-        for sent in sends:  # matched by now: every leader received before it started the step
-            while not sent.Test():
-                yield
+        return request.among_leaders(self.leaders, self._arrivals, self._tag, start)
 
     # ----------------------------------------------------------------- what the group asks
     def path(self, request: Any) -> str:
