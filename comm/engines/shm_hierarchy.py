@@ -97,7 +97,7 @@ class HierarchicalRequest(Stepped):
     came; ``[]`` once every leader arrived), else None.
     """
 
-    __slots__ = ("kind", "stage", "_step", "_node", "_waiting", "_pending")
+    __slots__ = ("kind", "stage", "_step", "_node", "_waiting", "_pending", "_sent")
     path = "shm+mpi"
 
     def __init__(self, kind: str, steps: Callable[[HierarchicalRequest], Steps], node: Any) -> None:
@@ -105,7 +105,8 @@ class HierarchicalRequest(Stepped):
         #: the step under way, in words (a timeout's message says where the call stalled)
         self.stage = "its first step"
         self._waiting: list[int] | None = None  # the leaders' arrival: global ranks not heard from yet
-        self._pending: list[Any] = []  # the arrival's MPI requests, cancelled if the call is abandoned
+        self._pending: list[Any] = []  # the arrival's MPI receives, cancelled if the call is abandoned
+        self._sent: tuple[Any, ...] = ()  # the arrival's message and its sends, kept until they complete
         self._steps = steps(self)
         self.Test()
 
@@ -137,7 +138,7 @@ class HierarchicalRequest(Stepped):
         heard = np.zeros(leaders.size, np.int64)
         receives = {r: comm.Irecv(heard[r:r + 1], source=r, tag=tag) for r in others}
         sends = [comm.Isend(token, dest=r, tag=tag) for r in others]
-        self._pending = list(receives.values())
+        self._pending, self._sent = list(receives.values()), (token, sends)
         self.stage = "the nodes' leaders' arrival before their mpi step"
         while True:
             waiting = [r for r, pending in receives.items() if not pending.Test()]
@@ -152,14 +153,19 @@ class HierarchicalRequest(Stepped):
         for sent in sends:  # matched by now: every leader received before it started the step
             while not sent.Test():
                 yield
+        self._sent = ()
 
-    def abandon(self) -> None:
-        """The call timed out: cancel the arrival messages this rank still waits for."""
+    def abandon(self) -> tuple[Any, ...]:
+        """The call timed out: cancel the arrival messages this rank still waits for. Returns its own
+        arrival message and sends, which may not have left yet (the caller keeps them: MPI reads the
+        message until a send completes)."""
         for pending in self._pending:
             if not pending.Test():
                 pending.Cancel()
                 pending.Wait()
         self._pending = []
+        sent, self._sent = self._sent, ()
+        return sent
 
 
 class HierarchicalEngine(OverHost):
@@ -185,6 +191,7 @@ class HierarchicalEngine(OverHost):
         host.comm.Allgather(leader, every)
         self.layout = NodeLayout.of([int(g) for g in every], host.rank)
         self._arrivals = 0  # steps among the leaders so far (each arrival message carries its number)
+        self._loose: list[tuple[Any, ...]] = []  # arrival messages of timed-out calls, kept while they may be sent
         # the leaders' communicator is this engine's alone; a tag below the MPI engine's reserved ones
         self._tag = leaders.max_tag + 8 if leaders is not None else 0
 
@@ -296,7 +303,9 @@ class HierarchicalEngine(OverHost):
             self.host.wait(request, deadline)  # MPI's wait polls Test(): each step moves on
         except DeadlineExceeded:
             missing = request.missing()
-            request.abandon()
+            sent = request.abandon()
+            if sent:
+                self._loose.append(sent)
             raise DeadlineExceeded(missing, f"{request.kind} through shared memory within each node and mpi among "
                                    f"the nodes' leaders, stalled in {request.stage}") from None
 

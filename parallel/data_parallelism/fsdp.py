@@ -281,7 +281,9 @@ class FullyShardedDataParallel:
     def _comm_bytes(self) -> int:
         held = [b for _, buffers in self._full.values() for b in buffers]
         held += [b for _, buffers in self._prefetching.values() for b in buffers]
-        return sum(int(b.nbytes) for b in held) + sum(int(b.nbytes) for b in self._grad_slots)
+        # (the gradient slots are not counted: the packed gradients were transient before them, and the
+        # planner predicts these bytes on every engine; memory_report's shared_memory_mapped holds them)
+        return sum(int(b.nbytes) for b in held)
 
     # ------------------------------------------------------------------ gradients and step
     def mark_grad_ready(self, name: str, grad: Any = None) -> None:

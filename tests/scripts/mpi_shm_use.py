@@ -104,7 +104,7 @@ for k in SHAPES:
     assert np.array_equal(full[k], want[k]), ("fsdp", k)
 report = fsdp.memory_report()
 slot = 8 * 54  # unit 0: 54 elements (2 shards of 27), the widest
-assert report["comm_buffers"] == 2 * slot, report  # two gradient slots, nothing unsharded
+assert report["comm_buffers"] == 0, report  # nothing unsharded; the gradient slots are counted below
 # on the same group: ZeRO-1's two buffers, ZeRO-2's parameters and FSDP's two slots, each of 2 regions
 assert report["shared_memory_mapped"] == segment + 2 * 2 * region(flat_bytes) + 2 * region(flat_bytes) + \
     2 * 2 * region(slot), report
