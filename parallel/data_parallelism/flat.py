@@ -21,7 +21,7 @@ from ...state._seams import box_view, flat_range_boxes
 from ...state import ShardedArray
 from ..arrays import array_namespace, convert
 
-__all__ = ["FlatLayout", "make_layouts", "flat_shard_pieces", "flat_buffer", "flat_buffers"]
+__all__ = ["FlatLayout", "make_layouts", "flat_shard_pieces", "flat_buffer"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,21 +137,6 @@ def flat_buffer(group: ProcessGroup, size: int, dtype: Any, like: Any) -> Any:
     if xp is not np:
         return xp.zeros(size, dtype=dtype)
     return group.shared_buffer(size * np.dtype(dtype).itemsize).view(dtype)
-
-
-def flat_buffers(group: ProcessGroup, specs: Sequence[tuple[int, Any]], like: Any) -> list[Any]:
-    """Zeroed flat buffers of ``(size, dtype)`` each, as :func:`flat_buffer` gives, carved out of one
-    shared buffer (each at a 64-byte boundary), so that many (FSDP's shards, one per unit and dtype)
-    cost one segment and one collective call, not one each."""
-    xp = array_namespace(like)
-    if xp is not np:
-        return [xp.zeros(size, dtype=dtype) for size, dtype in specs]
-    offsets, total = [], 0
-    for size, dtype in specs:
-        offsets.append(total)
-        total += -(-size * np.dtype(dtype).itemsize // 64) * 64
-    arena = group.shared_buffer(total)
-    return [arena[off:off + size * np.dtype(dtype).itemsize].view(dtype) for off, (size, dtype) in zip(offsets, specs)]
 
 
 def make_layouts(params: dict[str, Any], order: Sequence[str], shards: int, prefix: str = "") -> list[FlatLayout]:

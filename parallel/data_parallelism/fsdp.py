@@ -47,7 +47,7 @@ from ...mesh import DeviceMesh
 from ...tensor import DTensor
 from ..arrays import array_namespace
 from .dtensors import block_of, split, wrap_all
-from .flat import FlatLayout, flat_buffer, flat_buffers, make_layouts
+from .flat import FlatLayout, flat_buffer, make_layouts
 from ..optim.optimizers import Optimizer
 from ..checks import where
 from .protocol import (DISCARD, USE, PassAgreement, check_gradient, check_units, deprecated, failed_sync,
@@ -156,17 +156,16 @@ class FullyShardedDataParallel:
                                                 for i, names in enumerate(self.units)]
         self._shards: dict[str, Any] = {}
         self._grad_shards: dict[str, Any] = {}
-        # the parameter shards in the shard group's shared memory where it has some (flat_buffers: one
-        # segment for all): a unit's all_gather then reads every shard from its owner's, no copy into it
-        every = [lay for unit in self.layouts for lay in unit]
-        first = blocks[every[0].names[0]]
-        shards = flat_buffers(self.shard_group, [(lay.shard_size, lay.dtype) for lay in every], first)
-        for lay, shard in zip(every, shards):
-            lo, hi = lay.shard_range(me)
-            like = blocks[lay.names[0]]
-            shard[...] = lay.pack(blocks, like)[lo:hi]
-            self._shards[lay.key] = shard
-            self._grad_shards[lay.key] = array_namespace(like).zeros(lay.shard_size, dtype=lay.dtype)
+        for unit in self.layouts:
+            for lay in unit:
+                lo, hi = lay.shard_range(me)
+                like = blocks[lay.names[0]]
+                # in the shard group's shared memory where it has some (flat_buffer): a unit's all_gather
+                # then reads every shard from its owner's, with no copy into the segment
+                shard = flat_buffer(self.shard_group, lay.shard_size, lay.dtype, like)
+                shard[...] = lay.pack(blocks, like)[lo:hi]
+                self._shards[lay.key] = shard
+                self._grad_shards[lay.key] = array_namespace(like).zeros(lay.shard_size, dtype=lay.dtype)
         # Where the shard group shares memory (one node, the shared-memory path: comm/engines/shm.py),
         # each unit's gradients are packed into one of _GRAD_SLOTS flat buffers inside it, taken in
         # turn, so that the reduce-scatter reads every rank's where it lies (no copy into the segment).

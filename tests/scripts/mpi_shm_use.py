@@ -106,10 +106,10 @@ for k in SHAPES:
 report = fsdp.memory_report()
 slot = 8 * 54  # unit 0: 54 elements (2 shards of 27), the widest
 assert report["comm_buffers"] == 0, report  # nothing unsharded; the gradient slots are counted below
-# on the same group, each of 2 regions: ZeRO-1's two buffers, ZeRO-2's parameters, FSDP's parameter
-# shards (one buffer: unit 0's 27 elements at a 64-byte boundary, then unit 1's 15) and two gradient slots
+# on the same group, each of 2 regions: ZeRO-1's two buffers, ZeRO-2's parameters, FSDP's two gradient
+# slots and its parameter shards (unit 0: 27 elements each, unit 1: 15)
 assert report["shared_memory_mapped"] == segment + 2 * 2 * region(flat_bytes) + 2 * region(flat_bytes) + \
-    2 * region(region(8 * 27) + 8 * 15) + 2 * 2 * region(slot), report
+    2 * 2 * region(slot) + 2 * (region(8 * 27) + region(8 * 15)), report
 across = ZeroRedundancyOptimizer(start(), optimizer=SGD(lr=LR), group=mesh.get_group("dp"), stage=1)
 assert "shared_memory_mapped" not in across.memory_report()  # [0, 2]: one rank per node, over MPI
 print(f"STRATEGIES OK on rank {rank}", flush=True)
