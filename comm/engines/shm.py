@@ -23,7 +23,7 @@ leader per node), its other calls over MPI.
 ``shared_buffer(nbytes, deadline)`` (``ProcessGroup.shared_buffer``) hands out a buffer inside a
 segment of its own that every member maps; an ``all_reduce`` of a view of it at the same place on
 every rank reduces in place at any size (no copy in or out): DDP's buckets live there. So do
-``all_gather`` into one or from one and ``reduce_scatter`` of one (each block read from its owner's array).
+``all_gather`` into one and ``reduce_scatter`` of one (each block read from its owner's array).
 
 Mismatches: a call's header names its kind, count, dtype, reduce op and root, so ranks that call
 different collectives *through the path* all raise ``CollectiveMismatchError`` at once. Ranks whose
@@ -141,10 +141,6 @@ class ShmEngine(OverHost):
             if place is not None:  # into a shared buffer: every block read from its owner's, at any size
                 channel, (outs, offset) = self.channel, place
                 return ShmRequest("all_gather", lambda request: channel.all_gather_in_place(request, outs, inp, offset))
-            place = self._in_region(inp)
-            if place is not None:  # from a shared buffer (FSDP's shards): each block read from its owner's
-                channel, (ins, offset) = self.channel, place
-                return ShmRequest("all_gather", lambda request: channel.all_gather_from(request, out, ins, offset))
         if out.__class__ is _NDARRAY and inp.__class__ is _NDARRAY and out.nbytes >= self.move_min_bytes:
             channel, own = self.channel, _own_chunk(out, inp, self.rank)
             return ShmRequest("all_gather", lambda request: channel.all_gather(request, out, inp, own))

@@ -71,7 +71,7 @@ __all__ = ["Channel", "Stepped", "ShmRequest", "KINDS", "LIVENESS_INTERVAL"]
 
 #: The collectives this path runs, as the header's kind (index + 1; 0: no header yet).
 KINDS = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "all_reduce of a shared buffer",
-         "all_gather into a shared buffer", "reduce_scatter of a shared buffer", "all_gather from a shared buffer")
+         "all_gather into a shared buffer", "reduce_scatter of a shared buffer")
 _REDUCE_OPS = tuple(ReduceOp)
 #: Seconds between looks at whether the ranks a wait is missing still live (``os.kill(pid, 0)``):
 #: a dead rank is found within this, and a look costs a system call per missing rank.
@@ -282,21 +282,6 @@ class Channel:
         for r in range(n):
             if r != me:
                 np.copyto(mine[r], outs[r].reshape(n, -1)[r])
-        self._reduced(step)
-        yield from self._wait(request, self._reds, step)
-
-    def all_gather_from(self, request: ShmRequest, out: np.ndarray, ins: list[np.ndarray], offset: int) -> Steps:
-        """All-gather of blocks that lie in a shared buffer, ``ins[r]`` rank r's (m elements, at the same
-        place on every rank: FSDP's parameter shards), into ``out`` (n x m) anywhere: each rank copies
-        every block straight from its owner's array, with no copy in; a second meeting keeps each
-        owner's block unchanged until every rank has read it."""
-        n, me = self.n, self.rank
-        dst = out.reshape(n, -1)
-        header = self._header(9, ins[me].size, None, offset, ins[me].dtype)
-        step = self.step = self.step + 1
-        yield from self._meet(request, step, header)
-        for r in range(n):
-            np.copyto(dst[r], ins[r])
         self._reduced(step)
         yield from self._wait(request, self._reds, step)
 

@@ -160,11 +160,7 @@ class FullyShardedDataParallel:
             for lay in unit:
                 lo, hi = lay.shard_range(me)
                 like = blocks[lay.names[0]]
-                # in the shard group's shared memory where it has some (flat_buffer): a unit's all_gather
-                # then reads every shard from its owner's, with no copy into the segment
-                shard = flat_buffer(self.shard_group, lay.shard_size, lay.dtype, like)
-                shard[...] = lay.pack(blocks, like)[lo:hi]
-                self._shards[lay.key] = shard
+                self._shards[lay.key] = lay.pack(blocks, like)[lo:hi].copy()
                 self._grad_shards[lay.key] = array_namespace(like).zeros(lay.shard_size, dtype=lay.dtype)
         # Where the shard group shares memory (one node, the shared-memory path: comm/engines/shm.py),
         # each unit's gradients are packed into one of _GRAD_SLOTS flat buffers inside it, taken in
@@ -559,7 +555,6 @@ class FullyShardedDataParallel:
                 gradients accumulated under ``no_sync()`` were never synchronized.
         """
         self._end_for_use("step")
-        self._wait_gathers()
         for key, shard in self._shards.items():
             self.optimizer.update(key, shard, self._grad_shards[key])
         self._full.clear()  # gathered parameters are stale now
@@ -582,15 +577,6 @@ class FullyShardedDataParallel:
 
     def _quiesce(self) -> None:
         self._wait_pending()
-        self._wait_gathers()
-
-    def _wait_gathers(self) -> None:
-        """Before this rank's shards are written (the step, a load): finish the gathers in flight, which
-        may read them (through shared memory a peer reads this rank's shard where it lies, as MPI may
-        read a send buffer until the call completes)."""
-        for works, _ in self._prefetching.values():
-            for work in works:
-                work.wait()
 
     def _settle(self, op: str) -> None:
         if self._failed is not None:

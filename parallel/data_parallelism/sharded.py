@@ -256,8 +256,8 @@ class Shards:
         optimizer state, :mod:`meshkit.parallel.buddy`; not within ``comm_buffers``); where the
         strategy's groups have shared-memory segments (their ranks share a node: comm/engines/shm.py),
         ``shared_memory_mapped``: the bytes of them this rank maps (``ProcessGroup.shared_memory_bytes``:
-        ZeRO's flat buffers and FSDP's shards inside them among them, which ``params`` and ``grads``
-        count too, and FSDP's two gradient slots, which nothing else counts; every rank of the node maps the same pages)."""
+        ZeRO's flat buffers inside them among them, which ``params`` and ``grads`` count too, and FSDP's
+        two gradient slots, which nothing else counts; every rank of the node maps the same pages)."""
         params, grads, comm, peak = self.owner._footprint()
         report = {"params": params, "grads": grads, "optimizer_state": self.owner.optimizer.state_nbytes(),
                   "comm_buffers": comm, "peak_transient": peak}
