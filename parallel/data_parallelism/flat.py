@@ -75,16 +75,15 @@ class FlatLayout:
     def pack(self, arrays: dict[str, Any], like: Any, dtype: Any = None) -> Any:
         """A new padded flat buffer of ``like``'s array library holding ``arrays`` (missing names and
         padding are zero); ``arrays`` must be of that library (no implicit host<->device copy)."""
-        flat = array_namespace(like).zeros(self.padded, dtype=dtype or self.dtype)
-        for i, (name, off) in enumerate(zip(self.names, self.offsets)):
-            if name in arrays:
-                flat[off:off + self.size_of(i)] = arrays[name].reshape(-1)
-        return flat
+        return self._fill(arrays, array_namespace(like).zeros(self.padded, dtype=dtype or self.dtype))
 
     def pack_into(self, arrays: dict[str, Any], flat: Any) -> Any:
         """:meth:`pack` into ``flat`` (``padded`` elements, e.g. a :func:`flat_buffer`) rather than a new
         buffer: missing names and padding are zeroed. Returns ``flat``."""
         flat[...] = 0
+        return self._fill(arrays, flat)
+
+    def _fill(self, arrays: dict[str, Any], flat: Any) -> Any:
         for i, (name, off) in enumerate(zip(self.names, self.offsets)):
             if name in arrays:
                 flat[off:off + self.size_of(i)] = arrays[name].reshape(-1)
