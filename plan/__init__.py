@@ -16,10 +16,10 @@ a Machine on a mesh), ``model.py`` (a model by its layers, a configuration), ``e
 
 from .calibrate import calibrate
 from .estimate import Breakdown, Collective, estimate, predict_collectives, predict_memory, step_collectives
-from .machine import KINDS, Level, LinkCost, Machine, bus_bytes
+from .machine import KINDS, PATHS, Level, LinkCost, Machine, bus_bytes
 from .model import Config, Layer, Model
 from .search import PlanError, scaling, search
 
 __all__ = ["calibrate", "estimate", "search", "Machine", "Level", "LinkCost", "Model", "Layer", "Config",
-           "Breakdown", "Collective", "PlanError", "scaling", "KINDS", "bus_bytes", "predict_memory", "predict_collectives",
+           "Breakdown", "Collective", "PlanError", "scaling", "KINDS", "PATHS", "bus_bytes", "predict_memory", "predict_collectives",
            "step_collectives"]

@@ -27,6 +27,10 @@ from .machine import KINDS, Level, LinkCost, Machine, bus_bytes
 
 __all__ = ["calibrate", "fit_alpha_beta"]
 
+#: Kinds the shared-memory path runs in place on a buffer of the group's shared memory (comm/engines/shm.py),
+#: at every size: calibrated as the level's ``"shm"`` path where the group's ranks share a node.
+SHARED_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+
 #: Default message sizes (bytes): latency-bound to bandwidth-bound on a host, and fast (< 1 s
 #: per dimension at 2 ranks on the local engine).
 SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20)
@@ -70,6 +74,14 @@ def _timed(fn: Callable[[], Any], group: Any, repeats: int, warm: bool = True,
     return statistics.median(worst.tolist())
 
 
+def _everywhere(flag: bool, mesh: DeviceMesh) -> bool:
+    """Whether ``flag`` holds on every rank of ``mesh`` (a MIN over each dimension in turn)."""
+    agreed = np.array([1 if flag else 0], np.int32)
+    for dim in range(mesh.ndim):
+        _c.all_reduce(agreed, ReduceOp.MIN, group=mesh.get_group(dim))
+    return bool(agreed[0])
+
+
 def _evictor(nbytes: int) -> Callable[[], None]:
     """A pass over ``nbytes`` of this rank's own memory: run before each timed collective, it
     leaves the collective's buffers out of the caches, as a training step's computation leaves
@@ -82,12 +94,14 @@ def _evictor(nbytes: int) -> Callable[[], None]:
     return evict
 
 
-def _ops(kind: str, nbytes: int, group: Any) -> tuple[Callable[[], Any], float]:
-    """A call of ``kind`` moving ``nbytes`` (the convention of machine.py) and its bus bytes."""
+def _ops(kind: str, nbytes: int, group: Any, shared: Any = None) -> tuple[Callable[[], Any], float]:
+    """A call of ``kind`` moving ``nbytes`` (the convention of machine.py) and its bus bytes; with
+    ``shared`` (float32 of the group's ``shared_buffer``, large enough) the buffer is a view of it,
+    as the strategies' buckets and flat buffers are (an all_gather in place, as ZeRO's)."""
     n, me = group.size, group.rank
     per = max(1, nbytes // (4 * n))  # float32 elements per rank's piece
-    full = np.ones(per * n, np.float32)
-    piece = np.ones(per, np.float32)
+    full = np.ones(per * n, np.float32) if shared is None else shared[:per * n]
+    piece = np.ones(per, np.float32) if shared is None or kind != "all_gather" else full[me * per:(me + 1) * per]
     size = full.nbytes
     if kind == "all_reduce":
         fn = lambda: _c.all_reduce(full, group=group)  # noqa: E731
@@ -230,7 +244,12 @@ def calibrate(mesh: DeviceMesh, *, sizes: Sequence[int] = SIZES, repeats: int = 
     spans with the dimensions inside it; a dimension of one rank is skipped. A mesh of several
     dimensions of more than one rank is also timed as one group of all its ranks, kept as the
     outermost level's ``sized`` costs (what flat data parallelism over the whole mesh pays).
-    ``fit_error`` maps ``"dim.kind"`` (``"dim@size.kind"`` for a sized fit) to the fit's mean
+    A dimension whose groups' ranks share a node (every group of it: the shared-memory path,
+    comm/engines/shm.py) is also timed on buffers of the group's ``shared_buffer`` for all_reduce,
+    all_gather and reduce_scatter, which take that path at every size (in place, as the strategies'
+    buckets and flat buffers do), kept as the level's ``paths["shm"]`` costs; its ordinary buffers
+    take the path only at ``MESHKIT_SHM_MIN_BYTES`` and above, so the sizes below it are MPI's.
+    ``fit_error`` maps ``"dim.kind"`` (``"dim@size.kind"`` for a sized fit, ``"dim.shm.kind"`` for the path) to the fit's mean
     relative error; ``flops`` holds the float32 and float64 rates of an ``matmul_n``-square
     matmul on this rank (the slowest rank's, as agreed by MAX),
     ``pointwise_rate`` the elements per second of an activation's forward and backward (``tanh``)
@@ -259,7 +278,7 @@ def calibrate(mesh: DeviceMesh, *, sizes: Sequence[int] = SIZES, repeats: int = 
                              f"repeats={repeats}, compute_window={compute_window} (> 0 seconds)")
     names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
     evict = _evictor(evict_bytes) if evict_bytes else None
-    # (dim, span, kind, bus bytes per size, group size for Level.sized or None); seconds in order
+    # (dim, span, kind, bus bytes per size, group size for Level.sized or None, path or None); seconds in order
     plan, measured, span = [], [], 1
     groups = [(dim, mesh.get_group(dim), None) for dim in reversed(range(mesh.ndim))]
     wide = [dim for dim in range(mesh.ndim) if mesh.size(dim) > 1]
@@ -279,7 +298,19 @@ def calibrate(mesh: DeviceMesh, *, sizes: Sequence[int] = SIZES, repeats: int = 
                 t = _timed(fn, group, repeats, before=evict)
                 bus.append(b)
                 measured.append(t / 2 if kind == "send_recv" else t)
-            plan.append((dim, span, kind, bus, sized))
+            plan.append((dim, span, kind, bus, sized, None))
+        # groups whose ranks share a node: their shared buffers' path, too, where every group of the
+        # dimension has it (agreed over the whole mesh, so every rank measures the same points)
+        if sized is None and _everywhere(group.shares_memory(), mesh):
+            largest = max(int(s) for s in sizes)
+            shared = group.shared_buffer(-(-largest // (4 * group.size)) * group.size * 4).view(np.float32)
+            for kind in (k for k in kinds if k in SHARED_KINDS):
+                bus = []
+                for size in sizes:
+                    fn, b = _ops(kind, int(size), group, shared)
+                    measured.append(_timed(fn, group, repeats, before=evict))
+                    bus.append(b)
+                plan.append((dim, span, kind, bus, None, "shm"))
     dtypes = ("float32", "float64")
     busy = (mesh, repeats, compute_window)
     measured += [-_matmul_rate(d, matmul_n, *busy) for d in dtypes]  # MIN rate as MAX of -rate
@@ -297,10 +328,12 @@ def calibrate(mesh: DeviceMesh, *, sizes: Sequence[int] = SIZES, repeats: int = 
         _c.all_reduce(agreed, ReduceOp.MAX, group=mesh.get_group(dim))
     levels: dict[int, Level] = {}
     errors = {}
-    for i, (dim, dim_span, kind, bus, sized) in enumerate(plan):
+    for i, (dim, dim_span, kind, bus, sized, path) in enumerate(plan):
         seconds = agreed[i * len(sizes):(i + 1) * len(sizes)]
         level = levels.setdefault(dim, Level(names[dim], dim_span, {}))
-        if sized is None:
+        if path is not None:
+            level.paths.setdefault(path, {})[kind], errors[f"{names[dim]}.{path}.{kind}"] = fit_alpha_beta(bus, seconds)
+        elif sized is None:
             level.costs[kind], errors[f"{names[dim]}.{kind}"] = fit_alpha_beta(bus, seconds)
         else:
             fitted = fit_alpha_beta(bus, seconds)

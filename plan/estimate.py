@@ -65,11 +65,15 @@ class _DType(NamedTuple):
 class Collective:
     """One collective of a step: ``op`` as the flight recorder names it, ``nbytes`` (the full
     buffer: an all-gather's output, a reduce-scatter's input), the mesh dimension ``dim``, and its
-    predicted ``seconds``."""
+    predicted ``seconds``; ``shared``: its buffer is one the strategy asks of the group
+    (``ProcessGroup.shared_buffer``: DDP's and ZeRO-1's buckets, ZeRO's parameters, FSDP's gradient
+    slots), so where the group's ranks share a node it runs in place in shared memory, priced at the
+    level's ``"shm"`` path cost where it has one (:class:`~meshkit.plan.machine.Level`)."""
     op: str
     nbytes: int
     dim: str
     seconds: float = 0.0
+    shared: bool = False
 
 
 @dataclasses.dataclass
@@ -264,11 +268,11 @@ def _dp_collectives(model: Model, config: Config, stage: int, tp_rank: int
                     if lo < hi:
                         out.append(Collective("reduce", (hi - lo) * it, "dp"))
             else:
-                out.append(Collective("all_reduce", size * it, "dp"))
+                out.append(Collective("all_reduce", size * it, "dp", shared=True))
             start += size
         out.append(Collective("all_reduce", 4 * agreement_size(n), "dp"))  # the per-sync agreement (int32 rows)
         if config.strategy != "ddp":
-            out.append(Collective("all_gather", padded * it, "dp"))
+            out.append(Collective("all_gather", padded * it, "dp", shared=True))
         return [], out
     units = [sum(math.prod(shapes[f"{layer.name}.{p}"]) for p in layer.params) for layer in layers if layer.params]
     padded = [-(-u // n) * n for u in units]
@@ -277,7 +281,7 @@ def _dp_collectives(model: Model, config: Config, stage: int, tp_rank: int
     for p in reversed(padded):  # units are reduced last unit first, whatever order they are marked in
         if config.loop == "per_layer":
             out.append(Collective("all_gather", p * it, shard_dim))
-        out.append(Collective("reduce_scatter", p * it, shard_dim))
+        out.append(Collective("reduce_scatter", p * it, shard_dim, shared=True))
         if config.strategy == "hsdp":
             out.append(Collective("all_reduce", p // n * it, "dp_replicate"))
     out.append(Collective("all_reduce", 4 * agreement_size(n), shard_dim))  # the per-pass agreement (fsdp.py)
@@ -404,7 +408,8 @@ def estimate(config: Config, model: Model, machine: Machine) -> Breakdown:
     colls = []
     for c in step_collectives(model, config, slowest):
         size, span = spans[c.dim]
-        colls.append(dataclasses.replace(c, seconds=machine.collective_time(_kind(c.op), c.nbytes, size, span)))
+        path = "shm" if c.shared else None
+        colls.append(dataclasses.replace(c, seconds=machine.collective_time(_kind(c.op), c.nbytes, size, span, path)))
     forward, backward = compute / 3, 2 * compute / 3
     comm = sum(c.seconds for c in colls)
     if config.strategy in ("ddp", "zero1", "zero2"):

@@ -32,10 +32,13 @@ import statistics
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["KINDS", "LinkCost", "Level", "Machine", "bus_bytes"]
+__all__ = ["KINDS", "PATHS", "LinkCost", "Level", "Machine", "bus_bytes"]
 
 #: Collective kinds a level has a cost for.
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "send_recv")
+#: Paths a level may price apart from its links (``Level.paths``): ``"shm"``, collectives of buffers
+#: in a group's shared memory (comm/engines/shm.py), which run in place at any size.
+PATHS = ("shm",)
 
 
 def bus_bytes(kind: str, nbytes: float, n: int) -> float:
@@ -94,15 +97,26 @@ class Level:
     collective over exactly that many ranks: a group of 4 ranks on 2 nodes keeps part of its
     traffic within a node (MPICH's algorithms are not NCCL's rings), so its cost per bus byte is
     not the 2-rank cross-node groups' (priced with those, flat data parallelism over
-    2 simulated nodes was predicted about twice as slow as hsdp 2x2; measured 0.72-0.96x it)."""
+    2 simulated nodes was predicted about twice as slow as hsdp 2x2; measured 0.72-0.96x it).
+
+    ``paths`` holds costs of another path than the level's links (path -> kind -> cost): ``"shm"``,
+    a collective of a buffer in its group's shared memory (the strategies' buckets and flat buffers
+    where the group's ranks share a node: comm/engines/shm.py), which takes that path at every
+    size, while an ordinary buffer takes it only above ``MESHKIT_SHM_MIN_BYTES`` (32 MiB), beyond
+    what calibration times; a level without it prices every collective on its links."""
 
     name: str
     size: int
     costs: dict[str, LinkCost]
     sized: dict[int, dict[str, LinkCost]] = dataclasses.field(default_factory=dict)
+    paths: dict[str, dict[str, LinkCost]] = dataclasses.field(default_factory=dict)
 
-    def cost(self, kind: str, n: int | None = None) -> LinkCost:
-        """The cost of ``kind`` over ``n`` ranks: the fit on groups of ``n`` where there is one."""
+    def cost(self, kind: str, n: int | None = None, path: str | None = None) -> LinkCost:
+        """The cost of ``kind`` over ``n`` ranks: on ``path`` where the level has a cost of it for
+        ``kind``, else the fit on groups of ``n`` where there is one, else the level's own."""
+        found = self.paths.get(path, {}).get(kind) if path else None
+        if found:
+            return found
         for costs in (self.sized.get(n, {}), self.costs):
             if costs:
                 found = costs.get(kind) or costs.get("all_reduce")
@@ -175,6 +189,11 @@ class Machine:
                     raise ValueError(f"meshkit.plan: {where}.sized: a group size must be an integer in [2, "
                                      f"{level.size}] (the level's size), got {n!r}")
                 tables.append((f"{where}.sized[{n}]", costs))
+            for path, costs in level.paths.items():
+                if path not in PATHS:
+                    raise ValueError(f"meshkit.plan: {where}.paths: unknown path {path!r}; valid paths are "
+                                     f"{', '.join(PATHS)}")
+                tables.append((f"{where}.paths[{path}]", costs))
             for table, costs in tables:
                 for kind, cost in costs.items():
                     if kind not in KINDS:
@@ -202,11 +221,14 @@ class Machine:
                 return level
         return self.levels[-1]
 
-    def collective_time(self, kind: str, nbytes: float, n: int, span: int | None = None) -> float:
-        """Seconds for ``kind`` of ``nbytes`` over ``n`` ranks on the level holding ``span`` ranks."""
+    def collective_time(self, kind: str, nbytes: float, n: int, span: int | None = None,
+                        path: str | None = None) -> float:
+        """Seconds for ``kind`` of ``nbytes`` over ``n`` ranks on the level holding ``span`` ranks
+        (``path="shm"``: of a buffer in the group's shared memory, at that path's cost where the
+        level has one: :class:`Level`)."""
         if n <= 1 and kind != "send_recv":
             return 0.0
-        cost = self.level_for(span or n).cost(kind, n)
+        cost = self.level_for(span or n).cost(kind, n, path)
         return cost.alpha + bus_bytes(kind, nbytes, n) * cost.beta
 
     def compute_time(self, flops: float, dtype: str) -> float:
@@ -237,7 +259,8 @@ class Machine:
                 "overlap": self.overlap, "pointwise_rate": dict(self.pointwise_rate), "sync_cost": self.sync_cost,
                 "copy_rate": self.copy_rate,
                 "levels": [{"name": lv.name, "size": lv.size, "costs": _costs_dict(lv.costs),
-                            **({"sized": {str(n): _costs_dict(c) for n, c in lv.sized.items()}} if lv.sized else {})}
+                            **({"sized": {str(n): _costs_dict(c) for n, c in lv.sized.items()}} if lv.sized else {}),
+                            **({"paths": {p: _costs_dict(c) for p, c in lv.paths.items()}} if lv.paths else {})}
                            for lv in self.levels]}
 
     @classmethod
@@ -259,7 +282,12 @@ class Machine:
                     raise ValueError(f"meshkit.plan: Machine.levels[{i}].sized: keys must be group sizes and values "
                                      f"costs, got {n!r}: {table!r}")
                 by_size[int(n)] = _costs_from(table, f"Machine.levels[{i}].sized[{n}]")
-            levels.append(Level(str(lv.get("name", f"level{i}")), lv.get("size"), costs, by_size))
+            paths = lv.get("paths", {})
+            if not isinstance(paths, dict) or not all(isinstance(t, dict) for t in paths.values()):
+                raise ValueError(f"meshkit.plan: Machine.levels[{i}].paths must be an object (path -> costs), "
+                                 f"got {paths!r}")
+            by_path = {str(p): _costs_from(t, f"Machine.levels[{i}].paths[{p}]") for p, t in paths.items()}
+            levels.append(Level(str(lv.get("name", f"level{i}")), lv.get("size"), costs, by_size, by_path))
         return cls(levels, data.get("memory_bytes", 0), dict(data.get("flops", {})), str(data.get("name", "machine")),
                    dict(data.get("fit_error", {})), dict(data.get("update_rate", {})), data.get("overlap", 1.0),
                    dict(data.get("pointwise_rate", {})), data.get("sync_cost", 0.0), data.get("copy_rate", 0.0))
@@ -285,7 +313,8 @@ class Machine:
         first = machines[0]
 
         def shape(m: Machine) -> Any:
-            return ([(lv.name, lv.size, sorted(lv.costs), {n: sorted(c) for n, c in lv.sized.items()})
+            return ([(lv.name, lv.size, sorted(lv.costs), {n: sorted(c) for n, c in lv.sized.items()},
+                      {p: sorted(c) for p, c in lv.paths.items()})
                      for lv in m.levels], sorted(m.flops), sorted(m.update_rate), sorted(m.pointwise_rate))
 
         for i, m in enumerate(machines[1:], 1):
@@ -304,7 +333,8 @@ class Machine:
             return {k: mid([getattr(m, field)[k] for m in machines]) for k in getattr(first, field)}
 
         levels = [Level(lv.name, lv.size, costs([m.levels[i].costs for m in machines]),
-                        {n: costs([m.levels[i].sized[n] for m in machines]) for n in lv.sized})
+                        {n: costs([m.levels[i].sized[n] for m in machines]) for n in lv.sized},
+                        {p: costs([m.levels[i].paths[p] for m in machines]) for p in lv.paths})
                   for i, lv in enumerate(first.levels)]
         errors = {k: mid([m.fit_error[k] for m in machines if k in m.fit_error])
                   for k in dict.fromkeys(k for m in machines for k in m.fit_error)}

@@ -367,8 +367,16 @@ def test_calibrate_bad_arguments():
 def test_calibrate_through_meshkit_run(mpirun, tmp_path):
     out = mpirun("mpi_plan_calibrate.py", 2, str(tmp_path / "calib.json"), "3").stdout
     machine = Machine.load(tmp_path / "calib.json")
-    assert machine.levels[0].size == 2 and len(machine.fit_error) == 7
-    assert out.count("FIT dp.") == 7, out
+    # a group on one node with the shared-memory path (comm/engines/shm.py) also prices its shared
+    # buffers' path: all_reduce, all_gather and reduce_scatter in place (where /dev/shm and x86-64 allow)
+    shares = "SHARES True" in out
+    assert machine.levels[0].size == 2 and len(machine.fit_error) == (10 if shares else 7), out
+    assert out.count("FIT dp.") == (10 if shares else 7), out
+    paths = machine.levels[0].paths
+    assert sorted(paths.get("shm", {})) == (["all_gather", "all_reduce", "reduce_scatter"] if shares else []), paths
+    for kind, cost in paths.get("shm", {}).items():
+        assert cost.alpha > 0 or cost.beta > 0, (kind, cost)
+        assert machine.levels[0].cost(kind, path="shm") is cost and machine.levels[0].cost(kind) is not cost
 
 
 def test_the_docs_snippet_as_written(tmp_path):

@@ -177,9 +177,12 @@ def test_calibrate_over_the_host_mesh_gives_two_levels_that_estimate_times_hsdp_
     machine = Machine.load(tmp_path / "calib.json")
     assert [(lv.name, lv.size) for lv in machine.levels] == [("local", 2), ("node", 4)]
     local_level, node_level = machine.levels
-    assert sorted(machine.fit_error) == sorted(f"{d}.{k}" for d in ("local", "node", "node@4")
+    # each host's group shares memory: its shared buffers' path is priced too (docs/collectives.md); the
+    # groups across hosts are hierarchical, with no shared buffers of their own
+    assert sorted(machine.fit_error) == sorted(f"{d}.{k}" for d in ("local", "local.shm", "node", "node@4")
                                                for k in ("all_reduce", "all_gather", "reduce_scatter"))
     assert set(node_level.sized) == {4}  # the 4 ranks timed as one group: what flat data parallelism pays
+    assert set(local_level.paths) == {"shm"} and not node_level.paths
 
     model = Model([Layer("l0", {"w": (64, 64), "b": (64,)}, activation_bytes=512, flops=2 * 64 * 64),
                    Layer("l1", {"w": (64, 8)}, activation_bytes=64, flops=2 * 64 * 8)], batch=16, dtype="float64")
@@ -188,10 +191,11 @@ def test_calibrate_over_the_host_mesh_gives_two_levels_that_estimate_times_hsdp_
     assert seen == {"dp_shard", "dp_replicate"}, b.collectives
     for c in b.collectives:
         level, other = (node_level, local_level) if c.dim == "dp_replicate" else (local_level, node_level)
-        cost = level.cost(c.op)
+        path = "shm" if c.shared else None  # FSDP's reduce_scatter of its gradient slots, in place
+        cost = level.cost(c.op, path=path)
         assert c.seconds == pytest.approx(cost.alpha + bus_bytes(c.op, c.nbytes, 2) * cost.beta, rel=1e-12), c
-        assert c.seconds == machine.collective_time(c.op, c.nbytes, 2, level.size), c
-        wrong = other.cost(c.op)
+        assert c.seconds == machine.collective_time(c.op, c.nbytes, 2, level.size, path), c
+        wrong = other.cost(c.op, path=path)
         assert c.seconds != pytest.approx(wrong.alpha + bus_bytes(c.op, c.nbytes, 2) * wrong.beta, rel=1e-9), c
     assert {c.op for c in b.collectives if c.dim == "dp_replicate"} == {"all_reduce"}
     # flat fsdp over the 4 ranks crosses the nodes: the inter-node level, at its cost for 4 ranks

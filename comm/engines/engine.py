@@ -199,6 +199,10 @@ class ReportsPath(Protocol):
         """Which calls take which path, in words (``DeviceMesh.describe`` shows it)."""
         ...
 
+    def mapped_bytes(self) -> int:
+        """Bytes of shared memory this rank maps for the group (its segment and shared buffers)."""
+        ...
+
 
 class SharesMemory(Protocol):
     """``EngineCapabilities.shares_memory``: a buffer inside memory every member maps."""

@@ -198,6 +198,10 @@ class ShmEngine(OverHost):
                 f"all_reduce, all_gather and reduce_scatter on a shared buffer of >= {self.shared_min_bytes} bytes "
                 "through shared memory, the rest over mpi")
 
+    def mapped_bytes(self) -> int:
+        """Bytes this rank maps: the group's segment and every shared buffer's (each holds every rank's region)."""
+        return self.segment.size + sum(pool.size for pool in self._pools)
+
     def wait(self, request: Any, deadline: float) -> None:
         if request.__class__ is not ShmRequest:
             self.host.wait(request, deadline)

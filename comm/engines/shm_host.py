@@ -85,6 +85,10 @@ class OverHost:
     def host_name(self) -> str:
         return self.host.host_name()
 
+    def mapped_bytes(self) -> int:
+        """Bytes of shared memory this rank maps for the group: none here (the engines above say theirs)."""
+        return 0
+
     def notify(self, ranks: list[int], notice: Any) -> None:
         self.host.notify(ranks, notice)
 

@@ -168,6 +168,24 @@ class ProcessGroup:
         return self.queue.blocking("shared_buffer", lambda seq, deadline: sharing.shared_buffer(nbytes, deadline),
                                    self.timeout)
 
+    def shares_memory(self) -> bool:
+        """Whether :meth:`shared_buffer` hands out memory every member maps (the group's ranks share a
+        node and the shared-memory path is on: comm/engines/shm.py), so that collectives of its
+        buffers run in place; False elsewhere (its buffers are ordinary memory). The same on every rank."""
+        engine = self.engine
+        return engine is not None and engine.capabilities.shares_memory
+
+    def shared_memory_bytes(self) -> int:
+        """Bytes of shared memory this rank maps for the group: its shared-memory segment and every
+        :meth:`shared_buffer` handed out on it (each maps every member's region), or within its node
+        where the group spans nodes; 0 where it has none. Every member of a node maps the same pages,
+        so the node's memory holds them once, not once per rank (``memory_report``'s
+        ``shared_memory_mapped``)."""
+        engine = self.engine
+        if engine is None or not engine.capabilities.reports_path:
+            return 0
+        return cast(ReportsPath, engine).mapped_bytes()
+
     def paths(self) -> str | None:
         """Which of its calls take which path, where the engine has more than one (a group on one
         node under MPI: shared memory or MPI, comm/engines/shm.py); None otherwise."""

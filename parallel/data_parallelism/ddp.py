@@ -372,11 +372,18 @@ class DistributedDataParallel:
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds: ``params``, ``grads``, ``optimizer_state`` (of the strategy's
         optimizer), ``comm_buffers`` (extra buffers for communication: none, the buckets are the
-        gradients when ``gradient_as_bucket_view``) and ``peak_transient``.
+        gradients when ``gradient_as_bucket_view``) and ``peak_transient``; where the group has a
+        shared-memory segment (its ranks share a node: comm/engines/shm.py), ``shared_memory_mapped``
+        too: the bytes of it this rank maps (``ProcessGroup.shared_memory_bytes``: the buckets
+        among them, which ``grads`` counts too; every rank of the node maps the same pages).
         (``memory_report(optimizer)``, for a DDP built without one, is deprecated.)"""
         params = sum(int(p.nbytes) for p in self._blocks.values())
         grads = self._buckets.nbytes
         comm = 0 if self.gradient_as_bucket_view else sum(int(g.nbytes) for g in self._grads.values())
         state = self.optimizer.state_nbytes() if self.optimizer is not None else 0
-        return {"params": params, "grads": grads, "optimizer_state": state, "comm_buffers": comm,
-                "peak_transient": 0}
+        report = {"params": params, "grads": grads, "optimizer_state": state, "comm_buffers": comm,
+                  "peak_transient": 0}
+        mapped = self.group.shared_memory_bytes()
+        if mapped:
+            report["shared_memory_mapped"] = mapped
+        return report

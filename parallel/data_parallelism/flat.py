@@ -14,12 +14,14 @@ import dataclasses
 import math
 from typing import Any, Iterator, Sequence
 
+import numpy as np
+
 from ...comm import ProcessGroup
 from ...state._seams import box_view, flat_range_boxes
 from ...state import ShardedArray
 from ..arrays import array_namespace, convert
 
-__all__ = ["FlatLayout", "make_layouts", "flat_shard_pieces"]
+__all__ = ["FlatLayout", "make_layouts", "flat_shard_pieces", "flat_buffer"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +75,15 @@ class FlatLayout:
     def pack(self, arrays: dict[str, Any], like: Any, dtype: Any = None) -> Any:
         """A new padded flat buffer of ``like``'s array library holding ``arrays`` (missing names and
         padding are zero); ``arrays`` must be of that library (no implicit host<->device copy)."""
-        flat = array_namespace(like).zeros(self.padded, dtype=dtype or self.dtype)
+        return self._fill(arrays, array_namespace(like).zeros(self.padded, dtype=dtype or self.dtype))
+
+    def pack_into(self, arrays: dict[str, Any], flat: Any) -> Any:
+        """:meth:`pack` into ``flat`` (``padded`` elements, e.g. a :func:`flat_buffer`) rather than a new
+        buffer: missing names and padding are zeroed. Returns ``flat``."""
+        flat[...] = 0
+        return self._fill(arrays, flat)
+
+    def _fill(self, arrays: dict[str, Any], flat: Any) -> Any:
         for i, (name, off) in enumerate(zip(self.names, self.offsets)):
             if name in arrays:
                 flat[off:off + self.size_of(i)] = arrays[name].reshape(-1)
@@ -110,6 +120,22 @@ class FlatLayout:
     def split(self, full: Any) -> dict[str, Any]:
         """Copies of each parameter out of a full flat buffer."""
         return {name: view.copy() for name, view in self.views(full).items()}
+
+
+def flat_buffer(group: ProcessGroup, size: int, dtype: Any, like: Any) -> Any:
+    """A zeroed flat buffer of ``size`` elements of ``dtype`` that ``group``'s collectives run on in place.
+
+    For NumPy arrays it is :meth:`ProcessGroup.shared_buffer <meshkit.comm.ProcessGroup.shared_buffer>`'s:
+    inside the group's shared-memory segment where its ranks share a node and the path is on
+    (comm/engines/shm.py), so an all_reduce, reduce_scatter or all_gather of it (or of a view of
+    it at the same place on every rank) reads every rank's copy where it lies, with no copy in or
+    out, at any size; elsewhere ordinary memory. Collective over ``group`` (every rank, in the same
+    order among its calls). Other array libraries (CuPy) get a zeroed array of theirs.
+    """
+    xp = array_namespace(like)
+    if xp is not np:
+        return xp.zeros(size, dtype=dtype)
+    return group.shared_buffer(size * np.dtype(dtype).itemsize).view(dtype)
 
 
 def make_layouts(params: dict[str, Any], order: Sequence[str], shards: int, prefix: str = "") -> list[FlatLayout]:

@@ -47,7 +47,7 @@ from ...mesh import DeviceMesh
 from ...tensor import DTensor
 from ..arrays import array_namespace
 from .dtensors import block_of, split, wrap_all
-from .flat import FlatLayout, make_layouts
+from .flat import FlatLayout, flat_buffer, make_layouts
 from ..optim.optimizers import Optimizer
 from ..checks import where
 from .protocol import (DISCARD, USE, PassAgreement, check_gradient, check_units, deprecated, failed_sync,
@@ -58,6 +58,10 @@ from .sharded import Shards
 from ..forwarding import forward_to
 
 __all__ = ["FullyShardedDataParallel"]
+
+#: Gradient slots in the shard group's shared memory (where it has some): one being packed while the
+#: previous unit's reduce-scatter runs, as ZeRO-2's two bucket buffers (pool.py).
+_GRAD_SLOTS = 2
 
 
 class FullyShardedDataParallel:
@@ -158,6 +162,20 @@ class FullyShardedDataParallel:
                 like = blocks[lay.names[0]]
                 self._shards[lay.key] = lay.pack(blocks, like)[lo:hi].copy()
                 self._grad_shards[lay.key] = array_namespace(like).zeros(lay.shard_size, dtype=lay.dtype)
+        # Where the shard group shares memory (one node, the shared-memory path: comm/engines/shm.py),
+        # each unit's gradients are packed into one of _GRAD_SLOTS flat buffers inside it, taken in
+        # turn, so that the reduce-scatter reads every rank's where it lies (no copy into the segment).
+        # The turn is the reductions' order, the same on every rank, and a slot is taken again only
+        # after the reduction that held it finished: every rank packs into the same place.
+        self._grad_slots: list[Any] = []
+        self._slot_work: list[Work | None] = []
+        self._slot_turn = 0
+        if self.shard_group.shares_memory() and array_namespace(next(iter(blocks.values()))) is np:
+            widest = max(lay.padded * np.dtype(self.reduce_dtype or lay.dtype).itemsize
+                         for unit in self.layouts for lay in unit)
+            self._grad_slots = [flat_buffer(self.shard_group, widest, np.uint8, np.empty(0))
+                                for _ in range(_GRAD_SLOTS)]
+            self._slot_work = [None] * _GRAD_SLOTS
         self._full: dict[int, tuple[dict[str, Any], list[Any]]] = {}   # unit -> (views, buffers)
         self._prefetching: dict[int, tuple[list[Work], list[Any]]] = {}
         self._active: set[int] = set()
@@ -263,6 +281,8 @@ class FullyShardedDataParallel:
     def _comm_bytes(self) -> int:
         held = [b for _, buffers in self._full.values() for b in buffers]
         held += [b for _, buffers in self._prefetching.values() for b in buffers]
+        # (the gradient slots are not counted: the packed gradients were transient before them, and the
+        # planner predicts these bytes on every engine; memory_report's shared_memory_mapped holds them)
         return sum(int(b.nbytes) for b in held)
 
     # ------------------------------------------------------------------ gradients and step
@@ -368,9 +388,29 @@ class FullyShardedDataParallel:
         asynchronously: averaged over every data-parallel rank (DDP's semantics) and added to the
         shard, so several micro-batches accumulate until ``zero_grad()``."""
         for lay in self.layouts[u]:
-            flat = lay.pack(grads, self._shards[lay.key], dtype=self.reduce_dtype or lay.dtype)
-            self._pending.append(self.shard_group.run_async(self._reduction(lay, flat), "fsdp_reduce_grads"))
+            dtype = self.reduce_dtype or lay.dtype
+            if self._grad_slots:
+                turn = self._slot_turn % len(self._grad_slots)
+                self._slot_turn += 1
+                flat = lay.pack_into(grads, self._take_slot(turn)[:lay.padded * np.dtype(dtype).itemsize].view(dtype))
+            else:
+                flat = lay.pack(grads, self._shards[lay.key], dtype=dtype)
+            work = self.shard_group.run_async(self._reduction(lay, flat), "fsdp_reduce_grads")
+            self._pending.append(work)
+            if self._grad_slots:
+                self._slot_work[turn] = work
         self._issued.add(u)
+
+    def _take_slot(self, turn: int) -> Any:
+        """Gradient slot ``turn``, once the reduction that last read it finished (its error, if any, is
+        raised where every pending reduction is waited for: _wait_pending)."""
+        work, self._slot_work[turn] = self._slot_work[turn], None
+        if work is not None:
+            try:
+                work.wait()
+            except BaseException:  # noqa: BLE001 (raised again by _wait_pending, which waits for it too)
+                pass
+        return self._grad_slots[turn]
 
     def _reduction(self, lay: FlatLayout, flat: Any) -> Any:
         target = self._grad_shards[lay.key]

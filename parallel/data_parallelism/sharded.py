@@ -253,12 +253,19 @@ class Shards:
         """Bytes this rank holds: ``params``, ``grads``, ``optimizer_state``, ``comm_buffers``
         (buffers held now for communication) and ``peak_transient`` (the most ever held at once);
         under ``meshkit-run --survive``, ``buddy`` too (the copy of the next shard's parameters and
-        optimizer state, :mod:`meshkit.parallel.buddy`; not within ``comm_buffers``)."""
+        optimizer state, :mod:`meshkit.parallel.buddy`; not within ``comm_buffers``); where the
+        strategy's groups have shared-memory segments (their ranks share a node: comm/engines/shm.py),
+        ``shared_memory_mapped``: the bytes of them this rank maps (``ProcessGroup.shared_memory_bytes``:
+        ZeRO's flat buffers inside them among them, which ``params`` and ``grads`` count too, and FSDP's
+        two gradient slots, which nothing else counts; every rank of the node maps the same pages)."""
         params, grads, comm, peak = self.owner._footprint()
         report = {"params": params, "grads": grads, "optimizer_state": self.owner.optimizer.state_nbytes(),
                   "comm_buffers": comm, "peak_transient": peak}
         if self.buddy is not None:
             report["buddy"] = self.buddy.nbytes
+        mapped = sum(group.shared_memory_bytes() for group in self.owner._agreement_groups())
+        if mapped:
+            report["shared_memory_mapped"] = mapped
         return report
 
 

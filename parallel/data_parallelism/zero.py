@@ -43,7 +43,7 @@ from ...mesh import DeviceMesh
 from ..arrays import array_namespace
 from .buckets import MB, BucketManager, CommHook, GradBucket
 from .dtensors import split, wrap_all
-from .flat import FlatLayout, make_layouts
+from .flat import FlatLayout, flat_buffer, make_layouts
 from .hooks import allreduce_hook
 from ..optim.optimizers import Optimizer
 from ..checks import where
@@ -182,7 +182,10 @@ class ZeroRedundancyOptimizer:
         blocks, self._block_layouts = split(params)  # this rank's blocks of DTensor parameters
         order = list(reversed(blocks))  # the order buckets fill in: each bucket is a flat range
         self.layouts: dict[str, FlatLayout] = {lay.key: lay for lay in make_layouts(blocks, order, self.group.size)}
-        self._flat = {key: lay.pack(blocks, blocks[lay.names[0]]) for key, lay in self.layouts.items()}
+        # Parameters and (stage 1) gradients in flat buffers of the group's shared memory where it has
+        # some (flat_buffer): the step's all_gather and the buckets' all_reduce run where they lie
+        self._flat = {key: lay.pack_into(blocks, flat_buffer(self.group, lay.padded, lay.dtype, blocks[lay.names[0]]))
+                      for key, lay in self.layouts.items()}
         for flat in self._flat.values():
             self.group.broadcast(flat, 0)
         views = {name: v for key, lay in self.layouts.items() for name, v in lay.views(self._flat[key]).items()}
@@ -193,7 +196,7 @@ class ZeroRedundancyOptimizer:
         caps = {"bucket_cap_bytes": int(bucket_cap_mb * MB), "first_bucket_cap_bytes": int(first_bucket_cap_mb * MB)}
         xp = array_namespace(next(iter(self._flat.values())))
         if stage == 1:
-            self._flat_grads = {key: xp.zeros_like(f) for key, f in self._flat.items()}
+            self._flat_grads = {key: flat_buffer(self.group, f.size, f.dtype, f) for key, f in self._flat.items()}
             flat_grads = {self.layouts[key].dtype: g for key, g in self._flat_grads.items()}
             self._buckets = BucketManager(self._blocks, order, comm=CommHook(self.group, allreduce_hook, self.group),
                                           flat=flat_grads, **caps)
