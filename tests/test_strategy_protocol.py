@@ -64,10 +64,11 @@ def local_batch(step: int, micro: int, rank: int, world: int) -> tuple[np.ndarra
     return x[lo:lo + size], y[lo:lo + size]
 
 
-def train(make: Callable[[dict[str, np.ndarray]], Any], steps: int = STEPS, clip: float | None = None
-          ) -> dict[str, Any]:
+def train(make: Callable[[dict[str, np.ndarray]], Any], steps: int = STEPS, clip: float | None = None,
+          prefetch_across_step: bool = False) -> dict[str, Any]:
     """The loop, written once: only protocol methods. Loss 0.5 * mean squared error. With
-    ``clip``, ``clip_grad_norm_(clip)`` between the backward pass and ``step()``, as torch's loops."""
+    ``clip``, ``clip_grad_norm_(clip)`` between the backward pass and ``step()``, as torch's loops.
+    With ``prefetch_across_step``, the next forward's first unit is prefetched before ``step()``."""
     rank, world = meshkit.get_rank(), meshkit.get_world_size()
     model = make(init_params())
     unit_of = {name: u for u, names in enumerate(model.units) for name in names}
@@ -93,6 +94,8 @@ def train(make: Callable[[dict[str, np.ndarray]], Any], steps: int = STEPS, clip
                     model.mark_grad_ready(f"b{i}", db)
         if clip is not None:
             model.clip_grad_norm_(clip)
+        if prefetch_across_step:
+            model.prefetch(unit_of["w0"])
         model.step()
     return model.full_state_dict()
 
@@ -160,6 +163,13 @@ def test_one_loop_trains_every_strategy_to_the_single_process_result(strategy, w
 def test_one_loop_trains_hsdp_on_a_2x2_mesh(opt_name):
     for sd in local.run(train, 4, factory("hsdp", opt_name)):
         assert_matches(sd, REFERENCES[opt_name])
+
+
+@pytest.mark.parametrize("strategy, world", [("fsdp", 2), ("fsdp", 3), ("hsdp", 4), ("zero2", 2)])
+def test_a_unit_prefetched_before_step_is_gathered_again_from_the_updated_shards(strategy, world):
+    # the gather started before step() read the old shards: using it would train on stale parameters
+    for sd in local.run(train, world, factory(strategy, "adamw"), prefetch_across_step=True):
+        assert_matches(sd, REFERENCES["adamw"])
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp"])

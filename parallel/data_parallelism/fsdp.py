@@ -555,6 +555,7 @@ class FullyShardedDataParallel:
                 gradients accumulated under ``no_sync()`` were never synchronized.
         """
         self._end_for_use("step")
+        self._drop_prefetches()  # before the update: an in-flight gather still reads the shards
         for key, shard in self._shards.items():
             self.optimizer.update(key, shard, self._grad_shards[key])
         self._full.clear()  # gathered parameters are stale now
@@ -587,7 +588,17 @@ class FullyShardedDataParallel:
         return [self.shard_group] + ([self.replicate_group] if self.replicate_group is not None else [])
 
     def _loaded(self) -> None:
+        self._drop_prefetches()
         self._full.clear()  # gathered parameters are stale now
+
+    def _drop_prefetches(self) -> None:
+        """Finish every prefetched gather and forget it: it read the shards as they were, so after
+        an update or a load the next ``unshard`` gathers again (every rank drops the same units,
+        since prefetches are collective calls made in one order)."""
+        prefetching, self._prefetching = self._prefetching, {}
+        for works, _ in prefetching.values():
+            for work in works:
+                work.wait()
 
     def _footprint(self) -> tuple[int, int, int, int]:
         """``comm_buffers`` are the unsharded units held now, ``peak_transient`` the most ever held."""
