@@ -306,6 +306,11 @@ SHM_MOVE_MIN_BYTES = "MESHKIT_SHM_MOVE_MIN_BYTES"
 SHM_CHUNK_BYTES = "MESHKIT_SHM_CHUNK_BYTES"
 #: A reduction chunk of at most this many bytes meets once (every rank reduces all of it).
 SHM_SMALL_BYTES = "MESHKIT_SHM_SMALL_BYTES"
+#: A buffer of ``shared_buffer`` below this many bytes goes to MPI on the same memory.
+SHM_SHARED_MIN_BYTES = "MESHKIT_SHM_SHARED_MIN_BYTES"
+#: ``0`` copies ordinary buffers through the segment; ``1`` (the default) moves them between the
+#: ranks' own arrays by cross-memory attach where the kernel permits it.
+SHM_CMA = "MESHKIT_SHM_CMA"
 #: The most any of the byte sizes above may be (1 GiB: a group's segment is n x 2 x the chunk).
 _SHM_MOST_BYTES = 1 << 30
 
@@ -316,6 +321,17 @@ def shm_enabled() -> bool:
     value = (raw or "1").strip() or "1"
     if value not in ("0", "1"):
         raise invalid(SHM, raw or "", "0 (collectives over MPI only) or 1 (shared memory within a node; the default)")
+    return value == "1"
+
+
+def shm_cma() -> bool:
+    """``MESHKIT_SHM_CMA``: whether ordinary buffers may move by cross-memory attach (1, the default)
+    or are copied through the segment (0)."""
+    raw = _get(SHM_CMA)
+    value = (raw or "1").strip() or "1"
+    if value not in ("0", "1"):
+        raise invalid(SHM_CMA, raw or "", "0 (copy through the segment) or 1 (cross-memory attach where the "
+                                          "kernel permits it; the default)")
     return value == "1"
 
 
@@ -349,6 +365,8 @@ def check_all() -> None:
     shm_bytes(SHM_MOVE_MIN_BYTES, 0, zero=True)
     shm_bytes(SHM_SMALL_BYTES, 0, zero=True)
     shm_bytes(SHM_CHUNK_BYTES, 64, multiple=64)
+    shm_bytes(SHM_SHARED_MIN_BYTES, 0, zero=True)
+    shm_cma()
     for name in (STORE_MAX_BYTES, STORE_MAX_CONNECTIONS, STORE_MAX_WAIT_KEYS):
         positive_number(name, 1, integer=True)
     for name in (STORE_IDLE_TIMEOUT, STORE_HANDSHAKE_TIMEOUT):

@@ -299,6 +299,14 @@ def test_MESHKIT_SHM_CMA_is_validated_and_named(monkeypatch):
     with pytest.raises(DistValueError, match=r"MESHKIT_SHM_CMA='no' is not valid; valid values are 0 \(copy through "
                                              r"the segment\) or 1"):
         shm_settings.direct()
+    from meshkit.comm import env
+
+    with pytest.raises(DistValueError, match=r"MESHKIT_SHM_CMA='no' is not valid"):
+        env.check_all()  # so the error comes at init_process_group, as every variable's does
+    monkeypatch.setenv("MESHKIT_SHM_CMA", "1")
+    monkeypatch.setenv("MESHKIT_SHM_SHARED_MIN_BYTES", "lots")
+    with pytest.raises(DistValueError, match=r"MESHKIT_SHM_SHARED_MIN_BYTES='lots' is not valid"):
+        env.check_all()
 
 
 @needs_cma

@@ -65,12 +65,12 @@ DEFAULT_SMALL_BYTES = 1 << 20
 #: the in-place all_reduce took 62 us at 4 KB and 67 at 16 KB against 31 and 46 over meshkit's MPI
 #: path, about as long at 64 KB (61-120 against 52-125), and won from 256 KB (99 against 120; 1 MB
 #: 210-303 against 331-414): 64 KiB.
-SHARED_MIN_BYTES = "MESHKIT_SHM_SHARED_MIN_BYTES"
+SHARED_MIN_BYTES = env.SHM_SHARED_MIN_BYTES
 DEFAULT_SHARED_MIN_BYTES = 64 << 10
 #: ``MESHKIT_SHM_CMA``: 1 (default) lets ordinary buffers move between the ranks' own arrays by
 #: cross-memory attach where the kernel permits it (comm/engines/shm_cma.py); 0 copies them through
 #: the segment.
-CMA = "MESHKIT_SHM_CMA"
+CMA = env.SHM_CMA
 #: Bytes of the piece a direct (cross-memory) all_reduce reads and reduces at a time, per rank of the
 #: group (this rank's scratch is n x this), so that the piece read is reduced, and written to the
 #: peers, while in this core's L2 (4 MiB here). At 2 ranks (loaded machine, min of 21 single calls)
@@ -91,12 +91,7 @@ def direct_bytes(n: int) -> int:
 def direct() -> bool:
     """``MESHKIT_SHM_CMA``: whether ordinary buffers may move by cross-memory attach (a bad value
     raises, naming the variable and the valid values)."""
-    raw = os.environ.get(CMA)
-    value = (raw or "1").strip() or "1"
-    if value not in ("0", "1"):
-        raise env.invalid(CMA, raw or "", "0 (copy through the segment) or 1 (cross-memory attach where the "
-                                           "kernel permits it; the default)")
-    return value == "1"
+    return env.shm_cma()
 
 
 def supported() -> bool:
