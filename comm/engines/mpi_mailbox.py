@@ -17,6 +17,7 @@ import time
 from mpi4py import MPI
 
 from ..control import ControlMessageError, decode_notice, encode
+from . import mpi_ulfm
 from .mpi_polling import completes
 from ..notices import Notice
 
@@ -59,7 +60,7 @@ class Mailbox:
         got, self._kept = self._kept, []
         bad: ControlMessageError | None = None
         status = MPI.Status()
-        while (data := receive(self.comm, MPI.ANY_SOURCE, self._TAG, status)) is not None:
+        while (data := self._receive(status)) is not None:
             try:
                 got.append(decode_notice(data, what=f"rank {self.comm.Get_rank()}: the notice from rank "
                                                     f"{status.Get_source()}"))
@@ -69,6 +70,18 @@ class Mailbox:
             self._kept = got
             raise bad
         return got
+
+    def _receive(self, status: MPI.Status) -> bytearray | None:
+        try:
+            return receive(self.comm, MPI.ANY_SOURCE, self._TAG, status)
+        except MPI.Exception as exc:
+            # Under --survive a dead rank fails a probe from any source (ULFM), also while this rank
+            # waits in a collective of a group the dead rank was not in (hybrid sharding's replicate
+            # all-reduce, measured): the RankFailedError that stands for it, naming the dead
+            failed = mpi_ulfm.rank_failed(exc, self.comm, "reading the notices")
+            if failed is None:
+                raise
+            raise failed from None
 
     def drop(self) -> list[MPI.Request]:
         """Forget the notices not sent yet (a shrink: they may be to the dead); their requests are
