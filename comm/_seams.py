@@ -45,7 +45,8 @@ from .groups.world import RECORD_FORMAT, current_world, flight_document, infligh
 __all__ = ["agree", "by_ranks", "name_ranks", "backend_devices", "array_namespace", "is_device_array", "is_array", "to_host", "PREPARED_OPS", "PreparedCollective",
            "prepare_collective",
            "create_groups", "resolve_group", "current_world", "flight_document", "inflight_document", "RECORD_FORMAT",
-           "moved_names", "milestone", "survived", "IMPORTED", "RESTORED", "FIRST_STEP", "positive_setting", "read_bounded",
+           "moved_names", "milestone", "survived", "IMPORTED", "RESTORED", "FIRST_STEP", "positive_setting",
+           "read_bounded",
            "open_regular", "NotRegular", "TooLarge", "FINGERPRINT_SLOTS", "stamp_fingerprint", "verify_fingerprint",
            "moved_modules", "survive_budget"]
 

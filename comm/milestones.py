@@ -24,7 +24,8 @@ import time
 from ..launch_protocol import (FAILED, FIRST_STEP, IMPORTED, LAUNCHER_ENV, RENDEZVOUS, RESTORED, STATUS_DIR_ENV,
                                milestone_file, survived_file)
 
-__all__ = ["milestone", "report_failure", "survived", "IMPORTED", "RENDEZVOUS", "RESTORED", "FIRST_STEP", "STATUS_DIR_ENV",
+__all__ = ["milestone", "report_failure", "survived", "IMPORTED", "RENDEZVOUS", "RESTORED", "FIRST_STEP",
+           "STATUS_DIR_ENV",
            "LAUNCHER_ENV"]
 
 
