@@ -46,7 +46,8 @@ class CheckpointManager:
     Args:
         directory: where the ``step_<n>`` checkpoints live (created if missing).
         max_to_keep: keep only this many newest checkpoints (None: keep all).
-        group: the ranks that save and load together (default: the world).
+        group: the ranks that save and load together (default: the world, the one of each call: after
+            ``meshkit.parallel.survive.shrink`` under ``meshkit-run --survive`` the survivors' world).
         fallback: whether :meth:`restore` skips checkpoints that do not load (True, the default)
             or raises the newest one's error (False).
 
@@ -70,7 +71,8 @@ class CheckpointManager:
         self.directory = Path(directory)
         self.max_to_keep = max_to_keep
         self.fallback = fallback
-        self.group = resolve_group(group)
+        self._group = group
+        resolve_group(group)  # a bad group, or no world, is an error here, not at the first save
         #: serializes pruning: an async_save's writer thread and the caller's next save prune at once
         self._prune_lock = threading.Lock()
         #: names of step_ entries owned by another user, warned about once
@@ -78,6 +80,12 @@ class CheckpointManager:
         if self.group.rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._prune(steps=False)  # only the leftovers of crashes: no step is dropped before a save
+
+    @property
+    def group(self) -> ProcessGroup:
+        """The ranks that save and load together: the group given, else the world of now (a world
+        rebuilt on the survivors of a failure replaces the one this manager was made in)."""
+        return resolve_group(self._group)
 
     def path(self, step: int) -> Path:
         """The directory of ``step``'s checkpoint."""
@@ -121,8 +129,9 @@ class CheckpointManager:
 
     def save(self, step: int, state_dict: dict[str, Any]) -> None:
         """Save ``state_dict`` as ``step`` (collective), then drop checkpoints beyond ``max_to_keep``."""
-        save(state_dict, checkpoint_id=self._new(step), group=self.group)
-        self._prune()
+        group = self.group
+        save(state_dict, checkpoint_id=self._new(step), group=group)
+        self._prune(group)
 
     def async_save(self, step: int, state_dict: dict[str, Any]) -> "Future[None]":
         """:func:`~meshkit.checkpoint.async_save` as ``step``; old ones are dropped once it commits.
@@ -130,7 +139,8 @@ class CheckpointManager:
         The future completes when the checkpoint is committed and, on rank 0, the checkpoints
         beyond ``max_to_keep`` are removed.
         """
-        inner = async_save(state_dict, checkpoint_id=self._new(step), group=self.group)
+        group = self.group  # resolved here: the writer thread has no world of its own (the local engine's)
+        inner = async_save(state_dict, checkpoint_id=self._new(step), group=group)
         future: Future[None] = Future()
         future.set_running_or_notify_cancel()
 
@@ -140,7 +150,7 @@ class CheckpointManager:
                 future.set_exception(exc)
                 return
             try:
-                self._prune()
+                self._prune(group)
             finally:
                 future.set_result(None)
 
@@ -226,7 +236,7 @@ class CheckpointManager:
                                   f"got {step!r}")
         return self.path(step)
 
-    def _prune(self, *, steps: bool = True) -> None:
+    def _prune(self, group: ProcessGroup | None = None, *, steps: bool = True) -> None:
         """Rank 0: remove the oldest complete checkpoints beyond ``max_to_keep`` (if ``steps``),
         and what crashed saves and prunes left (:func:`~.cleanup.remove_stale`: ``.tmp-``
         directories idle for twice the group's timeout, ``.deleting-`` ones).
@@ -234,7 +244,8 @@ class CheckpointManager:
         Never raises: the save before it is complete on every rank, and an error here on rank 0
         alone would tell the ranks different stories; a failure is logged as a warning.
         """
-        if self.group.rank != 0:
+        group = group or self.group
+        if group.rank != 0:
             return
         with self._prune_lock:
             try:
@@ -245,7 +256,7 @@ class CheckpointManager:
                     except FileNotFoundError:  # removed meanwhile (another manager on this directory)
                         continue
                     shutil.rmtree(doomed, ignore_errors=True)
-                remove_stale(self.directory, idle_after=2 * self.group.timeout)
+                remove_stale(self.directory, idle_after=2 * group.timeout)
             except OSError as exc:
                 logger.warning("meshkit.checkpoint: rank 0: CheckpointManager could not remove old checkpoints in "
                                "%s (max_to_keep=%s): %s", self.directory, self.max_to_keep, exc)

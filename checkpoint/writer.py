@@ -260,7 +260,9 @@ def _decide(g: ProcessGroup, seq: int, tmp: Path, final: Path, skeleton: dict[st
         if tmp.exists():
             logger.warning("meshkit.checkpoint: rank 0: could not remove %s after a failed save; "
                            "CheckpointManager removes it later", tmp)
-    sends = [g.isend(_message(seq, verdict), r, _tag(g)) for r in range(1, size)]
+    # ranks died: the survivors must raise the RankFailedError too (their loop shrinks), not a CheckpointError
+    message = _message(seq, verdict) if lost is None else _message(seq, verdict or str(lost), lost.failed_ranks)
+    sends = [g.isend(message, r, _tag(g)) for r in range(1, size)]
     for work in sends:  # small messages leave at once; a rank that is gone must not hold rank 0 up
         try:
             work.wait(timeout=limit)
@@ -313,20 +315,29 @@ def _report(g: ProcessGroup, seq: int, final: Path, failure: str | None, limit: 
     work, buf = _post(g, 0)  # posted first: the verdict may come before this rank's word (a failure)
     g.isend(_message(seq, failure), 0, _tag(g))
     try:
-        return _receive(g, seq, 0, work, buf, time.monotonic() + limit)[1]
+        flag, text = _receive(g, seq, 0, work, buf, time.monotonic() + limit)
     except DistError as exc:
         if _died(exc):
             raise
         waited = f" within {limit:g} s" if isinstance(exc, CollectiveTimeout) else ""
         return (f"meshkit.checkpoint: rank {g.rank}: no verdict from rank 0 on {str(final)!r}{waited} "
                 f"({exc}); whether it was committed is unknown")
+    if flag == _LOST:  # rank 0 met dead ranks (under --survive): nothing was committed, tmp is gone
+        ranks, _, cause = (text or "").partition("\n")
+        dead = tuple(int(r) for r in ranks.split(",") if r.isdigit())
+        raise RankFailedError(f"meshkit.checkpoint: rank {g.rank}: the save of {str(final)!r} failed: rank 0 met "
+                              f"dead rank(s) {list(dead)} ({cause}); nothing was committed", failed_ranks=dead)
+    return text
 
 
 # --------------------------------------------------------------------------- the verdict's messages
 #: the size of an outcome or verdict message: a header and a UTF-8 message, cut to fit (messages
 #: are a few hundred bytes); small enough that MPI sends it eagerly, without waiting for the receiver
 MESSAGE_BYTES = 4096
-_HEAD = 3  # int64s: save number, failed (0/1), message length
+_HEAD = 3  # int64s: save number, failed (0/1, or _LOST), message length
+#: a verdict's "failed" when rank 0 met dead ranks: its text is their ranks (comma-separated), a newline,
+#: then the error; every survivor raises the RankFailedError naming them (meshkit-run --survive)
+_LOST = 2
 
 
 def _tag(g: ProcessGroup) -> int:
@@ -334,10 +345,13 @@ def _tag(g: ProcessGroup) -> int:
     return g.max_tag
 
 
-def _message(seq: int, failure: str | None) -> np.ndarray:
+def _message(seq: int, failure: str | None, lost: tuple[int, ...] | None = None) -> np.ndarray:
+    if lost is not None:
+        failure = f"{','.join(map(str, lost))}\n{failure or ''}"
     text = (failure or "").encode()[:MESSAGE_BYTES - 8 * _HEAD]
     buf = np.zeros(MESSAGE_BYTES, np.uint8)
-    buf[:8 * _HEAD] = np.array([seq, failure is not None, len(text)], np.int64).view(np.uint8)
+    flag = _LOST if lost is not None else int(failure is not None)
+    buf[:8 * _HEAD] = np.array([seq, flag, len(text)], np.int64).view(np.uint8)
     buf[8 * _HEAD:8 * _HEAD + len(text)] = np.frombuffer(text, np.uint8)
     return buf
 
@@ -348,15 +362,16 @@ def _post(g: ProcessGroup, src: int) -> tuple[Any, np.ndarray]:
 
 
 def _receive(g: ProcessGroup, seq: int, src: int, work: Any, buf: np.ndarray, deadline: float
-             ) -> tuple[bool, str | None]:
-    """``(failed, message)`` of save ``seq`` from group rank ``src``; a message of an earlier save
-    (one whose waiter timed out) is skipped."""
+             ) -> tuple[int, str | None]:
+    """``(failed, message)`` of save ``seq`` from group rank ``src`` (failed: 0, 1, or :data:`_LOST`);
+    a message of an earlier save (one whose waiter timed out) is skipped."""
     while True:
         work.wait(timeout=max(0.0, deadline - time.monotonic()))
         number, failed, length = (int(v) for v in buf[:8 * _HEAD].view(np.int64))
         if number == seq:
-            text = bytes(buf[8 * _HEAD:8 * _HEAD + length]).decode(errors="replace")
-            return bool(failed), text if failed else None
+            text = bytes(buf[8 * _HEAD:8 * _HEAD + max(0, min(length, MESSAGE_BYTES - 8 * _HEAD))]).decode(
+                errors="replace")
+            return failed, text if failed else None
         work, buf = _post(g, src)
 
 

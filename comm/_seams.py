@@ -11,7 +11,8 @@ collectives (:class:`PreparedCollective`) and the NumPy/CuPy rule (:func:`array_
 :func:`is_device_array`, :func:`is_array`, :func:`to_host`). They import those from here, a module
 named as private as torch's
 ``torch.distributed._*`` are: the names may change between releases without a deprecation.
-``parallel``'s sharded strategies also read the job's ``--survive`` budget (:func:`survive_budget`).
+``parallel``'s sharded strategies also read the job's ``--survive`` budget (:func:`survive_budget`), and
+its recovery tells the launcher when it passed each point (:func:`survived`, for ``meshkit-run``'s report).
 
 :func:`moved_names` is the one way a package keeps a name it took out of its ``__all__`` importable
 for one release.
@@ -32,7 +33,7 @@ from ..launch_protocol import SURVIVE_ENV
 from .agree import agree
 from .naming import by_ranks, name_ranks
 from .setup.backends import backend_devices
-from .milestones import FIRST_STEP, IMPORTED, RESTORED, milestone
+from .milestones import FIRST_STEP, IMPORTED, RESTORED, milestone, survived
 from .arrays import array_namespace, is_array, is_device_array, to_host
 from .groups.prepared import PREPARED_OPS, PreparedCollective, prepare_collective
 from .setup.registry import create_groups, resolve_group
@@ -44,7 +45,8 @@ from .groups.world import RECORD_FORMAT, current_world, flight_document, infligh
 __all__ = ["agree", "by_ranks", "name_ranks", "backend_devices", "array_namespace", "is_device_array", "is_array", "to_host", "PREPARED_OPS", "PreparedCollective",
            "prepare_collective",
            "create_groups", "resolve_group", "current_world", "flight_document", "inflight_document", "RECORD_FORMAT",
-           "moved_names", "milestone", "IMPORTED", "RESTORED", "FIRST_STEP", "positive_setting", "read_bounded",
+           "moved_names", "milestone", "survived", "IMPORTED", "RESTORED", "FIRST_STEP", "positive_setting",
+           "read_bounded",
            "open_regular", "NotRegular", "TooLarge", "FINGERPRINT_SLOTS", "stamp_fingerprint", "verify_fingerprint",
            "moved_modules", "survive_budget"]
 

@@ -6,6 +6,8 @@ Bad input raises :class:`DistValueError` / :class:`DistTypeError`, which are als
 
 from __future__ import annotations
 
+import time
+
 __all__ = [
     "DistError",
     "DistValueError",
@@ -75,11 +77,14 @@ class RankFailedError(DistError):
 
     Attributes:
         failed_ranks: the global ranks known dead (empty where the failure is not a death).
+        raised_ns: when it was made (wall clock, ns): where a survivor learnt of the failure, which
+            ``meshkit-run``'s report of a survived failure times as the end of its detection.
     """
 
     def __init__(self, message: str, *, failed_ranks: tuple[int, ...] = ()) -> None:
         super().__init__(message)
         self.failed_ranks = tuple(failed_ranks)
+        self.raised_ns = time.time_ns()
 
 
 class DistStoreError(DistError):

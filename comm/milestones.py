@@ -9,6 +9,11 @@ on a host other than the launcher's, :func:`milestone` does nothing.
 
 Who calls it: the ``meshkit`` package once imported (``imported``), :func:`~meshkit.comm.init_process_group` (``rendezvous``), checkpoint loads
 (``restored``) and the data-parallel strategies' ``step()`` (``first_step``).
+
+Under ``meshkit-run --survive`` the launcher also times each failure the survivors recover from
+in memory (:func:`survived`, called by :func:`meshkit.parallel.survive.shrink`): when this rank
+learnt of it, agreed with the others on the dead, had its new world, had its state rebuilt, and
+(the next ``first_step`` after it) completed its next step.
 """
 
 from __future__ import annotations
@@ -17,21 +22,54 @@ import os
 import time
 
 from ..launch_protocol import (FAILED, FIRST_STEP, IMPORTED, LAUNCHER_ENV, RENDEZVOUS, RESTORED, STATUS_DIR_ENV,
-                               milestone_file)
+                               milestone_file, survived_file)
 
-__all__ = ["milestone", "report_failure", "IMPORTED", "RENDEZVOUS", "RESTORED", "FIRST_STEP", "STATUS_DIR_ENV",
+__all__ = ["milestone", "report_failure", "survived", "IMPORTED", "RENDEZVOUS", "RESTORED", "FIRST_STEP",
+           "STATUS_DIR_ENV",
            "LAUNCHER_ENV"]
 
 
 _passed: set[str] = set()
+#: This process's recoveries (:func:`survived`): each one's fields, its ``redone`` time 0 until the step after it.
+_recoveries: list[list[int | str]] = []
+#: The rank as launched of each rank of the world of now (None: the world is the launched one).
+_launched: list[int] | None = None
 
 
 def milestone(name: str) -> None:
     """Tell the launcher that this process passed ``name`` now (the first time only; cheap after)."""
+    if name == FIRST_STEP and _recoveries and not _recoveries[-1][4]:  # the step after a recovery
+        _recoveries[-1][4] = time.time_ns()
+        _write_recovery()
     if name in _passed:
         return
     _passed.add(name)
     _write(milestone_file(name), str(time.time_ns()))
+
+
+def survived(*, failed: tuple[int, ...], old_size: int, detected_ns: int, agreed_ns: int, shrunk_ns: int,
+             rebuilt_ns: int, step: int) -> None:
+    """Tell the launcher that this rank recovered from a survived failure (``meshkit-run --survive``).
+
+    Args:
+        failed: the ranks lost, numbered in the world before (:class:`~meshkit.comm.Shrunk`'s ``failed``).
+        old_size: that world's size.
+        detected_ns, agreed_ns, shrunk_ns, rebuilt_ns: wall-clock times (ns) on this rank: its
+            ``RankFailedError``, the survivors' agreement (revoke and ULFM's Shrink) done, the new
+            world installed, the strategy rebuilt with its state.
+        step: the step the loop redoes. The next ``first_step`` milestone times the redo.
+    """
+    global _launched
+    launched = _launched if _launched is not None and len(_launched) == old_size else list(range(old_size))
+    lost = [launched[r] for r in failed]
+    _launched = [r for i, r in enumerate(launched) if i not in set(failed)]
+    _recoveries.append([int(detected_ns), int(agreed_ns), int(shrunk_ns), int(rebuilt_ns), 0, int(step),
+                        ",".join(map(str, lost)) or "-"])
+    _write_recovery()
+
+
+def _write_recovery() -> None:
+    _write(survived_file(len(_recoveries)), " ".join(map(str, _recoveries[-1])))
 
 
 def report_failure(status: int, how: str) -> None:

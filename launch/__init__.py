@@ -17,13 +17,15 @@ ending a job), :mod:`~meshkit.launch.output` (mpiexec's output), :mod:`~meshkit.
 ``spawn(fn, args, nprocs)`` over the same job), :mod:`~meshkit.launch.restarts` (``--max-restarts``:
 a failed job restarted, the way back timed), :mod:`~meshkit.launch.slots` (``-n MIN:MAX``,
 ``--slots``, ``--hostfile``), :mod:`~meshkit.launch.fault_tolerant` (``--survive``: Open MPI's
-ULFM) and :mod:`~meshkit.launch.secret` (the job's secret).
+ULFM), :mod:`~meshkit.launch.survived` (``--survive``'s report of each failure survived, by phase) and
+:mod:`~meshkit.launch.secret` (the job's secret).
 
 Modules: ``cli.py`` (the flags), ``job.py`` (the mpiexec job, exit codes), ``output.py`` (rank
 prefixes), ``bootstrap.py`` (what each rank runs first), ``mpich_tuning.py``, ``__main__.py``
 (``python -m meshkit.launch``), ``spawn.py``/``spawn_rank.py`` (``meshkit.spawn`` over the same job),
 ``restarts.py`` (``--max-restarts``), ``slots.py`` (``-n MIN:MAX``, host files), ``secret.py`` (the
-job's secret), ``deathsig.py`` (mpiexec dies with the launcher), ``fault_tolerant.py`` (``--survive``).
+job's secret), ``deathsig.py`` (mpiexec dies with the launcher), ``fault_tolerant.py`` (``--survive``),
+``survived.py`` (``--survive-report``: each survived failure, by phase).
 """
 
 import sys

@@ -752,21 +752,27 @@ def _fork_watcher(status: _StatusDir) -> bool:
     if child == 0:
         # Its own process group: a signal hydra sends to the rank's group reaches the rank
         # once, through the watcher, not twice; and the watcher ends the rank's children with
-        # it. Killed with the watcher, whoever kills it.
+        # it. Killed with the watcher, whoever kills it. Its own session too (setsid makes both),
+        # hence its own scheduling autogroup (Linux's CONFIG_SCHED_AUTOGROUP shares the CPU
+        # fairly between sessions): hydra starts every watcher in a session of its own, Open
+        # MPI's prterun (--survive) all in its one, whose ranks then shared one session's share
+        # of a loaded machine: `import meshkit` took 4.7-7.7 s a rank, 2.0-3.3 s in sessions of
+        # their own (4 ranks under --survive, 2 cores loaded by other jobs, runs interleaved).
         try:
-            os.setpgid(0, 0)
+            os.setsid()
         except OSError:
-            pass
+            try:
+                os.setpgid(0, 0)
+            except OSError:
+                pass
         prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != watcher:  # the watcher died before prctl took effect
             os._exit(128 + signal.SIGKILL)
         status.launcher.close()  # the watcher's to watch
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)
         return True
-    try:
-        os.setpgid(child, child)  # as the child does: whichever runs first
-    except OSError:
-        pass
+    # No setpgid(child, child) here: done first, it would make the child a group leader, which
+    # setsid refuses; until the child's own call, _orphaned kills the rank alone.
     _watch(child, status)
 
 

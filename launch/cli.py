@@ -58,6 +58,7 @@ from .restarts import (BACKOFF_BASE_S, BACKOFF_CAP_S, BACKOFF_RESET_S, ElasticSp
 from .secret import JOB_SECRET_ENV, job_secret
 from .slots import Hosts, available, parse_nproc
 from .fault_tolerant import find_ulfm_mpiexec, survive_arguments, survive_environment
+from .survived import SurvivedReports
 
 __all__ = ["main", "find_mpiexec", "thread_limits", "allocator_settings", "ALLOCATOR_ENV", "rendezvous_address",
            "all_ranks_here", "job_command", "job_environment",
@@ -68,7 +69,7 @@ logger = logging.getLogger("meshkit.launch")
 # Launcher options that take a value; the first other bare word is the script.
 _VALUE_OPTIONS = ("-n", "--nproc", "--mpiexec-args", "--timeout", "--max-restarts", "--restart-delay", "--slots",
                   "--hostfile", "--restart-report", "--simulate-nodes",
-                  "--survive")
+                  "--survive", "--survive-report")
 #: UCX's transports for the traffic between simulated nodes: TCP, not UCX's own shared memory,
 #: which it would pick between processes of one machine (MPICH's shared memory still carries the
 #: traffic within a simulated node). So a small all_reduce is slower between
@@ -221,6 +222,11 @@ def _build_parser() -> argparse.ArgumentParser:
              "carry on after meshkit.parallel.survive.shrink (docs/elastic.md \"Surviving failures\"); "
              "past K the job ends, or restarts under --max-restarts",
     )  # fmt: skip
+    elastic.add_argument(
+        "--survive-report", metavar="FILE",
+        help="with --survive: write each survived failure and its time back to training, by phase (detection, "
+             "agreement, shrink, state rebuild, redo), as JSON; the same line is printed either way",
+    )  # fmt: skip
     parser.add_argument(
         "--simulate-nodes", type=_positive_int, metavar="K",
         help="run the ranks as K simulated nodes of this host (ranks in blocks of N/K; K must divide N; MPICH's "
@@ -297,6 +303,8 @@ def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if opts.survive and opts.survive >= opts.nproc.min:
         parser.error(f"argument --survive: {opts.survive} failures would leave no rank of -n {opts.nproc}; "
                      f"give fewer than {opts.nproc.min}")
+    if opts.survive_report is not None and not opts.survive:
+        parser.error("argument --survive-report: reports the failures --survive K survives; give --survive K too")
     if opts.survive and opts.simulate_nodes is not None:
         parser.error("argument --survive: runs on Open MPI, and --simulate-nodes needs MPICH's hydra")
     if slots < opts.nproc.min:
@@ -473,6 +481,7 @@ def _launch(opts: argparse.Namespace, target: list[str]) -> int:
     spec = ElasticSpec(opts.nproc, opts.max_restarts, opts.restart_delay, opts.slots, opts.hostfile, opts.timeout,
                        opts.restart_report)
 
+    survived = SurvivedReports(opts.survive_report) if opts.survive else None  # every attempt's
     every = " (all attempts together)" if opts.max_restarts else ""
     text = None if opts.timeout is None else f"{opts.timeout:g} s{every}"
 
@@ -488,14 +497,28 @@ def _launch(opts: argparse.Namespace, target: list[str]) -> int:
             env.update(attempt_environment(spec, restart))
             env.update(survive_env)
             logger.debug("running %s", shlex.join(command))
-            job = Job(command, env, nproc=nproc, status_dir=status_dir, timeout=timeout, on_poll=on_poll,
+            if survived is not None:
+                survived.begin(nproc, restart)
+            job = Job(command, env, nproc=nproc, status_dir=status_dir, timeout=timeout,
+                      on_poll=on_poll if survived is None else _both(survived.poll, on_poll),
                       timeout_text=text, local_only=all_ranks_here(mpiexec, args, env), survive=opts.survive)
             job.run()
+            if survived is not None:
+                survived.finish(job)
             return job
         finally:
             shutil.rmtree(status_dir, ignore_errors=True)
 
     return run_attempts(spec, attempt)
+
+
+def _both(first: Callable[[Job], None], then: Callable[[Job], None] | None) -> Callable[[Job], None]:
+    """A job's ``on_poll`` that calls ``first`` and then ``then`` (if any)."""
+    def polled(job: Job) -> None:
+        first(job)
+        if then is not None:
+            then(job)
+    return polled
 
 
 def _configure_logging(verbose: bool) -> None:

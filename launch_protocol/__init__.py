@@ -19,7 +19,7 @@ __all__ = [
     "STATUS_DIR_ENV", "LAUNCHER_ENV", "LAUNCHER_START_ENV", "LAUNCHED_ENV", "WORLD_SIZE_ENV", "SIMULATED_NODES_ENV",
     "HOST_NAME_ENV", "JOB_SECRET_ENV", "RESTART_COUNT_ENV", "MAX_RESTARTS_ENV", "MIN_NPROC_ENV", "MAX_NPROC_ENV",
     "RESTART_ENV", "SURVIVE_ENV", "START", "FAILED", "ENDED", "RELEASE", "TIMED_OUT", "FINISHED", "MILESTONE", "SHM_RECORD", "GONE",
-    "IMPORTED", "RENDEZVOUS", "RESTORED", "FIRST_STEP", "MILESTONES", "milestone_file",
+    "IMPORTED", "RENDEZVOUS", "RESTORED", "FIRST_STEP", "MILESTONES", "milestone_file", "SURVIVED", "survived_file",
 ]
 
 # ---- environment variables the launcher sets for every rank --------------------------------------
@@ -79,3 +79,17 @@ MILESTONES = (IMPORTED, RENDEZVOUS, RESTORED, FIRST_STEP)
 def milestone_file(name: str) -> str:
     """The status file's name (before ``.{rank}``) that says a rank passed milestone ``name``."""
     return f"{MILESTONE}-{name}"
+
+
+# ---- survived failures (--survive) ----------------------------------------------------------------
+
+#: ``survived-{n}.{rank}``: rank ``rank`` (as launched) recovered from the job's n-th survived failure
+#: (n from 1): one line of wall-clock times in ns, ``detected agreed shrunk rebuilt redone``, then the
+#: step redone and the lost ranks (as launched, comma-separated); ``redone`` is 0 until the rank's next
+#: optimizer step after the recovery, when the file is written again (:mod:`meshkit.comm.milestones`).
+SURVIVED = "survived"
+
+
+def survived_file(n: int) -> str:
+    """The status file's name (before ``.{rank}``) of a rank's recovery from survived failure ``n``."""
+    return f"{SURVIVED}-{int(n)}"

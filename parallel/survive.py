@@ -31,6 +31,7 @@ What :func:`shrink` does, in order (each phase timed in :class:`Recovery`):
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -39,6 +40,7 @@ import numpy as np
 
 from ..comm import (DistValueError, Shrunk, all_gather, all_gather_object, broadcast_object_list, get_rank,
                     get_world_size, shrink_world)
+from ..comm._seams import survived
 from . import buddy
 from .data_parallelism import DistributedDataParallel
 from .data_parallelism.sharded import Shards
@@ -101,11 +103,13 @@ def shrink(model: Any, build: Callable[[], Any]) -> tuple[Any, int]:
                              "state and no buddy copies of it: build the strategy under meshkit-run --survive K "
                              "(MESHKIT_SURVIVE set), which keeps a copy of the next rank's shards "
                              "(docs/elastic.md \"Surviving failures\")")
+    caught = sys.exc_info()[1]  # the loop's RankFailedError, when called in its except clause
+    detected_ns = getattr(caught, "raised_ns", None) or time.time_ns()
     started = time.perf_counter()
     old_rank = get_rank()
     mine = buddy.contribution(model, old_rank) if sharded else model.full_state_dict()  # local: no communication
     shrunk = shrink_world()
-    shrunk_at = time.perf_counter()
+    shrunk_at, shrunk_ns = time.perf_counter(), time.time_ns()
     if sharded:  # every survivor's own shards and buddy copy, to every survivor (by new rank)
         everyone: list[Any] = [None] * get_world_size()
         all_gather_object(everyone, mine)
@@ -128,6 +132,9 @@ def shrink(model: Any, build: Callable[[], Any]) -> tuple[Any, int]:
     recovery = Recovery(shrink=shrunk_at - started, state=time.perf_counter() - shrunk_at, step=max(steps),
                         source=source, world=shrunk)
     _last.append(recovery)
+    survived(failed=shrunk.failed, old_size=shrunk.old_size, detected_ns=detected_ns,
+             agreed_ns=shrunk.agreed_ns or shrunk_ns, shrunk_ns=shrunk_ns, rebuilt_ns=time.time_ns(),
+             step=recovery.step)  # meshkit-run's report of the failure, by phase
     logger.warning("meshkit: rank %d: %s rebuilt on %d ranks in %.3f s = shrink %.3f + state %.3f; redoing step %d "
                    "(the state of rank %d)", get_rank(), type(model).__name__, get_world_size(),
                    recovery.shrink + recovery.state, recovery.shrink, recovery.state, recovery.step, source)

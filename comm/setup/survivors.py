@@ -40,6 +40,8 @@ class Shrunk:
         rank, size: this rank and the world's size now.
         new_ranks: each survivor's new rank, by its old rank.
         seconds: how long the shrink took on this rank (revoke, Shrink, the new world).
+        agreed_ns: when the survivors' communicator existed on this rank (wall clock, ns): the revoke
+            and ULFM's Shrink, whose agreement on the dead is most of it, done; the new world after.
     """
 
     failed: tuple[int, ...]
@@ -49,6 +51,7 @@ class Shrunk:
     size: int
     new_ranks: dict[int, int]
     seconds: float
+    agreed_ns: int = 0
 
 
 def shrink_world() -> Shrunk:
@@ -70,6 +73,7 @@ def shrink_world() -> Shrunk:
                                f"meshkit-run --survive, not {world.backend!r} (docs/elastic.md \"Surviving failures\")")
     old_rank, old_size = world.rank, world.size
     engine, new_ranks = survivors_engine(world)
+    agreed_ns = time.time_ns()
     failed = tuple(o for o in range(old_size) if o not in new_ranks)
     for group in world.groups.values():  # dropped without a word: every peer is in this call too
         group.queue.thread.close()
@@ -78,7 +82,7 @@ def shrink_world() -> Shrunk:
     set_world(None)
     install_world(world.backend, engine, world.timeout, first=False)
     shrunk = Shrunk(failed=failed, old_rank=old_rank, old_size=old_size, rank=engine.rank, size=engine.size,
-                    new_ranks=new_ranks, seconds=time.perf_counter() - started)
+                    new_ranks=new_ranks, seconds=time.perf_counter() - started, agreed_ns=agreed_ns)
     logger.warning("meshkit: rank %d (was %d): the world shrank from %d to %d ranks without rank(s) %s in %.3f s",
                    shrunk.rank, old_rank, old_size, shrunk.size, list(failed), shrunk.seconds)
     return shrunk

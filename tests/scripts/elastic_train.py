@@ -6,11 +6,17 @@ The example (``examples/train_mlp.py`` or ``train_3d.py``) runs as its own ``__m
 this wrapper only arms a fault, from the environment, on the attempts it names
 (``MESHKIT_RESTART_COUNT``), so one job can be killed differently on successive attempts:
 
-* ``ELASTIC_FAULT=FAULT[,FAULT...]``: the first FAULT is armed on attempt 0, the second on
-  attempt 1, and so on (an attempt past the list runs unharmed). A FAULT is one of:
+* ``ELASTIC_FAULT=FAULTS[,FAULTS...]``: the first FAULTS are armed on attempt 0, the second on
+  attempt 1, and so on (an attempt past the list runs unharmed); FAULTS is one FAULT or several
+  joined by ``+``, all armed on that attempt (``meshkit-run --survive`` loses several ranks in one
+  attempt). R is the rank as launched (``RANK``: under ``--survive`` a survivor keeps it, whatever
+  its number in the shrunk world). A FAULT is one of:
 
-  * ``step:R:S``: SIGKILL rank R right after training step S (its first training loop only: the
+  * ``step:R:S``: SIGKILL rank R right after training step S (its distributed training only: the
     single-process reference of ``--check`` trains through the same loop);
+  * ``bucket:R:S``: SIGKILL rank R in step S's backward pass, 50 ms after it handed over its second
+    gradient, so the others are inside a gradient reduction: a DDP/ZeRO bucket's all-reduce (with
+    a small ``--bucket-cap-mb``) or an FSDP unit's reduce-scatter;
   * ``save:R:S``: SIGKILL rank R in the middle of saving the checkpoint of step S: its data file
     written, its marker not (so that checkpoint can never commit);
   * ``vanish:R:S``: after step S, SIGKILL rank R's watcher and then rank R: the process vanishes
@@ -64,39 +70,67 @@ def _die(vanish: bool = False) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-faults = [f for f in os.environ.get("ELASTIC_FAULT", "").split(",") if f]
-if attempt < len(faults):
-    kind, victim, at = faults[attempt].split(":")
-    victim_rank, at_step = int(victim), int(at)
-    if kind in ("step", "vanish") and rank == victim_rank:
-        import loop  # the examples' one training loop (beside them)
+def _distributed(model) -> bool:
+    return type(model).__name__ != "LocalStrategy"  # --check's single-process reference is not harmed
 
-        train, armed = loop.train, [True]
 
-        def train_then_die(model, steps, run_pass, *, after_step=None, **options):
-            first, armed[0] = armed[0], False  # the distributed run; --check's reference comes later
+attempts = [f for f in os.environ.get("ELASTIC_FAULT", "").split(",") if f]
+faults = [f.split(":") for f in attempts[attempt].split("+")] if attempt < len(attempts) else []
+mine = [(kind, int(at)) for kind, victim, at in faults if int(victim) == rank]
+after_steps = {at: kind for kind, at in mine if kind in ("step", "vanish")}
+bucket_steps = {at for kind, at in mine if kind == "bucket"}
+save_steps = {at for kind, at in mine if kind == "save"}
+if after_steps or bucket_steps:
+    import loop  # the examples' one training loop (beside them)
+    import mlp  # the examples' model (beside them)
 
-            def after(done: int) -> None:
-                if after_step is not None:
-                    after_step(done)
-                if first and done == at_step:
-                    print(f"elastic_train: killing rank {rank} after step {done}", flush=True)
-                    _die(vanish=kind == "vanish")
-            return train(model, steps, run_pass, after_step=after, **options)
+    train, backward_layers, current = loop.train, mlp.backward_layers, [None]
 
-        loop.train = train_then_die
-    elif kind == "save" and rank == victim_rank:
-        from meshkit.checkpoint import writer  # a test reaches inside to kill at the exact point
+    def train_then_die(model, steps, run_pass, *, after_step=None, **options):
+        if not _distributed(model):
+            return train(model, steps, run_pass, after_step=after_step, **options)
 
-        write_chunks = writer.write_chunks
+        def tracked(model, step):
+            current[0] = step
+            return run_pass(model, step)
 
-        def write_then_die(tmp, r, chunks):
-            records = write_chunks(tmp, r, chunks)
-            if Path(tmp).name.startswith(f".step_{at_step}.tmp-"):
-                print(f"elastic_train: killing rank {rank} inside the save of step {at_step}", flush=True)
+        def after(done: int) -> None:
+            if after_step is not None:
+                after_step(done)
+            if done in after_steps:
+                print(f"elastic_train: killing rank {rank} after step {done}", flush=True)
+                _die(vanish=after_steps[done] == "vanish")
+        return train(model, steps, tracked, after_step=after, **options)
+
+    def backward_then_die(model, acts, dlogits, on_grad=None, **options):
+        if current[0] not in bucket_steps or not _distributed(model):
+            return backward_layers(model, acts, dlogits, on_grad, **options)
+        handed = []
+
+        def mark(name, grad):
+            (on_grad or model.mark_grad_ready)(name, grad)
+            handed.append(name)
+            if len(handed) == 2:
+                time.sleep(0.05)  # the others are in the reduction this gradient started
+                print(f"elastic_train: killing rank {rank} inside step {current[0]}'s gradient reduction",
+                      flush=True)
                 _die()
-            return records
+        return backward_layers(model, acts, dlogits, mark, **options)
 
-        writer.write_chunks = write_then_die
+    loop.train, mlp.backward_layers = train_then_die, backward_then_die
+if save_steps:
+    from meshkit.checkpoint import writer  # a test reaches inside to kill at the exact point
+
+    write_chunks = writer.write_chunks
+
+    def write_then_die(tmp, r, chunks):
+        records = write_chunks(tmp, r, chunks)
+        at_step = next((s for s in save_steps if Path(tmp).name.startswith(f".step_{s}.tmp-")), None)
+        if at_step is not None:
+            print(f"elastic_train: killing rank {rank} inside the save of step {at_step}", flush=True)
+            _die()
+        return records
+
+    writer.write_chunks = write_then_die
 
 runpy.run_path(str(example), run_name="__main__")
