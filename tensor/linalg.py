@@ -27,9 +27,10 @@ from ..comm._seams import array_namespace
 from . import errors
 from .chunks import local_shape_and_offset
 from .dispatch import implements
-from .dtensor import DTensor
+from .dtensor import DTensor, _wrap
 from .placements import Partial, Placement, Replicate, Shard
-from .propagation import moved, reduction_placements, norm_axes, reduce_over, unsupported, wrap
+from .propagation import moved, norm_axes, unsupported, wrap
+from .reduction_plan import reduction_plan
 
 __all__ = ["norm", "outer", "trace", "tensordot"]  # np.dot is matmul.py's (its N-D form calls tensordot)
 
@@ -53,8 +54,8 @@ def norm(x: Any, ord: Any = None, axis: Any = None, keepdims: bool = False) -> D
         raise ValueError(errors.prefix(op) + f"invalid norm order {ord!r} for vectors")
     if ord is None or ord == "fro":
         ord = 2
-    need, out, merged, _ = reduction_placements(x, axes, keepdims)
-    local = moved(op, "x", x, need).to_local()
+    plan = reduction_plan(x.device_mesh, x.shape, x.placements, axes, bool(keepdims))
+    local = moved(op, "x", x, plan.need).to_local()
     xp = array_namespace(local)
     if local.dtype.kind not in "fc":
         local = local.astype(np.float64)
@@ -85,16 +86,15 @@ def norm(x: Any, ord: Any = None, axis: Any = None, keepdims: bool = False) -> D
         p = float(ord)
         part = xp.sum(mag ** p, axis=axes, keepdims=True)
         reduce_op = ReduceOp.SUM
-    if merged:
-        part = reduce_over(part, x.device_mesh, merged, reduce_op)
+    if plan.merged:
+        plan.reduce(part, reduce_op)  # part is this call's own array
     if ord == 2:
-        part = xp.sqrt(part)
+        part = xp.sqrt(part, out=part)
     elif ord not in (np.inf, -np.inf, 0, 1):
         part = part ** (1.0 / float(ord))
     if not keepdims:
-        part = part.reshape(tuple(s for d, s in enumerate(part.shape) if d not in axes))
-    shape = tuple(1 if d in axes else s for d, s in enumerate(x.shape) if keepdims or d not in axes)
-    return wrap(part, x.device_mesh, out, shape)
+        part = part.reshape(plan.squeezed_block)
+    return _wrap(part, x.device_mesh, plan.out, plan.shape)
 
 
 def _letters(n: int, skip: str = "") -> str:

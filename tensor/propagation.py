@@ -110,10 +110,15 @@ def wrap(local: Any, mesh: DeviceMesh, placements: Sequence[Placement], shape: S
     return DTensor(local, mesh, placements, shape=shape)
 
 
+_ALL_AXES = tuple(tuple(range(n)) for n in range(33))  # axis=None of an n-d array (NumPy allows 64 dims)
+
+
 def norm_axes(op: str, ndim: int, axis: Any) -> tuple[int, ...]:
     """``axis`` (None, an int or a tuple of ints) as sorted non-negative axes; NumPy's AxisError out of range."""
     if axis is None:
-        return tuple(range(ndim))
+        return _ALL_AXES[ndim] if ndim < len(_ALL_AXES) else tuple(range(ndim))
+    if axis.__class__ is int and -ndim <= axis < ndim:  # the common case, without the loop below
+        return (axis % ndim,)
     axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
     out = set()
     for ax in axes:

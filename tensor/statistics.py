@@ -21,7 +21,6 @@ NaN anywhere in a line gives NaN (``argmax``: the first NaN's index, as NumPy). 
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -30,37 +29,16 @@ import numpy as np
 from ..comm import ReduceOp
 from ..comm._seams import array_namespace
 from . import errors
-from .chunks import local_shape_and_offset
 from .dispatch import implements
-from .dtensor import DTensor
-from .placements import Partial, Placement, Replicate, Shard
-from .propagation import gather_over, moved, no_out, norm_axes, off_axes, reduce_over, reduction_placements, renumbered, \
+from .dtensor import DTensor, _wrap
+from .placements import Partial, Replicate
+from .propagation import moved, no_out, norm_axes, off_axes, reduction_placements, renumbered, \
     uniform_finite, unsupported, wrap
+from .reduction_plan import reduction_plan
 
 __all__ = ["var", "std", "average", "count_nonzero", "any_", "all_", "prod", "argmax", "argmin", "median"]
 
-
-def _counts(a: DTensor, placements: list[Placement], axes: tuple[int, ...], merged: list[int]) -> np.ndarray:
-    """Elements each rank along the ``merged`` mesh dims reduces, flat in mesh order: arithmetic."""
-    mesh = a.device_mesh
-    return _counts_of(a.shape, tuple(mesh.shape), tuple(mesh.get_coordinate()), tuple(placements), axes,
-                      tuple(merged))
-
-
-@functools.lru_cache(maxsize=256)
-def _counts_of(shape: tuple[int, ...], mesh_shape: tuple[int, ...], me: tuple[int, ...],
-               placements: tuple[Placement, ...], axes: tuple[int, ...], merged: tuple[int, ...]) -> np.ndarray:
-    sizes = [mesh_shape[i] for i in merged]
-    out = np.zeros(sizes, dtype=np.int64)
-    for idx in np.ndindex(*sizes):
-        coordinate = list(me)
-        for i, c in zip(merged, idx):
-            coordinate[i] = c
-        block = local_shape_and_offset(shape, mesh_shape, coordinate, placements)[0]
-        out[idx] = math.prod(block[ax] for ax in axes)
-    out = out.reshape(-1)
-    out.flags.writeable = False
-    return out
+_F64 = np.dtype(np.float64)
 
 
 def _stats_dtype(op: str, dtype: np.dtype) -> np.dtype:
@@ -96,48 +74,55 @@ def _moments(op: str, a: Any, axis: Any, dtype: Any, out: Any, ddof: Any, keepdi
              mean: Any, correction: Any, *, root: bool) -> DTensor:
     if not isinstance(a, DTensor):
         raise unsupported(op)
-    no_out(op, {"out": out, "where": where, "mean": mean})
+    if out is not None or where is not True or mean is not None:
+        no_out(op, {"out": out, "where": where, "mean": mean})
     if correction is not None:
         ddof = correction
     axes = norm_axes(op, a.ndim, axis)
-    work = np.dtype(dtype) if dtype is not None else _stats_dtype(op, np.dtype(a.dtype))
-    need, placements, merged, shape = reduction_placements(a, axes, bool(keepdims))
-    local = moved(op, "a", a, need).to_local()
+    work = np.dtype(dtype) if dtype is not None else _stats_dtype(op, a.dtype)
+    plan = reduction_plan(a.device_mesh, a.shape, a.placements, axes, bool(keepdims))
+    local = moved(op, "a", a, plan.need).to_local()
     xp = array_namespace(local)
     block = local.astype(work, copy=False)
-    n_local = math.prod(local.shape[ax] for ax in axes)
-    if n_local:
-        m = xp.mean(block, axis=axes, keepdims=True)
+    # this rank's (mean, M2) packed in one buffer: the one all-gather below sends it as it is
+    packed = xp.empty((2, *plan.reduced_block), dtype=work)
+    m, m2 = packed[0], packed[1]
+    if plan.n_local:
+        if work.kind == "f" and work.itemsize >= 4:  # NumPy's mean is this sum and division (float16 sums in float32 there)
+            block.sum(axis=axes, keepdims=True, out=m)
+            m /= plan.n_local
+        else:
+            xp.mean(block, axis=axes, keepdims=True, out=m)
         dev = block - m
         xp.multiply(dev, dev, out=dev)  # in place, as NumPy's var: one temporary of the block, not two
-        m2 = xp.sum(dev, axis=axes, keepdims=True)
+        dev.sum(axis=axes, keepdims=True, out=m2)
     else:
-        m = xp.zeros(tuple(1 if d in axes else s for d, s in enumerate(local.shape)), dtype=work)
-        m2 = xp.zeros_like(m)
-    merged = [i for i in merged if a.device_mesh.shape[i] > 1]  # a mesh dim of one rank has nothing to merge
-    if merged:
-        counts = _counts(a, need, axes, merged)
-        both = gather_over(xp.stack([m, m2]), a.device_mesh, merged)
-        both = both.reshape((-1, *both.shape[len(merged):]))[counts > 0]  # empty blocks hold no moments
-        weights = xp.asarray((counts[counts > 0] / counts.sum()).astype(work)).reshape((-1,) + (1,) * m.ndim)
+        packed[...] = 0
+    n_total = plan.total
+    if plan.merged:
+        both = plan.gather(packed)  # (blocks holding elements, 2, *block): one all-gather per mesh dim
+        weights = plan.weights if work == _F64 and xp is np else xp.asarray(plan.weights.astype(work))
         # Chan et al.'s merge of all blocks at once: the global mean, then M2 = sum M2_k + n_k (m_k - m)^2,
         # a sum of non-negative terms (no cancellation, unlike sum(x^2) - n m^2); summed in mesh order
-        m = xp.sum(weights * both[:, 0], axis=0)
-        delta = both[:, 0] - m
-        m2 = xp.sum(both[:, 1], axis=0) + xp.sum(weights * delta * delta, axis=0) * counts.sum()
-        n_total = int(counts.sum())
+        means = both[:, 0]
+        delta = means - (weights * means).sum(axis=0)
+        spread = weights * delta
+        spread *= delta
+        m2 = both[:, 1].sum(axis=0)
+        m2 += spread.sum(axis=0) * n_total
+    denominator = n_total - ddof
+    if denominator > 0:
+        result = xp.true_divide(m2, denominator, out=m2)  # m2 is this call's own buffer
     else:
-        n_total = n_local
-    with np.errstate(divide="ignore", invalid="ignore"):  # ddof >= count: inf or NaN, as NumPy's
-        result = m2 / max(n_total - ddof, 0)
+        with np.errstate(divide="ignore", invalid="ignore"):  # ddof >= count: inf or NaN, as NumPy's
+            result = xp.true_divide(m2, max(denominator, 0), out=m2)
     if root:
-        result = xp.sqrt(result)
+        result = xp.sqrt(result, out=result)
     if not keepdims:
-        result = result.reshape(tuple(s for d, s in enumerate(result.shape) if d not in axes))
-    result = result.astype(work, copy=False)
-    if dtype is None and np.dtype(a.dtype).kind == "f":
-        result = result.astype(a.dtype, copy=False)
-    return wrap(result, a.device_mesh, placements, shape)
+        result = result.reshape(plan.squeezed_block)
+    if result.dtype != work:
+        result = result.astype(work)
+    return _wrap(result, a.device_mesh, plan.out, plan.shape)
 
 
 @implements(np.average)
@@ -202,14 +187,21 @@ def _logical(op: str, fn: Any, partial: str, a: Any, axis: Any, keepdims: Any, d
     if not isinstance(a, DTensor):
         raise unsupported(op)
     axes = norm_axes(op, a.ndim, axis)
-    need, placements, merged, shape = reduction_placements(a, axes, bool(keepdims))
-    for i in merged:
-        placements[i] = Partial(partial)
-    local = moved(op, "a", a, need).to_local()
-    result = fn(local, axis=axes, keepdims=bool(keepdims))
+    keep = bool(keepdims)
+    plan = reduction_plan(a.device_mesh, a.shape, a.placements, axes, keep)
+    placements = plan.out
+    if plan.sharding:
+        placements = list(placements)
+        for i in plan.sharding:
+            placements[i] = Partial(partial)
+        placements = tuple(placements)
+    local = moved(op, "a", a, plan.need).to_local()
+    # every axis without keepdims: axis=None, NumPy's fast path (count_nonzero counts in C, where a
+    # tuple of axes casts the block to bool and sums it: 5 times slower on a 1024x64 block)
+    result = fn(local, axis=None if not keep and len(axes) == local.ndim else axes, keepdims=keep)
     if dtype is not None:
         result = result.astype(dtype, copy=False)
-    return wrap(result, a.device_mesh, placements, shape)
+    return _wrap(result, a.device_mesh, placements, plan.shape)
 
 
 @implements(np.count_nonzero)
@@ -249,75 +241,89 @@ def prod(a: Any, axis: Any = None, dtype: Any = None, out: Any = None, keepdims:
         raise unsupported(op)
     no_out(op, {"out": out, "where": where, "initial": initial})
     axes = norm_axes(op, a.ndim, axis)
-    need, placements, merged, shape = reduction_placements(a, axes, bool(keepdims))
-    local = moved(op, "a", a, need).to_local()
-    result = np.prod(local, axis=axes, dtype=dtype, keepdims=bool(keepdims))
-    if merged:
-        result = reduce_over(result, a.device_mesh, merged, ReduceOp.PRODUCT)
-    return wrap(result, a.device_mesh, placements, shape)
+    plan = reduction_plan(a.device_mesh, a.shape, a.placements, axes, bool(keepdims))
+    local = moved(op, "a", a, plan.need).to_local()
+    xp = array_namespace(local)
+    result = xp.asarray(local.prod(axis=axes, dtype=dtype, keepdims=bool(keepdims)))  # a new array: ours
+    if plan.merged:
+        plan.reduce(result, ReduceOp.PRODUCT)
+    return _wrap(result, a.device_mesh, plan.out, plan.shape)
 
 
 def _arg(op: str, kind: str, a: Any, axis: Any, out: Any, keepdims: Any) -> DTensor:
     if not isinstance(a, DTensor):
         raise unsupported(op)
-    no_out(op, {"out": out})
-    if np.dtype(a.dtype).kind == "c":
-        _stats_dtype(op, np.dtype(a.dtype))
-    if a.size == 0:
+    if out is not None:
+        no_out(op, {"out": out})
+    dt = a.dtype
+    if dt.kind == "c":
+        _stats_dtype(op, dt)
+    if 0 in a.shape:
         raise ValueError(errors.prefix(op) + f"attempt to get {op[3:]} of an empty sequence")
     flat = axis is None
     if not flat and (isinstance(axis, bool) or not isinstance(axis, (int, np.integer))):
         raise TypeError(errors.prefix(op) + f"axis must be an int or None, got {axis!r}")  # NumPy's: one axis
-    axes = tuple(range(a.ndim)) if flat else norm_axes(op, a.ndim, axis)
+    axes = norm_axes(op, a.ndim, axis)
     keep = bool(keepdims)
-    need, placements, merged, _ = reduction_placements(a, axes, keep)
-    shape = (tuple(1 for _ in a.shape) if keep else ()) if flat else \
-        tuple(1 if d in axes else s for d, s in enumerate(a.shape) if keep or d not in axes)
-    if flat and keep:
-        placements = [Replicate() if isinstance(p, Shard) else p for p in placements]
-    local = moved(op, "a", a, need).to_local()
-    xp = array_namespace(local)
     mesh = a.device_mesh
-    pick = xp.argmax if kind == "max" else xp.argmin
-    _, offset = local_shape_and_offset(a.shape, mesh.shape, mesh.get_coordinate(), need)
-    empty = local.size == 0 or (not flat and local.shape[axes[0]] == 0)
+    plan = reduction_plan(mesh, a.shape, a.placements, axes, keep)  # flat: every Shard is merged: Replicate
+    local = moved(op, "a", a, plan.need).to_local()
+    xp = array_namespace(local)
+    # (value, global index) packed in one buffer of a dtype that holds both exactly: float64 for
+    # float64 and anything of 4 bytes or less, else the values' own (int64, uint64, longdouble)
+    pack = _F64 if dt.itemsize <= 4 or dt == _F64 else dt
     if flat:
-        if empty:
-            idx, val = xp.zeros((), dtype=np.intp), xp.zeros((), dtype=local.dtype)
+        if local.size == 0:
+            k, idx, val = 0, 0, 0
         else:
-            k = int(pick(local))
-            idx = xp.asarray(_global_flat(k, local.shape, offset, a.shape), dtype=np.intp)
+            k = int(local.argmax() if kind == "max" else local.argmin())
+            idx = _global_flat(k, local.shape, plan.offset, a.shape)
             val = local.reshape(-1)[k]
+        if plan.merged:
+            mine = xp.empty(2, dtype=pack)
+            mine[0] = val
+            mine[1] = idx
+            every = plan.gather(mine)  # (blocks holding elements, 2): one all-gather per mesh dim
+            if plan.ordered:  # the blocks in global order: the first extreme (or NaN) among them is the first
+                j = int(every[:, 0].argmax() if kind == "max" else every[:, 0].argmin())
+                idx = int(every[j, 1])
+            else:
+                idx = int(_first_extreme(xp, kind, dt, every[:, 0], every[:, 1].astype(np.int64)))
+        result = xp.asarray(idx, dtype=np.intp)
+        if keep:
+            result = result.reshape(plan.shape)
+        return _wrap(result, mesh, plan.out, plan.shape)
+    ax = axes[0]
+    if local.size == 0:
+        idx = xp.zeros(plan.squeezed_block, dtype=np.intp)
+        val = xp.zeros(plan.squeezed_block, dtype=local.dtype)
     else:
-        ax = axes[0]
-        if empty:
-            rest = tuple(s for d, s in enumerate(local.shape) if d != ax)
-            idx, val = xp.zeros(rest, dtype=np.intp), xp.zeros(rest, dtype=local.dtype)
-        else:
-            i = pick(local, axis=ax)
-            val = xp.take_along_axis(local, xp.expand_dims(i, ax), axis=ax).squeeze(ax)
-            idx = i + offset[ax]
-    merged = [i for i in merged if mesh.shape[i] > 1]  # a mesh dim of one rank has nothing to merge
-    if merged:
-        counts = _counts(a, need, axes, merged)
-        if np.dtype(local.dtype).itemsize <= 4 or local.dtype == np.float64:  # both exact in float64: one all-gather
-            both = gather_over(xp.stack([val.astype(np.float64), idx.astype(np.float64)]), mesh, merged)
-            both = both.reshape((-1, 2, *val.shape))
-            vals, idxs = both[:, 0].astype(local.dtype, copy=False), both[:, 1].astype(np.int64)
-        else:  # 64-bit integers: values and indices gathered apart
-            vals = gather_over(val, mesh, merged).reshape((-1, *val.shape))
-            idxs = gather_over(idx.astype(np.int64), mesh, merged).reshape((-1, *idx.shape))
-        valid = counts > 0
-        vals, idxs = vals[valid], idxs[valid]
-        best = (xp.max if kind == "max" else xp.min)(vals, axis=0)  # NaN where any candidate is NaN
-        hit = vals == best
-        if np.dtype(local.dtype).kind == "f":
-            hit |= xp.isnan(vals) & xp.isnan(best)
-        idx = xp.min(xp.where(hit, idxs, np.iinfo(np.int64).max), axis=0)  # the first in global order
+        i = local.argmax(axis=ax) if kind == "max" else local.argmin(axis=ax)
+        val = xp.take_along_axis(local, xp.expand_dims(i, ax), axis=ax).squeeze(ax)
+        idx = i + plan.offset[ax] if plan.offset[ax] else i
+    if plan.merged:
+        mine = xp.empty((2, *val.shape), dtype=pack)
+        mine[0] = val
+        mine[1] = idx
+        every = plan.gather(mine)  # (blocks holding elements, 2, *rest): one all-gather per mesh dim
+        # one reduced axis: the blocks along it come in its order, so the first extreme (NumPy's
+        # argmax/argmin take the first NaN as one) among them is the first along the axis
+        j = every[:, 0].argmax(axis=0) if kind == "max" else every[:, 0].argmin(axis=0)
+        idx = xp.take_along_axis(every[:, 1], xp.expand_dims(j, 0), axis=0)[0]
     idx = idx.astype(np.intp, copy=False)
     if keep:
-        idx = idx.reshape(shape) if flat else xp.expand_dims(idx, axes[0])
-    return wrap(idx, mesh, placements, shape)
+        idx = xp.expand_dims(idx, ax)
+    return _wrap(idx, mesh, plan.out, plan.shape)
+
+
+def _first_extreme(xp: Any, kind: str, dt: np.dtype, vals: Any, idxs: Any) -> Any:
+    """The smallest of ``idxs`` whose value in ``vals`` is the extreme (or NaN, where any is NaN:
+    NumPy's argmax and argmin take the first NaN), for blocks not in global order."""
+    best = vals.max(axis=0) if kind == "max" else vals.min(axis=0)  # NaN where any candidate is NaN
+    hit = vals == best
+    if dt.kind == "f":
+        hit |= xp.isnan(vals) & xp.isnan(best)
+    return xp.where(hit, idxs, np.iinfo(np.int64).max).min(axis=0)
 
 
 def _global_flat(k: int, local_shape: tuple[int, ...], offset: tuple[int, ...], shape: tuple[int, ...]) -> int:
