@@ -208,10 +208,12 @@ def _logical(op: str, fn: Any, partial: str, a: Any, axis: Any, keepdims: Any, d
 def count_nonzero(a: Any, axis: Any = None, *, keepdims: bool = False) -> DTensor:
     """``np.count_nonzero``: each rank counts its block; a sharded reduced axis leaves Partial(sum)
     (int64), no communication here. A Partial input is all-reduced first."""
-    def fn(x: Any, axis: Any, keepdims: bool) -> Any:
-        xp = array_namespace(x)
-        return xp.asarray(xp.count_nonzero(x, axis=axis, keepdims=keepdims)).astype(np.intp, copy=False)
-    return _logical("np.count_nonzero", fn, "sum", a, axis, keepdims)
+    return _logical("np.count_nonzero", _count, "sum", a, axis, keepdims)
+
+
+def _count(x: Any, axis: Any, keepdims: bool) -> Any:
+    xp = np if x.__class__ is np.ndarray else array_namespace(x)
+    return xp.asarray(xp.count_nonzero(x, axis=axis, keepdims=keepdims), dtype=np.intp)
 
 
 @implements(np.any)
