@@ -6,7 +6,8 @@ Per mesh dimension, with ``axes`` the reduced axes (every axis for ``axis=None``
 * a Shard on a kept axis stays a Shard (renumbered past the removed axes): no communication;
 * Replicate stays Replicate;
 * a Shard on a reduced axis is combined by the op's collective, named in each rule's docstring
-  (``var``: one all-gather of every rank's ``(count, mean, M2)``, merged by Chan et al.'s
+  (``var``: one all-gather of every rank's ``(mean, M2)`` in one buffer, the counts being
+  arithmetic, merged by Chan et al.'s
   parallel formula; ``prod``: one all-reduce PRODUCT; ``argmax``: one all-gather of every
   rank's ``(value, global index)``); ``count_nonzero``, ``any``, ``all`` and ``average`` leave a
   Partial (sum, max, min, sum) that the next op that needs the value all-reduces, as ``np.sum``;
@@ -15,8 +16,12 @@ Per mesh dimension, with ``axes`` the reduced axes (every axis for ``axis=None``
   keeps a Partial(sum|avg)).
 
 Dtypes and NaN are NumPy's: ints and bools give float64 statistics, float32 stays float32, a
-NaN anywhere in a line gives NaN (``argmax``: the first NaN's index, as NumPy). Complex inputs of
-``var``/``std``/``argmax``/``argmin`` are refused (NotImplementedError naming the dtype).
+NaN anywhere in a line gives NaN (``argmax``: the first NaN's index, as NumPy). Complex ``var``
+and ``std`` are real (``mean(|x - mean|^2)``, the merge with ``|m_k - m|^2``); complex
+``argmax``/``argmin`` order by real then imaginary part, as NumPy's.
+
+The layout facts each rule needs (placements, groups, counts, offsets) come from
+:func:`.reduction_plan.reduction_plan`, worked out once per layout.
 """
 
 from __future__ import annotations
@@ -42,12 +47,9 @@ _F64 = np.dtype(np.float64)
 
 
 def _stats_dtype(op: str, dtype: np.dtype) -> np.dtype:
-    if dtype.kind == "c":
-        raise NotImplementedError(errors.prefix(op) + f"complex dtype {dtype} has no DTensor rule; compute on "
-                                  "full_tensor() (redistribute to Replicate first)")
-    if dtype.kind not in "biuf":
+    if dtype.kind not in "biufc":
         raise errors.type_error(op, f"dtype {dtype} has no variance")
-    return dtype if dtype.kind == "f" else np.dtype(np.float64)
+    return dtype if dtype.kind in "fc" else np.dtype(np.float64)
 
 
 @implements(np.var)
@@ -84,6 +86,8 @@ def _moments(op: str, a: Any, axis: Any, dtype: Any, out: Any, ddof: Any, keepdi
     local = moved(op, "a", a, plan.need).to_local()
     xp = array_namespace(local)
     block = local.astype(work, copy=False)
+    if work.kind == "c":
+        return _complex_moments(a, block, plan, axes, keepdims, ddof, root, xp)
     # this rank's (mean, M2) packed in one buffer: the one all-gather below sends it as it is
     packed = xp.empty((2, *plan.reduced_block), dtype=work)
     m, m2 = packed[0], packed[1]
@@ -123,6 +127,38 @@ def _moments(op: str, a: Any, axis: Any, dtype: Any, out: Any, ddof: Any, keepdi
     if result.dtype != work:
         result = result.astype(work)
     return _wrap(result, a.device_mesh, plan.out, plan.shape)
+
+
+def _complex_moments(a: DTensor, block: Any, plan: Any, axes: tuple[int, ...], keepdims: Any, ddof: Any,
+                     root: bool, xp: Any) -> DTensor:
+    """var/std of complex blocks, as NumPy's: ``mean(|x - mean|^2)``, real (float32 for complex64).
+    The same merge with ``|m_k - m|^2``; the buffer is complex, M2 in its real part."""
+    packed = xp.zeros((2, *plan.reduced_block), dtype=block.dtype)
+    if plan.n_local:
+        xp.mean(block, axis=axes, keepdims=True, out=packed[0])
+        dev = block - packed[0]
+        sq = dev.real * dev.real
+        sq += dev.imag * dev.imag
+        packed[1].real[...] = sq.sum(axis=axes, keepdims=True)
+    m2 = packed[1].real.copy()
+    if plan.merged:
+        both = plan.gather(packed)
+        real = m2.dtype
+        weights = xp.asarray(plan.weights.astype(real))
+        means = both[:, 0]
+        delta = means - (weights * means).sum(axis=0)
+        spread = delta.real * delta.real
+        spread += delta.imag * delta.imag
+        spread *= weights
+        m2 = both[:, 1].real.sum(axis=0)
+        m2 += spread.sum(axis=0) * plan.total
+    with np.errstate(divide="ignore", invalid="ignore"):  # ddof >= count: inf or NaN, as NumPy's
+        result = m2 / max(plan.total - ddof, 0)
+    if root:
+        result = xp.sqrt(result)
+    if not keepdims:
+        result = result.reshape(plan.squeezed_block)
+    return _wrap(xp.asarray(result), a.device_mesh, plan.out, plan.shape)
 
 
 @implements(np.average)
@@ -258,8 +294,6 @@ def _arg(op: str, kind: str, a: Any, axis: Any, out: Any, keepdims: Any) -> DTen
     if out is not None:
         no_out(op, {"out": out})
     dt = a.dtype
-    if dt.kind == "c":
-        _stats_dtype(op, dt)
     if 0 in a.shape:
         raise ValueError(errors.prefix(op) + f"attempt to get {op[3:]} of an empty sequence")
     flat = axis is None
@@ -273,7 +307,9 @@ def _arg(op: str, kind: str, a: Any, axis: Any, out: Any, keepdims: Any) -> DTen
     xp = array_namespace(local)
     # (value, global index) packed in one buffer of a dtype that holds both exactly: float64 for
     # float64 and anything of 4 bytes or less, else the values' own (int64, uint64, longdouble)
-    pack = _F64 if dt.itemsize <= 4 or dt == _F64 else dt
+    # (complex: complex128 or the values' own, the index in the real part)
+    pack = (_F64 if dt.itemsize <= 4 or dt == _F64 else dt) if dt.kind != "c" else \
+        (np.dtype(np.complex128) if dt.itemsize <= 16 else dt)
     if flat:
         if local.size == 0:
             k, idx, val = 0, 0, 0
@@ -286,11 +322,12 @@ def _arg(op: str, kind: str, a: Any, axis: Any, out: Any, keepdims: Any) -> DTen
             mine[0] = val
             mine[1] = idx
             every = plan.gather(mine)  # (blocks holding elements, 2): one all-gather per mesh dim
-            if plan.ordered:  # the blocks in global order: the first extreme (or NaN) among them is the first
-                j = int(every[:, 0].argmax() if kind == "max" else every[:, 0].argmin())
-                idx = int(every[j, 1])
-            else:
-                idx = int(_first_extreme(xp, kind, dt, every[:, 0], every[:, 1].astype(np.int64)))
+            if not plan.ordered:  # the blocks put in global order of their candidates' indices
+                every = every[xp.argsort(every[:, 1].real, kind="stable")]
+            # the first extreme (NumPy's argmax/argmin take the first NaN as one, and order complex
+            # numbers by real then imaginary part) among candidates in global order is the first
+            j = int(every[:, 0].argmax() if kind == "max" else every[:, 0].argmin())
+            idx = int(every[j, 1].real)
         result = xp.asarray(idx, dtype=np.intp)
         if keep:
             result = result.reshape(plan.shape)
@@ -312,20 +349,12 @@ def _arg(op: str, kind: str, a: Any, axis: Any, out: Any, keepdims: Any) -> DTen
         # argmax/argmin take the first NaN as one) among them is the first along the axis
         j = every[:, 0].argmax(axis=0) if kind == "max" else every[:, 0].argmin(axis=0)
         idx = xp.take_along_axis(every[:, 1], xp.expand_dims(j, 0), axis=0)[0]
+        if dt.kind == "c":
+            idx = idx.real
     idx = idx.astype(np.intp, copy=False)
     if keep:
         idx = xp.expand_dims(idx, ax)
     return _wrap(idx, mesh, plan.out, plan.shape)
-
-
-def _first_extreme(xp: Any, kind: str, dt: np.dtype, vals: Any, idxs: Any) -> Any:
-    """The smallest of ``idxs`` whose value in ``vals`` is the extreme (or NaN, where any is NaN:
-    NumPy's argmax and argmin take the first NaN), for blocks not in global order."""
-    best = vals.max(axis=0) if kind == "max" else vals.min(axis=0)  # NaN where any candidate is NaN
-    hit = vals == best
-    if dt.kind == "f":
-        hit |= xp.isnan(vals) & xp.isnan(best)
-    return xp.where(hit, idxs, np.iinfo(np.int64).max).min(axis=0)
 
 
 def _global_flat(k: int, local_shape: tuple[int, ...], offset: tuple[int, ...], shape: tuple[int, ...]) -> int:
@@ -341,9 +370,10 @@ def _global_flat(k: int, local_shape: tuple[int, ...], offset: tuple[int, ...], 
 @implements(np.argmax)
 def argmax(a: Any, axis: Any = None, out: Any = None, *, keepdims: Any = False) -> DTensor:
     """``np.argmax``: each rank's ``(max, its global index)`` per line; over a sharded reduced axis
-    one all-gather per mesh dim of both packed as float64 (2 x the output block; two all-gathers
-    for 64-bit integers, which float64 does not hold exactly) picks the first maximum in global
-    order (the first NaN, as NumPy): Replicate there. ``axis=None``: global flat indices."""
+    one all-gather per mesh dim of both packed in one buffer (2 x the output block; float64, or
+    the values' own dtype for 64-bit integers, which float64 does not hold exactly) picks the
+    first maximum in global order (the first NaN, as NumPy): Replicate there. ``axis=None``: global flat indices. Complex
+    values are packed as complex128 (the index in the real part) and ordered as NumPy orders them."""
     return _arg("np.argmax", "max", a, axis, out, keepdims)
 
 
