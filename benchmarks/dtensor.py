@@ -236,7 +236,7 @@ def reduction_pairs(block: tuple[int, int], mesh: meshkit.DeviceMesh
             mine = np.array([x.reshape(-1)[k], k + r * x.size], dtype=np.float64)
         else:  # (value, global index) packed in one buffer for the one all-gather
             mine = np.empty((2, cols))
-            mine[0] = np.take_along_axis(x, k[None], 0)[0]
+            x.max(axis=0, out=mine[0])  # the value at the first maximum
             mine[1] = k
             mine[1] += r * rows
         every = np.empty((n, *mine.shape))

@@ -45,6 +45,8 @@ def norm(x: Any, ord: Any = None, axis: Any = None, keepdims: bool = False) -> D
     op = "np.linalg.norm"
     if not isinstance(x, DTensor):
         raise unsupported(op)
+    if ord is None and axis is None:  # the 2-norm of the flattened array (a gradient's norm): the hot path
+        return _flat_norm(op, x, bool(keepdims))
     axes = norm_axes(op, x.ndim, axis)
     matrix = (axis is None and x.ndim == 2 and ord is not None) or len(axes) == 2
     if len(axes) > 2 or (axis is not None and not isinstance(axis, (int, np.integer)) and len(axes) != len(axis)):
@@ -96,6 +98,26 @@ def norm(x: Any, ord: Any = None, axis: Any = None, keepdims: bool = False) -> D
     if not keepdims:
         part = part.reshape(plan.squeezed_block)
     return _wrap(part, x.device_mesh, plan.out, plan.shape)
+
+
+def _flat_norm(op: str, x: DTensor, keepdims: bool) -> DTensor:
+    """``np.linalg.norm(x)`` of any rank: each block's sum of squares (one BLAS dot for real
+    floats), one all-reduce per mesh dim sharding the array, the root; Replicate there."""
+    plan = reduction_plan(x.device_mesh, x.shape, x.placements, tuple(range(x.ndim)), keepdims)
+    local = moved(op, "x", x, plan.need).to_local()
+    xp = array_namespace(local)
+    kind = local.dtype.kind
+    if kind not in "fc":
+        local = local.astype(np.float64)
+    if kind == "c":
+        part = xp.asarray(xp.sum(local.real * local.real + local.imag * local.imag))
+    else:
+        flat = local.reshape(-1)
+        part = xp.asarray(xp.dot(flat, flat))  # a new 0-d array: ours to reduce in place
+    if plan.merged:
+        plan.reduce(part, ReduceOp.SUM)
+    part = xp.sqrt(part, out=part)
+    return _wrap(part.reshape(plan.shape), x.device_mesh, plan.out, plan.shape)
 
 
 def _matrix_norm(op: str, x: DTensor, ord: Any, axis: Any, keepdims: bool) -> DTensor:

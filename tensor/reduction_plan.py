@@ -58,12 +58,14 @@ class ReductionPlan:
         ordered: the blocks along ``merged``, in mesh order, come in the global order of the
             reduced elements (one reduced axis, or only the first non-trivial axis sharded): the
             first hit among them is the first in the array.
+        each: the count every block holds where all are equal (even blocks: Chan's merge needs
+            no weights), else 0.
         weights: ``counts / total`` of the valid blocks, float64, shaped ``(k, 1, ...)`` with
             ``ndim`` ones (to broadcast against blocks of the input's rank, kept dims).
     """
 
     __slots__ = ("mesh", "need", "out", "shape", "sharding", "merged", "groups", "sizes", "counts", "valid",
-                 "total", "n_local", "position", "offset", "block", "reduced_block", "squeezed_block", "ordered", "weights", "__weakref__")
+                 "total", "n_local", "position", "offset", "block", "reduced_block", "squeezed_block", "ordered", "each", "weights", "__weakref__")
 
     def __init__(self, mesh: DeviceMesh, shape: tuple[int, ...], placements: tuple[Placement, ...],
                  axes: tuple[int, ...], keepdims: bool, keep_partial: tuple[str, ...]) -> None:
@@ -111,6 +113,7 @@ class ReductionPlan:
         self.total = int(self.counts.sum()) if self.merged else self.n_local
         positive = self.counts > 0
         self.valid = None if bool(positive.all()) else positive
+        self.each = int(self.counts[0]) if self.merged and bool((self.counts == self.counts[0]).all()) else 0
         weights = (self.counts[positive] / max(self.total, 1)).astype(np.float64)
         self.weights = weights.reshape((-1,) + (1,) * len(shape))
         self.weights.flags.writeable = False

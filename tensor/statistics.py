@@ -105,15 +105,23 @@ def _moments(op: str, a: Any, axis: Any, dtype: Any, out: Any, ddof: Any, keepdi
     n_total = plan.total
     if plan.merged:
         both = plan.gather(packed)  # (blocks holding elements, 2, *block): one all-gather per mesh dim
-        weights = plan.weights if work == _F64 and xp is np else xp.asarray(plan.weights.astype(work))
         # Chan et al.'s merge of all blocks at once: the global mean, then M2 = sum M2_k + n_k (m_k - m)^2,
         # a sum of non-negative terms (no cancellation, unlike sum(x^2) - n m^2); summed in mesh order
         means = both[:, 0]
-        delta = means - (weights * means).sum(axis=0)
-        spread = weights * delta
-        spread *= delta
+        if plan.each:  # even blocks: equal weights, n_k = each
+            mean = means.sum(axis=0)
+            mean /= len(means)
+            delta = means - mean
+            delta *= delta
+            spread, scale = delta, plan.each
+        else:
+            weights = plan.weights if work == _F64 and xp is np else xp.asarray(plan.weights.astype(work))
+            delta = means - (weights * means).sum(axis=0)
+            spread = weights * delta
+            spread *= delta
+            scale = n_total
         m2 = both[:, 1].sum(axis=0)
-        m2 += spread.sum(axis=0) * n_total
+        m2 += spread.sum(axis=0) * scale
     denominator = n_total - ddof
     if denominator > 0:
         result = xp.true_divide(m2, denominator, out=m2)  # m2 is this call's own buffer
@@ -337,9 +345,12 @@ def _arg(op: str, kind: str, a: Any, axis: Any, out: Any, keepdims: Any) -> DTen
         idx = xp.zeros(plan.squeezed_block, dtype=np.intp)
         val = xp.zeros(plan.squeezed_block, dtype=local.dtype)
     else:
-        i = local.argmax(axis=ax) if kind == "max" else local.argmin(axis=ax)
-        val = xp.take_along_axis(local, xp.expand_dims(i, ax), axis=ax).squeeze(ax)
-        idx = i + plan.offset[ax] if plan.offset[ax] else i
+        idx = local.argmax(axis=ax) if kind == "max" else local.argmin(axis=ax)
+        if plan.offset[ax]:
+            idx += plan.offset[ax]
+        # the value at each line's first extreme is the line's extreme (NaN where it has one: both
+        # take it), without take_along_axis (several times argmax's own time on small blocks)
+        val = (local.max(axis=ax) if kind == "max" else local.min(axis=ax)) if plan.merged else None
     if plan.merged:
         mine = xp.empty((2, *val.shape), dtype=pack)
         mine[0] = val
