@@ -65,11 +65,12 @@ class ReductionPlan:
     """
 
     __slots__ = ("mesh", "need", "out", "shape", "sharding", "merged", "groups", "sizes", "counts", "valid",
-                 "total", "n_local", "position", "offset", "block", "reduced_block", "squeezed_block", "ordered", "each", "weights", "__weakref__")
+                 "total", "n_local", "position", "offset", "block", "reduced_block", "squeezed_block", "ordered", "each", "weights", "_leaving", "__weakref__")
 
     def __init__(self, mesh: DeviceMesh, shape: tuple[int, ...], placements: tuple[Placement, ...],
                  axes: tuple[int, ...], keepdims: bool, keep_partial: tuple[str, ...]) -> None:
         self.mesh = weakref.ref(mesh)
+        self._leaving: dict[str, tuple[Placement, ...]] = {}
         need: list[Placement] = []
         out: list[Placement] = []
         sharding: list[int] = []
@@ -120,6 +121,15 @@ class ReductionPlan:
         sharded_axes = {placements[i].dim for i in self.merged}
         first = next((d for d in axes if shape[d] > 1), None)
         self.ordered = len(axes) == 1 or (len(sharded_axes) <= 1 and (not sharded_axes or first in sharded_axes))
+
+    def leaving(self, reduce_op: str) -> tuple[Placement, ...]:
+        """``out`` with ``Partial(reduce_op)`` on every mesh dim in ``sharding``: the placements of a
+        reduction that leaves the combining to the next op (``np.sum``'s Partial(sum))."""
+        found = self._leaving.get(reduce_op)
+        if found is None:
+            found = tuple(Partial(reduce_op) if i in self.sharding else p for i, p in enumerate(self.out))
+            self._leaving[reduce_op] = found
+        return found
 
     def gather(self, x: Any) -> Any:
         """Every rank's ``x`` along ``merged``: ``(k, *x.shape)``, the ranks flat in mesh order, the
