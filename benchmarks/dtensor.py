@@ -195,9 +195,11 @@ def reduction_pairs(block: tuple[int, int], mesh: meshkit.DeviceMesh
                     ) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]]]:
     """``{reduction: (the DTensor call, its fair floor)}`` on a ``[Shard(0)]`` array of ``block`` per
     rank, each checked to agree before timing. The floor is the collective the reduction needs on
-    the group, written by hand with NumPy on the block: ``var`` the local mean and M2, one
-    all-gather of both and Chan's merge; ``argmax`` the local argmax, one all-gather of (value,
-    global index) and the pick; ``prod`` the local product and one all-reduce PRODUCT; ``cumsum``
+    the group, written by hand with the cheapest NumPy on the block (methods, not the ``np.``
+    wrappers; results computed into the buffer the collective sends): ``var`` the local mean and
+    M2 in one packed buffer, one all-gather of it and Chan's merge (equal weights: the blocks are
+    equal here); ``argmax`` the local argmax and max (the value there) packed with the global
+    index, one all-gather and the pick; ``prod`` the local product and one all-reduce PRODUCT; ``cumsum``
     the local scan, one all-gather of the last rows and the add; ``norm`` the local sum of squares,
     one all-reduce and the root; ``count_nonzero`` (its Partial completed: ``.full_tensor()``) the
     local count and one all-reduce."""

@@ -233,12 +233,7 @@ def _logical(op: str, fn: Any, partial: str, a: Any, axis: Any, keepdims: Any, d
     axes = norm_axes(op, a.ndim, axis)
     keep = bool(keepdims)
     plan = reduction_plan(a.device_mesh, a.shape, a.placements, axes, keep)
-    placements = plan.out
-    if plan.sharding:
-        placements = list(placements)
-        for i in plan.sharding:
-            placements[i] = Partial(partial)
-        placements = tuple(placements)
+    placements = plan.leaving(partial)
     local = moved(op, "a", a, plan.need).to_local()
     # every axis without keepdims: axis=None, NumPy's fast path (count_nonzero counts in C, where a
     # tuple of axes casts the block to bool and sums it: 5 times slower on a 1024x64 block)
