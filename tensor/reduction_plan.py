@@ -65,7 +65,8 @@ class ReductionPlan:
     """
 
     __slots__ = ("mesh", "need", "out", "shape", "sharding", "merged", "groups", "sizes", "counts", "valid",
-                 "total", "n_local", "position", "offset", "block", "reduced_block", "squeezed_block", "ordered", "each", "weights", "_leaving", "__weakref__")
+                 "total", "n_local", "position", "offset", "block", "reduced_block", "squeezed_block", "ordered",
+                 "each", "weights", "_leaving", "__weakref__")
 
     def __init__(self, mesh: DeviceMesh, shape: tuple[int, ...], placements: tuple[Placement, ...],
                  axes: tuple[int, ...], keepdims: bool, keep_partial: tuple[str, ...]) -> None:

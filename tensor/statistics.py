@@ -36,8 +36,8 @@ from ..comm._seams import array_namespace
 from . import errors
 from .dispatch import implements
 from .dtensor import DTensor, _wrap
-from .placements import Partial, Replicate
-from .propagation import moved, no_out, norm_axes, off_axes, reduction_placements, renumbered, \
+from .placements import Replicate
+from .propagation import moved, no_out, norm_axes, off_axes, renumbered, \
     uniform_finite, unsupported, wrap
 from .reduction_plan import reduction_plan
 
@@ -92,7 +92,7 @@ def _moments(op: str, a: Any, axis: Any, dtype: Any, out: Any, ddof: Any, keepdi
     packed = xp.empty((2, *plan.reduced_block), dtype=work)
     m, m2 = packed[0], packed[1]
     if plan.n_local:
-        if work.kind == "f" and work.itemsize >= 4:  # NumPy's mean is this sum and division (float16 sums in float32 there)
+        if work.kind == "f" and work.itemsize >= 4:  # NumPy's mean: this sum and division (float16: in float32)
             block.sum(axis=axes, keepdims=True, out=m)
             m /= plan.n_local
         else:
@@ -109,9 +109,9 @@ def _moments(op: str, a: Any, axis: Any, dtype: Any, out: Any, ddof: Any, keepdi
         # a sum of non-negative terms (no cancellation, unlike sum(x^2) - n m^2); summed in mesh order
         means = both[:, 0]
         if plan.each:  # even blocks: equal weights, n_k = each
-            mean = means.sum(axis=0)
-            mean /= len(means)
-            delta = means - mean
+            centre = means.sum(axis=0)
+            centre /= len(means)
+            delta = means - centre
             delta *= delta
             spread, scale = delta, plan.each
         else:
@@ -205,9 +205,8 @@ def average(a: Any, axis: Any = None, weights: Any = None, returned: bool = Fals
     if np.any(wsum == 0.0):
         raise ZeroDivisionError(errors.prefix(op) + "weights sum to zero, can't be normalized")
     keep = ("sum", "avg") if uniform_finite(w) else ()
-    need, placements, merged, shape = reduction_placements(a, axes, bool(keepdims), keep)
-    for i in merged:
-        placements[i] = Partial("sum")
+    plan = reduction_plan(a.device_mesh, a.shape, a.placements, axes, bool(keepdims), keep)
+    need, placements, shape = plan.need, plan.leaving("sum"), plan.shape
     src = moved(op, "a", a, need)
     local = src.to_local()
     xp = array_namespace(local)
@@ -377,9 +376,10 @@ def _global_flat(k: int, local_shape: tuple[int, ...], offset: tuple[int, ...], 
 def argmax(a: Any, axis: Any = None, out: Any = None, *, keepdims: Any = False) -> DTensor:
     """``np.argmax``: each rank's ``(max, its global index)`` per line; over a sharded reduced axis
     one all-gather per mesh dim of both packed in one buffer (2 x the output block; float64, or
-    the values' own dtype for 64-bit integers, which float64 does not hold exactly) picks the
-    first maximum in global order (the first NaN, as NumPy): Replicate there. ``axis=None``: global flat indices. Complex
-    values are packed as complex128 (the index in the real part) and ordered as NumPy orders them."""
+    the values' own dtype for 64-bit integers, which float64 does not hold exactly; complex128
+    for complex values, the index in the real part) picks the first maximum in global order (the
+    first NaN, as NumPy; complex ordered as NumPy orders it): Replicate there. ``axis=None``:
+    global flat indices."""
     return _arg("np.argmax", "max", a, axis, out, keepdims)
 
 

@@ -168,7 +168,8 @@ def test_what_is_still_refused_names_the_op_the_placements_and_the_way_on_every_
                  (lambda: np.unique(d), r"np.unique: has no DTensor rule \(placements \(Shard\(dim=0\),\)\); "
                   r"redistribute to Replicate first"),
                  (lambda: np.fft.fft(d), r"np.fft.fft: has no DTensor rule"),
-                 (lambda: d[[0, 1], 1:3], r"integer arrays are supported beside integers and full slices.*redistribute"),
+                 (lambda: d[[0, 1], 1:3],
+                  r"integer arrays are supported beside integers and full slices.*redistribute"),
                  (lambda: np.diff(d, axis=1, prepend=d), r"np.diff: prepend is a DTensor with placements "
                   r"\(Shard\(dim=0\),\); pass it all-Replicate \(redistribute it first\)")]
         seen = []
