@@ -132,15 +132,17 @@ class ReductionPlan:
             self._leaving[reduce_op] = found
         return found
 
-    def gather(self, x: Any) -> Any:
+    def gather(self, x: Any, *, empty: bool = False) -> Any:
         """Every rank's ``x`` along ``merged``: ``(k, *x.shape)``, the ranks flat in mesh order, the
-        empty blocks left out (``valid``). One all-gather per merged mesh dim: the collective the
+        empty blocks left out (``valid``) unless ``empty`` (then ``k`` is every rank, and row
+        ``position`` is this rank's). One all-gather per merged mesh dim: the collective the
         merge needs, on a buffer of ``x``'s bytes per rank. Collective over ``groups``."""
         xp = _namespace(x)
-        x = xp.ascontiguousarray(x)
+        if not x.flags.c_contiguous:
+            x = xp.ascontiguousarray(x)
         if len(self.groups) == 1:  # the common case: one group, straight into the result
             into = xp.empty((self.sizes[0], *x.shape), dtype=x.dtype)
-            self.groups[0].all_gather_into_tensor(into, x.reshape((1, *x.shape)))
+            self.groups[0].all_gather_into_tensor(into, x[None])
         else:
             lead: tuple[int, ...] = ()
             into = x
@@ -153,7 +155,7 @@ class ReductionPlan:
                 into = xp.ascontiguousarray(xp.moveaxis(block, 0, len(lead))) if lead else block
                 lead = (*lead, n)
             into = into.reshape((-1, *x.shape))
-        return into if self.valid is None else into[self.valid]
+        return into if self.valid is None or empty else into[self.valid]
 
     def reduce(self, x: Any, op: Any) -> Any:
         """``x`` all-reduced with ``op`` along ``merged``, in place (one all-reduce per merged mesh

@@ -48,7 +48,7 @@ def _scan(op: str, kind: str, a: Any, axis: Any, dtype: Any, out: Any) -> DTenso
         else:
             total = (xp.zeros if kind == "sum" else xp.ones)(plan.reduced_block, dtype=result.dtype)
         if plan.position:  # the totals of the blocks before this one: an exclusive scan
-            totals = plan.gather(total)[:plan.position]
+            totals = plan.gather(total, empty=True)[:plan.position]  # empty blocks' totals: 0 (1)
             carry = totals.sum(axis=0) if kind == "sum" else totals.prod(axis=0)
             if carry.dtype != result.dtype:
                 carry = carry.astype(result.dtype)
@@ -57,7 +57,7 @@ def _scan(op: str, kind: str, a: Any, axis: Any, dtype: Any, out: Any) -> DTenso
             else:
                 result *= carry
         else:  # the first block adds nothing, but takes part in the collective
-            plan.gather(total)
+            plan.gather(total, empty=True)
     return _wrap(result, mesh, src.placements, a.shape if axis is not None else (a.size,))
 
 

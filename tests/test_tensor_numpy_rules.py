@@ -183,3 +183,20 @@ def test_every_reduction_is_one_collective_of_one_packed_buffer_for_every_dtype(
     got = _on(2, body)[0]
     assert got.pop("cached")
     assert got == {name: ((R,), 1) for name in got}, got
+
+
+def test_a_scan_over_blocks_some_of_them_empty_adds_the_right_totals():
+    """3 columns over the 6 ranks of [Shard(2), Shard(2)] on a 2x3 mesh: three ranks hold no column.
+    The exclusive scan of the shard totals counts every rank's (0 for an empty block) by its
+    position; leaving the empty ones out of the gathered totals shifted the positions (found by the
+    validator run over every combination)."""
+    x3 = np.random.default_rng(3).standard_normal((5, 6, 3))
+
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2, 3))
+        d = distribute_tensor(x3, mesh, [Shard(2), Shard(2)])
+        return np.cumsum(d, axis=2).full_tensor(), np.cumprod(d, axis=2).full_tensor()
+
+    for got_sum, got_prod in local.run(body, 6):
+        np.testing.assert_allclose(got_sum, np.cumsum(x3, axis=2), rtol=1e-12)
+        np.testing.assert_allclose(got_prod, np.cumprod(x3, axis=2), rtol=1e-12)
