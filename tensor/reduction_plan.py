@@ -21,15 +21,18 @@ from typing import Any
 
 import numpy as np
 
+from ..comm._seams import positive_setting
 from ..mesh import DeviceMesh
 from .chunks import local_shape_and_offset
 from .placements import Partial, Placement, Replicate, Shard
 
-__all__ = ["ReductionPlan", "reduction_plan", "PLANS_MAX"]
+__all__ = ["ReductionPlan", "reduction_plan", "PLANS_MAX", "PLANS_ENV"]
 
-#: Plans kept; the oldest is dropped beyond this (as redistribute's PROGRAMS_MAX: a model reduces
-#: a few dozen distinct layouts).
+#: Plans kept by default; the oldest is dropped beyond this (as redistribute's PROGRAMS_MAX: a model
+#: reduces a few dozen distinct layouts; a plan is a few hundred bytes plus its counts).
 PLANS_MAX = 1024
+#: The variable that changes it (a positive integer), read where a new plan is kept.
+PLANS_ENV = "MESHKIT_DTENSOR_PLANS"
 
 _plans: dict[tuple[Any, ...], "ReductionPlan"] = {}
 _plans_lock = threading.Lock()
@@ -179,8 +182,9 @@ def reduction_plan(mesh: DeviceMesh, shape: tuple[int, ...], placements: tuple[P
     if found is not None and found.mesh() is mesh:
         return found
     made = ReductionPlan(mesh, shape, placements, axes, keepdims, keep_partial)
+    limit = int(positive_setting(PLANS_ENV, PLANS_MAX, integer=True, where="meshkit.tensor"))
     with _plans_lock:  # ranks of the local engine are threads: one writer at a time
-        if len(_plans) >= PLANS_MAX:
+        while _plans and len(_plans) >= limit:
             _plans.pop(next(iter(_plans)), None)
         _plans[key] = made
     return made

@@ -200,3 +200,28 @@ def test_a_scan_over_blocks_some_of_them_empty_adds_the_right_totals():
     for got_sum, got_prod in local.run(body, 6):
         np.testing.assert_allclose(got_sum, np.cumsum(x3, axis=2), rtol=1e-12)
         np.testing.assert_allclose(got_prod, np.cumprod(x3, axis=2), rtol=1e-12)
+
+
+def test_the_plans_kept_are_bounded_by_their_variable(monkeypatch):
+    """MESHKIT_DTENSOR_PLANS bounds the reduction plans kept (the oldest dropped; results unchanged)
+    and a bad value is refused naming the variable, before any communication."""
+    import pytest
+
+    from meshkit.tensor import reduction_plan as plans
+
+    monkeypatch.setattr(plans, "_plans", {})
+    monkeypatch.setenv("MESHKIT_DTENSOR_PLANS", "2")
+
+    def body(mesh):
+        d = distribute_tensor(X, mesh, [S0])
+        got = [np.var(d, axis=0).full_tensor(), np.var(d, axis=1).full_tensor(), np.var(d).full_tensor()]
+        return got, len(plans._plans)
+
+    for got, kept in _on(1, body):
+        assert kept <= 2
+        for value, want in zip(got, (np.var(X, axis=0), np.var(X, axis=1), np.var(X))):
+            np.testing.assert_allclose(value, want, rtol=1e-12)
+    monkeypatch.setenv("MESHKIT_DTENSOR_PLANS", "many")
+    with pytest.raises(meshkit.DistValueError, match=r"meshkit.tensor: MESHKIT_DTENSOR_PLANS='many' is not valid; "
+                                                     r"valid values are a positive integer \(default 1024\)"):
+        _on(1, lambda mesh: np.prod(distribute_tensor(X, mesh, [S0]), axis=1))
