@@ -41,7 +41,9 @@ __all__ = ["norm", "outer", "trace", "tensordot"]  # np.dot is matmul.py's (its 
 @implements(np.linalg.norm)
 def norm(x: Any, ord: Any = None, axis: Any = None, keepdims: bool = False) -> DTensor:
     """``np.linalg.norm``: block partial sums (or extremes), one all-reduce over a sharded reduced
-    axis, then the root (see the module's rules)."""
+    axis, then the root (see the module's rules); matrix norms ``1``/``-1``/``inf``/``-inf`` of
+    2-D arrays by the sum and max rules, ``2``/``-2``/``'nuc'`` by TSQR (one all-gather of each
+    block's triangular factor, :func:`_matrix_norm`)."""
     op = "np.linalg.norm"
     if not isinstance(x, DTensor):
         raise unsupported(op)

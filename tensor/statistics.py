@@ -59,9 +59,10 @@ def var(a: Any, axis: Any = None, dtype: Any = None, out: Any = None, ddof: Any 
     Chan, Golub and LeVeque's parallel formula for all blocks at once (the global mean ``m`` from
     the counts and means, then ``M2 = sum M2_k + sum n_k (m_k - m)^2``, non-negative terms),
     never a sum of squares, so it is as accurate as NumPy's two passes. Cost: one all-gather per
-    mesh dim sharding a reduced axis of ``2 x`` the output block (the counts are arithmetic); the
-    merge runs in mesh order on every rank, so the result is Replicate there, the same on all
-    ranks. A Partial input is all-reduced first."""
+    mesh dim sharding a reduced axis of ``2 x`` the output block, ``(mean, M2)`` packed in one
+    buffer (the counts are arithmetic, kept in the reduction plan); the merge runs in mesh order
+    on every rank, so the result is Replicate there, the same on all ranks. A Partial input is
+    all-reduced first. Complex values give a real variance, ``mean(|x - mean|^2)``, as NumPy's."""
     return _moments("np.var", a, axis, dtype, out, ddof, keepdims, where, mean, correction, root=False)
 
 
