@@ -354,7 +354,7 @@ def _arg(op: str, kind: str, a: Any, axis: Any, out: Any, keepdims: Any) -> DTen
         # one reduced axis: the blocks along it come in its order, so the first extreme (NumPy's
         # argmax/argmin take the first NaN as one) among them is the first along the axis
         j = every[:, 0].argmax(axis=0) if kind == "max" else every[:, 0].argmin(axis=0)
-        idx = xp.take_along_axis(every[:, 1], xp.expand_dims(j, 0), axis=0)[0]
+        idx = xp.take_along_axis(every[:, 1], j[None], axis=0)[0]
         if dt.kind == "c":
             idx = idx.real
     idx = idx.astype(np.intp, copy=False)
