@@ -184,7 +184,7 @@ def reduction_plan(mesh: DeviceMesh, shape: tuple[int, ...], placements: tuple[P
     made = ReductionPlan(mesh, shape, placements, axes, keepdims, keep_partial)
     limit = int(positive_setting(PLANS_ENV, PLANS_MAX, integer=True, where="meshkit.tensor"))
     with _plans_lock:  # ranks of the local engine are threads: one writer at a time
-        while _plans and len(_plans) >= limit:
+        while key not in _plans and _plans and len(_plans) >= limit:  # the oldest make way
             _plans.pop(next(iter(_plans)), None)
         _plans[key] = made
     return made
