@@ -195,9 +195,11 @@ def reduction_pairs(block: tuple[int, int], mesh: meshkit.DeviceMesh
                     ) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]]]:
     """``{reduction: (the DTensor call, its fair floor)}`` on a ``[Shard(0)]`` array of ``block`` per
     rank, each checked to agree before timing. The floor is the collective the reduction needs on
-    the group, written by hand with NumPy on the block: ``var`` the local mean and M2, one
-    all-gather of both and Chan's merge; ``argmax`` the local argmax, one all-gather of (value,
-    global index) and the pick; ``prod`` the local product and one all-reduce PRODUCT; ``cumsum``
+    the group, written by hand with the cheapest NumPy on the block (methods, not the ``np.``
+    wrappers; results computed into the buffer the collective sends): ``var`` the local mean and
+    M2 in one packed buffer, one all-gather of it and Chan's merge (equal weights: the blocks are
+    equal here); ``argmax`` the local argmax and max (the value there) packed with the global
+    index, one all-gather and the pick; ``prod`` the local product and one all-reduce PRODUCT; ``cumsum``
     the local scan, one all-gather of the last rows and the add; ``norm`` the local sum of squares,
     one all-reduce and the root; ``count_nonzero`` (its Partial completed: ``.full_tensor()``) the
     local count and one all-reduce."""
@@ -207,39 +209,50 @@ def reduction_pairs(block: tuple[int, int], mesh: meshkit.DeviceMesh
     d = distribute_tensor(g, mesh, [Shard(0)], src_data_rank=None)
     x = d.to_local()
 
-    def chan(stats: np.ndarray, count: int) -> tuple[np.ndarray, int]:
-        m = stats[:, 0].mean(axis=0)  # equal blocks: equal weights
-        delta = stats[:, 0] - m
-        return stats[:, 1].sum(axis=0) + (delta * delta).sum(axis=0) * count, count * n
-
     def var_floor(axis: Any) -> Any:
-        m = x.mean(axis=axis, keepdims=True)
-        dev = x - m
+        # the cheapest NumPy by hand: (mean, M2) computed into one packed buffer (the mean as a sum
+        # and a division, which is what np.mean does), one all-gather of it, Chan's merge with
+        # equal weights (the blocks are equal here; the DTensor rule weighs them by their counts)
+        count = x.size if axis is None else x.shape[0]
+        mine = np.empty((2, *(1 if axis is None or d == axis else s for d, s in enumerate(x.shape))))
+        x.sum(axis=axis, keepdims=True, out=mine[0])
+        mine[0] /= count
+        dev = x - mine[0]
         np.multiply(dev, dev, out=dev)
-        mine = np.stack([m, dev.sum(axis=axis, keepdims=True)])
+        dev.sum(axis=axis, keepdims=True, out=mine[1])
         every = np.empty((n, *mine.shape))
         group.all_gather_into_tensor(every, mine[None])
-        m2, total = chan(every, x.size if axis is None else x.shape[0])
-        return (m2 / total).reshape(-1) if axis is not None else (m2 / total).reshape(())
+        means = every[:, 0]
+        m = means.sum(axis=0)
+        m /= n
+        delta = means - m
+        delta *= delta
+        m2 = every[:, 1].sum(axis=0)
+        m2 += delta.sum(axis=0) * count
+        m2 /= count * n
+        return m2.reshape(-1) if axis is not None else m2.reshape(())
 
     def argmax_floor(axis: Any) -> Any:
-        k = np.argmax(x, axis=axis)
+        k = x.argmax(axis=axis)
         if axis is None:
             mine = np.array([x.reshape(-1)[k], k + r * x.size], dtype=np.float64)
-        else:
-            mine = np.stack([np.take_along_axis(x, k[None], 0)[0], k + r * rows]).astype(np.float64)
+        else:  # (value, global index) packed in one buffer for the one all-gather
+            mine = np.empty((2, cols))
+            x.max(axis=0, out=mine[0])  # the value at the first maximum
+            mine[1] = k
+            mine[1] += r * rows
         every = np.empty((n, *mine.shape))
         group.all_gather_into_tensor(every, mine[None])
         return every[np.argmax(every[:, 0], axis=0), 1].astype(np.intp) if axis is None else \
             np.take_along_axis(every[:, 1], np.argmax(every[:, 0], axis=0)[None], 0)[0].astype(np.intp)
 
     def prod_floor() -> Any:
-        out = np.prod(x, axis=0)
+        out = x.prod(axis=0)
         group.all_reduce(out, meshkit.ReduceOp.PRODUCT)
         return out
 
     def cumsum_floor() -> Any:
-        out = np.cumsum(x, axis=0)
+        out = x.cumsum(axis=0)
         last = np.empty((n, cols))
         group.all_gather_into_tensor(last, out[-1:])
         if r:

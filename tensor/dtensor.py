@@ -503,8 +503,9 @@ class DTensor(NDArrayOperatorsMixin):
         return np.astype(self, dtype, copy=copy)
 
     def __getitem__(self, key: Any) -> DTensor:
-        """Integers, slices, ``...`` and None (locally where no block moves), one integer array, a
-        boolean mask (see :mod:`.indexing`)."""
+        """Integers, slices, ``...`` and None (locally where no block moves), integer arrays (one, or
+        several with integers and full slices: ``x[i, j]``), a boolean mask (see :mod:`.indexing`
+        and :mod:`.selection`)."""
         try:
             local_key, shape, placements = index_plan(key, self._shape, self._placements)
         except NotImplementedError:  # a sharded dim indexed, or a fancy or boolean key: selection.getitem's rules

@@ -4,8 +4,10 @@
   ``|x|``, ``|x|^p``) or extremes (``inf``: max of ``|x|``; ``-inf``: min) over a sharded reduced
   axis are all-reduced once (one all-reduce per mesh dim of the output block; ``sum`` and
   ``max`` leave Partial, reduced here because the root is not linear), then the root is taken:
-  Replicate there, kept Shards stay. A Partial input is all-reduced first. ``ord`` 2, -2 and
-  ``'nuc'`` of matrices (singular values) are refused: NotImplementedError naming them.
+  Replicate there, kept Shards stay. A Partial input is all-reduced first. The other matrix
+  norms of 2-D arrays: ``1``/``-1``/``inf``/``-inf`` by the sum and max rules, ``2``/``-2``/``'nuc'``
+  (singular values) by TSQR: one all-gather of each block's triangular factor
+  (:func:`_matrix_norm`); of N-d arrays they are refused, naming the op and the placements.
 * ``outer``, ``tensordot`` and ``dot`` are written as :func:`np.einsum` calls, so they take its
   rules (:mod:`.einsum`): a Shard on a kept letter stays, a contracted sharded letter gives
   Partial(sum), one Partial beside Replicate operands stays. ``outer`` flattens its operands
@@ -17,6 +19,7 @@
 
 from __future__ import annotations
 
+import math
 import string
 from typing import Any
 
@@ -27,9 +30,10 @@ from ..comm._seams import array_namespace
 from . import errors
 from .chunks import local_shape_and_offset
 from .dispatch import implements
-from .dtensor import DTensor
+from .dtensor import DTensor, _wrap
 from .placements import Partial, Placement, Replicate, Shard
-from .propagation import moved, reduction_placements, norm_axes, reduce_over, unsupported, wrap
+from .propagation import moved, norm_axes, unsupported, wrap
+from .reduction_plan import reduction_plan
 
 __all__ = ["norm", "outer", "trace", "tensordot"]  # np.dot is matmul.py's (its N-D form calls tensordot)
 
@@ -37,24 +41,26 @@ __all__ = ["norm", "outer", "trace", "tensordot"]  # np.dot is matmul.py's (its 
 @implements(np.linalg.norm)
 def norm(x: Any, ord: Any = None, axis: Any = None, keepdims: bool = False) -> DTensor:
     """``np.linalg.norm``: block partial sums (or extremes), one all-reduce over a sharded reduced
-    axis, then the root (see the module's rules)."""
+    axis, then the root (see the module's rules); matrix norms ``1``/``-1``/``inf``/``-inf`` of
+    2-D arrays by the sum and max rules, ``2``/``-2``/``'nuc'`` by TSQR (one all-gather of each
+    block's triangular factor, :func:`_matrix_norm`)."""
     op = "np.linalg.norm"
     if not isinstance(x, DTensor):
         raise unsupported(op)
+    if ord is None and axis is None:  # the 2-norm of the flattened array (a gradient's norm): the hot path
+        return _flat_norm(op, x, bool(keepdims))
     axes = norm_axes(op, x.ndim, axis)
     matrix = (axis is None and x.ndim == 2 and ord is not None) or len(axes) == 2
     if len(axes) > 2 or (axis is not None and not isinstance(axis, (int, np.integer)) and len(axes) != len(axis)):
         raise ValueError(errors.prefix(op) + "improper number of dimensions to norm")
     if matrix and ord not in (None, "fro"):
-        raise NotImplementedError(errors.prefix(op) + f"the matrix norm ord={ord!r} has no DTensor rule "
-                                  f"(placements {x.placements!r}); compute it on full_tensor() (redistribute to "
-                                  "Replicate first)")
+        return _matrix_norm(op, x, ord, axis, bool(keepdims))
     if not matrix and isinstance(ord, str):
         raise ValueError(errors.prefix(op) + f"invalid norm order {ord!r} for vectors")
     if ord is None or ord == "fro":
         ord = 2
-    need, out, merged, _ = reduction_placements(x, axes, keepdims)
-    local = moved(op, "x", x, need).to_local()
+    plan = reduction_plan(x.device_mesh, x.shape, x.placements, axes, bool(keepdims))
+    local = moved(op, "x", x, plan.need).to_local()
     xp = array_namespace(local)
     if local.dtype.kind not in "fc":
         local = local.astype(np.float64)
@@ -85,16 +91,97 @@ def norm(x: Any, ord: Any = None, axis: Any = None, keepdims: bool = False) -> D
         p = float(ord)
         part = xp.sum(mag ** p, axis=axes, keepdims=True)
         reduce_op = ReduceOp.SUM
-    if merged:
-        part = reduce_over(part, x.device_mesh, merged, reduce_op)
+    if plan.merged:
+        plan.reduce(part, reduce_op)  # part is this call's own array
     if ord == 2:
-        part = xp.sqrt(part)
+        part = xp.sqrt(part, out=part)
     elif ord not in (np.inf, -np.inf, 0, 1):
         part = part ** (1.0 / float(ord))
     if not keepdims:
-        part = part.reshape(tuple(s for d, s in enumerate(part.shape) if d not in axes))
-    shape = tuple(1 if d in axes else s for d, s in enumerate(x.shape) if keepdims or d not in axes)
-    return wrap(part, x.device_mesh, out, shape)
+        part = part.reshape(plan.squeezed_block)
+    return _wrap(part, x.device_mesh, plan.out, plan.shape)
+
+
+def _flat_norm(op: str, x: DTensor, keepdims: bool) -> DTensor:
+    """``np.linalg.norm(x)`` of any rank: each block's sum of squares (one BLAS dot for real
+    floats), one all-reduce per mesh dim sharding the array, the root; Replicate there."""
+    plan = reduction_plan(x.device_mesh, x.shape, x.placements, tuple(range(x.ndim)), keepdims)
+    local = moved(op, "x", x, plan.need).to_local()
+    xp = array_namespace(local)
+    kind = local.dtype.kind
+    if kind not in "fc":
+        local = local.astype(np.float64)
+    if kind == "c":
+        part = xp.asarray(xp.sum(local.real * local.real + local.imag * local.imag))
+    else:
+        flat = local.reshape(-1)
+        part = xp.asarray(xp.dot(flat, flat))  # a new 0-d array: ours to reduce in place
+    if plan.merged:
+        plan.reduce(part, ReduceOp.SUM)
+    part = xp.sqrt(part, out=part)
+    return _wrap(part.reshape(plan.shape), x.device_mesh, plan.out, plan.shape)
+
+
+def _matrix_norm(op: str, x: DTensor, ord: Any, axis: Any, keepdims: bool) -> DTensor:
+    """The matrix norms of a 2-D DTensor beyond ``'fro'``; the result is Replicate.
+
+    * ``1``, ``-1``, ``inf``, ``-inf``: the column (row) sums of ``|x|`` by ``np.sum``'s rule (a
+      sharded summed axis leaves Partial(sum)), their max (min) by ``np.max``'s (the Partial
+      all-reduced first), then the Partial(max|min) it leaves all-reduced: two all-reduces of a
+      line at most.
+    * ``2``, ``-2``, ``'nuc'`` (singular values): TSQR. Each rank's block along the one sharded axis
+      (the other gathered first, a Partial all-reduced) is reduced to its ``n x n`` triangular
+      factor R (``np.linalg.qr``; a block of fewer rows is sent as it is, padded with zero rows),
+      one all-gather of those, and every rank takes the singular values of the stacked factors,
+      which are ``x``'s (the stack's Gram matrix is ``x``'s, up to rounding, with no squaring of
+      the condition number). Cost: one all-gather of ``n x n`` per rank, ``n`` the unsharded
+      side; where that is more than the whole matrix (``k * n`` rows for ``k`` blocks against
+      ``m``), the matrix is gathered whole instead and NumPy's norm runs on it.
+    """
+    if x.ndim != 2:
+        raise NotImplementedError(errors.prefix(op) + f"the matrix norm ord={ord!r} of a {x.ndim}-d array "
+                                  f"(placements {x.placements!r}) has no DTensor rule; compute it on full_tensor() "
+                                  "(redistribute to Replicate first)")
+    pair = (0, 1) if axis is None else tuple(int(a) % 2 for a in axis)
+    if pair[0] == pair[1]:
+        raise ValueError(errors.prefix(op) + "duplicate axes given")
+    if np.dtype(x.dtype).kind not in "fc":
+        x = x.astype(np.float64)
+    mesh = x.device_mesh
+    shape = (1, 1) if keepdims else ()
+    replicate = (Replicate(),) * mesh.ndim
+    if ord in (1, -1, np.inf, -np.inf):
+        rows, cols = pair
+        summed, kept = (rows, cols) if ord in (1, -1) else (cols, rows)
+        t = np.sum(np.abs(x), axis=summed, keepdims=True)
+        t = (np.max if ord > 0 else np.min)(t, axis=kept, keepdims=True)
+        local = t.redistribute(placements=replicate).to_local()
+        return wrap(local.reshape(shape), mesh, replicate, shape)
+    if ord not in (2, -2, "nuc"):
+        raise ValueError(errors.prefix(op) + f"invalid norm order {ord!r} for matrices")
+    sharded = [p.dim for p in x.placements if isinstance(p, Shard)]
+    along = sharded[0] if sharded else 0  # the axis whose blocks are merged by TSQR
+    need = [p if isinstance(p, Shard) and p.dim == along else Replicate() for p in x.placements]
+    m, n = x.shape[along], x.shape[1 - along]
+    blocks = math.prod(mesh.shape[i] for i, p in enumerate(need) if isinstance(p, Shard))
+    if blocks > 1 and blocks * n > m:  # the factors would outweigh the matrix: gather it whole
+        need = list(replicate)
+    local = moved(op, "x", x, need).to_local()
+    xp = array_namespace(local)
+    plan = reduction_plan(mesh, x.shape, tuple(need), (along,), True)
+    if plan.merged:
+        block = local if along == 0 else local.T
+        if block.shape[0] >= n:
+            factor = xp.linalg.qr(block, mode="r")
+        else:
+            factor = xp.zeros((n, n), dtype=block.dtype)
+            factor[:block.shape[0]] = block
+        stack = plan.gather(xp.ascontiguousarray(factor)).reshape((-1, n))
+        values = xp.linalg.svd(stack, compute_uv=False)[:min(m, n)]  # descending
+    else:
+        values = xp.linalg.svd(local, compute_uv=False)
+    result = values[0] if ord == 2 else values[-1] if ord == -2 else values.sum()
+    return wrap(xp.asarray(result).reshape(shape), mesh, replicate, shape)
 
 
 def _letters(n: int, skip: str = "") -> str:

@@ -23,7 +23,7 @@ from .redistribute import redistribute_local
 from ..comm._seams import array_namespace
 
 __all__ = ["logger", "is_scalar", "common_mesh", "moved", "unsupported", "no_out", "wrap", "uniform_finite",
-           "reduction_placements", "norm_axes", "off_axes", "gather_over", "reduce_over", "renumbered", "refuse_kwargs"]
+           "norm_axes", "off_axes", "renumbered", "refuse_kwargs"]
 
 logger = logging.getLogger("meshkit.tensor")
 
@@ -110,10 +110,15 @@ def wrap(local: Any, mesh: DeviceMesh, placements: Sequence[Placement], shape: S
     return DTensor(local, mesh, placements, shape=shape)
 
 
+_ALL_AXES = tuple(tuple(range(n)) for n in range(33))  # axis=None of an n-d array (NumPy allows 64 dims)
+
+
 def norm_axes(op: str, ndim: int, axis: Any) -> tuple[int, ...]:
     """``axis`` (None, an int or a tuple of ints) as sorted non-negative axes; NumPy's AxisError out of range."""
     if axis is None:
-        return tuple(range(ndim))
+        return _ALL_AXES[ndim] if ndim < len(_ALL_AXES) else tuple(range(ndim))
+    if axis.__class__ is int and -ndim <= axis < ndim:  # the common case, without the loop below
+        return (axis % ndim,)
     axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
     out = set()
     for ax in axes:
@@ -164,62 +169,3 @@ def off_axes(op: str, arg: str, a: DTensor, axes: Sequence[int], *, keep_partial
 def renumbered(placements: Sequence[Placement], removed: Sequence[int]) -> list[Placement]:
     """``placements`` with each Shard's dim shifted past the ``removed`` axes (none of them sharded)."""
     return [Shard(p.dim - sum(r < p.dim for r in removed)) if isinstance(p, Shard) else p for p in placements]
-
-
-def gather_over(local: Any, mesh: DeviceMesh, dims: Sequence[int]) -> Any:
-    """Every rank's ``local`` along mesh ``dims``: an array ``(n_0, n_1, ..., *local.shape)`` in mesh
-    coordinate order (one all-gather per mesh dim; the blocks must have one shape along each group)."""
-    xp = array_namespace(local)
-    out = xp.ascontiguousarray(local)
-    lead: tuple[int, ...] = ()
-    for i in dims:
-        n = mesh.shape[i]
-        flat = out.reshape((1, -1)) if out.size else out.reshape((1, 0))
-        into = xp.empty((n, flat.shape[1]), dtype=out.dtype)
-        if n > 1:
-            mesh.get_group(i).all_gather_into_tensor(into, flat)
-        else:
-            into[...] = flat
-        # this dim's axis goes after the ones gathered before (mesh order kept)
-        block = into.reshape((n, *lead, *local.shape))
-        out = xp.ascontiguousarray(xp.moveaxis(block, 0, len(lead))) if lead else block
-        lead = (*lead, n)
-    return out
-
-
-def reduce_over(local: Any, mesh: DeviceMesh, dims: Sequence[int], op: Any) -> Any:
-    """A copy of ``local`` all-reduced with ``op`` over mesh ``dims`` (one all-reduce per mesh dim)."""
-    xp = array_namespace(local)
-    out = xp.array(local, copy=True, order="C")
-    for i in dims:
-        if mesh.shape[i] > 1:
-            mesh.get_group(i).all_reduce(out, op)
-    return out
-
-
-def reduction_placements(a: DTensor, axes: tuple[int, ...], keepdims: bool, keep_partial: tuple[str, ...] = ()
-                         ) -> tuple[list[Placement], list[Placement], list[int], tuple[int, ...]]:
-    """A reduction of ``a`` over ``axes``: ``(what a must hold, the output's placements, the mesh dims
-    sharding a reduced axis, the output's shape)``; a Partial of ``keep_partial`` passes through.
-
-    The output placement of a mesh dim sharding a reduced axis is left Replicate here (the rule
-    combines it or changes it)."""
-    need: list[Placement] = []
-    out: list[Placement] = []
-    merged: list[int] = []
-    for i, p in enumerate(a.placements):
-        if isinstance(p, Shard) and p.dim in axes:
-            need.append(p)
-            out.append(Replicate())
-            merged.append(i)
-        elif isinstance(p, Shard):
-            need.append(p)
-            out.append(Shard(p.dim if keepdims else p.dim - sum(ax < p.dim for ax in axes)))
-        elif isinstance(p, Partial) and p.reduce_op in keep_partial:
-            need.append(p)
-            out.append(p)
-        else:
-            need.append(Replicate())
-            out.append(Replicate())
-    shape = tuple(1 if d in axes else s for d, s in enumerate(a.shape) if keepdims or d not in axes)
-    return need, out, merged, shape

@@ -37,12 +37,13 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..comm._seams import PreparedCollective, array_namespace, prepare_collective
+from ..comm._seams import PreparedCollective, array_namespace, positive_setting, prepare_collective
 from ..mesh import DeviceMesh
 from .chunks import chunk_range, chunk_size, local_shape_and_offset
 from .placements import Partial, Placement, Replicate, Shard
 
-__all__ = ["redistribute_local", "plan", "program", "cached", "remember", "run", "partition_value", "PROGRAMS_MAX"]
+__all__ = ["redistribute_local", "plan", "program", "cached", "remember", "run", "partition_value", "PROGRAMS_MAX",
+           "PROGRAMS_ENV"]
 
 logger = logging.getLogger("meshkit.tensor")
 
@@ -103,6 +104,8 @@ def _plan(src: tuple[Placement, ...], dst: tuple[Placement, ...]) -> tuple[tuple
 
 #: Programs kept; the oldest is dropped beyond this (a model has a few dozen distinct layouts).
 PROGRAMS_MAX = 1024
+#: The variable that changes it (a positive integer), read where a new program is kept.
+PROGRAMS_ENV = "MESHKIT_DTENSOR_PROGRAMS"
 
 _programs: dict[tuple[Any, ...], _Program] = {}
 _programs_lock = threading.Lock()
@@ -166,10 +169,12 @@ def cached(mesh: DeviceMesh, shape: tuple[int, ...], src: tuple[Placement, ...],
 def remember(prog: _Program, mesh: DeviceMesh, shape: tuple[int, ...], src: tuple[Placement, ...],
              dst: Sequence[Placement]) -> None:
     """Keep ``prog`` for these arguments (``dst`` as the caller gave it, once it checked valid)."""
+    limit = int(positive_setting(PROGRAMS_ENV, PROGRAMS_MAX, integer=True, where="meshkit.tensor"))
+    key = (id(mesh), shape, src, tuple(dst))
     with _programs_lock:  # ranks of the local engine are threads: one writer at a time
-        if len(_programs) >= PROGRAMS_MAX:
+        while key not in _programs and _programs and len(_programs) >= limit:  # the oldest make way
             _programs.pop(next(iter(_programs)), None)
-        _programs[(id(mesh), shape, src, tuple(dst))] = prog
+        _programs[key] = prog
 
 
 def redistribute_local(local: Any, mesh: DeviceMesh, shape: Sequence[int], src: Sequence[Placement],

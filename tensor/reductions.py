@@ -14,6 +14,7 @@ dtypes no collective carries (datetime, objects) raise TypeError on every rank.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -21,15 +22,16 @@ import numpy as np
 from ..comm._seams import array_namespace
 from . import errors
 from .dispatch import implements
-from .dtensor import DTensor
+from .dtensor import DTensor, _wrap
 from .placements import Partial, Placement, Replicate, Shard
 from .propagation import moved, no_out, unsupported, wrap
+from .reduction_plan import reduction_plan
 
 __all__ = ["total", "mean", "maximum", "minimum", "logsumexp"]
 
 #: reduction -> (the Partial it leaves, the Partial ops it passes through)
-_KINDS = {"sum": ("sum", {"sum", "avg"}), "mean": ("sum", {"sum", "avg"}),
-          "max": ("max", {"max"}), "min": ("min", {"min"})}
+_KINDS = {"sum": ("sum", ("avg", "sum")), "mean": ("sum", ("avg", "sum")),
+          "max": ("max", ("max",)), "min": ("min", ("min",))}
 
 
 def _identity(kind: str, dtype: Any) -> Any:
@@ -45,6 +47,8 @@ def _identity(kind: str, dtype: Any) -> Any:
 def _axes(op: str, a: DTensor, axis: Any) -> tuple[int, ...]:
     if axis is None:
         return tuple(range(a.ndim))
+    if axis.__class__ is int and -a.ndim <= axis < a.ndim:  # the common case
+        return (axis % a.ndim,)
     axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
     out = []
     for ax in axes:
@@ -74,6 +78,12 @@ def _reduce(kind: str, a: Any, axis: Any, keepdims: bool, kwargs: dict[str, Any]
     # complex has no order a MAX/MIN collective could use (NumPy's is lexicographic): its blocks
     # are gathered first and reduced whole (decided by the dtype, so alike on every rank)
     gather = kind in ("max", "min") and a.dtype.kind == "c"
+    if not gather:  # the layout facts, worked out once per layout (reduction_plan)
+        plan = reduction_plan(a.device_mesh, a.shape, a.placements, axes, keepdims, passes)
+        local = moved(op, "argument 0", a, plan.need).to_local()
+        count = math.prod(a.shape[ax] for ax in axes) if kind == "mean" else 0
+        return _wrap(_local_reduce(kind, local, axes, keepdims, kwargs.get("dtype"), count),
+                     a.device_mesh, plan.leaving(leaves), plan.shape)
     need: list[Placement] = []
     out: list[Placement] = []
     for p in a.placements:
@@ -92,19 +102,22 @@ def _reduce(kind: str, a: Any, axis: Any, keepdims: bool, kwargs: dict[str, Any]
             out.append(Replicate())
     local = moved(op, "argument 0", a, need).to_local()
     shape = tuple(1 if d in axes else s for d, s in enumerate(a.shape) if keepdims or d not in axes)
-    dtype = kwargs.get("dtype")
+    count = math.prod(a.shape[ax] for ax in axes)
+    return wrap(_local_reduce(kind, local, axes, keepdims, kwargs.get("dtype"), count), a.device_mesh, out, shape)
+
+
+def _local_reduce(kind: str, local: Any, axes: tuple[int, ...], keepdims: bool, dtype: Any, count: int) -> Any:
+    """This rank's block reduced (``count``: the global number of elements reduced, for ``mean``)."""
     if kind in ("sum", "mean"):
-        result = np.sum(local, axis=axes, dtype=dtype, keepdims=keepdims)
+        result = local.sum(axis=axes, dtype=dtype, keepdims=keepdims)  # the method: NumPy's wrapper skipped
         if kind == "mean":
-            count = int(np.prod([a.shape[ax] for ax in axes], dtype=np.int64))
             result = result / count if dtype is None else (result / count).astype(dtype)
-    elif any(local.shape[ax] == 0 for ax in axes):  # an empty block (trailing rank): the identity
+        return result
+    if any(local.shape[ax] == 0 for ax in axes):  # an empty block (trailing rank): the identity
         xp = array_namespace(local)
         local_shape = tuple(1 if d in axes else s for d, s in enumerate(local.shape) if keepdims or d not in axes)
-        result = xp.full(local_shape, _identity(kind, local.dtype), dtype=local.dtype)
-    else:
-        result = (np.max if kind == "max" else np.min)(local, axis=axes, keepdims=keepdims)
-    return wrap(result, a.device_mesh, out, shape)
+        return xp.full(local_shape, _identity(kind, local.dtype), dtype=local.dtype)
+    return (np.max if kind == "max" else np.min)(local, axis=axes, keepdims=keepdims)
 
 
 @implements(np.sum)

@@ -18,9 +18,10 @@ import numpy as np
 
 from ..comm._seams import array_namespace
 from .dispatch import implements
-from .dtensor import DTensor
-from .placements import Partial, Replicate, Shard
-from .propagation import gather_over, moved, no_out, norm_axes, unsupported, wrap
+from .dtensor import DTensor, _wrap
+from .placements import Replicate
+from .propagation import moved, no_out, norm_axes, unsupported, wrap
+from .reduction_plan import reduction_plan
 
 __all__ = ["cumsum", "cumprod"]
 
@@ -36,28 +37,28 @@ def _scan(op: str, kind: str, a: Any, axis: Any, dtype: Any, out: Any) -> DTenso
         fn = np.cumsum if kind == "sum" else np.cumprod
         return wrap(fn(src.to_local(), dtype=dtype), mesh, src.placements, (a.size,))
     (ax,) = norm_axes(op, a.ndim, 0 if axis is None else axis)
-    need = [Replicate() if isinstance(p, Partial) and p.reduce_op not in keep else p for p in a.placements]
-    src = moved(op, "a", a, need)
+    plan = reduction_plan(mesh, a.shape, a.placements, (ax,), True, keep)  # its merged dims shard the axis
+    src = moved(op, "a", a, plan.need)
     local = src.to_local()
     xp = array_namespace(local)
-    fn = xp.cumsum if kind == "sum" else xp.cumprod
-    result = fn(local, axis=ax, dtype=dtype)
-    merged = [i for i, p in enumerate(need) if isinstance(p, Shard) and p.dim == ax]
-    if merged:
-        rest = tuple(s for d, s in enumerate(result.shape) if d != ax)
+    result = local.cumsum(axis=ax, dtype=dtype) if kind == "sum" else local.cumprod(axis=ax, dtype=dtype)
+    if plan.merged:
         if result.shape[ax]:
-            total = xp.take(result, -1, axis=ax)
+            total = result[(slice(None),) * ax + (slice(-1, None),)]  # the last line: a view
         else:
-            total = (xp.zeros if kind == "sum" else xp.ones)(rest, dtype=result.dtype)
-        totals = gather_over(total, mesh, merged).reshape((-1, *rest))
-        me = mesh.get_coordinate()
-        position = int(np.ravel_multi_index(tuple(me[i] for i in merged), tuple(mesh.shape[i] for i in merged)))
-        if position:
-            before = totals[:position]
-            carry = xp.sum(before, axis=0) if kind == "sum" else xp.prod(before, axis=0)
-            carry = xp.expand_dims(carry.astype(result.dtype, copy=False), ax)
-            result = result + carry if kind == "sum" else result * carry
-    return wrap(result, mesh, src.placements, a.shape if axis is not None else (a.size,))
+            total = (xp.zeros if kind == "sum" else xp.ones)(plan.reduced_block, dtype=result.dtype)
+        if plan.position:  # the totals of the blocks before this one: an exclusive scan
+            totals = plan.gather(total, empty=True)[:plan.position]  # empty blocks' totals: 0 (1)
+            carry = totals.sum(axis=0) if kind == "sum" else totals.prod(axis=0)
+            if carry.dtype != result.dtype:
+                carry = carry.astype(result.dtype)
+            if kind == "sum":
+                result += carry  # result is the scan's own array
+            else:
+                result *= carry
+        else:  # the first block adds nothing, but takes part in the collective
+            plan.gather(total, empty=True)
+    return _wrap(result, mesh, src.placements, a.shape if axis is not None else (a.size,))
 
 
 @implements(np.cumsum)

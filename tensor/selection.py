@@ -19,7 +19,7 @@ from .dispatch import INDEXING
 from .dtensor import DTensor
 from .indexing import expand, index_plan
 from .placements import Partial, Placement, Replicate, Shard
-from .propagation import logger, moved
+from .propagation import logger, moved, off_axes
 
 __all__ = ["getitem", "setitem"]
 
@@ -36,9 +36,9 @@ def getitem(x: Any, key: Any) -> Any:
     """``x[key]`` for every key :func:`index_plan` refuses on a sharded dim, and for fancy and
     boolean keys: a slice of a sharded dim keeps it sharded (local where every rank's chunk of the
     result lies in its block, else gathered and cut again), an integer on one is broadcast from
-    the rank holding it, one integer array is ``np.take``'s rule, a boolean mask gathers the dims
-    it covers
-    (:func:`_sliced`, :func:`_masked`)."""
+    the rank holding it, one integer array is ``np.take``'s rule, several (``x[i, j]``, integers
+    and full slices beside them) move the indexed dims off the mesh and index locally, a boolean
+    mask gathers the dims it covers (:func:`_sliced`, :func:`_fancy`, :func:`_masked`)."""
     op = "DTensor.__getitem__"
     if _is_mask(key):
         return _masked(op, x, key)
@@ -46,9 +46,11 @@ def getitem(x: Any, key: Any) -> Any:
     arrays = [d for d, k in enumerate(parts) if _is_index_array(k)]
     if arrays:
         full = all(isinstance(k, slice) and k == slice(None) for d, k in enumerate(parts) if d not in arrays)
+        if (len(arrays) > 1 or not full) and _advanced_only(parts):
+            return _fancy(op, x, parts)
         if len(arrays) != 1 or not full or Ellipsis in parts or None in parts:
-            raise NotImplementedError(errors.prefix(op) + f"index {key!r} (placements {x.placements!r}): one "
-                                      "integer array among full slices ':' is supported (np.take's rule); index "
+            raise NotImplementedError(errors.prefix(op) + f"index {key!r} (placements {x.placements!r}): integer "
+                                      "arrays are supported beside integers and full slices ':' only; index "
                                       "full_tensor() for the others (redistribute to Replicate first)")
         idx = np.asarray(parts[arrays[0]])
         if idx.dtype.kind == "b":
@@ -56,6 +58,52 @@ def getitem(x: Any, key: Any) -> Any:
                                       "give the mask alone, of the array's leading shape")
         return np.take(x, idx, axis=arrays[0])
     return _sliced(op, x, key)
+
+
+def _advanced_only(parts: list[Any]) -> bool:
+    """Every index an integer array, an integer or a full slice ``:`` (NumPy's advanced indexing
+    of several dims at once, ``x[i, j]``), no boolean among them."""
+    for k in parts:
+        if _is_index_array(k):
+            if np.asarray(k).dtype.kind not in "iu":
+                return False
+        elif not (isinstance(k, (int, np.integer)) and not isinstance(k, bool)) and \
+                not (isinstance(k, slice) and k == slice(None)):
+            return False
+    return True
+
+
+def _fancy(op: str, x: Any, parts: list[Any]) -> Any:
+    """``x[i, j]``: integer arrays (and integers) on several dims, full slices elsewhere. The indexed
+    dims are moved off the mesh first (:func:`.propagation.off_axes`: a Shard there goes by one
+    all-to-all to a sliced dim, else one all-gather), so every rank holds them whole and indexes
+    its block with the same key; the sliced dims keep their Shards, placed where NumPy puts
+    those dims (after the broadcast index shape where the indexed dims are adjacent, else after
+    it at the front). Every Partial stays (a selection). Out-of-range indices raise IndexError on
+    every rank before any communication."""
+    indexed = [d for d, k in enumerate(parts) if not isinstance(k, slice)]
+    arrays = []
+    for d in indexed:
+        k = np.asarray(parts[d])
+        n = x.shape[d]
+        if k.size and (int(k.max()) >= n or int(k.min()) < -n):
+            bad = int(k.max()) if int(k.max()) >= n else int(k.min())
+            raise IndexError(errors.prefix(op) + f"index {bad} is out of bounds for axis {d} with size {n}")
+        arrays.append(k)
+    try:
+        bshape = tuple(np.broadcast_shapes(*(k.shape for k in arrays)))
+    except ValueError:
+        raise IndexError(errors.prefix(op) + "shape mismatch: indexing arrays could not be broadcast together "
+                         f"with shapes {' '.join(str(k.shape) for k in arrays)}") from None
+    src = off_axes(op, "x", x, indexed, keep_partial=("sum", "avg", "max", "min"))
+    rest = [d for d in range(x.ndim) if d not in indexed]
+    adjacent = indexed == list(range(indexed[0], indexed[-1] + 1))
+    order = ([*rest[:indexed[0]], *([None] * len(bshape)), *rest[indexed[0]:]] if adjacent
+             else [*([None] * len(bshape)), *rest])  # the source dim of each output dim (None: the index's)
+    shape = tuple(bshape[sum(o is None for o in order[:i])] if d is None else x.shape[d] for i, d in enumerate(order))
+    placements = [Shard(order.index(p.dim)) if isinstance(p, Shard) else p for p in src.placements]
+    local = src.to_local()[tuple(parts)]
+    return DTensor(local, x.device_mesh, placements, shape=shape)
 
 
 def _sliced(op: str, x: Any, key: Any) -> Any:

@@ -6,7 +6,8 @@ Per mesh dimension, with ``axes`` the reduced axes (every axis for ``axis=None``
 * a Shard on a kept axis stays a Shard (renumbered past the removed axes): no communication;
 * Replicate stays Replicate;
 * a Shard on a reduced axis is combined by the op's collective, named in each rule's docstring
-  (``var``: one all-gather of every rank's ``(count, mean, M2)``, merged by Chan et al.'s
+  (``var``: one all-gather of every rank's ``(mean, M2)`` in one buffer, the counts being
+  arithmetic, merged by Chan et al.'s
   parallel formula; ``prod``: one all-reduce PRODUCT; ``argmax``: one all-gather of every
   rank's ``(value, global index)``); ``count_nonzero``, ``any``, ``all`` and ``average`` leave a
   Partial (sum, max, min, sum) that the next op that needs the value all-reduces, as ``np.sum``;
@@ -15,13 +16,16 @@ Per mesh dimension, with ``axes`` the reduced axes (every axis for ``axis=None``
   keeps a Partial(sum|avg)).
 
 Dtypes and NaN are NumPy's: ints and bools give float64 statistics, float32 stays float32, a
-NaN anywhere in a line gives NaN (``argmax``: the first NaN's index, as NumPy). Complex inputs of
-``var``/``std``/``argmax``/``argmin`` are refused (NotImplementedError naming the dtype).
+NaN anywhere in a line gives NaN (``argmax``: the first NaN's index, as NumPy). Complex ``var``
+and ``std`` are real (``mean(|x - mean|^2)``, the merge with ``|m_k - m|^2``); complex
+``argmax``/``argmin`` order by real then imaginary part, as NumPy's.
+
+The layout facts each rule needs (placements, groups, counts, offsets) come from
+:func:`.reduction_plan.reduction_plan`, worked out once per layout.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -30,46 +34,22 @@ import numpy as np
 from ..comm import ReduceOp
 from ..comm._seams import array_namespace
 from . import errors
-from .chunks import local_shape_and_offset
 from .dispatch import implements
-from .dtensor import DTensor
-from .placements import Partial, Placement, Replicate, Shard
-from .propagation import gather_over, moved, no_out, norm_axes, off_axes, reduce_over, reduction_placements, renumbered, \
+from .dtensor import DTensor, _wrap
+from .placements import Replicate
+from .propagation import moved, no_out, norm_axes, off_axes, renumbered, \
     uniform_finite, unsupported, wrap
+from .reduction_plan import reduction_plan
 
 __all__ = ["var", "std", "average", "count_nonzero", "any_", "all_", "prod", "argmax", "argmin", "median"]
 
-
-def _counts(a: DTensor, placements: list[Placement], axes: tuple[int, ...], merged: list[int]) -> np.ndarray:
-    """Elements each rank along the ``merged`` mesh dims reduces, flat in mesh order: arithmetic."""
-    mesh = a.device_mesh
-    return _counts_of(a.shape, tuple(mesh.shape), tuple(mesh.get_coordinate()), tuple(placements), axes,
-                      tuple(merged))
-
-
-@functools.lru_cache(maxsize=256)
-def _counts_of(shape: tuple[int, ...], mesh_shape: tuple[int, ...], me: tuple[int, ...],
-               placements: tuple[Placement, ...], axes: tuple[int, ...], merged: tuple[int, ...]) -> np.ndarray:
-    sizes = [mesh_shape[i] for i in merged]
-    out = np.zeros(sizes, dtype=np.int64)
-    for idx in np.ndindex(*sizes):
-        coordinate = list(me)
-        for i, c in zip(merged, idx):
-            coordinate[i] = c
-        block = local_shape_and_offset(shape, mesh_shape, coordinate, placements)[0]
-        out[idx] = math.prod(block[ax] for ax in axes)
-    out = out.reshape(-1)
-    out.flags.writeable = False
-    return out
+_F64 = np.dtype(np.float64)
 
 
 def _stats_dtype(op: str, dtype: np.dtype) -> np.dtype:
-    if dtype.kind == "c":
-        raise NotImplementedError(errors.prefix(op) + f"complex dtype {dtype} has no DTensor rule; compute on "
-                                  "full_tensor() (redistribute to Replicate first)")
-    if dtype.kind not in "biuf":
+    if dtype.kind not in "biufc":
         raise errors.type_error(op, f"dtype {dtype} has no variance")
-    return dtype if dtype.kind == "f" else np.dtype(np.float64)
+    return dtype if dtype.kind in "fc" else np.dtype(np.float64)
 
 
 @implements(np.var)
@@ -79,9 +59,10 @@ def var(a: Any, axis: Any = None, dtype: Any = None, out: Any = None, ddof: Any 
     Chan, Golub and LeVeque's parallel formula for all blocks at once (the global mean ``m`` from
     the counts and means, then ``M2 = sum M2_k + sum n_k (m_k - m)^2``, non-negative terms),
     never a sum of squares, so it is as accurate as NumPy's two passes. Cost: one all-gather per
-    mesh dim sharding a reduced axis of ``2 x`` the output block (the counts are arithmetic); the
-    merge runs in mesh order on every rank, so the result is Replicate there, the same on all
-    ranks. A Partial input is all-reduced first."""
+    mesh dim sharding a reduced axis of ``2 x`` the output block, ``(mean, M2)`` packed in one
+    buffer (the counts are arithmetic, kept in the reduction plan); the merge runs in mesh order
+    on every rank, so the result is Replicate there, the same on all ranks. A Partial input is
+    all-reduced first. Complex values give a real variance, ``mean(|x - mean|^2)``, as NumPy's."""
     return _moments("np.var", a, axis, dtype, out, ddof, keepdims, where, mean, correction, root=False)
 
 
@@ -96,48 +77,97 @@ def _moments(op: str, a: Any, axis: Any, dtype: Any, out: Any, ddof: Any, keepdi
              mean: Any, correction: Any, *, root: bool) -> DTensor:
     if not isinstance(a, DTensor):
         raise unsupported(op)
-    no_out(op, {"out": out, "where": where, "mean": mean})
+    if out is not None or where is not True or mean is not None:
+        no_out(op, {"out": out, "where": where, "mean": mean})
     if correction is not None:
         ddof = correction
     axes = norm_axes(op, a.ndim, axis)
-    work = np.dtype(dtype) if dtype is not None else _stats_dtype(op, np.dtype(a.dtype))
-    need, placements, merged, shape = reduction_placements(a, axes, bool(keepdims))
-    local = moved(op, "a", a, need).to_local()
+    work = np.dtype(dtype) if dtype is not None else _stats_dtype(op, a.dtype)
+    plan = reduction_plan(a.device_mesh, a.shape, a.placements, axes, bool(keepdims))
+    local = moved(op, "a", a, plan.need).to_local()
     xp = array_namespace(local)
     block = local.astype(work, copy=False)
-    n_local = math.prod(local.shape[ax] for ax in axes)
-    if n_local:
-        m = xp.mean(block, axis=axes, keepdims=True)
+    if work.kind == "c":
+        return _complex_moments(a, block, plan, axes, keepdims, ddof, root, xp)
+    # this rank's (mean, M2) packed in one buffer: the one all-gather below sends it as it is
+    packed = xp.empty((2, *plan.reduced_block), dtype=work)
+    m, m2 = packed[0], packed[1]
+    if plan.n_local:
+        if work.kind == "f" and work.itemsize >= 4:  # NumPy's mean: this sum and division (float16: in float32)
+            block.sum(axis=axes, keepdims=True, out=m)
+            m /= plan.n_local
+        else:
+            xp.mean(block, axis=axes, keepdims=True, out=m)
         dev = block - m
         xp.multiply(dev, dev, out=dev)  # in place, as NumPy's var: one temporary of the block, not two
-        m2 = xp.sum(dev, axis=axes, keepdims=True)
+        dev.sum(axis=axes, keepdims=True, out=m2)
     else:
-        m = xp.zeros(tuple(1 if d in axes else s for d, s in enumerate(local.shape)), dtype=work)
-        m2 = xp.zeros_like(m)
-    merged = [i for i in merged if a.device_mesh.shape[i] > 1]  # a mesh dim of one rank has nothing to merge
-    if merged:
-        counts = _counts(a, need, axes, merged)
-        both = gather_over(xp.stack([m, m2]), a.device_mesh, merged)
-        both = both.reshape((-1, *both.shape[len(merged):]))[counts > 0]  # empty blocks hold no moments
-        weights = xp.asarray((counts[counts > 0] / counts.sum()).astype(work)).reshape((-1,) + (1,) * m.ndim)
+        packed[...] = 0
+    n_total = plan.total
+    if plan.merged:
+        both = plan.gather(packed)  # (blocks holding elements, 2, *block): one all-gather per mesh dim
         # Chan et al.'s merge of all blocks at once: the global mean, then M2 = sum M2_k + n_k (m_k - m)^2,
         # a sum of non-negative terms (no cancellation, unlike sum(x^2) - n m^2); summed in mesh order
-        m = xp.sum(weights * both[:, 0], axis=0)
-        delta = both[:, 0] - m
-        m2 = xp.sum(both[:, 1], axis=0) + xp.sum(weights * delta * delta, axis=0) * counts.sum()
-        n_total = int(counts.sum())
+        means = both[:, 0]
+        if plan.each:  # even blocks: equal weights, n_k = each
+            centre = means.sum(axis=0)
+            centre /= len(means)
+            delta = means - centre
+            delta *= delta
+            spread, scale = delta, plan.each
+        else:
+            weights = plan.weights if work == _F64 and xp is np else xp.asarray(plan.weights.astype(work))
+            delta = means - (weights * means).sum(axis=0)
+            spread = weights * delta
+            spread *= delta
+            scale = n_total
+        m2 = both[:, 1].sum(axis=0)
+        m2 += spread.sum(axis=0) * scale
+    denominator = n_total - ddof
+    if denominator > 0:
+        result = xp.true_divide(m2, denominator, out=m2)  # m2 is this call's own buffer
     else:
-        n_total = n_local
+        with np.errstate(divide="ignore", invalid="ignore"):  # ddof >= count: inf or NaN, as NumPy's
+            result = xp.true_divide(m2, max(denominator, 0), out=m2)
+    if root:
+        result = xp.sqrt(result, out=result)
+    if not keepdims:
+        result = result.reshape(plan.squeezed_block)
+    if result.dtype != work:
+        result = result.astype(work)
+    return _wrap(result, a.device_mesh, plan.out, plan.shape)
+
+
+def _complex_moments(a: DTensor, block: Any, plan: Any, axes: tuple[int, ...], keepdims: Any, ddof: Any,
+                     root: bool, xp: Any) -> DTensor:
+    """var/std of complex blocks, as NumPy's: ``mean(|x - mean|^2)``, real (float32 for complex64).
+    The same merge with ``|m_k - m|^2``; the buffer is complex, M2 in its real part."""
+    packed = xp.zeros((2, *plan.reduced_block), dtype=block.dtype)
+    if plan.n_local:
+        xp.mean(block, axis=axes, keepdims=True, out=packed[0])
+        dev = block - packed[0]
+        sq = dev.real * dev.real
+        sq += dev.imag * dev.imag
+        packed[1].real[...] = sq.sum(axis=axes, keepdims=True)
+    m2 = packed[1].real.copy()
+    if plan.merged:
+        both = plan.gather(packed)
+        real = m2.dtype
+        weights = xp.asarray(plan.weights.astype(real))
+        means = both[:, 0]
+        delta = means - (weights * means).sum(axis=0)
+        spread = delta.real * delta.real
+        spread += delta.imag * delta.imag
+        spread *= weights
+        m2 = both[:, 1].real.sum(axis=0)
+        m2 += spread.sum(axis=0) * plan.total
     with np.errstate(divide="ignore", invalid="ignore"):  # ddof >= count: inf or NaN, as NumPy's
-        result = m2 / max(n_total - ddof, 0)
+        result = m2 / max(plan.total - ddof, 0)
     if root:
         result = xp.sqrt(result)
     if not keepdims:
-        result = result.reshape(tuple(s for d, s in enumerate(result.shape) if d not in axes))
-    result = result.astype(work, copy=False)
-    if dtype is None and np.dtype(a.dtype).kind == "f":
-        result = result.astype(a.dtype, copy=False)
-    return wrap(result, a.device_mesh, placements, shape)
+        result = result.reshape(plan.squeezed_block)
+    return _wrap(xp.asarray(result), a.device_mesh, plan.out, plan.shape)
 
 
 @implements(np.average)
@@ -176,9 +206,8 @@ def average(a: Any, axis: Any = None, weights: Any = None, returned: bool = Fals
     if np.any(wsum == 0.0):
         raise ZeroDivisionError(errors.prefix(op) + "weights sum to zero, can't be normalized")
     keep = ("sum", "avg") if uniform_finite(w) else ()
-    need, placements, merged, shape = reduction_placements(a, axes, bool(keepdims), keep)
-    for i in merged:
-        placements[i] = Partial("sum")
+    plan = reduction_plan(a.device_mesh, a.shape, a.placements, axes, bool(keepdims), keep)
+    need, placements, shape = plan.need, plan.leaving("sum"), plan.shape
     src = moved(op, "a", a, need)
     local = src.to_local()
     xp = array_namespace(local)
@@ -202,24 +231,28 @@ def _logical(op: str, fn: Any, partial: str, a: Any, axis: Any, keepdims: Any, d
     if not isinstance(a, DTensor):
         raise unsupported(op)
     axes = norm_axes(op, a.ndim, axis)
-    need, placements, merged, shape = reduction_placements(a, axes, bool(keepdims))
-    for i in merged:
-        placements[i] = Partial(partial)
-    local = moved(op, "a", a, need).to_local()
-    result = fn(local, axis=axes, keepdims=bool(keepdims))
+    keep = bool(keepdims)
+    plan = reduction_plan(a.device_mesh, a.shape, a.placements, axes, keep)
+    placements = plan.leaving(partial)
+    local = moved(op, "a", a, plan.need).to_local()
+    # every axis without keepdims: axis=None, NumPy's fast path (count_nonzero counts in C, where a
+    # tuple of axes casts the block to bool and sums it: 5 times slower on a 1024x64 block)
+    result = fn(local, axis=None if not keep and len(axes) == local.ndim else axes, keepdims=keep)
     if dtype is not None:
         result = result.astype(dtype, copy=False)
-    return wrap(result, a.device_mesh, placements, shape)
+    return _wrap(result, a.device_mesh, placements, plan.shape)
 
 
 @implements(np.count_nonzero)
 def count_nonzero(a: Any, axis: Any = None, *, keepdims: bool = False) -> DTensor:
     """``np.count_nonzero``: each rank counts its block; a sharded reduced axis leaves Partial(sum)
     (int64), no communication here. A Partial input is all-reduced first."""
-    def fn(x: Any, axis: Any, keepdims: bool) -> Any:
-        xp = array_namespace(x)
-        return xp.asarray(xp.count_nonzero(x, axis=axis, keepdims=keepdims)).astype(np.intp, copy=False)
-    return _logical("np.count_nonzero", fn, "sum", a, axis, keepdims)
+    return _logical("np.count_nonzero", _count, "sum", a, axis, keepdims)
+
+
+def _count(x: Any, axis: Any, keepdims: bool) -> Any:
+    xp = np if x.__class__ is np.ndarray else array_namespace(x)
+    return xp.asarray(xp.count_nonzero(x, axis=axis, keepdims=keepdims), dtype=np.intp)
 
 
 @implements(np.any)
@@ -249,75 +282,85 @@ def prod(a: Any, axis: Any = None, dtype: Any = None, out: Any = None, keepdims:
         raise unsupported(op)
     no_out(op, {"out": out, "where": where, "initial": initial})
     axes = norm_axes(op, a.ndim, axis)
-    need, placements, merged, shape = reduction_placements(a, axes, bool(keepdims))
-    local = moved(op, "a", a, need).to_local()
-    result = np.prod(local, axis=axes, dtype=dtype, keepdims=bool(keepdims))
-    if merged:
-        result = reduce_over(result, a.device_mesh, merged, ReduceOp.PRODUCT)
-    return wrap(result, a.device_mesh, placements, shape)
+    plan = reduction_plan(a.device_mesh, a.shape, a.placements, axes, bool(keepdims))
+    local = moved(op, "a", a, plan.need).to_local()
+    xp = array_namespace(local)
+    result = xp.asarray(local.prod(axis=axes, dtype=dtype, keepdims=bool(keepdims)))  # a new array: ours
+    if plan.merged:
+        plan.reduce(result, ReduceOp.PRODUCT)
+    return _wrap(result, a.device_mesh, plan.out, plan.shape)
 
 
 def _arg(op: str, kind: str, a: Any, axis: Any, out: Any, keepdims: Any) -> DTensor:
     if not isinstance(a, DTensor):
         raise unsupported(op)
-    no_out(op, {"out": out})
-    if np.dtype(a.dtype).kind == "c":
-        _stats_dtype(op, np.dtype(a.dtype))
-    if a.size == 0:
+    if out is not None:
+        no_out(op, {"out": out})
+    dt = a.dtype
+    if 0 in a.shape:
         raise ValueError(errors.prefix(op) + f"attempt to get {op[3:]} of an empty sequence")
     flat = axis is None
     if not flat and (isinstance(axis, bool) or not isinstance(axis, (int, np.integer))):
         raise TypeError(errors.prefix(op) + f"axis must be an int or None, got {axis!r}")  # NumPy's: one axis
-    axes = tuple(range(a.ndim)) if flat else norm_axes(op, a.ndim, axis)
+    axes = norm_axes(op, a.ndim, axis)
     keep = bool(keepdims)
-    need, placements, merged, _ = reduction_placements(a, axes, keep)
-    shape = (tuple(1 for _ in a.shape) if keep else ()) if flat else \
-        tuple(1 if d in axes else s for d, s in enumerate(a.shape) if keep or d not in axes)
-    if flat and keep:
-        placements = [Replicate() if isinstance(p, Shard) else p for p in placements]
-    local = moved(op, "a", a, need).to_local()
-    xp = array_namespace(local)
     mesh = a.device_mesh
-    pick = xp.argmax if kind == "max" else xp.argmin
-    _, offset = local_shape_and_offset(a.shape, mesh.shape, mesh.get_coordinate(), need)
-    empty = local.size == 0 or (not flat and local.shape[axes[0]] == 0)
+    plan = reduction_plan(mesh, a.shape, a.placements, axes, keep)  # flat: every Shard is merged: Replicate
+    local = moved(op, "a", a, plan.need).to_local()
+    xp = array_namespace(local)
+    # (value, global index) packed in one buffer of a dtype that holds both exactly: float64 for
+    # float64 and anything of 4 bytes or less, else the values' own (int64, uint64, longdouble)
+    # (complex: complex128 or the values' own, the index in the real part)
+    pack = (_F64 if dt.itemsize <= 4 or dt == _F64 else dt) if dt.kind != "c" else \
+        (np.dtype(np.complex128) if dt.itemsize <= 16 else dt)
     if flat:
-        if empty:
-            idx, val = xp.zeros((), dtype=np.intp), xp.zeros((), dtype=local.dtype)
+        if local.size == 0:
+            k, idx, val = 0, 0, 0
         else:
-            k = int(pick(local))
-            idx = xp.asarray(_global_flat(k, local.shape, offset, a.shape), dtype=np.intp)
+            k = int(local.argmax() if kind == "max" else local.argmin())
+            idx = _global_flat(k, local.shape, plan.offset, a.shape)
             val = local.reshape(-1)[k]
+        if plan.merged:
+            mine = xp.empty(2, dtype=pack)
+            mine[0] = val
+            mine[1] = idx
+            every = plan.gather(mine)  # (blocks holding elements, 2): one all-gather per mesh dim
+            if not plan.ordered:  # the blocks put in global order of their candidates' indices
+                every = every[xp.argsort(every[:, 1].real, kind="stable")]
+            # the first extreme (NumPy's argmax/argmin take the first NaN as one, and order complex
+            # numbers by real then imaginary part) among candidates in global order is the first
+            j = int(every[:, 0].argmax() if kind == "max" else every[:, 0].argmin())
+            idx = int(every[j, 1].real)
+        result = xp.asarray(idx, dtype=np.intp)
+        if keep:
+            result = result.reshape(plan.shape)
+        return _wrap(result, mesh, plan.out, plan.shape)
+    ax = axes[0]
+    if local.size == 0:
+        idx = xp.zeros(plan.squeezed_block, dtype=np.intp)
+        val = xp.zeros(plan.squeezed_block, dtype=local.dtype)
     else:
-        ax = axes[0]
-        if empty:
-            rest = tuple(s for d, s in enumerate(local.shape) if d != ax)
-            idx, val = xp.zeros(rest, dtype=np.intp), xp.zeros(rest, dtype=local.dtype)
-        else:
-            i = pick(local, axis=ax)
-            val = xp.take_along_axis(local, xp.expand_dims(i, ax), axis=ax).squeeze(ax)
-            idx = i + offset[ax]
-    merged = [i for i in merged if mesh.shape[i] > 1]  # a mesh dim of one rank has nothing to merge
-    if merged:
-        counts = _counts(a, need, axes, merged)
-        if np.dtype(local.dtype).itemsize <= 4 or local.dtype == np.float64:  # both exact in float64: one all-gather
-            both = gather_over(xp.stack([val.astype(np.float64), idx.astype(np.float64)]), mesh, merged)
-            both = both.reshape((-1, 2, *val.shape))
-            vals, idxs = both[:, 0].astype(local.dtype, copy=False), both[:, 1].astype(np.int64)
-        else:  # 64-bit integers: values and indices gathered apart
-            vals = gather_over(val, mesh, merged).reshape((-1, *val.shape))
-            idxs = gather_over(idx.astype(np.int64), mesh, merged).reshape((-1, *idx.shape))
-        valid = counts > 0
-        vals, idxs = vals[valid], idxs[valid]
-        best = (xp.max if kind == "max" else xp.min)(vals, axis=0)  # NaN where any candidate is NaN
-        hit = vals == best
-        if np.dtype(local.dtype).kind == "f":
-            hit |= xp.isnan(vals) & xp.isnan(best)
-        idx = xp.min(xp.where(hit, idxs, np.iinfo(np.int64).max), axis=0)  # the first in global order
+        idx = local.argmax(axis=ax) if kind == "max" else local.argmin(axis=ax)
+        if plan.offset[ax]:
+            idx += plan.offset[ax]
+        # the value at each line's first extreme is the line's extreme (NaN where it has one: both
+        # take it), without take_along_axis (several times argmax's own time on small blocks)
+        val = (local.max(axis=ax) if kind == "max" else local.min(axis=ax)) if plan.merged else None
+    if plan.merged:
+        mine = xp.empty((2, *val.shape), dtype=pack)
+        mine[0] = val
+        mine[1] = idx
+        every = plan.gather(mine)  # (blocks holding elements, 2, *rest): one all-gather per mesh dim
+        # one reduced axis: the blocks along it come in its order, so the first extreme (NumPy's
+        # argmax/argmin take the first NaN as one) among them is the first along the axis
+        j = every[:, 0].argmax(axis=0) if kind == "max" else every[:, 0].argmin(axis=0)
+        idx = xp.take_along_axis(every[:, 1], j[None], axis=0)[0]
+        if dt.kind == "c":
+            idx = idx.real
     idx = idx.astype(np.intp, copy=False)
     if keep:
-        idx = idx.reshape(shape) if flat else xp.expand_dims(idx, axes[0])
-    return wrap(idx, mesh, placements, shape)
+        idx = xp.expand_dims(idx, ax)
+    return _wrap(idx, mesh, plan.out, plan.shape)
 
 
 def _global_flat(k: int, local_shape: tuple[int, ...], offset: tuple[int, ...], shape: tuple[int, ...]) -> int:
@@ -333,9 +376,11 @@ def _global_flat(k: int, local_shape: tuple[int, ...], offset: tuple[int, ...], 
 @implements(np.argmax)
 def argmax(a: Any, axis: Any = None, out: Any = None, *, keepdims: Any = False) -> DTensor:
     """``np.argmax``: each rank's ``(max, its global index)`` per line; over a sharded reduced axis
-    one all-gather per mesh dim of both packed as float64 (2 x the output block; two all-gathers
-    for 64-bit integers, which float64 does not hold exactly) picks the first maximum in global
-    order (the first NaN, as NumPy): Replicate there. ``axis=None``: global flat indices."""
+    one all-gather per mesh dim of both packed in one buffer (2 x the output block; float64, or
+    the values' own dtype for 64-bit integers, which float64 does not hold exactly; complex128
+    for complex values, the index in the real part) picks the first maximum in global order (the
+    first NaN, as NumPy; complex ordered as NumPy orders it): Replicate there. ``axis=None``:
+    global flat indices."""
     return _arg("np.argmax", "max", a, axis, out, keepdims)
 
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from . import errors
 from .dispatch import implements, implements_ufunc
-from .dtensor import DTensor
+from .dtensor import DTensor, _wrap
 from .placements import Partial, Placement, Replicate, Shard
 from .propagation import common_mesh, is_scalar, moved, no_out, uniform_finite, unsupported, wrap
 
@@ -143,6 +143,11 @@ def elementwise(ufunc: Any, *inputs: Any, **kwargs: Any) -> DTensor:
     ``out=x`` (what ``x += y`` passes) writes into ``x``'s block, where the result's placements and
     shape are ``x``'s; otherwise it raises ValueError naming both, on every rank.
     """
+    if not kwargs and ufunc.nout == 1 and ufunc.signature is None:
+        same = _plain_same_layout(inputs)
+        if same is not None:  # what _blockwise's first case does, with nothing to decide or check
+            return _wrap(ufunc(*[x._local if x.__class__ is DTensor else x for x in inputs]), same._mesh,
+                         same._placements, same._shape)
     op = f"np.{ufunc.__name__}"
     out = kwargs.pop("out", None)
     no_out(op, kwargs)
@@ -160,6 +165,30 @@ def elementwise(ufunc: Any, *inputs: Any, **kwargs: Any) -> DTensor:
             isinstance(out, DTensor) and is_scalar(inputs[1]) and any(p.is_partial() for p in out.placements):
         return _shift_partial(out, fn, inputs[1])
     return _blockwise(op, fn, ufunc, inputs, out)
+
+
+_PLAIN_SCALARS = (int, float, bool, complex)
+
+
+def _plain_same_layout(inputs: tuple) -> DTensor | None:
+    """The first DTensor operand if every operand is a DTensor of its mesh, shape and placements
+    (none Partial) or a Python or NumPy scalar, else None: the hot path of ``a + b``, ``x > 0``,
+    ``np.tanh(x)``, whose result is the blocks' result under those placements (about 3 us less
+    per op than the general path on 8x8 blocks; benchmarks/dtensor.py's overhead table)."""
+    first = None
+    for x in inputs:
+        kind = x.__class__
+        if kind is DTensor:
+            if first is None:
+                first = x
+                for p in x._placements:
+                    if p.__class__ is Partial:
+                        return None
+            elif x._mesh is not first._mesh or x._placements != first._placements or x._shape != first._shape:
+                return None
+        elif kind not in _PLAIN_SCALARS and not isinstance(x, np.generic):
+            return None
+    return first
 
 
 def _shift_partial(out: DTensor, fn: Any, scalar: Any) -> DTensor:

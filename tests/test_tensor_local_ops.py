@@ -178,7 +178,7 @@ def test_deepcopy_shares_the_mesh_and_copies_the_block():
         np.testing.assert_array_equal(twin, A + 1.0)
 
 
-def test_indexing_a_sharded_dim_moves_data_and_two_index_arrays_are_refused():
+def test_indexing_a_sharded_dim_moves_data_and_index_arrays_beside_a_slice_are_refused():
     def body():
         mesh = meshkit.init_device_mesh("cpu", (3,))
         d = distribute_tensor(A, mesh, [S1])
@@ -186,9 +186,13 @@ def test_indexing_a_sharded_dim_moves_data_and_two_index_arrays_are_refused():
         assert d[:, 2].placements == (R,) and d[0, 1:].placements == (Shard(0),)
         np.testing.assert_array_equal(d[0, 1:].full_tensor(), A[0, 1:])
         np.testing.assert_array_equal(d[[0, 1]].full_tensor(), A[[0, 1]])
-        with pytest.raises(NotImplementedError, match=r"DTensor.__getitem__: index \(\[0, 1\], \[1, 2\]\) \(placements "
-                                                      r"\(Shard\(dim=1\),\)\): one integer array among full slices"):
-            d[[0, 1], [1, 2]]
+        np.testing.assert_array_equal(d[[0, 1], [1, 2]].full_tensor(), A[[0, 1], [1, 2]])  # two index arrays
+        with pytest.raises(NotImplementedError, match=r"DTensor.__getitem__: index \(\[0, 1\], slice\(1, 3, None\)\) "
+                                                      r"\(placements \(Shard\(dim=1\),\)\): integer arrays are "
+                                                      r"supported beside integers and full slices"):
+            d[[0, 1], 1:3]
+        with pytest.raises(IndexError, match=r"index 7 is out of bounds for axis 1 with size"):
+            d[[0, 1], [1, 7]]
         with pytest.raises(IndexError, match="index 5 is out of bounds for dim 0 with size 5"):
             d[5]
         with pytest.raises(IndexError, match="too many indices"):

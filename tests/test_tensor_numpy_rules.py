@@ -150,3 +150,78 @@ def test_the_ndarray_methods_route_to_the_rules():
                        ("ravel", ()), ("flatten", ())]:
         np.testing.assert_allclose(got[name], getattr(X, name)(*args), rtol=1e-12, err_msg=name)
     np.testing.assert_allclose(got["dot"], X.dot(X.T), rtol=1e-12)
+
+
+def test_every_reduction_is_one_collective_of_one_packed_buffer_for_every_dtype():
+    """Issue 40's speed point: int64 argmax (float64 cannot hold its values), complex argmax and
+    var, the TSQR of a matrix 2-norm and norm(x) of a 3-d array each issue one collective; the
+    layout facts are worked out once per layout (the same plan comes back)."""
+    from meshkit.tensor.reduction_plan import reduction_plan
+
+    big = (np.arange(35).reshape(5, 7) * (2**60 // 35)).astype(np.int64)  # distinct beyond float64's 2^53
+    cplx = X + 1j * X[::-1]
+    tall = np.random.default_rng(7).standard_normal((13, 3))
+
+    def body(mesh):
+        d, c, t = (distribute_tensor(v, mesh, [S0]) for v in (big, cplx, tall))
+        x3 = distribute_tensor(np.arange(60.0).reshape(5, 4, 3), mesh, [S0])
+        out = {}
+        for name, fn, want in [("argmax int64", lambda: np.argmax(d, axis=0), np.argmax(big, axis=0)),
+                               ("argmin int64 flat", lambda: np.argmin(d), np.argmin(big)),
+                               ("argmax complex", lambda: np.argmax(c), np.argmax(cplx)),
+                               ("var complex", lambda: np.var(c, axis=0), np.var(cplx, axis=0)),
+                               ("norm 2 (TSQR)", lambda: np.linalg.norm(t, 2), np.linalg.norm(tall, 2)),
+                               ("norm nuc (TSQR)", lambda: np.linalg.norm(t, "nuc"), np.linalg.norm(tall, "nuc")),
+                               ("norm 3-d", lambda: np.linalg.norm(x3), np.linalg.norm(np.arange(60.0)))]:
+            result, issued = _quiet(fn)
+            np.testing.assert_allclose(result.to_local(), want, rtol=1e-12, err_msg=name)
+            out[name] = (result.placements, len(issued))
+        first = reduction_plan(mesh, d.shape, d.placements, (0,), False)
+        out["cached"] = first is reduction_plan(mesh, d.shape, d.placements, (0,), False)
+        return out
+
+    got = _on(2, body)[0]
+    assert got.pop("cached")
+    assert got == {name: ((R,), 1) for name in got}, got
+
+
+def test_a_scan_over_blocks_some_of_them_empty_adds_the_right_totals():
+    """3 columns over the 6 ranks of [Shard(2), Shard(2)] on a 2x3 mesh: three ranks hold no column.
+    The exclusive scan of the shard totals counts every rank's (0 for an empty block) by its
+    position; leaving the empty ones out of the gathered totals shifted the positions (found by the
+    validator run over every combination)."""
+    x3 = np.random.default_rng(3).standard_normal((5, 6, 3))
+
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (2, 3))
+        d = distribute_tensor(x3, mesh, [Shard(2), Shard(2)])
+        return np.cumsum(d, axis=2).full_tensor(), np.cumprod(d, axis=2).full_tensor()
+
+    for got_sum, got_prod in local.run(body, 6):
+        np.testing.assert_allclose(got_sum, np.cumsum(x3, axis=2), rtol=1e-12)
+        np.testing.assert_allclose(got_prod, np.cumprod(x3, axis=2), rtol=1e-12)
+
+
+def test_the_plans_kept_are_bounded_by_their_variable(monkeypatch):
+    """MESHKIT_DTENSOR_PLANS bounds the reduction plans kept (the oldest dropped; results unchanged)
+    and a bad value is refused naming the variable, before any communication."""
+    import pytest
+
+    from meshkit.tensor import reduction_plan as plans
+
+    monkeypatch.setattr(plans, "_plans", {})
+    monkeypatch.setenv("MESHKIT_DTENSOR_PLANS", "2")
+
+    def body(mesh):
+        d = distribute_tensor(X, mesh, [S0])
+        got = [np.var(d, axis=0).full_tensor(), np.var(d, axis=1).full_tensor(), np.var(d).full_tensor()]
+        return got, len(plans._plans)
+
+    for got, kept in _on(1, body):
+        assert kept <= 2
+        for value, want in zip(got, (np.var(X, axis=0), np.var(X, axis=1), np.var(X))):
+            np.testing.assert_allclose(value, want, rtol=1e-12)
+    monkeypatch.setenv("MESHKIT_DTENSOR_PLANS", "many")
+    with pytest.raises(meshkit.DistValueError, match=r"meshkit.tensor: MESHKIT_DTENSOR_PLANS='many' is not valid; "
+                                                     r"valid values are a positive integer \(default 1024\)"):
+        _on(1, lambda mesh: np.prod(distribute_tensor(X, mesh, [S0]), axis=1))

@@ -136,3 +136,25 @@ def test_compiled_programs_are_per_mesh_and_the_table_is_bounded(monkeypatch, wo
 
     a = np.arange(60.0).reshape(6, 10)
     assert local.run(body, world) == [block.tolist() for block in np.split(a, world, axis=1)]
+
+
+def test_the_programs_kept_follow_their_variable(monkeypatch):
+    """MESHKIT_DTENSOR_PROGRAMS bounds the compiled programs kept; a bad value is refused naming it."""
+    from meshkit.tensor import redistribute as rd
+
+    monkeypatch.setattr(rd, "_programs", {})
+    monkeypatch.setenv("MESHKIT_DTENSOR_PROGRAMS", "3")
+
+    def body():
+        mesh = meshkit.init_device_mesh("cpu", (1,))
+        for rows in range(1, 7):
+            b = distribute_tensor(np.arange(rows * 3.0).reshape(rows, 3), mesh, [S0])
+            assert np.array_equal(b.redistribute(placements=[S1]).full_tensor(), b.full_tensor())
+        return len(rd._programs)
+
+    assert local.run(body, 1) == [3]
+    monkeypatch.setenv("MESHKIT_DTENSOR_PROGRAMS", "0")
+    with pytest.raises(meshkit.DistValueError, match=r"meshkit.tensor: MESHKIT_DTENSOR_PROGRAMS='0' is not valid; "
+                                                     r"valid values are a positive integer \(default 1024\)"):
+        local.run(lambda: distribute_tensor(np.ones((4, 3)), meshkit.init_device_mesh("cpu", (1,)), [S0])
+                  .redistribute(placements=[S1]), 1)

@@ -273,6 +273,11 @@ def _function_samples(f: Any) -> list[Sample] | None:
                 Sample("x[::-1]", (x,), lambda t: t[::-1]), Sample("x[1:4, 5:0:-2]", (x,), lambda t: t[1:4, 5:0:-2]),
                 Sample("x[[0, 3, -1]]", (x,), lambda t: t[[0, 3, -1]]),
                 Sample("x[:, [5, 0]]", (x,), lambda t: t[:, [5, 0]]),
+                Sample("x[[0, 3, -1], [5, 0, 2]]", (x,), lambda t: t[[0, 3, -1], [5, 0, 2]]),
+                Sample("x[[[0], [4]], [1, 3, 5]]", (x,), lambda t: t[[[0], [4]], [1, 3, 5]]),
+                Sample("x3[[0, 1], [2, 3]]", (x3,), lambda t: t[[0, 1], [2, 3]]),
+                Sample("x3[[0, 4], :, [1, 2]]", (x3,), lambda t: t[[0, 4], :, [1, 2]]),
+                Sample("x3[:, [1, 5], 2]", (x3,), lambda t: t[:, [1, 5], 2]),
                 Sample("x[x > 0]", (x,), lambda t: t[t > 0]),
                 Sample("x3[cond]", (x3, cond), lambda t, c: t[c])]
     if f == "DTensor.__setitem__":  # writes: each rank its own part (indexing.setitem)
@@ -291,6 +296,14 @@ def _function_samples(f: Any) -> list[Sample] | None:
     return None
 
 
+def _pad_with_line_sum(vector: Any, widths: Any, axis: int, kwargs: dict) -> None:
+    """np.pad's callable mode: the pad holds the line's sum (it reads the whole line)."""
+    if widths[0] or widths[1]:
+        total = vector[widths[0]:vector.size - widths[1]].sum()
+        vector[:widths[0]] = total
+        vector[vector.size - widths[1]:] = total
+
+
 def _set(t: Any, key: Any, value: Any) -> Any:
     t = t.copy()
     t[key] = value
@@ -307,12 +320,16 @@ def _shift(t: Any) -> Any:
 def _new_samples(f: Any, r: np.random.Generator, x: np.ndarray, x3: np.ndarray, ints: np.ndarray
                  ) -> dict[Any, list[Sample]]:
     """Samples of the statistics, scans, sorting, movement and linalg rules (issue 40): float64,
-    float32, int and bool inputs where NumPy takes them, and NaN."""
+    float32, int, bool and complex inputs where NumPy takes them, and NaN."""
     nan = x.copy()
     nan[1, 2] = np.nan
     nan[4, 0] = np.nan
     f32 = x.astype(np.float32)
     bools = ints > 0
+    cplx = x + 1j * x[::-1]  # complex: NumPy orders by real part, then imaginary
+    cplx_ties = np.round(x) + 1j * ints  # many equal real parts, told apart by the imaginary ones
+    cplx_ties[2, 3] = complex(np.nan, 1.0)
+    tall = r.standard_normal((13, 3))  # more rows per block than columns: the TSQR of matrix norms
     w6, w5 = np.array([1.0, 2.0, 0.5, 3.0, 1.5, 0.25]), np.array([1.0, 2.0, 0.5, 3.0, 1.5])
     n = _name(f)
 
@@ -335,8 +352,10 @@ def _new_samples(f: Any, r: np.random.Generator, x: np.ndarray, x3: np.ndarray, 
 
     table: dict[Any, list[Sample]] = {
         np.var: axes(np.var) + [Sample("np.var(x, axis=0, ddof=1, keepdims=True)", (x * 1e8 + 3e9,),
-                                       lambda a: np.var(a, axis=0, ddof=1, keepdims=True))],
-        np.std: axes(np.std, ddof=1),
+                                       lambda a: np.var(a, axis=0, ddof=1, keepdims=True)),
+                                Sample("np.var(cplx, axis=0)", (cplx,), lambda a: np.var(a, axis=0)),
+                                Sample("np.var(c64)", (cplx.astype(np.complex64),), np.var)],
+        np.std: axes(np.std, ddof=1) + [Sample("np.std(cplx, axis=1)", (cplx,), lambda a: np.std(a, axis=1))],
         np.average: [Sample("np.average(x, axis=1, weights=w6)", (x,), lambda a: np.average(a, axis=1, weights=w6)),
                      Sample("np.average(ints, axis=0, weights=w5)", (ints,),
                             lambda a: np.average(a, axis=0, weights=w5)),
@@ -354,11 +373,16 @@ def _new_samples(f: Any, r: np.random.Generator, x: np.ndarray, x3: np.ndarray, 
             Sample(f"np.argmax({k}{a})", (v,), lambda t, ax=ax: np.argmax(t, axis=ax))
             for k, v in (("x", x), ("ints", ints), ("nan", nan), ("bools", bools), ("f32", f32))
             for a, ax in (("", None), (", axis=0", 0), (", axis=1", 1))]
-        + [Sample("np.argmax(x3, axis=2)", (x3,), lambda t: np.argmax(t, axis=2))],
+        + [Sample("np.argmax(x3, axis=2)", (x3,), lambda t: np.argmax(t, axis=2))]
+        + [Sample(f"np.argmax({k}{a})", (v,), lambda t, ax=ax: np.argmax(t, axis=ax))
+           for k, v in (("cplx", cplx), ("cplx ties", cplx_ties))
+           for a, ax in (("", None), (", axis=0", 0), (", axis=1", 1))],
         np.argmin: [Sample(f"np.argmin({k}{a})", (v,), lambda t, ax=ax: np.argmin(t, axis=ax))
                     for k, v in (("x", x), ("ints", ints // 3), ("nan", nan), ("bools", bools))
                     for a, ax in (("", None), (", axis=0", 0), (", axis=1", 1))]
-        + [Sample("np.argmin(x3, axis=1, keepdims=True)", (x3,), lambda t: np.argmin(t, axis=1, keepdims=True))],
+        + [Sample("np.argmin(x3, axis=1, keepdims=True)", (x3,), lambda t: np.argmin(t, axis=1, keepdims=True)),
+           Sample("np.argmin(cplx ties)", (cplx_ties,), np.argmin),
+           Sample("np.argmin(cplx ties, axis=0)", (cplx_ties,), lambda t: np.argmin(t, axis=0))],
         np.median: axes(np.median, kinds=("x", "ints", "f32", "nan")),
         np.cumsum: along(np.cumsum, "") + [Sample("np.cumsum(bools, axis=0)", (bools,), lambda a: np.cumsum(a, 0)),
                                            Sample("np.cumsum(x)", (x,), np.cumsum),
@@ -367,7 +391,12 @@ def _new_samples(f: Any, r: np.random.Generator, x: np.ndarray, x3: np.ndarray, 
         np.sort: along(np.sort, "") + [Sample("np.sort(x, axis=None)", (x,), lambda a: np.sort(a, axis=None)),
                                        Sample("np.sort(x[0])", (x[0],), np.sort)],
         np.argsort: along(lambda a, ax: np.argsort(a, axis=ax, stable=True), ", stable"),
-        np.diff: along(np.diff, "") + [Sample("np.diff(x, n=2, axis=0)", (x,), lambda a: np.diff(a, n=2, axis=0))],
+        np.diff: along(np.diff, "") + [Sample("np.diff(x, n=2, axis=0)", (x,), lambda a: np.diff(a, n=2, axis=0)),
+                                       Sample("np.diff(x, axis=0, prepend=0.5)", (x,),
+                                              lambda a: np.diff(a, axis=0, prepend=0.5)),
+                                       Sample("np.diff(x, n=2, axis=1, prepend=col, append=2 cols)", (x,),
+                                              lambda a: np.diff(a, n=2, axis=1, prepend=x[:, :1],
+                                                                append=x[:, :2] * 3))],
         np.roll: along(lambda a, ax: np.roll(a, 2, axis=ax), ", 2") + [
             Sample("np.roll(x, -3)", (x,), lambda a: np.roll(a, -3)),
             Sample("np.roll(x, (1, 2), axis=(0, 1))", (x,), lambda a: np.roll(a, (1, 2), axis=(0, 1)))],
@@ -377,8 +406,21 @@ def _new_samples(f: Any, r: np.random.Generator, x: np.ndarray, x3: np.ndarray, 
                  Sample("np.pad(x, ((1, 2), (0, 0)), constant_values=3)", (x,),
                         lambda a: np.pad(a, ((1, 2), (0, 0)), constant_values=3)),
                  Sample("np.pad(ints, 2, mode='reflect')", (ints,), lambda a: np.pad(a, 2, mode="reflect")),
-                 Sample("np.pad(x, 1, mode='edge')", (x,), lambda a: np.pad(a, 1, mode="edge"))],
+                 Sample("np.pad(x, 1, mode='edge')", (x,), lambda a: np.pad(a, 1, mode="edge")),
+                 Sample("np.pad(x, 2, mode='linear_ramp', end_values=(1, -2))", (x,),
+                        lambda a: np.pad(a, 2, mode="linear_ramp", end_values=(1, -2))),
+                 Sample("np.pad(x, ((1, 2), (0, 1)), mode='maximum', stat_length=3)", (x,),
+                        lambda a: np.pad(a, ((1, 2), (0, 1)), mode="maximum", stat_length=3)),
+                 Sample("np.pad(ints, 1, mode='minimum')", (ints,), lambda a: np.pad(a, 1, mode="minimum")),
+                 Sample("np.pad(x, ((2, 1), (1, 0)), mode='mean')", (x,),
+                        lambda a: np.pad(a, ((2, 1), (1, 0)), mode="mean")),
+                 Sample("np.pad(ints, 1, mode='mean')", (ints,), lambda a: np.pad(a, 1, mode="mean")),
+                 Sample("np.pad(x, (0, 2), mode='median', stat_length=2)", (x,),
+                        lambda a: np.pad(a, (0, 2), mode="median", stat_length=2)),
+                 Sample("np.pad(x, 1, mode=callable)", (x,), lambda a: np.pad(a, 1, mode=_pad_with_line_sum))],
         np.linalg.norm: [Sample("np.linalg.norm(x)", (x,), np.linalg.norm),
+                         Sample("np.linalg.norm(x3, keepdims=True)", (x3,), lambda a: np.linalg.norm(a, keepdims=True)),
+                         Sample("np.linalg.norm(cplx)", (cplx,), np.linalg.norm),
                          Sample("np.linalg.norm(nan)", (nan,), np.linalg.norm),
                          Sample("np.linalg.norm(ints, axis=0)", (ints,), lambda a: np.linalg.norm(a, axis=0)),
                          Sample("np.linalg.norm(f32, axis=1)", (f32,), lambda a: np.linalg.norm(a, axis=1)),
@@ -388,7 +430,19 @@ def _new_samples(f: Any, r: np.random.Generator, x: np.ndarray, x3: np.ndarray, 
                                 lambda a: np.linalg.norm(a, 1, axis=0, keepdims=True)),
                          Sample("np.linalg.norm(x, 3, axis=1)", (x,), lambda a: np.linalg.norm(a, 3, axis=1)),
                          Sample("np.linalg.norm(x3, axis=(0, 2))", (x3,), lambda a: np.linalg.norm(a, axis=(0, 2))),
-                         Sample("np.linalg.norm(x, 'fro')", (x,), lambda a: np.linalg.norm(a, "fro"))],
+                         Sample("np.linalg.norm(x, 'fro')", (x,), lambda a: np.linalg.norm(a, "fro")),
+                         Sample("np.linalg.norm(tall, 2)", (tall,), lambda a: np.linalg.norm(a, 2)),
+                         Sample("np.linalg.norm(tall, -2)", (tall,), lambda a: np.linalg.norm(a, -2)),
+                         Sample("np.linalg.norm(tall.T, 'nuc')", (tall.T.copy(),), lambda a: np.linalg.norm(a, "nuc")),
+                         Sample("np.linalg.norm(x, 'nuc', keepdims=True)", (x,),
+                                lambda a: np.linalg.norm(a, "nuc", keepdims=True)),
+                         Sample("np.linalg.norm(cplx, 2)", (cplx,), lambda a: np.linalg.norm(a, 2)),
+                         Sample("np.linalg.norm(ints, 1)", (ints,), lambda a: np.linalg.norm(a, 1)),
+                         Sample("np.linalg.norm(x, -1, axis=(1, 0))", (x,),
+                                lambda a: np.linalg.norm(a, -1, axis=(1, 0))),
+                         Sample("np.linalg.norm(x, inf)", (x,), lambda a: np.linalg.norm(a, np.inf)),
+                         Sample("np.linalg.norm(x, -inf, keepdims=True)", (x,),
+                                lambda a: np.linalg.norm(a, -np.inf, keepdims=True))],
         np.outer: [Sample("np.outer(x[0], x[:, 1])", (x[0], x[:, 1]), np.outer),
                    Sample("np.outer(ints, x[0])", (ints, x[0]), np.outer)],
         np.trace: [Sample("np.trace(x)", (x,), np.trace), Sample("np.trace(x, offset=2)", (x,),
@@ -418,7 +472,9 @@ def samples_for(op: Any) -> list[Sample]:
 # ---- placements ------------------------------------------------------------------------------
 
 def _partial_ops(dtype: np.dtype) -> tuple[str, ...]:
-    return {"f": ("sum", "avg", "max", "min"), "b": ("max", "min"), "M": ()}.get(dtype.kind, ("sum", "max", "min"))
+    # complex numbers have no max or min reduction (the collectives refuse them): sum and avg only
+    return {"f": ("sum", "avg", "max", "min"), "b": ("max", "min"), "M": (), "c": ("sum", "avg")}.get(
+        dtype.kind, ("sum", "max", "min"))
 
 
 def _choices(x: np.ndarray, mesh_ndim: int) -> list[tuple[Placement, ...]]:
