@@ -50,7 +50,10 @@ Weaker memory models (ARM, POWER) would need fences: the engine uses the path on
 core with ``os.sched_yield``, bounded by the group's timeout). While it waits it knows which
 ranks' flags are missing (:attr:`ShmRequest.missing`: a timeout names them) and, every
 :data:`LIVENESS_INTERVAL`, whether those ranks' processes still exist: a dead rank makes every
-waiting peer raise :class:`~meshkit.comm.errors.RankFailedError` naming it, not spin.
+waiting peer raise :class:`~meshkit.comm.errors.RankFailedError` naming it, not spin. At the same
+moments it calls the channel's :attr:`Channel.abandoned` hook where the engine set one (under
+``meshkit-run --survive``: whether a survivor revoked the group's MPI communicator, so a rank
+waiting for a live peer that left for the recovery wakes too; comm/engines/shm.py).
 """
 
 from __future__ import annotations
@@ -131,6 +134,9 @@ class Channel:
         self._reds = [r * CONTROL_WORDS + RED for r in range(n)]
         me = rank * CONTROL_WORDS
         self.words[me + PID], self.words[me + PIDNS] = self.pid, self.pidns
+        #: Called every LIVENESS_INTERVAL while a wait misses a flag (never when nothing waits); it
+        #: raises to end the wait (a RankFailedError), or returns. None: no hook.
+        self.abandoned: Callable[[], None] | None = None
 
     def close(self) -> None:
         self.words.release()
@@ -210,7 +216,10 @@ class Channel:
             if not _alive(pid):
                 raise RankFailedError(
                     f"meshkit.comm: rank {self.world_ranks[self.rank]}: {request.kind} over shared memory cannot "
-                    f"complete: rank {self.world_ranks[r]} (pid {pid}) died before it arrived")
+                    f"complete: rank {self.world_ranks[r]} (pid {pid}) died before it arrived",
+                    failed_ranks=(self.world_ranks[r],))
+        if self.abandoned is not None:
+            self.abandoned()
 
     # ----------------------------------------------------------------- the collectives (each a generator)
     def all_reduce(self, request: ShmRequest, buf: np.ndarray, op: ReduceOp, root: int = -1) -> Steps:
