@@ -53,7 +53,8 @@ from .mpi_polling import completes
 from .shm_collectives import Channel, ShmRequest
 from .shm_hierarchy import HierarchicalEngine
 from .shm_host import OverHost
-from .shm_settings import applies, chunk_bytes, min_bytes, move_min_bytes, small_bytes
+from . import mpi_ulfm
+from .shm_settings import applies, chunk_bytes, min_bytes, move_min_bytes, small_bytes, surviving
 from .shm_layout import segment_bytes
 from .shm_segment import NAME_BYTES, Segment, attach, create
 from .watchdog import watched
@@ -181,12 +182,18 @@ class ShmEngine(OverHost):
         child = self.host.split(color, ranks, deadline)
         return None if child is None else over(child, deadline)
 
-    def free(self) -> None:
+    def drop_shared(self) -> None:
+        """Unmap this group's segments without a word to anyone (a survivor's old world, after a
+        rank died under ``meshkit-run --survive``: its MPI communicator is revoked, not freed; a
+        buffer handed out stays mapped until its views are gone)."""
         self.channel.close()
         self.segment.close()
         self.regions.clear()
         for pool in self._pools:
             pool.close()
+
+    def free(self) -> None:
+        self.drop_shared()
         self.host.free()
 
 
@@ -279,4 +286,6 @@ def over(host: MPIEngine, deadline: float) -> MPIEngine | ShmEngine | Hierarchic
                            host.world_ranks, problem or "a rank could not create or map the segment")
         return host
     channel = Channel(segment.memory, host.size, host.rank, chunk, small, host.world_ranks)
+    if surviving():  # a survivor's revoke (its recovery began) wakes a wait for it (mpi_ulfm.revoke_watch)
+        channel.abandoned = mpi_ulfm.revoke_watch(host.comm, "a collective over shared memory")
     return ShmEngine(host, segment, channel, least, move_min_bytes())

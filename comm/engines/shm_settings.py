@@ -14,7 +14,8 @@ from .. import env
 from ...launch_protocol import SURVIVE_ENV
 
 __all__ = ["applies", "supported", "surviving", "min_bytes", "move_min_bytes", "chunk_bytes", "small_bytes",
-           "DEFAULT_MIN_BYTES", "DEFAULT_MOVE_MIN_BYTES", "DEFAULT_CHUNK_BYTES", "SEGMENT_BUDGET", "DEFAULT_SMALL_BYTES"]
+           "DEFAULT_MIN_BYTES", "DEFAULT_MOVE_MIN_BYTES", "DEFAULT_CHUNK_BYTES", "SEGMENT_BUDGET", "DEFAULT_SMALL_BYTES",
+           "SURVIVE_MIN_BYTES"]
 
 #: all_reduce, reduce and reduce_scatter of an ordinary buffer below this many bytes go to MPI
 #: (``MESHKIT_SHM_MIN_BYTES``). Measured at 2 ranks on the project's quiet 2-core machine
@@ -31,6 +32,12 @@ DEFAULT_MIN_BYTES = 32 << 20
 #: 4 KB to 64 MB (benchmarks/collectives.py, docs/collectives.md). A buffer of ``shared_buffer``
 #: still gathers in place (one copy) at any size.
 DEFAULT_MOVE_MIN_BYTES = 1 << 30
+#: Under ``meshkit-run --survive`` both thresholds above default to this instead: there MPI is Open
+#: MPI over loopback TCP (launch/fault_tolerant.py says why), not MPICH's shared memory, and the
+#: path wins at every size (4 ranks, the loaded 2-core machine, benchmarks/collectives.py --stat min
+#: under --survive, docs/elastic.md "Surviving failures"); ``MESHKIT_SHM_MIN_BYTES`` and
+#: ``MESHKIT_SHM_MOVE_MIN_BYTES`` still decide where set.
+SURVIVE_MIN_BYTES = 0
 #: Most bytes of each of a rank's two buffers (``MESHKIT_SHM_CHUNK_BYTES``); the default is also
 #: held to :data:`SEGMENT_BUDGET` ``/ n``. Every chunk is a meeting of all ranks, and on shared
 #: cores a meeting costs a scheduling round: a 64 MB all_reduce took 0.30-0.55 s with 256 KiB or
@@ -55,10 +62,10 @@ def supported() -> bool:
 
 def applies(size: int) -> bool:
     """Whether a group of ``size`` ranks may take the path: more than one rank, ``MESHKIT_SHM`` not
-    0 (a bad value raises, naming the variable), x86-64, and not a ``meshkit-run --survive`` job
-    (there a dead peer surfaces through MPI's fault tolerance, ULFM, and the survivors' groups are
-    rebuilt over MPI alone: the path's segment would outlive the world it was made for)."""
-    return size >= 2 and env.shm_enabled() and supported() and not surviving()
+    0 (a bad value raises, naming the variable), x86-64. A ``meshkit-run --survive`` job takes it
+    too: a wait notices a dead peer itself (its pid, within ``LIVENESS_INTERVAL``) and a survivor's
+    revoke (comm/engines/shm.py), and the survivors' world gets new segments (comm/setup/survivors.py)."""
+    return size >= 2 and env.shm_enabled() and supported()
 
 
 def surviving() -> bool:
@@ -67,8 +74,8 @@ def surviving() -> bool:
 
 
 def min_bytes() -> int:
-    """``MESHKIT_SHM_MIN_BYTES``: collectives below it go to MPI."""
-    return env.shm_bytes(env.SHM_MIN_BYTES, DEFAULT_MIN_BYTES, zero=True)
+    """``MESHKIT_SHM_MIN_BYTES``: collectives below it go to MPI (:data:`SURVIVE_MIN_BYTES` by default under ``--survive``)."""
+    return env.shm_bytes(env.SHM_MIN_BYTES, SURVIVE_MIN_BYTES if surviving() else DEFAULT_MIN_BYTES, zero=True)
 
 
 def chunk_bytes(n: int = 2) -> int:
@@ -84,5 +91,6 @@ def small_bytes() -> int:
 
 
 def move_min_bytes() -> int:
-    """``MESHKIT_SHM_MOVE_MIN_BYTES``: all_gather and broadcast below it go to MPI."""
-    return env.shm_bytes(env.SHM_MOVE_MIN_BYTES, DEFAULT_MOVE_MIN_BYTES, zero=True)
+    """``MESHKIT_SHM_MOVE_MIN_BYTES``: all_gather and broadcast below it go to MPI (:data:`SURVIVE_MIN_BYTES` by
+    default under ``--survive``)."""
+    return env.shm_bytes(env.SHM_MOVE_MIN_BYTES, SURVIVE_MIN_BYTES if surviving() else DEFAULT_MOVE_MIN_BYTES, zero=True)
