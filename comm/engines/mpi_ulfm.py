@@ -32,6 +32,7 @@ from typing import Callable
 from mpi4py import MPI
 
 from ...launch_protocol import SURVIVE_ENV
+from .. import env
 from ..errors import RankFailedError
 
 __all__ = ["budget", "lost", "keep", "enabled", "supported", "failed_ranks", "revoke", "rank_failed", "shrink",
@@ -134,12 +135,15 @@ def _is_revoked(comm: MPI.Comm) -> bool:
 #: Measured: a survivor whose shared-memory wait found the dead rank first (comm/engines/shm.py)
 #: revoked before the others' MPI knew; they learnt it within milliseconds. Past this the error
 #: names no rank (a survivor that never talked to the dead may never learn it before the shrink).
+#: ``MESHKIT_SURVIVE_LEARN_S`` changes it.
 LEARN_S = 0.25
+LEARN_ENV = "MESHKIT_SURVIVE_LEARN_S"
 
 
 def _learn_dead() -> tuple[int, ...]:
-    """The world's dead as this rank's MPI knows them, waiting up to :data:`LEARN_S` for one to be known."""
-    deadline = time.monotonic() + LEARN_S
+    """The world's dead as this rank's MPI knows them, waiting up to :data:`LEARN_S` (``MESHKIT_SURVIVE_LEARN_S``,
+    at most 60 s) for one to be known."""
+    deadline = time.monotonic() + env.positive_number(LEARN_ENV, LEARN_S, upper=60.0)
     while True:
         dead = failed_ranks(_world)
         if dead or time.monotonic() >= deadline:
