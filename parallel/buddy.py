@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..comm import DistError, ProcessGroup, ReduceOp
-from ..comm.engines.shm_segment import NAME_BYTES
+from ..comm._seams import SEGMENT_NAME_BYTES as NAME_BYTES
 from . import buddy_shared
 from .arrays import array_namespace, to_host
 from .buddy_shared import Mailbox

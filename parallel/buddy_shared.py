@@ -2,7 +2,7 @@
 
 Within a node, a rank of a sharded strategy under ``meshkit-run --survive`` (:mod:`meshkit.parallel.buddy`)
 does not send its shards to its buddy every step: it writes them into a POSIX shared-memory
-segment of its own (:mod:`meshkit.comm.engines.shm_segment`: created exclusively, mode 0600, an
+segment of its own (comm/engines/shm_segment.py: created exclusively, mode 0600, an
 unguessable name, the attacher checking owner, mode and size) that its buddy (index ``s - 1`` of
 the shard group) mapped once. The segment's name is unlinked as soon as the buddy mapped it, so
 the memory lives in the two mappings alone: when the owner dies, the buddy's mapping still holds
@@ -29,7 +29,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from ..comm import DistValueError
-from ..comm.engines.shm_segment import Segment, attach, create
+from ..comm._seams import Segment, attach_segment as attach, create_segment as create
 
 __all__ = ["Layout", "Mailbox", "supported", "enabled", "SWITCH_ENV"]
 

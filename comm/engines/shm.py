@@ -59,7 +59,7 @@ from .shm_layout import segment_bytes
 from .shm_segment import NAME_BYTES, Segment, attach, create
 from .watchdog import watched
 
-__all__ = ["ShmEngine", "over"]
+__all__ = ["ShmEngine", "over", "parts", "drop_shared"]
 
 logger = logging.getLogger("meshkit")
 
@@ -289,3 +289,22 @@ def over(host: MPIEngine, deadline: float) -> MPIEngine | ShmEngine | Hierarchic
     if surviving():  # a survivor's revoke (its recovery began) wakes a wait for it (mpi_ulfm.revoke_watch)
         channel.abandoned = mpi_ulfm.revoke_watch(host.comm, "a collective over shared memory")
     return ShmEngine(host, segment, channel, least, move_min_bytes())
+
+
+def parts(engine: Any) -> list[Any]:
+    """``engine`` and the engines it is made of (a shared-memory engine's MPI host, a hierarchical
+    one's host, node and leaders), outermost first: what a survivor's shrink revokes."""
+    if isinstance(engine, ShmEngine):
+        return [engine, *parts(engine.host)]
+    if isinstance(engine, HierarchicalEngine):
+        inner = [engine.host, engine.node] + ([] if engine.leaders is None else [engine.leaders])
+        return [engine, *(p for e in inner for p in parts(e))]
+    return [engine]
+
+
+def drop_shared(engine: Any) -> None:
+    """Unmap the segments of ``engine`` and of the engines it is made of, without a word to anyone
+    (:meth:`ShmEngine.drop_shared`: the old world's groups of a survivor under ``--survive``)."""
+    for part in parts(engine):
+        if isinstance(part, ShmEngine):
+            part.drop_shared()

@@ -21,11 +21,10 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
 
 from ..errors import DistBackendError
-from ..groups.world import World, current_world, set_world
-from .lifecycle import install_world
+from ..groups.world import current_world, set_world
+from .lifecycle import install_world, survivors_engine
 
 __all__ = ["Shrunk", "shrink_world"]
 
@@ -71,13 +70,10 @@ def shrink_world() -> Shrunk:
         raise DistBackendError(f"meshkit.comm: rank {world.rank}: shrink_world needs the mpi backend under "
                                f"meshkit-run --survive, not {world.backend!r} (docs/elastic.md \"Surviving failures\")")
     old_rank, old_size = world.rank, world.size
-    engine, new_ranks = _survivors_engine(world)
+    engine, new_ranks = survivors_engine(world)
     failed = tuple(o for o in range(old_size) if o not in new_ranks)
     for group in world.groups.values():  # dropped without a word: every peer is in this call too
         group.queue.thread.close()
-        for part in _parts(group.engine):
-            if hasattr(part, "drop_shared"):
-                part.drop_shared()
     world.progress.close()
     world.destroyed = True
     set_world(None)
@@ -88,24 +84,3 @@ def shrink_world() -> Shrunk:
                    shrunk.rank, old_rank, old_size, shrunk.size, list(failed), shrunk.seconds)
     return shrunk
 
-
-def _parts(engine: Any) -> Iterator[Any]:
-    """``engine`` and the engines it is made of: a shared-memory engine's MPI host, a hierarchical
-    one's node and leaders (comm/engines/shm.py, shm_hierarchy.py)."""
-    if engine is None:
-        return
-    yield engine
-    for name in ("host", "node", "leaders"):
-        yield from _parts(getattr(engine, name, None))
-
-
-def _survivors_engine(world: World) -> tuple[Any, dict[int, int]]:
-    """The survivors' world engine (MPI's ULFM Shrink, :func:`meshkit.comm.engines.mpi.survivors_engine`,
-    every MPI communicator of the old world revoked first) with the shared-memory path where it
-    applies (a new segment over the survivors), and each survivor's new rank by its old one."""
-    from ..engines.mpi import MPIEngine, survivors_engine
-    from ..engines.shm import over
-    hosts = [part for group in world.groups.values() for part in _parts(group.engine) if isinstance(part, MPIEngine)]
-    world_host = next(p for p in _parts(world.default_group.engine) if isinstance(p, MPIEngine))
-    engine, new_ranks = survivors_engine(world_host, hosts)
-    return over(engine, time.monotonic() + world.timeout), new_ranks
