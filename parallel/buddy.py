@@ -4,10 +4,13 @@ Under ``meshkit-run --survive K`` (``MESHKIT_SURVIVE`` set by the launcher) a sh
 (ZeRO-1/2, FSDP, HSDP) holds, besides its own flat shards, a copy of those of the next rank of
 its shard group: shard index ``s`` keeps index ``(s + 1) % n``'s parameter shards and optimizer
 state shards (every flat key's), with that rank's optimizer step counts. :meth:`BuddyCopy.refresh`
-renews the copy after every optimizer step, in one exchange over the shard group (each rank
-sends its shards to index ``s - 1`` and receives index ``s + 1``'s, every message posted before
-any is waited on): it moves one shard's worth of parameters and optimizer state per rank, and
-holds as much memory (``memory_report()["buddy"]``). A plain run builds no copy and pays nothing.
+renews the copy after every optimizer step. Within a node (the default, ``MESHKIT_BUDDY_SHM``) each
+rank writes its shards into a shared-memory segment of its own that index ``s - 1`` mapped once
+(:mod:`meshkit.parallel.buddy_shared`: one memcpy, no message; the segment outlives its owner
+while its buddy maps it). Elsewhere it is one exchange over the shard group (each rank sends its
+shards to index ``s - 1`` and receives index ``s + 1``'s, every message posted before any is
+waited on). Either way one shard's worth of parameters and optimizer state per rank is held
+(``memory_report()["buddy"]``). A plain run builds no copy and pays nothing.
 
 When ranks die, :func:`contribution` is what a survivor still holds (its own shards and its copy,
 read locally: no communication) and :func:`assemble` makes one full state dict (``{"model",
