@@ -22,8 +22,13 @@ A sharded strategy under ``--survive`` renews its buddy copy after every step
 (:mod:`meshkit.parallel.buddy`): the run reports its bytes (``memory_report()["buddy"]``) and the
 mean wall time of one exchange, part of the step time.
 
+``--variant NAME:VAR=VALUE[,VAR=VALUE]`` adds a ``--survive 1`` run per repeat with those variables
+(``old:MESHKIT_SHM=0,MESHKIT_BUDDY_SHM=0`` is ``--survive`` before the shared-memory path and the
+shared-memory buddy copies), in the same rotation.
+
 The step time is the training loop's wall time over the steps (after a barrier, the import and
-set-up excluded). Every run checks its final parameters against single-process training (1e-10).
+set-up excluded); each run also reports its median and fastest step (the first left out), the
+figures a loaded machine disturbs least. Every run checks its final parameters against single-process training (1e-10).
 The machine may be loaded: say so beside any figure taken from it.
 """
 
