@@ -22,8 +22,13 @@ A sharded strategy under ``--survive`` renews its buddy copy after every step
 (:mod:`meshkit.parallel.buddy`): the run reports its bytes (``memory_report()["buddy"]``) and the
 mean wall time of one exchange, part of the step time.
 
+``--variant NAME:VAR=VALUE[,VAR=VALUE]`` adds a ``--survive 1`` run per repeat with those variables
+(``old:MESHKIT_SHM=0,MESHKIT_BUDDY_SHM=0`` is ``--survive`` before the shared-memory path and the
+shared-memory buddy copies), in the same rotation.
+
 The step time is the training loop's wall time over the steps (after a barrier, the import and
-set-up excluded). Every run checks its final parameters against single-process training (1e-10).
+set-up excluded); each run also reports its median and fastest step (the first left out), the
+figures a loaded machine disturbs least. Every run checks its final parameters against single-process training (1e-10).
 The machine may be loaded: say so beside any figure taken from it.
 """
 
@@ -57,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=positive_int, default=3, help="default: %(default)s")
     parser.add_argument("--strategy", default="ddp", choices=["ddp", "zero1", "zero2", "fsdp", "hsdp"],
                         help="examples/mlp.py's strategy (hsdp: 2 x N/2 for an even N, else 1 x N; default: %(default)s)")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME:VAR=VALUE[,VAR=VALUE]",
+                        help="one more --survive run (nothing failing) per repeat, with these variables set, e.g. "
+                             "sm:MESHKIT_SURVIVE_TRANSPORT=sm or noshm:MESHKIT_SHM=0 (repeatable)")
     parser.add_argument("--json", type=Path, default=None, help="write the measurements here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # a rank of one run
     return parser.parse_args(argv)
@@ -99,10 +107,12 @@ def worker(args: argparse.Namespace) -> int:
     x, y = mlp.make_data(samples)
     model = build()
     meshkit.barrier()
-    started, step, phases, redo = time.perf_counter(), 0, {}, None
+    started, step, phases, redo, times = time.perf_counter(), 0, {}, None, []
     while step < args.steps:
         try:
+            began = time.perf_counter()
             train_step(model, step)
+            times.append(time.perf_counter() - began)
             step += 1
             if redo is not None:
                 phases["redo"], redo = time.time() - redo, None
@@ -132,7 +142,10 @@ def worker(args: argparse.Namespace) -> int:
         copy = getattr(getattr(model, "shards", None), "buddy", None)
         buddy = {} if copy is None else {"buddy_bytes": model.memory_report()["buddy"],
                                           "buddy_s": copy.seconds / max(copy.refreshes, 1)}
-        print("RESULT " + json.dumps({"step_s": elapsed / args.steps, "phases": phases, "diff": diff, **buddy}),
+        steady = sorted(times[1:])  # (the first step allocates: not a steady one)
+        print("RESULT " + json.dumps({"step_s": elapsed / args.steps, "step_min_s": steady[0],
+                                      "step_median_s": statistics.median(steady), "phases": phases, "diff": diff,
+                                      **buddy}),
               flush=True)
     meshkit.destroy_process_group()
     return 0
@@ -140,11 +153,23 @@ def worker(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- the driver
 
-def run(args: argparse.Namespace, kind: str) -> dict[str, Any]:
-    """One job of ``kind`` (plain, survive, killed); rank 0's figures."""
+def variants(specs: list[str]) -> dict[str, dict[str, str]]:
+    """``--variant`` specs by name: the variables each sets."""
+    out: dict[str, dict[str, str]] = {}
+    for spec in specs:
+        name, _, rest = spec.partition(":")
+        pairs = [p.partition("=") for p in rest.split(",") if p]
+        if not name or name in ("plain", "survive", "killed") or name in out or not pairs or any(not k or not e for k, e, _ in pairs):
+            raise SystemExit(f"survive.py: --variant {spec!r} is not NAME:VAR=VALUE[,VAR=VALUE] with a new NAME")
+        out[name] = {k: v for k, _, v in pairs}
+    return out
+
+
+def run(args: argparse.Namespace, kind: str, extra: dict[str, str] | None = None) -> dict[str, Any]:
+    """One job of ``kind`` (plain, survive, killed, or a variant: survive with ``extra`` variables); rank 0's figures."""
     options = [] if kind == "plain" else ["--survive", "1"]
     with tempfile.TemporaryDirectory(prefix="survive-bench-") as log:
-        env = {**os.environ, **({"SURVIVE_BENCH_DIR": log} if kind == "killed" else {})}
+        env = {**os.environ, **({"SURVIVE_BENCH_DIR": log} if kind == "killed" else {}), **(extra or {})}
         command = [sys.executable, "-m", "meshkit.launch", "-n", str(args.nproc), *options, __file__, "--worker",
                    "--nproc", str(args.nproc), "--hidden", str(args.hidden), "--steps", str(args.steps),
                    "--kill-at", str(args.kill_at), "--strategy", args.strategy]
@@ -167,20 +192,27 @@ def main(argv: list[str] | None = None) -> int:
         return worker(args)
     if args.kill_at >= args.steps:
         raise SystemExit(f"survive.py: --kill-at {args.kill_at} must be below --steps {args.steps}")
-    kinds = ("plain", "survive", "killed")
+    extra = variants(args.variant)
+    kinds = ("plain", "survive", "killed", *extra)
     results: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
     for repeat in range(args.repeats):
-        for kind in kinds[repeat % 3:] + kinds[:repeat % 3]:
-            results[kind].append(run(args, kind))
+        turn = repeat % len(kinds)
+        for kind in kinds[turn:] + kinds[:turn]:
+            results[kind].append(run(args, kind, extra.get(kind)))
         print(f"repeat {repeat + 1}/{args.repeats}: " + ", ".join(
             f"{k} {results[k][-1]['step_s'] * 1e3:.2f} ms a step" for k in kinds), flush=True)
     print(f"\n# {args.strategy} on {args.nproc} ranks, MLP {args.hidden}x{args.hidden}, {args.steps} steps, {args.repeats} repeats")
     print(f"{'ms a step':>22} {'median':>8} {'min':>8} {'max':>8}")
-    for kind in ("plain", "survive"):
-        print(f"{kind:>22} {_cell([r['step_s'] for r in results[kind]], 1e3)}")
-    ratio = statistics.median(r["step_s"] for r in results["survive"]) / statistics.median(
-        r["step_s"] for r in results["plain"])
-    print(f"survive / plain step time: {ratio:.3f}x (median over median)")
+    for key, what in (("step_s", "mean step"), ("step_median_s", "median step"), ("step_min_s", "fastest step")):
+        print(f"{what + ', ms':>22}")
+        for kind in ("plain", "survive", *extra):
+            print(f"{kind:>22} {_cell([r[key] for r in results[kind]], 1e3)}")
+    for key, what in (("step_s", "mean"), ("step_median_s", "median"), ("step_min_s", "fastest")):
+        plain = statistics.median(r[key] for r in results["plain"])
+        print(f"{what} step / plain's: " + ", ".join(
+            f"{kind} {statistics.median(r[key] for r in results[kind]) / plain:.3f}x" for kind in ("survive", *extra)))
+    print("(each run's mean, median and fastest step; the table's median, min and max over the repeats; the ratios "
+          "median over median. On a loaded machine the fastest step is the least disturbed figure.)")
     copies = [r for r in results["survive"] if "buddy_s" in r]
     if copies:
         print(f"buddy copy: {copies[0]['buddy_bytes']} bytes a rank; one exchange {_cell([r['buddy_s'] for r in copies], 1e3)} ms "

@@ -13,6 +13,8 @@ named as private as torch's
 ``torch.distributed._*`` are: the names may change between releases without a deprecation.
 ``parallel``'s sharded strategies also read the job's ``--survive`` budget (:func:`survive_budget`), and
 its recovery tells the launcher when it passed each point (:func:`survived`, for ``meshkit-run``'s report).
+keep their buddy copies in POSIX shared-memory segments (:func:`create_segment`, :func:`attach_segment`:
+comm/engines/shm_segment.py, which needs no MPI).
 
 :func:`moved_names` is the one way a package keeps a name it took out of its ``__all__`` importable
 for one release.
@@ -41,6 +43,7 @@ from .groups.call_fingerprint import SLOTS as FINGERPRINT_SLOTS, stamp as stamp_
 from .files import NotRegular, TooLarge, open_regular, read_bounded  # files read back (debug, checkpoint)
 from .env import positive_number as positive_setting  # a bound's MESHKIT_* variable, checked (debug, checkpoint)
 from .groups.world import RECORD_FORMAT, current_world, flight_document, inflight_document
+from .engines.shm_segment import NAME_BYTES as SEGMENT_NAME_BYTES, Segment, attach as attach_segment, create as create_segment
 
 __all__ = ["agree", "by_ranks", "name_ranks", "backend_devices", "array_namespace", "is_device_array", "is_array", "to_host", "PREPARED_OPS", "PreparedCollective",
            "prepare_collective",
@@ -48,7 +51,7 @@ __all__ = ["agree", "by_ranks", "name_ranks", "backend_devices", "array_namespac
            "moved_names", "milestone", "survived", "IMPORTED", "RESTORED", "FIRST_STEP", "positive_setting",
            "read_bounded",
            "open_regular", "NotRegular", "TooLarge", "FINGERPRINT_SLOTS", "stamp_fingerprint", "verify_fingerprint",
-           "moved_modules", "survive_budget"]
+           "moved_modules", "survive_budget", "Segment", "create_segment", "attach_segment", "SEGMENT_NAME_BYTES"]
 
 
 def survive_budget() -> int:

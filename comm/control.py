@@ -178,7 +178,8 @@ class _Record:
 
 _RECORDS = (
     _Record(1, Notice, {"kind": _notice_kind, "sender": _is(int), "group": _opt_ints, "seq": _is(int),
-                        "detail": _is(str), "counts": _group_counts, "timed_out": _is(bool)}),
+                        "detail": _is(str), "counts": _group_counts, "timed_out": _is(bool),
+                        "failed": _ints}),
     _Record(2, Call, {"op": _is(str), "dtype": _opt(str), "shape": _opt_ints, "reduce_op": _opt(str),
                       "root": _opt(int), "counts": _call_counts}, cached=True),
     _Record(3, Switch, {"level": _level, "counts": _group_counts},

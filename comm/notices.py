@@ -43,6 +43,8 @@ class Notice:
         detail: a readable description (the error, or how the rank left).
         counts: LEFT: the number of calls the sender issued on each of its groups.
         timed_out: BROKEN: the sender's call ``seq`` timed out (rather than failing).
+        failed: BROKEN: the global ranks the sender knows dead (a rank failure broke the group,
+            ``meshkit-run --survive``), so that a rank its notice wakes names them too.
     """
 
     kind: str
@@ -52,6 +54,7 @@ class Notice:
     detail: str = ""
     counts: tuple[tuple[tuple[int, ...], int], ...] = ()
     timed_out: bool = False
+    failed: tuple[int, ...] = ()
 
     def blocks(self, ranks: tuple[int, ...], waiting: int, own_rejections: set[int], *,
                aborts: bool = False) -> bool:

@@ -34,7 +34,8 @@ the one type every strategy implements, ``strategy.py`` (``Strategy``), and the 
 (``parallelize_model``: tensor, then context, then data parallelism on a named mesh, one Strategy);
 ``survive.py`` (``survive.shrink``: a strategy rebuilt on the survivors of a rank failure,
 ``meshkit-run --survive``) and ``buddy.py`` (``BuddyCopy``: each rank's copy of its neighbour's
-shards, from which ``shrink`` rebuilds sharded state).
+shards, from which ``shrink`` rebuilds sharded state), kept within a node in the neighbour's
+shared-memory segment by ``buddy_shared.py``.
 """
 
 from ..comm._seams import moved_names

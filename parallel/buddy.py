@@ -4,10 +4,13 @@ Under ``meshkit-run --survive K`` (``MESHKIT_SURVIVE`` set by the launcher) a sh
 (ZeRO-1/2, FSDP, HSDP) holds, besides its own flat shards, a copy of those of the next rank of
 its shard group: shard index ``s`` keeps index ``(s + 1) % n``'s parameter shards and optimizer
 state shards (every flat key's), with that rank's optimizer step counts. :meth:`BuddyCopy.refresh`
-renews the copy after every optimizer step, in one exchange over the shard group (each rank
-sends its shards to index ``s - 1`` and receives index ``s + 1``'s, every message posted before
-any is waited on): it moves one shard's worth of parameters and optimizer state per rank, and
-holds as much memory (``memory_report()["buddy"]``). A plain run builds no copy and pays nothing.
+renews the copy after every optimizer step. Within a node (the default, ``MESHKIT_BUDDY_SHM``) each
+rank writes its shards into a shared-memory segment of its own that index ``s - 1`` mapped once
+(:mod:`meshkit.parallel.buddy_shared`: one memcpy, no message; the segment outlives its owner
+while its buddy maps it). Elsewhere it is one exchange over the shard group (each rank sends its
+shards to index ``s - 1`` and receives index ``s + 1``'s, every message posted before any is
+waited on). Either way one shard's worth of parameters and optimizer state per rank is held
+(``memory_report()["buddy"]``). A plain run builds no copy and pays nothing.
 
 When ranks die, :func:`contribution` is what a survivor still holds (its own shards and its copy,
 read locally: no communication) and :func:`assemble` makes one full state dict (``{"model",
@@ -32,8 +35,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..comm import DistError, ProcessGroup
+from ..comm import DistError, ProcessGroup, ReduceOp
+from ..comm._seams import SEGMENT_NAME_BYTES as NAME_BYTES
+from . import buddy_shared
 from .arrays import array_namespace, to_host
+from .buddy_shared import Mailbox
 
 if TYPE_CHECKING:  # the strategies import this module: nothing of theirs at run time
     from .data_parallelism.flat import FlatLayout
@@ -80,25 +86,52 @@ class BuddyCopy:
         self.steps: dict[str, int] = {}  # the neighbour's optimizer step counts, per flat key
         self.valid = False  # a complete copy is held (False before the first step and after a failed exchange)
         self._counts: Any = None
+        #: within a node: this rank's copy in its own segment, its neighbour's mapped (buddy_shared.py);
+        #: None where the copies go by message
+        self.mailbox: Mailbox | None = None
+        self._by_message = False  # a rank of the group could not map its neighbour's segment: messages for good
         self.refreshes = 0  # exchanges done, and their wall time (benchmarks/survive.py reports it per step)
         self.seconds = 0.0
 
     @property
     def nbytes(self) -> int:
-        """Bytes the copy holds (what ``memory_report()["buddy"]`` says)."""
+        """Bytes the copy holds (what ``memory_report()["buddy"]`` says): this rank's segment, which its
+        buddy maps, within a node; else the neighbour's copy received and the step counts."""
+        if self.mailbox is not None:
+            return self.mailbox.nbytes
         return sum(int(a.nbytes) for a in self.arrays.values()) + (0 if self._counts is None else 2 * int(self._counts.nbytes))
 
+    def held(self) -> tuple[dict[str, int], dict[str, np.ndarray]] | None:
+        """The neighbour's last complete copy, on the host: ``(its step counts, its arrays)``; None
+        where there is none (before the first step, or a copy torn by a failure)."""
+        if self.mailbox is not None:
+            return self.mailbox.read()
+        if not self.valid:
+            return None
+        return dict(self.steps), {k: np.array(to_host(a)) for k, a in self.arrays.items()}
+
     def refresh(self) -> None:
-        """Send this rank's shards to index ``s - 1`` and receive index ``s + 1``'s (collective over the shard group)."""
+        """Renew the copy (collective over the shard group): within a node this rank's shards are
+        written into its own segment, which index ``s - 1`` maps; else they are sent to index ``s - 1``
+        and index ``s + 1``'s received."""
         group: ProcessGroup = self.owner._shard_group()
         if group.size == 1:
             return  # the only shard: no other rank could keep it
         started = time.perf_counter()
         mine = _arrays(self.owner._layouts(), self.owner._param_shards(), self.owner.optimizer)
         xp = array_namespace(next(iter(mine.values())))  # NumPy, or CuPy on the GPU engine (counts too)
+        keys = sorted(self.owner.optimizer.steps)
+        if xp is np and not self._by_message and buddy_shared.enabled():
+            if self.mailbox is None or not self.mailbox.layout.same(mine, keys):
+                self._open_mailbox(group, mine, keys)
+            if self.mailbox is not None:
+                self.mailbox.write(mine, [int(self.owner.optimizer.steps[k]) for k in keys])
+                self.valid = True  # (this rank's copy, for its buddy to read: held() reads the neighbour's)
+                self.refreshes += 1
+                self.seconds += time.perf_counter() - started
+                return
         if list(mine) != list(self.arrays) or any(self.arrays[k].shape != a.shape for k, a in mine.items()):
             self.arrays = {k: xp.empty_like(a) for k, a in mine.items()}  # AdamW's state appears at its first step
-        keys = sorted(self.owner.optimizer.steps)
         # the number of counts first: never an empty message (no step counts before the first step)
         sent = xp.asarray(np.array([len(keys), *(int(self.owner.optimizer.steps[k]) for k in keys)], np.int64))
         received = xp.empty_like(sent)
@@ -113,6 +146,44 @@ class BuddyCopy:
         self.valid = True
         self.refreshes += 1
         self.seconds += time.perf_counter() - started
+
+    def _open_mailbox(self, group: ProcessGroup, mine: dict[str, Any], keys: list[str]) -> None:
+        """Collective over the shard group: each rank creates its segment for ``mine``'s layout, the
+        names are all-gathered, each maps its neighbour's (index ``s + 1``), and once every rank has
+        (an all-reduce of the verdicts) each unlinks its own name. Where any rank could not (the
+        group spans nodes, /dev/shm is full), every rank sends its copies by message from then on."""
+        if self.mailbox is not None:
+            self.mailbox.close()
+            self.mailbox = None
+        layout = buddy_shared.Layout(mine, keys)
+        name = np.zeros(NAME_BYTES, np.uint8)
+        box: Mailbox | None = None
+        try:
+            box = Mailbox.create(layout)
+            name[:len(box.mine.path)] = np.frombuffer(box.mine.path.encode(), np.uint8)
+        except OSError:
+            box = None
+        names = np.zeros(group.size * NAME_BYTES, np.uint8)
+        group.all_gather_into_tensor(names, name)
+        theirs = bytes(names.reshape(group.size, NAME_BYTES)[(group.rank + 1) % group.size]).rstrip(b"\0").decode()
+        if box is not None and theirs:
+            try:
+                box.attach(theirs)
+            except OSError:
+                box.close()
+                box = None
+        ok = np.array([box is not None], np.int64)
+        group.all_reduce(ok, ReduceOp.MIN)  # every neighbour mapped (so each name may go), or one could not
+        if box is not None:
+            box.mine.unlink()  # only the mappings hold it now: nothing is left in /dev/shm if a rank dies
+            box.mine.close_fd()
+            if box.theirs is not None:
+                box.theirs.close_fd()
+            if not ok[0]:
+                box.close()
+                box = None
+        self.mailbox = box
+        self._by_message = box is None
 
 
 @dataclass
@@ -159,10 +230,10 @@ def contribution(model: Any, old_rank: int) -> Contribution:
     held = [Held(index, {k: int(c) for k, c in model.optimizer.steps.items()},
                  {k: np.array(to_host(a)) for k, a in own.items()}, old_rank, old_rank)]
     buddy: BuddyCopy | None = model.shards.buddy
-    if buddy is not None and buddy.valid and n > 1:
+    copy = buddy.held() if buddy is not None and n > 1 else None
+    if copy is not None:
         nxt = (index + 1) % n
-        held.append(Held(nxt, dict(buddy.steps), {k: np.array(to_host(a)) for k, a in buddy.arrays.items()},
-                         old_rank, ranks[nxt]))
+        held.append(Held(nxt, copy[0], copy[1], old_rank, ranks[nxt]))
     return Contribution(ranks, held)
 
 

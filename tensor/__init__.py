@@ -15,7 +15,8 @@ by placement, generated from the dispatch tables), ``verify`` (collective constr
 Depends on ``comm`` and ``mesh`` only. ``__all__`` is the user API; what ``parallel`` and
 ``checkpoint`` need beyond it is in :mod:`meshkit.tensor._seams`.
 
-Modules besides those above: ``errors.py`` (the ``meshkit.tensor: rank R:`` prefix), ``_seams.py``.
+Modules besides those above: ``reduction_plan.py`` (a reduction's layout facts, worked out once per
+layout and kept), ``errors.py`` (the ``meshkit.tensor: rank R:`` prefix), ``_seams.py``.
 """
 
 from ..comm._seams import moved_names

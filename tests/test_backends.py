@@ -216,8 +216,8 @@ def test_the_check_covers_every_attribute_the_protocol_declares():
     # each flag's Protocol declares the methods it gates (what check_engine asks of a registered engine)
     assert {flag: methods(p) for flag, p in GATED.items()} == {
         "checks_calls": ("announce",), "defers": ("defer",), "abandons": ("abandon",), "survives": ("rank_failure",),
-        "coalesces": ("start_coalescing", "end_coalescing"), "aborts_job": ("abort",), "reports_path": ("path", "paths"),
-        "shares_memory": ("shared_buffer",)}
+        "coalesces": ("start_coalescing", "end_coalescing"), "aborts_job": ("abort",),
+        "reports_path": ("path", "paths", "mapped_bytes"), "shares_memory": ("shared_buffer",)}
 
 
 # --------------------------------------------------------------------------- names

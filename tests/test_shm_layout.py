@@ -214,8 +214,13 @@ def test_MESHKIT_SHM_0_keeps_mpi_and_a_bad_value_is_named(monkeypatch):
     monkeypatch.setenv("MESHKIT_SHM", "1")
     monkeypatch.delenv("MESHKIT_SURVIVE", raising=False)
     assert shm_settings.applies(2) == shm_settings.supported() and not shm_settings.applies(1)
-    monkeypatch.setenv("MESHKIT_SURVIVE", "1")  # meshkit-run --survive: survivors rebuild their groups over MPI
-    assert not shm_settings.applies(2)
+    monkeypatch.setenv("MESHKIT_SURVIVE", "1")  # meshkit-run --survive: a wait notices the dead and the revoke too
+    assert shm_settings.applies(2) == shm_settings.supported()
+    # where MPI is Open MPI over TCP the path takes every size, unless the variables say otherwise
+    assert shm_settings.min_bytes() == 0 and shm_settings.move_min_bytes() == 0
+    monkeypatch.setenv("MESHKIT_SHM_MIN_BYTES", "4096")
+    assert shm_settings.min_bytes() == 4096 and shm_settings.move_min_bytes() == 0
+    monkeypatch.delenv("MESHKIT_SHM_MIN_BYTES")
     monkeypatch.setenv("MESHKIT_SURVIVE", "0")
     assert shm_settings.applies(2) == shm_settings.supported()
     monkeypatch.setattr(shm_settings.platform, "machine", lambda: "aarch64")  # no TSO: the ordering argument fails

@@ -15,7 +15,8 @@ import pytest
 from meshkit.comm.engines.shm_hierarchy import NodeLayout
 
 SIM = ("--simulate-nodes", "2")
-SMALL = {"MESHKIT_SHM_MIN_BYTES": "2048", "MESHKIT_SHM_MOVE_MIN_BYTES": "2048", "MESHKIT_SHM_CHUNK_BYTES": "4096"}
+SMALL = {"MESHKIT_SHM_MIN_BYTES": "2048", "MESHKIT_SHM_MOVE_MIN_BYTES": "2048", "MESHKIT_SHM_CHUNK_BYTES": "4096",
+         "MESHKIT_SHM_SHARED_MIN_BYTES": "0"}
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm (POSIX shared memory)")

@@ -130,6 +130,9 @@ def test_a_dead_peer_is_one_error_in_a_receive_a_send_and_a_collective():
     for rank, how in ((0, "rank 0 of 3"), (2, "rank 1 of 3"), (3, "rank 2 of 3")):
         assert f"old rank {rank}: RankFailedError naming [1] after" in result.stdout, result.stdout
         assert f"old rank {rank}: now {how}, sum 5.0" in result.stdout, result.stdout
+        for size in (4, 3):  # --survive takes the shared-memory path at every size, the survivors' world too
+            assert re.search(rf"old rank {rank}: world of {size}: all_reduce, reduce and reduce_scatter of NumPy arrays "
+                             r"of >= 0 bytes[^,\n]*, all_gather and broadcast of >= 0 bytes", result.stdout), result.stdout
 
 
 @needs_ulfm

@@ -21,7 +21,7 @@ import pytest
 import sharded_cases
 from meshkit import comm
 from meshkit.comm import DistValueError, local
-from meshkit.parallel import buddy, survive
+from meshkit.parallel import buddy, buddy_shared, survive
 from test_survive import EXAMPLES, launch, needs_ulfm
 
 STEPS = range(3)
@@ -42,11 +42,14 @@ def _trained(strategy: str, mesh_shape=None, steps=STEPS):
     return local.run(body, 4)
 
 
-@pytest.mark.parametrize("strategy, mesh_shape", [("zero1", None), ("zero2", None), ("fsdp", None), ("fsdp", (2, 2))],
-                         ids=["zero1", "zero2", "fsdp", "hsdp2x2"])
-def test_any_one_rank_lost_its_shards_come_from_its_buddy_exactly(strategy, mesh_shape, monkeypatch):
+@pytest.mark.parametrize("strategy, mesh_shape, shared", [("zero1", None, "1"), ("zero2", None, "1"), ("fsdp", None, "1"),
+                                                           ("fsdp", (2, 2), "1"), ("zero2", None, "0")],
+                         ids=["zero1", "zero2", "fsdp", "hsdp2x2", "zero2-by-message"])
+def test_any_one_rank_lost_its_shards_come_from_its_buddy_exactly(strategy, mesh_shape, shared, monkeypatch):
     monkeypatch.setenv("MESHKIT_SURVIVE", "1")
+    monkeypatch.setenv("MESHKIT_BUDDY_SHM", shared)  # within a node (1): each copy in its owner's segment
     out = _trained(strategy, mesh_shape)
+    assert all((o[5].mailbox is not None) == (shared == "1" and buddy_shared.supported()) for o in out)
     contributions, full, layouts, hyper = [o[0] for o in out], out[0][1], out[0][2], out[0][3]
     n = layouts[0].shards
     for rank, (c, _, lays, _, report, copy) in enumerate(out):
@@ -142,3 +145,31 @@ def test_train_mlp_hsdp_mesh_adapts_after_a_shrink_unless_given():
 
     assert local.run(body, 3) == [True] * 3
     assert train_mlp.default_hsdp_mesh(4) == (2, 2) and train_mlp.default_hsdp_mesh(2) == (2, 1)
+
+
+def test_a_copy_torn_by_its_owners_death_is_never_used_and_the_switch_is_checked(monkeypatch):
+    # the owner died inside its write (the sequence word still -1): its buddy holds no copy, and
+    # the assembly says which shard is lost rather than use half of one
+    monkeypatch.setenv("MESHKIT_SURVIVE", "1")
+    monkeypatch.setenv("MESHKIT_BUDDY_SHM", "1")
+    if not buddy_shared.supported():
+        pytest.skip("buddy copies in shared memory are used on x86-64 only (its store order)")
+    arrays = {"w": np.arange(5.0), "w:exp_avg": np.ones(5)}
+    layout = buddy_shared.Layout(arrays, ["w"])
+    owner, holder = buddy_shared.Mailbox.create(layout), buddy_shared.Mailbox.create(layout)
+    try:
+        holder.attach(owner.mine.path)
+        assert holder.read() is None  # never written
+        owner.write(arrays, [3])
+        steps, copy = holder.read()
+        assert steps == {"w": 3} and copy.keys() == arrays.keys()
+        np.testing.assert_array_equal(copy["w"], arrays["w"])
+        np.frombuffer(owner.mine.memory, np.int64, 1, 0)[0] = -1  # as if it died mid-write
+        assert holder.read() is None
+    finally:
+        for box in (owner, holder):
+            box.mine.unlink()
+            box.close()
+    monkeypatch.setenv("MESHKIT_BUDDY_SHM", "yes")
+    with pytest.raises(DistValueError, match=r"MESHKIT_BUDDY_SHM='yes' is not valid; valid values are 0 .* and 1"):
+        buddy_shared.enabled()

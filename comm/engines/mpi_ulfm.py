@@ -14,7 +14,9 @@ What this module does with it, and nothing else:
   global ranks, after *revoking* the communicator: every survivor still waiting in any call on
   it (a peer that was not talking to the dead rank, a p2p between two survivors) fails at once
   instead of waiting for the timeout (ULFM's Revoke, the one call that reaches them all);
-- :func:`shrink` builds the survivors' communicator (ULFM's Shrink, collective over the survivors).
+- :func:`shrink` builds the survivors' communicator (ULFM's Shrink, collective over the survivors);
+- :func:`revoke_watch` lets the shared-memory path (comm/engines/shm.py), whose waits MPI never
+  sees, notice that a survivor revoked the group's communicator.
 
 It imports ``mpi4py.MPI``, as every module of the MPI engine does; the launcher's
 ``MESHKIT_SURVIVE`` says whether the job asked for survival (:func:`enabled`).
@@ -24,13 +26,17 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+from typing import Callable
 
 from mpi4py import MPI
 
 from ...launch_protocol import SURVIVE_ENV
+from .. import env
 from ..errors import RankFailedError
 
-__all__ = ["budget", "lost", "keep", "enabled", "supported", "failed_ranks", "revoke", "rank_failed", "shrink", "world_comm", "set_world_comm"]
+__all__ = ["budget", "lost", "keep", "enabled", "supported", "failed_ranks", "revoke", "rank_failed", "shrink",
+           "revoke_watch", "world_comm", "set_world_comm"]
 
 logger = logging.getLogger("meshkit")
 
@@ -124,6 +130,31 @@ def _is_revoked(comm: MPI.Comm) -> bool:
         return False
 
 
+#: Seconds a rank woken by a survivor's revoke waits to learn who died (its own MPI hears of the
+#: death a moment after the survivor that revoked: a dead peer's closed socket, read by MPI's progress).
+#: Measured: a survivor whose shared-memory wait found the dead rank first (comm/engines/shm.py)
+#: revoked before the others' MPI knew; they learnt it within milliseconds. Past this the error
+#: names no rank (a survivor that never talked to the dead may never learn it before the shrink).
+#: ``MESHKIT_SURVIVE_LEARN_S`` changes it.
+LEARN_S = 0.25
+LEARN_ENV = "MESHKIT_SURVIVE_LEARN_S"
+
+
+def _learn_dead() -> tuple[int, ...]:
+    """The world's dead as this rank's MPI knows them, waiting up to :data:`LEARN_S` (``MESHKIT_SURVIVE_LEARN_S``,
+    at most 60 s) for one to be known."""
+    deadline = time.monotonic() + env.positive_number(LEARN_ENV, LEARN_S, upper=60.0)
+    while True:
+        dead = failed_ranks(_world)
+        if dead or time.monotonic() >= deadline:
+            return dead
+        try:
+            _world.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)  # MPI's progress: a closed socket is read
+        except MPI.Exception:
+            pass
+        time.sleep(0.001)
+
+
 def rank_failed(exc: MPI.Exception, comm: MPI.Comm, what: str) -> RankFailedError | None:
     """The :class:`RankFailedError` that MPI error ``exc`` on ``comm`` stands for, or None if it
     is not a rank failure (or the job does not survive failures). ``comm`` is revoked first, so
@@ -133,7 +164,13 @@ def rank_failed(exc: MPI.Exception, comm: MPI.Comm, what: str) -> RankFailedErro
     dead = failed_ranks(comm)
     revoked = exc.Get_error_class() == getattr(MPI, "ERR_REVOKED", -1) or _is_revoked(comm)
     if not dead and not revoked:
-        return None
+        # an error of another communicator met while waiting on this one (the world's mailbox, read
+        # while a shared-memory wait stalls: its wildcard receive fails once any rank died)
+        dead = failed_ranks(_world)
+        if not dead:
+            return None
+    if not dead:  # woken by a survivor's revoke: who died is known job-wide (the world's failed group), soon
+        dead = _learn_dead()
     revoke(comm)
     me = _world.Get_rank()
     who = (f"rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))} failed" if dead
@@ -148,3 +185,25 @@ def shrink(comm: MPI.Comm) -> MPI.Intracomm:
     """The survivors' communicator (collective over every survivor of ``comm``, which is revoked first)."""
     revoke(comm)
     return comm.Shrink()
+
+
+def revoke_watch(comm: MPI.Comm, what: str) -> Callable[[], None]:
+    """A check for the shared-memory path's waits on ``comm``'s ranks (its ``Channel.abandoned``):
+    it lets MPI progress (a nonblocking probe, which processes a revoke that arrived) and raises
+    the :class:`RankFailedError` of :func:`rank_failed` where a survivor revoked ``comm`` (its
+    recovery began: ``shrink_world`` revokes every communicator of the old world). Called only while
+    a wait misses a flag, every few tens of milliseconds: nothing when nothing fails."""
+
+    def check() -> None:
+        try:
+            comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
+            if not comm.Is_revoked():
+                return
+            raise MPI.Exception(getattr(MPI, "ERR_REVOKED", MPI.ERR_OTHER))
+        except MPI.Exception as exc:  # under --survive any MPI error here stands for a failure
+            error = rank_failed(exc, comm, what) or RankFailedError(
+                f"meshkit.comm: rank {_world.Get_rank()}: {what} cannot complete: {exc.Get_error_string().strip()}",
+                failed_ranks=failed_ranks(_world))
+            raise error from None
+
+    return check

@@ -62,14 +62,15 @@ from .mpi_polling import completes
 from .shm_collectives import Channel, ShmRequest
 from .shm_hierarchy import HierarchicalEngine
 from .shm_host import OverHost
+from . import mpi_ulfm
 from .shm_cma import probe
 from .shm_settings import (applies, chunk_bytes, direct, direct_bytes, min_bytes, move_min_bytes, shared_min_bytes,
-                           small_bytes)
+                           small_bytes, surviving)
 from .shm_layout import segment_bytes
 from .shm_segment import NAME_BYTES, Segment, attach, create
 from .watchdog import watched
 
-__all__ = ["ShmEngine", "over"]
+__all__ = ["ShmEngine", "over", "parts", "drop_shared"]
 
 logger = logging.getLogger("meshkit")
 
@@ -214,13 +215,19 @@ class ShmEngine(OverHost):
         child = self.host.split(color, ranks, deadline)
         return None if child is None else over(child, deadline)
 
-    def free(self) -> None:
+    def drop_shared(self) -> None:
+        """Unmap this group's segments without a word to anyone (a survivor's old world, after a
+        rank died under ``meshkit-run --survive``: its MPI communicator is revoked, not freed; a
+        buffer handed out stays mapped until its views are gone)."""
         self.channel.close()
         self.segment.close()
         self.regions.clear()
         self._owners.clear()
         for pool in self._pools:
             pool.close()
+
+    def free(self) -> None:
+        self.drop_shared()
         self.host.free()
 
 
@@ -322,6 +329,8 @@ def over(host: MPIEngine, deadline: float) -> MPIEngine | ShmEngine | Hierarchic
         elif host.rank == 0:
             logger.info("meshkit: ranks %s copy ordinary buffers through the shared segment (no cross-memory "
                         "attach: %s)", host.world_ranks, problem)
+    if surviving():  # a survivor's revoke (its recovery began) wakes a wait for it (mpi_ulfm.revoke_watch)
+        channel.abandoned = mpi_ulfm.revoke_watch(host.comm, "a collective over shared memory")
     # (the threshold depends on the probe, whose verdict every rank shares)
     return ShmEngine(host, segment, channel, min_bytes(channel.direct is not None), move_min_bytes())
 
@@ -354,3 +363,22 @@ def _direct_problem(host: MPIEngine, channel: Channel, magic: bytes) -> str:
     if problem:
         logger.debug("meshkit: rank %d: no cross-memory attach: %s", host.world_ranks[host.rank], problem)
     return problem if not ok[0] and problem else ("" if ok[0] else "another rank could not read its peers")
+
+
+def parts(engine: Any) -> list[Any]:
+    """``engine`` and the engines it is made of (a shared-memory engine's MPI host, a hierarchical
+    one's host, node and leaders), outermost first: what a survivor's shrink revokes."""
+    if isinstance(engine, ShmEngine):
+        return [engine, *parts(engine.host)]
+    if isinstance(engine, HierarchicalEngine):
+        inner = [engine.host, engine.node] + ([] if engine.leaders is None else [engine.leaders])
+        return [engine, *(p for e in inner for p in parts(e))]
+    return [engine]
+
+
+def drop_shared(engine: Any) -> None:
+    """Unmap the segments of ``engine`` and of the engines it is made of, without a word to anyone
+    (:meth:`ShmEngine.drop_shared`: the old world's groups of a survivor under ``--survive``)."""
+    for part in parts(engine):
+        if isinstance(part, ShmEngine):
+            part.drop_shared()

@@ -60,7 +60,10 @@ Weaker memory models (ARM, POWER) would need fences: the engine uses the path on
 core with ``os.sched_yield``, bounded by the group's timeout). While it waits it knows which
 ranks' flags are missing (:attr:`ShmRequest.missing`: a timeout names them) and, every
 :data:`LIVENESS_INTERVAL`, whether those ranks' processes still exist: a dead rank makes every
-waiting peer raise :class:`~meshkit.comm.errors.RankFailedError` naming it, not spin.
+waiting peer raise :class:`~meshkit.comm.errors.RankFailedError` naming it, not spin. At the same
+moments it calls the channel's :attr:`Channel.abandoned` hook where the engine set one (under
+``meshkit-run --survive``: whether a survivor revoked the group's MPI communicator, so a rank
+waiting for a live peer that left for the recovery wakes too; comm/engines/shm.py).
 """
 
 from __future__ import annotations
@@ -149,6 +152,9 @@ class Channel:
         self.pids: list[int] = []
         self.direct_bytes = 0
         self._scratch = np.empty(0, np.uint8)
+        #: Called every LIVENESS_INTERVAL while a wait misses a flag (never when nothing waits); it
+        #: raises to end the wait (a RankFailedError), or returns. None: no hook.
+        self.abandoned: Callable[[], None] | None = None
 
     def attach_directly(self, pids: list[int], scratch_bytes: int) -> None:
         """Let ordinary buffers of more than ``small_bytes`` move between the ranks' own arrays with
@@ -277,7 +283,10 @@ class Channel:
             if not _alive(pid):
                 raise RankFailedError(
                     f"meshkit.comm: rank {self.world_ranks[self.rank]}: {request.kind} over shared memory cannot "
-                    f"complete: rank {self.world_ranks[r]} (pid {pid}) died before it arrived")
+                    f"complete: rank {self.world_ranks[r]} (pid {pid}) died before it arrived",
+                    failed_ranks=(self.world_ranks[r],))
+        if self.abandoned is not None:
+            self.abandoned()
 
     # ----------------------------------------------------------------- the collectives (each a generator)
     def all_reduce(self, request: ShmRequest, buf: np.ndarray, op: ReduceOp, root: int = -1) -> Steps:

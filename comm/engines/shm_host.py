@@ -26,9 +26,9 @@ class OverHost:
 
     def __init__(self, host: Any, **capabilities: bool) -> None:
         self.host = host
-        # survives=False: the path is off in a --survive job (shm_settings.applies), so these engines never
-        # meet MPI's fault tolerance and have no rank_failure of their own
-        self.capabilities = dataclasses.replace(host.capabilities, reports_path=True, survives=False, **capabilities)
+        # survives as the host: under --survive the calls passed to MPI meet its fault tolerance
+        # (rank_failure below); the path's own waits raise RankFailedError themselves
+        self.capabilities = dataclasses.replace(host.capabilities, reports_path=True, **capabilities)
         self.rank, self.size, self.max_tag = host.rank, host.size, host.max_tag
 
     @property
@@ -100,3 +100,6 @@ class OverHost:
 
     def abort(self, code: int) -> None:
         self.host.abort(code)
+
+    def rank_failure(self, exc: BaseException, what: str, request: Any = None) -> BaseException | None:
+        return self.host.rank_failure(exc, what, request)

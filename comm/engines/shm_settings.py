@@ -15,7 +15,8 @@ from ...launch_protocol import SURVIVE_ENV
 
 __all__ = ["applies", "supported", "surviving", "min_bytes", "move_min_bytes", "chunk_bytes", "small_bytes", "direct",
            "shared_min_bytes", "direct_bytes", "CMA", "DIRECT_BYTES", "DIRECT_SCRATCH_BUDGET", "SHARED_MIN_BYTES", "DEFAULT_SHARED_MIN_BYTES",
-           "DEFAULT_MIN_BYTES", "DEFAULT_DIRECT_MIN_BYTES", "DEFAULT_MOVE_MIN_BYTES", "DEFAULT_CHUNK_BYTES", "SEGMENT_BUDGET", "DEFAULT_SMALL_BYTES"]
+           "DEFAULT_MIN_BYTES", "DEFAULT_DIRECT_MIN_BYTES", "DEFAULT_MOVE_MIN_BYTES", "DEFAULT_CHUNK_BYTES", "SEGMENT_BUDGET", "DEFAULT_SMALL_BYTES",
+           "SURVIVE_MIN_BYTES"]
 
 #: all_reduce, reduce and reduce_scatter of an ordinary buffer below this many bytes go to MPI
 #: (``MESHKIT_SHM_MIN_BYTES``) where the group copies through its segment (no cross-memory attach:
@@ -41,6 +42,12 @@ DEFAULT_DIRECT_MIN_BYTES = 4 << 20
 #: 4 KB to 64 MB (benchmarks/collectives.py, docs/collectives.md). A buffer of ``shared_buffer``
 #: still gathers in place (one copy) at any size.
 DEFAULT_MOVE_MIN_BYTES = 1 << 30
+#: Under ``meshkit-run --survive`` both thresholds above default to this instead: there MPI is Open
+#: MPI over loopback TCP (launch/fault_tolerant.py says why), not MPICH's shared memory, and the
+#: path wins at every size (4 ranks, the loaded 2-core machine, benchmarks/collectives.py --stat min
+#: under --survive, docs/elastic.md "Surviving failures"); ``MESHKIT_SHM_MIN_BYTES`` and
+#: ``MESHKIT_SHM_MOVE_MIN_BYTES`` still decide where set.
+SURVIVE_MIN_BYTES = 0
 #: Most bytes of each of a rank's two buffers (``MESHKIT_SHM_CHUNK_BYTES``); the default is also
 #: held to :data:`SEGMENT_BUDGET` ``/ n``. Every chunk is a meeting of all ranks, and on shared
 #: cores a meeting costs a scheduling round: a 64 MB all_reduce took 0.30-0.55 s with 256 KiB or
@@ -101,10 +108,10 @@ def supported() -> bool:
 
 def applies(size: int) -> bool:
     """Whether a group of ``size`` ranks may take the path: more than one rank, ``MESHKIT_SHM`` not
-    0 (a bad value raises, naming the variable), x86-64, and not a ``meshkit-run --survive`` job
-    (there a dead peer surfaces through MPI's fault tolerance, ULFM, and the survivors' groups are
-    rebuilt over MPI alone: the path's segment would outlive the world it was made for)."""
-    return size >= 2 and env.shm_enabled() and supported() and not surviving()
+    0 (a bad value raises, naming the variable), x86-64. A ``meshkit-run --survive`` job takes it
+    too: a wait notices a dead peer itself (its pid, within ``LIVENESS_INTERVAL``) and a survivor's
+    revoke (comm/engines/shm.py), and the survivors' world gets new segments (comm/setup/survivors.py)."""
+    return size >= 2 and env.shm_enabled() and supported()
 
 
 def surviving() -> bool:
@@ -113,10 +120,11 @@ def surviving() -> bool:
 
 
 def min_bytes(direct: bool = False) -> int:
-    """``MESHKIT_SHM_MIN_BYTES``: collectives below it go to MPI; by default
-    :data:`DEFAULT_DIRECT_MIN_BYTES` where ``direct`` (cross-memory attach works), else
-    :data:`DEFAULT_MIN_BYTES`."""
-    return env.shm_bytes(env.SHM_MIN_BYTES, DEFAULT_DIRECT_MIN_BYTES if direct else DEFAULT_MIN_BYTES, zero=True)
+    """``MESHKIT_SHM_MIN_BYTES``: collectives below it go to MPI; by default :data:`SURVIVE_MIN_BYTES`
+    under ``--survive``, else :data:`DEFAULT_DIRECT_MIN_BYTES` where ``direct`` (cross-memory attach
+    works), else :data:`DEFAULT_MIN_BYTES`."""
+    default = SURVIVE_MIN_BYTES if surviving() else DEFAULT_DIRECT_MIN_BYTES if direct else DEFAULT_MIN_BYTES
+    return env.shm_bytes(env.SHM_MIN_BYTES, default, zero=True)
 
 
 def chunk_bytes(n: int = 2) -> int:
@@ -132,10 +140,12 @@ def small_bytes() -> int:
 
 
 def shared_min_bytes() -> int:
-    """``MESHKIT_SHM_SHARED_MIN_BYTES``: a shared buffer below it goes to MPI like any array."""
-    return env.shm_bytes(SHARED_MIN_BYTES, DEFAULT_SHARED_MIN_BYTES, zero=True)
+    """``MESHKIT_SHM_SHARED_MIN_BYTES``: a shared buffer below it goes to MPI like any array
+    (:data:`SURVIVE_MIN_BYTES` by default under ``--survive``, where MPI is Open MPI over TCP)."""
+    return env.shm_bytes(SHARED_MIN_BYTES, SURVIVE_MIN_BYTES if surviving() else DEFAULT_SHARED_MIN_BYTES, zero=True)
 
 
 def move_min_bytes() -> int:
-    """``MESHKIT_SHM_MOVE_MIN_BYTES``: all_gather and broadcast below it go to MPI."""
-    return env.shm_bytes(env.SHM_MOVE_MIN_BYTES, DEFAULT_MOVE_MIN_BYTES, zero=True)
+    """``MESHKIT_SHM_MOVE_MIN_BYTES``: all_gather and broadcast below it go to MPI (:data:`SURVIVE_MIN_BYTES` by
+    default under ``--survive``)."""
+    return env.shm_bytes(env.SHM_MOVE_MIN_BYTES, SURVIVE_MIN_BYTES if surviving() else DEFAULT_MOVE_MIN_BYTES, zero=True)

@@ -155,7 +155,8 @@ class FailureState:
         self.reason = why
         if self.abandons:
             cast(Abandons, group.engine).abandon(why)
-        self.tell(Notice(BROKEN, group.global_rank, group.ranks, seq, why, timed_out=timed_out))
+        self.tell(Notice(BROKEN, group.global_rank, group.ranks, seq, why, timed_out=timed_out,
+                         failed=tuple(self.failed_ranks or ())))
 
     def unusable(self, op: str) -> None:
         """Raise: the group broke earlier (a RankFailedError naming the dead if a rank failure broke it)."""
@@ -200,7 +201,8 @@ class FailureState:
                 what = f"call #{seq}" if seq >= 0 else "a send or receive"
                 raise RankFailedError(f"meshkit.comm: rank {group.global_rank}: {what} on group "
                                       f"{group.name} (ranks {list(group.ranks)}) cannot complete: "
-                                      f"{notice.describe(group.name, p2p=self.waiting < 0)}")
+                                      f"{notice.describe(group.name, p2p=self.waiting < 0)}",
+                                      failed_ranks=notice.failed)
 
     def not_arrived(self, seq: int) -> list[int]:
         """The members that never reached call #``seq``, which timed out here (engines that abort).

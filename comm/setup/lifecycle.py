@@ -269,9 +269,19 @@ def install_world(name: str, engine: Any, limit: float, *, first: bool = True) -
 def survivors_engine(world: World) -> tuple[Any, dict[int, int]]:
     """The engine of the world over the survivors of ``world`` (MPI's ULFM under ``meshkit-run
     --survive``) and each survivor's new rank by its old one; see
-    :func:`meshkit.comm.engines.mpi.survivors_engine` (imported here, when asked, as every engine)."""
-    from ..engines.mpi import survivors_engine as shrink_mpi
-    return shrink_mpi(world.default_group.engine, [g.engine for g in world.groups.values() if g.engine is not None])
+    :func:`meshkit.comm.engines.mpi.survivors_engine` (imported here, when asked, as every engine).
+    Every MPI communicator of the old world's groups is revoked (those under their shared-memory
+    engines too) and their segments unmapped; the new world has the shared-memory path where it
+    applies (``over``: a new segment over the survivors)."""
+    from ..engines.mpi import MPIEngine, survivors_engine as shrink_mpi
+    from ..engines.shm import drop_shared, over, parts
+    engines = [g.engine for g in world.groups.values() if g.engine is not None]
+    hosts = [p for e in engines for p in parts(e) if isinstance(p, MPIEngine)]
+    world_host = next(p for p in parts(world.default_group.engine) if isinstance(p, MPIEngine))
+    engine, new_ranks = shrink_mpi(world_host, hosts)
+    for old in engines:
+        drop_shared(old)
+    return over(engine, time.monotonic() + world.timeout), new_ranks
 
 
 def destroy_process_group() -> None:

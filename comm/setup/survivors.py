@@ -9,7 +9,8 @@ survivor calls :func:`shrink_world`, which
 2. builds the survivors' communicator (ULFM's Shrink: collective over the survivors, it agrees
    on who is dead) and a new world over it, numbered 0..n-1 in the old order;
 3. drops the old world's groups without talking to anyone (their communicators are revoked, and
-   freeing one would wait for the dead).
+   freeing one would wait for the dead), unmapping their shared-memory segments (the path of
+   comm/engines/shm.py), and gives the new world's groups segments of their own over the survivors.
 
 Groups and meshes are built again afterwards, as at the start (``init_device_mesh``, the
 strategy): :func:`meshkit.parallel.survive.shrink` does that for a training strategy, with its state.
@@ -86,3 +87,4 @@ def shrink_world() -> Shrunk:
     logger.warning("meshkit: rank %d (was %d): the world shrank from %d to %d ranks without rank(s) %s in %.3f s",
                    shrunk.rank, old_rank, old_size, shrunk.size, list(failed), shrunk.seconds)
     return shrunk
+
