@@ -311,6 +311,8 @@ SHM_SHARED_MIN_BYTES = "MESHKIT_SHM_SHARED_MIN_BYTES"
 #: ``0`` copies ordinary buffers through the segment; ``1`` (the default) moves them between the
 #: ranks' own arrays by cross-memory attach where the kernel permits it.
 SHM_CMA = "MESHKIT_SHM_CMA"
+#: Seconds a rank woken by a survivor's revoke waits to learn who died (``meshkit-run --survive``).
+SURVIVE_LEARN_S = "MESHKIT_SURVIVE_LEARN_S"
 #: The most any of the byte sizes above may be (1 GiB: a group's segment is n x 2 x the chunk).
 _SHM_MOST_BYTES = 1 << 30
 
@@ -367,6 +369,7 @@ def check_all() -> None:
     shm_bytes(SHM_CHUNK_BYTES, 64, multiple=64)
     shm_bytes(SHM_SHARED_MIN_BYTES, 0, zero=True)
     shm_cma()
+    positive_number(SURVIVE_LEARN_S, 0.25, upper=60.0)
     for name in (STORE_MAX_BYTES, STORE_MAX_CONNECTIONS, STORE_MAX_WAIT_KEYS):
         positive_number(name, 1, integer=True)
     for name in (STORE_IDLE_TIMEOUT, STORE_HANDSHAKE_TIMEOUT):

@@ -312,6 +312,11 @@ def test_MESHKIT_SHM_CMA_is_validated_and_named(monkeypatch):
     monkeypatch.setenv("MESHKIT_SHM_SHARED_MIN_BYTES", "lots")
     with pytest.raises(DistValueError, match=r"MESHKIT_SHM_SHARED_MIN_BYTES='lots' is not valid"):
         env.check_all()
+    monkeypatch.delenv("MESHKIT_SHM_SHARED_MIN_BYTES")
+    monkeypatch.setenv("MESHKIT_SURVIVE_LEARN_S", "61")
+    with pytest.raises(DistValueError, match=r"MESHKIT_SURVIVE_LEARN_S='61' is not valid; valid values are a positive "
+                                             r"number at most 60"):
+        env.check_all()
 
 
 @needs_cma

@@ -137,7 +137,7 @@ def _is_revoked(comm: MPI.Comm) -> bool:
 #: names no rank (a survivor that never talked to the dead may never learn it before the shrink).
 #: ``MESHKIT_SURVIVE_LEARN_S`` changes it.
 LEARN_S = 0.25
-LEARN_ENV = "MESHKIT_SURVIVE_LEARN_S"
+LEARN_ENV = env.SURVIVE_LEARN_S
 
 
 def _learn_dead() -> tuple[int, ...]:
