@@ -115,3 +115,11 @@ def test_the_readme_lists_the_packages_and_names_every_script():
     missing = [f"{folder}/{path.name}" for folder in ("examples", "benchmarks")
                for path in sorted((ROOT / folder).glob("*.py")) if f"`{path.name}`" not in entries[folder]]
     assert not missing, f"not named in the README's map: {missing}"
+
+
+def test_the_docs_cite_no_tracker_numbers():
+    # the pages describe the library as it is; an issue's number means nothing to a reader
+    found = [f"{page.relative_to(ROOT)}:{n}" for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+             for n, line in enumerate(page.read_text().splitlines(), 1)
+             if re.search(r"\bissues? #?\d+", line, re.IGNORECASE)]
+    assert not found, found
