@@ -113,7 +113,8 @@ PROTOCOL = _load_protocol()
 # The protocol's names this module and the launcher use (meshkit.launch_protocol documents each).
 STATUS_DIR_ENV, LAUNCHER_ENV, LAUNCHER_START_ENV = (PROTOCOL.STATUS_DIR_ENV, PROTOCOL.LAUNCHER_ENV,
                                                     PROTOCOL.LAUNCHER_START_ENV)
-SIMULATED_NODES_ENV, HOST_NAME_ENV = PROTOCOL.SIMULATED_NODES_ENV, PROTOCOL.HOST_NAME_ENV
+SIMULATED_NODES_ENV, HOST_NAME_ENV, SURVIVE_ENV = (PROTOCOL.SIMULATED_NODES_ENV, PROTOCOL.HOST_NAME_ENV,
+                                                   PROTOCOL.SURVIVE_ENV)
 START, FAILED, ENDED, RELEASE, TIMED_OUT = PROTOCOL.START, PROTOCOL.FAILED, PROTOCOL.ENDED, PROTOCOL.RELEASE, \
     PROTOCOL.TIMED_OUT
 FINISHED, MILESTONE, SHM_RECORD, GONE = PROTOCOL.FINISHED, PROTOCOL.MILESTONE, PROTOCOL.SHM_RECORD, PROTOCOL.GONE
@@ -754,11 +755,15 @@ def _fork_watcher(status: _StatusDir) -> bool:
         # once, through the watcher, not twice; and the watcher ends the rank's children with
         # it. Killed with the watcher, whoever kills it. Its own session too (setsid makes both),
         # hence its own scheduling autogroup (Linux's CONFIG_SCHED_AUTOGROUP shares the CPU
-        # fairly between sessions): hydra starts every watcher in a session of its own, Open
-        # MPI's prterun (--survive) all in its one, whose ranks then shared one session's share
-        # of a loaded machine: `import meshkit` took 4.7-7.7 s a rank, 2.0-3.3 s in sessions of
-        # their own (4 ranks under --survive, 2 cores loaded by other jobs, runs interleaved).
+        # fairly between sessions), as hydra starts every watcher. Not under --survive: Open
+        # MPI's prterun starts all its ranks in its one session, and there sessions of their own
+        # cost every step (4 ranks, fsdp, quiet 2-core machine, benchmarks/survive.py, one run
+        # each way interleaved: mean step 1.75x the plain run's in their own sessions, 1.04x in
+        # prterun's; median 1.19x against 1.07x), while they only helped the start against other
+        # jobs' load (`import meshkit` 4.7-7.7 s a rank in prterun's session, 2.0-3.3 s alone).
         try:
+            if os.environ.get(SURVIVE_ENV, "").strip() not in ("", "0"):
+                raise OSError  # (the process group alone, below)
             os.setsid()
         except OSError:
             try:

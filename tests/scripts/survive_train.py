@@ -81,8 +81,8 @@ def run_step(model, step: int, x, y) -> None:
 
 
 meshkit.init_process_group("mpi")
-# each rank leads a session of its own (the rank bootstrap's setsid: a fair share of the CPU under
-# Linux's autogroup scheduling, whichever mpiexec started it; prterun starts them all in its own)
+# whether each rank leads a session of its own: the rank bootstrap's setsid gives one under MPICH's
+# hydra, but not under --survive, where ranks stay in prterun's session (their own cost every step)
 print(f"survive_train: rank {meshkit.get_rank()} leads its session: {os.getsid(0) == os.getpid()}", flush=True)
 x, y = mlp.make_data(SAMPLES)
 model = build()
