@@ -85,8 +85,9 @@ class Shards:
         self.buddy: BuddyCopy | None = BuddyCopy(owner) if survive_budget() > 0 else None
 
     def after_step(self) -> None:
-        """The strategy's ``step()`` ends here: the buddy copy renewed (one exchange over the shard group,
-        under ``--survive`` only)."""
+        """The strategy's ``step()`` ends here: the buddy copy renewed, under ``--survive`` only (one
+        memcpy into this rank's segment within a node, else an exchange over the shard group:
+        :mod:`meshkit.parallel.buddy`)."""
         if self.buddy is not None:
             self.buddy.refresh()
 
