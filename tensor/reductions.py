@@ -23,7 +23,7 @@ from ..comm._seams import array_namespace
 from . import errors
 from .dispatch import implements
 from .dtensor import DTensor, _wrap
-from .placements import Partial, Placement, Replicate, Shard
+from .placements import Replicate, Shard
 from .propagation import moved, no_out, unsupported, wrap
 from .reduction_plan import reduction_plan
 
@@ -78,32 +78,16 @@ def _reduce(kind: str, a: Any, axis: Any, keepdims: bool, kwargs: dict[str, Any]
     # complex has no order a MAX/MIN collective could use (NumPy's is lexicographic): its blocks
     # are gathered first and reduced whole (decided by the dtype, so alike on every rank)
     gather = kind in ("max", "min") and a.dtype.kind == "c"
-    if not gather:  # the layout facts, worked out once per layout (reduction_plan)
-        plan = reduction_plan(a.device_mesh, a.shape, a.placements, axes, keepdims, passes)
+    plan = reduction_plan(a.device_mesh, a.shape, a.placements, axes, keepdims, passes)  # the layout facts, kept
+    if not gather:
         local = moved(op, "argument 0", a, plan.need).to_local()
         count = math.prod(a.shape[ax] for ax in axes) if kind == "mean" else 0
         return _wrap(_local_reduce(kind, local, axes, keepdims, kwargs.get("dtype"), count),
                      a.device_mesh, plan.leaving(leaves), plan.shape)
-    need: list[Placement] = []
-    out: list[Placement] = []
-    for p in a.placements:
-        if isinstance(p, Shard) and gather and p.dim in axes:
-            need.append(Replicate())
-            out.append(Replicate())
-        elif isinstance(p, Shard):
-            need.append(p)
-            out.append(Partial(leaves) if p.dim in axes else
-                       Shard(p.dim if keepdims else p.dim - sum(ax < p.dim for ax in axes)))
-        elif isinstance(p, Partial) and p.reduce_op in passes:
-            need.append(p)
-            out.append(p)
-        else:
-            need.append(Replicate())
-            out.append(Replicate())
+    # the blocks of a reduced axis are gathered (Replicate) and reduced whole; the result is the plan's
+    need = [Replicate() if i in plan.sharding else p for i, p in enumerate(plan.need)]
     local = moved(op, "argument 0", a, need).to_local()
-    shape = tuple(1 if d in axes else s for d, s in enumerate(a.shape) if keepdims or d not in axes)
-    count = math.prod(a.shape[ax] for ax in axes)
-    return wrap(_local_reduce(kind, local, axes, keepdims, kwargs.get("dtype"), count), a.device_mesh, out, shape)
+    return wrap(_local_reduce(kind, local, axes, keepdims, kwargs.get("dtype"), 0), a.device_mesh, plan.out, plan.shape)
 
 
 def _local_reduce(kind: str, local: Any, axes: tuple[int, ...], keepdims: bool, dtype: Any, count: int) -> Any:
