@@ -5,6 +5,7 @@ Run it by hand with plain ``python`` (it starts the jobs itself; a measurement, 
     python benchmarks/survive.py                        # 4 ranks, DDP, MLP 256x256, 60 steps, 3 repeats
     python benchmarks/survive.py --strategy fsdp        # sharded: the buddy copies' cost too
     python benchmarks/survive.py --hidden 512 --repeats 5 --json benchmarks/results/survive.json
+    python benchmarks/survive.py --strategy fsdp --nproc 2 --no-killed --repeats 9   # the 5% bar: paired ratios
 
 Each repeat runs the same training (``--strategy``, DDP by default; examples/mlp.py's MLP, AdamW, float64) under
 ``meshkit-run -n N`` three times, in an order rotating from repeat to repeat:
@@ -65,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--variant", action="append", default=[], metavar="NAME:VAR=VALUE[,VAR=VALUE]",
                         help="one more --survive run (nothing failing) per repeat, with these variables set, e.g. "
                              "sm:MESHKIT_SURVIVE_TRANSPORT=sm or noshm:MESHKIT_SHM=0 (repeatable)")
+    parser.add_argument("--no-killed", action="store_true",
+                        help="no killed runs: only the no-failure comparison, so more repeats fit in the time")
     parser.add_argument("--json", type=Path, default=None, help="write the measurements here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # a rank of one run
     return parser.parse_args(argv)
@@ -186,6 +189,11 @@ def _cell(values: list[float], scale: float = 1.0) -> str:
     return " ".join(f"{v * scale:8.3f}" for v in (statistics.median(values), min(values), max(values)))
 
 
+def _paired(results: dict[str, list[dict[str, Any]]], kind: str, key: str) -> str:
+    ratios = [r[key] / p[key] for r, p in zip(results[kind], results["plain"])]
+    return f"{statistics.median(ratios):.3f}x [{min(ratios):.3f}, {max(ratios):.3f}]"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
@@ -193,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.kill_at >= args.steps:
         raise SystemExit(f"survive.py: --kill-at {args.kill_at} must be below --steps {args.steps}")
     extra = variants(args.variant)
-    kinds = ("plain", "survive", "killed", *extra)
+    kinds = ("plain", "survive", *(() if args.no_killed else ("killed",)), *extra)
     results: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
     for repeat in range(args.repeats):
         turn = repeat % len(kinds)
@@ -213,14 +221,25 @@ def main(argv: list[str] | None = None) -> int:
             f"{kind} {statistics.median(r[key] for r in results[kind]) / plain:.3f}x" for kind in ("survive", *extra)))
     print("(each run's mean, median and fastest step; the table's median, min and max over the repeats; the ratios "
           "median over median. On a loaded machine the fastest step is the least disturbed figure.)")
+    # paired: each repeat's run over the plain run of the same repeat (run next to it), so a slow spell of the
+    # machine moves both; the median of those ratios and their spread
+    for key, what in (("step_s", "mean"), ("step_median_s", "median"), ("step_min_s", "fastest")):
+        print(f"paired {what} step / plain's, median [min, max] over repeats: " + ", ".join(
+            f"{kind} {_paired(results, kind, key)}" for kind in ("survive", *extra)))
     copies = [r for r in results["survive"] if "buddy_s" in r]
     if copies:
         print(f"buddy copy: {copies[0]['buddy_bytes']} bytes a rank; one exchange {_cell([r['buddy_s'] for r in copies], 1e3)} ms "
               "(median min max)")
+    if args.no_killed:
+        return _write(args, results)
     print(f"\n# rank {args.nproc - 1} SIGKILLed as step {args.kill_at} starts: failure -> next step, seconds")
     print(f"{'phase':>22} {'median':>8} {'min':>8} {'max':>8}")
     for phase in PHASES:
         print(f"{phase:>22} {_cell([r['phases'][phase] for r in results['killed'] if phase in r['phases']])}")
+    return _write(args, results)
+
+
+def _write(args: argparse.Namespace, results: dict[str, list[dict[str, Any]]]) -> int:
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **results}, indent=1))

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from test_survive import needs_ulfm
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 BENCH = BENCHMARKS / "collectives.py"
 
@@ -306,6 +308,26 @@ def test_elastic_benchmark_kills_a_rank_and_reports_every_phase(tmp_path):
     assert re.search(r"killed / uninterrupted wall time: \d+\.\d\dx", result.stdout), result.stdout
     (entry,) = json.loads(out_json.read_text())["restarts"]
     assert entry["rank"] == 1 and entry["complete"] and entry["ranks_after"] == 2, entry
+
+
+@needs_ulfm
+def test_survive_benchmark_pairs_each_survive_run_with_a_plain_one(tmp_path):
+    """benchmarks/survive.py at its smallest, no failure: a plain and a ``--survive`` fsdp run of 2 ranks,
+    both checked against single-process training (the script exits otherwise), the paired ratios and
+    the buddy copy reported, the runs in the JSON."""
+    out_json = tmp_path / "survive.json"
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "survive.py"), "--nproc", "2", "--strategy", "fsdp",
+                             "--hidden", "32", "--steps", "4", "--kill-at", "2", "--repeats", "1", "--no-killed",
+                             "--json", str(out_json)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for what in ("mean", "median", "fastest"):
+        assert re.search(rf"^paired {what} step / plain's, median \[min, max\] over repeats: survive "
+                         r"\d+\.\d{3}x \[\d+\.\d{3}, \d+\.\d{3}\]$", result.stdout, re.M), result.stdout
+    assert re.search(r"^buddy copy: \d+ bytes a rank; one exchange ", result.stdout, re.M), result.stdout
+    assert "SIGKILLed" not in result.stdout
+    runs = json.loads(out_json.read_text())
+    assert len(runs["plain"]) == len(runs["survive"]) == 1 and "killed" not in runs, runs
+    assert all(r["diff"] <= 1e-10 for r in runs["plain"] + runs["survive"]), runs
 
 
 # --------------------------------------------------------------------------- expert_parallel.py
