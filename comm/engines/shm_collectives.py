@@ -18,15 +18,20 @@ all_reduce (and reduce), chunks of at most ``small_bytes`` (one meeting)
     in the same rank order, from the buffers into its own array.
 all_reduce (and reduce) by cross-memory attach (where :meth:`Channel.attach_directly` was called)
     no chunks and no segment data: each rank posts its array's address and meets; rank ``r`` reads
-    slice ``r`` of the others' arrays (``process_vm_readv``), reduces it in rank order and writes
-    the result into their arrays (``process_vm_writev``), then posts its reduced flag; once every
-    rank has, every array holds the result (:meth:`Channel._all_reduce_direct`).
+    slice ``r`` of the others' arrays (``process_vm_readv``) in pieces of ``direct_bytes`` into its
+    scratch, reduces each piece in rank order while it is in the core's L2, and writes it into
+    their arrays (``process_vm_writev``) while it is still there, then posts its reduced flag; once
+    every rank has, every array holds the result (:meth:`Channel._all_reduce_direct`).
 reduce_scatter
     each rank copies in its chunk of every other rank's block; rank ``r`` reduces block ``r`` of
-    every buffer (its own read from its input), in rank order, straight into its output.
+    every buffer (its own read from its input), in rank order, straight into its output; by
+    cross-memory attach, rank ``r`` reads block ``r`` of the others' inputs piece by piece into its
+    scratch and reduces each piece there (:meth:`Channel._reduce_scatter_direct`).
 all_gather, broadcast
     each rank (the root) copies in; once every rank posted, each copies every rank's (the root's)
-    buffer out; by cross-memory attach, each reads the others' (the root's) arrays directly.
+    buffer out; by cross-memory attach, each reads the others' (the root's) arrays directly (taken
+    only from ``MESHKIT_SHM_MOVE_MIN_BYTES``, by default never: MPICH already moves a large message
+    with one copy; docs/collectives.md).
 
 Every rank computes each element from the same inputs in the same order, so every rank holds
 bitwise the same result and a run repeats bit for bit, whatever the timing.
