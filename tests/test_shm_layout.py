@@ -342,3 +342,112 @@ def test_the_probe_names_what_it_could_not_read_and_a_dead_peer_fails_a_direct_c
                                               r"failed: .*Bad address; MESHKIT_SHM_CMA=0 copies through the segment"):
         channel._read(1, 8, np.empty(16, np.uint8), "all_reduce")
     assert channel.goes_direct(SMALL + 1) and not channel.goes_direct(SMALL)
+
+
+_UFUNCS = {ReduceOp.SUM: np.add, ReduceOp.PRODUCT: np.multiply, ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum,
+           ReduceOp.BAND: np.bitwise_and, ReduceOp.BOR: np.bitwise_or, ReduceOp.BXOR: np.bitwise_xor}
+
+
+def _same(a, b) -> bool:
+    """Bit for bit, but for x87 long doubles, whose padding bytes (6 of 16) hold whatever the ufunc left."""
+    return np.array_equal(a, b) if a.dtype == np.longdouble else a.tobytes() == b.tobytes()
+
+
+def _in_rank_order(op, parts):
+    """The reduction in rank order, written out independently of the path (bool SUM: logical or)."""
+    fn = np.logical_or if op is ReduceOp.SUM and parts[0].dtype == bool else _UFUNCS[op]
+    acc = parts[0].copy()
+    for p in parts[1:]:
+        acc = fn(acc, p)
+    return acc
+
+
+@needs_cma
+@pytest.mark.parametrize("n", [2, 3, 5])
+@pytest.mark.parametrize("dtype, op", [(np.float32, ReduceOp.SUM), (np.float64, ReduceOp.PRODUCT),
+                                       (np.int32, ReduceOp.BXOR), (np.int64, ReduceOp.MIN), (np.bool_, ReduceOp.SUM),
+                                       (np.longdouble, ReduceOp.SUM), (np.complex128, ReduceOp.SUM)])
+def test_reduce_scatter_by_cross_memory_attach_reduces_each_block_in_rank_order_in_pieces(n, dtype, op, monkeypatch):
+    # blocks of 1001 elements read in pieces of 192 bytes: many pieces, the last one short
+    m = 1001
+    moved = []
+    move = shm_cma.Transfer.move
+    monkeypatch.setattr(shm_cma.Transfer, "move", lambda self, fn, pid, address, local, nbytes:
+                        (moved.append(nbytes), move(self, fn, pid, address, local, nbytes)))
+    rng = np.random.default_rng(n)
+    ins = [(rng.standard_normal(n * m) * 50).astype(dtype) if dtype != np.bool_ else rng.random(n * m) < 0.3
+           for _ in range(n)]
+    full = _in_rank_order(op, ins)
+    outs = [np.empty(m, dtype) for _ in range(n)]
+    kept = [a.copy() for a in ins]
+    assert _drive(n, [lambda ch, req, r=r: ch.reduce_scatter(req, outs[r], ins[r], op) for r in range(n)],
+                  direct=192) == [None] * n
+    for r in range(n):
+        assert _same(outs[r], full[r * m:(r + 1) * m]), r
+        assert ins[r].tobytes() == kept[r].tobytes()  # the inputs are only read
+    itemsize = np.dtype(dtype).itemsize
+    per = 192 // itemsize
+    # every rank read its block of each peer's input in pieces of 192 bytes (the last one shorter)
+    assert sorted(moved) == sorted(([per * itemsize] * (m // per) + [m % per * itemsize]) * n * (n - 1))
+    # in place (torch's form: the output is the rank's own block, read first, second or later by the order)
+    assert _drive(n, [lambda ch, req, r=r: ch.reduce_scatter(req, ins[r][r * m:(r + 1) * m], ins[r], op)
+                      for r in range(n)], direct=192) == [None] * n
+    for r in range(n):
+        assert _same(ins[r][r * m:(r + 1) * m], full[r * m:(r + 1) * m]), r
+
+
+@needs_cma
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_direct_reduce_scatter_into_a_block_its_peers_read_waits_until_they_have(n):
+    # each rank's output is the block of its input that the NEXT rank reads: written only after every
+    # peer has read it (a result written at once would reach the next rank's sum instead of the input)
+    m = 700
+    ins = [np.arange(n * m, dtype=np.float64) * (r + 1) for r in range(n)]
+    full = _in_rank_order(ReduceOp.SUM, ins)
+    nxt = [(r + 1) % n for r in range(n)]
+    assert _drive(n, [lambda ch, req, r=r: ch.reduce_scatter(req, ins[r][nxt[r] * m:(nxt[r] + 1) * m], ins[r],
+                                                             ReduceOp.SUM) for r in range(n)], direct=192) == [None] * n
+    for r in range(n):
+        assert np.array_equal(ins[r][nxt[r] * m:(nxt[r] + 1) * m], full[r * m:(r + 1) * m]), r
+
+
+@needs_cma
+def test_a_dead_peer_fails_the_direct_loops_naming_it_not_this_rank():
+    me = os.getpid()
+    dead = os.fork()
+    if dead == 0:
+        os._exit(0)
+    os.waitpid(dead, 0)
+    for kind in ("all_reduce", "reduce_scatter"):
+        memory = mmap.mmap(-1, layout.segment_bytes(2, CHUNK))
+        channels = [Channel(memory, 2, r, CHUNK, SMALL, [4, 7]) for r in range(2)]
+        for channel in channels:
+            channel.attach_directly([me, me], 256)
+        channels[0].pids[1] = dead  # rank 0's peer is gone once it starts to read
+        bufs = [np.ones(4000) for _ in range(2)]
+        outs = [np.empty(2000) for _ in range(2)]
+
+        def start(r):
+            ch = channels[r]
+            return lambda req: (ch.all_reduce(req, bufs[r], ReduceOp.SUM) if kind == "all_reduce" else
+                                ch.reduce_scatter(req, outs[r], bufs[r], ReduceOp.SUM))
+
+        assert not ShmRequest(kind, start(1)).Test()  # rank 1 posted and waits
+        with pytest.raises(RankFailedError, match=rf"rank 4: {kind} over shared memory cannot complete: rank 7 "
+                                                 rf"\(pid {dead}\) died during it"):
+            ShmRequest(kind, start(0))
+
+
+@needs_cma
+def test_a_transfer_larger_than_one_kernel_call_moves_in_calls_of_the_most_bytes(monkeypatch):
+    monkeypatch.setattr(shm_cma, "_MOST_BYTES", 64)  # (the kernel's limit is about 2 GiB)
+    src = np.arange(1000, dtype=np.uint8) * 7
+    into = np.zeros(1000, np.uint8)
+    transfer = shm_cma.Transfer()
+    transfer.read(os.getpid(), src.ctypes.data, into)  # 15 calls of 64 bytes and one of 40
+    assert np.array_equal(into, src)
+    back = np.zeros(1000, np.uint8)
+    transfer.write(os.getpid(), back.ctypes.data, src[::-1].copy())
+    assert np.array_equal(back, src[::-1])
+    with pytest.raises(OSError, match=r"process_vm_readv of 64 bytes at 0x[0-9a-f]+ in pid \d+ failed: Bad address"):
+        transfer.read(os.getpid(), 64, into)

@@ -33,9 +33,10 @@ both wait until the group's timeout, which names the ranks that did not arrive, 
 
 Cross-memory attach (:mod:`~meshkit.comm.engines.shm_cma`): where ``process_vm_readv`` works
 between every pair of the group's ranks (a probe at creation, collectively; ``MESHKIT_SHM_CMA=0``
-turns it off), an all_reduce of an ordinary buffer above ``MESHKIT_SHM_SMALL_BYTES`` reads and
-writes the peers' own arrays instead of copying through the segment, and ordinary buffers take the
-path from 4 MiB instead of 32 MiB (shm_settings.py has the measurements).
+turns it off), an all_reduce (reduce, reduce_scatter) of an ordinary buffer above
+``MESHKIT_SHM_SMALL_BYTES`` reads (and writes) the peers' own arrays instead of copying through the
+segment, and ordinary buffers take the path from 4 MiB instead of 32 MiB (shm_settings.py has the
+measurements).
 
 Bounds and settings (docs/security.md): ``MESHKIT_SHM`` (0/1), ``MESHKIT_SHM_MIN_BYTES``,
 ``MESHKIT_SHM_CHUNK_BYTES`` (a segment is ``n x (256 + 2 x chunk)`` bytes),
@@ -194,7 +195,7 @@ class ShmEngine(OverHost):
         moved = ("" if self.move_min_bytes >= 1 << 30 else
                  f", all_gather and broadcast of >= {self.move_min_bytes} bytes")
         direct = ("" if self.channel.direct is None else
-                  f" (all_reduce and reduce above {self.channel.small_bytes} bytes by cross-memory attach)")
+                  f" (above {self.channel.small_bytes} bytes by cross-memory attach)")
         return (f"all_reduce, reduce and reduce_scatter of NumPy arrays of >= {self.min_bytes} bytes{direct}{moved} and "
                 f"all_reduce, all_gather and reduce_scatter on a shared buffer of >= {self.shared_min_bytes} bytes "
                 "through shared memory, the rest over mpi")

@@ -83,23 +83,39 @@ class Transfer:
 
     def read(self, pid: int, address: int, into: np.ndarray) -> None:
         """Fill ``into`` (C-contiguous) with the ``into.nbytes`` bytes at ``address`` in process ``pid``."""
-        self._move(self._read, pid, address, into, "read")
+        self.move(self._read, pid, address, into.ctypes.data, into.nbytes)
 
     def write(self, pid: int, address: int, data: np.ndarray) -> None:
         """Write ``data``'s bytes (C-contiguous) at ``address`` in process ``pid``."""
-        self._move(self._write, pid, address, data, "write")
+        self.move(self._write, pid, address, data.ctypes.data, data.nbytes)
 
-    def _move(self, fn: Any, pid: int, address: int, local: np.ndarray, what: str) -> None:
-        base, total = local.ctypes.data, local.nbytes
-        for at in range(0, total, _MOST_BYTES):
-            nbytes = min(_MOST_BYTES, total - at)
-            self._local.base, self._local.len = base + at, nbytes
-            self._remote.base, self._remote.len = address + at, nbytes
-            done = fn(pid, self._local_ref, 1, self._remote_ref, 1, 0)
-            if done != nbytes:
-                errno = ctypes.get_errno() if done < 0 else 0
-                raise OSError(errno, f"process_vm_{what}v of {nbytes} bytes at {address + at:#x} in pid {pid} "
-                                     + (f"moved {done} bytes" if done >= 0 else f"failed: {os.strerror(errno)}"))
+    def move(self, fn: Any, pid: int, address: int, local: int, nbytes: int) -> None:
+        """``fn`` (:attr:`reader` or :attr:`writer`) over ``nbytes`` bytes between this process's
+        address ``local`` and ``address`` in process ``pid``: the loop's own form, on addresses, for a
+        caller that moves many pieces (an array's ``ctypes.data`` costs about a microsecond, as much
+        as the rest of the call: a 4 MiB all_reduce moves 16 pieces per rank)."""
+        if nbytes > _MOST_BYTES:
+            for at in range(0, nbytes, _MOST_BYTES):
+                self.move(fn, pid, address + at, local + at, min(_MOST_BYTES, nbytes - at))
+            return
+        self._local.base, self._local.len = local, nbytes
+        self._remote.base, self._remote.len = address, nbytes
+        done = fn(pid, self._local_ref, 1, self._remote_ref, 1, 0)
+        if done != nbytes:
+            errno = ctypes.get_errno() if done < 0 else 0
+            what = "read" if fn is self._read else "write"
+            raise OSError(errno, f"process_vm_{what}v of {nbytes} bytes at {address:#x} in pid {pid} "
+                                 + (f"moved {done} bytes" if done >= 0 else f"failed: {os.strerror(errno)}"))
+
+    @property
+    def reader(self) -> Any:
+        """``process_vm_readv``, for :meth:`move`."""
+        return self._read
+
+    @property
+    def writer(self) -> Any:
+        """``process_vm_writev``, for :meth:`move`."""
+        return self._write
 
 
 def probe(pids: list[int], addresses: list[int], rank: int, magic: bytes) -> str:

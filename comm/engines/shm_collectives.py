@@ -18,15 +18,20 @@ all_reduce (and reduce), chunks of at most ``small_bytes`` (one meeting)
     in the same rank order, from the buffers into its own array.
 all_reduce (and reduce) by cross-memory attach (where :meth:`Channel.attach_directly` was called)
     no chunks and no segment data: each rank posts its array's address and meets; rank ``r`` reads
-    slice ``r`` of the others' arrays (``process_vm_readv``), reduces it in rank order and writes
-    the result into their arrays (``process_vm_writev``), then posts its reduced flag; once every
-    rank has, every array holds the result (:meth:`Channel._all_reduce_direct`).
+    slice ``r`` of the others' arrays (``process_vm_readv``) in pieces of ``direct_bytes`` into its
+    scratch, reduces each piece in rank order while it is in the core's L2, and writes it into
+    their arrays (``process_vm_writev``) while it is still there, then posts its reduced flag; once
+    every rank has, every array holds the result (:meth:`Channel._all_reduce_direct`).
 reduce_scatter
     each rank copies in its chunk of every other rank's block; rank ``r`` reduces block ``r`` of
-    every buffer (its own read from its input), in rank order, straight into its output.
+    every buffer (its own read from its input), in rank order, straight into its output; by
+    cross-memory attach, rank ``r`` reads block ``r`` of the others' inputs piece by piece into its
+    scratch and reduces each piece there (:meth:`Channel._reduce_scatter_direct`).
 all_gather, broadcast
     each rank (the root) copies in; once every rank posted, each copies every rank's (the root's)
-    buffer out; by cross-memory attach, each reads the others' (the root's) arrays directly.
+    buffer out; by cross-memory attach, each reads the others' (the root's) arrays directly (taken
+    only from ``MESHKIT_SHM_MOVE_MIN_BYTES``, by default never: MPICH already moves a large message
+    with one copy; docs/collectives.md).
 
 Every rank computes each element from the same inputs in the same order, so every rank holds
 bitwise the same result and a run repeats bit for bit, whatever the timing.
@@ -70,7 +75,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable, Generator, Iterator
+from typing import Any, Callable, Generator, Iterator, cast
 
 import numpy as np
 
@@ -230,16 +235,20 @@ class Channel:
         except OSError as exc:
             raise self._moved(rank, what, exc) from exc
 
-    def _write(self, rank: int, address: int, data: np.ndarray, what: str) -> None:
-        try:
-            self.direct.write(self.pids[rank], address, data)  # type: ignore[union-attr]
-        except OSError as exc:
-            raise self._moved(rank, what, exc) from exc
-
     def _scratches(self, dtype: np.dtype) -> tuple[list[np.ndarray], int]:
         """One scratch array per rank of ``dtype`` (``direct_bytes`` each) and its element count."""
         per = self.direct_bytes // dtype.itemsize
         return [np.frombuffer(self._scratch, dtype, per, r * self.direct_bytes) for r in range(self.n)], per
+
+    def _scratch_addresses(self) -> list[int]:
+        """The address of each rank's scratch slot (:meth:`_scratches`)."""
+        base = self._scratch.ctypes.data
+        return [base + r * self.direct_bytes for r in range(self.n)]
+
+    def _transfer_parts(self) -> tuple[Any, Any, Any, list[int]]:
+        """``(move, reader, writer, pids)`` of the cross-memory transfer, for a loop over pieces."""
+        transfer = cast(Transfer, self.direct)  # (called only where attach_directly was)
+        return transfer.move, transfer.reader, transfer.writer, self.pids
 
     def _reduced(self, step: int) -> None:
         self.words[self._reds[self.rank]] = step
@@ -343,39 +352,101 @@ class Channel:
         segment: every rank posts its array's address and meets; rank r then, piece by piece
         (``direct_bytes``), reads slice r of every other rank's array into its scratch, reduces the
         slice in rank order (into its own array, or its scratch where its array is an input the
-        order reads later), and writes the result into every other rank's array (the root's only);
-        it posts its reduced flag and returns once every rank has, so nobody's array changes while
-        another reads it. Per rank: one read of the others' slice, the reduce, one write: about 1.4
-        copies where the segment's path is 2.2 (docs/collectives.md)."""
+        order reads later), and writes the result into every other rank's array (the root's only)
+        while it is still in this core's cache; it posts its reduced flag and returns once every rank
+        has, so nobody's array changes while another reads it. Per rank: one read of the others'
+        slice, the reduce, one write: 1.2-1.4 copies' time at 2 ranks, where the segment's path is
+        2.2 (docs/collectives.md has the phases)."""
         n, me, what = self.n, self.rank, KINDS[header[0] - 1]
         dtype, itemsize = flat.dtype, flat.dtype.itemsize
         step = self.step = self.step + 1
-        self._post_address(step, flat.ctypes.data)
+        base = flat.ctypes.data
+        self._post_address(step, base)
         yield from self._meet(request, step, header)
         addresses = self._addresses(step)
         out = root < 0 or root == me
-        targets = [r for r in range(n) if r != me and (root < 0 or r == root)]
+        peers = [r for r in range(n) if r != me]
+        targets = [r for r in peers if root < 0 or r == root]
         # the accumulator may be this rank's own piece where the order reads it first (rank 0) or
         # second (rank 1: the first step reads both before it writes), unless padding bytes would
         # come from this rank (x87 long double: the result's padding is rank 0's)
         in_place = out and (me == 0 or (me == 1 and dtype not in _PADDED))
         scratch, per = self._scratches(dtype)
+        at = self._scratch_addresses()
         lo, hi = slice_of(flat.size, n, me, itemsize)
-        for start in range(lo, hi, per):
-            length = min(hi, start + per) - start
-            own = flat[start:start + length]
-            parts = [own if r == me else scratch[r][:length] for r in range(n)]
-            for r in range(n):
-                if r != me:
-                    self._read(r, addresses[r] + start * itemsize, parts[r], what)
-            acc = own if in_place else scratch[me][:length]
-            _reduce_into(op, acc, parts)
-            if out and acc is not own:
-                np.copyto(own, acc)
-            for r in targets:
-                self._write(r, addresses[r] + start * itemsize, acc, what)
+        move, read, write, pids = self._transfer_parts()
+        r = me
+        try:
+            for start in range(lo, hi, per):
+                length = min(hi, start + per) - start
+                offset, nbytes = start * itemsize, length * itemsize
+                for r in peers:  # (addresses, not arrays: a piece costs two kernel calls, little else)
+                    move(read, pids[r], addresses[r] + offset, at[r], nbytes)
+                own = flat[start:start + length]
+                acc = own if in_place else scratch[me][:length]
+                _reduce_into(op, acc, [own if q == me else scratch[q][:length] for q in range(n)])
+                if out and not in_place:
+                    np.copyto(own, acc)
+                source = base + offset if in_place else at[me]
+                for r in targets:
+                    move(write, pids[r], addresses[r] + offset, source, nbytes)
+        except OSError as exc:
+            raise self._moved(r, what, exc) from exc
         self._reduced(step)
         yield from self._wait(request, self._reds, step)
+
+    def _reduce_scatter_direct(self, request: ShmRequest, dst: np.ndarray, src: np.ndarray, op: ReduceOp,
+                               header: tuple[int, ...]) -> Steps:
+        """Reduce-scatter between the ranks' own arrays (``src`` n x m, ``dst`` m): every rank posts its
+        input's address and meets; rank r then, piece by piece (``direct_bytes``), reads block r of
+        every other rank's input into its scratch and reduces it with its own block, in rank order,
+        into ``dst`` while the pieces are in this core's cache; a second meeting keeps every input
+        unchanged until all have read. Per rank: one read of the others' block and the reduce, with
+        no copy in (the segment's path copies every other block in, and its reduce reads them from
+        memory another core wrote: docs/collectives.md).
+
+        ``dst`` may be this rank's own block of ``src`` (torch's in-place form): peers never read it. Any
+        other overlap with ``src`` is reduced aside and copied into ``dst`` after the second meeting,
+        once no peer reads ``src`` any more."""
+        n, me, what = self.n, self.rank, KINDS[header[0] - 1]
+        m, dtype, itemsize = dst.size, dst.dtype, dst.dtype.itemsize
+        step = self.step = self.step + 1
+        self._post_address(step, src.ctypes.data)
+        yield from self._meet(request, step, header)
+        addresses = self._addresses(step)
+        own_block = src[me]
+        aside = None
+        if np.may_share_memory(dst, src) and dst.ctypes.data != own_block.ctypes.data:
+            aside = np.empty_like(dst)  # (a rare overlap: the result waits until no peer reads src)
+        result = dst if aside is None else aside
+        # the accumulator may be the output where it is not this rank's input, or is its own block and
+        # the order reads that block first (rank 0) or second (rank 1), as in _all_reduce_direct
+        overlapping = aside is None and dst.ctypes.data == own_block.ctypes.data
+        straight = not overlapping or me == 0 or (me == 1 and dtype not in _PADDED)
+        scratch, per = self._scratches(dtype)
+        at = self._scratch_addresses()
+        move, read, _, pids = self._transfer_parts()
+        block = me * m * itemsize
+        r = me
+        try:
+            for start in range(0, m, per):
+                length = min(m, start + per) - start
+                offset, nbytes = block + start * itemsize, length * itemsize
+                for r in range(n):
+                    if r != me:
+                        move(read, pids[r], addresses[r] + offset, at[r], nbytes)
+                target = result[start:start + length]
+                acc = target if straight else scratch[me][:length]
+                _reduce_into(op, acc, [own_block[start:start + length] if q == me else scratch[q][:length]
+                                       for q in range(n)])
+                if acc is not target:
+                    np.copyto(target, acc)
+        except OSError as exc:
+            raise self._moved(r, what, exc) from exc
+        self._reduced(step)
+        yield from self._wait(request, self._reds, step)
+        if aside is not None:
+            np.copyto(dst, aside)
 
     def all_reduce_in_place(self, request: ShmRequest, views: list[np.ndarray], op: ReduceOp, offset: int) -> Steps:
         """All-reduce of arrays that already lie in the segment of a shared buffer, ``views[r]``
@@ -443,8 +514,9 @@ class Channel:
         dst, src = out.reshape(-1), inp.reshape(n, -1)
         m, dtype = dst.size, dst.dtype
         header = self._header(5, m, op, -1, dtype)
-        # (no cross-memory attach here: each rank copies in what the others reduce, which moves as many
-        # bytes as reading them directly would, and the kernel's copy cost more: docs/collectives.md)
+        if self.goes_direct(src.nbytes):
+            yield from self._reduce_scatter_direct(request, dst, src, op, header)
+            return
         per = max(1, self.chunk_bytes // dtype.itemsize // n)
         # this rank's own block is read straight from its input, unless the output overlaps the input
         # (then a reduction in rank order could overwrite it before reading it: copied in as the others)

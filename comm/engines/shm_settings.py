@@ -30,17 +30,25 @@ __all__ = ["applies", "supported", "surviving", "min_bytes", "move_min_bytes", "
 #: A buffer of ``shared_buffer`` (DDP's buckets), reduced in place with no copy, takes it at every size.
 DEFAULT_MIN_BYTES = 32 << 20
 #: The same threshold where cross-memory attach works between the group's ranks (shm_cma.py): the
-#: all_reduce reads and writes the peers' arrays directly. At 2 ranks on the loaded machine (min over
-#: 21-31 interleaved single calls, 5 runs; docs/collectives.md) it won at 4 MB in 4 runs of 5 (0.92-1.04
-#: ms against 1.11-1.40 over meshkit's MPI path) and at 16 and 64 MB in all, and lost at 1 MB in all
-#: (0.37-0.64 ms against 0.28-0.51): ordinary buffers take it from 4 MiB.
+#: all_reduce reads and writes the peers' arrays directly, the reduce_scatter reads them. At 2 ranks on
+#: the loaded machine (min over 21-31 interleaved single calls, 5 runs; docs/collectives.md) it won at
+#: 4 MB in 4 runs of 5 (0.92-1.04 ms against 1.11-1.40 over meshkit's MPI path) and at 16 and 64 MB in
+#: all, and lost at 1 MB in all (0.37-0.64 ms against 0.28-0.51): ordinary buffers take it from 4 MiB.
+#: Re-measured with the pieces moved by address (2026-11-29, load 1-5, min of 21-31 interleaved single
+#: calls against raw MPICH): all_reduce 4 MiB 1.21-1.88x MPICH in 5 runs, reduce_scatter (now by
+#: cross-memory attach) 1.38-1.85x, but 2 MiB only 1.17-1.41x and 3 MiB 0.96-1.43x (reduce_scatter
+#: 2 MiB 1.03-1.09x): not enough to move the threshold below 4 MiB on a machine this noisy.
 DEFAULT_DIRECT_MIN_BYTES = 4 << 20
 #: all_gather and broadcast (data moved, nothing reduced) go to MPI below this
 #: (``MESHKIT_SHM_MOVE_MIN_BYTES``), which by default is the most the setting allows: in effect
 #: never. MPICH moves a large message with one copy, the path with two (into the segment, out of
 #: it): at 2 ranks an all_gather through the path took 1.25-1.9x MPICH's time at every size from
-#: 4 KB to 64 MB (benchmarks/collectives.py, docs/collectives.md). A buffer of ``shared_buffer``
-#: still gathers in place (one copy) at any size.
+#: 4 KB to 64 MB (benchmarks/collectives.py, docs/collectives.md). By cross-memory attach the path
+#: also moves one copy per block, as MPICH does (this MPICH uses the same kernel calls), and ties
+#: (2026-11-29, min of 21 interleaved single calls, loaded: all_gather 4 MiB 0.43-0.51 ms pulling or
+#: pushing against MPICH's 0.45, 16 MiB 2.3-2.8 against 3.0, 64 MiB 23-30 against 21.5; broadcast
+#: 0.81-1.19x): that is the floor, not a win, so MPI keeps them. A buffer of ``shared_buffer`` still
+#: gathers in place (one copy) at any size.
 DEFAULT_MOVE_MIN_BYTES = 1 << 30
 #: Under ``meshkit-run --survive`` both thresholds above default to this instead: there MPI is Open
 #: MPI over loopback TCP (launch/fault_tolerant.py says why), not MPICH's shared memory, and the
@@ -78,11 +86,13 @@ DEFAULT_SHARED_MIN_BYTES = 64 << 10
 #: cross-memory attach where the kernel permits it (comm/engines/shm_cma.py); 0 copies them through
 #: the segment.
 CMA = env.SHM_CMA
-#: Bytes of the piece a direct (cross-memory) all_reduce reads and reduces at a time, per rank of the
-#: group (this rank's scratch is n x this), so that the piece read is reduced, and written to the
-#: peers, while in this core's L2 (4 MiB here). At 2 ranks (loaded machine, min of 21 single calls)
-#: 64 KiB pieces took 1.7 ms at 4 MB where 256 KiB and 1 MiB took 1.0 ms (a kernel call per piece
-#: and peer): 256 KiB.
+#: Bytes of the piece a direct (cross-memory) all_reduce or reduce_scatter reads and reduces at a
+#: time, per rank of the group (this rank's scratch is n x this), so that the piece read is reduced,
+#: and written to the peers, while in this core's L2 (4 MiB here). At 2 ranks (loaded machine, min of
+#: 21 single calls) 64 KiB pieces took 1.7 ms at 4 MB where 256 KiB and 1 MiB took 1.0 ms (a kernel
+#: call per piece and peer). Again with the pieces moved by address (2026-11-29, min of 21
+#: interleaved calls, load 2): at 4 MiB 64, 128, 256, 512 KiB, 1 and 2 MiB took 749, 536, 453, 450,
+#: 555 and 612 us (one core's copy 336), at 64 MiB 14.1, 10.7, 9.7, 9.6, 11.1 and 12.2 ms: 256 KiB.
 DIRECT_BYTES = 256 << 10
 #: A rank's scratch for cross-memory attach (n pieces) stays within this: from 32 ranks on a node the
 #: piece shrinks (to 64 KiB at 128 ranks), so that no rank holds more than 8 MiB for it.
