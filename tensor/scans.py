@@ -21,7 +21,8 @@ from .dispatch import implements
 from .dtensor import DTensor, _wrap
 from .placements import Replicate
 from .propagation import moved, no_out, norm_axes, unsupported, wrap
-from .reduction_plan import compiled, gatherer, keep_compiled, reduction_plan
+from . import reduction_plan as _plans
+from .reduction_plan import gatherer, keep_compiled, reduction_plan
 
 __all__ = ["cumsum", "cumprod"]
 
@@ -31,9 +32,9 @@ def _scan(op: str, kind: str, a: Any, axis: Any, dtype: Any, out: Any) -> DTenso
     if a.__class__ is DTensor and axis.__class__ is int and dtype is None and out is None:  # an exact key: compiled
         local = a._local
         key = (op, id(a._mesh), a._shape, a._placements, local.dtype, local.__class__, axis)
-        call = compiled(key, a._mesh)
-        if call is not None:
-            return call(a)
+        found = _plans._compiled.get(key)  # compiled(key, mesh), inlined: the hot path
+        if found is not None and found[0]() is a._mesh:
+            return found[1](a)
     if not isinstance(a, DTensor):
         raise unsupported(op)
     no_out(op, {"out": out})

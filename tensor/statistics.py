@@ -39,7 +39,8 @@ from .dtensor import DTensor, _wrap
 from .placements import Replicate
 from .propagation import moved, no_out, norm_axes, off_axes, renumbered, \
     uniform_finite, unsupported, wrap
-from .reduction_plan import compiled, gatherer, keep_compiled, reduction_plan
+from . import reduction_plan as _plans
+from .reduction_plan import gatherer, keep_compiled, reduction_plan
 
 __all__ = ["var", "std", "average", "count_nonzero", "any_", "all_", "prod", "argmax", "argmin", "median"]
 
@@ -81,9 +82,9 @@ def _moments(op: str, a: Any, axis: Any, dtype: Any, out: Any, ddof: Any, keepdi
             keepdims.__class__ is bool:  # an exact key: compiled
         local = a._local
         key = (op, id(a._mesh), a._shape, a._placements, local.dtype, local.__class__, axis, ddof, keepdims)
-        call = compiled(key, a._mesh)
-        if call is not None:
-            return call(a)
+        found = _plans._compiled.get(key)  # compiled(key, mesh), inlined: the hot path
+        if found is not None and found[0]() is a._mesh:
+            return found[1](a)
     if not isinstance(a, DTensor):
         raise unsupported(op)
     if out is not None or where is not True or mean is not None:
@@ -287,9 +288,9 @@ def _logical(op: str, fn: Any, partial: str, a: Any, axis: Any, keepdims: Any, d
     if a.__class__ is DTensor and (axis is None or axis.__class__ is int) and keepdims.__class__ is bool:
         local = a._local
         key = (op, id(a._mesh), a._shape, a._placements, local.dtype, local.__class__, axis, keepdims)
-        call = compiled(key, a._mesh)
-        if call is not None:
-            return call(a)
+        found = _plans._compiled.get(key)  # compiled(key, mesh), inlined: the hot path
+        if found is not None and found[0]() is a._mesh:
+            return found[1](a)
     if not isinstance(a, DTensor):
         raise unsupported(op)
     axes = norm_axes(op, a.ndim, axis)
@@ -316,6 +317,11 @@ def _logical(op: str, fn: Any, partial: str, a: Any, axis: Any, keepdims: Any, d
 def count_nonzero(a: Any, axis: Any = None, *, keepdims: bool = False) -> DTensor:
     """``np.count_nonzero``: each rank counts its block; a sharded reduced axis leaves Partial(sum)
     (int64), no communication here. A Partial input is all-reduced first."""
+    if a.__class__ is DTensor and axis is None and keepdims is False:  # the whole count: _logical's lookup, inlined
+        found = _plans._compiled.get(("np.count_nonzero", id(a._mesh), a._shape, a._placements, a._local.dtype,
+                                      a._local.__class__, None, False))
+        if found is not None and found[0]() is a._mesh:
+            return found[1](a)
     return _logical("np.count_nonzero", _count, "sum", a, axis, keepdims)
 
 
@@ -355,9 +361,9 @@ def prod(a: Any, axis: Any = None, dtype: Any = None, out: Any = None, keepdims:
             (axis is None or axis.__class__ is int) and keepdims.__class__ is bool:  # an exact key: compiled
         local = a._local
         key = ("prod", id(a._mesh), a._shape, a._placements, local.dtype, local.__class__, axis, keepdims)
-        call = compiled(key, a._mesh)
-        if call is not None:
-            return call(a)
+        found = _plans._compiled.get(key)  # compiled(key, mesh), inlined: the hot path
+        if found is not None and found[0]() is a._mesh:
+            return found[1](a)
     op = "np.prod"
     if not isinstance(a, DTensor):
         raise unsupported(op)
@@ -399,9 +405,9 @@ def _arg(op: str, kind: str, a: Any, axis: Any, out: Any, keepdims: Any) -> DTen
             keepdims.__class__ is bool:  # an exact key: compiled
         local = a._local
         key = (op, id(a._mesh), a._shape, a._placements, local.dtype, local.__class__, axis, keepdims)
-        call = compiled(key, a._mesh)
-        if call is not None:
-            return call(a)
+        found = _plans._compiled.get(key)  # compiled(key, mesh), inlined: the hot path
+        if found is not None and found[0]() is a._mesh:
+            return found[1](a)
     if not isinstance(a, DTensor):
         raise unsupported(op)
     if out is not None:
