@@ -306,9 +306,12 @@ def _logical(op: str, fn: Any, partial: str, a: Any, axis: Any, keepdims: Any, d
         result = result.astype(dtype, copy=False)
     if key is not None and dtype is None and _compilable(a, plan):
         shape = plan.shape
-
-        def call(a: DTensor) -> DTensor:  # the rule compiled for this request: no communication
-            return _wrap(fn(a._local, axis=along, keepdims=keep), a._mesh, placements, shape)
+        if fn is _count and along is None:  # the whole count, NumPy's C count without the keywords' check
+            def call(a: DTensor) -> DTensor:
+                return _wrap(np.asarray(np.count_nonzero(a._local), dtype=np.intp), a._mesh, placements, shape)
+        else:
+            def call(a: DTensor) -> DTensor:  # the rule compiled for this request: no communication
+                return _wrap(fn(a._local, axis=along, keepdims=keep), a._mesh, placements, shape)
         keep_compiled(key, a._mesh, call)
     return _wrap(result, a.device_mesh, placements, plan.shape)
 
@@ -390,9 +393,12 @@ def _prod_call(plan: Any, axes: tuple[int, ...], keep: bool) -> Any:
     """:func:`prod` compiled for one request: the block's product, one all-reduce PRODUCT, the wrap."""
     reduce = plan.groups[0].all_reduce if plan.groups else None
     placements, shape, product = plan.out, plan.shape, ReduceOp.PRODUCT
+    scalar = not shape
 
     def call(a: DTensor) -> DTensor:
-        result = np.asarray(a._local.prod(axis=axes, keepdims=keep))
+        result = a._local.prod(axis=axes, keepdims=keep)
+        if scalar:  # every axis reduced away: NumPy gives a scalar, the collective needs an array
+            result = np.asarray(result)
         if reduce is not None:
             reduce(result, product)
         return _wrap(result, a._mesh, placements, shape)
