@@ -17,7 +17,7 @@ from meshkit.tensor import Partial, Replicate, Shard
 from meshkit.tensor import reduction_plan as plans
 from tensor_cases import distribute_tensor
 
-S0, S1, R = Shard(0), Shard(1), Replicate()
+S0, S1, R, P = Shard(0), Shard(1), Replicate(), Partial("sum")
 X = np.random.default_rng(43).standard_normal((5, 7))  # 5 rows: uneven over 2 and 3 ranks
 
 
@@ -68,7 +68,8 @@ def _local_of(result):
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_a_compiled_call_gives_the_general_paths_result_bit_for_bit(monkeypatch, n):
-    """Every compiled rule, on [Shard(0)], [Shard(1)] and [Replicate()] of uneven blocks, for
+    """Every compiled rule, on [Shard(0)], [Shard(1)], [Replicate()] and [Partial(sum)] (which
+    cumsum keeps; the others reduce it first) of uneven blocks, for
     float64, float32, int64 and bool: the first call takes the general path (and compiles), the
     second and third run the closure; all three agree bit for bit, in placements and shape too,
     and with NumPy."""
@@ -80,8 +81,9 @@ def test_a_compiled_call_gives_the_general_paths_result_bit_for_bit(monkeypatch,
     def body(mesh):
         bad = []
         for dtype, x in values.items():
-            for placements in ([S0], [S1], [R]):
-                d = distribute_tensor(x, mesh, placements)
+            for placements in ([S0], [S1], [R]) + (([P],) if dtype != "bool" else ()):  # no SUM of bools
+                d = distribute_tensor(x, mesh, placements) if placements != [P] else \
+                    distribute_tensor(x, mesh, [R]).redistribute(placements=[P])  # terms: cumsum keeps them
                 for name, call, want in _requests():
                     try:
                         expected = want(x)
