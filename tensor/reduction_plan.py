@@ -25,7 +25,7 @@ can. Even with the plans kept, the general path's own Python cost 4-12 us a call
 reduction's collective there (issue 40's figures). A key holds only exact values (a Python int
 axis, a bool keepdims, an int ddof; anything else is not compiled), so no request can hit
 another's closure: a different dtype, shape, axis, keepdims or placement is a different key
-(tests/test_tensor_numpy_rules.py). Compiled calls are bounded by the plans' variable, the
+(tests/test_tensor_compiled.py). Compiled calls are bounded by the plans' variable, the
 oldest dropped beyond it.
 """
 
