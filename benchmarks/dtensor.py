@@ -62,9 +62,10 @@ What is measured, on a 1-D mesh over all N ranks, float64:
 Timing follows ``collectives.py``: interleaved rounds (``--rounds``, default 5; the order of the
 candidates rotates), in each a barrier then ``iters`` timed calls per candidate (adapted to
 about 0.05 s unless ``--iters``); a call's time is the MAX over ranks of the per-call average,
-reported as the median over rounds. Rank 0 prints both tables and writes JSON
-(``benchmarks/results/dtensor-n{N}.json``) and, with ``--plot``, a PNG: redistribute's time
-over each baseline against size, and the per-op overhead bars.
+reported as the median over rounds (``--stat min``: the fastest round, steadier on a loaded
+machine). Rank 0 prints both tables and writes JSON (``benchmarks/results/dtensor-n{N}.json``)
+and, with ``--plot``, a PNG: redistribute's time over each baseline against size, and the
+per-op overhead bars.
 """
 
 from __future__ import annotations
@@ -196,13 +197,17 @@ def reduction_pairs(block: tuple[int, int], mesh: meshkit.DeviceMesh
     """``{reduction: (the DTensor call, its fair floor)}`` on a ``[Shard(0)]`` array of ``block`` per
     rank, each checked to agree before timing. The floor is the collective the reduction needs on
     the group, written by hand with the cheapest NumPy on the block (methods, not the ``np.``
-    wrappers; results computed into the buffer the collective sends): ``var`` the local mean and
-    M2 in one packed buffer, one all-gather of it and Chan's merge (equal weights: the blocks are
-    equal here); ``argmax`` the local argmax and max (the value there) packed with the global
-    index, one all-gather and the pick; ``prod`` the local product and one all-reduce PRODUCT; ``cumsum``
-    the local scan, one all-gather of the last rows and the add; ``norm`` the local sum of squares,
-    one all-reduce and the root; ``count_nonzero`` (its Partial completed: ``.full_tensor()``) the
-    local count and one all-reduce."""
+    wrappers; results computed into the buffer the collective sends) and the public group
+    collectives a user has (the DTensor rules may use meshkit's prepared ones, which check their
+    arguments once; the bytes and the collective are the same): ``var`` the local mean and M2 in
+    one packed buffer, one all-gather of it and Chan's merge (equal weights: the blocks are equal
+    here); ``argmax`` the local argmax and max (the value there) packed with the global index, one
+    all-gather and the pick (along an axis by indexing each column's winner: ``np.take_along_axis``
+    took several times as long on small blocks, so the floor no longer uses it); ``prod`` the local
+    product and one all-reduce PRODUCT; ``cumsum`` the local scan, one all-gather of the last rows
+    and the add; ``norm`` the local sum of squares, one all-reduce and the root;
+    ``count_nonzero`` (its Partial completed: ``.full_tensor()``) the local count and one
+    all-reduce."""
     group, n, r = mesh.get_group(0), mesh.size(), mesh.get_local_rank(0)
     rows, cols = block
     g = np.random.default_rng(3).standard_normal((rows * n, cols))
@@ -232,19 +237,24 @@ def reduction_pairs(block: tuple[int, int], mesh: meshkit.DeviceMesh
         m2 /= count * n
         return m2.reshape(-1) if axis is not None else m2.reshape(())
 
+    lines = np.arange(cols)
+
     def argmax_floor(axis: Any) -> Any:
         k = x.argmax(axis=axis)
-        if axis is None:
-            mine = np.array([x.reshape(-1)[k], k + r * x.size], dtype=np.float64)
-        else:  # (value, global index) packed in one buffer for the one all-gather
+        if axis is None:  # (value, global index) packed in one buffer for the one all-gather
+            mine = np.empty(2)
+            mine[0] = x.item(k)
+            mine[1] = k + r * x.size
+        else:
             mine = np.empty((2, cols))
             x.max(axis=0, out=mine[0])  # the value at the first maximum
             mine[1] = k
             mine[1] += r * rows
         every = np.empty((n, *mine.shape))
         group.all_gather_into_tensor(every, mine[None])
-        return every[np.argmax(every[:, 0], axis=0), 1].astype(np.intp) if axis is None else \
-            np.take_along_axis(every[:, 1], np.argmax(every[:, 0], axis=0)[None], 0)[0].astype(np.intp)
+        if axis is None:
+            return np.intp(every[every[:, 0].argmax(), 1])
+        return every[every[:, 0].argmax(axis=0), 1, lines].astype(np.intp)  # each column's pick, by indexing
 
     def prod_floor() -> Any:
         out = x.prod(axis=0)
@@ -333,7 +343,8 @@ def time_each(fns: tuple[Callable[[], Any], ...], args: argparse.Namespace, comm
             barrier(comm)
             samples[k].append(time_calls(fns[k], int(iters[k])))
     flat = max_over_ranks(comm, [t for mine in samples for t in mine])
-    return [median(flat[k * args.rounds:(k + 1) * args.rounds]) for k in range(len(fns))]
+    pick = min if args.stat == "min" else median
+    return [pick(flat[k * args.rounds:(k + 1) * args.rounds]) for k in range(len(fns))]
 
 
 def run(args: argparse.Namespace, comm: MPI.Comm, rank: int, n: int) -> list[dict[str, Any]]:
@@ -473,6 +484,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reduce-shapes", default="8x8,1024x64",
                    help="per-rank blocks of the reductions beside their floor, ROWSxCOLS,... ('' for none)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
+    p.add_argument("--stat", default="median", choices=("median", "min"),
+                   help="how a call's time is taken from its rounds: the median, or the fastest round (min: "
+                        "steadier on a machine others load, where a round's median moves by 2x and more)")
     p.add_argument("--iters", type=int, default=None, help="timed calls per round (default: adapted)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls before each timed block")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any blocking meshkit call waits at most")
@@ -529,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = run_metadata(comm, benchmark="dtensor", columns=COLUMNS, transitions=args.transitions, ops=args.ops,
                         op_shape=list(args.op_shape), check_shapes=[list(s) for s in args.check_shapes],
                         reductions=args.reductions, reduce_shapes=[list(s) for s in args.reduce_shapes],
-                        rounds=args.rounds, iters=args.iters, warmup=args.warmup,
+                        rounds=args.rounds, iters=args.iters, warmup=args.warmup, stat=args.stat,
                         seconds=time.perf_counter() - started,
                         load_average_1m=os.getloadavg()[0] if hasattr(os, "getloadavg") else None)
     if rank == 0:

@@ -33,7 +33,8 @@ from .dispatch import implements
 from .dtensor import DTensor, _wrap
 from .placements import Partial, Placement, Replicate, Shard
 from .propagation import moved, norm_axes, unsupported, wrap
-from .reduction_plan import reduction_plan
+from . import reduction_plan as _plans
+from .reduction_plan import keep_compiled, reduction_plan
 
 __all__ = ["norm", "outer", "trace", "tensordot"]  # np.dot is matmul.py's (its N-D form calls tensordot)
 
@@ -45,6 +46,13 @@ def norm(x: Any, ord: Any = None, axis: Any = None, keepdims: bool = False) -> D
     2-D arrays by the sum and max rules, ``2``/``-2``/``'nuc'`` by TSQR (one all-gather of each
     block's triangular factor, :func:`_matrix_norm`)."""
     op = "np.linalg.norm"
+    if ord is None and axis is None and x.__class__ is DTensor and keepdims.__class__ is bool:  # an exact key
+        local = x._local
+        key = (op, id(x._mesh), x._shape, x._placements, local.dtype, local.__class__, keepdims)
+        found = _plans._compiled.get(key)  # compiled(key, mesh), inlined: the hot path
+        if found is not None and found[0]() is x._mesh:
+            return found[1](x)
+        return _flat_norm(op, x, keepdims, key)
     if not isinstance(x, DTensor):
         raise unsupported(op)
     if ord is None and axis is None:  # the 2-norm of the flattened array (a gradient's norm): the hot path
@@ -102,9 +110,10 @@ def norm(x: Any, ord: Any = None, axis: Any = None, keepdims: bool = False) -> D
     return _wrap(part, x.device_mesh, plan.out, plan.shape)
 
 
-def _flat_norm(op: str, x: DTensor, keepdims: bool) -> DTensor:
+def _flat_norm(op: str, x: DTensor, keepdims: bool, key: tuple[Any, ...] | None = None) -> DTensor:
     """``np.linalg.norm(x)`` of any rank: each block's sum of squares (one BLAS dot for real
-    floats), one all-reduce per mesh dim sharding the array, the root; Replicate there."""
+    floats), one all-reduce per mesh dim sharding the array, the root; Replicate there. With
+    ``key``, the call is compiled for the next one where it can (real float NumPy blocks)."""
     plan = reduction_plan(x.device_mesh, x.shape, x.placements, tuple(range(x.ndim)), keepdims)
     local = moved(op, "x", x, plan.need).to_local()
     xp = array_namespace(local)
@@ -119,7 +128,26 @@ def _flat_norm(op: str, x: DTensor, keepdims: bool) -> DTensor:
     if plan.merged:
         plan.reduce(part, ReduceOp.SUM)
     part = xp.sqrt(part, out=part)
+    if key is not None and kind == "f" and local.__class__ is np.ndarray and plan.need == x._placements and \
+            len(plan.groups) <= 1:
+        keep_compiled(key, x._mesh, _flat_norm_call(plan))
     return _wrap(part.reshape(plan.shape), x.device_mesh, plan.out, plan.shape)
+
+
+def _flat_norm_call(plan: Any) -> Any:
+    """:func:`_flat_norm` compiled for one request (real float NumPy blocks): one BLAS dot, one
+    all-reduce, the root, the wrap."""
+    reduce = plan.groups[0].all_reduce if plan.groups else None
+    placements, shape, total = plan.out, plan.shape, ReduceOp.SUM
+
+    def call(x: DTensor) -> DTensor:
+        flat = x._local.reshape(-1)
+        part = np.asarray(np.dot(flat, flat))
+        if reduce is not None:
+            reduce(part, total)
+        np.sqrt(part, out=part)
+        return _wrap(part.reshape(shape) if shape else part, x._mesh, placements, shape)
+    return call
 
 
 def _matrix_norm(op: str, x: DTensor, ord: Any, axis: Any, keepdims: bool) -> DTensor:

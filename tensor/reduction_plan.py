@@ -10,6 +10,23 @@ computes it once and keeps it, keyed as :mod:`.redistribute` keeps its programs 
 mesh, checked alive through a weak reference). Worked out per call, these facts cost several
 times the local NumPy work of a reduction of an 8x8 block (issue 40's figures:
 ``benchmarks/dtensor.py --reduce-shapes``), and up to half of its time on 1024x64 blocks.
+
+The calls compiled from a plan (:func:`compiled`, :func:`keep_compiled`): the rules of ``var``,
+``std``, ``prod``, ``argmax``/``argmin``, ``cumsum``/``cumprod``, ``norm`` and ``count_nonzero``/
+``any``/``all`` compile, for one exact request (the op, the mesh, the global shape, the
+placements, the block's dtype and array type, and every argument that changes the result:
+axis, keepdims, ddof...), a closure that does only the call's work: the local NumPy, one
+collective on a buffer packed in place (prepared once: :func:`gatherer`), the merge and the
+wrapping. The rule looks its request up first and runs the closure on a hit; a miss (or a
+request the closures do not cover: CuPy blocks, complex values, empty blocks, inputs that must
+move first) takes the rule's general path, which compiles the closure for the next call where it
+can. Even with the plans kept, the general path's own Python cost 4-12 us a call on an 8x8 block
+(placements, plan lookup, argument checks, the public collective's checks), as much as the
+reduction's collective there (issue 40's figures). A key holds only exact values (a Python int
+axis, a bool keepdims, an int ddof; anything else is not compiled), so no request can hit
+another's closure: a different dtype, shape, axis, keepdims or placement is a different key
+(tests/test_tensor_compiled.py). Compiled calls are bounded by the plans' variable, the
+oldest dropped beyond it.
 """
 
 from __future__ import annotations
@@ -17,16 +34,16 @@ from __future__ import annotations
 import math
 import threading
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-from ..comm._seams import positive_setting
+from ..comm._seams import PreparedCollective, positive_setting, prepare_collective
 from ..mesh import DeviceMesh
 from .chunks import local_shape_and_offset
 from .placements import Partial, Placement, Replicate, Shard
 
-__all__ = ["ReductionPlan", "reduction_plan", "PLANS_MAX", "PLANS_ENV"]
+__all__ = ["ReductionPlan", "reduction_plan", "compiled", "keep_compiled", "gatherer", "PLANS_MAX", "PLANS_ENV"]
 
 #: Plans kept by default; the oldest is dropped beyond this (as redistribute's PROGRAMS_MAX: a model
 #: reduces a few dozen distinct layouts; a plan is a few hundred bytes plus its counts).
@@ -36,6 +53,8 @@ PLANS_ENV = "MESHKIT_DTENSOR_PLANS"
 
 _plans: dict[tuple[Any, ...], "ReductionPlan"] = {}
 _plans_lock = threading.Lock()
+#: compiled calls: key (whose second entry is ``id(mesh)``) -> ``(weak mesh, closure)``
+_compiled: dict[tuple[Any, ...], tuple[Any, Callable[[Any], Any]]] = {}
 
 
 class ReductionPlan:
@@ -188,3 +207,31 @@ def reduction_plan(mesh: DeviceMesh, shape: tuple[int, ...], placements: tuple[P
             _plans.pop(next(iter(_plans)), None)
         _plans[key] = made
     return made
+
+
+def compiled(key: tuple[Any, ...], mesh: DeviceMesh) -> Callable[[Any], Any] | None:
+    """The closure compiled for ``key`` (the op's exact request, ``id(mesh)`` in it) on ``mesh``, or None.
+
+    One dict lookup and a weak reference's check (the entry is ``mesh``'s only while it lives:
+    an id can be reused after a mesh dies)."""
+    found = _compiled.get(key)
+    if found is not None and found[0]() is mesh:
+        return found[1]
+    return None
+
+
+def keep_compiled(key: tuple[Any, ...], mesh: DeviceMesh, call: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """Keep ``call`` for ``key`` on ``mesh`` (the oldest dropped beyond ``MESHKIT_DTENSOR_PLANS``); returns it."""
+    limit = int(positive_setting(PLANS_ENV, PLANS_MAX, integer=True, where="meshkit.tensor"))
+    with _plans_lock:  # ranks of the local engine are threads: one writer at a time
+        while key not in _compiled and _compiled and len(_compiled) >= limit:  # the oldest make way
+            _compiled.pop(next(iter(_compiled)), None)
+        _compiled[key] = (weakref.ref(mesh), call)
+    return call
+
+
+def gatherer(plan: ReductionPlan, shape: tuple[int, ...], dtype: Any) -> PreparedCollective:
+    """The all-gather of a compiled call: one group (``plan.groups[0]``), inputs ``(1, *shape)`` of
+    ``dtype`` to ``(n, *shape)``, checked once here instead of on every call (the public method's
+    argument checks cost about a microsecond a call on small buffers)."""
+    return prepare_collective(plan.groups[0], "all_gather_into_tensor", (1, *shape), dtype)

@@ -21,12 +21,20 @@ from .dispatch import implements
 from .dtensor import DTensor, _wrap
 from .placements import Replicate
 from .propagation import moved, no_out, norm_axes, unsupported, wrap
-from .reduction_plan import reduction_plan
+from . import reduction_plan as _plans
+from .reduction_plan import gatherer, keep_compiled, reduction_plan
 
 __all__ = ["cumsum", "cumprod"]
 
 
 def _scan(op: str, kind: str, a: Any, axis: Any, dtype: Any, out: Any) -> DTensor:
+    key = None
+    if a.__class__ is DTensor and axis.__class__ is int and dtype is None and out is None:  # an exact key: compiled
+        local = a._local
+        key = (op, id(a._mesh), a._shape, a._placements, local.dtype, local.__class__, axis)
+        found = _plans._compiled.get(key)  # compiled(key, mesh), inlined: the hot path
+        if found is not None and found[0]() is a._mesh:
+            return found[1](a)
     if not isinstance(a, DTensor):
         raise unsupported(op)
     no_out(op, {"out": out})
@@ -58,7 +66,35 @@ def _scan(op: str, kind: str, a: Any, axis: Any, dtype: Any, out: Any) -> DTenso
                 result *= carry
         else:  # the first block adds nothing, but takes part in the collective
             plan.gather(total, empty=True)
+    if key is not None and local.__class__ is np.ndarray and src is a and len(plan.groups) <= 1 and \
+            plan.valid is None and result.shape[ax]:
+        keep_compiled(key, mesh, _scan_call(plan, kind, ax, result.dtype, a._placements, a._shape))
     return _wrap(result, mesh, src.placements, a.shape if axis is not None else (a.size,))
+
+
+def _scan_call(plan: Any, kind: str, ax: int, dtype: Any, placements: Any, shape: tuple[int, ...]) -> Any:
+    """:func:`_scan` along a given axis compiled for one request (every block holding lines): the
+    block's scan, one prepared all-gather of its last line, the carry of the blocks before."""
+    gather = gatherer(plan, plan.reduced_block, dtype) if plan.groups else None
+    last = (slice(None),) * ax + (slice(-1, None),)
+    position = plan.position
+
+    def call(a: DTensor) -> DTensor:
+        local = a._local
+        result = local.cumsum(axis=ax) if kind == "sum" else local.cumprod(axis=ax)
+        if gather is not None:
+            totals = gather(result[last][None])
+            if position:
+                totals = totals[:position]
+                carry = totals.sum(axis=0) if kind == "sum" else totals.prod(axis=0)
+                if carry.dtype != dtype:
+                    carry = carry.astype(dtype)
+                if kind == "sum":
+                    result += carry
+                else:
+                    result *= carry
+        return _wrap(result, a._mesh, placements, shape)
+    return call
 
 
 @implements(np.cumsum)

@@ -39,7 +39,8 @@ from .dtensor import DTensor, _wrap
 from .placements import Replicate
 from .propagation import moved, no_out, norm_axes, off_axes, renumbered, \
     uniform_finite, unsupported, wrap
-from .reduction_plan import reduction_plan
+from . import reduction_plan as _plans
+from .reduction_plan import gatherer, keep_compiled, reduction_plan
 
 __all__ = ["var", "std", "average", "count_nonzero", "any_", "all_", "prod", "argmax", "argmin", "median"]
 
@@ -75,6 +76,15 @@ def std(a: Any, axis: Any = None, dtype: Any = None, out: Any = None, ddof: Any 
 
 def _moments(op: str, a: Any, axis: Any, dtype: Any, out: Any, ddof: Any, keepdims: Any, where: Any,
              mean: Any, correction: Any, *, root: bool) -> DTensor:
+    key = None
+    if a.__class__ is DTensor and dtype is None and out is None and where is True and mean is None and \
+            correction is None and (axis is None or axis.__class__ is int) and ddof.__class__ is int and \
+            keepdims.__class__ is bool:  # an exact key: compiled
+        local = a._local
+        key = (op, id(a._mesh), a._shape, a._placements, local.dtype, local.__class__, axis, ddof, keepdims)
+        found = _plans._compiled.get(key)  # compiled(key, mesh), inlined: the hot path
+        if found is not None and found[0]() is a._mesh:
+            return found[1](a)
     if not isinstance(a, DTensor):
         raise unsupported(op)
     if out is not None or where is not True or mean is not None:
@@ -135,7 +145,53 @@ def _moments(op: str, a: Any, axis: Any, dtype: Any, out: Any, ddof: Any, keepdi
         result = result.reshape(plan.squeezed_block)
     if result.dtype != work:
         result = result.astype(work)
+    if key is not None and work.kind == "f" and work.itemsize >= 4 and work == local.dtype and plan.n_local and \
+            plan.valid is None and denominator > 0 and _compilable(a, plan):
+        keep_compiled(key, a._mesh, _moments_call(plan, axes, keepdims, denominator, root, work))
     return _wrap(result, a.device_mesh, plan.out, plan.shape)
+
+
+def _moments_call(plan: Any, axes: tuple[int, ...], keepdims: bool, denominator: int, root: bool, work: Any) -> Any:
+    """:func:`_moments` compiled for one request (a real float block holding elements, every block
+    along the merged dim holding some): the same NumPy in the same order, into a buffer packed for
+    one prepared all-gather."""
+    rb = plan.reduced_block
+    packed_shape = (1, 2, *rb)
+    gather = gatherer(plan, (2, *rb), work) if plan.groups else None
+    n_local, blocks, each, total = plan.n_local, len(plan.counts), plan.each, plan.total
+    weights = plan.weights if work == _F64 else plan.weights.astype(work)
+    squeezed, placements, shape = plan.squeezed_block, plan.out, plan.shape
+
+    def call(a: DTensor) -> DTensor:
+        block = a._local
+        packed = np.empty(packed_shape, dtype=work)
+        m, m2 = packed[0, 0], packed[0, 1]
+        block.sum(axis=axes, keepdims=True, out=m)
+        m /= n_local
+        dev = block - m
+        np.multiply(dev, dev, out=dev)
+        dev.sum(axis=axes, keepdims=True, out=m2)
+        if gather is not None:
+            both = gather(packed)  # (blocks, 2, *block)
+            means = both[:, 0]
+            if each:
+                centre = means.sum(axis=0)
+                centre /= blocks
+                delta = means - centre
+                delta *= delta
+                spread, scale = delta, each
+            else:
+                delta = means - (weights * means).sum(axis=0)
+                spread = weights * delta
+                spread *= delta
+                scale = total
+            m2 = both[:, 1].sum(axis=0)
+            m2 += spread.sum(axis=0) * scale
+        np.true_divide(m2, denominator, out=m2)
+        if root:
+            np.sqrt(m2, out=m2)
+        return _wrap(m2 if keepdims else m2.reshape(squeezed), a._mesh, placements, shape)
+    return call
 
 
 def _complex_moments(a: DTensor, block: Any, plan: Any, axes: tuple[int, ...], keepdims: Any, ddof: Any,
@@ -228,6 +284,13 @@ def average(a: Any, axis: Any = None, weights: Any = None, returned: bool = Fals
 
 def _logical(op: str, fn: Any, partial: str, a: Any, axis: Any, keepdims: Any, dtype: Any = None) -> DTensor:
     """A reduction whose per-block results combine by ``partial`` (sum, max, min): that Partial left."""
+    key = None
+    if a.__class__ is DTensor and (axis is None or axis.__class__ is int) and keepdims.__class__ is bool:
+        local = a._local
+        key = (op, id(a._mesh), a._shape, a._placements, local.dtype, local.__class__, axis, keepdims)
+        found = _plans._compiled.get(key)  # compiled(key, mesh), inlined: the hot path
+        if found is not None and found[0]() is a._mesh:
+            return found[1](a)
     if not isinstance(a, DTensor):
         raise unsupported(op)
     axes = norm_axes(op, a.ndim, axis)
@@ -237,9 +300,19 @@ def _logical(op: str, fn: Any, partial: str, a: Any, axis: Any, keepdims: Any, d
     local = moved(op, "a", a, plan.need).to_local()
     # every axis without keepdims: axis=None, NumPy's fast path (count_nonzero counts in C, where a
     # tuple of axes casts the block to bool and sums it: 5 times slower on a 1024x64 block)
-    result = fn(local, axis=None if not keep and len(axes) == local.ndim else axes, keepdims=keep)
+    along = None if not keep and len(axes) == local.ndim else axes
+    result = fn(local, axis=along, keepdims=keep)
     if dtype is not None:
         result = result.astype(dtype, copy=False)
+    if key is not None and dtype is None and _compilable(a, plan):
+        shape = plan.shape
+        if fn is _count and along is None:  # the whole count, NumPy's C count without the keywords' check
+            def call(a: DTensor) -> DTensor:
+                return _wrap(np.asarray(np.count_nonzero(a._local), dtype=np.intp), a._mesh, placements, shape)
+        else:
+            def call(a: DTensor) -> DTensor:  # the rule compiled for this request: no communication
+                return _wrap(fn(a._local, axis=along, keepdims=keep), a._mesh, placements, shape)
+        keep_compiled(key, a._mesh, call)
     return _wrap(result, a.device_mesh, placements, plan.shape)
 
 
@@ -247,11 +320,20 @@ def _logical(op: str, fn: Any, partial: str, a: Any, axis: Any, keepdims: Any, d
 def count_nonzero(a: Any, axis: Any = None, *, keepdims: bool = False) -> DTensor:
     """``np.count_nonzero``: each rank counts its block; a sharded reduced axis leaves Partial(sum)
     (int64), no communication here. A Partial input is all-reduced first."""
+    if a.__class__ is DTensor and axis is None and keepdims is False:  # the whole count: _logical's lookup, inlined
+        found = _plans._compiled.get(("np.count_nonzero", id(a._mesh), a._shape, a._placements, a._local.dtype,
+                                      a._local.__class__, None, False))
+        if found is not None and found[0]() is a._mesh:
+            return found[1](a)
     return _logical("np.count_nonzero", _count, "sum", a, axis, keepdims)
 
 
 def _count(x: Any, axis: Any, keepdims: bool) -> Any:
-    xp = np if x.__class__ is np.ndarray else array_namespace(x)
+    if x.__class__ is np.ndarray:
+        # positional, without keywords: NumPy's own count in C (its keywords cost a Python-level check)
+        return np.asarray(np.count_nonzero(x) if axis is None else np.count_nonzero(x, axis=axis, keepdims=keepdims),
+                          dtype=np.intp)
+    xp = array_namespace(x)
     return xp.asarray(xp.count_nonzero(x, axis=axis, keepdims=keepdims), dtype=np.intp)
 
 
@@ -277,6 +359,14 @@ def prod(a: Any, axis: Any = None, dtype: Any = None, out: Any = None, keepdims:
     """``np.prod``: each rank multiplies its block (an empty one gives 1); a sharded reduced axis is
     combined by one all-reduce PRODUCT per mesh dim of the output block: Replicate there. A
     Partial input is all-reduced first. Integers wrap as NumPy's."""
+    key = None
+    if a.__class__ is DTensor and dtype is None and out is None and initial is None and where is True and \
+            (axis is None or axis.__class__ is int) and keepdims.__class__ is bool:  # an exact key: compiled
+        local = a._local
+        key = ("prod", id(a._mesh), a._shape, a._placements, local.dtype, local.__class__, axis, keepdims)
+        found = _plans._compiled.get(key)  # compiled(key, mesh), inlined: the hot path
+        if found is not None and found[0]() is a._mesh:
+            return found[1](a)
     op = "np.prod"
     if not isinstance(a, DTensor):
         raise unsupported(op)
@@ -288,10 +378,42 @@ def prod(a: Any, axis: Any = None, dtype: Any = None, out: Any = None, keepdims:
     result = xp.asarray(local.prod(axis=axes, dtype=dtype, keepdims=bool(keepdims)))  # a new array: ours
     if plan.merged:
         plan.reduce(result, ReduceOp.PRODUCT)
+    if key is not None and _compilable(a, plan):
+        keep_compiled(key, a._mesh, _prod_call(plan, axes, keepdims))
     return _wrap(result, a.device_mesh, plan.out, plan.shape)
 
 
+def _compilable(a: DTensor, plan: Any) -> bool:
+    """Whether a compiled call covers this request: NumPy blocks, nothing to move first, at most
+    one group to combine over (the common cases; the rest keep the general path)."""
+    return a._local.__class__ is np.ndarray and plan.need == a._placements and len(plan.groups) <= 1
+
+
+def _prod_call(plan: Any, axes: tuple[int, ...], keep: bool) -> Any:
+    """:func:`prod` compiled for one request: the block's product, one all-reduce PRODUCT, the wrap."""
+    reduce = plan.groups[0].all_reduce if plan.groups else None
+    placements, shape, product = plan.out, plan.shape, ReduceOp.PRODUCT
+    scalar = not shape
+
+    def call(a: DTensor) -> DTensor:
+        result = a._local.prod(axis=axes, keepdims=keep)
+        if scalar:  # every axis reduced away: NumPy gives a scalar, the collective needs an array
+            result = np.asarray(result)
+        if reduce is not None:
+            reduce(result, product)
+        return _wrap(result, a._mesh, placements, shape)
+    return call
+
+
 def _arg(op: str, kind: str, a: Any, axis: Any, out: Any, keepdims: Any) -> DTensor:
+    key = None
+    if a.__class__ is DTensor and out is None and (axis is None or axis.__class__ is int) and \
+            keepdims.__class__ is bool:  # an exact key: compiled
+        local = a._local
+        key = (op, id(a._mesh), a._shape, a._placements, local.dtype, local.__class__, axis, keepdims)
+        found = _plans._compiled.get(key)  # compiled(key, mesh), inlined: the hot path
+        if found is not None and found[0]() is a._mesh:
+            return found[1](a)
     if not isinstance(a, DTensor):
         raise unsupported(op)
     if out is not None:
@@ -334,6 +456,8 @@ def _arg(op: str, kind: str, a: Any, axis: Any, out: Any, keepdims: Any) -> DTen
         result = xp.asarray(idx, dtype=np.intp)
         if keep:
             result = result.reshape(plan.shape)
+        if key is not None and dt.kind in "biuf" and plan.valid is None and _compilable(a, plan):
+            keep_compiled(key, mesh, _flat_arg_call(plan, kind, pack, a.shape))
         return _wrap(result, mesh, plan.out, plan.shape)
     ax = axes[0]
     if local.size == 0:
@@ -360,7 +484,68 @@ def _arg(op: str, kind: str, a: Any, axis: Any, out: Any, keepdims: Any) -> DTen
     idx = idx.astype(np.intp, copy=False)
     if keep:
         idx = xp.expand_dims(idx, ax)
+    if key is not None and dt.kind in "biuf" and plan.valid is None and local.size and _compilable(a, plan):
+        keep_compiled(key, mesh, _axis_arg_call(plan, kind, pack, ax, keep))
     return _wrap(idx, mesh, plan.out, plan.shape)
+
+
+def _flat_arg_call(plan: Any, kind: str, pack: Any, shape: tuple[int, ...]) -> Any:
+    """``argmax``/``argmin`` with ``axis=None`` compiled for one request (real values, every block
+    holding some): the block's first extreme, its global flat index (one addition where the block
+    is whole past its first axis), one prepared all-gather of both, the pick."""
+    block, offset = plan.block, plan.offset
+    whole = block[1:] == shape[1:]  # then only the first axis is offset, and flat indexes shift by a constant
+    base = offset[0] * math.prod(shape[1:]) if whole and shape else 0
+    gather = gatherer(plan, (2,), pack) if plan.groups else None
+    ordered, placements, out_shape = plan.ordered, plan.out, plan.shape
+    first = "argmax" if kind == "max" else "argmin"
+
+    def call(a: DTensor) -> DTensor:
+        local = a._local
+        k = int(getattr(local, first)())
+        idx = k + base if whole else _global_flat(k, block, offset, shape)
+        if gather is not None:
+            mine = np.empty((1, 2), dtype=pack)
+            mine[0, 0] = local.item(k)
+            mine[0, 1] = idx
+            every = gather(mine)
+            if not ordered:
+                every = every[np.argsort(every[:, 1], kind="stable")]
+            j = int(getattr(every[:, 0], first)())
+            idx = int(every[j, 1])
+        result = np.asarray(idx, dtype=np.intp)
+        return _wrap(result.reshape(out_shape) if out_shape else result, a._mesh, placements, out_shape)
+    return call
+
+
+def _axis_arg_call(plan: Any, kind: str, pack: Any, ax: int, keep: bool) -> Any:
+    """``argmax``/``argmin`` along one axis compiled for one request (real values, every block holding
+    some): each line's first extreme and its global index, packed for one prepared all-gather, the
+    pick of the first extreme in global order (by indexing where the lines form one axis)."""
+    rest = plan.squeezed_block
+    off = plan.offset[ax]
+    gather = gatherer(plan, (2, *rest), pack) if plan.groups else None
+    lines = np.arange(rest[0]) if len(rest) == 1 else None
+    placements, shape = plan.out, plan.shape
+    first, extreme = ("argmax", "max") if kind == "max" else ("argmin", "min")
+
+    def call(a: DTensor) -> DTensor:
+        local = a._local
+        idx = getattr(local, first)(axis=ax)
+        if off:
+            idx += off
+        if gather is not None:
+            mine = np.empty((1, 2, *rest), dtype=pack)
+            mine[0, 0] = getattr(local, extreme)(axis=ax)
+            mine[0, 1] = idx
+            every = gather(mine)
+            j = getattr(every[:, 0], first)(axis=0)
+            idx = every[j, 1, lines] if lines is not None else np.take_along_axis(every[:, 1], j[None], axis=0)[0]
+            idx = idx.astype(np.intp, copy=False)
+        if keep:
+            idx = np.expand_dims(idx, ax)
+        return _wrap(idx, a._mesh, placements, shape)
+    return call
 
 
 def _global_flat(k: int, local_shape: tuple[int, ...], offset: tuple[int, ...], shape: tuple[int, ...]) -> int:
