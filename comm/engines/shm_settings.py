@@ -13,9 +13,9 @@ import platform
 from .. import env
 from ...launch_protocol import SURVIVE_ENV
 
-__all__ = ["applies", "supported", "surviving", "min_bytes", "move_min_bytes", "chunk_bytes", "small_bytes", "direct",
+__all__ = ["applies", "supported", "surviving", "min_bytes", "move_min_bytes", "chunk_bytes", "small_bytes", "small_min_bytes", "direct",
            "shared_min_bytes", "direct_bytes", "CMA", "DIRECT_BYTES", "DIRECT_SCRATCH_BUDGET", "SHARED_MIN_BYTES", "DEFAULT_SHARED_MIN_BYTES",
-           "DEFAULT_MIN_BYTES", "DEFAULT_DIRECT_MIN_BYTES", "DEFAULT_MOVE_MIN_BYTES", "DEFAULT_CHUNK_BYTES", "SEGMENT_BUDGET", "DEFAULT_SMALL_BYTES",
+           "DEFAULT_MIN_BYTES", "DEFAULT_DIRECT_MIN_BYTES", "DEFAULT_MOVE_MIN_BYTES", "DEFAULT_CHUNK_BYTES", "SEGMENT_BUDGET", "DEFAULT_SMALL_BYTES", "DEFAULT_SMALL_MIN_BYTES",
            "SURVIVE_MIN_BYTES"]
 
 #: all_reduce, reduce and reduce_scatter of an ordinary buffer below this many bytes go to MPI
@@ -66,6 +66,11 @@ SEGMENT_BUDGET = 32 << 20
 #: cross-memory attach lost at 1 MB (above): 1 MiB. Ordinary buffers start above it by default
 #: (``DEFAULT_DIRECT_MIN_BYTES``); it matters where ``MESHKIT_SHM_MIN_BYTES`` is set lower.
 DEFAULT_SMALL_BYTES = 1 << 20
+#: all_reduce and reduce_scatter of an ordinary buffer from this many bytes up to
+#: ``MESHKIT_SHM_SMALL_BYTES`` (and one chunk) take the one-meeting path of comm/engines/shm_small.py
+#: (``MESHKIT_SHM_SMALL_MIN_BYTES``); below, MPI (whose few microseconds a call no Python meeting
+#: beats). MEASUREMENT PENDING.
+DEFAULT_SMALL_MIN_BYTES = 16 << 10
 #: A buffer of ``shared_buffer`` (DDP's buckets) is reduced (gathered) in place from this many bytes
 #: (``MESHKIT_SHM_SHARED_MIN_BYTES``); below it MPI works on the same memory, as on any array. At 2
 #: ranks on the loaded machine (min of 25-31 interleaved single calls, 3 runs; docs/collectives.md)
@@ -137,6 +142,14 @@ def chunk_bytes(n: int = 2) -> int:
 def small_bytes() -> int:
     """``MESHKIT_SHM_SMALL_BYTES``: a reduction chunk up to it meets once."""
     return env.shm_bytes(env.SHM_SMALL_BYTES, DEFAULT_SMALL_BYTES, zero=True)
+
+
+def small_min_bytes() -> int:
+    """``MESHKIT_SHM_SMALL_MIN_BYTES``: an ordinary all_reduce or reduce_scatter from it up to
+    :func:`small_bytes` meets once through the segment (:data:`SURVIVE_MIN_BYTES` by default under
+    ``--survive``, where MPI is Open MPI over TCP)."""
+    return env.shm_bytes(env.SHM_SMALL_MIN_BYTES, SURVIVE_MIN_BYTES if surviving() else DEFAULT_SMALL_MIN_BYTES,
+                         zero=True)
 
 
 def shared_min_bytes() -> int:

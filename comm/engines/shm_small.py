@@ -1,0 +1,204 @@
+"""The one-meeting path for small and middle ordinary buffers over a group's shared-memory segment.
+
+Below ``MESHKIT_SHM_MIN_BYTES`` (4 MiB) an ordinary buffer would go to MPI, whose own cost at 2
+ranks is a few microseconds but whose all_reduce of 64 KB-1 MB runs far below the memory system
+(docs/collectives.md). Here an ``all_reduce`` or ``reduce_scatter`` of a NumPy array of
+``MESHKIT_SHM_SMALL_MIN_BYTES`` up to ``MESHKIT_SHM_SMALL_BYTES`` bytes (and at most one chunk)
+meets the other ranks once, DeepSpeed's small-message algorithm (csrc/cpu/comm/shm.cpp):
+
+all_reduce
+    copy the array into this rank's buffer ``step % 2`` of the segment, write the call's header and
+    post ``step``; once every rank posted, compare the headers and reduce **the whole** array from
+    every rank's buffer, in rank order, straight into the array.
+reduce_scatter
+    copy in every block but this rank's own (read from the input, unless the output overlaps it);
+    once every rank posted, reduce block ``rank`` of every rank's buffer, in rank order, into the
+    output.
+
+No barrier: it is one step of the :class:`~meshkit.comm.engines.shm_collectives.Channel`'s step
+counter, with the same buffers, flags and headers as the channel's other calls, so the argument
+there (a rank writes buffer ``s % 2`` again only after every rank posted ``s + 1``, that is, after
+every rank finished reading step ``s``) covers it, and a call here and one of the channel's other
+calls meet at the same step and compare the same headers: a mismatch raises
+:class:`~meshkit.comm.engines.engine.CallsDiffer` on every rank. Every rank reduces the same bytes
+in the same order, so every rank holds bitwise the same result, run after run.
+
+What it saves over the channel's generators is Python, not bytes: no generator, no header built
+per call (:class:`SmallPath` keeps each call's header and the segment views per ``(dtype, count)``),
+the flags tested by a loop over word indices; a call is a copy, a few word stores and the
+reduction. A wait is the channel's (:meth:`Channel._check_alive` every :data:`_POLLS_PER_LOOK`
+failed polls: a dead peer raises :class:`~meshkit.comm.errors.RankFailedError`, the ``abandoned``
+hook runs) and a timeout names :attr:`SmallRequest.missing_ranks`, as the channel's requests do
+(:class:`SmallRequest` is a :class:`~meshkit.comm.engines.shm_collectives.ShmRequest`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..reduce_op import ReduceOp
+from .shm_collectives import Channel, ShmRequest, _reduce_into
+from .shm_layout import CONTROL_WORDS, HEADER, HEADER_WORDS
+
+__all__ = ["SmallPath", "SmallRequest", "CACHED_SHAPES"]
+
+#: Distinct ``(dtype, count)`` views and headers kept before the caches start over: a program calls
+#: a handful of sizes (DDP's bucket, FSDP's shards); a sweep over sizes only rebuilds views (a few
+#: microseconds each), never holds more than this many.
+CACHED_SHAPES = 256
+#: Failed polls between looks at whether the missing ranks live (the channel's check itself is also
+#: bounded by ``LIVENESS_INTERVAL`` in seconds): the same rhythm as the channel's waits.
+_POLLS_PER_LOOK = 64
+
+_AR, _RS = 1, 5  # the header's kinds (shm_collectives.KINDS: "all_reduce", "reduce_scatter")
+
+
+class SmallRequest(ShmRequest):
+    """One small collective over the segment: copied in and posted when made; ``Test()`` polls the
+    flags and, once every rank posted, compares the headers and reduces (True), else False."""
+
+    __slots__ = ("channel", "step", "header", "words", "heads", "dst", "parts", "op", "polls")
+
+    def __init__(self, kind: str, channel: Channel, step: int, header: tuple[int, ...], words: list[int],
+                 heads: list[int], dst: np.ndarray, parts: list[np.ndarray], op: ReduceOp) -> None:
+        # (ShmRequest's own __init__ starts a generator: not called)
+        self.kind, self.channel, self.step, self.header = kind, channel, step, header
+        self.words, self.heads = words, heads
+        self.dst, self.parts, self.op = dst, parts, op
+        self.missing_ranks: list[int] | tuple[()] = ()
+        self.looked = 0.0
+        self.polls = 0
+        self._done = False
+        self._error: BaseException | None = None
+
+    def Test(self) -> bool:  # noqa: N802 (the Request protocol's name)
+        if self._done:
+            return True
+        if self._error is not None:
+            raise self._error
+        channel, step = self.channel, self.step
+        words = channel.words
+        try:
+            for at in channel._posts:
+                if words[at] < step:
+                    self._stalled(words, step)
+                    return False
+            self.missing_ranks = ()
+            mine = self.words
+            for at in self.heads:  # every rank's header for this step against this rank's (as a list: one C call)
+                if words[at:at + HEADER_WORDS].tolist() != mine:
+                    channel._compare(step, self.header)  # raises CallsDiffer, naming every rank's call
+            _reduce_into(self.op, self.dst, self.parts)
+        except BaseException as exc:
+            self._error = exc
+            raise
+        self._done = True
+        self.parts = None  # type: ignore[assignment]  # (the segment's views: not kept alive by a finished call)
+        return True
+
+    def _stalled(self, words: Any, step: int) -> None:
+        """A poll found a flag missing: note who is missing; every few polls, whether they live."""
+        self.missing_ranks = missing = [r for r, at in enumerate(self.channel._posts) if words[at] < step]
+        self.polls += 1
+        if self.polls % _POLLS_PER_LOOK == 0:
+            self.channel._check_alive(self, missing)
+
+
+class SmallPath:
+    """A channel's one-meeting calls, with what they need kept per ``(dtype, count)``.
+
+    Args:
+        channel: the group's channel (its segment, flags, headers and step counter).
+        least, most: the ordinary buffers it takes, in bytes (``MESHKIT_SHM_SMALL_MIN_BYTES`` and
+            ``MESHKIT_SHM_SMALL_BYTES``, the latter held to the channel's chunk).
+    """
+
+    def __init__(self, channel: Channel, least: int, most: int) -> None:
+        self.channel = channel
+        self.least, self.most = least, min(most, channel.chunk_bytes)
+        #: the header words of each rank, by the step's parity
+        self._heads = [[r * CONTROL_WORDS + HEADER + parity * HEADER_WORDS for r in range(channel.n)]
+                       for parity in (0, 1)]
+        #: (dtype, count, op) -> (header, its words as a list, every rank's buffers by parity)
+        self._reduced: dict[tuple[Any, ...], tuple[tuple[int, ...], list[int], list[list[np.ndarray]]]] = {}
+        #: (dtype, count, op) -> (header, its words, every rank's buffers as n blocks, block ``rank`` of each)
+        self._scattered: dict[tuple[Any, ...], tuple[tuple[int, ...], list[int], list[list[np.ndarray]],
+                                                     list[list[np.ndarray]]]] = {}
+
+    def takes(self, nbytes: int) -> bool:
+        """Whether an ordinary buffer of ``nbytes`` takes this path (the same on every rank)."""
+        return self.least <= nbytes <= self.most
+
+    def close(self) -> None:
+        """Drop the views of the segment (so that unmapping it is not refused while they live)."""
+        self._reduced.clear()
+        self._scattered.clear()
+
+    def describe(self) -> str:
+        """Which calls take this path, in words (``ShmEngine.paths``)."""
+        if self.least > self.most:
+            return ""
+        return f"all_reduce and reduce_scatter of NumPy arrays of {self.least}-{self.most} bytes in one meeting, "
+
+    def _header(self, kind: int, count: int, op: ReduceOp, dtype: np.dtype) -> tuple[int, ...]:
+        return self.channel._header(kind, count, op, -1, dtype)
+
+    def _views(self, dtype: np.dtype, count: int) -> list[list[np.ndarray]]:
+        """Every rank's two buffers (by parity) as ``count`` elements of ``dtype``."""
+        channel = self.channel
+        return [[channel.buffer(r, parity, dtype, count) for r in range(channel.n)] for parity in (0, 1)]
+
+    def all_reduce(self, buf: np.ndarray, op: ReduceOp) -> SmallRequest:
+        """Start the all_reduce of ``buf`` (C-contiguous, ``takes(buf.nbytes)``) in place."""
+        key = (buf.dtype, buf.size, op)
+        kept = self._reduced.get(key)
+        if kept is None:
+            if len(self._reduced) >= CACHED_SHAPES:
+                self._reduced.clear()
+            header = self._header(_AR, buf.size, op, buf.dtype)
+            kept = self._reduced[key] = (header, list(header), self._views(buf.dtype, buf.size))
+        header, words, views = kept
+        channel = self.channel
+        step = channel.step = channel.step + 1
+        bufs = views[step & 1]
+        flat = buf.reshape(-1)
+        np.copyto(bufs[channel.rank], flat)
+        channel._write_header(step, header)
+        channel._post(step)
+        return SmallRequest("all_reduce", channel, step, header, words, self._heads[step & 1], flat, bufs, op)
+
+    def reduce_scatter(self, out: np.ndarray, inp: np.ndarray, op: ReduceOp) -> SmallRequest:
+        """Start the reduce_scatter of ``inp`` (n blocks of ``out.size``; ``takes(inp.nbytes)``) into ``out``."""
+        channel = self.channel
+        n, me = channel.n, channel.rank
+        m = out.size
+        key = (out.dtype, m, op)
+        kept = self._scattered.get(key)
+        if kept is None:
+            if len(self._scattered) >= CACHED_SHAPES:
+                self._scattered.clear()
+            views = [[v.reshape(n, m) for v in per] for per in self._views(out.dtype, n * m)]
+            header = self._header(_RS, m, op, out.dtype)
+            kept = self._scattered[key] = (header, list(header), views, [[v[me] for v in per] for per in views])
+        header, words, views, blocks = kept
+        step = channel.step = channel.step + 1
+        parity = step & 1
+        mine = views[parity][me]
+        src, dst = inp.reshape(n, m), out.reshape(-1)
+        # this rank's own block is read straight from its input, unless the output overlaps the input
+        # (a reduction in rank order could then overwrite it before reading it: copied in as the others)
+        if np.may_share_memory(dst, src):
+            np.copyto(mine, src)
+            parts = blocks[parity]
+        else:
+            if me:
+                np.copyto(mine[:me], src[:me])
+            if me + 1 < n:
+                np.copyto(mine[me + 1:], src[me + 1:])
+            parts = list(blocks[parity])
+            parts[me] = src[me]
+        channel._write_header(step, header)
+        channel._post(step)
+        return SmallRequest("reduce_scatter", channel, step, header, words, self._heads[parity], dst, parts, op)
