@@ -1,10 +1,11 @@
 """The shared-memory path's cases, run by every rank of one meshkit-run job (tests/test_shm.py).
 
 The job runs with tiny settings (``MESHKIT_SHM_MIN_BYTES=512`` and ``MESHKIT_SHM_MOVE_MIN_BYTES=512``,
-``MESHKIT_SHM_SMALL_BYTES=1024``, ``MESHKIT_SHM_SMALL_MIN_BYTES=512``, ``MESHKIT_SHM_SHARED_MIN_BYTES=512``,
-``MESHKIT_SHM_CHUNK_BYTES=4096``), so that a few KB exercise every path: MPI below 512 bytes,
-one meeting up to 1 KB (an ordinary all_reduce or reduce_scatter: comm/engines/shm_small.py; the
-mismatch case meets a 1.6 KB call of the chunked path there), two meetings and many chunks above. Each rank computes every
+``MESHKIT_SHM_SMALL_BYTES=2048``, ``MESHKIT_SHM_SMALL_MIN_BYTES=512``, ``MESHKIT_SHM_SHARED_MIN_BYTES=512``,
+``MESHKIT_SHM_CHUNK_BYTES=4096``), so that a few KB exercise every path: MPI below 512 bytes, an
+ordinary all_reduce of 512 B-1 KB in one meeting of comm/engines/shm_small.py (the mismatch case
+meets a 1.6 KB call of the chunked path there), a reduce or a reduce_scatter of 2 KB or less in
+one meeting of the chunked path, two meetings and many chunks above. Each rank computes every
 rank's input, and the reference is NumPy's reduction in the same fixed rank order
 (``((x0 op x1) op x2) ...``), so every dtype compares exactly, float64 included; each result's
 digest is gathered, so every rank holds bitwise the same bytes.

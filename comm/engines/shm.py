@@ -105,7 +105,7 @@ class ShmEngine(OverHost):
                 return ShmRequest("all_reduce", lambda request: channel.all_reduce_in_place(request, views, op, offset))
         if buf.__class__ is _NDARRAY:
             nbytes, small = buf.nbytes, self.small
-            if small.least <= nbytes <= small.most:
+            if small.least <= nbytes <= small.most_reduced:
                 return small.all_reduce(buf, op)
             if nbytes >= self.min_bytes:
                 channel = self.channel

@@ -66,10 +66,14 @@ SEGMENT_BUDGET = 32 << 20
 #: cross-memory attach lost at 1 MB (above): 1 MiB. Ordinary buffers start above it by default
 #: (``DEFAULT_DIRECT_MIN_BYTES``); it matters where ``MESHKIT_SHM_MIN_BYTES`` is set lower.
 DEFAULT_SMALL_BYTES = 1 << 20
-#: all_reduce and reduce_scatter of an ordinary buffer from this many bytes up to
-#: ``MESHKIT_SHM_SMALL_BYTES`` (and one chunk) take the one-meeting path of comm/engines/shm_small.py
-#: (``MESHKIT_SHM_SMALL_MIN_BYTES``); below, MPI (whose few microseconds a call no Python meeting
-#: beats). MEASUREMENT PENDING.
+#: all_reduce and reduce_scatter of an ordinary buffer from this many bytes (up to
+#: ``MESHKIT_SHM_SMALL_BYTES`` and one chunk; an all_reduce up to half of it) take the one-meeting
+#: path of comm/engines/shm_small.py (``MESHKIT_SHM_SMALL_MIN_BYTES``); below, MPI. At 2 ranks on the
+#: loaded machine (benchmarks/collectives.py --stat min, 5-9 rounds, 6 runs, the path from 4 KiB for
+#: the measurement; docs/collectives.md) the one meeting won from 16 KB in every run (all_reduce 16 KB
+#: 39-120 us against 55-292 over meshkit's MPI path, 64 KB 56-127 against 89-173; reduce_scatter
+#: 16 KB 38-43 against 51-72) and lost or tied at 4-8 KB (all_reduce 4 KB 16-115 against 13-86,
+#: reduce_scatter 4 KB 36-49 against 29-38): below 16 KB MPICH's own few microseconds win.
 DEFAULT_SMALL_MIN_BYTES = 16 << 10
 #: A buffer of ``shared_buffer`` (DDP's buckets) is reduced (gathered) in place from this many bytes
 #: (``MESHKIT_SHM_SHARED_MIN_BYTES``); below it MPI works on the same memory, as on any array. At 2

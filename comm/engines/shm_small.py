@@ -2,9 +2,10 @@
 
 Below ``MESHKIT_SHM_MIN_BYTES`` (4 MiB) an ordinary buffer would go to MPI, whose own cost at 2
 ranks is a few microseconds but whose all_reduce of 64 KB-1 MB runs far below the memory system
-(docs/collectives.md). Here an ``all_reduce`` or ``reduce_scatter`` of a NumPy array of
-``MESHKIT_SHM_SMALL_MIN_BYTES`` up to ``MESHKIT_SHM_SMALL_BYTES`` bytes (and at most one chunk)
-meets the other ranks once, DeepSpeed's small-message algorithm (csrc/cpu/comm/shm.cpp):
+(docs/collectives.md). Here an ``all_reduce`` (up to half of
+``MESHKIT_SHM_SMALL_BYTES``: :attr:`SmallPath.most_reduced`) or ``reduce_scatter`` (of an input up
+to ``MESHKIT_SHM_SMALL_BYTES``) of a NumPy array of at least ``MESHKIT_SHM_SMALL_MIN_BYTES`` bytes,
+and at most one chunk, meets the other ranks once, DeepSpeed's small-message algorithm (csrc/cpu/comm/shm.cpp):
 
 all_reduce
     copy the array into this rank's buffer ``step % 2`` of the segment, write the call's header and
@@ -112,12 +113,20 @@ class SmallPath:
     Args:
         channel: the group's channel (its segment, flags, headers and step counter).
         least, most: the ordinary buffers it takes, in bytes (``MESHKIT_SHM_SMALL_MIN_BYTES`` and
-            ``MESHKIT_SHM_SMALL_BYTES``, the latter held to the channel's chunk).
+            ``MESHKIT_SHM_SMALL_BYTES``, the latter held to the channel's chunk): a reduce_scatter's
+            input, an all_reduce's buffer up to half of ``most`` (:attr:`most_reduced`).
     """
 
     def __init__(self, channel: Channel, least: int, most: int) -> None:
         self.channel = channel
         self.least, self.most = least, min(most, channel.chunk_bytes)
+        #: The largest all_reduce it takes: half of ``most``. Per byte of its buffer a one-meeting
+        #: all_reduce moves n + 2 (a copy in, n buffers read, the result written), a reduce_scatter
+        #: about 2, and at 2 ranks (loaded machine, benchmarks/collectives.py --stat min, 5 rounds,
+        #: two runs; docs/collectives.md) the all_reduce lost to meshkit's MPI path at 1 MB (1171 and
+        #: 1230 us against 924 and 936) and won at 512 KB (678 and 377 against 797 and 717) while
+        #: the reduce_scatter of 1 MB won (911 and 1009 against 1132 and 1807).
+        self.most_reduced = self.most // 2
         #: the header words of each rank, by the step's parity
         self._heads = [[r * CONTROL_WORDS + HEADER + parity * HEADER_WORDS for r in range(channel.n)]
                        for parity in (0, 1)]
@@ -128,7 +137,8 @@ class SmallPath:
                                                      list[list[np.ndarray]]]] = {}
 
     def takes(self, nbytes: int) -> bool:
-        """Whether an ordinary buffer of ``nbytes`` takes this path (the same on every rank)."""
+        """Whether a reduce_scatter of an ordinary input of ``nbytes`` takes this path (the same on
+        every rank; an all_reduce: up to :attr:`most_reduced`)."""
         return self.least <= nbytes <= self.most
 
     def close(self) -> None:
@@ -140,7 +150,8 @@ class SmallPath:
         """Which calls take this path, in words (``ShmEngine.paths``)."""
         if self.least > self.most:
             return ""
-        return f"all_reduce and reduce_scatter of NumPy arrays of {self.least}-{self.most} bytes in one meeting, "
+        return (f"all_reduce of NumPy arrays of {self.least}-{self.most_reduced} bytes and reduce_scatter of "
+                f"{self.least}-{self.most} in one meeting, ")
 
     def _header(self, kind: int, count: int, op: ReduceOp, dtype: np.dtype) -> tuple[int, ...]:
         return self.channel._header(kind, count, op, -1, dtype)
@@ -151,7 +162,7 @@ class SmallPath:
         return [[channel.buffer(r, parity, dtype, count) for r in range(channel.n)] for parity in (0, 1)]
 
     def all_reduce(self, buf: np.ndarray, op: ReduceOp) -> SmallRequest:
-        """Start the all_reduce of ``buf`` (C-contiguous, ``takes(buf.nbytes)``) in place."""
+        """Start the all_reduce of ``buf`` (C-contiguous, ``least <= buf.nbytes <= most_reduced``) in place."""
         key = (buf.dtype, buf.size, op)
         kept = self._reduced.get(key)
         if kept is None:
