@@ -41,7 +41,7 @@ import numpy as np
 
 from ..reduce_op import ReduceOp
 from .shm_collectives import Channel, ShmRequest, _reduce_into
-from .shm_layout import CONTROL_WORDS, HEADER, HEADER_WORDS
+from .shm_layout import CONTROL_WORDS, HEADER, HEADER_WORDS, POST
 
 __all__ = ["SmallPath", "SmallRequest", "CACHED_SHAPES"]
 
@@ -60,13 +60,13 @@ class SmallRequest(ShmRequest):
     """One small collective over the segment: copied in and posted when made; ``Test()`` polls the
     flags and, once every rank posted, compares the headers and reduces (True), else False."""
 
-    __slots__ = ("channel", "step", "header", "words", "heads", "dst", "parts", "op", "polls")
+    __slots__ = ("channel", "step", "header", "words", "posts", "heads", "dst", "parts", "op", "polls")
 
     def __init__(self, kind: str, channel: Channel, step: int, header: tuple[int, ...], words: list[int],
-                 heads: list[int], dst: np.ndarray, parts: list[np.ndarray], op: ReduceOp) -> None:
+                 posts: list[int], heads: list[int], dst: np.ndarray, parts: list[np.ndarray], op: ReduceOp) -> None:
         # (ShmRequest's own __init__ starts a generator: not called)
         self.kind, self.channel, self.step, self.header = kind, channel, step, header
-        self.words, self.heads = words, heads
+        self.words, self.posts, self.heads = words, posts, heads
         self.dst, self.parts, self.op = dst, parts, op
         self.missing_ranks: list[int] | tuple[()] = ()
         self.looked = 0.0
@@ -82,7 +82,7 @@ class SmallRequest(ShmRequest):
         channel, step = self.channel, self.step
         words = channel.words
         try:
-            for at in channel._posts:
+            for at in self.posts:
                 if words[at] < step:
                     self._stalled(words, step)
                     return False
@@ -101,7 +101,7 @@ class SmallRequest(ShmRequest):
 
     def _stalled(self, words: Any, step: int) -> None:
         """A poll found a flag missing: note who is missing; every few polls, whether they live."""
-        self.missing_ranks = missing = [r for r, at in enumerate(self.channel._posts) if words[at] < step]
+        self.missing_ranks = missing = [r for r, at in enumerate(self.posts) if words[at] < step]
         self.polls += 1
         if self.polls % _POLLS_PER_LOOK == 0:
             self.channel._check_alive(self, missing)
@@ -127,7 +127,8 @@ class SmallPath:
         #: 1230 us against 924 and 936) and won at 512 KB (678 and 377 against 797 and 717) while
         #: the reduce_scatter of 1 MB won (911 and 1009 against 1132 and 1807).
         self.most_reduced = self.most // 2
-        #: the header words of each rank, by the step's parity
+        #: each rank's post flag, and its header's words by the step's parity (shm_layout.py)
+        self._posts = [r * CONTROL_WORDS + POST for r in range(channel.n)]
         self._heads = [[r * CONTROL_WORDS + HEADER + parity * HEADER_WORDS for r in range(channel.n)]
                        for parity in (0, 1)]
         #: (dtype, count, op) -> (header, its words as a list, every rank's buffers by parity)
@@ -156,6 +157,15 @@ class SmallPath:
     def _header(self, kind: int, count: int, op: ReduceOp, dtype: np.dtype) -> tuple[int, ...]:
         return self.channel._header(kind, count, op, -1, dtype)
 
+    def _post(self, step: int, header: tuple[int, ...]) -> None:
+        """This rank's header in the slot of ``step``'s parity, then its post flag (in that order:
+        x86-TSO shows the peers the header before the flag; shm_collectives.py's argument)."""
+        words, me = self.channel.words, self.channel.rank
+        at = self._heads[step & 1][me]
+        for i, value in enumerate(header):
+            words[at + i] = value
+        words[self._posts[me]] = step
+
     def _views(self, dtype: np.dtype, count: int) -> list[list[np.ndarray]]:
         """Every rank's two buffers (by parity) as ``count`` elements of ``dtype``."""
         channel = self.channel
@@ -176,9 +186,9 @@ class SmallPath:
         bufs = views[step & 1]
         flat = buf.reshape(-1)
         np.copyto(bufs[channel.rank], flat)
-        channel._write_header(step, header)
-        channel._post(step)
-        return SmallRequest("all_reduce", channel, step, header, words, self._heads[step & 1], flat, bufs, op)
+        self._post(step, header)
+        return SmallRequest("all_reduce", channel, step, header, words, self._posts, self._heads[step & 1], flat, bufs,
+                            op)
 
     def reduce_scatter(self, out: np.ndarray, inp: np.ndarray, op: ReduceOp) -> SmallRequest:
         """Start the reduce_scatter of ``inp`` (n blocks of ``out.size``; ``takes(inp.nbytes)``) into ``out``."""
@@ -210,6 +220,6 @@ class SmallPath:
                 np.copyto(mine[me + 1:], src[me + 1:])
             parts = list(blocks[parity])
             parts[me] = src[me]
-        channel._write_header(step, header)
-        channel._post(step)
-        return SmallRequest("reduce_scatter", channel, step, header, words, self._heads[parity], dst, parts, op)
+        self._post(step, header)
+        return SmallRequest("reduce_scatter", channel, step, header, words, self._posts, self._heads[parity], dst, parts,
+                            op)
