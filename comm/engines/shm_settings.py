@@ -63,17 +63,18 @@ SEGMENT_BUDGET = 32 << 20
 #: in only the others' slices, or moves the buffer by cross-memory attach. DeepSpeed's shm.cpp
 #: switches at 1 MiB; here (2 ranks, loaded machine, min of 15 single calls) one meeting took 22 us
 #: at 64 KB against 28 for two, and both about as long at 1 MB (219-257 us against 184-239), while
-#: cross-memory attach lost at 1 MB (above): 1 MiB. Ordinary buffers start above it by default
-#: (``DEFAULT_DIRECT_MIN_BYTES``); it matters where ``MESHKIT_SHM_MIN_BYTES`` is set lower.
+#: cross-memory attach lost at 1 MB (above): 1 MiB. Ordinary buffers take the chunked path above it
+#: by default (``DEFAULT_DIRECT_MIN_BYTES``); it also bounds the one-meeting path of shm_small.py (a
+#: reduce_scatter's input up to it, an all_reduce up to half of it).
 DEFAULT_SMALL_BYTES = 1 << 20
 #: all_reduce and reduce_scatter of an ordinary buffer from this many bytes (up to
 #: ``MESHKIT_SHM_SMALL_BYTES`` and one chunk; an all_reduce up to half of it) take the one-meeting
 #: path of comm/engines/shm_small.py (``MESHKIT_SHM_SMALL_MIN_BYTES``); below, MPI. At 2 ranks on the
-#: loaded machine (benchmarks/collectives.py --stat min, 5-9 rounds, 6 runs, the path from 4 KiB for
-#: the measurement; docs/collectives.md) the one meeting won from 16 KB in every run (all_reduce 16 KB
-#: 39-120 us against 55-292 over meshkit's MPI path, 64 KB 56-127 against 89-173; reduce_scatter
-#: 16 KB 38-43 against 51-72) and lost or tied at 4-8 KB (all_reduce 4 KB 16-115 against 13-86,
-#: reduce_scatter 4 KB 36-49 against 29-38): below 16 KB MPICH's own few microseconds win.
+#: loaded machine (benchmarks/collectives.py --stat min, 5-7 rounds, three runs of the final code, the
+#: path from 4 KiB in two of them; docs/collectives.md) the one meeting beat meshkit's MPI path from
+#: 16 KB (all_reduce 16 KB 16-33 us against 21-57, 64 KB 23-55 against 36-77; reduce_scatter 16 KB
+#: in 2 runs of 3, 64 KB 33-89 against 39-133) and lost at 4-8 KB (all_reduce 15-17 us against 13-17,
+#: reduce_scatter 15-32 against 13-26): below 16 KB MPICH's own few microseconds win.
 DEFAULT_SMALL_MIN_BYTES = 16 << 10
 #: A buffer of ``shared_buffer`` (DDP's buckets) is reduced (gathered) in place from this many bytes
 #: (``MESHKIT_SHM_SHARED_MIN_BYTES``); below it MPI works on the same memory, as on any array. At 2
