@@ -105,7 +105,7 @@ class ShmEngine(OverHost):
                 return ShmRequest("all_reduce", lambda request: channel.all_reduce_in_place(request, views, op, offset))
         if buf.__class__ is _NDARRAY:
             nbytes, small = buf.nbytes, self.small
-            if small.least <= nbytes <= small.most_reduced:
+            if small.least <= nbytes <= small.most_reduced and not self._shared_below(buf):
                 return small.all_reduce(buf, op)
             if nbytes >= self.min_bytes:
                 channel = self.channel
@@ -156,6 +156,13 @@ class ShmEngine(OverHost):
         # the place names the buffer too: two shared buffers never compare equal
         return [np.frombuffer(region, buf.dtype, buf.size, offset) for region in regions], offset + (index << 40)
 
+    def _shared_below(self, buf: np.ndarray) -> bool:
+        """Whether ``buf`` is a view of a ``shared_buffer`` (asked once the in-place path declined it:
+        below ``MESHKIT_SHM_SHARED_MIN_BYTES``). Such a buffer stays on MPI, on the same memory, as that
+        threshold says, rather than take the one-meeting path of ordinary arrays: DDP's, ZeRO's and
+        FSDP's small buffers keep the path they had."""
+        return bool(self.regions) and id(buf.base) in self._owners
+
     def reduce(self, buf: Any, op: ReduceOp, root: int) -> Any:
         if buf.__class__ is _NDARRAY and buf.nbytes >= self.min_bytes:
             channel = self.channel
@@ -188,7 +195,8 @@ class ShmEngine(OverHost):
                 channel, (ins, offset) = self.channel, place
                 return ShmRequest("reduce_scatter",
                                   lambda request: channel.reduce_scatter_in_place(request, out, ins, op, offset))
-        if out.__class__ is _NDARRAY and inp.__class__ is _NDARRAY and self.small.takes(inp.nbytes):
+        if out.__class__ is _NDARRAY and inp.__class__ is _NDARRAY and self.small.takes(inp.nbytes) and \
+                not self._shared_below(inp):
             return self.small.reduce_scatter(out, inp, op)
         if out.__class__ is _NDARRAY and inp.__class__ is _NDARRAY and inp.nbytes >= self.min_bytes:
             channel = self.channel
