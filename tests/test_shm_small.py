@@ -195,7 +195,7 @@ def test_which_buffers_it_takes_and_its_caches_stay_bounded():
     assert path.most == CHUNK  # held to one chunk
     assert [path.takes(b) for b in (63, 64, CHUNK, CHUNK + 1)] == [False, True, True, False]
     assert path.most_reduced == CHUNK // 2
-    assert path.describe() == "all_reduce of NumPy arrays of 64-2048 bytes and reduce_scatter of 64-4096 in one meeting, "
+    assert path.describe() == ", all_reduce of NumPy arrays of 64-2048 bytes and reduce_scatter of 64-4096 in one meeting"
     assert _paths(2, least=2048, most=1024)[0].describe() == ""  # least above most: off
     paths = _paths(2)
     for count in range(1, CACHED_SHAPES + 40):

@@ -151,8 +151,8 @@ class SmallPath:
         """Which calls take this path, in words (``ShmEngine.paths``)."""
         if self.least > self.most:
             return ""
-        return (f"all_reduce of NumPy arrays of {self.least}-{self.most_reduced} bytes and reduce_scatter of "
-                f"{self.least}-{self.most} in one meeting, ")
+        return (f", all_reduce of NumPy arrays of {self.least}-{self.most_reduced} bytes and reduce_scatter of "
+                f"{self.least}-{self.most} in one meeting")
 
     def _header(self, kind: int, count: int, op: ReduceOp, dtype: np.dtype) -> tuple[int, ...]:
         return self.channel._header(kind, count, op, -1, dtype)
