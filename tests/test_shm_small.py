@@ -205,3 +205,16 @@ def test_which_buffers_it_takes_and_its_caches_stay_bounded():
     assert all(len(p._reduced) <= CACHED_SHAPES for p in paths)
     paths[0].close()
     assert not paths[0]._reduced
+
+
+def test_closing_lets_the_segment_be_unmapped():
+    memory = mmap.mmap(-1, layout.segment_bytes(2, CHUNK))
+    channels = [Channel(memory, 2, r, CHUNK, 1024, [0, 1]) for r in range(2)]
+    paths = [SmallPath(c, 0, CHUNK) for c in channels]
+    bufs = [np.ones(50), np.ones(50)]
+    assert _drive(paths, [[lambda p, b=b: p.all_reduce(b, ReduceOp.SUM)] for b in bufs]) == [None, None]
+    for path in paths:
+        path.close()
+        path.channel.close()
+    memory.close()  # refused (BufferError) while any view of it lived
+    assert memory.closed

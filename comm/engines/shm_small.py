@@ -35,6 +35,7 @@ hook runs) and a timeout names :attr:`SmallRequest.missing_ranks`, as the channe
 
 from __future__ import annotations
 
+from array import array
 from typing import Any
 
 import numpy as np
@@ -88,7 +89,7 @@ class SmallRequest(ShmRequest):
                     return False
             self.missing_ranks = ()
             mine = self.words
-            for at in self.heads:  # every rank's header for this step against this rank's (as a list: one C call)
+            for at in self.heads:  # the others' headers for this step against this rank's (as a list: one C call)
                 if words[at:at + HEADER_WORDS].tolist() != mine:
                     channel._compare(step, self.header)  # raises CallsDiffer, naming every rank's call
             _reduce_into(self.op, self.dst, self.parts)
@@ -131,10 +132,15 @@ class SmallPath:
         self._posts = [r * CONTROL_WORDS + POST for r in range(channel.n)]
         self._heads = [[r * CONTROL_WORDS + HEADER + parity * HEADER_WORDS for r in range(channel.n)]
                        for parity in (0, 1)]
-        #: (dtype, count, op) -> (header, its words as a list, every rank's buffers by parity)
-        self._reduced: dict[tuple[Any, ...], tuple[tuple[int, ...], list[int], list[list[np.ndarray]]]] = {}
-        #: (dtype, count, op) -> (header, its words, every rank's buffers as n blocks, block ``rank`` of each)
-        self._scattered: dict[tuple[Any, ...], tuple[tuple[int, ...], list[int], list[list[np.ndarray]],
+        #: the others' header words by parity: what a call compares with its own
+        self._others = [[at for r, at in enumerate(heads) if r != channel.rank] for heads in self._heads]
+        #: this rank's header slot by parity, as a memoryview to assign a header's words in one copy
+        self._mine = [channel.words[heads[channel.rank]:heads[channel.rank] + HEADER_WORDS] for heads in self._heads]
+        #: (dtype, count, op) -> (header, its words as a list and as int64 bytes, every rank's buffers by parity)
+        self._reduced: dict[tuple[Any, ...], tuple[tuple[int, ...], list[int], memoryview,
+                                                   list[list[np.ndarray]]]] = {}
+        #: (dtype, count, op) -> (header, its words, its bytes, every rank's buffers as n blocks, block ``rank`` of each)
+        self._scattered: dict[tuple[Any, ...], tuple[tuple[int, ...], list[int], memoryview, list[list[np.ndarray]],
                                                      list[list[np.ndarray]]]] = {}
 
     def takes(self, nbytes: int) -> bool:
@@ -143,9 +149,12 @@ class SmallPath:
         return self.least <= nbytes <= self.most
 
     def close(self) -> None:
-        """Drop the views of the segment (so that unmapping it is not refused while they live)."""
+        """Drop the views of the segment (so that unmapping it is not refused while they live); the
+        path is not used afterwards."""
         self._reduced.clear()
         self._scattered.clear()
+        for slot in self._mine:
+            slot.release()
 
     def describe(self) -> str:
         """Which calls take this path, in words (``ShmEngine.paths``)."""
@@ -157,14 +166,11 @@ class SmallPath:
     def _header(self, kind: int, count: int, op: ReduceOp, dtype: np.dtype) -> tuple[int, ...]:
         return self.channel._header(kind, count, op, -1, dtype)
 
-    def _post(self, step: int, header: tuple[int, ...]) -> None:
-        """This rank's header in the slot of ``step``'s parity, then its post flag (in that order:
-        x86-TSO shows the peers the header before the flag; shm_collectives.py's argument)."""
-        words, me = self.channel.words, self.channel.rank
-        at = self._heads[step & 1][me]
-        for i, value in enumerate(header):
-            words[at + i] = value
-        words[self._posts[me]] = step
+    def _post(self, step: int, header: memoryview) -> None:
+        """This rank's header (its words) in the slot of ``step``'s parity, then its post flag (in that
+        order: x86-TSO shows the peers the header before the flag; shm_collectives.py's argument)."""
+        self._mine[step & 1][:] = header
+        self.channel.words[self._posts[self.channel.rank]] = step
 
     def _views(self, dtype: np.dtype, count: int) -> list[list[np.ndarray]]:
         """Every rank's two buffers (by parity) as ``count`` elements of ``dtype``."""
@@ -179,15 +185,16 @@ class SmallPath:
             if len(self._reduced) >= CACHED_SHAPES:
                 self._reduced.clear()
             header = self._header(_AR, buf.size, op, buf.dtype)
-            kept = self._reduced[key] = (header, list(header), self._views(buf.dtype, buf.size))
-        header, words, views = kept
+            kept = self._reduced[key] = (header, list(header), memoryview(array("q", header)),
+                                         self._views(buf.dtype, buf.size))
+        header, words, raw, views = kept
         channel = self.channel
         step = channel.step = channel.step + 1
         bufs = views[step & 1]
-        flat = buf.reshape(-1)
+        flat = buf if buf.ndim == 1 else buf.reshape(-1)
         np.copyto(bufs[channel.rank], flat)
-        self._post(step, header)
-        return SmallRequest("all_reduce", channel, step, header, words, self._posts, self._heads[step & 1], flat, bufs,
+        self._post(step, raw)
+        return SmallRequest("all_reduce", channel, step, header, words, self._posts, self._others[step & 1], flat, bufs,
                             op)
 
     def reduce_scatter(self, out: np.ndarray, inp: np.ndarray, op: ReduceOp) -> SmallRequest:
@@ -202,8 +209,9 @@ class SmallPath:
                 self._scattered.clear()
             views = [[v.reshape(n, m) for v in per] for per in self._views(out.dtype, n * m)]
             header = self._header(_RS, m, op, out.dtype)
-            kept = self._scattered[key] = (header, list(header), views, [[v[me] for v in per] for per in views])
-        header, words, views, blocks = kept
+            kept = self._scattered[key] = (header, list(header), memoryview(array("q", header)), views,
+                                           [[v[me] for v in per] for per in views])
+        header, words, raw, views, blocks = kept
         step = channel.step = channel.step + 1
         parity = step & 1
         mine = views[parity][me]
@@ -220,6 +228,6 @@ class SmallPath:
                 np.copyto(mine[me + 1:], src[me + 1:])
             parts = list(blocks[parity])
             parts[me] = src[me]
-        self._post(step, header)
-        return SmallRequest("reduce_scatter", channel, step, header, words, self._posts, self._heads[parity], dst, parts,
+        self._post(step, raw)
+        return SmallRequest("reduce_scatter", channel, step, header, words, self._posts, self._others[parity], dst, parts,
                             op)
