@@ -35,6 +35,7 @@ hook runs) and a timeout names :attr:`SmallRequest.missing_ranks`, as the channe
 
 from __future__ import annotations
 
+import time
 from array import array
 from typing import Any
 
@@ -46,7 +47,7 @@ from .shm_layout import CONTROL_WORDS, HEADER, HEADER_WORDS, POST
 
 __all__ = ["SmallPath", "SmallRequest", "CACHED_SHAPES"]
 
-#: Distinct ``(dtype, count)`` views and headers kept before the caches start over: a program calls
+#: Distinct ``(dtype, count, op)`` views and headers kept before the caches start over: a program calls
 #: a handful of sizes (DDP's bucket, FSDP's shards); a sweep over sizes only rebuilds views (a few
 #: microseconds each), never holds more than this many.
 CACHED_SHAPES = 256
@@ -104,7 +105,9 @@ class SmallRequest(ShmRequest):
         """A poll found a flag missing: note who is missing; every few polls, whether they live."""
         self.missing_ranks = missing = [r for r, at in enumerate(self.posts) if words[at] < step]
         self.polls += 1
-        if self.polls % _POLLS_PER_LOOK == 0:
+        if self.polls == 1:  # the wait begins: the first look comes LIVENESS_INTERVAL from now (no clock read
+            self.looked = time.monotonic()  # for a call that never waits)
+        elif self.polls % _POLLS_PER_LOOK == 0:
             self.channel._check_alive(self, missing)
 
 
