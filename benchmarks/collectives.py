@@ -258,7 +258,8 @@ _NEVER = 1 << 62
 
 def meshkit_mpi_engine(mode: str = "sync") -> Engine:
     """meshkit on the same world group with its shared-memory path stepped aside (its engine's
-    thresholds, ``MESHKIT_SHM_MIN_BYTES`` and ``MESHKIT_SHM_MOVE_MIN_BYTES``, set above every size for the call): meshkit over MPI, in
+    thresholds, ``MESHKIT_SHM_MIN_BYTES``, ``MESHKIT_SHM_MOVE_MIN_BYTES`` and the one-meeting path's
+    ``MESHKIT_SHM_SMALL_MIN_BYTES``, set above every size for the call): meshkit over MPI, in
     the same job as the shared-memory path, on the same buffers. Without the path (``MESHKIT_SHM=0``,
     a world across nodes) it is plain ``meshkit``."""
     from meshkit.comm._seams import resolve_group
@@ -274,12 +275,12 @@ def meshkit_mpi_engine(mode: str = "sync") -> Engine:
         fn = plain(op, b)
 
         def over_mpi() -> None:
-            least, moved = shm.min_bytes, shm.move_min_bytes
-            shm.min_bytes = shm.move_min_bytes = _NEVER
+            least, moved, small = shm.min_bytes, shm.move_min_bytes, shm.small.least
+            shm.min_bytes = shm.move_min_bytes = shm.small.least = _NEVER
             try:
                 fn()
             finally:
-                shm.min_bytes, shm.move_min_bytes = least, moved
+                shm.min_bytes, shm.move_min_bytes, shm.small.least = least, moved, small
         return over_mpi
 
     return Engine("meshkit-mpi", bind)

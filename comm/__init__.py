@@ -29,6 +29,7 @@ The map, one line a module:
     mpi_ulfm.py        MPI's fault tolerance (ULFM): a dead rank as RankFailedError, Revoke, Shrink
     shm.py             the shared-memory path under MPI: a group on one node, through one segment
     shm_collectives.py its collectives: flags instead of barriers, a fixed reduction order
+    shm_small.py       small and middle ordinary all_reduce/reduce_scatter in one meeting, no generator
     shm_segment.py     its segment: POSIX shared memory, created exclusively, unlinked once mapped
     shm_layout.py      its arithmetic: flags, headers and buffers in the segment, chunks, slices
     shm_cma.py         cross-memory attach: copies between ranks' own arrays (process_vm_readv/writev)

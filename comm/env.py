@@ -25,7 +25,7 @@ __all__ = ["DEBUG", "TORCH_DEBUG", "TIMEOUT", "ASYNC_ERROR_HANDLING", "CUDA_AWAR
            "cuda_aware_mpi", "launched", "device_id", "trace_dir", "host_name", "this_host", "job_secret", "job_identity", "secret_identity",
            "positive_number", "control_max_depth", "CONTROL_MAX_DEPTH", "STORE_MAX_BYTES", "STORE_MAX_CONNECTIONS",
            "STORE_IDLE_TIMEOUT", "STORE_HANDSHAKE_TIMEOUT", "STORE_MAX_WAIT_KEYS",
-           "SHM", "SHM_MIN_BYTES", "SHM_MOVE_MIN_BYTES", "SHM_CHUNK_BYTES", "SHM_SMALL_BYTES", "shm_enabled", "shm_bytes",
+           "SHM", "SHM_MIN_BYTES", "SHM_MOVE_MIN_BYTES", "SHM_CHUNK_BYTES", "SHM_SMALL_BYTES", "SHM_SMALL_MIN_BYTES", "shm_enabled", "shm_bytes",
            "check_all", "invalid"]
 
 DEBUG = "MESHKIT_DEBUG"
@@ -306,6 +306,9 @@ SHM_MOVE_MIN_BYTES = "MESHKIT_SHM_MOVE_MIN_BYTES"
 SHM_CHUNK_BYTES = "MESHKIT_SHM_CHUNK_BYTES"
 #: A reduction chunk of at most this many bytes meets once (every rank reduces all of it).
 SHM_SMALL_BYTES = "MESHKIT_SHM_SMALL_BYTES"
+#: all_reduce and reduce_scatter of an ordinary buffer from this many bytes up to
+#: ``MESHKIT_SHM_SMALL_BYTES`` meet once through the segment (comm/engines/shm_small.py).
+SHM_SMALL_MIN_BYTES = "MESHKIT_SHM_SMALL_MIN_BYTES"
 #: A buffer of ``shared_buffer`` below this many bytes goes to MPI on the same memory.
 SHM_SHARED_MIN_BYTES = "MESHKIT_SHM_SHARED_MIN_BYTES"
 #: ``0`` copies ordinary buffers through the segment; ``1`` (the default) moves them between the
@@ -366,6 +369,7 @@ def check_all() -> None:
     shm_bytes(SHM_MIN_BYTES, 0, zero=True)
     shm_bytes(SHM_MOVE_MIN_BYTES, 0, zero=True)
     shm_bytes(SHM_SMALL_BYTES, 0, zero=True)
+    shm_bytes(SHM_SMALL_MIN_BYTES, 0, zero=True)
     shm_bytes(SHM_CHUNK_BYTES, 64, multiple=64)
     shm_bytes(SHM_SHARED_MIN_BYTES, 0, zero=True)
     shm_cma()

@@ -1,9 +1,11 @@
 """The shared-memory path's cases, run by every rank of one meshkit-run job (tests/test_shm.py).
 
 The job runs with tiny settings (``MESHKIT_SHM_MIN_BYTES=512`` and ``MESHKIT_SHM_MOVE_MIN_BYTES=512``,
-``MESHKIT_SHM_SMALL_BYTES=1024``, ``MESHKIT_SHM_SHARED_MIN_BYTES=512``,
-``MESHKIT_SHM_CHUNK_BYTES=4096``), so that a few KB exercise every path: MPI below 512 bytes,
-one meeting per chunk up to 1 KB, two meetings and many chunks above. Each rank computes every
+``MESHKIT_SHM_SMALL_BYTES=2048``, ``MESHKIT_SHM_SMALL_MIN_BYTES=512``, ``MESHKIT_SHM_SHARED_MIN_BYTES=600``,
+``MESHKIT_SHM_CHUNK_BYTES=4096``), so that a few KB exercise every path: MPI below 512 bytes, an
+ordinary all_reduce of 512 B-1 KB in one meeting of comm/engines/shm_small.py (the mismatch case
+meets a 1.6 KB call of the chunked path there), a reduce or a reduce_scatter of 2 KB or less in
+one meeting of the chunked path, two meetings and many chunks above. Each rank computes every
 rank's input, and the reference is NumPy's reduction in the same fixed rank order
 (``((x0 op x1) op x2) ...``), so every dtype compares exactly, float64 included; each result's
 digest is gathered, so every rank holds bitwise the same bytes.
@@ -12,6 +14,7 @@ digest is gathered, so every rank holds bitwise the same bytes.
 from __future__ import annotations
 
 import hashlib
+import time
 
 import numpy as np
 
@@ -188,8 +191,8 @@ def check_timeout() -> str | None:
 
 
 def check_shared_buffer() -> None:
-    """A buffer of ``shared_buffer`` is reduced in place (path shm from MESHKIT_SHM_SHARED_MIN_BYTES, 512
-    in this job; MPI below it, on the same memory), a view of it too,
+    """A buffer of ``shared_buffer`` is reduced in place (path shm from MESHKIT_SHM_SHARED_MIN_BYTES, 600
+    in this job; MPI below it, on the same memory, even where an ordinary array of its size meets once), a view of it too,
     and DDP's buckets live in one: its gradients reduce in place and match the expected sum."""
     rank, n = meshkit.get_rank(), meshkit.get_world_size()
     group = resolve_group(None)
@@ -202,6 +205,15 @@ def check_shared_buffer() -> None:
     part[:] = rank
     meshkit.all_reduce(part, op=ReduceOp.MAX, async_op=True).wait()
     assert _last_path() == "shm" and (part == n - 1).all() and np.array_equal(buf[:10], np.arange(10) * (n * (n + 1) // 2))
+    # 560 bytes, below 600: not the one meeting of an ordinary array of its size (512-1024 B here), but
+    # what it took before there was one (the chunked path from MESHKIT_SHM_MIN_BYTES, 512 here); asked
+    # of the engine itself, the only place the two differ
+    mid = buf[200:270]
+    mid[:] = rank + 1
+    request = group.engine.all_reduce(mid, ReduceOp.SUM)
+    assert type(request).__name__ == "ShmRequest", type(request)
+    group.engine.wait(request, time.monotonic() + 30)
+    assert (mid == n * (n + 1) // 2).all()
     small = buf[100:110]  # 80 bytes, below MESHKIT_SHM_SHARED_MIN_BYTES: MPI on the same memory
     small[:] = rank + 1
     meshkit.all_reduce(small)

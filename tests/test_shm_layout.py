@@ -62,7 +62,8 @@ def test_a_bad_MESHKIT_SHM_names_the_variable_and_the_valid_values(monkeypatch, 
 
 @pytest.mark.parametrize("name, raw", [("MESHKIT_SHM_MIN_BYTES", "-5"), ("MESHKIT_SHM_MIN_BYTES", "1e3"),
                                        ("MESHKIT_SHM_CHUNK_BYTES", "100"), ("MESHKIT_SHM_CHUNK_BYTES", "0"),
-                                       ("MESHKIT_SHM_CHUNK_BYTES", str(2 << 30))])
+                                       ("MESHKIT_SHM_CHUNK_BYTES", str(2 << 30)),
+                                       ("MESHKIT_SHM_SMALL_MIN_BYTES", "16K")])
 def test_bad_byte_settings_name_the_variable(monkeypatch, name, raw):
     monkeypatch.setenv(name, raw)
     with pytest.raises(DistValueError, match=rf"{name}='{raw}' is not valid; valid values are integers"):

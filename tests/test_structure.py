@@ -575,6 +575,10 @@ CROSS_OBJECT_PRIVATE = {
     ("comm/collectives.py", "_group_rank_of"): "the module-level functions translate a global rank with one "
                                                "dict lookup on the group's index (every call with a root or "
                                                "peer), raising their own message",
+    **{("comm/engines/shm_small.py", name): "the channel's one-meeting calls, in a module of their own: a call "
+       "here is a step of the channel's, so it writes the channel's header (_header), raises its mismatch "
+       "(_compare) and looks at the missing ranks' lives (_check_alive) exactly as the channel's own calls do"
+       for name in ("_header", "_compare", "_check_alive")},
 }
 
 

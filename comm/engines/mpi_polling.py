@@ -37,8 +37,15 @@ _BATCH = range(_POLLS_PER_YIELD)
 #: happens inside ``Test``: a 64 KB all_reduce polled with ``sched_yield`` was slower than one
 #: spinning, and than a blocking ``Allreduce`` (benchmarks/collectives.py). A communication
 #: thread spins only while a caller waits for it; otherwise it runs beside the caller's
-#: computation (see ``engine.in_background``).
-CALLER_SPIN_SECONDS = 0.002
+#: computation (see ``engine.in_background``). Short, though: a core of its own per rank is
+#: not a core to itself when other processes run, and where the scheduler puts both ranks on one
+#: core (the waker's), a rank that spins keeps the peer it waits for off that core for the whole
+#: spin. With 2 ms, 3 of 8 runs of benchmarks/collectives.py at 2 ranks on the loaded 2-core
+#: machine (load 3.5-4.5; --stat min, 5 rounds) timed every meshkit call at 1.8-4.2 ms, 4 KB to
+#: 1 MB alike, MPI path included, against MPICH's 33-460 us; with 50 us the worst of 6 runs was
+#: 111-152 us at 4-64 KB, and the undisturbed runs were as fast as with 2 ms (64 KB over MPI 36-71
+#: us against 41-97; docs/collectives.md). A 64 KB all_reduce (30-35 us quiet) still ends within it.
+CALLER_SPIN_SECONDS = 0.00005
 _caller_spin = 0.0
 #: Seconds of yielding before napping. MPI's nonblocking collectives progress only inside
 #: ``Test``, so a poller that naps throttles any transfer still running: with naps after 20 ms,

@@ -66,7 +66,8 @@ from .shm_host import OverHost
 from . import mpi_ulfm
 from .shm_cma import probe
 from .shm_settings import (applies, chunk_bytes, direct, direct_bytes, min_bytes, move_min_bytes, shared_min_bytes,
-                           small_bytes, surviving)
+                           small_bytes, small_min_bytes, surviving)
+from .shm_small import SmallPath
 from .shm_layout import segment_bytes
 from .shm_segment import NAME_BYTES, Segment, attach, create
 from .watchdog import watched
@@ -92,6 +93,9 @@ class ShmEngine(OverHost):
         #: arrays stay alive in ``regions``, so an id is never reused while it is here
         self._owners: dict[int, int] = {}
         self._pools: list[Segment] = []
+        #: ordinary all_reduce and reduce_scatter of MESHKIT_SHM_SMALL_MIN_BYTES..MESHKIT_SHM_SMALL_BYTES:
+        #: one meeting (shm_small.py)
+        self.small = SmallPath(channel, small_min_bytes(), channel.small_bytes)
 
     # ----------------------------------------------------------------- the path
     def all_reduce(self, buf: Any, op: ReduceOp) -> Any:
@@ -100,9 +104,13 @@ class ShmEngine(OverHost):
             if place is not None:  # a buffer of shared_buffer: reduced in place, at any size
                 channel, (views, offset) = self.channel, place
                 return ShmRequest("all_reduce", lambda request: channel.all_reduce_in_place(request, views, op, offset))
-        if buf.__class__ is _NDARRAY and buf.nbytes >= self.min_bytes:
-            channel = self.channel
-            return ShmRequest("all_reduce", lambda request: channel.all_reduce(request, buf, op))
+        if buf.__class__ is _NDARRAY:
+            nbytes, small = buf.nbytes, self.small
+            if small.least <= nbytes <= small.most_reduced and not self._shared_below(buf):
+                return small.all_reduce(buf, op)
+            if nbytes >= self.min_bytes:
+                channel = self.channel
+                return ShmRequest("all_reduce", lambda request: channel.all_reduce(request, buf, op))
         return self.host.all_reduce(buf, op)
 
     def shared_buffer(self, nbytes: int, deadline: float) -> np.ndarray:
@@ -149,6 +157,13 @@ class ShmEngine(OverHost):
         # the place names the buffer too: two shared buffers never compare equal
         return [np.frombuffer(region, buf.dtype, buf.size, offset) for region in regions], offset + (index << 40)
 
+    def _shared_below(self, buf: np.ndarray) -> bool:
+        """Whether ``buf`` is a view of a ``shared_buffer`` (asked once the in-place path declined it:
+        below ``MESHKIT_SHM_SHARED_MIN_BYTES``). Such a buffer stays on MPI, on the same memory, as that
+        threshold says, rather than take the one-meeting path of ordinary arrays: DDP's, ZeRO's and
+        FSDP's small buffers keep the path they had."""
+        return bool(self.regions) and id(buf.base) in self._owners
+
     def reduce(self, buf: Any, op: ReduceOp, root: int) -> Any:
         if buf.__class__ is _NDARRAY and buf.nbytes >= self.min_bytes:
             channel = self.channel
@@ -181,6 +196,9 @@ class ShmEngine(OverHost):
                 channel, (ins, offset) = self.channel, place
                 return ShmRequest("reduce_scatter",
                                   lambda request: channel.reduce_scatter_in_place(request, out, ins, op, offset))
+        if out.__class__ is _NDARRAY and inp.__class__ is _NDARRAY and self.small.takes(inp.nbytes) and \
+                not self._shared_below(inp):
+            return self.small.reduce_scatter(out, inp, op)
         if out.__class__ is _NDARRAY and inp.__class__ is _NDARRAY and inp.nbytes >= self.min_bytes:
             channel = self.channel
             return ShmRequest("reduce_scatter", lambda request: channel.reduce_scatter(request, out, inp, op))
@@ -188,7 +206,7 @@ class ShmEngine(OverHost):
 
     def path(self, request: Any) -> str:
         """The path ``request`` takes: ``"shm"`` (this engine's segment) or ``"mpi"``."""
-        return "shm" if request.__class__ is ShmRequest else "mpi"
+        return "shm" if isinstance(request, ShmRequest) else "mpi"
 
     def paths(self) -> str:
         """Which calls go through shared memory (``DeviceMesh.describe`` shows it)."""
@@ -196,7 +214,8 @@ class ShmEngine(OverHost):
                  f", all_gather and broadcast of >= {self.move_min_bytes} bytes")
         direct = ("" if self.channel.direct is None else
                   f" (above {self.channel.small_bytes} bytes by cross-memory attach)")
-        return (f"all_reduce, reduce and reduce_scatter of NumPy arrays of >= {self.min_bytes} bytes{direct}{moved} and "
+        return (f"all_reduce, reduce and reduce_scatter of NumPy arrays of >= {self.min_bytes} "
+                f"bytes{direct}{moved}{self.small.describe()} and "
                 f"all_reduce, all_gather and reduce_scatter on a shared buffer of >= {self.shared_min_bytes} bytes "
                 "through shared memory, the rest over mpi")
 
@@ -205,7 +224,7 @@ class ShmEngine(OverHost):
         return self.segment.size + sum(pool.size for pool in self._pools)
 
     def wait(self, request: Any, deadline: float) -> None:
-        if request.__class__ is not ShmRequest:
+        if not isinstance(request, ShmRequest):
             self.host.wait(request, deadline)
         elif not completes(request, deadline, self.host.watch):
             ranks = self.host.world_ranks
@@ -220,6 +239,7 @@ class ShmEngine(OverHost):
         """Unmap this group's segments without a word to anyone (a survivor's old world, after a
         rank died under ``meshkit-run --survive``: its MPI communicator is revoked, not freed; a
         buffer handed out stays mapped until its views are gone)."""
+        self.small.close()
         self.channel.close()
         self.segment.close()
         self.regions.clear()

@@ -13,9 +13,9 @@ import platform
 from .. import env
 from ...launch_protocol import SURVIVE_ENV
 
-__all__ = ["applies", "supported", "surviving", "min_bytes", "move_min_bytes", "chunk_bytes", "small_bytes", "direct",
+__all__ = ["applies", "supported", "surviving", "min_bytes", "move_min_bytes", "chunk_bytes", "small_bytes", "small_min_bytes", "direct",
            "shared_min_bytes", "direct_bytes", "CMA", "DIRECT_BYTES", "DIRECT_SCRATCH_BUDGET", "SHARED_MIN_BYTES", "DEFAULT_SHARED_MIN_BYTES",
-           "DEFAULT_MIN_BYTES", "DEFAULT_DIRECT_MIN_BYTES", "DEFAULT_MOVE_MIN_BYTES", "DEFAULT_CHUNK_BYTES", "SEGMENT_BUDGET", "DEFAULT_SMALL_BYTES",
+           "DEFAULT_MIN_BYTES", "DEFAULT_DIRECT_MIN_BYTES", "DEFAULT_MOVE_MIN_BYTES", "DEFAULT_CHUNK_BYTES", "SEGMENT_BUDGET", "DEFAULT_SMALL_BYTES", "DEFAULT_SMALL_MIN_BYTES",
            "SURVIVE_MIN_BYTES"]
 
 #: all_reduce, reduce and reduce_scatter of an ordinary buffer below this many bytes go to MPI
@@ -71,9 +71,19 @@ SEGMENT_BUDGET = 32 << 20
 #: in only the others' slices, or moves the buffer by cross-memory attach. DeepSpeed's shm.cpp
 #: switches at 1 MiB; here (2 ranks, loaded machine, min of 15 single calls) one meeting took 22 us
 #: at 64 KB against 28 for two, and both about as long at 1 MB (219-257 us against 184-239), while
-#: cross-memory attach lost at 1 MB (above): 1 MiB. Ordinary buffers start above it by default
-#: (``DEFAULT_DIRECT_MIN_BYTES``); it matters where ``MESHKIT_SHM_MIN_BYTES`` is set lower.
+#: cross-memory attach lost at 1 MB (above): 1 MiB. Ordinary buffers take the chunked path above it
+#: by default (``DEFAULT_DIRECT_MIN_BYTES``); it also bounds the one-meeting path of shm_small.py (a
+#: reduce_scatter's input up to it, an all_reduce up to half of it).
 DEFAULT_SMALL_BYTES = 1 << 20
+#: all_reduce and reduce_scatter of an ordinary buffer from this many bytes (up to
+#: ``MESHKIT_SHM_SMALL_BYTES`` and one chunk; an all_reduce up to half of it) take the one-meeting
+#: path of comm/engines/shm_small.py (``MESHKIT_SHM_SMALL_MIN_BYTES``); below, MPI. At 2 ranks on the
+#: loaded machine (benchmarks/collectives.py --stat min, 5-7 rounds, three runs of the final code, the
+#: path from 4 KiB in two of them; docs/collectives.md) the one meeting beat meshkit's MPI path from
+#: 16 KB (all_reduce 16 KB 16-33 us against 21-57, 64 KB 23-55 against 36-77; reduce_scatter 16 KB
+#: in 2 runs of 3, 64 KB 33-89 against 39-133) and lost at 4-8 KB (all_reduce 15-17 us against 13-17,
+#: reduce_scatter 15-32 against 13-26): below 16 KB MPICH's own few microseconds win.
+DEFAULT_SMALL_MIN_BYTES = 16 << 10
 #: A buffer of ``shared_buffer`` (DDP's buckets) is reduced (gathered) in place from this many bytes
 #: (``MESHKIT_SHM_SHARED_MIN_BYTES``); below it MPI works on the same memory, as on any array. At 2
 #: ranks on the loaded machine (min of 25-31 interleaved single calls, 3 runs; docs/collectives.md)
@@ -147,6 +157,14 @@ def chunk_bytes(n: int = 2) -> int:
 def small_bytes() -> int:
     """``MESHKIT_SHM_SMALL_BYTES``: a reduction chunk up to it meets once."""
     return env.shm_bytes(env.SHM_SMALL_BYTES, DEFAULT_SMALL_BYTES, zero=True)
+
+
+def small_min_bytes() -> int:
+    """``MESHKIT_SHM_SMALL_MIN_BYTES``: an ordinary all_reduce or reduce_scatter from it up to
+    :func:`small_bytes` meets once through the segment (:data:`SURVIVE_MIN_BYTES` by default under
+    ``--survive``, where MPI is Open MPI over TCP)."""
+    return env.shm_bytes(env.SHM_SMALL_MIN_BYTES, SURVIVE_MIN_BYTES if surviving() else DEFAULT_SMALL_MIN_BYTES,
+                         zero=True)
 
 
 def shared_min_bytes() -> int:
