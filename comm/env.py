@@ -340,9 +340,10 @@ def shm_cma() -> bool:
     return value == "1"
 
 
-def shm_bytes(name: str, default: int, *, multiple: int = 1, zero: bool = False) -> int:
+def shm_bytes(name: str, default: int, *, multiple: int = 1, zero: bool = False, said: str | None = None) -> int:
     """One of the ``MESHKIT_SHM_*_BYTES`` settings: an integer of bytes, at most 1 GiB, a multiple of
-    ``multiple``, 0 allowed where ``zero``; ``default`` where unset or empty."""
+    ``multiple``, 0 allowed where ``zero``; ``default`` where unset or empty. ``said`` words the default
+    in the error where it depends on more than this call knows (comm/engines/shm_settings.py)."""
     raw = _get(name)
     if raw is None or not raw.strip():
         return default
@@ -350,7 +351,7 @@ def shm_bytes(name: str, default: int, *, multiple: int = 1, zero: bool = False)
     least = 0 if zero else multiple
     if not text.isdigit() or not least <= int(text) <= _SHM_MOST_BYTES or int(text) % multiple:
         also = f", a multiple of {multiple}" if multiple > 1 else ""
-        raise invalid(name, raw, f"integers {least}..{_SHM_MOST_BYTES} (bytes{also}; default {default})")
+        raise invalid(name, raw, f"integers {least}..{_SHM_MOST_BYTES} (bytes{also}; {said or f'default {default}'})")
     return int(text)
 
 
@@ -366,12 +367,7 @@ def check_all() -> None:
     job_secret()
     control_max_depth()
     shm_enabled()
-    shm_bytes(SHM_MIN_BYTES, 0, zero=True)
-    shm_bytes(SHM_MOVE_MIN_BYTES, 0, zero=True)
-    shm_bytes(SHM_SMALL_BYTES, 0, zero=True)
-    shm_bytes(SHM_SMALL_MIN_BYTES, 0, zero=True)
-    shm_bytes(SHM_CHUNK_BYTES, 64, multiple=64)
-    shm_bytes(SHM_SHARED_MIN_BYTES, 0, zero=True)
+    # (the MESHKIT_SHM_*_BYTES settings: comm/engines/shm_settings.check_all, which knows their defaults)
     shm_cma()
     positive_number(SURVIVE_LEARN_S, 0.25, upper=60.0)
     for name in (STORE_MAX_BYTES, STORE_MAX_CONNECTIONS, STORE_MAX_WAIT_KEYS):

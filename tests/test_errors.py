@@ -149,6 +149,17 @@ BAD_SETTINGS = [
                                   r"'detail'\]"),
     ("MESHKIT_DEVICE_ID", "gpu1", r"MESHKIT_DEVICE_ID='gpu1' is not valid; valid values are a GPU index of this "
                                   r"process \(0, 1, \.\.\.\)"),
+    # the shared-memory path's sizes, each with its own default (before: "default 0", whatever it was)
+    ("MESHKIT_SHM_MIN_BYTES", "4M", r"MESHKIT_SHM_MIN_BYTES='4M' is not valid; valid values are integers "
+                                    r"0..1073741824 \(bytes; default 4194304 where cross-memory attach works, else "
+                                    r"33554432\)\n"),
+    ("MESHKIT_SHM_CHUNK_BYTES", "100", r"MESHKIT_SHM_CHUNK_BYTES='100' is not valid; valid values are integers "
+                                       r"64..1073741824 \(bytes, a multiple of 64; default 4194304, at most 33554432 / "
+                                       r"the ranks, at least 65536\)\n"),
+    ("MESHKIT_SHM_SMALL_BYTES", "x", r"MESHKIT_SHM_SMALL_BYTES='x' .*\(bytes; default 1048576\)\n"),
+    ("MESHKIT_SHM_SMALL_MIN_BYTES", "x", r"MESHKIT_SHM_SMALL_MIN_BYTES='x' .*\(bytes; default 16384\)\n"),
+    ("MESHKIT_SHM_SHARED_MIN_BYTES", "x", r"MESHKIT_SHM_SHARED_MIN_BYTES='x' .*\(bytes; default 65536\)\n"),
+    ("MESHKIT_SHM_MOVE_MIN_BYTES", "-1", r"MESHKIT_SHM_MOVE_MIN_BYTES='-1' .*\(bytes; default 1073741824\)\n"),
 ]
 
 

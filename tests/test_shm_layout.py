@@ -311,8 +311,12 @@ def test_MESHKIT_SHM_CMA_is_validated_and_named(monkeypatch):
         env.check_all()  # so the error comes at init_process_group, as every variable's does
     monkeypatch.setenv("MESHKIT_SHM_CMA", "1")
     monkeypatch.setenv("MESHKIT_SHM_SHARED_MIN_BYTES", "lots")
-    with pytest.raises(DistValueError, match=r"MESHKIT_SHM_SHARED_MIN_BYTES='lots' is not valid"):
-        env.check_all()
+    with pytest.raises(DistValueError, match=r"MESHKIT_SHM_SHARED_MIN_BYTES='lots' is not valid.*default 65536"):
+        shm_settings.check_all()  # (init_process_group calls it after env.check_all: tests/test_errors.py)
+    monkeypatch.setenv("MESHKIT_SURVIVE", "1")
+    with pytest.raises(DistValueError, match=r"MESHKIT_SHM_SHARED_MIN_BYTES='lots' is not valid.*\(bytes; default 0\)"):
+        shm_settings.check_all()  # under --survive the path takes every size
+    monkeypatch.delenv("MESHKIT_SURVIVE")
     monkeypatch.delenv("MESHKIT_SHM_SHARED_MIN_BYTES")
     monkeypatch.setenv("MESHKIT_SURVIVE_LEARN_S", "61")
     with pytest.raises(DistValueError, match=r"MESHKIT_SURVIVE_LEARN_S='61' is not valid; valid values are a positive "

@@ -143,15 +143,19 @@ def min_bytes(direct: bool = False) -> int:
     """``MESHKIT_SHM_MIN_BYTES``: collectives below it go to MPI; by default :data:`SURVIVE_MIN_BYTES`
     under ``--survive``, else :data:`DEFAULT_DIRECT_MIN_BYTES` where ``direct`` (cross-memory attach
     works), else :data:`DEFAULT_MIN_BYTES`."""
-    default = SURVIVE_MIN_BYTES if surviving() else DEFAULT_DIRECT_MIN_BYTES if direct else DEFAULT_MIN_BYTES
-    return env.shm_bytes(env.SHM_MIN_BYTES, default, zero=True)
+    surviving_now = surviving()
+    default = SURVIVE_MIN_BYTES if surviving_now else DEFAULT_DIRECT_MIN_BYTES if direct else DEFAULT_MIN_BYTES
+    said = (f"default {SURVIVE_MIN_BYTES} under --survive" if surviving_now else
+            f"default {DEFAULT_DIRECT_MIN_BYTES} where cross-memory attach works, else {DEFAULT_MIN_BYTES}")
+    return env.shm_bytes(env.SHM_MIN_BYTES, default, zero=True, said=said)
 
 
 def chunk_bytes(n: int = 2) -> int:
     """``MESHKIT_SHM_CHUNK_BYTES`` where set, else :data:`DEFAULT_CHUNK_BYTES` held to
     :data:`SEGMENT_BUDGET` ``/ n`` (a multiple of 64, at least 64 KiB)."""
     default = max(64 << 10, min(DEFAULT_CHUNK_BYTES, SEGMENT_BUDGET // n // 64 * 64))
-    return env.shm_bytes(env.SHM_CHUNK_BYTES, default, multiple=64)
+    return env.shm_bytes(env.SHM_CHUNK_BYTES, default, multiple=64,
+                         said=f"default {DEFAULT_CHUNK_BYTES}, at most {SEGMENT_BUDGET} / the ranks, at least {64 << 10}")
 
 
 def small_bytes() -> int:
@@ -177,3 +181,15 @@ def move_min_bytes() -> int:
     """``MESHKIT_SHM_MOVE_MIN_BYTES``: all_gather and broadcast below it go to MPI (:data:`SURVIVE_MIN_BYTES` by
     default under ``--survive``)."""
     return env.shm_bytes(env.SHM_MOVE_MIN_BYTES, SURVIVE_MIN_BYTES if surviving() else DEFAULT_MOVE_MIN_BYTES, zero=True)
+
+
+def check_all() -> None:
+    """Read every ``MESHKIT_SHM_*_BYTES`` setting, so that a bad value is an error at
+    ``init_process_group`` (comm/setup/lifecycle.py), naming the variable and its default, whether or
+    not a group ever takes the path."""
+    min_bytes()
+    chunk_bytes()
+    small_bytes()
+    small_min_bytes()
+    shared_min_bytes()
+    move_min_bytes()

@@ -19,6 +19,7 @@ from .. import env
 from ..agree import agree
 from ..naming import by_ranks
 from .backends import RULES, Backend, BackendOptions, check_name, create_engine, register_backend
+from ..engines import shm_settings
 from ..engines.cuda_runtime import gpu_available, runtime
 from ..debug import DebugLevel, FlightRecorder
 from ..engines.engine import DeadlineExceeded
@@ -226,6 +227,7 @@ def init_process_group(backend: str = "auto", init_method: str | None = None,
         raise DistError(f"meshkit.comm: rank {world.rank}: init_process_group was already called "
                         f"(backend {world.backend!r}); call destroy_process_group() first")
     env.check_all()  # every MESHKIT_* setting, so that a typo is an error now, not ignored until used
+    shm_settings.check_all()  # (the shared-memory path's sizes, whose defaults live with the path)
     name = _resolve_backend(backend)
     limit = resolve_timeout(timeout)
     asked = requested(init_method, world_size, rank, store)
