@@ -151,7 +151,7 @@ BAD_SETTINGS = [
                                   r"process \(0, 1, \.\.\.\)"),
     # the shared-memory path's sizes, each with its own default (before: "default 0", whatever it was)
     ("MESHKIT_SHM_MIN_BYTES", "4M", r"MESHKIT_SHM_MIN_BYTES='4M' is not valid; valid values are integers "
-                                    r"0..1073741824 \(bytes; default 4194304 where cross-memory attach works, else "
+                                    r"0..1073741824 \(bytes; default 524288 where cross-memory attach works, else "
                                     r"33554432\)\n"),
     ("MESHKIT_SHM_CHUNK_BYTES", "100", r"MESHKIT_SHM_CHUNK_BYTES='100' is not valid; valid values are integers "
                                        r"64..1073741824 \(bytes, a multiple of 64; default 4194304, at most 33554432 / "

@@ -124,7 +124,8 @@ needs_cma = pytest.mark.skipif(bool(_self_attach()), reason=f"process_vm_readv r
 
 
 @pytest.mark.parametrize("n", [2, 3, 5])
-# one meeting (800 B); two meetings over 6 chunks (24 KB); two chunks, then a last one of 608 B that meets once
+# one meeting (800 B; by cross-memory attach where direct: above half of SMALL); two meetings over 6 chunks
+# (24 KB); two chunks, then a last one of 608 B that meets once
 @pytest.mark.parametrize("count", [100, 3000, 1100])
 @pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX])
 @pytest.mark.parametrize("direct", [0, pytest.param(192, marks=needs_cma)])  # direct: pieces of 192 B
@@ -240,7 +241,7 @@ def test_the_default_chunk_keeps_a_segment_within_its_budget(monkeypatch):
     monkeypatch.delenv("MESHKIT_SHM_MIN_BYTES", raising=False)
     assert shm_settings.shared_min_bytes() == 64 << 10  # below, MPI on a shared buffer's memory is faster
     assert [shm_settings.direct_bytes(n) for n in (2, 32, 128, 4096)] == [256 << 10, 256 << 10, 64 << 10, 4096]
-    assert shm_settings.min_bytes(direct=True) == 4 << 20 and shm_settings.min_bytes() == 32 << 20
+    assert shm_settings.min_bytes(direct=True) == 512 << 10 and shm_settings.min_bytes() == 32 << 20
     monkeypatch.setenv("MESHKIT_SHM_SHARED_MIN_BYTES", "-1")
     with pytest.raises(DistValueError, match=r"MESHKIT_SHM_SHARED_MIN_BYTES='-1' is not valid; valid values are "
                                              r"integers 0\.\.1073741824"):
@@ -347,6 +348,8 @@ def test_the_probe_names_what_it_could_not_read_and_a_dead_peer_fails_a_direct_c
                                               r"failed: .*Bad address; MESHKIT_SHM_CMA=0 copies through the segment"):
         channel._read(1, 8, np.empty(16, np.uint8), "all_reduce")
     assert channel.goes_direct(SMALL + 1) and not channel.goes_direct(SMALL)
+    # an all_reduce from where the one-meeting path stops (half of small_bytes)
+    assert channel.reduces_direct(SMALL // 2 + 1) and not channel.reduces_direct(SMALL // 2)
 
 
 _UFUNCS = {ReduceOp.SUM: np.add, ReduceOp.PRODUCT: np.multiply, ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum,

@@ -213,7 +213,8 @@ class ShmEngine(OverHost):
         moved = ("" if self.move_min_bytes >= 1 << 30 else
                  f", all_gather and broadcast of >= {self.move_min_bytes} bytes")
         direct = ("" if self.channel.direct is None else
-                  f" (above {self.channel.small_bytes} bytes by cross-memory attach)")
+                  f" (all_reduce and reduce above {self.channel.small_bytes // 2} bytes and reduce_scatter above "
+                  f"{self.channel.small_bytes} bytes by cross-memory attach)")
         return (f"all_reduce, reduce and reduce_scatter of NumPy arrays of >= {self.min_bytes} "
                 f"bytes{direct}{moved}{self.small.describe()} and "
                 f"all_reduce, all_gather and reduce_scatter on a shared buffer of >= {self.shared_min_bytes} bytes "

@@ -173,6 +173,13 @@ class Channel:
         """Whether an ordinary buffer of ``nbytes`` moves by cross-memory attach (the same on every rank)."""
         return self.direct is not None and nbytes > self.small_bytes
 
+    def reduces_direct(self, nbytes: int) -> bool:
+        """Whether an ordinary all_reduce or reduce of ``nbytes`` goes by cross-memory attach: above half of
+        ``small_bytes``, where the one-meeting path (shm_small.py) stops taking all_reduces; between the
+        two the chunk's meeting through the segment took 1.3-1.6x the direct path's time (2026-11-29,
+        quiet, 2 ranks, 1 MiB: 401 us against 167-250; docs/collectives.md)."""
+        return self.direct is not None and nbytes > self.small_bytes // 2
+
     def close(self) -> None:
         self.words.release()
 
@@ -309,7 +316,7 @@ class Channel:
         flat, n, me = buf.reshape(-1), self.n, self.rank
         dtype = flat.dtype
         header = self._header(2 if root >= 0 else 1, flat.size, op, root, dtype)
-        if self.goes_direct(flat.nbytes):
+        if self.reduces_direct(flat.nbytes):
             yield from self._all_reduce_direct(request, flat, op, root, header)
             return
         itemsize = dtype.itemsize

@@ -38,7 +38,13 @@ DEFAULT_MIN_BYTES = 32 << 20
 #: calls against raw MPICH): all_reduce 4 MiB 1.21-1.88x MPICH in 5 runs, reduce_scatter (now by
 #: cross-memory attach) 1.38-1.85x, but 2 MiB only 1.17-1.41x and 3 MiB 0.96-1.43x (reduce_scatter
 #: 2 MiB 1.03-1.09x): not enough to move the threshold below 4 MiB on a machine this noisy.
-DEFAULT_DIRECT_MIN_BYTES = 4 << 20
+#: Measured quietly (2026-11-29, nothing else running, 2 ranks, min over 9 interleaved rounds of
+#: benchmarks/collectives.py against raw MPICH, two runs each): all_reduce by cross-memory attach
+#: 512 KiB 0.82-0.87 of MPICH's time, 768 KiB 0.72-0.81, 1 MiB 0.61-0.75, 2 MiB 0.72-0.78, 3 MiB
+#: 0.80; over meshkit's MPI path 1 MiB took 1.09-1.13 of MPICH's (the nonblocking call the timeout
+#: needs): so ordinary buffers take the path from 512 KiB, where the one-meeting path stops
+#: (all_reduces above half of MESHKIT_SHM_SMALL_BYTES go by cross-memory attach).
+DEFAULT_DIRECT_MIN_BYTES = 512 << 10
 #: all_gather and broadcast (data moved, nothing reduced) go to MPI below this
 #: (``MESHKIT_SHM_MOVE_MIN_BYTES``), which by default is the most the setting allows: in effect
 #: never. MPICH moves a large message with one copy, the path with two (into the segment, out of
