@@ -618,6 +618,7 @@ def _exit_status(code: object) -> int:
 
 #: The class of meshkit's collective timeouts, by module and name: the bootstrap imports nothing of meshkit.
 _TIMEOUT_CLASS = ("meshkit.comm.errors", "CollectiveTimeout")
+_RANK_FAILED_CLASS = ("meshkit.comm.errors", "RankFailedError")
 
 
 def _timed_out(exc: BaseException) -> list[int] | None:
@@ -628,6 +629,19 @@ def _timed_out(exc: BaseException) -> list[int] | None:
         if (type(exc).__module__, type(exc).__name__) == _TIMEOUT_CLASS:
             missing = getattr(exc, "missing", None)
             return [int(r) for r in missing if isinstance(r, int)] if isinstance(missing, (list, tuple)) else []
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
+
+
+def _peers_failed(exc: BaseException) -> list[int] | None:
+    """If ``exc`` is (or was raised from) a :class:`RankFailedError` naming dead ranks: their global
+    ranks (a survivor that found a peer dead may report before the launcher sees the death); else None."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if (type(exc).__module__, type(exc).__name__) == _RANK_FAILED_CLASS:
+            named = getattr(exc, "failed_ranks", None)
+            dead = [int(r) for r in named if isinstance(r, int)] if isinstance(named, (list, tuple)) else []
+            return dead or None
         exc, seen = exc.__cause__ or exc.__context__, seen + 1
     return None
 
@@ -937,10 +951,13 @@ def _rank_main(target: list[str]) -> int:
         if status is not None:
             _finish_lines(streams)
             missing = _timed_out(exc)
-            if missing is None:
-                status.report_failure(1, "exception")
-            else:  # the launcher names the ranks it waited for, not this one, as the cause
+            dead = _peers_failed(exc) if missing is None else None
+            if missing is not None:  # the launcher names the ranks it waited for, not this one, as the cause
                 status.report_failure(1, "timeout", *missing)
+            elif dead:  # ... and the dead peers this rank's error named, where they ended on their own
+                status.report_failure(1, "peer_failed", *dead)
+            else:
+                status.report_failure(1, "exception")
         _end_rank(1, streams, linger)
     if status is not None:
         status.write(FINISHED, time.time_ns())

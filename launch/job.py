@@ -99,8 +99,9 @@ _STATUS_FILE = re.compile(rf"({START}|{FAILED}|{ENDED}|{FINISHED}|{milestone_fil
 _INT = re.compile(r"-?[0-9]{1,20}")
 #: How a rank reports its failure (``failed.{r}``'s second field): ``timeout`` is an uncaught
 #: collective timeout (followed by the ranks it named as not arrived, where known), ``hung`` a rank
-#: whose watchdog ended it in a call that never returned (meshkit.comm.watchdog).
-_HOWS = frozenset({"exception", "exit", "interrupt", "timeout", "hung"})
+#: whose watchdog ended it in a call that never returned (meshkit.comm.watchdog), ``peer_failed``
+#: an uncaught RankFailedError (followed by the dead ranks it named).
+_HOWS = frozenset({"exception", "exit", "interrupt", "timeout", "hung", "peer_failed"})
 
 #: How often the launcher looks again at the shared-memory files of a rank that holds some
 #: (a rank that holds none yet, before its MPI_Init, is looked at every poll): MPICH makes its
@@ -144,6 +145,7 @@ class _Rank:
     vanished: bool = False  # gone, and its watcher never said how: died with it
     milestones: dict[str, int] = field(default_factory=dict)  # name -> time_ns (meshkit.comm.milestones)
     waited_for: tuple[int, ...] = ()  # a timeout's report: the ranks it named as not arrived (empty: unknown)
+    blamed: tuple[int, ...] = ()  # a RankFailedError's report: the dead ranks it named
 
 
 @dataclass(frozen=True, order=True)
@@ -386,7 +388,7 @@ class Job:
         running = sorted(r for r, rank in self.ranks.items() if rank.ended is None and rank.pid is not None)
         healthy = [r for r in running if self.ranks[r].failed is None]
         if healthy and self.first_failure is not None and self.received is None and not self.timed_out:
-            failed = self.first_failure
+            failed = self._cause(self.first_failure)
             # A rank whose script is over but whose process lives on is stuck in its exit (in
             # MPI_Finalize, waiting for the others), not working.
             working = [r for r in healthy if not self.ranks[r].finished]
@@ -453,9 +455,13 @@ class Job:
                     if fields[1] not in _HOWS:
                         continue
                     rank.failed = (_number(fields[0]), fields[1], _number(fields[2]))
-                    if fields[1] == "timeout":  # the ranks it did not see arrive, of this job's
+                    if fields[1] in ("timeout", "peer_failed"):  # the ranks it did not see arrive / found dead
                         named = {_number(f) for f in fields[3:3 + self.nproc]}
-                        rank.waited_for = tuple(sorted(x for x in named if 0 <= x < self.nproc and x != r))
+                        ranks = tuple(sorted(x for x in named if 0 <= x < self.nproc and x != r))
+                        if fields[1] == "timeout":
+                            rank.waited_for = ranks
+                        else:
+                            rank.blamed = ranks
                 else:
                     rank.ended = (_number(fields[0]), _number(fields[1]))
             except (OSError, ValueError, IndexError):
@@ -529,6 +535,7 @@ class Job:
         if unstarted is not None:
             return unstarted
         failure = self.first_failure or min(self._failures(), default=None)
+        failure = None if failure is None else self._cause(failure)
         detected = self.detected_ns or self.ended_ns or time.time_ns()
         if failure is None:
             code = None if self.proc is None else self.proc.returncode
@@ -560,10 +567,26 @@ class Job:
             description = f"exited with status {failure.status}"
             if rank is not None and rank.failed is not None and rank.failed[1] == "exception":
                 description = f"raised an exception (exit {failure.status})"
+            elif rank is not None and rank.failed is not None and rank.failed[1] == "peer_failed":
+                description = (f"raised a RankFailedError naming {_who(list(rank.blamed))} as failed (exit "
+                               f"{failure.status}); no such end was seen here")
         else:
             description = failure.how
         return JobFailure(failure.rank, failure.status, description, failure.time_ns, detected,
                           self.tails.last(failure.rank))
+
+    def _cause(self, failure: _Failure) -> _Failure:
+        """``failure``, or where its rank raised a RankFailedError naming peers that failed on their own
+        (a signal, an exit, vanished: not a RankFailedError of their own), the earliest of theirs. A
+        survivor that finds a dead peer (its pid gone, in the shared-memory path's wait) may report
+        before the launcher's watcher says how the peer ended, so the earliest report is not always
+        the cause; the rank it names is."""
+        rank = self.ranks.get(failure.rank)
+        if rank is None or rank.failed is None or rank.failed[1] != "peer_failed":
+            return failure
+        named = [f for f in self._failures() if f.rank in rank.blamed
+                 and (self.ranks[f.rank].failed is None or self.ranks[f.rank].failed[1] != "peer_failed")]
+        return min(named, default=failure)
 
     def _hung(self, first: _Failure, detected: int) -> JobFailure | None:
         """The rank that hung, named as the job's cause rather than the ranks whose timeouts fired

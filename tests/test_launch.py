@@ -595,6 +595,50 @@ def test_exit_code_is_the_earliest_failure_of_any_kind(tmp_path: Path) -> None:
     assert run._exit_code(9) == 7
 
 
+def test_a_rank_that_found_a_peer_dead_is_not_named_as_the_cause(tmp_path: Path) -> None:
+    # rank 0's RankFailedError (the shared-memory wait saw rank 2's pid gone) is reported before rank 2's
+    # watcher says how it ended: the first failure seen; the cause is the rank it named, once its end is known
+    run = job.Job([], {}, nproc=3, status_dir=str(tmp_path), timeout=None)
+    me = str(os.getpid())
+    _status(tmp_path, start_0=me, start_1=me, start_2=me, failed_0="1 peer_failed 2000 2 7")
+    run._refresh()
+    assert run.ranks[0].blamed == (2,)  # (7: not a rank of this job)
+    run.first_failure = run._first_failure()
+    assert run.first_failure.rank == 0
+    got = run.failure()
+    assert (got.rank, got.description) == (0, "raised a RankFailedError naming rank 2 as failed (exit 1); no "
+                                              "such end was seen here")
+    _status(tmp_path, ended_2="-9 2500", failed_1="1 peer_failed 2100 2")  # seen later; rank 1 found it too
+    run._refresh()
+    got = run.failure()
+    assert (got.rank, got.status, got.description) == (2, 128 + 9, "was killed by signal 9 (SIGKILL)")
+    # a rank that raised a RankFailedError of its own is no peer's cause: the named rank must have ended
+    run = job.Job([], {}, nproc=2, status_dir=str(tmp_path / "b"), timeout=None)
+    (tmp_path / "b").mkdir()
+    _status(tmp_path / "b", start_0=me, start_1=me, failed_0="1 peer_failed 2000 1", failed_1="1 peer_failed 2001 0")
+    run._refresh()
+    run.first_failure = run._first_failure()
+    assert run.failure().rank == 0
+    for rank in run.ranks.values():
+        if rank.pidfd is not None:
+            os.close(rank.pidfd)
+
+
+def test_an_uncaught_rank_failed_error_reports_the_ranks_it_named() -> None:
+    from meshkit.comm import RankFailedError
+
+    assert bootstrap._peers_failed(RankFailedError("rank 2 failed", failed_ranks=[2, 5])) == [2, 5]
+    assert bootstrap._peers_failed(RankFailedError("woken")) is None  # no death named: a plain exception
+    try:
+        try:
+            raise RankFailedError("rank 1 failed", failed_ranks=[1])
+        except RankFailedError as exc:
+            raise RuntimeError("my step failed") from exc
+    except RuntimeError as exc:
+        assert bootstrap._peers_failed(exc) == [1]
+    assert bootstrap._peers_failed(ValueError("x")) is None
+
+
 @pytest.mark.parametrize(("nproc", "returncode", "code"), [(2, 9, 0), (3, 9, 9), (3, 0, 0)])
 def test_exit_code_when_no_rank_failed(tmp_path: Path, nproc: int, returncode: int, code: int) -> None:
     # Every rank ran here and exited 0: what hydra says of the watchers it killed does not count.
