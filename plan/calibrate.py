@@ -247,8 +247,9 @@ def calibrate(mesh: DeviceMesh, *, sizes: Sequence[int] = SIZES, repeats: int = 
     A dimension whose groups' ranks share a node (every group of it: the shared-memory path,
     comm/engines/shm.py) is also timed on buffers of the group's ``shared_buffer`` for all_reduce,
     all_gather and reduce_scatter, which take that path at every size (in place, as the strategies'
-    buckets and flat buffers do), kept as the level's ``paths["shm"]`` costs; its ordinary buffers
-    take the path only at ``MESHKIT_SHM_MIN_BYTES`` and above, so the sizes below it are MPI's.
+    buckets and flat buffers do), kept as the level's ``paths["shm"]`` costs; the ordinary buffers'
+    fits time whatever path each size takes (MPI below ``MESHKIT_SHM_SMALL_MIN_BYTES``, the one-meeting
+    path, cross-memory attach from ``MESHKIT_SHM_MIN_BYTES``: docs/collectives.md), as a user's call would.
     ``fit_error`` maps ``"dim.kind"`` (``"dim@size.kind"`` for a sized fit, ``"dim.shm.kind"`` for the path) to the fit's mean
     relative error; ``flops`` holds the float32 and float64 rates of an ``matmul_n``-square
     matmul on this rank (the slowest rank's, as agreed by MAX),
