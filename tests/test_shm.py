@@ -48,6 +48,17 @@ def test_every_collective_dtype_and_op_through_shared_memory(mpirun):
     assert _segments() <= before
 
 
+def test_ranks_whose_path_settings_differ_all_refuse_to_start(mpirun):
+    # 64 KiB of MESHKIT_SHM_SMALL_BYTES on one rank, 128 KiB on the other: a 96 KiB all_reduce would take
+    # the one meeting on one and another protocol on the other, with the same header
+    out = mpirun("mpi_shm_settings.py", 2, timeout=60).stdout
+    for rank in (0, 1):
+        assert re.search(rf"rank {rank} refused: meshkit.comm: rank {rank}: the shared-memory path's settings differ "
+                         r"between ranks \[0, 1\]: MESHKIT_SHM_SMALL_BYTES \(from 65536 to 131072\); each size's "
+                         r"protocol depends on them", out), out
+    assert "started" not in out
+
+
 def test_a_killed_rank_fails_its_peer_at_once_and_leaves_nothing_in_dev_shm(mpirun):
     before = _segments()
     proc = mpirun("mpi_shm_kill.py", 2, check=False, timeout=60, env={"MESHKIT_SHM_MIN_BYTES": "512"})

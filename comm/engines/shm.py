@@ -55,7 +55,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import env
-from ..errors import DistBackendError
+from ..errors import DistBackendError, DistValueError
 from ..reduce_op import ReduceOp
 from .engine import DeadlineExceeded
 from .mpi import MPIEngine, _allgather_text, _own_chunk
@@ -329,6 +329,7 @@ def over(host: MPIEngine, deadline: float) -> MPIEngine | ShmEngine | Hierarchic
     limit = max(deadline - time.monotonic(), 1.0)
     with watched("creating the group's shared-memory segment (MPI's Split_type, Bcast, Allreduce)", me,
                  f"ranks {host.world_ranks}", host.world_ranks, limit):
+        _check_same_settings(host, chunk)
         node = _node_of(host)
         if node is None:
             return host
@@ -355,6 +356,26 @@ def over(host: MPIEngine, deadline: float) -> MPIEngine | ShmEngine | Hierarchic
         channel.abandoned = mpi_ulfm.revoke_watch(host.comm, "a collective over shared memory")
     # (the threshold depends on the probe, whose verdict every rank shares)
     return ShmEngine(host, segment, channel, min_bytes(channel.direct is not None), move_min_bytes())
+
+
+def _check_same_settings(host: MPIEngine, chunk: int) -> None:
+    """Raise on every rank where the path's settings differ between ``host``'s ranks (collective: one
+    Allreduce). Each size picks a protocol (MPI, one meeting, chunks through the segment, cross-memory
+    attach) and the protocols share the segment's flags, so ranks that picked differently would meet
+    and read one another's buffers wrongly; a header names the call, not the protocol."""
+    names = (env.SHM_MIN_BYTES, env.SHM_CHUNK_BYTES, env.SHM_SMALL_BYTES, env.SHM_SMALL_MIN_BYTES,
+             env.SHM_SHARED_MIN_BYTES, env.SHM_MOVE_MIN_BYTES, env.SHM_CMA)
+    mine = np.array([min_bytes(), chunk, small_bytes(), small_min_bytes(), shared_min_bytes(), move_min_bytes(),
+                     int(direct())], np.int64)
+    both = np.concatenate([mine, -mine])
+    host.comm.Allreduce(MPI.IN_PLACE, both, op=MPI.MAX)
+    most, least = both[:len(names)], -both[len(names):]
+    differ = [f"{name} (from {int(least[i])} to {int(most[i])})" for i, name in enumerate(names) if most[i] != least[i]]
+    if differ:
+        raise DistValueError(f"meshkit.comm: rank {host.world_ranks[host.rank]}: the shared-memory path's settings "
+                             f"differ between ranks {host.world_ranks}: {', '.join(differ)}; each size's protocol "
+                             "depends on them, so every rank must have the same (set them alike in every rank's "
+                             "environment, or MESHKIT_SHM=0)")
 
 
 def _pids(host: MPIEngine) -> list[int]:
