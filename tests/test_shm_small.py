@@ -95,12 +95,21 @@ def test_all_reduce_and_reduce_scatter_are_the_fixed_order_reduction_bit_for_bit
         for r in range(n):  # exactly NumPy's values in rank order, and bitwise the same bytes on every rank
             assert np.array_equal(bufs[r], expected) and bufs[r].tobytes() == bufs[0].tobytes(), (op, r)
             assert np.array_equal(outs[r], full[r * count:(r + 1) * count]), (op, r)
+    # all_gather: every rank's block in rank order, bit for bit; rank 1 gathers in place (its input is its block)
+    parts = _inputs(n, dtype, count, seed=7)
+    gathered = [np.zeros(n * count, dtype) for _ in range(n)]
+    gathered[1][count:2 * count] = parts[1]
+    ins = [parts[r] if r != 1 else gathered[1][count:2 * count] for r in range(n)]
+    assert _drive(_paths(n), [[lambda p, r=r: p.all_gather(gathered[r], ins[r])] for r in range(n)]) == [None] * n
+    for r in range(n):
+        assert gathered[r].tobytes() == np.concatenate(parts).tobytes(), r
 
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_back_to_back_calls_of_mixed_sizes_never_read_a_buffer_the_next_call_overwrote(n):
     """No barrier between calls: 300 calls with new values each (sizes and ops changing; every fourth
-    a reduce_scatter, every eighth into its own block of its input), every result checked."""
+    a reduce_scatter, every eighth into its own block of its input; most fifths an all_gather), every
+    result checked."""
     paths = _paths(n)
     rng = np.random.default_rng(0)
     rounds, ops = 300, [ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN]
@@ -116,6 +125,10 @@ def test_back_to_back_calls_of_mixed_sizes_never_read_a_buffer_the_next_call_ove
                 dst = src[r * c:(r + 1) * c] if k % 8 == 7 else np.empty(c)
                 out.append(lambda p, d=dst, s=src, op=op: p.reduce_scatter(d, s, op))
                 got[r].append(dst)
+            elif k % 5 == 4:  # an all_gather of block r of this round's data
+                dst = np.empty(n * c)
+                out.append(lambda p, d=dst, s=src[r * c:(r + 1) * c].copy(): p.all_gather(d, s))
+                got[r].append(dst)
             else:
                 out.append(lambda p, s=src, op=op: p.all_reduce(s, op))
                 got[r].append(src)
@@ -124,6 +137,8 @@ def test_back_to_back_calls_of_mixed_sizes_never_read_a_buffer_the_next_call_ove
     assert _drive(paths, [calls(r) for r in range(n)]) == [None] * n
     for k, c in enumerate(counts):
         full = _ordered(ops[k % 3], data[k])
+        if k % 4 != 3 and k % 5 == 4:
+            full = np.concatenate([data[k][q][q * c:(q + 1) * c] for q in range(n)])
         for r in range(n):
             want = full[r * c:(r + 1) * c] if k % 4 == 3 else full
             assert got[r][k].tobytes() == want.tobytes(), (k, r)
@@ -195,7 +210,9 @@ def test_which_buffers_it_takes_and_its_caches_stay_bounded():
     assert path.most == CHUNK  # held to one chunk
     assert [path.takes(b) for b in (63, 64, CHUNK, CHUNK + 1)] == [False, True, True, False]
     assert path.most_reduced == CHUNK // 2
-    assert path.describe() == ", all_reduce of NumPy arrays of 64-2048 bytes and reduce_scatter of 64-4096 in one meeting"
+    assert [path.gathers(b) for b in (63, 64, CHUNK // 4, CHUNK // 4 + 1)] == [False, True, True, False]
+    assert path.describe() == (", all_reduce of NumPy arrays of 64-2048 bytes, reduce_scatter of 64-4096 and all_gather "
+                               "of 64-1024 in one meeting")
     assert _paths(2, least=2048, most=1024)[0].describe() == ""  # least above most: off
     paths = _paths(2)
     for count in range(1, CACHED_SHAPES + 40):

@@ -183,6 +183,9 @@ class ShmEngine(OverHost):
             if place is not None:  # into a shared buffer: every block read from its owner's, at any size
                 channel, (outs, offset) = self.channel, place
                 return ShmRequest("all_gather", lambda request: channel.all_gather_in_place(request, outs, inp, offset))
+        if out.__class__ is _NDARRAY and inp.__class__ is _NDARRAY and self.small.gathers(out.nbytes) and \
+                not self._shared_below(out):
+            return self.small.all_gather(out, inp)
         if out.__class__ is _NDARRAY and inp.__class__ is _NDARRAY and out.nbytes >= self.move_min_bytes:
             channel, own = self.channel, _own_chunk(out, inp, self.rank)
             return ShmRequest("all_gather", lambda request: channel.all_gather(request, out, inp, own))

@@ -1,10 +1,11 @@
 """The one-meeting path for small and middle ordinary buffers over a group's shared-memory segment.
 
-Below ``MESHKIT_SHM_MIN_BYTES`` (4 MiB) an ordinary buffer would go to MPI, whose own cost at 2
-ranks is a few microseconds but whose all_reduce of 64 KB-1 MB runs far below the memory system
-(docs/collectives.md). Here an ``all_reduce`` (up to half of
-``MESHKIT_SHM_SMALL_BYTES``: :attr:`SmallPath.most_reduced`) or ``reduce_scatter`` (of an input up
-to ``MESHKIT_SHM_SMALL_BYTES``) of a NumPy array of at least ``MESHKIT_SHM_SMALL_MIN_BYTES`` bytes,
+Below ``MESHKIT_SHM_MIN_BYTES`` (512 KiB with cross-memory attach) an ordinary buffer would go to
+MPI, whose own cost at 2 ranks is a few microseconds but whose all_reduce of 64 KB-1 MB runs far
+below the memory system (docs/collectives.md). Here an ``all_reduce`` (up to half of
+``MESHKIT_SHM_SMALL_BYTES``: :attr:`SmallPath.most_reduced`), ``reduce_scatter`` (of an input up
+to ``MESHKIT_SHM_SMALL_BYTES``) or ``all_gather`` (of an output up to a quarter of it:
+:attr:`SmallPath.most_gathered`) of a NumPy array of at least ``MESHKIT_SHM_SMALL_MIN_BYTES`` bytes,
 and at most one chunk, meets the other ranks once, DeepSpeed's small-message algorithm (csrc/cpu/comm/shm.cpp):
 
 all_reduce
@@ -15,6 +16,9 @@ reduce_scatter
     copy in every block but this rank's own (read from the input, unless the output overlaps it);
     once every rank posted, reduce block ``rank`` of every rank's buffer, in rank order, into the
     output.
+all_gather (of an output from ``MESHKIT_SHM_SMALL_MIN_BYTES`` up to a quarter of ``MESHKIT_SHM_SMALL_BYTES``)
+    copy the input into this rank's buffer; once every rank posted, copy every rank's buffer into
+    its block of the output (this rank's too: the input may be that block).
 
 No barrier: it is one step of the :class:`~meshkit.comm.engines.shm_collectives.Channel`'s step
 counter, with the same buffers, flags and headers as the channel's other calls, so the argument
@@ -45,7 +49,7 @@ from ..reduce_op import ReduceOp
 from .shm_collectives import Channel, ShmRequest, _reduce_into
 from .shm_layout import CONTROL_WORDS, HEADER, HEADER_WORDS, POST
 
-__all__ = ["SmallPath", "SmallRequest", "CACHED_SHAPES"]
+__all__ = ["SmallPath", "SmallRequest", "SmallGather", "CACHED_SHAPES"]
 
 #: Distinct ``(dtype, count, op)`` views and headers kept before the caches start over: a program calls
 #: a handful of sizes (DDP's bucket, FSDP's shards); a sweep over sizes only rebuilds views (a few
@@ -55,7 +59,7 @@ CACHED_SHAPES = 256
 #: bounded by ``LIVENESS_INTERVAL`` in seconds): the same rhythm as the channel's waits.
 _POLLS_PER_LOOK = 64
 
-_AR, _RS = 1, 5  # the header's kinds (shm_collectives.KINDS: "all_reduce", "reduce_scatter")
+_AR, _AG, _RS = 1, 4, 5  # the header's kinds (shm_collectives.KINDS: "all_reduce", "all_gather", "reduce_scatter")
 
 
 class SmallRequest(ShmRequest):
@@ -93,13 +97,17 @@ class SmallRequest(ShmRequest):
             for at in self.heads:  # the others' headers for this step against this rank's (as a list: one C call)
                 if words[at:at + HEADER_WORDS].tolist() != mine:
                     channel._compare(step, self.header)  # raises CallsDiffer, naming every rank's call
-            _reduce_into(self.op, self.dst, self.parts)
+            self._finish()
         except BaseException as exc:
             self._error = exc
             raise
         self._done = True
         self.parts = None  # type: ignore[assignment]  # (the segment's views: not kept alive by a finished call)
         return True
+
+    def _finish(self) -> None:
+        """Every rank posted and the headers agree: the reduction, in rank order, into the output."""
+        _reduce_into(self.op, self.dst, self.parts)
 
     def _stalled(self, words: Any, step: int) -> None:
         """A poll found a flag missing: note who is missing; every few polls, whether they live."""
@@ -109,6 +117,16 @@ class SmallRequest(ShmRequest):
             self.looked = time.monotonic()  # for a call that never waits)
         elif self.polls % _POLLS_PER_LOOK == 0:
             self.channel._check_alive(self, missing)
+
+
+class SmallGather(SmallRequest):
+    """A one-meeting all_gather: ``dst`` is the output's blocks, ``parts`` every rank's buffer."""
+
+    __slots__ = ()
+
+    def _finish(self) -> None:
+        for block, part in zip(self.dst, self.parts):  # type: ignore[call-overload]
+            np.copyto(block, part)
 
 
 class SmallPath:
@@ -131,6 +149,12 @@ class SmallPath:
         #: 1230 us against 924 and 936) and won at 512 KB (678 and 377 against 797 and 717) while
         #: the reduce_scatter of 1 MB won (911 and 1009 against 1132 and 1807).
         self.most_reduced = self.most // 2
+        #: The largest all_gather (its output) it takes: a quarter of ``most``. Against meshkit's MPI path
+        #: (2026-11-29, quiet, 2 ranks, benchmarks/collectives.py --stat min, 9 rounds, two runs) it won by
+        #: 1.5-2.5 us at 16-64 KB, tied at 256 KB (42-47 us against 38-51) and lost at 1 MB (195-201
+        #: against 144-161: the output copied out of memory the other core wrote); MPICH beat both.
+        #: Under ``--survive`` (Open MPI over TCP) it is the fastest path there is at these sizes.
+        self.most_gathered = self.most // 4
         #: each rank's post flag, and its header's words by the step's parity (shm_layout.py)
         self._posts = [r * CONTROL_WORDS + POST for r in range(channel.n)]
         self._heads = [[r * CONTROL_WORDS + HEADER + parity * HEADER_WORDS for r in range(channel.n)]
@@ -145,17 +169,26 @@ class SmallPath:
         #: (dtype, count, op) -> (header, its words, its bytes, every rank's buffers as n blocks, block ``rank`` of each)
         self._scattered: dict[tuple[Any, ...], tuple[tuple[int, ...], list[int], memoryview, list[list[np.ndarray]],
                                                      list[list[np.ndarray]]]] = {}
+        #: (dtype, count) -> (header, its words, its bytes, every rank's buffers by parity): all_gather's
+        self._gathered: dict[tuple[Any, ...], tuple[tuple[int, ...], list[int], memoryview,
+                                                    list[list[np.ndarray]]]] = {}
 
     def takes(self, nbytes: int) -> bool:
         """Whether a reduce_scatter of an ordinary input of ``nbytes`` takes this path (the same on
         every rank; an all_reduce: up to :attr:`most_reduced`)."""
         return self.least <= nbytes <= self.most
 
+    def gathers(self, nbytes: int) -> bool:
+        """Whether an all_gather into an ordinary output of ``nbytes`` takes this path (the same on every
+        rank: up to :attr:`most_gathered`)."""
+        return self.least <= nbytes <= self.most_gathered
+
     def close(self) -> None:
         """Drop the views of the segment (so that unmapping it is not refused while they live); the
         path is not used afterwards."""
         self._reduced.clear()
         self._scattered.clear()
+        self._gathered.clear()
         for slot in self._mine:
             slot.release()
 
@@ -163,8 +196,8 @@ class SmallPath:
         """Which calls take this path, in words (``ShmEngine.paths``)."""
         if self.least > self.most:
             return ""
-        return (f", all_reduce of NumPy arrays of {self.least}-{self.most_reduced} bytes and reduce_scatter of "
-                f"{self.least}-{self.most} in one meeting")
+        return (f", all_reduce of NumPy arrays of {self.least}-{self.most_reduced} bytes, reduce_scatter of "
+                f"{self.least}-{self.most} and all_gather of {self.least}-{self.most_gathered} in one meeting")
 
     def _header(self, kind: int, count: int, op: ReduceOp, dtype: np.dtype) -> tuple[int, ...]:
         return self.channel._header(kind, count, op, -1, dtype)
@@ -234,3 +267,26 @@ class SmallPath:
         self._post(step, raw)
         return SmallRequest("reduce_scatter", channel, step, header, words, self._posts, self._others[parity], dst, parts,
                             op)
+
+    def all_gather(self, out: np.ndarray, inp: np.ndarray) -> SmallGather:
+        """Start the all_gather of ``inp`` (m elements) into ``out`` (n blocks of m; ``gathers(out.nbytes)``)."""
+        channel = self.channel
+        n, me = channel.n, channel.rank
+        src = inp.reshape(-1)
+        m = src.size
+        key = (src.dtype, m)
+        kept = self._gathered.get(key)
+        if kept is None:
+            if len(self._gathered) >= CACHED_SHAPES:
+                self._gathered.clear()
+            header = self._header(_AG, m, None, src.dtype)  # type: ignore[arg-type]  # (no op: a gather)
+            kept = self._gathered[key] = (header, list(header), memoryview(array("q", header)),
+                                          self._views(src.dtype, m))
+        header, words, raw, views = kept
+        step = channel.step = channel.step + 1
+        parity = step & 1
+        bufs = views[parity]
+        np.copyto(bufs[me], src)
+        self._post(step, raw)
+        return SmallGather("all_gather", channel, step, header, words, self._posts, self._others[parity],
+                           out.reshape(n, m), bufs, None)  # type: ignore[arg-type]
