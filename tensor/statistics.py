@@ -118,21 +118,9 @@ def _moments(op: str, a: Any, axis: Any, dtype: Any, out: Any, ddof: Any, keepdi
         both = plan.gather(packed)  # (blocks holding elements, 2, *block): one all-gather per mesh dim
         # Chan et al.'s merge of all blocks at once: the global mean, then M2 = sum M2_k + n_k (m_k - m)^2,
         # a sum of non-negative terms (no cancellation, unlike sum(x^2) - n m^2); summed in mesh order
-        means = both[:, 0]
-        if plan.each:  # even blocks: equal weights, n_k = each
-            centre = means.sum(axis=0)
-            centre /= len(means)
-            delta = means - centre
-            delta *= delta
-            spread, scale = delta, plan.each
-        else:
-            weights = plan.weights if work == _F64 and xp is np else xp.asarray(plan.weights.astype(work))
-            delta = means - (weights * means).sum(axis=0)
-            spread = weights * delta
-            spread *= delta
-            scale = n_total
-        m2 = both[:, 1].sum(axis=0)
-        m2 += spread.sum(axis=0) * scale
+        weights = None if plan.each else (plan.weights if work == _F64 and xp is np else
+                                          xp.asarray(plan.weights.astype(work)))
+        m2 = _merged_m2(both, plan.each, weights, n_total)
     denominator = n_total - ddof
     if denominator > 0:
         result = xp.true_divide(m2, denominator, out=m2)  # m2 is this call's own buffer
@@ -151,6 +139,28 @@ def _moments(op: str, a: Any, axis: Any, dtype: Any, out: Any, ddof: Any, keepdi
     return _wrap(result, a.device_mesh, plan.out, plan.shape)
 
 
+def _merged_m2(both: Any, each: Any, weights: Any, total: int) -> Any:
+    """Chan et al.'s merge of every block's ``(mean, M2)`` (``both``: blocks x 2 x ...) into the whole's
+    M2, a new array: the global mean, then M2 = sum M2_k + n_k (m_k - m)^2, a sum of non-negative terms
+    (no cancellation, unlike sum(x^2) - n m^2), summed in mesh order. ``each``: the count of every block
+    where they are even (equal weights), else ``weights`` (n_k / n) and ``total`` (n)."""
+    means = both[:, 0]
+    if each:
+        centre = means.sum(axis=0)
+        centre /= len(means)
+        delta = means - centre
+        delta *= delta
+        spread, scale = delta, each
+    else:
+        delta = means - (weights * means).sum(axis=0)
+        spread = weights * delta
+        spread *= delta
+        scale = total
+    m2 = both[:, 1].sum(axis=0)
+    m2 += spread.sum(axis=0) * scale
+    return m2
+
+
 def _moments_call(plan: Any, axes: tuple[int, ...], keepdims: bool, denominator: int, root: bool, work: Any) -> Any:
     """:func:`_moments` compiled for one request (a real float block holding elements, every block
     along the merged dim holding some): the same NumPy in the same order, into a buffer packed for
@@ -158,7 +168,7 @@ def _moments_call(plan: Any, axes: tuple[int, ...], keepdims: bool, denominator:
     rb = plan.reduced_block
     packed_shape = (1, 2, *rb)
     gather = gatherer(plan, (2, *rb), work) if plan.groups else None
-    n_local, blocks, each, total = plan.n_local, len(plan.counts), plan.each, plan.total
+    n_local, each, total = plan.n_local, plan.each, plan.total
     weights = plan.weights if work == _F64 else plan.weights.astype(work)
     squeezed, placements, shape = plan.squeezed_block, plan.out, plan.shape
 
@@ -172,21 +182,7 @@ def _moments_call(plan: Any, axes: tuple[int, ...], keepdims: bool, denominator:
         np.multiply(dev, dev, out=dev)
         dev.sum(axis=axes, keepdims=True, out=m2)
         if gather is not None:
-            both = gather(packed)  # (blocks, 2, *block)
-            means = both[:, 0]
-            if each:
-                centre = means.sum(axis=0)
-                centre /= blocks
-                delta = means - centre
-                delta *= delta
-                spread, scale = delta, each
-            else:
-                delta = means - (weights * means).sum(axis=0)
-                spread = weights * delta
-                spread *= delta
-                scale = total
-            m2 = both[:, 1].sum(axis=0)
-            m2 += spread.sum(axis=0) * scale
+            m2 = _merged_m2(gather(packed), each, weights, total)  # (gathered: blocks, 2, *block)
         np.true_divide(m2, denominator, out=m2)
         if root:
             np.sqrt(m2, out=m2)
