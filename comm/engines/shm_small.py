@@ -163,15 +163,13 @@ class SmallPath:
         self._others = [[at for r, at in enumerate(heads) if r != channel.rank] for heads in self._heads]
         #: this rank's header slot by parity, as a memoryview to assign a header's words in one copy
         self._mine = [channel.words[heads[channel.rank]:heads[channel.rank] + HEADER_WORDS] for heads in self._heads]
-        #: (dtype, count, op) -> (header, its words as a list and as int64 bytes, every rank's buffers by parity)
+        #: (kind, dtype, count, op) -> (header, its words as a list and as int64 bytes, every rank's buffers of
+        #: ``count`` by parity): an all_reduce's and an all_gather's (:meth:`_flat`)
         self._reduced: dict[tuple[Any, ...], tuple[tuple[int, ...], list[int], memoryview,
                                                    list[list[np.ndarray]]]] = {}
         #: (dtype, count, op) -> (header, its words, its bytes, every rank's buffers as n blocks, block ``rank`` of each)
         self._scattered: dict[tuple[Any, ...], tuple[tuple[int, ...], list[int], memoryview, list[list[np.ndarray]],
                                                      list[list[np.ndarray]]]] = {}
-        #: (dtype, count) -> (header, its words, its bytes, every rank's buffers by parity): all_gather's
-        self._gathered: dict[tuple[Any, ...], tuple[tuple[int, ...], list[int], memoryview,
-                                                    list[list[np.ndarray]]]] = {}
 
     def takes(self, nbytes: int) -> bool:
         """Whether a reduce_scatter of an ordinary input of ``nbytes`` takes this path (the same on
@@ -188,7 +186,6 @@ class SmallPath:
         path is not used afterwards."""
         self._reduced.clear()
         self._scattered.clear()
-        self._gathered.clear()
         for slot in self._mine:
             slot.release()
 
@@ -199,7 +196,7 @@ class SmallPath:
         return (f", all_reduce of NumPy arrays of {self.least}-{self.most_reduced} bytes, reduce_scatter of "
                 f"{self.least}-{self.most} and all_gather of {self.least}-{self.most_gathered} in one meeting")
 
-    def _header(self, kind: int, count: int, op: ReduceOp, dtype: np.dtype) -> tuple[int, ...]:
+    def _header(self, kind: int, count: int, op: ReduceOp | None, dtype: np.dtype) -> tuple[int, ...]:
         return self.channel._header(kind, count, op, -1, dtype)
 
     def _post(self, step: int, header: memoryview) -> None:
@@ -213,17 +210,23 @@ class SmallPath:
         channel = self.channel
         return [[channel.buffer(r, parity, dtype, count) for r in range(channel.n)] for parity in (0, 1)]
 
-    def all_reduce(self, buf: np.ndarray, op: ReduceOp) -> SmallRequest:
-        """Start the all_reduce of ``buf`` (C-contiguous, ``least <= buf.nbytes <= most_reduced``) in place."""
-        key = (buf.dtype, buf.size, op)
+    def _flat(self, kind: int, dtype: np.dtype, count: int, op: ReduceOp | None) -> tuple[
+            tuple[int, ...], list[int], memoryview, list[list[np.ndarray]]]:
+        """A call's header (as a tuple, a list of words and int64 bytes) and every rank's two buffers of
+        ``count`` elements, kept per ``(kind, dtype, count, op)`` (at most :data:`CACHED_SHAPES`)."""
+        key = (kind, dtype, count, op)
         kept = self._reduced.get(key)
         if kept is None:
             if len(self._reduced) >= CACHED_SHAPES:
                 self._reduced.clear()
-            header = self._header(_AR, buf.size, op, buf.dtype)
+            header = self._header(kind, count, op, dtype)
             kept = self._reduced[key] = (header, list(header), memoryview(array("q", header)),
-                                         self._views(buf.dtype, buf.size))
-        header, words, raw, views = kept
+                                         self._views(dtype, count))
+        return kept
+
+    def all_reduce(self, buf: np.ndarray, op: ReduceOp) -> SmallRequest:
+        """Start the all_reduce of ``buf`` (C-contiguous, ``least <= buf.nbytes <= most_reduced``) in place."""
+        header, words, raw, views = self._flat(_AR, buf.dtype, buf.size, op)
         channel = self.channel
         step = channel.step = channel.step + 1
         bufs = views[step & 1]
@@ -274,15 +277,7 @@ class SmallPath:
         n, me = channel.n, channel.rank
         src = inp.reshape(-1)
         m = src.size
-        key = (src.dtype, m)
-        kept = self._gathered.get(key)
-        if kept is None:
-            if len(self._gathered) >= CACHED_SHAPES:
-                self._gathered.clear()
-            header = self._header(_AG, m, None, src.dtype)  # type: ignore[arg-type]  # (no op: a gather)
-            kept = self._gathered[key] = (header, list(header), memoryview(array("q", header)),
-                                          self._views(src.dtype, m))
-        header, words, raw, views = kept
+        header, words, raw, views = self._flat(_AG, src.dtype, m, None)
         step = channel.step = channel.step + 1
         parity = step & 1
         bufs = views[parity]
