@@ -42,6 +42,11 @@ from .propagation import moved, no_out, norm_axes, off_axes, renumbered, \
 from . import reduction_plan as _plans
 from .reduction_plan import gatherer, keep_compiled, reduction_plan
 
+try:  # NumPy's count in C, without np.count_nonzero's Python wrapper (0.16 us against 0.6 on an 8x8 block)
+    from numpy._core.multiarray import count_nonzero as _c_count
+except ImportError:  # NumPy 1.x
+    from numpy.core.multiarray import count_nonzero as _c_count
+
 __all__ = ["var", "std", "average", "count_nonzero", "any_", "all_", "prod", "argmax", "argmin", "median"]
 
 _F64 = np.dtype(np.float64)
@@ -304,7 +309,9 @@ def _logical(op: str, fn: Any, partial: str, a: Any, axis: Any, keepdims: Any, d
         shape = plan.shape
         if fn is _count and along is None:  # the whole count, NumPy's C count without the keywords' check
             def call(a: DTensor) -> DTensor:
-                return _wrap(np.asarray(np.count_nonzero(a._local), dtype=np.intp), a._mesh, placements, shape)
+                out = np.empty((), np.intp)  # filled: half of np.asarray(count, dtype=np.intp)'s time
+                out.fill(_c_count(a._local))
+                return _wrap(out, a._mesh, placements, shape)
         else:
             def call(a: DTensor) -> DTensor:  # the rule compiled for this request: no communication
                 return _wrap(fn(a._local, axis=along, keepdims=keep), a._mesh, placements, shape)
