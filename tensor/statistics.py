@@ -27,6 +27,7 @@ The layout facts each rule needs (placements, groups, counts, offsets) come from
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import numpy as np
@@ -130,6 +131,7 @@ def _moments(op: str, a: Any, axis: Any, dtype: Any, out: Any, ddof: Any, keepdi
     if denominator > 0:
         result = xp.true_divide(m2, denominator, out=m2)  # m2 is this call's own buffer
     else:
+        _no_degrees_left()
         with np.errstate(divide="ignore", invalid="ignore"):  # ddof >= count: inf or NaN, as NumPy's
             result = xp.true_divide(m2, max(denominator, 0), out=m2)
     if root:
@@ -142,6 +144,13 @@ def _moments(op: str, a: Any, axis: Any, dtype: Any, out: Any, ddof: Any, keepdi
             plan.valid is None and denominator > 0 and _compilable(a, plan):
         keep_compiled(key, a._mesh, _moments_call(plan, axes, keepdims, denominator, root, work))
     return _wrap(result, a.device_mesh, plan.out, plan.shape)
+
+
+def _no_degrees_left(frames: int = 0) -> None:
+    """NumPy's warning where ``ddof`` is at least the count (the result is inf or NaN, as NumPy's),
+    pointed at the caller of ``np.var``/``np.std`` (above _moments, the rule, __array_function__
+    and ``frames`` more)."""
+    warnings.warn("Degrees of freedom <= 0 for slice", RuntimeWarning, stacklevel=5 + frames)
 
 
 def _merged_m2(both: Any, each: Any, weights: Any, total: int) -> Any:
@@ -218,6 +227,8 @@ def _complex_moments(a: DTensor, block: Any, plan: Any, axes: tuple[int, ...], k
         spread *= weights
         m2 = both[:, 1].real.sum(axis=0)
         m2 += spread.sum(axis=0) * plan.total
+    if plan.total - ddof <= 0:
+        _no_degrees_left(frames=1)  # called from _moments
     with np.errstate(divide="ignore", invalid="ignore"):  # ddof >= count: inf or NaN, as NumPy's
         result = m2 / max(plan.total - ddof, 0)
     if root:

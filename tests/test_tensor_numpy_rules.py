@@ -4,7 +4,10 @@ the validator's (tests/test_tensor_validation.py); here each rule's promise is p
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
+import pytest
 
 import meshkit
 from meshkit.comm import local
@@ -134,6 +137,25 @@ def test_numpys_dtypes_and_nan():
         assert dtype == want[name].dtype, name
         np.testing.assert_allclose(value, want[name], rtol=1e-5 if dtype == np.float32 else 1e-12, err_msg=name)
     assert got["argmax(nan)"][1] == 3 * 7 + 2
+
+
+def test_var_with_no_degrees_of_freedom_left_warns_and_gives_nan_as_numpy():
+    """ddof at least the count: NumPy warns "Degrees of freedom <= 0" and gives NaN (or inf); so does
+    the rule, on every rank, for real and complex blocks, sharded or not along the reduced axis."""
+    row = X[:1]
+
+    def body(mesh):
+        return [np.std(distribute_tensor(v, mesh, [p]), axis=0, ddof=1).full_tensor()
+                for v in (row, row.astype(complex)) for p in (S0, S1)]
+
+    with pytest.warns(RuntimeWarning, match="Degrees of freedom <= 0 for slice") as caught:
+        got = _on(2, body)
+    assert sum("Degrees of freedom" in str(w.message) for w in caught) == 8  # 4 calls on each of 2 ranks
+    for value in (v for rank in got for v in rank):
+        assert np.isnan(value).all()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # enough degrees left: no warning
+        _on(2, lambda mesh: np.std(distribute_tensor(X, mesh, [S0]), axis=0, ddof=1).full_tensor())
 
 
 def test_the_ndarray_methods_route_to_the_rules():
