@@ -62,14 +62,17 @@ def survive_budget() -> int:
     return int(text) if text.isdigit() else 0
 
 
-def moved_names(package: str, names: Mapping[str, str], modules: Mapping[str, str] | None = None) -> Callable[[str], Any]:
+def moved_names(package: str, names: Mapping[str, str], modules: Mapping[str, str] | None = None, *,
+                behind: int = 0) -> Callable[[str], Any]:
     """A module ``__getattr__`` that still serves names ``package`` took out of its public API.
 
     ``names`` maps each old name to the module that holds it now. Reading ``package.NAME`` (or
     ``from package import NAME``) returns the object and warns with a ``DeprecationWarning`` naming
     the new place; the names go in the release after (they were documented as public in 0.1).
     ``modules`` (old full module name to new, as :func:`moved_modules` takes) serves
-    ``package.MODULE`` read as an attribute: it imports the old path, which warns.
+    ``package.MODULE`` read as an attribute: it imports the old path, which warns. ``behind``: the
+    frames of the package's own ``__getattr__`` between the import system and the function returned
+    (which it calls), so that the warning still points at the user's line.
     """
     def __getattr__(name: str) -> Any:
         if modules and f"{package}.{name}" in modules:
@@ -79,9 +82,9 @@ def moved_names(package: str, names: Mapping[str, str], modules: Mapping[str, st
         new = names[name]
         # ``from package import NAME`` asks twice: importlib's hasattr (in _handle_fromlist), then
         # the import statement itself; warn once, at the user's line.
-        if sys._getframe(1).f_code.co_name != "_handle_fromlist":
+        if sys._getframe(1 + behind).f_code.co_name != "_handle_fromlist":
             warnings.warn(f"{package}.{name} is not public API and goes in the next release: "
-                          f"import it from {new} ({new}.{name})", DeprecationWarning, stacklevel=2)
+                          f"import it from {new} ({new}.{name})", DeprecationWarning, stacklevel=2 + behind)
         return getattr(import_module(new), name)
 
     return __getattr__

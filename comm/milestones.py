@@ -7,7 +7,8 @@ status directory (``milestone-{name}.{rank}``, holding the wall-clock time in ns
 :mod:`meshkit.launch_protocol`'s, which the launcher imports too). Each milestone is written once per process; outside ``meshkit-run``, or
 on a host other than the launcher's, :func:`milestone` does nothing.
 
-Who calls it: the ``meshkit`` package once imported (``imported``), :func:`~meshkit.comm.init_process_group` (``rendezvous``), checkpoint loads
+Who calls it: :func:`~meshkit.comm.init_process_group` as it starts (``imported``: the script's imports
+are done) and once the world is made (``rendezvous``), checkpoint loads
 (``restored``) and the data-parallel strategies' ``step()`` (``first_step``).
 
 Under ``meshkit-run --survive`` the launcher also times each failure the survivors recover from

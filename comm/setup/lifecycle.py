@@ -27,7 +27,7 @@ from ..errors import CollectiveTimeout, DistBackendError, DistError, DistValueEr
 from ..groups.group import ProcessGroup
 from .init_methods import Requested, agreement, mpi_launched, rendezvous, rendezvous_keys, requested
 from ..level_state import requested_level
-from ..milestones import RENDEZVOUS, milestone
+from ..milestones import IMPORTED, RENDEZVOUS, milestone
 from ..notices import LEFT, Notice
 from ..groups.progress import ProgressAgent
 from ..stores import Store
@@ -226,6 +226,10 @@ def init_process_group(backend: str = "auto", init_method: str | None = None,
         world = current_world()
         raise DistError(f"meshkit.comm: rank {world.rank}: init_process_group was already called "
                         f"(backend {world.backend!r}); call destroy_process_group() first")
+    if local_context() is None:
+        # the script's imports are done when it first meets the others (``import meshkit`` itself
+        # imports nothing: its packages load on first use); meshkit-run times a restart's imports by it
+        milestone(IMPORTED)
     env.check_all()  # every MESHKIT_* setting, so that a typo is an error now, not ignored until used
     shm_settings.check_all()  # (the shared-memory path's sizes, whose defaults live with the path)
     name = _resolve_backend(backend)
