@@ -8,11 +8,18 @@ cycle a reader has to untangle, whether or not Python happens to resolve it.
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@functools.lru_cache(maxsize=None)
+def _parsed(path: Path) -> ast.Module:
+    """``path``'s syntax tree, parsed once per test process (the tests here only read the trees)."""
+    return ast.parse(path.read_text(), str(path))
 #: Folders of the repository that are not part of the package.
 NOT_PACKAGE = {"tests", "examples", "benchmarks", "build", "dist"}
 #: What each top-level package may import from meshkit (checkpoint -> parallel -> tensor -> mesh -> comm;
@@ -56,7 +63,7 @@ def _imports(name: str, path: Path) -> list[tuple[str, list[str], int]]:
     """``(target module, imported names, line)`` for every meshkit import in a module."""
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     out = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(_parsed(path)):
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
@@ -436,7 +443,7 @@ def test_only_the_mpi_engine_imports_mpi4py_and_only_lifecycle_reaches_it_lazily
     assert MPI_ENGINE <= set(MODULES), sorted(MPI_ENGINE - set(MODULES))
     importers, outside = set(), {}
     for module, path in MODULES.items():
-        tree = ast.parse(path.read_text(), str(path))
+        tree = _parsed(path)
         if any(isinstance(n, ast.ImportFrom) and (n.module or "").startswith("mpi4py") or isinstance(n, ast.Import)
                and any(a.name.startswith("mpi4py") for a in n.names) for n in ast.walk(tree)):
             importers.add(module)
@@ -586,7 +593,7 @@ def _cross_object_private(root: Path) -> list[tuple[str, str, int, str]]:
     """``(file, attribute, line, expression)`` for every ``x._name`` in comm with x not self/cls/a module."""
     found = []
     for path in sorted(p for p in (root / "comm").rglob("*.py") if p.parent.name != "stores"):
-        tree = ast.parse(path.read_text(), str(path))
+        tree = _parsed(path)
         modules = {(a.asname or a.name).split(".")[0] for node in ast.walk(tree)
                    if isinstance(node, (ast.Import, ast.ImportFrom)) for a in node.names}
         for node in ast.walk(tree):
@@ -617,7 +624,7 @@ def test_no_engine_is_probed_with_getattr_or_hasattr():
     check = _method(ROOT / "comm/setup/backends.py", None, "check_engine")
     wrong = []
     for module, path in MODULES.items():
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(_parsed(path)):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
                     and node.args and "engine" in ast.unparse(node.args[0]).lower()
                     and not (module == "meshkit.comm.setup.backends" and check.lineno <= node.lineno <= check.end_lineno)):
@@ -649,7 +656,7 @@ def test_no_package_imports_another_packages_private_module():
 
 
 def _method(path: Path, cls: str | None, name: str) -> ast.FunctionDef:
-    tree = ast.parse(path.read_text(), str(path))
+    tree = _parsed(path)
     body = tree.body if cls is None else next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls).body
     return next(n for n in body if isinstance(n, ast.FunctionDef) and n.name == name)
 
@@ -685,7 +692,7 @@ def test_every_engine_declares_its_capabilities():
     missing = []
     for file, cls in (("comm/engines/mpi.py", "MPIEngine"), ("comm/engines/local_engine.py", "LocalEngine"),
                       ("comm/engines/nccl.py", "NCCLEngine")):
-        tree = ast.parse((ROOT / file).read_text())
+        tree = _parsed(ROOT / file)
         body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls).body
         declared = [n for n in body if isinstance(n, ast.Assign) and any(
             isinstance(t, ast.Name) and t.id == "capabilities" for t in n.targets)
@@ -698,7 +705,7 @@ def test_every_engine_declares_its_capabilities():
 def _stdlib_only(path: Path) -> list[str]:
     """The imports of a file that are not of the standard library."""
     wrong = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(_parsed(path)):
         if isinstance(node, ast.ImportFrom):
             if node.level or (node.module or "").split(".")[0] not in sys.stdlib_module_names | {"__future__"}:
                 wrong.append(f"{path.relative_to(ROOT)}:{node.lineno}")
@@ -720,7 +727,7 @@ def test_the_launch_protocol_has_one_home_that_both_sides_import():
     assert len(variables) >= 12, variables
     spelled = [f"{path.relative_to(ROOT)}:{node.lineno} spells {node.value!r}"
                for name, path in MODULES.items() if _top(name) != "launch_protocol"
-               for node in ast.walk(ast.parse(path.read_text()))
+               for node in ast.walk(_parsed(path))
                if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in variables]
     assert not spelled, "\n".join(spelled)
     users = {_top(m) for m, imports in GRAPH.items() for target, _, _ in imports if _top(target) == "launch_protocol"}
@@ -761,7 +768,7 @@ def test_one_agree():
     named for an agreement (``agree``, ``_agree``, ``agree_on_load``...) is a wrapper that calls it."""
     gathers, own = [], []
     for name, path in MODULES.items():
-        tree = ast.parse(path.read_text())
+        tree = _parsed(path)
         calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
         if name not in GATHER_FACTS:
             gathers += [f"{path.relative_to(ROOT)}:{c.lineno}" for c in calls
@@ -800,7 +807,7 @@ def test_examples_and_checkpoint_never_isinstance_a_strategy_class():
     found = []
     for folder in ("examples", "checkpoint"):
         for path in sorted((ROOT / folder).rglob("*.py")):
-            tree = ast.parse(path.read_text(), str(path))
+            tree = _parsed(path)
             local_strategies = {node.name for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
                                 and {"mark_grad_ready", "step"} <= {f.name for f in node.body
                                                                     if isinstance(f, ast.FunctionDef)}}
@@ -820,7 +827,7 @@ def test_examples_compose_through_the_library_recipe():
     ``Composite`` or an ``ExpertStrategy`` itself (train_transformer's ``build`` did, by hand)."""
     found = []
     for path in sorted((ROOT / "examples").rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(_parsed(path)):
             names = [a.name for a in node.names] if isinstance(node, ast.ImportFrom) else \
                 [node.attr] if isinstance(node, ast.Attribute) else [node.id] if isinstance(node, ast.Name) else []
             found += [f"{path.relative_to(ROOT)}:{node.lineno}: {n}" for n in names if n in ("Composite", "ExpertStrategy")]
@@ -1054,7 +1061,7 @@ def test_no_engine_request_is_probed_with_getattr_or_hasattr():
     attributes blindly (``__getattr__``)."""
     wrong = []
     for path in sorted((ROOT / "comm").rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(_parsed(path)):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
                     and node.args and "request" in ast.unparse(node.args[0]).lower()):
                 wrong.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
@@ -1076,7 +1083,7 @@ def test_the_gated_engine_methods_are_protocols_beside_the_capabilities():
     classes = {}
     for file, cls in (("comm/engines/mpi.py", "MPIEngine"), ("comm/engines/local_engine.py", "LocalEngine"),
                       ("comm/engines/nccl.py", "NCCLEngine"), ("comm/engines/store_engine.py", "StoreEngine")):
-        tree = ast.parse((ROOT / file).read_text())
+        tree = _parsed(ROOT / file)
         classes[cls] = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
     declared = {flag: interface.methods(p) for flag, p in interface.GATED.items()}
     checked = 0
