@@ -108,3 +108,24 @@ def test_a_cadence_that_differs_across_the_group_is_an_error_on_every_rank(monke
     with pytest.raises(DistValueError, match=r"rank \d of the shard group: MESHKIT_BUDDY_EVERY differs across the "
                                              r"group \(from 2 to 3; this rank's [23]\): set the same value"):
         _train("zero2", 2, range(2), every=[2, 3])
+
+
+def test_a_replays_save_of_a_step_saved_before_the_failure_is_skipped_and_anothers_still_refused(tmp_path):
+    import numpy as np
+
+    from meshkit.checkpoint import CheckpointError, CheckpointManager
+
+    def body():
+        manager = CheckpointManager(tmp_path / "ckpt")
+        state = {"w": np.arange(4.0)}
+        manager.save(5, state)
+        before = (tmp_path / "ckpt" / "step_5").stat().st_mtime_ns
+        manager.save(5, {"w": np.zeros(4)})  # the replay after a rollback: skipped on every rank, the step kept
+        manager.async_save(5, state).result(timeout=30)
+        assert (tmp_path / "ckpt" / "step_5").stat().st_mtime_ns == before and manager.all_steps() == [5]
+        manager.save(6, state)  # the next step saves as usual
+        with pytest.raises(CheckpointError, match=r"step_5' already exists; a checkpoint is never overwritten"):
+            CheckpointManager(tmp_path / "ckpt").save(5, state)  # not this manager's: refused as before
+        return manager.all_steps()
+
+    assert local.run(body, 2) == [[5, 6]] * 2
