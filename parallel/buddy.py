@@ -142,8 +142,12 @@ class BuddyCopy:
         self.mailbox: Mailbox | None = None
         self._agreed = False  # every rank of the group checked to have the same ``every`` (at the first renewal)
         self._by_message = False  # a rank of the group could not map its neighbour's segment: messages for good
-        self.refreshes = 0  # exchanges done, and their wall time (benchmarks/survive.py reports it per step)
+        #: renewals done; of them, those that set up (agreed, mapped the segments); the wall time of the
+        #: others and of those apart (benchmarks/survive.py reports them)
+        self.refreshes = 0
+        self.setups = 0
         self.seconds = 0.0
+        self.setup_seconds = 0.0
 
     @property
     def nbytes(self) -> int:
@@ -191,17 +195,18 @@ class BuddyCopy:
         started = time.perf_counter()
         mine = _arrays(self.owner._layouts(), self.owner._param_shards(), self.owner.optimizer)
         xp = array_namespace(next(iter(mine.values())))  # NumPy, or CuPy on the GPU engine (counts too)
-        if not self._agreed:
+        setup = not self._agreed
+        if setup:
             self._agree(group, xp)
         keys = sorted(self.owner.optimizer.steps)
         if xp is np and not self._by_message and buddy_shared.enabled():
             if self.mailbox is None or not self.mailbox.layout.same(mine, keys):
                 self._open_mailbox(group, mine, keys)
+                setup = True
             if self.mailbox is not None:
                 self.mailbox.write(mine, [int(self.owner.optimizer.steps[k]) for k in keys])
                 self.valid = True  # (this rank's copy, for its buddy to read: held() reads the neighbour's)
-                self.refreshes += 1
-                self.seconds += time.perf_counter() - started
+                self._timed(started, setup)
                 return
         if list(mine) != list(self.arrays) or any(self.arrays[k].shape != a.shape for k, a in mine.items()):
             self.arrays = {k: xp.empty_like(a) for k, a in mine.items()}  # AdamW's state appears at its first step
@@ -223,8 +228,15 @@ class BuddyCopy:
         self.steps = {k: int(c) for k, c in zip(keys, to_host(received)[1:])}
         self._counts = sent
         self.valid = True
+        self._timed(started, setup)
+
+    def _timed(self, started: float, setup: bool) -> None:
         self.refreshes += 1
-        self.seconds += time.perf_counter() - started
+        if setup:
+            self.setups += 1
+            self.setup_seconds += time.perf_counter() - started
+        else:
+            self.seconds += time.perf_counter() - started
 
     def _agree(self, group: ProcessGroup, xp: Any) -> None:
         """At the first renewal: every rank of the group has the same ``every`` (else some would renew
