@@ -60,7 +60,7 @@ if TYPE_CHECKING:  # the strategies import this module: nothing of theirs at run
     from .data_parallelism.flat import FlatLayout
     from .optim.optimizers import Optimizer
 
-__all__ = ["BuddyCopy", "Held", "ShardsLostError", "contribution", "assemble", "every", "BUDDY_TAG", "EVERY_ENV",
+__all__ = ["BuddyCopy", "Held", "Contribution", "ShardsLostError", "contribution", "assemble", "choose", "join", "every", "BUDDY_TAG", "EVERY_ENV",
            "EVERY_DEFAULT"]
 
 #: The tag of the exchange's messages, apart from a user's point-to-point traffic on the same group
@@ -318,6 +318,15 @@ class Contribution:
     group: tuple[int, ...]
     held: list[Held] = field(default_factory=list)
 
+    def skeleton(self) -> Contribution:
+        """The same without the arrays (what :func:`choose` reads): the recovery's first, small exchange."""
+        return Contribution(self.group, [Held(h.index, h.steps, {}, h.holder, h.owner) for h in self.held])
+
+    def arrays_of(self, chosen: Mapping[int, Held]) -> dict[int, dict[str, np.ndarray]]:
+        """The arrays of the shards :func:`choose` took from this survivor, by shard index."""
+        return {i: h.arrays for i, c in chosen.items() for h in self.held
+                if h.index == i and h.holder == c.holder and h.count == c.count}
+
 
 def contribution(model: Any, old_rank: int) -> Contribution:
     """What this survivor holds of ``model``'s sharded state (local: no communication): its own live
@@ -356,8 +365,10 @@ def assemble(layouts: Sequence[FlatLayout], contributions: Sequence[Contribution
              failed: Sequence[int]) -> tuple[dict[str, Any], int, dict[int, Held]]:
     """The full state dict from the survivors' contributions (local: every survivor computes the same).
 
-    Picks the newest optimizer step count ``T`` at which every shard index of ``layouts`` is held
-    by some survivor (its own shards, or a copy), and joins those shards.
+    :func:`choose`, then :func:`join`: the newest optimizer step count ``T`` at which every shard
+    index of ``layouts`` is held by some survivor (its own shards, live or at a renewal, or a copy),
+    and those shards joined. (:func:`meshkit.parallel.survive.shrink` does the two apart, so that
+    only the shards chosen travel.)
 
     Args:
         layouts: the strategy's flat layouts (of the old world: ``layouts[i].shards`` indices).
@@ -373,7 +384,18 @@ def assemble(layouts: Sequence[FlatLayout], contributions: Sequence[Contribution
         ShardsLostError: no step at which every shard is held; naming the shard indices missing,
             the dead ranks whose shards they are and the dead ranks that held their copies.
     """
-    n = layouts[0].shards
+    step, chosen = choose(layouts[0].shards, contributions, failed)
+    return join(layouts, chosen, hyper), step, chosen
+
+
+def choose(n: int, contributions: Sequence[Contribution], failed: Sequence[int]) -> tuple[int, dict[int, Held]]:
+    """The newest step count at which each of the ``n`` shard indices is held, and which :class:`Held`
+    to take for each (its owner's own where it survived, else the lowest holder's); the arrays are
+    not read, so :meth:`Contribution.skeleton` serves as well.
+
+    Raises:
+        ShardsLostError: no such step (see :func:`assemble`).
+    """
     by_index: dict[int, list[Held]] = {i: [] for i in range(n)}
     for c in contributions:
         for h in c.held:
@@ -385,8 +407,13 @@ def assemble(layouts: Sequence[FlatLayout], contributions: Sequence[Contribution
         missing = [i for i in range(n) if newest not in counts[i]]
         raise ShardsLostError(_lost_message(missing, contributions, failed, counts))
     step = max(common)
-    chosen = {i: min((h for h in by_index[i] if h.count == step), key=lambda h: (h.holder != h.owner, h.holder))
-              for i in range(n)}
+    return step, {i: min((h for h in by_index[i] if h.count == step), key=lambda h: (h.holder != h.owner, h.holder))
+                  for i in range(n)}
+
+
+def join(layouts: Sequence[FlatLayout], chosen: Mapping[int, Held], hyper: Mapping[str, Any]) -> dict[str, Any]:
+    """The full state dict ``{"model", "optim"}`` from one :class:`Held` (with its arrays) per shard index."""
+    n = layouts[0].shards
     params: dict[str, np.ndarray] = {}
     state: dict[str, dict[str, np.ndarray]] = {}
     steps: dict[str, int] = {}
@@ -400,7 +427,7 @@ def assemble(layouts: Sequence[FlatLayout], contributions: Sequence[Contribution
                 state.setdefault(name, {})[key] = value
         if lay.key in chosen[0].steps:
             steps.update({name: chosen[0].steps[lay.key] for name in lay.names})
-    return {"model": params, "optim": {"state": state, "step": steps, "hyper": dict(hyper)}}, step, chosen
+    return {"model": params, "optim": {"state": state, "step": steps, "hyper": dict(hyper)}}
 
 
 def _lost_message(missing: list[int], contributions: Sequence[Contribution], failed: Sequence[int],

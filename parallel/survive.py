@@ -20,10 +20,11 @@ What :func:`shrink` does, in order (each phase timed in :class:`Recovery`):
 2. **state**, replicated (DDP: parameters and optimizer state whole on every rank): the survivors
    agree on the most advanced copy (the highest optimizer step count: a rank may have finished the
    step whose all-reduce failed elsewhere) and broadcast it from there;
-   sharded (ZeRO-1/2, FSDP, HSDP, built under ``--survive``): every survivor brings its own shards
-   (live, and at the last buddy renewals) and its buddy copies of the next shard
-   (:mod:`meshkit.parallel.buddy`), one all-gather, and each survivor assembles the full state at
-   the newest step where every shard is held: the last renewal when a lost rank's shards are held
+   sharded (ZeRO-1/2, FSDP, HSDP, built under ``--survive``): every survivor says what it holds,
+   its own shards (live, and at the last buddy renewals) and its buddy copies of the next shard
+   (:mod:`meshkit.parallel.buddy`), in one small all-gather of step counts; each picks the same
+   shards at the newest step where every shard is held, and a second all-gather moves each chosen
+   shard once, from the survivor that holds it, so each survivor joins the full state: the last renewal when a lost rank's shards are held
    only there, so the loop replays the steps since (at most ``MESHKIT_BUDDY_EVERY - 1``; a clear
    :class:`~meshkit.parallel.buddy.ShardsLostError` where a rank and its buddy both died);
    then the new strategy (``build()``, collective over the new world: a new mesh and groups)
@@ -113,10 +114,17 @@ def shrink(model: Any, build: Callable[[], Any]) -> tuple[Any, int]:
     mine = buddy.contribution(model, old_rank) if sharded else model.full_state_dict()  # local: no communication
     shrunk = shrink_world()
     shrunk_at, shrunk_ns = time.perf_counter(), time.time_ns()
-    if sharded:  # every survivor's own shards and buddy copy, to every survivor (by new rank)
+    if sharded:  # what every survivor holds (step counts only), to every survivor (by new rank); then the shards chosen
         everyone: list[Any] = [None] * get_world_size()
-        all_gather_object(everyone, mine)
-        state, steps_done, _ = buddy.assemble(model._layouts(), everyone, model.optimizer.hyper, shrunk.failed)
+        all_gather_object(everyone, mine.skeleton())
+        layouts = model._layouts()
+        steps_done, chosen = buddy.choose(layouts[0].shards, everyone, shrunk.failed)
+        pieces: list[Any] = [None] * get_world_size()
+        all_gather_object(pieces, mine.arrays_of(chosen))  # each shard once, from the survivor chosen to give it
+        for given in pieces:
+            for index, arrays in given.items():
+                chosen[index].arrays = arrays
+        state = buddy.join(layouts, chosen, model.optimizer.hyper)
         # the source of the losses: the lowest survivor whose own live shards are at that step or past it
         # (every survivor's are: a survivor's own index is held at no step past its own, so the step
         # rolled back to, a renewal's, is at most every survivor's; each took every step before it)

@@ -12,6 +12,7 @@ tests/test_survive_launch.py runs at the default K (one at K=1).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import sharded_cases
@@ -46,9 +47,22 @@ def _train(strategy: str, world: int, steps: range, state=None, mesh_shape=None,
 
 
 def _lose(out, dead: list[int]):
-    """The state the survivors of ``out`` assemble once ``dead`` (ranks of that world) are gone, and its step."""
+    """The state the survivors of ``out`` assemble once ``dead`` (ranks of that world) are gone, and its step;
+    as survive.shrink does it too (the step counts first, then each shard chosen from one survivor): the same."""
     survivors = [o[0] for r, o in enumerate(out) if r not in dead]
-    state, step, _ = buddy.assemble(out[0][2], survivors, out[0][3], dead)
+    layouts, hyper = out[0][2], out[0][3]
+    state, step, _ = buddy.assemble(layouts, survivors, hyper, dead)
+    picked, chosen = buddy.choose(layouts[0].shards, [c.skeleton() for c in survivors], dead)
+    assert picked == step and all(not h.arrays for h in chosen.values())
+    given = [c.arrays_of(chosen) for c in survivors]
+    assert sorted(i for g in given for i in g) == list(range(layouts[0].shards))  # each shard moves once
+    for g in given:
+        for i, arrays in g.items():
+            chosen[i].arrays = arrays
+    joined = buddy.join(layouts, chosen, hyper)
+    for name, value in state["model"].items():
+        np.testing.assert_array_equal(joined["model"][name], value)
+    assert joined["optim"]["step"] == state["optim"]["step"]
     return state, step
 
 
@@ -111,8 +125,6 @@ def test_a_cadence_that_differs_across_the_group_is_an_error_on_every_rank(monke
 
 
 def test_a_replays_save_of_a_step_saved_before_the_failure_is_skipped_and_anothers_still_refused(tmp_path):
-    import numpy as np
-
     from meshkit.checkpoint import CheckpointError, CheckpointManager
 
     def body():
