@@ -70,9 +70,11 @@ BUDDY_TAG = 25205
 
 #: The variable of the copy's cadence: renewed when the optimizer step count is a multiple of it.
 EVERY_ENV = "MESHKIT_BUDDY_EVERY"
-#: Its default. Measured (benchmarks/survive.py, fsdp at 2 ranks, MLP 256x256, AdamW, float64): one
-#: renewal is 0.16-0.20 ms, about 4% of the 4 ms step; every 8 steps it is 0.5%. A failure replays
-#: at most 7 steps, 3-6 ms each at 3-4 ranks here: well inside the 0.5 s bar (docs/elastic.md).
+#: Its default. Measured (benchmarks/survive.py, MLP 256x256, AdamW, float64, 2 loaded cores): one
+#: renewal is 0.16-0.31 ms (866 KB a rank at 2 ranks), 4-7% of fsdp's 4 ms step when done every step;
+#: every 8 steps its share is 0.02-0.04 ms a step (under 1%). A failure then replays at most 7 steps:
+#: failure to the failed step done again at 4 ranks (fsdp, 7 replayed) 0.19-0.28 s, inside the 0.5 s
+#: bar (docs/elastic.md "Surviving failures", the cadence).
 EVERY_DEFAULT = 8
 #: The largest value accepted (a failure replays up to that many steps less one).
 EVERY_MAX = 10_000
