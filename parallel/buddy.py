@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..comm import DistError, DistValueError, ProcessGroup, ReduceOp
-from ..comm._seams import SEGMENT_NAME_BYTES as NAME_BYTES
+from ..comm._seams import SEGMENT_NAME_BYTES as NAME_BYTES, agree
 from . import buddy_shared
 from .arrays import array_namespace, to_host
 from .buddy_shared import Mailbox
@@ -60,8 +60,8 @@ if TYPE_CHECKING:  # the strategies import this module: nothing of theirs at run
     from .data_parallelism.flat import FlatLayout
     from .optim.optimizers import Optimizer
 
-__all__ = ["BuddyCopy", "Held", "Contribution", "ShardsLostError", "contribution", "assemble", "choose", "join", "every", "BUDDY_TAG", "EVERY_ENV",
-           "EVERY_DEFAULT"]
+__all__ = ["BuddyCopy", "Held", "Contribution", "ShardsLostError", "contribution", "assemble", "choose", "join",
+           "every", "BUDDY_TAG", "EVERY_ENV", "EVERY_DEFAULT"]
 
 #: The tag of the exchange's messages, apart from a user's point-to-point traffic on the same group
 #: (tag 0 by default). Below 32767, the least upper bound MPI guarantees for tags.
@@ -199,7 +199,7 @@ class BuddyCopy:
         xp = array_namespace(next(iter(mine.values())))  # NumPy, or CuPy on the GPU engine (counts too)
         setup = not self._agreed
         if setup:
-            self._agree(group, xp)
+            self._agree(group)
         keys = sorted(self.owner.optimizer.steps)
         if xp is np and not self._by_message and buddy_shared.enabled():
             if self.mailbox is None or not self.mailbox.layout.same(mine, keys):
@@ -240,16 +240,17 @@ class BuddyCopy:
         else:
             self.seconds += time.perf_counter() - started
 
-    def _agree(self, group: ProcessGroup, xp: Any) -> None:
+    def _agree(self, group: ProcessGroup) -> None:
         """At the first renewal: every rank of the group has the same ``every`` (else some would renew
-        when others do not: the exchange would wait out its timeout, a rollback would find no common step)."""
-        bounds = xp.asarray(np.array([self.every, -self.every], np.int64))
-        group.all_reduce(bounds, ReduceOp.MAX)
-        high, low = (int(v) for v in to_host(bounds))
-        if high != -low:
-            raise DistValueError(f"meshkit.parallel.buddy: rank {group.rank} of the shard group: {EVERY_ENV} differs "
-                                 f"across the group (from {-low} to {high}; this rank's {self.every}): set the same "
-                                 "value on every rank")
+        when others do not: the exchange would wait out its timeout, a rollback would find no common
+        step). Through comm's one agreement: every rank raises the same error, or none does."""
+        def compare(g: Any, values: list[Any]) -> str | None:
+            if len(set(values)) == 1:
+                return None
+            listed = ", ".join(f"{v} on rank {r}" for r, v in zip(g.ranks, values))
+            return (f"meshkit.parallel.buddy: {EVERY_ENV} differs across the shard group ({listed}): set the same "
+                    "value on every rank")
+        agree(group, self.every, compare=compare, error=DistValueError)
         self._agreed = True
 
     def _open_mailbox(self, group: ProcessGroup, mine: dict[str, Any], keys: list[str]) -> None:

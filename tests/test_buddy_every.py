@@ -6,7 +6,7 @@ the state at the last renewal (the newest step at which every shard is held), an
 world, built anew, loads it and replays the steps since: the final parameters equal single-process
 training (1e-10 for float64) for a failure at every offset within K, within a node and by message,
 and for two failures in a row. HSDP's replicate dimension holds a lost shard live: no rollback.
-The setting is validated and must agree across the shard group. Under the launcher, every job of
+The setting is validated and must agree across the shard group (comm's agree: every rank raises). Under the launcher, every job of
 tests/test_survive_launch.py runs at the default K (one at K=1).
 """
 
@@ -117,10 +117,10 @@ def test_a_bad_cadence_is_an_error_naming_the_variable(value, monkeypatch):
         buddy.every()
 
 
-def test_a_cadence_that_differs_across_the_group_is_an_error_on_every_rank(monkeypatch):
+def test_a_cadence_that_differs_across_the_group_is_an_error_naming_each_ranks_value(monkeypatch):
     monkeypatch.setenv("MESHKIT_SURVIVE", "1")
-    with pytest.raises(DistValueError, match=r"rank \d of the shard group: MESHKIT_BUDDY_EVERY differs across the "
-                                             r"group \(from 2 to 3; this rank's [23]\): set the same value"):
+    with pytest.raises(DistValueError, match=r"MESHKIT_BUDDY_EVERY differs across the shard group \(2 on rank 0, 3 on "
+                                             r"rank 1\): set the same value on every rank"):
         _train("zero2", 2, range(2), every=[2, 3])
 
 
