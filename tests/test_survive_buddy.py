@@ -3,8 +3,10 @@
 On the local engine (threads as ranks) with ``MESHKIT_SURVIVE`` set as ``meshkit-run --survive``
 sets it: ZeRO-1/2, FSDP and HSDP train a few steps with AdamW, then for each rank taken away the
 survivors' contributions assemble the full state exactly (bitwise equal to ``full_state_dict()``),
-the lost rank's shard from the rank before it; two neighbours lost is a clear error naming the
-shard, and so are shards of different steps. Under the launcher (Open MPI's ULFM): the example's
+the lost rank's shard from the rank before it (``MESHKIT_BUDDY_EVERY=1`` here: every K steps is
+tests/test_buddy_every.py); two neighbours lost is a clear error naming the shard; a lost rank's
+copy one renewal behind is met at the survivors' renewal before (the segment's second slot), two
+renewals behind is the same error; a slot torn mid-write is skipped for the other. Under the launcher (Open MPI's ULFM): the example's
 hsdp (2x2 -> 1x3) survives a SIGKILL between steps with ``--check`` (tests/test_survive_launch.py
 kills every strategy of the example twice, inside a gradient reduction and inside a save).
 """
