@@ -73,7 +73,7 @@ EVERY_ENV = "MESHKIT_BUDDY_EVERY"
 #: Its default. Measured (benchmarks/survive.py, MLP 256x256, AdamW, float64, 2 loaded cores): one
 #: renewal is 0.16-0.31 ms (866 KB a rank at 2 ranks), 4-7% of fsdp's 4 ms step when done every step;
 #: every 8 steps its share is 0.02-0.04 ms a step (under 1%). A failure then replays at most 7 steps:
-#: failure to the failed step done again at 4 ranks (fsdp, 7 replayed) 0.19-0.28 s, inside the 0.5 s
+#: failure to the failed step done again at 4 ranks (fsdp, 7 replayed) 0.15-0.28 s, inside the 0.5 s
 #: bar (docs/elastic.md "Surviving failures", the cadence).
 EVERY_DEFAULT = 8
 #: The largest value accepted (a failure replays up to that many steps less one).
