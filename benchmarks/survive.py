@@ -16,12 +16,17 @@ Each repeat runs the same training (``--strategy``, DDP by default; examples/mlp
   shrink and redo the step, and each recovery is reported by phase: detection (the death, by the
   dying rank's clock, to rank 0's RankFailedError), shrink (``meshkit.comm.shrink_world``), state
   (the agreement on the source, its broadcast, the new DDP and its load; for a sharded strategy the
-  all-gather of every survivor's shards and buddy copy, the assembly, the new strategy, its load and
-  its first buddy copy), redo (the step again).
+  all-gather of every survivor's shards and buddy copies, the assembly, the new strategy, its load
+  and its first buddy copy), redo (the first step after it), replay (the further steps until the
+  step that failed is done again: a sharded strategy rolls back to its last buddy renewal, so
+  ``--kill-at`` just below a multiple of ``MESHKIT_BUDDY_EVERY`` is the worst case), total (the
+  failure to the failed step done).
 
-A sharded strategy under ``--survive`` renews its buddy copy after every step
-(:mod:`meshkit.parallel.buddy`): the run reports its bytes (``memory_report()["buddy"]``) and the
-mean wall time of one exchange, part of the step time.
+A sharded strategy under ``--survive`` renews its buddy copy every ``MESHKIT_BUDDY_EVERY`` steps
+(default 8; :mod:`meshkit.parallel.buddy`): the run reports the cadence, its bytes
+(``memory_report()["buddy"]``), the mean wall time of one renewal and its share of a step (the
+renewals' time over the steps). ``--variant k1:MESHKIT_BUDDY_EVERY=1`` measures renewing after
+every step beside it.
 
 ``--variant NAME:VAR=VALUE[,VAR=VALUE]`` adds a ``--survive 1`` run per repeat with those variables
 (``old:MESHKIT_SHM=0,MESHKIT_BUDDY_SHM=0`` is ``--survive`` before the shared-memory path and the
@@ -51,7 +56,7 @@ from typing import Any
 from _common import positive_int
 
 ROOT = Path(__file__).resolve().parents[1]
-PHASES = ("detection", "shrink", "state", "redo", "total")
+PHASES = ("detection", "shrink", "state", "redo", "replay", "total")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -111,18 +116,21 @@ def worker(args: argparse.Namespace) -> int:
     model = build()
     meshkit.barrier()
     started, step, phases, redo, times = time.perf_counter(), 0, {}, None, []
+    failed_step, replayed = None, 0
     while step < args.steps:
         try:
             began = time.perf_counter()
             train_step(model, step)
             times.append(time.perf_counter() - began)
             step += 1
-            if redo is not None:
-                phases["redo"], redo = time.time() - redo, None
+            if redo is not None and "redo" not in phases:
+                phases["redo"] = time.time() - redo  # the first step after the recovery
+            if redo is not None and step > failed_step:  # the step that failed, done: the replay's end
+                phases["replay"], redo = time.time() - redo - phases["redo"], None
         except RankFailedError:
-            failed_at = time.time()
+            failed_at, failed_step = time.time(), step
             model, step = survive.shrink(model, build)
-            redo, recovery = time.time(), survive.last_recovery()
+            redo, recovery, replayed = time.time(), survive.last_recovery(), failed_step - step
             phases = {"detection": failed_at - float(Path(log, "died").read_text()),
                       "shrink": recovery.shrink, "state": recovery.state}
     elapsed = time.perf_counter() - started
@@ -144,7 +152,10 @@ def worker(args: argparse.Namespace) -> int:
             phases["total"] = sum(phases.values())
         copy = getattr(getattr(model, "shards", None), "buddy", None)
         buddy = {} if copy is None else {"buddy_bytes": model.memory_report()["buddy"],
-                                          "buddy_s": copy.seconds / max(copy.refreshes, 1)}
+                                          "buddy_s": copy.seconds / max(copy.refreshes - copy.setups, 1),
+                                          "buddy_setup_s": copy.setup_seconds,
+                                          "buddy_every": copy.every, "buddy_step_s": (copy.seconds + copy.setup_seconds) / args.steps,
+                                          "replayed": replayed}
         steady = sorted(times[1:])  # (the first step allocates: not a steady one)
         print("RESULT " + json.dumps({"step_s": elapsed / args.steps, "step_min_s": steady[0],
                                       "step_median_s": statistics.median(steady), "phases": phases, "diff": diff,
@@ -226,13 +237,19 @@ def main(argv: list[str] | None = None) -> int:
     for key, what in (("step_s", "mean"), ("step_median_s", "median"), ("step_min_s", "fastest")):
         print(f"paired {what} step / plain's, median [min, max] over repeats: " + ", ".join(
             f"{kind} {_paired(results, kind, key)}" for kind in ("survive", *extra)))
-    copies = [r for r in results["survive"] if "buddy_s" in r]
-    if copies:
-        print(f"buddy copy: {copies[0]['buddy_bytes']} bytes a rank; one exchange {_cell([r['buddy_s'] for r in copies], 1e3)} ms "
-              "(median min max)")
+    for kind in ("survive", *extra):
+        copies = [r for r in results[kind] if "buddy_s" in r]
+        if copies:
+            print(f"buddy copy{'' if kind == 'survive' else f' ({kind})'}: {copies[0]['buddy_bytes']} bytes a rank; one "
+                  f"exchange {_cell([r['buddy_s'] for r in copies], 1e3)} ms (median min max; the first, which maps "
+                  f"the segments, apart: {_cell([r['buddy_setup_s'] for r in copies], 1e3)} ms); renewed every "
+                  f"{copies[0]['buddy_every']} steps: a step's share {_cell([r['buddy_step_s'] for r in copies], 1e3)} "
+                  "ms, the first included")
     if args.no_killed:
         return _write(args, results)
-    print(f"\n# rank {args.nproc - 1} SIGKILLed as step {args.kill_at} starts: failure -> next step, seconds")
+    replays = sorted({r.get("replayed", 0) for r in results["killed"]})
+    print(f"\n# rank {args.nproc - 1} SIGKILLed as step {args.kill_at} starts: failure -> the failed step done again, "
+          f"seconds (steps replayed before it: {replays})")
     print(f"{'phase':>22} {'median':>8} {'min':>8} {'max':>8}")
     for phase in PHASES:
         print(f"{phase:>22} {_cell([r['phases'][phase] for r in results['killed'] if phase in r['phases']])}")

@@ -11,6 +11,13 @@ verification (a flipped byte, a missing file) would otherwise fail an elastic jo
 every restart. A skipped one is renamed aside (``step_<n>.skipped-<random>``, never removed) once
 an older one has loaded, so that the resumed run's own save of that step does not collide with it
 and pruning does not count it; ``fallback=False`` refuses instead.
+
+A save of a step this manager saved already, and which is still there complete, is skipped (on
+every rank alike): under ``meshkit-run --survive`` the survivors of a failure may roll back a few
+steps and replay them (docs/elastic.md "Surviving failures"), and the replay's save of a step
+that committed before the failure would otherwise fail, as a save never overwrites. The step on
+disk is the same step of the same run (the replay reproduces it to rounding). A step this manager
+did not save (another run's, left in the directory) still makes the save fail.
 """
 
 from __future__ import annotations
@@ -77,6 +84,8 @@ class CheckpointManager:
         self._prune_lock = threading.Lock()
         #: names of step_ entries owned by another user, warned about once
         self._foreign: set[str] = set()
+        #: the steps this manager saved (every rank's save returned): a replay's save of one is skipped
+        self._saved: set[int] = set()
         if self.group.rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._prune(steps=False)  # only the leftovers of crashes: no step is dropped before a save
@@ -128,10 +137,28 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def save(self, step: int, state_dict: dict[str, Any]) -> None:
-        """Save ``state_dict`` as ``step`` (collective), then drop checkpoints beyond ``max_to_keep``."""
+        """Save ``state_dict`` as ``step`` (collective), then drop checkpoints beyond ``max_to_keep``.
+
+        A step this manager saved before and still holds complete is skipped (a replay after a
+        survived failure: see the module's docstring)."""
         group = self.group
+        if self._replayed(step, group):
+            return
         save(state_dict, checkpoint_id=self._new(step), group=group)
+        self._saved.add(int(step))
         self._prune(group)
+
+    def _replayed(self, step: int, group: ProcessGroup) -> bool:
+        """Whether ``step`` was saved by this manager and is still complete on disk (rank 0's view, for
+        every rank; collective only for a step this manager saved, which every rank of the job did)."""
+        if int(step) not in self._saved:
+            return False
+        box = [int(step) in self.all_steps()] if group.rank == 0 else [None]
+        broadcast_object_list(box, group=group, group_src=0)
+        if box[0]:
+            logger.info("meshkit.checkpoint: CheckpointManager: step %d was saved before a failure the job survived; "
+                        "the replay's save of it is skipped (%s is complete)", step, self.path(step))
+        return bool(box[0])
 
     def async_save(self, step: int, state_dict: dict[str, Any]) -> "Future[None]":
         """:func:`~meshkit.checkpoint.async_save` as ``step``; old ones are dropped once it commits.
@@ -140,15 +167,19 @@ class CheckpointManager:
         beyond ``max_to_keep`` are removed.
         """
         group = self.group  # resolved here: the writer thread has no world of its own (the local engine's)
-        inner = async_save(state_dict, checkpoint_id=self._new(step), group=group)
         future: Future[None] = Future()
         future.set_running_or_notify_cancel()
+        if self._replayed(step, group):
+            future.set_result(None)
+            return future
+        inner = async_save(state_dict, checkpoint_id=self._new(step), group=group)
 
         def done(f: "Future[None]") -> None:  # on the writer thread
             exc = f.exception()
             if exc is not None:
                 future.set_exception(exc)
                 return
+            self._saved.add(int(step))
             try:
                 self._prune(group)
             finally:

@@ -3,31 +3,46 @@
 Under ``meshkit-run --survive K`` (``MESHKIT_SURVIVE`` set by the launcher) a sharded strategy
 (ZeRO-1/2, FSDP, HSDP) holds, besides its own flat shards, a copy of those of the next rank of
 its shard group: shard index ``s`` keeps index ``(s + 1) % n``'s parameter shards and optimizer
-state shards (every flat key's), with that rank's optimizer step counts. :meth:`BuddyCopy.refresh`
-renews the copy after every optimizer step. Within a node (the default, ``MESHKIT_BUDDY_SHM``) each
-rank writes its shards into a shared-memory segment of its own that index ``s - 1`` mapped once
-(:mod:`meshkit.parallel.buddy_shared`: one memcpy, no message; the segment outlives its owner
-while its buddy maps it). Elsewhere it is one exchange over the shard group (each rank sends its
-shards to index ``s - 1`` and receives index ``s + 1``'s, every message posted before any is
-waited on). Either way one shard's worth of parameters and optimizer state per rank is held
-(``memory_report()["buddy"]``). A plain run builds no copy and pays nothing.
+state shards (every flat key's), with that rank's optimizer step counts.
 
-When ranks die, :func:`contribution` is what a survivor still holds (its own shards and its copy,
-read locally: no communication) and :func:`assemble` makes one full state dict (``{"model",
-"optim"}``, :mod:`~meshkit.parallel.data_parallelism.full_state`'s shape, loadable at any world
-size) from every survivor's contribution, or says which shards are lost (a rank and the rank
+**Cadence.** :meth:`BuddyCopy.refresh` renews the copy when the optimizer step count is a
+multiple of ``MESHKIT_BUDDY_EVERY`` (:data:`EVERY_ENV`, :data:`EVERY_DEFAULT`), after the first
+step, and right after a shrink; between renewals a step pays nothing for the copy. After a
+failure the survivors roll back to the last renewal (``k0``) when a lost rank's shards are held
+only there, and the loop replays the steps since (at most ``MESHKIT_BUDDY_EVERY - 1``; the data of
+a step depends on the step alone, so the result is still exact). ``MESHKIT_BUDDY_EVERY=1`` renews
+after every step, as before this setting.
+
+Within a node (the default, ``MESHKIT_BUDDY_SHM``) each rank writes its shards into a shared-memory
+segment of its own that index ``s - 1`` mapped once (:mod:`meshkit.parallel.buddy_shared`: one
+memcpy, no message; two slots written in turn, so a rank killed mid-write leaves the renewal
+before whole; the segment outlives its owner while its buddy maps it). The rank's own segment also
+holds its own shards at the last renewals, which a survivor rolls back to: no more memory. Elsewhere
+it is one exchange over the shard group (each rank sends its shards to index ``s - 1`` and receives
+index ``s + 1``'s, every message posted before any is waited on), and with ``MESHKIT_BUDDY_EVERY``
+above 1 the rank also keeps a local snapshot of its own shards at the renewal. Either way two
+shards' worth of parameters and optimizer state per rank are held (``memory_report()["buddy"]``;
+one on the message path at ``MESHKIT_BUDDY_EVERY=1``). A plain run builds no copy and pays nothing.
+
+When ranks die, :func:`contribution` is what a survivor still holds (its own live shards, its own
+copies at the last renewals, and its copies of its neighbour's, read locally: no communication)
+and :func:`assemble` makes one full state dict (``{"model", "optim"}``,
+:mod:`~meshkit.parallel.data_parallelism.full_state`'s shape, loadable at any world size) at the
+newest step at which every shard is held, or says which shards are lost (a rank and the rank
 holding its copy both dead, with no other replica of that shard, as HSDP's replicate dimension
 has). :func:`meshkit.parallel.survive.shrink` does the exchange between the two.
 
-The copy is taken after the step completes; a failure inside the exchange itself invalidates the
-receiving rank's copy (a half-received message is never used), and a failure after some ranks
-updated their shards but before the exchange leaves shards of different steps: :func:`assemble`
-takes the newest step at which every shard is held, and refuses (the job ends, or restarts under
-``--max-restarts``) where there is none (docs/elastic.md "Surviving failures", limits).
+A failure inside a renewal by message invalidates the receiving rank's copy (a half-received
+message is never used); within a node a torn slot is skipped and the other slot (one renewal
+older) used. A failure after some ranks renewed and before others did leaves copies of different
+steps: :func:`assemble` takes the newest step at which every shard is held, and refuses (the job
+ends, or restarts under ``--max-restarts``) where there is none (docs/elastic.md "Surviving
+failures", limits).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,8 +50,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..comm import DistError, ProcessGroup, ReduceOp
-from ..comm._seams import SEGMENT_NAME_BYTES as NAME_BYTES
+from ..comm import DistError, DistValueError, ProcessGroup, ReduceOp
+from ..comm._seams import SEGMENT_NAME_BYTES as NAME_BYTES, agree
 from . import buddy_shared
 from .arrays import array_namespace, to_host
 from .buddy_shared import Mailbox
@@ -45,11 +60,40 @@ if TYPE_CHECKING:  # the strategies import this module: nothing of theirs at run
     from .data_parallelism.flat import FlatLayout
     from .optim.optimizers import Optimizer
 
-__all__ = ["BuddyCopy", "Held", "ShardsLostError", "contribution", "assemble", "BUDDY_TAG"]
+__all__ = ["BuddyCopy", "Held", "Contribution", "ShardsLostError", "contribution", "assemble", "choose", "join",
+           "every", "BUDDY_TAG", "EVERY_ENV", "EVERY_DEFAULT"]
 
 #: The tag of the exchange's messages, apart from a user's point-to-point traffic on the same group
 #: (tag 0 by default). Below 32767, the least upper bound MPI guarantees for tags.
 BUDDY_TAG = 25205
+
+
+#: The variable of the copy's cadence: renewed when the optimizer step count is a multiple of it.
+EVERY_ENV = "MESHKIT_BUDDY_EVERY"
+#: Its default. Measured (benchmarks/survive.py, MLP 256x256, AdamW, float64, 2 loaded cores): one
+#: renewal is 0.16-0.31 ms (866 KB a rank at 2 ranks), 4-7% of fsdp's 4 ms step when done every step;
+#: every 8 steps its share is 0.02-0.04 ms a step (under 1%). A failure then replays at most 7 steps:
+#: failure to the failed step done again at 4 ranks (fsdp, 7 replayed) 0.15-0.28 s, inside the 0.5 s
+#: bar (docs/elastic.md "Surviving failures", the cadence).
+EVERY_DEFAULT = 8
+#: The largest value accepted (a failure replays up to that many steps less one).
+EVERY_MAX = 10_000
+
+
+def every() -> int:
+    """``MESHKIT_BUDDY_EVERY``: renew the buddy copy every this many optimizer steps (:data:`EVERY_DEFAULT` when unset).
+
+    Raises:
+        DistValueError: not an integer in 1..:data:`EVERY_MAX`, naming the variable and the valid values.
+    """
+    text = os.environ.get(EVERY_ENV, "").strip()
+    if not text:
+        return EVERY_DEFAULT
+    if not text.isdigit() or not 1 <= int(text) <= EVERY_MAX:
+        raise DistValueError(f"meshkit.parallel.buddy: {EVERY_ENV}={text!r} is not valid; valid values are integers "
+                             f"from 1 (renew the buddy copy after every optimizer step) to {EVERY_MAX} (default "
+                             f"{EVERY_DEFAULT}; a failure replays up to that many steps less one)")
+    return int(text)
 
 
 class ShardsLostError(DistError):
@@ -73,15 +117,24 @@ def _arrays(layouts: Sequence[FlatLayout], shards: Mapping[str, Any], optimizer:
 
 
 class BuddyCopy:
-    """A copy of the next shard's state (index ``(s + 1) % n`` of the shard group), renewed every step.
+    """A copy of the next shard's state (index ``(s + 1) % n`` of the shard group), renewed every
+    ``MESHKIT_BUDDY_EVERY`` optimizer steps.
 
     Args:
         owner: the strategy (a :class:`~meshkit.parallel.data_parallelism.sharded.ShardOwner`):
             its ``_shard_group()``, ``_layouts()``, ``_param_shards()`` and ``optimizer``.
+
+    Raises:
+        DistValueError: ``MESHKIT_BUDDY_EVERY`` or ``MESHKIT_BUDDY_SHM`` is not valid.
     """
 
     def __init__(self, owner: Any) -> None:
         self.owner = owner
+        self.every = every()  # read once, at construction: every rank of the job has the same (the launcher's)
+        buddy_shared.enabled()  # validated here too, not at the first renewal
+        #: the message path with every > 1: this rank's own shards at the last renewal, and their step counts
+        self.snapshot: dict[str, Any] = {}
+        self.snapshot_steps: dict[str, int] = {}
         self.arrays: dict[str, Any] = {}  # the copy, shaped as the neighbour's shards (= this rank's)
         self.steps: dict[str, int] = {}  # the neighbour's optimizer step counts, per flat key
         self.valid = False  # a complete copy is held (False before the first step and after a failed exchange)
@@ -89,9 +142,14 @@ class BuddyCopy:
         #: within a node: this rank's copy in its own segment, its neighbour's mapped (buddy_shared.py);
         #: None where the copies go by message
         self.mailbox: Mailbox | None = None
+        self._agreed = False  # every rank of the group checked to have the same ``every`` (at the first renewal)
         self._by_message = False  # a rank of the group could not map its neighbour's segment: messages for good
-        self.refreshes = 0  # exchanges done, and their wall time (benchmarks/survive.py reports it per step)
+        #: renewals done; of them, those that set up (agreed, mapped the segments); the wall time of the
+        #: others and of those apart (benchmarks/survive.py reports them)
+        self.refreshes = 0
+        self.setups = 0
         self.seconds = 0.0
+        self.setup_seconds = 0.0
 
     @property
     def nbytes(self) -> int:
@@ -99,42 +157,70 @@ class BuddyCopy:
         buddy maps, within a node; else the neighbour's copy received and the step counts."""
         if self.mailbox is not None:
             return self.mailbox.nbytes
-        return sum(int(a.nbytes) for a in self.arrays.values()) + (0 if self._counts is None else 2 * int(self._counts.nbytes))
+        snapshot = sum(int(a.nbytes) for a in self.snapshot.values())
+        return (sum(int(a.nbytes) for a in self.arrays.values()) + snapshot
+                + (0 if self._counts is None else 2 * int(self._counts.nbytes)))
 
-    def held(self) -> tuple[dict[str, int], dict[str, np.ndarray]] | None:
-        """The neighbour's last complete copy, on the host: ``(its step counts, its arrays)``; None
-        where there is none (before the first step, or a copy torn by a failure)."""
+    def held(self) -> list[tuple[dict[str, int], dict[str, np.ndarray]]]:
+        """The neighbour's complete copies, on the host, newest first: ``(its step counts, its
+        arrays)`` each; none before the first renewal or where a failure tore the copy."""
         if self.mailbox is not None:
             return self.mailbox.read()
         if not self.valid:
-            return None
-        return dict(self.steps), {k: np.array(to_host(a)) for k, a in self.arrays.items()}
+            return []
+        return [(dict(self.steps), {k: np.array(to_host(a)) for k, a in self.arrays.items()})]
 
-    def refresh(self) -> None:
-        """Renew the copy (collective over the shard group): within a node this rank's shards are
-        written into its own segment, which index ``s - 1`` maps; else they are sent to index ``s - 1``
-        and index ``s + 1``'s received."""
+    def own(self) -> list[tuple[dict[str, int], dict[str, np.ndarray]]]:
+        """This rank's own shards at the last renewals, on the host, newest first (within a node:
+        its segment's slots; by message: the snapshot kept when ``every`` > 1)."""
+        if self.mailbox is not None:
+            return self.mailbox.read_own()
+        if not self.snapshot:
+            return []
+        return [(dict(self.snapshot_steps), {k: np.array(to_host(a)) for k, a in self.snapshot.items()})]
+
+    def due(self) -> bool:
+        """Whether the step just taken renews the copy: its count a multiple of ``every``, or the first step."""
+        count = _count(self.owner.optimizer)
+        return count % self.every == 0 or count == 1
+
+    def refresh(self, force: bool = False) -> None:
+        """Renew the copy where :meth:`due` (or ``force``: right after a shrink), collective over the
+        shard group: within a node this rank's shards are written into its own segment, which index
+        ``s - 1`` maps; else they are sent to index ``s - 1`` and index ``s + 1``'s received.
+        Every rank of the group decides alike (the same step count, the same ``every``)."""
         group: ProcessGroup = self.owner._shard_group()
         if group.size == 1:
             return  # the only shard: no other rank could keep it
+        if not force and not self.due():
+            return
         started = time.perf_counter()
         mine = _arrays(self.owner._layouts(), self.owner._param_shards(), self.owner.optimizer)
         xp = array_namespace(next(iter(mine.values())))  # NumPy, or CuPy on the GPU engine (counts too)
+        setup = not self._agreed
+        if setup:
+            self._agree(group)
         keys = sorted(self.owner.optimizer.steps)
         if xp is np and not self._by_message and buddy_shared.enabled():
             if self.mailbox is None or not self.mailbox.layout.same(mine, keys):
                 self._open_mailbox(group, mine, keys)
+                setup = True
             if self.mailbox is not None:
                 self.mailbox.write(mine, [int(self.owner.optimizer.steps[k]) for k in keys])
                 self.valid = True  # (this rank's copy, for its buddy to read: held() reads the neighbour's)
-                self.refreshes += 1
-                self.seconds += time.perf_counter() - started
+                self._timed(started, setup)
                 return
         if list(mine) != list(self.arrays) or any(self.arrays[k].shape != a.shape for k, a in mine.items()):
             self.arrays = {k: xp.empty_like(a) for k, a in mine.items()}  # AdamW's state appears at its first step
         # the number of counts first: never an empty message (no step counts before the first step)
         sent = xp.asarray(np.array([len(keys), *(int(self.owner.optimizer.steps[k]) for k in keys)], np.int64))
         received = xp.empty_like(sent)
+        if self.every > 1:  # this rank's own shards at this renewal, which a rollback to it needs
+            if list(mine) != list(self.snapshot) or any(self.snapshot[k].shape != a.shape for k, a in mine.items()):
+                self.snapshot = {k: xp.empty_like(a) for k, a in mine.items()}
+            for key, a in mine.items():
+                self.snapshot[key][...] = a
+            self.snapshot_steps = {k: int(self.owner.optimizer.steps[k]) for k in keys}
         self.valid = False  # until every message has arrived: a half-received copy is never used
         to, of = (group.rank - 1) % group.size, (group.rank + 1) % group.size
         works = [group.irecv(received, of, BUDDY_TAG)] + [group.irecv(a, of, BUDDY_TAG) for a in self.arrays.values()]
@@ -144,8 +230,28 @@ class BuddyCopy:
         self.steps = {k: int(c) for k, c in zip(keys, to_host(received)[1:])}
         self._counts = sent
         self.valid = True
+        self._timed(started, setup)
+
+    def _timed(self, started: float, setup: bool) -> None:
         self.refreshes += 1
-        self.seconds += time.perf_counter() - started
+        if setup:
+            self.setups += 1
+            self.setup_seconds += time.perf_counter() - started
+        else:
+            self.seconds += time.perf_counter() - started
+
+    def _agree(self, group: ProcessGroup) -> None:
+        """At the first renewal: every rank of the group has the same ``every`` (else some would renew
+        when others do not: the exchange would wait out its timeout, a rollback would find no common
+        step). Through comm's one agreement: every rank raises the same error, or none does."""
+        def compare(g: Any, values: list[Any]) -> str | None:
+            if len(set(values)) == 1:
+                return None
+            listed = ", ".join(f"{v} on rank {r}" for r, v in zip(g.ranks, values))
+            return (f"meshkit.parallel.buddy: {EVERY_ENV} differs across the shard group ({listed}): set the same "
+                    "value on every rank")
+        agree(group, self.every, compare=compare, error=DistValueError)
+        self._agreed = True
 
     def _open_mailbox(self, group: ProcessGroup, mine: dict[str, Any], keys: list[str]) -> None:
         """Collective over the shard group: each rank creates its segment for ``mine``'s layout, the
@@ -215,9 +321,20 @@ class Contribution:
     group: tuple[int, ...]
     held: list[Held] = field(default_factory=list)
 
+    def skeleton(self) -> Contribution:
+        """The same without the arrays (what :func:`choose` reads): the recovery's first, small exchange."""
+        return Contribution(self.group, [Held(h.index, h.steps, {}, h.holder, h.owner) for h in self.held])
+
+    def arrays_of(self, chosen: Mapping[int, Held]) -> dict[int, dict[str, np.ndarray]]:
+        """The arrays of the shards :func:`choose` took from this survivor, by shard index."""
+        return {i: h.arrays for i, c in chosen.items() for h in self.held
+                if h.index == i and h.holder == c.holder and h.count == c.count}
+
 
 def contribution(model: Any, old_rank: int) -> Contribution:
-    """What this survivor holds of ``model``'s sharded state (local: no communication).
+    """What this survivor holds of ``model``'s sharded state (local: no communication): its own live
+    shards, its own shards at the last renewals (where their step count differs from the live
+    one's: the state a rollback needs), and its copies of the next index's shards.
 
     Args:
         model: a sharded strategy whose ``shards.buddy`` is a :class:`BuddyCopy`.
@@ -230,10 +347,20 @@ def contribution(model: Any, old_rank: int) -> Contribution:
     held = [Held(index, {k: int(c) for k, c in model.optimizer.steps.items()},
                  {k: np.array(to_host(a)) for k, a in own.items()}, old_rank, old_rank)]
     buddy: BuddyCopy | None = model.shards.buddy
-    copy = buddy.held() if buddy is not None and n > 1 else None
-    if copy is not None:
-        nxt = (index + 1) % n
-        held.append(Held(nxt, copy[0], copy[1], old_rank, ranks[nxt]))
+    if buddy is None or n == 1:
+        return Contribution(ranks, held)
+    counts = {held[0].count}
+    for steps, arrays in buddy.own():  # newest first; a step count offered once
+        h = Held(index, steps, arrays, old_rank, old_rank)
+        if h.count not in counts:
+            counts.add(h.count)
+            held.append(h)
+    nxt, counts = (index + 1) % n, set()
+    for steps, arrays in buddy.held():
+        h = Held(nxt, steps, arrays, old_rank, ranks[nxt])
+        if h.count not in counts:
+            counts.add(h.count)
+            held.append(h)
     return Contribution(ranks, held)
 
 
@@ -241,8 +368,10 @@ def assemble(layouts: Sequence[FlatLayout], contributions: Sequence[Contribution
              failed: Sequence[int]) -> tuple[dict[str, Any], int, dict[int, Held]]:
     """The full state dict from the survivors' contributions (local: every survivor computes the same).
 
-    Picks the newest optimizer step count ``T`` at which every shard index of ``layouts`` is held
-    by some survivor (its own shards, or a copy), and joins those shards.
+    :func:`choose`, then :func:`join`: the newest optimizer step count ``T`` at which every shard
+    index of ``layouts`` is held by some survivor (its own shards, live or at a renewal, or a copy),
+    and those shards joined. (:func:`meshkit.parallel.survive.shrink` does the two apart, so that
+    only the shards chosen travel.)
 
     Args:
         layouts: the strategy's flat layouts (of the old world: ``layouts[i].shards`` indices).
@@ -258,7 +387,18 @@ def assemble(layouts: Sequence[FlatLayout], contributions: Sequence[Contribution
         ShardsLostError: no step at which every shard is held; naming the shard indices missing,
             the dead ranks whose shards they are and the dead ranks that held their copies.
     """
-    n = layouts[0].shards
+    step, chosen = choose(layouts[0].shards, contributions, failed)
+    return join(layouts, chosen, hyper), step, chosen
+
+
+def choose(n: int, contributions: Sequence[Contribution], failed: Sequence[int]) -> tuple[int, dict[int, Held]]:
+    """The newest step count at which each of the ``n`` shard indices is held, and which :class:`Held`
+    to take for each (its owner's own where it survived, else the lowest holder's); the arrays are
+    not read, so :meth:`Contribution.skeleton` serves as well.
+
+    Raises:
+        ShardsLostError: no such step (see :func:`assemble`).
+    """
     by_index: dict[int, list[Held]] = {i: [] for i in range(n)}
     for c in contributions:
         for h in c.held:
@@ -270,8 +410,13 @@ def assemble(layouts: Sequence[FlatLayout], contributions: Sequence[Contribution
         missing = [i for i in range(n) if newest not in counts[i]]
         raise ShardsLostError(_lost_message(missing, contributions, failed, counts))
     step = max(common)
-    chosen = {i: min((h for h in by_index[i] if h.count == step), key=lambda h: (h.holder != h.owner, h.holder))
-              for i in range(n)}
+    return step, {i: min((h for h in by_index[i] if h.count == step), key=lambda h: (h.holder != h.owner, h.holder))
+                  for i in range(n)}
+
+
+def join(layouts: Sequence[FlatLayout], chosen: Mapping[int, Held], hyper: Mapping[str, Any]) -> dict[str, Any]:
+    """The full state dict ``{"model", "optim"}`` from one :class:`Held` (with its arrays) per shard index."""
+    n = layouts[0].shards
     params: dict[str, np.ndarray] = {}
     state: dict[str, dict[str, np.ndarray]] = {}
     steps: dict[str, int] = {}
@@ -285,7 +430,7 @@ def assemble(layouts: Sequence[FlatLayout], contributions: Sequence[Contribution
                 state.setdefault(name, {})[key] = value
         if lay.key in chosen[0].steps:
             steps.update({name: chosen[0].steps[lay.key] for name in lay.names})
-    return {"model": params, "optim": {"state": state, "step": steps, "hyper": dict(hyper)}}, step, chosen
+    return {"model": params, "optim": {"state": state, "step": steps, "hyper": dict(hyper)}}
 
 
 def _lost_message(missing: list[int], contributions: Sequence[Contribution], failed: Sequence[int],

@@ -9,15 +9,20 @@ the memory lives in the two mappings alone: when the owner dies, the buddy's map
 the last copy written, and the buddy reads it at recovery (:meth:`Mailbox.read`). No message
 moves per step; the copy costs one memcpy of the shards (measured in benchmarks/survive.py).
 
-**A torn copy is never used.** The segment starts with a sequence word: the owner writes -1,
-then the arrays and its optimizer step counts, then the (positive) sequence number; the reader
-reads the word, copies, and reads the word again, and takes the copy only where both reads agree
-and are positive (a seqlock). x86-64's total store order keeps the writes in that order for the
+**A torn copy is never used, and never costs the one before it.** The segment holds two slots,
+written in turn (double buffering): a write goes into the older slot, so a rank killed while
+writing leaves its previous copy whole in the other (the buddy rolls back one renewal further:
+:mod:`meshkit.parallel.buddy`). Each slot starts with a sequence word: the owner writes -1, then
+the arrays and its optimizer step counts, then the (positive) sequence number; the reader reads
+the word, copies, and reads the word again, and takes the copy only where both reads agree and
+are positive (a seqlock). x86-64's total store order keeps the writes in that order for the
 reader, as for the shared-memory collectives (comm/engines/shm_collectives.py, "Memory
-ordering"); elsewhere :func:`supported` is False and the copy goes by message.
+ordering"); elsewhere :func:`supported` is False and the copy goes by message. The second slot
+doubles the segment (two shards' worth a rank, ``memory_report()["buddy"]``) and costs no time: a
+renewal still writes one slot.
 
-Layout (bytes; every part 64-aligned): ``[seq, nkeys, count_0 .. count_{nkeys-1}]`` (int64), then
-each array of the layout in order.
+Layout of a slot (bytes; every part 64-aligned): ``[seq, nkeys, count_0 .. count_{nkeys-1}]``
+(int64), then each array of the layout in order; slot 1 follows slot 0.
 """
 
 from __future__ import annotations
@@ -58,7 +63,8 @@ class Layout:
         for key, array in arrays.items():
             self.specs.append((key, array.dtype, int(array.size), at))
             at += _up(int(array.nbytes))
-        self.size = max(at, 64)
+        self.slot = max(at, 64)  # one slot's bytes
+        self.size = 2 * self.slot  # the segment: two slots (double buffering)
 
     def same(self, arrays: Mapping[str, np.ndarray], keys: list[str]) -> bool:
         """Whether ``arrays`` and ``keys`` have this layout."""
@@ -68,7 +74,7 @@ class Layout:
 
 
 class Mailbox:
-    """This rank's segment (written every step) and its neighbour's (read at recovery), one layout.
+    """This rank's segment (written at each renewal) and its neighbour's (read at recovery), one layout.
 
     Args:
         layout: the arrays' layout.
@@ -78,8 +84,10 @@ class Mailbox:
 
     def __init__(self, layout: Layout, mine: Segment, theirs: Segment | None = None) -> None:
         self.layout, self.mine, self.theirs = layout, mine, theirs
-        self._words = np.frombuffer(mine.memory, np.int64, 2 + len(layout.keys), 0)
-        self._views = {key: np.frombuffer(mine.memory, dtype, count, at) for key, dtype, count, at in layout.specs}
+        words, slot = 2 + len(layout.keys), layout.slot
+        self._words = [np.frombuffer(mine.memory, np.int64, words, s * slot) for s in (0, 1)]
+        self._views = [{key: np.frombuffer(mine.memory, dtype, count, s * slot + at)
+                        for key, dtype, count, at in layout.specs} for s in (0, 1)]
         self.seq = 0
 
     @classmethod
@@ -92,44 +100,57 @@ class Mailbox:
         self.theirs = attach(path, self.layout.size)
 
     def write(self, arrays: Mapping[str, np.ndarray], counts: list[int]) -> None:
-        """This rank's arrays and step counts into its segment (a seqlock write: -1, the data, the new number)."""
-        words = self._words
+        """This rank's arrays and step counts into the older slot of its segment (a seqlock write: -1,
+        the data, the new number); the other slot keeps the copy before."""
+        self.seq += 1
+        slot = self.seq % 2
+        words = self._words[slot]
         words[0] = -1
-        for key, view in self._views.items():
+        for key, view in self._views[slot].items():
             np.copyto(view, arrays[key].reshape(-1))
         words[1] = len(counts)
         words[2:2 + len(counts)] = counts
-        self.seq += 1
         words[0] = self.seq
 
-    def read(self) -> tuple[dict[str, int], dict[str, np.ndarray]] | None:
-        """The neighbour's last complete copy: ``(steps by key, arrays by key)``, copied out; None
-        where there is none (never written, or torn: it died while writing it)."""
-        if self.theirs is None:
-            return None
-        memory = self.theirs.memory
-        words = np.frombuffer(memory, np.int64, 2 + len(self.layout.keys), 0)
-        before = int(words[0])
-        if before <= 0:
-            return None
-        arrays = {key: np.frombuffer(memory, dtype, count, at).copy() for key, dtype, count, at in self.layout.specs}
-        counts = [int(c) for c in words[2:2 + int(words[1])]] if int(words[1]) == len(self.layout.keys) else None
-        if int(words[0]) != before or counts is None:
-            return None
-        return dict(zip(self.layout.keys, counts)), arrays
+    def read(self) -> list[tuple[dict[str, int], dict[str, np.ndarray]]]:
+        """The neighbour's complete copies, newest first: ``(steps by key, arrays by key)`` each,
+        copied out; none where it never wrote one, and a slot torn (it died while writing it) left out."""
+        return [] if self.theirs is None else _slots(self.theirs.memory, self.layout)
+
+    def read_own(self) -> list[tuple[dict[str, int], dict[str, np.ndarray]]]:
+        """This rank's own copies in its segment, newest first (what its buddy would read): the shards
+        at the last renewals, which a survivor rolls back to when a lost rank's shards are that old."""
+        return _slots(self.mine.memory, self.layout)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of this rank's segment (what it holds for its buddy)."""
+        """Bytes of this rank's segment, both slots (what it holds for its buddy)."""
         return self.layout.size
 
     def close(self) -> None:
         """Unmap both segments (their names are unlinked already)."""
-        self._views.clear()
-        self._words = np.empty(0, np.int64)
+        self._views = []
+        self._words = []
         self.mine.close()
         if self.theirs is not None:
             self.theirs.close()
+
+
+def _slots(memory: memoryview, layout: Layout) -> list[tuple[dict[str, int], dict[str, np.ndarray]]]:
+    """The complete copies in a segment's two slots, newest (highest sequence number) first."""
+    found: list[tuple[int, dict[str, int], dict[str, np.ndarray]]] = []
+    n = len(layout.keys)
+    for base in (0, layout.slot):
+        words = np.frombuffer(memory, np.int64, 2 + n, base)
+        before = int(words[0])
+        if before <= 0:
+            continue  # never written, or torn
+        arrays = {key: np.frombuffer(memory, dtype, count, base + at).copy() for key, dtype, count, at in layout.specs}
+        counts = [int(c) for c in words[2:2 + n]] if int(words[1]) == n else None
+        if int(words[0]) != before or counts is None:
+            continue  # overwritten while read
+        found.append((before, dict(zip(layout.keys, counts)), arrays))
+    return [(steps, arrays) for _, steps, arrays in sorted(found, key=lambda f: -f[0])]
 
 
 #: ``MESHKIT_BUDDY_SHM=0`` sends the copies by message even within a node (1, the default: shared memory where it can).

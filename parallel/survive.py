@@ -20,9 +20,12 @@ What :func:`shrink` does, in order (each phase timed in :class:`Recovery`):
 2. **state**, replicated (DDP: parameters and optimizer state whole on every rank): the survivors
    agree on the most advanced copy (the highest optimizer step count: a rank may have finished the
    step whose all-reduce failed elsewhere) and broadcast it from there;
-   sharded (ZeRO-1/2, FSDP, HSDP, built under ``--survive``): every survivor brings its own shards
-   and its buddy copy of the next shard (:mod:`meshkit.parallel.buddy`), one all-gather, and each
-   survivor assembles the full state at the newest step where every shard is held (a clear
+   sharded (ZeRO-1/2, FSDP, HSDP, built under ``--survive``): every survivor says what it holds,
+   its own shards (live, and at the last buddy renewals) and its buddy copies of the next shard
+   (:mod:`meshkit.parallel.buddy`), in one small all-gather of step counts; each picks the same
+   shards at the newest step where every shard is held, and a second all-gather moves each chosen
+   shard once, from the survivor that holds it, so each survivor joins the full state: the last renewal when a lost rank's shards are held
+   only there, so the loop replays the steps since (at most ``MESHKIT_BUDDY_EVERY - 1``; a clear
    :class:`~meshkit.parallel.buddy.ShardsLostError` where a rank and its buddy both died);
    then the new strategy (``build()``, collective over the new world: a new mesh and groups)
    loads it with ``load_full_state_dict``, whatever its world size and mesh.
@@ -57,7 +60,8 @@ class Recovery:
     Attributes:
         shrink: :func:`~meshkit.comm.shrink_world` (revoke, ULFM's Shrink and its agreement, the new world).
         state: the agreement on the source, its broadcast, the new strategy and its load.
-        step: the step the loop redoes (the source's optimizer step count).
+        step: the step the loop redoes (the optimizer step count of the state rebuilt: under buddy
+            copies renewed every K steps, the last renewal's, so the steps since are replayed).
         source: the new rank whose state every survivor took.
         world: what the shrink did (the dead ranks, the old and new ranks).
     """
@@ -110,12 +114,21 @@ def shrink(model: Any, build: Callable[[], Any]) -> tuple[Any, int]:
     mine = buddy.contribution(model, old_rank) if sharded else model.full_state_dict()  # local: no communication
     shrunk = shrink_world()
     shrunk_at, shrunk_ns = time.perf_counter(), time.time_ns()
-    if sharded:  # every survivor's own shards and buddy copy, to every survivor (by new rank)
+    if sharded:  # what every survivor holds (step counts only), to every survivor (by new rank); then the shards chosen
         everyone: list[Any] = [None] * get_world_size()
-        all_gather_object(everyone, mine)
-        state, steps_done, _ = buddy.assemble(model._layouts(), everyone, model.optimizer.hyper, shrunk.failed)
-        # the source: the lowest survivor whose own shards are at that step (it took every step redone from)
-        source = next((r for r, c in enumerate(everyone) if c.held[0].count == steps_done), 0)
+        all_gather_object(everyone, mine.skeleton())
+        layouts = model._layouts()
+        steps_done, chosen = buddy.choose(layouts[0].shards, everyone, shrunk.failed)
+        pieces: list[Any] = [None] * get_world_size()
+        all_gather_object(pieces, mine.arrays_of(chosen))  # each shard once, from the survivor chosen to give it
+        for given in pieces:
+            for index, arrays in given.items():
+                chosen[index].arrays = arrays
+        state = buddy.join(layouts, chosen, model.optimizer.hyper)
+        # the source of the losses: the lowest survivor whose own live shards are at that step or past it
+        # (every survivor's are: a survivor's own index is held at no step past its own, so the step
+        # rolled back to, a renewal's, is at most every survivor's; each took every step before it)
+        source = next((r for r, c in enumerate(everyone) if c.held[0].count >= steps_done), 0)
         box: list[Any] = [state]
         steps = [steps_done]
     else:
@@ -128,7 +141,7 @@ def shrink(model: Any, build: Callable[[], Any]) -> tuple[Any, int]:
     rebuilt = build()
     rebuilt.load_full_state_dict(box[0])
     if isinstance(getattr(rebuilt, "shards", None), Shards):
-        rebuilt.shards.after_step()  # the new buddy copies at once: a failure in the step redone is survived too
+        rebuilt.shards.after_step(force=True)  # the new buddy copies at once, whatever the step count: a failure in the step redone is survived too
     recovery = Recovery(shrink=shrunk_at - started, state=time.perf_counter() - shrunk_at, step=max(steps),
                         source=source, world=shrunk)
     _last.append(recovery)

@@ -3,8 +3,10 @@
 On the local engine (threads as ranks) with ``MESHKIT_SURVIVE`` set as ``meshkit-run --survive``
 sets it: ZeRO-1/2, FSDP and HSDP train a few steps with AdamW, then for each rank taken away the
 survivors' contributions assemble the full state exactly (bitwise equal to ``full_state_dict()``),
-the lost rank's shard from the rank before it; two neighbours lost is a clear error naming the
-shard, and so are shards of different steps. Under the launcher (Open MPI's ULFM): the example's
+the lost rank's shard from the rank before it (``MESHKIT_BUDDY_EVERY=1`` here: every K steps is
+tests/test_buddy_every.py); two neighbours lost is a clear error naming the shard; a lost rank's
+copy one renewal behind is met at the survivors' renewal before (the segment's second slot), two
+renewals behind is the same error; a slot torn mid-write is skipped for the other. Under the launcher (Open MPI's ULFM): the example's
 hsdp (2x2 -> 1x3) survives a SIGKILL between steps with ``--check`` (tests/test_survive_launch.py
 kills every strategy of the example twice, inside a gradient reduction and inside a save).
 """
@@ -48,19 +50,25 @@ def _trained(strategy: str, mesh_shape=None, steps=STEPS):
 def test_any_one_rank_lost_its_shards_come_from_its_buddy_exactly(strategy, mesh_shape, shared, monkeypatch):
     monkeypatch.setenv("MESHKIT_SURVIVE", "1")
     monkeypatch.setenv("MESHKIT_BUDDY_SHM", shared)  # within a node (1): each copy in its owner's segment
+    monkeypatch.setenv("MESHKIT_BUDDY_EVERY", "1")  # renewed after every step (test_buddy_every.py: every K)
     out = _trained(strategy, mesh_shape)
     assert all((o[5].mailbox is not None) == (shared == "1" and buddy_shared.supported()) for o in out)
     contributions, full, layouts, hyper = [o[0] for o in out], out[0][1], out[0][2], out[0][3]
     n = layouts[0].shards
     for rank, (c, _, lays, _, report, copy) in enumerate(out):
         own = sum(int(a.nbytes) for a in c.held[0].arrays.values())
-        assert report["buddy"] == copy.nbytes >= own > 0  # a copy as large as this rank's shards (and 2 step counts)
-        assert copy.valid and c.held[1].count == c.held[0].count == len(STEPS)
+        # within a node two slots of this rank's shards (double buffering), by message one copy of the neighbour's
+        assert report["buddy"] == copy.nbytes >= (2 if shared == "1" else 1) * own > 0
         index = c.group.index(rank)
-        assert c.held[1].index == (index + 1) % n and c.held[1].owner == c.group[(index + 1) % n]
-        neighbour = next(o[0] for o in out if o[0].held[0].holder == c.held[1].owner)
+        # its own shards live, then (within a node) its own renewal before, then its copies of the neighbour's
+        own_steps = [h.count for h in c.held if h.index == index]
+        assert own_steps == ([len(STEPS), len(STEPS) - 1] if shared == "1" else [len(STEPS)])
+        copies = [h for h in c.held if h.index != index]
+        assert copy.valid and copies[0].count == len(STEPS)
+        assert copies[0].index == (index + 1) % n and copies[0].owner == c.group[(index + 1) % n]
+        neighbour = next(o[0] for o in out if o[0].held[0].holder == copies[0].owner)
         for key, value in neighbour.held[0].arrays.items():  # the copy is the neighbour's shards, bit for bit
-            np.testing.assert_array_equal(c.held[1].arrays[key], value)
+            np.testing.assert_array_equal(copies[0].arrays[key], value)
     for dead in range(4):
         survivors = [c for r, c in enumerate(contributions) if r != dead]
         state, step, chosen = buddy.assemble(layouts, survivors, hyper, [dead])
@@ -80,17 +88,28 @@ def test_any_one_rank_lost_its_shards_come_from_its_buddy_exactly(strategy, mesh
 
 def test_a_rank_and_its_buddy_both_lost_is_an_error_naming_the_shard(monkeypatch):
     monkeypatch.setenv("MESHKIT_SURVIVE", "2")
+    monkeypatch.setenv("MESHKIT_BUDDY_EVERY", "1")  # no older renewal to roll back to
     out = _trained("fsdp")
     contributions, layouts, hyper = [o[0] for o in out], out[0][2], out[0][3]
     buddy.assemble(layouts, [contributions[0], contributions[2]], hyper, [1, 3])  # not neighbours: fine
     with pytest.raises(buddy.ShardsLostError, match=re.escape(
             "the loss of ranks [1, 2]: no survivor holds shard 2 of ranks [2], whose copies were on ranks [1]")):
         buddy.assemble(layouts, [contributions[0], contributions[3]], hyper, [1, 2])
-    # a survivor whose own shards went one step further than the only copy of the lost rank's
+    # the lost rank died between its optimizer step and its renewal (its copy one renewal behind a
+    # survivor's live shards and newest renewal): the survivor's renewal before, in the other slot of
+    # its segment, is the common step
     ahead = contributions[2]
-    ahead.held[0].steps = {k: c + 1 for k, c in ahead.held[0].steps.items()}
+    assert [h.count for h in ahead.held if h.index == 2] == [3, 2]
+
+    def further(c):
+        for h in c.held:
+            if h.index == 2:
+                h.steps = {k: n + 1 for k, n in h.steps.items()}
+    further(ahead)
+    assert buddy.assemble(layouts, [contributions[0], ahead, contributions[3]], hyper, [1])[1] == 3
+    further(ahead)  # two renewals further: no step at which every shard is held
     with pytest.raises(buddy.ShardsLostError, match=r"shard 1 of ranks \[1\], whose copies were on ranks \[0\] "
-                                                    r"\(held at step counts \[3\] only\)"):
+                                                    r"\(held at step counts \[2, 3\] only\)"):
         buddy.assemble(layouts, [contributions[0], ahead, contributions[3]], hyper, [1])
 
 
@@ -148,8 +167,8 @@ def test_train_mlp_hsdp_mesh_adapts_after_a_shrink_unless_given():
 
 
 def test_a_copy_torn_by_its_owners_death_is_never_used_and_the_switch_is_checked(monkeypatch):
-    # the owner died inside its write (the sequence word still -1): its buddy holds no copy, and
-    # the assembly says which shard is lost rather than use half of one
+    # the owner died inside its write (the slot's sequence word still -1): its buddy never uses half a
+    # copy; the other slot (the renewal before) is whole, and is what it reads
     monkeypatch.setenv("MESHKIT_SURVIVE", "1")
     monkeypatch.setenv("MESHKIT_BUDDY_SHM", "1")
     if not buddy_shared.supported():
@@ -159,13 +178,21 @@ def test_a_copy_torn_by_its_owners_death_is_never_used_and_the_switch_is_checked
     owner, holder = buddy_shared.Mailbox.create(layout), buddy_shared.Mailbox.create(layout)
     try:
         holder.attach(owner.mine.path)
-        assert holder.read() is None  # never written
+        assert holder.read() == []  # never written
         owner.write(arrays, [3])
-        steps, copy = holder.read()
+        [(steps, copy)] = holder.read()
         assert steps == {"w": 3} and copy.keys() == arrays.keys()
         np.testing.assert_array_equal(copy["w"], arrays["w"])
-        np.frombuffer(owner.mine.memory, np.int64, 1, 0)[0] = -1  # as if it died mid-write
-        assert holder.read() is None
+        owner.write({k: a + 1 for k, a in arrays.items()}, [4])  # the other slot: both held, newest first
+        assert [s for s, _ in holder.read()] == [{"w": 4}, {"w": 3}] == [s for s, _ in owner.read_own()]
+        np.testing.assert_array_equal(holder.read()[0][1]["w"], arrays["w"] + 1)
+        slot = owner.seq % 2  # the slot holding step 4
+        np.frombuffer(owner.mine.memory, np.int64, 1, slot * layout.slot)[0] = -1  # died mid-write of that slot
+        [(steps, copy)] = holder.read()
+        assert steps == {"w": 3}  # the torn slot left out, the one before it whole
+        np.testing.assert_array_equal(copy["w"], arrays["w"])
+        np.frombuffer(owner.mine.memory, np.int64, 1, (1 - slot) * layout.slot)[0] = -1
+        assert holder.read() == []
     finally:
         for box in (owner, holder):
             box.mine.unlink()

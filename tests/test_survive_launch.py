@@ -17,6 +17,13 @@ as launched):
 ddp's last failure comes in a row: in the save right after the step redone. hsdp's mesh goes
 2x2 -> 1x3 -> 2x1; it is killed at a step in tests/test_survive_buddy.py.
 
+The sharded strategies renew their buddy copies every ``MESHKIT_BUDDY_EVERY`` steps (the default,
+8, and 1 for zero1's job): a failure rolls the survivors back to the last renewal (after step 1, a
+multiple of 8, or the last shrink), so they replay the steps since, re-saving checkpoints that
+committed before the failure (skipped: the step is on disk) and retaking the save that met the
+dead rank; the result is still exact. hsdp's first failure takes the lost shard live from its
+replica: no rollback.
+
 The same jobs check the launcher's report of each survived failure, by phase (``--survive-report``,
 :mod:`meshkit.launch.survived`): one line each on stderr and the JSON; its parsing and phase
 arithmetic are tested in-process below.
@@ -38,20 +45,26 @@ from test_survive import EXAMPLES, launch, needs_ulfm
 PHASES = ("detection_s", "agreement_s", "shrink_s", "state_rebuild_s", "redo_s")
 
 STEPS, EVERY = 20, 5
-#: (strategy, ranks, its faults in the order they strike): KIND:RANK-AS-LAUNCHED:STEP (elastic_train.py)
+#: (strategy, ranks, MESHKIT_BUDDY_EVERY or None for the default, its faults in the order they strike:
+#: KIND:RANK-AS-LAUNCHED:STEP (elastic_train.py), the step each failure's survivors redo from)
 CASES = [
-    ("ddp", 5, ("step:4:2", "bucket:0:4", "save:3:5")),  # the third in the save right after the step redone
-    ("zero1", 5, ("step:4:2", "bucket:2:4", "save:0:10")),  # rank 0, the save's committer
-    ("zero2", 5, ("step:3:2", "bucket:1:7", "save:2:15")),
-    ("fsdp", 5, ("step:0:2", "bucket:3:6", "save:1:10")),  # rank 0 between steps
-    ("hsdp", 4, ("bucket:1:4", "save:3:15")),  # 2x2 -> 1x3 -> 2x1 (at a step: test_survive_buddy.py)
+    ("ddp", 5, None, ("step:4:2", "bucket:0:4", "save:3:5"), (2, 4, 5)),  # the third in the save right after the
+    # step redone; replicated: nothing rolls back
+    ("zero1", 5, "1", ("step:4:2", "bucket:2:4", "save:0:10"), (2, 4, 10)),  # renewed every step; rank 0, the
+    # save's committer, killed in it
+    ("zero2", 5, None, ("step:3:2", "bucket:1:7", "save:2:15"), (1, 1, 8)),  # back to the renewals after steps 1
+    # (the save of 5 replayed: skipped), 1 (the shrink's) and 8 (the save of 10 skipped, 15's retaken)
+    ("fsdp", 5, None, ("step:0:2", "bucket:3:6", "save:1:10"), (1, 1, 8)),  # rank 0 between steps
+    ("hsdp", 4, None, ("bucket:1:4", "save:3:15"), (4, 8)),  # 2x2 -> 1x3 -> 2x1 (at a step: test_survive_buddy.py);
+    # the first lost shard is live on its replica
 ]
 SAID = {"step": "after step {}", "bucket": "inside step {}'s gradient reduction", "save": "inside the save of step {}"}
 
 
 @needs_ulfm
-@pytest.mark.parametrize(("strategy", "ranks", "faults"), CASES, ids=[c[0] for c in CASES])
-def test_train_mlp_survives_ranks_killed_at_a_step_in_a_reduction_and_in_a_save(strategy, ranks, faults, tmp_path):
+@pytest.mark.parametrize(("strategy", "ranks", "every", "faults", "redo"), CASES, ids=[c[0] for c in CASES])
+def test_train_mlp_survives_ranks_killed_at_a_step_in_a_reduction_and_in_a_save(strategy, ranks, every, faults, redo,
+                                                                                tmp_path):
     ckpt = tmp_path / "ckpt"
     cap = ["--bucket-cap-mb", "0.01"] if strategy in ("ddp", "zero1", "zero2") else []
     lost = len(faults)
@@ -59,24 +72,27 @@ def test_train_mlp_survives_ranks_killed_at_a_step_in_a_reduction_and_in_a_save(
                     str(STEPS), "--batch", "120", "--samples", "1024", *cap, "--checkpoint-dir", str(ckpt),
                     "--save-every", str(EVERY), "--check",
                     options=("--survive", str(lost), "--survive-report", str(tmp_path / "survived.json")),
-                    env={"ELASTIC_FAULT": "+".join(faults)}, timeout=150)
+                    env={"ELASTIC_FAULT": "+".join(faults), **({"MESHKIT_BUDDY_EVERY": every} if every else {})},
+                    timeout=150)
     out, err = result.stdout, result.stderr
     struck = [(kind, int(victim), int(at)) for kind, victim, at in (f.split(":") for f in faults)]
-    for n, (kind, victim, at) in enumerate(struck, 1):
+    for n, ((kind, victim, at), back) in enumerate(zip(struck, redo), 1):
         assert f"killing rank {victim} {SAID[kind].format(at)}" in out, out
         assert (f"rank {victim} failed (signal 9); the survivors carry on without it ({n} of --survive {lost})"
                 in err), err
-        assert f"rebuilt on {ranks - n} ranks" in out + err and f"redoing step {at} " in out + err, out + err
+        assert f"rebuilt on {ranks - n} ranks" in out + err and f"redoing step {back} " in out + err, out + err
     assert f"{strategy} on {ranks - lost} ranks" in out and "check against single-process training: OK (float64" in out, out
-    # the save that met the dead rank never commits; the others commit
-    saved = {at for kind, _, at in struck if kind == "save"}
+    # the save that met the dead rank never commits, nor is it retaken unless the survivors rolled back past
+    # it; the others commit (a replayed one once)
+    saved = {at for (kind, _, at), back in zip(struck, redo) if kind == "save" and back == at}
     kept = sorted(int(p.name.split("_")[1]) for p in ckpt.iterdir() if p.name.startswith("step_"))
     assert kept == [s for s in range(EVERY, STEPS + 1, EVERY) if s not in saved], kept
     # the launcher's report: a line and a JSON entry per failure, every phase timed, in order
     reports = json.loads((tmp_path / "survived.json").read_text())
     assert [(r["survived"], r["ranks"], r["failure"], r["ranks_before"], r["ranks_after"], r["redo_step"],
-             r["complete"]) for r in reports] == [(n, [victim], "signal 9", ranks - n + 1, ranks - n, at, True)
-                                                  for n, (_, victim, at) in enumerate(struck, 1)], reports
+             r["complete"]) for r in reports] == [(n, [victim], "signal 9", ranks - n + 1, ranks - n, back, True)
+                                                  for n, ((_, victim, _), back) in enumerate(zip(struck, redo), 1)], \
+        reports
     for r, (_, victim, _) in zip(reports, struck):
         assert all(r[p] is not None and r[p] >= 0 for p in PHASES), r
         assert sum(r[p] for p in PHASES) == pytest.approx(r["total_s"], abs=1e-6) and r["total_s"] < 30, r

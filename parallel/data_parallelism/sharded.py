@@ -84,12 +84,13 @@ class Shards:
         #: under ``meshkit-run --survive K``: a copy of the next shard's state (:mod:`meshkit.parallel.buddy`)
         self.buddy: BuddyCopy | None = BuddyCopy(owner) if survive_budget() > 0 else None
 
-    def after_step(self) -> None:
-        """The strategy's ``step()`` ends here: the buddy copy renewed, under ``--survive`` only (one
-        memcpy into this rank's segment within a node, else an exchange over the shard group:
+    def after_step(self, force: bool = False) -> None:
+        """The strategy's ``step()`` ends here: the buddy copy renewed, under ``--survive`` only, when
+        the step count is a multiple of ``MESHKIT_BUDDY_EVERY`` (or ``force``: right after a shrink;
+        one memcpy into this rank's segment within a node, else an exchange over the shard group:
         :mod:`meshkit.parallel.buddy`)."""
         if self.buddy is not None:
-            self.buddy.refresh()
+            self.buddy.refresh(force)
 
     # ------------------------------------------------------------------ the surface
     def grad_shards(self) -> dict[str, Any]:

@@ -1,0 +1,143 @@
+"""Buddy copies renewed every K steps (``MESHKIT_BUDDY_EVERY``), and the steps since replayed after a failure, in-process.
+
+On the local engine (threads as ranks) with ``MESHKIT_SURVIVE`` set as ``meshkit-run --survive``
+sets it: a strategy trains t steps, a rank is taken away, the survivors' contributions assemble
+the state at the last renewal (the newest step at which every shard is held), and the survivors'
+world, built anew, loads it and replays the steps since: the final parameters equal single-process
+training (1e-10 for float64) for a failure at every offset within K, within a node and by message,
+and for two failures in a row. HSDP's replicate dimension holds a lost shard live: no rollback.
+The setting is validated and must agree across the shard group (comm's agree: every rank raises). Under the launcher, every job of
+tests/test_survive_launch.py runs at the default K (one at K=1).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import sharded_cases
+from meshkit import comm
+from meshkit.comm import DistValueError, local
+from meshkit.parallel import buddy
+
+KIND = "adamw"
+TOTAL = 10  # steps of the whole run, against single-process training of as many
+
+
+def _train(strategy: str, world: int, steps: range, state=None, mesh_shape=None, every=None):
+    """``world`` ranks train ``steps`` from ``state`` (then renewing at once, as survive.shrink does); each
+    rank's contribution, the full state, the layouts, the hyperparameters and the buddy copy."""
+    def body():
+        held = []
+
+        def setup(model):
+            held.append(model)
+            if every is not None:
+                model.shards.buddy.every = every[comm.get_rank()]
+            if state is not None:
+                model.shards.after_step(force=True)
+        if strategy == "fsdp":
+            full, _ = sharded_cases.train_fsdp(KIND, mesh_shape=mesh_shape, steps=steps, state=state, setup=setup)
+        else:
+            full, _ = sharded_cases.STRATEGIES[strategy](KIND, steps=steps, state=state, setup=setup)
+        model = held[0]
+        return (buddy.contribution(model, comm.get_rank()), full, model._layouts(), dict(model.optimizer.hyper),
+                model.shards.buddy, model.memory_report())
+    return local.run(body, world)
+
+
+def _lose(out, dead: list[int]):
+    """The state the survivors of ``out`` assemble once ``dead`` (ranks of that world) are gone, and its step;
+    as survive.shrink does it too (the step counts first, then each shard chosen from one survivor): the same."""
+    survivors = [o[0] for r, o in enumerate(out) if r not in dead]
+    layouts, hyper = out[0][2], out[0][3]
+    state, step, _ = buddy.assemble(layouts, survivors, hyper, dead)
+    picked, chosen = buddy.choose(layouts[0].shards, [c.skeleton() for c in survivors], dead)
+    assert picked == step and all(not h.arrays for h in chosen.values())
+    given = [c.arrays_of(chosen) for c in survivors]
+    assert sorted(i for g in given for i in g) == list(range(layouts[0].shards))  # each shard moves once
+    for g in given:
+        for i, arrays in g.items():
+            chosen[i].arrays = arrays
+    joined = buddy.join(layouts, chosen, hyper)
+    for name, value in state["model"].items():
+        np.testing.assert_array_equal(joined["model"][name], value)
+    assert joined["optim"]["step"] == state["optim"]["step"]
+    return state, step
+
+
+@pytest.mark.parametrize("strategy, shared", [("zero2", "1"), ("fsdp", "1"), ("zero1", "0")],
+                         ids=["zero2", "fsdp", "zero1-by-message"])
+def test_a_failure_at_every_offset_within_k_rolls_back_to_the_renewal_and_replays_exactly(strategy, shared,
+                                                                                          monkeypatch):
+    monkeypatch.setenv("MESHKIT_SURVIVE", "1")
+    monkeypatch.setenv("MESHKIT_BUDDY_SHM", shared)
+    monkeypatch.setenv("MESHKIT_BUDDY_EVERY", "4")
+    reference = sharded_cases.reference(KIND, steps=TOTAL)
+    for done in range(4, 8):  # the failure 0..3 steps after the renewal at step 4
+        out = _train(strategy, 4, range(done))
+        copy, report, own = out[0][4], out[0][5], sum(int(a.nbytes) for a in out[0][0].held[0].arrays.values())
+        assert copy.every == 4 and copy.refreshes == 2  # after steps 1 and 4 only
+        assert report["buddy"] == copy.nbytes >= 2 * own  # two shards' worth: two slots, or a snapshot and a copy
+        dead = done % 4  # a different rank each time
+        state, step = _lose(out, [dead])
+        assert step == 4, (done, step)  # the lost shard is held at the renewal only: every survivor rolls back
+        params = _train(strategy, 3, range(step, TOTAL), state=state)[0][1]["model"]
+        sharded_cases.assert_matches(params, reference, f"{strategy}, rank {dead} lost after step {done}")
+
+
+def test_two_failures_in_a_row_each_roll_back_and_the_result_is_exact(monkeypatch):
+    monkeypatch.setenv("MESHKIT_SURVIVE", "2")
+    monkeypatch.setenv("MESHKIT_BUDDY_EVERY", "3")
+    out = _train("fsdp", 4, range(5))  # renewals after steps 1 and 3
+    state, step = _lose(out, [1])
+    assert step == 3
+    out = _train("fsdp", 3, range(step, 8), state=state)  # renewed at 3 (the shrink) and 6
+    assert out[0][4].refreshes == 2
+    state, step = _lose(out, [0])
+    assert step == 6
+    params = _train("fsdp", 2, range(step, TOTAL), state=state)[0][1]["model"]
+    sharded_cases.assert_matches(params, sharded_cases.reference(KIND, steps=TOTAL), "fsdp after two failures")
+
+
+def test_hsdp_takes_a_lost_shard_live_from_its_replica_not_the_renewal(monkeypatch):
+    monkeypatch.setenv("MESHKIT_SURVIVE", "1")
+    monkeypatch.setenv("MESHKIT_BUDDY_EVERY", "4")
+    out = _train("fsdp", 4, range(6), mesh_shape=(2, 2))
+    state, step = _lose(out, [3])
+    assert step == 6  # rank 1 of the other replica holds rank 3's shard at step 6: nothing to replay
+    assert state["optim"]["step"] == out[0][1]["optim"]["step"]
+
+
+@pytest.mark.parametrize("value", ["0", "x", "10001", "-2"])
+def test_a_bad_cadence_is_an_error_naming_the_variable(value, monkeypatch):
+    monkeypatch.setenv("MESHKIT_BUDDY_EVERY", value)
+    with pytest.raises(DistValueError, match=rf"MESHKIT_BUDDY_EVERY='{value}' is not valid; valid values are integers "
+                                             r"from 1 .* to 10000 \(default 8"):
+        buddy.every()
+
+
+def test_a_cadence_that_differs_across_the_group_is_an_error_naming_each_ranks_value(monkeypatch):
+    monkeypatch.setenv("MESHKIT_SURVIVE", "1")
+    with pytest.raises(DistValueError, match=r"MESHKIT_BUDDY_EVERY differs across the shard group \(2 on rank 0, 3 on "
+                                             r"rank 1\): set the same value on every rank"):
+        _train("zero2", 2, range(2), every=[2, 3])
+
+
+def test_a_replays_save_of_a_step_saved_before_the_failure_is_skipped_and_anothers_still_refused(tmp_path):
+    from meshkit.checkpoint import CheckpointError, CheckpointManager
+
+    def body():
+        manager = CheckpointManager(tmp_path / "ckpt")
+        state = {"w": np.arange(4.0)}
+        manager.save(5, state)
+        before = (tmp_path / "ckpt" / "step_5").stat().st_mtime_ns
+        manager.save(5, {"w": np.zeros(4)})  # the replay after a rollback: skipped on every rank, the step kept
+        manager.async_save(5, state).result(timeout=30)
+        assert (tmp_path / "ckpt" / "step_5").stat().st_mtime_ns == before and manager.all_steps() == [5]
+        manager.save(6, state)  # the next step saves as usual
+        with pytest.raises(CheckpointError, match=r"step_5' already exists; a checkpoint is never overwritten"):
+            CheckpointManager(tmp_path / "ckpt").save(5, state)  # not this manager's: refused as before
+        return manager.all_steps()
+
+    assert local.run(body, 2) == [[5, 6]] * 2
