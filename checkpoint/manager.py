@@ -12,12 +12,14 @@ every restart. A skipped one is renamed aside (``step_<n>.skipped-<random>``, ne
 an older one has loaded, so that the resumed run's own save of that step does not collide with it
 and pruning does not count it; ``fallback=False`` refuses instead.
 
-A save of a step this manager saved already, and which is still there complete, is skipped (on
-every rank alike): under ``meshkit-run --survive`` the survivors of a failure may roll back a few
-steps and replay them (docs/elastic.md "Surviving failures"), and the replay's save of a step
-that committed before the failure would otherwise fail, as a save never overwrites. The step on
-disk is the same step of the same run (the replay reproduces it to rounding). A step this manager
-did not save (another run's, left in the directory) still makes the save fail.
+A save of a step this manager saved before a failure the job survived, and which is still there
+complete, is skipped (on every rank alike): under ``meshkit-run --survive`` the survivors of a
+failure may roll back a few steps and replay them (docs/elastic.md "Surviving failures"), and the
+replay's save of a step that committed before the failure would otherwise fail, as a save never
+overwrites. The step on disk is the same step of the same run (the replay reproduces it). A step
+saved twice with no failure survived in between (a loop's mistake: the second state may differ),
+and a step this manager did not save (another run's, left in the directory), still make the
+save fail.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ..comm import ProcessGroup, broadcast_object_list
-from ..comm._seams import resolve_group
+from ..comm._seams import recoveries, resolve_group
 from .cleanup import remove_stale
 from .errors import CheckpointError
 from .format import METADATA
@@ -84,8 +86,9 @@ class CheckpointManager:
         self._prune_lock = threading.Lock()
         #: names of step_ entries owned by another user, warned about once
         self._foreign: set[str] = set()
-        #: the steps this manager saved (every rank's save returned): a replay's save of one is skipped
-        self._saved: set[int] = set()
+        #: the steps this manager saved (every rank's save returned), each with the failures survived by
+        #: then (comm's ``recoveries()``): a save of one after a later recovery is a replay's, skipped
+        self._saved: dict[int, int] = {}
         if self.group.rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._prune(steps=False)  # only the leftovers of crashes: no step is dropped before a save
@@ -145,13 +148,14 @@ class CheckpointManager:
         if self._replayed(step, group):
             return
         save(state_dict, checkpoint_id=self._new(step), group=group)
-        self._saved.add(int(step))
+        self._saved[int(step)] = recoveries()
         self._prune(group)
 
     def _replayed(self, step: int, group: ProcessGroup) -> bool:
-        """Whether ``step`` was saved by this manager and is still complete on disk (rank 0's view, for
-        every rank; collective only for a step this manager saved, which every rank of the job did)."""
-        if int(step) not in self._saved:
+        """Whether ``step`` was saved by this manager before a failure survived since, and is still
+        complete on disk (rank 0's view, for every rank; collective only then, which every survivor
+        agrees on: the same saves returned, the same recoveries)."""
+        if int(step) not in self._saved or self._saved[int(step)] >= recoveries():
             return False
         box = [int(step) in self.all_steps()] if group.rank == 0 else [None]
         broadcast_object_list(box, group=group, group_src=0)
@@ -179,7 +183,7 @@ class CheckpointManager:
             if exc is not None:
                 future.set_exception(exc)
                 return
-            self._saved.add(int(step))
+            self._saved[int(step)] = recoveries()
             try:
                 self._prune(group)
             finally:

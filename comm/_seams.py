@@ -35,7 +35,7 @@ from ..launch_protocol import SURVIVE_ENV
 from .agree import agree
 from .naming import by_ranks, name_ranks
 from .setup.backends import backend_devices
-from .milestones import FIRST_STEP, IMPORTED, RESTORED, milestone, survived
+from .milestones import FIRST_STEP, IMPORTED, RESTORED, milestone, recoveries, survived
 from .arrays import array_namespace, is_array, is_device_array, to_host
 from .groups.prepared import PREPARED_OPS, PreparedCollective, prepare_collective
 from .setup.registry import create_groups, resolve_group
@@ -48,7 +48,7 @@ from .engines.shm_segment import NAME_BYTES as SEGMENT_NAME_BYTES, Segment, atta
 __all__ = ["agree", "by_ranks", "name_ranks", "backend_devices", "array_namespace", "is_device_array", "is_array", "to_host", "PREPARED_OPS", "PreparedCollective",
            "prepare_collective",
            "create_groups", "resolve_group", "current_world", "flight_document", "inflight_document", "RECORD_FORMAT",
-           "moved_names", "milestone", "survived", "IMPORTED", "RESTORED", "FIRST_STEP", "positive_setting",
+           "moved_names", "milestone", "survived", "recoveries", "IMPORTED", "RESTORED", "FIRST_STEP", "positive_setting",
            "read_bounded",
            "open_regular", "NotRegular", "TooLarge", "FINGERPRINT_SLOTS", "stamp_fingerprint", "verify_fingerprint",
            "moved_modules", "survive_budget", "Segment", "create_segment", "attach_segment", "SEGMENT_NAME_BYTES"]

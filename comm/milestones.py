@@ -25,7 +25,7 @@ import time
 from ..launch_protocol import (FAILED, FIRST_STEP, IMPORTED, LAUNCHER_ENV, RENDEZVOUS, RESTORED, STATUS_DIR_ENV,
                                milestone_file, survived_file)
 
-__all__ = ["milestone", "report_failure", "survived", "IMPORTED", "RENDEZVOUS", "RESTORED", "FIRST_STEP",
+__all__ = ["milestone", "report_failure", "survived", "recoveries", "IMPORTED", "RENDEZVOUS", "RESTORED", "FIRST_STEP",
            "STATUS_DIR_ENV",
            "LAUNCHER_ENV"]
 
@@ -67,6 +67,12 @@ def survived(*, failed: tuple[int, ...], old_size: int, detected_ns: int, agreed
     _recoveries.append([int(detected_ns), int(agreed_ns), int(shrunk_ns), int(rebuilt_ns), 0, int(step),
                         ",".join(map(str, lost)) or "-"])
     _write_recovery()
+
+
+def recoveries() -> int:
+    """How many failures this process has survived (:func:`survived` calls): what tells a replayed
+    step, done again after a rollback, from a step done twice by mistake."""
+    return len(_recoveries)
 
 
 def _write_recovery() -> None:

@@ -124,15 +124,30 @@ def test_a_cadence_that_differs_across_the_group_is_an_error_naming_each_ranks_v
         _train("zero2", 2, range(2), every=[2, 3])
 
 
-def test_a_replays_save_of_a_step_saved_before_the_failure_is_skipped_and_anothers_still_refused(tmp_path):
+def test_a_replays_save_of_a_step_saved_before_the_failure_is_skipped_and_anothers_still_refused(tmp_path,
+                                                                                                 monkeypatch):
+    """A step saved before a failure the job survived is skipped when the replay saves it again; the
+    same step saved twice with no failure in between (a loop's mistake: the second state may
+    differ) is refused as before, and so is a step this manager did not save."""
+    import meshkit
     from meshkit.checkpoint import CheckpointError, CheckpointManager
+    from meshkit.checkpoint import manager as manager_module
+
+    survived = [0]  # comm's count of failures survived, as meshkit.parallel.survive.shrink raises it
+    monkeypatch.setattr(manager_module, "recoveries", lambda: survived[0])
 
     def body():
         manager = CheckpointManager(tmp_path / "ckpt")
         state = {"w": np.arange(4.0)}
         manager.save(5, state)
         before = (tmp_path / "ckpt" / "step_5").stat().st_mtime_ns
-        manager.save(5, {"w": np.zeros(4)})  # the replay after a rollback: skipped on every rank, the step kept
+        with pytest.raises(CheckpointError, match=r"step_5' already exists; a checkpoint is never overwritten"):
+            manager.save(5, {"w": np.zeros(4)})  # no failure survived since: not a replay, never skipped silently
+        meshkit.barrier()
+        if meshkit.get_rank() == 0:
+            survived[0] = 1  # a failure survived (every rank sees it before its next save)
+        meshkit.barrier()
+        manager.save(5, state)  # the replay after a rollback: skipped on every rank, the step kept
         manager.async_save(5, state).result(timeout=30)
         assert (tmp_path / "ckpt" / "step_5").stat().st_mtime_ns == before and manager.all_steps() == [5]
         manager.save(6, state)  # the next step saves as usual
