@@ -9,7 +9,6 @@ from __future__ import annotations
 import mmap
 import os
 import re
-import threading
 import time
 
 import numpy as np
@@ -22,6 +21,7 @@ from meshkit.comm.engines import shm_layout as layout
 from meshkit.comm.engines.engine import CallsDiffer
 from meshkit.comm.engines.shm_collectives import Channel, ShmRequest
 from meshkit.comm.errors import DistBackendError, DistValueError, RankFailedError
+from shm_threads import finish, on_threads
 
 
 # --------------------------------------------------------------------------- arithmetic
@@ -83,27 +83,11 @@ def _drive(n: int, calls, *, timeout: float = 20.0, chunk: int = CHUNK, small: i
     if direct:
         for channel in channels:
             channel.attach_directly([os.getpid()] * n, direct)
-    results: list = [None] * n
-
     def rank(r):
-        try:
-            if calls[r] is None:
-                return
-            request = ShmRequest("test", lambda req: calls[r](channels[r], req))
-            deadline = time.monotonic() + timeout
-            while not request.Test():
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"rank {r} waits for {request.missing_ranks}")
-                os.sched_yield()
-        except BaseException as exc:  # noqa: BLE001 (returned to the test)
-            results[r] = exc
+        if calls[r] is not None:
+            finish(ShmRequest("test", lambda req: calls[r](channels[r], req)), r, timeout)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return results
+    return on_threads(n, rank)
 
 
 def _ordered(op, parts):

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from collective_cases import ops_for
+from shm_threads import finish, on_threads
 from meshkit import ReduceOp
 from meshkit.comm.engines import shm_layout as layout
 from meshkit.comm.engines.engine import CallsDiffer
@@ -33,26 +34,11 @@ def _paths(n: int, least: int = 0, most: int = CHUNK) -> list[SmallPath]:
 def _drive(paths: list[SmallPath], calls, timeout: float = 20.0) -> list:
     """Run ``calls[r](path)`` (each a list of request factories, run in order) on a thread per rank;
     each rank's first exception, or None."""
-    errors: list = [None] * len(paths)
-
     def rank(r):
-        try:
-            for call in calls[r]:
-                request = call(paths[r])
-                deadline = time.monotonic() + timeout
-                while not request.Test():
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"rank {r} waits for {request.missing_ranks}")
-                    os.sched_yield()
-        except BaseException as exc:  # noqa: BLE001 (returned to the test)
-            errors[r] = exc
+        for call in calls[r]:
+            finish(call(paths[r]), r, timeout)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(paths))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return errors
+    return on_threads(len(paths), rank)
 
 
 def _ordered(op: ReduceOp, parts: list[np.ndarray]) -> np.ndarray:
