@@ -168,6 +168,15 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _RELEASE_POLL_S = 0.02
 #: How often a watcher looks for its launcher where Linux gives no pidfd (before 5.3).
 _LAUNCHER_POLL_S = 0.25
+#: How often a watcher reads which MPICH shared-memory files its running rank holds: until it holds
+#: some (MPI_Init creates them), then every :data:`_SHM_RESCAN_S`. Read while the rank runs, so that
+#: a rank that dies before its watcher learns of the launcher's death (hydra's SIGTERM, forwarded
+#: when mpiexec dies with the launcher) still has its files removed: a dead process holds no fds.
+#: A look is a listing of ``/proc/PID/fd`` (tens of microseconds); a rank that holds none after
+#: :data:`_SHM_FAST_FOR_S` (no MPI, or one rank alone) is looked at every :data:`_SHM_RESCAN_S` only.
+_SHM_SCAN_S = 0.05
+_SHM_RESCAN_S = 1.0
+_SHM_FAST_FOR_S = 10.0
 _EXCLUSIVE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
@@ -807,17 +816,25 @@ def _ended(child: int) -> int | None:
     return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
 
 
-def _wait_child_or_launcher(child: int, launcher: _Launcher) -> int | None:
-    """Wait until the rank ends (its code, as :func:`_ended`) or the launcher dies (None)."""
+def _wait_child_or_launcher(child: int, launcher: _Launcher, held: dict[str, tuple[int, int]]) -> int | None:
+    """Wait until the rank ends (its code, as :func:`_ended`) or the launcher dies (None); meanwhile
+    ``held`` gathers the MPICH shared-memory files the rank holds (:data:`_SHM_SCAN_S`)."""
     try:
         child_fd: int | None = os.pidfd_open(child)
     except (AttributeError, OSError):
         child_fd = None
+    started = next_scan = time.monotonic()
     try:
         while True:
+            now = time.monotonic()
+            if now >= next_scan:
+                held.update(shm_files(child))  # the rank is not reaped before the end: the pid is still its own
+                fast = not held and now - started < _SHM_FAST_FOR_S
+                next_scan = now + (_SHM_SCAN_S if fast else _SHM_RESCAN_S)
             fds = [fd for fd in (child_fd, launcher.fd) if fd is not None]
+            wait = max(0.0, next_scan - time.monotonic())
             # Retried by Python when a forwarded signal interrupts it (PEP 475).
-            select.select(fds, [], [], None if len(fds) == 2 else _LAUNCHER_POLL_S)
+            select.select(fds, [], [], wait if len(fds) == 2 else min(wait, _LAUNCHER_POLL_S))
             code = _ended(child)
             if code is not None:
                 return code
@@ -843,7 +860,8 @@ def _watch(child: int, status: _StatusDir) -> NoReturn:
     for sig in _FORWARDED:
         signal.signal(sig, forward)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)
-    code = _wait_child_or_launcher(child, status.launcher)
+    held: dict[str, tuple[int, int]] = {}  # the rank's MPICH shared memory, as last seen while it ran
+    code = _wait_child_or_launcher(child, status.launcher, held)
     if code is not None:
         alive = False
         status.write(ENDED, code, time.time_ns())
@@ -851,13 +869,14 @@ def _watch(child: int, status: _StatusDir) -> NoReturn:
             os.waitpid(child, 0)
             _exit_like(code)
     alive = False
-    _orphaned(child, status)
+    _orphaned(child, status, held)
 
 
-def _orphaned(child: int, status: _StatusDir) -> NoReturn:
+def _orphaned(child: int, status: _StatusDir, held: dict[str, tuple[int, int]]) -> NoReturn:
     """The launcher died: SIGKILL the rank's process group (the rank and its children), remove
-    the shared memory it held, leave the status directory (:meth:`_StatusDir.depart`), exit."""
-    files = shm_files(child) if _ended(child) is None else {}
+    the shared memory it held (``held``, what the watcher saw while it ran, and what it holds
+    now), leave the status directory (:meth:`_StatusDir.depart`), exit."""
+    files = {**held, **(shm_files(child) if _ended(child) is None else {})}
     try:
         os.killpg(child, signal.SIGKILL) if os.getpgid(child) == child else os.kill(child, signal.SIGKILL)
     except OSError:

@@ -857,6 +857,51 @@ def test_a_rank_without_a_watcher_ends_with_its_launcher(tmp_path: Path) -> None
             proc.wait()
 
 
+SHM_HOLDER = """\
+import os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_watcher_removes_the_shared_memory_of_a_rank_that_died_before_the_launcher_was_seen_dead() -> None:
+    """When the launcher dies, hydra's SIGTERM (forwarded to the rank) may end the rank before its
+    watcher sees the launcher's death; a dead process holds no fds, so the watcher reads the rank's
+    MPICH files while it runs (the race left a file in CI under load)."""
+    import secrets as random_names
+    import threading
+
+    path = Path(bootstrap.SHM_DIR, f"mpich_shm_test{random_names.token_hex(4)}_0")
+    if not path.parent.is_dir():
+        pytest.skip("no /dev/shm")
+    launcher = subprocess.Popen(["sleep", "60"])
+    rank = subprocess.Popen([sys.executable, "-c", SHM_HOLDER, str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert rank.stdout is not None and rank.stdout.readline() == "ready\n"
+        watched = bootstrap._Launcher(launcher.pid, bootstrap.process_start_time(launcher.pid))
+        held: dict = {}
+        ended: list = []
+        waiting = threading.Thread(target=lambda: ended.append(bootstrap._wait_child_or_launcher(rank.pid, watched,
+                                                                                                held)))
+        waiting.start()
+        deadline = time.monotonic() + 10
+        while path.name not in held:
+            assert time.monotonic() < deadline, "the watcher never saw the rank's file"
+            time.sleep(0.01)
+        rank.kill()  # first the rank, then the launcher: the order a loaded machine can give
+        launcher.kill()
+        waiting.join(10)
+        assert ended == [-signal.SIGKILL]
+        assert bootstrap.shm_files(rank.pid) == {}  # the dead rank holds nothing: only what was seen remains
+        assert bootstrap.remove_shm(held) == [path.name] and not path.exists()
+    finally:
+        for proc in (rank, launcher):
+            proc.kill()
+            proc.wait()
+        path.unlink(missing_ok=True)
+
+
 def test_only_the_jobs_own_shared_memory_is_removed() -> None:
     import secrets as random_names
 
