@@ -18,8 +18,8 @@ package's docstring is its map, a line for each of its modules:
 - ``meshkit.elastic``: what a restarted script learns of its attempt.
 
 Every package, and every name re-exported here, is imported on first use (PEP 562): ``import
-meshkit`` itself imports nothing of meshkit, so ``meshkit-run``, the rank bootstrap and a script
-that uses only the process groups do not pay for DTensor, the strategies and the checkpoints
+meshkit`` itself imports nothing of meshkit, so ``meshkit-run`` and a script that uses only the
+process groups do not pay for DTensor, the strategies and the checkpoints
 (``import meshkit`` took 0.5-0.85 s for 156 modules; the launcher's ``meshkit.launch.cli`` alone
 0.1 s, measured on this 2-core machine with ``python -X importtime``).
 
