@@ -63,8 +63,7 @@ _FROM = {"DeviceMesh": "mesh", "init_device_mesh": "mesh", "ParallelDims": "mesh
 
 def _public() -> list[str]:
     comm = _importlib.import_module(f"{__name__}.comm")
-    return [*(name for name in comm.__all__ if name != "breakpoint"), "DeviceMesh", "init_device_mesh", "ParallelDims",
-            "spawn", "ProcessRaisedException", "ProcessExitedException", *_PACKAGES]
+    return [*(name for name in comm.__all__ if name != "breakpoint"), *_FROM, *_PACKAGES]
 
 
 def __getattr__(name: str) -> Any:
