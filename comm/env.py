@@ -12,6 +12,7 @@ The launcher's own variable ``MESHKIT_MPICH_TUNING`` is read by :mod:`meshkit.la
 from __future__ import annotations
 
 import os
+import re
 import socket
 import stat
 
@@ -318,6 +319,9 @@ SHM_CMA = "MESHKIT_SHM_CMA"
 SURVIVE_LEARN_S = "MESHKIT_SURVIVE_LEARN_S"
 #: The most any of the byte sizes above may be (1 GiB: a group's segment is n x 2 x the chunk).
 _SHM_MOST_BYTES = 1 << 30
+#: A size: digits, then K, M or G (binary multiples) and an optional B or iB, any case.
+_SIZE = re.compile(r"^\s*(\d+)\s*([KMG]?)(?:I?B)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
 def shm_enabled() -> bool:
@@ -341,18 +345,22 @@ def shm_cma() -> bool:
 
 
 def shm_bytes(name: str, default: int, *, multiple: int = 1, zero: bool = False, said: str | None = None) -> int:
-    """One of the ``MESHKIT_SHM_*_BYTES`` settings: an integer of bytes, at most 1 GiB, a multiple of
-    ``multiple``, 0 allowed where ``zero``; ``default`` where unset or empty. ``said`` words the default
-    in the error where it depends on more than this call knows (comm/engines/shm_settings.py)."""
+    """One of the ``MESHKIT_SHM_*_BYTES`` settings: bytes, written as an integer or with a K, M or G
+    suffix (binary multiples, an optional ``B``/``iB``, any case: ``512K``, ``4MiB``, as the benchmarks'
+    ``--sizes``), at most 1 GiB, a multiple of ``multiple``, 0 allowed where ``zero``; ``default`` where
+    unset or empty. ``said`` words the default in the error where it depends on more than this call
+    knows (comm/engines/shm_settings.py)."""
     raw = _get(name)
     if raw is None or not raw.strip():
         return default
-    text = raw.strip()
     least = 0 if zero else multiple
-    if not text.isdigit() or not least <= int(text) <= _SHM_MOST_BYTES or int(text) % multiple:
+    match = _SIZE.match(raw)
+    value = int(match.group(1)) * _SIZE_UNITS[match.group(2).upper()] if match else None
+    if value is None or not least <= value <= _SHM_MOST_BYTES or value % multiple:
         also = f", a multiple of {multiple}" if multiple > 1 else ""
-        raise invalid(name, raw, f"integers {least}..{_SHM_MOST_BYTES} (bytes{also}; {said or f'default {default}'})")
-    return int(text)
+        raise invalid(name, raw, f"integers {least}..{_SHM_MOST_BYTES} (bytes, or with a K, M or G suffix: 512K, 4M{also}; "
+                                 f"{said or f'default {default}'})")
+    return value
 
 
 def check_all() -> None:

@@ -150,16 +150,18 @@ BAD_SETTINGS = [
     ("MESHKIT_DEVICE_ID", "gpu1", r"MESHKIT_DEVICE_ID='gpu1' is not valid; valid values are a GPU index of this "
                                   r"process \(0, 1, \.\.\.\)"),
     # the shared-memory path's sizes, each with its own default (before: "default 0", whatever it was)
-    ("MESHKIT_SHM_MIN_BYTES", "4M", r"MESHKIT_SHM_MIN_BYTES='4M' is not valid; valid values are integers "
-                                    r"0..1073741824 \(bytes; default 524288 where cross-memory attach works, else "
-                                    r"33554432\)\n"),
+    ("MESHKIT_SHM_MIN_BYTES", "4X", r"MESHKIT_SHM_MIN_BYTES='4X' is not valid; valid values are integers "
+                                    r"0..1073741824 \(bytes, or with a K, M or G suffix: 512K, 4M; default 524288 where "
+                                    r"cross-memory attach works, else 33554432\)\n"),
+    ("MESHKIT_SHM_MIN_BYTES", "2G", r"MESHKIT_SHM_MIN_BYTES='2G' is not valid; valid values are integers 0..1073741824"),
     ("MESHKIT_SHM_CHUNK_BYTES", "100", r"MESHKIT_SHM_CHUNK_BYTES='100' is not valid; valid values are integers "
-                                       r"64..1073741824 \(bytes, a multiple of 64; default 4194304, at most 33554432 / "
-                                       r"the ranks, at least 65536\)\n"),
-    ("MESHKIT_SHM_SMALL_BYTES", "x", r"MESHKIT_SHM_SMALL_BYTES='x' .*\(bytes; default 1048576\)\n"),
-    ("MESHKIT_SHM_SMALL_MIN_BYTES", "x", r"MESHKIT_SHM_SMALL_MIN_BYTES='x' .*\(bytes; default 16384\)\n"),
-    ("MESHKIT_SHM_SHARED_MIN_BYTES", "x", r"MESHKIT_SHM_SHARED_MIN_BYTES='x' .*\(bytes; default 65536\)\n"),
-    ("MESHKIT_SHM_MOVE_MIN_BYTES", "-1", r"MESHKIT_SHM_MOVE_MIN_BYTES='-1' .*\(bytes; default 1073741824\)\n"),
+                                       r"64..1073741824 \(bytes, or with a K, M or G suffix: 512K, 4M, a multiple of 64; "
+                                       r"default 4194304, at most 33554432 / the ranks, at least 65536\)\n"),
+    ("MESHKIT_SHM_CHUNK_BYTES", "1.5M", r"MESHKIT_SHM_CHUNK_BYTES='1.5M' is not valid"),
+    ("MESHKIT_SHM_SMALL_BYTES", "x", r"MESHKIT_SHM_SMALL_BYTES='x' .*\(bytes, .*; default 1048576\)\n"),
+    ("MESHKIT_SHM_SMALL_MIN_BYTES", "x", r"MESHKIT_SHM_SMALL_MIN_BYTES='x' .*\(bytes, .*; default 16384\)\n"),
+    ("MESHKIT_SHM_SHARED_MIN_BYTES", "x", r"MESHKIT_SHM_SHARED_MIN_BYTES='x' .*\(bytes, .*; default 65536\)\n"),
+    ("MESHKIT_SHM_MOVE_MIN_BYTES", "-1", r"MESHKIT_SHM_MOVE_MIN_BYTES='-1' .*\(bytes, .*; default 1073741824\)\n"),
 ]
 
 
@@ -181,6 +183,19 @@ def test_valid_settings_are_accepted(monkeypatch, name, good):
     timeouts = local.run(lambda: current_world().timeout, 2)
     if name == "MESHKIT_TIMEOUT":
         assert timeouts == [7.5, 7.5]
+
+
+@pytest.mark.parametrize("value, bytes_", [("4M", 4 << 20), ("512k", 512 << 10), (" 2 MiB ", 2 << 20), ("1GB", 1 << 30),
+                                           ("65536", 65536), ("0", 0)])
+def test_the_shared_memory_sizes_take_the_benchmarks_suffixes(monkeypatch, value, bytes_):
+    # MESHKIT_SHM_MIN_BYTES=4M was refused while benchmarks/collectives.py --sizes took 4M
+    from meshkit.comm import env
+
+    monkeypatch.setenv("MESHKIT_SHM_MIN_BYTES", value)
+    assert env.shm_bytes("MESHKIT_SHM_MIN_BYTES", 7, zero=True) == bytes_
+    monkeypatch.setenv("MESHKIT_SHM_CHUNK_BYTES", value)
+    if bytes_:
+        assert env.shm_bytes("MESHKIT_SHM_CHUNK_BYTES", 64, multiple=64) == bytes_
 
 
 def test_the_launchers_mpich_tuning_setting_is_validated(tmp_path):

@@ -63,7 +63,8 @@ def test_a_bad_MESHKIT_SHM_names_the_variable_and_the_valid_values(monkeypatch, 
 @pytest.mark.parametrize("name, raw", [("MESHKIT_SHM_MIN_BYTES", "-5"), ("MESHKIT_SHM_MIN_BYTES", "1e3"),
                                        ("MESHKIT_SHM_CHUNK_BYTES", "100"), ("MESHKIT_SHM_CHUNK_BYTES", "0"),
                                        ("MESHKIT_SHM_CHUNK_BYTES", str(2 << 30)),
-                                       ("MESHKIT_SHM_SMALL_MIN_BYTES", "16K")])
+                                       ("MESHKIT_SHM_SMALL_MIN_BYTES", "16Q"), ("MESHKIT_SHM_SMALL_MIN_BYTES", "16 K B"),
+                                       ("MESHKIT_SHM_SMALL_MIN_BYTES", "0x10")])
 def test_bad_byte_settings_name_the_variable(monkeypatch, name, raw):
     monkeypatch.setenv(name, raw)
     with pytest.raises(DistValueError, match=rf"{name}='{raw}' is not valid; valid values are integers"):
@@ -299,7 +300,7 @@ def test_MESHKIT_SHM_CMA_is_validated_and_named(monkeypatch):
     with pytest.raises(DistValueError, match=r"MESHKIT_SHM_SHARED_MIN_BYTES='lots' is not valid.*default 65536"):
         shm_settings.check_all()  # (init_process_group calls it after env.check_all: tests/test_errors.py)
     monkeypatch.setenv("MESHKIT_SURVIVE", "1")
-    with pytest.raises(DistValueError, match=r"MESHKIT_SHM_SHARED_MIN_BYTES='lots' is not valid.*\(bytes; default 0\)"):
+    with pytest.raises(DistValueError, match=r"MESHKIT_SHM_SHARED_MIN_BYTES='lots' is not valid.*\(bytes, .*; default 0\)"):
         shm_settings.check_all()  # under --survive the path takes every size
     monkeypatch.delenv("MESHKIT_SURVIVE")
     monkeypatch.delenv("MESHKIT_SHM_SHARED_MIN_BYTES")
