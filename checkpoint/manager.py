@@ -12,8 +12,8 @@ every restart. A skipped one is renamed aside (``step_<n>.skipped-<random>``, ne
 an older one has loaded, so that the resumed run's own save of that step does not collide with it
 and pruning does not count it; ``fallback=False`` refuses instead.
 
-A save of a step this manager saved before a failure the job survived, and which is still there
-complete, is skipped (on every rank alike): under ``meshkit-run --survive`` the survivors of a
+A save of a step this manager saved, or began to save, before a failure the job survived, and which
+is still there complete, is skipped (on every rank alike): under ``meshkit-run --survive`` the survivors of a
 failure may roll back a few steps and replay them (docs/elastic.md "Surviving failures"), and the
 replay's save of a step that committed before the failure would otherwise fail, as a save never
 overwrites. The step on disk is the same step of the same run (the replay reproduces it). A step
@@ -34,7 +34,9 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from ..comm import ProcessGroup, broadcast_object_list
+import numpy as np
+
+from ..comm import ProcessGroup, ReduceOp, broadcast_object_list
 from ..comm._seams import recoveries, resolve_group
 from .cleanup import remove_stale
 from .errors import CheckpointError
@@ -89,6 +91,9 @@ class CheckpointManager:
         #: the steps this manager saved (every rank's save returned), each with the failures survived by
         #: then (comm's ``recoveries()``): a save of one after a later recovery is a replay's, skipped
         self._saved: dict[int, int] = {}
+        #: the steps whose save this manager began, with ``recoveries()`` then: a save that met a dead
+        #: rank may have committed on disk (rank 0 finished, then died before the others returned)
+        self._tried: dict[int, int] = {}
         if self.group.rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._prune(steps=False)  # only the leftovers of crashes: no step is dropped before a save
@@ -147,22 +152,33 @@ class CheckpointManager:
         group = self.group
         if self._replayed(step, group):
             return
-        save(state_dict, checkpoint_id=self._new(step), group=group)
+        path = self._new(step)
+        self._tried[int(step)] = recoveries()
+        save(state_dict, checkpoint_id=path, group=group)
         self._saved[int(step)] = recoveries()
         self._prune(group)
 
     def _replayed(self, step: int, group: ProcessGroup) -> bool:
-        """Whether ``step`` was saved by this manager before a failure survived since, and is still
-        complete on disk (rank 0's view, for every rank; collective only then, which every survivor
-        agrees on: the same saves returned, the same recoveries)."""
-        if int(step) not in self._saved or self._saved[int(step)] >= recoveries():
+        """Whether ``step`` is a replay's save of a step this manager saved, or began to save, before a
+        failure survived since, and which is complete on disk (rank 0's view): the save is skipped.
+
+        Only in a job that survived a failure (``recoveries()``, the same on every survivor), and then
+        collective on every save: one small all-reduce of (saved or begun before, complete). A
+        survivor that was still in an earlier call when the failure struck never began the save, so
+        one rank's memory is not enough; and rank 0 may have committed the step and died before the
+        others' save returned (they began it, none finished it)."""
+        now = recoveries()
+        if not now:
             return False
-        box = [int(step) in self.all_steps()] if group.rank == 0 else [None]
-        broadcast_object_list(box, group=group, group_src=0)
-        if box[0]:
-            logger.info("meshkit.checkpoint: CheckpointManager: step %d was saved before a failure the job survived; "
-                        "the replay's save of it is skipped (%s is complete)", step, self.path(step))
-        return bool(box[0])
+        key = int(step)
+        before = self._saved.get(key, now) < now or self._tried.get(key, now) < now
+        votes = np.array([before, group.rank == 0 and key in self.all_steps()], dtype=np.int64)
+        group.all_reduce(votes, ReduceOp.MAX)
+        if not (votes[0] and votes[1]):
+            return False
+        logger.info("meshkit.checkpoint: CheckpointManager: step %d was saved before a failure the job survived; "
+                    "the replay's save of it is skipped (%s is complete)", step, self.path(step))
+        return True
 
     def async_save(self, step: int, state_dict: dict[str, Any]) -> "Future[None]":
         """:func:`~meshkit.checkpoint.async_save` as ``step``; old ones are dropped once it commits.
@@ -176,7 +192,9 @@ class CheckpointManager:
         if self._replayed(step, group):
             future.set_result(None)
             return future
-        inner = async_save(state_dict, checkpoint_id=self._new(step), group=group)
+        path = self._new(step)
+        self._tried[int(step)] = recoveries()
+        inner = async_save(state_dict, checkpoint_id=path, group=group)
 
         def done(f: "Future[None]") -> None:  # on the writer thread
             exc = f.exception()

@@ -117,6 +117,45 @@ def test_a_bad_cadence_is_an_error_naming_the_variable(value, monkeypatch):
         buddy.every()
 
 
+def test_a_save_that_rank_0_committed_before_dying_is_skipped_by_the_replay_on_every_rank(tmp_path, monkeypatch):
+    """Rank 0 commits step 7, then dies before the others' save returns: they never recorded the
+    step as saved, only as begun. The replay's save of it is skipped on every rank alike (before, the
+    survivors that began it saved again and failed as existing, while a rank that had recorded it
+    asked rank 0 alone: a collective on some ranks only)."""
+    import meshkit
+    from meshkit.checkpoint import CheckpointManager
+    from meshkit.checkpoint import manager as manager_module
+    from meshkit.comm import RankFailedError
+
+    survived, real_save = [0], manager_module.save
+    monkeypatch.setattr(manager_module, "recoveries", lambda: survived[0])
+
+    def save_then_lose_rank_0(state, checkpoint_id, group):
+        real_save(state, checkpoint_id=checkpoint_id, group=group)  # committed: rank 0 renamed it in place
+        if group.rank != 0:
+            raise RankFailedError("rank 0 died after committing, before telling the others")
+
+    monkeypatch.setattr(manager_module, "save", save_then_lose_rank_0)
+
+    def body():
+        manager = CheckpointManager(tmp_path / "ckpt")
+        state = {"w": np.arange(4.0)}
+        try:
+            manager.save(7, state)
+        except RankFailedError:
+            assert meshkit.get_rank() != 0
+        before = (tmp_path / "ckpt" / "step_7").stat().st_mtime_ns
+        meshkit.barrier()
+        if meshkit.get_rank() == 0:
+            survived[0] = 1
+        meshkit.barrier()
+        manager.save(7, state)  # the replay: skipped on every rank, none refused as existing
+        assert (tmp_path / "ckpt" / "step_7").stat().st_mtime_ns == before
+        return manager.all_steps()
+
+    assert local.run(body, 3) == [[7]] * 3
+
+
 def test_a_cadence_that_differs_across_the_group_is_an_error_naming_each_ranks_value(monkeypatch):
     monkeypatch.setenv("MESHKIT_SURVIVE", "1")
     with pytest.raises(DistValueError, match=r"MESHKIT_BUDDY_EVERY differs across the shard group \(2 on rank 0, 3 on "
