@@ -8,20 +8,37 @@ meet collective or user messages; engines only post, drain and flush it.
 Notices, like every control message, travel as bytes in the typed format of
 :mod:`~meshkit.comm.control`, never pickled (mpi4py's lowercase ``isend``/``recv`` would pickle):
 :func:`receive` is how one comes off MPI, also for the engine's exchange (comm/engines/mpi.py).
+
+Every notice sent is received before MPI_Finalize (:func:`settle_all`, at the interpreter's exit),
+as MPI requires of a process that is the target of a send. Each rank leaves with a LEFT notice to
+every other (comm/setup/lifecycle.py), which a rank leaving too never drained: MPICH's UCX netmod
+(between nodes, and ``meshkit-run --simulate-nodes``) printed "UCX WARN unexpected tag-receive
+descriptor ... was not matched" twice per rank at the end of every job. The mailbox counts what it
+sends to and receives from each rank; at exit the ranks swap their counts (one all-to-all on the
+mailbox's communicator: every rank finalizes, so every rank comes) and each receives what is still
+due.
 """
 
 from __future__ import annotations
 
+import atexit
+import threading
 import time
 
+import numpy as np
 from mpi4py import MPI
 
 from ..control import ControlMessageError, decode_notice, encode
 from . import mpi_ulfm
-from .mpi_polling import completes
+from .mpi_polling import Poller, completes
 from ..notices import Notice
 
-__all__ = ["Mailbox", "receive"]
+__all__ = ["Mailbox", "receive", "settle_all", "SETTLE_SECONDS"]
+
+#: Seconds a rank at exit waits for the others' counts and the notices still due. MPI_Finalize
+#: waits for every rank anyway; this bounds a wait for a rank that never finalizes (one ended
+#: without it, whose job its launcher is ending).
+SETTLE_SECONDS = 30.0
 
 #: ULFM's error classes for a dead peer (MPI_ERR_PROC_FAILED, MPI_ERR_PROC_FAILED_PENDING), where defined.
 _DEAD_PEER = frozenset(getattr(MPI, name) for name in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING")
@@ -51,12 +68,18 @@ class Mailbox:
         self.comm = comm
         self._sent: list[MPI.Request] = []  # each holds its message's bytes until sent
         self._kept: list[Notice] = []  # notices drained beside a malformed one: returned at the next drain
+        n = comm.Get_size()
+        self._sent_to = np.zeros(n, np.int64)  # notices posted to each rank
+        self._got_from = np.zeros(n, np.int64)  # notices received from each rank
+        self._counting = threading.Lock()  # the caller and the progress agent may both drain
+        _open.append(self)
 
     def post(self, ranks: list[int], notice: Notice) -> None:
         """Send ``notice`` to these global ranks without waiting (what was sent and has left is forgotten)."""
         self._sent = [r for r in self._sent if not r.Test()]
         data = encode(notice)
         self._sent += [self.comm.Isend([data, MPI.BYTE], dest=r, tag=self._TAG) for r in ranks]
+        np.add.at(self._sent_to, list(ranks), 1)
 
     def drain(self) -> list[Notice]:
         """The notices that have arrived, in order of arrival. A message that is not a notice is a
@@ -79,7 +102,11 @@ class Mailbox:
         """:func:`receive` from any rank; under ``--survive``, without the dead (below)."""
         for _ in range(2):
             try:
-                return receive(self.comm, MPI.ANY_SOURCE, self._TAG, status)
+                data = receive(self.comm, MPI.ANY_SOURCE, self._TAG, status)
+                if data is not None:
+                    with self._counting:
+                        self._got_from[status.Get_source()] += 1
+                return data
             except MPI.Exception as exc:
                 if not mpi_ulfm.enabled() or exc.Get_error_class() not in _DEAD_PEER:
                     failed = mpi_ulfm.rank_failed(exc, self.comm, "reading the notices")  # revoked: recovery began
@@ -98,6 +125,8 @@ class Mailbox:
         """Forget the notices not sent yet (a shrink: they may be to the dead); their requests are
         returned, to be kept, never freed (see :func:`meshkit.comm.engines.mpi_ulfm.keep`)."""
         sent, self._sent = self._sent, []
+        if self in _open:  # revoked: it can no longer settle at exit
+            _open.remove(self)
         return sent
 
     def flush(self, timeout: float) -> None:
@@ -106,3 +135,44 @@ class Mailbox:
         for request in self._sent:
             completes(request, deadline)
         self._sent = []
+
+    def settle(self, deadline: float) -> bool:
+        """Receive every notice the others sent here and are still due (their counts, swapped by one
+        all-to-all), after this rank's own have left; False if that did not finish by ``deadline``."""
+        for request in self._sent:
+            if not completes(request, deadline):
+                return False
+        self._sent = []
+        due = np.empty_like(self._sent_to)
+        if not completes(self.comm.Ialltoall(self._sent_to, due), deadline):
+            return False
+        status, poller = MPI.Status(), None
+        while (self._got_from < due).any():
+            if self._receive(status) is None:  # counted where it arrives (the notices are of no use now)
+                poller = poller or Poller(deadline)
+                if not poller.pause():
+                    return False
+        return True
+
+
+#: The mailboxes that may still hold notices due (a world's, until a shrink revokes it).
+_open: list[Mailbox] = []
+
+
+def settle_all(timeout: float | None = None) -> None:
+    """Before MPI_Finalize: every open mailbox receives what is due to it (see the module
+    docstring). In creation order, which every rank shares; best effort: an MPI error (a dead
+    peer) or the deadline ends it, and MPI_Finalize follows either way."""
+    if not MPI.Is_initialized() or MPI.Is_finalized():
+        return
+    deadline = time.monotonic() + (SETTLE_SECONDS if timeout is None else timeout)
+    for mailbox in list(_open):
+        try:
+            if not mailbox.settle(deadline):
+                return
+        except MPI.Exception:
+            return
+
+
+atexit.register(settle_all)  # after mpi4py's own (imported above): runs before MPI_Finalize, and after the
+# LEFT notices of comm/setup/lifecycle.py's exit hook, registered later (at the first init_process_group)
