@@ -6,6 +6,7 @@ Run it by hand with plain ``python`` (it starts the jobs itself; a measurement, 
     python benchmarks/survive.py --strategy fsdp        # sharded: the buddy copies' cost too
     python benchmarks/survive.py --hidden 512 --repeats 5 --json benchmarks/results/survive.json
     python benchmarks/survive.py --strategy fsdp --nproc 2 --no-killed --repeats 9   # the 5% bar: paired ratios
+    python benchmarks/survive.py --pool results/s-*.json   # several --json runs' pairs pooled, with intervals
 
 Each repeat runs the same training (``--strategy``, DDP by default; examples/mlp.py's MLP, AdamW, float64) under
 ``meshkit-run -n N`` three times, in an order rotating from repeat to repeat:
@@ -36,6 +37,13 @@ The step time is the training loop's wall time over the steps (after a barrier, 
 set-up excluded); each run also reports its median and fastest step (the first left out), the
 figures a loaded machine disturbs least. Every run checks its final parameters against single-process training (1e-10).
 The machine may be loaded: say so beside any figure taken from it.
+
+``--pool FILE...`` reads the ``--json`` files of earlier invocations (no job is run) and pools their
+pairs per strategy and rank count: for each of the mean, median and fastest step, the median of
+every (``--survive`` run / the plain run beside it) ratio, its interquartile range, and a 95%
+bootstrap interval of that median (2000 resamples of the pairs, seeded: the same files print the
+same figures). On 2 cores, where one pair's ratio ranges over +-30%, a 5% bar is decided by the
+interval, not by one invocation's figure.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import re
 import signal
 import statistics
@@ -74,6 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-killed", action="store_true",
                         help="no killed runs: only the no-failure comparison, so more repeats fit in the time")
     parser.add_argument("--json", type=Path, default=None, help="write the measurements here")
+    parser.add_argument("--pool", type=Path, nargs="+", default=None, metavar="FILE",
+                        help="pool the pairs of these --json files (runs nothing)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # a rank of one run
     return parser.parse_args(argv)
 
@@ -209,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker(args)
+    if args.pool:
+        print(pooled(args.pool))
+        return 0
     if args.kill_at >= args.steps:
         raise SystemExit(f"survive.py: --kill-at {args.kill_at} must be below --steps {args.steps}")
     extra = variants(args.variant)
@@ -254,6 +268,33 @@ def main(argv: list[str] | None = None) -> int:
     for phase in PHASES:
         print(f"{phase:>22} {_cell([r['phases'][phase] for r in results['killed'] if phase in r['phases']])}")
     return _write(args, results)
+
+
+def pooled(files: list[Path], resamples: int = 2000) -> str:
+    """The pairs of ``files`` (``--json`` outputs) pooled per (strategy, ranks): each statistic's
+    median ratio ``--survive`` / plain, its quartiles and a 95% bootstrap interval of the median."""
+    groups: dict[tuple[str, str], list[tuple[dict[str, Any], dict[str, Any]]]] = {}
+    for file in files:
+        try:
+            doc = json.loads(file.read_text())
+            key = (doc["args"]["strategy"], doc["args"]["nproc"])
+            pairs = list(zip(doc["plain"], doc["survive"], strict=True))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise SystemExit(f"survive.py: --pool {file}: not a --json output of this benchmark ({exc})") from None
+        groups.setdefault(key, []).extend(pairs)
+    lines = ["# --survive step / plain step, every pair of the files pooled: median [quartiles] (95% interval of the "
+             "median, bootstrap)"]
+    rng = random.Random(0)
+    for (strategy, nproc), pairs in sorted(groups.items()):
+        cells = []
+        for key, what in (("step_s", "mean"), ("step_median_s", "median"), ("step_min_s", "fastest")):
+            ratios = [s[key] / p[key] for p, s in pairs]
+            q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+            boot = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+            low, high = boot[int(0.025 * resamples)], boot[int(0.975 * resamples) - 1]
+            cells.append(f"{what} {statistics.median(ratios):.3f} [{q[0]:.2f}-{q[-1]:.2f}] ({low:.3f}-{high:.3f})")
+        lines.append(f"{strategy} on {nproc} ranks, {len(pairs)} pairs: " + "; ".join(cells))
+    return "\n".join(lines)
 
 
 def _write(args: argparse.Namespace, results: dict[str, list[dict[str, Any]]]) -> int:

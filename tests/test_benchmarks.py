@@ -330,6 +330,31 @@ def test_survive_benchmark_pairs_each_survive_run_with_a_plain_one(tmp_path):
     assert all(r["diff"] <= 1e-10 for r in runs["plain"] + runs["survive"]), runs
 
 
+def test_survive_benchmark_pools_the_pairs_of_several_invocations(tmp_path):
+    """``--pool`` reads --json outputs, pools their pairs per strategy and rank count, and prints the
+    median ratio, its quartiles and a bootstrap interval (seeded: the same files print the same
+    figures); a file that is not one is a clear error."""
+    def run(step: float) -> dict:
+        return {"step_s": step, "step_median_s": step, "step_min_s": step}
+
+    for name, (strategy, ratios) in {"a": ("fsdp", [1.0, 1.2]), "b": ("fsdp", [1.1]), "c": ("ddp", [0.9])}.items():
+        doc = {"args": {"strategy": strategy, "nproc": "2"}, "plain": [run(1.0)] * len(ratios),
+               "survive": [run(r) for r in ratios]}
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+    files = sorted(str(p) for p in tmp_path.glob("*.json"))
+    command = [sys.executable, str(BENCHMARKS / "survive.py"), "--pool", *files]
+    first, again = (subprocess.run(command, capture_output=True, text=True, timeout=60) for _ in range(2))
+    assert first.returncode == 0 and first.stdout == again.stdout, first.stdout + first.stderr
+    assert "ddp on 2 ranks, 1 pairs: mean 0.900 [0.90-0.90] (0.900-0.900)" in first.stdout, first.stdout
+    fsdp = re.search(r"^fsdp on 2 ranks, 3 pairs: mean 1\.100 \[(\S+)-(\S+)\] \((\S+)-(\S+)\);", first.stdout, re.M)
+    assert fsdp is not None, first.stdout
+    q1, q3, low, high = map(float, fsdp.groups())
+    assert q1 <= 1.1 <= q3 and 1.0 <= low <= 1.1 <= high <= 1.2, fsdp.groups()
+    (tmp_path / "bad.json").write_text("{}")
+    bad = subprocess.run([*command, str(tmp_path / "bad.json")], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "bad.json: not a --json output of this benchmark" in bad.stderr, bad.stderr
+
+
 # --------------------------------------------------------------------------- expert_parallel.py
 EP_BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "expert_parallel.py"
 
