@@ -26,8 +26,9 @@ Each repeat runs the same training (``--strategy``, DDP by default; examples/mlp
 A sharded strategy under ``--survive`` renews its buddy copy every ``MESHKIT_BUDDY_EVERY`` steps
 (default 8; :mod:`meshkit.parallel.buddy`): the run reports the cadence, its bytes
 (``memory_report()["buddy"]``), the mean wall time of one renewal and its share of a step (the
-renewals' time over the steps). ``--variant k1:MESHKIT_BUDDY_EVERY=1`` measures renewing after
-every step beside it.
+renewals' time over the steps), and, in runs without a failure, how far a renewing step's median
+stands above the other steps' (the write into a slot last written 2K steps before, cold in the
+cache). ``--variant k1:MESHKIT_BUDDY_EVERY=1`` measures renewing after every step beside it.
 
 ``--variant NAME:VAR=VALUE[,VAR=VALUE]`` adds a ``--survive 1`` run per repeat with those variables
 (``old:MESHKIT_SHM=0,MESHKIT_BUDDY_SHM=0`` is ``--survive`` before the shared-memory path and the
@@ -167,6 +168,11 @@ def worker(args: argparse.Namespace) -> int:
                                           "buddy_setup_s": copy.setup_seconds,
                                           "buddy_every": copy.every, "buddy_step_s": (copy.seconds + copy.setup_seconds) / args.steps,
                                           "replayed": replayed}
+        if copy is not None and not phases:  # no failure: times[i] is step i, after which the count is i + 1
+            renewing = [t for i, t in enumerate(times) if i and (i + 1) % copy.every == 0]
+            others = [t for i, t in enumerate(times) if i and (i + 1) % copy.every]
+            if renewing and others:  # a renewing step's median over the other steps' (the cold slot's write)
+                buddy["renew_excess_s"] = statistics.median(renewing) - statistics.median(others)
         steady = sorted(times[1:])  # (the first step allocates: not a steady one)
         print("RESULT " + json.dumps({"step_s": elapsed / args.steps, "step_min_s": steady[0],
                                       "step_median_s": statistics.median(steady), "phases": phases, "diff": diff,
@@ -259,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"the segments, apart: {_cell([r['buddy_setup_s'] for r in copies], 1e3)} ms); renewed every "
                   f"{copies[0]['buddy_every']} steps: a step's share {_cell([r['buddy_step_s'] for r in copies], 1e3)} "
                   "ms, the first included")
+            excess = [r["renew_excess_s"] for r in copies if "renew_excess_s" in r]
+            if excess:
+                print(f"  a renewing step over the median of the others, ms (median min max): {_cell(excess, 1e3)}")
     if args.no_killed:
         return _write(args, results)
     replays = sorted({r.get("replayed", 0) for r in results["killed"]})
