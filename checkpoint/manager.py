@@ -88,11 +88,10 @@ class CheckpointManager:
         self._prune_lock = threading.Lock()
         #: names of step_ entries owned by another user, warned about once
         self._foreign: set[str] = set()
-        #: the steps this manager saved (every rank's save returned), each with the failures survived by
-        #: then (comm's ``recoveries()``): a save of one after a later recovery is a replay's, skipped
-        self._saved: dict[int, int] = {}
-        #: the steps whose save this manager began, with ``recoveries()`` then: a save that met a dead
-        #: rank may have committed on disk (rank 0 finished, then died before the others returned)
+        #: the steps whose save this manager began, each with the failures survived by then (comm's
+        #: ``recoveries()``): a save of one after a later recovery is a replay's, skipped where the step
+        #: is complete on disk (a save that met a dead rank may have committed: rank 0 finished, then
+        #: died before the others' save returned)
         self._tried: dict[int, int] = {}
         if self.group.rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -155,7 +154,6 @@ class CheckpointManager:
         path = self._new(step)
         self._tried[int(step)] = recoveries()
         save(state_dict, checkpoint_id=path, group=group)
-        self._saved[int(step)] = recoveries()
         self._prune(group)
 
     def _replayed(self, step: int, group: ProcessGroup) -> bool:
@@ -171,7 +169,7 @@ class CheckpointManager:
         if not now:
             return False
         key = int(step)
-        before = self._saved.get(key, now) < now or self._tried.get(key, now) < now
+        before = self._tried.get(key, now) < now
         votes = np.array([before, group.rank == 0 and key in self.all_steps()], dtype=np.int64)
         group.all_reduce(votes, ReduceOp.MAX)
         if not (votes[0] and votes[1]):
@@ -201,7 +199,6 @@ class CheckpointManager:
             if exc is not None:
                 future.set_exception(exc)
                 return
-            self._saved[int(step)] = recoveries()
             try:
                 self._prune(group)
             finally:
