@@ -319,9 +319,11 @@ SHM_CMA = "MESHKIT_SHM_CMA"
 SURVIVE_LEARN_S = "MESHKIT_SURVIVE_LEARN_S"
 #: The most any of the byte sizes above may be (1 GiB: a group's segment is n x 2 x the chunk).
 _SHM_MOST_BYTES = 1 << 30
-#: A size: digits, then K, M or G (binary multiples) and an optional B or iB, any case.
-_SIZE = re.compile(r"^\s*(\d+)\s*([KMG]?)(?:I?B)?\s*$", re.IGNORECASE)
-_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+#: A size: digits, then K, M, G or T (binary multiples) and an optional B or iB, any case: the grammar
+#: of the benchmarks' ``--sizes`` (benchmarks/_common.py's ``parse_size``, which imports nothing of
+#: meshkit and so keeps its own copy); T only ever names a size above the limit.
+_SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
 def shm_enabled() -> bool:
