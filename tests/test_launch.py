@@ -890,6 +890,9 @@ def test_a_watcher_removes_the_shared_memory_of_a_rank_that_died_before_the_laun
             assert time.monotonic() < deadline, "the watcher never saw the rank's file"
             time.sleep(0.01)
         rank.kill()  # first the rank, then the launcher: the order a loaded machine can give
+        while bootstrap._ended(rank.pid) is None:  # dead (not reaped) before the launcher dies: a Python
+            assert time.monotonic() < deadline + 10, "the rank outlived its SIGKILL"  # process takes longer
+            time.sleep(0.005)  # to exit than `sleep`, and under load the watcher saw the launcher die first
         launcher.kill()
         waiting.join(10)
         assert ended == [-signal.SIGKILL]
