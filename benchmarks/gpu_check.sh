@@ -29,14 +29,18 @@
 #      skipped is SKIP (the reasons pytest gave), not ok: it verified nothing. The files that check
 #      the doubles (tests/doubles/nccl_double.py, tests/doubles/fake_cupy.py) against the real CuPy run too, against
 #      this machine's, but only a failure of theirs is recorded: passing, they verified no GPU;
-#   4. benchmarks/collectives.py --device cuda (meshkit's NCCL engine vs raw NcclCommunicator at
-#      1 rank, sync and async; the MPI engine on CuPy buffers at 2 ranks); benchmarks/ddp.py only
-#      if it takes --device (it does not yet: SKIP with the reason);
-#   Where CuPy sees no GPU (no CuPy, no driver, none visible), steps 1, 3 and 4 record SKIP with
+#   4. benchmarks/collectives.py --device cuda, sizes up to $GPU_CHECK_MAX_BYTES (default 256M):
+#      meshkit's NCCL engine vs raw NcclCommunicator at 1 rank, sync and async; the MPI engine on
+#      CuPy buffers at 2 ranks; benchmarks/ddp.py only if it takes --device (it does not yet: SKIP
+#      with the reason);
+#   5. the examples --device cuda --check, each against single-process training: train_mlp's every
+#      strategy and train_tp over NCCL at one rank, train_3d with CuPy arrays over MPI at 2 and 4
+#      ranks sharing one GPU;
+#   Where CuPy sees no GPU (no CuPy, no driver, none visible), steps 1, 3, 4 and 5 record SKIP with
 #   the reason instead of running what needs one (a machine without nvidia-smi is not a failure),
 #   so the run ends NOT VERIFIED, never FAIL or PASS;
-#   5. the verdict: one line per point (`POINT n: PASS|FAIL|SKIP (reason)`; steps 0, 3
-#      and 4 are point 9), then `VERDICT: PASS|FAIL|NOT VERIFIED (...)`.
+#   then the verdict: one line per point (`POINT n: PASS|FAIL|SKIP (reason)`; steps 0, 3, 4
+#      and 5 are point 9), then `VERDICT: PASS|FAIL|NOT VERIFIED (...)`.
 # GPU_CHECK_STEPS="2" (or "3 4", ...) runs only those steps, appending to the results already in
 # $OUT, for machines that limit one command's time (the whole run takes about 15 minutes); the
 # verdict always comes last.
@@ -82,7 +86,7 @@ fi
 OUTDIR=${OUT:-$(mktemp -d /tmp/meshkit-gpu-check.XXXXXX)}
 mkdir -p "$OUTDIR"
 RESULTS=$OUTDIR/results.jsonl
-STEPS=" ${GPU_CHECK_STEPS:-0 1 2 3 4} "
+STEPS=" ${GPU_CHECK_STEPS:-0 1 2 3 4 5} "
 if [ -z "${GPU_CHECK_STEPS:-}" ]; then : >"$RESULTS"; fi
 step() { [[ $STEPS == *" $1 "* ]]; }  # step N: was it asked for
 exec > >(tee -a "$OUTDIR/gpu_check.log") 2>&1
@@ -198,6 +202,17 @@ fi
 GPU_TESTS=(tests/test_nccl.py::test_on_real_gpus tests/test_mpi_device.py::test_real_cupy_arrays_over_mpi_on_a_real_gpu)
 DOUBLE_FILES=(tests/test_nccl.py tests/test_nccl_strict.py tests/test_cupy_strictness.py)
 
+# run_bench NAME TIMEOUT COMMAND...: one benchmark or example run, its output also in $OUTDIR/<name>.txt
+run_bench() {
+    local name=$1 limit=$2 log
+    shift 2
+    log="$OUTDIR/$(echo "$name" | tr -c 'A-Za-z0-9=\n' '_').txt"
+    echo "--- $*"
+    timeout "$limit" "$@" 2>&1 | tee "$log"
+    record_status "$name" 9 "${PIPESTATUS[0]}"
+    grep -h -e "summary (meshkit vs" "$log" | sed 's/^\[rank0\]: //'
+}
+
 if step 3 && [ "$GPUS" -eq 0 ]; then
 section "3. GPU tests (one pytest process per test that needs a GPU)"
 record "pytest (the GPU tests)" 9 SKIP "$NO_GPU: ${GPU_TESTS[*]} not run"
@@ -232,16 +247,7 @@ section "4. benchmarks --device cuda"
 record "collectives (the --device cuda benchmarks)" 9 SKIP "$NO_GPU: not run"
 elif step 4; then
 section "4. benchmarks --device cuda"
-COMMON=(--min-bytes 8 --max-bytes 256M --no-progress)
-run_bench() {  # run_bench NAME TIMEOUT COMMAND...   (its output also in $OUTDIR/<name>.txt)
-    local name=$1 limit=$2 log
-    shift 2
-    log="$OUTDIR/$(echo "$name" | tr -c 'A-Za-z0-9=\n' '_').txt"
-    echo "--- $*"
-    timeout "$limit" "$@" 2>&1 | tee "$log"
-    record_status "$name" 9 "${PIPESTATUS[0]}"
-    grep -h -e "summary (meshkit vs" "$log" | sed 's/^\[rank0\]: //'
-}
+COMMON=(--min-bytes 8 --max-bytes "${GPU_CHECK_MAX_BYTES:-256M}" --no-progress)
 run_bench "collectives nccl n=1 sync" 240 \
     "$PY" benchmarks/collectives.py --device cuda --backend nccl "${COMMON[@]}" \
     --json "$OUTDIR/collectives-cuda-nccl-n1.json"
@@ -257,6 +263,28 @@ if "$PY" benchmarks/ddp.py --help 2>/dev/null | grep -q -- "--device"; then
 else
     record "ddp benchmark" 9 SKIP "benchmarks/ddp.py takes no --device: the DDP benchmark runs on CPU only"
 fi
+fi
+
+# The examples as a user runs them with --device cuda, each --check'ed against single-process training
+# on the global batch: NCCL at one rank per GPU (train_mlp's every strategy, train_tp), and CuPy arrays
+# over MPI with several ranks sharing one GPU (train_3d, whose engine is "mpi").
+if step 5 && [ "$GPUS" -eq 0 ]; then
+section "5. the examples --device cuda --check"
+record "examples (--device cuda --check)" 9 SKIP "$NO_GPU: not run"
+elif step 5; then
+section "5. the examples --device cuda --check"
+LAUNCH=("$PY" -m meshkit.launch)
+for strategy in ddp zero1 zero2 fsdp hsdp; do
+    run_bench "train_mlp $strategy n=1 nccl" 120 "$PY" examples/train_mlp.py --device cuda --check \
+        --strategy "$strategy" --steps 20
+done
+run_bench "train_mlp fsdp float32 adamw n=1 nccl" 120 "$PY" examples/train_mlp.py --device cuda --check \
+    --strategy fsdp --dtype float32 --optimizer adamw --steps 20
+run_bench "train_tp n=1 nccl" 120 "$PY" examples/train_tp.py --mesh 1x1 --device cuda --check --steps 10
+run_bench "train_3d 1x2x1 n=2 mpi (one GPU shared)" 180 "${LAUNCH[@]}" -n 2 --timeout 170 \
+    examples/train_3d.py --mesh 1x2x1 --device cuda --check --steps 5
+run_bench "train_3d 2x1x2 fsdp n=4 mpi (one GPU shared)" 180 "${LAUNCH[@]}" -n 4 --timeout 170 \
+    examples/train_3d.py --mesh 2x1x2 --dp fsdp --device cuda --check --steps 5
 fi
 
 verdict
