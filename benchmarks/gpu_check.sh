@@ -3,10 +3,11 @@
 # hardware (1-8: benchmarks/gpu_acceptance.py; 9: this script), then runs every GPU test and the
 # GPU benchmark.
 #
-# WHAT HAS RUN ON HARDWARE: NOTHING. This script and benchmarks/gpu_acceptance.py were written for
-# the first machine with a GPU. On CPU only their logic has run: the acceptance checks over the
-# strict double (`python benchmarks/gpu_acceptance.py --point all --dry-run-double`) and this
-# script's reporting on made-up pytest outputs (tests/test_gpu_check.py, through --report-only).
+# WHAT HAS RUN ON HARDWARE: steps 1-5 on one H200 (2026-11-30, PYTHON=python3, the mpich and mpi4py
+# wheels installed into that python; docs/gpus.md has the results). Multi-GPU checks: never. On CPU
+# its logic runs in CI: the acceptance checks over the strict double (`python
+# benchmarks/gpu_acceptance.py --point all --dry-run-double`) and this script's reporting on
+# made-up pytest outputs (tests/test_gpu_check.py, through --report-only).
 #
 # Run from the repository root on the GPU machine:
 #
@@ -42,7 +43,7 @@
 #   then the verdict: one line per point (`POINT n: PASS|FAIL|SKIP (reason)`; steps 0, 3, 4
 #      and 5 are point 9), then `VERDICT: PASS|FAIL|NOT VERIFIED (...)`.
 # GPU_CHECK_STEPS="2" (or "3 4", ...) runs only those steps, appending to the results already in
-# $OUT, for machines that limit one command's time (the whole run takes about 15 minutes); the
+# $OUT, for machines that limit one command's time (on one H200 with GPU_CHECK_MAX_BYTES=64M: steps 1, 3, 5 took about 2.5 minutes, 2 and 4 about 2); the
 # verdict always comes last.
 # Results: $OUT (else a temp folder): results.jsonl (one record per check and step), a log per
 # pytest file and benchmark, the benchmarks' JSON, this whole log, and all of them again in

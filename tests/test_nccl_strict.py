@@ -321,6 +321,59 @@ def test_an_nccl_without_comm_split_is_refused_naming_both_versions(fake_gpu):
         double.FakeRuntime()
 
 
+#: NCCL 2.28.9's one-rank ncclAvg, out of place (reduceScatter, 1 rank, output filled beforehand), as
+#: measured on an H200 on 2026-11-30: (dtype, count, elements written). NVIDIA/nccl issue 1950.
+ONE_RANK_AVG_SEEN = [(np.float64, 2048, 2048), (np.float64, 2049, 2048), (np.float64, 4160, 4158),
+                     (np.float64, 4161, 4161), (np.float64, 1048581, 1048576), (np.float32, 4160, 4160),
+                     (np.float32, 4161, 4160), (np.float32, 100003, 100000), (np.float32, 1048581, 1048576),
+                     (np.float32, 3145735, 3145728)]
+
+
+@pytest.mark.parametrize("dtype,count,written", ONE_RANK_AVG_SEEN)
+def test_double_drops_what_nccl_2_28_one_rank_avg_drops(dtype, count, written):
+    """The double is no kinder than NCCL 2.28.9: its one-rank ncclAvg of floats leaves the elements
+    the real kernel leaves (the table was measured); 2.29.7 and later write them all."""
+    for version, want in ((22809, written), (22907, count)):
+        rt = double.FakeRuntime(nccl_version=version)
+
+        def body(rank, comm):
+            src = double.to_device(np.arange(count, dtype=dtype) % 100 + 1)
+            dst = double.to_device(np.full(count, -7, dtype))
+            t = {np.float64: 8, np.float32: 7}[dtype]
+            comm.reduceScatter(src.data.ptr, dst.data.ptr, count, t, 4, rt.current_stream().ptr)
+            return np.flatnonzero(dst.get() == -7)
+
+        try:
+            (unwritten,) = on_comms(1, body, rt)
+        finally:
+            double.FakeRuntime()
+        assert unwritten.tolist() == list(range(want, count)), (version, unwritten[:4])
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16, np.complex128])
+def test_one_rank_avg_is_whole_on_an_nccl_that_drops_a_tail(dtype):
+    """meshkit's AVG over a one-rank group is whole even on NCCL 2.28.9 (the engine sums: one rank's
+    sum is a copy): reduce_scatter_tensor out of place, all_reduce and reduce in place. FSDP at one
+    rank (and HSDP's one-rank replicate dimension) trained on garbage there before."""
+    def body():
+        ok = []
+        for count in (4160, 100003):
+            inp = double.to_device((np.arange(count) % 100 + 1).astype(dtype))
+            out = double.to_device(np.full(count, -7, dtype))
+            meshkit.reduce_scatter_tensor(out, inp, ReduceOp.AVG)
+            ok.append(bool((out.get() == inp.get()).all()))
+            for call in (meshkit.all_reduce, lambda x, op: meshkit.reduce(x, 0, op)):
+                x = double.to_device((np.arange(count) % 100 + 1).astype(dtype))
+                call(x, ReduceOp.AVG)
+                ok.append(bool((x.get() == inp.get()).all()))
+        return ok
+
+    try:
+        assert on_nccl(body, 1, runtime=double.FakeRuntime(nccl_version=22809)) == [[True] * 6]
+    finally:
+        double.FakeRuntime()
+
+
 def test_an_nccl_without_avg_sums_and_divides(fake_gpu):
     """NCCL 2.9 has no ncclAvg: the engine sums and the group divides, on the device and (not
     twice) on the host."""

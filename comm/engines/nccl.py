@@ -134,6 +134,13 @@ class NCCLEngine:
         if nccl_version < _AVG_VERSION:  # no ncclAvg: NCCL sums, the group divides (as on MPI)
             self.native_avg = False
             self._ops = {**self._ops, ReduceOp.AVG: self._ops[ReduceOp.SUM]}
+        elif self.size == 1:
+            # One rank: the average is the value itself, and NCCL's one-rank SUM is a copy. Its
+            # one-rank ncclAvg of floats (a kernel) leaves the last n mod (blocks) elements unwritten
+            # before NCCL 2.29.7 (NVIDIA/nccl issue 1950): an out-of-place reduce_scatter then
+            # returns garbage there. Seen on an H200 with NCCL 2.28.9: FSDP at one rank trained
+            # on garbage gradients (docs/gpus.md).
+            self._ops = {**self._ops, ReduceOp.AVG: self._ops[ReduceOp.SUM]}
         self._watch: Callable[[], None] | None = None
         # requests issued since start_coalescing (comm/engines/nccl_coalescing.py), None outside a batch
         self.coalesced: list[DeviceRequest] | None = None

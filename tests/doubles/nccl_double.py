@@ -773,6 +773,38 @@ def _reduce(op: int, parts: list[np.ndarray]) -> np.ndarray:
     return acc
 
 
+#: The first NCCL whose one-rank ncclAvg of floats writes every element (2.29.7: NVIDIA/nccl issue 1950).
+ONE_RANK_AVG_FIXED = 22907
+
+
+def one_rank_avg_written(count: int, itemsize: int, version: int) -> int:
+    """How many leading elements NCCL ``version``'s one-rank ncclAvg of a floating type writes.
+
+    Before 2.29.7 its kernel (oneRankReduce in src/device/onerank.cu) splits ``count`` over
+    ``bn = min(32, ceil(bytes / 16 KiB))`` blocks of ``align_up(count // bn, 16 // itemsize)``
+    elements, and the elements past ``bn`` such blocks are never written: out-of-place, they keep
+    whatever the output held. Seen on an H200 with NCCL 2.28.9 (reduceScatter, 1 rank): float64
+    4160 -> 4158, 2049 -> 2048, 1048581 -> 1048576; float32 4161 -> 4160, 100003 -> 100000; all
+    written for float64 2048 and float32 4160 (tests/test_nccl_strict.py holds the table)."""
+    if version >= ONE_RANK_AVG_FIXED or count == 0:
+        return count
+    blocks = min(32, -(-count * itemsize // (16 << 10)))
+    pack = 16 // itemsize
+    per_block = -(-(count // blocks) // pack) * pack
+    return min(count, blocks * per_block)
+
+
+def _write_reduced(recv: np.ndarray, op: int, sends: list[np.ndarray]) -> None:
+    """``recv[...] = `` the reduction, as NCCL writes it: a one-rank ncclAvg of floats (PreMulSum) before
+    2.29.7 leaves its tail unwritten (:func:`one_rank_avg_written`); every other case writes all."""
+    result = _reduce(op, sends)
+    if len(sends) == 1 and op == 4 and result.dtype.kind not in "iu":
+        written = one_rank_avg_written(result.size, result.dtype.itemsize, fake_nccl.version)
+        recv[:written] = result[:written]
+        return
+    recv[...] = result
+
+
 def _perform(parts: list[_Op]) -> None:
     """One collective, all ranks' parts ready: read every send buffer, then write."""
     a = parts[0].args
@@ -781,16 +813,16 @@ def _perform(parts: list[_Op]) -> None:
              for p in parts]
     for rank, p in enumerate(parts):
         if kind == "allReduce":
-            _region(p.args["recv"], count, dtype)[...] = _reduce(a["op"], sends)
+            _write_reduced(_region(p.args["recv"], count, dtype), a["op"], sends)
         elif kind == "reduce" and rank == a["root"]:
-            _region(p.args["recv"], count, dtype)[...] = _reduce(a["op"], sends)
+            _write_reduced(_region(p.args["recv"], count, dtype), a["op"], sends)
         elif kind == "broadcast":
             _region(p.args["recv"], count, dtype)[...] = sends[a["root"]]
         elif kind == "allGather":
             _region(p.args["recv"], count * len(parts), dtype)[...] = np.concatenate(sends)
         elif kind == "reduceScatter":
-            _region(p.args["recv"], count, dtype)[...] = _reduce(a["op"], [s[rank * count:(rank + 1) * count]
-                                                                          for s in sends])
+            _write_reduced(_region(p.args["recv"], count, dtype), a["op"],
+                           [s[rank * count:(rank + 1) * count] for s in sends])
 
 
 def _check_buffer(comm: FakeCommunicator, what: str, ptr: int, count: int, datatype: int) -> None:
