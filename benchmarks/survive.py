@@ -24,11 +24,12 @@ Each repeat runs the same training (``--strategy``, DDP by default; examples/mlp
   failure to the failed step done).
 
 A sharded strategy under ``--survive`` renews its buddy copy every ``MESHKIT_BUDDY_EVERY`` steps
-(default 8; :mod:`meshkit.parallel.buddy`): the run reports the cadence, its bytes
+(unset: 8 while it measures, then the cadence chosen from the measured renewal and step;
+:mod:`meshkit.parallel.buddy`): the run reports the cadence it ended with, its bytes
 (``memory_report()["buddy"]``), the mean wall time of one renewal and its share of a step (the
 renewals' time over the steps), and, in runs without a failure, how far a renewing step's median
 stands above the other steps' (the write into a slot last written 2K steps before, cold in the
-cache). ``--variant k1:MESHKIT_BUDDY_EVERY=1`` measures renewing after every step beside it.
+cache). ``--variant k8:MESHKIT_BUDDY_EVERY=8`` measures a fixed cadence beside it.
 
 ``--variant NAME:VAR=VALUE[,VAR=VALUE]`` adds a ``--survive 1`` run per repeat with those variables
 (``old:MESHKIT_SHM=0,MESHKIT_BUDDY_SHM=0`` is ``--survive`` before the shared-memory path and the
@@ -169,8 +170,9 @@ def worker(args: argparse.Namespace) -> int:
                                           "buddy_every": copy.every, "buddy_step_s": (copy.seconds + copy.setup_seconds) / args.steps,
                                           "replayed": replayed}
         if copy is not None and not phases:  # no failure: times[i] is step i, after which the count is i + 1
-            renewing = [t for i, t in enumerate(times) if i and (i + 1) % copy.every == 0]
-            others = [t for i, t in enumerate(times) if i and (i + 1) % copy.every]
+            renewed = set(copy.renewed)  # the counts renewed at (the cadence may be chosen on the way)
+            renewing = [t for i, t in enumerate(times) if i and i + 1 in renewed]
+            others = [t for i, t in enumerate(times) if i and i + 1 not in renewed]
             if renewing and others:  # a renewing step's median over the other steps' (the cold slot's write)
                 buddy["renew_excess_s"] = statistics.median(renewing) - statistics.median(others)
         steady = sorted(times[1:])  # (the first step allocates: not a steady one)

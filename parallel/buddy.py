@@ -6,12 +6,14 @@ its shard group: shard index ``s`` keeps index ``(s + 1) % n``'s parameter shard
 state shards (every flat key's), with that rank's optimizer step counts.
 
 **Cadence.** :meth:`BuddyCopy.refresh` renews the copy when the optimizer step count is a
-multiple of ``MESHKIT_BUDDY_EVERY`` (:data:`EVERY_ENV`, :data:`EVERY_DEFAULT`), after the first
-step, and right after a shrink; between renewals a step pays nothing for the copy. After a
-failure the survivors roll back to the last renewal (``k0``) when a lost rank's shards are held
-only there, and the loop replays the steps since (at most ``MESHKIT_BUDDY_EVERY - 1``; the data of
-a step depends on the step alone, so the result is still exact). ``MESHKIT_BUDDY_EVERY=1`` renews
-after every step, as before this setting.
+multiple of the cadence K, after the first step, and right after a shrink; between renewals a step
+pays nothing for the copy. K is ``MESHKIT_BUDDY_EVERY`` (:data:`EVERY_ENV`) where set; unset, it is
+:data:`EVERY_DEFAULT` while the copy measures the step and the renewal, then, at the first renewal
+after :data:`MEASURED_STEPS` steps that set nothing up, :func:`choose_every` of the slowest rank's
+figures: a renewal at most 1% of a step, a replay at most 0.25 s. After a failure the survivors
+roll back to the last renewal (``k0``) when a lost rank's shards are held only there, and the loop
+replays the steps since (at most K - 1; the data of a step depends on the step alone, so the
+result is still exact). ``MESHKIT_BUDDY_EVERY=1`` renews after every step.
 
 Within a node (the default, ``MESHKIT_BUDDY_SHM``) each rank writes its shards into a shared-memory
 segment of its own that index ``s - 1`` mapped once (:mod:`meshkit.parallel.buddy_shared`: one
@@ -70,30 +72,52 @@ BUDDY_TAG = 25205
 
 #: The variable of the copy's cadence: renewed when the optimizer step count is a multiple of it.
 EVERY_ENV = "MESHKIT_BUDDY_EVERY"
-#: Its default. Measured (benchmarks/survive.py, MLP 256x256, AdamW, float64, 2 loaded cores): one
-#: renewal is 0.16-0.31 ms (866 KB a rank at 2 ranks), 4-7% of fsdp's 4 ms step when done every step;
-#: every 8 steps its share is 0.02-0.04 ms a step (under 1%). A failure then replays at most 7 steps:
-#: failure to the failed step done again at 4 ranks (fsdp, 7 replayed) 0.15-0.28 s, inside the 0.5 s
-#: bar (docs/elastic.md "Surviving failures", the cadence).
+#: The cadence while it is measured, unset: renewals after the first step and at multiples of 8 (the
+#: measured step and renewal then choose the cadence: :func:`choose_every`).
 EVERY_DEFAULT = 8
 #: The largest value accepted (a failure replays up to that many steps less one).
 EVERY_MAX = 10_000
+#: Chosen cadences keep one renewal's share of a step at most this (1%), ...
+RENEWAL_SHARE = 0.01
+#: ... and the replay after a failure (up to K - 1 steps) at most this many seconds, which wins where
+#: both cannot hold; within 1..:data:`CHOSEN_MAX`.
+REPLAY_SECONDS = 0.25
+CHOSEN_MAX = 64
+#: Step intervals measured before the cadence is chosen (at the next renewal due at :data:`EVERY_DEFAULT`).
+MEASURED_STEPS = 4
 
 
-def every() -> int:
-    """``MESHKIT_BUDDY_EVERY``: renew the buddy copy every this many optimizer steps (:data:`EVERY_DEFAULT` when unset).
+def every() -> int | None:
+    """``MESHKIT_BUDDY_EVERY``: renew the buddy copy every this many optimizer steps; None when unset
+    (the copy chooses: :func:`choose_every`).
 
     Raises:
         DistValueError: not an integer in 1..:data:`EVERY_MAX`, naming the variable and the valid values.
     """
     text = os.environ.get(EVERY_ENV, "").strip()
     if not text:
-        return EVERY_DEFAULT
+        return None
     if not text.isdigit() or not 1 <= int(text) <= EVERY_MAX:
         raise DistValueError(f"meshkit.parallel.buddy: {EVERY_ENV}={text!r} is not valid; valid values are integers "
-                             f"from 1 (renew the buddy copy after every optimizer step) to {EVERY_MAX} (default "
-                             f"{EVERY_DEFAULT}; a failure replays up to that many steps less one)")
+                             f"from 1 (renew the buddy copy after every optimizer step) to {EVERY_MAX} (unset: chosen "
+                             "from the measured step and renewal; a failure replays up to that many steps less one)")
     return int(text)
+
+
+def choose_every(renewal_s: float, step_s: float) -> int:
+    """The cadence for a renewal of ``renewal_s`` seconds and a step of ``step_s``: the smallest power of
+    two whose renewal share is at most :data:`RENEWAL_SHARE`, lowered (by halving) until the longest
+    replay, ``K - 1`` steps, fits :data:`REPLAY_SECONDS`; between 1 and :data:`CHOSEN_MAX`.
+
+    Measured at 2-4 ranks on 2 cores (docs/elastic.md, "Surviving failures", the cadence): zero1's
+    2.5 ms step with a 0.2-0.7 ms renewal gets 32 (a renewal every 8 steps cost it 1-3.5% of a
+    step); a 1 s step gets 1 (nothing replayed; the renewal is 0.1% of it)."""
+    k = 1
+    while k < CHOSEN_MAX and renewal_s > RENEWAL_SHARE * k * step_s:
+        k *= 2
+    while k > 1 and (k - 1) * step_s > REPLAY_SECONDS:
+        k //= 2
+    return k
 
 
 class ShardsLostError(DistError):
@@ -117,8 +141,8 @@ def _arrays(layouts: Sequence[FlatLayout], shards: Mapping[str, Any], optimizer:
 
 
 class BuddyCopy:
-    """A copy of the next shard's state (index ``(s + 1) % n`` of the shard group), renewed every
-    ``MESHKIT_BUDDY_EVERY`` optimizer steps.
+    """A copy of the next shard's state (index ``(s + 1) % n`` of the shard group), renewed every K
+    optimizer steps (``MESHKIT_BUDDY_EVERY``, or chosen: see the module docstring).
 
     Args:
         owner: the strategy (a :class:`~meshkit.parallel.data_parallelism.sharded.ShardOwner`):
@@ -130,7 +154,13 @@ class BuddyCopy:
 
     def __init__(self, owner: Any) -> None:
         self.owner = owner
-        self.every = every()  # read once, at construction: every rank of the job has the same (the launcher's)
+        chosen = every()  # read once, at construction: every rank of the job has the same (the launcher's)
+        #: unset: the cadence is chosen from what this group measures (:func:`choose_every`), once
+        self.auto = chosen is None
+        self.every = EVERY_DEFAULT if chosen is None else chosen  # the cadence now
+        self.renewed: list[int] = []  # the optimizer step counts at which the copy was renewed (benchmarks read it)
+        self._last_call: float | None = None  # when refresh() was last called: once a step, at its end
+        self._intervals: list[float] = []  # the last step intervals (auto only, until the cadence is chosen)
         buddy_shared.enabled()  # validated here too, not at the first renewal
         #: the message path with every > 1: this rank's own shards at the last renewal, and their step counts
         self.snapshot: dict[str, Any] = {}
@@ -150,6 +180,7 @@ class BuddyCopy:
         self.setups = 0
         self.seconds = 0.0
         self.setup_seconds = 0.0
+        self._last_renewal, self._last_setup = 0.0, True  # the wall time of the last renewal; whether it set up
 
     @property
     def nbytes(self) -> int:
@@ -192,9 +223,31 @@ class BuddyCopy:
         group: ProcessGroup = self.owner._shard_group()
         if group.size == 1:
             return  # the only shard: no other rank could keep it
+        now = time.perf_counter()
+        if self.auto and self._last_call is not None:
+            self._intervals = (self._intervals + [now - self._last_call])[-EVERY_DEFAULT:]
+        self._last_call = now
         if not force and not self.due():
             return
-        started = time.perf_counter()
+        started = now
+        self.renewed.append(_count(self.owner.optimizer))
+        self._renew(group, started)
+        if self.auto and not force and len(self._intervals) >= MEASURED_STEPS and not self._last_setup:
+            self._choose(group, self._last_renewal)
+
+    def _choose(self, group: ProcessGroup, renewal_s: float) -> None:
+        """Choose the cadence from this renewal and the step intervals measured (every rank of the group
+        here at the same step count, after the same renewals): the slowest rank's figures (one MAX
+        all-reduce), so every rank computes the same :func:`choose_every`. Once."""
+        figures = np.array([renewal_s, float(np.median(self._intervals))])
+        group.all_reduce(figures, ReduceOp.MAX)
+        self.every = choose_every(float(figures[0]), float(figures[1]))
+        self.auto = False
+        self._intervals = []
+        if self.every == 1:  # nothing to roll back to on the message path: no snapshot kept
+            self.snapshot, self.snapshot_steps = {}, {}
+
+    def _renew(self, group: ProcessGroup, started: float) -> None:
         mine = _arrays(self.owner._layouts(), self.owner._param_shards(), self.owner.optimizer)
         xp = array_namespace(next(iter(mine.values())))  # NumPy, or CuPy on the GPU engine (counts too)
         setup = not self._agreed
@@ -234,11 +287,12 @@ class BuddyCopy:
 
     def _timed(self, started: float, setup: bool) -> None:
         self.refreshes += 1
+        self._last_renewal, self._last_setup = time.perf_counter() - started, setup
         if setup:
             self.setups += 1
-            self.setup_seconds += time.perf_counter() - started
+            self.setup_seconds += self._last_renewal
         else:
-            self.seconds += time.perf_counter() - started
+            self.seconds += self._last_renewal
 
     def _agree(self, group: ProcessGroup) -> None:
         """At the first renewal: every rank of the group has the same ``every`` (else some would renew
@@ -250,7 +304,7 @@ class BuddyCopy:
             listed = ", ".join(f"{v} on rank {r}" for r, v in zip(g.ranks, values))
             return (f"meshkit.parallel.buddy: {EVERY_ENV} differs across the shard group ({listed}): set the same "
                     "value on every rank")
-        agree(group, self.every, compare=compare, error=DistValueError)
+        agree(group, "unset" if self.auto else self.every, compare=compare, error=DistValueError)
         self._agreed = True
 
     def _open_mailbox(self, group: ProcessGroup, mine: dict[str, Any], keys: list[str]) -> None:

@@ -25,7 +25,7 @@ What :func:`shrink` does, in order (each phase timed in :class:`Recovery`):
    (:mod:`meshkit.parallel.buddy`), in one small all-gather of step counts; each picks the same
    shards at the newest step where every shard is held, and a second all-gather moves each chosen
    shard once, from the survivor that holds it, so each survivor joins the full state: the last renewal when a lost rank's shards are held
-   only there, so the loop replays the steps since (at most ``MESHKIT_BUDDY_EVERY - 1``; a clear
+   only there, so the loop replays the steps since (at most the cadence less one, :mod:`~meshkit.parallel.buddy`; a clear
    :class:`~meshkit.parallel.buddy.ShardsLostError` where a rank and its buddy both died);
    then the new strategy (``build()``, collective over the new world: a new mesh and groups)
    loads it with ``load_full_state_dict``, whatever its world size and mesh.

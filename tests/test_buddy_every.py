@@ -33,7 +33,7 @@ def _train(strategy: str, world: int, steps: range, state=None, mesh_shape=None,
         def setup(model):
             held.append(model)
             if every is not None:
-                model.shards.buddy.every = every[comm.get_rank()]
+                model.shards.buddy.every, model.shards.buddy.auto = every[comm.get_rank()], False
             if state is not None:
                 model.shards.after_step(force=True)
         if strategy == "fsdp":
@@ -113,8 +113,36 @@ def test_hsdp_takes_a_lost_shard_live_from_its_replica_not_the_renewal(monkeypat
 def test_a_bad_cadence_is_an_error_naming_the_variable(value, monkeypatch):
     monkeypatch.setenv("MESHKIT_BUDDY_EVERY", value)
     with pytest.raises(DistValueError, match=rf"MESHKIT_BUDDY_EVERY='{value}' is not valid; valid values are integers "
-                                             r"from 1 .* to 10000 \(default 8"):
+                                             r"from 1 .* to 10000 \(unset: chosen from the measured step"):
         buddy.every()
+
+
+def test_unset_the_cadence_is_chosen_and_an_empty_value_is_unset(monkeypatch):
+    monkeypatch.delenv("MESHKIT_BUDDY_EVERY", raising=False)
+    assert buddy.every() is None
+    monkeypatch.setenv("MESHKIT_BUDDY_EVERY", " ")
+    assert buddy.every() is None
+    monkeypatch.setenv("MESHKIT_BUDDY_EVERY", "8")
+    assert buddy.every() == 8
+
+
+@pytest.mark.parametrize("renewal_ms, step_ms, chosen", [
+    (0.5, 2.5, 32),    # zero1 at 2 ranks here: 1-3.5% of a step at K = 8, 0.6% at 32
+    (0.3, 8.7, 4),     # fsdp at 4 ranks: 0.86% at 4
+    (0.05, 4.0, 2),    # a cheap renewal
+    (0.001, 4.0, 1),   # nothing to save by waiting
+    (1.0, 1000.0, 1),  # long steps: renewed every step, nothing replayed
+    (5.0, 0.1, 64),    # a very short step: the largest cadence
+    (2.0, 20.0, 8),    # share wants 16; the replay (15 x 20 ms = 0.3 s) caps it at 8 (7 x 20 = 0.14 s)
+    (3.0, 100.0, 2),   # share wants 4; the replay allows 2 (0.1 s), not 4 (0.3 s)
+])
+def test_the_chosen_cadence_keeps_a_renewal_under_1_percent_of_a_step_and_a_replay_under_a_quarter_second(
+        renewal_ms, step_ms, chosen):
+    k = buddy.choose_every(renewal_ms / 1e3, step_ms / 1e3)
+    assert k == chosen
+    assert (k - 1) * step_ms / 1e3 <= buddy.REPLAY_SECONDS
+    assert k == buddy.CHOSEN_MAX or renewal_ms <= buddy.RENEWAL_SHARE * k * step_ms or \
+        (2 * k - 1) * step_ms / 1e3 > buddy.REPLAY_SECONDS  # under the share, or the replay forbids the next
 
 
 def test_a_save_that_rank_0_committed_before_dying_is_skipped_by_the_replay_on_every_rank(tmp_path, monkeypatch):
@@ -154,6 +182,32 @@ def test_a_save_that_rank_0_committed_before_dying_is_skipped_by_the_replay_on_e
         return manager.all_steps()
 
     assert local.run(body, 3) == [[7]] * 3
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "fsdp"])
+def test_unset_the_cadence_is_chosen_once_from_the_slowest_ranks_figures_alike_on_every_rank(strategy, monkeypatch):
+    """Unset, the copy renews after step 1 and at multiples of 8 while it measures, then at the chosen
+    cadence: chosen at the first renewal after 4 measured steps that set nothing up (step 8), from one
+    MAX all-reduce of (renewal, median step), so every rank picks the same K from the same figures."""
+    monkeypatch.setenv("MESHKIT_SURVIVE", "1")
+    monkeypatch.delenv("MESHKIT_BUDDY_EVERY", raising=False)
+    calls = []
+    monkeypatch.setattr(buddy, "choose_every", lambda renewal, step: calls.append((renewal, step)) or 3)
+    out = _train(strategy, 2, range(20))
+    copies = [o[4] for o in out]
+    assert [c.renewed for c in copies] == [[1, 8, 9, 12, 15, 18]] * 2
+    assert [(c.every, c.auto) for c in copies] == [(3, False)] * 2
+    assert len(calls) == 2 and calls[0] == calls[1] and all(v > 0 for v in calls[0]), calls
+    # the result is the plain run's: the cadence changes when copies are taken, not what is trained
+    monkeypatch.delenv("MESHKIT_SURVIVE")
+    plain = _train(strategy, 2, range(20))
+    assert all(np.array_equal(a, b) for a, b in zip(_flat(out[0][1]), _flat(plain[0][1])))
+
+
+def _flat(state):
+    """Every array of a full state dict, in a fixed order."""
+    model, optim = state["model"], state["optim"]["state"]
+    return [model[k] for k in sorted(model)] + [optim[n][k] for n in sorted(optim) for k in sorted(optim[n])]
 
 
 def test_a_cadence_that_differs_across_the_group_is_an_error_naming_each_ranks_value(monkeypatch):

@@ -17,8 +17,9 @@ as launched):
 ddp's last failure comes in a row: in the save right after the step redone. hsdp's mesh goes
 2x2 -> 1x3 -> 2x1; it is killed at a step in tests/test_survive_buddy.py.
 
-The sharded strategies renew their buddy copies every ``MESHKIT_BUDDY_EVERY`` steps (the default,
-8, and 1 for zero1's job): a failure rolls the survivors back to the last renewal (after step 1, a
+The sharded strategies renew their buddy copies every ``MESHKIT_BUDDY_EVERY`` steps (8, set here: unset,
+the cadence is chosen from measured times, which would make the steps redone vary; and 1 for zero1's
+job): a failure rolls the survivors back to the last renewal (after step 1, a
 multiple of 8, or the last shrink), so they replay the steps since, re-saving checkpoints that
 committed before the failure (skipped: the step is on disk) and retaking the save that met the
 dead rank; the result is still exact. hsdp's first failure takes the lost shard live from its
@@ -45,17 +46,17 @@ from test_survive import EXAMPLES, launch, needs_ulfm
 PHASES = ("detection_s", "agreement_s", "shrink_s", "state_rebuild_s", "redo_s")
 
 STEPS, EVERY = 20, 5
-#: (strategy, ranks, MESHKIT_BUDDY_EVERY or None for the default, its faults in the order they strike:
+#: (strategy, ranks, MESHKIT_BUDDY_EVERY or None (unset), its faults in the order they strike:
 #: KIND:RANK-AS-LAUNCHED:STEP (elastic_train.py), the step each failure's survivors redo from)
 CASES = [
     ("ddp", 5, None, ("step:4:2", "bucket:0:4", "save:3:5"), (2, 4, 5)),  # the third in the save right after the
     # step redone; replicated: nothing rolls back
     ("zero1", 5, "1", ("step:4:2", "bucket:2:4", "save:0:10"), (2, 4, 10)),  # renewed every step; rank 0, the
     # save's committer, killed in it
-    ("zero2", 5, None, ("step:3:2", "bucket:1:7", "save:2:15"), (1, 1, 8)),  # back to the renewals after steps 1
+    ("zero2", 5, "8", ("step:3:2", "bucket:1:7", "save:2:15"), (1, 1, 8)),  # back to the renewals after steps 1
     # (the save of 5 replayed: skipped), 1 (the shrink's) and 8 (the save of 10 skipped, 15's retaken)
-    ("fsdp", 5, None, ("step:0:2", "bucket:3:6", "save:1:10"), (1, 1, 8)),  # rank 0 between steps
-    ("hsdp", 4, None, ("bucket:1:4", "save:3:15"), (4, 8)),  # 2x2 -> 1x3 -> 2x1 (at a step: test_survive_buddy.py);
+    ("fsdp", 5, "8", ("step:0:2", "bucket:3:6", "save:1:10"), (1, 1, 8)),  # rank 0 between steps
+    ("hsdp", 4, "8", ("bucket:1:4", "save:3:15"), (4, 8)),  # 2x2 -> 1x3 -> 2x1 (at a step: test_survive_buddy.py);
     # the first lost shard is live on its replica
 ]
 SAID = {"step": "after step {}", "bucket": "inside step {}'s gradient reduction", "save": "inside the save of step {}"}
