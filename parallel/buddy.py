@@ -63,7 +63,7 @@ if TYPE_CHECKING:  # the strategies import this module: nothing of theirs at run
     from .optim.optimizers import Optimizer
 
 __all__ = ["BuddyCopy", "Held", "Contribution", "ShardsLostError", "contribution", "assemble", "choose", "join",
-           "every", "BUDDY_TAG", "EVERY_ENV", "EVERY_DEFAULT"]
+           "every", "choose_every", "BUDDY_TAG", "EVERY_ENV", "EVERY_DEFAULT"]
 
 #: The tag of the exchange's messages, apart from a user's point-to-point traffic on the same group
 #: (tag 0 by default). Below 32767, the least upper bound MPI guarantees for tags.

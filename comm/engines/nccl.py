@@ -124,6 +124,8 @@ class NCCLEngine:
         self._ops = {op: getattr(nccl, const) for op, const in NCCL_OPS.items()}
         self._bool_ops = {op: getattr(nccl, const) for op, const in _BOOL_OPS.items()}
         self._bytes = nccl.NCCL_UINT8
+        self._move_types: dict[Any, int | None] = {}  # dtype -> its NCCL type (None: moved as bytes)
+        self._reductions: dict[tuple[Any, ReduceOp], tuple[int, int, int]] = {}  # (dtype, op) -> type, count factor, op
         rt.use_device(device)
         self.stream = rt.new_stream()
         self._outstanding: list[DeviceRequest] = []
@@ -197,19 +199,30 @@ class NCCLEngine:
 
     def _moved(self, x: Any) -> tuple[int, int]:
         """``(datatype, count)`` to move ``x``: its own NCCL type, or its bytes."""
-        t = self._types.get(x.dtype.name)
+        dtype = x.dtype
+        try:
+            t = self._move_types[dtype]
+        except KeyError:  # (a dtype's name is computed in Python by NumPy: looked up once per dtype)
+            t = self._move_types[dtype] = self._types.get(dtype.name)
         return (self._bytes, x.nbytes) if t is None else (t, x.size)
 
     def _reduction(self, op_name: str, x: Any, op: ReduceOp) -> tuple[int, int, int]:
         """``(datatype, count, nccl op)`` to reduce ``x`` with ``op``; TypeError naming both if NCCL
-        cannot."""
+        cannot. What a dtype and op give is kept (a call's cost on a GPU is mostly such Python)."""
         dtype = x.dtype
-        count, ops, t = x.size, self._ops, self._types.get(dtype.name)
+        known = self._reductions.get((dtype, op))
+        if known is not None:
+            t, factor, nop = known
+            return t, factor * x.size, nop
+        factor, ops, t = 1, self._ops, self._types.get(dtype.name)
         if dtype.kind == "b":
             t, ops = self._bytes, self._bool_ops
         elif dtype.name in _COMPLEX_PARTS and op in (ReduceOp.SUM, ReduceOp.AVG):
-            t, count = self._types.get(_COMPLEX_PARTS[dtype.name]), 2 * x.size
+            t, factor = self._types.get(_COMPLEX_PARTS[dtype.name]), 2
         nop = ops.get(op)
+        count = factor * x.size
+        if t is not None and nop is not None:
+            self._reductions[(dtype, op)] = (t, factor, nop)
         if t is None or nop is None:
             names = [n for n in NCCL_DTYPES if n in self._types]
             raise DistTypeError(

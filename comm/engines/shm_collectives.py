@@ -73,6 +73,7 @@ waiting for a live peer that left for the recovery wakes too; comm/engines/shm.p
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from typing import Any, Callable, Generator, Iterator, cast
@@ -116,7 +117,10 @@ def pid_namespace() -> int:
         return 0
 
 
+@functools.lru_cache(maxsize=256)
 def _name_words(dtype: np.dtype) -> tuple[int, int]:
+    """``dtype``'s name as two header words (kept: NumPy computes a dtype's name in Python, some
+    microseconds a call)."""
     raw = dtype.name.encode("ascii", "replace")[:16].ljust(16, b"\0")
     return int.from_bytes(raw[:8], "little", signed=True), int.from_bytes(raw[8:], "little", signed=True)
 
