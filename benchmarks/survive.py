@@ -36,7 +36,8 @@ cache). ``--variant k8:MESHKIT_BUDDY_EVERY=8`` measures a fixed cadence beside i
 shared-memory buddy copies), in the same rotation.
 
 The step time is the training loop's wall time over the steps (after a barrier, the import and
-set-up excluded); each run also reports its median and fastest step (the first left out), the
+set-up excluded; its first step, which connects and maps what the run uses, included); each run
+also reports its steady mean, median and fastest step (the first left out), the last two the
 figures a loaded machine disturbs least. Every run checks its final parameters against single-process training (1e-10).
 The machine may be loaded: say so beside any figure taken from it.
 
@@ -177,7 +178,8 @@ def worker(args: argparse.Namespace) -> int:
                 buddy["renew_excess_s"] = statistics.median(renewing) - statistics.median(others)
         steady = sorted(times[1:])  # (the first step allocates: not a steady one)
         print("RESULT " + json.dumps({"step_s": elapsed / args.steps, "step_min_s": steady[0],
-                                      "step_median_s": statistics.median(steady), "phases": phases, "diff": diff,
+                                      "step_median_s": statistics.median(steady), "steady_mean_s": statistics.fmean(steady),
+                                      "first_step_s": times[0], "phases": phases, "diff": diff,
                                       **buddy}),
               flush=True)
     meshkit.destroy_process_group()
@@ -244,19 +246,20 @@ def main(argv: list[str] | None = None) -> int:
             f"{k} {results[k][-1]['step_s'] * 1e3:.2f} ms a step" for k in kinds), flush=True)
     print(f"\n# {args.strategy} on {args.nproc} ranks, MLP {args.hidden}x{args.hidden}, {args.steps} steps, {args.repeats} repeats")
     print(f"{'ms a step':>22} {'median':>8} {'min':>8} {'max':>8}")
-    for key, what in (("step_s", "mean step"), ("step_median_s", "median step"), ("step_min_s", "fastest step")):
-        print(f"{what + ', ms':>22}")
+    for key, what in STATISTICS:
+        print(f"{what + ' step, ms':>22}")
         for kind in ("plain", "survive", *extra):
             print(f"{kind:>22} {_cell([r[key] for r in results[kind]], 1e3)}")
-    for key, what in (("step_s", "mean"), ("step_median_s", "median"), ("step_min_s", "fastest")):
+    for key, what in STATISTICS:
         plain = statistics.median(r[key] for r in results["plain"])
         print(f"{what} step / plain's: " + ", ".join(
             f"{kind} {statistics.median(r[key] for r in results[kind]) / plain:.3f}x" for kind in ("survive", *extra)))
-    print("(each run's mean, median and fastest step; the table's median, min and max over the repeats; the ratios "
+    print("(each run's mean (all steps: the first's set-up included), steady mean (the first left out), median and "
+          "fastest step; the table's median, min and max over the repeats; the ratios "
           "median over median. On a loaded machine the fastest step is the least disturbed figure.)")
     # paired: each repeat's run over the plain run of the same repeat (run next to it), so a slow spell of the
     # machine moves both; the median of those ratios and their spread
-    for key, what in (("step_s", "mean"), ("step_median_s", "median"), ("step_min_s", "fastest")):
+    for key, what in STATISTICS:
         print(f"paired {what} step / plain's, median [min, max] over repeats: " + ", ".join(
             f"{kind} {_paired(results, kind, key)}" for kind in ("survive", *extra)))
     for kind in ("survive", *extra):
@@ -281,6 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     return _write(args, results)
 
 
+#: Each run's statistics of a step, by their key in its RESULT: the mean over all steps (the first,
+#: which sets up, included), the mean, median and minimum of the others.
+STATISTICS = (("step_s", "mean"), ("steady_mean_s", "steady mean"), ("step_median_s", "median"),
+              ("step_min_s", "fastest"))
+
 def pooled(files: list[Path], resamples: int = 2000) -> str:
     """The pairs of ``files`` (``--json`` outputs) pooled per (strategy, ranks): each statistic's
     median ratio ``--survive`` / plain, its quartiles and a 95% bootstrap interval of the median."""
@@ -298,7 +306,9 @@ def pooled(files: list[Path], resamples: int = 2000) -> str:
     rng = random.Random(0)
     for (strategy, nproc), pairs in sorted(groups.items()):
         cells = []
-        for key, what in (("step_s", "mean"), ("step_median_s", "median"), ("step_min_s", "fastest")):
+        for key, what in STATISTICS:
+            if not all(key in p and key in s for p, s in pairs):  # (files of earlier versions lack some)
+                continue
             ratios = [s[key] / p[key] for p, s in pairs]
             q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
             boot = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
