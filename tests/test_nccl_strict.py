@@ -321,6 +321,22 @@ def test_an_nccl_without_comm_split_is_refused_naming_both_versions(fake_gpu):
         double.FakeRuntime()
 
 
+def test_a_stream_waits_for_an_event_as_recorded_when_the_wait_was_queued():
+    """cudaStreamWaitEvent waits for "the most recent call to cudaEventRecord on event at the time of
+    this call": recording the event again later (the NCCL engine reuses one per thread) moves no
+    wait queued before. The double waits the same way."""
+    rt = double.FakeRuntime()
+    first, second, waiting = rt.new_stream(), rt.new_stream(), rt.new_stream()
+    gate = double.Gate(first)
+    event = rt.new_event()
+    event.record(first)  # behind the gate
+    waiting.wait_event(event)
+    event.record(second)  # nothing pending there: the event itself is done now
+    assert event.done and not all(e.done for e in waiting.pending)
+    gate.open()
+    assert all(e.done for e in waiting.pending)
+
+
 #: NCCL 2.28.9's one-rank ncclAvg, out of place (reduceScatter, 1 rank, output filled beforehand), as
 #: measured on an H200 on 2026-11-30: (dtype, count, elements written). NVIDIA/nccl issue 1950.
 ONE_RANK_AVG_SEEN = [(np.float64, 2048, 2048), (np.float64, 2049, 2048), (np.float64, 4160, 4158),

@@ -48,6 +48,7 @@ aborts it (:mod:`.nccl_abort`), and the world communicator's creation (:mod:`.nc
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from typing import Any, Callable
 
@@ -129,6 +130,7 @@ class NCCLEngine:
         rt.use_device(device)
         self.stream = rt.new_stream()
         self._outstanding: list[DeviceRequest] = []
+        self._ready = threading.local()  # each calling thread's event that orders a call after its stream
         # Who may touch the communicator's handle, and its abort (comm/engines/nccl_abort.py).
         self.guard = CommGuard(comm)
         nccl_version = _runtime_version(nccl)
@@ -243,7 +245,12 @@ class NCCLEngine:
                                    f"earlier ({self.guard.aborted})")
         rt = self.rt
         rt.use_device(self.device)
-        ready = rt.new_event()
+        # One event per calling thread, recorded anew each call: a stream's wait is for the record as
+        # of the wait (cudaStreamWaitEvent), so a later record moves no earlier wait; per thread, as two
+        # threads' records between one's record and its wait would order it after the other's stream.
+        ready = getattr(self._ready, "event", None)
+        if ready is None:
+            ready = self._ready.event = rt.new_event()
         ready.record(rt.current_stream())
         stream = self.stream
         stream.wait_event(ready)  # the collective sees the caller's writes; the host does not wait

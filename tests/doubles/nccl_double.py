@@ -431,14 +431,17 @@ class TimedKernel:
 
 
 class _EventWait:
-    __slots__ = ("event",)
+    """A stream's wait for an event as recorded when the wait was queued: cudaStreamWaitEvent waits
+    for "the most recent call to cudaEventRecord on event at the time of this call", so recording
+    the event again later (reusing it) moves no wait queued before."""
+    __slots__ = ("entries",)
 
     def __init__(self, event: FakeEvent) -> None:
-        self.event = event
+        self.entries = event.entries  # (record replaces the list: this one stays the record of now)
 
     @property
     def done(self) -> bool:
-        return self.event.done
+        return all(e.done for e in self.entries)
 
 
 class FakeEvent:
@@ -526,7 +529,7 @@ def _fault(entries: list[Any]) -> int | None:
         if isinstance(e, _Fault):
             return e.code
         if isinstance(e, _EventWait):
-            todo.extend(e.event.entries)
+            todo.extend(e.entries)
         todo.extend(getattr(e, "deps", ()))
     return None
 
