@@ -18,7 +18,9 @@
 # system's CuPy and NCCL stay visible) with mpich, mpi4py, pytest, pytest-timeout, hypothesis and
 # ml_dtypes installed by pip (not `pip --target`, which drops the mpich wheel's libmpi.so.12); with
 # MESHKIT_WHEELS=DIR pip installs from the wheels in DIR only (a machine without network).
-# PYTHON=... skips the venv and uses that interpreter as it is. meshkit is imported from this
+# PYTHON=... skips the venv and uses that interpreter as it is (where python3 is itself a venv's, as
+# on an image whose python is PyTorch's venv, a --system-site-packages venv made from it would not
+# see its CuPy: install the wheels into that python and set PYTHON=python3). meshkit is imported from this
 # checkout (a `meshkit` link to it on PYTHONPATH); mpiexec is the venv's (the mpich wheel's), else
 # $MESHKIT_MPIEXEC, else PATH.
 # Steps (each goes on after a failure):
