@@ -184,8 +184,10 @@ def test_a_save_that_rank_0_committed_before_dying_is_skipped_by_the_replay_on_e
     assert local.run(body, 3) == [[7]] * 3
 
 
-@pytest.mark.parametrize("strategy", ["zero2", "fsdp"])
-def test_unset_the_cadence_is_chosen_once_from_the_slowest_ranks_figures_alike_on_every_rank(strategy, monkeypatch):
+@pytest.mark.parametrize("strategy, world, mesh_shape", [("zero2", 2, None), ("fsdp", 2, None), ("fsdp", 4, (2, 2))],
+                         ids=["zero2", "fsdp", "hsdp"])
+def test_unset_the_cadence_is_chosen_once_from_the_slowest_ranks_figures_alike_on_every_rank(strategy, world, mesh_shape,
+                                                                                          monkeypatch):
     """Unset, the copy renews after step 1 and at multiples of 8 while it measures, then at the chosen
     cadence: chosen at the first renewal after 4 measured steps that set nothing up (step 8), from one
     MAX all-reduce of (renewal, median step), so every rank picks the same K from the same figures."""
@@ -193,14 +195,15 @@ def test_unset_the_cadence_is_chosen_once_from_the_slowest_ranks_figures_alike_o
     monkeypatch.delenv("MESHKIT_BUDDY_EVERY", raising=False)
     calls = []
     monkeypatch.setattr(buddy, "choose_every", lambda renewal, step: calls.append((renewal, step)) or 3)
-    out = _train(strategy, 2, range(20))
+    out = _train(strategy, world, range(20), mesh_shape=mesh_shape)
     copies = [o[4] for o in out]
-    assert [c.renewed for c in copies] == [[1, 8, 9, 12, 15, 18]] * 2
-    assert [(c.every, c.auto) for c in copies] == [(3, False)] * 2
-    assert len(calls) == 2 and calls[0] == calls[1] and all(v > 0 for v in calls[0]), calls
+    assert [c.renewed for c in copies] == [[1, 8, 9, 12, 15, 18]] * world
+    assert [(c.every, c.auto) for c in copies] == [(3, False)] * world
+    # once per rank, from its shard group's MAX: the ranks of a group computed from the same figures
+    assert len(calls) == world and len(set(calls)) == world // 2 and all(v > 0 for c in calls for v in c), calls
     # the result is the plain run's: the cadence changes when copies are taken, not what is trained
     monkeypatch.delenv("MESHKIT_SURVIVE")
-    plain = _train(strategy, 2, range(20))
+    plain = _train(strategy, world, range(20), mesh_shape=mesh_shape)
     assert all(np.array_equal(a, b) for a, b in zip(_flat(out[0][1]), _flat(plain[0][1])))
 
 
