@@ -18,9 +18,8 @@
 # system's CuPy and NCCL stay visible) with mpich, mpi4py, pytest, pytest-timeout, hypothesis and
 # ml_dtypes installed by pip (not `pip --target`, which drops the mpich wheel's libmpi.so.12); with
 # MESHKIT_WHEELS=DIR pip installs from the wheels in DIR only (a machine without network).
-# PYTHON=... skips the venv and uses that interpreter as it is (where python3 is itself a venv's, as
-# on an image whose python is PyTorch's venv, a --system-site-packages venv made from it would not
-# see its CuPy: install the wheels into that python and set PYTHON=python3). meshkit is imported from this
+# PYTHON=... skips the venv and uses that interpreter as it is. Where python3 is itself a venv's (an
+# image whose python is PyTorch's venv), the new venv also sees that venv's packages (a .pth file). meshkit is imported from this
 # checkout (a `meshkit` link to it on PYTHONPATH); mpiexec is the venv's (the mpich wheel's), else
 # $MESHKIT_MPIEXEC, else PATH.
 # Steps (each goes on after a failure):
@@ -103,7 +102,20 @@ else
     VENV=${MESHKIT_GPU_VENV:-/tmp/meshkit-gpu-venv}
     PIP_FROM=()
     if [ -n "${MESHKIT_WHEELS:-}" ]; then PIP_FROM=(--no-index --find-links "$MESHKIT_WHEELS"); fi
-    if [ ! -x "$VENV/bin/python" ]; then python3 -m venv --system-site-packages "$VENV"; fi
+    if [ ! -x "$VENV/bin/python" ]; then
+        python3 -m venv --system-site-packages "$VENV"
+        # python3 may itself be a venv's (an image whose python is PyTorch's venv): a venv made from
+        # it sees the base interpreter's packages, not that venv's (its CuPy). A .pth file adds that
+        # venv's site-packages after the new venv's own (whose mpich and mpi4py then come first).
+        parent=$(python3 -c 'import sys, sysconfig
+if sys.prefix != sys.base_prefix:
+    print("\n".join(dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))))')
+        if [ -n "$parent" ]; then
+            own=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+            echo "$parent" >"$own/meshkit-gpu-check-parent.pth"
+            echo "python3 is a venv's ($(python3 -c 'import sys; print(sys.prefix)')): its packages added to $VENV"
+        fi
+    fi
     PY=$VENV/bin/python
     "$PY" -m pip install -q "${PIP_FROM[@]}" mpich mpi4py pytest pytest-timeout hypothesis ml_dtypes
     rc=$?
