@@ -44,6 +44,7 @@ failures", limits).
 
 from __future__ import annotations
 
+import collections
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -85,6 +86,8 @@ REPLAY_SECONDS = 0.25
 CHOSEN_MAX = 64
 #: Step intervals measured before the cadence is chosen (at the next renewal due at :data:`EVERY_DEFAULT`).
 MEASURED_STEPS = 4
+#: Renewals whose step counts :attr:`BuddyCopy.renewed` keeps.
+RENEWALS_KEPT = 1024
 
 
 def every() -> int | None:
@@ -110,8 +113,8 @@ def choose_every(renewal_s: float, step_s: float) -> int:
     replay, ``K - 1`` steps, fits :data:`REPLAY_SECONDS`; between 1 and :data:`CHOSEN_MAX`.
 
     Measured at 2-4 ranks on 2 cores (docs/elastic.md, "Surviving failures", the cadence): zero1's
-    2.5 ms step with a 0.2-0.7 ms renewal gets 32 (a renewal every 8 steps cost it 1-3.5% of a
-    step); a 1 s step gets 1 (nothing replayed; the renewal is 0.1% of it)."""
+    2.5 ms step with its 0.2-0.5 ms renewal got 16, 32 or 64 (a renewal every 8 steps had cost it
+    1-3.5% of a step); a 1 s step gets 1 (nothing replayed; the renewal is 0.1% of it)."""
     k = 1
     while k < CHOSEN_MAX and renewal_s > RENEWAL_SHARE * k * step_s:
         k *= 2
@@ -158,7 +161,8 @@ class BuddyCopy:
         #: unset: the cadence is chosen from what this group measures (:func:`choose_every`), once
         self.auto = chosen is None
         self.every = EVERY_DEFAULT if chosen is None else chosen  # the cadence now
-        self.renewed: list[int] = []  # the optimizer step counts at which the copy was renewed (benchmarks read it)
+        #: the optimizer step counts of the last renewals (benchmarks read it; bounded for long jobs)
+        self.renewed: collections.deque[int] = collections.deque(maxlen=RENEWALS_KEPT)
         self._last_call: float | None = None  # when refresh() was last called: once a step, at its end
         self._intervals: list[float] = []  # the last step intervals (auto only, until the cadence is chosen)
         buddy_shared.enabled()  # validated here too, not at the first renewal

@@ -197,7 +197,7 @@ def test_unset_the_cadence_is_chosen_once_from_the_slowest_ranks_figures_alike_o
     monkeypatch.setattr(buddy, "choose_every", lambda renewal, step: calls.append((renewal, step)) or 3)
     out = _train(strategy, world, range(20), mesh_shape=mesh_shape)
     copies = [o[4] for o in out]
-    assert [c.renewed for c in copies] == [[1, 8, 9, 12, 15, 18]] * world
+    assert [list(c.renewed) for c in copies] == [[1, 8, 9, 12, 15, 18]] * world
     assert [(c.every, c.auto) for c in copies] == [(3, False)] * world
     # once per rank, from its shard group's MAX: the ranks of a group computed from the same figures
     assert len(calls) == world and len(set(calls)) == world // 2 and all(v > 0 for c in calls for v in c), calls
