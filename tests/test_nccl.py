@@ -662,6 +662,32 @@ def test_detail_mode_checks_every_call_over_the_host_engine(fake_gpu, monkeypatc
         on_nccl(body, 2)
 
 
+def test_a_call_makes_one_cuda_event_and_a_thread_one_more(fake_gpu, monkeypatch):
+    """A collective makes its done event; the event ordering it after the caller's stream is made
+    once per calling thread and recorded anew (on a GPU each made event was a CUDA call of every
+    collective). The results stay right, from the main thread and from the group's own thread."""
+    made = []
+    real = double.FakeRuntime.new_event
+    monkeypatch.setattr(double.FakeRuntime, "new_event", staticmethod(lambda: made.append(1) or real()))
+
+    def body():
+        x = double.to_device(np.ones(3))
+        meshkit.all_reduce(x)  # the world's first call: the engine's set-up events too
+        before = len(made)
+        for _ in range(10):
+            meshkit.all_reduce(x)
+        on_main = len(made) - before
+        group = current_world().default_group  # its communication thread: another calling thread
+        group.run_async(lambda: group.all_reduce(x), "hook").wait()  # (its ordering event made, if not yet)
+        before = len(made)
+        group.run_async(lambda: [group.all_reduce(x) for _ in range(3)], "hook").wait()
+        return on_main, len(made) - before, x.get().tolist()
+
+    on_main, on_worker, got = on_nccl(body, 1)[0]
+    assert (on_main, on_worker) == (10, 3)  # a done event a call; each thread's ordering event once
+    assert got == [1.0] * 3
+
+
 def test_a_mesh_costs_one_comm_split_per_dimension(fake_gpu, monkeypatch):
     """A 2 x 2 mesh over an nccl world: one commSplit per dimension on every rank, and device
     all_reduces over each dimension's group match the reference."""
