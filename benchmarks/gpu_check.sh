@@ -19,9 +19,9 @@
 # ml_dtypes installed by pip (not `pip --target`, which drops the mpich wheel's libmpi.so.12); with
 # MESHKIT_WHEELS=DIR pip installs from the wheels in DIR only (a machine without network).
 # PYTHON=... skips the venv and uses that interpreter as it is. Where python3 is itself a venv's (an
-# image whose python is PyTorch's venv), the new venv also sees that venv's packages (a .pth file). meshkit is imported from this
-# checkout (a `meshkit` link to it on PYTHONPATH); mpiexec is the venv's (the mpich wheel's), else
-# $MESHKIT_MPIEXEC, else PATH.
+# image whose python is PyTorch's venv), the new venv also sees that venv's packages (a .pth file).
+# meshkit is imported from this checkout (a `meshkit` link to it on PYTHONPATH); mpiexec is the
+# venv's (the mpich wheel's), else $MESHKIT_MPIEXEC, else PATH.
 # Steps (each goes on after a failure):
 #   0. the venv; 1. nvidia-smi -L and the versions of python, NumPy, CuPy, CUDA, NCCL, MPI;
 #   2. benchmarks/gpu_acceptance.py --point all: points 1-8, each check in its own
@@ -44,7 +44,8 @@
 #   then the verdict: one line per point (`POINT n: PASS|FAIL|SKIP (reason)`; steps 0, 3, 4
 #      and 5 are point 9), then `VERDICT: PASS|FAIL|NOT VERIFIED (...)`.
 # GPU_CHECK_STEPS="2" (or "3 4", ...) runs only those steps, appending to the results already in
-# $OUT, for machines that limit one command's time (on one H200 with GPU_CHECK_MAX_BYTES=64M: steps 1, 3, 5 took about 2.5 minutes, 2 and 4 about 2); the
+# $OUT, for machines that limit one command's time (on one H200 with GPU_CHECK_MAX_BYTES=64M:
+# steps 1, 3 and 5 took about 2.5 minutes, 2 and 4 about 2); the
 # verdict always comes last.
 # Results: $OUT (else a temp folder): results.jsonl (one record per check and step), a log per
 # pytest file and benchmark, the benchmarks' JSON, this whole log, and all of them again in

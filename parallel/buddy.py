@@ -164,7 +164,8 @@ class BuddyCopy:
         #: the optimizer step counts of the last renewals (benchmarks read it; bounded for long jobs)
         self.renewed: collections.deque[int] = collections.deque(maxlen=RENEWALS_KEPT)
         self._last_call: float | None = None  # when refresh() was last called: once a step, at its end
-        self._intervals: list[float] = []  # the last step intervals (auto only, until the cadence is chosen)
+        #: the last step intervals (auto only, until the cadence is chosen)
+        self._intervals: collections.deque[float] = collections.deque(maxlen=EVERY_DEFAULT)
         buddy_shared.enabled()  # validated here too, not at the first renewal
         #: the message path with every > 1: this rank's own shards at the last renewal, and their step counts
         self.snapshot: dict[str, Any] = {}
@@ -229,7 +230,7 @@ class BuddyCopy:
             return  # the only shard: no other rank could keep it
         now = time.perf_counter()
         if self.auto and self._last_call is not None:
-            self._intervals = (self._intervals + [now - self._last_call])[-EVERY_DEFAULT:]
+            self._intervals.append(now - self._last_call)
         self._last_call = now
         if not force and not self.due():
             return
@@ -247,7 +248,7 @@ class BuddyCopy:
         group.all_reduce(figures, ReduceOp.MAX)
         self.every = choose_every(float(figures[0]), float(figures[1]))
         self.auto = False
-        self._intervals = []
+        self._intervals.clear()
         if self.every == 1:  # nothing to roll back to on the message path: no snapshot kept
             self.snapshot, self.snapshot_steps = {}, {}
 
