@@ -7,7 +7,8 @@ the world (:func:`current_world`), a group argument's default
 (:func:`resolve_group`), one split making many groups (:func:`create_groups`), the fingerprint of a
 group's calls that a per-step agreement compares (:func:`stamp_fingerprint`, :func:`verify_fingerprint`,
 :data:`FINGERPRINT_SLOTS`: comm/groups/call_fingerprint.py), prepared
-collectives (:class:`PreparedCollective`) and the NumPy/CuPy rule (:func:`array_namespace`,
+collectives (:class:`PreparedCollective`; :func:`all_reduce_owned`, the public all-reduce without the
+argument checks an array the caller just made passes by construction) and the NumPy/CuPy rule (:func:`array_namespace`,
 :func:`is_device_array`, :func:`is_array`, :func:`to_host`). They import those from here, a module
 named as private as torch's
 ``torch.distributed._*`` are: the names may change between releases without a deprecation.
@@ -37,7 +38,7 @@ from .naming import by_ranks, name_ranks
 from .setup.backends import backend_devices
 from .milestones import FIRST_STEP, IMPORTED, RESTORED, milestone, recoveries, survived
 from .arrays import array_namespace, is_array, is_device_array, to_host
-from .groups.prepared import PREPARED_OPS, PreparedCollective, prepare_collective
+from .groups.prepared import PREPARED_OPS, PreparedCollective, all_reduce_owned, prepare_collective
 from .setup.registry import create_groups, resolve_group
 from .groups.call_fingerprint import SLOTS as FINGERPRINT_SLOTS, stamp as stamp_fingerprint, verify as verify_fingerprint
 from .files import NotRegular, TooLarge, open_regular, read_bounded  # files read back (debug, checkpoint)
@@ -45,7 +46,7 @@ from .env import positive_number as positive_setting  # a bound's MESHKIT_* vari
 from .groups.world import RECORD_FORMAT, current_world, flight_document, inflight_document
 from .engines.shm_segment import NAME_BYTES as SEGMENT_NAME_BYTES, Segment, attach as attach_segment, create as create_segment
 
-__all__ = ["agree", "by_ranks", "name_ranks", "backend_devices", "array_namespace", "is_device_array", "is_array", "to_host", "PREPARED_OPS", "PreparedCollective",
+__all__ = ["agree", "by_ranks", "name_ranks", "backend_devices", "array_namespace", "is_device_array", "is_array", "to_host", "PREPARED_OPS", "PreparedCollective", "all_reduce_owned",
            "prepare_collective",
            "create_groups", "resolve_group", "current_world", "flight_document", "inflight_document", "RECORD_FORMAT",
            "moved_names", "milestone", "survived", "recoveries", "IMPORTED", "RESTORED", "FIRST_STEP", "positive_setting",

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from ..comm import ReduceOp
-from ..comm._seams import array_namespace
+from ..comm._seams import all_reduce_owned, array_namespace
 from . import errors
 from .chunks import local_shape_and_offset
 from .dispatch import implements
@@ -137,14 +137,14 @@ def _flat_norm(op: str, x: DTensor, keepdims: bool, key: tuple[Any, ...] | None 
 def _flat_norm_call(plan: Any) -> Any:
     """:func:`_flat_norm` compiled for one request (real float NumPy blocks): one BLAS dot, one
     all-reduce, the root, the wrap."""
-    reduce = plan.groups[0].all_reduce if plan.groups else None
+    group = plan.groups[0] if plan.groups else None
     placements, shape, total = plan.out, plan.shape, ReduceOp.SUM
 
     def call(x: DTensor) -> DTensor:
         flat = x._local.reshape(-1)
         part = np.asarray(np.dot(flat, flat))
-        if reduce is not None:
-            reduce(part, total)
+        if group is not None:
+            all_reduce_owned(group, part, total)  # a new array of ours: the public checks hold
         np.sqrt(part, out=part)
         return _wrap(part.reshape(shape) if shape else part, x._mesh, placements, shape)
     return call

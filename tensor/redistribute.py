@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..comm._seams import PreparedCollective, array_namespace, positive_setting, prepare_collective
+from ..comm._seams import PreparedCollective, all_reduce_owned, array_namespace, positive_setting, prepare_collective
 from ..mesh import DeviceMesh
 from .chunks import chunk_range, chunk_size, local_shape_and_offset
 from .placements import Partial, Placement, Replicate, Shard
@@ -323,10 +323,11 @@ def _all_reduce_step(group: Any, op: Any) -> Step:
 
     def step(local: Any) -> Any:
         if local.__class__ is ndarray:
-            out = local.copy()  # C order
+            out = local.copy()  # C order, ours: the checks the public method makes hold by construction
+            all_reduce_owned(group, out, op)
         else:  # a device array, or a 0-d NumPy scalar (an ndarray from it)
             out = array_namespace(local).array(local, copy=True, order="C")
-        all_reduce(out, op)
+            all_reduce(out, op)
         return out
     return step
 

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from ..comm import ReduceOp
-from ..comm._seams import array_namespace
+from ..comm._seams import all_reduce_owned, array_namespace
 from . import errors
 from .dispatch import implements
 from .dtensor import DTensor, _wrap
@@ -405,7 +405,7 @@ def _compilable(a: DTensor, plan: Any) -> bool:
 
 def _prod_call(plan: Any, axes: tuple[int, ...], keep: bool) -> Any:
     """:func:`prod` compiled for one request: the block's product, one all-reduce PRODUCT, the wrap."""
-    reduce = plan.groups[0].all_reduce if plan.groups else None
+    group = plan.groups[0] if plan.groups else None
     placements, shape, product = plan.out, plan.shape, ReduceOp.PRODUCT
     scalar = not shape
 
@@ -413,8 +413,8 @@ def _prod_call(plan: Any, axes: tuple[int, ...], keep: bool) -> Any:
         result = a._local.prod(axis=axes, keepdims=keep)
         if scalar:  # every axis reduced away: NumPy gives a scalar, the collective needs an array
             result = np.asarray(result)
-        if reduce is not None:
-            reduce(result, product)
+        if group is not None:
+            all_reduce_owned(group, result, product)  # a new array of ours: the public checks hold
         return _wrap(result, a._mesh, placements, shape)
     return call
 

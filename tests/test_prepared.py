@@ -12,7 +12,7 @@ import pytest
 
 import meshkit
 from meshkit.comm import local
-from meshkit.comm._seams import prepare_collective, resolve_group
+from meshkit.comm._seams import all_reduce_owned, prepare_collective, resolve_group
 
 
 def _world():
@@ -107,3 +107,44 @@ def test_an_uninvolved_rank_or_a_destroyed_group_is_refused():
     prepared = local.run(body, 2, timeout=30)
     with pytest.raises(meshkit.DistError, match="destroyed"):
         prepared[0](np.ones(2))
+
+
+def test_an_owned_all_reduce_is_the_public_one_without_its_checks(monkeypatch):
+    """all_reduce_owned (the compiled DTensor rules' in-place all-reduce of an array they made):
+    the public method's results for every op (AVG exact, integers as MPI's), numbered and recorded
+    as "all_reduce", checked across ranks in detail mode; what it was not made for (a list, a pair
+    of op and dtype not yet checked, a name for an op) goes to the public method and its errors."""
+    monkeypatch.setenv("MESHKIT_DEBUG", "detail")
+
+    def body():
+        g, rank = _world(), meshkit.get_rank()
+        out = {}
+        for op in (meshkit.ReduceOp.SUM, meshkit.ReduceOp.PRODUCT, meshkit.ReduceOp.MAX, meshkit.ReduceOp.AVG):
+            mine, public = np.array([rank + 1.0, -2.0 * rank, 7.0]), np.array([rank + 1.0, -2.0 * rank, 7.0])
+            all_reduce_owned(g, mine, op)
+            g.all_reduce(public, op)
+            out[op.name] = np.array_equal(mine, public)
+        ints = np.array([2**62 + rank], dtype=np.int64)
+        all_reduce_owned(g, ints, meshkit.ReduceOp.SUM)  # wraps as MPI's (and NumPy's) int64
+        n, total = g.size, sum(2**62 + r for r in range(g.size))
+        out["int64 wraps"] = n > 1 and int(ints[0]) == (total + 2**63) % 2**64 - 2**63
+        last = meshkit.flight_record()[-1]
+        out["recorded"] = (last["op"], last["state"], last["shapes"]) == ("all_reduce", "completed", ((1,),))
+        with pytest.raises(meshkit.DistTypeError, match=r"rank \d: all_reduce: tensor must be a numpy.ndarray"):
+            all_reduce_owned(g, [1.0])
+        with pytest.raises(meshkit.DistTypeError, match="AVG is not defined for dtype int16"):
+            all_reduce_owned(g, np.ones(2, np.int16), meshkit.ReduceOp.AVG)
+        x = np.array([rank + 1.0, 3.0])
+        all_reduce_owned(g, x, meshkit.ReduceOp.PRODUCT)
+        out["product"] = x.tolist()
+        return out
+
+    want = {"SUM": True, "PRODUCT": True, "MAX": True, "AVG": True, "int64 wraps": True, "recorded": True}
+    assert local.run(body, 3, timeout=30) == [{**want, "product": [6.0, 27.0]}] * 3
+
+    def mismatched():
+        # another shape on one rank: detail mode names the mismatch on both
+        all_reduce_owned(_world(), np.zeros(3 if meshkit.get_rank() == 0 else 2))
+
+    with pytest.raises(meshkit.CollectiveMismatchError, match="collective mismatch on group world"):
+        local.run(mismatched, 2, timeout=30)
