@@ -53,7 +53,10 @@ What is measured, on a 1-D mesh over all N ranks, float64:
   ``prod`` and ``cumsum`` along axis 0, ``linalg.norm``, ``count_nonzero`` completed by
   ``full_tensor()``), each beside its fair floor: the collective it needs on the group plus the
   local NumPy work, written by hand (:func:`reduction_pairs`), checked to agree before timing.
-  The target: ratio within 1.20.
+  The target: ratio within 1.20. Beside them, the closure the rule compiled for the request,
+  called directly (``closure``: the cost without NumPy's ``__array_function__`` dispatch and the
+  rule's lookup), and ``paired``: the median over rounds of each round's own ratio (the two
+  calls of a round share its spell of the machine), steadier than a ratio of two picks.
 * ``overhead``: for small arrays (``--op-shape``, default 8x8 per rank), the time of a DTensor
   op (``a + b``, ``np.tanh``, ``a @ w``, ``np.sum(axis=1)``, ``.T``, ``reshape``) minus the time
   of the same NumPy call on the local blocks, in microseconds: the cost of dispatch, placement
@@ -340,8 +343,8 @@ def _agreed(d: DTensor) -> DTensor:
 
 
 # --------------------------------------------------------------------------- timing
-def time_each(fns: tuple[Callable[[], Any], ...], args: argparse.Namespace, comm: MPI.Comm) -> list[float]:
-    """Median over rounds of the MAX-over-ranks per-call seconds of each callable, interleaved."""
+def time_rounds(fns: tuple[Callable[[], Any], ...], args: argparse.Namespace, comm: MPI.Comm) -> list[list[float]]:
+    """Each callable's MAX-over-ranks per-call seconds in every round, the callables interleaved."""
     iters = [args.iters or calibrate_iters(fn, comm, budget_s=0.05 / args.rounds, min_iters=5) for fn in fns]
     iters = [max(i, 1) for i in max_over_ranks(comm, iters)]
     samples: list[list[float]] = [[] for _ in fns]
@@ -352,8 +355,13 @@ def time_each(fns: tuple[Callable[[], Any], ...], args: argparse.Namespace, comm
             barrier(comm)
             samples[k].append(time_calls(fns[k], int(iters[k])))
     flat = max_over_ranks(comm, [t for mine in samples for t in mine])
+    return [flat[k * args.rounds:(k + 1) * args.rounds] for k in range(len(fns))]
+
+
+def time_each(fns: tuple[Callable[[], Any], ...], args: argparse.Namespace, comm: MPI.Comm) -> list[float]:
+    """Each callable's per-call seconds over interleaved rounds: the fastest round (``--stat min``) or the median."""
     pick = min if args.stat == "min" else median
-    return [pick(flat[k * args.rounds:(k + 1) * args.rounds]) for k in range(len(fns))]
+    return [pick(rounds) for rounds in time_rounds(fns, args, comm)]
 
 
 def run(args: argparse.Namespace, comm: MPI.Comm, rank: int, n: int) -> list[dict[str, Any]]:
@@ -387,12 +395,20 @@ def run(args: argparse.Namespace, comm: MPI.Comm, rank: int, n: int) -> list[dic
         progress.start_group("reductions")
         for shape, cases in reductions:
             for name in args.reductions:
-                t_dt, t_floor, *t_closure = time_each(cases[name], args, comm)
+                rounds = time_rounds(cases[name], args, comm)
+                pick = min if args.stat == "min" else median
+                t_dt, t_floor, *t_closure = (pick(r) for r in rounds)
                 closure = t_closure[0] if t_closure else None
-                out.append({"section": "reductions", "op": name, "block": list(shape), "dtensor_us": 1e6 * t_dt,
-                            "floor_us": 1e6 * t_floor, "ratio": t_dt / t_floor if t_floor > 0 else None,
-                            "closure_us": None if closure is None else 1e6 * closure,
-                            "closure_ratio": None if closure is None or t_floor <= 0 else closure / t_floor})
+                row = {"section": "reductions", "op": name, "block": list(shape), "dtensor_us": 1e6 * t_dt,
+                       "floor_us": 1e6 * t_floor, "ratio": t_dt / t_floor if t_floor > 0 else None,
+                       "closure_us": None if closure is None else 1e6 * closure,
+                       "closure_ratio": None if closure is None or t_floor <= 0 else closure / t_floor,
+                       # the median over rounds of each round's own ratio: the two timed side by side in
+                       # one round share its spell of the machine (steadier than a ratio of two picks)
+                       "paired_ratio": median([a / b for a, b in zip(rounds[0], rounds[1]) if b > 0])}
+                if closure is not None:
+                    row["paired_closure_ratio"] = median([a / b for a, b in zip(rounds[2], rounds[1]) if b > 0])
+                out.append(row)
                 progress.step(name)
         progress.start_group("checks")
         for shape, cases in checks:
@@ -430,14 +446,17 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
                      "work, by hand). Target: ratio within 1.20")
         lines.append("(closure: the call the rule compiled for the request, called directly: the ratio without "
                      "NumPy's dispatch and the rule's lookup)")
+        lines.append("(paired: the median over rounds of each round's DTensor / floor, and closure / floor)")
         lines.append(f"{'op':<14} {'block':>9} {'DTensor us':>11} {'floor us':>9} {'ratio':>7} {'closure us':>11} "
-                     f"{'ratio':>7}")
+                     f"{'ratio':>7} {'paired':>7} {'paired':>7}")
+
+        def cell(value: Any, spec: str) -> str:
+            return "-" if value is None else format(value, spec)
         for r in reductions:
-            ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
-            closure = "-" if r.get("closure_us") is None else f"{r['closure_us']:.2f}"
-            closure_ratio = "-" if r.get("closure_ratio") is None else f"{r['closure_ratio']:.2f}"
             lines.append(f"{r['op']:<14} {'x'.join(map(str, r['block'])):>9} {r['dtensor_us']:>11.2f} "
-                         f"{r['floor_us']:>9.2f} {ratio:>7} {closure:>11} {closure_ratio:>7}")
+                         f"{r['floor_us']:>9.2f} {cell(r['ratio'], '.2f'):>7} {cell(r.get('closure_us'), '.2f'):>11} "
+                         f"{cell(r.get('closure_ratio'), '.2f'):>7} {cell(r.get('paired_ratio'), '.2f'):>7} "
+                         f"{cell(r.get('paired_closure_ratio'), '.2f'):>7}")
     checks = [r for r in rows if r["section"] == "checks"]
     if checks:
         lines.append("")
