@@ -7,6 +7,7 @@ Run it by hand with plain ``python`` (it starts the jobs itself; a measurement, 
     python benchmarks/survive.py --hidden 512 --repeats 5 --json benchmarks/results/survive.json
     python benchmarks/survive.py --strategy fsdp --nproc 2 --no-killed --repeats 9   # the 5% bar: paired ratios
     python benchmarks/survive.py --pool results/s-*.json   # several --json runs' pairs pooled, with intervals
+    python benchmarks/survive.py --strategy fsdp --spares 1   # a spare takes the lost rank's place (--spares)
 
 Each repeat runs the same training (``--strategy``, DDP by default; examples/mlp.py's MLP, AdamW, float64) under
 ``meshkit-run -n N`` three times, in an order rotating from repeat to repeat:
@@ -83,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--variant", action="append", default=[], metavar="NAME:VAR=VALUE[,VAR=VALUE]",
                         help="one more --survive run (nothing failing) per repeat, with these variables set, e.g. "
                              "sm:MESHKIT_SURVIVE_TRANSPORT=sm or noshm:MESHKIT_SHM=0 (repeatable)")
+    parser.add_argument("--spares", type=int, default=0, metavar="N",
+                        help="the --survive runs with meshkit-run --spares N: the lost rank's place taken (default: none)")
     parser.add_argument("--no-killed", action="store_true",
                         help="no killed runs: only the no-failure comparison, so more repeats fit in the time")
     parser.add_argument("--json", type=Path, default=None, help="write the measurements here")
@@ -115,7 +118,8 @@ def worker(args: argparse.Namespace) -> int:
 
     def train_step(model: Any, step: int) -> None:
         rank, world = meshkit.get_rank(), meshkit.get_world_size()
-        if log and step == args.kill_at and world == args.nproc and rank == victim:
+        if log and step == args.kill_at and rank == victim and not Path(log, "died").exists():  # once (a spare
+            # that took its place may redo this step)
             Path(log, "died").write_text(repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
         model.zero_grad()
@@ -127,9 +131,10 @@ def worker(args: argparse.Namespace) -> int:
 
     meshkit.init_process_group("mpi")
     x, y = mlp.make_data(samples)
-    model = build()
-    meshkit.barrier()
-    started, step, phases, redo, times = time.perf_counter(), 0, {}, None, []
+    model, step = survive.start(build)  # build(); a spare that took a lost rank's place: the survivors' state
+    if survive.last_recovery() is None:  # (a spare that joined meets the survivors in their recovery instead)
+        meshkit.barrier()
+    started, phases, redo, times = time.perf_counter(), {}, None, []
     failed_step, replayed = None, 0
     while step < args.steps:
         try:
@@ -202,7 +207,7 @@ def variants(specs: list[str]) -> dict[str, dict[str, str]]:
 
 def run(args: argparse.Namespace, kind: str, extra: dict[str, str] | None = None) -> dict[str, Any]:
     """One job of ``kind`` (plain, survive, killed, or a variant: survive with ``extra`` variables); rank 0's figures."""
-    options = [] if kind == "plain" else ["--survive", "1"]
+    options = [] if kind == "plain" else ["--survive", "1", *(["--spares", str(args.spares)] if args.spares else [])]
     with tempfile.TemporaryDirectory(prefix="survive-bench-") as log:
         env = {**os.environ, **({"SURVIVE_BENCH_DIR": log} if kind == "killed" else {}), **(extra or {})}
         command = [sys.executable, "-m", "meshkit.launch", "-n", str(args.nproc), *options, __file__, "--worker",

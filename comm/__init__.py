@@ -27,6 +27,7 @@ The map, one line a module:
     mpi_cuda_aware.py  whether the MPI library reads device memory, asked once
     mpi_mailbox.py     the MPI world's notice channel
     mpi_ulfm.py        MPI's fault tolerance (ULFM): a dead rank as RankFailedError, Revoke, Shrink
+    mpi_spares.py      meshkit-run --spares: idle processes that take a lost rank's place
     shm.py             the shared-memory path under MPI: a group on one node, through one segment
     shm_collectives.py its collectives: flags instead of barriers, a fixed reduction order
     shm_small.py       small and middle ordinary all_reduce/reduce_scatter in one meeting, no generator

@@ -25,7 +25,7 @@ import time
 from ..launch_protocol import (FAILED, FIRST_STEP, IMPORTED, LAUNCHER_ENV, RENDEZVOUS, RESTORED, STATUS_DIR_ENV,
                                milestone_file, survived_file)
 
-__all__ = ["milestone", "report_failure", "survived", "recoveries", "IMPORTED", "RENDEZVOUS", "RESTORED", "FIRST_STEP",
+__all__ = ["milestone", "report_failure", "survived", "spare_joined", "recoveries", "IMPORTED", "RENDEZVOUS", "RESTORED", "FIRST_STEP",
            "STATUS_DIR_ENV",
            "LAUNCHER_ENV"]
 
@@ -49,7 +49,7 @@ def milestone(name: str) -> None:
 
 
 def survived(*, failed: tuple[int, ...], old_size: int, detected_ns: int, agreed_ns: int, shrunk_ns: int,
-             rebuilt_ns: int, step: int) -> None:
+             rebuilt_ns: int, step: int, launched_after: list[int] | None = None, joined: tuple[int, ...] = ()) -> None:
     """Tell the launcher that this rank recovered from a survived failure (``meshkit-run --survive``).
 
     Args:
@@ -59,14 +59,28 @@ def survived(*, failed: tuple[int, ...], old_size: int, detected_ns: int, agreed
             ``RankFailedError``, the survivors' agreement (revoke and ULFM's Shrink) done, the new
             world installed, the strategy rebuilt with its state.
         step: the step the loop redoes. The next ``first_step`` milestone times the redo.
+        launched_after: each new world rank's rank as launched, where spares joined (``--spares``:
+            else the survivors' in order); ``joined``: the new world ranks the spares took.
     """
     global _launched
     launched = _launched if _launched is not None and len(_launched) == old_size else list(range(old_size))
     lost = [launched[r] for r in failed]
-    _launched = [r for i, r in enumerate(launched) if i not in set(failed)]
+    _launched = [r for i, r in enumerate(launched) if i not in set(failed)] if launched_after is None else \
+        list(launched_after)
+    spares = [_launched[r] for r in joined]
     _recoveries.append([int(detected_ns), int(agreed_ns), int(shrunk_ns), int(rebuilt_ns), 0, int(step),
-                        ",".join(map(str, lost)) or "-"])
+                        ",".join(map(str, lost)) or "-", ",".join(map(str, spares)) or "-"])
     _write_recovery()
+
+
+def spare_joined(*, survived_before: int, launched: list[int]) -> None:
+    """A spare of ``meshkit-run --spares`` that took a failed rank's place: it counts the recoveries the
+    survivors count (``survived_before`` before this one, and this one: each rank numbers its next
+    record alike, and tells a replayed step as they do) and numbers ranks as they do (``launched``:
+    each world rank's rank as launched). No record of this recovery is written: it survived nothing."""
+    global _launched
+    _recoveries[:] = [[0, 0, 0, 0, 1, 0, "-", "-"] for _ in range(survived_before + 1)]  # (redone: no record)
+    _launched = list(launched)
 
 
 def recoveries() -> int:

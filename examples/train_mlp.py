@@ -116,9 +116,12 @@ def train(args: argparse.Namespace, comm_hook: Any = None, comm_state: Any = Non
         raise ValueError(f"train_mlp: rank {rank}: --batch {args.batch} does not divide over {world} ranks")
     x, y = mlp.to_device(mlp.make_data(args.samples), args.device)  # once; batches are gathered there
     xp = array_namespace(x)
-    model = build(args, comm_hook, comm_state)
+    # build(); or, on a spare of meshkit-run --spares that took a failed rank's place, the survivors' state and step
+    model, start = survive.start(lambda: build(args, comm_hook, comm_state))
+    joined = survive.last_recovery() is not None
     manager = CheckpointManager(args.checkpoint_dir, max_to_keep=args.max_to_keep) if args.checkpoint_dir else None
-    start = resume(manager, model, args) if args.resume else 0  # the strategy holds its optimizer
+    if args.resume and not joined:
+        start = resume(manager, model, args)  # the strategy holds its optimizer
 
     def run_pass(model: Any, step: int) -> float:
         # the rank and world size of now: under meshkit-run --survive a failure shrinks the world
@@ -135,6 +138,11 @@ def train(args: argparse.Namespace, comm_hook: Any = None, comm_state: Any = Non
         return losses[-1]
 
     step = start
+    if joined:  # the losses so far, as the survivors share them after a shrink (below)
+        box: list[Any] = [None]
+        meshkit.broadcast_object_list(box, src=survive.last_recovery().source)
+        losses[:] = box[0]
+        start = step - len(losses)  # where the survivors began: their next recovery slices the losses alike
     while True:
         try:
             loop.train(model, range(step, args.steps), run_pass, global_loss=global_loss,

@@ -69,7 +69,7 @@ logger = logging.getLogger("meshkit.launch")
 # Launcher options that take a value; the first other bare word is the script.
 _VALUE_OPTIONS = ("-n", "--nproc", "--mpiexec-args", "--timeout", "--max-restarts", "--restart-delay", "--slots",
                   "--hostfile", "--restart-report", "--simulate-nodes",
-                  "--survive", "--survive-report")
+                  "--survive", "--survive-report", "--spares")
 #: UCX's transports for the traffic between simulated nodes: TCP, not UCX's own shared memory,
 #: which it would pick between processes of one machine (MPICH's shared memory still carries the
 #: traffic within a simulated node). So a small all_reduce is slower between
@@ -223,6 +223,12 @@ def _build_parser() -> argparse.ArgumentParser:
              "past K the job ends, or restarts under --max-restarts",
     )  # fmt: skip
     elastic.add_argument(
+        "--spares", type=_count, default=0, metavar="N",
+        help="with --survive: start N more processes that wait, imported, and take a failed rank's place, so "
+             "the world keeps its size and a mesh its shape (its script calls meshkit.parallel.survive.start; "
+             "docs/elastic.md \"Spares\"); the ones never needed exit when the job ends",
+    )  # fmt: skip
+    elastic.add_argument(
         "--survive-report", metavar="FILE",
         help="with --survive: write each survived failure and its time back to training, by phase (detection, "
              "agreement, shrink, state rebuild, redo), as JSON; the same line is printed either way",
@@ -303,6 +309,8 @@ def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if opts.survive and opts.survive >= opts.nproc.min:
         parser.error(f"argument --survive: {opts.survive} failures would leave no rank of -n {opts.nproc}; "
                      f"give fewer than {opts.nproc.min}")
+    if opts.spares and not opts.survive:
+        parser.error("argument --spares: spares take the place of a rank that --survive K survives; give --survive K too")
     if opts.survive_report is not None and not opts.survive:
         parser.error("argument --survive-report: reports the failures --survive K survives; give --survive K too")
     if opts.survive and opts.simulate_nodes is not None:
@@ -473,7 +481,7 @@ def _launch(opts: argparse.Namespace, target: list[str]) -> int:
     if opts.survive:
         mpiexec, library = find_ulfm_mpiexec()
         mpiexec_args = [*survive_arguments(), *mpiexec_args]
-        survive_env = survive_environment(opts.survive, library)
+        survive_env = survive_environment(opts.survive, library, opts.spares)
     else:
         mpiexec = find_mpiexec()
         survive_env = mpich_library(mpiexec, os.environ)
@@ -492,14 +500,15 @@ def _launch(opts: argparse.Namespace, target: list[str]) -> int:
             # The simulated hosts are this one: not in what rendezvous_address reads.
             simulated = ([] if opts.simulate_nodes is None
                          else simulated_node_arguments(mpiexec, opts.simulate_nodes, nproc))
-            command = job_command(mpiexec, nproc, target, [*args, *simulated])
-            env = job_environment(mpiexec, nproc, status_dir, args, opts.simulate_nodes, secret=secret)
+            processes = nproc + opts.spares  # the spares wait inside init_process_group (comm/engines/mpi_spares.py)
+            command = job_command(mpiexec, processes, target, [*args, *simulated])
+            env = job_environment(mpiexec, processes, status_dir, args, opts.simulate_nodes, secret=secret)
             env.update(attempt_environment(spec, restart))
             env.update(survive_env)
             logger.debug("running %s", shlex.join(command))
             if survived is not None:
                 survived.begin(nproc, restart)
-            job = Job(command, env, nproc=nproc, status_dir=status_dir, timeout=timeout,
+            job = Job(command, env, nproc=processes, status_dir=status_dir, timeout=timeout,
                       on_poll=on_poll if survived is None else _both(survived.poll, on_poll),
                       timeout_text=text, local_only=all_ranks_here(mpiexec, args, env), survive=opts.survive)
             job.run()

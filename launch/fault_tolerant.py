@@ -82,9 +82,12 @@ def survive_arguments() -> list[str]:
     return ["--with-ft", "ulfm", "--mca", "btl", "self,tcp", "--oversubscribe", "--bind-to", "none"]
 
 
-def survive_environment(survive: int, library: str) -> dict[str, str]:
-    """What the ranks of a ``--survive`` job get besides the usual (see the module docstring)."""
+def survive_environment(survive: int, library: str, spares: int = 0) -> dict[str, str]:
+    """What the ranks of a ``--survive`` job get besides the usual (see the module docstring); with
+    ``spares``, how many of its processes are spares (the last ones)."""
     env = {PROTOCOL.SURVIVE_ENV: str(survive), "MPI4PY_LIBMPI": library, "OPAL_PREFIX": _prefix()}
+    if spares:
+        env[PROTOCOL.SPARES_ENV] = str(spares)
     if os.geteuid() == 0:  # Open MPI refuses root unless told twice (containers, CI runners as root)
         env.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
     return env

@@ -44,9 +44,11 @@ logger = logging.getLogger("meshkit.launch")
 
 #: ``survived-{n}.{rank}``: a rank's recovery from the n-th survived failure (:mod:`meshkit.launch_protocol`).
 _FILE = re.compile(rf"{SURVIVED}-([0-9]{{1,9}})\.([0-9]{{1,9}})")
-#: One recovery's line: five times in ns, the step redone, the ranks lost (comma-separated, or -).
+#: One recovery's line: five times in ns, the step redone, the ranks lost (comma-separated, or -), and
+#: the spares that took their places (``--spares``; comma-separated, or -; absent in older records).
+_RANKS = r"([0-9]{1,9}(?:,[0-9]{1,9})*|-)"
 _LINE = re.compile(r"([0-9]{1,20}) ([0-9]{1,20}) ([0-9]{1,20}) ([0-9]{1,20}) ([0-9]{1,20}) ([0-9]{1,12}) "
-                   r"([0-9]{1,9}(?:,[0-9]{1,9})*|-)")
+                   rf"{_RANKS}(?: {_RANKS})?")
 #: The phases, in order: (the report's field, its name in the line).
 PHASES = (("detection_s", "detection"), ("agreement_s", "agreement"), ("shrink_s", "shrink"),
           ("state_rebuild_s", "state rebuild"), ("redo_s", "redo"))
@@ -63,6 +65,7 @@ class Recovery:
     redone: int
     step: int
     lost: tuple[int, ...]
+    joined: tuple[int, ...] = ()  # the spares (as launched) that took the lost ranks' places
 
 
 def parse_recovery(text: str) -> Recovery:
@@ -71,8 +74,8 @@ def parse_recovery(text: str) -> Recovery:
     if match is None:
         raise ValueError(f"not a recovery record: {text[:80]!r}")
     times = [int(g) for g in match.groups()[:6]]
-    lost = () if match.group(7) == "-" else tuple(int(r) for r in match.group(7).split(","))
-    return Recovery(*times, lost=lost)
+    lost, joined = (() if g in (None, "-") else tuple(int(r) for r in g.split(",")) for g in match.group(7, 8))
+    return Recovery(*times, lost=lost, joined=joined)
 
 
 @dataclass
@@ -96,12 +99,15 @@ class SurvivedReport:
     complete: bool = False  # every survivor completed a step after it
     survivors: list[int] = field(default_factory=list)  # the ranks (as launched) that reported it
     attempt: int = 0  # under --max-restarts too: the attempt (0 before any restart)
+    spares: list[int] = field(default_factory=list)  # under --spares: those (as launched) that took lost ranks' places
 
     def line(self) -> str:
         lost = ", ".join(map(str, self.ranks))
         of = f" of attempt {self.attempt}" if self.attempt else ""
         head = (f"survived failure {self.survived}{of} (rank{'s' if len(self.ranks) > 1 else ''} {lost}, {self.failure}; "
                 f"{self.ranks_before} -> {self.ranks_after} ranks"
+                + (f", spare{'s' if len(self.spares) > 1 else ''} {', '.join(map(str, self.spares))} joined"
+                   if self.spares else "")
                 + ("" if self.redo_step is None else f", redo from step {self.redo_step}") + ")")
         parts = " + ".join(f"{name} {getattr(self, key):.3f}" for key, name in PHASES
                            if getattr(self, key) is not None)
@@ -174,17 +180,18 @@ class SurvivedReports:
             if not records:
                 break
             lost = sorted({r for rec in records.values() for r in rec.lost})
+            joined = sorted({r for rec in records.values() for r in rec.joined})
             if n > len(self._mine):
                 if not final and not all(r in job.survived for r in lost):
                     break  # the launcher has not seen the death yet: its time is the report's start
                 deaths = [job.survived[r] for r in lost if r in job.survived]
                 self._mine.append(SurvivedReport(
                     n, lost, ", ".join(sorted({d.how for d in deaths})) or "?", self.nproc - lost_before,
-                    self.nproc - lost_before - len(lost), failed_at_ns=min((d.time_ns for d in deaths), default=0),
-                    attempt=self.attempt))
+                    self.nproc - lost_before - len(lost) + len(joined),
+                    failed_at_ns=min((d.time_ns for d in deaths), default=0), attempt=self.attempt, spares=joined))
                 self.reports.append(self._mine[-1])
             report = self._mine[n - 1]
-            lost_before += len(lost)
+            lost_before += len(lost) - len(joined)
             if report.complete:
                 continue
             self._fill(report, records)
@@ -199,7 +206,7 @@ class SurvivedReports:
     def _fill(report: SurvivedReport, records: dict[int, Recovery]) -> None:
         report.survivors = sorted(records)
         report.redo_step = max(rec.step for rec in records.values())
-        every = len(records) >= report.ranks_after
+        every = len(records) >= report.ranks_after - len(report.spares)  # (a spare that joined has no record)
         # the death: the watcher's record of it, or the first survivor's error where that came first
         # (the watcher learns of it by a wait that may end after the survivors' MPI did)
         first = min(rec.detected for rec in records.values())

@@ -18,7 +18,7 @@ from __future__ import annotations
 __all__ = [
     "STATUS_DIR_ENV", "LAUNCHER_ENV", "LAUNCHER_START_ENV", "LAUNCHED_ENV", "WORLD_SIZE_ENV", "SIMULATED_NODES_ENV",
     "HOST_NAME_ENV", "JOB_SECRET_ENV", "RESTART_COUNT_ENV", "MAX_RESTARTS_ENV", "MIN_NPROC_ENV", "MAX_NPROC_ENV",
-    "RESTART_ENV", "SURVIVE_ENV", "START", "FAILED", "ENDED", "RELEASE", "TIMED_OUT", "FINISHED", "MILESTONE", "SHM_RECORD", "GONE",
+    "RESTART_ENV", "SURVIVE_ENV", "SPARES_ENV", "START", "FAILED", "ENDED", "RELEASE", "TIMED_OUT", "FINISHED", "MILESTONE", "SHM_RECORD", "GONE",
     "IMPORTED", "RENDEZVOUS", "RESTORED", "FIRST_STEP", "MILESTONES", "milestone_file", "SURVIVED", "survived_file",
 ]
 
@@ -50,6 +50,9 @@ MIN_NPROC_ENV, MAX_NPROC_ENV = "MESHKIT_MIN_NPROC", "MESHKIT_MAX_NPROC"
 #: ``K``: the launcher's ``--survive K``: the job runs on MPI's fault tolerance (ULFM) and its
 #: survivors carry on after up to K rank failures (docs/elastic.md "Surviving failures").
 SURVIVE_ENV = "MESHKIT_SURVIVE"
+#: ``N``: the launcher's ``--spares N`` (with ``--survive``): the last N processes of the job wait,
+#: started and imported, and take a failed rank's place (docs/elastic.md "Spares").
+SPARES_ENV = "MESHKIT_SPARES"
 #: What every rank of an attempt is told (read by :mod:`meshkit.elastic`), in this order.
 RESTART_ENV = (RESTART_COUNT_ENV, MAX_RESTARTS_ENV, MIN_NPROC_ENV, MAX_NPROC_ENV)
 

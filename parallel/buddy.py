@@ -494,7 +494,7 @@ def join(layouts: Sequence[FlatLayout], chosen: Mapping[int, Held], hyper: Mappi
 
 def _lost_message(missing: list[int], contributions: Sequence[Contribution], failed: Sequence[int],
                   counts: list[set[int]]) -> str:
-    groups = {c.group for c in contributions}
+    groups = {c.group for c in contributions if c.group}  # (a spare that joined holds nothing: no group)
     parts = []
     for i in missing:
         owners = sorted({g[i] for g in groups})

@@ -5,13 +5,17 @@ every survivor's current call (docs/elastic.md "Surviving failures"). The loop t
 :func:`shrink` and redoes the step it returns, whose data depends on the step alone, so the
 result still equals uninterrupted single-process training::
 
-    step = 0
+    model, step = survive.start(build)   # build(), 0; a spare (meshkit-run --spares) that joined: the state
     while step < steps:
         try:
             train_step(model, step)          # zero_grad, forward, backward, model.step()
             step += 1
         except RankFailedError:
             model, step = survive.shrink(model, build)   # build(): the strategy over the new world
+
+Under ``meshkit-run --spares N`` an idle spare takes each lost rank's place (its number and mesh
+coordinates; comm/engines/mpi_spares.py): the world keeps its size, and the spare's
+:func:`start` takes part in the survivors' exchange below, bringing nothing, and loads the state.
 
 What :func:`shrink` does, in order (each phase timed in :class:`Recovery`):
 
@@ -43,12 +47,12 @@ import numpy as np
 
 from ..comm import (DistValueError, Shrunk, all_gather, all_gather_object, broadcast_object_list, get_rank,
                     get_world_size, shrink_world)
-from ..comm._seams import survived
+from ..comm._seams import joined_spare, recoveries, spare_joined, spare_joining, survived
 from . import buddy
 from .data_parallelism import DistributedDataParallel
 from .data_parallelism.sharded import Shards
 
-__all__ = ["shrink", "Recovery", "last_recovery"]
+__all__ = ["start", "shrink", "Recovery", "last_recovery"]
 
 logger = logging.getLogger("meshkit")
 
@@ -86,6 +90,74 @@ def _steps_done(state: dict[str, Any]) -> int:
     return max((int(c) for c in counts.values()), default=0)
 
 
+_SHARDED, _REPLICATED = "sharded", "replicated"
+
+
+def _first_survivor(joined: tuple[int, ...]) -> int:
+    """The lowest new rank that is no spare that just joined: it tells the spares what follows."""
+    return next(r for r in range(get_world_size()) if r not in joined)
+
+
+def _source(everyone: list[Any], steps_done: int) -> int:
+    """The source of the losses: the lowest survivor whose own live shards are at ``steps_done`` or past
+    it (every survivor's are: a survivor's own index is held at no step past its own, so the step
+    rolled back to, a renewal's, is at most every survivor's; each took every step before it). A
+    spare that joined holds nothing."""
+    return next((r for r, c in enumerate(everyone) if c.held and c.held[0].count >= steps_done), 0)
+
+
+def start(build: Callable[[], Any]) -> tuple[Any, int]:
+    """The strategy to train and the step to begin at, right after ``init_process_group``: ``(build(), 0)``;
+    on a spare of ``meshkit-run --spares N`` that took a failed rank's place, the strategy ``build()``
+    makes loaded with the survivors' state, and the step they redo (collective with their
+    :func:`shrink`). The documented loop (docs/elastic.md "Spares") calls it instead of ``build()``;
+    the script makes no collective call between ``init_process_group`` and this one.
+    """
+    taken = joined_spare()
+    if taken is None:
+        return build(), 0
+    return _join(build, taken)
+
+
+def _join(build: Callable[[], Any], taken: Any) -> tuple[Any, int]:
+    """A spare's side of the survivors' :func:`shrink`, from the exchange on: it holds nothing, and takes the state."""
+    started = time.perf_counter()
+    spare_joining()  # the world group, held until this call (init_process_group), usable
+    first = _first_survivor(taken.joined)
+    told: list[Any] = [None, None, None]
+    broadcast_object_list(told, src=first)
+    kind, counted, launched = told
+    spare_joined(survived_before=counted, launched=launched)
+    if kind == _SHARDED:
+        everyone: list[Any] = [None] * get_world_size()
+        all_gather_object(everyone, buddy.Contribution(()))
+        pieces: list[Any] = [None] * get_world_size()
+        all_gather_object(pieces, {})
+        got: list[Any] = [None, None]
+        broadcast_object_list(got, src=first)
+        state, steps_done = got
+        source = _source(everyone, steps_done)
+    else:
+        counts = [np.zeros(1, np.int64) for _ in range(get_world_size())]
+        all_gather(counts, np.zeros(1, np.int64))
+        steps = [int(c[0]) for c in counts]
+        steps_done, source = max(steps), steps.index(max(steps))
+        box: list[Any] = [None]
+        broadcast_object_list(box, src=source)
+        state = box[0]
+    rebuilt = build()
+    rebuilt.load_full_state_dict(state)
+    if isinstance(getattr(rebuilt, "shards", None), Shards):
+        rebuilt.shards.after_step(force=True)  # its buddy copies, as the survivors renew theirs
+    world = Shrunk(failed=taken.failed, old_rank=-1, old_size=taken.old_size, rank=taken.rank, size=taken.size,
+                   new_ranks={}, seconds=0.0, joined=taken.joined)
+    recovery = Recovery(shrink=0.0, state=time.perf_counter() - started, step=steps_done, source=source, world=world)
+    _last.append(recovery)
+    logger.warning("meshkit: rank %d (a spare): %s loaded with the survivors' state in %.3f s; starting at step %d "
+                   "(the state of rank %d)", get_rank(), type(rebuilt).__name__, recovery.state, steps_done, source)
+    return rebuilt, steps_done
+
+
 def shrink(model: Any, build: Callable[[], Any]) -> tuple[Any, int]:
     """Rebuild ``model`` (a data-parallel strategy) on the survivors; return it and the step to redo.
 
@@ -114,6 +186,10 @@ def shrink(model: Any, build: Callable[[], Any]) -> tuple[Any, int]:
     mine = buddy.contribution(model, old_rank) if sharded else model.full_state_dict()  # local: no communication
     shrunk = shrink_world()
     shrunk_at, shrunk_ns = time.perf_counter(), time.time_ns()
+    first = _first_survivor(shrunk.joined)
+    if shrunk.joined:  # spares took dead ranks' places: they learn which exchange follows (survive.start), the
+        # recoveries counted so far and each rank as launched (for meshkit-run's report and a replay's check)
+        broadcast_object_list([_SHARDED if sharded else _REPLICATED, recoveries(), list(shrunk.launched)], src=first)
     if sharded:  # what every survivor holds (step counts only), to every survivor (by new rank); then the shards chosen
         everyone: list[Any] = [None] * get_world_size()
         all_gather_object(everyone, mine.skeleton())
@@ -125,10 +201,9 @@ def shrink(model: Any, build: Callable[[], Any]) -> tuple[Any, int]:
             for index, arrays in given.items():
                 chosen[index].arrays = arrays
         state = buddy.join(layouts, chosen, model.optimizer.hyper)
-        # the source of the losses: the lowest survivor whose own live shards are at that step or past it
-        # (every survivor's are: a survivor's own index is held at no step past its own, so the step
-        # rolled back to, a renewal's, is at most every survivor's; each took every step before it)
-        source = next((r for r, c in enumerate(everyone) if c.held[0].count >= steps_done), 0)
+        if shrunk.joined:  # a spare has no layouts to join the pieces with: the state joined, to it
+            broadcast_object_list([state, steps_done], src=first)
+        source = _source(everyone, steps_done)
         box: list[Any] = [state]
         steps = [steps_done]
     else:
@@ -147,7 +222,8 @@ def shrink(model: Any, build: Callable[[], Any]) -> tuple[Any, int]:
     _last.append(recovery)
     survived(failed=shrunk.failed, old_size=shrunk.old_size, detected_ns=detected_ns,
              agreed_ns=shrunk.agreed_ns or shrunk_ns, shrunk_ns=shrunk_ns, rebuilt_ns=time.time_ns(),
-             step=recovery.step)  # meshkit-run's report of the failure, by phase
+             step=recovery.step, launched_after=list(shrunk.launched) if shrunk.joined else None,
+             joined=shrunk.joined)  # meshkit-run's report of the failure, by phase
     logger.warning("meshkit: rank %d: %s rebuilt on %d ranks in %.3f s = shrink %.3f + state %.3f; redoing step %d "
                    "(the state of rank %d)", get_rank(), type(model).__name__, get_world_size(),
                    recovery.shrink + recovery.state, recovery.shrink, recovery.state, recovery.step, source)

@@ -431,7 +431,7 @@ def test_import_meshkit_does_not_initialize_mpi():
 #: CUDA-aware detection, the notice mailbox and the shared-memory path under it (its segment made over
 #: MPI) import mpi4py; its wait policy needs none.
 MPI_ENGINE = {"meshkit.comm.engines.mpi", "meshkit.comm.engines.mpi_datatypes", "meshkit.comm.engines.mpi_staging",
-              "meshkit.comm.engines.mpi_ulfm",
+              "meshkit.comm.engines.mpi_ulfm", "meshkit.comm.engines.mpi_spares",
               "meshkit.comm.engines.mpi_cuda_aware", "meshkit.comm.engines.mpi_mailbox", "meshkit.comm.engines.mpi_polling",
               "meshkit.comm.engines.shm"}
 

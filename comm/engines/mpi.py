@@ -45,7 +45,7 @@ from .mpi_datatypes import spec, specs
 from .mpi_mailbox import Mailbox, receive
 from .mpi_polling import Poller, choose_caller_spin, completes
 from .mpi_staging import Deferred, Staging
-from . import mpi_ulfm
+from . import mpi_spares, mpi_ulfm
 from ..notices import Notice
 from ..reduce_op import ReduceOp
 from .watchdog import watched
@@ -493,7 +493,8 @@ def create_world_engine(timeout: float = 300.0) -> MPIEngine:
             machine = os.uname().nodename
             ranks_here = _allgather_text(MPI.COMM_WORLD, machine).count(machine)
     choose_caller_spin(ranks_here)
-    return MPIEngine(MPI.COMM_WORLD.Dup(), Mailbox(MPI.COMM_WORLD.Dup()))
+    world = mpi_spares.starting_world()  # MPI_COMM_WORLD, or without its spares (which wait in there)
+    return MPIEngine(world.Dup(), Mailbox(world.Dup()))
 
 
 def survivors_engine(old: MPIEngine, engines: list[Any]) -> tuple[MPIEngine, dict[int, int]]:
@@ -522,6 +523,12 @@ def survivors_engine(old: MPIEngine, engines: list[Any]) -> tuple[MPIEngine, dic
         mpi_ulfm.revoke(engine.comm)
     mpi_ulfm.revoke(old.mailbox.comm)  # notices posted to the dead must not be waited for
     mpi_ulfm.keep(old.mailbox.drop())
+    if mpi_spares.enabled():  # the idle spares recover too, and take the dead ranks' places
+        world = mpi_spares.recover()
+        if world is None:  # (a survivor of the world keeps its place: recover returns None to idle spares only)
+            raise DistError(f"meshkit.comm: rank {me}: lost its place in the world while recovering")
+        old_of = mpi_spares.old_ranks()
+        return MPIEngine(world.Dup(), Mailbox(world.Dup())), {o: n for n, o in enumerate(old_of) if o is not None}
     survivors = mpi_ulfm.shrink(old.comm)
     before = old.comm.Get_group()
     try:

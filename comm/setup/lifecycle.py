@@ -15,6 +15,7 @@ import sys
 import time
 from typing import Any
 
+from ...launch_protocol import SPARES_ENV
 from .. import env
 from ..agree import agree
 from ..naming import by_ranks
@@ -244,7 +245,13 @@ def init_process_group(backend: str = "auto", init_method: str | None = None,
         engine = _store_world(name, requested("env://", world_size, rank, None), limit, device_id)
     else:
         engine = _world_engine(name, limit, device_id)
-    install_world(name, engine, limit)
+    world = install_world(name, engine, limit)
+    taken = joined_spare() if name == "mpi" and not inside_local else None
+    if taken is not None:  # a spare that took a lost rank's place: its script's next call is survive.start's
+        world.default_group.failures.reason = (
+            f"this process is a spare of meshkit-run --spares that took rank {taken.rank}'s place; the survivors "
+            "wait for it in their recovery: call meshkit.parallel.survive.start(build) right after "
+            "init_process_group, before any other collective (docs/elastic.md \"Spares\")")
 
 
 def install_world(name: str, engine: Any, limit: float, *, first: bool = True) -> World:
@@ -290,6 +297,28 @@ def survivors_engine(world: World) -> tuple[Any, dict[int, int]]:
     return over(engine, time.monotonic() + world.timeout), new_ranks
 
 
+def joined_spare() -> Any:
+    """On a spare of ``meshkit-run --spares N`` that took a failed rank's place: what it took
+    (:class:`meshkit.comm.engines.mpi_spares.Joined`); None elsewhere (MPI imported only in a job with spares)."""
+    if os.environ.get(SPARES_ENV, "").strip() in ("", "0"):
+        return None
+    from ..engines.mpi_spares import joined
+    return joined()
+
+
+def spare_joining() -> None:
+    """A spare that joined: its world group usable again, for :func:`meshkit.parallel.survive.start`'s
+    exchange with the survivors (until then every collective on it raises, naming that call)."""
+    current_world().default_group.failures.reason = None
+
+
+def launched_ranks() -> list[int]:
+    """Each world rank's rank as launched (MPI_COMM_WORLD's: a spare's that joined among them), where
+    spares joined the world; the MPI engine's to say."""
+    from ..engines.mpi_spares import launched_ranks as launched
+    return launched()
+
+
 def destroy_process_group() -> None:
     """Tear down every group of this rank and the world; ``init_process_group`` may follow.
 
@@ -324,6 +353,9 @@ def _leave(world: World, how: str) -> None:
     group.failures.tell(Notice(LEFT, world.rank, detail=detail, counts=counts))
     if group.engine is not None:
         group.engine.flush(_LEAVE_FLUSH_SECONDS)
+    if world.backend == "mpi" and local_context() is None and os.environ.get(SPARES_ENV, "").strip() not in ("", "0"):
+        from ..engines.mpi_spares import release
+        release()  # world rank 0 tells the idle spares of meshkit-run --spares that the job needs them no more
 
 
 def _at_exit() -> None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from ..errors import DistBackendError
 from ..groups.world import current_world, set_world
-from .lifecycle import install_world, survivors_engine
+from .lifecycle import install_world, launched_ranks, survivors_engine
 
 __all__ = ["Shrunk", "shrink_world"]
 
@@ -43,6 +43,9 @@ class Shrunk:
         seconds: how long the shrink took on this rank (revoke, Shrink, the new world).
         agreed_ns: when the survivors' communicator existed on this rank (wall clock, ns): the revoke
             and ULFM's Shrink, whose agreement on the dead is most of it, done; the new world after.
+        joined: the new world's ranks that spares of ``meshkit-run --spares N`` took (a dead rank's
+            number each, while spares last); none without spares.
+        launched: where spares joined, each new world rank's rank as launched (the launcher's numbering).
     """
 
     failed: tuple[int, ...]
@@ -53,6 +56,8 @@ class Shrunk:
     new_ranks: dict[int, int]
     seconds: float
     agreed_ns: int = 0
+    joined: tuple[int, ...] = ()
+    launched: tuple[int, ...] = ()
 
 
 def shrink_world() -> Shrunk:
@@ -82,9 +87,18 @@ def shrink_world() -> Shrunk:
     world.destroyed = True
     set_world(None)
     install_world(world.backend, engine, world.timeout, first=False)
+    joined = tuple(r for r in range(engine.size) if r not in set(new_ranks.values()))
+    launched: tuple[int, ...] = ()
+    if joined:
+        launched = tuple(launched_ranks())
     shrunk = Shrunk(failed=failed, old_rank=old_rank, old_size=old_size, rank=engine.rank, size=engine.size,
-                    new_ranks=new_ranks, seconds=time.perf_counter() - started, agreed_ns=agreed_ns)
-    logger.warning("meshkit: rank %d (was %d): the world shrank from %d to %d ranks without rank(s) %s in %.3f s",
-                   shrunk.rank, old_rank, old_size, shrunk.size, list(failed), shrunk.seconds)
+                    new_ranks=new_ranks, seconds=time.perf_counter() - started, agreed_ns=agreed_ns, joined=joined,
+                    launched=launched)
+    if joined:
+        logger.warning("meshkit: rank %d (was %d): the world lost rank(s) %s and spares took rank(s) %s: %d ranks, "
+                       "in %.3f s", shrunk.rank, old_rank, list(failed), list(joined), shrunk.size, shrunk.seconds)
+    else:
+        logger.warning("meshkit: rank %d (was %d): the world shrank from %d to %d ranks without rank(s) %s in %.3f s",
+                       shrunk.rank, old_rank, old_size, shrunk.size, list(failed), shrunk.seconds)
     return shrunk
 

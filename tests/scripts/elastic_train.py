@@ -21,6 +21,9 @@ this wrapper only arms a fault, from the environment, on the attempts it names
     written, its marker not (so that checkpoint can never commit);
   * ``vanish:R:S``: after step S, SIGKILL rank R's watcher and then rank R: the process vanishes
     without anyone reporting how; the time of the kill goes to ``$ELASTIC_LOG/killed``;
+  * ``spare:R:S``: after step S, rank 0 (as launched) SIGKILLs process R, an idle spare of
+    ``meshkit-run --spares`` (it runs no code of the script: its pid is read from the launcher's
+    status directory), and waits half a second for the other spares to notice;
 * ``ELASTIC_SHRINK=PATH:N[,N...]``: rank 0 of attempt a rewrites the host file PATH to the a-th N
   slots of this host (the launcher read it before this attempt; the restart reads it again);
 * ``ELASTIC_LOG=DIR``: every rank of every attempt writes ``attempt-{a}.rank-{r}`` (its pid and
@@ -76,8 +79,10 @@ def _distributed(model) -> bool:
 
 attempts = [f for f in os.environ.get("ELASTIC_FAULT", "").split(",") if f]
 faults = [f.split(":") for f in attempts[attempt].split("+")] if attempt < len(attempts) else []
-mine = [(kind, int(at)) for kind, victim, at in faults if int(victim) == rank]
+mine = [(kind, int(at)) for kind, victim, at in faults if int(victim) == rank and kind != "spare"]
 after_steps = {at: kind for kind, at in mine if kind in ("step", "vanish")}
+spares_killed = {int(at): int(victim) for kind, victim, at in faults if kind == "spare"} if rank == 0 else {}
+after_steps.update({at: "spare" for at in spares_killed})
 bucket_steps = {at for kind, at in mine if kind == "bucket"}
 save_steps = {at for kind, at in mine if kind == "save"}
 if after_steps or bucket_steps:
@@ -97,7 +102,13 @@ if after_steps or bucket_steps:
         def after(done: int) -> None:
             if after_step is not None:
                 after_step(done)
-            if done in after_steps:
+            if done in spares_killed:
+                victim = spares_killed.pop(done)
+                start = Path(os.environ["MESHKIT_LAUNCH_STATUS_DIR"], f"start.{victim}").read_text().split()
+                print(f"elastic_train: killing the idle spare {victim} after step {done}", flush=True)
+                os.kill(int(start[0]), signal.SIGKILL)
+                time.sleep(0.5)
+            elif done in after_steps:
                 print(f"elastic_train: killing rank {rank} after step {done}", flush=True)
                 _die(vanish=after_steps[done] == "vanish")
         return train(model, steps, tracked, after_step=after, **options)

@@ -1,0 +1,127 @@
+"""``meshkit-run --survive K --spares N``: idle spares take the places of lost ranks, so the world keeps
+its size (and hsdp its 2x2 mesh), and the result still equals single-process training.
+
+examples/train_mlp.py runs unchanged (its ``survive.start`` is ``build()`` on every rank but a spare
+that joined); tests/scripts/elastic_train.py arms the faults by rank as launched, the spares being
+the last N processes (a spare that joined is killed by its number as launched, and an idle one by
+rank 0, from the launcher's status directory: it runs no code of the script).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+
+from meshkit.launch import cli
+from meshkit.launch.survived import SurvivedReports, parse_recovery
+from test_survive import EXAMPLES, launch, needs_ulfm
+
+STEPS = 20
+
+#: (strategy, -n, --spares, faults KIND:RANK-AS-LAUNCHED:STEP, the world's size after each failure,
+#: the spares (as launched) that joined at each: none where the world shrank)
+CASES = [
+    # rank 0 lost inside a bucket's all-reduce: the spare takes rank 0; then that spare, now rank 0, is
+    # lost at a step: no spare is left, the world shrinks
+    ("ddp", 3, 1, ("bucket:0:4", "step:3:9"), (3, 2), ((3,), ())),
+    # 2x2 stays 2x2 (the spare takes rank 1's coordinates, its shard from the buddy copy), then 1x3
+    ("hsdp", 4, 1, ("step:1:3", "bucket:2:9"), (4, 3), ((4,), ())),
+    # two spares: both failures replaced, fsdp keeps its 3 shards
+    ("fsdp", 3, 2, ("step:2:3", "save:0:10"), (3, 3), ((3,), (4,))),
+    # the idle spare lost first (the world unchanged, one failure of --survive's two spent), then a rank
+    ("zero1", 3, 1, ("spare:3:4", "step:1:9"), (2,), ((),)),
+]
+
+
+@needs_ulfm
+@pytest.mark.parametrize(("strategy", "ranks", "spares", "faults", "sizes", "joined"), CASES,
+                         ids=[c[0] for c in CASES])
+def test_spares_take_the_places_of_lost_ranks(strategy, ranks, spares, faults, sizes, joined, tmp_path):
+    cap = ["--bucket-cap-mb", "0.01"] if strategy in ("ddp", "zero1", "zero2") else []
+    result = launch("elastic_train.py", ranks, str(EXAMPLES / "train_mlp.py"), "--strategy", strategy, "--steps",
+                    str(STEPS), "--batch", "120", "--samples", "1024", *cap, "--checkpoint-dir",
+                    str(tmp_path / "ckpt"), "--save-every", "5", "--check",
+                    options=("--survive", str(len(faults)), "--spares", str(spares),
+                             "--survive-report", str(tmp_path / "survived.json")),
+                    env={"ELASTIC_FAULT": "+".join(faults), "MESHKIT_BUDDY_EVERY": "8"}, timeout=150)
+    out, err = result.stdout, result.stderr
+    assert f"{strategy} on {sizes[-1]} ranks" in out and "check against single-process training: OK (float64" in out, \
+        out + err
+    reports = json.loads((tmp_path / "survived.json").read_text())
+    before = [ranks, *sizes[:-1]]
+    assert [(r["ranks_before"], r["ranks_after"], r["spares"], r["complete"]) for r in reports] == \
+        [(b, a, list(j), True) for b, a, j in zip(before, sizes, joined)], reports
+    for r in reports:
+        said = f", spare {r['spares'][0]} joined" if r["spares"] else ""
+        assert re.search(rf"survived failure {r['survived']} \(rank {r['ranks'][0]}, signal 9; {r['ranks_before']} -> "
+                         rf"{r['ranks_after']} ranks{said}, redo from step {r['redo_step']}\)", err), err
+        assert len(r["survivors"]) == r["ranks_after"] - len(r["spares"]), r  # a spare that joined survived nothing
+    for spare in (s for j in joined for s in j):
+        assert re.search(rf"\[rank{spare}\]: meshkit: spare {spare} took rank \d", out + err), out + err
+
+
+@needs_ulfm
+def test_spares_never_needed_exit_with_the_job(tmp_path):
+    """No failure: the spares wait, idle, and exit 0 when rank 0 ends the job; the job ends as fast."""
+    started = time.monotonic()
+    result = launch("elastic_train.py", 3, str(EXAMPLES / "train_mlp.py"), "--strategy", "zero2", "--steps", "10",
+                    "--batch", "120", "--samples", "1024", "--check", options=("--survive", "1", "--spares", "2"),
+                    timeout=90)
+    assert "zero2 on 3 ranks" in result.stdout and "OK (float64" in result.stdout, result.stdout + result.stderr
+    assert "failed" not in result.stderr and "took rank" not in result.stdout + result.stderr, result.stderr
+    assert time.monotonic() - started < 60
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-n", "2", "--spares", "1"], r"argument --spares: spares take the place of a rank that --survive K survives; "
+                                   r"give --survive K too"),
+    (["-n", "2", "--survive", "1", "--spares", "-1"], r"argument --spares: expected an integer >= 0, got -1"),
+])
+def test_bad_spares_flags_are_usage_errors_naming_the_flag(args, message, capsys):
+    with pytest.raises(SystemExit) as ended:
+        cli._parse_args([*args, __file__])
+    assert ended.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_a_recovery_record_names_the_spares_that_joined(tmp_path, caplog):
+    """A survivor's record ends with the spares (as launched) that took the lost ranks' places; an older
+    record without them reads as none. The report counts a spare in the world after, not among the
+    survivors whose records complete it."""
+    assert parse_recovery("1 2 3 4 5 7 1 3").joined == (3,)
+    assert parse_recovery("1 2 3 4 5 7 1,2 3,4").joined == (3, 4)
+    assert parse_recovery("1 2 3 4 5 7 1").joined == () and parse_recovery("1 2 3 4 5 7 1 -").joined == ()
+    for bad in ("1 2 3 4 5 7 1 3;rm", "1 2 3 4 5 7 1 3 4"):
+        with pytest.raises(ValueError, match="not a recovery record"):
+            parse_recovery(bad)
+    ms = 1_000_000
+    job = type("Job", (), {"status_dir": str(tmp_path), "survived": {1: type("Death", (), {"how": "signal 9",
+                                                                                            "time_ns": ms})()}})()
+    for rank in (0, 2):  # the survivors; spare 3 took rank 1 and writes no record
+        (tmp_path / f"survived-1.{rank}").write_text(f"{2 * ms} {3 * ms} {4 * ms} {5 * ms} {6 * ms} 7 1 3")
+    reports = SurvivedReports()
+    reports.begin(3, 0)
+    with caplog.at_level("WARNING", logger="meshkit.launch"):
+        reports.poll(job)
+    assert [r.getMessage() for r in caplog.records] == [
+        "survived failure 1 (rank 1, signal 9; 3 -> 3 ranks, spare 3 joined, redo from step 7): failure -> next step "
+        "0.005 s = detection 0.001 + agreement 0.001 + shrink 0.001 + state rebuild 0.001 + redo 0.001"]
+
+
+@needs_ulfm
+def test_a_spare_whose_script_skips_start_fails_naming_the_call():
+    """A loop without ``survive.start`` (``model = build()`` at the top): the spare that took rank 1's
+    place fails at build()'s first collective, naming ``survive.start``, instead of matching the
+    survivors' recovery exchange with build()'s collectives; the survivors fail too (its death, in
+    their recovery): the job ends, in seconds."""
+    started = time.monotonic()
+    result = launch("spare_forgets_start.py", 3, options=("--survive", "2", "--spares", "1"), check=False, timeout=90)
+    assert result.returncode != 0, result.stdout + result.stderr
+    assert ("[rank3]: meshkit.comm.errors.DistError: meshkit.comm: rank 1: all_gather_into_tensor: group world is "
+            "unusable after an earlier failure: this process is a spare of meshkit-run --spares that took rank 1's "
+            "place; the survivors wait for it in their recovery: call meshkit.parallel.survive.start(build) right "
+            "after init_process_group") in result.stdout + result.stderr, result.stdout + result.stderr
+    assert "done on" not in result.stdout and time.monotonic() - started < 60
