@@ -310,6 +310,22 @@ def test_an_uncaught_exception_under_plain_mpiexec_ends_the_job():
     assert elapsed < 30, f"the job took {elapsed:.0f} s (the barrier's timeout is 60 s)"
 
 
+def test_mpichs_files_are_unlinked_once_every_rank_of_the_node_is_past_mpi_init():
+    """MPICH's shared-memory files of MPI_Init stay in /dev/shm until MPI_Finalize unlinks them: a job
+    aborted (as above), killed, or whose launcher died with no watcher left them there for good.
+    init_process_group unlinks them once every rank of the node is past MPI_Init (the mappings hold
+    the memory until the last process goes)."""
+    from meshkit.launch import find_mpiexec
+
+    proc = subprocess.run([*find_mpiexec(), "-n", "3", sys.executable, str(SCRIPTS / "mpich_files_held.py")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    said = sorted(re.findall(r"rank (\d): before (\d+) after (\d+)", proc.stdout))  # (the ranks' lines may interleave)
+    assert [rank for rank, _, _ in said] == ["0", "1", "2"], proc.stdout
+    for rank, before, after in said:  # MPICH made at least one (3 ranks on one node share memory); none left named
+        assert int(before) >= 1 and int(after) == 0, proc.stdout
+
+
 def test_the_abort_waits_until_the_reader_of_the_output_took_it(monkeypatch):
     """MPI_Abort is called only once the process reading this rank's stderr (hydra's proxy) has
     taken what the rank wrote: the traceback is not in the pipe when the job is killed. (The
