@@ -51,6 +51,9 @@ def test_spares_take_the_places_of_lost_ranks(strategy, ranks, spares, faults, s
     assert f"{strategy} on {sizes[-1]} ranks" in out and "check against single-process training: OK (float64" in out, \
         out + err
     reports = json.loads((tmp_path / "survived.json").read_text())
+    # each failure names the rank lost as launched (a spare that joined, lost later, by its own number)
+    assert [r["ranks"] for r in reports] == [[int(f.split(":")[1])] for f in faults if not f.startswith("spare")], \
+        reports
     before = [ranks, *sizes[:-1]]
     assert [(r["ranks_before"], r["ranks_after"], r["spares"], r["complete"]) for r in reports] == \
         [(b, a, list(j), True) for b, a, j in zip(before, sizes, joined)], reports
