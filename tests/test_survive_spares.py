@@ -128,3 +128,22 @@ def test_a_spare_whose_script_skips_start_fails_naming_the_call():
             "place; the survivors wait for it in their recovery: call meshkit.parallel.survive.start(build) right "
             "after init_process_group") in result.stdout + result.stderr, result.stdout + result.stderr
     assert "done on" not in result.stdout and time.monotonic() - started < 60
+
+
+@needs_ulfm
+def test_two_ranks_lost_at_once_rank_0_among_them_take_two_spares(tmp_path):
+    """fsdp at 4 ranks loses ranks 0 and 2 in one step (their shards' copies on ranks 3 and 1, alive):
+    one recovery, both spares joined in rank order (4 takes rank 0, 5 rank 2), the world still 4, the
+    result exact; the new rank 0 is a spare, and reports it."""
+    result = launch("elastic_train.py", 4, str(EXAMPLES / "train_mlp.py"), "--strategy", "fsdp", "--steps",
+                    str(STEPS), "--batch", "120", "--samples", "1024", "--check",
+                    options=("--survive", "2", "--spares", "2", "--survive-report", str(tmp_path / "survived.json")),
+                    env={"ELASTIC_FAULT": "step:0:5+step:2:5", "MESHKIT_BUDDY_EVERY": "8"}, timeout=150)
+    out, err = result.stdout, result.stderr
+    assert "[rank4]: fsdp on 4 ranks" in out and "[rank4]: check against single-process training: OK (float64" in out, \
+        out + err
+    assert "spare 4 took rank 0, lost with rank(s) [0, 2]" in out + err and "spare 5 took rank 2" in out + err
+    (report,) = json.loads((tmp_path / "survived.json").read_text())
+    assert (report["ranks"], report["ranks_before"], report["ranks_after"], report["spares"], report["complete"]) == \
+        ([0, 2], 4, 4, [4, 5], True), report
+    assert "survived failure 1 (ranks 0, 2, signal 9; 4 -> 4 ranks, spares 4, 5 joined, redo from step 1)" in err, err
