@@ -151,21 +151,7 @@ def _wait() -> MPI.Intracomm:
 
 def _dead() -> tuple[int, ...]:
     """The ranks of ``_all`` this process knows dead."""
-    try:
-        group = _all.Get_failed()
-    except MPI.Exception:
-        return ()
-    try:
-        size = group.Get_size()
-        if not size:
-            return ()
-        everyone = _all.Get_group()
-        try:
-            return tuple(r for r in group.Translate_ranks(list(range(size)), everyone) if r >= 0)
-        finally:
-            everyone.Free()
-    finally:
-        group.Free()
+    return mpi_ulfm.failed_ranks(_all, _all)
 
 
 def _revoked() -> bool:

@@ -95,8 +95,9 @@ def supported() -> bool:
         return False
 
 
-def failed_ranks(comm: MPI.Comm) -> tuple[int, ...]:
-    """The global ranks (of :func:`world_comm`) of ``comm``'s members this rank knows dead."""
+def failed_ranks(comm: MPI.Comm, numbered_in: MPI.Comm | None = None) -> tuple[int, ...]:
+    """The ranks of ``comm``'s members this rank knows dead, numbered as in ``numbered_in`` (default
+    :func:`world_comm`: the global ranks)."""
     try:
         group = comm.Get_failed()
     except (MPI.Exception, NotImplementedError, AttributeError):
@@ -105,7 +106,7 @@ def failed_ranks(comm: MPI.Comm) -> tuple[int, ...]:
         size = group.Get_size()
         if not size:
             return ()
-        ranks = group.Translate_ranks(list(range(size)), _world.Get_group())
+        ranks = group.Translate_ranks(list(range(size)), (numbered_in or _world).Get_group())
         return tuple(sorted(r for r in ranks if r != MPI.UNDEFINED))
     finally:
         group.Free()
