@@ -358,10 +358,14 @@ def time_rounds(fns: tuple[Callable[[], Any], ...], args: argparse.Namespace, co
     return [flat[k * args.rounds:(k + 1) * args.rounds] for k in range(len(fns))]
 
 
+def pick(args: argparse.Namespace, rounds: list[float]) -> float:
+    """A call's time from its rounds: the fastest (``--stat min``) or the median."""
+    return min(rounds) if args.stat == "min" else median(rounds)
+
+
 def time_each(fns: tuple[Callable[[], Any], ...], args: argparse.Namespace, comm: MPI.Comm) -> list[float]:
-    """Each callable's per-call seconds over interleaved rounds: the fastest round (``--stat min``) or the median."""
-    pick = min if args.stat == "min" else median
-    return [pick(rounds) for rounds in time_rounds(fns, args, comm)]
+    """Each callable's per-call seconds over interleaved rounds (:func:`pick`)."""
+    return [pick(args, rounds) for rounds in time_rounds(fns, args, comm)]
 
 
 def run(args: argparse.Namespace, comm: MPI.Comm, rank: int, n: int) -> list[dict[str, Any]]:
@@ -396,8 +400,7 @@ def run(args: argparse.Namespace, comm: MPI.Comm, rank: int, n: int) -> list[dic
         for shape, cases in reductions:
             for name in args.reductions:
                 rounds = time_rounds(cases[name], args, comm)
-                pick = min if args.stat == "min" else median
-                t_dt, t_floor, *t_closure = (pick(r) for r in rounds)
+                t_dt, t_floor, *t_closure = (pick(args, r) for r in rounds)
                 closure = t_closure[0] if t_closure else None
                 row = {"section": "reductions", "op": name, "block": list(shape), "dtensor_us": 1e6 * t_dt,
                        "floor_us": 1e6 * t_floor, "ratio": t_dt / t_floor if t_floor > 0 else None,

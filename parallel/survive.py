@@ -106,6 +106,30 @@ def _source(everyone: list[Any], steps_done: int) -> int:
     return next((r for r, c in enumerate(everyone) if c.held and c.held[0].count >= steps_done), 0)
 
 
+def _replicated(mine: dict[str, Any] | None) -> tuple[dict[str, Any], int, int]:
+    """Replicated state (DDP's: whole on every rank): the most advanced copy (the highest optimizer
+    step count: a rank may have finished the step whose all-reduce failed elsewhere; the lowest rank
+    among equals), broadcast from there. ``mine``: this rank's, None on a spare that joined (it
+    holds nothing). Returns the state, its step count and its rank."""
+    counts = [np.zeros(1, np.int64) for _ in range(get_world_size())]
+    all_gather(counts, np.array([0 if mine is None else _steps_done(mine)], np.int64))
+    steps = [int(c[0]) for c in counts]
+    source = steps.index(max(steps))
+    box: list[Any] = [mine if get_rank() == source else None]
+    broadcast_object_list(box, src=source)
+    return box[0], max(steps), source
+
+
+def _rebuilt(build: Callable[[], Any], state: dict[str, Any]) -> Any:
+    """``build()`` (collective over the new world) loaded with ``state``; a sharded strategy's buddy
+    copies made at once, whatever the step count, so that a failure in the step redone is survived too."""
+    rebuilt = build()
+    rebuilt.load_full_state_dict(state)
+    if isinstance(getattr(rebuilt, "shards", None), Shards):
+        rebuilt.shards.after_step(force=True)
+    return rebuilt
+
+
 def start(build: Callable[[], Any]) -> tuple[Any, int]:
     """The strategy to train and the step to begin at, right after ``init_process_group``: ``(build(), 0)``;
     on a spare of ``meshkit-run --spares N`` that took a failed rank's place, the strategy ``build()``
@@ -138,17 +162,8 @@ def _join(build: Callable[[], Any], taken: Any) -> tuple[Any, int]:
         state, steps_done = got
         source = _source(everyone, steps_done)
     else:
-        counts = [np.zeros(1, np.int64) for _ in range(get_world_size())]
-        all_gather(counts, np.zeros(1, np.int64))
-        steps = [int(c[0]) for c in counts]
-        steps_done, source = max(steps), steps.index(max(steps))
-        box: list[Any] = [None]
-        broadcast_object_list(box, src=source)
-        state = box[0]
-    rebuilt = build()
-    rebuilt.load_full_state_dict(state)
-    if isinstance(getattr(rebuilt, "shards", None), Shards):
-        rebuilt.shards.after_step(force=True)  # its buddy copies, as the survivors renew theirs
+        state, steps_done, source = _replicated(None)
+    rebuilt = _rebuilt(build, state)
     world = Shrunk(failed=taken.failed, old_rank=-1, old_size=taken.old_size, rank=taken.rank, size=taken.size,
                    new_ranks={}, seconds=0.0, joined=taken.joined)
     recovery = Recovery(shrink=0.0, state=time.perf_counter() - started, step=steps_done, source=source, world=world)
@@ -204,20 +219,10 @@ def shrink(model: Any, build: Callable[[], Any]) -> tuple[Any, int]:
         if shrunk.joined:  # a spare has no layouts to join the pieces with: the state joined, to it
             broadcast_object_list([state, steps_done], src=first)
         source = _source(everyone, steps_done)
-        box: list[Any] = [state]
-        steps = [steps_done]
     else:
-        counts = [np.zeros(1, np.int64) for _ in range(get_world_size())]
-        all_gather(counts, np.array([_steps_done(mine)], np.int64))
-        steps = [int(c[0]) for c in counts]
-        source = steps.index(max(steps))  # the most advanced survivor (the lowest rank among equals)
-        box = [mine if get_rank() == source else None]
-        broadcast_object_list(box, src=source)
-    rebuilt = build()
-    rebuilt.load_full_state_dict(box[0])
-    if isinstance(getattr(rebuilt, "shards", None), Shards):
-        rebuilt.shards.after_step(force=True)  # the new buddy copies at once, whatever the step count: a failure in the step redone is survived too
-    recovery = Recovery(shrink=shrunk_at - started, state=time.perf_counter() - shrunk_at, step=max(steps),
+        state, steps_done, source = _replicated(mine)
+    rebuilt = _rebuilt(build, state)
+    recovery = Recovery(shrink=shrunk_at - started, state=time.perf_counter() - shrunk_at, step=steps_done,
                         source=source, world=shrunk)
     _last.append(recovery)
     survived(failed=shrunk.failed, old_size=shrunk.old_size, detected_ns=detected_ns,

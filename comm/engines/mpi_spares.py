@@ -76,7 +76,7 @@ class Joined:
     joined: tuple[int, ...]
 
 
-_joined: list[Joined] = []
+_joined: Joined | None = None  # (a spare joins once: afterwards it is a rank of the world)
 
 
 def count() -> int:
@@ -92,7 +92,7 @@ def enabled() -> bool:
 
 def joined() -> Joined | None:
     """What this process took, where it is a spare that joined the world (None elsewhere)."""
-    return _joined[-1] if _joined else None
+    return _joined
 
 
 def starting_world() -> MPI.Intracomm:
@@ -170,7 +170,7 @@ def recover() -> MPI.Intracomm | None:
     Raises:
         DistError: more processes of the job died than ``--survive K`` allows (on every process).
     """
-    global _all, _positions, _idle, _old_of
+    global _all, _positions, _idle, _old_of, _joined
     old_world_size = len(_positions)
     mpi_ulfm.revoke(_all)
     survivors = _all.Shrink()
@@ -205,13 +205,13 @@ def recover() -> MPI.Intracomm | None:
     _all, _positions, _idle = survivors, [alive[a] for a in places], [alive[a] for a in idle]
     if not member:
         world.Free()
-        mpi_ulfm.set_world_comm(mpi_ulfm.world_comm(), lost=len(dead))  # the budget, counted alike everywhere
+        mpi_ulfm.add_lost(len(dead))  # the budget, counted alike on every process
         return None
     mpi_ulfm.set_world_comm(world, lost=len(dead))
     _old_of = old_of
     if was_idle:
-        _joined.append(Joined(rank=world.Get_rank(), failed=failed, old_size=old_world_size, size=world.Get_size(),
-                              joined=tuple(taken)))
+        _joined = Joined(rank=world.Get_rank(), failed=failed, old_size=old_world_size, size=world.Get_size(),
+                         joined=tuple(taken))
         logger.warning("meshkit: spare %d took rank %d, lost with rank(s) %s", MPI.COMM_WORLD.Get_rank(),
                        world.Get_rank(), list(failed))
     return world

@@ -35,7 +35,7 @@ from ...launch_protocol import SURVIVE_ENV
 from .. import env
 from ..errors import RankFailedError
 
-__all__ = ["budget", "lost", "keep", "enabled", "supported", "failed_ranks", "revoke", "rank_failed", "shrink",
+__all__ = ["budget", "lost", "add_lost", "keep", "enabled", "supported", "failed_ranks", "revoke", "rank_failed", "shrink",
            "revoke_watch", "world_comm", "set_world_comm"]
 
 logger = logging.getLogger("meshkit")
@@ -54,9 +54,15 @@ def world_comm() -> MPI.Intracomm:
 
 def set_world_comm(comm: MPI.Intracomm, *, lost: int) -> None:
     """Make ``comm`` (the survivors' communicator) the one global ranks number; ``lost`` ranks died."""
-    global _world, _lost
+    global _world
     _world = comm
-    _lost += lost
+    add_lost(lost)
+
+
+def add_lost(n: int) -> None:
+    """Count ``n`` more processes of the job lost (what ``--survive K`` bounds)."""
+    global _lost
+    _lost += n
 
 
 def lost() -> int:

@@ -300,10 +300,16 @@ def survivors_engine(world: World) -> tuple[Any, dict[int, int]]:
 def joined_spare() -> Any:
     """On a spare of ``meshkit-run --spares N`` that took a failed rank's place: what it took
     (:class:`meshkit.comm.engines.mpi_spares.Joined`); None elsewhere (MPI imported only in a job with spares)."""
-    if os.environ.get(SPARES_ENV, "").strip() in ("", "0"):
+    if not _spares_asked():
         return None
     from ..engines.mpi_spares import joined
     return joined()
+
+
+def _spares_asked() -> bool:
+    """Whether the launcher started spares (``meshkit-run --spares N``: ``MESHKIT_SPARES``), read
+    without importing MPI."""
+    return os.environ.get(SPARES_ENV, "").strip() not in ("", "0")
 
 
 def spare_joining() -> None:
@@ -353,7 +359,7 @@ def _leave(world: World, how: str) -> None:
     group.failures.tell(Notice(LEFT, world.rank, detail=detail, counts=counts))
     if group.engine is not None:
         group.engine.flush(_LEAVE_FLUSH_SECONDS)
-    if world.backend == "mpi" and local_context() is None and os.environ.get(SPARES_ENV, "").strip() not in ("", "0"):
+    if world.backend == "mpi" and local_context() is None and _spares_asked():
         from ..engines.mpi_spares import release
         release()  # world rank 0 tells the idle spares of meshkit-run --spares that the job needs them no more
 
