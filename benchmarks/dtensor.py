@@ -50,8 +50,9 @@ What is measured, on a 1-D mesh over all N ranks, float64:
   ``added_us`` is the difference, ``ratio`` checked / unchecked.
 * ``reductions``: issue 40's reductions on a ``[Shard(0)]`` array of each ``--reduce-shapes``
   block per rank (``var``/``std`` along axis 0 and whole, ``argmax`` whole and along axis 0,
-  ``prod`` and ``cumsum`` along axis 0, ``linalg.norm``, ``count_nonzero`` completed by
-  ``full_tensor()``), each beside its fair floor: the collective it needs on the group plus the
+  ``prod`` and ``cumsum`` along axis 0, ``linalg.norm``, ``count_nonzero`` of a boolean DTensor
+  completed by ``full_tensor()``, and ``count(d>0)``: the comparison, the count and
+  ``full_tensor()``, three DTensor ops), each beside its fair floor: the collective it needs on the group plus the
   local NumPy work, written by hand (:func:`reduction_pairs`), checked to agree before timing.
   The target: ratio within 1.20. Beside them, the closure the rule compiled for the request,
   called directly (``closure``: the cost without NumPy's ``__array_function__`` dispatch and the
@@ -97,7 +98,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 COLUMNS = 64  # float64 columns of the redistributed arrays
 TRANSITIONS = ("S0->R", "P->R", "P->S0", "S0->S1", "R->S0")
 OPS = ("add", "tanh", "matmul", "sum", "transpose", "reshape")
-REDUCTIONS = ("var0", "varall", "std0", "argmax", "argmax0", "prod0", "cumsum0", "norm", "count_nonzero")
+REDUCTIONS = ("var0", "varall", "std0", "argmax", "argmax0", "prod0", "cumsum0", "norm", "count_nonzero", "count(d>0)")
 _PLACEMENT = {"S0": Shard(0), "S1": Shard(1), "R": Replicate(), "P": Partial()}
 
 
@@ -210,8 +211,9 @@ def reduction_pairs(block: tuple[int, int], mesh: meshkit.DeviceMesh
     took several times as long on small blocks, so the floor no longer uses it); ``prod`` the local
     product and one all-reduce PRODUCT; ``cumsum`` the local scan, one all-gather of the last rows
     and the add; ``norm`` the local sum of squares, one all-reduce and the root;
-    ``count_nonzero`` (its Partial completed: ``.full_tensor()``) the local count and one
-    all-reduce."""
+    ``count_nonzero`` of a boolean DTensor (its Partial completed: ``.full_tensor()``) the local
+    count and one all-reduce; ``count(d>0)`` the same with the comparison first (one DTensor op
+    more, ``d > 0``, against ``x > 0``): the count as a user writes it."""
     group, n, r = mesh.get_group(0), mesh.size(), mesh.get_local_rank(0)
     rows, cols = block
     g = np.random.default_rng(3).standard_normal((rows * n, cols))
@@ -278,7 +280,14 @@ def reduction_pairs(block: tuple[int, int], mesh: meshkit.DeviceMesh
         group.all_reduce(out)
         return np.sqrt(out)
 
+    mask, m = x > 0, d > 0  # count_nonzero's input: a boolean DTensor (the comparison is an op of its own)
+
     def count_floor() -> Any:
+        out = np.array(np.count_nonzero(mask), dtype=np.intp)
+        group.all_reduce(out)
+        return out
+
+    def chain_floor() -> Any:
         out = np.array(np.count_nonzero(x > 0), dtype=np.intp)
         group.all_reduce(out)
         return out
@@ -292,7 +301,8 @@ def reduction_pairs(block: tuple[int, int], mesh: meshkit.DeviceMesh
         "prod0": (lambda: np.prod(d, axis=0), prod_floor),
         "cumsum0": (lambda: np.cumsum(d, axis=0), cumsum_floor),
         "norm": (lambda: np.linalg.norm(d), norm_floor),
-        "count_nonzero": (lambda: np.count_nonzero(d > 0).full_tensor(), count_floor),
+        "count_nonzero": (lambda: np.count_nonzero(m).full_tensor(), count_floor),
+        "count(d>0)": (lambda: np.count_nonzero(d > 0).full_tensor(), chain_floor),
     }
     out: dict[str, tuple[Callable[[], Any], ...]] = {}
     for name, (dt, floor) in pairs.items():
@@ -303,9 +313,9 @@ def reduction_pairs(block: tuple[int, int], mesh: meshkit.DeviceMesh
             raise SystemExit(f"meshkit.bench: rank {meshkit.get_rank()}: {name}: the DTensor op and its floor disagree")
         made = [k for k in _plans._compiled if k not in before]
         # the closure the rule compiled for this request, called directly: what the op costs without
-        # NumPy's __array_function__ dispatch and the rule's lookup (count_nonzero's pair is three
-        # DTensor ops, `>`, the count and full_tensor, so it has no one closure to show)
-        closure = _plans._compiled[made[0]][1] if len(made) == 1 and name != "count_nonzero" else None
+        # NumPy's __array_function__ dispatch and the rule's lookup (the counts are two or three
+        # DTensor ops, `>`, the count and full_tensor, so they have no one closure to show)
+        closure = _plans._compiled[made[0]][1] if len(made) == 1 and not name.startswith("count") else None
         out[name] = (dt, floor) if closure is None else (dt, floor, lambda c=closure: c(d))
     return out
 

@@ -19,7 +19,7 @@ from .verify import verify_claims
 from .chunks import local_shape_and_offset, normalize_dim
 from .indexing import index_plan
 from .placements import Partial, Placement, Replicate, Shard
-from .redistribute import cached, program, remember
+from .redistribute import DEBUG, _logs, _programs, cached, program, remember
 
 __all__ = ["DTensor", "Size", "normalize_placements"]
 
@@ -29,6 +29,7 @@ __all__ = ["DTensor", "Size", "normalize_placements"]
 #: because append and pop are atomic (the ranks of the local engine are threads) and take no lock
 #: that a Claim's __del__, run wherever a reference drops, could find already held.
 _pending: list[None] = []
+_function_rule = dispatch.FUNCTIONS.get  # the table is filled (and patched) in place: bound once
 
 
 class Size(int):
@@ -373,10 +374,16 @@ class DTensor(NDArrayOperatorsMixin):
             self._check_claims("DTensor.full_tensor")  # data will cross ranks: named as the caller's call
         n = len(placements)  # the mesh's ndim
         target = _REPLICATE[n] if n < len(_REPLICATE) else (Replicate(),) * n
-        prog = cached(self._mesh, self._shape, placements, target)  # a known request: its program, run here
-        if prog is None:
+        mesh = self._mesh
+        # a known request: its program, run here (cached() and the program's call inlined: a
+        # completed count or norm is a few microseconds, of which these took a tenth)
+        prog = _programs.get((id(mesh), self._shape, placements, target))
+        if prog is None or prog.mesh() is not mesh:
             return self.redistribute(placements=target).to_local()
-        return self._local if prog.same else prog(self._local)
+        if prog.same:
+            return self._local
+        only = prog._only
+        return only(self._local) if only is not None and not _logs(DEBUG) else prog(self._local)
 
     def redistribute(self, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None,
                      *, async_op: bool = False) -> DTensor:
@@ -438,7 +445,7 @@ class DTensor(NDArrayOperatorsMixin):
         return out
 
     def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
-        rule = dispatch.FUNCTIONS.get(func)
+        rule = _function_rule(func)
         if rule is None:
             module = getattr(func, "__module__", "numpy") or "numpy"
             name = f"np.{module[6:]}.{func.__name__}" if module.startswith("numpy.") and \

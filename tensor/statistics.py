@@ -320,9 +320,9 @@ def _logical(op: str, fn: Any, partial: str, a: Any, axis: Any, keepdims: Any, d
         shape = plan.shape
         if fn is _count and along is None:  # the whole count, NumPy's C count without the keywords' check
             def call(a: DTensor) -> DTensor:
-                out = np.empty((), np.intp)  # filled: half of np.asarray(count, dtype=np.intp)'s time
-                out.fill(_c_count(a._local))
-                return _wrap(out, a._mesh, placements, shape)
+                # np.array of the C count's int: 0.15 us, where np.empty and fill took 0.23 and
+                # np.asarray(count, dtype=np.intp) 0.45
+                return _wrap(np.array(_c_count(a._local), np.intp), a._mesh, placements, shape)
         else:
             def call(a: DTensor) -> DTensor:  # the rule compiled for this request: no communication
                 return _wrap(fn(a._local, axis=along, keepdims=keep), a._mesh, placements, shape)

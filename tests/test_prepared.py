@@ -148,3 +148,31 @@ def test_an_owned_all_reduce_is_the_public_one_without_its_checks(monkeypatch):
 
     with pytest.raises(meshkit.CollectiveMismatchError, match="collective mismatch on group world"):
         local.run(mismatched, 2, timeout=30)
+
+
+def test_an_owned_all_reduce_whose_engine_call_fails_fails_as_the_public_one():
+    """The engine refusing the call (here: a RuntimeError from the engine's all_reduce) surfaces from
+    all_reduce_owned exactly as from the public method: the same error type and text, the call
+    numbered one after the other and left in the flight recorder."""
+    def body():
+        g = _world()
+        engine = g.engine
+
+        def refuses(buf, op):
+            raise RuntimeError("the engine refused")
+
+        engine.all_reduce = refuses
+        seen = []
+        for call in (lambda x: g.all_reduce(x), lambda x: all_reduce_owned(g, x, meshkit.ReduceOp.SUM)):
+            try:
+                call(np.ones(2))
+            except Exception as exc:  # the public method's error is the one to match
+                seen.append((type(exc).__name__, str(exc)))
+        del engine.all_reduce
+        records = [r for r in meshkit.flight_record() if r["op"] == "all_reduce"][-2:]
+        return seen, [r["seq"] for r in records]
+
+    for seen, seqs in local.run(body, 2, timeout=30):
+        assert len(seen) == 2 and seen[0][0] == seen[1][0], seen
+        assert all(text == "the engine refused" for _, text in seen), seen
+        assert seqs[1] == seqs[0] + 1, seqs
