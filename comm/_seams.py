@@ -40,7 +40,7 @@ from .milestones import FIRST_STEP, IMPORTED, RESTORED, milestone, recoveries, s
 from .arrays import array_namespace, is_array, is_device_array, to_host
 from .groups.prepared import PREPARED_OPS, PreparedCollective, all_reduce_owned, prepare_collective
 from .setup.registry import create_groups, resolve_group
-from .setup.lifecycle import joined_spare, spare_joining  # a spare of meshkit-run --spares, where it joined
+from .setup.lifecycle import joined_spare, launched_ranks, spare_joining  # a spare of meshkit-run --spares, where it joined
 from .groups.call_fingerprint import SLOTS as FINGERPRINT_SLOTS, stamp as stamp_fingerprint, verify as verify_fingerprint
 from .files import NotRegular, TooLarge, open_regular, read_bounded  # files read back (debug, checkpoint)
 from .env import positive_number as positive_setting  # a bound's MESHKIT_* variable, checked (debug, checkpoint)
@@ -53,7 +53,7 @@ __all__ = ["agree", "by_ranks", "name_ranks", "backend_devices", "array_namespac
            "moved_names", "milestone", "survived", "spare_joined", "recoveries", "IMPORTED", "RESTORED", "FIRST_STEP", "positive_setting",
            "read_bounded",
            "open_regular", "NotRegular", "TooLarge", "FINGERPRINT_SLOTS", "stamp_fingerprint", "verify_fingerprint",
-           "moved_modules", "survive_budget", "joined_spare", "spare_joining", "Segment", "create_segment", "attach_segment", "SEGMENT_NAME_BYTES"]
+           "moved_modules", "survive_budget", "joined_spare", "launched_ranks", "spare_joining", "Segment", "create_segment", "attach_segment", "SEGMENT_NAME_BYTES"]
 
 
 def survive_budget() -> int:

@@ -33,6 +33,10 @@ What :func:`shrink` does, in order (each phase timed in :class:`Recovery`):
    :class:`~meshkit.parallel.buddy.ShardsLostError` where a rank and its buddy both died);
    then the new strategy (``build()``, collective over the new world: a new mesh and groups)
    loads it with ``load_full_state_dict``, whatever its world size and mesh.
+
+A rank lost during these phases (after the shrink) raises ``RankFailedError`` in them: every
+survivor shrinks the world again and starts the exchange over with what it brought; one recovery,
+reported once with every rank lost in it.
 """
 
 from __future__ import annotations
@@ -45,9 +49,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..comm import (DistValueError, Shrunk, all_gather, all_gather_object, broadcast_object_list, get_rank,
-                    get_world_size, shrink_world)
-from ..comm._seams import joined_spare, recoveries, spare_joined, spare_joining, survived
+from ..comm import (DistValueError, RankFailedError, Shrunk, all_gather, all_gather_object, broadcast_object_list,
+                    get_rank, get_world_size, shrink_world)
+from ..comm._seams import joined_spare, launched_ranks, recoveries, spare_joined, spare_joining, survived
 from . import buddy
 from .data_parallelism import DistributedDataParallel
 from .data_parallelism.sharded import Shards
@@ -120,6 +124,32 @@ def _replicated(mine: dict[str, Any] | None) -> tuple[dict[str, Any], int, int]:
     return box[0], max(steps), source
 
 
+def _exchange(mine: Any, layouts: Any, hyper: Any, shrunk: Shrunk) -> tuple[dict[str, Any], int, int]:
+    """The survivors' side of a recovery's state exchange over the new world (a spare that joined takes
+    the other side, :func:`_join`): the state, its step count and the rank it came from. ``layouts``
+    None: replicated state (``mine`` a full state dict), else ``mine`` a buddy contribution."""
+    first = _first_survivor(shrunk.joined)
+    if shrunk.joined:  # spares took dead ranks' places: they learn which exchange follows (survive.start), the
+        # recoveries counted so far and each rank as launched (for meshkit-run's report and a replay's check)
+        broadcast_object_list([_REPLICATED if layouts is None else _SHARDED, recoveries(), list(shrunk.launched)],
+                              src=first)
+    if layouts is None:
+        return _replicated(mine)
+    # what every survivor holds (step counts only), to every survivor (by new rank); then the shards chosen
+    everyone: list[Any] = [None] * get_world_size()
+    all_gather_object(everyone, mine.skeleton())
+    steps_done, chosen = buddy.choose(layouts[0].shards, everyone, shrunk.failed)
+    pieces: list[Any] = [None] * get_world_size()
+    all_gather_object(pieces, mine.arrays_of(chosen))  # each shard once, from the survivor chosen to give it
+    for given in pieces:
+        for index, arrays in given.items():
+            chosen[index].arrays = arrays
+    state = buddy.join(layouts, chosen, hyper)
+    if shrunk.joined:  # a spare has no layouts to join the pieces with: the state joined, to it
+        broadcast_object_list([state, steps_done], src=first)
+    return state, steps_done, _source(everyone, steps_done)
+
+
 def _rebuilt(build: Callable[[], Any], state: dict[str, Any]) -> Any:
     """``build()`` (collective over the new world) loaded with ``state``; a sharded strategy's buddy
     copies made at once, whatever the step count, so that a failure in the step redone is survived too."""
@@ -144,33 +174,67 @@ def start(build: Callable[[], Any]) -> tuple[Any, int]:
 
 
 def _join(build: Callable[[], Any], taken: Any) -> tuple[Any, int]:
-    """A spare's side of the survivors' :func:`shrink`, from the exchange on: it holds nothing, and takes the state."""
+    """A spare's side of the survivors' :func:`shrink`, from the exchange on: it holds nothing, and takes the
+    state (again over a world shrunk once more where another rank dies meanwhile, as they do)."""
     started = time.perf_counter()
     spare_joining()  # the world group, held until this call (init_process_group), usable
-    first = _first_survivor(taken.joined)
-    told: list[Any] = [None, None, None]
-    broadcast_object_list(told, src=first)
-    kind, counted, launched = told
-    spare_joined(survived_before=counted, launched=launched)
-    if kind == _SHARDED:
-        everyone: list[Any] = [None] * get_world_size()
-        all_gather_object(everyone, buddy.Contribution(()))
-        pieces: list[Any] = [None] * get_world_size()
-        all_gather_object(pieces, {})
-        got: list[Any] = [None, None]
-        broadcast_object_list(got, src=first)
-        state, steps_done = got
-        source = _source(everyone, steps_done)
-    else:
-        state, steps_done, source = _replicated(None)
-    rebuilt = _rebuilt(build, state)
-    world = Shrunk(failed=taken.failed, old_rank=-1, old_size=taken.old_size, rank=taken.rank, size=taken.size,
-                   new_ranks={}, seconds=0.0, joined=taken.joined)
+    empty = taken.joined  # the ranks that hold nothing: the spares that joined in this recovery, still alive
+    while True:
+        try:
+            first = _first_survivor(empty)
+            told: list[Any] = [None, None, None]
+            broadcast_object_list(told, src=first)
+            kind, counted, launched = told
+            spare_joined(survived_before=counted, launched=launched)  # (told again after a retry: the same count)
+            if kind == _SHARDED:
+                everyone: list[Any] = [None] * get_world_size()
+                all_gather_object(everyone, buddy.Contribution(()))
+                pieces: list[Any] = [None] * get_world_size()
+                all_gather_object(pieces, {})
+                got: list[Any] = [None, None]
+                broadcast_object_list(got, src=first)
+                state, steps_done = got
+                source = _source(everyone, steps_done)
+            else:
+                state, steps_done, source = _replicated(None)
+            rebuilt = _rebuilt(build, state)
+            break
+        except RankFailedError as exc:  # another rank lost during the recovery: shrink again, with the survivors
+            _again(exc)
+            again = shrink_world()
+            empty = _still_empty(empty, again)
+    world = Shrunk(failed=taken.failed, old_rank=-1, old_size=taken.old_size, rank=get_rank(), size=get_world_size(),
+                   new_ranks={}, seconds=0.0, joined=empty)
     recovery = Recovery(shrink=0.0, state=time.perf_counter() - started, step=steps_done, source=source, world=world)
     _last.append(recovery)
     logger.warning("meshkit: rank %d (a spare): %s loaded with the survivors' state in %.3f s; starting at step %d "
                    "(the state of rank %d)", get_rank(), type(rebuilt).__name__, recovery.state, steps_done, source)
     return rebuilt, steps_done
+
+
+def _again(exc: BaseException) -> None:
+    logger.warning("meshkit: rank %d: a rank was lost during the recovery (%s); shrinking the world again", get_rank(),
+                   exc)
+
+
+def _still_empty(empty: tuple[int, ...], again: Shrunk) -> tuple[int, ...]:
+    """The ranks that hold nothing after a further shrink within one recovery: the spares that had joined
+    and survived it (renumbered) and those that joined in it."""
+    return tuple(sorted({again.new_ranks[r] for r in empty if r in again.new_ranks} | set(again.joined)))
+
+
+def _composed(first: Shrunk, again: Shrunk) -> Shrunk:
+    """One recovery's shrinks as one (a rank lost during the recovery made the survivors shrink again):
+    the ranks lost numbered in the world before the first (a spare that joined and was lost within the
+    recovery was in neither world, so it is in neither ``failed`` nor ``joined``), the new ranks of
+    that world's survivors, the spares that joined and are still alive."""
+    before = {mid: old for old, mid in first.new_ranks.items()}  # a survivor's rank after the first -> before it
+    failed = tuple(sorted(set(first.failed) | {before[r] for r in again.failed if r in before}))
+    new_ranks = {old: again.new_ranks[mid] for old, mid in first.new_ranks.items() if mid in again.new_ranks}
+    joined = _still_empty(first.joined, again)
+    return Shrunk(failed=failed, old_rank=first.old_rank, old_size=first.old_size, rank=again.rank, size=again.size,
+                  new_ranks=new_ranks, seconds=first.seconds + again.seconds, agreed_ns=again.agreed_ns, joined=joined,
+                  launched=tuple(launched_ranks()) if joined else ())
 
 
 def shrink(model: Any, build: Callable[[], Any]) -> tuple[Any, int]:
@@ -199,29 +263,19 @@ def shrink(model: Any, build: Callable[[], Any]) -> tuple[Any, int]:
     started = time.perf_counter()
     old_rank = get_rank()
     mine = buddy.contribution(model, old_rank) if sharded else model.full_state_dict()  # local: no communication
+    layouts = model._layouts() if sharded else None
     shrunk = shrink_world()
-    shrunk_at, shrunk_ns = time.perf_counter(), time.time_ns()
-    first = _first_survivor(shrunk.joined)
-    if shrunk.joined:  # spares took dead ranks' places: they learn which exchange follows (survive.start), the
-        # recoveries counted so far and each rank as launched (for meshkit-run's report and a replay's check)
-        broadcast_object_list([_SHARDED if sharded else _REPLICATED, recoveries(), list(shrunk.launched)], src=first)
-    if sharded:  # what every survivor holds (step counts only), to every survivor (by new rank); then the shards chosen
-        everyone: list[Any] = [None] * get_world_size()
-        all_gather_object(everyone, mine.skeleton())
-        layouts = model._layouts()
-        steps_done, chosen = buddy.choose(layouts[0].shards, everyone, shrunk.failed)
-        pieces: list[Any] = [None] * get_world_size()
-        all_gather_object(pieces, mine.arrays_of(chosen))  # each shard once, from the survivor chosen to give it
-        for given in pieces:
-            for index, arrays in given.items():
-                chosen[index].arrays = arrays
-        state = buddy.join(layouts, chosen, model.optimizer.hyper)
-        if shrunk.joined:  # a spare has no layouts to join the pieces with: the state joined, to it
-            broadcast_object_list([state, steps_done], src=first)
-        source = _source(everyone, steps_done)
-    else:
-        state, steps_done, source = _replicated(mine)
-    rebuilt = _rebuilt(build, state)
+    while True:
+        shrunk_at, shrunk_ns = time.perf_counter(), time.time_ns()
+        try:
+            state, steps_done, source = _exchange(mine, layouts, model.optimizer.hyper, shrunk)
+            rebuilt = _rebuilt(build, state)
+            break
+        except RankFailedError as exc:
+            # another rank lost during the recovery (a failure of --survive's K like any other): the survivors
+            # of both shrink again and start the exchange over; one recovery, timed from the first failure
+            _again(exc)
+            shrunk = _composed(shrunk, shrink_world())
     recovery = Recovery(shrink=shrunk_at - started, state=time.perf_counter() - shrunk_at, step=steps_done,
                         source=source, world=shrunk)
     _last.append(recovery)

@@ -21,6 +21,8 @@ this wrapper only arms a fault, from the environment, on the attempts it names
     written, its marker not (so that checkpoint can never commit);
   * ``vanish:R:S``: after step S, SIGKILL rank R's watcher and then rank R: the process vanishes
     without anyone reporting how; the time of the kill goes to ``$ELASTIC_LOG/killed``;
+  * ``recovery:R:N``: SIGKILL rank R in its N-th recovery (``survive.shrink``, counted from 1),
+    right after the world shrank: the other survivors are in the recovery's state exchange;
   * ``spare:R:S``: after step S, rank 0 (as launched) SIGKILLs process R, an idle spare of
     ``meshkit-run --spares`` (it runs no code of the script: its pid is read from the launcher's
     status directory), and waits half a second for the other spares to notice;
@@ -85,6 +87,7 @@ spares_killed = {int(at): int(victim) for kind, victim, at in faults if kind == 
 after_steps.update({at: "spare" for at in spares_killed})
 bucket_steps = {at for kind, at in mine if kind == "bucket"}
 save_steps = {at for kind, at in mine if kind == "save"}
+recoveries = {at for kind, at in mine if kind == "recovery"}
 if after_steps or bucket_steps:
     import loop  # the examples' one training loop (beside them)
     import mlp  # the examples' model (beside them)
@@ -143,5 +146,20 @@ if save_steps:
         return records
 
     writer.write_chunks = write_then_die
+
+if recoveries:
+    from meshkit.parallel import survive  # a test reaches inside to kill at the exact point
+
+    shrink_world, seen = survive.shrink_world, [0]
+
+    def shrink_then_die(*args, **kwargs):
+        shrunk = shrink_world(*args, **kwargs)
+        seen[0] += 1
+        if seen[0] in recoveries:
+            print(f"elastic_train: killing rank {rank} in its recovery {seen[0]}, the world shrunk", flush=True)
+            _die()
+        return shrunk
+
+    survive.shrink_world = shrink_then_die
 
 runpy.run_path(str(example), run_name="__main__")
