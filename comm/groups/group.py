@@ -244,7 +244,7 @@ class ProcessGroup:
         except (DistValueError, DistTypeError) as exc:
             raise self.queue.reject("reduce", exc)
         queue = self.queue
-        epilogue = queue.averaged(tensor) if op is ReduceOp.AVG and queue.divides and self.rank == root else None
+        epilogue = queue.averaged(tensor) if op is _AVG and queue.divides and self.rank == root else None
         return queue.run("reduce", lambda: self.engine.reduce(tensor, op, root), async_op, (tensor.shape,),
                          tensor, epilogue, op, {"root": root})
 
@@ -301,7 +301,7 @@ class ProcessGroup:
             op = check_op_dtype(op, input.dtype, lambda: where(name, self))
         except (DistValueError, DistTypeError) as exc:
             raise self.queue.reject(name, exc)
-        epilogue = self.queue.averaged(output) if op is ReduceOp.AVG and self.queue.divides else None
+        epilogue = self.queue.averaged(output) if op is _AVG and self.queue.divides else None
         return self.queue.run(name, lambda: self.engine.reduce_scatter(output, input, op), async_op,
                               (input.shape, output.shape), input, epilogue, op)
 
@@ -315,7 +315,7 @@ class ProcessGroup:
             op = check_op_dtype(op, output.dtype, lambda: where("reduce_scatter", self))
         except (DistValueError, DistTypeError) as exc:
             raise self.queue.reject("reduce_scatter", exc)
-        epilogue = self.queue.averaged(output) if op is ReduceOp.AVG and self.queue.divides else None
+        epilogue = self.queue.averaged(output) if op is _AVG and self.queue.divides else None
         stacked = np.stack(ins)
         return self.queue.run("reduce_scatter", lambda: self.engine.reduce_scatter(output, stacked, op), async_op,
                               (output.shape,), output, epilogue, op)

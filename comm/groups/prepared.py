@@ -36,6 +36,7 @@ PREPARED_OPS = {
 }
 
 _NDARRAY = np.ndarray
+_AVG = ReduceOp.AVG  # (an Enum member read from its class costs 0.07 us a call on Python 3.11)
 _REDUCING = ("reduce_scatter_tensor", "all_reduce")
 
 
@@ -87,7 +88,7 @@ class PreparedCollective:
             queue.run(op, lambda: engine.all_gather(out, input), False, self._shapes, input, None)
         elif op == "reduce_scatter_tensor":
             reduce_op = self.reduce_op
-            epilogue = queue.averaged(out) if reduce_op is ReduceOp.AVG and queue.divides else None
+            epilogue = queue.averaged(out) if reduce_op is _AVG and queue.divides else None
             queue.run(op, lambda: engine.reduce_scatter(out, input, reduce_op), False, self._shapes, input, epilogue,
                       reduce_op)
         elif op == "all_to_all_single":
@@ -200,7 +201,7 @@ def all_reduce_owned(group: ProcessGroup, tensor: Any, op: ReduceOp = ReduceOp.S
         group.all_reduce(tensor, op)
         return
     seq, _ = queue.issue("all_reduce", tensor, False, op)
-    epilogue = queue.averaged(tensor) if op is ReduceOp.AVG and queue.divides else None
+    epilogue = queue.averaged(tensor) if op is _AVG and queue.divides else None
     shapes = (tensor.shape,)
     try:
         request = group.engine.all_reduce(tensor, op)
