@@ -150,39 +150,47 @@ def test_two_ranks_lost_at_once_rank_0_among_them_take_two_spares(tmp_path):
     assert "survived failure 1 (ranks 0, 2, signal 9; 4 -> 4 ranks, spares 4, 5 joined, redo from step 1)" in err, err
 
 
-#: (strategy, spares, the world's size at the end, the spares that joined): rank 3 lost after step 9,
-#: then rank 1 in that recovery, right after the world shrank (the others in its state exchange)
+#: (strategy, spares, the rank lost in the recovery (as launched), the world's size at the end, the
+#: spares that joined, the ranks the report names): rank 3 lost after step 9, then another in that
+#: recovery, right after the world shrank (the others in its state exchange) or, a spare, in its join
 DURING = [
-    ("ddp", 0, 2, ()),  # no spare: 4 -> 3, and within the same recovery 3 -> 2
-    ("fsdp", 1, 3, (4,)),  # spare 4 took rank 3; then, with no spare left, it holds nothing as the world shrinks again
-    ("hsdp", 2, 4, (4, 5)),  # a spare for each: 2x2 stays 2x2
+    ("ddp", 0, 1, 2, (), [1, 3]),  # no spare: 4 -> 3, and within the same recovery 3 -> 2
+    # spare 4 took rank 3; then, with no spare left, it holds nothing as the world shrinks again
+    ("fsdp", 1, 1, 3, (4,), [1, 3]),
+    ("hsdp", 2, 1, 4, (4, 5), [1, 3]),  # a spare for each: 2x2 stays 2x2
+    # spare 4, which took rank 3, lost in its join: spare 5 takes rank 3 (spare 4 was in neither world:
+    # the report names rank 3 and spare 5, the launcher's line the loss of process 4)
+    ("fsdp", 2, 4, 4, (5,), [3]),
 ]
 
 
 @needs_ulfm
-@pytest.mark.parametrize(("strategy", "spares", "size", "joined"), DURING, ids=[c[0] for c in DURING])
-def test_a_rank_lost_during_a_recovery_is_survived_in_that_recovery(strategy, spares, size, joined, tmp_path):
+@pytest.mark.parametrize(("strategy", "spares", "victim", "size", "joined", "named"), DURING,
+                         ids=["ddp", "fsdp-spare", "hsdp-spares", "fsdp-spare-lost-joining"])
+def test_a_rank_lost_during_a_recovery_is_survived_in_that_recovery(strategy, spares, victim, size, joined, named,
+                                                                     tmp_path):
     """A second failure inside the first's recovery (the survivors in its state exchange, a spare among
-    them) makes every survivor shrink again and start the exchange over: one recovery, reported once
-    with both ranks, the result still exact; fsdp's lost shards come from their buddies (ranks 1 and 3
-    are no neighbours)."""
+    them, or the spare joining) makes every member of the new world shrink again and start the
+    exchange over: one recovery, reported once, the result still exact; fsdp's lost shards come from
+    their buddies (ranks 1 and 3 are no neighbours)."""
     options = ["--survive", "2", "--survive-report", str(tmp_path / "survived.json")]
     if spares:
         options += ["--spares", str(spares)]
     result = launch("elastic_train.py", 4, str(EXAMPLES / "train_mlp.py"), "--strategy", strategy, "--steps",
-                    str(STEPS), "--batch", "120", "--samples", "1024", "--check",
-                    options=tuple(options), env={"ELASTIC_FAULT": "step:3:9+recovery:1:1", "MESHKIT_BUDDY_EVERY": "8"},
-                    timeout=150)
+                    str(STEPS), "--batch", "120", "--samples", "1024", "--check", options=tuple(options),
+                    env={"ELASTIC_FAULT": f"step:3:9+recovery:{victim}:1", "MESHKIT_BUDDY_EVERY": "8"}, timeout=150)
     out, err = result.stdout, result.stderr
     assert f"{strategy} on {size} ranks" in out and "check against single-process training: OK (float64" in out, \
         out + err
-    assert "killing rank 1 in its recovery 1, the world shrunk" in out + err, out + err
-    # every member of the world the first shrink made but rank 1 (a spare that took rank 3 among them)
+    assert re.search(rf"killing rank {victim} (\(a spare\) )?in its (join, )?recovery 1", out + err), out + err
+    assert f"rank {victim} failed (signal 9); the survivors carry on without it (2 of --survive 2)" in err, err
+    # every member of the world the first shrink made but the one lost (a spare that took rank 3 among them)
     again = re.findall(r"a rank was lost during the recovery .*; shrinking the world again", err)
     assert len(again) == (3 if spares else 2), err
     reports = json.loads((tmp_path / "survived.json").read_text())
     assert [(r["ranks"], r["ranks_before"], r["ranks_after"], r["spares"], r["complete"]) for r in reports] == \
-        [([1, 3], 4, size, list(joined), True)], reports
+        [(named, 4, size, list(joined), True)], reports
     assert reports[0]["redo_step"] == (9 if strategy == "ddp" else 8), reports  # sharded: the last renewal's
     said = f", spare{'s' if len(joined) > 1 else ''} {', '.join(map(str, joined))} joined" if joined else ""
-    assert re.search(rf"survived failure 1 \(ranks 1, 3, signal 9; 4 -> {size} ranks{said}, redo from step", err), err
+    lost = f"rank{'s' if len(named) > 1 else ''} {', '.join(map(str, named))}"
+    assert re.search(rf"survived failure 1 \({lost}, signal 9; 4 -> {size} ranks{said}, redo from step", err), err

@@ -22,7 +22,9 @@ this wrapper only arms a fault, from the environment, on the attempts it names
   * ``vanish:R:S``: after step S, SIGKILL rank R's watcher and then rank R: the process vanishes
     without anyone reporting how; the time of the kill goes to ``$ELASTIC_LOG/killed``;
   * ``recovery:R:N``: SIGKILL rank R in its N-th recovery (``survive.shrink``, counted from 1),
-    right after the world shrank: the other survivors are in the recovery's state exchange;
+    right after the world shrank: the other survivors are in the recovery's state exchange; R a
+    spare of ``meshkit-run --spares`` (as launched): its join counts as a recovery, and it is
+    killed once the survivors told it which exchange follows;
   * ``spare:R:S``: after step S, rank 0 (as launched) SIGKILLs process R, an idle spare of
     ``meshkit-run --spares`` (it runs no code of the script: its pid is read from the launcher's
     status directory), and waits half a second for the other spares to notice;
@@ -161,5 +163,15 @@ if recoveries:
         return shrunk
 
     survive.shrink_world = shrink_then_die
+    spare_joined = survive.spare_joined
+
+    def join_then_die(*args, **kwargs):
+        spare_joined(*args, **kwargs)
+        seen[0] += 1
+        if seen[0] in recoveries:
+            print(f"elastic_train: killing rank {rank} (a spare) in its join, recovery {seen[0]}", flush=True)
+            _die()
+
+    survive.spare_joined = join_then_die
 
 runpy.run_path(str(example), run_name="__main__")
