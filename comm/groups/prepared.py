@@ -185,7 +185,7 @@ def all_reduce_owned(group: ProcessGroup, tensor: Any, op: ReduceOp = ReduceOp.S
     all-reduces in place. Its argument checks (0.3-0.5 us a call, a twentieth of a small
     collective) are the ones such an array passes by construction, so this runs the phases every
     collective takes (:meth:`CollectiveQueue.run`'s: numbered, recorded, under the group's timeout,
-    checked across ranks in ``MESHKIT_DEBUG=detail``) without them: 1.9 us a call in a world of one
+    checked across ranks in ``MESHKIT_DEBUG=detail``) without them: 1.8-1.9 us a call in a world of one
     where ``group.all_reduce`` took 2.1. Anything else (another array
     type, a (op, dtype) pair not yet validated, a group this rank left) takes the public method,
     which checks it and raises its errors."""
