@@ -335,15 +335,18 @@ def shm_enabled() -> bool:
     return value == "1"
 
 
-def shm_cma() -> bool:
-    """``MESHKIT_SHM_CMA``: whether ordinary buffers may move by cross-memory attach (1, the default)
-    or are copied through the segment (0)."""
+def shm_cma() -> int:
+    """``MESHKIT_SHM_CMA``: how ordinary buffers move between the ranks: 0 copied through the
+    segment; 1 (the default) by cross-memory attach where the kernel permits it and, on this host,
+    it measured cheaper than the segment's copies (comm/engines/shm.py); 2 by cross-memory attach
+    wherever the kernel permits it."""
     raw = _get(SHM_CMA)
     value = (raw or "1").strip() or "1"
-    if value not in ("0", "1"):
-        raise invalid(SHM_CMA, raw or "", "0 (copy through the segment) or 1 (cross-memory attach where the "
-                                          "kernel permits it; the default)")
-    return value == "1"
+    if value not in ("0", "1", "2"):
+        raise invalid(SHM_CMA, raw or "", "0 (copy through the segment), 1 (cross-memory attach where the "
+                                          "kernel permits it and it measured cheaper here; the default) or 2 "
+                                          "(cross-memory attach wherever the kernel permits it)")
+    return int(value)
 
 
 def shm_bytes(name: str, default: int, *, multiple: int = 1, zero: bool = False, said: str | None = None) -> int:

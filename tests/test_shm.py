@@ -28,7 +28,8 @@ pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/s
 TINY = {"MESHKIT_SHM_MIN_BYTES": "512", "MESHKIT_SHM_MOVE_MIN_BYTES": "512", "MESHKIT_SHM_SMALL_BYTES": "2048",
         "MESHKIT_SHM_SMALL_MIN_BYTES": "512",  # all_reduces of 512-1024 B meet once (comm/engines/shm_small.py)
         "MESHKIT_SHM_SHARED_MIN_BYTES": "600",
-        "MESHKIT_SHM_CHUNK_BYTES": "4096"}
+        "MESHKIT_SHM_CHUNK_BYTES": "4096",
+        "MESHKIT_SHM_CMA": "2"}  # attach wherever permitted: not left to the host's measurement (comm/engines/shm.py)
 
 
 def _segments() -> set[str]:
@@ -72,3 +73,25 @@ def test_a_killed_rank_fails_its_peer_at_once_and_leaves_nothing_in_dev_shm(mpir
     assert killed and failed and float(failed.group(1)) - float(killed.group(1)) < 1.0, out  # not the 30 s timeout
     assert not os.path.exists(held.group(1)), out
     assert _segments() <= before
+
+
+@pytest.mark.parametrize("mode", ["1", "2"])
+def test_the_way_ordinary_buffers_move_is_measured_once_and_shared(mpirun, mode):
+    """MESHKIT_SHM_CMA=1 (the default): where the kernel permits cross-memory attach, the group times
+    the kernel's copy against a user-space copy once at creation, and every rank takes the same way:
+    through the segment up to ATTACH_LARGE_BYTES where attach measured over ATTACH_DEARER times
+    dearer, else by attach; 2: attach wherever permitted, nothing measured. Results exact either way."""
+    from meshkit.comm.engines.shm_settings import ATTACH_DEARER, ATTACH_LARGE_BYTES
+
+    out = mpirun("shm_attach_choice.py", 2, env={"MESHKIT_SHM_CMA": mode}, timeout=120).stdout
+    found = re.findall(r"rank (\d): attach (on|off) ratio (\S+) segment up to (\d+)", out)
+    assert len(found) == 2 and len({f[1:] for f in found}) == 1, out  # the same verdict on both ranks
+    attach, ratio, above = found[0][1], found[0][2], int(found[0][3])
+    if attach == "off":  # the kernel refused (Yama's ptrace_scope 1): everything through the segment
+        assert ratio == "none" and above == 0, out
+        return
+    if mode == "2":
+        assert ratio == "none" and above == 0, out
+    else:
+        assert float(ratio) > 0 and above == (ATTACH_LARGE_BYTES if float(ratio) > ATTACH_DEARER else 0), out
+    assert "rank 0: 4194304 bytes by shm" in out and "rank 0: 41943040 bytes by shm" in out, out

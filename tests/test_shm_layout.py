@@ -284,12 +284,15 @@ def test_MESHKIT_SHM_CMA_is_validated_and_named(monkeypatch):
     from meshkit.comm.engines import shm_settings
 
     monkeypatch.delenv("MESHKIT_SHM_CMA", raising=False)
-    assert shm_settings.direct() is True
+    assert shm_settings.direct() is True and shm_settings.direct_measured() is True
     monkeypatch.setenv("MESHKIT_SHM_CMA", "0")
-    assert shm_settings.direct() is False
+    assert shm_settings.direct() is False and shm_settings.direct_measured() is False
+    monkeypatch.setenv("MESHKIT_SHM_CMA", "2")
+    assert shm_settings.direct() is True and shm_settings.direct_measured() is False
     monkeypatch.setenv("MESHKIT_SHM_CMA", "no")
     with pytest.raises(DistValueError, match=r"MESHKIT_SHM_CMA='no' is not valid; valid values are 0 \(copy through "
-                                             r"the segment\) or 1"):
+                                             r"the segment\), 1 \(cross-memory attach where the kernel permits it "
+                                             r"and it measured cheaper here; the default\) or 2"):
         shm_settings.direct()
     from meshkit.comm import env
 

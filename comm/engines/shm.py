@@ -49,7 +49,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from mpi4py import MPI
@@ -65,10 +65,11 @@ from .shm_hierarchy import HierarchicalEngine
 from .shm_host import OverHost
 from . import mpi_ulfm
 from .shm_cma import probe
-from .shm_settings import (applies, chunk_bytes, direct, direct_bytes, min_bytes, move_min_bytes, shared_min_bytes,
-                           small_bytes, small_min_bytes, surviving)
+from .shm_settings import (ATTACH_DEARER, ATTACH_LARGE_BYTES, applies, chunk_bytes, direct, direct_bytes,
+                           direct_measured, min_bytes, move_min_bytes, shared_min_bytes, small_bytes, small_min_bytes,
+                           surviving)
 from .shm_small import SmallPath
-from .shm_layout import segment_bytes
+from .shm_layout import data_offset, segment_bytes
 from .shm_segment import NAME_BYTES, Segment, attach, create
 from .watchdog import watched
 
@@ -215,9 +216,12 @@ class ShmEngine(OverHost):
         """Which calls go through shared memory (``DeviceMesh.describe`` shows it)."""
         moved = ("" if self.move_min_bytes >= 1 << 30 else
                  f", all_gather and broadcast of >= {self.move_min_bytes} bytes")
-        direct = ("" if self.channel.direct is None else
-                  f" (all_reduce and reduce above {self.channel.small_bytes // 2} bytes and reduce_scatter above "
-                  f"{self.channel.small_bytes} bytes by cross-memory attach)")
+        channel = self.channel
+        direct = ("" if channel.direct is None else
+                  f" (all_reduce and reduce above {max(channel.small_bytes // 2, channel.attach_above)} bytes and "
+                  f"reduce_scatter above {max(channel.small_bytes, channel.attach_above)} bytes by cross-memory attach"
+                  + ("" if channel.attach_ratio is None else
+                     f"; its copy measured {channel.attach_ratio:.1f}x a user-space copy here") + ")")
         return (f"all_reduce, reduce and reduce_scatter of NumPy arrays of >= {self.min_bytes} "
                 f"bytes{direct}{moved}{self.small.describe()} and "
                 f"all_reduce, all_gather and reduce_scatter on a shared buffer of >= {self.shared_min_bytes} bytes "
@@ -351,7 +355,17 @@ def over(host: MPIEngine, deadline: float) -> MPIEngine | ShmEngine | Hierarchic
                      f"ranks {host.world_ranks}", host.world_ranks, max(deadline - time.monotonic(), 1.0)):
             problem = _direct_problem(host, channel, segment.path.encode())
         if not problem:
-            channel.attach_directly(_pids(host), direct_bytes(host.size))
+            pids = _pids(host)
+            channel.attach_directly(pids, direct_bytes(host.size))
+            if direct_measured():
+                dearer = channel.attach_ratio = _attach_dearer(host, channel, segment.memory, pids, chunk)
+                if dearer > ATTACH_DEARER:  # (the ranks' mean: every rank decides alike)
+                    channel.attach_above = ATTACH_LARGE_BYTES
+                if host.rank == 0:
+                    logger.info("meshkit: ranks %s: the kernel's copy between processes took %.1fx a user-space copy "
+                                "here, so ordinary buffers %s", host.world_ranks, dearer,
+                                f"up to {ATTACH_LARGE_BYTES} bytes copy through the segment" if channel.attach_above
+                                else "move by cross-memory attach")
         elif host.rank == 0:
             logger.info("meshkit: ranks %s copy ordinary buffers through the shared segment (no cross-memory "
                         "attach: %s)", host.world_ranks, problem)
@@ -369,7 +383,7 @@ def _check_same_settings(host: MPIEngine, chunk: int) -> None:
     names = (env.SHM_MIN_BYTES, env.SHM_CHUNK_BYTES, env.SHM_SMALL_BYTES, env.SHM_SMALL_MIN_BYTES,
              env.SHM_SHARED_MIN_BYTES, env.SHM_MOVE_MIN_BYTES, env.SHM_CMA)
     mine = np.array([min_bytes(), chunk, small_bytes(), small_min_bytes(), shared_min_bytes(), move_min_bytes(),
-                     int(direct())], np.int64)
+                     env.shm_cma()], np.int64)
     both = np.concatenate([mine, -mine])
     host.comm.Allreduce(MPI.IN_PLACE, both, op=MPI.MAX)
     most, least = both[:len(names)], -both[len(names):]
@@ -379,6 +393,36 @@ def _check_same_settings(host: MPIEngine, chunk: int) -> None:
                              f"differ between ranks {host.world_ranks}: {', '.join(differ)}; each size's protocol "
                              "depends on them, so every rank must have the same (set them alike in every rank's "
                              "environment, or MESHKIT_SHM=0)")
+
+
+def _attach_dearer(host: MPIEngine, channel: Channel, memory: Any, pids: list[int], chunk: int) -> float:
+    """How many times a user-space copy the kernel's copy between processes takes here: each rank
+    reads up to 1 MiB of the next rank's first buffer in the segment by ``process_vm_readv`` (in the
+    pieces the direct path uses) and copies the same bytes through its own mapping, best of three
+    after a warm-up; the ratio, averaged over the ranks (collective: two MPI calls, under 1 ms)."""
+    peer = (host.rank + 1) % host.size
+    bases = np.zeros(host.size, np.int64)
+    host.comm.Allgather(np.array([np.frombuffer(memory, np.uint8).ctypes.data], np.int64), bases)
+    piece = min(direct_bytes(host.size), chunk)
+    count = max(1, min(1 << 20, chunk) // piece)
+    address = int(bases[peer]) + data_offset(host.size, chunk, peer, 0)
+    theirs = channel.buffer(peer, 0, np.dtype(np.uint8), count * piece)
+    scratch = np.empty(piece, np.uint8)
+    transfer = cast(Any, channel.direct)
+    kernel = user = float("inf")
+    for attempt in range(4):  # the first maps and faults the pages in: not timed
+        began = time.perf_counter()
+        for k in range(count):
+            transfer.read(pids[peer], address + k * piece, scratch)
+        middle = time.perf_counter()
+        for k in range(count):
+            np.copyto(scratch, theirs[k * piece:(k + 1) * piece])
+        ended = time.perf_counter()
+        if attempt:
+            kernel, user = min(kernel, middle - began), min(user, ended - middle)
+    ratio = np.array([kernel / max(user, 1e-9)])
+    host.comm.Allreduce(MPI.IN_PLACE, ratio, op=MPI.SUM)
+    return float(ratio[0]) / host.size
 
 
 def _pids(host: MPIEngine) -> list[int]:

@@ -160,6 +160,11 @@ class Channel:
         self.direct: Transfer | None = None
         self.pids: list[int] = []
         self.direct_bytes = 0
+        #: ordinary buffers of at most this many bytes copy through the segment although attach is
+        #: on (shm.py sets it where attach measured dearer on this host); 0: attach above small_bytes
+        self.attach_above = 0
+        #: the kernel's copy over a user-space copy as measured at creation (None: not measured)
+        self.attach_ratio: float | None = None
         self._scratch = np.empty(0, np.uint8)
         #: Called every LIVENESS_INTERVAL while a wait misses a flag (never when nothing waits); it
         #: raises to end the wait (a RankFailedError), or returns. None: no hook.
@@ -175,14 +180,14 @@ class Channel:
 
     def goes_direct(self, nbytes: int) -> bool:
         """Whether an ordinary buffer of ``nbytes`` moves by cross-memory attach (the same on every rank)."""
-        return self.direct is not None and nbytes > self.small_bytes
+        return self.direct is not None and nbytes > self.small_bytes and nbytes > self.attach_above
 
     def reduces_direct(self, nbytes: int) -> bool:
         """Whether an ordinary all_reduce or reduce of ``nbytes`` goes by cross-memory attach: above half of
         ``small_bytes``, where the one-meeting path (shm_small.py) stops taking all_reduces; between the
         two the chunk's meeting through the segment took 1.3-1.6x the direct path's time (2026-11-29,
         quiet, 2 ranks, 1 MiB: 401 us against 167-250; docs/collectives.md)."""
-        return self.direct is not None and nbytes > self.small_bytes // 2
+        return self.direct is not None and nbytes > self.small_bytes // 2 and nbytes > self.attach_above
 
     def close(self) -> None:
         self.words.release()

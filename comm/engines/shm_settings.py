@@ -15,7 +15,7 @@ from ...launch_protocol import SURVIVE_ENV
 
 __all__ = ["applies", "supported", "surviving", "min_bytes", "move_min_bytes", "chunk_bytes", "small_bytes", "small_min_bytes", "direct",
            "shared_min_bytes", "direct_bytes", "CMA", "DIRECT_BYTES", "DIRECT_SCRATCH_BUDGET", "SHARED_MIN_BYTES", "DEFAULT_SHARED_MIN_BYTES",
-           "DEFAULT_MIN_BYTES", "DEFAULT_DIRECT_MIN_BYTES", "DEFAULT_MOVE_MIN_BYTES", "DEFAULT_CHUNK_BYTES", "SEGMENT_BUDGET", "DEFAULT_SMALL_BYTES", "DEFAULT_SMALL_MIN_BYTES",
+           "DEFAULT_MIN_BYTES", "DEFAULT_DIRECT_MIN_BYTES", "DEFAULT_MOVE_MIN_BYTES", "DEFAULT_CHUNK_BYTES", "SEGMENT_BUDGET", "DEFAULT_SMALL_BYTES", "DEFAULT_SMALL_MIN_BYTES", "direct_measured", "ATTACH_DEARER", "ATTACH_LARGE_BYTES",
            "SURVIVE_MIN_BYTES"]
 
 #: all_reduce, reduce and reduce_scatter of an ordinary buffer below this many bytes go to MPI
@@ -115,6 +115,24 @@ DIRECT_BYTES = 256 << 10
 DIRECT_SCRATCH_BUDGET = 8 << 20
 
 
+#: Where the kernel's copy between two processes (``process_vm_readv`` of 1 MiB of a peer's segment in
+#: :data:`DIRECT_BYTES` pieces) takes more than this many times a user-space copy of the same bytes
+#: (measured at group creation, the ranks' mean), ordinary buffers up to :data:`ATTACH_LARGE_BYTES`
+#: are copied through the segment instead. Each copy by attach pays the kernel's pinning of every 4 KiB
+#: page whatever the cache holds, while the segment's copies (three of a slice's where attach has two)
+#: run at the cache's speed. Measured: on the host of the first measurements the kernel's read was
+#: 1.6x a user copy and attach won (4 MiB: 1.44 copies' time against 2.4 through the segment); on the
+#: host of 2026-11-30 (a 32 MiB L3 holding the buffers) it was 5x, and the segment won at 1-32 MiB
+#: (4 MiB all_reduce 255-267 us against 391-411 by attach, MPICH 435-470; docs/collectives.md): 2.5
+#: lies between.
+ATTACH_DEARER = 2.5
+#: Above this, ordinary buffers go by cross-memory attach where permitted, whatever the measurement: a
+#: buffer this large is read from memory, not the cache, and the page pinning costs less than the
+#: segment's extra copies (64 MiB all_reduce on the 2026-11-30 host: 0.20-0.23 of MPICH's time by
+#: attach, 0.31-0.51 through the segment).
+ATTACH_LARGE_BYTES = 32 << 20
+
+
 def direct_bytes(n: int) -> int:
     """The piece of a direct all_reduce for a group of ``n`` ranks: :data:`DIRECT_BYTES`, held to
     :data:`DIRECT_SCRATCH_BUDGET` ``/ n`` (a multiple of 64, at least 4 KiB)."""
@@ -124,7 +142,13 @@ def direct_bytes(n: int) -> int:
 def direct() -> bool:
     """``MESHKIT_SHM_CMA``: whether ordinary buffers may move by cross-memory attach (a bad value
     raises, naming the variable and the valid values)."""
-    return env.shm_cma()
+    return env.shm_cma() > 0
+
+
+def direct_measured() -> bool:
+    """``MESHKIT_SHM_CMA`` 1 (the default): cross-memory attach only where it measured cheaper on this
+    host (:data:`ATTACH_DEARER`); 2: wherever the kernel permits it."""
+    return env.shm_cma() == 1
 
 
 def supported() -> bool:
