@@ -252,9 +252,15 @@ def test_a_killed_ranks_shared_memory_is_gone_before_the_restart_and_a_launcher_
 def test_ranks_without_a_watcher_of_the_launcher_end_with_it_through_mpiexec(tmp_path):
     """Ranks on another host have no watcher of the launcher (they cannot see it): played here by
     ranks told the launcher runs elsewhere. Its death still ends them: mpiexec gets SIGTERM
-    (launch/deathsig.py) and passes it on. (Their status folder, on a host without a rank, stays.)"""
+    (launch/deathsig.py) and passes it on. (Their status folder, on a host without a rank, stays,
+    and so do MPICH's shared-memory files of these raw mpi4py ranks: no watcher is there to remove
+    them, and the ranks never reach meshkit's init_process_group, which unlinks them once every
+    local rank is past MPI_Init; the test removes them itself, so that CI's /dev/shm keeps nothing.)"""
+    from meshkit.launch import bootstrap
+
     job = Job(tmp_path, "--mpiexec-args", "-genv MESHKIT_LAUNCHER 'another-host 1'")
     fds: dict[int, int] = {}
+    held: dict = {}
     try:
         job.wait_ready(time.monotonic() + 120)
         processes = job.processes()
@@ -262,6 +268,8 @@ def test_ranks_without_a_watcher_of_the_launcher_end_with_it_through_mpiexec(tmp
         assert len(processes) == 4 and "hydra_pmi_proxy" in names, names
         assert {"mpiexec", "mpiexec.hydra"} & set(names), names
         assert set(job.ranks()) <= set(processes)
+        for pid in job.ranks():
+            held.update(bootstrap.shm_files(pid))
         fds = open_pidfds(processes)
         job.proc.send_signal(signal.SIGKILL)
         job.proc.wait()
@@ -272,3 +280,4 @@ def test_ranks_without_a_watcher_of_the_launcher_end_with_it_through_mpiexec(tmp
             os.close(fd)
         (job.folder / "go").touch()
         job.stop()
+        bootstrap.remove_shm(held)
