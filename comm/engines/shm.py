@@ -360,14 +360,7 @@ def over(host: MPIEngine, deadline: float) -> MPIEngine | ShmEngine | Hierarchic
             if direct_measured():
                 with watched("timing cross-memory attach against a copy (MPI's Allgather, Allreduce)", me,
                              f"ranks {host.world_ranks}", host.world_ranks, max(deadline - time.monotonic(), 1.0)):
-                    dearer = channel.attach_ratio = _attach_dearer(host, channel, segment.memory, pids, chunk)
-                if dearer > ATTACH_DEARER:  # (the ranks' mean: every rank decides alike)
-                    channel.attach_above = ATTACH_LARGE_BYTES
-                if host.rank == 0:
-                    logger.info("meshkit: ranks %s: the kernel's copy between processes took %.1fx a user-space copy "
-                                "here, so ordinary buffers %s", host.world_ranks, dearer,
-                                f"up to {ATTACH_LARGE_BYTES} bytes copy through the segment" if channel.attach_above
-                                else "move by cross-memory attach")
+                    _choose_attach(host, channel, segment.memory, pids, chunk)
         elif host.rank == 0:
             logger.info("meshkit: ranks %s copy ordinary buffers through the shared segment (no cross-memory "
                         "attach: %s)", host.world_ranks, problem)
@@ -395,6 +388,20 @@ def _check_same_settings(host: MPIEngine, chunk: int) -> None:
                              f"differ between ranks {host.world_ranks}: {', '.join(differ)}; each size's protocol "
                              "depends on them, so every rank must have the same (set them alike in every rank's "
                              "environment, or MESHKIT_SHM=0)")
+
+
+def _choose_attach(host: MPIEngine, channel: Channel, memory: Any, pids: list[int], chunk: int) -> None:
+    """Where the kernel's copy measured over :data:`ATTACH_DEARER` times a user-space copy (the ranks'
+    mean: every rank decides alike), ordinary buffers up to :data:`ATTACH_LARGE_BYTES` copy through
+    the segment; the ratio is kept for ``describe()`` (collective over ``host``)."""
+    dearer = channel.attach_ratio = _attach_dearer(host, channel, memory, pids, chunk)
+    if dearer > ATTACH_DEARER:
+        channel.attach_above = ATTACH_LARGE_BYTES
+    if host.rank == 0:
+        logger.info("meshkit: ranks %s: the kernel's copy between processes took %.1fx a user-space copy here, so "
+                    "ordinary buffers %s", host.world_ranks, dearer,
+                    f"up to {ATTACH_LARGE_BYTES} bytes copy through the segment" if channel.attach_above
+                    else "move by cross-memory attach")
 
 
 def _attach_dearer(host: MPIEngine, channel: Channel, memory: Any, pids: list[int], chunk: int) -> float:
