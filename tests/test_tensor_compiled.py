@@ -95,10 +95,11 @@ def test_a_compiled_call_gives_the_general_paths_result_bit_for_bit(monkeypatch,
                     if len(layouts) > 1 or any(b.dtype != blocks[0].dtype or b.shape != blocks[0].shape or
                                                b.tobytes() != blocks[0].tobytes() for b in blocks):
                         bad.append(f"{dtype} {placements} {name}: the runs differ")
-                    full = runs[0].full_tensor() if hasattr(runs[0], "full_tensor") else runs[0]
-                    if np.shape(full) != np.shape(expected) or \
-                            not np.allclose(full, expected, rtol=1e-5 if dtype == "float32" else 1e-12):
-                        bad.append(f"{dtype} {placements} {name}: {full!r} != NumPy's {expected!r}")
+                    for run in runs:  # the second and third complete by the program the first found
+                        full = run.full_tensor() if hasattr(run, "full_tensor") else run
+                        if np.shape(full) != np.shape(expected) or \
+                                not np.allclose(full, expected, rtol=1e-5 if dtype == "float32" else 1e-12):
+                            bad.append(f"{dtype} {placements} {name}: {full!r} != NumPy's {expected!r}")
         return bad
 
     for bad in local.run(lambda: body(meshkit.init_device_mesh("cpu", (n,))), n):
@@ -205,3 +206,56 @@ def test_the_operators_fast_path_keeps_numpys_results_and_the_partial_rules():
         assert out.pop("placements") == {(S0,)}
         for name, value in want.items():
             np.testing.assert_allclose(out[name], value, rtol=1e-12, err_msg=name)
+
+
+def test_a_compiled_counts_results_complete_by_the_program_found_once_and_stay_right(monkeypatch, caplog):
+    """The compiled whole count (``np.count_nonzero(m).full_tensor()``: a training loop's accuracy)
+    keeps, beside its closure, the program that completes its results, once one ``full_tensor()``
+    found it: counts of new data each step, kept and completed late, match NumPy's; the program is
+    looked up once per rank, not once per call; a count of arrays whose ``from_local(shape=)`` is
+    unchecked still has it checked, on every rank (the kept program is not taken then); and under
+    DEBUG logging the redistribution is still logged."""
+    import threading
+
+    from meshkit.tensor import DTensor
+    from meshkit.tensor import dtensor as dtensor_module
+
+    real = dtensor_module._programs
+    lookups: dict[int, int] = {}
+
+    class Counted:  # full_tensor's table, counting this thread's (this rank's) lookups
+        def get(self, key, default=None):
+            me = threading.get_ident()
+            lookups[me] = lookups.get(me, 0) + 1
+            return real.get(key, default)
+
+    monkeypatch.setattr(dtensor_module, "_programs", Counted())
+    monkeypatch.setattr(plans, "_compiled", {})
+    steps = [np.random.default_rng(s).standard_normal((5, 7)) > 0.3 * s for s in range(5)]
+
+    def body(mesh):
+        counts, late = [], []
+        for x in steps:
+            m = distribute_tensor(x, mesh, [S0])
+            c, kept = np.count_nonzero(m), np.count_nonzero(m)
+            counts.append(int(c.full_tensor()))
+            late.append(kept)
+        first = lookups[threading.get_ident()]
+        counts += [int(k.full_tensor()) for k in late]  # completed after newer counts: their own values
+        after = lookups[threading.get_ident()]
+        with caplog.at_level("DEBUG", logger="meshkit.tensor"):
+            logged = int(np.count_nonzero(distribute_tensor(steps[0], mesh, [S0])).full_tensor())
+        rank = meshkit.get_rank()
+        block = steps[1][:3] if rank == 0 else steps[1][3:]  # 5 rows cut 3, 2
+        # unchecked and differing: rank 0's claim is the steps' layout, whose program its count kept
+        claimed = DTensor.from_local(block, mesh, [S0], shape=(5, 7) if rank == 0 else (4, 7))
+        with pytest.raises(ValueError, match="built this DTensor .* on global layouts that differ"):
+            np.count_nonzero(claimed).full_tensor()
+        return counts, first, after, logged
+
+    want = [int(np.count_nonzero(x)) for x in steps]
+    for counts, first, after, logged in local.run(lambda: body(meshkit.init_device_mesh("cpu", (2,))), 2):
+        assert counts == want + want
+        assert logged == want[0]
+        assert first <= 2 and after == first  # found by the first completion (or two), then kept
+    assert any("redistribute on mesh dim 0" in r.getMessage() for r in caplog.records)
