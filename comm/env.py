@@ -315,6 +315,9 @@ SHM_SHARED_MIN_BYTES = "MESHKIT_SHM_SHARED_MIN_BYTES"
 #: ``0`` copies ordinary buffers through the segment; ``1`` (the default) moves them between the
 #: ranks' own arrays by cross-memory attach where the kernel permits it.
 SHM_CMA = "MESHKIT_SHM_CMA"
+#: ``1`` (the default): an all_reduce through the segment right after another takes the buffers that
+#: one used, once every rank read them; ``0``: the other buffers, as the step's parity gives them.
+SHM_REUSE = "MESHKIT_SHM_REUSE"
 #: Seconds a rank woken by a survivor's revoke waits to learn who died (``meshkit-run --survive``).
 SURVIVE_LEARN_S = "MESHKIT_SURVIVE_LEARN_S"
 #: The most any of the byte sizes above may be (1 GiB: a group's segment is n x 2 x the chunk).
@@ -347,6 +350,16 @@ def shm_cma() -> int:
                                           "kernel permits it and it measured cheaper here; the default) or 2 "
                                           "(cross-memory attach wherever the kernel permits it)")
     return int(value)
+
+
+def shm_reuse() -> bool:
+    """``MESHKIT_SHM_REUSE``: 1 (the default) or 0; see :data:`SHM_REUSE` and docs/collectives.md."""
+    raw = _get(SHM_REUSE)
+    value = (raw or "1").strip() or "1"
+    if value not in ("0", "1"):
+        raise invalid(SHM_REUSE, raw or "", "0 (each all_reduce through the segment takes the other buffers) or 1 "
+                                            "(one right after another takes the same ones, in the cache; the default)")
+    return value == "1"
 
 
 def shm_bytes(name: str, default: int, *, multiple: int = 1, zero: bool = False, said: str | None = None) -> int:

@@ -49,14 +49,16 @@ def test_every_collective_dtype_and_op_through_shared_memory(mpirun):
     assert _segments() <= before
 
 
-def test_ranks_whose_path_settings_differ_all_refuse_to_start(mpirun):
+@pytest.mark.parametrize("setting, said", [("small", r"MESHKIT_SHM_SMALL_BYTES \(from 65536 to 131072\)"),
+                                           ("reuse", r"MESHKIT_SHM_REUSE \(from 0 to 1\)")])
+def test_ranks_whose_path_settings_differ_all_refuse_to_start(mpirun, setting, said):
     # 64 KiB of MESHKIT_SHM_SMALL_BYTES on one rank, 128 KiB on the other: a 96 KiB all_reduce would take
-    # the one meeting on one and another protocol on the other, with the same header
-    out = mpirun("mpi_shm_settings.py", 2, timeout=60).stdout
+    # the one meeting on one and another protocol on the other, with the same header; MESHKIT_SHM_REUSE
+    # on one rank only: its second all_reduce would wait at a step the other never posts
+    out = mpirun("mpi_shm_settings.py", 2, setting, timeout=60).stdout
     for rank in (0, 1):
         assert re.search(rf"rank {rank} refused: meshkit.comm: rank {rank}: the shared-memory path's settings differ "
-                         r"between ranks \[0, 1\]: MESHKIT_SHM_SMALL_BYTES \(from 65536 to 131072\); each size's "
-                         r"protocol depends on them", out), out
+                         rf"between ranks \[0, 1\]: {said}; each size's protocol depends on them", out), out
     assert "started" not in out
 
 

@@ -60,6 +60,18 @@ def test_a_bad_MESHKIT_SHM_names_the_variable_and_the_valid_values(monkeypatch, 
     assert env.shm_enabled() is False
 
 
+@pytest.mark.parametrize("raw", ["2", "on", " "])
+def test_MESHKIT_SHM_REUSE_is_0_or_1_and_a_bad_value_is_named(monkeypatch, raw):
+    monkeypatch.setenv("MESHKIT_SHM_REUSE", raw)
+    if raw.strip():
+        with pytest.raises(DistValueError, match=rf"MESHKIT_SHM_REUSE='{raw}' is not valid; valid values are 0 "):
+            env.shm_reuse()
+    else:
+        assert env.shm_reuse() is True  # empty: the default
+    monkeypatch.setenv("MESHKIT_SHM_REUSE", "0")
+    assert env.shm_reuse() is False
+
+
 @pytest.mark.parametrize("name, raw", [("MESHKIT_SHM_MIN_BYTES", "-5"), ("MESHKIT_SHM_MIN_BYTES", "1e3"),
                                        ("MESHKIT_SHM_CHUNK_BYTES", "100"), ("MESHKIT_SHM_CHUNK_BYTES", "0"),
                                        ("MESHKIT_SHM_CHUNK_BYTES", str(2 << 30)),
@@ -447,3 +459,88 @@ def test_a_transfer_larger_than_one_kernel_call_moves_in_calls_of_the_most_bytes
     assert np.array_equal(back, src[::-1])
     with pytest.raises(OSError, match=r"process_vm_readv of 64 bytes at 0x[0-9a-f]+ in pid \d+ failed: Bad address"):
         transfer.read(os.getpid(), 64, into)
+
+
+def test_an_all_reduce_after_one_takes_its_buffers_again_once_every_rank_has_read_them():
+    """Back-to-back all_reduces through the segment: the second takes the buffers the first used (a
+    skipped step: they are the ones in the cache), and writes them only once every rank posted its
+    done flag. Driven by hand in one thread: rank 0 finishes the first call while rank 1 still waits
+    to copy its result out of rank 0's buffer; rank 0's second call must wait (not overwrite it),
+    rank 1's first result is exact, then the second call is too."""
+    n, count = 2, 300  # 2400 bytes: one chunk, above SMALL (two meetings: rank 1 reads rank 0's slice last)
+    memory = mmap.mmap(-1, layout.segment_bytes(n, CHUNK))
+    channels = [Channel(memory, n, r, CHUNK, SMALL, list(range(n))) for r in range(n)]
+    rng = np.random.default_rng(5)
+    first = [rng.standard_normal(count) for _ in range(n)]
+    second = [rng.standard_normal(count) * 100 for _ in range(n)]
+    a = [x.copy() for x in first]
+    b = [x.copy() for x in second]
+
+    def start(r, bufs):  # a request's first Test runs it to its first wait (ShmRequest's __init__)
+        return ShmRequest("all_reduce", lambda req: channels[r].all_reduce(req, bufs[r], ReduceOp.SUM))
+
+    r0 = start(0, a)  # copies in, posts, waits for rank 1
+    r1 = start(1, a)  # copies in, meets, reduces its slice, waits for rank 0's reduced flag
+    assert not r1.Test() and r1.missing_ranks == [0]
+    assert r0.Test()  # meets, reduces, copies rank 1's slice out: done, and its done flag posted
+    assert channels[0].done_step == channels[0].step == 1
+    s0 = start(0, b)  # the next call: the same buffers, so it waits for rank 1's done flag
+    for _ in range(5):
+        assert not s0.Test() and s0.missing_ranks == [1]
+    assert channels[0].step == 2  # step 2 skipped: its first chunk is step 3, the parity of step 1
+    assert r1.Test()  # rank 1 copies rank 0's slice of the first result out: untouched
+    want = _ordered(ReduceOp.SUM, first)
+    assert a[0].tobytes() == want.tobytes() and a[1].tobytes() == want.tobytes()
+    s1 = start(1, b)
+    for _ in range(100):
+        done = [s0.Test(), s1.Test()]
+        if all(done):
+            break
+    assert all(done)
+    want = _ordered(ReduceOp.SUM, second)
+    assert b[0].tobytes() == want.tobytes() and b[1].tobytes() == want.tobytes()
+    assert channels[0].step == channels[1].step == 3
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_all_reduces_of_every_shape_between_the_other_calls_stay_exact(n):
+    """All_reduces (one meeting, two meetings, several chunks) and reduces back to back and between
+    the channel's other calls, 120 calls with new values each, on threads: each result exact, so
+    the buffers an all_reduce takes again (after one of its own) are never written too early and
+    a call of another kind after it finds its own."""
+    rng = np.random.default_rng(11)
+    kinds = ["all_reduce", "all_reduce", "reduce", "all_reduce", "reduce_scatter", "all_reduce", "all_gather",
+             "broadcast"]
+    plan = [(kinds[int(rng.integers(len(kinds)))], int(rng.choice([100, 300, 1100, 3000]))) for _ in range(120)]
+    data = [[rng.standard_normal(n * c) for _ in range(n)] for _, c in plan]
+    got: list[list[np.ndarray]] = [[] for _ in range(n)]
+
+    def calls(ch, req, r):
+        for k, (kind, c) in enumerate(plan):
+            src = data[k][r].copy()
+            if kind in ("all_reduce", "reduce"):
+                yield from ch.all_reduce(req, src, ReduceOp.SUM, root=-1 if kind == "all_reduce" else k % n)
+                got[r].append(src)
+            elif kind == "reduce_scatter":
+                dst = np.empty(c)
+                yield from ch.reduce_scatter(req, dst, src, ReduceOp.SUM)
+                got[r].append(dst)
+            elif kind == "all_gather":
+                dst = np.empty(n * c)
+                yield from ch.all_gather(req, dst, src[r * c:(r + 1) * c].copy(), False)
+                got[r].append(dst)
+            else:
+                yield from ch.broadcast(req, src, k % n)
+                got[r].append(src)
+
+    assert _drive(n, [lambda ch, req, r=r: calls(ch, req, r) for r in range(n)]) == [None] * n
+    for k, (kind, c) in enumerate(plan):
+        total = _ordered(ReduceOp.SUM, data[k])
+        for r in range(n):
+            want = {"all_reduce": total, "reduce": total if r == k % n else data[k][r],
+                    "reduce_scatter": total[r * c:(r + 1) * c],
+                    "all_gather": np.concatenate([data[k][q][q * c:(q + 1) * c] for q in range(n)]),
+                    "broadcast": data[k][k % n]}[kind]
+            if kind == "reduce" and r != k % n:
+                continue  # a reduce leaves a non-root's buffer as MPI does: unspecified
+            assert got[r][k].tobytes() == want.tobytes(), (k, kind, c, r)

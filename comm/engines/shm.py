@@ -350,6 +350,7 @@ def over(host: MPIEngine, deadline: float) -> MPIEngine | ShmEngine | Hierarchic
                            host.world_ranks, problem or "a rank could not create or map the segment")
         return host
     channel = Channel(segment.memory, host.size, host.rank, chunk, small, host.world_ranks)
+    channel.reuse = env.shm_reuse()
     if direct():
         with watched("checking cross-memory attach between the group's ranks (MPI's Allgather, Allreduce)", me,
                      f"ranks {host.world_ranks}", host.world_ranks, max(deadline - time.monotonic(), 1.0)):
@@ -376,9 +377,9 @@ def _check_same_settings(host: MPIEngine, chunk: int) -> None:
     attach) and the protocols share the segment's flags, so ranks that picked differently would meet
     and read one another's buffers wrongly; a header names the call, not the protocol."""
     names = (env.SHM_MIN_BYTES, env.SHM_CHUNK_BYTES, env.SHM_SMALL_BYTES, env.SHM_SMALL_MIN_BYTES,
-             env.SHM_SHARED_MIN_BYTES, env.SHM_MOVE_MIN_BYTES, env.SHM_CMA)
+             env.SHM_SHARED_MIN_BYTES, env.SHM_MOVE_MIN_BYTES, env.SHM_CMA, env.SHM_REUSE)
     mine = np.array([min_bytes(), chunk, small_bytes(), small_min_bytes(), shared_min_bytes(), move_min_bytes(),
-                     env.shm_cma()], np.int64)
+                     env.shm_cma(), env.shm_reuse()], np.int64)
     both = np.concatenate([mine, -mine])
     host.comm.Allreduce(MPI.IN_PLACE, both, op=MPI.MAX)
     most, least = both[:len(names)], -both[len(names):]

@@ -9,8 +9,8 @@ The segment (one per group, :mod:`~meshkit.comm.engines.shm_segment`)::
 
 Each rank's control block is :data:`CONTROL_WORDS` int64 words: its *post* flag (word 0), its
 *reduced* flag (word :data:`RED`, on another cache line, so that a rank spinning on one flag does
-not pull the line another rank writes the other flag into), the address of the array a call lets its
-peers read and write directly (words :data:`ADDRESS` and ``ADDRESS + 1``, one per parity of the call's
+not pull the line another rank writes the other flag into) and beside it its *done* flag
+(:data:`DONE`), the address of the array a call lets its peers read and write directly (words :data:`ADDRESS` and ``ADDRESS + 1``, one per parity of the call's
 step, written before the post flag; shm_cma.py), its pid and pid namespace (for the
 liveness check), and two call headers (the call's kind, element count, reduce op, root and dtype
 name), one per parity of the step that starts the call: a rank may post the next call's header
@@ -19,7 +19,7 @@ while another still compares the current one, never the one after (see shm_colle
 
 from __future__ import annotations
 
-__all__ = ["CONTROL_WORDS", "CONTROL_BYTES", "POST", "ADDRESS", "RED", "PID", "PIDNS", "HEADER", "HEADER_WORDS", "ALIGN_BYTES",
+__all__ = ["CONTROL_WORDS", "CONTROL_BYTES", "POST", "ADDRESS", "RED", "DONE", "PID", "PIDNS", "HEADER", "HEADER_WORDS", "ALIGN_BYTES",
            "segment_bytes", "data_offset", "chunks", "slice_of", "check_chunk_bytes"]
 
 #: int64 words of one rank's control block (256 bytes: four cache lines).
@@ -29,6 +29,10 @@ CONTROL_BYTES = CONTROL_WORDS * 8
 #: written by its rank only, before the flag), the reduced flag (its own cache line), the pid and the
 #: pid namespace's inode, and the first word of the two call headers.
 POST, ADDRESS, RED, PID, PIDNS, HEADER = 0, 1, 8, 16, 17, 20
+#: The *done* flag (on the reduced flag's line, written by its rank only): the last step of an
+#: all_reduce through the segment whose peers' buffers this rank finished reading, so that the next
+#: one may write the buffers the last one used, while they are still in the cache (shm_collectives.py).
+DONE = 12
 #: Words of one call header: kind, count, reduce op, root, dtype name (two words, 16 bytes).
 HEADER_WORDS = 6
 #: Slices and chunks start on a cache line (64 bytes): two ranks never write one line.

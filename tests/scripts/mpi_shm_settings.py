@@ -5,9 +5,13 @@ call's header names the call, not the protocol: ranks that picked differently wo
 another's buffers wrongly (tests/test_shm.py)."""
 
 import os
+import sys
 
 rank = int(os.environ["RANK"])
-os.environ["MESHKIT_SHM_SMALL_BYTES"] = str(65536 << rank)  # 64 KiB on rank 0, 128 KiB on rank 1
+if sys.argv[1:] == ["reuse"]:  # an all_reduce after another would skip a step on rank 1 only
+    os.environ["MESHKIT_SHM_REUSE"] = str(rank)
+else:
+    os.environ["MESHKIT_SHM_SMALL_BYTES"] = str(65536 << rank)  # 64 KiB on rank 0, 128 KiB on rank 1
 
 import meshkit  # noqa: E402
 from meshkit.comm import DistValueError  # noqa: E402
