@@ -633,7 +633,8 @@ def _wrap(local: Any, mesh: DeviceMesh, placements: tuple[Placement, ...], shape
 def _wrap_done(local: Any, mesh: DeviceMesh, placements: tuple[Placement, ...], shape: tuple[int, ...],
                done: list[Any]) -> DTensor:
     """:func:`_wrap` for a compiled rule's result: ``done`` is the rule's box (``[None]`` when made),
-    where the first ``full_tensor()`` of any of its results leaves the program that completes them all."""
+    where the first ``full_tensor()`` of any of its results leaves the program that completes them all.
+    Written out rather than ``_wrap`` and one store more: a call less on a count of a few microseconds."""
     out = DTensor.__new__(DTensor)
     out._local = local
     out._mesh = mesh
