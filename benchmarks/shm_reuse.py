@@ -1,13 +1,16 @@
-"""An all_reduce through the shared-memory segment taking the same buffers call after call, or the
-two in turn, beside MPICH's and a NumPy floor, interleaved in one job.
+"""A collective through the shared-memory segment taking the same buffers call after call, or the
+two in turn, beside MPICH's (and for all_reduce a NumPy floor), interleaved in one job.
 
 Run it by hand (a measurement, not a test; nothing here asserts on timings)::
 
     meshkit-run -n 2 benchmarks/shm_reuse.py                       # 4 MiB float32, 60 rounds
     meshkit-run -n 2 benchmarks/shm_reuse.py --bytes 16M --rounds 30 --split-us 650
+    meshkit-run -n 2 benchmarks/shm_reuse.py --op all_gather   # through the segment from 1 MiB here
 
-Each round runs, in a shuffled order, 10 calls (after 2 untimed) of: MPI's ``Allreduce`` (mpi4py,
-in place), meshkit's ``all_reduce`` on the world group with ``MESHKIT_SHM_REUSE``'s two behaviours
+Each round runs, in a shuffled order, 10 calls (after 2 untimed) of: MPI's collective (mpi4py:
+``Allreduce`` in place, ``Reduce_scatter_block``, ``Allgather``, ``Bcast``), meshkit's on the
+world group (all_gather and broadcast through the segment from ``MESHKIT_SHM_MOVE_MIN_BYTES``,
+which this sets to 1 MiB unless given) with ``MESHKIT_SHM_REUSE``'s two behaviours
 (the group's channel's ``reuse`` flag, set alike on every rank before its calls), and at 2 ranks
 the floor: the same algorithm written out in NumPy over a shared mapping of its own (copy the
 peer's half in, meet, add one's half, copy it back, meet, copy the peer's half out, meet). A
@@ -19,11 +22,15 @@ and the others apart (this shared machine has spells whose costs differ 3x: docs
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
+
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 
 
 def parse_bytes(text: str) -> int:
@@ -34,7 +41,10 @@ def parse_bytes(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="shm_reuse.py", description=__doc__.splitlines()[0])
-    p.add_argument("--bytes", type=parse_bytes, default=4 << 20, help="the all_reduce's size (default 4M)")
+    p.add_argument("--op", choices=OPS, default="all_reduce", help="the collective (default all_reduce)")
+    p.add_argument("--bytes", type=parse_bytes, default=4 << 20,
+                   help="its largest buffer's size (default 4M: all_reduce's and broadcast's buffer, "
+                        "reduce_scatter's input, all_gather's output)")
     p.add_argument("--rounds", type=int, default=60, help="rounds (default 60)")
     p.add_argument("--calls", type=int, default=10, help="timed calls of each per round (default 10)")
     p.add_argument("--split-us", type=float, default=0.0, help="report rounds with MPI under/over this apart")
@@ -43,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     import meshkit
     from mpi4py import MPI
 
+    if args.op in ("all_gather", "broadcast"):  # through the segment from 1 MiB (by default: MPI)
+        os.environ.setdefault("MESHKIT_SHM_MOVE_MIN_BYTES", str(1 << 20))
     meshkit.init_process_group("mpi")
     comm = MPI.COMM_WORLD.Dup()
     rank, n = comm.rank, comm.size
@@ -55,15 +67,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     x0 = np.random.default_rng(rank).standard_normal(args.bytes // 4).astype(np.float32)
     x = x0.copy()
-    floor = _floor(comm, x) if n == 2 else None
-
-    def mpi() -> None:
-        comm.Allreduce(MPI.IN_PLACE, x)
+    part = np.empty(x.size // n, np.float32)
+    floor = _floor(comm, x) if n == 2 and args.op == "all_reduce" else None
+    mpi = {"all_reduce": lambda: comm.Allreduce(MPI.IN_PLACE, x),
+           "reduce_scatter": lambda: comm.Reduce_scatter_block(x, part),
+           "all_gather": lambda: comm.Allgather(part, x),
+           "broadcast": lambda: comm.Bcast(x, 0)}[args.op]
+    ours = {"all_reduce": lambda: meshkit.all_reduce(x, group=group),
+            "reduce_scatter": lambda: meshkit.reduce_scatter_tensor(part, x, group=group),
+            "all_gather": lambda: meshkit.all_gather_into_tensor(x, part, group=group),
+            "broadcast": lambda: meshkit.broadcast(x, 0, group=group)}[args.op]
 
     def reuse(flag: bool):
         def call() -> None:
             channel.reuse = flag
-            meshkit.all_reduce(x, group=group)
+            ours()
         return call
 
     calls = {"mpi": mpi, "same buffers": reuse(True), "alternating": reuse(False)}
@@ -96,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         for label, sel in parts:
             if not sel.any():
                 continue
-            print(f"# all_reduce {args.bytes} B at {n} ranks, {label}: {int(sel.sum())} rounds; "
+            print(f"# {args.op} {args.bytes} B at {n} ranks, {label}: {int(sel.sum())} rounds; "
                   f"MPI median {np.median(mpi_us[sel]):.0f} us")
             for name in calls:
                 mine = np.array(times[name])[sel]

@@ -315,8 +315,9 @@ SHM_SHARED_MIN_BYTES = "MESHKIT_SHM_SHARED_MIN_BYTES"
 #: ``0`` copies ordinary buffers through the segment; ``1`` (the default) moves them between the
 #: ranks' own arrays by cross-memory attach where the kernel permits it.
 SHM_CMA = "MESHKIT_SHM_CMA"
-#: ``1`` (the default): an all_reduce through the segment right after another takes the buffers that
-#: one used, once every rank read them; ``0``: the other buffers, as the step's parity gives them.
+#: ``1`` (the default): an all_reduce, reduce_scatter or all_gather through the segment right after
+#: one of those takes the buffers that one used, once every rank read them; ``0``: the other
+#: buffers, as the step's parity gives them.
 SHM_REUSE = "MESHKIT_SHM_REUSE"
 #: Seconds a rank woken by a survivor's revoke waits to learn who died (``meshkit-run --survive``).
 SURVIVE_LEARN_S = "MESHKIT_SURVIVE_LEARN_S"
@@ -357,8 +358,8 @@ def shm_reuse() -> bool:
     raw = _get(SHM_REUSE)
     value = (raw or "1").strip() or "1"
     if value not in ("0", "1"):
-        raise invalid(SHM_REUSE, raw or "", "0 (each all_reduce through the segment takes the other buffers) or 1 "
-                                            "(one right after another takes the same ones, in the cache; the default)")
+        raise invalid(SHM_REUSE, raw or "", "0 (each call through the segment takes the other buffers) or 1 (one "
+                                            "right after another takes the same ones, in the cache; the default)")
     return value == "1"
 
 

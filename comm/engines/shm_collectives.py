@@ -41,12 +41,14 @@ saw every rank post ``s + 1``; a rank posts ``s + 1`` only after it finished rea
 of step ``s``. Slice ``r`` of rank ``r``'s buffer, written at the reduce of step ``s``, is written
 after every rank posted ``s`` (so finished step ``s - 1``, and step ``s - 2`` in the same buffer),
 and read by the others only after rank ``r``'s reduced flag. One exception keeps the cache warm: an
-all_reduce through the segment right after another (the same on every rank: the same calls in the
-same order) skips a step, so that its first chunk takes the buffers the last chunk of the one before
-used, which are the ones still in the cache (taking the other parity, one call in two, cost 50-80 us
-of a 4 MiB all_reduce at 2 ranks); each rank posts a *done* flag with the step at the end of such a
-call, once it read everything of it, and the next call writes only once every rank's done flag is
-there. By cross-memory attach, a rank reads
+all_reduce, reduce_scatter or all_gather through the segment right after one of those (the same
+on every rank: the same calls in the same order) skips a step, so that its first chunk takes the
+buffers the last chunk of the one before used, which are the ones still in the cache (taking the
+other parity, one call in two, cost 50-80 us of a 4 MiB all_reduce at 2 ranks); each rank posts a
+*done* flag with the step at the end of such a call, once it read everything of it, and the next
+call writes only once every rank's done flag is there (:meth:`Channel._warm`). A broadcast keeps
+the parity: one rank writes what the others only read, and writing the lines they had just read
+made a 4 MiB broadcast 1.6x slower. By cross-memory attach, a rank reads
 and writes another's array only between the call's two meetings, while that rank is inside the
 call: the array is alive at the posted address, and changes only by the slices the others write,
 each of which only its writer reads.
@@ -281,6 +283,21 @@ class Channel:
     def _reduced(self, step: int) -> None:
         self.words[self._reds[self.rank]] = step
 
+    def _warm(self, request: ShmRequest) -> Steps:
+        """At the start of a call through the segment's buffers: where the call before was one too
+        (it posted its done flag: the same on every rank), skip one step, so that this call's first
+        chunk takes the buffers the last chunk of that one used, the ones in the cache, and yield
+        until every rank has posted that it finished reading them (not only the step after them)."""
+        last = self.step
+        if self.done_step == last and self.reuse:
+            self.step = last + 1
+            yield from self._wait(request, self._dones, last)
+
+    def _read_out(self) -> None:
+        """At the end of a call through the segment's buffers: this rank read everything of its last
+        step (the done flag), so the next such call may write those buffers again (:meth:`_warm`)."""
+        self.words[self._dones[self.rank]] = self.done_step = self.step
+
     def _meet(self, request: ShmRequest, step: int, header: tuple[int, ...] | None) -> Steps:
         """Post this rank's flag for ``step`` and yield until every rank's came; at a call's first
         meeting (``header`` given) the call's header is written before and compared after, so ranks
@@ -344,13 +361,7 @@ class Channel:
         per = max(1, self.chunk_bytes // itemsize)
         out = root < 0 or root == me
         first = True
-        last = self.step
-        if self.done_step == last and self.reuse:  # the call before was one of these (the same on every rank)
-            # its last chunk's buffers are the ones in the cache: skip one step, so that this call's
-            # first chunk takes their parity again, and write them once every rank has posted that
-            # it finished reading them (its done flag) instead of when the step after them began
-            self.step = last + 1
-            yield from self._wait(request, self._dones, last)
+        yield from self._warm(request)
         for start, length in chunks(flat.size, per):
             step = self.step = self.step + 1
             parity = step & 1
@@ -380,7 +391,7 @@ class Channel:
                     if r != me:
                         a, b = slice_of(length, n, r, itemsize)
                         np.copyto(part[a:b], bufs[r][a:b])
-        self.words[self._dones[me]] = self.done_step = self.step  # read out: the next call may write them
+        self._read_out()
 
     def _all_reduce_direct(self, request: ShmRequest, flat: np.ndarray, op: ReduceOp, root: int,
                            header: tuple[int, ...]) -> Steps:
@@ -558,6 +569,7 @@ class Channel:
         # (then a reduction in rank order could overwrite it before reading it: copied in as the others)
         direct = not np.may_share_memory(dst, src)
         first = True
+        yield from self._warm(request)
         for start, length in chunks(m, per):
             step = self.step = self.step + 1
             parity = step & 1
@@ -570,6 +582,7 @@ class Channel:
             blocks = [src[me, start:start + length] if r == me and direct else
                       self.buffer(r, parity, dtype, n * length)[me * length:(me + 1) * length] for r in range(n)]
             _reduce_into(op, dst[start:start + length], blocks)
+        self._read_out()
 
     def _move_direct(self, request: ShmRequest, header: tuple[int, ...], address: int,
                      reads: list[tuple[int, int, np.ndarray]]) -> Steps:
@@ -600,6 +613,7 @@ class Channel:
             return
         per = max(1, self.chunk_bytes // dtype.itemsize)
         first = True
+        yield from self._warm(request)
         for start, length in chunks(m, per):
             step = self.step = self.step + 1
             parity = step & 1
@@ -616,6 +630,7 @@ class Channel:
             for r in range(n):
                 if r != me:
                     np.copyto(dst[r, start:start + length], self.buffer(r, parity, dtype, length))
+        self._read_out()
 
     def broadcast(self, request: ShmRequest, buf: np.ndarray, root: int) -> Steps:
         """Root's ``buf`` into every rank's."""
@@ -627,8 +642,8 @@ class Channel:
             return
         per = max(1, self.chunk_bytes // dtype.itemsize)
         first = True
-        for start, length in chunks(flat.size, per):
-            step = self.step = self.step + 1
+        for start, length in chunks(flat.size, per):  # (the step's parity: taking the same buffers
+            step = self.step = self.step + 1          # again made a 4 MiB broadcast 1.6x slower here)
             parity = step & 1
             if me == root:
                 np.copyto(self.buffer(me, parity, dtype, length), flat[start:start + length])
