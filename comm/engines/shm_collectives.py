@@ -162,8 +162,8 @@ class Channel:
         self._posts = [r * CONTROL_WORDS + POST for r in range(n)]
         self._reds = [r * CONTROL_WORDS + RED for r in range(n)]
         self._dones = [r * CONTROL_WORDS + DONE for r in range(n)]
-        #: the last step of an all_reduce through the segment that posted its done flag: where the
-        #: next step is the next call's, that call takes the same buffers (see all_reduce)
+        #: the last step of a call through the segment's buffers that posted its done flag: where
+        #: the next step is the next call's, that call takes the same buffers (see _warm)
         self.done_step = -1
         #: whether that call takes the same buffers (MESHKIT_SHM_REUSE; the same on every rank)
         self.reuse = True
